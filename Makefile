@@ -1,0 +1,37 @@
+# Two commands on a fresh machine: `make demo` (the workshop) and `make test`.
+# Both create .venv/ in the repo and install what they need; torch is pinned to the
+# CPU wheel 2.13.0 only when it is absent (the package itself asks for torch>=2.4).
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.subquad-installed
+
+.PHONY: demo test bench bench-deps clean
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e ".[test]"
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(VENV)/bin/subquad workshop
+
+test: $(STAMP)
+	$(PY) -m pytest
+
+# Peers for benchmarks/ only. fast-transformers compiles a C++ extension (~5 min);
+# with nvcc on PATH it would try CUDA, so PATH is cut to a copy without nvcc.
+bench-deps: $(STAMP)
+	$(PY) -m pip install -q -e ".[bench]"
+	mkdir -p $(VENV)/nonvcc && for f in $$(dirname $$(command -v $(PYTHON)))/* /usr/local/bin/*; do \
+	  case $$(basename $$f) in nvcc) ;; *) ln -sf $$f $(VENV)/nonvcc/ 2>/dev/null;; esac; done
+	env PATH=$(CURDIR)/$(VENV)/bin:$(CURDIR)/$(VENV)/nonvcc:/usr/bin:/bin CUDA_HOME= \
+	  $(PY) -m pip install -q --no-build-isolation pytorch-fast-transformers || \
+	  echo "fast-transformers did not build; benchmarks will skip it"
+
+bench: bench-deps
+	$(PY) benchmarks/bench_linear_attention.py
+
+clean:
+	rm -rf $(VENV) runs

@@ -1,0 +1,67 @@
+"""Linear attention (Katharopoulos et al., 2020), in three forms.
+
+    S_t = S_{t-1} + k_t v_t^T,   z_t = z_{t-1} + k_t
+    o_t = scale * S_t^T q_t  /  (scale * z_t . q_t + eps)     (the division only when normalize=True)
+
+q and k arrive already feature-mapped (``subquad.ops.feature_maps``): the layer,
+not the op, applies phi. Shapes: q, k (B, T, H, K); v, o (B, T, H, V); state
+S (B, H, K, V), or the pair (S, z (B, H, K)) when normalised.
+
+Example:
+    >>> import torch
+    >>> from subquad.ops import linear_attention, feature_map
+    >>> phi = feature_map("elu+1")
+    >>> q, k, v = torch.randn(2, 100, 4, 32), torch.randn(2, 100, 4, 32), torch.randn(2, 100, 4, 16)
+    >>> o, (S, z) = linear_attention(phi(q), phi(k), v, mode="chunk", output_final_state=True)
+    >>> o.shape, S.shape, z.shape
+    (torch.Size([2, 100, 4, 16]), torch.Size([2, 4, 32, 16]), torch.Size([2, 4, 32]))
+"""
+
+from __future__ import annotations
+
+from subquad.ops.common.checks import check_chunk_size, check_mode, check_qkv, default_scale
+from subquad.ops.linear_attn.chunk import chunk_linear_attention
+from subquad.ops.linear_attn.parallel import parallel_linear_attention
+from subquad.ops.linear_attn.recurrent import recurrent_linear_attention
+
+
+def _prepare(q, k, v, scale, chunk_size):
+    """Shared argument checks; returns the float scale."""
+    check_qkv(q, k, v)
+    if q.shape[1] < 1:
+        raise ValueError(f"q must hold at least one token (T >= 1), got shape {tuple(q.shape)}")
+    if chunk_size is not None:
+        check_chunk_size(chunk_size)
+    return default_scale(scale, q.shape[-1])
+
+
+_FORMS = {
+    "parallel": parallel_linear_attention,
+    "recurrent": recurrent_linear_attention,
+    "chunk": chunk_linear_attention,
+}
+
+
+def linear_attention(q, k, v, *, normalize=True, eps=1e-6, mode="chunk", chunk_size=64, scale=None,
+                     initial_state=None, output_final_state=False):
+    """Causal linear attention.
+
+    Args:
+        q, k: (B, T, H, K) feature-mapped queries and keys.
+        v: (B, T, H, V) values.
+        normalize: divide by scale * q_t . z_t + eps (the seeds' phi(q)S / phi(q)z).
+        eps: added to the normaliser.
+        mode: "parallel" (T x T), "recurrent" (token loop) or "chunk" (chunkwise, fastest).
+        chunk_size: C for mode="chunk" (ignored by the other forms, but still checked).
+        scale: multiplies q; None means K ** -0.5.
+        initial_state: S (B, H, K, V), or (S, z) when normalize=True.
+        output_final_state: also return the state after the last token.
+    Returns:
+        (o (B, T, H, V), final_state or None).
+    """
+    check_mode(mode)
+    return _FORMS[mode](q, k, v, normalize=normalize, eps=eps, scale=scale, chunk_size=chunk_size,
+                        initial_state=initial_state, output_final_state=output_final_state)
+
+
+__all__ = ["linear_attention", "parallel_linear_attention", "recurrent_linear_attention", "chunk_linear_attention"]

@@ -1,0 +1,48 @@
+"""Linear attention, recurrent form: token by token with a fixed-size state. O(T K V).
+
+    S_t = S_{t-1} + k_t v_t^T        (B, H, K, V)
+    z_t = z_{t-1} + k_t              (B, H, K)      (when normalize)
+    o_t = scale * q_t^T S_t  [ / (scale * q_t . z_t + eps) ]
+
+This is generation: memory does not grow with T.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from subquad.ops.common.checks import state_dtype
+from subquad.ops.linear_attn.state import pack_state, unpack_state
+
+
+def recurrent_linear_attention(q, k, v, *, normalize=True, eps=1e-6, scale=None, chunk_size=None,
+                               initial_state=None, output_final_state=False):
+    """Recurrent (token loop) linear attention; same signature as ``linear_attention``."""
+    from subquad.ops.linear_attn import _prepare
+
+    scale = _prepare(q, k, v, scale, chunk_size)
+    S0, z0 = unpack_state(initial_state, q, v, normalize)
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    dt = state_dtype(q.dtype)
+    S = torch.zeros(B, H, K, V, dtype=dt, device=q.device) if S0 is None else S0.clone()
+    z = None
+    if normalize:
+        z = torch.zeros(B, H, K, dtype=dt, device=q.device) if z0 is None else z0.clone()
+    # In-place updates when no graph is recorded (decoding); out-of-place for autograd.
+    inplace = not (torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v, S, *( [z] if z is not None else []))))
+    outs = []
+    for t in range(T):
+        qt, kt, vt = q[:, t].to(dt), k[:, t].to(dt), v[:, t].to(dt)      # (B, H, K|V)
+        kv = kt.unsqueeze(-1) * vt.unsqueeze(-2)                          # (B, H, K, V)
+        if inplace:
+            S.add_(kv)
+        else:
+            S = S + kv
+        ot = scale * (qt.unsqueeze(-2) @ S).squeeze(-2)                   # (B, H, V)
+        if normalize:
+            z = z.add_(kt) if inplace else z + kt
+            ot = ot / (scale * (qt * z).sum(-1, keepdim=True) + eps)
+        outs.append(ot)
+    o = torch.stack(outs, dim=1).to(q.dtype)                              # (B, T, H, V)
+    return o, (pack_state(S, z, normalize) if output_final_state else None)

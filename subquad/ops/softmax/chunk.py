@@ -1,0 +1,123 @@
+"""Softmax attention, chunk form: blockwise online softmax (FlashAttention's schedule, in PyTorch).
+
+Queries and keys are cut into blocks of C. For each query block, over the key
+blocks it can see (fully masked blocks are skipped, so causal costs half):
+
+    1. s     = scale * Q_b K_j^T                     (C x C, masked where invisible)
+    2. m'    = max(m, rowmax s);  p = exp(s - m')
+    3. l     = l exp(m - m') + rowsum p
+    4. acc   = acc exp(m - m') + p V_j;   m = m'
+    5. o     = acc / l,   lse = m + log l           (after the last key block)
+
+Nothing T x T is ever held: the forward keeps one C x C block at a time and the
+backward recomputes p = exp(s - lse) block by block:
+
+    D = rowsum(dO * O);  dS = p * (dO V^T - D + dlse)
+    dQ += scale dS K,  dK += scale dS^T Q,  dV += p^T dO
+
+``lse`` is returned so partial results over different key sets merge exactly
+(``subquad.ops.merge_attention``), which ring attention builds on; it is
+differentiable too.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from subquad.ops.softmax.naive import visible_mask
+
+
+def _blocks(T_q, L, C, causal, window, q_start, k_start):
+    """Yield (qs, qe, [(ks, ke, needs_mask), ...]) over the visible key blocks of each query block."""
+    for qs in range(0, T_q, C):
+        qe = min(qs + C, T_q)
+        q_lo, q_hi = q_start + qs, q_start + qe - 1                     # absolute positions
+        kb = []
+        for ks in range(0, L, C):
+            ke = min(ks + C, L)
+            k_lo, k_hi = k_start + ks, k_start + ke - 1
+            if causal and k_lo > q_hi:
+                break
+            if window is not None and q_lo - k_hi > window:
+                continue
+            needs = (causal and k_hi > q_lo) or (window is not None and q_hi - k_lo > window)
+            kb.append((ks, ke, needs))
+        yield qs, qe, kb
+
+
+class _BlockwiseSoftmax(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, scale, C, causal, window, q_start, k_start):
+        # q (B, H, T, K); k (B, H, L, K); v (B, H, L, V)
+        B, H, T, _ = q.shape
+        L = k.shape[2]
+        o = q.new_empty(B, H, T, v.shape[-1])
+        lse = q.new_empty(B, H, T)
+        for qs, qe, kb in _blocks(T, L, C, causal, window, q_start, k_start):
+            qb = q[:, :, qs:qe]
+            m = q.new_full((B, H, qe - qs), float("-inf"))
+            l = q.new_zeros(B, H, qe - qs)
+            acc = q.new_zeros(B, H, qe - qs, v.shape[-1])
+            for ks, ke, needs in kb:
+                s = (qb @ k[:, :, ks:ke].transpose(-1, -2)).mul_(scale)
+                if needs:
+                    vis = visible_mask(qe - qs, ke - ks, causal=causal, window=window,
+                                       q_start=q_start + qs, k_start=k_start + ks, device=q.device)
+                    s.masked_fill_(~vis, float("-inf"))
+                m_new = torch.maximum(m, s.amax(-1))
+                m_safe = torch.where(torch.isinf(m_new), torch.zeros_like(m_new), m_new)
+                p = torch.exp(s - m_safe.unsqueeze(-1))
+                alpha = torch.exp(m - m_safe)
+                l = l * alpha + p.sum(-1)
+                acc = acc * alpha.unsqueeze(-1) + p @ v[:, :, ks:ke]
+                m = m_new
+            o[:, :, qs:qe] = acc / l.clamp_min(torch.finfo(l.dtype).tiny).unsqueeze(-1)
+            lse[:, :, qs:qe] = m + torch.log(l)
+        ctx.save_for_backward(q, k, v, o, lse)
+        ctx.args = (scale, C, causal, window, q_start, k_start)
+        return o, lse
+
+    @staticmethod
+    def backward(ctx, do, dlse):
+        q, k, v, o, lse = ctx.saved_tensors
+        scale, C, causal, window, q_start, k_start = ctx.args
+        T, L = q.shape[2], k.shape[2]
+        dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+        do = torch.zeros_like(o) if do is None else do
+        D = (do * o).sum(-1)                                                  # (B, H, T)
+        if dlse is not None:
+            D = D - dlse
+        for qs, qe, kb in _blocks(T, L, C, causal, window, q_start, k_start):
+            qb, dob = q[:, :, qs:qe], do[:, :, qs:qe]
+            for ks, ke, needs in kb:
+                kk, vv = k[:, :, ks:ke], v[:, :, ks:ke]
+                s = (qb @ kk.transpose(-1, -2)).mul_(scale)
+                p = torch.exp(s - lse[:, :, qs:qe].unsqueeze(-1))
+                if needs:
+                    vis = visible_mask(qe - qs, ke - ks, causal=causal, window=window,
+                                       q_start=q_start + qs, k_start=k_start + ks, device=q.device)
+                    p = p.masked_fill(~vis, 0.0)
+                dS = p * (dob @ vv.transpose(-1, -2) - D[:, :, qs:qe].unsqueeze(-1))
+                dq[:, :, qs:qe] += (dS @ kk) * scale
+                dk[:, :, ks:ke] += (dS.transpose(-1, -2) @ qb) * scale
+                dv[:, :, ks:ke] += p.transpose(-1, -2) @ dob
+        return dq, dk, dv, None, None, None, None, None, None
+
+
+def blockwise_softmax_attention(q, k, v, *, scale, chunk_size, causal, window, q_start, k_start):
+    """(B, T, H, K) x (B, L, H, K|V) -> o (B, T, H, V), lse (B, T, H). Positions are absolute."""
+    o, lse = _BlockwiseSoftmax.apply(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                     scale, chunk_size, causal, window, q_start, k_start)
+    return o.transpose(1, 2), lse.transpose(1, 2)
+
+
+def chunk_softmax_attention(q, k, v, *, causal=True, window=None, scale=None, chunk_size=64,
+                            initial_state=None, output_final_state=False, return_lse=False):
+    """Blockwise online-softmax attention; same signature as ``softmax_attention``."""
+    from subquad.ops.softmax import _prepare, _finish
+
+    scale, cache, kk, vv, q_start = _prepare(q, k, v, causal, window, scale, chunk_size, initial_state)
+    o, lse = blockwise_softmax_attention(q, kk, vv, scale=scale, chunk_size=chunk_size, causal=causal,
+                                         window=window, q_start=q_start,
+                                         k_start=q_start - (kk.shape[1] - q.shape[1]))
+    return _finish(o, lse, cache, k, v, window, output_final_state, return_lse)

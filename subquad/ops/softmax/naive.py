@@ -1,0 +1,40 @@
+"""Softmax attention, the naive T x L reference (the spec the other forms are checked against).
+
+    s_tj = scale * q_t . k_j,   visible iff  j <= pos_t  (causal)  and  pos_t - j <= W  (window)
+    o_t  = sum_j softmax_j(s_tj) v_j,    lse_t = log sum_j exp(s_tj)
+
+Keys are the cached ones followed by the new ones; query t sits at absolute
+position pos_t = offset + L_cache + t.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def visible_mask(T: int, L: int, *, causal: bool, window, q_start: int, k_start: int = 0, device=None):
+    """(T, L) bool: query at absolute position q_start + t may see key at k_start + j."""
+    qpos = torch.arange(q_start, q_start + T, device=device).unsqueeze(1)
+    kpos = torch.arange(k_start, k_start + L, device=device).unsqueeze(0)
+    m = torch.ones(T, L, dtype=torch.bool, device=device)
+    if causal:
+        m &= kpos <= qpos
+    if window is not None:
+        m &= (qpos - kpos) <= window
+    return m
+
+
+def naive_softmax_attention(q, k, v, *, causal=True, window=None, scale=None, chunk_size=None,
+                            initial_state=None, output_final_state=False, return_lse=False):
+    """T x L softmax attention written out; same signature as ``softmax_attention``."""
+    from subquad.ops.softmax import _prepare, _finish
+
+    scale, cache, kk, vv, q_start = _prepare(q, k, v, causal, window, scale, chunk_size, initial_state)
+    qh, kh, vh = q.transpose(1, 2), kk.transpose(1, 2), vv.transpose(1, 2)          # (B, H, *, D)
+    s = (qh @ kh.transpose(-1, -2)) * scale                                           # (B, H, T, L)
+    m = visible_mask(q.shape[1], kk.shape[1], causal=causal, window=window,
+                     q_start=q_start, k_start=q_start - (kk.shape[1] - q.shape[1]), device=q.device)
+    s = s.masked_fill(~m, float("-inf"))
+    lse = torch.logsumexp(s, dim=-1)                                                  # (B, H, T)
+    o = (torch.softmax(s, dim=-1) @ vh).transpose(1, 2)
+    return _finish(o, lse.transpose(1, 2), cache, k, v, window, output_final_state, return_lse)
