@@ -1,7 +1,7 @@
 """Linear attention, chunkwise form: the fast path for training and prefill. O(T C K + T K V).
 
 The sequence is cut into chunks of C tokens (the last may be shorter). For chunk
-c with rows Q_c, K_c (C, K), V_c (C, V) and the state S_{c-1} (K, V) carried in:
+c with rows Q_c, K_c (C, K), V_c (C, V) of one head and the state S_{c-1} (K, V) carried in:
 
     1. intra-chunk:  O_c  = scale * tril(Q_c K_c^T) V_c        (C x C matmuls)
     2. inter-chunk:  O_c += scale * Q_c S_{c-1}                 (state to output)
@@ -34,41 +34,52 @@ def _chunks(T: int, C: int):
     return [(s, min(s + C, T)) for s in range(0, T, C)]
 
 
+def _heads(x, s: int, e: int):
+    """Rows s:e of x (B, T, H, D) as (B*H, e-s, D): a chunk-sized copy, never a whole-sequence transpose."""
+    B, _, H, D = x.shape
+    return x[:, s:e].transpose(1, 2).reshape(B * H, e - s, D)
+
+
+def _put(out, s: int, e: int, xc):
+    """Write xc (B*H, e-s, D) into rows s:e of out (B, T, H, D)."""
+    B, _, H, D = out.shape
+    out[:, s:e] = xc.view(B, H, e - s, D).transpose(1, 2)
+
+
 def _fwd(q, k, v, S, scale: float, C: int, save_states: bool):
-    """q, k (BH, T, K); v (BH, T, V); S (BH, K, V) updated in place. Returns o (BH, T, V), states."""
-    BH, T, _ = q.shape
-    o = torch.empty(BH, T, v.shape[-1], dtype=q.dtype, device=q.device)
+    """q, k (B, T, H, K); v (B, T, H, V); S (B*H, K, V) updated in place. Returns o (B, T, H, V), states."""
+    B, T, H, _ = q.shape
+    o = q.new_empty(B, T, H, v.shape[-1])
     mask = torch.ones(C, C, dtype=q.dtype, device=q.device).tril_().mul_(scale)
     chunks = _chunks(T, C)
-    states = torch.empty(BH, len(chunks), *S.shape[1:], dtype=S.dtype, device=S.device) if save_states else None
+    states = S.new_empty(len(chunks), *S.shape) if save_states else None
     for i, (s, e) in enumerate(chunks):
         c = e - s
-        qc, kc, vc = q[:, s:e], k[:, s:e], v[:, s:e]
+        qc, kc, vc = _heads(q, s, e), _heads(k, s, e), _heads(v, s, e)
         if save_states:
-            states[:, i] = S
+            states[i] = S
         A = torch.bmm(qc, kc.transpose(1, 2)).mul_(mask[:c, :c])          # (BH, c, c)
-        oc = torch.bmm(qc, S)                                             # Q S_{c-1}
-        oc.mul_(scale).baddbmm_(A, vc)                                    # += tril(QK^T) V
-        o[:, s:e] = oc
+        oc = torch.bmm(qc, S).mul_(scale)                                 # scale * Q S_{c-1}
+        oc.baddbmm_(A, vc)                                                # += scale * tril(QK^T) V
+        _put(o, s, e, oc)
         S.baddbmm_(kc.transpose(1, 2), vc)                                # S += K^T V
     return o, states
 
 
 def _bwd(q, k, v, do, states, dS, scale: float, C: int):
-    BH, T, _ = q.shape
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     mask = torch.ones(C, C, dtype=q.dtype, device=q.device).tril_().mul_(scale)
     G = dS.clone()                                                        # dL/dS after the last chunk
-    for i, (s, e) in reversed(list(enumerate(_chunks(T, C)))):
+    for i, (s, e) in reversed(list(enumerate(_chunks(q.shape[1], C)))):
         c = e - s
         m = mask[:c, :c]
-        qc, kc, vc, doc = q[:, s:e], k[:, s:e], v[:, s:e], do[:, s:e]
-        Sp = states[:, i]                                                 # S_{c-1}
+        qc, kc, vc, doc = _heads(q, s, e), _heads(k, s, e), _heads(v, s, e), _heads(do, s, e)
+        Sp = states[i]                                                    # S_{c-1}
         dA = torch.bmm(doc, vc.transpose(1, 2)).mul_(m)                  # (BH, c, c)
         A = torch.bmm(qc, kc.transpose(1, 2)).mul_(m)
-        dq[:, s:e] = torch.baddbmm(torch.bmm(doc, Sp.transpose(1, 2)), dA, kc, beta=scale)
-        dk[:, s:e] = torch.baddbmm(torch.bmm(vc, G.transpose(1, 2)), dA.transpose(1, 2), qc)
-        dv[:, s:e] = torch.baddbmm(torch.bmm(kc, G), A.transpose(1, 2), doc)
+        _put(dq, s, e, torch.baddbmm(torch.bmm(doc, Sp.transpose(1, 2)), dA, kc, beta=scale))
+        _put(dk, s, e, torch.baddbmm(torch.bmm(vc, G.transpose(1, 2)), dA.transpose(1, 2), qc))
+        _put(dv, s, e, torch.baddbmm(torch.bmm(kc, G), A.transpose(1, 2), doc))
         G.baddbmm_(qc.transpose(1, 2), doc, alpha=scale)
     return dq, dk, dv, G
 
@@ -88,8 +99,8 @@ class _ChunkLinearAttn(torch.autograd.Function):
     def backward(ctx, do, dS):
         q, k, v, states = ctx.saved_tensors
         if dS is None:
-            dS = torch.zeros_like(states[:, 0])
-        dq, dk, dv, dS0 = _bwd(q, k, v, do.contiguous(), states, dS, ctx.scale, ctx.C)
+            dS = torch.zeros_like(states[0])
+        dq, dk, dv, dS0 = _bwd(q, k, v, do, states, dS, ctx.scale, ctx.C)
         return dq, dk, dv, dS0, None, None
 
 
@@ -104,22 +115,18 @@ def chunk_linear_attention(q, k, v, *, normalize=True, eps=1e-6, scale=None, chu
     V = v.shape[-1]
     dt = state_dtype(q.dtype)
 
-    def heads_first(x):                                                   # (B, T, H, D) -> (BH, T, D)
-        return x.to(dt).transpose(1, 2).reshape(B * H, T, x.shape[-1])
-
-    qh, kh, vh = heads_first(q), heads_first(k), heads_first(v)
+    qf, kf, vf = (x.to(dt) for x in (q, k, v))                             # (B, T, H, *)
     S = torch.zeros(B, H, K, V, dtype=dt, device=q.device) if S0 is None else S0
     if normalize:
         # The normaliser is the same kernel applied to a column of ones: z is S's extra column.
-        vh = torch.cat([vh, vh.new_ones(B * H, T, 1)], dim=-1)
+        vf = torch.cat([vf, vf.new_ones(B, T, H, 1)], dim=-1)
         z = torch.zeros(B, H, K, dtype=dt, device=q.device) if z0 is None else z0
         S = torch.cat([S, z.unsqueeze(-1)], dim=-1)
-    o, S_final = _ChunkLinearAttn.apply(qh, kh, vh, S.reshape(B * H, K, -1), scale, chunk_size)
-    o = o.reshape(B, H, T, -1)
+    o, S_final = _ChunkLinearAttn.apply(qf, kf, vf, S.reshape(B * H, K, -1), scale, chunk_size)
     S_final = S_final.reshape(B, H, K, -1)
     z_final = None
     if normalize:
         o = o[..., :V] / (o[..., V:] + eps)
         S_final, z_final = S_final[..., :V], S_final[..., V]
-    o = o.transpose(1, 2).to(q.dtype)                                     # (B, T, H, V)
+    o = o.to(q.dtype)                                                     # (B, T, H, V)
     return o, (pack_state(S_final, z_final, normalize) if output_final_state else None)

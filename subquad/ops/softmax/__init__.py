@@ -33,7 +33,7 @@ from subquad.ops.softmax.recurrent import recurrent_softmax_attention, softmax_a
 
 
 def _check_common(q, k, v, causal, window, scale, chunk_size):
-    check_qkv(q, k, v)
+    check_qkv(q, k, v, same_length=causal)  # non-causal (cross) attention may have L != T keys
     if q.shape[1] < 1:
         raise ValueError(f"q must hold at least one token (T >= 1), got shape {tuple(q.shape)}")
     if chunk_size is not None:

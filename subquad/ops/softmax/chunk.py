@@ -119,5 +119,5 @@ def chunk_softmax_attention(q, k, v, *, causal=True, window=None, scale=None, ch
     scale, cache, kk, vv, q_start = _prepare(q, k, v, causal, window, scale, chunk_size, initial_state)
     o, lse = blockwise_softmax_attention(q, kk, vv, scale=scale, chunk_size=chunk_size, causal=causal,
                                          window=window, q_start=q_start,
-                                         k_start=q_start - (kk.shape[1] - q.shape[1]))
+                                         k_start=q_start - len(cache) if cache is not None else 0)
     return _finish(o, lse, cache, k, v, window, output_final_state, return_lse)

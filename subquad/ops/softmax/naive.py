@@ -33,7 +33,7 @@ def naive_softmax_attention(q, k, v, *, causal=True, window=None, scale=None, ch
     qh, kh, vh = q.transpose(1, 2), kk.transpose(1, 2), vv.transpose(1, 2)          # (B, H, *, D)
     s = (qh @ kh.transpose(-1, -2)) * scale                                           # (B, H, T, L)
     m = visible_mask(q.shape[1], kk.shape[1], causal=causal, window=window,
-                     q_start=q_start, k_start=q_start - (kk.shape[1] - q.shape[1]), device=q.device)
+                     q_start=q_start, k_start=q_start - len(cache) if cache is not None else 0, device=q.device)
     s = s.masked_fill(~m, float("-inf"))
     lse = torch.logsumexp(s, dim=-1)                                                  # (B, H, T)
     o = (torch.softmax(s, dim=-1) @ vh).transpose(1, 2)

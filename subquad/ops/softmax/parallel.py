@@ -25,6 +25,6 @@ def parallel_softmax_attention(q, k, v, *, causal=True, window=None, scale=None,
     if window is None and (not causal or L == T):
         o = F.scaled_dot_product_attention(qh, kh, vh, is_causal=causal, scale=scale)
     else:
-        m = visible_mask(T, L, causal=causal, window=window, q_start=q_start, k_start=q_start - (L - T), device=q.device)
+        m = visible_mask(T, L, causal=causal, window=window, q_start=q_start, k_start=q_start - len(cache) if cache is not None else 0, device=q.device)
         o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=m, scale=scale)
     return _finish(o.transpose(1, 2), None, cache, k, v, window, output_final_state, False)
