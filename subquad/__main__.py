@@ -1,0 +1,3 @@
+from subquad.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,1 @@
+"""Measurement: memory accounting, the workshop, plots and tables."""

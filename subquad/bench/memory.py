@@ -1,0 +1,58 @@
+"""Memory accounting: a softmax KV cache against a linear-attention state, per layer and head.
+
+    KV cache      2 T d numbers      (keys and values of every token so far)
+    linear state  d d + d numbers    (S, and the normaliser z)
+
+Alongside the formula, ``measure`` runs the ops and reads the bytes of the
+tensors they actually keep (``KVCache.nbytes``; ``S.nbytes + z.nbytes``).
+The ops keep recurrent state in float32 for 16-bit inputs, so at
+``--dtype float16`` the measured state is twice the analytic figure.
+"""
+
+from __future__ import annotations
+
+import torch
+
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "float64": torch.float64}
+DEFAULT_CONTEXTS = [1024, 4096, 16384, 65536, 131072, 262144, 1048576]
+
+
+def dtype_of(name: str) -> torch.dtype:
+    if name not in DTYPES:
+        raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {name!r}")
+    return DTYPES[name]
+
+
+def analytic(contexts, head_dim: int, dtype: str = "float32") -> list[dict]:
+    """Numbers and bytes per layer and head at each context length."""
+    size = torch.finfo(dtype_of(dtype)).bits // 8
+    rows = []
+    for T in contexts:
+        kv, st = 2 * T * head_dim, head_dim * head_dim + head_dim
+        rows.append({"context": T, "kv_numbers": kv, "state_numbers": st, "kv_bytes": kv * size,
+                     "state_bytes": st * size, "ratio": kv / st})
+    return rows
+
+
+def flops(contexts, head_dim: int) -> list[dict]:
+    """Operation counts of the attention product: softmax N^2 d against linear N d^2."""
+    return [{"context": N, "softmax_flops": N * N * head_dim, "linear_flops": N * head_dim * head_dim,
+             "ratio": N / head_dim} for N in contexts]
+
+
+@torch.no_grad()
+def measure(contexts, head_dim: int, dtype: str = "float32") -> list[dict]:
+    """Bytes the ops actually keep after T tokens, for one head (B=1, H=1)."""
+    from subquad.ops import feature_map, linear_attention, softmax_attention
+
+    dt = dtype_of(dtype)
+    g = torch.Generator().manual_seed(0)
+    phi = feature_map("elu+1")
+    rows = []
+    for T in contexts:
+        q, k, v = (torch.randn(1, T, 1, head_dim, generator=g).to(dt) for _ in range(3))
+        _, cache = softmax_attention(q, k, v, mode="parallel", output_final_state=True)
+        _, (S, z) = linear_attention(phi(q), phi(k), v, mode="chunk", output_final_state=True)
+        rows.append({"context": T, "kv_cache_bytes": cache.nbytes, "state_bytes": S.nbytes + z.nbytes,
+                     "state_dtype": str(S.dtype).replace("torch.", "")})
+    return rows
