@@ -127,3 +127,16 @@ def test_bad_tensors_raise():
     if torch.device("meta") != q.device:
         with pytest.raises(ValueError, match="device"):
             linear_attention(q, k.to("meta"), v)
+
+
+@pytest.mark.parametrize("normalize", [False, True])
+def test_decode_step_continues_a_chunk_prefill(normalize):
+    from subquad.ops.linear_attn import linear_attention_step
+
+    x = {n: t.detach() for n, t in make(2, 30, seed=9).items()}
+    q, k, v = x["q"], x["k"], x["v"]
+    o_full, _ = linear_attention(q, k, v, normalize=normalize)
+    _, state = linear_attention(q[:, :20], k[:, :20], v[:, :20], normalize=normalize, output_final_state=True)
+    S, z = (state[0].clone(), state[1].clone()) if normalize else (state.clone(), None)
+    steps = [linear_attention_step(q[:, t], k[:, t], v[:, t], S, z) for t in range(20, 30)]
+    assert_close(torch.stack(steps, 1), o_full[:, 20:], 1e-10, "decode steps")

@@ -22,7 +22,7 @@ from __future__ import annotations
 from subquad.ops.common.checks import check_chunk_size, check_mode, check_qkv, default_scale
 from subquad.ops.linear_attn.chunk import chunk_linear_attention
 from subquad.ops.linear_attn.parallel import parallel_linear_attention
-from subquad.ops.linear_attn.recurrent import recurrent_linear_attention
+from subquad.ops.linear_attn.recurrent import linear_attention_step, recurrent_linear_attention
 
 
 def _prepare(q, k, v, scale, chunk_size):
@@ -64,4 +64,4 @@ def linear_attention(q, k, v, *, normalize=True, eps=1e-6, mode="chunk", chunk_s
                         initial_state=initial_state, output_final_state=output_final_state)
 
 
-__all__ = ["linear_attention", "parallel_linear_attention", "recurrent_linear_attention", "chunk_linear_attention"]
+__all__ = ["linear_attention", "linear_attention_step", "parallel_linear_attention", "recurrent_linear_attention", "chunk_linear_attention"]

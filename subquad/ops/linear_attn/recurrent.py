@@ -46,3 +46,20 @@ def recurrent_linear_attention(q, k, v, *, normalize=True, eps=1e-6, scale=None,
         outs.append(ot)
     o = torch.stack(outs, dim=1).to(q.dtype)                              # (B, T, H, V)
     return o, (pack_state(S, z, normalize) if output_final_state else None)
+
+
+@torch.no_grad()
+def linear_attention_step(q_t, k_t, v_t, S, z=None, *, scale=None, eps=1e-6):
+    """One decoding step, in place: q_t, k_t (B, H, K), v_t (B, H, V); S (B, H, K, V) and z (B, H, K) updated.
+
+    Returns o_t (B, H, V). The cost is O(K V) whatever the context: the point of a fixed state.
+    Normalised when ``z`` is given. No checks and no autograd: this is the generation hot path.
+    """
+    scale = k_t.shape[-1] ** -0.5 if scale is None else scale
+    B, H, K, V = S.shape
+    S.view(B * H, K, V).baddbmm_(k_t.reshape(B * H, K, 1), v_t.reshape(B * H, 1, V))   # S += k v^T
+    o = (q_t.unsqueeze(-2) @ S).squeeze(-2).mul_(scale)
+    if z is not None:
+        z.add_(k_t)
+        o.div_((q_t * z).sum(-1, keepdim=True).mul_(scale).add_(eps))
+    return o
