@@ -15,6 +15,7 @@ Each op takes ``mode`` in ``("parallel", "recurrent", "chunk")``, ``chunk_size``
 
 from subquad.ops.common.lse import merge_attention
 from subquad.ops.feature_maps import FEATURE_MAPS, feature_map
+from subquad.ops.gla import gla, retention, simple_gla
 from subquad.ops.linear_attn import (
     chunk_linear_attention,
     linear_attention,
@@ -39,6 +40,9 @@ __all__ = [
     "feature_map",
     "merge_attention",
     "linear_attention",
+    "retention",
+    "simple_gla",
+    "gla",
     "parallel_linear_attention",
     "recurrent_linear_attention",
     "chunk_linear_attention",
