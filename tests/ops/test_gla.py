@@ -1,0 +1,130 @@
+"""retention, simple_gla and gla: the shared three-form battery plus decay-specific cases."""
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from subquad.ops import gla, retention, simple_gla
+from tests.ops.harness import assert_close, check_forms_agree, check_grads_agree, check_split
+
+F64 = torch.float64
+OPS = {"retention": retention, "simple_gla": simple_gla, "gla": gla}
+
+
+def gate_shape(name, B, T, H, K):
+    return {"retention": (H,), "simple_gla": (B, T, H), "gla": (B, T, H, K)}[name]
+
+
+def make(name, B, T, H=2, K=5, V=3, seed=0, strength=1.0, dtype=F64):
+    gen = torch.Generator().manual_seed(seed)
+    q, k = (torch.randn(B, T, H, K, generator=gen, dtype=dtype) for _ in range(2))
+    v = torch.randn(B, T, H, V, generator=gen, dtype=dtype)
+    g = -strength * torch.rand(gate_shape(name, B, T, H, K), generator=gen, dtype=dtype)
+    return {"q": q.requires_grad_(), "k": k.requires_grad_(), "v": v.requires_grad_(), "g": g.requires_grad_()}
+
+
+def state0(x, seed=1):
+    B, _, H, K = x["q"].shape
+    return torch.randn(B, H, K, x["v"].shape[-1], generator=torch.Generator().manual_seed(seed), dtype=F64).requires_grad_()
+
+
+def caller(name):
+    def call(mode, x, chunk_size, initial_state, out):
+        return OPS[name](x["q"], x["k"], x["v"], x["g"], mode=mode, chunk_size=chunk_size,
+                         initial_state=initial_state, output_final_state=out)
+    return call
+
+
+@pytest.mark.parametrize("name", OPS)
+@pytest.mark.parametrize("T", [1, 7, 64, 100, 257])
+def test_forms_agree_fixed_lengths(name, T):
+    x = make(name, 2, T, seed=T)
+    for C in (16, 64):
+        check_forms_agree(caller(name), x, C, initial_state=state0(x))
+
+
+@pytest.mark.parametrize("name", OPS)
+@given(B=st.integers(1, 2), T=st.integers(1, 80), H=st.integers(1, 3), K=st.integers(1, 8), V=st.integers(1, 8),
+       C=st.integers(1, 40), strength=st.sampled_from([0.01, 1.0, 8.0]), seed=st.integers(0, 2**16))
+def test_forms_agree_property(name, B, T, H, K, V, C, strength, seed):
+    x = make(name, B, T, H, K, V, seed=seed, strength=strength)
+    check_forms_agree(caller(name), x, C, initial_state=state0(x, seed))
+
+
+@pytest.mark.parametrize("name", OPS)
+@pytest.mark.parametrize("mode", ["parallel", "recurrent", "chunk"])
+def test_split_sequence_equals_one_call(name, mode):
+    x = make(name, 2, 61, seed=3)
+    seq = ("q", "k", "v") if name == "retention" else ("q", "k", "v", "g")
+    check_split(caller(name), x, 23, chunk_size=16, mode=mode, seq_keys=seq)
+
+
+@pytest.mark.parametrize("name", OPS)
+@pytest.mark.parametrize("T,C", [(1, 16), (37, 16), (64, 32)])
+def test_gradients_agree_including_g_and_initial_state(name, T, C):
+    x = make(name, 2, T, K=4, V=6, seed=T, strength=2.0)
+    check_grads_agree(caller(name), x, C, state0(x))
+
+
+@pytest.mark.parametrize("name", OPS)
+def test_float32_long_sequence_chunk_matches_recurrent(name):
+    x = {n: t.detach().float() for n, t in make(name, 1, 4096, H=2, K=16, V=16, strength=0.2).items()}
+    o_c, s_c = OPS[name](x["q"], x["k"], x["v"], x["g"], mode="chunk", output_final_state=True)
+    o_r, s_r = OPS[name](x["q"], x["k"], x["v"], x["g"], mode="recurrent", output_final_state=True)
+    assert_close(o_c, o_r, 1e-4, f"{name} float32 T=4096 o")
+    assert_close(s_c, s_r, 1e-4, f"{name} float32 T=4096 state")
+
+
+@pytest.mark.parametrize("name", OPS)
+def test_strong_decays_long_sequence_stay_finite(name):
+    # log-decays from -50 to 0 per token over T = 65,536 in float32: no inf or NaN, forward or backward.
+    B, T, H, K, V = 1, 65536, 1, 8, 8
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(B, T, H, d, generator=gen).requires_grad_() for d in (K, K, V))
+    g = (-50 * torch.rand(gate_shape(name, B, T, H, K), generator=gen)).requires_grad_()
+    for mode in ("chunk",) + (("recurrent",) if name == "retention" else ()):
+        o, S = OPS[name](q, k, v, g, mode=mode, chunk_size=64, output_final_state=True)
+        assert torch.isfinite(o).all() and torch.isfinite(S).all(), mode
+        grads = torch.autograd.grad(o.square().mean() + S.square().mean(), (q, k, v, g))
+        assert all(torch.isfinite(t).all() for t in grads), mode
+    # parallel and recurrent on a shorter stretch of the same strong decays
+    s = 1024
+    gs = g[:, :s] if name != "retention" else g
+    for mode in ("parallel", "recurrent"):
+        o, S = OPS[name](q[:, :s], k[:, :s], v[:, :s], gs, mode=mode, output_final_state=True)
+        grads = torch.autograd.grad(o.square().mean() + S.square().mean(), (q, k, v, g))
+        assert torch.isfinite(o).all() and all(torch.isfinite(t).all() for t in grads), mode
+
+
+def test_simple_gla_is_the_mamba2_recurrence():
+    # k = B_t dt_t, v = x_t, q = C_t, g = dt_t A: h_t = exp(dt_t A) h_{t-1} + dt_t B_t x_t, y_t = C_t . h_t
+    gen = torch.Generator().manual_seed(0)
+    Bn, T, H, N, P = 2, 40, 3, 6, 4
+    x = torch.randn(Bn, T, H, P, generator=gen, dtype=F64)
+    Bm, Cm = (torch.randn(Bn, T, H, N, generator=gen, dtype=F64) for _ in range(2))
+    dt = torch.rand(Bn, T, H, generator=gen, dtype=F64) + 0.1
+    A = -torch.rand(H, generator=gen, dtype=F64) - 0.5
+    y, _ = simple_gla(Cm, Bm * dt[..., None], x, dt * A, mode="chunk", chunk_size=16, scale=1.0)
+    h = torch.zeros(Bn, H, N, P, dtype=F64)
+    ys = []
+    for t in range(T):
+        h = torch.exp(dt[:, t] * A)[..., None, None] * h + (dt[:, t, :, None] * Bm[:, t])[..., None] * x[:, t, :, None, :]
+        ys.append(torch.einsum("bhn,bhnp->bhp", Cm[:, t], h))
+    assert_close(y, torch.stack(ys, 1), 1e-12, "SSD vs Mamba-2 loop")
+
+
+@pytest.mark.parametrize("name", OPS)
+def test_positive_gate_and_bad_shapes_raise(name):
+    x = {n: t.detach() for n, t in make(name, 1, 8).items()}
+    q, k, v, g = x["q"], x["k"], x["v"], x["g"]
+    with pytest.raises(ValueError, match="g is a log-decay"):
+        OPS[name](q, k, v, g + 1.0)
+    with pytest.raises(ValueError, match="g must have shape"):
+        OPS[name](q, k, v, g[..., :1] if name != "retention" else g[:1])
+    with pytest.raises(ValueError, match="chunk_size"):
+        OPS[name](q, k, v, g, chunk_size=0)
+    with pytest.raises(ValueError, match="mode"):
+        OPS[name](q, k, v, g, mode="scan")
+    with pytest.raises(ValueError, match="initial_state"):
+        OPS[name](q, k, v, g, initial_state=torch.zeros(1, 2, 3, 3, dtype=F64))
