@@ -100,7 +100,8 @@ class _ChunkLinearAttn(torch.autograd.Function):
         q, k, v, states = ctx.saved_tensors
         if dS is None:
             dS = torch.zeros_like(states[0])
-        dq, dk, dv, dS0 = _bwd(q, k, v, do, states, dS, ctx.scale, ctx.C)
+        # .contiguous(): a gradient from .sum() arrives as a stride-0 expand, which batched matmuls crawl over
+        dq, dk, dv, dS0 = _bwd(q, k, v, do.contiguous(), states, dS, ctx.scale, ctx.C)
         return dq, dk, dv, dS0, None, None
 
 

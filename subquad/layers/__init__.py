@@ -1,0 +1,14 @@
+"""Mixer layers: one nn.Module per mechanism, ``forward(x, state=None) -> (y, state)``.
+
+See ``subquad.layers.base`` for the contract (empty state, state bytes, decoding).
+"""
+
+from subquad.layers.base import Mixer, tensor_bytes
+from subquad.layers.conv import ShortConv
+from subquad.layers.gla import GatedLinearAttention
+from subquad.layers.mamba2 import Mamba2
+from subquad.layers.norm import GatedRMSNorm, RMSNorm
+from subquad.layers.retention import MultiScaleRetention
+
+__all__ = ["Mixer", "tensor_bytes", "ShortConv", "RMSNorm", "GatedRMSNorm",
+           "MultiScaleRetention", "GatedLinearAttention", "Mamba2"]

@@ -1,0 +1,53 @@
+"""The mixer contract every layer follows.
+
+    y, state = layer(x, state=None)      x, y (B, T, D); state a dict of tensors (or None)
+    state    = layer.empty_state(B)      what decoding starts from
+    layer.state_bytes(state)             bytes of the tensors the state holds (measured, not computed)
+
+Prefill a prompt with one call, then feed one token at a time with the state the
+previous call returned: the outputs equal one forward over the whole sequence.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+def tensor_bytes(obj) -> int:
+    """Bytes of every tensor inside a (nested) dict / list / tuple / object with ``nbytes``."""
+    if obj is None:
+        return 0
+    if isinstance(obj, torch.Tensor):
+        return obj.nelement() * obj.element_size()
+    if isinstance(obj, dict):
+        return sum(tensor_bytes(v) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return sum(tensor_bytes(v) for v in obj)
+    if hasattr(obj, "nbytes"):
+        return int(obj.nbytes)
+    return 0
+
+
+class Mixer(nn.Module):
+    """Base class: a sequence mixer (B, T, D) -> (B, T, D) that carries its own decoding state."""
+
+    def __init__(self, d_model: int, mode: str = "chunk", chunk_size: int = 64):
+        super().__init__()
+        from subquad.ops.common.checks import check_chunk_size, check_mode
+
+        if d_model <= 0:
+            raise ValueError(f"d_model must be positive, got {d_model}")
+        check_mode(mode)
+        check_chunk_size(chunk_size)
+        self.d_model, self.mode, self.chunk_size = d_model, mode, chunk_size
+
+    def _check_x(self, x):
+        if x.dim() != 3 or x.shape[-1] != self.d_model:
+            raise ValueError(f"x must be (B, T, d_model={self.d_model}), got shape {tuple(x.shape)}")
+
+    def empty_state(self, batch_size: int, device=None, dtype=torch.float32) -> dict:
+        raise NotImplementedError
+
+    def state_bytes(self, state) -> int:
+        return tensor_bytes(state)

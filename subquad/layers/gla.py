@@ -1,0 +1,54 @@
+"""Gated linear attention layer (GLA, Yang et al. 2024, arXiv:2312.06635).
+
+    q, k  = x W_q, x W_k                                   (B, T, H, K), K = expand_k * D / H
+    v     = x W_v                                          (B, T, H, V)
+    g     = logsigmoid(x W_g1 W_g2 + b) / 16               (B, T, H, K), low-rank gate, the paper's normaliser
+    o     = gla(q, k, v, g)
+    y     = W_o (swish(x W_r) * rmsnorm_per_head(o))
+"""
+
+from __future__ import annotations
+
+import torch.nn.functional as F
+from torch import nn
+
+from subquad.layers.base import Mixer
+from subquad.layers.norm import RMSNorm
+from subquad.ops import gla
+
+
+class GatedLinearAttention(Mixer):
+    def __init__(self, d_model: int, n_heads: int = 4, expand_k: float = 0.5, expand_v: float = 1.0,
+                 gate_rank: int = 16, gate_normalizer: float = 16.0, mode: str = "chunk", chunk_size: int = 64):
+        super().__init__(d_model, mode, chunk_size)
+        self.n_heads = n_heads
+        self.key_dim, self.value_dim = int(d_model * expand_k), int(d_model * expand_v)
+        if self.key_dim % n_heads or self.value_dim % n_heads:
+            raise ValueError(f"key dim {self.key_dim} and value dim {self.value_dim} must divide by n_heads={n_heads}")
+        self.head_k, self.head_v = self.key_dim // n_heads, self.value_dim // n_heads
+        self.gate_normalizer = gate_normalizer
+        self.q_proj = nn.Linear(d_model, self.key_dim, bias=False)
+        self.k_proj = nn.Linear(d_model, self.key_dim, bias=False)
+        self.v_proj = nn.Linear(d_model, self.value_dim, bias=False)
+        self.gk_proj = nn.Sequential(nn.Linear(d_model, gate_rank, bias=False), nn.Linear(gate_rank, self.key_dim))
+        self.r_proj = nn.Linear(d_model, self.value_dim, bias=False)
+        self.norm = RMSNorm(self.head_v)
+        self.o_proj = nn.Linear(self.value_dim, d_model, bias=False)
+
+    def empty_state(self, batch_size, device=None, dtype=None):
+        import torch
+        return {"S": torch.zeros(batch_size, self.n_heads, self.head_k, self.head_v, device=device,
+                                 dtype=torch.float64 if dtype == torch.float64 else torch.float32)}
+
+    def forward(self, x, state=None):
+        self._check_x(x)
+        B, T, _ = x.shape
+        H, K, V = self.n_heads, self.head_k, self.head_v
+        q = self.q_proj(x).view(B, T, H, K)
+        k = self.k_proj(x).view(B, T, H, K)
+        v = self.v_proj(x).view(B, T, H, V)
+        g = F.logsigmoid(self.gk_proj(x)).view(B, T, H, K) / self.gate_normalizer
+        o, S = gla(q, k, v, g, mode=self.mode, chunk_size=self.chunk_size,
+                   initial_state=None if state is None else state["S"], output_final_state=True)
+        y = self.o_proj(F.silu(self.r_proj(x)) * self.norm(o).reshape(B, T, H * V))
+        return y, {"S": S}

@@ -1,0 +1,72 @@
+"""Mamba-2 block (Dao & Gu 2024, arXiv:2405.21060): selective SSM computed as SSD (``simple_gla``).
+
+    z, xBC, dt = in_proj(u)                      z, x (B, T, d_inner); B, C (B, T, N); dt (B, T, H)
+    x, B, C    = silu(conv1d(xBC))               short causal depthwise conv, its own decoding state
+    dt         = softplus(dt + dt_bias);  A = -exp(A_log)   (one per head)
+    h_t        = exp(dt_t A) h_{t-1} + dt_t B_t x_t^T       (N, P) per head, P = headdim
+    y_t        = C_t . h_t + D x_t
+    out        = out_proj(rmsnorm(y * silu(z)))
+
+The recurrence is simple_gla with q = C, k = dt B, v = x, g = dt A, scale 1.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from subquad.layers.base import Mixer
+from subquad.layers.conv import ShortConv
+from subquad.layers.norm import GatedRMSNorm
+from subquad.ops import simple_gla
+
+
+class Mamba2(Mixer):
+    def __init__(self, d_model: int, d_state: int = 64, headdim: int = 64, expand: int = 2, d_conv: int = 4,
+                 dt_min: float = 1e-3, dt_max: float = 0.1, mode: str = "chunk", chunk_size: int = 64):
+        super().__init__(d_model, mode, chunk_size)
+        self.d_inner = expand * d_model
+        if self.d_inner % headdim:
+            raise ValueError(f"expand * d_model = {self.d_inner} must divide by headdim={headdim}")
+        self.d_state, self.headdim = d_state, headdim
+        self.n_heads = self.d_inner // headdim
+        self.conv_dim = self.d_inner + 2 * d_state
+        self.in_proj = nn.Linear(d_model, 2 * self.d_inner + 2 * d_state + self.n_heads, bias=False)
+        self.conv = ShortConv(self.conv_dim, d_conv)
+        dt = torch.exp(torch.rand(self.n_heads) * (math.log(dt_max) - math.log(dt_min)) + math.log(dt_min))
+        self.dt_bias = nn.Parameter(dt + torch.log(-torch.expm1(-dt)))        # inverse softplus
+        self.A_log = nn.Parameter(torch.log(torch.empty(self.n_heads).uniform_(1, 16)))
+        self.D = nn.Parameter(torch.ones(self.n_heads))
+        self.norm = GatedRMSNorm(self.d_inner)
+        self.out_proj = nn.Linear(self.d_inner, d_model, bias=False)
+
+    def empty_state(self, batch_size, device=None, dtype=torch.float32):
+        sd = torch.float64 if dtype == torch.float64 else torch.float32
+        return {"ssm": torch.zeros(batch_size, self.n_heads, self.d_state, self.headdim, device=device, dtype=sd),
+                "conv": self.conv.empty_state(batch_size, device, dtype)}
+
+    def ssd(self, x, dt, A, Bm, Cm, initial_state):
+        """x (B, T, H, P), dt (B, T, H), A (H,), B and C (B, T, N) -> y (B, T, H, P), h (B, H, N, P)."""
+        H = self.n_heads
+        Bh = Bm.unsqueeze(2).expand(-1, -1, H, -1)
+        Ch = Cm.unsqueeze(2).expand(-1, -1, H, -1)
+        return simple_gla(Ch, Bh * dt.unsqueeze(-1), x, dt * A, mode=self.mode, chunk_size=self.chunk_size,
+                          scale=1.0, initial_state=initial_state, output_final_state=True)
+
+    def forward(self, u, state=None):
+        self._check_x(u)
+        Bsz, T, _ = u.shape
+        H, P, N = self.n_heads, self.headdim, self.d_state
+        z, xBC, dt = torch.split(self.in_proj(u), [self.d_inner, self.conv_dim, H], dim=-1)
+        xBC, conv_state = self.conv(xBC, None if state is None else state["conv"])
+        x, Bm, Cm = torch.split(F.silu(xBC), [self.d_inner, N, N], dim=-1)
+        dt = F.softplus(dt + self.dt_bias)                                    # (B, T, H)
+        A = -torch.exp(self.A_log)                                            # (H,)
+        x = x.view(Bsz, T, H, P)
+        y, h = self.ssd(x, dt, A, Bm, Cm, None if state is None else state["ssm"])
+        y = y + self.D.view(1, 1, H, 1) * x
+        out = self.out_proj(self.norm(y.reshape(Bsz, T, self.d_inner), z))
+        return out, {"ssm": h, "conv": conv_state}

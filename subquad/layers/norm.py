@@ -1,0 +1,37 @@
+"""Normalisations used by the mixers."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class RMSNorm(nn.Module):
+    """x / rms(x) * weight over the last dim (computed in float32)."""
+
+    def __init__(self, dim: int, eps: float = 1e-6, affine: bool = True):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim)) if affine else None
+
+    def forward(self, x):
+        xf = x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
+        y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        y = y.to(x.dtype)
+        return y * self.weight if self.weight is not None else y
+
+
+class GatedRMSNorm(RMSNorm):
+    """Mamba-2's norm: rmsnorm(y * silu(z)) * weight, optionally in groups."""
+
+    def __init__(self, dim: int, eps: float = 1e-6, group_size: int | None = None):
+        super().__init__(dim, eps)
+        self.group_size = group_size or dim
+
+    def forward(self, y, z):
+        y = y * F.silu(z)
+        shape = y.shape
+        yg = y.reshape(*shape[:-1], -1, self.group_size)
+        yg = yg * torch.rsqrt(yg.pow(2).mean(-1, keepdim=True) + self.eps)
+        return yg.reshape(shape) * self.weight

@@ -1,0 +1,62 @@
+"""Multi-scale retention (RetNet, Sun et al. 2023, arXiv:2307.08621).
+
+    q, k = rotary(x W_q), rotary(x W_k)          (B, T, H, K)
+    v    = x W_v                                  (B, T, H, V), V = 2K as in the paper
+    o    = retention(q, k, v, g_h = log(1 - 2^(-5-h)))        one fixed decay per head
+    y    = W_o (swish(x W_g) * groupnorm_per_head(o))
+"""
+
+from __future__ import annotations
+
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from subquad.layers.base import Mixer
+from subquad.layers.rotary import apply_rotary
+from subquad.ops import retention
+
+
+class MultiScaleRetention(Mixer):
+    def __init__(self, d_model: int, n_heads: int = 4, head_dim: int | None = None, value_factor: int = 2,
+                 mode: str = "chunk", chunk_size: int = 64):
+        super().__init__(d_model, mode, chunk_size)
+        self.n_heads = n_heads
+        self.head_dim = head_dim or d_model // n_heads
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim must be even for rotary positions, got {self.head_dim}")
+        self.v_dim = self.head_dim * value_factor
+        H, K, V = n_heads, self.head_dim, self.v_dim
+        self.q_proj = nn.Linear(d_model, H * K, bias=False)
+        self.k_proj = nn.Linear(d_model, H * K, bias=False)
+        self.v_proj = nn.Linear(d_model, H * V, bias=False)
+        self.g_proj = nn.Linear(d_model, H * V, bias=False)
+        self.o_proj = nn.Linear(H * V, d_model, bias=False)
+        # a_h = 1 - 2^(-5-h): head 0 remembers ~32 tokens, later heads ever longer
+        self.register_buffer("log_decay", torch.log(1 - 2.0 ** (-5.0 - torch.arange(H, dtype=torch.float64))).float())
+
+    def empty_state(self, batch_size, device=None, dtype=torch.float32):
+        S = torch.zeros(batch_size, self.n_heads, self.head_dim, self.v_dim, device=device,
+                        dtype=torch.float64 if dtype == torch.float64 else torch.float32)
+        return {"S": S, "pos": torch.zeros((), dtype=torch.long)}
+
+    def forward(self, x, state=None):
+        self._check_x(x)
+        B, T, _ = x.shape
+        H, K, V = self.n_heads, self.head_dim, self.v_dim
+        pos = int(state["pos"]) if state is not None else 0
+        q = apply_rotary(self.q_proj(x).view(B, T, H, K), pos)
+        k = apply_rotary(self.k_proj(x).view(B, T, H, K), pos)
+        v = self.v_proj(x).view(B, T, H, V)
+        o, S = retention(q, k, v, self.log_decay.to(x.dtype if x.dtype == torch.float64 else torch.float32),
+                         mode=self.mode, chunk_size=self.chunk_size,
+                         initial_state=None if state is None else state["S"], output_final_state=True)
+        o = F.layer_norm(o, (V,))                                           # group norm, one group per head
+        y = self.o_proj(F.silu(self.g_proj(x)) * o.reshape(B, T, H * V))
+        return y, {"S": S, "pos": torch.tensor(pos + T)}
+
+    def extra_repr(self):
+        return f"d_model={self.d_model}, heads={self.n_heads}, head_dim={self.head_dim}, v_dim={self.v_dim}, mode={self.mode}"
+
+

@@ -1,0 +1,24 @@
+"""Rotary position embedding (Su et al. 2021): rotate pairs of dims by position-dependent angles.
+
+    x'_{2i}   = x_{2i} cos(p w_i) - x_{2i+1} sin(p w_i),   w_i = base^(-2i/K)   (half-split layout)
+
+Positions are absolute, so decoding continues from the state's position counter.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def apply_rotary(x: torch.Tensor, offset: int = 0, base: float = 10000.0) -> torch.Tensor:
+    """x (B, T, H, K) with K even, positions offset .. offset + T - 1."""
+    B, T, H, K = x.shape
+    if K % 2:
+        raise ValueError(f"rotary needs an even head dim, got {K}")
+    half = K // 2
+    inv = base ** (-torch.arange(half, device=x.device, dtype=torch.float64) / half)
+    pos = torch.arange(offset, offset + T, device=x.device, dtype=torch.float64)
+    ang = pos[:, None] * inv[None]                                           # (T, K/2)
+    cos, sin = ang.cos().to(x.dtype)[None, :, None], ang.sin().to(x.dtype)[None, :, None]
+    x1, x2 = x[..., :half], x[..., half:]
+    return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1)
