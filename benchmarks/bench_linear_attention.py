@@ -25,7 +25,8 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from benchmarks.common import OUT, fla_file, fmt_ms, matmul_gflops, timeit  # noqa: E402
+from benchmarks.common import (OUT, fla_file, fmt_ms, matmul_gflops, ratio, run_cases, speed_tables,  # noqa: E402
+                               target_lines, timeit)
 from subquad.ops import KVCache, linear_attention  # noqa: E402
 from subquad.ops.linear_attn import linear_attention_step  # noqa: E402
 from subquad.ops.softmax import softmax_attention_step  # noqa: E402
@@ -86,21 +87,7 @@ def load_peers():
 
 def run_speed(lengths, repeats, budget):
     peers = load_peers()
-    cases = build(peers)
-    rows = []
-    for T in lengths:
-        for name, (make, fn, max_f, max_b) in cases.items():
-            row = {"T": T, "impl": name, "fwd": None, "fwdbwd": None}
-            if T <= max_f:
-                x = make(T)
-                with torch.no_grad():
-                    row["fwd"] = timeit(lambda: fn(*x), repeats, budget_s=budget)
-            if T <= max_b:
-                x = [t.requires_grad_() for t in make(T)]
-                row["fwdbwd"] = timeit(lambda: fn(*x).sum().backward(), max(1, repeats - 2), budget_s=budget)
-            rows.append(row)
-            print(f"  T={T:>6} {name:<22} fwd {fmt_ms(row['fwd']):>10}  fwd+bwd {fmt_ms(row['fwdbwd']):>10}", flush=True)
-    return rows, {k: v is not None for k, v in peers.items()}
+    return run_cases(build(peers), lengths, repeats, budget), {k: v is not None for k, v in peers.items()}
 
 
 @torch.no_grad()
@@ -127,17 +114,8 @@ def run_decode(contexts, steps):
 
 
 def markdown(res) -> str:
-    rows = res["speed"]
-    impls = list(dict.fromkeys(r["impl"] for r in rows))
-    Ts = sorted({r["T"] for r in rows})
-    get = {(r["T"], r["impl"]): r for r in rows}
     out = [f"fp32 matmul 2048²: **{res['matmul_gflops']:.0f} GFLOP/s** in this run.", ""]
-    for key, title in (("fwd", "Forward"), ("fwdbwd", "Forward + backward")):
-        out += [f"**{title}** (B=1, H=8, K=V=64, float32; — = skipped: too slow or too large)", "",
-                "| impl | " + " | ".join(f"T={T:,}" for T in Ts) + " |", "|---|" + "---|" * len(Ts)]
-        for i in impls:
-            out.append(f"| {i} | " + " | ".join(fmt_ms(get[(T, i)][key]) if (T, i) in get else "—" for T in Ts) + " |")
-        out.append("")
+    out += speed_tables(res["speed"], "B=1, H=8, K=V=64, float32")
     out += ["**Chunk efficiency** (useful FLOPs: causal half of the intra-chunk products, Q S and K^T V)", "",
             "| T | chunk fwd | useful GFLOP/s | of fp32 matmul rate |", "|---|---|---|---|"]
     for e in res["efficiency"]:
@@ -147,34 +125,30 @@ def markdown(res) -> str:
     for d in res["decode"]:
         out.append(f"| {d['context']:,} | {fmt_ms(d['linear_recurrent_s'])} | {fmt_ms(d['softmax_kv_cache_s'])} | "
                    f"{d['linear_state_bytes']:,} | {d['kv_cache_bytes']:,} |")
-    out += ["", "**Targets (ratios in this run)**", ""]
-    out += [f"- {t['what']}: {t['value']} (target {t['target']}) — **{'met' if t['met'] else 'not met'}**" for t in res["targets"]]
+    out += ["", "**Targets (ratios in this run)**", ""] + target_lines(res["targets"])
     return "\n".join(out)
 
 
 def targets(res):
-    get = {(r["T"], r["impl"]): r for r in res["speed"]}
+    rows = res["speed"]
     out = []
-
-    def ratio(T, a, b, key):
-        ra, rb = get.get((T, a)), get.get((T, b))
-        if not ra or not rb or ra[key] is None or rb[key] is None:
-            return None
-        return rb[key] / ra[key]
 
     def add(what, value, target, ok):
         if value is not None:
             out.append({"what": what, "value": f"{value:.1f}x", "target": target, "met": bool(ok(value))})
 
+    def r(T, a, b, key):
+        return ratio(rows, T, a, b, key)
+
     ch = "chunk (subquad)"
-    add("chunk fwd vs SDPA at T=16,384", ratio(16384, ch, "softmax SDPA", "fwd"), ">= 40x", lambda x: x >= 40)
-    add("chunk fwd vs fla naive_chunk at T=16,384", ratio(16384, ch, "fla naive_chunk", "fwd"), ">= 5x", lambda x: x >= 5)
-    add("chunk fwd vs fast-transformers at T=16,384", ratio(16384, ch, "fast-transformers C++", "fwd"), ">= 1.5x", lambda x: x >= 1.5)
-    add("chunk fwd+bwd vs SDPA at T=8,192", ratio(8192, ch, "softmax SDPA", "fwdbwd"), ">= 15x", lambda x: x >= 15)
-    small = [T for T in sorted({r["T"] for r in res["speed"]}) if T >= 256]
+    add("chunk fwd vs SDPA at T=16,384", r(16384, ch, "softmax SDPA", "fwd"), ">= 40x", lambda x: x >= 40)
+    add("chunk fwd vs fla naive_chunk at T=16,384", r(16384, ch, "fla naive_chunk", "fwd"), ">= 5x", lambda x: x >= 5)
+    add("chunk fwd vs fast-transformers at T=16,384", r(16384, ch, "fast-transformers C++", "fwd"), ">= 1.5x", lambda x: x >= 1.5)
+    add("chunk fwd+bwd vs SDPA at T=8,192", r(8192, ch, "softmax SDPA", "fwdbwd"), ">= 15x", lambda x: x >= 15)
+    small = [T for T in sorted({row["T"] for row in rows}) if T >= 256]
     for key in ("fwd", "fwdbwd"):
-        rs = [ratio(T, ch, "softmax SDPA", key) for T in small]
-        rs = [r for r in rs if r is not None]
+        rs = [r(T, ch, "softmax SDPA", key) for T in small]
+        rs = [x for x in rs if x is not None]
         if rs:
             out.append({"what": f"chunk beats SDPA ({key}) at every T >= 256 measured", "value": f"min {min(rs):.1f}x",
                         "target": "> 1x", "met": min(rs) > 1})

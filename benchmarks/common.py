@@ -59,3 +59,55 @@ def fla_file(rel: str):
 
 def fmt_ms(s) -> str:
     return "—" if s is None else (f"{s * 1e3:.1f} ms" if s >= 1e-3 else f"{s * 1e6:.0f} µs")
+
+
+def run_cases(cases: dict, lengths, repeats: int, budget: float, label: str = "T") -> list[dict]:
+    """cases: name -> (make_inputs(T), fn(*inputs), max T forward, max T forward+backward).
+
+    Forward runs under no_grad; forward+backward calls ``fn(*x).sum().backward()``.
+    Sizes above a case's limits are skipped (None).
+    """
+    rows = []
+    for T in lengths:
+        for name, (make, fn, max_f, max_b) in cases.items():
+            row = {label: T, "impl": name, "fwd": None, "fwdbwd": None}
+            if T <= max_f:
+                x = make(T)
+                with torch.no_grad():
+                    row["fwd"] = timeit(lambda: fn(*x), repeats, budget_s=budget)
+            if T <= max_b:
+                x = [t.requires_grad_() if t.is_floating_point() else t for t in make(T)]
+                row["fwdbwd"] = timeit(lambda: fn(*x).sum().backward(), max(1, repeats - 2), budget_s=budget)
+            rows.append(row)
+            print(f"  {label}={T:>6} {name:<28} fwd {fmt_ms(row['fwd']):>10}  fwd+bwd {fmt_ms(row['fwdbwd']):>10}",
+                  flush=True)
+    return rows
+
+
+def speed_tables(rows: list[dict], caption: str, label: str = "T") -> list[str]:
+    """Markdown: one table for forward, one for forward+backward, implementations as rows."""
+    impls = list(dict.fromkeys(r["impl"] for r in rows))
+    Ts = sorted({r[label] for r in rows})
+    get = {(r[label], r["impl"]): r for r in rows}
+    out = []
+    for key, title in (("fwd", "Forward"), ("fwdbwd", "Forward + backward")):
+        out += [f"**{title}** ({caption}; — = skipped: too slow or too large)", "",
+                "| impl | " + " | ".join(f"{label}={T:,}" for T in Ts) + " |", "|---|" + "---|" * len(Ts)]
+        for i in impls:
+            out.append(f"| {i} | " + " | ".join(fmt_ms(get[(T, i)][key]) if (T, i) in get else "—" for T in Ts) + " |")
+        out.append("")
+    return out
+
+
+def ratio(rows: list[dict], T: int, fast: str, slow: str, key: str, label: str = "T"):
+    """How many times faster ``fast`` ran than ``slow`` at T (None if either was skipped)."""
+    get = {(r[label], r["impl"]): r for r in rows}
+    a, b = get.get((T, fast)), get.get((T, slow))
+    if not a or not b or a[key] is None or b[key] is None:
+        return None
+    return b[key] / a[key]
+
+
+def target_lines(targets: list[dict]) -> list[str]:
+    return [f"- {t['what']}: {t['value']} (target {t['target']}) — **{'met' if t['met'] else 'not met'}**"
+            for t in targets]
