@@ -132,3 +132,18 @@ def test_bad_arguments_raise():
     with pytest.raises(ValueError, match="dtype"):
         softmax_attention(q, k.float(), v)
     assert flat(None) == []
+
+
+@pytest.mark.parametrize("window", [None, 1, 7])
+def test_kv_cache_appends_keep_every_token_and_windows_stay_bounded(window):
+    B, H, K = 2, 3, 4
+    cache = KVCache.empty(B, H, K, K, dtype=F64, window=window)
+    ks = torch.randn(B, 60, H, K, dtype=F64)
+    pos = 0
+    for t in (1, 3, 9, 1, 20, 2, 1, 1, 5, 17):
+        cache.append(ks[:, pos:pos + t], -ks[:, pos:pos + t])
+        pos += t
+        want = ks[:, :pos] if window is None else ks[:, max(0, pos - window):pos]
+        assert torch.equal(cache.k, want) and torch.equal(cache.v, -want) and cache.seen == pos
+        if window is not None:
+            assert cache.nbytes == 2 * (2 * window) * B * H * K * 8

@@ -84,8 +84,6 @@ def _finish(o, lse, cache, k, v, window, output_final_state, return_lse):
         else:
             state = KVCache(torch.cat([cache.k, k], 1), torch.cat([cache.v, v], 1), window=window,
                             seen=cache.seen + k.shape[1])
-        if window is not None and state.k.shape[1] != state._k.shape[1]:
-            state = KVCache(state.k.clone(), state.v.clone(), window=window, seen=state.seen)
     return (o, state, lse) if return_lse else (o, state)
 
 

@@ -3,7 +3,7 @@
 With a sliding window W only the last W entries are kept (a query sees itself and
 the W tokens before it), so the cache is bounded. Buffers grow by doubling, so
 appending one token is amortised O(1) copies; a window keeps a 2W buffer and
-slides it when full.
+slides it when full, however many tokens are appended at once.
 """
 
 from __future__ import annotations
@@ -24,13 +24,16 @@ class KVCache:
         if window is not None and window < 0:
             raise ValueError(f"window must be >= 0 or None, got {window!r}")
         self.window = window
+        self.seen = k.shape[1] if seen is None else seen
+        if window is not None and k.shape[1] > window:   # hold exactly the window, not the tensor it came from
+            k, v = k[:, k.shape[1] - window:].clone(), v[:, v.shape[1] - window:].clone()
         self._k, self._v = k, v
         self._start, self._len = 0, k.shape[1]
-        self.seen = self._len if seen is None else seen
-        self._trim()
 
     @classmethod
     def empty(cls, B, H, K, V, *, dtype=torch.float32, device=None, window=None, capacity=16):
+        if window is not None:
+            capacity = max(2 * window, 1)
         k = torch.empty(B, capacity, H, K, dtype=dtype, device=device)
         v = torch.empty(B, capacity, H, V, dtype=dtype, device=device)
         c = cls(k, v, window=window)
@@ -65,20 +68,44 @@ class KVCache:
 
     def append(self, k_new: torch.Tensor, v_new: torch.Tensor) -> "KVCache":
         """Append (B, t, H, K) keys and (B, t, H, V) values in place; returns self."""
+        if self.window is not None:
+            return self._append_window(k_new, v_new)
         t = k_new.shape[1]
         end = self._start + self._len
         if end + t > self._k.shape[1]:
-            need = self._len + t
-            cap = max(2 * need, 16) if self.window is None else max(2 * min(self.window, need), need, 16)
-            k_buf = self._k.new_empty(self._k.shape[0], cap, *self._k.shape[2:])
-            v_buf = self._v.new_empty(self._v.shape[0], cap, *self._v.shape[2:])
-            k_buf[:, :self._len] = self.k
-            v_buf[:, :self._len] = self.v
-            self._k, self._v, self._start = k_buf, v_buf, 0
+            self._realloc(max(2 * (self._len + t), 16))
             end = self._len
         self._k[:, end:end + t] = k_new
         self._v[:, end:end + t] = v_new
         self._len += t
+        self.seen += t
+        return self
+
+    def _realloc(self, capacity: int):
+        """Move the live entries to the front of fresh buffers of ``capacity`` tokens."""
+        k_buf = self._k.new_empty(self._k.shape[0], capacity, *self._k.shape[2:])
+        v_buf = self._v.new_empty(self._v.shape[0], capacity, *self._v.shape[2:])
+        k_buf[:, :self._len] = self.k
+        v_buf[:, :self._len] = self.v
+        self._k, self._v, self._start = k_buf, v_buf, 0
+
+    def _append_window(self, k_new, v_new):
+        """A windowed cache lives in a buffer of 2W tokens (W >= 1): bounded whatever is appended."""
+        W, t = self.window, k_new.shape[1]
+        cap = max(2 * W, 1)
+        if self._k.shape[1] != cap:
+            self._realloc(cap)
+        if t >= W:                                   # the new block alone fills the window
+            self._k[:, :W] = k_new[:, t - W:]
+            self._v[:, :W] = v_new[:, t - W:]
+            self._start, self._len = 0, W
+        else:
+            if self._start + self._len + t > cap:    # slide the live entries to the front
+                self._realloc(cap)
+            end = self._start + self._len
+            self._k[:, end:end + t] = k_new
+            self._v[:, end:end + t] = v_new
+            self._len += t
         self.seen += t
         self._trim()
         return self

@@ -1,0 +1,70 @@
+"""Softmax attention layer: rotary positions, grouped-query attention, optional sliding window.
+
+    q = rotary(x W_q) (B, T, H, K);  k, v = rotary(x W_k), x W_v  (B, T, H_kv, K)
+    o = softmax_attention(q, repeat(k), repeat(v), window=W);   y = W_o o
+
+The decoding state is a KVCache of the H_kv key/value heads only, so grouped-query
+attention (n_kv_heads < n_heads) shrinks the cache by n_heads / n_kv_heads; with a
+window W it holds the last W tokens. Default mode is "parallel" (SDPA), the fast
+form of softmax attention at training lengths.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from subquad.layers.base import Mixer
+from subquad.layers.rotary import apply_rotary
+from subquad.ops import KVCache, softmax_attention
+
+
+class SoftmaxAttention(Mixer):
+    def __init__(self, d_model: int, n_heads: int = 4, n_kv_heads: int | None = None, window: int | None = None,
+                 rotary: bool = True, mode: str = "parallel", chunk_size: int = 64):
+        super().__init__(d_model, mode, chunk_size)
+        self.n_heads, self.n_kv_heads = n_heads, n_kv_heads or n_heads
+        if d_model % n_heads:
+            raise ValueError(f"d_model={d_model} must divide by n_heads={n_heads}")
+        if n_heads % self.n_kv_heads:
+            raise ValueError(f"n_heads={n_heads} must be a multiple of n_kv_heads={self.n_kv_heads}")
+        self.head_dim = d_model // n_heads
+        self.window, self.rotary = window, rotary
+        K, Hk = self.head_dim, self.n_kv_heads
+        self.q_proj = nn.Linear(d_model, n_heads * K, bias=False)
+        self.k_proj = nn.Linear(d_model, Hk * K, bias=False)
+        self.v_proj = nn.Linear(d_model, Hk * K, bias=False)
+        self.o_proj = nn.Linear(n_heads * K, d_model, bias=False)
+
+    def empty_state(self, batch_size, device=None, dtype=torch.float32):
+        return KVCache.empty(batch_size, self.n_kv_heads, self.head_dim, self.head_dim, dtype=dtype,
+                             device=device, window=self.window)
+
+    def _repeat(self, x):
+        rep = self.n_heads // self.n_kv_heads
+        return x if rep == 1 else x.repeat_interleave(rep, dim=2)
+
+    def forward(self, x, state=None):
+        self._check_x(x)
+        B, T, _ = x.shape
+        K = self.head_dim
+        pos = state.seen if state is not None else 0
+        q = self.q_proj(x).view(B, T, self.n_heads, K)
+        k = self.k_proj(x).view(B, T, self.n_kv_heads, K)
+        v = self.v_proj(x).view(B, T, self.n_kv_heads, K)
+        if self.rotary:
+            q, k = apply_rotary(q, pos), apply_rotary(k, pos)
+        init = None
+        if state is not None and len(state):
+            init = KVCache(self._repeat(state.k), self._repeat(state.v), window=self.window, seen=state.seen)
+        o, _ = softmax_attention(q, self._repeat(k), self._repeat(v), window=self.window, mode=self.mode,
+                                 chunk_size=self.chunk_size, initial_state=init)
+        y = self.o_proj(o.reshape(B, T, self.n_heads * K))
+        if state is None:
+            new = KVCache(k, v, window=self.window)
+        elif torch.is_grad_enabled() and (k.requires_grad or state.k.requires_grad):
+            new = KVCache(torch.cat([state.k, k], 1), torch.cat([state.v, v], 1), window=self.window,
+                          seen=state.seen + T)
+        else:
+            new = state.append(k, v)       # decoding: in place, amortised O(1) per token
+        return y, new

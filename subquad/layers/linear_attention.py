@@ -1,0 +1,57 @@
+"""Linear attention layer (Katharopoulos et al. 2020) with a selectable feature map.
+
+    q, k = phi(x W_q), phi(x W_k)   (B, T, H, K') ;  v = x W_v  (B, T, H, V)
+    o    = linear_attention(q, k, v)              (normalised: phi(q) S / phi(q) z)
+    y    = W_o o
+
+``feature_map`` is any name in ``subquad.ops.FEATURE_MAPS``; ``qk_dim`` projects
+q and k to a smaller dim first (Based uses 16 with the Taylor map, whose feature
+dim is 1 + d + d^2).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from subquad.layers.base import Mixer
+from subquad.ops import feature_map as make_feature_map
+from subquad.ops import linear_attention
+
+
+class LinearAttention(Mixer):
+    def __init__(self, d_model: int, n_heads: int = 4, feature_map: str = "elu+1", normalize: bool = True,
+                 qk_dim: int | None = None, num_features: int = 64, mode: str = "chunk", chunk_size: int = 64):
+        super().__init__(d_model, mode, chunk_size)
+        if d_model % n_heads:
+            raise ValueError(f"d_model={d_model} must divide by n_heads={n_heads}")
+        self.n_heads, self.head_dim = n_heads, d_model // n_heads
+        self.qk_dim = qk_dim or self.head_dim
+        self.normalize = normalize
+        kw = {"num_features": num_features} if feature_map == "performer" else {}
+        self.phi = make_feature_map(feature_map, head_dim=self.qk_dim, **kw)
+        self.feature_dim = self.phi.out_dim(self.qk_dim)
+        self.q_proj = nn.Linear(d_model, n_heads * self.qk_dim, bias=False)
+        self.k_proj = nn.Linear(d_model, n_heads * self.qk_dim, bias=False)
+        self.v_proj = nn.Linear(d_model, d_model, bias=False)
+        self.o_proj = nn.Linear(d_model, d_model, bias=False)
+
+    def empty_state(self, batch_size, device=None, dtype=torch.float32):
+        sd = torch.float64 if dtype == torch.float64 else torch.float32
+        S = torch.zeros(batch_size, self.n_heads, self.feature_dim, self.head_dim, device=device, dtype=sd)
+        if not self.normalize:
+            return {"S": S}
+        return {"S": S, "z": torch.zeros(batch_size, self.n_heads, self.feature_dim, device=device, dtype=sd)}
+
+    def forward(self, x, state=None):
+        self._check_x(x)
+        B, T, _ = x.shape
+        H = self.n_heads
+        q = self.phi(self.q_proj(x).view(B, T, H, self.qk_dim), is_query=True).to(x.dtype)
+        k = self.phi(self.k_proj(x).view(B, T, H, self.qk_dim)).to(x.dtype)
+        v = self.v_proj(x).view(B, T, H, self.head_dim)
+        init = None if state is None else ((state["S"], state["z"]) if self.normalize else state["S"])
+        o, s = linear_attention(q, k, v, normalize=self.normalize, mode=self.mode, chunk_size=self.chunk_size,
+                                initial_state=init, output_final_state=True)
+        new = {"S": s[0], "z": s[1]} if self.normalize else {"S": s}
+        return self.o_proj(o.reshape(B, T, -1)), new
