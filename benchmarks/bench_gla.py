@@ -53,7 +53,7 @@ def op_cases(peers):
         cases["fla naive_chunk_simple_gla"] = (inputs("BTH"), lambda q, k, v, g: sg(q, k, v, g)[0], big, big)
     if peers.get("gla"):
         rg = peers["gla"].naive_recurrent_gla
-        cases["fla naive_recurrent_gla"] = (inputs("BTHK"), lambda q, k, v, g: rg(q, k, v, g)[0], big, big)
+        cases["fla naive_recurrent_gla"] = (inputs("BTHK"), lambda q, k, v, g: rg(q, k, v, g)[0], big, mid)
     return cases
 
 

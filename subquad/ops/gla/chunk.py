@@ -27,10 +27,10 @@ import torch.nn.functional as F
 SUB = 16  # sub-chunk of the per-key-dim decay
 
 
-def _heads(x, s, e):
-    """Rows s:e of (B, T, H, *rest) as (B*H, e-s, *rest)."""
-    B, _, H = x.shape[:3]
-    return x[:, s:e].transpose(1, 2).reshape(B * H, e - s, *x.shape[3:])
+def _heads(x):
+    """A chunk (B, c, H, *rest) as (B*H, c, *rest)."""
+    B, c, H = x.shape[:3]
+    return x.transpose(1, 2).reshape(B * H, c, *x.shape[3:])
 
 
 def _intra_scalar(qc, kc, b):
@@ -77,14 +77,16 @@ def chunk_decay_attention(q, k, v, g, *, scale, chunk_size=64, initial_state=Non
     S = torch.zeros(B * H, K, V, dtype=dt, device=q.device) if initial_state is None \
         else initial_state.reshape(B * H, K, V)
     outs = []
-    for s in range(0, Tp, C):
-        e = min(s + C, Tp)
-        qc, kc, vc = (_heads(x, s, e).to(dt) for x in (q, k, v))              # (BH, c, K|V)
-        b = _heads(g, s, e).cumsum(1)                                         # (BH, c[, K])
+    # torch.split, not slicing: the backward of T/C slices would each allocate a full-length
+    # zero gradient (quadratic in T); split's backward is one concatenation.
+    for qc, kc, vc, gc in zip(*(x.split(C, dim=1) for x in (q, k, v, g))):
+        c = qc.shape[1]
+        qc, kc, vc = (_heads(x).to(dt) for x in (qc, kc, vc))                 # (BH, c, K|V)
+        b = _heads(gc).cumsum(1)                                              # (BH, c[, K])
         bk = b if vector else b.unsqueeze(-1)                                 # (BH, c, K|1)
         A = _intra_vector(qc, kc, b) if vector else _intra_scalar(qc, kc, b)
         oc = (A @ vc + (qc * torch.exp(bk)) @ S) * scale                     # (BH, c, V)
-        outs.append(oc.view(B, H, e - s, V))
+        outs.append(oc.view(B, H, c, V))
         b_last = bk[:, -1:]                                                   # (BH, 1, K|1)
         S = torch.exp(b_last).transpose(1, 2) * S + (kc * torch.exp(b_last - bk)).transpose(1, 2) @ vc
     o = torch.cat(outs, 2).transpose(1, 2)[:, :T]                             # (B, T, H, V)
