@@ -49,7 +49,108 @@ def cmd_memory(args) -> int:
 def cmd_workshop(args) -> int:
     from subquad.bench import workshop
 
-    workshop.run(out=args.out, head_dim=args.head_dim, seed=args.seed)
+    workshop.run(out=args.out, head_dim=args.head_dim, seed=args.seed, steps=args.steps, seeds=args.seeds,
+                 data=args.data, train=not args.no_train, progress=not args.no_progress)
+    return 0
+
+
+def _option(text: str):
+    """--mixer-option swa.window=128  ->  ("swa", "window", 128)."""
+    import json
+
+    key, eq, value = text.partition("=")
+    mixer, dot, name = key.partition(".")
+    if not eq or not dot or not mixer or not name:
+        raise argparse.ArgumentTypeError(f"--mixer-option takes MIXER.KEY=VALUE (e.g. swa.window=128), got {text!r}")
+    try:
+        value = json.loads(value)
+    except json.JSONDecodeError:
+        pass
+    return mixer, name, value
+
+
+def _model_config(args):
+    from subquad.models import preset
+
+    overrides = {k: v for k, v in {"pattern": args.pattern, "d_model": args.d_model, "n_layers": args.n_layers,
+                                   "n_heads": args.n_heads, "n_kv_heads": args.n_kv_heads,
+                                   "context_length": args.context, "vocab_size": args.vocab_size}.items()
+                 if v is not None}
+    if args.no_mlp:
+        overrides["mlp"] = False
+    opts: dict = {}
+    for mixer, name, value in args.mixer_option or []:
+        opts.setdefault(mixer, {})[name] = value
+    if opts:
+        overrides["mixer_options"] = opts
+    return preset(args.preset, **overrides)
+
+
+def cmd_train(args) -> int:
+    from subquad.train import TrainConfig, TrainingDiverged, train_run
+
+    mcfg = _model_config(args)
+    tcfg = TrainConfig(steps=args.steps, batch_size=args.batch_size, lr=args.lr, warmup=args.warmup,
+                       eval_every=args.eval_every, ckpt_every=args.ckpt_every, seed=args.seed, bf16=args.bf16)
+    out = args.out or f"runs/{args.preset}-{mcfg.pattern.replace('*', 'x').replace(',', '_')}"
+    try:
+        r = train_run(mcfg, tcfg, out, data=args.data, resume=args.resume, progress=not args.no_progress)
+    except TrainingDiverged as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    print(f"done: {r['steps']} steps, held-out loss {r['heldout_loss']:.4f} nats/token; run in {out}")
+    return 0
+
+
+def cmd_eval(args) -> int:
+    import json
+    from pathlib import Path
+
+    from subquad.data.dataset import prepare
+    from subquad.train import evaluate, load_run
+
+    model, tok, meta = load_run(args.run)
+    cfg = json.loads((Path(args.run) / "config.json").read_text()) if (Path(args.run) / "config.json").exists() else {}
+    td = prepare(args.data or cfg.get("data"), model.config.vocab_size)
+    loss = evaluate(model, td.heldout, model.config.context_length, args.batch_size, args.batches)
+    print(f"{args.run}: step {meta['step']}, held-out loss {loss:.4f} nats/token "
+          f"({args.batches} x {args.batch_size} windows of {model.config.context_length})")
+    return 0
+
+
+def cmd_generate(args) -> int:
+    from subquad.models import load_state, save_state
+    from subquad.train import load_run
+
+    model, tok, _ = load_run(args.run)
+    state = None
+    if args.load_state:
+        state, extra = load_state(args.load_state)
+        ids = [extra["last_token"]] + (tok.encode(args.prompt).ids if args.prompt else [])
+    else:
+        if not args.prompt:
+            print("error: --prompt is required (or --load-state to continue a saved generation)", file=sys.stderr)
+            return 2
+        ids = tok.encode(args.prompt).ids
+        print(args.prompt, end="", flush=True)
+    new: list[int] = []
+    shown = [""]
+
+    def stream(t):
+        new.append(t)
+        text = tok.decode(new)
+        if not text.endswith("\ufffd"):          # wait for the rest of a multi-byte character
+            print(text[len(shown[0]):], end="", flush=True)
+            shown[0] = text
+
+    out, state = model.generate(ids, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
+                                top_p=args.top_p, seed=args.seed, state=state, on_token=stream)
+    print(tok.decode(new)[len(shown[0]):])
+    print(f"\n[state: {model.state_bytes(state):,} bytes over {model.config.n_layers} layers "
+          f"({', '.join(sorted(set(model.config.layers)))})]", file=sys.stderr)
+    if args.save_state:
+        save_state(args.save_state, state, {"last_token": out[-1] if out else ids[-1]})
+        print(f"[state saved to {args.save_state}; continue with --load-state]", file=sys.stderr)
     return 0
 
 
@@ -67,17 +168,71 @@ def build_parser() -> argparse.ArgumentParser:
                    help="measure allocated bytes at contexts up to this length (default 16384)")
     m.set_defaults(fn=cmd_memory)
 
-    w = sub.add_parser("workshop", help="the plate, reproduced: forms agree, memory, (training runs)")
+    w = sub.add_parser("workshop", help="the plate, reproduced: forms agree, memory, softmax vs linear training")
     w.add_argument("--out", default="runs/workshop", help="output folder (default runs/workshop)")
     w.add_argument("--head-dim", type=_positive, default=32)
     w.add_argument("--seed", type=int, default=0)
+    w.add_argument("--steps", type=_positive, default=600, help="training steps per run (default 600; the plate: 6000)")
+    w.add_argument("--seeds", type=_positive, default=1, help="repeat both runs with N seeds; report the gap's spread")
+    w.add_argument("--data", default=None, help="corpus: stdlib (default), shakespeare, or a local path")
+    w.add_argument("--no-train", action="store_true", help="only the first half (forms agree, memory)")
+    w.add_argument("--no-progress", action="store_true")
     w.set_defaults(fn=cmd_workshop)
+
+    t = sub.add_parser("train", help="train a language model from a preset and a layer pattern")
+    t.add_argument("--preset", default="micro", choices=["micro", "small", "jamba"])
+    t.add_argument("--pattern", help="mixers per layer, e.g. softmax | linear | 'mamba2*3,softmax,mamba2*4'")
+    t.add_argument("--d-model", type=_positive)
+    t.add_argument("--n-layers", type=_positive)
+    t.add_argument("--n-heads", type=_positive)
+    t.add_argument("--n-kv-heads", type=_positive, help="grouped-query attention for softmax layers")
+    t.add_argument("--context", type=_positive, help="training context length")
+    t.add_argument("--vocab-size", type=_positive, help="BPE vocabulary (default 4096)")
+    t.add_argument("--no-mlp", action="store_true")
+    t.add_argument("--mixer-option", type=_option, action="append", metavar="MIXER.KEY=VALUE",
+                   help="e.g. swa.window=128, linear.feature_map=performer (repeatable)")
+    t.add_argument("--steps", type=_positive, default=600)
+    t.add_argument("--batch-size", type=_positive, default=16)
+    t.add_argument("--lr", type=float, default=3e-3)
+    t.add_argument("--warmup", type=int, default=50)
+    t.add_argument("--eval-every", type=_positive, default=100)
+    t.add_argument("--ckpt-every", type=_positive, default=200)
+    t.add_argument("--seed", type=int, default=0)
+    t.add_argument("--bf16", action="store_true", help="bfloat16 autocast")
+    t.add_argument("--data", help="stdlib (default), shakespeare, or a local file/folder")
+    t.add_argument("--out", help="run folder (default runs/PRESET-PATTERN)")
+    t.add_argument("--resume", action="store_true", help="continue the run in --out from its last checkpoint")
+    t.add_argument("--no-progress", action="store_true")
+    t.set_defaults(fn=cmd_train)
+
+    e = sub.add_parser("eval", help="held-out loss of a trained run")
+    e.add_argument("--run", required=True, help="run folder (or one of its checkpoints)")
+    e.add_argument("--data", help="corpus (default: the run's)")
+    e.add_argument("--batches", type=_positive, default=16)
+    e.add_argument("--batch-size", type=_positive, default=16)
+    e.set_defaults(fn=cmd_eval)
+
+    g = sub.add_parser("generate", help="stream text from a trained run with its recurrent state")
+    g.add_argument("--run", required=True)
+    g.add_argument("--prompt", default="")
+    g.add_argument("--max-new-tokens", type=int, default=200)
+    g.add_argument("--temperature", type=float, default=0.8)
+    g.add_argument("--top-k", type=_positive)
+    g.add_argument("--top-p", type=float)
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--save-state", help="write the decoding state here (safetensors) to continue later")
+    g.add_argument("--load-state", help="continue from a state saved with --save-state")
+    g.set_defaults(fn=cmd_generate)
     return p
 
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
-    return args.fn(args)
+    try:
+        return args.fn(args)
+    except ValueError as e:            # bad input found past argparse: a clear message, no traceback
+        print(f"error: {e}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

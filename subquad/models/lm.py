@@ -1,0 +1,154 @@
+"""A decoder-only language model whose layers can be any mixer, or a hybrid of them.
+
+    h = embed(idx)
+    for each layer:  h = h + mixer(rmsnorm(h));  h = h + swiglu(rmsnorm(h))
+    logits = rmsnorm(h) @ embed^T            (tied embeddings)
+
+``forward(idx)`` trains with each mixer's configured form (chunk by default,
+SDPA for softmax); ``prefill`` returns the per-layer state, and ``generate``
+decodes token by token from it: a KV cache for softmax layers, a bounded window
+for sliding-window layers, a fixed-size state for the rest.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from subquad.layers import RMSNorm, build_mixer, tensor_bytes
+from subquad.models.config import ModelConfig
+
+
+class SwiGLU(nn.Module):
+    def __init__(self, d_model: int, hidden: int):
+        super().__init__()
+        self.w_gate = nn.Linear(d_model, hidden, bias=False)
+        self.w_up = nn.Linear(d_model, hidden, bias=False)
+        self.w_down = nn.Linear(hidden, d_model, bias=False)
+
+    def forward(self, x):
+        return self.w_down(F.silu(self.w_gate(x)) * self.w_up(x))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig, mixer_name: str):
+        super().__init__()
+        opts = {**cfg.mixer_options.get("*", {}), **cfg.mixer_options.get(mixer_name, {})}
+        self.mixer_name = mixer_name
+        self.norm1 = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.mixer = build_mixer(mixer_name, cfg.d_model, cfg.n_heads, n_kv_heads=cfg.n_kv_heads, **opts)
+        self.norm2 = RMSNorm(cfg.d_model, cfg.norm_eps) if cfg.mlp else None
+        self.mlp = SwiGLU(cfg.d_model, cfg.mlp_hidden) if cfg.mlp else None
+
+    def forward(self, h, state=None):
+        y, state = self.mixer(self.norm1(h), state)
+        h = h + y
+        if self.mlp is not None:
+            h = h + self.mlp(self.norm2(h))
+        return h, state
+
+
+class LanguageModel(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.config = cfg
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.blocks = nn.ModuleList(Block(cfg, name) for name in cfg.layers)
+        self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.head = None if cfg.tie_embeddings else nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        self.apply(self._init)
+
+    @staticmethod
+    def _init(m):
+        if isinstance(m, (nn.Linear, nn.Embedding)) and getattr(m, "weight", None) is not None and m.weight.dim() == 2:
+            nn.init.normal_(m.weight, std=0.02)
+            if isinstance(m, nn.Linear) and m.bias is not None:
+                nn.init.zeros_(m.bias)
+
+    def num_parameters(self) -> int:
+        return sum(p.numel() for p in self.parameters())
+
+    def _logits(self, h):
+        h = self.norm(h)
+        return h @ self.embed.weight.T if self.head is None else self.head(h)
+
+    def _check_idx(self, idx):
+        if not isinstance(idx, torch.Tensor) or idx.dim() != 2 or idx.dtype not in (torch.long, torch.int32, torch.int64):
+            raise ValueError(f"idx must be an integer tensor (B, T), got {getattr(idx, 'shape', type(idx))}")
+        if idx.numel() and (idx.min() < 0 or idx.max() >= self.config.vocab_size):
+            raise ValueError(f"token ids must lie in [0, {self.config.vocab_size}), got [{idx.min()}, {idx.max()}]")
+
+    def prefill(self, idx, state=None):
+        """idx (B, T) -> (logits (B, T, vocab), per-layer state). Continues from ``state`` when given."""
+        self._check_idx(idx)
+        h = self.embed(idx.long())
+        states = []
+        for i, block in enumerate(self.blocks):
+            h, s = block(h, None if state is None else state[i])
+            states.append(s)
+        return self._logits(h), states
+
+    def forward(self, idx):
+        """idx (B, T) -> logits (B, T, vocab)."""
+        return self.prefill(idx)[0]
+
+    def empty_state(self, batch_size: int = 1, device=None):
+        return [b.mixer.empty_state(batch_size, device=device) for b in self.blocks]
+
+    @staticmethod
+    def state_bytes(state) -> int:
+        """Bytes of every tensor the decoding state holds, measured from the tensors."""
+        return tensor_bytes(list(state))
+
+    @torch.no_grad()
+    def generate(self, prompt, max_new_tokens: int, temperature: float = 1.0, top_k: int | None = None,
+                 top_p: float | None = None, seed: int | None = None, state=None, on_token=None):
+        """Sample ``max_new_tokens`` after ``prompt`` (list of ids or a (T,) / (1, T) tensor).
+
+        Decodes with the recurrent state: the prompt is prefilled once, then one token per step.
+        ``temperature=0`` is greedy. ``on_token(id)`` streams tokens as they come. Returns
+        (new token ids, state), where the state has consumed the prompt and every new token but the
+        last: ``generate([new[-1]], n, state=state)`` continues exactly where this call stopped.
+        """
+        if max_new_tokens < 0:
+            raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
+        if temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {temperature}")
+        if top_k is not None and top_k < 1:
+            raise ValueError(f"top_k must be >= 1, got {top_k}")
+        if top_p is not None and not 0 < top_p <= 1:
+            raise ValueError(f"top_p must lie in (0, 1], got {top_p}")
+        was_training = self.training
+        self.eval()
+        idx = torch.as_tensor(prompt, dtype=torch.long).view(1, -1)
+        if idx.shape[1] == 0:
+            raise ValueError("prompt must hold at least one token")
+        gen = torch.Generator().manual_seed(seed) if seed is not None else None
+        logits, state = self.prefill(idx, state)
+        out = []
+        for i in range(max_new_tokens):
+            nxt = sample(logits[0, -1], temperature, top_k, top_p, gen)
+            out.append(nxt)
+            if on_token is not None:
+                on_token(nxt)
+            if i < max_new_tokens - 1:
+                logits, state = self.prefill(torch.tensor([[nxt]]), state)
+        self.train(was_training)
+        return out, state
+
+
+def sample(logits, temperature=1.0, top_k=None, top_p=None, generator=None) -> int:
+    """One token id from a (vocab,) logit vector."""
+    if temperature == 0:
+        return int(logits.argmax())
+    logits = logits.float() / temperature
+    if top_k is not None:
+        kth = torch.topk(logits, min(top_k, logits.numel())).values[-1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    probs = torch.softmax(logits, -1)
+    if top_p is not None and top_p < 1:
+        sp, si = torch.sort(probs, descending=True)
+        keep = sp.cumsum(0) - sp < top_p                 # the smallest set whose mass reaches top_p
+        probs = torch.zeros_like(probs).scatter(0, si[keep], sp[keep])
+    return int(torch.multinomial(probs, 1, generator=generator))

@@ -1,0 +1,8 @@
+"""Training: the trainer, evaluation, checkpoints."""
+
+from subquad.train.checkpoint import CheckpointError, latest_checkpoint, load_checkpoint, save_checkpoint
+from subquad.train.run import load_run, train_run
+from subquad.train.trainer import TrainConfig, Trainer, TrainingDiverged, cross_entropy, evaluate
+
+__all__ = ["CheckpointError", "latest_checkpoint", "load_checkpoint", "save_checkpoint", "TrainConfig", "Trainer",
+           "TrainingDiverged", "cross_entropy", "evaluate", "train_run", "load_run"]

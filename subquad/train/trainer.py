@@ -1,0 +1,163 @@
+"""Training: AdamW, warmup then cosine, gradient clipping, optional bfloat16 autocast, seeded,
+held-out loss every N steps, metrics as JSONL, atomic checkpoints, exact resume.
+
+The model is single-device code; parallelism (issue 8) is applied from outside.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from subquad.data.dataset import TokenData, get_batch
+from subquad.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+
+
+class TrainingDiverged(RuntimeError):
+    pass
+
+
+@dataclass
+class TrainConfig:
+    steps: int = 600
+    batch_size: int = 16
+    lr: float = 3e-3
+    min_lr_ratio: float = 0.1
+    warmup: int = 50
+    weight_decay: float = 0.1
+    grad_clip: float = 1.0
+    eval_every: int = 100
+    eval_batches: int = 8
+    ckpt_every: int = 200
+    seed: int = 0
+    bf16: bool = False
+
+    def __post_init__(self):
+        for name in ("steps", "batch_size", "eval_every", "eval_batches", "ckpt_every"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.lr <= 0:
+            raise ValueError(f"lr must be positive, got {self.lr}")
+
+    def lr_at(self, step: int) -> float:
+        """Linear warmup to lr, then cosine down to min_lr_ratio * lr at the last step (steps count from 1)."""
+        if step <= self.warmup:
+            return self.lr * step / max(1, self.warmup)
+        frac = (step - self.warmup) / max(1, self.steps - self.warmup)
+        return self.lr * (self.min_lr_ratio + (1 - self.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * min(1.0, frac))))
+
+
+def cross_entropy(model, x, y, bf16=False):
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+        logits = model(x)
+    return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), y.reshape(-1))
+
+
+@torch.no_grad()
+def evaluate(model, tokens, context: int, batch_size: int, batches: int, bf16=False, seed: int = 1234) -> float:
+    """Mean held-out loss (nats/token) over the same fixed windows every call."""
+    was = model.training
+    model.eval()
+    g = torch.Generator().manual_seed(seed)
+    losses = [cross_entropy(model, *get_batch(tokens, batch_size, context, g), bf16=bf16).item() for _ in range(batches)]
+    model.train(was)
+    return sum(losses) / len(losses)
+
+
+class Trainer:
+    def __init__(self, model, data: TokenData, cfg: TrainConfig, run_dir, progress: bool = True, extra_meta=None):
+        self.model, self.data, self.cfg = model, data, cfg
+        self.run_dir = Path(run_dir)
+        self.progress = progress
+        self.context = model.config.context_length
+        self.extra_meta = extra_meta or {}
+        torch.manual_seed(cfg.seed)
+        self.gen = torch.Generator().manual_seed(cfg.seed)
+        decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
+        no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
+        self.opt = torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
+                                      {"params": no_decay, "weight_decay": 0.0}], lr=cfg.lr, betas=(0.9, 0.95))
+        self.step = 0
+        self.curve: list[tuple[int, float]] = []
+
+    # -- state ---------------------------------------------------------------------------------------------
+    def _meta(self):
+        return {"model_config": self.model.config.to_dict(), "train_config": asdict(self.cfg),
+                "data_rng": self.gen.get_state().tolist(), "curve": self.curve, **self.extra_meta}
+
+    def save(self):
+        return save_checkpoint(self.run_dir, self.step, self.model, self.opt, self._meta())
+
+    def resume(self) -> bool:
+        if latest_checkpoint(self.run_dir) is None:
+            return False
+        model_sd, optim_sd, meta = load_checkpoint(self.run_dir)
+        self.model.load_state_dict(model_sd)
+        self.opt.load_state_dict(optim_sd)
+        self.gen.set_state(torch.tensor(meta["data_rng"], dtype=torch.uint8))
+        self.step = meta["step"]
+        self.curve = [tuple(p) for p in meta.get("curve", [])]
+        metrics = self.run_dir / "metrics.jsonl"
+        if metrics.exists():  # drop lines logged after the checkpoint: the resumed run writes them again
+            keep = [ln for ln in metrics.read_text().splitlines() if ln and json.loads(ln)["step"] <= self.step]
+            metrics.write_text("".join(k + "\n" for k in keep))
+        return True
+
+    # -- loop ----------------------------------------------------------------------------------------------
+    def fit(self, log=print) -> dict:
+        cfg, model = self.cfg, self.model
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        model.train()
+        bar = None
+        if self.progress:
+            from tqdm import tqdm
+            bar = tqdm(total=cfg.steps, initial=self.step, desc=self.run_dir.name, unit="step", leave=False,
+                       dynamic_ncols=True)
+        metrics = open(self.run_dir / "metrics.jsonl", "a")
+        tokens_per_step = cfg.batch_size * self.context
+        t_last, tok_rate = time.perf_counter(), 0.0
+        try:
+            while self.step < cfg.steps:
+                step = self.step + 1
+                lr = cfg.lr_at(step)
+                for group in self.opt.param_groups:
+                    group["lr"] = lr
+                x, y = get_batch(self.data.train, cfg.batch_size, self.context, self.gen)
+                loss = cross_entropy(model, x, y, cfg.bf16)
+                if not torch.isfinite(loss):
+                    raise TrainingDiverged(f"loss became {loss.item()} at step {step}; stopped. The last good "
+                                           f"checkpoint is kept in {self.run_dir / 'ckpt'} (try a lower --lr)")
+                self.opt.zero_grad(set_to_none=True)
+                loss.backward()
+                gnorm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+                self.opt.step()
+                self.step = step
+                now = time.perf_counter()
+                tok_rate = tokens_per_step / max(now - t_last, 1e-9)
+                t_last = now
+                rec = {"step": step, "loss": round(loss.item(), 5), "lr": lr, "grad_norm": round(float(gnorm), 4),
+                       "tokens_per_s": round(tok_rate, 1)}
+                if step % cfg.eval_every == 0 or step == cfg.steps:
+                    ev = evaluate(model, self.data.heldout, self.context, cfg.batch_size, cfg.eval_batches, cfg.bf16)
+                    rec["heldout_loss"] = round(ev, 5)
+                    self.curve.append((step, ev))
+                    t_last = time.perf_counter()       # evaluation time is not training throughput
+                metrics.write(json.dumps(rec) + "\n")
+                metrics.flush()
+                if bar is not None:
+                    bar.update(1)
+                    bar.set_postfix(loss=f"{rec['loss']:.3f}", tok_s=f"{tok_rate:,.0f}",
+                                    **({"heldout": f"{rec['heldout_loss']:.3f}"} if "heldout_loss" in rec else {}))
+                if step % cfg.ckpt_every == 0 or step == cfg.steps:
+                    self.save()
+        finally:
+            metrics.close()
+            if bar is not None:
+                bar.close()
+        return {"steps": self.step, "heldout_loss": self.curve[-1][1] if self.curve else None, "curve": self.curve}
