@@ -23,7 +23,8 @@ test: $(STAMP)
 # Peers for benchmarks/ only. fast-transformers compiles a C++ extension (~5 min);
 # with nvcc on PATH it would try CUDA, so PATH is cut to a copy without nvcc.
 bench-deps: $(STAMP)
-	$(PY) -m pip install -q -e ".[bench]"
+	$(PY) -c "import torch; print('torch==' + torch.__version__.split('+')[0])" > $(VENV)/torch-constraint.txt
+	$(PY) -m pip install -q -e ".[bench]" -c $(VENV)/torch-constraint.txt
 	mkdir -p $(VENV)/nonvcc && for f in $$(dirname $$(command -v $(PYTHON)))/* /usr/local/bin/*; do \
 	  case $$(basename $$f) in nvcc) ;; *) ln -sf $$f $(VENV)/nonvcc/ 2>/dev/null;; esac; done
 	env PATH=$(CURDIR)/$(VENV)/bin:$(CURDIR)/$(VENV)/nonvcc:/usr/bin:/bin CUDA_HOME= \
@@ -32,6 +33,10 @@ bench-deps: $(STAMP)
 
 bench: bench-deps
 	$(PY) benchmarks/bench_linear_attention.py
+	$(PY) benchmarks/bench_gla.py
+	$(PY) benchmarks/bench_delta_rule.py
+	$(PY) benchmarks/bench_mamba.py
+	$(PY) benchmarks/bench_models.py
 
 clean:
 	rm -rf $(VENV) runs

@@ -50,7 +50,7 @@ def cmd_workshop(args) -> int:
     from subquad.bench import workshop
 
     workshop.run(out=args.out, head_dim=args.head_dim, seed=args.seed, steps=args.steps, seeds=args.seeds,
-                 data=args.data, train=not args.no_train, progress=not args.no_progress)
+                 data=args.data, train=not args.no_train, progress=not args.no_progress, positions=args.positions)
     return 0
 
 
@@ -154,6 +154,37 @@ def cmd_generate(args) -> int:
     return 0
 
 
+def _sizes(text: str):
+    try:
+        out = [tuple(int(v) for v in item.lower().split("x")) for item in text.split(",") if item.strip()]
+    except ValueError:
+        out = []
+    if not out or any(len(t) != 2 for t in out):
+        raise argparse.ArgumentTypeError(f"--sizes takes TxN pairs like 64x4,128x8, got {text!r}")
+    return out
+
+
+def cmd_recall(args) -> int:
+    from pathlib import Path
+
+    from subquad.bench import recall
+
+    if args.quick:
+        kw = dict(mixers=args.mixers or ["softmax", "linear (elu+1)"], sizes=[(16, 2)], d_models=[32], lrs=[3e-3],
+                  vocab=32, steps=30, batch=16, time_budget=30.0)
+    else:
+        kw = dict(mixers=args.mixers, sizes=args.sizes, d_models=args.d_models, lrs=args.lrs, vocab=args.vocab,
+                  steps=args.steps, batch=args.batch_size, time_budget=args.time_budget)
+    res = recall.sweep(out=args.out, mlp=args.mlp, progress=not args.no_progress, **kw)
+    md = recall.table(res)
+    out = Path(args.out)
+    (out / "recall.md").write_text(md + "\n")
+    recall.plot(res, out / "recall.png")
+    print("\nMQAR accuracy (best over learning rates):\n" + md)
+    print(f"\nwrote {out / 'recall.json'}, recall.md and recall.png ({res['seconds_this_run']} s this run)")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="subquad", description=__doc__)
     sub = p.add_subparsers(dest="command", required=True)
@@ -175,6 +206,9 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--steps", type=_positive, default=600, help="training steps per run (default 600; the plate: 6000)")
     w.add_argument("--seeds", type=_positive, default=1, help="repeat both runs with N seeds; report the gap's spread")
     w.add_argument("--data", default=None, help="corpus: stdlib (default), shakespeare, or a local path")
+    w.add_argument("--positions", default="rope", choices=["rope", "learned"],
+                   help="rope: rotary in softmax, none in linear (default); learned: the same learned "
+                        "absolute positions in both")
     w.add_argument("--no-train", action="store_true", help="only the first half (forms agree, memory)")
     w.add_argument("--no-progress", action="store_true")
     w.set_defaults(fn=cmd_workshop)
@@ -204,6 +238,22 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--resume", action="store_true", help="continue the run in --out from its last checkpoint")
     t.add_argument("--no-progress", action="store_true")
     t.set_defaults(fn=cmd_train)
+
+    r = sub.add_parser("recall", help="MQAR recall of every mixer against its state size (Zoology)")
+    r.add_argument("--out", default="runs/recall")
+    r.add_argument("--mixers", type=lambda t: [m.strip() for m in t.split(",")],
+                   help="comma-separated labels (default: all; see subquad.bench.recall.MIXERS)")
+    r.add_argument("--sizes", type=_sizes, default=[(64, 4), (128, 8)], help="TxN pairs (default 64x4,128x8)")
+    r.add_argument("--d-models", type=lambda t: [int(v) for v in t.split(",")], default=[64])
+    r.add_argument("--lrs", type=lambda t: [float(v) for v in t.split(",")], default=[3e-3])
+    r.add_argument("--vocab", type=_positive, default=512, help="vocabulary (default 512; Zoology: 8192)")
+    r.add_argument("--steps", type=_positive, default=1000)
+    r.add_argument("--batch-size", type=_positive, default=64)
+    r.add_argument("--time-budget", type=float, default=90.0, help="seconds per cell before it stops")
+    r.add_argument("--mlp", action="store_true", help="add the SwiGLU MLP (Zoology's default has none)")
+    r.add_argument("--quick", action="store_true", help="a tiny sweep (seconds), for tests")
+    r.add_argument("--no-progress", action="store_true")
+    r.set_defaults(fn=cmd_recall)
 
     e = sub.add_parser("eval", help="held-out loss of a trained run")
     e.add_argument("--run", required=True, help="run folder (or one of its checkpoints)")

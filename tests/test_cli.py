@@ -6,17 +6,30 @@ from subquad.cli import main
 
 
 def test_memory_command_prints_plate_numbers(capsys):
-    assert main(["memory", "--context", "131072", "--measure-max", "1024", "--flops"]) == 0
+    assert main(["memory", "--context", "1024,131072", "--measure-max", "1024", "--flops"]) == 0
     out = capsys.readouterr().out
     assert "8,388,608" in out and "1,056" in out and "N²d" in out
 
 
 def test_workshop_writes_png_and_json(tmp_path, capsys):
-    assert main(["workshop", "--out", str(tmp_path)]) == 0
+    assert main(["workshop", "--out", str(tmp_path), "--no-train"]) == 0
     res = json.loads((tmp_path / "workshop.json").read_text())
     assert res["parallel_vs_recurrent_max_abs_diff"] < 1e-14
     assert (tmp_path / "workshop.png").stat().st_size > 10_000
     assert "max |parallel - recurrent|" in capsys.readouterr().out
+
+
+def test_workshop_second_half_trains_both_runs_and_reports_the_gap(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("SUBQUAD_CACHE", str(tmp_path / "cache"))
+    corpus = tmp_path / "code.py"
+    corpus.write_text("".join(f"def h{i}(z):\n    return z * {i}\n\n" for i in range(400)))
+    out = tmp_path / "ws"
+    assert main(["workshop", "--out", str(out), "--steps", "3", "--seeds", "2", "--data", str(corpus),
+                 "--no-progress"]) == 0
+    res = json.loads((out / "workshop.json").read_text())["training"]
+    assert len(res["final"]["softmax"]) == len(res["final"]["linear"]) == 2
+    assert res["gap_std"] is not None and abs(res["gap_mean"] - sum(res["gaps"]) / 2) < 1e-12
+    assert "gap" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("argv", [["memory", "--context", "abc"], ["memory", "--context", "0"],
@@ -26,3 +39,47 @@ def test_bad_arguments_exit_with_usage(argv, capsys):
         main(argv)
     assert e.value.code == 2
     assert "error" in capsys.readouterr().err
+
+
+def test_train_eval_generate_end_to_end(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("SUBQUAD_CACHE", str(tmp_path / "cache"))
+    corpus = tmp_path / "code.py"
+    corpus.write_text("".join(f"def g{i}(y):\n    return y - {i}\n\n" for i in range(300)))
+    run = tmp_path / "run"
+    argv = ["train", "--data", str(corpus), "--vocab-size", "300", "--d-model", "32", "--n-layers", "2",
+            "--n-heads", "2", "--context", "32", "--pattern", "linear,softmax", "--steps", "4", "--batch-size", "2",
+            "--eval-every", "2", "--ckpt-every", "2", "--out", str(run), "--no-progress"]
+    assert main(argv) == 0
+    assert "held-out loss" in capsys.readouterr().out
+    assert main(argv) == 2                                   # refuses to overwrite a run without --resume
+    assert "--resume" in capsys.readouterr().err
+    assert main(argv[:-3] + ["--out", str(run), "--resume", "--steps", "6", "--no-progress"]) == 0
+    assert main(["eval", "--run", str(run), "--batches", "2", "--batch-size", "2"]) == 0
+    assert "step 6" in capsys.readouterr().out
+    st = tmp_path / "state.safetensors"
+    assert main(["generate", "--run", str(run), "--prompt", "def g1", "--max-new-tokens", "5",
+                 "--save-state", str(st)]) == 0
+    err = capsys.readouterr().err
+    assert "state:" in err and st.exists()
+    assert main(["generate", "--run", str(run), "--load-state", str(st), "--max-new-tokens", "3"]) == 0
+    capsys.readouterr()
+    assert main(["generate", "--run", str(tmp_path / "missing")]) == 2
+    assert "not a checkpoint" in capsys.readouterr().err
+
+
+def test_train_refuses_bad_options(capsys):
+    with pytest.raises(SystemExit):
+        main(["train", "--mixer-option", "window128"])
+    assert main(["train", "--pattern", "softmax*3", "--no-progress"]) == 2
+    assert "describes 3 layers" in capsys.readouterr().err
+
+
+def test_quick_recall_sweep_runs_end_to_end_and_resumes(tmp_path, capsys):
+    out = tmp_path / "recall"
+    assert main(["recall", "--quick", "--out", str(out), "--no-progress"]) == 0
+    res = json.loads((out / "recall.json").read_text())
+    assert len(res["cells"]) == 2 and all(0 <= c["accuracy"] <= 1 and c["state_bytes"] > 0 for c in res["cells"].values())
+    assert (out / "recall.png").exists() and "softmax" in (out / "recall.md").read_text()
+    capsys.readouterr()
+    assert main(["recall", "--quick", "--out", str(out), "--no-progress"]) == 0     # resumes: nothing left to run
+    assert "[1/2]" not in capsys.readouterr().out

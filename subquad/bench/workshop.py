@@ -41,8 +41,15 @@ def parallel_vs_recurrent(T: int = 32, head_dim: int = 32, seed: int = 0) -> flo
 
 
 def training_runs(out: Path, steps: int, seeds: int, data=None, batch_size: int = 16, progress: bool = True,
-                  log=print) -> dict:
-    """Softmax against linear attention (elu+1) at micro's shape; one pair of runs per seed."""
+                  positions: str = "rope", log=print) -> dict:
+    """Softmax against linear attention (elu+1) at micro's shape; one pair of runs per seed.
+
+    positions="rope": each mixer as it is used today - rotary positions inside softmax attention,
+    none for linear attention (causal and recurrent, it needs none). positions="learned": both get the
+    same learned absolute position embedding and softmax no rotary (the 2020 setting).
+    """
+    if positions not in ("rope", "learned"):
+        raise ValueError(f"positions must be 'rope' or 'learned', got {positions!r}")
     from subquad.data.dataset import prepare
     from subquad.models import micro
     from subquad.train import TrainConfig, train_run
@@ -53,7 +60,11 @@ def training_runs(out: Path, steps: int, seeds: int, data=None, batch_size: int 
         for name in ("softmax", "linear"):
             cfg = TrainConfig(steps=steps, batch_size=batch_size, seed=seed, eval_every=max(1, steps // 12),
                               ckpt_every=max(1, steps // 4), warmup=min(50, max(1, steps // 10)))
-            r = train_run(micro(pattern=name), cfg, out / f"{name}_seed{seed}", data=data, resume=True,
+            if positions == "learned":
+                mcfg = micro(pattern=name, pos_emb="learned", mixer_options={"softmax": {"rotary": False}})
+            else:
+                mcfg = micro(pattern=name)
+            r = train_run(mcfg, cfg, out / f"{name}_{positions}_seed{seed}", data=data, resume=True,
                           progress=progress, log=log, token_data=td)
             runs[name].append(r)
             log(f"      {name:<8} seed {seed}: held-out loss {r['heldout_loss']:.4f} after {r['steps']} steps")
@@ -61,14 +72,14 @@ def training_runs(out: Path, steps: int, seeds: int, data=None, batch_size: int 
     gaps = [lin - soft for soft, lin in zip(final["softmax"], final["linear"])]
     mean = sum(gaps) / len(gaps)
     spread = (sum((g - mean) ** 2 for g in gaps) / (len(gaps) - 1)) ** 0.5 if len(gaps) > 1 else None
-    return {"steps": steps, "seeds": seeds, "final": final, "gaps": gaps, "gap_mean": mean, "gap_std": spread,
+    return {"steps": steps, "seeds": seeds, "positions": positions, "final": final, "gaps": gaps, "gap_mean": mean, "gap_std": spread,
             "curves": {n: [r["curve"] for r in rs] for n, rs in runs.items()},
             "parameters": runs["softmax"][0]["parameters"], "manifest_sha256": td.manifest["sha256"],
             "python": td.manifest["python"]}
 
 
 def run(out: str | Path = "runs/workshop", head_dim: int = 32, contexts=None, seed: int = 0, steps: int = 600,
-        seeds: int = 1, data=None, train: bool = True, progress: bool = True) -> dict:
+        seeds: int = 1, data=None, train: bool = True, progress: bool = True, positions: str = "rope") -> dict:
     t0 = time.time()
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
@@ -93,9 +104,12 @@ def run(out: str | Path = "runs/workshop", head_dim: int = 32, contexts=None, se
 
     curves = None
     if train:
+        pos = {"rope": "rotary positions in softmax, none in linear",
+               "learned": "learned absolute positions in both"}[positions]
         print(f"\n[3/{total}] training micro (d_model 128, 4 layers, 4 heads of 32, context 256): softmax vs "
-              f"linear (elu+1), {steps} steps x {seeds} seed(s) on {data or 'the Python stdlib corpus'}")
-        tr = training_runs(out, steps, seeds, data, progress=progress, log=lambda m: print("      " + m))
+              f"linear (elu+1), {pos}, {steps} steps x {seeds} seed(s) on {data or 'the Python stdlib corpus'}")
+        tr = training_runs(out, steps, seeds, data, progress=progress, positions=positions,
+                           log=lambda m: print("      " + m))
         result["training"] = tr
         curves = {}
         for name in ("softmax", "linear"):

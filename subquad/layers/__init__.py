@@ -6,12 +6,15 @@ See ``subquad.layers.base`` for the contract (empty state, state bytes, decoding
 from subquad.layers.attention import SoftmaxAttention
 from subquad.layers.base import Mixer, tensor_bytes
 from subquad.layers.conv import ShortConv
+from subquad.layers.deltanet import DeltaNet, GatedDeltaNet
 from subquad.layers.gla import GatedLinearAttention
 from subquad.layers.linear_attention import LinearAttention
+from subquad.layers.linformer import Linformer
+from subquad.layers.mamba import Mamba
 from subquad.layers.mamba2 import Mamba2
 from subquad.layers.norm import GatedRMSNorm, RMSNorm
 from subquad.layers.registry import MIXERS, build_mixer
 from subquad.layers.retention import MultiScaleRetention
 
 __all__ = ["Mixer", "tensor_bytes", "ShortConv", "RMSNorm", "GatedRMSNorm", "MIXERS", "build_mixer",
-           "SoftmaxAttention", "LinearAttention", "MultiScaleRetention", "GatedLinearAttention", "Mamba2"]
+           "SoftmaxAttention", "LinearAttention", "DeltaNet", "GatedDeltaNet", "Mamba", "Linformer", "MultiScaleRetention", "GatedLinearAttention", "Mamba2"]

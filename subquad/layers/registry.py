@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 from subquad.layers.attention import SoftmaxAttention
+from subquad.layers.deltanet import DeltaNet, GatedDeltaNet
 from subquad.layers.gla import GatedLinearAttention
 from subquad.layers.linear_attention import LinearAttention
+from subquad.layers.mamba import Mamba
 from subquad.layers.mamba2 import Mamba2
 from subquad.layers.retention import MultiScaleRetention
 
@@ -41,6 +43,18 @@ def _mamba2(d_model, n_heads, n_kv_heads=None, **kw):
     return Mamba2(d_model, **kw)
 
 
+def _deltanet(d_model, n_heads, n_kv_heads=None, **kw):
+    return DeltaNet(d_model, n_heads, **kw)
+
+
+def _gated_deltanet(d_model, n_heads, n_kv_heads=None, **kw):
+    return GatedDeltaNet(d_model, n_heads, **kw)
+
+
+def _mamba(d_model, n_heads, n_kv_heads=None, **kw):
+    return Mamba(d_model, **kw)
+
+
 MIXERS = {
     "softmax": _softmax,          # full causal softmax attention (KV cache grows)
     "swa": _swa,                  # sliding-window softmax attention (bounded cache), window=64 unless set
@@ -49,7 +63,10 @@ MIXERS = {
     "taylor": _named_map("taylor", qk_dim=16),   # Based's second-order Taylor map on a 16-dim projection
     "retention": _retention,      # RetNet
     "gla": _gla,
+    "mamba": _mamba,              # Mamba-1 (selective scan, S6)
     "mamba2": _mamba2,
+    "deltanet": _deltanet,
+    "gated_deltanet": _gated_deltanet,
 }
 
 

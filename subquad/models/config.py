@@ -59,6 +59,7 @@ class ModelConfig:
     mlp: bool = True                     # SwiGLU MLP after each mixer (Zoology's recall setting turns it off)
     mlp_ratio: float = 4.0               # hidden = 2/3 * ratio * d_model: a SwiGLU with a 4x MLP's parameters
     context_length: int = 256
+    pos_emb: str = "none"                # "none" (positions from the mixers: RoPE, recurrence) or "learned"
     tie_embeddings: bool = True
     norm_eps: float = 1e-6
 
@@ -70,6 +71,8 @@ class ModelConfig:
         if self.d_model % self.n_heads:
             raise ValueError(f"d_model={self.d_model} must divide by n_heads={self.n_heads}")
         parse_pattern(self.pattern, self.n_layers)
+        if self.pos_emb not in ("none", "learned"):
+            raise ValueError(f"pos_emb must be 'none' or 'learned', got {self.pos_emb!r}")
 
     @property
     def layers(self) -> list[str]:

@@ -49,11 +49,20 @@ class Block(nn.Module):
         return h, state
 
 
+class ModelState(list):
+    """Per-layer decoding states, plus ``pos``: how many tokens the model has consumed."""
+
+    def __init__(self, layers=(), pos: int = 0):
+        super().__init__(layers)
+        self.pos = pos
+
+
 class LanguageModel(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.config = cfg
         self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.pos_embed = nn.Embedding(cfg.context_length, cfg.d_model) if cfg.pos_emb == "learned" else None
         self.blocks = nn.ModuleList(Block(cfg, name) for name in cfg.layers)
         self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.head = None if cfg.tie_embeddings else nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
@@ -82,8 +91,15 @@ class LanguageModel(nn.Module):
     def prefill(self, idx, state=None):
         """idx (B, T) -> (logits (B, T, vocab), per-layer state). Continues from ``state`` when given."""
         self._check_idx(idx)
+        pos = 0 if state is None else getattr(state, "pos", 0)
         h = self.embed(idx.long())
-        states = []
+        if self.pos_embed is not None:
+            end = pos + idx.shape[1]
+            if end > self.config.context_length:
+                raise ValueError(f"learned positions end at context_length={self.config.context_length}; "
+                                 f"this call reaches position {end} (use pos_emb='none' to decode without limit)")
+            h = h + self.pos_embed(torch.arange(pos, end, device=idx.device))
+        states = ModelState(pos=pos + idx.shape[1])
         for i, block in enumerate(self.blocks):
             h, s = block(h, None if state is None else state[i])
             states.append(s)
@@ -94,7 +110,7 @@ class LanguageModel(nn.Module):
         return self.prefill(idx)[0]
 
     def empty_state(self, batch_size: int = 1, device=None):
-        return [b.mixer.empty_state(batch_size, device=device) for b in self.blocks]
+        return ModelState([b.mixer.empty_state(batch_size, device=device) for b in self.blocks])
 
     @staticmethod
     def state_bytes(state) -> int:

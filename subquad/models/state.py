@@ -31,7 +31,8 @@ def save_state(path, state, extra: dict | None = None) -> None:
     tensors, meta = state_to_tensors(state)
     path = Path(path)
     tmp = path.with_name(path.name + ".tmp")
-    save_file(tensors, str(tmp), metadata={"layers": json.dumps(meta), "extra": json.dumps(extra or {})})
+    save_file(tensors, str(tmp), metadata={"layers": json.dumps(meta), "extra": json.dumps(extra or {}),
+                                           "pos": str(getattr(state, "pos", 0))})
     os.replace(tmp, path)
 
 
@@ -46,10 +47,13 @@ def load_state(path):
         with safe_open(str(path), framework="pt") as f:
             meta = json.loads(f.metadata()["layers"])
             extra = json.loads(f.metadata().get("extra", "{}"))
+            pos = int(f.metadata().get("pos", 0))
             tensors = {k: f.get_tensor(k) for k in f.keys()}
     except Exception as e:
         raise ValueError(f"state file {path} is truncated or corrupted: {e}") from None
-    state = []
+    from subquad.models.lm import ModelState
+
+    state = ModelState(pos=pos)
     for i in range(len(meta)):
         m = meta[str(i)]
         if m["kind"] == "kv":

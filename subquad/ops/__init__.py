@@ -15,7 +15,10 @@ Each op takes ``mode`` in ``("parallel", "recurrent", "chunk")``, ``chunk_size``
 
 from subquad.ops.common.lse import merge_attention
 from subquad.ops.feature_maps import FEATURE_MAPS, feature_map
+from subquad.ops.delta_rule import delta_rule, gated_delta_rule
 from subquad.ops.gla import gla, retention, simple_gla
+from subquad.ops.linformer import linformer_attention
+from subquad.ops.mamba import selective_scan
 from subquad.ops.linear_attn import (
     chunk_linear_attention,
     linear_attention,
@@ -43,6 +46,10 @@ __all__ = [
     "retention",
     "simple_gla",
     "gla",
+    "delta_rule",
+    "gated_delta_rule",
+    "selective_scan",
+    "linformer_attention",
     "parallel_linear_attention",
     "recurrent_linear_attention",
     "chunk_linear_attention",

@@ -110,8 +110,10 @@ class Trainer:
         return True
 
     # -- loop ----------------------------------------------------------------------------------------------
-    def fit(self, log=print) -> dict:
+    def fit(self, log=print, stop_at: int | None = None) -> dict:
+        """Train to ``cfg.steps`` (or stop early after step ``stop_at``, as a kill would, for staged runs)."""
         cfg, model = self.cfg, self.model
+        last = cfg.steps if stop_at is None else min(stop_at, cfg.steps)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         model.train()
         bar = None
@@ -123,7 +125,7 @@ class Trainer:
         tokens_per_step = cfg.batch_size * self.context
         t_last, tok_rate = time.perf_counter(), 0.0
         try:
-            while self.step < cfg.steps:
+            while self.step < last:
                 step = self.step + 1
                 lr = cfg.lr_at(step)
                 for group in self.opt.param_groups:

@@ -1,0 +1,155 @@
+"""The recall sweep: MQAR accuracy of 2-layer models for every mixer, against the bytes of state they keep.
+
+Zoology's setting (2 layers, no MLP by default), scaled to 2 CPU cores: vocab 512
+(not 8,192), d_model 64, (T, N) in {(64, 4), (128, 8)}, lr 3e-3 - see the README
+for why. Each cell trains until 99% answer accuracy on held-out examples or its
+step budget, keeping the best learning rate tried. Results go to a JSON that a
+rerun resumes from (finished cells are skipped), a table and a PNG of accuracy
+against state bytes.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from subquad.models import LanguageModel, ModelConfig
+from subquad.tasks import answer_accuracy, mqar
+
+MIXERS = {            # label -> (pattern, mixer options)
+    "softmax": ("softmax", {}),
+    "sliding window (16)": ("swa", {"swa": {"window": 16}}),
+    "linear (elu+1)": ("linear", {}),
+    "performer": ("performer", {}),
+    "taylor (Based)": ("taylor", {}),
+    "retention (RetNet)": ("retention", {}),
+    "gla": ("gla", {}),
+    "deltanet": ("deltanet", {}),
+    "gated deltanet": ("gated_deltanet", {}),
+    "mamba": ("mamba", {}),
+    "mamba2": ("mamba2", {}),
+    "hybrid (mamba2, softmax)": ("mamba2,softmax", {}),
+}
+
+
+def cell_model(pattern, options, vocab, d_model, T, mlp, seed):
+    torch.manual_seed(seed)
+    cfg = ModelConfig(vocab_size=vocab, d_model=d_model, n_layers=2, n_heads=2 if d_model <= 64 else 4,
+                      context_length=T, pattern=pattern, mixer_options=options, mlp=mlp)
+    return LanguageModel(cfg)
+
+
+def state_bytes(model, T):
+    with torch.no_grad():
+        return model.state_bytes(model.prefill(torch.zeros(1, T, dtype=torch.long))[1])
+
+
+def train_cell(pattern, options, *, T, N, vocab, d_model, lr, steps, batch, mlp, seed, time_budget, log):
+    xtr, ytr = mqar(20_000 if steps * batch > 20_000 else steps * batch, T, N, vocab, seed=seed)
+    xte, yte = mqar(1_000, T, N, vocab, seed=seed + 10_000)
+    model = cell_model(pattern, options, vocab, d_model, T, mlp, seed)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.1)
+    sched = torch.optim.lr_scheduler.OneCycleLR(opt, lr, total_steps=steps, pct_start=0.1)
+    g = torch.Generator().manual_seed(seed)
+    best, t0, step = 0.0, time.time(), 0
+    for step in range(1, steps + 1):
+        idx = torch.randint(0, len(xtr), (batch,), generator=g)
+        logits = model(xtr[idx])
+        loss = F.cross_entropy(logits.reshape(-1, vocab), ytr[idx].reshape(-1), ignore_index=-100)
+        opt.zero_grad()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        sched.step()
+        if step % 50 == 0 or step == steps:
+            with torch.no_grad():
+                acc = sum(answer_accuracy(model(xte[i:i + 250]), yte[i:i + 250]) for i in range(0, 1000, 250)) / 4
+            best = max(best, acc)
+            log(f"step {step}: loss {loss.item():.3f}, accuracy {acc:.3f}")
+            if acc >= 0.99 or time.time() - t0 > time_budget:
+                break
+    return {"accuracy": best, "steps": step, "seconds": round(time.time() - t0, 1),
+            "state_bytes": state_bytes(model, T), "parameters": model.num_parameters()}
+
+
+def sweep(out="runs/recall", mixers=None, sizes=((64, 4), (128, 8)), d_models=(64,), lrs=(3e-3,), vocab=512,
+          steps=1000, batch=64, mlp=False, seed=0, time_budget=90.0, progress=True, log=print) -> dict:
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / "recall.json"
+    results = json.loads(path.read_text()) if path.exists() else {"cells": {}}
+    names = list(mixers or MIXERS)
+    for n in names:
+        if n not in MIXERS:
+            raise ValueError(f"unknown mixer {n!r} for the recall sweep; known: {', '.join(MIXERS)}")
+    cells = [(n, T, N, d, lr) for d in d_models for (T, N) in sizes for n in names for lr in lrs]
+    t_start = time.time()
+    for i, (n, T, N, d, lr) in enumerate(cells, 1):
+        key = f"{n}|T={T}|N={N}|d={d}|lr={lr}|vocab={vocab}|mlp={mlp}"
+        if key in results["cells"]:
+            continue
+        pattern, options = MIXERS[n]
+        log(f"[{i}/{len(cells)}] {n}, T={T}, N={N}, d_model={d}, lr={lr} ({time.time() - t_start:.0f} s so far)")
+        r = train_cell(pattern, options, T=T, N=N, vocab=vocab, d_model=d, lr=lr, steps=steps, batch=batch, mlp=mlp,
+                       seed=seed, time_budget=time_budget, log=(lambda m: log("    " + m)) if progress else (lambda m: None))
+        r.update({"mixer": n, "T": T, "N": N, "d_model": d, "lr": lr, "vocab": vocab, "mlp": mlp})
+        results["cells"][key] = r
+        log(f"    -> accuracy {r['accuracy']:.3f} after {r['steps']} steps ({r['seconds']} s), "
+            f"state {r['state_bytes']:,} B")
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(results, indent=1))
+        tmp.replace(path)
+    results["seconds_this_run"] = round(time.time() - t_start, 1)
+    return results
+
+
+def best_per_cell(results, vocab=None):
+    """(mixer, T, N, d_model) -> best accuracy over learning rates, and its state bytes."""
+    best = {}
+    for r in results["cells"].values():
+        if vocab is not None and r["vocab"] != vocab:
+            continue
+        k = (r["mixer"], r["T"], r["N"], r["d_model"])
+        if k not in best or r["accuracy"] > best[k]["accuracy"]:
+            best[k] = r
+    return best
+
+
+def table(results) -> str:
+    best = best_per_cell(results)
+    cols = sorted({(k[1], k[2], k[3]) for k in best})
+    mixers = list(dict.fromkeys(k[0] for k in best))
+    head = "| mixer | " + " | ".join(f"T={T}, N={N}, d={d}" for T, N, d in cols) + " | state bytes (largest T) |"
+    lines = [head, "|---|" + "---|" * (len(cols) + 1)]
+    for m in mixers:
+        cells = [best.get((m, T, N, d)) for T, N, d in cols]
+        sb = max((c["state_bytes"] for c in cells if c), default=0)
+        lines.append(f"| {m} | " + " | ".join(f"{c['accuracy']:.2f}" if c else "—" for c in cells) + f" | {sb:,} |")
+    return "\n".join(lines)
+
+
+def plot(results, path):
+    from subquad.bench import plots  # noqa: F401  (Agg backend)
+    import matplotlib.pyplot as plt
+
+    best = best_per_cell(results)
+    sizes = sorted({(k[1], k[2], k[3]) for k in best})
+    fig, axes = plt.subplots(1, len(sizes), figsize=(6 * len(sizes), 4.6), squeeze=False)
+    for ax, (T, N, d) in zip(axes[0], sizes):
+        for (m, t, n, dd), r in best.items():
+            if (t, n, dd) == (T, N, d):
+                ax.scatter(r["state_bytes"], r["accuracy"], s=40)
+                ax.annotate(m, (r["state_bytes"], r["accuracy"]), fontsize=7, xytext=(3, 3), textcoords="offset points")
+        ax.set_xscale("log")
+        ax.set_xlabel("state bytes (decoding, at T)")
+        ax.set_ylabel("MQAR accuracy")
+        ax.set_title(f"MQAR T={T}, N={N} pairs, d_model={d}")
+        ax.set_ylim(-0.02, 1.05)
+        ax.grid(True, alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

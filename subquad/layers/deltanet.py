@@ -1,0 +1,76 @@
+"""DeltaNet (Yang et al. 2024, arXiv:2406.06484) and Gated DeltaNet (Yang et al. 2024, arXiv:2412.06464).
+
+    q, k, v = silu(conv(x W_q)), silu(conv(x W_k)), silu(conv(x W_v))   short causal convs, own decoding state
+    q, k    = q / |q|, k / |k|                                          (L2 per head: keeps b |k|^2 <= 1)
+    beta    = sigmoid(x W_b)                                            (B, T, H)
+    g       = -exp(A_log) * softplus(x W_a + dt_bias)                   (Gated DeltaNet only)
+    o       = delta_rule(q, k, v, beta)  |  gated_delta_rule(q, k, v, g, beta)
+    y       = W_o rmsnorm_per_head(o)            (Gated DeltaNet: rmsnorm(o) * silu(x W_g))
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from subquad.layers.base import Mixer
+from subquad.layers.conv import ShortConv
+from subquad.layers.norm import RMSNorm
+from subquad.ops import delta_rule, gated_delta_rule
+
+
+class DeltaNet(Mixer):
+    gated = False
+
+    def __init__(self, d_model: int, n_heads: int = 4, head_dim: int | None = None, conv_size: int = 4,
+                 mode: str = "chunk", chunk_size: int = 64):
+        super().__init__(d_model, mode, chunk_size)
+        self.n_heads = n_heads
+        self.head_dim = head_dim or d_model // n_heads
+        inner = n_heads * self.head_dim
+        self.q_proj = nn.Linear(d_model, inner, bias=False)
+        self.k_proj = nn.Linear(d_model, inner, bias=False)
+        self.v_proj = nn.Linear(d_model, inner, bias=False)
+        self.conv = ShortConv(3 * inner, conv_size, bias=False)
+        self.b_proj = nn.Linear(d_model, n_heads, bias=False)
+        self.norm = RMSNorm(self.head_dim)
+        self.o_proj = nn.Linear(inner, d_model, bias=False)
+        if self.gated:
+            self.a_proj = nn.Linear(d_model, n_heads, bias=False)
+            self.g_proj = nn.Linear(d_model, inner, bias=False)
+            self.A_log = nn.Parameter(torch.log(torch.empty(n_heads).uniform_(1, 16)))
+            dt = torch.exp(torch.rand(n_heads) * (math.log(0.1) - math.log(0.001)) + math.log(0.001))
+            self.dt_bias = nn.Parameter(dt + torch.log(-torch.expm1(-dt)))
+
+    def empty_state(self, batch_size, device=None, dtype=torch.float32):
+        sd = torch.float64 if dtype == torch.float64 else torch.float32
+        return {"S": torch.zeros(batch_size, self.n_heads, self.head_dim, self.head_dim, device=device, dtype=sd),
+                "conv": self.conv.empty_state(batch_size, device, dtype)}
+
+    def forward(self, x, state=None):
+        self._check_x(x)
+        B, T, _ = x.shape
+        H, K = self.n_heads, self.head_dim
+        qkv, conv = self.conv(torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], -1),
+                              None if state is None else state["conv"])
+        q, k, v = (t.view(B, T, H, K) for t in F.silu(qkv).chunk(3, dim=-1))
+        q, k = F.normalize(q, dim=-1), F.normalize(k, dim=-1)
+        beta = torch.sigmoid(self.b_proj(x))
+        init = None if state is None else state["S"]
+        if self.gated:
+            g = -torch.exp(self.A_log) * F.softplus(self.a_proj(x) + self.dt_bias)
+            o, S = gated_delta_rule(q, k, v, g, beta, mode=self.mode, chunk_size=self.chunk_size,
+                                    initial_state=init, output_final_state=True)
+            o = self.norm(o) * F.silu(self.g_proj(x)).view(B, T, H, K)
+        else:
+            o, S = delta_rule(q, k, v, beta, mode=self.mode, chunk_size=self.chunk_size,
+                              initial_state=init, output_final_state=True)
+            o = self.norm(o)
+        return self.o_proj(o.reshape(B, T, H * K)), {"S": S, "conv": conv}
+
+
+class GatedDeltaNet(DeltaNet):
+    gated = True

@@ -1,0 +1,43 @@
+"""Linformer layer (Wang et al. 2020): softmax attention over keys and values projected to k rows along time.
+
+An encoder layer: ``forward(x)`` sees the whole sequence; there is no causal form
+and no decoding state (``forward(x, state)`` raises). Not in the language-model
+mixer registry for that reason.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from subquad.layers.base import Mixer
+from subquad.ops.linformer import linformer_attention
+
+
+class Linformer(Mixer):
+    def __init__(self, d_model: int, n_heads: int = 4, max_len: int = 1024, k: int = 256, share_heads: bool = True,
+                 share_kv: bool = False):
+        super().__init__(d_model, "parallel", 64)
+        if d_model % n_heads:
+            raise ValueError(f"d_model={d_model} must divide by n_heads={n_heads}")
+        self.n_heads, self.head_dim, self.max_len, self.k = n_heads, d_model // n_heads, max_len, k
+        self.q_proj = nn.Linear(d_model, d_model, bias=False)
+        self.k_proj = nn.Linear(d_model, d_model, bias=False)
+        self.v_proj = nn.Linear(d_model, d_model, bias=False)
+        self.o_proj = nn.Linear(d_model, d_model, bias=False)
+        shape = (k, max_len) if share_heads else (n_heads, k, max_len)
+        self.E = nn.Parameter(torch.randn(shape) / k ** 0.5)
+        self.F = self.E if share_kv else nn.Parameter(torch.randn(shape) / k ** 0.5)
+
+    def empty_state(self, batch_size, device=None, dtype=torch.float32):
+        raise ValueError("Linformer is an encoder mechanism: it has no decoding state")
+
+    def forward(self, x, state=None):
+        self._check_x(x)
+        if state is not None:
+            raise ValueError("Linformer cannot decode token by token: it has no recurrent state or causal form")
+        B, T, _ = x.shape
+        H, K = self.n_heads, self.head_dim
+        q, k, v = (p(x).view(B, T, H, K) for p in (self.q_proj, self.k_proj, self.v_proj))
+        o, _ = linformer_attention(q, k, v, self.E, self.F)
+        return self.o_proj(o.reshape(B, T, H * K)), None

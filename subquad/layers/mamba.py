@@ -1,0 +1,59 @@
+"""Mamba block (Gu & Dao 2023, arXiv:2312.00752): a selective SSM between a short conv and a gate.
+
+    x, z  = in_proj(u)                               (B, T, d_inner) each, d_inner = expand * d_model
+    x     = silu(conv1d(x))                          depthwise, kernel 4, its own decoding state
+    dt, B, C = x_proj(x)                             dt (dt_rank), B and C (N)
+    dt    = softplus(dt_proj(dt))                    (B, T, d_inner), bias initialised so dt ~ logU[1e-3, 0.1]
+    A     = -exp(A_log)                              S4D-real init: A[d, n] = -(n + 1)
+    y     = selective_scan(x, dt, A, B, C, D=D, z=z) h_t = exp(dt A) h + dt B x;  y = C.h + D x, * silu(z)
+    out   = out_proj(y)
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from subquad.layers.base import Mixer
+from subquad.layers.conv import ShortConv
+from subquad.ops import selective_scan
+
+
+class Mamba(Mixer):
+    def __init__(self, d_model: int, d_state: int = 16, d_conv: int = 4, expand: int = 2, dt_rank: int | None = None,
+                 dt_min: float = 1e-3, dt_max: float = 0.1, mode: str = "chunk", chunk_size: int = 64):
+        super().__init__(d_model, mode, chunk_size)
+        self.d_inner, self.d_state = expand * d_model, d_state
+        self.dt_rank = dt_rank or math.ceil(d_model / 16)
+        self.in_proj = nn.Linear(d_model, 2 * self.d_inner, bias=False)
+        self.conv = ShortConv(self.d_inner, d_conv)
+        self.x_proj = nn.Linear(self.d_inner, self.dt_rank + 2 * d_state, bias=False)
+        self.dt_proj = nn.Linear(self.dt_rank, self.d_inner, bias=True)
+        nn.init.uniform_(self.dt_proj.weight, -self.dt_rank ** -0.5, self.dt_rank ** -0.5)
+        dt = torch.exp(torch.rand(self.d_inner) * (math.log(dt_max) - math.log(dt_min)) + math.log(dt_min))
+        with torch.no_grad():
+            self.dt_proj.bias.copy_(dt + torch.log(-torch.expm1(-dt)))         # inverse softplus
+        self.A_log = nn.Parameter(torch.log(torch.arange(1, d_state + 1, dtype=torch.float32)).repeat(self.d_inner, 1))
+        self.D = nn.Parameter(torch.ones(self.d_inner))
+        self.out_proj = nn.Linear(self.d_inner, d_model, bias=False)
+
+    def empty_state(self, batch_size, device=None, dtype=torch.float32):
+        sd = torch.float64 if dtype == torch.float64 else torch.float32
+        return {"ssm": torch.zeros(batch_size, self.d_inner, self.d_state, device=device, dtype=sd),
+                "conv": self.conv.empty_state(batch_size, device, dtype)}
+
+    def forward(self, u, state=None):
+        self._check_x(u)
+        x, z = self.in_proj(u).chunk(2, dim=-1)
+        x, conv = self.conv(x, None if state is None else state["conv"])
+        x = F.silu(x)
+        dt, Bm, Cm = torch.split(self.x_proj(x), [self.dt_rank, self.d_state, self.d_state], dim=-1)
+        dt = F.softplus(self.dt_proj(dt))
+        A = -torch.exp(self.A_log.to(x.dtype if x.dtype == torch.float64 else torch.float32))
+        y, h = selective_scan(x, dt, A.to(x.dtype) if x.dtype != torch.float64 else A, Bm, Cm, D=self.D.to(x.dtype),
+                              z=z, mode=self.mode, chunk_size=self.chunk_size,
+                              initial_state=None if state is None else state["ssm"], output_final_state=True)
+        return self.out_proj(y), {"ssm": h, "conv": conv}

@@ -1,0 +1,66 @@
+"""The delta rule (DeltaNet) and the gated delta rule (Gated DeltaNet), in three forms.
+
+    delta_rule:        S_t = (I - b_t k_t k_t^T) S_{t-1} + b_t k_t v_t^T
+    gated_delta_rule:  S_t = a_t (I - b_t k_t k_t^T) S_{t-1} + b_t k_t v_t^T,   g_t = log a_t <= 0
+    o_t = scale * S_t^T q_t
+
+Shapes: q, k (B, T, H, K); v, o (B, T, H, V); beta (B, T, H) in [0, 1]; g (B, T, H);
+state (B, H, K, V). Keys are expected L2-normalised by the layer: the op does not
+normalise them (see README.md here for why, and for the WY derivation of the chunk form).
+
+Example:
+    >>> import torch, torch.nn.functional as F
+    >>> from subquad.ops import delta_rule
+    >>> q, k = (F.normalize(torch.randn(1, 50, 2, 16), dim=-1) for _ in range(2))
+    >>> v, beta = torch.randn(1, 50, 2, 8), torch.rand(1, 50, 2)
+    >>> o, S = delta_rule(q, k, v, beta, output_final_state=True)
+    >>> o.shape, S.shape
+    (torch.Size([1, 50, 2, 8]), torch.Size([1, 2, 16, 8]))
+"""
+
+from __future__ import annotations
+
+from subquad.ops.common.checks import check_chunk_size, check_like, check_mode, check_qkv, default_scale, state_dtype
+from subquad.ops.delta_rule.chunk import chunk_delta_rule, parallel_delta_rule
+from subquad.ops.delta_rule.recurrent import recurrent_delta_rule
+
+_FORMS = {"parallel": parallel_delta_rule, "recurrent": recurrent_delta_rule, "chunk": chunk_delta_rule}
+
+
+def _run(q, k, v, beta, g, mode, chunk_size, scale, initial_state, output_final_state):
+    check_mode(mode)
+    check_qkv(q, k, v)
+    if q.shape[1] < 1:
+        raise ValueError(f"q must hold at least one token (T >= 1), got shape {tuple(q.shape)}")
+    check_chunk_size(chunk_size)
+    check_like("beta", beta, q.shape[:3], q)
+    if (beta < 0).any() or (beta > 1).any():
+        raise ValueError(f"beta is the write strength and must lie in [0, 1]; got [{beta.min().item():.3g}, "
+                         f"{beta.max().item():.3g}]")
+    if g is not None:
+        check_like("g", g, q.shape[:3], q)
+        if (g > 0).any():
+            raise ValueError(f"g is a log-decay and must be <= 0 everywhere; got max {g.max().item():.3g}")
+    B, _, H, K = q.shape
+    dt = state_dtype(q.dtype)
+    if initial_state is not None:
+        check_like("initial_state", initial_state, (B, H, K, v.shape[-1]), q)
+        initial_state = initial_state.to(dt)
+    o, S = _FORMS[mode](q, k, v, beta.to(dt), None if g is None else g.to(dt), scale=default_scale(scale, K),
+                        chunk_size=chunk_size, initial_state=initial_state)
+    return o.to(q.dtype), (S if output_final_state else None)
+
+
+def delta_rule(q, k, v, beta, *, mode="chunk", chunk_size=64, scale=None, initial_state=None,
+               output_final_state=False):
+    """DeltaNet: S_t = (I - b_t k_t k_t^T) S_{t-1} + b_t k_t v_t^T; ``beta`` (B, T, H)."""
+    return _run(q, k, v, beta, None, mode, chunk_size, scale, initial_state, output_final_state)
+
+
+def gated_delta_rule(q, k, v, g, beta, *, mode="chunk", chunk_size=64, scale=None, initial_state=None,
+                     output_final_state=False):
+    """Gated DeltaNet: S_t = a_t (I - b_t k_t k_t^T) S_{t-1} + b_t k_t v_t^T; ``g = log a`` and ``beta`` (B, T, H)."""
+    return _run(q, k, v, beta, g, mode, chunk_size, scale, initial_state, output_final_state)
+
+
+__all__ = ["delta_rule", "gated_delta_rule"]

@@ -1,0 +1,24 @@
+"""The (gated) delta rule, recurrent form: the token loop (the spec).
+
+    S_t = a_t (I - b_t k_t k_t^T) S_{t-1} + b_t k_t v_t^T = a_t S_{t-1} + b_t k_t (v_t - a_t S_{t-1}^T k_t)^T
+    o_t = scale * S_t^T q_t
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def recurrent_delta_rule(q, k, v, beta, g, *, scale, chunk_size=None, initial_state=None):
+    B, T, H, K = q.shape
+    dt = beta.dtype
+    S = torch.zeros(B, H, K, v.shape[-1], dtype=dt, device=q.device) if initial_state is None else initial_state
+    outs = []
+    for t in range(T):
+        kt, vt, bt = k[:, t].to(dt), v[:, t].to(dt), beta[:, t]             # (B, H, K), (B, H, V), (B, H)
+        if g is not None:
+            S = torch.exp(g[:, t])[..., None, None] * S
+        pred = (kt.unsqueeze(-2) @ S).squeeze(-2)                             # S^T k  (B, H, V)
+        S = S + kt.unsqueeze(-1) * (bt[..., None] * (vt - pred)).unsqueeze(-2)
+        outs.append((q[:, t].to(dt).unsqueeze(-2) @ S).squeeze(-2) * scale)
+    return torch.stack(outs, 1), S

@@ -1,0 +1,72 @@
+"""Mamba's selective scan (S6, Gu & Dao 2023, arXiv:2312.00752), in three forms.
+
+    h_t = exp(dt_t A) * h_{t-1} + dt_t B_t x_t        per channel d: h (N,), A[d] (N,), dt_t[d], x_t[d] scalars
+    y_t = C_t . h_t + D x_t                             (times silu(z_t) when z is given)
+
+Shapes: x, dt, z (B, T, Dm); A (Dm, N) negative; B, C (B, T, N); D (Dm,);
+state (B, Dm, N). Unlike the reference CUDA kernel, every form takes an
+``initial_state`` and can return the final one, so prefill and decoding compose.
+
+Example:
+    >>> import torch
+    >>> from subquad.ops import selective_scan
+    >>> x, dt = torch.randn(1, 100, 8), torch.rand(1, 100, 8) * 0.1
+    >>> A, Bm, Cm = -torch.rand(8, 4) - 0.5, torch.randn(1, 100, 4), torch.randn(1, 100, 4)
+    >>> y, h = selective_scan(x, dt, A, Bm, Cm, output_final_state=True)
+    >>> y.shape, h.shape
+    (torch.Size([1, 100, 8]), torch.Size([1, 8, 4]))
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from subquad.ops.common.checks import check_chunk_size, check_like, check_mode, state_dtype
+from subquad.ops.mamba.scan import chunk_selective_scan, parallel_selective_scan, recurrent_selective_scan
+
+_FORMS = {"parallel": parallel_selective_scan, "recurrent": recurrent_selective_scan, "chunk": chunk_selective_scan}
+
+
+def selective_scan(x, dt, A, B, C, *, D=None, z=None, mode="chunk", chunk_size=64, initial_state=None,
+                   output_final_state=False):
+    """Selective scan; returns (y (B, T, Dm), final state (B, Dm, N) or None)."""
+    check_mode(mode)
+    check_chunk_size(chunk_size)
+    if not isinstance(x, torch.Tensor) or x.dim() != 3 or not x.is_floating_point():
+        raise ValueError(f"x must be a floating-point tensor (B, T, Dm), got {getattr(x, 'shape', type(x))}")
+    Bsz, T, Dm = x.shape
+    if T < 1:
+        raise ValueError(f"x must hold at least one token (T >= 1), got shape {tuple(x.shape)}")
+    check_like("dt", dt, x.shape, x)
+    if A.dim() != 2 or A.shape[0] != Dm:
+        raise ValueError(f"A must have shape (Dm={Dm}, N), got {tuple(A.shape)}")
+    N = A.shape[1]
+    check_like("A", A, (Dm, N), x)
+    check_like("B", B, (Bsz, T, N), x)
+    check_like("C", C, (Bsz, T, N), x)
+    if D is not None:
+        check_like("D", D, (Dm,), x)
+    if z is not None:
+        check_like("z", z, x.shape, x)
+    if (dt < 0).any():
+        raise ValueError("dt must be >= 0 (it is a step size, softplus of a projection in Mamba)")
+    if (A > 0).any():
+        raise ValueError(f"A must be <= 0 (the state decays); got max {A.max().item():.3g}")
+    for name, t in (("x", dt), ("A", A), ("B", B), ("C", C)):
+        if t.dtype != x.dtype and not (name == "A" and t.dtype in (torch.float32, torch.float64)):
+            raise ValueError(f"{name} must have x's dtype {x.dtype}, got {t.dtype}")
+    sd = state_dtype(x.dtype)
+    if initial_state is not None:
+        check_like("initial_state", initial_state, (Bsz, Dm, N), x)
+        initial_state = initial_state.to(sd)
+    y, h = _FORMS[mode](x.to(sd), dt.to(sd), A.to(sd), B.to(sd), C.to(sd), chunk_size=chunk_size,
+                        initial_state=initial_state)
+    if D is not None:
+        y = y + x.to(sd) * D.to(sd)
+    if z is not None:
+        y = y * F.silu(z.to(sd))
+    return y.to(x.dtype), (h if output_final_state else None)
+
+
+__all__ = ["selective_scan"]

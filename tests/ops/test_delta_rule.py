@@ -1,0 +1,124 @@
+"""delta_rule and gated_delta_rule: the shared three-form battery, stability and bad input."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given
+from hypothesis import strategies as st
+
+from subquad.ops import delta_rule, gated_delta_rule
+from tests.ops.harness import assert_close, check_forms_agree, check_grads_agree, check_split
+
+F64 = torch.float64
+
+
+def make(gated, B, T, H=2, K=5, V=3, seed=0, strength=1.0, dtype=F64):
+    gen = torch.Generator().manual_seed(seed)
+    q, k = (F.normalize(torch.randn(B, T, H, K, generator=gen, dtype=dtype), dim=-1) for _ in range(2))
+    x = {"q": q, "k": k, "v": torch.randn(B, T, H, V, generator=gen, dtype=dtype),
+         "beta": torch.rand(B, T, H, generator=gen, dtype=dtype)}
+    if gated:
+        x["g"] = -strength * torch.rand(B, T, H, generator=gen, dtype=dtype)
+    return {n: t.requires_grad_() for n, t in x.items()}
+
+
+def state0(x, seed=1):
+    B, _, H, K = x["q"].shape
+    return torch.randn(B, H, K, x["v"].shape[-1], generator=torch.Generator().manual_seed(seed), dtype=F64).requires_grad_()
+
+
+def call(mode, x, chunk_size, initial_state, out):
+    if "g" in x:
+        return gated_delta_rule(x["q"], x["k"], x["v"], x["g"], x["beta"], mode=mode, chunk_size=chunk_size,
+                                initial_state=initial_state, output_final_state=out)
+    return delta_rule(x["q"], x["k"], x["v"], x["beta"], mode=mode, chunk_size=chunk_size,
+                      initial_state=initial_state, output_final_state=out)
+
+
+GATED = pytest.mark.parametrize("gated", [False, True], ids=["delta", "gated"])
+
+
+@GATED
+@pytest.mark.parametrize("T", [1, 7, 64, 100, 257])
+def test_forms_agree_with_the_token_loop(gated, T):
+    x = make(gated, 2, T, seed=T)
+    for C in (16, 64):
+        check_forms_agree(call, x, C, initial_state=state0(x), ref="recurrent")
+
+
+@GATED
+@given(B=st.integers(1, 2), T=st.integers(1, 70), H=st.integers(1, 3), K=st.integers(1, 8), V=st.integers(1, 8),
+       C=st.integers(1, 40), strength=st.sampled_from([0.01, 1.0, 8.0]), seed=st.integers(0, 2**16))
+def test_forms_agree_property(gated, B, T, H, K, V, C, strength, seed):
+    x = make(gated, B, T, H, K, V, seed=seed, strength=strength)
+    check_forms_agree(call, x, C, initial_state=state0(x, seed), ref="recurrent")
+
+
+@GATED
+@pytest.mark.parametrize("mode", ["parallel", "recurrent", "chunk"])
+def test_split_sequence_equals_one_call(gated, mode):
+    x = make(gated, 2, 53, seed=4)
+    check_split(call, x, 20, chunk_size=16, mode=mode, seq_keys=tuple(x))
+
+
+@GATED
+@pytest.mark.parametrize("T,C", [(1, 16), (37, 16), (64, 32)])
+def test_gradients_of_q_k_v_beta_g_and_initial_state_agree(gated, T, C):
+    x = make(gated, 2, T, K=4, V=6, seed=T, strength=2.0)
+    check_grads_agree(call, x, C, state0(x), ref="recurrent")
+
+
+@GATED
+def test_float32_long_sequence_chunk_matches_recurrent(gated):
+    x = {n: t.detach().float() for n, t in make(gated, 1, 4096, H=2, K=16, V=16, strength=0.1).items()}
+    o_c, s_c = call("chunk", x, 64, None, True)
+    o_r, s_r = call("recurrent", x, 64, None, True)
+    assert_close(o_c, o_r, 1e-4, "o")
+    assert_close(s_c, s_r, 1e-4, "state")
+
+
+@GATED
+def test_stable_with_beta_one_strong_decays_and_long_sequences(gated):
+    # beta up to 1, log-decays down to -50, T = 65,536, float32: finite forward and backward.
+    gen = torch.Generator().manual_seed(0)
+    B, T, H, K, V = 1, 65536, 1, 8, 8
+    q, k = (F.normalize(torch.randn(B, T, H, K, generator=gen), dim=-1).requires_grad_() for _ in range(2))
+    v = torch.randn(B, T, H, V, generator=gen).requires_grad_()
+    beta = torch.rand(B, T, H, generator=gen)
+    beta[:, ::7] = 1.0
+    beta.requires_grad_()
+    x = {"q": q, "k": k, "v": v, "beta": beta}
+    if gated:
+        x["g"] = (-50 * torch.rand(B, T, H, generator=gen)).requires_grad_()
+    o, S = call("chunk", x, 64, None, True)
+    assert torch.isfinite(o).all() and torch.isfinite(S).all()
+    grads = torch.autograd.grad(o.square().mean() + S.square().mean(), list(x.values()))
+    assert all(torch.isfinite(t).all() for t in grads)
+
+
+@GATED
+def test_unnormalised_keys_of_norm_ten_stay_finite_where_the_math_does(gated):
+    # |k| = 10 with beta = 0.02 keeps b |k|^2 = 2, the edge of stability: every form is finite and agrees.
+    x = make(gated, 1, 300, K=6, V=4, seed=3)
+    x = {n: t.detach() for n, t in x.items()}
+    x["k"] = x["k"] * 10
+    x["beta"] = torch.full_like(x["beta"], 0.02)
+    o_r, _ = call("recurrent", x, 32, None, True)
+    o_c, _ = call("chunk", x, 32, None, True)
+    assert torch.isfinite(o_c).all()
+    assert_close(o_c, o_r, 1e-8, "norm-10 keys")
+
+
+def test_bad_input_raises():
+    x = {n: t.detach() for n, t in make(True, 1, 8).items()}
+    q, k, v, beta, g = x["q"], x["k"], x["v"], x["beta"], x["g"]
+    with pytest.raises(ValueError, match="beta is the write strength"):
+        delta_rule(q, k, v, beta + 1.5)
+    with pytest.raises(ValueError, match="beta must have shape"):
+        delta_rule(q, k, v, beta[..., :1])
+    with pytest.raises(ValueError, match="g is a log-decay"):
+        gated_delta_rule(q, k, v, -g, beta)
+    with pytest.raises(ValueError, match="chunk_size"):
+        delta_rule(q, k, v, beta, chunk_size=-1)
+    with pytest.raises(ValueError, match="mode"):
+        delta_rule(q, k, v, beta, mode="wy")
