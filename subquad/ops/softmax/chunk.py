@@ -45,34 +45,69 @@ def _blocks(T_q, L, C, causal, window, q_start, k_start):
         yield qs, qe, kb
 
 
+def attention_forward(q, k, v, scale, C, causal, window, q_start, k_start):
+    """Blockwise online softmax on (B, H, T, K) x (B, H, L, K|V): returns o (B, H, T, V), lse (B, H, T).
+
+    A query row that sees no key gets o = 0 and lse = -inf (merges as an empty block).
+    """
+    B, H, T, _ = q.shape
+    L = k.shape[2]
+    o = q.new_zeros(B, H, T, v.shape[-1])
+    lse = q.new_full((B, H, T), float("-inf"))
+    for qs, qe, kb in _blocks(T, L, C, causal, window, q_start, k_start):
+        if not kb:
+            continue
+        qb = q[:, :, qs:qe]
+        m = q.new_full((B, H, qe - qs), float("-inf"))
+        l = q.new_zeros(B, H, qe - qs)
+        acc = q.new_zeros(B, H, qe - qs, v.shape[-1])
+        for ks, ke, needs in kb:
+            s = (qb @ k[:, :, ks:ke].transpose(-1, -2)).mul_(scale)
+            if needs:
+                vis = visible_mask(qe - qs, ke - ks, causal=causal, window=window,
+                                   q_start=q_start + qs, k_start=k_start + ks, device=q.device)
+                s.masked_fill_(~vis, float("-inf"))
+            m_new = torch.maximum(m, s.amax(-1))
+            m_safe = torch.where(torch.isinf(m_new), torch.zeros_like(m_new), m_new)
+            p = torch.exp(s - m_safe.unsqueeze(-1))
+            alpha = torch.exp(m - m_safe)
+            l = l * alpha + p.sum(-1)
+            acc = acc * alpha.unsqueeze(-1) + p @ v[:, :, ks:ke]
+            m = m_new
+        o[:, :, qs:qe] = acc / l.clamp_min(torch.finfo(l.dtype).tiny).unsqueeze(-1)
+        lse[:, :, qs:qe] = m + torch.log(l)
+    return o, lse
+
+
+def attention_backward(q, k, v, do, lse, D, scale, C, causal, window, q_start, k_start):
+    """Gradients of one (query block, key block) pair given the *final* lse and D = rowsum(dO * O) - dlse.
+
+    Returns (dq, dk, dv). With the merged lse of several key blocks, the pieces add up to the
+    gradient of the merged attention (ring attention's backward).
+    """
+    T, L = q.shape[2], k.shape[2]
+    dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    for qs, qe, kb in _blocks(T, L, C, causal, window, q_start, k_start):
+        qb, dob = q[:, :, qs:qe], do[:, :, qs:qe]
+        for ks, ke, needs in kb:
+            kk, vv = k[:, :, ks:ke], v[:, :, ks:ke]
+            s = (qb @ kk.transpose(-1, -2)).mul_(scale)
+            p = torch.exp(s - lse[:, :, qs:qe].unsqueeze(-1))
+            if needs:
+                vis = visible_mask(qe - qs, ke - ks, causal=causal, window=window,
+                                   q_start=q_start + qs, k_start=k_start + ks, device=q.device)
+                p = p.masked_fill(~vis, 0.0)
+            dS = p * (dob @ vv.transpose(-1, -2) - D[:, :, qs:qe].unsqueeze(-1))
+            dq[:, :, qs:qe] += (dS @ kk) * scale
+            dk[:, :, ks:ke] += (dS.transpose(-1, -2) @ qb) * scale
+            dv[:, :, ks:ke] += p.transpose(-1, -2) @ dob
+    return dq, dk, dv
+
+
 class _BlockwiseSoftmax(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, scale, C, causal, window, q_start, k_start):
-        # q (B, H, T, K); k (B, H, L, K); v (B, H, L, V)
-        B, H, T, _ = q.shape
-        L = k.shape[2]
-        o = q.new_empty(B, H, T, v.shape[-1])
-        lse = q.new_empty(B, H, T)
-        for qs, qe, kb in _blocks(T, L, C, causal, window, q_start, k_start):
-            qb = q[:, :, qs:qe]
-            m = q.new_full((B, H, qe - qs), float("-inf"))
-            l = q.new_zeros(B, H, qe - qs)
-            acc = q.new_zeros(B, H, qe - qs, v.shape[-1])
-            for ks, ke, needs in kb:
-                s = (qb @ k[:, :, ks:ke].transpose(-1, -2)).mul_(scale)
-                if needs:
-                    vis = visible_mask(qe - qs, ke - ks, causal=causal, window=window,
-                                       q_start=q_start + qs, k_start=k_start + ks, device=q.device)
-                    s.masked_fill_(~vis, float("-inf"))
-                m_new = torch.maximum(m, s.amax(-1))
-                m_safe = torch.where(torch.isinf(m_new), torch.zeros_like(m_new), m_new)
-                p = torch.exp(s - m_safe.unsqueeze(-1))
-                alpha = torch.exp(m - m_safe)
-                l = l * alpha + p.sum(-1)
-                acc = acc * alpha.unsqueeze(-1) + p @ v[:, :, ks:ke]
-                m = m_new
-            o[:, :, qs:qe] = acc / l.clamp_min(torch.finfo(l.dtype).tiny).unsqueeze(-1)
-            lse[:, :, qs:qe] = m + torch.log(l)
+        o, lse = attention_forward(q, k, v, scale, C, causal, window, q_start, k_start)
         ctx.save_for_backward(q, k, v, o, lse)
         ctx.args = (scale, C, causal, window, q_start, k_start)
         return o, lse
@@ -80,27 +115,11 @@ class _BlockwiseSoftmax(torch.autograd.Function):
     @staticmethod
     def backward(ctx, do, dlse):
         q, k, v, o, lse = ctx.saved_tensors
-        scale, C, causal, window, q_start, k_start = ctx.args
-        T, L = q.shape[2], k.shape[2]
-        dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
         do = torch.zeros_like(o) if do is None else do
         D = (do * o).sum(-1)                                                  # (B, H, T)
         if dlse is not None:
-            D = D - dlse
-        for qs, qe, kb in _blocks(T, L, C, causal, window, q_start, k_start):
-            qb, dob = q[:, :, qs:qe], do[:, :, qs:qe]
-            for ks, ke, needs in kb:
-                kk, vv = k[:, :, ks:ke], v[:, :, ks:ke]
-                s = (qb @ kk.transpose(-1, -2)).mul_(scale)
-                p = torch.exp(s - lse[:, :, qs:qe].unsqueeze(-1))
-                if needs:
-                    vis = visible_mask(qe - qs, ke - ks, causal=causal, window=window,
-                                       q_start=q_start + qs, k_start=k_start + ks, device=q.device)
-                    p = p.masked_fill(~vis, 0.0)
-                dS = p * (dob @ vv.transpose(-1, -2) - D[:, :, qs:qe].unsqueeze(-1))
-                dq[:, :, qs:qe] += (dS @ kk) * scale
-                dk[:, :, ks:ke] += (dS.transpose(-1, -2) @ qb) * scale
-                dv[:, :, ks:ke] += p.transpose(-1, -2) @ dob
+            D = D - torch.nan_to_num(dlse, nan=0.0, posinf=0.0, neginf=0.0)
+        dq, dk, dv = attention_backward(q, k, v, do, lse, D, *ctx.args)
         return dq, dk, dv, None, None, None, None, None, None
 
 

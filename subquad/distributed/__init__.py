@@ -1,0 +1,10 @@
+"""Beyond one process: exact ring attention and state passing for the recurrent mixers (torch.distributed).
+
+Model code stays single-device; these functions take each rank's shard of the
+sequence and a process group (gloo on CPU, NCCL on GPUs; launched by torchrun).
+"""
+
+from subquad.distributed.ring import ring_attention, zigzag_shard, zigzag_unshard
+from subquad.distributed.seqpar import sequence_parallel
+
+__all__ = ["ring_attention", "zigzag_shard", "zigzag_unshard", "sequence_parallel"]

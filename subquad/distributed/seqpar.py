@@ -1,0 +1,100 @@
+"""Sequence parallelism for the recurrent mixers by state passing.
+
+Rank r holds the r-th contiguous piece of the sequence. Every mixer here has a
+state that is an *affine* function of the state it starts from:
+
+    S_out = M_r S_in + S_r          M_r (B, H, K, K): the piece's transition; S_r: its state from zero
+
+(M_r is the identity for linear attention, a diagonal of decays for retention /
+GLA, prod a (I - b k k^T) for the delta rule.) Each rank computes S_r and M_r with
+the op itself - S_r from a zero state, M_r as the final state from the identity
+with zero values - all-gathers them (a message of H K (K + V) numbers, whatever
+the length), folds the pieces before it into its true initial state, and runs
+its piece from there. The all-gather is differentiable, so backward works as is.
+Communication per rank is O(H K V) against ring attention's O(T d).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from subquad import ops
+
+KINDS = ("linear_attention", "retention", "simple_gla", "gla", "delta_rule", "gated_delta_rule")
+
+
+class _AllGather(torch.autograd.Function):
+    """all_gather with a backward that works on gloo too: all-reduce the gradients, keep this rank's."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        out = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(out, x.contiguous(), group=group)
+        return torch.stack(out)
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.contiguous()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad[dist.get_rank(ctx.group)], None
+
+
+def all_gather(x, group=None):
+    """Differentiable all-gather: (W, *x.shape)."""
+    return _AllGather.apply(x, group)
+
+
+def _runner(kind, q, k, g, beta, scale, chunk_size):
+    """f(values, initial_state) -> (o, final_state) for this rank's piece."""
+    kw = dict(mode="chunk", chunk_size=chunk_size, scale=scale, output_final_state=True)
+    if kind == "linear_attention":
+        return lambda v, s: ops.linear_attention(q, k, v, normalize=False, initial_state=s, **kw)
+    if kind in ("retention", "simple_gla", "gla"):
+        fn = getattr(ops, kind)
+        return lambda v, s: fn(q, k, v, g, initial_state=s, **kw)
+    if kind == "delta_rule":
+        return lambda v, s: ops.delta_rule(q, k, v, beta, initial_state=s, **kw)
+    if kind == "gated_delta_rule":
+        return lambda v, s: ops.gated_delta_rule(q, k, v, g, beta, initial_state=s, **kw)
+    raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
+
+
+def sequence_parallel(kind: str, q, k, v, *, g=None, beta=None, normalize: bool = False, scale=None,
+                      chunk_size: int = 64, group=None):
+    """This rank's outputs (B, t, H, V) of ``kind`` over the sequence split contiguously across ``group``.
+
+    q, k (B, t, H, K), v (B, t, H, V), and per-token gates (g, beta: (B, t, H[, K])) are this rank's piece;
+    retention's g (H,) is the same on every rank. ``normalize`` (linear attention only) carries the
+    normaliser as an extra value column.
+    """
+    if not dist.is_initialized():
+        raise ValueError("sequence_parallel needs torch.distributed initialised")
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    B, t, H, K = q.shape
+    V = v.shape[-1]
+    if normalize:
+        if kind != "linear_attention":
+            raise ValueError("normalize=True applies to kind='linear_attention' only")
+        v = torch.cat([v, torch.ones_like(v[..., :1])], dim=-1)
+    f = _runner(kind, q, k, g, beta, scale, chunk_size)
+    dt = torch.float64 if q.dtype == torch.float64 else torch.float32
+    _, S_local = f(v, None)                                                  # (B, H, K, V')
+    if kind == "linear_attention":
+        M = None                                                             # identity
+    else:
+        eye = torch.eye(K, dtype=dt, device=q.device).expand(B, H, K, K).contiguous()
+        _, M = f(torch.zeros(B, t, H, K, dtype=v.dtype, device=v.device), eye)
+    S_all = all_gather(S_local, group)
+    M_all = all_gather(M, group) if M is not None else None
+    S_in = torch.zeros_like(S_local)
+    for j in range(rank):                                                    # fold the pieces before this one
+        S_in = (S_in if M_all is None else M_all[j] @ S_in) + S_all[j]
+    o, _ = f(v, S_in)
+    # Every rank must take part in the gathers' backward (a collective); rank 0 uses none of the gathered
+    # states and the last rank's are used by nobody, so tie them to the output with weight zero.
+    o = o + 0.0 * (S_all.sum() + (M_all.sum() if M_all is not None else 0.0))
+    if normalize:
+        o = o[..., :V] / (o[..., V:] + 1e-6)
+    return o

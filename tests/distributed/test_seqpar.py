@@ -1,0 +1,71 @@
+"""State passing across processes equals one process for every supported recurrent mixer, forward and backward."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from subquad import ops
+from subquad.distributed import sequence_parallel
+from tests.distributed.helpers import run
+from tests.ops.harness import assert_close
+
+T, H, K, V = 24, 2, 4, 3
+
+
+def inputs(kind, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q, k = (torch.randn(2, T, H, K, generator=g, dtype=torch.float64) for _ in range(2))
+    if kind in ("delta_rule", "gated_delta_rule"):
+        q, k = F.normalize(q, dim=-1), F.normalize(k, dim=-1)
+    if kind == "linear_attention":
+        q, k = q.exp() * 0.3, k.exp() * 0.3
+    x = {"q": q, "k": k, "v": torch.randn(2, T, H, V, generator=g, dtype=torch.float64)}
+    if kind == "retention":
+        x["g"] = -torch.rand(H, generator=g, dtype=torch.float64)
+    if kind in ("simple_gla", "gated_delta_rule"):
+        x["g"] = -torch.rand(2, T, H, generator=g, dtype=torch.float64)
+    if kind == "gla":
+        x["g"] = -torch.rand(2, T, H, K, generator=g, dtype=torch.float64)
+    if kind in ("delta_rule", "gated_delta_rule"):
+        x["beta"] = torch.rand(2, T, H, generator=g, dtype=torch.float64)
+    return x, torch.randn(2, T, H, V, generator=g, dtype=torch.float64)
+
+
+def single(kind, x, normalize):
+    kw = dict(mode="recurrent")
+    if kind == "linear_attention":
+        return ops.linear_attention(x["q"], x["k"], x["v"], normalize=normalize, **kw)[0]
+    if kind in ("retention", "simple_gla", "gla"):
+        return getattr(ops, kind)(x["q"], x["k"], x["v"], x["g"], **kw)[0]
+    if kind == "delta_rule":
+        return ops.delta_rule(x["q"], x["k"], x["v"], x["beta"], **kw)[0]
+    return ops.gated_delta_rule(x["q"], x["k"], x["v"], x["g"], x["beta"], **kw)[0]
+
+
+def _piece(rank, world, kind, normalize):
+    x, do = inputs(kind)
+    t = T // world
+    local = {n: (a if (n == "g" and kind == "retention") else a[:, rank * t:(rank + 1) * t]).clone().requires_grad_()
+             for n, a in x.items()}
+    o = sequence_parallel(kind, local["q"], local["k"], local["v"], g=local.get("g"), beta=local.get("beta"),
+                          normalize=normalize, chunk_size=4)
+    (o * do[:, rank * t:(rank + 1) * t]).sum().backward()
+    return {"o": o.detach(), **{n: a.grad for n, a in local.items()}}
+
+
+CASES = [("linear_attention", False), ("linear_attention", True), ("retention", False), ("simple_gla", False),
+         ("gla", False), ("delta_rule", False), ("gated_delta_rule", False)]
+
+
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("kind,normalize", CASES)
+def test_state_passing_equals_one_process(world, kind, normalize):
+    res = run(world, _piece, kind, normalize)
+    x, do = inputs(kind)
+    x = {n: a.clone().requires_grad_() for n, a in x.items()}
+    o = single(kind, x, normalize)
+    (o * do).sum().backward()
+    assert_close(torch.cat([r["o"] for r in res], 1), o.detach(), 1e-10, "o")
+    for n, a in x.items():
+        got = sum(r[n] for r in res) if (n == "g" and kind == "retention") else torch.cat([r[n] for r in res], 1)
+        assert_close(got, a.grad, 1e-9, f"d{n}")
