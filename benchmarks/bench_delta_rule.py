@@ -12,7 +12,6 @@ and `naive_chunk_gated_delta_rule`, and transformers' `torch_chunk_gated_delta_r
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from pathlib import Path
@@ -21,7 +20,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from benchmarks.common import OUT, fla_file, ratio, run_cases, speed_tables, target_lines  # noqa: E402
+from benchmarks.common import parse_args, fla_file, ratio, run_cases, speed_tables, target_lines  # noqa: E402
 from subquad.ops import delta_rule, gated_delta_rule  # noqa: E402
 
 H, K, V = 8, 64, 64
@@ -72,11 +71,7 @@ def load_peers():
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--quick", action="store_true")
-    p.add_argument("--out", type=Path, default=OUT)
-    args = p.parse_args(argv)
-    torch.set_num_threads(2)
+    args = parse_args(__doc__, argv)
     lengths, repeats, budget = ([256, 512], 1, 2.0) if args.quick else ([1024, 4096, 16384], 3, 30.0)
     rows = run_cases(cases(load_peers()), lengths, repeats, budget)
     tg = []
@@ -97,8 +92,7 @@ def main(argv=None):
                            "value": f"{r:.1f}x", "target": ">= 2x", "met": r >= 2})
     md = speed_tables(rows, "B=1, H=8, K=V=64, float32, L2-normalised keys") + ["**Targets (this run)**", ""]
     md += target_lines(tg)
-    args.out.mkdir(parents=True, exist_ok=True)
-    suffix = "_quick" if args.quick else ""
+    suffix = args.suffix
     (args.out / f"delta_rule{suffix}.json").write_text(json.dumps({"rows": rows, "targets": tg}, indent=2))
     (args.out / f"delta_rule{suffix}.md").write_text("\n".join(md) + "\n")
     print("\n" + "\n".join(md))

@@ -12,7 +12,6 @@ Mamba2Mixer torch path. Writes results/gla.{json,md}.
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from pathlib import Path
@@ -20,7 +19,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from benchmarks.common import OUT, fla_file, matmul_gflops, ratio, run_cases, speed_tables, target_lines  # noqa: E402
+from benchmarks.common import parse_args, fla_file, matmul_gflops, ratio, run_cases, speed_tables, target_lines  # noqa: E402
 from subquad.layers import Mamba2  # noqa: E402
 from subquad.ops import gla, retention, simple_gla  # noqa: E402
 
@@ -80,11 +79,7 @@ def mamba_cases():
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--quick", action="store_true")
-    p.add_argument("--out", type=Path, default=OUT)
-    args = p.parse_args(argv)
-    torch.set_num_threads(2)
+    args = parse_args(__doc__, argv)
     lengths, repeats, budget = ([256, 512], 1, 2.0) if args.quick else ([1024, 4096, 16384], 3, 30.0)
     peers = {"sgla": fla_file("ops/simple_gla/naive.py"), "gla": fla_file("ops/gla/naive.py")}
     res = {"matmul_gflops": matmul_gflops(repeats=3)}
@@ -114,8 +109,7 @@ def main(argv=None):
     md += speed_tables(res["ops"], "ops, B=1, H=8, K=V=64, float32")
     md += speed_tables(res["mamba2"], "Mamba-2 block, B=1, d_model 512, d_state 64, headdim 64, expand 2, float32")
     md += ["**Targets (ratios in this run)**", ""] + target_lines(tg)
-    args.out.mkdir(parents=True, exist_ok=True)
-    suffix = "_quick" if args.quick else ""
+    suffix = args.suffix
     (args.out / f"gla{suffix}.json").write_text(json.dumps(res, indent=2))
     (args.out / f"gla{suffix}.md").write_text("\n".join(md) + "\n")
     print("\n" + "\n".join(md))

@@ -12,7 +12,6 @@ Writes results/mamba.{json,md}.
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from pathlib import Path
@@ -20,7 +19,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from benchmarks.common import OUT, ratio, run_cases, speed_tables, target_lines  # noqa: E402
+from benchmarks.common import parse_args, ratio, run_cases, speed_tables, target_lines  # noqa: E402
 from subquad.layers import Mamba  # noqa: E402
 
 D_MODEL, D_STATE = 512, 16
@@ -66,11 +65,7 @@ def peak_memory(fn, T, backward):
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--quick", action="store_true")
-    p.add_argument("--out", type=Path, default=OUT)
-    args = p.parse_args(argv)
-    torch.set_num_threads(2)
+    args = parse_args(__doc__, argv)
     lengths, repeats, budget = ([256, 512], 1, 2.0) if args.quick else ([1024, 4096, 16384], 3, 40.0)
     cs = cases()
     rows = run_cases(cs, lengths, repeats, budget)
@@ -97,8 +92,7 @@ def main(argv=None):
     md += [f"| {n} | {m['fwd'] / 2**20:.0f} MiB | " + (f"{m['fwdbwd'] / 2**20:.0f} MiB" if m["fwdbwd"] else "—") + " |"
            for n, m in mem.items()]
     md += ["", "**Targets (this run)**", ""] + target_lines(tg)
-    args.out.mkdir(parents=True, exist_ok=True)
-    suffix = "_quick" if args.quick else ""
+    suffix = args.suffix
     (args.out / f"mamba{suffix}.json").write_text(json.dumps({"rows": rows, "memory": mem, "targets": tg}, indent=2))
     (args.out / f"mamba{suffix}.md").write_text("\n".join(md) + "\n")
     print("\n" + "\n".join(md))

@@ -111,3 +111,17 @@ def ratio(rows: list[dict], T: int, fast: str, slow: str, key: str, label: str =
 def target_lines(targets: list[dict]) -> list[str]:
     return [f"- {t['what']}: {t['value']} (target {t['target']}) — **{'met' if t['met'] else 'not met'}**"
             for t in targets]
+
+
+def parse_args(doc: str, argv=None):
+    """The options every benchmark takes (--quick, --out), and 2 threads as on the project's machine."""
+    import argparse
+
+    p = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true", help="tiny sizes, one repeat: a smoke test")
+    p.add_argument("--out", type=Path, default=OUT)
+    args = p.parse_args(argv)
+    torch.set_num_threads(2)
+    args.suffix = "_quick" if args.quick else ""
+    args.out.mkdir(parents=True, exist_ok=True)
+    return args

@@ -87,18 +87,26 @@ def _model_config(args):
 
 
 def cmd_train(args) -> int:
-    from subquad.train import TrainConfig, TrainingDiverged, train_run
+    from subquad.distributed.launch import init_from_env, launch
+    from subquad.train import PeerLost, TrainConfig, TrainingDiverged, train_run
 
+    if args.nproc > 1:                       # re-run this command under torchrun, one process per rank
+        argv = list(sys.argv[1:] if args.argv is None else args.argv)
+        i = argv.index("--nproc")
+        return launch(args.nproc, argv[:i] + argv[i + 2:])
+    rank, world = init_from_env(args.dist_timeout)
     mcfg = _model_config(args)
     tcfg = TrainConfig(steps=args.steps, batch_size=args.batch_size, lr=args.lr, warmup=args.warmup,
                        eval_every=args.eval_every, ckpt_every=args.ckpt_every, seed=args.seed, bf16=args.bf16)
     out = args.out or f"runs/{args.preset}-{mcfg.pattern.replace('*', 'x').replace(',', '_')}"
     try:
         r = train_run(mcfg, tcfg, out, data=args.data, resume=args.resume, progress=not args.no_progress)
-    except TrainingDiverged as e:
+    except (TrainingDiverged, PeerLost) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
-    print(f"done: {r['steps']} steps, held-out loss {r['heldout_loss']:.4f} nats/token; run in {out}")
+    if rank == 0:
+        print(f"done: {r['steps']} steps{f' on {world} processes' if world > 1 else ''}, held-out loss "
+              f"{r['heldout_loss']:.4f} nats/token; run in {out}")
     return 0
 
 
@@ -237,6 +245,10 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--out", help="run folder (default runs/PRESET-PATTERN)")
     t.add_argument("--resume", action="store_true", help="continue the run in --out from its last checkpoint")
     t.add_argument("--no-progress", action="store_true")
+    t.add_argument("--nproc", type=_positive, default=1,
+                   help="data-parallel processes (relaunches under torchrun; each rank draws its own batches)")
+    t.add_argument("--dist-timeout", type=float, default=60.0,
+                   help="seconds a rank waits for a peer before stopping with an error (distributed runs)")
     t.set_defaults(fn=cmd_train)
 
     r = sub.add_parser("recall", help="MQAR recall of every mixer against its state size (Zoology)")
@@ -278,6 +290,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
+    args.argv = argv
     try:
         return args.fn(args)
     except ValueError as e:            # bad input found past argparse: a clear message, no traceback

@@ -2,7 +2,7 @@
 
 from subquad.train.checkpoint import CheckpointError, latest_checkpoint, load_checkpoint, save_checkpoint
 from subquad.train.run import load_run, train_run
-from subquad.train.trainer import TrainConfig, Trainer, TrainingDiverged, cross_entropy, evaluate
+from subquad.train.trainer import PeerLost, TrainConfig, Trainer, TrainingDiverged, cross_entropy, evaluate
 
 __all__ = ["CheckpointError", "latest_checkpoint", "load_checkpoint", "save_checkpoint", "TrainConfig", "Trainer",
-           "TrainingDiverged", "cross_entropy", "evaluate", "train_run", "load_run"]
+           "TrainingDiverged", "PeerLost", "cross_entropy", "evaluate", "train_run", "load_run"]

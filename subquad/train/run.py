@@ -24,21 +24,32 @@ from subquad.train.trainer import TrainConfig, Trainer
 
 def train_run(model_cfg: ModelConfig, train_cfg: TrainConfig, out, data: str | None = None, resume: bool = False,
               vocab_size: int | None = None, progress: bool = True, log=print, token_data=None) -> dict:
+    from subquad.train.trainer import _dist
+
+    rank, world = _dist()
+    if rank != 0:
+        log = lambda m: None                                   # noqa: E731  (rank 0 speaks for the run)
     out = Path(out)
     if out.exists() and latest_checkpoint(out) is not None and not resume:
         raise ValueError(f"{out} already holds a run; pass --resume to continue it or choose another --out")
+    if world > 1 and token_data is None:
+        import torch.distributed as dist
+        if rank == 0:                                          # rank 0 builds the token cache, then the rest read it
+            token_data = prepare(data, vocab_size or model_cfg.vocab_size, log=log)
+        dist.barrier()
     td = token_data or prepare(data, vocab_size or model_cfg.vocab_size, log=log)
     vocab = td.tokenizer().get_vocab_size()
     if vocab != model_cfg.vocab_size:
         model_cfg = ModelConfig.from_dict({**model_cfg.to_dict(), "vocab_size": vocab})
     out.mkdir(parents=True, exist_ok=True)
-    shutil.copyfile(td.tokenizer_path, out / "tokenizer.json")
-    (out / "manifest.json").write_text(json.dumps(td.manifest, indent=1))
-    (out / "config.json").write_text(json.dumps({"model": model_cfg.to_dict(), "train": asdict(train_cfg),
-                                                 "data": data or "stdlib"}, indent=1))
+    if rank == 0:
+        shutil.copyfile(td.tokenizer_path, out / "tokenizer.json")
+        (out / "manifest.json").write_text(json.dumps(td.manifest, indent=1))
+        (out / "config.json").write_text(json.dumps({"model": model_cfg.to_dict(), "train": asdict(train_cfg),
+                                                     "data": data or "stdlib", "world": world}, indent=1))
     torch.manual_seed(train_cfg.seed)
     model = LanguageModel(model_cfg)
-    trainer = Trainer(model, td, train_cfg, out, progress=progress)
+    trainer = Trainer(model, td, train_cfg, out, progress=progress and rank == 0)
     if resume and trainer.resume():
         log(f"resuming {out} from step {trainer.step}")
     log(f"{out.name}: {model_cfg.pattern} x{model_cfg.n_layers}, {model.num_parameters():,} parameters, "

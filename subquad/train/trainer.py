@@ -23,6 +23,19 @@ class TrainingDiverged(RuntimeError):
     pass
 
 
+class PeerLost(RuntimeError):
+    """A distributed run lost a rank: the others stop with this instead of hanging."""
+
+
+def _dist():
+    """(rank, world) of the initialised process group, or (0, 1)."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
 @dataclass
 class TrainConfig:
     steps: int = 600
@@ -78,7 +91,13 @@ class Trainer:
         self.context = model.config.context_length
         self.extra_meta = extra_meta or {}
         torch.manual_seed(cfg.seed)
-        self.gen = torch.Generator().manual_seed(cfg.seed)
+        self.rank, self.world = _dist()
+        # each rank draws its own batches; rank 0's stream is the single-process one
+        self.gen = torch.Generator().manual_seed(cfg.seed + 1_000_003 * self.rank)
+        self.train_model = model
+        if self.world > 1:   # data parallelism applied from outside the model: DDP averages the gradients
+            from torch.nn.parallel import DistributedDataParallel
+            self.train_model = DistributedDataParallel(model)
         decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
         no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
         self.opt = torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
@@ -88,11 +107,22 @@ class Trainer:
 
     # -- state ---------------------------------------------------------------------------------------------
     def _meta(self):
+        states = [self.gen.get_state().tolist()]
+        if self.world > 1:
+            import torch.distributed as dist
+            states = [None] * self.world
+            dist.all_gather_object(states, self.gen.get_state().tolist())
         return {"model_config": self.model.config.to_dict(), "train_config": asdict(self.cfg),
-                "data_rng": self.gen.get_state().tolist(), "curve": self.curve, **self.extra_meta}
+                "data_rng": states[0], "data_rng_ranks": states, "world": self.world, "curve": self.curve,
+                **self.extra_meta}
 
     def save(self):
-        return save_checkpoint(self.run_dir, self.step, self.model, self.opt, self._meta())
+        meta = self._meta()                      # a collective when distributed: every rank calls it
+        path = save_checkpoint(self.run_dir, self.step, self.model, self.opt, meta) if self.rank == 0 else None
+        if self.world > 1:
+            import torch.distributed as dist
+            dist.barrier()
+        return path
 
     def resume(self) -> bool:
         if latest_checkpoint(self.run_dir) is None:
@@ -100,11 +130,15 @@ class Trainer:
         model_sd, optim_sd, meta = load_checkpoint(self.run_dir)
         self.model.load_state_dict(model_sd)
         self.opt.load_state_dict(optim_sd)
-        self.gen.set_state(torch.tensor(meta["data_rng"], dtype=torch.uint8))
+        ranks = meta.get("data_rng_ranks") or [meta["data_rng"]]
+        if len(ranks) == self.world:
+            self.gen.set_state(torch.tensor(ranks[self.rank], dtype=torch.uint8))
+        elif self.rank == 0:
+            self.gen.set_state(torch.tensor(meta["data_rng"], dtype=torch.uint8))
         self.step = meta["step"]
         self.curve = [tuple(p) for p in meta.get("curve", [])]
         metrics = self.run_dir / "metrics.jsonl"
-        if metrics.exists():  # drop lines logged after the checkpoint: the resumed run writes them again
+        if metrics.exists() and self.rank == 0:  # drop lines logged after the checkpoint: the resumed run writes them again
             keep = [ln for ln in metrics.read_text().splitlines() if ln and json.loads(ln)["step"] <= self.step]
             metrics.write_text("".join(k + "\n" for k in keep))
         return True
@@ -117,11 +151,12 @@ class Trainer:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         model.train()
         bar = None
-        if self.progress:
+        lead = self.rank == 0                    # rank 0 logs, evaluates and writes checkpoints
+        if self.progress and lead:
             from tqdm import tqdm
             bar = tqdm(total=cfg.steps, initial=self.step, desc=self.run_dir.name, unit="step", leave=False,
                        dynamic_ncols=True)
-        metrics = open(self.run_dir / "metrics.jsonl", "a")
+        metrics = open(self.run_dir / "metrics.jsonl", "a") if lead else None
         tokens_per_step = cfg.batch_size * self.context
         t_last, tok_rate = time.perf_counter(), 0.0
         try:
@@ -131,12 +166,23 @@ class Trainer:
                 for group in self.opt.param_groups:
                     group["lr"] = lr
                 x, y = get_batch(self.data.train, cfg.batch_size, self.context, self.gen)
-                loss = cross_entropy(model, x, y, cfg.bf16)
-                if not torch.isfinite(loss):
-                    raise TrainingDiverged(f"loss became {loss.item()} at step {step}; stopped. The last good "
-                                           f"checkpoint is kept in {self.run_dir / 'ckpt'} (try a lower --lr)")
-                self.opt.zero_grad(set_to_none=True)
-                loss.backward()
+                try:
+                    loss = cross_entropy(self.train_model, x, y, cfg.bf16)
+                    if not torch.isfinite(loss):
+                        raise TrainingDiverged(f"loss became {loss.item()} at step {step}; stopped. The last good "
+                                               f"checkpoint is kept in {self.run_dir / 'ckpt'} (try a lower --lr)")
+                    self.opt.zero_grad(set_to_none=True)
+                    loss.backward()              # DDP all-reduces the gradients here
+                    if self.world > 1:
+                        import torch.distributed as dist
+                        logged = loss.detach().clone()
+                        dist.all_reduce(logged)
+                        loss = logged / self.world
+                except RuntimeError as e:
+                    if self.world > 1 and not isinstance(e, TrainingDiverged):
+                        raise PeerLost(f"rank {self.rank}: a peer stopped answering at step {step} ({e}); "
+                                       "stopping instead of waiting") from None
+                    raise
                 gnorm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
                 self.opt.step()
                 self.step = step
@@ -145,13 +191,14 @@ class Trainer:
                 t_last = now
                 rec = {"step": step, "loss": round(loss.item(), 5), "lr": lr, "grad_norm": round(float(gnorm), 4),
                        "tokens_per_s": round(tok_rate, 1)}
-                if step % cfg.eval_every == 0 or step == cfg.steps:
+                if lead and (step % cfg.eval_every == 0 or step == cfg.steps):
                     ev = evaluate(model, self.data.heldout, self.context, cfg.batch_size, cfg.eval_batches, cfg.bf16)
                     rec["heldout_loss"] = round(ev, 5)
                     self.curve.append((step, ev))
                     t_last = time.perf_counter()       # evaluation time is not training throughput
-                metrics.write(json.dumps(rec) + "\n")
-                metrics.flush()
+                if metrics is not None:
+                    metrics.write(json.dumps(rec) + "\n")
+                    metrics.flush()
                 if bar is not None:
                     bar.update(1)
                     bar.set_postfix(loss=f"{rec['loss']:.3f}", tok_s=f"{tok_rate:,.0f}",
@@ -159,7 +206,8 @@ class Trainer:
                 if step % cfg.ckpt_every == 0 or step == cfg.steps:
                     self.save()
         finally:
-            metrics.close()
+            if metrics is not None:
+                metrics.close()
             if bar is not None:
                 bar.close()
         return {"steps": self.step, "heldout_loss": self.curve[-1][1] if self.curve else None, "curve": self.curve}

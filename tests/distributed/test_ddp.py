@@ -1,0 +1,96 @@
+"""Data-parallel training: 2 processes equal one process on the concatenated batch; a lost rank stops the rest."""
+
+import os
+import tempfile
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from subquad.data import get_batch, prepare
+from subquad.models import LanguageModel, ModelConfig
+from subquad.train import PeerLost, TrainConfig, Trainer, load_checkpoint
+from subquad.train import trainer as trainer_mod
+from tests.distributed.helpers import run
+
+TEXT = "".join(f"def k{i}(a):\n    return a + {i}\n\n" for i in range(300))
+CFG = dict(steps=3, batch_size=2, lr=3e-3, warmup=1, eval_every=3, eval_batches=1, ckpt_every=3, seed=0)
+
+
+def model():
+    torch.manual_seed(0)
+    return LanguageModel(ModelConfig(vocab_size=300, d_model=32, n_layers=2, n_heads=2, context_length=16,
+                                     pattern="linear,softmax"))
+
+
+def _train(rank, world, corpus, cache, out):
+    data = prepare(corpus, vocab_size=300, cache_dir=cache, log=lambda m: None)
+    Trainer(model(), data, TrainConfig(**CFG), out, progress=False).fit()
+    return None
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    d = tmp_path_factory.mktemp("ddp")
+    (d / "code.py").write_text(TEXT)
+    prepare(str(d / "code.py"), vocab_size=300, cache_dir=d / "cache", log=lambda m: None)
+    return d
+
+
+def test_two_process_ddp_equals_one_process_on_the_concatenated_batch(corpus, tmp_path, monkeypatch):
+    run(2, _train, str(corpus / "code.py"), str(corpus / "cache"), str(tmp_path / "ddp"))
+    data = prepare(str(corpus / "code.py"), vocab_size=300, cache_dir=corpus / "cache", log=lambda m: None)
+    gens = [torch.Generator().manual_seed(CFG["seed"] + 1_000_003 * r) for r in range(2)]
+
+    def both_ranks(tokens, batch_size, context, generator):
+        parts = [get_batch(tokens, batch_size // 2, context, g) for g in gens]
+        return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
+    monkeypatch.setattr(trainer_mod, "get_batch", both_ranks)
+    Trainer(model(), data, TrainConfig(**{**CFG, "batch_size": 4}), tmp_path / "one", progress=False).fit()
+    import json
+    loss = [[json.loads(ln)["loss"] for ln in (tmp_path / d / "metrics.jsonl").read_text().splitlines()]
+            for d in ("ddp", "one")]
+    assert loss[0] == pytest.approx(loss[1], abs=1e-4)
+    a, _, meta = load_checkpoint(tmp_path / "ddp")
+    b, _, _ = load_checkpoint(tmp_path / "one")
+    assert meta["world"] == 2 and len(meta["data_rng_ranks"]) == 2
+    for k in a:
+        assert torch.allclose(a[k], b[k], atol=1e-5), k
+
+
+def _lose_a_rank(rank, world, init_file, corpus, cache, out, result_file):
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
+                            timeout=timedelta(seconds=20))
+    data = prepare(corpus, vocab_size=300, cache_dir=cache, log=lambda m: None)
+    t = Trainer(model(), data, TrainConfig(**{**CFG, "steps": 50}), out, progress=False)
+    if rank == 1:
+        os._exit(3)                                    # a rank dies mid-run
+    try:
+        t.fit()
+        msg = "finished"
+    except PeerLost as e:
+        msg = f"PeerLost: {e}"
+    except Exception as e:                            # anything else is a failure of the test
+        msg = f"{type(e).__name__}: {e}"
+    with open(result_file, "w") as f:
+        f.write(msg)
+
+
+def test_a_rank_that_dies_stops_the_others_with_a_clear_error(corpus, tmp_path):
+    ctx = mp.get_context("spawn")
+    init_file, result = str(tmp_path / "rdv"), str(tmp_path / "rank0.txt")
+    procs = [ctx.Process(target=_lose_a_rank, args=(r, 2, init_file, str(corpus / "code.py"), str(corpus / "cache"),
+                                                     str(tmp_path / "run"), result)) for r in range(2)]
+    for p in procs:
+        p.start()
+    procs[0].join(timeout=90)
+    alive = procs[0].is_alive()
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+    assert not alive, "rank 0 hung after its peer died"
+    text = open(result).read()
+    assert text.startswith("PeerLost") and "peer stopped answering" in text, text
