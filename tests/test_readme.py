@@ -1,0 +1,13 @@
+"""The README's op-contract example runs as written."""
+
+import re
+from pathlib import Path
+
+
+def test_readme_op_example_runs():
+    text = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    block = re.search(r"### The op contract\s+```python\n(.*?)```", text, re.S).group(1)
+    scope: dict = {}
+    exec(compile(block, "README.md", "exec"), scope)
+    assert scope["o"].shape == (2, 1000, 4, 32) and scope["lse"].shape == (2, 1000, 4)
+    assert scope["o2"].shape == (2, 1, 4, 32)
