@@ -52,8 +52,8 @@ class Mamba(Mixer):
         x = F.silu(x)
         dt, Bm, Cm = torch.split(self.x_proj(x), [self.dt_rank, self.d_state, self.d_state], dim=-1)
         dt = F.softplus(self.dt_proj(dt))
-        A = -torch.exp(self.A_log.to(x.dtype if x.dtype == torch.float64 else torch.float32))
-        y, h = selective_scan(x, dt, A.to(x.dtype) if x.dtype != torch.float64 else A, Bm, Cm, D=self.D.to(x.dtype),
+        A = -torch.exp(self.A_log.double() if x.dtype == torch.float64 else self.A_log.float())   # (Dm, N) < 0
+        y, h = selective_scan(x, dt, A, Bm, Cm, D=self.D.to(x.dtype),
                               z=z, mode=self.mode, chunk_size=self.chunk_size,
                               initial_state=None if state is None else state["ssm"], output_final_state=True)
         return self.out_proj(y), {"ssm": h, "conv": conv}

@@ -34,7 +34,7 @@ from subquad.ops.softmax import (
     softmax_attention,
 )
 
-MODES = ("parallel", "recurrent", "chunk")
+from subquad.ops.common.checks import MODES
 
 __all__ = [
     "MODES",
