@@ -19,10 +19,16 @@ def test_workshop_writes_png_and_json(tmp_path, capsys):
     assert "max |parallel - recurrent|" in capsys.readouterr().out
 
 
-def test_workshop_second_half_trains_both_runs_and_reports_the_gap(tmp_path, capsys, monkeypatch):
+@pytest.fixture
+def corpus(tmp_path, monkeypatch):
+    """A small local corpus of code, and a token cache private to the test."""
     monkeypatch.setenv("SUBQUAD_CACHE", str(tmp_path / "cache"))
-    corpus = tmp_path / "code.py"
-    corpus.write_text("".join(f"def h{i}(z):\n    return z * {i}\n\n" for i in range(400)))
+    path = tmp_path / "code.py"
+    path.write_text("".join(f"def h{i}(z):\n    return z * {i}\n\n" for i in range(400)))
+    return path
+
+
+def test_workshop_second_half_trains_both_runs_and_reports_the_gap(tmp_path, capsys, corpus):
     out = tmp_path / "ws"
     assert main(["workshop", "--out", str(out), "--steps", "3", "--seeds", "2", "--data", str(corpus),
                  "--no-progress"]) == 0
@@ -41,10 +47,7 @@ def test_bad_arguments_exit_with_usage(argv, capsys):
     assert "error" in capsys.readouterr().err
 
 
-def test_train_eval_generate_end_to_end(tmp_path, capsys, monkeypatch):
-    monkeypatch.setenv("SUBQUAD_CACHE", str(tmp_path / "cache"))
-    corpus = tmp_path / "code.py"
-    corpus.write_text("".join(f"def g{i}(y):\n    return y - {i}\n\n" for i in range(300)))
+def test_train_eval_generate_end_to_end(tmp_path, capsys, corpus):
     run = tmp_path / "run"
     argv = ["train", "--data", str(corpus), "--vocab-size", "300", "--d-model", "32", "--n-layers", "2",
             "--n-heads", "2", "--context", "32", "--pattern", "linear,softmax", "--steps", "4", "--batch-size", "2",
@@ -57,7 +60,7 @@ def test_train_eval_generate_end_to_end(tmp_path, capsys, monkeypatch):
     assert main(["eval", "--run", str(run), "--batches", "2", "--batch-size", "2"]) == 0
     assert "step 6" in capsys.readouterr().out
     st = tmp_path / "state.safetensors"
-    assert main(["generate", "--run", str(run), "--prompt", "def g1", "--max-new-tokens", "5",
+    assert main(["generate", "--run", str(run), "--prompt", "def h1", "--max-new-tokens", "5",
                  "--save-state", str(st)]) == 0
     err = capsys.readouterr().err
     assert "state:" in err and st.exists()
