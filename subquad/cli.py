@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 
@@ -90,14 +91,21 @@ def cmd_train(args) -> int:
     from subquad.distributed.launch import init_from_env, launch
     from subquad.train import PeerLost, TrainConfig, TrainingDiverged, train_run
 
-    if args.nproc > 1:                       # re-run this command under torchrun, one process per rank
+    mcfg = _model_config(args)               # bad settings fail here, once, before any process starts
+    P = args.context_parallel
+    nproc = args.nproc if args.nproc > 1 or P == 1 else P
+    if nproc % P:
+        raise SystemExit(f"error: --nproc {nproc} must be a multiple of --context-parallel {P}")
+    if nproc > 1 and "WORLD_SIZE" not in os.environ:   # re-run this command under torchrun, one process per rank
         argv = list(sys.argv[1:] if args.argv is None else args.argv)
-        i = argv.index("--nproc")
-        return launch(args.nproc, argv[:i] + argv[i + 2:])
+        if "--nproc" in argv:
+            i = argv.index("--nproc")
+            argv = argv[:i] + argv[i + 2:]
+        return launch(nproc, argv)
     rank, world = init_from_env(args.dist_timeout)
-    mcfg = _model_config(args)
     tcfg = TrainConfig(steps=args.steps, batch_size=args.batch_size, lr=args.lr, warmup=args.warmup,
-                       eval_every=args.eval_every, ckpt_every=args.ckpt_every, seed=args.seed, bf16=args.bf16)
+                       eval_every=args.eval_every, ckpt_every=args.ckpt_every, seed=args.seed, bf16=args.bf16,
+                       context_parallel=P)
     out = args.out or f"runs/{args.preset}-{mcfg.pattern.replace('*', 'x').replace(',', '_')}"
     try:
         r = train_run(mcfg, tcfg, out, data=args.data, resume=args.resume, progress=not args.no_progress)
@@ -247,6 +255,9 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--no-progress", action="store_true")
     t.add_argument("--nproc", type=_positive, default=1,
                    help="data-parallel processes (relaunches under torchrun; each rank draws its own batches)")
+    t.add_argument("--context-parallel", type=_positive, default=1, metavar="P",
+                   help="split each sequence over P processes: ring attention for softmax layers, state passing "
+                        "for recurrent ones (launches P processes; with --nproc N, N/P data-parallel replicas)")
     t.add_argument("--dist-timeout", type=float, default=60.0,
                    help="seconds a rank waits for a peer before stopping with an error (distributed runs)")
     t.set_defaults(fn=cmd_train)
@@ -257,11 +268,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="comma-separated labels (default: all; see subquad.bench.recall.MIXERS)")
     r.add_argument("--sizes", type=_sizes, default=[(64, 4), (128, 8)], help="TxN pairs (default 64x4,128x8)")
     r.add_argument("--d-models", type=lambda t: [int(v) for v in t.split(",")], default=[64])
-    r.add_argument("--lrs", type=lambda t: [float(v) for v in t.split(",")], default=[3e-3])
+    r.add_argument("--lrs", type=lambda t: [float(v) for v in t.split(",")], default=[1e-2])
     r.add_argument("--vocab", type=_positive, default=512, help="vocabulary (default 512; Zoology: 8192)")
-    r.add_argument("--steps", type=_positive, default=1000)
+    r.add_argument("--steps", type=_positive, default=1500)
     r.add_argument("--batch-size", type=_positive, default=64)
-    r.add_argument("--time-budget", type=float, default=90.0, help="seconds per cell before it stops")
+    r.add_argument("--time-budget", type=float, default=120.0, help="seconds per cell before it stops")
     r.add_argument("--mlp", action="store_true", help="add the SwiGLU MLP (Zoology's default has none)")
     r.add_argument("--quick", action="store_true", help="a tiny sweep (seconds), for tests")
     r.add_argument("--no-progress", action="store_true")

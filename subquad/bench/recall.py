@@ -1,7 +1,7 @@
 """The recall sweep: MQAR accuracy of 2-layer models for every mixer, against the bytes of state they keep.
 
 Zoology's setting (2 layers, no MLP by default), scaled to 2 CPU cores: vocab 512
-(not 8,192), d_model 64, (T, N) in {(64, 4), (128, 8)}, lr 3e-3 - see the README
+(not 8,192), d_model 64, (T, N) in {(64, 4), (128, 8)}, lr 1e-2 - see the README
 for why. Each cell trains until 99% answer accuracy on held-out examples or its
 step budget, keeping the best learning rate tried. Results go to a JSON that a
 rerun resumes from (finished cells are skipped), a table and a PNG of accuracy
@@ -76,8 +76,8 @@ def train_cell(pattern, options, *, T, N, vocab, d_model, lr, steps, batch, mlp,
             "state_bytes": state_bytes(model, T), "parameters": model.num_parameters()}
 
 
-def sweep(out="runs/recall", mixers=None, sizes=((64, 4), (128, 8)), d_models=(64,), lrs=(3e-3,), vocab=512,
-          steps=1000, batch=64, mlp=False, seed=0, time_budget=90.0, progress=True, log=print) -> dict:
+def sweep(out="runs/recall", mixers=None, sizes=((64, 4), (128, 8)), d_models=(64,), lrs=(1e-2,), vocab=512,
+          steps=1500, batch=64, mlp=False, seed=0, time_budget=120.0, progress=True, log=print) -> dict:
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     path = out / "recall.json"

@@ -63,9 +63,14 @@ def _pairs(rank, src, world, c):
             yield slice(a * c, (a + 1) * c), slice(b * c, (b + 1) * c), i * c, j * c
 
 
+def _skip(causal, window, q0, k0, c):
+    """A key chunk wholly in the future, or wholly beyond the window (query i sees key j iff i - j <= window)."""
+    return (causal and k0 > q0) or (window is not None and q0 - (k0 + c - 1) > window)
+
+
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, scale, causal, group, block):
+    def forward(ctx, q, k, v, scale, causal, window, group, block):
         # q, k, v: (B, H, 2c, D) local zigzag shards
         rank, world = dist.get_rank(group), dist.get_world_size(group)
         c = q.shape[2] // 2
@@ -78,10 +83,10 @@ class _RingAttention(torch.autograd.Function):
                 reqs, nxt = _exchange(kv, group, rank, world)
             src = (rank - step) % world
             for qs, ks, q0, k0 in _pairs(rank, src, world, c):
-                if causal and k0 > q0:          # a key chunk wholly in the future
+                if _skip(causal, window, q0, k0, c):
                     continue
                 ob, lb = attention_forward(q[:, :, qs], kv[0][:, :, ks], kv[1][:, :, ks], scale, block, causal,
-                                           None, q0, k0)
+                                           window, q0, k0)
                 a = 0 if qs.start == 0 else 1
                 o[a], lse[a] = merge_attention(o[a], lse[a], ob, lb)         # elementwise: any layout
             if reqs is not None:
@@ -90,13 +95,13 @@ class _RingAttention(torch.autograd.Function):
                 kv = nxt
         o, lse = torch.cat(o, 2), torch.cat(lse, 2)
         ctx.save_for_backward(q, k, v, o, lse)
-        ctx.args = (scale, causal, group, block)
+        ctx.args = (scale, causal, window, group, block)
         return o
 
     @staticmethod
     def backward(ctx, do):
         q, k, v, o, lse = ctx.saved_tensors
-        scale, causal, group, block = ctx.args
+        scale, causal, window, group, block = ctx.args
         rank, world = dist.get_rank(group), dist.get_world_size(group)
         c = q.shape[2] // 2
         do = do.contiguous()
@@ -107,10 +112,10 @@ class _RingAttention(torch.autograd.Function):
             src = (rank - step) % world
             kk, vv, dk, dv = cur
             for qs, ks, q0, k0 in _pairs(rank, src, world, c):
-                if causal and k0 > q0:
+                if _skip(causal, window, q0, k0, c):
                     continue
                 gq, gk, gv = attention_backward(q[:, :, qs], kk[:, :, ks], vv[:, :, ks], do[:, :, qs],
-                                                lse[:, :, qs], D[:, :, qs], scale, block, causal, None, q0, k0)
+                                                lse[:, :, qs], D[:, :, qs], scale, block, causal, window, q0, k0)
                 dq[:, :, qs] += gq
                 dk[:, :, ks] += gk
                 dv[:, :, ks] += gv
@@ -122,15 +127,17 @@ class _RingAttention(torch.autograd.Function):
             cur = got if step < world - 1 else cur
             if step == world - 1:
                 dk_home, dv_home = got
-        return dq, dk_home, dv_home, None, None, None, None
+        return dq, dk_home, dv_home, None, None, None, None, None
 
 
-def ring_attention(q, k, v, *, causal: bool = True, scale: float | None = None, group=None, block_size: int = 256):
+def ring_attention(q, k, v, *, causal: bool = True, window: int | None = None, scale: float | None = None, group=None,
+                   block_size: int = 256):
     """Exact softmax attention over a sequence sharded across the ranks of ``group`` (zigzag layout).
 
     Args:
         q, k: (B, 2c, H, K) and v (B, 2c, H, V): this rank's ``zigzag_shard`` of the sequence.
         causal: causal mask over the *global* positions.
+        window: sliding window (query t sees keys t - window .. t); key chunks wholly outside it are skipped.
         block_size: block of the online softmax inside each chunk pair.
     Returns:
         o (B, 2c, H, V): this rank's shard of the output (``zigzag_unshard`` of all shards is the whole).
@@ -143,7 +150,9 @@ def ring_attention(q, k, v, *, causal: bool = True, scale: float | None = None, 
     _check_layout(q.shape[1] * world, world)
     if k.shape != q.shape or v.shape[:3] != q.shape[:3]:
         raise ValueError(f"q, k, v shards must agree: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
+    if window is not None and window < 0:
+        raise ValueError(f"window must be >= 0 or None, got {window}")
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     o = _RingAttention.apply(q.transpose(1, 2).contiguous(), k.transpose(1, 2).contiguous(),
-                             v.transpose(1, 2).contiguous(), scale, causal, group, block_size)
+                             v.transpose(1, 2).contiguous(), scale, causal, window, group, block_size)
     return o.transpose(1, 2)

@@ -61,6 +61,66 @@ def _runner(kind, q, k, g, beta, scale, chunk_size):
     raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
 
 
+def fold_states(S, M=None, *, combine: str = "matmul", group=None):
+    """The true initial state of each of this rank's pieces, from every piece's own (S, M).
+
+    S (n, B, ...) are this rank's pieces' final states from a zero state, M (n, B, ...) their transitions
+    (None: the identity). n = 1: rank r holds piece r of P (contiguous); n = 2: rank r holds pieces r and
+    2P-1-r of 2P (the zigzag layout of ring attention). ``combine``: "matmul" (M @ S, K x K transitions) or
+    "mul" (elementwise decays). Returns (n, B, ...): for each piece, the fold of every piece before it.
+    """
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    n = S.shape[0]
+    if n not in (1, 2):
+        raise ValueError(f"each rank holds 1 (contiguous) or 2 (zigzag) pieces, got {n}")
+    S_all = all_gather(S, group)                                             # (W, n, B, ...)
+    M_all = all_gather(M, group) if M is not None else None
+    order = [(r, 0) for r in range(world)] + ([(r, 1) for r in reversed(range(world))] if n == 2 else [])
+    prefix = [torch.zeros_like(S[0])]
+    for r, s in order[:-1]:                                                  # pieces in sequence order
+        prev = prefix[-1]
+        if M_all is not None:
+            prev = M_all[r, s] @ prev if combine == "matmul" else M_all[r, s] * prev
+        prefix.append(prev + S_all[r, s])
+    out = torch.stack([prefix[order.index((rank, s))] for s in range(n)])
+    # Every rank must take part in the gathers' backward (a collective), even one that uses none of the
+    # gathered states (rank 0 of a contiguous layout): tie them to the result with weight zero.
+    return out + 0.0 * (S_all.sum() + (M_all.sum() if M_all is not None else 0.0))
+
+
+def state_passing(kind: str, q, k, v, *, g=None, beta=None, normalize: bool = False, scale=None,
+                  chunk_size: int = 64, group=None, pieces: int = 1):
+    """``kind`` over this rank's ``pieces`` pieces of the sequence, stacked along the batch (piece-major).
+
+    q, k (n B, t, H, K), v (n B, t, H, V), g / beta likewise (retention's g (H,) as is). See ``fold_states``
+    for which pieces a rank holds. Returns o (n B, t, H, V).
+    """
+    if not dist.is_initialized():
+        raise ValueError("sequence parallelism needs torch.distributed initialised (torchrun, or init_process_group)")
+    nB, t, H, K = q.shape
+    if nB % pieces:
+        raise ValueError(f"the batch ({nB}) must stack {pieces} pieces")
+    V = v.shape[-1]
+    if normalize:
+        if kind != "linear_attention":
+            raise ValueError("normalize=True applies to kind='linear_attention' only")
+        v = torch.cat([v, torch.ones_like(v[..., :1])], dim=-1)
+    f = _runner(kind, q, k, g, beta, scale, chunk_size)
+    dt = torch.float64 if q.dtype == torch.float64 else torch.float32
+    _, S_local = f(v, None)                                                  # (nB, H, K, V')
+    if kind == "linear_attention":
+        M = None                                                             # identity
+    else:
+        eye = torch.eye(K, dtype=dt, device=q.device).expand(nB, H, K, K).contiguous()
+        _, M = f(torch.zeros(nB, t, H, K, dtype=v.dtype, device=v.device), eye)
+        M = M.reshape(pieces, nB // pieces, *M.shape[1:])
+    S_in = fold_states(S_local.reshape(pieces, nB // pieces, *S_local.shape[1:]), M, group=group)
+    o, _ = f(v, S_in.reshape(S_local.shape))
+    if normalize:
+        o = o[..., :V] / (o[..., V:] + 1e-6)
+    return o
+
+
 def sequence_parallel(kind: str, q, k, v, *, g=None, beta=None, normalize: bool = False, scale=None,
                       chunk_size: int = 64, group=None):
     """This rank's outputs (B, t, H, V) of ``kind`` over the sequence split contiguously across ``group``.
@@ -69,32 +129,7 @@ def sequence_parallel(kind: str, q, k, v, *, g=None, beta=None, normalize: bool 
     retention's g (H,) is the same on every rank. ``normalize`` (linear attention only) carries the
     normaliser as an extra value column.
     """
-    if not dist.is_initialized():
-        raise ValueError("sequence_parallel needs torch.distributed initialised")
-    rank, world = dist.get_rank(group), dist.get_world_size(group)
-    B, t, H, K = q.shape
-    V = v.shape[-1]
-    if normalize:
-        if kind != "linear_attention":
-            raise ValueError("normalize=True applies to kind='linear_attention' only")
-        v = torch.cat([v, torch.ones_like(v[..., :1])], dim=-1)
-    f = _runner(kind, q, k, g, beta, scale, chunk_size)
-    dt = torch.float64 if q.dtype == torch.float64 else torch.float32
-    _, S_local = f(v, None)                                                  # (B, H, K, V')
-    if kind == "linear_attention":
-        M = None                                                             # identity
-    else:
-        eye = torch.eye(K, dtype=dt, device=q.device).expand(B, H, K, K).contiguous()
-        _, M = f(torch.zeros(B, t, H, K, dtype=v.dtype, device=v.device), eye)
-    S_all = all_gather(S_local, group)
-    M_all = all_gather(M, group) if M is not None else None
-    S_in = torch.zeros_like(S_local)
-    for j in range(rank):                                                    # fold the pieces before this one
-        S_in = (S_in if M_all is None else M_all[j] @ S_in) + S_all[j]
-    o, _ = f(v, S_in)
-    # Every rank must take part in the gathers' backward (a collective); rank 0 uses none of the gathered
-    # states and the last rank's are used by nobody, so tie them to the output with weight zero.
-    o = o + 0.0 * (S_all.sum() + (M_all.sum() if M_all is not None else 0.0))
-    if normalize:
-        o = o[..., :V] / (o[..., V:] + 1e-6)
-    return o
+    if kind not in KINDS:
+        raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
+    return state_passing(kind, q, k, v, g=g, beta=beta, normalize=normalize, scale=scale, chunk_size=chunk_size,
+                         group=group, pieces=1)

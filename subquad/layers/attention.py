@@ -48,12 +48,16 @@ class SoftmaxAttention(Mixer):
         self._check_x(x)
         B, T, _ = x.shape
         K = self.head_dim
-        pos = state.seen if state is not None else 0
+        cp = self._context(state)
+        pos = cp.positions(T, x.device) if cp is not None else state.seen if state is not None else 0
         q = self.q_proj(x).view(B, T, self.n_heads, K)
         k = self.k_proj(x).view(B, T, self.n_kv_heads, K)
         v = self.v_proj(x).view(B, T, self.n_kv_heads, K)
         if self.rotary:
             q, k = apply_rotary(q, pos), apply_rotary(k, pos)
+        if cp is not None:
+            o = cp.attention(q, self._repeat(k), self._repeat(v), window=self.window)
+            return self.o_proj(o.reshape(B, T, self.n_heads * K)), None
         init = None
         if state is not None and len(state):
             init = KVCache(self._repeat(state.k), self._repeat(state.v), window=self.window, seen=state.seen)

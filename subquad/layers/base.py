@@ -46,6 +46,19 @@ class Mixer(nn.Module):
         if x.dim() != 3 or x.shape[-1] != self.d_model:
             raise ValueError(f"x must be (B, T, d_model={self.d_model}), got shape {tuple(x.shape)}")
 
+    @staticmethod
+    def _context(state):
+        """The active context-parallel run (``subquad.distributed.context_parallel``), or None.
+
+        Inside one, x holds this rank's shard of each sequence and the mixer returns no state.
+        """
+        from subquad.distributed.context import current
+
+        cp = current()
+        if cp is not None and state is not None:
+            raise ValueError("context parallelism runs whole sequences from an empty state; got a decoding state")
+        return cp
+
     def empty_state(self, batch_size: int, device=None, dtype=torch.float32) -> dict:
         raise NotImplementedError
 

@@ -54,22 +54,32 @@ class DeltaNet(Mixer):
         self._check_x(x)
         B, T, _ = x.shape
         H, K = self.n_heads, self.head_dim
-        qkv, conv = self.conv(torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], -1),
-                              None if state is None else state["conv"])
+        cp = self._context(state)
+        qkv = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], -1)
+        if cp is not None:
+            qkv, conv = cp.conv(self.conv, qkv), None
+        else:
+            qkv, conv = self.conv(qkv, None if state is None else state["conv"])
         q, k, v = (t.view(B, T, H, K) for t in F.silu(qkv).chunk(3, dim=-1))
         q, k = F.normalize(q, dim=-1), F.normalize(k, dim=-1)
         beta = torch.sigmoid(self.b_proj(x))
         init = None if state is None else state["S"]
         if self.gated:
             g = -torch.exp(self.A_log) * F.softplus(self.a_proj(x) + self.dt_bias)
-            o, S = gated_delta_rule(q, k, v, g, beta, mode=self.mode, chunk_size=self.chunk_size,
-                                    initial_state=init, output_final_state=True)
+            if cp is not None:
+                o, S = cp.scan("gated_delta_rule", q, k, v, g=g, beta=beta, chunk_size=self.chunk_size), None
+            else:
+                o, S = gated_delta_rule(q, k, v, g, beta, mode=self.mode, chunk_size=self.chunk_size,
+                                        initial_state=init, output_final_state=True)
             o = self.norm(o) * F.silu(self.g_proj(x)).view(B, T, H, K)
         else:
-            o, S = delta_rule(q, k, v, beta, mode=self.mode, chunk_size=self.chunk_size,
-                              initial_state=init, output_final_state=True)
+            if cp is not None:
+                o, S = cp.scan("delta_rule", q, k, v, beta=beta, chunk_size=self.chunk_size), None
+            else:
+                o, S = delta_rule(q, k, v, beta, mode=self.mode, chunk_size=self.chunk_size,
+                                  initial_state=init, output_final_state=True)
             o = self.norm(o)
-        return self.o_proj(o.reshape(B, T, H * K)), {"S": S, "conv": conv}
+        return self.o_proj(o.reshape(B, T, H * K)), None if cp is not None else {"S": S, "conv": conv}
 
 
 class GatedDeltaNet(DeltaNet):

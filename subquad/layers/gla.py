@@ -48,7 +48,11 @@ class GatedLinearAttention(Mixer):
         k = self.k_proj(x).view(B, T, H, K)
         v = self.v_proj(x).view(B, T, H, V)
         g = F.logsigmoid(self.gk_proj(x)).view(B, T, H, K) / self.gate_normalizer
-        o, S = gla(q, k, v, g, mode=self.mode, chunk_size=self.chunk_size,
-                   initial_state=None if state is None else state["S"], output_final_state=True)
+        cp = self._context(state)
+        if cp is not None:
+            o, S = cp.scan("gla", q, k, v, g=g, chunk_size=self.chunk_size), None
+        else:
+            o, S = gla(q, k, v, g, mode=self.mode, chunk_size=self.chunk_size,
+                       initial_state=None if state is None else state["S"], output_final_state=True)
         y = self.o_proj(F.silu(self.r_proj(x)) * self.norm(o).reshape(B, T, H * V))
-        return y, {"S": S}
+        return y, None if cp is not None else {"S": S}

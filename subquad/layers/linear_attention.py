@@ -50,6 +50,10 @@ class LinearAttention(Mixer):
         q = self.phi(self.q_proj(x).view(B, T, H, self.qk_dim), is_query=True).to(x.dtype)
         k = self.phi(self.k_proj(x).view(B, T, H, self.qk_dim)).to(x.dtype)
         v = self.v_proj(x).view(B, T, H, self.head_dim)
+        cp = self._context(state)
+        if cp is not None:
+            o = cp.scan("linear_attention", q, k, v, normalize=self.normalize, chunk_size=self.chunk_size)
+            return self.o_proj(o.reshape(B, T, -1)), None
         init = None if state is None else ((state["S"], state["z"]) if self.normalize else state["S"])
         o, s = linear_attention(q, k, v, normalize=self.normalize, mode=self.mode, chunk_size=self.chunk_size,
                                 initial_state=init, output_final_state=True)

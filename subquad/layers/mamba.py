@@ -48,11 +48,18 @@ class Mamba(Mixer):
     def forward(self, u, state=None):
         self._check_x(u)
         x, z = self.in_proj(u).chunk(2, dim=-1)
-        x, conv = self.conv(x, None if state is None else state["conv"])
+        cp = self._context(state)
+        if cp is not None:
+            x, conv = cp.conv(self.conv, x), None
+        else:
+            x, conv = self.conv(x, None if state is None else state["conv"])
         x = F.silu(x)
         dt, Bm, Cm = torch.split(self.x_proj(x), [self.dt_rank, self.d_state, self.d_state], dim=-1)
         dt = F.softplus(self.dt_proj(dt))
         A = -torch.exp(self.A_log.double() if x.dtype == torch.float64 else self.A_log.float())   # (Dm, N) < 0
+        if cp is not None:
+            y = cp.selective_scan(x, dt, A, Bm, Cm, D=self.D.to(x.dtype), z=z, chunk_size=self.chunk_size)
+            return self.out_proj(y), None
         y, h = selective_scan(x, dt, A, Bm, Cm, D=self.D.to(x.dtype),
                               z=z, mode=self.mode, chunk_size=self.chunk_size,
                               initial_state=None if state is None else state["ssm"], output_final_state=True)

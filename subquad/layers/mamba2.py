@@ -48,11 +48,17 @@ class Mamba2(Mixer):
         return {"ssm": torch.zeros(batch_size, self.n_heads, self.d_state, self.headdim, device=device, dtype=sd),
                 "conv": self.conv.empty_state(batch_size, device, dtype)}
 
-    def ssd(self, x, dt, A, Bm, Cm, initial_state):
-        """x (B, T, H, P), dt (B, T, H), A (H,), B and C (B, T, N) -> y (B, T, H, P), h (B, H, N, P)."""
+    def ssd(self, x, dt, A, Bm, Cm, initial_state, cp=None):
+        """x (B, T, H, P), dt (B, T, H), A (H,), B and C (B, T, N) -> y (B, T, H, P), h (B, H, N, P).
+
+        Inside a context-parallel run (``cp``), over the whole sequence by state passing, and h is None.
+        """
         H = self.n_heads
         Bh = Bm.unsqueeze(2).expand(-1, -1, H, -1)
         Ch = Cm.unsqueeze(2).expand(-1, -1, H, -1)
+        if cp is not None:
+            return cp.scan("simple_gla", Ch, Bh * dt.unsqueeze(-1), x, g=dt * A, scale=1.0,
+                           chunk_size=self.chunk_size), None
         return simple_gla(Ch, Bh * dt.unsqueeze(-1), x, dt * A, mode=self.mode, chunk_size=self.chunk_size,
                           scale=1.0, initial_state=initial_state, output_final_state=True)
 
@@ -61,12 +67,16 @@ class Mamba2(Mixer):
         Bsz, T, _ = u.shape
         H, P, N = self.n_heads, self.headdim, self.d_state
         z, xBC, dt = torch.split(self.in_proj(u), [self.d_inner, self.conv_dim, H], dim=-1)
-        xBC, conv_state = self.conv(xBC, None if state is None else state["conv"])
+        cp = self._context(state)
+        if cp is not None:
+            xBC, conv_state = cp.conv(self.conv, xBC), None
+        else:
+            xBC, conv_state = self.conv(xBC, None if state is None else state["conv"])
         x, Bm, Cm = torch.split(F.silu(xBC), [self.d_inner, N, N], dim=-1)
         dt = F.softplus(dt + self.dt_bias)                                    # (B, T, H)
         A = -torch.exp(self.A_log)                                            # (H,)
         x = x.view(Bsz, T, H, P)
-        y, h = self.ssd(x, dt, A, Bm, Cm, None if state is None else state["ssm"])
+        y, h = self.ssd(x, dt, A, Bm, Cm, None if state is None else state["ssm"], cp)
         y = y + self.D.view(1, 1, H, 1) * x
         out = self.out_proj(self.norm(y.reshape(Bsz, T, self.d_inner), z))
-        return out, {"ssm": h, "conv": conv_state}
+        return out, None if cp is not None else {"ssm": h, "conv": conv_state}

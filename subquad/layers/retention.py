@@ -45,16 +45,20 @@ class MultiScaleRetention(Mixer):
         self._check_x(x)
         B, T, _ = x.shape
         H, K, V = self.n_heads, self.head_dim, self.v_dim
-        pos = int(state["pos"]) if state is not None else 0
+        cp = self._context(state)
+        pos = cp.positions(T, x.device) if cp is not None else int(state["pos"]) if state is not None else 0
         q = apply_rotary(self.q_proj(x).view(B, T, H, K), pos)
         k = apply_rotary(self.k_proj(x).view(B, T, H, K), pos)
         v = self.v_proj(x).view(B, T, H, V)
-        o, S = retention(q, k, v, self.log_decay.to(x.dtype if x.dtype == torch.float64 else torch.float32),
-                         mode=self.mode, chunk_size=self.chunk_size,
-                         initial_state=None if state is None else state["S"], output_final_state=True)
+        g = self.log_decay.to(x.dtype if x.dtype == torch.float64 else torch.float32)
+        if cp is not None:
+            o, S = cp.scan("retention", q, k, v, g=g, chunk_size=self.chunk_size), None
+        else:
+            o, S = retention(q, k, v, g, mode=self.mode, chunk_size=self.chunk_size,
+                             initial_state=None if state is None else state["S"], output_final_state=True)
         o = F.layer_norm(o, (V,))                                           # group norm, one group per head
         y = self.o_proj(F.silu(self.g_proj(x)) * o.reshape(B, T, H * V))
-        return y, {"S": S, "pos": torch.tensor(pos + T)}
+        return y, None if cp is not None else {"S": S, "pos": torch.tensor(pos + T)}
 
     def extra_repr(self):
         return f"d_model={self.d_model}, heads={self.n_heads}, head_dim={self.head_dim}, v_dim={self.v_dim}, mode={self.mode}"

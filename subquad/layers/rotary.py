@@ -10,14 +10,19 @@ from __future__ import annotations
 import torch
 
 
-def apply_rotary(x: torch.Tensor, offset: int = 0, base: float = 10000.0) -> torch.Tensor:
-    """x (B, T, H, K) with K even, positions offset .. offset + T - 1."""
+def apply_rotary(x: torch.Tensor, offset=0, base: float = 10000.0) -> torch.Tensor:
+    """x (B, T, H, K) with K even, positions offset .. offset + T - 1 (or ``offset`` a (T,) tensor of positions)."""
     B, T, H, K = x.shape
     if K % 2:
         raise ValueError(f"rotary needs an even head dim, got {K}")
     half = K // 2
     inv = base ** (-torch.arange(half, device=x.device, dtype=torch.float64) / half)
-    pos = torch.arange(offset, offset + T, device=x.device, dtype=torch.float64)
+    if isinstance(offset, torch.Tensor):
+        if offset.shape != (T,):
+            raise ValueError(f"positions must be a ({T},) tensor, got shape {tuple(offset.shape)}")
+        pos = offset.to(device=x.device, dtype=torch.float64)
+    else:
+        pos = torch.arange(offset, offset + T, device=x.device, dtype=torch.float64)
     ang = pos[:, None] * inv[None]                                           # (T, K/2)
     cos, sin = ang.cos().to(x.dtype)[None, :, None], ang.sin().to(x.dtype)[None, :, None]
     x1, x2 = x[..., :half], x[..., half:]

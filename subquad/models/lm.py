@@ -94,11 +94,16 @@ class LanguageModel(nn.Module):
         pos = 0 if state is None else getattr(state, "pos", 0)
         h = self.embed(idx.long())
         if self.pos_embed is not None:
-            end = pos + idx.shape[1]
+            from subquad.distributed.context import current
+
+            cp = current()             # context parallel: idx is this rank's shard, at its global positions
+            positions = (cp.positions(idx.shape[1], idx.device) if cp is not None
+                         else torch.arange(pos, pos + idx.shape[1], device=idx.device))
+            end = int(positions.max()) + 1 if positions.numel() else pos
             if end > self.config.context_length:
                 raise ValueError(f"learned positions end at context_length={self.config.context_length}; "
                                  f"this call reaches position {end} (use pos_emb='none' to decode without limit)")
-            h = h + self.pos_embed(torch.arange(pos, end, device=idx.device))
+            h = h + self.pos_embed(positions)
         states = ModelState(pos=pos + idx.shape[1])
         for i, block in enumerate(self.blocks):
             h, s = block(h, None if state is None else state[i])

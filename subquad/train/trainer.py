@@ -50,9 +50,10 @@ class TrainConfig:
     ckpt_every: int = 200
     seed: int = 0
     bf16: bool = False
+    context_parallel: int = 1      # ranks that share each sequence (ring attention / state passing)
 
     def __post_init__(self):
-        for name in ("steps", "batch_size", "eval_every", "eval_batches", "ckpt_every"):
+        for name in ("steps", "batch_size", "eval_every", "eval_batches", "ckpt_every", "context_parallel"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         if self.lr <= 0:
@@ -66,21 +67,47 @@ class TrainConfig:
         return self.lr * (self.min_lr_ratio + (1 - self.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * min(1.0, frac))))
 
 
-def cross_entropy(model, x, y, bf16=False):
-    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+def cross_entropy(model, x, y, bf16=False, cp_group=None):
+    """Mean next-token loss. With ``cp_group`` (context parallel), this rank's zigzag shard of x and y only:
+    every rank holds as many tokens, so the mean over ranks is the loss of the whole sequences."""
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16), _context(cp_group) as cp:
+        if cp is not None:
+            from subquad.distributed import zigzag_shard
+
+            x, y = zigzag_shard(x, cp.rank, cp.world), zigzag_shard(y, cp.rank, cp.world)
         logits = model(x)
     return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), y.reshape(-1))
 
 
+def _context(cp_group):
+    import contextlib
+
+    if cp_group is None:
+        return contextlib.nullcontext()
+    from subquad.distributed import context_parallel
+
+    return context_parallel(cp_group)
+
+
 @torch.no_grad()
-def evaluate(model, tokens, context: int, batch_size: int, batches: int, bf16=False, seed: int = 1234) -> float:
-    """Mean held-out loss (nats/token) over the same fixed windows every call."""
+def evaluate(model, tokens, context: int, batch_size: int, batches: int, bf16=False, seed: int = 1234,
+             cp_group=None) -> float:
+    """Mean held-out loss (nats/token) over the same fixed windows every call (with ``cp_group``: a collective
+    of the group, each rank its shard, the mean over the group)."""
     was = model.training
     model.eval()
     g = torch.Generator().manual_seed(seed)
-    losses = [cross_entropy(model, *get_batch(tokens, batch_size, context, g), bf16=bf16).item() for _ in range(batches)]
+    losses = [cross_entropy(model, *get_batch(tokens, batch_size, context, g), bf16=bf16, cp_group=cp_group).item()
+              for _ in range(batches)]
     model.train(was)
-    return sum(losses) / len(losses)
+    loss = sum(losses) / len(losses)
+    if cp_group is not None:
+        import torch.distributed as dist
+
+        t = torch.tensor(loss, dtype=torch.float64)
+        dist.all_reduce(t, group=cp_group)
+        loss = float(t) / dist.get_world_size(cp_group)
+    return loss
 
 
 class Trainer:
@@ -92,10 +119,13 @@ class Trainer:
         self.extra_meta = extra_meta or {}
         torch.manual_seed(cfg.seed)
         self.rank, self.world = _dist()
-        # each rank draws its own batches; rank 0's stream is the single-process one
-        self.gen = torch.Generator().manual_seed(cfg.seed + 1_000_003 * self.rank)
+        self.cp_group = self._context_groups(cfg.context_parallel)
+        # each data-parallel replica draws its own batches (the ranks sharing a sequence draw the same);
+        # replica 0's stream is the single-process one
+        replica = self.rank // cfg.context_parallel
+        self.gen = torch.Generator().manual_seed(cfg.seed + 1_000_003 * replica)
         self.train_model = model
-        if self.world > 1:   # data parallelism applied from outside the model: DDP averages the gradients
+        if self.world > 1 and self.cp_group is None:   # data parallel: DDP averages the gradients
             from torch.nn.parallel import DistributedDataParallel
             self.train_model = DistributedDataParallel(model)
         decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
@@ -104,6 +134,31 @@ class Trainer:
                                       {"params": no_decay, "weight_decay": 0.0}], lr=cfg.lr, betas=(0.9, 0.95))
         self.step = 0
         self.curve: list[tuple[int, float]] = []
+
+    def _context_groups(self, P: int):
+        """The process group of the P ranks that share this rank's sequences (consecutive ranks), or None."""
+        if P == 1:
+            return None
+        if self.world % P:
+            raise ValueError(f"context_parallel={P} must divide the number of processes ({self.world})")
+        if self.context % (2 * P):
+            raise ValueError(f"context_length={self.context} must divide into 2 x context_parallel = {2 * P} "
+                             "equal pieces (the zigzag layout)")
+        import torch.distributed as dist
+
+        groups = [dist.new_group(list(range(s, s + P))) for s in range(0, self.world, P)]   # every rank makes every group
+        return groups[self.rank // P]
+
+    def _average_gradients(self):
+        """Context parallel: each rank's gradient holds its part of every loss it fed; average them all."""
+        import torch.distributed as dist
+
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        flat = torch.cat([p.grad.flatten() for p in params])
+        dist.all_reduce(flat)
+        flat /= self.world
+        for p, g in zip(params, flat.split([p.numel() for p in params])):
+            p.grad.copy_(g.view_as(p))
 
     # -- state ---------------------------------------------------------------------------------------------
     def _meta(self):
@@ -167,12 +222,14 @@ class Trainer:
                     group["lr"] = lr
                 x, y = get_batch(self.data.train, cfg.batch_size, self.context, self.gen)
                 try:
-                    loss = cross_entropy(self.train_model, x, y, cfg.bf16)
+                    loss = cross_entropy(self.train_model, x, y, cfg.bf16, self.cp_group)
                     if not torch.isfinite(loss):
                         raise TrainingDiverged(f"loss became {loss.item()} at step {step}; stopped. The last good "
                                                f"checkpoint is kept in {self.run_dir / 'ckpt'} (try a lower --lr)")
                     self.opt.zero_grad(set_to_none=True)
                     loss.backward()              # DDP all-reduces the gradients here
+                    if self.cp_group is not None:
+                        self._average_gradients()
                     if self.world > 1:
                         import torch.distributed as dist
                         logged = loss.detach().clone()
@@ -191,8 +248,9 @@ class Trainer:
                 t_last = now
                 rec = {"step": step, "loss": round(loss.item(), 5), "lr": lr, "grad_norm": round(float(gnorm), 4),
                        "tokens_per_s": round(tok_rate, 1)}
-                if lead and (step % cfg.eval_every == 0 or step == cfg.steps):
-                    ev = evaluate(model, self.data.heldout, self.context, cfg.batch_size, cfg.eval_batches, cfg.bf16)
+                if (lead or self.cp_group is not None) and (step % cfg.eval_every == 0 or step == cfg.steps):
+                    ev = evaluate(model, self.data.heldout, self.context, cfg.batch_size, cfg.eval_batches, cfg.bf16,
+                                  cp_group=self.cp_group)
                     rec["heldout_loss"] = round(ev, 5)
                     self.curve.append((step, ev))
                     t_last = time.perf_counter()       # evaluation time is not training throughput

@@ -94,3 +94,59 @@ def test_a_rank_that_dies_stops_the_others_with_a_clear_error(corpus, tmp_path):
     assert not alive, "rank 0 hung after its peer died"
     text = open(result).read()
     assert text.startswith("PeerLost") and "peer stopped answering" in text, text
+
+
+def _train_cp(rank, world, corpus, cache, out, P, pattern):
+    data = prepare(corpus, vocab_size=300, cache_dir=cache, log=lambda m: None)
+    torch.manual_seed(0)
+    m = LanguageModel(ModelConfig(vocab_size=300, d_model=32, n_layers=2, n_heads=2, context_length=16,
+                                  pattern=pattern))
+    Trainer(m, data, TrainConfig(**{**CFG, "context_parallel": P}), out, progress=False).fit()
+    return None
+
+
+@pytest.mark.parametrize("world,P,pattern", [(2, 2, "mamba2,softmax"), (4, 2, "linear,softmax")])
+def test_context_parallel_training_equals_one_process(corpus, tmp_path, monkeypatch, world, P, pattern):
+    """P ranks share each sequence (world / P replicas): losses and weights match one process."""
+    run(world, _train_cp, str(corpus / "code.py"), str(corpus / "cache"), str(tmp_path / "cp"), P, pattern)
+    data = prepare(str(corpus / "code.py"), vocab_size=300, cache_dir=corpus / "cache", log=lambda m: None)
+    replicas = world // P
+    gens = [torch.Generator().manual_seed(CFG["seed"] + 1_000_003 * r) for r in range(replicas)]
+
+    def every_replica(tokens, batch_size, context, generator):
+        if generator is not gens[0]:                            # held-out evaluation: the same windows
+            return get_batch(tokens, batch_size, context, generator)
+        parts = [get_batch(tokens, batch_size // replicas, context, g) for g in gens]
+        return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
+    torch.manual_seed(0)
+    one = LanguageModel(ModelConfig(vocab_size=300, d_model=32, n_layers=2, n_heads=2, context_length=16,
+                                    pattern=pattern))
+    trainer = Trainer(one, data, TrainConfig(**{**CFG, "batch_size": CFG["batch_size"] * replicas}),
+                      tmp_path / "one", progress=False)
+    gens[0] = trainer.gen
+    monkeypatch.setattr(trainer_mod, "get_batch", every_replica)
+    trainer.fit()
+    import json
+    runs = [[json.loads(ln) for ln in (tmp_path / d / "metrics.jsonl").read_text().splitlines()] for d in ("cp", "one")]
+    assert [r["loss"] for r in runs[0]] == pytest.approx([r["loss"] for r in runs[1]], abs=1e-4)
+    if replicas == 1:                                           # (more replicas: a larger evaluation batch)
+        assert runs[0][-1]["heldout_loss"] == pytest.approx(runs[1][-1]["heldout_loss"], abs=1e-4)
+    a, _, meta = load_checkpoint(tmp_path / "cp")
+    b, _, _ = load_checkpoint(tmp_path / "one")
+    assert meta["train_config"]["context_parallel"] == P
+    for k in a:
+        assert torch.allclose(a[k], b[k], atol=1e-5), k
+
+
+def _bad_cp(rank, world, corpus, cache, out):
+    data = prepare(corpus, vocab_size=300, cache_dir=cache, log=lambda m: None)
+    try:
+        Trainer(model(), data, TrainConfig(**{**CFG, "context_parallel": 3}), out, progress=False)
+    except ValueError as e:
+        return str(e)
+    return "accepted"
+
+
+def test_context_parallel_must_divide_the_processes(corpus, tmp_path):
+    msgs = run(2, _bad_cp, str(corpus / "code.py"), str(corpus / "cache"), str(tmp_path / "bad"))
+    assert all("context_parallel=3" in m for m in msgs)

@@ -80,7 +80,7 @@ def test_state_sizes_match_the_analytic_figure():
 class LoopMamba2(Mamba2):
     """The same block with the SSD replaced by the plain recurrence, written out here."""
 
-    def ssd(self, x, dt, A, Bm, Cm, initial_state):
+    def ssd(self, x, dt, A, Bm, Cm, initial_state, cp=None):
         Bsz, T, H, P = x.shape
         h = torch.zeros(Bsz, H, self.d_state, P, dtype=x.dtype) if initial_state is None else initial_state
         ys = []
