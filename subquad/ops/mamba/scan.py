@@ -50,41 +50,121 @@ def parallel_selective_scan(x, dt, A, B, C, *, chunk_size=None, initial_state=No
     return y, h[:, -1]
 
 
-def chunk_selective_scan(x, dt, A, B, C, *, chunk_size=64, initial_state=None):
+def _lanes(x, dt, B, C, c):
+    """Pad T to n * c (dt = 0 there: no decay, no write) and view as (B, n lanes, c positions, ...)."""
     Bsz, T, Dm = x.shape
-    N = A.shape[1]
-    c = min(chunk_size, T)
     n = -(-T // c)
     pad = n * c - T
-    if pad:  # zero-padding at the end: dt = 0 there, so it neither decays nor writes the state
+    if pad:
         x, dt = F.pad(x, (0, 0, 0, pad)), F.pad(dt, (0, 0, 0, pad))
         B, C = F.pad(B, (0, 0, 0, pad)), F.pad(C, (0, 0, 0, pad))
-    xl, dtl = x.view(Bsz, n, c, Dm), dt.view(Bsz, n, c, Dm)                  # lanes
-    Bl, Cl = B.view(Bsz, n, c, N), C.view(Bsz, n, c, N)
+    N = B.shape[-1]
+    return x.view(Bsz, n, c, Dm), dt.view(Bsz, n, c, Dm), B.view(Bsz, n, c, N), C.view(Bsz, n, c, N)
 
-    def decay(j):
-        return torch.exp(dtl[:, :, j, :, None] * A)                          # (B, n, Dm, N)
 
-    def write(j):
-        return (dtl[:, :, j] * xl[:, :, j])[..., None] * Bl[:, :, j, None, :]
+def _decay(dtl, A, j, out=None, cache=None):
+    """exp(dt_j A) for position j of every lane: (B, n, Dm, N), into ``out`` (or from ``cache``, all positions)."""
+    if cache is not None:
+        return cache[:, :, j]
+    return torch.mul(dtl[:, :, j, :, None], A, out=out).exp_()
 
-    # 1. local scan of every lane from zero
-    h = write(0)
+
+def _lane_starts(dtl, dtx, Bl, A, h0, cache=None):
+    """Each lane's true starting state (B, n, Dm, N), the final state, and each lane's total decay."""
+    Bsz, n, c, Dm = dtl.shape
+    h = dtx[:, :, 0, :, None] * Bl[:, :, 0, None, :]                          # 1. every lane from zero
+    a = torch.empty_like(h)
     for j in range(1, c):
-        h = decay(j) * h + write(j)
+        h.mul_(_decay(dtl, A, j, a, cache)).addcmul_(dtx[:, :, j, :, None], Bl[:, :, j, None, :])
     total = torch.exp(dtl.sum(2)[..., None] * A)                              # exp(sum_j dt_j A) per lane
-    # 2. state passing between lanes
     starts = []
-    s = x.new_zeros(Bsz, Dm, N) if initial_state is None else initial_state
-    for i in range(n):
+    s = h.new_zeros(Bsz, Dm, A.shape[1]) if h0 is None else h0
+    for i in range(n):                                                        # 2. state passing between lanes
         starts.append(s)
         s = total[:, i] * s + h[:, i]
-    final = s
-    # 3. outputs from the true starting states
-    h = torch.stack(starts, 1)                                                # (B, n, Dm, N)
-    ys = []
-    for j in range(c):
-        h = decay(j) * h + write(j)
-        ys.append(torch.einsum("bldn,bln->bld", h, Cl[:, :, j]))
-    y = torch.stack(ys, 2).reshape(Bsz, n * c, Dm)[:, :T]
-    return y, final
+    return torch.stack(starts, 1), s, total
+
+
+class _LanesScan(torch.autograd.Function):
+    """The lanes scan with a hand-written backward that keeps only the lanes' starting states.
+
+    Backward, with dh_t the adjoint of h_t and w_t = dh_t * (h_t - u_t) (= dh_t * a_t h_{t-1}):
+        dh_t = dy_t C_t + a_{t+1} dh_{t+1};  dC_t = dy_t . h_t;  d(dt x)_t = dh_t . B_t;  dB_t = (dt x)_t . dh_t
+        d(dt_t) += w_t . A;  dA += sum_t w_t dt_t;  dh_0 = a_1 dh_1
+    run the same three steps backwards: a local reverse scan of each lane from a zero adjoint, the
+    adjoints passed between lanes right to left, then the positions again from the true adjoints, with
+    h_t recomputed from the saved starts (never saved by the forward). Loops update in place: fresh
+    (B, n, Dm, N) tensors per position cost more in page faults than the arithmetic.
+    Every pass recomputes its decays exp(dt_t A): keeping all of them, (B, T, Dm, N), was tried and is
+    no faster here - first touching that much fresh memory costs what the exps do.
+    """
+
+    @staticmethod
+    def forward(ctx, x, dt, A, B, C, h0, c):
+        T = x.shape[1]
+        xl, dtl, Bl, Cl = _lanes(x, dt, B, C, c)
+        dtx = dtl * xl
+        cache = None
+        starts, final, _ = _lane_starts(dtl, dtx, Bl, A, h0, cache)
+        h, a, ys = starts.clone(), torch.empty_like(starts), []
+        for j in range(c):                                                    # 3. outputs from the true starts
+            h.mul_(_decay(dtl, A, j, a, cache)).addcmul_(dtx[:, :, j, :, None], Bl[:, :, j, None, :])
+            ys.append(torch.einsum("bldn,bln->bld", h, Cl[:, :, j]))
+        ctx.save_for_backward(x, dt, A, B, C, starts)
+        ctx.c, ctx.has_h0 = c, h0 is not None
+        return torch.stack(ys, 2).flatten(1, 2)[:, :T], final
+
+    @staticmethod
+    def backward(ctx, dy, dfinal):
+        x, dt, A, B, C, starts = ctx.saved_tensors
+        cache = None
+        c = ctx.c
+        T = x.shape[1]
+        xl, dtl, Bl, Cl = _lanes(x, dt, B, C, c)
+        n = xl.shape[1]
+        dyl = _lanes(dy if dy is not None else torch.zeros_like(x), dt, B, C, c)[0]
+        dtx = dtl * xl                                                        # (B, n, c, Dm)
+        a = torch.empty_like(starts)
+        # 1. local reverse scan of every lane from a zero adjoint, carried one step past position 0
+        g = dyl[:, :, c - 1, :, None] * Cl[:, :, c - 1, None, :]
+        for j in range(c - 2, -1, -1):
+            g.mul_(_decay(dtl, A, j + 1, a, cache)).addcmul_(dyl[:, :, j, :, None], Cl[:, :, j, None, :])
+        g.mul_(_decay(dtl, A, 0, a, cache))
+        total = torch.exp(dtl.sum(2)[..., None] * A)
+        # 2. adjoints passed between lanes, right to left: carry[i] flows into lane i's last position
+        carry = [None] * n
+        s = torch.zeros_like(starts[:, 0]) if dfinal is None else dfinal
+        for i in range(n - 1, -1, -1):
+            carry[i] = s
+            s = total[:, i] * s + g[:, i]
+        dh0 = s
+        del g
+        # 3. the positions again, backwards, with h_t recomputed from the starts
+        hs, h = [], starts
+        for j in range(c):
+            h = torch.mul(_decay(dtl, A, j, a, cache), h).addcmul_(dtx[:, :, j, :, None], Bl[:, :, j, None, :])
+            hs.append(h)
+        dC, ddtx, dB, ddt = (torch.empty_like(t) for t in (Cl, dtx, Bl, dtl))
+        dA = torch.zeros_like(starts)
+        dh = torch.stack(carry, 1)
+        for j in range(c - 1, -1, -1):
+            dh.addcmul_(dyl[:, :, j, :, None], Cl[:, :, j, None, :])
+            w = hs.pop()                                                      # h_t ...
+            dC[:, :, j] = torch.einsum("bld,bldn->bln", dyl[:, :, j], w)
+            ddtx[:, :, j] = torch.einsum("bldn,bln->bld", dh, Bl[:, :, j])
+            dB[:, :, j] = (dtx[:, :, j, None, :] @ dh).squeeze(2)
+            w.addcmul_(dtx[:, :, j, :, None], Bl[:, :, j, None, :], value=-1).mul_(dh)   # ... becomes w_t
+            dA.addcmul_(w, dtl[:, :, j, :, None])
+            ddt[:, :, j] = w.mul_(A).sum(-1)
+            dh.mul_(_decay(dtl, A, j, a, cache))
+        ddt = ddt + ddtx * xl
+        dx = ddtx * dtl
+
+        def unlane(t):
+            return t.flatten(1, 2)[:, :T]
+
+        return (unlane(dx), unlane(ddt), dA.sum((0, 1)), unlane(dB), unlane(dC), dh0 if ctx.has_h0 else None, None)
+
+
+def chunk_selective_scan(x, dt, A, B, C, *, chunk_size=64, initial_state=None):
+    return _LanesScan.apply(x, dt, A, B, C, initial_state, min(chunk_size, x.shape[1]))
