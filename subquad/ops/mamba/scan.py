@@ -62,20 +62,18 @@ def _lanes(x, dt, B, C, c):
     return x.view(Bsz, n, c, Dm), dt.view(Bsz, n, c, Dm), B.view(Bsz, n, c, N), C.view(Bsz, n, c, N)
 
 
-def _decay(dtl, A, j, out=None, cache=None):
-    """exp(dt_j A) for position j of every lane: (B, n, Dm, N), into ``out`` (or from ``cache``, all positions)."""
-    if cache is not None:
-        return cache[:, :, j]
+def _decay(dtl, A, j, out=None):
+    """exp(dt_j A) for position j of every lane: (B, n, Dm, N), into ``out`` when given."""
     return torch.mul(dtl[:, :, j, :, None], A, out=out).exp_()
 
 
-def _lane_starts(dtl, dtx, Bl, A, h0, cache=None):
+def _lane_starts(dtl, dtx, Bl, A, h0):
     """Each lane's true starting state (B, n, Dm, N), the final state, and each lane's total decay."""
     Bsz, n, c, Dm = dtl.shape
     h = dtx[:, :, 0, :, None] * Bl[:, :, 0, None, :]                          # 1. every lane from zero
     a = torch.empty_like(h)
     for j in range(1, c):
-        h.mul_(_decay(dtl, A, j, a, cache)).addcmul_(dtx[:, :, j, :, None], Bl[:, :, j, None, :])
+        h.mul_(_decay(dtl, A, j, a)).addcmul_(dtx[:, :, j, :, None], Bl[:, :, j, None, :])
     total = torch.exp(dtl.sum(2)[..., None] * A)                              # exp(sum_j dt_j A) per lane
     starts = []
     s = h.new_zeros(Bsz, Dm, A.shape[1]) if h0 is None else h0
@@ -93,7 +91,8 @@ class _LanesScan(torch.autograd.Function):
         d(dt_t) += w_t . A;  dA += sum_t w_t dt_t;  dh_0 = a_1 dh_1
     run the same three steps backwards: a local reverse scan of each lane from a zero adjoint, the
     adjoints passed between lanes right to left, then the positions again from the true adjoints, with
-    h_t recomputed from the saved starts (never saved by the forward). Loops update in place: fresh
+    h_t recomputed from the saved starts (never saved by the forward) segment by segment, so backward
+    holds about 3 sqrt(C) tensors of (B, lanes, Dm, N), never the (B, T, Dm, N) of all states. Loops update in place: fresh
     (B, n, Dm, N) tensors per position cost more in page faults than the arithmetic.
     Every pass recomputes its decays exp(dt_t A): keeping all of them, (B, T, Dm, N), was tried and is
     no faster here - first touching that much fresh memory costs what the exps do.
@@ -104,11 +103,10 @@ class _LanesScan(torch.autograd.Function):
         T = x.shape[1]
         xl, dtl, Bl, Cl = _lanes(x, dt, B, C, c)
         dtx = dtl * xl
-        cache = None
-        starts, final, _ = _lane_starts(dtl, dtx, Bl, A, h0, cache)
+        starts, final, _ = _lane_starts(dtl, dtx, Bl, A, h0)
         h, a, ys = starts.clone(), torch.empty_like(starts), []
         for j in range(c):                                                    # 3. outputs from the true starts
-            h.mul_(_decay(dtl, A, j, a, cache)).addcmul_(dtx[:, :, j, :, None], Bl[:, :, j, None, :])
+            h.mul_(_decay(dtl, A, j, a)).addcmul_(dtx[:, :, j, :, None], Bl[:, :, j, None, :])
             ys.append(torch.einsum("bldn,bln->bld", h, Cl[:, :, j]))
         ctx.save_for_backward(x, dt, A, B, C, starts)
         ctx.c, ctx.has_h0 = c, h0 is not None
@@ -117,7 +115,6 @@ class _LanesScan(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy, dfinal):
         x, dt, A, B, C, starts = ctx.saved_tensors
-        cache = None
         c = ctx.c
         T = x.shape[1]
         xl, dtl, Bl, Cl = _lanes(x, dt, B, C, c)
@@ -128,8 +125,8 @@ class _LanesScan(torch.autograd.Function):
         # 1. local reverse scan of every lane from a zero adjoint, carried one step past position 0
         g = dyl[:, :, c - 1, :, None] * Cl[:, :, c - 1, None, :]
         for j in range(c - 2, -1, -1):
-            g.mul_(_decay(dtl, A, j + 1, a, cache)).addcmul_(dyl[:, :, j, :, None], Cl[:, :, j, None, :])
-        g.mul_(_decay(dtl, A, 0, a, cache))
+            g.mul_(_decay(dtl, A, j + 1, a)).addcmul_(dyl[:, :, j, :, None], Cl[:, :, j, None, :])
+        g.mul_(_decay(dtl, A, 0, a))
         total = torch.exp(dtl.sum(2)[..., None] * A)
         # 2. adjoints passed between lanes, right to left: carry[i] flows into lane i's last position
         carry = [None] * n
@@ -139,24 +136,37 @@ class _LanesScan(torch.autograd.Function):
             s = total[:, i] * s + g[:, i]
         dh0 = s
         del g
-        # 3. the positions again, backwards, with h_t recomputed from the starts
-        hs, h = [], starts
+        # 3. the positions again, backwards, with h_t recomputed from the starts: a checkpoint before every
+        #    segment of ~sqrt(c) positions, then each segment's states (and decays) into reused buffers
+        seg = max(1, round(c ** 0.5))
+        bounds = list(range(0, c, seg))
+        ckpt = starts.new_empty(len(bounds), *starts.shape)
+        h = starts.clone()
         for j in range(c):
-            h = torch.mul(_decay(dtl, A, j, a, cache), h).addcmul_(dtx[:, :, j, :, None], Bl[:, :, j, None, :])
-            hs.append(h)
+            if j % seg == 0:
+                ckpt[j // seg].copy_(h)
+            h.mul_(_decay(dtl, A, j, a)).addcmul_(dtx[:, :, j, :, None], Bl[:, :, j, None, :])
+        del h
+        hs, decays = starts.new_empty(seg, *starts.shape), starts.new_empty(seg, *starts.shape)
         dC, ddtx, dB, ddt = (torch.empty_like(t) for t in (Cl, dtx, Bl, dtl))
         dA = torch.zeros_like(starts)
         dh = torch.stack(carry, 1)
-        for j in range(c - 1, -1, -1):
-            dh.addcmul_(dyl[:, :, j, :, None], Cl[:, :, j, None, :])
-            w = hs.pop()                                                      # h_t ...
-            dC[:, :, j] = torch.einsum("bld,bldn->bln", dyl[:, :, j], w)
-            ddtx[:, :, j] = torch.einsum("bldn,bln->bld", dh, Bl[:, :, j])
-            dB[:, :, j] = (dtx[:, :, j, None, :] @ dh).squeeze(2)
-            w.addcmul_(dtx[:, :, j, :, None], Bl[:, :, j, None, :], value=-1).mul_(dh)   # ... becomes w_t
-            dA.addcmul_(w, dtl[:, :, j, :, None])
-            ddt[:, :, j] = w.mul_(A).sum(-1)
-            dh.mul_(_decay(dtl, A, j, a, cache))
+        for k in reversed(range(len(bounds))):
+            j0, j1 = bounds[k], min(bounds[k] + seg, c)
+            h = ckpt[k]
+            for j in range(j0, j1):
+                ak = _decay(dtl, A, j, decays[j - j0])
+                h = torch.mul(ak, h, out=hs[j - j0]).addcmul_(dtx[:, :, j, :, None], Bl[:, :, j, None, :])
+            for j in range(j1 - 1, j0 - 1, -1):
+                dh.addcmul_(dyl[:, :, j, :, None], Cl[:, :, j, None, :])
+                w = hs[j - j0]                                                # h_t ...
+                dC[:, :, j] = torch.einsum("bld,bldn->bln", dyl[:, :, j], w)
+                ddtx[:, :, j] = torch.einsum("bldn,bln->bld", dh, Bl[:, :, j])
+                dB[:, :, j] = (dtx[:, :, j, None, :] @ dh).squeeze(2)
+                w.addcmul_(dtx[:, :, j, :, None], Bl[:, :, j, None, :], value=-1).mul_(dh)   # ... becomes w_t
+                dA.addcmul_(w, dtl[:, :, j, :, None])
+                ddt[:, :, j] = w.mul_(A).sum(-1)
+                dh.mul_(decays[j - j0])
         ddt = ddt + ddtx * xl
         dx = ddtx * dtl
 
