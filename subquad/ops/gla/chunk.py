@@ -61,8 +61,42 @@ def _intra_vector(qc, kc, b):
     return A
 
 
+def _scalar_inference(q, k, v, g, scale, C, initial_state):
+    """The scalar-decay chunk form when no gradient is wanted: the same three steps, written into one
+    output buffer and one running state in place (no per-chunk allocations of o, S or the scores)."""
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    dt = g.dtype
+    BH = B * H
+    qh, kh, vh = (x.to(dt).transpose(1, 2).reshape(BH, T, x.shape[-1]) for x in (q, k, v))   # head-major copies
+    gh = g.transpose(1, 2).reshape(BH, T)
+    o = torch.empty(BH, T, V, dtype=dt, device=q.device)
+    S = torch.zeros(BH, K, V, dtype=dt, device=q.device) if initial_state is None \
+        else initial_state.reshape(BH, K, V).clone()
+    causal = torch.ones(C, C, dtype=torch.bool, device=q.device).tril()
+    scores = torch.empty(BH, C, C, dtype=dt, device=q.device)
+    for s in range(0, T, C):
+        e = min(s + C, T)
+        c = e - s
+        qc, kc, vc, oc = qh[:, s:e], kh[:, s:e], vh[:, s:e], o[:, s:e]
+        b = gh[:, s:e].cumsum(1)                                              # (BH, c) chunk-local
+        sc = scores[:, :c, :c]
+        torch.bmm(qc, kc.transpose(1, 2), out=sc)
+        sc.mul_(torch.exp((b.unsqueeze(-1) - b.unsqueeze(-2)).masked_fill_(~causal[:c, :c], float("-inf"))))
+        torch.bmm(sc, vc, out=oc) if oc.is_contiguous() else oc.copy_(sc @ vc)
+        oc.baddbmm_(qc * torch.exp(b).unsqueeze(-1), S)                       # from the state carried in
+        b_last = b[:, -1:]
+        S.mul_(torch.exp(b_last).unsqueeze(-1)).baddbmm_((kc * torch.exp(b_last - b).unsqueeze(-1)).transpose(1, 2), vc)
+    o.mul_(scale)
+    return o.view(B, H, T, V).transpose(1, 2), S.view(B, H, K, V)
+
+
 def chunk_decay_attention(q, k, v, g, *, scale, chunk_size=64, initial_state=None):
     B, T, H, K = q.shape
+    wants_grad = torch.is_grad_enabled() and any(
+        t is not None and t.requires_grad for t in (q, k, v, g, initial_state))
+    if g.dim() == 3 and not wants_grad:
+        return _scalar_inference(q, k, v, g, scale, min(chunk_size, T), initial_state)
     V = v.shape[-1]
     dt = g.dtype
     vector = g.dim() == 4
