@@ -37,6 +37,8 @@ bench: bench-deps
 	$(PY) benchmarks/bench_delta_rule.py
 	$(PY) benchmarks/bench_mamba.py
 	$(PY) benchmarks/bench_models.py
+	$(PY) benchmarks/bench_distributed.py
+	$(PY) benchmarks/bench_context_parallel.py
 
 clean:
 	rm -rf $(VENV) runs

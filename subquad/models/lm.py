@@ -70,6 +70,10 @@ class LanguageModel(nn.Module):
 
     @staticmethod
     def _init(m):
+        """GPT-style N(0, 0.02) weights and zero biases, except where a layer set its own (``keep_init``:
+        Mamba's dt projection, whose bias is the inverse softplus of dt ~ logU[1e-3, 0.1])."""
+        if getattr(m, "keep_init", False):
+            return
         if isinstance(m, (nn.Linear, nn.Embedding)) and getattr(m, "weight", None) is not None and m.weight.dim() == 2:
             nn.init.normal_(m.weight, std=0.02)
             if isinstance(m, nn.Linear) and m.bias is not None:
