@@ -21,6 +21,8 @@ Every factor is exp of a log-decay <= 0: nothing overflows at dt * A = -50.
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 
@@ -177,4 +179,8 @@ class _LanesScan(torch.autograd.Function):
 
 
 def chunk_selective_scan(x, dt, A, B, C, *, chunk_size=64, initial_state=None):
-    return _LanesScan.apply(x, dt, A, B, C, initial_state, min(chunk_size, x.shape[1]))
+    """Lanes of at most ``chunk_size`` positions; a short sequence uses about sqrt(T) (at least 16), since the
+    work walks 2C + T/C vectorised steps (forward) and that is smallest near C = sqrt(T)."""
+    T = x.shape[1]
+    c = min(chunk_size, T, max(16, math.isqrt(T - 1) + 1))
+    return _LanesScan.apply(x, dt, A, B, C, initial_state, c)
