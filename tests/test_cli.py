@@ -86,3 +86,22 @@ def test_quick_recall_sweep_runs_end_to_end_and_resumes(tmp_path, capsys):
     capsys.readouterr()
     assert main(["recall", "--quick", "--out", str(out), "--no-progress"]) == 0     # resumes: nothing left to run
     assert "[1/2]" not in capsys.readouterr().out
+
+
+def test_train_context_parallel_launches_two_processes(tmp_path, capsys, corpus):
+    run = tmp_path / "cp"
+    assert main(["train", "--data", str(corpus), "--vocab-size", "300", "--d-model", "32", "--n-layers", "2",
+                 "--n-heads", "2", "--context", "32", "--pattern", "mamba2,softmax", "--steps", "2",
+                 "--batch-size", "2", "--eval-every", "2", "--ckpt-every", "2", "--out", str(run), "--no-progress",
+                 "--context-parallel", "2"]) == 0
+    cfg = json.loads((run / "config.json").read_text())
+    assert cfg["world"] == 2 and cfg["train"]["context_parallel"] == 2
+    lines = [json.loads(ln) for ln in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in lines] == [1, 2] and "heldout_loss" in lines[-1]
+
+
+def test_train_refuses_nproc_not_a_multiple_of_context_parallel(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["train", "--pattern", "linear", "--n-layers", "2", "--nproc", "3", "--context-parallel", "2",
+              "--no-progress"])
+    assert "multiple of --context-parallel" in str(e.value.code)
