@@ -97,7 +97,7 @@ def _worker(rank, world, init, T, out):
     base = _reset_peak()
     dist.barrier()
     t = time.perf_counter()
-    with context_parallel() as _:
+    with context_parallel():
         logits = model(x)
     loss = F.cross_entropy(logits.flatten(0, 1), y.flatten())
     loss.backward()

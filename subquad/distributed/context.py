@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 from subquad.distributed.ring import ring_attention
-from subquad.distributed.seqpar import all_gather, fold_states, state_passing
+from subquad.distributed.seqpar import fold_states, state_passing
 
 _ACTIVE: list = []
 
@@ -136,4 +136,4 @@ class ContextParallel:
         return self.merge(y)
 
 
-__all__ = ["context_parallel", "current", "ContextParallel", "all_gather"]
+__all__ = ["context_parallel", "current", "ContextParallel"]

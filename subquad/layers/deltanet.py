@@ -63,22 +63,19 @@ class DeltaNet(Mixer):
         q, k, v = (t.view(B, T, H, K) for t in F.silu(qkv).chunk(3, dim=-1))
         q, k = F.normalize(q, dim=-1), F.normalize(k, dim=-1)
         beta = torch.sigmoid(self.b_proj(x))
-        init = None if state is None else state["S"]
-        if self.gated:
-            g = -torch.exp(self.A_log) * F.softplus(self.a_proj(x) + self.dt_bias)
-            if cp is not None:
-                o, S = cp.scan("gated_delta_rule", q, k, v, g=g, beta=beta, chunk_size=self.chunk_size), None
-            else:
-                o, S = gated_delta_rule(q, k, v, g, beta, mode=self.mode, chunk_size=self.chunk_size,
-                                        initial_state=init, output_final_state=True)
-            o = self.norm(o) * F.silu(self.g_proj(x)).view(B, T, H, K)
+        kw = dict(mode=self.mode, chunk_size=self.chunk_size, initial_state=None if state is None else state["S"],
+                  output_final_state=True)
+        g = -torch.exp(self.A_log) * F.softplus(self.a_proj(x) + self.dt_bias) if self.gated else None
+        if cp is not None:
+            kind = "gated_delta_rule" if self.gated else "delta_rule"
+            o, S = cp.scan(kind, q, k, v, g=g, beta=beta, chunk_size=self.chunk_size), None
+        elif self.gated:
+            o, S = gated_delta_rule(q, k, v, g, beta, **kw)
         else:
-            if cp is not None:
-                o, S = cp.scan("delta_rule", q, k, v, beta=beta, chunk_size=self.chunk_size), None
-            else:
-                o, S = delta_rule(q, k, v, beta, mode=self.mode, chunk_size=self.chunk_size,
-                                  initial_state=init, output_final_state=True)
-            o = self.norm(o)
+            o, S = delta_rule(q, k, v, beta, **kw)
+        o = self.norm(o)
+        if self.gated:
+            o = o * F.silu(self.g_proj(x)).view(B, T, H, K)
         return self.o_proj(o.reshape(B, T, H * K)), None if cp is not None else {"S": S, "conv": conv}
 
 

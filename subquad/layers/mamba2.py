@@ -54,13 +54,12 @@ class Mamba2(Mixer):
         Inside a context-parallel run (``cp``), over the whole sequence by state passing, and h is None.
         """
         H = self.n_heads
-        Bh = Bm.unsqueeze(2).expand(-1, -1, H, -1)
-        Ch = Cm.unsqueeze(2).expand(-1, -1, H, -1)
+        q = Cm.unsqueeze(2).expand(-1, -1, H, -1)                              # B and C are shared by the heads
+        k = Bm.unsqueeze(2).expand(-1, -1, H, -1) * dt.unsqueeze(-1)
         if cp is not None:
-            return cp.scan("simple_gla", Ch, Bh * dt.unsqueeze(-1), x, g=dt * A, scale=1.0,
-                           chunk_size=self.chunk_size), None
-        return simple_gla(Ch, Bh * dt.unsqueeze(-1), x, dt * A, mode=self.mode, chunk_size=self.chunk_size,
-                          scale=1.0, initial_state=initial_state, output_final_state=True)
+            return cp.scan("simple_gla", q, k, x, g=dt * A, scale=1.0, chunk_size=self.chunk_size), None
+        return simple_gla(q, k, x, dt * A, mode=self.mode, chunk_size=self.chunk_size, scale=1.0,
+                          initial_state=initial_state, output_final_state=True)
 
     def forward(self, u, state=None):
         self._check_x(u)

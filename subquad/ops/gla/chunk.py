@@ -83,7 +83,7 @@ def _scalar_inference(q, k, v, g, scale, C, initial_state):
         sc = scores[:, :c, :c]
         torch.bmm(qc, kc.transpose(1, 2), out=sc)
         sc.mul_(torch.exp((b.unsqueeze(-1) - b.unsqueeze(-2)).masked_fill_(~causal[:c, :c], float("-inf"))))
-        torch.bmm(sc, vc, out=oc) if oc.is_contiguous() else oc.copy_(sc @ vc)
+        oc.baddbmm_(sc, vc, beta=0)                                           # intra-chunk (o's old contents ignored)
         oc.baddbmm_(qc * torch.exp(b).unsqueeze(-1), S)                       # from the state carried in
         b_last = b[:, -1:]
         S.mul_(torch.exp(b_last).unsqueeze(-1)).baddbmm_((kc * torch.exp(b_last - b).unsqueeze(-1)).transpose(1, 2), vc)

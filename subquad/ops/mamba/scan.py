@@ -52,16 +52,15 @@ def parallel_selective_scan(x, dt, A, B, C, *, chunk_size=None, initial_state=No
     return y, h[:, -1]
 
 
-def _lanes(x, dt, B, C, c):
-    """Pad T to n * c (dt = 0 there: no decay, no write) and view as (B, n lanes, c positions, ...)."""
-    Bsz, T, Dm = x.shape
-    n = -(-T // c)
-    pad = n * c - T
-    if pad:
-        x, dt = F.pad(x, (0, 0, 0, pad)), F.pad(dt, (0, 0, 0, pad))
-        B, C = F.pad(B, (0, 0, 0, pad)), F.pad(C, (0, 0, 0, pad))
-    N = B.shape[-1]
-    return x.view(Bsz, n, c, Dm), dt.view(Bsz, n, c, Dm), B.view(Bsz, n, c, N), C.view(Bsz, n, c, N)
+def _lanes(c, *ts):
+    """Each (B, T, D) tensor padded to T = n * c with zeros (dt = 0 there: no decay, no write) and viewed as
+    (B, n lanes, c positions, D)."""
+    out = []
+    for t in ts:
+        Bsz, T, D = t.shape
+        n = -(-T // c)
+        out.append(F.pad(t, (0, 0, 0, n * c - T)).view(Bsz, n, c, D))
+    return out
 
 
 def _decay(dtl, A, j, out=None):
@@ -103,7 +102,7 @@ class _LanesScan(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, dt, A, B, C, h0, c):
         T = x.shape[1]
-        xl, dtl, Bl, Cl = _lanes(x, dt, B, C, c)
+        xl, dtl, Bl, Cl = _lanes(c, x, dt, B, C)
         dtx = dtl * xl
         starts, final, _ = _lane_starts(dtl, dtx, Bl, A, h0)
         h, a, ys = starts.clone(), torch.empty_like(starts), []
@@ -119,9 +118,8 @@ class _LanesScan(torch.autograd.Function):
         x, dt, A, B, C, starts = ctx.saved_tensors
         c = ctx.c
         T = x.shape[1]
-        xl, dtl, Bl, Cl = _lanes(x, dt, B, C, c)
+        xl, dtl, Bl, Cl, dyl = _lanes(c, x, dt, B, C, dy if dy is not None else torch.zeros_like(x))
         n = xl.shape[1]
-        dyl = _lanes(dy if dy is not None else torch.zeros_like(x), dt, B, C, c)[0]
         dtx = dtl * xl                                                        # (B, n, c, Dm)
         a = torch.empty_like(starts)
         # 1. local reverse scan of every lane from a zero adjoint, carried one step past position 0
