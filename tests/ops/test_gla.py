@@ -6,6 +6,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from subquad.ops import gla, retention, simple_gla
+from subquad.ops.gla.inference import decay_attention_inference
+from subquad.ops.gla.parallel import parallel_decay_attention
 from tests.ops.harness import assert_close, check_forms_agree, check_grads_agree, check_split
 
 F64 = torch.float64
@@ -88,6 +90,9 @@ def test_strong_decays_long_sequence_stay_finite(name):
         assert torch.isfinite(o).all() and torch.isfinite(S).all(), mode
         grads = torch.autograd.grad(o.square().mean() + S.square().mean(), (q, k, v, g))
         assert all(torch.isfinite(t).all() for t in grads), mode
+        with torch.no_grad():                               # the no-gradient fast path
+            o, S = OPS[name](q, k, v, g, mode=mode, chunk_size=64, output_final_state=True)
+        assert torch.isfinite(o).all() and torch.isfinite(S).all(), f"{mode} without a gradient"
     # parallel and recurrent on a shorter stretch of the same strong decays
     s = 1024
     gs = g[:, :s] if name != "retention" else g
@@ -95,6 +100,36 @@ def test_strong_decays_long_sequence_stay_finite(name):
         o, S = OPS[name](q[:, :s], k[:, :s], v[:, :s], gs, mode=mode, output_final_state=True)
         grads = torch.autograd.grad(o.square().mean() + S.square().mean(), (q, k, v, g))
         assert torch.isfinite(o).all() and all(torch.isfinite(t).all() for t in grads), mode
+
+
+@pytest.mark.parametrize("name", OPS)
+@pytest.mark.parametrize("T,C,group", [(1, 64, None), (7, 16, None), (100, 16, 32), (257, 5, 10), (300, 64, None)])
+@pytest.mark.parametrize("strength", [0.01, 1.0, 50.0, "mixed"])
+def test_no_grad_fast_path_agrees(name, T, C, group, strength):
+    # Without a gradient the chunk form runs inference.py: groups of chunks, factorised scores where every
+    # chunk decays by at most LIMIT, the exact route elsewhere ("mixed": weak decays, then strong ones).
+    x = {n: t.detach() for n, t in make(name, 2, T, K=6, V=4, seed=T, strength=1.0).items()}
+    if strength == "mixed":
+        g = x["g"].clone()
+        if name != "retention":
+            g[:, T // 2:] *= 50.0
+        else:
+            g[0] *= 50.0
+    else:
+        g = x["g"] * strength
+    x["g"] = g
+    S0 = state0(x).detach()
+    gt = g if name != "retention" else g.view(1, 1, -1).expand(2, T, -1)       # the ops' (B, T, H[, K]) layout
+    o, s = decay_attention_inference(x["q"], x["k"], x["v"], gt, scale=0.3, chunk_size=C, initial_state=S0,
+                                     group=group)
+    o_ref, s_ref = parallel_decay_attention(x["q"], x["k"], x["v"], gt, scale=0.3, initial_state=S0)
+    assert_close(o, o_ref, 1e-10, "no-grad o")
+    assert_close(s, s_ref, 1e-10, "no-grad state")
+    with torch.no_grad():                                   # and the public op takes this path
+        o2, s2 = caller(name)("chunk", x, C, S0, True)
+    o_ref2, s_ref2 = caller(name)("parallel", x, C, S0, True)
+    assert_close(o2, o_ref2, 1e-10, "op under no_grad: o")
+    assert_close(s2, s_ref2, 1e-10, "op under no_grad: state")
 
 
 def test_simple_gla_is_the_mamba2_recurrence():

@@ -17,6 +17,10 @@ As in the GLA paper it is split into sub-chunks of 16: a block of sub-chunk I
 against an earlier sub-chunk J is a matmul of q_i exp(b_i - r_J) and
 k_j exp(r_J - b_j), with r_J the cumulative decay at J's last token (both
 exponents <= 0); only the 16 x 16 diagonal blocks are formed elementwise.
+
+This loop is what autograd differentiates. Without a gradient, ``inference.py``
+runs the same steps batched over groups of chunks (the fast path for prefill,
+evaluation and generation).
 """
 
 from __future__ import annotations
@@ -24,79 +28,16 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-SUB = 16  # sub-chunk of the per-key-dim decay
-
-
-def _heads(x):
-    """A chunk (B, c, H, *rest) as (B*H, c, *rest)."""
-    B, c, H = x.shape[:3]
-    return x.transpose(1, 2).reshape(B * H, c, *x.shape[3:])
-
-
-def _intra_scalar(qc, kc, b):
-    """(BH, c, c) decayed causal scores for a scalar decay b (BH, c)."""
-    c = b.shape[1]
-    causal = torch.ones(c, c, dtype=torch.bool, device=b.device).tril()
-    D = torch.exp((b.unsqueeze(-1) - b.unsqueeze(-2)).masked_fill(~causal, float("-inf")))
-    return (qc @ kc.transpose(1, 2)) * D
-
-
-def _intra_vector(qc, kc, b):
-    """(BH, C, C) decayed causal scores for a per-key-dim decay b (BH, C, K); C a multiple of SUB."""
-    BH, C, K = qc.shape
-    n = C // SUB
-    bq = b.view(BH, n, SUB, K)
-    r = bq[:, :, -1]                                                         # (BH, n, K) reference per sub-chunk
-    k_t = kc.view(BH, n, SUB, K) * torch.exp(r.unsqueeze(2) - bq)           # (BH, n, SUB, K), exponent <= 0
-    sub_of_row = torch.arange(C, device=b.device) // SUB                     # (C,)
-    later = sub_of_row.view(1, C) > torch.arange(n, device=b.device).view(n, 1)   # (n, C): row after sub-chunk J
-    E = (b.unsqueeze(1) - r.unsqueeze(2)).masked_fill(~later[None, :, :, None], float("-inf"))
-    q_t = qc.unsqueeze(1) * torch.exp(E)                                     # (BH, n, C, K), exponent <= 0
-    A = (q_t @ k_t.transpose(-1, -2))                                        # (BH, n, C, SUB): columns of J
-    A = A.permute(0, 2, 1, 3).reshape(BH, C, C)
-    tri = torch.ones(SUB, SUB, dtype=torch.bool, device=b.device).tril()
-    Ed = (bq.unsqueeze(3) - bq.unsqueeze(2)).masked_fill(~tri[None, None, :, :, None], float("-inf"))
-    Ad = torch.einsum("bnik,bnjk,bnijk->bnij", qc.view(BH, n, SUB, K), kc.view(BH, n, SUB, K), torch.exp(Ed))
-    A.view(BH, n, SUB, n, SUB).diagonal(dim1=1, dim2=3).add_(Ad.permute(0, 2, 3, 1))
-    return A
-
-
-def _scalar_inference(q, k, v, g, scale, C, initial_state):
-    """The scalar-decay chunk form when no gradient is wanted: the same three steps, written into one
-    output buffer and one running state in place (no per-chunk allocations of o, S or the scores)."""
-    B, T, H, K = q.shape
-    V = v.shape[-1]
-    dt = g.dtype
-    BH = B * H
-    qh, kh, vh = (x.to(dt).transpose(1, 2).reshape(BH, T, x.shape[-1]) for x in (q, k, v))   # head-major copies
-    gh = g.transpose(1, 2).reshape(BH, T)
-    o = torch.empty(BH, T, V, dtype=dt, device=q.device)
-    S = torch.zeros(BH, K, V, dtype=dt, device=q.device) if initial_state is None \
-        else initial_state.reshape(BH, K, V).clone()
-    causal = torch.ones(C, C, dtype=torch.bool, device=q.device).tril()
-    scores = torch.empty(BH, C, C, dtype=dt, device=q.device)
-    for s in range(0, T, C):
-        e = min(s + C, T)
-        c = e - s
-        qc, kc, vc, oc = qh[:, s:e], kh[:, s:e], vh[:, s:e], o[:, s:e]
-        b = gh[:, s:e].cumsum(1)                                              # (BH, c) chunk-local
-        sc = scores[:, :c, :c]
-        torch.bmm(qc, kc.transpose(1, 2), out=sc)
-        sc.mul_(torch.exp((b.unsqueeze(-1) - b.unsqueeze(-2)).masked_fill_(~causal[:c, :c], float("-inf"))))
-        oc.baddbmm_(sc, vc, beta=0)                                           # intra-chunk (o's old contents ignored)
-        oc.baddbmm_(qc * torch.exp(b).unsqueeze(-1), S)                       # from the state carried in
-        b_last = b[:, -1:]
-        S.mul_(torch.exp(b_last).unsqueeze(-1)).baddbmm_((kc * torch.exp(b_last - b).unsqueeze(-1)).transpose(1, 2), vc)
-    o.mul_(scale)
-    return o.view(B, H, T, V).transpose(1, 2), S.view(B, H, K, V)
+from subquad.ops.gla.inference import decay_attention_inference
+from subquad.ops.gla.intra import SUB, _heads, _intra_scalar, _intra_vector
 
 
 def chunk_decay_attention(q, k, v, g, *, scale, chunk_size=64, initial_state=None):
     B, T, H, K = q.shape
     wants_grad = torch.is_grad_enabled() and any(
         t is not None and t.requires_grad for t in (q, k, v, g, initial_state))
-    if g.dim() == 3 and not wants_grad:
-        return _scalar_inference(q, k, v, g, scale, min(chunk_size, T), initial_state)
+    if not wants_grad:
+        return decay_attention_inference(q, k, v, g, scale=scale, chunk_size=chunk_size, initial_state=initial_state)
     V = v.shape[-1]
     dt = g.dtype
     vector = g.dim() == 4

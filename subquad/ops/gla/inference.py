@@ -1,0 +1,99 @@
+"""Decayed linear attention, chunkwise, without a gradient: the fast path of the chunk form.
+
+The same three steps as ``chunk.py`` (intra-chunk scores, state to output, state passing), with the
+work batched over a *group* of chunks and only the state recurrence left sequential:
+
+    per group of n chunks of C tokens (q, k, v copied head-major into reused buffers):
+      b    = chunk-local cumulative log-decay                       (BH, n, C[, K])
+      q~   = q * exp(b)                                             exponent <= 0
+      A    = causal scores of every chunk                          one (BH n, C, C) bmm
+      KV_c = (k * exp(b_C - b))^T v                                 one (BH n, K, V) bmm
+      S_c  = exp(b_C) * S_{c-1} + KV_c                              n in-place addcmuls (the only loop)
+      o    = scale * (A v + q~ S_{c-1})                             two (BH n) bmms
+
+Every buffer is reused from group to group, so a long sequence does not page-fault on T-sized
+temporaries (see BENCHMARKS.md), and a call makes ~20 + T/C tensor ops instead of ~15 per chunk.
+
+Scores. With k~ = k * exp(-b), A_ij = q~_i . k~_j for j <= i is exactly sum_k q_ik k_jk exp(b_ik - b_jk):
+one plain matmul for a scalar or a per-key-dim decay alike. exp(-b) is a *positive* exponent, so it is
+used only when every chunk of the group decays by at most ``LIMIT`` (|b_C| <= 30: factors below e^30,
+far from float32's e^88); the upper triangle, where the factors do not cancel, is masked to exact zeros.
+That holds for the decays trained models use (RetNet's 1 - 2^-5 gives |b_C| = 2 over 64 tokens).
+A group with a stronger decay takes the exact route of ``chunk.py``: the (C, C) matrix exp(b_i - b_j)
+for a scalar decay, sub-chunks of 16 for a per-key-dim decay. Both routes agree to rounding.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from subquad.ops.gla.intra import SUB, _intra_vector
+
+LIMIT = 30.0       # largest positive exponent the factorised scores may use
+TOKEN_HEADS = 8192  # group size: about this many (token, head) pairs per group
+
+
+def decay_attention_inference(q, k, v, g, *, scale, chunk_size, initial_state=None, group=None):
+    """q, k (B, T, H, K); v (B, T, H, V); g (B, T, H) or (B, T, H, K) log-decays <= 0.
+    Returns o (B, T, H, V) in g's dtype and the final state (B, H, K, V). ``group``: tokens per group
+    (a multiple of the chunk size; by default about TOKEN_HEADS / (B H))."""
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    dt, dev = g.dtype, q.device
+    vector = g.dim() == 4
+    C = min(chunk_size, T)
+    if vector:                               # the exact route needs whole sub-chunks
+        C = max(SUB, -(-C // SUB) * SUB)
+    BH = B * H
+    L = group if group is not None else max(1, TOKEN_HEADS // BH // C) * C
+    L = min(-(-L // C) * C, -(-T // C) * C)
+    n = L // C
+    Kg = K if vector else 1
+
+    def buf(*shape):
+        return torch.empty(*shape, dtype=dt, device=dev)
+
+    qb, kb, vb, gb = buf(B, H, L, K), buf(B, H, L, K), buf(B, H, L, V), buf(B, H, L, Kg)   # tails zeroed below
+    qt, kt = buf(BH * n, C, K), buf(BH * n, C, K)
+    scores, ob, kv = buf(BH * n, C, C), buf(BH, n, C, V), buf(BH, n, K, V)
+    states = buf(BH, n, K, V)                                      # states[:, j]: the state before chunk j
+    S = buf(BH, K, V).zero_() if initial_state is None else initial_state.reshape(BH, K, V).to(dt).clone()
+    upper = torch.ones(C, C, dtype=torch.bool, device=dev).triu(1)
+    o = torch.empty(B, T, H, V, dtype=dt, device=dev)
+    for s in range(0, T, L):
+        e = min(s + L, T)
+        if e - s < L:                                                # zero tail: k = 0, g = 0 add nothing
+            for x in (qb, kb, vb, gb):
+                x.zero_()
+        for x, src in ((qb, q), (kb, k), (vb, v), (gb, g if vector else g.unsqueeze(-1))):
+            x[:, :, :e - s].copy_(src[:, s:e].transpose(1, 2))
+        b = gb.view(BH, n, C, Kg).cumsum(2)                          # chunk-local, <= 0
+        eb = b.exp()
+        qc, kc, vc = qb.view(BH * n, C, K), kb.view(BH * n, C, K), vb.view(BH * n, C, V)
+        torch.mul(qb.view(BH, n, C, K), eb, out=qt.view(BH, n, C, K))
+        b_last = b[:, :, -1:]                                        # (BH, n, 1, Kg)
+        if b_last.min() >= -LIMIT:                                   # factorised scores
+            torch.div(kb.view(BH, n, C, K), eb, out=kt.view(BH, n, C, K))
+            torch.bmm(qt, kt.transpose(1, 2), out=scores).masked_fill_(upper, 0)
+            torch.bmm(kt.transpose(1, 2), vc, out=kv.view(BH * n, K, V))
+            kv.mul_(eb[:, :, -1].unsqueeze(-1))                      # rows scaled by exp(b_C)
+        else:                                                        # exact: exponents are differences <= 0
+            if vector:
+                scores.copy_(_intra_vector(qc, kc, b.view(BH * n, C, K)))
+            else:
+                bf = b.view(BH * n, C)
+                D = (bf.unsqueeze(-1) - bf.unsqueeze(-2)).masked_fill_(upper, float("-inf")).exp_()
+                torch.bmm(qc, kc.transpose(1, 2), out=scores).mul_(D)
+            torch.mul(kb.view(BH, n, C, K), (b_last - b).exp(), out=kt.view(BH, n, C, K))
+            torch.bmm(kt.transpose(1, 2), vc, out=kv.view(BH * n, K, V))
+        decay = eb[:, :, -1].unsqueeze(-1)                           # (BH, n, Kg, 1)
+        states[:, 0].copy_(S)
+        for j in range(n - 1):
+            torch.addcmul(kv[:, j], decay[:, j], states[:, j], out=states[:, j + 1])
+        torch.addcmul(kv[:, -1], decay[:, -1], states[:, -1], out=S)  # padded chunks leave S unchanged
+        obf = ob.view(BH * n, C, V)
+        torch.bmm(scores, vc, out=obf)
+        obf.baddbmm_(qt, states.view(BH * n, K, V))
+        o[:, s:e].copy_(ob.view(B, H, L, V)[:, :, :e - s].transpose(1, 2))
+    o.mul_(scale)
+    return o, S.view(B, H, K, V)
