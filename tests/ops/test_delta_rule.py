@@ -7,6 +7,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from subquad.ops import delta_rule, gated_delta_rule
+from subquad.ops.delta_rule.inference import delta_rule_inference
 from tests.ops.harness import assert_close, check_forms_agree, check_grads_agree, check_split
 
 F64 = torch.float64
@@ -69,6 +70,25 @@ def test_gradients_of_q_k_v_beta_g_and_initial_state_agree(gated, T, C):
 
 
 @GATED
+@pytest.mark.parametrize("T,C,group", [(1, 64, None), (7, 16, None), (100, 16, 32), (257, 5, 10), (300, 64, None)])
+@pytest.mark.parametrize("strength", [0.01, 1.0, 50.0])
+def test_no_grad_fast_path_agrees_with_the_token_loop(gated, T, C, group, strength):
+    # Without a gradient the chunk form runs inference.py: groups of chunks, one triangular solve per group,
+    # each chunk an affine map of the state in the loop.
+    x = {n: t.detach() for n, t in make(gated, 2, T, K=6, V=4, seed=T, strength=strength).items()}
+    S0 = state0(x).detach()
+    o_ref, s_ref = call("recurrent", x, C, S0, True)
+    o, s = delta_rule_inference(x["q"], x["k"], x["v"], x["beta"], x.get("g"), scale=6 ** -0.5, chunk_size=C,
+                                initial_state=S0, group=group)
+    assert_close(o, o_ref, 1e-10, "o")
+    assert_close(s, s_ref, 1e-10, "state")
+    with torch.no_grad():                                   # and the public op takes this path
+        o2, s2 = call("chunk", x, C, S0, True)
+    assert_close(o2, o_ref, 1e-10, "op under no_grad: o")
+    assert_close(s2, s_ref, 1e-10, "op under no_grad: state")
+
+
+@GATED
 def test_float32_long_sequence_chunk_matches_recurrent(gated):
     x = {n: t.detach().float() for n, t in make(gated, 1, 4096, H=2, K=16, V=16, strength=0.1).items()}
     o_c, s_c = call("chunk", x, 64, None, True)
@@ -94,6 +114,9 @@ def test_stable_with_beta_one_strong_decays_and_long_sequences(gated):
     assert torch.isfinite(o).all() and torch.isfinite(S).all()
     grads = torch.autograd.grad(o.square().mean() + S.square().mean(), list(x.values()))
     assert all(torch.isfinite(t).all() for t in grads)
+    with torch.no_grad():                                   # the no-gradient fast path
+        o, S = call("chunk", x, 64, None, True)
+    assert torch.isfinite(o).all() and torch.isfinite(S).all()
 
 
 @GATED

@@ -30,7 +30,7 @@ import torch
 from subquad.ops.gla.intra import SUB, _intra_vector
 
 LIMIT = 30.0       # largest positive exponent the factorised scores may use
-TOKEN_HEADS = 8192  # group size: about this many (token, head) pairs per group
+TOKEN_HEADS = 4096  # group size: about this many (token, head) pairs per group
 
 
 def decay_attention_inference(q, k, v, g, *, scale, chunk_size, initial_state=None, group=None):
