@@ -23,6 +23,7 @@ from subquad.ops import delta_rule, gated_delta_rule
 
 
 class DeltaNet(Mixer):
+    piece_size = 1024   # fixed state: long no-gradient forwards run in pieces (base.Mixer._in_pieces)
     gated = False
 
     def __init__(self, d_model: int, n_heads: int = 4, head_dim: int | None = None, conv_size: int = 4,
@@ -52,6 +53,9 @@ class DeltaNet(Mixer):
 
     def forward(self, x, state=None):
         self._check_x(x)
+        pieces = self._in_pieces(x, state)
+        if pieces is not None:
+            return pieces
         B, T, _ = x.shape
         H, K = self.n_heads, self.head_dim
         cp = self._context(state)

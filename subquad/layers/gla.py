@@ -18,6 +18,7 @@ from subquad.ops import gla
 
 
 class GatedLinearAttention(Mixer):
+    piece_size = 1024   # fixed state: long no-gradient forwards run in pieces (base.Mixer._in_pieces)
     def __init__(self, d_model: int, n_heads: int = 4, expand_k: float = 0.5, expand_v: float = 1.0,
                  gate_rank: int = 16, gate_normalizer: float = 16.0, mode: str = "chunk", chunk_size: int = 64):
         super().__init__(d_model, mode, chunk_size)
@@ -42,6 +43,9 @@ class GatedLinearAttention(Mixer):
 
     def forward(self, x, state=None):
         self._check_x(x)
+        pieces = self._in_pieces(x, state)
+        if pieces is not None:
+            return pieces
         B, T, _ = x.shape
         H, K, V = self.n_heads, self.head_k, self.head_v
         q = self.q_proj(x).view(B, T, H, K)

@@ -20,6 +20,7 @@ from subquad.ops import linear_attention
 
 
 class LinearAttention(Mixer):
+    piece_size = 1024   # fixed state: long no-gradient forwards run in pieces (base.Mixer._in_pieces)
     def __init__(self, d_model: int, n_heads: int = 4, feature_map: str = "elu+1", normalize: bool = True,
                  qk_dim: int | None = None, num_features: int = 64, mode: str = "chunk", chunk_size: int = 64):
         super().__init__(d_model, mode, chunk_size)
@@ -45,6 +46,9 @@ class LinearAttention(Mixer):
 
     def forward(self, x, state=None):
         self._check_x(x)
+        pieces = self._in_pieces(x, state)
+        if pieces is not None:
+            return pieces
         B, T, _ = x.shape
         H = self.n_heads
         q = self.phi(self.q_proj(x).view(B, T, H, self.qk_dim), is_query=True).to(x.dtype)

@@ -7,7 +7,8 @@
     y_t        = C_t . h_t + D x_t
     out        = out_proj(rmsnorm(y * silu(z)))
 
-The recurrence is simple_gla with q = C, k = dt B, v = x, g = dt A, scale 1.
+The recurrence is simple_gla with q = C, k = dt B, v = x, g = dt A, scale 1; without a gradient it runs
+``ssd_inference``, which computes the products with the shared B and C once for all heads.
 """
 
 from __future__ import annotations
@@ -22,9 +23,12 @@ from subquad.layers.base import Mixer
 from subquad.layers.conv import ShortConv
 from subquad.layers.norm import GatedRMSNorm
 from subquad.ops import simple_gla
+from subquad.ops.common.autograd import wants_grad
+from subquad.ops.gla.ssd import ssd_inference
 
 
 class Mamba2(Mixer):
+    piece_size = 1024   # fixed state: long no-gradient forwards run in pieces (base.Mixer._in_pieces)
     def __init__(self, d_model: int, d_state: int = 64, headdim: int = 64, expand: int = 2, d_conv: int = 4,
                  dt_min: float = 1e-3, dt_max: float = 0.1, mode: str = "chunk", chunk_size: int = 64):
         super().__init__(d_model, mode, chunk_size)
@@ -54,6 +58,9 @@ class Mamba2(Mixer):
         Inside a context-parallel run (``cp``), over the whole sequence by state passing, and h is None.
         """
         H = self.n_heads
+        if cp is None and self.mode == "chunk" and not wants_grad(x, dt, A, Bm, Cm, initial_state):
+            y, h = ssd_inference(x, dt, A, Bm, Cm, chunk_size=self.chunk_size, initial_state=initial_state)
+            return y.to(x.dtype), h                                 # B and C shared: one matmul for all heads
         q = Cm.unsqueeze(2).expand(-1, -1, H, -1)                              # B and C are shared by the heads
         k = Bm.unsqueeze(2).expand(-1, -1, H, -1) * dt.unsqueeze(-1)
         if cp is not None:
@@ -63,6 +70,9 @@ class Mamba2(Mixer):
 
     def forward(self, u, state=None):
         self._check_x(u)
+        pieces = self._in_pieces(u, state)
+        if pieces is not None:
+            return pieces
         Bsz, T, _ = u.shape
         H, P, N = self.n_heads, self.headdim, self.d_state
         z, xBC, dt = torch.split(self.in_proj(u), [self.d_inner, self.conv_dim, H], dim=-1)
@@ -76,6 +86,6 @@ class Mamba2(Mixer):
         A = -torch.exp(self.A_log)                                            # (H,)
         x = x.view(Bsz, T, H, P)
         y, h = self.ssd(x, dt, A, Bm, Cm, None if state is None else state["ssm"], cp)
-        y = y + self.D.view(1, 1, H, 1) * x
+        y = torch.addcmul(y, x, self.D.view(1, 1, H, 1))
         out = self.out_proj(self.norm(y.reshape(Bsz, T, self.d_inner), z))
         return out, None if cp is not None else {"ssm": h, "conv": conv_state}

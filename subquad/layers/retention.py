@@ -19,6 +19,7 @@ from subquad.ops import retention
 
 
 class MultiScaleRetention(Mixer):
+    piece_size = 1024   # fixed state: long no-gradient forwards run in pieces (base.Mixer._in_pieces)
     def __init__(self, d_model: int, n_heads: int = 4, head_dim: int | None = None, value_factor: int = 2,
                  mode: str = "chunk", chunk_size: int = 64):
         super().__init__(d_model, mode, chunk_size)
@@ -43,6 +44,9 @@ class MultiScaleRetention(Mixer):
 
     def forward(self, x, state=None):
         self._check_x(x)
+        pieces = self._in_pieces(x, state)
+        if pieces is not None:
+            return pieces
         B, T, _ = x.shape
         H, K, V = self.n_heads, self.head_dim, self.v_dim
         cp = self._context(state)

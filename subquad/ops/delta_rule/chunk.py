@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import torch
 
+from subquad.ops.common.autograd import wants_grad
 from subquad.ops.delta_rule.inference import delta_rule_inference
 
 
@@ -55,8 +56,7 @@ def _chunk_step(qc, kc, vc, bc, gc, S, scale):
 
 
 def chunk_delta_rule(q, k, v, beta, g, *, scale, chunk_size=64, initial_state=None):
-    if not (torch.is_grad_enabled() and any(t is not None and t.requires_grad
-                                            for t in (q, k, v, beta, g, initial_state))):
+    if not wants_grad(q, k, v, beta, g, initial_state):
         return delta_rule_inference(q, k, v, beta, g, scale=scale, chunk_size=chunk_size, initial_state=initial_state)
     B, T, H, K = q.shape
     V = v.shape[-1]

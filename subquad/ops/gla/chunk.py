@@ -28,15 +28,14 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from subquad.ops.common.autograd import wants_grad
 from subquad.ops.gla.inference import decay_attention_inference
 from subquad.ops.gla.intra import SUB, _heads, _intra_scalar, _intra_vector
 
 
 def chunk_decay_attention(q, k, v, g, *, scale, chunk_size=64, initial_state=None):
     B, T, H, K = q.shape
-    wants_grad = torch.is_grad_enabled() and any(
-        t is not None and t.requires_grad for t in (q, k, v, g, initial_state))
-    if not wants_grad:
+    if not wants_grad(q, k, v, g, initial_state):
         return decay_attention_inference(q, k, v, g, scale=scale, chunk_size=chunk_size, initial_state=initial_state)
     V = v.shape[-1]
     dt = g.dtype

@@ -70,20 +70,20 @@ def decay_attention_inference(q, k, v, g, *, scale, chunk_size, initial_state=No
         b = gb.view(BH, n, C, Kg).cumsum(2)                          # chunk-local, <= 0
         eb = b.exp()
         qc, kc, vc = qb.view(BH * n, C, K), kb.view(BH * n, C, K), vb.view(BH * n, C, V)
-        torch.mul(qb.view(BH, n, C, K), eb, out=qt.view(BH, n, C, K))
+        torch.mul(qb.view(BH, n, C, K), eb * scale, out=qt.view(BH, n, C, K))   # scale folded in
         b_last = b[:, :, -1:]                                        # (BH, n, 1, Kg)
         if b_last.min() >= -LIMIT:                                   # factorised scores
             torch.div(kb.view(BH, n, C, K), eb, out=kt.view(BH, n, C, K))
-            torch.bmm(qt, kt.transpose(1, 2), out=scores).masked_fill_(upper, 0)
+            torch.bmm(qt, kt.transpose(1, 2), out=scores).tril_()
             torch.bmm(kt.transpose(1, 2), vc, out=kv.view(BH * n, K, V))
             kv.mul_(eb[:, :, -1].unsqueeze(-1))                      # rows scaled by exp(b_C)
         else:                                                        # exact: exponents are differences <= 0
             if vector:
-                scores.copy_(_intra_vector(qc, kc, b.view(BH * n, C, K)))
+                torch.mul(_intra_vector(qc, kc, b.view(BH * n, C, K)), scale, out=scores)
             else:
                 bf = b.view(BH * n, C)
                 D = (bf.unsqueeze(-1) - bf.unsqueeze(-2)).masked_fill_(upper, float("-inf")).exp_()
-                torch.bmm(qc, kc.transpose(1, 2), out=scores).mul_(D)
+                torch.bmm(qc, kc.transpose(1, 2), out=scores).mul_(D).mul_(scale)
             torch.mul(kb.view(BH, n, C, K), (b_last - b).exp(), out=kt.view(BH, n, C, K))
             torch.bmm(kt.transpose(1, 2), vc, out=kv.view(BH * n, K, V))
         decay = eb[:, :, -1].unsqueeze(-1)                           # (BH, n, Kg, 1)
@@ -95,5 +95,4 @@ def decay_attention_inference(q, k, v, g, *, scale, chunk_size, initial_state=No
         torch.bmm(scores, vc, out=obf)
         obf.baddbmm_(qt, states.view(BH * n, K, V))
         o[:, s:e].copy_(ob.view(B, H, L, V)[:, :, :e - s].transpose(1, 2))
-    o.mul_(scale)
     return o, S.view(B, H, K, V)

@@ -1,0 +1,94 @@
+"""Mamba-2's SSD with B and C shared by the heads, chunkwise, without a gradient.
+
+    h_t = exp(dt_t A_h) h_{t-1} + B_t (dt_t x_t)^T        h (N, P) per head h; B_t, C_t (N,) shared
+    y_t = C_t^T h_t
+
+This is ``simple_gla(q=C, k=dt B, v=x, g=dt A)`` with q and k the same for every head (Mamba-2 with
+one group), and sharing them is what makes it cheaper than H separate heads. Per group of n chunks
+of C tokens, with b the chunk-local cumulative log-decay per head (B, C, x copied chunk-major):
+
+    G    = C_c B_c^T                                   (C, C) per chunk, once for all heads
+    o_h  = (G o exp(b_hi - b_hj) o [i >= j]) (dt x)_h  intra-chunk, per head (exponents <= 0)
+         + exp(b_h) o (C_c S_c)_h                      C_c S_c one (C, N) x (N, H P) matmul for all heads
+    KV_c = B_c^T (exp(b_C - b) dt x)                   one (N, C) x (C, H P) matmul for all heads
+    S_{c+1} = exp(b_C) S_c + KV_c                      per head; the only loop
+
+The reference is ``simple_gla`` (tests check them equal in float64).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+TOKEN_HEADS = 4096  # group size: about this many (token, head) pairs per group
+
+
+def _group(x, C, perm):
+    """(B, L, *rest) -> (B, n, C, *rest) permuted by ``perm``."""
+    return x.view(x.shape[0], x.shape[1] // C, C, *x.shape[2:]).permute(perm)
+
+
+def ssd_inference(x, dt, A, Bm, Cm, *, chunk_size=64, initial_state=None, group=None):
+    """x (B, T, H, P); dt (B, T, H) > 0; A (H,) < 0; Bm, Cm (B, T, N); initial_state (B, H, N, P).
+    Returns y (B, T, H, P) and the final state (B, H, N, P), in x's dtype (float32 for half inputs)."""
+    Bz, T, H, P = x.shape
+    N = Bm.shape[-1]
+    dt_ = torch.float64 if x.dtype == torch.float64 else torch.float32
+    dev = x.device
+    C = min(chunk_size, T)
+    L = group if group is not None else max(1, TOKEN_HEADS // (Bz * H) // C) * C
+    L = min(-(-L // C) * C, -(-T // C) * C)
+    n = L // C
+    nb = n * Bz
+
+    def buf(*shape):
+        return torch.empty(*shape, dtype=dt_, device=dev)
+
+    Bb, Cb = buf(n, Bz, C, N), buf(n, Bz, C, N)                     # chunk-major copies
+    xd = buf(n, Bz, H, C, P)                                          # dt x, head-major (intra-chunk)
+    xh = buf(n, Bz, C, H, P)                                          # exp(b_C - b) dt x (state update)
+    bh = buf(n, Bz, H, C)                                             # chunk-local cumulative log-decay
+    Lm = buf(nb, H, C, C)
+    G = buf(nb, C, C)
+    yb = buf(nb, C, H * P)
+    yi = buf(n, Bz, H, C, P)
+    KV = buf(n, Bz, N, H * P)
+    states = buf(n + 1, Bz, N, H, P)                                  # states[j]: the state before chunk j
+    states[0] = 0 if initial_state is None else initial_state.permute(0, 2, 1, 3)
+    upper = torch.ones(C, C, dtype=torch.bool, device=dev).triu(1)
+    y = torch.empty(Bz, T, H, P, dtype=dt_, device=dev)
+    Af = A.to(dt_)
+    for s in range(0, T, L):
+        e = min(s + L, T)
+        pieces = [t[:, s:e] for t in (x, dt, Bm, Cm)]
+        if e - s < L:                                                 # zero tail: dt = 0, B = 0 add nothing
+            pieces = [F.pad(t, (0, 0) * (t.dim() - 2) + (0, L - (e - s))) for t in pieces]
+        xs, dts, Bs, Cs = pieces
+        Bb.copy_(_group(Bs, C, (1, 0, 2, 3)))
+        Cb.copy_(_group(Cs, C, (1, 0, 2, 3)))
+        torch.mul(_group(dts, C, (1, 0, 3, 2)), Af.view(1, 1, H, 1), out=bh)
+        bh.cumsum_(-1)                                                # (n, B, H, C), <= 0
+        torch.mul(_group(xs, C, (1, 0, 3, 2, 4)), _group(dts, C, (1, 0, 3, 2)).unsqueeze(-1), out=xd)
+        w = (bh[..., -1:] - bh).exp_()                                # (n, B, H, C): exp(b_C - b)
+        torch.mul(xd, w.unsqueeze(-1), out=yi)                        # reuse yi as scratch, head-major
+        xh.copy_(yi.transpose(2, 3))                                  # (n, B, C, H, P)
+        torch.bmm(Cb.view(nb, C, N), Bb.view(nb, C, N).transpose(1, 2), out=G)
+        bf = bh.view(nb, H, C)
+        torch.sub(bf.unsqueeze(-1), bf.unsqueeze(-2), out=Lm)
+        Lm.masked_fill_(upper, float("-inf")).exp_().mul_(G.unsqueeze(1))
+        torch.bmm(Lm.view(nb * H, C, C), xd.view(nb * H, C, P), out=yi.view(nb * H, C, P))
+        torch.bmm(Bb.view(nb, C, N).transpose(1, 2), xh.view(nb, C, H * P), out=KV.view(nb, N, H * P))
+        decay = bh[..., -1].exp().view(n, Bz, 1, H, 1)
+        for j in range(n):
+            torch.addcmul(KV[j].view(Bz, N, H, P), decay[j], states[j], out=states[j + 1])
+        torch.bmm(Cb.view(nb, C, N), states[:n].view(nb, N, H * P), out=yb)
+        ybv = yb.view(n, Bz, C, H, P)
+        ybv.mul_(bh.exp().transpose(2, 3).unsqueeze(-1)).add_(yi.transpose(2, 3))
+        out = ybv.permute(1, 0, 2, 3, 4)                               # (B, n, C, H, P)
+        if e - s == L:
+            y[:, s:e].view(Bz, n, C, H, P).copy_(out)
+        else:
+            y[:, s:e].copy_(out.reshape(Bz, L, H, P)[:, :e - s])
+        states[0] = states[n]                                          # padded chunks leave the state as it was
+    return y, states[0].permute(0, 2, 1, 3).contiguous()
