@@ -7,7 +7,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from subquad.ops import delta_rule, gated_delta_rule
-from subquad.ops.delta_rule.inference import delta_rule_inference
+from subquad.ops.delta_rule.inference import delta_rule_inference, unit_lower_inverse
 from tests.ops.harness import assert_close, check_forms_agree, check_grads_agree, check_split
 
 F64 = torch.float64
@@ -145,3 +145,10 @@ def test_bad_input_raises():
         delta_rule(q, k, v, beta, chunk_size=-1)
     with pytest.raises(ValueError, match="mode"):
         delta_rule(q, k, v, beta, mode="wy")
+
+
+@pytest.mark.parametrize("C", [1, 5, 16, 17, 32, 64, 100])
+def test_unit_lower_inverse_equals_the_inverse(C):
+    gen = torch.Generator().manual_seed(C)
+    A = torch.eye(C, dtype=F64) + torch.randn(3, C, C, generator=gen, dtype=F64).tril(-1) * 0.3
+    assert_close(unit_lower_inverse(A), torch.linalg.inv(A), 1e-10, f"C={C}")
