@@ -1,5 +1,7 @@
 """delta_rule and gated_delta_rule: the shared three-form battery, stability and bad input."""
 
+import importlib
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -8,6 +10,8 @@ from hypothesis import strategies as st
 
 from subquad.ops import delta_rule, gated_delta_rule
 from subquad.ops.delta_rule.inference import delta_rule_inference, unit_lower_inverse
+
+delta_chunk = importlib.import_module("subquad.ops.delta_rule.chunk")
 from tests.ops.harness import assert_close, check_forms_agree, check_grads_agree, check_split
 
 F64 = torch.float64
@@ -152,3 +156,12 @@ def test_unit_lower_inverse_equals_the_inverse(C):
     gen = torch.Generator().manual_seed(C)
     A = torch.eye(C, dtype=F64) + torch.randn(3, C, C, generator=gen, dtype=F64).tril(-1) * 0.3
     assert_close(unit_lower_inverse(A), torch.linalg.inv(A), 1e-10, f"C={C}")
+
+
+@GATED
+def test_long_differentiable_calls_run_in_pieces_with_the_same_values_and_gradients(gated, monkeypatch):
+    # A differentiable call longer than PIECE tokens runs piece by piece with the state carried.
+    monkeypatch.setattr(delta_chunk, "PIECE", 32)
+    x = make(gated, 2, 100, K=4, V=6, seed=5, strength=2.0)
+    check_grads_agree(call, x, 16, state0(x), ref="recurrent")
+    check_forms_agree(call, x, 16, initial_state=state0(x), ref="recurrent")
