@@ -1,5 +1,7 @@
 """retention, simple_gla and gla: the shared three-form battery plus decay-specific cases."""
 
+import importlib
+
 import pytest
 import torch
 from hypothesis import given
@@ -8,6 +10,8 @@ from hypothesis import strategies as st
 from subquad.ops import gla, retention, simple_gla
 from subquad.ops.gla.inference import decay_attention_inference
 from subquad.ops.gla.parallel import parallel_decay_attention
+
+gla_chunk = importlib.import_module("subquad.ops.gla.chunk")
 from tests.ops.harness import assert_close, check_forms_agree, check_grads_agree, check_split
 
 F64 = torch.float64
@@ -163,3 +167,12 @@ def test_positive_gate_and_bad_shapes_raise(name):
         OPS[name](q, k, v, g, mode="scan")
     with pytest.raises(ValueError, match="initial_state"):
         OPS[name](q, k, v, g, initial_state=torch.zeros(1, 2, 3, 3, dtype=F64))
+
+
+@pytest.mark.parametrize("name", OPS)
+def test_long_differentiable_calls_run_in_pieces_with_the_same_values_and_gradients(name, monkeypatch):
+    # A differentiable call longer than PIECE tokens runs piece by piece with the state carried.
+    monkeypatch.setattr(gla_chunk, "PIECE", 32)
+    x = make(name, 2, 100, K=4, V=6, seed=5, strength=2.0)
+    check_grads_agree(caller(name), x, 16, state0(x))
+    check_forms_agree(caller(name), x, 16, initial_state=state0(x))
