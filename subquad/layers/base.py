@@ -7,12 +7,13 @@
 Prefill a prompt with one call, then feed one token at a time with the state the
 previous call returned: the outputs equal one forward over the whole sequence.
 
-Mixers with a fixed-size state use that exactness for inference: without a gradient,
-a sequence longer than ``piece_size`` tokens runs as consecutive pieces with the state
-carried between them. The result is the same; every temporary is a piece long instead
-of T long, so memory stays bounded at any length, and it is faster: glibc hands large
-temporaries fresh pages on every call (see BENCHMARKS.md), and pieces of 1,024 tokens
-made each fixed-state layer 1.2-1.7x faster at T = 16K (benchmarks/RESULTS.md).
+Mixers with a fixed-size state use that exactness: a sequence longer than ``piece_size``
+tokens runs as consecutive pieces with the state carried between them (and autograd
+through it). The result is the same; every temporary is a piece long instead of T long,
+so inference memory stays bounded at any length, and it is faster: glibc hands large
+temporaries fresh pages on every call (see BENCHMARKS.md). At T = 16K, pieces of
+1-2K tokens made each fixed-state layer 1.2-1.7x faster forward and 1.1-1.4x faster
+forward+backward (measured by benchmarks/bench_gla.py and bench_delta_rule.py).
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ def tensor_bytes(obj) -> int:
 class Mixer(nn.Module):
     """Base class: a sequence mixer (B, T, D) -> (B, T, D) that carries its own decoding state."""
 
-    piece_size: int | None = None   # fixed-state mixers: tokens per piece of a long no-gradient forward
+    piece_size: int | None = None   # fixed-state mixers: tokens per piece of a long forward
 
     def __init__(self, d_model: int, mode: str = "chunk", chunk_size: int = 64):
         super().__init__()
@@ -56,16 +57,15 @@ class Mixer(nn.Module):
             raise ValueError(f"x must be (B, T, d_model={self.d_model}), got shape {tuple(x.shape)}")
 
     def _in_pieces(self, x, state):
-        """(y, state) of a long no-gradient forward run piece by piece, or None where that does not apply
-        (a gradient is wanted, x is short, the mixer has no fixed state, or a context-parallel run is on)."""
+        """(y, state) of a long forward run piece by piece with the state carried (autograd follows the
+        state from piece to piece), or None where that does not apply (x is short, the mixer has no fixed
+        state, or a context-parallel run is on)."""
         P = self.piece_size
         if not P or x.shape[1] <= P or self._context(state) is not None:
             return None
-        if torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad for p in self.parameters())):
-            return None
         ys = []
-        for s in range(0, x.shape[1], P):
-            y, state = self(x[:, s:s + P], state)
+        for piece in x.split(P, 1):          # split, not slicing: its backward is one concatenation
+            y, state = self(piece, state)
             ys.append(y)
         return torch.cat(ys, 1), state
 

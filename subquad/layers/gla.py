@@ -18,7 +18,7 @@ from subquad.ops import gla
 
 
 class GatedLinearAttention(Mixer):
-    piece_size = 1024   # fixed state: long no-gradient forwards run in pieces (base.Mixer._in_pieces)
+    piece_size = 1024   # fixed state: long forwards run in pieces (base.Mixer._in_pieces); fastest here
     def __init__(self, d_model: int, n_heads: int = 4, expand_k: float = 0.5, expand_v: float = 1.0,
                  gate_rank: int = 16, gate_normalizer: float = 16.0, mode: str = "chunk", chunk_size: int = 64):
         super().__init__(d_model, mode, chunk_size)

@@ -20,7 +20,7 @@ from subquad.ops import linear_attention
 
 
 class LinearAttention(Mixer):
-    piece_size = 1024   # fixed state: long no-gradient forwards run in pieces (base.Mixer._in_pieces)
+    piece_size = 2048   # fixed state: long forwards run in pieces (base.Mixer._in_pieces); fastest here
     def __init__(self, d_model: int, n_heads: int = 4, feature_map: str = "elu+1", normalize: bool = True,
                  qk_dim: int | None = None, num_features: int = 64, mode: str = "chunk", chunk_size: int = 64):
         super().__init__(d_model, mode, chunk_size)

@@ -19,7 +19,7 @@ from subquad.ops import retention
 
 
 class MultiScaleRetention(Mixer):
-    piece_size = 1024   # fixed state: long no-gradient forwards run in pieces (base.Mixer._in_pieces)
+    piece_size = 2048   # fixed state: long forwards run in pieces (base.Mixer._in_pieces); fastest here
     def __init__(self, d_model: int, n_heads: int = 4, head_dim: int | None = None, value_factor: int = 2,
                  mode: str = "chunk", chunk_size: int = 64):
         super().__init__(d_model, mode, chunk_size)

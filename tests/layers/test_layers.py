@@ -59,6 +59,22 @@ def test_no_grad_forward_equals_the_autograd_forward(name, piece):
         assert_close(layer(x[:, 40:], s0)[0], layer(x[:, 40:], s)[0], 1e-10, f"{name} no_grad state")
 
 
+@pytest.mark.parametrize("name", [n for n in LAYERS if build(n).piece_size])
+def test_pieces_give_the_same_output_state_and_gradients(name):
+    # A forward longer than piece_size runs piece by piece with the state carried, autograd included.
+    x = inputs(T=41).requires_grad_()
+    runs = []
+    for piece in (None, 16):
+        layer = build(name)
+        layer.piece_size = piece
+        y, s = layer(x)
+        y_next, _ = layer(inputs(T=3, seed=2), s)
+        loss = (y * torch.cos(y)).sum() + y_next.square().sum()
+        runs.append([y, y_next] + list(torch.autograd.grad(loss, [x] + list(layer.parameters()))))
+    for a, b in zip(*runs, strict=True):
+        assert_close(b, a, 1e-10, name)
+
+
 @pytest.mark.parametrize("name", LAYERS)
 def test_forms_agree_inside_the_layer(name):
     x = inputs(T=19)
