@@ -64,23 +64,47 @@ def fmt_ms(s) -> str:
 def run_cases(cases: dict, lengths, repeats: int, budget: float, label: str = "T") -> list[dict]:
     """cases: name -> (make_inputs(T), fn(*inputs), max T forward, max T forward+backward).
 
-    Forward runs under no_grad; forward+backward calls ``fn(*x).sum().backward()``.
-    Sizes above a case's limits are skipped (None).
+    Forward runs under no_grad; forward+backward calls ``fn(*x).sum().backward()``. Sizes above a
+    case's limits are skipped (None). The cases at one size run *interleaved*: round r times every
+    case once, and each gets the median of its rounds. This machine's speed drifts by 2-3x over
+    minutes (other tenants), so timing the cases one after the other skews ratios; interleaved rounds
+    put every case through the same conditions. A case whose run takes longer than ``budget`` seconds
+    stops after that run.
     """
     rows = []
     for T in lengths:
-        for name, (make, fn, max_f, max_b) in cases.items():
-            row = {label: T, "impl": name, "fwd": None, "fwdbwd": None}
-            if T <= max_f:
-                x = make(T)
-                with torch.no_grad():
-                    row["fwd"] = timeit(lambda: fn(*x), repeats, budget_s=budget)
-            if T <= max_b:
-                x = [t.requires_grad_() if t.is_floating_point() else t for t in make(T)]
-                row["fwdbwd"] = timeit(lambda: fn(*x).sum().backward(), max(1, repeats - 2), budget_s=budget)
-            rows.append(row)
-            print(f"  {label}={T:>6} {name:<28} fwd {fmt_ms(row['fwd']):>10}  fwd+bwd {fmt_ms(row['fwdbwd']):>10}",
-                  flush=True)
+        for key, limit_at, reps in (("fwd", 2, repeats), ("fwdbwd", 3, max(1, repeats - 2))):
+            live = {}
+            for name, c in cases.items():
+                if T <= c[limit_at]:
+                    x = c[0](T)
+                    if key == "fwdbwd":
+                        x = [t.requires_grad_() if t.is_floating_point() else t for t in x]
+                    fn = c[1]
+                    live[name] = (lambda fn=fn, x=x: fn(*x)) if key == "fwd" else \
+                        (lambda fn=fn, x=x: fn(*x).sum().backward())
+            times = {name: [] for name in live}
+            for r in range(reps + 1):                       # round 0 warms up
+                for name, run in list(live.items()):
+                    with torch.set_grad_enabled(key == "fwdbwd"):
+                        t = time.perf_counter()
+                        run()
+                        dt = time.perf_counter() - t
+                    if r or dt > budget:                    # a run slower than the budget counts, once
+                        times[name].append(dt)
+                    if dt > budget:
+                        del live[name]
+            gc.collect()
+            for name in cases:
+                row = next((x for x in rows if x[label] == T and x["impl"] == name), None)
+                if row is None:
+                    row = {label: T, "impl": name, "fwd": None, "fwdbwd": None}
+                    rows.append(row)
+                if times.get(name):
+                    row[key] = statistics.median(times[name])
+        for row in (x for x in rows if x[label] == T):
+            print(f"  {label}={T:>6} {row['impl']:<28} fwd {fmt_ms(row['fwd']):>10}  "
+                  f"fwd+bwd {fmt_ms(row['fwdbwd']):>10}", flush=True)
     return rows
 
 

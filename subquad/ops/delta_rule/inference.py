@@ -82,9 +82,10 @@ def delta_rule_inference(q, k, v, beta, g, *, scale, chunk_size, initial_state=N
 
     # Chunk-major buffers: index [j] is chunk j of the group for every (batch, head), contiguous, so the
     # loop's matmuls take plain (B H, C, *) batches; flat views (N, C, *) serve the batched steps.
-    qb, kb, vb, bb = buf(n, B, H, C, K), buf(n, B, H, C, K), buf(n, B, H, C, V), buf(n, B, H, C, 1)
+    qb, kb, bb = buf(n, B, H, C, K), buf(n, B, H, C, K), buf(n, B, H, C, 1)
     gb = None if g is None else buf(n, B, H, C, 1)                  # tails zeroed below
-    A, P, rhs, WU = buf(N, C, C), buf(N, C, C), buf(N, C, K + V), buf(N, C, K + V)
+    rv = buf(n, B, H, C, V)                                         # diag(b) V, read straight from v
+    A, P, rk, W = buf(N, C, C), buf(N, C, C), buf(N, C, K), buf(n, BH, C, K)
     Dv, ob, kh = buf(n, BH, C, V), buf(N, C, V), buf(n, BH, C, K)
     states = buf(n + 1, BH, K, V)                                   # states[j]: the state before chunk j
     states[0] = 0 if initial_state is None else initial_state.reshape(BH, K, V)
@@ -98,22 +99,26 @@ def delta_rule_inference(q, k, v, beta, g, *, scale, chunk_size, initial_state=N
     for s in range(0, T, L):
         e = min(s + L, T)
         full = (e - s) // C * C                                       # tokens in whole chunks
-        loads = [(qb, q), (kb, k), (vb, v), (bb, beta.unsqueeze(-1))] + ([] if g is None else [(gb, g.unsqueeze(-1))])
+        loads = [(qb, q), (kb, k), (bb, beta.unsqueeze(-1))] + ([] if g is None else [(gb, g.unsqueeze(-1))])
         if e - s < L:                                               # zero tail: beta = k = 0 adds nothing
-            for x, _ in loads:
+            for x in [x for x, _ in loads] + [rv]:
                 x.zero_()
-        for x, src in loads:
+        for x, src in loads + [(rv, v)]:
+            b_ = bb if x is rv else None                            # v is multiplied by beta as it is read
             if full:
-                x[:full // C].copy_(chunked(src[:, s:s + full], full))
+                src_c = chunked(src[:, s:s + full], full)
+                x[:full // C].copy_(src_c) if b_ is None else torch.mul(src_c, b_[:full // C], out=x[:full // C])
             if s + full < e:                                        # a last, partial chunk
-                x[full // C, :, :, :e - s - full].copy_(src[:, s + full:e].transpose(1, 2))
-        qc, kc, vc = qb.view(N, C, K), kb.view(N, C, K), vb.view(N, C, V)
+                part, l = src[:, s + full:e].transpose(1, 2), e - s - full
+                x[full // C, :, :, :l].copy_(part) if b_ is None else \
+                    torch.mul(part, b_[full // C, :, :, :l], out=x[full // C, :, :, :l])
+        qc, kc = qb.view(N, C, K), kb.view(N, C, K)
         bc = bb.view(N, C, 1)
         torch.bmm(kc, kc.transpose(1, 2), out=A)
         torch.bmm(qc, kc.transpose(1, 2), out=P)
         if g is None:
             A.tril_(-1)
-            torch.mul(kc, bc, out=rhs[..., :K])
+            torch.mul(kc, bc, out=rk)
             qt, decay, kt = qc, None, kb.view(n, BH, C, K)
         else:
             gam = gb.view(N, C).cumsum(1)                            # chunk-local, <= 0
@@ -121,16 +126,15 @@ def delta_rule_inference(q, k, v, beta, g, *, scale, chunk_size, initial_state=N
             A.mul_(Dm).tril_(-1)
             P.mul_(Dm)
             eg = gam.exp().unsqueeze(-1)
-            torch.mul(kc, eg * bc, out=rhs[..., :K])
+            torch.mul(kc, eg * bc, out=rk)
             qt = qc * eg
             torch.mul(kc, (gam[:, -1:] - gam).exp().unsqueeze(-1), out=kh.view(N, C, K))
             decay, kt = gam[:, -1].exp().view(n, BH, 1, 1), kh
         A.mul_(bc).diagonal(dim1=1, dim2=2).fill_(1)
         P.tril_()
-        torch.mul(vc, bc, out=rhs[..., K:])
-        torch.bmm(unit_lower_inverse(A), rhs, out=WU)
-        W = WU.view(n, BH, C, K + V)[..., :K]
-        Dv.copy_(WU.view(n, BH, C, K + V)[..., K:])                     # U, made D in the loop
+        Ti = unit_lower_inverse(A)
+        torch.bmm(Ti, rk, out=W.view(N, C, K))                         # the WY factors
+        torch.bmm(Ti, rv.view(N, C, V), out=Dv.view(N, C, V))          # U, made D in the loop
         for j in range(n):                                            # the only sequential part
             Dv[j].baddbmm_(W[j], states[j], alpha=-1)                 # D = U - W S
             if decay is None:
@@ -138,13 +142,12 @@ def delta_rule_inference(q, k, v, beta, g, *, scale, chunk_size, initial_state=N
             else:
                 torch.mul(states[j], decay[j], out=states[j + 1]).baddbmm_(kt[j].transpose(1, 2), Dv[j])
         before = states[:n].view(N, K, V)
-        torch.bmm(qt, before, out=ob)
-        ob.baddbmm_(P, Dv.view(N, C, V))
+        ob.baddbmm_(qt, before, beta=0, alpha=scale)
+        ob.baddbmm_(P, Dv.view(N, C, V), alpha=scale)
         out = ob.view(n, B, H, C, V)
         if full:
             chunked(o[:, s:s + full], full).copy_(out[:full // C])
         if s + full < e:
             o[:, s + full:e].copy_(out[full // C, :, :, :e - s - full].transpose(1, 2))
         states[0] = states[n]                                        # padded chunks leave the state as it was
-    o.mul_(scale)
     return o, states[0].view(B, H, K, V).clone()
