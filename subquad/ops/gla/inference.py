@@ -53,31 +53,40 @@ def decay_attention_inference(q, k, v, g, *, scale, chunk_size, initial_state=No
     def buf(*shape):
         return torch.empty(*shape, dtype=dt, device=dev)
 
-    qb, kb, vb, gb = buf(B, H, L, K), buf(B, H, L, K), buf(B, H, L, V), buf(B, H, L, Kg)   # tails zeroed below
+    qb, kb, vb, gb = buf(B, H, L, K), buf(B, H, L, K), buf(B, H, L, V), buf(B, H, L, Kg)   # head-major copies
     qt, kt = buf(BH * n, C, K), buf(BH * n, C, K)
     scores, ob, kv = buf(BH * n, C, C), buf(BH, n, C, V), buf(BH, n, K, V)
     states = buf(BH, n, K, V)                                      # states[:, j]: the state before chunk j
     S = buf(BH, K, V).zero_() if initial_state is None else initial_state.reshape(BH, K, V).to(dt).clone()
     upper = torch.ones(C, C, dtype=torch.bool, device=dev).triu(1)
     o = torch.empty(B, T, H, V, dtype=dt, device=dev)
+    def piece(x, s, e):
+        """Tokens [s, e) of a (B, T, H, *) tensor as (B, H, L, *), zero-padded to L; a view when whole."""
+        x = x[:, s:e]
+        if e - s < L:
+            x = torch.nn.functional.pad(x, (0, 0, 0, 0, 0, L - (e - s)))
+        return x.transpose(1, 2)
+
     for s in range(0, T, L):
         e = min(s + L, T)
-        if e - s < L:                                                # zero tail: k = 0, g = 0 add nothing
-            for x in (qb, kb, vb, gb):
-                x.zero_()
-        for x, src in ((qb, q), (kb, k), (vb, v), (gb, g if vector else g.unsqueeze(-1))):
-            x[:, :, :e - s].copy_(src[:, s:e].transpose(1, 2))
+        vb.copy_(piece(v, s, e))
+        gb.copy_(piece(g if vector else g.unsqueeze(-1), s, e))
         b = gb.view(BH, n, C, Kg).cumsum(2)                          # chunk-local, <= 0
         eb = b.exp()
-        qc, kc, vc = qb.view(BH * n, C, K), kb.view(BH * n, C, K), vb.view(BH * n, C, V)
-        torch.mul(qb.view(BH, n, C, K), eb * scale, out=qt.view(BH, n, C, K))   # scale folded in
+        vc = vb.view(BH * n, C, V)
+        qs, ks = piece(q, s, e), piece(k, s, e)                       # read in place, not copied
+        eb5 = eb.view(B, H, n, C, Kg)
+        torch.mul(qs.view(B, H, n, C, K), eb5 * scale, out=qt.view(B, H, n, C, K))   # q~ = scale q exp(b)
         b_last = b[:, :, -1:]                                        # (BH, n, 1, Kg)
         if b_last.min() >= -LIMIT:                                   # factorised scores
-            torch.div(kb.view(BH, n, C, K), eb, out=kt.view(BH, n, C, K))
+            torch.div(ks.view(B, H, n, C, K), eb5, out=kt.view(B, H, n, C, K))
             torch.bmm(qt, kt.transpose(1, 2), out=scores).tril_()
             torch.bmm(kt.transpose(1, 2), vc, out=kv.view(BH * n, K, V))
             kv.mul_(eb[:, :, -1].unsqueeze(-1))                      # rows scaled by exp(b_C)
         else:                                                        # exact: exponents are differences <= 0
+            qb.copy_(qs)
+            kb.copy_(ks)
+            qc, kc = qb.view(BH * n, C, K), kb.view(BH * n, C, K)
             if vector:
                 torch.mul(_intra_vector(qc, kc, b.view(BH * n, C, K)), scale, out=scores)
             else:
