@@ -9,7 +9,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from subquad.ops import delta_rule, gated_delta_rule
-from subquad.ops.delta_rule.inference import delta_rule_inference, unit_lower_inverse
+from subquad.ops.delta_rule.inference import delta_rule_inference
+from subquad.ops.delta_rule.triangular import unit_lower_inverse, unit_lower_solve
 
 delta_chunk = importlib.import_module("subquad.ops.delta_rule.chunk")
 from tests.ops.harness import assert_close, check_forms_agree, check_grads_agree, check_split
@@ -165,3 +166,16 @@ def test_long_differentiable_calls_run_in_pieces_with_the_same_values_and_gradie
     x = make(gated, 2, 100, K=4, V=6, seed=5, strength=2.0)
     check_grads_agree(call, x, 16, state0(x), ref="recurrent")
     check_forms_agree(call, x, 16, initial_state=state0(x), ref="recurrent")
+
+
+def test_unit_lower_solve_and_its_gradient_equal_linalg():
+    gen = torch.Generator().manual_seed(0)
+    L = (torch.randn(2, 3, 37, 37, generator=gen, dtype=F64).tril(-1) * 0.3).requires_grad_()
+    R = torch.randn(2, 3, 37, 5, generator=gen, dtype=F64).requires_grad_()
+    dX = torch.randn(2, 3, 37, 5, generator=gen, dtype=F64)
+    eye = torch.eye(37, dtype=F64)
+    X = unit_lower_solve(eye + L, R)
+    ref = torch.linalg.solve_triangular(eye + L, R, upper=False, unitriangular=True)
+    assert_close(X, ref, 1e-10, "X")
+    for a, b in zip(torch.autograd.grad((X * dX).sum(), (L, R)), torch.autograd.grad((ref * dX).sum(), (L, R))):
+        assert_close(a, b, 1e-10, "gradient")

@@ -23,6 +23,7 @@ import torch
 
 from subquad.ops.common.autograd import wants_grad
 from subquad.ops.delta_rule.inference import delta_rule_inference
+from subquad.ops.delta_rule.triangular import unit_lower_solve
 
 
 PIECE = 2048  # tokens per piece of a differentiable call
@@ -59,7 +60,7 @@ def _chunkwise(q, k, v, beta, g, scale, C, initial_state):
         kd = kc * torch.exp(gam[..., -1:] - gam).unsqueeze(-1)
         decay = torch.exp(gam[..., -1]).unbind(1)                          # n x (BH,)
     A = torch.eye(C, dtype=dt, device=q.device) + (bc * (kc @ kc.transpose(-1, -2)) * Dm).tril(-1)
-    WU = torch.linalg.solve_triangular(A, torch.cat([kg, vc], -1) * bc, upper=False, unitriangular=True)
+    WU = unit_lower_solve(A, torch.cat([kg, vc], -1) * bc)
     W, U = WU[..., :K].unbind(1), WU[..., K:].unbind(1)
     P = ((qc @ kc.transpose(-1, -2)) * Dm).unbind(1)
     qg, kd = qg.unbind(1), kd.unbind(1)

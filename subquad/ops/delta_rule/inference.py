@@ -24,44 +24,10 @@ from __future__ import annotations
 
 import torch
 
+from subquad.ops.delta_rule.triangular import unit_lower_inverse
+
 TOKEN_HEADS = 4096  # group size: about this many (token, head) pairs per group
 CHUNK = 32          # at most this many tokens per chunk here (1.2x faster than 64 at T = 4K and 16K)
-BASE = 16           # diagonal blocks of the triangular inverse built by the row recurrence
-
-
-def unit_lower_inverse(A):
-    """(I + L)^{-1} for a batch of unit lower-triangular A = I + L (N, C, C).
-
-    LAPACK's batched trsm pays ~20 us of overhead per small matrix; this is ~25 vectorised ops for the
-    whole batch. A is padded with the identity to BASE * 2^m rows; the diagonal blocks of BASE rows come
-    from the row recurrence T[i, :i] = -L[i, :i] T[:i, :i] (as in flash-linear-attention's reference),
-    all blocks at once; then neighbouring blocks are merged, [[T1, 0], [-T2 L21 T1, T2]], doubling the
-    block size until it covers the matrix."""
-    N, C, _ = A.shape
-    Cp = BASE
-    while Cp < C:
-        Cp *= 2
-    if Cp != C:
-        A = torch.nn.functional.pad(A, (0, Cp - C, 0, Cp - C))
-        A[:, C:, C:].diagonal(dim1=1, dim2=2).fill_(1)
-    nb = Cp // BASE
-    blocks = torch.diagonal(A.view(N, nb, BASE, nb, BASE), dim1=1, dim2=3).permute(0, 3, 1, 2)
-    T = blocks.reshape(N * nb, BASE, BASE).tril(-1).neg_()
-    for i in range(1, BASE):
-        T[:, i, :i] += (T[:, i, :, None] * T[:, :, :i]).sum(-2)
-    T.diagonal(dim1=1, dim2=2).fill_(1)
-    size = BASE
-    while size < Cp:                                                  # merge pairs of blocks of `size` rows
-        m = Cp // (2 * size)
-        T = T.view(N, m, 2, size, size)
-        merged = A.new_zeros(N, m, 2 * size, 2 * size)
-        L21 = torch.diagonal(A.view(N, m, 2 * size, m, 2 * size), dim1=1, dim2=3).permute(0, 3, 1, 2)[:, :, size:, :size]
-        merged[:, :, :size, :size] = T[:, :, 0]
-        merged[:, :, size:, size:] = T[:, :, 1]
-        merged[:, :, size:, :size] = -(T[:, :, 1] @ L21 @ T[:, :, 0])
-        T = merged.view(N * m, 2 * size, 2 * size)
-        size *= 2
-    return T.view(N, Cp, Cp)[:, :C, :C]
 
 
 def delta_rule_inference(q, k, v, beta, g, *, scale, chunk_size, initial_state=None, group=None):
