@@ -61,19 +61,19 @@ def _chunkwise(q, k, v, beta, g, scale, C, initial_state):
         decay = torch.exp(gam[..., -1]).unbind(1)                          # n x (BH,)
     A = torch.eye(C, dtype=dt, device=q.device) + (bc * (kc @ kc.transpose(-1, -2)) * Dm).tril(-1)
     WU = unit_lower_solve(A, torch.cat([kg, vc], -1) * bc)
-    W, U = WU[..., :K].unbind(1), WU[..., K:].unbind(1)
-    P = ((qc @ kc.transpose(-1, -2)) * Dm).unbind(1)
-    qg, kd = qg.unbind(1), kd.unbind(1)
+    P = (qc @ kc.transpose(-1, -2)) * Dm                                  # (BH, n, C, C)
     S = torch.zeros(B * H, K, V, dtype=dt, device=q.device) if initial_state is None \
         else initial_state.reshape(B * H, K, V)
-    outs = []
+    Ss, Ds = [], []
     # unbind, not slicing: its backward is one stack (slices would be quadratic in T)
-    for j in range(len(W)):
-        D = U[j] - W[j] @ S
-        outs.append(qg[j] @ S + P[j] @ D)
+    for j, (Wj, Uj, kdj) in enumerate(zip(WU[..., :K].unbind(1), WU[..., K:].unbind(1), kd.unbind(1))):
+        D = Uj - Wj @ S
+        Ss.append(S)
+        Ds.append(D)
         S = S if g is None else decay[j].view(-1, 1, 1) * S
-        S = S + kd[j].transpose(1, 2) @ D
-    o = torch.stack(outs, 1).view(B, H, T + pad, V)[:, :, :T].transpose(1, 2) * scale
+        S = S + kdj.transpose(1, 2) @ D
+    o = qg @ torch.stack(Ss, 1) + P @ torch.stack(Ds, 1)                  # (BH, n, C, V), batched
+    o = o.view(B, H, T + pad, V)[:, :, :T].transpose(1, 2) * scale
     return o, S.view(B, H, K, V)
 
 
