@@ -173,6 +173,7 @@ def test_positive_gate_and_bad_shapes_raise(name):
 def test_long_differentiable_calls_run_in_pieces_with_the_same_values_and_gradients(name, monkeypatch):
     # A differentiable call longer than PIECE tokens runs piece by piece with the state carried.
     monkeypatch.setattr(gla_chunk, "PIECE", 32)
+    monkeypatch.setattr(gla_chunk, "PIECE_PER_KEY_DIM", 32)
     x = make(name, 2, 100, K=4, V=6, seed=5, strength=2.0)
     check_grads_agree(caller(name), x, 16, state0(x))
     check_forms_agree(caller(name), x, 16, initial_state=state0(x))

@@ -22,7 +22,7 @@ A differentiable call computes steps 1, 2's intra-chunk half and 3's increments
 for every chunk at once and loops only over the elementwise state recurrence;
 calls longer than PIECE tokens run piece by piece with the state carried, so
 autograd's temporaries stay piece-sized (2.2x faster forward+backward at 16K than
-the per-chunk loop of sessions 1-2). Without a gradient, ``inference.py`` runs
+the per-chunk loop of sessions 1-2 for scalar decays, 1.1x for GLA's). Without a gradient, ``inference.py`` runs
 the same steps in place over groups of chunks (the fast path for prefill,
 evaluation and generation).
 """
@@ -37,7 +37,8 @@ from subquad.ops.gla.inference import decay_attention_inference
 from subquad.ops.gla.intra import SUB, _intra_scalar, _intra_vector
 
 
-PIECE = 2048  # tokens per piece of a differentiable call
+PIECE = 2048           # tokens per piece of a differentiable call
+PIECE_PER_KEY_DIM = 256  # the same for GLA's per-key-dim decay (4x larger sub-chunk temporaries)
 
 
 def _chunkwise(q, k, v, g, scale, C, initial_state):
@@ -80,7 +81,7 @@ def chunk_decay_attention(q, k, v, g, *, scale, chunk_size=64, initial_state=Non
     C = min(chunk_size, T)
     if g.dim() == 4:                                   # chunks of whole sub-chunks for the per-key-dim decay
         C = max(SUB, -(-chunk_size // SUB) * SUB)
-    L = max(1, PIECE // C) * C
+    L = max(1, (PIECE_PER_KEY_DIM if g.dim() == 4 else PIECE) // C) * C
     if T <= L:
         return _chunkwise(q, k, v, g, scale, C, initial_state)
     # pieces of L tokens in turn, the state carried: autograd's temporaries stay piece-sized
