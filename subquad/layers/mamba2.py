@@ -7,8 +7,9 @@
     y_t        = C_t . h_t + D x_t
     out        = out_proj(rmsnorm(y * silu(z)))
 
-The recurrence is simple_gla with q = C, k = dt B, v = x, g = dt A, scale 1; without a gradient it runs
-``ssd_inference``, which computes the products with the shared B and C once for all heads.
+The recurrence is simple_gla with q = C, k = dt B, v = x, g = dt A, scale 1. In chunk mode it runs
+``ssd_chunkwise`` (``ssd_inference`` without a gradient), which computes the products with the shared
+B and C once for all heads; the other modes and context parallelism go through simple_gla.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from subquad.layers.conv import ShortConv
 from subquad.layers.norm import GatedRMSNorm
 from subquad.ops import simple_gla
 from subquad.ops.common.autograd import wants_grad
-from subquad.ops.gla.ssd import ssd_inference
+from subquad.ops.gla.ssd import ssd_chunkwise, ssd_inference
 
 
 class Mamba2(Mixer):
@@ -58,9 +59,12 @@ class Mamba2(Mixer):
         Inside a context-parallel run (``cp``), over the whole sequence by state passing, and h is None.
         """
         H = self.n_heads
-        if cp is None and self.mode == "chunk" and not wants_grad(x, dt, A, Bm, Cm, initial_state):
-            y, h = ssd_inference(x, dt, A, Bm, Cm, chunk_size=self.chunk_size, initial_state=initial_state)
-            return y.to(x.dtype), h                                 # B and C shared: one matmul for all heads
+        if cp is None and self.mode == "chunk":                     # B and C shared: one matmul for all heads
+            sd = torch.float64 if x.dtype == torch.float64 else torch.float32
+            run = ssd_chunkwise if wants_grad(x, dt, A, Bm, Cm, initial_state) else ssd_inference
+            y, h = run(*(t.to(sd) for t in (x, dt, A, Bm, Cm)), chunk_size=self.chunk_size,
+                       initial_state=initial_state)
+            return y.to(x.dtype), h
         q = Cm.unsqueeze(2).expand(-1, -1, H, -1)                              # B and C are shared by the heads
         k = Bm.unsqueeze(2).expand(-1, -1, H, -1) * dt.unsqueeze(-1)
         if cp is not None:

@@ -1,4 +1,5 @@
-"""Mamba-2's SSD with B and C shared by the heads, chunkwise, without a gradient.
+"""Mamba-2's SSD with B and C shared by the heads, chunkwise: in place without a gradient
+(``ssd_inference``) and differentiable (``ssd_chunkwise``).
 
     h_t = exp(dt_t A_h) h_{t-1} + B_t (dt_t x_t)^T        h (N, P) per head h; B_t, C_t (N,) shared
     y_t = C_t^T h_t
@@ -92,3 +93,36 @@ def ssd_inference(x, dt, A, Bm, Cm, *, chunk_size=64, initial_state=None, group=
             y[:, s:e].copy_(out.reshape(Bz, L, H, P)[:, :e - s])
         states[0] = states[n]                                          # padded chunks leave the state as it was
     return y, states[0].permute(0, 2, 1, 3).contiguous()
+
+
+def ssd_chunkwise(x, dt, A, Bm, Cm, *, chunk_size=64, initial_state=None):
+    """The same as ``ssd_inference``, differentiable by autograd: every chunk's products at once with
+    B and C shared by the heads, only the state recurrence (elementwise) looping over chunks.
+    Shapes as ``ssd_inference``; float32 or float64 throughout."""
+    Bz, T, H, P = x.shape
+    N = Bm.shape[-1]
+    C = min(chunk_size, T)
+    pad = -T % C
+    if pad:                                               # dt = 0, B = 0: padding adds nothing
+        x, Bm, Cm = (F.pad(t, (0, 0) * (t.dim() - 2) + (0, pad)) for t in (x, Bm, Cm))
+        dt = F.pad(dt, (0, 0, 0, pad))
+    n = (T + pad) // C
+    Bc, Cc = Bm.view(Bz, n, C, N), Cm.view(Bz, n, C, N)
+    b = (dt * A).view(Bz, n, C, H).cumsum(2)              # chunk-local, <= 0
+    bh = b.transpose(2, 3)                                # (B, n, H, C)
+    upper = torch.ones(C, C, dtype=torch.bool, device=x.device).triu(1)
+    Lm = torch.exp((bh.unsqueeze(-1) - bh.unsqueeze(-2)).masked_fill(upper, float("-inf")))
+    Lm = Lm * (Cc @ Bc.transpose(-1, -2)).unsqueeze(2)    # (B, n, H, C, C): G shared, decay per head
+    xd = (x * dt.unsqueeze(-1)).view(Bz, n, C, H, P)
+    y = (Lm @ xd.transpose(2, 3)).transpose(2, 3)         # (B, n, C, H, P) intra-chunk
+    w = torch.exp(b[:, :, -1:] - b).unsqueeze(-1)         # (B, n, C, H, 1)
+    KV = (Bc.transpose(-1, -2) @ (xd * w).reshape(Bz, n, C, H * P)).view(Bz, n, N, H, P)
+    decay = torch.exp(b[:, :, -1]).view(Bz, n, 1, H, 1)
+    S = x.new_zeros(Bz, N, H, P) if initial_state is None else initial_state.permute(0, 2, 1, 3)
+    before = []
+    for KVj, aj in zip(KV.unbind(1), decay.unbind(1)):   # unbind: its backward is one stack
+        before.append(S)
+        S = aj * S + KVj
+    Sb = torch.stack(before, 1).reshape(Bz, n, N, H * P)
+    y = y + (Cc @ Sb).view(Bz, n, C, H, P) * torch.exp(b).unsqueeze(-1)
+    return y.reshape(Bz, T + pad, H, P)[:, :T], S.permute(0, 2, 1, 3)
