@@ -39,6 +39,7 @@ bench: bench-deps
 	$(PY) benchmarks/bench_models.py
 	$(PY) benchmarks/bench_distributed.py
 	$(PY) benchmarks/bench_context_parallel.py
+	$(PY) benchmarks/bench_pieces.py
 
 clean:
 	rm -rf $(VENV) runs
