@@ -179,7 +179,7 @@ def main(argv=None):
     else:
         lengths, contexts, repeats, budget, steps = [512, 1024, 2048, 4096, 8192, 16384, 32768, 65536], \
             [1024, 4096, 16384, 65536], 5, 25.0, 200
-    print(f"matmul rate ...", flush=True)
+    print("matmul rate ...", flush=True)
     res = {"matmul_gflops": matmul_gflops(repeats=3 if args.quick else 10)}
     print(f"  {res['matmul_gflops']:.0f} GFLOP/s\nspeed ...", flush=True)
     res["speed"], res["peers"] = run_speed(lengths, repeats, budget)

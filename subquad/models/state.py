@@ -6,7 +6,6 @@ import json
 import os
 from pathlib import Path
 
-import torch
 
 from subquad.ops import KVCache
 

@@ -1,7 +1,6 @@
 """Data-parallel training: 2 processes equal one process on the concatenated batch; a lost rank stops the rest."""
 
 import os
-import tempfile
 from datetime import timedelta
 
 import pytest

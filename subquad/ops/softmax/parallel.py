@@ -6,7 +6,6 @@ window it passes an explicit (T, L) boolean mask.
 
 from __future__ import annotations
 
-import torch
 import torch.nn.functional as F
 
 from subquad.ops.softmax.naive import visible_mask
