@@ -3,7 +3,8 @@
 The same three steps as ``chunk.py`` (intra-chunk scores, state to output, state passing), with the
 work batched over a *group* of chunks and only the state recurrence left sequential:
 
-    per group of n chunks of C tokens (q, k, v copied head-major into reused buffers):
+    per group of n chunks of C tokens (v and g copied head-major into reused buffers; q and k
+    read in place by the multiplies that scale them):
       b    = chunk-local cumulative log-decay                       (BH, n, C[, K])
       q~   = q * exp(b)                                             exponent <= 0
       A    = causal scores of every chunk                          one (BH n, C, C) bmm
