@@ -8,12 +8,6 @@ import torch
 SUB = 16  # sub-chunk of the per-key-dim decay
 
 
-def _heads(x):
-    """A chunk (B, c, H, *rest) as (B*H, c, *rest)."""
-    B, c, H = x.shape[:3]
-    return x.transpose(1, 2).reshape(B * H, c, *x.shape[3:])
-
-
 def _intra_scalar(qc, kc, b):
     """(BH, c, c) decayed causal scores for a scalar decay b (BH, c)."""
     c = b.shape[1]
