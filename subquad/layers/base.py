@@ -21,6 +21,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from subquad.ops.common.chunking import in_pieces
+
 
 def tensor_bytes(obj) -> int:
     """Bytes of every tensor inside a (nested) dict / list / tuple / object with ``nbytes``."""
@@ -63,11 +65,7 @@ class Mixer(nn.Module):
         P = self.piece_size
         if not P or x.shape[1] <= P or self._context(state) is not None:
             return None
-        ys = []
-        for piece in x.split(P, 1):          # split, not slicing: its backward is one concatenation
-            y, state = self(piece, state)
-            ys.append(y)
-        return torch.cat(ys, 1), state
+        return in_pieces(self, (x,), P, state)
 
     @staticmethod
     def _context(state):

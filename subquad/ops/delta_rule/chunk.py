@@ -22,6 +22,7 @@ from __future__ import annotations
 import torch
 
 from subquad.ops.common.autograd import wants_grad
+from subquad.ops.common.chunking import decay_mask, in_pieces
 from subquad.ops.delta_rule.inference import delta_rule_inference
 from subquad.ops.delta_rule.triangular import unit_lower_solve
 
@@ -54,7 +55,7 @@ def _chunkwise(q, k, v, beta, g, scale, C, initial_state):
         kg, qg, kd = kc, qc, kc
     else:
         gam = _by_chunk(g, C).cumsum(-1)                                   # (BH, n, C), chunk-local
-        Dm = torch.exp((gam.unsqueeze(-1) - gam.unsqueeze(-2)).masked_fill(~lower, float("-inf")))
+        Dm = decay_mask(gam)
         eg = torch.exp(gam).unsqueeze(-1)
         kg, qg = kc * eg, qc * eg
         kd = kc * torch.exp(gam[..., -1:] - gam).unsqueeze(-1)
@@ -85,12 +86,7 @@ def chunk_delta_rule(q, k, v, beta, g, *, scale, chunk_size=64, initial_state=No
     if q.shape[1] <= L:
         return _chunkwise(q, k, v, beta, g, scale, C, initial_state)
     # pieces of L tokens in turn, the state carried: temporaries stay piece-sized (1.5x faster at 16K)
-    outs, S = [], initial_state
-    gs = g.split(L, 1) if g is not None else [None] * -(-q.shape[1] // L)
-    for qp, kp, vp, bp, gp in zip(q.split(L, 1), k.split(L, 1), v.split(L, 1), beta.split(L, 1), gs):
-        o, S = _chunkwise(qp, kp, vp, bp, gp, scale, C, S)
-        outs.append(o)
-    return torch.cat(outs, 1), S
+    return in_pieces(lambda *x: _chunkwise(*x[:5], scale, C, x[5]), (q, k, v, beta, g), L, initial_state)
 
 
 def parallel_delta_rule(q, k, v, beta, g, *, scale, chunk_size=None, initial_state=None):

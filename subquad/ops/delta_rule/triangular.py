@@ -14,6 +14,12 @@ import torch
 BASE = 16  # diagonal blocks of the inverse built by the row recurrence
 
 
+def _diagonal_blocks(A, s):
+    """The diagonal blocks of s rows of A (N, C, C) as (N, C / s, s, s) (a view)."""
+    N, C, _ = A.shape
+    return torch.diagonal(A.view(N, C // s, s, C // s, s), dim1=1, dim2=3).permute(0, 3, 1, 2)
+
+
 def unit_lower_inverse(A):
     """(I + L)^{-1} for a batch of unit lower-triangular A = I + L (N, C, C).
 
@@ -29,9 +35,7 @@ def unit_lower_inverse(A):
     if Cp != C:
         A = torch.nn.functional.pad(A, (0, Cp - C, 0, Cp - C))
         A[:, C:, C:].diagonal(dim1=1, dim2=2).fill_(1)
-    nb = Cp // BASE
-    blocks = torch.diagonal(A.view(N, nb, BASE, nb, BASE), dim1=1, dim2=3).permute(0, 3, 1, 2)
-    T = blocks.reshape(N * nb, BASE, BASE).tril(-1).neg_()
+    T = _diagonal_blocks(A, BASE).reshape(-1, BASE, BASE).tril(-1).neg_()
     for i in range(1, BASE):
         T[:, i, :i] += (T[:, i, :, None] * T[:, :, :i]).sum(-2)
     T.diagonal(dim1=1, dim2=2).fill_(1)
@@ -40,7 +44,7 @@ def unit_lower_inverse(A):
         m = Cp // (2 * size)
         T = T.view(N, m, 2, size, size)
         merged = A.new_zeros(N, m, 2 * size, 2 * size)
-        L21 = torch.diagonal(A.view(N, m, 2 * size, m, 2 * size), dim1=1, dim2=3).permute(0, 3, 1, 2)[:, :, size:, :size]
+        L21 = _diagonal_blocks(A, 2 * size)[:, :, size:, :size]
         merged[:, :, :size, :size] = T[:, :, 0]
         merged[:, :, size:, size:] = T[:, :, 1]
         merged[:, :, size:, :size] = -(T[:, :, 1] @ L21 @ T[:, :, 0])

@@ -33,6 +33,7 @@ import torch
 import torch.nn.functional as F
 
 from subquad.ops.common.autograd import wants_grad
+from subquad.ops.common.chunking import in_pieces
 from subquad.ops.gla.inference import decay_attention_inference
 from subquad.ops.gla.intra import SUB, _intra_scalar, _intra_vector
 
@@ -85,8 +86,4 @@ def chunk_decay_attention(q, k, v, g, *, scale, chunk_size=64, initial_state=Non
     if T <= L:
         return _chunkwise(q, k, v, g, scale, C, initial_state)
     # pieces of L tokens in turn, the state carried: autograd's temporaries stay piece-sized
-    outs, S = [], initial_state
-    for qp, kp, vp, gp in zip(*(x.split(L, 1) for x in (q, k, v, g))):
-        o, S = _chunkwise(qp, kp, vp, gp, scale, C, S)
-        outs.append(o)
-    return torch.cat(outs, 1), S
+    return in_pieces(lambda *x: _chunkwise(*x[:4], scale, C, x[4]), (q, k, v, g), L, initial_state)

@@ -28,7 +28,8 @@ from __future__ import annotations
 
 import torch
 
-from subquad.ops.gla.intra import SUB, _intra_vector
+from subquad.ops.common.chunking import token_slice
+from subquad.ops.gla.intra import SUB, _intra_scalar, _intra_vector
 
 LIMIT = 30.0       # largest positive exponent the factorised scores may use
 TOKEN_HEADS = 4096  # group size: about this many (token, head) pairs per group
@@ -59,14 +60,11 @@ def decay_attention_inference(q, k, v, g, *, scale, chunk_size, initial_state=No
     scores, ob, kv = buf(BH * n, C, C), buf(BH, n, C, V), buf(BH, n, K, V)
     states = buf(BH, n, K, V)                                      # states[:, j]: the state before chunk j
     S = buf(BH, K, V).zero_() if initial_state is None else initial_state.reshape(BH, K, V).to(dt).clone()
-    upper = torch.ones(C, C, dtype=torch.bool, device=dev).triu(1)
     o = torch.empty(B, T, H, V, dtype=dt, device=dev)
+
     def piece(x, s, e):
         """Tokens [s, e) of a (B, T, H, *) tensor as (B, H, L, *), zero-padded to L; a view when whole."""
-        x = x[:, s:e]
-        if e - s < L:
-            x = torch.nn.functional.pad(x, (0, 0, 0, 0, 0, L - (e - s)))
-        return x.transpose(1, 2)
+        return token_slice(x, s, e, L).transpose(1, 2)
 
     for s in range(0, T, L):
         e = min(s + L, T)
@@ -88,12 +86,8 @@ def decay_attention_inference(q, k, v, g, *, scale, chunk_size, initial_state=No
             qb.copy_(qs)
             kb.copy_(ks)
             qc, kc = qb.view(BH * n, C, K), kb.view(BH * n, C, K)
-            if vector:
-                torch.mul(_intra_vector(qc, kc, b.view(BH * n, C, K)), scale, out=scores)
-            else:
-                bf = b.view(BH * n, C)
-                D = (bf.unsqueeze(-1) - bf.unsqueeze(-2)).masked_fill_(upper, float("-inf")).exp_()
-                torch.bmm(qc, kc.transpose(1, 2), out=scores).mul_(D).mul_(scale)
+            intra = _intra_vector(qc, kc, b.view(BH * n, C, K)) if vector else _intra_scalar(qc, kc, b.view(BH * n, C))
+            torch.mul(intra, scale, out=scores)
             torch.mul(kb.view(BH, n, C, K), (b_last - b).exp(), out=kt.view(BH, n, C, K))
             torch.bmm(kt.transpose(1, 2), vc, out=kv.view(BH * n, K, V))
         decay = eb[:, :, -1].unsqueeze(-1)                           # (BH, n, Kg, 1)

@@ -5,15 +5,14 @@ from __future__ import annotations
 
 import torch
 
+from subquad.ops.common.chunking import decay_mask
+
 SUB = 16  # sub-chunk of the per-key-dim decay
 
 
 def _intra_scalar(qc, kc, b):
     """(BH, c, c) decayed causal scores for a scalar decay b (BH, c)."""
-    c = b.shape[1]
-    causal = torch.ones(c, c, dtype=torch.bool, device=b.device).tril()
-    D = torch.exp((b.unsqueeze(-1) - b.unsqueeze(-2)).masked_fill(~causal, float("-inf")))
-    return (qc @ kc.transpose(1, 2)) * D
+    return (qc @ kc.transpose(1, 2)) * decay_mask(b)
 
 
 def _intra_vector(qc, kc, b):

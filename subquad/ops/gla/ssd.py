@@ -22,6 +22,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from subquad.ops.common.chunking import decay_mask, token_slice
+
 TOKEN_HEADS = 16384  # group size: about this many (token, head) pairs per group (best for Mamba-2 at 16 heads)
 
 
@@ -57,15 +59,11 @@ def ssd_inference(x, dt, A, Bm, Cm, *, chunk_size=64, initial_state=None, group=
     KV = buf(n, Bz, N, H * P)
     states = buf(n + 1, Bz, N, H, P)                                  # states[j]: the state before chunk j
     states[0] = 0 if initial_state is None else initial_state.permute(0, 2, 1, 3)
-    upper = torch.ones(C, C, dtype=torch.bool, device=dev).triu(1)
     y = torch.empty(Bz, T, H, P, dtype=dt_, device=dev)
     Af = A.to(dt_)
     for s in range(0, T, L):
         e = min(s + L, T)
-        pieces = [t[:, s:e] for t in (x, dt, Bm, Cm)]
-        if e - s < L:                                                 # zero tail: dt = 0, B = 0 add nothing
-            pieces = [F.pad(t, (0, 0) * (t.dim() - 2) + (0, L - (e - s))) for t in pieces]
-        xs, dts, Bs, Cs = pieces
+        xs, dts, Bs, Cs = (token_slice(t, s, e, L) for t in (x, dt, Bm, Cm))   # zero tail: dt = B = 0 add nothing
         Bb.copy_(_group(Bs, C, (1, 0, 2, 3)))
         Cb.copy_(_group(Cs, C, (1, 0, 2, 3)))
         torch.mul(_group(dts, C, (1, 0, 3, 2)), Af.view(1, 1, H, 1), out=bh)
@@ -76,8 +74,7 @@ def ssd_inference(x, dt, A, Bm, Cm, *, chunk_size=64, initial_state=None, group=
         xh.copy_(yi.transpose(2, 3))                                  # (n, B, C, H, P)
         torch.bmm(Cb.view(nb, C, N), Bb.view(nb, C, N).transpose(1, 2), out=G)
         bf = bh.view(nb, H, C)
-        torch.sub(bf.unsqueeze(-1), bf.unsqueeze(-2), out=Lm)
-        Lm.masked_fill_(upper, float("-inf")).exp_().mul_(G.unsqueeze(1))
+        decay_mask(bf, out=Lm).mul_(G.unsqueeze(1))
         torch.bmm(Lm.view(nb * H, C, C), xd.view(nb * H, C, P), out=yi.view(nb * H, C, P))
         torch.bmm(Bb.view(nb, C, N).transpose(1, 2), xh.view(nb, C, H * P), out=KV.view(nb, N, H * P))
         decay = bh[..., -1].exp().view(n, Bz, 1, H, 1)
@@ -110,9 +107,7 @@ def ssd_chunkwise(x, dt, A, Bm, Cm, *, chunk_size=64, initial_state=None):
     Bc, Cc = Bm.view(Bz, n, C, N), Cm.view(Bz, n, C, N)
     b = (dt * A).view(Bz, n, C, H).cumsum(2)              # chunk-local, <= 0
     bh = b.transpose(2, 3)                                # (B, n, H, C)
-    upper = torch.ones(C, C, dtype=torch.bool, device=x.device).triu(1)
-    Lm = torch.exp((bh.unsqueeze(-1) - bh.unsqueeze(-2)).masked_fill(upper, float("-inf")))
-    Lm = Lm * (Cc @ Bc.transpose(-1, -2)).unsqueeze(2)    # (B, n, H, C, C): G shared, decay per head
+    Lm = decay_mask(bh) * (Cc @ Bc.transpose(-1, -2)).unsqueeze(2)   # (B, n, H, C, C): G shared, decay per head
     xd = (x * dt.unsqueeze(-1)).view(Bz, n, C, H, P)
     y = (Lm @ xd.transpose(2, 3)).transpose(2, 3)         # (B, n, C, H, P) intra-chunk
     w = torch.exp(b[:, :, -1:] - b).unsqueeze(-1)         # (B, n, C, H, 1)
