@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import torch
 
+from subquad.ops.common import memory
 from subquad.ops.common.chunking import token_slice
 from subquad.ops.gla.intra import SUB, _intra_scalar, _intra_vector
 
@@ -60,24 +61,38 @@ def decay_attention_inference(q, k, v, g, *, scale, chunk_size, initial_state=No
     scores, ob, kv = buf(BH * n, C, C), buf(BH, n, C, V), buf(BH, n, K, V)
     states = buf(BH, n, K, V)                                      # states[:, j]: the state before chunk j
     S = buf(BH, K, V).zero_() if initial_state is None else initial_state.reshape(BH, K, V).to(dt).clone()
-    o = torch.empty(B, T, H, V, dtype=dt, device=dev)
+    o = memory.empty(B, T, H, V, dtype=dt, device=dev)
 
     def piece(x, s, e):
         """Tokens [s, e) of a (B, T, H, *) tensor as (B, H, L, *), zero-padded to L; a view when whole."""
         return token_slice(x, s, e, L).transpose(1, 2)
 
+    G = -(-T // L)                                                   # groups
+    gp = token_slice(g, 0, T, G * L)                                 # zero-padded: padding decays nothing
+    if vector:                                                       # per group, below
+        sums = gp.reshape(B, G, n, C, H, K).sum(3)
+        ball = None
+    else:                                                            # every chunk's cumulative sum at once
+        ball = gp.transpose(1, 2).reshape(BH, G * n, C, 1).cumsum(2)
+        eball = ball.exp()
+        sums = ball[:, :, -1].view(B, H, G, n).transpose(1, 2)
+    factorised = (sums.reshape(B, G, -1).amin(dim=(0, 2)) >= -LIMIT).tolist()   # one sync for the call
+
     for s in range(0, T, L):
         e = min(s + L, T)
         vb.copy_(piece(v, s, e))
-        gb.copy_(piece(g if vector else g.unsqueeze(-1), s, e))
-        b = gb.view(BH, n, C, Kg).cumsum(2)                          # chunk-local, <= 0
-        eb = b.exp()
+        if vector:
+            gb.copy_(piece(g, s, e))
+            b = gb.view(BH, n, C, Kg).cumsum(2)                      # chunk-local, <= 0
+            eb = b.exp()
+        else:
+            b, eb = ball[:, s // C:s // C + n], eball[:, s // C:s // C + n]
         vc = vb.view(BH * n, C, V)
         qs, ks = piece(q, s, e), piece(k, s, e)                       # read in place, not copied
         eb5 = eb.view(B, H, n, C, Kg)
         torch.mul(qs.view(B, H, n, C, K), eb5 * scale, out=qt.view(B, H, n, C, K))   # q~ = scale q exp(b)
         b_last = b[:, :, -1:]                                        # (BH, n, 1, Kg)
-        if b_last.min() >= -LIMIT:                                   # factorised scores
+        if factorised[s // L]:                                       # every chunk decays by <= e^LIMIT
             torch.div(ks.view(B, H, n, C, K), eb5, out=kt.view(B, H, n, C, K))
             torch.bmm(qt, kt.transpose(1, 2), out=scores).tril_()
             torch.bmm(kt.transpose(1, 2), vc, out=kv.view(BH * n, K, V))
@@ -86,7 +101,7 @@ def decay_attention_inference(q, k, v, g, *, scale, chunk_size, initial_state=No
             qb.copy_(qs)
             kb.copy_(ks)
             qc, kc = qb.view(BH * n, C, K), kb.view(BH * n, C, K)
-            intra = _intra_vector(qc, kc, b.view(BH * n, C, K)) if vector else _intra_scalar(qc, kc, b.view(BH * n, C))
+            intra = _intra_vector(qc, kc, b.reshape(BH * n, C, K)) if vector else _intra_scalar(qc, kc, b.reshape(BH * n, C))
             torch.mul(intra, scale, out=scores)
             torch.mul(kb.view(BH, n, C, K), (b_last - b).exp(), out=kt.view(BH, n, C, K))
             torch.bmm(kt.transpose(1, 2), vc, out=kv.view(BH * n, K, V))

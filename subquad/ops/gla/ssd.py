@@ -22,6 +22,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from subquad.ops.common import memory
 from subquad.ops.common.chunking import decay_mask, token_slice
 
 TOKEN_HEADS = 16384  # group size: about this many (token, head) pairs per group (best for Mamba-2 at 16 heads)
@@ -59,7 +60,7 @@ def ssd_inference(x, dt, A, Bm, Cm, *, chunk_size=64, initial_state=None, group=
     KV = buf(n, Bz, N, H * P)
     states = buf(n + 1, Bz, N, H, P)                                  # states[j]: the state before chunk j
     states[0] = 0 if initial_state is None else initial_state.permute(0, 2, 1, 3)
-    y = torch.empty(Bz, T, H, P, dtype=dt_, device=dev)
+    y = memory.empty(Bz, T, H, P, dtype=dt_, device=dev)
     Af = A.to(dt_)
     for s in range(0, T, L):
         e = min(s + L, T)
