@@ -3,15 +3,18 @@
 The same three steps as ``chunk.py`` (intra-chunk scores, state to output, state passing), with the
 work batched over a *group* of chunks and only the state recurrence left sequential:
 
-    per group of n chunks of C tokens (v and g copied head-major into reused buffers; q and k
+    per group of n chunks of C tokens, in chunk-major buffers (n, B, H, C, *) (v copied in; q and k
     read in place by the multiplies that scale them):
-      b    = chunk-local cumulative log-decay                       (BH, n, C[, K])
-      q~   = q * exp(b)                                             exponent <= 0
-      A    = causal scores of every chunk                          one (BH n, C, C) bmm
-      KV_c = (k * exp(b_C - b))^T v                                 one (BH n, K, V) bmm
+      b    = chunk-local cumulative log-decay                       (n, B, H, C, 1 or K)
+      q~   = scale q * exp(b)                                       exponent <= 0
+      A    = causal scores of every chunk                          one (n B H, C, C) bmm
+      KV_c = (k * exp(b_C - b))^T v                                 one (n B H, K, V) bmm
       S_c  = exp(b_C) * S_{c-1} + KV_c                              n in-place addcmuls (the only loop)
-      o    = scale * (A v + q~ S_{c-1})                             two (BH n) bmms
+      o    = A v + q~ S_{c-1}                                       two (n B H) bmms
 
+Chunk-major, a chunk's KV and states are contiguous, which makes the loop 1.25x faster than
+head-major. For a scalar decay the cumulative sums, exp(b) and exp(-b) of the whole call are
+computed once (T H numbers), and whether each group may factorise (below) is decided in one sync.
 Every buffer is reused from group to group, so a long sequence does not page-fault on T-sized
 temporaries (see BENCHMARKS.md), and a call makes ~20 + T/C tensor ops instead of ~15 per chunk.
 
@@ -56,62 +59,71 @@ def decay_attention_inference(q, k, v, g, *, scale, chunk_size, initial_state=No
     def buf(*shape):
         return torch.empty(*shape, dtype=dt, device=dev)
 
-    qb, kb, vb, gb = buf(B, H, L, K), buf(B, H, L, K), buf(B, H, L, V), buf(B, H, L, Kg)   # head-major copies
-    qt, kt = buf(BH * n, C, K), buf(BH * n, C, K)
-    scores, ob, kv = buf(BH * n, C, C), buf(BH, n, C, V), buf(BH, n, K, V)
-    states = buf(BH, n, K, V)                                      # states[:, j]: the state before chunk j
+    # chunk-major buffers, (n, B, H, C, *): a chunk's states and KV are contiguous for the loop
+    qb, kb, vb = buf(n, B, H, C, K), buf(n, B, H, C, K), buf(n, B, H, C, V)
+    qt, kt = buf(n, B, H, C, K), buf(n, B, H, C, K)
+    scores, ob, kv = buf(n * BH, C, C), buf(n, B, H, C, V), buf(n, BH, K, V)
+    states = buf(n, BH, K, V)                                      # states[j]: the state before chunk j
     S = buf(BH, K, V).zero_() if initial_state is None else initial_state.reshape(BH, K, V).to(dt).clone()
     o = memory.empty(B, T, H, V, dtype=dt, device=dev)
 
-    def piece(x, s, e):
-        """Tokens [s, e) of a (B, T, H, *) tensor as (B, H, L, *), zero-padded to L; a view when whole."""
-        return token_slice(x, s, e, L).transpose(1, 2)
+    def chunked(x):
+        """A (B, L, H, D) group as (n, B, H, C, D): a view."""
+        return x.view(B, n, C, H, x.shape[-1]).permute(1, 0, 3, 2, 4)
 
     G = -(-T // L)                                                   # groups
-    gp = token_slice(g, 0, T, G * L)                                 # zero-padded: padding decays nothing
-    if vector:                                                       # per group, below
-        sums = gp.reshape(B, G, n, C, H, K).sum(3)
-        ball = None
-    else:                                                            # every chunk's cumulative sum at once
-        ball = gp.transpose(1, 2).reshape(BH, G * n, C, 1).cumsum(2)
-        eball = ball.exp()
-        sums = ball[:, :, -1].view(B, H, G, n).transpose(1, 2)
-    factorised = (sums.reshape(B, G, -1).amin(dim=(0, 2)) >= -LIMIT).tolist()   # one sync for the call
-
-    for s in range(0, T, L):
+    gp = token_slice(g if vector else g.unsqueeze(-1), 0, T, G * L)  # zero-padded: padding decays nothing
+    if vector:                                                       # cumulative sums per group, below
+        sums = gp.reshape(B, G, n, C, H, K).sum(3).transpose(0, 1)
+        gb = buf(n, B, H, C, K)
+    else:                                                            # every chunk's at once, (G n, B, H, C, 1)
+        ball = gp.reshape(B, G * n, C, H, 1).permute(1, 0, 3, 2, 4).cumsum(3)
+        qscale, kscale = ball.exp().mul_(scale), ball.neg().exp_()
+        sums = ball[:, :, :, -1]
+    factorised = (sums.reshape(G, -1).amin(-1) >= -LIMIT).tolist()   # one sync for the call
+    for gi, s in enumerate(range(0, T, L)):
         e = min(s + L, T)
-        vb.copy_(piece(v, s, e))
+        vb.copy_(chunked(token_slice(v, s, e, L)))
+        qs, ks = chunked(token_slice(q, s, e, L)), chunked(token_slice(k, s, e, L))   # read in place
         if vector:
-            gb.copy_(piece(g, s, e))
-            b = gb.view(BH, n, C, Kg).cumsum(2)                      # chunk-local, <= 0
-            eb = b.exp()
+            gb.copy_(chunked(token_slice(g, s, e, L)))
+            b = gb.cumsum_(3)                                        # chunk-local, <= 0
         else:
-            b, eb = ball[:, s // C:s // C + n], eball[:, s // C:s // C + n]
-        vc = vb.view(BH * n, C, V)
-        qs, ks = piece(q, s, e), piece(k, s, e)                       # read in place, not copied
-        eb5 = eb.view(B, H, n, C, Kg)
-        torch.mul(qs.view(B, H, n, C, K), eb5 * scale, out=qt.view(B, H, n, C, K))   # q~ = scale q exp(b)
-        b_last = b[:, :, -1:]                                        # (BH, n, 1, Kg)
-        if factorised[s // L]:                                       # every chunk decays by <= e^LIMIT
-            torch.div(ks.view(B, H, n, C, K), eb5, out=kt.view(B, H, n, C, K))
-            torch.bmm(qt, kt.transpose(1, 2), out=scores).tril_()
-            torch.bmm(kt.transpose(1, 2), vc, out=kv.view(BH * n, K, V))
-            kv.mul_(eb[:, :, -1].unsqueeze(-1))                      # rows scaled by exp(b_C)
+            b = ball[gi * n:(gi + 1) * n]
+        b_last = b[:, :, :, -1:]                                     # (n, B, H, 1, Kg)
+        if factorised[gi]:                                           # every chunk decays by <= e^LIMIT
+            if vector:
+                eb = b.exp()
+                torch.mul(qs, eb, out=qt).mul_(scale)                # q~ = scale q exp(b)
+                torch.div(ks, eb, out=kt)                            # k~ = k exp(-b)
+            else:
+                eb = None
+                torch.mul(qs, qscale[gi * n:(gi + 1) * n], out=qt)
+                torch.mul(ks, kscale[gi * n:(gi + 1) * n], out=kt)
+            torch.bmm(qt.view(-1, C, K), kt.view(-1, C, K).transpose(1, 2), out=scores).tril_()
+            torch.bmm(kt.view(-1, C, K).transpose(1, 2), vb.view(-1, C, V), out=kv.view(-1, K, V))
+            decay = b_last.exp().view(n, BH, Kg, 1)
+            kv.mul_(decay)                                           # rows scaled by exp(b_C)
         else:                                                        # exact: exponents are differences <= 0
             qb.copy_(qs)
             kb.copy_(ks)
-            qc, kc = qb.view(BH * n, C, K), kb.view(BH * n, C, K)
-            intra = _intra_vector(qc, kc, b.reshape(BH * n, C, K)) if vector else _intra_scalar(qc, kc, b.reshape(BH * n, C))
+            qc, kc = qb.view(-1, C, K), kb.view(-1, C, K)
+            intra = _intra_vector(qc, kc, b.reshape(-1, C, K)) if vector else _intra_scalar(qc, kc, b.reshape(-1, C))
             torch.mul(intra, scale, out=scores)
-            torch.mul(kb.view(BH, n, C, K), (b_last - b).exp(), out=kt.view(BH, n, C, K))
-            torch.bmm(kt.transpose(1, 2), vc, out=kv.view(BH * n, K, V))
-        decay = eb[:, :, -1].unsqueeze(-1)                           # (BH, n, Kg, 1)
-        states[:, 0].copy_(S)
+            torch.mul(kb, (b_last - b).exp(), out=kt)
+            torch.bmm(kt.view(-1, C, K).transpose(1, 2), vb.view(-1, C, V), out=kv.view(-1, K, V))
+            torch.mul(qb, b.exp(), out=qt).mul_(scale)
+            decay = b_last.exp().view(n, BH, Kg, 1)
+        states[0].copy_(S)
         for j in range(n - 1):
-            torch.addcmul(kv[:, j], decay[:, j], states[:, j], out=states[:, j + 1])
-        torch.addcmul(kv[:, -1], decay[:, -1], states[:, -1], out=S)  # padded chunks leave S unchanged
-        obf = ob.view(BH * n, C, V)
-        torch.bmm(scores, vc, out=obf)
-        obf.baddbmm_(qt, states.view(BH * n, K, V))
-        o[:, s:e].copy_(ob.view(B, H, L, V)[:, :, :e - s].transpose(1, 2))
+            torch.addcmul(kv[j], decay[j], states[j], out=states[j + 1])
+        torch.addcmul(kv[-1], decay[-1], states[-1], out=S)          # padded chunks leave S unchanged
+        obf = ob.view(-1, C, V)
+        torch.bmm(scores, vb.view(-1, C, V), out=obf)
+        obf.baddbmm_(qt.view(-1, C, K), states.view(-1, K, V))
+        out = ob.permute(1, 0, 3, 2, 4)                              # (B, n, C, H, V)
+        if e - s == L:
+            o[:, s:e].view(B, n, C, H, V).copy_(out)
+        else:
+            o[:, s:e].copy_(out.reshape(B, L, H, V)[:, :e - s])
     return o, S.view(B, H, K, V)
