@@ -91,5 +91,13 @@ class Mamba2(Mixer):
         x = x.view(Bsz, T, H, P)
         y, h = self.ssd(x, dt, A, Bm, Cm, None if state is None else state["ssm"], cp)
         y = torch.addcmul(y, x, self.D.view(1, 1, H, 1))
-        out = self.out_proj(self.norm(y.reshape(Bsz, T, self.d_inner), z))
+        out = self.project_out(y.reshape(Bsz, T, self.d_inner), z)
         return out, None if cp is not None else {"ssm": h, "conv": conv_state}
+
+    def project_out(self, y, z):
+        """out_proj(norm(y, z)). With one norm group, the norm's row scale commutes with out_proj and its
+        weight folds into out_proj's, so both apply to the d_model-wide output, not the d_inner-wide input."""
+        if self.norm.group_size != self.d_inner or self.out_proj.bias is not None:
+            return self.out_proj(self.norm(y, z))
+        g = self.norm.gate(y, z)
+        return F.linear(g, self.out_proj.weight * self.norm.weight) * self.norm.inv_rms(g)

@@ -29,12 +29,21 @@ class GatedRMSNorm(RMSNorm):
         super().__init__(dim, eps)
         self.group_size = group_size or dim
 
-    def forward(self, y, z):
+    @staticmethod
+    def gate(y, z):
+        """y * silu(z) (in place on silu's fresh output when no gradient is wanted)."""
         if torch.is_grad_enabled() and (y.requires_grad or z.requires_grad):
-            y = y * F.silu(z)
-        else:                                   # in place on silu's fresh output: one temporary fewer
-            y = F.silu(z).mul_(y)
-        shape = y.shape
-        yg = y.reshape(*shape[:-1], -1, self.group_size)
-        yg = yg * torch.rsqrt(yg.pow(2).mean(-1, keepdim=True) + self.eps)
-        return yg.reshape(shape) * self.weight
+            return y * F.silu(z)
+        return F.silu(z).mul_(y)
+
+    def inv_rms(self, g):
+        """1 / rms of each group of g (..., dim): (..., dim / group_size)."""
+        gg = g.reshape(*g.shape[:-1], -1, self.group_size)
+        ms = torch.linalg.vector_norm(gg, dim=-1).square() / self.group_size   # one pass, no squared copy
+        return torch.rsqrt(ms + self.eps)
+
+    def forward(self, y, z):
+        g = self.gate(y, z)
+        shape = g.shape
+        gg = g.reshape(*shape[:-1], -1, self.group_size) * self.inv_rms(g).unsqueeze(-1)
+        return gg.reshape(shape) * self.weight

@@ -1,6 +1,8 @@
 """Mamba-2's SSD with B and C shared by the heads (the Mamba2 layer's chunk mode, with and without a
 gradient) equals simple_gla with q = C and k = dt B copied to every head."""
 
+import importlib
+
 import pytest
 import torch
 
@@ -60,3 +62,43 @@ def test_differentiable_ssd_equals_simple_gla_with_gradients(T, C, strength):
     for name, a, b in zip("x dt A B C S0".split(), torch.autograd.grad((y * dy).sum() + (S * dS).sum(), wrt),
                           torch.autograd.grad((y_ref * dy).sum() + (S_ref * dS).sum(), wrt)):
         assert_close(a, b, 1e-10, f"d{name}")
+
+
+@pytest.mark.parametrize("limit", [0.0, None, 1e9])
+def test_ssd_routes_mixed_within_one_call(limit, monkeypatch):
+    """Weak decays in one half (the factorised route), strong in the other (the exact route); LIMIT 0 forces
+    the exact route everywhere, 1e9 the factorised route wherever float64 can hold it."""
+    ssd = importlib.import_module("subquad.ops.gla.ssd")   # the package name is shadowed by the gla op
+
+    if limit is not None:
+        monkeypatch.setattr(ssd, "LIMIT", limit)
+    gen = torch.Generator().manual_seed(5)
+    Bz, T, H, P, N = 2, 203, 3, 4, 5
+    x = torch.randn(Bz, T, H, P, generator=gen, dtype=F64)
+    strength = torch.where(torch.arange(T) < T // 2, 0.2, 40.0 if limit != 1e9 else 3.0).view(1, T, 1)
+    dt = torch.rand(Bz, T, H, generator=gen, dtype=F64) * strength
+    A = -torch.rand(H, generator=gen, dtype=F64) - 0.1
+    Bm, Cm = (torch.randn(Bz, T, N, generator=gen, dtype=F64) for _ in range(2))
+    S0 = torch.randn(Bz, H, N, P, generator=gen, dtype=F64)
+    y, S = ssd_inference(x, dt, A, Bm, Cm, chunk_size=16, initial_state=S0, group=32)
+    q, k = Cm.unsqueeze(2).expand(-1, -1, H, -1), Bm.unsqueeze(2).expand(-1, -1, H, -1) * dt.unsqueeze(-1)
+    y_ref, S_ref = simple_gla(q, k, x, dt * A, mode="parallel", scale=1.0, initial_state=S0, output_final_state=True)
+    assert_close(y, y_ref, 1e-10, "y")
+    assert_close(S, S_ref, 1e-10, "state")
+
+
+def test_ssd_factorised_route_float32_at_its_limit():
+    """Chunks decaying by up to e^-2LIMIT (factors up to e^LIMIT) in float32 against float64."""
+    ssd = importlib.import_module("subquad.ops.gla.ssd")   # the package name is shadowed by the gla op
+
+    gen = torch.Generator().manual_seed(6)
+    T, H, P, N = 512, 4, 8, 8
+    x = torch.randn(1, T, H, P, generator=gen, dtype=F64)
+    dt = torch.full((1, T, H), 2 * ssd.LIMIT / 64 * 0.99, dtype=F64)   # every chunk of 64 decays by ~e^-59
+    A = -torch.ones(H, dtype=F64)
+    Bm, Cm = (torch.randn(1, T, N, generator=gen, dtype=F64) for _ in range(2))
+    y64, S64 = ssd_inference(x, dt, A, Bm, Cm)
+    y32, S32 = ssd_inference(*(t.float() for t in (x, dt, A, Bm, Cm)))
+    assert torch.isfinite(y32).all()
+    assert_close(y32.double(), y64, 1e-4, "y float32")
+    assert_close(S32.double(), S64, 1e-4, "state float32")

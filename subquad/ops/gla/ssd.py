@@ -5,14 +5,28 @@
     y_t = C_t^T h_t
 
 This is ``simple_gla(q=C, k=dt B, v=x, g=dt A)`` with q and k the same for every head (Mamba-2 with
-one group), and sharing them is what makes it cheaper than H separate heads. Per group of n chunks
-of C tokens, with b the chunk-local cumulative log-decay per head (B, C, x copied chunk-major):
+one group), and sharing them is what makes it cheaper than H separate heads.
 
-    G    = C_c B_c^T                                   (C, C) per chunk, once for all heads
+Without a gradient (``ssd_inference``), per group of n chunks of C tokens, b the chunk-local cumulative
+log-decay per head and m = b_C / 2 its midpoint, where every chunk of the group has |b_C| <= 2 LIMIT:
+
+    G    = tril(C_c B_c^T)                              (C, C) per chunk, once for all heads
+    X    = exp(m - b) dt x                              (C, H P): factors within e^(+-|b_C|/2)
+    KV_c = exp(b_C - m) B_c^T X                         one (N, C) x (C, H P) matmul for all heads
+    S_{c+1} = exp(b_C) S_c + KV_c                       per head; the only loop
+    y    = exp(b - m) (G X + C_c exp(m) S_c)            two (C, *) x (*, H P) matmuls for all heads
+
+exp(b_i - m) exp(m - b_j) = exp(b_i - b_j) for j <= i; above the diagonal G's zeros meet finite factors.
+Every product is one matmul over all heads, in the (token, head) layout x arrives in, and no (C, C)
+matrix of exponentials is formed. A group with a stronger decay takes the exact route: the per-head
+decayed mask exp(b_i - b_j) (exponents <= 0) times G, multiplied head by head:
+
     o_h  = (G o exp(b_hi - b_hj) o [i >= j]) (dt x)_h  intra-chunk, per head (exponents <= 0)
          + exp(b_h) o (C_c S_c)_h                      C_c S_c one (C, N) x (N, H P) matmul for all heads
     KV_c = B_c^T (exp(b_C - b) dt x)                   one (N, C) x (C, H P) matmul for all heads
-    S_{c+1} = exp(b_C) S_c + KV_c                      per head; the only loop
+
+Which route each group takes is decided once per call (one sync). The differentiable form
+(``ssd_chunkwise``) computes the exact route's products for every chunk at once.
 
 The reference is ``simple_gla`` (tests check them equal in float64).
 """
@@ -26,6 +40,7 @@ from subquad.ops.common import memory
 from subquad.ops.common.chunking import decay_mask, token_slice
 
 TOKEN_HEADS = 16384  # group size: about this many (token, head) pairs per group (best for Mamba-2 at 16 heads)
+LIMIT = 30.0         # largest positive exponent the factorised route may use
 
 
 def _group(x, C, perm):
@@ -45,50 +60,70 @@ def ssd_inference(x, dt, A, Bm, Cm, *, chunk_size=64, initial_state=None, group=
     L = min(-(-L // C) * C, -(-T // C) * C)
     n = L // C
     nb = n * Bz
+    G = -(-T // L)                                                    # groups
 
     def buf(*shape):
         return torch.empty(*shape, dtype=dt_, device=dev)
 
     Bb, Cb = buf(n, Bz, C, N), buf(n, Bz, C, N)                     # chunk-major copies
-    xd = buf(n, Bz, H, C, P)                                          # dt x, head-major (intra-chunk)
-    xh = buf(n, Bz, C, H, P)                                          # exp(b_C - b) dt x (state update)
-    bh = buf(n, Bz, H, C)                                             # chunk-local cumulative log-decay
+    Xf = buf(n, Bz, C, H, P)                                          # factorised: exp(m - b) dt x
+    xd = buf(n, Bz, H, C, P)                                          # exact: dt x, head-major (intra-chunk)
+    xh = buf(n, Bz, C, H, P)                                          # exact: exp(b_C - b) dt x (state update)
     Lm = buf(nb, H, C, C)
-    G = buf(nb, C, C)
+    Gm = buf(nb, C, C)
     yb = buf(nb, C, H * P)
     yi = buf(n, Bz, H, C, P)
     KV = buf(n, Bz, N, H * P)
+    sd = buf(n, Bz, N, H, P)                                          # factorised: exp(m) S
     states = buf(n + 1, Bz, N, H, P)                                  # states[j]: the state before chunk j
     states[0] = 0 if initial_state is None else initial_state.permute(0, 2, 1, 3)
     y = memory.empty(Bz, T, H, P, dtype=dt_, device=dev)
-    Af = A.to(dt_)
-    for s in range(0, T, L):
+    # chunk-local cumulative log-decays of the whole call, (G n, B, C, H): T H numbers
+    ball = _group(token_slice(dt.to(dt_) * A.to(dt_), 0, T, G * L), C, (1, 0, 2, 3)).cumsum(2)
+    factorised = (ball[:, :, -1].reshape(G, -1).amin(-1) >= -2 * LIMIT).tolist()   # one sync for the call
+    for gi, s in enumerate(range(0, T, L)):
         e = min(s + L, T)
         xs, dts, Bs, Cs = (token_slice(t, s, e, L) for t in (x, dt, Bm, Cm))   # zero tail: dt = B = 0 add nothing
         Bb.copy_(_group(Bs, C, (1, 0, 2, 3)))
         Cb.copy_(_group(Cs, C, (1, 0, 2, 3)))
-        torch.mul(_group(dts, C, (1, 0, 3, 2)), Af.view(1, 1, H, 1), out=bh)
-        bh.cumsum_(-1)                                                # (n, B, H, C), <= 0
-        torch.mul(_group(xs, C, (1, 0, 3, 2, 4)), _group(dts, C, (1, 0, 3, 2)).unsqueeze(-1), out=xd)
-        w = (bh[..., -1:] - bh).exp_()                                # (n, B, H, C): exp(b_C - b)
-        torch.mul(xd, w.unsqueeze(-1), out=yi)                        # reuse yi as scratch, head-major
-        xh.copy_(yi.transpose(2, 3))                                  # (n, B, C, H, P)
-        torch.bmm(Cb.view(nb, C, N), Bb.view(nb, C, N).transpose(1, 2), out=G)
-        bf = bh.view(nb, H, C)
-        decay_mask(bf, out=Lm).mul_(G.unsqueeze(1))
-        torch.bmm(Lm.view(nb * H, C, C), xd.view(nb * H, C, P), out=yi.view(nb * H, C, P))
-        torch.bmm(Bb.view(nb, C, N).transpose(1, 2), xh.view(nb, C, H * P), out=KV.view(nb, N, H * P))
-        decay = bh[..., -1].exp().view(n, Bz, 1, H, 1)
+        torch.bmm(Cb.view(nb, C, N), Bb.view(nb, C, N).transpose(1, 2), out=Gm)
+        b = ball[gi * n:(gi + 1) * n]                                 # (n, B, C, H), <= 0
+        bC = b[:, :, -1:]                                             # (n, B, 1, H)
+        decay = bC.exp().unsqueeze(-1)                                # (n, B, 1, H, 1)
+        if factorised[gi]:                                            # every |b_C| <= 2 LIMIT
+            m = bC * 0.5                                              # reference: exponents within +-|b_C| / 2
+            torch.mul(_group(xs, C, (1, 0, 2, 3, 4)), ((m - b).exp_() * _group(dts, C, (1, 0, 2, 3))).unsqueeze(-1),
+                      out=Xf)
+            Xv = Xf.view(nb, C, H * P)
+            torch.bmm(Bb.view(nb, C, N).transpose(1, 2), Xv, out=KV.view(nb, N, H * P))
+            KV.view(n, Bz, N, H, P).mul_((bC - m).exp_().unsqueeze(-1))   # B^T (exp(b_C - b) dt x)
+        else:                                                         # exact: exponents are differences <= 0
+            bh = b.permute(0, 1, 3, 2)                                # (n, B, H, C)
+            torch.mul(_group(xs, C, (1, 0, 3, 2, 4)), _group(dts, C, (1, 0, 3, 2)).unsqueeze(-1), out=xd)
+            w = (bh[..., -1:] - bh).exp_()                            # (n, B, H, C): exp(b_C - b)
+            torch.mul(xd, w.unsqueeze(-1), out=yi)                    # reuse yi as scratch, head-major
+            xh.copy_(yi.transpose(2, 3))                              # (n, B, C, H, P)
+            decay_mask(bh.reshape(nb, H, C), out=Lm).mul_(Gm.unsqueeze(1))
+            torch.bmm(Lm.view(nb * H, C, C), xd.view(nb * H, C, P), out=yi.view(nb * H, C, P))
+            torch.bmm(Bb.view(nb, C, N).transpose(1, 2), xh.view(nb, C, H * P), out=KV.view(nb, N, H * P))
         for j in range(n):
             torch.addcmul(KV[j].view(Bz, N, H, P), decay[j], states[j], out=states[j + 1])
-        torch.bmm(Cb.view(nb, C, N), states[:n].view(nb, N, H * P), out=yb)
+        full = e - s == L
+        dest = _group(y[:, s:e], C, (1, 0, 2, 3, 4)) if full else None  # (n, B, C, H, P) view of the output
         ybv = yb.view(n, Bz, C, H, P)
-        ybv.mul_(bh.exp().transpose(2, 3).unsqueeze(-1)).add_(yi.transpose(2, 3))
-        out = ybv.permute(1, 0, 2, 3, 4)                               # (B, n, C, H, P)
-        if e - s == L:
-            y[:, s:e].view(Bz, n, C, H, P).copy_(out)
+        if factorised[gi]:                                            # y = exp(b - m) (tril(G) X + C exp(m) S)
+            torch.mul(states[:n], m.exp().unsqueeze(-1), out=sd)
+            torch.bmm(Gm.tril_(), Xv, out=yb)
+            yb.baddbmm_(Cb.view(nb, C, N), sd.view(nb, N, H * P))
+            scale = (b - m).exp_().unsqueeze(-1)
+            res = torch.mul(ybv, scale, out=dest) if full else ybv.mul_(scale)
         else:
-            y[:, s:e].copy_(out.reshape(Bz, L, H, P)[:, :e - s])
+            torch.bmm(Cb.view(nb, C, N), states[:n].view(nb, N, H * P), out=yb)
+            res = ybv.mul_(b.exp().unsqueeze(-1)).add_(yi.transpose(2, 3))
+            if full:
+                dest.copy_(res)
+        if not full:
+            y[:, s:e].copy_(res.permute(1, 0, 2, 3, 4).reshape(Bz, L, H, P)[:, :e - s])
         states[0] = states[n]                                          # padded chunks leave the state as it was
     return y, states[0].permute(0, 2, 1, 3).contiguous()
 
