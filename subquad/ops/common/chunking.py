@@ -5,7 +5,6 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from subquad.ops.common import memory
 
 def decay_mask(b, out=None):
     """D_ij = exp(b_i - b_j) for j <= i and 0 above, (..., C, C), from chunk-local cumulative log-decays
@@ -35,8 +34,4 @@ def in_pieces(fn, tensors, L, state):
     for piece in zip(*splits):
         o, state = fn(*piece, state)
         outs.append(o)
-    if torch.is_grad_enabled() and any(o.requires_grad for o in outs):
-        return torch.cat(outs, 1), state
-    shape = list(outs[0].shape)
-    shape[1] = sum(o.shape[1] for o in outs)
-    return torch.cat(outs, 1, out=memory.empty(shape, dtype=outs[0].dtype, device=outs[0].device)), state
+    return torch.cat(outs, 1), state

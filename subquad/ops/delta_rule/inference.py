@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import torch
 
-from subquad.ops.common import memory
 from subquad.ops.common.chunking import decay_mask, token_slice
 
 TOKEN_HEADS = 2048  # group size: about this many (token, head) pairs per group (best of 1-8K here)
@@ -57,7 +56,7 @@ def delta_rule_inference(q, k, v, beta, g, *, scale, chunk_size, initial_state=N
     states = buf(n + 1, BH, K, V)                                   # states[j]: the state before chunk j
     states[0] = 0 if initial_state is None else initial_state.reshape(BH, K, V)
     eye = torch.eye(C, dtype=dt, device=dev).expand(N, C, C)   # A^{-1} solves A X = I
-    o = memory.empty(B, T, H, V, dtype=dt, device=dev)
+    o = torch.empty(B, T, H, V, dtype=dt, device=dev)
 
     def chunked(x):
         """A group (B, L, H, *) as (n, B, H, C, *)."""

@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import torch
 
-from subquad.ops.common import memory
 from subquad.ops.common.chunking import token_slice
 from subquad.ops.gla.intra import SUB, _intra_scalar, _intra_vector
 
@@ -65,7 +64,7 @@ def decay_attention_inference(q, k, v, g, *, scale, chunk_size, initial_state=No
     scores, ob, kv = buf(n * BH, C, C), buf(n, B, H, C, V), buf(n, BH, K, V)
     states = buf(n, BH, K, V)                                      # states[j]: the state before chunk j
     S = buf(BH, K, V).zero_() if initial_state is None else initial_state.reshape(BH, K, V).to(dt).clone()
-    o = memory.empty(B, T, H, V, dtype=dt, device=dev)
+    o = torch.empty(B, T, H, V, dtype=dt, device=dev)
 
     def chunked(x):
         """A (B, L, H, D) group as (n, B, H, C, D): a view."""

@@ -36,7 +36,6 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from subquad.ops.common import memory
 from subquad.ops.common.chunking import decay_mask, token_slice
 
 TOKEN_HEADS = 16384  # group size: about this many (token, head) pairs per group (best for Mamba-2 at 16 heads)
@@ -77,7 +76,7 @@ def ssd_inference(x, dt, A, Bm, Cm, *, chunk_size=64, initial_state=None, group=
     sd = buf(n, Bz, N, H, P)                                          # factorised: exp(m) S
     states = buf(n + 1, Bz, N, H, P)                                  # states[j]: the state before chunk j
     states[0] = 0 if initial_state is None else initial_state.permute(0, 2, 1, 3)
-    y = memory.empty(Bz, T, H, P, dtype=dt_, device=dev)
+    y = torch.empty(Bz, T, H, P, dtype=dt_, device=dev)
     # chunk-local cumulative log-decays of the whole call, (G n, B, C, H): T H numbers
     ball = _group(token_slice(dt.to(dt_) * A.to(dt_), 0, T, G * L), C, (1, 0, 2, 3)).cumsum(2)
     factorised = (ball[:, :, -1].reshape(G, -1).amin(-1) >= -2 * LIMIT).tolist()   # one sync for the call

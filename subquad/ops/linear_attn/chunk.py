@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import torch
 
-from subquad.ops.common import memory
 from subquad.ops.common.checks import state_dtype
 from subquad.ops.linear_attn.state import pack_state, unpack_state
 
@@ -50,7 +49,7 @@ def _put(out, s: int, e: int, xc):
 def _fwd(q, k, v, S, scale: float, C: int, save_states: bool):
     """q, k (B, T, H, K); v (B, T, H, V); S (B*H, K, V) updated in place. Returns o (B, T, H, V), states."""
     B, T, H, _ = q.shape
-    o = memory.empty(B, T, H, v.shape[-1], dtype=q.dtype, device=q.device)
+    o = q.new_empty(B, T, H, v.shape[-1])
     mask = torch.ones(C, C, dtype=q.dtype, device=q.device).tril_().mul_(scale)
     chunks = _chunks(T, C)
     states = S.new_empty(len(chunks), *S.shape) if save_states else None
@@ -68,7 +67,7 @@ def _fwd(q, k, v, S, scale: float, C: int, save_states: bool):
 
 
 def _bwd(q, k, v, do, states, dS, scale: float, C: int):
-    dq, dk, dv = (memory.empty(x.shape, dtype=x.dtype, device=x.device) for x in (q, k, v))
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     mask = torch.ones(C, C, dtype=q.dtype, device=q.device).tril_().mul_(scale)
     G = dS.clone()                                                        # dL/dS after the last chunk
     for i, (s, e) in reversed(list(enumerate(_chunks(q.shape[1], C)))):
