@@ -85,7 +85,8 @@ class Mamba2(Mixer):
             xBC, conv_state = cp.conv(self.conv, xBC), None
         else:
             xBC, conv_state = self.conv(xBC, None if state is None else state["conv"])
-        x, Bm, Cm = torch.split(F.silu(xBC), [self.d_inner, N, N], dim=-1)
+        xBC = F.silu(xBC, inplace=cp is None and not wants_grad(xBC))    # in place on the conv's fresh output
+        x, Bm, Cm = torch.split(xBC, [self.d_inner, N, N], dim=-1)
         dt = F.softplus(dt + self.dt_bias)                                    # (B, T, H)
         A = -torch.exp(self.A_log)                                            # (H,)
         x = x.view(Bsz, T, H, P)
