@@ -20,6 +20,7 @@ from torch import nn
 from subquad.layers.base import Mixer
 from subquad.layers.conv import ShortConv
 from subquad.ops import selective_scan
+from subquad.ops.common.autograd import wants_grad
 
 
 class Mamba(Mixer):
@@ -58,7 +59,7 @@ class Mamba(Mixer):
             x, conv = cp.conv(self.conv, x), None
         else:
             x, conv = self.conv(x, None if state is None else state["conv"])
-        x = F.silu(x)
+        x = F.silu(x, inplace=cp is None and not wants_grad(x))         # in place on the conv's fresh output
         dt, Bm, Cm = torch.split(self.x_proj(x), [self.dt_rank, self.d_state, self.d_state], dim=-1)
         dt = F.softplus(self.dt_proj(dt))
         A = -torch.exp(self.A_log.double() if x.dtype == torch.float64 else self.A_log.float())   # (Dm, N) < 0
