@@ -12,8 +12,8 @@ tokens runs as consecutive pieces with the state carried between them (and autog
 through it). The result is the same; every temporary is a piece long instead of T long,
 so inference memory stays bounded at any length, and it is faster: glibc hands large
 temporaries fresh pages on every call (see BENCHMARKS.md). At T = 16K, pieces of
-1-2K tokens made the fixed-state layers 1.2-1.4x faster forward and up to 2.5x faster
-forward+backward (benchmarks/bench_pieces.py; linear attention's 0.96x the exception).
+1-2K tokens make the fixed-state layers 1.1-1.4x faster forward and 1.07-1.8x faster
+forward+backward (benchmarks/bench_pieces.py).
 """
 
 from __future__ import annotations

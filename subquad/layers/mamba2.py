@@ -25,6 +25,7 @@ from subquad.layers.conv import ShortConv
 from subquad.layers.norm import GatedRMSNorm
 from subquad.ops import simple_gla
 from subquad.ops.common.autograd import wants_grad
+from subquad.ops.common.chunking import SHORT
 from subquad.ops.gla.ssd import ssd_chunkwise, ssd_inference
 
 
@@ -59,7 +60,7 @@ class Mamba2(Mixer):
         Inside a context-parallel run (``cp``), over the whole sequence by state passing, and h is None.
         """
         H = self.n_heads
-        if cp is None and self.mode == "chunk":                     # B and C shared: one matmul for all heads
+        if cp is None and self.mode == "chunk" and x.shape[1] >= SHORT:   # B and C shared: one matmul for all heads
             sd = torch.float64 if x.dtype == torch.float64 else torch.float32
             run = ssd_chunkwise if wants_grad(x, dt, A, Bm, Cm, initial_state) else ssd_inference
             y, h = run(*(t.to(sd) for t in (x, dt, A, Bm, Cm)), chunk_size=self.chunk_size,

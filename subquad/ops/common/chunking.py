@@ -6,6 +6,9 @@ import torch
 import torch.nn.functional as F
 
 
+SHORT = 4  # fewer tokens than this (a decoding step): the token loop beats batching chunks (3-4x at T = 1)
+
+
 def decay_mask(b, out=None):
     """D_ij = exp(b_i - b_j) for j <= i and 0 above, (..., C, C), from chunk-local cumulative log-decays
     b (..., C). The upper triangle is -inf before exp, so only differences <= 0 are exponentiated.

@@ -22,8 +22,9 @@ from __future__ import annotations
 import torch
 
 from subquad.ops.common.autograd import wants_grad
-from subquad.ops.common.chunking import decay_mask, in_pieces
+from subquad.ops.common.chunking import SHORT, decay_mask, in_pieces
 from subquad.ops.delta_rule.inference import delta_rule_inference
+from subquad.ops.delta_rule.recurrent import recurrent_delta_rule
 from subquad.ops.delta_rule.triangular import unit_lower_solve
 
 
@@ -80,7 +81,8 @@ def _chunkwise(q, k, v, beta, g, scale, C, initial_state):
 
 def chunk_delta_rule(q, k, v, beta, g, *, scale, chunk_size=64, initial_state=None):
     if not wants_grad(q, k, v, beta, g, initial_state):
-        return delta_rule_inference(q, k, v, beta, g, scale=scale, chunk_size=chunk_size, initial_state=initial_state)
+        run = recurrent_delta_rule if q.shape[1] < SHORT else delta_rule_inference
+        return run(q, k, v, beta, g, scale=scale, chunk_size=chunk_size, initial_state=initial_state)
     C = min(chunk_size, q.shape[1])
     L = max(1, PIECE // C) * C
     if q.shape[1] <= L:

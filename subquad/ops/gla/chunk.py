@@ -33,9 +33,10 @@ import torch
 import torch.nn.functional as F
 
 from subquad.ops.common.autograd import wants_grad
-from subquad.ops.common.chunking import in_pieces
+from subquad.ops.common.chunking import SHORT, in_pieces
 from subquad.ops.gla.inference import decay_attention_inference
 from subquad.ops.gla.intra import SUB, _intra_scalar, _intra_vector
+from subquad.ops.gla.recurrent import recurrent_decay_attention
 
 
 PIECE = 2048           # tokens per piece of a differentiable call
@@ -77,7 +78,8 @@ def _chunkwise(q, k, v, g, scale, C, initial_state):
 
 def chunk_decay_attention(q, k, v, g, *, scale, chunk_size=64, initial_state=None):
     if not wants_grad(q, k, v, g, initial_state):
-        return decay_attention_inference(q, k, v, g, scale=scale, chunk_size=chunk_size, initial_state=initial_state)
+        run = recurrent_decay_attention if q.shape[1] < SHORT else decay_attention_inference
+        return run(q, k, v, g, scale=scale, chunk_size=chunk_size, initial_state=initial_state)
     T = q.shape[1]
     C = min(chunk_size, T)
     if g.dim() == 4:                                   # chunks of whole sub-chunks for the per-key-dim decay
