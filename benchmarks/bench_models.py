@@ -6,7 +6,8 @@
    The state at context L is built directly (a KV cache of L random keys and
    values for softmax layers; the fixed-size state for the rest) - decode cost
    depends on the state's size, not its values - then 32 tokens are decoded
-   from it and the median token time is reported.
+   from it, the contexts interleaved token by token, and the median token time
+   is reported.
 
 Writes results/models.{json,md,png}.
 
@@ -76,19 +77,25 @@ def state_at(model, L):
 
 
 @torch.no_grad()
-def decode_rate(name, L, tokens=32):
+def decode_rates(name, contexts, tokens=32):
+    """Median time per token and state bytes at each context. The contexts are interleaved token by
+    token, so all of them decode under the same conditions of this shared machine (one context after
+    another, a slowdown mid-run read as growth with context)."""
     torch.manual_seed(0)
     model = LanguageModel(config(name)).eval()
-    state = state_at(model, L)
-    nbytes = model.state_bytes(state)
     tok = torch.tensor([[1]])
-    _, state = model.prefill(tok, state)
-    times = []
-    for _ in range(tokens):                 # the median token: robust to this shared machine's hiccups
-        t = time.perf_counter()
-        _, state = model.prefill(tok, state)
-        times.append(time.perf_counter() - t)
-    return sorted(times)[len(times) // 2], nbytes
+    states, nbytes = {}, {}
+    for L in contexts:
+        state = state_at(model, L)
+        nbytes[L] = model.state_bytes(state)
+        _, states[L] = model.prefill(tok, state)          # one warm-up token
+    times = {L: [] for L in contexts}
+    for _ in range(tokens):                                # the median token: robust to hiccups
+        for L in contexts:
+            t = time.perf_counter()
+            _, states[L] = model.prefill(tok, states[L])
+            times[L].append(time.perf_counter() - t)
+    return {L: {"s": sorted(times[L])[tokens // 2], "bytes": nbytes[L]} for L in contexts}
 
 
 def main(argv=None):
@@ -102,11 +109,9 @@ def main(argv=None):
         print(f"  {n:<16} {res['train'][n]:>9,.0f} tokens/s", flush=True)
     print("decode time per token against context ...", flush=True)
     for n in names:
-        res["decode"][n] = {}
-        for L in contexts:
-            s, b = decode_rate(n, L)
-            res["decode"][n][L] = {"s": s, "bytes": b}
-            print(f"  {n:<16} L={L:>6}: {fmt_ms(s):>9}/token, state {b:>12,} B", flush=True)
+        res["decode"][n] = decode_rates(n, contexts)
+        for L, r in res["decode"][n].items():
+            print(f"  {n:<16} L={L:>6}: {fmt_ms(r['s']):>9}/token, state {r['bytes']:>12,} B", flush=True)
 
     soft = res["train"]["softmax"]
     tg = [{"what": f"{n} training tokens/s vs softmax (micro, context 256)", "value": f"{res['train'][n] / soft:.2f}x",
