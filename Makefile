@@ -40,6 +40,7 @@ bench: bench-deps
 	$(PY) benchmarks/bench_distributed.py
 	$(PY) benchmarks/bench_context_parallel.py
 	$(PY) benchmarks/bench_pieces.py
+	$(PY) benchmarks/bench_decode_step.py
 
 clean:
 	rm -rf $(VENV) runs

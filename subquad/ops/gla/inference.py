@@ -95,8 +95,7 @@ def decay_attention_inference(q, k, v, g, *, scale, chunk_size, initial_state=No
                 eb = b.exp()
                 torch.mul(qs, eb, out=qt).mul_(scale)                # q~ = scale q exp(b)
                 torch.div(ks, eb, out=kt)                            # k~ = k exp(-b)
-            else:
-                eb = None
+            else:                                                    # exp(+-b) of the whole call, above
                 torch.mul(qs, qscale[gi * n:(gi + 1) * n], out=qt)
                 torch.mul(ks, kscale[gi * n:(gi + 1) * n], out=kt)
             torch.bmm(qt.view(-1, C, K), kt.view(-1, C, K).transpose(1, 2), out=scores).tril_()
