@@ -6,6 +6,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from subquad.ops.common.autograd import wants_grad
+
 
 class RMSNorm(nn.Module):
     """x / rms(x) * weight over the last dim (computed in float32)."""
@@ -32,7 +34,7 @@ class GatedRMSNorm(RMSNorm):
     @staticmethod
     def gate(y, z):
         """y * silu(z) (in place on silu's fresh output when no gradient is wanted)."""
-        if torch.is_grad_enabled() and (y.requires_grad or z.requires_grad):
+        if wants_grad(y, z):
             return y * F.silu(z)
         return F.silu(z).mul_(y)
 
