@@ -1,5 +1,5 @@
 """One decoding step per op: the token loop (what a call of fewer than ``SHORT`` tokens without a
-gradient runs) against the batched no-gradient chunk path it replaced, at T = 1, 2, 4, 8.
+gradient runs; 16 for Mamba's scan) against the batched no-gradient chunk path it replaced, at T = 1 .. 16.
 
 Shapes of the language models' micro preset (B=1, 4 heads of 32; Mamba-2: 8 heads of 32, N 16;
 Mamba: d_inner 256, N 16), float32, interleaved rounds. Writes results/decode_step.{json,md}.
@@ -23,6 +23,7 @@ from subquad.ops.delta_rule.recurrent import recurrent_delta_rule  # noqa: E402
 from subquad.ops.gla.inference import decay_attention_inference  # noqa: E402
 from subquad.ops.gla.recurrent import recurrent_decay_attention  # noqa: E402
 from subquad.ops.gla.ssd import ssd_inference  # noqa: E402
+from subquad.ops.mamba import SHORT_SCAN  # noqa: E402
 from subquad.ops.mamba.scan import chunk_selective_scan, recurrent_selective_scan  # noqa: E402
 
 
@@ -79,7 +80,7 @@ def cases():
 
 def main(argv=None):
     args = parse_args(__doc__, argv)
-    lengths, repeats = ([1, 2], 3) if args.quick else ([1, 2, 4, 8], 200)
+    lengths, repeats = ([1, 2], 3) if args.quick else ([1, 2, 4, 8, 16], 100)
     with torch.no_grad():
         rows = run_cases(cases(), lengths, repeats, budget=5.0)
     get = {(r["T"], r["impl"]): r["fwd"] for r in rows}
@@ -89,7 +90,11 @@ def main(argv=None):
         lines.append(f"- {op}: the token loop {r:.1f}x faster than the chunk path at T = 1")
     md = speed_tables(rows, "one call without a gradient, float32; interleaved rounds")
     md = md[:md.index(next(x for x in md if x.startswith("**Forward + backward**")))]   # forward only
-    md += ["", f"**The token loop against the chunk path** (calls under {SHORT} tokens take the loop)", ""] + lines
+    if (16, "Mamba scan: chunk path") in get:
+        r = get[(16, "Mamba scan: chunk path")] / get[(16, "Mamba scan: token loop")]
+        lines.append(f"- Mamba scan: the token loop {r:.1f}x faster than the chunk path at T = 16")
+    md += ["", f"**The token loop against the chunk path** (calls under {SHORT} tokens take the loop; "
+           f"under {SHORT_SCAN} for Mamba's scan)", ""] + lines
     (args.out / f"decode_step{args.suffix}.json").write_text(json.dumps({"rows": rows}, indent=2))
     (args.out / f"decode_step{args.suffix}.md").write_text("\n".join(md) + "\n")
     print("\n" + "\n".join(md))

@@ -24,8 +24,9 @@ import torch.nn.functional as F
 
 from subquad.ops.common.autograd import wants_grad
 from subquad.ops.common.checks import check_chunk_size, check_like, check_mode, state_dtype
-from subquad.ops.common.chunking import SHORT
 from subquad.ops.mamba.scan import chunk_selective_scan, parallel_selective_scan, recurrent_selective_scan
+
+SHORT_SCAN = 16  # the scan's token loop beats its lanes below ~32 tokens (benchmarks/bench_decode_step.py)
 
 _FORMS = {"parallel": parallel_selective_scan, "recurrent": recurrent_selective_scan, "chunk": chunk_selective_scan}
 
@@ -62,8 +63,8 @@ def selective_scan(x, dt, A, B, C, *, D=None, z=None, mode="chunk", chunk_size=6
     if initial_state is not None:
         check_like("initial_state", initial_state, (Bsz, Dm, N), x)
         initial_state = initial_state.to(sd)
-    if mode == "chunk" and T < SHORT and not wants_grad(x, dt, A, B, C, initial_state):
-        mode = "recurrent"                             # a decoding step: the token loop is faster
+    if mode == "chunk" and T < SHORT_SCAN and not wants_grad(x, dt, A, B, C, initial_state):
+        mode = "recurrent"                             # a decoding step or a short prompt: the token loop is faster
     y, h = _FORMS[mode](x.to(sd), dt.to(sd), A.to(sd), B.to(sd), C.to(sd), chunk_size=chunk_size,
                         initial_state=initial_state)
     if D is not None:
