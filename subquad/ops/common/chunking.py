@@ -19,6 +19,23 @@ def decay_mask(b, out=None):
     return d.masked_fill_(upper, float("-inf")).exp_()
 
 
+def chunk_view(x, C, perm=(1, 0, 3, 2, 4)):
+    """(B, L, *rest) with L a multiple of C as (B, L / C, C, *rest) permuted by ``perm``: a view. The
+    default turns a (B, L, H, D) group chunk-major and head-major within the chunk, (n, B, H, C, D)."""
+    return x.view(x.shape[0], x.shape[1] // C, C, *x.shape[2:]).permute(perm)
+
+
+def put_chunks(o, s, e, g, perm=(1, 0, 3, 2, 4)):
+    """Write g, a group in ``chunk_view(o[:, s:s + L], C, perm)``'s layout, into tokens [s, e) of o; a
+    last, partial group's padded tail is dropped."""
+    gt = g.permute(tuple(sorted(range(len(perm)), key=perm.__getitem__)))   # (B, n, C, *rest)
+    B, n, C = gt.shape[:3]
+    if e - s == n * C:
+        chunk_view(o[:, s:e], C, perm).copy_(g)
+    else:
+        o[:, s:e].copy_(gt.reshape(B, n * C, *gt.shape[3:])[:, :e - s])
+
+
 def token_slice(x, s, e, L):
     """Tokens [s, e) of x (B, T, ...) along dim 1, zero-padded to L tokens (a view when e - s == L)."""
     x = x[:, s:e]

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import torch
 
-from subquad.ops.common.chunking import token_slice
+from subquad.ops.common.chunking import chunk_view, put_chunks, token_slice
 from subquad.ops.gla.intra import SUB, _intra_scalar, _intra_vector
 
 LIMIT = 30.0       # largest positive exponent the factorised scores may use
@@ -66,10 +66,6 @@ def decay_attention_inference(q, k, v, g, *, scale, chunk_size, initial_state=No
     S = buf(BH, K, V).zero_() if initial_state is None else initial_state.reshape(BH, K, V).to(dt).clone()
     o = torch.empty(B, T, H, V, dtype=dt, device=dev)
 
-    def chunked(x):
-        """A (B, L, H, D) group as (n, B, H, C, D): a view."""
-        return x.view(B, n, C, H, x.shape[-1]).permute(1, 0, 3, 2, 4)
-
     G = -(-T // L)                                                   # groups
     gp = token_slice(g if vector else g.unsqueeze(-1), 0, T, G * L)  # zero-padded: padding decays nothing
     if vector:                                                       # cumulative sums per group, below
@@ -82,10 +78,10 @@ def decay_attention_inference(q, k, v, g, *, scale, chunk_size, initial_state=No
     factorised = (sums.reshape(G, -1).amin(-1) >= -LIMIT).tolist()   # one sync for the call
     for gi, s in enumerate(range(0, T, L)):
         e = min(s + L, T)
-        vb.copy_(chunked(token_slice(v, s, e, L)))
-        qs, ks = chunked(token_slice(q, s, e, L)), chunked(token_slice(k, s, e, L))   # read in place
+        vb.copy_(chunk_view(token_slice(v, s, e, L), C))
+        qs, ks = chunk_view(token_slice(q, s, e, L), C), chunk_view(token_slice(k, s, e, L), C)   # read in place
         if vector:
-            gb.copy_(chunked(token_slice(g, s, e, L)))
+            gb.copy_(chunk_view(token_slice(g, s, e, L), C))
             b = gb.cumsum_(3)                                        # chunk-local, <= 0
         else:
             b = ball[gi * n:(gi + 1) * n]
@@ -119,9 +115,5 @@ def decay_attention_inference(q, k, v, g, *, scale, chunk_size, initial_state=No
         obf = ob.view(-1, C, V)
         torch.bmm(scores, vb.view(-1, C, V), out=obf)
         obf.baddbmm_(qt.view(-1, C, K), states.view(-1, K, V))
-        out = ob.permute(1, 0, 3, 2, 4)                              # (B, n, C, H, V)
-        if e - s == L:
-            o[:, s:e].view(B, n, C, H, V).copy_(out)
-        else:
-            o[:, s:e].copy_(out.reshape(B, L, H, V)[:, :e - s])
+        put_chunks(o, s, e, ob)
     return o, S.view(B, H, K, V)

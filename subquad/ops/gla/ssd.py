@@ -36,15 +36,11 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from subquad.ops.common.chunking import decay_mask, token_slice
+from subquad.ops.common.chunking import chunk_view, decay_mask, put_chunks, token_slice
 
 TOKEN_HEADS = 16384  # group size: about this many (token, head) pairs per group (best for Mamba-2 at 16 heads)
 LIMIT = 30.0         # largest positive exponent the factorised route may use
-
-
-def _group(x, C, perm):
-    """(B, L, *rest) -> (B, n, C, *rest) permuted by ``perm``."""
-    return x.view(x.shape[0], x.shape[1] // C, C, *x.shape[2:]).permute(perm)
+TOKEN_MAJOR = (1, 0, 2, 3, 4)   # chunk_view of (B, L, H, P) as (n, B, C, H, P): heads stay inside a token
 
 
 def ssd_inference(x, dt, A, Bm, Cm, *, chunk_size=64, initial_state=None, group=None):
@@ -78,27 +74,27 @@ def ssd_inference(x, dt, A, Bm, Cm, *, chunk_size=64, initial_state=None, group=
     states[0] = 0 if initial_state is None else initial_state.permute(0, 2, 1, 3)
     y = torch.empty(Bz, T, H, P, dtype=dt_, device=dev)
     # chunk-local cumulative log-decays of the whole call, (G n, B, C, H): T H numbers
-    ball = _group(token_slice(dt.to(dt_) * A.to(dt_), 0, T, G * L), C, (1, 0, 2, 3)).cumsum(2)
+    ball = chunk_view(token_slice(dt.to(dt_) * A.to(dt_), 0, T, G * L), C, (1, 0, 2, 3)).cumsum(2)
     factorised = (ball[:, :, -1].reshape(G, -1).amin(-1) >= -2 * LIMIT).tolist()   # one sync for the call
     for gi, s in enumerate(range(0, T, L)):
         e = min(s + L, T)
         xs, dts, Bs, Cs = (token_slice(t, s, e, L) for t in (x, dt, Bm, Cm))   # zero tail: dt = B = 0 add nothing
-        Bb.copy_(_group(Bs, C, (1, 0, 2, 3)))
-        Cb.copy_(_group(Cs, C, (1, 0, 2, 3)))
+        Bb.copy_(chunk_view(Bs, C, (1, 0, 2, 3)))
+        Cb.copy_(chunk_view(Cs, C, (1, 0, 2, 3)))
         torch.bmm(Cb.view(nb, C, N), Bb.view(nb, C, N).transpose(1, 2), out=Gm)
         b = ball[gi * n:(gi + 1) * n]                                 # (n, B, C, H), <= 0
         bC = b[:, :, -1:]                                             # (n, B, 1, H)
         decay = bC.exp().unsqueeze(-1)                                # (n, B, 1, H, 1)
         if factorised[gi]:                                            # every |b_C| <= 2 LIMIT
             m = bC * 0.5                                              # reference: exponents within +-|b_C| / 2
-            torch.mul(_group(xs, C, (1, 0, 2, 3, 4)), ((m - b).exp_() * _group(dts, C, (1, 0, 2, 3))).unsqueeze(-1),
+            torch.mul(chunk_view(xs, C, TOKEN_MAJOR), ((m - b).exp_() * chunk_view(dts, C, (1, 0, 2, 3))).unsqueeze(-1),
                       out=Xf)
             Xv = Xf.view(nb, C, H * P)
             torch.bmm(Bb.view(nb, C, N).transpose(1, 2), Xv, out=KV.view(nb, N, H * P))
             KV.view(n, Bz, N, H, P).mul_((bC - m).exp_().unsqueeze(-1))   # B^T (exp(b_C - b) dt x)
         else:                                                         # exact: exponents are differences <= 0
             bh = b.permute(0, 1, 3, 2)                                # (n, B, H, C)
-            torch.mul(_group(xs, C, (1, 0, 3, 2, 4)), _group(dts, C, (1, 0, 3, 2)).unsqueeze(-1), out=xd)
+            torch.mul(chunk_view(xs, C), chunk_view(dts, C, (1, 0, 3, 2)).unsqueeze(-1), out=xd)
             w = (bh[..., -1:] - bh).exp_()                            # (n, B, H, C): exp(b_C - b)
             torch.mul(xd, w.unsqueeze(-1), out=yi)                    # reuse yi as scratch, head-major
             xh.copy_(yi.transpose(2, 3))                              # (n, B, C, H, P)
@@ -107,22 +103,19 @@ def ssd_inference(x, dt, A, Bm, Cm, *, chunk_size=64, initial_state=None, group=
             torch.bmm(Bb.view(nb, C, N).transpose(1, 2), xh.view(nb, C, H * P), out=KV.view(nb, N, H * P))
         for j in range(n):
             torch.addcmul(KV[j].view(Bz, N, H, P), decay[j], states[j], out=states[j + 1])
-        full = e - s == L
-        dest = _group(y[:, s:e], C, (1, 0, 2, 3, 4)) if full else None  # (n, B, C, H, P) view of the output
         ybv = yb.view(n, Bz, C, H, P)
         if factorised[gi]:                                            # y = exp(b - m) (tril(G) X + C exp(m) S)
             torch.mul(states[:n], m.exp().unsqueeze(-1), out=sd)
             torch.bmm(Gm.tril_(), Xv, out=yb)
             yb.baddbmm_(Cb.view(nb, C, N), sd.view(nb, N, H * P))
             scale = (b - m).exp_().unsqueeze(-1)
-            res = torch.mul(ybv, scale, out=dest) if full else ybv.mul_(scale)
+            if e - s == L:                                            # straight into the output
+                torch.mul(ybv, scale, out=chunk_view(y[:, s:e], C, TOKEN_MAJOR))
+            else:
+                put_chunks(y, s, e, ybv.mul_(scale), TOKEN_MAJOR)
         else:
             torch.bmm(Cb.view(nb, C, N), states[:n].view(nb, N, H * P), out=yb)
-            res = ybv.mul_(b.exp().unsqueeze(-1)).add_(yi.transpose(2, 3))
-            if full:
-                dest.copy_(res)
-        if not full:
-            y[:, s:e].copy_(res.permute(1, 0, 2, 3, 4).reshape(Bz, L, H, P)[:, :e - s])
+            put_chunks(y, s, e, ybv.mul_(b.exp().unsqueeze(-1)).add_(yi.transpose(2, 3)), TOKEN_MAJOR)
         states[0] = states[n]                                          # padded chunks leave the state as it was
     return y, states[0].permute(0, 2, 1, 3).contiguous()
 

@@ -24,7 +24,8 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn.functional as F
+
+from subquad.ops.common.chunking import token_slice
 
 
 def recurrent_selective_scan(x, dt, A, B, C, *, chunk_size=None, initial_state=None):
@@ -54,13 +55,10 @@ def parallel_selective_scan(x, dt, A, B, C, *, chunk_size=None, initial_state=No
 
 def _lanes(c, *ts):
     """Each (B, T, D) tensor padded to T = n * c with zeros (dt = 0 there: no decay, no write) and viewed as
-    (B, n lanes, c positions, D)."""
-    out = []
-    for t in ts:
-        Bsz, T, D = t.shape
-        n = -(-T // c)
-        out.append(F.pad(t, (0, 0, 0, n * c - T)).view(Bsz, n, c, D))
-    return out
+    (B, n lanes, c positions, D); a view, not a copy, when c divides T."""
+    Bsz, T, _ = ts[0].shape
+    n = -(-T // c)
+    return [token_slice(t, 0, T, n * c).view(Bsz, n, c, t.shape[-1]) for t in ts]
 
 
 def _decay(dtl, A, j, out=None):
