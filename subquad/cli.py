@@ -108,7 +108,8 @@ def cmd_train(args) -> int:
                        context_parallel=P)
     out = args.out or f"runs/{args.preset}-{mcfg.pattern.replace('*', 'x').replace(',', '_')}"
     try:
-        r = train_run(mcfg, tcfg, out, data=args.data, resume=args.resume, progress=not args.no_progress)
+        r = train_run(mcfg, tcfg, out, data=args.data, resume=args.resume, progress=not args.no_progress,
+                      device=args.device)
     except (TrainingDiverged, PeerLost) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
@@ -125,7 +126,7 @@ def cmd_eval(args) -> int:
     from subquad.data.dataset import prepare
     from subquad.train import evaluate, load_run
 
-    model, tok, meta = load_run(args.run)
+    model, tok, meta = load_run(args.run, device=args.device)
     cfg = json.loads((Path(args.run) / "config.json").read_text()) if (Path(args.run) / "config.json").exists() else {}
     td = prepare(args.data or cfg.get("data"), model.config.vocab_size)
     loss = evaluate(model, td.heldout, model.config.context_length, args.batch_size, args.batches)
@@ -138,7 +139,7 @@ def cmd_generate(args) -> int:
     from subquad.models import load_state, save_state
     from subquad.train import load_run
 
-    model, tok, _ = load_run(args.run)
+    model, tok, _ = load_run(args.run, device=args.device)
     state = None
     if args.load_state:
         state, extra = load_state(args.load_state)
@@ -191,7 +192,7 @@ def cmd_recall(args) -> int:
     else:
         kw = dict(mixers=args.mixers, sizes=args.sizes, d_models=args.d_models, lrs=args.lrs, vocab=args.vocab,
                   steps=args.steps, batch=args.batch_size, time_budget=args.time_budget)
-    res = recall.sweep(out=args.out, mlp=args.mlp, progress=not args.no_progress, **kw)
+    res = recall.sweep(out=args.out, mlp=args.mlp, progress=not args.no_progress, device=args.device, **kw)
     md = recall.table(res)
     out = Path(args.out)
     (out / "recall.md").write_text(md + "\n")
@@ -199,6 +200,21 @@ def cmd_recall(args) -> int:
     print("\nMQAR accuracy (best over learning rates):\n" + md)
     print(f"\nwrote {out / 'recall.json'}, recall.md and recall.png ({res['seconds_this_run']} s this run)")
     return 0
+
+
+def _device(text: str):
+    from subquad.device import resolve_device
+
+    try:
+        return resolve_device(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _device_flag(parser):
+    parser.add_argument("--device", type=_device, default="cpu",
+                        help="auto | cpu | cuda | mps (or cuda:N): where the model, batches and sampler live "
+                             "(default cpu; auto picks CUDA, then MPS, then the CPU)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -260,6 +276,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "for recurrent ones (launches P processes; with --nproc N, N/P data-parallel replicas)")
     t.add_argument("--dist-timeout", type=float, default=60.0,
                    help="seconds a rank waits for a peer before stopping with an error (distributed runs)")
+    _device_flag(t)
     t.set_defaults(fn=cmd_train)
 
     r = sub.add_parser("recall", help="MQAR recall of every mixer against its state size (Zoology)")
@@ -276,6 +293,7 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--mlp", action="store_true", help="add the SwiGLU MLP (Zoology's default has none)")
     r.add_argument("--quick", action="store_true", help="a tiny sweep (seconds), for tests")
     r.add_argument("--no-progress", action="store_true")
+    _device_flag(r)
     r.set_defaults(fn=cmd_recall)
 
     e = sub.add_parser("eval", help="held-out loss of a trained run")
@@ -283,6 +301,7 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--data", help="corpus (default: the run's)")
     e.add_argument("--batches", type=_positive, default=16)
     e.add_argument("--batch-size", type=_positive, default=16)
+    _device_flag(e)
     e.set_defaults(fn=cmd_eval)
 
     g = sub.add_parser("generate", help="stream text from a trained run with its recurrent state")
@@ -295,6 +314,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--save-state", help="write the decoding state here (safetensors) to continue later")
     g.add_argument("--load-state", help="continue from a state saved with --save-state")
+    _device_flag(g)
     g.set_defaults(fn=cmd_generate)
     return p
 

@@ -8,3 +8,16 @@ settings.register_profile("subquad", max_examples=int(os.environ.get("SUBQUAD_HY
                           deadline=None, derandomize=False)
 settings.load_profile("subquad")
 torch.set_num_threads(min(2, torch.get_num_threads()))
+
+# SUBQUAD_TEST_DEVICE=cuda make test: the whole suite (the float64 three-form battery included) on another
+# device. Tensors made without an explicit device land there, and so do the generators the tests seed
+# (a CPU generator cannot drive torch.randn on another device). Off by default: CI runs on the CPU.
+_DEVICE = os.environ.get("SUBQUAD_TEST_DEVICE")
+if _DEVICE and _DEVICE != "cpu":
+    torch.set_default_device(_DEVICE)
+    _Generator = torch.Generator
+
+    def _generator(device=None):
+        return _Generator(device=device if device is not None else _DEVICE)
+
+    torch.Generator = _generator

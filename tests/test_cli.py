@@ -1,6 +1,7 @@
 import json
 
 import pytest
+import torch
 
 from subquad.cli import main
 
@@ -105,3 +106,34 @@ def test_train_refuses_nproc_not_a_multiple_of_context_parallel(capsys):
         main(["train", "--pattern", "linear", "--n-layers", "2", "--nproc", "3", "--context-parallel", "2",
               "--no-progress"])
     assert "multiple of --context-parallel" in str(e.value.code)
+
+
+@pytest.mark.parametrize("pattern", ["deltanet,mamba", "linear,performer", "taylor,gated_deltanet"])
+def test_train_bf16_runs_the_mixers_that_used_to_crash(tmp_path, capsys, corpus, pattern):
+    """`subquad train --bf16` (autocast) trains, evaluates and checkpoints finite weights for six mixers
+    that crashed before autocast was handled at the op boundary."""
+    run = tmp_path / "bf16"
+    assert main(["train", "--data", str(corpus), "--vocab-size", "300", "--d-model", "32", "--n-layers", "2",
+                 "--n-heads", "2", "--context", "32", "--pattern", pattern, "--steps", "3", "--batch-size", "2",
+                 "--eval-every", "3", "--ckpt-every", "3", "--out", str(run), "--no-progress", "--bf16",
+                 "--device", "cpu"]) == 0
+    lines = [json.loads(ln) for ln in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in lines] == [1, 2, 3] and lines[-1]["heldout_loss"] < 10
+    from subquad.train import load_run
+
+    model, _, meta = load_run(run)
+    assert meta["step"] == 3 and all(torch.isfinite(p).all() for p in model.parameters())
+
+
+def test_device_flag_refuses_what_is_not_there(capsys):
+    from subquad.device import resolve_device
+
+    assert resolve_device("cpu").type == "cpu" and resolve_device("auto").type in ("cpu", "cuda", "mps")
+    with pytest.raises(ValueError, match="device must be one of"):
+        resolve_device("tpu9")
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="CUDA is not available"):
+            resolve_device("cuda")
+        with pytest.raises(SystemExit) as e:
+            main(["train", "--device", "cuda", "--no-progress"])
+        assert e.value.code == 2 and "CUDA is not available" in capsys.readouterr().err

@@ -50,7 +50,7 @@ def measure(contexts, head_dim: int, dtype: str = "float32") -> list[dict]:
     phi = feature_map("elu+1")
     rows = []
     for T in contexts:
-        q, k, v = (torch.randn(1, T, 1, head_dim, generator=g).to(dt) for _ in range(3))
+        q, k, v = (torch.randn(1, T, 1, head_dim, generator=g, device=g.device).to(dt) for _ in range(3))
         _, cache = softmax_attention(q, k, v, mode="parallel", output_final_state=True)
         _, (S, z) = linear_attention(phi(q), phi(k), v, mode="chunk", output_final_state=True)
         rows.append({"context": T, "kv_cache_bytes": cache.nbytes, "state_bytes": S.nbytes + z.nbytes,

@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from subquad.device import device_of, resolve_device
 from subquad.models import LanguageModel, ModelConfig
 from subquad.tasks import answer_accuracy, mqar
 
@@ -45,19 +46,21 @@ def cell_model(pattern, options, vocab, d_model, T, mlp, seed):
 
 def state_bytes(model, T):
     with torch.no_grad():
-        return model.state_bytes(model.prefill(torch.zeros(1, T, dtype=torch.long))[1])
+        return model.state_bytes(model.prefill(torch.zeros(1, T, dtype=torch.long, device=device_of(model)))[1])
 
 
-def train_cell(pattern, options, *, T, N, vocab, d_model, lr, steps, batch, mlp, seed, time_budget, log):
+def train_cell(pattern, options, *, T, N, vocab, d_model, lr, steps, batch, mlp, seed, time_budget, log, device="cpu"):
+    dev = resolve_device(device)
     xtr, ytr = mqar(20_000 if steps * batch > 20_000 else steps * batch, T, N, vocab, seed=seed)
     xte, yte = mqar(1_000, T, N, vocab, seed=seed + 10_000)
-    model = cell_model(pattern, options, vocab, d_model, T, mlp, seed)
+    xtr, ytr, xte, yte = (t.to(dev) for t in (xtr, ytr, xte, yte))      # data generated on the CPU, then moved
+    model = cell_model(pattern, options, vocab, d_model, T, mlp, seed).to(dev)
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.1)
     sched = torch.optim.lr_scheduler.OneCycleLR(opt, lr, total_steps=steps, pct_start=0.1)
     g = torch.Generator().manual_seed(seed)
     best, t0, step = 0.0, time.time(), 0
     for step in range(1, steps + 1):
-        idx = torch.randint(0, len(xtr), (batch,), generator=g)
+        idx = torch.randint(0, len(xtr), (batch,), generator=g, device=g.device).to(dev)
         logits = model(xtr[idx])
         loss = F.cross_entropy(logits.reshape(-1, vocab), ytr[idx].reshape(-1), ignore_index=-100)
         opt.zero_grad()
@@ -77,7 +80,7 @@ def train_cell(pattern, options, *, T, N, vocab, d_model, lr, steps, batch, mlp,
 
 
 def sweep(out="runs/recall", mixers=None, sizes=((64, 4), (128, 8)), d_models=(64,), lrs=(1e-2,), vocab=512,
-          steps=1500, batch=64, mlp=False, seed=0, time_budget=120.0, progress=True, log=print) -> dict:
+          steps=1500, batch=64, mlp=False, seed=0, time_budget=120.0, progress=True, log=print, device="cpu") -> dict:
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     path = out / "recall.json"
@@ -95,7 +98,7 @@ def sweep(out="runs/recall", mixers=None, sizes=((64, 4), (128, 8)), d_models=(6
         pattern, options = MIXERS[n]
         log(f"[{i}/{len(cells)}] {n}, T={T}, N={N}, d_model={d}, lr={lr} ({time.time() - t_start:.0f} s so far)")
         r = train_cell(pattern, options, T=T, N=N, vocab=vocab, d_model=d, lr=lr, steps=steps, batch=batch, mlp=mlp,
-                       seed=seed, time_budget=time_budget, log=(lambda m: log("    " + m)) if progress else (lambda m: None))
+                       seed=seed, time_budget=time_budget, device=device, log=(lambda m: log("    " + m)) if progress else (lambda m: None))
         r.update({"mixer": n, "T": T, "N": N, "d_model": d, "lr": lr, "vocab": vocab, "mlp": mlp})
         results["cells"][key] = r
         log(f"    -> accuracy {r['accuracy']:.3f} after {r['steps']} steps ({r['seconds']} s), "

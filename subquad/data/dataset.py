@@ -58,7 +58,7 @@ def get_batch(tokens: np.ndarray, batch_size: int, context: int, generator: torc
     n = len(tokens) - context - 1
     if n <= 0:
         raise ValueError(f"the token stream ({len(tokens):,} tokens) is shorter than context + 1 = {context + 1}")
-    starts = torch.randint(0, n, (batch_size,), generator=generator).tolist()
+    starts = torch.randint(0, n, (batch_size,), generator=generator, device=generator.device).tolist()
     win = np.stack([tokens[s:s + context + 1].astype(np.int64) for s in starts])
     t = torch.from_numpy(win)
     return t[:, :-1], t[:, 1:]

@@ -20,6 +20,8 @@ import torch.distributed as dist
 
 from subquad.ops.common.lse import merge_attention
 from subquad.ops.softmax.chunk import attention_backward, attention_forward
+from subquad.ops.common.checks import state_dtype
+from subquad.ops.common.precision import amp_op, autocast_off
 
 
 def _check_layout(T: int, world: int):
@@ -70,12 +72,14 @@ def _skip(causal, window, q0, k0, c):
 
 class _RingAttention(torch.autograd.Function):
     @staticmethod
+    @autocast_off
     def forward(ctx, q, k, v, scale, causal, window, group, block):
         # q, k, v: (B, H, 2c, D) local zigzag shards
         rank, world = dist.get_rank(group), dist.get_world_size(group)
         c = q.shape[2] // 2
-        o = [q.new_zeros(*q.shape[:2], c, v.shape[-1]) for _ in range(2)]
-        lse = [q.new_full((*q.shape[:2], c), float("-inf")) for _ in range(2)]
+        sd = state_dtype(q.dtype)                  # output and lse accumulate in float32 for 16-bit shards
+        o = [torch.zeros(*q.shape[:2], c, v.shape[-1], dtype=sd, device=q.device) for _ in range(2)]
+        lse = [torch.full((*q.shape[:2], c), float("-inf"), dtype=sd, device=q.device) for _ in range(2)]
         kv = [k.contiguous(), v.contiguous()]
         for step in range(world):
             reqs = None
@@ -99,6 +103,7 @@ class _RingAttention(torch.autograd.Function):
         return o
 
     @staticmethod
+    @autocast_off
     def backward(ctx, do):
         q, k, v, o, lse = ctx.saved_tensors
         scale, causal, window, group, block = ctx.args
@@ -106,8 +111,10 @@ class _RingAttention(torch.autograd.Function):
         c = q.shape[2] // 2
         do = do.contiguous()
         D = (do * o).sum(-1)
-        dq = torch.zeros_like(q)
-        cur = [k.contiguous(), v.contiguous(), torch.zeros_like(k), torch.zeros_like(v)]
+        sd = o.dtype                                 # gradients accumulate (and travel) in float32 too
+        dq = torch.zeros(q.shape, dtype=sd, device=q.device)
+        cur = [k.contiguous(), v.contiguous(), torch.zeros(k.shape, dtype=sd, device=k.device),
+               torch.zeros(v.shape, dtype=sd, device=v.device)]
         for step in range(world):
             src = (rank - step) % world
             kk, vv, dk, dv = cur
@@ -127,9 +134,10 @@ class _RingAttention(torch.autograd.Function):
             cur = got if step < world - 1 else cur
             if step == world - 1:
                 dk_home, dv_home = got
-        return dq, dk_home, dv_home, None, None, None, None, None
+        return dq.to(q.dtype), dk_home.to(k.dtype), dv_home.to(v.dtype), None, None, None, None, None
 
 
+@amp_op()
 def ring_attention(q, k, v, *, causal: bool = True, window: int | None = None, scale: float | None = None, group=None,
                    block_size: int = 256):
     """Exact softmax attention over a sequence sharded across the ranks of ``group`` (zigzag layout).
@@ -155,4 +163,4 @@ def ring_attention(q, k, v, *, causal: bool = True, window: int | None = None, s
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     o = _RingAttention.apply(q.transpose(1, 2).contiguous(), k.transpose(1, 2).contiguous(),
                              v.transpose(1, 2).contiguous(), scale, causal, window, group, block_size)
-    return o.transpose(1, 2)
+    return o.transpose(1, 2).to(q.dtype)

@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from subquad import ops
+from subquad.ops.common.precision import autocast_off
 
 KINDS = ("linear_attention", "retention", "simple_gla", "gla", "delta_rule", "gated_delta_rule")
 
@@ -28,6 +29,7 @@ class _AllGather(torch.autograd.Function):
     """all_gather with a backward that works on gloo too: all-reduce the gradients, keep this rank's."""
 
     @staticmethod
+    @autocast_off
     def forward(ctx, x, group):
         ctx.group = group
         out = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
@@ -35,6 +37,7 @@ class _AllGather(torch.autograd.Function):
         return torch.stack(out)
 
     @staticmethod
+    @autocast_off
     def backward(ctx, grad):
         grad = grad.contiguous()
         dist.all_reduce(grad, group=ctx.group)

@@ -70,5 +70,5 @@ class SoftmaxAttention(Mixer):
             new = KVCache(torch.cat([state.k, k], 1), torch.cat([state.v, v], 1), window=self.window,
                           seen=state.seen + T)
         else:
-            new = state.append(k, v)       # decoding: in place, amortised O(1) per token
+            new = state.fork().append(k, v)   # decoding: amortised O(1) per token; the caller's state unchanged
         return y, new

@@ -29,6 +29,10 @@ class LinearAttention(Mixer):
         self.n_heads, self.head_dim = n_heads, d_model // n_heads
         self.qk_dim = qk_dim or self.head_dim
         self.normalize = normalize
+        if feature_map == "performer" and not normalize:
+            raise ValueError("feature_map='performer' needs normalize=True: its per-query stabiliser exp(-max) "
+                             "cancels only in the normalised ratio; unnormalised, every output row would be "
+                             "scaled by it")
         kw = {"num_features": num_features} if feature_map == "performer" else {}
         self.phi = make_feature_map(feature_map, head_dim=self.qk_dim, **kw)
         self.feature_dim = self.phi.out_dim(self.qk_dim)

@@ -24,7 +24,8 @@ from subquad.layers.base import Mixer
 from subquad.layers.conv import ShortConv
 from subquad.layers.norm import GatedRMSNorm
 from subquad.ops import simple_gla
-from subquad.ops.common.autograd import wants_grad
+from subquad.ops.common.autograd import inference_path, wants_grad
+from subquad.ops.common.precision import no_autocast
 from subquad.ops.common.chunking import SHORT
 from subquad.ops.gla.ssd import ssd_chunkwise, ssd_inference
 
@@ -62,9 +63,10 @@ class Mamba2(Mixer):
         H = self.n_heads
         if cp is None and self.mode == "chunk" and x.shape[1] >= SHORT:   # B and C shared: one matmul for all heads
             sd = torch.float64 if x.dtype == torch.float64 else torch.float32
-            run = ssd_chunkwise if wants_grad(x, dt, A, Bm, Cm, initial_state) else ssd_inference
-            y, h = run(*(t.to(sd) for t in (x, dt, A, Bm, Cm)), chunk_size=self.chunk_size,
-                       initial_state=initial_state)
+            run = ssd_inference if inference_path(x, dt, A, Bm, Cm, initial_state) else ssd_chunkwise
+            with no_autocast(x):                                                # float32 inside, as every op
+                y, h = run(*(t.to(sd) for t in (x, dt, A, Bm, Cm)), chunk_size=self.chunk_size,
+                           initial_state=initial_state)
             return y.to(x.dtype), h
         q = Cm.unsqueeze(2).expand(-1, -1, H, -1)                              # B and C are shared by the heads
         k = Bm.unsqueeze(2).expand(-1, -1, H, -1) * dt.unsqueeze(-1)
@@ -102,4 +104,5 @@ class Mamba2(Mixer):
         if self.norm.group_size != self.d_inner or self.out_proj.bias is not None:
             return self.out_proj(self.norm(y, z))
         g = self.norm.gate(y, z)
-        return F.linear(g, self.out_proj.weight * self.norm.weight) * self.norm.inv_rms(g)
+        out = F.linear(g, self.out_proj.weight * self.norm.weight)    # 16-bit under autocast, as out_proj's
+        return out * self.norm.inv_rms(g).to(out.dtype)

@@ -18,6 +18,7 @@ from torch import nn
 
 from subquad.layers import RMSNorm, build_mixer, tensor_bytes
 from subquad.models.config import ModelConfig
+from subquad.ops.common.precision import checks_on
 
 
 class SwiGLU(nn.Module):
@@ -89,7 +90,7 @@ class LanguageModel(nn.Module):
     def _check_idx(self, idx):
         if not isinstance(idx, torch.Tensor) or idx.dim() != 2 or idx.dtype not in (torch.long, torch.int32, torch.int64):
             raise ValueError(f"idx must be an integer tensor (B, T), got {getattr(idx, 'shape', type(idx))}")
-        if idx.numel() and (idx.min() < 0 or idx.max() >= self.config.vocab_size):
+        if idx.numel() and checks_on(idx) and (idx.min() < 0 or idx.max() >= self.config.vocab_size):
             raise ValueError(f"token ids must lie in [0, {self.config.vocab_size}), got [{idx.min()}, {idx.max()}]")
 
     def prefill(self, idx, state=None):
@@ -103,7 +104,8 @@ class LanguageModel(nn.Module):
             cp = current()             # context parallel: idx is this rank's shard, at its global positions
             positions = (cp.positions(idx.shape[1], idx.device) if cp is not None
                          else torch.arange(pos, pos + idx.shape[1], device=idx.device))
-            end = int(positions.max()) + 1 if positions.numel() else pos
+            end = (pos + idx.shape[1] if cp is None
+                   else cp.world * idx.shape[1])          # the zigzag shards cover the whole sequence
             if end > self.config.context_length:
                 raise ValueError(f"learned positions end at context_length={self.config.context_length}; "
                                  f"this call reaches position {end} (use pos_emb='none' to decode without limit)")
@@ -146,10 +148,11 @@ class LanguageModel(nn.Module):
             raise ValueError(f"top_p must lie in (0, 1], got {top_p}")
         was_training = self.training
         self.eval()
-        idx = torch.as_tensor(prompt, dtype=torch.long).view(1, -1)
+        dev = self.embed.weight.device                  # prompt, tokens and sampler follow the model
+        idx = torch.as_tensor(prompt, dtype=torch.long).view(1, -1).to(dev)
         if idx.shape[1] == 0:
             raise ValueError("prompt must hold at least one token")
-        gen = torch.Generator().manual_seed(seed) if seed is not None else None
+        gen = torch.Generator(device=dev).manual_seed(seed) if seed is not None else None
         logits, state = self.prefill(idx, state)
         out = []
         for i in range(max_new_tokens):
@@ -158,7 +161,7 @@ class LanguageModel(nn.Module):
             if on_token is not None:
                 on_token(nxt)
             if i < max_new_tokens - 1:
-                logits, state = self.prefill(torch.tensor([[nxt]]), state)
+                logits, state = self.prefill(torch.tensor([[nxt]], device=dev), state)
         self.train(was_training)
         return out, state
 

@@ -35,9 +35,11 @@ from subquad.ops.softmax import (
 )
 
 from subquad.ops.common.checks import MODES
+from subquad.ops.common.precision import set_checks
 
 __all__ = [
     "MODES",
+    "set_checks",
     "FEATURE_MAPS",
     "KVCache",
     "feature_map",

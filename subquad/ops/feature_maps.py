@@ -77,11 +77,11 @@ def orthogonal_gaussian(m: int, d: int, generator: torch.Generator) -> torch.Ten
     """(m, d) rows orthogonal in blocks of d, each row rescaled to a chi(d)-distributed norm."""
     blocks = []
     for _ in range(math.ceil(m / d)):
-        g = torch.randn(d, d, generator=generator, dtype=torch.float64)
+        g = torch.randn(d, d, generator=generator, dtype=torch.float64, device=generator.device)
         qmat, _ = torch.linalg.qr(g)
         blocks.append(qmat.T)
     w = torch.cat(blocks, dim=0)[:m]
-    norms = torch.randn(m, d, generator=generator, dtype=torch.float64).norm(dim=-1, keepdim=True)
+    norms = torch.randn(m, d, generator=generator, dtype=torch.float64, device=generator.device).norm(dim=-1, keepdim=True)
     return w * norms
 
 

@@ -32,7 +32,7 @@ def _sha256(path: Path) -> str:
 
 def _optim_tensors(opt: torch.optim.Optimizer):
     sd = opt.state_dict()
-    tensors = {f"{i}.{k}": v.contiguous() for i, st in sd["state"].items() for k, v in st.items()
+    tensors = {f"{i}.{k}": v.cpu().contiguous() for i, st in sd["state"].items() for k, v in st.items()
                if isinstance(v, torch.Tensor)}
     scalars = {f"{i}.{k}": v for i, st in sd["state"].items() for k, v in st.items() if not isinstance(v, torch.Tensor)}
     return tensors, {"param_groups": sd["param_groups"], "scalars": scalars}
@@ -55,7 +55,7 @@ def save_checkpoint(run_dir, step: int, model, optimizer, meta: dict, keep: int 
     tmp = root / f".step_{step:07d}.tmp"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
-    save_file({k: v.detach().contiguous() for k, v in model.state_dict().items()}, str(tmp / "model.safetensors"))
+    save_file({k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()}, str(tmp / "model.safetensors"))
     otensors, ometa = _optim_tensors(optimizer)
     save_file(otensors, str(tmp / "optim.safetensors"))
     full = {**meta, "step": step, "optim": ometa,

@@ -17,15 +17,21 @@ from pathlib import Path
 import torch
 
 from subquad.data.dataset import prepare
+from subquad.device import resolve_device
 from subquad.models import LanguageModel, ModelConfig
 from subquad.train.checkpoint import latest_checkpoint, load_checkpoint
 from subquad.train.trainer import TrainConfig, Trainer
 
 
 def train_run(model_cfg: ModelConfig, train_cfg: TrainConfig, out, data: str | None = None, resume: bool = False,
-              vocab_size: int | None = None, progress: bool = True, log=print, token_data=None) -> dict:
+              vocab_size: int | None = None, progress: bool = True, log=print, token_data=None,
+              device="cpu") -> dict:
+    """Train (or with ``resume`` continue) the run in ``out`` on ``device`` (``subquad.device``: 'auto',
+    'cpu', 'cuda', ...). The model is built on the CPU from the seed, then moved, so every device
+    starts from the same weights."""
     from subquad.train.trainer import _dist
 
+    device = resolve_device(device)
     rank, world = _dist()
     if rank != 0:
         log = lambda m: None                                   # noqa: E731  (rank 0 speaks for the run)
@@ -48,7 +54,7 @@ def train_run(model_cfg: ModelConfig, train_cfg: TrainConfig, out, data: str | N
         (out / "config.json").write_text(json.dumps({"model": model_cfg.to_dict(), "train": asdict(train_cfg),
                                                      "data": data or "stdlib", "world": world}, indent=1))
     torch.manual_seed(train_cfg.seed)
-    model = LanguageModel(model_cfg)
+    model = LanguageModel(model_cfg).to(device)
     trainer = Trainer(model, td, train_cfg, out, progress=progress and rank == 0)
     if resume and trainer.resume():
         log(f"resuming {out} from step {trainer.step}")
@@ -59,14 +65,14 @@ def train_run(model_cfg: ModelConfig, train_cfg: TrainConfig, out, data: str | N
     return result
 
 
-def load_run(path):
-    """(model in eval mode, tokenizer, meta) from a run folder or a checkpoint folder."""
+def load_run(path, device="cpu"):
+    """(model in eval mode on ``device``, tokenizer, meta) from a run folder or a checkpoint folder."""
     from subquad.data.tokenizer import load_tokenizer
 
     path = Path(path)
     model_sd, _, meta = load_checkpoint(path)
     model = LanguageModel(ModelConfig.from_dict(meta["model_config"]))
     model.load_state_dict(model_sd)
-    model.eval()
+    model.to(resolve_device(device)).eval()
     run = path if (path / "ckpt").exists() else path.parent.parent
     return model, load_tokenizer(run / "tokenizer.json"), meta

@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from subquad.data.dataset import TokenData, get_batch
+from subquad.device import device_of
 from subquad.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 
 
@@ -68,9 +69,11 @@ class TrainConfig:
 
 
 def cross_entropy(model, x, y, bf16=False, cp_group=None):
-    """Mean next-token loss. With ``cp_group`` (context parallel), this rank's zigzag shard of x and y only:
+    """Mean next-token loss, on the model's device (x and y are moved there; ``bf16``: autocast there). With ``cp_group`` (context parallel), this rank's zigzag shard of x and y only:
     every rank holds as many tokens, so the mean over ranks is the loss of the whole sequences."""
-    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16), _context(cp_group) as cp:
+    dev = device_of(model)
+    x, y = x.to(dev, non_blocking=True), y.to(dev, non_blocking=True)     # batches follow the model
+    with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=bf16), _context(cp_group) as cp:
         if cp is not None:
             from subquad.distributed import zigzag_shard
 

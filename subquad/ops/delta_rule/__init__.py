@@ -21,6 +21,7 @@ Example:
 from __future__ import annotations
 
 from subquad.ops.common.checks import check_chunk_size, check_like, check_mode, check_qkv, default_scale, state_dtype
+from subquad.ops.common.precision import amp_op, causal_guard, checks_on, finite_log_decay
 from subquad.ops.delta_rule.chunk import chunk_delta_rule, parallel_delta_rule
 from subquad.ops.delta_rule.recurrent import recurrent_delta_rule
 
@@ -34,29 +35,38 @@ def _run(q, k, v, beta, g, mode, chunk_size, scale, initial_state, output_final_
         raise ValueError(f"q must hold at least one token (T >= 1), got shape {tuple(q.shape)}")
     check_chunk_size(chunk_size)
     check_like("beta", beta, q.shape[:3], q)
-    if (beta < 0).any() or (beta > 1).any():
+    if checks_on(beta) and ((beta < 0).any() or (beta > 1).any()):
         raise ValueError(f"beta is the write strength and must lie in [0, 1]; got [{beta.min().item():.3g}, "
                          f"{beta.max().item():.3g}]")
     if g is not None:
         check_like("g", g, q.shape[:3], q)
-        if (g > 0).any():
+        if checks_on(g) and (g > 0).any():
             raise ValueError(f"g is a log-decay and must be <= 0 everywhere; got max {g.max().item():.3g}")
     B, _, H, K = q.shape
     dt = state_dtype(q.dtype)
     if initial_state is not None:
         check_like("initial_state", initial_state, (B, H, K, v.shape[-1]), q)
         initial_state = initial_state.to(dt)
-    o, S = _FORMS[mode](q, k, v, beta.to(dt), None if g is None else g.to(dt), scale=default_scale(scale, K),
-                        chunk_size=chunk_size, initial_state=initial_state)
+    beta, g = beta.to(dt), None if g is None else finite_log_decay(g.to(dt))
+
+    def run(form):
+        return _FORMS[form](q, k, v, beta, g, scale=default_scale(scale, K), chunk_size=chunk_size,
+                            initial_state=initial_state)
+
+    o, S = run(mode)
+    if mode != "recurrent":                            # non-finite input stays causal
+        o, S = causal_guard((o, S), S, lambda: run("recurrent"))
     return o.to(q.dtype), (S if output_final_state else None)
 
 
+@amp_op()
 def delta_rule(q, k, v, beta, *, mode="chunk", chunk_size=64, scale=None, initial_state=None,
                output_final_state=False):
     """DeltaNet: S_t = (I - b_t k_t k_t^T) S_{t-1} + b_t k_t v_t^T; ``beta`` (B, T, H)."""
     return _run(q, k, v, beta, None, mode, chunk_size, scale, initial_state, output_final_state)
 
 
+@amp_op()
 def gated_delta_rule(q, k, v, g, beta, *, mode="chunk", chunk_size=64, scale=None, initial_state=None,
                      output_final_state=False):
     """Gated DeltaNet: S_t = a_t (I - b_t k_t k_t^T) S_{t-1} + b_t k_t v_t^T; ``g = log a`` and ``beta`` (B, T, H)."""

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import torch
 
-from subquad.ops.common.autograd import wants_grad
+from subquad.ops.common.autograd import inference_path
 from subquad.ops.common.chunking import SHORT, decay_mask, in_pieces
 from subquad.ops.delta_rule.inference import delta_rule_inference
 from subquad.ops.delta_rule.recurrent import recurrent_delta_rule
@@ -80,7 +80,7 @@ def _chunkwise(q, k, v, beta, g, scale, C, initial_state):
 
 
 def chunk_delta_rule(q, k, v, beta, g, *, scale, chunk_size=64, initial_state=None):
-    if not wants_grad(q, k, v, beta, g, initial_state):
+    if inference_path(q, k, v, beta, g, initial_state):
         run = recurrent_delta_rule if q.shape[1] < SHORT else delta_rule_inference
         return run(q, k, v, beta, g, scale=scale, chunk_size=chunk_size, initial_state=initial_state)
     C = min(chunk_size, q.shape[1])

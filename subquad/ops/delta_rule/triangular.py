@@ -10,6 +10,7 @@ LAPACK's batched trsm pays ~20 us of overhead per small matrix, and autograd's b
 from __future__ import annotations
 
 import torch
+from subquad.ops.common.precision import autocast_off
 
 BASE = 16  # diagonal blocks of the inverse built by the row recurrence
 
@@ -55,6 +56,7 @@ def unit_lower_inverse(A):
 
 class _UnitLowerSolve(torch.autograd.Function):
     @staticmethod
+    @autocast_off
     def forward(ctx, A, R):
         T = unit_lower_inverse(A)
         X = T @ R
@@ -62,6 +64,7 @@ class _UnitLowerSolve(torch.autograd.Function):
         return X
 
     @staticmethod
+    @autocast_off
     def backward(ctx, dX):
         T, X = ctx.saved_tensors
         dR = T.transpose(-1, -2) @ dX

@@ -29,6 +29,7 @@ from __future__ import annotations
 import torch
 
 from subquad.ops.common.checks import check_chunk_size, check_like, check_mode, check_qkv, default_scale, state_dtype
+from subquad.ops.common.precision import amp_op, causal_guard, checks_on, finite_log_decay
 from subquad.ops.gla.chunk import chunk_decay_attention
 from subquad.ops.gla.parallel import parallel_decay_attention
 from subquad.ops.gla.recurrent import recurrent_decay_attention
@@ -45,7 +46,7 @@ def _prepare(q, k, v, g, g_shape, mode, chunk_size, scale, initial_state):
     check_like("g", g, g_shape, q)
     if g.dtype != q.dtype and g.dtype not in (torch.float32, torch.float64):
         raise ValueError(f"g must be float32, float64 or q's dtype, got {g.dtype}")
-    if (g > 0).any():
+    if checks_on(g) and (g > 0).any():
         raise ValueError(f"g is a log-decay and must be <= 0 everywhere; got max {g.max().item():.3g}")
     B, _, H, K = q.shape
     if initial_state is not None:
@@ -55,11 +56,18 @@ def _prepare(q, k, v, g, g_shape, mode, chunk_size, scale, initial_state):
 
 
 def _run(q, k, v, g, mode, chunk_size, scale, initial_state, output_final_state):
-    o, S = _FORMS[mode](q, k, v, g.to(state_dtype(q.dtype)), scale=scale, chunk_size=chunk_size,
-                        initial_state=initial_state)
+    g = finite_log_decay(g.to(state_dtype(q.dtype)))           # a decay of exactly 0: the same in every form
+
+    def run(form):
+        return _FORMS[form](q, k, v, g, scale=scale, chunk_size=chunk_size, initial_state=initial_state)
+
+    o, S = run(mode)
+    if mode != "recurrent":
+        o, S = causal_guard((o, S), S, lambda: run("recurrent"))
     return o.to(q.dtype), (S if output_final_state else None)
 
 
+@amp_op()
 def retention(q, k, v, g, *, mode="chunk", chunk_size=64, scale=None, initial_state=None, output_final_state=False):
     """Retention (RetNet): S_t = a S_{t-1} + k_t v_t^T with a fixed log-decay ``g = log a`` of shape (H,)."""
     B, T, H, _ = q.shape
@@ -67,12 +75,14 @@ def retention(q, k, v, g, *, mode="chunk", chunk_size=64, scale=None, initial_st
     return _run(q, k, v, g.view(1, 1, H).expand(B, T, H), mode, chunk_size, scale, initial_state, output_final_state)
 
 
+@amp_op()
 def simple_gla(q, k, v, g, *, mode="chunk", chunk_size=64, scale=None, initial_state=None, output_final_state=False):
     """Simple GLA / SSD: S_t = a_t S_{t-1} + k_t v_t^T with ``g = log a`` of shape (B, T, H)."""
     scale, initial_state = _prepare(q, k, v, g, q.shape[:3], mode, chunk_size, scale, initial_state)
     return _run(q, k, v, g, mode, chunk_size, scale, initial_state, output_final_state)
 
 
+@amp_op()
 def gla(q, k, v, g, *, mode="chunk", chunk_size=64, scale=None, initial_state=None, output_final_state=False):
     """GLA: S_t = diag(a_t) S_{t-1} + k_t v_t^T with ``g = log a`` of shape (B, T, H, K)."""
     scale, initial_state = _prepare(q, k, v, g, q.shape, mode, chunk_size, scale, initial_state)

@@ -32,7 +32,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from subquad.ops.common.autograd import wants_grad
+from subquad.ops.common.autograd import inference_path
 from subquad.ops.common.chunking import SHORT, in_pieces
 from subquad.ops.gla.inference import decay_attention_inference
 from subquad.ops.gla.intra import SUB, _intra_scalar, _intra_vector
@@ -77,7 +77,7 @@ def _chunkwise(q, k, v, g, scale, C, initial_state):
 
 
 def chunk_decay_attention(q, k, v, g, *, scale, chunk_size=64, initial_state=None):
-    if not wants_grad(q, k, v, g, initial_state):
+    if inference_path(q, k, v, g, initial_state):
         run = recurrent_decay_attention if q.shape[1] < SHORT else decay_attention_inference
         return run(q, k, v, g, scale=scale, chunk_size=chunk_size, initial_state=initial_state)
     T = q.shape[1]

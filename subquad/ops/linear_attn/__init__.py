@@ -19,7 +19,10 @@ Example:
 
 from __future__ import annotations
 
+import torch
+
 from subquad.ops.common.checks import check_chunk_size, check_mode, check_qkv, default_scale
+from subquad.ops.common.precision import amp_op, causal_guard, checks_on
 from subquad.ops.linear_attn.chunk import chunk_linear_attention
 from subquad.ops.linear_attn.parallel import parallel_linear_attention
 from subquad.ops.linear_attn.recurrent import linear_attention_step, recurrent_linear_attention
@@ -42,6 +45,7 @@ _FORMS = {
 }
 
 
+@amp_op()
 def linear_attention(q, k, v, *, normalize=True, eps=1e-6, mode="chunk", chunk_size=64, scale=None,
                      initial_state=None, output_final_state=False):
     """Causal linear attention.
@@ -60,8 +64,16 @@ def linear_attention(q, k, v, *, normalize=True, eps=1e-6, mode="chunk", chunk_s
         (o (B, T, H, V), final_state or None).
     """
     check_mode(mode)
-    return _FORMS[mode](q, k, v, normalize=normalize, eps=eps, scale=scale, chunk_size=chunk_size,
-                        initial_state=initial_state, output_final_state=output_final_state)
+
+    def run(form, final):
+        return _FORMS[form](q, k, v, normalize=normalize, eps=eps, scale=scale, chunk_size=chunk_size,
+                            initial_state=initial_state, output_final_state=final)
+
+    if mode == "recurrent" or not isinstance(q, torch.Tensor) or not checks_on(q):
+        return run(mode, output_final_state)
+    o, S = run(mode, True)                             # non-finite input stays causal: the state tells
+    o, S = causal_guard((o, S), S if not normalize else S[0], lambda: run("recurrent", True))
+    return o, (S if output_final_state else None)
 
 
 __all__ = ["linear_attention", "linear_attention_step", "parallel_linear_attention", "recurrent_linear_attention", "chunk_linear_attention"]

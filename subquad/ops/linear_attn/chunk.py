@@ -27,7 +27,9 @@ from __future__ import annotations
 import torch
 
 from subquad.ops.common.checks import state_dtype
+from subquad.ops.common.precision import amp_op
 from subquad.ops.linear_attn.state import pack_state, unpack_state
+from subquad.ops.common.precision import autocast_off
 
 
 def _chunks(T: int, C: int):
@@ -86,6 +88,7 @@ def _bwd(q, k, v, do, states, dS, scale: float, C: int):
 
 class _ChunkLinearAttn(torch.autograd.Function):
     @staticmethod
+    @autocast_off
     def forward(ctx, q, k, v, S0, scale, C):
         S = S0.clone()
         need = any(ctx.needs_input_grad[:4])
@@ -96,6 +99,7 @@ class _ChunkLinearAttn(torch.autograd.Function):
         return o, S
 
     @staticmethod
+    @autocast_off
     def backward(ctx, do, dS):
         q, k, v, states = ctx.saved_tensors
         if dS is None:
@@ -105,6 +109,7 @@ class _ChunkLinearAttn(torch.autograd.Function):
         return dq, dk, dv, dS0, None, None
 
 
+@amp_op()
 def chunk_linear_attention(q, k, v, *, normalize=True, eps=1e-6, scale=None, chunk_size=64,
                            initial_state=None, output_final_state=False):
     """Chunkwise linear attention; same signature as ``linear_attention``."""

@@ -12,9 +12,11 @@ from __future__ import annotations
 import torch
 
 from subquad.ops.common.checks import state_dtype
+from subquad.ops.common.precision import amp_op
 from subquad.ops.linear_attn.state import pack_state, unpack_state
 
 
+@amp_op()
 def recurrent_linear_attention(q, k, v, *, normalize=True, eps=1e-6, scale=None, chunk_size=None,
                                initial_state=None, output_final_state=False):
     """Recurrent (token loop) linear attention; same signature as ``linear_attention``."""

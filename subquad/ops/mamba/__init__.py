@@ -24,6 +24,7 @@ import torch.nn.functional as F
 
 from subquad.ops.common.autograd import wants_grad
 from subquad.ops.common.checks import check_chunk_size, check_like, check_mode, state_dtype
+from subquad.ops.common.precision import amp_op, causal_guard, checks_on
 from subquad.ops.mamba.scan import chunk_selective_scan, parallel_selective_scan, recurrent_selective_scan
 
 SHORT_SCAN = 16  # the scan's token loop beats its lanes below ~32 tokens (benchmarks/bench_decode_step.py)
@@ -31,6 +32,7 @@ SHORT_SCAN = 16  # the scan's token loop beats its lanes below ~32 tokens (bench
 _FORMS = {"parallel": parallel_selective_scan, "recurrent": recurrent_selective_scan, "chunk": chunk_selective_scan}
 
 
+@amp_op(positions=(0, 3, 4), keywords=("z",))
 def selective_scan(x, dt, A, B, C, *, D=None, z=None, mode="chunk", chunk_size=64, initial_state=None,
                    output_final_state=False):
     """Selective scan; returns (y (B, T, Dm), final state (B, Dm, N) or None)."""
@@ -52,21 +54,28 @@ def selective_scan(x, dt, A, B, C, *, D=None, z=None, mode="chunk", chunk_size=6
         check_like("D", D, (Dm,), x)
     if z is not None:
         check_like("z", z, x.shape, x)
-    if (dt < 0).any():
+    if checks_on(dt) and (dt < 0).any():
         raise ValueError("dt must be >= 0 (it is a step size, softplus of a projection in Mamba)")
-    if (A > 0).any():
+    if checks_on(A) and (A > 0).any():
         raise ValueError(f"A must be <= 0 (the state decays); got max {A.max().item():.3g}")
-    for name, t in (("x", dt), ("A", A), ("B", B), ("C", C)):
-        if t.dtype != x.dtype and not (name == "A" and t.dtype in (torch.float32, torch.float64)):
-            raise ValueError(f"{name} must have x's dtype {x.dtype}, got {t.dtype}")
+    for name, t in (("dt", dt), ("A", A), ("B", B), ("C", C), ("D", D), ("z", z)):
+        gate = name in ("dt", "A", "D")                # gates may stay float32 beside 16-bit activations
+        if t is not None and t.dtype != x.dtype and not (gate and t.dtype in (torch.float32, torch.float64)):
+            raise ValueError(f"{name} must have x's dtype {x.dtype}{' (or float32)' if gate else ''}, got {t.dtype}")
     sd = state_dtype(x.dtype)
     if initial_state is not None:
         check_like("initial_state", initial_state, (Bsz, Dm, N), x)
         initial_state = initial_state.to(sd)
     if mode == "chunk" and T < SHORT_SCAN and not wants_grad(x, dt, A, B, C, initial_state):
         mode = "recurrent"                             # a decoding step or a short prompt: the token loop is faster
-    y, h = _FORMS[mode](x.to(sd), dt.to(sd), A.to(sd), B.to(sd), C.to(sd), chunk_size=chunk_size,
-                        initial_state=initial_state)
+    args = (x.to(sd), dt.to(sd), A.to(sd), B.to(sd), C.to(sd))
+
+    def run(form):
+        return _FORMS[form](*args, chunk_size=chunk_size, initial_state=initial_state)
+
+    y, h = run(mode)
+    if mode != "recurrent":                            # non-finite input stays causal
+        y, h = causal_guard((y, h), h, lambda: run("recurrent"))
     if D is not None:
         y = y + x.to(sd) * D.to(sd)
     if z is not None:

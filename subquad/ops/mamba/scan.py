@@ -26,6 +26,7 @@ import math
 import torch
 
 from subquad.ops.common.chunking import token_slice
+from subquad.ops.common.precision import autocast_off
 
 
 def recurrent_selective_scan(x, dt, A, B, C, *, chunk_size=None, initial_state=None):
@@ -98,6 +99,7 @@ class _LanesScan(torch.autograd.Function):
     """
 
     @staticmethod
+    @autocast_off
     def forward(ctx, x, dt, A, B, C, h0, c):
         T = x.shape[1]
         xl, dtl, Bl, Cl = _lanes(c, x, dt, B, C)
@@ -112,6 +114,7 @@ class _LanesScan(torch.autograd.Function):
         return torch.stack(ys, 2).flatten(1, 2)[:, :T], final
 
     @staticmethod
+    @autocast_off
     def backward(ctx, dy, dfinal):
         x, dt, A, B, C, starts = ctx.saved_tensors
         c = ctx.c

@@ -25,6 +25,7 @@ from __future__ import annotations
 import torch
 
 from subquad.ops.common.checks import check_chunk_size, check_mode, check_qkv, default_scale
+from subquad.ops.common.precision import amp_op, causal_guard
 from subquad.ops.softmax.cache import KVCache
 from subquad.ops.softmax.chunk import blockwise_softmax_attention, chunk_softmax_attention
 from subquad.ops.softmax.naive import naive_softmax_attention
@@ -94,6 +95,7 @@ _FORMS = {
 }
 
 
+@amp_op()
 def softmax_attention(q, k, v, *, causal=True, window=None, mode="chunk", chunk_size=64, scale=None,
                       initial_state=None, output_final_state=False, return_lse=False):
     """Softmax attention.
@@ -112,8 +114,17 @@ def softmax_attention(q, k, v, *, causal=True, window=None, mode="chunk", chunk_
         (o, final_state) or, with return_lse, (o, final_state, lse).
     """
     check_mode(mode)
-    return _FORMS[mode](q, k, v, causal=causal, window=window, scale=scale, chunk_size=chunk_size,
-                        initial_state=initial_state, output_final_state=output_final_state, return_lse=return_lse)
+
+    def run(form):
+        return _FORMS[form](q, k, v, causal=causal, window=window, scale=scale, chunk_size=chunk_size,
+                            initial_state=initial_state, output_final_state=output_final_state,
+                            return_lse=return_lse)
+
+    out = run(mode)
+    if mode == "recurrent" or not causal or return_lse:
+        return out
+    # non-finite input stays causal: a masked weight of 0 times a NaN value would reach earlier queries
+    return causal_guard(out, out[0], lambda: run("recurrent"))
 
 
 __all__ = ["KVCache", "softmax_attention", "naive_softmax_attention", "parallel_softmax_attention",

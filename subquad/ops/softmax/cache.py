@@ -4,6 +4,14 @@ With a sliding window W only the last W entries are kept (a query sees itself an
 the W tokens before it), so the cache is bounded. Buffers grow by doubling, so
 appending one token is amortised O(1) copies; a window keeps a 2W buffer and
 slides it when full, however many tokens are appended at once.
+
+A cache passed to a layer is never changed: the layer appends to a ``fork()``, a
+new cache object over the same buffers. Forks write only past the furthest
+position any fork of the buffer has written (``_tail``, shared), so every
+fork's live entries stay intact; a fork that is not at that tail (its sibling
+appended first) moves to fresh buffers before it writes. Decoding one token at
+a time stays amortised O(1), and a state reused for several continuations
+gives the same answers each time.
 """
 
 from __future__ import annotations
@@ -29,6 +37,7 @@ class KVCache:
             k, v = k[:, k.shape[1] - window:].clone(), v[:, v.shape[1] - window:].clone()
         self._k, self._v = k, v
         self._start, self._len = 0, k.shape[1]
+        self._tail = [k.shape[1]]          # furthest position written in these buffers, shared by forks
 
     @classmethod
     def empty(cls, B, H, K, V, *, dtype=torch.float32, device=None, window=None, capacity=16):
@@ -37,7 +46,14 @@ class KVCache:
         k = torch.empty(B, capacity, H, K, dtype=dtype, device=device)
         v = torch.empty(B, capacity, H, V, dtype=dtype, device=device)
         c = cls(k, v, window=window)
-        c._len, c.seen = 0, 0
+        c._len, c.seen, c._tail = 0, 0, [0]
+        return c
+
+    def fork(self) -> "KVCache":
+        """A new cache object over the same buffers and entries: appending to it leaves this one as it is."""
+        c = KVCache.__new__(KVCache)
+        c.window, c.seen = self.window, self.seen
+        c._k, c._v, c._start, c._len, c._tail = self._k, self._v, self._start, self._len, self._tail
         return c
 
     @property
@@ -72,12 +88,13 @@ class KVCache:
             return self._append_window(k_new, v_new)
         t = k_new.shape[1]
         end = self._start + self._len
-        if end + t > self._k.shape[1]:
+        if end + t > self._k.shape[1] or end != self._tail[0]:       # full, or a fork wrote past our end
             self._realloc(max(2 * (self._len + t), 16))
             end = self._len
         self._k[:, end:end + t] = k_new
         self._v[:, end:end + t] = v_new
         self._len += t
+        self._tail[0] = end + t
         self.seen += t
         return self
 
@@ -87,7 +104,7 @@ class KVCache:
         v_buf = self._v.new_empty(self._v.shape[0], capacity, *self._v.shape[2:])
         k_buf[:, :self._len] = self.k
         v_buf[:, :self._len] = self.v
-        self._k, self._v, self._start = k_buf, v_buf, 0
+        self._k, self._v, self._start, self._tail = k_buf, v_buf, 0, [self._len]
 
     def _append_window(self, k_new, v_new):
         """A windowed cache lives in a buffer of 2W tokens (W >= 1): bounded whatever is appended."""
@@ -95,17 +112,20 @@ class KVCache:
         cap = max(2 * W, 1)
         if self._k.shape[1] != cap:
             self._realloc(cap)
-        if t >= W:                                   # the new block alone fills the window
+        if t >= W:                                   # the new block alone fills the window: fresh buffers
+            self._k, self._v = self._k.new_empty(self._k.shape), self._v.new_empty(self._v.shape)
             self._k[:, :W] = k_new[:, t - W:]
             self._v[:, :W] = v_new[:, t - W:]
-            self._start, self._len = 0, W
+            self._start, self._len, self._tail = 0, W, [W]
         else:
-            if self._start + self._len + t > cap:    # slide the live entries to the front
+            end = self._start + self._len
+            if end + t > cap or end != self._tail[0]:   # slide the live entries to the front (fresh buffers)
                 self._realloc(cap)
             end = self._start + self._len
             self._k[:, end:end + t] = k_new
             self._v[:, end:end + t] = v_new
             self._len += t
+            self._tail[0] = end + t
         self.seen += t
         self._trim()
         return self

@@ -24,7 +24,10 @@ from __future__ import annotations
 
 import torch
 
+from subquad.ops.common.checks import state_dtype
 from subquad.ops.softmax.naive import visible_mask
+from subquad.ops.common.precision import autocast_off
+from subquad.ops.common.precision import amp_op
 
 
 def _blocks(T_q, L, C, causal, window, q_start, k_start):
@@ -33,7 +36,8 @@ def _blocks(T_q, L, C, causal, window, q_start, k_start):
         qe = min(qs + C, T_q)
         q_lo, q_hi = q_start + qs, q_start + qe - 1                     # absolute positions
         kb = []
-        for ks in range(0, L, C):
+        first = 0 if window is None else max(0, (q_lo - window - k_start) // C * C)   # O(T W): skip unseen blocks
+        for ks in range(first, L, C):
             ke = min(ks + C, L)
             k_lo, k_hi = k_start + ks, k_start + ke - 1
             if causal and k_lo > q_hi:
@@ -46,23 +50,26 @@ def _blocks(T_q, L, C, causal, window, q_start, k_start):
 
 
 def attention_forward(q, k, v, scale, C, causal, window, q_start, k_start):
-    """Blockwise online softmax on (B, H, T, K) x (B, H, L, K|V): returns o (B, H, T, V), lse (B, H, T).
+    """Blockwise online softmax on (B, H, T, K) x (B, H, L, K|V): returns o (B, H, T, V), lse (B, H, T),
+    both in float32 for 16-bit inputs (float64 stays): every block is cast up before its matmuls, so the
+    running max, sum and accumulator never round to 16 bits.
 
     A query row that sees no key gets o = 0 and lse = -inf (merges as an empty block).
     """
     B, H, T, _ = q.shape
     L = k.shape[2]
-    o = q.new_zeros(B, H, T, v.shape[-1])
-    lse = q.new_full((B, H, T), float("-inf"))
+    sd = state_dtype(q.dtype)
+    o = torch.zeros(B, H, T, v.shape[-1], dtype=sd, device=q.device)
+    lse = torch.full((B, H, T), float("-inf"), dtype=sd, device=q.device)
     for qs, qe, kb in _blocks(T, L, C, causal, window, q_start, k_start):
         if not kb:
             continue
-        qb = q[:, :, qs:qe]
-        m = q.new_full((B, H, qe - qs), float("-inf"))
-        l = q.new_zeros(B, H, qe - qs)
-        acc = q.new_zeros(B, H, qe - qs, v.shape[-1])
+        qb = q[:, :, qs:qe].to(sd)
+        m = torch.full((B, H, qe - qs), float("-inf"), dtype=sd, device=q.device)
+        l = torch.zeros(B, H, qe - qs, dtype=sd, device=q.device)
+        acc = torch.zeros(B, H, qe - qs, v.shape[-1], dtype=sd, device=q.device)
         for ks, ke, needs in kb:
-            s = (qb @ k[:, :, ks:ke].transpose(-1, -2)).mul_(scale)
+            s = (qb @ k[:, :, ks:ke].to(sd).transpose(-1, -2)).mul_(scale)
             if needs:
                 vis = visible_mask(qe - qs, ke - ks, causal=causal, window=window,
                                    q_start=q_start + qs, k_start=k_start + ks, device=q.device)
@@ -72,7 +79,7 @@ def attention_forward(q, k, v, scale, C, causal, window, q_start, k_start):
             p = torch.exp(s - m_safe.unsqueeze(-1))
             alpha = torch.exp(m - m_safe)
             l = l * alpha + p.sum(-1)
-            acc = acc * alpha.unsqueeze(-1) + p @ v[:, :, ks:ke]
+            acc = acc * alpha.unsqueeze(-1) + p @ v[:, :, ks:ke].to(sd)
             m = m_new
         o[:, :, qs:qe] = acc / l.clamp_min(torch.finfo(l.dtype).tiny).unsqueeze(-1)
         lse[:, :, qs:qe] = m + torch.log(l)
@@ -82,15 +89,16 @@ def attention_forward(q, k, v, scale, C, causal, window, q_start, k_start):
 def attention_backward(q, k, v, do, lse, D, scale, C, causal, window, q_start, k_start):
     """Gradients of one (query block, key block) pair given the *final* lse and D = rowsum(dO * O) - dlse.
 
-    Returns (dq, dk, dv). With the merged lse of several key blocks, the pieces add up to the
+    Returns (dq, dk, dv) in float32 for 16-bit inputs. With the merged lse of several key blocks, the pieces add up to the
     gradient of the merged attention (ring attention's backward).
     """
     T, L = q.shape[2], k.shape[2]
-    dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    sd = state_dtype(q.dtype)                                # gradients accumulate in float32 too
+    dq, dk, dv = (torch.zeros(x.shape, dtype=sd, device=x.device) for x in (q, k, v))
     for qs, qe, kb in _blocks(T, L, C, causal, window, q_start, k_start):
-        qb, dob = q[:, :, qs:qe], do[:, :, qs:qe]
+        qb, dob = q[:, :, qs:qe].to(sd), do[:, :, qs:qe].to(sd)
         for ks, ke, needs in kb:
-            kk, vv = k[:, :, ks:ke], v[:, :, ks:ke]
+            kk, vv = k[:, :, ks:ke].to(sd), v[:, :, ks:ke].to(sd)
             s = (qb @ kk.transpose(-1, -2)).mul_(scale)
             p = torch.exp(s - lse[:, :, qs:qe].unsqueeze(-1))
             if needs:
@@ -106,6 +114,7 @@ def attention_backward(q, k, v, do, lse, D, scale, C, causal, window, q_start, k
 
 class _BlockwiseSoftmax(torch.autograd.Function):
     @staticmethod
+    @autocast_off
     def forward(ctx, q, k, v, scale, C, causal, window, q_start, k_start):
         o, lse = attention_forward(q, k, v, scale, C, causal, window, q_start, k_start)
         ctx.save_for_backward(q, k, v, o, lse)
@@ -113,6 +122,7 @@ class _BlockwiseSoftmax(torch.autograd.Function):
         return o, lse
 
     @staticmethod
+    @autocast_off
     def backward(ctx, do, dlse):
         q, k, v, o, lse = ctx.saved_tensors
         do = torch.zeros_like(o) if do is None else do
@@ -120,16 +130,18 @@ class _BlockwiseSoftmax(torch.autograd.Function):
         if dlse is not None:
             D = D - torch.nan_to_num(dlse, nan=0.0, posinf=0.0, neginf=0.0)
         dq, dk, dv = attention_backward(q, k, v, do, lse, D, *ctx.args)
-        return dq, dk, dv, None, None, None, None, None, None
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None, None
 
 
 def blockwise_softmax_attention(q, k, v, *, scale, chunk_size, causal, window, q_start, k_start):
-    """(B, T, H, K) x (B, L, H, K|V) -> o (B, T, H, V), lse (B, T, H). Positions are absolute."""
+    """(B, T, H, K) x (B, L, H, K|V) -> o (B, T, H, V) in q's dtype, lse (B, T, H) in float32 (float64
+    for float64). Positions are absolute."""
     o, lse = _BlockwiseSoftmax.apply(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
                                      scale, chunk_size, causal, window, q_start, k_start)
-    return o.transpose(1, 2), lse.transpose(1, 2)
+    return o.transpose(1, 2).to(q.dtype), lse.transpose(1, 2)
 
 
+@amp_op()
 def chunk_softmax_attention(q, k, v, *, causal=True, window=None, scale=None, chunk_size=64,
                             initial_state=None, output_final_state=False, return_lse=False):
     """Blockwise online-softmax attention; same signature as ``softmax_attention``."""

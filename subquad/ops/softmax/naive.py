@@ -10,6 +10,7 @@ position pos_t = offset + L_cache + t.
 from __future__ import annotations
 
 import torch
+from subquad.ops.common.precision import amp_op
 
 
 def visible_mask(T: int, L: int, *, causal: bool, window, q_start: int, k_start: int = 0, device=None):
@@ -24,6 +25,7 @@ def visible_mask(T: int, L: int, *, causal: bool, window, q_start: int, k_start:
     return m
 
 
+@amp_op()
 def naive_softmax_attention(q, k, v, *, causal=True, window=None, scale=None, chunk_size=None,
                             initial_state=None, output_final_state=False, return_lse=False):
     """T x L softmax attention written out; same signature as ``softmax_attention``."""

@@ -1,16 +1,20 @@
 """Softmax attention, parallel form through ``F.scaled_dot_product_attention`` (the fast O(T^2) path).
 
-Without a cache or window it uses SDPA's own causal kernel; with a cache or a
-window it passes an explicit (T, L) boolean mask.
+Without a cache or window it uses SDPA's own causal kernel; with a cache it passes an
+explicit (T, L) boolean mask; with a sliding window W it runs query blocks against the
+keys they can see, so time and memory are O(T W), never T x T.
 """
 
 from __future__ import annotations
 
+import torch
 import torch.nn.functional as F
 
 from subquad.ops.softmax.naive import visible_mask
+from subquad.ops.common.precision import amp_op
 
 
+@amp_op()
 def parallel_softmax_attention(q, k, v, *, causal=True, window=None, scale=None, chunk_size=None,
                                initial_state=None, output_final_state=False, return_lse=False):
     """SDPA softmax attention; same signature as ``softmax_attention``."""
@@ -21,9 +25,29 @@ def parallel_softmax_attention(q, k, v, *, causal=True, window=None, scale=None,
     scale, cache, kk, vv, q_start = _prepare(q, k, v, causal, window, scale, chunk_size, initial_state)
     qh, kh, vh = q.transpose(1, 2), kk.transpose(1, 2), vv.transpose(1, 2)
     T, L = q.shape[1], kk.shape[1]
+    k_start = q_start - len(cache) if cache is not None else 0
     if window is None and (not causal or L == T):
         o = F.scaled_dot_product_attention(qh, kh, vh, is_causal=causal, scale=scale)
+    elif window is not None:
+        o = _windowed(qh, kh, vh, scale, window, q_start, k_start)
     else:
-        m = visible_mask(T, L, causal=causal, window=window, q_start=q_start, k_start=q_start - len(cache) if cache is not None else 0, device=q.device)
+        m = visible_mask(T, L, causal=causal, window=window, q_start=q_start, k_start=k_start, device=q.device)
         o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=m, scale=scale)
     return _finish(o.transpose(1, 2), None, cache, k, v, window, output_final_state, False)
+
+
+def _windowed(qh, kh, vh, scale, window, q_start, k_start):
+    """Sliding-window SDPA in O(T W) time and memory: query blocks of max(64, W) rows, each against the
+    keys its window can reach (at most block + W of them) with a (block, block + W) mask."""
+    T, L = qh.shape[2], kh.shape[2]
+    Cq = max(64, window)
+    outs = []
+    for qs in range(0, T, Cq):
+        qe = min(qs + Cq, T)
+        ks = max(0, q_start + qs - window - k_start)             # first key the block's first query sees
+        ke = min(L, q_start + qe - k_start)                      # one past the last query's own key
+        m = visible_mask(qe - qs, ke - ks, causal=True, window=window, q_start=q_start + qs,
+                         k_start=k_start + ks, device=qh.device)
+        outs.append(F.scaled_dot_product_attention(qh[:, :, qs:qe], kh[:, :, ks:ke], vh[:, :, ks:ke],
+                                                   attn_mask=m, scale=scale))
+    return torch.cat(outs, 2)

@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import torch
 
+from subquad.ops.common.checks import state_dtype
 from subquad.ops.softmax.cache import KVCache
+from subquad.ops.common.precision import amp_op
 
 
 def softmax_attention_step(q_t, k_t, v_t, cache: KVCache, *, scale: float) -> torch.Tensor:
@@ -18,16 +20,19 @@ def softmax_attention_step(q_t, k_t, v_t, cache: KVCache, *, scale: float) -> to
 
     The query sees the cached keys (the last W with a window) and its own key.
     """
-    kh = cache.k.transpose(1, 2)                                  # (B, H, L, K)
-    vh = cache.v.transpose(1, 2)                                  # (B, H, L, V)
-    s_past = (q_t.unsqueeze(-2) @ kh.transpose(-1, -2)).squeeze(-2) * scale   # (B, H, L)
-    s_self = (q_t * k_t).sum(-1, keepdim=True) * scale                        # (B, H, 1)
+    sd = state_dtype(q_t.dtype)                                   # scores and sums in float32 for 16-bit
+    kh = cache.k.transpose(1, 2).to(sd)                           # (B, H, L, K)
+    vh = cache.v.transpose(1, 2).to(sd)                           # (B, H, L, V)
+    qf, kf, vf = q_t.to(sd), k_t.to(sd), v_t.to(sd)
+    s_past = (qf.unsqueeze(-2) @ kh.transpose(-1, -2)).squeeze(-2) * scale    # (B, H, L)
+    s_self = (qf * kf).sum(-1, keepdim=True) * scale                          # (B, H, 1)
     p = torch.softmax(torch.cat([s_past, s_self], -1), dim=-1)
-    o = (p[..., :-1].unsqueeze(-2) @ vh).squeeze(-2) + p[..., -1:] * v_t
+    o = (p[..., :-1].unsqueeze(-2) @ vh).squeeze(-2) + p[..., -1:] * vf
     cache.append(k_t.unsqueeze(1), v_t.unsqueeze(1))
-    return o
+    return o.to(q_t.dtype)
 
 
+@amp_op()
 def recurrent_softmax_attention(q, k, v, *, causal=True, window=None, scale=None, chunk_size=None,
                                 initial_state=None, output_final_state=False, return_lse=False):
     """Token-by-token KV-cache attention; same signature as ``softmax_attention``."""
