@@ -84,15 +84,81 @@ def _model_config(args):
         opts.setdefault(mixer, {})[name] = value
     if opts:
         overrides["mixer_options"] = opts
-    return preset(args.preset, **overrides)
+    cfg = preset(args.preset, **overrides)
+    if opts:                                   # on the command line an option for an absent mixer is a mistake
+        from subquad.layers.registry import check_mixer_options
+
+        check_mixer_options(cfg.layers, opts, in_pattern=True)
+    return cfg
+
+
+# flags of `train` and the config field each sets: on --resume the run's own value is used, and a flag
+# given with another value is refused (except RESUME_SAFE ones, which update the run)
+_MODEL_FLAGS = {"pattern": "pattern", "d_model": "d_model", "n_layers": "n_layers", "n_heads": "n_heads",
+                "n_kv_heads": "n_kv_heads", "context": "context_length", "vocab_size": "vocab_size"}
+_TRAIN_FLAGS = {"steps": "steps", "batch_size": "batch_size", "lr": "lr", "warmup": "warmup",
+                "eval_every": "eval_every", "ckpt_every": "ckpt_every", "seed": "seed", "bf16": "bf16",
+                "context_parallel": "context_parallel", "on_nonfinite": "on_nonfinite"}
+
+
+def _given(args) -> set:
+    """The dests of the flags written on the command line (train's parser takes no abbreviations)."""
+    argv = list(sys.argv[1:] if args.argv is None else args.argv)
+    opts = {tok.split("=", 1)[0] for tok in argv if tok.startswith("--")}
+    return {a.dest for a in args.parser._actions if any(o in opts for o in a.option_strings)}
+
+
+def _resume_configs(args):
+    """(model config, train config, data) of the run in --out, with the flags given checked against it."""
+    from dataclasses import asdict
+
+    from subquad.models import ModelConfig, preset
+    from subquad.train import TrainConfig
+    from subquad.train.run import RESUME_SAFE, read_run_config
+
+    if not args.out:
+        raise ValueError("--resume needs --out, the run folder to continue")
+    saved = read_run_config(args.out)
+    given = _given(args)
+    model, train = dict(saved["model"]), {**asdict(TrainConfig()), **saved["train"]}
+    refused = []
+    asked = {}
+    if "preset" in given:
+        asked.update({k: v for k, v in preset(args.preset).to_dict().items()
+                      if k in ("d_model", "n_layers", "n_heads", "n_kv_heads", "context_length", "pattern")})
+    asked.update({field: getattr(args, dest) for dest, field in _MODEL_FLAGS.items() if dest in given})
+    if "no_mlp" in given:
+        asked["mlp"] = False
+    if "mixer_option" in given:
+        asked["mixer_options"] = _model_config(args).mixer_options
+    for field, value in asked.items():
+        if model.get(field) != value:
+            refused.append(f"{field} {value!r} (the run has {model.get(field)!r})")
+    for dest, field in _TRAIN_FLAGS.items():
+        if dest in given and getattr(args, dest) != train.get(field):
+            if field in RESUME_SAFE:
+                train[field] = getattr(args, dest)
+            else:
+                refused.append(f"{field} {getattr(args, dest)!r} (the run has {train.get(field)!r})")
+    if "data" in given and (args.data or "stdlib") != saved.get("data", "stdlib"):
+        refused.append(f"data {args.data!r} (the run has {saved.get('data')!r})")
+    if refused:
+        raise ValueError(f"--resume continues the run in {args.out} with its own settings; these flags would "
+                         f"change it: {'; '.join(refused)}")
+    data = saved.get("data")
+    return ModelConfig.from_dict(model), TrainConfig(**train), None if data == "stdlib" else data
 
 
 def cmd_train(args) -> int:
     from subquad.distributed.launch import init_from_env, launch
     from subquad.train import PeerLost, TrainConfig, TrainingDiverged, train_run
 
-    mcfg = _model_config(args)               # bad settings fail here, once, before any process starts
-    P = args.context_parallel
+    if args.resume:
+        mcfg, tcfg, data = _resume_configs(args)       # the run's own settings; conflicting flags refused
+    else:
+        mcfg = _model_config(args)                     # bad settings fail here, once, before any process starts
+        tcfg, data = None, args.data
+    P = tcfg.context_parallel if tcfg is not None else args.context_parallel
     nproc = args.nproc if args.nproc > 1 or P == 1 else P
     if nproc % P:
         raise SystemExit(f"error: --nproc {nproc} must be a multiple of --context-parallel {P}")
@@ -103,15 +169,20 @@ def cmd_train(args) -> int:
             argv = argv[:i] + argv[i + 2:]
         return launch(nproc, argv)
     rank, world = init_from_env(args.dist_timeout)
-    tcfg = TrainConfig(steps=args.steps, batch_size=args.batch_size, lr=args.lr, warmup=args.warmup,
-                       eval_every=args.eval_every, ckpt_every=args.ckpt_every, seed=args.seed, bf16=args.bf16,
-                       context_parallel=P)
+    if tcfg is None:
+        tcfg = TrainConfig(steps=args.steps, batch_size=args.batch_size, lr=args.lr, warmup=args.warmup,
+                           eval_every=args.eval_every, ckpt_every=args.ckpt_every, seed=args.seed, bf16=args.bf16,
+                           context_parallel=P, on_nonfinite=args.on_nonfinite)
     out = args.out or f"runs/{args.preset}-{mcfg.pattern.replace('*', 'x').replace(',', '_')}"
     try:
-        r = train_run(mcfg, tcfg, out, data=args.data, resume=args.resume, progress=not args.no_progress,
+        r = train_run(mcfg, tcfg, out, data=data, resume=args.resume, progress=not args.no_progress,
                       device=args.device)
     except (TrainingDiverged, PeerLost) as e:
         print(f"error: {e}", file=sys.stderr)
+        return 1
+    except OSError as e:                          # a read-only or full disk: one line, not a traceback
+        print(f"error: cannot write the run in {out}: {e.strerror or e} "
+              f"({e.filename or out})", file=sys.stderr)
         return 1
     if rank == 0:
         print(f"done: {r['steps']} steps{f' on {world} processes' if world > 1 else ''}, held-out loss "
@@ -126,27 +197,67 @@ def cmd_eval(args) -> int:
     from subquad.data.dataset import prepare
     from subquad.train import evaluate, load_run
 
+    if not Path(args.run).exists():
+        raise ValueError(f"--run {args.run} does not exist")
     model, tok, meta = load_run(args.run, device=args.device)
-    cfg = json.loads((Path(args.run) / "config.json").read_text()) if (Path(args.run) / "config.json").exists() else {}
-    td = prepare(args.data or cfg.get("data"), model.config.vocab_size)
-    loss = evaluate(model, td.heldout, model.config.context_length, args.batch_size, args.batches)
+    train = meta.get("train_config", {})
+    run = Path(args.run) if (Path(args.run) / "ckpt").exists() else Path(args.run).parent.parent
+    cfg = json.loads((run / "config.json").read_text()) if (run / "config.json").exists() else {}
+    data = args.data or cfg.get("data")
+    td = prepare(None if data == "stdlib" else data, model.config.vocab_size)
+    batches = args.batches or train.get("eval_batches", 8)             # the trainer's held-out batches
+    batch_size = args.batch_size or train.get("batch_size", 16)
+    loss = evaluate(model, td.heldout, model.config.context_length, batch_size, batches, bf16=train.get("bf16", False))
     print(f"{args.run}: step {meta['step']}, held-out loss {loss:.4f} nats/token "
-          f"({args.batches} x {args.batch_size} windows of {model.config.context_length})")
+          f"({batches} x {batch_size} windows of {model.config.context_length})")
     return 0
 
 
+def _stop_ids(tok, texts) -> list[int]:
+    ids = []
+    for text in texts or []:
+        enc = tok.encode(text.encode().decode("unicode_escape")).ids      # --stop '\n' means a newline
+        if len(enc) != 1:
+            raise ValueError(f"--stop {text!r} is {len(enc)} tokens for this tokenizer; it must be one")
+        ids += enc
+    return ids
+
+
 def cmd_generate(args) -> int:
+    from pathlib import Path
+
     from subquad.models import load_state, save_state
     from subquad.train import load_run
 
+    if not Path(args.run).exists():
+        raise ValueError(f"--run {args.run} does not exist")
+    if args.prompts_file:
+        if args.load_state or args.save_state or args.prompt:
+            raise ValueError("--prompts-file generates a batch; it does not combine with --prompt, --load-state "
+                             "or --save-state")
+        path = Path(args.prompts_file)
+        if not path.exists():
+            raise ValueError(f"--prompts-file {path} does not exist")
+        prompts = [ln for ln in path.read_text().splitlines() if ln.strip()]
+        if not prompts:
+            raise ValueError(f"--prompts-file {path} holds no prompt (one per line)")
     model, tok, _ = load_run(args.run, device=args.device)
+    stop = _stop_ids(tok, args.stop)
+    if args.prompts_file:
+        outs, _ = model.generate([tok.encode(p).ids or [0] for p in prompts], args.max_new_tokens,
+                                 temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
+                                 stop_ids=stop)
+        for i, (p, o) in enumerate(zip(prompts, outs)):
+            print(f"--- [{i}] {p}{tok.decode(o)}")
+        return 0
     state = None
     if args.load_state:
         state, extra = load_state(args.load_state)
         ids = [extra["last_token"]] + (tok.encode(args.prompt).ids if args.prompt else [])
     else:
         if not args.prompt:
-            print("error: --prompt is required (or --load-state to continue a saved generation)", file=sys.stderr)
+            print("error: --prompt is required (or --prompts-file, or --load-state to continue a saved generation)",
+                  file=sys.stderr)
             return 2
         ids = tok.encode(args.prompt).ids
         print(args.prompt, end="", flush=True)
@@ -161,7 +272,7 @@ def cmd_generate(args) -> int:
             shown[0] = text
 
     out, state = model.generate(ids, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
-                                top_p=args.top_p, seed=args.seed, state=state, on_token=stream)
+                                top_p=args.top_p, seed=args.seed, state=state, on_token=stream, stop_ids=stop)
     print(tok.decode(new)[len(shown[0]):])
     print(f"\n[state: {model.state_bytes(state):,} bytes over {model.config.n_layers} layers "
           f"({', '.join(sorted(set(model.config.layers)))})]", file=sys.stderr)
@@ -217,58 +328,113 @@ def _device_flag(parser):
                              "(default cpu; auto picks CUDA, then MPS, then the CPU)")
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="subquad", description=__doc__)
-    sub = p.add_subparsers(dest="command", required=True)
+class _Help(argparse.RawDescriptionHelpFormatter):
+    """Every flag's help ends with its default (left out where the help says where the default comes from)."""
 
-    m = sub.add_parser("memory", help="KV cache against linear state, per layer and head")
+    def _get_help_string(self, action):
+        h = action.help or ""
+        if action.default not in (None, False, argparse.SUPPRESS) and "default" not in h and action.option_strings:
+            h += f" (default: {action.default})"
+        return h
+
+
+def _mixer_list(text: str) -> list[str]:
+    """Comma-separated labels; commas inside parentheses belong to a label ('hybrid (mamba2, softmax)')."""
+    out, depth, cur = [], 0, ""
+    for ch in text:
+        depth += ch == "("
+        depth -= ch == ")"
+        if ch == "," and depth == 0:
+            out.append(cur.strip())
+            cur = ""
+        else:
+            cur += ch
+    out.append(cur.strip())
+    return [m for m in out if m]
+
+
+DESCRIPTION = """\
+subquad: train, compare and run sequence mixers that escape softmax attention's quadratic cost -
+linear attention, RetNet, GLA, DeltaNet, Gated DeltaNet, Mamba, Mamba-2 and hybrids with attention.
+
+  subquad workshop                  the plate reproduced: forms agree, memory, softmax vs linear (start here)
+  subquad train --pattern mamba2    train a small language model; --resume continues a run
+  subquad generate --run runs/NAME  stream text with a constant-size state
+  subquad recall                    associative recall of every mixer against its state size
+  subquad memory                    KV cache against recurrent state, per layer and head
+
+'subquad COMMAND --help' lists a command's flags with their defaults."""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from subquad import __version__
+    from subquad.layers import MIXERS
+    from subquad.models import PRESETS
+
+    p = argparse.ArgumentParser(prog="subquad", description=DESCRIPTION, formatter_class=_Help)
+    p.add_argument("--version", action="version", version=f"subquad {__version__}")
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    def command(name, help):
+        return sub.add_parser(name, help=help, description=help, formatter_class=_Help, allow_abbrev=False)
+
+    m = command("memory", "KV cache against linear state, per layer and head")
     m.add_argument("--context", type=_contexts, default=[1024, 4096, 16384, 65536, 131072, 262144, 1048576],
-                   help="comma-separated context lengths (default 1K..1M)")
-    m.add_argument("--head-dim", type=_positive, default=32, help="head dimension d (default 32)")
-    m.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16", "float64"])
+                   help="comma-separated context lengths (default: 1K..1M)")
+    m.add_argument("--head-dim", type=_positive, default=32, help="head dimension d")
+    m.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16", "float64"],
+                   help="element type of cache and state")
     m.add_argument("--flops", action="store_true", help="also print N^2 d against N d^2")
     m.add_argument("--measure-max", type=_positive, default=16384,
-                   help="measure allocated bytes at contexts up to this length (default 16384)")
+                   help="measure allocated bytes at contexts up to this length")
     m.set_defaults(fn=cmd_memory)
 
-    w = sub.add_parser("workshop", help="the plate, reproduced: forms agree, memory, softmax vs linear training")
-    w.add_argument("--out", default="runs/workshop", help="output folder (default runs/workshop)")
-    w.add_argument("--head-dim", type=_positive, default=32)
-    w.add_argument("--seed", type=int, default=0)
-    w.add_argument("--steps", type=_positive, default=600, help="training steps per run (default 600; the plate: 6000)")
+    w = command("workshop", "the plate, reproduced: forms agree, memory, softmax vs linear training")
+    w.add_argument("--out", default="runs/workshop", help="output folder")
+    w.add_argument("--head-dim", type=_positive, default=32, help="head dimension of the memory table")
+    w.add_argument("--seed", type=int, default=0, help="seed of the first training pair")
+    w.add_argument("--steps", type=_positive, default=600, help="training steps per run (the plate: 6000)")
     w.add_argument("--seeds", type=_positive, default=1, help="repeat both runs with N seeds; report the gap's spread")
-    w.add_argument("--data", default=None, help="corpus: stdlib (default), shakespeare, or a local path")
+    w.add_argument("--data", default=None, help="corpus: stdlib, shakespeare, or a local path (default: stdlib)")
     w.add_argument("--positions", default="rope", choices=["rope", "learned"],
-                   help="rope: rotary in softmax, none in linear (default); learned: the same learned "
-                        "absolute positions in both")
+                   help="rope: rotary in softmax, none in linear; learned: the same learned absolute positions "
+                        "in both")
     w.add_argument("--no-train", action="store_true", help="only the first half (forms agree, memory)")
-    w.add_argument("--no-progress", action="store_true")
+    w.add_argument("--no-progress", action="store_true", help="no progress bars")
     w.set_defaults(fn=cmd_workshop)
 
-    t = sub.add_parser("train", help="train a language model from a preset and a layer pattern")
-    t.add_argument("--preset", default="micro", choices=["micro", "small", "jamba"])
-    t.add_argument("--pattern", help="mixers per layer, e.g. softmax | linear | 'mamba2*3,softmax,mamba2*4'")
-    t.add_argument("--d-model", type=_positive)
-    t.add_argument("--n-layers", type=_positive)
-    t.add_argument("--n-heads", type=_positive)
-    t.add_argument("--n-kv-heads", type=_positive, help="grouped-query attention for softmax layers")
-    t.add_argument("--context", type=_positive, help="training context length")
-    t.add_argument("--vocab-size", type=_positive, help="BPE vocabulary (default 4096)")
-    t.add_argument("--no-mlp", action="store_true")
+    t = command("train", "train a language model from a preset and a layer pattern")
+    t.add_argument("--preset", default="micro", choices=list(PRESETS),
+                   help="model shape: micro (d_model 128, 4 layers), small, jamba (mamba2*3,softmax,mamba2*4)")
+    t.add_argument("--pattern", help=f"mixers per layer, e.g. softmax | 'mamba2*3,softmax,mamba2*4' (default: the "
+                                     f"preset's). Mixers: {', '.join(sorted(MIXERS))}")
+    t.add_argument("--d-model", type=_positive, help="model width (default: the preset's)")
+    t.add_argument("--n-layers", type=_positive, help="layers (default: the preset's)")
+    t.add_argument("--n-heads", type=_positive, help="heads (default: the preset's)")
+    t.add_argument("--n-kv-heads", type=_positive, help="grouped-query attention for softmax layers "
+                                                        "(default: = heads)")
+    t.add_argument("--context", type=_positive, help="training context length (default: the preset's)")
+    t.add_argument("--vocab-size", type=_positive, help="BPE vocabulary (default: the preset's, 4096)")
+    t.add_argument("--no-mlp", action="store_true", help="no SwiGLU MLP after the mixers")
     t.add_argument("--mixer-option", type=_option, action="append", metavar="MIXER.KEY=VALUE",
-                   help="e.g. swa.window=128, linear.feature_map=performer (repeatable)")
-    t.add_argument("--steps", type=_positive, default=600)
-    t.add_argument("--batch-size", type=_positive, default=16)
-    t.add_argument("--lr", type=float, default=3e-3)
-    t.add_argument("--warmup", type=int, default=50)
-    t.add_argument("--eval-every", type=_positive, default=100)
-    t.add_argument("--ckpt-every", type=_positive, default=200)
-    t.add_argument("--seed", type=int, default=0)
-    t.add_argument("--bf16", action="store_true", help="bfloat16 autocast")
-    t.add_argument("--data", help="stdlib (default), shakespeare, or a local file/folder")
-    t.add_argument("--out", help="run folder (default runs/PRESET-PATTERN)")
-    t.add_argument("--resume", action="store_true", help="continue the run in --out from its last checkpoint")
-    t.add_argument("--no-progress", action="store_true")
+                   help="e.g. swa.window=128, linear.feature_map=performer, *.chunk_size=128 (repeatable)")
+    t.add_argument("--steps", type=_positive, default=600, help="optimizer steps (on --resume: may grow)")
+    t.add_argument("--batch-size", type=_positive, default=16, help="sequences per step")
+    t.add_argument("--lr", type=float, default=3e-3, help="peak learning rate (AdamW, warmup then cosine)")
+    t.add_argument("--warmup", type=int, default=50, help="warmup steps")
+    t.add_argument("--eval-every", type=_positive, default=100, help="held-out loss every N steps")
+    t.add_argument("--ckpt-every", type=_positive, default=200, help="checkpoint every N steps")
+    t.add_argument("--seed", type=int, default=0, help="seed of weights and batches")
+    t.add_argument("--bf16", action="store_true", help="bfloat16 autocast on the model's device")
+    t.add_argument("--on-nonfinite", default="stop", choices=["stop", "skip"],
+                   help="a step whose loss or gradient is not finite: stop the run, or skip the step; "
+                        "either way it updates nothing and is never checkpointed")
+    t.add_argument("--data", help="stdlib, shakespeare, or a local file/folder (default: stdlib)")
+    t.add_argument("--out", help="run folder (default: runs/PRESET-PATTERN)")
+    t.add_argument("--resume", action="store_true",
+                   help="continue the run in --out from its newest intact checkpoint, with the run's own settings "
+                        "(flags that would change the model, data or training are refused; --steps may grow)")
+    t.add_argument("--no-progress", action="store_true", help="no progress bar")
     t.add_argument("--nproc", type=_positive, default=1,
                    help="data-parallel processes (relaunches under torchrun; each rank draws its own batches)")
     t.add_argument("--context-parallel", type=_positive, default=1, metavar="P",
@@ -277,41 +443,48 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--dist-timeout", type=float, default=60.0,
                    help="seconds a rank waits for a peer before stopping with an error (distributed runs)")
     _device_flag(t)
-    t.set_defaults(fn=cmd_train)
+    t.set_defaults(fn=cmd_train, parser=t)
 
-    r = sub.add_parser("recall", help="MQAR recall of every mixer against its state size (Zoology)")
-    r.add_argument("--out", default="runs/recall")
-    r.add_argument("--mixers", type=lambda t: [m.strip() for m in t.split(",")],
-                   help="comma-separated labels (default: all; see subquad.bench.recall.MIXERS)")
-    r.add_argument("--sizes", type=_sizes, default=[(64, 4), (128, 8)], help="TxN pairs (default 64x4,128x8)")
-    r.add_argument("--d-models", type=lambda t: [int(v) for v in t.split(",")], default=[64])
-    r.add_argument("--lrs", type=lambda t: [float(v) for v in t.split(",")], default=[1e-2])
-    r.add_argument("--vocab", type=_positive, default=512, help="vocabulary (default 512; Zoology: 8192)")
-    r.add_argument("--steps", type=_positive, default=1500)
-    r.add_argument("--batch-size", type=_positive, default=64)
+    from subquad.bench.recall import MIXERS as RECALL_MIXERS
+
+    r = command("recall", "MQAR recall of every mixer against its state size (Zoology)")
+    r.add_argument("--out", default="runs/recall", help="output folder (a rerun resumes)")
+    r.add_argument("--mixers", type=_mixer_list,
+                   help=f"comma-separated labels (default: all): {'; '.join(RECALL_MIXERS)}")
+    r.add_argument("--sizes", type=_sizes, default=[(64, 4), (128, 8)], help="TxN pairs (default: 64x4,128x8)")
+    r.add_argument("--d-models", type=lambda t: [int(v) for v in t.split(",")], default=[64], help="model widths")
+    r.add_argument("--lrs", type=lambda t: [float(v) for v in t.split(",")], default=[1e-2],
+                   help="learning rates (best kept per cell)")
+    r.add_argument("--vocab", type=_positive, default=512, help="vocabulary (Zoology: 8192)")
+    r.add_argument("--steps", type=_positive, default=1500, help="steps per cell at most")
+    r.add_argument("--batch-size", type=_positive, default=64, help="sequences per step")
     r.add_argument("--time-budget", type=float, default=120.0, help="seconds per cell before it stops")
     r.add_argument("--mlp", action="store_true", help="add the SwiGLU MLP (Zoology's default has none)")
     r.add_argument("--quick", action="store_true", help="a tiny sweep (seconds), for tests")
-    r.add_argument("--no-progress", action="store_true")
+    r.add_argument("--no-progress", action="store_true", help="no progress lines")
     _device_flag(r)
     r.set_defaults(fn=cmd_recall)
 
-    e = sub.add_parser("eval", help="held-out loss of a trained run")
+    e = command("eval", "held-out loss of a trained run")
     e.add_argument("--run", required=True, help="run folder (or one of its checkpoints)")
     e.add_argument("--data", help="corpus (default: the run's)")
-    e.add_argument("--batches", type=_positive, default=16)
-    e.add_argument("--batch-size", type=_positive, default=16)
+    e.add_argument("--batches", type=_positive, help="held-out batches (default: the run's eval_batches, as in "
+                                                      "training)")
+    e.add_argument("--batch-size", type=_positive, help="sequences per batch (default: the run's)")
     _device_flag(e)
     e.set_defaults(fn=cmd_eval)
 
-    g = sub.add_parser("generate", help="stream text from a trained run with its recurrent state")
-    g.add_argument("--run", required=True)
-    g.add_argument("--prompt", default="")
-    g.add_argument("--max-new-tokens", type=int, default=200)
-    g.add_argument("--temperature", type=float, default=0.8)
-    g.add_argument("--top-k", type=_positive)
-    g.add_argument("--top-p", type=float)
-    g.add_argument("--seed", type=int, default=0)
+    g = command("generate", "stream text from a trained run with its recurrent state")
+    g.add_argument("--run", required=True, help="run folder (or one of its checkpoints)")
+    g.add_argument("--prompt", default="", help="text to continue")
+    g.add_argument("--prompts-file", help="a file of prompts, one per line: all generated as one batch")
+    g.add_argument("--max-new-tokens", type=int, default=200, help="tokens to generate per prompt")
+    g.add_argument("--temperature", type=float, default=0.8, help="0 is greedy")
+    g.add_argument("--top-k", type=_positive, help="sample among the k most likely tokens (default: all)")
+    g.add_argument("--top-p", type=float, help="sample within the nucleus of this mass (default: all)")
+    g.add_argument("--stop", action="append", default=None, metavar="TEXT",
+                   help="stop a sequence when it emits this text's token (repeatable; default: none)")
+    g.add_argument("--seed", type=int, default=0, help="sampling seed")
     g.add_argument("--save-state", help="write the decoding state here (safetensors) to continue later")
     g.add_argument("--load-state", help="continue from a state saved with --save-state")
     _device_flag(g)

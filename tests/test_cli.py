@@ -68,7 +68,7 @@ def test_train_eval_generate_end_to_end(tmp_path, capsys, corpus):
     assert main(["generate", "--run", str(run), "--load-state", str(st), "--max-new-tokens", "3"]) == 0
     capsys.readouterr()
     assert main(["generate", "--run", str(tmp_path / "missing")]) == 2
-    assert "not a checkpoint" in capsys.readouterr().err
+    assert "does not exist" in capsys.readouterr().err
 
 
 def test_train_refuses_bad_options(capsys):

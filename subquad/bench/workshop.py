@@ -64,8 +64,7 @@ def training_runs(out: Path, steps: int, seeds: int, data=None, batch_size: int 
                 mcfg = micro(pattern=name, pos_emb="learned", mixer_options={"softmax": {"rotary": False}})
             else:
                 mcfg = micro(pattern=name)
-            r = train_run(mcfg, cfg, out / f"{name}_{positions}_seed{seed}", data=data, resume=True,
-                          progress=progress, log=log, token_data=td)
+            r = _train_or_reuse(mcfg, cfg, out / f"{name}_{positions}_seed{seed}", data, progress, log, td)
             runs[name].append(r)
             log(f"      {name:<8} seed {seed}: held-out loss {r['heldout_loss']:.4f} after {r['steps']} steps")
     final = {n: [r["heldout_loss"] for r in rs] for n, rs in runs.items()}
@@ -128,3 +127,18 @@ def run(out: str | Path = "runs/workshop", head_dim: int = 32, contexts=None, se
     (out / "workshop.json").write_text(json.dumps(result, indent=2))
     print(f"\n[{total}/{total}] wrote {png} and {out / 'workshop.json'} ({result['seconds']} s)")
     return result
+
+
+def _train_or_reuse(mcfg, cfg, run, data, progress, log, td):
+    """Train the run, continue it if a rerun finds it part-way, or reuse it if it is complete."""
+    from subquad.train import train_run
+    from subquad.train.checkpoint import latest_checkpoint, verify_checkpoint
+
+    ck = latest_checkpoint(run) if (run / "config.json").exists() else None
+    if ck is not None:
+        meta = verify_checkpoint(ck)
+        if meta["step"] >= cfg.steps and meta.get("curve"):
+            return {"steps": meta["step"], "heldout_loss": meta["curve"][-1][1], "curve": meta["curve"]}
+    return train_run(mcfg, cfg, run, data=data, resume=(run / "config.json").exists(), progress=progress,
+                     log=log, token_data=td)
+

@@ -28,6 +28,8 @@ class SoftmaxAttention(Mixer):
             raise ValueError(f"d_model={d_model} must divide by n_heads={n_heads}")
         if n_heads % self.n_kv_heads:
             raise ValueError(f"n_heads={n_heads} must be a multiple of n_kv_heads={self.n_kv_heads}")
+        if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 0):
+            raise ValueError(f"window must be a non-negative int or None, got {window!r}")
         self.head_dim = d_model // n_heads
         self.window, self.rotary = window, rotary
         K, Hk = self.head_dim, self.n_kv_heads

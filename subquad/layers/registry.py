@@ -70,7 +70,48 @@ MIXERS = {
 }
 
 
+# the layer class each name builds: its constructor's keywords are the options that name accepts
+CLASSES = {"softmax": SoftmaxAttention, "swa": SoftmaxAttention, "linear": LinearAttention,
+           "performer": LinearAttention, "taylor": LinearAttention, "retention": MultiScaleRetention,
+           "gla": GatedLinearAttention, "mamba": Mamba, "mamba2": Mamba2, "deltanet": DeltaNet,
+           "gated_deltanet": GatedDeltaNet}
+
+
+def mixer_options(name: str) -> list[str]:
+    """The option names ``--mixer-option NAME.KEY=VALUE`` accepts for mixer ``name``."""
+    import inspect
+
+    sig = inspect.signature(CLASSES[name].__init__)
+    fixed = {"self", "d_model", "n_heads", "n_kv_heads"}
+    return sorted(n for n, p in sig.parameters.items()
+                  if n not in fixed and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY))
+
+
+def check_mixer_options(layers: list[str], options: dict, in_pattern: bool = False) -> None:
+    """Every option names a known mixer (or '*', every mixer of the pattern) and a keyword that mixer takes;
+    with ``in_pattern`` (the command line) the mixer must also be one of the pattern's. A config may carry
+    options for mixers it does not use (one options dict shared by several patterns)."""
+    if not isinstance(options, dict):
+        raise ValueError(f"mixer_options must be a dict {{mixer: {{option: value}}}}, got {type(options).__name__}")
+    for mixer, opts in options.items():
+        if mixer != "*" and mixer not in MIXERS:
+            raise ValueError(f"mixer option for unknown mixer {mixer!r}; known: {', '.join(sorted(MIXERS))}")
+        if in_pattern and mixer != "*" and mixer not in layers:
+            raise ValueError(f"mixer option for {mixer!r}, which is not in the pattern ({', '.join(dict.fromkeys(layers))})")
+        if not isinstance(opts, dict):
+            raise ValueError(f"mixer_options[{mixer!r}] must be a dict of options, got {type(opts).__name__}")
+        for name in (dict.fromkeys(layers) if mixer == "*" else [mixer]):      # each mixer it applies to
+            valid = mixer_options(name)
+            for key in opts:
+                if key not in valid:
+                    raise ValueError(f"mixer option {mixer}.{key}: {name} has no option {key!r}; its options: "
+                                     f"{', '.join(valid)}")
+
+
 def build_mixer(name: str, d_model: int, n_heads: int, n_kv_heads: int | None = None, **options):
     if name not in MIXERS:
         raise ValueError(f"unknown mixer {name!r}; known: {', '.join(sorted(MIXERS))}")
-    return MIXERS[name](d_model, n_heads, n_kv_heads=n_kv_heads, **options)
+    try:
+        return MIXERS[name](d_model, n_heads, n_kv_heads=n_kv_heads, **options)
+    except TypeError as e:                      # a wrong option name or value type: say which mixer
+        raise ValueError(f"mixer {name!r} with options {options}: {e}") from None

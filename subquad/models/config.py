@@ -70,7 +70,9 @@ class ModelConfig:
                 raise ValueError(f"{name} must be a positive int, got {v!r}")
         if self.d_model % self.n_heads:
             raise ValueError(f"d_model={self.d_model} must divide by n_heads={self.n_heads}")
-        parse_pattern(self.pattern, self.n_layers)
+        from subquad.layers.registry import check_mixer_options
+
+        check_mixer_options(parse_pattern(self.pattern, self.n_layers), self.mixer_options)
         if self.pos_emb not in ("none", "learned"):
             raise ValueError(f"pos_emb must be 'none' or 'learned', got {self.pos_emb!r}")
 

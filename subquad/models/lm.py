@@ -130,53 +130,106 @@ class LanguageModel(nn.Module):
 
     @torch.no_grad()
     def generate(self, prompt, max_new_tokens: int, temperature: float = 1.0, top_k: int | None = None,
-                 top_p: float | None = None, seed: int | None = None, state=None, on_token=None):
-        """Sample ``max_new_tokens`` after ``prompt`` (list of ids or a (T,) / (1, T) tensor).
+                 top_p: float | None = None, seed: int | None = None, state=None, on_token=None,
+                 stop_ids=None):
+        """Sample up to ``max_new_tokens`` after each prompt, decoding with the recurrent state.
 
-        Decodes with the recurrent state: the prompt is prefilled once, then one token per step.
-        ``temperature=0`` is greedy. ``on_token(id)`` streams tokens as they come. Returns
-        (new token ids, state), where the state has consumed the prompt and every new token but the
-        last: ``generate([new[-1]], n, state=state)`` continues exactly where this call stopped.
+        ``prompt``: one sequence (a list of ids, or a (T,) / (1, T) tensor) -> returns (new ids, state), or a
+        batch (a list of id lists of any lengths, or a (B, T) tensor) -> returns (list of new id lists, state).
+        A batch decodes in lockstep: the common prefix of the prompts is prefilled in one call, then each step
+        feeds every sequence its next prompt token or its last sampled one, so sequences of different lengths
+        share one batched state without padding inside it. A sequence finishes when it has emitted
+        ``max_new_tokens`` or a token in ``stop_ids`` (emitted, then it stops); finished sequences are fed
+        a pad token until all are done. ``temperature=0`` is greedy. ``on_token(id)`` (one sequence) or
+        ``on_token(i, id)`` (a batch) streams tokens as they come. Everything runs on the model's device.
+
+        For one sequence the returned state has consumed the prompt and every new token but the last:
+        ``generate([new[-1]], n, state=state)`` continues exactly where this call stopped.
         """
-        if max_new_tokens < 0:
-            raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
+        if not isinstance(max_new_tokens, int) or max_new_tokens < 0:
+            raise ValueError(f"max_new_tokens must be an int >= 0, got {max_new_tokens!r}")
         if temperature < 0:
             raise ValueError(f"temperature must be >= 0, got {temperature}")
         if top_k is not None and top_k < 1:
             raise ValueError(f"top_k must be >= 1, got {top_k}")
         if top_p is not None and not 0 < top_p <= 1:
             raise ValueError(f"top_p must lie in (0, 1], got {top_p}")
+        prompts, single = _as_prompts(prompt)
+        stop = set(int(t) for t in (stop_ids or ()))
         was_training = self.training
         self.eval()
         dev = self.embed.weight.device                  # prompt, tokens and sampler follow the model
-        idx = torch.as_tensor(prompt, dtype=torch.long).view(1, -1).to(dev)
-        if idx.shape[1] == 0:
-            raise ValueError("prompt must hold at least one token")
         gen = torch.Generator(device=dev).manual_seed(seed) if seed is not None else None
+        lens = [len(p) for p in prompts]
+        first = min(lens)
+        idx = torch.tensor([p[:first] for p in prompts], dtype=torch.long, device=dev)
         logits, state = self.prefill(idx, state)
-        out = []
-        for i in range(max_new_tokens):
-            nxt = sample(logits[0, -1], temperature, top_k, top_p, gen)
-            out.append(nxt)
-            if on_token is not None:
-                on_token(nxt)
-            if i < max_new_tokens - 1:
-                logits, state = self.prefill(torch.tensor([[nxt]], device=dev), state)
+        B = len(prompts)
+        out = [[] for _ in range(B)]
+        done = [max_new_tokens == 0] * B
+        pos = [first] * B
+        while not all(done) or any(pos[i] < lens[i] for i in range(B)):
+            nxt = sample_batch(logits[:, -1], temperature, top_k, top_p, gen).tolist()
+            feed = []
+            for i in range(B):
+                if pos[i] < lens[i]:                    # still reading its prompt: the sample is not used
+                    feed.append(prompts[i][pos[i]])
+                    pos[i] += 1
+                elif done[i]:
+                    feed.append(0)                      # padding after the end: its outputs are never read
+                else:
+                    out[i].append(nxt[i])
+                    if on_token is not None:
+                        on_token(nxt[i]) if single else on_token(i, nxt[i])
+                    done[i] = len(out[i]) >= max_new_tokens or nxt[i] in stop
+                    feed.append(nxt[i])
+            if all(done) and all(pos[i] >= lens[i] for i in range(B)):
+                break                                   # the last tokens are not fed: continue from them
+            logits, state = self.prefill(torch.tensor(feed, device=dev).view(B, 1), state)
         self.train(was_training)
-        return out, state
+        return (out[0] if single else out), state
 
 
-def sample(logits, temperature=1.0, top_k=None, top_p=None, generator=None) -> int:
-    """One token id from a (vocab,) logit vector."""
+def _as_prompts(prompt) -> tuple[list[list[int]], bool]:
+    """(list of id lists, whether it was one sequence); ValueError for anything else or an empty prompt."""
+    if isinstance(prompt, torch.Tensor):
+        if prompt.dim() == 1 or (prompt.dim() == 2 and prompt.shape[0] == 1):
+            prompts, single = [prompt.reshape(-1).tolist()], True
+        elif prompt.dim() == 2:
+            prompts, single = prompt.tolist(), False
+        else:
+            raise ValueError(f"prompt must be (T,) or (B, T) token ids, got shape {tuple(prompt.shape)}")
+    elif isinstance(prompt, (list, tuple)) and prompt and all(isinstance(p, (list, tuple)) for p in prompt):
+        prompts, single = [list(p) for p in prompt], False
+    elif isinstance(prompt, (list, tuple)):
+        prompts, single = [list(prompt)], True
+    else:
+        raise ValueError(f"prompt must be token ids (a list, a list of lists or a tensor), got {type(prompt).__name__}")
+    if any(len(p) == 0 for p in prompts):
+        raise ValueError("every prompt must hold at least one token")
+    if not all(isinstance(t, int) and not isinstance(t, bool) for p in prompts for t in p):
+        raise ValueError("prompt must hold integer token ids")
+    return prompts, single
+
+
+def sample_batch(logits, temperature=1.0, top_k=None, top_p=None, generator=None) -> torch.Tensor:
+    """One token id per row of (B, vocab) logits: greedy at temperature 0, else softmax(logits / T)
+    restricted to the k largest logits (ties at the k-th included) and to the nucleus of mass top_p (the
+    smallest set of most likely tokens whose mass reaches top_p)."""
     if temperature == 0:
-        return int(logits.argmax())
+        return logits.argmax(-1)
     logits = logits.float() / temperature
     if top_k is not None:
-        kth = torch.topk(logits, min(top_k, logits.numel())).values[-1]
+        kth = torch.topk(logits, min(top_k, logits.shape[-1]), dim=-1).values[:, -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
     probs = torch.softmax(logits, -1)
     if top_p is not None and top_p < 1:
-        sp, si = torch.sort(probs, descending=True)
-        keep = sp.cumsum(0) - sp < top_p                 # the smallest set whose mass reaches top_p
-        probs = torch.zeros_like(probs).scatter(0, si[keep], sp[keep])
-    return int(torch.multinomial(probs, 1, generator=generator))
+        sp, si = torch.sort(probs, dim=-1, descending=True)
+        keep = sp.cumsum(-1) - sp < top_p                   # mass before each token is below top_p
+        probs = torch.zeros_like(probs).scatter(-1, si, sp * keep)
+    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+
+
+def sample(logits, temperature=1.0, top_k=None, top_p=None, generator=None) -> int:
+    """One token id from a (vocab,) logit vector (``sample_batch`` on one row)."""
+    return int(sample_batch(logits.unsqueeze(0), temperature, top_k, top_p, generator)[0])

@@ -19,8 +19,48 @@ import torch
 from subquad.data.dataset import prepare
 from subquad.device import resolve_device
 from subquad.models import LanguageModel, ModelConfig
-from subquad.train.checkpoint import latest_checkpoint, load_checkpoint
+from subquad.train.checkpoint import has_checkpoints, load_checkpoint
 from subquad.train.trainer import TrainConfig, Trainer
+
+
+RESUME_SAFE = ("steps", "eval_every", "ckpt_every", "eval_batches")   # what a resume may change
+
+
+def read_run_config(out) -> dict:
+    """The run's own config.json: {"model", "train", "data", "world"}; ValueError when there is no run."""
+    path = Path(out) / "config.json"
+    if not path.exists():
+        raise ValueError(f"{out} holds no run to resume (no config.json there)")
+    try:
+        cfg = json.loads(path.read_text())
+        ModelConfig.from_dict(cfg["model"])
+        TrainConfig(**cfg["train"])
+    except (ValueError, KeyError, TypeError) as e:
+        raise ValueError(f"{path} is not a run config ({e})") from None
+    return cfg
+
+
+def resume_differences(saved: dict, model_cfg: ModelConfig, train_cfg: TrainConfig, data) -> list[str]:
+    """What would change the model, the data or the training if a run saved as ``saved`` continued with
+    these settings: one 'name: given (the run has saved)' per difference; empty when the resume is safe."""
+    out = []
+    for name, value in model_cfg.to_dict().items():
+        if name != "vocab_size" and saved["model"].get(name) != value:        # vocab: the tokenizer's
+            out.append(f"{name}: {value!r} (the run has {saved['model'].get(name)!r})")
+    default = asdict(TrainConfig())
+    for name, value in asdict(train_cfg).items():
+        have = saved["train"].get(name, default[name])
+        if name not in RESUME_SAFE and have != value:
+            out.append(f"{name}: {value!r} (the run has {have!r})")
+    if (data or "stdlib") != saved.get("data", "stdlib"):
+        out.append(f"data: {data or 'stdlib'!r} (the run has {saved.get('data')!r})")
+    return out
+
+
+def _write_json(path: Path, obj) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(obj, indent=1))
+    tmp.replace(path)
 
 
 def train_run(model_cfg: ModelConfig, train_cfg: TrainConfig, out, data: str | None = None, resume: bool = False,
@@ -28,7 +68,12 @@ def train_run(model_cfg: ModelConfig, train_cfg: TrainConfig, out, data: str | N
               device="cpu") -> dict:
     """Train (or with ``resume`` continue) the run in ``out`` on ``device`` (``subquad.device``: 'auto',
     'cpu', 'cuda', ...). The model is built on the CPU from the seed, then moved, so every device
-    starts from the same weights."""
+    starts from the same weights.
+
+    A resume must name settings equal to the run's own (``read_run_config``; ``subquad train --resume``
+    reads them for you): only ``RESUME_SAFE`` fields may differ, ``steps`` must pass the checkpoint's
+    step, and nothing in the run folder is written until the checkpoint has loaded. A fresh run that
+    fails before its first step leaves no folder behind."""
     from subquad.train.trainer import _dist
 
     device = resolve_device(device)
@@ -36,7 +81,14 @@ def train_run(model_cfg: ModelConfig, train_cfg: TrainConfig, out, data: str | N
     if rank != 0:
         log = lambda m: None                                   # noqa: E731  (rank 0 speaks for the run)
     out = Path(out)
-    if out.exists() and latest_checkpoint(out) is not None and not resume:
+    saved = None
+    if resume:
+        saved = read_run_config(out)
+        diff = resume_differences(saved, model_cfg, train_cfg, data)
+        if diff:
+            raise ValueError(f"--resume would change the run in {out}: " + "; ".join(diff) +
+                             ". Drop those flags (the run's own settings are used) or start a new --out")
+    elif out.exists() and has_checkpoints(out):
         raise ValueError(f"{out} already holds a run; pass --resume to continue it or choose another --out")
     if world > 1 and token_data is None:
         import torch.distributed as dist
@@ -47,17 +99,32 @@ def train_run(model_cfg: ModelConfig, train_cfg: TrainConfig, out, data: str | N
     vocab = td.tokenizer().get_vocab_size()
     if vocab != model_cfg.vocab_size:
         model_cfg = ModelConfig.from_dict({**model_cfg.to_dict(), "vocab_size": vocab})
-    out.mkdir(parents=True, exist_ok=True)
-    if rank == 0:
-        shutil.copyfile(td.tokenizer_path, out / "tokenizer.json")
-        (out / "manifest.json").write_text(json.dumps(td.manifest, indent=1))
-        (out / "config.json").write_text(json.dumps({"model": model_cfg.to_dict(), "train": asdict(train_cfg),
-                                                     "data": data or "stdlib", "world": world}, indent=1))
     torch.manual_seed(train_cfg.seed)
-    model = LanguageModel(model_cfg).to(device)
-    trainer = Trainer(model, td, train_cfg, out, progress=progress and rank == 0)
-    if resume and trainer.resume():
-        log(f"resuming {out} from step {trainer.step}")
+    model = LanguageModel(model_cfg).to(device)                # bad mixer options fail here, before any write
+    created = not out.exists()
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        trainer = Trainer(model, td, train_cfg, out, progress=progress and rank == 0)
+        if resume:
+            if not trainer.resume(log=log, trim_metrics=False):
+                log(f"{out} has no checkpoint yet: starting it from step 0")
+            elif trainer.step >= train_cfg.steps:
+                raise ValueError(f"the run in {out} is at step {trainer.step} already; pass --steps above it "
+                                 "to train further")
+            else:
+                log(f"resuming {out} from step {trainer.step}")
+                if rank == 0:
+                    trainer._trim_metrics()
+        if rank == 0:
+            if not resume:
+                shutil.copyfile(td.tokenizer_path, out / "tokenizer.json")
+                _write_json(out / "manifest.json", td.manifest)
+            _write_json(out / "config.json", {"model": model_cfg.to_dict(), "train": asdict(train_cfg),
+                                              "data": data or "stdlib", "world": world})
+    except BaseException:
+        if created and rank == 0:                             # nothing trained: no half-made run folder
+            shutil.rmtree(out, ignore_errors=True)
+        raise
     log(f"{out.name}: {model_cfg.pattern} x{model_cfg.n_layers}, {model.num_parameters():,} parameters, "
         f"{train_cfg.steps} steps of {train_cfg.batch_size} x {model_cfg.context_length} tokens")
     result = trainer.fit(log=log)

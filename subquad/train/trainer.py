@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -17,7 +18,7 @@ import torch.nn.functional as F
 
 from subquad.data.dataset import TokenData, get_batch
 from subquad.device import device_of
-from subquad.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from subquad.train.checkpoint import find_checkpoint, load_checkpoint, save_checkpoint
 
 
 class TrainingDiverged(RuntimeError):
@@ -26,6 +27,58 @@ class TrainingDiverged(RuntimeError):
 
 class PeerLost(RuntimeError):
     """A distributed run lost a rank: the others stop with this instead of hanging."""
+
+
+_COMM_WORDS = ("gloo", "nccl", "connection", "timed out", "timeout", "peer", "socket", "broken pipe")
+
+
+def _is_comm_failure(e: BaseException) -> bool:
+    """Only a communication failure may be reported as a lost peer; any other error is the error."""
+    import torch.distributed as dist
+
+    dist_error = getattr(dist, "DistError", None)
+    if dist_error is not None and isinstance(e, dist_error):
+        return True
+    text = str(e).lower()
+    return any(w in text for w in _COMM_WORDS)
+
+
+def _finite_json(rec: dict) -> str:
+    """One strict-JSON line: non-finite numbers become null (JSON has no NaN or Infinity)."""
+    clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in rec.items()}
+    return json.dumps(clean, allow_nan=False)
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def read_metrics(path) -> list[dict]:
+    """The records of a metrics.jsonl. A torn last line (a kill while writing it) is dropped; a bad line
+    anywhere else is a ValueError naming the file and line."""
+    path = Path(path)
+    if not path.exists():
+        return []
+    lines = path.read_text().splitlines()
+    out = []
+    for i, ln in enumerate(lines, 1):
+        if not ln.strip():
+            continue
+        try:
+            rec = json.loads(ln)
+            if not isinstance(rec, dict) or not isinstance(rec.get("step"), int):
+                raise ValueError("no integer 'step'")
+        except ValueError as e:
+            if i == len(lines):
+                break                                    # torn by a kill: the step it logged is redone
+            raise ValueError(f"{path}, line {i}: not a metrics record ({e})") from None
+        out.append(rec)
+    return out
 
 
 def _dist():
@@ -52,8 +105,11 @@ class TrainConfig:
     seed: int = 0
     bf16: bool = False
     context_parallel: int = 1      # ranks that share each sequence (ring attention / state passing)
+    on_nonfinite: str = "stop"     # a step with a non-finite loss or gradient: "stop" the run, or "skip" it
 
     def __post_init__(self):
+        if self.on_nonfinite not in ("stop", "skip"):
+            raise ValueError(f"on_nonfinite must be 'stop' or 'skip', got {self.on_nonfinite!r}")
         for name in ("steps", "batch_size", "eval_every", "eval_batches", "ckpt_every", "context_parallel"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
@@ -175,6 +231,9 @@ class Trainer:
                 **self.extra_meta}
 
     def save(self):
+        if not all(torch.isfinite(p).all() for p in self.model.parameters()):
+            raise TrainingDiverged(f"the model's weights are not finite at step {self.step}; not saved (the last "
+                                   f"good checkpoint is kept in {self.run_dir / 'ckpt'})")
         meta = self._meta()                      # a collective when distributed: every rank calls it
         path = save_checkpoint(self.run_dir, self.step, self.model, self.opt, meta) if self.rank == 0 else None
         if self.world > 1:
@@ -182,8 +241,10 @@ class Trainer:
             dist.barrier()
         return path
 
-    def resume(self) -> bool:
-        if latest_checkpoint(self.run_dir) is None:
+    def resume(self, log=None, trim_metrics: bool = True) -> bool:
+        """Continue from the run's newest intact checkpoint (False when it has none yet). metrics.jsonl is
+        cut back to the steps the checkpoint covers (``trim_metrics=False``: the caller does it later)."""
+        if find_checkpoint(self.run_dir, log) is None:
             return False
         model_sd, optim_sd, meta = load_checkpoint(self.run_dir)
         self.model.load_state_dict(model_sd)
@@ -195,11 +256,19 @@ class Trainer:
             self.gen.set_state(torch.tensor(meta["data_rng"], dtype=torch.uint8))
         self.step = meta["step"]
         self.curve = [tuple(p) for p in meta.get("curve", [])]
-        metrics = self.run_dir / "metrics.jsonl"
-        if metrics.exists() and self.rank == 0:  # drop lines logged after the checkpoint: the resumed run writes them again
-            keep = [ln for ln in metrics.read_text().splitlines() if ln and json.loads(ln)["step"] <= self.step]
-            metrics.write_text("".join(k + "\n" for k in keep))
+        if self.rank == 0 and trim_metrics:
+            self._trim_metrics()
         return True
+
+    def _trim_metrics(self):
+        """metrics.jsonl becomes exactly one record per step the checkpoint covers (steps after it are redone
+        and logged again), rewritten atomically."""
+        path = self.run_dir / "metrics.jsonl"
+        by_step = {}
+        for rec in read_metrics(path):
+            if rec["step"] <= self.step:
+                by_step[rec["step"]] = rec                 # a step logged twice (a restart): the latest
+        _write_atomic(path, "".join(_finite_json(by_step[k]) + "\n" for k in sorted(by_step)))
 
     # -- loop ----------------------------------------------------------------------------------------------
     def fit(self, log=print, stop_at: int | None = None) -> dict:
@@ -214,6 +283,8 @@ class Trainer:
             from tqdm import tqdm
             bar = tqdm(total=cfg.steps, initial=self.step, desc=self.run_dir.name, unit="step", leave=False,
                        dynamic_ncols=True)
+        if lead and self.step == 0:                # a fresh start: no lines from a run killed before its checkpoint
+            _write_atomic(self.run_dir / "metrics.jsonl", "")
         metrics = open(self.run_dir / "metrics.jsonl", "a") if lead else None
         tokens_per_step = cfg.batch_size * self.context
         t_last, tok_rate = time.perf_counter(), 0.0
@@ -226,7 +297,7 @@ class Trainer:
                 x, y = get_batch(self.data.train, cfg.batch_size, self.context, self.gen)
                 try:
                     loss = cross_entropy(self.train_model, x, y, cfg.bf16, self.cp_group)
-                    if not torch.isfinite(loss):
+                    if not torch.isfinite(loss) and cfg.on_nonfinite == "stop":
                         raise TrainingDiverged(f"loss became {loss.item()} at step {step}; stopped. The last good "
                                                f"checkpoint is kept in {self.run_dir / 'ckpt'} (try a lower --lr)")
                     self.opt.zero_grad(set_to_none=True)
@@ -239,18 +310,26 @@ class Trainer:
                         dist.all_reduce(logged)
                         loss = logged / self.world
                 except RuntimeError as e:
-                    if self.world > 1 and not isinstance(e, TrainingDiverged):
+                    if self.world > 1 and not isinstance(e, TrainingDiverged) and _is_comm_failure(e):
                         raise PeerLost(f"rank {self.rank}: a peer stopped answering at step {step} ({e}); "
                                        "stopping instead of waiting") from None
                     raise
                 gnorm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
-                self.opt.step()
+                skipped = not (torch.isfinite(loss) and torch.isfinite(gnorm))
+                if skipped and cfg.on_nonfinite == "stop":   # no update and no checkpoint from this step
+                    raise TrainingDiverged(f"the gradient norm became {float(gnorm)} at step {step}; stopped before "
+                                           f"updating. The last good checkpoint is kept in {self.run_dir / 'ckpt'} "
+                                           "(try a lower --lr, or on_nonfinite='skip')")
+                if skipped:
+                    self.opt.zero_grad(set_to_none=True)     # on_nonfinite="skip": the batch is consumed, no update
+                else:
+                    self.opt.step()
                 self.step = step
                 now = time.perf_counter()
                 tok_rate = tokens_per_step / max(now - t_last, 1e-9)
                 t_last = now
                 rec = {"step": step, "loss": round(loss.item(), 5), "lr": lr, "grad_norm": round(float(gnorm), 4),
-                       "tokens_per_s": round(tok_rate, 1)}
+                       "tokens_per_s": round(tok_rate, 1), **({"skipped": True} if skipped else {})}
                 if (lead or self.cp_group is not None) and (step % cfg.eval_every == 0 or step == cfg.steps):
                     ev = evaluate(model, self.data.heldout, self.context, cfg.batch_size, cfg.eval_batches, cfg.bf16,
                                   cp_group=self.cp_group)
@@ -258,7 +337,7 @@ class Trainer:
                     self.curve.append((step, ev))
                     t_last = time.perf_counter()       # evaluation time is not training throughput
                 if metrics is not None:
-                    metrics.write(json.dumps(rec) + "\n")
+                    metrics.write(_finite_json(rec) + "\n")
                     metrics.flush()
                 if bar is not None:
                     bar.update(1)

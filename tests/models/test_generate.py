@@ -55,13 +55,72 @@ def test_saved_state_reloads_to_the_same_continuation(pattern, tmp_path):
     assert first + rest == full
 
 
-def test_sampling_is_seeded_and_respects_top_k():
+def test_sampling_is_seeded():
     model = tiny("linear")
     a, _ = model.generate([1, 2], 8, temperature=1.0, top_k=3, seed=7)
     b, _ = model.generate([1, 2], 8, temperature=1.0, top_k=3, seed=7)
     assert a == b
-    c, _ = model.generate([1, 2], 8, temperature=1.0, top_p=0.5, seed=7)
-    assert len(c) == 8
+
+
+def test_sampling_keeps_its_promises_over_many_draws():
+    """top-k never emits a token outside the k largest logits, top-p never one outside the nucleus (the
+    smallest set of most likely tokens whose mass reaches p), temperature 0 is the argmax; and inside
+    those sets the draw frequencies follow the renormalised probabilities."""
+    from subquad.models.lm import sample_batch
+
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(4, 50, generator=g) * 2
+    draws = torch.stack([sample_batch(logits, 1.0, None, None, g) for _ in range(3000)])     # (n, 4)
+    order = logits.argsort(-1, descending=True)
+    assert torch.equal(sample_batch(logits, 0.0), logits.argmax(-1))
+    topk = torch.stack([sample_batch(logits, 1.0, 5, None, g) for _ in range(2000)])
+    for r in range(4):
+        assert set(topk[:, r].tolist()) <= set(order[r, :5].tolist())
+        assert len(set(topk[:, r].tolist())) > 1
+    probs = logits.softmax(-1)
+    for p in (0.3, 0.8):
+        nucleus = []
+        for r in range(4):
+            sp = probs[r, order[r]]
+            n = int((sp.cumsum(0) - sp < p).sum())                  # tokens whose preceding mass is below p
+            nucleus.append(set(order[r, :n].tolist()))
+        got = torch.stack([sample_batch(logits, 1.0, None, p, g) for _ in range(2000)])
+        for r in range(4):
+            assert set(got[:, r].tolist()) <= nucleus[r]
+    # plain sampling: the most likely token's frequency within 4 standard errors of its probability
+    for r in range(4):
+        top = order[r, 0]
+        freq = (draws[:, r] == top).float().mean()
+        p0 = probs[r, top]
+        assert abs(freq - p0) < 4 * (p0 * (1 - p0) / 3000) ** 0.5
+
+
+@pytest.mark.parametrize("pattern", ["linear", "softmax", "mamba2,swa", "gated_deltanet"])
+def test_a_batch_of_prompts_of_different_lengths_equals_each_alone(pattern):
+    model = tiny(pattern)
+    prompts = [[3, 14, 15], [9, 26, 5, 35, 8, 9, 7], [1], [2, 7, 18, 28, 18]]
+    outs, _ = model.generate(prompts, 6, temperature=0)
+    for p, o in zip(prompts, outs):
+        alone, _ = model.generate(p, 6, temperature=0)
+        assert o == alone, (p, o, alone)
+    tensor_batch, _ = model.generate(torch.tensor([[3, 14, 15], [9, 26, 5]]), 4, temperature=0)
+    assert tensor_batch == [model.generate([3, 14, 15], 4, temperature=0)[0],
+                            model.generate([9, 26, 5], 4, temperature=0)[0]]
+
+
+def test_stop_ids_finish_each_sequence_on_its_own():
+    model = tiny("linear")
+    prompts = [[3, 14, 15], [9, 26, 5, 35]]
+    free, _ = model.generate(prompts, 10, temperature=0)
+    stop = free[0][3]                                       # the 4th token the first sequence emits
+    outs, _ = model.generate(prompts, 10, temperature=0, stop_ids=[stop])
+    assert outs[0] == free[0][:free[0].index(stop) + 1]     # stops right after emitting it
+    second = free[1][:free[1].index(stop) + 1] if stop in free[1] else free[1]
+    assert outs[1] == second
+    seen = []
+    model.generate(prompts, 3, temperature=0, on_token=lambda i, t: seen.append((i, t)))
+    assert sorted(seen) == sorted((i, t) for i, o in enumerate(model.generate(prompts, 3, temperature=0)[0])
+                                  for t in o)
 
 
 def test_bad_generation_arguments():
@@ -72,6 +131,10 @@ def test_bad_generation_arguments():
         model.generate([1], 2, top_p=1.5)
     with pytest.raises(ValueError, match="at least one token"):
         model.generate([], 2)
+    with pytest.raises(ValueError, match="at least one token"):
+        model.generate([[1, 2], []], 2)
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        model.generate([1], 2.5)
     with pytest.raises(ValueError, match="token ids"):
         model(torch.tensor([[0, 99]]))
 

@@ -29,9 +29,17 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a - b).abs().max() / b.abs().max().clamp_min(1e-30)).item()
 
 
-def assert_close(a, b, tol, what=""):
-    err = rel_err(a, b)
-    assert err <= tol, f"{what}: relative error {err:.3e} > {tol:.1e}"
+def assert_close(a, b, tol, what="", atol=None):
+    """Element-wise, as torch.testing.assert_close: |a - b| <= atol + tol |b| for every entry (atol = tol by
+    default), so an error in a small entry is not hidden by the largest one."""
+    assert a.shape == b.shape, f"{what}: shapes differ: {tuple(a.shape)} vs {tuple(b.shape)}"
+    atol = tol if atol is None else atol
+    bad = (a - b).abs() > atol + tol * b.abs()
+    if bad.any():
+        i = bad.flatten().nonzero()[0].item()
+        raise AssertionError(f"{what}: {int(bad.sum())} of {b.numel()} entries differ by more than {atol:.1e} + "
+                             f"{tol:.1e} |b|; first at flat index {i}: {a.flatten()[i].item():.6g} vs "
+                             f"{b.flatten()[i].item():.6g} (largest relative-to-max error {rel_err(a, b):.3e})")
 
 
 def check_forms_agree(call, inputs, chunk_size, initial_state=None, tol=1e-10, modes=MODES, ref="parallel"):

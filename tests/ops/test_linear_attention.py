@@ -72,9 +72,15 @@ def test_float32_long_sequence_chunk_matches_recurrent():
     q, k = (phi(torch.randn(1, 4096, 2, 32, generator=g)) for _ in range(2))
     v = torch.randn(1, 4096, 2, 32, generator=g)
     for normalize in (False, True):
-        o_c, s_c = linear_attention(q, k, v, normalize=normalize, mode="chunk", output_final_state=True)
-        o_r, s_r = linear_attention(q, k, v, normalize=normalize, mode="recurrent", output_final_state=True)
-        assert_close(o_c, o_r, 1e-4, "float32 T=4096 chunk vs recurrent")
+        # each entry against float64, within float32 accumulation error of that entry: the error scales with
+        # the magnitude of the 4,096 terms it sums (sum_s |A_ts v_s|, normalised like the output), not with
+        # the entry itself, which cancellation can make small - and not with the largest entry of all
+        ref, _ = linear_attention(q.double(), k.double(), v.double(), normalize=normalize, mode="parallel")
+        mag, _ = linear_attention(q.double(), k.double(), v.double().abs(), normalize=normalize, mode="parallel")
+        for mode in ("chunk", "recurrent"):
+            o, _ = linear_attention(q, k, v, normalize=normalize, mode=mode)
+            err = (o.double() - ref).abs()
+            assert (err <= 1e-4 * ref.abs() + 2e-5 * mag).all(), f"{mode}: {(err / mag).max():.2e} of the sum's magnitude"
 
 
 def test_low_precision_inputs_keep_float32_state():

@@ -77,6 +77,11 @@ def test_strong_decays_stay_finite():
     assert torch.isfinite(y).all() and torch.isfinite(h).all()
     grads = torch.autograd.grad(y.square().mean() + h.square().mean(), list(x.values()))
     assert all(torch.isfinite(t).all() for t in grads)
+    # and right, not only finite: the first 2,048 tokens against the float64 token loop
+    p = 2048
+    seq = {n: (t[:, :p] if t.dim() == 3 else t).detach().double() for n, t in x.items()}
+    ref, _ = call("recurrent", seq, 64, None, True)
+    assert_close(y[:, :p].detach().double(), ref, 1e-4, "strong decays")
 
 
 def test_bad_input_raises():

@@ -42,7 +42,7 @@ def check_qkv(q, k, v, *, same_length: bool = True) -> None:
             raise ValueError(f"{name} must be on q's device {q.device}, got {x.device}")
 
 
-def check_like(name: str, x, shape: tuple, ref: torch.Tensor) -> None:
+def check_like(name: str, x, shape: tuple, ref: torch.Tensor, ref_name: str = "q") -> None:
     """A state or gate tensor: exact shape, floating point, on ref's device."""
     if not isinstance(x, torch.Tensor):
         raise ValueError(f"{name} must be a torch.Tensor of shape {shape}, got {type(x).__name__}")
@@ -51,7 +51,7 @@ def check_like(name: str, x, shape: tuple, ref: torch.Tensor) -> None:
     if not x.is_floating_point():
         raise ValueError(f"{name} must be floating point, got dtype {x.dtype}")
     if x.device != ref.device:
-        raise ValueError(f"{name} must be on q's device {ref.device}, got {x.device}")
+        raise ValueError(f"{name} must be on {ref_name}'s device {ref.device}, got {x.device}")
 
 
 def state_dtype(dtype: torch.dtype) -> torch.dtype:

@@ -70,6 +70,8 @@ def delta_rule(q, k, v, beta, *, mode="chunk", chunk_size=64, scale=None, initia
 def gated_delta_rule(q, k, v, g, beta, *, mode="chunk", chunk_size=64, scale=None, initial_state=None,
                      output_final_state=False):
     """Gated DeltaNet: S_t = a_t (I - b_t k_t k_t^T) S_{t-1} + b_t k_t v_t^T; ``g = log a`` and ``beta`` (B, T, H)."""
+    if g is None:
+        raise ValueError("g must be a log-decay tensor (B, T, H) for the gated rule (use delta_rule without a gate)")
     return _run(q, k, v, beta, g, mode, chunk_size, scale, initial_state, output_final_state)
 
 

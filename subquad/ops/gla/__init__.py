@@ -70,6 +70,7 @@ def _run(q, k, v, g, mode, chunk_size, scale, initial_state, output_final_state)
 @amp_op()
 def retention(q, k, v, g, *, mode="chunk", chunk_size=64, scale=None, initial_state=None, output_final_state=False):
     """Retention (RetNet): S_t = a S_{t-1} + k_t v_t^T with a fixed log-decay ``g = log a`` of shape (H,)."""
+    check_qkv(q, k, v)
     B, T, H, _ = q.shape
     scale, initial_state = _prepare(q, k, v, g, (H,), mode, chunk_size, scale, initial_state)
     return _run(q, k, v, g.view(1, 1, H).expand(B, T, H), mode, chunk_size, scale, initial_state, output_final_state)
@@ -78,6 +79,7 @@ def retention(q, k, v, g, *, mode="chunk", chunk_size=64, scale=None, initial_st
 @amp_op()
 def simple_gla(q, k, v, g, *, mode="chunk", chunk_size=64, scale=None, initial_state=None, output_final_state=False):
     """Simple GLA / SSD: S_t = a_t S_{t-1} + k_t v_t^T with ``g = log a`` of shape (B, T, H)."""
+    check_qkv(q, k, v)
     scale, initial_state = _prepare(q, k, v, g, q.shape[:3], mode, chunk_size, scale, initial_state)
     return _run(q, k, v, g, mode, chunk_size, scale, initial_state, output_final_state)
 
@@ -85,6 +87,7 @@ def simple_gla(q, k, v, g, *, mode="chunk", chunk_size=64, scale=None, initial_s
 @amp_op()
 def gla(q, k, v, g, *, mode="chunk", chunk_size=64, scale=None, initial_state=None, output_final_state=False):
     """GLA: S_t = diag(a_t) S_{t-1} + k_t v_t^T with ``g = log a`` of shape (B, T, H, K)."""
+    check_qkv(q, k, v)
     scale, initial_state = _prepare(q, k, v, g, q.shape, mode, chunk_size, scale, initial_state)
     return _run(q, k, v, g, mode, chunk_size, scale, initial_state, output_final_state)
 

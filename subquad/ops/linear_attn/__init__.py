@@ -64,6 +64,7 @@ def linear_attention(q, k, v, *, normalize=True, eps=1e-6, mode="chunk", chunk_s
         (o (B, T, H, V), final_state or None).
     """
     check_mode(mode)
+    check_chunk_size(chunk_size)                       # checked whatever the form, as documented
 
     def run(form, final):
         return _FORMS[form](q, k, v, normalize=normalize, eps=eps, scale=scale, chunk_size=chunk_size,

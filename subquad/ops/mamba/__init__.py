@@ -43,17 +43,17 @@ def selective_scan(x, dt, A, B, C, *, D=None, z=None, mode="chunk", chunk_size=6
     Bsz, T, Dm = x.shape
     if T < 1:
         raise ValueError(f"x must hold at least one token (T >= 1), got shape {tuple(x.shape)}")
-    check_like("dt", dt, x.shape, x)
-    if A.dim() != 2 or A.shape[0] != Dm:
-        raise ValueError(f"A must have shape (Dm={Dm}, N), got {tuple(A.shape)}")
+    check_like("dt", dt, x.shape, x, "x")
+    if not isinstance(A, torch.Tensor) or A.dim() != 2 or A.shape[0] != Dm:
+        raise ValueError(f"A must have shape (Dm={Dm}, N), got {getattr(A, 'shape', type(A).__name__)}")
     N = A.shape[1]
-    check_like("A", A, (Dm, N), x)
-    check_like("B", B, (Bsz, T, N), x)
-    check_like("C", C, (Bsz, T, N), x)
+    check_like("A", A, (Dm, N), x, "x")
+    check_like("B", B, (Bsz, T, N), x, "x")
+    check_like("C", C, (Bsz, T, N), x, "x")
     if D is not None:
-        check_like("D", D, (Dm,), x)
+        check_like("D", D, (Dm,), x, "x")
     if z is not None:
-        check_like("z", z, x.shape, x)
+        check_like("z", z, x.shape, x, "x")
     if checks_on(dt) and (dt < 0).any():
         raise ValueError("dt must be >= 0 (it is a step size, softplus of a projection in Mamba)")
     if checks_on(A) and (A > 0).any():
@@ -64,7 +64,7 @@ def selective_scan(x, dt, A, B, C, *, D=None, z=None, mode="chunk", chunk_size=6
             raise ValueError(f"{name} must have x's dtype {x.dtype}{' (or float32)' if gate else ''}, got {t.dtype}")
     sd = state_dtype(x.dtype)
     if initial_state is not None:
-        check_like("initial_state", initial_state, (Bsz, Dm, N), x)
+        check_like("initial_state", initial_state, (Bsz, Dm, N), x, "x")
         initial_state = initial_state.to(sd)
     if mode == "chunk" and T < SHORT_SCAN and not wants_grad(x, dt, A, B, C, initial_state):
         mode = "recurrent"                             # a decoding step or a short prompt: the token loop is faster

@@ -114,6 +114,7 @@ def softmax_attention(q, k, v, *, causal=True, window=None, mode="chunk", chunk_
         (o, final_state) or, with return_lse, (o, final_state, lse).
     """
     check_mode(mode)
+    check_chunk_size(chunk_size)
 
     def run(form):
         return _FORMS[form](q, k, v, causal=causal, window=window, scale=scale, chunk_size=chunk_size,
