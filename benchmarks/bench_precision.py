@@ -123,9 +123,13 @@ def main(argv=None):
                     row[how], row[how + "_error"] = None, f"{type(e).__name__}: {str(e)[:200]}"
             rows.append(row)
             c, b = row.get("compiled"), row.get("bf16")
-            print(f"{setting:5s} {name:15s} eager {row['eager']:>8,} tok/s   compiled "
+            _write(rows, info, args)                     # after every row: a long run killed midway keeps its rows
+            e = row["eager"]
+            print(f"{setting:5s} {name:15s} eager {e if e is None else format(e, ','):>8} tok/s   compiled "
                   f"{c if c is None else format(c, ','):>8} ({row.get('compiled_warmup_s')} s warm-up)   "
                   f"bf16 {b if b is None else format(b, ','):>8}", flush=True)
+    print("\n".join(_write(rows, info, args)))
+def _write(rows, info, args):
     suffix = "_quick" if args.quick else ""
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / f"precision{suffix}.json").write_text(json.dumps({"machine": info, "rows": rows}, indent=1))
@@ -136,12 +140,13 @@ def main(argv=None):
     for r in rows:
         e, c, b = r["eager"], r.get("compiled"), r.get("bf16")
         ratio = lambda x: f"{x / e:.2f}x" if x and e else "—"   # noqa: E731
-        lines.append(f"| {r['setting']} (T={r['context']}, B={r['batch']}) | {r['mixer']} | {e:,} | "
+        lines.append(f"| {r['setting']} (T={r['context']}, B={r['batch']}) | {r['mixer']} | "
+                     f"{'failed' if e is None else f'{e:,}'} | "
                      f"{'failed' if c is None else f'{c:,}'} | {ratio(c)} | {'failed' if b is None else f'{b:,}'} "
                      f"| {ratio(b)} |")
     (args.out / f"precision{suffix}.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
     _plot(rows, args.out / f"precision{suffix}.png")
+    return lines
 
 
 def _plot(rows, path):

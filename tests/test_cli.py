@@ -67,6 +67,14 @@ def test_train_eval_generate_end_to_end(tmp_path, capsys, corpus):
     assert "state:" in err and st.exists()
     assert main(["generate", "--run", str(run), "--load-state", str(st), "--max-new-tokens", "3"]) == 0
     capsys.readouterr()
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("def h1\n\ndef h22(z):\n")
+    assert main(["generate", "--run", str(run), "--prompts-file", str(prompts), "--max-new-tokens", "4",
+                 "--temperature", "0", "--stop", "\\n"]) == 0
+    out = capsys.readouterr().out
+    assert "--- [0] def h1" in out and "--- [1] def h22(z):" in out
+    assert main(["generate", "--run", str(run), "--prompts-file", str(tmp_path / "none.txt")]) == 2
+    assert "does not exist" in capsys.readouterr().err
     assert main(["generate", "--run", str(tmp_path / "missing")]) == 2
     assert "does not exist" in capsys.readouterr().err
 

@@ -20,6 +20,15 @@ from subquad.ops import KVCache, softmax_attention
 
 
 class SoftmaxAttention(Mixer):
+    """Causal softmax attention with rotary positions, grouped-query heads and an optional sliding window.
+
+    Recurrence: the KV cache grows by (k_t, v_t); o_t = softmax(q_t K^T / sqrt(K)) V over the keys it sees.
+    Args: d_model; n_heads; n_kv_heads (grouped-query attention, default n_heads); window W (a query sees
+    itself and the W tokens before it; the cache keeps W); rotary; mode ("parallel": SDPA, "chunk":
+    blockwise online softmax; both O(T W) with a window); chunk_size.
+    State: a ``KVCache`` of k (B, L, n_kv_heads, K) and v (B, L, n_kv_heads, K), L the tokens seen (at most
+    W with a window). A state passed in is never modified (the layer appends to a fork).
+    """
     def __init__(self, d_model: int, n_heads: int = 4, n_kv_heads: int | None = None, window: int | None = None,
                  rotary: bool = True, mode: str = "parallel", chunk_size: int = 64):
         super().__init__(d_model, mode, chunk_size)

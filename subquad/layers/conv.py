@@ -12,6 +12,10 @@ from torch import nn
 
 
 class ShortConv(nn.Module):
+    """Short causal depthwise convolution y_t = sum_i w_i x_{t-W+1+i} + b, per channel.
+
+    Args: channels; kernel_size W; bias. State: the last W - 1 inputs, (B, W - 1, channels).
+    """
     def __init__(self, channels: int, kernel_size: int = 4, bias: bool = True):
         super().__init__()
         if kernel_size < 1:

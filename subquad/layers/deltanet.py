@@ -23,6 +23,12 @@ from subquad.ops import delta_rule, gated_delta_rule
 
 
 class DeltaNet(Mixer):
+    """DeltaNet: S_t = (I - b_t k_t k_t^T) S_{t-1} + b_t k_t v_t^T, o_t = S_t^T q_t (see the module docstring).
+
+    Args: d_model; n_heads; head_dim (default d_model / n_heads); conv_size (short convolutions on q, k, v);
+    mode; chunk_size.
+    State: {"S": (B, H, K, K) float32 (float64 for float64), "conv": (B, conv_size - 1, 3 H K)}.
+    """
     piece_size = 1024   # fixed state: long forwards run in pieces (base.Mixer._in_pieces); fastest here
     gated = False
 
@@ -84,4 +90,9 @@ class DeltaNet(Mixer):
 
 
 class GatedDeltaNet(DeltaNet):
+    """Gated DeltaNet: S_t = a_t (I - b_t k_t k_t^T) S_{t-1} + b_t k_t v_t^T with a_t = exp(g_t) per head and
+    token, output rmsnorm(o) * silu(x W_g).
+
+    Args: as ``DeltaNet``. State: as ``DeltaNet``, {"S": (B, H, K, K), "conv": (B, conv_size - 1, 3 H K)}.
+    """
     gated = True

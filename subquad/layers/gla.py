@@ -18,6 +18,12 @@ from subquad.ops import gla
 
 
 class GatedLinearAttention(Mixer):
+    """GLA: S_t = diag(a_t) S_{t-1} + k_t v_t^T with a per-key-dim gate a_t = exp(g_t), o_t = S_t^T q_t.
+
+    Args: d_model; n_heads; expand_k, expand_v (key / value widths as fractions of d_model); gate_rank (the
+    low-rank gate projection); gate_normalizer (g = logsigmoid(.) / gate_normalizer); mode; chunk_size.
+    State: {"S": (B, H, K, V) float32 (float64 for float64)}.
+    """
     piece_size = 1024   # fixed state: long forwards run in pieces (base.Mixer._in_pieces); fastest here
     def __init__(self, d_model: int, n_heads: int = 4, expand_k: float = 0.5, expand_v: float = 1.0,
                  gate_rank: int = 16, gate_normalizer: float = 16.0, mode: str = "chunk", chunk_size: int = 64):

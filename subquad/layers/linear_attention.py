@@ -20,6 +20,14 @@ from subquad.ops import linear_attention
 
 
 class LinearAttention(Mixer):
+    """Linear attention: S_t = S_{t-1} + phi(k_t) v_t^T, o_t = phi(q_t) S_t (/ phi(q_t) z_t when normalised).
+
+    Args: d_model; n_heads; feature_map (a name in ``subquad.ops.FEATURE_MAPS``); normalize (performer
+    needs it); qk_dim (project q and k to this dim first; Based uses 16 with taylor); num_features
+    (performer's random features); mode; chunk_size.
+    State: {"S": (B, H, F, V)} plus {"z": (B, H, F)} when normalised, F the feature dim; float32 (float64
+    for float64).
+    """
     piece_size = 2048   # fixed state: long forwards run in pieces (base.Mixer._in_pieces); fastest here
     def __init__(self, d_model: int, n_heads: int = 4, feature_map: str = "elu+1", normalize: bool = True,
                  qk_dim: int | None = None, num_features: int = 64, mode: str = "chunk", chunk_size: int = 64):

@@ -15,6 +15,11 @@ from subquad.ops.linformer import linformer_attention
 
 
 class Linformer(Mixer):
+    """Linformer: softmax attention over keys and values projected to k rows along time (encoder only).
+
+    Args: d_model; n_heads; max_len (longest sequence the projections cover); k (projected length);
+    share_heads; share_kv. State: none - there is no causal or recurrent form, and ``empty_state`` says so.
+    """
     def __init__(self, d_model: int, n_heads: int = 4, max_len: int = 1024, k: int = 256, share_heads: bool = True,
                  share_kv: bool = False):
         super().__init__(d_model, "parallel", 64)

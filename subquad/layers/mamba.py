@@ -24,6 +24,12 @@ from subquad.ops.common.autograd import wants_grad
 
 
 class Mamba(Mixer):
+    """Mamba (S6): h_t = exp(dt_t A) h_{t-1} + dt_t B_t x_t, y_t = C_t h_t + D x_t, gated by silu(z).
+
+    Args: d_model; d_state N; d_conv (short convolution width); expand (d_inner = expand d_model);
+    dt_rank (default ceil(d_model / 16)); dt_min, dt_max (dt's initial range); mode; chunk_size.
+    State: {"ssm": (B, d_inner, N) float32 (float64 for float64), "conv": (B, d_conv - 1, d_inner)}.
+    """
     piece_size = 2048   # fixed state: long forwards run in pieces (base.Mixer._in_pieces); fastest here
     def __init__(self, d_model: int, d_state: int = 16, d_conv: int = 4, expand: int = 2, dt_rank: int | None = None,
                  dt_min: float = 1e-3, dt_max: float = 0.1, mode: str = "chunk", chunk_size: int = 64):

@@ -31,6 +31,13 @@ from subquad.ops.gla.ssd import ssd_chunkwise, ssd_inference
 
 
 class Mamba2(Mixer):
+    """Mamba-2 (SSD): h_t = exp(dt_t A) h_t-1 + dt_t B_t x_t^T per head, y_t = C_t h_t + D x_t, then
+    out_proj(rmsnorm(y * silu(z))).
+
+    Args: d_model; d_state N; headdim P (heads = d_inner / P); expand (d_inner = expand d_model); d_conv;
+    dt_min, dt_max (dt's initial range); mode; chunk_size.
+    State: {"ssm": (B, H, N, P) float32 (float64 for float64), "conv": (B, d_conv - 1, d_inner + 2 N)}.
+    """
     piece_size = 2048   # fixed state: long forwards run in pieces (base.Mixer._in_pieces); fastest here
     def __init__(self, d_model: int, d_state: int = 64, headdim: int = 64, expand: int = 2, d_conv: int = 4,
                  dt_min: float = 1e-3, dt_max: float = 0.1, mode: str = "chunk", chunk_size: int = 64):

@@ -19,6 +19,13 @@ from subquad.ops import retention
 
 
 class MultiScaleRetention(Mixer):
+    """Multi-scale retention: S_t = a_h S_{t-1} + k_t v_t^T with a fixed decay a_h = 1 - 2^(-5-h) per head,
+    o_t = S_t^T q_t, output W_o(swish(x W_g) * groupnorm(o)).
+
+    Args: d_model; n_heads; head_dim (default d_model / n_heads); value_factor (V = value_factor K); mode;
+    chunk_size.
+    State: {"S": (B, H, K, V) float32 (float64 for float64), "pos": the tokens seen (rotary offset)}.
+    """
     piece_size = 2048   # fixed state: long forwards run in pieces (base.Mixer._in_pieces); fastest here
     def __init__(self, d_model: int, n_heads: int = 4, head_dim: int | None = None, value_factor: int = 2,
                  mode: str = "chunk", chunk_size: int = 64):

@@ -285,6 +285,11 @@ class Trainer:
                        dynamic_ncols=True)
         if lead and self.step == 0:                # a fresh start: no lines from a run killed before its checkpoint
             _write_atomic(self.run_dir / "metrics.jsonl", "")
+        tok = getattr(self.data, "tokenizer_path", None)
+        if lead and tok is not None and not (self.run_dir / "tokenizer.json").exists():
+            import shutil                            # the run folder loads with load_run on its own
+
+            shutil.copyfile(tok, self.run_dir / "tokenizer.json")
         metrics = open(self.run_dir / "metrics.jsonl", "a") if lead else None
         tokens_per_step = cfg.batch_size * self.context
         t_last, tok_rate = time.perf_counter(), 0.0

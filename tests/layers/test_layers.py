@@ -154,3 +154,11 @@ def test_grouped_query_attention_shrinks_the_cache():
 def test_unknown_mixer_is_refused():
     with pytest.raises(ValueError, match="unknown mixer 'mamba9'"):
         build_mixer("mamba9", D, 4)
+
+
+def test_every_layer_class_documents_its_recurrence_arguments_and_state():
+    from subquad.layers.registry import CLASSES
+
+    for cls in set(CLASSES.values()):
+        doc = cls.__doc__ or ""
+        assert "Args" in doc and "State" in doc and ("_t" in doc or "S_t" in doc), cls.__name__
