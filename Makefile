@@ -41,6 +41,7 @@ bench: bench-deps
 	$(PY) benchmarks/bench_context_parallel.py
 	$(PY) benchmarks/bench_pieces.py
 	$(PY) benchmarks/bench_decode_step.py
+	$(PY) benchmarks/bench_precision.py
 
 clean:
 	rm -rf $(VENV) runs

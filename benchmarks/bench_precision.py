@@ -2,7 +2,8 @@
 
 For every mixer name usable in a pattern and the jamba preset's hybrid pattern: a language model of
 micro's shape (d_model 128, 4 layers, heads of 32, SwiGLU) trained with AdamW, tokens/s of the median
-step after warm-up (compilation happens in the warm-up steps and is reported apart). Two settings:
+step after warm-up (compilation happens in the two warm-up steps and is reported apart, with the
+first step's loss against eager's: the same weights and batch). Two settings:
 
     micro     context 256, batch 16
     long      context 4,096, batch 1 (--context sets it)
@@ -77,17 +78,17 @@ def rate(name, context, batch, how, steps, warmup):
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
+        return loss.item()
 
     t0 = time.perf_counter()
-    for _ in range(warmup):
-        step()
+    first = [step() for _ in range(warmup)][0]          # the first loss: the same weights and batch for every how
     warm = time.perf_counter() - t0
     times = []
     for _ in range(steps):
         t = time.perf_counter()
         step()
         times.append(time.perf_counter() - t)
-    return batch * context / statistics.median(times), warm
+    return batch * context / statistics.median(times), warm, first
 
 
 def main(argv=None):
@@ -117,8 +118,8 @@ def main(argv=None):
             for how in ("eager", "compiled", "bf16"):
                 torch._dynamo.reset()
                 try:
-                    tps, warm = rate(name, context, batch, how, args.steps, warmup=2)
-                    row[how], row[how + "_warmup_s"] = round(tps), round(warm, 1)
+                    tps, warm, first = rate(name, context, batch, how, args.steps, warmup=2)
+                    row[how], row[how + "_warmup_s"], row[how + "_loss"] = round(tps), round(warm, 1), first
                 except Exception as e:                      # report, do not hide: a failure is a result
                     row[how], row[how + "_error"] = None, f"{type(e).__name__}: {str(e)[:200]}"
             rows.append(row)
@@ -135,15 +136,19 @@ def _write(rows, info, args):
     (args.out / f"precision{suffix}.json").write_text(json.dumps({"machine": info, "rows": rows}, indent=1))
     lines = [f"CPU: {info['cpu']}; bf16 instructions: {', '.join(info['bf16_flags'])}; fp32 matmul "
              f"{info['matmul_gflops_fp32']} GFLOP/s; torch {info['torch']}", "",
-             "| setting | mixer | eager fp32 tok/s | compiled fp32 | compiled / eager | bf16 autocast | bf16 / eager |",
-             "|---|---|---|---|---|---|---|"]
+             "| setting | mixer | eager fp32 tok/s | compiled fp32 | compiled / eager | compile time | "
+             "first loss, compiled vs eager | bf16 autocast | bf16 / eager | first loss, bf16 vs eager |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         e, c, b = r["eager"], r.get("compiled"), r.get("bf16")
         ratio = lambda x: f"{x / e:.2f}x" if x and e else "—"   # noqa: E731
+        def rel(how):
+            a, ref = r.get(how + "_loss"), r.get("eager_loss")
+            return f"{abs(a - ref) / abs(ref):.1e}" if a is not None and ref else "—"
         lines.append(f"| {r['setting']} (T={r['context']}, B={r['batch']}) | {r['mixer']} | "
                      f"{'failed' if e is None else f'{e:,}'} | "
-                     f"{'failed' if c is None else f'{c:,}'} | {ratio(c)} | {'failed' if b is None else f'{b:,}'} "
-                     f"| {ratio(b)} |")
+                     f"{'failed' if c is None else f'{c:,}'} | {ratio(c)} | {r.get('compiled_warmup_s', '—')} s | "
+                     f"{rel('compiled')} | {'failed' if b is None else f'{b:,}'} | {ratio(b)} | {rel('bf16')} |")
     (args.out / f"precision{suffix}.md").write_text("\n".join(lines) + "\n")
     _plot(rows, args.out / f"precision{suffix}.png")
     return lines

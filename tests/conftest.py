@@ -1,5 +1,6 @@
 import os
 
+import pytest
 import torch
 from hypothesis import settings
 
@@ -21,3 +22,12 @@ if _DEVICE and _DEVICE != "cpu":
         return _Generator(device=device if device is not None else _DEVICE)
 
     torch.Generator = _generator
+
+
+@pytest.fixture
+def corpus(tmp_path, monkeypatch):
+    """A small local corpus of code, and a token cache private to the test (the CLI and run tests)."""
+    monkeypatch.setenv("SUBQUAD_CACHE", str(tmp_path / "cache"))
+    path = tmp_path / "code.py"
+    path.write_text("".join(f"def h{i}(z):\n    return z * {i}\n\n" for i in range(400)))
+    return path

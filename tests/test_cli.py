@@ -20,15 +20,6 @@ def test_workshop_writes_png_and_json(tmp_path, capsys):
     assert "max |parallel - recurrent|" in capsys.readouterr().out
 
 
-@pytest.fixture
-def corpus(tmp_path, monkeypatch):
-    """A small local corpus of code, and a token cache private to the test."""
-    monkeypatch.setenv("SUBQUAD_CACHE", str(tmp_path / "cache"))
-    path = tmp_path / "code.py"
-    path.write_text("".join(f"def h{i}(z):\n    return z * {i}\n\n" for i in range(400)))
-    return path
-
-
 def test_workshop_second_half_trains_both_runs_and_reports_the_gap(tmp_path, capsys, corpus):
     out = tmp_path / "ws"
     assert main(["workshop", "--out", str(out), "--steps", "3", "--seeds", "2", "--data", str(corpus),

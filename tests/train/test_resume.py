@@ -15,14 +15,6 @@ from subquad.train.checkpoint import find_checkpoint, save_checkpoint
 from subquad.train.trainer import _is_comm_failure, read_metrics
 
 
-@pytest.fixture
-def corpus(tmp_path, monkeypatch):
-    monkeypatch.setenv("SUBQUAD_CACHE", str(tmp_path / "cache"))
-    path = tmp_path / "code.py"
-    path.write_text("".join(f"def h{i}(z):\n    return z * {i}\n\n" for i in range(400)))
-    return path
-
-
 def train_argv(corpus, out, *extra):
     return ["train", "--data", str(corpus), "--vocab-size", "300", "--d-model", "32", "--n-layers", "2",
             "--n-heads", "2", "--context", "32", "--pattern", "linear,softmax", "--batch-size", "2",
