@@ -98,6 +98,9 @@ def main(argv=None):
     p.add_argument("--settings", default="micro,long")
     p.add_argument("--context", type=int, default=4096, help="context of the long setting")
     p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--hows", default="eager,compiled,bf16", help="which columns to measure (eager is needed "
+                   "for the ratios)")
+    p.add_argument("--append", action="store_true", help="add rows to the existing results file")
     p.add_argument("--out", type=Path, default=OUT)
     args = p.parse_args(argv)
     torch.set_num_threads(2)
@@ -111,11 +114,14 @@ def main(argv=None):
     print(f"CPU: {info['cpu']}, bf16 flags: {', '.join(info['bf16_flags'])}, "
           f"fp32 matmul {info['matmul_gflops_fp32']} GFLOP/s, torch {info['torch']}", flush=True)
     rows = []
+    prev = args.out / f"precision{'_quick' if args.quick else ''}.json"
+    if args.append and prev.exists():
+        rows = json.loads(prev.read_text())["rows"]
     for setting in settings:
         context, batch = SETTINGS[setting]
         for name in names:
             row = {"setting": setting, "context": context, "batch": batch, "mixer": name}
-            for how in ("eager", "compiled", "bf16"):
+            for how in args.hows.split(","):
                 torch._dynamo.reset()
                 try:
                     tps, warm, first = rate(name, context, batch, how, args.steps, warmup=2)
@@ -123,12 +129,11 @@ def main(argv=None):
                 except Exception as e:                      # report, do not hide: a failure is a result
                     row[how], row[how + "_error"] = None, f"{type(e).__name__}: {str(e)[:200]}"
             rows.append(row)
-            c, b = row.get("compiled"), row.get("bf16")
             _write(rows, info, args)                     # after every row: a long run killed midway keeps its rows
-            e = row["eager"]
-            print(f"{setting:5s} {name:15s} eager {e if e is None else format(e, ','):>8} tok/s   compiled "
-                  f"{c if c is None else format(c, ','):>8} ({row.get('compiled_warmup_s')} s warm-up)   "
-                  f"bf16 {b if b is None else format(b, ','):>8}", flush=True)
+            fmt = lambda x: "—" if x is None else f"{x:,}"   # noqa: E731
+            print(f"{setting:5s} {name:15s} eager {fmt(row.get('eager')):>8} tok/s   compiled "
+                  f"{fmt(row.get('compiled')):>8} ({row.get('compiled_warmup_s', '—')} s warm-up)   "
+                  f"bf16 {fmt(row.get('bf16')):>8}", flush=True)
     print("\n".join(_write(rows, info, args)))
 def _write(rows, info, args):
     suffix = "_quick" if args.quick else ""
@@ -145,10 +150,13 @@ def _write(rows, info, args):
         def rel(how):
             a, ref = r.get(how + "_loss"), r.get("eager_loss")
             return f"{abs(a - ref) / abs(ref):.1e}" if a is not None and ref else "—"
-        lines.append(f"| {r['setting']} (T={r['context']}, B={r['batch']}) | {r['mixer']} | "
-                     f"{'failed' if e is None else f'{e:,}'} | "
-                     f"{'failed' if c is None else f'{c:,}'} | {ratio(c)} | {r.get('compiled_warmup_s', '—')} s | "
-                     f"{rel('compiled')} | {'failed' if b is None else f'{b:,}'} | {ratio(b)} | {rel('bf16')} |")
+        def cell(how):
+            x = r.get(how)
+            return f"{x:,}" if x is not None else "failed" if how + "_error" in r else "not run"
+        warm = f"{r['compiled_warmup_s']} s" if "compiled_warmup_s" in r else "—"
+        lines.append(f"| {r['setting']} (T={r['context']}, B={r['batch']}) | {r['mixer']} | {cell('eager')} | "
+                     f"{cell('compiled')} | {ratio(c)} | {warm} | {rel('compiled')} | {cell('bf16')} | {ratio(b)} "
+                     f"| {rel('bf16')} |")
     (args.out / f"precision{suffix}.md").write_text("\n".join(lines) + "\n")
     _plot(rows, args.out / f"precision{suffix}.png")
     return lines
