@@ -57,7 +57,12 @@ class MultiScaleRetention(Mixer):
         B, T, _ = x.shape
         H, K, V = self.n_heads, self.head_dim, self.v_dim
         cp = self._context(state)
-        pos = cp.positions(T, x.device) if cp is not None else int(state["pos"]) if state is not None else 0
+        if cp is not None:
+            pos = cp.positions(T, x.device)
+        elif state is not None:                 # positions as a tensor: no host sync, no graph break
+            pos = state["pos"].to(x.device) + torch.arange(T, device=x.device)
+        else:
+            pos = 0
         q = apply_rotary(self.q_proj(x).view(B, T, H, K), pos)
         k = apply_rotary(self.k_proj(x).view(B, T, H, K), pos)
         v = self.v_proj(x).view(B, T, H, V)
@@ -69,7 +74,8 @@ class MultiScaleRetention(Mixer):
                              initial_state=None if state is None else state["S"], output_final_state=True)
         o = F.layer_norm(o, (V,))                                           # group norm, one group per head
         y = self.o_proj(F.silu(self.g_proj(x)) * o.reshape(B, T, H * V))
-        return y, None if cp is not None else {"S": S, "pos": torch.tensor(pos + T)}
+        end = state["pos"] + T if state is not None else torch.tensor(T)
+        return y, None if cp is not None else {"S": S, "pos": end}
 
     def extra_repr(self):
         return f"d_model={self.d_model}, heads={self.n_heads}, head_dim={self.head_dim}, v_dim={self.v_dim}, mode={self.mode}"
