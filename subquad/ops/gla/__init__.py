@@ -62,7 +62,7 @@ def _run(q, k, v, g, mode, chunk_size, scale, initial_state, output_final_state)
         return _FORMS[form](q, k, v, g, scale=scale, chunk_size=chunk_size, initial_state=initial_state)
 
     o, S = run(mode)
-    if mode != "recurrent":
+    if mode != "recurrent" and q.shape[1] > 1:         # one token (a decoding step): nothing before it
         o, S = causal_guard((o, S), S, lambda: run("recurrent"))
     return o.to(q.dtype), (S if output_final_state else None)
 

@@ -70,7 +70,7 @@ def linear_attention(q, k, v, *, normalize=True, eps=1e-6, mode="chunk", chunk_s
         return _FORMS[form](q, k, v, normalize=normalize, eps=eps, scale=scale, chunk_size=chunk_size,
                             initial_state=initial_state, output_final_state=final)
 
-    if mode == "recurrent" or not isinstance(q, torch.Tensor) or not checks_on(q):
+    if mode == "recurrent" or not isinstance(q, torch.Tensor) or q.dim() < 2 or q.shape[1] < 2 or not checks_on(q):
         return run(mode, output_final_state)
     o, S = run(mode, True)                             # non-finite input stays causal: the state tells
     o, S = causal_guard((o, S), S if not normalize else S[0], lambda: run("recurrent", True))

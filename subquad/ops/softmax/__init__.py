@@ -122,7 +122,7 @@ def softmax_attention(q, k, v, *, causal=True, window=None, mode="chunk", chunk_
                             return_lse=return_lse)
 
     out = run(mode)
-    if mode == "recurrent" or not causal or return_lse:
+    if mode == "recurrent" or not causal or return_lse or q.shape[1] < 2:   # one query: nothing before it
         return out
     # non-finite input stays causal: a masked weight of 0 times a NaN value would reach earlier queries
     return causal_guard(out, out[0], lambda: run("recurrent"))
