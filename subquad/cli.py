@@ -73,10 +73,7 @@ def _option(text: str):
 def _model_config(args):
     from subquad.models import preset
 
-    overrides = {k: v for k, v in {"pattern": args.pattern, "d_model": args.d_model, "n_layers": args.n_layers,
-                                   "n_heads": args.n_heads, "n_kv_heads": args.n_kv_heads,
-                                   "context_length": args.context, "vocab_size": args.vocab_size}.items()
-                 if v is not None}
+    overrides = {field: getattr(args, dest) for dest, field in _MODEL_FLAGS.items() if getattr(args, dest) is not None}
     if args.no_mlp:
         overrides["mlp"] = False
     opts: dict = {}

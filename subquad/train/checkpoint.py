@@ -52,6 +52,17 @@ def _optim_state(tensors: dict, meta: dict) -> dict:
     return {"state": state, "param_groups": meta["param_groups"]}
 
 
+def write_atomic(path, text: str) -> None:
+    """Write ``text`` to ``path`` through a temporary file and a rename: a kill leaves the old file or the new."""
+    path = Path(path)
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
 def _meta_digest(meta: dict) -> str:
     """sha256 of the meta without its own digest, in a canonical JSON form."""
     body = {k: v for k, v in meta.items() if k != "meta_sha256"}
@@ -84,9 +95,7 @@ def save_checkpoint(run_dir, step: int, model, optimizer, meta: dict, keep: int 
     if final.exists():
         shutil.rmtree(final)
     os.rename(tmp, final)
-    latest_tmp = root / "latest.tmp"
-    latest_tmp.write_text(final.name + "\n")
-    os.replace(latest_tmp, root / "latest")
+    write_atomic(root / "latest", final.name + "\n")
     steps = sorted((p for p in root.glob("step_*") if p.is_dir() and _step_of(p) >= 0), key=_step_of)
     for old in steps[:-keep]:
         if old != final:
@@ -176,11 +185,12 @@ def load_checkpoint(path, log=None) -> tuple[dict, dict, dict]:
     if not path.exists():
         raise CheckpointError(f"{path} does not exist")
     if (path / "ckpt").exists():
-        found = find_checkpoint(path, log)
+        found = find_checkpoint(path, log)              # verified on the way
         if found is None:
             raise CheckpointError(f"{path} has no checkpoint yet")
-        path = found
-    meta = verify_checkpoint(path)
+        path, meta = found, json.loads((found / "meta.json").read_text())
+    else:
+        meta = verify_checkpoint(path)
     model_sd = load_file(str(path / "model.safetensors"))
     optim_sd = _optim_state(load_file(str(path / "optim.safetensors")), meta["optim"])
     return model_sd, optim_sd, meta

@@ -19,7 +19,7 @@ import torch
 from subquad.data.dataset import prepare
 from subquad.device import resolve_device
 from subquad.models import LanguageModel, ModelConfig
-from subquad.train.checkpoint import has_checkpoints, load_checkpoint
+from subquad.train.checkpoint import has_checkpoints, load_checkpoint, write_atomic
 from subquad.train.trainer import TrainConfig, Trainer
 
 
@@ -55,12 +55,6 @@ def resume_differences(saved: dict, model_cfg: ModelConfig, train_cfg: TrainConf
     if (data or "stdlib") != saved.get("data", "stdlib"):
         out.append(f"data: {data or 'stdlib'!r} (the run has {saved.get('data')!r})")
     return out
-
-
-def _write_json(path: Path, obj) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(obj, indent=1))
-    tmp.replace(path)
 
 
 def train_run(model_cfg: ModelConfig, train_cfg: TrainConfig, out, data: str | None = None, resume: bool = False,
@@ -118,9 +112,9 @@ def train_run(model_cfg: ModelConfig, train_cfg: TrainConfig, out, data: str | N
         if rank == 0:
             if not resume:
                 shutil.copyfile(td.tokenizer_path, out / "tokenizer.json")
-                _write_json(out / "manifest.json", td.manifest)
-            _write_json(out / "config.json", {"model": model_cfg.to_dict(), "train": asdict(train_cfg),
-                                              "data": data or "stdlib", "world": world})
+                write_atomic(out / "manifest.json", json.dumps(td.manifest, indent=1))
+            write_atomic(out / "config.json", json.dumps({"model": model_cfg.to_dict(), "train": asdict(train_cfg),
+                                                          "data": data or "stdlib", "world": world}, indent=1))
     except BaseException:
         if created and rank == 0:                             # nothing trained: no half-made run folder
             shutil.rmtree(out, ignore_errors=True)

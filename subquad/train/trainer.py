@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 import math
-import os
+import shutil
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -18,7 +18,7 @@ import torch.nn.functional as F
 
 from subquad.data.dataset import TokenData, get_batch
 from subquad.device import device_of
-from subquad.train.checkpoint import find_checkpoint, load_checkpoint, save_checkpoint
+from subquad.train.checkpoint import has_checkpoints, load_checkpoint, save_checkpoint, write_atomic
 
 
 class TrainingDiverged(RuntimeError):
@@ -47,15 +47,6 @@ def _finite_json(rec: dict) -> str:
     """One strict-JSON line: non-finite numbers become null (JSON has no NaN or Infinity)."""
     clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in rec.items()}
     return json.dumps(clean, allow_nan=False)
-
-
-def _write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
 
 
 def read_metrics(path) -> list[dict]:
@@ -244,9 +235,9 @@ class Trainer:
     def resume(self, log=None, trim_metrics: bool = True) -> bool:
         """Continue from the run's newest intact checkpoint (False when it has none yet). metrics.jsonl is
         cut back to the steps the checkpoint covers (``trim_metrics=False``: the caller does it later)."""
-        if find_checkpoint(self.run_dir, log) is None:
+        if not has_checkpoints(self.run_dir):
             return False
-        model_sd, optim_sd, meta = load_checkpoint(self.run_dir)
+        model_sd, optim_sd, meta = load_checkpoint(self.run_dir, log)      # the newest intact one, verified once
         self.model.load_state_dict(model_sd)
         self.opt.load_state_dict(optim_sd)
         ranks = meta.get("data_rng_ranks") or [meta["data_rng"]]
@@ -268,7 +259,7 @@ class Trainer:
         for rec in read_metrics(path):
             if rec["step"] <= self.step:
                 by_step[rec["step"]] = rec                 # a step logged twice (a restart): the latest
-        _write_atomic(path, "".join(_finite_json(by_step[k]) + "\n" for k in sorted(by_step)))
+        write_atomic(path, "".join(_finite_json(by_step[k]) + "\n" for k in sorted(by_step)))
 
     # -- loop ----------------------------------------------------------------------------------------------
     def fit(self, log=print, stop_at: int | None = None) -> dict:
@@ -284,11 +275,9 @@ class Trainer:
             bar = tqdm(total=cfg.steps, initial=self.step, desc=self.run_dir.name, unit="step", leave=False,
                        dynamic_ncols=True)
         if lead and self.step == 0:                # a fresh start: no lines from a run killed before its checkpoint
-            _write_atomic(self.run_dir / "metrics.jsonl", "")
+            write_atomic(self.run_dir / "metrics.jsonl", "")
         tok = getattr(self.data, "tokenizer_path", None)
         if lead and tok is not None and not (self.run_dir / "tokenizer.json").exists():
-            import shutil                            # the run folder loads with load_run on its own
-
             shutil.copyfile(tok, self.run_dir / "tokenizer.json")
         metrics = open(self.run_dir / "metrics.jsonl", "a") if lead else None
         tokens_per_step = cfg.batch_size * self.context

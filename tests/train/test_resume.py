@@ -140,11 +140,11 @@ def test_a_torn_last_line_is_dropped_and_the_history_matches_the_checkpoint(tmp_
 def test_the_metrics_rewrite_is_atomic(tmp_path, monkeypatch):
     trainer(tmp_path / "r").fit(stop_at=5)
     before = (tmp_path / "r" / "metrics.jsonl").read_text()
-    import subquad.train.trainer as tr
+    import subquad.train.checkpoint as ck
 
     def killed(*a):
         raise KeyboardInterrupt("killed while replacing")
-    monkeypatch.setattr(tr.os, "replace", killed)
+    monkeypatch.setattr(ck.os, "replace", killed)
     with pytest.raises(KeyboardInterrupt):
         trainer(tmp_path / "r").resume()
     assert (tmp_path / "r" / "metrics.jsonl").read_text() == before  # intact: the new text went to a .tmp

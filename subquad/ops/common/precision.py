@@ -23,6 +23,7 @@ differentiable chunk form, whose route does not depend on values.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import torch
@@ -89,8 +90,6 @@ def amp_op(positions=(0, 1, 2), keywords=()):
 def no_autocast(x):
     """A context with autocast off on x's device when it is on there (a null context otherwise), for code
     that calls an op's internals directly and casts its inputs itself."""
-    import contextlib
-
     return contextlib.nullcontext() if amp_dtype(x) is None else torch.autocast(x.device.type, enabled=False)
 
 
@@ -116,14 +115,15 @@ def finite_log_decay(g: torch.Tensor) -> torch.Tensor:
     return g.clamp(min=NEG_LOG_DECAY)
 
 
-def causal_guard(result, state, recompute):
+def causal_guard(result, state, recompute, tokens: int):
     """Non-finite input must stay causal. The parallel and chunk forms multiply masked (zero) weights
     with every value of a block, so a NaN / inf at token t reaches earlier tokens' outputs (0 * NaN).
     Any non-finite key, value or gate reaches the final state too (decays multiply it, nothing
     resets it), so when value checks are on a non-finite ``state`` (a small tensor, or the output
     where there is no state) sends the call to ``recompute()``: the token loop, causal by
-    construction. Returns ``result`` otherwise."""
-    if state is None or not checks_on(state):
+    construction. A call of one token (a decoding step) has nothing before it and is never checked.
+    Returns ``result`` otherwise."""
+    if tokens < 2 or state is None or not checks_on(state):
         return result
     if bool(torch.isfinite(state).all()):
         return result

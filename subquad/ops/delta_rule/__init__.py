@@ -54,8 +54,8 @@ def _run(q, k, v, beta, g, mode, chunk_size, scale, initial_state, output_final_
                             initial_state=initial_state)
 
     o, S = run(mode)
-    if mode != "recurrent" and q.shape[1] > 1:         # non-finite input stays causal (one token: nothing before)
-        o, S = causal_guard((o, S), S, lambda: run("recurrent"))
+    if mode != "recurrent":                            # non-finite input stays causal
+        o, S = causal_guard((o, S), S, lambda: run("recurrent"), q.shape[1])
     return o.to(q.dtype), (S if output_final_state else None)
 
 

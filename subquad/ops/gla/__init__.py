@@ -38,8 +38,7 @@ _FORMS = {"parallel": parallel_decay_attention, "recurrent": recurrent_decay_att
 
 
 def _prepare(q, k, v, g, g_shape, mode, chunk_size, scale, initial_state):
-    check_mode(mode)
-    check_qkv(q, k, v)
+    check_mode(mode)                                   # q, k, v were checked by the caller
     if q.shape[1] < 1:
         raise ValueError(f"q must hold at least one token (T >= 1), got shape {tuple(q.shape)}")
     check_chunk_size(chunk_size)
@@ -62,8 +61,8 @@ def _run(q, k, v, g, mode, chunk_size, scale, initial_state, output_final_state)
         return _FORMS[form](q, k, v, g, scale=scale, chunk_size=chunk_size, initial_state=initial_state)
 
     o, S = run(mode)
-    if mode != "recurrent" and q.shape[1] > 1:         # one token (a decoding step): nothing before it
-        o, S = causal_guard((o, S), S, lambda: run("recurrent"))
+    if mode != "recurrent":
+        o, S = causal_guard((o, S), S, lambda: run("recurrent"), q.shape[1])
     return o.to(q.dtype), (S if output_final_state else None)
 
 

@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 
 from subquad.ops.common.checks import check_chunk_size, check_mode, check_qkv, default_scale
-from subquad.ops.common.precision import amp_op, causal_guard, checks_on
+from subquad.ops.common.precision import causal_guard, checks_on
 from subquad.ops.linear_attn.chunk import chunk_linear_attention
 from subquad.ops.linear_attn.parallel import parallel_linear_attention
 from subquad.ops.linear_attn.recurrent import linear_attention_step, recurrent_linear_attention
@@ -45,7 +45,6 @@ _FORMS = {
 }
 
 
-@amp_op()
 def linear_attention(q, k, v, *, normalize=True, eps=1e-6, mode="chunk", chunk_size=64, scale=None,
                      initial_state=None, output_final_state=False):
     """Causal linear attention.
@@ -71,9 +70,9 @@ def linear_attention(q, k, v, *, normalize=True, eps=1e-6, mode="chunk", chunk_s
                             initial_state=initial_state, output_final_state=final)
 
     if mode == "recurrent" or not isinstance(q, torch.Tensor) or q.dim() < 2 or q.shape[1] < 2 or not checks_on(q):
-        return run(mode, output_final_state)
+        return run(mode, output_final_state)          # (the forms' own amp_op handles autocast)
     o, S = run(mode, True)                             # non-finite input stays causal: the state tells
-    o, S = causal_guard((o, S), S if not normalize else S[0], lambda: run("recurrent", True))
+    o, S = causal_guard((o, S), S if not normalize else S[0], lambda: run("recurrent", True), q.shape[1])
     return o, (S if output_final_state else None)
 
 

@@ -74,8 +74,8 @@ def selective_scan(x, dt, A, B, C, *, D=None, z=None, mode="chunk", chunk_size=6
         return _FORMS[form](*args, chunk_size=chunk_size, initial_state=initial_state)
 
     y, h = run(mode)
-    if mode != "recurrent" and T > 1:                  # non-finite input stays causal (one token: nothing before)
-        y, h = causal_guard((y, h), h, lambda: run("recurrent"))
+    if mode != "recurrent":                            # non-finite input stays causal
+        y, h = causal_guard((y, h), h, lambda: run("recurrent"), T)
     if D is not None:
         y = y + x.to(sd) * D.to(sd)
     if z is not None:

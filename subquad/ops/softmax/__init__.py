@@ -25,7 +25,7 @@ from __future__ import annotations
 import torch
 
 from subquad.ops.common.checks import check_chunk_size, check_mode, check_qkv, default_scale
-from subquad.ops.common.precision import amp_op, causal_guard
+from subquad.ops.common.precision import causal_guard
 from subquad.ops.softmax.cache import KVCache
 from subquad.ops.softmax.chunk import blockwise_softmax_attention, chunk_softmax_attention
 from subquad.ops.softmax.naive import naive_softmax_attention
@@ -95,7 +95,6 @@ _FORMS = {
 }
 
 
-@amp_op()
 def softmax_attention(q, k, v, *, causal=True, window=None, mode="chunk", chunk_size=64, scale=None,
                       initial_state=None, output_final_state=False, return_lse=False):
     """Softmax attention.
@@ -122,10 +121,10 @@ def softmax_attention(q, k, v, *, causal=True, window=None, mode="chunk", chunk_
                             return_lse=return_lse)
 
     out = run(mode)
-    if mode == "recurrent" or not causal or return_lse or q.shape[1] < 2:   # one query: nothing before it
+    if mode == "recurrent" or not causal or return_lse:
         return out
     # non-finite input stays causal: a masked weight of 0 times a NaN value would reach earlier queries
-    return causal_guard(out, out[0], lambda: run("recurrent"))
+    return causal_guard(out, out[0], lambda: run("recurrent"), q.shape[1])
 
 
 __all__ = ["KVCache", "softmax_attention", "naive_softmax_attention", "parallel_softmax_attention",
