@@ -17,14 +17,15 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.common import parse_args, run_cases, speed_tables  # noqa: E402
-from subquad.ops.common.chunking import SHORT  # noqa: E402
-from subquad.ops.delta_rule.inference import delta_rule_inference  # noqa: E402
-from subquad.ops.delta_rule.recurrent import recurrent_delta_rule  # noqa: E402
-from subquad.ops.gla.inference import decay_attention_inference  # noqa: E402
-from subquad.ops.gla.recurrent import recurrent_decay_attention  # noqa: E402
-from subquad.ops.gla.ssd import ssd_inference  # noqa: E402
+from subquad.ops.common.routes import SHORT  # noqa: E402
+from subquad.ops.delta.inference import delta_inference  # noqa: E402
+from subquad.ops.delta.recurrent import recurrent_delta  # noqa: E402
+from subquad.ops.decay.inference import decay_attention_inference  # noqa: E402
+from subquad.ops.decay.recurrent import recurrent_decay_attention  # noqa: E402
+from subquad.ops.decay.ssd import ssd_inference  # noqa: E402
 from subquad.ops.mamba import SHORT_SCAN  # noqa: E402
-from subquad.ops.mamba.scan import chunk_selective_scan, recurrent_selective_scan  # noqa: E402
+from subquad.ops.mamba.chunk import chunk_scan  # noqa: E402
+from subquad.ops.mamba.recurrent import recurrent_scan  # noqa: E402
 
 
 def cases():
@@ -63,17 +64,17 @@ def cases():
             q, k, v, g, scale=0.2, initial_state=S)[0], big, 0),
         "simple_gla: chunk path": (attn, lambda q, k, v, g, b, S: decay_attention_inference(
             q, k, v, g, scale=0.2, chunk_size=64, initial_state=S)[0], big, 0),
-        "gated delta rule: token loop": (attn, lambda q, k, v, g, b, S: recurrent_delta_rule(
-            q, k, v, b, g, scale=0.2, initial_state=S)[0], big, 0),
-        "gated delta rule: chunk path": (attn, lambda q, k, v, g, b, S: delta_rule_inference(
-            q, k, v, b, g, scale=0.2, chunk_size=64, initial_state=S)[0], big, 0),
+        "gated delta rule: token loop": (attn, lambda q, k, v, g, b, S: recurrent_delta(
+            q, k, v, g, b, scale=0.2, initial_state=S)[0], big, 0),
+        "gated delta rule: chunk path": (attn, lambda q, k, v, g, b, S: delta_inference(
+            q, k, v, g, b, scale=0.2, chunk_size=64, initial_state=S)[0], big, 0),
         "Mamba-2 SSD: token loop": (ssd, lambda *a: (lambda q, k, v, g, h0: recurrent_decay_attention(
             q, k, v, g, scale=1.0, initial_state=h0)[0])(*expand(*a)), big, 0),
         "Mamba-2 SSD: chunk path": (ssd, lambda x, dt, A, Bm, Cm, h0: ssd_inference(
             x, dt, A, Bm, Cm, initial_state=h0)[0], big, 0),
-        "Mamba scan: token loop": (scan, lambda x, dt, A, Bm, Cm, h0: recurrent_selective_scan(
+        "Mamba scan: token loop": (scan, lambda x, dt, A, Bm, Cm, h0: recurrent_scan(
             x, dt, A, Bm, Cm, initial_state=h0)[0], big, 0),
-        "Mamba scan: chunk path": (scan, lambda x, dt, A, Bm, Cm, h0: chunk_selective_scan(
+        "Mamba scan: chunk path": (scan, lambda x, dt, A, Bm, Cm, h0: chunk_scan(
             x, dt, A, Bm, Cm, chunk_size=64, initial_state=h0)[0], big, 0),
     }
 

@@ -61,7 +61,7 @@ def cases(peers):
 
 
 def load_peers():
-    peers = {"fla_delta": fla_file("ops/delta_rule/naive.py"), "fla_gated": fla_file("ops/gated_delta_rule/naive.py")}
+    peers = {"fla_delta": fla_file("ops/delta/naive.py"), "fla_gated": fla_file("ops/gated_delta_rule/naive.py")}
     try:
         from transformers.models.qwen3_next.modeling_qwen3_next import torch_chunk_gated_delta_rule
         peers["hf"] = torch_chunk_gated_delta_rule

@@ -62,7 +62,7 @@ PROJ = "in_proj + out_proj alone (both blocks pay these)"
 def mamba_cases():
     d_model, d_state, headdim = 512, 64, 64
     torch.manual_seed(0)
-    ours = Mamba2(d_model, d_state=d_state, headdim=headdim)
+    ours = Mamba2(d_model, d_state=d_state, head_dim=headdim)
 
     def make(T):
         return [torch.randn(1, T, d_model)]
@@ -89,7 +89,7 @@ def mamba_cases():
 def main(argv=None):
     args = parse_args(__doc__, argv)
     lengths, repeats, budget = ([256, 512], 1, 2.0) if args.quick else ([1024, 4096, 16384], 3, 30.0)
-    peers = {"sgla": fla_file("ops/simple_gla/naive.py"), "gla": fla_file("ops/gla/naive.py")}
+    peers = {"sgla": fla_file("ops/simple_gla/naive.py"), "gla": fla_file("ops/decay/naive.py")}
     res = {"matmul_gflops": matmul_gflops(repeats=3)}
     print("ops ...", flush=True)
     res["ops"] = run_cases(op_cases(peers), lengths, repeats, budget)

@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.common import (OUT, fla_file, fmt_ms, matmul_gflops, ratio, run_cases, speed_tables,  # noqa: E402
                                target_lines, timeit)
 from subquad.ops import KVCache, linear_attention  # noqa: E402
-from subquad.ops.linear_attn import linear_attention_step  # noqa: E402
+from subquad.ops.linear import linear_attention_step  # noqa: E402
 from subquad.ops.softmax import softmax_attention_step  # noqa: E402
 
 H, K, V = 8, 64, 64
@@ -75,7 +75,7 @@ def build(peers):
 
 
 def load_peers():
-    peers = {"fla": fla_file("ops/linear_attn/naive.py")}
+    peers = {"fla": fla_file("ops/linear/naive.py")}
     try:
         from fast_transformers.causal_product import causal_dot_product
         peers["ft"] = causal_dot_product

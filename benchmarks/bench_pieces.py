@@ -22,7 +22,7 @@ from benchmarks.common import parse_args, ratio, run_cases, speed_tables  # noqa
 from subquad.layers import Mamba2, build_mixer  # noqa: E402
 
 LAYERS = {
-    "Mamba2": lambda: Mamba2(512, d_state=64, headdim=64),
+    "Mamba2": lambda: Mamba2(512, d_state=64, head_dim=64),
     "Mamba": lambda: build_mixer("mamba", 512, 8),
     "MultiScaleRetention": lambda: build_mixer("retention", 512, 8),
     "GatedLinearAttention": lambda: build_mixer("gla", 512, 8),

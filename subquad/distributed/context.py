@@ -4,16 +4,19 @@
         logits = model(zigzag_shard(idx, cp.rank, cp.world))     # this rank's 2c of the T = 2Pc tokens
 
 Layout (zigzag, as ring attention's): the sequence is cut into 2P pieces of c tokens and
-rank r holds pieces r and 2P-1-r, in that order. Token-wise work (embeddings, norms,
-MLPs, projections) needs nothing; the mixers ask ``current()`` and then
+rank r holds pieces r and 2P-1-r, in that order. The model stays single-device code:
+``context_parallel`` installs a ``ContextParallel`` as the sequence backend
+(``subquad.layers.sequence``), the one entry point every layer uses to reach across tokens,
+and the backend does the cross-rank work. Token-wise work (embeddings, norms, MLPs,
+projections) needs nothing; of the backend's calls
 
-- softmax attention runs as ``ring_attention`` (with its sliding window when it has one);
-- recurrent mixers (linear attention and its feature maps, retention, GLA, Mamba-2's SSD,
-  the delta rules, Mamba's selective scan) pass states: each piece's state from zero
-  and its transition are all-gathered (O(H K V) per piece, whatever T) and folded in
-  sequence order into each piece's true initial state (``fold_states``);
-- short convolutions take the last W-1 inputs of the piece before each piece (a halo);
-- rotary and learned positions use the pieces' global positions (``positions``).
+- ``attention`` runs as ``ring_attention`` (with its sliding window when it has one);
+- ``recurrence`` passes states for every op with an affine state update (linear attention,
+  retention, simple GLA, GLA, Mamba-2's SSD, the delta rules, Mamba's selective scan): each
+  piece's state from zero and its transition are all-gathered (O(H K V) per piece, whatever
+  T) and folded in sequence order into each piece's true initial state (``fold_states``);
+- ``causal_conv`` gives each piece the last inputs of the piece before it (a halo);
+- ``positions`` are the pieces' global positions (rotary and learned positions).
 
 Equal to one process over the whole sequence, forward and backward (tests/distributed).
 Decoding states are not produced: context parallelism is for training and prefill-free
@@ -27,15 +30,17 @@ import contextlib
 import torch
 import torch.distributed as dist
 
-from subquad.distributed.ring import ring_attention
-from subquad.distributed.seqpar import fold_states, state_passing
+import inspect
 
-_ACTIVE: list = []
+from subquad.distributed.ring import ring_attention
+from subquad.distributed.seqpar import KINDS, fold_states, state_passing
+from subquad.layers import sequence
 
 
 def current():
     """The active ``ContextParallel``, or None outside ``context_parallel``."""
-    return _ACTIVE[-1] if _ACTIVE else None
+    b = sequence.backend()
+    return b if isinstance(b, ContextParallel) else None
 
 
 @contextlib.contextmanager
@@ -43,15 +48,15 @@ def context_parallel(group=None):
     """Run the model code inside on this rank's zigzag shard of each sequence (see the module doc)."""
     if not dist.is_initialized():
         raise ValueError("context_parallel needs torch.distributed initialised (torchrun, or init_process_group)")
-    cp = ContextParallel(group)
-    _ACTIVE.append(cp)
-    try:
+    with sequence.use(ContextParallel(group)) as cp:
         yield cp
-    finally:
-        _ACTIVE.pop()
 
 
 class ContextParallel:
+    """The sequence backend of one rank's zigzag shard (see the module docstring)."""
+
+    whole_sequence = False
+
     def __init__(self, group=None):
         self.group = group
         self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
@@ -62,11 +67,16 @@ class ContextParallel:
             raise ValueError(f"a rank's shard holds 2 pieces of the sequence, so its length must be even; got {t}")
         return t // 2
 
-    def positions(self, t: int, device=None) -> torch.Tensor:
-        """Global positions (t,) of this rank's t local tokens."""
+    def positions(self, t: int, start=0, device=None) -> torch.Tensor:
+        """Global positions (t,) of this rank's t local tokens (a shard always starts a sequence: ``start``
+        is 0)."""
         c = self._piece_len(t)
         a, b = self.rank * c, (2 * self.world - 1 - self.rank) * c
         return torch.cat([torch.arange(a, a + c, device=device), torch.arange(b, b + c, device=device)])
+
+    def length(self, t: int, start: int = 0) -> int:
+        """The zigzag shards cover the whole sequence: P ranks of t tokens each."""
+        return self.world * t
 
     def split(self, x: torch.Tensor) -> torch.Tensor:
         """(B, t, ...) local tokens -> (2B, t/2, ...): the two pieces stacked along the batch, piece-major."""
@@ -93,16 +103,47 @@ class ContextParallel:
         # the halo is a fold with a zero transition: each piece sees only the tail of the one before
         return fold_states(tails, torch.zeros_like(tails), combine="mul", group=self.group).reshape(-1, *tails.shape[2:])
 
-    def conv(self, conv, x: torch.Tensor) -> torch.Tensor:
-        """A ``ShortConv`` over this rank's tokens (B, t, D) with the halo from the pieces before."""
+    def causal_conv(self, conv, x: torch.Tensor, reach: int, tail=None):
+        """``conv(x, tail) -> (y, tail)`` over this rank's tokens (B, t, D), each piece with the last ``reach``
+        inputs of the piece before it; no tail is returned."""
         xp = self.split(x)
-        y, _ = conv(xp, self.halo(xp, conv.kernel_size - 1))
-        return self.merge(y)
+        y, _ = conv(xp, self.halo(xp, reach))
+        return self.merge(y), None
 
-    def attention(self, q, k, v, *, window=None, scale=None, block_size: int = 256):
-        """Causal softmax attention of this rank's tokens (B, t, H, K) against the whole sequence (ring)."""
+    def attention(self, q, k, v, *, window=None, scale=None, initial_state=None, mode=None, chunk_size=None,
+                  block_size: int = 256):
+        """Causal softmax attention of this rank's tokens (B, t, H, K) against the whole sequence (ring).
+        ``mode`` and ``chunk_size`` are the single-device form's and do not apply. Returns (o, None)."""
+        if initial_state is not None:
+            raise ValueError("context parallelism runs whole sequences: initial_state must be None")
         return ring_attention(q, k, v, causal=True, window=window, scale=scale, group=self.group,
-                              block_size=block_size)
+                              block_size=block_size), None
+
+    def recurrence(self, op, *inputs, initial_state=None, mode=None, chunk_size: int = 64, **options):
+        """``op`` (a recurrent op of ``subquad.ops``, called as on one device) over the whole sequence by
+        state passing; returns (this rank's output, None). ``mode`` does not apply (the chunk form runs)."""
+        if initial_state is not None:
+            raise ValueError("context parallelism runs whole sequences: initial_state must be None")
+        name = getattr(op, "__name__", repr(op))
+        if name not in KINDS + ("ssd", "selective_scan"):
+            raise ValueError(f"context parallelism has no state passing for op {name!r}; it has "
+                             f"{', '.join(KINDS + ('ssd', 'selective_scan'))}")
+        a = inspect.signature(op).bind(*inputs, **options).arguments
+        if name == "selective_scan":
+            return self.selective_scan(a["x"], a["dt"], a["A"], a["B"], a["C"], D=a.get("D"), z=a.get("z"),
+                                       chunk_size=chunk_size), None
+        if name == "ssd":
+            return self.ssd(a["x"], a["dt"], a["A"], a["B"], a["C"], D=a.get("D"), chunk_size=chunk_size), None
+        return self.scan(name, a["q"], a["k"], a["v"], g=a.get("g"), beta=a.get("beta"),
+                         normalize=a.get("normalize", False), scale=a.get("scale"), chunk_size=chunk_size), None
+
+    def ssd(self, x, dt, A, B, C, *, D=None, chunk_size: int = 64):
+        """Mamba-2's SSD as simple GLA (q = C, k = dt B, g = dt A, scale 1, shared by the heads)."""
+        H = x.shape[2]
+        q = C.unsqueeze(2).expand(-1, -1, H, -1)
+        k = B.unsqueeze(2).expand(-1, -1, H, -1) * dt.unsqueeze(-1)
+        y = self.scan("simple_gla", q, k, x, g=dt * A, scale=1.0, chunk_size=chunk_size)
+        return y if D is None else torch.addcmul(y, x, D.to(y.dtype).view(1, 1, H, 1))
 
     def scan(self, kind: str, q, k, v, *, g=None, beta=None, normalize: bool = False, scale=None,
              chunk_size: int = 64):

@@ -16,7 +16,7 @@ from torch import nn
 
 from subquad.layers.base import Mixer
 from subquad.layers.rotary import apply_rotary
-from subquad.ops import KVCache, softmax_attention
+from subquad.ops import KVCache
 
 
 class SoftmaxAttention(Mixer):
@@ -26,8 +26,8 @@ class SoftmaxAttention(Mixer):
     Args: d_model; n_heads; n_kv_heads (grouped-query attention, default n_heads); window W (a query sees
     itself and the W tokens before it; the cache keeps W); rotary; mode ("parallel": SDPA, "chunk":
     blockwise online softmax; both O(T W) with a window); chunk_size.
-    State: a ``KVCache`` of k (B, L, n_kv_heads, K) and v (B, L, n_kv_heads, K), L the tokens seen (at most
-    W with a window). A state passed in is never modified (the layer appends to a fork).
+    State: {"kv": a ``KVCache`` of k (B, L, n_kv_heads, K) and v (B, L, n_kv_heads, K)}, L the tokens seen
+    (at most W with a window). A state passed in is never modified (the layer appends to a fork).
     """
     def __init__(self, d_model: int, n_heads: int = 4, n_kv_heads: int | None = None, window: int | None = None,
                  rotary: bool = True, mode: str = "parallel", chunk_size: int = 64):
@@ -48,38 +48,35 @@ class SoftmaxAttention(Mixer):
         self.o_proj = nn.Linear(n_heads * K, d_model, bias=False)
 
     def empty_state(self, batch_size, device=None, dtype=torch.float32):
-        return KVCache.empty(batch_size, self.n_kv_heads, self.head_dim, self.head_dim, dtype=dtype,
-                             device=device, window=self.window)
+        return {"kv": KVCache.empty(batch_size, self.n_kv_heads, self.head_dim, self.head_dim, dtype=dtype,
+                                    device=device, window=self.window)}
 
     def _repeat(self, x):
         rep = self.n_heads // self.n_kv_heads
         return x if rep == 1 else x.repeat_interleave(rep, dim=2)
 
-    def forward(self, x, state=None):
-        self._check_x(x)
+    def mix(self, x, state, seq):
         B, T, _ = x.shape
-        K = self.head_dim
-        cp = self._context(state)
-        pos = cp.positions(T, x.device) if cp is not None else state.seen if state is not None else 0
-        q = self.q_proj(x).view(B, T, self.n_heads, K)
-        k = self.k_proj(x).view(B, T, self.n_kv_heads, K)
-        v = self.v_proj(x).view(B, T, self.n_kv_heads, K)
+        H, Hk, K = self.n_heads, self.n_kv_heads, self.head_dim
+        cache = None if state is None else state["kv"]
+        q = self.q_proj(x).view(B, T, H, K)
+        k = self.k_proj(x).view(B, T, Hk, K)
+        v = self.v_proj(x).view(B, T, Hk, K)
         if self.rotary:
+            pos = seq.positions(T, 0 if cache is None else cache.seen, x.device)
             q, k = apply_rotary(q, pos), apply_rotary(k, pos)
-        if cp is not None:
-            o = cp.attention(q, self._repeat(k), self._repeat(v), window=self.window)
-            return self.o_proj(o.reshape(B, T, self.n_heads * K)), None
         init = None
-        if state is not None and len(state):
-            init = KVCache(self._repeat(state.k), self._repeat(state.v), window=self.window, seen=state.seen)
-        o, _ = softmax_attention(q, self._repeat(k), self._repeat(v), window=self.window, mode=self.mode,
-                                 chunk_size=self.chunk_size, initial_state=init)
-        y = self.o_proj(o.reshape(B, T, self.n_heads * K))
-        if state is None:
-            new = KVCache(k, v, window=self.window)
-        elif torch.is_grad_enabled() and (k.requires_grad or state.k.requires_grad):
-            new = KVCache(torch.cat([state.k, k], 1), torch.cat([state.v, v], 1), window=self.window,
-                          seen=state.seen + T)
-        else:
-            new = state.fork().append(k, v)   # decoding: amortised O(1) per token; the caller's state unchanged
-        return y, new
+        if cache is not None and len(cache):
+            init = KVCache(self._repeat(cache.k), self._repeat(cache.v), window=self.window, seen=cache.seen)
+        o, _ = seq.attention(q, self._repeat(k), self._repeat(v), window=self.window, mode=self.mode,
+                             chunk_size=self.chunk_size, initial_state=init)
+        return self.o_proj(o.reshape(B, T, H * K)), {"kv": self._extend(cache, k, v)}
+
+    def _extend(self, cache, k, v):
+        """The cache after this call: k, v themselves, or the cache's keys and values followed by them."""
+        if cache is None:
+            return KVCache(k, v, window=self.window)
+        if torch.is_grad_enabled() and (k.requires_grad or cache.k.requires_grad):
+            return KVCache(torch.cat([cache.k, k], 1), torch.cat([cache.v, v], 1), window=self.window,
+                           seen=cache.seen + k.shape[1])
+        return cache.fork().append(k, v)   # decoding: amortised O(1) per token; the caller's cache unchanged

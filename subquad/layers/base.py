@@ -1,19 +1,27 @@
 """The mixer contract every layer follows.
 
-    y, state = layer(x, state=None)      x, y (B, T, D); state a dict of tensors (or None)
+    y, state = layer(x, state=None)      x, y (B, T, D); state a dict of named tensors (or None)
     state    = layer.empty_state(B)      what decoding starts from
     layer.state_bytes(state)             bytes of the tensors the state holds (measured, not computed)
 
 Prefill a prompt with one call, then feed one token at a time with the state the
-previous call returned: the outputs equal one forward over the whole sequence.
+previous call returned: the outputs equal one forward over the whole sequence. A state
+passed in is never modified.
 
-Mixers with a fixed-size state use that exactness: a sequence longer than ``piece_size``
-tokens runs as consecutive pieces with the state carried between them (and autograd
-through it). The result is the same; every temporary is a piece long instead of T long,
-so inference memory stays bounded at any length, and it is faster: glibc hands large
-temporaries fresh pages on every call (see BENCHMARKS.md). At T = 16K, pieces of
-1-2K tokens make the fixed-state layers 1.1-1.4x faster forward and 1.07-1.8x faster
-forward+backward (benchmarks/bench_pieces.py).
+A state is always a dict: fixed-state mixers hold tensors ({"S": ...}, {"ssm": ..., "conv": ...}),
+softmax attention holds its ``KVCache`` under "kv", and a token counter, where a layer needs
+one for positions, is a 0-d long tensor "pos" on the state's device.
+
+``Mixer.forward`` does what every layer shares - the input check, refusing a state where the
+sequence backend sees only part of each sequence (context parallelism), and running a long
+forward of a fixed-state mixer in pieces - and calls the layer's ``mix(x, state, seq)``, which
+holds the layer's equations. ``seq`` is the sequence backend (``subquad.layers.sequence``): the
+one entry point for positions, short convolutions, attention and recurrences.
+
+Pieces: a sequence longer than ``piece_size`` tokens runs as consecutive pieces with the state
+carried between them (and autograd through it). The result is the same; every temporary is a
+piece long instead of T long, so inference memory stays bounded at any length, and it is faster
+(benchmarks/RESULTS.md, "Fixed-state layers in pieces").
 """
 
 from __future__ import annotations
@@ -21,6 +29,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from subquad.layers import sequence
+from subquad.ops.common.checks import state_dtype
 from subquad.ops.common.chunking import in_pieces
 
 
@@ -54,31 +64,32 @@ class Mixer(nn.Module):
         check_chunk_size(chunk_size)
         self.d_model, self.mode, self.chunk_size = d_model, mode, chunk_size
 
-    def _check_x(self, x):
-        if x.dim() != 3 or x.shape[-1] != self.d_model:
-            raise ValueError(f"x must be (B, T, d_model={self.d_model}), got shape {tuple(x.shape)}")
-
-    def _in_pieces(self, x, state):
-        """(y, state) of a long forward run piece by piece with the state carried (autograd follows the
-        state from piece to piece), or None where that does not apply (x is short, the mixer has no fixed
-        state, or a context-parallel run is on)."""
+    def forward(self, x, state=None):
+        """x (B, T, d_model), state (from ``empty_state`` or a previous call) or None -> (y, new state)."""
+        if not isinstance(x, torch.Tensor) or x.dim() != 3 or x.shape[-1] != self.d_model:
+            raise ValueError(f"x must be (B, T, d_model={self.d_model}), got shape {tuple(getattr(x, 'shape', ()))}")
+        seq = sequence.backend()
+        if not seq.whole_sequence:
+            if state is not None:
+                raise ValueError("context parallelism runs whole sequences from an empty state; got a decoding state")
+            return self.mix(x, None, seq)[0], None
         P = self.piece_size
-        if not P or x.shape[1] <= P or self._context(state) is not None:
-            return None
-        return in_pieces(self, (x,), P, state)
+        if P and x.shape[1] > P:
+            return in_pieces(self, (x,), P, state)
+        return self.mix(x, state, seq)
+
+    def mix(self, x, state, seq):
+        """The layer's equations: x (B, T, d_model), its state or None, the sequence backend -> (y, state)."""
+        raise NotImplementedError
+
+    def short_conv(self, x, state, seq, key: str = "conv"):
+        """The layer's ``self.conv`` (a ``ShortConv``) over x with the state's tail ``state[key]``."""
+        return seq.causal_conv(self.conv, x, self.conv.kernel_size - 1, None if state is None else state[key])
 
     @staticmethod
-    def _context(state):
-        """The active context-parallel run (``subquad.distributed.context_parallel``), or None.
-
-        Inside one, x holds this rank's shard of each sequence and the mixer returns no state.
-        """
-        from subquad.distributed.context import current
-
-        cp = current()
-        if cp is not None and state is not None:
-            raise ValueError("context parallelism runs whole sequences from an empty state; got a decoding state")
-        return cp
+    def zeros(*shape, device=None, dtype=torch.float32) -> torch.Tensor:
+        """A recurrent state's zeros: float32 for every dtype but float64 (``state_dtype``)."""
+        return torch.zeros(*shape, device=device, dtype=state_dtype(dtype))
 
     def empty_state(self, batch_size: int, device=None, dtype=torch.float32) -> dict:
         raise NotImplementedError

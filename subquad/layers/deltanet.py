@@ -29,7 +29,7 @@ class DeltaNet(Mixer):
     mode; chunk_size.
     State: {"S": (B, H, K, K) float32 (float64 for float64), "conv": (B, conv_size - 1, 3 H K)}.
     """
-    piece_size = 1024   # fixed state: long forwards run in pieces (base.Mixer._in_pieces); fastest here
+    piece_size = 1024   # fixed state: long forwards run in pieces (base.Mixer.forward); fastest here
     gated = False
 
     def __init__(self, d_model: int, n_heads: int = 4, head_dim: int | None = None, conv_size: int = 4,
@@ -53,40 +53,25 @@ class DeltaNet(Mixer):
             self.dt_bias = nn.Parameter(dt + torch.log(-torch.expm1(-dt)))
 
     def empty_state(self, batch_size, device=None, dtype=torch.float32):
-        sd = torch.float64 if dtype == torch.float64 else torch.float32
-        return {"S": torch.zeros(batch_size, self.n_heads, self.head_dim, self.head_dim, device=device, dtype=sd),
+        return {"S": self.zeros(batch_size, self.n_heads, self.head_dim, self.head_dim, device=device, dtype=dtype),
                 "conv": self.conv.empty_state(batch_size, device, dtype)}
 
-    def forward(self, x, state=None):
-        self._check_x(x)
-        pieces = self._in_pieces(x, state)
-        if pieces is not None:
-            return pieces
+    def mix(self, x, state, seq):
         B, T, _ = x.shape
         H, K = self.n_heads, self.head_dim
-        cp = self._context(state)
-        qkv = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], -1)
-        if cp is not None:
-            qkv, conv = cp.conv(self.conv, qkv), None
-        else:
-            qkv, conv = self.conv(qkv, None if state is None else state["conv"])
+        qkv, conv = self.short_conv(torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], -1), state, seq)
         q, k, v = (t.view(B, T, H, K) for t in F.silu(qkv).chunk(3, dim=-1))
         q, k = F.normalize(q, dim=-1), F.normalize(k, dim=-1)
         beta = torch.sigmoid(self.b_proj(x))
-        kw = dict(mode=self.mode, chunk_size=self.chunk_size, initial_state=None if state is None else state["S"],
-                  output_final_state=True)
-        g = -torch.exp(self.A_log) * F.softplus(self.a_proj(x) + self.dt_bias) if self.gated else None
-        if cp is not None:
-            kind = "gated_delta_rule" if self.gated else "delta_rule"
-            o, S = cp.scan(kind, q, k, v, g=g, beta=beta, chunk_size=self.chunk_size), None
-        elif self.gated:
-            o, S = gated_delta_rule(q, k, v, g, beta, **kw)
-        else:
-            o, S = delta_rule(q, k, v, beta, **kw)
-        o = self.norm(o)
+        kw = dict(mode=self.mode, chunk_size=self.chunk_size, initial_state=None if state is None else state["S"])
         if self.gated:
-            o = o * F.silu(self.g_proj(x)).view(B, T, H, K)
-        return self.o_proj(o.reshape(B, T, H * K)), None if cp is not None else {"S": S, "conv": conv}
+            g = -torch.exp(self.A_log) * F.softplus(self.a_proj(x) + self.dt_bias)
+            o, S = seq.recurrence(gated_delta_rule, q, k, v, g, beta, **kw)
+            o = self.norm(o) * F.silu(self.g_proj(x)).view(B, T, H, K)
+        else:
+            o, S = seq.recurrence(delta_rule, q, k, v, beta, **kw)
+            o = self.norm(o)
+        return self.o_proj(o.reshape(B, T, H * K)), {"S": S, "conv": conv}
 
 
 class GatedDeltaNet(DeltaNet):

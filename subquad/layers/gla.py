@@ -9,6 +9,7 @@
 
 from __future__ import annotations
 
+import torch
 import torch.nn.functional as F
 from torch import nn
 
@@ -24,7 +25,7 @@ class GatedLinearAttention(Mixer):
     low-rank gate projection); gate_normalizer (g = logsigmoid(.) / gate_normalizer); mode; chunk_size.
     State: {"S": (B, H, K, V) float32 (float64 for float64)}.
     """
-    piece_size = 1024   # fixed state: long forwards run in pieces (base.Mixer._in_pieces); fastest here
+    piece_size = 1024   # fixed state: long forwards run in pieces (base.Mixer.forward); fastest here
     def __init__(self, d_model: int, n_heads: int = 4, expand_k: float = 0.5, expand_v: float = 1.0,
                  gate_rank: int = 16, gate_normalizer: float = 16.0, mode: str = "chunk", chunk_size: int = 64):
         super().__init__(d_model, mode, chunk_size)
@@ -42,27 +43,17 @@ class GatedLinearAttention(Mixer):
         self.norm = RMSNorm(self.head_v)
         self.o_proj = nn.Linear(self.value_dim, d_model, bias=False)
 
-    def empty_state(self, batch_size, device=None, dtype=None):
-        import torch
-        return {"S": torch.zeros(batch_size, self.n_heads, self.head_k, self.head_v, device=device,
-                                 dtype=torch.float64 if dtype == torch.float64 else torch.float32)}
+    def empty_state(self, batch_size, device=None, dtype=torch.float32):
+        return {"S": self.zeros(batch_size, self.n_heads, self.head_k, self.head_v, device=device, dtype=dtype)}
 
-    def forward(self, x, state=None):
-        self._check_x(x)
-        pieces = self._in_pieces(x, state)
-        if pieces is not None:
-            return pieces
+    def mix(self, x, state, seq):
         B, T, _ = x.shape
         H, K, V = self.n_heads, self.head_k, self.head_v
         q = self.q_proj(x).view(B, T, H, K)
         k = self.k_proj(x).view(B, T, H, K)
         v = self.v_proj(x).view(B, T, H, V)
         g = F.logsigmoid(self.gk_proj(x)).view(B, T, H, K) / self.gate_normalizer
-        cp = self._context(state)
-        if cp is not None:
-            o, S = cp.scan("gla", q, k, v, g=g, chunk_size=self.chunk_size), None
-        else:
-            o, S = gla(q, k, v, g, mode=self.mode, chunk_size=self.chunk_size,
-                       initial_state=None if state is None else state["S"], output_final_state=True)
+        o, S = seq.recurrence(gla, q, k, v, g, mode=self.mode, chunk_size=self.chunk_size,
+                              initial_state=None if state is None else state["S"])
         y = self.o_proj(F.silu(self.r_proj(x)) * self.norm(o).reshape(B, T, H * V))
-        return y, None if cp is not None else {"S": S}
+        return y, {"S": S}

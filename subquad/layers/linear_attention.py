@@ -28,7 +28,7 @@ class LinearAttention(Mixer):
     State: {"S": (B, H, F, V)} plus {"z": (B, H, F)} when normalised, F the feature dim; float32 (float64
     for float64).
     """
-    piece_size = 2048   # fixed state: long forwards run in pieces (base.Mixer._in_pieces); fastest here
+    piece_size = 2048   # fixed state: long forwards run in pieces (base.Mixer.forward); fastest here
     def __init__(self, d_model: int, n_heads: int = 4, feature_map: str = "elu+1", normalize: bool = True,
                  qk_dim: int | None = None, num_features: int = 64, mode: str = "chunk", chunk_size: int = 64):
         super().__init__(d_model, mode, chunk_size)
@@ -50,28 +50,19 @@ class LinearAttention(Mixer):
         self.o_proj = nn.Linear(d_model, d_model, bias=False)
 
     def empty_state(self, batch_size, device=None, dtype=torch.float32):
-        sd = torch.float64 if dtype == torch.float64 else torch.float32
-        S = torch.zeros(batch_size, self.n_heads, self.feature_dim, self.head_dim, device=device, dtype=sd)
+        S = self.zeros(batch_size, self.n_heads, self.feature_dim, self.head_dim, device=device, dtype=dtype)
         if not self.normalize:
             return {"S": S}
-        return {"S": S, "z": torch.zeros(batch_size, self.n_heads, self.feature_dim, device=device, dtype=sd)}
+        return {"S": S, "z": self.zeros(batch_size, self.n_heads, self.feature_dim, device=device, dtype=dtype)}
 
-    def forward(self, x, state=None):
-        self._check_x(x)
-        pieces = self._in_pieces(x, state)
-        if pieces is not None:
-            return pieces
+    def mix(self, x, state, seq):
         B, T, _ = x.shape
         H = self.n_heads
         q = self.phi(self.q_proj(x).view(B, T, H, self.qk_dim), is_query=True).to(x.dtype)
         k = self.phi(self.k_proj(x).view(B, T, H, self.qk_dim)).to(x.dtype)
         v = self.v_proj(x).view(B, T, H, self.head_dim)
-        cp = self._context(state)
-        if cp is not None:
-            o = cp.scan("linear_attention", q, k, v, normalize=self.normalize, chunk_size=self.chunk_size)
-            return self.o_proj(o.reshape(B, T, -1)), None
         init = None if state is None else ((state["S"], state["z"]) if self.normalize else state["S"])
-        o, s = linear_attention(q, k, v, normalize=self.normalize, mode=self.mode, chunk_size=self.chunk_size,
-                                initial_state=init, output_final_state=True)
-        new = {"S": s[0], "z": s[1]} if self.normalize else {"S": s}
+        o, s = seq.recurrence(linear_attention, q, k, v, normalize=self.normalize, mode=self.mode,
+                              chunk_size=self.chunk_size, initial_state=init)
+        new = {"S": s[0], "z": s[1]} if self.normalize and s is not None else {"S": s}
         return self.o_proj(o.reshape(B, T, -1)), new

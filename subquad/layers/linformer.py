@@ -37,10 +37,11 @@ class Linformer(Mixer):
     def empty_state(self, batch_size, device=None, dtype=torch.float32):
         raise ValueError("Linformer is an encoder mechanism: it has no decoding state")
 
-    def forward(self, x, state=None):
-        self._check_x(x)
+    def mix(self, x, state, seq):
         if state is not None:
             raise ValueError("Linformer cannot decode token by token: it has no recurrent state or causal form")
+        if not seq.whole_sequence:
+            raise ValueError("Linformer projects the whole sequence at once: it cannot run on a shard of it")
         B, T, _ = x.shape
         H, K = self.n_heads, self.head_dim
         q, k, v = (p(x).view(B, T, H, K) for p in (self.q_proj, self.k_proj, self.v_proj))

@@ -1,6 +1,6 @@
 """Mamba block (Gu & Dao 2023, arXiv:2312.00752): a selective SSM between a short conv and a gate.
 
-    x, z  = in_proj(u)                               (B, T, d_inner) each, d_inner = expand * d_model
+    x, z  = in_proj(input)                              (B, T, d_inner) each, d_inner = expand * d_model
     x     = silu(conv1d(x))                          depthwise, kernel 4, its own decoding state
     dt, B, C = x_proj(x)                             dt (dt_rank), B and C (N)
     dt    = softplus(dt_proj(dt))                    (B, T, d_inner), bias initialised so dt ~ logU[1e-3, 0.1]
@@ -21,23 +21,24 @@ from subquad.layers.base import Mixer
 from subquad.layers.conv import ShortConv
 from subquad.ops import selective_scan
 from subquad.ops.common.autograd import wants_grad
+from subquad.ops.common.checks import state_dtype
 
 
 class Mamba(Mixer):
     """Mamba (S6): h_t = exp(dt_t A) h_{t-1} + dt_t B_t x_t, y_t = C_t h_t + D x_t, gated by silu(z).
 
-    Args: d_model; d_state N; d_conv (short convolution width); expand (d_inner = expand d_model);
+    Args: d_model; d_state N; conv_size (the short convolution's width); expand (d_inner = expand d_model);
     dt_rank (default ceil(d_model / 16)); dt_min, dt_max (dt's initial range); mode; chunk_size.
-    State: {"ssm": (B, d_inner, N) float32 (float64 for float64), "conv": (B, d_conv - 1, d_inner)}.
+    State: {"ssm": (B, d_inner, N) float32 (float64 for float64), "conv": (B, conv_size - 1, d_inner)}.
     """
-    piece_size = 2048   # fixed state: long forwards run in pieces (base.Mixer._in_pieces); fastest here
-    def __init__(self, d_model: int, d_state: int = 16, d_conv: int = 4, expand: int = 2, dt_rank: int | None = None,
+    piece_size = 2048   # fixed state: long forwards run in pieces (base.Mixer.forward); fastest here
+    def __init__(self, d_model: int, d_state: int = 16, conv_size: int = 4, expand: int = 2, dt_rank: int | None = None,
                  dt_min: float = 1e-3, dt_max: float = 0.1, mode: str = "chunk", chunk_size: int = 64):
         super().__init__(d_model, mode, chunk_size)
         self.d_inner, self.d_state = expand * d_model, d_state
         self.dt_rank = dt_rank or math.ceil(d_model / 16)
         self.in_proj = nn.Linear(d_model, 2 * self.d_inner, bias=False)
-        self.conv = ShortConv(self.d_inner, d_conv)
+        self.conv = ShortConv(self.d_inner, conv_size)
         self.x_proj = nn.Linear(self.d_inner, self.dt_rank + 2 * d_state, bias=False)
         self.dt_proj = nn.Linear(self.dt_rank, self.d_inner, bias=True)
         nn.init.uniform_(self.dt_proj.weight, -self.dt_rank ** -0.5, self.dt_rank ** -0.5)
@@ -50,29 +51,16 @@ class Mamba(Mixer):
         self.out_proj = nn.Linear(self.d_inner, d_model, bias=False)
 
     def empty_state(self, batch_size, device=None, dtype=torch.float32):
-        sd = torch.float64 if dtype == torch.float64 else torch.float32
-        return {"ssm": torch.zeros(batch_size, self.d_inner, self.d_state, device=device, dtype=sd),
+        return {"ssm": self.zeros(batch_size, self.d_inner, self.d_state, device=device, dtype=dtype),
                 "conv": self.conv.empty_state(batch_size, device, dtype)}
 
-    def forward(self, u, state=None):
-        self._check_x(u)
-        pieces = self._in_pieces(u, state)
-        if pieces is not None:
-            return pieces
-        x, z = self.in_proj(u).chunk(2, dim=-1)
-        cp = self._context(state)
-        if cp is not None:
-            x, conv = cp.conv(self.conv, x), None
-        else:
-            x, conv = self.conv(x, None if state is None else state["conv"])
-        x = F.silu(x, inplace=cp is None and not wants_grad(x))         # in place on the conv's fresh output
-        dt, Bm, Cm = torch.split(self.x_proj(x), [self.dt_rank, self.d_state, self.d_state], dim=-1)
+    def mix(self, x, state, seq):
+        xs, z = self.in_proj(x).chunk(2, dim=-1)
+        xs, conv = self.short_conv(xs, state, seq)
+        xs = F.silu(xs, inplace=seq.whole_sequence and not wants_grad(xs))   # in place on the conv's output
+        dt, Bm, Cm = torch.split(self.x_proj(xs), [self.dt_rank, self.d_state, self.d_state], dim=-1)
         dt = F.softplus(self.dt_proj(dt))
-        A = -torch.exp(self.A_log.double() if x.dtype == torch.float64 else self.A_log.float())   # (Dm, N) < 0
-        if cp is not None:
-            y = cp.selective_scan(x, dt, A, Bm, Cm, D=self.D.to(x.dtype), z=z, chunk_size=self.chunk_size)
-            return self.out_proj(y), None
-        y, h = selective_scan(x, dt, A, Bm, Cm, D=self.D.to(x.dtype),
-                              z=z, mode=self.mode, chunk_size=self.chunk_size,
-                              initial_state=None if state is None else state["ssm"], output_final_state=True)
+        A = -torch.exp(self.A_log.to(state_dtype(xs.dtype)))                 # (d_inner, N) < 0
+        y, h = seq.recurrence(selective_scan, xs, dt, A, Bm, Cm, D=self.D.to(xs.dtype), z=z, mode=self.mode,
+                              chunk_size=self.chunk_size, initial_state=None if state is None else state["ssm"])
         return self.out_proj(y), {"ssm": h, "conv": conv}

@@ -38,7 +38,7 @@ def _gla(d_model, n_heads, n_kv_heads=None, **kw):
 
 
 def _mamba2(d_model, n_heads, n_kv_heads=None, **kw):
-    kw.setdefault("headdim", max(8, 2 * d_model // max(n_heads, 1) // 2))
+    kw.setdefault("head_dim", max(8, d_model // max(n_heads, 1)))
     kw.setdefault("d_state", 16)
     return Mamba2(d_model, **kw)
 

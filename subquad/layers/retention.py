@@ -16,6 +16,7 @@ from torch import nn
 from subquad.layers.base import Mixer
 from subquad.layers.rotary import apply_rotary
 from subquad.ops import retention
+from subquad.ops.common.checks import state_dtype
 
 
 class MultiScaleRetention(Mixer):
@@ -24,9 +25,10 @@ class MultiScaleRetention(Mixer):
 
     Args: d_model; n_heads; head_dim (default d_model / n_heads); value_factor (V = value_factor K); mode;
     chunk_size.
-    State: {"S": (B, H, K, V) float32 (float64 for float64), "pos": the tokens seen (rotary offset)}.
+    State: {"S": (B, H, K, V) float32 (float64 for float64), "pos": the tokens seen (rotary offset), a 0-d
+    long tensor on the state's device}.
     """
-    piece_size = 2048   # fixed state: long forwards run in pieces (base.Mixer._in_pieces); fastest here
+    piece_size = 2048   # fixed state: long forwards run in pieces (base.Mixer.forward); fastest here
     def __init__(self, d_model: int, n_heads: int = 4, head_dim: int | None = None, value_factor: int = 2,
                  mode: str = "chunk", chunk_size: int = 64):
         super().__init__(d_model, mode, chunk_size)
@@ -45,37 +47,23 @@ class MultiScaleRetention(Mixer):
         self.register_buffer("log_decay", torch.log(1 - 2.0 ** (-5.0 - torch.arange(H, dtype=torch.float64))).float())
 
     def empty_state(self, batch_size, device=None, dtype=torch.float32):
-        S = torch.zeros(batch_size, self.n_heads, self.head_dim, self.v_dim, device=device,
-                        dtype=torch.float64 if dtype == torch.float64 else torch.float32)
-        return {"S": S, "pos": torch.zeros((), dtype=torch.long)}
+        return {"S": self.zeros(batch_size, self.n_heads, self.head_dim, self.v_dim, device=device, dtype=dtype),
+                "pos": torch.zeros((), dtype=torch.long, device=device)}
 
-    def forward(self, x, state=None):
-        self._check_x(x)
-        pieces = self._in_pieces(x, state)
-        if pieces is not None:
-            return pieces
+    def mix(self, x, state, seq):
         B, T, _ = x.shape
         H, K, V = self.n_heads, self.head_dim, self.v_dim
-        cp = self._context(state)
-        if cp is not None:
-            pos = cp.positions(T, x.device)
-        elif state is not None:                 # positions as a tensor: no host sync, no graph break
-            pos = state["pos"].to(x.device) + torch.arange(T, device=x.device)
-        else:
-            pos = 0
+        pos = seq.positions(T, 0 if state is None else state["pos"], x.device)
         q = apply_rotary(self.q_proj(x).view(B, T, H, K), pos)
         k = apply_rotary(self.k_proj(x).view(B, T, H, K), pos)
         v = self.v_proj(x).view(B, T, H, V)
-        g = self.log_decay.to(x.dtype if x.dtype == torch.float64 else torch.float32)
-        if cp is not None:
-            o, S = cp.scan("retention", q, k, v, g=g, chunk_size=self.chunk_size), None
-        else:
-            o, S = retention(q, k, v, g, mode=self.mode, chunk_size=self.chunk_size,
-                             initial_state=None if state is None else state["S"], output_final_state=True)
+        g = self.log_decay.to(state_dtype(x.dtype))
+        o, S = seq.recurrence(retention, q, k, v, g, mode=self.mode, chunk_size=self.chunk_size,
+                              initial_state=None if state is None else state["S"])
         o = F.layer_norm(o, (V,))                                           # group norm, one group per head
         y = self.o_proj(F.silu(self.g_proj(x)) * o.reshape(B, T, H * V))
-        end = state["pos"] + T if state is not None else torch.tensor(T)
-        return y, None if cp is not None else {"S": S, "pos": end}
+        end = state["pos"] + T if state is not None else torch.tensor(T, device=x.device)
+        return y, {"S": S, "pos": end}
 
     def extra_repr(self):
         return f"d_model={self.d_model}, heads={self.n_heads}, head_dim={self.head_dim}, v_dim={self.v_dim}, mode={self.mode}"

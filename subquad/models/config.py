@@ -93,4 +93,12 @@ class ModelConfig:
         unknown = set(d) - known
         if unknown:
             raise ValueError(f"unknown ModelConfig fields: {sorted(unknown)}")
+        d = dict(d)
+        if "mixer_options" in d:                 # runs saved before the options had one name each
+            d["mixer_options"] = {m: {RENAMED_OPTIONS.get(k, k): v for k, v in o.items()}
+                                  for m, o in d["mixer_options"].items()}
         return cls(**d)
+
+
+# option names of earlier versions -> today's (configs written before the rename still load)
+RENAMED_OPTIONS = {"headdim": "head_dim", "d_conv": "conv_size"}

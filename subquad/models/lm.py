@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from subquad.layers import RMSNorm, build_mixer, tensor_bytes
+from subquad.layers import RMSNorm, build_mixer, sequence, tensor_bytes
 from subquad.models.config import ModelConfig
 from subquad.ops.common.precision import checks_on
 
@@ -99,16 +99,15 @@ class LanguageModel(nn.Module):
         pos = 0 if state is None else getattr(state, "pos", 0)
         h = self.embed(idx.long())
         if self.pos_embed is not None:
-            from subquad.distributed.context import current
-
-            cp = current()             # context parallel: idx is this rank's shard, at its global positions
-            positions = (cp.positions(idx.shape[1], idx.device) if cp is not None
-                         else torch.arange(pos, pos + idx.shape[1], device=idx.device))
-            end = (pos + idx.shape[1] if cp is None
-                   else cp.world * idx.shape[1])          # the zigzag shards cover the whole sequence
+            seq = sequence.backend()          # context parallel: idx is this rank's shard, at its global positions
+            T = idx.shape[1]
+            end = seq.length(T, pos)
             if end > self.config.context_length:
                 raise ValueError(f"learned positions end at context_length={self.config.context_length}; "
                                  f"this call reaches position {end} (use pos_emb='none' to decode without limit)")
+            positions = seq.positions(T, pos, idx.device)
+            if not isinstance(positions, torch.Tensor):
+                positions = torch.arange(positions, positions + T, device=idx.device)
             h = h + self.pos_embed(positions)
         states = ModelState(pos=pos + idx.shape[1])
         for i, block in enumerate(self.blocks):

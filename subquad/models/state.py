@@ -11,15 +11,18 @@ from subquad.ops import KVCache
 
 
 def state_to_tensors(state) -> tuple[dict, dict]:
+    """Per-layer state dicts -> (flat tensors "layer.key[.k|.v]", metadata for ``load_state``)."""
     tensors, meta = {}, {}
     for i, s in enumerate(state):
-        if isinstance(s, KVCache):
-            tensors[f"{i}.k"], tensors[f"{i}.v"] = s.k.contiguous(), s.v.contiguous()
-            meta[str(i)] = {"kind": "kv", "seen": s.seen, "window": s.window}
-        else:
-            for key, t in s.items():
+        parts = {}
+        for key, t in s.items():
+            if isinstance(t, KVCache):
+                tensors[f"{i}.{key}.k"], tensors[f"{i}.{key}.v"] = t.k.contiguous(), t.v.contiguous()
+                parts[key] = {"kind": "kv", "seen": t.seen, "window": t.window}
+            else:
                 tensors[f"{i}.{key}"] = t.contiguous()
-            meta[str(i)] = {"kind": "dict", "keys": list(s)}
+                parts[key] = {"kind": "tensor"}
+        meta[str(i)] = {"kind": "dict", "parts": parts}
     return tensors, meta
 
 
@@ -55,8 +58,17 @@ def load_state(path):
     state = ModelState(pos=pos)
     for i in range(len(meta)):
         m = meta[str(i)]
-        if m["kind"] == "kv":
-            state.append(KVCache(tensors[f"{i}.k"], tensors[f"{i}.v"], window=m["window"], seen=m["seen"]))
-        else:
-            state.append({key: tensors[f"{i}.{key}"] for key in m["keys"]})
+        if m["kind"] == "kv":                   # written before every state was a dict: a bare KV cache
+            m = {"parts": {"kv": {"kind": "kv", "seen": m["seen"], "window": m["window"]}}}
+            tensors[f"{i}.kv.k"], tensors[f"{i}.kv.v"] = tensors[f"{i}.k"], tensors[f"{i}.v"]
+        elif "parts" not in m:
+            m = {"parts": {key: {"kind": "tensor"} for key in m["keys"]}}
+        layer = {}
+        for key, part in m["parts"].items():
+            if part["kind"] == "kv":
+                layer[key] = KVCache(tensors[f"{i}.{key}.k"], tensors[f"{i}.{key}.v"], window=part["window"],
+                                     seen=part["seen"])
+            else:
+                layer[key] = tensors[f"{i}.{key}"]
+        state.append(layer)
     return state, extra

@@ -3,28 +3,64 @@
 Dimension letters, used everywhere in subquad:
 
     B batch, T time, H heads, K key (feature) dim, V value dim,
-    D model width, N SSM state size, C chunk size.
+    D model width, N SSM state size, P SSD head dim, C chunk size.
 
 Layout at the op boundary: q, k ``(B, T, H, K)``; v, o ``(B, T, H, V)``;
 recurrent state ``(B, H, K, V)``, kept in float32 for lower-precision inputs
 (float64 stays float64). ``scale=None`` means ``K ** -0.5`` on the queries.
 Each op takes ``mode`` in ``("parallel", "recurrent", "chunk")``, ``chunk_size``,
 ``initial_state`` and ``output_final_state`` and returns ``(o, final_state)``;
-``final_state`` is None unless asked for.
+``final_state`` is None unless asked for. Every op's three forms are public too,
+``parallel_<op>``, ``recurrent_<op>`` and ``chunk_<op>``, with the op's signature
+less ``mode``. Gates follow the values: ``(q, k, v, g)``, ``(q, k, v, beta)``,
+``(q, k, v, g, beta)``; Mamba's scans take ``(x, dt, A, B, C)``.
+
+The op families live in folders named after the family, not the op (so no function
+shadows its package): ``softmax/`` (softmax_attention), ``linear/`` (linear_attention),
+``decay/`` (retention, simple_gla, gla, ssd), ``delta/`` (delta_rule, gated_delta_rule),
+``mamba/`` (selective_scan); each has a file per form and a README with its recurrence.
 """
 
+from subquad.ops.common.checks import MODES
 from subquad.ops.common.lse import merge_attention
+from subquad.ops.common.precision import set_checks
+from subquad.ops.decay import (
+    chunk_gla,
+    chunk_retention,
+    chunk_simple_gla,
+    chunk_ssd,
+    gla,
+    parallel_gla,
+    parallel_retention,
+    parallel_simple_gla,
+    parallel_ssd,
+    recurrent_gla,
+    recurrent_retention,
+    recurrent_simple_gla,
+    recurrent_ssd,
+    retention,
+    simple_gla,
+    ssd,
+)
+from subquad.ops.delta import (
+    chunk_delta_rule,
+    chunk_gated_delta_rule,
+    delta_rule,
+    gated_delta_rule,
+    parallel_delta_rule,
+    parallel_gated_delta_rule,
+    recurrent_delta_rule,
+    recurrent_gated_delta_rule,
+)
 from subquad.ops.feature_maps import FEATURE_MAPS, feature_map
-from subquad.ops.delta_rule import delta_rule, gated_delta_rule
-from subquad.ops.gla import gla, retention, simple_gla
-from subquad.ops.linformer import linformer_attention
-from subquad.ops.mamba import selective_scan
-from subquad.ops.linear_attn import (
+from subquad.ops.linear import (
     chunk_linear_attention,
     linear_attention,
     parallel_linear_attention,
     recurrent_linear_attention,
 )
+from subquad.ops.linformer import linformer_attention
+from subquad.ops.mamba import chunk_selective_scan, parallel_selective_scan, recurrent_selective_scan, selective_scan
 from subquad.ops.softmax import (
     KVCache,
     chunk_softmax_attention,
@@ -34,30 +70,15 @@ from subquad.ops.softmax import (
     softmax_attention,
 )
 
-from subquad.ops.common.checks import MODES
-from subquad.ops.common.precision import set_checks
+# the recurrent ops under the one contract: op(inputs..., *, mode, chunk_size, scale?, initial_state,
+# output_final_state) -> (o, final_state); tests/ops/test_contract.py checks every signature against it
+RECURRENT_OPS = ("linear_attention", "retention", "simple_gla", "gla", "ssd", "delta_rule", "gated_delta_rule",
+                 "selective_scan")
+OPS = RECURRENT_OPS + ("softmax_attention",)
 
 __all__ = [
-    "MODES",
-    "set_checks",
-    "FEATURE_MAPS",
-    "KVCache",
-    "feature_map",
-    "merge_attention",
-    "linear_attention",
-    "retention",
-    "simple_gla",
-    "gla",
-    "delta_rule",
-    "gated_delta_rule",
-    "selective_scan",
-    "linformer_attention",
-    "parallel_linear_attention",
-    "recurrent_linear_attention",
-    "chunk_linear_attention",
-    "softmax_attention",
-    "naive_softmax_attention",
-    "parallel_softmax_attention",
-    "recurrent_softmax_attention",
-    "chunk_softmax_attention",
+    "MODES", "OPS", "RECURRENT_OPS", "set_checks", "FEATURE_MAPS", "KVCache", "feature_map", "merge_attention",
+    "linformer_attention", "naive_softmax_attention",
+    *OPS,
+    *(f"{form}_{op}" for op in OPS for form in ("parallel", "recurrent", "chunk")),
 ]

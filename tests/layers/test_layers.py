@@ -10,7 +10,7 @@ D = 32
 LAYERS = {
     "retention": lambda mode="chunk": MultiScaleRetention(D, n_heads=4, mode=mode, chunk_size=8),
     "gla": lambda mode="chunk": GatedLinearAttention(D, n_heads=2, mode=mode, chunk_size=8),
-    "mamba2": lambda mode="chunk": Mamba2(D, d_state=8, headdim=16, mode=mode, chunk_size=8),
+    "mamba2": lambda mode="chunk": Mamba2(D, d_state=8, head_dim=16, mode=mode, chunk_size=8),
     "deltanet": lambda mode="chunk": build_mixer("deltanet", D, 4, mode=mode, chunk_size=8),
     "gated_deltanet": lambda mode="chunk": build_mixer("gated_deltanet", D, 4, mode=mode, chunk_size=8),
     "mamba": lambda mode="chunk": build_mixer("mamba", D, 4, d_state=4, mode=mode, chunk_size=8),
@@ -103,7 +103,7 @@ def test_state_sizes_match_the_analytic_figure():
     ret = MultiScaleRetention(D, n_heads=4)
     _, s = ret(torch.randn(1, 10, D))
     assert ret.state_bytes(s) == 4 * 8 * 16 * 4 + 8      # S (H, K, V) float32 + position counter
-    m2 = Mamba2(D, d_state=8, headdim=16)
+    m2 = Mamba2(D, d_state=8, head_dim=16)
     _, s = m2(torch.randn(1, 10, D))
     # h (H, N, P) and the conv tail (W-1, d_inner + 2N), float32
     assert m2.state_bytes(s) == (m2.n_heads * 8 * 16 + 3 * (2 * D + 2 * 8)) * 4
@@ -125,8 +125,8 @@ class LoopMamba2(Mamba2):
 
 def test_mamba2_equals_a_direct_sequential_loop():
     torch.manual_seed(0)
-    ref = Mamba2(D, d_state=8, headdim=16, chunk_size=8).double()
-    loop = LoopMamba2(D, d_state=8, headdim=16).double()
+    ref = Mamba2(D, d_state=8, head_dim=16, chunk_size=8).double()
+    loop = LoopMamba2(D, d_state=8, head_dim=16).double()
     loop.load_state_dict(ref.state_dict())
     x = inputs(T=37)
     y_ref, s_ref = ref(x)

@@ -37,7 +37,7 @@ def test_gated_rmsnorm_equals_its_formula(group, grad):
 @pytest.mark.parametrize("grad", [False, True])
 def test_mamba2_folded_output_projection_equals_out_proj_of_the_norm(grad):
     gen = torch.Generator().manual_seed(2)
-    m = Mamba2(16, d_state=4, headdim=8).double()
+    m = Mamba2(16, d_state=4, head_dim=8).double()
     with torch.no_grad():
         m.norm.weight.copy_(torch.randn(m.d_inner, generator=gen, dtype=F64))
     y, z = (torch.randn(3, 5, m.d_inner, generator=gen, dtype=F64).requires_grad_(grad) for _ in range(2))

@@ -9,10 +9,10 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from subquad.ops import delta_rule, gated_delta_rule
-from subquad.ops.delta_rule.inference import delta_rule_inference
-from subquad.ops.delta_rule.triangular import unit_lower_inverse, unit_lower_solve
+from subquad.ops.delta.inference import delta_inference
+from subquad.ops.delta.triangular import unit_lower_inverse, unit_lower_solve
 
-delta_chunk = importlib.import_module("subquad.ops.delta_rule.chunk")
+delta_chunk = importlib.import_module("subquad.ops.delta.chunk")
 from tests.ops.harness import assert_close, check_forms_agree, check_grads_agree, check_split
 
 F64 = torch.float64
@@ -83,7 +83,7 @@ def test_no_grad_fast_path_agrees_with_the_token_loop(gated, T, C, group, streng
     x = {n: t.detach() for n, t in make(gated, 2, T, K=6, V=4, seed=T, strength=strength).items()}
     S0 = state0(x).detach()
     o_ref, s_ref = call("recurrent", x, C, S0, True)
-    o, s = delta_rule_inference(x["q"], x["k"], x["v"], x["beta"], x.get("g"), scale=6 ** -0.5, chunk_size=C,
+    o, s = delta_inference(x["q"], x["k"], x["v"], x.get("g"), x["beta"], scale=6 ** -0.5, chunk_size=C,
                                 initial_state=S0, group=group)
     assert_close(o, o_ref, 1e-10, "o")
     assert_close(s, s_ref, 1e-10, "state")

@@ -8,10 +8,10 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from subquad.ops import gla, retention, simple_gla
-from subquad.ops.gla.inference import decay_attention_inference
-from subquad.ops.gla.parallel import parallel_decay_attention
+from subquad.ops.decay.inference import decay_attention_inference
+from subquad.ops.decay.parallel import parallel_decay_attention
 
-gla_chunk = importlib.import_module("subquad.ops.gla.chunk")
+gla_chunk = importlib.import_module("subquad.ops.decay.chunk")
 from tests.ops.harness import assert_close, check_forms_agree, check_grads_agree, check_split
 
 F64 = torch.float64

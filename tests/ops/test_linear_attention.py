@@ -137,7 +137,7 @@ def test_bad_tensors_raise():
 
 @pytest.mark.parametrize("normalize", [False, True])
 def test_decode_step_continues_a_chunk_prefill(normalize):
-    from subquad.ops.linear_attn import linear_attention_step
+    from subquad.ops.linear import linear_attention_step
 
     x = {n: t.detach() for n, t in make(2, 30, seed=9).items()}
     q, k, v = x["q"], x["k"], x["v"]

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from subquad.ops import simple_gla
-from subquad.ops.gla.ssd import ssd_chunkwise, ssd_inference
+from subquad.ops.decay.ssd import ssd_chunkwise, ssd_inference
 from tests.ops.harness import assert_close
 
 F64 = torch.float64
@@ -77,7 +77,7 @@ def test_differentiable_ssd_equals_simple_gla_with_gradients(T, C, strength):
 def test_ssd_routes_mixed_within_one_call(limit, monkeypatch):
     """Weak decays in one half (the factorised route), strong in the other (the exact route); LIMIT 0 forces
     the exact route everywhere, 1e9 the factorised route wherever float64 can hold it."""
-    ssd = importlib.import_module("subquad.ops.gla.ssd")   # the package name is shadowed by the gla op
+    ssd = importlib.import_module("subquad.ops.decay.ssd")
 
     if limit is not None:
         monkeypatch.setattr(ssd, "LIMIT", limit)
@@ -98,7 +98,7 @@ def test_ssd_routes_mixed_within_one_call(limit, monkeypatch):
 
 def test_ssd_factorised_route_float32_at_its_limit():
     """Chunks decaying by up to e^-2LIMIT (factors up to e^LIMIT) in float32 against float64."""
-    ssd = importlib.import_module("subquad.ops.gla.ssd")   # the package name is shadowed by the gla op
+    ssd = importlib.import_module("subquad.ops.decay.ssd")
 
     gen = torch.Generator().manual_seed(6)
     T, H, P, N = 512, 4, 8, 8

@@ -24,12 +24,15 @@ import torch.nn.functional as F
 
 from subquad.ops.common.autograd import wants_grad
 from subquad.ops.common.checks import check_chunk_size, check_like, check_mode, state_dtype
+from subquad.ops.common.forms import three_forms
 from subquad.ops.common.precision import amp_op, causal_guard, checks_on
-from subquad.ops.mamba.scan import chunk_selective_scan, parallel_selective_scan, recurrent_selective_scan
+from subquad.ops.mamba.chunk import chunk_scan
+from subquad.ops.mamba.parallel import parallel_scan
+from subquad.ops.mamba.recurrent import recurrent_scan
 
-SHORT_SCAN = 16  # the scan's token loop beats its lanes below ~32 tokens (benchmarks/bench_decode_step.py)
+from subquad.ops.common.routes import SHORT_SCAN
 
-_FORMS = {"parallel": parallel_selective_scan, "recurrent": recurrent_selective_scan, "chunk": chunk_selective_scan}
+_FORMS = {"parallel": parallel_scan, "recurrent": recurrent_scan, "chunk": chunk_scan}
 
 
 @amp_op(positions=(0, 3, 4), keywords=("z",))
@@ -83,4 +86,6 @@ def selective_scan(x, dt, A, B, C, *, D=None, z=None, mode="chunk", chunk_size=6
     return y.to(x.dtype), (h if output_final_state else None)
 
 
-__all__ = ["selective_scan"]
+parallel_selective_scan, recurrent_selective_scan, chunk_selective_scan = three_forms(selective_scan)
+
+__all__ = ["selective_scan", "parallel_selective_scan", "recurrent_selective_scan", "chunk_selective_scan"]

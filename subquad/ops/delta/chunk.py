@@ -12,8 +12,7 @@ log-decay (0 for the plain rule) and Dm_ri = exp(gamma_r - gamma_i) for i <= r:
 Steps 1, 2 and the state-free halves of 4 hold no S_0, so a differentiable call computes them for
 every chunk at once (one batched triangular solve) and loops over chunks only for 3-5; a call longer
 than PIECE tokens runs piece by piece with the state carried, which keeps autograd's temporaries
-piece-sized (1.25x faster at 16K than one piece; the per-chunk loop of session 1 was 1.3x slower at
-4K). Without a gradient, ``inference.py`` runs the fast path. ``parallel`` is the same algebra with
+piece-sized. Without a gradient, ``inference.py`` runs the fast path. ``parallel.py`` is the same algebra with
 one chunk spanning the whole sequence.
 """
 
@@ -22,13 +21,13 @@ from __future__ import annotations
 import torch
 
 from subquad.ops.common.autograd import inference_path
-from subquad.ops.common.chunking import SHORT, decay_mask, in_pieces
-from subquad.ops.delta_rule.inference import delta_rule_inference
-from subquad.ops.delta_rule.recurrent import recurrent_delta_rule
-from subquad.ops.delta_rule.triangular import unit_lower_solve
+from subquad.ops.common.chunking import decay_mask, in_pieces
+from subquad.ops.common.routes import PIECE, SHORT
+from subquad.ops.delta.inference import delta_inference
+from subquad.ops.delta.recurrent import recurrent_delta
+from subquad.ops.delta.triangular import unit_lower_solve
 
 
-PIECE = 2048  # tokens per piece of a differentiable call
 
 
 def _by_chunk(x, C):
@@ -37,7 +36,7 @@ def _by_chunk(x, C):
     return x.transpose(1, 2).reshape(B * H, T // C, C, *x.shape[3:])
 
 
-def _chunkwise(q, k, v, beta, g, scale, C, initial_state):
+def _chunkwise(q, k, v, g, beta, scale, C, initial_state):
     """Steps 1, 2 and the state-free parts of 4 for every chunk at once (one batched triangular solve);
     steps 3-5 in the loop over chunks. Differentiable by autograd."""
     B, T, H, K = q.shape
@@ -79,18 +78,13 @@ def _chunkwise(q, k, v, beta, g, scale, C, initial_state):
     return o, S.view(B, H, K, V)
 
 
-def chunk_delta_rule(q, k, v, beta, g, *, scale, chunk_size=64, initial_state=None):
-    if inference_path(q, k, v, beta, g, initial_state):
-        run = recurrent_delta_rule if q.shape[1] < SHORT else delta_rule_inference
-        return run(q, k, v, beta, g, scale=scale, chunk_size=chunk_size, initial_state=initial_state)
+def chunk_delta(q, k, v, g, beta, *, scale, chunk_size=64, initial_state=None):
+    if inference_path(q, k, v, g, beta, initial_state):
+        run = recurrent_delta if q.shape[1] < SHORT else delta_inference
+        return run(q, k, v, g, beta, scale=scale, chunk_size=chunk_size, initial_state=initial_state)
     C = min(chunk_size, q.shape[1])
     L = max(1, PIECE // C) * C
     if q.shape[1] <= L:
-        return _chunkwise(q, k, v, beta, g, scale, C, initial_state)
+        return _chunkwise(q, k, v, g, beta, scale, C, initial_state)
     # pieces of L tokens in turn, the state carried: temporaries stay piece-sized (1.5x faster at 16K)
-    return in_pieces(lambda *x: _chunkwise(*x[:5], scale, C, x[5]), (q, k, v, beta, g), L, initial_state)
-
-
-def parallel_delta_rule(q, k, v, beta, g, *, scale, chunk_size=None, initial_state=None):
-    """The whole sequence as one chunk: a T x T triangular solve. O(T^2 K + T^3) - a reference for short T."""
-    return _chunkwise(q, k, v, beta, g, scale, q.shape[1], initial_state)
+    return in_pieces(lambda *x: _chunkwise(*x[:5], scale, C, x[5]), (q, k, v, g, beta), L, initial_state)

@@ -33,14 +33,13 @@ import torch
 import torch.nn.functional as F
 
 from subquad.ops.common.autograd import inference_path
-from subquad.ops.common.chunking import SHORT, in_pieces
-from subquad.ops.gla.inference import decay_attention_inference
-from subquad.ops.gla.intra import SUB, _intra_scalar, _intra_vector
-from subquad.ops.gla.recurrent import recurrent_decay_attention
+from subquad.ops.common.chunking import in_pieces
+from subquad.ops.common.routes import PIECE, PIECE_PER_KEY_DIM, SHORT
+from subquad.ops.decay.inference import decay_attention_inference
+from subquad.ops.decay.intra import SUB, _intra_scalar, _intra_vector
+from subquad.ops.decay.recurrent import recurrent_decay_attention
 
 
-PIECE = 2048           # tokens per piece of a differentiable call
-PIECE_PER_KEY_DIM = 256  # the same for GLA's per-key-dim decay (4x larger sub-chunk temporaries)
 
 
 def _chunkwise(q, k, v, g, scale, C, initial_state):

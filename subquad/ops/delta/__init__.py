@@ -21,14 +21,16 @@ Example:
 from __future__ import annotations
 
 from subquad.ops.common.checks import check_chunk_size, check_like, check_mode, check_qkv, default_scale, state_dtype
+from subquad.ops.common.forms import three_forms
 from subquad.ops.common.precision import amp_op, causal_guard, checks_on, finite_log_decay
-from subquad.ops.delta_rule.chunk import chunk_delta_rule, parallel_delta_rule
-from subquad.ops.delta_rule.recurrent import recurrent_delta_rule
+from subquad.ops.delta.chunk import chunk_delta
+from subquad.ops.delta.parallel import parallel_delta
+from subquad.ops.delta.recurrent import recurrent_delta
 
-_FORMS = {"parallel": parallel_delta_rule, "recurrent": recurrent_delta_rule, "chunk": chunk_delta_rule}
+_FORMS = {"parallel": parallel_delta, "recurrent": recurrent_delta, "chunk": chunk_delta}
 
 
-def _run(q, k, v, beta, g, mode, chunk_size, scale, initial_state, output_final_state):
+def _run(q, k, v, g, beta, mode, chunk_size, scale, initial_state, output_final_state):
     check_mode(mode)
     check_qkv(q, k, v)
     if q.shape[1] < 1:
@@ -50,7 +52,7 @@ def _run(q, k, v, beta, g, mode, chunk_size, scale, initial_state, output_final_
     beta, g = beta.to(dt), None if g is None else finite_log_decay(g.to(dt))
 
     def run(form):
-        return _FORMS[form](q, k, v, beta, g, scale=default_scale(scale, K), chunk_size=chunk_size,
+        return _FORMS[form](q, k, v, g, beta, scale=default_scale(scale, K), chunk_size=chunk_size,
                             initial_state=initial_state)
 
     o, S = run(mode)
@@ -63,7 +65,7 @@ def _run(q, k, v, beta, g, mode, chunk_size, scale, initial_state, output_final_
 def delta_rule(q, k, v, beta, *, mode="chunk", chunk_size=64, scale=None, initial_state=None,
                output_final_state=False):
     """DeltaNet: S_t = (I - b_t k_t k_t^T) S_{t-1} + b_t k_t v_t^T; ``beta`` (B, T, H)."""
-    return _run(q, k, v, beta, None, mode, chunk_size, scale, initial_state, output_final_state)
+    return _run(q, k, v, None, beta, mode, chunk_size, scale, initial_state, output_final_state)
 
 
 @amp_op()
@@ -72,7 +74,11 @@ def gated_delta_rule(q, k, v, g, beta, *, mode="chunk", chunk_size=64, scale=Non
     """Gated DeltaNet: S_t = a_t (I - b_t k_t k_t^T) S_{t-1} + b_t k_t v_t^T; ``g = log a`` and ``beta`` (B, T, H)."""
     if g is None:
         raise ValueError("g must be a log-decay tensor (B, T, H) for the gated rule (use delta_rule without a gate)")
-    return _run(q, k, v, beta, g, mode, chunk_size, scale, initial_state, output_final_state)
+    return _run(q, k, v, g, beta, mode, chunk_size, scale, initial_state, output_final_state)
 
 
-__all__ = ["delta_rule", "gated_delta_rule"]
+parallel_delta_rule, recurrent_delta_rule, chunk_delta_rule = three_forms(delta_rule)
+parallel_gated_delta_rule, recurrent_gated_delta_rule, chunk_gated_delta_rule = three_forms(gated_delta_rule)
+
+__all__ = ["delta_rule", "gated_delta_rule", "parallel_delta_rule", "recurrent_delta_rule", "chunk_delta_rule",
+           "parallel_gated_delta_rule", "recurrent_gated_delta_rule", "chunk_gated_delta_rule"]

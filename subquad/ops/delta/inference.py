@@ -26,12 +26,11 @@ import torch
 
 from subquad.ops.common.chunking import chunk_view, decay_mask, put_chunks, token_slice
 
-TOKEN_HEADS = 2048  # group size: about this many (token, head) pairs per group (best of 1-8K here)
-CHUNK = 32          # at most this many tokens per chunk here (1.2x faster than 64 at T = 4K and 16K)
+from subquad.ops.common.routes import DELTA_CHUNK as CHUNK, TOKEN_HEADS_DELTA as TOKEN_HEADS
 
 
-def delta_rule_inference(q, k, v, beta, g, *, scale, chunk_size, initial_state=None, group=None):
-    """q, k (B, T, H, K); v (B, T, H, V); beta, g (B, T, H) (g None for the plain rule).
+def delta_inference(q, k, v, g, beta, *, scale, chunk_size, initial_state=None, group=None):
+    """q, k (B, T, H, K); v (B, T, H, V); g, beta (B, T, H) (g None for the plain rule).
     Returns o (B, T, H, V) in beta's dtype and the final state (B, H, K, V)."""
     B, T, H, K = q.shape
     V = v.shape[-1]

@@ -30,9 +30,13 @@ import torch
 
 from subquad.ops.common.checks import check_chunk_size, check_like, check_mode, check_qkv, default_scale, state_dtype
 from subquad.ops.common.precision import amp_op, causal_guard, checks_on, finite_log_decay
-from subquad.ops.gla.chunk import chunk_decay_attention
-from subquad.ops.gla.parallel import parallel_decay_attention
-from subquad.ops.gla.recurrent import recurrent_decay_attention
+from subquad.ops.common.autograd import inference_path
+from subquad.ops.common.forms import three_forms
+from subquad.ops.common.routes import SHORT
+from subquad.ops.decay.chunk import chunk_decay_attention
+from subquad.ops.decay.parallel import parallel_decay_attention
+from subquad.ops.decay.recurrent import recurrent_decay_attention
+from subquad.ops.decay.ssd import ssd_chunkwise, ssd_inference
 
 _FORMS = {"parallel": parallel_decay_attention, "recurrent": recurrent_decay_attention, "chunk": chunk_decay_attention}
 
@@ -91,4 +95,73 @@ def gla(q, k, v, g, *, mode="chunk", chunk_size=64, scale=None, initial_state=No
     return _run(q, k, v, g, mode, chunk_size, scale, initial_state, output_final_state)
 
 
-__all__ = ["retention", "simple_gla", "gla"]
+@amp_op(positions=(0, 3, 4))
+def ssd(x, dt, A, B, C, *, D=None, mode="chunk", chunk_size=64, initial_state=None, output_final_state=False):
+    """Mamba-2's SSD with B and C shared by the heads (one group):
+
+        h_t = exp(dt_t A_h) h_{t-1} + B_t (dt_t x_t)^T,   y_t = C_t^T h_t + D_h x_t      h (N, P) per head
+
+    x (B, T, H, P); dt (B, T, H) >= 0; A (H,) <= 0; B, C (B, T, N); D (H,) or None; state (B, H, N, P).
+    It is ``simple_gla(q=C, k=dt B, v=x, g=dt A, scale=1)`` with q and k shared by every head; the chunk form
+    (``ssd_chunkwise``, ``ssd_inference`` without a gradient) computes the products with B and C once for
+    all heads. Returns (y (B, T, H, P), final state or None).
+    """
+    check_mode(mode)
+    check_chunk_size(chunk_size)
+    if not isinstance(x, torch.Tensor) or x.dim() != 4 or not x.is_floating_point():
+        raise ValueError(f"x must be a floating-point tensor (B, T, H, P), got {getattr(x, 'shape', type(x))}")
+    Bz, T, H, P = x.shape
+    if T < 1:
+        raise ValueError(f"x must hold at least one token (T >= 1), got shape {tuple(x.shape)}")
+    check_like("dt", dt, (Bz, T, H), x, "x")
+    check_like("A", A, (H,), x, "x")
+    if not isinstance(B, torch.Tensor) or B.dim() != 3:
+        raise ValueError(f"B must have shape (B={Bz}, T={T}, N), got {getattr(B, 'shape', type(B).__name__)}")
+    N = B.shape[-1]
+    check_like("B", B, (Bz, T, N), x, "x")
+    check_like("C", C, (Bz, T, N), x, "x")
+    if D is not None:
+        check_like("D", D, (H,), x, "x")
+    if checks_on(dt) and (dt < 0).any():
+        raise ValueError("dt must be >= 0 (it is a step size, softplus of a projection in Mamba-2)")
+    if checks_on(A) and (A > 0).any():
+        raise ValueError(f"A must be <= 0 (the state decays); got max {A.max().item():.3g}")
+    sd = state_dtype(x.dtype)
+    if initial_state is not None:
+        check_like("initial_state", initial_state, (Bz, H, N, P), x, "x")
+        initial_state = initial_state.to(sd)
+    xs, dts, As, Bs, Cs = (t.to(sd) for t in (x, dt, A, B, C))
+    if mode == "chunk" and T >= SHORT:                 # B and C shared: one matmul for all heads
+        run = ssd_inference if inference_path(xs, dts, As, Bs, Cs, initial_state) else ssd_chunkwise
+        y, h = run(xs, dts, As, Bs, Cs, chunk_size=chunk_size, initial_state=initial_state)
+        y, h = causal_guard((y, h), h, lambda: _ssd_as_gla(xs, dts, As, Bs, Cs, "recurrent", chunk_size,
+                                                             initial_state), T)
+    else:
+        y, h = _ssd_as_gla(xs, dts, As, Bs, Cs, mode, chunk_size, initial_state)
+    if D is not None:
+        y = torch.addcmul(y, xs, D.to(sd).view(1, 1, H, 1))
+    return y.to(x.dtype), (h if output_final_state else None)
+
+
+def _ssd_as_gla(x, dt, A, B, C, mode, chunk_size, initial_state):
+    """SSD through the decayed-attention forms, q and k expanded over the heads (the reference route)."""
+    H = x.shape[2]
+    q = C.unsqueeze(2).expand(-1, -1, H, -1)
+    k = B.unsqueeze(2).expand(-1, -1, H, -1) * dt.unsqueeze(-1)
+    g = finite_log_decay(dt * A)
+    o, S = _FORMS[mode](q, k, x, g, scale=1.0, chunk_size=chunk_size, initial_state=initial_state)
+    if mode != "recurrent":
+        o, S = causal_guard((o, S), S, lambda: _FORMS["recurrent"](q, k, x, g, scale=1.0, chunk_size=chunk_size,
+                                                                   initial_state=initial_state), x.shape[1])
+    return o, S
+
+
+parallel_retention, recurrent_retention, chunk_retention = three_forms(retention)
+parallel_simple_gla, recurrent_simple_gla, chunk_simple_gla = three_forms(simple_gla)
+parallel_gla, recurrent_gla, chunk_gla = three_forms(gla)
+parallel_ssd, recurrent_ssd, chunk_ssd = three_forms(ssd)
+
+__all__ = ["retention", "simple_gla", "gla", "ssd",
+           "parallel_retention", "recurrent_retention", "chunk_retention",
+           "parallel_simple_gla", "recurrent_simple_gla", "chunk_simple_gla",
+           "parallel_gla", "recurrent_gla", "chunk_gla", "parallel_ssd", "recurrent_ssd", "chunk_ssd"]

@@ -1,13 +1,7 @@
-"""The three forms of the selective scan (without the D skip and the z gate, applied by the caller).
+"""The selective scan, chunk form: "lanes". Without the D skip and the z gate, which the op applies.
 
-recurrent: the token loop (the spec).
-
-parallel: the decayed T x T form per channel and state dim, for short T only:
-    Lam_t = sum_{r<=t} dt_r A                       (cumulative log-decay, (B, T, Dm, N))
-    y_t   = sum_n C_t[n] (sum_{s<=t} exp(Lam_t - Lam_s)[n] dt_s B_s[n] x_s + exp(Lam_t)[n] h_0[n])
-
-chunk: "lanes". The sequence is cut into n = ceil(T / C) lanes of C tokens, and
-the work runs over the C positions of a lane with every lane at once:
+The sequence is cut into n = ceil(T / C) lanes of C tokens, and the work runs over the C positions
+of a lane with every lane at once:
     1. local scan: each lane from a zero state, positions 0..C-1, all lanes in one tensor op
        per position; keeps only each lane's final local state and its total decay
     2. state passing: lane i starts from h_i = exp(Lam_lane_{i-1}) h_{i-1} + local_{i-1} (n steps of (B, Dm, N))
@@ -27,31 +21,6 @@ import torch
 
 from subquad.ops.common.chunking import token_slice
 from subquad.ops.common.precision import autocast_off
-
-
-def recurrent_selective_scan(x, dt, A, B, C, *, chunk_size=None, initial_state=None):
-    Bsz, T, Dm = x.shape
-    h = x.new_zeros(Bsz, Dm, A.shape[1]) if initial_state is None else initial_state
-    ys = []
-    for t in range(T):
-        dA = torch.exp(dt[:, t, :, None] * A)                                  # (B, Dm, N)
-        h = dA * h + (dt[:, t] * x[:, t])[..., None] * B[:, t, None, :]
-        ys.append((h * C[:, t, None, :]).sum(-1))
-    return torch.stack(ys, 1), h
-
-
-def parallel_selective_scan(x, dt, A, B, C, *, chunk_size=None, initial_state=None):
-    T = x.shape[1]
-    lam = torch.cumsum(dt[..., None] * A, dim=1)                              # (B, T, Dm, N)
-    causal = torch.ones(T, T, dtype=torch.bool, device=x.device).tril()
-    diff = lam[:, :, None] - lam[:, None, :]                                  # (B, T, S, Dm, N)
-    decay = torch.exp(diff.masked_fill(~causal[None, :, :, None, None], float("-inf")))
-    u = (dt * x)[..., None] * B[:, :, None, :]                                # (B, S, Dm, N)
-    h = torch.einsum("btsdn,bsdn->btdn", decay, u)
-    if initial_state is not None:
-        h = h + torch.exp(lam) * initial_state[:, None]
-    y = torch.einsum("btdn,btn->btd", h, C)
-    return y, h[:, -1]
 
 
 def _lanes(c, *ts):
@@ -177,7 +146,7 @@ class _LanesScan(torch.autograd.Function):
         return (unlane(dx), unlane(ddt), dA.sum((0, 1)), unlane(dB), unlane(dC), dh0 if ctx.has_h0 else None, None)
 
 
-def chunk_selective_scan(x, dt, A, B, C, *, chunk_size=64, initial_state=None):
+def chunk_scan(x, dt, A, B, C, *, chunk_size=64, initial_state=None):
     """Lanes of at most ``chunk_size`` positions; a short sequence uses about sqrt(T) (at least 16), since the
     work walks 2C + T/C vectorised steps (forward) and that is smallest near C = sqrt(T)."""
     T = x.shape[1]

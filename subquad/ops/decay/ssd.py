@@ -38,8 +38,7 @@ import torch.nn.functional as F
 
 from subquad.ops.common.chunking import chunk_view, decay_mask, put_chunks, token_slice
 
-TOKEN_HEADS = 16384  # group size: about this many (token, head) pairs per group (best for Mamba-2 at 16 heads)
-LIMIT = 30.0         # largest positive exponent the factorised route may use
+from subquad.ops.common.routes import FACTOR_LIMIT as LIMIT, TOKEN_HEADS_SSD as TOKEN_HEADS
 TOKEN_MAJOR = (1, 0, 2, 3, 4)   # chunk_view of (B, L, H, P) as (n, B, C, H, P): heads stay inside a token
 
 

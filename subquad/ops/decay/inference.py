@@ -32,10 +32,9 @@ from __future__ import annotations
 import torch
 
 from subquad.ops.common.chunking import chunk_view, put_chunks, token_slice
-from subquad.ops.gla.intra import SUB, _intra_scalar, _intra_vector
+from subquad.ops.decay.intra import SUB, _intra_scalar, _intra_vector
 
-LIMIT = 30.0       # largest positive exponent the factorised scores may use
-TOKEN_HEADS = 4096  # group size: about this many (token, head) pairs per group
+from subquad.ops.common.routes import FACTOR_LIMIT as LIMIT, TOKEN_HEADS_DECAY as TOKEN_HEADS
 
 
 def decay_attention_inference(q, k, v, g, *, scale, chunk_size, initial_state=None, group=None):

@@ -14,14 +14,14 @@ import torch
 
 from subquad.ops.common.checks import state_dtype
 from subquad.ops.common.precision import amp_op
-from subquad.ops.linear_attn.state import pack_state, unpack_state
+from subquad.ops.linear.state import pack_state, unpack_state
 
 
 @amp_op()
 def parallel_linear_attention(q, k, v, *, normalize=True, eps=1e-6, scale=None, chunk_size=None,
                               initial_state=None, output_final_state=False):
     """Parallel (masked T x T) linear attention; same signature as ``linear_attention``."""
-    from subquad.ops.linear_attn import _prepare
+    from subquad.ops.linear import _prepare
 
     scale = _prepare(q, k, v, scale, chunk_size)
     S0, z0 = unpack_state(initial_state, q, v, normalize)

@@ -23,9 +23,9 @@ import torch
 
 from subquad.ops.common.checks import check_chunk_size, check_mode, check_qkv, default_scale
 from subquad.ops.common.precision import causal_guard, checks_on
-from subquad.ops.linear_attn.chunk import chunk_linear_attention
-from subquad.ops.linear_attn.parallel import parallel_linear_attention
-from subquad.ops.linear_attn.recurrent import linear_attention_step, recurrent_linear_attention
+from subquad.ops.linear.chunk import chunk_linear_attention
+from subquad.ops.linear.parallel import parallel_linear_attention
+from subquad.ops.linear.recurrent import linear_attention_step, recurrent_linear_attention
 
 
 def _prepare(q, k, v, scale, chunk_size):

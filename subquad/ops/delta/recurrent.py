@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 
-def recurrent_delta_rule(q, k, v, beta, g, *, scale, chunk_size=None, initial_state=None):
+def recurrent_delta(q, k, v, g, beta, *, scale, chunk_size=None, initial_state=None):
     B, T, H, K = q.shape
     dt = beta.dtype
     S = torch.zeros(B, H, K, v.shape[-1], dtype=dt, device=q.device) if initial_state is None else initial_state

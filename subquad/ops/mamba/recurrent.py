@@ -1,0 +1,20 @@
+"""The selective scan, recurrent form: the token loop (the spec). Without the D skip and the z gate,
+which the op applies.
+
+    h_t = exp(dt_t A) * h_{t-1} + dt_t B_t x_t,    y_t = C_t . h_t
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def recurrent_scan(x, dt, A, B, C, *, chunk_size=None, initial_state=None):
+    Bsz, T, Dm = x.shape
+    h = x.new_zeros(Bsz, Dm, A.shape[1]) if initial_state is None else initial_state
+    ys = []
+    for t in range(T):
+        dA = torch.exp(dt[:, t, :, None] * A)                                  # (B, Dm, N)
+        h = dA * h + (dt[:, t] * x[:, t])[..., None] * B[:, t, None, :]
+        ys.append((h * C[:, t, None, :]).sum(-1))
+    return torch.stack(ys, 1), h
