@@ -1,6 +1,8 @@
 """The README's op-contract example runs as written."""
 
 import re
+
+import torch
 from pathlib import Path
 
 
@@ -29,3 +31,17 @@ def test_readme_python_api_runs():
     exec(compile(block, "README.md", "exec"), scope)
     assert len(scope["outs"]) == 2 and all(len(o) == 12 for o in scope["outs"])
     assert scope["meta"]["step"] == 20
+
+
+def test_readme_new_mixer_example_runs_and_decodes_exactly():
+    text = (Path(__file__).parent.parent / "README.md").read_text()
+    block = re.search(r"### Layers: equations in.*?```python\n(.*?)```", text, re.S).group(1)
+    ns = {}
+    exec(block, ns)
+    torch.manual_seed(0)
+    m = ns["TinyDecay"](16, chunk_size=4).double()
+    x = torch.randn(2, 11, 16, dtype=torch.float64)
+    y, _ = m(x)
+    y1, s = m(x[:, :6], m.empty_state(2, dtype=torch.float64))
+    y2, _ = m(x[:, 6:], s)
+    torch.testing.assert_close(torch.cat([y1, y2], 1), y, rtol=0, atol=1e-12)

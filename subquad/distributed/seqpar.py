@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from subquad import ops
+from subquad.ops.common.checks import state_dtype
 from subquad.ops.common.precision import autocast_off
 
 KINDS = ("linear_attention", "retention", "simple_gla", "gla", "delta_rule", "gated_delta_rule")
@@ -109,7 +110,7 @@ def state_passing(kind: str, q, k, v, *, g=None, beta=None, normalize: bool = Fa
             raise ValueError("normalize=True applies to kind='linear_attention' only")
         v = torch.cat([v, torch.ones_like(v[..., :1])], dim=-1)
     f = _runner(kind, q, k, g, beta, scale, chunk_size)
-    dt = torch.float64 if q.dtype == torch.float64 else torch.float32
+    dt = state_dtype(q.dtype)
     _, S_local = f(v, None)                                                  # (nB, H, K, V')
     if kind == "linear_attention":
         M = None                                                             # identity

@@ -25,6 +25,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from subquad.ops.common.checks import state_dtype
+
 _KEY_EXP_CLAMP = 60.0
 
 
@@ -114,7 +116,7 @@ class Performer(FeatureMap):
     def forward(self, x, is_query: bool = False):
         if x.shape[-1] != self.head_dim:
             raise ValueError(f"x's last dim must be head_dim={self.head_dim}, got shape {tuple(x.shape)}")
-        dt = x.dtype if x.dtype == torch.float64 else torch.float32
+        dt = state_dtype(x.dtype)
         x = x.to(dt) * self.head_dim ** -0.25
         proj = x @ self.weight.to(dt).T                                        # (..., m)
         expo = proj - 0.5 * (x * x).sum(-1, keepdim=True)

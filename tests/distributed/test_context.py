@@ -3,9 +3,15 @@
 import pytest
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
 
 from subquad.distributed import context_parallel, zigzag_shard, zigzag_unshard
+from subquad.layers import ShortConv
+from subquad.layers.base import Mixer
+from subquad.layers.rotary import apply_rotary
 from subquad.models import LanguageModel, ModelConfig
+from subquad.ops import simple_gla
 from tests.distributed.helpers import run
 
 EVERY = "softmax,swa,linear,performer,taylor,retention,gla,deltanet,gated_deltanet,mamba,mamba2"
@@ -75,3 +81,52 @@ def test_context_parallel_needs_a_process_group():
     with pytest.raises(ValueError, match="torch.distributed"):
         with context_parallel():
             pass
+
+
+class NewMixer(Mixer):
+    """A mixer the distributed package has never seen: a short convolution, rotary positions and a decayed
+    recurrence, written against the sequence backend only."""
+
+    def __init__(self, d_model=16, n_heads=2):
+        super().__init__(d_model, "chunk", 4)
+        self.n_heads, self.head_dim = n_heads, d_model // n_heads
+        self.qkv = nn.Linear(d_model, 3 * d_model)
+        self.conv = ShortConv(3 * d_model, 3)
+        self.g = nn.Linear(d_model, n_heads)
+
+    def mix(self, x, state, seq):
+        B, T, _ = x.shape
+        qkv, conv = self.short_conv(self.qkv(x), state, seq)
+        q, k, v = qkv.view(B, T, 3, self.n_heads, self.head_dim).unbind(2)
+        pos = seq.positions(T, 0, x.device)
+        q, k = apply_rotary(q, pos), apply_rotary(k, pos)
+        o, S = seq.recurrence(simple_gla, q, k, v, -F.softplus(self.g(x)), mode=self.mode,
+                              chunk_size=self.chunk_size, initial_state=None if state is None else state["S"])
+        return o.reshape(B, T, -1), {"S": S, "conv": conv}
+
+
+def _new_mixer(rank, world, x, w):
+    torch.manual_seed(0)
+    m = NewMixer().double()
+    with context_parallel() as cp:
+        y, state = m(zigzag_shard(x, cp.rank, cp.world))
+    (y * zigzag_shard(w, rank, world)).sum().backward()
+    grads = torch.cat([p.grad.flatten() for p in m.parameters()])
+    dist.all_reduce(grads)
+    return y.detach(), grads, state
+
+
+def test_a_new_mixer_is_context_parallel_without_distributed_code():
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(2, 24, 16, generator=g, dtype=torch.float64)
+    w = torch.randn(2, 24, 16, generator=g, dtype=torch.float64)
+    out = run(2, _new_mixer, x, w)
+    torch.manual_seed(0)
+    m = NewMixer().double()
+    ref, _ = m(x)
+    (ref * w).sum().backward()
+    grads = torch.cat([p.grad.flatten() for p in m.parameters()])
+    torch.testing.assert_close(zigzag_unshard([o[0] for o in out]), ref.detach(), rtol=0, atol=1e-10)
+    for _, gr, state in out:
+        torch.testing.assert_close(gr, grads, rtol=0, atol=1e-9)
+        assert state is None                        # a shard of a sequence gives no decoding state

@@ -6,7 +6,7 @@ No route changes a result beyond rounding: each is tested against the parallel f
 Token loop or chunks
     SHORT       calls of fewer tokens (a decoding step) take the recurrent token loop in the chunk
                 form of the decayed family, the delta rules and SSD: batching chunks costs more
-                tensor ops than the loop has tokens (2.6-3.2x slower at T = 1).
+                tensor ops than the loop has tokens.
     SHORT_SCAN  the same for Mamba's selective scan, whose chunked "lanes" cost more per call:
                 below ~16-32 tokens its token loop is faster.
 
@@ -23,8 +23,8 @@ No-gradient fast paths (``inference.py``, ``ssd.py``): groups of chunks in reuse
                 chunk's midpoint, so a chunk may decay by up to 2 FACTOR_LIMIT. A group whose chunks
                 decay more takes the exact route (every exponent a difference <= 0).
     DELTA_CHUNK   the delta rules' fast path uses chunks of at most this many tokens whatever the
-                caller's ``chunk_size`` (1.2x faster than 64 at T = 4K and 16K; the result does not
-                depend on the chunk size beyond rounding, and this path has no gradient to keep).
+                caller's ``chunk_size`` (faster than 64 at 4K-16K tokens; the result does not depend
+                on the chunk size beyond rounding, and this path has no gradient to keep).
 """
 
 SHORT = 4

@@ -21,8 +21,7 @@ exponents <= 0); only the 16 x 16 diagonal blocks are formed elementwise.
 A differentiable call computes steps 1, 2's intra-chunk half and 3's increments
 for every chunk at once and loops only over the elementwise state recurrence;
 calls longer than PIECE tokens run piece by piece with the state carried, so
-autograd's temporaries stay piece-sized (2.2x faster forward+backward at 16K than
-the per-chunk loop of sessions 1-2 for scalar decays, 1.1x for GLA's). Without a gradient, ``inference.py`` runs
+autograd's temporaries stay piece-sized. Without a gradient, ``inference.py`` runs
 the same steps in place over groups of chunks (the fast path for prefill,
 evaluation and generation).
 """

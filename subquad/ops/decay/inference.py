@@ -12,11 +12,11 @@ work batched over a *group* of chunks and only the state recurrence left sequent
       S_c  = exp(b_C) * S_{c-1} + KV_c                              n in-place addcmuls (the only loop)
       o    = A v + q~ S_{c-1}                                       two (n B H) bmms
 
-Chunk-major, a chunk's KV and states are contiguous, which makes the loop 1.25x faster than
-head-major. For a scalar decay the cumulative sums, exp(b) and exp(-b) of the whole call are
+Chunk-major, a chunk's KV and states are contiguous for the loop. For a scalar decay the cumulative sums, exp(b) and exp(-b) of the whole call are
 computed once (T H numbers), and whether each group may factorise (below) is decided in one sync.
-Every buffer is reused from group to group, so a long sequence does not page-fault on T-sized
-temporaries (see BENCHMARKS.md), and a call makes ~20 + T/C tensor ops instead of ~15 per chunk.
+Every buffer is reused from group to group, so a long sequence allocates no T-sized temporaries
+(fresh large allocations page-fault on every call), and a call makes ~20 + T/C tensor ops instead of
+~15 per chunk.
 
 Scores. With k~ = k * exp(-b), A_ij = q~_i . k~_j for j <= i is exactly sum_k q_ik k_jk exp(b_ik - b_jk):
 one plain matmul for a scalar or a per-key-dim decay alike. exp(-b) is a *positive* exponent, so it is

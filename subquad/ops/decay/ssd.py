@@ -36,6 +36,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from subquad.ops.common.checks import state_dtype
 from subquad.ops.common.chunking import chunk_view, decay_mask, put_chunks, token_slice
 
 from subquad.ops.common.routes import FACTOR_LIMIT as LIMIT, TOKEN_HEADS_SSD as TOKEN_HEADS
@@ -47,7 +48,7 @@ def ssd_inference(x, dt, A, Bm, Cm, *, chunk_size=64, initial_state=None, group=
     Returns y (B, T, H, P) and the final state (B, H, N, P), in x's dtype (float32 for half inputs)."""
     Bz, T, H, P = x.shape
     N = Bm.shape[-1]
-    dt_ = torch.float64 if x.dtype == torch.float64 else torch.float32
+    dt_ = state_dtype(x.dtype)
     dev = x.device
     C = min(chunk_size, T)
     L = group if group is not None else max(1, TOKEN_HEADS // (Bz * H) // C) * C

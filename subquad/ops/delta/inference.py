@@ -13,11 +13,9 @@ buffers reused between groups):
               S_{c+1} = exp(gamma_C) S_c + K^_c^T D_c                     two baddbmms per chunk
     batched:  O      = scale * (Q~ S_c + P D)                             two bmms
 
-Every exponent is a difference of cumulative log-decays <= 0. Chunks are at most CHUNK tokens here
-(the result does not depend on it beyond rounding), ~30 tensor ops per group plus 2-3 per chunk, no
-T-sized temporaries. Tried and dropped: each chunk as an affine map of its incoming state (one matmul
-per chunk in the loop, but K^3 more work per chunk; 1.2x slower), ``triangular.unit_lower_inverse``
-for A^{-1} (the differentiable form's choice at C = 64; at C = 32 trsm against I is 1.1x faster here).
+Every exponent is a difference of cumulative log-decays <= 0. Chunks are at most ``DELTA_CHUNK``
+tokens here (``subquad.ops.common.routes`` says why; the result does not depend on it beyond
+rounding), ~30 tensor ops per group plus 2-3 per chunk, no T-sized temporaries.
 """
 
 from __future__ import annotations

@@ -3,8 +3,9 @@
     T = A^{-1} for A = I + L, L strictly lower        (N, C, C)
     X = A^{-1} R                                      with its gradient: dR = T^T dX, dL = -strictly_lower(dR X^T)
 
-LAPACK's batched trsm pays ~20 us of overhead per small matrix, and autograd's backward of
-``linalg.solve_triangular`` a second batched solve; these are ~25 vectorised ops for the whole batch.
+LAPACK's batched trsm has a per-matrix overhead that dominates for small C, and autograd's backward
+of ``linalg.solve_triangular`` is a second batched solve; these are ~25 vectorised ops for the whole
+batch (timings in benchmarks/RESULTS.md, the delta rule's section).
 """
 
 from __future__ import annotations
@@ -24,8 +25,7 @@ def _diagonal_blocks(A, s):
 def unit_lower_inverse(A):
     """(I + L)^{-1} for a batch of unit lower-triangular A = I + L (N, C, C).
 
-    LAPACK's batched trsm pays ~20 us of overhead per small matrix; this is ~25 vectorised ops for the
-    whole batch. A is padded with the identity to BASE * 2^m rows; the diagonal blocks of BASE rows come
+    ~25 vectorised ops for the whole batch (see the module docstring). A is padded with the identity to BASE * 2^m rows; the diagonal blocks of BASE rows come
     from the row recurrence T[i, :i] = -L[i, :i] T[:i, :i] (as in flash-linear-attention's reference),
     all blocks at once; then neighbouring blocks are merged, [[T1, 0], [-T2 L21 T1, T2]], doubling the
     block size until it covers the matrix."""

@@ -110,7 +110,7 @@ class _ChunkLinearAttn(torch.autograd.Function):
 
 
 @amp_op()
-def chunk_linear_attention(q, k, v, *, normalize=True, eps=1e-6, scale=None, chunk_size=64,
+def chunk_linear_attention(q, k, v, *, normalize=True, eps=1e-6, chunk_size=64, scale=None,
                            initial_state=None, output_final_state=False):
     """Chunkwise linear attention; same signature as ``linear_attention``."""
     from subquad.ops.linear import _prepare

@@ -18,7 +18,7 @@ from subquad.ops.linear.state import pack_state, unpack_state
 
 
 @amp_op()
-def parallel_linear_attention(q, k, v, *, normalize=True, eps=1e-6, scale=None, chunk_size=None,
+def parallel_linear_attention(q, k, v, *, normalize=True, eps=1e-6, chunk_size=64, scale=None,
                               initial_state=None, output_final_state=False):
     """Parallel (masked T x T) linear attention; same signature as ``linear_attention``."""
     from subquad.ops.linear import _prepare

@@ -142,7 +142,7 @@ def blockwise_softmax_attention(q, k, v, *, scale, chunk_size, causal, window, q
 
 
 @amp_op()
-def chunk_softmax_attention(q, k, v, *, causal=True, window=None, scale=None, chunk_size=64,
+def chunk_softmax_attention(q, k, v, *, causal=True, window=None, chunk_size=64, scale=None,
                             initial_state=None, output_final_state=False, return_lse=False):
     """Blockwise online-softmax attention; same signature as ``softmax_attention``."""
     from subquad.ops.softmax import _prepare, _finish

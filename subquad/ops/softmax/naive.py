@@ -26,7 +26,7 @@ def visible_mask(T: int, L: int, *, causal: bool, window, q_start: int, k_start:
 
 
 @amp_op()
-def naive_softmax_attention(q, k, v, *, causal=True, window=None, scale=None, chunk_size=None,
+def naive_softmax_attention(q, k, v, *, causal=True, window=None, chunk_size=64, scale=None,
                             initial_state=None, output_final_state=False, return_lse=False):
     """T x L softmax attention written out; same signature as ``softmax_attention``."""
     from subquad.ops.softmax import _prepare, _finish

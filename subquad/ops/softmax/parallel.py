@@ -15,7 +15,7 @@ from subquad.ops.common.precision import amp_op
 
 
 @amp_op()
-def parallel_softmax_attention(q, k, v, *, causal=True, window=None, scale=None, chunk_size=None,
+def parallel_softmax_attention(q, k, v, *, causal=True, window=None, chunk_size=64, scale=None,
                                initial_state=None, output_final_state=False, return_lse=False):
     """SDPA softmax attention; same signature as ``softmax_attention``."""
     from subquad.ops.softmax import _prepare, _finish

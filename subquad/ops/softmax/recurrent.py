@@ -33,7 +33,7 @@ def softmax_attention_step(q_t, k_t, v_t, cache: KVCache, *, scale: float) -> to
 
 
 @amp_op()
-def recurrent_softmax_attention(q, k, v, *, causal=True, window=None, scale=None, chunk_size=None,
+def recurrent_softmax_attention(q, k, v, *, causal=True, window=None, chunk_size=64, scale=None,
                                 initial_state=None, output_final_state=False, return_lse=False):
     """Token-by-token KV-cache attention; same signature as ``softmax_attention``."""
     from subquad.ops.softmax import _check_common, _as_cache
