@@ -42,6 +42,7 @@ bench: bench-deps
 	$(PY) benchmarks/bench_pieces.py
 	$(PY) benchmarks/bench_decode_step.py
 	$(PY) benchmarks/bench_precision.py
+	$(PY) benchmarks/bench_routes.py
 
 clean:
 	rm -rf $(VENV) runs

@@ -149,3 +149,23 @@ def parse_args(doc: str, argv=None):
     args.suffix = "_quick" if args.quick else ""
     args.out.mkdir(parents=True, exist_ok=True)
     return args
+
+
+def cpu_model() -> str:
+    """lscpu's model name (the machine changes between sessions: print it beside every table)."""
+    import platform
+    import subprocess
+
+    try:
+        for line in subprocess.run(["lscpu"], capture_output=True, text=True).stdout.splitlines():
+            if line.startswith("Model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown CPU"
+
+
+def machine_line(gflops: float | None = None) -> str:
+    """One line for a table's caption: the CPU, the threads and the fp32 matmul rate measured now."""
+    gflops = matmul_gflops(repeats=3) if gflops is None else gflops
+    return f"{cpu_model()}, {torch.get_num_threads()} threads, fp32 matmul 2048² {gflops:.0f} GFLOP/s in this run"
