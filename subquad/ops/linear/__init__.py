@@ -38,6 +38,16 @@ def _prepare(q, k, v, scale, chunk_size):
     return default_scale(scale, q.shape[-1])
 
 
+def prepare_form(q, k, v, scale, chunk_size, initial_state, normalize):
+    """What every form starts with: checks, then (scale, S0, z0, the state's dtype)."""
+    from subquad.ops.common.checks import state_dtype
+    from subquad.ops.linear.state import unpack_state
+
+    scale = _prepare(q, k, v, scale, chunk_size)
+    S0, z0 = unpack_state(initial_state, q, v, normalize)
+    return scale, S0, z0, state_dtype(q.dtype)
+
+
 _FORMS = {
     "parallel": parallel_linear_attention,
     "recurrent": recurrent_linear_attention,

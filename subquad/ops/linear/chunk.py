@@ -26,9 +26,8 @@ from __future__ import annotations
 
 import torch
 
-from subquad.ops.common.checks import state_dtype
 from subquad.ops.common.precision import amp_op
-from subquad.ops.linear.state import pack_state, unpack_state
+from subquad.ops.linear.state import pack_state
 from subquad.ops.common.precision import autocast_off
 
 
@@ -113,13 +112,11 @@ class _ChunkLinearAttn(torch.autograd.Function):
 def chunk_linear_attention(q, k, v, *, normalize=True, eps=1e-6, chunk_size=64, scale=None,
                            initial_state=None, output_final_state=False):
     """Chunkwise linear attention; same signature as ``linear_attention``."""
-    from subquad.ops.linear import _prepare
+    from subquad.ops.linear import prepare_form
 
-    scale = _prepare(q, k, v, scale, chunk_size)
-    S0, z0 = unpack_state(initial_state, q, v, normalize)
+    scale, S0, z0, dt = prepare_form(q, k, v, scale, chunk_size, initial_state, normalize)
     B, T, H, K = q.shape
     V = v.shape[-1]
-    dt = state_dtype(q.dtype)
 
     qf, kf, vf = (x.to(dt) for x in (q, k, v))                             # (B, T, H, *)
     S = torch.zeros(B, H, K, V, dtype=dt, device=q.device) if S0 is None else S0

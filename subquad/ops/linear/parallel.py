@@ -12,20 +12,17 @@ from __future__ import annotations
 
 import torch
 
-from subquad.ops.common.checks import state_dtype
 from subquad.ops.common.precision import amp_op
-from subquad.ops.linear.state import pack_state, unpack_state
+from subquad.ops.linear.state import pack_state
 
 
 @amp_op()
 def parallel_linear_attention(q, k, v, *, normalize=True, eps=1e-6, chunk_size=64, scale=None,
                               initial_state=None, output_final_state=False):
     """Parallel (masked T x T) linear attention; same signature as ``linear_attention``."""
-    from subquad.ops.linear import _prepare
+    from subquad.ops.linear import prepare_form
 
-    scale = _prepare(q, k, v, scale, chunk_size)
-    S0, z0 = unpack_state(initial_state, q, v, normalize)
-    dt = state_dtype(q.dtype)
+    scale, S0, z0, dt = prepare_form(q, k, v, scale, chunk_size, initial_state, normalize)
     qf, kf, vf = (x.to(dt).transpose(1, 2) for x in (q, k, v))  # (B, H, T, *)
     T = q.shape[1]
     mask = torch.ones(T, T, dtype=torch.bool, device=q.device).tril()
