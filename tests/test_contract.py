@@ -28,7 +28,8 @@ ATTENTION_INPUTS = {                      # the positional inputs of each op, ga
     "ssd": ["x", "dt", "A", "B", "C"],
     "selective_scan": ["x", "dt", "A", "B", "C"],
 }
-CONTRACT = {"mode": "chunk", "chunk_size": 64, "initial_state": None, "output_final_state": False}
+CONTRACT = {"mode": "chunk", "chunk_size": 64, "initial_state": None, "output_final_state": False,
+            "cu_seqlens": None}
 
 
 def test_every_op_is_listed():

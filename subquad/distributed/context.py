@@ -111,19 +111,23 @@ class ContextParallel:
         return self.merge(y), None
 
     def attention(self, q, k, v, *, window=None, scale=None, initial_state=None, mode=None, chunk_size=None,
-                  block_size: int = 256):
+                  block_size: int = 256, cu_seqlens=None):
         """Causal softmax attention of this rank's tokens (B, t, H, K) against the whole sequence (ring).
         ``mode`` and ``chunk_size`` are the single-device form's and do not apply. Returns (o, None)."""
         if initial_state is not None:
             raise ValueError("context parallelism runs whole sequences: initial_state must be None")
         return ring_attention(q, k, v, causal=True, window=window, scale=scale, group=self.group,
-                              block_size=block_size), None
+                              block_size=block_size, cu_seqlens=cu_seqlens), None
 
-    def recurrence(self, op, *inputs, initial_state=None, mode=None, chunk_size: int = 64, **options):
+    def recurrence(self, op, *inputs, initial_state=None, mode=None, chunk_size: int = 64, cu_seqlens=None,
+                   **options):
         """``op`` (a recurrent op of ``subquad.ops``, called as on one device) over the whole sequence by
         state passing; returns (this rank's output, None). ``mode`` does not apply (the chunk form runs)."""
         if initial_state is not None:
             raise ValueError("context parallelism runs whole sequences: initial_state must be None")
+        if cu_seqlens is not None:
+            raise ValueError("cu_seqlens is not supported across processes: each rank's shard is one piece of one sequence. "
+                         "Shard whole documents instead (data parallelism), or run packed batches on one process")
         name = getattr(op, "__name__", repr(op))
         if name not in KINDS + ("ssd", "selective_scan"):
             raise ValueError(f"context parallelism has no state passing for op {name!r}; it has "

@@ -139,7 +139,7 @@ class _RingAttention(torch.autograd.Function):
 
 @amp_op()
 def ring_attention(q, k, v, *, causal: bool = True, window: int | None = None, scale: float | None = None, group=None,
-                   block_size: int = 256):
+                   block_size: int = 256, cu_seqlens=None):
     """Exact softmax attention over a sequence sharded across the ranks of ``group`` (zigzag layout).
 
     Args:
@@ -147,9 +147,13 @@ def ring_attention(q, k, v, *, causal: bool = True, window: int | None = None, s
         causal: causal mask over the *global* positions.
         window: sliding window (query t sees keys t - window .. t); key chunks wholly outside it are skipped.
         block_size: block of the online softmax inside each chunk pair.
+        cu_seqlens: refused (a shard is one piece of one sequence); present so the refusal is clear.
     Returns:
         o (B, 2c, H, V): this rank's shard of the output (``zigzag_unshard`` of all shards is the whole).
     """
+    if cu_seqlens is not None:
+        raise ValueError("cu_seqlens is not supported across processes: each rank's shard is one piece of one sequence. "
+                         "Shard whole documents instead (data parallelism), or run packed batches on one process")
     if not dist.is_initialized():
         raise ValueError("ring_attention needs torch.distributed initialised (torchrun, or init_process_group)")
     world = dist.get_world_size(group)

@@ -126,13 +126,16 @@ def state_passing(kind: str, q, k, v, *, g=None, beta=None, normalize: bool = Fa
 
 
 def sequence_parallel(kind: str, q, k, v, *, g=None, beta=None, normalize: bool = False, scale=None,
-                      chunk_size: int = 64, group=None):
+                      chunk_size: int = 64, group=None, cu_seqlens=None):
     """This rank's outputs (B, t, H, V) of ``kind`` over the sequence split contiguously across ``group``.
 
     q, k (B, t, H, K), v (B, t, H, V), and per-token gates (g, beta: (B, t, H[, K])) are this rank's piece;
     retention's g (H,) is the same on every rank. ``normalize`` (linear attention only) carries the
-    normaliser as an extra value column.
+    normaliser as an extra value column. ``cu_seqlens`` is refused (a rank's piece is part of one sequence).
     """
+    if cu_seqlens is not None:
+        raise ValueError("cu_seqlens is not supported across processes: each rank's shard is one piece of one sequence. "
+                         "Shard whole documents instead (data parallelism), or run packed batches on one process")
     if kind not in KINDS:
         raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
     return state_passing(kind, q, k, v, g=g, beta=beta, normalize=normalize, scale=scale, chunk_size=chunk_size,

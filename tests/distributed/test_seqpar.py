@@ -69,3 +69,14 @@ def test_state_passing_equals_one_process(world, kind, normalize):
     for n, a in x.items():
         got = sum(r[n] for r in res) if (n == "g" and kind == "retention") else torch.cat([r[n] for r in res], 1)
         assert_close(got, a.grad, 1e-9, f"d{n}")
+
+
+def test_distributed_pieces_refuse_cu_seqlens_clearly():
+    from subquad.distributed import ring_attention, sequence_parallel
+
+    q = torch.randn(1, 8, 2, 4)
+    cu = torch.tensor([0, 3, 8])
+    with pytest.raises(ValueError, match="cu_seqlens is not supported across processes"):
+        ring_attention(q, q, q, cu_seqlens=cu)
+    with pytest.raises(ValueError, match="cu_seqlens is not supported across processes"):
+        sequence_parallel("linear_attention", q, q, q, cu_seqlens=cu)

@@ -37,6 +37,7 @@ from subquad.ops.decay.chunk import chunk_decay_attention
 from subquad.ops.decay.parallel import parallel_decay_attention
 from subquad.ops.decay.recurrent import recurrent_decay_attention
 from subquad.ops.decay.ssd import ssd_chunkwise, ssd_inference
+from subquad.ops.common.varlen import varlen
 
 _FORMS = {"parallel": parallel_decay_attention, "recurrent": recurrent_decay_attention, "chunk": chunk_decay_attention}
 
@@ -71,6 +72,7 @@ def _run(q, k, v, g, mode, chunk_size, scale, initial_state, output_final_state)
 
 
 @amp_op()
+@varlen("q", "k", "v")
 def retention(q, k, v, g, *, mode="chunk", chunk_size=64, scale=None, initial_state=None, output_final_state=False):
     """Retention (RetNet): S_t = a S_{t-1} + k_t v_t^T with a fixed log-decay ``g = log a`` of shape (H,)."""
     check_qkv(q, k, v)
@@ -80,6 +82,7 @@ def retention(q, k, v, g, *, mode="chunk", chunk_size=64, scale=None, initial_st
 
 
 @amp_op()
+@varlen("q", "k", "v", "g")
 def simple_gla(q, k, v, g, *, mode="chunk", chunk_size=64, scale=None, initial_state=None, output_final_state=False):
     """Simple GLA / SSD: S_t = a_t S_{t-1} + k_t v_t^T with ``g = log a`` of shape (B, T, H)."""
     check_qkv(q, k, v)
@@ -88,6 +91,7 @@ def simple_gla(q, k, v, g, *, mode="chunk", chunk_size=64, scale=None, initial_s
 
 
 @amp_op()
+@varlen("q", "k", "v", "g")
 def gla(q, k, v, g, *, mode="chunk", chunk_size=64, scale=None, initial_state=None, output_final_state=False):
     """GLA: S_t = diag(a_t) S_{t-1} + k_t v_t^T with ``g = log a`` of shape (B, T, H, K)."""
     check_qkv(q, k, v)
@@ -96,6 +100,7 @@ def gla(q, k, v, g, *, mode="chunk", chunk_size=64, scale=None, initial_state=No
 
 
 @amp_op(positions=(0, 3, 4))
+@varlen("x", "dt", "B", "C")
 def ssd(x, dt, A, B, C, *, D=None, mode="chunk", chunk_size=64, initial_state=None, output_final_state=False):
     """Mamba-2's SSD with B and C shared by the heads (one group):
 

@@ -26,6 +26,7 @@ from subquad.ops.common.precision import amp_op, causal_guard, checks_on, finite
 from subquad.ops.delta.chunk import chunk_delta
 from subquad.ops.delta.parallel import parallel_delta
 from subquad.ops.delta.recurrent import recurrent_delta
+from subquad.ops.common.varlen import varlen
 
 _FORMS = {"parallel": parallel_delta, "recurrent": recurrent_delta, "chunk": chunk_delta}
 
@@ -62,6 +63,7 @@ def _run(q, k, v, g, beta, mode, chunk_size, scale, initial_state, output_final_
 
 
 @amp_op()
+@varlen("q", "k", "v", "beta")
 def delta_rule(q, k, v, beta, *, mode="chunk", chunk_size=64, scale=None, initial_state=None,
                output_final_state=False):
     """DeltaNet: S_t = (I - b_t k_t k_t^T) S_{t-1} + b_t k_t v_t^T; ``beta`` (B, T, H)."""
@@ -69,6 +71,7 @@ def delta_rule(q, k, v, beta, *, mode="chunk", chunk_size=64, scale=None, initia
 
 
 @amp_op()
+@varlen("q", "k", "v", "g", "beta")
 def gated_delta_rule(q, k, v, g, beta, *, mode="chunk", chunk_size=64, scale=None, initial_state=None,
                      output_final_state=False):
     """Gated DeltaNet: S_t = a_t (I - b_t k_t k_t^T) S_{t-1} + b_t k_t v_t^T; ``g = log a`` and ``beta`` (B, T, H)."""

@@ -26,6 +26,7 @@ from subquad.ops.common.precision import causal_guard, checks_on
 from subquad.ops.linear.chunk import chunk_linear_attention
 from subquad.ops.linear.parallel import parallel_linear_attention
 from subquad.ops.linear.recurrent import linear_attention_step, recurrent_linear_attention
+from subquad.ops.common.varlen import varlen
 
 
 def _prepare(q, k, v, scale, chunk_size):
@@ -55,6 +56,7 @@ _FORMS = {
 }
 
 
+@varlen("q", "k", "v")
 def linear_attention(q, k, v, *, normalize=True, eps=1e-6, mode="chunk", chunk_size=64, scale=None,
                      initial_state=None, output_final_state=False):
     """Causal linear attention.

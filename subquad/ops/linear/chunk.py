@@ -29,6 +29,7 @@ import torch
 from subquad.ops.common.precision import amp_op
 from subquad.ops.linear.state import pack_state
 from subquad.ops.common.precision import autocast_off
+from subquad.ops.common.varlen import varlen
 
 
 def _chunks(T: int, C: int):
@@ -109,6 +110,7 @@ class _ChunkLinearAttn(torch.autograd.Function):
 
 
 @amp_op()
+@varlen("q", "k", "v")
 def chunk_linear_attention(q, k, v, *, normalize=True, eps=1e-6, chunk_size=64, scale=None,
                            initial_state=None, output_final_state=False):
     """Chunkwise linear attention; same signature as ``linear_attention``."""

@@ -13,9 +13,11 @@ import torch
 
 from subquad.ops.common.precision import amp_op
 from subquad.ops.linear.state import pack_state
+from subquad.ops.common.varlen import varlen
 
 
 @amp_op()
+@varlen("q", "k", "v")
 def recurrent_linear_attention(q, k, v, *, normalize=True, eps=1e-6, chunk_size=64, scale=None,
                                initial_state=None, output_final_state=False):
     """Recurrent (token loop) linear attention; same signature as ``linear_attention``."""

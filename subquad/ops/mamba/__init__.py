@@ -31,11 +31,13 @@ from subquad.ops.mamba.parallel import parallel_scan
 from subquad.ops.mamba.recurrent import recurrent_scan
 
 from subquad.ops.common.routes import SHORT_SCAN
+from subquad.ops.common.varlen import varlen
 
 _FORMS = {"parallel": parallel_scan, "recurrent": recurrent_scan, "chunk": chunk_scan}
 
 
 @amp_op(positions=(0, 3, 4), keywords=("z",))
+@varlen("x", "dt", "B", "C", "z")
 def selective_scan(x, dt, A, B, C, *, D=None, z=None, mode="chunk", chunk_size=64, initial_state=None,
                    output_final_state=False):
     """Selective scan; returns (y (B, T, Dm), final state (B, Dm, N) or None)."""

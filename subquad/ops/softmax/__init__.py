@@ -31,6 +31,7 @@ from subquad.ops.softmax.chunk import blockwise_softmax_attention, chunk_softmax
 from subquad.ops.softmax.naive import naive_softmax_attention
 from subquad.ops.softmax.parallel import parallel_softmax_attention
 from subquad.ops.softmax.recurrent import recurrent_softmax_attention, softmax_attention_step
+from subquad.ops.common.varlen import varlen
 
 
 def _check_common(q, k, v, causal, window, scale, chunk_size):
@@ -95,6 +96,7 @@ _FORMS = {
 }
 
 
+@varlen("q", "k", "v", states="caches")
 def softmax_attention(q, k, v, *, causal=True, window=None, mode="chunk", chunk_size=64, scale=None,
                       initial_state=None, output_final_state=False, return_lse=False):
     """Softmax attention.
