@@ -56,6 +56,7 @@ class ContextParallel:
     """The sequence backend of one rank's zigzag shard (see the module docstring)."""
 
     whole_sequence = False
+    cu_seqlens = None
 
     def __init__(self, group=None):
         self.group = group
@@ -77,6 +78,9 @@ class ContextParallel:
     def length(self, t: int, start: int = 0) -> int:
         """The zigzag shards cover the whole sequence: P ranks of t tokens each."""
         return self.world * t
+
+    def tokens(self, B: int, t: int, device=None) -> torch.Tensor:
+        return torch.full((B,), t, dtype=torch.long, device=device)
 
     def split(self, x: torch.Tensor) -> torch.Tensor:
         """(B, t, ...) local tokens -> (2B, t/2, ...): the two pieces stacked along the batch, piece-major."""

@@ -63,20 +63,39 @@ class SoftmaxAttention(Mixer):
         k = self.k_proj(x).view(B, T, Hk, K)
         v = self.v_proj(x).view(B, T, Hk, K)
         if self.rotary:
-            pos = seq.positions(T, 0 if cache is None else cache.seen, x.device)
+            pos = seq.positions(T, 0 if cache is None else cache.next_position, x.device)
             q, k = apply_rotary(q, pos), apply_rotary(k, pos)
-        init = None
-        if cache is not None and len(cache):
-            init = KVCache(self._repeat(cache.k), self._repeat(cache.v), window=self.window, seen=cache.seen)
         o, _ = seq.attention(q, self._repeat(k), self._repeat(v), window=self.window, mode=self.mode,
-                             chunk_size=self.chunk_size, initial_state=init)
-        return self.o_proj(o.reshape(B, T, H * K)), {"kv": self._extend(cache, k, v)}
+                             chunk_size=self.chunk_size, initial_state=self._op_state(cache, seq))
+        return self.o_proj(o.reshape(B, T, H * K)), {"kv": self._extend(cache, k, v, seq)}
 
-    def _extend(self, cache, k, v):
+    def _op_state(self, cache, seq):
+        """The cache as the op takes it: query heads' keys and values (grouped heads repeated); with packed
+        sequences, one one-row cache per sequence."""
+        if cache is None:
+            return None
+        if seq.cu_seqlens is not None:
+            return [KVCache(self._repeat(c.k), self._repeat(c.v), window=self.window, seen=c.seen)
+                    for c in cache.unstack()]
+        if not len(cache) and not cache.ragged:
+            return None
+        return KVCache(self._repeat(cache.k), self._repeat(cache.v), window=self.window, seen=cache.seen,
+                       pad=cache.pad, row_seen=cache.row_seen)
+
+    def _extend(self, cache, k, v, seq):
         """The cache after this call: k, v themselves, or the cache's keys and values followed by them."""
+        if seq.cu_seqlens is not None:                    # packed: each sequence's own cache, stacked ragged
+            olds = [None] * len(seq.lengths) if cache is None else cache.unstack()
+            news = [KVCache(ki, vi, window=self.window) if c is None else
+                    KVCache(torch.cat([c.k, ki], 1), torch.cat([c.v, vi], 1), window=self.window,
+                            seen=c.seen + ki.shape[1])
+                    for c, ki, vi in zip(olds, k.split(seq.lengths, 1), v.split(seq.lengths, 1))]
+            return KVCache.stack(news)
         if cache is None:
             return KVCache(k, v, window=self.window)
         if torch.is_grad_enabled() and (k.requires_grad or cache.k.requires_grad):
+            T = k.shape[1]
             return KVCache(torch.cat([cache.k, k], 1), torch.cat([cache.v, v], 1), window=self.window,
-                           seen=cache.seen + k.shape[1])
+                           seen=cache.seen + T, pad=cache.pad,
+                           row_seen=None if cache.row_seen is None else cache.row_seen + T)
         return cache.fork().append(k, v)   # decoding: amortised O(1) per token; the caller's cache unchanged

@@ -64,11 +64,24 @@ class Mixer(nn.Module):
         check_chunk_size(chunk_size)
         self.d_model, self.mode, self.chunk_size = d_model, mode, chunk_size
 
-    def forward(self, x, state=None):
-        """x (B, T, d_model), state (from ``empty_state`` or a previous call) or None -> (y, new state)."""
+    def forward(self, x, state=None, cu_seqlens=None):
+        """x (B, T, d_model), state (from ``empty_state`` or a previous call) or None -> (y, new state).
+
+        ``cu_seqlens`` (N + 1,): x is N sequences packed in one row (1, T, d_model) with these cumulative
+        lengths; nothing crosses a boundary (positions restart, convolutions and recurrences stop), and
+        the state has one row per sequence, in and out (``empty_state(N)``)."""
         if not isinstance(x, torch.Tensor) or x.dim() != 3 or x.shape[-1] != self.d_model:
             raise ValueError(f"x must be (B, T, d_model={self.d_model}), got shape {tuple(getattr(x, 'shape', ()))}")
         seq = sequence.backend()
+        if cu_seqlens is not None:
+            if not seq.whole_sequence:
+                raise ValueError("cu_seqlens is not supported across processes: each rank's shard is one piece of "
+                                 "one sequence")
+            with sequence.use(sequence.Packed(cu_seqlens)) as packed:
+                if x.shape[1] != sum(packed.lengths) or x.shape[0] != 1:
+                    raise ValueError(f"with cu_seqlens x must be packed as (1, T={sum(packed.lengths)}, d_model), "
+                                     f"got {tuple(x.shape)}")
+                return self.mix(x, state, packed)
         if not seq.whole_sequence:
             if state is not None:
                 raise ValueError("context parallelism runs whole sequences from an empty state; got a decoding state")

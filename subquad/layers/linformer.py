@@ -40,8 +40,9 @@ class Linformer(Mixer):
     def mix(self, x, state, seq):
         if state is not None:
             raise ValueError("Linformer cannot decode token by token: it has no recurrent state or causal form")
-        if not seq.whole_sequence:
-            raise ValueError("Linformer projects the whole sequence at once: it cannot run on a shard of it")
+        if not seq.whole_sequence or seq.cu_seqlens is not None:
+            raise ValueError("Linformer projects the whole sequence at once: it takes no shard of a sequence and "
+                             "no packed sequences (cu_seqlens)")
         B, T, _ = x.shape
         H, K = self.n_heads, self.head_dim
         q, k, v = (p(x).view(B, T, H, K) for p in (self.q_proj, self.k_proj, self.v_proj))

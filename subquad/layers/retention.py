@@ -25,8 +25,8 @@ class MultiScaleRetention(Mixer):
 
     Args: d_model; n_heads; head_dim (default d_model / n_heads); value_factor (V = value_factor K); mode;
     chunk_size.
-    State: {"S": (B, H, K, V) float32 (float64 for float64), "pos": the tokens seen (rotary offset), a 0-d
-    long tensor on the state's device}.
+    State: {"S": (B, H, K, V) float32 (float64 for float64), "pos": (B,) the tokens each row has seen (its
+    rotary offset), a long tensor on the state's device}.
     """
     piece_size = 2048   # fixed state: long forwards run in pieces (base.Mixer.forward); fastest here
     def __init__(self, d_model: int, n_heads: int = 4, head_dim: int | None = None, value_factor: int = 2,
@@ -48,7 +48,7 @@ class MultiScaleRetention(Mixer):
 
     def empty_state(self, batch_size, device=None, dtype=torch.float32):
         return {"S": self.zeros(batch_size, self.n_heads, self.head_dim, self.v_dim, device=device, dtype=dtype),
-                "pos": torch.zeros((), dtype=torch.long, device=device)}
+                "pos": torch.zeros(batch_size, dtype=torch.long, device=device)}
 
     def mix(self, x, state, seq):
         B, T, _ = x.shape
@@ -62,7 +62,7 @@ class MultiScaleRetention(Mixer):
                               initial_state=None if state is None else state["S"])
         o = F.layer_norm(o, (V,))                                           # group norm, one group per head
         y = self.o_proj(F.silu(self.g_proj(x)) * o.reshape(B, T, H * V))
-        end = state["pos"] + T if state is not None else torch.tensor(T, device=x.device)
+        end = seq.tokens(B, T, x.device) + (0 if state is None else state["pos"].to(x.device))
         return y, {"S": S, "pos": end}
 
     def extra_repr(self):

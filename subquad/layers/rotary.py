@@ -11,19 +11,20 @@ import torch
 
 
 def apply_rotary(x: torch.Tensor, offset=0, base: float = 10000.0) -> torch.Tensor:
-    """x (B, T, H, K) with K even, positions offset .. offset + T - 1 (or ``offset`` a (T,) tensor of positions)."""
+    """x (B, T, H, K) with K even, at positions offset .. offset + T - 1, or at ``offset`` itself when it is a
+    tensor of positions: (T,) for every row, or (B, T) per row (a batch of sequences at different points)."""
     B, T, H, K = x.shape
     if K % 2:
         raise ValueError(f"rotary needs an even head dim, got {K}")
     half = K // 2
     inv = base ** (-torch.arange(half, device=x.device, dtype=torch.float64) / half)
     if isinstance(offset, torch.Tensor):
-        if offset.shape != (T,):
-            raise ValueError(f"positions must be a ({T},) tensor, got shape {tuple(offset.shape)}")
+        if offset.shape not in ((T,), (B, T)):
+            raise ValueError(f"positions must be a ({T},) or ({B}, {T}) tensor, got shape {tuple(offset.shape)}")
         pos = offset.to(device=x.device, dtype=torch.float64)
     else:
         pos = torch.arange(offset, offset + T, device=x.device, dtype=torch.float64)
-    ang = pos[:, None] * inv[None]                                           # (T, K/2)
-    cos, sin = ang.cos().to(x.dtype)[None, :, None], ang.sin().to(x.dtype)[None, :, None]
+    ang = pos.unsqueeze(-1) * inv                                            # (T, K/2) or (B, T, K/2)
+    cos, sin = ang.cos().to(x.dtype).unsqueeze(-2), ang.sin().to(x.dtype).unsqueeze(-2)   # (.., T, 1, K/2)
     x1, x2 = x[..., :half], x[..., half:]
     return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1)

@@ -5,7 +5,8 @@ crosses tokens to the active backend:
 
     seq = backend()
     pos      = seq.positions(T, start, device)                  rotary / learned positions
-    end      = seq.length(T, start)                              where the whole sequence ends
+    end      = seq.length(T, start)                              where the longest sequence ends
+    n        = seq.tokens(B, T, device)                          tokens this call adds to each sequence
     y, tail  = seq.causal_conv(conv, x, reach, tail)             conv(x, tail) -> (y, new tail)
     o, cache = seq.attention(q, k, v, window=W, initial_state=cache, mode=..., chunk_size=...)
     o, S     = seq.recurrence(op, *inputs, initial_state=S, mode=..., chunk_size=..., **options)
@@ -15,6 +16,10 @@ from outside redirects these calls with ``use(backend)``: ``subquad.distributed.
 installs a backend that runs them on one rank's shard of each sequence (ring attention, state
 passing, convolution halos, global positions). Layers and models stay single-device code that read
 as their papers' equations, and a new mixer built from these calls is context-parallel as it is.
+
+``Packed`` (``use(Packed(cu_seqlens))``, what ``Mixer.forward(x, state, cu_seqlens)`` installs) runs
+a packed row of N sequences with boundaries: positions restart at each sequence, convolutions and
+recurrences stop at each boundary (the ops' ``cu_seqlens``), and states have one row per sequence.
 
 A backend whose ``whole_sequence`` is False sees only part of each sequence: it takes no decoding
 state in and gives none back (``subquad.layers.base.Mixer.forward`` enforces both).
@@ -34,16 +39,23 @@ class SingleDevice:
 
     whole_sequence = True
 
+    cu_seqlens = None
+
     def positions(self, T: int, start=0, device=None):
         """Positions of this call's T tokens after ``start`` earlier ones: ``start`` itself when it is an
-        int (rotary takes the offset), else ``start + arange(T)`` (a 0-d tensor start: no host sync)."""
+        int (rotary takes the offset); for a tensor start (no host sync) ``start + arange(T)``, (T,) for a
+        0-d start and (B, T) for one start per row."""
         if isinstance(start, torch.Tensor):
-            return start.to(device) + torch.arange(T, device=device)
+            return start.to(device).unsqueeze(-1) + torch.arange(T, device=device)
         return start
 
-    def length(self, T: int, start: int = 0) -> int:
-        """Tokens of the whole sequence up to the end of this call (learned positions check it)."""
-        return start + T
+    def length(self, T: int, start=0) -> int:
+        """Tokens of the longest sequence up to the end of this call (learned positions check it)."""
+        return int(start.max()) + T if isinstance(start, torch.Tensor) else start + T
+
+    def tokens(self, B: int, T: int, device=None) -> torch.Tensor:
+        """(B,) tokens this call adds to each row's sequence."""
+        return torch.full((B,), T, dtype=torch.long, device=device)
 
     def causal_conv(self, conv, x, reach: int, tail=None):
         """``conv(x, tail) -> (y, new tail)``: a causal convolution that reads ``reach`` tokens back."""
@@ -63,6 +75,58 @@ class SingleDevice:
 SINGLE_DEVICE = SingleDevice()
 
 
+class Packed(SingleDevice):
+    """N sequences packed in one row (B = 1) with boundaries ``cu_seqlens`` (N + 1,): see the module docstring.
+    States have one row per sequence; a ``start`` given per sequence is an (N,) tensor."""
+
+    def __init__(self, cu_seqlens):
+        from subquad.ops.common.varlen import seq_lengths
+
+        self.cu_seqlens = cu_seqlens
+        self.lengths = seq_lengths(cu_seqlens, int(cu_seqlens[-1]), 1)
+
+    def _check(self, T):
+        if T != sum(self.lengths):
+            raise ValueError(f"cu_seqlens covers {sum(self.lengths)} tokens, the input holds {T}")
+
+    def _seq_ids(self, device):
+        return torch.repeat_interleave(torch.arange(len(self.lengths), device=device),
+                                       torch.tensor(self.lengths, device=device))
+
+    def positions(self, T: int, start=0, device=None):
+        """(T,) positions restarting at each sequence's start (plus that sequence's ``start``)."""
+        self._check(T)
+        ids = self._seq_ids(device)
+        first = torch.tensor([0] + self.lengths[:-1], device=device).cumsum(0)
+        pos = torch.arange(T, device=device) - first[ids]
+        if isinstance(start, torch.Tensor):
+            return pos + start.to(device).reshape(-1).expand(len(self.lengths))[ids]
+        return pos + start
+
+    def length(self, T: int, start=0) -> int:
+        self._check(T)
+        ends = torch.tensor(self.lengths) + (start.cpu() if isinstance(start, torch.Tensor) else start)
+        return int(ends.max())
+
+    def tokens(self, B: int, T: int, device=None) -> torch.Tensor:
+        return torch.tensor(self.lengths, dtype=torch.long, device=device)
+
+    def causal_conv(self, conv, x, reach: int, tail=None):
+        """The convolution over each sequence alone, from its own tail (row i of ``tail``)."""
+        self._check(x.shape[1])
+        tails = [None] * len(self.lengths) if tail is None else tail.split(1, 0)
+        outs = [conv(xi, ti) for xi, ti in zip(x.split(self.lengths, 1), tails)]
+        return torch.cat([o[0] for o in outs], 1), torch.cat([o[1] for o in outs], 0)
+
+    def attention(self, q, k, v, **options):
+        from subquad.ops import softmax_attention
+
+        return softmax_attention(q, k, v, cu_seqlens=self.cu_seqlens, **options)
+
+    def recurrence(self, op, *inputs, **options):
+        return op(*inputs, output_final_state=True, cu_seqlens=self.cu_seqlens, **options)
+
+
 def backend():
     """The backend the layers call now: the innermost ``use``, else ``SINGLE_DEVICE``."""
     return _ACTIVE[-1] if _ACTIVE else SINGLE_DEVICE
@@ -78,4 +142,4 @@ def use(b):
         _ACTIVE.pop()
 
 
-__all__ = ["SingleDevice", "SINGLE_DEVICE", "backend", "use"]
+__all__ = ["SingleDevice", "SINGLE_DEVICE", "Packed", "backend", "use"]

@@ -42,8 +42,8 @@ class Block(nn.Module):
         self.norm2 = RMSNorm(cfg.d_model, cfg.norm_eps) if cfg.mlp else None
         self.mlp = SwiGLU(cfg.d_model, cfg.mlp_hidden) if cfg.mlp else None
 
-    def forward(self, h, state=None):
-        y, state = self.mixer(self.norm1(h), state)
+    def forward(self, h, state=None, cu_seqlens=None):
+        y, state = self.mixer(self.norm1(h), state, cu_seqlens=cu_seqlens)
         h = h + y
         if self.mlp is not None:
             h = h + self.mlp(self.norm2(h))
@@ -51,7 +51,8 @@ class Block(nn.Module):
 
 
 class ModelState(list):
-    """Per-layer decoding states, plus ``pos``: how many tokens the model has consumed."""
+    """Per-layer decoding states, plus ``pos``: how many tokens the model has consumed - an int, or (B,)
+    per row when the rows are sequences of different lengths (after a packed prefill)."""
 
     def __init__(self, layers=(), pos: int = 0):
         super().__init__(layers)
@@ -93,14 +94,20 @@ class LanguageModel(nn.Module):
         if idx.numel() and checks_on(idx) and (idx.min() < 0 or idx.max() >= self.config.vocab_size):
             raise ValueError(f"token ids must lie in [0, {self.config.vocab_size}), got [{idx.min()}, {idx.max()}]")
 
-    def prefill(self, idx, state=None):
-        """idx (B, T) -> (logits (B, T, vocab), per-layer state). Continues from ``state`` when given."""
+    def prefill(self, idx, state=None, cu_seqlens=None):
+        """idx (B, T) -> (logits (B, T, vocab), per-layer state). Continues from ``state`` when given.
+
+        ``cu_seqlens`` (N + 1,): idx holds N sequences packed in one row (1, T) with these cumulative lengths
+        (flash-attention's convention); nothing crosses a boundary, positions restart at each sequence, and
+        the state has one row per sequence - what batched decoding of the N sequences continues from."""
         self._check_idx(idx)
         pos = 0 if state is None else getattr(state, "pos", 0)
+        seq = sequence.backend() if cu_seqlens is None else sequence.Packed(cu_seqlens)
+        B, T = idx.shape
+        if cu_seqlens is not None and (B != 1 or T != sum(seq.lengths)):
+            raise ValueError(f"with cu_seqlens idx must be packed as (1, T={sum(seq.lengths)}), got {tuple(idx.shape)}")
         h = self.embed(idx.long())
-        if self.pos_embed is not None:
-            seq = sequence.backend()          # context parallel: idx is this rank's shard, at its global positions
-            T = idx.shape[1]
+        if self.pos_embed is not None:    # context parallel: idx is this rank's shard, at its global positions
             end = seq.length(T, pos)
             if end > self.config.context_length:
                 raise ValueError(f"learned positions end at context_length={self.config.context_length}; "
@@ -109,9 +116,13 @@ class LanguageModel(nn.Module):
             if not isinstance(positions, torch.Tensor):
                 positions = torch.arange(positions, positions + T, device=idx.device)
             h = h + self.pos_embed(positions)
-        states = ModelState(pos=pos + idx.shape[1])
+        if cu_seqlens is None and not isinstance(pos, torch.Tensor):
+            end_pos = pos + T
+        else:
+            end_pos = seq.tokens(B, T, idx.device) + pos
+        states = ModelState(pos=end_pos)
         for i, block in enumerate(self.blocks):
-            h, s = block(h, None if state is None else state[i])
+            h, s = block(h, None if state is None else state[i], cu_seqlens=cu_seqlens)
             states.append(s)
         return self._logits(h), states
 
@@ -135,15 +146,15 @@ class LanguageModel(nn.Module):
 
         ``prompt``: one sequence (a list of ids, or a (T,) / (1, T) tensor) -> returns (new ids, state), or a
         batch (a list of id lists of any lengths, or a (B, T) tensor) -> returns (list of new id lists, state).
-        A batch decodes in lockstep: the common prefix of the prompts is prefilled in one call, then each step
-        feeds every sequence its next prompt token or its last sampled one, so sequences of different lengths
-        share one batched state without padding inside it. A sequence finishes when it has emitted
+        A batch is prefilled in one packed call (``prefill(..., cu_seqlens=...)``: no padding, nothing
+        crossing between prompts), then decoded together, one token per sequence per step, each from its
+        own state (a ragged KV cache for softmax layers). A sequence finishes when it has emitted
         ``max_new_tokens`` or a token in ``stop_ids`` (emitted, then it stops); finished sequences are fed
         a pad token until all are done. ``temperature=0`` is greedy. ``on_token(id)`` (one sequence) or
         ``on_token(i, id)`` (a batch) streams tokens as they come. Everything runs on the model's device.
 
-        For one sequence the returned state has consumed the prompt and every new token but the last:
-        ``generate([new[-1]], n, state=state)`` continues exactly where this call stopped.
+        The returned state has consumed each prompt and every new token but the last:
+        ``generate([new[-1]], n, state=state)`` continues exactly where a one-sequence call stopped.
         """
         if not isinstance(max_new_tokens, int) or max_new_tokens < 0:
             raise ValueError(f"max_new_tokens must be an int >= 0, got {max_new_tokens!r}")
@@ -159,32 +170,34 @@ class LanguageModel(nn.Module):
         self.eval()
         dev = self.embed.weight.device                  # prompt, tokens and sampler follow the model
         gen = torch.Generator(device=dev).manual_seed(seed) if seed is not None else None
-        lens = [len(p) for p in prompts]
-        first = min(lens)
-        idx = torch.tensor([p[:first] for p in prompts], dtype=torch.long, device=dev)
-        logits, state = self.prefill(idx, state)
         B = len(prompts)
+        if len({len(p) for p in prompts}) == 1:         # one length: an ordinary batch
+            logits, state = self.prefill(torch.tensor(prompts, dtype=torch.long, device=dev), state)
+            last = logits[:, -1]
+        else:
+            lens = torch.tensor([len(p) for p in prompts])
+            cu = torch.cat([torch.zeros(1, dtype=torch.long), lens.cumsum(0)]).to(dev)
+            packed = torch.tensor([t for p in prompts for t in p], dtype=torch.long, device=dev).view(1, -1)
+            logits, state = self.prefill(packed, state, cu_seqlens=cu)
+            last = logits[0, cu[1:] - 1]                # each prompt's last position
         out = [[] for _ in range(B)]
         done = [max_new_tokens == 0] * B
-        pos = [first] * B
-        while not all(done) or any(pos[i] < lens[i] for i in range(B)):
-            nxt = sample_batch(logits[:, -1], temperature, top_k, top_p, gen).tolist()
+        while not all(done):
+            nxt = sample_batch(last, temperature, top_k, top_p, gen).tolist()
             feed = []
             for i in range(B):
-                if pos[i] < lens[i]:                    # still reading its prompt: the sample is not used
-                    feed.append(prompts[i][pos[i]])
-                    pos[i] += 1
-                elif done[i]:
+                if done[i]:
                     feed.append(0)                      # padding after the end: its outputs are never read
-                else:
-                    out[i].append(nxt[i])
-                    if on_token is not None:
-                        on_token(nxt[i]) if single else on_token(i, nxt[i])
-                    done[i] = len(out[i]) >= max_new_tokens or nxt[i] in stop
-                    feed.append(nxt[i])
-            if all(done) and all(pos[i] >= lens[i] for i in range(B)):
+                    continue
+                out[i].append(nxt[i])
+                if on_token is not None:
+                    on_token(nxt[i]) if single else on_token(i, nxt[i])
+                done[i] = len(out[i]) >= max_new_tokens or nxt[i] in stop
+                feed.append(nxt[i])
+            if all(done):
                 break                                   # the last tokens are not fed: continue from them
             logits, state = self.prefill(torch.tensor(feed, device=dev).view(B, 1), state)
+            last = logits[:, -1]
         self.train(was_training)
         return (out[0] if single else out), state
 

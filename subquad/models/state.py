@@ -6,6 +6,8 @@ import json
 import os
 from pathlib import Path
 
+import torch
+
 
 from subquad.ops import KVCache
 
@@ -18,7 +20,9 @@ def state_to_tensors(state) -> tuple[dict, dict]:
         for key, t in s.items():
             if isinstance(t, KVCache):
                 tensors[f"{i}.{key}.k"], tensors[f"{i}.{key}.v"] = t.k.contiguous(), t.v.contiguous()
-                parts[key] = {"kind": "kv", "seen": t.seen, "window": t.window}
+                parts[key] = {"kind": "kv", "seen": t.seen, "window": t.window, "ragged": t.ragged}
+                if t.ragged:                      # a batch of sequences of different lengths, left-padded
+                    tensors[f"{i}.{key}.pad"], tensors[f"{i}.{key}.row_seen"] = t.pad, t.row_seen
             else:
                 tensors[f"{i}.{key}"] = t.contiguous()
                 parts[key] = {"kind": "tensor"}
@@ -31,10 +35,13 @@ def save_state(path, state, extra: dict | None = None) -> None:
     from safetensors.torch import save_file
 
     tensors, meta = state_to_tensors(state)
+    pos = getattr(state, "pos", 0)
+    if isinstance(pos, torch.Tensor):                # per row: sequences of different lengths
+        tensors["pos"], pos = pos.contiguous(), "tensor"
     path = Path(path)
     tmp = path.with_name(path.name + ".tmp")
     save_file(tensors, str(tmp), metadata={"layers": json.dumps(meta), "extra": json.dumps(extra or {}),
-                                           "pos": str(getattr(state, "pos", 0))})
+                                           "pos": str(pos)})
     os.replace(tmp, path)
 
 
@@ -49,8 +56,9 @@ def load_state(path):
         with safe_open(str(path), framework="pt") as f:
             meta = json.loads(f.metadata()["layers"])
             extra = json.loads(f.metadata().get("extra", "{}"))
-            pos = int(f.metadata().get("pos", 0))
+            pos = f.metadata().get("pos", "0")
             tensors = {k: f.get_tensor(k) for k in f.keys()}
+            pos = tensors.pop("pos") if pos == "tensor" else int(pos)
     except Exception as e:
         raise ValueError(f"state file {path} is truncated or corrupted: {e}") from None
     from subquad.models.lm import ModelState
@@ -66,8 +74,10 @@ def load_state(path):
         layer = {}
         for key, part in m["parts"].items():
             if part["kind"] == "kv":
+                ragged = part.get("ragged", False)
                 layer[key] = KVCache(tensors[f"{i}.{key}.k"], tensors[f"{i}.{key}.v"], window=part["window"],
-                                     seen=part["seen"])
+                                     seen=part["seen"], pad=tensors[f"{i}.{key}.pad"] if ragged else None,
+                                     row_seen=tensors[f"{i}.{key}.row_seen"] if ragged else None)
             else:
                 layer[key] = tensors[f"{i}.{key}"]
         state.append(layer)

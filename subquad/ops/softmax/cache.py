@@ -12,6 +12,12 @@ fork's live entries stay intact; a fork that is not at that tail (its sibling
 appended first) moves to fresh buffers before it writes. Decoding one token at
 a time stays amortised O(1), and a state reused for several continuations
 gives the same answers each time.
+
+A batch of sequences of different lengths (after a packed prefill, ``stack``) is held left-padded:
+every row ends at the same column, so one token per row appends as for any batch, and ``pad`` (B,)
+says how many leading columns of each row are padding (in columns since the cache began).
+``row_seen`` (B,) counts each row's own tokens, the position its next token takes. Attention over
+such a cache masks the padding (``softmax_attention``'s ragged route).
 """
 
 from __future__ import annotations
@@ -26,7 +32,8 @@ class KVCache:
     window has dropped old entries); ``seen`` is the number of tokens ever appended.
     """
 
-    def __init__(self, k: torch.Tensor, v: torch.Tensor, window: int | None = None, seen: int | None = None):
+    def __init__(self, k: torch.Tensor, v: torch.Tensor, window: int | None = None, seen: int | None = None,
+                 pad: torch.Tensor | None = None, row_seen: torch.Tensor | None = None):
         if k.dim() != 4 or v.dim() != 4 or k.shape[:3] != v.shape[:3]:
             raise ValueError(f"KVCache needs k (B, L, H, K) and v (B, L, H, V), got {tuple(k.shape)} and {tuple(v.shape)}")
         if window is not None and window < 0:
@@ -38,6 +45,9 @@ class KVCache:
         self._k, self._v = k, v
         self._start, self._len = 0, k.shape[1]
         self._tail = [k.shape[1]]          # furthest position written in these buffers, shared by forks
+        if (pad is None) != (row_seen is None):
+            raise ValueError("a ragged KVCache needs both pad and row_seen (B,), or neither")
+        self.pad, self.row_seen = pad, row_seen
 
     @classmethod
     def empty(cls, B, H, K, V, *, dtype=torch.float32, device=None, window=None, capacity=16):
@@ -52,7 +62,7 @@ class KVCache:
     def fork(self) -> "KVCache":
         """A new cache object over the same buffers and entries: appending to it leaves this one as it is."""
         c = KVCache.__new__(KVCache)
-        c.window, c.seen = self.window, self.seen
+        c.window, c.seen, c.pad, c.row_seen = self.window, self.seen, self.pad, self.row_seen
         c._k, c._v, c._start, c._len, c._tail = self._k, self._v, self._start, self._len, self._tail
         return c
 
@@ -70,6 +80,48 @@ class KVCache:
     @property
     def offset(self) -> int:
         return self.seen - self._len
+
+    @property
+    def ragged(self) -> bool:
+        return self.pad is not None
+
+    @property
+    def next_position(self):
+        """The position the next token takes: an int, or (B,) per row for a ragged cache."""
+        return self.seen if self.pad is None else self.row_seen
+
+    def key_mask(self) -> torch.Tensor | None:
+        """(B, L) True where a cached column holds a token (not padding); None when nothing is padded."""
+        if self.pad is None:
+            return None
+        cols = self.offset + torch.arange(self._len, device=self._k.device)
+        return cols.unsqueeze(0) >= self.pad.to(self._k.device).unsqueeze(1)
+
+    @classmethod
+    def stack(cls, caches: list) -> "KVCache":
+        """One ragged batch from caches of one row each (the same window), left-padded to the longest."""
+        if not caches or any(c.k.shape[0] != 1 for c in caches):
+            raise ValueError("KVCache.stack takes a non-empty list of one-row caches")
+        window = caches[0].window
+        L = max(len(c) for c in caches)
+        ks, vs = [], []
+        for c in caches:
+            fill = L - len(c)
+            ks.append(torch.cat([c.k.new_zeros(1, fill, *c.k.shape[2:]), c.k], 1))
+            vs.append(torch.cat([c.v.new_zeros(1, fill, *c.v.shape[2:]), c.v], 1))
+        dev = caches[0].k.device
+        pad = torch.tensor([L - len(c) for c in caches], dtype=torch.long, device=dev)
+        row_seen = torch.tensor([c.seen for c in caches], dtype=torch.long, device=dev)
+        return cls(torch.cat(ks, 0), torch.cat(vs, 0), window=window, seen=L, pad=pad, row_seen=row_seen)
+
+    def unstack(self) -> list:
+        """One-row caches, each without its padding (the inverse of ``stack``)."""
+        out = []
+        for b in range(self.k.shape[0]):
+            first = 0 if self.pad is None else max(0, int(self.pad[b]) - self.offset)
+            seen = self.seen if self.row_seen is None else int(self.row_seen[b])
+            out.append(KVCache(self.k[b:b + 1, first:], self.v[b:b + 1, first:], window=self.window, seen=seen))
+        return out
 
     @property
     def nbytes(self) -> int:
@@ -95,8 +147,13 @@ class KVCache:
         self._v[:, end:end + t] = v_new
         self._len += t
         self._tail[0] = end + t
-        self.seen += t
+        self._advance(t)
         return self
+
+    def _advance(self, t: int):
+        self.seen += t
+        if self.row_seen is not None:
+            self.row_seen = self.row_seen + t
 
     def _realloc(self, capacity: int):
         """Move the live entries to the front of fresh buffers of ``capacity`` tokens."""
@@ -126,10 +183,10 @@ class KVCache:
             self._v[:, end:end + t] = v_new
             self._len += t
             self._tail[0] = end + t
-        self.seen += t
+        self._advance(t)
         self._trim()
         return self
 
     def clone(self) -> "KVCache":
-        c = KVCache(self.k.clone(), self.v.clone(), window=self.window, seen=self.seen)
-        return c
+        return KVCache(self.k.clone(), self.v.clone(), window=self.window, seen=self.seen, pad=self.pad,
+                       row_seen=self.row_seen)

@@ -29,6 +29,7 @@ from subquad.ops.softmax.naive import visible_mask
 from subquad.ops.common.precision import autocast_off
 from subquad.ops.common.precision import amp_op
 from subquad.ops.common.varlen import varlen
+from subquad.ops.softmax.ragged import takes_ragged_caches
 
 
 def _blocks(T_q, L, C, causal, window, q_start, k_start):
@@ -144,6 +145,7 @@ def blockwise_softmax_attention(q, k, v, *, scale, chunk_size, causal, window, q
 
 @amp_op()
 @varlen("q", "k", "v", states="caches")
+@takes_ragged_caches
 def chunk_softmax_attention(q, k, v, *, causal=True, window=None, chunk_size=64, scale=None,
                             initial_state=None, output_final_state=False, return_lse=False):
     """Blockwise online-softmax attention; same signature as ``softmax_attention``."""

@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 from subquad.ops.common.precision import amp_op
 from subquad.ops.common.varlen import varlen
+from subquad.ops.softmax.ragged import takes_ragged_caches
 
 
 def visible_mask(T: int, L: int, *, causal: bool, window, q_start: int, k_start: int = 0, device=None):
@@ -28,6 +29,7 @@ def visible_mask(T: int, L: int, *, causal: bool, window, q_start: int, k_start:
 
 @amp_op()
 @varlen("q", "k", "v", states="caches")
+@takes_ragged_caches
 def naive_softmax_attention(q, k, v, *, causal=True, window=None, chunk_size=64, scale=None,
                             initial_state=None, output_final_state=False, return_lse=False):
     """T x L softmax attention written out; same signature as ``softmax_attention``."""

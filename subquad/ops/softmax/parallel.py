@@ -13,10 +13,12 @@ import torch.nn.functional as F
 from subquad.ops.softmax.naive import visible_mask
 from subquad.ops.common.precision import amp_op
 from subquad.ops.common.varlen import varlen
+from subquad.ops.softmax.ragged import takes_ragged_caches
 
 
 @amp_op()
 @varlen("q", "k", "v", states="caches")
+@takes_ragged_caches
 def parallel_softmax_attention(q, k, v, *, causal=True, window=None, chunk_size=64, scale=None,
                                initial_state=None, output_final_state=False, return_lse=False):
     """SDPA softmax attention; same signature as ``softmax_attention``."""

@@ -14,6 +14,7 @@ from subquad.ops.common.checks import state_dtype
 from subquad.ops.softmax.cache import KVCache
 from subquad.ops.common.precision import amp_op
 from subquad.ops.common.varlen import varlen
+from subquad.ops.softmax.ragged import takes_ragged_caches
 
 
 def softmax_attention_step(q_t, k_t, v_t, cache: KVCache, *, scale: float) -> torch.Tensor:
@@ -35,6 +36,7 @@ def softmax_attention_step(q_t, k_t, v_t, cache: KVCache, *, scale: float) -> to
 
 @amp_op()
 @varlen("q", "k", "v", states="caches")
+@takes_ragged_caches
 def recurrent_softmax_attention(q, k, v, *, causal=True, window=None, chunk_size=64, scale=None,
                                 initial_state=None, output_final_state=False, return_lse=False):
     """Token-by-token KV-cache attention; same signature as ``softmax_attention``."""
