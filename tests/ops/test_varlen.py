@@ -181,3 +181,15 @@ def test_cu_seqlens_needs_one_packed_row_and_one_state_per_sequence():
                       initial_state=torch.zeros(3, H, K, K))
     with pytest.raises(ValueError, match="beta must be packed"):
         ops.delta_rule(q, q, q, torch.rand(1, 9, H), cu_seqlens=torch.tensor([0, 4, 10]))
+
+
+@pytest.mark.parametrize("name", list(TOKEN_ARGS))
+@pytest.mark.parametrize("with_state", [False, True])
+def test_sequences_of_one_length_run_batched_and_still_equal(name, with_state):
+    """Sequences of equal length run as one batched call (a packed training batch is mostly whole rows):
+    the same equalities hold with repeated lengths, one-token sequences and softmax caches on some rows."""
+    globals()["_lengths"], saved = (lambda n, seed: [4, 4, 7, 4, 1, 7]), globals()["_lengths"]
+    try:
+        test_packed_equals_each_sequence_alone(name, "chunk", 6, with_state)
+    finally:
+        globals()["_lengths"] = saved

@@ -9,9 +9,10 @@ final state has one row per sequence, (N, ...); softmax attention's are N ``KVCa
 its window stopping at each sequence's start.
 
 How: the per-token inputs are split at the boundaries (``torch.split``: its backward is one
-concatenation) and the op runs once per sequence in the form asked for - chunked, so a boundary
-inside a chunk costs nothing - and the outputs are concatenated. The work is the sum of the
-sequences' work, with no padding; the price is one op call per sequence, which
+concatenation) and the op runs in the form asked for - chunked, so a boundary inside a chunk costs
+nothing - once per distinct length, the sequences of one length stacked as a batch (a packed training
+batch is mostly whole rows of one length), and the outputs are put back in order. The work is the sum
+of the sequences' work, with no padding; the price is one op call per distinct length, which
 ``benchmarks/bench_varlen.py`` measures against padding (benchmarks/RESULTS.md).
 """
 
@@ -60,6 +61,42 @@ def _split_state(state, N: int, kind: str) -> list:
     return [tuple(r[i] for r in rows) if isinstance(state, tuple) else rows[0][i] for i in range(N)]
 
 
+def _groups(lengths: list, inits: list, kind: str) -> list:
+    """Indices of sequences that run as one batched call: those of one length (a packed training batch is
+    mostly whole rows of one length), except softmax sequences continuing a cache, which run alone."""
+    by_length: dict = {}
+    for i, L in enumerate(lengths):
+        if kind == "caches" and inits[i] is not None:
+            by_length[(L, i)] = [i]
+        else:
+            by_length.setdefault(L, []).append(i)
+    return list(by_length.values())
+
+
+def _rows(pieces, idxs):
+    return pieces[idxs[0]] if len(idxs) == 1 else torch.cat([pieces[i] for i in idxs], 0)
+
+
+def _rows_state(inits, idxs, kind):
+    first = inits[idxs[0]]
+    if first is None or len(idxs) == 1:
+        return first
+    if isinstance(first, tuple):
+        return tuple(torch.cat([inits[i][j] for i in idxs], 0) for j in range(len(first)))
+    return torch.cat([inits[i] for i in idxs], 0)
+
+
+def _unrows(state, n: int, kind: str) -> list:
+    """A batched call's final state as one state per row."""
+    if state is None:
+        return [None] * n
+    if kind == "caches":
+        return [state] if n == 1 else state.unstack()
+    if isinstance(state, tuple):
+        return list(zip(*(p.split(1, 0) for p in state)))
+    return list(state.split(1, 0))
+
+
 def _join_states(states: list, kind: str):
     if states[0] is None:
         return None
@@ -101,14 +138,21 @@ def varlen(*token_args: str, states: str = "tensors"):
                                      f"{getattr(t, 'shape', type(t).__name__)}")
                 pieces[name] = t.split(lengths, 1)
             inits = _split_state(a.get("initial_state"), N, states)
-            outs = []
-            for i in range(N):
-                call = {**a, **{n: p[i] for n, p in pieces.items()}, "initial_state": inits[i]}
-                outs.append(fn(**call))
-            o = torch.cat([out[0] for out in outs], 1)
-            final = _join_states([out[1] for out in outs], states)
-            if len(outs[0]) == 3:                                    # softmax's lse (B, T, H)
-                return o, final, torch.cat([out[2] for out in outs], 1)
+            o_parts, finals, lse_parts = [None] * N, [None] * N, [None] * N
+            for idxs in _groups(lengths, inits, states):
+                call = {**a, **{n: _rows(p, idxs) for n, p in pieces.items()},
+                        "initial_state": _rows_state(inits, idxs, states)}
+                out = fn(**call)
+                rows = out[0].split(1, 0)
+                row_states = _unrows(out[1], len(idxs), states)
+                for r, i in enumerate(idxs):
+                    o_parts[i], finals[i] = rows[r], row_states[r]
+                    if len(out) == 3:
+                        lse_parts[i] = out[2][r:r + 1]
+            o = torch.cat(o_parts, 1)
+            final = _join_states(finals, states)
+            if lse_parts[0] is not None:                             # softmax's lse (B, T, H)
+                return o, final, torch.cat(lse_parts, 1)
             return o, final
 
         params = list(sig.parameters.values())
