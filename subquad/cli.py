@@ -95,7 +95,7 @@ _MODEL_FLAGS = {"pattern": "pattern", "d_model": "d_model", "n_layers": "n_layer
                 "n_kv_heads": "n_kv_heads", "context": "context_length", "vocab_size": "vocab_size"}
 _TRAIN_FLAGS = {"steps": "steps", "batch_size": "batch_size", "lr": "lr", "warmup": "warmup",
                 "eval_every": "eval_every", "ckpt_every": "ckpt_every", "seed": "seed", "bf16": "bf16",
-                "context_parallel": "context_parallel", "on_nonfinite": "on_nonfinite"}
+                "context_parallel": "context_parallel", "on_nonfinite": "on_nonfinite", "pack": "pack"}
 
 
 def _given(args) -> set:
@@ -169,7 +169,7 @@ def cmd_train(args) -> int:
     if tcfg is None:
         tcfg = TrainConfig(steps=args.steps, batch_size=args.batch_size, lr=args.lr, warmup=args.warmup,
                            eval_every=args.eval_every, ckpt_every=args.ckpt_every, seed=args.seed, bf16=args.bf16,
-                           context_parallel=P, on_nonfinite=args.on_nonfinite)
+                           context_parallel=P, on_nonfinite=args.on_nonfinite, pack=args.pack)
     out = args.out or f"runs/{args.preset}-{mcfg.pattern.replace('*', 'x').replace(',', '_')}"
     try:
         r = train_run(mcfg, tcfg, out, data=data, resume=args.resume, progress=not args.no_progress,
@@ -193,6 +193,7 @@ def cmd_eval(args) -> int:
 
     from subquad.data.dataset import prepare
     from subquad.train import evaluate, load_run
+    from subquad.train.trainer import packing_eot
 
     if not Path(args.run).exists():
         raise ValueError(f"--run {args.run} does not exist")
@@ -204,9 +205,11 @@ def cmd_eval(args) -> int:
     td = prepare(None if data == "stdlib" else data, model.config.vocab_size)
     batches = args.batches or train.get("eval_batches", 8)             # the trainer's held-out batches
     batch_size = args.batch_size or train.get("batch_size", 16)
-    loss = evaluate(model, td.heldout, model.config.context_length, batch_size, batches, bf16=train.get("bf16", False))
+    eot = packing_eot(train.get("pack", False), td, train.get("context_parallel", 1))   # as the run trained
+    loss = evaluate(model, td.heldout, model.config.context_length, batch_size, batches, bf16=train.get("bf16", False),
+                    eot=eot)
     print(f"{args.run}: step {meta['step']}, held-out loss {loss:.4f} nats/token "
-          f"({batches} x {batch_size} windows of {model.config.context_length})")
+          f"({batches} x {batch_size} windows of {model.config.context_length}{', packed' if eot is not None else ''})")
     return 0
 
 
@@ -423,6 +426,10 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--ckpt-every", type=_positive, default=200, help="checkpoint every N steps")
     t.add_argument("--seed", type=int, default=0, help="seed of weights and batches")
     t.add_argument("--bf16", action="store_true", help="bfloat16 autocast on the model's device")
+    t.add_argument("--pack", action=argparse.BooleanOptionalAction, default=None,
+                   help="boundaries at document starts: no token attends to or carries state from another "
+                        "document, and no target crosses into the next (default: on for a corpus of many "
+                        "documents, off for one text or with --context-parallel)")
     t.add_argument("--on-nonfinite", default="stop", choices=["stop", "skip"],
                    help="a step whose loss or gradient is not finite: stop the run, or skip the step; "
                         "either way it updates nothing and is never checkpointed")

@@ -24,6 +24,18 @@ class TokenData:
     def tokenizer(self):
         return load_tokenizer(self.tokenizer_path)
 
+    @property
+    def eot(self) -> int | None:
+        """The end-of-text id that follows every document in the token streams (None without one)."""
+        from subquad.data.tokenizer import EOT
+
+        return self.tokenizer().token_to_id(EOT)
+
+    def documents(self) -> int:
+        """How many documents the training stream holds (end-of-text tokens)."""
+        eot = self.eot
+        return 0 if eot is None else int((self.train == eot).sum())
+
 
 def default_cache() -> Path:
     return Path(os.environ.get("SUBQUAD_CACHE", Path.home() / ".cache" / "subquad"))
@@ -62,3 +74,23 @@ def get_batch(tokens: np.ndarray, batch_size: int, context: int, generator: torc
     win = np.stack([tokens[s:s + context + 1].astype(np.int64) for s in starts])
     t = torch.from_numpy(win)
     return t[:, :-1], t[:, 1:]
+
+
+IGNORE = -100   # a target the loss skips (F.cross_entropy's ignore_index)
+
+
+def pack_batch(x: torch.Tensor, y: torch.Tensor, eot: int):
+    """Rows of windows (B, T) -> one packed row (1, B T) with boundaries at every row start and every
+    document start (the token after an end-of-text), and targets that never cross a boundary: an
+    end-of-text token's target (the next document's first token) is ``IGNORE``d.
+
+    Returns (x (1, B T), y (1, B T), cu_seqlens (N + 1,) int64): what ``LanguageModel(idx, cu_seqlens=...)``
+    takes, so no token attends to or is carried from another document."""
+    B, T = x.shape
+    starts = torch.zeros(B, T, dtype=torch.bool)
+    starts[:, 0] = True
+    starts[:, 1:] = x[:, :-1] == eot
+    pos = torch.nonzero(starts.reshape(-1)).squeeze(1)
+    cu = torch.cat([pos, torch.tensor([B * T])]).to(torch.int64)
+    y = y.masked_fill(x == eot, IGNORE)
+    return x.reshape(1, B * T), y.reshape(1, B * T), cu

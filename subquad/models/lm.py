@@ -126,9 +126,9 @@ class LanguageModel(nn.Module):
             states.append(s)
         return self._logits(h), states
 
-    def forward(self, idx):
-        """idx (B, T) -> logits (B, T, vocab)."""
-        return self.prefill(idx)[0]
+    def forward(self, idx, cu_seqlens=None):
+        """idx (B, T) -> logits (B, T, vocab); with ``cu_seqlens``, idx (1, T) packs several sequences."""
+        return self.prefill(idx, cu_seqlens=cu_seqlens)[0]
 
     def empty_state(self, batch_size: int = 1, device=None):
         return ModelState([b.mixer.empty_state(batch_size, device=device) for b in self.blocks])

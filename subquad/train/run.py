@@ -33,6 +33,7 @@ def read_run_config(out) -> dict:
         raise ValueError(f"{out} holds no run to resume (no config.json there)")
     try:
         cfg = json.loads(path.read_text())
+        cfg["train"].setdefault("pack", False)      # runs from before packing trained on the concatenated stream
         ModelConfig.from_dict(cfg["model"])
         TrainConfig(**cfg["train"])
     except (ValueError, KeyError, TypeError) as e:

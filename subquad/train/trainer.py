@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from subquad.data.dataset import TokenData, get_batch
+from subquad.data.dataset import IGNORE, TokenData, get_batch, pack_batch
 from subquad.device import device_of
 from subquad.train.checkpoint import has_checkpoints, load_checkpoint, save_checkpoint, write_atomic
 
@@ -96,6 +96,7 @@ class TrainConfig:
     seed: int = 0
     bf16: bool = False
     context_parallel: int = 1      # ranks that share each sequence (ring attention / state passing)
+    pack: bool | None = None       # boundaries at document starts (None: on for a corpus of many documents)
     on_nonfinite: str = "stop"     # a step with a non-finite loss or gradient: "stop" the run, or "skip" it
 
     def __post_init__(self):
@@ -115,18 +116,23 @@ class TrainConfig:
         return self.lr * (self.min_lr_ratio + (1 - self.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * min(1.0, frac))))
 
 
-def cross_entropy(model, x, y, bf16=False, cp_group=None):
+def cross_entropy(model, x, y, bf16=False, cp_group=None, eot=None):
     """Mean next-token loss, on the model's device (x and y are moved there; ``bf16``: autocast there). With ``cp_group`` (context parallel), this rank's zigzag shard of x and y only:
-    every rank holds as many tokens, so the mean over ranks is the loss of the whole sequences."""
+    every rank holds as many tokens, so the mean over ranks is the loss of the whole sequences.
+    With ``eot`` (packing), the rows are packed with boundaries at document starts (``pack_batch``): no
+    token sees another document, and no target crosses into the next one."""
     dev = device_of(model)
+    cu = None
+    if eot is not None:
+        x, y, cu = pack_batch(x, y, eot)
     x, y = x.to(dev, non_blocking=True), y.to(dev, non_blocking=True)     # batches follow the model
     with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=bf16), _context(cp_group) as cp:
         if cp is not None:
             from subquad.distributed import zigzag_shard
 
             x, y = zigzag_shard(x, cp.rank, cp.world), zigzag_shard(y, cp.rank, cp.world)
-        logits = model(x)
-    return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), y.reshape(-1))
+        logits = model(x) if cu is None else model(x, cu_seqlens=cu.to(dev))
+    return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), y.reshape(-1), ignore_index=IGNORE)
 
 
 def _context(cp_group):
@@ -141,14 +147,14 @@ def _context(cp_group):
 
 @torch.no_grad()
 def evaluate(model, tokens, context: int, batch_size: int, batches: int, bf16=False, seed: int = 1234,
-             cp_group=None) -> float:
+             cp_group=None, eot=None) -> float:
     """Mean held-out loss (nats/token) over the same fixed windows every call (with ``cp_group``: a collective
     of the group, each rank its shard, the mean over the group)."""
     was = model.training
     model.eval()
     g = torch.Generator().manual_seed(seed)
-    losses = [cross_entropy(model, *get_batch(tokens, batch_size, context, g), bf16=bf16, cp_group=cp_group).item()
-              for _ in range(batches)]
+    losses = [cross_entropy(model, *get_batch(tokens, batch_size, context, g), bf16=bf16, cp_group=cp_group,
+                            eot=eot).item() for _ in range(batches)]
     model.train(was)
     loss = sum(losses) / len(losses)
     if cp_group is not None:
@@ -158,6 +164,24 @@ def evaluate(model, tokens, context: int, batch_size: int, batches: int, bf16=Fa
         dist.all_reduce(t, group=cp_group)
         loss = float(t) / dist.get_world_size(cp_group)
     return loss
+
+
+def packing_eot(pack, data, context_parallel: int = 1):
+    """The end-of-text id to pack batches at (``TrainConfig.pack``: True, False, or None - on for a corpus
+    of many documents), or None for the concatenated stream."""
+    if pack is False:
+        return None
+    if context_parallel > 1:
+        if pack:
+            raise ValueError("pack=True needs one process per sequence: context parallelism splits a sequence "
+                             "across ranks and cannot take document boundaries (use --no-pack)")
+        return None
+    eot = getattr(data, "eot", None)
+    if eot is None or (pack is None and data.documents() < 2):
+        if pack:
+            raise ValueError("pack=True needs a corpus of documents separated by end-of-text tokens")
+        return None
+    return eot
 
 
 class Trainer:
@@ -184,6 +208,7 @@ class Trainer:
                                       {"params": no_decay, "weight_decay": 0.0}], lr=cfg.lr, betas=(0.9, 0.95))
         self.step = 0
         self.curve: list[tuple[int, float]] = []
+        self.eot = packing_eot(cfg.pack, data, cfg.context_parallel)
 
     def _context_groups(self, P: int):
         """The process group of the P ranks that share this rank's sequences (consecutive ranks), or None."""
@@ -290,7 +315,7 @@ class Trainer:
                     group["lr"] = lr
                 x, y = get_batch(self.data.train, cfg.batch_size, self.context, self.gen)
                 try:
-                    loss = cross_entropy(self.train_model, x, y, cfg.bf16, self.cp_group)
+                    loss = cross_entropy(self.train_model, x, y, cfg.bf16, self.cp_group, self.eot)
                     if not torch.isfinite(loss) and cfg.on_nonfinite == "stop":
                         raise TrainingDiverged(f"loss became {loss.item()} at step {step}; stopped. The last good "
                                                f"checkpoint is kept in {self.run_dir / 'ckpt'} (try a lower --lr)")
@@ -326,7 +351,7 @@ class Trainer:
                        "tokens_per_s": round(tok_rate, 1), **({"skipped": True} if skipped else {})}
                 if (lead or self.cp_group is not None) and (step % cfg.eval_every == 0 or step == cfg.steps):
                     ev = evaluate(model, self.data.heldout, self.context, cfg.batch_size, cfg.eval_batches, cfg.bf16,
-                                  cp_group=self.cp_group)
+                                  cp_group=self.cp_group, eot=self.eot)
                     rec["heldout_loss"] = round(ev, 5)
                     self.curve.append((step, ev))
                     t_last = time.perf_counter()       # evaluation time is not training throughput
