@@ -45,3 +45,11 @@ def test_readme_new_mixer_example_runs_and_decodes_exactly():
     y1, s = m(x[:, :6], m.empty_state(2, dtype=torch.float64))
     y2, _ = m(x[:, 6:], s)
     torch.testing.assert_close(torch.cat([y1, y2], 1), y, rtol=0, atol=1e-12)
+
+
+def test_readme_varlen_example_runs():
+    text = (Path(__file__).parent.parent / "README.md").read_text()
+    block = re.search(r"### Variable-length batches \(`cu_seqlens`\)\s+.*?```python\n(.*?)```", text, re.S).group(1)
+    ns = {}
+    exec(block, ns)
+    assert ns["S"].shape == (3, 2, 8, 8) and ns["logits"].shape == (3, 1, 100)

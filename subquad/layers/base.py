@@ -77,10 +77,13 @@ class Mixer(nn.Module):
             if not seq.whole_sequence:
                 raise ValueError("cu_seqlens is not supported across processes: each rank's shard is one piece of "
                                  "one sequence")
-            with sequence.use(sequence.Packed(cu_seqlens)) as packed:
-                if x.shape[1] != sum(packed.lengths) or x.shape[0] != 1:
-                    raise ValueError(f"with cu_seqlens x must be packed as (1, T={sum(packed.lengths)}, d_model), "
-                                     f"got {tuple(x.shape)}")
+            packed = sequence.Packed(cu_seqlens)
+            if x.shape[1] != sum(packed.lengths) or x.shape[0] != 1:
+                raise ValueError(f"with cu_seqlens x must be packed as (1, T={sum(packed.lengths)}, d_model), "
+                                 f"got {tuple(x.shape)}")
+            if self.piece_size and x.shape[1] > self.piece_size:
+                return self._packed_pieces(x, state, packed.lengths)
+            with sequence.use(packed):
                 return self.mix(x, state, packed)
         if not seq.whole_sequence:
             if state is not None:
@@ -90,6 +93,28 @@ class Mixer(nn.Module):
         if P and x.shape[1] > P:
             return in_pieces(self, (x,), P, state)
         return self.mix(x, state, seq)
+
+    def _packed_pieces(self, x, state, lengths):
+        """A long packed row as pieces of whole sequences (about ``piece_size`` tokens, a longer sequence
+        alone), each with its sequences' state rows: the temporaries stay piece-sized, as for one sequence."""
+        groups, start = [], 0
+        while start < len(lengths):
+            end, total = start + 1, lengths[start]
+            while end < len(lengths) and total + lengths[end] <= self.piece_size:
+                total += lengths[end]
+                end += 1
+            groups.append((start, end))
+            start = end
+        ys, states, s = [], [], 0
+        for a, b in groups:
+            n = sum(lengths[a:b])
+            cu = torch.tensor([0] + lengths[a:b], device=x.device).cumsum(0)
+            rows = None if state is None else {key: t[a:b] for key, t in state.items()}
+            y, st = self.forward(x[:, s:s + n], rows, cu_seqlens=cu) if b - a > 1 else self.forward(x[:, s:s + n], rows)
+            ys.append(y)
+            states.append(st)
+            s += n
+        return torch.cat(ys, 1), {key: torch.cat([st[key] for st in states], 0) for key in states[0]}
 
     def mix(self, x, state, seq):
         """The layer's equations: x (B, T, d_model), its state or None, the sequence backend -> (y, state)."""
