@@ -43,6 +43,7 @@ bench: bench-deps
 	$(PY) benchmarks/bench_decode_step.py
 	$(PY) benchmarks/bench_precision.py
 	$(PY) benchmarks/bench_routes.py
+	$(PY) benchmarks/bench_varlen.py
 
 clean:
 	rm -rf $(VENV) runs

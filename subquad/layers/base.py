@@ -81,8 +81,8 @@ class Mixer(nn.Module):
             if x.shape[1] != sum(packed.lengths) or x.shape[0] != 1:
                 raise ValueError(f"with cu_seqlens x must be packed as (1, T={sum(packed.lengths)}, d_model), "
                                  f"got {tuple(x.shape)}")
-            if self.piece_size and x.shape[1] > self.piece_size:
-                return self._packed_pieces(x, state, packed.lengths)
+            if self.piece_size and x.shape[1] > self.piece_size and not torch.is_grad_enabled():
+                return self._packed_pieces(x, state, packed.lengths)     # inference: memory stays bounded
             with sequence.use(packed):
                 return self.mix(x, state, packed)
         if not seq.whole_sequence:
@@ -95,8 +95,10 @@ class Mixer(nn.Module):
         return self.mix(x, state, seq)
 
     def _packed_pieces(self, x, state, lengths):
-        """A long packed row as pieces of whole sequences (about ``piece_size`` tokens, a longer sequence
-        alone), each with its sequences' state rows: the temporaries stay piece-sized, as for one sequence."""
+        """A long packed row, without autograd, as pieces of whole sequences (about ``piece_size`` tokens, a
+        longer sequence alone), each with its sequences' state rows: memory stays bounded, as for one
+        sequence. (With autograd every piece's activations are kept anyway, and whole packed rows measured
+        as fast: benchmarks/RESULTS.md.)"""
         groups, start = [], 0
         while start < len(lengths):
             end, total = start + 1, lengths[start]

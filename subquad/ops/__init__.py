@@ -10,7 +10,8 @@ recurrent state ``(B, H, K, V)``, kept in float32 for lower-precision inputs
 (float64 stays float64). ``scale=None`` means ``K ** -0.5`` on the queries.
 Each op takes ``mode`` in ``("parallel", "recurrent", "chunk")``, ``chunk_size``,
 ``initial_state`` and ``output_final_state`` and returns ``(o, final_state)``;
-``final_state`` is None unless asked for. Every op's three forms are public too,
+``final_state`` is None unless asked for; ``cu_seqlens`` (N + 1,) packs N sequences of
+different lengths in one row (``subquad.ops.common.varlen``). Every op's three forms are public too,
 ``parallel_<op>``, ``recurrent_<op>`` and ``chunk_<op>``, with the op's signature
 less ``mode``. Gates follow the values: ``(q, k, v, g)``, ``(q, k, v, beta)``,
 ``(q, k, v, g, beta)``; Mamba's scans take ``(x, dt, A, B, C)``.

@@ -121,7 +121,8 @@ def train_run(model_cfg: ModelConfig, train_cfg: TrainConfig, out, data: str | N
             shutil.rmtree(out, ignore_errors=True)
         raise
     log(f"{out.name}: {model_cfg.pattern} x{model_cfg.n_layers}, {model.num_parameters():,} parameters, "
-        f"{train_cfg.steps} steps of {train_cfg.batch_size} x {model_cfg.context_length} tokens")
+        f"{train_cfg.steps} steps of {train_cfg.batch_size} x {model_cfg.context_length} tokens"
+        f"{', packed at document starts' if trainer.eot is not None else ''}")
     result = trainer.fit(log=log)
     result["parameters"] = model.num_parameters()
     return result

@@ -141,7 +141,7 @@ def test_generate_ragged_batch_equals_each_prompt_alone():
 @pytest.mark.parametrize("name", [n for n in NAMES if _layer(n).piece_size])
 def test_long_packed_rows_run_in_pieces_of_whole_sequences(name):
     """With piece_size 6 the packed row (5, 1, 9, 3, 12 tokens) runs as pieces of whole sequences (and the
-    long ones in pieces of their own): the same outputs, states and gradients as one call."""
+    long ones in pieces of their own) without autograd: the same outputs and states as one call."""
     layer = _layer(name)
     g = torch.Generator().manual_seed(4)
     x = torch.randn(1, sum(LENGTHS), D, generator=g, dtype=F64, requires_grad=True)
@@ -151,12 +151,10 @@ def test_long_packed_rows_run_in_pieces_of_whole_sequences(name):
     outs = []
     for piece in (default, 6):
         layer.piece_size = piece
-        y, s = layer(x, state, cu_seqlens=_cu(LENGTHS))
-        grad = torch.autograd.grad((y * y).sum(), x)[0]
-        outs.append((y, s, grad))
+        with torch.no_grad():                      # pieces are for inference; with autograd the row is whole
+            outs.append(layer(x, state, cu_seqlens=_cu(LENGTHS)))
     layer.piece_size = default
-    (y0, s0, g0), (y1, s1, g1) = outs
+    (y0, s0), (y1, s1) = outs
     torch.testing.assert_close(y1, y0, rtol=0, atol=1e-10)
-    torch.testing.assert_close(g1, g0, rtol=0, atol=1e-10)
     for key in s0:
         torch.testing.assert_close(s1[key], s0[key], rtol=0, atol=1e-10)
