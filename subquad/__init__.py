@@ -14,6 +14,7 @@ __version__ = "0.1.0"
 
 from subquad import layers, models, ops  # noqa: E402
 from subquad.layers import build_mixer  # noqa: E402
-from subquad.models import LanguageModel, ModelConfig, preset  # noqa: E402
+from subquad.models import LanguageModel, ModelConfig, from_pretrained, preset  # noqa: E402
 
-__all__ = ["__version__", "ops", "layers", "models", "build_mixer", "ModelConfig", "LanguageModel", "preset"]
+__all__ = ["__version__", "ops", "layers", "models", "build_mixer", "ModelConfig", "LanguageModel", "preset",
+           "from_pretrained"]

@@ -226,10 +226,14 @@ def _stop_ids(tok, texts) -> list[int]:
 def cmd_generate(args) -> int:
     from pathlib import Path
 
+    import torch
+
     from subquad.models import load_state, save_state
     from subquad.train import load_run
 
-    if not Path(args.run).exists():
+    if (args.run is None) == (args.model is None):
+        raise ValueError("give one of --run (a subquad run) or --model (a Hugging Face model folder)")
+    if args.run is not None and not Path(args.run).exists():
         raise ValueError(f"--run {args.run} does not exist")
     if args.prompts_file:
         if args.load_state or args.save_state or args.prompt:
@@ -241,7 +245,16 @@ def cmd_generate(args) -> int:
         prompts = [ln for ln in path.read_text().splitlines() if ln.strip()]
         if not prompts:
             raise ValueError(f"--prompts-file {path} holds no prompt (one per line)")
-    model, tok, _ = load_run(args.run, device=args.device)
+    if args.model is not None:
+        from subquad.device import resolve_device
+        from subquad.models import from_pretrained
+
+        dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}[args.dtype]
+        model, tok = from_pretrained(args.model, dtype=dtype, device=resolve_device(args.device))
+        if tok is None:
+            raise ValueError(f"--model {args.model} has no tokenizer.json to encode the prompt with")
+    else:
+        model, tok, _ = load_run(args.run, device=args.device)
     stop = _stop_ids(tok, args.stop)
     if args.prompts_file:
         outs, _ = model.generate([tok.encode(p).ids or [0] for p in prompts], args.max_new_tokens,
@@ -479,7 +492,11 @@ def build_parser() -> argparse.ArgumentParser:
     e.set_defaults(fn=cmd_eval)
 
     g = command("generate", "stream text from a trained run with its recurrent state")
-    g.add_argument("--run", required=True, help="run folder (or one of its checkpoints)")
+    g.add_argument("--run", help="run folder (or one of its checkpoints)")
+    g.add_argument("--model", help="a Hugging Face model folder (config.json, model.safetensors, tokenizer.json) "
+                                   "of a supported type: mamba")
+    g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float64"],
+                   help="weights' dtype for --model")
     g.add_argument("--prompt", default="", help="text to continue")
     g.add_argument("--prompts-file", help="a file of prompts, one per line: all generated as one batch")
     g.add_argument("--max-new-tokens", type=int, default=200, help="tokens to generate per prompt")

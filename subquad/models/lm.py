@@ -81,6 +81,12 @@ class LanguageModel(nn.Module):
             if isinstance(m, nn.Linear) and m.bias is not None:
                 nn.init.zeros_(m.bias)
 
+    def save_pretrained(self, path) -> None:
+        """Write this model as a Hugging Face folder (``subquad.models.hf.save_pretrained``)."""
+        from subquad.models.hf import save_pretrained
+
+        save_pretrained(self, path)
+
     def num_parameters(self) -> int:
         return sum(p.numel() for p in self.parameters())
 

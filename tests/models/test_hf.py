@@ -1,0 +1,131 @@
+"""Hugging Face checkpoints: a tiny random transformers model, saved and loaded here, gives the same logits,
+the same greedy tokens, and comes back through save_pretrained; bad folders are refused by name."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")   # the `test` extra installs it; the library never does
+
+from subquad.models.hf import from_pretrained, save_pretrained  # noqa: E402
+
+
+def _hf_mamba(tmp_path, dtype=torch.float32, **over):
+    torch.manual_seed(0)
+    cfg = transformers.MambaConfig(vocab_size=64, hidden_size=32, state_size=8, num_hidden_layers=3, expand=2,
+                                   conv_kernel=4, time_step_rank=4, **over)
+    model = transformers.MambaForCausalLM(cfg).to(dtype).eval()
+    with torch.no_grad():                                  # non-trivial norms, D and conv biases
+        for name, p in model.named_parameters():
+            if name.endswith(("norm.weight", "norm_f.weight", ".D", "conv1d.bias")):
+                p.add_(torch.randn_like(p) * 0.3)
+    folder = tmp_path / "hf"
+    model.save_pretrained(folder)
+    return model, folder
+
+
+def _ids():
+    return torch.randint(0, 64, (2, 50), generator=torch.Generator().manual_seed(1))
+
+
+def _hf_logits(hf, ids):
+    """transformers' logits in the model's own dtype (its forward casts them to float32)."""
+    return hf.lm_head(hf.backbone(ids).last_hidden_state)
+
+
+# float64 cannot be tighter than ~1e-7: transformers' Mamba computes A = -exp(A_log.float()) in float32
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-4), (torch.float64, 1e-6)])
+def test_mamba_logits_equal_transformers(tmp_path, dtype, tol):
+    hf, folder = _hf_mamba(tmp_path, dtype)
+    ours, tok = from_pretrained(folder, dtype=dtype)
+    assert tok is None and ours.config.pattern == "mamba" and not ours.config.mlp
+    with torch.no_grad():
+        ref = _hf_logits(hf, _ids())
+        got = ours(_ids())
+    assert got.dtype == ref.dtype == dtype
+    assert ((got - ref).abs().max() / ref.abs().max()).item() <= tol
+
+
+def test_mamba_prefill_then_decode_equals_forward_and_greedy_equals_generate(tmp_path):
+    hf, folder = _hf_mamba(tmp_path, torch.float64)
+    ours, _ = from_pretrained(folder, dtype=torch.float64)
+    ids = _ids()[:1, :20]
+    with torch.no_grad():
+        full = ours(ids)
+        logits, state = ours.prefill(ids[:, :12])
+        steps = [logits]
+        for t in range(12, 20):
+            lt, state = ours.prefill(ids[:, t:t + 1], state)
+            steps.append(lt)
+    torch.testing.assert_close(torch.cat(steps, 1), full, rtol=0, atol=1e-10)
+    want = hf.generate(ids, max_new_tokens=32, do_sample=False)[0, 20:].tolist()
+    got, _ = ours.generate(ids[0].tolist(), 32, temperature=0)
+    assert got == want
+
+
+def test_save_pretrained_round_trip_loads_in_transformers(tmp_path):
+    hf, folder = _hf_mamba(tmp_path)
+    ours, _ = from_pretrained(folder)
+    save_pretrained(ours, tmp_path / "back")
+    again = transformers.MambaForCausalLM.from_pretrained(tmp_path / "back").eval()
+    ours2, _ = from_pretrained(tmp_path / "back")
+    with torch.no_grad():
+        ref = hf(_ids()).logits
+        torch.testing.assert_close(again(_ids()).logits, ref, rtol=0, atol=1e-6)
+        torch.testing.assert_close(ours2(_ids()), ours(_ids()), rtol=0, atol=0)
+
+
+def test_untied_head_and_no_conv_bias(tmp_path):
+    hf, folder = _hf_mamba(tmp_path, torch.float64, tie_word_embeddings=False, use_conv_bias=False)
+    ours, _ = from_pretrained(folder, dtype=torch.float64)
+    assert ours.head is not None
+    with torch.no_grad():
+        torch.testing.assert_close(ours(_ids()), _hf_logits(hf, _ids()), rtol=0, atol=1e-6)
+
+
+def test_refusals_name_the_problem(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    _, folder = _hf_mamba(tmp_path)
+    cfg = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**cfg, "hidden_act": "gelu"}))
+    with pytest.raises(ValueError, match="hidden_act"):
+        from_pretrained(folder)
+    (folder / "config.json").write_text(json.dumps({**cfg, "model_type": "gpt2"}))
+    with pytest.raises(ValueError, match="model_type 'gpt2' is not supported"):
+        from_pretrained(folder)
+    (folder / "config.json").write_text(json.dumps(cfg))
+    weights = load_file(str(folder / "model.safetensors"))
+    w = dict(weights)
+    del w["backbone.layers.1.mixer.x_proj.weight"]
+    save_file(w, str(folder / "model.safetensors"))
+    with pytest.raises(ValueError, match="missing.*layers.1.mixer.x_proj"):
+        from_pretrained(folder)
+    w = dict(weights)
+    w["backbone.layers.0.mixer.A_log"] = torch.zeros(3, 3)
+    save_file(w, str(folder / "model.safetensors"))
+    with pytest.raises(ValueError, match=r"A_log has shape \(3, 3\)"):
+        from_pretrained(folder)
+    with pytest.raises(ValueError, match="no config.json"):
+        from_pretrained(tmp_path / "nowhere")
+
+
+def test_cli_generates_from_a_model_folder(tmp_path, capsys):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    from subquad.cli import main
+
+    hf, folder = _hf_mamba(tmp_path)
+    tok = Tokenizer(models.WordLevel({f"w{i}": i for i in range(64)}, unk_token="w0"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.save(str(folder / "tokenizer.json"))
+    assert main(["generate", "--model", str(folder), "--prompt", "w1 w2 w3", "--max-new-tokens", "8",
+                 "--temperature", "0"]) == 0
+    out = capsys.readouterr().out
+    want = hf.generate(torch.tensor([[1, 2, 3]]), max_new_tokens=8, do_sample=False)[0, 3:].tolist()
+    assert tok.decode(want) in out
+    assert main(["generate", "--model", str(tmp_path / "none"), "--prompt", "w1"]) == 2
+    assert main(["generate", "--prompt", "w1"]) == 2
