@@ -494,7 +494,7 @@ def build_parser() -> argparse.ArgumentParser:
     g = command("generate", "stream text from a trained run with its recurrent state")
     g.add_argument("--run", help="run folder (or one of its checkpoints)")
     g.add_argument("--model", help="a Hugging Face model folder (config.json, model.safetensors, tokenizer.json) "
-                                   "of a supported type: mamba")
+                                   "of a supported type: mamba, falcon_mamba")
     g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float64"],
                    help="weights' dtype for --model")
     g.add_argument("--prompt", default="", help="text to continue")

@@ -9,7 +9,8 @@ Each ``model_type`` has a mapping: its config to a ``ModelConfig`` - every field
 honoured or refused with a ``ValueError`` naming it - and its weight names to subquad's. A missing
 weight, an unexpected one or a wrong shape is refused by name: never a silently different model.
 
-Supported: ``mamba`` (MambaForCausalLM). The other types of the checkpoint issues build on this.
+Supported: ``mamba`` (MambaForCausalLM) and ``falcon_mamba`` (its RMS norms on dt, B and C). The other
+types of the checkpoint issues build on this.
 """
 
 from __future__ import annotations
@@ -76,7 +77,29 @@ class _Mamba:
                 "residual_in_fp32": True}
 
 
-MAPPINGS = {m.model_type: m for m in (_Mamba,)}
+class _FalconMamba(_Mamba):
+    """FalconMambaForCausalLM: Mamba with a weightless RMS norm on dt, B and C (``mixer_rms_eps``)."""
+
+    model_type = "falcon_mamba"
+
+    @staticmethod
+    def config(c: dict) -> ModelConfig:
+        cfg = _Mamba.config(c)
+        cfg.mixer_options["mamba"]["bcdt_rms_eps"] = c.get("mixer_rms_eps", 1e-6)
+        return cfg
+
+    @staticmethod
+    def to_config(cfg: ModelConfig) -> dict:
+        return {**_Mamba.to_config(cfg), "model_type": "falcon_mamba", "architectures": ["FalconMambaForCausalLM"],
+                "mixer_rms_eps": cfg.mixer_options["mamba"]["bcdt_rms_eps"]}
+
+    @classmethod
+    def matches(cls, cfg: ModelConfig) -> bool:
+        return cfg.mixer_options.get("mamba", {}).get("bcdt_rms_eps") is not None
+
+
+_Mamba.matches = classmethod(lambda cls, cfg: cfg.mixer_options.get("mamba", {}).get("bcdt_rms_eps") is None)
+MAPPINGS = {m.model_type: m for m in (_Mamba, _FalconMamba)}
 
 
 def _require(c: dict, key: str, value):
@@ -158,7 +181,8 @@ def save_pretrained(model, path) -> None:
     from safetensors.torch import save_file
 
     cfg = model.config
-    kind = next((m for m in MAPPINGS.values() if set(cfg.layers) == {m.model_type} and not cfg.mlp), None)
+    kind = next((m for m in MAPPINGS.values() if set(cfg.layers) == {"mamba"} and not cfg.mlp and m.matches(cfg)),
+                None)
     if kind is None:
         raise ValueError(f"no Hugging Face model type has this structure (pattern {cfg.pattern!r}, mlp={cfg.mlp}); "
                          f"supported: {', '.join(sorted(MAPPINGS))}")

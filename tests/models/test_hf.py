@@ -13,11 +13,13 @@ transformers = pytest.importorskip("transformers")   # the `test` extra installs
 from subquad.models.hf import from_pretrained, save_pretrained  # noqa: E402
 
 
-def _hf_mamba(tmp_path, dtype=torch.float32, **over):
+def _hf_mamba(tmp_path, dtype=torch.float32, falcon=False, **over):
     torch.manual_seed(0)
-    cfg = transformers.MambaConfig(vocab_size=64, hidden_size=32, state_size=8, num_hidden_layers=3, expand=2,
-                                   conv_kernel=4, time_step_rank=4, **over)
-    model = transformers.MambaForCausalLM(cfg).to(dtype).eval()
+    Config, Model = ((transformers.FalconMambaConfig, transformers.FalconMambaForCausalLM) if falcon
+                     else (transformers.MambaConfig, transformers.MambaForCausalLM))
+    cfg = Config(vocab_size=64, hidden_size=32, state_size=8, num_hidden_layers=3, expand=2, conv_kernel=4,
+                 time_step_rank=4, **over)
+    model = Model(cfg).to(dtype).eval()
     with torch.no_grad():                                  # non-trivial norms, D and conv biases
         for name, p in model.named_parameters():
             if name.endswith(("norm.weight", "norm_f.weight", ".D", "conv1d.bias")):
@@ -37,9 +39,10 @@ def _hf_logits(hf, ids):
 
 
 # float64 cannot be tighter than ~1e-7: transformers' Mamba computes A = -exp(A_log.float()) in float32
+@pytest.mark.parametrize("falcon", [False, True])
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-4), (torch.float64, 1e-6)])
-def test_mamba_logits_equal_transformers(tmp_path, dtype, tol):
-    hf, folder = _hf_mamba(tmp_path, dtype)
+def test_mamba_logits_equal_transformers(tmp_path, dtype, tol, falcon):
+    hf, folder = _hf_mamba(tmp_path, dtype, falcon)
     ours, tok = from_pretrained(folder, dtype=dtype)
     assert tok is None and ours.config.pattern == "mamba" and not ours.config.mlp
     with torch.no_grad():
@@ -49,8 +52,9 @@ def test_mamba_logits_equal_transformers(tmp_path, dtype, tol):
     assert ((got - ref).abs().max() / ref.abs().max()).item() <= tol
 
 
-def test_mamba_prefill_then_decode_equals_forward_and_greedy_equals_generate(tmp_path):
-    hf, folder = _hf_mamba(tmp_path, torch.float64)
+@pytest.mark.parametrize("falcon", [False, True])
+def test_mamba_prefill_then_decode_equals_forward_and_greedy_equals_generate(tmp_path, falcon):
+    hf, folder = _hf_mamba(tmp_path, torch.float64, falcon)
     ours, _ = from_pretrained(folder, dtype=torch.float64)
     ids = _ids()[:1, :20]
     with torch.no_grad():
@@ -66,11 +70,14 @@ def test_mamba_prefill_then_decode_equals_forward_and_greedy_equals_generate(tmp
     assert got == want
 
 
-def test_save_pretrained_round_trip_loads_in_transformers(tmp_path):
-    hf, folder = _hf_mamba(tmp_path)
+@pytest.mark.parametrize("falcon", [False, True])
+def test_save_pretrained_round_trip_loads_in_transformers(tmp_path, falcon):
+    hf, folder = _hf_mamba(tmp_path, falcon=falcon)
     ours, _ = from_pretrained(folder)
     save_pretrained(ours, tmp_path / "back")
-    again = transformers.MambaForCausalLM.from_pretrained(tmp_path / "back").eval()
+    Model = transformers.FalconMambaForCausalLM if falcon else transformers.MambaForCausalLM
+    again = Model.from_pretrained(tmp_path / "back").eval()
+    assert json.loads((tmp_path / "back" / "config.json").read_text())["model_type"] == type(hf).config_class.model_type
     ours2, _ = from_pretrained(tmp_path / "back")
     with torch.no_grad():
         ref = hf(_ids()).logits
