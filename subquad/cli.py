@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 
@@ -195,6 +196,10 @@ def cmd_eval(args) -> int:
     from subquad.train import evaluate, load_run
     from subquad.train.trainer import packing_eot
 
+    if (args.run is None) == (args.model is None):
+        raise ValueError("give one of --run (a subquad run) or --model (a Hugging Face model folder)")
+    if args.model is not None:
+        return _eval_model(args)
     if not Path(args.run).exists():
         raise ValueError(f"--run {args.run} does not exist")
     model, tok, meta = load_run(args.run, device=args.device)
@@ -210,6 +215,40 @@ def cmd_eval(args) -> int:
                     eot=eot)
     print(f"{args.run}: step {meta['step']}, held-out loss {loss:.4f} nats/token "
           f"({batches} x {batch_size} windows of {model.config.context_length}{', packed' if eot is not None else ''})")
+    return 0
+
+
+def _eval_model(args) -> int:
+    """Perplexity of a local text under a Hugging Face model folder: the whole text in one pass, pieces of
+    ``--piece`` tokens with the decoding state carried, so every token sees everything before it."""
+    from pathlib import Path
+
+    import torch
+    import torch.nn.functional as F
+
+    from subquad.device import resolve_device
+    from subquad.models import from_pretrained
+
+    if not args.data or not Path(args.data).is_file():
+        raise ValueError(f"--model needs --data, a local text file; got {args.data!r}")
+    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}[args.dtype]
+    model, tok = from_pretrained(args.model, dtype=dtype, device=resolve_device(args.device))
+    if tok is None:
+        raise ValueError(f"--model {args.model} has no tokenizer.json to encode --data with")
+    ids = tok.encode(Path(args.data).read_text(encoding="utf-8", errors="replace")).ids
+    if len(ids) < 2:
+        raise ValueError(f"--data {args.data} holds fewer than 2 tokens")
+    dev = model.embed.weight.device
+    x = torch.tensor(ids, device=dev).view(1, -1)
+    total, state = 0.0, None
+    with torch.no_grad():
+        for s in range(0, len(ids) - 1, args.piece):
+            e = min(s + args.piece, len(ids) - 1)
+            logits, state = model.prefill(x[:, s:e], state)
+            total += F.cross_entropy(logits[0].float(), x[0, s + 1:e + 1], reduction="sum").item()
+    nll = total / (len(ids) - 1)
+    print(f"{args.data}: {len(ids) - 1:,} tokens, {nll:.4f} nats/token, perplexity {math.exp(nll):.3f} "
+          f"({args.model}, {args.dtype})")
     return 0
 
 
@@ -482,9 +521,14 @@ def build_parser() -> argparse.ArgumentParser:
     _device_flag(r)
     r.set_defaults(fn=cmd_recall)
 
-    e = command("eval", "held-out loss of a trained run")
-    e.add_argument("--run", required=True, help="run folder (or one of its checkpoints)")
-    e.add_argument("--data", help="corpus (default: the run's)")
+    e = command("eval", "held-out loss of a trained run, or the perplexity of a text under a model folder")
+    e.add_argument("--run", help="run folder (or one of its checkpoints)")
+    e.add_argument("--model", help="a Hugging Face model folder (with tokenizer.json): perplexity of --data")
+    e.add_argument("--data", help="corpus (default: the run's); with --model, a local text file")
+    e.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float64"],
+                   help="weights' dtype for --model")
+    e.add_argument("--piece", type=_positive, default=1024,
+                   help="with --model: tokens per forward, the state carried between them")
     e.add_argument("--batches", type=_positive, help="held-out batches (default: the run's eval_batches, as in "
                                                       "training)")
     e.add_argument("--batch-size", type=_positive, help="sequences per batch (default: the run's)")
@@ -494,7 +538,7 @@ def build_parser() -> argparse.ArgumentParser:
     g = command("generate", "stream text from a trained run with its recurrent state")
     g.add_argument("--run", help="run folder (or one of its checkpoints)")
     g.add_argument("--model", help="a Hugging Face model folder (config.json, model.safetensors, tokenizer.json) "
-                                   "of a supported type: mamba, falcon_mamba")
+                                   "of a supported type: mamba, falcon_mamba, mamba2")
     g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float64"],
                    help="weights' dtype for --model")
     g.add_argument("--prompt", default="", help="text to continue")

@@ -31,11 +31,14 @@ class Mamba2(Mixer):
     out_proj(rmsnorm(y * silu(z))).
 
     Args: d_model; d_state N; head_dim P (heads = d_inner / P); expand (d_inner = expand d_model); conv_size
-    (the short convolution's width); dt_min, dt_max (dt's initial range); mode; chunk_size.
-    State: {"ssm": (B, H, N, P) float32 (float64 for float64), "conv": (B, conv_size - 1, d_inner + 2 N)}.
+    (the short convolution's width); n_groups G (B and C per group of H / G heads, and the gated norm per
+    group); norm_eps (the gated norm's); dt_limit (dt clamped to this range after softplus); dt_min, dt_max
+    (dt's initial range); mode; chunk_size.
+    State: {"ssm": (B, H, N, P) float32 (float64 for float64), "conv": (B, conv_size - 1, d_inner + 2 G N)}.
     """
     piece_size = 2048   # fixed state: long forwards run in pieces (base.Mixer.forward); fastest here
     def __init__(self, d_model: int, d_state: int = 64, head_dim: int = 64, expand: int = 2, conv_size: int = 4,
+                 n_groups: int = 1, norm_eps: float = 1e-6, dt_limit: tuple = (0.0, float("inf")),
                  dt_min: float = 1e-3, dt_max: float = 0.1, mode: str = "chunk", chunk_size: int = 64):
         super().__init__(d_model, mode, chunk_size)
         self.d_inner = expand * d_model
@@ -43,14 +46,17 @@ class Mamba2(Mixer):
             raise ValueError(f"expand * d_model = {self.d_inner} must divide by head_dim={head_dim}")
         self.d_state, self.head_dim = d_state, head_dim
         self.n_heads = self.d_inner // head_dim
-        self.conv_dim = self.d_inner + 2 * d_state
-        self.in_proj = nn.Linear(d_model, 2 * self.d_inner + 2 * d_state + self.n_heads, bias=False)
+        if n_groups < 1 or self.n_heads % n_groups:
+            raise ValueError(f"n_groups={n_groups} must divide the {self.n_heads} heads")
+        self.n_groups, self.dt_limit = n_groups, tuple(dt_limit)
+        self.conv_dim = self.d_inner + 2 * n_groups * d_state
+        self.in_proj = nn.Linear(d_model, 2 * self.d_inner + 2 * n_groups * d_state + self.n_heads, bias=False)
         self.conv = ShortConv(self.conv_dim, conv_size)
         dt = torch.exp(torch.rand(self.n_heads) * (math.log(dt_max) - math.log(dt_min)) + math.log(dt_min))
         self.dt_bias = nn.Parameter(dt + torch.log(-torch.expm1(-dt)))        # inverse softplus
         self.A_log = nn.Parameter(torch.log(torch.empty(self.n_heads).uniform_(1, 16)))
         self.D = nn.Parameter(torch.ones(self.n_heads))
-        self.norm = GatedRMSNorm(self.d_inner)
+        self.norm = GatedRMSNorm(self.d_inner, norm_eps, group_size=self.d_inner // n_groups)
         self.out_proj = nn.Linear(self.d_inner, d_model, bias=False)
 
     def empty_state(self, batch_size, device=None, dtype=torch.float32):
@@ -63,8 +69,13 @@ class Mamba2(Mixer):
         z, xBC, dt = torch.split(self.in_proj(x), [self.d_inner, self.conv_dim, H], dim=-1)
         xBC, conv = self.short_conv(xBC, state, seq)
         xBC = F.silu(xBC, inplace=seq.whole_sequence and not wants_grad(xBC))   # in place on the conv's output
-        xs, Bm, Cm = torch.split(xBC, [self.d_inner, N, N], dim=-1)
+        G = self.n_groups
+        xs, Bm, Cm = torch.split(xBC, [self.d_inner, G * N, G * N], dim=-1)
+        if G > 1:                                                             # (B, T, G, N): per group of heads
+            Bm, Cm = Bm.view(Bsz, T, G, N), Cm.view(Bsz, T, G, N)
         dt = F.softplus(dt + self.dt_bias)                                    # (B, T, H)
+        if self.dt_limit != (0.0, float("inf")):
+            dt = dt.clamp(*self.dt_limit)
         A = -torch.exp(self.A_log)                                            # (H,)
         y, h = seq.recurrence(ssd, xs.view(Bsz, T, H, P), dt, A, Bm, Cm, D=self.D, mode=self.mode,
                               chunk_size=self.chunk_size, initial_state=None if state is None else state["ssm"])

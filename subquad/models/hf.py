@@ -9,8 +9,9 @@ Each ``model_type`` has a mapping: its config to a ``ModelConfig`` - every field
 honoured or refused with a ``ValueError`` naming it - and its weight names to subquad's. A missing
 weight, an unexpected one or a wrong shape is refused by name: never a silently different model.
 
-Supported: ``mamba`` (MambaForCausalLM) and ``falcon_mamba`` (its RMS norms on dt, B and C). The other
-types of the checkpoint issues build on this.
+Supported: ``mamba`` (MambaForCausalLM), ``falcon_mamba`` (its RMS norms on dt, B and C) and ``mamba2``
+(Mamba2ForCausalLM: ``n_groups``, the gated norm per group with the config's epsilon, ``time_step_limit``).
+The other types of the checkpoint issues build on this.
 """
 
 from __future__ import annotations
@@ -33,6 +34,11 @@ class _Mamba:
     tied or untied head."""
 
     model_type = "mamba"
+    layer = "mamba"
+
+    @staticmethod
+    def conv_channels(c: dict) -> int:
+        return c["hidden_size"] * c.get("expand", 2)
 
     @staticmethod
     def config(c: dict) -> ModelConfig:
@@ -81,6 +87,7 @@ class _FalconMamba(_Mamba):
     """FalconMambaForCausalLM: Mamba with a weightless RMS norm on dt, B and C (``mixer_rms_eps``)."""
 
     model_type = "falcon_mamba"
+    layer = "mamba"
 
     @staticmethod
     def config(c: dict) -> ModelConfig:
@@ -98,8 +105,80 @@ class _FalconMamba(_Mamba):
         return cfg.mixer_options.get("mamba", {}).get("bcdt_rms_eps") is not None
 
 
+class _Mamba2:
+    """Mamba2ForCausalLM: embedding, blocks of rmsnorm -> Mamba-2 mixer (SSD, B and C per group, gated norm
+    per group), rmsnorm, head (untied by default)."""
+
+    model_type = "mamba2"
+    layer = "mamba2"
+
+    @staticmethod
+    def conv_channels(c: dict) -> int:
+        return int(c.get("expand", 2) * c["hidden_size"]) + 2 * c.get("n_groups", 1) * c.get("state_size", 128)
+
+    @staticmethod
+    def config(c: dict) -> ModelConfig:
+        _require(c, "hidden_act", "silu")
+        _require(c, "use_bias", False)
+        _require(c, "rms_norm", True)
+        _require(c, "norm_before_gate", False)
+        H, E = c["hidden_size"], c.get("expand", 2)
+        heads, hd = c.get("num_heads", 128), c.get("head_dim", 64)
+        if heads * hd != int(E * H):
+            raise ValueError(f"config fields num_heads={heads} x head_dim={hd} must equal expand x hidden_size = "
+                             f"{int(E * H)}")
+        eps = c.get("layer_norm_epsilon", 1e-5)
+        opts = {"d_state": c.get("state_size", 128), "head_dim": hd, "expand": E, "conv_size": c.get("conv_kernel", 4),
+                "n_groups": c.get("n_groups", 1), "norm_eps": eps}
+        limit = tuple(_float(v) for v in c.get("time_step_limit", (0.0, float("inf"))))
+        if limit != (0.0, float("inf")):
+            opts["dt_limit"] = limit
+        return ModelConfig(vocab_size=c["vocab_size"], d_model=H, n_layers=c["num_hidden_layers"], n_heads=1,
+                           pattern="mamba2", mlp=False, norm_eps=eps, tie_embeddings=c.get("tie_word_embeddings", False),
+                           context_length=1 << 20, mixer_options={"mamba2": opts})
+
+    @staticmethod
+    def names(cfg: ModelConfig) -> dict:
+        out = {"embed.weight": "backbone.embeddings.weight", "norm.weight": "backbone.norm_f.weight"}
+        for i in range(cfg.n_layers):
+            a, b = f"blocks.{i}.", f"backbone.layers.{i}."
+            out[a + "norm1.weight"] = b + "norm.weight"
+            for p in ("dt_bias", "A_log", "D", "in_proj.weight", "norm.weight", "out_proj.weight"):
+                out[a + "mixer." + p] = b + "mixer." + p
+            out[a + "mixer.conv.weight"] = b + "mixer.conv1d.weight"
+            out[a + "mixer.conv.bias"] = b + "mixer.conv1d.bias"
+        if not cfg.tie_embeddings:
+            out["head.weight"] = "lm_head.weight"
+        return out
+
+    @staticmethod
+    def to_config(cfg: ModelConfig) -> dict:
+        o = cfg.mixer_options["mamba2"]
+        return {"model_type": "mamba2", "architectures": ["Mamba2ForCausalLM"], "vocab_size": cfg.vocab_size,
+                "hidden_size": cfg.d_model, "num_hidden_layers": cfg.n_layers, "state_size": o["d_state"],
+                "head_dim": o["head_dim"], "num_heads": o["expand"] * cfg.d_model // o["head_dim"],
+                "expand": o["expand"], "n_groups": o.get("n_groups", 1), "conv_kernel": o["conv_size"],
+                "layer_norm_epsilon": cfg.norm_eps, "use_bias": False, "use_conv_bias": True, "hidden_act": "silu",
+                "time_step_limit": [_json_float(v) for v in o.get("dt_limit", (0.0, float("inf")))],
+                "tie_word_embeddings": cfg.tie_embeddings, "residual_in_fp32": True}
+
+    @classmethod
+    def matches(cls, cfg: ModelConfig) -> bool:
+        o = cfg.mixer_options.get("mamba2", {})
+        return o.get("norm_eps", 1e-6) == cfg.norm_eps
+
+
 _Mamba.matches = classmethod(lambda cls, cfg: cfg.mixer_options.get("mamba", {}).get("bcdt_rms_eps") is None)
-MAPPINGS = {m.model_type: m for m in (_Mamba, _FalconMamba)}
+MAPPINGS = {m.model_type: m for m in (_Mamba, _FalconMamba, _Mamba2)}
+
+
+def _float(v) -> float:
+    """A float from config.json; transformers writes infinities as {"__float__": "Infinity"}."""
+    return float(v["__float__"]) if isinstance(v, dict) and "__float__" in v else float(v)
+
+
+def _json_float(v: float):
+    return {"__float__": "Infinity" if v > 0 else "-Infinity"} if math.isinf(v) else v
 
 
 def _require(c: dict, key: str, value):
@@ -148,7 +227,7 @@ def from_pretrained(path, dtype=None, device=None):
     tensors = read_weights(path)
     if c.get("use_conv_bias", True) is False:        # no bias in the checkpoint: ours stays zero
         for i in range(cfg.n_layers):
-            tensors[f"backbone.layers.{i}.mixer.conv1d.bias"] = torch.zeros(cfg.d_model * c.get("expand", 2))
+            tensors[f"backbone.layers.{i}.mixer.conv1d.bias"] = torch.zeros(mapping.conv_channels(c))
     own = model.state_dict()
     missing = [theirs for ours, theirs in names.items() if theirs not in tensors]
     if missing:
@@ -181,7 +260,7 @@ def save_pretrained(model, path) -> None:
     from safetensors.torch import save_file
 
     cfg = model.config
-    kind = next((m for m in MAPPINGS.values() if set(cfg.layers) == {"mamba"} and not cfg.mlp and m.matches(cfg)),
+    kind = next((m for m in MAPPINGS.values() if set(cfg.layers) == {m.layer} and not cfg.mlp and m.matches(cfg)),
                 None)
     if kind is None:
         raise ValueError(f"no Hugging Face model type has this structure (pattern {cfg.pattern!r}, mlp={cfg.mlp}); "

@@ -13,16 +13,27 @@ transformers = pytest.importorskip("transformers")   # the `test` extra installs
 from subquad.models.hf import from_pretrained, save_pretrained  # noqa: E402
 
 
+KINDS = ["mamba", "falcon_mamba", "mamba2"]
+
+
 def _hf_mamba(tmp_path, dtype=torch.float32, falcon=False, **over):
+    """A tiny random model of ``falcon`` (False: mamba; True: falcon_mamba; or a name of KINDS)."""
     torch.manual_seed(0)
-    Config, Model = ((transformers.FalconMambaConfig, transformers.FalconMambaForCausalLM) if falcon
-                     else (transformers.MambaConfig, transformers.MambaForCausalLM))
-    cfg = Config(vocab_size=64, hidden_size=32, state_size=8, num_hidden_layers=3, expand=2, conv_kernel=4,
-                 time_step_rank=4, **over)
-    model = Model(cfg).to(dtype).eval()
-    with torch.no_grad():                                  # non-trivial norms, D and conv biases
+    kind = falcon if isinstance(falcon, str) else ("falcon_mamba" if falcon else "mamba")
+    if kind == "mamba2":                                   # two groups of two heads, the gated norm per group
+        cfg = transformers.Mamba2Config(vocab_size=64, hidden_size=32, num_heads=4, head_dim=16, n_groups=2,
+                                        state_size=8, num_hidden_layers=3, conv_kernel=4, chunk_size=8, **over)
+        model = transformers.Mamba2ForCausalLM(cfg)
+    else:
+        Config, Model = ((transformers.FalconMambaConfig, transformers.FalconMambaForCausalLM) if kind == "falcon_mamba"
+                         else (transformers.MambaConfig, transformers.MambaForCausalLM))
+        cfg = Config(vocab_size=64, hidden_size=32, state_size=8, num_hidden_layers=3, expand=2, conv_kernel=4,
+                     time_step_rank=4, **over)
+        model = Model(cfg)
+    model = model.to(dtype).eval()
+    with torch.no_grad():                                  # non-trivial norms, D, dt and conv biases
         for name, p in model.named_parameters():
-            if name.endswith(("norm.weight", "norm_f.weight", ".D", "conv1d.bias")):
+            if name.endswith(("norm.weight", "norm_f.weight", ".D", "conv1d.bias", "dt_bias")):
                 p.add_(torch.randn_like(p) * 0.3)
     folder = tmp_path / "hf"
     model.save_pretrained(folder)
@@ -39,12 +50,13 @@ def _hf_logits(hf, ids):
 
 
 # float64 cannot be tighter than ~1e-7: transformers' Mamba computes A = -exp(A_log.float()) in float32
-@pytest.mark.parametrize("falcon", [False, True])
+@pytest.mark.parametrize("falcon", KINDS)
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-4), (torch.float64, 1e-6)])
 def test_mamba_logits_equal_transformers(tmp_path, dtype, tol, falcon):
     hf, folder = _hf_mamba(tmp_path, dtype, falcon)
     ours, tok = from_pretrained(folder, dtype=dtype)
-    assert tok is None and ours.config.pattern == "mamba" and not ours.config.mlp
+    assert tok is None and ours.config.pattern == ("mamba2" if falcon == "mamba2" else "mamba")
+    assert not ours.config.mlp
     with torch.no_grad():
         ref = _hf_logits(hf, _ids())
         got = ours(_ids())
@@ -52,7 +64,7 @@ def test_mamba_logits_equal_transformers(tmp_path, dtype, tol, falcon):
     assert ((got - ref).abs().max() / ref.abs().max()).item() <= tol
 
 
-@pytest.mark.parametrize("falcon", [False, True])
+@pytest.mark.parametrize("falcon", KINDS)
 def test_mamba_prefill_then_decode_equals_forward_and_greedy_equals_generate(tmp_path, falcon):
     hf, folder = _hf_mamba(tmp_path, torch.float64, falcon)
     ours, _ = from_pretrained(folder, dtype=torch.float64)
@@ -67,15 +79,28 @@ def test_mamba_prefill_then_decode_equals_forward_and_greedy_equals_generate(tmp
     torch.testing.assert_close(torch.cat(steps, 1), full, rtol=0, atol=1e-10)
     want = hf.generate(ids, max_new_tokens=32, do_sample=False)[0, 20:].tolist()
     got, _ = ours.generate(ids[0].tolist(), 32, temperature=0)
-    assert got == want
+    # Every token is transformers' greedy choice under its own full forward over the sequence so far. Its
+    # cached decoding can depart from that forward: for mamba2 here (float64) it picked token 30 where its
+    # forward has 53 ahead by 2e-4 - so `generate` is compared up to where it leaves its own forward.
+    with torch.no_grad():
+        hl = _hf_logits(hf, torch.tensor([ids[0].tolist() + got]))[0, 19:-1]
+    agree = 0
+    for t, token in enumerate(got):
+        assert hl[t, token] >= hl[t].max() - 1e-6 * hl[t].abs().max(), f"step {t}: not transformers' greedy token"
+        if want[t] != token:
+            assert hl[t, want[t]] < hl[t].max(), f"step {t}: transformers' generate and forward agree, we do not"
+            break
+        agree += 1
+    assert agree >= (29 if falcon == "mamba2" else 32)
 
 
-@pytest.mark.parametrize("falcon", [False, True])
+@pytest.mark.parametrize("falcon", KINDS)
 def test_save_pretrained_round_trip_loads_in_transformers(tmp_path, falcon):
     hf, folder = _hf_mamba(tmp_path, falcon=falcon)
     ours, _ = from_pretrained(folder)
     save_pretrained(ours, tmp_path / "back")
-    Model = transformers.FalconMambaForCausalLM if falcon else transformers.MambaForCausalLM
+    Model = {"mamba": transformers.MambaForCausalLM, "falcon_mamba": transformers.FalconMambaForCausalLM,
+             "mamba2": transformers.Mamba2ForCausalLM}[falcon]
     again = Model.from_pretrained(tmp_path / "back").eval()
     assert json.loads((tmp_path / "back" / "config.json").read_text())["model_type"] == type(hf).config_class.model_type
     ours2, _ = from_pretrained(tmp_path / "back")
@@ -136,3 +161,29 @@ def test_cli_generates_from_a_model_folder(tmp_path, capsys):
     assert tok.decode(want) in out
     assert main(["generate", "--model", str(tmp_path / "none"), "--prompt", "w1"]) == 2
     assert main(["generate", "--prompt", "w1"]) == 2
+
+
+def test_cli_eval_perplexity_of_a_text_equals_one_forward(tmp_path, capsys):
+    import math
+
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    from subquad.cli import main
+
+    hf, folder = _hf_mamba(tmp_path)
+    tok = Tokenizer(models.WordLevel({f"w{i}": i for i in range(64)}, unk_token="w0"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.save(str(folder / "tokenizer.json"))
+    ids = torch.randint(0, 64, (1, 90), generator=torch.Generator().manual_seed(5))
+    text = tmp_path / "t.txt"
+    text.write_text(" ".join(f"w{i}" for i in ids[0].tolist()))
+    assert main(["eval", "--model", str(folder), "--data", str(text), "--piece", "16"]) == 0
+    out = capsys.readouterr().out
+    with torch.no_grad():                         # independently: transformers' own forward over the whole text
+        nll = torch.nn.functional.cross_entropy(hf(ids).logits[0, :-1], ids[0, 1:]).item()
+    import re
+
+    got = float(re.search(r"([0-9.]+) nats/token", out).group(1))
+    ppl = float(re.search(r"perplexity ([0-9.]+)", out).group(1))
+    assert abs(got - nll) <= 2e-4 and abs(ppl - math.exp(nll)) <= 2e-3 * math.exp(nll)
+    assert main(["eval", "--model", str(folder), "--data", str(tmp_path / "missing.txt")]) == 2

@@ -111,3 +111,33 @@ def test_ssd_factorised_route_float32_at_its_limit():
     assert torch.isfinite(y32).all()
     assert_close(y32.double(), y64, 1e-4, "y float32")
     assert_close(S32.double(), S64, 1e-4, "state float32")
+
+
+@pytest.mark.parametrize("mode", ["parallel", "recurrent", "chunk"])
+def test_ssd_groups_equal_simple_gla_with_each_groups_b_and_c(mode):
+    """n_groups: B and C (B, T, G, N), each shared by H / G consecutive heads - outputs, states and gradients
+    equal simple_gla with q, k repeated per group (float64), with an initial state, odd length, strong decays."""
+    from subquad.ops import simple_gla, ssd
+
+    g = torch.Generator().manual_seed(7)
+    Bz, T, H, P, N, G = 2, 23, 6, 3, 5, 3
+    x = torch.randn(Bz, T, H, P, generator=g, dtype=F64, requires_grad=True)
+    dt = (torch.rand(Bz, T, H, generator=g, dtype=F64) * 3).requires_grad_(True)
+    A = (-torch.rand(H, generator=g, dtype=F64) * 4).requires_grad_(True)
+    Bm = torch.randn(Bz, T, G, N, generator=g, dtype=F64, requires_grad=True)
+    Cm = torch.randn(Bz, T, G, N, generator=g, dtype=F64, requires_grad=True)
+    h0 = torch.randn(Bz, H, N, P, generator=g, dtype=F64, requires_grad=True)
+    y, h = ssd(x, dt, A, Bm, Cm, mode=mode, chunk_size=4, initial_state=h0, output_final_state=True)
+    q, k = Cm.repeat_interleave(H // G, 2), Bm.repeat_interleave(H // G, 2) * dt.unsqueeze(-1)
+    ref, S = simple_gla(q, k, x, dt * A, mode="recurrent", scale=1.0, initial_state=h0, output_final_state=True)
+    torch.testing.assert_close(y, ref, rtol=0, atol=1e-10)
+    torch.testing.assert_close(h, S, rtol=0, atol=1e-10)
+    w = torch.randn(y.shape, generator=g, dtype=F64)
+    leaves = [x, dt, A, Bm, Cm, h0]
+    ga = torch.autograd.grad((y * w).sum() + h.sum(), leaves)
+    gb = torch.autograd.grad((ref * w).sum() + S.sum(), leaves)
+    for a, b in zip(ga, gb):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-9)
+    with pytest.raises(ValueError, match="groups must divide"):
+        four = torch.cat([Bm, Bm[:, :, :1]], 2).detach()              # 4 groups do not divide 6 heads
+        ssd(x, dt, A, four, four)

@@ -102,11 +102,12 @@ def gla(q, k, v, g, *, mode="chunk", chunk_size=64, scale=None, initial_state=No
 @amp_op(positions=(0, 3, 4))
 @varlen("x", "dt", "B", "C")
 def ssd(x, dt, A, B, C, *, D=None, mode="chunk", chunk_size=64, initial_state=None, output_final_state=False):
-    """Mamba-2's SSD with B and C shared by the heads (one group):
+    """Mamba-2's SSD with B and C shared by the heads (of a group):
 
         h_t = exp(dt_t A_h) h_{t-1} + B_t (dt_t x_t)^T,   y_t = C_t^T h_t + D_h x_t      h (N, P) per head
 
-    x (B, T, H, P); dt (B, T, H) >= 0; A (H,) <= 0; B, C (B, T, N); D (H,) or None; state (B, H, N, P).
+    x (B, T, H, P); dt (B, T, H) >= 0; A (H,) <= 0; B, C (B, T, N), or (B, T, G, N) for G groups of H / G
+    consecutive heads each sharing one B and C (Mamba-2's ``n_groups``); D (H,) or None; state (B, H, N, P).
     It is ``simple_gla(q=C, k=dt B, v=x, g=dt A, scale=1)`` with q and k shared by every head; the chunk form
     (``ssd_chunkwise``, ``ssd_inference`` without a gradient) computes the products with B and C once for
     all heads. Returns (y (B, T, H, P), final state or None).
@@ -120,11 +121,15 @@ def ssd(x, dt, A, B, C, *, D=None, mode="chunk", chunk_size=64, initial_state=No
         raise ValueError(f"x must hold at least one token (T >= 1), got shape {tuple(x.shape)}")
     check_like("dt", dt, (Bz, T, H), x, "x")
     check_like("A", A, (H,), x, "x")
-    if not isinstance(B, torch.Tensor) or B.dim() != 3:
-        raise ValueError(f"B must have shape (B={Bz}, T={T}, N), got {getattr(B, 'shape', type(B).__name__)}")
+    if not isinstance(B, torch.Tensor) or B.dim() not in (3, 4):
+        raise ValueError(f"B must have shape (B={Bz}, T={T}, N) or (B, T, G, N), got "
+                         f"{getattr(B, 'shape', type(B).__name__)}")
     N = B.shape[-1]
-    check_like("B", B, (Bz, T, N), x, "x")
-    check_like("C", C, (Bz, T, N), x, "x")
+    G = B.shape[2] if B.dim() == 4 else 0
+    if G and H % G:
+        raise ValueError(f"B's {G} groups must divide the {H} heads of x")
+    check_like("B", B, (Bz, T, G, N) if G else (Bz, T, N), x, "x")
+    check_like("C", C, (Bz, T, G, N) if G else (Bz, T, N), x, "x")
     if D is not None:
         check_like("D", D, (H,), x, "x")
     if checks_on(dt) and (dt < 0).any():
@@ -136,16 +141,27 @@ def ssd(x, dt, A, B, C, *, D=None, mode="chunk", chunk_size=64, initial_state=No
         check_like("initial_state", initial_state, (Bz, H, N, P), x, "x")
         initial_state = initial_state.to(sd)
     xs, dts, As, Bs, Cs = (t.to(sd) for t in (x, dt, A, B, C))
-    if mode == "chunk" and T >= SHORT:                 # B and C shared: one matmul for all heads
-        run = ssd_inference if inference_path(xs, dts, As, Bs, Cs, initial_state) else ssd_chunkwise
-        y, h = run(xs, dts, As, Bs, Cs, chunk_size=chunk_size, initial_state=initial_state)
-        y, h = causal_guard((y, h), h, lambda: _ssd_as_gla(xs, dts, As, Bs, Cs, "recurrent", chunk_size,
-                                                             initial_state), T)
+    if G:                                              # each group's heads with its own B and C
+        n = H // G
+        parts = [_ssd(xs[:, :, g * n:(g + 1) * n], dts[..., g * n:(g + 1) * n], As[g * n:(g + 1) * n], Bs[:, :, g],
+                      Cs[:, :, g], mode, chunk_size, None if initial_state is None else
+                      initial_state[:, g * n:(g + 1) * n]) for g in range(G)]
+        y, h = torch.cat([p[0] for p in parts], 2), torch.cat([p[1] for p in parts], 1)
     else:
-        y, h = _ssd_as_gla(xs, dts, As, Bs, Cs, mode, chunk_size, initial_state)
+        y, h = _ssd(xs, dts, As, Bs, Cs, mode, chunk_size, initial_state)
     if D is not None:
         y = torch.addcmul(y, xs, D.to(sd).view(1, 1, H, 1))
     return y.to(x.dtype), (h if output_final_state else None)
+
+
+def _ssd(x, dt, A, B, C, mode, chunk_size, initial_state):
+    """One group: the chunk engine (B and C shared, one matmul for all heads) or the decayed forms."""
+    if mode == "chunk" and x.shape[1] >= SHORT:
+        run = ssd_inference if inference_path(x, dt, A, B, C, initial_state) else ssd_chunkwise
+        y, h = run(x, dt, A, B, C, chunk_size=chunk_size, initial_state=initial_state)
+        return causal_guard((y, h), h, lambda: _ssd_as_gla(x, dt, A, B, C, "recurrent", chunk_size, initial_state),
+                            x.shape[1])
+    return _ssd_as_gla(x, dt, A, B, C, mode, chunk_size, initial_state)
 
 
 def _ssd_as_gla(x, dt, A, B, C, mode, chunk_size, initial_state):
