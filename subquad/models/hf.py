@@ -59,18 +59,8 @@ class _Mamba:
     @staticmethod
     def names(cfg: ModelConfig) -> dict:
         """subquad parameter name -> the checkpoint's."""
-        out = {"embed.weight": "backbone.embeddings.weight", "norm.weight": "backbone.norm_f.weight"}
-        for i in range(cfg.n_layers):
-            a, b = f"blocks.{i}.", f"backbone.layers.{i}."
-            out[a + "norm1.weight"] = b + "norm.weight"
-            for p in ("A_log", "D", "in_proj.weight", "x_proj.weight", "dt_proj.weight", "dt_proj.bias",
-                      "out_proj.weight"):
-                out[a + "mixer." + p] = b + "mixer." + p
-            out[a + "mixer.conv.weight"] = b + "mixer.conv1d.weight"
-            out[a + "mixer.conv.bias"] = b + "mixer.conv1d.bias"
-        if not cfg.tie_embeddings:
-            out["head.weight"] = "lm_head.weight"
-        return out
+        return _backbone_names(cfg, ("A_log", "D", "in_proj.weight", "x_proj.weight", "dt_proj.weight",
+                                     "dt_proj.bias", "out_proj.weight"))
 
     @staticmethod
     def to_config(cfg: ModelConfig) -> dict:
@@ -139,17 +129,7 @@ class _Mamba2:
 
     @staticmethod
     def names(cfg: ModelConfig) -> dict:
-        out = {"embed.weight": "backbone.embeddings.weight", "norm.weight": "backbone.norm_f.weight"}
-        for i in range(cfg.n_layers):
-            a, b = f"blocks.{i}.", f"backbone.layers.{i}."
-            out[a + "norm1.weight"] = b + "norm.weight"
-            for p in ("dt_bias", "A_log", "D", "in_proj.weight", "norm.weight", "out_proj.weight"):
-                out[a + "mixer." + p] = b + "mixer." + p
-            out[a + "mixer.conv.weight"] = b + "mixer.conv1d.weight"
-            out[a + "mixer.conv.bias"] = b + "mixer.conv1d.bias"
-        if not cfg.tie_embeddings:
-            out["head.weight"] = "lm_head.weight"
-        return out
+        return _backbone_names(cfg, ("dt_bias", "A_log", "D", "in_proj.weight", "norm.weight", "out_proj.weight"))
 
     @staticmethod
     def to_config(cfg: ModelConfig) -> dict:
@@ -170,6 +150,22 @@ class _Mamba2:
 
 _Mamba.matches = classmethod(lambda cls, cfg: cfg.mixer_options.get("mamba", {}).get("bcdt_rms_eps") is None)
 MAPPINGS = {m.model_type: m for m in (_Mamba, _FalconMamba, _Mamba2)}
+
+
+def _backbone_names(cfg: ModelConfig, mixer_params) -> dict:
+    """subquad name -> the checkpoint's, for the Mamba family's layout: backbone.{embeddings, layers.i.{norm,
+    mixer.*}, norm_f} and lm_head; the mixer's short convolution is ``conv1d`` there, ``conv`` here."""
+    out = {"embed.weight": "backbone.embeddings.weight", "norm.weight": "backbone.norm_f.weight"}
+    for i in range(cfg.n_layers):
+        a, b = f"blocks.{i}.", f"backbone.layers.{i}."
+        out[a + "norm1.weight"] = b + "norm.weight"
+        for p in mixer_params:
+            out[a + "mixer." + p] = b + "mixer." + p
+        out[a + "mixer.conv.weight"] = b + "mixer.conv1d.weight"
+        out[a + "mixer.conv.bias"] = b + "mixer.conv1d.bias"
+    if not cfg.tie_embeddings:
+        out["head.weight"] = "lm_head.weight"
+    return out
 
 
 def _float(v) -> float:
