@@ -44,6 +44,7 @@ bench: bench-deps
 	$(PY) benchmarks/bench_precision.py
 	$(PY) benchmarks/bench_routes.py
 	$(PY) benchmarks/bench_varlen.py
+	$(PY) benchmarks/bench_pretrained.py
 
 clean:
 	rm -rf $(VENV) runs
