@@ -147,14 +147,11 @@ class ContextParallel:
 
     def ssd(self, x, dt, A, B, C, *, D=None, chunk_size: int = 64):
         """Mamba-2's SSD as simple GLA (q = C, k = dt B, g = dt A, scale 1, shared by the heads)."""
+        from subquad.ops.decay import ssd_as_gla
+
         H = x.shape[2]
-        if C.dim() == 4:                                    # G groups of H / G heads
-            q, k = (t.repeat_interleave(H // t.shape[2], 2) for t in (C, B))
-            k = k * dt.unsqueeze(-1)
-        else:
-            q = C.unsqueeze(2).expand(-1, -1, H, -1)
-            k = B.unsqueeze(2).expand(-1, -1, H, -1) * dt.unsqueeze(-1)
-        y = self.scan("simple_gla", q, k, x, g=dt * A, scale=1.0, chunk_size=chunk_size)
+        q, k, g = ssd_as_gla(x, dt, A, B, C)
+        y = self.scan("simple_gla", q, k, x, g=g, scale=1.0, chunk_size=chunk_size)
         return y if D is None else torch.addcmul(y, x, D.to(y.dtype).view(1, 1, H, 1))
 
     def scan(self, kind: str, q, k, v, *, g=None, beta=None, normalize: bool = False, scale=None,

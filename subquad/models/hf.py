@@ -40,6 +40,11 @@ class _Mamba:
     def conv_channels(c: dict) -> int:
         return c["hidden_size"] * c.get("expand", 2)
 
+    @classmethod
+    def matches(cls, cfg: ModelConfig) -> bool:
+        """Whether a subquad model of this layer is this type (Falcon-Mamba's norms make the other)."""
+        return cfg.mixer_options.get("mamba", {}).get("bcdt_rms_eps") is None
+
     @staticmethod
     def config(c: dict) -> ModelConfig:
         _require(c, "hidden_act", "silu")
@@ -148,7 +153,6 @@ class _Mamba2:
         return o.get("norm_eps", 1e-6) == cfg.norm_eps
 
 
-_Mamba.matches = classmethod(lambda cls, cfg: cfg.mixer_options.get("mamba", {}).get("bcdt_rms_eps") is None)
 MAPPINGS = {m.model_type: m for m in (_Mamba, _FalconMamba, _Mamba2)}
 
 

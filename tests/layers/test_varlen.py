@@ -158,3 +158,31 @@ def test_long_packed_rows_run_in_pieces_of_whole_sequences(name):
     torch.testing.assert_close(y1, y0, rtol=0, atol=1e-10)
     for key in s0:
         torch.testing.assert_close(s1[key], s0[key], rtol=0, atol=1e-10)
+
+
+@pytest.mark.parametrize("make", [lambda: __import__("subquad.layers", fromlist=["Mamba2"]).Mamba2(
+    D, d_state=4, head_dim=8, n_groups=2, chunk_size=4, norm_eps=1e-5),
+    lambda: __import__("subquad.layers", fromlist=["Mamba"]).Mamba(D, d_state=4, bcdt_rms_eps=1e-6, chunk_size=4)],
+    ids=["mamba2_groups", "falcon_mamba"])
+def test_checkpoint_options_behave_like_every_mixer(make):
+    """Mamba-2 with n_groups and Mamba with Falcon's norms (the options the checkpoint loaders use): packed
+    equals separate, prefill then decoding equals one call, the state passed in is untouched, bf16 runs."""
+    torch.manual_seed(0)
+    layer = make().double()
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(1, sum(LENGTHS), D, generator=g, dtype=F64)
+    y, _ = layer(x, cu_seqlens=_cu(LENGTHS))
+    ys, s = [], 0
+    for L in LENGTHS:
+        ys.append(layer(x[:, s:s + L])[0])
+        s += L
+    torch.testing.assert_close(y, torch.cat(ys, 1), rtol=0, atol=1e-10)
+    full, _ = layer(x)
+    y1, st = layer(x[:, :10])
+    snapshot = {k: v.clone() for k, v in st.items()}
+    y2, _ = layer(x[:, 10:], st)
+    torch.testing.assert_close(torch.cat([y1, y2], 1), full, rtol=0, atol=1e-10)
+    assert all(torch.equal(st[k], snapshot[k]) for k in st)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        yb, _ = layer.float()(x.float())
+    assert yb.dtype == torch.bfloat16 and torch.isfinite(yb).all()

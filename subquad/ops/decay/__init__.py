@@ -164,12 +164,21 @@ def _ssd(x, dt, A, B, C, mode, chunk_size, initial_state):
     return _ssd_as_gla(x, dt, A, B, C, mode, chunk_size, initial_state)
 
 
+def ssd_as_gla(x, dt, A, B, C):
+    """SSD's inputs as ``simple_gla``'s (q, k, g): q = C, k = dt B repeated over the heads that share them
+    (B, C (B, T, N) or (B, T, G, N)), g = dt A. The reference route, and what state passing runs."""
+    H = x.shape[2]
+    if B.dim() == 4:                                   # G groups of H / G heads
+        q, k = (t.repeat_interleave(H // t.shape[2], 2) for t in (C, B))
+    else:
+        q, k = C.unsqueeze(2).expand(-1, -1, H, -1), B.unsqueeze(2).expand(-1, -1, H, -1)
+    return q, k * dt.unsqueeze(-1), dt * A
+
+
 def _ssd_as_gla(x, dt, A, B, C, mode, chunk_size, initial_state):
     """SSD through the decayed-attention forms, q and k expanded over the heads (the reference route)."""
-    H = x.shape[2]
-    q = C.unsqueeze(2).expand(-1, -1, H, -1)
-    k = B.unsqueeze(2).expand(-1, -1, H, -1) * dt.unsqueeze(-1)
-    g = finite_log_decay(dt * A)
+    q, k, g = ssd_as_gla(x, dt, A, B, C)
+    g = finite_log_decay(g)
     o, S = _FORMS[mode](q, k, x, g, scale=1.0, chunk_size=chunk_size, initial_state=initial_state)
     if mode != "recurrent":
         o, S = causal_guard((o, S), S, lambda: _FORMS["recurrent"](q, k, x, g, scale=1.0, chunk_size=chunk_size,
