@@ -24,13 +24,16 @@ class SoftmaxAttention(Mixer):
 
     Recurrence: the KV cache grows by (k_t, v_t); o_t = softmax(q_t K^T / sqrt(K)) V over the keys it sees.
     Args: d_model; n_heads; n_kv_heads (grouped-query attention, default n_heads); window W (a query sees
-    itself and the W tokens before it; the cache keeps W); rotary; mode ("parallel": SDPA, "chunk":
+    itself and the W tokens before it; the cache keeps W); rotary (False: no positions at all, as Jamba's
+    attention layers); rotary_base (RoPE's theta); rotary_fraction (the leading fraction of each head's dims
+    that rotate: Bamba's partial rotary 0.5); mode ("parallel": SDPA, "chunk":
     blockwise online softmax; both O(T W) with a window); chunk_size.
     State: {"kv": a ``KVCache`` of k (B, L, n_kv_heads, K) and v (B, L, n_kv_heads, K)}, L the tokens seen
     (at most W with a window). A state passed in is never modified (the layer appends to a fork).
     """
     def __init__(self, d_model: int, n_heads: int = 4, n_kv_heads: int | None = None, window: int | None = None,
-                 rotary: bool = True, mode: str = "parallel", chunk_size: int = 64):
+                 rotary: bool = True, rotary_base: float = 10000.0, rotary_fraction: float = 1.0,
+                 mode: str = "parallel", chunk_size: int = 64):
         super().__init__(d_model, mode, chunk_size)
         self.n_heads, self.n_kv_heads = n_heads, n_kv_heads or n_heads
         if d_model % n_heads:
@@ -40,7 +43,11 @@ class SoftmaxAttention(Mixer):
         if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 0):
             raise ValueError(f"window must be a non-negative int or None, got {window!r}")
         self.head_dim = d_model // n_heads
-        self.window, self.rotary = window, rotary
+        self.window, self.rotary, self.rotary_base = window, rotary, float(rotary_base)
+        self.rotary_dim = int(self.head_dim * rotary_fraction)
+        if rotary and (self.rotary_dim % 2 or not 0 < self.rotary_dim <= self.head_dim):
+            raise ValueError(f"rotary_fraction={rotary_fraction} of head dim {self.head_dim} must give an even "
+                             f"number of rotating dims in (0, {self.head_dim}]")
         K, Hk = self.head_dim, self.n_kv_heads
         self.q_proj = nn.Linear(d_model, n_heads * K, bias=False)
         self.k_proj = nn.Linear(d_model, Hk * K, bias=False)
@@ -64,7 +71,8 @@ class SoftmaxAttention(Mixer):
         v = self.v_proj(x).view(B, T, Hk, K)
         if self.rotary:
             pos = seq.positions(T, 0 if cache is None else cache.next_position, x.device)
-            q, k = apply_rotary(q, pos), apply_rotary(k, pos)
+            q = apply_rotary(q, pos, self.rotary_base, self.rotary_dim)
+            k = apply_rotary(k, pos, self.rotary_base, self.rotary_dim)
         o, _ = seq.attention(q, self._repeat(k), self._repeat(v), window=self.window, mode=self.mode,
                              chunk_size=self.chunk_size, initial_state=self._op_state(cache, seq))
         return self.o_proj(o.reshape(B, T, H * K)), {"kv": self._extend(cache, k, v, seq)}

@@ -5,7 +5,7 @@
     dt, B, C = x_proj(x)                             dt (dt_rank), B and C (N)
     dt    = softplus(dt_proj(dt))                    (B, T, d_inner), bias initialised so dt ~ logU[1e-3, 0.1]
     A     = -exp(A_log)                              S4D-real init: A[d, n] = -(n + 1)
-    (Falcon-Mamba: dt, B, C = rms(dt), rms(B), rms(C), weightless)
+    (Falcon-Mamba: dt, B, C = rms(dt), rms(B), rms(C), weightless; Jamba: the same norms with weights)
     y     = selective_scan(x, dt, A, B, C, D=D, z=z) h_t = exp(dt A) h + dt B x;  y = C.h + D x, * silu(z)
     out   = out_proj(y)
 """
@@ -20,6 +20,7 @@ from torch import nn
 
 from subquad.layers.base import Mixer
 from subquad.layers.conv import ShortConv
+from subquad.layers.norm import RMSNorm
 from subquad.ops import selective_scan
 from subquad.ops.common.autograd import wants_grad
 from subquad.ops.common.checks import state_dtype
@@ -30,17 +31,23 @@ class Mamba(Mixer):
 
     Args: d_model; d_state N; conv_size (the short convolution's width); expand (d_inner = expand d_model);
     dt_rank (default ceil(d_model / 16)); dt_min, dt_max (dt's initial range); bcdt_rms_eps (Falcon-Mamba:
-    a weightless RMS norm on dt, B and C after x_proj, with this epsilon; None: none); mode; chunk_size.
+    an RMS norm on dt, B and C after x_proj, with this epsilon; None: none); bcdt_rms_weight (Jamba: those
+    norms have learned weights, ``dt_norm``, ``b_norm``, ``c_norm``; Falcon-Mamba's have none); mode; chunk_size.
     State: {"ssm": (B, d_inner, N) float32 (float64 for float64), "conv": (B, conv_size - 1, d_inner)}.
     """
     piece_size = 2048   # fixed state: long forwards run in pieces (base.Mixer.forward); fastest here
     def __init__(self, d_model: int, d_state: int = 16, conv_size: int = 4, expand: int = 2, dt_rank: int | None = None,
-                 dt_min: float = 1e-3, dt_max: float = 0.1, bcdt_rms_eps: float | None = None, mode: str = "chunk",
-                 chunk_size: int = 64):
+                 dt_min: float = 1e-3, dt_max: float = 0.1, bcdt_rms_eps: float | None = None,
+                 bcdt_rms_weight: bool = False, mode: str = "chunk", chunk_size: int = 64):
         super().__init__(d_model, mode, chunk_size)
         self.d_inner, self.d_state = expand * d_model, d_state
         self.dt_rank = dt_rank or math.ceil(d_model / 16)
         self.bcdt_rms_eps = bcdt_rms_eps
+        if bcdt_rms_weight and bcdt_rms_eps is None:
+            raise ValueError("bcdt_rms_weight=True needs the norms' epsilon bcdt_rms_eps")
+        self.bcdt_norms = nn.ModuleDict({n: RMSNorm(dim, bcdt_rms_eps) for n, dim in
+                                         (("dt_norm", self.dt_rank), ("b_norm", d_state), ("c_norm", d_state))}
+                                        ) if bcdt_rms_weight else None
         self.in_proj = nn.Linear(d_model, 2 * self.d_inner, bias=False)
         self.conv = ShortConv(self.d_inner, conv_size)
         self.x_proj = nn.Linear(self.d_inner, self.dt_rank + 2 * d_state, bias=False)
@@ -63,7 +70,10 @@ class Mamba(Mixer):
         xs, conv = self.short_conv(xs, state, seq)
         xs = F.silu(xs, inplace=seq.whole_sequence and not wants_grad(xs))   # in place on the conv's output
         dt, Bm, Cm = torch.split(self.x_proj(xs), [self.dt_rank, self.d_state, self.d_state], dim=-1)
-        if self.bcdt_rms_eps is not None:                                  # Falcon-Mamba
+        if self.bcdt_norms is not None:                                    # Jamba
+            n = self.bcdt_norms
+            dt, Bm, Cm = n["dt_norm"](dt), n["b_norm"](Bm), n["c_norm"](Cm)
+        elif self.bcdt_rms_eps is not None:                                # Falcon-Mamba
             dt, Bm, Cm = (_weightless_rms(t, self.bcdt_rms_eps) for t in (dt, Bm, Cm))
         dt = F.softplus(self.dt_proj(dt))
         A = -torch.exp(self.A_log.to(state_dtype(xs.dtype)))                 # (d_inner, N) < 0

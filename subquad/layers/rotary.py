@@ -2,7 +2,9 @@
 
     x'_{2i}   = x_{2i} cos(p w_i) - x_{2i+1} sin(p w_i),   w_i = base^(-2i/K)   (half-split layout)
 
-Positions are absolute, so decoding continues from the state's position counter.
+Positions are absolute, so decoding continues from the state's position counter. Partial rotary
+(GPT-NeoX, Bamba): only the first ``dim`` of the K dims rotate (half-split within them, w_i = base^(-2i/dim));
+the rest pass through.
 """
 
 from __future__ import annotations
@@ -10,12 +12,16 @@ from __future__ import annotations
 import torch
 
 
-def apply_rotary(x: torch.Tensor, offset=0, base: float = 10000.0) -> torch.Tensor:
-    """x (B, T, H, K) with K even, at positions offset .. offset + T - 1, or at ``offset`` itself when it is a
-    tensor of positions: (T,) for every row, or (B, T) per row (a batch of sequences at different points)."""
+def apply_rotary(x: torch.Tensor, offset=0, base: float = 10000.0, dim: int | None = None) -> torch.Tensor:
+    """x (B, T, H, K) at positions offset .. offset + T - 1, or at ``offset`` itself when it is a tensor of
+    positions: (T,) for every row, or (B, T) per row (a batch of sequences at different points). ``dim``
+    (even, <= K; default K): how many leading dims rotate."""
     B, T, H, K = x.shape
-    if K % 2:
-        raise ValueError(f"rotary needs an even head dim, got {K}")
+    dim = K if dim is None else dim
+    if dim % 2 or not 0 < dim <= K:
+        raise ValueError(f"rotary needs an even number of rotating dims in (0, {K}], got {dim}")
+    if dim < K:
+        return torch.cat([apply_rotary(x[..., :dim], offset, base), x[..., dim:]], dim=-1)
     half = K // 2
     inv = base ** (-torch.arange(half, device=x.device, dtype=torch.float64) / half)
     if isinstance(offset, torch.Tensor):

@@ -11,6 +11,11 @@ A single name fills all ``n_layers``; otherwise the counts must add up to
 ``n_layers``. Names are those of ``subquad.layers.MIXERS``. Per-mixer options go
 in ``mixer_options`` keyed by mixer name: ``{"swa": {"window": 128},
 "linear": {"feature_map": "performer"}}``.
+
+A sparse mixture-of-experts MLP (``subquad.models.moe``) replaces the dense one in every ``every``-th
+layer from ``offset`` (Jamba: every second layer from layer 1):
+
+    moe={"experts": 16, "top_k": 2, "every": 2, "offset": 1, "aux_loss_coef": 0.001, "renormalize": False}
 """
 
 from __future__ import annotations
@@ -58,6 +63,8 @@ class ModelConfig:
     mixer_options: dict = field(default_factory=dict)
     mlp: bool = True                     # SwiGLU MLP after each mixer (Zoology's recall setting turns it off)
     mlp_ratio: float = 4.0               # hidden = 2/3 * ratio * d_model: a SwiGLU with a 4x MLP's parameters
+    mlp_size: int | None = None          # the MLP's hidden width, when set (checkpoints give it); else mlp_ratio's
+    moe: dict | None = None              # sparse mixture-of-experts MLPs (module doc); None: dense everywhere
     context_length: int = 256
     pos_emb: str = "none"                # "none" (positions from the mixers: RoPE, recurrence) or "learned"
     tie_embeddings: bool = True
@@ -73,6 +80,11 @@ class ModelConfig:
         from subquad.layers.registry import check_mixer_options
 
         check_mixer_options(parse_pattern(self.pattern, self.n_layers), self.mixer_options)
+        if self.mlp_size is not None and (isinstance(self.mlp_size, bool) or not isinstance(self.mlp_size, int)
+                                          or self.mlp_size <= 0):
+            raise ValueError(f"mlp_size must be a positive int or None, got {self.mlp_size!r}")
+        if self.moe is not None:
+            self.moe = _check_moe(self.moe, self.mlp)
         if self.pos_emb not in ("none", "learned"):
             raise ValueError(f"pos_emb must be 'none' or 'learned', got {self.pos_emb!r}")
 
@@ -82,7 +94,16 @@ class ModelConfig:
 
     @property
     def mlp_hidden(self) -> int:
+        if self.mlp_size is not None:
+            return self.mlp_size
         return max(8, int(round(2 / 3 * self.mlp_ratio * self.d_model / 8)) * 8)
+
+    @property
+    def moe_layers(self) -> list[int]:
+        """Indices of the layers whose MLP is a mixture of experts."""
+        if self.moe is None:
+            return []
+        return [i for i in range(self.n_layers) if i % self.moe["every"] == self.moe["offset"]]
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -98,6 +119,34 @@ class ModelConfig:
             d["mixer_options"] = {m: {RENAMED_OPTIONS.get(k, k): v for k, v in o.items()}
                                   for m, o in d["mixer_options"].items()}
         return cls(**d)
+
+
+MOE_DEFAULTS = {"top_k": 2, "every": 1, "offset": 0, "aux_loss_coef": 0.01, "renormalize": False}
+
+
+def _check_moe(moe, mlp: bool) -> dict:
+    """The moe option with its defaults filled in; ValueError naming the key otherwise."""
+    if not isinstance(moe, dict):
+        raise ValueError(f"moe must be a dict like {{'experts': 8, 'top_k': 2}} or None, got {type(moe).__name__}")
+    unknown = set(moe) - set(MOE_DEFAULTS) - {"experts"}
+    if unknown:
+        raise ValueError(f"unknown moe keys {sorted(unknown)}; known: experts, {', '.join(MOE_DEFAULTS)}")
+    if not mlp:
+        raise ValueError("moe replaces the MLP: it needs mlp=True")
+    m = {**MOE_DEFAULTS, **moe}
+    for key, low in (("experts", 2), ("top_k", 1), ("every", 1), ("offset", 0)):
+        v = m.get(key)
+        if isinstance(v, bool) or not isinstance(v, int) or v < low:
+            raise ValueError(f"moe['{key}'] must be an int >= {low}, got {v!r}")
+    if m["top_k"] > m["experts"]:
+        raise ValueError(f"moe['top_k']={m['top_k']} exceeds moe['experts']={m['experts']}")
+    if m["offset"] >= m["every"]:
+        raise ValueError(f"moe['offset']={m['offset']} must be below moe['every']={m['every']}")
+    if not isinstance(m["aux_loss_coef"], (int, float)) or m["aux_loss_coef"] < 0:
+        raise ValueError(f"moe['aux_loss_coef'] must be a number >= 0, got {m['aux_loss_coef']!r}")
+    if not isinstance(m["renormalize"], bool):
+        raise ValueError(f"moe['renormalize'] must be a bool, got {m['renormalize']!r}")
+    return m
 
 
 # option names of earlier versions -> today's (configs written before the rename still load)

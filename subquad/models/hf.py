@@ -9,9 +9,14 @@ Each ``model_type`` has a mapping: its config to a ``ModelConfig`` - every field
 honoured or refused with a ``ValueError`` naming it - and its weight names to subquad's. A missing
 weight, an unexpected one or a wrong shape is refused by name: never a silently different model.
 
-Supported: ``mamba`` (MambaForCausalLM), ``falcon_mamba`` (its RMS norms on dt, B and C) and ``mamba2``
-(Mamba2ForCausalLM: ``n_groups``, the gated norm per group with the config's epsilon, ``time_step_limit``).
-The other types of the checkpoint issues build on this.
+Supported: ``mamba`` (MambaForCausalLM), ``falcon_mamba`` (its RMS norms on dt, B and C), ``mamba2``
+(Mamba2ForCausalLM: ``n_groups``, the gated norm per group with the config's epsilon, ``time_step_limit``),
+``bamba`` (Mamba-2 layers and softmax attention layers at ``attn_layer_indices``, partial rotary, SwiGLU
+MLPs) and ``jamba`` (Mamba layers with weighted RMS norms on dt, B and C, attention without positions every
+``attn_layer_period``, a sparse mixture-of-experts MLP every ``expert_layer_period``).
+
+A name map takes subquad's parameter names to the checkpoint's; a tuple of checkpoint names is one tensor
+of ours stacked along dim 0 (the experts of an MoE layer, one tensor per expert in the checkpoint).
 """
 
 from __future__ import annotations
@@ -34,16 +39,13 @@ class _Mamba:
     tied or untied head."""
 
     model_type = "mamba"
-    layer = "mamba"
-
-    @staticmethod
-    def conv_channels(c: dict) -> int:
-        return c["hidden_size"] * c.get("expand", 2)
+    conv_bias_key = "use_conv_bias"
 
     @classmethod
-    def matches(cls, cfg: ModelConfig) -> bool:
-        """Whether a subquad model of this layer is this type (Falcon-Mamba's norms make the other)."""
-        return cfg.mixer_options.get("mamba", {}).get("bcdt_rms_eps") is None
+    def matches(cls, cfg: ModelConfig, opts: dict) -> bool:
+        """Whether a subquad model of this structure (``opts``: its layers' options, ``_layer_options``) is
+        this type (Falcon-Mamba's norms make the other)."""
+        return _pure(cfg, "mamba") and opts["mamba"]["bcdt_rms_eps"] is None
 
     @staticmethod
     def config(c: dict) -> ModelConfig:
@@ -68,8 +70,8 @@ class _Mamba:
                                      "dt_proj.bias", "out_proj.weight"))
 
     @staticmethod
-    def to_config(cfg: ModelConfig) -> dict:
-        o = cfg.mixer_options["mamba"]
+    def to_config(cfg: ModelConfig, opts: dict) -> dict:
+        o = opts["mamba"]
         return {"model_type": "mamba", "architectures": ["MambaForCausalLM"], "vocab_size": cfg.vocab_size,
                 "hidden_size": cfg.d_model, "num_hidden_layers": cfg.n_layers, "state_size": o["d_state"],
                 "expand": o["expand"], "intermediate_size": o["expand"] * cfg.d_model, "conv_kernel": o["conv_size"],
@@ -82,7 +84,6 @@ class _FalconMamba(_Mamba):
     """FalconMambaForCausalLM: Mamba with a weightless RMS norm on dt, B and C (``mixer_rms_eps``)."""
 
     model_type = "falcon_mamba"
-    layer = "mamba"
 
     @staticmethod
     def config(c: dict) -> ModelConfig:
@@ -91,13 +92,13 @@ class _FalconMamba(_Mamba):
         return cfg
 
     @staticmethod
-    def to_config(cfg: ModelConfig) -> dict:
-        return {**_Mamba.to_config(cfg), "model_type": "falcon_mamba", "architectures": ["FalconMambaForCausalLM"],
-                "mixer_rms_eps": cfg.mixer_options["mamba"]["bcdt_rms_eps"]}
+    def to_config(cfg: ModelConfig, opts: dict) -> dict:
+        return {**_Mamba.to_config(cfg, opts), "model_type": "falcon_mamba",
+                "architectures": ["FalconMambaForCausalLM"], "mixer_rms_eps": opts["mamba"]["bcdt_rms_eps"]}
 
     @classmethod
-    def matches(cls, cfg: ModelConfig) -> bool:
-        return cfg.mixer_options.get("mamba", {}).get("bcdt_rms_eps") is not None
+    def matches(cls, cfg: ModelConfig, opts: dict) -> bool:
+        return _pure(cfg, "mamba") and opts["mamba"]["bcdt_rms_eps"] is not None and not opts["mamba"]["bcdt_rms_weight"]
 
 
 class _Mamba2:
@@ -105,11 +106,7 @@ class _Mamba2:
     per group), rmsnorm, head (untied by default)."""
 
     model_type = "mamba2"
-    layer = "mamba2"
-
-    @staticmethod
-    def conv_channels(c: dict) -> int:
-        return int(c.get("expand", 2) * c["hidden_size"]) + 2 * c.get("n_groups", 1) * c.get("state_size", 128)
+    conv_bias_key = "use_conv_bias"
 
     @staticmethod
     def config(c: dict) -> ModelConfig:
@@ -137,23 +134,235 @@ class _Mamba2:
         return _backbone_names(cfg, ("dt_bias", "A_log", "D", "in_proj.weight", "norm.weight", "out_proj.weight"))
 
     @staticmethod
-    def to_config(cfg: ModelConfig) -> dict:
-        o = cfg.mixer_options["mamba2"]
+    def to_config(cfg: ModelConfig, opts: dict) -> dict:
+        o = opts["mamba2"]
         return {"model_type": "mamba2", "architectures": ["Mamba2ForCausalLM"], "vocab_size": cfg.vocab_size,
                 "hidden_size": cfg.d_model, "num_hidden_layers": cfg.n_layers, "state_size": o["d_state"],
                 "head_dim": o["head_dim"], "num_heads": o["expand"] * cfg.d_model // o["head_dim"],
-                "expand": o["expand"], "n_groups": o.get("n_groups", 1), "conv_kernel": o["conv_size"],
+                "expand": o["expand"], "n_groups": o["n_groups"], "conv_kernel": o["conv_size"],
                 "layer_norm_epsilon": cfg.norm_eps, "use_bias": False, "use_conv_bias": True, "hidden_act": "silu",
-                "time_step_limit": [_json_float(v) for v in o.get("dt_limit", (0.0, float("inf")))],
+                "time_step_limit": [_json_float(v) for v in o["dt_limit"]],
                 "tie_word_embeddings": cfg.tie_embeddings, "residual_in_fp32": True}
 
     @classmethod
-    def matches(cls, cfg: ModelConfig) -> bool:
-        o = cfg.mixer_options.get("mamba2", {})
-        return o.get("norm_eps", 1e-6) == cfg.norm_eps
+    def matches(cls, cfg: ModelConfig, opts: dict) -> bool:
+        return _pure(cfg, "mamba2") and opts["mamba2"]["norm_eps"] == cfg.norm_eps
 
 
-MAPPINGS = {m.model_type: m for m in (_Mamba, _FalconMamba, _Mamba2)}
+def _pure(cfg: ModelConfig, layer: str) -> bool:
+    """Every layer is ``layer``, with no MLP and no learned positions (the Mamba family's structure)."""
+    return set(cfg.layers) == {layer} and not cfg.mlp and cfg.pos_emb == "none"
+
+
+_ATTN = ("q_proj.weight", "k_proj.weight", "v_proj.weight", "o_proj.weight")
+_MLP = {"w_gate.weight": "gate_proj.weight", "w_up.weight": "up_proj.weight", "w_down.weight": "down_proj.weight"}
+
+
+def _hybrid_names(cfg: ModelConfig, mixer_params: dict) -> dict:
+    """subquad name -> the checkpoint's, for the hybrid layout of Bamba and Jamba: model.{embed_tokens,
+    layers.i.{input_layernorm, mamba.* | self_attn.*, pre_ff_layernorm, feed_forward.*}, final_layernorm}
+    and lm_head. ``mixer_params``: ours -> theirs for the recurrent layer's parameters."""
+    out = {"embed.weight": "model.embed_tokens.weight", "norm.weight": "model.final_layernorm.weight"}
+    moe = set(cfg.moe_layers)
+    for i, name in enumerate(cfg.layers):
+        a, b = f"blocks.{i}.", f"model.layers.{i}."
+        out[a + "norm1.weight"] = b + "input_layernorm.weight"
+        out[a + "norm2.weight"] = b + "pre_ff_layernorm.weight"
+        if name == "softmax":
+            out.update({a + "mixer." + p: b + "self_attn." + p for p in _ATTN})
+        else:
+            out.update({a + "mixer." + ours: b + "mamba." + theirs for ours, theirs in mixer_params.items()})
+        f = b + "feed_forward."
+        if i in moe:
+            out[a + "mlp.router.weight"] = f + "router.weight"
+            for ours, theirs in _MLP.items():
+                out[a + "mlp." + ours.removesuffix(".weight")] = tuple(
+                    f"{f}experts.{e}.{theirs}" for e in range(cfg.moe["experts"]))
+        else:
+            out.update({a + "mlp." + ours: f + theirs for ours, theirs in _MLP.items()})
+    if not cfg.tie_embeddings:
+        out["head.weight"] = "lm_head.weight"
+    return out
+
+
+def _check_hybrid(c: dict) -> None:
+    """The fields Bamba and Jamba share that subquad implements one way."""
+    _require(c, "hidden_act", "silu")
+    _require(c, "mamba_proj_bias", False)
+    _require(c, "attention_bias", False)
+    _require(c, "mlp_bias", False)
+    hd = c.get("head_dim")
+    if hd is not None and hd != c["hidden_size"] // c["num_attention_heads"]:
+        raise ValueError(f"config field head_dim={hd} is not supported (subquad's attention uses hidden_size / "
+                         f"num_attention_heads = {c['hidden_size'] // c['num_attention_heads']})")
+
+
+def _common(c: dict, pattern: str, eps: float, **fields) -> ModelConfig:
+    return ModelConfig(vocab_size=c["vocab_size"], d_model=c["hidden_size"], n_layers=c["num_hidden_layers"],
+                       n_heads=c["num_attention_heads"], n_kv_heads=c.get("num_key_value_heads"), pattern=pattern,
+                       mlp=True, mlp_size=c["intermediate_size"], norm_eps=eps,
+                       tie_embeddings=c.get("tie_word_embeddings", False), context_length=1 << 20, **fields)
+
+
+class _Bamba:
+    """BambaForCausalLM: Mamba-2 layers (as Mamba2ForCausalLM's) and softmax attention layers (GQA, rotary
+    on the first half of each head's dims) at ``attn_layer_indices``, each followed by a SwiGLU MLP."""
+
+    model_type = "bamba"
+    conv_bias_key = "mamba_conv_bias"
+
+    @staticmethod
+    def config(c: dict) -> ModelConfig:
+        _check_hybrid(c)
+        rope = c.get("rope_parameters") or {"rope_theta": c.get("rope_theta", 10000.0)}
+        if rope.get("rope_type", "default") != "default":
+            raise ValueError(f"config field rope_parameters.rope_type={rope['rope_type']!r} is not supported "
+                             "(subquad implements 'default')")
+        H, E, n = c["hidden_size"], c.get("mamba_expand", 2), c["num_hidden_layers"]
+        heads = c.get("mamba_n_heads", 128)
+        hd = c.get("mamba_d_head", "auto")
+        hd = E * H // heads if hd == "auto" else hd
+        if heads * hd != E * H:
+            raise ValueError(f"config fields mamba_n_heads={heads} x mamba_d_head={hd} must equal mamba_expand x "
+                             f"hidden_size = {E * H}")
+        attn = set(c.get("attn_layer_indices") or ())
+        if any(not 0 <= i < n for i in attn):
+            raise ValueError(f"config field attn_layer_indices={sorted(attn)} names layers outside [0, {n})")
+        eps = c.get("rms_norm_eps", 1e-5)
+        m2 = {"d_state": c.get("mamba_d_state", 256), "head_dim": hd, "expand": E, "conv_size": c.get("mamba_d_conv", 4),
+              "n_groups": c.get("mamba_n_groups", 1), "norm_eps": eps}
+        limit = tuple(_float(v) for v in (c.get("time_step_limit") or (0.0, float("inf"))))
+        if limit != (0.0, float("inf")):
+            m2["dt_limit"] = limit
+        soft = {"rotary_base": float(rope.get("rope_theta", 10000.0)),
+                "rotary_fraction": float(rope.get("partial_rotary_factor", 0.5))}
+        pattern = ",".join("softmax" if i in attn else "mamba2" for i in range(n))
+        return _common(c, pattern, eps, mixer_options={"mamba2": m2, "softmax": soft})
+
+    @staticmethod
+    def names(cfg: ModelConfig) -> dict:
+        p = ("dt_bias", "A_log", "D", "in_proj.weight", "norm.weight", "out_proj.weight")
+        return _hybrid_names(cfg, {**{x: x for x in p}, "conv.weight": "conv1d.weight", "conv.bias": "conv1d.bias"})
+
+    @staticmethod
+    def to_config(cfg: ModelConfig, opts: dict) -> dict:
+        o, a = opts["mamba2"], opts.get("softmax", {})
+        return {"model_type": "bamba", "architectures": ["BambaForCausalLM"], "vocab_size": cfg.vocab_size,
+                "hidden_size": cfg.d_model, "intermediate_size": cfg.mlp_hidden, "num_hidden_layers": cfg.n_layers,
+                "num_attention_heads": cfg.n_heads, "num_key_value_heads": cfg.n_kv_heads or cfg.n_heads,
+                "attn_layer_indices": [i for i, n in enumerate(cfg.layers) if n == "softmax"],
+                "mamba_n_heads": o["expand"] * cfg.d_model // o["head_dim"], "mamba_d_head": o["head_dim"],
+                "mamba_n_groups": o["n_groups"], "mamba_d_state": o["d_state"], "mamba_d_conv": o["conv_size"],
+                "mamba_expand": o["expand"], "mamba_conv_bias": True, "mamba_proj_bias": False,
+                "time_step_limit": [_json_float(v) for v in o["dt_limit"]],
+                "rms_norm_eps": cfg.norm_eps, "hidden_act": "silu", "attention_bias": False, "mlp_bias": False,
+                "rope_parameters": {"rope_type": "default", "rope_theta": a.get("rotary_base", 10000.0),
+                                    "partial_rotary_factor": 0.5},
+                "tie_word_embeddings": cfg.tie_embeddings}
+
+    @classmethod
+    def matches(cls, cfg: ModelConfig, opts: dict) -> bool:
+        a = opts.get("softmax", {"rotary": True, "rotary_fraction": 0.5, "window": None})
+        return (set(cfg.layers) <= {"mamba2", "softmax"} and "mamba2" in cfg.layers and cfg.mlp and cfg.moe is None
+                and cfg.pos_emb == "none" and opts["mamba2"]["norm_eps"] == cfg.norm_eps
+                and a["rotary"] and a["rotary_fraction"] == 0.5 and a["window"] is None)
+
+
+class _Jamba:
+    """JambaForCausalLM: Mamba layers with weighted RMS norms on dt, B and C, softmax attention without
+    positional encoding at every ``attn_layer_period``-th layer from ``attn_layer_offset``, and after each a
+    SwiGLU MLP - a top-k mixture of experts at every ``expert_layer_period``-th layer from ``expert_layer_offset``."""
+
+    model_type = "jamba"
+    conv_bias_key = "mamba_conv_bias"
+
+    @staticmethod
+    def config(c: dict) -> ModelConfig:
+        _check_hybrid(c)
+        H, n = c["hidden_size"], c["num_hidden_layers"]
+        period, offset = c.get("attn_layer_period", 8), c.get("attn_layer_offset", 4)
+        rank = c.get("mamba_dt_rank", "auto")
+        rank = math.ceil(H / 16) if rank == "auto" else int(rank)
+        eps = c.get("rms_norm_eps", 1e-6)
+        mamba = {"d_state": c.get("mamba_d_state", 16), "expand": c.get("mamba_expand", 2),
+                 "conv_size": c.get("mamba_d_conv", 4), "dt_rank": rank, "bcdt_rms_eps": eps, "bcdt_rms_weight": True}
+        experts = c.get("num_experts", c.get("num_local_experts", 16))
+        moe = None
+        if experts > 1:
+            moe = {"experts": experts, "top_k": c.get("num_experts_per_tok", 2),
+                   "every": c.get("expert_layer_period", 2), "offset": c.get("expert_layer_offset", 1),
+                   "aux_loss_coef": c.get("router_aux_loss_coef", 0.001), "renormalize": False}
+        pattern = ",".join("softmax" if i % period == offset else "mamba" for i in range(n))
+        return _common(c, pattern, eps, moe=moe, mixer_options={"mamba": mamba, "softmax": {"rotary": False}})
+
+    @staticmethod
+    def names(cfg: ModelConfig) -> dict:
+        p = ("A_log", "D", "in_proj.weight", "x_proj.weight", "dt_proj.weight", "dt_proj.bias", "out_proj.weight")
+        return _hybrid_names(cfg, {**{x: x for x in p}, "conv.weight": "conv1d.weight", "conv.bias": "conv1d.bias",
+                                   "bcdt_norms.dt_norm.weight": "dt_layernorm.weight",
+                                   "bcdt_norms.b_norm.weight": "b_layernorm.weight",
+                                   "bcdt_norms.c_norm.weight": "c_layernorm.weight"})
+
+    @staticmethod
+    def to_config(cfg: ModelConfig, opts: dict) -> dict:
+        o, n = opts["mamba"], cfg.n_layers
+        attn = [i for i, name in enumerate(cfg.layers) if name == "softmax"]
+        period, offset = _period(attn, n)
+        m = cfg.moe or {"experts": 1, "top_k": 1, "every": 1, "offset": 0, "aux_loss_coef": 0.001}
+        return {"model_type": "jamba", "architectures": ["JambaForCausalLM"], "vocab_size": cfg.vocab_size,
+                "hidden_size": cfg.d_model, "intermediate_size": cfg.mlp_hidden, "num_hidden_layers": n,
+                "num_attention_heads": cfg.n_heads, "num_key_value_heads": cfg.n_kv_heads or cfg.n_heads,
+                "attn_layer_period": period, "attn_layer_offset": offset, "num_experts": m["experts"],
+                "num_experts_per_tok": m["top_k"], "expert_layer_period": m["every"], "expert_layer_offset": m["offset"],
+                "router_aux_loss_coef": m["aux_loss_coef"], "mamba_d_state": o["d_state"],
+                "mamba_d_conv": o["conv_size"], "mamba_expand": o["expand"], "mamba_dt_rank": o["dt_rank"],
+                "mamba_conv_bias": True, "mamba_proj_bias": False, "rms_norm_eps": cfg.norm_eps, "hidden_act": "silu",
+                "tie_word_embeddings": cfg.tie_embeddings}
+
+    @classmethod
+    def matches(cls, cfg: ModelConfig, opts: dict) -> bool:
+        if not (set(cfg.layers) <= {"mamba", "softmax"} and "mamba" in cfg.layers):
+            return False
+        o, a = opts["mamba"], opts.get("softmax", {"rotary": False, "window": None})
+        attn = [i for i, name in enumerate(cfg.layers) if name == "softmax"]
+        return (cfg.mlp and cfg.pos_emb == "none" and o["bcdt_rms_weight"] and o["bcdt_rms_eps"] == cfg.norm_eps
+                and not a["rotary"] and a["window"] is None and _period(attn, cfg.n_layers) is not None
+                and (cfg.moe is None or not cfg.moe["renormalize"]))
+
+
+def _layer_options(model) -> dict:
+    """{mixer name: the options its layers were built with, read from the first such layer} for the names
+    the checkpoint types use (defaults included, which a config's mixer_options may leave out)."""
+    out = {}
+    for block in model.blocks:
+        name, m = block.mixer_name, block.mixer
+        if name in out:
+            continue
+        if name == "mamba":
+            out[name] = {"d_state": m.d_state, "expand": m.d_inner // m.d_model, "conv_size": m.conv.kernel_size,
+                         "dt_rank": m.dt_rank, "bcdt_rms_eps": m.bcdt_rms_eps, "bcdt_rms_weight": m.bcdt_norms is not None}
+        elif name == "mamba2":
+            out[name] = {"d_state": m.d_state, "head_dim": m.head_dim, "expand": m.d_inner // m.d_model,
+                         "n_groups": m.n_groups, "conv_size": m.conv.kernel_size, "dt_limit": m.dt_limit,
+                         "norm_eps": m.norm.eps}
+        elif name == "softmax":
+            out[name] = {"rotary": m.rotary, "rotary_base": m.rotary_base, "window": m.window,
+                         "rotary_fraction": m.rotary_dim / m.head_dim}
+    return out
+
+
+def _period(indices: list, n: int):
+    """(period, offset) with ``i % period == offset`` exactly for ``indices`` among range(n), or None."""
+    if not indices:
+        return n + 1, n                               # never: no layer index reaches n
+    for period in range(1, n + 1):
+        offset = indices[0] % period
+        if [i for i in range(n) if i % period == offset] == indices:
+            return period, offset
+    return None
+
+
+MAPPINGS = {m.model_type: m for m in (_Mamba, _FalconMamba, _Mamba2, _Bamba, _Jamba)}
 
 
 def _backbone_names(cfg: ModelConfig, mixer_params) -> dict:
@@ -225,24 +434,28 @@ def from_pretrained(path, dtype=None, device=None):
     model = LanguageModel(cfg)
     names = mapping.names(cfg)
     tensors = read_weights(path)
-    if c.get("use_conv_bias", True) is False:        # no bias in the checkpoint: ours stays zero
-        for i in range(cfg.n_layers):
-            tensors[f"backbone.layers.{i}.mixer.conv1d.bias"] = torch.zeros(mapping.conv_channels(c))
     own = model.state_dict()
-    missing = [theirs for ours, theirs in names.items() if theirs not in tensors]
+    if c.get(mapping.conv_bias_key, True) is False:   # no conv bias in the checkpoint: ours stays zero
+        for ours, theirs in names.items():
+            if ours.endswith("mixer.conv.bias"):
+                tensors[theirs] = torch.zeros_like(own[ours])
+    wanted = [t for theirs in names.values() for t in (theirs if isinstance(theirs, tuple) else (theirs,))]
+    missing = [t for t in wanted if t not in tensors]
     if missing:
         raise ValueError(f"{path}: weights missing from the checkpoint: {', '.join(missing[:5])}"
                          f"{' ...' if len(missing) > 5 else ''}")
-    extra = set(tensors) - set(names.values()) - ({"lm_head.weight"} if cfg.tie_embeddings else set())
+    extra = set(tensors) - set(wanted) - ({"lm_head.weight"} if cfg.tie_embeddings else set())
     if extra:
         raise ValueError(f"{path}: unexpected weights in the checkpoint: {', '.join(sorted(extra)[:5])}")
     state = {}
     for ours, theirs in names.items():
-        t = tensors[theirs]
-        if t.shape != own[ours].shape:
-            raise ValueError(f"{path}: weight {theirs} has shape {tuple(t.shape)}, the config implies "
-                             f"{tuple(own[ours].shape)}")
-        state[ours] = t
+        parts = theirs if isinstance(theirs, tuple) else (theirs,)
+        want = own[ours].shape[1:] if isinstance(theirs, tuple) else own[ours].shape
+        for t in parts:
+            if tensors[t].shape != want:
+                raise ValueError(f"{path}: weight {t} has shape {tuple(tensors[t].shape)}, the config implies "
+                                 f"{tuple(want)}")
+        state[ours] = torch.stack([tensors[t] for t in parts]) if isinstance(theirs, tuple) else tensors[theirs]
     model.load_state_dict(state, strict=True)
     if dtype is not None or device is not None:
         model.to(device=device, dtype=dtype)
@@ -260,16 +473,22 @@ def save_pretrained(model, path) -> None:
     from safetensors.torch import save_file
 
     cfg = model.config
-    kind = next((m for m in MAPPINGS.values() if set(cfg.layers) == {m.layer} and not cfg.mlp and m.matches(cfg)),
-                None)
+    opts = _layer_options(model)
+    kind = next((m for m in MAPPINGS.values() if m.matches(cfg, opts)), None)
     if kind is None:
-        raise ValueError(f"no Hugging Face model type has this structure (pattern {cfg.pattern!r}, mlp={cfg.mlp}); "
-                         f"supported: {', '.join(sorted(MAPPINGS))}")
+        raise ValueError(f"no Hugging Face model type has this structure (pattern {cfg.pattern!r}, mlp={cfg.mlp}, "
+                         f"moe={cfg.moe}, options {cfg.mixer_options}); supported: {', '.join(sorted(MAPPINGS))}")
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     own = model.state_dict()
-    tensors = {theirs: own[ours].detach().cpu().contiguous() for ours, theirs in kind.names(cfg).items()}
+    tensors = {}
+    for ours, theirs in kind.names(cfg).items():
+        t = own[ours].detach().cpu()
+        if isinstance(theirs, tuple):                       # stacked experts: one tensor each
+            tensors.update({name: part.contiguous() for name, part in zip(theirs, t.unbind(0))})
+        else:
+            tensors[theirs] = t.contiguous()
     tmp = path / "model.safetensors.tmp"
     save_file(tensors, str(tmp), metadata={"format": "pt"})
     os.replace(tmp, path / "model.safetensors")
-    (path / "config.json").write_text(json.dumps(kind.to_config(cfg), indent=1))
+    (path / "config.json").write_text(json.dumps(kind.to_config(cfg, opts), indent=1))

@@ -18,6 +18,7 @@ from torch import nn
 
 from subquad.layers import RMSNorm, build_mixer, sequence, tensor_bytes
 from subquad.models.config import ModelConfig
+from subquad.models.moe import MoE, load_balancing_loss
 from subquad.ops.common.precision import checks_on
 
 
@@ -33,14 +34,18 @@ class SwiGLU(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: ModelConfig, mixer_name: str):
+    def __init__(self, cfg: ModelConfig, mixer_name: str, moe: bool = False):
         super().__init__()
         opts = {**cfg.mixer_options.get("*", {}), **cfg.mixer_options.get(mixer_name, {})}
         self.mixer_name = mixer_name
         self.norm1 = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.mixer = build_mixer(mixer_name, cfg.d_model, cfg.n_heads, n_kv_heads=cfg.n_kv_heads, **opts)
         self.norm2 = RMSNorm(cfg.d_model, cfg.norm_eps) if cfg.mlp else None
-        self.mlp = SwiGLU(cfg.d_model, cfg.mlp_hidden) if cfg.mlp else None
+        if moe:
+            m = cfg.moe
+            self.mlp = MoE(cfg.d_model, cfg.mlp_hidden, m["experts"], m["top_k"], m["renormalize"])
+        else:
+            self.mlp = SwiGLU(cfg.d_model, cfg.mlp_hidden) if cfg.mlp else None
 
     def forward(self, h, state=None, cu_seqlens=None):
         y, state = self.mixer(self.norm1(h), state, cu_seqlens=cu_seqlens)
@@ -65,7 +70,8 @@ class LanguageModel(nn.Module):
         self.config = cfg
         self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
         self.pos_embed = nn.Embedding(cfg.context_length, cfg.d_model) if cfg.pos_emb == "learned" else None
-        self.blocks = nn.ModuleList(Block(cfg, name) for name in cfg.layers)
+        moe = set(cfg.moe_layers)
+        self.blocks = nn.ModuleList(Block(cfg, name, i in moe) for i, name in enumerate(cfg.layers))
         self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.head = None if cfg.tie_embeddings else nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         self.apply(self._init)
@@ -86,6 +92,14 @@ class LanguageModel(nn.Module):
         from subquad.models.hf import save_pretrained
 
         save_pretrained(self, path)
+
+    def aux_loss(self) -> torch.Tensor:
+        """The mixture-of-experts router's load-balancing loss of the last forward (``subquad.models.moe``),
+        unscaled (the trainer adds ``config.moe["aux_loss_coef"]`` times it); 0 without MoE layers."""
+        stats = [b.mlp.router_stats for b in self.blocks if isinstance(b.mlp, MoE) and b.mlp.router_stats]
+        if not stats:
+            return torch.zeros((), device=self.embed.weight.device)
+        return load_balancing_loss(stats, self.config.moe["experts"])
 
     def num_parameters(self) -> int:
         return sum(p.numel() for p in self.parameters())

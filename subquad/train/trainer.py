@@ -320,7 +320,13 @@ class Trainer:
                         raise TrainingDiverged(f"loss became {loss.item()} at step {step}; stopped. The last good "
                                                f"checkpoint is kept in {self.run_dir / 'ckpt'} (try a lower --lr)")
                     self.opt.zero_grad(set_to_none=True)
-                    loss.backward()              # DDP all-reduces the gradients here
+                    moe = getattr(model.config, "moe", None)
+                    if moe:                      # the router's load-balancing loss joins the objective
+                        aux = model.aux_loss()
+                        (loss + moe["aux_loss_coef"] * aux).backward()
+                        aux = aux.detach()
+                    else:
+                        loss.backward()          # DDP all-reduces the gradients here
                     if self.cp_group is not None:
                         self._average_gradients()
                     if self.world > 1:
@@ -349,6 +355,8 @@ class Trainer:
                 t_last = now
                 rec = {"step": step, "loss": round(loss.item(), 5), "lr": lr, "grad_norm": round(float(gnorm), 4),
                        "tokens_per_s": round(tok_rate, 1), **({"skipped": True} if skipped else {})}
+                if moe:
+                    rec["aux_loss"] = round(aux.item(), 5)
                 if (lead or self.cp_group is not None) and (step % cfg.eval_every == 0 or step == cfg.steps):
                     ev = evaluate(model, self.data.heldout, self.context, cfg.batch_size, cfg.eval_batches, cfg.bf16,
                                   cp_group=self.cp_group, eot=self.eot)

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from subquad.layers import GatedLinearAttention, Mamba2, MultiScaleRetention, build_mixer
+from subquad.layers import GatedLinearAttention, Mamba2, MultiScaleRetention, SoftmaxAttention, build_mixer
 from tests.ops.harness import assert_close
 
 D = 32
@@ -162,3 +162,24 @@ def test_every_layer_class_documents_its_recurrence_arguments_and_state():
     for cls in set(CLASSES.values()):
         doc = cls.__doc__ or ""
         assert "Args" in doc and "State" in doc and ("_t" in doc or "S_t" in doc), cls.__name__
+
+
+def test_partial_rotary_rotates_the_leading_dims_only():
+    """rotary_fraction: the first fraction of each head's dims rotate (with the base over those dims), the
+    rest pass through (one rotated pair checked by hand)."""
+    import math
+
+    from subquad.layers.rotary import apply_rotary
+
+    torch.manual_seed(0)
+    x = torch.randn(1, 5, 2, 12, dtype=torch.float64)
+    y = apply_rotary(x, 3, base=500.0, dim=8)
+    torch.testing.assert_close(y[..., 8:], x[..., 8:], rtol=0, atol=0)
+    t, i = 2, 1                                          # position 3 + 2, pair (1, 5) of the 8 rotating dims
+    ang = 5 * 500.0 ** (-2 * i / 8)
+    want = x[0, t, 0, i] * math.cos(ang) - x[0, t, 0, i + 4] * math.sin(ang)
+    assert abs(y[0, t, 0, i].item() - want.item()) < 1e-12
+    layer = SoftmaxAttention(48, 4, rotary_fraction=0.5, rotary_base=500.0)
+    assert layer.rotary_dim == 6
+    with pytest.raises(ValueError, match="rotary_fraction"):
+        SoftmaxAttention(48, 4, rotary_fraction=0.25)    # 3 of 12 dims: not even

@@ -1,0 +1,85 @@
+"""Sparse mixture-of-experts SwiGLU MLP with top-k routing (Shazeer et al. 2017; Mixtral; Jamba).
+
+    p      = softmax(x W_r^T)                          (N, E) router probabilities, at least float32
+    S, w   = top_k(p)                                  each token's k experts and their probabilities
+                                                       (renormalised to sum 1 with ``renormalize``, as
+                                                       Mixtral; Jamba keeps them as they are)
+    y      = sum_{e in S} w_e * W_down_e (silu(W_gate_e x) * W_up_e x)
+
+Full capacity: no token is dropped. Each expert runs one matmul over the tokens routed to it.
+
+The router's load-balancing loss (Switch Transformer, eqs. 4-6), over all MoE layers of a forward as
+transformers' ``load_balancing_loss_func`` computes it (one pool of L * N router rows):
+
+    f_e = (choices of expert e, each token counting k) / (L N),   P_e = sum of p_e / (L N)
+    aux = E * sum_e f_e P_e                                        (= k at a uniform router)
+
+``aux`` reaches its minimum when routing is uniform; the trainer adds ``aux_loss_coef * aux`` to the loss.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class MoE(nn.Module):
+    """x (..., d_model) -> (..., d_model). Weights: ``router`` (E, d_model), ``w_gate`` and ``w_up``
+    (E, hidden, d_model), ``w_down`` (E, d_model, hidden). After each forward ``router_stats`` holds
+    (choices per expert (E,), sum of router probabilities per expert (E,), rows) for the auxiliary loss."""
+
+    def __init__(self, d_model: int, hidden: int, experts: int, top_k: int = 2, renormalize: bool = False):
+        super().__init__()
+        if not 1 <= top_k <= experts:
+            raise ValueError(f"top_k={top_k} must lie in [1, experts={experts}]")
+        self.experts, self.top_k, self.renormalize = experts, top_k, renormalize
+        self.router = nn.Linear(d_model, experts, bias=False)
+        self.w_gate = nn.Parameter(torch.randn(experts, hidden, d_model) * 0.02)
+        self.w_up = nn.Parameter(torch.randn(experts, hidden, d_model) * 0.02)
+        self.w_down = nn.Parameter(torch.randn(experts, d_model, hidden) * 0.02)
+        self.router_stats = None
+
+    def route(self, x):
+        """x (N, d_model) -> (probabilities (N, E) float32, top-k weights (N, k), top-k experts (N, k))."""
+        logits = self.router(x)
+        probs = torch.softmax(logits, dim=-1, dtype=torch.promote_types(logits.dtype, torch.float32))
+        w, idx = probs.topk(self.top_k, dim=-1)
+        if self.renormalize:
+            w = w / w.sum(-1, keepdim=True)
+        return probs, w, idx
+
+    def forward(self, x):
+        shape = x.shape
+        x = x.reshape(-1, shape[-1])
+        probs, w, idx = self.route(x)
+        flat = idx.reshape(-1)                                   # (N k,) choice j belongs to token j // k
+        counts = torch.bincount(flat, minlength=self.experts)
+        self.router_stats = (counts.to(probs.dtype), probs.sum(0), x.shape[0])
+        order = flat.argsort(stable=True)                        # choices grouped by expert
+        w = w.reshape(-1)
+        out = None
+        start = 0
+        for e, c in enumerate(counts.tolist()):
+            if c == 0:
+                continue
+            sel = order[start:start + c]
+            start += c
+            tok = sel // self.top_k
+            h = x[tok]
+            y = F.silu(h @ self.w_gate[e].T) * (h @ self.w_up[e].T)
+            y = (y @ self.w_down[e].T) * w[sel].to(y.dtype).unsqueeze(-1)
+            if out is None:
+                out = torch.zeros(x.shape, dtype=y.dtype, device=x.device)
+            out.index_add_(0, tok, y)
+        if out is None:                                          # no tokens
+            out = torch.zeros_like(x)
+        return out.reshape(shape)
+
+
+def load_balancing_loss(stats: list, experts: int) -> torch.Tensor:
+    """The auxiliary loss (module doc) from the ``router_stats`` of every MoE layer of one forward."""
+    counts = sum(s[0] for s in stats)
+    probs = sum(s[1] for s in stats)
+    rows = sum(s[2] for s in stats)
+    return experts * (counts / rows * probs / rows).sum()

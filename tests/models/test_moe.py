@@ -1,0 +1,129 @@
+"""The mixture-of-experts MLP: equal to every expert run on every token with the router's masked weights
+(float64, values and gradients), its load-balancing loss equal to a count by hand, its config refused by
+name when wrong, and trainable - the trainer adds the router loss and logs it."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from subquad.models import LanguageModel, ModelConfig
+from subquad.models.moe import MoE
+
+
+def _dense_reference(moe, x):
+    """Every expert on every token, weighted by the top-k mask of the softmax (0 elsewhere)."""
+    probs = torch.softmax(x @ moe.router.weight.T, -1)
+    w, idx = probs.topk(moe.top_k, -1)
+    if moe.renormalize:
+        w = w / w.sum(-1, keepdim=True)
+    weight = torch.zeros_like(probs).scatter(-1, idx, w)                     # (..., E)
+    outs = torch.stack([(F.silu(x @ moe.w_gate[e].T) * (x @ moe.w_up[e].T)) @ moe.w_down[e].T
+                        for e in range(moe.experts)], -1)                   # (..., D, E)
+    return (outs * weight.unsqueeze(-2)).sum(-1)
+
+
+@pytest.mark.parametrize("renormalize", [False, True])
+@pytest.mark.parametrize("experts,top_k", [(4, 2), (5, 1), (3, 3)])
+def test_moe_equals_every_expert_on_every_token(experts, top_k, renormalize):
+    torch.manual_seed(0)
+    moe = MoE(16, 24, experts, top_k, renormalize).double()
+    with torch.no_grad():
+        moe.router.weight.mul_(50)                            # decisive routing: no top-k near ties
+    x = torch.randn(3, 19, 16, dtype=torch.float64, requires_grad=True)
+    got = moe(x)
+    want = _dense_reference(moe, x)
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    g = torch.randn_like(got)
+    grads = torch.autograd.grad((got * g).sum(), [x, *moe.parameters()])
+    refs = torch.autograd.grad((want * g).sum(), [x, *moe.parameters()])
+    for a, b in zip(grads, refs):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+
+
+def test_load_balancing_loss_by_hand():
+    torch.manual_seed(1)
+    cfg = ModelConfig(vocab_size=40, d_model=16, n_layers=3, n_heads=2, pattern="gla", mlp_size=24,
+                      moe={"experts": 4, "top_k": 2, "every": 1})
+    model = LanguageModel(cfg).double()
+    idx = torch.randint(0, 40, (2, 11))
+    model(idx)
+    # independently: hook each router's input, count the top-2 choices and sum the probabilities by hand
+    inputs = []
+    hooks = [b.mlp.router.register_forward_hook(lambda m, a, out: inputs.append(out)) for b in model.blocks]
+    model(idx)
+    for h in hooks:
+        h.remove()
+    counts, probs, rows = torch.zeros(4, dtype=torch.float64), torch.zeros(4, dtype=torch.float64), 0
+    for logits in inputs:
+        p = torch.softmax(logits.reshape(-1, 4), -1)
+        for row in p:
+            for e in row.topk(2).indices.tolist():
+                counts[e] += 1
+        probs += p.sum(0)
+        rows += p.shape[0]
+    want = 4 * ((counts / rows) * (probs / rows)).sum()
+    torch.testing.assert_close(model.aux_loss(), want, rtol=1e-12, atol=0)
+    assert model.aux_loss().requires_grad                   # it trains the router
+
+
+def test_moe_layers_and_sizes():
+    cfg = ModelConfig(vocab_size=40, d_model=16, n_layers=5, n_heads=2, mlp_size=20,
+                      moe={"experts": 3, "every": 2, "offset": 1})
+    model = LanguageModel(cfg)
+    assert cfg.moe_layers == [1, 3]
+    assert [isinstance(b.mlp, MoE) for b in model.blocks] == [False, True, False, True, False]
+    assert model.blocks[1].mlp.w_gate.shape == (3, 20, 16) and model.blocks[0].mlp.w_up.weight.shape == (20, 16)
+    assert cfg.moe == {"experts": 3, "top_k": 2, "every": 2, "offset": 1, "aux_loss_coef": 0.01,
+                       "renormalize": False}
+    assert ModelConfig.from_dict(json.loads(json.dumps(cfg.to_dict()))) == cfg      # a run config round trip
+
+
+@pytest.mark.parametrize("moe,match", [
+    ({"experts": 1}, "experts"), ({"experts": 4, "top_k": 5}, "top_k"), ({"experts": 4, "every": 2, "offset": 2},
+                                                                          "offset"),
+    ({"experts": 4, "capacity": 1.0}, "unknown moe keys"), ({"top_k": 2}, "experts"), ([4], "must be a dict"),
+    ({"experts": 4, "aux_loss_coef": -1}, "aux_loss_coef")])
+def test_bad_moe_options_are_refused_by_name(moe, match):
+    with pytest.raises(ValueError, match=match):
+        ModelConfig(moe=moe)
+    with pytest.raises(ValueError, match="mlp_size"):
+        ModelConfig(mlp_size=0)
+
+
+def test_moe_needs_an_mlp():
+    with pytest.raises(ValueError, match="mlp=True"):
+        ModelConfig(mlp=False, moe={"experts": 4})
+
+
+def test_a_moe_model_trains_with_the_router_loss(tmp_path):
+    from subquad.data import prepare
+    from subquad.train import TrainConfig, Trainer
+
+    (tmp_path / "t.txt").write_text("".join(f"def f{i % 13}(x):\n    return x * {i % 7} + {i % 5}\n" for i in range(400)))
+    data = prepare(str(tmp_path / "t.txt"), vocab_size=300, cache_dir=tmp_path / "cache", log=lambda m: None)
+    torch.manual_seed(0)
+    cfg = ModelConfig(vocab_size=300, d_model=32, n_layers=2, n_heads=2, pattern="mamba2,softmax", context_length=32,
+                      moe={"experts": 4, "top_k": 1, "aux_loss_coef": 0.5})
+    Trainer(LanguageModel(cfg), data, TrainConfig(steps=30, batch_size=4, lr=3e-3, eval_every=30),
+            tmp_path / "run", progress=False).fit()
+    lines = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert all("aux_loss" in r for r in lines) and lines[-1]["loss"] < lines[0]["loss"] - 1.0
+    assert all(0.9 <= r["aux_loss"] <= 1.5 for r in lines)   # top-1: 1 at a balanced router
+
+
+def test_bf16_autocast_and_packed_sequences():
+    torch.manual_seed(0)
+    cfg = ModelConfig(vocab_size=40, d_model=16, n_layers=2, n_heads=2, moe={"experts": 4})
+    model = LanguageModel(cfg)
+    idx = torch.randint(0, 40, (1, 23))
+    ref = model(idx)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        low = model(idx)
+    assert low.dtype == torch.bfloat16 and (low.float() - ref).abs().max() <= 0.05 * ref.abs().max()
+    cu = torch.tensor([0, 9, 23])
+    packed = model(idx, cu_seqlens=cu)
+    torch.testing.assert_close(packed[:, 9:], model(idx[:, 9:]), rtol=1e-5, atol=1e-5)
