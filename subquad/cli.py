@@ -71,12 +71,30 @@ def _option(text: str):
     return mixer, name, value
 
 
+def _moe(text: str) -> dict:
+    """--moe experts=8,top_k=2,every=2,offset=1  ->  the ModelConfig moe dict (checked by ModelConfig)."""
+    import json
+
+    out = {}
+    for item in text.split(","):
+        key, eq, value = item.partition("=")
+        if not eq or not key.strip():
+            raise argparse.ArgumentTypeError(f"--moe takes KEY=VALUE pairs (e.g. experts=8,top_k=2), got {text!r}")
+        try:
+            out[key.strip()] = json.loads(value)
+        except json.JSONDecodeError:
+            raise argparse.ArgumentTypeError(f"--moe {key}: {value!r} is not a number or true/false") from None
+    return out
+
+
 def _model_config(args):
     from subquad.models import preset
 
     overrides = {field: getattr(args, dest) for dest, field in _MODEL_FLAGS.items() if getattr(args, dest) is not None}
     if args.no_mlp:
         overrides["mlp"] = False
+    if getattr(args, "moe", None):
+        overrides["moe"] = args.moe
     opts: dict = {}
     for mixer, name, value in args.mixer_option or []:
         opts.setdefault(mixer, {})[name] = value
@@ -129,6 +147,8 @@ def _resume_configs(args):
         asked["mlp"] = False
     if "mixer_option" in given:
         asked["mixer_options"] = _model_config(args).mixer_options
+    if "moe" in given:
+        asked["moe"] = _model_config(args).moe
     for field, value in asked.items():
         if model.get(field) != value:
             refused.append(f"{field} {value!r} (the run has {model.get(field)!r})")
@@ -468,6 +488,9 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--context", type=_positive, help="training context length (default: the preset's)")
     t.add_argument("--vocab-size", type=_positive, help="BPE vocabulary (default: the preset's, 4096)")
     t.add_argument("--no-mlp", action="store_true", help="no SwiGLU MLP after the mixers")
+    t.add_argument("--moe", type=_moe, metavar="KEY=VALUE,...",
+                   help="mixture-of-experts MLPs, e.g. experts=8,top_k=2,every=2,offset=1 (keys: experts, top_k, "
+                        "every, offset, aux_loss_coef, renormalize)")
     t.add_argument("--mixer-option", type=_option, action="append", metavar="MIXER.KEY=VALUE",
                    help="e.g. swa.window=128, linear.feature_map=performer, *.chunk_size=128 (repeatable)")
     t.add_argument("--steps", type=_positive, default=600, help="optimizer steps (on --resume: may grow)")

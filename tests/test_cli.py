@@ -136,3 +136,23 @@ def test_device_flag_refuses_what_is_not_there(capsys):
         with pytest.raises(SystemExit) as e:
             main(["train", "--device", "cuda", "--no-progress"])
         assert e.value.code == 2 and "CUDA is not available" in capsys.readouterr().err
+
+
+def test_train_with_a_mixture_of_experts_and_resume_refuses_another(tmp_path, capsys, corpus):
+    run = tmp_path / "moe"
+    argv = ["train", "--data", str(corpus), "--vocab-size", "300", "--d-model", "32", "--n-layers", "2",
+            "--n-heads", "2", "--context", "32", "--pattern", "mamba", "--steps", "3", "--batch-size", "2",
+            "--eval-every", "3", "--ckpt-every", "3", "--out", str(run), "--no-progress",
+            "--moe", "experts=4,top_k=1,every=2,offset=1"]
+    assert main(argv) == 0
+    lines = [json.loads(ln) for ln in (run / "metrics.jsonl").read_text().splitlines()]
+    assert all("aux_loss" in r for r in lines)
+    from subquad.models.moe import MoE
+    from subquad.train import load_run
+
+    model, _, _ = load_run(run)
+    assert model.config.moe["experts"] == 4 and isinstance(model.blocks[1].mlp, MoE)
+    assert main(argv[:-1] + ["experts=8,top_k=1,every=2,offset=1", "--resume", "--steps", "4"]) == 2
+    assert "moe" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["train", "--moe", "experts"])
