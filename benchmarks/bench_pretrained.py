@@ -1,18 +1,32 @@
-"""Published checkpoints' shapes on CPU: subquad's from_pretrained model against transformers' own, same
-weights (random, at the real shapes: nothing is downloaded).
+"""Published checkpoints' shapes on CPU: subquad's from_pretrained model against transformers' own (and
+llama.cpp's, where it is installed), same weights - random, at the real shapes: nothing is downloaded.
 
-mamba-130m (d_model 768, 24 layers, vocab 50,280) and mamba2-130m (d_model 768, 24 layers, 24 heads of
-64, state 128, 1 group), float32, batch 1: prefill 2,048 tokens and decode 256 tokens one at a time
-(greedy: the time of generating n tokens less that of generating 1), tokens/s, interleaved; decode beside the weight-bandwidth bound (bytes of weights read per
-token / this machine's measured copy bandwidth). Writes results/pretrained.{json,md}.
+Models: mamba-130m (d_model 768, 24 layers, vocab 50,280), mamba2-130m (24 heads of 64, state 128), and
+a 4-layer Jamba-like model (d_model 768, attention at layer 2, a top-2 mixture of 8 experts at layers 1
+and 3). For each dtype (float32, bfloat16) and batch (1: prefill 2,048 tokens, decode 256; 8: prefill
+512 each, decode 64 - transformers' reference path needs minutes for 8 x 2,048): prefill tokens/s,
+decode ms per step (greedy; the time of generating n tokens less that of generating 1, per step), and
+each process's peak resident memory. Every measurement runs in its own process (peak memory is per
+process), subquad and transformers interleaved, best of --repeats. Decode is shown beside the weight-read
+bound (bytes of weights per token / this machine's measured read bandwidth).
 
-    python benchmarks/bench_pretrained.py            # ~5 minutes
-    python benchmarks/bench_pretrained.py --quick    # tiny shapes, seconds
+llama.cpp: with --llama-python (a Python with llama-cpp-python) and --llama-src (its source package's
+vendor/llama.cpp, whose convert_hf_to_gguf.py converts the folder), the float32 GGUF of the same weights
+is measured at batch 1 for each model its converter takes.
+
+    python benchmarks/bench_pretrained.py                       # ~25 minutes
+    python benchmarks/bench_pretrained.py --models mamba --dtypes float32 --batches 1
+    python benchmarks/bench_pretrained.py --quick               # tiny shapes, seconds
+Writes results/pretrained.{json,md}.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
+import os
+import resource
+import subprocess
 import sys
 import tempfile
 import time
@@ -20,96 +34,202 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from benchmarks.common import machine_line, parse_args  # noqa: E402
-from subquad.models import from_pretrained  # noqa: E402
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+from benchmarks.common import OUT, machine_line  # noqa: E402
 
 
 def hf_model(kind, quick):
+    """A random transformers model at the kind's real shape (tiny with ``quick``)."""
     import transformers
 
     torch.manual_seed(0)
+    V = 1000 if quick else 50280
     if kind == "mamba":
-        cfg = transformers.MambaConfig(vocab_size=50280, hidden_size=768, num_hidden_layers=24, state_size=16)
-        if quick:
-            cfg = transformers.MambaConfig(vocab_size=1000, hidden_size=64, num_hidden_layers=2, state_size=8)
-        return transformers.MambaForCausalLM(cfg).eval()
-    cfg = transformers.Mamba2Config(vocab_size=50280, hidden_size=768, num_hidden_layers=24, num_heads=24, head_dim=64,
-                                    state_size=128, n_groups=1, expand=2, tie_word_embeddings=True)
-    if quick:
-        cfg = transformers.Mamba2Config(vocab_size=1000, hidden_size=64, num_hidden_layers=2, num_heads=4,
-                                        head_dim=32, state_size=16, n_groups=1, tie_word_embeddings=True)
-    return transformers.Mamba2ForCausalLM(cfg).eval()
+        c = dict(hidden_size=64, num_hidden_layers=2, state_size=8) if quick else \
+            dict(hidden_size=768, num_hidden_layers=24, state_size=16)
+        return transformers.MambaForCausalLM(transformers.MambaConfig(vocab_size=V, **c))
+    if kind == "mamba2":
+        c = dict(hidden_size=64, num_hidden_layers=2, num_heads=4, head_dim=32, state_size=16) if quick else \
+            dict(hidden_size=768, num_hidden_layers=24, num_heads=24, head_dim=64, state_size=128)
+        return transformers.Mamba2ForCausalLM(transformers.Mamba2Config(vocab_size=V, n_groups=1, expand=2,
+                                                                        tie_word_embeddings=True, **c))
+    H = 64 if quick else 768
+    cfg = transformers.JambaConfig(vocab_size=V, hidden_size=H, intermediate_size=2 * H + H // 2 * 2,
+                                   num_hidden_layers=4, num_attention_heads=4 if quick else 12,
+                                   num_key_value_heads=2 if quick else 4, num_experts=8, num_experts_per_tok=2,
+                                   expert_layer_period=2, expert_layer_offset=1, attn_layer_period=4,
+                                   attn_layer_offset=2, mamba_d_state=16, tie_word_embeddings=True)
+    return transformers.JambaForCausalLM(cfg)
 
 
-def copy_gbps():
-    a = torch.empty(64 << 20, dtype=torch.uint8)
-    b = torch.empty_like(a)
-    b.copy_(a)
-    t = time.perf_counter()
+def read_gbps():
+    """This machine's read bandwidth (GB/s): summing 256 MB of touched memory, best of 5."""
+    a = torch.randn(64 << 20)                                 # 256 MB, written (so its pages are real)
+    best = 1e9
     for _ in range(5):
-        b.copy_(a)
-    return 5 * 2 * a.numel() / (time.perf_counter() - t) / 1e9      # read + write
-
-
-@torch.no_grad()
-def timings(kind, hf, ours, T, n_new):
-    ids = torch.randint(0, hf.config.vocab_size, (1, T), generator=torch.Generator().manual_seed(1))
-    out = {}
-    for who in ("subquad", "transformers", "subquad", "transformers"):          # interleaved, best of two
         t = time.perf_counter()
-        if who == "subquad":
-            ours(ids)
-        else:
-            hf(ids)
-        pre = time.perf_counter() - t
-        def gen(n):
-            t = time.perf_counter()
-            if who == "subquad":
-                ours.generate(ids[0].tolist(), n, temperature=0)
-            else:
-                hf.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False)
-            return time.perf_counter() - t
+        a.sum()
+        best = min(best, time.perf_counter() - t)
+    return a.numel() * 4 / best / 1e9
 
-        dec = (gen(n_new) - gen(1)) * n_new / (n_new - 1)   # generate prefills too: the difference is decoding
-        best = out.setdefault(who, {"prefill_s": pre, "decode_s": dec})
-        best["prefill_s"], best["decode_s"] = min(best["prefill_s"], pre), min(best["decode_s"], dec)
-    for who, r in out.items():
-        r["prefill_tok_s"] = T / r["prefill_s"]
-        r["decode_ms_per_token"] = 1e3 * r["decode_s"] / n_new
-    return out
+
+def worker(who, folder, dtype, batch, T, n_new):
+    """One measurement in this process: prints a JSON line."""
+    torch.set_num_threads(2)
+    dt = getattr(torch, dtype)
+    V = json.loads((Path(folder) / "config.json").read_text())["vocab_size"]
+    ids = torch.randint(0, V, (batch, T), generator=torch.Generator().manual_seed(1))
+    if who == "subquad":
+        from subquad.models import from_pretrained
+
+        model, _ = from_pretrained(folder, dtype=dt)
+
+        def prefill():
+            return model.prefill(ids)
+
+        def gen(n):
+            return model.generate(ids, n, temperature=0)
+    else:
+        import transformers
+
+        extra = {"experts_implementation": "eager"} if "jamba" in Path(folder).name else {}
+        model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=dt, **extra).eval()
+
+        def prefill():
+            return model(ids)
+
+        def gen(n):
+            return model.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False)
+    with torch.no_grad():
+        t = time.perf_counter()
+        prefill()
+        pre = time.perf_counter() - t
+        t = time.perf_counter()
+        gen(1)
+        one = time.perf_counter() - t
+        t = time.perf_counter()
+        gen(n_new)
+        many = time.perf_counter() - t
+    peak = _peak_mb()
+    print(json.dumps({"prefill_tok_s": batch * T / pre, "decode_ms": 1e3 * (many - one) / (n_new - 1),
+                      "peak_mb": peak}))
+
+
+def _peak_mb():
+    """This process's peak resident memory (VmHWM; ru_maxrss would count the launching process's too)."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 1024
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def run_worker(*args, python=sys.executable):
+    out = subprocess.run([python, __file__, "--worker", *map(str, args)], capture_output=True, text=True,
+                         env={**os.environ, "OMP_NUM_THREADS": "2"})
+    if out.returncode:
+        raise RuntimeError(f"worker {args} failed:\n{out.stderr[-2000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def llama_cpp(folder, args, T, n_new):
+    """float32 GGUF of the folder (its converter), then prefill/decode at batch 1 in llama-cpp-python's
+    Python; None (and why) where the converter or the runtime refuses the model."""
+    gguf = Path(folder).with_suffix(".gguf")
+    conv = subprocess.run([sys.executable, str(Path(args.llama_src) / "convert_hf_to_gguf.py"), str(folder),
+                           "--outfile", str(gguf), "--outtype", "f32"], capture_output=True, text=True,
+                          env={**os.environ, "PYTHONPATH": str(Path(args.llama_src) / "gguf-py")})
+    if conv.returncode:
+        return {"error": "convert_hf_to_gguf.py: " + conv.stderr.strip().splitlines()[-1][:200]}
+    code = f"""
+import json, random, time
+from llama_cpp import Llama
+llm = Llama(model_path={str(gguf)!r}, n_ctx={T + n_new + 8}, n_threads=2, n_batch=512, verbose=False)
+random.seed(1)
+ids = [random.randrange(100, 1000) for _ in range({T})]
+t = time.perf_counter(); llm.eval(ids); pre = time.perf_counter() - t
+t = time.perf_counter()
+for _ in range({n_new}):
+    llm.eval([llm.sample(temp=0.0)])
+dec = time.perf_counter() - t
+hwm = [l for l in open("/proc/self/status") if l.startswith("VmHWM:")][0].split()[1]
+print(json.dumps({{"prefill_tok_s": {T} / pre, "decode_ms": 1e3 * dec / {n_new}, "peak_mb": int(hwm) / 1024}}))
+"""
+    out = subprocess.run([args.llama_python, "-c", code], capture_output=True, text=True,
+                         env={**os.environ, "OMP_NUM_THREADS": "2"})
+    gguf.unlink(missing_ok=True)
+    if out.returncode:
+        return {"error": "llama.cpp: " + (out.stderr.strip().splitlines() or ["failed"])[-1][:200]}
+    return json.loads(out.stdout.strip().splitlines()[-1])
 
 
 def main(argv=None):
-    args = parse_args(__doc__, argv)
-    T, n_new = (64, 16) if args.quick else (2048, 256)
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true")
+    p.add_argument("--out", type=Path, default=OUT)
+    p.add_argument("--models", default="mamba,mamba2,jamba")
+    p.add_argument("--dtypes", default="float32,bfloat16")
+    p.add_argument("--batches", default="1,8")
+    p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--llama-python", help="a Python with llama-cpp-python installed")
+    p.add_argument("--llama-src", help="llama.cpp's source tree (convert_hf_to_gguf.py, gguf-py)")
+    p.add_argument("--worker", nargs=6, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.worker:
+        who, folder, dtype, batch, T, n_new = args.worker
+        return worker(who, folder, dtype, int(batch), int(T), int(n_new))
+    torch.set_num_threads(2)
+    args.out.mkdir(parents=True, exist_ok=True)
+    suffix = "_quick" if args.quick else ""
     machine = machine_line()
-    gbps = copy_gbps()
-    print(machine, f"copy {gbps:.1f} GB/s", flush=True)
-    res = {"machine": machine, "copy_gbps": gbps, "rows": {}}
-    for kind in ("mamba", "mamba2"):
-        hf = hf_model(kind, args.quick)
-        with tempfile.TemporaryDirectory() as d:
-            hf.save_pretrained(d)
-            ours, _ = from_pretrained(d)
-        params = sum(p.numel() for p in ours.parameters())
-        bound_ms = 1e3 * params * 4 / (gbps * 1e9 / 2)          # every weight read once per token (read only)
-        r = timings(kind, hf, ours, T, n_new)
-        r["parameters"], r["bound_ms_per_token"] = params, bound_ms
-        res["rows"][kind] = r
-        print(kind, json.dumps(r), flush=True)
-    md = [f"{machine}; copy bandwidth {gbps:.1f} GB/s (read + write). Random weights at the real shapes, float32, "
-          f"batch 1; prefill {T:,} tokens, then {n_new} greedy tokens; best of two interleaved runs.", "",
-          "| model | parameters | prefill tok/s: subquad | transformers | ratio | decode ms/token: subquad | "
-          "transformers | ratio | weight-read bound ms/token |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
-    for kind, r in res["rows"].items():
-        s, h = r["subquad"], r["transformers"]
-        md.append(f"| {kind} | {r['parameters']:,} | {s['prefill_tok_s']:,.0f} | {h['prefill_tok_s']:,.0f} | "
-                  f"{s['prefill_tok_s'] / h['prefill_tok_s']:.2f}x | {s['decode_ms_per_token']:.1f} | "
-                  f"{h['decode_ms_per_token']:.1f} | {h['decode_ms_per_token'] / s['decode_ms_per_token']:.2f}x | "
-                  f"{r['bound_ms_per_token']:.1f} |")
-    (args.out / f"pretrained{args.suffix}.json").write_text(json.dumps(res, indent=2))
-    (args.out / f"pretrained{args.suffix}.md").write_text("\n".join(md) + "\n")
+    gbps = read_gbps()
+    print(machine, f"read bandwidth {gbps:.1f} GB/s", flush=True)
+    res = {"machine": machine, "read_gbps": gbps, "rows": []}
+    with tempfile.TemporaryDirectory() as tmp:
+        for kind in args.models.split(","):
+            folder = Path(tmp) / kind
+            hf = hf_model(kind, args.quick)
+            hf.save_pretrained(folder)
+            params = sum(p.numel() for p in hf.parameters())
+            active = params
+            if kind == "jamba":                        # a token reads its top-2 of 8 experts only
+                moe = sum(p.numel() for n, p in hf.named_parameters() if ".experts." in n)
+                active = params - moe + moe * 2 // 8
+            del hf
+            for dtype in args.dtypes.split(","):
+                for batch in map(int, args.batches.split(",")):
+                    T, n_new = ((64, 16) if args.quick else (2048, 256)) if batch == 1 else \
+                        ((32, 8) if args.quick else (512, 64))
+                    row = {"model": kind, "dtype": dtype, "batch": batch, "T": T, "new": n_new,
+                           "parameters": params, "active_parameters": active,
+                           "bound_ms": 1e3 * active * torch.finfo(getattr(torch, dtype)).bits / 8 / (gbps * 1e9)}
+                    for _ in range(args.repeats):
+                        for who in ("subquad", "transformers"):
+                            r = run_worker(who, folder, dtype, batch, T, n_new)
+                            best = row.setdefault(who, r)
+                            best["prefill_tok_s"] = max(best["prefill_tok_s"], r["prefill_tok_s"])
+                            best["decode_ms"] = min(best["decode_ms"], r["decode_ms"])
+                            best["peak_mb"] = min(best["peak_mb"], r["peak_mb"])
+                    if args.llama_python and args.llama_src and dtype == "float32" and batch == 1:
+                        row["llama.cpp"] = llama_cpp(folder, args, T, n_new)
+                    res["rows"].append(row)
+                    print(json.dumps(row), flush=True)
+    md = [f"{machine}; read bandwidth {gbps:.1f} GB/s. Random weights at the real shapes; batch 1: prefill "
+          "2,048 tokens then 256 greedy tokens, batch 8: 512 then 64; best of "
+          f"{args.repeats} interleaved runs, each in its own process (peak = its resident memory).", "",
+          "| model | dtype | batch | prefill tok/s: subquad | transformers | ratio | decode ms/step: subquad | "
+          "transformers | ratio | bound | peak MB: subquad | transformers | llama.cpp f32: prefill tok/s, "
+          "decode ms |", "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+    for r in res["rows"]:
+        s, h, ll = r["subquad"], r["transformers"], r.get("llama.cpp")
+        lc = "" if ll is None else (ll["error"] if "error" in ll else
+                                    f"{ll['prefill_tok_s']:,.0f}, {ll['decode_ms']:.1f}")
+        md.append(f"| {r['model']} | {r['dtype']} | {r['batch']} | {s['prefill_tok_s']:,.0f} | "
+                  f"{h['prefill_tok_s']:,.0f} | {s['prefill_tok_s'] / h['prefill_tok_s']:.2f}x | "
+                  f"{s['decode_ms']:.1f} | {h['decode_ms']:.1f} | {h['decode_ms'] / s['decode_ms']:.2f}x | "
+                  f"{r['bound_ms']:.1f} | {s['peak_mb']:,.0f} | {h['peak_mb']:,.0f} | {lc} |")
+    (args.out / f"pretrained{suffix}.json").write_text(json.dumps(res, indent=2))
+    (args.out / f"pretrained{suffix}.md").write_text("\n".join(md) + "\n")
     print("\n" + "\n".join(md))
 
 

@@ -82,10 +82,15 @@ class Mamba2(Mixer):
         return self.project_out(y.reshape(Bsz, T, self.d_inner), z), {"ssm": h, "conv": conv}
 
     def project_out(self, y, z):
-        """out_proj(norm(y, z)). With one norm group, the norm's row scale commutes with out_proj and its
-        weight folds into out_proj's, so both apply to the d_model-wide output, not the d_inner-wide input."""
+        """out_proj(norm(y, z)). With one norm group, the norm's row scale commutes with out_proj, so it
+        applies to the d_model-wide output, not the d_inner-wide input; with more tokens than d_model, the
+        norm's weight folds into out_proj's too (a pass over the weight costs less than one over the
+        tokens; decoding a few tokens, it does not)."""
         if self.norm.group_size != self.d_inner or self.out_proj.bias is not None:
             return self.out_proj(self.norm(y, z))
         g = self.norm.gate(y, z)
-        out = F.linear(g, self.out_proj.weight * self.norm.weight)    # 16-bit under autocast, as out_proj's
+        if g.numel() // g.shape[-1] > self.out_proj.out_features:
+            out = F.linear(g, self.out_proj.weight * self.norm.weight)    # 16-bit under autocast, as out_proj's
+        else:
+            out = self.out_proj(g * self.norm.weight)
         return out * self.norm.inv_rms(g).to(out.dtype)

@@ -457,6 +457,7 @@ def from_pretrained(path, dtype=None, device=None):
                                  f"{tuple(want)}")
         state[ours] = torch.stack([tensors[t] for t in parts]) if isinstance(theirs, tuple) else tensors[theirs]
     model.load_state_dict(state, strict=True)
+    model.decode_layout()                             # the weights as one-token decoding reads them fastest
     if dtype is not None or device is not None:
         model.to(device=device, dtype=dtype)
     tok = None

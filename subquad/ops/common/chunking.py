@@ -5,17 +5,22 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from subquad.ops.common.expo import exp_decay, exp_decay_
+
 
 
 
 def decay_mask(b, out=None):
     """D_ij = exp(b_i - b_j) for j <= i and 0 above, (..., C, C), from chunk-local cumulative log-decays
-    b (..., C). The upper triangle is -inf before exp, so only differences <= 0 are exponentiated.
+    b (..., C). The upper triangle is exponentiated as 0 and zeroed after (-inf there, or any argument
+    that underflows, sends exp down its slow path: common.expo), so only differences <= 0 matter.
     ``out``: a buffer to build it in (no autograd)."""
     C = b.shape[-1]
     upper = torch.ones(C, C, dtype=torch.bool, device=b.device).triu(1)
     d = torch.sub(b.unsqueeze(-1), b.unsqueeze(-2), out=out)
-    return d.masked_fill_(upper, float("-inf")).exp_()
+    if out is not None:                                 # a buffer: in place
+        return exp_decay_(d.masked_fill_(upper, 0.0)).masked_fill_(upper, 0.0)
+    return exp_decay(d.masked_fill(upper, 0.0)).masked_fill(upper, 0.0)
 
 
 def chunk_view(x, C, perm=(1, 0, 3, 2, 4)):

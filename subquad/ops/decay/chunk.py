@@ -37,6 +37,7 @@ from subquad.ops.common.routes import PIECE, PIECE_PER_KEY_DIM, SHORT
 from subquad.ops.decay.inference import decay_attention_inference
 from subquad.ops.decay.intra import SUB, _intra_scalar, _intra_vector
 from subquad.ops.decay.recurrent import recurrent_decay_attention
+from subquad.ops.common.expo import exp_decay
 
 
 
@@ -59,8 +60,8 @@ def _chunkwise(q, k, v, g, scale, C, initial_state):
     bk = b if vector else b.unsqueeze(-1)                                       # (BH n, C, K|1)
     A = _intra_vector(qc, kc, b) if vector else _intra_scalar(qc, kc, b)
     b_last = bk[:, -1:]                                                         # (BH n, 1, K|1)
-    KV = ((kc * torch.exp(b_last - bk)).transpose(1, 2) @ vc).view(BH, n, K, V)
-    decay = torch.exp(b_last).transpose(1, 2).view(BH, n, -1, 1)                # (BH, n, K|1, 1)
+    KV = ((kc * exp_decay(b_last - bk)).transpose(1, 2) @ vc).view(BH, n, K, V)
+    decay = exp_decay(b_last).transpose(1, 2).view(BH, n, -1, 1)                # (BH, n, K|1, 1)
     S = torch.zeros(BH, K, V, dtype=dt, device=q.device) if initial_state is None \
         else initial_state.reshape(BH, K, V)
     before = []
@@ -69,7 +70,7 @@ def _chunkwise(q, k, v, g, scale, C, initial_state):
         before.append(S)
         S = aj * S + KVj
     Sb = torch.stack(before, 1).view(BH * n, K, V)
-    o = (A @ vc + (qc * torch.exp(bk)) @ Sb) * scale                           # (BH n, C, V)
+    o = (A @ vc + (qc * exp_decay(bk)) @ Sb) * scale                           # (BH n, C, V)
     o = o.view(B, H, T + pad, V)[:, :, :T].transpose(1, 2)
     return o, S.view(B, H, K, V)
 

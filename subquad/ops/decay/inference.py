@@ -35,6 +35,7 @@ from subquad.ops.common.chunking import chunk_view, put_chunks, token_slice
 from subquad.ops.decay.intra import SUB, _intra_scalar, _intra_vector
 
 from subquad.ops.common.routes import FACTOR_LIMIT as LIMIT, TOKEN_HEADS_DECAY as TOKEN_HEADS
+from subquad.ops.common.expo import exp_decay
 
 
 def decay_attention_inference(q, k, v, g, *, scale, chunk_size, initial_state=None, group=None):
@@ -87,7 +88,7 @@ def decay_attention_inference(q, k, v, g, *, scale, chunk_size, initial_state=No
         b_last = b[:, :, :, -1:]                                     # (n, B, H, 1, Kg)
         if factorised[gi]:                                           # every chunk decays by <= e^LIMIT
             if vector:
-                eb = b.exp()
+                eb = exp_decay(b)
                 torch.mul(qs, eb, out=qt).mul_(scale)                # q~ = scale q exp(b)
                 torch.div(ks, eb, out=kt)                            # k~ = k exp(-b)
             else:                                                    # exp(+-b) of the whole call, above
@@ -95,7 +96,7 @@ def decay_attention_inference(q, k, v, g, *, scale, chunk_size, initial_state=No
                 torch.mul(ks, kscale[gi * n:(gi + 1) * n], out=kt)
             torch.bmm(qt.view(-1, C, K), kt.view(-1, C, K).transpose(1, 2), out=scores).tril_()
             torch.bmm(kt.view(-1, C, K).transpose(1, 2), vb.view(-1, C, V), out=kv.view(-1, K, V))
-            decay = b_last.exp().view(n, BH, Kg, 1)
+            decay = exp_decay(b_last).view(n, BH, Kg, 1)
             kv.mul_(decay)                                           # rows scaled by exp(b_C)
         else:                                                        # exact: exponents are differences <= 0
             qb.copy_(qs)
@@ -103,10 +104,10 @@ def decay_attention_inference(q, k, v, g, *, scale, chunk_size, initial_state=No
             qc, kc = qb.view(-1, C, K), kb.view(-1, C, K)
             intra = _intra_vector(qc, kc, b.reshape(-1, C, K)) if vector else _intra_scalar(qc, kc, b.reshape(-1, C))
             torch.mul(intra, scale, out=scores)
-            torch.mul(kb, (b_last - b).exp(), out=kt)
+            torch.mul(kb, exp_decay(b_last - b), out=kt)
             torch.bmm(kt.view(-1, C, K).transpose(1, 2), vb.view(-1, C, V), out=kv.view(-1, K, V))
-            torch.mul(qb, b.exp(), out=qt).mul_(scale)
-            decay = b_last.exp().view(n, BH, Kg, 1)
+            torch.mul(qb, exp_decay(b), out=qt).mul_(scale)
+            decay = exp_decay(b_last).view(n, BH, Kg, 1)
         states[0].copy_(S)
         for j in range(n - 1):
             torch.addcmul(kv[j], decay[j], states[j], out=states[j + 1])

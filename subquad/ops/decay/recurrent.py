@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import torch
+from subquad.ops.common.expo import exp_decay
 
 
 def recurrent_decay_attention(q, k, v, g, *, scale, chunk_size=None, initial_state=None):
@@ -15,7 +16,7 @@ def recurrent_decay_attention(q, k, v, g, *, scale, chunk_size=None, initial_sta
     S = torch.zeros(B, H, K, v.shape[-1], dtype=dt, device=q.device) if initial_state is None else initial_state
     outs = []
     for t in range(T):
-        a = torch.exp(g[:, t])                                               # (B, H) or (B, H, K)
+        a = exp_decay(g[:, t])                                               # (B, H) or (B, H, K)
         a = a[..., None, None] if a.dim() == 2 else a[..., None]
         S = a * S + k[:, t].to(dt).unsqueeze(-1) * v[:, t].to(dt).unsqueeze(-2)
         outs.append((q[:, t].to(dt).unsqueeze(-2) @ S).squeeze(-2) * scale)

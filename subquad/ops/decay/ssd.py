@@ -40,6 +40,8 @@ from subquad.ops.common.checks import state_dtype
 from subquad.ops.common.chunking import chunk_view, decay_mask, put_chunks, token_slice
 
 from subquad.ops.common.routes import FACTOR_LIMIT as LIMIT, TOKEN_HEADS_SSD as TOKEN_HEADS
+from subquad.ops.common.expo import exp_decay, exp_decay_
+
 TOKEN_MAJOR = (1, 0, 2, 3, 4)   # chunk_view of (B, L, H, P) as (n, B, C, H, P): heads stay inside a token
 
 
@@ -84,18 +86,18 @@ def ssd_inference(x, dt, A, Bm, Cm, *, chunk_size=64, initial_state=None, group=
         torch.bmm(Cb.view(nb, C, N), Bb.view(nb, C, N).transpose(1, 2), out=Gm)
         b = ball[gi * n:(gi + 1) * n]                                 # (n, B, C, H), <= 0
         bC = b[:, :, -1:]                                             # (n, B, 1, H)
-        decay = bC.exp().unsqueeze(-1)                                # (n, B, 1, H, 1)
+        decay = exp_decay(bC).unsqueeze(-1)                                # (n, B, 1, H, 1)
         if factorised[gi]:                                            # every |b_C| <= 2 LIMIT
             m = bC * 0.5                                              # reference: exponents within +-|b_C| / 2
-            torch.mul(chunk_view(xs, C, TOKEN_MAJOR), ((m - b).exp_() * chunk_view(dts, C, (1, 0, 2, 3))).unsqueeze(-1),
+            torch.mul(chunk_view(xs, C, TOKEN_MAJOR), (exp_decay_(m - b) * chunk_view(dts, C, (1, 0, 2, 3))).unsqueeze(-1),
                       out=Xf)
             Xv = Xf.view(nb, C, H * P)
             torch.bmm(Bb.view(nb, C, N).transpose(1, 2), Xv, out=KV.view(nb, N, H * P))
-            KV.view(n, Bz, N, H, P).mul_((bC - m).exp_().unsqueeze(-1))   # B^T (exp(b_C - b) dt x)
+            KV.view(n, Bz, N, H, P).mul_(exp_decay_(bC - m).unsqueeze(-1))   # B^T (exp(b_C - b) dt x)
         else:                                                         # exact: exponents are differences <= 0
             bh = b.permute(0, 1, 3, 2)                                # (n, B, H, C)
             torch.mul(chunk_view(xs, C), chunk_view(dts, C, (1, 0, 3, 2)).unsqueeze(-1), out=xd)
-            w = (bh[..., -1:] - bh).exp_()                            # (n, B, H, C): exp(b_C - b)
+            w = exp_decay_(bh[..., -1:] - bh)                            # (n, B, H, C): exp(b_C - b)
             torch.mul(xd, w.unsqueeze(-1), out=yi)                    # reuse yi as scratch, head-major
             xh.copy_(yi.transpose(2, 3))                              # (n, B, C, H, P)
             decay_mask(bh.reshape(nb, H, C), out=Lm).mul_(Gm.unsqueeze(1))
@@ -105,17 +107,17 @@ def ssd_inference(x, dt, A, Bm, Cm, *, chunk_size=64, initial_state=None, group=
             torch.addcmul(KV[j].view(Bz, N, H, P), decay[j], states[j], out=states[j + 1])
         ybv = yb.view(n, Bz, C, H, P)
         if factorised[gi]:                                            # y = exp(b - m) (tril(G) X + C exp(m) S)
-            torch.mul(states[:n], m.exp().unsqueeze(-1), out=sd)
+            torch.mul(states[:n], exp_decay(m).unsqueeze(-1), out=sd)
             torch.bmm(Gm.tril_(), Xv, out=yb)
             yb.baddbmm_(Cb.view(nb, C, N), sd.view(nb, N, H * P))
-            scale = (b - m).exp_().unsqueeze(-1)
+            scale = exp_decay_(b - m).unsqueeze(-1)
             if e - s == L:                                            # straight into the output
                 torch.mul(ybv, scale, out=chunk_view(y[:, s:e], C, TOKEN_MAJOR))
             else:
                 put_chunks(y, s, e, ybv.mul_(scale), TOKEN_MAJOR)
         else:
             torch.bmm(Cb.view(nb, C, N), states[:n].view(nb, N, H * P), out=yb)
-            put_chunks(y, s, e, ybv.mul_(b.exp().unsqueeze(-1)).add_(yi.transpose(2, 3)), TOKEN_MAJOR)
+            put_chunks(y, s, e, ybv.mul_(exp_decay(b).unsqueeze(-1)).add_(yi.transpose(2, 3)), TOKEN_MAJOR)
         states[0] = states[n]                                          # padded chunks leave the state as it was
     return y, states[0].permute(0, 2, 1, 3).contiguous()
 
@@ -138,14 +140,14 @@ def ssd_chunkwise(x, dt, A, Bm, Cm, *, chunk_size=64, initial_state=None):
     Lm = decay_mask(bh) * (Cc @ Bc.transpose(-1, -2)).unsqueeze(2)   # (B, n, H, C, C): G shared, decay per head
     xd = (x * dt.unsqueeze(-1)).view(Bz, n, C, H, P)
     y = (Lm @ xd.transpose(2, 3)).transpose(2, 3)         # (B, n, C, H, P) intra-chunk
-    w = torch.exp(b[:, :, -1:] - b).unsqueeze(-1)         # (B, n, C, H, 1)
+    w = exp_decay(b[:, :, -1:] - b).unsqueeze(-1)         # (B, n, C, H, 1)
     KV = (Bc.transpose(-1, -2) @ (xd * w).reshape(Bz, n, C, H * P)).view(Bz, n, N, H, P)
-    decay = torch.exp(b[:, :, -1]).view(Bz, n, 1, H, 1)
+    decay = exp_decay(b[:, :, -1]).view(Bz, n, 1, H, 1)
     S = x.new_zeros(Bz, N, H, P) if initial_state is None else initial_state.permute(0, 2, 1, 3)
     before = []
     for KVj, aj in zip(KV.unbind(1), decay.unbind(1)):   # unbind: its backward is one stack
         before.append(S)
         S = aj * S + KVj
     Sb = torch.stack(before, 1).reshape(Bz, n, N, H * P)
-    y = y + (Cc @ Sb).view(Bz, n, C, H, P) * torch.exp(b).unsqueeze(-1)
+    y = y + (Cc @ Sb).view(Bz, n, C, H, P) * exp_decay(b).unsqueeze(-1)
     return y.reshape(Bz, T + pad, H, P)[:, :T], S.permute(0, 2, 1, 3)

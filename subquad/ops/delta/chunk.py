@@ -26,6 +26,7 @@ from subquad.ops.common.routes import PIECE, SHORT
 from subquad.ops.delta.inference import delta_inference
 from subquad.ops.delta.recurrent import recurrent_delta
 from subquad.ops.delta.triangular import unit_lower_solve
+from subquad.ops.common.expo import exp_decay
 
 
 
@@ -56,10 +57,10 @@ def _chunkwise(q, k, v, g, beta, scale, C, initial_state):
     else:
         gam = _by_chunk(g, C).cumsum(-1)                                   # (BH, n, C), chunk-local
         Dm = decay_mask(gam)
-        eg = torch.exp(gam).unsqueeze(-1)
+        eg = exp_decay(gam).unsqueeze(-1)
         kg, qg = kc * eg, qc * eg
-        kd = kc * torch.exp(gam[..., -1:] - gam).unsqueeze(-1)
-        decay = torch.exp(gam[..., -1]).unbind(1)                          # n x (BH,)
+        kd = kc * exp_decay(gam[..., -1:] - gam).unsqueeze(-1)
+        decay = exp_decay(gam[..., -1]).unbind(1)                          # n x (BH,)
     A = torch.eye(C, dtype=dt, device=q.device) + (bc * (kc @ kc.transpose(-1, -2)) * Dm).tril(-1)
     WU = unit_lower_solve(A, torch.cat([kg, vc], -1) * bc)
     P = (qc @ kc.transpose(-1, -2)) * Dm                                  # (BH, n, C, C)

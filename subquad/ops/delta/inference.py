@@ -25,6 +25,7 @@ import torch
 from subquad.ops.common.chunking import chunk_view, decay_mask, put_chunks, token_slice
 
 from subquad.ops.common.routes import DELTA_CHUNK as CHUNK, TOKEN_HEADS_DELTA as TOKEN_HEADS
+from subquad.ops.common.expo import exp_decay
 
 
 def delta_inference(q, k, v, g, beta, *, scale, chunk_size, initial_state=None, group=None):
@@ -74,11 +75,11 @@ def delta_inference(q, k, v, g, beta, *, scale, chunk_size, initial_state=None, 
             Dm = decay_mask(gam)
             A.mul_(Dm).tril_(-1)
             P.mul_(Dm)
-            eg = gam.exp().unsqueeze(-1)
+            eg = exp_decay(gam).unsqueeze(-1)
             torch.mul(kc, eg * bc, out=rk)
             qt = qc * eg
-            torch.mul(kc, (gam[:, -1:] - gam).exp().unsqueeze(-1), out=kh.view(N, C, K))
-            decay, kt = gam[:, -1].exp().view(n, BH, 1, 1), kh
+            torch.mul(kc, exp_decay(gam[:, -1:] - gam).unsqueeze(-1), out=kh.view(N, C, K))
+            decay, kt = exp_decay(gam[:, -1]).view(n, BH, 1, 1), kh
         A.mul_(bc).diagonal(dim1=1, dim2=2).fill_(1)
         P.tril_()
         Ti = torch.linalg.solve_triangular(A, eye, upper=False, unitriangular=True)

@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import torch
+from subquad.ops.common.expo import exp_decay
 
 
 def recurrent_delta(q, k, v, g, beta, *, scale, chunk_size=None, initial_state=None):
@@ -17,7 +18,7 @@ def recurrent_delta(q, k, v, g, beta, *, scale, chunk_size=None, initial_state=N
     for t in range(T):
         kt, vt, bt = k[:, t].to(dt), v[:, t].to(dt), beta[:, t]             # (B, H, K), (B, H, V), (B, H)
         if g is not None:
-            S = torch.exp(g[:, t])[..., None, None] * S
+            S = exp_decay(g[:, t])[..., None, None] * S
         pred = (kt.unsqueeze(-2) @ S).squeeze(-2)                             # S^T k  (B, H, V)
         S = S + kt.unsqueeze(-1) * (bt[..., None] * (vt - pred)).unsqueeze(-2)
         outs.append((q[:, t].to(dt).unsqueeze(-2) @ S).squeeze(-2) * scale)

@@ -21,6 +21,7 @@ import torch
 
 from subquad.ops.common.chunking import token_slice
 from subquad.ops.common.precision import autocast_off
+from subquad.ops.common.expo import exp_decay, exp_decay_
 
 
 def _lanes(c, *ts):
@@ -33,7 +34,7 @@ def _lanes(c, *ts):
 
 def _decay(dtl, A, j, out=None):
     """exp(dt_j A) for position j of every lane: (B, n, Dm, N), into ``out`` when given."""
-    return torch.mul(dtl[:, :, j, :, None], A, out=out).exp_()
+    return exp_decay_(torch.mul(dtl[:, :, j, :, None], A, out=out))
 
 
 def _lane_starts(dtl, dtx, Bl, A, h0):
@@ -43,7 +44,7 @@ def _lane_starts(dtl, dtx, Bl, A, h0):
     a = torch.empty_like(h)
     for j in range(1, c):
         h.mul_(_decay(dtl, A, j, a)).addcmul_(dtx[:, :, j, :, None], Bl[:, :, j, None, :])
-    total = torch.exp(dtl.sum(2)[..., None] * A)                              # exp(sum_j dt_j A) per lane
+    total = exp_decay(dtl.sum(2)[..., None] * A)                              # exp(sum_j dt_j A) per lane
     starts = []
     s = h.new_zeros(Bsz, Dm, A.shape[1]) if h0 is None else h0
     for i in range(n):                                                        # 2. state passing between lanes
@@ -97,7 +98,7 @@ class _LanesScan(torch.autograd.Function):
         for j in range(c - 2, -1, -1):
             g.mul_(_decay(dtl, A, j + 1, a)).addcmul_(dyl[:, :, j, :, None], Cl[:, :, j, None, :])
         g.mul_(_decay(dtl, A, 0, a))
-        total = torch.exp(dtl.sum(2)[..., None] * A)
+        total = exp_decay(dtl.sum(2)[..., None] * A)
         # 2. adjoints passed between lanes, right to left: carry[i] flows into lane i's last position
         carry = [None] * n
         s = torch.zeros_like(starts[:, 0]) if dfinal is None else dfinal

@@ -7,6 +7,7 @@ which the op applies.
 from __future__ import annotations
 
 import torch
+from subquad.ops.common.expo import exp_decay
 
 
 def recurrent_scan(x, dt, A, B, C, *, chunk_size=None, initial_state=None):
@@ -14,7 +15,7 @@ def recurrent_scan(x, dt, A, B, C, *, chunk_size=None, initial_state=None):
     h = x.new_zeros(Bsz, Dm, A.shape[1]) if initial_state is None else initial_state
     ys = []
     for t in range(T):
-        dA = torch.exp(dt[:, t, :, None] * A)                                  # (B, Dm, N)
+        dA = exp_decay(dt[:, t, :, None] * A)                                  # (B, Dm, N)
         h = dA * h + (dt[:, t] * x[:, t])[..., None] * B[:, t, None, :]
         ys.append((h * C[:, t, None, :]).sum(-1))
     return torch.stack(ys, 1), h
