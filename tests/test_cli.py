@@ -81,11 +81,28 @@ def test_quick_recall_sweep_runs_end_to_end_and_resumes(tmp_path, capsys):
     out = tmp_path / "recall"
     assert main(["recall", "--quick", "--out", str(out), "--no-progress"]) == 0
     res = json.loads((out / "recall.json").read_text())
-    assert len(res["cells"]) == 2 and all(0 <= c["accuracy"] <= 1 and c["state_bytes"] > 0 for c in res["cells"].values())
-    assert (out / "recall.png").exists() and "softmax" in (out / "recall.md").read_text()
+    assert len(res["cells"]) == 4                                       # 2 mixers x 2 seeds
+    assert all(0 <= c["accuracy"] <= 1 and c["state_bytes"] > 0 for c in res["cells"].values())
+    assert sorted(c["seed"] for c in res["cells"].values()) == [0, 0, 1, 1]
+    md = (out / "recall.md").read_text()
+    assert (out / "recall.png").exists() and "softmax" in md and "-" in md.splitlines()[2]   # mean (low-high)
     capsys.readouterr()
     assert main(["recall", "--quick", "--out", str(out), "--no-progress"]) == 0     # resumes: nothing left to run
-    assert "[1/2]" not in capsys.readouterr().out
+    assert "[1/4]" not in capsys.readouterr().out
+
+
+def test_recall_sweep_is_budgeted_in_steps_not_seconds(tmp_path, monkeypatch):
+    """A machine 1,000x slower (every clock read jumps 1,000 s) gets the same cells, steps and accuracies."""
+    from subquad.bench import recall
+
+    kw = dict(mixers=["softmax", "gla"], sizes=[(16, 2)], d_models=[32], lrs=[3e-3], vocab=32, steps=60, batch=16,
+              seeds=[0], progress=False, log=lambda m: None)
+    fast = recall.sweep(out=tmp_path / "fast", **kw)
+    clock = iter(range(0, 10**9, 1000))
+    monkeypatch.setattr(recall.time, "time", lambda: float(next(clock)))
+    slow = recall.sweep(out=tmp_path / "slow", **kw)
+    strip = lambda res: {k: (c["accuracy"], c["steps"]) for k, c in res["cells"].items()}   # noqa: E731
+    assert strip(fast) == strip(slow) and all(c["steps"] == 60 or c["accuracy"] >= 0.99 for c in slow["cells"].values())
 
 
 def test_train_context_parallel_launches_two_processes(tmp_path, capsys, corpus):

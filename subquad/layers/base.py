@@ -53,6 +53,7 @@ class Mixer(nn.Module):
     """Base class: a sequence mixer (B, T, D) -> (B, T, D) that carries its own decoding state."""
 
     piece_size: int | None = None   # fixed-state mixers: tokens per piece of a long forward
+    normed_output = False           # the output is normalised before the output projection (LanguageModel's init)
 
     def __init__(self, d_model: int, mode: str = "chunk", chunk_size: int = 64):
         super().__init__()
@@ -63,6 +64,11 @@ class Mixer(nn.Module):
         check_mode(mode)
         check_chunk_size(chunk_size)
         self.d_model, self.mode, self.chunk_size = d_model, mode, chunk_size
+
+    def output_projection(self):
+        """The Linear that writes this layer's output into the residual stream (``o_proj`` / ``out_proj``);
+        the model scales its initialisation with depth."""
+        return getattr(self, "o_proj", None) or getattr(self, "out_proj", None)
 
     def forward(self, x, state=None, cu_seqlens=None):
         """x (B, T, d_model), state (from ``empty_state`` or a previous call) or None -> (y, new state).

@@ -5,7 +5,11 @@
     beta    = sigmoid(x W_b)                                            (B, T, H)
     g       = -exp(A_log) * softplus(x W_a + dt_bias)                   (Gated DeltaNet only)
     o       = delta_rule(q, k, v, beta)  |  gated_delta_rule(q, k, v, g, beta)
-    y       = W_o rmsnorm_per_head(o)            (Gated DeltaNet: rmsnorm(o) * silu(x W_g))
+    y       = W_o rmsnorm_per_head(o)            (Gated DeltaNet: rmsnorm(o) * silu(x W_g + b_g))
+
+Gated DeltaNet's output gate bias b_g starts at 1.28, where silu is 1: the gate starts open
+(``open_gate``; the paper's gate has no bias and starts nearly closed after the norm, which stalled
+learning on MQAR: benchmarks/RESULTS.md, "Recall"). ``open_gate=False`` is the paper's gate.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from torch import nn
 
 from subquad.layers.base import Mixer
 from subquad.layers.conv import ShortConv
+from subquad.layers.gla import OPEN
 from subquad.layers.norm import RMSNorm
 from subquad.ops import delta_rule, gated_delta_rule
 
@@ -26,14 +31,17 @@ class DeltaNet(Mixer):
     """DeltaNet: S_t = (I - b_t k_t k_t^T) S_{t-1} + b_t k_t v_t^T, o_t = S_t^T q_t (see the module docstring).
 
     Args: d_model; n_heads; head_dim (default d_model / n_heads); conv_size (short convolutions on q, k, v);
-    mode; chunk_size.
+    open_gate (Gated DeltaNet: a learned output-gate bias ``gate_bias`` starting where silu is 1; False:
+    the paper's bias-free gate); mode; chunk_size.
     State: {"S": (B, H, K, K) float32 (float64 for float64), "conv": (B, conv_size - 1, 3 H K)}.
     """
     piece_size = 1024   # fixed state: long forwards run in pieces (base.Mixer.forward); fastest here
     gated = False
 
+    normed_output = True
+
     def __init__(self, d_model: int, n_heads: int = 4, head_dim: int | None = None, conv_size: int = 4,
-                 mode: str = "chunk", chunk_size: int = 64):
+                 open_gate: bool = True, mode: str = "chunk", chunk_size: int = 64):
         super().__init__(d_model, mode, chunk_size)
         self.n_heads = n_heads
         self.head_dim = head_dim or d_model // n_heads
@@ -48,6 +56,7 @@ class DeltaNet(Mixer):
         if self.gated:
             self.a_proj = nn.Linear(d_model, n_heads, bias=False)
             self.g_proj = nn.Linear(d_model, inner, bias=False)
+            self.gate_bias = nn.Parameter(torch.full((inner,), OPEN)) if open_gate else None
             self.A_log = nn.Parameter(torch.log(torch.empty(n_heads).uniform_(1, 16)))
             dt = torch.exp(torch.rand(n_heads) * (math.log(0.1) - math.log(0.001)) + math.log(0.001))
             self.dt_bias = nn.Parameter(dt + torch.log(-torch.expm1(-dt)))
@@ -67,7 +76,8 @@ class DeltaNet(Mixer):
         if self.gated:
             g = -torch.exp(self.A_log) * F.softplus(self.a_proj(x) + self.dt_bias)
             o, S = seq.recurrence(gated_delta_rule, q, k, v, g, beta, **kw)
-            o = self.norm(o) * F.silu(self.g_proj(x)).view(B, T, H, K)
+            r = self.g_proj(x) if self.gate_bias is None else self.g_proj(x) + self.gate_bias
+            o = self.norm(o) * F.silu(r).view(B, T, H, K)
         else:
             o, S = seq.recurrence(delta_rule, q, k, v, beta, **kw)
             o = self.norm(o)

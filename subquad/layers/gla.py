@@ -4,7 +4,12 @@
     v     = x W_v                                          (B, T, H, V)
     g     = logsigmoid(x W_g1 W_g2 + b) / 16               (B, T, H, K), low-rank gate, the paper's normaliser
     o     = gla(q, k, v, g)
-    y     = W_o (swish(x W_r) * rmsnorm_per_head(o))
+    y     = W_o (swish(x W_r + b_r) * rmsnorm_per_head(o))
+
+The output gate's bias b_r starts at 1.28, where swish is 1: the gate starts open (``open_gate``). The
+paper's gate has no bias, and after the norm it starts nearly closed (swish of N(0, 0.16) is +-0.08),
+which scales down the gradient into q, k, v and g by ~10x and left GLA at chance on MQAR (benchmarks/
+RESULTS.md, "Recall"); ``open_gate=False`` is the paper's (and the checkpoints') gate.
 """
 
 from __future__ import annotations
@@ -18,16 +23,23 @@ from subquad.layers.norm import RMSNorm
 from subquad.ops import gla
 
 
+OPEN = 1.2785   # swish(1.2785) = 1.000: an output gate that starts open
+
+
 class GatedLinearAttention(Mixer):
     """GLA: S_t = diag(a_t) S_{t-1} + k_t v_t^T with a per-key-dim gate a_t = exp(g_t), o_t = S_t^T q_t.
 
     Args: d_model; n_heads; expand_k, expand_v (key / value widths as fractions of d_model); gate_rank (the
-    low-rank gate projection); gate_normalizer (g = logsigmoid(.) / gate_normalizer); mode; chunk_size.
+    low-rank gate projection); gate_normalizer (g = logsigmoid(.) / gate_normalizer); open_gate (a learned
+    output-gate bias ``gate_bias`` starting where swish is 1; False: the paper's bias-free gate); mode;
+    chunk_size.
     State: {"S": (B, H, K, V) float32 (float64 for float64)}.
     """
     piece_size = 1024   # fixed state: long forwards run in pieces (base.Mixer.forward); fastest here
+    normed_output = True
     def __init__(self, d_model: int, n_heads: int = 4, expand_k: float = 0.5, expand_v: float = 1.0,
-                 gate_rank: int = 16, gate_normalizer: float = 16.0, mode: str = "chunk", chunk_size: int = 64):
+                 gate_rank: int = 16, gate_normalizer: float = 16.0, open_gate: bool = True, mode: str = "chunk",
+                 chunk_size: int = 64):
         super().__init__(d_model, mode, chunk_size)
         self.n_heads = n_heads
         self.key_dim, self.value_dim = int(d_model * expand_k), int(d_model * expand_v)
@@ -40,6 +52,7 @@ class GatedLinearAttention(Mixer):
         self.v_proj = nn.Linear(d_model, self.value_dim, bias=False)
         self.gk_proj = nn.Sequential(nn.Linear(d_model, gate_rank, bias=False), nn.Linear(gate_rank, self.key_dim))
         self.r_proj = nn.Linear(d_model, self.value_dim, bias=False)
+        self.gate_bias = nn.Parameter(torch.full((self.value_dim,), OPEN)) if open_gate else None
         self.norm = RMSNorm(self.head_v)
         self.o_proj = nn.Linear(self.value_dim, d_model, bias=False)
 
@@ -55,5 +68,6 @@ class GatedLinearAttention(Mixer):
         g = F.logsigmoid(self.gk_proj(x)).view(B, T, H, K) / self.gate_normalizer
         o, S = seq.recurrence(gla, q, k, v, g, mode=self.mode, chunk_size=self.chunk_size,
                               initial_state=None if state is None else state["S"])
-        y = self.o_proj(F.silu(self.r_proj(x)) * self.norm(o).reshape(B, T, H * V))
+        r = self.r_proj(x) if self.gate_bias is None else self.r_proj(x) + self.gate_bias
+        y = self.o_proj(F.silu(r) * self.norm(o).reshape(B, T, H * V))
         return y, {"S": S}

@@ -3,7 +3,10 @@
     q, k = rotary(x W_q), rotary(x W_k)          (B, T, H, K)
     v    = x W_v                                  (B, T, H, V), V = 2K as in the paper
     o    = retention(q, k, v, g_h = log(1 - 2^(-5-h)))        one fixed decay per head
-    y    = W_o (swish(x W_g) * groupnorm_per_head(o))
+    y    = W_o (swish(x W_g + b_g) * groupnorm_per_head(o))
+
+The output gate's bias b_g starts at 1.28, where swish is 1: the gate starts open (``open_gate``, as
+GLA's; False: the paper's bias-free gate, nearly closed at init after the norm).
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from subquad.layers.base import Mixer
+from subquad.layers.gla import OPEN
 from subquad.layers.rotary import apply_rotary
 from subquad.ops import retention
 from subquad.ops.common.checks import state_dtype
@@ -23,14 +27,16 @@ class MultiScaleRetention(Mixer):
     """Multi-scale retention: S_t = a_h S_{t-1} + k_t v_t^T with a fixed decay a_h = 1 - 2^(-5-h) per head,
     o_t = S_t^T q_t, output W_o(swish(x W_g) * groupnorm(o)).
 
-    Args: d_model; n_heads; head_dim (default d_model / n_heads); value_factor (V = value_factor K); mode;
-    chunk_size.
+    Args: d_model; n_heads; head_dim (default d_model / n_heads); value_factor (V = value_factor K);
+    open_gate (a learned output-gate bias ``gate_bias`` starting where swish is 1; False: the paper's);
+    mode; chunk_size.
     State: {"S": (B, H, K, V) float32 (float64 for float64), "pos": (B,) the tokens each row has seen (its
     rotary offset), a long tensor on the state's device}.
     """
+    normed_output = True
     piece_size = 2048   # fixed state: long forwards run in pieces (base.Mixer.forward); fastest here
     def __init__(self, d_model: int, n_heads: int = 4, head_dim: int | None = None, value_factor: int = 2,
-                 mode: str = "chunk", chunk_size: int = 64):
+                 open_gate: bool = True, mode: str = "chunk", chunk_size: int = 64):
         super().__init__(d_model, mode, chunk_size)
         self.n_heads = n_heads
         self.head_dim = head_dim or d_model // n_heads
@@ -42,6 +48,7 @@ class MultiScaleRetention(Mixer):
         self.k_proj = nn.Linear(d_model, H * K, bias=False)
         self.v_proj = nn.Linear(d_model, H * V, bias=False)
         self.g_proj = nn.Linear(d_model, H * V, bias=False)
+        self.gate_bias = nn.Parameter(torch.full((H * V,), OPEN)) if open_gate else None
         self.o_proj = nn.Linear(H * V, d_model, bias=False)
         # a_h = 1 - 2^(-5-h): head 0 remembers ~32 tokens, later heads ever longer
         self.register_buffer("log_decay", torch.log(1 - 2.0 ** (-5.0 - torch.arange(H, dtype=torch.float64))).float())
@@ -61,7 +68,8 @@ class MultiScaleRetention(Mixer):
         o, S = seq.recurrence(retention, q, k, v, g, mode=self.mode, chunk_size=self.chunk_size,
                               initial_state=None if state is None else state["S"])
         o = F.layer_norm(o, (V,))                                           # group norm, one group per head
-        y = self.o_proj(F.silu(self.g_proj(x)) * o.reshape(B, T, H * V))
+        r = self.g_proj(x) if self.gate_bias is None else self.g_proj(x) + self.gate_bias
+        y = self.o_proj(F.silu(r) * o.reshape(B, T, H * V))
         end = seq.tokens(B, T, x.device) + (0 if state is None else state["pos"].to(x.device))
         return y, {"S": S, "pos": end}
 

@@ -431,14 +431,15 @@ def from_pretrained(path, dtype=None, device=None):
     c = read_config(path)
     mapping = MAPPINGS[c["model_type"]]
     cfg = mapping.config(c)
-    model = LanguageModel(cfg)
+    with torch.device("meta"):                        # no memory and no random init: the weights come next
+        model = LanguageModel(cfg)
     names = mapping.names(cfg)
     tensors = read_weights(path)
     own = model.state_dict()
     if c.get(mapping.conv_bias_key, True) is False:   # no conv bias in the checkpoint: ours stays zero
         for ours, theirs in names.items():
             if ours.endswith("mixer.conv.bias"):
-                tensors[theirs] = torch.zeros_like(own[ours])
+                tensors[theirs] = torch.zeros(own[ours].shape)
     wanted = [t for theirs in names.values() for t in (theirs if isinstance(theirs, tuple) else (theirs,))]
     missing = [t for t in wanted if t not in tensors]
     if missing:
@@ -455,11 +456,13 @@ def from_pretrained(path, dtype=None, device=None):
             if tensors[t].shape != want:
                 raise ValueError(f"{path}: weight {t} has shape {tuple(tensors[t].shape)}, the config implies "
                                  f"{tuple(want)}")
-        state[ours] = torch.stack([tensors[t] for t in parts]) if isinstance(theirs, tuple) else tensors[theirs]
-    model.load_state_dict(state, strict=True)
+        t = torch.stack([tensors.pop(t) for t in parts]) if isinstance(theirs, tuple) else tensors.pop(theirs)
+        state[ours] = t.to(dtype) if dtype is not None and t.is_floating_point() else t   # one copy at a time
+    model.load_state_dict(state, strict=True, assign=True)
+    del state
     model.decode_layout()                             # the weights as one-token decoding reads them fastest
-    if dtype is not None or device is not None:
-        model.to(device=device, dtype=dtype)
+    if device is not None:
+        model.to(device=device)
     tok = None
     if (Path(path) / "tokenizer.json").exists():
         from tokenizers import Tokenizer

@@ -22,6 +22,9 @@ from subquad.models.moe import MoE, load_balancing_loss
 from subquad.ops.common.precision import checks_on
 
 
+NORMED_OUTPUT_SCALE = 0.1   # see LanguageModel._init_residual_branches
+
+
 class SwiGLU(nn.Module):
     def __init__(self, d_model: int, hidden: int):
         super().__init__()
@@ -75,6 +78,7 @@ class LanguageModel(nn.Module):
         self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.head = None if cfg.tie_embeddings else nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         self.apply(self._init)
+        self._init_residual_branches()
 
     @staticmethod
     def _init(m):
@@ -86,6 +90,28 @@ class LanguageModel(nn.Module):
             nn.init.normal_(m.weight, std=0.02)
             if isinstance(m, nn.Linear) and m.bias is not None:
                 nn.init.zeros_(m.bias)
+
+    def _init_residual_branches(self):
+        """The projections that write into the residual stream (each mixer's output projection, each MLP's
+        down projection and experts) start at N(0, 0.02 / sqrt(branches)), branches = the residual
+        additions of the model (GPT-2's rule: the stream's variance at init no longer grows with depth).
+        A mixer that normalises its output before that projection (``normed_output``: Mamba-2, RetNet,
+        GLA, DeltaNet, Gated DeltaNet) writes RMS ~0.2 into the stream where attention's value path
+        writes ~0.005 (two N(0, 0.02) projections and an average); its projection starts a further
+        ``NORMED_OUTPUT_SCALE`` smaller, so a hybrid's layers start comparable - as built, Mamba-2's
+        output swamped the token identities the attention layer must match (benchmarks/RESULTS.md,
+        "Recall")."""
+        branches = self.config.n_layers * (2 if self.config.mlp else 1)
+        std = 0.02 / branches ** 0.5
+        with torch.no_grad():
+            for block in self.blocks:
+                proj = block.mixer.output_projection()
+                if proj is not None and not getattr(proj, "keep_init", False):
+                    proj.weight.normal_(0, std * (NORMED_OUTPUT_SCALE if block.mixer.normed_output else 1.0))
+                if isinstance(block.mlp, SwiGLU):
+                    block.mlp.w_down.weight.normal_(0, std)
+                elif isinstance(block.mlp, MoE):
+                    block.mlp.w_down.normal_(0, std)
 
     def decode_layout(self) -> "LanguageModel":
         """Store every wide matrix (out_features >= 2 in_features: input projections, the vocabulary head or

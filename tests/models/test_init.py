@@ -1,4 +1,9 @@
-"""The model's generic initialisation leaves alone what a layer initialised on purpose."""
+"""The model's initialisation: what a layer initialised on purpose is left alone; residual branches scale
+with depth; output gates start open; normalised outputs start comparable to attention's."""
+
+import math
+
+import pytest
 
 import torch
 import torch.nn.functional as F
@@ -15,5 +20,54 @@ def test_mamba_dt_initialisation_survives_the_model_init():
     assert dt.min() >= 1e-3 * 0.999 and dt.max() <= 0.1 * 1.001      # dt ~ logU[1e-3, 0.1], not softplus(0)
     assert dt_proj.weight.abs().max() <= dt_proj.weight.shape[1] ** -0.5
     assert dt_proj.weight.std() > 0.1                                  # uniform(+-dt_rank^-0.5), not N(0, 0.02)
-    out = model.blocks[0].mixer.out_proj.weight
-    assert abs(out.std().item() - 0.02) < 0.005                        # everything else: the model's N(0, 0.02)
+    x_proj = model.blocks[0].mixer.x_proj.weight
+    assert abs(x_proj.std().item() - 0.02) < 0.005                     # everything else: the model's N(0, 0.02)
+
+
+def test_residual_projections_scale_with_depth():
+    """GPT-2's rule: N(0, 0.02 / sqrt(residual branches)); normalised-output mixers a further 0.1."""
+    from subquad.models.lm import NORMED_OUTPUT_SCALE
+
+    torch.manual_seed(0)
+    cfg = ModelConfig(vocab_size=64, d_model=128, n_layers=8, n_heads=2, pattern="softmax,mamba2*7", mlp=True)
+    model = LanguageModel(cfg)
+    std = 0.02 / math.sqrt(16)                                          # 8 layers x (mixer + MLP)
+    assert model.blocks[0].mixer.o_proj.weight.std().item() == pytest.approx(std, rel=0.05)
+    assert model.blocks[0].mlp.w_down.weight.std().item() == pytest.approx(std, rel=0.05)
+    assert model.blocks[1].mixer.out_proj.weight.std().item() == pytest.approx(std * NORMED_OUTPUT_SCALE, rel=0.05)
+    assert model.blocks[1].mixer.in_proj.weight.std().item() == pytest.approx(0.02, rel=0.05)
+    no_mlp = LanguageModel(ModelConfig(vocab_size=64, d_model=128, n_layers=4, n_heads=2, mlp=False))
+    assert no_mlp.blocks[0].mixer.o_proj.weight.std().item() == pytest.approx(0.02 / 2, rel=0.05)
+
+
+@pytest.mark.parametrize("name", ["gla", "gated_deltanet", "retention"])
+def test_output_gates_start_open(name):
+    """The swish gate after the norm starts at ~1 on the model's normalised input (it was ~0 +- 0.08)."""
+    torch.manual_seed(0)
+    model = LanguageModel(ModelConfig(vocab_size=64, d_model=64, n_layers=2, n_heads=2, pattern=name, mlp=False))
+    mixer = model.blocks[0].mixer
+    proj = mixer.r_proj if name == "gla" else mixer.g_proj
+    x = model.blocks[0].norm1(torch.randn(4, 50, 64))
+    gate = F.silu(proj(x) + mixer.gate_bias)
+    assert 0.9 <= gate.mean().item() <= 1.1 and gate.std().item() < 0.3
+    closed = LanguageModel(ModelConfig(vocab_size=64, d_model=64, n_layers=2, n_heads=2, pattern=name, mlp=False,
+                                       mixer_options={name: {"open_gate": False}}))
+    assert closed.blocks[0].mixer.gate_bias is None                     # the paper's gate, for checkpoints
+    g = F.silu((mixer.r_proj if name == "gla" else mixer.g_proj)(x))
+    assert abs(g.mean().item()) < 0.1                                   # what "nearly closed" meant
+
+
+@pytest.mark.parametrize("name", ["mamba2", "gla", "deltanet", "gated_deltanet", "retention", "linear", "swa"])
+def test_every_mixer_writes_into_the_stream_comparably_to_attention_at_init(name):
+    """Each layer's output RMS at init (on the model's normalised input) within 5x of softmax attention's:
+    as built, Mamba-2 and DeltaNet wrote ~40x more, Gated DeltaNet and GLA (gates closed) ~3x."""
+    def out_rms(pattern):
+        torch.manual_seed(0)
+        model = LanguageModel(ModelConfig(vocab_size=64, d_model=64, n_layers=2, n_heads=2, pattern=pattern,
+                                          mlp=False, context_length=128))
+        x = model.blocks[0].norm1(torch.randn(8, 128, 64, generator=torch.Generator().manual_seed(1)))
+        with torch.no_grad():
+            return model.blocks[0].mixer(x)[0].pow(2).mean().sqrt().item()
+
+    ratio = out_rms(name) / out_rms("softmax")
+    assert 1 / 5 <= ratio <= 5, f"{name}: {ratio:.2f}x attention's output at init"

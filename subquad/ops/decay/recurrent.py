@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import torch
+
 from subquad.ops.common.expo import exp_decay
 
 

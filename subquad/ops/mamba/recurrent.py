@@ -7,6 +7,7 @@ which the op applies.
 from __future__ import annotations
 
 import torch
+
 from subquad.ops.common.expo import exp_decay
 
 
@@ -14,8 +15,9 @@ def recurrent_scan(x, dt, A, B, C, *, chunk_size=None, initial_state=None):
     Bsz, T, Dm = x.shape
     h = x.new_zeros(Bsz, Dm, A.shape[1]) if initial_state is None else initial_state
     ys = []
+    dtx = (dt * x).unsqueeze(-1)                                               # (B, T, Dm, 1)
     for t in range(T):
         dA = exp_decay(dt[:, t, :, None] * A)                                  # (B, Dm, N)
-        h = dA * h + (dt[:, t] * x[:, t])[..., None] * B[:, t, None, :]
-        ys.append((h * C[:, t, None, :]).sum(-1))
+        h = torch.addcmul(dA * h, dtx[:, t], B[:, t, None, :])                # exp(dt A) h + dt x B
+        ys.append(torch.matmul(h, C[:, t, :, None]).squeeze(-1))              # C . h: (B, Dm)
     return torch.stack(ys, 1), h
