@@ -54,6 +54,11 @@ class SoftmaxAttention(Mixer):
         self.v_proj = nn.Linear(d_model, Hk * K, bias=False)
         self.o_proj = nn.Linear(n_heads * K, d_model, bias=False)
 
+    def mix_flops(self, T):
+        """q k^T and p v over the keys each query sees: (T + 1) / 2 on average, or the window's."""
+        seen = (T + 1) / 2 if self.window is None else min((T + 1) / 2, self.window + 1)
+        return 4.0 * self.n_heads * self.head_dim * seen
+
     def empty_state(self, batch_size, device=None, dtype=torch.float32):
         return {"kv": KVCache.empty(batch_size, self.n_kv_heads, self.head_dim, self.head_dim, dtype=dtype,
                                     device=device, window=self.window)}

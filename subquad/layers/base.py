@@ -65,6 +65,19 @@ class Mixer(nn.Module):
         check_chunk_size(chunk_size)
         self.d_model, self.mode, self.chunk_size = d_model, mode, chunk_size
 
+    def flops_per_token(self, T: int) -> float:
+        """Useful forward FLOPs per token over a sequence of T tokens: 2 per weight of every projection and
+        short convolution, plus the sequence mixing itself (``mix_flops``), counted as its recurrent or
+        exact form computes it - the work any form must do, not what a chunk form spends on top.
+        A training step costs 3x (forward, and a backward of twice the work)."""
+        weights = sum(m.weight.numel() for m in self.modules()
+                      if isinstance(m, nn.Linear) or type(m).__name__ == "ShortConv")
+        return 2.0 * weights + self.mix_flops(T)
+
+    def mix_flops(self, T: int) -> float:
+        """The sequence mixing's forward FLOPs per token (``flops_per_token``); each layer states its own."""
+        raise NotImplementedError(f"{type(self).__name__} does not count its FLOPs")
+
     def output_projection(self):
         """The Linear that writes this layer's output into the residual stream (``o_proj`` / ``out_proj``);
         the model scales its initialisation with depth."""

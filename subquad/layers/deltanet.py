@@ -61,6 +61,10 @@ class DeltaNet(Mixer):
             dt = torch.exp(torch.rand(n_heads) * (math.log(0.1) - math.log(0.001)) + math.log(0.001))
             self.dt_bias = nn.Parameter(dt + torch.log(-torch.expm1(-dt)))
 
+    def mix_flops(self, T):
+        """S^T k (the prediction), the rank-1 correction and the read q S per head, K x K."""
+        return 6.0 * self.n_heads * self.head_dim * self.head_dim
+
     def empty_state(self, batch_size, device=None, dtype=torch.float32):
         return {"S": self.zeros(batch_size, self.n_heads, self.head_dim, self.head_dim, device=device, dtype=dtype),
                 "conv": self.conv.empty_state(batch_size, device, dtype)}

@@ -56,6 +56,10 @@ class GatedLinearAttention(Mixer):
         self.norm = RMSNorm(self.head_v)
         self.o_proj = nn.Linear(self.value_dim, d_model, bias=False)
 
+    def mix_flops(self, T):
+        """The write k v^T and the read q S per head, K x V."""
+        return 4.0 * self.n_heads * self.head_k * self.head_v
+
     def empty_state(self, batch_size, device=None, dtype=torch.float32):
         return {"S": self.zeros(batch_size, self.n_heads, self.head_k, self.head_v, device=device, dtype=dtype)}
 

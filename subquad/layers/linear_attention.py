@@ -49,6 +49,11 @@ class LinearAttention(Mixer):
         self.v_proj = nn.Linear(d_model, d_model, bias=False)
         self.o_proj = nn.Linear(d_model, d_model, bias=False)
 
+    def mix_flops(self, T):
+        """The write phi(k) v^T and the read phi(q) S per head (and the normaliser's z, phi(q) z), F x V."""
+        F_, V = self.feature_dim, self.head_dim
+        return self.n_heads * (4.0 * F_ * V + (4.0 * F_ if self.normalize else 0.0))
+
     def empty_state(self, batch_size, device=None, dtype=torch.float32):
         S = self.zeros(batch_size, self.n_heads, self.feature_dim, self.head_dim, device=device, dtype=dtype)
         if not self.normalize:

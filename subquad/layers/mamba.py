@@ -61,6 +61,10 @@ class Mamba(Mixer):
         self.D = nn.Parameter(torch.ones(self.d_inner))
         self.out_proj = nn.Linear(self.d_inner, d_model, bias=False)
 
+    def mix_flops(self, T):
+        """The write dt B x and the read C . h per channel, N states each."""
+        return 4.0 * self.d_inner * self.d_state
+
     def empty_state(self, batch_size, device=None, dtype=torch.float32):
         return {"ssm": self.zeros(batch_size, self.d_inner, self.d_state, device=device, dtype=dtype),
                 "conv": self.conv.empty_state(batch_size, device, dtype)}

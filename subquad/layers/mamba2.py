@@ -60,6 +60,10 @@ class Mamba2(Mixer):
         self.norm = GatedRMSNorm(self.d_inner, norm_eps, group_size=self.d_inner // n_groups)
         self.out_proj = nn.Linear(self.d_inner, d_model, bias=False)
 
+    def mix_flops(self, T):
+        """The write dt B x^T and the read C h per head, N x P."""
+        return 4.0 * self.n_heads * self.d_state * self.head_dim
+
     def empty_state(self, batch_size, device=None, dtype=torch.float32):
         return {"ssm": self.zeros(batch_size, self.n_heads, self.d_state, self.head_dim, device=device, dtype=dtype),
                 "conv": self.conv.empty_state(batch_size, device, dtype)}

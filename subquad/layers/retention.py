@@ -53,6 +53,10 @@ class MultiScaleRetention(Mixer):
         # a_h = 1 - 2^(-5-h): head 0 remembers ~32 tokens, later heads ever longer
         self.register_buffer("log_decay", torch.log(1 - 2.0 ** (-5.0 - torch.arange(H, dtype=torch.float64))).float())
 
+    def mix_flops(self, T):
+        """The write k v^T and the read q S per head, K x V."""
+        return 4.0 * self.n_heads * self.head_dim * self.v_dim
+
     def empty_state(self, batch_size, device=None, dtype=torch.float32):
         return {"S": self.zeros(batch_size, self.n_heads, self.head_dim, self.v_dim, device=device, dtype=dtype),
                 "pos": torch.zeros(batch_size, dtype=torch.long, device=device)}

@@ -141,6 +141,21 @@ class LanguageModel(nn.Module):
             return torch.zeros((), device=self.embed.weight.device)
         return load_balancing_loss(stats, self.config.moe["experts"])
 
+    def flops_per_token(self, T: int, training: bool = True) -> float:
+        """Useful FLOPs per token of a forward over T tokens (x3 with ``training``: forward and backward):
+        each mixer's ``flops_per_token``, 2 per MLP weight (a mixture of experts: the router and the top-k
+        experts a token uses), and the vocabulary head; embeddings and norms are not counted."""
+        total = 2.0 * self.config.d_model * self.config.vocab_size
+        for b in self.blocks:
+            total += b.mixer.flops_per_token(T)
+            if isinstance(b.mlp, MoE):
+                m = b.mlp
+                total += 2.0 * (m.router.weight.numel() + m.top_k * (m.w_gate[0].numel() + m.w_up[0].numel()
+                                                                      + m.w_down[0].numel()))
+            elif b.mlp is not None:
+                total += 2.0 * sum(p.numel() for p in b.mlp.parameters())
+        return 3.0 * total if training else total
+
     def num_parameters(self) -> int:
         return sum(p.numel() for p in self.parameters())
 

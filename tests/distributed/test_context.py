@@ -17,11 +17,22 @@ from tests.distributed.helpers import run
 EVERY = "softmax,swa,linear,performer,taylor,retention,gla,deltanet,gated_deltanet,mamba,mamba2"
 
 
-def _model(pattern, pos_emb="none", n_kv_heads=None):
+# the checkpoint types' options: Bamba (Mamba-2 with 2 groups, partial rotary) and Jamba (weighted dt/B/C
+# norms, attention without positions, a mixture of experts)
+CHECKPOINT_OPTIONS = {
+    "bamba": ({"mamba2": {"n_groups": 2, "head_dim": 8, "norm_eps": 1e-5},
+               "softmax": {"rotary_fraction": 0.5, "rotary_base": 500.0}}, None),
+    "jamba": ({"mamba": {"bcdt_rms_eps": 1e-6, "bcdt_rms_weight": True}, "softmax": {"rotary": False}},
+              {"experts": 3, "top_k": 2, "every": 2, "offset": 1}),
+}
+
+
+def _model(pattern, pos_emb="none", n_kv_heads=None, kind=None):
     torch.manual_seed(0)
+    opts, moe = CHECKPOINT_OPTIONS[kind] if kind else ({}, None)
     cfg = ModelConfig(vocab_size=64, d_model=32, n_layers=len(pattern.split(",")), n_heads=2, n_kv_heads=n_kv_heads,
-                      context_length=64, pattern=pattern, pos_emb=pos_emb,
-                      mixer_options={"swa": {"window": 5}, "*": {"chunk_size": 8}})
+                      context_length=64, pattern=pattern, pos_emb=pos_emb, mlp=moe is not None, moe=moe,
+                      mixer_options={"swa": {"window": 5}, "*": {"chunk_size": 8}, **opts})
     return LanguageModel(cfg).double()
 
 
@@ -30,8 +41,8 @@ def _data(T):
     return torch.randint(0, 64, (2, T), generator=g), torch.randn(2, T, 64, generator=g, dtype=torch.float64)
 
 
-def _cp_worker(rank, world, pattern, T, pos_emb, n_kv_heads):
-    model = _model(pattern, pos_emb, n_kv_heads)
+def _cp_worker(rank, world, pattern, T, pos_emb, n_kv_heads, kind=None):
+    model = _model(pattern, pos_emb, n_kv_heads, kind)
     idx, w = _data(T)
     with context_parallel() as cp:
         logits = model(zigzag_shard(idx, cp.rank, cp.world))
@@ -47,6 +58,20 @@ def test_context_parallel_lm_equals_one_process(world, pattern, pos_emb, n_kv_he
     T = 2 * world * 8                                # pieces of 8 tokens: odd chunk counts, halos cross ranks
     out = run(world, _cp_worker, pattern, T, pos_emb, n_kv_heads)
     model = _model(pattern, pos_emb, n_kv_heads)
+    idx, w = _data(T)
+    ref = model(idx)
+    (ref * w).sum().backward()
+    grads = torch.cat([p.grad.flatten() for p in model.parameters()])
+    torch.testing.assert_close(zigzag_unshard([o[0] for o in out]), ref.detach(), rtol=0, atol=1e-10)
+    for _, g in out:
+        torch.testing.assert_close(g, grads, rtol=0, atol=1e-9)
+
+
+@pytest.mark.parametrize("kind,pattern", [("bamba", "mamba2,softmax"), ("jamba", "mamba,softmax")])
+def test_context_parallel_checkpoint_structures_equal_one_process(kind, pattern):
+    T = 2 * 2 * 8
+    out = run(2, _cp_worker, pattern, T, "none", 1, kind)
+    model = _model(pattern, "none", 1, kind)
     idx, w = _data(T)
     ref = model(idx)
     (ref * w).sum().backward()

@@ -1,0 +1,166 @@
+"""Training at length: tokens/s and model-FLOPs utilisation (MFU) per mixer.
+
+A 4-layer model (heads of 64, SwiGLU MLPs, vocab 4,096) of each mixer usable in a pattern, plus the
+jamba preset's pattern, trains at batch 1: forward + backward + AdamW step, the median of --steps timed
+steps after one warm-up. MFU = useful FLOPs per token (``LanguageModel.flops_per_token``: 6 x matmul
+weights plus each mixer's own sequence mixing, as its recurrent or exact form counts it) x tokens/s /
+this machine's float32 matmul rate, measured in the same run (bf16 rows divide by the bf16 rate).
+
+    python benchmarks/bench_training.py                                # the full grid: hours on 2 cores
+    python benchmarks/bench_training.py --lengths 8192 --d-models 256  # the issue's headline cell, minutes
+    python benchmarks/bench_training.py --quick                        # tiny, seconds (tests)
+Options: --mixers a,b  --lengths 2048,8192,32768  --d-models 256,512  --dtypes float32,bf16
+--compile (adds torch.compile rows). Writes results/training.{json,md,png}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from benchmarks.common import OUT, machine_line, matmul_gflops  # noqa: E402
+from subquad.layers import MIXERS  # noqa: E402
+from subquad.models import LanguageModel, ModelConfig  # noqa: E402
+from subquad.models.presets import jamba  # noqa: E402
+
+JAMBA = jamba().pattern
+
+
+def bf16_gflops(n=1024, repeats=5):
+    a, b = torch.randn(n, n, dtype=torch.bfloat16), torch.randn(n, n, dtype=torch.bfloat16)
+    a @ b
+    t = time.perf_counter()
+    for _ in range(repeats):
+        a @ b
+    return 2 * n ** 3 * repeats / (time.perf_counter() - t) / 1e9
+
+
+def model_for(name, d_model, T, vocab):
+    pattern = JAMBA if name == "jamba" else name
+    n_layers = 8 if name == "jamba" else 4
+    cfg = ModelConfig(vocab_size=vocab, d_model=d_model, n_layers=n_layers, n_heads=max(1, d_model // 64),
+                      n_kv_heads=max(1, d_model // 256) if name == "jamba" else None, pattern=pattern,
+                      context_length=T)
+    return LanguageModel(cfg)
+
+
+def measure(name, d_model, T, dtype, compiled, steps, vocab):
+    torch.manual_seed(0)
+    model = model_for(name, d_model, T, vocab)
+    run = torch.compile(model) if compiled else model
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    idx = torch.randint(0, vocab, (1, T + 1))
+    x, y = idx[:, :-1], idx[:, 1:]
+
+    def step():
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == "bf16"):
+            logits = run(x)
+        loss = F.cross_entropy(logits.float().reshape(-1, vocab), y.reshape(-1))
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+
+    step()                                                   # warm-up (and compilation)
+    times = []
+    for _ in range(steps):
+        t = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - t)
+    return {"tokens_s": T / statistics.median(times), "flops_per_token": model.flops_per_token(T),
+            "parameters": model.num_parameters()}
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true")
+    p.add_argument("--out", type=Path, default=OUT)
+    p.add_argument("--mixers", default=",".join(sorted(MIXERS)) + ",jamba")
+    p.add_argument("--lengths", default="2048,8192,32768")
+    p.add_argument("--d-models", default="256,512")
+    p.add_argument("--dtypes", default="float32,bf16")
+    p.add_argument("--compile", action="store_true", help="also torch.compile rows")
+    p.add_argument("--steps", type=int, default=3)
+    args = p.parse_args(argv)
+    torch.set_num_threads(2)
+    args.out.mkdir(parents=True, exist_ok=True)
+    mixers = args.mixers.split(",")
+    lengths = [128, 256] if args.quick else [int(v) for v in args.lengths.split(",")]
+    d_models = [64] if args.quick else [int(v) for v in args.d_models.split(",")]
+    vocab = 256 if args.quick else 4096
+    steps = 1 if args.quick else args.steps
+    machine = machine_line()
+    rate = {"float32": matmul_gflops(512 if args.quick else 2048) * 1e9, "bf16": bf16_gflops() * 1e9}
+    print(machine, f"; bf16 matmul {rate['bf16'] / 1e9:.0f} GFLOP/s", flush=True)
+    rows = []
+    for d in d_models:
+        for T in lengths:
+            for dtype in args.dtypes.split(","):
+                for compiled in ([False, True] if args.compile else [False]):
+                    for name in mixers:
+                        try:
+                            r = measure(name, d, T, dtype, compiled, steps, vocab)
+                        except Exception as e:             # a row that fails is reported, not hidden
+                            r = {"error": f"{type(e).__name__}: {str(e)[:120]}"}
+                        r.update({"mixer": name, "d_model": d, "T": T, "dtype": dtype, "compiled": compiled})
+                        if "tokens_s" in r:
+                            r["mfu"] = r["tokens_s"] * r["flops_per_token"] / rate[dtype]
+                        rows.append(r)
+                        print(json.dumps(r), flush=True)
+    md = [f"{machine}; bf16 matmul {rate['bf16'] / 1e9:.0f} GFLOP/s. 4 layers (jamba: its preset's 8), heads of 64, "
+          f"SwiGLU MLPs, vocab {vocab}, batch 1; forward + backward + AdamW, median of {steps} steps.", "",
+          "| d_model | T | dtype | compiled | mixer | tokens/s | x softmax | MFU |", "|---:|---:|---|---|---|---:|---:|---:|"]
+    for r in rows:
+        if "error" in r:
+            md.append(f"| {r['d_model']} | {r['T']:,} | {r['dtype']} | {r['compiled']} | {r['mixer']} | "
+                      f"{r['error']} | | |")
+            continue
+        soft = next((s for s in rows if s["mixer"] == "softmax" and "tokens_s" in s and
+                     (s["d_model"], s["T"], s["dtype"], s["compiled"]) ==
+                     (r["d_model"], r["T"], r["dtype"], r["compiled"])), None)
+        ratio = f"{r['tokens_s'] / soft['tokens_s']:.2f}" if soft else ""
+        md.append(f"| {r['d_model']} | {r['T']:,} | {r['dtype']} | {r['compiled']} | {r['mixer']} | "
+                  f"{r['tokens_s']:,.0f} | {ratio} | {r['mfu']:.0%} |")
+    suffix = "_quick" if args.quick else ""
+    (args.out / f"training{suffix}.json").write_text(json.dumps({"machine": machine, "rows": rows}, indent=1))
+    (args.out / f"training{suffix}.md").write_text("\n".join(md) + "\n")
+    plot(rows, args.out / f"training{suffix}.png")
+    print("\n" + "\n".join(md))
+
+
+def plot(rows, path):
+    """tokens/s against T per mixer, log-log, one panel per (d_model, dtype, compiled)."""
+    from subquad.bench import plots  # noqa: F401  (Agg backend)
+    import matplotlib.pyplot as plt
+
+    panels = sorted({(r["d_model"], r["dtype"], r["compiled"]) for r in rows if "tokens_s" in r})
+    if not panels:
+        return
+    fig, axes = plt.subplots(1, len(panels), figsize=(6 * len(panels), 4.6), squeeze=False)
+    for ax, key in zip(axes[0], panels):
+        for name in dict.fromkeys(r["mixer"] for r in rows):
+            pts = sorted((r["T"], r["tokens_s"]) for r in rows if "tokens_s" in r and r["mixer"] == name
+                         and (r["d_model"], r["dtype"], r["compiled"]) == key)
+            if pts:
+                ax.plot(*zip(*pts), marker="o", label=name)
+        ax.set_xscale("log")
+        ax.set_yscale("log")
+        ax.set_xlabel("sequence length T")
+        ax.set_ylabel("training tokens/s")
+        ax.set_title(f"d_model {key[0]}, {key[1]}{', compiled' if key[2] else ''}")
+        ax.grid(True, alpha=0.3, which="both")
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    main()
