@@ -123,9 +123,9 @@ def best_per_cell(results, vocab=None):
     for r in results["cells"].values():
         if vocab is not None and r["vocab"] != vocab:
             continue
-        groups.setdefault((r["mixer"], r["T"], r["N"], r["d_model"], r["lr"]), []).append(r)
+        groups.setdefault((r["mixer"], r["T"], r["N"], r["d_model"], r["lr"], r.get("budget")), []).append(r)
     best = {}
-    for (m, T, N, d, lr), rs in groups.items():
+    for (m, T, N, d, lr, _), rs in groups.items():           # seeds of one learning rate and step budget
         accs = [r["accuracy"] for r in rs]
         cell = {"accuracy": sum(accs) / len(accs), "low": min(accs), "high": max(accs), "seeds": len(rs), "lr": lr,
                 "state_bytes": rs[0]["state_bytes"], "steps": sum(r["steps"] for r in rs) / len(rs)}
