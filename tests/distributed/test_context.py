@@ -52,12 +52,10 @@ def _cp_worker(rank, world, pattern, T, pos_emb, n_kv_heads, kind=None):
     return logits.detach(), grads
 
 
-@pytest.mark.parametrize("world", [2, 4])
-@pytest.mark.parametrize("pattern,pos_emb,n_kv_heads", [(EVERY, "none", None), ("mamba2,softmax", "learned", 1)])
-def test_context_parallel_lm_equals_one_process(world, pattern, pos_emb, n_kv_heads):
-    T = 2 * world * 8                                # pieces of 8 tokens: odd chunk counts, halos cross ranks
-    out = run(world, _cp_worker, pattern, T, pos_emb, n_kv_heads)
-    model = _model(pattern, pos_emb, n_kv_heads)
+def _assert_cp_equals_one_process(world, pattern, T, pos_emb, n_kv_heads, kind=None):
+    """Logits and the gradient of a weighted sum on ``world`` ranks equal one process over the sequence."""
+    out = run(world, _cp_worker, pattern, T, pos_emb, n_kv_heads, kind)
+    model = _model(pattern, pos_emb, n_kv_heads, kind)
     idx, w = _data(T)
     ref = model(idx)
     (ref * w).sum().backward()
@@ -65,20 +63,19 @@ def test_context_parallel_lm_equals_one_process(world, pattern, pos_emb, n_kv_he
     torch.testing.assert_close(zigzag_unshard([o[0] for o in out]), ref.detach(), rtol=0, atol=1e-10)
     for _, g in out:
         torch.testing.assert_close(g, grads, rtol=0, atol=1e-9)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("pattern,pos_emb,n_kv_heads", [(EVERY, "none", None), ("mamba2,softmax", "learned", 1)])
+def test_context_parallel_lm_equals_one_process(world, pattern, pos_emb, n_kv_heads):
+    T = 2 * world * 8                                # pieces of 8 tokens: odd chunk counts, halos cross ranks
+    _assert_cp_equals_one_process(world, pattern, T, pos_emb, n_kv_heads)
 
 
 @pytest.mark.parametrize("kind,pattern", [("bamba", "mamba2,softmax"), ("jamba", "mamba,softmax")])
 def test_context_parallel_checkpoint_structures_equal_one_process(kind, pattern):
     T = 2 * 2 * 8
-    out = run(2, _cp_worker, pattern, T, "none", 1, kind)
-    model = _model(pattern, "none", 1, kind)
-    idx, w = _data(T)
-    ref = model(idx)
-    (ref * w).sum().backward()
-    grads = torch.cat([p.grad.flatten() for p in model.parameters()])
-    torch.testing.assert_close(zigzag_unshard([o[0] for o in out]), ref.detach(), rtol=0, atol=1e-10)
-    for _, g in out:
-        torch.testing.assert_close(g, grads, rtol=0, atol=1e-9)
+    _assert_cp_equals_one_process(2, pattern, T, "none", 1, kind)
 
 
 def _refusals(rank, world):

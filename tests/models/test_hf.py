@@ -49,6 +49,36 @@ def _hf_logits(hf, ids):
     return hf.lm_head(hf.backbone(ids).last_hidden_state)
 
 
+def assert_prefill_then_decode_equals_forward(ours, ids, split=12):
+    """Prefill ``split`` tokens, then decode the rest one at a time: the full forward's logits (1e-10)."""
+    with torch.no_grad():
+        full = ours(ids)
+        logits, state = ours.prefill(ids[:, :split])
+        steps = [logits]
+        for t in range(split, ids.shape[1]):
+            lt, state = ours.prefill(ids[:, t:t + 1], state)
+            steps.append(lt)
+    torch.testing.assert_close(torch.cat(steps, 1), full, rtol=0, atol=1e-10)
+
+
+def greedy_agreement(ours, hf, ids, hf_logits, n=32):
+    """Our n greedy tokens after ``ids`` (1, T): each must be transformers' greedy choice under its own
+    forward (``hf_logits``); returns how many equal its ``generate`` before that leaves its own forward."""
+    T = ids.shape[1]
+    want = hf.generate(ids, max_new_tokens=n, do_sample=False)[0, T:].tolist()
+    got, _ = ours.generate(ids[0].tolist(), n, temperature=0)
+    with torch.no_grad():
+        hl = hf_logits(torch.tensor([ids[0].tolist() + got]))[0, T - 1:-1]
+    agree = 0
+    for t, token in enumerate(got):
+        assert hl[t, token] >= hl[t].max() - 1e-6 * hl[t].abs().max(), f"step {t}: not transformers' greedy token"
+        if want[t] != token:       # transformers' cached decoding left its own forward, not us
+            assert hl[t, want[t]] < hl[t].max(), f"step {t}: transformers' generate and forward agree, we do not"
+            break
+        agree += 1
+    return agree
+
+
 # float64 cannot be tighter than ~1e-7: transformers' Mamba computes A = -exp(A_log.float()) in float32
 @pytest.mark.parametrize("falcon", KINDS)
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-4), (torch.float64, 1e-6)])
@@ -69,28 +99,11 @@ def test_mamba_prefill_then_decode_equals_forward_and_greedy_equals_generate(tmp
     hf, folder = _hf_mamba(tmp_path, torch.float64, falcon)
     ours, _ = from_pretrained(folder, dtype=torch.float64)
     ids = _ids()[:1, :20]
-    with torch.no_grad():
-        full = ours(ids)
-        logits, state = ours.prefill(ids[:, :12])
-        steps = [logits]
-        for t in range(12, 20):
-            lt, state = ours.prefill(ids[:, t:t + 1], state)
-            steps.append(lt)
-    torch.testing.assert_close(torch.cat(steps, 1), full, rtol=0, atol=1e-10)
-    want = hf.generate(ids, max_new_tokens=32, do_sample=False)[0, 20:].tolist()
-    got, _ = ours.generate(ids[0].tolist(), 32, temperature=0)
+    assert_prefill_then_decode_equals_forward(ours, ids)
     # Every token is transformers' greedy choice under its own full forward over the sequence so far. Its
     # cached decoding can depart from that forward: for mamba2 here (float64) it picked token 30 where its
     # forward has 53 ahead by 2e-4 - so `generate` is compared up to where it leaves its own forward.
-    with torch.no_grad():
-        hl = _hf_logits(hf, torch.tensor([ids[0].tolist() + got]))[0, 19:-1]
-    agree = 0
-    for t, token in enumerate(got):
-        assert hl[t, token] >= hl[t].max() - 1e-6 * hl[t].abs().max(), f"step {t}: not transformers' greedy token"
-        if want[t] != token:
-            assert hl[t, want[t]] < hl[t].max(), f"step {t}: transformers' generate and forward agree, we do not"
-            break
-        agree += 1
+    agree = greedy_agreement(ours, hf, ids, lambda x: _hf_logits(hf, x))
     assert agree >= (29 if falcon == "mamba2" else 32)
 
 

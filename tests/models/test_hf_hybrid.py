@@ -13,6 +13,7 @@ import torch
 transformers = pytest.importorskip("transformers")   # the `test` extra installs it; the library never does
 
 from subquad.models.hf import from_pretrained, save_pretrained  # noqa: E402
+from tests.models.test_hf import assert_prefill_then_decode_equals_forward, greedy_agreement  # noqa: E402
 
 KINDS = ["bamba", "jamba"]
 # Greedy tokens equal to transformers' `generate` until it departs from its own forward: for Jamba here
@@ -90,30 +91,14 @@ def test_prefill_decode_packed_and_greedy_equal_transformers(tmp_path, kind):
     hf, folder = _hf(tmp_path, kind, torch.float64)
     ours, _ = from_pretrained(folder, dtype=torch.float64)
     ids = _ids()[:1, :20]
+    assert_prefill_then_decode_equals_forward(ours, ids)
     with torch.no_grad():
-        full = ours(ids)
-        logits, state = ours.prefill(ids[:, :12])
-        steps = [logits]
-        for t in range(12, 20):
-            lt, state = ours.prefill(ids[:, t:t + 1], state)
-            steps.append(lt)
-        torch.testing.assert_close(torch.cat(steps, 1), full, rtol=0, atol=1e-10)
         two = _ids()                                       # packed: 13 + 20 tokens, positions restart
         cu = torch.tensor([0, 13, 33])
         packed = ours(torch.cat([two[0, :13], two[1, :20]]).view(1, -1), cu_seqlens=cu)
         torch.testing.assert_close(packed[0, :13], ours(two[:1, :13])[0], rtol=0, atol=1e-10)
         torch.testing.assert_close(packed[0, 13:], ours(two[1:, :20])[0], rtol=0, atol=1e-10)
-    want = hf.generate(ids, max_new_tokens=32, do_sample=False)[0, 20:].tolist()
-    got, _ = ours.generate(ids[0].tolist(), 32, temperature=0)
-    with torch.no_grad():                                  # transformers' greedy choice under its own forward
-        hl = hf(torch.tensor([ids[0].tolist() + got])).logits[0, 19:-1]
-    agree = 0
-    for t, token in enumerate(got):
-        assert hl[t, token] >= hl[t].max() - 1e-6 * hl[t].abs().max(), f"step {t}: not transformers' greedy token"
-        if want[t] != token:       # transformers' cached decoding left its own forward (a near tie), not us
-            assert hl[t, want[t]] < hl[t].max(), f"step {t}: transformers' generate and forward agree, we do not"
-            break
-        agree += 1
+    agree = greedy_agreement(ours, hf, ids, lambda x: hf(x).logits)
     assert agree >= MIN_AGREE[kind]
 
 
