@@ -8,6 +8,13 @@ Shapes: q, k (B, T, H, K); v, o (B, T, H, V); beta (B, T, H) in [0, 1]; g (B, T,
 state (B, H, K, V). Keys are expected L2-normalised by the layer: the op does not
 normalise them (see README.md here for why, and for the WY derivation of the chunk form).
 
+``allow_neg_eigval=True`` admits beta in [0, 2] (OLMo-Hybrid's ``linear_allow_neg_eigval``; Grazzi et al.
+2024, "Unlocking state-tracking in linear RNNs through negative eigenvalues"): with |k| = 1 the
+transition I - b k k^T has the eigenvalue 1 - b along k, in [-1, 1] - a reflection at b = 2 - so the
+state stays bounded while the RNN gains state tracking (parity) that eigenvalues in [0, 1] cannot give.
+Every form computes the same algebra for any beta (the chunk form's triangular system is unit lower
+triangular whatever beta is); the option only widens the check. Outside the allowed range the op refuses.
+
 Example:
     >>> import torch, torch.nn.functional as F
     >>> from subquad.ops import delta_rule
@@ -31,16 +38,20 @@ from subquad.ops.common.varlen import varlen
 _FORMS = {"parallel": parallel_delta, "recurrent": recurrent_delta, "chunk": chunk_delta}
 
 
-def _run(q, k, v, g, beta, mode, chunk_size, scale, initial_state, output_final_state):
+def _run(q, k, v, g, beta, mode, chunk_size, scale, initial_state, output_final_state, allow_neg_eigval=False):
     check_mode(mode)
     check_qkv(q, k, v)
     if q.shape[1] < 1:
         raise ValueError(f"q must hold at least one token (T >= 1), got shape {tuple(q.shape)}")
     check_chunk_size(chunk_size)
     check_like("beta", beta, q.shape[:3], q)
-    if checks_on(beta) and ((beta < 0).any() or (beta > 1).any()):
-        raise ValueError(f"beta is the write strength and must lie in [0, 1]; got [{beta.min().item():.3g}, "
-                         f"{beta.max().item():.3g}]")
+    if not isinstance(allow_neg_eigval, bool):
+        raise ValueError(f"allow_neg_eigval must be a bool, got {allow_neg_eigval!r}")
+    top = 2 if allow_neg_eigval else 1
+    if checks_on(beta) and ((beta < 0).any() or (beta > top).any()):
+        hint = "" if allow_neg_eigval else " (allow_neg_eigval=True admits [0, 2])"
+        raise ValueError(f"beta is the write strength and must lie in [0, {top}]{hint}; got "
+                         f"[{beta.min().item():.3g}, {beta.max().item():.3g}]")
     if g is not None:
         check_like("g", g, q.shape[:3], q)
         if checks_on(g) and (g > 0).any():
@@ -65,19 +76,21 @@ def _run(q, k, v, g, beta, mode, chunk_size, scale, initial_state, output_final_
 @amp_op()
 @varlen("q", "k", "v", "beta")
 def delta_rule(q, k, v, beta, *, mode="chunk", chunk_size=64, scale=None, initial_state=None,
-               output_final_state=False):
-    """DeltaNet: S_t = (I - b_t k_t k_t^T) S_{t-1} + b_t k_t v_t^T; ``beta`` (B, T, H)."""
-    return _run(q, k, v, None, beta, mode, chunk_size, scale, initial_state, output_final_state)
+               output_final_state=False, allow_neg_eigval=False):
+    """DeltaNet: S_t = (I - b_t k_t k_t^T) S_{t-1} + b_t k_t v_t^T; ``beta`` (B, T, H) in [0, 1] ([0, 2] with
+    ``allow_neg_eigval``)."""
+    return _run(q, k, v, None, beta, mode, chunk_size, scale, initial_state, output_final_state, allow_neg_eigval)
 
 
 @amp_op()
 @varlen("q", "k", "v", "g", "beta")
 def gated_delta_rule(q, k, v, g, beta, *, mode="chunk", chunk_size=64, scale=None, initial_state=None,
-                     output_final_state=False):
-    """Gated DeltaNet: S_t = a_t (I - b_t k_t k_t^T) S_{t-1} + b_t k_t v_t^T; ``g = log a`` and ``beta`` (B, T, H)."""
+                     output_final_state=False, allow_neg_eigval=False):
+    """Gated DeltaNet: S_t = a_t (I - b_t k_t k_t^T) S_{t-1} + b_t k_t v_t^T; ``g = log a`` and ``beta`` (B, T, H),
+    beta in [0, 1] ([0, 2] with ``allow_neg_eigval``)."""
     if g is None:
         raise ValueError("g must be a log-decay tensor (B, T, H) for the gated rule (use delta_rule without a gate)")
-    return _run(q, k, v, g, beta, mode, chunk_size, scale, initial_state, output_final_state)
+    return _run(q, k, v, g, beta, mode, chunk_size, scale, initial_state, output_final_state, allow_neg_eigval)
 
 
 parallel_delta_rule, recurrent_delta_rule, chunk_delta_rule = three_forms(delta_rule)
