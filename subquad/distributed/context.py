@@ -143,7 +143,8 @@ class ContextParallel:
         if name == "ssd":
             return self.ssd(a["x"], a["dt"], a["A"], a["B"], a["C"], D=a.get("D"), chunk_size=chunk_size), None
         return self.scan(name, a["q"], a["k"], a["v"], g=a.get("g"), beta=a.get("beta"),
-                         normalize=a.get("normalize", False), scale=a.get("scale"), chunk_size=chunk_size), None
+                         normalize=a.get("normalize", False), scale=a.get("scale"), chunk_size=chunk_size,
+                         allow_neg_eigval=a.get("allow_neg_eigval", False)), None
 
     def ssd(self, x, dt, A, B, C, *, D=None, chunk_size: int = 64):
         """Mamba-2's SSD as simple GLA (q = C, k = dt B, g = dt A, scale 1, shared by the heads)."""
@@ -155,12 +156,13 @@ class ContextParallel:
         return y if D is None else torch.addcmul(y, x, D.to(y.dtype).view(1, 1, H, 1))
 
     def scan(self, kind: str, q, k, v, *, g=None, beta=None, normalize: bool = False, scale=None,
-             chunk_size: int = 64):
+             chunk_size: int = 64, allow_neg_eigval: bool = False):
         """``kind`` (see ``subquad.distributed.seqpar.KINDS``) over the whole sequence; this rank's o (B, t, H, V)."""
         sp = self.split
         g = g if g is None or g.dim() == 1 else sp(g)
         o = state_passing(kind, sp(q), sp(k), sp(v), g=g, beta=None if beta is None else sp(beta),
-                          normalize=normalize, scale=scale, chunk_size=chunk_size, group=self.group, pieces=2)
+                          normalize=normalize, scale=scale, chunk_size=chunk_size, group=self.group, pieces=2,
+                          allow_neg_eigval=allow_neg_eigval)
         return self.merge(o)
 
     def selective_scan(self, x, dt, A, Bm, Cm, *, D=None, z=None, chunk_size: int = 64):

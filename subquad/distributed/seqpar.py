@@ -50,18 +50,21 @@ def all_gather(x, group=None):
     return _AllGather.apply(x, group)
 
 
-def _runner(kind, q, k, g, beta, scale, chunk_size):
+def _runner(kind, q, k, g, beta, scale, chunk_size, allow_neg_eigval=False):
     """f(values, initial_state) -> (o, final_state) for this rank's piece."""
     kw = dict(mode="chunk", chunk_size=chunk_size, scale=scale, output_final_state=True)
+    if allow_neg_eigval and kind not in ("delta_rule", "gated_delta_rule"):
+        raise ValueError(f"allow_neg_eigval applies to the delta rules only, not kind={kind!r}")
     if kind == "linear_attention":
         return lambda v, s: ops.linear_attention(q, k, v, normalize=False, initial_state=s, **kw)
     if kind in ("retention", "simple_gla", "gla"):
         fn = getattr(ops, kind)
         return lambda v, s: fn(q, k, v, g, initial_state=s, **kw)
     if kind == "delta_rule":
-        return lambda v, s: ops.delta_rule(q, k, v, beta, initial_state=s, **kw)
+        return lambda v, s: ops.delta_rule(q, k, v, beta, initial_state=s, allow_neg_eigval=allow_neg_eigval, **kw)
     if kind == "gated_delta_rule":
-        return lambda v, s: ops.gated_delta_rule(q, k, v, g, beta, initial_state=s, **kw)
+        return lambda v, s: ops.gated_delta_rule(q, k, v, g, beta, initial_state=s, allow_neg_eigval=allow_neg_eigval,
+                                                 **kw)
     raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
 
 
@@ -93,11 +96,11 @@ def fold_states(S, M=None, *, combine: str = "matmul", group=None):
 
 
 def state_passing(kind: str, q, k, v, *, g=None, beta=None, normalize: bool = False, scale=None,
-                  chunk_size: int = 64, group=None, pieces: int = 1):
+                  chunk_size: int = 64, group=None, pieces: int = 1, allow_neg_eigval: bool = False):
     """``kind`` over this rank's ``pieces`` pieces of the sequence, stacked along the batch (piece-major).
 
     q, k (n B, t, H, K), v (n B, t, H, V), g / beta likewise (retention's g (H,) as is). See ``fold_states``
-    for which pieces a rank holds. Returns o (n B, t, H, V).
+    for which pieces a rank holds. ``allow_neg_eigval``: the delta rules' beta in [0, 2]. Returns o (n B, t, H, V).
     """
     if not dist.is_initialized():
         raise ValueError("sequence parallelism needs torch.distributed initialised (torchrun, or init_process_group)")
@@ -109,7 +112,7 @@ def state_passing(kind: str, q, k, v, *, g=None, beta=None, normalize: bool = Fa
         if kind != "linear_attention":
             raise ValueError("normalize=True applies to kind='linear_attention' only")
         v = torch.cat([v, torch.ones_like(v[..., :1])], dim=-1)
-    f = _runner(kind, q, k, g, beta, scale, chunk_size)
+    f = _runner(kind, q, k, g, beta, scale, chunk_size, allow_neg_eigval)
     dt = state_dtype(q.dtype)
     _, S_local = f(v, None)                                                  # (nB, H, K, V')
     if kind == "linear_attention":
@@ -126,7 +129,7 @@ def state_passing(kind: str, q, k, v, *, g=None, beta=None, normalize: bool = Fa
 
 
 def sequence_parallel(kind: str, q, k, v, *, g=None, beta=None, normalize: bool = False, scale=None,
-                      chunk_size: int = 64, group=None, cu_seqlens=None):
+                      chunk_size: int = 64, group=None, cu_seqlens=None, allow_neg_eigval: bool = False):
     """This rank's outputs (B, t, H, V) of ``kind`` over the sequence split contiguously across ``group``.
 
     q, k (B, t, H, K), v (B, t, H, V), and per-token gates (g, beta: (B, t, H[, K])) are this rank's piece;
@@ -139,4 +142,4 @@ def sequence_parallel(kind: str, q, k, v, *, g=None, beta=None, normalize: bool 
     if kind not in KINDS:
         raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
     return state_passing(kind, q, k, v, g=g, beta=beta, normalize=normalize, scale=scale, chunk_size=chunk_size,
-                         group=group, pieces=1)
+                         group=group, pieces=1, allow_neg_eigval=allow_neg_eigval)

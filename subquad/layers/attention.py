@@ -3,6 +3,11 @@
     q = rotary(x W_q) (B, T, H, K);  k, v = rotary(x W_k), x W_v  (B, T, H_kv, K)
     o = softmax_attention(q, repeat(k), repeat(v), window=W);   y = W_o o
 
+Checkpoints' variants are options: ``head_dim`` other than d_model / n_heads (Qwen3-Next: 256), RMS norms
+on q and k before the rotation (``qk_norm="head"``: per head, Qwen3; ``"all"``: over all heads' dims,
+OLMo-2/OLMo-Hybrid), and a sigmoid output gate (``output_gate``: Qwen3-Next's gated attention - W_q
+writes each head's query and then its gate, o_h = o_h * sigmoid(gate_h) before W_o).
+
 The decoding state is a KVCache of the H_kv key/value heads only, so grouped-query
 attention (n_kv_heads < n_heads) shrinks the cache by n_heads / n_kv_heads; with a
 window W it holds the last W tokens. Default mode is "parallel" (SDPA), the fast
@@ -15,6 +20,7 @@ import torch
 from torch import nn
 
 from subquad.layers.base import Mixer
+from subquad.layers.norm import RMSNorm
 from subquad.layers.rotary import apply_rotary
 from subquad.ops import KVCache
 
@@ -27,32 +33,44 @@ class SoftmaxAttention(Mixer):
     itself and the W tokens before it; the cache keeps W); rotary (False: no positions at all, as Jamba's
     attention layers); rotary_base (RoPE's theta); rotary_fraction (the leading fraction of each head's dims
     that rotate: Bamba's partial rotary 0.5); mode ("parallel": SDPA, "chunk":
-    blockwise online softmax; both O(T W) with a window); chunk_size.
+    blockwise online softmax; both O(T W) with a window); chunk_size; head_dim (default d_model / n_heads);
+    qk_norm (None, "head" or "all") with qk_norm_eps; output_gate.
     State: {"kv": a ``KVCache`` of k (B, L, n_kv_heads, K) and v (B, L, n_kv_heads, K)}, L the tokens seen
     (at most W with a window). A state passed in is never modified (the layer appends to a fork).
     """
     def __init__(self, d_model: int, n_heads: int = 4, n_kv_heads: int | None = None, window: int | None = None,
                  rotary: bool = True, rotary_base: float = 10000.0, rotary_fraction: float = 1.0,
-                 mode: str = "parallel", chunk_size: int = 64):
+                 head_dim: int | None = None, qk_norm: str | None = None, qk_norm_eps: float = 1e-6,
+                 output_gate: bool = False, mode: str = "parallel", chunk_size: int = 64):
         super().__init__(d_model, mode, chunk_size)
         self.n_heads, self.n_kv_heads = n_heads, n_kv_heads or n_heads
-        if d_model % n_heads:
-            raise ValueError(f"d_model={d_model} must divide by n_heads={n_heads}")
+        if head_dim is None and d_model % n_heads:
+            raise ValueError(f"d_model={d_model} must divide by n_heads={n_heads} (or give head_dim)")
+        if head_dim is not None and (isinstance(head_dim, bool) or not isinstance(head_dim, int) or head_dim < 1):
+            raise ValueError(f"head_dim must be a positive int or None, got {head_dim!r}")
+        if qk_norm not in (None, "head", "all"):
+            raise ValueError(f"qk_norm must be None, 'head' or 'all', got {qk_norm!r}")
+        if not isinstance(output_gate, bool):
+            raise ValueError(f"output_gate must be a bool, got {output_gate!r}")
         if n_heads % self.n_kv_heads:
             raise ValueError(f"n_heads={n_heads} must be a multiple of n_kv_heads={self.n_kv_heads}")
         if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 0):
             raise ValueError(f"window must be a non-negative int or None, got {window!r}")
-        self.head_dim = d_model // n_heads
+        self.head_dim = head_dim or d_model // n_heads
+        self.qk_norm, self.output_gate = qk_norm, output_gate
         self.window, self.rotary, self.rotary_base = window, rotary, float(rotary_base)
         self.rotary_dim = int(self.head_dim * rotary_fraction)
         if rotary and (self.rotary_dim % 2 or not 0 < self.rotary_dim <= self.head_dim):
             raise ValueError(f"rotary_fraction={rotary_fraction} of head dim {self.head_dim} must give an even "
                              f"number of rotating dims in (0, {self.head_dim}]")
         K, Hk = self.head_dim, self.n_kv_heads
-        self.q_proj = nn.Linear(d_model, n_heads * K, bias=False)
+        self.q_proj = nn.Linear(d_model, n_heads * K * (2 if output_gate else 1), bias=False)
         self.k_proj = nn.Linear(d_model, Hk * K, bias=False)
         self.v_proj = nn.Linear(d_model, Hk * K, bias=False)
         self.o_proj = nn.Linear(n_heads * K, d_model, bias=False)
+        if qk_norm is not None:
+            self.q_norm = RMSNorm(K if qk_norm == "head" else n_heads * K, qk_norm_eps)
+            self.k_norm = RMSNorm(K if qk_norm == "head" else Hk * K, qk_norm_eps)
 
     def mix_flops(self, T):
         """q k^T and p v over the keys each query sees: (T + 1) / 2 on average, or the window's."""
@@ -71,15 +89,23 @@ class SoftmaxAttention(Mixer):
         B, T, _ = x.shape
         H, Hk, K = self.n_heads, self.n_kv_heads, self.head_dim
         cache = None if state is None else state["kv"]
-        q = self.q_proj(x).view(B, T, H, K)
-        k = self.k_proj(x).view(B, T, Hk, K)
-        v = self.v_proj(x).view(B, T, Hk, K)
+        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x).view(B, T, Hk, K)
+        gate = None
+        if self.output_gate:                              # per head: its query's K dims, then its gate's
+            q, gate = q.view(B, T, H, 2 * K).chunk(2, dim=-1)
+        if self.qk_norm == "all":
+            q, k = self.q_norm(q.reshape(B, T, H * K)), self.k_norm(k)
+        q, k = q.reshape(B, T, H, K), k.view(B, T, Hk, K)
+        if self.qk_norm == "head":
+            q, k = self.q_norm(q), self.k_norm(k)
         if self.rotary:
             pos = seq.positions(T, 0 if cache is None else cache.next_position, x.device)
             q = apply_rotary(q, pos, self.rotary_base, self.rotary_dim)
             k = apply_rotary(k, pos, self.rotary_base, self.rotary_dim)
         o, _ = seq.attention(q, self._repeat(k), self._repeat(v), window=self.window, mode=self.mode,
                              chunk_size=self.chunk_size, initial_state=self._op_state(cache, seq))
+        if gate is not None:
+            o = o * torch.sigmoid(gate)
         return self.o_proj(o.reshape(B, T, H * K)), {"kv": self._extend(cache, k, v, seq)}
 
     def _op_state(self, cache, seq):

@@ -16,6 +16,9 @@ A sparse mixture-of-experts MLP (``subquad.models.moe``) replaces the dense one 
 layer from ``offset`` (Jamba: every second layer from layer 1):
 
     moe={"experts": 16, "top_k": 2, "every": 2, "offset": 1, "aux_loss_coef": 0.001, "renormalize": False}
+
+``hidden`` sets each expert's width (default: the dense MLP's), ``shared`` adds a gated shared expert of
+that width (Qwen3-Next; 0: none).
 """
 
 from __future__ import annotations
@@ -69,6 +72,7 @@ class ModelConfig:
     pos_emb: str = "none"                # "none" (positions from the mixers: RoPE, recurrence) or "learned"
     tie_embeddings: bool = True
     norm_eps: float = 1e-6
+    post_norm: list = field(default_factory=list)   # mixer names whose blocks norm the branch outputs (lm.py)
 
     def __post_init__(self):
         for name in ("vocab_size", "d_model", "n_layers", "n_heads", "context_length"):
@@ -85,6 +89,12 @@ class ModelConfig:
             raise ValueError(f"mlp_size must be a positive int or None, got {self.mlp_size!r}")
         if self.moe is not None:
             self.moe = _check_moe(self.moe, self.mlp)
+        from subquad.layers import MIXERS
+
+        if not isinstance(self.post_norm, (list, tuple)) or any(n not in MIXERS for n in self.post_norm):
+            raise ValueError(f"post_norm must be a list of mixer names ({', '.join(sorted(MIXERS))}), "
+                             f"got {self.post_norm!r}")
+        self.post_norm = list(self.post_norm)
         if self.pos_emb not in ("none", "learned"):
             raise ValueError(f"pos_emb must be 'none' or 'learned', got {self.pos_emb!r}")
 
@@ -121,7 +131,8 @@ class ModelConfig:
         return cls(**d)
 
 
-MOE_DEFAULTS = {"top_k": 2, "every": 1, "offset": 0, "aux_loss_coef": 0.01, "renormalize": False}
+MOE_DEFAULTS = {"top_k": 2, "every": 1, "offset": 0, "aux_loss_coef": 0.01, "renormalize": False, "hidden": None,
+                "shared": 0}
 
 
 def _check_moe(moe, mlp: bool) -> dict:
@@ -144,6 +155,12 @@ def _check_moe(moe, mlp: bool) -> dict:
         raise ValueError(f"moe['offset']={m['offset']} must be below moe['every']={m['every']}")
     if not isinstance(m["aux_loss_coef"], (int, float)) or m["aux_loss_coef"] < 0:
         raise ValueError(f"moe['aux_loss_coef'] must be a number >= 0, got {m['aux_loss_coef']!r}")
+    if m["hidden"] is not None and (isinstance(m["hidden"], bool) or not isinstance(m["hidden"], int)
+                                    or m["hidden"] < 1):
+        raise ValueError(f"moe['hidden'] (each expert's width; None: the MLP's) must be a positive int, "
+                         f"got {m['hidden']!r}")
+    if isinstance(m["shared"], bool) or not isinstance(m["shared"], int) or m["shared"] < 0:
+        raise ValueError(f"moe['shared'] (the shared expert's width; 0: none) must be an int >= 0, got {m['shared']!r}")
     if not isinstance(m["renormalize"], bool):
         raise ValueError(f"moe['renormalize'] must be a bool, got {m['renormalize']!r}")
     return m

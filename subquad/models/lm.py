@@ -2,6 +2,8 @@
 
     h = embed(idx)
     for each layer:  h = h + mixer(rmsnorm(h));  h = h + swiglu(rmsnorm(h))
+                     (a mixer named in ``config.post_norm``: h = h + rmsnorm(mixer(h)); h = h + rmsnorm(swiglu(h)),
+                      OLMo-2's reordered norms, which OLMo-Hybrid's attention layers use)
     logits = rmsnorm(h) @ embed^T            (tied embeddings)
 
 ``forward(idx)`` trains with each mixer's configured form (chunk by default,
@@ -42,16 +44,24 @@ class Block(nn.Module):
         super().__init__()
         opts = {**cfg.mixer_options.get("*", {}), **cfg.mixer_options.get(mixer_name, {})}
         self.mixer_name = mixer_name
+        self.post_norm = mixer_name in cfg.post_norm
         self.norm1 = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.mixer = build_mixer(mixer_name, cfg.d_model, cfg.n_heads, n_kv_heads=cfg.n_kv_heads, **opts)
         self.norm2 = RMSNorm(cfg.d_model, cfg.norm_eps) if cfg.mlp else None
         if moe:
             m = cfg.moe
-            self.mlp = MoE(cfg.d_model, cfg.mlp_hidden, m["experts"], m["top_k"], m["renormalize"])
+            self.mlp = MoE(cfg.d_model, m["hidden"] or cfg.mlp_hidden, m["experts"], m["top_k"], m["renormalize"],
+                           m["shared"])
         else:
             self.mlp = SwiGLU(cfg.d_model, cfg.mlp_hidden) if cfg.mlp else None
 
     def forward(self, h, state=None, cu_seqlens=None):
+        if self.post_norm:                                   # norms on the branches' outputs
+            y, state = self.mixer(h, state, cu_seqlens=cu_seqlens)
+            h = h + self.norm1(y)
+            if self.mlp is not None:
+                h = h + self.norm2(self.mlp(h))
+            return h, state
         y, state = self.mixer(self.norm1(h), state, cu_seqlens=cu_seqlens)
         h = h + y
         if self.mlp is not None:
@@ -116,6 +126,8 @@ class LanguageModel(nn.Module):
                     block.mlp.w_down.weight.normal_(0, std)
                 elif isinstance(block.mlp, MoE):
                     block.mlp.w_down.normal_(0, std)
+                    if block.mlp.shared is not None:
+                        block.mlp.shared.w_down.weight.normal_(0, std)
 
     def decode_layout(self) -> "LanguageModel":
         """Store every wide matrix (out_features >= 2 in_features: input projections, the vocabulary head or
@@ -156,6 +168,8 @@ class LanguageModel(nn.Module):
                 m = b.mlp
                 total += 2.0 * (m.router.weight.numel() + m.top_k * (m.w_gate[0].numel() + m.w_up[0].numel()
                                                                       + m.w_down[0].numel()))
+                if m.shared is not None:
+                    total += 2.0 * (sum(p.numel() for p in m.shared.parameters()) + m.shared_gate.weight.numel())
             elif b.mlp is not None:
                 total += 2.0 * sum(p.numel() for p in b.mlp.parameters())
         return 3.0 * total if training else total

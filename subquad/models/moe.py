@@ -8,6 +8,9 @@
 
 Full capacity: no token is dropped. Each expert runs one matmul over the tokens routed to it.
 
+With ``shared`` > 0 a dense SwiGLU of that width runs on every token beside the routed experts, scaled by
+a learned sigmoid gate (Qwen2-MoE / Qwen3-Next): y += sigmoid(x W_sg^T) * shared(x).
+
 The router's load-balancing loss (Switch Transformer, eqs. 4-6), over all MoE layers of a forward as
 transformers' ``load_balancing_loss_func`` computes it (one pool of L * N router rows):
 
@@ -26,10 +29,12 @@ from torch import nn
 
 class MoE(nn.Module):
     """x (..., d_model) -> (..., d_model). Weights: ``router`` (E, d_model), ``w_gate`` and ``w_up``
-    (E, hidden, d_model), ``w_down`` (E, d_model, hidden). After each forward ``router_stats`` holds
+    (E, hidden, d_model), ``w_down`` (E, d_model, hidden); with ``shared``, ``shared`` (a SwiGLU) and
+    ``shared_gate`` (1, d_model). After each forward ``router_stats`` holds
     (choices per expert (E,), sum of router probabilities per expert (E,), rows) for the auxiliary loss."""
 
-    def __init__(self, d_model: int, hidden: int, experts: int, top_k: int = 2, renormalize: bool = False):
+    def __init__(self, d_model: int, hidden: int, experts: int, top_k: int = 2, renormalize: bool = False,
+                 shared: int = 0):
         super().__init__()
         if not 1 <= top_k <= experts:
             raise ValueError(f"top_k={top_k} must lie in [1, experts={experts}]")
@@ -39,6 +44,12 @@ class MoE(nn.Module):
         self.w_up = nn.Parameter(torch.randn(experts, hidden, d_model) * 0.02)
         self.w_down = nn.Parameter(torch.randn(experts, d_model, hidden) * 0.02)
         self.router_stats = None
+        self.shared, self.shared_gate = None, None
+        if shared:
+            from subquad.models.lm import SwiGLU
+
+            self.shared = SwiGLU(d_model, shared)
+            self.shared_gate = nn.Linear(d_model, 1, bias=False)
 
     def route(self, x):
         """x (N, d_model) -> (probabilities (N, E) float32, top-k weights (N, k), top-k experts (N, k))."""
@@ -74,6 +85,8 @@ class MoE(nn.Module):
             out.index_add_(0, tok, y)
         if out is None:                                          # no tokens
             out = torch.zeros_like(x)
+        if self.shared is not None:
+            out = out + torch.sigmoid(self.shared_gate(x)) * self.shared(x)
         return out.reshape(shape)
 
 
