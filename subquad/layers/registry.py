@@ -77,12 +77,16 @@ CLASSES = {"softmax": SoftmaxAttention, "swa": SoftmaxAttention, "linear": Linea
            "gated_deltanet": GatedDeltaNet}
 
 
+# mixers whose head count may be set apart from the model's n_heads (a checkpoint's value heads)
+OWN_HEADS = {"deltanet", "gated_deltanet"}
+
+
 def mixer_options(name: str) -> list[str]:
     """The option names ``--mixer-option NAME.KEY=VALUE`` accepts for mixer ``name``."""
     import inspect
 
     sig = inspect.signature(CLASSES[name].__init__)
-    fixed = {"self", "d_model", "n_heads", "n_kv_heads"}
+    fixed = {"self", "d_model", "n_kv_heads"} | (set() if name in OWN_HEADS else {"n_heads"})
     return sorted(n for n, p in sig.parameters.items()
                   if n not in fixed and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY))
 

@@ -12,11 +12,14 @@ weight, an unexpected one or a wrong shape is refused by name: never a silently 
 Supported: ``mamba`` (MambaForCausalLM), ``falcon_mamba`` (its RMS norms on dt, B and C), ``mamba2``
 (Mamba2ForCausalLM: ``n_groups``, the gated norm per group with the config's epsilon, ``time_step_limit``),
 ``bamba`` (Mamba-2 layers and softmax attention layers at ``attn_layer_indices``, partial rotary, SwiGLU
-MLPs) and ``jamba`` (Mamba layers with weighted RMS norms on dt, B and C, attention without positions every
-``attn_layer_period``, a sparse mixture-of-experts MLP every ``expert_layer_period``).
+MLPs), ``jamba`` (Mamba layers with weighted RMS norms on dt, B and C, attention without positions every
+``attn_layer_period``, a sparse mixture-of-experts MLP every ``expert_layer_period``), and the Gated DeltaNet
+hybrids ``qwen3_next`` and ``olmo_hybrid`` (``hf_delta.py``).
 
 A name map takes subquad's parameter names to the checkpoint's; a tuple of checkpoint names is one tensor
-of ours stacked along dim 0 (the experts of an MoE layer, one tensor per expert in the checkpoint).
+of ours stacked along dim 0 (the experts of an MoE layer, one tensor per expert in the checkpoint). A
+mapping may also ``unpack`` the checkpoint's tensors first (fused projections split, per-part convolutions
+joined, zero-centred norm weights shifted) and ``pack`` them back on saving.
 """
 
 from __future__ import annotations
@@ -264,7 +267,7 @@ class _Bamba:
     def matches(cls, cfg: ModelConfig, opts: dict) -> bool:
         a = opts.get("softmax", {"rotary": True, "rotary_fraction": 0.5, "window": None})
         return (set(cfg.layers) <= {"mamba2", "softmax"} and "mamba2" in cfg.layers and cfg.mlp and cfg.moe is None
-                and cfg.pos_emb == "none" and opts["mamba2"]["norm_eps"] == cfg.norm_eps
+                and cfg.pos_emb == "none" and _plain_attention(cfg, opts) and opts["mamba2"]["norm_eps"] == cfg.norm_eps
                 and a["rotary"] and a["rotary_fraction"] == 0.5 and a["window"] is None)
 
 
@@ -325,9 +328,11 @@ class _Jamba:
             return False
         o, a = opts["mamba"], opts.get("softmax", {"rotary": False, "window": None})
         attn = [i for i, name in enumerate(cfg.layers) if name == "softmax"]
-        return (cfg.mlp and cfg.pos_emb == "none" and o["bcdt_rms_weight"] and o["bcdt_rms_eps"] == cfg.norm_eps
+        return (cfg.mlp and cfg.pos_emb == "none" and _plain_attention(cfg, opts) and o["bcdt_rms_weight"]
+                and o["bcdt_rms_eps"] == cfg.norm_eps
                 and not a["rotary"] and a["window"] is None and _period(attn, cfg.n_layers) is not None
-                and (cfg.moe is None or not cfg.moe["renormalize"]))
+                and (cfg.moe is None or (not cfg.moe["renormalize"] and not cfg.moe["shared"]
+                                         and cfg.moe["hidden"] in (None, cfg.mlp_hidden))))
 
 
 def _layer_options(model) -> dict:
@@ -347,8 +352,22 @@ def _layer_options(model) -> dict:
                          "norm_eps": m.norm.eps}
         elif name == "softmax":
             out[name] = {"rotary": m.rotary, "rotary_base": m.rotary_base, "window": m.window,
-                         "rotary_fraction": m.rotary_dim / m.head_dim}
+                         "rotary_fraction": m.rotary_dim / m.head_dim, "head_dim": m.head_dim,
+                         "qk_norm": m.qk_norm, "qk_norm_eps": m.q_norm.eps if m.qk_norm else None,
+                         "output_gate": m.output_gate}
+        elif name == "gated_deltanet":
+            out[name] = {"n_heads": m.n_heads, "n_key_heads": m.n_key_heads, "head_dim": m.head_dim,
+                         "value_head_dim": m.value_head_dim, "conv_size": m.conv.kernel_size,
+                         "open_gate": m.gate_bias is not None, "qk_eps": m.qk_eps,
+                         "allow_neg_eigval": m.allow_neg_eigval, "norm_eps": m.norm.eps}
     return out
+
+
+def _plain_attention(cfg: ModelConfig, opts: dict) -> bool:
+    """Softmax layers (if any) without the options Bamba and Jamba do not have, in pre-norm blocks."""
+    a = opts.get("softmax")
+    return not cfg.post_norm and (a is None or (a["qk_norm"] is None and not a["output_gate"]
+                                                and a["head_dim"] * cfg.n_heads == cfg.d_model))
 
 
 def _period(indices: list, n: int):
@@ -362,7 +381,6 @@ def _period(indices: list, n: int):
     return None
 
 
-MAPPINGS = {m.model_type: m for m in (_Mamba, _FalconMamba, _Mamba2, _Bamba, _Jamba)}
 
 
 def _backbone_names(cfg: ModelConfig, mixer_params) -> dict:
@@ -435,6 +453,8 @@ def from_pretrained(path, dtype=None, device=None):
         model = LanguageModel(cfg)
     names = mapping.names(cfg)
     tensors = read_weights(path)
+    if hasattr(mapping, "unpack"):                    # fused or shifted tensors -> one per parameter of ours
+        tensors = mapping.unpack(tensors, cfg, dtype)
     own = model.state_dict()
     if c.get(mapping.conv_bias_key, True) is False:   # no conv bias in the checkpoint: ours stays zero
         for ours, theirs in names.items():
@@ -492,7 +512,14 @@ def save_pretrained(model, path) -> None:
             tensors.update({name: part.contiguous() for name, part in zip(theirs, t.unbind(0))})
         else:
             tensors[theirs] = t.contiguous()
+    if hasattr(kind, "pack"):
+        tensors = {n: t.contiguous() for n, t in kind.pack(tensors, cfg).items()}
     tmp = path / "model.safetensors.tmp"
     save_file(tensors, str(tmp), metadata={"format": "pt"})
     os.replace(tmp, path / "model.safetensors")
     (path / "config.json").write_text(json.dumps(kind.to_config(cfg, opts), indent=1))
+
+
+from subquad.models.hf_delta import _OlmoHybrid, _Qwen3Next  # noqa: E402  (they use the helpers above)
+
+MAPPINGS = {m.model_type: m for m in (_Mamba, _FalconMamba, _Mamba2, _Bamba, _Jamba, _Qwen3Next, _OlmoHybrid)}

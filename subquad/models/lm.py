@@ -46,7 +46,8 @@ class Block(nn.Module):
         self.mixer_name = mixer_name
         self.post_norm = mixer_name in cfg.post_norm
         self.norm1 = RMSNorm(cfg.d_model, cfg.norm_eps)
-        self.mixer = build_mixer(mixer_name, cfg.d_model, cfg.n_heads, n_kv_heads=cfg.n_kv_heads, **opts)
+        heads = opts.pop("n_heads", cfg.n_heads)           # a layer's own head count (registry.OWN_HEADS)
+        self.mixer = build_mixer(mixer_name, cfg.d_model, heads, n_kv_heads=cfg.n_kv_heads, **opts)
         self.norm2 = RMSNorm(cfg.d_model, cfg.norm_eps) if cfg.mlp else None
         if moe:
             m = cfg.moe
