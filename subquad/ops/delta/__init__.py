@@ -2,9 +2,11 @@
 
     delta_rule:        S_t = (I - b_t k_t k_t^T) S_{t-1} + b_t k_t v_t^T
     gated_delta_rule:  S_t = a_t (I - b_t k_t k_t^T) S_{t-1} + b_t k_t v_t^T,   g_t = log a_t <= 0
+                       with g (B, T, H, K), a decay per key channel (Kimi Linear's KDA, fla's ``kda``):
+                       S_t = (I - b_t k_t k_t^T) diag(a_t) S_{t-1} + b_t k_t v_t^T
     o_t = scale * S_t^T q_t
 
-Shapes: q, k (B, T, H, K); v, o (B, T, H, V); beta (B, T, H) in [0, 1]; g (B, T, H);
+Shapes: q, k (B, T, H, K); v, o (B, T, H, V); beta (B, T, H) in [0, 1]; g (B, T, H) or (B, T, H, K);
 state (B, H, K, V). Keys are expected L2-normalised by the layer: the op does not
 normalise them (see README.md here for why, and for the WY derivation of the chunk form).
 
@@ -53,7 +55,7 @@ def _run(q, k, v, g, beta, mode, chunk_size, scale, initial_state, output_final_
         raise ValueError(f"beta is the write strength and must lie in [0, {top}]{hint}; got "
                          f"[{beta.min().item():.3g}, {beta.max().item():.3g}]")
     if g is not None:
-        check_like("g", g, q.shape[:3], q)
+        check_like("g", g, q.shape if getattr(g, "dim", lambda: 0)() == 4 else q.shape[:3], q)
         if checks_on(g) and (g > 0).any():
             raise ValueError(f"g is a log-decay and must be <= 0 everywhere; got max {g.max().item():.3g}")
     B, _, H, K = q.shape
@@ -87,7 +89,8 @@ def delta_rule(q, k, v, beta, *, mode="chunk", chunk_size=64, scale=None, initia
 def gated_delta_rule(q, k, v, g, beta, *, mode="chunk", chunk_size=64, scale=None, initial_state=None,
                      output_final_state=False, allow_neg_eigval=False):
     """Gated DeltaNet: S_t = a_t (I - b_t k_t k_t^T) S_{t-1} + b_t k_t v_t^T; ``g = log a`` and ``beta`` (B, T, H),
-    beta in [0, 1] ([0, 2] with ``allow_neg_eigval``)."""
+    beta in [0, 1] ([0, 2] with ``allow_neg_eigval``). ``g`` (B, T, H, K): KDA's per-channel decay,
+    S_t = (I - b_t k_t k_t^T) diag(a_t) S_{t-1} + b_t k_t v_t^T."""
     if g is None:
         raise ValueError("g must be a log-decay tensor (B, T, H) for the gated rule (use delta_rule without a gate)")
     return _run(q, k, v, g, beta, mode, chunk_size, scale, initial_state, output_final_state, allow_neg_eigval)

@@ -14,6 +14,12 @@ every chunk at once (one batched triangular solve) and loops over chunks only fo
 than PIECE tokens runs piece by piece with the state carried, which keeps autograd's temporaries
 piece-sized. Without a gradient, ``inference.py`` runs the fast path. ``parallel.py`` is the same algebra with
 one chunk spanning the whole sequence.
+
+A per-key-channel decay g (B, T, H, K) (Kimi's KDA) is the same algebra with gamma a vector per token:
+exp(gamma) scales K and Q channel-wise, the state decays by diag(exp(gamma_C)), and Dm turns into
+exp(gamma_ik - gamma_jk) inside the sums over k - K K^T o Dm and Q K^T o Dm become GLA's sub-chunked
+decayed scores (``decay/intra.py``: every exponent a difference <= 0), so chunks are rounded up to a
+multiple of its 16-token sub-chunk.
 """
 
 from __future__ import annotations
@@ -27,6 +33,7 @@ from subquad.ops.delta.inference import delta_inference
 from subquad.ops.delta.recurrent import recurrent_delta
 from subquad.ops.delta.triangular import unit_lower_solve
 from subquad.ops.common.expo import exp_decay
+from subquad.ops.decay.intra import SUB, _intra_vector
 
 
 
@@ -43,17 +50,29 @@ def _chunkwise(q, k, v, g, beta, scale, C, initial_state):
     B, T, H, K = q.shape
     V = v.shape[-1]
     dt = beta.dtype
+    vector = g is not None and g.dim() == 4               # KDA: a decay per key channel
+    if vector:
+        C = -(-C // SUB) * SUB
     pad = -T % C
     if pad:                                                # zero keys, values and beta add nothing
         q, k, v = (torch.nn.functional.pad(x, (0, 0, 0, 0, 0, pad)) for x in (q, k, v))
         beta = torch.nn.functional.pad(beta, (0, 0, 0, pad))
-        g = None if g is None else torch.nn.functional.pad(g, (0, 0, 0, pad))
+        g = None if g is None else torch.nn.functional.pad(g, (0, 0) * (g.dim() - 2) + (0, pad))
     qc, kc, vc = (_by_chunk(x.to(dt), C) for x in (q, k, v))               # (BH, n, C, K|V)
     bc = _by_chunk(beta, C).unsqueeze(-1)                                   # (BH, n, C, 1)
     lower = torch.ones(C, C, dtype=torch.bool, device=q.device).tril()
     if g is None:
         Dm = lower.to(dt)
         kg, qg, kd = kc, qc, kc
+    elif vector:
+        gam = _by_chunk(g, C).cumsum(2)                                    # (BH, n, C, K), chunk-local
+        eg = exp_decay(gam)
+        kg, qg = kc * eg, qc * eg
+        kd = kc * exp_decay(gam[:, :, -1:] - gam)
+        decay = exp_decay(gam[:, :, -1]).unsqueeze(-1).unbind(1)          # n x (BH, K, 1)
+        flat = (lambda x: x.reshape(-1, C, K))
+        KK = _intra_vector(flat(kc), flat(kc), flat(gam)).view(B * H, -1, C, C)   # k_i . (e^(g_i - g_j) k_j)
+        P = _intra_vector(flat(qc), flat(kc), flat(gam)).view(B * H, -1, C, C)
     else:
         gam = _by_chunk(g, C).cumsum(-1)                                   # (BH, n, C), chunk-local
         Dm = decay_mask(gam)
@@ -61,9 +80,11 @@ def _chunkwise(q, k, v, g, beta, scale, C, initial_state):
         kg, qg = kc * eg, qc * eg
         kd = kc * exp_decay(gam[..., -1:] - gam).unsqueeze(-1)
         decay = exp_decay(gam[..., -1]).unbind(1)                          # n x (BH,)
-    A = torch.eye(C, dtype=dt, device=q.device) + (bc * (kc @ kc.transpose(-1, -2)) * Dm).tril(-1)
+    if not vector:
+        KK = (kc @ kc.transpose(-1, -2)) * Dm
+        P = (qc @ kc.transpose(-1, -2)) * Dm                              # (BH, n, C, C)
+    A = torch.eye(C, dtype=dt, device=q.device) + (bc * KK).tril(-1)
     WU = unit_lower_solve(A, torch.cat([kg, vc], -1) * bc)
-    P = (qc @ kc.transpose(-1, -2)) * Dm                                  # (BH, n, C, C)
     S = torch.zeros(B * H, K, V, dtype=dt, device=q.device) if initial_state is None \
         else initial_state.reshape(B * H, K, V)
     Ss, Ds = [], []
@@ -72,7 +93,7 @@ def _chunkwise(q, k, v, g, beta, scale, C, initial_state):
         D = Uj - Wj @ S
         Ss.append(S)
         Ds.append(D)
-        S = S if g is None else decay[j].view(-1, 1, 1) * S
+        S = S if g is None else (decay[j] if vector else decay[j].view(-1, 1, 1)) * S
         S = S + kdj.transpose(1, 2) @ D
     o = qg @ torch.stack(Ss, 1) + P @ torch.stack(Ds, 1)                  # (BH, n, C, V), batched
     o = o.view(B, H, T + pad, V)[:, :, :T].transpose(1, 2) * scale
@@ -80,9 +101,10 @@ def _chunkwise(q, k, v, g, beta, scale, C, initial_state):
 
 
 def chunk_delta(q, k, v, g, beta, *, scale, chunk_size=64, initial_state=None):
-    if inference_path(q, k, v, g, beta, initial_state):
+    if inference_path(q, k, v, g, beta, initial_state) and (g is None or g.dim() == 3 or q.shape[1] < SHORT):
         run = recurrent_delta if q.shape[1] < SHORT else delta_inference
         return run(q, k, v, g, beta, scale=scale, chunk_size=chunk_size, initial_state=initial_state)
+    # (a per-channel decay without a gradient runs the batched form below: there is no group path for it yet)
     C = min(chunk_size, q.shape[1])
     L = max(1, PIECE // C) * C
     if q.shape[1] <= L:

@@ -1,6 +1,7 @@
 """The (gated) delta rule, recurrent form: the token loop (the spec).
 
     S_t = a_t (I - b_t k_t k_t^T) S_{t-1} + b_t k_t v_t^T = a_t S_{t-1} + b_t k_t (v_t - a_t S_{t-1}^T k_t)^T
+    (KDA: a_t a vector per key channel, S_t = (I - b_t k_t k_t^T) diag(a_t) S_{t-1} + b_t k_t v_t^T)
     o_t = scale * S_t^T q_t
 """
 
@@ -19,7 +20,8 @@ def recurrent_delta(q, k, v, g, beta, *, scale, chunk_size=None, initial_state=N
     for t in range(T):
         kt, vt, bt = k[:, t].to(dt), v[:, t].to(dt), beta[:, t]             # (B, H, K), (B, H, V), (B, H)
         if g is not None:
-            S = exp_decay(g[:, t])[..., None, None] * S
+            a = exp_decay(g[:, t])                                            # (B, H) or (B, H, K): KDA
+            S = (a[..., None, None] if a.dim() == 2 else a[..., None]) * S
         pred = (kt.unsqueeze(-2) @ S).squeeze(-2)                             # S^T k  (B, H, V)
         S = S + kt.unsqueeze(-1) * (bt[..., None] * (vt - pred)).unsqueeze(-2)
         outs.append((q[:, t].to(dt).unsqueeze(-2) @ S).squeeze(-2) * scale)
