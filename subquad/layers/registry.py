@@ -5,9 +5,11 @@ from __future__ import annotations
 from subquad.layers.attention import SoftmaxAttention
 from subquad.layers.deltanet import DeltaNet, GatedDeltaNet
 from subquad.layers.gla import GatedLinearAttention
+from subquad.layers.kda import KimiDeltaAttention
 from subquad.layers.linear_attention import LinearAttention
 from subquad.layers.mamba import Mamba
 from subquad.layers.mamba2 import Mamba2
+from subquad.layers.mla import LatentAttention
 from subquad.layers.retention import MultiScaleRetention
 
 
@@ -51,6 +53,14 @@ def _gated_deltanet(d_model, n_heads, n_kv_heads=None, **kw):
     return GatedDeltaNet(d_model, n_heads, **kw)
 
 
+def _kda(d_model, n_heads, n_kv_heads=None, **kw):
+    return KimiDeltaAttention(d_model, n_heads, **kw)
+
+
+def _mla(d_model, n_heads, n_kv_heads=None, **kw):
+    return LatentAttention(d_model, n_heads, **kw)
+
+
 def _mamba(d_model, n_heads, n_kv_heads=None, **kw):
     return Mamba(d_model, **kw)
 
@@ -67,6 +77,8 @@ MIXERS = {
     "mamba2": _mamba2,
     "deltanet": _deltanet,
     "gated_deltanet": _gated_deltanet,
+    "kda": _kda,                  # Kimi Delta Attention: the gated delta rule with a decay per key channel
+    "mla": _mla,                  # multi-head latent attention (softmax; the cache keeps latents)
 }
 
 
@@ -74,11 +86,11 @@ MIXERS = {
 CLASSES = {"softmax": SoftmaxAttention, "swa": SoftmaxAttention, "linear": LinearAttention,
            "performer": LinearAttention, "taylor": LinearAttention, "retention": MultiScaleRetention,
            "gla": GatedLinearAttention, "mamba": Mamba, "mamba2": Mamba2, "deltanet": DeltaNet,
-           "gated_deltanet": GatedDeltaNet}
+           "gated_deltanet": GatedDeltaNet, "kda": KimiDeltaAttention, "mla": LatentAttention}
 
 
 # mixers whose head count may be set apart from the model's n_heads (a checkpoint's value heads)
-OWN_HEADS = {"deltanet", "gated_deltanet"}
+OWN_HEADS = {"deltanet", "gated_deltanet", "kda"}
 
 
 def mixer_options(name: str) -> list[str]:

@@ -17,8 +17,10 @@ layer from ``offset`` (Jamba: every second layer from layer 1):
 
     moe={"experts": 16, "top_k": 2, "every": 2, "offset": 1, "aux_loss_coef": 0.001, "renormalize": False}
 
-``hidden`` sets each expert's width (default: the dense MLP's), ``shared`` adds a gated shared expert of
-that width (Qwen3-Next; 0: none).
+``hidden`` sets each expert's width (default: the dense MLP's), ``shared`` adds a shared expert of that
+width (0: none), gated by a learned sigmoid unless ``shared_gate`` is False; ``router`` "sigmoid" with
+``groups``, ``topk_groups`` and ``scale`` is DeepSeek-V3's routing (``subquad.models.moe``); ``layers``
+lists the MoE layers explicitly, instead of every/offset (Kimi Linear: every layer but the first).
 """
 
 from __future__ import annotations
@@ -113,6 +115,8 @@ class ModelConfig:
         """Indices of the layers whose MLP is a mixture of experts."""
         if self.moe is None:
             return []
+        if self.moe["layers"] is not None:
+            return [i for i in self.moe["layers"] if i < self.n_layers]
         return [i for i in range(self.n_layers) if i % self.moe["every"] == self.moe["offset"]]
 
     def to_dict(self) -> dict:
@@ -132,7 +136,8 @@ class ModelConfig:
 
 
 MOE_DEFAULTS = {"top_k": 2, "every": 1, "offset": 0, "aux_loss_coef": 0.01, "renormalize": False, "hidden": None,
-                "shared": 0}
+                "shared": 0, "shared_gate": True, "router": "softmax", "groups": 1, "topk_groups": 1, "scale": 1.0,
+                "layers": None}
 
 
 def _check_moe(moe, mlp: bool) -> dict:
@@ -161,6 +166,24 @@ def _check_moe(moe, mlp: bool) -> dict:
                          f"got {m['hidden']!r}")
     if isinstance(m["shared"], bool) or not isinstance(m["shared"], int) or m["shared"] < 0:
         raise ValueError(f"moe['shared'] (the shared expert's width; 0: none) must be an int >= 0, got {m['shared']!r}")
+    for key in ("shared_gate", "renormalize"):
+        if not isinstance(m[key], bool):
+            raise ValueError(f"moe['{key}'] must be a bool, got {m[key]!r}")
+    if m["router"] not in ("softmax", "sigmoid"):
+        raise ValueError(f"moe['router'] must be 'softmax' or 'sigmoid', got {m['router']!r}")
+    for key in ("groups", "topk_groups"):
+        if isinstance(m[key], bool) or not isinstance(m[key], int) or m[key] < 1:
+            raise ValueError(f"moe['{key}'] must be a positive int, got {m[key]!r}")
+    if m["experts"] % m["groups"] or m["topk_groups"] > m["groups"]:
+        raise ValueError(f"moe['groups']={m['groups']} must divide moe['experts']={m['experts']}, and "
+                         f"moe['topk_groups']={m['topk_groups']} be at most it")
+    if isinstance(m["scale"], bool) or not isinstance(m["scale"], (int, float)) or m["scale"] <= 0:
+        raise ValueError(f"moe['scale'] must be a positive number, got {m['scale']!r}")
+    if m["layers"] is not None:
+        if not isinstance(m["layers"], (list, tuple)) or any(isinstance(i, bool) or not isinstance(i, int) or i < 0
+                                                              for i in m["layers"]):
+            raise ValueError(f"moe['layers'] must be a list of layer indices (or None: every/offset), got {m['layers']!r}")
+        m["layers"] = sorted(set(m["layers"]))
     if not isinstance(m["renormalize"], bool):
         raise ValueError(f"moe['renormalize'] must be a bool, got {m['renormalize']!r}")
     return m

@@ -14,7 +14,8 @@ Supported: ``mamba`` (MambaForCausalLM), ``falcon_mamba`` (its RMS norms on dt, 
 ``bamba`` (Mamba-2 layers and softmax attention layers at ``attn_layer_indices``, partial rotary, SwiGLU
 MLPs), ``jamba`` (Mamba layers with weighted RMS norms on dt, B and C, attention without positions every
 ``attn_layer_period``, a sparse mixture-of-experts MLP every ``expert_layer_period``), and the Gated DeltaNet
-hybrids ``qwen3_next`` and ``olmo_hybrid`` (``hf_delta.py``).
+hybrids ``qwen3_next`` and ``olmo_hybrid`` (``hf_delta.py``) and Kimi Delta Attention's ``kimi_linear``
+(``hf_kimi.py``).
 
 A name map takes subquad's parameter names to the checkpoint's; a tuple of checkpoint names is one tensor
 of ours stacked along dim 0 (the experts of an MoE layer, one tensor per expert in the checkpoint). A
@@ -331,7 +332,7 @@ class _Jamba:
         return (cfg.mlp and cfg.pos_emb == "none" and _plain_attention(cfg, opts) and o["bcdt_rms_weight"]
                 and o["bcdt_rms_eps"] == cfg.norm_eps
                 and not a["rotary"] and a["window"] is None and _period(attn, cfg.n_layers) is not None
-                and (cfg.moe is None or (not cfg.moe["renormalize"] and not cfg.moe["shared"]
+                and (cfg.moe is None or (not cfg.moe["renormalize"] and _plain_moe(cfg.moe) and not cfg.moe["shared"]
                                          and cfg.moe["hidden"] in (None, cfg.mlp_hidden))))
 
 
@@ -355,12 +356,24 @@ def _layer_options(model) -> dict:
                          "rotary_fraction": m.rotary_dim / m.head_dim, "head_dim": m.head_dim,
                          "qk_norm": m.qk_norm, "qk_norm_eps": m.q_norm.eps if m.qk_norm else None,
                          "output_gate": m.output_gate}
+        elif name == "kda":
+            out[name] = {"n_heads": m.n_heads, "head_dim": m.head_dim, "conv_size": m.conv.kernel_size,
+                         "gate_rank": m.gate_rank, "qk_eps": m.qk_eps, "norm_eps": m.norm.eps}
+        elif name == "mla":
+            out[name] = {"kv_rank": m.kv_rank, "rope_dim": m.rope_dim, "nope_dim": m.nope_dim,
+                         "v_head_dim": m.v_head_dim, "q_rank": m.q_rank, "latent_eps": m.kv_a_norm.eps,
+                         "rotary": m.rotary}
         elif name == "gated_deltanet":
             out[name] = {"n_heads": m.n_heads, "n_key_heads": m.n_key_heads, "head_dim": m.head_dim,
                          "value_head_dim": m.value_head_dim, "conv_size": m.conv.kernel_size,
                          "open_gate": m.gate_bias is not None, "qk_eps": m.qk_eps,
                          "allow_neg_eigval": m.allow_neg_eigval, "norm_eps": m.norm.eps}
     return out
+
+
+def _plain_moe(m: dict) -> bool:
+    """A softmax-routed MoE placed by every/offset (Jamba's, Qwen3-Next's)."""
+    return m["router"] == "softmax" and m["layers"] is None and m["scale"] == 1.0
 
 
 def _plain_attention(cfg: ModelConfig, opts: dict) -> bool:
@@ -521,5 +534,7 @@ def save_pretrained(model, path) -> None:
 
 
 from subquad.models.hf_delta import _OlmoHybrid, _Qwen3Next  # noqa: E402  (they use the helpers above)
+from subquad.models.hf_kimi import _KimiLinear  # noqa: E402
 
-MAPPINGS = {m.model_type: m for m in (_Mamba, _FalconMamba, _Mamba2, _Bamba, _Jamba, _Qwen3Next, _OlmoHybrid)}
+MAPPINGS = {m.model_type: m for m in (_Mamba, _FalconMamba, _Mamba2, _Bamba, _Jamba, _Qwen3Next, _OlmoHybrid,
+                                      _KimiLinear)}

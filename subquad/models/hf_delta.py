@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 
 from subquad.models.config import ModelConfig
-from subquad.models.hf import _MLP, _common, _require
+from subquad.models.hf import _MLP, _common, _plain_moe, _require
 
 _FLA_L2_EPS = 1e-6
 
@@ -213,7 +213,8 @@ class _Qwen3Next:
         m = cfg.moe
         return (attn_ok and cfg.mlp and cfg.pos_emb == "none" and not cfg.post_norm
                 and _gdn_matches(opts["gated_deltanet"], cfg.norm_eps, False)
-                and (m is None or (m["shared"] > 0 and m["offset"] == m["every"] - 1)))
+                and (m is None or (_plain_moe(m) and m["shared_gate"] and m["shared"] > 0
+                                   and m["offset"] == m["every"] - 1)))
 
 
 class _OlmoHybrid:

@@ -52,7 +52,7 @@ class Block(nn.Module):
         if moe:
             m = cfg.moe
             self.mlp = MoE(cfg.d_model, m["hidden"] or cfg.mlp_hidden, m["experts"], m["top_k"], m["renormalize"],
-                           m["shared"])
+                           m["shared"], m["shared_gate"], m["router"], m["groups"], m["topk_groups"], m["scale"])
         else:
             self.mlp = SwiGLU(cfg.d_model, cfg.mlp_hidden) if cfg.mlp else None
 
@@ -170,7 +170,8 @@ class LanguageModel(nn.Module):
                 total += 2.0 * (m.router.weight.numel() + m.top_k * (m.w_gate[0].numel() + m.w_up[0].numel()
                                                                       + m.w_down[0].numel()))
                 if m.shared is not None:
-                    total += 2.0 * (sum(p.numel() for p in m.shared.parameters()) + m.shared_gate.weight.numel())
+                    total += 2.0 * sum(p.numel() for p in m.shared.parameters())
+                    total += 0.0 if m.shared_gate is None else 2.0 * m.shared_gate.weight.numel()
             elif b.mlp is not None:
                 total += 2.0 * sum(p.numel() for p in b.mlp.parameters())
         return 3.0 * total if training else total

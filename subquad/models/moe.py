@@ -9,7 +9,14 @@
 Full capacity: no token is dropped. Each expert runs one matmul over the tokens routed to it.
 
 With ``shared`` > 0 a dense SwiGLU of that width runs on every token beside the routed experts, scaled by
-a learned sigmoid gate (Qwen2-MoE / Qwen3-Next): y += sigmoid(x W_sg^T) * shared(x).
+a learned sigmoid gate (Qwen2-MoE / Qwen3-Next: y += sigmoid(x W_sg^T) * shared(x)) or not (``shared_gate``
+False: DeepSeek-V3, Kimi Linear).
+
+``router="sigmoid"`` is DeepSeek-V3's routing (Kimi Linear): s = sigmoid(x W_r^T); experts are chosen by
+s + b (``score_bias``, a buffer the checkpoint carries: the auxiliary-loss-free balancing bias), first the
+``topk_groups`` best of ``groups`` expert groups (a group's score: its two best), then the top k inside
+them; the weights are s of the chosen (renormalised with ``renormalize``) times ``scale``. Its load-balancing
+statistics use softmax(x W_r^T), as transformers' auxiliary loss does for every router.
 
 The router's load-balancing loss (Switch Transformer, eqs. 4-6), over all MoE layers of a forward as
 transformers' ``load_balancing_loss_func`` computes it (one pool of L * N router rows):
@@ -34,11 +41,20 @@ class MoE(nn.Module):
     (choices per expert (E,), sum of router probabilities per expert (E,), rows) for the auxiliary loss."""
 
     def __init__(self, d_model: int, hidden: int, experts: int, top_k: int = 2, renormalize: bool = False,
-                 shared: int = 0):
+                 shared: int = 0, shared_gate: bool = True, router: str = "softmax", groups: int = 1,
+                 topk_groups: int = 1, scale: float = 1.0):
         super().__init__()
         if not 1 <= top_k <= experts:
             raise ValueError(f"top_k={top_k} must lie in [1, experts={experts}]")
+        if router not in ("softmax", "sigmoid"):
+            raise ValueError(f"router must be 'softmax' or 'sigmoid', got {router!r}")
+        if experts % groups or not 1 <= topk_groups <= groups:
+            raise ValueError(f"groups={groups} must divide experts={experts} and topk_groups={topk_groups} lie in "
+                             f"[1, groups]")
         self.experts, self.top_k, self.renormalize = experts, top_k, renormalize
+        self.router_kind, self.groups, self.topk_groups, self.scale = router, groups, topk_groups, scale
+        if router == "sigmoid":
+            self.register_buffer("score_bias", torch.zeros(experts))
         self.router = nn.Linear(d_model, experts, bias=False)
         self.w_gate = nn.Parameter(torch.randn(experts, hidden, d_model) * 0.02)
         self.w_up = nn.Parameter(torch.randn(experts, hidden, d_model) * 0.02)
@@ -49,16 +65,29 @@ class MoE(nn.Module):
             from subquad.models.lm import SwiGLU
 
             self.shared = SwiGLU(d_model, shared)
-            self.shared_gate = nn.Linear(d_model, 1, bias=False)
+            self.shared_gate = nn.Linear(d_model, 1, bias=False) if shared_gate else None
 
     def route(self, x):
         """x (N, d_model) -> (probabilities (N, E) float32, top-k weights (N, k), top-k experts (N, k))."""
         logits = self.router(x)
         probs = torch.softmax(logits, dim=-1, dtype=torch.promote_types(logits.dtype, torch.float32))
-        w, idx = probs.topk(self.top_k, dim=-1)
+        if self.router_kind == "softmax":
+            w, idx = probs.topk(self.top_k, dim=-1)
+            if self.renormalize:
+                w = w / w.sum(-1, keepdim=True)
+            return probs, w * self.scale if self.scale != 1.0 else w, idx
+        scores = torch.sigmoid(logits.to(probs.dtype))
+        choice = scores + self.score_bias.to(scores.dtype)
+        if self.groups > 1:
+            per = self.experts // self.groups
+            best = choice.view(-1, self.groups, per).topk(min(2, per), dim=-1)[0].sum(-1)     # (N, groups)
+            keep = torch.zeros_like(best, dtype=torch.bool).scatter_(1, best.topk(self.topk_groups, dim=-1)[1], True)
+            choice = choice.masked_fill(~keep.repeat_interleave(per, dim=1), float("-inf"))
+        idx = choice.topk(self.top_k, dim=-1)[1]
+        w = scores.gather(1, idx)
         if self.renormalize:
-            w = w / w.sum(-1, keepdim=True)
-        return probs, w, idx
+            w = w / (w.sum(-1, keepdim=True) + 1e-20)
+        return probs, w * self.scale, idx
 
     def forward(self, x):
         shape = x.shape
@@ -86,7 +115,8 @@ class MoE(nn.Module):
         if out is None:                                          # no tokens
             out = torch.zeros_like(x)
         if self.shared is not None:
-            out = out + torch.sigmoid(self.shared_gate(x)) * self.shared(x)
+            y = self.shared(x)
+            out = out + (y if self.shared_gate is None else torch.sigmoid(self.shared_gate(x)) * y)
         return out.reshape(shape)
 
 

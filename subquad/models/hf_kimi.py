@@ -1,0 +1,181 @@
+"""Hugging Face mapping of ``kimi_linear`` (KimiLinearForCausalLM; ``hf.py`` loads it).
+
+Pre-norm blocks of Kimi Delta Attention (``layers/kda.py``) and, at the ``full_attention`` layers,
+multi-head latent attention without positions (``layers/mla.py``); a SwiGLU MLP in the first
+``first_k_dense_replace`` layers ("dense" in ``mlp_layer_types``) and a DeepSeek-V3 mixture of experts
+elsewhere: sigmoid router with the score-correction bias, grouped top-k, ``routed_scaling_factor``, an
+ungated shared expert of ``num_shared_experts x moe_intermediate_size``.
+
+The checkpoint writes the KDA convolutions per part (``q_conv1d``, ...), ``A_log`` as (1, 1, H, 1), the
+experts as w1 (gate), w3 (up), w2 (down) and its MLPs under ``block_sparse_moe`` (or ``mlp``): ``unpack``
+and ``pack`` translate. Config fields may sit in ``linear_attn_config`` (the released checkpoints) or at
+the top level (transformers' own config); both are read, and transformers' aliases of the MoE fields.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from subquad.models.config import ModelConfig
+from subquad.models.hf import _common, _require
+
+_MLP = {"w_gate.weight": "gate_proj.weight", "w_up.weight": "up_proj.weight", "w_down.weight": "down_proj.weight"}
+_EXPERT = {"w_gate": "w1.weight", "w_up": "w3.weight", "w_down": "w2.weight"}
+_KDA = ("q_proj.weight", "k_proj.weight", "v_proj.weight", "b_proj.weight", "f_a_proj.weight", "f_b_proj.weight",
+        "g_a_proj.weight", "g_b_proj.weight", "o_proj.weight", "dt_bias", "A_log")
+_LATENT_EPS = 1e-6                                   # KimiLinearRMSNorm's default, used by the latent norms
+
+
+def _get(c: dict, *names, default=None):
+    for n in names:
+        if n in c and c[n] is not None:
+            return c[n]
+    return default
+
+
+class _KimiLinear:
+    """KimiLinearForCausalLM (module doc)."""
+
+    model_type = "kimi_linear"
+    conv_bias_key = "linear_conv_bias"
+
+    @staticmethod
+    def config(c: dict) -> ModelConfig:
+        _require(c, "hidden_act", "silu")
+        _require(c, "attention_bias", False)
+        n, eps = c["num_hidden_layers"], c.get("rms_norm_eps", 1e-5)
+        lin = c.get("linear_attn_config") or {}
+        types = c.get("layer_types")
+        if types is None and "full_attn_layers" in lin:
+            full = {i - 1 for i in lin["full_attn_layers"]}                     # 1-indexed there
+            types = ["full_attention" if i in full else "linear_attention" for i in range(n)]
+        if types is None:
+            types = ["full_attention" if i and i % 4 == 0 else "linear_attention" for i in range(n)]
+        if len(types) != n or set(types) - {"linear_attention", "full_attention"}:
+            raise ValueError(f"config field layer_types={types!r} must name 'linear_attention' or 'full_attention' "
+                             f"for each of the {n} layers")
+        mlp_types = c.get("mlp_layer_types")
+        if mlp_types is None:
+            k = c.get("first_k_dense_replace", 1)
+            mlp_types = ["dense" if i < k else "sparse" for i in range(n)]
+        if len(mlp_types) != n or set(mlp_types) - {"dense", "sparse"}:
+            raise ValueError(f"config field mlp_layer_types={mlp_types!r} must name 'dense' or 'sparse' per layer")
+        kda = {"n_heads": _get(lin, "num_heads", default=_get(c, "linear_num_heads", default=32)),
+               "head_dim": _get(lin, "head_dim", default=_get(c, "linear_head_dim", default=128)),
+               "conv_size": _get(lin, "short_conv_kernel_size", default=_get(c, "linear_conv_kernel_dim", default=4)),
+               "qk_eps": 1e-6, "norm_eps": eps}
+        kda["gate_rank"] = kda["head_dim"]
+        mla = {"kv_rank": c.get("kv_lora_rank", 512), "rope_dim": c.get("qk_rope_head_dim", 64),
+               "nope_dim": c.get("qk_nope_head_dim", 128), "v_head_dim": c.get("v_head_dim") or 128,
+               "q_rank": c.get("q_lora_rank"), "latent_eps": _LATENT_EPS, "rotary": False}
+        sparse = [i for i, t in enumerate(mlp_types) if t == "sparse"]
+        moe = None
+        if sparse:
+            experts = _get(c, "num_experts", "num_local_experts", default=256)
+            hidden = c.get("moe_intermediate_size", 1024)
+            moe = {"experts": experts, "top_k": _get(c, "num_experts_per_token", "num_experts_per_tok", default=8),
+                   "hidden": hidden, "shared": hidden * _get(c, "num_shared_experts", "n_shared_experts", default=1),
+                   "shared_gate": False, "router": "sigmoid", "groups": _get(c, "num_expert_group", "n_group", default=1),
+                   "topk_groups": c.get("topk_group") or 1, "scale": float(c.get("routed_scaling_factor", 2.446)),
+                   "renormalize": bool(_get(c, "moe_renormalize", "norm_topk_prob", default=True)),
+                   "aux_loss_coef": 0.0, "layers": sparse}
+        pattern = ",".join("mla" if t == "full_attention" else "kda" for t in types)
+        return _common(c, pattern, eps, moe=moe, mixer_options={"kda": kda, "mla": mla})
+
+    @staticmethod
+    def names(cfg: ModelConfig) -> dict:
+        out = {"embed.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight"}
+        moe = set(cfg.moe_layers)
+        q_rank = cfg.mixer_options.get("mla", {}).get("q_rank")
+        for i, name in enumerate(cfg.layers):
+            a, b = f"blocks.{i}.", f"model.layers.{i}."
+            s = b + "self_attn."
+            out[a + "norm1.weight"] = b + "input_layernorm.weight"
+            out[a + "norm2.weight"] = b + "post_attention_layernorm.weight"
+            if name == "kda":
+                out.update({a + "mixer." + p: s + p for p in _KDA})
+                out[a + "mixer.norm.weight"] = s + "o_norm.weight"
+                out[a + "mixer.conv.weight"] = s + "conv1d.weight"               # q, k, v convs (unpack)
+            else:
+                q = ({"q_proj.weight": "q_proj.weight"} if q_rank is None else
+                     {"q_a_proj.weight": "q_a_proj.weight", "q_a_norm.weight": "q_a_layernorm.weight",
+                      "q_b_proj.weight": "q_b_proj.weight"})
+                q.update({"kv_a_proj.weight": "kv_a_proj_with_mqa.weight", "kv_a_norm.weight": "kv_a_layernorm.weight",
+                          "kv_b_proj.weight": "kv_b_proj.weight", "o_proj.weight": "o_proj.weight"})
+                out.update({a + "mixer." + ours: s + theirs for ours, theirs in q.items()})
+            f = b + "mlp."
+            if i in moe:
+                out[a + "mlp.router.weight"] = f + "gate.weight"
+                out[a + "mlp.score_bias"] = f + "gate.e_score_correction_bias"
+                for ours, theirs in _EXPERT.items():
+                    out[a + "mlp." + ours] = tuple(f"{f}experts.{e}.{theirs}" for e in range(cfg.moe["experts"]))
+                out.update({a + "mlp.shared." + ours: f + "shared_experts." + theirs for ours, theirs in _MLP.items()})
+            else:
+                out.update({a + "mlp." + ours: f + theirs for ours, theirs in _MLP.items()})
+        if not cfg.tie_embeddings:
+            out["head.weight"] = "lm_head.weight"
+        return out
+
+    @staticmethod
+    def unpack(tensors: dict, cfg: ModelConfig, dtype=None) -> dict:
+        out = {}
+        for name, t in tensors.items():
+            out[name.replace(".block_sparse_moe.", ".mlp.")] = t.reshape(-1) if name.endswith("self_attn.A_log") else t
+        for name in list(out):
+            if name.endswith("self_attn.q_conv1d.weight"):
+                p = name.removesuffix("q_conv1d.weight")
+                parts = [p + f"{x}_conv1d.weight" for x in "qkv"]
+                if all(x in out for x in parts):
+                    out[p + "conv1d.weight"] = torch.cat([out.pop(x) for x in parts], 0)
+        return out
+
+    @staticmethod
+    def pack(tensors: dict, cfg: ModelConfig) -> dict:
+        out = {}
+        for name, t in tensors.items():
+            name = name.replace(".mlp.", ".block_sparse_moe.")                 # as transformers writes them
+            if name.endswith("self_attn.conv1d.weight"):
+                p = name.removesuffix("conv1d.weight")
+                for x, part in zip("qkv", t.chunk(3, 0)):
+                    out[p + f"{x}_conv1d.weight"] = part
+            elif name.endswith("self_attn.A_log"):
+                out[name] = t.view(1, 1, -1, 1)
+            else:
+                out[name] = t
+        return out
+
+    @staticmethod
+    def to_config(cfg: ModelConfig, opts: dict) -> dict:
+        k = opts["kda"]
+        a = opts.get("mla", {"kv_rank": 512, "rope_dim": 64, "nope_dim": 128, "v_head_dim": 128, "q_rank": None})
+        m = cfg.moe
+        moe_layers = set(cfg.moe_layers)
+        out = {"model_type": "kimi_linear", "architectures": ["KimiLinearForCausalLM"], "vocab_size": cfg.vocab_size,
+               "hidden_size": cfg.d_model, "intermediate_size": cfg.mlp_hidden, "num_hidden_layers": cfg.n_layers,
+               "num_attention_heads": cfg.n_heads, "num_key_value_heads": cfg.n_heads,
+               "layer_types": ["full_attention" if n == "mla" else "linear_attention" for n in cfg.layers],
+               "mlp_layer_types": ["sparse" if i in moe_layers else "dense" for i in range(cfg.n_layers)],
+               "linear_num_heads": k["n_heads"], "linear_head_dim": k["head_dim"], "linear_conv_kernel_dim": k["conv_size"],
+               "kv_lora_rank": a["kv_rank"], "q_lora_rank": a["q_rank"], "qk_rope_head_dim": a["rope_dim"],
+               "qk_nope_head_dim": a["nope_dim"], "v_head_dim": a["v_head_dim"], "rms_norm_eps": cfg.norm_eps,
+               "hidden_act": "silu", "attention_bias": False, "tie_word_embeddings": cfg.tie_embeddings,
+               "pad_token_id": None, "bos_token_id": None, "eos_token_id": None}
+        if m is not None:
+            hidden = m["hidden"] or cfg.mlp_hidden
+            out.update({"num_experts": m["experts"], "num_experts_per_token": m["top_k"], "moe_intermediate_size": hidden,
+                        "num_shared_experts": m["shared"] // hidden, "num_expert_group": m["groups"],
+                        "topk_group": m["topk_groups"], "routed_scaling_factor": m["scale"],
+                        "moe_renormalize": m["renormalize"]})
+        return out
+
+    @classmethod
+    def matches(cls, cfg: ModelConfig, opts: dict) -> bool:
+        if not (set(cfg.layers) <= {"kda", "mla"} and "kda" in cfg.layers):
+            return False
+        k, a, m = opts["kda"], opts.get("mla"), cfg.moe
+        hidden = None if m is None else (m["hidden"] or cfg.mlp_hidden)
+        return (cfg.mlp and cfg.pos_emb == "none" and not cfg.post_norm and k["qk_eps"] == 1e-6
+                and k["norm_eps"] == cfg.norm_eps and k["gate_rank"] == k["head_dim"]
+                and (a is None or (not a["rotary"] and a["latent_eps"] == _LATENT_EPS))
+                and (m is None or (m["router"] == "sigmoid" and not m["shared_gate"] and m["shared"] > 0
+                                   and m["shared"] % hidden == 0)))

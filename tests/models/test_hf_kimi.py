@@ -1,0 +1,131 @@
+"""Hugging Face Kimi Linear - KDA layers, multi-head latent attention without positions, a DeepSeek-V3
+mixture of experts (sigmoid router with its correction bias, grouped top-k, scaling, ungated shared expert):
+tiny random transformers models give transformers' logits and greedy tokens, come back through
+save_pretrained, and bad folders are refused by name."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")   # the `test` extra installs it; the library never does
+
+from subquad.models.hf import from_pretrained, save_pretrained  # noqa: E402
+from tests.models.test_hf import assert_prefill_then_decode_equals_forward, greedy_agreement  # noqa: E402
+
+V = 96
+
+
+def _hf(tmp_path, dtype=torch.float32, **over):
+    """Two KDA and two MLA layers, a dense MLP first then MoE layers (8 experts in 2 groups)."""
+    torch.manual_seed(0)
+    cfg = transformers.KimiLinearConfig(**{
+        "vocab_size": V, "hidden_size": 64, "intermediate_size": 96, "moe_intermediate_size": 32,
+        "num_hidden_layers": 4, "num_attention_heads": 4, "kv_lora_rank": 16, "qk_rope_head_dim": 8,
+        "qk_nope_head_dim": 16, "v_head_dim": 12, "num_local_experts": 8, "num_experts_per_tok": 2, "n_group": 2,
+        "topk_group": 1, "linear_head_dim": 16, "linear_num_heads": 4, "pad_token_id": None, "bos_token_id": None,
+        "eos_token_id": None, "layer_types": ["linear_attention", "full_attention"] * 2, **over})
+    cfg._experts_implementation = "eager"                  # its grouped-matmul default has no float64
+    model = transformers.KimiLinearForCausalLM(cfg).to(dtype).eval()
+    with torch.no_grad():                                  # non-trivial norms, time steps and routing bias
+        for name, p in model.named_parameters():
+            if name.endswith(("norm.weight", "layernorm.weight", "dt_bias")):
+                p.add_(torch.randn_like(p) * 0.3)
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.add_(torch.randn_like(b) * 0.1)
+    folder = tmp_path / "kimi"
+    model.save_pretrained(folder)
+    return model, folder
+
+
+def _ids(T=50):
+    return torch.randint(0, V, (2, T), generator=torch.Generator().manual_seed(1))
+
+
+def test_the_loaded_structure_and_its_latent_cache(tmp_path):
+    _, folder = _hf(tmp_path)
+    ours, _ = from_pretrained(folder)
+    assert ours.config.layers == ["kda", "mla"] * 2 and ours.config.moe_layers == [1, 2, 3]
+    kda, mla = ours.blocks[0].mixer, ours.blocks[1].mixer
+    assert (kda.n_heads, kda.head_dim, mla.kv_rank, mla.rope_dim, mla.v_head_dim) == (4, 16, 16, 8, 12)
+    assert not mla.rotary and ours.blocks[1].mlp.router_kind == "sigmoid" and ours.blocks[1].mlp.shared_gate is None
+    with torch.no_grad():
+        _, state = ours.prefill(_ids()[:1, :10])
+    assert state[1]["kv"].k.shape == (1, 10, 1, 16) and state[1]["kv"].v.shape == (1, 10, 1, 8)   # latents
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-4), (torch.float64, 1e-6)])
+@pytest.mark.parametrize("over", [{}, {"q_lora_rank": 24}], ids=["q-full", "q-low-rank"])
+def test_logits_equal_transformers(tmp_path, dtype, tol, over):
+    hf, folder = _hf(tmp_path, dtype, **over)
+    ours, _ = from_pretrained(folder, dtype=dtype)
+    with torch.no_grad():
+        ref = hf(_ids()).logits.to(dtype)
+        got = ours(_ids())
+    assert got.dtype == dtype
+    assert ((got - ref).abs().max() / ref.abs().max()).item() <= tol
+
+
+def test_prefill_decode_packed_and_greedy_equal_transformers(tmp_path):
+    hf, folder = _hf(tmp_path, torch.float64)
+    ours, _ = from_pretrained(folder, dtype=torch.float64)
+    ids = _ids()[:1, :20]
+    assert_prefill_then_decode_equals_forward(ours, ids)
+    with torch.no_grad():
+        two = _ids()                                       # packed: 13 + 20 tokens
+        cu = torch.tensor([0, 13, 33])
+        packed = ours(torch.cat([two[0, :13], two[1, :20]]).view(1, -1), cu_seqlens=cu)
+        torch.testing.assert_close(packed[0, :13], ours(two[:1, :13])[0], rtol=0, atol=1e-10)
+        torch.testing.assert_close(packed[0, 13:], ours(two[1:, :20])[0], rtol=0, atol=1e-10)
+    assert greedy_agreement(ours, hf, ids, lambda x: hf(x).logits) == 32
+
+
+def test_save_pretrained_round_trip_loads_in_transformers(tmp_path):
+    hf, folder = _hf(tmp_path)
+    ours, _ = from_pretrained(folder)
+    save_pretrained(ours, tmp_path / "back")
+    again = transformers.KimiLinearForCausalLM.from_pretrained(tmp_path / "back", experts_implementation="eager").eval()
+    assert json.loads((tmp_path / "back" / "config.json").read_text())["model_type"] == "kimi_linear"
+    ours2, _ = from_pretrained(tmp_path / "back")
+    with torch.no_grad():
+        ref = hf(_ids()).logits
+        torch.testing.assert_close(again(_ids()).logits, ref, rtol=0, atol=1e-5)
+        torch.testing.assert_close(ours2(_ids()), ours(_ids()), rtol=0, atol=0)
+
+
+def test_released_checkpoint_config_layout(tmp_path):
+    """The released config keeps the linear-attention fields in linear_attn_config (layers 1-indexed) and
+    says first_k_dense_replace; the same model loads from it."""
+    hf, folder = _hf(tmp_path, torch.float64)
+    c = json.loads((folder / "config.json").read_text())
+    for key in ("layer_types", "mlp_layer_types", "linear_num_heads", "linear_head_dim", "linear_conv_kernel_dim"):
+        c.pop(key)
+    c["linear_attn_config"] = {"num_heads": 4, "head_dim": 16, "short_conv_kernel_size": 4, "full_attn_layers": [2, 4],
+                               "kda_layers": [1, 3]}
+    c["first_k_dense_replace"] = 1
+    (folder / "config.json").write_text(json.dumps(c))
+    ours, _ = from_pretrained(folder, dtype=torch.float64)
+    assert ours.config.layers == ["kda", "mla"] * 2 and ours.config.moe_layers == [1, 2, 3]
+    with torch.no_grad():
+        torch.testing.assert_close(ours(_ids()), hf(_ids()).logits, rtol=0, atol=1e-6)
+
+
+def test_refusals_name_the_problem(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    _, folder = _hf(tmp_path)
+    cfg = json.loads((folder / "config.json").read_text())
+    for field, value in (("hidden_act", "gelu"), ("attention_bias", True), ("layer_types", ["kda"] * 4),
+                         ("mlp_layer_types", ["dense", "moe", "sparse", "sparse"])):
+        (folder / "config.json").write_text(json.dumps({**cfg, field: value}))
+        with pytest.raises(ValueError, match=field):
+            from_pretrained(folder)
+    (folder / "config.json").write_text(json.dumps(cfg))
+    w = load_file(str(folder / "model.safetensors"))
+    del w["model.layers.2.block_sparse_moe.gate.e_score_correction_bias"]
+    save_file(w, str(folder / "model.safetensors"))
+    with pytest.raises(ValueError, match="missing.*layers.2.mlp.gate.e_score_correction_bias"):
+        from_pretrained(folder)
