@@ -6,6 +6,7 @@ from subquad.layers.attention import SoftmaxAttention
 from subquad.layers.deltanet import DeltaNet, GatedDeltaNet
 from subquad.layers.gla import GatedLinearAttention
 from subquad.layers.kda import KimiDeltaAttention
+from subquad.layers.lightning import LightningAttention
 from subquad.layers.linear_attention import LinearAttention
 from subquad.layers.mamba import Mamba
 from subquad.layers.mamba2 import Mamba2
@@ -61,6 +62,10 @@ def _mla(d_model, n_heads, n_kv_heads=None, **kw):
     return LatentAttention(d_model, n_heads, **kw)
 
 
+def _lightning(d_model, n_heads, n_kv_heads=None, **kw):
+    return LightningAttention(d_model, n_heads, **kw)
+
+
 def _mamba(d_model, n_heads, n_kv_heads=None, **kw):
     return Mamba(d_model, **kw)
 
@@ -79,6 +84,7 @@ MIXERS = {
     "gated_deltanet": _gated_deltanet,
     "kda": _kda,                  # Kimi Delta Attention: the gated delta rule with a decay per key channel
     "mla": _mla,                  # multi-head latent attention (softmax; the cache keeps latents)
+    "lightning": _lightning,      # MiniMax's lightning attention: linear attention, fixed decays, gated norm
 }
 
 
@@ -86,7 +92,8 @@ MIXERS = {
 CLASSES = {"softmax": SoftmaxAttention, "swa": SoftmaxAttention, "linear": LinearAttention,
            "performer": LinearAttention, "taylor": LinearAttention, "retention": MultiScaleRetention,
            "gla": GatedLinearAttention, "mamba": Mamba, "mamba2": Mamba2, "deltanet": DeltaNet,
-           "gated_deltanet": GatedDeltaNet, "kda": KimiDeltaAttention, "mla": LatentAttention}
+           "gated_deltanet": GatedDeltaNet, "kda": KimiDeltaAttention, "mla": LatentAttention,
+           "lightning": LightningAttention}
 
 
 # mixers whose head count may be set apart from the model's n_heads (a checkpoint's value heads)

@@ -75,6 +75,7 @@ class ModelConfig:
     tie_embeddings: bool = True
     norm_eps: float = 1e-6
     post_norm: list = field(default_factory=list)   # mixer names whose blocks norm the branch outputs (lm.py)
+    scaled_residual: dict | None = None  # MiniMax-01's blocks: {mixer name | "mlp": [alpha, beta]} (lm.py)
 
     def __post_init__(self):
         for name in ("vocab_size", "d_model", "n_layers", "n_heads", "context_length"):
@@ -97,6 +98,14 @@ class ModelConfig:
             raise ValueError(f"post_norm must be a list of mixer names ({', '.join(sorted(MIXERS))}), "
                              f"got {self.post_norm!r}")
         self.post_norm = list(self.post_norm)
+        if self.scaled_residual is not None:
+            sr = self.scaled_residual
+            if not isinstance(sr, dict) or any(k != "mlp" and k not in MIXERS for k in sr) or any(
+                    not isinstance(v, (list, tuple)) or len(v) != 2
+                    or not all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in v) for v in sr.values()):
+                raise ValueError("scaled_residual must be None or a dict {mixer name | 'mlp': [alpha, beta]}, "
+                                 f"got {sr!r}")
+            self.scaled_residual = {k: [float(x) for x in v] for k, v in sr.items()}
         if self.pos_emb not in ("none", "learned"):
             raise ValueError(f"pos_emb must be 'none' or 'learned', got {self.pos_emb!r}")
 

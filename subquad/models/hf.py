@@ -15,7 +15,7 @@ Supported: ``mamba`` (MambaForCausalLM), ``falcon_mamba`` (its RMS norms on dt, 
 MLPs), ``jamba`` (Mamba layers with weighted RMS norms on dt, B and C, attention without positions every
 ``attn_layer_period``, a sparse mixture-of-experts MLP every ``expert_layer_period``), and the Gated DeltaNet
 hybrids ``qwen3_next`` and ``olmo_hybrid`` (``hf_delta.py``) and Kimi Delta Attention's ``kimi_linear``
-(``hf_kimi.py``).
+(``hf_kimi.py``), and lightning attention's ``minimax`` (``hf_minimax.py``).
 
 A name map takes subquad's parameter names to the checkpoint's; a tuple of checkpoint names is one tensor
 of ours stacked along dim 0 (the experts of an MoE layer, one tensor per expert in the checkpoint). A
@@ -356,6 +356,8 @@ def _layer_options(model) -> dict:
                          "rotary_fraction": m.rotary_dim / m.head_dim, "head_dim": m.head_dim,
                          "qk_norm": m.qk_norm, "qk_norm_eps": m.q_norm.eps if m.qk_norm else None,
                          "output_gate": m.output_gate}
+        elif name == "lightning":
+            out[name] = {"n_heads": m.n_heads, "head_dim": m.head_dim, "norm_eps": m.norm.eps}
         elif name == "kda":
             out[name] = {"n_heads": m.n_heads, "head_dim": m.head_dim, "conv_size": m.conv.kernel_size,
                          "gate_rank": m.gate_rank, "qk_eps": m.qk_eps, "norm_eps": m.norm.eps}
@@ -379,8 +381,8 @@ def _plain_moe(m: dict) -> bool:
 def _plain_attention(cfg: ModelConfig, opts: dict) -> bool:
     """Softmax layers (if any) without the options Bamba and Jamba do not have, in pre-norm blocks."""
     a = opts.get("softmax")
-    return not cfg.post_norm and (a is None or (a["qk_norm"] is None and not a["output_gate"]
-                                                and a["head_dim"] * cfg.n_heads == cfg.d_model))
+    return not cfg.post_norm and cfg.scaled_residual is None and (
+        a is None or (a["qk_norm"] is None and not a["output_gate"] and a["head_dim"] * cfg.n_heads == cfg.d_model))
 
 
 def _period(indices: list, n: int):
@@ -535,6 +537,7 @@ def save_pretrained(model, path) -> None:
 
 from subquad.models.hf_delta import _OlmoHybrid, _Qwen3Next  # noqa: E402  (they use the helpers above)
 from subquad.models.hf_kimi import _KimiLinear  # noqa: E402
+from subquad.models.hf_minimax import _MiniMax  # noqa: E402
 
 MAPPINGS = {m.model_type: m for m in (_Mamba, _FalconMamba, _Mamba2, _Bamba, _Jamba, _Qwen3Next, _OlmoHybrid,
-                                      _KimiLinear)}
+                                      _KimiLinear, _MiniMax)}

@@ -211,7 +211,7 @@ class _Qwen3Next:
         attn_ok = a is None or (a["output_gate"] and a["qk_norm"] == "head" and a["qk_norm_eps"] == cfg.norm_eps
                                 and a["rotary"] and a["window"] is None)
         m = cfg.moe
-        return (attn_ok and cfg.mlp and cfg.pos_emb == "none" and not cfg.post_norm
+        return (attn_ok and cfg.mlp and cfg.pos_emb == "none" and not cfg.post_norm and cfg.scaled_residual is None
                 and _gdn_matches(opts["gated_deltanet"], cfg.norm_eps, False)
                 and (m is None or (_plain_moe(m) and m["shared_gate"] and m["shared"] > 0
                                    and m["offset"] == m["every"] - 1)))

@@ -3,7 +3,9 @@
     h = embed(idx)
     for each layer:  h = h + mixer(rmsnorm(h));  h = h + swiglu(rmsnorm(h))
                      (a mixer named in ``config.post_norm``: h = h + rmsnorm(mixer(h)); h = h + rmsnorm(swiglu(h)),
-                      OLMo-2's reordered norms, which OLMo-Hybrid's attention layers use)
+                      OLMo-2's reordered norms, which OLMo-Hybrid's attention layers use;
+                      with ``config.scaled_residual`` (MiniMax-01): x = rmsnorm(h); h = a x + b mixer(x), and so for
+                      the MLP - the residual is the normed stream, with factors per mixer name and "mlp")
     logits = rmsnorm(h) @ embed^T            (tied embeddings)
 
 ``forward(idx)`` trains with each mixer's configured form (chunk by default,
@@ -45,6 +47,8 @@ class Block(nn.Module):
         opts = {**cfg.mixer_options.get("*", {}), **cfg.mixer_options.get(mixer_name, {})}
         self.mixer_name = mixer_name
         self.post_norm = mixer_name in cfg.post_norm
+        sr = cfg.scaled_residual
+        self.factors = None if sr is None else (tuple(sr.get(mixer_name, (1.0, 1.0))), tuple(sr.get("mlp", (1.0, 1.0))))
         self.norm1 = RMSNorm(cfg.d_model, cfg.norm_eps)
         heads = opts.pop("n_heads", cfg.n_heads)           # a layer's own head count (registry.OWN_HEADS)
         self.mixer = build_mixer(mixer_name, cfg.d_model, heads, n_kv_heads=cfg.n_kv_heads, **opts)
@@ -57,6 +61,15 @@ class Block(nn.Module):
             self.mlp = SwiGLU(cfg.d_model, cfg.mlp_hidden) if cfg.mlp else None
 
     def forward(self, h, state=None, cu_seqlens=None):
+        if self.factors is not None:                         # residual from the normed stream, scaled
+            (a1, b1), (a2, b2) = self.factors
+            x = self.norm1(h)
+            y, state = self.mixer(x, state, cu_seqlens=cu_seqlens)
+            h = a1 * x + b1 * y
+            if self.mlp is not None:
+                x = self.norm2(h)
+                h = a2 * x + b2 * self.mlp(x)
+            return h, state
         if self.post_norm:                                   # norms on the branches' outputs
             y, state = self.mixer(h, state, cu_seqlens=cu_seqlens)
             h = h + self.norm1(y)
@@ -87,6 +100,9 @@ class LanguageModel(nn.Module):
         self.pos_embed = nn.Embedding(cfg.context_length, cfg.d_model) if cfg.pos_emb == "learned" else None
         moe = set(cfg.moe_layers)
         self.blocks = nn.ModuleList(Block(cfg, name, i in moe) for i, name in enumerate(cfg.layers))
+        for i, b in enumerate(self.blocks):                  # depth-dependent layer constants (lightning's slopes)
+            if hasattr(b.mixer, "place"):
+                b.mixer.place(i, cfg.n_layers)
         self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.head = None if cfg.tie_embeddings else nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         self.apply(self._init)
