@@ -147,3 +147,22 @@ def test_equals_transformers_torch_reference(T):
         for name, ref_o, ref_s in (("chunk", o_ref, s_ref), ("recurrent", o_rec, s_rec)):
             assert_close(o, ref_o.to(F64), 1e-4, f"{mode} vs transformers' {name}: o")
             assert_close(s, ref_s.to(F64), 1e-4, f"{mode} vs transformers' {name}: state")
+
+
+@pytest.mark.parametrize("strength", [0.5, 8.0])
+def test_factored_and_elementwise_diagonal_blocks_agree(strength, monkeypatch):
+    # The sub-chunks' diagonal blocks are a matmul of exp(b - m) and exp(m - b) factors when the decays
+    # inside a sub-chunk are moderate, elementwise otherwise (decay/intra.py): both give the same scores.
+    from subquad.ops.decay import intra
+
+    x = make(2, 100, K=6, V=4, seed=5, strength=strength)
+    S0 = state0(x)
+    o1, s1 = call("chunk", x, 32, S0, True)
+    g1 = torch.autograd.grad(o1.square().sum() + s1.square().sum(), list(x.values()))
+    monkeypatch.setattr(intra, "SPAN", {})                  # elementwise everywhere
+    o2, s2 = call("chunk", x, 32, S0, True)
+    g2 = torch.autograd.grad(o2.square().sum() + s2.square().sum(), list(x.values()))
+    assert_close(o1, o2, 1e-11, "o")
+    assert_close(s1, s2, 1e-11, "state")
+    for a, b in zip(g1, g2):
+        assert_close(a, b, 1e-10, "gradient")

@@ -1,5 +1,12 @@
 """Intra-chunk decayed causal scores, A_ij = q_i . (exp(b_i - b_j) * k_j) for j <= i, in exact form
-(every exponent a difference <= 0). Shared by the chunk form and its no-gradient fast path."""
+(every exponent a difference <= 0). Shared by the chunk form and its no-gradient fast path.
+
+For a per-key-dim decay the 16 x 16 diagonal blocks are the costly part: formed elementwise they take
+16 K exps and products per row. When no channel decays by more than ``SPAN`` inside any sub-chunk (checked
+on the data, one host sync), they are a matmul instead: exp(b_i - b_j) = exp(b_i - m) exp(m - b_j) with
+m the midpoint of the sub-chunk's cumulative decays, both factors within exp(+-SPAN / 2) - no overflow, no
+subnormal - and the same products up to rounding. Stronger decays keep the elementwise form.
+"""
 
 from __future__ import annotations
 
@@ -9,6 +16,7 @@ from subquad.ops.common.chunking import decay_mask
 from subquad.ops.common.expo import exp_decay
 
 SUB = 16  # sub-chunk of the per-key-dim decay
+SPAN = {torch.float32: 60.0, torch.float64: 600.0}   # largest in-sub-chunk decay factored as a matmul
 
 
 def _intra_scalar(qc, kc, b):
@@ -18,7 +26,15 @@ def _intra_scalar(qc, kc, b):
 
 def _intra_vector(qc, kc, b):
     """(BH, C, C) decayed causal scores for a per-key-dim decay b (BH, C, K); C a multiple of SUB."""
-    BH, C, K = qc.shape
+    return _intra_vector_rows(qc.unsqueeze(1), kc, b)[:, 0]
+
+
+def _intra_vector_rows(rows, kc, b, sub=SUB):
+    """(BH, R, C, C) decayed causal scores of R row sets rows (BH, R, C, K) - e.g. the queries and the keys
+    of the delta rule - against the keys kc (BH, C, K): the decay factors, the costly part (elementwise,
+    (C / sub + sub) K per row), are built once for all R."""
+    BH, R, C, K = rows.shape
+    SUB = sub
     n = C // SUB
     bq = b.view(BH, n, SUB, K)
     r = bq[:, :, -1]                                                         # (BH, n, K) reference per sub-chunk
@@ -26,13 +42,21 @@ def _intra_vector(qc, kc, b):
     sub_of_row = torch.arange(C, device=b.device) // SUB                     # (C,)
     later = sub_of_row.view(1, C) > torch.arange(n, device=b.device).view(n, 1)   # (n, C): row after sub-chunk J
     E = (b.unsqueeze(1) - r.unsqueeze(2)).masked_fill(~later[None, :, :, None], float("-inf"))
-    q_t = qc.unsqueeze(1) * exp_decay(E)                                     # (BH, n, C, K), exponent <= 0
-    A = (q_t @ k_t.transpose(-1, -2))                                        # (BH, n, C, SUB): columns of J
-    A = A.permute(0, 2, 1, 3).reshape(BH, C, C)
+    q_t = rows.unsqueeze(2) * exp_decay(E).unsqueeze(1)                     # (BH, R, n, C, K), exponent <= 0
+    A = (q_t @ k_t.unsqueeze(1).transpose(-1, -2))                           # (BH, R, n, C, SUB): columns of J
+    A = A.permute(0, 1, 3, 2, 4).reshape(BH, R, C, C)
     tri = torch.ones(SUB, SUB, dtype=torch.bool, device=b.device).tril()
-    Ed = (bq.unsqueeze(3) - bq.unsqueeze(2)).masked_fill(~tri[None, None, :, :, None], float("-inf"))
-    Ad = torch.einsum("bnik,bnjk,bnijk->bnij", qc.view(BH, n, SUB, K), kc.view(BH, n, SUB, K), exp_decay(Ed))
-    A.view(BH, n, SUB, n, SUB).diagonal(dim1=1, dim2=3).add_(Ad.permute(0, 2, 3, 1))
+    span = SPAN.get(b.dtype, 0.0)
+    if span and float((bq[:, :, 0] - bq[:, :, -1]).detach().max()) <= span:   # factored: two matmul operands
+        m = (bq[:, :, :1] + bq[:, :, -1:]) / 2                              # (BH, n, 1, K)
+        rq = rows.view(BH, R, n, SUB, K) * torch.exp(bq - m).unsqueeze(1)
+        ck = kc.view(BH, n, SUB, K) * torch.exp(m - bq)
+        Ad = (rq @ ck.unsqueeze(1).transpose(-1, -2)) * tri
+    else:
+        Ed = (bq.unsqueeze(3) - bq.unsqueeze(2)).masked_fill(~tri[None, None, :, :, None], float("-inf"))
+        Ad = torch.einsum("brnik,bnjk,bnijk->brnij", rows.view(BH, R, n, SUB, K), kc.view(BH, n, SUB, K),
+                          exp_decay(Ed))
+    A.view(BH, R, n, SUB, n, SUB).diagonal(dim1=2, dim2=4).add_(Ad.permute(0, 1, 3, 4, 2))
     return A
 
 

@@ -33,7 +33,7 @@ from subquad.ops.delta.inference import delta_inference
 from subquad.ops.delta.recurrent import recurrent_delta
 from subquad.ops.delta.triangular import unit_lower_solve
 from subquad.ops.common.expo import exp_decay
-from subquad.ops.decay.intra import SUB, _intra_vector
+from subquad.ops.decay.intra import SUB, _intra_vector_rows
 
 
 
@@ -71,8 +71,9 @@ def _chunkwise(q, k, v, g, beta, scale, C, initial_state):
         kd = kc * exp_decay(gam[:, :, -1:] - gam)
         decay = exp_decay(gam[:, :, -1]).unsqueeze(-1).unbind(1)          # n x (BH, K, 1)
         flat = (lambda x: x.reshape(-1, C, K))
-        KK = _intra_vector(flat(kc), flat(kc), flat(gam)).view(B * H, -1, C, C)   # k_i . (e^(g_i - g_j) k_j)
-        P = _intra_vector(flat(qc), flat(kc), flat(gam)).view(B * H, -1, C, C)
+        # k_i . (e^(g_i - g_j) k_j) and q_i . (e^(g_i - g_j) k_j), their decay factors built once
+        KK, P = _intra_vector_rows(torch.stack([flat(kc), flat(qc)], 1), flat(kc), flat(gam)).view(
+            B * H, -1, 2, C, C).unbind(2)
     else:
         gam = _by_chunk(g, C).cumsum(-1)                                   # (BH, n, C), chunk-local
         Dm = decay_mask(gam)
