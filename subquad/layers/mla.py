@@ -7,9 +7,15 @@
     o            = softmax_attention(q, k, v, scale = (N + R)^-1/2);  y = W_o o
 
 The decoding state caches the latent c and k_rope only - C + R numbers per token, against
-H (N + R + V) for the expanded keys and values (Kimi Linear: 576 against 10,240 per layer and token) -
-and expands them for each call, as transformers does. With ``rotary`` the R dims of q and k_rope rotate
-(DeepSeek); Kimi Linear's MLA has no positions (``rotary=False``).
+H (N + R + V) for the expanded keys and values (Kimi Linear: 576 against 10,240 per layer and token).
+A long call expands the cached latents (as transformers does); a short continuation of a cache - decoding -
+attends in the latent space instead (DeepSeek-V2's absorbed form, the same sums reassociated):
+
+    q_c = q_nope W_k^T  (B, T, H, C);  p = softmax(scale (q_c c^T + q_rope k_rope^T));  o = (p c) W_v^T
+
+which costs O(L H (C + R)) per token where expanding the cache costs O(L C H (N + V)) - 50x less at Kimi
+Linear's shapes. With ``rotary`` the R dims of q and k_rope rotate (DeepSeek); Kimi Linear's MLA has no
+positions (``rotary=False``).
 """
 
 from __future__ import annotations
@@ -21,6 +27,9 @@ from subquad.layers.attention import SoftmaxAttention
 from subquad.layers.norm import RMSNorm
 from subquad.layers.rotary import apply_rotary
 from subquad.ops import KVCache
+
+
+ABSORBED_MAX_T = 16   # calls of at most this many tokens continuing a cache attend in the latent space
 
 
 class LatentAttention(SoftmaxAttention):
@@ -88,10 +97,33 @@ class LatentAttention(SoftmaxAttention):
             pos = seq.positions(T, 0 if cache is None else cache.next_position, x.device)
             q = torch.cat([q[..., :N], apply_rotary(q[..., N:], pos, self.rotary_base)], dim=-1)
             k_rope = apply_rotary(k_rope, pos, self.rotary_base)
+        if cache is not None and len(cache) and T <= ABSORBED_MAX_T and seq.cu_seqlens is None:
+            new = self._extend(cache, c, k_rope, seq)
+            return self.o_proj(self._absorbed(q, new).reshape(B, T, H * self.v_head_dim)), {"kv": new}
         k, v = self._expand(c, k_rope)
         o, _ = seq.attention(q, k, v, mode=self.mode, chunk_size=self.chunk_size,
                              initial_state=self._op_state(cache, seq))
         return self.o_proj(o.reshape(B, T, H * self.v_head_dim)), {"kv": self._extend(cache, c, k_rope, seq)}
+
+    def _absorbed(self, q, cache):
+        """Attention of q (B, T, H, N + R) - the last T tokens of ``cache`` - over the cached latents, in the
+        latent space (module doc): (B, T, H, V)."""
+        B, T, H, _ = q.shape
+        N, R, C, V = self.nope_dim, self.rope_dim, self.kv_rank, self.v_head_dim
+        W = self.kv_b_proj.weight.view(H, N + V, C)
+        q_c = torch.einsum("bthn,hnc->bhtc", q[..., :N], W[:, :N]).reshape(B, H * T, C)
+        q_r = q[..., N:].transpose(1, 2).reshape(B, H * T, R)
+        c, kr = cache.k[:, :, 0], cache.v[:, :, 0]                         # (B, L, C), (B, L, R)
+        L = c.shape[1]
+        s = (q_c @ c.transpose(1, 2) + q_r @ kr.transpose(1, 2)).view(B, H, T, L) * (N + R) ** -0.5
+        cols = torch.arange(L, device=q.device)
+        allowed = cols.view(1, L) <= (L - T + torch.arange(T, device=q.device)).view(T, 1)    # causal
+        km = cache.key_mask()
+        allowed = allowed.view(1, 1, T, L) if km is None else allowed.view(1, 1, T, L) & km.view(B, 1, 1, L)
+        s = s.masked_fill(~allowed, float("-inf"))
+        p = torch.softmax(s, dim=-1, dtype=torch.promote_types(s.dtype, torch.float32)).to(c.dtype)
+        o_c = (p.view(B, H * T, L) @ c).view(B, H, T, C)
+        return torch.einsum("bhtc,hvc->bthv", o_c, W[:, N:])
 
     def _op_state(self, cache, seq):
         """The cached latents expanded to the heads' keys and values (per sequence when packed)."""

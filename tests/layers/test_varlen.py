@@ -76,8 +76,8 @@ def test_layer_rejects_cu_seqlens_that_do_not_cover_x():
 
 def _model(pos_emb="none", n_kv_heads=None):
     torch.manual_seed(0)
-    pattern = "softmax,swa,linear,retention,gla,deltanet,gated_deltanet,mamba,mamba2"
-    cfg = ModelConfig(vocab_size=40, d_model=D, n_layers=9, n_heads=2, n_kv_heads=n_kv_heads, pattern=pattern,
+    pattern = "softmax,swa,linear,retention,gla,deltanet,gated_deltanet,mamba,mamba2,kda,mla,lightning"
+    cfg = ModelConfig(vocab_size=40, d_model=D, n_layers=12, n_heads=2, n_kv_heads=n_kv_heads, pattern=pattern,
                       context_length=64, pos_emb=pos_emb, mixer_options={"swa": {"window": 3}, "*": {"chunk_size": 4}})
     return LanguageModel(cfg).double()
 
