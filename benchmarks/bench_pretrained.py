@@ -1,9 +1,13 @@
 """Published checkpoints' shapes on CPU: subquad's from_pretrained model against transformers' own (and
 llama.cpp's, where it is installed), same weights - random, at the real shapes: nothing is downloaded.
 
-Models: mamba-130m (d_model 768, 24 layers, vocab 50,280), mamba2-130m (24 heads of 64, state 128), and
+Models: mamba-130m (d_model 768, 24 layers, vocab 50,280), mamba2-130m (24 heads of 64, state 128),
 a 4-layer Jamba-like model (d_model 768, attention at layer 2, a top-2 mixture of 8 experts at layers 1
-and 3). For each dtype (float32, bfloat16) and batch (1: prefill 2,048 tokens, decode 256; 8: prefill
+and 3), and 4-layer models at the layer shapes of the delta-rule hybrids (three recurrent layers, then
+attention; fewer experts than the real ones, each of the real size and top-k): Qwen3-Next-like (d_model
+2,048, Gated DeltaNet 16 key / 32 value heads of 128, gated attention 16 heads of 256 with 2 KV heads, 32
+experts of 512, top 10, a shared expert) and Kimi-Linear-like (d_model 2,304, KDA 32 heads of 128, MLA 32
+heads with latent 512, a dense MLP of 9,216 first, then 16 experts of 1,024, top 8, a shared expert). For each dtype (float32, bfloat16) and batch (1: prefill 2,048 tokens, decode 256; 8: prefill
 512 each, decode 64 - transformers' reference path needs minutes for 8 x 2,048): prefill tokens/s,
 decode ms per step (greedy; the time of generating n tokens less that of generating 1, per step), and
 each process's peak resident memory. Every measurement runs in its own process (peak memory is per
@@ -17,7 +21,8 @@ is measured at batch 1 for each model its converter takes.
     python benchmarks/bench_pretrained.py                       # ~25 minutes
     python benchmarks/bench_pretrained.py --models mamba --dtypes float32 --batches 1
     python benchmarks/bench_pretrained.py --quick               # tiny shapes, seconds
-Writes results/pretrained.{json,md}.
+    python benchmarks/bench_pretrained.py --models qwen3_next,kimi_linear --batches 1 --name pretrained_delta
+Writes results/NAME.{json,md} (default pretrained).
 """
 
 from __future__ import annotations
@@ -54,6 +59,27 @@ def hf_model(kind, quick):
             dict(hidden_size=768, num_hidden_layers=24, num_heads=24, head_dim=64, state_size=128)
         return transformers.Mamba2ForCausalLM(transformers.Mamba2Config(vocab_size=V, n_groups=1, expand=2,
                                                                         tie_word_embeddings=True, **c))
+    if kind == "qwen3_next":
+        c = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=32, linear_num_key_heads=2,
+                 linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16, intermediate_size=96,
+                 num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=32) \
+            if quick else \
+            dict(hidden_size=2048, num_attention_heads=16, num_key_value_heads=2, head_dim=256, linear_num_key_heads=16,
+                 linear_num_value_heads=32, linear_key_head_dim=128, linear_value_head_dim=128, intermediate_size=5120,
+                 num_experts=32, num_experts_per_tok=10, moe_intermediate_size=512, shared_expert_intermediate_size=512)
+        return transformers.Qwen3NextForCausalLM(transformers.Qwen3NextConfig(
+            vocab_size=V, num_hidden_layers=4, full_attention_interval=4, decoder_sparse_step=1, **c))
+    if kind == "kimi_linear":
+        c = dict(hidden_size=64, num_attention_heads=4, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=16,
+                 v_head_dim=16, linear_num_heads=4, linear_head_dim=16, intermediate_size=96, num_local_experts=8,
+                 num_experts_per_tok=2, moe_intermediate_size=32) if quick else \
+            dict(hidden_size=2304, num_attention_heads=32, kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=128,
+                 v_head_dim=128, linear_num_heads=32, linear_head_dim=128, intermediate_size=9216, num_local_experts=16,
+                 num_experts_per_tok=8, moe_intermediate_size=1024)
+        return transformers.KimiLinearForCausalLM(transformers.KimiLinearConfig(
+            vocab_size=V, num_hidden_layers=4, layer_types=["linear_attention"] * 3 + ["full_attention"],
+            mlp_layer_types=["dense", "sparse", "sparse", "sparse"], n_group=1, topk_group=1, pad_token_id=None,
+            bos_token_id=None, eos_token_id=None, **c))
     H = 64 if quick else 768
     cfg = transformers.JambaConfig(vocab_size=V, hidden_size=H, intermediate_size=2 * H + H // 2 * 2,
                                    num_hidden_layers=4, num_attention_heads=4 if quick else 12,
@@ -167,10 +193,11 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true")
     p.add_argument("--out", type=Path, default=OUT)
-    p.add_argument("--models", default="mamba,mamba2,jamba")
+    p.add_argument("--models", default="mamba,mamba2,jamba,qwen3_next,kimi_linear")
     p.add_argument("--dtypes", default="float32,bfloat16")
     p.add_argument("--batches", default="1,8")
     p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--name", default="pretrained", help="results/NAME.{json,md}")
     p.add_argument("--llama-python", help="a Python with llama-cpp-python installed")
     p.add_argument("--llama-src", help="llama.cpp's source tree (convert_hf_to_gguf.py, gguf-py)")
     p.add_argument("--worker", nargs=6, help=argparse.SUPPRESS)
@@ -192,9 +219,10 @@ def main(argv=None):
             hf.save_pretrained(folder)
             params = sum(p.numel() for p in hf.parameters())
             active = params
-            if kind == "jamba":                        # a token reads its top-2 of 8 experts only
+            if getattr(hf.config, "num_experts_per_tok", None):    # a token reads its top-k experts only
                 moe = sum(p.numel() for n, p in hf.named_parameters() if ".experts." in n)
-                active = params - moe + moe * 2 // 8
+                E = getattr(hf.config, "num_experts", None) or hf.config.num_local_experts
+                active = params - moe + moe * hf.config.num_experts_per_tok // E
             del hf
             for dtype in args.dtypes.split(","):
                 for batch in map(int, args.batches.split(",")):
@@ -228,8 +256,8 @@ def main(argv=None):
                   f"{h['prefill_tok_s']:,.0f} | {s['prefill_tok_s'] / h['prefill_tok_s']:.2f}x | "
                   f"{s['decode_ms']:.1f} | {h['decode_ms']:.1f} | {h['decode_ms'] / s['decode_ms']:.2f}x | "
                   f"{r['bound_ms']:.1f} | {s['peak_mb']:,.0f} | {h['peak_mb']:,.0f} | {lc} |")
-    (args.out / f"pretrained{suffix}.json").write_text(json.dumps(res, indent=2))
-    (args.out / f"pretrained{suffix}.md").write_text("\n".join(md) + "\n")
+    (args.out / f"{args.name}{suffix}.json").write_text(json.dumps(res, indent=2))
+    (args.out / f"{args.name}{suffix}.md").write_text("\n".join(md) + "\n")
     print("\n" + "\n".join(md))
 
 
