@@ -151,12 +151,14 @@ class LanguageModel(nn.Module):
         the tied embedding) column-major, and return the model. Same shapes, values and state dict; decoding
         one token reads each weight in a matrix-vector product, and this CPU's BLAS streams the column-major
         layout ~1.7x faster there (16 -> 24 GB/s for mamba-130m's head, benchmarks/RESULTS.md); prefill and
-        training run at the same speed either way. ``from_pretrained`` applies it."""
+        training run at the same speed either way. float32 weights only: in bfloat16 the row-major layout is
+        the faster one. ``from_pretrained`` applies it."""
         for m in self.modules():
             w = getattr(m, "weight", None)
             if isinstance(m, (nn.Linear, nn.Embedding)) and w is not None and w.dim() == 2:
                 wide = w.shape[0] >= 2 * w.shape[1]            # Linear: (out, in); Embedding: (vocab, d_model)
-                if wide and w.is_contiguous():
+                # float32 only: bfloat16's gemv is slower column-major here (vocab head 34 against 24 ms)
+                if wide and w.is_contiguous() and w.dtype == torch.float32:
                     m.weight = nn.Parameter(w.detach().T.contiguous().T, requires_grad=w.requires_grad)
         return self
 
