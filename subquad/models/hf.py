@@ -162,6 +162,29 @@ _ATTN = ("q_proj.weight", "k_proj.weight", "v_proj.weight", "o_proj.weight")
 _MLP = {"w_gate.weight": "gate_proj.weight", "w_up.weight": "up_proj.weight", "w_down.weight": "down_proj.weight"}
 
 
+# experts written as w1 (gate), w3 (up), w2 (down): Mixtral's names, kept by Kimi Linear and MiniMax
+_W132 = {"w_gate": "w1.weight", "w_up": "w3.weight", "w_down": "w2.weight"}
+
+
+def _join_convs(tensors: dict, module: str) -> dict:
+    """``{module}.q_conv1d``, ``k_conv1d``, ``v_conv1d`` (written per part by OLMo-Hybrid and Kimi Linear) ->
+    one ``{module}.conv1d`` over [q, k, v], as transformers and subquad hold it; other tensors as they are."""
+    out = dict(tensors)
+    for name in list(tensors):
+        if name.endswith(f"{module}.q_conv1d.weight"):
+            p = name.removesuffix("q_conv1d.weight")
+            parts = [p + f"{x}_conv1d.weight" for x in "qkv"]
+            if all(x in out for x in parts):
+                out[p + "conv1d.weight"] = torch.cat([out.pop(x) for x in parts], 0)
+    return out
+
+
+def _split_conv(name: str, t: torch.Tensor, sizes: list) -> dict:
+    """The inverse of ``_join_convs`` for one ``...conv1d.weight``: its q, k, v parts by ``sizes``."""
+    p = name.removesuffix("conv1d.weight")
+    return {p + f"{x}_conv1d.weight": part for x, part in zip("qkv", t.split(sizes, 0))}
+
+
 def _hybrid_names(cfg: ModelConfig, mixer_params: dict) -> dict:
     """subquad name -> the checkpoint's, for the hybrid layout of Bamba and Jamba: model.{embed_tokens,
     layers.i.{input_layernorm, mamba.* | self_attn.*, pre_ff_layernorm, feed_forward.*}, final_layernorm}

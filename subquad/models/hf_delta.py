@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 
 from subquad.models.config import ModelConfig
-from subquad.models.hf import _MLP, _common, _plain_moe, _require
+from subquad.models.hf import _MLP, _common, _join_convs, _plain_moe, _require, _split_conv
 
 _FLA_L2_EPS = 1e-6
 
@@ -277,23 +277,14 @@ class _OlmoHybrid:
     @classmethod
     def unpack(cls, tensors: dict, cfg: ModelConfig, dtype=None) -> dict:
         """The checkpoint's q_conv1d, k_conv1d, v_conv1d -> one convolution over [q, k, v] (as transformers)."""
-        out = dict(tensors)
-        for name in list(tensors):
-            if name.endswith("linear_attn.q_conv1d.weight"):
-                p = name.removesuffix("q_conv1d.weight")
-                parts = [p + f"{x}_conv1d.weight" for x in "qkv"]
-                if all(x in out for x in parts):
-                    out[p + "conv1d.weight"] = torch.cat([out.pop(x) for x in parts], 0)
-        return out
+        return _join_convs(tensors, "linear_attn")
 
     @classmethod
     def pack(cls, tensors: dict, cfg: ModelConfig) -> dict:
         out = {}
         for name, t in tensors.items():
             if name.endswith("linear_attn.conv1d.weight"):
-                p = name.removesuffix("conv1d.weight")
-                for x, part in zip("qkv", t.split(cls._conv_sizes(cfg), 0)):
-                    out[p + f"{x}_conv1d.weight"] = part
+                out.update(_split_conv(name, t, cls._conv_sizes(cfg)))
             else:
                 out[name] = t
         return out

@@ -14,13 +14,9 @@ the top level (transformers' own config); both are read, and transformers' alias
 
 from __future__ import annotations
 
-import torch
-
 from subquad.models.config import ModelConfig
-from subquad.models.hf import _common, _require
+from subquad.models.hf import _MLP, _W132, _common, _join_convs, _require, _split_conv
 
-_MLP = {"w_gate.weight": "gate_proj.weight", "w_up.weight": "up_proj.weight", "w_down.weight": "down_proj.weight"}
-_EXPERT = {"w_gate": "w1.weight", "w_up": "w3.weight", "w_down": "w2.weight"}
 _KDA = ("q_proj.weight", "k_proj.weight", "v_proj.weight", "b_proj.weight", "f_a_proj.weight", "f_b_proj.weight",
         "g_a_proj.weight", "g_b_proj.weight", "o_proj.weight", "dt_bias", "A_log")
 _LATENT_EPS = 1e-6                                   # KimiLinearRMSNorm's default, used by the latent norms
@@ -107,7 +103,7 @@ class _KimiLinear:
             if i in moe:
                 out[a + "mlp.router.weight"] = f + "gate.weight"
                 out[a + "mlp.score_bias"] = f + "gate.e_score_correction_bias"
-                for ours, theirs in _EXPERT.items():
+                for ours, theirs in _W132.items():
                     out[a + "mlp." + ours] = tuple(f"{f}experts.{e}.{theirs}" for e in range(cfg.moe["experts"]))
                 out.update({a + "mlp.shared." + ours: f + "shared_experts." + theirs for ours, theirs in _MLP.items()})
             else:
@@ -118,16 +114,9 @@ class _KimiLinear:
 
     @staticmethod
     def unpack(tensors: dict, cfg: ModelConfig, dtype=None) -> dict:
-        out = {}
-        for name, t in tensors.items():
-            out[name.replace(".block_sparse_moe.", ".mlp.")] = t.reshape(-1) if name.endswith("self_attn.A_log") else t
-        for name in list(out):
-            if name.endswith("self_attn.q_conv1d.weight"):
-                p = name.removesuffix("q_conv1d.weight")
-                parts = [p + f"{x}_conv1d.weight" for x in "qkv"]
-                if all(x in out for x in parts):
-                    out[p + "conv1d.weight"] = torch.cat([out.pop(x) for x in parts], 0)
-        return out
+        out = {name.replace(".block_sparse_moe.", ".mlp."): t.reshape(-1) if name.endswith("self_attn.A_log") else t
+               for name, t in tensors.items()}
+        return _join_convs(out, "self_attn")
 
     @staticmethod
     def pack(tensors: dict, cfg: ModelConfig) -> dict:
@@ -135,9 +124,7 @@ class _KimiLinear:
         for name, t in tensors.items():
             name = name.replace(".mlp.", ".block_sparse_moe.")                 # as transformers writes them
             if name.endswith("self_attn.conv1d.weight"):
-                p = name.removesuffix("conv1d.weight")
-                for x, part in zip("qkv", t.chunk(3, 0)):
-                    out[p + f"{x}_conv1d.weight"] = part
+                out.update(_split_conv(name, t, [t.shape[0] // 3] * 3))
             elif name.endswith("self_attn.A_log"):
                 out[name] = t.view(1, 1, -1, 1)
             else:

@@ -15,9 +15,7 @@ from __future__ import annotations
 import torch
 
 from subquad.models.config import ModelConfig
-from subquad.models.hf import _common, _require
-
-_EXPERT = {"w_gate": "w1.weight", "w_up": "w3.weight", "w_down": "w2.weight"}
+from subquad.models.hf import _W132, _common, _require
 _DERIVED = ("query_decay", "key_decay", "diagonal_decay")
 _BLOCK = 256                                         # transformers' default block_size, written on saving
 
@@ -79,7 +77,7 @@ class _MiniMax:
                 out[a + "mixer.slope"] = s + "slope_rate"
             if i in moe:
                 out[a + "mlp.router.weight"] = f + "gate.weight"
-                for ours, theirs in _EXPERT.items():
+                for ours, theirs in _W132.items():
                     out[a + "mlp." + ours] = tuple(f"{f}experts.{e}.{theirs}" for e in range(cfg.moe["experts"]))
         if not cfg.tie_embeddings:
             out["head.weight"] = "lm_head.weight"

@@ -61,6 +61,27 @@ def assert_prefill_then_decode_equals_forward(ours, ids, split=12):
     torch.testing.assert_close(torch.cat(steps, 1), full, rtol=0, atol=1e-10)
 
 
+def assert_packed_equals_separate(ours, two):
+    """Rows 0 and 1 of ``two`` packed in one row (13 + 20 tokens; positions restart) give each one's logits."""
+    with torch.no_grad():
+        cu = torch.tensor([0, 13, 33])
+        packed = ours(torch.cat([two[0, :13], two[1, :20]]).view(1, -1), cu_seqlens=cu)
+        torch.testing.assert_close(packed[0, :13], ours(two[:1, :13])[0], rtol=0, atol=1e-10)
+        torch.testing.assert_close(packed[0, 13:], ours(two[1:, :20])[0], rtol=0, atol=1e-10)
+
+
+def assert_round_trip(hf, ours, Model, folder, ids, model_type):
+    """``save_pretrained(ours)`` is a ``model_type`` folder that transformers' ``Model`` loads with hf's logits
+    (1e-5) and that subquad loads back unchanged."""
+    save_pretrained(ours, folder)
+    again = Model.from_pretrained(folder, experts_implementation="eager").eval()
+    assert json.loads((folder / "config.json").read_text())["model_type"] == model_type
+    ours2, _ = from_pretrained(folder)
+    with torch.no_grad():
+        torch.testing.assert_close(again(ids).logits, hf(ids).logits, rtol=0, atol=1e-5)
+        torch.testing.assert_close(ours2(ids), ours(ids), rtol=0, atol=0)
+
+
 def greedy_agreement(ours, hf, ids, hf_logits, n=32):
     """Our n greedy tokens after ``ids`` (1, T): each must be transformers' greedy choice under its own
     forward (``hf_logits``); returns how many equal its ``generate`` before that leaves its own forward."""

@@ -13,7 +13,8 @@ import torch
 transformers = pytest.importorskip("transformers")   # the `test` extra installs it; the library never does
 
 from subquad.models.hf import from_pretrained, save_pretrained  # noqa: E402
-from tests.models.test_hf import assert_prefill_then_decode_equals_forward, greedy_agreement  # noqa: E402
+from tests.models.test_hf import (  # noqa: E402
+    assert_packed_equals_separate, assert_prefill_then_decode_equals_forward, assert_round_trip, greedy_agreement)
 
 KINDS = ["qwen3_next", "olmo_hybrid"]
 V = 96
@@ -108,12 +109,7 @@ def test_prefill_decode_packed_and_greedy_equal_transformers(tmp_path, kind):
     ours, _ = from_pretrained(folder, dtype=torch.float64)
     ids = _ids()[:1, :20]
     assert_prefill_then_decode_equals_forward(ours, ids)
-    with torch.no_grad():
-        two = _ids()                                       # packed: 13 + 20 tokens, positions restart
-        cu = torch.tensor([0, 13, 33])
-        packed = ours(torch.cat([two[0, :13], two[1, :20]]).view(1, -1), cu_seqlens=cu)
-        torch.testing.assert_close(packed[0, :13], ours(two[:1, :13])[0], rtol=0, atol=1e-10)
-        torch.testing.assert_close(packed[0, 13:], ours(two[1:, :20])[0], rtol=0, atol=1e-10)
+    assert_packed_equals_separate(ours, _ids())
     assert greedy_agreement(ours, hf, ids, lambda x: hf(x).logits) == 32
 
 
@@ -121,15 +117,8 @@ def test_prefill_decode_packed_and_greedy_equal_transformers(tmp_path, kind):
 def test_save_pretrained_round_trip_loads_in_transformers(tmp_path, kind):
     hf, folder = _hf(tmp_path, kind)
     ours, _ = from_pretrained(folder)
-    save_pretrained(ours, tmp_path / "back")
     Model = {"qwen3_next": transformers.Qwen3NextForCausalLM, "olmo_hybrid": transformers.OlmoHybridForCausalLM}[kind]
-    again = Model.from_pretrained(tmp_path / "back", experts_implementation="eager").eval()
-    assert json.loads((tmp_path / "back" / "config.json").read_text())["model_type"] == kind
-    ours2, _ = from_pretrained(tmp_path / "back")
-    with torch.no_grad():
-        ref = hf(_ids()).logits
-        torch.testing.assert_close(again(_ids()).logits, ref, rtol=0, atol=1e-5)
-        torch.testing.assert_close(ours2(_ids()), ours(_ids()), rtol=0, atol=0)
+    assert_round_trip(hf, ours, Model, tmp_path / "back", _ids(), kind)
 
 
 def test_qwen3_next_dense_and_a_model_built_here(tmp_path):
