@@ -118,3 +118,18 @@ def test_refusals_name_the_problem(tmp_path):
     save_file(w, str(folder / "model.safetensors"))
     with pytest.raises(ValueError, match="missing.*layers.2.mlp.gate.e_score_correction_bias"):
         from_pretrained(folder)
+
+
+def test_cli_generates_transformers_tokens_from_a_kimi_folder(tmp_path, capsys):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    from subquad.cli import main
+
+    hf, folder = _hf(tmp_path, torch.float64)
+    tok = Tokenizer(models.WordLevel({f"w{i}": i for i in range(V)}, unk_token="w0"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.save(str(folder / "tokenizer.json"))
+    assert main(["generate", "--model", str(folder), "--prompt", "w1 w2 w3", "--max-new-tokens", "8",
+                 "--temperature", "0", "--dtype", "float64"]) == 0
+    want = hf.generate(torch.tensor([[1, 2, 3]]), max_new_tokens=8, do_sample=False)[0, 3:].tolist()
+    assert tok.decode(want) in capsys.readouterr().out
