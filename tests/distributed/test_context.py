@@ -14,7 +14,7 @@ from subquad.models import LanguageModel, ModelConfig
 from subquad.ops import simple_gla
 from tests.distributed.helpers import run
 
-EVERY = "softmax,swa,linear,performer,taylor,retention,gla,deltanet,gated_deltanet,mamba,mamba2"
+EVERY = "softmax,swa,linear,performer,taylor,retention,gla,deltanet,gated_deltanet,mamba,mamba2,kda,mla,lightning"
 
 
 # the checkpoint types' options: Bamba (Mamba-2 with 2 groups, partial rotary) and Jamba (weighted dt/B/C
