@@ -166,6 +166,17 @@ _MLP = {"w_gate.weight": "gate_proj.weight", "w_up.weight": "up_proj.weight", "w
 _W132 = {"w_gate": "w1.weight", "w_up": "w3.weight", "w_down": "w2.weight"}
 
 
+def _expert_names(a: str, f: str, cfg: ModelConfig, router: str, names: dict | None = None) -> dict:
+    """A mixture-of-experts block's router and routed experts: ours ``{a}mlp.router.weight`` and
+    ``{a}mlp.{w_gate, w_up, w_down}`` (stacked) -> the checkpoint's ``{f}{router}`` and one
+    ``{f}experts.{e}.{name}`` per expert (``names``: ours -> name; default gate_proj / up_proj / down_proj)."""
+    names = names or {ours.removesuffix(".weight"): theirs for ours, theirs in _MLP.items()}
+    out = {a + "mlp.router.weight": f + router}
+    out.update({a + "mlp." + ours: tuple(f"{f}experts.{e}.{theirs}" for e in range(cfg.moe["experts"]))
+                for ours, theirs in names.items()})
+    return out
+
+
 def _join_convs(tensors: dict, module: str) -> dict:
     """``{module}.q_conv1d``, ``k_conv1d``, ``v_conv1d`` (written per part by OLMo-Hybrid and Kimi Linear) ->
     one ``{module}.conv1d`` over [q, k, v], as transformers and subquad hold it; other tensors as they are."""
@@ -201,10 +212,7 @@ def _hybrid_names(cfg: ModelConfig, mixer_params: dict) -> dict:
             out.update({a + "mixer." + ours: b + "mamba." + theirs for ours, theirs in mixer_params.items()})
         f = b + "feed_forward."
         if i in moe:
-            out[a + "mlp.router.weight"] = f + "router.weight"
-            for ours, theirs in _MLP.items():
-                out[a + "mlp." + ours.removesuffix(".weight")] = tuple(
-                    f"{f}experts.{e}.{theirs}" for e in range(cfg.moe["experts"]))
+            out.update(_expert_names(a, f, cfg, "router.weight"))
         else:
             out.update({a + "mlp." + ours: f + theirs for ours, theirs in _MLP.items()})
     if not cfg.tie_embeddings:

@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 
 from subquad.models.config import ModelConfig
-from subquad.models.hf import _MLP, _common, _join_convs, _plain_moe, _require, _split_conv
+from subquad.models.hf import _MLP, _common, _expert_names, _join_convs, _plain_moe, _require, _split_conv
 
 _FLA_L2_EPS = 1e-6
 
@@ -122,11 +122,8 @@ class _Qwen3Next:
                 out.update({a + f"mixer.{p}_proj.weight": b + f"linear_attn.{p}_proj.weight" for p in "qkvgba"})
             f = b + "mlp."
             if i in moe:
-                out[a + "mlp.router.weight"] = f + "gate.weight"
-                for ours, theirs in _MLP.items():
-                    out[a + "mlp." + ours.removesuffix(".weight")] = tuple(
-                        f"{f}experts.{e}.{theirs}" for e in range(cfg.moe["experts"]))
-                    out[a + "mlp.shared." + ours] = f + "shared_expert." + theirs
+                out.update(_expert_names(a, f, cfg, "gate.weight"))
+                out.update({a + "mlp.shared." + ours: f + "shared_expert." + theirs for ours, theirs in _MLP.items()})
                 out[a + "mlp.shared_gate.weight"] = f + "shared_expert_gate.weight"
             else:
                 out.update({a + "mlp." + ours: f + theirs for ours, theirs in _MLP.items()})

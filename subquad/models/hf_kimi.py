@@ -15,7 +15,7 @@ the top level (transformers' own config); both are read, and transformers' alias
 from __future__ import annotations
 
 from subquad.models.config import ModelConfig
-from subquad.models.hf import _MLP, _W132, _common, _join_convs, _require, _split_conv
+from subquad.models.hf import _MLP, _W132, _common, _expert_names, _join_convs, _require, _split_conv
 
 _KDA = ("q_proj.weight", "k_proj.weight", "v_proj.weight", "b_proj.weight", "f_a_proj.weight", "f_b_proj.weight",
         "g_a_proj.weight", "g_b_proj.weight", "o_proj.weight", "dt_bias", "A_log")
@@ -101,10 +101,8 @@ class _KimiLinear:
                 out.update({a + "mixer." + ours: s + theirs for ours, theirs in q.items()})
             f = b + "mlp."
             if i in moe:
-                out[a + "mlp.router.weight"] = f + "gate.weight"
+                out.update(_expert_names(a, f, cfg, "gate.weight", _W132))
                 out[a + "mlp.score_bias"] = f + "gate.e_score_correction_bias"
-                for ours, theirs in _W132.items():
-                    out[a + "mlp." + ours] = tuple(f"{f}experts.{e}.{theirs}" for e in range(cfg.moe["experts"]))
                 out.update({a + "mlp.shared." + ours: f + "shared_experts." + theirs for ours, theirs in _MLP.items()})
             else:
                 out.update({a + "mlp." + ours: f + theirs for ours, theirs in _MLP.items()})

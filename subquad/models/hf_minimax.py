@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 
 from subquad.models.config import ModelConfig
-from subquad.models.hf import _W132, _common, _require
+from subquad.models.hf import _W132, _common, _expert_names, _require
 _DERIVED = ("query_decay", "key_decay", "diagonal_decay")
 _BLOCK = 256                                         # transformers' default block_size, written on saving
 
@@ -76,9 +76,7 @@ class _MiniMax:
             if name == "lightning":
                 out[a + "mixer.slope"] = s + "slope_rate"
             if i in moe:
-                out[a + "mlp.router.weight"] = f + "gate.weight"
-                for ours, theirs in _W132.items():
-                    out[a + "mlp." + ours] = tuple(f"{f}experts.{e}.{theirs}" for e in range(cfg.moe["experts"]))
+                out.update(_expert_names(a, f, cfg, "gate.weight", _W132))
         if not cfg.tie_embeddings:
             out["head.weight"] = "lm_head.weight"
         return out

@@ -61,6 +61,15 @@ def assert_prefill_then_decode_equals_forward(ours, ids, split=12):
     torch.testing.assert_close(torch.cat(steps, 1), full, rtol=0, atol=1e-10)
 
 
+def assert_logits_equal(ours, hf, ids, dtype, tol):
+    """Our logits over ``ids`` are in ``dtype`` and equal transformers' within ``tol`` of their largest."""
+    with torch.no_grad():
+        ref = hf(ids).logits.to(dtype)
+        got = ours(ids)
+    assert got.dtype == dtype
+    assert ((got - ref).abs().max() / ref.abs().max()).item() <= tol
+
+
 def assert_packed_equals_separate(ours, two):
     """Rows 0 and 1 of ``two`` packed in one row (13 + 20 tokens; positions restart) give each one's logits."""
     with torch.no_grad():

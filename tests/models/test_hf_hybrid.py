@@ -14,7 +14,8 @@ transformers = pytest.importorskip("transformers")   # the `test` extra installs
 
 from subquad.models.hf import from_pretrained, save_pretrained  # noqa: E402
 from tests.models.test_hf import (  # noqa: E402
-    assert_packed_equals_separate, assert_prefill_then_decode_equals_forward, assert_round_trip, greedy_agreement)
+    assert_logits_equal, assert_packed_equals_separate, assert_prefill_then_decode_equals_forward, assert_round_trip,
+    greedy_agreement)
 
 KINDS = ["bamba", "jamba"]
 # Greedy tokens equal to transformers' `generate` until it departs from its own forward: for Jamba here
@@ -71,11 +72,7 @@ def test_the_loaded_structure(tmp_path):
 def test_logits_equal_transformers(tmp_path, kind, dtype, tol):
     hf, folder = _hf(tmp_path, kind, dtype)
     ours, _ = from_pretrained(folder, dtype=dtype)
-    with torch.no_grad():
-        ref = hf(_ids()).logits.to(dtype)
-        got = ours(_ids())
-    assert got.dtype == dtype
-    assert ((got - ref).abs().max() / ref.abs().max()).item() <= tol
+    assert_logits_equal(ours, hf, _ids(), dtype, tol)
 
 
 def test_jamba_router_loss_equals_transformers(tmp_path):

@@ -14,7 +14,8 @@ transformers = pytest.importorskip("transformers")   # the `test` extra installs
 
 from subquad.models.hf import from_pretrained  # noqa: E402
 from tests.models.test_hf import (  # noqa: E402
-    assert_packed_equals_separate, assert_prefill_then_decode_equals_forward, assert_round_trip, greedy_agreement)
+    assert_logits_equal, assert_packed_equals_separate, assert_prefill_then_decode_equals_forward, assert_round_trip,
+    greedy_agreement)
 
 V = 96
 
@@ -63,11 +64,7 @@ def test_the_loaded_structure_and_its_latent_cache(tmp_path):
 def test_logits_equal_transformers(tmp_path, dtype, tol, over):
     hf, folder = _hf(tmp_path, dtype, **over)
     ours, _ = from_pretrained(folder, dtype=dtype)
-    with torch.no_grad():
-        ref = hf(_ids()).logits.to(dtype)
-        got = ours(_ids())
-    assert got.dtype == dtype
-    assert ((got - ref).abs().max() / ref.abs().max()).item() <= tol
+    assert_logits_equal(ours, hf, _ids(), dtype, tol)
 
 
 def test_prefill_decode_packed_and_greedy_equal_transformers(tmp_path):
