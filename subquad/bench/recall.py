@@ -1,7 +1,7 @@
 """The recall sweep: MQAR accuracy of 2-layer models for every mixer, against the bytes of state they keep.
 
-Zoology's protocol (2 layers, no MLP by default, answer accuracy on held-out examples), scaled to 2 CPU
-cores: vocab 512 (not 8,192), (T, N) in {(64, 4), (128, 8), (256, 16)}, d_model in {64, 128}, learning
+Zoology's protocol (2 layers, no MLP by default, a short convolution before every attention-like mixer,
+answer accuracy on held-out examples), scaled to 2 CPU cores: vocab 512 (not 8,192), (T, N) in {(64, 4), (128, 8), (256, 16)}, d_model in {64, 128}, learning
 rates {3e-3, 1e-2} (the best kept per cell), seeds {0, 1}. Every cell has the same budget in optimizer
 steps - never in seconds, so a table does not depend on the machine's speed - and stops early only on
 reaching 99%. Results go to a JSON that a rerun resumes from (finished cells are skipped), a table of
@@ -21,14 +21,25 @@ from subquad.device import device_of, resolve_device
 from subquad.models import LanguageModel, ModelConfig
 from subquad.tasks import answer_accuracy, mqar
 
-MIXERS = {            # label -> (pattern, mixer options)
+CONV = 4   # Zoology's protocol: a short convolution before every attention-like mixer (see below)
+
+# label -> (pattern, mixer options). Zoology puts a short convolution (its BaseConv) in front of every
+# attention-like mixer; DeltaNet, Gated DeltaNet, Mamba and Mamba-2 have their own, and linear attention,
+# its feature maps, RetNet and GLA get one here (``conv_size``, on q, k, v as fla's ``use_short_conv``).
+# Without it they stay at chance on MQAR (the "no conv" rows): nothing in one layer binds a key to the value
+# after it. Softmax and sliding-window attention keep none (a deviation: their layers have no such option;
+# rotary positions let attention find the neighbouring token).
+MIXERS = {
     "softmax": ("softmax", {}),
     "sliding window (16)": ("swa", {"swa": {"window": 16}}),
-    "linear (elu+1)": ("linear", {}),
-    "performer": ("performer", {}),
-    "taylor (Based)": ("taylor", {}),
-    "retention (RetNet)": ("retention", {}),
-    "gla": ("gla", {}),
+    "linear (elu+1)": ("linear", {"linear": {"conv_size": CONV}}),
+    "performer": ("performer", {"performer": {"conv_size": CONV}}),
+    "taylor (Based)": ("taylor", {"taylor": {"conv_size": CONV}}),
+    "retention (RetNet)": ("retention", {"retention": {"conv_size": CONV}}),
+    "gla": ("gla", {"gla": {"conv_size": CONV}}),
+    "linear (elu+1), no conv": ("linear", {}),
+    "retention (RetNet), no conv": ("retention", {}),
+    "gla, no conv": ("gla", {}),
     "deltanet": ("deltanet", {}),
     "gated deltanet": ("gated_deltanet", {}),
     "mamba": ("mamba", {}),

@@ -145,6 +145,16 @@ class Mixer(nn.Module):
         """The layer's ``self.conv`` (a ``ShortConv``) over x with the state's tail ``state[key]``."""
         return seq.causal_conv(self.conv, x, self.conv.kernel_size - 1, None if state is None else state[key])
 
+    def conv_projections(self, parts, state, seq):
+        """The optional short convolution of linear attention, retention and GLA (``conv_size``; fla's
+        ``use_short_conv``, Zoology's short convolution before every attention-like mixer): silu(conv(.)) over
+        the concatenated projections ``parts`` (each (B, T, width)), split back. Returns (parts, conv state);
+        without ``self.conv`` the parts pass through and the conv state is None."""
+        if getattr(self, "conv", None) is None:
+            return parts, None
+        y, conv = self.short_conv(torch.cat(parts, -1), state, seq)
+        return list(torch.nn.functional.silu(y).split([p.shape[-1] for p in parts], -1)), conv
+
     @staticmethod
     def zeros(*shape, device=None, dtype=torch.float32) -> torch.Tensor:
         """A recurrent state's zeros: float32 for every dtype but float64 (``state_dtype``)."""

@@ -10,6 +10,9 @@ The output gate's bias b_r starts at 1.28, where swish is 1: the gate starts ope
 paper's gate has no bias, and after the norm it starts nearly closed (swish of N(0, 0.16) is +-0.08),
 which scales down the gradient into q, k, v and g by ~10x and left GLA at chance on MQAR (benchmarks/
 RESULTS.md, "Recall"); ``open_gate=False`` is the paper's (and the checkpoints') gate.
+
+``conv_size`` > 0 puts a short causal convolution (with silu) on x W_q, x W_k, x W_v (fla's
+``use_short_conv``); 0, the default, is the paper's layer.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from subquad.layers.base import Mixer
+from subquad.layers.conv import ShortConv
 from subquad.layers.norm import RMSNorm
 from subquad.ops import gla
 
@@ -31,15 +35,16 @@ class GatedLinearAttention(Mixer):
 
     Args: d_model; n_heads; expand_k, expand_v (key / value widths as fractions of d_model); gate_rank (the
     low-rank gate projection); gate_normalizer (g = logsigmoid(.) / gate_normalizer); open_gate (a learned
-    output-gate bias ``gate_bias`` starting where swish is 1; False: the paper's bias-free gate); mode;
-    chunk_size.
-    State: {"S": (B, H, K, V) float32 (float64 for float64)}.
+    output-gate bias ``gate_bias`` starting where swish is 1; False: the paper's bias-free gate); conv_size
+    (0: none; else a short convolution on q, k, v); mode; chunk_size.
+    State: {"S": (B, H, K, V) float32 (float64 for float64)}, plus {"conv": (B, conv_size - 1, 2 H K + H V)}
+    with a convolution.
     """
     piece_size = 1024   # fixed state: long forwards run in pieces (base.Mixer.forward); fastest here
     normed_output = True
     def __init__(self, d_model: int, n_heads: int = 4, expand_k: float = 0.5, expand_v: float = 1.0,
-                 gate_rank: int = 16, gate_normalizer: float = 16.0, open_gate: bool = True, mode: str = "chunk",
-                 chunk_size: int = 64):
+                 gate_rank: int = 16, gate_normalizer: float = 16.0, open_gate: bool = True, conv_size: int = 0,
+                 mode: str = "chunk", chunk_size: int = 64):
         super().__init__(d_model, mode, chunk_size)
         self.n_heads = n_heads
         self.key_dim, self.value_dim = int(d_model * expand_k), int(d_model * expand_v)
@@ -55,23 +60,26 @@ class GatedLinearAttention(Mixer):
         self.gate_bias = nn.Parameter(torch.full((self.value_dim,), OPEN)) if open_gate else None
         self.norm = RMSNorm(self.head_v)
         self.o_proj = nn.Linear(self.value_dim, d_model, bias=False)
+        self.conv = ShortConv(2 * self.key_dim + self.value_dim, conv_size, bias=False) if conv_size else None
 
     def mix_flops(self, T):
         """The write k v^T and the read q S per head, K x V."""
         return 4.0 * self.n_heads * self.head_k * self.head_v
 
     def empty_state(self, batch_size, device=None, dtype=torch.float32):
-        return {"S": self.zeros(batch_size, self.n_heads, self.head_k, self.head_v, device=device, dtype=dtype)}
+        state = {"S": self.zeros(batch_size, self.n_heads, self.head_k, self.head_v, device=device, dtype=dtype)}
+        if self.conv is not None:
+            state["conv"] = self.conv.empty_state(batch_size, device, dtype)
+        return state
 
     def mix(self, x, state, seq):
         B, T, _ = x.shape
         H, K, V = self.n_heads, self.head_k, self.head_v
-        q = self.q_proj(x).view(B, T, H, K)
-        k = self.k_proj(x).view(B, T, H, K)
-        v = self.v_proj(x).view(B, T, H, V)
+        (q, k, v), conv = self.conv_projections([self.q_proj(x), self.k_proj(x), self.v_proj(x)], state, seq)
+        q, k, v = q.view(B, T, H, K), k.view(B, T, H, K), v.view(B, T, H, V)
         g = F.logsigmoid(self.gk_proj(x)).view(B, T, H, K) / self.gate_normalizer
         o, S = seq.recurrence(gla, q, k, v, g, mode=self.mode, chunk_size=self.chunk_size,
                               initial_state=None if state is None else state["S"])
         r = self.r_proj(x) if self.gate_bias is None else self.r_proj(x) + self.gate_bias
         y = self.o_proj(F.silu(r) * self.norm(o).reshape(B, T, H * V))
-        return y, {"S": S}
+        return y, ({"S": S} if conv is None else {"S": S, "conv": conv})

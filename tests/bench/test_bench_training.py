@@ -15,3 +15,15 @@ def test_quick_training_benchmark(tmp_path):
     assert len(rows) == 6 and all("error" not in r for r in rows)
     assert all(0 < r["mfu"] < 1 and r["tokens_s"] > 0 for r in rows)
     assert (tmp_path / "training_quick.png").exists() and "x softmax" in (tmp_path / "training_quick.md").read_text()
+
+
+def test_quick_chunk_ops_benchmark(tmp_path):
+    # every op runs and its useful FLOPs are the stated count: linear attention's C (K + V) + 4 K V per token
+    # and head, at T = 256, H = 8, K = V = C = 64
+    from benchmarks.bench_chunk_ops import main
+
+    rows = main(["--quick", "--out", str(tmp_path), "--threads", "1"])
+    assert len(rows) == 9 and all(r["ms"] > 0 and r["of_matmul"] > 0 for r in rows)
+    lin = next(r for r in rows if r["op"] == "linear_attention")
+    assert abs(lin["gflop"] - 8 * 256 * (64 * 128 + 4 * 64 * 64) / 1e9) < 1e-12
+    assert "% of matmul" in (tmp_path / "chunk_ops_quick.md").read_text()

@@ -19,6 +19,10 @@ LAYERS = {
     "linear": lambda mode="chunk": build_mixer("linear", D, 4, mode=mode, chunk_size=8),
     "performer": lambda mode="chunk": build_mixer("performer", D, 2, mode=mode, chunk_size=8),
     "taylor": lambda mode="chunk": build_mixer("taylor", D, 2, qk_dim=4, mode=mode, chunk_size=8),
+    # the optional short convolution on q, k, v (conv_size; Zoology's protocol for the recall sweep)
+    "linear-conv": lambda mode="chunk": build_mixer("linear", D, 4, conv_size=4, mode=mode, chunk_size=8),
+    "retention-conv": lambda mode="chunk": MultiScaleRetention(D, n_heads=4, conv_size=3, mode=mode, chunk_size=8),
+    "gla-conv": lambda mode="chunk": GatedLinearAttention(D, n_heads=2, conv_size=4, mode=mode, chunk_size=8),
 }
 
 

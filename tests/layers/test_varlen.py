@@ -13,7 +13,7 @@ from subquad.models import LanguageModel, ModelConfig
 F64 = torch.float64
 D = 16
 LENGTHS = [5, 1, 9, 3, 12]
-NAMES = [n for n in MIXERS]
+NAMES = [n for n in MIXERS] + ["linear+conv", "retention+conv", "gla+conv"]   # + the short-conv option
 
 
 def _layer(name):
@@ -21,6 +21,8 @@ def _layer(name):
     opts = {"chunk_size": 4}
     if name == "swa":
         opts["window"] = 3
+    if name.endswith("+conv"):
+        name, opts["conv_size"] = name[:-5], 4
     return build_mixer(name, D, 2, **opts).double()
 
 
