@@ -10,7 +10,10 @@ this machine's float32 matmul rate, measured in the same run (bf16 rows divide b
     python benchmarks/bench_training.py --lengths 8192 --d-models 256  # the issue's headline cell, minutes
     python benchmarks/bench_training.py --quick                        # tiny, seconds (tests)
 Options: --mixers a,b  --lengths 2048,8192,32768  --d-models 256,512  --dtypes float32,bf16
---compile (adds torch.compile rows). Writes results/training.{json,md,png}.
+--compile (adds torch.compile rows)  --threads 1 (default 2)  --merge (add to the rows already in
+results/training.json, replacing those of the same mixer, size, dtype, compile and threads)  --profile (one
+profiled step per row: where its time goes, results/training_profile.md). Writes
+results/training.{json,md,png}; every row keeps its threads and the matmul rates of its own run.
 """
 
 from __future__ import annotations
@@ -52,7 +55,7 @@ def model_for(name, d_model, T, vocab):
     return LanguageModel(cfg)
 
 
-def measure(name, d_model, T, dtype, compiled, steps, vocab):
+def measure(name, d_model, T, dtype, compiled, steps, vocab, profile=False):
     torch.manual_seed(0)
     model = model_for(name, d_model, T, vocab)
     run = torch.compile(model) if compiled else model
@@ -74,8 +77,24 @@ def measure(name, d_model, T, dtype, compiled, steps, vocab):
         t = time.perf_counter()
         step()
         times.append(time.perf_counter() - t)
-    return {"tokens_s": T / statistics.median(times), "flops_per_token": model.flops_per_token(T),
-            "parameters": model.num_parameters()}
+    out = {"tokens_s": T / statistics.median(times), "flops_per_token": model.flops_per_token(T),
+           "parameters": model.num_parameters()}
+    if profile:
+        out["profile"] = profile_step(step)
+    return out
+
+
+def profile_step(step, top=8):
+    """One more step under torch.profiler: the ``top`` aten ops by own time, as {op: (ms, calls)}, and
+    the step's total."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        step()
+    ev = [e for e in prof.key_averages() if e.key.startswith("aten::")]
+    total = sum(e.self_cpu_time_total for e in prof.key_averages()) / 1e3
+    ev.sort(key=lambda e: -e.self_cpu_time_total)
+    return {"total_ms": total, "ops": {e.key[6:]: (e.self_cpu_time_total / 1e3, e.count) for e in ev[:top]}}
 
 
 def main(argv=None):
@@ -88,8 +107,22 @@ def main(argv=None):
     p.add_argument("--dtypes", default="float32,bf16")
     p.add_argument("--compile", action="store_true", help="also torch.compile rows")
     p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--merge", action="store_true", help="add to the rows already in the output")
+    p.add_argument("--profile", action="store_true", help="also profile one step per row")
     args = p.parse_args(argv)
-    torch.set_num_threads(2)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(args.threads)
+    try:
+        _run(args)
+    finally:
+        torch.set_num_threads(threads)
+
+
+KEY = ("mixer", "d_model", "T", "dtype", "compiled", "threads")
+
+
+def _run(args):
     args.out.mkdir(parents=True, exist_ok=True)
     mixers = args.mixers.split(",")
     lengths = [128, 256] if args.quick else [int(v) for v in args.lengths.split(",")]
@@ -99,36 +132,51 @@ def main(argv=None):
     machine = machine_line()
     rate = {"float32": matmul_gflops(512 if args.quick else 2048) * 1e9, "bf16": bf16_gflops() * 1e9}
     print(machine, f"; bf16 matmul {rate['bf16'] / 1e9:.0f} GFLOP/s", flush=True)
-    rows = []
+    suffix = "_quick" if args.quick else ""
+    old = args.out / f"training{suffix}.json"
+    rows = json.loads(old.read_text())["rows"] if args.merge and old.exists() else []
+    for r in rows:
+        r.setdefault("threads", 2)
     for d in d_models:
         for T in lengths:
             for dtype in args.dtypes.split(","):
                 for compiled in ([False, True] if args.compile else [False]):
                     for name in mixers:
                         try:
-                            r = measure(name, d, T, dtype, compiled, steps, vocab)
+                            r = measure(name, d, T, dtype, compiled, steps, vocab, args.profile)
                         except Exception as e:             # a row that fails is reported, not hidden
                             r = {"error": f"{type(e).__name__}: {str(e)[:120]}"}
-                        r.update({"mixer": name, "d_model": d, "T": T, "dtype": dtype, "compiled": compiled})
+                        r.update({"mixer": name, "d_model": d, "T": T, "dtype": dtype, "compiled": compiled,
+                                  "threads": args.threads, "matmul_gflops": rate[dtype] / 1e9})
                         if "tokens_s" in r:
                             r["mfu"] = r["tokens_s"] * r["flops_per_token"] / rate[dtype]
-                        rows.append(r)
+                        rows = [x for x in rows if tuple(x.get(k) for k in KEY) != tuple(r[k] for k in KEY)] + [r]
                         print(json.dumps(r), flush=True)
-    md = [f"{machine}; bf16 matmul {rate['bf16'] / 1e9:.0f} GFLOP/s. 4 layers (jamba: its preset's 8), heads of 64, "
-          f"SwiGLU MLPs, vocab {vocab}, batch 1; forward + backward + AdamW, median of {steps} steps.", "",
-          "| d_model | T | dtype | compiled | mixer | tokens/s | x softmax | MFU |", "|---:|---:|---|---|---|---:|---:|---:|"]
+    rows.sort(key=lambda r: (r["threads"], r["d_model"], r["T"], r["dtype"], r["compiled"]))
+    md = [f"{machine} (the last run); bf16 matmul {rate['bf16'] / 1e9:.0f} GFLOP/s. 4 layers (jamba: its preset's 8), "
+          f"heads of 64, SwiGLU MLPs, vocab {vocab}, batch 1; forward + backward + AdamW, median of {steps} steps "
+          "after a warm-up. MFU divides by the matmul rate (float32 or bf16) measured in each row's own run.", "",
+          "| threads | d_model | T | dtype | compiled | mixer | tokens/s | x softmax | MFU |",
+          "|---:|---:|---:|---|---|---|---:|---:|---:|"]
     for r in rows:
+        head = f"| {r['threads']} | {r['d_model']} | {r['T']:,} | {r['dtype']} | {r['compiled']} | {r['mixer']} | "
         if "error" in r:
-            md.append(f"| {r['d_model']} | {r['T']:,} | {r['dtype']} | {r['compiled']} | {r['mixer']} | "
-                      f"{r['error']} | | |")
+            md.append(head + f"{r['error']} | | |")
             continue
         soft = next((s for s in rows if s["mixer"] == "softmax" and "tokens_s" in s and
-                     (s["d_model"], s["T"], s["dtype"], s["compiled"]) ==
-                     (r["d_model"], r["T"], r["dtype"], r["compiled"])), None)
+                     all(s[k] == r[k] for k in KEY[1:])), None)
         ratio = f"{r['tokens_s'] / soft['tokens_s']:.2f}" if soft else ""
-        md.append(f"| {r['d_model']} | {r['T']:,} | {r['dtype']} | {r['compiled']} | {r['mixer']} | "
-                  f"{r['tokens_s']:,.0f} | {ratio} | {r['mfu']:.0%} |")
-    suffix = "_quick" if args.quick else ""
+        md.append(head + f"{r['tokens_s']:,.0f} | {ratio} | {r['mfu']:.0%} |")
+    prof = [r for r in rows if "profile" in r]
+    if prof:
+        lines = ["Where one training step's time goes (torch.profiler, own time of the top aten ops; "
+                 "ms and calls).", "", "| threads | d_model | T | dtype | mixer | step ms | top ops (ms, calls) |",
+                 "|---:|---:|---:|---|---|---:|---|"]
+        for r in prof:
+            ops_ = ", ".join(f"{k} {ms:.0f} ({n})" for k, (ms, n) in r["profile"]["ops"].items())
+            lines.append(f"| {r['threads']} | {r['d_model']} | {r['T']:,} | {r['dtype']} | {r['mixer']} | "
+                         f"{r['profile']['total_ms']:.0f} | {ops_} |")
+        (args.out / f"training_profile{suffix}.md").write_text("\n".join(lines) + "\n")
     (args.out / f"training{suffix}.json").write_text(json.dumps({"machine": machine, "rows": rows}, indent=1))
     (args.out / f"training{suffix}.md").write_text("\n".join(md) + "\n")
     plot(rows, args.out / f"training{suffix}.png")
@@ -140,21 +188,21 @@ def plot(rows, path):
     from subquad.bench import plots  # noqa: F401  (Agg backend)
     import matplotlib.pyplot as plt
 
-    panels = sorted({(r["d_model"], r["dtype"], r["compiled"]) for r in rows if "tokens_s" in r})
+    panels = sorted({(r["d_model"], r["dtype"], r["compiled"], r.get("threads", 2)) for r in rows if "tokens_s" in r})
     if not panels:
         return
     fig, axes = plt.subplots(1, len(panels), figsize=(6 * len(panels), 4.6), squeeze=False)
     for ax, key in zip(axes[0], panels):
         for name in dict.fromkeys(r["mixer"] for r in rows):
             pts = sorted((r["T"], r["tokens_s"]) for r in rows if "tokens_s" in r and r["mixer"] == name
-                         and (r["d_model"], r["dtype"], r["compiled"]) == key)
+                         and (r["d_model"], r["dtype"], r["compiled"], r.get("threads", 2)) == key)
             if pts:
                 ax.plot(*zip(*pts), marker="o", label=name)
         ax.set_xscale("log")
         ax.set_yscale("log")
         ax.set_xlabel("sequence length T")
         ax.set_ylabel("training tokens/s")
-        ax.set_title(f"d_model {key[0]}, {key[1]}{', compiled' if key[2] else ''}")
+        ax.set_title(f"d_model {key[0]}, {key[1]}{', compiled' if key[2] else ''}, {key[3]} threads")
         ax.grid(True, alpha=0.3, which="both")
         ax.legend(fontsize=7)
     fig.tight_layout()

@@ -27,3 +27,18 @@ def test_quick_chunk_ops_benchmark(tmp_path):
     lin = next(r for r in rows if r["op"] == "linear_attention")
     assert abs(lin["gflop"] - 8 * 256 * (64 * 128 + 4 * 64 * 64) / 1e9) < 1e-12
     assert "% of matmul" in (tmp_path / "chunk_ops_quick.md").read_text()
+
+
+def test_training_benchmark_merges_runs_and_profiles(tmp_path):
+    # a second run with --merge keeps the first run's rows and replaces only the rows it measures again
+    from benchmarks.bench_training import main
+
+    main(["--quick", "--out", str(tmp_path), "--mixers", "softmax,linear", "--dtypes", "float32", "--threads", "1"])
+    main(["--quick", "--out", str(tmp_path), "--mixers", "linear", "--dtypes", "float32", "--threads", "1",
+          "--merge", "--profile"])
+    rows = json.loads((tmp_path / "training_quick.json").read_text())["rows"]
+    assert sorted((r["mixer"], r["T"]) for r in rows) == [("linear", 128), ("linear", 256), ("softmax", 128),
+                                                          ("softmax", 256)]
+    assert all(r["threads"] == 1 for r in rows) and all("profile" in r for r in rows if r["mixer"] == "linear")
+    prof = (tmp_path / "training_profile_quick.md").read_text()
+    assert "linear" in prof and "mm" in prof
