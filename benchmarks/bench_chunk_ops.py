@@ -11,7 +11,10 @@ product, per token and head (C the chunk size):
     Mamba's selective scan (no matmul form):             9 N per channel (decay, input, state update, read)
 
 so a row's "% of matmul" is how close the op comes to running at the speed of one big matmul. The matmul
-rate (2048^2 float32) is measured in the same run, with the same threads.
+rate (2048^2 float32) is measured in the same run, with the same threads, and so is the rate of the
+batched 64 x 64 x 64 products a chunk form is made of, 64 at a time (in cache) and 2,048 at a time
+(streaming from memory): the first shows what the products could reach, the second what they reach when
+every operand comes from memory.
 
     python benchmarks/bench_chunk_ops.py                     # T = 16,384, every op: a minute or two
     python benchmarks/bench_chunk_ops.py --lengths 4096,16384 --threads 1
@@ -71,6 +74,11 @@ def cases(T):
     }
 
 
+def bmm_gflops(n=2048, c=64, repeats=5):
+    a, b = torch.randn(n, c, c), torch.randn(n, c, c)
+    return 2 * n * c ** 3 / timeit(lambda: torch.bmm(a, b), repeats) / 1e9
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--lengths", default="16384")
@@ -92,7 +100,8 @@ def main(argv=None):
 def _run(a):
     lengths = [256] if a.quick else [int(x) for x in a.lengths.split(",")]
     rate = matmul_gflops(512 if a.quick else 2048)
-    line = machine_line(rate)
+    small, stream = bmm_gflops(64), bmm_gflops(256 if a.quick else 2048)
+    line = machine_line(rate) + f"; batched 64³ products {small:.0f} GFLOP/s in cache, {stream:.0f} streaming"
     print(line, flush=True)
     rows = []
     for T in lengths:
@@ -111,7 +120,8 @@ def _run(a):
            f"{100 * r['of_matmul']:.0f}% |" for r in rows]
     stem = "chunk_ops_quick" if a.quick else "chunk_ops"
     a.out.mkdir(parents=True, exist_ok=True)
-    (a.out / f"{stem}.json").write_text(json.dumps({"machine": line, "matmul_gflops": rate, "rows": rows}, indent=1))
+    (a.out / f"{stem}.json").write_text(json.dumps({"machine": line, "matmul_gflops": rate, "bmm_gflops": [small, stream],
+                                                    "rows": rows}, indent=1))
     (a.out / f"{stem}.md").write_text("\n".join(md) + "\n")
     print("\n".join(md))
     return rows

@@ -80,12 +80,18 @@ def test_split_sequence_equals_one_call(mode):
     check_split(call, x, 20, chunk_size=16, mode=mode, seq_keys=tuple(x))
 
 
-def test_no_gradient_path_agrees():
-    x = {n: t.detach() for n, t in make(2, 300, K=6, V=4, seed=3, strength=3.0).items()}
+@pytest.mark.parametrize("strength", [0.05, 3.0, 60.0])      # 60: sub-chunk spans past SPAN, the exact scores
+@pytest.mark.parametrize("C,group", [(64, None), (20, 64)])  # 20 -> 32; groups of 64 tokens, a padded last one
+def test_no_gradient_path_agrees(strength, C, group, monkeypatch):
+    from subquad.ops.delta import inference
+
+    if group:
+        monkeypatch.setattr(inference, "TOKEN_HEADS", group * 2)      # B H = 4: groups of `group` tokens
+    x = {n: t.detach() for n, t in make(2, 300, K=6, V=4, seed=3, strength=strength).items()}
     S0 = state0(x).detach()
-    o_ref, s_ref = call("recurrent", x, 64, S0, True)
+    o_ref, s_ref = call("recurrent", x, C, S0, True)
     with torch.no_grad():
-        o, s = call("chunk", x, 64, S0, True)
+        o, s = call("chunk", x, C, S0, True)
     assert_close(o, o_ref, 1e-10, "o")
     assert_close(s, s_ref, 1e-10, "state")
 

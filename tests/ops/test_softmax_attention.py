@@ -110,6 +110,28 @@ def test_float32_long_sequence_chunk_matches_sdpa():
     assert_close(o_c, o_p, 1e-4, "float32 T=4096 chunk vs sdpa")
 
 
+@pytest.mark.parametrize("T,padded", [(64, False), (1024, True)])
+def test_bf16_unequal_head_dims_take_the_flash_kernel_only_for_long_inputs(T, padded, monkeypatch):
+    # K != V: SDPA's CPU flash kernel needs them equal. In 16 bits the value dim is padded (flash) only from
+    # FLASH_16BIT score entries on; shorter inputs keep the math path's float32 softmax. Either way the
+    # output equals a float64 softmax attention on the same bf16 numbers to bf16's rounding.
+    import torch.nn.functional as F
+
+    from subquad.ops.softmax import parallel
+
+    seen = []
+    real = F.scaled_dot_product_attention
+    monkeypatch.setattr(parallel.F, "scaled_dot_product_attention",
+                        lambda q, k, v, **kw: seen.append(v.shape[-1]) or real(q, k, v, **kw))
+    g = torch.Generator().manual_seed(0)
+    q, k = (torch.randn(1, T, 2, 16, generator=g).bfloat16() for _ in range(2))
+    v = torch.randn(1, T, 2, 8, generator=g).bfloat16()
+    o, _ = softmax_attention(q, k, v, mode="parallel")
+    ref, _ = naive_softmax_attention(q.double(), k.double(), v.double())
+    assert seen == [16 if padded else 8]
+    assert o.dtype == torch.bfloat16 and (o.double() - ref).abs().max() < 0.03
+
+
 def test_bad_arguments_raise():
     x = {n: t.detach() for n, t in make(1, 8).items()}
     q, k, v = x["q"], x["k"], x["v"]

@@ -102,10 +102,9 @@ def _chunkwise(q, k, v, g, beta, scale, C, initial_state):
 
 
 def chunk_delta(q, k, v, g, beta, *, scale, chunk_size=64, initial_state=None):
-    if inference_path(q, k, v, g, beta, initial_state) and (g is None or g.dim() == 3 or q.shape[1] < SHORT):
+    if inference_path(q, k, v, g, beta, initial_state):
         run = recurrent_delta if q.shape[1] < SHORT else delta_inference
         return run(q, k, v, g, beta, scale=scale, chunk_size=chunk_size, initial_state=initial_state)
-    # (a per-channel decay without a gradient runs the batched form below: there is no group path for it yet)
     C = min(chunk_size, q.shape[1])
     L = max(1, PIECE // C) * C
     if q.shape[1] <= L:

@@ -13,7 +13,9 @@ buffers reused between groups):
               S_{c+1} = exp(gamma_C) S_c + K^_c^T D_c                     two baddbmms per chunk
     batched:  O      = scale * (Q~ S_c + P D)                             two bmms
 
-Every exponent is a difference of cumulative log-decays <= 0. Chunks are at most ``DELTA_CHUNK``
+A decay per key channel (KDA, g (B, T, H, K)) takes the same steps with the decayed scores K K^T and
+Q K^T built by GLA's sub-chunked factors (``decay.intra._intra_vector_rows``) instead of one bmm times
+Dm, and a state decay exp(gamma_C) per key row. Every exponent is a difference of cumulative log-decays <= 0. Chunks are at most ``DELTA_CHUNK``
 tokens here (``subquad.ops.common.routes`` says why; the result does not depend on it beyond
 rounding), ~30 tensor ops per group plus 2-3 per chunk, no T-sized temporaries.
 """
@@ -23,18 +25,23 @@ from __future__ import annotations
 import torch
 
 from subquad.ops.common.chunking import chunk_view, decay_mask, put_chunks, token_slice
+from subquad.ops.decay.intra import SUB, _intra_vector_rows
 
 from subquad.ops.common.routes import DELTA_CHUNK as CHUNK, TOKEN_HEADS_DELTA as TOKEN_HEADS
 from subquad.ops.common.expo import exp_decay
 
 
 def delta_inference(q, k, v, g, beta, *, scale, chunk_size, initial_state=None, group=None):
-    """q, k (B, T, H, K); v (B, T, H, V); g, beta (B, T, H) (g None for the plain rule).
-    Returns o (B, T, H, V) in beta's dtype and the final state (B, H, K, V)."""
+    """q, k (B, T, H, K); v (B, T, H, V); beta (B, T, H); g (B, T, H), (B, T, H, K) for a decay per key
+    channel (KDA), or None for the plain rule. Returns o (B, T, H, V) in beta's dtype and the final state
+    (B, H, K, V)."""
     B, T, H, K = q.shape
     V = v.shape[-1]
     dt, dev = beta.dtype, q.device
+    vector = g is not None and g.dim() == 4
     C = min(chunk_size, CHUNK, T)
+    if vector:                                                      # KDA's scores use sub-chunks of SUB
+        C = max(SUB, -(-C // SUB) * SUB)
     BH = B * H
     L = group if group is not None else max(1, TOKEN_HEADS // BH // C) * C
     L = min(-(-L // C) * C, -(-T // C) * C)
@@ -47,7 +54,7 @@ def delta_inference(q, k, v, g, beta, *, scale, chunk_size, initial_state=None, 
     # Chunk-major buffers: index [j] is chunk j of the group for every (batch, head), contiguous, so the
     # loop's matmuls take plain (B H, C, *) batches; flat views (N, C, *) serve the batched steps.
     qb, kb, bb = buf(n, B, H, C, K), buf(n, B, H, C, K), buf(n, B, H, C, 1)
-    gb = None if g is None else buf(n, B, H, C, 1)
+    gb = None if g is None else buf(n, B, H, C, K if vector else 1)
     rv = buf(n, B, H, C, V)                                         # diag(b) V, read straight from v
     A, P, rk, W = buf(N, C, C), buf(N, C, C), buf(N, C, K), buf(n, BH, C, K)
     Dv, ob, kh = buf(n, BH, C, V), buf(N, C, V), buf(n, BH, C, K)
@@ -59,14 +66,26 @@ def delta_inference(q, k, v, g, beta, *, scale, chunk_size, initial_state=None, 
     for s in range(0, T, L):
         e = min(s + L, T)
         # a last, partial group is zero-padded: beta = k = 0 adds nothing
-        for x, src in [(qb, q), (kb, k), (bb, beta.unsqueeze(-1))] + ([] if g is None else [(gb, g.unsqueeze(-1))]):
+        gsrc = [] if g is None else [(gb, g if vector else g.unsqueeze(-1))]
+        for x, src in [(qb, q), (kb, k), (bb, beta.unsqueeze(-1))] + gsrc:
             x.copy_(chunk_view(token_slice(src, s, e, L), C))
         torch.mul(chunk_view(token_slice(v, s, e, L), C), bb, out=rv)    # v multiplied by beta as it is read
         qc, kc = qb.view(N, C, K), kb.view(N, C, K)
         bc = bb.view(N, C, 1)
-        torch.bmm(kc, kc.transpose(1, 2), out=A)
-        torch.bmm(qc, kc.transpose(1, 2), out=P)
-        if g is None:
+        if not vector:
+            torch.bmm(kc, kc.transpose(1, 2), out=A)
+            torch.bmm(qc, kc.transpose(1, 2), out=P)
+        if vector:                                                    # decay per key channel: (N, C, K)
+            gam = gb.view(N, C, K).cumsum(1)
+            KP = _intra_vector_rows(torch.stack([kc, qc], 1), kc, gam)   # (N, 2, C, C), decayed, causal
+            A.copy_(KP[:, 0]).tril_(-1)
+            P.copy_(KP[:, 1])
+            eg = exp_decay(gam)
+            torch.mul(kc, eg * bc, out=rk)
+            qt = qc * eg
+            torch.mul(kc, exp_decay(gam[:, -1:] - gam), out=kh.view(N, C, K))
+            decay, kt = exp_decay(gam[:, -1]).view(n, BH, K, 1), kh
+        elif g is None:
             A.tril_(-1)
             torch.mul(kc, bc, out=rk)
             qt, decay, kt = qc, None, kb.view(n, BH, C, K)

@@ -40,14 +40,20 @@ def parallel_softmax_attention(q, k, v, *, causal=True, window=None, chunk_size=
     return _finish(o.transpose(1, 2), None, cache, k, v, window, output_final_state, False)
 
 
+FLASH_16BIT = 1 << 20   # 16-bit scores with K != V: the math path below this many (T x L) entries, flash above
+
+
 def _sdpa(qh, kh, vh, scale, **kw):
     """SDPA with the value head dim padded to the key's (or the key's to the value's) when they differ:
     CPU's flash kernel needs them equal and the fallback is the T x T math path, 3.7x slower at T = 8,192
-    (K 80, V 64: multi-head latent attention's shapes). Zero columns change no score and no output. Not
-    for 16-bit inputs: the flash kernel would then round the probabilities to 16 bits (0.004 off at
-    K 8, V 4 in tests/ops/test_precision.py), where the math path keeps them in float32."""
+    (K 80, V 64: multi-head latent attention's shapes). Zero columns change no score and no output. For
+    16-bit inputs only from FLASH_16BIT score entries on: the flash kernel rounds the probabilities to 16
+    bits (0.004 off at K 8, V 4 in tests/ops/test_precision.py) where the math path keeps them in float32,
+    but the math path's T x T scores cost 6.5x the time at T = 8,192 in bf16 (benchmarks/RESULTS.md) - and
+    flash's rounding is what attention with K = V gets in 16 bits anyway."""
     K, V = qh.shape[-1], vh.shape[-1]
-    if K == V or qh.dtype in (torch.float16, torch.bfloat16):   # 16-bit: the math path keeps float32 softmax
+    small = qh.shape[-2] * kh.shape[-2] < FLASH_16BIT
+    if K == V or (qh.dtype in (torch.float16, torch.bfloat16) and small):
         return F.scaled_dot_product_attention(qh, kh, vh, scale=scale, **kw)
     if V < K:
         return F.scaled_dot_product_attention(qh, kh, F.pad(vh, (0, K - V)), scale=scale, **kw)[..., :V]
