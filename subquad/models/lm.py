@@ -23,6 +23,7 @@ from torch import nn
 from subquad.layers import RMSNorm, build_mixer, sequence, tensor_bytes
 from subquad.layers.attention import SoftmaxAttention
 from subquad.models.config import ModelConfig
+from subquad.models.loss import linear_cross_entropy
 from subquad.models.moe import MoE, load_balancing_loss
 from subquad.ops.common.precision import checks_on
 
@@ -213,6 +214,11 @@ class LanguageModel(nn.Module):
         ``cu_seqlens`` (N + 1,): idx holds N sequences packed in one row (1, T) with these cumulative lengths
         (flash-attention's convention); nothing crosses a boundary, positions restart at each sequence, and
         the state has one row per sequence - what batched decoding of the N sequences continues from."""
+        h, states = self._hidden(idx, state, cu_seqlens)
+        return self._logits(h), states
+
+    def _hidden(self, idx, state=None, cu_seqlens=None):
+        """The residual stream after the last block (before the final norm) and the per-layer state."""
         self._check_idx(idx)
         pos = 0 if state is None else getattr(state, "pos", 0)
         seq = sequence.backend() if cu_seqlens is None else sequence.Packed(cu_seqlens)
@@ -237,11 +243,19 @@ class LanguageModel(nn.Module):
         for i, block in enumerate(self.blocks):
             h, s = block(h, None if state is None else state[i], cu_seqlens=cu_seqlens)
             states.append(s)
-        return self._logits(h), states
+        return h, states
 
-    def forward(self, idx, cu_seqlens=None):
-        """idx (B, T) -> logits (B, T, vocab); with ``cu_seqlens``, idx (1, T) packs several sequences."""
-        return self.prefill(idx, cu_seqlens=cu_seqlens)[0]
+    def forward(self, idx, cu_seqlens=None, targets=None):
+        """idx (B, T) -> logits (B, T, vocab); with ``cu_seqlens``, idx (1, T) packs several sequences.
+
+        With ``targets`` (B, T) (-100: no target there) it returns the mean next-token cross-entropy
+        instead, computed from the last hidden states in chunks (``models.loss.linear_cross_entropy``):
+        the (B, T, vocab) logits are never held, which at long T is most of a step's memory traffic."""
+        if targets is None:
+            return self.prefill(idx, cu_seqlens=cu_seqlens)[0]
+        h = self.norm(self._hidden(idx, None, cu_seqlens)[0])
+        weight = self.embed.weight if self.head is None else self.head.weight
+        return linear_cross_entropy(h, weight, targets.to(h.device))
 
     def empty_state(self, batch_size: int = 1, device=None):
         return ModelState([b.mixer.empty_state(batch_size, device=device) for b in self.blocks])

@@ -14,9 +14,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
-from subquad.data.dataset import IGNORE, TokenData, get_batch, pack_batch
+from subquad.data.dataset import TokenData, get_batch, pack_batch
 from subquad.device import device_of
 from subquad.train.checkpoint import has_checkpoints, load_checkpoint, save_checkpoint, write_atomic
 
@@ -131,8 +130,8 @@ def cross_entropy(model, x, y, bf16=False, cp_group=None, eot=None):
             from subquad.distributed import zigzag_shard
 
             x, y = zigzag_shard(x, cp.rank, cp.world), zigzag_shard(y, cp.rank, cp.world)
-        logits = model(x) if cu is None else model(x, cu_seqlens=cu.to(dev))
-    return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), y.reshape(-1), ignore_index=IGNORE)
+        # the model's own loss: the head and the cross-entropy in chunks, the logits never held whole
+        return model(x, targets=y) if cu is None else model(x, cu_seqlens=cu.to(dev), targets=y)
 
 
 def _context(cp_group):

@@ -11,7 +11,7 @@ def test_every_fixed_state_mixer_of_the_sweep_has_a_short_convolution():
             mixer = block.mixer
             kind = type(mixer).__name__
             has_conv = any(isinstance(m, ShortConv) for m in mixer.modules())
-            if kind == "SoftmaxAttention" or label.endswith("no conv"):
+            if kind == "SoftmaxAttention" or label.endswith("no conv)"):
                 assert not has_conv, (label, kind)      # the deviation stated in bench/recall.py; the controls
             else:
                 assert has_conv, (label, kind)

@@ -212,7 +212,7 @@ def test_skipping_non_finite_steps_keeps_training_and_logs_strict_json(tmp_path)
     t = trainer(tmp_path / "r", on_nonfinite="skip")
     poison_gradients(t.model, 4, [t])
     orig = t.model.forward
-    t.model.forward = lambda idx: orig(idx) * (float("nan") if t.step == 6 else 1.0)   # step 7: NaN loss
+    t.model.forward = lambda idx, **kw: orig(idx, **kw) * (float("nan") if t.step == 6 else 1.0)   # step 7: NaN loss
     t.fit()
     lines = strict_lines(tmp_path / "r" / "metrics.jsonl")
     assert [r.get("skipped", False) for r in lines] == [False] * 4 + [True] * 4

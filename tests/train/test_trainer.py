@@ -90,8 +90,8 @@ def test_nan_loss_stops_with_a_message_and_keeps_the_last_checkpoint(data, tmp_p
     t = Trainer(m, data, TrainConfig(**{**CFG, "steps": 20}), tmp_path / "nan", progress=False)
     orig = m.forward
 
-    def poisoned(idx):
-        out = orig(idx)
+    def poisoned(idx, **kw):
+        out = orig(idx, **kw)
         return out * float("nan") if t.step >= 7 else out
     m.forward = poisoned
     with pytest.raises(TrainingDiverged, match="at step 8"):
