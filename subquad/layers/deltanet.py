@@ -97,8 +97,7 @@ class DeltaNet(Mixer):
     def mix(self, x, state, seq):
         B, T, _ = x.shape
         H, Hk, K, V = self.n_heads, self.n_key_heads, self.head_dim, self.value_head_dim
-        qkv, conv = self.short_conv(torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], -1), state, seq)
-        q, k, v = F.silu(qkv).split([Hk * K, Hk * K, H * V], dim=-1)
+        (q, k, v), conv = self.conv_projections([self.q_proj(x), self.k_proj(x), self.v_proj(x)], state, seq)
         q, k = self._l2(q.view(B, T, Hk, K)), self._l2(k.view(B, T, Hk, K))
         if Hk != H:                                       # each key head serves H / Hk consecutive value heads
             q, k = q.repeat_interleave(H // Hk, dim=2), k.repeat_interleave(H // Hk, dim=2)

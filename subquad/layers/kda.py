@@ -73,8 +73,8 @@ class KimiDeltaAttention(Mixer):
     def mix(self, x, state, seq):
         B, T, _ = x.shape
         H, K = self.n_heads, self.head_dim
-        qkv, conv = self.short_conv(torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], -1), state, seq)
-        q, k, v = (t.reshape(B, T, H, K) for t in F.silu(qkv).chunk(3, dim=-1))
+        (q, k, v), conv = self.conv_projections([self.q_proj(x), self.k_proj(x), self.v_proj(x)], state, seq)
+        q, k, v = (t.reshape(B, T, H, K) for t in (q, k, v))
         q, k = (t / torch.sqrt(t.square().sum(-1, keepdim=True) + self.qk_eps) for t in (q, k))
         f = self.f_b_proj(self.f_a_proj(x)) + self.dt_bias
         g = -torch.exp(self.A_log).view(H, 1) * F.softplus(f.float() if f.dtype != torch.float64 else f).view(B, T, H, K)

@@ -15,8 +15,8 @@ buffers reused between groups):
 
 A decay per key channel (KDA, g (B, T, H, K)) takes the same steps with the decayed scores K K^T and
 Q K^T built by GLA's sub-chunked factors (``decay.intra._intra_vector_rows``) instead of one bmm times
-Dm, and a state decay exp(gamma_C) per key row. Every exponent is a difference of cumulative log-decays <= 0. Chunks are at most ``DELTA_CHUNK``
-tokens here (``subquad.ops.common.routes`` says why; the result does not depend on it beyond
+Dm, and a state decay exp(gamma_C) per key row. Every exponent is a difference of cumulative
+log-decays <= 0. Chunks are at most ``DELTA_CHUNK`` tokens here (``subquad.ops.common.routes`` says why; the result does not depend on it beyond
 rounding), ~30 tensor ops per group plus 2-3 per chunk, no T-sized temporaries.
 """
 
@@ -72,33 +72,30 @@ def delta_inference(q, k, v, g, beta, *, scale, chunk_size, initial_state=None, 
         torch.mul(chunk_view(token_slice(v, s, e, L), C), bb, out=rv)    # v multiplied by beta as it is read
         qc, kc = qb.view(N, C, K), kb.view(N, C, K)
         bc = bb.view(N, C, 1)
-        if not vector:
+        if vector:                                                    # decayed scores per key channel
+            gam = gb.view(N, C, K).cumsum(1)                          # chunk-local, <= 0
+            KP = _intra_vector_rows(torch.stack([kc, qc], 1), kc, gam)   # (N, 2, C, C), causal
+            A.copy_(KP[:, 0])
+            P.copy_(KP[:, 1])
+        else:
             torch.bmm(kc, kc.transpose(1, 2), out=A)
             torch.bmm(qc, kc.transpose(1, 2), out=P)
-        if vector:                                                    # decay per key channel: (N, C, K)
-            gam = gb.view(N, C, K).cumsum(1)
-            KP = _intra_vector_rows(torch.stack([kc, qc], 1), kc, gam)   # (N, 2, C, C), decayed, causal
-            A.copy_(KP[:, 0]).tril_(-1)
-            P.copy_(KP[:, 1])
-            eg = exp_decay(gam)
-            torch.mul(kc, eg * bc, out=rk)
-            qt = qc * eg
-            torch.mul(kc, exp_decay(gam[:, -1:] - gam), out=kh.view(N, C, K))
-            decay, kt = exp_decay(gam[:, -1]).view(n, BH, K, 1), kh
-        elif g is None:
+        if g is None:
             A.tril_(-1)
             torch.mul(kc, bc, out=rk)
             qt, decay, kt = qc, None, kb.view(n, BH, C, K)
         else:
-            gam = gb.view(N, C).cumsum(1)                            # chunk-local, <= 0
-            Dm = decay_mask(gam)
-            A.mul_(Dm).tril_(-1)
-            P.mul_(Dm)
-            eg = exp_decay(gam).unsqueeze(-1)
+            if not vector:                                            # a scalar decay: one channel, broadcast
+                gam = gb.view(N, C, 1).cumsum(1)
+                Dm = decay_mask(gam[..., 0])
+                A.mul_(Dm)
+                P.mul_(Dm)
+            A.tril_(-1)
+            eg = exp_decay(gam)
             torch.mul(kc, eg * bc, out=rk)
             qt = qc * eg
-            torch.mul(kc, exp_decay(gam[:, -1:] - gam).unsqueeze(-1), out=kh.view(N, C, K))
-            decay, kt = exp_decay(gam[:, -1]).view(n, BH, 1, 1), kh
+            torch.mul(kc, exp_decay(gam[:, -1:] - gam), out=kh.view(N, C, K))
+            decay, kt = exp_decay(gam[:, -1]).view(n, BH, gam.shape[-1], 1), kh
         A.mul_(bc).diagonal(dim1=1, dim2=2).fill_(1)
         P.tril_()
         Ti = torch.linalg.solve_triangular(A, eye, upper=False, unitriangular=True)
