@@ -24,6 +24,8 @@ CHECKPOINT_OPTIONS = {
                "softmax": {"rotary_fraction": 0.5, "rotary_base": 500.0}}, None),
     "jamba": ({"mamba": {"bcdt_rms_eps": 1e-6, "bcdt_rms_weight": True}, "softmax": {"rotary": False}},
               {"experts": 3, "top_k": 2, "every": 2, "offset": 1}),
+    # not a checkpoint type: the short-convolution option of linear attention, RetNet and GLA (its halo crosses ranks)
+    "conv": ({n: {"conv_size": 4} for n in ("linear", "retention", "gla")}, None),
 }
 
 
@@ -72,7 +74,8 @@ def test_context_parallel_lm_equals_one_process(world, pattern, pos_emb, n_kv_he
     _assert_cp_equals_one_process(world, pattern, T, pos_emb, n_kv_heads)
 
 
-@pytest.mark.parametrize("kind,pattern", [("bamba", "mamba2,softmax"), ("jamba", "mamba,softmax")])
+@pytest.mark.parametrize("kind,pattern", [("bamba", "mamba2,softmax"), ("jamba", "mamba,softmax"),
+                                          ("conv", "linear,retention,gla")])
 def test_context_parallel_checkpoint_structures_equal_one_process(kind, pattern):
     T = 2 * 2 * 8
     _assert_cp_equals_one_process(2, pattern, T, "none", 1, kind)

@@ -74,3 +74,21 @@ def test_bad_arguments_are_refused_by_name():
         linear_cross_entropy(h, W.T, y)
     with pytest.raises(ValueError, match="chunk"):
         linear_cross_entropy(h, W, y, chunk=0)
+
+
+def test_model_loss_under_torch_compile_equals_eager():
+    # the trainer calls model(x, targets=y); compiled (aot_eager, as the precision matrix), it equals eager
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = LanguageModel(ModelConfig(vocab_size=50, d_model=16, n_layers=2, n_heads=2, context_length=32,
+                                      pattern="gla,softmax"))
+    g = torch.Generator().manual_seed(3)
+    x, y = torch.randint(0, 50, (2, 19), generator=g), torch.randint(0, 50, (2, 19), generator=g)
+    runs = []
+    for m in (model, torch.compile(model, backend="aot_eager")):
+        model.zero_grad(set_to_none=True)
+        loss = m(x, targets=y)
+        loss.backward()
+        runs.append([loss.detach()] + [p.grad.clone() for p in model.parameters()])
+    for a, b in zip(*runs):
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6)

@@ -9,12 +9,17 @@ import torch.nn.functional as F
 from subquad.layers import MIXERS
 from subquad.models import LanguageModel, ModelConfig
 
-NAMES = sorted(MIXERS)
+NAMES = sorted(MIXERS) + ["linear+conv", "retention+conv", "gla+conv"]     # + the short-convolution option
 
 
 def model_and_batch(name, seed=0):
     torch.manual_seed(seed)
-    cfg = ModelConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=2, context_length=64, pattern=name)
+    options = {}
+    if name.endswith("+conv"):
+        name = name[:-5]
+        options = {name: {"conv_size": 4}}
+    cfg = ModelConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=2, context_length=64, pattern=name,
+                      mixer_options=options)
     model = LanguageModel(cfg)
     g = torch.Generator().manual_seed(seed + 1)
     idx = torch.randint(0, 64, (2, 37), generator=g)              # odd length, batch > 1
