@@ -538,8 +538,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="learning rates (default: 3e-3,1e-2; the best mean over seeds kept per cell)")
     r.add_argument("--seeds", type=_positive, default=2, help="seeds per cell (default: 2; mean and range reported)")
     r.add_argument("--vocab", type=_positive, default=512, help="vocabulary (Zoology: 8192)")
-    r.add_argument("--steps", type=_positive, default=1000,
-                   help="optimizer steps per cell, the same for every mixer (stops early at 99%%)")
+    r.add_argument("--steps", type=_positive, default=1500,
+                   help="optimizer steps per cell, the same for every mixer (stops early at 99%%; as the "
+                        "published table)")
     r.add_argument("--batch-size", type=_positive, default=64, help="sequences per step")
     r.add_argument("--mlp", action="store_true", help="add the SwiGLU MLP (Zoology's default has none)")
     r.add_argument("--quick", action="store_true", help="a tiny sweep (seconds), for tests")

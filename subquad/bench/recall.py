@@ -93,7 +93,7 @@ def train_cell(pattern, options, *, T, N, vocab, d_model, lr, steps, batch, mlp,
 
 
 def sweep(out="runs/recall", mixers=None, sizes=((64, 4), (128, 8), (256, 16)), d_models=(64, 128),
-          lrs=(3e-3, 1e-2), vocab=512, steps=1000, batch=64, mlp=False, seeds=(0, 1), progress=True, log=print,
+          lrs=(3e-3, 1e-2), vocab=512, steps=1500, batch=64, mlp=False, seeds=(0, 1), progress=True, log=print,
           device="cpu") -> dict:
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)

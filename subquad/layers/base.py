@@ -155,6 +155,15 @@ class Mixer(nn.Module):
         y, conv = self.short_conv(torch.cat(parts, -1), state, seq)
         return list(torch.nn.functional.silu(y).split([p.shape[-1] for p in parts], -1)), conv
 
+    def with_conv(self, state, conv=None, batch_size=None, device=None, dtype=torch.float32):
+        """``state`` plus the optional convolution's tail under "conv": ``conv`` (from ``conv_projections``),
+        or with ``batch_size`` an empty one; unchanged for a layer without ``self.conv``."""
+        if getattr(self, "conv", None) is not None and batch_size is not None:
+            conv = self.conv.empty_state(batch_size, device, dtype)
+        if conv is not None:
+            state["conv"] = conv
+        return state
+
     @staticmethod
     def zeros(*shape, device=None, dtype=torch.float32) -> torch.Tensor:
         """A recurrent state's zeros: float32 for every dtype but float64 (``state_dtype``)."""

@@ -68,9 +68,7 @@ class GatedLinearAttention(Mixer):
 
     def empty_state(self, batch_size, device=None, dtype=torch.float32):
         state = {"S": self.zeros(batch_size, self.n_heads, self.head_k, self.head_v, device=device, dtype=dtype)}
-        if self.conv is not None:
-            state["conv"] = self.conv.empty_state(batch_size, device, dtype)
-        return state
+        return self.with_conv(state, batch_size=batch_size, device=device, dtype=dtype)
 
     def mix(self, x, state, seq):
         B, T, _ = x.shape
@@ -82,4 +80,4 @@ class GatedLinearAttention(Mixer):
                               initial_state=None if state is None else state["S"])
         r = self.r_proj(x) if self.gate_bias is None else self.r_proj(x) + self.gate_bias
         y = self.o_proj(F.silu(r) * self.norm(o).reshape(B, T, H * V))
-        return y, ({"S": S} if conv is None else {"S": S, "conv": conv})
+        return y, self.with_conv({"S": S}, conv)

@@ -67,9 +67,7 @@ class LinearAttention(Mixer):
         state = {"S": S}
         if self.normalize:
             state["z"] = self.zeros(batch_size, self.n_heads, self.feature_dim, device=device, dtype=dtype)
-        if self.conv is not None:
-            state["conv"] = self.conv.empty_state(batch_size, device, dtype)
-        return state
+        return self.with_conv(state, batch_size=batch_size, device=device, dtype=dtype)
 
     def mix(self, x, state, seq):
         B, T, _ = x.shape
@@ -82,6 +80,4 @@ class LinearAttention(Mixer):
         o, s = seq.recurrence(linear_attention, q, k, v, normalize=self.normalize, mode=self.mode,
                               chunk_size=self.chunk_size, initial_state=init)
         new = {"S": s[0], "z": s[1]} if self.normalize and s is not None else {"S": s}
-        if conv is not None:
-            new["conv"] = conv
-        return self.o_proj(o.reshape(B, T, -1)), new
+        return self.o_proj(o.reshape(B, T, -1)), self.with_conv(new, conv)

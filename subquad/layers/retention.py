@@ -65,9 +65,7 @@ class MultiScaleRetention(Mixer):
     def empty_state(self, batch_size, device=None, dtype=torch.float32):
         state = {"S": self.zeros(batch_size, self.n_heads, self.head_dim, self.v_dim, device=device, dtype=dtype),
                  "pos": torch.zeros(batch_size, dtype=torch.long, device=device)}
-        if self.conv is not None:
-            state["conv"] = self.conv.empty_state(batch_size, device, dtype)
-        return state
+        return self.with_conv(state, batch_size=batch_size, device=device, dtype=dtype)
 
     def mix(self, x, state, seq):
         B, T, _ = x.shape
@@ -82,7 +80,7 @@ class MultiScaleRetention(Mixer):
         r = self.g_proj(x) if self.gate_bias is None else self.g_proj(x) + self.gate_bias
         y = self.o_proj(F.silu(r) * o.reshape(B, T, H * V))
         end = seq.tokens(B, T, x.device) + (0 if state is None else state["pos"].to(x.device))
-        return y, ({"S": S, "pos": end} if conv is None else {"S": S, "pos": end, "conv": conv})
+        return y, self.with_conv({"S": S, "pos": end}, conv)
 
     def extra_repr(self):
         return f"d_model={self.d_model}, heads={self.n_heads}, head_dim={self.head_dim}, v_dim={self.v_dim}, mode={self.mode}"

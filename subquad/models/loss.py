@@ -18,6 +18,11 @@ import torch
 LOGITS_BYTES = 1 << 26       # float32 logits per chunk: 64 MB
 
 
+def _cast(t, dtype):
+    """t in the head's matmul dtype (autocast's), or as it is."""
+    return t if dtype is None else t.to(dtype)
+
+
 def _chunks(N, vocab, chunk):
     c = chunk or max(1, LOGITS_BYTES // (4 * vocab))
     return [(s, min(s + c, N)) for s in range(0, N, c)]
@@ -32,9 +37,9 @@ class _LinearCrossEntropy(torch.autograd.Function):
         acc = torch.float64 if h.dtype == torch.float64 else torch.float32      # the logits' dtype from here on
         lse = torch.empty(N, dtype=acc, device=h.device)
         total = torch.zeros((), dtype=lse.dtype, device=h.device)
-        Wm = W if dtype is None else W.to(dtype)
+        Wm = _cast(W, dtype)
         for s, e in _chunks(N, W.shape[0], chunk):
-            z = (h[s:e] if dtype is None else h[s:e].to(dtype)) @ Wm.T
+            z = _cast(h[s:e], dtype) @ Wm.T
             z = z.to(lse.dtype)
             lse[s:e] = torch.logsumexp(z, -1)
             yc, vc = y[s:e].clamp(min=0), valid[s:e]
@@ -47,12 +52,12 @@ class _LinearCrossEntropy(torch.autograd.Function):
     def backward(ctx, grad):
         h, W, y, lse, n = ctx.saved_tensors
         dtype = ctx.dtype
-        Wm = W if dtype is None else W.to(dtype)
+        Wm = _cast(W, dtype)
         dh = torch.empty_like(h) if ctx.needs_input_grad[0] else None
         dW = torch.zeros(W.shape, dtype=lse.dtype, device=W.device) if ctx.needs_input_grad[1] else None
         scale = grad / n
         for s, e in _chunks(h.shape[0], W.shape[0], ctx.chunk):
-            hc = h[s:e] if dtype is None else h[s:e].to(dtype)
+            hc = _cast(h[s:e], dtype)
             p = (hc @ Wm.T).to(lse.dtype).sub_(lse[s:e, None]).exp_()          # softmax, (c, vocab)
             yc = y[s:e]
             valid = yc != ctx.ignore_index
