@@ -375,7 +375,8 @@ def cmd_recall(args) -> int:
     else:
         kw = dict(mixers=args.mixers, sizes=args.sizes, d_models=args.d_models, lrs=args.lrs, vocab=args.vocab,
                   steps=args.steps, batch=args.batch_size, seeds=range(args.seeds))
-    res = recall.sweep(out=args.out, mlp=args.mlp, progress=not args.no_progress, device=args.device, **kw)
+    res = recall.sweep(out=args.out, mlp=args.mlp, progress=not args.no_progress, device=args.device,
+                       decay=args.decay, **kw)
     md = recall.table(res)
     out = Path(args.out)
     (out / "recall.md").write_text(md + "\n")
@@ -543,6 +544,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "published table)")
     r.add_argument("--batch-size", type=_positive, default=64, help="sequences per step")
     r.add_argument("--mlp", action="store_true", help="add the SwiGLU MLP (Zoology's default has none)")
+    r.add_argument("--decay", choices=["all", "matrices"], default="all",
+                   help="weight decay 0.1 on every parameter (Zoology's) or on matrices only (no decay on norms, "
+                        "biases, Mamba's A_log / D / dt_bias; subquad train's); other than 'all', a row of its own")
     r.add_argument("--quick", action="store_true", help="a tiny sweep (seconds), for tests")
     r.add_argument("--no-progress", action="store_true", help="no progress lines")
     _device_flag(r)

@@ -61,14 +61,31 @@ def state_bytes(model, T):
         return model.state_bytes(model.prefill(torch.zeros(1, T, dtype=torch.long, device=device_of(model)))[1])
 
 
-def train_cell(pattern, options, *, T, N, vocab, d_model, lr, steps, batch, mlp, seed, log, device="cpu"):
+DECAY = ("all", "matrices")
+
+
+def optimizer(model, lr, decay="all"):
+    """AdamW, weight decay 0.1. ``decay="all"``: on every parameter, as Zoology's trainer; ``"matrices"``: on
+    matrices and embeddings only - not on norms, biases and per-head vectors (Mamba's A_log, D, dt_bias,
+    which its authors mark ``_no_weight_decay``), as ``subquad train`` does."""
+    if decay not in DECAY:
+        raise ValueError(f"decay must be one of {DECAY}, got {decay!r}")
+    params = list(model.parameters())
+    if decay == "all":
+        return torch.optim.AdamW(params, lr=lr, weight_decay=0.1)
+    return torch.optim.AdamW([{"params": [p for p in params if p.dim() >= 2], "weight_decay": 0.1},
+                              {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}], lr=lr)
+
+
+def train_cell(pattern, options, *, T, N, vocab, d_model, lr, steps, batch, mlp, seed, log, device="cpu",
+               decay="all"):
     """Train one cell for at most ``steps`` optimizer steps (stopping at 99% held-out answer accuracy)."""
     dev = resolve_device(device)
     xtr, ytr = mqar(20_000 if steps * batch > 20_000 else steps * batch, T, N, vocab, seed=seed)
     xte, yte = mqar(1_000, T, N, vocab, seed=seed + 10_000)
     xtr, ytr, xte, yte = (t.to(dev) for t in (xtr, ytr, xte, yte))      # data generated on the CPU, then moved
     model = cell_model(pattern, options, vocab, d_model, T, mlp, seed).to(dev)
-    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.1)
+    opt = optimizer(model, lr, decay)
     sched = torch.optim.lr_scheduler.OneCycleLR(opt, lr, total_steps=steps, pct_start=0.1)
     g = torch.Generator().manual_seed(seed)
     best, t0, step = 0.0, time.time(), 0
@@ -94,7 +111,7 @@ def train_cell(pattern, options, *, T, N, vocab, d_model, lr, steps, batch, mlp,
 
 def sweep(out="runs/recall", mixers=None, sizes=((64, 4), (128, 8), (256, 16)), d_models=(64, 128),
           lrs=(3e-3, 1e-2), vocab=512, steps=1500, batch=64, mlp=False, seeds=(0, 1), progress=True, log=print,
-          device="cpu") -> dict:
+          device="cpu", decay="all") -> dict:
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     path = out / "recall.json"
@@ -107,16 +124,18 @@ def sweep(out="runs/recall", mixers=None, sizes=((64, 4), (128, 8), (256, 16)), 
              for seed in seeds]
     t_start = time.time()
     for i, (n, T, N, d, lr, seed) in enumerate(cells, 1):
-        key = f"{n}|T={T}|N={N}|d={d}|lr={lr}|vocab={vocab}|mlp={mlp}|seed={seed}|steps={steps}"
+        key = f"{n}|T={T}|N={N}|d={d}|lr={lr}|vocab={vocab}|mlp={mlp}|seed={seed}|steps={steps}" + (
+            "" if decay == "all" else f"|decay={decay}")
         if key in results["cells"]:
             continue
         pattern, options = MIXERS[n]
         log(f"[{i}/{len(cells)}] {n}, T={T}, N={N}, d_model={d}, lr={lr}, seed {seed} "
             f"({time.time() - t_start:.0f} s so far)")
         r = train_cell(pattern, options, T=T, N=N, vocab=vocab, d_model=d, lr=lr, steps=steps, batch=batch, mlp=mlp,
-                       seed=seed, device=device, log=(lambda m: log("    " + m)) if progress else (lambda m: None))
+                       seed=seed, device=device, decay=decay,
+                       log=(lambda m: log("    " + m)) if progress else (lambda m: None))
         r.update({"mixer": n, "T": T, "N": N, "d_model": d, "lr": lr, "vocab": vocab, "mlp": mlp, "seed": seed,
-                  "budget": steps})
+                  "budget": steps, "decay": decay})
         results["cells"][key] = r
         log(f"    -> accuracy {r['accuracy']:.3f} after {r['steps']} steps ({r['seconds']} s), "
             f"state {r['state_bytes']:,} B")
@@ -134,7 +153,8 @@ def best_per_cell(results, vocab=None):
     for r in results["cells"].values():
         if vocab is not None and r["vocab"] != vocab:
             continue
-        groups.setdefault((r["mixer"], r["T"], r["N"], r["d_model"], r["lr"], r.get("budget")), []).append(r)
+        label = r["mixer"] + ("" if r.get("decay", "all") == "all" else f" [decay: {r['decay']}]")   # its own row
+        groups.setdefault((label, r["T"], r["N"], r["d_model"], r["lr"], r.get("budget")), []).append(r)
     best = {}
     for (m, T, N, d, lr, _), rs in groups.items():           # seeds of one learning rate and step budget
         accs = [r["accuracy"] for r in rs]

@@ -15,3 +15,42 @@ def test_every_fixed_state_mixer_of_the_sweep_has_a_short_convolution():
                 assert not has_conv, (label, kind)      # the deviation stated in bench/recall.py; the controls
             else:
                 assert has_conv, (label, kind)
+
+
+def test_weight_decay_all_is_zoologys_and_matrices_spares_vectors():
+    """One step with zero gradients: AdamW's decoupled decay alone moves the parameters, p <- p (1 - lr wd).
+    "all" (Zoology's trainer) shrinks every parameter; "matrices" leaves norms, biases and Mamba-2's A_log,
+    D, dt_bias (1-D) where they were and shrinks the matrices as "all" does."""
+    import pytest
+    import torch
+
+    from subquad.bench.recall import optimizer
+
+    lr = 0.5
+    for decay in ("all", "matrices"):
+        model = cell_model("mamba2,softmax", {}, vocab=32, d_model=32, T=16, mlp=False, seed=0)
+        before = {n: p.detach().clone() for n, p in model.named_parameters()}
+        opt = optimizer(model, lr, decay)
+        for p in model.parameters():
+            p.grad = torch.zeros_like(p)
+        opt.step()
+        for n, p in model.named_parameters():
+            shrunk = before[n] * (1 - lr * 0.1)
+            spared = decay == "matrices" and p.dim() < 2
+            torch.testing.assert_close(p.detach(), before[n] if spared else shrunk, msg=f"{decay}: {n}")
+        names = [n for n, p in model.named_parameters() if p.dim() < 2]
+        assert {"blocks.0.mixer.A_log", "blocks.0.mixer.D", "blocks.0.mixer.dt_bias"} <= set(names)
+    with pytest.raises(ValueError, match="decay"):
+        optimizer(model, lr, "none")
+
+
+def test_a_decay_other_than_zoologys_is_a_row_of_its_own(tmp_path):
+    from subquad.bench import recall
+
+    kw = dict(mixers=["softmax"], sizes=[(16, 2)], d_models=[16], lrs=[3e-3], vocab=32, steps=2, batch=4,
+              seeds=[0], progress=False, log=lambda m: None)
+    recall.sweep(out=tmp_path, **kw)
+    res = recall.sweep(out=tmp_path, decay="matrices", **kw)
+    assert sorted(r["decay"] for r in res["cells"].values()) == ["all", "matrices"]
+    rows = [line.split(" | ")[0] for line in recall.table(res).splitlines()[2:]]
+    assert rows == ["| softmax", "| softmax [decay: matrices]"]
