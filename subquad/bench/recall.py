@@ -184,29 +184,41 @@ def table(results) -> str:
 
 def plot(results, path):
     """Accuracy against decoding-state bytes, one panel per (T, N, d_model) (Zoology's figure 2), the
-    seeds' range as error bars."""
+    seeds' range as error bars; one colour and marker per mixer across panels, one legend below."""
     from subquad.bench import plots  # noqa: F401  (Agg backend)
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
 
     best = best_per_cell(results)
     sizes = sorted({(k[1], k[2], k[3]) for k in best}, key=lambda c: (c[2], c[0]))
+    mixers = list(dict.fromkeys(k[0] for k in best))                     # the table's row order
+    cmap = plt.get_cmap("tab10")
+    style = {m: (cmap(i % 10), "osD^vP*Xhp<>"[i % 12]) for i, m in enumerate(mixers)}
     cols = min(3, len(sizes))
     rows = -(-len(sizes) // cols)
-    fig, axes = plt.subplots(rows, cols, figsize=(6 * cols, 4.6 * rows), squeeze=False)
+    fig, axes = plt.subplots(rows, cols, figsize=(6 * cols, 4.2 * rows + 1.2), squeeze=False)
     for ax, (T, N, d) in zip(axes.flat, sizes):
-        for (m, t, n, dd), r in best.items():
-            if (t, n, dd) == (T, N, d):
-                err = [[r["accuracy"] - r["low"]], [r["high"] - r["accuracy"]]]
-                ax.errorbar(r["state_bytes"], r["accuracy"], yerr=err, fmt="o", ms=5, capsize=3)
-                ax.annotate(m, (r["state_bytes"], r["accuracy"]), fontsize=7, xytext=(3, 3), textcoords="offset points")
+        for m in mixers:
+            r = best.get((m, T, N, d))
+            if r is None:
+                continue
+            err = [[r["accuracy"] - r["low"]], [r["high"] - r["accuracy"]]]
+            color, marker = style[m]
+            ax.errorbar(r["state_bytes"], r["accuracy"], yerr=err, fmt=marker, color=color, ms=6, capsize=3,
+                        label=m)
         ax.set_xscale("log")
-        ax.set_xlabel("state bytes (decoding, at T)")
+        ax.xaxis.set_major_locator(LogLocator(subs=(1.0, 2.0, 5.0)))
+        ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v / 1e3:g} kB"))
+        ax.xaxis.set_minor_formatter(NullFormatter())
+        ax.set_xlabel("decoding state at T (bytes, log)")
         ax.set_ylabel("MQAR accuracy (mean, seeds' range)")
         ax.set_title(f"MQAR T={T}, N={N} pairs, d_model={d}")
         ax.set_ylim(-0.02, 1.05)
-        ax.grid(True, alpha=0.3)
+        ax.grid(True, which="both", alpha=0.3)
     for ax in list(axes.flat)[len(sizes):]:
         ax.axis("off")
-    fig.tight_layout()
+    handles = [plt.Line2D([], [], color=style[m][0], marker=style[m][1], ls="", ms=7) for m in mixers]
+    fig.legend(handles, mixers, loc="lower center", ncol=min(4, len(mixers)), fontsize=8, frameon=False)
+    fig.tight_layout(rect=(0, 0.04 + 0.025 * (-(-len(mixers) // 4)), 1, 1))
     fig.savefig(path, dpi=110)
     plt.close(fig)
