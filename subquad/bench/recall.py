@@ -44,8 +44,13 @@ MIXERS = {
     "gated deltanet": ("gated_deltanet", {}),
     "mamba": ("mamba", {}),
     "mamba2": ("mamba2", {}),
+    # the literature's hybrids, one attention layer in two: Mamba-2's and Jamba's (Mamba + attention),
+    # DeltaNet's and Gated DeltaNet's papers (+ attention), Based (Taylor linear attention + a sliding window)
     "hybrid (mamba2, softmax)": ("mamba2,softmax", {}),
     "hybrid (gated deltanet, softmax)": ("gated_deltanet,softmax", {}),
+    "hybrid (deltanet, softmax)": ("deltanet,softmax", {}),
+    "hybrid (mamba, softmax)": ("mamba,softmax", {}),
+    "hybrid (taylor, sliding window 16)": ("taylor,swa", {"taylor": {"conv_size": CONV}, "swa": {"window": 16}}),
 }
 
 
