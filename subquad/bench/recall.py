@@ -152,8 +152,9 @@ def sweep(out="runs/recall", mixers=None, sizes=((64, 4), (128, 8), (256, 16)), 
 
 
 def best_per_cell(results, vocab=None):
-    """(mixer, T, N, d_model) -> the learning rate whose mean accuracy over seeds is best: {"accuracy"
-    (mean), "low", "high" (the seeds' range), "seeds", "lr", "state_bytes", "steps" (mean)}."""
+    """(mixer, T, N, d_model) -> the learning rate whose mean accuracy over seeds is best, among those with
+    the most seeds run: {"accuracy" (mean), "low", "high" (the seeds' range), "seeds", "lr", "state_bytes",
+    "steps" (mean)}."""
     groups = {}
     for r in results["cells"].values():
         if vocab is not None and r["vocab"] != vocab:
@@ -166,16 +167,24 @@ def best_per_cell(results, vocab=None):
         cell = {"accuracy": sum(accs) / len(accs), "low": min(accs), "high": max(accs), "seeds": len(rs), "lr": lr,
                 "state_bytes": rs[0]["state_bytes"], "steps": sum(r["steps"] for r in rs) / len(rs)}
         k = (m, T, N, d)
-        if k not in best or cell["accuracy"] > best[k]["accuracy"]:
+        # a learning rate with all its seeds run beats one still missing some; then the better mean
+        if k not in best or (cell["seeds"], cell["accuracy"]) > (best[k]["seeds"], best[k]["accuracy"]):
             best[k] = cell
     return best
+
+
+def _rows(best):
+    """The row labels in ``MIXERS``' order, each variant (``[decay: ...]``) after its mixer; others last."""
+    order = {m: i for i, m in enumerate(MIXERS)}
+    labels = dict.fromkeys(k[0] for k in best)
+    return sorted(labels, key=lambda m: (order.get(m.split(" [")[0], len(order)), m))
 
 
 def table(results) -> str:
     """Mean accuracy over seeds (the seeds' range) of the best learning rate per cell."""
     best = best_per_cell(results)
     cols = sorted({(k[1], k[2], k[3]) for k in best}, key=lambda c: (c[2], c[0]))
-    mixers = list(dict.fromkeys(k[0] for k in best))
+    mixers = _rows(best)
     head = "| mixer | " + " | ".join(f"T={T}, N={N}, d={d}" for T, N, d in cols) + " | state bytes (largest T) |"
     lines = [head, "|---|" + "---|" * (len(cols) + 1)]
     for m in mixers:
@@ -196,7 +205,7 @@ def plot(results, path):
 
     best = best_per_cell(results)
     sizes = sorted({(k[1], k[2], k[3]) for k in best}, key=lambda c: (c[2], c[0]))
-    mixers = list(dict.fromkeys(k[0] for k in best))                     # the table's row order
+    mixers = _rows(best)
     cmap = plt.get_cmap("tab10")
     style = {m: (cmap(i % 10), "osD^vP*Xhp<>"[i % 12]) for i, m in enumerate(mixers)}
     cols = min(3, len(sizes))

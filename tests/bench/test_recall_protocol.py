@@ -54,3 +54,19 @@ def test_a_decay_other_than_zoologys_is_a_row_of_its_own(tmp_path):
     assert sorted(r["decay"] for r in res["cells"].values()) == ["all", "matrices"]
     rows = [line.split(" | ")[0] for line in recall.table(res).splitlines()[2:]]
     assert rows == ["| softmax", "| softmax [decay: matrices]"]
+
+
+def test_the_best_learning_rate_is_chosen_among_complete_ones():
+    """A learning rate with one seed run so far does not displace one with both, however good that seed."""
+    from subquad.bench.recall import best_per_cell
+
+    def cell(lr, seed, acc):
+        return {"mixer": "softmax", "T": 64, "N": 4, "d_model": 64, "lr": lr, "vocab": 512, "seed": seed,
+                "budget": 1500, "accuracy": acc, "steps": 1500, "state_bytes": 1}
+
+    cells = [cell(1e-2, 0, 0.90), cell(1e-2, 1, 0.80), cell(3e-3, 0, 0.99)]
+    best = best_per_cell({"cells": {str(i): c for i, c in enumerate(cells)}})[("softmax", 64, 4, 64)]
+    assert (best["lr"], best["seeds"], best["low"], best["high"]) == (1e-2, 2, 0.80, 0.90)
+    cells.append(cell(3e-3, 1, 0.95))
+    best = best_per_cell({"cells": {str(i): c for i, c in enumerate(cells)}})[("softmax", 64, 4, 64)]
+    assert best["lr"] == 3e-3 and abs(best["accuracy"] - 0.97) < 1e-12
