@@ -525,7 +525,7 @@ def build_parser() -> argparse.ArgumentParser:
     _device_flag(t)
     t.set_defaults(fn=cmd_train, parser=t)
 
-    from subquad.bench.recall import MIXERS as RECALL_MIXERS
+    from subquad.bench.recall import DECAY as RECALL_DECAY, MIXERS as RECALL_MIXERS
 
     r = command("recall", "MQAR recall of every mixer against its state size (Zoology)")
     r.add_argument("--out", default="runs/recall", help="output folder (a rerun resumes)")
@@ -544,7 +544,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "published table)")
     r.add_argument("--batch-size", type=_positive, default=64, help="sequences per step")
     r.add_argument("--mlp", action="store_true", help="add the SwiGLU MLP (Zoology's default has none)")
-    r.add_argument("--decay", choices=["all", "matrices"], default="all",
+    r.add_argument("--decay", choices=RECALL_DECAY, default="all",
                    help="weight decay 0.1 on every parameter (Zoology's) or on matrices only (no decay on norms, "
                         "biases, Mamba's A_log / D / dt_bias; subquad train's); other than 'all', a row of its own")
     r.add_argument("--quick", action="store_true", help="a tiny sweep (seconds), for tests")

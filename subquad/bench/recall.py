@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from subquad.device import device_of, resolve_device
 from subquad.models import LanguageModel, ModelConfig
 from subquad.tasks import answer_accuracy, mqar
+from subquad.train.trainer import decay_groups
 
 CONV = 4   # Zoology's protocol: a short convolution before every attention-like mixer (see below)
 
@@ -70,16 +71,13 @@ DECAY = ("all", "matrices")
 
 
 def optimizer(model, lr, decay="all"):
-    """AdamW, weight decay 0.1. ``decay="all"``: on every parameter, as Zoology's trainer; ``"matrices"``: on
-    matrices and embeddings only - not on norms, biases and per-head vectors (Mamba's A_log, D, dt_bias,
-    which its authors mark ``_no_weight_decay``), as ``subquad train`` does."""
+    """AdamW, weight decay 0.1. ``decay="all"``: on every parameter, as Zoology's trainer; ``"matrices"``:
+    ``subquad train``'s groups (``decay_groups``: none on norms, biases, Mamba's A_log, D, dt_bias)."""
     if decay not in DECAY:
         raise ValueError(f"decay must be one of {DECAY}, got {decay!r}")
-    params = list(model.parameters())
     if decay == "all":
-        return torch.optim.AdamW(params, lr=lr, weight_decay=0.1)
-    return torch.optim.AdamW([{"params": [p for p in params if p.dim() >= 2], "weight_decay": 0.1},
-                              {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}], lr=lr)
+        return torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.1)
+    return torch.optim.AdamW(decay_groups(model, 0.1), lr=lr)
 
 
 def train_cell(pattern, options, *, T, N, vocab, d_model, lr, steps, batch, mlp, seed, log, device="cpu",

@@ -165,6 +165,14 @@ def evaluate(model, tokens, context: int, batch_size: int, batches: int, bf16=Fa
     return loss
 
 
+def decay_groups(model, weight_decay: float) -> list[dict]:
+    """AdamW parameter groups: ``weight_decay`` on matrices and embeddings (dim >= 2), none on norms, biases
+    and per-head vectors (Mamba's A_log, D, dt_bias, which its authors mark ``_no_weight_decay``)."""
+    params = list(model.parameters())
+    return [{"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
+            {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
+
+
 def packing_eot(pack, data, context_parallel: int = 1):
     """The end-of-text id to pack batches at (``TrainConfig.pack``: True, False, or None - on for a corpus
     of many documents), or None for the concatenated stream."""
@@ -201,10 +209,7 @@ class Trainer:
         if self.world > 1 and self.cp_group is None:   # data parallel: DDP averages the gradients
             from torch.nn.parallel import DistributedDataParallel
             self.train_model = DistributedDataParallel(model)
-        decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
-        no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
-        self.opt = torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
-                                      {"params": no_decay, "weight_decay": 0.0}], lr=cfg.lr, betas=(0.9, 0.95))
+        self.opt = torch.optim.AdamW(decay_groups(model, cfg.weight_decay), lr=cfg.lr, betas=(0.9, 0.95))
         self.step = 0
         self.curve: list[tuple[int, float]] = []
         self.eot = packing_eot(cfg.pack, data, cfg.context_parallel)

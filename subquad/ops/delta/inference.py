@@ -16,8 +16,9 @@ buffers reused between groups):
 A decay per key channel (KDA, g (B, T, H, K)) takes the same steps with the decayed scores K K^T and
 Q K^T built by GLA's sub-chunked factors (``decay.intra._intra_vector_rows``) instead of one bmm times
 Dm, and a state decay exp(gamma_C) per key row. Every exponent is a difference of cumulative
-log-decays <= 0. Chunks are at most ``DELTA_CHUNK`` tokens here (``subquad.ops.common.routes`` says why; the result does not depend on it beyond
-rounding), ~30 tensor ops per group plus 2-3 per chunk, no T-sized temporaries.
+log-decays <= 0. Chunks are at most ``DELTA_CHUNK`` tokens here (``subquad.ops.common.routes`` says why;
+the result does not depend on it beyond rounding), ~30 tensor ops per group plus 2-3 per chunk, no
+T-sized temporaries.
 """
 
 from __future__ import annotations
