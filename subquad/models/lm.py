@@ -245,6 +245,18 @@ class LanguageModel(nn.Module):
             states.append(s)
         return h, states
 
+    def step(self, tokens, state):
+        """One decoding step: tokens (B,) or (B, 1), the state after each row's previous tokens -> (logits (B,
+        vocab), new state). The same as ``prefill(tokens.view(B, 1), state)``; it takes the compiled decode step
+        when one is set (``set_decode``), so ``generate``, ``subquad generate`` and the server all decode
+        through it."""
+        tokens = tokens.reshape(-1, 1)
+        fast = getattr(self, "_decode_step", None)
+        if fast is not None:
+            return fast(tokens, state)
+        logits, state = self.prefill(tokens, state)
+        return logits[:, -1], state
+
     def forward(self, idx, cu_seqlens=None, targets=None):
         """idx (B, T) -> logits (B, T, vocab); with ``cu_seqlens``, idx (1, T) packs several sequences.
 
@@ -323,8 +335,7 @@ class LanguageModel(nn.Module):
                 feed.append(nxt[i])
             if all(done):
                 break                                   # the last tokens are not fed: continue from them
-            logits, state = self.prefill(torch.tensor(feed, device=dev).view(B, 1), state)
-            last = logits[:, -1]
+            last, state = self.step(torch.tensor(feed, device=dev), state)
         self.train(was_training)
         return (out[0] if single else out), state
 
