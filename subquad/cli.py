@@ -354,6 +354,51 @@ def cmd_generate(args) -> int:
     return 0
 
 
+def cmd_serve(args) -> int:
+    from pathlib import Path
+
+    import torch
+
+    from subquad.train import load_run
+
+    if (args.run is None) == (args.model is None):
+        raise ValueError("give one of --run (a subquad run) or --model (a Hugging Face model folder)")
+    try:
+        from subquad.serve import Engine
+        from subquad.serve.server import run
+    except ImportError as e:
+        raise ValueError(f"subquad serve needs the serve extra (pip install 'subquad[serve]'): {e}") from None
+    chat_template = None
+    if args.model is not None:
+        from subquad.models import from_pretrained
+        from subquad.serve.chat import load_chat_template
+
+        if not Path(args.model).is_dir():
+            raise ValueError(f"--model {args.model} is not a folder")
+        dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}[args.dtype]
+        model, tok = from_pretrained(args.model, dtype=dtype, device=args.device)
+        chat_template = load_chat_template(args.model)
+    else:
+        if not Path(args.run).exists():
+            raise ValueError(f"--run {args.run} does not exist")
+        model, tok, _ = load_run(args.run, device=args.device)
+    name = args.served_model_name or Path(args.model or args.run).resolve().name
+    engine = Engine(model, tok, max_batch=args.max_batch, max_queue=args.max_queue, max_context=args.max_context,
+                    prefill_chunk=args.prefill_chunk, state_cache_mb=args.state_cache_mb, memory_mb=args.memory_mb)
+    return run(engine, name, host=args.host, port=args.port, chat_template=chat_template, api_key=args.api_key,
+               drain_timeout=args.drain_timeout)
+
+
+def _nonneg_float(text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        v = -1.0
+    if not v >= 0 or v == float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a finite number >= 0, got {text!r}")
+    return v
+
+
 def _sizes(text: str):
     try:
         out = [tuple(int(v) for v in item.lower().split("x")) for item in text.split(",") if item.strip()]
@@ -433,6 +478,7 @@ linear attention, RetNet, GLA, DeltaNet, Gated DeltaNet, Mamba, Mamba-2 and hybr
   subquad workshop                  the plate reproduced: forms agree, memory, softmax vs linear (start here)
   subquad train --pattern mamba2    train a small language model; --resume continues a run
   subquad generate --run runs/NAME  stream text with a constant-size state
+  subquad serve --model DIR         an OpenAI-compatible server (continuous batching, prefix-state reuse)
   subquad recall                    associative recall of every mixer against its state size
   subquad memory                    KV cache against recurrent state, per layer and head
 
@@ -585,6 +631,29 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--load-state", help="continue from a state saved with --save-state")
     _device_flag(g)
     g.set_defaults(fn=cmd_generate)
+
+    v = command("serve", "an OpenAI-compatible HTTP server: continuous batching, prefix-state reuse")
+    v.add_argument("--run", help="run folder (or one of its checkpoints)")
+    v.add_argument("--model", help="a Hugging Face model folder (its tokenizer.json and chat template are used)")
+    v.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float64"],
+                   help="weights' dtype for --model")
+    v.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
+    v.add_argument("--port", type=int, default=8000, help="port to listen on")
+    v.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1 routes (default: none)")
+    v.add_argument("--served-model-name", help="the model's name in the API (default: the folder's name)")
+    v.add_argument("--max-batch", type=_positive, default=16, help="sequences decoded together")
+    v.add_argument("--max-queue", type=int, default=64, help="requests waiting for a slot before 429s")
+    v.add_argument("--max-context", type=_positive, default=4096, help="prompt plus max_tokens, per request")
+    v.add_argument("--prefill-chunk", type=_positive, default=512,
+                   help="prompt tokens prefilled per loop iteration, between decoding steps")
+    v.add_argument("--state-cache-mb", type=_nonneg_float, default=256.0,
+                   help="bound of the prefix-state cache, exact bytes (0: no cache)")
+    v.add_argument("--memory-mb", type=_nonneg_float,
+                   help="admission budget for live states plus the cache (default: no bound but the cache's)")
+    v.add_argument("--drain-timeout", type=_nonneg_float, default=10.0,
+                   help="seconds accepted requests may run on after SIGTERM")
+    _device_flag(v)
+    v.set_defaults(fn=cmd_serve)
     return p
 
 

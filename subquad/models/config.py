@@ -76,6 +76,7 @@ class ModelConfig:
     norm_eps: float = 1e-6
     post_norm: list = field(default_factory=list)   # mixer names whose blocks norm the branch outputs (lm.py)
     scaled_residual: dict | None = None  # MiniMax-01's blocks: {mixer name | "mlp": [alpha, beta]} (lm.py)
+    eos_token_ids: list = field(default_factory=list)  # end-of-text ids: ``generate`` stops after emitting one
 
     def __post_init__(self):
         for name in ("vocab_size", "d_model", "n_layers", "n_heads", "context_length"):
@@ -106,6 +107,11 @@ class ModelConfig:
                 raise ValueError("scaled_residual must be None or a dict {mixer name | 'mlp': [alpha, beta]}, "
                                  f"got {sr!r}")
             self.scaled_residual = {k: [float(x) for x in v] for k, v in sr.items()}
+        if not isinstance(self.eos_token_ids, (list, tuple)) or any(
+                isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < self.vocab_size for t in self.eos_token_ids):
+            raise ValueError(f"eos_token_ids must be a list of token ids in [0, {self.vocab_size}), "
+                             f"got {self.eos_token_ids!r}")
+        self.eos_token_ids = list(self.eos_token_ids)
         if self.pos_emb not in ("none", "learned"):
             raise ValueError(f"pos_emb must be 'none' or 'learned', got {self.pos_emb!r}")
 

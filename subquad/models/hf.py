@@ -470,6 +470,22 @@ def read_config(path) -> dict:
     return c
 
 
+def eos_token_ids(path, config: dict | None = None) -> list[int]:
+    """The folder's end-of-text ids, where transformers' ``generate`` stops: ``eos_token_id`` (an int or a
+    list) of ``generation_config.json`` when it names one, else of ``config.json``; [] when neither does."""
+    path = Path(path)
+    gen = path / "generation_config.json"
+    for source in ([json.loads(gen.read_text())] if gen.exists() else []) + [config or read_config(path)]:
+        eos = source.get("eos_token_id")
+        if eos is None:
+            continue
+        ids = eos if isinstance(eos, list) else [eos]
+        if any(isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in ids):
+            raise ValueError(f"{path}: eos_token_id must be a token id or a list of them, got {eos!r}")
+        return sorted(set(ids))
+    return []
+
+
 def read_weights(path) -> dict:
     """Every tensor of the folder's safetensors file(s), by name."""
     from safetensors.torch import load_file
@@ -495,6 +511,7 @@ def from_pretrained(path, dtype=None, device=None):
     c = read_config(path)
     mapping = MAPPINGS[c["model_type"]]
     cfg = mapping.config(c)
+    cfg.eos_token_ids = [t for t in eos_token_ids(path, c) if t < cfg.vocab_size]   # generate stops there
     with torch.device("meta"):                        # no memory and no random init: the weights come next
         model = LanguageModel(cfg)
     names = mapping.names(cfg)
@@ -563,7 +580,10 @@ def save_pretrained(model, path) -> None:
     tmp = path / "model.safetensors.tmp"
     save_file(tensors, str(tmp), metadata={"format": "pt"})
     os.replace(tmp, path / "model.safetensors")
-    (path / "config.json").write_text(json.dumps(kind.to_config(cfg, opts), indent=1))
+    conf = kind.to_config(cfg, opts)
+    if cfg.eos_token_ids:
+        conf["eos_token_id"] = cfg.eos_token_ids[0] if len(cfg.eos_token_ids) == 1 else cfg.eos_token_ids
+    (path / "config.json").write_text(json.dumps(conf, indent=1))
 
 
 from subquad.models.hf_delta import _OlmoHybrid, _Qwen3Next  # noqa: E402  (they use the helpers above)

@@ -288,7 +288,8 @@ class LanguageModel(nn.Module):
         A batch is prefilled in one packed call (``prefill(..., cu_seqlens=...)``: no padding, nothing
         crossing between prompts), then decoded together, one token per sequence per step, each from its
         own state (a ragged KV cache for softmax layers). A sequence finishes when it has emitted
-        ``max_new_tokens`` or a token in ``stop_ids`` (emitted, then it stops); finished sequences are fed
+        ``max_new_tokens`` or a token in ``stop_ids`` or the checkpoint's end-of-text ids
+        (``config.eos_token_ids``) - emitted, then it stops; finished sequences are fed
         a pad token until all are done. ``temperature=0`` is greedy. ``on_token(id)`` (one sequence) or
         ``on_token(i, id)`` (a batch) streams tokens as they come. Everything runs on the model's device.
 
@@ -304,7 +305,7 @@ class LanguageModel(nn.Module):
         if top_p is not None and not 0 < top_p <= 1:
             raise ValueError(f"top_p must lie in (0, 1], got {top_p}")
         prompts, single = _as_prompts(prompt)
-        stop = set(int(t) for t in (stop_ids or ()))
+        stop = set(int(t) for t in (stop_ids or ())) | set(self.config.eos_token_ids)
         was_training = self.training
         self.eval()
         dev = self.embed.weight.device                  # prompt, tokens and sampler follow the model

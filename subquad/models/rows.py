@@ -1,0 +1,123 @@
+"""Row operations on decoding states: join the states of different sequences into one batch, pick rows out.
+
+A ``ModelState`` holds one row per sequence along dim 0 of every tensor (fixed-size states: Mamba's
+``ssm`` and ``conv``, linear attention's ``S`` and ``z``, retention's ``pos``) and a ``KVCache`` per
+softmax-attention layer. Rows of different lengths live in a left-padded ragged cache
+(``KVCache.stack``), and ``pos`` is then a (B,) tensor. A server that batches independent requests
+(continuous batching, ``subquad.serve``) joins a request's state into the running batch when it
+arrives and takes it out when it ends; both are these two functions.
+
+    batch = cat_states([s1, s2, s3])         # three sequences, one batch: step them together
+    s2_again = select_rows(batch, [1])       # one row back out, its padding dropped
+
+The states passed in are never modified (the new state shares no buffer a later step writes to:
+tensors are concatenated or indexed into new ones, caches re-stacked into new buffers).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from subquad.ops import KVCache
+
+
+def num_rows(state) -> int:
+    """Rows (sequences) of a state: dim 0 of its first tensor or cache."""
+    for layer in state:
+        for v in layer.values():
+            return v.k.shape[0] if isinstance(v, KVCache) else v.shape[0]
+    raise ValueError("num_rows: the state holds no tensor")
+
+
+def row_positions(state) -> torch.Tensor:
+    """(B,) tokens each row has consumed (``state.pos`` as a per-row tensor on the CPU)."""
+    pos = getattr(state, "pos", 0)
+    if isinstance(pos, torch.Tensor):
+        return pos.detach().to("cpu", torch.long).reshape(-1).expand(num_rows(state)).clone()
+    return torch.full((num_rows(state),), int(pos), dtype=torch.long)
+
+
+def _one_row_caches(cache: KVCache) -> list:
+    """One one-row cache per row, without padding."""
+    return cache.unstack() if cache.ragged or cache.k.shape[0] > 1 else [cache]
+
+
+def _pos(positions: torch.Tensor, device):
+    """``ModelState.pos`` for these per-row positions: an int for one row (as a lone ``prefill`` leaves it),
+    a (B,) tensor otherwise."""
+    return int(positions[0]) if len(positions) == 1 else positions.to(device)
+
+
+def cat_states(states: list):
+    """One state whose rows are the rows of ``states`` in order (each a ``ModelState`` of any rows and lengths).
+
+    Fixed-size tensors are concatenated along dim 0; each attention layer's caches become one ragged cache,
+    left-padded to the longest row (a single row stays unpadded, as a lone prefill leaves it)."""
+    from subquad.models.lm import ModelState
+
+    if not states:
+        raise ValueError("cat_states needs at least one state")
+    n_layers = len(states[0])
+    if any(len(s) != n_layers for s in states):
+        raise ValueError(f"cat_states: states of {sorted({len(s) for s in states})} layers; they must match")
+    positions = torch.cat([row_positions(s) for s in states])
+    layers = []
+    for i in range(n_layers):
+        keys = list(states[0][i])
+        if any(list(s[i]) != keys for s in states):
+            raise ValueError(f"cat_states: layer {i} holds different keys across states")
+        layer = {}
+        for key in keys:
+            parts = [s[i][key] for s in states]
+            if isinstance(parts[0], KVCache):
+                rows = [c for p in parts for c in _one_row_caches(p)]
+                layer[key] = _stacked(rows)
+            else:
+                layer[key] = torch.cat(parts, 0)
+        layers.append(layer)
+    device = next(iter(layers[0].values())).k.device if isinstance(next(iter(layers[0].values())), KVCache) \
+        else next(iter(layers[0].values())).device
+    return ModelState(layers, pos=_pos(positions, device))
+
+
+def _stacked(rows: list) -> KVCache:
+    """One cache from one-row caches: ragged when there are several, a fresh copy of the lone one otherwise."""
+    if len(rows) == 1:
+        c = rows[0]
+        return KVCache(c.k.clone(), c.v.clone(), window=c.window, seen=c.seen)
+    return KVCache.stack(rows)
+
+
+def select_rows(state, rows: list[int]):
+    """The state of the sequences in ``rows`` (indices into dim 0), in that order; padding no row needs is
+    dropped."""
+    from subquad.models.lm import ModelState
+
+    B = num_rows(state)
+    if not rows or any(not 0 <= r < B for r in rows):
+        raise ValueError(f"select_rows: rows must be a non-empty list of indices in [0, {B}), got {rows}")
+    positions = row_positions(state)[rows]
+    index = None
+    layers = []
+    for layer in state:
+        out = {}
+        for key, v in layer.items():
+            if isinstance(v, KVCache):
+                singles = _one_row_caches(v)
+                out[key] = _stacked([singles[r] for r in rows])
+            else:
+                if index is None or index.device != v.device:
+                    index = torch.tensor(rows, dtype=torch.long, device=v.device)
+                out[key] = v.index_select(0, index)
+        layers.append(out)
+    device = index.device if index is not None else next(
+        c for layer in layers for c in layer.values()).k.device
+    return ModelState(layers, pos=_pos(positions, device))
+
+
+def state_nbytes(state) -> int:
+    """Bytes the state's tensors and caches occupy (a cache's allocated buffers, spare capacity included)."""
+    from subquad.layers import tensor_bytes
+
+    return tensor_bytes(list(state)) + (state.pos.nelement() * state.pos.element_size()
+                                        if isinstance(getattr(state, "pos", None), torch.Tensor) else 0)

@@ -1,0 +1,289 @@
+"""The HTTP layer: OpenAI's routes over an ``Engine`` (FastAPI), thin on purpose.
+
+    POST /v1/completions, /v1/chat/completions     (stream: server-sent events, "data: [DONE]" last)
+    GET  /v1/models, /health, /metrics             (/metrics: Prometheus text)
+
+Requests are checked in ``protocol``; every refusal is OpenAI's error body with the offending field in
+``param``. The engine runs in its own thread and hands events to the request's asyncio queue. A client
+that goes away cancels its request: a stream when the response task is cancelled, a plain request when
+the connection reports the disconnect. With an API key, /v1 routes need ``Authorization: Bearer KEY``
+(/health and /metrics stay open for probes and scrapers).
+"""
+
+
+import asyncio
+import hmac
+import json
+import time
+import uuid
+
+from subquad.serve.engine import Engine, Event, NotAccepting, QueueFull
+from subquad.serve.protocol import APIError, Parsed, bad, parse_body, parse_chat, parse_completion
+
+MAX_BODY = 8 * 2 ** 20
+
+METRICS = [  # name, type, help
+    ("queue_length", "gauge", "Requests waiting for a batch slot."),
+    ("active_sequences", "gauge", "Requests prefilling or decoding."),
+    ("generated_tokens_per_second", "gauge", "Tokens generated per second over the last 10 s."),
+    ("state_bytes", "gauge", "Bytes of the live decoding states (allocated, KV caches included)."),
+    ("prefix_cache_bytes", "gauge", "Bytes held by the prefix-state cache (exact)."),
+    ("prefix_cache_entries", "gauge", "States held by the prefix-state cache."),
+    ("prefix_cache_max_bytes", "gauge", "The prefix-state cache's bound (--state-cache-mb)."),
+    ("memory_budget_bytes", "gauge", "Admission budget for states plus the cache (0: none)."),
+    ("requests_total", "counter", "Requests accepted."),
+    ("finished_total", "counter", "Requests that ended by themselves (stop or length)."),
+    ("cancelled_total", "counter", "Requests cancelled (client gone) or aborted at shutdown."),
+    ("errors_total", "counter", "Requests ended by an engine error."),
+    ("prefill_tokens_total", "counter", "Prompt tokens prefilled (not taken from the prefix cache)."),
+    ("generated_tokens_total", "counter", "Tokens generated."),
+    ("prefix_cache_hits_total", "counter", "Requests that resumed from a cached prefix state."),
+    ("prefix_cache_misses_total", "counter", "Requests that found no cached prefix."),
+    ("prefix_cache_hit_tokens_total", "counter", "Prompt tokens taken from the prefix cache."),
+]
+
+
+def metrics_text(values: dict, prefix: str = "subquad_") -> str:
+    lines = []
+    for name, kind, help in METRICS:
+        lines += [f"# HELP {prefix}{name} {help}", f"# TYPE {prefix}{name} {kind}", f"{prefix}{name} {values[name]}"]
+    return "\n".join(lines) + "\n"
+
+
+def create_app(engine: Engine, model_name: str, chat_template=None, api_key: str | None = None):
+    """The FastAPI app serving ``engine`` under ``model_name``."""
+    from fastapi import FastAPI, Request
+    from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+    from starlette.exceptions import HTTPException as StarletteHTTPException
+
+    app = FastAPI(title="subquad", docs_url=None, redoc_url=None, openapi_url=None)
+    tok = engine.tokenizer
+    created = int(time.time())
+
+    @app.exception_handler(APIError)
+    async def _api_error(request, e: APIError):
+        return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request, e):
+        return JSONResponse(APIError(e.status_code, str(e.detail)).body(), status_code=e.status_code)
+
+    @app.exception_handler(Exception)
+    async def _internal(request, e):
+        return JSONResponse(APIError(500, f"internal error: {type(e).__name__}", type="server_error").body(),
+                            status_code=500)
+
+    def authorize(request: Request):
+        if api_key is None:
+            return
+        got = request.headers.get("authorization", "")
+        if not hmac.compare_digest(got.encode(), f"Bearer {api_key}".encode()):
+            raise APIError(401, "missing or incorrect API key (send Authorization: Bearer KEY)",
+                           code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+
+    async def read(request: Request) -> dict:
+        authorize(request)
+        raw = await request.body()
+        if len(raw) > MAX_BODY:
+            raise APIError(413, f"the request body is over {MAX_BODY} bytes")
+        return parse_body(raw)
+
+    def check_model(name):
+        if name != model_name:
+            raise APIError(404, f"the model {name!r} does not exist; this server serves {model_name!r}", "model",
+                           code="model_not_found")
+
+    def encode(text: str, special: bool, field: str) -> list[int]:
+        if tok is None:
+            raise bad(field, f"{field}: this model has no tokenizer; send token ids")
+        ids = tok.encode(text, add_special_tokens=special).ids
+        if not ids:
+            raise bad(field, f"{field} encodes to no token")
+        return ids
+
+    def submit(parsed: Parsed, ids: list[int], field: str, on_event):
+        p = parsed.params
+        if not parsed.max_tokens_given and field == "messages":   # chat: up to the context, as OpenAI's default
+            p.max_tokens = max(1, engine.max_context - len(ids))
+        try:
+            return engine.submit(ids, p, on_event)
+        except QueueFull as e:
+            raise APIError(429, f"the server is busy: {e}; retry later", code="rate_limit_exceeded",
+                           type="rate_limit_error", headers={"Retry-After": "1"}) from None
+        except NotAccepting as e:
+            raise APIError(503, str(e), type="server_error") from None
+        except ValueError as e:
+            word = str(e).split()[0].split("=")[0]
+            param = {"prompt": field, "max_tokens": "max_tokens", "stop": "stop"}.get(word)
+            raise bad(param, str(e)) from None
+
+    async def run(request: Request, parsed: Parsed, ids: list[int], field: str, render):
+        loop = asyncio.get_running_loop()
+        events: asyncio.Queue = asyncio.Queue()
+
+        def on_event(ev: Event):
+            try:
+                loop.call_soon_threadsafe(events.put_nowait, ev)
+            except RuntimeError:            # the event loop is gone (shutdown): nobody is listening
+                pass
+
+        seq = submit(parsed, ids, field, on_event)
+        rid, now = render.prefix + uuid.uuid4().hex[:24], int(time.time())
+        if parsed.stream:
+            return StreamingResponse(_stream(seq, events, render, rid, now, parsed.include_usage),
+                                     media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        out = []
+        try:
+            while True:
+                try:
+                    ev = await asyncio.wait_for(events.get(), 0.5)
+                except asyncio.TimeoutError:
+                    if await request.is_disconnected():
+                        return JSONResponse({}, status_code=499)
+                    continue
+                out.append(ev)
+                if ev.finish_reason is not None:
+                    break
+        finally:
+            if seq.finish_reason is None:
+                engine.cancel(seq)
+        return JSONResponse(render.whole(rid, now, out, usage(seq)))
+
+    async def _stream(seq, events, render, rid, now, include_usage):
+        try:
+            first = True
+            while True:
+                ev = await events.get()
+                for chunk in render.chunks(rid, now, ev, first):
+                    yield f"data: {json.dumps(chunk)}\n\n"
+                first = False
+                if ev.finish_reason is not None:
+                    break
+            if include_usage:
+                yield f"data: {json.dumps(render.usage_chunk(rid, now, usage(seq)))}\n\n"
+            yield "data: [DONE]\n\n"
+        finally:
+            if seq.finish_reason is None:    # the client went away: free its row
+                engine.cancel(seq)
+
+    def usage(seq) -> dict:
+        return {"prompt_tokens": len(seq.prompt), "completion_tokens": len(seq.tokens),
+                "total_tokens": len(seq.prompt) + len(seq.tokens),
+                "prompt_tokens_details": {"cached_tokens": seq.cached_tokens}}
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        parsed = parse_completion(await read(request), engine.max_context)
+        check_model(parsed.model)
+        ids = parsed.prompt if isinstance(parsed.prompt, list) else encode(parsed.prompt, True, "prompt")
+        return await run(request, parsed, ids, "prompt", _Completion(model_name, tok))
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request):
+        parsed = parse_chat(await read(request), engine.max_context)
+        check_model(parsed.model)
+        if chat_template is None:
+            raise bad("messages", "this model has no chat template (tokenizer_config.json's chat_template); "
+                                  "use /v1/completions")
+        from subquad.serve.chat import TemplateError
+
+        try:
+            text = chat_template.render(parsed.prompt, add_generation_prompt=True)
+        except TemplateError as e:
+            raise bad("messages", f"messages: {e}") from None
+        return await run(request, parsed, encode(text, False, "messages"), "messages", _Chat(model_name))
+
+    @app.get("/v1/models")
+    async def models(request: Request):
+        authorize(request)
+        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": created,
+                                            "owned_by": "subquad", "max_model_len": engine.max_context}]}
+
+    @app.get("/health")
+    async def health():
+        if not engine.accepting:
+            return JSONResponse({"status": "draining"}, status_code=503)
+        return {"status": "ok"}
+
+    @app.get("/metrics")
+    async def metrics():
+        return PlainTextResponse(metrics_text(engine.metrics()), media_type="text/plain; version=0.0.4")
+
+    return app
+
+
+class _Completion:
+    """/v1/completions' response shapes."""
+
+    prefix = "cmpl-"
+
+    def __init__(self, model, tok):
+        self.model, self.tok = model, tok
+
+    def _token(self, t):
+        return self.tok.decode([t], skip_special_tokens=False) if self.tok is not None else f"token_id:{t}"
+
+    def _logprobs(self, events, offset=0):
+        evs = [e for e in events if e.token is not None and e.logprob is not None]
+        if not evs:
+            return None
+        offsets, at = [], offset
+        for e in evs:
+            offsets.append(at)
+            at += len(e.text)
+        return {"tokens": [self._token(e.token) for e in evs], "token_logprobs": [e.logprob for e in evs],
+                "top_logprobs": [{self._token(t): lp for t, lp in e.top_logprobs} for e in evs],
+                "text_offset": offsets}
+
+    def _obj(self, rid, now, choices, usage=None):
+        out = {"id": rid, "object": "text_completion", "created": now, "model": self.model, "choices": choices}
+        if usage is not None:
+            out["usage"] = usage
+        return out
+
+    def whole(self, rid, now, events, usage):
+        choice = {"index": 0, "text": "".join(e.text for e in events), "logprobs": self._logprobs(events),
+                  "finish_reason": events[-1].finish_reason}
+        return self._obj(rid, now, [choice], usage)
+
+    def chunks(self, rid, now, ev, first):
+        return [self._obj(rid, now, [{"index": 0, "text": ev.text, "logprobs": self._logprobs([ev]),
+                                      "finish_reason": ev.finish_reason}])]
+
+    def usage_chunk(self, rid, now, usage):
+        return self._obj(rid, now, [], usage)
+
+
+class _Chat:
+    """/v1/chat/completions' response shapes."""
+
+    prefix = "chatcmpl-"
+
+    def __init__(self, model):
+        self.model = model
+
+    def _obj(self, rid, now, kind, choices, usage=None):
+        out = {"id": rid, "object": kind, "created": now, "model": self.model, "choices": choices}
+        if usage is not None:
+            out["usage"] = usage
+        return out
+
+    def whole(self, rid, now, events, usage):
+        choice = {"index": 0, "message": {"role": "assistant", "content": "".join(e.text for e in events)},
+                  "logprobs": None, "finish_reason": events[-1].finish_reason}
+        return self._obj(rid, now, "chat.completion", [choice], usage)
+
+    def chunks(self, rid, now, ev, first):
+        out = []
+        if first:
+            out.append(self._obj(rid, now, "chat.completion.chunk",
+                                 [{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                                   "finish_reason": None}]))
+        if ev.text or ev.finish_reason is not None:
+            out.append(self._obj(rid, now, "chat.completion.chunk",
+                                 [{"index": 0, "delta": {"content": ev.text} if ev.text else {}, "logprobs": None,
+                                   "finish_reason": ev.finish_reason}]))
+        return out
+
+    def usage_chunk(self, rid, now, usage):
+        return self._obj(rid, now, "chat.completion.chunk", [], usage)

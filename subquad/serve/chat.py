@@ -1,0 +1,82 @@
+"""Chat templates: a checkpoint folder's messages-to-prompt template, rendered as transformers renders it.
+
+The template is the jinja2 source under ``chat_template`` in ``tokenizer_config.json`` (a string, or a list
+of named templates of which "default" is used), or the file ``chat_template.jinja`` beside it. Like
+transformers' ``apply_chat_template``: a sandboxed environment with ``trim_blocks`` and ``lstrip_blocks``,
+the loop-control extension, a ``tojson`` filter that keeps non-ASCII characters, ``raise_exception`` and
+``strftime_now`` as globals, and the tokenizer's special tokens (``bos_token``, ``eos_token``, ...) as
+variables. The rendered text is encoded without adding special tokens: the template writes them.
+"""
+
+from __future__ import annotations
+
+import json
+from datetime import datetime
+from pathlib import Path
+
+SPECIAL = ("bos_token", "eos_token", "unk_token", "pad_token", "sep_token", "cls_token", "mask_token")
+
+
+class TemplateError(ValueError):
+    """The template refused the conversation (its ``raise_exception``) or failed to render it."""
+
+
+class ChatTemplate:
+    """``render(messages)`` -> the prompt text; ``source`` is the template's jinja2 text."""
+
+    def __init__(self, source: str, special_tokens: dict | None = None):
+        import jinja2
+        from jinja2.ext import loopcontrols
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+        def raise_exception(message):
+            raise TemplateError(message)
+
+        def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+            return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
+        env.filters["tojson"] = tojson
+        env.globals["raise_exception"] = raise_exception
+        env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+        try:
+            self._template = env.from_string(source)
+        except jinja2.TemplateError as e:
+            raise ValueError(f"chat_template does not compile: {e}") from None
+        self.source = source
+        self.special_tokens = dict(special_tokens or {})
+
+    def render(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+        import jinja2
+
+        try:
+            return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt, tools=None,
+                                         documents=None, **self.special_tokens)
+        except TemplateError:
+            raise
+        except jinja2.TemplateError as e:
+            raise TemplateError(f"the chat template failed on these messages: {e}") from None
+
+
+def load_chat_template(folder) -> ChatTemplate | None:
+    """The folder's chat template, or None when it has none."""
+    folder = Path(folder)
+    config = {}
+    if (folder / "tokenizer_config.json").exists():
+        config = json.loads((folder / "tokenizer_config.json").read_text())
+    source = config.get("chat_template")
+    if isinstance(source, list):
+        named = {t.get("name"): t.get("template") for t in source if isinstance(t, dict)}
+        source = named.get("default")
+    if source is None and (folder / "chat_template.jinja").exists():
+        source = (folder / "chat_template.jinja").read_text()
+    if not source:
+        return None
+    special = {}
+    for name in SPECIAL:
+        v = config.get(name)
+        if isinstance(v, dict):
+            v = v.get("content")
+        if isinstance(v, str):
+            special[name] = v
+    return ChatTemplate(source, special)

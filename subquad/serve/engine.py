@@ -1,0 +1,418 @@
+"""The serving engine: continuous batching of independent requests over one model, without HTTP.
+
+    engine = Engine(model, tokenizer, max_batch=16)
+    engine.start()                                   # the decoding loop, in a thread of its own
+    seq = engine.submit(prompt_ids, SamplingParams(max_tokens=64, temperature=0))
+    for event in engine.stream(seq):                 # Event(token, text, logprob, ..., finish_reason)
+        print(event.text, end="")
+    engine.cancel(seq)                               # from any thread; its row is freed at the next step
+
+One loop iteration (``step``), vLLM's scheduler in miniature:
+
+1. Cancelled requests leave (their rows are dropped from the batch state).
+2. Admission: waiting requests join while the batch has room and the memory budget (states of every live
+   row at its longest, plus the prefix cache) allows; each resumes from the longest cached prefix of its
+   prompt (``PrefixCache``).
+3. Chunked prefill: at most ``prefill_chunk`` prompt tokens are prefilled per iteration, one request at a
+   time, so a long prompt is spread over many iterations and never stalls the rows that are decoding. A
+   request whose prompt is done samples its first token and joins the batch (``rows.cat_states``).
+4. One decoding step for every row together (``LanguageModel.step``); each row samples its token with
+   its own generator (``RowSampler``), finished rows leave (``rows.select_rows``) and their state is kept
+   in the prefix cache under the tokens it has consumed.
+
+Each request's tokens equal ``model.generate(prompt, max_tokens, ...)`` run alone, greedy or seeded: the
+same sampling calls on the same logits. The logits themselves agree to float rounding, not bit for bit - a
+batched matrix product rounds differently from a one-row one, and a prompt prefilled in chunks or resumed
+from a cached state sums in another order - so two tokens whose logits tie to ~1e-7 may differ.
+"""
+
+from __future__ import annotations
+
+import itertools
+import queue
+import threading
+import time
+import traceback
+from collections import deque
+from dataclasses import dataclass
+
+import torch
+
+from subquad.models.rows import cat_states, select_rows, state_nbytes
+from subquad.ops import KVCache
+from subquad.serve.prefix_cache import PrefixCache
+from subquad.serve.sampling import RowSampler, SamplingParams, logprobs_of
+from subquad.serve.text import TextStream
+
+
+class QueueFull(RuntimeError):
+    """The waiting queue is at ``max_queue``: try again later (HTTP 429)."""
+
+
+class NotAccepting(RuntimeError):
+    """The engine is draining or stopped (HTTP 503)."""
+
+
+@dataclass
+class Event:
+    """One step of a request's output. ``token`` is None only on a final event that carries no token
+    (cancelled, aborted at shutdown, or an error); ``finish_reason`` is set on the last event only:
+    "stop" (end-of-text or a stop string), "length" (max_tokens or the context), "abort", "error"."""
+
+    token: int | None
+    text: str = ""
+    logprob: float | None = None
+    top_logprobs: list | None = None
+    finish_reason: str | None = None
+
+
+class Sequence:
+    """One request as the engine holds it."""
+
+    _ids = itertools.count()
+
+    def __init__(self, prompt: list[int], params: SamplingParams, sampler: RowSampler, text, on_event):
+        self.id = next(Sequence._ids)
+        self.prompt, self.params, self.sampler, self.text = prompt, params, sampler, text
+        self.tokens: list[int] = []
+        self.state = None                  # while prefilling: this request's own state
+        self.prefilled = 0                 # prompt tokens the state has consumed
+        self.cached_tokens = 0             # of them, taken from the prefix cache
+        self.finish_reason: str | None = None
+        self.cancelled = False
+        self.on_event = on_event
+        self.events: queue.Queue = queue.Queue()
+        self.submitted = time.monotonic()
+        self.first_token_at: float | None = None
+
+    @property
+    def max_len(self) -> int:
+        return len(self.prompt) + self.params.max_tokens
+
+    def _push(self, event: Event):
+        if event.finish_reason is not None:
+            self.finish_reason = event.finish_reason
+        (self.on_event or self.events.put)(event)
+
+
+class Engine:
+    """Continuous batching over ``model`` (see the module doc). ``tokenizer``: a ``tokenizers.Tokenizer``
+    for text and stop strings (None: tokens only). ``memory_mb``: the budget for live states plus the
+    prefix cache (None: no limit but ``state_cache_mb``). ``eos_ids``: default the model's
+    ``config.eos_token_ids``."""
+
+    def __init__(self, model, tokenizer=None, *, max_batch: int = 16, max_queue: int = 64, max_context: int = 4096,
+                 prefill_chunk: int = 512, state_cache_mb: float = 256.0, memory_mb: float | None = None,
+                 eos_ids=None):
+        for name, v in (("max_batch", max_batch), ("max_context", max_context), ("prefill_chunk", prefill_chunk)):
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"{name} must be an int >= 1, got {v!r}")
+        if isinstance(max_queue, bool) or not isinstance(max_queue, int) or max_queue < 0:
+            raise ValueError(f"max_queue must be an int >= 0, got {max_queue!r}")
+        if not isinstance(state_cache_mb, (int, float)) or state_cache_mb < 0:
+            raise ValueError(f"state_cache_mb must be a number >= 0, got {state_cache_mb!r}")
+        if memory_mb is not None and (not isinstance(memory_mb, (int, float)) or memory_mb <= 0):
+            raise ValueError(f"memory_mb must be a positive number or None, got {memory_mb!r}")
+        if model.config.pos_emb == "learned" and max_context > model.config.context_length:
+            raise ValueError(f"max_context={max_context} passes the model's learned positions "
+                             f"(context_length={model.config.context_length})")
+        self.model = model.eval()
+        self.tokenizer = tokenizer
+        self.device = model.embed.weight.device
+        self.max_batch, self.max_queue, self.max_context, self.prefill_chunk = max_batch, max_queue, max_context, prefill_chunk
+        self.budget = None if memory_mb is None else int(memory_mb * 2 ** 20)
+        self.cache = PrefixCache(int(state_cache_mb * 2 ** 20))
+        self.eos = set(model.config.eos_token_ids if eos_ids is None else eos_ids)
+        self._fixed_bytes, self._kv_layers = self._measure_row()
+        self._inbox: deque = deque()       # submitted, not yet seen by the loop
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self.waiting: deque = deque()
+        self.prefilling: deque = deque()
+        self.running: list[Sequence] = []
+        self.batch_state = None
+        self.accepting, self._deadline, self._thread, self._stop = True, None, None, False
+        self.drained = threading.Event()
+        self.counters = dict(requests=0, prefill_tokens=0, generated_tokens=0, finished=0, cancelled=0, errors=0)
+        self.state_bytes = 0
+        self._recent: deque = deque()      # (time, tokens generated) over the last seconds: tokens/s
+
+    # -- the public interface -------------------------------------------------------------------------
+
+    def submit(self, prompt, params: SamplingParams | None = None, on_event=None) -> Sequence:
+        """Queue a request; returns its handle. ``on_event(Event)`` is called from the loop's thread for each
+        event (else read them with ``stream``). ValueError names what is wrong with the request; QueueFull
+        when ``max_queue`` requests already wait; NotAccepting while draining."""
+        params = params or SamplingParams()
+        if not isinstance(prompt, (list, tuple)) or not prompt:
+            raise ValueError("prompt must hold at least one token")
+        V = self.model.config.vocab_size
+        if any(isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < V for t in prompt):
+            raise ValueError(f"prompt must hold token ids in [0, {V})")
+        if len(prompt) > self.max_context:
+            raise ValueError(f"prompt is {len(prompt)} tokens, over the server's max context of {self.max_context}")
+        if len(prompt) + params.max_tokens > self.max_context:
+            raise ValueError(f"max_tokens={params.max_tokens} plus the prompt's {len(prompt)} tokens passes the "
+                             f"max context of {self.max_context}")
+        if params.stop and self.tokenizer is None:
+            raise ValueError("stop strings need a tokenizer; this model has none")
+        if self.budget is not None and self._reserve([len(prompt) + params.max_tokens]) > self.budget:
+            raise ValueError(f"max_tokens={params.max_tokens}: the prompt and max_tokens need "
+                             f"{self._reserve([len(prompt) + params.max_tokens]):,} bytes of state, over the "
+                             f"memory budget of {self.budget:,}")
+        text = None
+        if self.tokenizer is not None:
+            text = TextStream(lambda ids: self.tokenizer.decode(ids, skip_special_tokens=True), params.stop)
+        seq = Sequence(list(prompt), params, RowSampler(params, self.device), text, on_event)
+        with self._lock:
+            if not self.accepting:
+                raise NotAccepting("the server is shutting down")
+            if len(self.waiting) + len(self._inbox) >= self.max_queue + max(0, self.max_batch - self.active):
+                raise QueueFull(f"{self.max_queue} requests are already waiting")
+            self._inbox.append(seq)
+            self.counters["requests"] += 1
+        self._wake.set()
+        return seq
+
+    def stream(self, seq: Sequence, timeout: float | None = None):
+        """Yield the events of a request submitted without ``on_event``, until its final one."""
+        while True:
+            event = seq.events.get(timeout=timeout)
+            yield event
+            if event.finish_reason is not None:
+                return
+
+    def cancel(self, seq: Sequence) -> None:
+        """Stop a request (from any thread); its row and state are dropped at the next step."""
+        seq.cancelled = True
+        self._wake.set()
+
+    @property
+    def active(self) -> int:
+        return len(self.prefilling) + len(self.running)
+
+    @property
+    def queue_length(self) -> int:
+        return len(self.waiting) + len(self._inbox)
+
+    def start(self) -> "Engine":
+        """Run the loop in a daemon thread."""
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="subquad-engine", daemon=True)
+            self._thread.start()
+        return self
+
+    def drain(self, timeout: float) -> None:
+        """Stop accepting; requests already accepted run on for up to ``timeout`` seconds, then end with a final
+        "abort" event. ``drained`` is set when none is left."""
+        with self._lock:
+            self.accepting = False
+            self._deadline = time.monotonic() + max(0.0, timeout)
+        self._wake.set()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """End the loop's thread (after ``drain``, once drained)."""
+        self._stop = True
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    def tokens_per_second(self, window: float = 10.0) -> float:
+        now = time.monotonic()
+        recent = [(t, n) for t, n in list(self._recent) if now - t <= window]
+        return sum(n for _, n in recent) / window if recent else 0.0
+
+    # -- the loop ---------------------------------------------------------------------------------------
+
+    def _run(self):
+        while not self._stop:
+            try:
+                busy = self.step()
+            except Exception:                       # a bug or an allocation failure: end every request, go on
+                traceback.print_exc()
+                self._fail_all()
+                busy = False
+            if not busy:
+                self._wake.wait(0.05)
+                self._wake.clear()
+
+    @torch.no_grad()
+    def step(self) -> bool:
+        """One iteration (module doc); returns whether any request is left to work on."""
+        with self._lock:
+            self.waiting.extend(self._inbox)
+            self._inbox.clear()
+        self._drop_cancelled()
+        if self._deadline is not None and time.monotonic() >= self._deadline:
+            self._abort_all()
+        self._admit()
+        joiners = self._prefill()
+        if joiners:
+            states = [s.state for s in joiners]
+            self.batch_state = cat_states(([self.batch_state] if self.batch_state is not None else []) + states)
+            self.running += joiners
+            for s in joiners:
+                s.state = None
+        self._decode()
+        self._measure()
+        if not self.accepting and not (self.waiting or self.active or self._inbox):
+            self.drained.set()
+        return bool(self.waiting or self.active or self._inbox)
+
+    def _admit(self):
+        while self.waiting and self.active < self.max_batch:
+            seq = self.waiting[0]
+            if self.budget is not None:
+                live = self._reserve([s.max_len for s in self._live()] + [seq.max_len])
+                if live + self.cache.nbytes > self.budget:
+                    self.cache.evict(self.budget - live)
+                    if live + self.cache.nbytes > self.budget:
+                        break                       # wait until a row leaves
+            self.waiting.popleft()
+            seq.prefilled, seq.state = self.cache.lookup(seq.prompt, max_len=len(seq.prompt) - 1)
+            seq.cached_tokens = seq.prefilled
+            self.prefilling.append(seq)
+
+    def _prefill(self) -> list:
+        """Spend up to ``prefill_chunk`` prompt tokens; returns the requests whose prompt is done and who go on."""
+        budget, joiners = self.prefill_chunk, []
+        while self.prefilling and budget > 0:
+            seq = self.prefilling[0]
+            n = min(len(seq.prompt) - seq.prefilled, budget)
+            ids = torch.tensor([seq.prompt[seq.prefilled:seq.prefilled + n]], dtype=torch.long, device=self.device)
+            logits, seq.state = self.model.prefill(ids, seq.state)
+            seq.prefilled += n
+            budget -= n
+            self.counters["prefill_tokens"] += n
+            if seq.prefilled == len(seq.prompt):
+                self.prefilling.popleft()
+                self.cache.insert(seq.prompt, seq.state)
+                self._emit(seq, logits[:, -1])
+                if seq.finish_reason is None:
+                    joiners.append(seq)
+                else:
+                    self._finished(seq, seq.state)
+        return joiners
+
+    def _decode(self):
+        if not self.running:
+            return
+        feed = torch.tensor([s.tokens[-1] for s in self.running], dtype=torch.long, device=self.device)
+        logits, self.batch_state = self.model.step(feed, self.batch_state)
+        for i, seq in enumerate(self.running):
+            self._emit(seq, logits[i:i + 1])
+        self._recent.append((time.monotonic(), len(self.running)))
+        done = [i for i, s in enumerate(self.running) if s.finish_reason is not None]
+        for i in done:
+            self._finished(self.running[i], select_rows(self.batch_state, [i]) if self.cache.max_bytes else None)
+        self._remove_rows(done)
+
+    def _emit(self, seq: Sequence, row: torch.Tensor):
+        """Sample the request's next token from its (1, vocab) logits and send the event."""
+        tok = seq.sampler(row)
+        seq.tokens.append(tok)
+        if seq.first_token_at is None:
+            seq.first_token_at = time.monotonic()
+        self.counters["generated_tokens"] += 1
+        lp, top = (None, None)
+        if seq.params.logprobs is not None:
+            lp, top = logprobs_of(row, tok, seq.params.logprobs)
+        text, stopped = seq.text.push(seq.tokens) if seq.text is not None else ("", False)
+        finish = None
+        if stopped or tok in self.eos:
+            finish = "stop"
+        elif len(seq.tokens) >= seq.params.max_tokens or len(seq.prompt) + len(seq.tokens) >= self.max_context:
+            finish = "length"
+        if finish is not None and not stopped and seq.text is not None:
+            text += seq.text.flush()
+        seq._push(Event(tok, text, lp, top, finish))
+
+    def _finished(self, seq: Sequence, state):
+        """A request ended by itself: keep its state (prompt and every token but the last) for the next turn."""
+        self.counters["finished"] += 1
+        if state is not None and seq.tokens:
+            self.cache.insert(seq.prompt + seq.tokens[:-1], state)
+
+    def _remove_rows(self, rows: list[int]):
+        if not rows:
+            return
+        keep = [i for i in range(len(self.running)) if i not in set(rows)]
+        self.batch_state = select_rows(self.batch_state, keep) if keep else None
+        self.running = [self.running[i] for i in keep]
+
+    def _drop_cancelled(self):
+        for q in (self.waiting, self.prefilling):
+            for seq in [s for s in q if s.cancelled]:
+                q.remove(seq)
+                self._end(seq, "abort", "cancelled")
+        rows = [i for i, s in enumerate(self.running) if s.cancelled]
+        for i in rows:
+            self._end(self.running[i], "abort", "cancelled")
+        self._remove_rows(rows)
+
+    def _end(self, seq: Sequence, reason: str, counter: str):
+        seq.state = None
+        self.counters[counter] += 1
+        seq._push(Event(None, "", finish_reason=reason))
+
+    def _abort_all(self, reason: str = "abort", counter: str = "cancelled"):
+        for seq in list(self.waiting) + list(self.prefilling) + list(self.running):
+            self._end(seq, reason, counter)
+        self.waiting.clear()
+        self.prefilling.clear()
+        self.running, self.batch_state = [], None
+
+    def _fail_all(self):
+        self._abort_all("error", "errors")
+
+    def _live(self):
+        return list(self.prefilling) + self.running
+
+    # -- memory -----------------------------------------------------------------------------------------
+
+    def _measure_row(self):
+        """(bytes of one row's fixed-size state, [(bytes per token, window)] per attention cache), measured
+        from a one-token prefill."""
+        with torch.no_grad():
+            _, state = self.model.prefill(torch.zeros(1, 1, dtype=torch.long, device=self.device))
+        fixed, kv = 0, []
+        for layer in state:
+            for v in layer.values():
+                if isinstance(v, KVCache):
+                    kv.append((v.k[0, 0].nelement() * v.k.element_size() + v.v[0, 0].nelement() * v.v.element_size(),
+                               v.window))
+                else:
+                    fixed += v.nelement() * v.element_size()
+        return fixed, kv
+
+    def row_bytes(self, tokens: int) -> int:
+        """Bytes of one row's state after ``tokens`` tokens (fixed-size state plus its KV caches' tokens)."""
+        return self._reserve([tokens])
+
+    def _reserve(self, lengths: list[int]) -> int:
+        """Bytes the rows of these lengths need at most when batched: the fixed state of each, and KV caches
+        left-padded to the longest (a ragged batch holds every row as long as its longest)."""
+        if not lengths:
+            return 0
+        longest = max(lengths)
+        kv = sum(per * (longest if w is None else min(longest, w)) for per, w in self._kv_layers)
+        return len(lengths) * (self._fixed_bytes + kv)
+
+    def _measure(self):
+        total = state_nbytes(self.batch_state) if self.batch_state is not None else 0
+        total += sum(state_nbytes(s.state) for s in self.prefilling if s.state is not None)
+        self.state_bytes = total
+        now = time.monotonic()
+        while self._recent and now - self._recent[0][0] > 60:
+            self._recent.popleft()
+
+    def metrics(self) -> dict:
+        """Counters and gauges for /metrics."""
+        c = self.cache
+        return {**{f"{k}_total": v for k, v in self.counters.items()},
+                "queue_length": self.queue_length, "active_sequences": self.active,
+                "generated_tokens_per_second": self.tokens_per_second(),
+                "prefix_cache_hits_total": c.hits, "prefix_cache_misses_total": c.misses,
+                "prefix_cache_hit_tokens_total": c.hit_tokens, "prefix_cache_bytes": c.nbytes,
+                "prefix_cache_entries": len(c), "prefix_cache_max_bytes": c.max_bytes,
+                "state_bytes": self.state_bytes, "memory_budget_bytes": self.budget or 0}

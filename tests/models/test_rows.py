@@ -1,0 +1,84 @@
+"""Row operations on decoding states: a batch joined from single sequences' states, then stepped, equals
+each sequence stepped alone; rows taken back out continue as they would have alone; inputs never change."""
+
+import pytest
+import torch
+
+from subquad.models import LanguageModel, ModelConfig
+from subquad.models.rows import cat_states, num_rows, row_positions, select_rows, state_nbytes
+from subquad.ops import KVCache
+
+PATTERNS = ["mamba", "mamba2,softmax", "gla,swa,retention,softmax", "deltanet,mla", "linear"]
+
+
+def tiny(pattern):
+    torch.manual_seed(0)
+    n = pattern.count(",") + 1
+    cfg = ModelConfig(vocab_size=61, d_model=32, n_layers=max(n, 2) if n == 1 else n, n_heads=2, pattern=pattern,
+                      context_length=128, mixer_options={"swa": {"window": 4}, "*": {"chunk_size": 8}})
+    return LanguageModel(cfg).double().eval()
+
+
+def snapshot(state):
+    """Every tensor of a state, cloned (KV caches as their live keys and values)."""
+    out = []
+    for layer in state:
+        for key, v in layer.items():
+            out += [v.k.clone(), v.v.clone()] if isinstance(v, KVCache) else [v.clone()]
+    return out
+
+
+@pytest.mark.parametrize("pattern", PATTERNS)
+@torch.no_grad()
+def test_joined_states_step_as_each_alone_and_rows_come_back_out(pattern):
+    model = tiny(pattern)
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(0, 61, (1, T), generator=g) for T in (5, 11, 1, 7)]
+    singles = [model.prefill(p)[1] for p in prompts]
+    before = [snapshot(s) for s in singles]
+    tokens = torch.tensor([3, 14, 15, 9])
+    alone = [model.step(tokens[i:i + 1], s) for i, s in enumerate(singles)]
+
+    batch = cat_states([singles[0], cat_states(singles[1:3]), singles[3]])   # a state of two rows joins too
+    assert num_rows(batch) == 4 and row_positions(batch).tolist() == [5, 11, 1, 7]
+    logits, after = model.step(tokens, batch)
+    for i in range(4):
+        torch.testing.assert_close(logits[i:i + 1], alone[i][0], rtol=0, atol=1e-12)
+    for s, snap in zip(singles, before):                   # the states passed in are untouched
+        assert all(torch.equal(a, b) for a, b in zip(snapshot(s), snap))
+
+    # rows 3 and 1 out of the stepped batch, stepped again: as each sequence continued alone
+    sub = select_rows(after, [3, 1])
+    assert row_positions(sub).tolist() == [8, 12]
+    nxt = torch.tensor([7, 2])
+    got, _ = model.step(nxt, sub)
+    for j, i in enumerate((3, 1)):
+        want, _ = model.step(nxt[j:j + 1], alone[i][1])
+        torch.testing.assert_close(got[j:j + 1], want, rtol=0, atol=1e-12)
+    one = select_rows(after, [2])                           # a single row is a plain one-sequence state
+    assert isinstance(one.pos, int) and one.pos == 2
+    assert state_nbytes(one) > 0
+
+
+def test_select_rows_drops_padding_no_row_needs():
+    model = tiny("softmax")
+    with torch.no_grad():
+        states = [model.prefill(torch.zeros(1, T, dtype=torch.long))[1] for T in (2, 9, 3)]
+    batch = cat_states(states)
+    assert batch[0]["kv"].k.shape[1] == 9 and batch[0]["kv"].pad.tolist() == [7, 0, 6]
+    short = select_rows(batch, [0, 2])
+    assert short[0]["kv"].k.shape[1] == 3 and short[0]["kv"].pad.tolist() == [1, 0]
+
+
+def test_bad_rows_are_refused():
+    model = tiny("linear")
+    with torch.no_grad():
+        s = model.prefill(torch.zeros(1, 3, dtype=torch.long))[1]
+    with pytest.raises(ValueError, match="rows"):
+        select_rows(s, [1])
+    with pytest.raises(ValueError, match="rows"):
+        select_rows(s, [])
+    with pytest.raises(ValueError, match="at least one"):
+        cat_states([])
+    with pytest.raises(ValueError, match="layers"):
+        cat_states([s, tiny("mamba2,softmax").empty_state(1)[:1]])

@@ -1,0 +1,125 @@
+"""Tiny random checkpoints for the serve tests (nothing downloaded) and a real server in a subprocess.
+
+``folder(...)`` writes a Hugging Face folder of a subquad model - a pure recurrent one (``mamba``) or a
+hybrid with an attention layer (``bamba``: Mamba-2, softmax, Mamba-2) - with a word-level tokenizer
+(token i is the word "w<i>", or a special token), optionally a chat template and end-of-text id.
+``Server`` runs ``subquad serve`` on 127.0.0.1 in a subprocess and stops it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import torch
+
+from subquad.models import LanguageModel, ModelConfig, from_pretrained
+
+V = 96
+SPECIALS = {"<|user|>": 2, "<|assistant|>": 3, "<|system|>": 4}
+TEMPLATE = ("{% for m in messages %}<|{{ m.role }}|> {{ m.content }} {{ eos_token }} {% endfor %}"
+            "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+REPO = Path(__file__).resolve().parents[2]
+
+
+def config(kind: str) -> ModelConfig:
+    if kind == "mamba":                        # pure recurrent: Mamba layers, no MLP (MambaForCausalLM)
+        return ModelConfig(vocab_size=V, d_model=32, n_layers=2, n_heads=2, pattern="mamba", mlp=False,
+                           tie_embeddings=False)
+    if kind == "bamba":                        # hybrid: Mamba-2, attention (GQA, partial rotary), Mamba-2
+        return ModelConfig(vocab_size=V, d_model=64, n_layers=3, n_heads=4, n_kv_heads=2,
+                           pattern="mamba2,softmax,mamba2",
+                           mixer_options={"softmax": {"rotary_fraction": 0.5}, "mamba2": {"norm_eps": 1e-6}},
+                           tie_embeddings=False)
+    raise ValueError(kind)
+
+
+def word(i: int, eos: int | None) -> str:
+    if i == eos:
+        return "</s>"
+    return next((s for s, j in SPECIALS.items() if j == i), f"w{i}")
+
+
+def folder(path: Path, kind: str, template: bool = False, eos: int | None = None, seed: int = 0) -> Path:
+    """A model folder: config.json (with ``eos``), model.safetensors, tokenizer.json, tokenizer_config.json."""
+    from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers
+
+    torch.manual_seed(seed)
+    model = LanguageModel(config(kind))
+    model.config.eos_token_ids = [] if eos is None else [eos]
+    model.save_pretrained(path)
+    vocab = {word(i, eos): i for i in range(V)}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="w10"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    specials = [w for w in vocab if w.startswith("<")]
+    tok.add_special_tokens([AddedToken(w, special=True, normalized=False) for w in specials])
+    tok.save(str(path / "tokenizer.json"))
+    tc = {"eos_token": "</s>" if eos is not None else None}
+    if template:
+        tc["chat_template"] = TEMPLATE
+    (path / "tokenizer_config.json").write_text(json.dumps(tc))
+    return path
+
+
+def load(path):
+    model, tok = from_pretrained(path)
+    return model, tok
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    """``subquad serve --model FOLDER ARGS`` on 127.0.0.1 (a free port), up when the constructor returns."""
+
+    def __init__(self, model_folder, *args, timeout: float = 60.0):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        env = {**os.environ, "PYTHONPATH": str(REPO)}
+        self.proc = subprocess.Popen([sys.executable, "-m", "subquad", "serve", "--model", str(model_folder),
+                                      "--port", str(self.port), *map(str, args)], cwd=REPO, env=env,
+                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        end = time.monotonic() + timeout
+        while time.monotonic() < end:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"the server exited with {self.proc.returncode}:\n{self.proc.stdout.read()}")
+            try:
+                with urllib.request.urlopen(self.url + "/health", timeout=1) as r:
+                    if r.status == 200:
+                        return
+            except OSError:
+                time.sleep(0.1)
+        self.stop()
+        raise RuntimeError("the server did not come up")
+
+    def metrics(self) -> dict:
+        with urllib.request.urlopen(self.url + "/metrics", timeout=5) as r:
+            text = r.read().decode()
+        return {ln.split()[0].removeprefix("subquad_"): float(ln.split()[1])
+                for ln in text.splitlines() if ln and not ln.startswith("#")}
+
+    def client(self, api_key="none", **kw):
+        import openai
+
+        return openai.OpenAI(base_url=self.url + "/v1", api_key=api_key, max_retries=0, timeout=kw.pop("timeout", 30),
+                             **kw)
+
+    def terminate(self, timeout: float = 30.0) -> int:
+        self.proc.send_signal(signal.SIGTERM)
+        return self.proc.wait(timeout)
+
+    def stop(self):
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(10)
+        self.proc.stdout.close()

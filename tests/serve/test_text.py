@@ -1,0 +1,41 @@
+"""Incremental text and stop strings: released text is always a prefix of the full decoding, a stop string
+spanning tokens is found, text that may begin a stop string is held back, a split character is never cut."""
+
+from subquad.serve.text import TextStream
+
+
+def words(ids):
+    return " ".join(f"w{i}" for i in ids)
+
+
+def run(decode, ids, stops):
+    ts, out = TextStream(decode, stops), []
+    for n in range(1, len(ids) + 1):
+        delta, stopped = ts.push(ids[:n])
+        out.append(delta)
+        if stopped:
+            return "".join(out), True, n
+    return "".join(out) + ts.flush(), False, len(ids)
+
+
+def test_stop_across_token_boundaries_and_held_text():
+    ids = [12, 345, 6, 78]                       # "w12 w345 w6 w78"
+    assert run(words, ids, []) == ("w12 w345 w6 w78", False, 4)
+    assert run(words, ids, ["2 w3"]) == ("w1", True, 2)          # spans tokens 1 and 2
+    assert run(words, ids, ["w6 w7", "45 w"]) == ("w12 w3", True, 3)   # the earliest match wins
+    ts = TextStream(words, ["w345 x"])
+    assert ts.push([12]) == ("w12", False)
+    assert ts.push([12, 345]) == (" ", False)    # "w345" may begin the stop string: held back
+    assert ts.push([12, 345, 6]) == ("w345 w6", False)    # it did not
+    assert ts.flush() == "" and ts.text == "w12 w345 w6"
+
+
+def test_split_characters_wait_for_their_last_byte():
+    data = "aé€b".encode()                       # one token per byte
+    decode = lambda ids: bytes(ids).decode("utf-8", errors="replace")   # noqa: E731
+    ts, out = TextStream(decode), []
+    for n in range(1, len(data) + 1):
+        delta, _ = ts.push(list(data[:n]))
+        assert "\ufffd" not in delta
+        out.append(delta)
+    assert "".join(out) == "aé€b"
