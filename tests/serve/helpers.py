@@ -1,6 +1,6 @@
 """Tiny random checkpoints for the serve tests (nothing downloaded) and a real server in a subprocess.
 
-``folder(...)`` writes a Hugging Face folder of a subquad model - a pure recurrent one (``mamba``) or a
+``folder(...)`` writes a Hugging Face folder of a subquad model - a pure recurrent one (``mamba2``) or a
 hybrid with an attention layer (``bamba``: Mamba-2, softmax, Mamba-2) - with a word-level tokenizer
 (token i is the word "w<i>", or a special token), optionally a chat template and end-of-text id.
 ``Server`` runs ``subquad serve`` on 127.0.0.1 in a subprocess and stops it.
@@ -30,9 +30,9 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def config(kind: str) -> ModelConfig:
-    if kind == "mamba":                        # pure recurrent: Mamba layers, no MLP (MambaForCausalLM)
-        return ModelConfig(vocab_size=V, d_model=32, n_layers=2, n_heads=2, pattern="mamba", mlp=False,
-                           tie_embeddings=False)
+    if kind == "mamba2":                       # pure recurrent: Mamba-2 layers, no MLP (Mamba2ForCausalLM)
+        return ModelConfig(vocab_size=V, d_model=32, n_layers=2, n_heads=2, pattern="mamba2", mlp=False,
+                           mixer_options={"mamba2": {"norm_eps": 1e-6}}, tie_embeddings=False)
     if kind == "bamba":                        # hybrid: Mamba-2, attention (GQA, partial rotary), Mamba-2
         return ModelConfig(vocab_size=V, d_model=64, n_layers=3, n_heads=4, n_kv_heads=2,
                            pattern="mamba2,softmax,mamba2",
@@ -84,6 +84,7 @@ class Server:
 
     def __init__(self, model_folder, *args, timeout: float = 60.0):
         self.port = free_port()
+        self.model_name = Path(model_folder).name
         self.url = f"http://127.0.0.1:{self.port}"
         env = {**os.environ, "PYTHONPATH": str(REPO)}
         self.proc = subprocess.Popen([sys.executable, "-m", "subquad", "serve", "--model", str(model_folder),

@@ -47,7 +47,7 @@ def run_all(engine, reqs, per_step=3):
     return seqs
 
 
-@pytest.mark.parametrize("kind", ["mamba", "bamba"])
+@pytest.mark.parametrize("kind", ["mamba2", "bamba"])
 def test_every_stream_equals_generate_alone(kind):
     model = model_of(kind)
     reqs = requests(18)
@@ -60,7 +60,7 @@ def test_every_stream_equals_generate_alone(kind):
     assert engine.active == 0 and engine.batch_state is None
 
 
-@pytest.mark.parametrize("kind", ["mamba", "bamba"])
+@pytest.mark.parametrize("kind", ["mamba2", "bamba"])
 def test_a_cached_prefix_resumes_exactly_and_prefills_only_the_rest(kind):
     model = model_of(kind)
     rng = random.Random(1)
@@ -175,7 +175,7 @@ def test_admission_stops_at_the_memory_budget():
 
 
 def test_queue_bound_drain_and_bad_requests():
-    model = model_of("mamba")
+    model = model_of("mamba2")
     engine = Engine(model, max_batch=1, max_queue=1, max_context=64)
     p = SamplingParams(max_tokens=50, temperature=0)
     a, b = engine.submit([1], p), engine.submit([2], p)  # one for the free slot, one waiting
