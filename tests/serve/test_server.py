@@ -294,3 +294,15 @@ def test_a_full_queue_answers_429_and_sigterm_drains_and_exits_0(tmp_path):
             client.completions.create(model="one", prompt="w7", max_tokens=4)
     finally:
         server.stop()
+
+
+def test_cli_refuses_bad_serve_arguments(tmp_path, capsys):
+    from subquad.cli import main
+
+    assert main(["serve"]) == 2 and "--run" in capsys.readouterr().err
+    assert main(["serve", "--model", str(tmp_path / "none")]) == 2 and "not a folder" in capsys.readouterr().err
+    path = folder(tmp_path / "m", "mamba2")
+    assert main(["serve", "--model", str(path), "--max-queue", "-1"]) == 2
+    assert "max_queue" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["serve", "--model", str(path), "--state-cache-mb", "-5"])
