@@ -41,6 +41,8 @@ class LatentAttention(SoftmaxAttention):
     epsilon); rotary / rotary_base; mode; chunk_size.
     State: {"kv": a ``KVCache`` of the latents c (B, L, 1, C) and k_rope (B, L, 1, R)}."""
 
+    keep_float = ("kv_b_proj",)     # read as a matrix by the absorbed form: quantisation leaves it (models.quant)
+
     def __init__(self, d_model: int, n_heads: int = 4, n_kv_heads: int | None = None, kv_rank: int = 64,
                  rope_dim: int = 16, nope_dim: int | None = None, v_head_dim: int | None = None,
                  q_rank: int | None = None, latent_eps: float = 1e-6, rotary: bool = True,

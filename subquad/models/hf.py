@@ -504,9 +504,15 @@ def read_weights(path) -> dict:
     return out
 
 
-def from_pretrained(path, dtype=None, device=None):
-    """(LanguageModel in eval mode, tokenizer or None) from a Hugging Face model folder (see the module doc)."""
+def from_pretrained(path, dtype=None, device=None, quantize=None):
+    """(LanguageModel in eval mode, tokenizer or None) from a Hugging Face model folder (see the module doc).
+    ``quantize`` "int8" or "bf16" quantises the projections for inference (``models.quant``; from float32)."""
     from subquad.models.lm import LanguageModel
+    from subquad.models.quant import QUANTIZE
+
+    if quantize is not None and (quantize not in QUANTIZE or dtype not in (None, torch.float32)):
+        raise ValueError(f"quantize must be one of {', '.join(QUANTIZE)} with float32 weights, got quantize="
+                         f"{quantize!r}, dtype={dtype}")
 
     c = read_config(path)
     mapping = MAPPINGS[c["model_type"]]
@@ -544,6 +550,10 @@ def from_pretrained(path, dtype=None, device=None):
     model.load_state_dict(state, strict=True, assign=True)
     del state
     model.decode_layout()                             # the weights as one-token decoding reads them fastest
+    if quantize is not None:
+        from subquad.models.quant import quantize as quantize_model
+
+        quantize_model(model, quantize)
     if device is not None:
         model.to(device=device)
     tok = None
@@ -559,6 +569,8 @@ def save_pretrained(model, path) -> None:
     and transformers read back. The model must have the structure of a supported type."""
     from safetensors.torch import save_file
 
+    if getattr(model, "quantized", None):
+        raise ValueError(f"a quantised model ({model.quantized}) is not saved: save the float model it came from")
     cfg = model.config
     opts = _layer_options(model)
     kind = next((m for m in MAPPINGS.values() if m.matches(cfg, opts)), None)

@@ -219,6 +219,15 @@ class LanguageModel(nn.Module):
 
     def _hidden(self, idx, state=None, cu_seqlens=None):
         """The residual stream after the last block (before the final norm) and the per-layer state."""
+        h, end_pos = self._embed_tokens(idx, state, cu_seqlens)
+        states = ModelState(pos=end_pos)
+        for i, block in enumerate(self.blocks):
+            h, s = block(h, None if state is None else state[i], cu_seqlens=cu_seqlens)
+            states.append(s)
+        return h, states
+
+    def _embed_tokens(self, idx, state=None, cu_seqlens=None):
+        """(the embedded tokens (B, T, d_model) with their learned positions, the position count after them)."""
         self._check_idx(idx)
         pos = 0 if state is None else getattr(state, "pos", 0)
         seq = sequence.backend() if cu_seqlens is None else sequence.Packed(cu_seqlens)
@@ -236,20 +245,14 @@ class LanguageModel(nn.Module):
                 positions = torch.arange(positions, positions + T, device=idx.device)
             h = h + self.pos_embed(positions)
         if cu_seqlens is None and not isinstance(pos, torch.Tensor):
-            end_pos = pos + T
-        else:
-            end_pos = seq.tokens(B, T, idx.device) + pos
-        states = ModelState(pos=end_pos)
-        for i, block in enumerate(self.blocks):
-            h, s = block(h, None if state is None else state[i], cu_seqlens=cu_seqlens)
-            states.append(s)
-        return h, states
+            return h, pos + T
+        return h, seq.tokens(B, T, idx.device) + pos
 
     def step(self, tokens, state):
         """One decoding step: tokens (B,) or (B, 1), the state after each row's previous tokens -> (logits (B,
         vocab), new state). The same as ``prefill(tokens.view(B, 1), state)``; it takes the compiled decode step
-        when one is set (``set_decode``), so ``generate``, ``subquad generate`` and the server all decode
-        through it."""
+        when one is set (``models.decode.compile_decode``), so ``generate``, ``subquad generate`` and the server
+        all decode through it."""
         tokens = tokens.reshape(-1, 1)
         fast = getattr(self, "_decode_step", None)
         if fast is not None:

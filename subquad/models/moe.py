@@ -89,6 +89,21 @@ class MoE(nn.Module):
             w = w / (w.sum(-1, keepdim=True) + 1e-20)
         return probs, w * self.scale, idx
 
+    def _expert(self, name: str, e: int, h):
+        """h @ W_e^T for expert e's projection ``name`` ("w_gate", "w_up", "w_down"): its quantised module when
+        ``quantize_experts`` made them."""
+        q = getattr(self, "quantized_experts", None)
+        return h @ getattr(self, name)[e].T if q is None else q[name][e](h)
+
+    def quantize_experts(self, make):
+        """Replace the stacked expert weights by one module per expert and projection, ``make(W_e)`` (an
+        inference-only model: ``models.quant``)."""
+        self.quantized_experts = nn.ModuleDict({n: nn.ModuleList(make(w) for w in getattr(self, n).detach())
+                                                for n in ("w_gate", "w_up", "w_down")})
+        for n in ("w_gate", "w_up", "w_down"):
+            delattr(self, n)
+            self.register_buffer(n, None)
+
     def forward(self, x):
         shape = x.shape
         x = x.reshape(-1, shape[-1])
@@ -96,8 +111,17 @@ class MoE(nn.Module):
         flat = idx.reshape(-1)                                   # (N k,) choice j belongs to token j // k
         counts = torch.bincount(flat, minlength=self.experts)
         self.router_stats = (counts.to(probs.dtype), probs.sum(0), x.shape[0])
+        out = self._dispatch(x, w.reshape(-1), flat, counts)
+        if self.shared is not None:
+            y = self.shared(x)
+            out = out + (y if self.shared_gate is None else torch.sigmoid(self.shared_gate(x)) * y)
+        return out.reshape(shape)
+
+    @torch.compiler.disable
+    def _dispatch(self, x, w, flat, counts):
+        """sum over each token's chosen experts of w * expert(x): one product per expert over its tokens. Its
+        loop depends on the routing, so a compiled model runs it eagerly (a graph per routing otherwise)."""
         order = flat.argsort(stable=True)                        # choices grouped by expert
-        w = w.reshape(-1)
         out = None
         start = 0
         for e, c in enumerate(counts.tolist()):
@@ -107,17 +131,12 @@ class MoE(nn.Module):
             start += c
             tok = sel // self.top_k
             h = x[tok]
-            y = F.silu(h @ self.w_gate[e].T) * (h @ self.w_up[e].T)
-            y = (y @ self.w_down[e].T) * w[sel].to(y.dtype).unsqueeze(-1)
+            y = F.silu(self._expert("w_gate", e, h)) * self._expert("w_up", e, h)
+            y = self._expert("w_down", e, y) * w[sel].to(y.dtype).unsqueeze(-1)
             if out is None:
                 out = torch.zeros(x.shape, dtype=y.dtype, device=x.device)
             out.index_add_(0, tok, y)
-        if out is None:                                          # no tokens
-            out = torch.zeros_like(x)
-        if self.shared is not None:
-            y = self.shared(x)
-            out = out + (y if self.shared_gate is None else torch.sigmoid(self.shared_gate(x)) * y)
-        return out.reshape(shape)
+        return torch.zeros_like(x) if out is None else out      # None: no tokens
 
 
 def load_balancing_loss(stats: list, experts: int) -> torch.Tensor:

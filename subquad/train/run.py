@@ -128,14 +128,19 @@ def train_run(model_cfg: ModelConfig, train_cfg: TrainConfig, out, data: str | N
     return result
 
 
-def load_run(path, device="cpu"):
-    """(model in eval mode on ``device``, tokenizer, meta) from a run folder or a checkpoint folder."""
+def load_run(path, device="cpu", quantize=None):
+    """(model in eval mode on ``device``, tokenizer, meta) from a run folder or a checkpoint folder;
+    ``quantize`` "int8" or "bf16" quantises its projections for inference (``models.quant``)."""
     from subquad.data.tokenizer import load_tokenizer
 
     path = Path(path)
     model_sd, _, meta = load_checkpoint(path)
     model = LanguageModel(ModelConfig.from_dict(meta["model_config"]))
     model.load_state_dict(model_sd)
+    if quantize is not None:
+        from subquad.models.quant import quantize as quantize_model
+
+        quantize_model(model, quantize)
     model.to(resolve_device(device)).eval()
     run = path if (path / "ckpt").exists() else path.parent.parent
     return model, load_tokenizer(run / "tokenizer.json"), meta

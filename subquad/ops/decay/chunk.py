@@ -31,7 +31,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from subquad.ops.common.autograd import inference_path
+from subquad.ops.common.autograd import inference_path, wants_grad
 from subquad.ops.common.chunking import in_pieces
 from subquad.ops.common.routes import PIECE, PIECE_PER_KEY_DIM, SHORT
 from subquad.ops.decay.inference import decay_attention_inference
@@ -76,9 +76,10 @@ def _chunkwise(q, k, v, g, scale, C, initial_state):
 
 
 def chunk_decay_attention(q, k, v, g, *, scale, chunk_size=64, initial_state=None):
+    if q.shape[1] < SHORT and not wants_grad(q, k, v, g, initial_state):     # a decoding step, compiled or not
+        return recurrent_decay_attention(q, k, v, g, scale=scale, chunk_size=chunk_size, initial_state=initial_state)
     if inference_path(q, k, v, g, initial_state):
-        run = recurrent_decay_attention if q.shape[1] < SHORT else decay_attention_inference
-        return run(q, k, v, g, scale=scale, chunk_size=chunk_size, initial_state=initial_state)
+        return decay_attention_inference(q, k, v, g, scale=scale, chunk_size=chunk_size, initial_state=initial_state)
     T = q.shape[1]
     C = min(chunk_size, T)
     if g.dim() == 4:                                   # chunks of whole sub-chunks for the per-key-dim decay

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import torch
 
-from subquad.ops.common.autograd import inference_path
+from subquad.ops.common.autograd import inference_path, wants_grad
 from subquad.ops.common.chunking import decay_mask, in_pieces
 from subquad.ops.common.routes import PIECE, SHORT
 from subquad.ops.delta.inference import delta_inference
@@ -102,9 +102,10 @@ def _chunkwise(q, k, v, g, beta, scale, C, initial_state):
 
 
 def chunk_delta(q, k, v, g, beta, *, scale, chunk_size=64, initial_state=None):
+    if q.shape[1] < SHORT and not wants_grad(q, k, v, g, beta, initial_state):   # a decoding step, compiled or not
+        return recurrent_delta(q, k, v, g, beta, scale=scale, chunk_size=chunk_size, initial_state=initial_state)
     if inference_path(q, k, v, g, beta, initial_state):
-        run = recurrent_delta if q.shape[1] < SHORT else delta_inference
-        return run(q, k, v, g, beta, scale=scale, chunk_size=chunk_size, initial_state=initial_state)
+        return delta_inference(q, k, v, g, beta, scale=scale, chunk_size=chunk_size, initial_state=initial_state)
     C = min(chunk_size, q.shape[1])
     L = max(1, PIECE // C) * C
     if q.shape[1] <= L:

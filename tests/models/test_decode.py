@@ -1,0 +1,105 @@
+"""The compiled decode step (models.decode) against the eager one: every mixer, every checkpoint type, float32
+within 1e-5 of the logits' scale over 64 steps, batches that change size, generate's tokens."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from subquad.layers import MIXERS
+from subquad.models import LanguageModel, ModelConfig
+from subquad.models.decode import compile_decode
+
+STEPS = 64
+
+
+def _copy(model):
+    """A second model with the same weights (the compiled one; the original stays eager)."""
+    other = LanguageModel(model.config).eval()
+    other.load_state_dict(model.state_dict())
+    return other
+
+
+def assert_steps_equal(eager, ids, steps=STEPS, tol=1e-5, batches=None):
+    """Prefill ``ids`` (B, T) eagerly, then decode ``steps`` greedy tokens with the eager and the compiled step
+    from the same states: logits within ``tol`` of their largest at every step. ``batches`` (step -> rows)
+    drops rows on the way (the batch changes size, as a server's does)."""
+    fast = compile_decode(_copy(eager))
+    with torch.no_grad():
+        logits, state = eager.prefill(ids)
+        s_eager, s_fast = state, state
+        tok = logits[:, -1].argmax(-1)
+        for i in range(steps):
+            if batches and i in batches:
+                rows = batches[i]
+                from subquad.models.rows import select_rows
+
+                s_eager, s_fast, tok = select_rows(s_eager, rows), select_rows(s_fast, rows), tok[rows]
+            a, s_eager = eager.step(tok, s_eager)
+            b, s_fast = fast.step(tok, s_fast)
+            err = ((b - a).abs().max() / a.abs().max()).item()
+            assert err <= tol, f"step {i}: compiled logits differ by {err:.2e} of their scale"
+            tok = a.argmax(-1)
+
+
+def test_every_mixer_in_one_model():
+    """One layer of every mixer (and a mixture of experts on every other layer), batch 2, odd prompt length."""
+    torch.manual_seed(0)
+    names = sorted(MIXERS)
+    cfg = ModelConfig(vocab_size=128, d_model=32, n_layers=len(names), n_heads=2, pattern=",".join(names),
+                      context_length=512, moe={"experts": 4, "top_k": 2, "every": 2, "offset": 1},
+                      mixer_options={"swa": {"window": 8}})
+    model = LanguageModel(cfg).eval()
+    assert_steps_equal(model, torch.randint(0, 128, (2, 11)))
+
+
+def test_learned_positions_and_a_batch_that_shrinks():
+    torch.manual_seed(1)
+    cfg = ModelConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=2, pattern="mamba2,softmax", pos_emb="learned",
+                      context_length=128)
+    assert_steps_equal(LanguageModel(cfg).eval(), torch.randint(0, 64, (3, 7)), steps=24, batches={8: [0, 2], 16: [1]})
+
+
+def test_generate_takes_the_compiled_step_and_gives_eager_tokens():
+    torch.manual_seed(2)
+    cfg = ModelConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=2, pattern="gated_deltanet,softmax")
+    eager = LanguageModel(cfg).eval()
+    fast = compile_decode(_copy(eager))
+    calls = []
+    inner = fast._decode_step
+    fast._decode_step = lambda t, s: calls.append(1) or inner(t, s)
+    prompts = [[1, 2, 3], [4, 5, 6, 7, 8]]
+    want, _ = eager.generate(prompts, 20, temperature=0)
+    got, _ = fast.generate(prompts, 20, temperature=0)
+    assert got == want and len(calls) == 19
+    assert compile_decode(fast, False)._decode_step is None
+    with pytest.raises(ValueError, match="on must be a bool"):
+        compile_decode(fast, "yes")
+
+
+def _checkpoint(kind, tmp_path):
+    """A tiny random folder of checkpoint type ``kind`` (the parity tests' builders)."""
+    from tests.models import test_hf, test_hf_delta, test_hf_hybrid, test_hf_kimi, test_hf_minimax
+
+    if kind in test_hf.KINDS:
+        return test_hf._hf_mamba(tmp_path, falcon=kind)[1], 64
+    if kind in test_hf_hybrid.KINDS:
+        return test_hf_hybrid._hf(tmp_path, kind)[1], test_hf_hybrid.V
+    if kind in test_hf_delta.KINDS:
+        return test_hf_delta._hf(tmp_path, kind)[1], test_hf_delta.V
+    if kind == "kimi_linear":
+        return test_hf_kimi._hf(tmp_path)[1], test_hf_kimi.V
+    return test_hf_minimax._hf(tmp_path)[1], test_hf_minimax.V
+
+
+@pytest.mark.parametrize("kind", ["mamba", "falcon_mamba", "mamba2", "bamba", "jamba", "qwen3_next", "olmo_hybrid",
+                                  "kimi_linear", "minimax"])
+def test_every_checkpoint_type(tmp_path, kind):
+    pytest.importorskip("transformers")
+    from subquad.models import from_pretrained
+    from subquad.models.hf import MAPPINGS
+
+    assert kind in MAPPINGS
+    folder, V = _checkpoint(kind, tmp_path)
+    model, _ = from_pretrained(folder)
+    assert_steps_equal(model, torch.randint(0, V, (2, 9), generator=torch.Generator().manual_seed(3)))

@@ -1,0 +1,140 @@
+"""Quantised weights (models.quant): what is quantised and what stays float, the int8 product against the
+dequantised weight, models that stay close to float32, compiled decoding with int8, and the refusals."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from subquad.models import LanguageModel, ModelConfig
+from subquad.models.decode import compile_decode
+from subquad.models.quant import DECODE_ROWS, Bf16Linear, Int8Linear, quantize
+
+
+def _rel(a, b):
+    return ((a - b).abs().max() / b.abs().max()).item()
+
+
+def test_int8_weights_per_output_channel():
+    w = torch.randn(40, 24, dtype=torch.float64) * torch.logspace(-3, 1, 40, dtype=torch.float64)[:, None]
+    lin = Int8Linear(w)
+    assert lin.q.dtype == torch.int8 and lin.q.abs().max() == 127 and lin.scale.dtype == torch.float32
+    torch.testing.assert_close(lin.scale.double(), w.abs().amax(1) / 127, rtol=1e-6, atol=0)
+    # each weight is within half a step of its channel's grid: per-channel, so small rows keep their precision
+    assert ((lin.weight.double() - w).abs() <= lin.scale.double()[:, None] * 0.5 + 1e-12).all()
+
+
+@pytest.mark.parametrize("rows", [1, 5, DECODE_ROWS, DECODE_ROWS + 1, 40])
+def test_int8_product_against_the_dequantised_weight(rows):
+    """Prefill rows (> DECODE_ROWS) multiply by the dequantised weight exactly; decoding rows take fbgemm's
+    int8 kernel, whose 7-bit activations add at most ~1% of the output's scale."""
+    torch.manual_seed(0)
+    w, b = torch.randn(300, 96), torch.randn(300)
+    lin = Int8Linear(w, b)
+    x = torch.randn(rows, 96)
+    ref = x.double() @ lin.weight.double().T + b.double()
+    got = lin(x)
+    assert got.dtype == torch.float32 and got.shape == (rows, 300)
+    assert _rel(got.double(), ref) <= (1e-6 if rows > DECODE_ROWS else 2e-2)
+    assert _rel(lin(x.view(rows, 1, 96)).view(rows, 300), got) == 0       # any leading shape
+
+
+def test_the_custom_op_checks_out():
+    """The op's fake (meta) implementation and its real one agree (torch.library's own check)."""
+    lin = Int8Linear(torch.randn(8, 16))
+    torch.library.opcheck(torch.ops.subquad.int8_linear.default, (torch.randn(2, 16), lin.q, lin.scale, None, lin.key),
+                          test_utils=("test_schema", "test_faketensor"))
+
+
+def _model(pattern="mamba,softmax", **over):
+    torch.manual_seed(0)
+    cfg = ModelConfig(vocab_size=200, d_model=64, n_layers=len(pattern.split(",")), n_heads=4, pattern=pattern, **over)
+    return LanguageModel(cfg).eval()
+
+
+def test_what_is_quantised_and_what_stays_float():
+    model = _model("mamba,mamba2,softmax", moe={"experts": 4, "top_k": 2, "every": 2, "offset": 1})
+    q = quantize(copy.deepcopy(model), "int8", min_weights=0)
+    assert not any(isinstance(m, nn.Linear) for m in q.modules())
+    assert isinstance(q.head, Int8Linear) and q.embed.weight.dtype == torch.float32          # tied: own head
+    moe = q.blocks[1].mlp
+    assert len(moe.quantized_experts["w_gate"]) == 4 and isinstance(moe.quantized_experts["w_down"][3], Int8Linear)
+    kept = {n for n, p in q.named_parameters()}
+    for name in ("blocks.0.mixer.A_log", "blocks.0.mixer.D", "blocks.0.mixer.conv.weight", "blocks.1.mixer.dt_bias",
+                 "blocks.1.mixer.norm.weight", "blocks.0.norm1.weight", "norm.weight", "embed.weight"):
+        assert name in kept and q.get_parameter(name).dtype == torch.float32, name
+    assert not any(p.requires_grad for p in q.parameters())
+    small = quantize(copy.deepcopy(model), "int8")            # the default keeps matrices under MIN_WEIGHTS float
+    assert isinstance(small.blocks[0].mixer.in_proj, nn.Linear) and isinstance(small.head, Int8Linear)
+    state = q.empty_state(2)
+    assert all(t.dtype == torch.float32 for s in state for t in s.values() if isinstance(t, torch.Tensor))
+    assert all(isinstance(m, Bf16Linear) for m in quantize(copy.deepcopy(model), "bf16", min_weights=0).modules()
+               if type(m).__name__.endswith("Linear"))
+
+
+@pytest.mark.parametrize("kind,tol", [("int8", 3e-2), ("bf16", 1e-2)])
+@pytest.mark.parametrize("pattern", ["mamba,softmax", "mamba2,gated_deltanet", "mla,retention"])
+def test_quantised_models_stay_close_to_float(kind, tol, pattern):
+    """Logits of a prefill and of token-by-token decoding within a few % of the float model's."""
+    model = _model(pattern, moe={"experts": 4, "top_k": 2, "every": 2, "offset": 1})
+    q = quantize(copy.deepcopy(model), kind, min_weights=0)
+    ids = torch.randint(0, 200, (2, 24), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        ref = model(ids)
+        assert _rel(q(ids), ref) <= tol
+        logits, state = q.prefill(ids[:, :12])
+        steps = [logits]
+        for t in range(12, 24):
+            lt, state = q.step(ids[:, t], state)
+            steps.append(lt[:, None])
+    assert _rel(torch.cat(steps, 1), ref) <= tol
+
+
+def test_compiled_int8_decoding_equals_eager_int8():
+    """The int8 product is a custom op, so the compiled step keeps fbgemm's kernel and gives the same logits."""
+    q = quantize(_model("mamba,softmax"), "int8", min_weights=0)
+    fast = compile_decode(copy.deepcopy(q))
+    ids = torch.randint(0, 200, (2, 9), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        _, state = q.prefill(ids)
+        s1 = s2 = state
+        tok = ids[:, -1]
+        for _ in range(16):
+            a, s1 = q.step(tok, s1)
+            b, s2 = fast.step(tok, s2)
+            assert _rel(b, a) <= 1e-5
+            tok = a.argmax(-1)
+
+
+def test_refusals_name_the_problem(tmp_path):
+    model = _model()
+    with pytest.raises(ValueError, match="quantize must be one of int8, bf16"):
+        quantize(copy.deepcopy(model), "int4")
+    with pytest.raises(ValueError, match="needs a float32 model"):
+        quantize(copy.deepcopy(model).to(torch.bfloat16), "int8")
+    q = quantize(copy.deepcopy(model), "int8", min_weights=0)
+    with pytest.raises(ValueError, match="already quantised"):
+        quantize(q, "bf16", min_weights=0)
+    with pytest.raises(ValueError, match="not saved"):
+        q.save_pretrained(tmp_path / "out")
+    with pytest.raises(ValueError, match="Int8Linear needs a"):
+        Int8Linear(torch.randn(3, 4, 5))
+
+
+def test_from_pretrained_and_the_cli_quantise(tmp_path, capsys):
+    pytest.importorskip("transformers")
+    from subquad.cli import main
+    from subquad.models import from_pretrained
+    from tests.models.test_hf import _hf_mamba
+
+    _, folder = _hf_mamba(tmp_path)
+    model, _ = from_pretrained(folder, quantize="int8")
+    assert model.quantized == "int8" and isinstance(model.head, Int8Linear)
+    with pytest.raises(ValueError, match="with float32 weights"):
+        from_pretrained(folder, dtype=torch.bfloat16, quantize="int8")
+    with pytest.raises(SystemExit):
+        main(["generate", "--model", str(folder), "--quantize", "int4", "--prompt", "x"])
+    assert "invalid choice: 'int4'" in capsys.readouterr().err
