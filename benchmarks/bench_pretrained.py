@@ -14,14 +14,24 @@ each process's peak resident memory. Every measurement runs in its own process (
 process), subquad and transformers interleaved, best of --repeats. Decode is shown beside the weight-read
 bound (bytes of weights per token / this machine's measured read bandwidth).
 
+subquad runs three ways: eager (the reference), ``compiled`` (``models.decode.compile_decode``: one inductor
+graph per decoding step) and, in the "int8" rows, ``quantize="int8"`` with the compiled step
+(``models.quant``: fbgemm's int8 products, per-channel weights). The int8 rows' bound counts one byte per
+quantised weight and four per weight kept in float32.
+
 llama.cpp: with --llama-python (a Python with llama-cpp-python) and --llama-src (its source package's
-vendor/llama.cpp, whose convert_hf_to_gguf.py converts the folder), the float32 GGUF of the same weights
-is measured at batch 1 for each model its converter takes.
+vendor/llama.cpp, whose convert_hf_to_gguf.py converts the folder), the GGUF of the same weights is
+measured at batch 1 for each model its converter takes: float32 in the float32 rows, Q8_0 in the int8 rows.
+
+Read bandwidth: the faster of summing 256 MB and float32 matrix-vector products streaming 512 MB of
+column-major matrices (what decoding does); each bound = bytes one token reads / that bandwidth.
 
     python benchmarks/bench_pretrained.py                       # ~25 minutes
     python benchmarks/bench_pretrained.py --models mamba --dtypes float32 --batches 1
     python benchmarks/bench_pretrained.py --quick               # tiny shapes, seconds
     python benchmarks/bench_pretrained.py --models qwen3_next,kimi_linear --batches 1 --name pretrained_delta
+    python benchmarks/bench_pretrained.py --models mamba --dtypes float32,int8 --batches 1,8 \
+        --llama-python /tmp/llvenv/bin/python --llama-src .../llama_cpp_python-0.3.36/vendor/llama.cpp
 Writes results/NAME.{json,md} (default pretrained).
 """
 
@@ -90,26 +100,40 @@ def hf_model(kind, quick):
 
 
 def read_gbps():
-    """This machine's read bandwidth (GB/s): summing 256 MB of touched memory, best of 5."""
+    """This machine's read bandwidth (GB/s): the faster of summing 256 MB of touched memory and float32
+    matrix-vector products over 16 column-major 32 MB matrices (each read once per pass), best of 5."""
     a = torch.randn(64 << 20)                                 # 256 MB, written (so its pages are real)
-    best = 1e9
+    ms = [torch.randn(2048, 4096).T for _ in range(16)]       # (4096, 2048) column-major, 512 MB in all
+    x = torch.randn(2048)
+    best_sum = best_mv = 1e9
     for _ in range(5):
         t = time.perf_counter()
         a.sum()
-        best = min(best, time.perf_counter() - t)
-    return a.numel() * 4 / best / 1e9
+        best_sum = min(best_sum, time.perf_counter() - t)
+        t = time.perf_counter()
+        for m in ms:
+            torch.mv(m, x)
+        best_mv = min(best_mv, time.perf_counter() - t)
+    return max(a.numel() * 4 / best_sum, sum(m.numel() for m in ms) * 4 / best_mv) / 1e9
 
 
 def worker(who, folder, dtype, batch, T, n_new):
     """One measurement in this process: prints a JSON line."""
     torch.set_num_threads(2)
-    dt = getattr(torch, dtype)
+    dt = getattr(torch, dtype) if dtype != "int8" else torch.float32
     V = json.loads((Path(folder) / "config.json").read_text())["vocab_size"]
     ids = torch.randint(0, V, (batch, T), generator=torch.Generator().manual_seed(1))
-    if who == "subquad":
+    if who.startswith("subquad"):
         from subquad.models import from_pretrained
+        from subquad.models.decode import compile_decode
 
-        model, _ = from_pretrained(folder, dtype=dt)
+        if dtype == "int8":
+            model, _ = from_pretrained(folder, quantize="int8")
+        else:
+            model, _ = from_pretrained(folder, dtype=dt)
+        if who != "subquad":                                   # subquad-compiled (int8: always compiled)
+            compile_decode(model)
+        model.config.eos_token_ids = []                        # n tokens each time, as min_new_tokens below
 
         def prefill():
             return model.prefill(ids)
@@ -131,6 +155,10 @@ def worker(who, folder, dtype, batch, T, n_new):
         t = time.perf_counter()
         prefill()
         pre = time.perf_counter() - t
+        if who != "subquad" and who != "transformers":        # compile outside the timing, every shape the
+            t = time.perf_counter()                            # timed runs meet (a KV cache's: static, dynamic)
+            gen(n_new)
+            compile_s = time.perf_counter() - t
         t = time.perf_counter()
         gen(1)
         one = time.perf_counter() - t
@@ -138,8 +166,10 @@ def worker(who, folder, dtype, batch, T, n_new):
         gen(n_new)
         many = time.perf_counter() - t
     peak = _peak_mb()
-    print(json.dumps({"prefill_tok_s": batch * T / pre, "decode_ms": 1e3 * (many - one) / (n_new - 1),
-                      "peak_mb": peak}))
+    out = {"prefill_tok_s": batch * T / pre, "decode_ms": 1e3 * (many - one) / (n_new - 1), "peak_mb": peak}
+    if who != "subquad" and who != "transformers":
+        out["compile_s"] = compile_s
+    print(json.dumps(out))
 
 
 def _peak_mb():
@@ -158,12 +188,12 @@ def run_worker(*args, python=sys.executable):
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def llama_cpp(folder, args, T, n_new):
-    """float32 GGUF of the folder (its converter), then prefill/decode at batch 1 in llama-cpp-python's
-    Python; None (and why) where the converter or the runtime refuses the model."""
-    gguf = Path(folder).with_suffix(".gguf")
+def llama_cpp(folder, args, T, n_new, outtype="f32"):
+    """The folder's GGUF (its converter; ``outtype`` f32 or q8_0), then prefill/decode at batch 1 in
+    llama-cpp-python's Python; None (and why) where the converter or the runtime refuses the model."""
+    gguf = Path(folder).with_suffix(f".{outtype}.gguf")
     conv = subprocess.run([sys.executable, str(Path(args.llama_src) / "convert_hf_to_gguf.py"), str(folder),
-                           "--outfile", str(gguf), "--outtype", "f32"], capture_output=True, text=True,
+                           "--outfile", str(gguf), "--outtype", outtype], capture_output=True, text=True,
                           env={**os.environ, "PYTHONPATH": str(Path(args.llama_src) / "gguf-py")})
     if conv.returncode:
         return {"error": "convert_hf_to_gguf.py: " + conv.stderr.strip().splitlines()[-1][:200]}
@@ -219,43 +249,60 @@ def main(argv=None):
             hf.save_pretrained(folder)
             params = sum(p.numel() for p in hf.parameters())
             active = params
+            int8_bytes = 0                                         # quantize="int8": 1 byte a quantised weight
+            from subquad.models.quant import MIN_WEIGHTS
+            for n, p in hf.named_parameters():
+                int8_bytes += p.numel() * (1 if p.dim() >= 2 and p[0].numel() * (p.shape[0] if p.dim() == 2 else
+                                                                                   p.shape[1]) >= MIN_WEIGHTS else 4)
             if getattr(hf.config, "num_experts_per_tok", None):    # a token reads its top-k experts only
                 moe = sum(p.numel() for n, p in hf.named_parameters() if ".experts." in n)
                 E = getattr(hf.config, "num_experts", None) or hf.config.num_local_experts
                 active = params - moe + moe * hf.config.num_experts_per_tok // E
+                int8_bytes -= moe - moe * hf.config.num_experts_per_tok // E
             del hf
             for dtype in args.dtypes.split(","):
                 for batch in map(int, args.batches.split(",")):
                     T, n_new = ((64, 16) if args.quick else (2048, 256)) if batch == 1 else \
                         ((32, 8) if args.quick else (512, 64))
+                    nbytes = int8_bytes if dtype == "int8" else active * torch.finfo(getattr(torch, dtype)).bits // 8
                     row = {"model": kind, "dtype": dtype, "batch": batch, "T": T, "new": n_new,
-                           "parameters": params, "active_parameters": active,
-                           "bound_ms": 1e3 * active * torch.finfo(getattr(torch, dtype)).bits / 8 / (gbps * 1e9)}
+                           "parameters": params, "active_parameters": active, "bytes_per_token": nbytes,
+                           "bound_ms": 1e3 * nbytes / (gbps * 1e9)}
+                    whos = ("subquad-int8",) if dtype == "int8" else ("subquad", "subquad-compiled", "transformers")
                     for _ in range(args.repeats):
-                        for who in ("subquad", "transformers"):
+                        for who in whos:
                             r = run_worker(who, folder, dtype, batch, T, n_new)
                             best = row.setdefault(who, r)
                             best["prefill_tok_s"] = max(best["prefill_tok_s"], r["prefill_tok_s"])
                             best["decode_ms"] = min(best["decode_ms"], r["decode_ms"])
                             best["peak_mb"] = min(best["peak_mb"], r["peak_mb"])
-                    if args.llama_python and args.llama_src and dtype == "float32" and batch == 1:
-                        row["llama.cpp"] = llama_cpp(folder, args, T, n_new)
+                    if args.llama_python and args.llama_src and dtype in ("float32", "int8") and batch == 1:
+                        row["llama.cpp"] = llama_cpp(folder, args, T, n_new, "f32" if dtype == "float32" else "q8_0")
                     res["rows"].append(row)
                     print(json.dumps(row), flush=True)
     md = [f"{machine}; read bandwidth {gbps:.1f} GB/s. Random weights at the real shapes; batch 1: prefill "
           "2,048 tokens then 256 greedy tokens, batch 8: 512 then 64; best of "
-          f"{args.repeats} interleaved runs, each in its own process (peak = its resident memory).", "",
-          "| model | dtype | batch | prefill tok/s: subquad | transformers | ratio | decode ms/step: subquad | "
-          "transformers | ratio | bound | peak MB: subquad | transformers | llama.cpp f32: prefill tok/s, "
-          "decode ms |", "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+          f"{args.repeats} runs, each in its own process (peak = its resident memory). subquad: eager, compiled "
+          "(compile_decode), int8 (quantize='int8', compiled); llama.cpp: the float32 GGUF in float32 rows, Q8_0 "
+          "in int8 rows; bound = bytes a token reads / the read bandwidth.", "",
+          "| model | dtype | batch | prefill tok/s: subquad | transformers | llama.cpp | decode ms/step: subquad "
+          "eager | compiled | transformers | llama.cpp | bound | fastest / bound | peak MB: subquad | "
+          "transformers |", "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+
+    def cell(r, key, fmt):
+        return "" if r is None or key not in r else fmt.format(r[key])
+
     for r in res["rows"]:
-        s, h, ll = r["subquad"], r["transformers"], r.get("llama.cpp")
-        lc = "" if ll is None else (ll["error"] if "error" in ll else
-                                    f"{ll['prefill_tok_s']:,.0f}, {ll['decode_ms']:.1f}")
-        md.append(f"| {r['model']} | {r['dtype']} | {r['batch']} | {s['prefill_tok_s']:,.0f} | "
-                  f"{h['prefill_tok_s']:,.0f} | {s['prefill_tok_s'] / h['prefill_tok_s']:.2f}x | "
-                  f"{s['decode_ms']:.1f} | {h['decode_ms']:.1f} | {h['decode_ms'] / s['decode_ms']:.2f}x | "
-                  f"{r['bound_ms']:.1f} | {s['peak_mb']:,.0f} | {h['peak_mb']:,.0f} | {lc} |")
+        ll = r.get("llama.cpp")
+        lp = (ll["error"] if ll and "error" in ll else cell(ll, "prefill_tok_s", "{:,.0f}"))
+        sq = r.get("subquad") or r.get("subquad-int8")
+        fast = r.get("subquad-compiled") or r.get("subquad-int8")
+        h = r.get("transformers")
+        md.append(f"| {r['model']} | {r['dtype']} | {r['batch']} | {sq['prefill_tok_s']:,.0f} | "
+                  f"{cell(h, 'prefill_tok_s', '{:,.0f}')} | {lp} | {cell(r.get('subquad'), 'decode_ms', '{:.1f}')} | "
+                  f"{fast['decode_ms']:.1f} | {cell(h, 'decode_ms', '{:.1f}')} | {cell(ll, 'decode_ms', '{:.1f}')} | "
+                  f"{r['bound_ms']:.1f} | {fast['decode_ms'] / r['bound_ms']:.2f}x | {sq['peak_mb']:,.0f} | "
+                  f"{cell(h, 'peak_mb', '{:,.0f}')} |")
     (args.out / f"{args.name}{suffix}.json").write_text(json.dumps(res, indent=2))
     (args.out / f"{args.name}{suffix}.md").write_text("\n".join(md) + "\n")
     print("\n" + "\n".join(md))

@@ -60,6 +60,19 @@ def test_every_stream_equals_generate_alone(kind):
     assert engine.active == 0 and engine.batch_state is None
 
 
+def test_the_compiled_step_serves_the_same_streams():
+    """The engine through ``compile_decode``'s graph (batches that grow and shrink, a ragged KV cache): every
+    stream's tokens still equal the eager model's ``generate`` alone."""
+    from subquad.models.decode import compile_decode
+
+    eager = model_of("bamba")
+    fast = compile_decode(model_of("bamba"))
+    reqs = requests(10, seed=1)
+    seqs = run_all(Engine(fast, max_batch=4, prefill_chunk=16, state_cache_mb=0), reqs)
+    for (prompt, p), seq in zip(reqs, seqs):
+        assert seq.tokens == alone(eager, prompt, p), (prompt, p)
+
+
 @pytest.mark.parametrize("kind", ["mamba2", "bamba"])
 def test_a_cached_prefix_resumes_exactly_and_prefills_only_the_rest(kind):
     model = model_of(kind)
