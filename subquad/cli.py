@@ -361,6 +361,8 @@ def cmd_generate(args) -> int:
 
 
 def cmd_serve(args) -> int:
+    """subquad serve: load the model, build the engine (memory budget: --memory-mb, else half of what is
+    available), serve until SIGTERM."""
     from pathlib import Path
 
     import torch
@@ -371,7 +373,7 @@ def cmd_serve(args) -> int:
         raise ValueError("give one of --run (a subquad run) or --model (a Hugging Face model folder)")
     try:
         from subquad.serve import Engine
-        from subquad.serve.server import run
+        from subquad.serve.server import default_memory_mb, end_of_text_ids, run
     except ImportError as e:
         raise ValueError(f"subquad serve needs the serve extra (pip install 'subquad[serve]'): {e}") from None
     chat_template = None
@@ -389,8 +391,10 @@ def cmd_serve(args) -> int:
             raise ValueError(f"--run {args.run} does not exist")
         model, tok, _ = load_run(args.run, device=args.device)
     name = args.served_model_name or Path(args.model or args.run).resolve().name
+    memory_mb = default_memory_mb(args.device) if args.memory_mb is None else args.memory_mb or None  # 0: none
     engine = Engine(model, tok, max_batch=args.max_batch, max_queue=args.max_queue, max_context=args.max_context,
-                    prefill_chunk=args.prefill_chunk, state_cache_mb=args.state_cache_mb, memory_mb=args.memory_mb)
+                    prefill_chunk=args.prefill_chunk, state_cache_mb=args.state_cache_mb, memory_mb=memory_mb,
+                    eos_ids=end_of_text_ids(model, tok))
     return run(engine, name, host=args.host, port=args.port, chat_template=chat_template, api_key=args.api_key,
                drain_timeout=args.drain_timeout)
 
@@ -650,6 +654,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.set_defaults(fn=cmd_generate)
 
     v = command("serve", "an OpenAI-compatible HTTP server: continuous batching, prefix-state reuse")
+    v.description += ("\n\nfinish_reason: \"stop\" (end of text or a stop string), \"length\" (max_tokens or the\n"
+                      "context), \"abort\" (still running when a SIGTERM's --drain-timeout ran out) or \"error\"\n"
+                      "(the engine failed on that request; the others and the server go on).")
     v.add_argument("--run", help="run folder (or one of its checkpoints)")
     v.add_argument("--model", help="a Hugging Face model folder (its tokenizer.json and chat template are used)")
     v.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float64"],
@@ -666,7 +673,9 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--state-cache-mb", type=_nonneg_float, default=256.0,
                    help="bound of the prefix-state cache, exact bytes (0: no cache)")
     v.add_argument("--memory-mb", type=_nonneg_float,
-                   help="admission budget for live states plus the cache (default: no bound but the cache's)")
+                   help="admission budget for live states (KV buffers as allocated, twice while the batch changes) "
+                        "plus the prefix cache; 0: no bound (default: half the memory available at start - "
+                        "MemAvailable in /proc/meminfo, or the GPU's free memory - and no bound where unknown)")
     v.add_argument("--drain-timeout", type=_nonneg_float, default=10.0,
                    help="seconds accepted requests may run on after SIGTERM")
     _device_flag(v)

@@ -9,6 +9,7 @@ arrives and takes it out when it ends; both are these two functions.
 
     batch = cat_states([s1, s2, s3])         # three sequences, one batch: step them together
     s2_again = select_rows(batch, [1])       # one row back out, its padding dropped
+    batch = with_capacity(batch, 4096)       # KV buffers sized once: steps up to 4096 tokens never reallocate
 
 The states passed in are never modified (the new state shares no buffer a later step writes to:
 tensors are concatenated or indexed into new ones, caches re-stacked into new buffers).
@@ -113,6 +114,23 @@ def select_rows(state, rows: list[int]):
     device = index.device if index is not None else next(
         c for layer in layers for c in layer.values()).k.device
     return ModelState(layers, pos=_pos(positions, device))
+
+
+def with_capacity(state, tokens: int):
+    """The same state with room in each KV cache for ``tokens`` tokens (every row, padding included), so the
+    appends of later steps and prefills write in place instead of doubling the buffers: the bytes a server
+    counts for a batch are then the bytes it holds. Each cache is a fork of the input's (``KVCache.reserve``:
+    new buffers when it lacks the room); a fixed-size tensor is shared with ``state`` unless it is a view of a
+    larger buffer (a convolution's tail, sliced from its input), which is copied out so the state holds its
+    own bytes only. ``state`` is not modified. A windowed cache keeps its 2W buffer."""
+    from subquad.models.lm import ModelState
+
+    def own(t):
+        return t if t.untyped_storage().nbytes() <= t.nelement() * t.element_size() else t.clone()
+
+    layers = [{key: v.fork().reserve(tokens) if isinstance(v, KVCache) else own(v) for key, v in layer.items()}
+              for layer in state]
+    return ModelState(layers, pos=getattr(state, "pos", 0))
 
 
 def state_nbytes(state) -> int:

@@ -6,7 +6,8 @@
 Requests are checked in ``protocol``; every refusal is OpenAI's error body with the offending field in
 ``param``. The engine runs in its own thread and hands events to the request's asyncio queue. A client
 that goes away cancels its request: a stream when the response task is cancelled, a plain request when
-the connection reports the disconnect. With an API key, /v1 routes need ``Authorization: Bearer KEY``
+the connection reports the disconnect (asked every ``DISCONNECT_POLL`` seconds, whether or not tokens are
+arriving). With an API key, /v1 routes need ``Authorization: Bearer KEY``
 (/health and /metrics stay open for probes and scrapers).
 """
 
@@ -21,6 +22,7 @@ from subquad.serve.engine import Engine, Event, NotAccepting, QueueFull
 from subquad.serve.protocol import APIError, Parsed, bad, parse_body, parse_chat, parse_completion
 
 MAX_BODY = 8 * 2 ** 20
+DISCONNECT_POLL = 0.25   # seconds between a plain (non-streamed) request's checks that its client is still there
 
 METRICS = [  # name, type, help
     ("queue_length", "gauge", "Requests waiting for a batch slot."),
@@ -35,6 +37,8 @@ METRICS = [  # name, type, help
     ("finished_total", "counter", "Requests that ended by themselves (stop or length)."),
     ("cancelled_total", "counter", "Requests cancelled (client gone) or aborted at shutdown."),
     ("errors_total", "counter", "Requests ended by an engine error."),
+    ("decode_steps_total", "counter", "Batched decoding steps."),
+    ("decode_rows_total", "counter", "Rows stepped, summed over decoding steps (/ steps: the mean batch)."),
     ("prefill_tokens_total", "counter", "Prompt tokens prefilled (not taken from the prefix cache)."),
     ("generated_tokens_total", "counter", "Tokens generated."),
     ("prefix_cache_hits_total", "counter", "Requests that resumed from a cached prefix state."),
@@ -44,6 +48,7 @@ METRICS = [  # name, type, help
 
 
 def metrics_text(values: dict, prefix: str = "subquad_") -> str:
+    """The engine's metrics in Prometheus' text format, each with its HELP and TYPE lines."""
     lines = []
     for name, kind, help in METRICS:
         lines += [f"# HELP {prefix}{name} {help}", f"# TYPE {prefix}{name} {kind}", f"{prefix}{name} {values[name]}"]
@@ -62,18 +67,22 @@ def create_app(engine: Engine, model_name: str, chat_template=None, api_key: str
 
     @app.exception_handler(APIError)
     async def _api_error(request, e: APIError):
+        """A refusal of ours: OpenAI's error body, its status and headers (Retry-After, WWW-Authenticate)."""
         return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request, e):
+        """Starlette's own errors (404 route, 405 method) in OpenAI's error shape too."""
         return JSONResponse(APIError(e.status_code, str(e.detail)).body(), status_code=e.status_code)
 
     @app.exception_handler(Exception)
     async def _internal(request, e):
+        """A bug: 500 in OpenAI's shape, naming the exception's type only (no traceback to the client)."""
         return JSONResponse(APIError(500, f"internal error: {type(e).__name__}", type="server_error").body(),
                             status_code=500)
 
     def authorize(request: Request):
+        """401 unless the request carries the API key (compared in constant time); open without a key."""
         if api_key is None:
             return
         got = request.headers.get("authorization", "")
@@ -82,6 +91,7 @@ def create_app(engine: Engine, model_name: str, chat_template=None, api_key: str
                            code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
 
     async def read(request: Request) -> dict:
+        """The authorised request's JSON object body, at most ``MAX_BODY`` bytes (else 4xx)."""
         authorize(request)
         raw = await request.body()
         if len(raw) > MAX_BODY:
@@ -89,19 +99,25 @@ def create_app(engine: Engine, model_name: str, chat_template=None, api_key: str
         return parse_body(raw)
 
     def check_model(name):
+        """404 for a model name this server does not serve (OpenAI's model_not_found)."""
         if name != model_name:
             raise APIError(404, f"the model {name!r} does not exist; this server serves {model_name!r}", "model",
                            code="model_not_found")
 
     def encode(text: str, special: bool, field: str) -> list[int]:
+        """Text -> token ids, or a 400 naming ``field`` (no tokenizer, text it cannot encode, no tokens)."""
         if tok is None:
             raise bad(field, f"{field}: this model has no tokenizer; send token ids")
-        ids = tok.encode(text, add_special_tokens=special).ids
+        try:
+            ids = tok.encode(text, add_special_tokens=special).ids
+        except (TypeError, ValueError, UnicodeError) as e:      # protocol refuses lone surrogates before this
+            raise bad(field, f"{field}: the tokenizer cannot encode this text ({type(e).__name__})") from None
         if not ids:
             raise bad(field, f"{field} encodes to no token")
         return ids
 
     def submit(parsed: Parsed, ids: list[int], field: str, on_event):
+        """Hand the request to the engine, its refusals turned into HTTP errors (429, 503, 400 by field)."""
         p = parsed.params
         if not parsed.max_tokens_given and field == "messages":   # chat: up to the context, as OpenAI's default
             p.max_tokens = max(1, engine.max_context - len(ids))
@@ -118,10 +134,12 @@ def create_app(engine: Engine, model_name: str, chat_template=None, api_key: str
             raise bad(param, str(e)) from None
 
     async def run(request: Request, parsed: Parsed, ids: list[int], field: str, render):
+        """Submit and answer: a server-sent event stream, or the whole response once the request ends."""
         loop = asyncio.get_running_loop()
         events: asyncio.Queue = asyncio.Queue()
 
         def on_event(ev: Event):
+            """From the engine's thread: queue the event on this request's event loop."""
             try:
                 loop.call_soon_threadsafe(events.put_nowait, ev)
             except RuntimeError:            # the event loop is gone (shutdown): nobody is listening
@@ -132,14 +150,18 @@ def create_app(engine: Engine, model_name: str, chat_template=None, api_key: str
         if parsed.stream:
             return StreamingResponse(_stream(seq, events, render, rid, now, parsed.include_usage),
                                      media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-        out = []
+        out, check_at = [], time.monotonic() + DISCONNECT_POLL
         try:
             while True:
                 try:
-                    ev = await asyncio.wait_for(events.get(), 0.5)
+                    ev = await asyncio.wait_for(events.get(), DISCONNECT_POLL)
                 except asyncio.TimeoutError:
+                    ev = None
+                if time.monotonic() >= check_at:            # asked on a clock: tokens may never stop arriving
+                    check_at = time.monotonic() + DISCONNECT_POLL
                     if await request.is_disconnected():
                         return JSONResponse({}, status_code=499)
+                if ev is None:
                     continue
                 out.append(ev)
                 if ev.finish_reason is not None:
@@ -150,6 +172,7 @@ def create_app(engine: Engine, model_name: str, chat_template=None, api_key: str
         return JSONResponse(render.whole(rid, now, out, usage(seq)))
 
     async def _stream(seq, events, render, rid, now, include_usage):
+        """The server-sent events of one request, "data: [DONE]" last; cancels it if the client goes away."""
         try:
             first = True
             while True:
@@ -167,12 +190,14 @@ def create_app(engine: Engine, model_name: str, chat_template=None, api_key: str
                 engine.cancel(seq)
 
     def usage(seq) -> dict:
+        """OpenAI's usage object, with the prompt tokens resumed from the prefix cache."""
         return {"prompt_tokens": len(seq.prompt), "completion_tokens": len(seq.tokens),
                 "total_tokens": len(seq.prompt) + len(seq.tokens),
                 "prompt_tokens_details": {"cached_tokens": seq.cached_tokens}}
 
     @app.post("/v1/completions")
     async def completions(request: Request):
+        """POST /v1/completions: a text prompt (encoded with special tokens) or token ids."""
         parsed = parse_completion(await read(request), engine.max_context)
         check_model(parsed.model)
         ids = parsed.prompt if isinstance(parsed.prompt, list) else encode(parsed.prompt, True, "prompt")
@@ -180,6 +205,7 @@ def create_app(engine: Engine, model_name: str, chat_template=None, api_key: str
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request):
+        """POST /v1/chat/completions: messages rendered by the folder's chat template, then encoded as is."""
         parsed = parse_chat(await read(request), engine.max_context)
         check_model(parsed.model)
         if chat_template is None:
@@ -195,18 +221,21 @@ def create_app(engine: Engine, model_name: str, chat_template=None, api_key: str
 
     @app.get("/v1/models")
     async def models(request: Request):
+        """GET /v1/models: the one model served, with its max context."""
         authorize(request)
         return {"object": "list", "data": [{"id": model_name, "object": "model", "created": created,
                                             "owned_by": "subquad", "max_model_len": engine.max_context}]}
 
     @app.get("/health")
     async def health():
+        """GET /health: 200 while accepting, 503 while draining (load balancers stop sending)."""
         if not engine.accepting:
             return JSONResponse({"status": "draining"}, status_code=503)
         return {"status": "ok"}
 
     @app.get("/metrics")
     async def metrics():
+        """GET /metrics: Prometheus text, open without the key for scrapers."""
         return PlainTextResponse(metrics_text(engine.metrics()), media_type="text/plain; version=0.0.4")
 
     return app
@@ -218,12 +247,15 @@ class _Completion:
     prefix = "cmpl-"
 
     def __init__(self, model, tok):
+        """The served model's name and the tokenizer (None: tokens are named "token_id:N")."""
         self.model, self.tok = model, tok
 
     def _token(self, t):
+        """A token as completions' logprobs name it: its text, special tokens included."""
         return self.tok.decode([t], skip_special_tokens=False) if self.tok is not None else f"token_id:{t}"
 
     def _logprobs(self, events, offset=0):
+        """The logprobs object for these events (None when not asked): tokens, their log-probs, tops, offsets."""
         evs = [e for e in events if e.token is not None and e.logprob is not None]
         if not evs:
             return None
@@ -236,21 +268,25 @@ class _Completion:
                 "text_offset": offsets}
 
     def _obj(self, rid, now, choices, usage=None):
+        """A text_completion object around these choices."""
         out = {"id": rid, "object": "text_completion", "created": now, "model": self.model, "choices": choices}
         if usage is not None:
             out["usage"] = usage
         return out
 
     def whole(self, rid, now, events, usage):
+        """The non-streamed response: every event's text joined, the last event's finish_reason."""
         choice = {"index": 0, "text": "".join(e.text for e in events), "logprobs": self._logprobs(events),
                   "finish_reason": events[-1].finish_reason}
         return self._obj(rid, now, [choice], usage)
 
     def chunks(self, rid, now, ev, first):
+        """The stream chunks of one event (one per event)."""
         return [self._obj(rid, now, [{"index": 0, "text": ev.text, "logprobs": self._logprobs([ev]),
                                       "finish_reason": ev.finish_reason}])]
 
     def usage_chunk(self, rid, now, usage):
+        """The last chunk of a stream with include_usage: no choices, the usage."""
         return self._obj(rid, now, [], usage)
 
 
@@ -260,20 +296,24 @@ class _Chat:
     prefix = "chatcmpl-"
 
     def __init__(self, model):
+        """The served model's name."""
         self.model = model
 
     def _obj(self, rid, now, kind, choices, usage=None):
+        """A chat.completion(.chunk) object around these choices."""
         out = {"id": rid, "object": kind, "created": now, "model": self.model, "choices": choices}
         if usage is not None:
             out["usage"] = usage
         return out
 
     def whole(self, rid, now, events, usage):
+        """The non-streamed response: the assistant message, the last event's finish_reason."""
         choice = {"index": 0, "message": {"role": "assistant", "content": "".join(e.text for e in events)},
                   "logprobs": None, "finish_reason": events[-1].finish_reason}
         return self._obj(rid, now, "chat.completion", [choice], usage)
 
     def chunks(self, rid, now, ev, first):
+        """The stream chunks of one event: the role first, then content deltas and the finish_reason."""
         out = []
         if first:
             out.append(self._obj(rid, now, "chat.completion.chunk",
@@ -286,4 +326,5 @@ class _Chat:
         return out
 
     def usage_chunk(self, rid, now, usage):
+        """The last chunk of a stream with include_usage: no choices, the usage."""
         return self._obj(rid, now, "chat.completion.chunk", [], usage)

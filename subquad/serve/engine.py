@@ -10,15 +10,27 @@
 One loop iteration (``step``), vLLM's scheduler in miniature:
 
 1. Cancelled requests leave (their rows are dropped from the batch state).
-2. Admission: waiting requests join while the batch has room and the memory budget (states of every live
-   row at its longest, plus the prefix cache) allows; each resumes from the longest cached prefix of its
-   prompt (``PrefixCache``).
+2. Admission: waiting requests join while the batch has room and the memory budget (below) allows; each
+   resumes from the longest cached prefix of its prompt (``PrefixCache``).
 3. Chunked prefill: at most ``prefill_chunk`` prompt tokens are prefilled per iteration, one request at a
    time, so a long prompt is spread over many iterations and never stalls the rows that are decoding. A
    request whose prompt is done samples its first token and joins the batch (``rows.cat_states``).
 4. One decoding step for every row together (``LanguageModel.step``); each row samples its token with
    its own generator (``RowSampler``), finished rows leave (``rows.select_rows``) and their state is kept
    in the prefix cache under the tokens it has consumed.
+
+Memory. Every KV cache the engine holds is sized once for the longest ``prompt + max_tokens`` among the rows
+it serves (``rows.with_capacity``: a left-padded batch holds every row as long as its longest), so steps and
+prefill chunks append in place and never double a buffer. A row then holds ``held_bytes``: its fixed-size
+state plus those KV buffers (a sliding window's buffer is 2W). Joining, leaving and each step hold the old
+and the new state at once for a moment, so admission keeps ``2 x held_bytes(live rows) + prefix cache <=
+memory budget``, and a state goes into the prefix cache only within what that leaves (LRU entries are
+evicted first, else it is not kept). The budget covers states and the cache, not the weights nor a step's
+activations (an attention layer's keys and values, its grouped heads repeated, one layer at a time).
+
+Faults. Every accepted request gets exactly one final event. A request whose own work fails (its prefill,
+its sampling: say NaN logits) ends with finish_reason "error" and the others go on; a failure of the
+batched step itself ends the rows in the batch with "error"; the loop never stops.
 
 Each request's tokens equal ``model.generate(prompt, max_tokens, ...)`` run alone, greedy or seeded: the
 same sampling calls on the same logits. The logits themselves agree to float rounding, not bit for bit - a
@@ -38,7 +50,7 @@ from dataclasses import dataclass
 
 import torch
 
-from subquad.models.rows import cat_states, select_rows, state_nbytes
+from subquad.models.rows import cat_states, select_rows, state_nbytes, with_capacity
 from subquad.ops import KVCache
 from subquad.serve.prefix_cache import PrefixCache
 from subquad.serve.sampling import RowSampler, SamplingParams, logprobs_of
@@ -72,6 +84,7 @@ class Sequence:
     _ids = itertools.count()
 
     def __init__(self, prompt: list[int], params: SamplingParams, sampler: RowSampler, text, on_event):
+        """Its prompt ids, parameters, sampler, text stream (None without a tokenizer) and event callback."""
         self.id = next(Sequence._ids)
         self.prompt, self.params, self.sampler, self.text = prompt, params, sampler, text
         self.tokens: list[int] = []
@@ -87,9 +100,11 @@ class Sequence:
 
     @property
     def max_len(self) -> int:
+        """Tokens its state can reach: the prompt and every token it may generate (what memory is sized for)."""
         return len(self.prompt) + self.params.max_tokens
 
     def _push(self, event: Event):
+        """Hand an event to its consumer (the callback, else the queue ``Engine.stream`` reads)."""
         if event.finish_reason is not None:
             self.finish_reason = event.finish_reason
         (self.on_event or self.events.put)(event)
@@ -98,12 +113,14 @@ class Sequence:
 class Engine:
     """Continuous batching over ``model`` (see the module doc). ``tokenizer``: a ``tokenizers.Tokenizer``
     for text and stop strings (None: tokens only). ``memory_mb``: the budget for live states plus the
-    prefix cache (None: no limit but ``state_cache_mb``). ``eos_ids``: default the model's
+    prefix cache (module doc; None: no limit but ``state_cache_mb``; ``subquad serve`` defaults it to half
+    the memory available, ``available_memory_bytes``). ``eos_ids``: default the model's
     ``config.eos_token_ids``."""
 
     def __init__(self, model, tokenizer=None, *, max_batch: int = 16, max_queue: int = 64, max_context: int = 4096,
                  prefill_chunk: int = 512, state_cache_mb: float = 256.0, memory_mb: float | None = None,
                  eos_ids=None):
+        """Check the limits, measure one row's state and set up the queues (the loop starts with ``start``)."""
         for name, v in (("max_batch", max_batch), ("max_context", max_context), ("prefill_chunk", prefill_chunk)):
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"{name} must be an int >= 1, got {v!r}")
@@ -123,8 +140,9 @@ class Engine:
         self.budget = None if memory_mb is None else int(memory_mb * 2 ** 20)
         self.cache = PrefixCache(int(state_cache_mb * 2 ** 20))
         self.eos = set(model.config.eos_token_ids if eos_ids is None else eos_ids)
-        self._fixed_bytes, self._kv_layers = self._measure_row()
+        self._fixed_bytes, self._fixed_held, self._kv_layers = self._measure_row()
         self._inbox: deque = deque()       # submitted, not yet seen by the loop
+        self._unfinished: dict = {}        # id -> every accepted Sequence without its final event yet
         self._lock = threading.Lock()
         self._wake = threading.Event()
         self.waiting: deque = deque()
@@ -133,7 +151,8 @@ class Engine:
         self.batch_state = None
         self.accepting, self._deadline, self._thread, self._stop = True, None, None, False
         self.drained = threading.Event()
-        self.counters = dict(requests=0, prefill_tokens=0, generated_tokens=0, finished=0, cancelled=0, errors=0)
+        self.counters = dict(requests=0, prefill_tokens=0, generated_tokens=0, finished=0, cancelled=0, errors=0,
+                             decode_steps=0, decode_rows=0)
         self.state_bytes = 0
         self._recent: deque = deque()      # (time, tokens generated) over the last seconds: tokens/s
 
@@ -156,10 +175,10 @@ class Engine:
                              f"max context of {self.max_context}")
         if params.stop and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer; this model has none")
-        if self.budget is not None and self._reserve([len(prompt) + params.max_tokens]) > self.budget:
+        if self.budget is not None and 2 * self.held_bytes([len(prompt) + params.max_tokens]) > self.budget:
             raise ValueError(f"max_tokens={params.max_tokens}: the prompt and max_tokens need "
-                             f"{self._reserve([len(prompt) + params.max_tokens]):,} bytes of state, over the "
-                             f"memory budget of {self.budget:,}")
+                             f"{self.held_bytes([len(prompt) + params.max_tokens]):,} bytes of state (twice that "
+                             f"while the batch changes), over the memory budget of {self.budget:,}")
         text = None
         if self.tokenizer is not None:
             text = TextStream(lambda ids: self.tokenizer.decode(ids, skip_special_tokens=True), params.stop)
@@ -170,6 +189,7 @@ class Engine:
             if len(self.waiting) + len(self._inbox) >= self.max_queue + max(0, self.max_batch - self.active):
                 raise QueueFull(f"{self.max_queue} requests are already waiting")
             self._inbox.append(seq)
+            self._unfinished[seq.id] = seq
             self.counters["requests"] += 1
         self._wake.set()
         return seq
@@ -189,10 +209,12 @@ class Engine:
 
     @property
     def active(self) -> int:
+        """Requests holding a state: prefilling or decoding."""
         return len(self.prefilling) + len(self.running)
 
     @property
     def queue_length(self) -> int:
+        """Requests accepted and waiting for a slot."""
         return len(self.waiting) + len(self._inbox)
 
     def start(self) -> "Engine":
@@ -204,11 +226,14 @@ class Engine:
 
     def drain(self, timeout: float) -> None:
         """Stop accepting; requests already accepted run on for up to ``timeout`` seconds, then end with a final
-        "abort" event. ``drained`` is set when none is left."""
-        with self._lock:
-            self.accepting = False
-            self._deadline = time.monotonic() + max(0.0, timeout)
-        self._wake.set()
+        "abort" event. ``drained`` is set when none is left.
+
+        Safe in a signal handler: it only sets two attributes - no lock, no ``Event.set`` (uvicorn runs its
+        SIGTERM handler on the main thread, which may be inside ``submit`` holding ``_lock`` or inside
+        ``_wake.set()`` holding the event's lock, and neither is reentrant). The loop sees it within its
+        0.05 s poll; a request that passed ``submit``'s check just before is still served or aborted."""
+        self._deadline = time.monotonic() + max(0.0, timeout)
+        self.accepting = False
 
     def stop(self, timeout: float = 10.0) -> None:
         """End the loop's thread (after ``drain``, once drained)."""
@@ -218,6 +243,7 @@ class Engine:
             self._thread.join(timeout)
 
     def tokens_per_second(self, window: float = 10.0) -> float:
+        """Tokens generated per second over the last ``window`` seconds."""
         now = time.monotonic()
         recent = [(t, n) for t, n in list(self._recent) if now - t <= window]
         return sum(n for _, n in recent) / window if recent else 0.0
@@ -225,10 +251,11 @@ class Engine:
     # -- the loop ---------------------------------------------------------------------------------------
 
     def _run(self):
+        """The loop's thread: step while there is work, else wait for a submit (or 0.05 s)."""
         while not self._stop:
             try:
                 busy = self.step()
-            except Exception:                       # a bug or an allocation failure: end every request, go on
+            except Exception:                       # a bug outside any one request's work: end them all, go on
                 traceback.print_exc()
                 self._fail_all()
                 busy = False
@@ -246,13 +273,7 @@ class Engine:
         if self._deadline is not None and time.monotonic() >= self._deadline:
             self._abort_all()
         self._admit()
-        joiners = self._prefill()
-        if joiners:
-            states = [s.state for s in joiners]
-            self.batch_state = cat_states(([self.batch_state] if self.batch_state is not None else []) + states)
-            self.running += joiners
-            for s in joiners:
-                s.state = None
+        self._join(self._prefill())
         self._decode()
         self._measure()
         if not self.accepting and not (self.waiting or self.active or self._inbox):
@@ -260,63 +281,127 @@ class Engine:
         return bool(self.waiting or self.active or self._inbox)
 
     def _admit(self):
+        """Move waiting requests to prefilling while the batch and the memory budget have room."""
         while self.waiting and self.active < self.max_batch:
             seq = self.waiting[0]
             if self.budget is not None:
-                live = self._reserve([s.max_len for s in self._live()] + [seq.max_len])
-                if live + self.cache.nbytes > self.budget:
-                    self.cache.evict(self.budget - live)
-                    if live + self.cache.nbytes > self.budget:
+                need = self._committed([seq.max_len])
+                if need + self.cache.nbytes > self.budget:
+                    self.cache.evict(self.budget - need)
+                    if need + self.cache.nbytes > self.budget:
                         break                       # wait until a row leaves
             self.waiting.popleft()
-            seq.prefilled, seq.state = self.cache.lookup(seq.prompt, max_len=len(seq.prompt) - 1)
-            seq.cached_tokens = seq.prefilled
             self.prefilling.append(seq)
+            try:
+                seq.prefilled, seq.state = self.cache.lookup(seq.prompt, max_len=len(seq.prompt) - 1)
+            except Exception:
+                self._fault(seq, self.prefilling)
+                continue
+            seq.cached_tokens = seq.prefilled
 
     def _prefill(self) -> list:
-        """Spend up to ``prefill_chunk`` prompt tokens; returns the requests whose prompt is done and who go on."""
+        """Spend up to ``prefill_chunk`` prompt tokens; returns the requests whose prompt is done and who go on.
+        A request stays in ``prefilling`` until it has its first token, so a failure finds it there."""
         budget, joiners = self.prefill_chunk, []
         while self.prefilling and budget > 0:
             seq = self.prefilling[0]
             n = min(len(seq.prompt) - seq.prefilled, budget)
-            ids = torch.tensor([seq.prompt[seq.prefilled:seq.prefilled + n]], dtype=torch.long, device=self.device)
-            logits, seq.state = self.model.prefill(ids, seq.state)
-            seq.prefilled += n
+            try:
+                self._prefill_one(seq, n)
+            except Exception:
+                self._fault(seq, self.prefilling)
+                continue
             budget -= n
-            self.counters["prefill_tokens"] += n
             if seq.prefilled == len(seq.prompt):
                 self.prefilling.popleft()
-                self.cache.insert(seq.prompt, seq.state)
-                self._emit(seq, logits[:, -1])
                 if seq.finish_reason is None:
                     joiners.append(seq)
-                else:
-                    self._finished(seq, seq.state)
+                else:                                       # done at its first token (its prompt state is kept)
+                    seq.state = None
+                    self._finished(seq, None)
         return joiners
 
+    def _prefill_one(self, seq: Sequence, n: int):
+        """Prefill the request's next ``n`` prompt tokens; at the prompt's end keep its state in the prefix
+        cache and sample its first token."""
+        ids = torch.tensor([seq.prompt[seq.prefilled:seq.prefilled + n]], dtype=torch.long, device=self.device)
+        if seq.state is not None:                   # its KV caches sized once: chunks append in place
+            seq.state = with_capacity(seq.state, seq.max_len)
+        logits, seq.state = self.model.prefill(ids, seq.state)
+        seq.state = with_capacity(seq.state, seq.max_len)
+        seq.prefilled += n
+        self.counters["prefill_tokens"] += n
+        if seq.prefilled == len(seq.prompt):
+            self._keep(seq.prompt, seq.state)
+            self._emit(seq, logits[:, -1])
+
+    def _join(self, joiners: list):
+        """The requests whose prompt is done join the batch, its KV caches sized for the new longest row."""
+        if not joiners:
+            return
+        try:
+            if self.batch_state is None and len(joiners) == 1:
+                joined = joiners[0].state                   # already sized for its own max_len
+            else:
+                joined = cat_states(([self.batch_state] if self.batch_state is not None else [])
+                                    + [s.state for s in joiners])
+        except Exception:                                   # the batch is as it was: the joiners fail
+            traceback.print_exc()
+            for s in joiners:
+                self._end(s, "error", "errors")
+            return
+        self.batch_state = joined                           # the old states go before the new one is sized
+        del joined
+        for s in joiners:
+            s.state = None
+        self.running += joiners
+        try:
+            self.batch_state = with_capacity(self.batch_state, max(s.max_len for s in self.running))
+        except Exception:                                   # still a valid state: its appends reallocate
+            traceback.print_exc()
+
     def _decode(self):
+        """One step of every running row; a row whose sampling fails ends with "error", finished rows leave."""
         if not self.running:
             return
         feed = torch.tensor([s.tokens[-1] for s in self.running], dtype=torch.long, device=self.device)
-        logits, self.batch_state = self.model.step(feed, self.batch_state)
+        try:
+            logits, self.batch_state = self.model.step(feed, self.batch_state)
+        except Exception:                                   # the batched step: no one row to blame
+            traceback.print_exc()
+            for s in self.running:
+                self._end(s, "error", "errors")
+            self.running, self.batch_state = [], None
+            return
+        self.counters["decode_steps"] += 1
+        self.counters["decode_rows"] += len(self.running)
         for i, seq in enumerate(self.running):
-            self._emit(seq, logits[i:i + 1])
+            try:
+                self._emit(seq, logits[i:i + 1])
+            except Exception:
+                traceback.print_exc()
+                self._end(seq, "error", "errors")
         self._recent.append((time.monotonic(), len(self.running)))
         done = [i for i, s in enumerate(self.running) if s.finish_reason is not None]
-        for i in done:
-            self._finished(self.running[i], select_rows(self.batch_state, [i]) if self.cache.max_bytes else None)
+        ended = {i: self.running[i] for i in done}
+        finals = {}
+        if self.cache.max_bytes:                            # one-row copies, compact: the cache takes them as they are
+            finals = {i: select_rows(self.batch_state, [i]) for i in done if ended[i].finish_reason != "error"}
         self._remove_rows(done)
+        for i, seq in ended.items():
+            if seq.finish_reason != "error":
+                self._finished(seq, finals.get(i))
 
     def _emit(self, seq: Sequence, row: torch.Tensor):
         """Sample the request's next token from its (1, vocab) logits and send the event."""
         tok = seq.sampler(row)
+        lp, top = (None, None)
+        if seq.params.logprobs is not None:
+            lp, top = logprobs_of(row, tok, seq.params.logprobs)
         seq.tokens.append(tok)
         if seq.first_token_at is None:
             seq.first_token_at = time.monotonic()
         self.counters["generated_tokens"] += 1
-        lp, top = (None, None)
-        if seq.params.logprobs is not None:
-            lp, top = logprobs_of(row, tok, seq.params.logprobs)
         text, stopped = seq.text.push(seq.tokens) if seq.text is not None else ("", False)
         finish = None
         if stopped or tok in self.eos:
@@ -325,22 +410,44 @@ class Engine:
             finish = "length"
         if finish is not None and not stopped and seq.text is not None:
             text += seq.text.flush()
-        seq._push(Event(tok, text, lp, top, finish))
+        self._send(seq, Event(tok, text, lp, top, finish))
+
+    def _send(self, seq: Sequence, event: Event):
+        """Deliver an event; the final one takes the request off the books. A consumer that raises loses its
+        request (cancelled), not the loop."""
+        if event.finish_reason is not None:
+            self._unfinished.pop(seq.id, None)
+        try:
+            seq._push(event)
+        except Exception:
+            traceback.print_exc()
+            seq.cancelled = True
 
     def _finished(self, seq: Sequence, state):
         """A request ended by itself: keep its state (prompt and every token but the last) for the next turn."""
         self.counters["finished"] += 1
         if state is not None and seq.tokens:
-            self.cache.insert(seq.prompt + seq.tokens[:-1], state)
+            self._keep(seq.prompt + seq.tokens[:-1], state, copy=False)
+
+    def _keep(self, tokens, state, copy: bool = True):
+        """Put a one-row state in the prefix cache within the room the memory budget leaves (module doc)."""
+        room = None if self.budget is None else self.budget - self._committed()
+        self.cache.insert(tokens, state, room=room, copy=copy)
 
     def _remove_rows(self, rows: list[int]):
+        """Take these rows out of the batch; the rest keep KV buffers sized for their own longest."""
         if not rows:
             return
         keep = [i for i in range(len(self.running)) if i not in set(rows)]
-        self.batch_state = select_rows(self.batch_state, keep) if keep else None
         self.running = [self.running[i] for i in keep]
+        if not keep:
+            self.batch_state = None
+            return
+        self.batch_state = select_rows(self.batch_state, keep)
+        self.batch_state = with_capacity(self.batch_state, max(s.max_len for s in self.running))
 
     def _drop_cancelled(self):
+        """End the cancelled requests wherever they are; their rows leave the batch."""
         for q in (self.waiting, self.prefilling):
             for seq in [s for s in q if s.cancelled]:
                 q.remove(seq)
@@ -351,11 +458,22 @@ class Engine:
         self._remove_rows(rows)
 
     def _end(self, seq: Sequence, reason: str, counter: str):
+        """Send a request's final event without a token ("abort" or "error") and drop its state."""
+        if seq.id not in self._unfinished:
+            return                                          # it has had its final event
         seq.state = None
         self.counters[counter] += 1
-        seq._push(Event(None, "", finish_reason=reason))
+        self._send(seq, Event(None, "", finish_reason=reason))
+
+    def _fault(self, seq: Sequence, where: deque):
+        """A request's own work raised: it leaves ``where`` with a final "error" event; the others go on."""
+        traceback.print_exc()
+        if seq in where:
+            where.remove(seq)
+        self._end(seq, "error", "errors")
 
     def _abort_all(self, reason: str = "abort", counter: str = "cancelled"):
+        """End every request the loop has seen (waiting, prefilling, running)."""
         for seq in list(self.waiting) + list(self.prefilling) + list(self.running):
             self._end(seq, reason, counter)
         self.waiting.clear()
@@ -363,42 +481,70 @@ class Engine:
         self.running, self.batch_state = [], None
 
     def _fail_all(self):
+        """After an error no request can be blamed for: end every accepted request that has not had its final
+        event - including any between two queues when it struck - with "error"."""
+        with self._lock:
+            self.waiting.extend(self._inbox)
+            self._inbox.clear()
+            pending = list(self._unfinished.values())
         self._abort_all("error", "errors")
+        for seq in pending:
+            self._end(seq, "error", "errors")
 
     def _live(self):
+        """The requests holding a state."""
         return list(self.prefilling) + self.running
 
     # -- memory -----------------------------------------------------------------------------------------
 
     def _measure_row(self):
-        """(bytes of one row's fixed-size state, [(bytes per token, window)] per attention cache), measured
-        from a one-token prefill."""
+        """(bytes of one row's fixed-size state compact, bytes it holds, [(bytes per token, window)] per attention
+        cache), measured from a one-token prefill and one more token. "Holds" counts whole storages: a step's
+        convolution tail is a view of its (1, W, C) input, a third larger than the tail; and a batched row has
+        an int64 position and, per cache, an int64 pad and row count."""
+        zero = torch.zeros(1, 1, dtype=torch.long, device=self.device)
         with torch.no_grad():
-            _, state = self.model.prefill(torch.zeros(1, 1, dtype=torch.long, device=self.device))
-        fixed, kv = 0, []
-        for layer in state:
+            first = self.model.prefill(zero)[1]
+            states = [first, self.model.prefill(zero, first)[1]]    # eager: the step as prefill of one token
+        fixed, kv, held = 0, [], []
+        for state in states:
+            storages = {}
+            for layer in state:
+                for v in layer.values():
+                    if not isinstance(v, KVCache):
+                        storages[v.untyped_storage().data_ptr()] = v.untyped_storage().nbytes()
+            held.append(sum(storages.values()))
+        for layer in first:
             for v in layer.values():
                 if isinstance(v, KVCache):
                     kv.append((v.k[0, 0].nelement() * v.k.element_size() + v.v[0, 0].nelement() * v.v.element_size(),
                                v.window))
                 else:
                     fixed += v.nelement() * v.element_size()
-        return fixed, kv
+        return fixed, max(held) + 8 * (1 + 2 * len(kv)), kv
 
     def row_bytes(self, tokens: int) -> int:
-        """Bytes of one row's state after ``tokens`` tokens (fixed-size state plus its KV caches' tokens)."""
-        return self._reserve([tokens])
+        """Bytes of one row's compact state after ``tokens`` tokens (its fixed-size state plus its KV caches'
+        live entries): what the prefix cache keeps for it."""
+        return self._fixed_bytes + sum(per * (tokens if w is None else min(tokens, w)) for per, w in self._kv_layers)
 
-    def _reserve(self, lengths: list[int]) -> int:
-        """Bytes the rows of these lengths need at most when batched: the fixed state of each, and KV caches
-        left-padded to the longest (a ragged batch holds every row as long as its longest)."""
-        if not lengths:
+    def held_bytes(self, max_lens: list[int]) -> int:
+        """Bytes the rows of these ``prompt + max_tokens`` hold at most, batched (module doc): each row's
+        fixed-size state as allocated (``_measure_row``) and KV buffers sized for the longest of them (a
+        window's: 2W, its fixed buffer)."""
+        if not max_lens:
             return 0
-        longest = max(lengths)
-        kv = sum(per * (longest if w is None else min(longest, w)) for per, w in self._kv_layers)
-        return len(lengths) * (self._fixed_bytes + kv)
+        longest = max(max_lens)
+        kv = sum(per * (longest if w is None else max(2 * w, 1)) for per, w in self._kv_layers)
+        return len(max_lens) * (self._fixed_held + kv)
+
+    def _committed(self, extra=()) -> int:
+        """Bytes admission sets aside for the live rows (and ``extra`` more): twice ``held_bytes``, the old and
+        the new state while the batch changes or steps."""
+        return 2 * self.held_bytes([s.max_len for s in self._live()] + list(extra))
 
     def _measure(self):
+        """Update the state-bytes gauge (allocated, from the tensors) and forget tokens/s samples over 60 s old."""
         total = state_nbytes(self.batch_state) if self.batch_state is not None else 0
         total += sum(state_nbytes(s.state) for s in self.prefilling if s.state is not None)
         self.state_bytes = total

@@ -8,7 +8,7 @@ are shared by all requests.
 Bytes are counted exactly: every stored state is a compact copy (each tensor cloned, each KV cache cut to
 the tokens it holds, no spare capacity), and an entry's size is the sum of its tensors' bytes. The cache
 never holds more than ``max_bytes``: least recently used entries go first, and a state larger than the
-whole budget is not kept.
+whole budget is not kept. A server passes the room its memory budget leaves (``insert(..., room=)``).
 
 Lookup is by rolling hash over the request's tokens, so finding the longest cached prefix costs one pass
 over the prompt however many entries there are; a hash match is confirmed on the tokens themselves.
@@ -56,7 +56,8 @@ def compact(state):
 
 
 def exact_bytes(state) -> int:
-    """Bytes of a compact state: every tensor's elements, each KV cache's keys and values."""
+    """Bytes of a compact state: every tensor's elements, each KV cache's live keys and values (of any state:
+    what ``compact`` would hold)."""
     total = 0
     for layer in state:
         for v in layer.values():
@@ -82,22 +83,28 @@ class PrefixCache:
     def __len__(self) -> int:
         return len(self._entries)
 
-    def insert(self, tokens, state) -> bool:
+    def insert(self, tokens, state, room: int | None = None, copy: bool = True) -> bool:
         """Keep a compact copy of ``state`` (one row, having consumed exactly ``tokens``); returns whether
-        it was kept."""
+        it was kept. ``room``: the bytes the cache may hold in all after this insert, when less than
+        ``max_bytes`` (a server's memory budget less its live states): least recently used entries are evicted
+        to make room, and a state that does not fit is not kept (nothing is copied then). ``copy=False``: the
+        caller hands over a state that is already compact and shared with nothing (``select_rows`` of one
+        row), kept as it is instead of copied once more."""
         tokens = tuple(int(t) for t in tokens)
-        if not tokens or self.max_bytes == 0:
+        limit = self.max_bytes if room is None else min(self.max_bytes, room)
+        if not tokens or limit <= 0:
             return False
         key = (len(tokens), _prefix_hashes(tokens)[-1])
         if key in self._entries and self._entries[key][0] == tokens:
             self._entries.move_to_end(key)
             return True
-        state = compact(state)
-        size = exact_bytes(state)
-        if size > self.max_bytes:
+        size = exact_bytes(state)                     # of the live entries: what the compact copy holds
+        if size > limit:
             return False
         self._remove(key)
-        self.evict(self.max_bytes - size)
+        self.evict(limit - size)
+        if copy:
+            state = compact(state)
         self._entries[key] = (tokens, state, size)
         self._lengths[len(tokens)] = self._lengths.get(len(tokens), 0) + 1
         self.nbytes += size

@@ -4,12 +4,17 @@ Every field is checked by name; a field this server does not honour is refused b
 for nothing - ``n: 1``, ``presence_penalty: 0``, ``echo: false`` - is accepted), and so is a field OpenAI
 does not have. ``null`` means "not given", as in OpenAI's API. ``top_k`` is an extension (vLLM's and
 llama.cpp's).
+
+A JSON string may carry a lone UTF-16 surrogate (the escape "\\ud800", or its bytes, which Python's json
+decodes with surrogatepass): Python keeps it in the str, but no tokenizer encodes it and no UTF-8 response
+can carry it back, so any string holding one - a value or a field's name - is refused by its path.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import re
 from dataclasses import dataclass
 
 from subquad.serve.sampling import MAX_LOGPROBS, SamplingParams
@@ -20,16 +25,53 @@ class APIError(Exception):
 
     def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
                  type: str = "invalid_request_error", headers: dict | None = None):
+        """The status, a message and the offending field (both made UTF-8-safe: they may quote the request)."""
+        message, param = printable(message), None if param is None else printable(param)
         super().__init__(message)
         self.status, self.message, self.param, self.code, self.type = status, message, param, code, type
         self.headers = headers or {}
 
     def body(self) -> dict:
+        """OpenAI's error body."""
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
 
 def bad(param: str | None, message: str) -> APIError:
+    """A 400 naming the field at fault."""
     return APIError(400, message, param)
+
+
+def printable(text: str) -> str:
+    """``text`` with any lone surrogate written as its escape ("\\ud800"), so it can be sent as UTF-8."""
+    try:
+        text.encode("utf-8")
+        return text
+    except UnicodeEncodeError:
+        return text.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
+_ESCAPED_SURROGATE = re.compile(rb"\\u[dD][89a-fA-F]")
+
+
+def _refuse_surrogates(body: dict, raw: bytes):
+    """400 naming the first string (a value or a field's name, by its path) that holds a lone surrogate."""
+    if raw.isascii() and not _ESCAPED_SURROGATE.search(raw):    # the usual body (or ids): nothing to walk
+        return
+    stack = [(body, None)]
+    while stack:
+        obj, where = stack.pop()
+        if isinstance(obj, str):
+            if printable(obj) != obj:
+                raise bad(where, f"{printable(where)}: the string holds a lone UTF-16 surrogate, not a character")
+        elif isinstance(obj, dict):
+            for key, v in reversed(list(obj.items())):
+                path = key if where is None else f"{where}.{key}"
+                if printable(key) != key:
+                    raise bad(path, f"the field name {printable(key)!r} holds a lone UTF-16 surrogate")
+                stack.append((v, path))
+        elif isinstance(obj, list):
+            stack += [(v, f"{where}[{i}]") for i, v in reversed(list(enumerate(obj)))
+                      if isinstance(v, (str, list, dict))]
 
 
 # fields honoured by each route; and fields accepted only with the value that asks for nothing
@@ -55,16 +97,19 @@ class Parsed:
 
 
 def parse_body(raw: bytes) -> dict:
+    """The request body as a JSON object, or a 400 (not JSON, not an object, a lone surrogate in a string)."""
     try:
         body = json.loads(raw)
     except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
         raise bad(None, f"the request body is not valid JSON: {e}") from None
     if not isinstance(body, dict):
         raise bad(None, f"the request body must be a JSON object, got {type(body).__name__}")
+    _refuse_surrogates(body, raw)
     return body
 
 
 def _int(body, name, low=None, high=None):
+    """An optional integer field within [low, high] (bools refused: JSON's true is not 1)."""
     v = body.get(name)
     if v is None:
         return None
@@ -77,6 +122,7 @@ def _int(body, name, low=None, high=None):
 
 
 def _number(body, name):
+    """An optional finite number field, as a float."""
     v = body.get(name)
     if v is None:
         return None
@@ -86,6 +132,7 @@ def _number(body, name):
 
 
 def _check_fields(body, allowed):
+    """Refuse by name every field not honoured here, unless it asks for nothing (``NO_OP``) or is null."""
     for name, v in body.items():
         if name in allowed or v is None:
             continue
@@ -106,7 +153,8 @@ def _asks_nothing(v, default) -> bool:
     return type(v) is type(default) and v == default
 
 
-def _common(body, allowed, max_context) -> tuple:
+def _common(body, allowed) -> tuple:
+    """The fields both routes share -> (model, stream, include_usage, SamplingParams keyword arguments)."""
     _check_fields(body, allowed)
     model = body.get("model")
     if not isinstance(model, str) or not model:
@@ -148,7 +196,8 @@ def _common(body, allowed, max_context) -> tuple:
 
 
 def parse_completion(body: dict, max_context: int) -> Parsed:
-    model, stream, include_usage, sampling = _common(body, COMPLETION_FIELDS, max_context)
+    """A /v1/completions body -> ``Parsed`` (the prompt a string or token ids); max_tokens up to ``max_context``."""
+    model, stream, include_usage, sampling = _common(body, COMPLETION_FIELDS)
     if body.get("logprobs") is False:
         body = {**body, "logprobs": None}
     logprobs = _int(body, "logprobs", 0, MAX_LOGPROBS)
@@ -170,7 +219,8 @@ def parse_completion(body: dict, max_context: int) -> Parsed:
 
 
 def parse_chat(body: dict, max_context: int) -> Parsed:
-    model, stream, include_usage, sampling = _common(body, CHAT_FIELDS, max_context)
+    """A /v1/chat/completions body -> ``Parsed`` (the prompt the checked messages); max_tokens up to ``max_context``."""
+    model, stream, include_usage, sampling = _common(body, CHAT_FIELDS)
     max_tokens = _int(body, "max_tokens", 1, max_context)
     mct = _int(body, "max_completion_tokens", 1, max_context)
     if max_tokens is not None and mct is not None and max_tokens != mct:

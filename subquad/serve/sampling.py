@@ -16,13 +16,17 @@ import torch
 from subquad.models.lm import sample_batch
 
 MAX_LOGPROBS = 5       # OpenAI's bound on completions' ``logprobs``
+GREEDY_BELOW = 1e-5    # a temperature under this is greedy (vLLM's _SAMPLING_EPS): logits / T would overflow
 
 
 @dataclass
 class SamplingParams:
     """What one request asks of the engine. ``stop``: strings that end the text when they appear in it
     (matched on the decoded text, across token boundaries; not included in the output). ``logprobs``: None,
-    or how many most likely alternatives to report beside each token's own log-probability (0..5)."""
+    or how many most likely alternatives to report beside each token's own log-probability (0..5).
+    ``temperature`` below ``GREEDY_BELOW`` is set to 0, greedy: float32 logits divided by 1e-300 are inf and
+    their softmax NaN, and below 1e-5 the distribution is the argmax anyway unless two logits tie within
+    ~1e-4 (``generate`` at such a temperature would pick the same token but for those ties)."""
 
     max_tokens: int = 16
     temperature: float = 1.0
@@ -38,6 +42,8 @@ class SamplingParams:
         if isinstance(self.temperature, bool) or not isinstance(self.temperature, (int, float)) \
                 or not 0 <= self.temperature < float("inf"):
             raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
+        if self.temperature < GREEDY_BELOW:
+            self.temperature = 0.0
         if self.top_p is not None and (isinstance(self.top_p, bool) or not isinstance(self.top_p, (int, float))
                                        or not 0 < self.top_p <= 1):
             raise ValueError(f"top_p must lie in (0, 1], got {self.top_p!r}")

@@ -2,7 +2,9 @@
 
 On SIGTERM (or SIGINT) the engine stops accepting at once (new requests: 503), the requests already
 accepted run on for up to ``drain_timeout`` seconds and then end with a final "abort" event, uvicorn closes
-its listening socket and waits for the open responses, and the process exits 0.
+its listening socket and waits for the open responses, and the process exits 0. The signal handler runs on
+the main thread, between any two bytecodes of whatever it was doing - possibly ``Engine.submit`` holding the
+engine's lock - so it only sets flags (``Engine.drain`` takes no lock).
 """
 
 from __future__ import annotations
@@ -12,9 +14,48 @@ import sys
 from subquad.serve.api import create_app
 from subquad.serve.engine import Engine
 
+MEMORY_FRACTION = 0.5   # the default --memory-mb: this share of the memory available once the model is loaded
 
-def run(engine: Engine, model_name: str, *, host: str = "127.0.0.1", port: int = 8000, chat_template=None,
-        api_key: str | None = None, drain_timeout: float = 10.0, log_level: str = "warning") -> int:
+
+def available_memory_bytes(device) -> int | None:
+    """Memory free for states on ``device`` now: CUDA's free memory, else the host's MemAvailable from
+    /proc/meminfo; None where neither can be read (no default budget then)."""
+    import torch
+
+    device = torch.device(device) if device is not None else torch.device("cpu")
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return int(free)
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def default_memory_mb(device) -> float | None:
+    """``--memory-mb``'s default: ``MEMORY_FRACTION`` of ``available_memory_bytes`` (None: unknown, no bound)."""
+    free = available_memory_bytes(device)
+    return None if not free else MEMORY_FRACTION * free / 2 ** 20
+
+
+def end_of_text_ids(model, tok) -> list[int]:
+    """The ids that end a sequence: the model's own (``config.eos_token_ids``), else - a subquad run, whose
+    tokenizer ends every training document with ``<|endoftext|>`` (``data.tokenizer.encode_docs``) - that."""
+    if model.config.eos_token_ids:
+        return list(model.config.eos_token_ids)
+    from subquad.data.tokenizer import EOT
+
+    eot = tok.token_to_id(EOT) if tok is not None else None
+    return [] if eot is None else [eot]
+
+
+def make_server(engine: Engine, model_name: str, *, host: str = "127.0.0.1", port: int = 8000, chat_template=None,
+                api_key: str | None = None, drain_timeout: float = 10.0, log_level: str = "warning"):
+    """The uvicorn server for ``engine``, whose exit handler drains the engine (module doc)."""
     import uvicorn
 
     app = create_app(engine, model_name, chat_template, api_key)
@@ -23,15 +64,24 @@ def run(engine: Engine, model_name: str, *, host: str = "127.0.0.1", port: int =
 
     class Server(uvicorn.Server):
         def handle_exit(self, sig, frame):
+            """SIGTERM/SIGINT: drain (flags only: see the module doc), then uvicorn's own shutdown."""
             engine.drain(drain_timeout)        # before uvicorn waits on the open streams: let them end
             super().handle_exit(sig, frame)
             self._captured_signals.clear()     # uvicorn re-raises the signal once shut down; we exit 0 instead
 
-    server = Server(config)
+    return Server(config)
+
+
+def run(engine: Engine, model_name: str, *, host: str = "127.0.0.1", port: int = 8000, chat_template=None,
+        api_key: str | None = None, drain_timeout: float = 10.0, log_level: str = "warning") -> int:
+    """Serve until SIGTERM/SIGINT, drain, stop the engine; returns the exit status (0)."""
+    server = make_server(engine, model_name, host=host, port=port, chat_template=chat_template, api_key=api_key,
+                         drain_timeout=drain_timeout, log_level=log_level)
     engine.start()
+    budget = "no memory budget" if engine.budget is None else f"memory budget {engine.budget / 2 ** 20:,.0f} MB"
     print(f"subquad serve: {model_name} on http://{host}:{port}/v1 (max batch {engine.max_batch}, max context "
-          f"{engine.max_context}, state {engine.row_bytes(engine.max_context):,} bytes per stream at the max context)",
-          file=sys.stderr, flush=True)
+          f"{engine.max_context}, state {engine.row_bytes(engine.max_context):,} bytes per stream at the max context, "
+          f"{budget})", file=sys.stderr, flush=True)
     server.run()
     engine.drain(0)
     engine.drained.wait(drain_timeout + 5)

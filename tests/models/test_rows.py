@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from subquad.models import LanguageModel, ModelConfig
-from subquad.models.rows import cat_states, num_rows, row_positions, select_rows, state_nbytes
+from subquad.models.rows import cat_states, num_rows, row_positions, select_rows, state_nbytes, with_capacity
 from subquad.ops import KVCache
 
 PATTERNS = ["mamba", "mamba2,softmax", "gla,swa,retention,softmax", "deltanet,mla", "linear"]
@@ -82,3 +82,34 @@ def test_bad_rows_are_refused():
         cat_states([])
     with pytest.raises(ValueError, match="layers"):
         cat_states([s, tiny("mamba2,softmax").empty_state(1)[:1]])
+
+
+@torch.no_grad()
+def test_with_capacity_sizes_kv_buffers_once_and_changes_nothing_else():
+    """After ``with_capacity(state, n)`` appends up to n tokens write in place (the buffers neither move nor
+    grow), the steps equal those of the state as it was, the state passed in is untouched, and a fixed-size
+    tensor that is a view of a larger buffer is copied out."""
+    model = tiny("mamba2,softmax")
+    g = torch.Generator().manual_seed(2)
+    batch = cat_states([model.prefill(torch.randint(0, 61, (1, T), generator=g))[1] for T in (4, 9)])
+    before = snapshot(batch)
+    sized = with_capacity(batch, 9 + 6)
+    kv = sized[1]["kv"]
+    buffer, capacity = kv.k.untyped_storage().data_ptr(), kv.k.untyped_storage().nbytes()
+    plain = batch
+    for t in range(6):
+        tokens = torch.tensor([t, 2 * t])
+        want, plain = model.step(tokens, plain)
+        got, sized = model.step(tokens, sized)
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
+        storage = sized[1]["kv"].k.untyped_storage()
+        assert (storage.data_ptr(), storage.nbytes()) == (buffer, capacity)
+    assert capacity == 2 * 15 * kv.k.shape[2] * kv.k.shape[3] * 8      # 2 rows x 15 tokens x H x K, float64
+    assert all(torch.equal(a, b) for a, b in zip(snapshot(batch), before))
+    assert state_nbytes(sized) == state_nbytes(with_capacity(sized, 15))          # room already: no new buffer
+    conv = sized[0]["conv"]                                  # a step's convolution tail: a view of a larger input
+    own = with_capacity(sized, 15)[0]["conv"]
+    assert conv.untyped_storage().nbytes() > conv.nelement() * conv.element_size()
+    assert own.untyped_storage().nbytes() == own.nelement() * own.element_size() and torch.equal(own, conv)
+    with pytest.raises(ValueError, match="capacity"):
+        KVCache.empty(1, 1, 2, 2).reserve(-1)

@@ -2,12 +2,15 @@
 under continuous batching and chunked prefill; prefix states resume exactly and prefill only the rest; the
 cache counts bytes exactly; cancel, drain, the queue bound and the memory budget hold."""
 
+import contextlib
+import importlib.util
 import random
 
 import pytest
 import torch
 
 from subquad.models import LanguageModel
+from subquad.ops import KVCache
 from subquad.serve import Engine, NotAccepting, QueueFull, SamplingParams
 from subquad.serve.prefix_cache import PrefixCache, compact, exact_bytes
 from tests.serve.helpers import V, config, folder, load
@@ -175,7 +178,7 @@ def test_admission_stops_at_the_memory_budget():
     model = model_of("bamba")
     probe = Engine(model)
     p = SamplingParams(max_tokens=10, temperature=0)
-    two_rows = probe._reserve([20, 20])                   # two rows of 10 + 10 tokens, batched
+    two_rows = 2 * probe.held_bytes([20, 20])             # two rows of 10 + 10 tokens, batched, while it changes
     engine = Engine(model, memory_mb=(two_rows + 1) / 2 ** 20, state_cache_mb=0)
     seqs = [engine.submit([3] * 10, p) for _ in range(4)]
     engine.step()
@@ -208,3 +211,199 @@ def test_queue_bound_drain_and_bad_requests():
     for kw in ({"temperature": -1}, {"top_p": 0}, {"top_k": 0}, {"max_tokens": 0}, {"seed": -1}, {"logprobs": 6}):
         with pytest.raises(ValueError, match=next(iter(kw))):
             SamplingParams(**kw)
+
+
+def _storage_bytes(*objs) -> int:
+    """Bytes of the distinct tensor storages inside these states, caches and containers (a buffer two
+    states share counts once; a KV cache counts its whole buffers, spare capacity included)."""
+    seen, stack = {}, list(objs)
+    while stack:
+        o = stack.pop()
+        if isinstance(o, torch.Tensor):
+            seen[o.untyped_storage().data_ptr()] = o.untyped_storage().nbytes()
+        elif isinstance(o, KVCache):
+            stack += [o.k, o.v] + [t for t in (o.pad, o.row_seen) if t is not None]
+        elif isinstance(o, dict):
+            stack += list(o.values())
+        elif isinstance(o, (list, tuple)):
+            stack += list(o) + [getattr(o, "pos", None)]
+    return sum(seen.values())
+
+
+def test_the_memory_budget_holds_on_the_bytes_really_allocated(monkeypatch):
+    """Bytes measured from the tensors - everything the engine holds (batch, prefilling states, prefix cache)
+    plus the inputs and outputs of every prefill, step, join and leave while they are alive - never pass
+    --memory-mb, with prefix-cache inserts on; the engine still batches and every stream stays exact."""
+    import subquad.serve.engine as engine_module
+
+    model = model_of("bamba")
+    cfg = model.config
+    fixed = sum(t.nelement() * t.element_size() for i, layer in enumerate(model.empty_state(1))
+                if cfg.layers[i] != "softmax" for t in layer.values())
+    per_token = 2 * cfg.n_kv_heads * (cfg.d_model // cfg.n_heads) * 4
+    budget = 5 * (fixed + 100 * per_token)                # a few rows of up to 92 tokens: a tight budget
+    rng = random.Random(3)
+    base = [rng.randrange(V) for _ in range(40)]
+    reqs = [(base[:rng.choice([25, 40])] + [rng.randrange(V) for _ in range(rng.choice([0, 20, 40]))],
+             SamplingParams(max_tokens=rng.choice([3, 9]), temperature=0)) for _ in range(5)]
+    engine = Engine(model, memory_mb=budget / 2 ** 20, state_cache_mb=64, max_batch=8, prefill_chunk=32)
+    peak, most = [0], [0]
+
+    def measure(*extra):
+        held = [engine.batch_state, [s.state for s in engine.prefilling],
+                [entry[1] for entry in engine.cache._entries.values()]]
+        peak[0] = max(peak[0], _storage_bytes(*held, *extra))
+        most[0] = max(most[0], engine.active)
+
+    def watched(fn):
+        def call(*args, **kw):
+            out = fn(*args, **kw)
+            if watching:
+                measure(args, kw, out)
+            return out
+        return call
+
+    watching = True
+
+    monkeypatch.setattr(model, "prefill", watched(model.prefill))
+    monkeypatch.setattr(model, "step", watched(model.step))
+    for name in ("cat_states", "select_rows", "with_capacity"):
+        monkeypatch.setattr(engine_module, name, watched(getattr(engine_module, name)))
+    seqs = [engine.submit(p, sp) for p, sp in reqs]
+    while engine.step():
+        measure()
+    kept = list(engine.cache._entries.values())[-1][0]   # the turn the cache kept last: its next turn
+    reqs.append((list(kept) + [7, 8, 9], SamplingParams(max_tokens=5, temperature=0)))
+    seqs.append(engine.submit(*reqs[-1]))
+    while engine.step():
+        measure()
+    watching = False                                        # generate alone below is not the engine
+    assert all(s.tokens == alone(model, p, sp) for (p, sp), s in zip(reqs, seqs))
+    assert peak[0] <= budget, (peak[0], budget)
+    assert most[0] >= 2 and seqs[-1].cached_tokens == len(kept) and engine.cache.nbytes > 0
+    assert engine.state_bytes == 0 and engine.active == 0
+
+
+def test_a_tiny_temperature_is_greedy_and_cannot_overflow():
+    """logits / 1e-300 in float32 are inf and their softmax NaN: below GREEDY_BELOW a temperature is greedy."""
+    model = model_of("mamba2")
+    engine = Engine(model, state_cache_mb=0)
+    seqs = [engine.submit([4, 5, 6], SamplingParams(max_tokens=6, temperature=t, seed=1)) for t in (1e-300, 1e-6)]
+    while engine.step():
+        pass
+    greedy = alone(model, [4, 5, 6], SamplingParams(max_tokens=6, temperature=0))
+    assert [s.tokens for s in seqs] == [greedy, greedy] and engine.counters["errors"] == 0
+    assert SamplingParams(temperature=1e-300).temperature == 0 and SamplingParams(temperature=1e-5).temperature == 1e-5
+
+
+def _failing(after: int):
+    """A sampler that raises on its call number ``after`` (counted from 0), as NaN logits would."""
+    calls = [0]
+
+    def sample(row):
+        calls[0] += 1
+        if calls[0] > after:
+            raise RuntimeError("probability tensor contains either `inf`, `nan` or element < 0")
+        return int(row.argmax())
+    return sample
+
+
+def test_a_request_whose_own_work_fails_ends_with_error_and_the_others_go_on():
+    """One request fails at its first token (between prefilling and the batch), one mid-decoding: each gets a
+    final "error" event, the others finish exactly, and the loop goes on serving."""
+    model = model_of("bamba")
+    engine = Engine(model, state_cache_mb=0)
+    p = SamplingParams(max_tokens=8, temperature=0)
+    prompts = [[1, 2, 3], [4, 5, 6, 7], [8, 9], [10, 11, 12]]
+    seqs = [engine.submit(q, p) for q in prompts]
+    seqs[1].sampler, seqs[2].sampler = _failing(0), _failing(3)
+    engine.start()
+    try:
+        finals = [[e for e in engine.stream(s, timeout=20)][-1] for s in seqs]
+        assert [e.finish_reason for e in finals] == ["length", "error", "error", "length"]
+        assert len(seqs[2].tokens) == 3
+        for i in (0, 3):
+            assert seqs[i].tokens == alone(model, prompts[i], p)
+        later = engine.submit([13, 14], p)
+        assert [e for e in engine.stream(later, timeout=20)][-1].finish_reason == "length"
+        assert later.tokens == alone(model, [13, 14], p)
+        assert engine.counters["errors"] == 2 and engine.active == 0 and not engine._unfinished
+    finally:
+        engine.stop()
+
+
+def test_a_failed_batched_step_ends_its_rows_and_the_engine_serves_on(monkeypatch):
+    """The batched step itself raises (no one row to blame): the rows in the batch end with "error", each once;
+    the request still waiting is served exactly afterwards."""
+    model = model_of("mamba2")
+    engine = Engine(model, max_batch=2, state_cache_mb=0)
+    p = SamplingParams(max_tokens=6, temperature=0)
+    seqs = [engine.submit([i + 1, i + 2], p) for i in range(3)]
+    engine.step()                                            # two rows in the batch, one waiting
+    real, calls = model.step, [0]
+
+    def step(*args):
+        calls[0] += 1
+        if calls[0] == 1:
+            raise RuntimeError("CUDA out of memory")
+        return real(*args)
+
+    monkeypatch.setattr(model, "step", step)
+    while engine.step():
+        pass
+    events = [_events(s) for s in seqs]
+    assert [[e.finish_reason for e in ev if e.finish_reason] for ev in events] == [["error"], ["error"], ["length"]]
+    assert seqs[2].tokens == alone(model, [3, 4], p) and engine.counters["errors"] == 2
+    assert engine.batch_state is None and not engine._unfinished
+
+
+def test_drain_takes_no_lock_so_a_signal_handler_cannot_deadlock():
+    """uvicorn runs its SIGTERM handler on the main thread, which may be inside ``submit`` holding the engine's
+    lock (or inside ``Event.set`` holding the event's): the drain path must take neither. Held here on this
+    thread, the drain runs in another and must finish (a deadlock shows as a timeout, not a hang)."""
+    import signal
+    import threading
+
+    engine = Engine(model_of("mamba2"))
+    server = None
+    if all(importlib.util.find_spec(m) for m in ("uvicorn", "fastapi")):
+        from subquad.serve.server import make_server
+
+        server = make_server(engine, "m", port=0, drain_timeout=5)
+    cond = getattr(engine._wake, "_cond", None)                 # CPython's Event: a Condition over a plain Lock
+    with engine._lock, (cond if cond is not None else contextlib.nullcontext()):
+        t = threading.Thread(target=(lambda: server.handle_exit(signal.SIGTERM, None)) if server else
+                             (lambda: engine.drain(5)), daemon=True)
+        t.start()
+        t.join(5)
+        done = not t.is_alive()
+    t.join(5)
+    assert done, "the drain path blocked on a lock the signalled thread holds"
+    assert not engine.accepting and (server is None or server.should_exit)
+    with pytest.raises(NotAccepting):
+        engine.submit([1], SamplingParams())
+
+
+def test_a_subquad_run_ends_text_at_its_tokenizers_end_of_text():
+    """A run's tokenizer ends every training document with <|endoftext|> (``encode_docs``) and its config names
+    no end-of-text id: the server stops there. A checkpoint's own ids come first; no such token, no id."""
+    from tokenizers import AddedToken, Tokenizer, models
+
+    from subquad.data.tokenizer import EOT
+    from subquad.serve.server import end_of_text_ids
+
+    model = model_of("mamba2")
+    free = alone(model, [4, 5, 6], SamplingParams(max_tokens=10, temperature=0))
+    eot = next(t for i, t in enumerate(free) if i >= 2 and t not in free[:i])
+    vocab = {f"w{i}": i for i in range(V) if i != eot} | {EOT: eot}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="w10"))
+    tok.add_special_tokens([AddedToken(EOT, special=True, normalized=False)])
+    assert model.config.eos_token_ids == [] and end_of_text_ids(model, tok) == [eot]
+    engine = Engine(model, state_cache_mb=0, eos_ids=end_of_text_ids(model, tok))
+    seq = engine.submit([4, 5, 6], SamplingParams(max_tokens=10, temperature=0))
+    while engine.step():
+        pass
+    assert seq.tokens == free[:free.index(eot) + 1] and seq.finish_reason == "stop"
+    assert end_of_text_ids(model, Tokenizer(models.WordLevel({"a": 0}, unk_token="a"))) == []
+    model.config.eos_token_ids = [7]
+    assert end_of_text_ids(model, tok) == [7]

@@ -150,6 +150,20 @@ class KVCache:
         self._advance(t)
         return self
 
+    def reserve(self, capacity: int) -> "KVCache":
+        """Room for the cache to reach ``capacity`` tokens by appends that never reallocate (in place; returns
+        self): fresh buffers of exactly that capacity unless the current ones already have the room past the
+        live entries and no fork has written past them. A windowed cache keeps its fixed 2W buffer. A server
+        sizes a batch's caches once with it, so the bytes it counts are the bytes allocated."""
+        if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 0:
+            raise ValueError(f"capacity must be an int >= 0, got {capacity!r}")
+        if self.window is not None:
+            return self
+        end = self._start + self._len
+        if self._k.shape[1] - self._start < capacity or end != self._tail[0]:
+            self._realloc(max(capacity, self._len))
+        return self
+
     def _advance(self, t: int):
         self.seen += t
         if self.row_seen is not None:
