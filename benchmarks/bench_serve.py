@@ -203,12 +203,17 @@ def measure(name, folder, cfg, a, deadline) -> dict:
     kv = cfg.n_layers * 2 * (cfg.n_kv_heads or cfg.n_heads) * hd * 4     # a transformer of this width, every layer
     out["transformer_kv_bytes"] = {T: kv * T for T in sorted({min(1024, a.context), a.context})}
     out["chat"] = {}
+    turns = [prompt(a.turn_tokens) for _ in range(10)]                 # the same chat with and without the cache
+    warm = [(turns[0][0] + 1) % V] + prompt(a.turn_tokens - 1)         # shares no prefix with it
     for cache_mb in (256, 0):
         server = Server(folder, "--max-context", a.context, "--state-cache-mb", cache_mb, "--served-model-name", name)
         try:
+            # one request first: turn 1 must not pay the server's first-request costs (allocator, lazy imports)
+            out["failed"] += not asyncio.run(one_request(server.port, {"model": name, "prompt": warm, "max_tokens": 8,
+                                                                       "temperature": 0}))["ok"]
             history, ttfts = [], []
             for turn in range(10):
-                history += prompt(a.turn_tokens)
+                history += turns[turn]
                 r = asyncio.run(one_request(server.port, {"model": name, "prompt": history, "max_tokens": 8,
                                                           "temperature": 0, "logprobs": 0}))
                 out["failed"] += not r["ok"]
