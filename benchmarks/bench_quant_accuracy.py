@@ -33,6 +33,7 @@ from benchmarks.common import OUT, machine_line  # noqa: E402
 
 KINDS = ["mamba", "falcon_mamba", "mamba2", "bamba", "jamba", "qwen3_next", "olmo_hybrid", "kimi_linear", "minimax"]
 VOCAB = 1024
+CONTEXT = 128
 
 
 def structure(kind, tmp):
@@ -55,7 +56,7 @@ def structure(kind, tmp):
     c = json.loads((folder / "config.json").read_text())
     c["vocab_size"] = VOCAB
     cfg = MAPPINGS[kind].config(c)
-    cfg.context_length = 128
+    cfg.context_length = CONTEXT
     return cfg
 
 
@@ -86,7 +87,7 @@ def measure(name, model, td, n=256):
     greedy = {}
     for kind in ("float32", "int8", "bf16"):
         m = model if kind == "float32" else quantize(copy.deepcopy(model), kind, min_weights=0)
-        row[kind] = {"heldout": evaluate(m, td.heldout, model.config.context_length, 8, 8),
+        row[kind] = {"heldout": evaluate(m, td.heldout, CONTEXT, 8, 8),
                      "decode": decode_loss(m, held)}
         greedy[kind] = m.generate(prompt, n, temperature=0)[0]
     for kind in ("int8", "bf16"):

@@ -384,12 +384,14 @@ def cmd_serve(args) -> int:
         if not Path(args.model).is_dir():
             raise ValueError(f"--model {args.model} is not a folder")
         dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}[args.dtype]
-        model, tok = from_pretrained(args.model, dtype=dtype, device=args.device)
+        model, tok = from_pretrained(args.model, dtype=dtype, device=args.device, quantize=args.quantize)
         chat_template = load_chat_template(args.model)
     else:
         if not Path(args.run).exists():
             raise ValueError(f"--run {args.run} does not exist")
-        model, tok, _ = load_run(args.run, device=args.device)
+        model, tok, _ = load_run(args.run, device=args.device, quantize=args.quantize)
+    if args.compile_decode:
+        _compile_and_warm(model)
     name = args.served_model_name or Path(args.model or args.run).resolve().name
     memory_mb = default_memory_mb(args.device) if args.memory_mb is None else args.memory_mb or None  # 0: none
     engine = Engine(model, tok, max_batch=args.max_batch, max_queue=args.max_queue, max_context=args.max_context,
@@ -397,6 +399,23 @@ def cmd_serve(args) -> int:
                     eos_ids=end_of_text_ids(model, tok))
     return run(engine, name, host=args.host, port=args.port, chat_template=chat_template, api_key=args.api_key,
                drain_timeout=args.drain_timeout)
+
+
+def _compile_and_warm(model) -> None:
+    """The compiled decoding step (``models.decode``), its graphs built before the first request: one batch row,
+    then two rows of different lengths (the batch and any KV cache become dynamic sizes), so requests do not
+    wait for a compile."""
+    from subquad.models.decode import compile_decode
+
+    print("compiling the decoding step (one batch row, then a ragged batch) ...", file=sys.stderr, flush=True)
+    compile_decode(model)
+    eos = model.config.eos_token_ids
+    model.config.eos_token_ids = []
+    try:
+        model.generate([[0, 0, 0]], 4, temperature=0)
+        model.generate([[0, 0], [0, 0, 0]], 4, temperature=0)
+    finally:
+        model.config.eos_token_ids = eos
 
 
 def _nonneg_float(text: str) -> float:
@@ -678,6 +697,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "MemAvailable in /proc/meminfo, or the GPU's free memory - and no bound where unknown)")
     v.add_argument("--drain-timeout", type=_nonneg_float, default=10.0,
                    help="seconds accepted requests may run on after SIGTERM")
+    _quantize_flag(v)
+    v.add_argument("--compile-decode", action="store_true",
+                   help="decode with the compiled step (subquad.models.decode), compiled before serving")
     _device_flag(v)
     v.set_defaults(fn=cmd_serve)
     return p

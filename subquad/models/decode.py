@@ -24,6 +24,8 @@ Equality: tested against the eager step over 64 steps for every mixer and every 
 
 from __future__ import annotations
 
+import types
+
 import torch
 
 RECOMPILE_LIMIT = 64        # graphs per model: static, then dynamic sizes, per batch and cache growth
@@ -58,7 +60,11 @@ class CompiledStep:
 
     def __init__(self, model):
         self.model = model
-        self.graph = torch.compile(_blocks_and_head, dynamic=DYNAMIC, options=OPTIONS)
+        # dynamo keeps compiled graphs per code object, so each model gets a copy of the function's code: its own
+        # cache and recompile limit, and no guard scan over other models' graphs
+        code = _blocks_and_head.__code__.replace()
+        own = types.FunctionType(code, _blocks_and_head.__globals__, _blocks_and_head.__name__)
+        self.graph = torch.compile(own, dynamic=DYNAMIC, options=OPTIONS)
 
     def __call__(self, tokens, state):
         from subquad.models.lm import ModelState

@@ -138,3 +138,28 @@ def test_from_pretrained_and_the_cli_quantise(tmp_path, capsys):
     with pytest.raises(SystemExit):
         main(["generate", "--model", str(folder), "--quantize", "int4", "--prompt", "x"])
     assert "invalid choice: 'int4'" in capsys.readouterr().err
+
+
+def test_cli_generate_and_eval_take_the_compiled_step_and_int8(tmp_path, capsys):
+    """`subquad generate --compile-decode` prints the eager command's greedy text; `--quantize int8` runs
+    through generate and eval (eval names the precision beside the perplexity)."""
+    pytest.importorskip("transformers")
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    from subquad.cli import main
+    from tests.models.test_hf import _hf_mamba
+
+    _, folder = _hf_mamba(tmp_path)
+    tok = Tokenizer(models.WordLevel({f"w{i}": i for i in range(64)}, unk_token="w0"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.save(str(folder / "tokenizer.json"))
+    outs = []
+    for extra in ([], ["--compile-decode"], ["--quantize", "int8", "--compile-decode"]):
+        assert main(["generate", "--model", str(folder), "--prompt", "w1 w2 w3", "--max-new-tokens", "12",
+                     "--temperature", "0", *extra]) == 0
+        outs.append(capsys.readouterr().out)
+    assert outs[1] == outs[0] and outs[2].startswith("w1 w2 w3")
+    text = tmp_path / "text.txt"
+    text.write_text(" ".join(f"w{(7 * i) % 64}" for i in range(200)))
+    assert main(["eval", "--model", str(folder), "--data", str(text), "--quantize", "int8"]) == 0
+    assert "int8)" in capsys.readouterr().out
