@@ -20,11 +20,13 @@ def _copy(model):
     return other
 
 
-def assert_steps_equal(eager, ids, steps=STEPS, tol=1e-5, batches=None):
+def assert_steps_equal(eager, ids, steps=STEPS, tol=1e-5, batches=None, fast=None):
     """Prefill ``ids`` (B, T) eagerly, then decode ``steps`` greedy tokens with the eager and the compiled step
-    from the same states: logits within ``tol`` of their largest at every step. ``batches`` (step -> rows)
-    drops rows on the way (the batch changes size, as a server's does)."""
-    fast = compile_decode(_copy(eager))
+    (``fast``, else a compiled copy) from the same states: logits within ``tol`` of their largest at every
+    step. ``batches`` (step -> rows) drops rows on the way (the batch changes size, as a server's does)."""
+    from subquad.models.rows import select_rows
+
+    fast = compile_decode(_copy(eager)) if fast is None else fast
     with torch.no_grad():
         logits, state = eager.prefill(ids)
         s_eager, s_fast = state, state
@@ -32,8 +34,6 @@ def assert_steps_equal(eager, ids, steps=STEPS, tol=1e-5, batches=None):
         for i in range(steps):
             if batches and i in batches:
                 rows = batches[i]
-                from subquad.models.rows import select_rows
-
                 s_eager, s_fast, tok = select_rows(s_eager, rows), select_rows(s_fast, rows), tok[rows]
             a, s_eager = eager.step(tok, s_eager)
             b, s_fast = fast.step(tok, s_fast)
@@ -42,39 +42,42 @@ def assert_steps_equal(eager, ids, steps=STEPS, tol=1e-5, batches=None):
             tok = a.argmax(-1)
 
 
-def test_every_mixer_in_one_model():
-    """One layer of every mixer (and a mixture of experts on every other layer), batch 2, odd prompt length."""
+@pytest.fixture(scope="module")
+def every_mixer():
+    """One layer of every mixer, a mixture of experts on every other layer, learned positions: the eager model
+    and a compiled copy (compiled once for the tests below)."""
     torch.manual_seed(0)
     names = sorted(MIXERS)
     cfg = ModelConfig(vocab_size=128, d_model=32, n_layers=len(names), n_heads=2, pattern=",".join(names),
                       context_length=512, moe={"experts": 4, "top_k": 2, "every": 2, "offset": 1},
-                      mixer_options={"swa": {"window": 8}})
-    model = LanguageModel(cfg).eval()
-    assert_steps_equal(model, torch.randint(0, 128, (2, 11)))
-
-
-def test_learned_positions_and_a_batch_that_shrinks():
-    torch.manual_seed(1)
-    cfg = ModelConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=2, pattern="mamba2,softmax", pos_emb="learned",
-                      context_length=128)
-    assert_steps_equal(LanguageModel(cfg).eval(), torch.randint(0, 64, (3, 7)), steps=24, batches={8: [0, 2], 16: [1]})
-
-
-def test_generate_takes_the_compiled_step_and_gives_eager_tokens():
-    torch.manual_seed(2)
-    cfg = ModelConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=2, pattern="gated_deltanet,softmax")
+                      mixer_options={"swa": {"window": 8}}, pos_emb="learned")
     eager = LanguageModel(cfg).eval()
-    fast = compile_decode(_copy(eager))
+    return eager, compile_decode(_copy(eager))
+
+
+def test_every_mixer_in_one_model_and_a_batch_that_shrinks(every_mixer):
+    """Batch 3 from an odd prompt length, then rows leave at steps 20 and 40 (a KV cache and the batch change
+    size under the graph)."""
+    eager, fast = every_mixer
+    assert_steps_equal(eager, torch.randint(0, 128, (3, 11)), batches={20: [0, 2], 40: [1]}, fast=fast)
+
+
+def test_generate_takes_the_compiled_step_and_gives_eager_tokens(every_mixer):
+    eager, fast = every_mixer
     calls = []
     inner = fast._decode_step
     fast._decode_step = lambda t, s: calls.append(1) or inner(t, s)
-    prompts = [[1, 2, 3], [4, 5, 6, 7, 8]]
-    want, _ = eager.generate(prompts, 20, temperature=0)
-    got, _ = fast.generate(prompts, 20, temperature=0)
+    try:
+        prompts = [[1, 2, 3], [4, 5, 6, 7, 8]]
+        want, _ = eager.generate(prompts, 20, temperature=0)
+        got, _ = fast.generate(prompts, 20, temperature=0)
+    finally:
+        fast._decode_step = inner
     assert got == want and len(calls) == 19
-    assert compile_decode(fast, False)._decode_step is None
+    other = _copy(eager)
+    assert compile_decode(compile_decode(other), False)._decode_step is None
     with pytest.raises(ValueError, match="on must be a bool"):
-        compile_decode(fast, "yes")
+        compile_decode(other, "yes")
 
 
 def _checkpoint(kind, tmp_path):

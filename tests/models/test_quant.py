@@ -154,7 +154,7 @@ def test_cli_generate_and_eval_take_the_compiled_step_and_int8(tmp_path, capsys)
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
     tok.save(str(folder / "tokenizer.json"))
     outs = []
-    for extra in ([], ["--compile-decode"], ["--quantize", "int8", "--compile-decode"]):
+    for extra in ([], ["--compile-decode"], ["--quantize", "int8"]):
         assert main(["generate", "--model", str(folder), "--prompt", "w1 w2 w3", "--max-new-tokens", "12",
                      "--temperature", "0", *extra]) == 0
         outs.append(capsys.readouterr().out)
