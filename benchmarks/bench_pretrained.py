@@ -252,8 +252,8 @@ def main(argv=None):
             int8_bytes = 0                                         # quantize="int8": 1 byte a quantised weight
             from subquad.models.quant import MIN_WEIGHTS
             for n, p in hf.named_parameters():
-                int8_bytes += p.numel() * (1 if p.dim() >= 2 and p[0].numel() * (p.shape[0] if p.dim() == 2 else
-                                                                                   p.shape[1]) >= MIN_WEIGHTS else 4)
+                matrix = p.shape[-2] * p.shape[-1] if p.dim() >= 2 else 0      # one expert's, for stacked ones
+                int8_bytes += p.numel() * (1 if matrix >= MIN_WEIGHTS else 4)
             if getattr(hf.config, "num_experts_per_tok", None):    # a token reads its top-k experts only
                 moe = sum(p.numel() for n, p in hf.named_parameters() if ".experts." in n)
                 E = getattr(hf.config, "num_experts", None) or hf.config.num_local_experts

@@ -11,12 +11,12 @@ block's elementwise work into a few C++ loops and keeps the matrix products as l
 ones as ``subquad::int8_linear``, ``models.quant``).
 
 One graph holds every block, the final norm and the head; the embedding and the position count run in
-Python around it. Measured against the alternatives on mamba-130m (RESULTS): one graph per block, shared by
-the blocks of the same structure, compiles in ~3 s instead of ~20 s but pays ~250 us of guards and calls per
-block - 30 against 24 ms per float32 token; the eager step takes 41. Shapes are static until they change: a
-KV cache that grows, or a batch that changes size, recompiles once with those sizes symbolic (dynamo's
-automatic dynamic shapes), then stays. A mixture of experts' routed loop runs eagerly inside the graph (it
-depends on the routing: ``MoE._dispatch``).
+Python around it. Measured against the alternatives on mamba-130m (benchmarks/RESULTS.md): one graph per
+block, shared by the blocks of the same structure, compiles in ~3 s instead of ~25 s but pays ~250 us of
+guards and calls per block - 30 against 25-27 ms per float32 token; the eager step takes 41-43. Sizes are
+symbolic from the first compile (``DYNAMIC``), so a KV cache that grows or a batch that changes size runs
+the same graph. A mixture of experts' routed loop runs eagerly inside the graph (it depends on the
+routing: ``MoE._dispatch``).
 
 Equality: tested against the eager step over 64 steps for every mixer and every checkpoint type
 (tests/models/test_decode.py): float32 within 1e-5 of the logits' scale - inductor may reorder a sum.
@@ -28,7 +28,7 @@ import types
 
 import torch
 
-RECOMPILE_LIMIT = 64        # graphs per model: static, then dynamic sizes, per batch and cache growth
+RECOMPILE_LIMIT = 64        # graphs per model: a new one only where the state's structure changes
 DYNAMIC = True             # sizes symbolic from the first compile: batches and KV caches change without recompiling
 OPTIONS = {"cpp_wrapper": True}   # inductor calls the kernels from C++, not Python: ~1.8 ms less per mamba-130m token
 
