@@ -80,7 +80,7 @@ class CompiledStep:
 
 def compile_decode(model, on: bool = True):
     """Make ``model.step`` (and so ``generate``) run the compiled step (module doc), or eager with ``on=False``;
-    returns the model. The first steps compile (seconds for a small model, ~20 s for mamba-130m)."""
+    returns the model. The first steps compile (seconds for a small model, ~25 s for mamba-130m)."""
     if not isinstance(on, bool):
         raise ValueError(f"compile_decode's on must be a bool, got {on!r}")
     model._decode_step = CompiledStep(model) if on else None
