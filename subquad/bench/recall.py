@@ -6,6 +6,9 @@ rates {3e-3, 1e-2} (the best kept per cell), seeds {0, 1}. Every cell has the sa
 steps - never in seconds, so a table does not depend on the machine's speed - and stops early only on
 reaching 99%. Results go to a JSON that a rerun resumes from (finished cells are skipped), a table of
 mean and spread over seeds, and a PNG of accuracy against decoding-state bytes with the seeds' range.
+
+Accuracy depends on the budget, so the table shows it and keys every cell by it, and one results file or
+table holds one budget unless ``mix_budgets=True`` is asked for (each budget then has rows of its own).
 """
 
 from __future__ import annotations
@@ -114,11 +117,18 @@ def train_cell(pattern, options, *, T, N, vocab, d_model, lr, steps, batch, mlp,
 
 def sweep(out="runs/recall", mixers=None, sizes=((64, 4), (128, 8), (256, 16)), d_models=(64, 128),
           lrs=(3e-3, 1e-2), vocab=512, steps=1500, batch=64, mlp=False, seeds=(0, 1), progress=True, log=print,
-          device="cpu", decay="all") -> dict:
+          device="cpu", decay="all", mix_budgets=False) -> dict:
+    """Train every missing cell into ``out/recall.json``. A file that holds cells of another step budget is
+    refused before any training, unless ``mix_budgets=True`` (its table would mix budgets; see ``table``)."""
     out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
     path = out / "recall.json"
     results = json.loads(path.read_text()) if path.exists() else {"cells": {}}
+    others = budgets(results) - {steps}
+    if others and not mix_budgets:
+        raise ValueError(f"{path} holds cells trained with a budget of {_steps(others)}; this sweep asks for "
+                         f"{steps:,} steps, and one table would mix the two. Keep the budget (--steps), write to "
+                         f"another folder (--out), or pass mix_budgets=True to keep both, each on rows of its own")
+    out.mkdir(parents=True, exist_ok=True)
     names = list(mixers or MIXERS)
     for n in names:
         if n not in MIXERS:
@@ -149,22 +159,33 @@ def sweep(out="runs/recall", mixers=None, sizes=((64, 4), (128, 8), (256, 16)), 
     return results
 
 
+def budgets(results) -> set:
+    """The step budgets of the cells in ``results`` (None for a cell that does not record its own)."""
+    return {r.get("budget") for r in results["cells"].values()}
+
+
+def _steps(bs) -> str:
+    return " and ".join(f"{b:,} steps" if b is not None else "an unrecorded number of steps"
+                        for b in sorted(bs, key=lambda b: (b is None, b or 0)))
+
+
 def best_per_cell(results, vocab=None):
-    """(mixer, T, N, d_model) -> the learning rate whose mean accuracy over seeds is best, among those with
-    the most seeds run: {"accuracy" (mean), "low", "high" (the seeds' range), "seeds", "lr", "state_bytes",
-    "steps" (mean)}."""
+    """(mixer, T, N, d_model, budget) -> the learning rate whose mean accuracy over seeds is best, among those
+    with the most seeds run: {"accuracy" (mean), "low", "high" (the seeds' range), "seeds", "lr", "state_bytes",
+    "steps" (mean), "budget"}. Cells of different step budgets are never compared or pooled."""
     groups = {}
     for r in results["cells"].values():
         if vocab is not None and r["vocab"] != vocab:
             continue
         label = r["mixer"] + ("" if r.get("decay", "all") == "all" else f" [decay: {r['decay']}]")   # its own row
-        groups.setdefault((label, r["T"], r["N"], r["d_model"], r["lr"], r.get("budget")), []).append(r)
+        groups.setdefault((label, r["T"], r["N"], r["d_model"], r.get("budget"), r["lr"]), []).append(r)
     best = {}
-    for (m, T, N, d, lr, _), rs in groups.items():           # seeds of one learning rate and step budget
+    for (m, T, N, d, budget, lr), rs in groups.items():      # seeds of one learning rate and step budget
         accs = [r["accuracy"] for r in rs]
         cell = {"accuracy": sum(accs) / len(accs), "low": min(accs), "high": max(accs), "seeds": len(rs), "lr": lr,
-                "state_bytes": rs[0]["state_bytes"], "steps": sum(r["steps"] for r in rs) / len(rs)}
-        k = (m, T, N, d)
+                "state_bytes": rs[0]["state_bytes"], "steps": sum(r["steps"] for r in rs) / len(rs),
+                "budget": budget}
+        k = (m, T, N, d, budget)
         # a learning rate with all its seeds run beats one still missing some; then the better mean
         if k not in best or (cell["seeds"], cell["accuracy"]) > (best[k]["seeds"], best[k]["accuracy"]):
             best[k] = cell
@@ -172,65 +193,82 @@ def best_per_cell(results, vocab=None):
 
 
 def _rows(best):
-    """The row labels in ``MIXERS``' order, each variant (``[decay: ...]``) after its mixer; others last."""
+    """(label, budget) rows in ``MIXERS``' order, each variant (``[decay: ...]``) after its mixer, others last;
+    a mixer's budgets in increasing order."""
     order = {m: i for i, m in enumerate(MIXERS)}
-    labels = dict.fromkeys(k[0] for k in best)
-    return sorted(labels, key=lambda m: (order.get(m.split(" [")[0], len(order)), m))
+    rows = dict.fromkeys((k[0], k[4]) for k in best)
+    return sorted(rows, key=lambda r: (order.get(r[0].split(" [")[0], len(order)), r[0], r[1] is None, r[1] or 0))
 
 
-def table(results) -> str:
-    """Mean accuracy over seeds (the seeds' range) of the best learning rate per cell."""
+def _single_budget(results, mix_budgets):
+    """Refuse results of several step budgets unless asked to mix them."""
+    bs = budgets(results)
+    if len(bs) > 1 and not mix_budgets:
+        raise ValueError(f"the recall results mix step budgets ({_steps(bs)}): accuracies at different budgets "
+                         f"are not comparable in one table. Pass mix_budgets=True to show each budget on rows "
+                         f"of its own, or keep one budget per results file")
+
+
+def table(results, mix_budgets=False) -> str:
+    """Mean accuracy over seeds (the seeds' range) of the best learning rate per cell, one row per mixer and
+    step budget. Results of more than one budget are refused unless ``mix_budgets=True``."""
+    _single_budget(results, mix_budgets)
     best = best_per_cell(results)
     cols = sorted({(k[1], k[2], k[3]) for k in best}, key=lambda c: (c[2], c[0]))
-    mixers = _rows(best)
-    head = "| mixer | " + " | ".join(f"T={T}, N={N}, d={d}" for T, N, d in cols) + " | state bytes (largest T) |"
-    lines = [head, "|---|" + "---|" * (len(cols) + 1)]
-    for m in mixers:
-        cells = [best.get((m, T, N, d)) for T, N, d in cols]
+    head = ("| mixer | budget (steps) | " + " | ".join(f"T={T}, N={N}, d={d}" for T, N, d in cols)
+            + " | state bytes (largest T) |")
+    lines = [head, "|---|---|" + "---|" * (len(cols) + 1)]
+    for m, budget in _rows(best):
+        cells = [best.get((m, T, N, d, budget)) for T, N, d in cols]
         sb = max((c["state_bytes"] for c in cells if c), default=0)
-        lines.append(f"| {m} | " + " | ".join(
+        lines.append(f"| {m} | {'?' if budget is None else f'{budget:,}'} | " + " | ".join(
             (f"{c['accuracy']:.2f} ({c['low']:.2f}-{c['high']:.2f})" if c["seeds"] > 1 else f"{c['accuracy']:.2f}")
             if c else "—" for c in cells) + f" | {sb:,} |")
     return "\n".join(lines)
 
 
-def plot(results, path):
+def plot(results, path, mix_budgets=False):
     """Accuracy against decoding-state bytes, one panel per (T, N, d_model) (Zoology's figure 2), the
-    seeds' range as error bars; one colour and marker per mixer across panels, one legend below."""
+    seeds' range as error bars; one colour and marker per mixer (and budget, where mixed) across panels, one
+    legend below. Results of more than one step budget are refused unless ``mix_budgets=True``."""
     from subquad.bench import plots  # noqa: F401  (Agg backend)
     import matplotlib.pyplot as plt
     from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
 
+    _single_budget(results, mix_budgets)
     best = best_per_cell(results)
     sizes = sorted({(k[1], k[2], k[3]) for k in best}, key=lambda c: (c[2], c[0]))
-    mixers = _rows(best)
+    series = _rows(best)                                     # (label, budget)
+    mixed = len({b for _, b in series}) > 1
+    name = {(m, b): f"{m} ({'?' if b is None else f'{b:,}'} steps)" if mixed else m for m, b in series}
     cmap = plt.get_cmap("tab10")
-    style = {m: (cmap(i % 10), "osD^vP*Xhp<>"[i % 12]) for i, m in enumerate(mixers)}
+    style = {s: (cmap(i % 10), "osD^vP*Xhp<>"[i % 12]) for i, s in enumerate(series)}
     cols = min(3, len(sizes))
     rows = -(-len(sizes) // cols)
     fig, axes = plt.subplots(rows, cols, figsize=(6 * cols, 4.2 * rows + 1.2), squeeze=False)
     for ax, (T, N, d) in zip(axes.flat, sizes):
-        for m in mixers:
-            r = best.get((m, T, N, d))
+        for m, b in series:
+            r = best.get((m, T, N, d, b))
             if r is None:
                 continue
             err = [[r["accuracy"] - r["low"]], [r["high"] - r["accuracy"]]]
-            color, marker = style[m]
+            color, marker = style[m, b]
             ax.errorbar(r["state_bytes"], r["accuracy"], yerr=err, fmt=marker, color=color, ms=6, capsize=3,
-                        label=m)
+                        label=name[m, b])
         ax.set_xscale("log")
         ax.xaxis.set_major_locator(LogLocator(subs=(1.0, 2.0, 5.0)))
         ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v / 1e3:g} kB"))
         ax.xaxis.set_minor_formatter(NullFormatter())
         ax.set_xlabel("decoding state at T (bytes, log)")
         ax.set_ylabel("MQAR accuracy (mean, seeds' range)")
-        ax.set_title(f"MQAR T={T}, N={N} pairs, d_model={d}")
+        ax.set_title(f"MQAR T={T}, N={N} pairs, d_model={d}" + ("" if mixed else f", {_steps({series[0][1]})}"))
         ax.set_ylim(-0.02, 1.05)
         ax.grid(True, which="both", alpha=0.3)
     for ax in list(axes.flat)[len(sizes):]:
         ax.axis("off")
-    handles = [plt.Line2D([], [], color=style[m][0], marker=style[m][1], ls="", ms=7) for m in mixers]
-    fig.legend(handles, mixers, loc="lower center", ncol=min(4, len(mixers)), fontsize=8, frameon=False)
-    fig.tight_layout(rect=(0, 0.04 + 0.025 * (-(-len(mixers) // 4)), 1, 1))
+    handles = [plt.Line2D([], [], color=style[s][0], marker=style[s][1], ls="", ms=7) for s in series]
+    fig.legend(handles, [name[s] for s in series], loc="lower center", ncol=min(4, len(series)), fontsize=8,
+               frameon=False)
+    fig.tight_layout(rect=(0, 0.04 + 0.025 * (-(-len(series) // 4)), 1, 1))
     fig.savefig(path, dpi=110)
     plt.close(fig)

@@ -65,8 +65,66 @@ def test_the_best_learning_rate_is_chosen_among_complete_ones():
                 "budget": 1500, "accuracy": acc, "steps": 1500, "state_bytes": 1}
 
     cells = [cell(1e-2, 0, 0.90), cell(1e-2, 1, 0.80), cell(3e-3, 0, 0.99)]
-    best = best_per_cell({"cells": {str(i): c for i, c in enumerate(cells)}})[("softmax", 64, 4, 64)]
+    best = best_per_cell({"cells": {str(i): c for i, c in enumerate(cells)}})[("softmax", 64, 4, 64, 1500)]
     assert (best["lr"], best["seeds"], best["low"], best["high"]) == (1e-2, 2, 0.80, 0.90)
     cells.append(cell(3e-3, 1, 0.95))
-    best = best_per_cell({"cells": {str(i): c for i, c in enumerate(cells)}})[("softmax", 64, 4, 64)]
+    best = best_per_cell({"cells": {str(i): c for i, c in enumerate(cells)}})[("softmax", 64, 4, 64, 1500)]
     assert best["lr"] == 3e-3 and abs(best["accuracy"] - 0.97) < 1e-12
+
+
+def _cell(budget, acc, seed=0, mixer="softmax"):
+    return {"mixer": mixer, "T": 16, "N": 2, "d_model": 16, "lr": 3e-3, "vocab": 32, "mlp": False, "seed": seed,
+            "budget": budget, "decay": "all", "accuracy": acc, "steps": budget, "seconds": 0.0, "state_bytes": 64,
+            "parameters": 1}
+
+
+def test_the_recall_table_shows_its_step_budget_and_keys_cells_by_it():
+    """Two budgets of one cell are two rows, each with its own accuracy - never pooled, never one best of both."""
+    from subquad.bench import recall
+
+    cells = [_cell(100, 0.30), _cell(100, 0.50, seed=1), _cell(1500, 0.99), _cell(1500, 0.97, seed=1)]
+    res = {"cells": {str(i): c for i, c in enumerate(cells)}}
+    best = recall.best_per_cell(res)
+    assert sorted(best) == [("softmax", 16, 2, 16, 100), ("softmax", 16, 2, 16, 1500)]
+    assert best["softmax", 16, 2, 16, 100]["accuracy"] == 0.40 and best["softmax", 16, 2, 16, 1500]["high"] == 0.99
+    lines = recall.table(res, mix_budgets=True).splitlines()
+    assert lines[0].startswith("| mixer | budget (steps) | T=16, N=2, d=16 |")
+    assert lines[2:] == ["| softmax | 100 | 0.40 (0.30-0.50) | 64 |", "| softmax | 1,500 | 0.98 (0.97-0.99) | 64 |"]
+    one = {"cells": {str(i): c for i, c in enumerate(cells[2:])}}
+    assert recall.table(one).splitlines()[2] == "| softmax | 1,500 | 0.98 (0.97-0.99) | 64 |"
+
+
+def test_one_recall_table_refuses_to_mix_step_budgets_unless_asked(tmp_path, monkeypatch):
+    """A rerun into the same folder with another --steps is refused before it trains anything; asked to mix,
+    it runs, and then the table and the plot refuse the mixed results unless they are asked too."""
+    import json
+
+    import pytest
+
+    from subquad.bench import recall
+
+    trained = []
+
+    def train_cell(pattern, options, *, steps, seed, **kw):          # the sweep's bookkeeping, not training
+        trained.append(steps)
+        return {"accuracy": 0.5, "steps": steps, "seconds": 0.0, "state_bytes": 64, "parameters": 1}
+
+    monkeypatch.setattr(recall, "train_cell", train_cell)
+    kw = dict(mixers=["softmax"], sizes=[(16, 2)], d_models=[16], lrs=[3e-3], vocab=32, batch=4, seeds=[0],
+              progress=False, log=lambda m: None)
+    recall.sweep(out=tmp_path, steps=100, **kw)
+    before = (tmp_path / "recall.json").read_text()
+    with pytest.raises(ValueError, match=r"budget of 100 steps; this sweep asks for 1,500 steps"):
+        recall.sweep(out=tmp_path, steps=1500, **kw)
+    assert trained == [100] and (tmp_path / "recall.json").read_text() == before
+    assert recall.sweep(out=tmp_path, steps=100, **kw)["cells"] == json.loads(before)["cells"]   # same budget: resumes
+
+    res = recall.sweep(out=tmp_path, steps=1500, mix_budgets=True, **kw)
+    assert trained == [100, 1500] and recall.budgets(res) == {100, 1500}
+    with pytest.raises(ValueError, match=r"mix step budgets \(100 steps and 1,500 steps\)"):
+        recall.table(res)
+    with pytest.raises(ValueError, match="mix step budgets"):
+        recall.plot(res, tmp_path / "recall.png")
+    assert [line.split(" | ")[1] for line in recall.table(res, mix_budgets=True).splitlines()[2:]] == ["100", "1,500"]
+    recall.plot(res, tmp_path / "recall.png", mix_budgets=True)
+    assert (tmp_path / "recall.png").stat().st_size > 0
