@@ -40,6 +40,19 @@ def flops(contexts, head_dim: int) -> list[dict]:
              "ratio": N / head_dim} for N in contexts]
 
 
+def measured_contexts(contexts, measure_max: int) -> list[int]:
+    """The contexts ``subquad memory`` measures: those up to ``measure_max``, else the shortest one alone (the
+    measured table is never empty, so it may hold one context past ``measure_max``)."""
+    return [T for T in contexts if T <= measure_max] or [min(contexts)]
+
+
+def measured_title(rows: list[dict]) -> str:
+    """The measured table's header, from the contexts in its rows (not from the limit asked for)."""
+    Ts = sorted(r["context"] for r in rows)
+    span = f"T = {Ts[0]:,}" if len(Ts) == 1 else f"T = {Ts[0]:,} to {Ts[-1]:,}"
+    return f"Measured from the tensors the ops keep (B=1, one head), {span}:"
+
+
 @torch.no_grad()
 def measure(contexts, head_dim: int, dtype: str = "float32") -> list[dict]:
     """Bytes the ops actually keep after T tokens, for one head (B=1, H=1)."""

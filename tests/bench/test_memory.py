@@ -35,3 +35,14 @@ def test_state_is_flat_while_cache_grows():
 def test_bad_dtype():
     with pytest.raises(ValueError, match="dtype"):
         memory.analytic([1], 8, "int8")
+
+
+def test_the_measured_header_names_the_contexts_measured():
+    """`subquad memory` measures the shortest context even when every one is past --measure-max: the
+    header says what was measured (T = 2,048), not the limit (T <= 1,024)."""
+    rows = memory.measure(memory.measured_contexts([2048, 4096], measure_max=1024), 8)
+    assert [r["context"] for r in rows] == [2048]
+    assert memory.measured_title(rows) == "Measured from the tensors the ops keep (B=1, one head), T = 2,048:"
+    rows = memory.measure(memory.measured_contexts([256, 1024, 4096], measure_max=1024), 8)
+    assert [r["context"] for r in rows] == [256, 1024]
+    assert memory.measured_title(rows).endswith("T = 256 to 1,024:")
