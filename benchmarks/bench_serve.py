@@ -59,21 +59,29 @@ def write_folder(cfg, path: Path) -> Path:
     return path
 
 
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 class Server:
-    def __init__(self, folder: Path, *args):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = s.getsockname()[1]
+    """``subquad serve --model folder *args`` on 127.0.0.1 (or, with ``command``, another server taking
+    ``--port``), up once ``ready`` answers."""
+
+    def __init__(self, folder: Path, *args, command=None, ready="/health"):
+        self.port = free_port()
         self.name = folder.name
-        self.proc = subprocess.Popen([sys.executable, "-m", "subquad", "serve", "--model", str(folder), "--port",
-                                      str(self.port), *map(str, args)], cwd=REPO, stdout=subprocess.DEVNULL,
-                                     stderr=subprocess.DEVNULL, env={**os.environ, "PYTHONPATH": str(REPO)})
+        command = command or [sys.executable, "-m", "subquad", "serve", "--model", str(folder)]
+        self.proc = subprocess.Popen([*command, "--host", "127.0.0.1", "--port", str(self.port), *map(str, args)],
+                                     cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                     env={**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "2"})
         end = time.monotonic() + 300
         while time.monotonic() < end:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"the server exited with {self.proc.returncode}")
             try:
-                urllib.request.urlopen(f"http://127.0.0.1:{self.port}/health", timeout=1).read()
+                urllib.request.urlopen(f"http://127.0.0.1:{self.port}{ready}", timeout=1).read()
                 return
             except OSError:
                 time.sleep(0.2)
@@ -98,13 +106,17 @@ async def one_request(port: int, body: dict) -> dict:
     when the body asks for ``logprobs`` (a model without a tokenizer names its tokens "token_id:N")."""
     t0 = time.perf_counter()
     data = json.dumps({**body, "stream": True, "stream_options": {"include_usage": True}}).encode()
+    ok, ttft, tokens, ids, chunks, text = False, None, 0, [], 0, ""
     try:
         reader, writer = await asyncio.open_connection("127.0.0.1", port)
         writer.write(b"POST /v1/completions HTTP/1.0\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
                      b"Content-Length: %d\r\n\r\n" % len(data) + data)
         await writer.drain()
         status = (await reader.readline()).split()
-        ok, ttft, tokens, ids = len(status) > 1 and status[1] == b"200", None, 0, []
+        ok = len(status) > 1 and status[1] == b"200"
+        if not ok:
+            print(f"  request failed: {b' '.join(status).decode(errors='replace')} "
+                  f"{(await reader.read(400)).decode(errors='replace')!r}", file=sys.stderr, flush=True)
         while (await reader.readline()).strip():           # headers
             pass
         async for line in reader:
@@ -116,6 +128,8 @@ async def one_request(port: int, body: dict) -> dict:
             chunk = json.loads(payload)
             if chunk.get("choices") and ttft is None:
                 ttft = time.perf_counter() - t0
+            chunks += any(c.get("text") or not c.get("finish_reason") for c in chunk.get("choices", []))
+            text += "".join(c.get("text") or "" for c in chunk.get("choices", []))
             for c in chunk.get("choices", []):
                 ids += [int(t.split(":")[1]) for t in ((c.get("logprobs") or {}).get("tokens") or [])]
             if chunk.get("usage"):
@@ -123,7 +137,9 @@ async def one_request(port: int, body: dict) -> dict:
         writer.close()
     except OSError:
         ok = False
-    return {"ok": ok and ttft is not None, "ttft": ttft, "tokens": tokens, "ids": ids,
+    # a server that sends no usage while streaming (llama-cpp-python's) streams one token a chunk, then one
+    # that holds only the finish reason
+    return {"ok": ok and ttft is not None, "ttft": ttft, "tokens": tokens or chunks, "ids": ids, "text": text,
             "seconds": time.perf_counter() - t0}
 
 
@@ -162,6 +178,22 @@ def pct(values, q):
     return values[min(len(values) - 1, int(q * len(values)))] if values else float("nan")
 
 
+def throughput(server, name, make_body, a, deadline, concurrency) -> tuple:
+    """Aggregate generated tokens/s and time to first token at each concurrency (``a.rounds`` requests per
+    stream, ``c`` in flight); and the failed requests."""
+    out, failed = {}, 0
+    for c in concurrency:
+        t = time.perf_counter()
+        res = load(server.port, [make_body() for _ in range(a.rounds * c)], c, deadline)
+        wall = time.perf_counter() - t
+        failed += sum(not r["ok"] for r in res)
+        out[c] = {"tokens_per_s": sum(r["tokens"] for r in res) / wall, "requests": len(res),
+                  "ttft_p50_ms": 1e3 * pct([r["ttft"] for r in res], 0.5),
+                  "ttft_p99_ms": 1e3 * pct([r["ttft"] for r in res], 0.99)}
+        print(f"  {name} c={c}: {out[c]}", flush=True)
+    return out, failed
+
+
 def measure(name, folder, cfg, a, deadline) -> dict:
     from subquad.models import LanguageModel
     from subquad.serve import Engine
@@ -169,31 +201,25 @@ def measure(name, folder, cfg, a, deadline) -> dict:
     rng = random.Random(0)
     V = cfg.vocab_size
     prompt = lambda n: [rng.randrange(V) for _ in range(n)]          # noqa: E731
-    out = {"model": name, "throughput": {}, "failed": 0}
+    out = {"model": name, "failed": 0}
     server = Server(folder, "--max-batch", max(a.concurrency), "--max-queue", 4 * max(a.concurrency),
-                    "--max-context", a.context, "--served-model-name", name)
+                    "--max-context", a.context, "--served-model-name", name, *a.serve_args)
     try:
-        body = lambda: {"model": name, "prompt": prompt(a.prompt_tokens), "max_tokens": a.max_tokens,   # noqa: E731
-                        "temperature": 0}
+        body = lambda n=a.prompt_tokens, m=a.max_tokens: {"model": name, "prompt": prompt(n),   # noqa: E731
+                                                          "max_tokens": m, "temperature": 0}
         load(server.port, [body() for _ in range(2)], 2, deadline)                    # warm-up
-        for c in a.concurrency:
-            t = time.perf_counter()
-            res = load(server.port, [body() for _ in range(a.rounds * c)], c, deadline)
-            wall = time.perf_counter() - t
-            out["failed"] += sum(not r["ok"] for r in res)
-            out["throughput"][c] = {"tokens_per_s": sum(r["tokens"] for r in res) / wall, "requests": len(res),
-                                    "ttft_p50_ms": 1e3 * pct([r["ttft"] for r in res], 0.5),
-                                    "ttft_p99_ms": 1e3 * pct([r["ttft"] for r in res], 0.99)}
-            print(f"  {name} c={c}: {out['throughput'][c]}", flush=True)
-        rss0 = server.rss_mb()
-        n = a.requests
+        out["throughput"], out["failed"] = throughput(server, name, body, a, deadline, a.concurrency)
+        # memory over many requests: short ones (a 16-token prompt, 8 new tokens), 16 in flight
+        short = lambda: body(16, 8)                                                   # noqa: E731
+        n, rss0, t = a.requests, server.rss_mb(), time.perf_counter()
         warm = max(1, n // 10)
-        res = load(server.port, [body() for _ in range(warm)], 16, deadline)
+        res = load(server.port, [short() for _ in range(warm)], 16, deadline)
         rss_warm = server.rss_mb()
-        res += load(server.port, [body() for _ in range(n - warm)], 16, deadline)
-        out["failed"] += sum(not r["ok"] for r in res)
+        res += load(server.port, [short() for _ in range(n - warm)], 16, deadline)
+        out["failed"] += sum(not r["ok"] for r in res) + (n - len(res))       # unsent (past the deadline) fail
         out["rss"] = {"before_mb": rss0, "after_warmup_mb": rss_warm, "after_mb": server.rss_mb(),
-                      "requests": len(res)}
+                      "requests": len(res), "seconds": time.perf_counter() - t}
+        print(f"  {name} rss: {out['rss']}", flush=True)
     finally:
         server.stop()
     model = LanguageModel(cfg).eval()
@@ -202,37 +228,105 @@ def measure(name, folder, cfg, a, deadline) -> dict:
     hd = cfg.d_model // cfg.n_heads
     kv = cfg.n_layers * 2 * (cfg.n_kv_heads or cfg.n_heads) * hd * 4     # a transformer of this width, every layer
     out["transformer_kv_bytes"] = {T: kv * T for T in sorted({min(1024, a.context), a.context})}
-    out["chat"] = {}
     turns = [prompt(a.turn_tokens) for _ in range(10)]                 # the same chat with and without the cache
     warm = [(turns[0][0] + 1) % V] + prompt(a.turn_tokens - 1)         # shares no prefix with it
+    out["chat"] = {}
     for cache_mb in (256, 0):
-        server = Server(folder, "--max-context", a.context, "--state-cache-mb", cache_mb, "--served-model-name", name)
+        server = Server(folder, "--max-context", a.context, "--state-cache-mb", cache_mb, "--served-model-name", name,
+                        *a.serve_args)
         try:
-            # one request first: turn 1 must not pay the server's first-request costs (allocator, lazy imports)
-            out["failed"] += not asyncio.run(one_request(server.port, {"model": name, "prompt": warm, "max_tokens": 8,
-                                                                       "temperature": 0}))["ok"]
-            history, ttfts = [], []
-            for turn in range(10):
-                history += turns[turn]
-                r = asyncio.run(one_request(server.port, {"model": name, "prompt": history, "max_tokens": 8,
-                                                          "temperature": 0, "logprobs": 0}))
-                out["failed"] += not r["ok"]
-                ttfts.append(r["ttft"])
-                history += r["ids"]           # the answer, as the next turn's prompt holds it
+            out["chat"]["cached" if cache_mb else "uncached"], failed = chat(server, name, turns, warm)
+            out["failed"] += failed
         finally:
             server.stop()
-        out["chat"]["cached" if cache_mb else "uncached"] = ttfts
     return out
 
 
-def report(results: list) -> str:
+def chat(server, name, turns, warm) -> tuple:
+    """Time to first token of each turn of a 10-turn chat whose prompt is the whole history (the turns and the
+    answers); prompts are token ids, or text for a server that does not take the folder's ids (llama.cpp's,
+    whose answers come back as text)."""
+    # one request first: turn 1 must not pay the server's first-request costs (allocator, lazy imports)
+    failed = not asyncio.run(one_request(server.port, {"model": name, "prompt": warm, "max_tokens": 8,
+                                                       "temperature": 0}))["ok"]
+    history, ttfts = type(warm)(), []
+    for turn in turns:
+        history += turn
+        body = {"model": name, "prompt": history, "max_tokens": 8, "temperature": 0}
+        r = asyncio.run(one_request(server.port, body if isinstance(history, str) else {**body, "logprobs": 0}))
+        failed += not r["ok"]
+        ttfts.append(r["ttft"])
+        history += r["text"] if isinstance(history, str) else r["ids"]    # the answer, as the next turn holds it
+    return ttfts, failed
+
+
+# llama.cpp's comparison: the GGUF of the same folder (GPT-NeoX's vocabulary, which its converter gives a mamba
+# folder without a tokenizer), prompts as text of common words (one token each) of the same lengths
+WORDS = ("the of and to in is was for on as with by at from his her that this which were are be had not have "
+         "one all two new first time after year years also city state world may would more most other some "
+         "these than into only over such made like when where there their people during school").split()
+
+
+def gguf_of(folder: Path, llama_src: str) -> Path:
+    gguf = folder.with_suffix(".f32.gguf")
+    conv = subprocess.run([sys.executable, str(Path(llama_src) / "convert_hf_to_gguf.py"), str(folder),
+                           "--outfile", str(gguf), "--outtype", "f32"], capture_output=True, text=True,
+                          env={**os.environ, "PYTHONPATH": str(Path(llama_src) / "gguf-py")})
+    if conv.returncode:
+        raise RuntimeError("convert_hf_to_gguf.py: " + conv.stderr[-2000:])
+    return gguf
+
+
+def measure_llama(name, folder, a, deadline) -> dict:
+    """The same load against llama-cpp-python's server (``python -m llama_cpp.server``, 2 threads), which runs
+    one request at a time: concurrent streams queue (with ``interrupt_requests`` off; on, its default, each new
+    request ends the one streaming)."""
+    rng = random.Random(0)
+    text = lambda n: " " + " ".join(rng.choice(WORDS) for _ in range(n))      # noqa: E731
+    gguf = gguf_of(folder, a.llama_src)
+    out = {"model": f"{name} (llama.cpp server, f32 GGUF)", "failed": 0}
+    command = [a.llama_python, "-m", "llama_cpp.server", "--model", str(gguf)]
+    # twice the context: the chat's answers come back as text, and re-tokenised they can take more tokens;
+    # interrupt_requests off: by default a new request cuts the streaming one short (its tokens never come)
+    args = ("--n_threads", 2, "--n_threads_batch", 2, "--n_ctx", 2 * a.context, "--interrupt_requests", "False")
+    try:
+        server = Server(folder, *args, command=command, ready="/v1/models")
+        try:
+            body = lambda: {"model": name, "prompt": text(a.prompt_tokens), "max_tokens": a.max_tokens,  # noqa: E731
+                            "temperature": 0}
+            load(server.port, [body() for _ in range(2)], 2, deadline)
+            out["throughput"], out["failed"] = throughput(server, out["model"], body, a, deadline,
+                                                          [c for c in a.concurrency if c <= 16])
+        finally:
+            server.stop()
+        server = Server(folder, *args, command=command, ready="/v1/models")
+        try:
+            out["chat"] = {}
+            out["chat"]["uncached"], failed = chat(server, name, [text(a.turn_tokens) for _ in range(10)],
+                                                   text(a.turn_tokens))
+            out["failed"] += failed
+        finally:
+            server.stop()
+    finally:
+        gguf.unlink(missing_ok=True)
+    return out
+
+
+def report(results: list, llama: dict | None) -> str:
     lines = []
     for r in results:
         tp = r["throughput"]
-        lines.append(f"\n## {r['model']}\n\n| streams | tokens/s | TTFT p50 (ms) | TTFT p99 (ms) | requests |\n|---|---|---|---|---|")
+        ll = llama if llama and llama["model"].startswith(r["model"] + " ") else None
+        lines.append(f"\n## {r['model']}\n\n| streams | tokens/s | TTFT p50 (ms) | TTFT p99 (ms) | requests |"
+                     + (" llama.cpp server: tokens/s | TTFT p50 | TTFT p99 |" if ll else "")
+                     + "\n|---|---|---|---|---|" + ("---|---|---|" if ll else ""))
         for c, v in tp.items():
-            lines.append(f"| {c} | {v['tokens_per_s']:.1f} | {v['ttft_p50_ms']:.1f} | {v['ttft_p99_ms']:.1f} | "
-                         f"{v['requests']} |")
+            row = f"| {c} | {v['tokens_per_s']:.1f} | {v['ttft_p50_ms']:.1f} | {v['ttft_p99_ms']:.1f} | {v['requests']} |"
+            if ll:
+                w = ll["throughput"].get(c)
+                row += (f" {w['tokens_per_s']:.1f} | {w['ttft_p50_ms']:.1f} | {w['ttft_p99_ms']:.1f} |" if w
+                        else " - | - | - |")
+            lines.append(row)
         sb, kv = r["state_bytes_per_stream"], r["transformer_kv_bytes"]
         lines.append("\nstate per stream: " + ", ".join(f"{sb[T]:,} B at {T} tokens (a transformer's KV cache: "
                                                        f"{kv[T]:,} B)" for T in sb))
@@ -241,16 +335,26 @@ def report(results: list) -> str:
         u1, u10 = ch["uncached"][0], ch["uncached"][-1]
         lines.append(f"10-turn chat TTFT (ms): cached turn 1 {1e3 * c1:.1f}, turn 10 {1e3 * c10:.1f} "
                      f"(x{c10 / c1:.2f}); uncached turn 1 {1e3 * u1:.1f}, turn 10 {1e3 * u10:.1f} (x{u10 / u1:.2f})")
+        if ll:
+            l1, l10 = ll["chat"]["uncached"][0], ll["chat"]["uncached"][-1]
+            lines.append(f"llama.cpp server, the same chat as text: turn 1 {1e3 * l1:.1f}, turn 10 {1e3 * l10:.1f} "
+                         f"(x{l10 / l1:.2f}); its failed requests: {ll['failed']}")
         rss = r["rss"]
         growth = (rss["after_mb"] - rss["after_warmup_mb"]) / rss["after_warmup_mb"]
         lines.append(f"RSS: {rss['before_mb']:.0f} MB before, {rss['after_warmup_mb']:.0f} after warm-up, "
-                     f"{rss['after_mb']:.0f} after {rss['requests']} requests ({100 * growth:+.1f}%)")
+                     f"{rss['after_mb']:.0f} after {rss['requests']} requests ({100 * growth:+.1f}%, "
+                     f"{rss['seconds']:.0f} s)")
         ratio = tp[16]["tokens_per_s"] / tp[1]["tokens_per_s"] if 16 in tp and 1 in tp else None
+        top = 16 if 16 in tp else max(tp)                           # the target's concurrency (--quick: its top)
+        vs = tp[top]["tokens_per_s"] / ll["throughput"][top]["tokens_per_s"] if ll and top in ll["throughput"] else None
         targets = [("16 streams >= 6x one stream", ratio is not None and ratio >= 6,
                     "n/a" if ratio is None else f"x{ratio:.2f}"),
                    ("turn 10 TTFT <= 1.5x turn 1 (cached)", c10 / c1 <= 1.5, f"x{c10 / c1:.2f}"),
                    ("0 failed requests", r["failed"] == 0, str(r["failed"])),
                    ("RSS growth < 5% after warm-up", growth < 0.05, f"{100 * growth:+.1f}%")]
+        if ll:
+            targets.append((f"{top} streams >= llama.cpp's server at {top}", vs is not None and vs >= 1,
+                            "n/a" if vs is None else f"x{vs:.2f}"))
         lines += [f"- {name}: {'not measured' if num == 'n/a' else 'met' if ok else 'MISSED'} ({num})"
                   for name, ok, num in targets]
     return "\n".join(lines)
@@ -262,7 +366,10 @@ def main(argv=None):
     p.add_argument("--out", default="runs/bench_serve.json", help="results as JSON")
     p.add_argument("--time-limit", type=float, default=None, help="wall-clock seconds for the whole load")
     p.add_argument("--llama-python", help="a Python with llama-cpp-python[server], for llama.cpp's comparison")
-    p.add_argument("--llama-gguf", help="the float32 GGUF of the mamba-130m-shaped folder (convert_hf_to_gguf.py)")
+    p.add_argument("--llama-src", help="llama.cpp's source tree (convert_hf_to_gguf.py, gguf-py), which converts "
+                                       "the mamba-130m-shaped folder to a float32 GGUF for --llama-python")
+    p.add_argument("--models", help="comma-separated names among " + ", ".join(shapes(False)))
+    p.add_argument("--serve-args", default="", help="more `subquad serve` flags, e.g. '--compile-decode'")
     a = p.parse_args(argv)
     a.concurrency = [1, 4] if a.quick else [1, 4, 16, 64]
     a.rounds = 2 if a.quick else 4
@@ -271,18 +378,34 @@ def main(argv=None):
     a.turn_tokens = 16 if a.quick else 128
     a.context = 512 if a.quick else 4096
     deadline = time.monotonic() + (a.time_limit or (120 if a.quick else 3600))
-    if a.llama_python:
-        print("llama.cpp's server comparison is not wired here yet: run its server on the GGUF and point this "
-              "load at it (see the docstring); skipped", file=sys.stderr)
-    results = []
+    a.serve_args = a.serve_args.split()
+    import torch
+
+    from benchmarks.common import machine_line
+
+    torch.set_num_threads(2)
+    machine = machine_line()
+    print(machine, flush=True)
+    if bool(a.llama_python) != bool(a.llama_src):
+        p.error("--llama-python and --llama-src go together")
+    wanted = shapes(a.quick)
+    if a.models:
+        unknown = set(a.models.split(",")) - set(wanted)
+        if unknown:
+            p.error(f"--models: unknown {sorted(unknown)}; choose among {sorted(wanted)}")
+        wanted = {k: v for k, v in wanted.items() if k in a.models.split(",")}
+    results, llama = [], None
     with tempfile.TemporaryDirectory() as tmp:
-        for name, cfg in shapes(a.quick).items():
+        for name, cfg in wanted.items():
             folder = write_folder(cfg, Path(tmp) / name)
+            if a.llama_python and (name == "mamba-130m" or a.quick):
+                llama = measure_llama(name, folder, a, deadline)
             results.append(measure(name, folder, cfg, a, deadline))
-    text = report(results)
+    text = machine + "\n" + report(results, llama)
     print(text)
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(a.out).write_text(json.dumps(results, indent=1, default=str))
+    Path(a.out).write_text(json.dumps({"machine": machine, "results": results, "llama.cpp": llama}, indent=1,
+                                      default=str))
     print(f"\nwrote {a.out}")
 
 
