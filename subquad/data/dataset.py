@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -41,19 +43,62 @@ def default_cache() -> Path:
     return Path(os.environ.get("SUBQUAD_CACHE", Path.home() / ".cache" / "subquad"))
 
 
-def prepare(data: str | None = None, vocab_size: int = 4096, cache_dir=None, log=print) -> TokenData:
-    """Load the corpus, train (or reuse) the BPE tokenizer and encode both splits; cached by corpus hash."""
+def file_sha256(path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def manifest_changes(old: dict, new: dict, limit: int = 6) -> list[str]:
+    """What differs between two corpus manifests, file by file ('code.py changed', 'new.py added', ...);
+    empty when their sha256 agree."""
+    if old.get("sha256") == new.get("sha256"):
+        return []
+    before = {f["path"]: f["sha256"] for f in old.get("files", [])}
+    after = {f["path"]: f["sha256"] for f in new.get("files", [])}
+    out = [f"{p} changed" for p in sorted(before.keys() & after.keys()) if before[p] != after[p]]
+    out += [f"{p} added" for p in sorted(after.keys() - before.keys())]
+    out += [f"{p} removed" for p in sorted(before.keys() - after.keys())]
+    if old.get("corpus") != new.get("corpus"):
+        out.insert(0, f"corpus {new.get('corpus')!r} (was {old.get('corpus')!r})")
+    if old.get("python") != new.get("python") and new.get("corpus") == "stdlib":
+        out.insert(0, f"Python {new.get('python')} (was {old.get('python')})")
+    if len(out) > limit:
+        out = out[:limit] + [f"{len(out) - limit} more"]
+    return out or ["the corpus sha256 differs"]
+
+
+def prepare(data: str | None = None, vocab_size: int = 4096, cache_dir=None, log=print, tokenizer=None,
+            expect: dict | None = None) -> TokenData:
+    """Load the corpus, train (or reuse) the BPE tokenizer and encode both splits; cached by corpus hash.
+
+    ``tokenizer``: a tokenizer.json to encode with instead of training one (a run's own, on resume and in
+    eval), cached by its sha256 too. ``expect``: a run's corpus manifest; a corpus whose sha256 differs is
+    refused (ValueError naming what changed) before any tokenizer is trained."""
     corpus = load_corpus(data)
-    key = f"{corpus.manifest['sha256'][:16]}-v{vocab_size}"
-    d = Path(cache_dir or default_cache()) / "tokens" / key
+    if expect is not None and expect.get("sha256") != corpus.manifest["sha256"]:
+        raise ValueError(f"the data differ from the run's (its manifest.json): "
+                         f"{'; '.join(manifest_changes(expect, corpus.manifest))}")
+    root = Path(cache_dir or default_cache()) / "tokens"
+    d = root / f"{corpus.manifest['sha256'][:16]}-v{vocab_size}"
+    if tokenizer is not None:
+        want = file_sha256(tokenizer)
+        if not ((d / "tokenizer.json").exists() and file_sha256(d / "tokenizer.json") == want):
+            d = root / f"{corpus.manifest['sha256'][:16]}-t{want[:16]}"
     tok_path, tr_path, ho_path = d / "tokenizer.json", d / "train.npy", d / "heldout.npy"
     if not (tok_path.exists() and tr_path.exists() and ho_path.exists()):
         d.mkdir(parents=True, exist_ok=True)
-        log(f"training a byte-level BPE tokenizer (vocab {vocab_size:,}) on {corpus.manifest['train_chars']:,} "
-            f"characters of {corpus.name} ...")
-        tok = train_tokenizer(corpus.train, vocab_size)
         tmp = d / "tokenizer.json.tmp"
-        tok.save(str(tmp))
+        if tokenizer is not None:
+            tok = load_tokenizer(tokenizer)
+            shutil.copyfile(tokenizer, tmp)
+        else:
+            log(f"training a byte-level BPE tokenizer (vocab {vocab_size:,}) on "
+                f"{corpus.manifest['train_chars']:,} characters of {corpus.name} ...")
+            tok = train_tokenizer(corpus.train, vocab_size)
+            tok.save(str(tmp))
         os.replace(tmp, tok_path)
         for path, texts in ((tr_path, corpus.train), (ho_path, corpus.heldout)):
             arr = encode_docs(tok, texts)

@@ -29,7 +29,11 @@ def load_tokenizer(path):
     path = Path(path)
     if not path.exists():
         raise ValueError(f"tokenizer file {path} does not exist")
-    return Tokenizer.from_file(str(path))
+    try:
+        return Tokenizer.from_file(str(path))
+    except Exception as e:                  # tokenizers raises a bare Exception on a truncated file
+        raise ValueError(f"tokenizer file {path} is not a valid tokenizer (truncated or altered?): "
+                         f"{str(e).splitlines()[0] if str(e) else e.__class__.__name__}") from None
 
 
 def encode_docs(tok, texts: list[str]) -> np.ndarray:

@@ -7,10 +7,18 @@ written under a temporary name and renamed into place, then the one-line file
 ``ckpt/latest`` is replaced atomically; a truncated or altered file - the meta
 included - fails its checksum with a clear error.
 
-Finding the checkpoint to resume from never trusts ``latest`` alone: when it is
-missing, dangling or names a checkpoint that fails its checksums, the newest
-intact ``step_*`` folder (by step number) is used and the reason is reported.
-Pruning keeps the ``keep`` newest by step number and never the one just written.
+The checkpoint to resume from is the newest intact ``step_*`` folder by step
+number; ``latest`` is a hint. When it is missing, unreadable, names something
+that is not a step folder of this run (``../../other/ckpt/step_20``), names an
+older step than the newest intact one (a kill between the rename and ``latest``)
+or names one that fails its checksums, the reason is reported with the step used.
+Pruning keeps the ``keep`` newest by step number and never the one just written;
+step folders newer than the one just written belong to an abandoned timeline
+(corrupt ones a resume passed over) and are removed.
+
+A write that fails (a full disk, a read-only one) removes the partial folder and
+raises ``CheckpointWriteError``: one line naming the cause and the last intact
+checkpoint.
 """
 
 from __future__ import annotations
@@ -18,6 +26,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import shutil
 from pathlib import Path
 
@@ -26,6 +35,17 @@ import torch
 
 class CheckpointError(ValueError):
     pass
+
+
+class CheckpointWriteError(OSError):
+    """A checkpoint could not be written (its partial folder is removed); the message names the last
+    intact checkpoint."""
+
+    def __str__(self):
+        return self.args[0]
+
+
+_STEP_NAME = re.compile(r"step_\d+")
 
 
 def _sha256(path: Path) -> str:
@@ -76,31 +96,84 @@ def _step_of(path: Path) -> int:
         return -1
 
 
-def save_checkpoint(run_dir, step: int, model, optimizer, meta: dict, keep: int = 2) -> Path:
+def _save_tensors(tensors: dict, path: Path) -> None:
+    """safetensors' writer, its I/O failures as the OSError they are (it reports them as a SafetensorError
+    whose text ends '(os error N)')."""
+    from safetensors import SafetensorError
     from safetensors.torch import save_file
 
+    try:
+        save_file(tensors, str(path))
+    except SafetensorError as e:
+        code = re.search(r"\(os error (\d+)\)", str(e))
+        if code is None:
+            raise
+        n = int(code.group(1))
+        raise OSError(n, os.strerror(n), str(path)) from None
+
+
+def _write_failed(run_dir, e: OSError, partial: str) -> CheckpointWriteError:
+    reason = e.strerror or str(e)
+    last = latest_checkpoint(run_dir)
+    where = (f"the last intact checkpoint is step {_step_of(last)} ({last})" if last is not None
+             else "there is no checkpoint yet")
+    return CheckpointWriteError(f"{reason[:1].lower() + reason[1:]}: {where}; the partial {partial} was removed")
+
+
+def save_checkpoint(run_dir, step: int, model, optimizer, meta: dict, keep: int = 2) -> Path:
+    """Write ``ckpt/step_N`` (through ``.step_N.tmp`` and a rename), point ``ckpt/latest`` at it, prune;
+    and mark the run's ``config.json``, when there is one, as having checkpoints (a run whose checkpoints
+    are later lost is then refused on resume instead of restarting silently). CheckpointWriteError when
+    the disk refuses a write."""
     root = Path(run_dir) / "ckpt"
-    root.mkdir(parents=True, exist_ok=True)
     final = root / f"step_{step:07d}"
     tmp = root / f".step_{step:07d}.tmp"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
-    save_file({k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()}, str(tmp / "model.safetensors"))
-    otensors, ometa = _optim_tensors(optimizer)
-    save_file(otensors, str(tmp / "optim.safetensors"))
-    full = {**meta, "step": step, "optim": ometa,
-            "sha256": {n: _sha256(tmp / n) for n in ("model.safetensors", "optim.safetensors")}}
-    full["meta_sha256"] = _meta_digest(full)
-    (tmp / "meta.json").write_text(json.dumps(full, indent=1, allow_nan=False))
-    if final.exists():
-        shutil.rmtree(final)
-    os.rename(tmp, final)
-    write_atomic(root / "latest", final.name + "\n")
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir()
+        _save_tensors({k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()},
+                      tmp / "model.safetensors")
+        otensors, ometa = _optim_tensors(optimizer)
+        _save_tensors(otensors, tmp / "optim.safetensors")
+        full = {**meta, "step": step, "optim": ometa,
+                "sha256": {n: _sha256(tmp / n) for n in ("model.safetensors", "optim.safetensors")}}
+        full["meta_sha256"] = _meta_digest(full)
+        with open(tmp / "meta.json", "w") as f:
+            f.write(json.dumps(full, indent=1, allow_nan=False))
+        if final.exists():
+            shutil.rmtree(final)
+        os.rename(tmp, final)
+    except OSError as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise _write_failed(run_dir, e, f"checkpoint of step {step}") from None
+    try:
+        write_atomic(root / "latest", final.name + "\n")
+        _mark_checkpointed(run_dir)
+    except OSError as e:                      # the step is in place and found by scanning; latest is a hint
+        (root / "latest.tmp").unlink(missing_ok=True)
+        raise _write_failed(run_dir, e, "ckpt/latest.tmp") from None
     steps = sorted((p for p in root.glob("step_*") if p.is_dir() and _step_of(p) >= 0), key=_step_of)
+    for p in steps:
+        if _step_of(p) > step:               # an abandoned timeline: resume would otherwise pick it
+            shutil.rmtree(p, ignore_errors=True)
+    steps = [p for p in steps if _step_of(p) <= step]
     for old in steps[:-keep]:
         if old != final:
             shutil.rmtree(old, ignore_errors=True)
     return final
+
+
+def _mark_checkpointed(run_dir) -> None:
+    path = Path(run_dir) / "config.json"
+    if not path.exists():
+        return
+    try:
+        cfg = json.loads(path.read_text())
+    except ValueError:
+        return                                # not ours to repair here; resume reports it
+    if isinstance(cfg, dict) and cfg.get("checkpointed") is not True:
+        write_atomic(path, json.dumps({**cfg, "checkpointed": True}, indent=1))
 
 
 def verify_checkpoint(path) -> dict:
@@ -127,39 +200,50 @@ def verify_checkpoint(path) -> dict:
     return meta
 
 
-def find_checkpoint(run_dir, log=None) -> Path | None:
-    """The newest intact checkpoint of a run: ``ckpt/latest`` when it names one, else the newest intact
-    ``step_*`` by step number (``log`` is told why). None when the run has no checkpoint folder at all;
-    CheckpointError when it has some and none is intact."""
-    root = Path(run_dir) / "ckpt"
-    steps = sorted((p for p in root.glob("step_*") if p.is_dir() and _step_of(p) >= 0), key=_step_of,
-                   reverse=True) if root.exists() else []
-    named, why = None, None
+def _read_latest(root: Path) -> tuple[str | None, str | None]:
+    """(the step folder ``ckpt/latest`` names, or None; why it names none, or None when there is no file)."""
     latest = root / "latest"
-    if latest.exists():
-        named = root / latest.read_text().strip()
-        try:
-            verify_checkpoint(named)
-            return named
-        except CheckpointError as e:
-            why = str(e) if named.exists() else f"ckpt/latest names {named.name}, which does not exist"
-    elif steps:
-        why = "ckpt/latest is missing"
+    if not latest.exists():
+        return None, "ckpt/latest is missing"
+    try:
+        text = latest.read_bytes().decode("utf-8").strip()
+    except (OSError, UnicodeDecodeError) as e:
+        return None, f"ckpt/latest is unreadable ({e.__class__.__name__}: not a step name)"
+    if not _STEP_NAME.fullmatch(text):       # never followed out of the run ('../../other/ckpt/step_20')
+        return None, f"ckpt/latest names {text[:80]!r}, which is not a step folder of this run; ignored"
+    return text, None
+
+
+def find_checkpoint(run_dir, log=None) -> Path | None:
+    """The newest intact checkpoint of a run by step number; ``ckpt/latest`` is only a hint. When the one
+    used is not the one ``latest`` names, or newer ones fail their checksums, ``log`` is told which step
+    is used and why. None when the run has no checkpoint at all; CheckpointError when it has some and
+    none is intact."""
+    root = Path(run_dir) / "ckpt"
+    if not root.exists():
+        return None
+    steps = sorted((p for p in root.glob("step_*") if p.is_dir() and _step_of(p) >= 0), key=_step_of,
+                   reverse=True)
+    named, why = _read_latest(root)
+    if named is None and why == "ckpt/latest is missing" and not steps:
+        return None
+    if named is not None and not (root / named).is_dir():
+        why = f"ckpt/latest names {named}, which does not exist"
     problems = []
     for p in steps:
-        if named is not None and p == named:
-            continue
         try:
             verify_checkpoint(p)
         except CheckpointError as e:
             problems.append(str(e))
             continue
-        if log is not None:
-            log(f"{why}; resuming from {p.name}, the newest intact checkpoint")
+        if named is not None and why is None and named != p.name and _step_of(root / named) < _step_of(p):
+            why = (f"ckpt/latest names {named}, but {p.name} is newer and intact (a kill before ckpt/latest "
+                   "was updated)")
+        if log is not None and (why is not None or problems):
+            log(f"{'; '.join(([why] if why else []) + problems)}; using {p.name}, the newest intact checkpoint")
         return p
-    if why is None:
-        return None
-    raise CheckpointError(f"{Path(run_dir)} has no intact checkpoint: {'; '.join([why] + problems)}")
+    raise CheckpointError(f"{Path(run_dir)} has no intact checkpoint: "
+                          f"{'; '.join(([why] if why else []) + problems) or 'ckpt/ holds no step folder'}")
 
 
 def latest_checkpoint(run_dir) -> Path | None:

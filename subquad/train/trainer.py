@@ -80,6 +80,9 @@ def _dist():
     return 0, 1
 
 
+LR_MAX = 1e37     # AdamW's first step size is lr / (1 - 0.9); float32 ends at 3.4e38
+
+
 @dataclass
 class TrainConfig:
     steps: int = 600
@@ -97,6 +100,7 @@ class TrainConfig:
     context_parallel: int = 1      # ranks that share each sequence (ring attention / state passing)
     pack: bool | None = None       # boundaries at document starts (None: on for a corpus of many documents)
     on_nonfinite: str = "stop"     # a step with a non-finite loss or gradient: "stop" the run, or "skip" it
+    schedule_steps: int | None = None   # the cosine's length (None: steps); a resume keeps it (--reschedule)
 
     def __post_init__(self):
         if self.on_nonfinite not in ("stop", "skip"):
@@ -104,14 +108,20 @@ class TrainConfig:
         for name in ("steps", "batch_size", "eval_every", "eval_batches", "ckpt_every", "context_parallel"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
-        if self.lr <= 0:
-            raise ValueError(f"lr must be positive, got {self.lr}")
+        if self.schedule_steps is not None and self.schedule_steps <= 0:
+            raise ValueError(f"schedule_steps must be positive, got {self.schedule_steps}")
+        if not 0 < self.lr <= LR_MAX:        # nan and inf fail here too
+            raise ValueError(f"lr must be a finite number in (0, {LR_MAX:g}], got {self.lr} (AdamW's first step "
+                             "size is lr / (1 - 0.9) = 10 x lr, which must fit in float32)")
+        if self.warmup < 0:
+            raise ValueError(f"warmup must be >= 0, got {self.warmup}")
 
     def lr_at(self, step: int) -> float:
-        """Linear warmup to lr, then cosine down to min_lr_ratio * lr at the last step (steps count from 1)."""
+        """Linear warmup to lr, then cosine down to min_lr_ratio * lr at the schedule's last step
+        (``schedule_steps``, else ``steps``), and that floor after it (steps count from 1)."""
         if step <= self.warmup:
             return self.lr * step / max(1, self.warmup)
-        frac = (step - self.warmup) / max(1, self.steps - self.warmup)
+        frac = (step - self.warmup) / max(1, (self.schedule_steps or self.steps) - self.warmup)
         return self.lr * (self.min_lr_ratio + (1 - self.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * min(1.0, frac))))
 
 
@@ -212,6 +222,8 @@ class Trainer:
         self.opt = torch.optim.AdamW(decay_groups(model, cfg.weight_decay), lr=cfg.lr, betas=(0.9, 0.95))
         self.step = 0
         self.curve: list[tuple[int, float]] = []
+        self.saved_step: int | None = None    # the newest checkpoint this trainer wrote or resumed from
+        self.last_record: dict | None = None  # metrics.jsonl's record of self.step, kept in the checkpoint
         self.eot = packing_eot(cfg.pack, data, cfg.context_parallel)
 
     def _context_groups(self, P: int):
@@ -246,19 +258,29 @@ class Trainer:
             import torch.distributed as dist
             states = [None] * self.world
             dist.all_gather_object(states, self.gen.get_state().tolist())
+        # strict JSON: a non-finite held-out loss (on_nonfinite="skip") is kept as null
+        curve = [(s, v if math.isfinite(v) else None) for s, v in self.curve]
         return {"model_config": self.model.config.to_dict(), "train_config": asdict(self.cfg),
-                "data_rng": states[0], "data_rng_ranks": states, "world": self.world, "curve": self.curve,
+                "data_rng": states[0], "data_rng_ranks": states, "world": self.world, "curve": curve,
+                "metrics": self.last_record if self.last_record and self.last_record["step"] == self.step else None,
                 **self.extra_meta}
+
+    def _kept(self) -> str:
+        """Where the last good checkpoint is, for the stop messages."""
+        if self.saved_step is None:
+            return "There is no checkpoint yet"
+        return f"The last good checkpoint, step {self.saved_step}, is kept in {self.run_dir / 'ckpt'}"
 
     def save(self):
         if not all(torch.isfinite(p).all() for p in self.model.parameters()):
-            raise TrainingDiverged(f"the model's weights are not finite at step {self.step}; not saved (the last "
-                                   f"good checkpoint is kept in {self.run_dir / 'ckpt'})")
+            raise TrainingDiverged(f"the model's weights are not finite at step {self.step}; not saved. "
+                                   f"{self._kept()}")
         meta = self._meta()                      # a collective when distributed: every rank calls it
         path = save_checkpoint(self.run_dir, self.step, self.model, self.opt, meta) if self.rank == 0 else None
         if self.world > 1:
             import torch.distributed as dist
             dist.barrier()
+        self.saved_step = self.step
         return path
 
     def resume(self, log=None, trim_metrics: bool = True) -> bool:
@@ -274,20 +296,24 @@ class Trainer:
             self.gen.set_state(torch.tensor(ranks[self.rank], dtype=torch.uint8))
         elif self.rank == 0:
             self.gen.set_state(torch.tensor(meta["data_rng"], dtype=torch.uint8))
-        self.step = meta["step"]
-        self.curve = [tuple(p) for p in meta.get("curve", [])]
+        self.step = self.saved_step = meta["step"]
+        self.curve = [(s, float("nan") if v is None else v) for s, v in meta.get("curve", [])]
+        self.last_record = meta.get("metrics")
         if self.rank == 0 and trim_metrics:
             self._trim_metrics()
         return True
 
     def _trim_metrics(self):
         """metrics.jsonl becomes exactly one record per step the checkpoint covers (steps after it are redone
-        and logged again), rewritten atomically."""
+        and logged again), rewritten atomically. The checkpointed step's own record, when its line was torn,
+        comes back from the checkpoint's meta."""
         path = self.run_dir / "metrics.jsonl"
         by_step = {}
         for rec in read_metrics(path):
             if rec["step"] <= self.step:
                 by_step[rec["step"]] = rec                 # a step logged twice (a restart): the latest
+        if self.step not in by_step and self.last_record and self.last_record.get("step") == self.step:
+            by_step[self.step] = self.last_record
         write_atomic(path, "".join(_finite_json(by_step[k]) + "\n" for k in sorted(by_step)))
 
     # -- loop ----------------------------------------------------------------------------------------------
@@ -321,8 +347,8 @@ class Trainer:
                 try:
                     loss = cross_entropy(self.train_model, x, y, cfg.bf16, self.cp_group, self.eot)
                     if not torch.isfinite(loss) and cfg.on_nonfinite == "stop":
-                        raise TrainingDiverged(f"loss became {loss.item()} at step {step}; stopped. The last good "
-                                               f"checkpoint is kept in {self.run_dir / 'ckpt'} (try a lower --lr)")
+                        raise TrainingDiverged(f"loss became {loss.item()} at step {step}; stopped. {self._kept()} "
+                                               "(try a lower --lr)")
                     self.opt.zero_grad(set_to_none=True)
                     moe = getattr(model.config, "moe", None)
                     if moe:                      # the router's load-balancing loss joins the objective
@@ -347,8 +373,7 @@ class Trainer:
                 skipped = not (torch.isfinite(loss) and torch.isfinite(gnorm))
                 if skipped and cfg.on_nonfinite == "stop":   # no update and no checkpoint from this step
                     raise TrainingDiverged(f"the gradient norm became {float(gnorm)} at step {step}; stopped before "
-                                           f"updating. The last good checkpoint is kept in {self.run_dir / 'ckpt'} "
-                                           "(try a lower --lr, or on_nonfinite='skip')")
+                                           f"updating. {self._kept()} (try a lower --lr, or on_nonfinite='skip')")
                 if skipped:
                     self.opt.zero_grad(set_to_none=True)     # on_nonfinite="skip": the batch is consumed, no update
                 else:
@@ -367,8 +392,10 @@ class Trainer:
                     rec["heldout_loss"] = round(ev, 5)
                     self.curve.append((step, ev))
                     t_last = time.perf_counter()       # evaluation time is not training throughput
+                line = _finite_json(rec)
+                self.last_record = json.loads(line)      # as logged; a checkpoint of this step keeps it
                 if metrics is not None:
-                    metrics.write(_finite_json(rec) + "\n")
+                    metrics.write(line + "\n")
                     metrics.flush()
                 if bar is not None:
                     bar.update(1)
