@@ -170,7 +170,10 @@ def _resume_configs(args):
 def cmd_train(args) -> int:
     from subquad.distributed.launch import init_from_env, launch
     from subquad.train import PeerLost, TrainConfig, TrainingDiverged, train_run
+    from subquad.train.checkpoint import CheckpointWriteError
 
+    if (args.restart or args.reschedule) and not args.resume:
+        raise ValueError(f"--{'restart' if args.restart else 'reschedule'} goes with --resume (the run in --out)")
     if args.resume:
         mcfg, tcfg, data = _resume_configs(args)       # the run's own settings; conflicting flags refused
     else:
@@ -194,8 +197,8 @@ def cmd_train(args) -> int:
     out = args.out or f"runs/{args.preset}-{mcfg.pattern.replace('*', 'x').replace(',', '_')}"
     try:
         r = train_run(mcfg, tcfg, out, data=data, resume=args.resume, progress=not args.no_progress,
-                      device=args.device)
-    except (TrainingDiverged, PeerLost) as e:
+                      device=args.device, restart=args.restart, reschedule=args.reschedule)
+    except (TrainingDiverged, PeerLost, CheckpointWriteError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
     except OSError as e:                          # a read-only or full disk: one line, not a traceback
@@ -203,8 +206,9 @@ def cmd_train(args) -> int:
               f"({e.filename or out})", file=sys.stderr)
         return 1
     if rank == 0:
+        held = "n/a" if r["heldout_loss"] is None else f"{r['heldout_loss']:.4f}"
         print(f"done: {r['steps']} steps{f' on {world} processes' if world > 1 else ''}, held-out loss "
-              f"{r['heldout_loss']:.4f} nats/token; run in {out}")
+              f"{held} nats/token; run in {out}")
     return 0
 
 
@@ -222,12 +226,14 @@ def cmd_eval(args) -> int:
         return _eval_model(args)
     if not Path(args.run).exists():
         raise ValueError(f"--run {args.run} does not exist")
-    model, tok, meta = load_run(args.run, device=args.device, quantize=args.quantize)
+    model, tok, meta = load_run(args.run, device=args.device, quantize=args.quantize, log=_say)
     train = meta.get("train_config", {})
     run = Path(args.run) if (Path(args.run) / "ckpt").exists() else Path(args.run).parent.parent
     cfg = json.loads((run / "config.json").read_text()) if (run / "config.json").exists() else {}
     data = args.data or cfg.get("data")
-    td = prepare(None if data == "stdlib" else data, model.config.vocab_size)
+    tok_path = run / "tokenizer.json"                  # the run's own ids, on its corpus or another
+    td = prepare(None if data == "stdlib" else data, model.config.vocab_size,
+                 tokenizer=tok_path if tok_path.exists() else None)
     batches = args.batches or train.get("eval_batches", 8)             # the trainer's held-out batches
     batch_size = args.batch_size or train.get("batch_size", 16)
     eot = packing_eot(train.get("pack", False), td, train.get("context_parallel", 1))   # as the run trained
@@ -273,6 +279,11 @@ def _eval_model(args) -> int:
     return 0
 
 
+def _say(message: str) -> None:
+    """A note for the user on stderr (stdout stays the command's output)."""
+    print(message, file=sys.stderr)
+
+
 def _stop_ids(tok, texts) -> list[int]:
     ids = []
     for text in texts or []:
@@ -315,7 +326,7 @@ def cmd_generate(args) -> int:
         if tok is None:
             raise ValueError(f"--model {args.model} has no tokenizer.json to encode the prompt with")
     else:
-        model, tok, _ = load_run(args.run, device=args.device, quantize=args.quantize)
+        model, tok, _ = load_run(args.run, device=args.device, quantize=args.quantize, log=_say)
     if args.compile_decode:
         from subquad.models.decode import compile_decode
 
@@ -389,7 +400,7 @@ def cmd_serve(args) -> int:
     else:
         if not Path(args.run).exists():
             raise ValueError(f"--run {args.run} does not exist")
-        model, tok, _ = load_run(args.run, device=args.device, quantize=args.quantize)
+        model, tok, _ = load_run(args.run, device=args.device, quantize=args.quantize, log=_say)
     if args.compile_decode:
         _compile_and_warm(model)
     name = args.served_model_name or Path(args.model or args.run).resolve().name
@@ -486,7 +497,8 @@ class _Help(argparse.RawDescriptionHelpFormatter):
 
     def _get_help_string(self, action):
         h = action.help or ""
-        if action.default not in (None, False, argparse.SUPPRESS) and "default" not in h and action.option_strings:
+        hidden = action.default is None or action.default is False or action.default == argparse.SUPPRESS
+        if not hidden and "default" not in h and action.option_strings:     # 0 is a default to show
             h += f" (default: {action.default})"
         return h
 
@@ -524,6 +536,9 @@ def build_parser() -> argparse.ArgumentParser:
     from subquad import __version__
     from subquad.layers import MIXERS
     from subquad.models import PRESETS
+    from subquad.models.hf import MAPPINGS
+
+    HF_TYPES = list(MAPPINGS)                   # every checkpoint type from_pretrained reads
 
     p = argparse.ArgumentParser(prog="subquad", description=DESCRIPTION, formatter_class=_Help)
     p.add_argument("--version", action="version", version=f"subquad {__version__}")
@@ -594,7 +609,15 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--out", help="run folder (default: runs/PRESET-PATTERN)")
     t.add_argument("--resume", action="store_true",
                    help="continue the run in --out from its newest intact checkpoint, with the run's own settings "
-                        "(flags that would change the model, data or training are refused; --steps may grow)")
+                        "(flags that would change the model, data or training are refused, and so are changed "
+                        "data files; --steps may grow)")
+    t.add_argument("--reschedule", action="store_true",
+                   help="with --resume and a new --steps: stretch the cosine schedule to it (the learning rate "
+                        "changes from the resume point); without it the schedule keeps its length and steps "
+                        "past it train at its final rate")
+    t.add_argument("--restart", action="store_true",
+                   help="with --resume: train a run whose checkpoints are all lost (ckpt/ deleted, emptied or "
+                        "corrupt) again from step 0, overwriting its metrics (refused while an intact one exists)")
     t.add_argument("--no-progress", action="store_true", help="no progress bar")
     t.add_argument("--nproc", type=_positive, default=1,
                    help="data-parallel processes (relaunches under torchrun; each rank draws its own batches)")
@@ -651,10 +674,10 @@ def build_parser() -> argparse.ArgumentParser:
     g = command("generate", "stream text from a trained run with its recurrent state")
     g.add_argument("--run", help="run folder (or one of its checkpoints)")
     g.add_argument("--model", help="a Hugging Face model folder (config.json, model.safetensors, tokenizer.json) "
-                                   "of a supported type: mamba, falcon_mamba, mamba2")
+                                   f"of a supported type: {', '.join(HF_TYPES)}")
     g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float64"],
                    help="weights' dtype for --model")
-    g.add_argument("--prompt", default="", help="text to continue")
+    g.add_argument("--prompt", help="text to continue (required, unless --prompts-file or --load-state)")
     g.add_argument("--prompts-file", help="a file of prompts, one per line: all generated as one batch")
     g.add_argument("--max-new-tokens", type=int, default=200, help="tokens to generate per prompt")
     g.add_argument("--temperature", type=float, default=0.8, help="0 is greedy")

@@ -1,17 +1,17 @@
 """A training run on disk: what `subquad train` and the workshop call.
 
-    runs/NAME/config.json      model, training and data settings
+    runs/NAME/config.json      model, training and data settings; the sha256 of the corpus and tokenizer
     runs/NAME/tokenizer.json   the BPE the run was trained with
-    runs/NAME/manifest.json    corpus manifest (Python version, files, sha256)
+    runs/NAME/manifest.json    corpus manifest (Python version, files, sha256): a resume on other data is refused
     runs/NAME/metrics.jsonl    one line per step (held-out loss every eval_every)
-    runs/NAME/ckpt/            atomic checkpoints, ckpt/latest names the newest
+    runs/NAME/ckpt/            atomic checkpoints; the newest intact one by step is used (ckpt/latest: a hint)
 """
 
 from __future__ import annotations
 
 import json
 import shutil
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import torch
@@ -27,7 +27,7 @@ RESUME_SAFE = ("steps", "eval_every", "ckpt_every", "eval_batches")   # what a r
 
 
 def read_run_config(out) -> dict:
-    """The run's own config.json: {"model", "train", "data", "world"}; ValueError when there is no run."""
+    """The run's own config.json: {"model", "train", "data", "world", ...}; ValueError when there is no run."""
     path = Path(out) / "config.json"
     if not path.exists():
         raise ValueError(f"{out} holds no run to resume (no config.json there)")
@@ -43,32 +43,70 @@ def read_run_config(out) -> dict:
 
 def resume_differences(saved: dict, model_cfg: ModelConfig, train_cfg: TrainConfig, data) -> list[str]:
     """What would change the model, the data or the training if a run saved as ``saved`` continued with
-    these settings: one 'name: given (the run has saved)' per difference; empty when the resume is safe."""
+    these settings: one 'name: given (the run has saved)' per difference; empty when the resume is safe.
+    ``schedule_steps`` None means the run's own."""
     out = []
     for name, value in model_cfg.to_dict().items():
         if name != "vocab_size" and saved["model"].get(name) != value:        # vocab: the tokenizer's
             out.append(f"{name}: {value!r} (the run has {saved['model'].get(name)!r})")
     default = asdict(TrainConfig())
     for name, value in asdict(train_cfg).items():
-        have = saved["train"].get(name, default[name])
-        if name not in RESUME_SAFE and have != value:
+        have = schedule_of(saved) if name == "schedule_steps" else saved["train"].get(name, default[name])
+        if name in RESUME_SAFE or (name == "schedule_steps" and value is None):
+            continue
+        if have != value:
             out.append(f"{name}: {value!r} (the run has {have!r})")
     if (data or "stdlib") != saved.get("data", "stdlib"):
         out.append(f"data: {data or 'stdlib'!r} (the run has {saved.get('data')!r})")
     return out
 
 
+def schedule_of(saved: dict) -> int:
+    """The length of a saved run's learning-rate schedule: its ``schedule_steps``, or for a run from before
+    that field, the ``steps`` its last segment trained to (the schedule that segment used)."""
+    return saved["train"].get("schedule_steps") or saved["train"]["steps"]
+
+
+def _had_checkpoints(out: Path, saved: dict) -> bool:
+    """Whether a run wrote a checkpoint once (config.json's mark; a run from before the mark: any metrics)."""
+    if "checkpointed" in saved:
+        return saved["checkpointed"] is True
+    metrics = out / "metrics.jsonl"
+    return metrics.exists() and metrics.stat().st_size > 0
+
+
+def _check_tokenizer(out: Path, saved: dict) -> Path:
+    """The run's tokenizer.json, checked against the sha256 its config recorded (runs from before the
+    record: that it parses). ValueError naming the file otherwise."""
+    from subquad.data.dataset import file_sha256
+    from subquad.data.tokenizer import load_tokenizer
+
+    path = out / "tokenizer.json"
+    if not path.exists():
+        raise ValueError(f"{path} is missing: the run's token ids cannot be reproduced")
+    want = saved.get("tokenizer_sha256")
+    if want is not None and file_sha256(path) != want:
+        raise ValueError(f"{path} is truncated or altered (its sha256 differs from the one in config.json)")
+    load_tokenizer(path)
+    return path
+
+
 def train_run(model_cfg: ModelConfig, train_cfg: TrainConfig, out, data: str | None = None, resume: bool = False,
               vocab_size: int | None = None, progress: bool = True, log=print, token_data=None,
-              device="cpu") -> dict:
+              device="cpu", restart: bool = False, reschedule: bool = False) -> dict:
     """Train (or with ``resume`` continue) the run in ``out`` on ``device`` (``subquad.device``: 'auto',
     'cpu', 'cuda', ...). The model is built on the CPU from the seed, then moved, so every device
     starts from the same weights.
 
     A resume must name settings equal to the run's own (``read_run_config``; ``subquad train --resume``
     reads them for you): only ``RESUME_SAFE`` fields may differ, ``steps`` must pass the checkpoint's
-    step, and nothing in the run folder is written until the checkpoint has loaded. A fresh run that
-    fails before its first step leaves no folder behind."""
+    step, the corpus and the run's tokenizer.json must match the sha256 the run recorded, and nothing in
+    the run folder is written until the checkpoint has loaded. The learning-rate schedule keeps its
+    length (``schedule_steps``) unless ``reschedule``; a run that wrote checkpoints and lost them all is
+    refused unless ``restart`` (which trains it again from step 0, refused while an intact checkpoint
+    exists). A fresh run that fails before its first checkpoint leaves no folder behind."""
+    from subquad.data.dataset import file_sha256
+    from subquad.train.checkpoint import CheckpointError, find_checkpoint
     from subquad.train.trainer import _dist
 
     device = resolve_device(device)
@@ -76,32 +114,69 @@ def train_run(model_cfg: ModelConfig, train_cfg: TrainConfig, out, data: str | N
     if rank != 0:
         log = lambda m: None                                   # noqa: E731  (rank 0 speaks for the run)
     out = Path(out)
-    saved = None
+    resume = resume or restart
+    saved, tok_path, manifest = None, None, None
     if resume:
         saved = read_run_config(out)
         diff = resume_differences(saved, model_cfg, train_cfg, data)
         if diff:
             raise ValueError(f"--resume would change the run in {out}: " + "; ".join(diff) +
                              ". Drop those flags (the run's own settings are used) or start a new --out")
-    elif out.exists() and has_checkpoints(out):
+        old = schedule_of(saved)
+        train_cfg = replace(train_cfg, schedule_steps=train_cfg.steps if reschedule or restart else old)
+        if restart:
+            try:
+                found = find_checkpoint(out)
+            except CheckpointError:
+                found = None                                   # only broken ones: restarting is the way out
+            if found is not None:
+                raise ValueError(f"--restart trains a run again from step 0 only when it has no intact "
+                                 f"checkpoint; {out} has {found.name} (--resume continues it)")
+        elif not has_checkpoints(out) and _had_checkpoints(out, saved):
+            raise ValueError(f"the run in {out} wrote checkpoints, but ckpt/ is missing or empty; resuming would "
+                             "start it from step 0 and overwrite its metrics. Pass --restart to do that")
+        tok_path = _check_tokenizer(out, saved)
+        manifest_path = out / "manifest.json"
+        manifest = json.loads(manifest_path.read_text()) if manifest_path.exists() else None
+    elif out.exists() and (has_checkpoints(out) or _had_checkpoints(out, _config_or_empty(out))):
         raise ValueError(f"{out} already holds a run; pass --resume to continue it or choose another --out")
+    else:
+        train_cfg = replace(train_cfg, schedule_steps=train_cfg.schedule_steps or train_cfg.steps)
+    vocab = vocab_size or model_cfg.vocab_size
     if world > 1 and token_data is None:
         import torch.distributed as dist
         if rank == 0:                                          # rank 0 builds the token cache, then the rest read it
-            token_data = prepare(data, vocab_size or model_cfg.vocab_size, log=log)
+            token_data = prepare(data, vocab, log=log, tokenizer=tok_path, expect=manifest)
         dist.barrier()
-    td = token_data or prepare(data, vocab_size or model_cfg.vocab_size, log=log)
+    td = token_data or prepare(data, vocab, log=log, tokenizer=tok_path, expect=manifest)
+    if token_data is not None and resume:                      # the caller's tokens: the same checks
+        from subquad.data.dataset import manifest_changes
+
+        if manifest is not None and manifest.get("sha256") != td.manifest.get("sha256"):
+            raise ValueError(f"the data differ from the run's (its manifest.json): "
+                             f"{'; '.join(manifest_changes(manifest, td.manifest))}")
+        if saved.get("tokenizer_sha256") not in (None, file_sha256(td.tokenizer_path)):
+            raise ValueError(f"the tokenizer differs from the run's tokenizer.json ({td.tokenizer_path})")
     vocab = td.tokenizer().get_vocab_size()
     if vocab != model_cfg.vocab_size:
         model_cfg = ModelConfig.from_dict({**model_cfg.to_dict(), "vocab_size": vocab})
     torch.manual_seed(train_cfg.seed)
     model = LanguageModel(model_cfg).to(device)                # bad mixer options fail here, before any write
     created = not out.exists()
+    trainer = None
     try:
         out.mkdir(parents=True, exist_ok=True)
         trainer = Trainer(model, td, train_cfg, out, progress=progress and rank == 0)
-        if resume:
-            if not trainer.resume(log=log, trim_metrics=False):
+        if restart:
+            log(f"--restart: training {out} again from step 0 (its checkpoints are lost)")
+            if rank == 0:
+                shutil.rmtree(out / "ckpt", ignore_errors=True)
+        elif resume:
+            try:
+                resumed = trainer.resume(log=log, trim_metrics=False)
+            except CheckpointError as e:
+                raise CheckpointError(f"{e}. --restart trains the run again from step 0") from None
+            if not resumed:
                 log(f"{out} has no checkpoint yet: starting it from step 0")
             elif trainer.step >= train_cfg.steps:
                 raise ValueError(f"the run in {out} is at step {trainer.step} already; pass --steps above it "
@@ -110,31 +185,66 @@ def train_run(model_cfg: ModelConfig, train_cfg: TrainConfig, out, data: str | N
                 log(f"resuming {out} from step {trainer.step}")
                 if rank == 0:
                     trainer._trim_metrics()
+                _say_schedule(train_cfg, old, trainer.step, reschedule, log)
         if rank == 0:
             if not resume:
                 shutil.copyfile(td.tokenizer_path, out / "tokenizer.json")
                 write_atomic(out / "manifest.json", json.dumps(td.manifest, indent=1))
-            write_atomic(out / "config.json", json.dumps({"model": model_cfg.to_dict(), "train": asdict(train_cfg),
-                                                          "data": data or "stdlib", "world": world}, indent=1))
+            write_atomic(out / "config.json", json.dumps({
+                "model": model_cfg.to_dict(), "train": asdict(train_cfg), "data": data or "stdlib", "world": world,
+                "corpus_sha256": td.manifest.get("sha256"), "tokenizer_sha256": file_sha256(out / "tokenizer.json"),
+                "checkpointed": trainer.saved_step is not None}, indent=1))
     except BaseException:
         if created and rank == 0:                             # nothing trained: no half-made run folder
             shutil.rmtree(out, ignore_errors=True)
         raise
+    if train_cfg.steps < train_cfg.warmup:
+        log(f"warning: the run's {train_cfg.steps} steps end inside the {train_cfg.warmup}-step warmup: the learning "
+            f"rate reaches {train_cfg.lr_at(train_cfg.steps):.3g}, never the peak --lr {train_cfg.lr:g}")
     log(f"{out.name}: {model_cfg.pattern} x{model_cfg.n_layers}, {model.num_parameters():,} parameters, "
         f"{train_cfg.steps} steps of {train_cfg.batch_size} x {model_cfg.context_length} tokens"
         f"{', packed at document starts' if trainer.eot is not None else ''}")
-    result = trainer.fit(log=log)
+    try:
+        result = trainer.fit(log=log)
+    except BaseException:
+        if created and rank == 0 and trainer.saved_step is None:   # a fresh run with no checkpoint: nothing kept
+            shutil.rmtree(out, ignore_errors=True)
+        raise
     result["parameters"] = model.num_parameters()
     return result
 
 
-def load_run(path, device="cpu", quantize=None):
+def _config_or_empty(out: Path) -> dict:
+    try:
+        return json.loads((out / "config.json").read_text())
+    except (OSError, ValueError):
+        return {"checkpointed": False}
+
+
+def _say_schedule(cfg: TrainConfig, old: int, step: int, reschedule: bool, log) -> None:
+    """One line when a resume's --steps and the schedule's length part: what the learning rate does."""
+    if reschedule and cfg.schedule_steps != old:
+        before = replace(cfg, schedule_steps=old)
+        log(f"--reschedule: the cosine schedule now ends at step {cfg.schedule_steps} (it ended at {old}); the "
+            f"learning rate at step {step + 1} is {cfg.lr_at(step + 1):.3g} "
+            f"(it was to be {before.lr_at(step + 1):.3g})")
+    elif not reschedule and cfg.steps > old:
+        log(f"the learning-rate schedule keeps its length, {old} steps: steps {max(old, step) + 1}-{cfg.steps} "
+            f"train at its final rate {cfg.lr_at(cfg.steps):.3g} (--reschedule stretches it to {cfg.steps})")
+
+
+def load_run(path, device="cpu", quantize=None, log=None):
     """(model in eval mode on ``device``, tokenizer, meta) from a run folder or a checkpoint folder;
-    ``quantize`` "int8" or "bf16" quantises its projections for inference (``models.quant``)."""
+    ``quantize`` "int8" or "bf16" quantises its projections for inference (``models.quant``). ``log`` is
+    told which step is used and why when it is not the one ``ckpt/latest`` names; the run's tokenizer.json
+    is checked against the sha256 its config recorded."""
     from subquad.data.tokenizer import load_tokenizer
 
     path = Path(path)
-    model_sd, _, meta = load_checkpoint(path)
+    run = path if (path / "ckpt").exists() else path.parent.parent
+    model_sd, _, meta = load_checkpoint(path, log)
+    if (run / "config.json").exists():
+        _check_tokenizer(run, _config_or_empty(run))
     model = LanguageModel(ModelConfig.from_dict(meta["model_config"]))
     model.load_state_dict(model_sd)
     if quantize is not None:
@@ -142,5 +252,4 @@ def load_run(path, device="cpu", quantize=None):
 
         quantize_model(model, quantize)
     model.to(resolve_device(device)).eval()
-    run = path if (path / "ckpt").exists() else path.parent.parent
     return model, load_tokenizer(run / "tokenizer.json"), meta
