@@ -35,11 +35,11 @@ def cmd_memory(args) -> int:
                    "state d²+d (numbers)": f"{r['state_numbers']:,}",
                    "KV cache": f"{r['kv_bytes']:,} B ({fmt_bytes(r['kv_bytes'])})",
                    "state": f"{r['state_bytes']:,} B ({fmt_bytes(r['state_bytes'])})", "ratio": f"{r['ratio']:,.0f}x"} for r in rows]))
-    measured_ctx = [T for T in args.context if T <= args.measure_max] or [min(args.context)]
-    print(f"\nMeasured from the tensors the ops keep (B=1, one head), T <= {args.measure_max:,}:")
+    measured = memory.measure(memory.measured_contexts(args.context, args.measure_max), args.head_dim, args.dtype)
+    print("\n" + memory.measured_title(measured))
     print(render([{"context": f"{m['context']:,}", "KV cache (KVCache.nbytes)": f"{m['kv_cache_bytes']:,} B",
                    "state (S + z)": f"{m['state_bytes']:,} B", "state dtype": m["state_dtype"]}
-                  for m in memory.measure(measured_ctx, args.head_dim, args.dtype)]))
+                  for m in measured]))
     if args.flops:
         print("\nOperations of the attention product (per head): softmax N²d against linear Nd²")
         print(render([{"N": f"{r['context']:,}", "softmax N²d": f"{r['softmax_flops']:.2e}",
@@ -467,11 +467,11 @@ def cmd_recall(args) -> int:
         kw = dict(mixers=args.mixers, sizes=args.sizes, d_models=args.d_models, lrs=args.lrs, vocab=args.vocab,
                   steps=args.steps, batch=args.batch_size, seeds=range(args.seeds))
     res = recall.sweep(out=args.out, mlp=args.mlp, progress=not args.no_progress, device=args.device,
-                       decay=args.decay, **kw)
-    md = recall.table(res)
+                       decay=args.decay, mix_budgets=args.mix_budgets, **kw)
+    md = recall.table(res, mix_budgets=args.mix_budgets)
     out = Path(args.out)
     (out / "recall.md").write_text(md + "\n")
-    recall.plot(res, out / "recall.png")
+    recall.plot(res, out / "recall.png", mix_budgets=args.mix_budgets)
     print("\nMQAR accuracy, mean over seeds (their range), best learning rate per cell:\n" + md)
     print(f"\nwrote {out / 'recall.json'}, recall.md and recall.png ({res['seconds_this_run']} s this run)")
     return 0
@@ -651,6 +651,8 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--decay", choices=RECALL_DECAY, default="all",
                    help="weight decay 0.1 on every parameter (Zoology's) or on matrices only (no decay on norms, "
                         "biases, Mamba's A_log / D / dt_bias; subquad train's); other than 'all', a row of its own")
+    r.add_argument("--mix-budgets", action="store_true",
+                   help="let --out hold cells of another --steps (refused otherwise); each budget on rows of its own")
     r.add_argument("--quick", action="store_true", help="a tiny sweep (seconds), for tests")
     r.add_argument("--no-progress", action="store_true", help="no progress lines")
     _device_flag(r)

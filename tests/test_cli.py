@@ -173,3 +173,22 @@ def test_train_with_a_mixture_of_experts_and_resume_refuses_another(tmp_path, ca
     assert "moe" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main(["train", "--moe", "experts"])
+
+
+def test_memory_header_names_the_contexts_it_measured(capsys):
+    # every context past --measure-max: the shortest is measured, and the header says so (issue 32)
+    assert main(["memory", "--context", "2048,4096", "--measure-max", "1024", "--head-dim", "8"]) == 0
+    out = capsys.readouterr().out
+    assert "one head), T = 2,048:" in out and "T <= 1,024" not in out
+
+
+def test_recall_rerun_with_another_budget_is_refused_unless_mixed(tmp_path, capsys):
+    out = tmp_path / "recall"
+    tiny = ["recall", "--out", str(out), "--mixers", "softmax", "--sizes", "16x2", "--d-models", "16", "--lrs",
+            "3e-3", "--seeds", "1", "--vocab", "32", "--batch-size", "4", "--no-progress"]
+    assert main(tiny + ["--steps", "2"]) == 0
+    assert main(tiny + ["--steps", "3"]) == 2
+    assert "budget of 2 steps; this sweep asks for 3 steps" in capsys.readouterr().err
+    assert main(tiny + ["--steps", "3", "--mix-budgets"]) == 0
+    rows = (out / "recall.md").read_text().splitlines()[2:]
+    assert [r.split(" | ")[1] for r in rows] == ["2", "3"]
