@@ -272,8 +272,11 @@ class LanguageModel(nn.Module):
         weight = self.embed.weight if self.head is None else self.head.weight
         return linear_cross_entropy(h, weight, targets.to(h.device))
 
-    def empty_state(self, batch_size: int = 1, device=None):
-        return ModelState([b.mixer.empty_state(batch_size, device=device) for b in self.blocks])
+    def empty_state(self, batch_size: int = 1, device=None, dtype=None):
+        """Every block's empty decoding state; ``dtype``: the activations' (None: the embedding's), which sets the
+        states' (float32, or float64 for a float64 model: the ops refuse a state of another dtype)."""
+        dtype = self.embed.weight.dtype if dtype is None else dtype
+        return ModelState([b.mixer.empty_state(batch_size, device=device, dtype=dtype) for b in self.blocks])
 
     @staticmethod
     def state_bytes(state) -> int:

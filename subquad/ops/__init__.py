@@ -7,7 +7,9 @@ Dimension letters, used everywhere in subquad:
 
 Layout at the op boundary: q, k ``(B, T, H, K)``; v, o ``(B, T, H, V)``;
 recurrent state ``(B, H, K, V)``, kept in float32 for lower-precision inputs
-(float64 stays float64). ``scale=None`` means ``K ** -0.5`` on the queries.
+(float64 stays float64); an ``initial_state`` of another dtype is refused, not cast
+(``common.checks``, which lists every input rule). ``scale=None`` means ``K ** -0.5``
+on the queries.
 Each op takes ``mode`` in ``("parallel", "recurrent", "chunk")``, ``chunk_size``,
 ``initial_state`` and ``output_final_state`` and returns ``(o, final_state)``;
 ``final_state`` is None unless asked for; ``cu_seqlens`` (N + 1,) packs N sequences of

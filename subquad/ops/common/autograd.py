@@ -12,11 +12,12 @@ def wants_grad(*tensors) -> bool:
 
 def inference_path(*tensors) -> bool:
     """True when a call may take the no-gradient fast path: no gradient wanted, not inside torch.compile
-    (the fast paths choose routes from tensor values and write into preallocated buffers) and not on the
-    meta device (no values to choose from). Otherwise the differentiable form runs, which is exact too."""
+    (the fast paths choose routes from tensor values and write into preallocated buffers), not on the
+    meta device (no values to choose from) and not empty (a batch of 0: nothing to choose a route from).
+    Otherwise the differentiable form runs, which is exact too."""
     from subquad.ops.common.precision import compiling
 
     if wants_grad(*tensors) or compiling():
         return False
     first = next((t for t in tensors if t is not None), None)
-    return first is None or first.device.type != "meta"
+    return first is None or (first.device.type != "meta" and first.numel() > 0)

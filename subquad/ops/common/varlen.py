@@ -31,6 +31,9 @@ def seq_lengths(cu_seqlens, T: int, B: int) -> list[int]:
                          f"{getattr(cu_seqlens, 'shape', type(cu_seqlens).__name__)}")
     if cu_seqlens.dtype not in (torch.int32, torch.int64):
         raise ValueError(f"cu_seqlens must be int32 or int64, got {cu_seqlens.dtype}")
+    if cu_seqlens.device.type == "meta":
+        raise ValueError("cu_seqlens must hold its lengths (a CPU or accelerator tensor), got a tensor on the meta "
+                         "device, which has none")
     if cu_seqlens.numel() < 2:
         raise ValueError(f"cu_seqlens must hold at least two entries (one sequence), got {cu_seqlens.numel()}")
     if B != 1:

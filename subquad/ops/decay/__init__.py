@@ -28,7 +28,8 @@ from __future__ import annotations
 
 import torch
 
-from subquad.ops.common.checks import check_chunk_size, check_like, check_mode, check_qkv, default_scale, state_dtype
+from subquad.ops.common.checks import (check_bool, check_chunk_size, check_gate_dtype, check_like, check_mode,
+                                      check_qkv, check_state, default_scale, describe, state_dtype)
 from subquad.ops.common.precision import amp_op, causal_guard, checks_on, finite_log_decay
 from subquad.ops.common.autograd import inference_path
 from subquad.ops.common.forms import three_forms
@@ -42,20 +43,19 @@ from subquad.ops.common.varlen import varlen
 _FORMS = {"parallel": parallel_decay_attention, "recurrent": recurrent_decay_attention, "chunk": chunk_decay_attention}
 
 
-def _prepare(q, k, v, g, g_shape, mode, chunk_size, scale, initial_state):
+def _prepare(q, k, v, g, g_shape, mode, chunk_size, scale, initial_state, output_final_state):
     check_mode(mode)                                   # q, k, v were checked by the caller
     if q.shape[1] < 1:
         raise ValueError(f"q must hold at least one token (T >= 1), got shape {tuple(q.shape)}")
     check_chunk_size(chunk_size)
+    check_bool("output_final_state", output_final_state)
     check_like("g", g, g_shape, q)
-    if g.dtype != q.dtype and g.dtype not in (torch.float32, torch.float64):
-        raise ValueError(f"g must be float32, float64 or q's dtype, got {g.dtype}")
+    check_gate_dtype("g", g, q)
     if checks_on(g) and (g > 0).any():
         raise ValueError(f"g is a log-decay and must be <= 0 everywhere; got max {g.max().item():.3g}")
     B, _, H, K = q.shape
     if initial_state is not None:
-        check_like("initial_state", initial_state, (B, H, K, v.shape[-1]), q)
-        initial_state = initial_state.to(state_dtype(q.dtype))
+        check_state("initial_state", initial_state, (B, H, K, v.shape[-1]), q)
     return default_scale(scale, K), initial_state
 
 
@@ -77,7 +77,7 @@ def retention(q, k, v, g, *, mode="chunk", chunk_size=64, scale=None, initial_st
     """Retention (RetNet): S_t = a S_{t-1} + k_t v_t^T with a fixed log-decay ``g = log a`` of shape (H,)."""
     check_qkv(q, k, v)
     B, T, H, _ = q.shape
-    scale, initial_state = _prepare(q, k, v, g, (H,), mode, chunk_size, scale, initial_state)
+    scale, initial_state = _prepare(q, k, v, g, (H,), mode, chunk_size, scale, initial_state, output_final_state)
     return _run(q, k, v, g.view(1, 1, H).expand(B, T, H), mode, chunk_size, scale, initial_state, output_final_state)
 
 
@@ -86,7 +86,8 @@ def retention(q, k, v, g, *, mode="chunk", chunk_size=64, scale=None, initial_st
 def simple_gla(q, k, v, g, *, mode="chunk", chunk_size=64, scale=None, initial_state=None, output_final_state=False):
     """Simple GLA / SSD: S_t = a_t S_{t-1} + k_t v_t^T with ``g = log a`` of shape (B, T, H)."""
     check_qkv(q, k, v)
-    scale, initial_state = _prepare(q, k, v, g, q.shape[:3], mode, chunk_size, scale, initial_state)
+    scale, initial_state = _prepare(q, k, v, g, q.shape[:3], mode, chunk_size, scale, initial_state,
+                                    output_final_state)
     return _run(q, k, v, g, mode, chunk_size, scale, initial_state, output_final_state)
 
 
@@ -95,7 +96,7 @@ def simple_gla(q, k, v, g, *, mode="chunk", chunk_size=64, scale=None, initial_s
 def gla(q, k, v, g, *, mode="chunk", chunk_size=64, scale=None, initial_state=None, output_final_state=False):
     """GLA: S_t = diag(a_t) S_{t-1} + k_t v_t^T with ``g = log a`` of shape (B, T, H, K)."""
     check_qkv(q, k, v)
-    scale, initial_state = _prepare(q, k, v, g, q.shape, mode, chunk_size, scale, initial_state)
+    scale, initial_state = _prepare(q, k, v, g, q.shape, mode, chunk_size, scale, initial_state, output_final_state)
     return _run(q, k, v, g, mode, chunk_size, scale, initial_state, output_final_state)
 
 
@@ -114,16 +115,16 @@ def ssd(x, dt, A, B, C, *, D=None, mode="chunk", chunk_size=64, initial_state=No
     """
     check_mode(mode)
     check_chunk_size(chunk_size)
+    check_bool("output_final_state", output_final_state)
     if not isinstance(x, torch.Tensor) or x.dim() != 4 or not x.is_floating_point():
-        raise ValueError(f"x must be a floating-point tensor (B, T, H, P), got {getattr(x, 'shape', type(x))}")
+        raise ValueError(f"x must be a floating-point tensor (B, T, H, P), got {describe(x)}")
     Bz, T, H, P = x.shape
     if T < 1:
         raise ValueError(f"x must hold at least one token (T >= 1), got shape {tuple(x.shape)}")
     check_like("dt", dt, (Bz, T, H), x, "x")
     check_like("A", A, (H,), x, "x")
     if not isinstance(B, torch.Tensor) or B.dim() not in (3, 4):
-        raise ValueError(f"B must have shape (B={Bz}, T={T}, N) or (B, T, G, N), got "
-                         f"{getattr(B, 'shape', type(B).__name__)}")
+        raise ValueError(f"B must have shape (B={Bz}, T={T}, N) or (B, T, G, N), got {describe(B)}")
     N = B.shape[-1]
     G = B.shape[2] if B.dim() == 4 else 0
     if G and H % G:
@@ -132,14 +133,19 @@ def ssd(x, dt, A, B, C, *, D=None, mode="chunk", chunk_size=64, initial_state=No
     check_like("C", C, (Bz, T, G, N) if G else (Bz, T, N), x, "x")
     if D is not None:
         check_like("D", D, (H,), x, "x")
+    for name, t in (("B", B), ("C", C)):              # activations: x's dtype, as selective_scan asks
+        if t.dtype != x.dtype:
+            raise ValueError(f"{name} must have x's dtype {x.dtype}, got {t.dtype}")
+    for name, t in (("dt", dt), ("A", A), ("D", D)):  # gates may stay float32 beside 16-bit activations
+        if t is not None:
+            check_gate_dtype(name, t, x, "x")
     if checks_on(dt) and (dt < 0).any():
         raise ValueError("dt must be >= 0 (it is a step size, softplus of a projection in Mamba-2)")
     if checks_on(A) and (A > 0).any():
         raise ValueError(f"A must be <= 0 (the state decays); got max {A.max().item():.3g}")
     sd = state_dtype(x.dtype)
     if initial_state is not None:
-        check_like("initial_state", initial_state, (Bz, H, N, P), x, "x")
-        initial_state = initial_state.to(sd)
+        check_state("initial_state", initial_state, (Bz, H, N, P), x, "x")
     xs, dts, As, Bs, Cs = (t.to(sd) for t in (x, dt, A, B, C))
     if G:                                              # each group's heads with its own B and C
         n = H // G

@@ -61,7 +61,7 @@ def _chunkwise(q, k, v, g, scale, C, initial_state):
     A = _intra_vector(qc, kc, b) if vector else _intra_scalar(qc, kc, b)
     b_last = bk[:, -1:]                                                         # (BH n, 1, K|1)
     KV = ((kc * exp_decay(b_last - bk)).transpose(1, 2) @ vc).view(BH, n, K, V)
-    decay = exp_decay(b_last).transpose(1, 2).view(BH, n, -1, 1)                # (BH, n, K|1, 1)
+    decay = exp_decay(b_last).transpose(1, 2).view(BH, n, bk.shape[-1], 1)      # (BH, n, K|1, 1)
     S = torch.zeros(BH, K, V, dtype=dt, device=q.device) if initial_state is None \
         else initial_state.reshape(BH, K, V)
     before = []
@@ -81,9 +81,9 @@ def chunk_decay_attention(q, k, v, g, *, scale, chunk_size=64, initial_state=Non
     if inference_path(q, k, v, g, initial_state):
         return decay_attention_inference(q, k, v, g, scale=scale, chunk_size=chunk_size, initial_state=initial_state)
     T = q.shape[1]
-    C = min(chunk_size, T)
+    C = min(chunk_size, T)                             # past T: one chunk of T
     if g.dim() == 4:                                   # chunks of whole sub-chunks for the per-key-dim decay
-        C = max(SUB, -(-chunk_size // SUB) * SUB)
+        C = max(SUB, -(-C // SUB) * SUB)
     L = max(1, (PIECE_PER_KEY_DIM if g.dim() == 4 else PIECE) // C) * C
     if T <= L:
         return _chunkwise(q, k, v, g, scale, C, initial_state)

@@ -50,7 +50,7 @@ def decay_attention_inference(q, k, v, g, *, scale, chunk_size, initial_state=No
     if vector:                               # the exact route needs whole sub-chunks
         C = max(SUB, -(-C // SUB) * SUB)
     BH = B * H
-    L = group if group is not None else max(1, TOKEN_HEADS // BH // C) * C
+    L = group if group is not None else max(1, TOKEN_HEADS // max(BH, 1) // C) * C      # BH = 0: an empty batch
     L = min(-(-L // C) * C, -(-T // C) * C)
     n = L // C
     Kg = K if vector else 1

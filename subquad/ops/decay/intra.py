@@ -46,7 +46,7 @@ def _intra_vector_rows(rows, kc, b, sub=SUB):
     A = (q_t @ k_t.unsqueeze(1).transpose(-1, -2))                           # (BH, R, n, C, SUB): columns of J
     A = A.permute(0, 1, 3, 2, 4).reshape(BH, R, C, C)
     tri = torch.ones(SUB, SUB, dtype=torch.bool, device=b.device).tril()
-    span = SPAN.get(b.dtype, 0.0) if b.device.type != "meta" else 0.0       # meta tensors hold no values
+    span = SPAN.get(b.dtype, 0.0) if b.device.type != "meta" and b.numel() else 0.0   # meta / empty: no values
     if span and float((bq[:, :, 0] - bq[:, :, -1]).detach().max()) <= span:   # factored: two matmul operands
         m = (bq[:, :, :1] + bq[:, :, -1:]) / 2                              # (BH, n, 1, K)
         rq = rows.view(BH, R, n, SUB, K) * torch.exp(bq - m).unsqueeze(1)

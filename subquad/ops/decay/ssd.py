@@ -53,7 +53,7 @@ def ssd_inference(x, dt, A, Bm, Cm, *, chunk_size=64, initial_state=None, group=
     dt_ = state_dtype(x.dtype)
     dev = x.device
     C = min(chunk_size, T)
-    L = group if group is not None else max(1, TOKEN_HEADS // (Bz * H) // C) * C
+    L = group if group is not None else max(1, TOKEN_HEADS // max(Bz * H, 1) // C) * C   # an empty batch: 0
     L = min(-(-L // C) * C, -(-T // C) * C)
     n = L // C
     nb = n * Bz

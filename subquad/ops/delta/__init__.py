@@ -29,7 +29,8 @@ Example:
 
 from __future__ import annotations
 
-from subquad.ops.common.checks import check_chunk_size, check_like, check_mode, check_qkv, default_scale, state_dtype
+from subquad.ops.common.checks import (check_bool, check_chunk_size, check_gate_dtype, check_like, check_mode,
+                                      check_qkv, check_state, default_scale, state_dtype)
 from subquad.ops.common.forms import three_forms
 from subquad.ops.common.precision import amp_op, causal_guard, checks_on, finite_log_decay
 from subquad.ops.delta.chunk import chunk_delta
@@ -46,9 +47,10 @@ def _run(q, k, v, g, beta, mode, chunk_size, scale, initial_state, output_final_
     if q.shape[1] < 1:
         raise ValueError(f"q must hold at least one token (T >= 1), got shape {tuple(q.shape)}")
     check_chunk_size(chunk_size)
+    check_bool("output_final_state", output_final_state)
+    check_bool("allow_neg_eigval", allow_neg_eigval)
     check_like("beta", beta, q.shape[:3], q)
-    if not isinstance(allow_neg_eigval, bool):
-        raise ValueError(f"allow_neg_eigval must be a bool, got {allow_neg_eigval!r}")
+    check_gate_dtype("beta", beta, q)
     top = 2 if allow_neg_eigval else 1
     if checks_on(beta) and ((beta < 0).any() or (beta > top).any()):
         hint = "" if allow_neg_eigval else " (allow_neg_eigval=True admits [0, 2])"
@@ -56,17 +58,19 @@ def _run(q, k, v, g, beta, mode, chunk_size, scale, initial_state, output_final_
                          f"[{beta.min().item():.3g}, {beta.max().item():.3g}]")
     if g is not None:
         check_like("g", g, q.shape if getattr(g, "dim", lambda: 0)() == 4 else q.shape[:3], q)
+        check_gate_dtype("g", g, q)
         if checks_on(g) and (g > 0).any():
             raise ValueError(f"g is a log-decay and must be <= 0 everywhere; got max {g.max().item():.3g}")
     B, _, H, K = q.shape
     dt = state_dtype(q.dtype)
     if initial_state is not None:
-        check_like("initial_state", initial_state, (B, H, K, v.shape[-1]), q)
-        initial_state = initial_state.to(dt)
+        check_state("initial_state", initial_state, (B, H, K, v.shape[-1]), q)
     beta, g = beta.to(dt), None if g is None else finite_log_decay(g.to(dt))
 
+    scale = default_scale(scale, K)
+
     def run(form):
-        return _FORMS[form](q, k, v, g, beta, scale=default_scale(scale, K), chunk_size=chunk_size,
+        return _FORMS[form](q, k, v, g, beta, scale=scale, chunk_size=chunk_size,
                             initial_state=initial_state)
 
     o, S = run(mode)

@@ -44,7 +44,7 @@ def delta_inference(q, k, v, g, beta, *, scale, chunk_size, initial_state=None, 
     if vector:                                                      # KDA's scores use sub-chunks of SUB
         C = max(SUB, -(-C // SUB) * SUB)
     BH = B * H
-    L = group if group is not None else max(1, TOKEN_HEADS // BH // C) * C
+    L = group if group is not None else max(1, TOKEN_HEADS // max(BH, 1) // C) * C      # BH = 0: an empty batch
     L = min(-(-L // C) * C, -(-T // C) * C)
     n = L // C
     N = BH * n

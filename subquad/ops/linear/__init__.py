@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import torch
 
-from subquad.ops.common.checks import check_chunk_size, check_mode, check_qkv, default_scale
+from subquad.ops.common.checks import check_bool, check_chunk_size, check_mode, check_qkv, check_real, default_scale
 from subquad.ops.common.precision import causal_guard, checks_on
 from subquad.ops.linear.chunk import chunk_linear_attention
 from subquad.ops.linear.parallel import parallel_linear_attention
@@ -34,19 +34,21 @@ def _prepare(q, k, v, scale, chunk_size):
     check_qkv(q, k, v)
     if q.shape[1] < 1:
         raise ValueError(f"q must hold at least one token (T >= 1), got shape {tuple(q.shape)}")
-    if chunk_size is not None:
-        check_chunk_size(chunk_size)
+    check_chunk_size(chunk_size)
     return default_scale(scale, q.shape[-1])
 
 
-def prepare_form(q, k, v, scale, chunk_size, initial_state, normalize):
-    """What every form starts with: checks, then (scale, S0, z0, the state's dtype)."""
+def prepare_form(q, k, v, scale, chunk_size, initial_state, normalize, eps, output_final_state):
+    """What every form starts with: checks, then (scale, S0, z0, the state's dtype, eps)."""
     from subquad.ops.common.checks import state_dtype
     from subquad.ops.linear.state import unpack_state
 
+    check_bool("normalize", normalize)
+    check_bool("output_final_state", output_final_state)
+    eps = check_real("eps", eps, minimum=0.0)
     scale = _prepare(q, k, v, scale, chunk_size)
     S0, z0 = unpack_state(initial_state, q, v, normalize)
-    return scale, S0, z0, state_dtype(q.dtype)
+    return scale, S0, z0, state_dtype(q.dtype), eps
 
 
 _FORMS = {
@@ -65,17 +67,20 @@ def linear_attention(q, k, v, *, normalize=True, eps=1e-6, mode="chunk", chunk_s
         q, k: (B, T, H, K) feature-mapped queries and keys.
         v: (B, T, H, V) values.
         normalize: divide by scale * q_t . z_t + eps (the seeds' phi(q)S / phi(q)z).
-        eps: added to the normaliser.
+        eps: added to the normaliser: a finite number >= 0.
         mode: "parallel" (T x T), "recurrent" (token loop) or "chunk" (chunkwise, fastest).
-        chunk_size: C for mode="chunk" (ignored by the other forms, but still checked).
+        chunk_size: C for mode="chunk" (ignored by the other forms, but still checked); past T, one chunk.
         scale: multiplies q; None means K ** -0.5.
-        initial_state: S (B, H, K, V), or (S, z) when normalize=True.
+        initial_state: S (B, H, K, V), or (S, z) when normalize=True, in the state's dtype (float32, or
+            float64 for float64 inputs).
         output_final_state: also return the state after the last token.
     Returns:
         (o (B, T, H, V), final_state or None).
     """
     check_mode(mode)
     check_chunk_size(chunk_size)                       # checked whatever the form, as documented
+    check_bool("normalize", normalize)
+    check_bool("output_final_state", output_final_state)   # the forms are asked for the state whatever it says
 
     def run(form, final):
         return _FORMS[form](q, k, v, normalize=normalize, eps=eps, scale=scale, chunk_size=chunk_size,

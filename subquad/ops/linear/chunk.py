@@ -116,7 +116,8 @@ def chunk_linear_attention(q, k, v, *, normalize=True, eps=1e-6, chunk_size=64, 
     """Chunkwise linear attention; same signature as ``linear_attention``."""
     from subquad.ops.linear import prepare_form
 
-    scale, S0, z0, dt = prepare_form(q, k, v, scale, chunk_size, initial_state, normalize)
+    scale, S0, z0, dt, eps = prepare_form(q, k, v, scale, chunk_size, initial_state, normalize, eps,
+                                           output_final_state)
     B, T, H, K = q.shape
     V = v.shape[-1]
 
@@ -127,8 +128,10 @@ def chunk_linear_attention(q, k, v, *, normalize=True, eps=1e-6, chunk_size=64, 
         vf = torch.cat([vf, vf.new_ones(B, T, H, 1)], dim=-1)
         z = torch.zeros(B, H, K, dtype=dt, device=q.device) if z0 is None else z0
         S = torch.cat([S, z.unsqueeze(-1)], dim=-1)
-    o, S_final = _ChunkLinearAttn.apply(qf, kf, vf, S.reshape(B * H, K, -1), scale, chunk_size)
-    S_final = S_final.reshape(B, H, K, -1)
+    Vs = S.shape[-1]                                                      # V, or V + 1 with z riding along
+    C = min(chunk_size, T)                                                # past T: one chunk of T
+    o, S_final = _ChunkLinearAttn.apply(qf, kf, vf, S.reshape(B * H, K, Vs), scale, C)
+    S_final = S_final.reshape(B, H, K, Vs)
     z_final = None
     if normalize:
         o = o[..., :V] / (o[..., V:] + eps)

@@ -24,7 +24,8 @@ def parallel_linear_attention(q, k, v, *, normalize=True, eps=1e-6, chunk_size=6
     """Parallel (masked T x T) linear attention; same signature as ``linear_attention``."""
     from subquad.ops.linear import prepare_form
 
-    scale, S0, z0, dt = prepare_form(q, k, v, scale, chunk_size, initial_state, normalize)
+    scale, S0, z0, dt, eps = prepare_form(q, k, v, scale, chunk_size, initial_state, normalize, eps,
+                                           output_final_state)
     qf, kf, vf = (x.to(dt).transpose(1, 2) for x in (q, k, v))  # (B, H, T, *)
     T = q.shape[1]
     mask = torch.ones(T, T, dtype=torch.bool, device=q.device).tril()

@@ -23,7 +23,8 @@ def recurrent_linear_attention(q, k, v, *, normalize=True, eps=1e-6, chunk_size=
     """Recurrent (token loop) linear attention; same signature as ``linear_attention``."""
     from subquad.ops.linear import prepare_form
 
-    scale, S0, z0, dt = prepare_form(q, k, v, scale, chunk_size, initial_state, normalize)
+    scale, S0, z0, dt, eps = prepare_form(q, k, v, scale, chunk_size, initial_state, normalize, eps,
+                                           output_final_state)
     B, T, H, K = q.shape
     V = v.shape[-1]
     S = torch.zeros(B, H, K, V, dtype=dt, device=q.device) if S0 is None else S0.clone()

@@ -23,7 +23,8 @@ import torch
 import torch.nn.functional as F
 
 from subquad.ops.common.autograd import wants_grad
-from subquad.ops.common.checks import check_chunk_size, check_like, check_mode, state_dtype
+from subquad.ops.common.checks import (check_bool, check_chunk_size, check_gate_dtype, check_like, check_mode,
+                                      check_state, describe, state_dtype)
 from subquad.ops.common.forms import three_forms
 from subquad.ops.common.precision import amp_op, causal_guard, checks_on
 from subquad.ops.mamba.chunk import chunk_scan
@@ -43,14 +44,15 @@ def selective_scan(x, dt, A, B, C, *, D=None, z=None, mode="chunk", chunk_size=6
     """Selective scan; returns (y (B, T, Dm), final state (B, Dm, N) or None)."""
     check_mode(mode)
     check_chunk_size(chunk_size)
+    check_bool("output_final_state", output_final_state)
     if not isinstance(x, torch.Tensor) or x.dim() != 3 or not x.is_floating_point():
-        raise ValueError(f"x must be a floating-point tensor (B, T, Dm), got {getattr(x, 'shape', type(x))}")
+        raise ValueError(f"x must be a floating-point tensor (B, T, Dm), got {describe(x)}")
     Bsz, T, Dm = x.shape
     if T < 1:
         raise ValueError(f"x must hold at least one token (T >= 1), got shape {tuple(x.shape)}")
     check_like("dt", dt, x.shape, x, "x")
     if not isinstance(A, torch.Tensor) or A.dim() != 2 or A.shape[0] != Dm:
-        raise ValueError(f"A must have shape (Dm={Dm}, N), got {getattr(A, 'shape', type(A).__name__)}")
+        raise ValueError(f"A must have shape (Dm={Dm}, N), got {describe(A)}")
     N = A.shape[1]
     check_like("A", A, (Dm, N), x, "x")
     check_like("B", B, (Bsz, T, N), x, "x")
@@ -63,14 +65,15 @@ def selective_scan(x, dt, A, B, C, *, D=None, z=None, mode="chunk", chunk_size=6
         raise ValueError("dt must be >= 0 (it is a step size, softplus of a projection in Mamba)")
     if checks_on(A) and (A > 0).any():
         raise ValueError(f"A must be <= 0 (the state decays); got max {A.max().item():.3g}")
-    for name, t in (("dt", dt), ("A", A), ("B", B), ("C", C), ("D", D), ("z", z)):
-        gate = name in ("dt", "A", "D")                # gates may stay float32 beside 16-bit activations
-        if t is not None and t.dtype != x.dtype and not (gate and t.dtype in (torch.float32, torch.float64)):
-            raise ValueError(f"{name} must have x's dtype {x.dtype}{' (or float32)' if gate else ''}, got {t.dtype}")
+    for name, t in (("B", B), ("C", C), ("z", z)):   # activations: x's dtype
+        if t is not None and t.dtype != x.dtype:
+            raise ValueError(f"{name} must have x's dtype {x.dtype}, got {t.dtype}")
+    for name, t in (("dt", dt), ("A", A), ("D", D)):  # gates may stay float32 beside 16-bit activations
+        if t is not None:
+            check_gate_dtype(name, t, x, "x")
     sd = state_dtype(x.dtype)
     if initial_state is not None:
-        check_like("initial_state", initial_state, (Bsz, Dm, N), x, "x")
-        initial_state = initial_state.to(sd)
+        check_state("initial_state", initial_state, (Bsz, Dm, N), x, "x")
     if mode == "chunk" and T < SHORT_SCAN and not wants_grad(x, dt, A, B, C, initial_state):
         mode = "recurrent"                             # a decoding step or a short prompt: the token loop is faster
     args = (x.to(sd), dt.to(sd), A.to(sd), B.to(sd), C.to(sd))

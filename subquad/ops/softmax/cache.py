@@ -34,8 +34,13 @@ class KVCache:
 
     def __init__(self, k: torch.Tensor, v: torch.Tensor, window: int | None = None, seen: int | None = None,
                  pad: torch.Tensor | None = None, row_seen: torch.Tensor | None = None):
+        if not isinstance(k, torch.Tensor) or not isinstance(v, torch.Tensor):
+            raise ValueError(f"KVCache needs tensors k (B, L, H, K) and v (B, L, H, V), got {type(k).__name__} and "
+                             f"{type(v).__name__}")
         if k.dim() != 4 or v.dim() != 4 or k.shape[:3] != v.shape[:3]:
             raise ValueError(f"KVCache needs k (B, L, H, K) and v (B, L, H, V), got {tuple(k.shape)} and {tuple(v.shape)}")
+        if k.device != v.device:        # dtypes may differ: MLA caches float32 latents beside 16-bit rope keys
+            raise ValueError(f"KVCache needs k and v on one device, got {k.device} and {v.device}")
         if window is not None and window < 0:
             raise ValueError(f"window must be >= 0 or None, got {window!r}")
         self.window = window

@@ -149,8 +149,9 @@ def blockwise_softmax_attention(q, k, v, *, scale, chunk_size, causal, window, q
 def chunk_softmax_attention(q, k, v, *, causal=True, window=None, chunk_size=64, scale=None,
                             initial_state=None, output_final_state=False, return_lse=False):
     """Blockwise online-softmax attention; same signature as ``softmax_attention``."""
-    from subquad.ops.softmax import _prepare, _finish
+    from subquad.ops.softmax import _finish, _prepare, check_flags
 
+    check_flags(causal, output_final_state, return_lse)
     scale, cache, kk, vv, q_start = _prepare(q, k, v, causal, window, scale, chunk_size, initial_state)
     o, lse = blockwise_softmax_attention(q, kk, vv, scale=scale, chunk_size=chunk_size, causal=causal,
                                          window=window, q_start=q_start,

@@ -33,8 +33,9 @@ def visible_mask(T: int, L: int, *, causal: bool, window, q_start: int, k_start:
 def naive_softmax_attention(q, k, v, *, causal=True, window=None, chunk_size=64, scale=None,
                             initial_state=None, output_final_state=False, return_lse=False):
     """T x L softmax attention written out; same signature as ``softmax_attention``."""
-    from subquad.ops.softmax import _prepare, _finish
+    from subquad.ops.softmax import _finish, _prepare, check_flags
 
+    check_flags(causal, output_final_state, return_lse)
     scale, cache, kk, vv, q_start = _prepare(q, k, v, causal, window, scale, chunk_size, initial_state)
     qh, kh, vh = q.transpose(1, 2), kk.transpose(1, 2), vv.transpose(1, 2)          # (B, H, *, D)
     s = (qh @ kh.transpose(-1, -2)) * scale                                           # (B, H, T, L)

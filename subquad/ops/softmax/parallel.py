@@ -22,8 +22,9 @@ from subquad.ops.softmax.ragged import takes_ragged_caches
 def parallel_softmax_attention(q, k, v, *, causal=True, window=None, chunk_size=64, scale=None,
                                initial_state=None, output_final_state=False, return_lse=False):
     """SDPA softmax attention; same signature as ``softmax_attention``."""
-    from subquad.ops.softmax import _prepare, _finish
+    from subquad.ops.softmax import _finish, _prepare, check_flags
 
+    check_flags(causal, output_final_state, return_lse)
     if return_lse:
         raise ValueError("return_lse=True is not available in mode='parallel' (SDPA does not expose it); use mode='chunk'")
     scale, cache, kk, vv, q_start = _prepare(q, k, v, causal, window, scale, chunk_size, initial_state)
@@ -50,7 +51,10 @@ def _sdpa(qh, kh, vh, scale, **kw):
     16-bit inputs only from FLASH_16BIT score entries on: the flash kernel rounds the probabilities to 16
     bits (0.004 off at K 8, V 4 in tests/ops/test_precision.py) where the math path keeps them in float32,
     but the math path's T x T scores cost 6.5x the time at T = 8,192 in bf16 (benchmarks/RESULTS.md) - and
-    flash's rounding is what attention with K = V gets in 16 bits anyway."""
+    flash's rounding is what attention with K = V gets in 16 bits anyway. A scale <= 0 (0: uniform attention
+    over the visible keys) is folded into the queries."""
+    if scale <= 0:          # SDPA's causal kernel scales its -inf mask too: 0 or -|s| times -inf is NaN or +inf
+        qh, scale = qh * scale, 1.0
     K, V = qh.shape[-1], vh.shape[-1]
     small = qh.shape[-2] * kh.shape[-2] < FLASH_16BIT
     if K == V or (qh.dtype in (torch.float16, torch.bfloat16) and small):

@@ -18,11 +18,14 @@ import torch
 from subquad.ops.common.checks import default_scale, state_dtype
 
 
-def ragged_attention(q, k, v, cache, *, causal=True, window=None, scale=None, output_final_state=False,
+def ragged_attention(q, k, v, cache, *, causal=True, window=None, chunk_size=64, scale=None, output_final_state=False,
                      return_lse=False, **_):
+    from subquad.ops.softmax import _check_common, check_flags
     from subquad.ops.softmax.cache import KVCache
     from subquad.ops.softmax.naive import visible_mask
 
+    check_flags(causal, output_final_state, return_lse)
+    _check_common(q, k, v, causal, window, scale, chunk_size)
     if not causal:
         raise ValueError("a KV cache (initial_state) needs causal=True")
     B, T = q.shape[:2]
@@ -30,6 +33,9 @@ def ragged_attention(q, k, v, cache, *, causal=True, window=None, scale=None, ou
         raise ValueError(f"initial_state keys must be (B={B}, L, H, K) like k {tuple(k.shape)}, got "
                          f"{tuple(cache.k.shape)}")
     scale = default_scale(scale, q.shape[-1])
+    if cache.k.dtype != q.dtype or cache.k.device != q.device:
+        raise ValueError(f"initial_state must have q's dtype and device ({q.dtype}, {q.device}), got "
+                         f"({cache.k.dtype}, {cache.k.device})")
     dt = state_dtype(q.dtype)
     kk, vv = torch.cat([cache.k, k], 1), torch.cat([cache.v, v], 1)
     L = kk.shape[1]

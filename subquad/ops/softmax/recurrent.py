@@ -40,8 +40,9 @@ def softmax_attention_step(q_t, k_t, v_t, cache: KVCache, *, scale: float) -> to
 def recurrent_softmax_attention(q, k, v, *, causal=True, window=None, chunk_size=64, scale=None,
                                 initial_state=None, output_final_state=False, return_lse=False):
     """Token-by-token KV-cache attention; same signature as ``softmax_attention``."""
-    from subquad.ops.softmax import _check_common, _as_cache
+    from subquad.ops.softmax import _as_cache, _check_common, check_flags
 
+    check_flags(causal, output_final_state, return_lse)
     if not causal:
         raise ValueError("mode='recurrent' is causal decoding; causal=False has no recurrent form")
     if return_lse:
