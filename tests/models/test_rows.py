@@ -113,3 +113,14 @@ def test_with_capacity_sizes_kv_buffers_once_and_changes_nothing_else():
     assert own.untyped_storage().nbytes() == own.nelement() * own.element_size() and torch.equal(own, conv)
     with pytest.raises(ValueError, match="capacity"):
         KVCache.empty(1, 1, 2, 2).reserve(-1)
+
+
+@torch.no_grad()
+def test_a_float64_model_decodes_from_its_own_empty_state():
+    """The ops refuse a state of another dtype than state_dtype(inputs) (issue 32): the model's empty state
+    follows its dtype, so a float64 model starts from float64 states, not float32 ones."""
+    model = tiny("mamba,mamba2,gla,deltanet,linear,softmax")
+    idx = torch.randint(0, 61, (2, 6), generator=torch.Generator().manual_seed(0))
+    state = model.empty_state(2)
+    assert all(t.dtype == torch.float64 for t in snapshot(state))
+    torch.testing.assert_close(model.prefill(idx, state)[0], model.prefill(idx)[0], rtol=0, atol=0)
