@@ -201,14 +201,15 @@ def measure(name, folder, cfg, a, deadline) -> dict:
     rng = random.Random(0)
     V = cfg.vocab_size
     prompt = lambda n: [rng.randrange(V) for _ in range(n)]          # noqa: E731
-    out = {"model": name, "failed": 0}
+    out = {"model": name, "failed": 0, "throughput": {}}
     server = Server(folder, "--max-batch", max(a.concurrency), "--max-queue", 4 * max(a.concurrency),
                     "--max-context", a.context, "--served-model-name", name, *a.serve_args)
     try:
         body = lambda n=a.prompt_tokens, m=a.max_tokens: {"model": name, "prompt": prompt(n),   # noqa: E731
                                                           "max_tokens": m, "temperature": 0}
         load(server.port, [body() for _ in range(2)], 2, deadline)                    # warm-up
-        out["throughput"], out["failed"] = throughput(server, name, body, a, deadline, a.concurrency)
+        if "throughput" in a.parts:
+            out["throughput"], out["failed"] = throughput(server, name, body, a, deadline, a.concurrency)
         # memory over many requests: short ones (a 16-token prompt, 8 new tokens), 16 in flight
         short = lambda: body(16, 8)                                                   # noqa: E731
         n, rss0, t = a.requests, server.rss_mb(), time.perf_counter()
@@ -345,7 +346,7 @@ def report(results: list, llama: dict | None) -> str:
                      f"{rss['after_mb']:.0f} after {rss['requests']} requests ({100 * growth:+.1f}%, "
                      f"{rss['seconds']:.0f} s)")
         ratio = tp[16]["tokens_per_s"] / tp[1]["tokens_per_s"] if 16 in tp and 1 in tp else None
-        top = 16 if 16 in tp else max(tp)                           # the target's concurrency (--quick: its top)
+        top = 16 if 16 in tp or not tp else max(tp)                 # the target's concurrency (--quick: its top)
         vs = tp[top]["tokens_per_s"] / ll["throughput"][top]["tokens_per_s"] if ll and top in ll["throughput"] else None
         targets = [("16 streams >= 6x one stream", ratio is not None and ratio >= 6,
                     "n/a" if ratio is None else f"x{ratio:.2f}"),
@@ -370,10 +371,14 @@ def main(argv=None):
                                        "the mamba-130m-shaped folder to a float32 GGUF for --llama-python")
     p.add_argument("--models", help="comma-separated names among " + ", ".join(shapes(False)))
     p.add_argument("--serve-args", default="", help="more `subquad serve` flags, e.g. '--compile-decode'")
+    p.add_argument("--skip-throughput", action="store_true",
+                   help="measure only memory over --requests, state bytes and the chat (a rerun of those)")
+    p.add_argument("--requests", type=int, help="requests of the memory measurement (default 5,000; --quick 40)")
     a = p.parse_args(argv)
     a.concurrency = [1, 4] if a.quick else [1, 4, 16, 64]
     a.rounds = 2 if a.quick else 4
-    a.requests = 40 if a.quick else 5000
+    a.requests = a.requests or (40 if a.quick else 5000)
+    a.parts = () if a.skip_throughput else ("throughput",)
     a.prompt_tokens, a.max_tokens = (16, 16) if a.quick else (128, 128)
     a.turn_tokens = 16 if a.quick else 128
     a.context = 512 if a.quick else 4096
