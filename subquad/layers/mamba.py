@@ -59,6 +59,7 @@ class Mamba(Mixer):
         self.dt_proj.keep_init = True      # a model's generic re-initialisation must leave this alone
         self.A_log = nn.Parameter(torch.log(torch.arange(1, d_state + 1, dtype=torch.float32)).repeat(self.d_inner, 1))
         self.D = nn.Parameter(torch.ones(self.d_inner))
+        self.A_log._no_weight_decay = self.D._no_weight_decay = True     # the reference's marks (decay_groups)
         self.out_proj = nn.Linear(self.d_inner, d_model, bias=False)
 
     def mix_flops(self, T):

@@ -176,11 +176,13 @@ def evaluate(model, tokens, context: int, batch_size: int, batches: int, bf16=Fa
 
 
 def decay_groups(model, weight_decay: float) -> list[dict]:
-    """AdamW parameter groups: ``weight_decay`` on matrices and embeddings (dim >= 2), none on norms, biases
-    and per-head vectors (Mamba's A_log, D, dt_bias, which its authors mark ``_no_weight_decay``)."""
+    """AdamW parameter groups: ``weight_decay`` on matrices and embeddings (dim >= 2), none on norms, biases,
+    per-head vectors and the parameters a layer marks ``_no_weight_decay`` as Mamba's authors do (A_log and D:
+    Mamba-1's A_log is a (d_inner, N) matrix, spared all the same)."""
     params = list(model.parameters())
-    return [{"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
-            {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
+    spared = [p.dim() < 2 or getattr(p, "_no_weight_decay", False) for p in params]
+    return [{"params": [p for p, s in zip(params, spared) if not s], "weight_decay": weight_decay},
+            {"params": [p for p, s in zip(params, spared) if s], "weight_decay": 0.0}]
 
 
 def packing_eot(pack, data, context_parallel: int = 1):

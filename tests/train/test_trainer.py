@@ -120,3 +120,18 @@ def test_schedule_warms_up_then_decays():
     assert cfg.lr_at(100) == pytest.approx(0.1) and cfg.lr_at(55) < 1.0
     with pytest.raises(ValueError, match="steps"):
         TrainConfig(steps=0)
+
+
+def test_decay_groups_spare_mamba1s_a_log_matrix_and_d():
+    """Mamba-1's A_log is a (d_inner, N) matrix: the dim rule alone would decay it; its mark spares it. Every
+    other matrix is decayed, every vector spared (the groups are computed here from names, independently)."""
+    from subquad.models import LanguageModel, ModelConfig
+    from subquad.train.trainer import decay_groups
+
+    m = LanguageModel(ModelConfig(vocab_size=64, d_model=16, n_layers=2, n_heads=2, pattern="mamba", mlp=False))
+    decayed, spared = (set(map(id, g["params"])) for g in decay_groups(m, 0.1))
+    names = dict(m.named_parameters())
+    for n, p in names.items():
+        expect_spared = p.dim() < 2 or n.endswith(".A_log") or n.endswith(".D")
+        assert (id(p) in spared) == expect_spared and (id(p) in decayed) != expect_spared, n
+    assert any(n.endswith(".A_log") and p.dim() == 2 for n, p in names.items())
