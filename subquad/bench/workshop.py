@@ -40,6 +40,25 @@ def parallel_vs_recurrent(T: int = 32, head_dim: int = 32, seed: int = 0) -> flo
     return (o_par - o_rec).abs().max().item()
 
 
+def run_config(name: str, steps: int = 600, seed: int = 0, positions: str = "rope", batch_size: int = 16):
+    """One workshop run's (ModelConfig, TrainConfig): micro's shape with ``name`` ("softmax" or "linear") as
+    every mixer. The held-out loss is measured every ``steps // 12`` steps and at the end, on the same windows
+    drawn by their own generator, so how often it is measured changes no loss (the README's check run in
+    tests/bench/test_workshop_readme.py measures it only at the end)."""
+    from subquad.models import micro
+    from subquad.train import TrainConfig
+
+    if positions not in ("rope", "learned"):
+        raise ValueError(f"positions must be 'rope' or 'learned', got {positions!r}")
+    cfg = TrainConfig(steps=steps, batch_size=batch_size, seed=seed, eval_every=max(1, steps // 12),
+                      ckpt_every=max(1, steps // 4), warmup=min(50, max(1, steps // 10)))
+    if positions == "learned":
+        mcfg = micro(pattern=name, pos_emb="learned", mixer_options={"softmax": {"rotary": False}})
+    else:
+        mcfg = micro(pattern=name)
+    return mcfg, cfg
+
+
 def training_runs(out: Path, steps: int, seeds: int, data=None, batch_size: int = 16, progress: bool = True,
                   positions: str = "rope", log=print) -> dict:
     """Softmax against linear attention (elu+1) at micro's shape; one pair of runs per seed.
@@ -51,19 +70,12 @@ def training_runs(out: Path, steps: int, seeds: int, data=None, batch_size: int 
     if positions not in ("rope", "learned"):
         raise ValueError(f"positions must be 'rope' or 'learned', got {positions!r}")
     from subquad.data.dataset import prepare
-    from subquad.models import micro
-    from subquad.train import TrainConfig, train_run
 
     td = prepare(data, 4096, log=log)
     runs: dict = {"softmax": [], "linear": []}
     for seed in range(seeds):
         for name in ("softmax", "linear"):
-            cfg = TrainConfig(steps=steps, batch_size=batch_size, seed=seed, eval_every=max(1, steps // 12),
-                              ckpt_every=max(1, steps // 4), warmup=min(50, max(1, steps // 10)))
-            if positions == "learned":
-                mcfg = micro(pattern=name, pos_emb="learned", mixer_options={"softmax": {"rotary": False}})
-            else:
-                mcfg = micro(pattern=name)
+            mcfg, cfg = run_config(name, steps, seed, positions, batch_size)
             r = _train_or_reuse(mcfg, cfg, out / f"{name}_{positions}_seed{seed}", data, progress, log, td)
             runs[name].append(r)
             log(f"      {name:<8} seed {seed}: held-out loss {r['heldout_loss']:.4f} after {r['steps']} steps")
