@@ -32,6 +32,8 @@ from pathlib import Path
 
 import torch
 
+from subquad.data.dataset import file_sha256 as _sha256   # one file hash for the package (kill tests hook _sha256)
+
 
 class CheckpointError(ValueError):
     pass
@@ -46,14 +48,6 @@ class CheckpointWriteError(OSError):
 
 
 _STEP_NAME = re.compile(r"step_\d+")
-
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 def _optim_tensors(opt: torch.optim.Optimizer):

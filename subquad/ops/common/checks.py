@@ -56,7 +56,7 @@ def check_chunk_size(chunk_size) -> None:
 def check_real(name: str, value, *, minimum: float | None = None) -> float:
     """A finite Python number (not a bool, not a tensor), at least ``minimum``; returned as a float."""
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise ValueError(f"{name} must be a finite number, got {describe(value)}")
+        raise ValueError(f"{name} must be finite: a real number, not a bool or a tensor; got {describe(value)}")
     if minimum is not None and value < minimum:
         raise ValueError(f"{name} must be >= {minimum}, got {value!r}")
     return float(value)
@@ -123,10 +123,4 @@ def check_state(name: str, x, shape: tuple, ref: torch.Tensor, ref_name: str = "
 
 def default_scale(scale, k_dim: int) -> float:
     """None means ``k_dim ** -0.5``; otherwise a finite number (0 included)."""
-    if scale is None:
-        return k_dim ** -0.5
-    if isinstance(scale, bool) or not isinstance(scale, (int, float)):
-        raise ValueError(f"scale must be a float or None, got {describe(scale)}")
-    if not math.isfinite(scale):
-        raise ValueError(f"scale must be finite, got {scale!r}")
-    return float(scale)
+    return k_dim ** -0.5 if scale is None else check_real("scale", scale)

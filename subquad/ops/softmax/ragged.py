@@ -15,7 +15,7 @@ import functools
 
 import torch
 
-from subquad.ops.common.checks import default_scale, state_dtype
+from subquad.ops.common.checks import state_dtype
 
 
 def ragged_attention(q, k, v, cache, *, causal=True, window=None, chunk_size=64, scale=None, output_final_state=False,
@@ -25,14 +25,13 @@ def ragged_attention(q, k, v, cache, *, causal=True, window=None, chunk_size=64,
     from subquad.ops.softmax.naive import visible_mask
 
     check_flags(causal, output_final_state, return_lse)
-    _check_common(q, k, v, causal, window, scale, chunk_size)
+    scale = _check_common(q, k, v, causal, window, scale, chunk_size)
     if not causal:
         raise ValueError("a KV cache (initial_state) needs causal=True")
     B, T = q.shape[:2]
     if cache.k.shape[0] != B or cache.k.shape[2:] != k.shape[2:]:
         raise ValueError(f"initial_state keys must be (B={B}, L, H, K) like k {tuple(k.shape)}, got "
                          f"{tuple(cache.k.shape)}")
-    scale = default_scale(scale, q.shape[-1])
     if cache.k.dtype != q.dtype or cache.k.device != q.device:
         raise ValueError(f"initial_state must have q's dtype and device ({q.dtype}, {q.device}), got "
                          f"({cache.k.dtype}, {cache.k.device})")
