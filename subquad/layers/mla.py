@@ -27,9 +27,7 @@ from subquad.layers.attention import SoftmaxAttention
 from subquad.layers.norm import RMSNorm
 from subquad.layers.rotary import apply_rotary
 from subquad.ops import KVCache
-
-
-ABSORBED_MAX_T = 16   # calls of at most this many tokens continuing a cache attend in the latent space
+from subquad.ops.common.routes import ABSORBED_MAX_T
 
 
 class LatentAttention(SoftmaxAttention):

@@ -25,7 +25,28 @@ No-gradient fast paths (``inference.py``, ``ssd.py``): groups of chunks in reuse
     DELTA_CHUNK   the delta rules' fast path uses chunks of at most this many tokens whatever the
                 caller's ``chunk_size`` (faster than 64 at 4K-16K tokens; the result does not depend
                 on the chunk size beyond rounding, and this path has no gradient to keep).
+
+Exact or factorised products
+    SPAN          GLA's per-key-dim decay: the 16 x 16 diagonal blocks of a sub-chunk become a matmul
+                (factors about the sub-chunk's midpoint) when no channel decays by more than this
+                inside any sub-chunk (by dtype: factors within e^(+-SPAN/2)); else elementwise.
+    FLASH_16BIT   softmax attention, 16-bit scores with K != V: SDPA's math path below this many
+                (T x L) score entries (it keeps the probabilities in float32), the flash kernel above
+                (the math path's T x T scores cost 6.5x the time at T = 8,192 in bf16).
+    ABSORBED_MAX_T  multi-head latent attention: calls of at most this many tokens continuing a cache
+                attend in the latent space (the absorbed form); longer ones expand keys and values.
+
+Which route a call took
+    Every op whose route depends on its inputs reports it to ``took(op, route)``; ``routes_taken()``
+    returns the counts since ``reset_routes()`` (tests read them; a debug log line goes to the
+    ``subquad.routes`` logger when it is enabled). Ops with a ``route=`` argument check it with
+    ``check_route``: None picks by the thresholds here, a name forces that route.
 """
+
+import logging
+from collections import Counter
+
+import torch
 
 SHORT = 4
 SHORT_SCAN = 16
@@ -36,3 +57,36 @@ TOKEN_HEADS_SSD = 16384
 TOKEN_HEADS_DELTA = 2048
 FACTOR_LIMIT = 30.0
 DELTA_CHUNK = 32
+SPAN = {torch.float32: 60.0, torch.float64: 600.0}
+FLASH_16BIT = 1 << 20
+ABSORBED_MAX_T = 16
+
+_log = logging.getLogger("subquad.routes")
+_taken: Counter = Counter()
+
+
+def took(op: str, route: str) -> None:
+    """Record that ``op`` ran by ``route`` (not while torch.compile traces: a Python side effect there
+    would be replayed or break the graph, and the compiled call's route is the eager one's)."""
+    if torch.compiler.is_compiling():
+        return
+    _taken[(op, route)] += 1
+    if _log.isEnabledFor(logging.DEBUG):
+        _log.debug("%s: %s route", op, route)
+
+
+def routes_taken() -> dict[tuple[str, str], int]:
+    """{(op, route): calls} since the last ``reset_routes()``."""
+    return dict(_taken)
+
+
+def reset_routes() -> None:
+    _taken.clear()
+
+
+def check_route(route, allowed: tuple[str, ...], op: str):
+    """``route`` is None (automatic) or one of ``allowed``; else a ValueError naming the argument."""
+    if route is not None and route not in allowed:
+        raise ValueError(f"route must be None (automatic) or one of {', '.join(map(repr, allowed))} for {op}, "
+                         f"got {route!r}")
+    return route

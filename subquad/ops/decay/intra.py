@@ -14,9 +14,9 @@ import torch
 
 from subquad.ops.common.chunking import decay_mask
 from subquad.ops.common.expo import exp_decay
+from subquad.ops.common.routes import SPAN
 
 SUB = 16  # sub-chunk of the per-key-dim decay
-SPAN = {torch.float32: 60.0, torch.float64: 600.0}   # largest in-sub-chunk decay factored as a matmul
 
 
 def _intra_scalar(qc, kc, b):

@@ -14,6 +14,7 @@ from subquad.ops.softmax.naive import visible_mask
 from subquad.ops.common.precision import amp_op
 from subquad.ops.common.varlen import varlen
 from subquad.ops.softmax.ragged import takes_ragged_caches
+from subquad.ops.common.routes import FLASH_16BIT
 
 
 @amp_op()
@@ -39,9 +40,6 @@ def parallel_softmax_attention(q, k, v, *, causal=True, window=None, chunk_size=
         m = visible_mask(T, L, causal=causal, window=window, q_start=q_start, k_start=k_start, device=q.device)
         o = _sdpa(qh, kh, vh, attn_mask=m, scale=scale)
     return _finish(o.transpose(1, 2), None, cache, k, v, window, output_final_state, False)
-
-
-FLASH_16BIT = 1 << 20   # 16-bit scores with K != V: the math path below this many (T x L) entries, flash above
 
 
 def _sdpa(qh, kh, vh, scale, **kw):
