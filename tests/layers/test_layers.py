@@ -113,30 +113,54 @@ def test_state_sizes_match_the_analytic_figure():
     assert m2.state_bytes(s) == (m2.n_heads * 8 * 16 + 3 * (2 * D + 2 * 8)) * 4
 
 
-class LoopMamba2(Mamba2):
-    """The same block with the SSD replaced by the plain recurrence, written out here."""
+def mamba2_token_by_token(layer, x):
+    """Mamba-2 written out one token at a time from the layer's weights, using none of the package's
+    convolution, norm or SSD code: x (B, T, D) -> y (B, T, D), the final SSM state (B, H, N, P) and the
+    convolution's last W - 1 inputs (B, W - 1, conv_dim)."""
+    silu, softplus = torch.nn.functional.silu, torch.nn.functional.softplus
+    B, T, _ = x.shape
+    H, P, N, G = layer.n_heads, layer.head_dim, layer.d_state, layer.n_groups
+    d_inner, W = layer.d_inner, layer.conv.kernel_size
+    w_conv = layer.conv.weight[:, 0, :].T                                # (W, conv_dim), oldest tap first
+    A = -torch.exp(layer.A_log)                                          # (H,)
+    group = torch.arange(H) // (H // G)                                  # the B/C group each head reads
+    window = torch.zeros(B, W, layer.conv_dim, dtype=x.dtype)            # the conv's last W inputs
+    h = torch.zeros(B, H, N, P, dtype=x.dtype)
+    ys = []
+    for t in range(T):
+        z, xBC, dt = torch.split(x[:, t] @ layer.in_proj.weight.T, [d_inner, layer.conv_dim, H], dim=-1)
+        window = torch.cat([window[:, 1:], xBC[:, None]], 1)
+        xBC = silu((window * w_conv).sum(1) + layer.conv.bias)
+        xs, Bt, Ct = torch.split(xBC, [d_inner, G * N, G * N], dim=-1)
+        xs = xs.reshape(B, H, P)
+        Bt, Ct = Bt.reshape(B, G, N)[:, group], Ct.reshape(B, G, N)[:, group]    # (B, H, N)
+        dt = softplus(dt + layer.dt_bias)                                 # (B, H)
+        h = torch.exp(dt * A)[..., None, None] * h + dt[..., None, None] * Bt[..., :, None] * xs[..., None, :]
+        y = torch.einsum("bhn,bhnp->bhp", Ct, h) + layer.D[:, None] * xs  # (B, H, P)
+        g = (y.reshape(B, d_inner) * silu(z)).reshape(B, G, d_inner // G)
+        g = g / torch.sqrt(g.square().mean(-1, keepdim=True) + layer.norm.eps)     # rmsnorm per group
+        ys.append((g.reshape(B, d_inner) * layer.norm.weight) @ layer.out_proj.weight.T)
+    return torch.stack(ys, 1), h, window[:, 1:]
 
-    def ssd(self, x, dt, A, Bm, Cm, initial_state, cp=None):
-        Bsz, T, H, P = x.shape
-        h = torch.zeros(Bsz, H, self.d_state, P, dtype=x.dtype) if initial_state is None else initial_state
-        ys = []
-        for t in range(T):
-            dA = torch.exp(dt[:, t] * A)                                       # (B, H)
-            h = dA[..., None, None] * h + (dt[:, t, :, None, None] * Bm[:, t, None, :, None]) * x[:, t, :, None, :]
-            ys.append(torch.einsum("bn,bhnp->bhp", Cm[:, t], h))
-        return torch.stack(ys, 1), h
 
-
-def test_mamba2_equals_a_direct_sequential_loop():
+@pytest.mark.parametrize("n_groups", [1, 2])
+def test_mamba2_equals_a_token_by_token_loop(n_groups):
+    """The layer (chunked SSD with T not a multiple of C, with and without autograd) equals the block's
+    equations run token by token: output, SSM state and convolution state."""
     torch.manual_seed(0)
-    ref = Mamba2(D, d_state=8, head_dim=16, chunk_size=8).double()
-    loop = LoopMamba2(D, d_state=8, head_dim=16).double()
-    loop.load_state_dict(ref.state_dict())
-    x = inputs(T=37)
-    y_ref, s_ref = ref(x)
-    y_loop, s_loop = loop(x)
-    assert_close(y_ref, y_loop, 1e-10, "mamba2 vs loop")
-    assert_close(s_ref["ssm"], s_loop["ssm"], 1e-10, "mamba2 state vs loop")
+    layer = Mamba2(D, d_state=8, head_dim=16, n_groups=n_groups, chunk_size=8).double()
+    with torch.no_grad():                                 # weights away from their init: D = 1, norm weight 1
+        for p in (layer.D, layer.norm.weight, layer.conv.bias):
+            p.uniform_(-1.5, 1.5)
+    x = inputs(B=3, T=37)
+    with torch.no_grad():
+        y_ref, h_ref, conv_ref = mamba2_token_by_token(layer, x)
+    for grad in (True, False):
+        with torch.set_grad_enabled(grad):
+            y, s = layer(x)
+        assert_close(y, y_ref, 1e-10, f"mamba2 output vs loop (grad={grad})")
+        assert_close(s["ssm"], h_ref, 1e-10, f"mamba2 SSM state vs loop (grad={grad})")
+        assert_close(s["conv"], conv_ref, 1e-12, f"mamba2 conv state vs loop (grad={grad})")
 
 
 @pytest.mark.parametrize("name", LAYERS)
