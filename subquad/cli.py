@@ -629,12 +629,12 @@ def build_parser() -> argparse.ArgumentParser:
     _device_flag(t)
     t.set_defaults(fn=cmd_train, parser=t)
 
-    from subquad.bench.recall import DECAY as RECALL_DECAY, MIXERS as RECALL_MIXERS
+    from subquad.bench.recall import DECAY as RECALL_DECAY, sweep_rows
 
     r = command("recall", "MQAR recall of every mixer against its state size (Zoology)")
     r.add_argument("--out", default="runs/recall", help="output folder (a rerun resumes)")
     r.add_argument("--mixers", type=_mixer_list,
-                   help=f"comma-separated labels (default: all): {'; '.join(RECALL_MIXERS)}")
+                   help=f"comma-separated labels (default: all): {'; '.join(sweep_rows())}")
     r.add_argument("--sizes", type=_sizes, default=[(64, 4), (128, 8), (256, 16)],
                    help="TxN pairs (default: 64x4,128x8,256x16)")
     r.add_argument("--d-models", type=lambda t: [int(v) for v in t.split(",")], default=[64, 128],

@@ -32,7 +32,9 @@ CONV = 4   # Zoology's protocol: a short convolution before every attention-like
 # its feature maps, RetNet and GLA get one here (``conv_size``, on q, k, v as fla's ``use_short_conv``).
 # Without it they stay at chance on MQAR (the "no conv" rows): nothing in one layer binds a key to the value
 # after it. Softmax and sliding-window attention keep none (a deviation: their layers have no such option;
-# rotary positions let attention find the neighbouring token).
+# rotary positions let attention find the neighbouring token). The other mechanisms of the layer table
+# (KDA, MLA, lightning, and any registered mixer) follow these rows under their own names (``sweep_rows``),
+# with the table's ``recall`` options; lightning has no convolution option (MiniMax's layer has none).
 MIXERS = {
     "softmax": ("softmax", {}),
     "sliding window (16)": ("swa", {"swa": {"window": 16}}),
@@ -56,6 +58,20 @@ MIXERS = {
     "hybrid (mamba, softmax)": ("mamba,softmax", {}),
     "hybrid (taylor, sliding window 16)": ("taylor,swa", {"taylor": {"conv_size": CONV}, "swa": {"window": 16}}),
 }
+
+
+def sweep_rows() -> dict:
+    """The sweep's rows: ``MIXERS`` (labelled as in the published results), then every other mechanism of
+    the layer table (``subquad.layers.registry``, a registered mixer included) under its own name, with
+    the table's recall options (its short convolution)."""
+    from subquad.layers.registry import MIXERS as TABLE
+
+    rows = dict(MIXERS)
+    covered = {pattern for pattern, _ in MIXERS.values()}
+    for name, entry in TABLE.items():
+        if name not in covered and name not in rows:
+            rows[name] = (name, {name: dict(entry.recall)} if entry.recall else {})
+    return rows
 
 
 def cell_model(pattern, options, vocab, d_model, T, mlp, seed):
@@ -129,10 +145,11 @@ def sweep(out="runs/recall", mixers=None, sizes=((64, 4), (128, 8), (256, 16)), 
                          f"{steps:,} steps, and one table would mix the two. Keep the budget (--steps), write to "
                          f"another folder (--out), or pass mix_budgets=True to keep both, each on rows of its own")
     out.mkdir(parents=True, exist_ok=True)
-    names = list(mixers or MIXERS)
+    rows = sweep_rows()
+    names = list(mixers or rows)
     for n in names:
-        if n not in MIXERS:
-            raise ValueError(f"unknown mixer {n!r} for the recall sweep; known: {', '.join(MIXERS)}")
+        if n not in rows:
+            raise ValueError(f"unknown mixer {n!r} for the recall sweep; known: {', '.join(rows)}")
     cells = [(n, T, N, d, lr, seed) for d in d_models for (T, N) in sizes for n in names for lr in lrs
              for seed in seeds]
     t_start = time.time()
@@ -141,7 +158,7 @@ def sweep(out="runs/recall", mixers=None, sizes=((64, 4), (128, 8), (256, 16)), 
             "" if decay == "all" else f"|decay={decay}")
         if key in results["cells"]:
             continue
-        pattern, options = MIXERS[n]
+        pattern, options = rows[n]
         log(f"[{i}/{len(cells)}] {n}, T={T}, N={N}, d_model={d}, lr={lr}, seed {seed} "
             f"({time.time() - t_start:.0f} s so far)")
         r = train_cell(pattern, options, T=T, N=N, vocab=vocab, d_model=d, lr=lr, steps=steps, batch=batch, mlp=mlp,
@@ -195,7 +212,7 @@ def best_per_cell(results, vocab=None):
 def _rows(best):
     """(label, budget) rows in ``MIXERS``' order, each variant (``[decay: ...]``) after its mixer, others last;
     a mixer's budgets in increasing order."""
-    order = {m: i for i, m in enumerate(MIXERS)}
+    order = {m: i for i, m in enumerate(sweep_rows())}
     rows = dict.fromkeys((k[0], k[4]) for k in best)
     return sorted(rows, key=lambda r: (order.get(r[0].split(" [")[0], len(order)), r[0], r[1] is None, r[1] or 0))
 

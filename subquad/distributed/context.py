@@ -11,10 +11,11 @@ and the backend does the cross-rank work. Token-wise work (embeddings, norms, ML
 projections) needs nothing; of the backend's calls
 
 - ``attention`` runs as ``ring_attention`` (with its sliding window when it has one);
-- ``recurrence`` passes states for every op with an affine state update (linear attention,
-  retention, simple GLA, GLA, Mamba-2's SSD, the delta rules, Mamba's selective scan): each
-  piece's state from zero and its transition are all-gathered (O(H K V) per piece, whatever
-  T) and folded in sequence order into each piece's true initial state (``fold_states``);
+- ``recurrence`` passes states for every op that declares its state-passing ``Transition``
+  (``subquad.ops``: linear attention, retention, simple GLA, GLA, Mamba-2's SSD, the delta
+  rules, Mamba's selective scan): each piece's state from zero and its transition are
+  all-gathered (O(H K V) per piece, whatever T) and folded in sequence order into each
+  piece's true initial state (``seqpar.pass_states``);
 - ``causal_conv`` gives each piece the last inputs of the piece before it (a halo);
 - ``positions`` are the pieces' global positions (rotary and learned positions).
 
@@ -26,14 +27,14 @@ evaluation of long sequences.
 from __future__ import annotations
 
 import contextlib
+import inspect
 
 import torch
 import torch.distributed as dist
 
-import inspect
-
 from subquad.distributed.ring import ring_attention
-from subquad.distributed.seqpar import KINDS, fold_states, state_passing
+from subquad.distributed.seqpar import fold_states, pass_states
+from subquad.ops.common.transition import transition_of
 from subquad.layers import sequence
 
 
@@ -126,66 +127,23 @@ class ContextParallel:
     def recurrence(self, op, *inputs, initial_state=None, mode=None, chunk_size: int = 64, cu_seqlens=None,
                    **options):
         """``op`` (a recurrent op of ``subquad.ops``, called as on one device) over the whole sequence by
-        state passing; returns (this rank's output, None). ``mode`` does not apply (the chunk form runs)."""
+        state passing (its declared ``Transition``); returns (this rank's output, None). ``mode`` does not
+        apply (the chunk form runs). Per-token inputs - tensors of shape (B, t, ...) - are split into the
+        shard's two pieces; the others (a fixed decay (H,), Mamba's A and D) pass as they are."""
         if initial_state is not None:
             raise ValueError("context parallelism runs whole sequences: initial_state must be None")
         if cu_seqlens is not None:
             raise ValueError("cu_seqlens is not supported across processes: each rank's shard is one piece of one sequence. "
                          "Shard whole documents instead (data parallelism), or run packed batches on one process")
-        name = getattr(op, "__name__", repr(op))
-        if name not in KINDS + ("ssd", "selective_scan"):
-            raise ValueError(f"context parallelism has no state passing for op {name!r}; it has "
-                             f"{', '.join(KINDS + ('ssd', 'selective_scan'))}")
-        a = inspect.signature(op).bind(*inputs, **options).arguments
-        if name == "selective_scan":
-            return self.selective_scan(a["x"], a["dt"], a["A"], a["B"], a["C"], D=a.get("D"), z=a.get("z"),
-                                       chunk_size=chunk_size), None
-        if name == "ssd":
-            return self.ssd(a["x"], a["dt"], a["A"], a["B"], a["C"], D=a.get("D"), chunk_size=chunk_size), None
-        return self.scan(name, a["q"], a["k"], a["v"], g=a.get("g"), beta=a.get("beta"),
-                         normalize=a.get("normalize", False), scale=a.get("scale"), chunk_size=chunk_size,
-                         allow_neg_eigval=a.get("allow_neg_eigval", False)), None
-
-    def ssd(self, x, dt, A, B, C, *, D=None, chunk_size: int = 64):
-        """Mamba-2's SSD as simple GLA (q = C, k = dt B, g = dt A, scale 1, shared by the heads)."""
-        from subquad.ops.decay import ssd_as_gla
-
-        H = x.shape[2]
-        q, k, g = ssd_as_gla(x, dt, A, B, C)
-        y = self.scan("simple_gla", q, k, x, g=g, scale=1.0, chunk_size=chunk_size)
-        return y if D is None else torch.addcmul(y, x, D.to(y.dtype).view(1, 1, H, 1))
-
-    def scan(self, kind: str, q, k, v, *, g=None, beta=None, normalize: bool = False, scale=None,
-             chunk_size: int = 64, allow_neg_eigval: bool = False):
-        """``kind`` (see ``subquad.distributed.seqpar.KINDS``) over the whole sequence; this rank's o (B, t, H, V)."""
-        sp = self.split
-        g = g if g is None or g.dim() == 1 else sp(g)
-        o = state_passing(kind, sp(q), sp(k), sp(v), g=g, beta=None if beta is None else sp(beta),
-                          normalize=normalize, scale=scale, chunk_size=chunk_size, group=self.group, pieces=2,
-                          allow_neg_eigval=allow_neg_eigval)
-        return self.merge(o)
-
-    def selective_scan(self, x, dt, A, Bm, Cm, *, D=None, z=None, chunk_size: int = 64):
-        """Mamba's selective scan over the whole sequence; this rank's y (B, t, Dm).
-
-        The state (B, Dm, N) passes with an elementwise transition exp(A * sum_t dt_t) per piece.
-        """
-        from subquad.ops import selective_scan
-
-        sp = self.split
-        x, dt, Bm, Cm = sp(x), sp(dt), sp(Bm), sp(Cm)
-        z = None if z is None else sp(z)
-
-        def run(h0):
-            return selective_scan(x, dt, A, Bm, Cm, D=D, z=z, mode="chunk", chunk_size=chunk_size,
-                                  initial_state=h0, output_final_state=True)
-
-        _, h = run(None)                                                      # (2B, Dm, N)
-        M = torch.exp(A.unsqueeze(0) * dt.sum(1).to(A.dtype).unsqueeze(-1))    # decay over the whole piece
-        h0 = fold_states(h.reshape(2, -1, *h.shape[1:]), M.reshape(2, -1, *M.shape[1:]), combine="mul",
-                         group=self.group)
-        y, _ = run(h0.reshape(h.shape))
-        return self.merge(y)
+        if transition_of(op) is None:
+            raise ValueError(f"context parallelism has no state passing for op {getattr(op, '__name__', op)!r}: it "
+                             "declares no Transition (subquad.ops.common.transition)")
+        args = inspect.signature(op).bind(*inputs, **options).arguments
+        B, t = inputs[0].shape[:2]
+        args = {n: self.split(a) if isinstance(a, torch.Tensor) and a.dim() >= 2 and tuple(a.shape[:2]) == (B, t)
+                else a for n, a in args.items()}
+        args["chunk_size"] = chunk_size
+        return self.merge(pass_states(op, args, pieces=2, group=self.group)), None
 
 
 __all__ = ["context_parallel", "current", "ContextParallel"]

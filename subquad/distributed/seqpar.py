@@ -5,25 +5,30 @@ state that is an *affine* function of the state it starts from:
 
     S_out = M_r S_in + S_r          M_r (B, H, K, K): the piece's transition; S_r: its state from zero
 
-(M_r is the identity for linear attention, a diagonal of decays for retention /
-GLA, prod a (I - b k k^T) for the delta rule.) Each rank computes S_r and M_r with
-the op itself - S_r from a zero state, M_r as the final state from the identity
-with zero values - all-gathers them (a message of H K (K + V) numbers, whatever
-the length), folds the pieces before it into its true initial state, and runs
-its piece from there. The all-gather is differentiable, so backward works as is.
+(M_r is the identity for linear attention, a diagonal of decays for retention,
+GLA, SSD and Mamba, prod a (I - b k k^T) for the delta rule.) Each rank computes
+S_r and M_r with the op itself, as its declared ``Transition`` says
+(``subquad.ops.common.transition``) - S_r from a zero state, M_r as the final state
+of zero values from the identity or from ones - all-gathers them (a message of at
+most H K (K + V) numbers, whatever the length), folds the pieces before it into its
+true initial state, and runs its piece from there. The all-gather is differentiable, so backward works as is.
 Communication per rank is O(H K V) against ring attention's O(T d).
 """
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 import torch.distributed as dist
 
 from subquad import ops
-from subquad.ops.common.checks import state_dtype
 from subquad.ops.common.precision import autocast_off
+from subquad.ops.common.transition import transition_of
 
-KINDS = ("linear_attention", "retention", "simple_gla", "gla", "delta_rule", "gated_delta_rule")
+# the q, k, v ops ``sequence_parallel`` takes by name: every recurrent op with a declared transition
+KINDS = tuple(n for n in ops.RECURRENT_OPS if ops.transition_of(getattr(ops, n)) is not None
+              and "q" in inspect.signature(getattr(ops, n)).parameters)
 
 
 class _AllGather(torch.autograd.Function):
@@ -48,24 +53,6 @@ class _AllGather(torch.autograd.Function):
 def all_gather(x, group=None):
     """Differentiable all-gather: (W, *x.shape)."""
     return _AllGather.apply(x, group)
-
-
-def _runner(kind, q, k, g, beta, scale, chunk_size, allow_neg_eigval=False):
-    """f(values, initial_state) -> (o, final_state) for this rank's piece."""
-    kw = dict(mode="chunk", chunk_size=chunk_size, scale=scale, output_final_state=True)
-    if allow_neg_eigval and kind not in ("delta_rule", "gated_delta_rule"):
-        raise ValueError(f"allow_neg_eigval applies to the delta rules only, not kind={kind!r}")
-    if kind == "linear_attention":
-        return lambda v, s: ops.linear_attention(q, k, v, normalize=False, initial_state=s, **kw)
-    if kind in ("retention", "simple_gla", "gla"):
-        fn = getattr(ops, kind)
-        return lambda v, s: fn(q, k, v, g, initial_state=s, **kw)
-    if kind == "delta_rule":
-        return lambda v, s: ops.delta_rule(q, k, v, beta, initial_state=s, allow_neg_eigval=allow_neg_eigval, **kw)
-    if kind == "gated_delta_rule":
-        return lambda v, s: ops.gated_delta_rule(q, k, v, g, beta, initial_state=s, allow_neg_eigval=allow_neg_eigval,
-                                                 **kw)
-    raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
 
 
 def fold_states(S, M=None, *, combine: str = "matmul", group=None):
@@ -95,39 +82,74 @@ def fold_states(S, M=None, *, combine: str = "matmul", group=None):
     return out + 0.0 * (S_all.sum() + (M_all.sum() if M_all is not None else 0.0))
 
 
-def state_passing(kind: str, q, k, v, *, g=None, beta=None, normalize: bool = False, scale=None,
-                  chunk_size: int = 64, group=None, pieces: int = 1, allow_neg_eigval: bool = False):
-    """``kind`` over this rank's ``pieces`` pieces of the sequence, stacked along the batch (piece-major).
+def pass_states(op, args: dict, *, pieces: int = 1, group=None):
+    """``op`` (a recurrent op of ``subquad.ops`` with a declared ``Transition``) over this rank's ``pieces``
+    pieces of the sequence, stacked along the batch (piece-major; see ``fold_states``).
 
-    q, k (n B, t, H, K), v (n B, t, H, V), g / beta likewise (retention's g (H,) as is). See ``fold_states``
-    for which pieces a rank holds. ``allow_neg_eigval``: the delta rules' beta in [0, 2]. Returns o (n B, t, H, V).
+    ``args``: the op's arguments by name (its per-token tensors already this rank's pieces). Runs the chunk
+    form three times - the pieces' states from zero, their transitions (``ops.common.transition``: the op
+    on zero values from the identity or ones), and the outputs from the folded true initial states.
+    Returns the op's output for this rank's pieces.
     """
-    if not dist.is_initialized():
-        raise ValueError("sequence parallelism needs torch.distributed initialised (torchrun, or init_process_group)")
-    nB, t, H, K = q.shape
+    tr = transition_of(op)
+    if tr is None:
+        raise ValueError(f"op {getattr(op, '__name__', op)!r} declares no state-passing transition (subquad.ops)")
+    if args.get("initial_state") is not None:
+        raise ValueError("state passing runs whole sequences: initial_state must be None")
+    values = args[tr.values]
+    normalize = bool(tr.normaliser and args.get(tr.normaliser))
+    if normalize:                                     # the normaliser rides as an extra value column
+        values = torch.cat([values, torch.ones_like(values[..., :1])], dim=-1)
+    base = {**args, "mode": "chunk", "output_final_state": True}
+    if tr.normaliser:
+        base[tr.normaliser] = False
+
+    def run(vals, state):
+        return op(**{**base, tr.values: vals, "initial_state": state})
+
+    _, S_local = run(values, None)                    # (n B, ...): each piece's state from zero
+    nB = S_local.shape[0]
     if nB % pieces:
         raise ValueError(f"the batch ({nB}) must stack {pieces} pieces")
-    V = v.shape[-1]
+    if tr.kind == "identity":
+        M = None
+    elif tr.kind == "diagonal":                       # elementwise decays: the zero-input state from ones
+        _, M = run(torch.zeros_like(values), torch.ones_like(S_local))
+    else:                                             # (K, K) per head: the zero-input state from the identity
+        K = S_local.shape[-2]
+        eye = torch.eye(K, dtype=S_local.dtype, device=S_local.device).expand(*S_local.shape[:-1], K).contiguous()
+        _, M = run(values.new_zeros(*values.shape[:-1], K), eye)
+    split = lambda t: t.reshape(pieces, nB // pieces, *t.shape[1:])
+    S_in = fold_states(split(S_local), None if M is None else split(M),
+                       combine="matmul" if tr.kind == "matrix" else "mul", group=group)
+    o, _ = run(values, S_in.reshape(S_local.shape))
     if normalize:
-        if kind != "linear_attention":
-            raise ValueError("normalize=True applies to kind='linear_attention' only")
-        v = torch.cat([v, torch.ones_like(v[..., :1])], dim=-1)
-    f = _runner(kind, q, k, g, beta, scale, chunk_size, allow_neg_eigval)
-    dt = state_dtype(q.dtype)
-    _, S_local = f(v, None)                                                  # (nB, H, K, V')
-    if kind == "linear_attention":
-        M = None                                                             # identity
-    else:
-        eye = torch.eye(K, dtype=dt, device=q.device).expand(nB, H, K, K).contiguous()
-        _, M = f(torch.zeros(nB, t, H, K, dtype=v.dtype, device=v.device), eye)
-        M = M.reshape(pieces, nB // pieces, *M.shape[1:])
-    S_in = fold_states(S_local.reshape(pieces, nB // pieces, *S_local.shape[1:]), M, group=group)
-    o, _ = f(v, S_in.reshape(S_local.shape))
-    if normalize:
-        o = o[..., :V] / (o[..., V:] + 1e-6)
+        o = o[..., :-1] / (o[..., -1:] + args.get("eps", 1e-6))
     return o
 
 
+def state_passing(kind: str, q, k, v, *, g=None, beta=None, normalize: bool = False, scale=None,
+                  chunk_size: int = 64, group=None, pieces: int = 1, allow_neg_eigval: bool = False):
+    """``kind`` (an op name of ``KINDS``) over this rank's ``pieces`` pieces, stacked along the batch.
+
+    q, k (n B, t, H, K), v (n B, t, H, V), g / beta likewise (retention's g (H,) as is). ``allow_neg_eigval``:
+    the delta rules' beta in [0, 2]. Returns o (n B, t, H, V).
+    """
+    if not dist.is_initialized():
+        raise ValueError("sequence parallelism needs torch.distributed initialised (torchrun, or init_process_group)")
+    if kind not in KINDS:
+        raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
+    if normalize and kind != "linear_attention":
+        raise ValueError("normalize=True applies to kind='linear_attention' only")
+    if allow_neg_eigval and kind not in ("delta_rule", "gated_delta_rule"):
+        raise ValueError(f"allow_neg_eigval applies to the delta rules only, not kind={kind!r}")
+    op = getattr(ops, kind)
+    args = inspect.signature(op).bind_partial(q, k, v).arguments
+    for name, value in (("g", g), ("beta", beta), ("normalize", normalize), ("scale", scale),
+                        ("allow_neg_eigval", allow_neg_eigval)):
+        if name in inspect.signature(op).parameters and value is not None:
+            args[name] = value
+    return pass_states(op, {**args, "chunk_size": chunk_size}, pieces=pieces, group=group)
 def sequence_parallel(kind: str, q, k, v, *, g=None, beta=None, normalize: bool = False, scale=None,
                       chunk_size: int = 64, group=None, cu_seqlens=None, allow_neg_eigval: bool = False):
     """This rank's outputs (B, t, H, V) of ``kind`` over the sequence split contiguously across ``group``.

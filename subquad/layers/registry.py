@@ -1,8 +1,15 @@
-"""Mixers by name, for model configs and layer patterns."""
+"""The table of mechanisms: every mixer by name, for model configs, layer patterns, the recall sweep,
+the checkpoint loaders and the contract tests. Adding a mixer is its layer file plus one entry here
+(or ``register_mixer`` from outside the package)."""
 
 from __future__ import annotations
 
+import inspect
+from dataclasses import dataclass, field
+from typing import Callable
+
 from subquad.layers.attention import SoftmaxAttention
+from subquad.layers.base import Mixer
 from subquad.layers.deltanet import DeltaNet, GatedDeltaNet
 from subquad.layers.gla import GatedLinearAttention
 from subquad.layers.kda import KimiDeltaAttention
@@ -14,98 +21,80 @@ from subquad.layers.mla import LatentAttention
 from subquad.layers.retention import MultiScaleRetention
 
 
-def _softmax(d_model, n_heads, n_kv_heads=None, **kw):
-    return SoftmaxAttention(d_model, n_heads, n_kv_heads=n_kv_heads, **kw)
+@dataclass(frozen=True)
+class MixerEntry:
+    """One mechanism of the table: what a name builds and how the model's sizes reach it.
+
+    cls       the layer (a ``Mixer``); its constructor's keywords are the options the name accepts
+    defaults  options the name fixes (``swa``'s window, ``performer``'s feature map), or a function
+              (d_model, n_heads) -> options for a layer that sizes itself from them (Mamba-2's head_dim)
+    heads     how the model's head counts reach the layer: "n_heads", "n_kv_heads" (both, grouped-query
+              attention), or None (the layer sizes itself: Mamba)
+    own_heads a checkpoint may set the layer's head count apart from the model's (its value heads)
+    recall    options the recall sweep gives it (``subquad.bench.recall``: Zoology's short convolution)
+    about     one line for listings
+    The layer itself declares the rest: its op (called through ``seq.recurrence`` / ``seq.attention``,
+    the op's ``Transition`` gives context parallelism), its state layout (``empty_state``) and its FLOPs.
+    """
+    cls: type
+    defaults: dict | Callable = field(default_factory=dict)
+    heads: str | None = "n_heads"
+    own_heads: bool = False
+    recall: dict = field(default_factory=dict)
+    about: str = ""
+
+    def options(self, d_model: int, n_heads: int) -> dict:
+        return dict(self.defaults(d_model, n_heads) if callable(self.defaults) else self.defaults)
 
 
-def _swa(d_model, n_heads, n_kv_heads=None, window=64, **kw):
-    return SoftmaxAttention(d_model, n_heads, n_kv_heads=n_kv_heads, window=window, **kw)
+def _mamba2_sizes(d_model, n_heads):
+    return {"head_dim": max(8, d_model // max(n_heads, 1)), "d_state": 16}
 
 
-def _linear(d_model, n_heads, n_kv_heads=None, **kw):
-    return LinearAttention(d_model, n_heads, **kw)
+CONV = {"conv_size": 4}       # the recall sweep's short convolution before attention-like mixers
 
-
-def _named_map(fmap, **defaults):
-    def build(d_model, n_heads, n_kv_heads=None, **kw):
-        return LinearAttention(d_model, n_heads, feature_map=fmap, **{**defaults, **kw})
-    return build
-
-
-def _retention(d_model, n_heads, n_kv_heads=None, **kw):
-    return MultiScaleRetention(d_model, n_heads, **kw)
-
-
-def _gla(d_model, n_heads, n_kv_heads=None, **kw):
-    return GatedLinearAttention(d_model, n_heads, **kw)
-
-
-def _mamba2(d_model, n_heads, n_kv_heads=None, **kw):
-    kw.setdefault("head_dim", max(8, d_model // max(n_heads, 1)))
-    kw.setdefault("d_state", 16)
-    return Mamba2(d_model, **kw)
-
-
-def _deltanet(d_model, n_heads, n_kv_heads=None, **kw):
-    return DeltaNet(d_model, n_heads, **kw)
-
-
-def _gated_deltanet(d_model, n_heads, n_kv_heads=None, **kw):
-    return GatedDeltaNet(d_model, n_heads, **kw)
-
-
-def _kda(d_model, n_heads, n_kv_heads=None, **kw):
-    return KimiDeltaAttention(d_model, n_heads, **kw)
-
-
-def _mla(d_model, n_heads, n_kv_heads=None, **kw):
-    return LatentAttention(d_model, n_heads, **kw)
-
-
-def _lightning(d_model, n_heads, n_kv_heads=None, **kw):
-    return LightningAttention(d_model, n_heads, **kw)
-
-
-def _mamba(d_model, n_heads, n_kv_heads=None, **kw):
-    return Mamba(d_model, **kw)
-
-
-MIXERS = {
-    "softmax": _softmax,          # full causal softmax attention (KV cache grows)
-    "swa": _swa,                  # sliding-window softmax attention (bounded cache), window=64 unless set
-    "linear": _linear,            # linear attention, elu+1 unless feature_map= is set
-    "performer": _named_map("performer"),
-    "taylor": _named_map("taylor", qk_dim=16),   # Based's second-order Taylor map on a 16-dim projection
-    "retention": _retention,      # RetNet
-    "gla": _gla,
-    "mamba": _mamba,              # Mamba-1 (selective scan, S6)
-    "mamba2": _mamba2,
-    "deltanet": _deltanet,
-    "gated_deltanet": _gated_deltanet,
-    "kda": _kda,                  # Kimi Delta Attention: the gated delta rule with a decay per key channel
-    "mla": _mla,                  # multi-head latent attention (softmax; the cache keeps latents)
-    "lightning": _lightning,      # MiniMax's lightning attention: linear attention, fixed decays, gated norm
+MIXERS: dict[str, MixerEntry] = {
+    "softmax": MixerEntry(SoftmaxAttention, heads="n_kv_heads", about="full causal softmax attention (KV cache grows)"),
+    "swa": MixerEntry(SoftmaxAttention, {"window": 64}, heads="n_kv_heads",
+                      about="sliding-window softmax attention (bounded cache), window 64 unless set"),
+    "linear": MixerEntry(LinearAttention, recall=CONV, about="linear attention, elu+1 unless feature_map= is set"),
+    "performer": MixerEntry(LinearAttention, {"feature_map": "performer"}, recall=CONV,
+                            about="linear attention with Performer's random features"),
+    "taylor": MixerEntry(LinearAttention, {"feature_map": "taylor", "qk_dim": 16}, recall=CONV,
+                         about="Based's second-order Taylor map on a 16-dim projection"),
+    "retention": MixerEntry(MultiScaleRetention, recall=CONV, about="RetNet's multi-scale retention"),
+    "gla": MixerEntry(GatedLinearAttention, recall=CONV, about="gated linear attention, a decay per key channel"),
+    "mamba": MixerEntry(Mamba, heads=None, about="Mamba-1 (selective scan, S6)"),
+    "mamba2": MixerEntry(Mamba2, _mamba2_sizes, heads=None, about="Mamba-2 (SSD)"),
+    "deltanet": MixerEntry(DeltaNet, own_heads=True, about="the delta rule"),
+    "gated_deltanet": MixerEntry(GatedDeltaNet, own_heads=True, about="the gated delta rule"),
+    "kda": MixerEntry(KimiDeltaAttention, own_heads=True,
+                      about="Kimi Delta Attention: the gated delta rule with a decay per key channel"),
+    "mla": MixerEntry(LatentAttention, about="multi-head latent attention (softmax; the cache keeps latents)"),
+    "lightning": MixerEntry(LightningAttention,
+                            about="MiniMax's lightning attention: linear attention, fixed decays, gated norm"),
 }
 
 
-# the layer class each name builds: its constructor's keywords are the options that name accepts
-CLASSES = {"softmax": SoftmaxAttention, "swa": SoftmaxAttention, "linear": LinearAttention,
-           "performer": LinearAttention, "taylor": LinearAttention, "retention": MultiScaleRetention,
-           "gla": GatedLinearAttention, "mamba": Mamba, "mamba2": Mamba2, "deltanet": DeltaNet,
-           "gated_deltanet": GatedDeltaNet, "kda": KimiDeltaAttention, "mla": LatentAttention,
-           "lightning": LightningAttention}
-
-
-# mixers whose head count may be set apart from the model's n_heads (a checkpoint's value heads)
-OWN_HEADS = {"deltanet", "gated_deltanet", "kda"}
+def register_mixer(name: str, cls: type, **entry) -> MixerEntry:
+    """Add a mechanism to the table: ``register_mixer("tiny_decay", TinyDecay)``. The name is then
+    usable in patterns, ``build_mixer``, ``--mixer-option`` and the generic batteries
+    (``subquad.layers.battery``). ``entry``: ``MixerEntry``'s other fields."""
+    if not isinstance(name, str) or not name.isidentifier():
+        raise ValueError(f"a mixer name must be an identifier (it appears in patterns), got {name!r}")
+    if name in MIXERS:
+        raise ValueError(f"mixer {name!r} is already registered ({MIXERS[name].cls.__name__})")
+    if not (isinstance(cls, type) and issubclass(cls, Mixer)):
+        raise ValueError(f"cls must be a subclass of subquad.layers.base.Mixer, got {cls!r}")
+    MIXERS[name] = MixerEntry(cls, **entry)
+    return MIXERS[name]
 
 
 def mixer_options(name: str) -> list[str]:
     """The option names ``--mixer-option NAME.KEY=VALUE`` accepts for mixer ``name``."""
-    import inspect
-
-    sig = inspect.signature(CLASSES[name].__init__)
-    fixed = {"self", "d_model", "n_kv_heads"} | (set() if name in OWN_HEADS else {"n_heads"})
+    e = MIXERS[name]
+    sig = inspect.signature(e.cls.__init__)
+    fixed = {"self", "d_model", "n_kv_heads"} | (set() if e.own_heads else {"n_heads"})
     return sorted(n for n, p in sig.parameters.items()
                   if n not in fixed and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY))
 
@@ -135,6 +124,16 @@ def build_mixer(name: str, d_model: int, n_heads: int, n_kv_heads: int | None = 
     if name not in MIXERS:
         raise ValueError(f"unknown mixer {name!r}; known: {', '.join(sorted(MIXERS))}")
     try:
-        return MIXERS[name](d_model, n_heads, n_kv_heads=n_kv_heads, **options)
+        e = MIXERS[name]
+        heads = {} if e.heads is None else {"n_heads": n_heads}
+        if e.heads == "n_kv_heads":
+            heads["n_kv_heads"] = n_kv_heads
+        kwargs = {**heads, **e.options(d_model, n_heads), **options}
+        layer = e.cls(d_model, **kwargs)
     except TypeError as e:                      # a wrong option name or value type: say which mixer
         raise ValueError(f"mixer {name!r} with options {options}: {e}") from None
+    # every constructor argument it was built with, defaults included (what checkpoint writers read)
+    bound = inspect.signature(type(layer).__init__).bind(layer, d_model, **kwargs)
+    bound.apply_defaults()
+    layer.build_options = {k: v for k, v in bound.arguments.items() if k not in ("self", "d_model")}
+    return layer

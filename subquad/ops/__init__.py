@@ -27,6 +27,7 @@ shadows its package): ``softmax/`` (softmax_attention), ``linear/`` (linear_atte
 from subquad.ops.common.checks import MODES
 from subquad.ops.common.lse import merge_attention
 from subquad.ops.common.precision import set_checks
+from subquad.ops.common.transition import Transition, declare, transition_of
 from subquad.ops.decay import (
     chunk_gla,
     chunk_retention,
@@ -73,6 +74,14 @@ from subquad.ops.softmax import (
     softmax_attention,
 )
 
+# Each recurrent op's state-passing transition (``common.transition``): what context parallelism and
+# sequence parallelism read to carry a state across ranks, with no code of their own per op.
+for _op, _t in ((linear_attention, Transition("identity", normaliser="normalize")),
+                (retention, Transition("diagonal")), (simple_gla, Transition("diagonal")), (gla, Transition("diagonal")),
+                (ssd, Transition("diagonal", values="x")), (selective_scan, Transition("diagonal", values="x")),
+                (delta_rule, Transition("matrix")), (gated_delta_rule, Transition("matrix"))):
+    declare(_op, _t)
+
 # the recurrent ops under the one contract: op(inputs..., *, mode, chunk_size, scale?, initial_state,
 # output_final_state) -> (o, final_state); tests/ops/test_contract.py checks every signature against it
 RECURRENT_OPS = ("linear_attention", "retention", "simple_gla", "gla", "ssd", "delta_rule", "gated_delta_rule",
@@ -81,7 +90,7 @@ OPS = RECURRENT_OPS + ("softmax_attention",)
 
 __all__ = [
     "MODES", "OPS", "RECURRENT_OPS", "set_checks", "FEATURE_MAPS", "KVCache", "feature_map", "merge_attention",
-    "linformer_attention", "naive_softmax_attention",
+    "linformer_attention", "naive_softmax_attention", "Transition", "transition_of",
     *OPS,
     *(f"{form}_{op}" for op in OPS for form in ("parallel", "recurrent", "chunk")),
 ]

@@ -1,0 +1,222 @@
+"""The generic battery a mixer of the table must pass: ``check_mixer("tiny_decay")``.
+
+Every mechanism in ``subquad.layers.registry.MIXERS`` - and one a user registers with ``register_mixer`` -
+is checked the same way, against simpler computations of the same layer:
+
+    contract   a ``Mixer``: ``mix(x, state, seq)``, ``empty_state(batch_size, device, dtype)``, FLOPs
+    decode     one forward equals a prefill then token-by-token steps (float64), from ``empty_state`` too;
+               a state passed in is not modified, and reusing it gives the same answer
+    varlen     a packed row (``cu_seqlens``) equals each sequence alone, outputs and gradients (float64)
+    bf16       under bfloat16 autocast the output is finite and near float32's
+    compile    ``torch.compile`` (graph capture) equals eager
+    model      the name works in a pattern: a hybrid language model trains a step and generates
+    context_parallel (opt-in: spawns processes) two ranks over one sequence equal one process, outputs and
+               gradients - the layer reaches across tokens only through ``seq``, so this holds without
+               any distributed code in it
+
+Each check raises AssertionError naming the mixer and what differs. The contract tests run it over the
+whole table (tests/test_contract.py); the README's "new mixer" example runs it on its own mixer.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import torch
+
+F64 = torch.float64
+CHECKS = ("contract", "decode", "varlen", "bf16", "compile", "model")
+LENGTHS = [5, 1, 9, 3]
+
+
+def _layer(name, d_model, n_heads, options, dtype=F64):
+    from subquad.layers.registry import build_mixer
+
+    torch.manual_seed(0)
+    return build_mixer(name, d_model, n_heads, **options).to(dtype)
+
+
+def _snapshot(state):
+    from subquad.ops import KVCache
+
+    if isinstance(state, torch.Tensor):
+        return state.clone()
+    if isinstance(state, KVCache):
+        return (state.k.clone(), state.v.clone(), state.seen, len(state))
+    if isinstance(state, dict):
+        return {n: _snapshot(t) for n, t in state.items()}
+    return state
+
+
+def _same(a, b) -> bool:
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and a.shape == b.shape and torch.equal(a, b)
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(_same(a[n], b[n]) for n in a)
+    if isinstance(a, tuple):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    return a == b
+
+
+def check_contract(name, d_model=16, n_heads=2, options=None):
+    from subquad.layers.base import Mixer
+    from subquad.layers.registry import MIXERS
+
+    cls = MIXERS[name].cls
+    assert issubclass(cls, Mixer), f"{name}: {cls.__name__} is not a Mixer"
+    assert cls.forward is Mixer.forward, f"{name}: layers write mix(); the shared preamble stays in Mixer.forward"
+    assert list(inspect.signature(cls.mix).parameters) == ["self", "x", "state", "seq"], f"{name}: mix(x, state, seq)"
+    es = inspect.signature(cls.empty_state).parameters
+    assert list(es) == ["self", "batch_size", "device", "dtype"], f"{name}: empty_state(batch_size, device, dtype)"
+    layer = _layer(name, d_model, n_heads, options or {})
+    assert layer.flops_per_token(64) > 0, f"{name}: flops_per_token must be positive"
+
+
+def check_decode(name, d_model=16, n_heads=2, options=None, T=11, split=6):
+    layer = _layer(name, d_model, n_heads, options or {})
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(2, T, d_model, generator=g, dtype=F64)
+    with torch.no_grad():
+        full, _ = layer(x)
+        for start in (None, layer.empty_state(2, dtype=F64)):
+            y, state = layer(x[:, :split], start)
+            before = _snapshot(state)
+            ys = [y]
+            steps = state
+            for t in range(split, T):
+                yt, steps = layer(x[:, t:t + 1], steps)
+                ys.append(yt)
+            torch.testing.assert_close(torch.cat(ys, 1), full, rtol=0, atol=1e-9,
+                                       msg=lambda m: f"{name}: prefill + steps differ from one forward: {m}")
+            assert _same(_snapshot(state), before), f"{name}: a state passed in was modified"
+            again, _ = layer(x[:, split:split + 1], state)
+            torch.testing.assert_close(again, ys[1], rtol=0, atol=0,
+                                       msg=lambda m: f"{name}: reusing a state changed the answer: {m}")
+
+
+def check_varlen(name, d_model=16, n_heads=2, options=None, lengths=LENGTHS):
+    layer = _layer(name, d_model, n_heads, options or {})
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(1, sum(lengths), d_model, generator=g, dtype=F64, requires_grad=True)
+    cu = torch.tensor([0] + lengths, dtype=torch.int32).cumsum(0).to(torch.int32)
+    y, _ = layer(x, cu_seqlens=cu)
+    w = torch.randn(y.shape, generator=g, dtype=F64)
+    params = [p for p in layer.parameters() if p.requires_grad]
+    grads = torch.autograd.grad((y * w).sum(), [x] + params, allow_unused=True)
+    parts, s = [], 0
+    for n in lengths:
+        parts.append(layer(x[:, s:s + n])[0])
+        s += n
+    ref = torch.cat(parts, 1)
+    torch.testing.assert_close(y, ref, rtol=0, atol=1e-9, msg=lambda m: f"{name}: packed != separate: {m}")
+    ref_grads = torch.autograd.grad((ref * w).sum(), [x] + params, allow_unused=True)
+    for a, b in zip(grads, ref_grads):
+        assert (a is None) == (b is None), f"{name}: a gradient exists in one form only"
+        if a is not None:
+            torch.testing.assert_close(a, b, rtol=0, atol=1e-8, msg=lambda m: f"{name}: packed gradients: {m}")
+
+
+def check_bf16(name, d_model=16, n_heads=2, options=None, T=37):
+    layer = _layer(name, d_model, n_heads, options or {}, torch.float32)
+    x = torch.randn(2, T, d_model, generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        ref, _ = layer(x)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            y, state = layer(x)
+    assert torch.isfinite(y).all(), f"{name}: bf16 autocast gave non-finite outputs"
+    err = (y.float() - ref).norm() / ref.norm().clamp_min(1e-12)
+    assert err < 0.05, f"{name}: bf16 autocast is {err:.3g} off float32 (relative norm)"
+
+
+def check_compile(name, d_model=16, n_heads=2, options=None, T=21):
+    layer = _layer(name, d_model, n_heads, options or {}, torch.float32)
+    x = torch.randn(2, T, d_model, generator=torch.Generator().manual_seed(4))
+    torch._dynamo.reset()
+    compiled = torch.compile(layer, backend="aot_eager")
+    with torch.no_grad():
+        ref, _ = layer(x)
+        y, _ = compiled(x)
+    torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-5, msg=lambda m: f"{name}: compiled != eager: {m}")
+
+
+def check_model(name, d_model=16, n_heads=2, options=None):
+    from subquad.models import LanguageModel, ModelConfig
+
+    torch.manual_seed(0)
+    cfg = ModelConfig(vocab_size=32, d_model=d_model, n_layers=2, n_heads=n_heads, context_length=32,
+                      pattern=f"{name},softmax", mixer_options={name: dict(options or {})})
+    model = LanguageModel(cfg)
+    idx = torch.randint(0, 32, (2, 17), generator=torch.Generator().manual_seed(5))
+    logits = model(idx)
+    loss = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, 32), idx[:, 1:].reshape(-1))
+    loss.backward()
+    assert torch.isfinite(loss), f"{name}: non-finite loss in a hybrid model"
+    model.eval()
+    outs, _ = model.generate([[1, 2, 3], [4]], 4, temperature=0)
+    assert [len(o) for o in outs] == [4, 4], f"{name}: generation in a hybrid model"
+
+
+def _cp_worker(rank, world, name, cls, entry, d_model, n_heads, options, x, w):
+    from subquad.distributed import context_parallel, zigzag_shard
+    from subquad.layers.registry import MIXERS, register_mixer
+    import torch.distributed as dist
+
+    if name not in MIXERS:                                       # a mixer registered in the parent only
+        register_mixer(name, cls, **entry)
+    layer = _layer(name, d_model, n_heads, options)
+    with context_parallel() as cp:
+        y, state = layer(zigzag_shard(x, cp.rank, cp.world))
+    (y * zigzag_shard(w, rank, world)).sum().backward()
+    grads = torch.cat([p.grad.flatten() for p in layer.parameters() if p.grad is not None])
+    dist.all_reduce(grads)
+    return y.detach(), grads, state
+
+
+def check_context_parallel(name, d_model=16, n_heads=2, options=None, world=2, T=24):
+    """Spawns ``world`` processes (the layer's class must be importable by its module, not defined in
+    ``__main__``)."""
+    import dataclasses
+
+    from subquad.distributed import zigzag_unshard
+    from subquad.distributed.launch import run_local
+    from subquad.layers.registry import MIXERS
+
+    options = dict(options or {})
+    e = MIXERS[name]
+    entry = {f.name: getattr(e, f.name) for f in dataclasses.fields(e) if f.name != "cls"}
+    g = torch.Generator().manual_seed(6)
+    x = torch.randn(2, T, d_model, generator=g, dtype=F64)
+    w = torch.randn(2, T, d_model, generator=g, dtype=F64)
+    out = run_local(world, _cp_worker, name, e.cls, entry, d_model, n_heads, options, x, w, timeout_s=120)
+    layer = _layer(name, d_model, n_heads, options)
+    ref, _ = layer(x)
+    (ref * w).sum().backward()
+    grads = torch.cat([p.grad.flatten() for p in layer.parameters() if p.grad is not None])
+    torch.testing.assert_close(zigzag_unshard([o[0] for o in out]), ref.detach(), rtol=0, atol=1e-9,
+                               msg=lambda m: f"{name}: {world} ranks != one process: {m}")
+    for _, gr, state in out:
+        torch.testing.assert_close(gr, grads, rtol=0, atol=1e-8, msg=lambda m: f"{name}: gradients across ranks: {m}")
+        assert state is None, f"{name}: a shard of a sequence must give no decoding state"
+
+
+_CHECKS = {"contract": check_contract, "decode": check_decode, "varlen": check_varlen, "bf16": check_bf16,
+           "compile": check_compile, "model": check_model, "context_parallel": check_context_parallel}
+
+
+def check_mixer(name: str, *, d_model: int = 16, n_heads: int = 2, options: dict | None = None,
+                checks=CHECKS, context_parallel: bool = False) -> list[str]:
+    """Run the battery (``checks``, plus ``context_parallel``) on mixer ``name`` of the table with
+    ``options``; returns the checks passed, raises AssertionError at the first that fails."""
+    from subquad.layers.registry import MIXERS
+
+    if name not in MIXERS:
+        raise ValueError(f"unknown mixer {name!r}; register it first (subquad.layers.registry.register_mixer)")
+    todo = list(checks) + (["context_parallel"] if context_parallel else [])
+    for c in todo:
+        if c not in _CHECKS:
+            raise ValueError(f"unknown check {c!r}; known: {', '.join(_CHECKS)}")
+        _CHECKS[c](name, d_model, n_heads, options)
+    return todo
+
+
+__all__ = ["check_mixer", "CHECKS"]
