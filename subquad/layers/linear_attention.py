@@ -58,9 +58,10 @@ class LinearAttention(Mixer):
         self.conv = ShortConv(2 * n_heads * self.qk_dim + d_model, conv_size, bias=False) if conv_size else None
 
     def mix_flops(self, T):
-        """The write phi(k) v^T and the read phi(q) S per head (and the normaliser's z, phi(q) z), F x V."""
-        F_, V = self.feature_dim, self.head_dim
-        return self.n_heads * (4.0 * F_ * V + (4.0 * F_ if self.normalize else 0.0))
+        """The write phi(k) v^T and the read phi(q) S per head, F x V (the normaliser's z and phi(q) z are one
+        more value column, of ones), and the feature map of q and k (the performer's projection)."""
+        F_, V = self.feature_dim, self.head_dim + (1 if self.normalize else 0)
+        return self.n_heads * (4.0 * F_ * V + 2 * self.phi.flops(self.qk_dim))
 
     def empty_state(self, batch_size, device=None, dtype=torch.float32):
         S = self.zeros(batch_size, self.n_heads, self.feature_dim, self.head_dim, device=device, dtype=dtype)
