@@ -34,7 +34,7 @@ class LinearAttention(Mixer):
     State: {"S": (B, H, F, V)} plus {"z": (B, H, F)} when normalised, F the feature dim; float32 (float64
     for float64); plus {"conv": (B, conv_size - 1, 2 H qk_dim + d_model)} with a convolution.
     """
-    piece_size = 2048   # fixed state: long forwards run in pieces (base.Mixer.forward); fastest here
+    piece_size = 2048   # fixed state: long forwards run in pieces (base.Mixer.forward); bench_pieces.py's best
     def __init__(self, d_model: int, n_heads: int = 4, feature_map: str = "elu+1", normalize: bool = True,
                  qk_dim: int | None = None, num_features: int = 64, conv_size: int = 0, mode: str = "chunk",
                  chunk_size: int = 64):
