@@ -692,8 +692,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--load-state", help="continue from a state saved with --save-state")
     _quantize_flag(g)
     g.add_argument("--compile-decode", action="store_true",
-                   help="decode with the compiled one-token step (subquad.models.decode: ~1.5-2x faster per token "
-                        "once compiled; compiling takes seconds per kind of layer)")
+                   help="decode with the compiled one-token step (subquad.models.decode: faster per token once "
+                        "compiled; compiling takes seconds per kind of layer)")
     _device_flag(g)
     g.set_defaults(fn=cmd_generate)
 

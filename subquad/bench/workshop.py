@@ -12,7 +12,7 @@
 
 The plate trained 6,000 steps (softmax 4.208, linear 4.268 nats, gap 0.060) on
 another corpus: compare the gap, not the absolute values. The default 600 steps
-take about 12 minutes on 2 cores (issue 37: 714 s).
+take about 12 minutes on 2 cores (benchmarks/RESULTS.md, "The workshop").
 """
 
 from __future__ import annotations

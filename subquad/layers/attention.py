@@ -73,8 +73,10 @@ class SoftmaxAttention(Mixer):
             self.k_norm = RMSNorm(K if qk_norm == "head" else Hk * K, qk_norm_eps)
 
     def mix_flops(self, T):
-        """q k^T and p v over the keys each query sees: (T + 1) / 2 on average, or the window's."""
-        seen = (T + 1) / 2 if self.window is None else min((T + 1) / 2, self.window + 1)
+        """q k^T and p v over the keys each query sees, on average over T queries: (T + 1) / 2 causally; with
+        a window W, query t sees min(t + 1, W + 1) keys, (W + 1)(T - W / 2) / T on average once T > W + 1."""
+        W = self.window
+        seen = (T + 1) / 2 if W is None or T <= W + 1 else (W + 1) * (T - W / 2) / T
         return 4.0 * self.n_heads * self.head_dim * seen
 
     def empty_state(self, batch_size, device=None, dtype=torch.float32):

@@ -43,7 +43,7 @@ class DeltaNet(Mixer):
     x rsqrt(|x|^2 + eps)); allow_neg_eigval; norm_eps; mode; chunk_size.
     State: {"S": (B, H, K, V) float32 (float64 for float64), "conv": (B, conv_size - 1, 2 Hk K + H V)}.
     """
-    piece_size = 1024   # fixed state: long forwards run in pieces (base.Mixer.forward); fastest here
+    piece_size = 1024   # fixed state: long forwards run in pieces (base.Mixer.forward); bench_pieces.py's best
     gated = False
 
     normed_output = True

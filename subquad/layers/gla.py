@@ -40,7 +40,7 @@ class GatedLinearAttention(Mixer):
     State: {"S": (B, H, K, V) float32 (float64 for float64)}, plus {"conv": (B, conv_size - 1, 2 H K + H V)}
     with a convolution.
     """
-    piece_size = 1024   # fixed state: long forwards run in pieces (base.Mixer.forward); fastest here
+    piece_size = 1024   # fixed state: long forwards run in pieces (base.Mixer.forward); bench_pieces.py's best
     normed_output = True
     def __init__(self, d_model: int, n_heads: int = 4, expand_k: float = 0.5, expand_v: float = 1.0,
                  gate_rank: int = 16, gate_normalizer: float = 16.0, open_gate: bool = True, conv_size: int = 0,

@@ -34,7 +34,7 @@ class LinearAttention(Mixer):
     State: {"S": (B, H, F, V)} plus {"z": (B, H, F)} when normalised, F the feature dim; float32 (float64
     for float64); plus {"conv": (B, conv_size - 1, 2 H qk_dim + d_model)} with a convolution.
     """
-    piece_size = 2048   # fixed state: long forwards run in pieces (base.Mixer.forward); fastest here
+    piece_size = 2048   # fixed state: long forwards run in pieces (base.Mixer.forward); bench_pieces.py's best
     def __init__(self, d_model: int, n_heads: int = 4, feature_map: str = "elu+1", normalize: bool = True,
                  qk_dim: int | None = None, num_features: int = 64, conv_size: int = 0, mode: str = "chunk",
                  chunk_size: int = 64):
@@ -58,9 +58,10 @@ class LinearAttention(Mixer):
         self.conv = ShortConv(2 * n_heads * self.qk_dim + d_model, conv_size, bias=False) if conv_size else None
 
     def mix_flops(self, T):
-        """The write phi(k) v^T and the read phi(q) S per head (and the normaliser's z, phi(q) z), F x V."""
-        F_, V = self.feature_dim, self.head_dim
-        return self.n_heads * (4.0 * F_ * V + (4.0 * F_ if self.normalize else 0.0))
+        """The write phi(k) v^T and the read phi(q) S per head, F x V (the normaliser's z and phi(q) z are one
+        more value column, of ones), and the feature map of q and k (the performer's projection)."""
+        F_, V = self.feature_dim, self.head_dim + (1 if self.normalize else 0)
+        return self.n_heads * (4.0 * F_ * V + 2 * self.phi.flops(self.qk_dim))
 
     def empty_state(self, batch_size, device=None, dtype=torch.float32):
         S = self.zeros(batch_size, self.n_heads, self.feature_dim, self.head_dim, device=device, dtype=dtype)

@@ -35,7 +35,7 @@ class Mamba(Mixer):
     norms have learned weights, ``dt_norm``, ``b_norm``, ``c_norm``; Falcon-Mamba's have none); mode; chunk_size.
     State: {"ssm": (B, d_inner, N) float32 (float64 for float64), "conv": (B, conv_size - 1, d_inner)}.
     """
-    piece_size = 2048   # fixed state: long forwards run in pieces (base.Mixer.forward); fastest here
+    piece_size = 2048   # fixed state: long forwards run in pieces (base.Mixer.forward); bench_pieces.py's best
     def __init__(self, d_model: int, d_state: int = 16, conv_size: int = 4, expand: int = 2, dt_rank: int | None = None,
                  dt_min: float = 1e-3, dt_max: float = 0.1, bcdt_rms_eps: float | None = None,
                  bcdt_rms_weight: bool = False, mode: str = "chunk", chunk_size: int = 64):

@@ -37,7 +37,7 @@ class Mamba2(Mixer):
     State: {"ssm": (B, H, N, P) float32 (float64 for float64), "conv": (B, conv_size - 1, d_inner + 2 G N)}.
     """
     normed_output = True
-    piece_size = 2048   # fixed state: long forwards run in pieces (base.Mixer.forward); fastest here
+    piece_size = 2048   # fixed state: long forwards run in pieces (base.Mixer.forward); bench_pieces.py's best
     def __init__(self, d_model: int, d_state: int = 64, head_dim: int = 64, expand: int = 2, conv_size: int = 4,
                  n_groups: int = 1, norm_eps: float = 1e-6, dt_limit: tuple = (0.0, float("inf")),
                  dt_min: float = 1e-3, dt_max: float = 0.1, mode: str = "chunk", chunk_size: int = 64):

@@ -38,6 +38,11 @@ class FeatureMap(nn.Module):
     def out_dim(self, d: int) -> int:
         return d
 
+    def flops(self, d: int) -> float:
+        """FLOPs of mapping one (d,) vector, counting multiply-adds as elsewhere (elementwise work is not
+        counted, as no layer counts its activations)."""
+        return 0.0
+
 
 class EluPlusOne(FeatureMap):
     name = "elu+1"
@@ -112,6 +117,10 @@ class Performer(FeatureMap):
 
     def out_dim(self, d: int) -> int:
         return self.num_features
+
+    def flops(self, d: int) -> float:
+        """The projection x W^T onto the m random features."""
+        return 2.0 * d * self.num_features
 
     def forward(self, x, is_query: bool = False):
         if x.shape[-1] != self.head_dim:

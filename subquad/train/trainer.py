@@ -1,7 +1,7 @@
 """Training: AdamW, warmup then cosine, gradient clipping, optional bfloat16 autocast, seeded,
 held-out loss every N steps, metrics as JSONL, atomic checkpoints, exact resume.
 
-The model is single-device code; parallelism (issue 8) is applied from outside.
+The model is single-device code; parallelism is applied from outside.
 """
 
 from __future__ import annotations

@@ -1,24 +1,104 @@
-"""FLOP counts per token: every pattern mixer states one, and two configurations counted by hand agree."""
+"""FLOP counts per token, exactly: every mixer's ``flops_per_token`` equals the matmuls its projections run
+(measured with torch's FlopCounterMode), plus its short convolutions and its sequence mixing, both counted by
+hand here from the layer's configuration.
+
+The convention (``Mixer.flops_per_token``): 2 FLOPs per multiply-add; elementwise work (activations, gates,
+norms, decays) is not counted; the mixing is what the recurrent or exact form must compute per token."""
 
 import pytest
+import torch
+from torch import nn
+from torch.utils.flop_counter import FlopCounterMode
 
 from subquad.layers import MIXERS, build_mixer
 from subquad.models import LanguageModel, ModelConfig
 
+D, H = 64, 2                  # every mixer below: build_mixer(name, 64, 2), head dim 32 unless its options say
 
-@pytest.mark.parametrize("name", sorted(MIXERS))
-def test_every_mixer_counts_its_flops(name):
-    layer = build_mixer(name, 64, 2)
-    f = layer.flops_per_token(128)
-    assert f > 2 * 64 * 64                     # at least one projection's worth
-    assert layer.flops_per_token(1024) >= f    # never cheaper per token at a longer length
+
+def causal(T):
+    """Keys a causal query sees, on average over T queries: (1 + ... + T) / T."""
+    return (T + 1) / 2
+
+
+def windowed(T, W):
+    """Keys seen with a window W (a query sees itself and the W before it), on average over T queries."""
+    return sum(min(t + 1, W + 1) for t in range(T)) / T
+
+
+# name -> (build options, the mixing's FLOPs per token at length T), counted from the configuration:
+# a state write k v^T and a read q S cost 2 K V each per head; the delta rule's prediction S^T k another 2 K V.
+MIX = {
+    "softmax": ({}, lambda T: H * (2 * 32 + 2 * 32) * causal(T)),               # q k^T over K, p v over V
+    "swa": ({"window": 16}, lambda T: H * (2 * 32 + 2 * 32) * windowed(T, 16)),
+    "mla": ({}, lambda T: H * (2 * (32 + 16) + 2 * 32) * causal(T)),           # K = nope 32 + rope 16, V 32
+    "linear": ({}, lambda T: H * 4 * 32 * (32 + 1)),                           # F = K = 32; z is a column of ones
+    "performer": ({}, lambda T: H * (4 * 64 * (32 + 1) + 2 * (2 * 32 * 64))),   # F = 64 features: q, k projected
+    "taylor": ({}, lambda T: H * 4 * (1 + 16 + 16 * 16) * (32 + 1)),           # F = 1 + d + d^2 on qk_dim 16
+    "retention": ({}, lambda T: H * 4 * 32 * 64),                             # K 32, V = 2 K
+    "gla": ({}, lambda T: H * 4 * 16 * 32),                                   # K = D / 2 / H, V = D / H
+    "lightning": ({}, lambda T: H * 4 * 32 * 32),
+    "deltanet": ({}, lambda T: H * 6 * 32 * 32),
+    "gated_deltanet": ({}, lambda T: H * 6 * 32 * 32),
+    "kda": ({}, lambda T: H * 6 * 32 * 32),
+    "mamba": ({}, lambda T: 4 * 128 * 16),                                     # d_inner 128 channels, N 16 each
+    "mamba2": ({}, lambda T: 4 * 16 * 32 * 4),                                 # 4 heads of P 32, N 16
+}
+VARIANTS = {                  # options that change the count: GQA, a short convolution, groups, no normaliser
+    "softmax-gqa": ("softmax", {"n_kv_heads": 1}, MIX["softmax"][1]),
+    "linear-conv-unnormalised": ("linear", {"conv_size": 4, "normalize": False}, lambda T: H * 4 * 32 * 32),
+    "gla-conv": ("gla", {"conv_size": 3}, MIX["gla"][1]),
+    "mamba2-groups": ("mamba2", {"n_groups": 2}, MIX["mamba2"][1]),
+}
+CASES = {name: (name, opts, mix) for name, (opts, mix) in MIX.items()} | VARIANTS
+
+
+def projection_flops(layer, T):
+    """FLOPs per token of the nn.Linear modules over one forward of (1, T, D), as FlopCounterMode counts the
+    matmuls they run. (One row of T <= D tokens: with more, Mamba-2 folds its norm's weight into out_proj's
+    and calls F.linear outside the module, where the counter cannot attribute it.)"""
+    assert T <= D
+    linears = {f"{type(layer).__name__}.{n}" for n, m in layer.named_modules() if isinstance(m, nn.Linear)}
+    with FlopCounterMode(display=False) as counter:
+        layer(torch.randn(1, T, D))
+    return sum(sum(ops.values()) for name, ops in counter.get_flop_counts().items() if name in linears) / T
+
+
+def conv_flops(layer):
+    """A short causal convolution: one multiply-add per channel and tap."""
+    return sum(2 * m.channels * m.kernel_size for m in layer.modules() if type(m).__name__ == "ShortConv")
+
+
+def test_every_mixer_is_counted_here():
+    assert set(MIX) == set(MIXERS)
+
+
+@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("T", [1, 17, 37])
+def test_every_mixer_counts_its_flops_exactly(case, T):
+    name, options, mix = CASES[case]
+    torch.manual_seed(0)
+    layer = build_mixer(name, D, H, **options)
+    want = projection_flops(layer, T) + conv_flops(layer) + mix(T)
+    assert layer.flops_per_token(T) == pytest.approx(want, rel=1e-12), case
+
+
+def test_long_lengths_follow_the_formulas():
+    """At lengths not run: attention grows with T (a window's stops growing), the fixed-state mixers do not."""
+    for T in (1024, 4096):
+        for name in ("softmax", "swa", "mla", "gla", "mamba2"):
+            layer = build_mixer(name, D, H, **MIX[name][0])
+            fixed = layer.flops_per_token(1) - MIX[name][1](1)
+            assert layer.flops_per_token(T) == pytest.approx(fixed + MIX[name][1](T), rel=1e-12), (name, T)
 
 
 def test_softmax_attention_by_hand():
-    # 4 projections of 64 x 64 (2 FLOPs per weight) + causal q k^T and p v: 2 heads of 32, (T + 1) / 2 keys
+    # 4 projections of 64 x 64 (2 FLOPs per weight) + causal q k^T and p v: 2 heads of 32, (T + 1) / 2 keys;
+    # a window of 16 at T = 127: (17 * 18 / 2 + 110 * 17) / 127 keys
     layer = build_mixer("softmax", 64, 2)
     assert layer.flops_per_token(127) == 2 * 4 * 64 * 64 + 2 * 2 * 2 * 32 * 64
-    assert build_mixer("swa", 64, 2, window=16).flops_per_token(127) == 2 * 4 * 64 * 64 + 2 * 2 * 2 * 32 * 17
+    swa = build_mixer("swa", 64, 2, window=16)
+    assert swa.flops_per_token(127) == pytest.approx(2 * 4 * 64 * 64 + 2 * 2 * 2 * 32 * (153 + 1870) / 127)
 
 
 def test_mamba2_model_by_hand():

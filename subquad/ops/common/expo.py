@@ -3,9 +3,8 @@
     exp_decay(x) = exp(max(x, floor)),   floor = log(smallest normal) + 0.5:  -86.8 (float32), -707.9 (float64)
 
 exp(x) for x below log(smallest normal) (-87.3 in float32) returns a subnormal or 0, and the vectorised
-exp on x86 takes a slow path there: ~30x slower for subnormal results and ~10x for zeros (13 us against
-376 us for 24,576 float32 values at -88; benchmarks/RESULTS.md, "Decays that underflow"). Strong decays
-hit it all the time: Mamba's dt A reaches -100 and below. A factor that small leaves nothing a float32
+exp on x86 takes a slow path there, an order of magnitude slower (benchmarks/RESULTS.md, "Decays that
+underflow"). Strong decays hit it all the time: Mamba's dt A reaches -100 and below. A factor that small leaves nothing a float32
 sum can resolve, so the argument is raised to the floor first: the result differs from exp(x) by less
 than 2e-38 (float32) or 4e-308 (float64), and its gradient below the floor is 0 instead of less than
 that. Other dtypes are exponentiated as they are. Never for masked (-inf) entries: they must stay 0 -

@@ -64,8 +64,8 @@ class _LanesScan(torch.autograd.Function):
     h_t recomputed from the saved starts (never saved by the forward) segment by segment, so backward
     holds about 3 sqrt(C) tensors of (B, lanes, Dm, N), never the (B, T, Dm, N) of all states. Loops update in place: fresh
     (B, n, Dm, N) tensors per position cost more in page faults than the arithmetic.
-    Every pass recomputes its decays exp(dt_t A): keeping all of them, (B, T, Dm, N), was tried and is
-    no faster here - first touching that much fresh memory costs what the exps do.
+    Every pass recomputes its decays exp(dt_t A) rather than keeping all of them, (B, T, Dm, N): first
+    touching that much fresh memory costs what the exps do.
     """
 
     @staticmethod

@@ -44,12 +44,12 @@ def parallel_softmax_attention(q, k, v, *, causal=True, window=None, chunk_size=
 
 def _sdpa(qh, kh, vh, scale, **kw):
     """SDPA with the value head dim padded to the key's (or the key's to the value's) when they differ:
-    CPU's flash kernel needs them equal and the fallback is the T x T math path, 3.7x slower at T = 8,192
-    (K 80, V 64: multi-head latent attention's shapes). Zero columns change no score and no output. For
-    16-bit inputs only from FLASH_16BIT score entries on: the flash kernel rounds the probabilities to 16
-    bits (0.004 off at K 8, V 4 in tests/ops/test_precision.py) where the math path keeps them in float32,
-    but the math path's T x T scores cost 6.5x the time at T = 8,192 in bf16 (benchmarks/RESULTS.md) - and
-    flash's rounding is what attention with K = V gets in 16 bits anyway. A scale <= 0 (0: uniform attention
+    CPU's flash kernel needs them equal and the fallback is the T x T math path, which materialises the
+    scores (multi-head latent attention's K 80, V 64 hit it). Zero columns change no score and no output.
+    For 16-bit inputs only from FLASH_16BIT score entries on: the flash kernel rounds the probabilities to
+    16 bits (0.004 off at K 8, V 4 in tests/ops/test_precision.py) where the math path keeps them in
+    float32, but the math path's T x T scores cost several times the time at long T (benchmarks/RESULTS.md,
+    "Routes") - and flash's rounding is what attention with K = V gets in 16 bits anyway. A scale <= 0 (0: uniform attention
     over the visible keys) is folded into the queries."""
     if scale <= 0:          # SDPA's causal kernel scales its -inf mask too: 0 or -|s| times -inf is NaN or +inf
         qh, scale = qh * scale, 1.0
