@@ -113,12 +113,12 @@ def state_passing(kind: str, q, k, v, *, g=None, beta=None, normalize: bool = Fa
             raise ValueError("normalize=True applies to kind='linear_attention' only")
         v = torch.cat([v, torch.ones_like(v[..., :1])], dim=-1)
     f = _runner(kind, q, k, g, beta, scale, chunk_size, allow_neg_eigval)
-    dt = state_dtype(q.dtype)
+    sd = state_dtype(q.dtype)
     _, S_local = f(v, None)                                                  # (nB, H, K, V')
     if kind == "linear_attention":
         M = None                                                             # identity
     else:
-        eye = torch.eye(K, dtype=dt, device=q.device).expand(nB, H, K, K).contiguous()
+        eye = torch.eye(K, dtype=sd, device=q.device).expand(nB, H, K, K).contiguous()
         _, M = f(torch.zeros(nB, t, H, K, dtype=v.dtype, device=v.device), eye)
         M = M.reshape(pieces, nB // pieces, *M.shape[1:])
     S_in = fold_states(S_local.reshape(pieces, nB // pieces, *S_local.shape[1:]), M, group=group)
