@@ -33,8 +33,8 @@ from subquad.ops.common.checks import (check_bool, check_chunk_size, check_gate_
 from subquad.ops.common.precision import amp_op, causal_guard, checks_on, finite_log_decay
 from subquad.ops.common.autograd import inference_path
 from subquad.ops.common.forms import three_forms
-from subquad.ops.common.routes import SHORT
-from subquad.ops.decay.chunk import chunk_decay_attention
+from subquad.ops.common.routes import SHORT, check_route
+from subquad.ops.decay.chunk import ROUTES, chunk_decay_attention
 from subquad.ops.decay.parallel import parallel_decay_attention
 from subquad.ops.decay.recurrent import recurrent_decay_attention
 from subquad.ops.decay.ssd import ssd_chunkwise, ssd_inference
@@ -43,8 +43,9 @@ from subquad.ops.common.varlen import varlen
 _FORMS = {"parallel": parallel_decay_attention, "recurrent": recurrent_decay_attention, "chunk": chunk_decay_attention}
 
 
-def _prepare(q, k, v, g, g_shape, mode, chunk_size, scale, initial_state, output_final_state):
+def _prepare(q, k, v, g, g_shape, mode, chunk_size, scale, initial_state, output_final_state, route, op):
     check_mode(mode)                                   # q, k, v were checked by the caller
+    check_form_route(route, mode, op)
     if q.shape[1] < 1:
         raise ValueError(f"q must hold at least one token (T >= 1), got shape {tuple(q.shape)}")
     check_chunk_size(chunk_size)
@@ -59,11 +60,19 @@ def _prepare(q, k, v, g, g_shape, mode, chunk_size, scale, initial_state, output
     return default_scale(scale, K), initial_state
 
 
-def _run(q, k, v, g, mode, chunk_size, scale, initial_state, output_final_state):
+def check_form_route(route, mode, op):
+    """``route`` picks among the chunk form's routes (chunk.py): None, or one of ROUTES with mode="chunk"."""
+    check_route(route, ROUTES, op)
+    if route is not None and mode != "chunk":
+        raise ValueError(f"route={route!r} is a route of the chunk form; {op} got mode={mode!r}")
+
+
+def _run(q, k, v, g, mode, chunk_size, scale, initial_state, output_final_state, route, op):
     g = finite_log_decay(g.to(state_dtype(q.dtype)))           # a decay of exactly 0: the same in every form
 
     def run(form):
-        return _FORMS[form](q, k, v, g, scale=scale, chunk_size=chunk_size, initial_state=initial_state)
+        chosen = {"route": route, "op": op} if form == "chunk" else {}
+        return _FORMS[form](q, k, v, g, scale=scale, chunk_size=chunk_size, initial_state=initial_state, **chosen)
 
     o, S = run(mode)
     if mode != "recurrent":
@@ -73,31 +82,40 @@ def _run(q, k, v, g, mode, chunk_size, scale, initial_state, output_final_state)
 
 @amp_op()
 @varlen("q", "k", "v")
-def retention(q, k, v, g, *, mode="chunk", chunk_size=64, scale=None, initial_state=None, output_final_state=False):
-    """Retention (RetNet): S_t = a S_{t-1} + k_t v_t^T with a fixed log-decay ``g = log a`` of shape (H,)."""
+def retention(q, k, v, g, *, mode="chunk", chunk_size=64, scale=None, initial_state=None, output_final_state=False,
+              route=None):
+    """Retention (RetNet): S_t = a S_{t-1} + k_t v_t^T with a fixed log-decay ``g = log a`` of shape (H,).
+    ``route``: None (automatic) or one of the chunk form's routes (chunk.py), recorded by ``routes.took``."""
     check_qkv(q, k, v)
     B, T, H, _ = q.shape
-    scale, initial_state = _prepare(q, k, v, g, (H,), mode, chunk_size, scale, initial_state, output_final_state)
-    return _run(q, k, v, g.view(1, 1, H).expand(B, T, H), mode, chunk_size, scale, initial_state, output_final_state)
+    scale, initial_state = _prepare(q, k, v, g, (H,), mode, chunk_size, scale, initial_state, output_final_state,
+                                    route, "retention")
+    return _run(q, k, v, g.view(1, 1, H).expand(B, T, H), mode, chunk_size, scale, initial_state, output_final_state,
+                route, "retention")
 
 
 @amp_op()
 @varlen("q", "k", "v", "g")
-def simple_gla(q, k, v, g, *, mode="chunk", chunk_size=64, scale=None, initial_state=None, output_final_state=False):
-    """Simple GLA / SSD: S_t = a_t S_{t-1} + k_t v_t^T with ``g = log a`` of shape (B, T, H)."""
+def simple_gla(q, k, v, g, *, mode="chunk", chunk_size=64, scale=None, initial_state=None, output_final_state=False,
+               route=None):
+    """Simple GLA / SSD: S_t = a_t S_{t-1} + k_t v_t^T with ``g = log a`` of shape (B, T, H).
+    ``route``: None (automatic) or one of the chunk form's routes (chunk.py), recorded by ``routes.took``."""
     check_qkv(q, k, v)
     scale, initial_state = _prepare(q, k, v, g, q.shape[:3], mode, chunk_size, scale, initial_state,
-                                    output_final_state)
-    return _run(q, k, v, g, mode, chunk_size, scale, initial_state, output_final_state)
+                                    output_final_state, route, "simple_gla")
+    return _run(q, k, v, g, mode, chunk_size, scale, initial_state, output_final_state, route, "simple_gla")
 
 
 @amp_op()
 @varlen("q", "k", "v", "g")
-def gla(q, k, v, g, *, mode="chunk", chunk_size=64, scale=None, initial_state=None, output_final_state=False):
-    """GLA: S_t = diag(a_t) S_{t-1} + k_t v_t^T with ``g = log a`` of shape (B, T, H, K)."""
+def gla(q, k, v, g, *, mode="chunk", chunk_size=64, scale=None, initial_state=None, output_final_state=False,
+        route=None):
+    """GLA: S_t = diag(a_t) S_{t-1} + k_t v_t^T with ``g = log a`` of shape (B, T, H, K).
+    ``route``: None (automatic) or one of the chunk form's routes (chunk.py), recorded by ``routes.took``."""
     check_qkv(q, k, v)
-    scale, initial_state = _prepare(q, k, v, g, q.shape, mode, chunk_size, scale, initial_state, output_final_state)
-    return _run(q, k, v, g, mode, chunk_size, scale, initial_state, output_final_state)
+    scale, initial_state = _prepare(q, k, v, g, q.shape, mode, chunk_size, scale, initial_state, output_final_state,
+                                    route, "gla")
+    return _run(q, k, v, g, mode, chunk_size, scale, initial_state, output_final_state, route, "gla")
 
 
 @amp_op(positions=(0, 3, 4))
@@ -185,7 +203,8 @@ def _ssd_as_gla(x, dt, A, B, C, mode, chunk_size, initial_state):
     """SSD through the decayed-attention forms, q and k expanded over the heads (the reference route)."""
     q, k, g = ssd_as_gla(x, dt, A, B, C)
     g = finite_log_decay(g)
-    o, S = _FORMS[mode](q, k, x, g, scale=1.0, chunk_size=chunk_size, initial_state=initial_state)
+    chosen = {"op": "ssd"} if mode == "chunk" else {}
+    o, S = _FORMS[mode](q, k, x, g, scale=1.0, chunk_size=chunk_size, initial_state=initial_state, **chosen)
     if mode != "recurrent":
         o, S = causal_guard((o, S), S, lambda: _FORMS["recurrent"](q, k, x, g, scale=1.0, chunk_size=chunk_size,
                                                                    initial_state=initial_state), x.shape[1])
