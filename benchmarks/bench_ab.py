@@ -1,6 +1,6 @@
 """Interleaved A/B timing of two checkouts of subquad: did a change make any path slower?
 
-    python benchmarks/bench_ab.py --a /tmp/base --b . --rounds 3 [--out ab.md]
+    python benchmarks/bench_ab.py --a /tmp/base --b . --rounds 3 [--out ab.md] [--rows REGEX]
 
 Each round runs one fresh process per tree (A, B, A, B, ...), each measuring every row once
 (the fastest of five calls), so both trees see the same machine weather. A row's time is the fastest
@@ -11,7 +11,8 @@ versions with the same public API compare.
 Rows: every mixer of the registry at d_model 256, 4 heads - training (forward + backward,
 T = 2,048), prefill (no gradient, T = 8,192: the piece-wise and no-gradient paths) and one
 decoding step (T = 1, with a state); every op's chunk form at B = 1, H = 4, K = V = 64, T = 4,096,
-forward without a gradient and forward + backward.
+forward without a gradient and forward + backward. ``--rows`` keeps only the rows whose name matches a
+regular expression (``re.search``), e.g. ``--rows "retention|gla|linear"`` or a doubtful row alone.
 """
 
 from __future__ import annotations
@@ -25,9 +26,10 @@ import sys
 from pathlib import Path
 
 CHILD = r'''
-import json, sys, time, statistics, torch
+import json, re, sys, time, statistics, torch
 torch.manual_seed(0)
 torch.set_num_threads(int(sys.argv[1]))
+want = re.compile(sys.argv[2]).search
 from subquad.layers import build_mixer
 import subquad.ops as ops
 
@@ -45,17 +47,20 @@ for name in ["softmax", "swa", "linear", "retention", "gla", "mamba", "mamba2", 
     x = torch.randn(1, 2048, D, requires_grad=True)
     def train():
         y, _ = m(x); y.sum().backward()
-    rows[f"{name} train T=2048"] = med(train)
+    if want(f"{name} train T=2048"):
+        rows[f"{name} train T=2048"] = med(train)
     xp = torch.randn(1, 8192, D)
     with torch.no_grad():
-        rows[f"{name} prefill T=8192"] = med(lambda: m(xp), n=2)
+        if want(f"{name} prefill T=8192"):
+            rows[f"{name} prefill T=8192"] = med(lambda: m(xp), n=2)
         _, s = m(torch.randn(1, 64, D))
         x1 = torch.randn(1, 1, D)
         def step():
             st = s
             for _ in range(32):
                 _, st = m(x1, st)
-        rows[f"{name} decode step"] = med(step) / 32
+        if want(f"{name} decode step"):
+            rows[f"{name} decode step"] = med(step) / 32
 
 B, T, Hh, K = 1, 4096, 4, 64
 def qkv(req):
@@ -73,22 +78,25 @@ for name in ["linear_attention", "retention", "simple_gla", "gla", "delta_rule",
     fn = getattr(ops, name)
     with torch.no_grad():
         a = qkv(False) + list(gates(name, False))
-        rows[f"op {name} fwd"] = med(lambda: fn(*a, mode="chunk"))
+        if want(f"op {name} fwd"):
+            rows[f"op {name} fwd"] = med(lambda: fn(*a, mode="chunk"))
     a = qkv(True) + list(gates(name, True))
     def fb():
         o, _ = fn(*a, mode="chunk"); o.sum().backward()
-    rows[f"op {name} fwd+bwd"] = med(fb)
+    if want(f"op {name} fwd+bwd"):
+        rows[f"op {name} fwd+bwd"] = med(fb)
 x, dt = torch.randn(1, T, 512), torch.rand(1, T, 512) * 0.1
 A, Bm, Cm = -torch.rand(512, 16) - 0.5, torch.randn(1, T, 16), torch.randn(1, T, 16)
 with torch.no_grad():
-    rows["op selective_scan fwd"] = med(lambda: ops.selective_scan(x, dt, A, Bm, Cm))
+    if want("op selective_scan fwd"):
+        rows["op selective_scan fwd"] = med(lambda: ops.selective_scan(x, dt, A, Bm, Cm))
 print("ROWS" + json.dumps(rows))
 '''
 
 
-def run(tree: Path, threads: int) -> dict:
+def run(tree: Path, threads: int, rows: str) -> dict:
     env = {**os.environ, "PYTHONPATH": str(tree.resolve())}
-    out = subprocess.run([sys.executable, "-c", CHILD, str(threads)], env=env, capture_output=True, text=True)
+    out = subprocess.run([sys.executable, "-c", CHILD, str(threads), rows], env=env, capture_output=True, text=True)
     if out.returncode:
         raise SystemExit(f"{tree}: {out.stderr[-3000:]}")
     return json.loads(out.stdout.split("ROWS", 1)[1])
@@ -101,11 +109,12 @@ def main():
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--out", type=Path, default=None, help="also write the table (markdown) here")
+    ap.add_argument("--rows", default="", help="only the rows whose name matches this regular expression")
     args = ap.parse_args()
     res = {"A": [], "B": []}
     for r in range(args.rounds):
         for tag, tree in (("A", args.a), ("B", args.b)) if r % 2 == 0 else (("B", args.b), ("A", args.a)):
-            res[tag].append(run(tree, args.threads))
+            res[tag].append(run(tree, args.threads, args.rows))
             print(f"round {r + 1}/{args.rounds}: {tag} done", file=sys.stderr, flush=True)
     rows = list(res["A"][0])
     lines = [f"| row | A ms | B ms | B / A |", "|---|---:|---:|---:|"]

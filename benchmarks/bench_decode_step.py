@@ -20,7 +20,7 @@ from benchmarks.common import parse_args, run_cases, speed_tables  # noqa: E402
 from subquad.ops.common.routes import SHORT  # noqa: E402
 from subquad.ops.delta.inference import delta_inference  # noqa: E402
 from subquad.ops.delta.recurrent import recurrent_delta  # noqa: E402
-from subquad.ops.decay.inference import decay_attention_inference  # noqa: E402
+from subquad.ops.decay.chunk import chunk_engine  # noqa: E402
 from subquad.ops.decay.recurrent import recurrent_decay_attention  # noqa: E402
 from subquad.ops.decay.ssd import ssd_inference  # noqa: E402
 from subquad.ops.mamba import SHORT_SCAN  # noqa: E402
@@ -62,7 +62,7 @@ def cases():
     return {
         "simple_gla: token loop": (attn, lambda q, k, v, g, b, S: recurrent_decay_attention(
             q, k, v, g, scale=0.2, initial_state=S)[0], big, 0),
-        "simple_gla: chunk path": (attn, lambda q, k, v, g, b, S: decay_attention_inference(
+        "simple_gla: chunk path": (attn, lambda q, k, v, g, b, S: chunk_engine(
             q, k, v, g, scale=0.2, chunk_size=64, initial_state=S)[0], big, 0),
         "gated delta rule: token loop": (attn, lambda q, k, v, g, b, S: recurrent_delta(
             q, k, v, g, b, scale=0.2, initial_state=S)[0], big, 0),

@@ -1,12 +1,12 @@
 """Why each route of the ops stays: every no-gradient fast path against the differentiable chunk form
 it shadows, both run without a gradient, in one process with interleaved rounds.
 
-The decayed family (scalar decay: retention / simple GLA; per-key-dim decay: GLA), the delta rule and
-Mamba-2's SSD each have a differentiable chunk form (``chunk.py`` / ``ssd_chunkwise``) and a
-no-gradient path (``inference.py`` / ``ssd_inference``) that batches groups of chunks in reused
-buffers. A route earns its place by being faster than the form it shadows; this measures by how much.
-B = 1, H = 4, K = V = 64 (SSD: 8 heads of 64, N = 64), float32; the differentiable form runs in pieces
-of 2,048 tokens (256 for the per-key-dim decay) as the op runs it. Writes results/routes.{json,md}.
+Mamba-2's SSD has a no-gradient path with B and C shared by the heads (``ssd_inference``) beside the
+decayed family's chunk engine, which runs SSD with B and C copied to every head (``ops/decay/chunk.py``,
+one engine for the family with and without a gradient).
+A route earns its place by being faster than the form it shadows; this measures by how much.
+B = 1, 8 heads of 64, N = 64, float32. (The delta family has one engine with and without a gradient,
+``ops/delta/chunk.py``: no route to weigh here.) Writes results/routes.{json,md}.
 
     python benchmarks/bench_routes.py            # ~2 minutes
     python benchmarks/bench_routes.py --quick    # seconds
@@ -19,38 +19,13 @@ import sys
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.common import machine_line, parse_args, ratio, run_cases  # noqa: E402
-from subquad.ops.common.chunking import in_pieces  # noqa: E402
-from subquad.ops.common.routes import PIECE, PIECE_PER_KEY_DIM  # noqa: E402
-from subquad.ops.decay.chunk import _chunkwise as decay_chunkwise  # noqa: E402
-from subquad.ops.decay.inference import decay_attention_inference  # noqa: E402
-from subquad.ops.decay.ssd import ssd_chunkwise, ssd_inference  # noqa: E402
-from subquad.ops.delta.chunk import _chunkwise as delta_chunkwise  # noqa: E402
-from subquad.ops.delta.inference import delta_inference  # noqa: E402
+from subquad.ops.decay import _ssd_as_gla  # noqa: E402
+from subquad.ops.decay.ssd import ssd_inference  # noqa: E402
 
-B, H, K = 1, 4, 64
-
-
-def qkv(T):
-    g = torch.Generator().manual_seed(0)
-    q, k, v = (torch.randn(B, T, H, K, generator=g) * 0.3 for _ in range(3))
-    return q, F.normalize(k, dim=-1), v, g
-
-
-def decay_inputs(vector):
-    def make(T):
-        q, k, v, g = qkv(T)
-        shape = (B, T, H, K) if vector else (B, T, H)
-        return [q, k, v, -torch.rand(*shape, generator=g) * 0.1]
-    return make
-
-
-def delta_inputs(T):
-    q, k, v, g = qkv(T)
-    return [q, k, v, -torch.rand(B, T, H, generator=g) * 0.1, torch.rand(B, T, H, generator=g)]
+B = 1
 
 
 def ssd_inputs(T):
@@ -62,24 +37,9 @@ def ssd_inputs(T):
 def cases():
     big = 1 << 20
     return {
-        "scalar decay: inference.py": (decay_inputs(False), lambda q, k, v, g: decay_attention_inference(
-            q, k, v, g, scale=0.125, chunk_size=64)[0], big, 0),
-        "scalar decay: chunk.py": (decay_inputs(False), lambda q, k, v, g: in_pieces(
-            lambda a, b, c, d, s: decay_chunkwise(a, b, c, d, 0.125, 64, s), (q, k, v, g), PIECE, None)[0], big, 0),
-        "per-key-dim decay: inference.py": (decay_inputs(True), lambda q, k, v, g: decay_attention_inference(
-            q, k, v, g, scale=0.125, chunk_size=64)[0], big, 0),
-        "per-key-dim decay: chunk.py": (decay_inputs(True), lambda q, k, v, g: in_pieces(
-            lambda a, b, c, d, s: decay_chunkwise(a, b, c, d, 0.125, 64, s), (q, k, v, g), PIECE_PER_KEY_DIM,
-            None)[0], big, 0),
-        "gated delta rule: inference.py": (delta_inputs, lambda q, k, v, g, b: delta_inference(
-            q, k, v, g, b, scale=0.125, chunk_size=64)[0], big, 0),
-        "gated delta rule: chunk.py": (delta_inputs, lambda q, k, v, g, b: in_pieces(
-            lambda a, c, d, e, f, s: delta_chunkwise(a, c, d, e, f, 0.125, 64, s), (q, k, v, g, b), PIECE,
-            None)[0], big, 0),
         "SSD: ssd_inference": (ssd_inputs, lambda x, dt, A, Bm, Cm: ssd_inference(x, dt, A, Bm, Cm)[0], big, 0),
-        "SSD: ssd_chunkwise": (ssd_inputs, lambda x, dt, A, Bm, Cm: in_pieces(
-            lambda a, b, c, d, s: ssd_chunkwise(a, b, A, c, d, initial_state=s), (x, dt, Bm, Cm), PIECE,
-            None)[0], big, 0),
+        "SSD: chunk engine": (ssd_inputs, lambda x, dt, A, Bm, Cm: _ssd_as_gla(
+            x, dt, A, Bm, Cm, "chunk", 64, None)[0], big, 0),
     }
 
 
@@ -89,8 +49,7 @@ def main(argv=None):
     machine = machine_line()
     print(machine, flush=True)
     rows = run_cases(cases(), lengths, repeats, budget=30.0)
-    pairs = [("scalar decay", "inference.py", "chunk.py"), ("per-key-dim decay", "inference.py", "chunk.py"),
-             ("gated delta rule", "inference.py", "chunk.py"), ("SSD", "ssd_inference", "ssd_chunkwise")]
+    pairs = [("SSD", "ssd_inference", "chunk engine")]
     md = [f"Forward without a gradient, B = 1, float32; {machine}. Each cell: the no-gradient path's time, "
           "and how many times faster it is than the differentiable form it shadows.", "",
           "| engine | " + " | ".join(f"T={T:,}" for T in lengths) + " |", "|---|" + "---|" * len(lengths)]

@@ -58,12 +58,12 @@ def measure(contexts, head_dim: int, dtype: str = "float32") -> list[dict]:
     """Bytes the ops actually keep after T tokens, for one head (B=1, H=1)."""
     from subquad.ops import feature_map, linear_attention, softmax_attention
 
-    dt = dtype_of(dtype)
+    torch_dtype = dtype_of(dtype)
     g = torch.Generator().manual_seed(0)
     phi = feature_map("elu+1")
     rows = []
     for T in contexts:
-        q, k, v = (torch.randn(1, T, 1, head_dim, generator=g, device=g.device).to(dt) for _ in range(3))
+        q, k, v = (torch.randn(1, T, 1, head_dim, generator=g, device=g.device).to(torch_dtype) for _ in range(3))
         _, cache = softmax_attention(q, k, v, mode="parallel", output_final_state=True)
         _, (S, z) = linear_attention(phi(q), phi(k), v, mode="chunk", output_final_state=True)
         rows.append({"context": T, "kv_cache_bytes": cache.nbytes, "state_bytes": S.nbytes + z.nbytes,

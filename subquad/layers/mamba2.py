@@ -69,7 +69,7 @@ class Mamba2(Mixer):
                 "conv": self.conv.empty_state(batch_size, device, dtype)}
 
     def mix(self, x, state, seq):
-        Bsz, T, _ = x.shape
+        B, T, _ = x.shape
         H, P, N = self.n_heads, self.head_dim, self.d_state
         z, xBC, dt = torch.split(self.in_proj(x), [self.d_inner, self.conv_dim, H], dim=-1)
         xBC, conv = self.short_conv(xBC, state, seq)
@@ -77,14 +77,14 @@ class Mamba2(Mixer):
         G = self.n_groups
         xs, Bm, Cm = torch.split(xBC, [self.d_inner, G * N, G * N], dim=-1)
         if G > 1:                                                             # (B, T, G, N): per group of heads
-            Bm, Cm = Bm.view(Bsz, T, G, N), Cm.view(Bsz, T, G, N)
+            Bm, Cm = Bm.view(B, T, G, N), Cm.view(B, T, G, N)
         dt = F.softplus(dt + self.dt_bias)                                    # (B, T, H)
         if self.dt_limit != (0.0, float("inf")):
             dt = dt.clamp(*self.dt_limit)
         A = -torch.exp(self.A_log)                                            # (H,)
-        y, h = seq.recurrence(ssd, xs.view(Bsz, T, H, P), dt, A, Bm, Cm, D=self.D, mode=self.mode,
+        y, h = seq.recurrence(ssd, xs.view(B, T, H, P), dt, A, Bm, Cm, D=self.D, mode=self.mode,
                               chunk_size=self.chunk_size, initial_state=None if state is None else state["ssm"])
-        return self.project_out(y.reshape(Bsz, T, self.d_inner), z), {"ssm": h, "conv": conv}
+        return self.project_out(y.reshape(B, T, self.d_inner), z), {"ssm": h, "conv": conv}
 
     def project_out(self, y, z):
         """out_proj(norm(y, z)). With one norm group, the norm's row scale commutes with out_proj, so it

@@ -23,7 +23,8 @@ from tests.ops.tiny import FAMILY, T, inputs
 CLASSES = ("rank", "dtype", "none", "list", "size", "nonfinite", "str_for_bool", "meta")
 
 # what each keyword argument is; every positional argument is a required tensor
-KINDS = {"mode": "mode", "chunk_size": "chunk_size", "scale": "scale", "eps": "eps", "window": "window",
+KINDS = {"mode": "mode", "route": "route", "chunk_size": "chunk_size", "scale": "scale", "eps": "eps",
+         "window": "window",
          "initial_state": "state", "cu_seqlens": "cu_seqlens", "D": "optional_tensor", "z": "optional_tensor",
          **{flag: "bool" for flag in ("output_final_state", "normalize", "causal", "return_lse", "allow_neg_eigval")}}
 
@@ -40,6 +41,7 @@ GATES = ("g", "beta", "dt", "A", "D")
 VALID = {
     **{("*", name, "none"): "optional: None means absent" for name in ("D", "z", "cu_seqlens")},
     ("*", "scale", "none"): "None means K ** -0.5",
+    ("*", "route", "none"): "None picks the route by the thresholds of routes.py",
     ("*", "window", "none"): "None means no window",
     ("*", "initial_state", "none"): "None starts from the empty state",
     ("linformer_attention", "chunk_size", "none"): "Linformer's default: every query at once",
@@ -54,6 +56,7 @@ VALID = {
 NOT_APPLICABLE = {
     ("bool", "size"): "a flag has no size and no range",
     ("mode", "size"): "a mode is a name; any other name is the str_for_bool class",
+    ("route", "size"): "a route is a name; any other name is the str_for_bool class",
     ("scale", "size"): "every finite scale is valid: 0 is uniform attention, < 0 reverses the scores",
 }
 
@@ -99,6 +102,8 @@ def _scalar_values(kind, cls):
                  "nonfinite": [float("nan")], "str_for_bool": ["no"], "meta": [meta(True)]},
         "mode": {"rank": [torch.tensor([0])], "dtype": [1], "none": [None], "list": [["chunk"]],
                  "nonfinite": [float("nan")], "str_for_bool": ["no"], "meta": [meta(0)]},
+        "route": {"rank": [torch.tensor([0])], "dtype": [1], "none": [None], "list": [["exact"]],
+                  "nonfinite": [float("nan")], "str_for_bool": ["no"], "meta": [meta(0)]},
         "chunk_size": {"rank": [torch.tensor([4])], "dtype": [4.0, True], "none": [None], "list": [[4]],
                        "size": [0, -1], "nonfinite": [float("nan"), float("inf")], "str_for_bool": ["64"],
                        "meta": [meta(4)]},

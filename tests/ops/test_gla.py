@@ -8,7 +8,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from subquad.ops import gla, retention, simple_gla
-from subquad.ops.decay.inference import decay_attention_inference
+from subquad.ops.common.routes import reset_routes, routes_taken
+from subquad.ops.decay.chunk import chunk_engine
 from subquad.ops.decay.parallel import parallel_decay_attention
 
 gla_chunk = importlib.import_module("subquad.ops.decay.chunk")
@@ -116,8 +117,8 @@ def test_strong_decays_long_sequence_stay_finite(name):
 @pytest.mark.parametrize("T,C,group", [(1, 64, None), (7, 16, None), (100, 16, 32), (257, 5, 10), (300, 64, None)])
 @pytest.mark.parametrize("strength", [0.01, 1.0, 50.0, "mixed"])
 def test_no_grad_fast_path_agrees(name, T, C, group, strength):
-    # Without a gradient the chunk form runs inference.py: groups of chunks, factorised scores where every
-    # chunk decays by at most LIMIT, the exact route elsewhere ("mixed": weak decays, then strong ones).
+    # Without a gradient the chunk engine runs groups of chunks, factorised scores where every chunk decays
+    # by at most FACTOR_LIMIT, the exact route elsewhere ("mixed": weak decays, then strong ones).
     x = {n: t.detach() for n, t in make(name, 2, T, K=6, V=4, seed=T, strength=1.0).items()}
     if strength == "mixed":
         g = x["g"].clone()
@@ -130,8 +131,7 @@ def test_no_grad_fast_path_agrees(name, T, C, group, strength):
     x["g"] = g
     S0 = state0(x).detach()
     gt = g if name != "retention" else g.view(1, 1, -1).expand(2, T, -1)       # the ops' (B, T, H[, K]) layout
-    o, s = decay_attention_inference(x["q"], x["k"], x["v"], gt, scale=0.3, chunk_size=C, initial_state=S0,
-                                     group=group)
+    o, s = chunk_engine(x["q"], x["k"], x["v"], gt, scale=0.3, chunk_size=C, initial_state=S0, group=group)
     o_ref, s_ref = parallel_decay_attention(x["q"], x["k"], x["v"], gt, scale=0.3, initial_state=S0)
     assert_close(o, o_ref, 1e-10, "no-grad o")
     assert_close(s, s_ref, 1e-10, "no-grad state")
@@ -176,10 +176,89 @@ def test_positive_gate_and_bad_shapes_raise(name):
 
 
 @pytest.mark.parametrize("name", OPS)
-def test_long_differentiable_calls_run_in_pieces_with_the_same_values_and_gradients(name, monkeypatch):
-    # A differentiable call longer than PIECE tokens runs piece by piece with the state carried.
-    monkeypatch.setattr(gla_chunk, "PIECE", 32)
-    monkeypatch.setattr(gla_chunk, "PIECE_PER_KEY_DIM", 32)
+def test_long_differentiable_calls_run_in_groups_with_the_same_values_and_gradients(name, monkeypatch):
+    # A call longer than a group runs group by group with the state (and in the backward its gradient) carried.
+    monkeypatch.setattr(gla_chunk, "TOKEN_HEADS_DECAY", 32 * 4)      # B H = 4: groups of 32 tokens
     x = make(name, 2, 100, K=4, V=6, seed=5, strength=2.0)
     check_grads_agree(caller(name), x, 16, state0(x))
     check_forms_agree(caller(name), x, 16, initial_state=state0(x))
+
+
+def route_caller(name, route):
+    """The op with ``route`` forced in its chunk form (the other forms take none)."""
+    def call(mode, x, chunk_size, initial_state, out):
+        chosen = {"route": route} if mode == "chunk" else {}
+        return OPS[name](x["q"], x["k"], x["v"], x["g"], mode=mode, chunk_size=chunk_size,
+                         initial_state=initial_state, output_final_state=out, **chosen)
+    return call
+
+
+@pytest.mark.parametrize("name", OPS)
+@pytest.mark.parametrize("route", ["token", "factorised", "exact"])
+@pytest.mark.parametrize("strength", [1.0, 50.0])
+@pytest.mark.parametrize("T,C", [(1, 16), (37, 16), (100, 32)])
+def test_each_route_forced_agrees_with_the_parallel_form_gradients_included(name, route, strength, T, C):
+    # The chunk engine's hand-written backward (and the token loop's autograd) against the parallel form's
+    # autograd in float64: o, the final state and the gradients of q, k, v, g and the initial state, at
+    # g = -50 per token too (factors e^-800 in a chunk) - except the factorised route, which takes exp(-b)
+    # and is only ever chosen for chunks decaying by at most e^FACTOR_LIMIT.
+    if route == "factorised" and strength > 1.0:
+        pytest.skip("the factorised route is for chunks decaying by at most e^FACTOR_LIMIT")
+    x = make(name, 2, T, K=4, V=6, seed=T, strength=strength)
+    reset_routes()
+    check_forms_agree(route_caller(name, route), x, C, initial_state=state0(x), modes=("chunk",))
+    check_grads_agree(route_caller(name, route), x, C, state0(x), modes=("chunk",))
+    assert routes_taken().get((name, route), 0) > 0
+    assert {r for (op, r) in routes_taken() if op == name} == {route}
+
+
+@pytest.mark.parametrize("name", OPS)
+@pytest.mark.parametrize("route", ["factorised", "exact"])
+def test_gradcheck_of_the_chunk_engine(name, route):
+    # Finite differences (torch.autograd.gradcheck) on a small float64 call over three groups of chunks,
+    # an odd length and an initial state; strong decays on the exact route.
+    B, T, H, K, V = 2, 11, 2, 3, 2
+    x = make(name, B, T, H, K, V, seed=4, strength=1.0 if route == "factorised" else 20.0)
+    S0 = state0(x)
+
+    def f(q, k, v, g, s):
+        return OPS[name](q, k, v, g, chunk_size=2, initial_state=s, output_final_state=True, route=route)
+
+    torch.autograd.gradcheck(f, (x["q"], x["k"], x["v"], x["g"], S0), eps=1e-6, atol=1e-8)
+
+
+@pytest.mark.parametrize("name", OPS)
+def test_automatic_routes_are_recorded(name):
+    # Weak decays factorise, strong ones take the exact route, with a gradient or without; a short call
+    # without a gradient takes the token loop.
+    x = {n: t.detach() for n, t in make(name, 2, 64, K=4, V=3, seed=2, strength=0.1).items()}
+    for g, want in ((x["g"], "factorised"), (x["g"] * 500, "exact")):
+        for grad in (False, True):
+            reset_routes()
+            q, k, v, gg = (t.clone().requires_grad_(grad) for t in (x["q"], x["k"], x["v"], g))
+            OPS[name](q, k, v, gg, chunk_size=16)
+            assert routes_taken() == {(name, want): 1}, (grad, routes_taken())
+    reset_routes()
+    with torch.no_grad():
+        OPS[name](x["q"][:, :3], x["k"][:, :3], x["v"][:, :3], x["g"] if name == "retention" else x["g"][:, :3])
+    assert routes_taken() == {(name, "token"): 1}
+
+
+@pytest.mark.parametrize("name", ["simple_gla", "gla"])
+def test_a_call_mixing_weak_and_strong_decays_takes_both_routes_group_by_group(name, monkeypatch):
+    monkeypatch.setattr(gla_chunk, "TOKEN_HEADS_DECAY", 32 * 4)      # B H = 4: groups of 32 tokens
+    x = make(name, 2, 64, K=4, V=3, seed=2, strength=0.1)
+    with torch.no_grad():
+        x["g"][:, 32:] *= 500
+    reset_routes()
+    check_grads_agree(caller(name), x, 16, state0(x), modes=("chunk",))
+    assert {r for (op, r) in routes_taken() if op == name} == {"factorised", "exact"}
+
+
+@pytest.mark.parametrize("name", OPS)
+def test_route_argument_is_checked(name):
+    x = {n: t.detach() for n, t in make(name, 1, 8).items()}
+    with pytest.raises(ValueError, match="route must be None"):
+        OPS[name](x["q"], x["k"], x["v"], x["g"], route="fast")
+    with pytest.raises(ValueError, match="route='exact' is a route of the chunk form"):
+        OPS[name](x["q"], x["k"], x["v"], x["g"], mode="parallel", route="exact")

@@ -146,3 +146,39 @@ def test_decode_step_continues_a_chunk_prefill(normalize):
     S, z = (state[0].clone(), state[1].clone()) if normalize else (state.clone(), None)
     steps = [linear_attention_step(q[:, t], k[:, t], v[:, t], S, z) for t in range(20, 30)]
     assert_close(torch.stack(steps, 1), o_full[:, 20:], 1e-10, "decode steps")
+
+
+@pytest.mark.parametrize("normalize", [False, True])
+@pytest.mark.parametrize("route", ["token", "chunk"])
+@pytest.mark.parametrize("T,C", [(1, 16), (37, 16), (100, 32)])
+def test_each_route_forced_agrees_with_the_parallel_form_gradients_included(normalize, route, T, C):
+    # The chunk engine with no decay (its hand-written backward) and the token loop, against the parallel
+    # form's autograd in float64, the initial state (S, or (S, z)) included; the route taken is recorded.
+    from subquad.ops.common.routes import reset_routes, routes_taken
+
+    def call(mode, x, chunk_size, initial_state, out):
+        chosen = {"route": route} if mode == "chunk" else {}
+        return linear_attention(x["q"], x["k"], x["v"], normalize=normalize, mode=mode, chunk_size=chunk_size,
+                                initial_state=initial_state, output_final_state=out, **chosen)
+
+    x = make(2, T, K=4, V=6, seed=T)
+    reset_routes()
+    check_forms_agree(call, x, C, initial_state=state0(x, normalize), modes=("chunk",))
+    check_grads_agree(call, x, C, state0(x, normalize), modes=("chunk",))
+    assert {r for (op, r) in routes_taken() if op == "linear_attention"} == {route}
+
+
+def test_gradcheck_of_the_chunk_engine_without_decay():
+    x = make(2, 11, 2, 3, 2, seed=4)
+    S0 = state0(x, False)
+    torch.autograd.gradcheck(lambda q, k, v, s: linear_attention(q, k, v, normalize=False, chunk_size=2, initial_state=s,
+                                                                 output_final_state=True, route="chunk"),
+                             (x["q"], x["k"], x["v"], S0), eps=1e-6, atol=1e-8)
+
+
+def test_route_argument_is_checked():
+    x = {n: t.detach() for n, t in make(1, 8).items()}
+    with pytest.raises(ValueError, match="route must be None"):
+        linear_attention(x["q"], x["k"], x["v"], route="exact")
+    with pytest.raises(ValueError, match="route='chunk' is a route of the chunk form"):
+        linear_attention(x["q"], x["k"], x["v"], mode="recurrent", route="chunk")

@@ -1,13 +1,14 @@
 """Mamba-2's SSD with B and C shared by the heads (the Mamba2 layer's chunk mode, with and without a
-gradient) equals simple_gla with q = C and k = dt B copied to every head."""
+gradient, every route) equals simple_gla with q = C and k = dt B copied to every head."""
 
 import importlib
 
 import pytest
 import torch
 
-from subquad.ops import simple_gla
-from subquad.ops.decay.ssd import ssd_chunkwise, ssd_inference
+from subquad.ops import simple_gla, ssd
+from subquad.ops.common.routes import reset_routes, routes_taken
+from subquad.ops.decay.ssd import ssd_inference
 from tests.ops.harness import assert_close
 
 F64 = torch.float64
@@ -51,7 +52,12 @@ def test_ssd_strong_decays_long_sequence_stay_finite():
 
 @pytest.mark.parametrize("T,C", [(1, 64), (7, 16), (100, 16), (257, 5)])
 @pytest.mark.parametrize("strength", [0.01, 1.0, 30.0])
-def test_differentiable_ssd_equals_simple_gla_with_gradients(T, C, strength):
+@pytest.mark.parametrize("route", [None, "token", "factorised", "exact"])
+def test_ssd_equals_simple_gla_with_gradients_on_every_route(T, C, strength, route):
+    # With a gradient: the chunk engine (B and C copied to every head) or the token loop; the same call
+    # without a gradient: ssd_inference's shared products. Each route, forced, is recorded.
+    if route == "factorised" and strength > 1.0:
+        pytest.skip("the factorised route is for chunks decaying by at most e^FACTOR_LIMIT")
     gen = torch.Generator().manual_seed(T)
     Bz, H, P, N = 2, 3, 4, 5
 
@@ -61,11 +67,18 @@ def test_differentiable_ssd_equals_simple_gla_with_gradients(T, C, strength):
     x, Bm, Cm, S0 = mk(Bz, T, H, P), mk(Bz, T, N), mk(Bz, T, N), mk(Bz, H, N, P)
     dt = (torch.rand(Bz, T, H, generator=gen, dtype=F64) * strength).requires_grad_()
     A = (-torch.rand(H, generator=gen, dtype=F64) - 0.1).requires_grad_()
-    y, S = ssd_chunkwise(x, dt, A, Bm, Cm, chunk_size=C, initial_state=S0)
+    reset_routes()
+    y, S = ssd(x, dt, A, Bm, Cm, chunk_size=C, initial_state=S0, output_final_state=True, route=route)
+    if route is not None:
+        assert {r for (op, r) in routes_taken() if op == "ssd"} == {route}
+    with torch.no_grad():
+        y_ng, S_ng = ssd(x, dt, A, Bm, Cm, chunk_size=C, initial_state=S0, output_final_state=True, route=route)
     q, k = Cm.unsqueeze(2).expand(-1, -1, H, -1), Bm.unsqueeze(2).expand(-1, -1, H, -1) * dt.unsqueeze(-1)
     y_ref, S_ref = simple_gla(q, k, x, dt * A, mode="parallel", scale=1.0, initial_state=S0, output_final_state=True)
     assert_close(y, y_ref, 1e-10, "y")
     assert_close(S, S_ref, 1e-10, "state")
+    assert_close(y_ng, y_ref, 1e-10, "y without a gradient")
+    assert_close(S_ng, S_ref, 1e-10, "state without a gradient")
     dy, dS = torch.randn(y.shape, generator=gen, dtype=F64), torch.randn(S.shape, generator=gen, dtype=F64)
     wrt = (x, dt, A, Bm, Cm, S0)
     for name, a, b in zip("x dt A B C S0".split(), torch.autograd.grad((y * dy).sum() + (S * dS).sum(), wrt),
@@ -117,8 +130,6 @@ def test_ssd_factorised_route_float32_at_its_limit():
 def test_ssd_groups_equal_simple_gla_with_each_groups_b_and_c(mode):
     """n_groups: B and C (B, T, G, N), each shared by H / G consecutive heads - outputs, states and gradients
     equal simple_gla with q, k repeated per group (float64), with an initial state, odd length, strong decays."""
-    from subquad.ops import simple_gla, ssd
-
     g = torch.Generator().manual_seed(7)
     Bz, T, H, P, N, G = 2, 23, 6, 3, 5, 3
     x = torch.randn(Bz, T, H, P, generator=g, dtype=F64, requires_grad=True)

@@ -17,6 +17,8 @@ Pieces of a differentiable call (autograd keeps a piece's temporaries, not a who
 No-gradient fast paths (``inference.py``, ``ssd.py``): groups of chunks in reused buffers
     TOKEN_HEADS_DECAY / _SSD / _DELTA   about this many (token, head) pairs per group: large enough
                 to batch, small enough to stay in cache (each the best of 1K-16K measured here).
+    STATES_DECAY  at most this many numbers in a group's buffer of chunk states (n B H K V) in the decayed
+                family's chunk engine: with large K and V a group holds fewer chunks (4 MiB in float32).
     FACTOR_LIMIT  the decayed family's scores may be factorised as exp(b_i) exp(-b_j) (one matmul for
                 all pairs) only while every exponent stays below e^FACTOR_LIMIT (float32 keeps 7
                 digits of a product of factors up to e^30 and e^-30); SSD's factors are taken about the
@@ -55,6 +57,7 @@ PIECE_PER_KEY_DIM = 256
 TOKEN_HEADS_DECAY = 4096
 TOKEN_HEADS_SSD = 16384
 TOKEN_HEADS_DELTA = 2048
+STATES_DECAY = 1 << 20
 FACTOR_LIMIT = 30.0
 DELTA_CHUNK = 32
 SPAN = {torch.float32: 60.0, torch.float64: 600.0}

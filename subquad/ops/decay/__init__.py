@@ -33,18 +33,19 @@ from subquad.ops.common.checks import (check_bool, check_chunk_size, check_gate_
 from subquad.ops.common.precision import amp_op, causal_guard, checks_on, finite_log_decay
 from subquad.ops.common.autograd import inference_path
 from subquad.ops.common.forms import three_forms
-from subquad.ops.common.routes import SHORT
-from subquad.ops.decay.chunk import chunk_decay_attention
+from subquad.ops.common.routes import SHORT, check_route
+from subquad.ops.decay.chunk import ROUTES, chunk_decay_attention
 from subquad.ops.decay.parallel import parallel_decay_attention
 from subquad.ops.decay.recurrent import recurrent_decay_attention
-from subquad.ops.decay.ssd import ssd_chunkwise, ssd_inference
+from subquad.ops.decay.ssd import ssd_inference
 from subquad.ops.common.varlen import varlen
 
 _FORMS = {"parallel": parallel_decay_attention, "recurrent": recurrent_decay_attention, "chunk": chunk_decay_attention}
 
 
-def _prepare(q, k, v, g, g_shape, mode, chunk_size, scale, initial_state, output_final_state):
+def _prepare(q, k, v, g, g_shape, mode, chunk_size, scale, initial_state, output_final_state, route, op):
     check_mode(mode)                                   # q, k, v were checked by the caller
+    check_form_route(route, mode, op)
     if q.shape[1] < 1:
         raise ValueError(f"q must hold at least one token (T >= 1), got shape {tuple(q.shape)}")
     check_chunk_size(chunk_size)
@@ -59,11 +60,19 @@ def _prepare(q, k, v, g, g_shape, mode, chunk_size, scale, initial_state, output
     return default_scale(scale, K), initial_state
 
 
-def _run(q, k, v, g, mode, chunk_size, scale, initial_state, output_final_state):
+def check_form_route(route, mode, op):
+    """``route`` picks among the chunk form's routes (chunk.py): None, or one of ROUTES with mode="chunk"."""
+    check_route(route, ROUTES, op)
+    if route is not None and mode != "chunk":
+        raise ValueError(f"route={route!r} is a route of the chunk form; {op} got mode={mode!r}")
+
+
+def _run(q, k, v, g, mode, chunk_size, scale, initial_state, output_final_state, route, op):
     g = finite_log_decay(g.to(state_dtype(q.dtype)))           # a decay of exactly 0: the same in every form
 
     def run(form):
-        return _FORMS[form](q, k, v, g, scale=scale, chunk_size=chunk_size, initial_state=initial_state)
+        chosen = {"route": route, "op": op} if form == "chunk" else {}
+        return _FORMS[form](q, k, v, g, scale=scale, chunk_size=chunk_size, initial_state=initial_state, **chosen)
 
     o, S = run(mode)
     if mode != "recurrent":
@@ -73,47 +82,61 @@ def _run(q, k, v, g, mode, chunk_size, scale, initial_state, output_final_state)
 
 @amp_op()
 @varlen("q", "k", "v")
-def retention(q, k, v, g, *, mode="chunk", chunk_size=64, scale=None, initial_state=None, output_final_state=False):
-    """Retention (RetNet): S_t = a S_{t-1} + k_t v_t^T with a fixed log-decay ``g = log a`` of shape (H,)."""
+def retention(q, k, v, g, *, mode="chunk", chunk_size=64, scale=None, initial_state=None, output_final_state=False,
+              route=None):
+    """Retention (RetNet): S_t = a S_{t-1} + k_t v_t^T with a fixed log-decay ``g = log a`` of shape (H,).
+    ``route``: None (automatic) or one of the chunk form's routes (chunk.py), recorded by ``routes.took``."""
     check_qkv(q, k, v)
     B, T, H, _ = q.shape
-    scale, initial_state = _prepare(q, k, v, g, (H,), mode, chunk_size, scale, initial_state, output_final_state)
-    return _run(q, k, v, g.view(1, 1, H).expand(B, T, H), mode, chunk_size, scale, initial_state, output_final_state)
+    scale, initial_state = _prepare(q, k, v, g, (H,), mode, chunk_size, scale, initial_state, output_final_state,
+                                    route, "retention")
+    return _run(q, k, v, g.view(1, 1, H).expand(B, T, H), mode, chunk_size, scale, initial_state, output_final_state,
+                route, "retention")
 
 
 @amp_op()
 @varlen("q", "k", "v", "g")
-def simple_gla(q, k, v, g, *, mode="chunk", chunk_size=64, scale=None, initial_state=None, output_final_state=False):
-    """Simple GLA / SSD: S_t = a_t S_{t-1} + k_t v_t^T with ``g = log a`` of shape (B, T, H)."""
+def simple_gla(q, k, v, g, *, mode="chunk", chunk_size=64, scale=None, initial_state=None, output_final_state=False,
+               route=None):
+    """Simple GLA / SSD: S_t = a_t S_{t-1} + k_t v_t^T with ``g = log a`` of shape (B, T, H).
+    ``route``: None (automatic) or one of the chunk form's routes (chunk.py), recorded by ``routes.took``."""
     check_qkv(q, k, v)
     scale, initial_state = _prepare(q, k, v, g, q.shape[:3], mode, chunk_size, scale, initial_state,
-                                    output_final_state)
-    return _run(q, k, v, g, mode, chunk_size, scale, initial_state, output_final_state)
+                                    output_final_state, route, "simple_gla")
+    return _run(q, k, v, g, mode, chunk_size, scale, initial_state, output_final_state, route, "simple_gla")
 
 
 @amp_op()
 @varlen("q", "k", "v", "g")
-def gla(q, k, v, g, *, mode="chunk", chunk_size=64, scale=None, initial_state=None, output_final_state=False):
-    """GLA: S_t = diag(a_t) S_{t-1} + k_t v_t^T with ``g = log a`` of shape (B, T, H, K)."""
+def gla(q, k, v, g, *, mode="chunk", chunk_size=64, scale=None, initial_state=None, output_final_state=False,
+        route=None):
+    """GLA: S_t = diag(a_t) S_{t-1} + k_t v_t^T with ``g = log a`` of shape (B, T, H, K).
+    ``route``: None (automatic) or one of the chunk form's routes (chunk.py), recorded by ``routes.took``."""
     check_qkv(q, k, v)
-    scale, initial_state = _prepare(q, k, v, g, q.shape, mode, chunk_size, scale, initial_state, output_final_state)
-    return _run(q, k, v, g, mode, chunk_size, scale, initial_state, output_final_state)
+    scale, initial_state = _prepare(q, k, v, g, q.shape, mode, chunk_size, scale, initial_state, output_final_state,
+                                    route, "gla")
+    return _run(q, k, v, g, mode, chunk_size, scale, initial_state, output_final_state, route, "gla")
 
 
 @amp_op(positions=(0, 3, 4))
 @varlen("x", "dt", "B", "C")
-def ssd(x, dt, A, B, C, *, D=None, mode="chunk", chunk_size=64, initial_state=None, output_final_state=False):
+def ssd(x, dt, A, B, C, *, D=None, mode="chunk", chunk_size=64, initial_state=None, output_final_state=False,
+        route=None):
     """Mamba-2's SSD with B and C shared by the heads (of a group):
 
         h_t = exp(dt_t A_h) h_{t-1} + B_t (dt_t x_t)^T,   y_t = C_t^T h_t + D_h x_t      h (N, P) per head
 
     x (B, T, H, P); dt (B, T, H) >= 0; A (H,) <= 0; B, C (B, T, N), or (B, T, G, N) for G groups of H / G
     consecutive heads each sharing one B and C (Mamba-2's ``n_groups``); D (H,) or None; state (B, H, N, P).
-    It is ``simple_gla(q=C, k=dt B, v=x, g=dt A, scale=1)`` with q and k shared by every head; the chunk form
-    (``ssd_chunkwise``, ``ssd_inference`` without a gradient) computes the products with B and C once for
-    all heads. Returns (y (B, T, H, P), final state or None).
+    It is ``simple_gla(q=C, k=dt B, v=x, g=dt A, scale=1)`` with q and k shared by every head. The chunk
+    form runs, without a gradient, ``ssd_inference`` (the products with B and C once for all heads), and
+    with one the decayed family's chunk engine on B and C copied to every head (its hand-written backward
+    is faster than any autograd of the shared products). ``route``: None (automatic), "token",
+    "factorised" or "exact" with mode="chunk"; the route taken is recorded (``routes.took``).
+    Returns (y (B, T, H, P), final state or None).
     """
     check_mode(mode)
+    check_form_route(route, mode, "ssd")
     check_chunk_size(chunk_size)
     check_bool("output_final_state", output_final_state)
     if not isinstance(x, torch.Tensor) or x.dim() != 4 or not x.is_floating_point():
@@ -151,23 +174,24 @@ def ssd(x, dt, A, B, C, *, D=None, mode="chunk", chunk_size=64, initial_state=No
         n = H // G
         parts = [_ssd(xs[:, :, g * n:(g + 1) * n], dts[..., g * n:(g + 1) * n], As[g * n:(g + 1) * n], Bs[:, :, g],
                       Cs[:, :, g], mode, chunk_size, None if initial_state is None else
-                      initial_state[:, g * n:(g + 1) * n]) for g in range(G)]
+                      initial_state[:, g * n:(g + 1) * n], route) for g in range(G)]
         y, h = torch.cat([p[0] for p in parts], 2), torch.cat([p[1] for p in parts], 1)
     else:
-        y, h = _ssd(xs, dts, As, Bs, Cs, mode, chunk_size, initial_state)
+        y, h = _ssd(xs, dts, As, Bs, Cs, mode, chunk_size, initial_state, route)
     if D is not None:
         y = torch.addcmul(y, xs, D.to(sd).view(1, 1, H, 1))
     return y.to(x.dtype), (h if output_final_state else None)
 
 
-def _ssd(x, dt, A, B, C, mode, chunk_size, initial_state):
-    """One group: the chunk engine (B and C shared, one matmul for all heads) or the decayed forms."""
-    if mode == "chunk" and x.shape[1] >= SHORT:
-        run = ssd_inference if inference_path(x, dt, A, B, C, initial_state) else ssd_chunkwise
-        y, h = run(x, dt, A, B, C, chunk_size=chunk_size, initial_state=initial_state)
+def _ssd(x, dt, A, B, C, mode, chunk_size, initial_state, route):
+    """One group: without a gradient the shared-B/C fast path (``ssd_inference``; a short call takes the
+    token loop unless a route is forced), else the decayed forms with B and C copied to every head."""
+    chunked = route in ("factorised", "exact") or (route is None and x.shape[1] >= SHORT)
+    if mode == "chunk" and chunked and inference_path(x, dt, A, B, C, initial_state):
+        y, h = ssd_inference(x, dt, A, B, C, chunk_size=chunk_size, initial_state=initial_state, route=route)
         return causal_guard((y, h), h, lambda: _ssd_as_gla(x, dt, A, B, C, "recurrent", chunk_size, initial_state),
                             x.shape[1])
-    return _ssd_as_gla(x, dt, A, B, C, mode, chunk_size, initial_state)
+    return _ssd_as_gla(x, dt, A, B, C, mode, chunk_size, initial_state, route)
 
 
 def ssd_as_gla(x, dt, A, B, C):
@@ -181,11 +205,12 @@ def ssd_as_gla(x, dt, A, B, C):
     return q, k * dt.unsqueeze(-1), dt * A
 
 
-def _ssd_as_gla(x, dt, A, B, C, mode, chunk_size, initial_state):
-    """SSD through the decayed-attention forms, q and k expanded over the heads (the reference route)."""
+def _ssd_as_gla(x, dt, A, B, C, mode, chunk_size, initial_state, route=None):
+    """SSD through the decayed-attention forms, q and k expanded over the heads."""
     q, k, g = ssd_as_gla(x, dt, A, B, C)
     g = finite_log_decay(g)
-    o, S = _FORMS[mode](q, k, x, g, scale=1.0, chunk_size=chunk_size, initial_state=initial_state)
+    chosen = {"op": "ssd", "route": route} if mode == "chunk" else {}
+    o, S = _FORMS[mode](q, k, x, g, scale=1.0, chunk_size=chunk_size, initial_state=initial_state, **chosen)
     if mode != "recurrent":
         o, S = causal_guard((o, S), S, lambda: _FORMS["recurrent"](q, k, x, g, scale=1.0, chunk_size=chunk_size,
                                                                    initial_state=initial_state), x.shape[1])

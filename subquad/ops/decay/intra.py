@@ -47,7 +47,7 @@ def _intra_vector_rows(rows, kc, b, sub=SUB):
     A = A.permute(0, 1, 3, 2, 4).reshape(BH, R, C, C)
     tri = torch.ones(SUB, SUB, dtype=torch.bool, device=b.device).tril()
     span = SPAN.get(b.dtype, 0.0) if b.device.type != "meta" and b.numel() else 0.0   # meta / empty: no values
-    if span and float((bq[:, :, 0] - bq[:, :, -1]).detach().max()) <= span:   # factored: two matmul operands
+    if _factored_diagonal(bq, span):                                        # factored: two matmul operands
         m = (bq[:, :, :1] + bq[:, :, -1:]) / 2                              # (BH, n, 1, K)
         rq = rows.view(BH, R, n, SUB, K) * torch.exp(bq - m).unsqueeze(1)
         ck = kc.view(BH, n, SUB, K) * torch.exp(m - bq)
@@ -60,3 +60,43 @@ def _intra_vector_rows(rows, kc, b, sub=SUB):
     return A
 
 
+
+
+def _factored_diagonal(bq, span):
+    """Whether the diagonal blocks may be a matmul: no channel decays by more than ``span`` inside any
+    sub-chunk (one host sync; never on the meta device or an empty batch, which have no values)."""
+    return bool(span) and float((bq[:, :, 0] - bq[:, :, -1]).detach().max()) <= span
+
+
+def _intra_vector_grad(qc, kc, b, dA):
+    """(dq, dk) of <dA, _intra_vector(qc, kc, b)> for dA (BH, C, C), zero above the diagonal: the same
+    blocks with the same factors in reverse. Off the diagonal, block (I, J) was (q e^(b - r_J)) (k e^(r_J - b))^T,
+    so dq gets (dA_IJ k~_J) e^(b - r_J) and dk_J gets (dA_IJ^T q~) e^(r_J - b); the diagonal blocks as the
+    forward formed them (a matmul of midpoint factors, or elementwise)."""
+    BH, C, K = qc.shape
+    n = C // SUB
+    bq = b.view(BH, n, SUB, K)
+    r = bq[:, :, -1]                                                         # (BH, n, K)
+    fk = exp_decay(r.unsqueeze(2) - bq)                                      # (BH, n, SUB, K), exponent <= 0
+    sub_of_row = torch.arange(C, device=b.device) // SUB
+    later = sub_of_row.view(1, C) > torch.arange(n, device=b.device).view(n, 1)
+    E = (b.unsqueeze(1) - r.unsqueeze(2)).masked_fill(~later[None, :, :, None], float("-inf"))
+    fq = exp_decay(E)                                                        # (BH, n, C, K): as the forward
+    dA_off = dA.view(BH, C, n, SUB).transpose(1, 2)                          # (BH, n, C, SUB): columns of J
+    dq = ((dA_off @ (kc.view(BH, n, SUB, K) * fk)) * fq).sum(1)              # (BH, C, K)
+    dk = ((dA_off.transpose(-1, -2) @ (qc.unsqueeze(1) * fq)) * fk).view(BH, C, K)
+    tri = torch.ones(SUB, SUB, dtype=torch.bool, device=b.device).tril()
+    dAd = dA.view(BH, n, SUB, n, SUB).diagonal(dim1=1, dim2=3).permute(0, 3, 1, 2)   # (BH, n, SUB, SUB)
+    qv, kv = qc.view(BH, n, SUB, K), kc.view(BH, n, SUB, K)
+    span = SPAN.get(b.dtype, 0.0) if b.device.type != "meta" and b.numel() else 0.0
+    if _factored_diagonal(bq, span):
+        m = (bq[:, :, :1] + bq[:, :, -1:]) / 2
+        fr, fc = torch.exp(bq - m), torch.exp(m - bq)
+        dAt = dAd * tri
+        dq = dq + ((dAt @ (kv * fc)) * fr).view(BH, C, K)
+        dk = dk + ((dAt.transpose(-1, -2) @ (qv * fr)) * fc).view(BH, C, K)
+    else:
+        Ed = exp_decay((bq.unsqueeze(3) - bq.unsqueeze(2)).masked_fill(~tri[None, None, :, :, None], float("-inf")))
+        dq = dq + torch.einsum("bnij,bnjk,bnijk->bnik", dAd, kv, Ed).reshape(BH, C, K)
+        dk = dk + torch.einsum("bnij,bnik,bnijk->bnjk", dAd, qv, Ed).reshape(BH, C, K)
+    return dq, dk

@@ -1,5 +1,4 @@
-"""Mamba-2's SSD with B and C shared by the heads, chunkwise: in place without a gradient
-(``ssd_inference``) and differentiable (``ssd_chunkwise``).
+"""Mamba-2's SSD with B and C shared by the heads, chunkwise without a gradient (``ssd_inference``).
 
     h_t = exp(dt_t A_h) h_{t-1} + B_t (dt_t x_t)^T        h (N, P) per head h; B_t, C_t (N,) shared
     y_t = C_t^T h_t
@@ -25,8 +24,10 @@ decayed mask exp(b_i - b_j) (exponents <= 0) times G, multiplied head by head:
          + exp(b_h) o (C_c S_c)_h                      C_c S_c one (C, N) x (N, H P) matmul for all heads
     KV_c = B_c^T (exp(b_C - b) dt x)                   one (N, C) x (C, H P) matmul for all heads
 
-Which route each group takes is decided once per call (one sync). The differentiable form
-(``ssd_chunkwise``) computes the exact route's products for every chunk at once.
+Which route each group takes is decided once per call (one sync), or forced by ``route``; the routes
+taken are recorded (``routes.took("ssd", ...)``). With a gradient, SSD runs the decayed family's chunk
+engine (``chunk.py``) on B and C copied to every head: its hand-written backward beats any autograd of
+these shared products, while without a gradient the shared products here are the faster layout.
 
 The reference is ``simple_gla`` (tests check them equal in float64).
 """
@@ -34,20 +35,20 @@ The reference is ``simple_gla`` (tests check them equal in float64).
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from subquad.ops.common.checks import state_dtype
 from subquad.ops.common.chunking import chunk_view, decay_mask, put_chunks, token_slice
 
-from subquad.ops.common.routes import FACTOR_LIMIT as LIMIT, TOKEN_HEADS_SSD as TOKEN_HEADS
+from subquad.ops.common.routes import FACTOR_LIMIT as LIMIT, TOKEN_HEADS_SSD as TOKEN_HEADS, took
 from subquad.ops.common.expo import exp_decay, exp_decay_
 
 TOKEN_MAJOR = (1, 0, 2, 3, 4)   # chunk_view of (B, L, H, P) as (n, B, C, H, P): heads stay inside a token
 
 
-def ssd_inference(x, dt, A, Bm, Cm, *, chunk_size=64, initial_state=None, group=None):
+def ssd_inference(x, dt, A, Bm, Cm, *, chunk_size=64, initial_state=None, group=None, route=None):
     """x (B, T, H, P); dt (B, T, H) > 0; A (H,) < 0; Bm, Cm (B, T, N); initial_state (B, H, N, P).
-    Returns y (B, T, H, P) and the final state (B, H, N, P), in x's dtype (float32 for half inputs)."""
+    Returns y (B, T, H, P) and the final state (B, H, N, P), in x's dtype (float32 for half inputs).
+    ``route``: None (per group, by LIMIT), "factorised" or "exact" (every group)."""
     Bz, T, H, P = x.shape
     N = Bm.shape[-1]
     dt_ = state_dtype(x.dtype)
@@ -77,7 +78,12 @@ def ssd_inference(x, dt, A, Bm, Cm, *, chunk_size=64, initial_state=None, group=
     y = torch.empty(Bz, T, H, P, dtype=dt_, device=dev)
     # chunk-local cumulative log-decays of the whole call, (G n, B, C, H): T H numbers
     ball = chunk_view(token_slice(dt.to(dt_) * A.to(dt_), 0, T, G * L), C, (1, 0, 2, 3)).cumsum(2)
-    factorised = (ball[:, :, -1].reshape(G, -1).amin(-1) >= -2 * LIMIT).tolist()   # one sync for the call
+    if route is None:
+        factorised = (ball[:, :, -1].reshape(G, -1).amin(-1) >= -2 * LIMIT).tolist()   # one sync for the call
+    else:
+        factorised = [route == "factorised"] * G
+    for f in sorted(set(factorised)):
+        took("ssd", "factorised" if f else "exact")
     for gi, s in enumerate(range(0, T, L)):
         e = min(s + L, T)
         xs, dts, Bs, Cs = (token_slice(t, s, e, L) for t in (x, dt, Bm, Cm))   # zero tail: dt = B = 0 add nothing
@@ -120,34 +126,3 @@ def ssd_inference(x, dt, A, Bm, Cm, *, chunk_size=64, initial_state=None, group=
             put_chunks(y, s, e, ybv.mul_(exp_decay(b).unsqueeze(-1)).add_(yi.transpose(2, 3)), TOKEN_MAJOR)
         states[0] = states[n]                                          # padded chunks leave the state as it was
     return y, states[0].permute(0, 2, 1, 3).contiguous()
-
-
-def ssd_chunkwise(x, dt, A, Bm, Cm, *, chunk_size=64, initial_state=None):
-    """The same as ``ssd_inference``, differentiable by autograd: every chunk's products at once with
-    B and C shared by the heads, only the state recurrence (elementwise) looping over chunks.
-    Shapes as ``ssd_inference``; float32 or float64 throughout."""
-    Bz, T, H, P = x.shape
-    N = Bm.shape[-1]
-    C = min(chunk_size, T)
-    pad = -T % C
-    if pad:                                               # dt = 0, B = 0: padding adds nothing
-        x, Bm, Cm = (F.pad(t, (0, 0) * (t.dim() - 2) + (0, pad)) for t in (x, Bm, Cm))
-        dt = F.pad(dt, (0, 0, 0, pad))
-    n = (T + pad) // C
-    Bc, Cc = Bm.view(Bz, n, C, N), Cm.view(Bz, n, C, N)
-    b = (dt * A).view(Bz, n, C, H).cumsum(2)              # chunk-local, <= 0
-    bh = b.transpose(2, 3)                                # (B, n, H, C)
-    Lm = decay_mask(bh) * (Cc @ Bc.transpose(-1, -2)).unsqueeze(2)   # (B, n, H, C, C): G shared, decay per head
-    xd = (x * dt.unsqueeze(-1)).view(Bz, n, C, H, P)
-    y = (Lm @ xd.transpose(2, 3)).transpose(2, 3)         # (B, n, C, H, P) intra-chunk
-    w = exp_decay(b[:, :, -1:] - b).unsqueeze(-1)         # (B, n, C, H, 1)
-    KV = (Bc.transpose(-1, -2) @ (xd * w).reshape(Bz, n, C, H * P)).view(Bz, n, N, H, P)
-    decay = exp_decay(b[:, :, -1]).view(Bz, n, 1, H, 1)
-    S = x.new_zeros(Bz, N, H, P) if initial_state is None else initial_state.permute(0, 2, 1, 3)
-    before = []
-    for KVj, aj in zip(KV.unbind(1), decay.unbind(1)):   # unbind: its backward is one stack
-        before.append(S)
-        S = aj * S + KVj
-    Sb = torch.stack(before, 1).reshape(Bz, n, N, H * P)
-    y = y + (Cc @ Sb).view(Bz, n, C, H, P) * exp_decay(b).unsqueeze(-1)
-    return y.reshape(Bz, T + pad, H, P)[:, :T], S.permute(0, 2, 1, 3)

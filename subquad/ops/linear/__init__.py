@@ -23,7 +23,8 @@ import torch
 
 from subquad.ops.common.checks import check_bool, check_chunk_size, check_mode, check_qkv, check_real, default_scale
 from subquad.ops.common.precision import causal_guard, checks_on
-from subquad.ops.linear.chunk import chunk_linear_attention
+from subquad.ops.common.routes import check_route
+from subquad.ops.linear.chunk import ROUTES, chunk_linear_attention
 from subquad.ops.linear.parallel import parallel_linear_attention
 from subquad.ops.linear.recurrent import linear_attention_step, recurrent_linear_attention
 from subquad.ops.common.varlen import varlen
@@ -38,11 +39,15 @@ def _prepare(q, k, v, scale, chunk_size):
     return default_scale(scale, q.shape[-1])
 
 
-def prepare_form(q, k, v, scale, chunk_size, initial_state, normalize, eps, output_final_state):
-    """What every form starts with: checks, then (scale, S0, z0, the state's dtype, eps)."""
+def prepare_form(q, k, v, scale, chunk_size, initial_state, normalize, eps, output_final_state, route, form):
+    """What every form starts with: checks, then (scale, S0, z0, the state's dtype, eps). ``route`` is the
+    chunk form's (chunk.py): None, or with form "chunk" one of its routes."""
     from subquad.ops.common.checks import state_dtype
     from subquad.ops.linear.state import unpack_state
 
+    check_route(route, ROUTES, "linear_attention")
+    if route is not None and form != "chunk":
+        raise ValueError(f"route={route!r} is a route of the chunk form; linear_attention got mode={form!r}")
     check_bool("normalize", normalize)
     check_bool("output_final_state", output_final_state)
     eps = check_real("eps", eps, minimum=0.0)
@@ -60,7 +65,7 @@ _FORMS = {
 
 @varlen("q", "k", "v")
 def linear_attention(q, k, v, *, normalize=True, eps=1e-6, mode="chunk", chunk_size=64, scale=None,
-                     initial_state=None, output_final_state=False):
+                     initial_state=None, output_final_state=False, route=None):
     """Causal linear attention.
 
     Args:
@@ -74,6 +79,9 @@ def linear_attention(q, k, v, *, normalize=True, eps=1e-6, mode="chunk", chunk_s
         initial_state: S (B, H, K, V), or (S, z) when normalize=True, in the state's dtype (float32, or
             float64 for float64 inputs).
         output_final_state: also return the state after the last token.
+        route: None (automatic), or with mode="chunk" "chunk" (the chunk engine) or "token" (the token
+            loop, which calls of fewer than ``routes.SHORT`` tokens without a gradient take); the route
+            taken is recorded (``subquad.ops.common.routes.routes_taken``).
     Returns:
         (o (B, T, H, V), final_state or None).
     """
@@ -81,10 +89,12 @@ def linear_attention(q, k, v, *, normalize=True, eps=1e-6, mode="chunk", chunk_s
     check_chunk_size(chunk_size)                       # checked whatever the form, as documented
     check_bool("normalize", normalize)
     check_bool("output_final_state", output_final_state)   # the forms are asked for the state whatever it says
+    check_route(route, ROUTES, "linear_attention")
 
     def run(form, final):
         return _FORMS[form](q, k, v, normalize=normalize, eps=eps, scale=scale, chunk_size=chunk_size,
-                            initial_state=initial_state, output_final_state=final)
+                            initial_state=initial_state, output_final_state=final,
+                            route=route if form == mode else None)
 
     if mode == "recurrent" or not isinstance(q, torch.Tensor) or q.dim() < 2 or q.shape[1] < 2 or not checks_on(q):
         return run(mode, output_final_state)          # (the forms' own amp_op handles autocast)

@@ -19,12 +19,12 @@ from subquad.ops.common.varlen import varlen
 @amp_op()
 @varlen("q", "k", "v")
 def recurrent_linear_attention(q, k, v, *, normalize=True, eps=1e-6, chunk_size=64, scale=None,
-                               initial_state=None, output_final_state=False):
+                               initial_state=None, output_final_state=False, route=None):
     """Recurrent (token loop) linear attention; same signature as ``linear_attention``."""
     from subquad.ops.linear import prepare_form
 
     scale, S0, z0, dt, eps = prepare_form(q, k, v, scale, chunk_size, initial_state, normalize, eps,
-                                           output_final_state)
+                                           output_final_state, route, "recurrent")
     B, T, H, K = q.shape
     V = v.shape[-1]
     S = torch.zeros(B, H, K, V, dtype=dt, device=q.device) if S0 is None else S0.clone()

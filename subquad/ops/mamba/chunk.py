@@ -27,9 +27,9 @@ from subquad.ops.common.expo import exp_decay, exp_decay_
 def _lanes(c, *ts):
     """Each (B, T, D) tensor padded to T = n * c with zeros (dt = 0 there: no decay, no write) and viewed as
     (B, n lanes, c positions, D); a view, not a copy, when c divides T."""
-    Bsz, T, _ = ts[0].shape
+    B, T, _ = ts[0].shape
     n = -(-T // c)
-    return [token_slice(t, 0, T, n * c).view(Bsz, n, c, t.shape[-1]) for t in ts]
+    return [token_slice(t, 0, T, n * c).view(B, n, c, t.shape[-1]) for t in ts]
 
 
 def _decay(dtl, A, j, out=None):
@@ -39,14 +39,14 @@ def _decay(dtl, A, j, out=None):
 
 def _lane_starts(dtl, dtx, Bl, A, h0):
     """Each lane's true starting state (B, n, Dm, N), the final state, and each lane's total decay."""
-    Bsz, n, c, Dm = dtl.shape
+    B, n, c, Dm = dtl.shape
     h = dtx[:, :, 0, :, None] * Bl[:, :, 0, None, :]                          # 1. every lane from zero
     a = torch.empty_like(h)
     for j in range(1, c):
         h.mul_(_decay(dtl, A, j, a)).addcmul_(dtx[:, :, j, :, None], Bl[:, :, j, None, :])
     total = exp_decay(dtl.sum(2)[..., None] * A)                              # exp(sum_j dt_j A) per lane
     starts = []
-    s = h.new_zeros(Bsz, Dm, A.shape[1]) if h0 is None else h0
+    s = h.new_zeros(B, Dm, A.shape[1]) if h0 is None else h0
     for i in range(n):                                                        # 2. state passing between lanes
         starts.append(s)
         s = total[:, i] * s + h[:, i]

@@ -49,8 +49,8 @@ def _sdpa(qh, kh, vh, scale, **kw):
     For 16-bit inputs only from FLASH_16BIT score entries on: the flash kernel rounds the probabilities to
     16 bits (0.004 off at K 8, V 4 in tests/ops/test_precision.py) where the math path keeps them in
     float32, but the math path's T x T scores cost several times the time at long T (benchmarks/RESULTS.md,
-    "Routes") - and flash's rounding is what attention with K = V gets in 16 bits anyway. A scale <= 0 (0: uniform attention
-    over the visible keys) is folded into the queries."""
+    "SDPA with K != V") - and flash's rounding is what attention with K = V gets in 16 bits anyway. A scale
+    <= 0 (0: uniform attention over the visible keys) is folded into the queries."""
     if scale <= 0:          # SDPA's causal kernel scales its -inf mask too: 0 or -|s| times -inf is NaN or +inf
         qh, scale = qh * scale, 1.0
     K, V = qh.shape[-1], vh.shape[-1]

@@ -35,16 +35,16 @@ def ragged_attention(q, k, v, cache, *, causal=True, window=None, chunk_size=64,
     if cache.k.dtype != q.dtype or cache.k.device != q.device:
         raise ValueError(f"initial_state must have q's dtype and device ({q.dtype}, {q.device}), got "
                          f"({cache.k.dtype}, {cache.k.device})")
-    dt = state_dtype(q.dtype)
+    sd = state_dtype(q.dtype)
     kk, vv = torch.cat([cache.k, k], 1), torch.cat([cache.v, v], 1)
     L = kk.shape[1]
     vis = visible_mask(T, L, causal=True, window=window, q_start=cache.seen, k_start=cache.offset, device=q.device)
     valid = torch.cat([cache.key_mask(), torch.ones(B, T, dtype=torch.bool, device=q.device)], 1)   # (B, L)
     m = vis.unsqueeze(0).unsqueeze(0) & valid[:, None, None, :]                                    # (B, 1, T, L)
-    s = torch.einsum("bthk,blhk->bhtl", q.to(dt), kk.to(dt)) * scale
+    s = torch.einsum("bthk,blhk->bhtl", q.to(sd), kk.to(sd)) * scale
     s = s.masked_fill(~m, float("-inf"))
     lse = torch.logsumexp(s, -1)                                                                   # (B, H, T)
-    o = torch.einsum("bhtl,blhv->bthv", torch.exp(s - lse.unsqueeze(-1)), vv.to(dt)).to(q.dtype)
+    o = torch.einsum("bhtl,blhv->bthv", torch.exp(s - lse.unsqueeze(-1)), vv.to(sd)).to(q.dtype)
     final = None
     if output_final_state:
         final = KVCache(kk, vv, window=cache.window, seen=cache.seen + T, pad=cache.pad, row_seen=cache.row_seen + T)
