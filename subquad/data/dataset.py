@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from subquad.data.corpus import load_corpus
+from subquad.data.corpus import default_cache, load_corpus
 from subquad.data.tokenizer import encode_docs, load_tokenizer, train_tokenizer
 
 
@@ -37,10 +37,6 @@ class TokenData:
         """How many documents the training stream holds (end-of-text tokens)."""
         eot = self.eot
         return 0 if eot is None else int((self.train == eot).sum())
-
-
-def default_cache() -> Path:
-    return Path(os.environ.get("SUBQUAD_CACHE", Path.home() / ".cache" / "subquad"))
 
 
 def file_sha256(path) -> str:

@@ -3,20 +3,19 @@
     compile_decode(model)            model.step(tokens, state) now runs compiled; generate, `subquad generate`
                                      and the server decode through model.step
     compile_decode(model, False)     back to eager (the reference)
+    decode_layout(model)             wide float32 matrices stored column-major, as a one-token step reads them
 
 An eager step of a small model is mostly overhead: some 30-50 small ops per layer, each a dispatch of a few
 microseconds on tensors of a few thousand numbers, the Python around them, and the value checks the ops run
-on CPU (benchmarks/RESULTS.md "Decoding at the bandwidth bound"). torch.compile (inductor) fuses each
-block's elementwise work into a few C++ loops and keeps the matrix products as library calls (and the int8
-ones as ``subquad::int8_linear``, ``models.quant``).
+on CPU. torch.compile (inductor) fuses each block's elementwise work into a few C++ loops and keeps the
+matrix products as library calls (and the int8 ones as ``subquad::int8_linear``, ``models.quant``).
 
 One graph holds every block, the final norm and the head; the embedding and the position count run in
-Python around it. Measured against the alternatives on mamba-130m (benchmarks/RESULTS.md): one graph per
-block, shared by the blocks of the same structure, compiles in ~3 s instead of ~25 s but pays ~250 us of
-guards and calls per block - 30 against 25-27 ms per float32 token; the eager step takes 41-43. Sizes are
-symbolic from the first compile (``DYNAMIC``), so a KV cache that grows or a batch that changes size runs
-the same graph. A mixture of experts' routed loop runs eagerly inside the graph (it depends on the
-routing: ``MoE._dispatch``).
+Python around it. One graph per block, shared by the blocks of the same structure, would compile several
+times faster but pay guards and a call per block on every token, where the whole-model graph pays them once.
+Sizes are symbolic from the first compile (``DYNAMIC``), so a KV cache that grows or a batch that changes
+size runs the same graph. A mixture of experts' routed loop runs eagerly inside the graph (it depends on
+the routing: ``MoE._dispatch``).
 
 Equality: tested against the eager step over 64 steps for every mixer and every checkpoint type
 (tests/models/test_decode.py): float32 within 1e-5 of the logits' scale - inductor may reorder a sum.
@@ -27,10 +26,13 @@ from __future__ import annotations
 import types
 
 import torch
+from torch import nn
+
+from subquad.models.state import ModelState
 
 RECOMPILE_LIMIT = 64        # graphs per model: a new one only where the state's structure changes
 DYNAMIC = True             # sizes symbolic from the first compile: batches and KV caches change without recompiling
-OPTIONS = {"cpp_wrapper": True}   # inductor calls the kernels from C++, not Python: ~1.8 ms less per mamba-130m token
+OPTIONS = {"cpp_wrapper": True}   # inductor calls the kernels from C++, not Python: less overhead per token
 
 
 def _dense(t: torch.Tensor) -> torch.Tensor:
@@ -67,8 +69,6 @@ class CompiledStep:
         self.graph = torch.compile(own, dynamic=DYNAMIC, options=OPTIONS)
 
     def __call__(self, tokens, state):
-        from subquad.models.lm import ModelState
-
         model = self.model
         h, pos = model._embed_tokens(tokens, state)
         states = [None] * len(model.blocks) if state is None else \
@@ -80,8 +80,23 @@ class CompiledStep:
 
 def compile_decode(model, on: bool = True):
     """Make ``model.step`` (and so ``generate``) run the compiled step (module doc), or eager with ``on=False``;
-    returns the model. The first steps compile (seconds for a small model, ~25 s for mamba-130m)."""
+    returns the model. The first steps compile (seconds for a small model, longer for a large one)."""
     if not isinstance(on, bool):
         raise ValueError(f"compile_decode's on must be a bool, got {on!r}")
     model._decode_step = CompiledStep(model) if on else None
+    return model
+
+
+def decode_layout(model):
+    """Store every wide matrix of ``model`` (out_features >= 2 in_features: input projections, the vocabulary
+    head or the tied embedding) column-major, and return the model. Same shapes, values and state dict.
+    Decoding one token reads each weight in a matrix-vector product, which CPU BLAS streams faster from the
+    column-major layout; prefill and training run at the same speed either way. float32 weights only: for
+    bfloat16 weights the row-major layout is the faster one. ``from_pretrained`` applies it."""
+    for m in model.modules():
+        w = getattr(m, "weight", None)
+        if isinstance(m, (nn.Linear, nn.Embedding)) and w is not None and w.dim() == 2:
+            wide = w.shape[0] >= 2 * w.shape[1]            # Linear: (out, in); Embedding: (vocab, d_model)
+            if wide and w.is_contiguous() and w.dtype == torch.float32:
+                m.weight = nn.Parameter(w.detach().T.contiguous().T, requires_grad=w.requires_grad)
     return model

@@ -1,55 +1,47 @@
 """A decoder-only language model whose layers can be any mixer, or a hybrid of them.
 
     h = embed(idx)
-    for each layer:  h = h + mixer(rmsnorm(h));  h = h + swiglu(rmsnorm(h))
-                     (a mixer named in ``config.post_norm``: h = h + rmsnorm(mixer(h)); h = h + rmsnorm(swiglu(h)),
-                      OLMo-2's reordered norms, which OLMo-Hybrid's attention layers use;
-                      with ``config.scaled_residual`` (MiniMax-01): x = rmsnorm(h); h = a x + b mixer(x), and so for
-                      the MLP - the residual is the normed stream, with factors per mixer name and "mlp")
+    for each layer:  h = h + mixer(rmsnorm(h));  h = h + swiglu(rmsnorm(h))      (PreNormBlock)
     logits = rmsnorm(h) @ embed^T            (tied embeddings)
 
-``forward(idx)`` trains with each mixer's configured form (chunk by default,
-SDPA for softmax); ``prefill`` returns the per-layer state, and ``generate``
-decodes token by token from it: a KV cache for softmax layers, a bounded window
-for sliding-window layers, a fixed-size state for the rest.
+Two other residual schemes, chosen by the config: ``PostNormBlock`` for the mixers named in
+``config.post_norm`` (OLMo 2's norms on the branch outputs) and ``ScaledResidualBlock`` with
+``config.scaled_residual`` (MiniMax-01's scaled residual from the normed stream).
+
+``forward(idx)`` trains with each mixer's configured form (chunk by default, SDPA for softmax); ``prefill``
+returns the per-layer state, and ``generate`` (``models.generate``) decodes token by token from it: a KV cache
+for softmax layers, a bounded window for sliding-window layers, a fixed-size state for the rest.
 """
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from subquad.layers import RMSNorm, build_mixer, sequence, tensor_bytes
 from subquad.layers.attention import SoftmaxAttention
+from subquad.layers.mlp import SwiGLU
 from subquad.models.config import ModelConfig
+from subquad.models.generate import generate
 from subquad.models.loss import linear_cross_entropy
 from subquad.models.moe import MoE, load_balancing_loss
+from subquad.models.state import ModelState
 from subquad.ops.common.precision import checks_on
 
 
 NORMED_OUTPUT_SCALE = 0.1   # see LanguageModel._init_residual_branches
 
 
-class SwiGLU(nn.Module):
-    def __init__(self, d_model: int, hidden: int):
-        super().__init__()
-        self.w_gate = nn.Linear(d_model, hidden, bias=False)
-        self.w_up = nn.Linear(d_model, hidden, bias=False)
-        self.w_down = nn.Linear(hidden, d_model, bias=False)
-
-    def forward(self, x):
-        return self.w_down(F.silu(self.w_gate(x)) * self.w_up(x))
-
-
 class Block(nn.Module):
+    """One layer: ``norm1``, ``mixer``, ``norm2`` and ``mlp`` (a SwiGLU, a mixture of experts, or None without
+    MLPs). Each subclass's ``forward(h (B, T, d_model), state, cu_seqlens) -> (h, state)`` is one way the two
+    branches meet the residual stream; all share these parameter names, which the checkpoint formats map
+    (``models.hf``). ``Block.build`` picks the subclass the config asks for."""
+
     def __init__(self, cfg: ModelConfig, mixer_name: str, moe: bool = False):
         super().__init__()
         opts = {**cfg.mixer_options.get("*", {}), **cfg.mixer_options.get(mixer_name, {})}
         self.mixer_name = mixer_name
-        self.post_norm = mixer_name in cfg.post_norm
-        sr = cfg.scaled_residual
-        self.factors = None if sr is None else (tuple(sr.get(mixer_name, (1.0, 1.0))), tuple(sr.get("mlp", (1.0, 1.0))))
         self.norm1 = RMSNorm(cfg.d_model, cfg.norm_eps)
         heads = opts.pop("n_heads", cfg.n_heads)           # a layer's own head count (registry.OWN_HEADS)
         self.mixer = build_mixer(mixer_name, cfg.d_model, heads, n_kv_heads=cfg.n_kv_heads, **opts)
@@ -61,22 +53,22 @@ class Block(nn.Module):
         else:
             self.mlp = SwiGLU(cfg.d_model, cfg.mlp_hidden) if cfg.mlp else None
 
+    @staticmethod
+    def build(cfg: ModelConfig, mixer_name: str, moe: bool = False) -> "Block":
+        """The block ``cfg`` asks for at a ``mixer_name`` layer: ``ScaledResidualBlock`` with
+        ``cfg.scaled_residual``, else ``PostNormBlock`` for a mixer named in ``cfg.post_norm``, else
+        ``PreNormBlock``."""
+        if cfg.scaled_residual is not None:
+            return ScaledResidualBlock(cfg, mixer_name, moe)
+        if mixer_name in cfg.post_norm:
+            return PostNormBlock(cfg, mixer_name, moe)
+        return PreNormBlock(cfg, mixer_name, moe)
+
+
+class PreNormBlock(Block):
+    """h = h + mixer(rmsnorm(h));  h = h + mlp(rmsnorm(h))  (GPT-2, Llama, Mamba)."""
+
     def forward(self, h, state=None, cu_seqlens=None):
-        if self.factors is not None:                         # residual from the normed stream, scaled
-            (a1, b1), (a2, b2) = self.factors
-            x = self.norm1(h)
-            y, state = self.mixer(x, state, cu_seqlens=cu_seqlens)
-            h = a1 * x + b1 * y
-            if self.mlp is not None:
-                x = self.norm2(h)
-                h = a2 * x + b2 * self.mlp(x)
-            return h, state
-        if self.post_norm:                                   # norms on the branches' outputs
-            y, state = self.mixer(h, state, cu_seqlens=cu_seqlens)
-            h = h + self.norm1(y)
-            if self.mlp is not None:
-                h = h + self.norm2(self.mlp(h))
-            return h, state
         y, state = self.mixer(self.norm1(h), state, cu_seqlens=cu_seqlens)
         h = h + y
         if self.mlp is not None:
@@ -84,13 +76,38 @@ class Block(nn.Module):
         return h, state
 
 
-class ModelState(list):
-    """Per-layer decoding states, plus ``pos``: how many tokens the model has consumed - an int, or (B,)
-    per row when the rows are sequences of different lengths (after a packed prefill)."""
+class PostNormBlock(Block):
+    """h = h + rmsnorm(mixer(h));  h = h + rmsnorm(mlp(h)): the norms on the branches' outputs (OLMo 2,
+    arXiv:2501.00656, whose order OLMo-Hybrid's attention layers keep)."""
 
-    def __init__(self, layers=(), pos: int = 0):
-        super().__init__(layers)
-        self.pos = pos
+    def forward(self, h, state=None, cu_seqlens=None):
+        y, state = self.mixer(h, state, cu_seqlens=cu_seqlens)
+        h = h + self.norm1(y)
+        if self.mlp is not None:
+            h = h + self.norm2(self.mlp(h))
+        return h, state
+
+
+class ScaledResidualBlock(Block):
+    """x = rmsnorm(h);  h = a x + b mixer(x), and so for the MLP: the residual is the normed stream, scaled
+    (MiniMax-01, arXiv:2501.08313). ``cfg.scaled_residual`` gives (a, b) per mixer name and for "mlp";
+    a name it leaves out gets (1, 1)."""
+
+    def __init__(self, cfg: ModelConfig, mixer_name: str, moe: bool = False):
+        super().__init__(cfg, mixer_name, moe)
+        sr = cfg.scaled_residual
+        self.mixer_factors = tuple(sr.get(mixer_name, (1.0, 1.0)))
+        self.mlp_factors = tuple(sr.get("mlp", (1.0, 1.0)))
+
+    def forward(self, h, state=None, cu_seqlens=None):
+        (a1, b1), (a2, b2) = self.mixer_factors, self.mlp_factors
+        x = self.norm1(h)
+        y, state = self.mixer(x, state, cu_seqlens=cu_seqlens)
+        h = a1 * x + b1 * y
+        if self.mlp is not None:
+            x = self.norm2(h)
+            h = a2 * x + b2 * self.mlp(x)
+        return h, state
 
 
 class LanguageModel(nn.Module):
@@ -100,7 +117,7 @@ class LanguageModel(nn.Module):
         self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
         self.pos_embed = nn.Embedding(cfg.context_length, cfg.d_model) if cfg.pos_emb == "learned" else None
         moe = set(cfg.moe_layers)
-        self.blocks = nn.ModuleList(Block(cfg, name, i in moe) for i, name in enumerate(cfg.layers))
+        self.blocks = nn.ModuleList(Block.build(cfg, name, i in moe) for i, name in enumerate(cfg.layers))
         for i, b in enumerate(self.blocks):                  # depth-dependent layer constants (lightning's slopes)
             if hasattr(b.mixer, "place"):
                 b.mixer.place(i, cfg.n_layers)
@@ -128,9 +145,9 @@ class LanguageModel(nn.Module):
         projection (``normed_output``: Mamba-2, RetNet, GLA, DeltaNet, Gated DeltaNet) writes RMS ~0.2
         into the stream where attention's value path writes ~0.005 (two N(0, 0.02) projections and an
         average); its projection starts a further ``NORMED_OUTPUT_SCALE`` smaller, so the layers start
-        comparable - as built, Mamba-2's output swamped the token identities the attention layer must
-        match (benchmarks/RESULTS.md, "Recall"). Without attention layers all branches share one scale
-        (scaling DeltaNet down alone slowed it on MQAR: 0.92 after 1,500 steps against 0.96 after 700)."""
+        comparable and the normed mixer's output does not swamp the token identities the attention layer
+        must match. Without attention layers all branches share one scale: there, scaling a normed mixer
+        down alone only slows its learning."""
         branches = self.config.n_layers * (2 if self.config.mlp else 1)
         std = 0.02 / branches ** 0.5
         hybrid = any(isinstance(b.mixer, SoftmaxAttention) for b in self.blocks)
@@ -147,25 +164,9 @@ class LanguageModel(nn.Module):
                     if block.mlp.shared is not None:
                         block.mlp.shared.w_down.weight.normal_(0, std)
 
-    def decode_layout(self) -> "LanguageModel":
-        """Store every wide matrix (out_features >= 2 in_features: input projections, the vocabulary head or
-        the tied embedding) column-major, and return the model. Same shapes, values and state dict; decoding
-        one token reads each weight in a matrix-vector product, and this CPU's BLAS streams the column-major
-        layout ~1.7x faster there (16 -> 24 GB/s for mamba-130m's head, benchmarks/RESULTS.md); prefill and
-        training run at the same speed either way. float32 weights only: in bfloat16 the row-major layout is
-        the faster one. ``from_pretrained`` applies it."""
-        for m in self.modules():
-            w = getattr(m, "weight", None)
-            if isinstance(m, (nn.Linear, nn.Embedding)) and w is not None and w.dim() == 2:
-                wide = w.shape[0] >= 2 * w.shape[1]            # Linear: (out, in); Embedding: (vocab, d_model)
-                # float32 only: bfloat16's gemv is slower column-major here (vocab head 34 against 24 ms)
-                if wide and w.is_contiguous() and w.dtype == torch.float32:
-                    m.weight = nn.Parameter(w.detach().T.contiguous().T, requires_grad=w.requires_grad)
-        return self
-
     def save_pretrained(self, path) -> None:
-        """Write this model as a Hugging Face folder (``subquad.models.hf.save_pretrained``)."""
-        from subquad.models.hf import save_pretrained
+        """Write this model as a Hugging Face folder: ``models.hf.save_pretrained(self, path)``."""
+        from subquad.models.hf.saver import save_pretrained
 
         save_pretrained(self, path)
 
@@ -283,110 +284,9 @@ class LanguageModel(nn.Module):
         """Bytes of every tensor the decoding state holds, measured from the tensors."""
         return tensor_bytes(list(state))
 
-    @torch.no_grad()
     def generate(self, prompt, max_new_tokens: int, temperature: float = 1.0, top_k: int | None = None,
-                 top_p: float | None = None, seed: int | None = None, state=None, on_token=None,
-                 stop_ids=None):
-        """Sample up to ``max_new_tokens`` after each prompt, decoding with the recurrent state.
-
-        ``prompt``: one sequence (a list of ids, or a (T,) / (1, T) tensor) -> returns (new ids, state), or a
-        batch (a list of id lists of any lengths, or a (B, T) tensor) -> returns (list of new id lists, state).
-        A batch is prefilled in one packed call (``prefill(..., cu_seqlens=...)``: no padding, nothing
-        crossing between prompts), then decoded together, one token per sequence per step, each from its
-        own state (a ragged KV cache for softmax layers). A sequence finishes when it has emitted
-        ``max_new_tokens`` or a token in ``stop_ids`` or the checkpoint's end-of-text ids
-        (``config.eos_token_ids``) - emitted, then it stops; finished sequences are fed
-        a pad token until all are done. ``temperature=0`` is greedy. ``on_token(id)`` (one sequence) or
-        ``on_token(i, id)`` (a batch) streams tokens as they come. Everything runs on the model's device.
-
-        The returned state has consumed each prompt and every new token but the last:
-        ``generate([new[-1]], n, state=state)`` continues exactly where a one-sequence call stopped.
-        """
-        if not isinstance(max_new_tokens, int) or max_new_tokens < 0:
-            raise ValueError(f"max_new_tokens must be an int >= 0, got {max_new_tokens!r}")
-        if temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {temperature}")
-        if top_k is not None and top_k < 1:
-            raise ValueError(f"top_k must be >= 1, got {top_k}")
-        if top_p is not None and not 0 < top_p <= 1:
-            raise ValueError(f"top_p must lie in (0, 1], got {top_p}")
-        prompts, single = _as_prompts(prompt)
-        stop = set(int(t) for t in (stop_ids or ())) | set(self.config.eos_token_ids)
-        was_training = self.training
-        self.eval()
-        dev = self.embed.weight.device                  # prompt, tokens and sampler follow the model
-        gen = torch.Generator(device=dev).manual_seed(seed) if seed is not None else None
-        B = len(prompts)
-        if len({len(p) for p in prompts}) == 1:         # one length: an ordinary batch
-            logits, state = self.prefill(torch.tensor(prompts, dtype=torch.long, device=dev), state)
-            last = logits[:, -1]
-        else:
-            lens = torch.tensor([len(p) for p in prompts])
-            cu = torch.cat([torch.zeros(1, dtype=torch.long), lens.cumsum(0)]).to(dev)
-            packed = torch.tensor([t for p in prompts for t in p], dtype=torch.long, device=dev).view(1, -1)
-            logits, state = self.prefill(packed, state, cu_seqlens=cu)
-            last = logits[0, cu[1:] - 1]                # each prompt's last position
-        out = [[] for _ in range(B)]
-        done = [max_new_tokens == 0] * B
-        while not all(done):
-            nxt = sample_batch(last, temperature, top_k, top_p, gen).tolist()
-            feed = []
-            for i in range(B):
-                if done[i]:
-                    feed.append(0)                      # padding after the end: its outputs are never read
-                    continue
-                out[i].append(nxt[i])
-                if on_token is not None:
-                    on_token(nxt[i]) if single else on_token(i, nxt[i])
-                done[i] = len(out[i]) >= max_new_tokens or nxt[i] in stop
-                feed.append(nxt[i])
-            if all(done):
-                break                                   # the last tokens are not fed: continue from them
-            last, state = self.step(torch.tensor(feed, device=dev), state)
-        self.train(was_training)
-        return (out[0] if single else out), state
-
-
-def _as_prompts(prompt) -> tuple[list[list[int]], bool]:
-    """(list of id lists, whether it was one sequence); ValueError for anything else or an empty prompt."""
-    if isinstance(prompt, torch.Tensor):
-        if prompt.dim() == 1 or (prompt.dim() == 2 and prompt.shape[0] == 1):
-            prompts, single = [prompt.reshape(-1).tolist()], True
-        elif prompt.dim() == 2:
-            prompts, single = prompt.tolist(), False
-        else:
-            raise ValueError(f"prompt must be (T,) or (B, T) token ids, got shape {tuple(prompt.shape)}")
-    elif isinstance(prompt, (list, tuple)) and prompt and all(isinstance(p, (list, tuple)) for p in prompt):
-        prompts, single = [list(p) for p in prompt], False
-    elif isinstance(prompt, (list, tuple)):
-        prompts, single = [list(prompt)], True
-    else:
-        raise ValueError(f"prompt must be token ids (a list, a list of lists or a tensor), got {type(prompt).__name__}")
-    if any(len(p) == 0 for p in prompts):
-        raise ValueError("every prompt must hold at least one token")
-    if not all(isinstance(t, int) and not isinstance(t, bool) for p in prompts for t in p):
-        raise ValueError("prompt must hold integer token ids")
-    return prompts, single
-
-
-def sample_batch(logits, temperature=1.0, top_k=None, top_p=None, generator=None) -> torch.Tensor:
-    """One token id per row of (B, vocab) logits: greedy at temperature 0, else softmax(logits / T)
-    restricted to the k largest logits (ties at the k-th included) and to the nucleus of mass top_p (the
-    smallest set of most likely tokens whose mass reaches top_p)."""
-    if temperature == 0:
-        return logits.argmax(-1)
-    logits = logits.float() / temperature
-    if top_k is not None:
-        kth = torch.topk(logits, min(top_k, logits.shape[-1]), dim=-1).values[:, -1:]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    probs = torch.softmax(logits, -1)
-    if top_p is not None and top_p < 1:
-        sp, si = torch.sort(probs, dim=-1, descending=True)
-        keep = sp.cumsum(-1) - sp < top_p                   # mass before each token is below top_p
-        probs = torch.zeros_like(probs).scatter(-1, si, sp * keep)
-    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
-
-
-def sample(logits, temperature=1.0, top_k=None, top_p=None, generator=None) -> int:
-    """One token id from a (vocab,) logit vector (``sample_batch`` on one row)."""
-    return int(sample_batch(logits.unsqueeze(0), temperature, top_k, top_p, generator)[0])
+                 top_p: float | None = None, seed: int | None = None, state=None, on_token=None, stop_ids=None):
+        """``models.generate.generate(self, ...)``: up to ``max_new_tokens`` sampled after each prompt, and the
+        decoding state after them."""
+        return generate(self, prompt, max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
+                        state=state, on_token=on_token, stop_ids=stop_ids)

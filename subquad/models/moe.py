@@ -33,6 +33,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from subquad.layers.mlp import SwiGLU
+
 
 class MoE(nn.Module):
     """x (..., d_model) -> (..., d_model). Weights: ``router`` (E, d_model), ``w_gate`` and ``w_up``
@@ -62,8 +64,6 @@ class MoE(nn.Module):
         self.router_stats = None
         self.shared, self.shared_gate = None, None
         if shared:
-            from subquad.models.lm import SwiGLU
-
             self.shared = SwiGLU(d_model, shared)
             self.shared_gate = nn.Linear(d_model, 1, bias=False) if shared_gate else None
 

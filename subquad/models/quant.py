@@ -14,16 +14,15 @@ What is quantised, as llama.cpp's Q8_0 does: the projections of every mixer and 
 the embedding lookup stays full precision). What stays in full precision: the SSM parameters (A_log, D,
 dt_bias), the short convolutions, the norms and every 1-D tensor; the recurrent state stays float32.
 
-Why fbgemm: measured on one row (mamba-130m's head, 50,280 x 768, 2 threads, benchmarks/RESULTS.md "Decoding
-at the bandwidth bound"), fbgemm reads int8 weights at ~41 GB/s where ``aten._weight_int8pack_mm`` (the
-weight-only kernel torchao's int8 path calls on CPU) reaches 3 GB/s with float32 activations and 28 GB/s
-with bfloat16 ones, and falls to ~5 GB/s at 8 rows; inductor's fused dequantise-and-reduce reached 27 GB/s.
-fbgemm keeps ~30 GB/s at 8 rows. torch has deprecated its quantised tensors (this kernel's packing takes
-one); where ``torch.ops.quantized.linear_dynamic`` is gone, every product takes the dequantising path.
-Activations keep 8 bits on CPUs with VNNI, 7 elsewhere (``_has_vnni``). Its activation scale is one per call, so at batch > 1 rows share it: a
-quantised batch equals its rows run alone within the quantisation error, not bit for bit (float weights
-are exact). The kernel is wrapped as the custom op ``subquad::int8_linear`` so a compiled decode step
-(``models.decode``) keeps it in its graph.
+Why fbgemm: on one row it reads int8 weights near the memory bandwidth and keeps most of that rate at 8 rows,
+where ``aten._weight_int8pack_mm`` (the weight-only kernel torchao's int8 path calls on CPU) is an order of
+magnitude slower with float32 activations and falls away with more rows, and inductor's fused
+dequantise-and-reduce is slower too. torch has deprecated its quantised tensors (this kernel's packing
+takes one); where ``torch.ops.quantized.linear_dynamic`` is gone, every product takes the dequantising path.
+Activations keep 8 bits on CPUs with VNNI, 7 elsewhere (``_has_vnni``). Its activation scale is one per
+call, so at batch > 1 rows share it: a quantised batch equals its rows run alone within the quantisation
+error, not bit for bit (float weights are exact). The kernel is wrapped as the custom op
+``subquad::int8_linear`` so a compiled decode step (``models.decode``) keeps it in its graph.
 
 A quantised model is for inference: it refuses to train (no gradient reaches int8 weights) and to be
 saved (save the float checkpoint it came from).
@@ -42,8 +41,8 @@ from torch import nn
 
 QUANTIZE = ("int8", "bf16")
 DECODE_ROWS = 16            # at most this many rows take fbgemm's kernel; more (prefill) dequantise
-MIN_WEIGHTS = 1 << 18       # smaller matrices stay float32: fbgemm's fixed cost per call (~20 us) exceeds the
-                            # bytes it saves (mamba-130m's x_proj and dt_proj: 123K and 74K weights)
+MIN_WEIGHTS = 1 << 18       # smaller matrices stay float32: fbgemm's fixed cost per call exceeds the time the
+                            # bytes it saves would take (mamba-130m's x_proj and dt_proj: 123K and 74K weights)
 
 _keys = itertools.count()
 _PACKED: dict[int, tuple] = {}   # key -> (q's data_ptr, q's version, fbgemm's packed weight)
@@ -92,8 +91,8 @@ def int8_linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bias: tor
     return y
 
 
-# The op torch.compile keeps in its graph. Registered with torch.library's low-level API: the custom_op
-# decorator's wrapper cost ~45 us a call here (97 calls per mamba-130m token), this one ~3 us.
+# The op torch.compile keeps in its graph. Registered with torch.library's low-level API, whose dispatch costs
+# a fraction of the custom_op decorator's wrapper - paid on every projection of every decoded token.
 _LIB = torch.library.Library("subquad", "DEF")
 _LIB.define("int8_linear(Tensor x, Tensor q, Tensor scale, Tensor? bias, Tensor key) -> Tensor")
 _LIB.impl("int8_linear", int8_linear, "CompositeExplicitAutograd")

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import torch
 
+from subquad.models.state import ModelState
 from subquad.ops import KVCache
 
 
@@ -54,8 +55,6 @@ def cat_states(states: list):
 
     Fixed-size tensors are concatenated along dim 0; each attention layer's caches become one ragged cache,
     left-padded to the longest row (a single row stays unpadded, as a lone prefill leaves it)."""
-    from subquad.models.lm import ModelState
-
     if not states:
         raise ValueError("cat_states needs at least one state")
     n_layers = len(states[0])
@@ -92,8 +91,6 @@ def _stacked(rows: list) -> KVCache:
 def select_rows(state, rows: list[int]):
     """The state of the sequences in ``rows`` (indices into dim 0), in that order; padding no row needs is
     dropped."""
-    from subquad.models.lm import ModelState
-
     B = num_rows(state)
     if not rows or any(not 0 <= r < B for r in rows):
         raise ValueError(f"select_rows: rows must be a non-empty list of indices in [0, {B}), got {rows}")
@@ -123,8 +120,6 @@ def with_capacity(state, tokens: int):
     new buffers when it lacks the room); a fixed-size tensor is shared with ``state`` unless it is a view of a
     larger buffer (a convolution's tail, sliced from its input), which is copied out so the state holds its
     own bytes only. ``state`` is not modified. A windowed cache keeps its 2W buffer."""
-    from subquad.models.lm import ModelState
-
     def own(t):
         return t if t.untyped_storage().nbytes() <= t.nelement() * t.element_size() else t.clone()
 

@@ -1,4 +1,4 @@
-"""Saving and loading a model's decoding state (safetensors), to continue generating later."""
+"""A model's decoding state (``ModelState``), and saving and loading it (safetensors) to continue generating later."""
 
 from __future__ import annotations
 
@@ -8,8 +8,16 @@ from pathlib import Path
 
 import torch
 
-
 from subquad.ops import KVCache
+
+
+class ModelState(list):
+    """Per-layer decoding states, plus ``pos``: how many tokens the model has consumed - an int, or (B,)
+    per row when the rows are sequences of different lengths (after a packed prefill)."""
+
+    def __init__(self, layers=(), pos: int = 0):
+        super().__init__(layers)
+        self.pos = pos
 
 
 def state_to_tensors(state) -> tuple[dict, dict]:
@@ -61,8 +69,6 @@ def load_state(path):
             pos = tensors.pop("pos") if pos == "tensor" else int(pos)
     except Exception as e:
         raise ValueError(f"state file {path} is truncated or corrupted: {e}") from None
-    from subquad.models.lm import ModelState
-
     state = ModelState(pos=pos)
     for i in range(len(meta)):
         m = meta[str(i)]

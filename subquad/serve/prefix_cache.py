@@ -38,7 +38,7 @@ def _prefix_hashes(tokens) -> list[int]:
 def compact(state):
     """A copy of a one-row state holding exactly its tensors' values: no view of a larger tensor, no cache
     buffer larger than its tokens, nothing shared with ``state``."""
-    from subquad.models.lm import ModelState
+    from subquad.models.state import ModelState
 
     layers = []
     for layer in state:

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from subquad.models.lm import sample_batch
+from subquad.models.generate import sample_batch
 
 MAX_LOGPROBS = 5       # OpenAI's bound on completions' ``logprobs``
 GREEDY_BELOW = 1e-5    # a temperature under this is greedy (vLLM's _SAMPLING_EPS): logits / T would overflow

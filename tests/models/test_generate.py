@@ -66,7 +66,7 @@ def test_sampling_keeps_its_promises_over_many_draws():
     """top-k never emits a token outside the k largest logits, top-p never one outside the nucleus (the
     smallest set of most likely tokens whose mass reaches p), temperature 0 is the argmax; and inside
     those sets the draw frequencies follow the renormalised probabilities."""
-    from subquad.models.lm import sample_batch
+    from subquad.models.generate import sample_batch
 
     g = torch.Generator().manual_seed(0)
     logits = torch.randn(4, 50, generator=g) * 2

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from subquad.ops import delta_rule, gated_delta_rule
-from subquad.ops.delta.inference import delta_inference
+from subquad.ops.delta.chunk import chunk_delta
 from tests.ops.harness import assert_close, check_forms_agree, check_grads_agree, check_split
 
 F64 = torch.float64
@@ -90,8 +90,8 @@ def test_no_grad_fast_path_agrees(gated, T, C, group):
     x = {n: t.detach() for n, t in make(gated, 2, T, K=6, V=4, seed=T, strength=1.0).items()}
     S0 = state0(x).detach()
     o_ref, s_ref = call("recurrent", x, C, S0, True)
-    o, s = delta_inference(x["q"], x["k"], x["v"], x.get("g"), x["beta"], scale=6 ** -0.5, chunk_size=C,
-                           initial_state=S0, group=group)
+    o, s = chunk_delta(x["q"], x["k"], x["v"], x.get("g"), x["beta"], scale=6 ** -0.5, chunk_size=C,
+                       initial_state=S0, group=group)
     assert_close(o, o_ref, 1e-10, "o")
     assert_close(s, s_ref, 1e-10, "state")
 

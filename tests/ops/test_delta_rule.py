@@ -9,7 +9,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from subquad.ops import delta_rule, gated_delta_rule
-from subquad.ops.delta.inference import delta_inference
+from subquad.ops.common.routes import reset_routes, routes_taken
+from subquad.ops.delta.chunk import chunk_delta
 from subquad.ops.delta.triangular import unit_lower_inverse, unit_lower_solve
 
 delta_chunk = importlib.import_module("subquad.ops.delta.chunk")
@@ -78,13 +79,13 @@ def test_gradients_of_q_k_v_beta_g_and_initial_state_agree(gated, T, C):
 @pytest.mark.parametrize("T,C,group", [(1, 64, None), (7, 16, None), (100, 16, 32), (257, 5, 10), (300, 64, None)])
 @pytest.mark.parametrize("strength", [0.01, 1.0, 50.0])
 def test_no_grad_fast_path_agrees_with_the_token_loop(gated, T, C, group, strength):
-    # Without a gradient the chunk form runs inference.py: groups of chunks, one triangular solve per group,
-    # each chunk an affine map of the state in the loop.
+    # Without a gradient the chunk engine writes its temporaries into buffers reused from group to group:
+    # groups of chunks, one triangular solve per group, each chunk an affine map of the state in the loop.
     x = {n: t.detach() for n, t in make(gated, 2, T, K=6, V=4, seed=T, strength=strength).items()}
     S0 = state0(x).detach()
     o_ref, s_ref = call("recurrent", x, C, S0, True)
-    o, s = delta_inference(x["q"], x["k"], x["v"], x.get("g"), x["beta"], scale=6 ** -0.5, chunk_size=C,
-                                initial_state=S0, group=group)
+    o, s = chunk_delta(x["q"], x["k"], x["v"], x.get("g"), x["beta"], scale=6 ** -0.5, chunk_size=C,
+                       initial_state=S0, group=group)
     assert_close(o, o_ref, 1e-10, "o")
     assert_close(s, s_ref, 1e-10, "state")
     with torch.no_grad():                                   # and the public op takes this path
@@ -165,9 +166,9 @@ def test_unit_lower_inverse_equals_the_inverse(C):
 
 
 @GATED
-def test_long_differentiable_calls_run_in_pieces_with_the_same_values_and_gradients(gated, monkeypatch):
-    # A differentiable call longer than PIECE tokens runs piece by piece with the state carried.
-    monkeypatch.setattr(delta_chunk, "PIECE", 32)
+def test_long_differentiable_calls_run_in_groups_with_the_same_values_and_gradients(gated, monkeypatch):
+    # A call longer than a group (TOKEN_HEADS (token, head) pairs) runs group by group with the state carried.
+    monkeypatch.setattr(delta_chunk, "TOKEN_HEADS", 4 * 32)           # B H = 4: groups of 32 tokens
     x = make(gated, 2, 100, K=4, V=6, seed=5, strength=2.0)
     check_grads_agree(call, x, 16, state0(x), ref="recurrent")
     check_forms_agree(call, x, 16, initial_state=state0(x), ref="recurrent")
@@ -179,8 +180,73 @@ def test_unit_lower_solve_and_its_gradient_equal_linalg():
     R = torch.randn(2, 3, 37, 5, generator=gen, dtype=F64).requires_grad_()
     dX = torch.randn(2, 3, 37, 5, generator=gen, dtype=F64)
     eye = torch.eye(37, dtype=F64)
-    X = unit_lower_solve(eye + L, R)
+    X, = unit_lower_solve(eye + L, R)
     ref = torch.linalg.solve_triangular(eye + L, R, upper=False, unitriangular=True)
     assert_close(X, ref, 1e-10, "X")
     for a, b in zip(torch.autograd.grad((X * dX).sum(), (L, R)), torch.autograd.grad((ref * dX).sum(), (L, R))):
         assert_close(a, b, 1e-10, "gradient")
+
+
+ROUTE_CASES = [("token", 3), ("chunk", 3), ("chunk", 70), ("token", 70)]
+
+
+@GATED
+@pytest.mark.parametrize("route,T", ROUTE_CASES)
+def test_each_route_forced_agrees_with_the_token_loop_values_and_gradients(gated, route, T):
+    # route= forces the chunk form's route whatever T and grad mode; the route taken is recorded.
+    x = make(gated, 2, T, K=4, V=6, seed=T, strength=2.0)
+    S0 = state0(x)
+    forced = lambda mode, x, C, S, out: (call_route(route, x, C, S, out) if mode == "chunk"
+                                         else call(mode, x, C, S, out))
+    reset_routes()
+    check_forms_agree(forced, x, 16, initial_state=S0, modes=("chunk",), ref="recurrent")
+    check_grads_agree(forced, x, 16, S0, modes=("chunk",), ref="recurrent")
+    with torch.no_grad():
+        check_forms_agree(forced, x, 16, initial_state=S0, modes=("chunk",), ref="recurrent")
+    op = "gated_delta_rule" if gated else "delta_rule"
+    assert routes_taken() == {(op, route): 3}                        # three chunk-form calls above
+
+
+def call_route(route, x, chunk_size, initial_state, out):
+    kw = dict(mode="chunk", chunk_size=chunk_size, initial_state=initial_state, output_final_state=out, route=route)
+    if "g" in x:
+        return gated_delta_rule(x["q"], x["k"], x["v"], x["g"], x["beta"], **kw)
+    return delta_rule(x["q"], x["k"], x["v"], x["beta"], **kw)
+
+
+@GATED
+def test_automatic_route_takes_the_token_loop_only_for_short_calls_without_a_gradient(gated):
+    op = "gated_delta_rule" if gated else "delta_rule"
+    for T, grad, route in [(1, False, "token"), (3, False, "token"), (4, False, "chunk"), (1, True, "chunk"),
+                           (70, True, "chunk"), (70, False, "chunk")]:
+        x = make(gated, 1, T, seed=T)
+        reset_routes()
+        with torch.set_grad_enabled(grad):
+            call("chunk", x, 16, None, False)
+        assert routes_taken() == {(op, route): 1}, (T, grad, routes_taken())
+
+
+def test_route_is_checked():
+    x = {n: t.detach() for n, t in make(True, 1, 8).items()}
+    with pytest.raises(ValueError, match=r"route must be None \(automatic\) or one of 'token', 'chunk'"):
+        delta_rule(x["q"], x["k"], x["v"], x["beta"], route="inference")
+    with pytest.raises(ValueError, match="route chooses between the chunk form's routes"):
+        gated_delta_rule(x["q"], x["k"], x["v"], x["g"], x["beta"], mode="recurrent", route="token")
+
+
+@GATED
+@pytest.mark.parametrize("T,C,group", [(37, 16, 16), (100, 5, 10), (300, 64, None)])
+def test_the_engine_with_and_without_a_gradient_gives_the_same_values(gated, T, C, group):
+    # One engine: with a gradient autograd records every op; without one the same lines write into reused
+    # buffers and skip the Functions. Both equal the token loop; the gradients come from the first.
+    x = make(gated, 2, T, K=6, V=4, seed=T, strength=1.0)
+    S0 = state0(x)
+    args = (x["q"], x["k"], x["v"], x.get("g"), x["beta"])
+    o_ref, s_ref = call("recurrent", x, C, S0, True)
+    o, s = chunk_delta(*args, scale=6 ** -0.5, chunk_size=C, initial_state=S0, group=group)
+    assert o.requires_grad
+    with torch.no_grad():
+        o_ng, s_ng = chunk_delta(*args, scale=6 ** -0.5, chunk_size=C, initial_state=S0, group=group)
+    for a, b, what in [(o, o_ref, "o"), (s, s_ref, "state"), (o_ng, o_ref, "o, no gradient"),
+                       (s_ng, s_ref, "state, no gradient")]:
+        assert_close(a.detach(), b.detach(), 1e-10, what)

@@ -83,10 +83,10 @@ def test_split_sequence_equals_one_call(mode):
 @pytest.mark.parametrize("strength", [0.05, 3.0, 60.0])      # 60: sub-chunk spans past SPAN, the exact scores
 @pytest.mark.parametrize("C,group", [(64, None), (20, 64)])  # 20 -> 32; groups of 64 tokens, a padded last one
 def test_no_gradient_path_agrees(strength, C, group, monkeypatch):
-    from subquad.ops.delta import inference
+    from subquad.ops.delta import chunk
 
     if group:
-        monkeypatch.setattr(inference, "TOKEN_HEADS", group * 2)      # B H = 4: groups of `group` tokens
+        monkeypatch.setattr(chunk, "TOKEN_HEADS", group * 4)          # B H = 4: groups of `group` tokens
     x = {n: t.detach() for n, t in make(2, 300, K=6, V=4, seed=3, strength=strength).items()}
     S0 = state0(x).detach()
     o_ref, s_ref = call("recurrent", x, C, S0, True)

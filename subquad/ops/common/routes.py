@@ -11,12 +11,15 @@ Token loop or chunks
                 below ~16-32 tokens its token loop is faster.
 
 Pieces of a differentiable call (autograd keeps a piece's temporaries, not a whole call's)
-    PIECE               tokens per piece of the decayed family's and the delta rules' chunk forms.
+    PIECE               tokens per piece of the decayed family's chunk forms (the delta rules' engine
+                        runs in groups of TOKEN_HEADS_DELTA, with or without a gradient).
     PIECE_PER_KEY_DIM   GLA's per-key-dim decay: its sub-chunk temporaries are 4x larger.
 
 No-gradient fast paths (``inference.py``, ``ssd.py``): groups of chunks in reused buffers
     TOKEN_HEADS_DECAY / _SSD / _DELTA   about this many (token, head) pairs per group: large enough
-                to batch, small enough to stay in cache (each the best of 1K-16K measured here).
+                to batch, small enough to stay in cache (each the best of 1K-16K measured here). The
+                delta rules' one engine (``ops/delta/chunk.py``) runs in these groups with a gradient too:
+                autograd keeps a group's temporaries, and 4K was the best there as well.
     STATES_DECAY  at most this many numbers in a group's buffer of chunk states (n B H K V) in the decayed
                 family's chunk engine: with large K and V a group holds fewer chunks (4 MiB in float32).
     FACTOR_LIMIT  the decayed family's scores may be factorised as exp(b_i) exp(-b_j) (one matmul for
@@ -24,9 +27,9 @@ No-gradient fast paths (``inference.py``, ``ssd.py``): groups of chunks in reuse
                 digits of a product of factors up to e^30 and e^-30); SSD's factors are taken about the
                 chunk's midpoint, so a chunk may decay by up to 2 FACTOR_LIMIT. A group whose chunks
                 decay more takes the exact route (every exponent a difference <= 0).
-    DELTA_CHUNK   the delta rules' fast path uses chunks of at most this many tokens whatever the
-                caller's ``chunk_size`` (faster than 64 at 4K-16K tokens; the result does not depend
-                on the chunk size beyond rounding, and this path has no gradient to keep).
+    DELTA_CHUNK   the delta rules' chunk engine uses chunks of at most this many tokens whatever the
+                caller's ``chunk_size`` (faster than 16 and 64 at 4K-16K tokens, with a gradient and
+                without; the result does not depend on the chunk size beyond rounding).
 
 Exact or factorised products
     SPAN          GLA's per-key-dim decay: the 16 x 16 diagonal blocks of a sub-chunk become a matmul
@@ -56,7 +59,7 @@ PIECE = 2048
 PIECE_PER_KEY_DIM = 256
 TOKEN_HEADS_DECAY = 4096
 TOKEN_HEADS_SSD = 16384
-TOKEN_HEADS_DELTA = 2048
+TOKEN_HEADS_DELTA = 4096
 STATES_DECAY = 1 << 20
 FACTOR_LIMIT = 30.0
 DELTA_CHUNK = 32

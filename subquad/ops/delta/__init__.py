@@ -10,6 +10,11 @@ Shapes: q, k (B, T, H, K); v, o (B, T, H, V); beta (B, T, H) in [0, 1]; g (B, T,
 state (B, H, K, V). Keys are expected L2-normalised by the layer: the op does not
 normalise them (see README.md here for why, and for the WY derivation of the chunk form).
 
+The chunk form has two routes: ``route="chunk"``, the one chunk engine (``chunk.py``, with and without a
+gradient), and ``route="token"``, the token loop of ``recurrent.py``. ``route=None`` takes the token
+loop for calls of fewer than ``routes.SHORT`` tokens without a gradient (a decoding step) and the
+engine otherwise; the route taken is recorded (``subquad.ops.common.routes.routes_taken``).
+
 ``allow_neg_eigval=True`` admits beta in [0, 2] (OLMo-Hybrid's ``linear_allow_neg_eigval``; Grazzi et al.
 2024, "Unlocking state-tracking in linear RNNs through negative eigenvalues"): with |k| = 1 the
 transition I - b k k^T has the eigenvalue 1 - b along k, in [-1, 1] - a reflection at b = 2 - so the
@@ -31,18 +36,26 @@ from __future__ import annotations
 
 from subquad.ops.common.checks import (check_bool, check_chunk_size, check_gate_dtype, check_like, check_mode,
                                       check_qkv, check_state, default_scale, state_dtype)
+from subquad.ops.common.autograd import wants_grad
 from subquad.ops.common.forms import three_forms
 from subquad.ops.common.precision import amp_op, causal_guard, checks_on, finite_log_decay
+from subquad.ops.common.routes import SHORT, check_route, took
 from subquad.ops.delta.chunk import chunk_delta
 from subquad.ops.delta.parallel import parallel_delta
 from subquad.ops.delta.recurrent import recurrent_delta
 from subquad.ops.common.varlen import varlen
 
 _FORMS = {"parallel": parallel_delta, "recurrent": recurrent_delta, "chunk": chunk_delta}
+ROUTES = ("token", "chunk")   # the chunk form's routes: the token loop (short calls) or the chunk engine
 
 
-def _run(q, k, v, g, beta, mode, chunk_size, scale, initial_state, output_final_state, allow_neg_eigval=False):
+def _run(op, q, k, v, g, beta, mode, chunk_size, scale, initial_state, output_final_state, allow_neg_eigval,
+         route):
     check_mode(mode)
+    check_route(route, ROUTES, op)
+    if route is not None and mode != "chunk":
+        raise ValueError(f"route chooses between the chunk form's routes (mode='chunk'); got route={route!r} with "
+                         f"mode={mode!r}")
     check_qkv(q, k, v)
     if q.shape[1] < 1:
         raise ValueError(f"q must hold at least one token (T >= 1), got shape {tuple(q.shape)}")
@@ -73,7 +86,14 @@ def _run(q, k, v, g, beta, mode, chunk_size, scale, initial_state, output_final_
         return _FORMS[form](q, k, v, g, beta, scale=scale, chunk_size=chunk_size,
                             initial_state=initial_state)
 
-    o, S = run(mode)
+    if mode == "chunk":
+        if route is None:                              # a decoding step without a gradient: the token loop
+            short = q.shape[1] < SHORT and not wants_grad(q, k, v, g, beta, initial_state)
+            route = "token" if short else "chunk"
+        took(op, route)
+        o, S = run("recurrent" if route == "token" else "chunk")
+    else:
+        o, S = run(mode)
     if mode != "recurrent":                            # non-finite input stays causal
         o, S = causal_guard((o, S), S, lambda: run("recurrent"), q.shape[1])
     return o.to(q.dtype), (S if output_final_state else None)
@@ -82,22 +102,25 @@ def _run(q, k, v, g, beta, mode, chunk_size, scale, initial_state, output_final_
 @amp_op()
 @varlen("q", "k", "v", "beta")
 def delta_rule(q, k, v, beta, *, mode="chunk", chunk_size=64, scale=None, initial_state=None,
-               output_final_state=False, allow_neg_eigval=False):
+               output_final_state=False, allow_neg_eigval=False, route=None):
     """DeltaNet: S_t = (I - b_t k_t k_t^T) S_{t-1} + b_t k_t v_t^T; ``beta`` (B, T, H) in [0, 1] ([0, 2] with
-    ``allow_neg_eigval``)."""
-    return _run(q, k, v, None, beta, mode, chunk_size, scale, initial_state, output_final_state, allow_neg_eigval)
+    ``allow_neg_eigval``). ``route``: None, "chunk" or "token" (mode="chunk" only; module docstring)."""
+    return _run("delta_rule", q, k, v, None, beta, mode, chunk_size, scale, initial_state, output_final_state,
+                allow_neg_eigval, route)
 
 
 @amp_op()
 @varlen("q", "k", "v", "g", "beta")
 def gated_delta_rule(q, k, v, g, beta, *, mode="chunk", chunk_size=64, scale=None, initial_state=None,
-                     output_final_state=False, allow_neg_eigval=False):
+                     output_final_state=False, allow_neg_eigval=False, route=None):
     """Gated DeltaNet: S_t = a_t (I - b_t k_t k_t^T) S_{t-1} + b_t k_t v_t^T; ``g = log a`` and ``beta`` (B, T, H),
     beta in [0, 1] ([0, 2] with ``allow_neg_eigval``). ``g`` (B, T, H, K): KDA's per-channel decay,
-    S_t = (I - b_t k_t k_t^T) diag(a_t) S_{t-1} + b_t k_t v_t^T."""
+    S_t = (I - b_t k_t k_t^T) diag(a_t) S_{t-1} + b_t k_t v_t^T. ``route``: None, "chunk" or "token" (mode="chunk"
+    only; module docstring)."""
     if g is None:
         raise ValueError("g must be a log-decay tensor (B, T, H) for the gated rule (use delta_rule without a gate)")
-    return _run(q, k, v, g, beta, mode, chunk_size, scale, initial_state, output_final_state, allow_neg_eigval)
+    return _run("gated_delta_rule", q, k, v, g, beta, mode, chunk_size, scale, initial_state, output_final_state,
+                allow_neg_eigval, route)
 
 
 parallel_delta_rule, recurrent_delta_rule, chunk_delta_rule = three_forms(delta_rule)

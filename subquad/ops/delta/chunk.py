@@ -1,7 +1,8 @@
-"""The (gated) delta rule, chunkwise (WY representation; the derivation is in README.md here).
+"""The (gated) delta rule, chunkwise (WY representation; the derivation is in README.md here): the one
+engine of the delta family, with and without a gradient.
 
-Per chunk of C tokens with state S_0 carried in, gamma the chunk-local cumulative
-log-decay (0 for the plain rule) and Dm_ri = exp(gamma_r - gamma_i) for i <= r:
+Per chunk of C tokens with state S_0 carried in, gamma the chunk-local cumulative log-decay (0 for the
+plain rule) and Dm_ri = exp(gamma_r - gamma_i) for i <= r:
 
     1. A  = (I + strictly_lower(diag(b) (K K^T) o Dm))^{-1} diag(b)      (one C x C triangular solve)
     2. W  = A (exp(gamma) o K),  U = A V                                 (WY factors)
@@ -9,11 +10,23 @@ log-decay (0 for the plain rule) and Dm_ri = exp(gamma_r - gamma_i) for i <= r:
     4. O  = scale * ((exp(gamma) o Q) S_0 + (tril(Q K^T) o Dm) D)        (state to output + intra-chunk)
     5. S  = exp(gamma_C) S_0 + (exp(gamma_C - gamma) o K)^T D           (state passing)
 
-Steps 1, 2 and the state-free halves of 4 hold no S_0, so a differentiable call computes them for
-every chunk at once (one batched triangular solve) and loops over chunks only for 3-5; a call longer
-than PIECE tokens runs piece by piece with the state carried, which keeps autograd's temporaries
-piece-sized. Without a gradient, ``inference.py`` runs the fast path. ``parallel.py`` is the same algebra with
-one chunk spanning the whole sequence.
+Steps 1, 2 and the state-free factors of 4 and 5 hold no S_0: ``_factors`` computes them for every chunk
+of a group at once (batched matmuls, one batched triangular solve; differentiable by autograd, the solve
+by its own hand-written backward, ``triangular.py``). Steps 3-5 are ``_StatePassing``, an autograd
+Function: its forward (``_pass``) is the loop over chunks, two matmuls per chunk, then step 4's two
+products for all chunks at once; its backward is written by hand, the same loop reversed (two matmuls per
+chunk) and batched products.
+
+A call with a gradient and one without run the same lines. Without one nothing is recorded, so every
+temporary goes into a buffer reused from group to group (``_Workspace``: the ``out=`` of each op, None
+under autograd) and the Functions' forwards are called directly.
+
+A call runs in groups of about TOKEN_HEADS_DELTA (token, head) pairs with the state carried between
+them: each group's temporaries stay small enough for the cache, and autograd keeps a group's, not a
+whole call's. Chunks are at most DELTA_CHUNK tokens (``subquad.ops.common.routes`` says why; the result
+does not depend on the chunk size beyond rounding). ``parallel.py`` is the same engine with one chunk
+spanning the whole sequence. The public ops' ``route=`` picks between this engine ("chunk") and the
+token loop ("token", ``recurrent.py``), which short calls without a gradient take by default.
 
 A per-key-channel decay g (B, T, H, K) (Kimi's KDA) is the same algebra with gamma a vector per token:
 exp(gamma) scales K and Q channel-wise, the state decays by diag(exp(gamma_C)), and Dm turns into
@@ -25,90 +38,243 @@ multiple of its 16-token sub-chunk.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
-from subquad.ops.common.autograd import inference_path, wants_grad
-from subquad.ops.common.chunking import decay_mask, in_pieces
-from subquad.ops.common.routes import PIECE, SHORT
-from subquad.ops.delta.inference import delta_inference
-from subquad.ops.delta.recurrent import recurrent_delta
-from subquad.ops.delta.triangular import unit_lower_solve
+from subquad.ops.common.autograd import wants_grad
+from subquad.ops.common.chunking import decay_mask, put_chunks
 from subquad.ops.common.expo import exp_decay
+from subquad.ops.common.precision import autocast_off, compiling
+from subquad.ops.common.routes import DELTA_CHUNK, TOKEN_HEADS_DELTA as TOKEN_HEADS
 from subquad.ops.decay.intra import SUB, _intra_vector_rows
+from subquad.ops.delta.triangular import unit_lower_solve
 
 
+class _Workspace:
+    """Buffers reused from one group to the next when autograd records nothing. On a CPU a fresh tensor
+    of a group's size costs page faults worth several times the op that fills it; a call without a
+    gradient therefore writes every temporary into a buffer kept for the next group (``out=``). With a
+    gradient (or while torch.compile traces) it hands out None, so the same lines allocate their
+    outputs as usual and autograd records them."""
+
+    def __init__(self, on: bool):
+        self.on, self._bufs, self._views = on, {}, {}
+
+    def __call__(self, name, shape, like):
+        """The buffer ``name`` viewed as ``shape`` (made, or remade when its size changes), or None."""
+        if not self.on:
+            return None
+        key = (name, tuple(shape))
+        view = self._views.get(key)
+        if view is None:
+            b = self._bufs.get(name)
+            if b is None or b.numel() != torch.Size(shape).numel():
+                b = self._bufs[name] = torch.empty(shape, dtype=like.dtype, device=like.device)
+                self._views = {k: w for k, w in self._views.items() if k[0] != name}
+            view = self._views[key] = b.view(shape)
+        return view
+
+    def copy(self, name, x):
+        """x, contiguous: copied into the buffer ``name``, or by autograd."""
+        b = self(name, x.shape, x)
+        return x.contiguous() if b is None else b.copy_(x)
 
 
-def _by_chunk(x, C):
-    """(B, T, H, *rest) with T a multiple of C -> (B*H, n, C, *rest), head-major."""
-    B, T, H = x.shape[:3]
-    return x.transpose(1, 2).reshape(B * H, T // C, C, *x.shape[3:])
+def _chunks(x, C, like, out, times=None):
+    """(B, L, H, *rest) with L a multiple of C -> (n, B*H, C, *rest) in like's dtype, chunk-major: index [j]
+    is chunk j of every (batch, head), contiguous. One copy, into ``out`` when it is a buffer; ``times``, a
+    tensor in the result's layout, multiplies it (in the copy when there is a buffer)."""
+    B, L, H = x.shape[:3]
+    rest = x.shape[3:]
+    shape = (L // C, B * H, C, *rest)
+    perm = (1, 0, 3, 2) + tuple(range(4, 4 + len(rest)))
+    x = x.view(B, L // C, C, H, *rest).permute(perm)                   # (n, B, H, C, *rest)
+    if out is not None and times is not None:
+        times = times.view(L // C, B, H, C, times.shape[-1])
+        return torch.mul(x, times, out=out.view(L // C, B, H, C, *rest)).view(shape)
+    if out is None:
+        out = torch.empty(shape, dtype=like.dtype, device=like.device)
+    out.view(L // C, B, H, C, *rest).copy_(x)
+    return out if times is None else out * times
 
 
-def _chunkwise(q, k, v, g, beta, scale, C, initial_state):
-    """Steps 1, 2 and the state-free parts of 4 for every chunk at once (one batched triangular solve);
-    steps 3-5 in the loop over chunks. Differentiable by autograd."""
+def _factors(q, k, v, g, beta, C, ws):
+    """Steps 1, 2 and the state-free factors of 4 and 5 for every chunk of a group (tokens a multiple of C).
+    Returns, chunk-major (n, B*H, ...): W, U (C, K | V); Q~ = exp(gamma) o Q (C, K); P = tril(Q K^T) o Dm
+    (C, C); K^ = exp(gamma_C - gamma) o K (C, K); the state's decay over the chunk, (1, 1) or (K, 1) per
+    key row, or None for the plain rule. ``ws``: the workspace (``out=None`` under autograd)."""
+    B, L, H, K = q.shape
+    V = v.shape[-1]
+    n, BH = L // C, B * H
+    N = n * BH
+    bc = _chunks(beta.unsqueeze(-1), C, beta, ws("b", (n, BH, C, 1), beta))        # (n, BH, C, 1)
+    qc, kc = (_chunks(x, C, beta, ws(name, (n, BH, C, K), beta)) for name, x in (("q", q), ("k", k)))
+    rv = _chunks(v, C, beta, ws("v", (n, BH, C, V), beta), times=bc)               # diag(b) V  (n, BH, C, V)
+    flat = (lambda x, d: x.view(N, C, d))
+    kt = flat(kc, K).transpose(1, 2)
+    if g is not None and g.dim() == 4:                                  # KDA: a decay per key channel
+        gam = _chunks(g, C, beta, ws("g", (n, BH, C, K), beta))
+        gam = torch.cumsum(gam, 2, out=ws("gam", gam.shape, beta))      # (n, BH, C, K), chunk-local, <= 0
+        # k_i . (e^(g_i - g_j) k_j) and q_i . (e^(g_i - g_j) k_j), causal, their decay factors built once
+        KP = _intra_vector_rows(torch.stack([flat(kc, K), flat(qc, K)], 1), flat(kc, K), flat(gam, K))
+        KK, P = (ws.copy(name, x.view(n, BH, C, C)) for name, x in (("KK", KP[:, 0]), ("P", KP[:, 1])))
+        decay = exp_decay(gam[:, :, -1]).unsqueeze(-1)                  # (n, BH, K, 1)
+    else:
+        KK = torch.bmm(flat(kc, K), kt, out=ws("KK", (N, C, C), beta)).view(n, BH, C, C)
+        P = torch.bmm(flat(qc, K), kt, out=ws("P", (N, C, C), beta)).view(n, BH, C, C)   # (n, BH, C, C)
+        if g is None:
+            decay = None
+        else:
+            gam = _chunks(g.unsqueeze(-1), C, beta, ws("g", (n, BH, C, 1), beta))
+            gam = torch.cumsum(gam, 2, out=ws("gam", gam.shape, beta))  # (n, BH, C, 1)
+            Dm = decay_mask(gam[..., 0], out=ws("Dm", (n, BH, C, C), beta))   # exp(gamma_r - gamma_i), causal
+            KK = torch.mul(KK, Dm, out=ws("KK", KK.shape, beta))
+            P = torch.mul(P, Dm, out=ws("P", P.shape, beta))
+            decay = exp_decay(gam[:, :, -1:])                           # (n, BH, 1, 1)
+    if g is None or g.dim() == 4:
+        # P's upper triangle is q . k (no gate) or ~1e-38 x q . k (intra's masked decays: subnormal products, the
+        # CPU's slow path, in every matmul that reads them). In place: the matmuls before keep their inputs, not P.
+        # KK's upper triangle is never read (the solve takes the strictly lower part).
+        P = P.tril_()
+    KK = torch.mul(KK, bc, out=ws("KK", KK.shape, beta))
+    if g is None:
+        rk, qg, kd = torch.mul(kc, bc, out=ws("rk", kc.shape, beta)), qc, kc
+    else:
+        eg = exp_decay(gam)
+        rk = torch.mul(kc, eg * bc, out=ws("rk", kc.shape, beta))
+        qg = torch.mul(qc, eg, out=ws("q", qc.shape, beta))
+        kd = torch.mul(kc, exp_decay(gam[:, :, -1:] - gam), out=ws("kd", kc.shape, beta))
+    W, U = unit_lower_solve(KK, rk, rv, out=(ws("W", kc.shape, beta), ws("U", rv.shape, beta)))
+    return W, U, qg, P, kd, decay
+
+
+def _pass(W, U, qg, P, kd, decay, S0, scale, ws):
+    """``_StatePassing``'s forward: o (n, BH, C, V), the states before each chunk and after the last (n + 1,
+    BH, K, V), and D (n, BH, C, V). Called directly when autograd records nothing (no Function to apply)."""
+    n, BH, C, K = W.shape
+    V = U.shape[-1]
+    states = ws("states", (n + 1, BH, K, V), W)                        # states[j]: the state before chunk j
+    states = W.new_empty(n + 1, BH, K, V) if states is None else states
+    states[0] = S0
+    D = U if ws.on else U.clone()                                      # U becomes D in place (a buffer)
+    Ss, Ds = states.unbind(0), D.unbind(0)                             # per-chunk views, made in two calls
+    for j, (Wj, kdj) in enumerate(zip(W.unbind(0), kd.transpose(-1, -2).unbind(0))):   # the only sequential part
+        Ds[j].baddbmm_(Wj, Ss[j], alpha=-1)                            # D = U - W S
+        if decay is None:
+            torch.baddbmm(Ss[j], kdj, Ds[j], out=Ss[j + 1])
+        else:
+            torch.mul(Ss[j], decay[j], out=Ss[j + 1]).baddbmm_(kdj, Ds[j])
+    o = ws("o", (n * BH, C, V), W)
+    o = W.new_empty(n * BH, C, V) if o is None else o
+    o.baddbmm_(qg.view(n * BH, C, K), states[:n].view(n * BH, K, V), beta=0, alpha=scale)   # beta = 0: o is ignored
+    o.baddbmm_(P.view(n * BH, C, C), D.view(n * BH, C, V), alpha=scale)
+    return o.view(n, BH, C, V), states, D
+
+
+class _StatePassing(torch.autograd.Function):
+    """Steps 3-5 for the chunks of a group, chunk-major (n, BH, ...):
+
+        D_j = U_j - W_j S_j,   S_{j+1} = a_j S_j + K^_j^T D_j             (the loop: two matmuls per chunk)
+        O   = scale (Q~ S + P D)                                          (all chunks at once)
+
+    Backward, the loop reversed with dS_n the final state's gradient:
+
+        dD_j = scale P_j^T dO_j + K^_j dS_{j+1},   dS_j = a_j dS_{j+1} + scale Q~_j^T dO_j - W_j^T dD_j
+        dW = -dD S^T,  dU = dD,  dQ~ = scale dO S^T,  dP = scale dO D^T,  dK^ = D dS_{+1}^T,
+        da_j = sum(S_j o dS_{j+1}) over what a_j broadcasts over."""
+
+    @staticmethod
+    @autocast_off
+    def forward(ctx, W, U, qg, P, kd, decay, S0, scale, ws):
+        o, states, D = _pass(W, U, qg, P, kd, decay, S0, scale, ws)
+        ctx.scale = scale
+        ctx.save_for_backward(W, qg, P, kd, decay, states, D)
+        return o, states[-1]
+
+    @staticmethod
+    @autocast_off
+    def backward(ctx, do, dS):
+        W, qg, P, kd, decay, states, D = ctx.saved_tensors
+        scale = ctx.scale
+        n, BH, C, K = W.shape
+        V = D.shape[-1]
+        flat = (lambda x, *s: x.reshape(n * BH, *s))
+        do = flat(do.contiguous(), C, V)
+        dD = torch.bmm(flat(P, C, C).transpose(1, 2), do).mul_(scale)         # (n BH, C, V)
+        G = torch.bmm(flat(qg, C, K).transpose(1, 2), do).mul_(scale)         # scale Q~^T dO  (n BH, K, V)
+        dD, G = dD.view(n, BH, C, V), G.view(n, BH, K, V)
+        dstates = states.new_empty(n + 1, BH, K, V)                           # dstates[j]: d(state before chunk j)
+        dstates[n] = 0 if dS is None else dS
+        dSs, dDs, Gs, Wt, kds = (x.unbind(0) for x in (dstates, dD, G, W.transpose(-1, -2), kd))
+        for j in reversed(range(n)):
+            dDs[j].baddbmm_(kds[j], dSs[j + 1])
+            if decay is not None:
+                Gs[j].addcmul_(decay[j], dSs[j + 1])
+            else:
+                Gs[j].add_(dSs[j + 1])
+            torch.baddbmm(Gs[j], Wt[j], dDs[j], alpha=-1, out=dSs[j])
+        before, after = flat(states[:n], K, V), flat(dstates[1:], K, V)
+        dDf = flat(dD, C, V)
+        dW = torch.bmm(dDf, before.transpose(1, 2)).neg_()
+        dqg = torch.bmm(do, before.transpose(1, 2)).mul_(scale)
+        dP = torch.bmm(do, flat(D, C, V).transpose(1, 2)).mul_(scale)
+        dkd = torch.bmm(flat(D, C, V), after.transpose(1, 2))
+        ddecay = None
+        if decay is not None:
+            prod = (states[:n] * dstates[1:]).sum(-1, keepdim=True)            # (n, BH, K, 1)
+            ddecay = prod if decay.shape[-2] == K else prod.sum(-2, keepdim=True)
+        shape = (n, BH, C)
+        return (dW.view(*shape, K), dD, dqg.view(*shape, K), dP.view(*shape, C), dkd.view(*shape, K), ddecay,
+                dstates[0], None, None)
+
+
+def group_tokens(B, H, C, T):
+    """Tokens per group: about TOKEN_HEADS (token, head) pairs, whole chunks, at most the call's."""
+    L = max(1, TOKEN_HEADS // max(B * H, 1) // C) * C                   # B H = 0: an empty batch
+    return min(L, -(-T // C) * C)
+
+
+def chunk_delta(q, k, v, g, beta, *, scale, chunk_size=64, initial_state=None, group=None):
+    """q, k (B, T, H, K); v (B, T, H, V); beta (B, T, H); g (B, T, H), (B, T, H, K) for a decay per key
+    channel (KDA), or None for the plain rule; initial_state (B, H, K, V) or None. Returns o (B, T, H, V)
+    in beta's dtype and the final state (B, H, K, V). ``group``: tokens per group (rounded up to whole
+    chunks), else ``group_tokens``'s."""
+    B, T, H, K = q.shape
+    C = min(chunk_size, DELTA_CHUNK, T)
+    if g is not None and g.dim() == 4:                                  # KDA's scores use sub-chunks of SUB
+        C = -(-C // SUB) * SUB
+    L = group_tokens(B, H, C, T) if group is None else -(-group // C) * C
+    return _engine(q, k, v, g, beta, scale, C, L, initial_state)
+
+
+def _engine(q, k, v, g, beta, scale, C, L, initial_state):
+    """Groups of L tokens (a multiple of C) in turn, the state carried; a last, partial group is zero-padded
+    to whole chunks (beta = k = 0 and g = 0 add nothing)."""
     B, T, H, K = q.shape
     V = v.shape[-1]
-    dt = beta.dtype
-    vector = g is not None and g.dim() == 4               # KDA: a decay per key channel
-    if vector:
-        C = -(-C // SUB) * SUB
-    pad = -T % C
-    if pad:                                                # zero keys, values and beta add nothing
-        q, k, v = (torch.nn.functional.pad(x, (0, 0, 0, 0, 0, pad)) for x in (q, k, v))
-        beta = torch.nn.functional.pad(beta, (0, 0, 0, pad))
-        g = None if g is None else torch.nn.functional.pad(g, (0, 0) * (g.dim() - 2) + (0, pad))
-    qc, kc, vc = (_by_chunk(x.to(dt), C) for x in (q, k, v))               # (BH, n, C, K|V)
-    bc = _by_chunk(beta, C).unsqueeze(-1)                                   # (BH, n, C, 1)
-    lower = torch.ones(C, C, dtype=torch.bool, device=q.device).tril()
-    if g is None:
-        Dm = lower.to(dt)
-        kg, qg, kd = kc, qc, kc
-    elif vector:
-        gam = _by_chunk(g, C).cumsum(2)                                    # (BH, n, C, K), chunk-local
-        eg = exp_decay(gam)
-        kg, qg = kc * eg, qc * eg
-        kd = kc * exp_decay(gam[:, :, -1:] - gam)
-        decay = exp_decay(gam[:, :, -1]).unsqueeze(-1).unbind(1)          # n x (BH, K, 1)
-        flat = (lambda x: x.reshape(-1, C, K))
-        # k_i . (e^(g_i - g_j) k_j) and q_i . (e^(g_i - g_j) k_j), their decay factors built once
-        KK, P = _intra_vector_rows(torch.stack([flat(kc), flat(qc)], 1), flat(kc), flat(gam)).view(
-            B * H, -1, 2, C, C).unbind(2)
+    ws = _Workspace(not (wants_grad(q, k, v, g, beta, initial_state) or compiling()))
+    S = (torch.zeros(B * H, K, V, dtype=beta.dtype, device=q.device) if initial_state is None
+         else initial_state.reshape(B * H, K, V))
+    o = torch.empty(B, T, H, V, dtype=beta.dtype, device=q.device) if ws.on else []
+    # torch.split, not slicing: its backward is one concatenation
+    xs = [x.split(L, 1) if x is not None else [None] * -(-T // L) for x in (q, k, v, g, beta)]
+    for s, piece in zip(range(0, T, L), zip(*xs)):
+        n = piece[0].shape[1]
+        pad = -n % C
+        if pad:
+            piece = [None if x is None else F.pad(x, (0, 0) * (x.dim() - 2) + (0, pad)) for x in piece]
+        factors = _factors(*piece, C, ws)
+        if ws.on:                                                       # nothing to record: no Function
+            og, states, _ = _pass(*factors, S, scale, ws)
+            S = states[-1]
+        else:
+            og, S = _StatePassing.apply(*factors, S, scale, ws)          # (n, BH, C, V)
+        og = og.view((n + pad) // C, B, H, C, V)
+        if ws.on:
+            put_chunks(o, s, s + n, og)
+        else:
+            o.append(og.permute(1, 0, 3, 2, 4).reshape(B, n + pad, H, V)[:, :n])
+    if ws.on:
+        S = S.clone()                                                   # not a view of the states buffer
     else:
-        gam = _by_chunk(g, C).cumsum(-1)                                   # (BH, n, C), chunk-local
-        Dm = decay_mask(gam)
-        eg = exp_decay(gam).unsqueeze(-1)
-        kg, qg = kc * eg, qc * eg
-        kd = kc * exp_decay(gam[..., -1:] - gam).unsqueeze(-1)
-        decay = exp_decay(gam[..., -1]).unbind(1)                          # n x (BH,)
-    if not vector:
-        KK = (kc @ kc.transpose(-1, -2)) * Dm
-        P = (qc @ kc.transpose(-1, -2)) * Dm                              # (BH, n, C, C)
-    A = torch.eye(C, dtype=dt, device=q.device) + (bc * KK).tril(-1)
-    WU = unit_lower_solve(A, torch.cat([kg, vc], -1) * bc)
-    S = torch.zeros(B * H, K, V, dtype=dt, device=q.device) if initial_state is None \
-        else initial_state.reshape(B * H, K, V)
-    Ss, Ds = [], []
-    # unbind, not slicing: its backward is one stack (slices would be quadratic in T)
-    for j, (Wj, Uj, kdj) in enumerate(zip(WU[..., :K].unbind(1), WU[..., K:].unbind(1), kd.unbind(1))):
-        D = Uj - Wj @ S
-        Ss.append(S)
-        Ds.append(D)
-        S = S if g is None else (decay[j] if vector else decay[j].view(-1, 1, 1)) * S
-        S = S + kdj.transpose(1, 2) @ D
-    o = qg @ torch.stack(Ss, 1) + P @ torch.stack(Ds, 1)                  # (BH, n, C, V), batched
-    o = o.view(B, H, T + pad, V)[:, :, :T].transpose(1, 2) * scale
-    return o, S.view(B, H, K, V)
-
-
-def chunk_delta(q, k, v, g, beta, *, scale, chunk_size=64, initial_state=None):
-    if q.shape[1] < SHORT and not wants_grad(q, k, v, g, beta, initial_state):   # a decoding step, compiled or not
-        return recurrent_delta(q, k, v, g, beta, scale=scale, chunk_size=chunk_size, initial_state=initial_state)
-    if inference_path(q, k, v, g, beta, initial_state):
-        return delta_inference(q, k, v, g, beta, scale=scale, chunk_size=chunk_size, initial_state=initial_state)
-    C = min(chunk_size, q.shape[1])
-    L = max(1, PIECE // C) * C
-    if q.shape[1] <= L:
-        return _chunkwise(q, k, v, g, beta, scale, C, initial_state)
-    # pieces of L tokens in turn, the state carried: autograd's temporaries stay piece-sized
-    return in_pieces(lambda *x: _chunkwise(*x[:5], scale, C, x[5]), (q, k, v, g, beta), L, initial_state)
+        o = o[0] if len(o) == 1 else torch.cat(o, 1)
+    return o, S.reshape(B, H, K, V)

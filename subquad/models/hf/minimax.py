@@ -1,4 +1,4 @@
-"""Hugging Face mapping of ``minimax`` (MiniMaxForCausalLM, MiniMax-Text-01's architecture; ``hf.py`` loads it).
+"""``minimax`` (MiniMaxForCausalLM, MiniMax-Text-01's architecture).
 
 Lightning-attention layers (``layers/lightning.py``) and softmax layers (GQA, rotary) as ``layer_types``
 says, each followed by a top-k softmax-routed mixture of experts (renormalised, in every layer); blocks with
@@ -15,7 +15,9 @@ from __future__ import annotations
 import torch
 
 from subquad.models.config import ModelConfig
-from subquad.models.hf import _W132, _common, _expert_names, _require
+from subquad.models.hf.common import (W132, Format, check_layer_types, check_rope_type, experts, require,
+                                      transformer_config)
+
 _DERIVED = ("query_decay", "key_decay", "diagonal_decay")
 _BLOCK = 256                                         # transformers' default block_size, written on saving
 
@@ -30,26 +32,24 @@ def _decay_buffers(slope: torch.Tensor, block: int) -> dict:
             "diagonal_decay": diag[None]}
 
 
-class _MiniMax:
-    """MiniMaxForCausalLM (module doc)."""
-
+class MiniMaxFormat(Format):
     model_type = "minimax"
-    conv_bias_key = "no_conv"
+    layers = {"lightning": {"mixer.slope": "self_attn.slope_rate",
+                            "mixer.{p}": "self_attn.{p}"},
+              "softmax": {"mixer.{p}": "self_attn.{p}"},
+              "*": {"norm1.weight": "input_layernorm.weight", "norm2.weight": "post_attention_layernorm.weight",
+                    **experts("mlp.", "block_sparse_moe.", "gate.weight", W132)}}
 
     @staticmethod
     def config(c: dict) -> ModelConfig:
-        _require(c, "hidden_act", "silu")
-        _require(c, "sliding_window", None)
-        _require(c, "router_jitter_noise", 0.0)
+        require(c, "hidden_act", "silu")
+        require(c, "sliding_window", None)
+        require(c, "router_jitter_noise", 0.0)
         n, eps = c["num_hidden_layers"], c.get("rms_norm_eps", 1e-5)
-        types = c.get("layer_types") or ["full_attention" if (i + 1) % 2 else "linear_attention" for i in range(n)]
-        if len(types) != n or set(types) - {"linear_attention", "full_attention"}:
-            raise ValueError(f"config field layer_types={types!r} must name 'linear_attention' or 'full_attention' "
-                             f"for each of the {n} layers")
+        types = check_layer_types(
+            c.get("layer_types") or ["full_attention" if (i + 1) % 2 else "linear_attention" for i in range(n)], n)
         rope = c.get("rope_parameters") or {"rope_theta": c.get("rope_theta", 1e6)}
-        if rope.get("rope_type", "default") != "default":
-            raise ValueError(f"config field rope_parameters.rope_type={rope['rope_type']!r} is not supported "
-                             "(subquad implements 'default')")
+        check_rope_type(rope)
         hd = c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"]
         factors = {"lightning": [c.get("linear_attn_alpha_factor", 1), c.get("linear_attn_beta_factor", 1)],
                    "softmax": [c.get("full_attn_alpha_factor", 1), c.get("full_attn_beta_factor", 1)],
@@ -57,32 +57,12 @@ class _MiniMax:
         moe = {"experts": c.get("num_local_experts", 8), "top_k": c.get("num_experts_per_tok", 2), "renormalize": True,
                "aux_loss_coef": c.get("router_aux_loss_coef", 0.001)}
         pattern = ",".join("softmax" if t == "full_attention" else "lightning" for t in types)
-        return _common(c, pattern, eps, moe=moe, scaled_residual=factors,
+        return transformer_config(c, pattern, eps, moe=moe, scaled_residual=factors,
                        mixer_options={"lightning": {"head_dim": hd},
                                       "softmax": {"head_dim": hd, "rotary_base": float(rope.get("rope_theta", 1e6))}})
 
-    @staticmethod
-    def names(cfg: ModelConfig) -> dict:
-        out = {"embed.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight"}
-        moe = set(cfg.moe_layers)
-        for i, name in enumerate(cfg.layers):
-            a, b = f"blocks.{i}.", f"model.layers.{i}."
-            s, f = b + "self_attn.", b + "block_sparse_moe."
-            out[a + "norm1.weight"] = b + "input_layernorm.weight"
-            out[a + "norm2.weight"] = b + "post_attention_layernorm.weight"
-            params = (("qkv_proj.weight", "output_gate.weight", "out_proj.weight", "norm.weight") if name == "lightning"
-                      else ("q_proj.weight", "k_proj.weight", "v_proj.weight", "o_proj.weight"))
-            out.update({a + "mixer." + p: s + p for p in params})
-            if name == "lightning":
-                out[a + "mixer.slope"] = s + "slope_rate"
-            if i in moe:
-                out.update(_expert_names(a, f, cfg, "gate.weight", _W132))
-        if not cfg.tie_embeddings:
-            out["head.weight"] = "lm_head.weight"
-        return out
-
-    @staticmethod
-    def unpack(tensors: dict, cfg: ModelConfig, dtype=None) -> dict:
+    @classmethod
+    def unpack(cls, tensors: dict, cfg: ModelConfig, dtype=None) -> dict:
         """slope_rate (H, 1, 1) -> (H,); the derived decay buffers must agree with it, then go."""
         out = {}
         for name, t in tensors.items():
@@ -103,8 +83,8 @@ class _MiniMax:
                                          "from the slopes and cannot load a checkpoint whose buffers differ")
         return out
 
-    @staticmethod
-    def pack(tensors: dict, cfg: ModelConfig) -> dict:
+    @classmethod
+    def pack(cls, tensors: dict, cfg: ModelConfig) -> dict:
         out = {}
         for name, t in tensors.items():
             if name.endswith("self_attn.slope_rate"):

@@ -1,4 +1,4 @@
-"""Hugging Face mapping of ``kimi_linear`` (KimiLinearForCausalLM; ``hf.py`` loads it).
+"""``kimi_linear`` (KimiLinearForCausalLM).
 
 Pre-norm blocks of Kimi Delta Attention (``layers/kda.py``) and, at the ``full_attention`` layers,
 multi-head latent attention without positions (``layers/mla.py``); a SwiGLU MLP in the first
@@ -15,10 +15,9 @@ the top level (transformers' own config); both are read, and transformers' alias
 from __future__ import annotations
 
 from subquad.models.config import ModelConfig
-from subquad.models.hf import _MLP, _W132, _common, _expert_names, _join_convs, _require, _split_conv
+from subquad.models.hf.common import (W132, Format, check_layer_types, experts, join_convs, require, split_conv,
+                                      swiglu, transformer_config)
 
-_KDA = ("q_proj.weight", "k_proj.weight", "v_proj.weight", "b_proj.weight", "f_a_proj.weight", "f_b_proj.weight",
-        "g_a_proj.weight", "g_b_proj.weight", "o_proj.weight", "dt_bias", "A_log")
 _LATENT_EPS = 1e-6                                   # KimiLinearRMSNorm's default, used by the latent norms
 
 
@@ -29,16 +28,25 @@ def _get(c: dict, *names, default=None):
     return default
 
 
-class _KimiLinear:
-    """KimiLinearForCausalLM (module doc)."""
-
+class KimiLinearFormat(Format):
     model_type = "kimi_linear"
     conv_bias_key = "linear_conv_bias"
+    layers = {"kda": {"mixer.norm.weight": "self_attn.o_norm.weight",
+                      "mixer.conv.weight": "self_attn.conv1d.weight",                # q, k, v convs (unpack)
+                      "mixer.{p}": "self_attn.{p}"},
+              "mla": {"mixer.q_a_norm.weight": "self_attn.q_a_layernorm.weight",
+                      "mixer.kv_a_proj.weight": "self_attn.kv_a_proj_with_mqa.weight",
+                      "mixer.kv_a_norm.weight": "self_attn.kv_a_layernorm.weight",
+                      "mixer.{p}": "self_attn.{p}"},
+              "*": {"norm1.weight": "input_layernorm.weight", "norm2.weight": "post_attention_layernorm.weight",
+                    **swiglu("mlp.", "mlp."), **experts("mlp.", "mlp.", "gate.weight", W132),
+                    "mlp.score_bias": "mlp.gate.e_score_correction_bias",
+                    **swiglu("mlp.shared.", "mlp.shared_experts.")}}
 
     @staticmethod
     def config(c: dict) -> ModelConfig:
-        _require(c, "hidden_act", "silu")
-        _require(c, "attention_bias", False)
+        require(c, "hidden_act", "silu")
+        require(c, "attention_bias", False)
         n, eps = c["num_hidden_layers"], c.get("rms_norm_eps", 1e-5)
         lin = c.get("linear_attn_config") or {}
         types = c.get("layer_types")
@@ -47,9 +55,7 @@ class _KimiLinear:
             types = ["full_attention" if i in full else "linear_attention" for i in range(n)]
         if types is None:
             types = ["full_attention" if i and i % 4 == 0 else "linear_attention" for i in range(n)]
-        if len(types) != n or set(types) - {"linear_attention", "full_attention"}:
-            raise ValueError(f"config field layer_types={types!r} must name 'linear_attention' or 'full_attention' "
-                             f"for each of the {n} layers")
+        check_layer_types(types, n)
         mlp_types = c.get("mlp_layer_types")
         if mlp_types is None:
             k = c.get("first_k_dense_replace", 1)
@@ -76,53 +82,21 @@ class _KimiLinear:
                    "renormalize": bool(_get(c, "moe_renormalize", "norm_topk_prob", default=True)),
                    "aux_loss_coef": 0.0, "layers": sparse}
         pattern = ",".join("mla" if t == "full_attention" else "kda" for t in types)
-        return _common(c, pattern, eps, moe=moe, mixer_options={"kda": kda, "mla": mla})
+        return transformer_config(c, pattern, eps, moe=moe, mixer_options={"kda": kda, "mla": mla})
 
-    @staticmethod
-    def names(cfg: ModelConfig) -> dict:
-        out = {"embed.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight"}
-        moe = set(cfg.moe_layers)
-        q_rank = cfg.mixer_options.get("mla", {}).get("q_rank")
-        for i, name in enumerate(cfg.layers):
-            a, b = f"blocks.{i}.", f"model.layers.{i}."
-            s = b + "self_attn."
-            out[a + "norm1.weight"] = b + "input_layernorm.weight"
-            out[a + "norm2.weight"] = b + "post_attention_layernorm.weight"
-            if name == "kda":
-                out.update({a + "mixer." + p: s + p for p in _KDA})
-                out[a + "mixer.norm.weight"] = s + "o_norm.weight"
-                out[a + "mixer.conv.weight"] = s + "conv1d.weight"               # q, k, v convs (unpack)
-            else:
-                q = ({"q_proj.weight": "q_proj.weight"} if q_rank is None else
-                     {"q_a_proj.weight": "q_a_proj.weight", "q_a_norm.weight": "q_a_layernorm.weight",
-                      "q_b_proj.weight": "q_b_proj.weight"})
-                q.update({"kv_a_proj.weight": "kv_a_proj_with_mqa.weight", "kv_a_norm.weight": "kv_a_layernorm.weight",
-                          "kv_b_proj.weight": "kv_b_proj.weight", "o_proj.weight": "o_proj.weight"})
-                out.update({a + "mixer." + ours: s + theirs for ours, theirs in q.items()})
-            f = b + "mlp."
-            if i in moe:
-                out.update(_expert_names(a, f, cfg, "gate.weight", _W132))
-                out[a + "mlp.score_bias"] = f + "gate.e_score_correction_bias"
-                out.update({a + "mlp.shared." + ours: f + "shared_experts." + theirs for ours, theirs in _MLP.items()})
-            else:
-                out.update({a + "mlp." + ours: f + theirs for ours, theirs in _MLP.items()})
-        if not cfg.tie_embeddings:
-            out["head.weight"] = "lm_head.weight"
-        return out
-
-    @staticmethod
-    def unpack(tensors: dict, cfg: ModelConfig, dtype=None) -> dict:
+    @classmethod
+    def unpack(cls, tensors: dict, cfg: ModelConfig, dtype=None) -> dict:
         out = {name.replace(".block_sparse_moe.", ".mlp."): t.reshape(-1) if name.endswith("self_attn.A_log") else t
                for name, t in tensors.items()}
-        return _join_convs(out, "self_attn")
+        return join_convs(out, "self_attn")
 
-    @staticmethod
-    def pack(tensors: dict, cfg: ModelConfig) -> dict:
+    @classmethod
+    def pack(cls, tensors: dict, cfg: ModelConfig) -> dict:
         out = {}
         for name, t in tensors.items():
             name = name.replace(".mlp.", ".block_sparse_moe.")                 # as transformers writes them
             if name.endswith("self_attn.conv1d.weight"):
-                out.update(_split_conv(name, t, [t.shape[0] // 3] * 3))
+                out.update(split_conv(name, t, [t.shape[0] // 3] * 3))
             elif name.endswith("self_attn.A_log"):
                 out[name] = t.view(1, 1, -1, 1)
             else:

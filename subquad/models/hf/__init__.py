@@ -1,0 +1,35 @@
+"""Hugging Face model folders <-> subquad ``LanguageModel``s, without importing transformers.
+
+    model, tokenizer = from_pretrained("path/to/folder", dtype=None, device=None)
+    save_pretrained(model, "path/to/out")
+
+A folder holds ``config.json``, the weights (``model.safetensors``, or shards listed in
+``model.safetensors.index.json``) and, when present, ``tokenizer.json`` (loaded with ``tokenizers``).
+Each ``model_type`` has a format, one file here: its config to a ``ModelConfig`` - every field that
+changes the math honoured or refused with a ``ValueError`` naming it - and a table of key patterns from
+subquad's weight names to the checkpoint's (``common.Format``). A missing weight, an unexpected one or a
+wrong shape is refused by name: never a silently different model. A format may also ``unpack`` the
+checkpoint's tensors first (fused projections split, per-part convolutions joined, zero-centred norm
+weights shifted) and ``pack`` them back on saving.
+
+    mamba.py        mamba, falcon_mamba (its RMS norms on dt, B and C)
+    mamba2.py       mamba2 (``n_groups``, the gated norm per group, ``time_step_limit``)
+    bamba.py        bamba (Mamba-2 and softmax attention at ``attn_layer_indices``, partial rotary, SwiGLU MLPs)
+    jamba.py        jamba (Mamba with normed dt, B and C, attention without positions every
+                    ``attn_layer_period``, a mixture of experts every ``expert_layer_period``)
+    qwen3_next.py   qwen3_next (Gated DeltaNet with fused projections, gated attention, MoE + shared expert)
+    olmo_hybrid.py  olmo_hybrid (Gated DeltaNet, post-norm attention with q/k norms)
+    kimi_linear.py  kimi_linear (Kimi Delta Attention, latent attention, DeepSeek-V3 experts)
+    minimax.py      minimax (lightning attention, MiniMax-01's scaled residual)
+
+``registry.MAPPINGS`` lists them by ``model_type``; ``loader`` reads a folder, ``saver`` writes one, and
+``common`` holds what the formats share. Imports run one way: common <- formats <- registry <- loader,
+saver.
+"""
+
+from subquad.models.hf.common import eos_token_ids, read_weights
+from subquad.models.hf.loader import from_pretrained, read_config
+from subquad.models.hf.registry import MAPPINGS
+from subquad.models.hf.saver import save_pretrained
+
+__all__ = ["from_pretrained", "save_pretrained", "MAPPINGS", "read_config", "read_weights", "eos_token_ids"]

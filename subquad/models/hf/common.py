@@ -1,0 +1,347 @@
+"""What the checkpoint formats share: the ``Format`` base class and its name tables, config translation
+helpers, the tensor reshuffles several formats need, reading a folder, and the options a built model's
+layers hold (``layer_options``, which ``Format.matches`` compares against).
+
+A format's name map is a table of key patterns, subquad name -> the checkpoint's:
+
+    top     = {"embed.weight": "model.embed_tokens.weight", ...}              outside the blocks
+    layer   = "model.layers.{i}."                                              the checkpoint's block prefix
+    layers  = {"softmax": {"mixer.{p}": "self_attn.{p}"}, "*": {...}}          inside block i (``blocks.{i}.``),
+                                                                               by the layer's mixer, then "*"
+
+``{p}`` stands for the rest of a name, the same on both sides; the first pattern that matches wins, so a
+specific rename comes before its wildcard. A checkpoint name holding ``{e}`` is one tensor per expert,
+stacked along dim 0 of ours (the experts of an MoE layer). Every tensor of the model must match a pattern,
+and no two may map to one name.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import math
+import re
+from pathlib import Path
+
+import torch
+
+from subquad.models.config import ModelConfig
+
+TOP = {"embed.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight", "head.weight": "lm_head.weight"}
+SWIGLU = {"w_gate": "gate_proj", "w_up": "up_proj", "w_down": "down_proj"}     # transformers' MLP names
+W132 = {"w_gate": "w1", "w_up": "w3", "w_down": "w2"}        # Mixtral's, kept by Kimi Linear and MiniMax
+
+
+def swiglu(ours: str, theirs: str, names: dict = SWIGLU) -> dict:
+    """A SwiGLU's three projections: ``{ours}w_gate.weight`` -> ``{theirs}gate_proj.weight``, ..."""
+    return {f"{ours}{a}.weight": f"{theirs}{b}.weight" for a, b in names.items()}
+
+
+def experts(ours: str, theirs: str, router: str, names: dict = SWIGLU) -> dict:
+    """A mixture of experts' router and stacked experts: ``{ours}router.weight`` -> ``{theirs}{router}``, and
+    ``{ours}w_gate`` (E, hidden, d_model) -> ``{theirs}experts.{e}.gate_proj.weight``, one per expert, ..."""
+    return {f"{ours}router.weight": theirs + router,
+            **{f"{ours}{a}": f"{theirs}experts.{{e}}.{b}.weight" for a, b in names.items()}}
+
+
+@functools.lru_cache(maxsize=None)
+def _pattern(p: str) -> re.Pattern:
+    return re.compile(re.escape(p).replace(r"\{p\}", "(?P<p>.+)") + r"\Z")
+
+
+def _rename(name: str, table: dict):
+    for ours, theirs in table.items():
+        m = _pattern(ours).match(name)
+        if m:
+            return theirs.replace("{p}", m.groupdict().get("p", ""))
+    return None
+
+
+class Format:
+    """One Hugging Face ``model_type``: its config to a ``ModelConfig`` (``config``) and back (``to_config``),
+    which built models it can hold (``matches``), its name tables (module doc) and, where the checkpoint
+    fuses, splits or shifts tensors, ``unpack`` (checkpoint -> one tensor per subquad name) and ``pack``."""
+
+    model_type = ""
+    conv_bias_key = None             # the config field that turns the mixers' convolution bias off, if any
+    top = TOP
+    layer = "model.layers.{i}."
+    layers: dict = {}
+
+    @staticmethod
+    def config(c: dict) -> ModelConfig:
+        raise NotImplementedError
+
+    @staticmethod
+    def to_config(cfg: ModelConfig, opts: dict) -> dict:
+        raise NotImplementedError
+
+    @classmethod
+    def matches(cls, cfg: ModelConfig, opts: dict) -> bool:
+        """Whether a model of this config, whose layers were built with ``opts`` (``layer_options``), is this
+        type - what ``save_pretrained`` writes it as."""
+        raise NotImplementedError
+
+    @classmethod
+    def unpack(cls, tensors: dict, cfg: ModelConfig, dtype=None) -> dict:
+        return tensors
+
+    @classmethod
+    def pack(cls, tensors: dict, cfg: ModelConfig) -> dict:
+        return tensors
+
+    @classmethod
+    def names(cls, cfg: ModelConfig, shapes: dict) -> dict:
+        """subquad name -> the checkpoint's (a tuple of names: stacked experts) for every tensor of a model's
+        state dict, given as {name: shape}; ValueError for a name no pattern matches."""
+        out = {}
+        for ours, shape in shapes.items():
+            head, _, rest = ours.partition(".")
+            if head == "blocks":
+                i, _, rest = rest.partition(".")
+                kind = cfg.layers[int(i)]
+                theirs = _rename(rest, cls.layers.get(kind, {})) or _rename(rest, cls.layers.get("*", {}))
+                theirs = None if theirs is None else cls.layer.format(i=i) + theirs
+            else:
+                theirs = _rename(ours, cls.top)
+            if theirs is None:
+                raise ValueError(f"{cls.model_type}: no checkpoint name for subquad's {ours}")
+            out[ours] = tuple(theirs.replace("{e}", str(e)) for e in range(shape[0])) if "{e}" in theirs else theirs
+        flat = [t for v in out.values() for t in (v if isinstance(v, tuple) else (v,))]
+        if len(flat) != len(set(flat)):
+            raise ValueError(f"{cls.model_type}: several subquad tensors map to one checkpoint name")
+        return out
+
+
+# -- config translation -------------------------------------------------------------------------------
+
+
+def require(c: dict, key: str, value):
+    """Refuse a config whose ``key`` is present and not ``value`` (the one setting subquad implements)."""
+    if key in c and c[key] != value:
+        raise ValueError(f"config field {key}={c[key]!r} is not supported (subquad implements {key}={value!r})")
+
+
+def config_float(v) -> float:
+    """A float from config.json; transformers writes infinities as {"__float__": "Infinity"}."""
+    return float(v["__float__"]) if isinstance(v, dict) and "__float__" in v else float(v)
+
+
+def json_float(v: float):
+    """The inverse of ``config_float``."""
+    return {"__float__": "Infinity" if v > 0 else "-Infinity"} if math.isinf(v) else v
+
+
+def transformer_config(c: dict, pattern: str, eps: float, **fields) -> ModelConfig:
+    """The fields every hybrid with attention and MLPs shares (hidden size, layers, heads, MLP width)."""
+    return ModelConfig(vocab_size=c["vocab_size"], d_model=c["hidden_size"], n_layers=c["num_hidden_layers"],
+                       n_heads=c["num_attention_heads"], n_kv_heads=c.get("num_key_value_heads"), pattern=pattern,
+                       mlp=True, mlp_size=c["intermediate_size"], norm_eps=eps,
+                       tie_embeddings=c.get("tie_word_embeddings", False), context_length=1 << 20, **fields)
+
+
+def check_layer_types(types: list, n: int) -> list:
+    """``types`` if it names "linear_attention" or "full_attention" for each of the ``n`` layers, else ValueError."""
+    if len(types) != n or set(types) - {"linear_attention", "full_attention"}:
+        raise ValueError(f"config field layer_types={types!r} must name 'linear_attention' or 'full_attention' "
+                         f"for each of the {n} layers")
+    return types
+
+
+def check_rope_type(rope: dict) -> None:
+    if rope.get("rope_type", "default") != "default":
+        raise ValueError(f"config field rope_parameters.rope_type={rope['rope_type']!r} is not supported "
+                         "(subquad implements 'default')")
+
+
+def plain_moe(m: dict) -> bool:
+    """A softmax-routed MoE placed by every/offset (Jamba's, Qwen3-Next's)."""
+    return m["router"] == "softmax" and m["layers"] is None and m["scale"] == 1.0
+
+
+# -- the Mamba hybrids (bamba, jamba) ---------------------------------------------------------------
+
+HYBRID_TOP = {**TOP, "norm.weight": "model.final_layernorm.weight"}
+HYBRID_BLOCK = {"norm1.weight": "input_layernorm.weight", "norm2.weight": "pre_ff_layernorm.weight",
+                **swiglu("mlp.", "feed_forward."), **experts("mlp.", "feed_forward.", "router.weight")}
+
+
+def check_hybrid(c: dict) -> None:
+    """The fields Bamba and Jamba share that subquad implements one way."""
+    require(c, "hidden_act", "silu")
+    require(c, "mamba_proj_bias", False)
+    require(c, "attention_bias", False)
+    require(c, "mlp_bias", False)
+    hd = c.get("head_dim")
+    if hd is not None and hd != c["hidden_size"] // c["num_attention_heads"]:
+        raise ValueError(f"config field head_dim={hd} is not supported (subquad's attention uses hidden_size / "
+                         f"num_attention_heads = {c['hidden_size'] // c['num_attention_heads']})")
+
+
+def plain_attention(cfg: ModelConfig, opts: dict) -> bool:
+    """Softmax layers (if any) without q/k norms or an output gate, heads of d_model / n_heads, in pre-norm
+    blocks (Bamba's and Jamba's)."""
+    a = opts.get("softmax")
+    return not cfg.post_norm and cfg.scaled_residual is None and (
+        a is None or (a["qk_norm"] is None and not a["output_gate"] and a["head_dim"] * cfg.n_heads == cfg.d_model))
+
+
+# -- the Gated DeltaNet hybrids (qwen3_next, olmo_hybrid) ----------------------------------------------
+
+FLA_L2_EPS = 1e-6                # both L2-normalise q and k as fla does: x rsqrt(|x|^2 + 1e-6)
+
+
+def gdn_layer_types(c: dict, n: int) -> list:
+    """``layer_types``, or full attention every ``full_attention_interval``-th layer (default 4)."""
+    types = c.get("layer_types")
+    if types is None:
+        every = c.get("full_attention_interval", 4)
+        types = ["full_attention" if (i + 1) % every == 0 else "linear_attention" for i in range(n)]
+    return check_layer_types(types, n)
+
+
+def gdn_rope(c: dict, partial_default: float) -> dict:
+    """The softmax layers' rotary options from rope_parameters - absent: the legacy fields or the defaults,
+    as transformers reads it; a null rope_theta: no positions (NoPE, OLMo-Hybrid's released checkpoints)."""
+    rope = c.get("rope_parameters")
+    if rope is None:
+        rope = {"rope_theta": c.get("rope_theta", 10000.0),
+                "partial_rotary_factor": c.get("partial_rotary_factor", partial_default)}
+    if rope.get("rope_theta") is None:
+        return {"rotary": False}
+    check_rope_type(rope)
+    return {"rotary": True, "rotary_base": float(rope["rope_theta"]),
+            "rotary_fraction": float(rope.get("partial_rotary_factor", partial_default))}
+
+
+def gdn_options(c: dict, norm_eps: float, neg: bool) -> dict:
+    """The ``gated_deltanet`` layers' options from the config's ``linear_*`` fields."""
+    return {"n_heads": c["linear_num_value_heads"], "n_key_heads": c["linear_num_key_heads"],
+            "head_dim": c["linear_key_head_dim"], "value_head_dim": c["linear_value_head_dim"],
+            "conv_size": c.get("linear_conv_kernel_dim", 4), "open_gate": False, "qk_eps": FLA_L2_EPS,
+            "allow_neg_eigval": neg, "norm_eps": norm_eps}
+
+
+def gdn_config(o: dict) -> dict:
+    """The inverse of ``gdn_options``: the config's ``linear_*`` fields."""
+    return {"linear_num_value_heads": o["n_heads"], "linear_num_key_heads": o["n_key_heads"],
+            "linear_key_head_dim": o["head_dim"], "linear_value_head_dim": o["value_head_dim"],
+            "linear_conv_kernel_dim": o["conv_size"]}
+
+
+def gdn_matches(o: dict, norm_eps: float, neg) -> bool:
+    """Built layer options ``o`` that ``gdn_options`` could have made (``neg`` None: either beta range)."""
+    return (not o["open_gate"] and o["qk_eps"] == FLA_L2_EPS and o["norm_eps"] == norm_eps
+            and (neg is None or o["allow_neg_eigval"] == neg))
+
+
+def attention_types(cfg: ModelConfig, attention: str = "softmax") -> list:
+    """``layer_types`` of a model: "full_attention" at its ``attention`` layers, "linear_attention" elsewhere."""
+    return ["full_attention" if n == attention else "linear_attention" for n in cfg.layers]
+
+
+# -- tensor reshuffles --------------------------------------------------------------------------------
+
+
+def join_convs(tensors: dict, module: str) -> dict:
+    """``{module}.q_conv1d``, ``k_conv1d``, ``v_conv1d`` (written per part by OLMo-Hybrid and Kimi Linear) ->
+    one ``{module}.conv1d`` over [q, k, v], as transformers and subquad hold it; other tensors as they are."""
+    out = dict(tensors)
+    for name in list(tensors):
+        if name.endswith(f"{module}.q_conv1d.weight"):
+            p = name.removesuffix("q_conv1d.weight")
+            parts = [p + f"{x}_conv1d.weight" for x in "qkv"]
+            if all(x in out for x in parts):
+                out[p + "conv1d.weight"] = torch.cat([out.pop(x) for x in parts], 0)
+    return out
+
+
+def split_conv(name: str, t: torch.Tensor, sizes: list) -> dict:
+    """The inverse of ``join_convs`` for one ``...conv1d.weight``: its q, k, v parts by ``sizes``."""
+    p = name.removesuffix("conv1d.weight")
+    return {p + f"{x}_conv1d.weight": part for x, part in zip("qkv", t.split(sizes, 0))}
+
+
+# -- the folder ---------------------------------------------------------------------------------------
+
+
+def read_json(path) -> dict:
+    """The folder's config.json, as it is."""
+    path = Path(path)
+    if not (path / "config.json").exists():
+        raise ValueError(f"{path} is not a model folder: it has no config.json")
+    return json.loads((path / "config.json").read_text())
+
+
+def eos_token_ids(path, config: dict | None = None) -> list[int]:
+    """The folder's end-of-text ids, where transformers' ``generate`` stops: ``eos_token_id`` (an int or a
+    list) of ``generation_config.json`` when it names one, else of ``config.json``; [] when neither does."""
+    path = Path(path)
+    gen = path / "generation_config.json"
+    for source in ([json.loads(gen.read_text())] if gen.exists() else []) + [config or read_json(path)]:
+        eos = source.get("eos_token_id")
+        if eos is None:
+            continue
+        ids = eos if isinstance(eos, list) else [eos]
+        if any(isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in ids):
+            raise ValueError(f"{path}: eos_token_id must be a token id or a list of them, got {eos!r}")
+        return sorted(set(ids))
+    return []
+
+
+def read_weights(path) -> dict:
+    """Every tensor of the folder's safetensors file(s), by name."""
+    from safetensors.torch import load_file
+
+    path = Path(path)
+    index = path / "model.safetensors.index.json"
+    if index.exists():
+        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    elif (path / "model.safetensors").exists():
+        files = ["model.safetensors"]
+    else:
+        raise ValueError(f"{path} holds no model.safetensors (nor a sharded model.safetensors.index.json)")
+    out = {}
+    for f in files:
+        out.update(load_file(str(path / f)))
+    return out
+
+
+# -- a built model's layers ---------------------------------------------------------------------------
+
+
+def layer_options(model) -> dict:
+    """{mixer name: the options its layers were built with, read from the first such layer} for the names
+    the checkpoint types use (defaults included, which a config's mixer_options may leave out)."""
+    out = {}
+    for block in model.blocks:
+        name, m = block.mixer_name, block.mixer
+        if name in out:
+            continue
+        if name == "mamba":
+            out[name] = {"d_state": m.d_state, "expand": m.d_inner // m.d_model, "conv_size": m.conv.kernel_size,
+                         "dt_rank": m.dt_rank, "bcdt_rms_eps": m.bcdt_rms_eps, "bcdt_rms_weight": m.bcdt_norms is not None}
+        elif name == "mamba2":
+            out[name] = {"d_state": m.d_state, "head_dim": m.head_dim, "expand": m.d_inner // m.d_model,
+                         "n_groups": m.n_groups, "conv_size": m.conv.kernel_size, "dt_limit": m.dt_limit,
+                         "norm_eps": m.norm.eps}
+        elif name == "softmax":
+            out[name] = {"rotary": m.rotary, "rotary_base": m.rotary_base, "window": m.window,
+                         "rotary_fraction": m.rotary_dim / m.head_dim, "head_dim": m.head_dim,
+                         "qk_norm": m.qk_norm, "qk_norm_eps": m.q_norm.eps if m.qk_norm else None,
+                         "output_gate": m.output_gate}
+        elif name == "lightning":
+            out[name] = {"n_heads": m.n_heads, "head_dim": m.head_dim, "norm_eps": m.norm.eps}
+        elif name == "kda":
+            out[name] = {"n_heads": m.n_heads, "head_dim": m.head_dim, "conv_size": m.conv.kernel_size,
+                         "gate_rank": m.gate_rank, "qk_eps": m.qk_eps, "norm_eps": m.norm.eps}
+        elif name == "mla":
+            out[name] = {"kv_rank": m.kv_rank, "rope_dim": m.rope_dim, "nope_dim": m.nope_dim,
+                         "v_head_dim": m.v_head_dim, "q_rank": m.q_rank, "latent_eps": m.kv_a_norm.eps,
+                         "rotary": m.rotary}
+        elif name == "gated_deltanet":
+            out[name] = {"n_heads": m.n_heads, "n_key_heads": m.n_key_heads, "head_dim": m.head_dim,
+                         "value_head_dim": m.value_head_dim, "conv_size": m.conv.kernel_size,
+                         "open_gate": m.gate_bias is not None, "qk_eps": m.qk_eps,
+                         "allow_neg_eigval": m.allow_neg_eigval, "norm_eps": m.norm.eps}
+    return out

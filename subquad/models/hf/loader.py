@@ -1,0 +1,83 @@
+"""Reading a Hugging Face model folder into a subquad ``LanguageModel`` (``from_pretrained``).
+
+The folder's ``model_type`` picks its format (``registry.MAPPINGS``); the format's config translation
+builds the model's ``ModelConfig``, its name tables say which checkpoint tensor fills which parameter, and
+every tensor must be used exactly once: a missing weight, an unexpected one or a wrong shape is refused by
+name.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from subquad.models.decode import decode_layout
+from subquad.models.hf.common import eos_token_ids, read_json, read_weights
+from subquad.models.hf.registry import MAPPINGS
+from subquad.models.lm import LanguageModel
+
+
+def read_config(path) -> dict:
+    """The folder's config.json; ValueError for a folder without one or a ``model_type`` subquad cannot read."""
+    c = read_json(path)
+    mt = c.get("model_type")
+    if mt not in MAPPINGS:
+        raise ValueError(f"model_type {mt!r} is not supported; supported: {', '.join(sorted(MAPPINGS))}")
+    return c
+
+
+def from_pretrained(path, dtype=None, device=None, quantize=None):
+    """(LanguageModel in eval mode, tokenizer or None) from a Hugging Face model folder (``models.hf``).
+    ``quantize`` "int8" or "bf16" quantises the projections for inference (``models.quant``; from float32)."""
+    from subquad.models.quant import QUANTIZE
+
+    if quantize is not None and (quantize not in QUANTIZE or dtype not in (None, torch.float32)):
+        raise ValueError(f"quantize must be one of {', '.join(QUANTIZE)} with float32 weights, got quantize="
+                         f"{quantize!r}, dtype={dtype}")
+    c = read_config(path)
+    fmt = MAPPINGS[c["model_type"]]
+    cfg = fmt.config(c)
+    cfg.eos_token_ids = [t for t in eos_token_ids(path, c) if t < cfg.vocab_size]   # generate stops there
+    with torch.device("meta"):                        # no memory and no random init: the weights come next
+        model = LanguageModel(cfg)
+    own = model.state_dict()
+    names = fmt.names(cfg, {k: v.shape for k, v in own.items()})
+    tensors = fmt.unpack(read_weights(path), cfg, dtype)   # fused or shifted tensors -> one per parameter of ours
+    if fmt.conv_bias_key and c.get(fmt.conv_bias_key, True) is False:   # no conv bias in the checkpoint: zeros
+        for ours, theirs in names.items():
+            if ours.endswith("mixer.conv.bias"):
+                tensors[theirs] = torch.zeros(own[ours].shape)
+    wanted = [t for theirs in names.values() for t in (theirs if isinstance(theirs, tuple) else (theirs,))]
+    missing = [t for t in wanted if t not in tensors]
+    if missing:
+        raise ValueError(f"{path}: weights missing from the checkpoint: {', '.join(missing[:5])}"
+                         f"{' ...' if len(missing) > 5 else ''}")
+    extra = set(tensors) - set(wanted) - ({"lm_head.weight"} if cfg.tie_embeddings else set())
+    if extra:
+        raise ValueError(f"{path}: unexpected weights in the checkpoint: {', '.join(sorted(extra)[:5])}")
+    state = {}
+    for ours, theirs in names.items():
+        parts = theirs if isinstance(theirs, tuple) else (theirs,)
+        want = own[ours].shape[1:] if isinstance(theirs, tuple) else own[ours].shape
+        for t in parts:
+            if tensors[t].shape != want:
+                raise ValueError(f"{path}: weight {t} has shape {tuple(tensors[t].shape)}, the config implies "
+                                 f"{tuple(want)}")
+        t = torch.stack([tensors.pop(t) for t in parts]) if isinstance(theirs, tuple) else tensors.pop(theirs)
+        state[ours] = t.to(dtype) if dtype is not None and t.is_floating_point() else t   # one copy at a time
+    model.load_state_dict(state, strict=True, assign=True)
+    del state
+    decode_layout(model)                              # the weights as one-token decoding reads them fastest
+    if quantize is not None:
+        from subquad.models.quant import quantize as quantize_model
+
+        quantize_model(model, quantize)
+    if device is not None:
+        model.to(device=device)
+    tok = None
+    if (Path(path) / "tokenizer.json").exists():
+        from tokenizers import Tokenizer
+
+        tok = Tokenizer.from_file(str(Path(path) / "tokenizer.json"))
+    return model.eval(), tok
