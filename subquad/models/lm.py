@@ -43,7 +43,7 @@ class Block(nn.Module):
         opts = {**cfg.mixer_options.get("*", {}), **cfg.mixer_options.get(mixer_name, {})}
         self.mixer_name = mixer_name
         self.norm1 = RMSNorm(cfg.d_model, cfg.norm_eps)
-        heads = opts.pop("n_heads", cfg.n_heads)           # a layer's own head count (registry.OWN_HEADS)
+        heads = opts.pop("n_heads", cfg.n_heads)           # a layer's own head count (a MixerEntry with own_heads)
         self.mixer = build_mixer(mixer_name, cfg.d_model, heads, n_kv_heads=cfg.n_kv_heads, **opts)
         self.norm2 = RMSNorm(cfg.d_model, cfg.norm_eps) if cfg.mlp else None
         if moe:

@@ -10,7 +10,7 @@ import json
 import pytest
 import torch
 
-transformers = pytest.importorskip("transformers")   # the `test` extra installs it; the library never does
+transformers = pytest.importorskip("transformers")   # the `hf` extra installs it (make test requires it); the library never does
 
 from subquad.models.hf import from_pretrained, save_pretrained  # noqa: E402
 from tests.models.test_hf import (  # noqa: E402

@@ -311,37 +311,13 @@ def read_weights(path) -> dict:
 
 
 def layer_options(model) -> dict:
-    """{mixer name: the options its layers were built with, read from the first such layer} for the names
-    the checkpoint types use (defaults included, which a config's mixer_options may leave out)."""
+    """{mixer name: the options its layers were built with, read from the first such layer}: every constructor
+    argument (``build_mixer``'s ``build_options``, defaults included), an argument left None (sized by the
+    layer: head_dim, dt_rank, gate_rank, ...) as the layer resolved it. No per-mixer code: a new mixer's
+    options are here as soon as it is in the table."""
     out = {}
     for block in model.blocks:
         name, m = block.mixer_name, block.mixer
-        if name in out:
-            continue
-        if name == "mamba":
-            out[name] = {"d_state": m.d_state, "expand": m.d_inner // m.d_model, "conv_size": m.conv.kernel_size,
-                         "dt_rank": m.dt_rank, "bcdt_rms_eps": m.bcdt_rms_eps, "bcdt_rms_weight": m.bcdt_norms is not None}
-        elif name == "mamba2":
-            out[name] = {"d_state": m.d_state, "head_dim": m.head_dim, "expand": m.d_inner // m.d_model,
-                         "n_groups": m.n_groups, "conv_size": m.conv.kernel_size, "dt_limit": m.dt_limit,
-                         "norm_eps": m.norm.eps}
-        elif name == "softmax":
-            out[name] = {"rotary": m.rotary, "rotary_base": m.rotary_base, "window": m.window,
-                         "rotary_fraction": m.rotary_dim / m.head_dim, "head_dim": m.head_dim,
-                         "qk_norm": m.qk_norm, "qk_norm_eps": m.q_norm.eps if m.qk_norm else None,
-                         "output_gate": m.output_gate}
-        elif name == "lightning":
-            out[name] = {"n_heads": m.n_heads, "head_dim": m.head_dim, "norm_eps": m.norm.eps}
-        elif name == "kda":
-            out[name] = {"n_heads": m.n_heads, "head_dim": m.head_dim, "conv_size": m.conv.kernel_size,
-                         "gate_rank": m.gate_rank, "qk_eps": m.qk_eps, "norm_eps": m.norm.eps}
-        elif name == "mla":
-            out[name] = {"kv_rank": m.kv_rank, "rope_dim": m.rope_dim, "nope_dim": m.nope_dim,
-                         "v_head_dim": m.v_head_dim, "q_rank": m.q_rank, "latent_eps": m.kv_a_norm.eps,
-                         "rotary": m.rotary}
-        elif name == "gated_deltanet":
-            out[name] = {"n_heads": m.n_heads, "n_key_heads": m.n_key_heads, "head_dim": m.head_dim,
-                         "value_head_dim": m.value_head_dim, "conv_size": m.conv.kernel_size,
-                         "open_gate": m.gate_bias is not None, "qk_eps": m.qk_eps,
-                         "allow_neg_eigval": m.allow_neg_eigval, "norm_eps": m.norm.eps}
+        if name not in out:
+            out[name] = {k: getattr(m, k, v) if v is None else v for k, v in m.build_options.items()}
     return out
