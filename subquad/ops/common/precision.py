@@ -18,7 +18,9 @@ tensors only, never while ``torch.compile`` traces, and ``set_checks(True | Fals
 turns them on everywhere, off everywhere, or back to that default. Shape, dtype and device
 checks always run. Route choices that would read a value (the no-gradient fast paths' choice
 between factorised and exact scores) are not taken inside a compiled graph: it runs the
-differentiable chunk form, whose route does not depend on values.
+differentiable chunk form, whose route does not depend on values - except the decayed family's
+chunk engine (``ops/decay/chunk.py``), which the graph calls as it is, eagerly, as it would a
+custom kernel.
 """
 
 from __future__ import annotations
