@@ -209,17 +209,19 @@ def _backward(q, k, v, do, dS, ball, states_all, scale, C, L, routes, ends=None)
             torch.sum(gt, -1, out=ends[gi * n:(gi + 1) * n])
         torch.bmm(dof, states.transpose(1, 2), out=dqf)              # dO S^T
         if route == "exact":                                         # exponents <= 0 throughout
-            _exact_scores(qb, kb, b, scale, A)
-            torch.bmm(dof, vf.transpose(1, 2), out=dA)
             qbf, kbf = qb.view(nb, C, K), kb.view(nb, C, K)
+            torch.bmm(dof, vf.transpose(1, 2), out=dA)
             dqb.mul_(eb)                                             # scale exp(b) dO S^T, + W k
             torch.bmm(vf, after.view(nb, K, V).transpose(1, 2), out=dkf)
             dkb.mul_(w)                                              # exp(b_C - b) V dS^T, + W^T q
             if b.shape[-1] == 1:                                     # W = scale (dO V^T) o D
-                dA.mul_(decay_mask(b.reshape(nb, C))).mul_(scale)
+                D = decay_mask(b.reshape(nb, C))
+                torch.bmm(qbf, kbf.transpose(1, 2), out=A).mul_(D).mul_(scale)
+                dA.mul_(D).mul_(scale)
                 dqf.baddbmm_(dA, kbf, beta=scale)
                 dkf.baddbmm_(dA.transpose(1, 2), qbf)
             else:                                                    # through intra.py's sub-chunks
+                _exact_scores(qb, kb, b, scale, A)
                 dqi, dki = _intra_vector_grad(qbf, kbf, b.reshape(nb, C, K), dA.tril_().mul_(scale))
                 dqb.mul_(scale)
                 dqf.add_(dqi)
