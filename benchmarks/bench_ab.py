@@ -43,6 +43,8 @@ def med(fn, n=5, warm=1):
 rows = {}
 D, H = 256, 4
 for name in ["softmax", "swa", "linear", "retention", "gla", "mamba", "mamba2", "deltanet", "gated_deltanet"]:
+    if not any(want(f"{name} {row}") for row in ("train T=2048", "prefill T=8192", "decode step")):
+        continue
     m = build_mixer(name, D, H)
     x = torch.randn(1, 2048, D, requires_grad=True)
     def train():
@@ -96,7 +98,10 @@ print("ROWS" + json.dumps(rows))
 
 def run(tree: Path, threads: int, rows: str) -> dict:
     env = {**os.environ, "PYTHONPATH": str(tree.resolve())}
-    out = subprocess.run([sys.executable, "-c", CHILD, str(threads), rows], env=env, capture_output=True, text=True)
+    # cwd=tree: ``python -c`` puts the working directory first on sys.path, ahead of PYTHONPATH, so a child
+    # started elsewhere inside a checkout would import that checkout instead of ``tree``
+    out = subprocess.run([sys.executable, "-c", CHILD, str(threads), rows], env=env, capture_output=True, text=True,
+                         cwd=tree)
     if out.returncode:
         raise SystemExit(f"{tree}: {out.stderr[-3000:]}")
     return json.loads(out.stdout.split("ROWS", 1)[1])

@@ -86,24 +86,26 @@ def _rows(qs, ks, b, route, scale, qt, kt, qb, kb):
         factorised   qt = scale q exp(b)     kt = k exp(-b)
         exact        qt = scale q exp(b)     kt = k exp(b_C - b)       (q, k copied to qb, kb as well)
 
-    Returns (exp(b_C) (n, B H, 1 or K, 1), exp(b), exp(b_C - b)), None where the route has none."""
+    Returns (exp(b_C) (n, B H, 1 or K, 1), exp(b), scale exp(b), exp(b_C - b)), None where the route has
+    none."""
     if b is None:
         torch.mul(qs, scale, out=qt)
         kt.copy_(ks)
-        return None, None, None
+        return None, None, None, None
     n, B, H = b.shape[:3]
     b_last = b[:, :, :, -1:]                                         # (n, B, H, 1, Kg)
     decay = exp_decay(b_last).reshape(n, B * H, b.shape[-1], 1)
     eb = exp_decay(b)
-    torch.mul(qs, eb, out=qt).mul_(scale)
+    se = eb * scale
+    torch.mul(qs, se, out=qt)
     if route == "factorised":
         torch.div(ks, eb, out=kt)                                    # exp(-b) <= e^FACTOR_LIMIT
-        return decay, eb, None
+        return decay, eb, se, None
     qb.copy_(qs)
     kb.copy_(ks)
     w = exp_decay_(b_last - b)
     torch.mul(kb, w, out=kt)
-    return decay, eb, w
+    return decay, eb, se, w
 
 
 def _exact_scores(qb, kb, b, scale, out):
@@ -132,14 +134,14 @@ def _forward(q, k, v, ball, S0, scale, C, L, routes, states_all=None):
     qb, kb = (buf(n, B, H, C, K), buf(n, B, H, C, K)) if exact else (None, None)
     scores, kv = buf(n * BH, C, C), buf(n, BH, K, V)
     group_states = buf(n, BH, K, V) if states_all is None else None
-    S = S0.reshape(BH, K, V).clone()
+    S = buf(BH, K, V).zero_() if S0 is None else S0.reshape(BH, K, V).clone()
     o = torch.empty(B, T, H, V, dtype=dt, device=dev)
     for gi, s in enumerate(range(0, T, L)):
         e = min(s + L, T)
         vb.copy_(chunk_view(token_slice(v, s, e, L), C))
         qs, ks = chunk_view(token_slice(q, s, e, L), C), chunk_view(token_slice(k, s, e, L), C)   # in place
         b = None if ball is None else ball[gi * n:(gi + 1) * n]
-        decay, _, _ = _rows(qs, ks, b, routes[gi], scale, qt, kt, qb, kb)
+        decay = _rows(qs, ks, b, routes[gi], scale, qt, kt, qb, kb)[0]
         if routes[gi] == "exact":
             _exact_scores(qb, kb, b, scale, scores)
         else:
@@ -192,7 +194,7 @@ def _backward(q, k, v, do, dS, ball, states_all, scale, C, L, routes, ends=None)
         dob.copy_(chunk_view(token_slice(do, s, e, L), C))
         qs, ks = chunk_view(token_slice(q, s, e, L), C), chunk_view(token_slice(k, s, e, L), C)
         b = None if ball is None else ball[gi * n:(gi + 1) * n]
-        decay, eb, w = _rows(qs, ks, b, route, scale, qt, kt, qb, kb)
+        decay, eb, se, w = _rows(qs, ks, b, route, scale, qt, kt, qb, kb)
         qtf, ktf, vf, dof = qt.view(nb, C, K), kt.view(nb, C, K), vb.view(nb, C, V), dob.view(nb, C, V)
         states = states_all[gi * n:(gi + 1) * n].view(nb, K, V)
         # the state's gradient, chunk by chunk in reverse: dS_before = exp(b_C) dS_after + qt^T dO
@@ -211,19 +213,18 @@ def _backward(q, k, v, do, dS, ball, states_all, scale, C, L, routes, ends=None)
         if route == "exact":                                         # exponents <= 0 throughout
             qbf, kbf = qb.view(nb, C, K), kb.view(nb, C, K)
             torch.bmm(dof, vf.transpose(1, 2), out=dA)
-            dqb.mul_(eb)                                             # scale exp(b) dO S^T, + W k
+            dqb.mul_(se)                                             # scale exp(b) dO S^T, + W k
             torch.bmm(vf, after.view(nb, K, V).transpose(1, 2), out=dkf)
             dkb.mul_(w)                                              # exp(b_C - b) V dS^T, + W^T q
             if b.shape[-1] == 1:                                     # W = scale (dO V^T) o D
                 D = decay_mask(b.reshape(nb, C))
                 torch.bmm(qbf, kbf.transpose(1, 2), out=A).mul_(D).mul_(scale)
                 dA.mul_(D).mul_(scale)
-                dqf.baddbmm_(dA, kbf, beta=scale)
+                dqf.baddbmm_(dA, kbf)
                 dkf.baddbmm_(dA.transpose(1, 2), qbf)
             else:                                                    # through intra.py's sub-chunks
                 _exact_scores(qb, kb, b, scale, A)
                 dqi, dki = _intra_vector_grad(qbf, kbf, b.reshape(nb, C, K), dA.tril_().mul_(scale))
-                dqb.mul_(scale)
                 dqf.add_(dqi)
                 dkf.add_(dki)
             torch.bmm(ktf, after.view(nb, K, V), out=dvf)            # (k exp(b_C - b)) dS
@@ -232,9 +233,7 @@ def _backward(q, k, v, do, dS, ball, states_all, scale, C, L, routes, ends=None)
             torch.bmm(dof, vf.transpose(1, 2), out=dA).tril_()
             ga = after if decay is None else torch.mul(after, decay, out=gt)   # exp(b_C) dS_after
             dqf.baddbmm_(dA, ktf)
-            if eb is not None:
-                dqb.mul_(eb)
-            dqb.mul_(scale)
+            dqb.mul_(scale if se is None else se)
             torch.bmm(vf, ga.view(nb, K, V).transpose(1, 2), out=dkf)
             dkf.baddbmm_(dA.transpose(1, 2), qtf)
             if eb is not None:
@@ -311,10 +310,10 @@ def chunk_engine(q, k, v, g, *, scale, chunk_size, initial_state=None, route=Non
     routes = _pick_routes(ball, G, route)
     for r in sorted(set(routes)):
         took(op, r)
-    S0 = initial_state if initial_state is not None else q.new_zeros(B, H, K, v.shape[-1])
     if wants_grad(q, k, v, g, initial_state):
+        S0 = initial_state if initial_state is not None else q.new_zeros(B, H, K, v.shape[-1])
         return ChunkDecay.apply(q, k, v, g, S0, ball, scale, C, L, routes)
-    return _forward(q, k, v, ball, S0, scale, C, L, routes)
+    return _forward(q, k, v, ball, initial_state, scale, C, L, routes)
 
 
 def chunk_decay_attention(q, k, v, g, *, scale, chunk_size=64, initial_state=None, route=None, op="simple_gla"):
