@@ -172,3 +172,27 @@ def test_factored_and_elementwise_diagonal_blocks_agree(strength, monkeypatch):
     assert_close(s1, s2, 1e-11, "state")
     for a, b in zip(g1, g2):
         assert_close(a, b, 1e-10, "gradient")
+
+
+@pytest.mark.parametrize("route,T", [("token", 3), ("chunk", 3), ("chunk", 75), ("token", 75)])
+def test_each_route_forced_agrees_with_the_token_loop_values_and_gradients(route, T, monkeypatch):
+    # route= forces the chunk form's route; the engine runs in groups of 32 tokens here (a padded last one),
+    # with a gradient and without. The route taken is recorded.
+    from subquad.ops.common.routes import reset_routes, routes_taken
+    from subquad.ops.delta import chunk
+
+    monkeypatch.setattr(chunk, "TOKEN_HEADS", 4 * 32)                 # B H = 4: groups of 32 tokens
+    x = make(2, T, K=4, V=6, seed=T, strength=2.0)
+    S0 = state0(x)
+
+    def forced(mode, x, C, S, out):
+        kw = dict(route=route) if mode == "chunk" else {}
+        return gated_delta_rule(x["q"], x["k"], x["v"], x["g"], x["beta"], mode=mode, chunk_size=C,
+                                initial_state=S, output_final_state=out, **kw)
+
+    reset_routes()
+    check_forms_agree(forced, x, 16, initial_state=S0, modes=("chunk",), ref="recurrent")
+    check_grads_agree(forced, x, 16, S0, modes=("chunk",), ref="recurrent")
+    with torch.no_grad():
+        check_forms_agree(forced, x, 16, initial_state=S0, modes=("chunk",), ref="recurrent")
+    assert routes_taken() == {("gated_delta_rule", route): 3}
