@@ -86,8 +86,8 @@ def _rows(qs, ks, b, route, scale, qt, kt, qb, kb):
         factorised   qt = scale q exp(b)     kt = k exp(-b)
         exact        qt = scale q exp(b)     kt = k exp(b_C - b)       (q, k copied to qb, kb as well)
 
-    Returns (exp(b_C) (n, B H, 1 or K, 1), exp(b), scale exp(b), exp(b_C - b)), None where the route has
-    none."""
+    Returns (exp(b_C) (n, B H, 1 or K, 1), kf, scale exp(b), exp(b_C - b)), None where the route has none;
+    kf (factorised) is exp(-b) for a scalar decay, exp(b) to divide by for a per-key-dim one."""
     if b is None:
         torch.mul(qs, scale, out=qt)
         kt.copy_(ks)
@@ -98,14 +98,19 @@ def _rows(qs, ks, b, route, scale, qt, kt, qb, kb):
     eb = exp_decay(b)
     se = eb * scale
     torch.mul(qs, se, out=qt)
-    if route == "factorised":
-        torch.div(ks, eb, out=kt)                                    # exp(-b) <= e^FACTOR_LIMIT
-        return decay, eb, se, None
+    if route == "factorised":                                        # exp(-b) <= e^FACTOR_LIMIT
+        if b.shape[-1] == 1:                                         # a scalar decay: a few exps, a multiply
+            kf = torch.exp(-b)
+            torch.mul(ks, kf, out=kt)
+        else:                                                        # per key dim: a division, no more exps
+            kf = eb
+            torch.div(ks, eb, out=kt)
+        return decay, kf, se, None
     qb.copy_(qs)
     kb.copy_(ks)
     w = exp_decay_(b_last - b)
     torch.mul(kb, w, out=kt)
-    return decay, eb, se, w
+    return decay, None, se, w
 
 
 def _exact_scores(qb, kb, b, scale, out):
@@ -194,7 +199,7 @@ def _backward(q, k, v, do, dS, ball, states_all, scale, C, L, routes, ends=None)
         dob.copy_(chunk_view(token_slice(do, s, e, L), C))
         qs, ks = chunk_view(token_slice(q, s, e, L), C), chunk_view(token_slice(k, s, e, L), C)
         b = None if ball is None else ball[gi * n:(gi + 1) * n]
-        decay, eb, se, w = _rows(qs, ks, b, route, scale, qt, kt, qb, kb)
+        decay, kf, se, w = _rows(qs, ks, b, route, scale, qt, kt, qb, kb)
         qtf, ktf, vf, dof = qt.view(nb, C, K), kt.view(nb, C, K), vb.view(nb, C, V), dob.view(nb, C, V)
         states = states_all[gi * n:(gi + 1) * n].view(nb, K, V)
         # the state's gradient, chunk by chunk in reverse: dS_before = exp(b_C) dS_after + qt^T dO
@@ -236,8 +241,10 @@ def _backward(q, k, v, do, dS, ball, states_all, scale, C, L, routes, ends=None)
             dqb.mul_(scale if se is None else se)
             torch.bmm(vf, ga.view(nb, K, V).transpose(1, 2), out=dkf)
             dkf.baddbmm_(dA.transpose(1, 2), qtf)
-            if eb is not None:
-                dkb.div_(eb)                                         # k~ = k exp(-b)
+            if kf is not None and b.shape[-1] == 1:                  # k~ = k exp(-b)
+                dkb.mul_(kf)
+            elif kf is not None:
+                dkb.div_(kf)
             torch.bmm(ktf, ga.view(nb, K, V), out=dvf)
         dvf.baddbmm_(A.transpose(1, 2), dof)
         put_chunks(dq, s, e, dqb)
