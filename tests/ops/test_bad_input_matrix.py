@@ -33,6 +33,8 @@ NOT_OPS = {
     "MODES": "a constant", "OPS": "a constant", "RECURRENT_OPS": "a constant", "FEATURE_MAPS": "a constant",
     "set_checks": "a global switch taking one flag, refused otherwise (tests/ops/test_precision.py)",
     "feature_map": "a factory of nn.Modules by name (tests/ops/test_feature_maps.py)",
+    "Transition": "a dataclass declaring an op's state-passing transition (tests/layers/test_table.py)",
+    "transition_of": "reads an op's declared Transition (tests/distributed)",
     "KVCache": "a class: its constructor is checked in test_bad_input.py; as an op's state it is in the matrix",
 }
 

@@ -10,12 +10,8 @@ Token loop or chunks
     SHORT_SCAN  the same for Mamba's selective scan, whose chunked "lanes" cost more per call:
                 below ~16-32 tokens its token loop is faster.
 
-Pieces of a differentiable call (autograd keeps a piece's temporaries, not a whole call's)
-    PIECE               tokens per piece of the decayed family's chunk forms (the delta rules' engine
-                        runs in groups of TOKEN_HEADS_DELTA, with or without a gradient).
-    PIECE_PER_KEY_DIM   GLA's per-key-dim decay: its sub-chunk temporaries are 4x larger.
-
-No-gradient fast paths (``inference.py``, ``ssd.py``): groups of chunks in reused buffers
+Groups of chunks in reused buffers (the chunk engines, with a gradient and without; ``ssd.py``). Long
+layer calls are cut into pieces at one level only, the layer's ``piece_size`` (``layers.base.Mixer``).
     TOKEN_HEADS_DECAY / _SSD / _DELTA   about this many (token, head) pairs per group: large enough
                 to batch, small enough to stay in cache (each the best of 1K-16K measured here). The
                 delta rules' one engine (``ops/delta/chunk.py``) runs in these groups with a gradient too:
@@ -55,8 +51,6 @@ import torch
 
 SHORT = 4
 SHORT_SCAN = 16
-PIECE = 2048
-PIECE_PER_KEY_DIM = 256
 TOKEN_HEADS_DECAY = 4096
 TOKEN_HEADS_SSD = 16384
 TOKEN_HEADS_DELTA = 4096

@@ -41,8 +41,11 @@ def _intra_vector_rows(rows, kc, b, sub=SUB):
     k_t = kc.view(BH, n, SUB, K) * exp_decay(r.unsqueeze(2) - bq)           # (BH, n, SUB, K), exponent <= 0
     sub_of_row = torch.arange(C, device=b.device) // SUB                     # (C,)
     later = sub_of_row.view(1, C) > torch.arange(n, device=b.device).view(n, 1)   # (n, C): row after sub-chunk J
-    E = (b.unsqueeze(1) - r.unsqueeze(2)).masked_fill(~later[None, :, :, None], float("-inf"))
-    q_t = rows.unsqueeze(2) * exp_decay(E).unsqueeze(1)                     # (BH, R, n, C, K), exponent <= 0
+    # rows not after sub-chunk J get exact zeros, not exp_decay's floor (~1e-38): products of the floor
+    # are subnormal, the CPU's slow path (7x slower for the whole call)
+    hide = ~later[None, :, :, None]
+    E = exp_decay((b.unsqueeze(1) - r.unsqueeze(2)).masked_fill(hide, 0.0)).masked_fill(hide, 0.0)
+    q_t = rows.unsqueeze(2) * E.unsqueeze(1)                                # (BH, R, n, C, K), exponent <= 0
     A = (q_t @ k_t.unsqueeze(1).transpose(-1, -2))                           # (BH, R, n, C, SUB): columns of J
     A = A.permute(0, 1, 3, 2, 4).reshape(BH, R, C, C)
     tri = torch.ones(SUB, SUB, dtype=torch.bool, device=b.device).tril()
@@ -53,9 +56,9 @@ def _intra_vector_rows(rows, kc, b, sub=SUB):
         ck = kc.view(BH, n, SUB, K) * torch.exp(m - bq)
         Ad = (rq @ ck.unsqueeze(1).transpose(-1, -2)) * tri
     else:
-        Ed = (bq.unsqueeze(3) - bq.unsqueeze(2)).masked_fill(~tri[None, None, :, :, None], float("-inf"))
-        Ad = torch.einsum("brnik,bnjk,bnijk->brnij", rows.view(BH, R, n, SUB, K), kc.view(BH, n, SUB, K),
-                          exp_decay(Ed))
+        upper = ~tri[None, None, :, :, None]
+        Ed = exp_decay((bq.unsqueeze(3) - bq.unsqueeze(2)).masked_fill(upper, 0.0)).masked_fill(upper, 0.0)
+        Ad = torch.einsum("brnik,bnjk,bnijk->brnij", rows.view(BH, R, n, SUB, K), kc.view(BH, n, SUB, K), Ed)
     A.view(BH, R, n, SUB, n, SUB).diagonal(dim1=2, dim2=4).add_(Ad.permute(0, 1, 3, 4, 2))
     return A
 
@@ -80,8 +83,8 @@ def _intra_vector_grad(qc, kc, b, dA):
     fk = exp_decay(r.unsqueeze(2) - bq)                                      # (BH, n, SUB, K), exponent <= 0
     sub_of_row = torch.arange(C, device=b.device) // SUB
     later = sub_of_row.view(1, C) > torch.arange(n, device=b.device).view(n, 1)
-    E = (b.unsqueeze(1) - r.unsqueeze(2)).masked_fill(~later[None, :, :, None], float("-inf"))
-    fq = exp_decay(E)                                                        # (BH, n, C, K): as the forward
+    hide = ~later[None, :, :, None]
+    fq = exp_decay((b.unsqueeze(1) - r.unsqueeze(2)).masked_fill(hide, 0.0)).masked_fill(hide, 0.0)   # as the forward
     dA_off = dA.view(BH, C, n, SUB).transpose(1, 2)                          # (BH, n, C, SUB): columns of J
     dq = ((dA_off @ (kc.view(BH, n, SUB, K) * fk)) * fq).sum(1)              # (BH, C, K)
     dk = ((dA_off.transpose(-1, -2) @ (qc.unsqueeze(1) * fq)) * fk).view(BH, C, K)
@@ -96,7 +99,8 @@ def _intra_vector_grad(qc, kc, b, dA):
         dq = dq + ((dAt @ (kv * fc)) * fr).view(BH, C, K)
         dk = dk + ((dAt.transpose(-1, -2) @ (qv * fr)) * fc).view(BH, C, K)
     else:
-        Ed = exp_decay((bq.unsqueeze(3) - bq.unsqueeze(2)).masked_fill(~tri[None, None, :, :, None], float("-inf")))
+        upper = ~tri[None, None, :, :, None]
+        Ed = exp_decay((bq.unsqueeze(3) - bq.unsqueeze(2)).masked_fill(upper, 0.0)).masked_fill(upper, 0.0)
         dq = dq + torch.einsum("bnij,bnjk,bnijk->bnik", dAd, kv, Ed).reshape(BH, C, K)
         dk = dk + torch.einsum("bnij,bnik,bnijk->bnjk", dAd, qv, Ed).reshape(BH, C, K)
     return dq, dk
