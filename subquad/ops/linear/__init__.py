@@ -21,39 +21,14 @@ from __future__ import annotations
 
 import torch
 
-from subquad.ops.common.checks import check_bool, check_chunk_size, check_mode, check_qkv, check_real, default_scale
+from subquad.ops.common.checks import check_bool, check_chunk_size, check_mode
 from subquad.ops.common.precision import causal_guard, checks_on
 from subquad.ops.common.routes import check_route
-from subquad.ops.linear.chunk import ROUTES, chunk_linear_attention
+from subquad.ops.linear.chunk import chunk_linear_attention
+from subquad.ops.linear.prepare import ROUTES, prepare_form
 from subquad.ops.linear.parallel import parallel_linear_attention
 from subquad.ops.linear.recurrent import linear_attention_step, recurrent_linear_attention
 from subquad.ops.common.varlen import varlen
-
-
-def _prepare(q, k, v, scale, chunk_size):
-    """Shared argument checks; returns the float scale."""
-    check_qkv(q, k, v)
-    if q.shape[1] < 1:
-        raise ValueError(f"q must hold at least one token (T >= 1), got shape {tuple(q.shape)}")
-    check_chunk_size(chunk_size)
-    return default_scale(scale, q.shape[-1])
-
-
-def prepare_form(q, k, v, scale, chunk_size, initial_state, normalize, eps, output_final_state, route, form):
-    """What every form starts with: checks, then (scale, S0, z0, the state's dtype, eps). ``route`` is the
-    chunk form's (chunk.py): None, or with form "chunk" one of its routes."""
-    from subquad.ops.common.checks import state_dtype
-    from subquad.ops.linear.state import unpack_state
-
-    check_route(route, ROUTES, "linear_attention")
-    if route is not None and form != "chunk":
-        raise ValueError(f"route={route!r} is a route of the chunk form; linear_attention got mode={form!r}")
-    check_bool("normalize", normalize)
-    check_bool("output_final_state", output_final_state)
-    eps = check_real("eps", eps, minimum=0.0)
-    scale = _prepare(q, k, v, scale, chunk_size)
-    S0, z0 = unpack_state(initial_state, q, v, normalize)
-    return scale, S0, z0, state_dtype(q.dtype), eps
 
 
 _FORMS = {

@@ -27,8 +27,8 @@ from subquad.ops.common.varlen import varlen
 from subquad.ops.decay.chunk import chunk_engine
 from subquad.ops.linear.recurrent import recurrent_linear_attention
 from subquad.ops.linear.state import pack_state
+from subquad.ops.linear.prepare import prepare_form
 
-ROUTES = ("token", "chunk")
 
 
 @amp_op()
@@ -36,8 +36,6 @@ ROUTES = ("token", "chunk")
 def chunk_linear_attention(q, k, v, *, normalize=True, eps=1e-6, chunk_size=64, scale=None,
                            initial_state=None, output_final_state=False, route=None):
     """Chunkwise linear attention; same signature as ``linear_attention``."""
-    from subquad.ops.linear import prepare_form
-
     scale, S0, z0, dt, eps = prepare_form(q, k, v, scale, chunk_size, initial_state, normalize, eps,
                                            output_final_state, route, "chunk")
     B, T, H, K = q.shape

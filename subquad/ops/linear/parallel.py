@@ -15,6 +15,7 @@ import torch
 from subquad.ops.common.precision import amp_op
 from subquad.ops.linear.state import pack_state
 from subquad.ops.common.varlen import varlen
+from subquad.ops.linear.prepare import prepare_form
 
 
 @amp_op()
@@ -22,8 +23,6 @@ from subquad.ops.common.varlen import varlen
 def parallel_linear_attention(q, k, v, *, normalize=True, eps=1e-6, chunk_size=64, scale=None,
                               initial_state=None, output_final_state=False, route=None):
     """Parallel (masked T x T) linear attention; same signature as ``linear_attention``."""
-    from subquad.ops.linear import prepare_form
-
     scale, S0, z0, dt, eps = prepare_form(q, k, v, scale, chunk_size, initial_state, normalize, eps,
                                            output_final_state, route, "parallel")
     qf, kf, vf = (x.to(dt).transpose(1, 2) for x in (q, k, v))  # (B, H, T, *)

@@ -25,11 +25,11 @@ from __future__ import annotations
 import torch
 
 from subquad.ops.common.checks import state_dtype
-from subquad.ops.softmax.naive import visible_mask
 from subquad.ops.common.precision import autocast_off
 from subquad.ops.common.precision import amp_op
 from subquad.ops.common.varlen import varlen
 from subquad.ops.softmax.ragged import takes_ragged_caches
+from subquad.ops.softmax.prepare import check_flags, finish, prepare, visible_mask
 
 
 def _blocks(T_q, L, C, causal, window, q_start, k_start):
@@ -149,11 +149,10 @@ def blockwise_softmax_attention(q, k, v, *, scale, chunk_size, causal, window, q
 def chunk_softmax_attention(q, k, v, *, causal=True, window=None, chunk_size=64, scale=None,
                             initial_state=None, output_final_state=False, return_lse=False):
     """Blockwise online-softmax attention; same signature as ``softmax_attention``."""
-    from subquad.ops.softmax import _finish, _prepare, check_flags
 
     check_flags(causal, output_final_state, return_lse)
-    scale, cache, kk, vv, q_start = _prepare(q, k, v, causal, window, scale, chunk_size, initial_state)
+    scale, cache, kk, vv, q_start = prepare(q, k, v, causal, window, scale, chunk_size, initial_state)
     o, lse = blockwise_softmax_attention(q, kk, vv, scale=scale, chunk_size=chunk_size, causal=causal,
                                          window=window, q_start=q_start,
                                          k_start=q_start - len(cache) if cache is not None else 0)
-    return _finish(o, lse, cache, k, v, window, output_final_state, return_lse)
+    return finish(o, lse, cache, k, v, window, output_final_state, return_lse)

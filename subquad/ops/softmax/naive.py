@@ -10,21 +10,11 @@ position pos_t = offset + L_cache + t.
 from __future__ import annotations
 
 import torch
+
 from subquad.ops.common.precision import amp_op
 from subquad.ops.common.varlen import varlen
+from subquad.ops.softmax.prepare import finish, prepare, check_flags, visible_mask
 from subquad.ops.softmax.ragged import takes_ragged_caches
-
-
-def visible_mask(T: int, L: int, *, causal: bool, window, q_start: int, k_start: int = 0, device=None):
-    """(T, L) bool: query at absolute position q_start + t may see key at k_start + j."""
-    qpos = torch.arange(q_start, q_start + T, device=device).unsqueeze(1)
-    kpos = torch.arange(k_start, k_start + L, device=device).unsqueeze(0)
-    m = torch.ones(T, L, dtype=torch.bool, device=device)
-    if causal:
-        m &= kpos <= qpos
-    if window is not None:
-        m &= (qpos - kpos) <= window
-    return m
 
 
 @amp_op()
@@ -33,10 +23,8 @@ def visible_mask(T: int, L: int, *, causal: bool, window, q_start: int, k_start:
 def naive_softmax_attention(q, k, v, *, causal=True, window=None, chunk_size=64, scale=None,
                             initial_state=None, output_final_state=False, return_lse=False):
     """T x L softmax attention written out; same signature as ``softmax_attention``."""
-    from subquad.ops.softmax import _finish, _prepare, check_flags
-
     check_flags(causal, output_final_state, return_lse)
-    scale, cache, kk, vv, q_start = _prepare(q, k, v, causal, window, scale, chunk_size, initial_state)
+    scale, cache, kk, vv, q_start = prepare(q, k, v, causal, window, scale, chunk_size, initial_state)
     qh, kh, vh = q.transpose(1, 2), kk.transpose(1, 2), vv.transpose(1, 2)          # (B, H, *, D)
     s = (qh @ kh.transpose(-1, -2)) * scale                                           # (B, H, T, L)
     m = visible_mask(q.shape[1], kk.shape[1], causal=causal, window=window,
@@ -44,4 +32,4 @@ def naive_softmax_attention(q, k, v, *, causal=True, window=None, chunk_size=64,
     s = s.masked_fill(~m, float("-inf"))
     lse = torch.logsumexp(s, dim=-1)                                                  # (B, H, T)
     o = (torch.softmax(s, dim=-1) @ vh).transpose(1, 2)
-    return _finish(o, lse.transpose(1, 2), cache, k, v, window, output_final_state, return_lse)
+    return finish(o, lse.transpose(1, 2), cache, k, v, window, output_final_state, return_lse)

@@ -10,11 +10,11 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from subquad.ops.softmax.naive import visible_mask
 from subquad.ops.common.precision import amp_op
 from subquad.ops.common.varlen import varlen
 from subquad.ops.softmax.ragged import takes_ragged_caches
 from subquad.ops.common.routes import FLASH_16BIT
+from subquad.ops.softmax.prepare import check_flags, finish, prepare, visible_mask
 
 
 @amp_op()
@@ -23,12 +23,11 @@ from subquad.ops.common.routes import FLASH_16BIT
 def parallel_softmax_attention(q, k, v, *, causal=True, window=None, chunk_size=64, scale=None,
                                initial_state=None, output_final_state=False, return_lse=False):
     """SDPA softmax attention; same signature as ``softmax_attention``."""
-    from subquad.ops.softmax import _finish, _prepare, check_flags
 
     check_flags(causal, output_final_state, return_lse)
     if return_lse:
         raise ValueError("return_lse=True is not available in mode='parallel' (SDPA does not expose it); use mode='chunk'")
-    scale, cache, kk, vv, q_start = _prepare(q, k, v, causal, window, scale, chunk_size, initial_state)
+    scale, cache, kk, vv, q_start = prepare(q, k, v, causal, window, scale, chunk_size, initial_state)
     qh, kh, vh = q.transpose(1, 2), kk.transpose(1, 2), vv.transpose(1, 2)
     T, L = q.shape[1], kk.shape[1]
     k_start = q_start - len(cache) if cache is not None else 0
@@ -39,7 +38,7 @@ def parallel_softmax_attention(q, k, v, *, causal=True, window=None, chunk_size=
     else:
         m = visible_mask(T, L, causal=causal, window=window, q_start=q_start, k_start=k_start, device=q.device)
         o = _sdpa(qh, kh, vh, attn_mask=m, scale=scale)
-    return _finish(o.transpose(1, 2), None, cache, k, v, window, output_final_state, False)
+    return finish(o.transpose(1, 2), None, cache, k, v, window, output_final_state, False)
 
 
 def _sdpa(qh, kh, vh, scale, **kw):

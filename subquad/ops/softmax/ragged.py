@@ -16,16 +16,15 @@ import functools
 import torch
 
 from subquad.ops.common.checks import state_dtype
+from subquad.ops.softmax.prepare import check_common, check_flags, visible_mask
 
 
 def ragged_attention(q, k, v, cache, *, causal=True, window=None, chunk_size=64, scale=None, output_final_state=False,
                      return_lse=False, **_):
-    from subquad.ops.softmax import _check_common, check_flags
     from subquad.ops.softmax.cache import KVCache
-    from subquad.ops.softmax.naive import visible_mask
 
     check_flags(causal, output_final_state, return_lse)
-    scale = _check_common(q, k, v, causal, window, scale, chunk_size)
+    scale = check_common(q, k, v, causal, window, scale, chunk_size)
     if not causal:
         raise ValueError("a KV cache (initial_state) needs causal=True")
     B, T = q.shape[:2]

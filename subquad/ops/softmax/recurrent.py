@@ -15,6 +15,7 @@ from subquad.ops.softmax.cache import KVCache
 from subquad.ops.common.precision import amp_op
 from subquad.ops.common.varlen import varlen
 from subquad.ops.softmax.ragged import takes_ragged_caches
+from subquad.ops.softmax.prepare import as_cache, check_common, check_flags
 
 
 def softmax_attention_step(q_t, k_t, v_t, cache: KVCache, *, scale: float) -> torch.Tensor:
@@ -40,16 +41,15 @@ def softmax_attention_step(q_t, k_t, v_t, cache: KVCache, *, scale: float) -> to
 def recurrent_softmax_attention(q, k, v, *, causal=True, window=None, chunk_size=64, scale=None,
                                 initial_state=None, output_final_state=False, return_lse=False):
     """Token-by-token KV-cache attention; same signature as ``softmax_attention``."""
-    from subquad.ops.softmax import _as_cache, _check_common, check_flags
 
     check_flags(causal, output_final_state, return_lse)
     if not causal:
         raise ValueError("mode='recurrent' is causal decoding; causal=False has no recurrent form")
     if return_lse:
         raise ValueError("return_lse=True is only available in mode='chunk'")
-    scale = _check_common(q, k, v, causal, window, scale, chunk_size)
+    scale = check_common(q, k, v, causal, window, scale, chunk_size)
     B, T, H, K = q.shape
-    cache = _as_cache(initial_state, q, v, window)
+    cache = as_cache(initial_state, q, v, window)
     cache = KVCache.empty(B, H, K, v.shape[-1], dtype=q.dtype, device=q.device, window=window,
                           capacity=max(T + (len(cache) if cache else 0), 1)) if cache is None else cache.clone()
     # With autograd, keep every step's keys as separate tensors (no in-place buffer writes).
