@@ -18,14 +18,18 @@ def pure(cfg: ModelConfig, layer: str) -> bool:
     return set(cfg.layers) == {layer} and not cfg.mlp and cfg.pos_emb == "none"
 
 
-class MambaFormat(Format):
-    model_type = "mamba"
+class BackboneFormat(Format):
+    """The names Mamba and Mamba-2 checkpoints share: ``backbone.layers.{i}.`` with a norm and a mixer."""
     conv_bias_key = "use_conv_bias"
     top = BACKBONE
     layer = "backbone.layers.{i}."
     layers = {"*": {"norm1.weight": "norm.weight",
                     "mixer.conv.{p}": "mixer.conv1d.{p}",
                     "mixer.{p}": "mixer.{p}"}}
+
+
+class MambaFormat(BackboneFormat):
+    model_type = "mamba"
 
     @staticmethod
     def config(c: dict) -> ModelConfig:

@@ -4,18 +4,12 @@ the gated norm per group with the config's epsilon, ``time_step_limit``), rmsnor
 from __future__ import annotations
 
 from subquad.models.config import ModelConfig
-from subquad.models.hf.common import Format, config_float, json_float, require
-from subquad.models.hf.mamba import BACKBONE, pure
+from subquad.models.hf.common import config_float, json_float, require
+from subquad.models.hf.mamba import BackboneFormat, pure
 
 
-class Mamba2Format(Format):
+class Mamba2Format(BackboneFormat):
     model_type = "mamba2"
-    conv_bias_key = "use_conv_bias"
-    top = BACKBONE
-    layer = "backbone.layers.{i}."
-    layers = {"*": {"norm1.weight": "norm.weight",
-                    "mixer.conv.{p}": "mixer.conv1d.{p}",
-                    "mixer.{p}": "mixer.{p}"}}
 
     @staticmethod
     def config(c: dict) -> ModelConfig:
