@@ -128,10 +128,10 @@ def _forward(q, k, v, ball, S0, scale, C, L, routes, states_all=None):
     chunk (for the backward); None keeps one group's. Returns o (B, T, H, V) and the final state."""
     B, T, H, K = q.shape
     V = v.shape[-1]
-    BH, n, dt, dev = B * H, L // C, q.dtype, q.device
+    BH, n, sd, dev = B * H, L // C, q.dtype, q.device
 
     def buf(*shape):
-        return torch.empty(*shape, dtype=dt, device=dev)
+        return torch.empty(*shape, dtype=sd, device=dev)
 
     exact = "exact" in routes
     vb, ob = buf(n, B, H, C, V), buf(n, B, H, C, V)
@@ -140,7 +140,7 @@ def _forward(q, k, v, ball, S0, scale, C, L, routes, states_all=None):
     scores, kv = buf(n * BH, C, C), buf(n, BH, K, V)
     group_states = buf(n, BH, K, V) if states_all is None else None
     S = buf(BH, K, V).zero_() if S0 is None else S0.reshape(BH, K, V).clone()
-    o = torch.empty(B, T, H, V, dtype=dt, device=dev)
+    o = torch.empty(B, T, H, V, dtype=sd, device=dev)
     for gi, s in enumerate(range(0, T, L)):
         e = min(s + L, T)
         vb.copy_(chunk_view(token_slice(v, s, e, L), C))
@@ -174,11 +174,11 @@ def _backward(q, k, v, do, dS, ball, states_all, scale, C, L, routes, ends=None)
     ``ends`` (G n, B H, K): where to put <dS_after, S_after> per chunk and key row, for dg (or None)."""
     B, T, H, K = q.shape
     V = v.shape[-1]
-    BH, n, dt, dev = B * H, L // C, q.dtype, q.device
+    BH, n, sd, dev = B * H, L // C, q.dtype, q.device
     nb = n * BH
 
     def buf(*shape):
-        return torch.empty(*shape, dtype=dt, device=dev)
+        return torch.empty(*shape, dtype=sd, device=dev)
 
     exact = "exact" in routes
     vb, dob = buf(n, B, H, C, V), buf(n, B, H, C, V)
@@ -330,7 +330,7 @@ def chunk_decay_attention(q, k, v, g, *, scale, chunk_size=64, initial_state=Non
     if route == "token" or (route is None and T < SHORT and not wants_grad(q, k, v, g, initial_state)):
         took(op, "token")
         return recurrent_decay_attention(q, k, v, g, scale=scale, chunk_size=chunk_size, initial_state=initial_state)
-    dt = g.dtype
-    q, k, v = (x.to(dt) for x in (q, k, v))
+    sd = g.dtype
+    q, k, v = (x.to(sd) for x in (q, k, v))
     return chunk_engine(q, k, v, g, scale=scale, chunk_size=chunk_size, initial_state=initial_state, route=route,
                         op=op)

@@ -17,8 +17,8 @@ import torch
 
 
 def parallel_decay_attention(q, k, v, g, *, scale, chunk_size=None, initial_state=None):
-    dt = g.dtype
-    qf, kf, vf = (x.to(dt).transpose(1, 2) for x in (q, k, v))              # (B, H, T, *)
+    sd = g.dtype
+    qf, kf, vf = (x.to(sd).transpose(1, 2) for x in (q, k, v))              # (B, H, T, *)
     T = q.shape[1]
     G = g.cumsum(1).transpose(1, 2)                                          # (B, H, T[, K])
     causal = torch.ones(T, T, dtype=torch.bool, device=q.device).tril()

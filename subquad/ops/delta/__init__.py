@@ -75,10 +75,10 @@ def _run(op, q, k, v, g, beta, mode, chunk_size, scale, initial_state, output_fi
         if checks_on(g) and (g > 0).any():
             raise ValueError(f"g is a log-decay and must be <= 0 everywhere; got max {g.max().item():.3g}")
     B, _, H, K = q.shape
-    dt = state_dtype(q.dtype)
+    sd = state_dtype(q.dtype)
     if initial_state is not None:
         check_state("initial_state", initial_state, (B, H, K, v.shape[-1]), q)
-    beta, g = beta.to(dt), None if g is None else finite_log_decay(g.to(dt))
+    beta, g = beta.to(sd), None if g is None else finite_log_decay(g.to(sd))
 
     scale = default_scale(scale, K)
 

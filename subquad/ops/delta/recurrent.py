@@ -14,15 +14,15 @@ from subquad.ops.common.expo import exp_decay
 
 def recurrent_delta(q, k, v, g, beta, *, scale, chunk_size=None, initial_state=None):
     B, T, H, K = q.shape
-    dt = beta.dtype
-    S = torch.zeros(B, H, K, v.shape[-1], dtype=dt, device=q.device) if initial_state is None else initial_state
+    sd = beta.dtype
+    S = torch.zeros(B, H, K, v.shape[-1], dtype=sd, device=q.device) if initial_state is None else initial_state
     outs = []
     for t in range(T):
-        kt, vt, bt = k[:, t].to(dt), v[:, t].to(dt), beta[:, t]             # (B, H, K), (B, H, V), (B, H)
+        kt, vt, bt = k[:, t].to(sd), v[:, t].to(sd), beta[:, t]             # (B, H, K), (B, H, V), (B, H)
         if g is not None:
             a = exp_decay(g[:, t])                                            # (B, H) or (B, H, K): KDA
             S = (a[..., None, None] if a.dim() == 2 else a[..., None]) * S
         pred = (kt.unsqueeze(-2) @ S).squeeze(-2)                             # S^T k  (B, H, V)
         S = S + kt.unsqueeze(-1) * (bt[..., None] * (vt - pred)).unsqueeze(-2)
-        outs.append((q[:, t].to(dt).unsqueeze(-2) @ S).squeeze(-2) * scale)
+        outs.append((q[:, t].to(sd).unsqueeze(-2) @ S).squeeze(-2) * scale)
     return torch.stack(outs, 1), S
