@@ -144,10 +144,11 @@ def state_passing(kind: str, q, k, v, *, g=None, beta=None, normalize: bool = Fa
     if allow_neg_eigval and kind not in ("delta_rule", "gated_delta_rule"):
         raise ValueError(f"allow_neg_eigval applies to the delta rules only, not kind={kind!r}")
     op = getattr(ops, kind)
-    args = inspect.signature(op).bind_partial(q, k, v).arguments
+    sig = inspect.signature(op)
+    args = sig.bind_partial(q, k, v).arguments
     for name, value in (("g", g), ("beta", beta), ("normalize", normalize), ("scale", scale),
                         ("allow_neg_eigval", allow_neg_eigval)):
-        if name in inspect.signature(op).parameters and value is not None:
+        if name in sig.parameters and value is not None:
             args[name] = value
     return pass_states(op, {**args, "chunk_size": chunk_size}, pieces=pieces, group=group)
 def sequence_parallel(kind: str, q, k, v, *, g=None, beta=None, normalize: bool = False, scale=None,

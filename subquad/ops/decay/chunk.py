@@ -34,6 +34,8 @@ A forced "factorised" trusts the caller that no chunk decays by more than e^FACT
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from subquad.ops.common.autograd import wants_grad
@@ -129,9 +131,7 @@ def _forward(q, k, v, ball, S0, scale, C, L, routes, states_all=None):
     B, T, H, K = q.shape
     V = v.shape[-1]
     BH, n, sd, dev = B * H, L // C, q.dtype, q.device
-
-    def buf(*shape):
-        return torch.empty(*shape, dtype=sd, device=dev)
+    buf = functools.partial(torch.empty, dtype=sd, device=dev)
 
     exact = "exact" in routes
     vb, ob = buf(n, B, H, C, V), buf(n, B, H, C, V)
@@ -176,9 +176,7 @@ def _backward(q, k, v, do, dS, ball, states_all, scale, C, L, routes, ends=None)
     V = v.shape[-1]
     BH, n, sd, dev = B * H, L // C, q.dtype, q.device
     nb = n * BH
-
-    def buf(*shape):
-        return torch.empty(*shape, dtype=sd, device=dev)
+    buf = functools.partial(torch.empty, dtype=sd, device=dev)
 
     exact = "exact" in routes
     vb, dob = buf(n, B, H, C, V), buf(n, B, H, C, V)
