@@ -25,6 +25,7 @@ ATTENTION_INPUTS = {                      # the positional inputs of each op, ga
     "gla": ["q", "k", "v", "g"],
     "delta_rule": ["q", "k", "v", "beta"],
     "gated_delta_rule": ["q", "k", "v", "g", "beta"],
+    "generalized_delta_rule": ["q", "k", "v", "w", "a", "b"],
     "softmax_attention": ["q", "k", "v"],
     "ssd": ["x", "dt", "A", "B", "C"],
     "selective_scan": ["x", "dt", "A", "B", "C"],
@@ -72,6 +73,9 @@ def _tiny(name):
         gates["g"] = torch.full((H,), -0.1, dtype=torch.float64)
     if name == "gla":
         gates["g"] = -torch.rand(B, T, H, K, generator=g, dtype=torch.float64)
+    if name == "generalized_delta_rule":                  # RWKV-7's a = -kk, b = lr * kk
+        lr = torch.rand(B, T, H, 1, generator=g, dtype=torch.float64)
+        return [q, k, v, -torch.rand(B, T, H, K, generator=g, dtype=torch.float64), -k, lr * k]
     if name in ("ssd", "selective_scan"):
         Dm = H * K if name == "selective_scan" else None
         x = r(B, T, Dm) if Dm else r(B, T, H, K)

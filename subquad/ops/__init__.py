@@ -16,11 +16,11 @@ Each op takes ``mode`` in ``("parallel", "recurrent", "chunk")``, ``chunk_size``
 different lengths in one row (``subquad.ops.common.varlen``). Every op's three forms are public too,
 ``parallel_<op>``, ``recurrent_<op>`` and ``chunk_<op>``, with the op's signature
 less ``mode``. Gates follow the values: ``(q, k, v, g)``, ``(q, k, v, beta)``,
-``(q, k, v, g, beta)``; Mamba's scans take ``(x, dt, A, B, C)``.
+``(q, k, v, g, beta)``, ``(q, k, v, w, a, b)``; Mamba's scans take ``(x, dt, A, B, C)``.
 
 The op families live in folders named after the family, not the op (so no function
 shadows its package): ``softmax/`` (softmax_attention), ``linear/`` (linear_attention),
-``decay/`` (retention, simple_gla, gla, ssd), ``delta/`` (delta_rule, gated_delta_rule),
+``decay/`` (retention, simple_gla, gla, ssd), ``delta/`` (delta_rule, gated_delta_rule, generalized_delta_rule),
 ``mamba/`` (selective_scan); each has a file per form and a README with its recurrence.
 """
 
@@ -49,12 +49,16 @@ from subquad.ops.decay import (
 from subquad.ops.delta import (
     chunk_delta_rule,
     chunk_gated_delta_rule,
+    chunk_generalized_delta_rule,
     delta_rule,
     gated_delta_rule,
+    generalized_delta_rule,
     parallel_delta_rule,
+    parallel_generalized_delta_rule,
     parallel_gated_delta_rule,
     recurrent_delta_rule,
     recurrent_gated_delta_rule,
+    recurrent_generalized_delta_rule,
 )
 from subquad.ops.feature_maps import FEATURE_MAPS, feature_map
 from subquad.ops.linear import (
@@ -79,12 +83,14 @@ from subquad.ops.softmax import (
 for _op, _t in ((linear_attention, Transition("identity", normaliser="normalize")),
                 (retention, Transition("diagonal")), (simple_gla, Transition("diagonal")), (gla, Transition("diagonal")),
                 (ssd, Transition("diagonal", values="x")), (selective_scan, Transition("diagonal", values="x")),
-                (delta_rule, Transition("matrix")), (gated_delta_rule, Transition("matrix"))):
+                (delta_rule, Transition("matrix")), (gated_delta_rule, Transition("matrix")),
+                (generalized_delta_rule, Transition("matrix"))):
     declare(_op, _t)
 
 # the recurrent ops under the one contract: op(inputs..., *, mode, chunk_size, scale?, initial_state,
 # output_final_state) -> (o, final_state); tests/ops/test_contract.py checks every signature against it
 RECURRENT_OPS = ("linear_attention", "retention", "simple_gla", "gla", "ssd", "delta_rule", "gated_delta_rule",
+                 "generalized_delta_rule",
                  "selective_scan")
 OPS = RECURRENT_OPS + ("softmax_attention",)
 

@@ -48,6 +48,8 @@ def inputs(name: str, b: int = B, t: int = T, dtype=torch.float32, seed: int = 0
         return {"q": q, "k": k, "v": v, "beta": u(b, t, H)}
     if family == "gated_delta_rule":
         return {"q": q, "k": k, "v": v, "g": -u(b, t, H), "beta": u(b, t, H)}
+    if family == "generalized_delta_rule":                  # RWKV-7's a = -kk, b = lr * kk
+        return {"q": q, "k": k, "v": v, "w": -u(b, t, H, K), "a": -k, "b": u(b, t, H, 1) * k}
     if family == "ssd":
         return {"x": r(b, t, H, P), "dt": u(b, t, H), "A": -u(H), "B": r(b, t, N), "C": r(b, t, N)}
     if family == "selective_scan":

@@ -126,5 +126,9 @@ def gated_delta_rule(q, k, v, g, beta, *, mode="chunk", chunk_size=64, scale=Non
 parallel_delta_rule, recurrent_delta_rule, chunk_delta_rule = three_forms(delta_rule)
 parallel_gated_delta_rule, recurrent_gated_delta_rule, chunk_gated_delta_rule = three_forms(gated_delta_rule)
 
-__all__ = ["delta_rule", "gated_delta_rule", "parallel_delta_rule", "recurrent_delta_rule", "chunk_delta_rule",
+from subquad.ops.delta.generalized import (chunk_generalized_delta_rule, generalized_delta_rule,  # noqa: E402
+                                           parallel_generalized_delta_rule, recurrent_generalized_delta_rule)
+
+__all__ = ["generalized_delta_rule", "parallel_generalized_delta_rule", "recurrent_generalized_delta_rule",
+           "chunk_generalized_delta_rule", "delta_rule", "gated_delta_rule", "parallel_delta_rule", "recurrent_delta_rule", "chunk_delta_rule",
            "parallel_gated_delta_rule", "recurrent_gated_delta_rule", "chunk_gated_delta_rule"]

@@ -26,3 +26,23 @@ def recurrent_delta(q, k, v, g, beta, *, scale, chunk_size=None, initial_state=N
         S = S + kt.unsqueeze(-1) * (bt[..., None] * (vt - pred)).unsqueeze(-2)
         outs.append((q[:, t].to(sd).unsqueeze(-2) @ S).squeeze(-2) * scale)
     return torch.stack(outs, 1), S
+
+
+def recurrent_dplr(q, k, v, w, a, b, *, scale, chunk_size=None, initial_state=None):
+    """The generalised delta rule's token loop (the spec of ``generalized_delta_rule``):
+
+        S_t = (diag(exp(w_t)) + b_t a_t^T) S_{t-1} + k_t v_t^T = exp(w_t) o S_{t-1} + b_t (a_t^T S_{t-1}) + k_t v_t^T
+        o_t = scale * S_t^T q_t
+    with S (B, H, K, V), w the log-decay per key channel; a^T S reads the state before it decays.
+    """
+    B, T, H, K = q.shape
+    sd = w.dtype
+    S = torch.zeros(B, H, K, v.shape[-1], dtype=sd, device=q.device) if initial_state is None else initial_state
+    outs = []
+    for t in range(T):
+        kt, vt, at, bt = (x[:, t].to(sd) for x in (k, v, a, b))              # (B, H, K) / (B, H, V)
+        read = (at.unsqueeze(-2) @ S).squeeze(-2)                            # a^T S  (B, H, V)
+        S = exp_decay(w[:, t])[..., None] * S + bt.unsqueeze(-1) * read.unsqueeze(-2) \
+            + kt.unsqueeze(-1) * vt.unsqueeze(-2)
+        outs.append((q[:, t].to(sd).unsqueeze(-2) @ S).squeeze(-2) * scale)
+    return torch.stack(outs, 1), S
