@@ -3,7 +3,9 @@
 Dimension letters, used everywhere in subquad:
 
     B batch, T time, H heads, K key (feature) dim, V value dim,
-    D model width, N SSM state size, P SSD head dim, C chunk size.
+    D model width, N SSM state size, P SSD head dim, C chunk size;
+    Bz the batch where B is a scan's input matrix (Mamba, SSD); G Mamba-2's groups of heads sharing B, C;
+    L tokens and n chunks per group of the chunk engines, ng the number of such groups.
 
 Layout at the op boundary: q, k ``(B, T, H, K)``; v, o ``(B, T, H, V)``;
 recurrent state ``(B, H, K, V)``, kept in float32 for lower-precision inputs

@@ -50,7 +50,7 @@ ROUTES = ("token", "factorised", "exact")
 
 
 def _layout(T: int, BH: int, C: int, KV: int, group=None):
-    """(L, n, G): tokens per group (a multiple of C, at most the call's chunks), chunks per group, groups.
+    """(L, n, ng): tokens per group (a multiple of C, at most the call's chunks), chunks per group, groups.
     About TOKEN_HEADS_DECAY (token, head) pairs, and at most STATES_DECAY numbers of chunk states."""
     if group is None:
         n = min(TOKEN_HEADS_DECAY // max(BH, 1) // C, STATES_DECAY // max(BH * KV, 1))   # BH = 0: empty
@@ -60,24 +60,24 @@ def _layout(T: int, BH: int, C: int, KV: int, group=None):
     return L, L // C, -(-T // L)
 
 
-def _cumsums(g, B, T, H, C, L, G):
-    """Chunk-local cumulative log-decays of the whole call, chunk-major (G n, B, H, C, 1 or K)."""
+def _cumsums(g, B, T, H, C, L, ng):
+    """Chunk-local cumulative log-decays of the whole call, chunk-major (ng n, B, H, C, 1 or K)."""
     gk = g if g.dim() == 4 else g.unsqueeze(-1)
-    gp = token_slice(gk, 0, T, G * L)                              # zero-padded: padding decays nothing
-    return gp.reshape(B, G * L // C, C, H, gk.shape[-1]).permute(1, 0, 3, 2, 4).cumsum(3)
+    gp = token_slice(gk, 0, T, ng * L)                              # zero-padded: padding decays nothing
+    return gp.reshape(B, ng * L // C, C, H, gk.shape[-1]).permute(1, 0, 3, 2, 4).cumsum(3)
 
 
-def _pick_routes(ball, G: int, route):
+def _pick_routes(ball, ng: int, route):
     """Each group's route: forced, "chunk" without a decay, else factorised where every chunk of the group
     decays by at most e^FACTOR_LIMIT (one sync for the call). Where no value may be read (compiling, the
     meta device, an empty batch) every group is exact, which holds for any decay."""
     if ball is None:
-        return ["chunk"] * G
+        return ["chunk"] * ng
     if route is not None:
-        return [route] * G
+        return [route] * ng
     if compiling() or ball.device.type == "meta" or ball.numel() == 0:
-        return ["exact"] * G
-    ok = (ball[:, :, :, -1].reshape(G, -1).amin(-1) >= -FACTOR_LIMIT).tolist()
+        return ["exact"] * ng
+    ok = (ball[:, :, :, -1].reshape(ng, -1).amin(-1) >= -FACTOR_LIMIT).tolist()
     return ["factorised" if f else "exact" for f in ok]
 
 
@@ -126,7 +126,7 @@ def _exact_scores(qb, kb, b, scale, out):
 
 
 def _forward(q, k, v, ball, S0, scale, C, L, routes, states_all=None):
-    """Steps 1-3 over groups of chunks. states_all (G n, B H, K, V): where to keep the state before every
+    """Steps 1-3 over groups of chunks. states_all (ng n, B H, K, V): where to keep the state before every
     chunk (for the backward); None keeps one group's. Returns o (B, T, H, V) and the final state."""
     B, T, H, K = q.shape
     V = v.shape[-1]
@@ -171,7 +171,7 @@ def _forward(q, k, v, ball, S0, scale, C, L, routes, states_all=None):
 
 def _backward(q, k, v, do, dS, ball, states_all, scale, C, L, routes, ends=None):
     """The gradients of q, k, v and the initial state: the groups in reverse (module docstring).
-    ``ends`` (G n, B H, K): where to put <dS_after, S_after> per chunk and key row, for dg (or None)."""
+    ``ends`` (ng n, B H, K): where to put <dS_after, S_after> per chunk and key row, for dg (or None)."""
     B, T, H, K = q.shape
     V = v.shape[-1]
     BH, n, sd, dev = B * H, L // C, q.dtype, q.device
@@ -309,10 +309,10 @@ def chunk_engine(q, k, v, g, *, scale, chunk_size, initial_state=None, route=Non
     C = min(chunk_size, T)                                           # past T: one chunk of T
     if g is not None and g.dim() == 4:                               # whole sub-chunks for the exact route
         C = max(SUB, -(-C // SUB) * SUB)
-    L, n, G = _layout(T, B * H, C, K * v.shape[-1], group)
+    L, n, ng = _layout(T, B * H, C, K * v.shape[-1], group)
     with torch.no_grad():
-        ball = None if g is None else _cumsums(g.detach(), B, T, H, C, L, G)
-    routes = _pick_routes(ball, G, route)
+        ball = None if g is None else _cumsums(g.detach(), B, T, H, C, L, ng)
+    routes = _pick_routes(ball, ng, route)
     for r in sorted(set(routes)):
         took(op, r)
     if wants_grad(q, k, v, g, initial_state):

@@ -9,18 +9,18 @@ one group), and sharing them is what makes it cheaper than H separate heads.
 Without a gradient (``ssd_inference``), per group of n chunks of C tokens, b the chunk-local cumulative
 log-decay per head and m = b_C / 2 its midpoint, where every chunk of the group has |b_C| <= 2 LIMIT:
 
-    G    = tril(C_c B_c^T)                              (C, C) per chunk, once for all heads
+    CB   = tril(C_c B_c^T)                              (C, C) per chunk, once for all heads
     X    = exp(m - b) dt x                              (C, H P): factors within e^(+-|b_C|/2)
     KV_c = exp(b_C - m) B_c^T X                         one (N, C) x (C, H P) matmul for all heads
     S_{c+1} = exp(b_C) S_c + KV_c                       per head; the only loop
-    y    = exp(b - m) (G X + C_c exp(m) S_c)            two (C, *) x (*, H P) matmuls for all heads
+    y    = exp(b - m) (CB X + C_c exp(m) S_c)            two (C, *) x (*, H P) matmuls for all heads
 
-exp(b_i - m) exp(m - b_j) = exp(b_i - b_j) for j <= i; above the diagonal G's zeros meet finite factors.
+exp(b_i - m) exp(m - b_j) = exp(b_i - b_j) for j <= i; above the diagonal CB's zeros meet finite factors.
 Every product is one matmul over all heads, in the (token, head) layout x arrives in, and no (C, C)
 matrix of exponentials is formed. A group with a stronger decay takes the exact route: the per-head
-decayed mask exp(b_i - b_j) (exponents <= 0) times G, multiplied head by head:
+decayed mask exp(b_i - b_j) (exponents <= 0) times CB, multiplied head by head:
 
-    o_h  = (G o exp(b_hi - b_hj) o [i >= j]) (dt x)_h  intra-chunk, per head (exponents <= 0)
+    o_h  = (CB o exp(b_hi - b_hj) o [i >= j]) (dt x)_h  intra-chunk, per head (exponents <= 0)
          + exp(b_h) o (C_c S_c)_h                      C_c S_c one (C, N) x (N, H P) matmul for all heads
     KV_c = B_c^T (exp(b_C - b) dt x)                   one (N, C) x (C, H P) matmul for all heads
 
@@ -51,37 +51,37 @@ def ssd_inference(x, dt, A, Bm, Cm, *, chunk_size=64, initial_state=None, group=
     ``route``: None (per group, by LIMIT), "factorised" or "exact" (every group)."""
     Bz, T, H, P = x.shape
     N = Bm.shape[-1]
-    dt_ = state_dtype(x.dtype)
+    sd = state_dtype(x.dtype)
     dev = x.device
     C = min(chunk_size, T)
     L = group if group is not None else max(1, TOKEN_HEADS // max(Bz * H, 1) // C) * C   # an empty batch: 0
     L = min(-(-L // C) * C, -(-T // C) * C)
     n = L // C
     nb = n * Bz
-    G = -(-T // L)                                                    # groups
+    ng = -(-T // L)                                                    # groups
 
     def buf(*shape):
-        return torch.empty(*shape, dtype=dt_, device=dev)
+        return torch.empty(*shape, dtype=sd, device=dev)
 
     Bb, Cb = buf(n, Bz, C, N), buf(n, Bz, C, N)                     # chunk-major copies
     Xf = buf(n, Bz, C, H, P)                                          # factorised: exp(m - b) dt x
     xd = buf(n, Bz, H, C, P)                                          # exact: dt x, head-major (intra-chunk)
     xh = buf(n, Bz, C, H, P)                                          # exact: exp(b_C - b) dt x (state update)
     Lm = buf(nb, H, C, C)
-    Gm = buf(nb, C, C)
+    CB = buf(nb, C, C)
     yb = buf(nb, C, H * P)
     yi = buf(n, Bz, H, C, P)
     KV = buf(n, Bz, N, H * P)
-    sd = buf(n, Bz, N, H, P)                                          # factorised: exp(m) S
+    Se = buf(n, Bz, N, H, P)                                          # factorised: exp(m) S
     states = buf(n + 1, Bz, N, H, P)                                  # states[j]: the state before chunk j
     states[0] = 0 if initial_state is None else initial_state.permute(0, 2, 1, 3)
-    y = torch.empty(Bz, T, H, P, dtype=dt_, device=dev)
-    # chunk-local cumulative log-decays of the whole call, (G n, B, C, H): T H numbers
-    ball = chunk_view(token_slice(dt.to(dt_) * A.to(dt_), 0, T, G * L), C, (1, 0, 2, 3)).cumsum(2)
+    y = torch.empty(Bz, T, H, P, dtype=sd, device=dev)
+    # chunk-local cumulative log-decays of the whole call, (ng n, B, C, H): T H numbers
+    ball = chunk_view(token_slice(dt.to(sd) * A.to(sd), 0, T, ng * L), C, (1, 0, 2, 3)).cumsum(2)
     if route is None:
-        factorised = (ball[:, :, -1].reshape(G, -1).amin(-1) >= -2 * LIMIT).tolist()   # one sync for the call
+        factorised = (ball[:, :, -1].reshape(ng, -1).amin(-1) >= -2 * LIMIT).tolist()   # one sync for the call
     else:
-        factorised = [route == "factorised"] * G
+        factorised = [route == "factorised"] * ng
     for f in sorted(set(factorised)):
         took("ssd", "factorised" if f else "exact")
     for gi, s in enumerate(range(0, T, L)):
@@ -89,7 +89,7 @@ def ssd_inference(x, dt, A, Bm, Cm, *, chunk_size=64, initial_state=None, group=
         xs, dts, Bs, Cs = (token_slice(t, s, e, L) for t in (x, dt, Bm, Cm))   # zero tail: dt = B = 0 add nothing
         Bb.copy_(chunk_view(Bs, C, (1, 0, 2, 3)))
         Cb.copy_(chunk_view(Cs, C, (1, 0, 2, 3)))
-        torch.bmm(Cb.view(nb, C, N), Bb.view(nb, C, N).transpose(1, 2), out=Gm)
+        torch.bmm(Cb.view(nb, C, N), Bb.view(nb, C, N).transpose(1, 2), out=CB)
         b = ball[gi * n:(gi + 1) * n]                                 # (n, B, C, H), <= 0
         bC = b[:, :, -1:]                                             # (n, B, 1, H)
         decay = exp_decay(bC).unsqueeze(-1)                                # (n, B, 1, H, 1)
@@ -106,16 +106,16 @@ def ssd_inference(x, dt, A, Bm, Cm, *, chunk_size=64, initial_state=None, group=
             w = exp_decay_(bh[..., -1:] - bh)                            # (n, B, H, C): exp(b_C - b)
             torch.mul(xd, w.unsqueeze(-1), out=yi)                    # reuse yi as scratch, head-major
             xh.copy_(yi.transpose(2, 3))                              # (n, B, C, H, P)
-            decay_mask(bh.reshape(nb, H, C), out=Lm).mul_(Gm.unsqueeze(1))
+            decay_mask(bh.reshape(nb, H, C), out=Lm).mul_(CB.unsqueeze(1))
             torch.bmm(Lm.view(nb * H, C, C), xd.view(nb * H, C, P), out=yi.view(nb * H, C, P))
             torch.bmm(Bb.view(nb, C, N).transpose(1, 2), xh.view(nb, C, H * P), out=KV.view(nb, N, H * P))
         for j in range(n):
             torch.addcmul(KV[j].view(Bz, N, H, P), decay[j], states[j], out=states[j + 1])
         ybv = yb.view(n, Bz, C, H, P)
-        if factorised[gi]:                                            # y = exp(b - m) (tril(G) X + C exp(m) S)
-            torch.mul(states[:n], exp_decay(m).unsqueeze(-1), out=sd)
-            torch.bmm(Gm.tril_(), Xv, out=yb)
-            yb.baddbmm_(Cb.view(nb, C, N), sd.view(nb, N, H * P))
+        if factorised[gi]:                                            # y = exp(b - m) (tril(CB) X + C exp(m) S)
+            torch.mul(states[:n], exp_decay(m).unsqueeze(-1), out=Se)
+            torch.bmm(CB.tril_(), Xv, out=yb)
+            yb.baddbmm_(Cb.view(nb, C, N), Se.view(nb, N, H * P))
             scale = exp_decay_(b - m).unsqueeze(-1)
             if e - s == L:                                            # straight into the output
                 torch.mul(ybv, scale, out=chunk_view(y[:, s:e], C, TOKEN_MAJOR))

@@ -47,7 +47,7 @@ def selective_scan(x, dt, A, B, C, *, D=None, z=None, mode="chunk", chunk_size=6
     check_bool("output_final_state", output_final_state)
     if not isinstance(x, torch.Tensor) or x.dim() != 3 or not x.is_floating_point():
         raise ValueError(f"x must be a floating-point tensor (B, T, Dm), got {describe(x)}")
-    Bsz, T, Dm = x.shape
+    Bz, T, Dm = x.shape
     if T < 1:
         raise ValueError(f"x must hold at least one token (T >= 1), got shape {tuple(x.shape)}")
     check_like("dt", dt, x.shape, x, "x")
@@ -55,8 +55,8 @@ def selective_scan(x, dt, A, B, C, *, D=None, z=None, mode="chunk", chunk_size=6
         raise ValueError(f"A must have shape (Dm={Dm}, N), got {describe(A)}")
     N = A.shape[1]
     check_like("A", A, (Dm, N), x, "x")
-    check_like("B", B, (Bsz, T, N), x, "x")
-    check_like("C", C, (Bsz, T, N), x, "x")
+    check_like("B", B, (Bz, T, N), x, "x")
+    check_like("C", C, (Bz, T, N), x, "x")
     if D is not None:
         check_like("D", D, (Dm,), x, "x")
     if z is not None:
@@ -73,7 +73,7 @@ def selective_scan(x, dt, A, B, C, *, D=None, z=None, mode="chunk", chunk_size=6
             check_gate_dtype(name, t, x, "x")
     sd = state_dtype(x.dtype)
     if initial_state is not None:
-        check_state("initial_state", initial_state, (Bsz, Dm, N), x, "x")
+        check_state("initial_state", initial_state, (Bz, Dm, N), x, "x")
     if mode == "chunk" and T < SHORT_SCAN and not wants_grad(x, dt, A, B, C, initial_state):
         mode = "recurrent"                             # a decoding step or a short prompt: the token loop is faster
     args = (x.to(sd), dt.to(sd), A.to(sd), B.to(sd), C.to(sd))

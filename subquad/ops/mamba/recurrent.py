@@ -12,8 +12,8 @@ from subquad.ops.common.expo import exp_decay
 
 
 def recurrent_scan(x, dt, A, B, C, *, chunk_size=None, initial_state=None):
-    Bsz, T, Dm = x.shape
-    h = x.new_zeros(Bsz, Dm, A.shape[1]) if initial_state is None else initial_state
+    Bz, T, Dm = x.shape
+    h = x.new_zeros(Bz, Dm, A.shape[1]) if initial_state is None else initial_state
     ys = []
     dtx = (dt * x).unsqueeze(-1)                                               # (B, T, Dm, 1)
     for t in range(T):
