@@ -164,11 +164,11 @@ class LanguageModel(nn.Module):
                     if block.mlp.shared is not None:
                         block.mlp.shared.w_down.weight.normal_(0, std)
 
-    def save_pretrained(self, path) -> None:
-        """Write this model as a Hugging Face folder: ``models.hf.save_pretrained(self, path)``."""
+    def save_pretrained(self, path, tokenizer=None) -> None:
+        """Write this model as a Hugging Face folder: ``models.hf.save_pretrained(self, path, tokenizer)``."""
         from subquad.models.hf.saver import save_pretrained
 
-        save_pretrained(self, path)
+        save_pretrained(self, path, tokenizer)
 
     def aux_loss(self) -> torch.Tensor:
         """The mixture-of-experts router's load-balancing loss of the last forward (``subquad.models.moe``),

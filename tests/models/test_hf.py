@@ -184,7 +184,7 @@ def test_refusals_name_the_problem(tmp_path):
     save_file(w, str(folder / "model.safetensors"))
     with pytest.raises(ValueError, match=r"A_log has shape \(3, 3\)"):
         from_pretrained(folder)
-    with pytest.raises(ValueError, match="no config.json"):
+    with pytest.raises(ValueError, match="not a model folder: no such folder"):
         from_pretrained(tmp_path / "nowhere")
 
 

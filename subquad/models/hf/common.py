@@ -118,7 +118,7 @@ class Format:
 
 def require(c: dict, key: str, value):
     """Refuse a config whose ``key`` is present and not ``value`` (the one setting subquad implements)."""
-    if key in c and c[key] != value:
+    if key in c and c.get(key) != value:
         raise ValueError(f"config field {key}={c[key]!r} is not supported (subquad implements {key}={value!r})")
 
 
@@ -264,13 +264,104 @@ def split_conv(name: str, t: torch.Tensor, sizes: list) -> dict:
 
 # -- the folder ---------------------------------------------------------------------------------------
 
+# What a field's name says its value is, as transformers' configs use the names. A format reads its config
+# through ``HFConfig``, which checks each field it reads against these, so a wrong type is one line naming
+# the field, never a TypeError in the forward pass or a string repeated ("64" * 2 = "6464").
+_INT = re.compile(r"(^|_)(size|dim|heads|groups|experts|rank|period|offset|interval|kernel|expand|top_k|"
+                  r"experts_per_tok|window|length|embeddings|state|conv|head)$|^(num|n)_|_(heads|layers|groups)_")
+_FLOAT = re.compile(r"(eps|epsilon|theta|factor|multiplier|scale|scaling|cap|coef|range|std)$|^time_step_(min|max|floor)$")
+_BOOL = re.compile(r"^(use|tie|has|is|add|norm)_|_bias$|^(rms_norm|residual_in_fp32)$")
+_INT_LIST = re.compile(r"_(indices|ids)$|^(?!(num|n)_).*_layers$")     # full_attn_layers, not num_hidden_layers
 
-def read_json(path) -> dict:
-    """The folder's config.json, as it is."""
-    path = Path(path)
+
+def _expected(key: str) -> str | None:
+    if key.endswith("token_id"):
+        return "token id"
+    if _INT_LIST.search(key):
+        return "list of ints"
+    if _FLOAT.search(key):
+        return "number"
+    if _BOOL.search(key):
+        return "bool"
+    if _INT.search(key):
+        return "int"
+    return None
+
+
+def _type_ok(kind: str, v) -> bool:
+    is_int = isinstance(v, int) and not isinstance(v, bool)
+    if kind == "int":
+        return is_int or v == "auto"                  # transformers' "auto": sized from the others (Mamba's ranks)
+    if kind == "number":
+        return is_int or isinstance(v, float) or (isinstance(v, dict) and "__float__" in v)
+    if kind == "bool":
+        return isinstance(v, bool)
+    if kind == "list of ints":
+        return isinstance(v, list) and all(isinstance(x, int) and not isinstance(x, bool) for x in v)
+    return is_int or (isinstance(v, list) and all(isinstance(x, int) and not isinstance(x, bool) for x in v))
+
+
+class HFConfig(dict):
+    """A config.json as a dict that checks each field it hands out: ``c["hidden_size"]`` is an int or a
+    ValueError naming the field and the type expected; a field a format requires and the file lacks (or
+    holds as null) is named too. ``c.get(key)`` allows absence and null (the format's default applies).
+    Nested objects (``rope_parameters``, ``text_config``) come back as HFConfigs named by their path."""
+
+    def __init__(self, d: dict, where: str = "config.json", prefix: str = ""):
+        super().__init__(d)
+        self.where, self.prefix = where, prefix
+
+    def _check(self, key, v):
+        if isinstance(v, dict) and not (len(v) == 1 and "__float__" in v):
+            return HFConfig(v, self.where, f"{self.prefix}{key}.")
+        kind = _expected(key) if isinstance(key, str) else None
+        if v is not None and kind is not None and not _type_ok(kind, v):
+            raise ValueError(f"{self.where}: field {self.prefix}{key} must be {'an' if kind == 'int' else 'a'} "
+                             f"{kind}, got {v!r} ({type(v).__name__})")
+        return v
+
+    def __getitem__(self, key):
+        if key not in self:
+            raise ValueError(f"{self.where}: the required field {self.prefix}{key} is missing")
+        v = super().__getitem__(key)
+        if v is None:
+            raise ValueError(f"{self.where}: field {self.prefix}{key} is null; it must be set")
+        return self._check(key, v)
+
+    def get(self, key, default=None):
+        return self._check(key, super().get(key, default))
+
+
+def read_file_json(path: Path, what: str = "") -> dict:
+    """A JSON object from ``path``; ValueError naming the file for anything else (invalid JSON, not an object)."""
+    try:
+        out = json.loads(path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"{path}: not valid JSON{what} ({e})") from None
+    if not isinstance(out, dict):
+        raise ValueError(f"{path}: must hold a JSON object{what}, got a {type(out).__name__}")
+    return out
+
+
+def check_folder(path) -> Path:
+    """``path`` as a local model folder, or a ValueError saying what it is instead (a hub id among them)."""
+    p = Path(path)
+    if p.is_dir():
+        return p
+    s = str(path)
+    if not p.exists() and re.fullmatch(r"[\w.-]+/[\w.-]+", s):
+        raise ValueError(f"{s!r} is not a local folder. subquad reads local model folders only and downloads "
+                         f"nothing; fetch it first, e.g. `hf download {s} --local-dir {s.split('/')[-1]}`, "
+                         f"then pass that folder")
+    raise ValueError(f"{s} is not a model folder: " + ("it is a file" if p.exists() else "no such folder"))
+
+
+def read_json(path) -> HFConfig:
+    """The folder's config.json as an ``HFConfig``."""
+    path = check_folder(path)
     if not (path / "config.json").exists():
         raise ValueError(f"{path} is not a model folder: it has no config.json")
-    return json.loads((path / "config.json").read_text())
+    return HFConfig(read_file_json(path / "config.json"), str(path / "config.json"))
 
 
 def eos_token_ids(path, config: dict | None = None) -> list[int]:
@@ -278,8 +369,8 @@ def eos_token_ids(path, config: dict | None = None) -> list[int]:
     list) of ``generation_config.json`` when it names one, else of ``config.json``; [] when neither does."""
     path = Path(path)
     gen = path / "generation_config.json"
-    for source in ([json.loads(gen.read_text())] if gen.exists() else []) + [config or read_json(path)]:
-        eos = source.get("eos_token_id")
+    for source in ([read_file_json(gen)] if gen.exists() else []) + [config or read_json(path)]:
+        eos = dict.get(source, "eos_token_id")
         if eos is None:
             continue
         ids = eos if isinstance(eos, list) else [eos]
@@ -290,20 +381,38 @@ def eos_token_ids(path, config: dict | None = None) -> list[int]:
 
 
 def read_weights(path) -> dict:
-    """Every tensor of the folder's safetensors file(s), by name."""
+    """Every tensor of the folder's safetensors file(s), by name. A missing shard, a file safetensors cannot
+    read (truncated, not safetensors) or a tensor holding NaN or inf is a ValueError naming the file or tensor."""
+    from safetensors import SafetensorError
     from safetensors.torch import load_file
 
     path = Path(path)
     index = path / "model.safetensors.index.json"
     if index.exists():
-        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        weight_map = read_file_json(index, " (the shard index)").get("weight_map")
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise ValueError(f"{index}: must map tensor names to shard files under 'weight_map'")
+        files = sorted(set(weight_map.values()))
     elif (path / "model.safetensors").exists():
         files = ["model.safetensors"]
     else:
         raise ValueError(f"{path} holds no model.safetensors (nor a sharded model.safetensors.index.json)")
     out = {}
     for f in files:
-        out.update(load_file(str(path / f)))
+        if not (path / f).is_file():
+            raise ValueError(f"{path / f}: the shard is missing (listed in {index.name})")
+        try:
+            part = load_file(str(path / f))
+        except (SafetensorError, OSError, RuntimeError, ValueError) as e:
+            raise ValueError(f"{path / f}: not a readable safetensors file - truncated or damaged? ({e})") from None
+        for name, t in part.items():
+            if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+                raise ValueError(f"{path / f}: weight {name} holds NaN or inf values; refusing to load it")
+        out.update(part)
+    if index.exists():
+        absent = sorted(set(weight_map) - set(out))
+        if absent:
+            raise ValueError(f"{index}: lists weights no shard holds: {', '.join(absent[:5])}")
     return out
 
 

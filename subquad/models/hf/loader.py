@@ -27,11 +27,39 @@ def read_config(path) -> dict:
     return c
 
 
+DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
+          "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+          "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
+          "float64": torch.float64, "fp64": torch.float64, "double": torch.float64}
+# what a saved folder carries beside the weights, kept from the folder a model was read from
+SIDE_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
+              "generation_config.json")
+
+
+def resolve_dtype(dtype, c: dict | None = None):
+    """A torch dtype, None (the checkpoint's own), a name as transformers users write it ("bfloat16",
+    "torch.float16", "bf16") or "auto" (the config's ``dtype`` / ``torch_dtype``; none given: the checkpoint's)."""
+    if dtype is None or isinstance(dtype, torch.dtype):
+        return dtype
+    if isinstance(dtype, str):
+        name = dtype.removeprefix("torch.")
+        if name == "auto":
+            named = None if c is None else (dict.get(c, "dtype") or dict.get(c, "torch_dtype"))
+            return None if named is None else resolve_dtype(named)
+        if name in DTYPES:
+            return DTYPES[name]
+    raise ValueError(f"dtype must be a torch.dtype, None, 'auto' or one of {', '.join(DTYPES)}; got {dtype!r}")
+
+
 def from_pretrained(path, dtype=None, device=None, quantize=None):
     """(LanguageModel in eval mode, tokenizer or None) from a Hugging Face model folder (``models.hf``).
-    ``quantize`` "int8" or "bf16" quantises the projections for inference (``models.quant``; from float32)."""
+    ``dtype``: ``resolve_dtype``'s forms ("bfloat16", "auto", torch.bfloat16). ``quantize`` "int8" or "bf16"
+    quantises the projections for inference (``models.quant``; from float32). The model keeps the folder's
+    config and its tokenizer and generation files (``model.hf_source``) for ``save_pretrained`` to write back."""
     from subquad.models.quant import QUANTIZE
 
+    c = read_config(path)
+    dtype = resolve_dtype(dtype, c)
     if quantize is not None and (quantize not in QUANTIZE or dtype not in (None, torch.float32)):
         raise ValueError(f"quantize must be one of {', '.join(QUANTIZE)} with float32 weights, got quantize="
                          f"{quantize!r}, dtype={dtype}")
@@ -75,9 +103,14 @@ def from_pretrained(path, dtype=None, device=None, quantize=None):
         quantize_model(model, quantize)
     if device is not None:
         model.to(device=device)
+    model.hf_source = {"config": dict(c), "files": {f: (Path(path) / f).read_bytes() for f in SIDE_FILES
+                                                    if (Path(path) / f).is_file()}}
     tok = None
     if (Path(path) / "tokenizer.json").exists():
         from tokenizers import Tokenizer
 
-        tok = Tokenizer.from_file(str(Path(path) / "tokenizer.json"))
+        try:
+            tok = Tokenizer.from_file(str(Path(path) / "tokenizer.json"))
+        except Exception as e:                                                    # noqa: BLE001 - any parse error
+            raise ValueError(f"{Path(path) / 'tokenizer.json'}: the tokenizers library cannot read it ({e})") from None
     return model.eval(), tok

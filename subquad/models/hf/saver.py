@@ -12,9 +12,14 @@ from subquad.models.hf.common import layer_options
 from subquad.models.hf.registry import MAPPINGS
 
 
-def save_pretrained(model, path) -> None:
-    """Write ``model`` as a Hugging Face folder (config.json, model.safetensors). The model must have the
-    structure of a supported type."""
+def save_pretrained(model, path, tokenizer=None) -> None:
+    """Write ``model`` as a Hugging Face folder: config.json, model.safetensors, generation_config.json and the
+    tokenizer. The model must have the structure of a supported type.
+
+    A model read by ``from_pretrained`` writes back what its folder held beside the weights: every config
+    field (``bos/eos/pad_token_id``, ``max_position_embeddings``, fields subquad reads but does not use)
+    under the fields the format writes, and the tokenizer and generation files as they were. ``tokenizer``
+    (a ``tokenizers.Tokenizer``) is written as tokenizer.json in place of any such file."""
     from safetensors.torch import save_file
 
     if getattr(model, "quantized", None):
@@ -42,4 +47,25 @@ def save_pretrained(model, path) -> None:
     conf = fmt.to_config(cfg, opts)
     if cfg.eos_token_ids:
         conf["eos_token_id"] = cfg.eos_token_ids[0] if len(cfg.eos_token_ids) == 1 else cfg.eos_token_ids
-    (path / "config.json").write_text(json.dumps(conf, indent=1))
+    source = getattr(model, "hf_source", None) or {"config": {}, "files": {}}
+    if source["config"].get("model_type") == conf["model_type"]:     # what the format does not write, kept
+        conf = {**{k: v for k, v in source["config"].items() if k not in ("dtype", "torch_dtype")}, **conf}
+    dtypes = {t.dtype for t in tensors.values() if t.is_floating_point()}
+    if len(dtypes) == 1:
+        conf["dtype"] = str(dtypes.pop()).removeprefix("torch.")
+    _write(path / "config.json", json.dumps(conf, indent=1).encode())
+    files = dict(source["files"])
+    if "generation_config.json" not in files:
+        gen = {k: conf[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if conf.get(k) is not None}
+        files["generation_config.json"] = json.dumps(gen, indent=1).encode()
+    if tokenizer is not None:
+        files["tokenizer.json"] = tokenizer.to_str().encode()
+    for name, data in files.items():
+        _write(path / name, data)
+
+
+def _write(file: Path, data: bytes) -> None:
+    """Write a file whole or not at all (a temporary file, then a rename)."""
+    tmp = file.with_name(file.name + ".tmp")
+    tmp.write_bytes(data)
+    os.replace(tmp, file)

@@ -1,0 +1,174 @@
+"""The checkpoint user's path: a saved folder is complete (tokenizer, generation config, every config field
+kept) and runs the same in subquad and transformers; wrong config types, broken files, dtype names, hub ids
+and non-finite weights each get one line naming the field or file."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")   # the `hf` extra installs it (make test requires it)
+
+from safetensors.torch import load_file, save_file  # noqa: E402
+
+from subquad.models.hf import from_pretrained  # noqa: E402
+from tests.models.test_hf import _hf_mamba  # noqa: E402
+from tests.models.test_hf_hybrid import _hf as _hf_hybrid  # noqa: E402
+
+
+def _tokenizer_files(folder, eos: int):
+    """A word-level tokenizer over w0..w63 with a chat template and a generation config naming ``eos``."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    tok = Tokenizer(models.WordLevel({f"w{i}": i for i in range(64)}, unk_token="w0"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast", "eos_token": f"w{eos}", "bos_token": "w1", "pad_token": "w0",
+        "chat_template": "{% for m in messages %}{{ m['content'] }} {% endfor %}"}))
+    (folder / "generation_config.json").write_text(json.dumps({"bos_token_id": 1, "eos_token_id": eos,
+                                                              "pad_token_id": 0}))
+    return tok
+
+
+def test_a_saved_folder_is_complete_and_generates_as_transformers(tmp_path, capsys):
+    from subquad.cli import main
+
+    hf, folder = _hf_mamba(tmp_path, falcon="mamba2")
+    prompt = [5, 9, 3]
+    free = hf.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False)[0, 3:].tolist()
+    eos = next(t for i, t in enumerate(free) if i > 1 and t not in free[:i])      # stops after a few tokens
+    _tokenizer_files(folder, eos)
+    source = json.loads((folder / "config.json").read_text())
+    model, tok = from_pretrained(folder)
+    out = tmp_path / "saved"
+    model.save_pretrained(out)
+
+    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json", "config.json",
+                 "model.safetensors"):
+        assert (out / name).is_file(), name
+    assert json.loads((out / "tokenizer_config.json").read_text())["chat_template"].startswith("{% for")
+    saved = json.loads((out / "config.json").read_text())
+    for key in ("max_position_embeddings", "chunk_size", "bos_token_id", "pad_token_id", "time_step_limit"):
+        if key in source:
+            assert saved[key] == source[key], key
+    assert saved["eos_token_id"] == eos
+
+    # both stop at the same end-of-text token: transformers on the saved folder, `subquad generate` on it
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
+    want = theirs.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False)[0, 3:].tolist()
+    assert want[-1] == eos and len(want) < 12
+    ours, _ = from_pretrained(out)
+    got, _ = ours.generate(prompt, 12, temperature=0)
+    assert got == want
+    assert main(["generate", "--model", str(out), "--prompt", "w5 w9 w3", "--max-new-tokens", "12",
+                 "--temperature", "0"]) == 0
+    assert tok.decode(want) in capsys.readouterr().out
+
+
+def test_a_model_trained_here_saves_its_tokenizer(tmp_path):
+    from tokenizers import Tokenizer
+
+    from subquad.models import LanguageModel, ModelConfig
+
+    tok = _tokenizer_files(tmp_path, 7)
+    model = LanguageModel(ModelConfig(vocab_size=64, d_model=32, n_layers=2, pattern="mamba2", mlp=False,
+                                      n_heads=2, tie_embeddings=False, eos_token_ids=[7]))
+    model.save_pretrained(tmp_path / "out", tokenizer=tok)
+    back = Tokenizer.from_file(str(tmp_path / "out" / "tokenizer.json"))
+    assert back.encode("w3 w9").ids == [3, 9]
+    assert json.loads((tmp_path / "out" / "generation_config.json").read_text())["eos_token_id"] == 7
+
+
+@pytest.mark.parametrize("field, value, says", [
+    ("hidden_size", "32", "field hidden_size must be an int, got '32'"),
+    ("hidden_size", None, "field hidden_size is null"),
+    ("num_hidden_layers", 2.5, "field num_hidden_layers must be an int"),
+    ("layer_norm_epsilon", "1e-5", "field layer_norm_epsilon must be a number, got '1e-5'"),
+    ("tie_word_embeddings", "false", "field tie_word_embeddings must be a bool"),
+    ("vocab_size", True, "field vocab_size must be an int, got True"),
+])
+def test_config_fields_of_the_wrong_type_are_named(tmp_path, field, value, says):
+    _, folder = _hf_mamba(tmp_path, falcon="mamba2")
+    c = json.loads((folder / "config.json").read_text())
+    c[field] = value
+    (folder / "config.json").write_text(json.dumps(c))
+    with pytest.raises(ValueError, match=says.replace("(", r"\(")):
+        from_pretrained(folder)
+
+
+def test_a_list_field_given_as_a_string_is_named(tmp_path):
+    _, folder = _hf_hybrid(tmp_path, "bamba")
+    c = json.loads((folder / "config.json").read_text())
+    c["attn_layer_indices"] = "1"
+    (folder / "config.json").write_text(json.dumps(c))
+    with pytest.raises(ValueError, match="field attn_layer_indices must be a list of ints, got '1'"):
+        from_pretrained(folder)
+    c["attn_layer_indices"] = [1]
+    c["rope_parameters"] = {"rope_theta": "10000", "rope_type": "default"}
+    (folder / "config.json").write_text(json.dumps(c))
+    with pytest.raises(ValueError, match="field rope_parameters.rope_theta must be a number"):
+        from_pretrained(folder)
+
+
+def test_broken_files_are_named(tmp_path):
+    _, folder = _hf_mamba(tmp_path, falcon="mamba2")
+    weights = folder / "model.safetensors"
+    whole = weights.read_bytes()
+    weights.write_bytes(whole[: len(whole) // 2])                       # truncated
+    with pytest.raises(ValueError, match=r"model\.safetensors: not a readable safetensors file"):
+        from_pretrained(folder)
+
+    tensors = load_file_from_bytes(whole, tmp_path)                      # two shards, one of them missing
+    names = sorted(tensors)
+    save_file({n: tensors[n] for n in names[:3]}, str(folder / "model-00001-of-00002.safetensors"))
+    weights.unlink()
+    (folder / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {
+        n: "model-00001-of-00002.safetensors" if i < 3 else "model-00002-of-00002.safetensors"
+        for i, n in enumerate(names)}}))
+    with pytest.raises(ValueError, match=r"model-00002-of-00002\.safetensors: the shard is missing"):
+        from_pretrained(folder)
+
+    (folder / "config.json").write_text('{"model_type": "mamba2", ')   # invalid JSON
+    with pytest.raises(ValueError, match=r"config\.json: not valid JSON"):
+        from_pretrained(folder)
+    (folder / "config.json").write_text("[1, 2]")
+    with pytest.raises(ValueError, match=r"config\.json: must hold a JSON object"):
+        from_pretrained(folder)
+
+
+def load_file_from_bytes(data: bytes, tmp_path):
+    f = tmp_path / "whole.safetensors"
+    f.write_bytes(data)
+    return load_file(str(f))
+
+
+def test_non_finite_weights_are_refused_by_name(tmp_path):
+    _, folder = _hf_mamba(tmp_path, falcon="mamba2")
+    w = load_file(str(folder / "model.safetensors"))
+    w["backbone.layers.1.mixer.dt_bias"][2] = float("nan")
+    save_file(w, str(folder / "model.safetensors"))
+    with pytest.raises(ValueError, match=r"weight backbone\.layers\.1\.mixer\.dt_bias holds NaN or inf"):
+        from_pretrained(folder)
+
+
+def test_dtype_names_as_transformers_users_write_them(tmp_path):
+    _, folder = _hf_mamba(tmp_path, falcon="mamba2")
+    for dtype, want in (("bfloat16", torch.bfloat16), ("torch.float16", torch.float16), ("fp32", torch.float32),
+                        (torch.float64, torch.float64)):
+        model, _ = from_pretrained(folder, dtype=dtype)
+        assert model.embed.weight.dtype == want, dtype
+    c = json.loads((folder / "config.json").read_text())
+    c["dtype"] = "bfloat16"
+    (folder / "config.json").write_text(json.dumps(c))
+    assert from_pretrained(folder, dtype="auto")[0].embed.weight.dtype == torch.bfloat16
+    with pytest.raises(ValueError, match="dtype must be .* got 'bf17'"):
+        from_pretrained(folder, dtype="bf17")
+
+
+def test_a_hub_id_says_only_local_folders_are_read(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ValueError, match=r"'state-spaces/mamba-130m-hf' is not a local folder.*hf download"):
+        from_pretrained("state-spaces/mamba-130m-hf")
