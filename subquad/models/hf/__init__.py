@@ -21,6 +21,9 @@ weights shifted) and ``pack`` them back on saving.
     olmo_hybrid.py  olmo_hybrid (Gated DeltaNet, post-norm attention with q/k norms)
     kimi_linear.py  kimi_linear (Kimi Delta Attention, latent attention, DeepSeek-V3 experts)
     minimax.py      minimax (lightning attention, MiniMax-01's scaled residual)
+    qwen3_5.py      qwen3_5, qwen3_5_moe (multimodal: the language model, the vision tower left out by name) and
+                    their text-only types qwen3_5_text, qwen3_5_moe_text (Qwen3-Next's hybrid, projections fused
+                    by part, dense MLPs or MoE in every layer)
 
 ``registry.MAPPINGS`` lists them by ``model_type``; ``loader`` reads a folder, ``saver`` writes one, and
 ``common`` holds what the formats share. Imports run one way: common <- formats <- registry <- loader,

@@ -12,16 +12,21 @@ from subquad.models.hf.common import layer_options
 from subquad.models.hf.registry import MAPPINGS
 
 
-def save_pretrained(model, path) -> None:
+def save_pretrained(model, path, model_type: str | None = None) -> None:
     """Write ``model`` as a Hugging Face folder (config.json, model.safetensors). The model must have the
-    structure of a supported type."""
+    structure of a supported type: ``model_type`` when given (several types can hold one structure: a
+    Qwen3.5 model is also a Qwen3-Next one), else the first of ``registry.MAPPINGS`` that can."""
     from safetensors.torch import save_file
 
     if getattr(model, "quantized", None):
         raise ValueError(f"a quantised model ({model.quantized}) is not saved: save the float model it came from")
     cfg = model.config
     opts = layer_options(model)
-    fmt = next((f for f in MAPPINGS.values() if f.matches(cfg, opts)), None)
+    if model_type is not None and (model_type not in MAPPINGS or not MAPPINGS[model_type].matches(cfg, opts)):
+        raise ValueError(f"this model (pattern {cfg.pattern!r}, mlp={cfg.mlp}, moe={cfg.moe}) cannot be written as "
+                         f"model_type {model_type!r}; supported: {', '.join(sorted(MAPPINGS))}")
+    fmt = MAPPINGS[model_type] if model_type is not None else next(
+        (f for f in MAPPINGS.values() if f.matches(cfg, opts)), None)
     if fmt is None:
         raise ValueError(f"no Hugging Face model type has this structure (pattern {cfg.pattern!r}, mlp={cfg.mlp}, "
                          f"moe={cfg.moe}, options {cfg.mixer_options}); supported: {', '.join(sorted(MAPPINGS))}")
