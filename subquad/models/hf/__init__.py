@@ -15,6 +15,8 @@ weights shifted) and ``pack`` them back on saving.
     mamba.py        mamba, falcon_mamba (its RMS norms on dt, B and C)
     mamba2.py       mamba2 (``n_groups``, the gated norm per group, ``time_step_limit``)
     bamba.py        bamba (Mamba-2 and softmax attention at ``attn_layer_indices``, partial rotary, SwiGLU MLPs)
+    granitemoehybrid.py  granitemoehybrid (Granite 4: Mamba-2, attention without positions or rotary, MoE beside an
+                    ungated shared expert; its multipliers folded into the weights)
     jamba.py        jamba (Mamba with normed dt, B and C, attention without positions every
                     ``attn_layer_period``, a mixture of experts every ``expert_layer_period``)
     qwen3_next.py   qwen3_next (Gated DeltaNet with fused projections, gated attention, MoE + shared expert)

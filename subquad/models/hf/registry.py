@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from subquad.models.hf.bamba import BambaFormat
+from subquad.models.hf.granitemoehybrid import GraniteMoeHybridFormat
 from subquad.models.hf.jamba import JambaFormat
 from subquad.models.hf.kimi_linear import KimiLinearFormat
 from subquad.models.hf.mamba import FalconMambaFormat, MambaFormat
@@ -15,4 +16,5 @@ from subquad.models.hf.qwen3_next import Qwen3NextFormat
 MAPPINGS = {f.model_type: f for f in (MambaFormat, FalconMambaFormat, Mamba2Format, BambaFormat, JambaFormat,
                                       Qwen3NextFormat, OlmoHybridFormat, KimiLinearFormat, MiniMaxFormat)}
 # after the types above: save_pretrained writes the first type that holds a model's structure
-MAPPINGS.update({f.model_type: f for f in (Qwen3_5TextFormat, Qwen3_5MoeTextFormat, Qwen3_5Format, Qwen3_5MoeFormat)})
+MAPPINGS.update({f.model_type: f for f in (Qwen3_5TextFormat, Qwen3_5MoeTextFormat, Qwen3_5Format, Qwen3_5MoeFormat,
+                                          GraniteMoeHybridFormat)})
