@@ -64,6 +64,8 @@ class Format:
 
     model_type = ""
     conv_bias_key = None             # the config field that turns the mixers' convolution bias off, if any
+    any_mlp = False                  # matches() checks ModelConfig.mlp_act and mlp_layers itself; else the saver
+                                     # holds the type to SwiGLUs in every layer
     top = TOP
     layer = "model.layers.{i}."
     layers: dict = {}

@@ -9,6 +9,7 @@ from subquad.models.hf.kimi_linear import KimiLinearFormat
 from subquad.models.hf.mamba import FalconMambaFormat, MambaFormat
 from subquad.models.hf.mamba2 import Mamba2Format
 from subquad.models.hf.minimax import MiniMaxFormat
+from subquad.models.hf.nemotron_h import NemotronHFormat
 from subquad.models.hf.olmo_hybrid import OlmoHybridFormat
 from subquad.models.hf.qwen3_5 import Qwen3_5Format, Qwen3_5MoeFormat, Qwen3_5MoeTextFormat, Qwen3_5TextFormat
 from subquad.models.hf.qwen3_next import Qwen3NextFormat
@@ -17,4 +18,4 @@ MAPPINGS = {f.model_type: f for f in (MambaFormat, FalconMambaFormat, Mamba2Form
                                       Qwen3NextFormat, OlmoHybridFormat, KimiLinearFormat, MiniMaxFormat)}
 # after the types above: save_pretrained writes the first type that holds a model's structure
 MAPPINGS.update({f.model_type: f for f in (Qwen3_5TextFormat, Qwen3_5MoeTextFormat, Qwen3_5Format, Qwen3_5MoeFormat,
-                                          GraniteMoeHybridFormat)})
+                                          GraniteMoeHybridFormat, NemotronHFormat)})

@@ -22,11 +22,16 @@ def save_pretrained(model, path, model_type: str | None = None) -> None:
         raise ValueError(f"a quantised model ({model.quantized}) is not saved: save the float model it came from")
     cfg = model.config
     opts = layer_options(model)
-    if model_type is not None and (model_type not in MAPPINGS or not MAPPINGS[model_type].matches(cfg, opts)):
+    plain = cfg.mlp_act == "swiglu" and cfg.mlp_layers is None
+
+    def holds(f):
+        return f.matches(cfg, opts) and (f.any_mlp or plain)
+
+    if model_type is not None and (model_type not in MAPPINGS or not holds(MAPPINGS[model_type])):
         raise ValueError(f"this model (pattern {cfg.pattern!r}, mlp={cfg.mlp}, moe={cfg.moe}) cannot be written as "
                          f"model_type {model_type!r}; supported: {', '.join(sorted(MAPPINGS))}")
     fmt = MAPPINGS[model_type] if model_type is not None else next(
-        (f for f in MAPPINGS.values() if f.matches(cfg, opts)), None)
+        (f for f in MAPPINGS.values() if holds(f)), None)
     if fmt is None:
         raise ValueError(f"no Hugging Face model type has this structure (pattern {cfg.pattern!r}, mlp={cfg.mlp}, "
                          f"moe={cfg.moe}, options {cfg.mixer_options}); supported: {', '.join(sorted(MAPPINGS))}")
