@@ -134,3 +134,23 @@ def test_refusals_name_the_problem(tmp_path):
     save_file(w, str(folder / "model.safetensors"))
     with pytest.raises(ValueError, match="missing.*layers.0.linear_attn.in_proj_z"):
         from_pretrained(folder)
+
+
+def test_fused_experts_and_an_mtp_head_as_released_checkpoints_hold_them(tmp_path):
+    """Experts stacked as ``experts.gate_up_proj`` (E, 2I, d) and ``experts.down_proj`` load as one per expert;
+    ``mtp.*`` tensors are left out and named."""
+    from safetensors.torch import load_file, save_file
+
+    hf, folder = _hf(tmp_path, "qwen3_5_moe")
+    w = load_file(str(folder / "model.safetensors"))
+    for i in range(TEXT["num_hidden_layers"]):
+        p = f"model.language_model.layers.{i}.mlp.experts."
+        E = range(MOE["num_experts"])
+        w[p + "gate_up_proj"] = torch.stack([torch.cat([w.pop(f"{p}{e}.gate_proj.weight"),
+                                                        w.pop(f"{p}{e}.up_proj.weight")]) for e in E])
+        w[p + "down_proj"] = torch.stack([w.pop(f"{p}{e}.down_proj.weight") for e in E])
+    w["mtp.fc.weight"] = torch.zeros(64, 128)
+    save_file(w, str(folder / "model.safetensors"))
+    with pytest.warns(UserWarning, match=r"the multi-token-prediction head \(mtp\.\*, 1 tensors\)"):
+        ours, _ = from_pretrained(folder)
+    assert_logits_equal(ours, hf, _ids(), torch.float32, 1e-4)
