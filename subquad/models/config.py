@@ -12,6 +12,10 @@ A single name fills all ``n_layers``; otherwise the counts must add up to
 in ``mixer_options`` keyed by mixer name: ``{"swa": {"window": 128},
 "linear": {"feature_map": "performer"}}``.
 
+The MLP after each mixer is a SwiGLU, or with ``mlp_act="relu2"`` an ungated squared-ReLU MLP; ``mlp_layers``
+lists the layers that have one (Nemotron-H's pattern: "M-M*-MM-" has no MLP after its fourth mixer), the
+others being the mixer alone.
+
 A sparse mixture-of-experts MLP (``subquad.models.moe``) replaces the dense one in every ``every``-th
 layer from ``offset`` (Jamba: every second layer from layer 1):
 
@@ -70,6 +74,8 @@ class ModelConfig:
     mlp_ratio: float = 4.0               # hidden = 2/3 * ratio * d_model: a SwiGLU with a 4x MLP's parameters
     mlp_size: int | None = None          # the MLP's hidden width, when set (checkpoints give it); else mlp_ratio's
     moe: dict | None = None              # sparse mixture-of-experts MLPs (module doc); None: dense everywhere
+    mlp_act: str = "swiglu"              # "relu2": an ungated MLP, W_down relu(W_up x)^2 (Primer; Nemotron-H)
+    mlp_layers: list | None = None       # indices of the layers with an MLP (None: all); the rest: the mixer alone
     context_length: int = 256
     pos_emb: str = "none"                # "none" (positions from the mixers: RoPE, recurrence) or "learned"
     tie_embeddings: bool = True
@@ -93,6 +99,17 @@ class ModelConfig:
             raise ValueError(f"mlp_size must be a positive int or None, got {self.mlp_size!r}")
         if self.moe is not None:
             self.moe = _check_moe(self.moe, self.mlp)
+        if self.mlp_act not in ("swiglu", "relu2"):
+            raise ValueError(f"mlp_act must be 'swiglu' or 'relu2', got {self.mlp_act!r}")
+        if self.mlp_layers is not None:
+            if not isinstance(self.mlp_layers, (list, tuple)) or any(
+                    isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < self.n_layers for i in self.mlp_layers):
+                raise ValueError(f"mlp_layers must be None or a list of layer indices in [0, {self.n_layers}), "
+                                 f"got {self.mlp_layers!r}")
+            self.mlp_layers = sorted(set(self.mlp_layers))
+        if self.moe is not None and (self.mlp_act != "swiglu" or self.mlp_layers is not None):
+            raise ValueError("moe (SwiGLU experts in every MLP layer it names) takes mlp_act='swiglu' and "
+                             "mlp_layers=None")
         from subquad.layers import MIXERS
 
         if not isinstance(self.post_norm, (list, tuple)) or any(n not in MIXERS for n in self.post_norm):

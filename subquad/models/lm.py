@@ -20,7 +20,7 @@ from torch import nn
 
 from subquad.layers import RMSNorm, build_mixer, sequence, tensor_bytes
 from subquad.layers.attention import SoftmaxAttention
-from subquad.layers.mlp import SwiGLU
+from subquad.layers.mlp import ReLU2MLP, SwiGLU
 from subquad.models.config import ModelConfig
 from subquad.models.generate import generate
 from subquad.models.loss import linear_cross_entropy
@@ -33,36 +33,39 @@ NORMED_OUTPUT_SCALE = 0.1   # see LanguageModel._init_residual_branches
 
 
 class Block(nn.Module):
-    """One layer: ``norm1``, ``mixer``, ``norm2`` and ``mlp`` (a SwiGLU, a mixture of experts, or None without
-    MLPs). Each subclass's ``forward(h (B, T, d_model), state, cu_seqlens) -> (h, state)`` is one way the two
+    """One layer: ``norm1``, ``mixer``, ``norm2`` and ``mlp`` (a SwiGLU or, with ``cfg.mlp_act`` "relu2", an
+    ungated squared-ReLU MLP; a mixture of experts; or None - without MLPs, or at a layer ``cfg.mlp_layers``
+    leaves out). Each subclass's ``forward(h (B, T, d_model), state, cu_seqlens) -> (h, state)`` is one way the two
     branches meet the residual stream; all share these parameter names, which the checkpoint formats map
     (``models.hf``). ``Block.build`` picks the subclass the config asks for."""
 
-    def __init__(self, cfg: ModelConfig, mixer_name: str, moe: bool = False):
+    def __init__(self, cfg: ModelConfig, mixer_name: str, moe: bool = False, mlp: bool = True):
         super().__init__()
+        mlp = cfg.mlp and mlp                              # mlp False: this layer is the mixer alone
         opts = {**cfg.mixer_options.get("*", {}), **cfg.mixer_options.get(mixer_name, {})}
         self.mixer_name = mixer_name
         self.norm1 = RMSNorm(cfg.d_model, cfg.norm_eps)
         heads = opts.pop("n_heads", cfg.n_heads)           # a layer's own head count (a MixerEntry with own_heads)
         self.mixer = build_mixer(mixer_name, cfg.d_model, heads, n_kv_heads=cfg.n_kv_heads, **opts)
-        self.norm2 = RMSNorm(cfg.d_model, cfg.norm_eps) if cfg.mlp else None
+        self.norm2 = RMSNorm(cfg.d_model, cfg.norm_eps) if mlp else None
         if moe:
             m = cfg.moe
             self.mlp = MoE(cfg.d_model, m["hidden"] or cfg.mlp_hidden, m["experts"], m["top_k"], m["renormalize"],
                            m["shared"], m["shared_gate"], m["router"], m["groups"], m["topk_groups"], m["scale"])
         else:
-            self.mlp = SwiGLU(cfg.d_model, cfg.mlp_hidden) if cfg.mlp else None
+            Dense = ReLU2MLP if cfg.mlp_act == "relu2" else SwiGLU
+            self.mlp = Dense(cfg.d_model, cfg.mlp_hidden) if mlp else None
 
     @staticmethod
-    def build(cfg: ModelConfig, mixer_name: str, moe: bool = False) -> "Block":
+    def build(cfg: ModelConfig, mixer_name: str, moe: bool = False, mlp: bool = True) -> "Block":
         """The block ``cfg`` asks for at a ``mixer_name`` layer: ``ScaledResidualBlock`` with
         ``cfg.scaled_residual``, else ``PostNormBlock`` for a mixer named in ``cfg.post_norm``, else
         ``PreNormBlock``."""
         if cfg.scaled_residual is not None:
-            return ScaledResidualBlock(cfg, mixer_name, moe)
+            return ScaledResidualBlock(cfg, mixer_name, moe, mlp)
         if mixer_name in cfg.post_norm:
-            return PostNormBlock(cfg, mixer_name, moe)
-        return PreNormBlock(cfg, mixer_name, moe)
+            return PostNormBlock(cfg, mixer_name, moe, mlp)
+        return PreNormBlock(cfg, mixer_name, moe, mlp)
 
 
 class PreNormBlock(Block):
@@ -93,8 +96,8 @@ class ScaledResidualBlock(Block):
     (MiniMax-01, arXiv:2501.08313). ``cfg.scaled_residual`` gives (a, b) per mixer name and for "mlp";
     a name it leaves out gets (1, 1)."""
 
-    def __init__(self, cfg: ModelConfig, mixer_name: str, moe: bool = False):
-        super().__init__(cfg, mixer_name, moe)
+    def __init__(self, cfg: ModelConfig, mixer_name: str, moe: bool = False, mlp: bool = True):
+        super().__init__(cfg, mixer_name, moe, mlp)
         sr = cfg.scaled_residual
         self.mixer_factors = tuple(sr.get(mixer_name, (1.0, 1.0)))
         self.mlp_factors = tuple(sr.get("mlp", (1.0, 1.0)))
@@ -117,7 +120,8 @@ class LanguageModel(nn.Module):
         self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
         self.pos_embed = nn.Embedding(cfg.context_length, cfg.d_model) if cfg.pos_emb == "learned" else None
         moe = set(cfg.moe_layers)
-        self.blocks = nn.ModuleList(Block.build(cfg, name, i in moe) for i, name in enumerate(cfg.layers))
+        dense = range(cfg.n_layers) if cfg.mlp_layers is None else set(cfg.mlp_layers)
+        self.blocks = nn.ModuleList(Block.build(cfg, name, i in moe, i in dense) for i, name in enumerate(cfg.layers))
         for i, b in enumerate(self.blocks):                  # depth-dependent layer constants (lightning's slopes)
             if hasattr(b.mixer, "place"):
                 b.mixer.place(i, cfg.n_layers)
@@ -157,7 +161,7 @@ class LanguageModel(nn.Module):
                 if proj is not None and not getattr(proj, "keep_init", False):
                     scale = NORMED_OUTPUT_SCALE if hybrid and block.mixer.normed_output else 1.0
                     proj.weight.normal_(0, std * scale)
-                if isinstance(block.mlp, SwiGLU):
+                if isinstance(block.mlp, (SwiGLU, ReLU2MLP)):
                     block.mlp.w_down.weight.normal_(0, std)
                 elif isinstance(block.mlp, MoE):
                     block.mlp.w_down.normal_(0, std)

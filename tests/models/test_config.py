@@ -36,3 +36,21 @@ def test_presets_and_config_checks():
         ModelConfig.from_dict({"d_model": 64, "colour": "red"})
     cfg = micro(pattern="swa", mixer_options={"swa": {"window": 8}})
     assert ModelConfig.from_dict(cfg.to_dict()) == cfg
+
+
+def test_mlp_act_and_mlp_layers():
+    """relu2: an ungated squared-ReLU MLP; mlp_layers: the layers that have one, the rest the mixer alone."""
+    import torch
+
+    from subquad import LanguageModel
+
+    cfg = ModelConfig(vocab_size=32, d_model=16, n_layers=3, n_heads=2, mlp_size=24, mlp_act="relu2", mlp_layers=[2, 0])
+    assert cfg.mlp_layers == [0, 2] and ModelConfig.from_dict(cfg.to_dict()) == cfg
+    model = LanguageModel(cfg)
+    assert [b.mlp is None and b.norm2 is None for b in model.blocks] == [False, True, False]
+    mlp, x = model.blocks[0].mlp, torch.randn(5, 16)
+    torch.testing.assert_close(mlp(x), torch.relu(x @ mlp.w_up.weight.T).square() @ mlp.w_down.weight.T)
+    for bad, match in (({"mlp_act": "gelu"}, "mlp_act"), ({"mlp_layers": [3]}, "mlp_layers"),
+                       ({"mlp_act": "relu2", "moe": {"experts": 2}}, "moe .*mlp_act='swiglu'")):
+        with pytest.raises(ValueError, match=match):
+            ModelConfig(vocab_size=32, d_model=16, n_layers=3, n_heads=2, **bad)

@@ -15,12 +15,19 @@ weights shifted) and ``pack`` them back on saving.
     mamba.py        mamba, falcon_mamba (its RMS norms on dt, B and C)
     mamba2.py       mamba2 (``n_groups``, the gated norm per group, ``time_step_limit``)
     bamba.py        bamba (Mamba-2 and softmax attention at ``attn_layer_indices``, partial rotary, SwiGLU MLPs)
+    granitemoehybrid.py  granitemoehybrid (Granite 4: Mamba-2, attention without positions or rotary, MoE beside an
+                    ungated shared expert; its multipliers folded into the weights)
     jamba.py        jamba (Mamba with normed dt, B and C, attention without positions every
                     ``attn_layer_period``, a mixture of experts every ``expert_layer_period``)
     qwen3_next.py   qwen3_next (Gated DeltaNet with fused projections, gated attention, MoE + shared expert)
+    nemotron_h.py   nemotron_h (Mamba-2, attention without positions and squared-ReLU MLPs as separate layers by a
+                    pattern: a mixer layer and the MLP layer after it are one block; no MoE layers)
     olmo_hybrid.py  olmo_hybrid (Gated DeltaNet, post-norm attention with q/k norms)
     kimi_linear.py  kimi_linear (Kimi Delta Attention, latent attention, DeepSeek-V3 experts)
     minimax.py      minimax (lightning attention, MiniMax-01's scaled residual)
+    qwen3_5.py      qwen3_5, qwen3_5_moe (multimodal: the language model, the vision tower left out by name) and
+                    their text-only types qwen3_5_text, qwen3_5_moe_text (Qwen3-Next's hybrid, projections fused
+                    by part, dense MLPs or MoE in every layer)
 
 ``registry.MAPPINGS`` lists them by ``model_type``; ``loader`` reads a folder, ``saver`` writes one, and
 ``common`` holds what the formats share. Imports run one way: common <- formats <- registry <- loader,

@@ -4,8 +4,8 @@ rotary on the first half of each head's dims) at ``attn_layer_indices``, each fo
 from __future__ import annotations
 
 from subquad.models.config import ModelConfig
-from subquad.models.hf.common import (HYBRID_BLOCK, HYBRID_TOP, Format, check_hybrid, check_rope_type, config_float,
-                                      json_float, plain_attention, transformer_config)
+from subquad.models.hf.common import (HYBRID_BLOCK, HYBRID_TOP, Format, check_hybrid, check_rope_type, json_float,
+                                      mamba2_options, plain_attention, transformer_config)
 
 
 class BambaFormat(Format):
@@ -22,22 +22,12 @@ class BambaFormat(Format):
         check_hybrid(c)
         rope = c.get("rope_parameters") or {"rope_theta": c.get("rope_theta", 10000.0)}
         check_rope_type(rope)
-        H, E, n = c["hidden_size"], c.get("mamba_expand", 2), c["num_hidden_layers"]
-        heads = c.get("mamba_n_heads", 128)
-        hd = c.get("mamba_d_head", "auto")
-        hd = E * H // heads if hd == "auto" else hd
-        if heads * hd != E * H:
-            raise ValueError(f"config fields mamba_n_heads={heads} x mamba_d_head={hd} must equal mamba_expand x "
-                             f"hidden_size = {E * H}")
+        n = c["num_hidden_layers"]
         attn = set(c.get("attn_layer_indices") or ())
         if any(not 0 <= i < n for i in attn):
             raise ValueError(f"config field attn_layer_indices={sorted(attn)} names layers outside [0, {n})")
         eps = c.get("rms_norm_eps", 1e-5)
-        m2 = {"d_state": c.get("mamba_d_state", 256), "head_dim": hd, "expand": E, "conv_size": c.get("mamba_d_conv", 4),
-              "n_groups": c.get("mamba_n_groups", 1), "norm_eps": eps}
-        limit = tuple(config_float(v) for v in (c.get("time_step_limit") or (0.0, float("inf"))))
-        if limit != (0.0, float("inf")):
-            m2["dt_limit"] = limit
+        m2 = mamba2_options(c, eps)
         soft = {"rotary_base": float(rope.get("rope_theta", 10000.0)),
                 "rotary_fraction": float(rope.get("partial_rotary_factor", 0.5))}
         pattern = ",".join("softmax" if i in attn else "mamba2" for i in range(n))

@@ -64,6 +64,8 @@ class Format:
 
     model_type = ""
     conv_bias_key = None             # the config field that turns the mixers' convolution bias off, if any
+    any_mlp = False                  # matches() checks ModelConfig.mlp_act and mlp_layers itself; else the saver
+                                     # holds the type to SwiGLUs in every layer
     top = TOP
     layer = "model.layers.{i}."
     layers: dict = {}
@@ -176,6 +178,31 @@ def check_hybrid(c: dict) -> None:
     if hd is not None and hd != c["hidden_size"] // c["num_attention_heads"]:
         raise ValueError(f"config field head_dim={hd} is not supported (subquad's attention uses hidden_size / "
                          f"num_attention_heads = {c['hidden_size'] // c['num_attention_heads']})")
+
+
+def mamba2_options(c: dict, eps: float) -> dict:
+    """The ``mamba2`` layers' options from the ``mamba_*`` fields (Bamba's, kept by Granite 4)."""
+    H, E = c["hidden_size"], c.get("mamba_expand", 2)
+    heads = c.get("mamba_n_heads", 128)
+    hd = c.get("mamba_d_head", "auto")
+    hd = E * H // heads if hd == "auto" else hd
+    if heads * hd != E * H:
+        raise ValueError(f"config fields mamba_n_heads={heads} x mamba_d_head={hd} must equal mamba_expand x "
+                         f"hidden_size = {E * H}")
+    m2 = {"d_state": c.get("mamba_d_state", 256), "head_dim": hd, "expand": E, "conv_size": c.get("mamba_d_conv", 4),
+          "n_groups": c.get("mamba_n_groups", 1), "norm_eps": eps}
+    limit = tuple(config_float(v) for v in (c.get("time_step_limit") or (0.0, float("inf"))))
+    if limit != (0.0, float("inf")):
+        m2["dt_limit"] = limit
+    return m2
+
+
+def mamba2_config(cfg: ModelConfig, o: dict) -> dict:
+    """The inverse of ``mamba2_options``: the ``mamba_*`` fields."""
+    return {"mamba_n_heads": o["expand"] * cfg.d_model // o["head_dim"], "mamba_d_head": o["head_dim"],
+            "mamba_n_groups": o["n_groups"], "mamba_d_state": o["d_state"], "mamba_d_conv": o["conv_size"],
+            "mamba_expand": o["expand"], "mamba_conv_bias": True, "mamba_proj_bias": False,
+            "time_step_limit": [json_float(v) for v in o["dt_limit"]]}
 
 
 def plain_attention(cfg: ModelConfig, opts: dict) -> bool:

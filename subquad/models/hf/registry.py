@@ -3,13 +3,19 @@
 from __future__ import annotations
 
 from subquad.models.hf.bamba import BambaFormat
+from subquad.models.hf.granitemoehybrid import GraniteMoeHybridFormat
 from subquad.models.hf.jamba import JambaFormat
 from subquad.models.hf.kimi_linear import KimiLinearFormat
 from subquad.models.hf.mamba import FalconMambaFormat, MambaFormat
 from subquad.models.hf.mamba2 import Mamba2Format
 from subquad.models.hf.minimax import MiniMaxFormat
+from subquad.models.hf.nemotron_h import NemotronHFormat
 from subquad.models.hf.olmo_hybrid import OlmoHybridFormat
+from subquad.models.hf.qwen3_5 import Qwen3_5Format, Qwen3_5MoeFormat, Qwen3_5MoeTextFormat, Qwen3_5TextFormat
 from subquad.models.hf.qwen3_next import Qwen3NextFormat
 
 MAPPINGS = {f.model_type: f for f in (MambaFormat, FalconMambaFormat, Mamba2Format, BambaFormat, JambaFormat,
                                       Qwen3NextFormat, OlmoHybridFormat, KimiLinearFormat, MiniMaxFormat)}
+# after the types above: save_pretrained writes the first type that holds a model's structure
+MAPPINGS.update({f.model_type: f for f in (Qwen3_5TextFormat, Qwen3_5MoeTextFormat, Qwen3_5Format, Qwen3_5MoeFormat,
+                                          GraniteMoeHybridFormat, NemotronHFormat)})

@@ -12,9 +12,11 @@ from subquad.models.hf.common import layer_options
 from subquad.models.hf.registry import MAPPINGS
 
 
-def save_pretrained(model, path, tokenizer=None) -> None:
+def save_pretrained(model, path, tokenizer=None, model_type: str | None = None) -> None:
     """Write ``model`` as a Hugging Face folder: config.json, model.safetensors, generation_config.json and the
-    tokenizer. The model must have the structure of a supported type.
+    tokenizer. The model must have the structure of a supported type: ``model_type`` when given (several
+    types can hold one structure: a Qwen3.5 model is also a Qwen3-Next one), else the type of the folder it
+    was read from when that type can hold it, else the first of ``registry.MAPPINGS`` that can.
 
     A model read by ``from_pretrained`` writes back what its folder held beside the weights: every config
     field (``bos/eos/pad_token_id``, ``max_position_embeddings``, fields subquad reads but does not use)
@@ -26,7 +28,20 @@ def save_pretrained(model, path, tokenizer=None) -> None:
         raise ValueError(f"a quantised model ({model.quantized}) is not saved: save the float model it came from")
     cfg = model.config
     opts = layer_options(model)
-    fmt = next((f for f in MAPPINGS.values() if f.matches(cfg, opts)), None)
+    plain = cfg.mlp_act == "swiglu" and cfg.mlp_layers is None
+
+    def holds(f):
+        return f.matches(cfg, opts) and (f.any_mlp or plain)
+
+    if model_type is not None and (model_type not in MAPPINGS or not holds(MAPPINGS[model_type])):
+        raise ValueError(f"this model (pattern {cfg.pattern!r}, mlp={cfg.mlp}, moe={cfg.moe}) cannot be written as "
+                         f"model_type {model_type!r}; supported: {', '.join(sorted(MAPPINGS))}")
+    source = getattr(model, "hf_source", None) or {"config": {}, "files": {}}
+    if model_type is None and source["config"].get("model_type") in MAPPINGS \
+            and holds(MAPPINGS[source["config"]["model_type"]]):
+        model_type = source["config"]["model_type"]                # what it was read as
+    fmt = MAPPINGS[model_type] if model_type is not None else next(
+        (f for f in MAPPINGS.values() if holds(f)), None)
     if fmt is None:
         raise ValueError(f"no Hugging Face model type has this structure (pattern {cfg.pattern!r}, mlp={cfg.mlp}, "
                          f"moe={cfg.moe}, options {cfg.mixer_options}); supported: {', '.join(sorted(MAPPINGS))}")
@@ -47,7 +62,6 @@ def save_pretrained(model, path, tokenizer=None) -> None:
     conf = fmt.to_config(cfg, opts)
     if cfg.eos_token_ids:
         conf["eos_token_id"] = cfg.eos_token_ids[0] if len(cfg.eos_token_ids) == 1 else cfg.eos_token_ids
-    source = getattr(model, "hf_source", None) or {"config": {}, "files": {}}
     if source["config"].get("model_type") == conf["model_type"]:     # what the format does not write, kept
         conf = {**{k: v for k, v in source["config"].items() if k not in ("dtype", "torch_dtype")}, **conf}
     dtypes = {t.dtype for t in tensors.values() if t.is_floating_point()}
