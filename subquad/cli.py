@@ -222,6 +222,8 @@ def cmd_eval(args) -> int:
 
     if (args.run is None) == (args.model is None):
         raise ValueError("give one of --run (a subquad run) or --model (a Hugging Face model folder)")
+    if args.tasks is not None:
+        return _eval_tasks(args)
     if args.model is not None:
         return _eval_model(args)
     if not Path(args.run).exists():
@@ -241,6 +243,26 @@ def cmd_eval(args) -> int:
                     eot=eot)
     print(f"{args.run}: step {meta['step']}, held-out loss {loss:.4f} nats/token "
           f"({batches} x {batch_size} windows of {model.config.context_length}{', packed' if eot is not None else ''})")
+    return 0
+
+
+def _eval_tasks(args) -> int:
+    """lm-evaluation-harness tasks on a run or a model folder (``subquad.harness``; the ``eval`` extra)."""
+    try:
+        from subquad.harness import SubquadLM
+    except ImportError as e:
+        raise ValueError(f"--tasks needs lm-evaluation-harness: pip install 'subquad[eval]' ({e})") from None
+    from lm_eval import simple_evaluate
+    from lm_eval.tasks import TaskManager
+    from lm_eval.utils import make_table
+
+    lm = SubquadLM(path=args.run or args.model, dtype=args.dtype, device=args.device, quantize=args.quantize,
+                   batch_size=args.batch_size or 16)
+    tasks = [t for t in args.tasks.split(",") if t]
+    res = simple_evaluate(model=lm, tasks=tasks, limit=args.limit,
+                          task_manager=TaskManager(include_path=args.include_path))
+    print(make_table(res))
+    print(f"contexts read: {lm.context_prefills} (each shared context once)")
     return 0
 
 
@@ -666,6 +688,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="weights' dtype for --model")
     e.add_argument("--piece", type=_positive, default=1024,
                    help="with --model: tokens per forward, the state carried between them")
+    e.add_argument("--tasks", help="lm-evaluation-harness tasks, comma-separated (the `eval` extra): scores "
+                                   "--run or --model on them (subquad.harness)")
+    e.add_argument("--limit", type=_positive, help="with --tasks: at most this many documents per task")
+    e.add_argument("--include-path", help="with --tasks: a folder of task YAML files of your own")
     e.add_argument("--batches", type=_positive, help="held-out batches (default: the run's eval_batches, as in "
                                                       "training)")
     e.add_argument("--batch-size", type=_positive, help="sequences per batch (default: the run's)")

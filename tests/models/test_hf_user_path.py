@@ -19,14 +19,16 @@ from tests.models.test_hf_hybrid import _hf as _hf_hybrid  # noqa: E402
 
 
 def _tokenizer_files(folder, eos: int):
-    """A word-level tokenizer over w0..w63 with a chat template and a generation config naming ``eos``."""
+    """A word-level tokenizer over w00..w63 with a chat template and a generation config naming ``eos``. The words
+    have one length: transformers splits the special tokens out of any word they begin, as added tokens."""
     from tokenizers import Tokenizer, models, pre_tokenizers
 
-    tok = Tokenizer(models.WordLevel({f"w{i}": i for i in range(64)}, unk_token="w0"))
+    tok = Tokenizer(models.WordLevel({f"w{i:02d}": i for i in range(64)}, unk_token="w00"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.add_special_tokens(["w00", "w01", f"w{eos:02d}"])          # as a real tokenizer.json declares them
     tok.save(str(folder / "tokenizer.json"))
     (folder / "tokenizer_config.json").write_text(json.dumps({
-        "tokenizer_class": "PreTrainedTokenizerFast", "eos_token": f"w{eos}", "bos_token": "w1", "pad_token": "w0",
+        "tokenizer_class": "PreTrainedTokenizerFast", "eos_token": f"w{eos:02d}", "bos_token": "w01", "pad_token": "w00",
         "chat_template": "{% for m in messages %}{{ m['content'] }} {% endfor %}"}))
     (folder / "generation_config.json").write_text(json.dumps({"bos_token_id": 1, "eos_token_id": eos,
                                                               "pad_token_id": 0}))
@@ -63,7 +65,7 @@ def test_a_saved_folder_is_complete_and_generates_as_transformers(tmp_path, caps
     ours, _ = from_pretrained(out)
     got, _ = ours.generate(prompt, 12, temperature=0)
     assert got == want
-    assert main(["generate", "--model", str(out), "--prompt", "w5 w9 w3", "--max-new-tokens", "12",
+    assert main(["generate", "--model", str(out), "--prompt", "w05 w09 w03", "--max-new-tokens", "12",
                  "--temperature", "0"]) == 0
     assert tok.decode(want) in capsys.readouterr().out
 
@@ -78,7 +80,7 @@ def test_a_model_trained_here_saves_its_tokenizer(tmp_path):
                                       n_heads=2, tie_embeddings=False, eos_token_ids=[7]))
     model.save_pretrained(tmp_path / "out", tokenizer=tok)
     back = Tokenizer.from_file(str(tmp_path / "out" / "tokenizer.json"))
-    assert back.encode("w3 w9").ids == [3, 9]
+    assert back.encode("w03 w09").ids == [3, 9]
     assert json.loads((tmp_path / "out" / "generation_config.json").read_text())["eos_token_id"] == 7
 
 
