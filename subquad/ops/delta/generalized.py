@@ -22,10 +22,11 @@ from subquad.ops.common.forms import three_forms
 from subquad.ops.common.precision import amp_op, causal_guard, checks_on, finite_log_decay
 from subquad.ops.common.routes import SHORT, check_route, took
 from subquad.ops.common.varlen import varlen
+from subquad.ops.delta.chunk import chunk_dplr
+from subquad.ops.delta.parallel import parallel_dplr
 from subquad.ops.delta.recurrent import recurrent_dplr
 
-# the parallel and chunk forms come with the chunk engine; until then every form is the token loop
-_FORMS = {"parallel": recurrent_dplr, "recurrent": recurrent_dplr, "chunk": recurrent_dplr}
+_FORMS = {"parallel": parallel_dplr, "recurrent": recurrent_dplr, "chunk": chunk_dplr}
 ROUTES = ("token", "chunk")
 
 
