@@ -33,6 +33,12 @@ exp(gamma) scales K and Q channel-wise, the state decays by diag(exp(gamma_C)), 
 exp(gamma_ik - gamma_jk) inside the sums over k - K K^T o Dm and Q K^T o Dm become GLA's sub-chunked
 decayed scores (``decay/intra.py``: every exponent a difference <= 0), so chunks are rounded up to a
 multiple of its 16-token sub-chunk.
+
+The generalised delta rule (RWKV-7's diag(exp(w_t)) + b_t a_t^T, ``generalized.py``) is the same engine with
+its own factors (``_dplr_factors``; README.md here, "The generalised delta rule"): D is the reads a_i^T S_{i-1},
+found by one triangular solve per chunk, and each chunk adds two state-free terms the delta rules lack - its
+direct writes to the state (H = K^T V, decayed) and to the outputs (X = (Q K^T o Dm) V) - which
+``_StatePassing`` takes as optional inputs.
 """
 
 from __future__ import annotations
@@ -101,7 +107,8 @@ def _factors(q, k, v, g, beta, C, ws):
     """Steps 1, 2 and the state-free factors of 4 and 5 for every chunk of a group (tokens a multiple of C).
     Returns, chunk-major (n, B*H, ...): W, U (C, K | V); Q~ = exp(gamma) o Q (C, K); P = tril(Q K^T) o Dm
     (C, C); K^ = exp(gamma_C - gamma) o K (C, K); the state's decay over the chunk, (1, 1) or (K, 1) per
-    key row, or None for the plain rule. ``ws``: the workspace (``out=None`` under autograd)."""
+    key row, or None for the plain rule; None, None for the state-free terms H and X (the generalised rule's).
+    ``ws``: the workspace (``out=None`` under autograd)."""
     B, L, H, K = q.shape
     V = v.shape[-1]
     n, BH = L // C, B * H

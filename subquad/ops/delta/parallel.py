@@ -1,5 +1,6 @@
-"""The (gated) delta rule, parallel form: the chunk engine's algebra (README.md here) with one chunk
-spanning the whole sequence - a T x T triangular solve, O(T^2 K + T^3): a reference for short T."""
+"""The (gated) delta rule and the generalised delta rule, parallel form: the chunk engine's algebra (README.md
+here) with one chunk spanning the whole sequence - a T x T triangular solve, O(T^2 K + T^3): a reference for
+short T."""
 
 from __future__ import annotations
 
