@@ -86,6 +86,22 @@ def test_strong_decays_take_the_elementwise_diagonal_blocks_too(monkeypatch):
     check_grads_agree(call, x, 16, state0(x), ref="recurrent")
 
 
+def test_factored_and_exact_scores_agree(monkeypatch):
+    # chunks decaying by at most 2 FACTOR_LIMIT take midpoint-factored scores (one matmul), others the exact
+    # sub-chunked ones (delta/chunk.py, _dplr_scores): with the limit at 0 every chunk takes the exact ones
+    from subquad.ops.delta import chunk
+
+    x = make(2, 100, K=6, V=4, seed=14, w_min=-2.0, shape="free")
+    S0 = state0(x)
+    runs = []
+    for limit in (chunk.FACTOR_LIMIT, 0.0):
+        monkeypatch.setattr(chunk, "FACTOR_LIMIT", limit)
+        o, s = call("chunk", x, 32, S0, True)
+        runs.append([o, s, *torch.autograd.grad(o.square().sum() + s.square().sum(), [*x.values(), S0])])
+    for a, b in zip(*runs):
+        assert_close(a, b, 1e-10, "factored vs exact")
+
+
 @pytest.mark.parametrize("mode", ["parallel", "recurrent", "chunk"])
 def test_the_delta_rule_is_the_case_w_zero_a_minus_k_b_beta_k(mode):
     # (I - beta k k^T) S + beta k v^T = (diag(1) + (beta k)(-k)^T) S + k (beta v)^T

@@ -50,7 +50,7 @@ from subquad.ops.common.autograd import wants_grad
 from subquad.ops.common.chunking import decay_mask, put_chunks
 from subquad.ops.common.expo import exp_decay
 from subquad.ops.common.precision import autocast_off, compiling
-from subquad.ops.common.routes import DELTA_CHUNK, TOKEN_HEADS_DELTA as TOKEN_HEADS
+from subquad.ops.common.routes import DELTA_CHUNK, FACTOR_LIMIT, TOKEN_HEADS_DELTA as TOKEN_HEADS
 from subquad.ops.decay.intra import SUB, _intra_vector_rows
 from subquad.ops.delta.triangular import unit_lower_solve
 
@@ -162,26 +162,16 @@ def _dplr_factors(q, k, v, w, a, b, C, ws):
         Q~ = exp(gamma) o Q,   P = (Q B^T) o Dm,   X = ((Q K^T) o Dm) V
         K^ = exp(gamma_C - gamma) o B,   H = (exp(gamma_C - gamma) o K)^T V,   decay exp(gamma_C) (K, 1)
 
-    L_xy[i, j] = x_i . exp(gamma_{i-1} - gamma_j) y_j (j < i) is ``decay/intra.py``'s inclusive score against
-    the keys shifted one token later (y'_m = y_{m-1}) and the exclusive cumulative decay, columns shifted
-    back: every exponent stays a difference <= 0."""
+    The four score sets Q K^T o Dm, Q B^T o Dm, L_ak and L_ab come from ``_dplr_scores``."""
     B, L, H, K = q.shape
     V = v.shape[-1]
     n, BH = L // C, B * H
-    N = n * BH
     qc, kc, ac, bc, wc = (_chunks(x, C, w, ws(name, (n, BH, C, K), w))
                           for name, x in (("q", q), ("k", k), ("a", a), ("b", b), ("g", w)))
     vc = _chunks(v, C, w, ws("v", (n, BH, C, V), w))                    # (n, BH, C, V)
     gam = torch.cumsum(wc, 2)                                           # gamma_i, chunk-local, inclusive, <= 0
     gex = F.pad(gam[:, :, :-1], (0, 0, 1, 0))                           # gamma_{i-1} (exclusive; 0 at i = 0)
-    later = (lambda x: F.pad(x[:, :, :-1], (0, 0, 1, 0)))               # y'_m = y_{m-1}, 0 at m = 0
-    flat = (lambda x: x.reshape(N, C, K))
-    scores = _intra_vector_rows(                                        # four score sets, one call: (4 N, 1, C, C)
-        torch.cat([flat(qc), flat(qc), flat(ac), flat(ac)]).unsqueeze(1),
-        torch.cat([flat(kc), flat(bc), flat(later(kc)), flat(later(bc))]),
-        torch.cat([flat(gam), flat(gam), flat(gex), flat(gex)]))
-    QK, P, AK, AB = scores.view(4, n, BH, C, C).unbind(0)
-    Lak, Lab = (F.pad(x[..., 1:], (0, 1)) for x in (AK, AB))            # L[i, j] = M[i, j + 1]: strictly lower
+    QK, P, Lak, Lab = _dplr_scores(qc, kc, ac, bc, gam, gex)
     nAt = -ac * exp_decay(gex)                                          # -A~ = -exp(gamma_{i-1}) o a_i
     W, U = unit_lower_solve(Lab.neg(), nAt, torch.matmul(Lak, vc))
     tail = exp_decay(gam[:, :, -1:] - gam)                              # exp(gamma_C - gamma)  (n, BH, C, K)
@@ -189,6 +179,36 @@ def _dplr_factors(q, k, v, w, a, b, C, ws):
     X = torch.matmul(QK, vc)                                            # (n, BH, C, V)
     decay = exp_decay(gam[:, :, -1]).unsqueeze(-1)                      # (n, BH, K, 1)
     return W, U, qc * exp_decay(gam), P.contiguous(), tail * bc, decay, Hw, X
+
+
+def _dplr_scores(qc, kc, ac, bc, gam, gex):
+    """(Q K^T o Dm, Q B^T o Dm, L_ak, L_ab), each (n, BH, C, C): x_i . exp(gamma_i - gamma_j) y_j for j <= i
+    and x_i . exp(gamma_{i-1} - gamma_j) y_j for j < i (zero elsewhere). Two ways, the same up to rounding:
+
+    - factored, when no channel of any chunk decays by more than 2 FACTOR_LIMIT (one host sync): about the
+      chunk's midpoint m = gamma_C / 2 every factor exp(gamma - m), exp(m - gamma) lies within e^(+-FACTOR_LIMIT),
+      so all four sets are one matmul [Q~; A~] [K~; B~]^T, masked after;
+    - exact otherwise: ``decay/intra.py``'s sub-chunked scores (every exponent a difference <= 0), the L's
+      taken against the keys shifted one token later (y'_m = y_{m-1}) under the exclusive cumulative decay
+      and their columns shifted back, L[i, j] = M[i, j + 1]."""
+    n, BH, C, K = qc.shape
+    tot = gam[:, :, -1:]                                                # (n, BH, 1, K) the chunk's whole decay
+    if gam.device.type != "meta" and gam.numel() and float(tot.detach().min()) >= -2 * FACTOR_LIMIT:
+        m = tot / 2
+        e = torch.exp(m - gam)                                          # within e^(+-FACTOR_LIMIT)
+        rows = torch.cat([qc * torch.exp(gam - m), ac * torch.exp(gex - m)], 2)   # (n, BH, 2C, K)
+        S4 = torch.matmul(rows, torch.cat([kc * e, bc * e], 2).transpose(-1, -2))  # (n, BH, 2C, 2C)
+        top, bottom = S4[..., :C, :], S4[..., C:, :]
+        return (top[..., :C].tril(), top[..., C:].tril(), bottom[..., :C].tril(-1), bottom[..., C:].tril(-1))
+    N = n * BH
+    later = (lambda x: F.pad(x[:, :, :-1], (0, 0, 1, 0)))               # y'_m = y_{m-1}, 0 at m = 0
+    flat = (lambda x: x.reshape(N, C, K))
+    scores = _intra_vector_rows(                                        # four score sets, one call: (4 N, 1, C, C)
+        torch.cat([flat(qc), flat(qc), flat(ac), flat(ac)]).unsqueeze(1),
+        torch.cat([flat(kc), flat(bc), flat(later(kc)), flat(later(bc))]),
+        torch.cat([flat(gam), flat(gam), flat(gex), flat(gex)]))
+    QK, P, AK, AB = scores.view(4, n, BH, C, C).unbind(0)
+    return (QK, P) + tuple(F.pad(x[..., 1:], (0, 1)) for x in (AK, AB))
 
 
 def _pass(W, U, qg, P, kd, decay, Hw, X, S0, scale, ws):
