@@ -222,6 +222,8 @@ def cmd_eval(args) -> int:
 
     if (args.run is None) == (args.model is None):
         raise ValueError("give one of --run (a subquad run) or --model (a Hugging Face model folder)")
+    if args.passkey:
+        return _eval_passkey(args)
     if args.tasks is not None:
         return _eval_tasks(args)
     if args.model is not None:
@@ -243,6 +245,56 @@ def cmd_eval(args) -> int:
                     eot=eot)
     print(f"{args.run}: step {meta['step']}, held-out loss {loss:.4f} nats/token "
           f"({batches} x {batch_size} windows of {model.config.context_length}{', packed' if eot is not None else ''})")
+    return 0
+
+
+def _tokens(text: str) -> int:
+    """"4K" -> 4096, "512" -> 512."""
+    t = text.strip().upper()
+    n = int(t[:-1]) * 1024 if t.endswith("K") else int(t)
+    if n <= 0:
+        raise ValueError(f"a length must be positive, got {text!r}")
+    return n
+
+
+def _eval_passkey(args) -> int:
+    """Passkey retrieval by length and depth (``subquad.tasks.passkey``): a table, and a heat map with --out."""
+    import json
+    from pathlib import Path
+
+    from subquad.tasks.passkey import heatmap, passkey_sweep
+
+    try:
+        lengths = [_tokens(x) for x in args.lengths.split(",") if x]
+        depths = [float(x) for x in args.depths.split(",") if x]
+    except ValueError as e:
+        raise ValueError(f"--lengths takes e.g. 1K,4K and --depths e.g. 0,0.5,1 ({e})") from None
+    if args.model is not None:
+        from subquad.models import from_pretrained
+
+        model, tok = from_pretrained(args.model, dtype=args.dtype, device=args.device, quantize=args.quantize)
+        if tok is None:
+            raise ValueError(f"--model {args.model} has no tokenizer.json")
+    else:
+        from subquad.train import load_run
+
+        model, tok, _ = load_run(args.run, device=args.device, quantize=args.quantize, log=_say)
+    name = args.model or args.run
+    rows = passkey_sweep(model, lambda s: tok.encode(s).ids, lengths, depths, trials=args.trials,
+                         piece=args.piece, progress=lambda r: _say(f"length {r['length']}, depth {r['depth']:.2f}: "
+                                                                   f"{r['accuracy']:.2f}"))
+    print(f"passkey retrieval, {name}: accuracy over {args.trials} keys")
+    print("| length | " + " | ".join(f"depth {d:.2f}" for d in depths) + " | state bytes |")
+    print("|---" * (len(depths) + 2) + "|")
+    for n in lengths:
+        cells = [r for r in rows if r["length"] == n]
+        print(f"| {n} | " + " | ".join(f"{r['accuracy']:.2f}" for r in cells) + f" | {cells[-1]['state_bytes']:,} |")
+    if args.out:
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "passkey.json").write_text(json.dumps({"model": str(name), "rows": rows}, indent=1))
+        heatmap(rows, out / "passkey.png", f"passkey retrieval: {Path(str(name)).name}")
+        print(f"wrote {out / 'passkey.json'} and {out / 'passkey.png'}")
     return 0
 
 
@@ -691,6 +743,12 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--tasks", help="lm-evaluation-harness tasks, comma-separated (the `eval` extra): scores "
                                    "--run or --model on them (subquad.harness)")
     e.add_argument("--limit", type=_positive, help="with --tasks: at most this many documents per task")
+    e.add_argument("--passkey", action="store_true", help="passkey retrieval by --lengths and --depths "
+                                                            "(subquad.tasks.passkey)")
+    e.add_argument("--lengths", default="1K,4K", help="with --passkey: prompt lengths, e.g. 1K,4K,16K")
+    e.add_argument("--depths", default="0,0.25,0.5,0.75,1", help="with --passkey: needle depths in [0, 1]")
+    e.add_argument("--trials", type=_positive, default=5, help="with --passkey: keys per cell")
+    e.add_argument("--out", help="with --passkey: a folder for passkey.json and the heat map passkey.png")
     e.add_argument("--include-path", help="with --tasks: a folder of task YAML files of your own")
     e.add_argument("--batches", type=_positive, help="held-out batches (default: the run's eval_batches, as in "
                                                       "training)")
