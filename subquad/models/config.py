@@ -82,6 +82,7 @@ class ModelConfig:
     norm_eps: float = 1e-6
     post_norm: list = field(default_factory=list)   # mixer names whose blocks norm the branch outputs (lm.py)
     scaled_residual: dict | None = None  # MiniMax-01's blocks: {mixer name | "mlp": [alpha, beta]} (lm.py)
+    parallel: dict = field(default_factory=dict)   # {mixer name: mixer run beside it, summed} (Falcon-H1; lm.py)
     eos_token_ids: list = field(default_factory=list)  # end-of-text ids: ``generate`` stops after emitting one
 
     def __post_init__(self):
@@ -116,6 +117,13 @@ class ModelConfig:
             raise ValueError(f"post_norm must be a list of mixer names ({', '.join(sorted(MIXERS))}), "
                              f"got {self.post_norm!r}")
         self.post_norm = list(self.post_norm)
+        if not isinstance(self.parallel, dict) or any(
+                a not in MIXERS or b not in MIXERS or a == b for a, b in self.parallel.items()):
+            raise ValueError(f"parallel must be a dict {{mixer name: another mixer name run beside it}}, "
+                             f"got {self.parallel!r}")
+        if self.parallel and (self.post_norm or self.scaled_residual is not None):
+            raise ValueError("parallel blocks are pre-norm: they take no post_norm or scaled_residual")
+        self.parallel = dict(self.parallel)
         if self.scaled_residual is not None:
             sr = self.scaled_residual
             if not isinstance(sr, dict) or any(k != "mlp" and k not in MIXERS for k in sr) or any(
