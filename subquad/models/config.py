@@ -23,7 +23,7 @@ layer from ``offset`` (Jamba: every second layer from layer 1):
 
 ``hidden`` sets each expert's width (default: the dense MLP's), ``shared`` adds a shared expert of that
 width (0: none), gated by a learned sigmoid unless ``shared_gate`` is False; ``router`` "sigmoid" with
-``groups``, ``topk_groups`` and ``scale`` is DeepSeek-V3's routing (``subquad.models.moe``); ``layers``
+``groups``, ``topk_groups``, ``scale`` and ``renorm_eps`` is DeepSeek-V3's routing (``subquad.models.moe``); ``layers``
 lists the MoE layers explicitly, instead of every/offset (Kimi Linear: every layer but the first).
 """
 
@@ -177,7 +177,7 @@ class ModelConfig:
 
 MOE_DEFAULTS = {"top_k": 2, "every": 1, "offset": 0, "aux_loss_coef": 0.01, "renormalize": False, "hidden": None,
                 "shared": 0, "shared_gate": True, "router": "softmax", "groups": 1, "topk_groups": 1, "scale": 1.0,
-                "layers": None}
+                "layers": None, "renorm_eps": 1e-20}
 
 
 def _check_moe(moe, mlp: bool) -> dict:
@@ -219,6 +219,8 @@ def _check_moe(moe, mlp: bool) -> dict:
                          f"moe['topk_groups']={m['topk_groups']} be at most it")
     if isinstance(m["scale"], bool) or not isinstance(m["scale"], (int, float)) or m["scale"] <= 0:
         raise ValueError(f"moe['scale'] must be a positive number, got {m['scale']!r}")
+    if isinstance(m["renorm_eps"], bool) or not isinstance(m["renorm_eps"], (int, float)) or m["renorm_eps"] < 0:
+        raise ValueError(f"moe['renorm_eps'] must be a number >= 0, got {m['renorm_eps']!r}")
     if m["layers"] is not None:
         if not isinstance(m["layers"], (list, tuple)) or any(isinstance(i, bool) or not isinstance(i, int) or i < 0
                                                               for i in m["layers"]):

@@ -52,7 +52,8 @@ class Block(nn.Module):
         if moe:
             m = cfg.moe
             self.mlp = MoE(cfg.d_model, m["hidden"] or cfg.mlp_hidden, m["experts"], m["top_k"], m["renormalize"],
-                           m["shared"], m["shared_gate"], m["router"], m["groups"], m["topk_groups"], m["scale"])
+                           m["shared"], m["shared_gate"], m["router"], m["groups"], m["topk_groups"], m["scale"],
+                           m["renorm_eps"])
         else:
             Dense = ReLU2MLP if cfg.mlp_act == "relu2" else SwiGLU
             self.mlp = Dense(cfg.d_model, cfg.mlp_hidden) if mlp else None

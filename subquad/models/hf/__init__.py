@@ -28,7 +28,8 @@ weights shifted) and ``pack`` them back on saving.
     qwen3_5.py      qwen3_5, qwen3_5_moe (multimodal: the language model, the vision tower left out by name) and
                     their text-only types qwen3_5_text, qwen3_5_moe_text (Qwen3-Next's hybrid, projections fused
                     by part, dense MLPs or MoE in every layer)
-    lfm2.py         lfm2 (Liquid LFM2: gated short convolutions, attention with q/k norms, SwiGLU MLPs)
+    lfm2.py         lfm2, lfm2_moe (Liquid LFM2: gated short convolutions, attention with q/k norms, SwiGLU MLPs;
+                    the MoE variant's sigmoid-routed experts with an expert bias after its dense layers)
     falcon_h1.py    falcon_h1 (Falcon-H1: Mamba-2 beside attention in every layer, summed - a ParallelBlock; its muP
                     multipliers folded into the weights)
 

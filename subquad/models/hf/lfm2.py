@@ -11,8 +11,10 @@ writes the width itself with the adjustment off. The released configs' legacy na
 
 from __future__ import annotations
 
+import torch
+
 from subquad.models.config import ModelConfig
-from subquad.models.hf.common import TOP, W132, Format, check_rope_type, swiglu
+from subquad.models.hf.common import TOP, W132, Format, HFConfig, check_rope_type, experts, swiglu
 
 LAYER_TYPES = {"conv": "gated_conv", "full_attention": "softmax"}
 
@@ -96,3 +98,75 @@ class Lfm2Format(Format):
                                 and a["head_dim"] * cfg.n_heads == cfg.d_model)
         return (set(cfg.layers) <= {"gated_conv", "softmax"} and "gated_conv" in cfg.layers and attn_ok and cfg.mlp
                 and cfg.moe is None and cfg.pos_emb == "none" and not cfg.post_norm and cfg.scaled_residual is None)
+
+
+class Lfm2MoeFormat(Lfm2Format):
+    """``lfm2_moe`` (Lfm2MoeForCausalLM, LFM2-8B-A1B): LFM2's layers, the first ``num_dense_layers`` with a dense
+    SwiGLU of ``intermediate_size`` (no width adjustment), the rest a mixture of ``num_experts`` SwiGLU experts of
+    ``moe_intermediate_size``: sigmoid scores, chosen by score + ``expert_bias`` (``use_expert_bias``), the
+    chosen scores renormalised as w / (sum w + 1e-6) (``norm_topk_prob``) times ``routed_scaling_factor``
+    (``models.moe``'s sigmoid router). The checkpoint holds each expert's w1, w3, w2 (as transformers writes
+    them); experts fused as transformers holds them in memory (``experts.gate_up_proj`` (E, 2 I, d),
+    ``experts.down_proj``) are split by ``unpack``."""
+
+    model_type = "lfm2_moe"
+    layers = {**Lfm2Format.layers,
+              "*": {**Lfm2Format.layers["*"], "mlp.score_bias": "feed_forward.expert_bias",
+                    **experts("mlp.", "feed_forward.", "gate.weight", W132)}}
+
+    @staticmethod
+    def config(c: dict) -> ModelConfig:
+        n = c["num_hidden_layers"]
+        dense = c.get("num_dense_layers", 2)
+        cfg = Lfm2Format.config(HFConfig({**c, "block_auto_adjust_ff_dim": False}, getattr(c, "where", "config.json")))
+        moe = {"experts": c.get("num_experts", 32), "top_k": c.get("num_experts_per_tok", 4), "router": "sigmoid",
+               "renormalize": _bool(c, "norm_topk_prob", True), "scale": c.get("routed_scaling_factor", 1.0),
+               "hidden": c.get("moe_intermediate_size", 1792), "renorm_eps": 1e-6,
+               "layers": list(range(dense, n)), "aux_loss_coef": 0.0}
+        cfg = ModelConfig(**{**cfg.to_dict(), "moe": moe if dense < n else None})
+        cfg.lfm2_expert_bias = _bool(c, "use_expert_bias", True)
+        return cfg
+
+    @classmethod
+    def unpack(cls, tensors: dict, cfg: ModelConfig, dtype=None) -> dict:
+        """Fused experts -> one tensor per expert; without ``use_expert_bias``, a zero bias (the same routing)."""
+        out = {}
+        for name, t in tensors.items():
+            if name.endswith("experts.gate_up_proj"):
+                p = name.removesuffix("gate_up_proj")
+                for e, (g, u) in enumerate(x.chunk(2, dim=0) for x in t.unbind(0)):
+                    out[f"{p}{e}.w1.weight"], out[f"{p}{e}.w3.weight"] = g, u
+            elif name.endswith("experts.down_proj"):
+                p = name.removesuffix("down_proj")
+                out.update({f"{p}{e}.w2.weight": x for e, x in enumerate(t.unbind(0))})
+            else:
+                out[name] = t
+        if not getattr(cfg, "lfm2_expert_bias", True):
+            for i in cfg.moe_layers:
+                out[f"model.layers.{i}.feed_forward.expert_bias"] = torch.zeros(cfg.moe["experts"])
+        return out
+
+    @staticmethod
+    def to_config(cfg: ModelConfig, opts: dict) -> dict:
+        out = {k: v for k, v in Lfm2Format.to_config(cfg, opts).items() if k != "block_auto_adjust_ff_dim"}
+        m = cfg.moe
+        return {**out, "model_type": "lfm2_moe", "architectures": ["Lfm2MoeForCausalLM"],
+                "num_dense_layers": m["layers"][0] if m["layers"] else cfg.n_layers, "num_experts": m["experts"],
+                "num_experts_per_tok": m["top_k"], "moe_intermediate_size": m["hidden"] or cfg.mlp_hidden,
+                "norm_topk_prob": m["renormalize"], "routed_scaling_factor": m["scale"], "use_expert_bias": True}
+
+    @classmethod
+    def matches(cls, cfg: ModelConfig, opts: dict) -> bool:
+        m = cfg.moe
+        if m is None or not m["layers"] or m["layers"] != list(range(m["layers"][0], cfg.n_layers)):
+            return False
+        plain = cfg.moe is None or (m["router"] == "sigmoid" and m["groups"] == 1 and m["shared"] == 0
+                                    and m["renorm_eps"] == 1e-6)
+        return plain and Lfm2Format.matches(ModelConfig(**{**cfg.to_dict(), "moe": None}), opts)
+
+
+def _bool(c: dict, key: str, default: bool) -> bool:
+    v = c.get(key, default)
+    if not isinstance(v, bool):
+        raise ValueError(f"config field {key} must be a bool, got {v!r}")
+    return v
