@@ -15,6 +15,8 @@ from subquad.layers.mamba2 import Mamba2
 from subquad.layers.norm import GatedRMSNorm, RMSNorm
 from subquad.layers.registry import MIXERS, build_mixer
 from subquad.layers.retention import MultiScaleRetention
+from subquad.layers.short_conv import GatedShortConv
 
 __all__ = ["Mixer", "tensor_bytes", "ShortConv", "RMSNorm", "GatedRMSNorm", "MIXERS", "build_mixer",
-           "SoftmaxAttention", "LinearAttention", "DeltaNet", "GatedDeltaNet", "Mamba", "Linformer", "MultiScaleRetention", "GatedLinearAttention", "Mamba2"]
+           "SoftmaxAttention", "LinearAttention", "DeltaNet", "GatedDeltaNet", "Mamba", "Linformer", "MultiScaleRetention", "GatedLinearAttention", "Mamba2",
+           "GatedShortConv"]

@@ -5,7 +5,7 @@
     dt         = softplus(dt + dt_bias);  A = -exp(A_log)   (one per head)
     h_t        = exp(dt_t A) h_{t-1} + dt_t B_t x_t^T       (N, P) per head, P = head_dim
     y_t        = C_t . h_t + D x_t
-    out        = out_proj(rmsnorm(y * silu(z)))
+    out        = out_proj(rmsnorm(y * silu(z)))          (gated_norm=False: out_proj(y * silu(z)), Falcon-H1's)
 
 The recurrence is the ``ssd`` op (``simple_gla`` with q = C, k = dt B, v = x, g = dt A, scale 1, with B
 and C shared by the heads).
@@ -32,7 +32,9 @@ class Mamba2(Mixer):
 
     Args: d_model; d_state N; head_dim P (heads = d_inner / P); expand (d_inner = expand d_model); conv_size
     (the short convolution's width); n_groups G (B and C per group of H / G heads, and the gated norm per
-    group); norm_eps (the gated norm's); dt_limit (dt clamped to this range after softplus); dt_min, dt_max
+    group); norm_eps (the gated norm's); gated_norm (False: no norm, out_proj(y * silu(z)) - Falcon-H1's
+    ``mamba_rms_norm=false``); d_inner (the inner width when not expand * d_model: Falcon-H1's ``mamba_d_ssm``);
+    dt_limit (dt clamped to this range after softplus); dt_min, dt_max
     (dt's initial range); mode; chunk_size.
     State: {"ssm": (B, H, N, P) float32 (float64 for float64), "conv": (B, conv_size - 1, d_inner + 2 G N)}.
     """
@@ -40,11 +42,18 @@ class Mamba2(Mixer):
     piece_size = 2048   # fixed state: long forwards run in pieces (base.Mixer.forward); bench_pieces.py's best
     def __init__(self, d_model: int, d_state: int = 64, head_dim: int = 64, expand: int = 2, conv_size: int = 4,
                  n_groups: int = 1, norm_eps: float = 1e-6, dt_limit: tuple = (0.0, float("inf")),
-                 dt_min: float = 1e-3, dt_max: float = 0.1, mode: str = "chunk", chunk_size: int = 64):
+                 dt_min: float = 1e-3, dt_max: float = 0.1, gated_norm: bool = True, d_inner: int | None = None,
+                 mode: str = "chunk", chunk_size: int = 64):
         super().__init__(d_model, mode, chunk_size)
-        self.d_inner = expand * d_model
+        if d_inner is not None and (isinstance(d_inner, bool) or not isinstance(d_inner, int) or d_inner < 1):
+            raise ValueError(f"d_inner must be a positive int or None (expand * d_model), got {d_inner!r}")
+        if not isinstance(gated_norm, bool):
+            raise ValueError(f"gated_norm must be a bool, got {gated_norm!r}")
+        self.d_inner = expand * d_model if d_inner is None else d_inner
+        self.normed_output = gated_norm
         if self.d_inner % head_dim:
-            raise ValueError(f"expand * d_model = {self.d_inner} must divide by head_dim={head_dim}")
+            raise ValueError(f"the inner width {self.d_inner} (expand * d_model, or d_inner) must divide by "
+                             f"head_dim={head_dim}")
         self.d_state, self.head_dim = d_state, head_dim
         self.n_heads = self.d_inner // head_dim
         if n_groups < 1 or self.n_heads % n_groups:
@@ -57,7 +66,7 @@ class Mamba2(Mixer):
         self.dt_bias = nn.Parameter(dt + torch.log(-torch.expm1(-dt)))        # inverse softplus
         self.A_log = nn.Parameter(torch.log(torch.empty(self.n_heads).uniform_(1, 16)))
         self.D = nn.Parameter(torch.ones(self.n_heads))
-        self.norm = GatedRMSNorm(self.d_inner, norm_eps, group_size=self.d_inner // n_groups)
+        self.norm = GatedRMSNorm(self.d_inner, norm_eps, group_size=self.d_inner // n_groups) if gated_norm else None
         self.out_proj = nn.Linear(self.d_inner, d_model, bias=False)
 
     def mix_flops(self, T):
@@ -90,7 +99,9 @@ class Mamba2(Mixer):
         """out_proj(norm(y, z)). With one norm group, the norm's row scale commutes with out_proj, so it
         applies to the d_model-wide output, not the d_inner-wide input; with more tokens than d_model, the
         norm's weight folds into out_proj's too (a pass over the weight costs less than one over the
-        tokens; decoding a few tokens, it does not)."""
+        tokens; decoding a few tokens, it does not). Without the norm: out_proj(y * silu(z))."""
+        if self.norm is None:
+            return self.out_proj(GatedRMSNorm.gate(y, z))
         if self.norm.group_size != self.d_inner or self.out_proj.bias is not None:
             return self.out_proj(self.norm(y, z))
         g = self.norm.gate(y, z)

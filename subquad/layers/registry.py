@@ -19,6 +19,7 @@ from subquad.layers.mamba import Mamba
 from subquad.layers.mamba2 import Mamba2
 from subquad.layers.mla import LatentAttention
 from subquad.layers.retention import MultiScaleRetention
+from subquad.layers.short_conv import GatedShortConv
 
 
 @dataclass(frozen=True)
@@ -73,6 +74,8 @@ MIXERS: dict[str, MixerEntry] = {
     "mla": MixerEntry(LatentAttention, about="multi-head latent attention (softmax; the cache keeps latents)"),
     "lightning": MixerEntry(LightningAttention,
                             about="MiniMax's lightning attention: linear attention, fixed decays, gated norm"),
+    "gated_conv": MixerEntry(GatedShortConv, heads=None,
+                             about="LFM2's gated short convolution: out(c * conv(b * x)), no recurrence"),
 }
 
 

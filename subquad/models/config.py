@@ -23,7 +23,7 @@ layer from ``offset`` (Jamba: every second layer from layer 1):
 
 ``hidden`` sets each expert's width (default: the dense MLP's), ``shared`` adds a shared expert of that
 width (0: none), gated by a learned sigmoid unless ``shared_gate`` is False; ``router`` "sigmoid" with
-``groups``, ``topk_groups`` and ``scale`` is DeepSeek-V3's routing (``subquad.models.moe``); ``layers``
+``groups``, ``topk_groups``, ``scale`` and ``renorm_eps`` is DeepSeek-V3's routing (``subquad.models.moe``); ``layers``
 lists the MoE layers explicitly, instead of every/offset (Kimi Linear: every layer but the first).
 """
 
@@ -82,6 +82,7 @@ class ModelConfig:
     norm_eps: float = 1e-6
     post_norm: list = field(default_factory=list)   # mixer names whose blocks norm the branch outputs (lm.py)
     scaled_residual: dict | None = None  # MiniMax-01's blocks: {mixer name | "mlp": [alpha, beta]} (lm.py)
+    parallel: dict = field(default_factory=dict)   # {mixer name: mixer run beside it, summed} (Falcon-H1; lm.py)
     eos_token_ids: list = field(default_factory=list)  # end-of-text ids: ``generate`` stops after emitting one
 
     def __post_init__(self):
@@ -116,6 +117,13 @@ class ModelConfig:
             raise ValueError(f"post_norm must be a list of mixer names ({', '.join(sorted(MIXERS))}), "
                              f"got {self.post_norm!r}")
         self.post_norm = list(self.post_norm)
+        if not isinstance(self.parallel, dict) or any(
+                a not in MIXERS or b not in MIXERS or a == b for a, b in self.parallel.items()):
+            raise ValueError(f"parallel must be a dict {{mixer name: another mixer name run beside it}}, "
+                             f"got {self.parallel!r}")
+        if self.parallel and (self.post_norm or self.scaled_residual is not None):
+            raise ValueError("parallel blocks are pre-norm: they take no post_norm or scaled_residual")
+        self.parallel = dict(self.parallel)
         if self.scaled_residual is not None:
             sr = self.scaled_residual
             if not isinstance(sr, dict) or any(k != "mlp" and k not in MIXERS for k in sr) or any(
@@ -169,7 +177,7 @@ class ModelConfig:
 
 MOE_DEFAULTS = {"top_k": 2, "every": 1, "offset": 0, "aux_loss_coef": 0.01, "renormalize": False, "hidden": None,
                 "shared": 0, "shared_gate": True, "router": "softmax", "groups": 1, "topk_groups": 1, "scale": 1.0,
-                "layers": None}
+                "layers": None, "renorm_eps": 1e-20}
 
 
 def _check_moe(moe, mlp: bool) -> dict:
@@ -211,6 +219,8 @@ def _check_moe(moe, mlp: bool) -> dict:
                          f"moe['topk_groups']={m['topk_groups']} be at most it")
     if isinstance(m["scale"], bool) or not isinstance(m["scale"], (int, float)) or m["scale"] <= 0:
         raise ValueError(f"moe['scale'] must be a positive number, got {m['scale']!r}")
+    if isinstance(m["renorm_eps"], bool) or not isinstance(m["renorm_eps"], (int, float)) or m["renorm_eps"] < 0:
+        raise ValueError(f"moe['renorm_eps'] must be a number >= 0, got {m['renorm_eps']!r}")
     if m["layers"] is not None:
         if not isinstance(m["layers"], (list, tuple)) or any(isinstance(i, bool) or not isinstance(i, int) or i < 0
                                                               for i in m["layers"]):

@@ -4,9 +4,10 @@
     for each layer:  h = h + mixer(rmsnorm(h));  h = h + swiglu(rmsnorm(h))      (PreNormBlock)
     logits = rmsnorm(h) @ embed^T            (tied embeddings)
 
-Two other residual schemes, chosen by the config: ``PostNormBlock`` for the mixers named in
-``config.post_norm`` (OLMo 2's norms on the branch outputs) and ``ScaledResidualBlock`` with
-``config.scaled_residual`` (MiniMax-01's scaled residual from the normed stream).
+Three other residual schemes, chosen by the config: ``PostNormBlock`` for the mixers named in
+``config.post_norm`` (OLMo 2's norms on the branch outputs), ``ScaledResidualBlock`` with
+``config.scaled_residual`` (MiniMax-01's scaled residual from the normed stream) and ``ParallelBlock`` for
+the mixers ``config.parallel`` names (a second mixer beside the first on the same input, summed: Falcon-H1).
 
 ``forward(idx)`` trains with each mixer's configured form (chunk by default, SDPA for softmax); ``prefill``
 returns the per-layer state, and ``generate`` (``models.generate``) decodes token by token from it: a KV cache
@@ -51,7 +52,8 @@ class Block(nn.Module):
         if moe:
             m = cfg.moe
             self.mlp = MoE(cfg.d_model, m["hidden"] or cfg.mlp_hidden, m["experts"], m["top_k"], m["renormalize"],
-                           m["shared"], m["shared_gate"], m["router"], m["groups"], m["topk_groups"], m["scale"])
+                           m["shared"], m["shared_gate"], m["router"], m["groups"], m["topk_groups"], m["scale"],
+                           m["renorm_eps"])
         else:
             Dense = ReLU2MLP if cfg.mlp_act == "relu2" else SwiGLU
             self.mlp = Dense(cfg.d_model, cfg.mlp_hidden) if mlp else None
@@ -60,12 +62,22 @@ class Block(nn.Module):
     def build(cfg: ModelConfig, mixer_name: str, moe: bool = False, mlp: bool = True) -> "Block":
         """The block ``cfg`` asks for at a ``mixer_name`` layer: ``ScaledResidualBlock`` with
         ``cfg.scaled_residual``, else ``PostNormBlock`` for a mixer named in ``cfg.post_norm``, else
-        ``PreNormBlock``."""
+        ``PreNormBlock`` (``ParallelBlock`` before all for a mixer ``cfg.parallel`` names)."""
+        if mixer_name in cfg.parallel:
+            return ParallelBlock(cfg, mixer_name, moe, mlp)
         if cfg.scaled_residual is not None:
             return ScaledResidualBlock(cfg, mixer_name, moe, mlp)
         if mixer_name in cfg.post_norm:
             return PostNormBlock(cfg, mixer_name, moe, mlp)
         return PreNormBlock(cfg, mixer_name, moe, mlp)
+
+
+    def mixers(self) -> list:
+        """The block's mixers, each once: ``mixer`` (and ``beside`` in a ``ParallelBlock``)."""
+        return [self.mixer]
+
+    def empty_state(self, batch_size: int, device=None, dtype=torch.float32) -> dict:
+        return self.mixer.empty_state(batch_size, device=device, dtype=dtype)
 
 
 class PreNormBlock(Block):
@@ -113,6 +125,44 @@ class ScaledResidualBlock(Block):
         return h, state
 
 
+class ParallelBlock(Block):
+    """x = rmsnorm(h);  h = h + mixer(x) + beside(x);  h = h + mlp(rmsnorm(h)): two mixers side by side on one
+    normed input, their outputs summed (TII's Falcon-H1: Mamba-2 beside attention in every layer).
+    ``cfg.parallel`` names the mixer ``beside`` for this block's mixer; it takes that mixer's options. The state
+    is one dict holding both mixers' entries (their names must differ: Mamba-2's "ssm" and "conv", attention's
+    "kv"), so whatever handles a layer's state - rows, saving, serving - handles this one."""
+
+    def __init__(self, cfg: ModelConfig, mixer_name: str, moe: bool = False, mlp: bool = True):
+        super().__init__(cfg, mixer_name, moe, mlp)
+        self.beside_name = name = cfg.parallel[mixer_name]
+        opts = {**cfg.mixer_options.get("*", {}), **cfg.mixer_options.get(name, {})}
+        heads = opts.pop("n_heads", cfg.n_heads)
+        self.beside = build_mixer(name, cfg.d_model, heads, n_kv_heads=cfg.n_kv_heads, **opts)
+        keys = [set(m.empty_state(1, device="meta")) for m in (self.mixer, self.beside)]
+        if keys[0] & keys[1]:
+            raise ValueError(f"parallel mixers {mixer_name} and {name} name state entries alike: {keys[0] & keys[1]}")
+        self.state_keys = keys
+
+    def mixers(self) -> list:
+        return [self.mixer, self.beside]
+
+    def empty_state(self, batch_size: int, device=None, dtype=torch.float32) -> dict:
+        return {**self.mixer.empty_state(batch_size, device=device, dtype=dtype),
+                **self.beside.empty_state(batch_size, device=device, dtype=dtype)}
+
+    def forward(self, h, state=None, cu_seqlens=None):
+        x = self.norm1(h)
+        ys, states = [], {}
+        for m, keys in zip((self.mixer, self.beside), self.state_keys):
+            y, s = m(x, None if state is None else {k: state[k] for k in keys}, cu_seqlens=cu_seqlens)
+            ys.append(y)
+            states.update(s or {})
+        h = h + ys[0] + ys[1]
+        if self.mlp is not None:
+            h = h + self.mlp(self.norm2(h))
+        return h, states or None
+
+
 class LanguageModel(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -157,10 +207,11 @@ class LanguageModel(nn.Module):
         hybrid = any(isinstance(b.mixer, SoftmaxAttention) for b in self.blocks)
         with torch.no_grad():
             for block in self.blocks:
-                proj = block.mixer.output_projection()
-                if proj is not None and not getattr(proj, "keep_init", False):
-                    scale = NORMED_OUTPUT_SCALE if hybrid and block.mixer.normed_output else 1.0
-                    proj.weight.normal_(0, std * scale)
+                for mixer in block.mixers():
+                    proj = mixer.output_projection()
+                    if proj is not None and not getattr(proj, "keep_init", False):
+                        scale = NORMED_OUTPUT_SCALE if hybrid and mixer.normed_output else 1.0
+                        proj.weight.normal_(0, std * scale)
                 if isinstance(block.mlp, (SwiGLU, ReLU2MLP)):
                     block.mlp.w_down.weight.normal_(0, std)
                 elif isinstance(block.mlp, MoE):
@@ -188,7 +239,7 @@ class LanguageModel(nn.Module):
         experts a token uses), and the vocabulary head; embeddings and norms are not counted."""
         total = 2.0 * self.config.d_model * self.config.vocab_size
         for b in self.blocks:
-            total += b.mixer.flops_per_token(T)
+            total += sum(m.flops_per_token(T) for m in b.mixers())
             if isinstance(b.mlp, MoE):
                 m = b.mlp
                 total += 2.0 * (m.router.weight.numel() + m.top_k * (m.w_gate[0].numel() + m.w_up[0].numel()
@@ -281,7 +332,7 @@ class LanguageModel(nn.Module):
         """Every block's empty decoding state; ``dtype``: the activations' (None: the embedding's), which sets the
         states' (float32, or float64 for a float64 model: the ops refuse a state of another dtype)."""
         dtype = self.embed.weight.dtype if dtype is None else dtype
-        return ModelState([b.mixer.empty_state(batch_size, device=device, dtype=dtype) for b in self.blocks])
+        return ModelState([b.empty_state(batch_size, device=device, dtype=dtype) for b in self.blocks])
 
     @staticmethod
     def state_bytes(state) -> int:

@@ -15,7 +15,8 @@ False: DeepSeek-V3, Kimi Linear).
 ``router="sigmoid"`` is DeepSeek-V3's routing (Kimi Linear): s = sigmoid(x W_r^T); experts are chosen by
 s + b (``score_bias``, a buffer the checkpoint carries: the auxiliary-loss-free balancing bias), first the
 ``topk_groups`` best of ``groups`` expert groups (a group's score: its two best), then the top k inside
-them; the weights are s of the chosen (renormalised with ``renormalize``) times ``scale``. Its load-balancing
+them; the weights are s of the chosen (renormalised with ``renormalize``: w / (sum w + ``renorm_eps``)) times
+``scale``. Its load-balancing
 statistics use softmax(x W_r^T), as transformers' auxiliary loss does for every router.
 
 The router's load-balancing loss (Switch Transformer, eqs. 4-6), over all MoE layers of a forward as
@@ -44,7 +45,7 @@ class MoE(nn.Module):
 
     def __init__(self, d_model: int, hidden: int, experts: int, top_k: int = 2, renormalize: bool = False,
                  shared: int = 0, shared_gate: bool = True, router: str = "softmax", groups: int = 1,
-                 topk_groups: int = 1, scale: float = 1.0):
+                 topk_groups: int = 1, scale: float = 1.0, renorm_eps: float = 1e-20):
         super().__init__()
         if not 1 <= top_k <= experts:
             raise ValueError(f"top_k={top_k} must lie in [1, experts={experts}]")
@@ -55,6 +56,7 @@ class MoE(nn.Module):
                              f"[1, groups]")
         self.experts, self.top_k, self.renormalize = experts, top_k, renormalize
         self.router_kind, self.groups, self.topk_groups, self.scale = router, groups, topk_groups, scale
+        self.renorm_eps = renorm_eps        # sigmoid routing's renormalisation: w / (sum w + eps) (LFM2-MoE: 1e-6)
         if router == "sigmoid":
             self.register_buffer("score_bias", torch.zeros(experts))
         self.router = nn.Linear(d_model, experts, bias=False)
@@ -86,7 +88,7 @@ class MoE(nn.Module):
         idx = choice.topk(self.top_k, dim=-1)[1]
         w = scores.gather(1, idx)
         if self.renormalize:
-            w = w / (w.sum(-1, keepdim=True) + 1e-20)
+            w = w / (w.sum(-1, keepdim=True) + self.renorm_eps)
         return probs, w * self.scale, idx
 
     def _expert(self, name: str, e: int, h):

@@ -79,7 +79,8 @@ def test_moe_layers_and_sizes():
     assert model.blocks[1].mlp.w_gate.shape == (3, 20, 16) and model.blocks[0].mlp.w_up.weight.shape == (20, 16)
     assert cfg.moe == {"experts": 3, "top_k": 2, "every": 2, "offset": 1, "aux_loss_coef": 0.01,
                        "renormalize": False, "hidden": None, "shared": 0,
-                       "shared_gate": True, "router": "softmax", "groups": 1, "topk_groups": 1, "scale": 1.0, "layers": None}
+                       "shared_gate": True, "router": "softmax", "groups": 1, "topk_groups": 1, "scale": 1.0, "layers": None,
+                       "renorm_eps": 1e-20}
     assert ModelConfig.from_dict(json.loads(json.dumps(cfg.to_dict()))) == cfg      # a run config round trip
 
 

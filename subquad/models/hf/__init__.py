@@ -28,6 +28,10 @@ weights shifted) and ``pack`` them back on saving.
     qwen3_5.py      qwen3_5, qwen3_5_moe (multimodal: the language model, the vision tower left out by name) and
                     their text-only types qwen3_5_text, qwen3_5_moe_text (Qwen3-Next's hybrid, projections fused
                     by part, dense MLPs or MoE in every layer)
+    lfm2.py         lfm2, lfm2_moe (Liquid LFM2: gated short convolutions, attention with q/k norms, SwiGLU MLPs;
+                    the MoE variant's sigmoid-routed experts with an expert bias after its dense layers)
+    falcon_h1.py    falcon_h1 (Falcon-H1: Mamba-2 beside attention in every layer, summed - a ParallelBlock; its muP
+                    multipliers folded into the weights)
 
 ``registry.MAPPINGS`` lists them by ``model_type``; ``loader`` reads a folder, ``saver`` writes one, and
 ``common`` holds what the formats share. Imports run one way: common <- formats <- registry <- loader,

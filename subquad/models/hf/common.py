@@ -66,6 +66,9 @@ class Format:
     conv_bias_key = None             # the config field that turns the mixers' convolution bias off, if any
     any_mlp = False                  # matches() checks ModelConfig.mlp_act and mlp_layers itself; else the saver
                                      # holds the type to SwiGLUs in every layer
+    any_mamba2 = False               # matches() checks Mamba-2's d_inner and gated_norm itself; else the saver holds
+                                     # the type to expand x d_model wide Mamba-2 layers with the gated norm
+    any_block = False                # matches() checks ModelConfig.parallel itself; else the saver refuses it
     top = TOP
     layer = "model.layers.{i}."
     layers: dict = {}
@@ -453,7 +456,14 @@ def layer_options(model) -> dict:
     options are here as soon as it is in the table."""
     out = {}
     for block in model.blocks:
-        name, m = block.mixer_name, block.mixer
-        if name not in out:
-            out[name] = {k: getattr(m, k, v) if v is None else v for k, v in m.build_options.items()}
+        beside = [(block.beside_name, block.beside)] if hasattr(block, "beside") else []     # a ParallelBlock's
+        for name, m in [(block.mixer_name, block.mixer)] + beside:
+            if name not in out:
+                out[name] = {k: getattr(m, k, v) if v is None else v for k, v in m.build_options.items()}
     return out
+
+
+def plain_mamba2(cfg: ModelConfig, opts: dict) -> bool:
+    """No Mamba-2 layers, or ones every Mamba-2 format writes: expand x d_model wide, with the gated norm."""
+    o = opts.get("mamba2")
+    return o is None or (o["gated_norm"] and o["d_inner"] == o["expand"] * cfg.d_model)

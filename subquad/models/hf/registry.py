@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 from subquad.models.hf.bamba import BambaFormat
+from subquad.models.hf.falcon_h1 import FalconH1Format
 from subquad.models.hf.granitemoehybrid import GraniteMoeHybridFormat
 from subquad.models.hf.jamba import JambaFormat
 from subquad.models.hf.kimi_linear import KimiLinearFormat
+from subquad.models.hf.lfm2 import Lfm2Format, Lfm2MoeFormat
 from subquad.models.hf.mamba import FalconMambaFormat, MambaFormat
 from subquad.models.hf.mamba2 import Mamba2Format
 from subquad.models.hf.minimax import MiniMaxFormat
@@ -19,3 +21,4 @@ MAPPINGS = {f.model_type: f for f in (MambaFormat, FalconMambaFormat, Mamba2Form
 # after the types above: save_pretrained writes the first type that holds a model's structure
 MAPPINGS.update({f.model_type: f for f in (Qwen3_5TextFormat, Qwen3_5MoeTextFormat, Qwen3_5Format, Qwen3_5MoeFormat,
                                           GraniteMoeHybridFormat, NemotronHFormat)})
+MAPPINGS.update({f.model_type: f for f in (Lfm2Format, Lfm2MoeFormat, FalconH1Format)})

@@ -8,7 +8,7 @@ import json
 import os
 from pathlib import Path
 
-from subquad.models.hf.common import layer_options
+from subquad.models.hf.common import layer_options, plain_mamba2
 from subquad.models.hf.registry import MAPPINGS
 
 
@@ -31,7 +31,8 @@ def save_pretrained(model, path, tokenizer=None, model_type: str | None = None) 
     plain = cfg.mlp_act == "swiglu" and cfg.mlp_layers is None
 
     def holds(f):
-        return f.matches(cfg, opts) and (f.any_mlp or plain)
+        return (f.matches(cfg, opts) and (f.any_mlp or plain) and (f.any_mamba2 or plain_mamba2(cfg, opts))
+                and (f.any_block or not cfg.parallel))
 
     if model_type is not None and (model_type not in MAPPINGS or not holds(MAPPINGS[model_type])):
         raise ValueError(f"this model (pattern {cfg.pattern!r}, mlp={cfg.mlp}, moe={cfg.moe}) cannot be written as "
