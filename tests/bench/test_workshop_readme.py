@@ -22,8 +22,10 @@ NUM = r"(\d+\.\d{3})"
 GAP = r"([+-]\d+\.\d{3})"
 # The README rounds to 3 decimals; a check run on two threads differs from one thread's by ~1e-6 nats
 # (summation order). 24 steps, not 10: at 10 both mixers sit at the same 7.117, so a change to one of them
-# would not show. A change to the model, the data, the optimiser or the schedule moves it further.
-TOL = 2e-3
+# would not show. Another CPU rounds differently: the same code ends softmax at 6.600 on an Intel Sapphire
+# Rapids and at 6.5959 on an AMD EPYC (linear 6.628 / 6.6276), so the tolerance covers 1e-2. A change to the
+# model, the data, the optimiser or the schedule moves it further.
+TOL = 1e-2
 
 
 def workshop_section() -> str:
