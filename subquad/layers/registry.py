@@ -12,6 +12,7 @@ from subquad.layers.attention import SoftmaxAttention
 from subquad.layers.base import Mixer
 from subquad.layers.deltanet import DeltaNet, GatedDeltaNet
 from subquad.layers.gla import GatedLinearAttention
+from subquad.layers.griffin import GriffinRecurrentBlock
 from subquad.layers.kda import KimiDeltaAttention
 from subquad.layers.lightning import LightningAttention
 from subquad.layers.linear_attention import LinearAttention
@@ -73,6 +74,7 @@ MIXERS: dict[str, MixerEntry] = {
     "mla": MixerEntry(LatentAttention, about="multi-head latent attention (softmax; the cache keeps latents)"),
     "lightning": MixerEntry(LightningAttention,
                             about="MiniMax's lightning attention: linear attention, fixed decays, gated norm"),
+    "rglru": MixerEntry(GriffinRecurrentBlock, about="Griffin's recurrent block (RG-LRU)"),
 }
 
 

@@ -69,6 +69,8 @@ class ModelConfig:
     mlp: bool = True                     # SwiGLU MLP after each mixer (Zoology's recall setting turns it off)
     mlp_ratio: float = 4.0               # hidden = 2/3 * ratio * d_model: a SwiGLU with a 4x MLP's parameters
     mlp_size: int | None = None          # the MLP's hidden width, when set (checkpoints give it); else mlp_ratio's
+    mlp_act: str = "silu"                # the gated MLP's activation: "silu" (SwiGLU) or "gelu_tanh" (Gemma's GeGLU)
+    mlp_bias: bool = False               # biases on the MLP's three projections (RecurrentGemma)
     moe: dict | None = None              # sparse mixture-of-experts MLPs (module doc); None: dense everywhere
     context_length: int = 256
     pos_emb: str = "none"                # "none" (positions from the mixers: RoPE, recurrence) or "learned"
@@ -77,6 +79,8 @@ class ModelConfig:
     post_norm: list = field(default_factory=list)   # mixer names whose blocks norm the branch outputs (lm.py)
     scaled_residual: dict | None = None  # MiniMax-01's blocks: {mixer name | "mlp": [alpha, beta]} (lm.py)
     eos_token_ids: list = field(default_factory=list)  # end-of-text ids: ``generate`` stops after emitting one
+    embed_scale: float | None = None     # the embeddings times this (Gemma: sqrt(d_model)); None: 1
+    logit_soft_cap: float | None = None  # logits = cap tanh(logits / cap) (Gemma 2, RecurrentGemma); None: none
 
     def __post_init__(self):
         for name in ("vocab_size", "d_model", "n_layers", "n_heads", "context_length"):
@@ -112,6 +116,14 @@ class ModelConfig:
             raise ValueError(f"eos_token_ids must be a list of token ids in [0, {self.vocab_size}), "
                              f"got {self.eos_token_ids!r}")
         self.eos_token_ids = list(self.eos_token_ids)
+        if self.mlp_act not in MLP_ACTS:
+            raise ValueError(f"mlp_act must be one of {MLP_ACTS}, got {self.mlp_act!r}")
+        if not isinstance(self.mlp_bias, bool):
+            raise ValueError(f"mlp_bias must be a bool, got {self.mlp_bias!r}")
+        for name in ("embed_scale", "logit_soft_cap"):
+            v = getattr(self, name)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v < float("inf")):
+                raise ValueError(f"{name} must be a positive finite number or None, got {v!r}")
         if self.pos_emb not in ("none", "learned"):
             raise ValueError(f"pos_emb must be 'none' or 'learned', got {self.pos_emb!r}")
 
@@ -149,6 +161,8 @@ class ModelConfig:
                                   for m, o in d["mixer_options"].items()}
         return cls(**d)
 
+
+MLP_ACTS = ("silu", "gelu_tanh")
 
 MOE_DEFAULTS = {"top_k": 2, "every": 1, "offset": 0, "aux_loss_coef": 0.01, "renormalize": False, "hidden": None,
                 "shared": 0, "shared_gate": True, "router": "softmax", "groups": 1, "topk_groups": 1, "scale": 1.0,

@@ -16,6 +16,7 @@ for softmax layers, a bounded window for sliding-window layers, a fixed-size sta
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from subquad.layers import RMSNorm, build_mixer, sequence, tensor_bytes
@@ -51,7 +52,7 @@ class Block(nn.Module):
             self.mlp = MoE(cfg.d_model, m["hidden"] or cfg.mlp_hidden, m["experts"], m["top_k"], m["renormalize"],
                            m["shared"], m["shared_gate"], m["router"], m["groups"], m["topk_groups"], m["scale"])
         else:
-            self.mlp = SwiGLU(cfg.d_model, cfg.mlp_hidden) if cfg.mlp else None
+            self.mlp = SwiGLU(cfg.d_model, cfg.mlp_hidden, cfg.mlp_act, cfg.mlp_bias) if cfg.mlp else None
 
     @staticmethod
     def build(cfg: ModelConfig, mixer_name: str, moe: bool = False) -> "Block":
@@ -201,7 +202,9 @@ class LanguageModel(nn.Module):
 
     def _logits(self, h):
         h = self.norm(h)
-        return h @ self.embed.weight.T if self.head is None else self.head(h)
+        logits = h @ self.embed.weight.T if self.head is None else self.head(h)
+        cap = self.config.logit_soft_cap
+        return logits if cap is None else torch.tanh(logits / cap) * cap
 
     def _check_idx(self, idx):
         if not isinstance(idx, torch.Tensor) or idx.dim() != 2 or idx.dtype not in (torch.long, torch.int32, torch.int64):
@@ -236,6 +239,8 @@ class LanguageModel(nn.Module):
         if cu_seqlens is not None and (B != 1 or T != sum(seq.lengths)):
             raise ValueError(f"with cu_seqlens idx must be packed as (1, T={sum(seq.lengths)}), got {tuple(idx.shape)}")
         h = self.embed(idx.long())
+        if self.config.embed_scale is not None:
+            h = h * self.config.embed_scale
         if self.pos_embed is not None:    # context parallel: idx is this rank's shard, at its global positions
             end = seq.length(T, pos)
             if end > self.config.context_length:
@@ -269,6 +274,9 @@ class LanguageModel(nn.Module):
         the (B, T, vocab) logits are never held, which at long T is most of a step's memory traffic."""
         if targets is None:
             return self.prefill(idx, cu_seqlens=cu_seqlens)[0]
+        if self.config.logit_soft_cap is not None:        # the chunked loss has no cap: the logits, materialised
+            logits = self._logits(self._hidden(idx, None, cu_seqlens)[0]).float()
+            return F.cross_entropy(logits.flatten(0, -2), targets.to(logits.device).flatten())
         h = self.norm(self._hidden(idx, None, cu_seqlens)[0])
         weight = self.embed.weight if self.head is None else self.head.weight
         return linear_cross_entropy(h, weight, targets.to(h.device))

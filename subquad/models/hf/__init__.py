@@ -21,6 +21,7 @@ weights shifted) and ``pack`` them back on saving.
     olmo_hybrid.py  olmo_hybrid (Gated DeltaNet, post-norm attention with q/k norms)
     kimi_linear.py  kimi_linear (Kimi Delta Attention, latent attention, DeepSeek-V3 experts)
     minimax.py      minimax (lightning attention, MiniMax-01's scaled residual)
+    recurrent_gemma.py  recurrent_gemma (Griffin's RG-LRU blocks, local multi-query attention, GeGLU, soft cap)
 
 ``registry.MAPPINGS`` lists them by ``model_type``; ``loader`` reads a folder, ``saver`` writes one, and
 ``common`` holds what the formats share. Imports run one way: common <- formats <- registry <- loader,
