@@ -27,6 +27,7 @@ from subquad.models.generate import generate
 from subquad.models.loss import linear_cross_entropy
 from subquad.models.moe import MoE, load_balancing_loss
 from subquad.models.state import ModelState
+from subquad.ops.common.checks import state_dtype
 from subquad.ops.common.precision import checks_on
 
 
@@ -275,7 +276,8 @@ class LanguageModel(nn.Module):
         if targets is None:
             return self.prefill(idx, cu_seqlens=cu_seqlens)[0]
         if self.config.logit_soft_cap is not None:        # the chunked loss has no cap: the logits, materialised
-            logits = self._logits(self._hidden(idx, None, cu_seqlens)[0]).float()
+            logits = self._logits(self._hidden(idx, None, cu_seqlens)[0])
+            logits = logits.to(state_dtype(logits.dtype))             # float32 (float64 stays), as the chunked loss
             return F.cross_entropy(logits.flatten(0, -2), targets.to(logits.device).flatten())
         h = self.norm(self._hidden(idx, None, cu_seqlens)[0])
         weight = self.embed.weight if self.head is None else self.head.weight

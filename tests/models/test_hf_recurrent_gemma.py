@@ -121,3 +121,30 @@ def test_refusals_name_the_problem(tmp_path):
     save_file(w, str(folder / "model.safetensors"))
     with pytest.raises(ValueError, match="missing.*layers.1.temporal_block.rg_lru.recurrent_param"):
         from_pretrained(folder)
+
+
+def test_the_loss_of_a_capped_model_is_the_cross_entropy_of_its_capped_logits(tmp_path):
+    _, folder = _hf(tmp_path)
+    ours, _ = from_pretrained(folder, dtype=torch.float64)
+    ids = _ids()
+    targets = ids.roll(-1, 1)
+    targets[:, -1] = -100
+    with torch.no_grad():
+        want = torch.nn.functional.cross_entropy(ours(ids).flatten(0, 1), targets.flatten())
+        torch.testing.assert_close(ours(ids, targets=targets), want, rtol=1e-12, atol=0)
+
+
+def test_the_gemma_options_are_checked_and_no_other_format_drops_them(tmp_path):
+    from subquad import LanguageModel, ModelConfig
+
+    for field, value in (("mlp_act", "relu"), ("mlp_bias", 1), ("embed_scale", -1.0), ("logit_soft_cap", 0.0),
+                         ("logit_soft_cap", float("inf"))):
+        with pytest.raises(ValueError, match=field):
+            ModelConfig(**{field: value})
+    jamba = dict(vocab_size=V, d_model=32, n_layers=2, n_heads=2, pattern="mamba,softmax", norm_eps=1e-6,
+                 mixer_options={"mamba": {"bcdt_rms_eps": 1e-6, "bcdt_rms_weight": True}, "softmax": {"rotary": False}})
+    save_pretrained(LanguageModel(ModelConfig(**jamba)), tmp_path / "plain")     # Jamba's structure saves ...
+    for extra in ({"mlp_act": "gelu_tanh"}, {"mlp_bias": True}, {"embed_scale": 2.0}, {"logit_soft_cap": 30.0},
+                  {"mixer_options": {**jamba["mixer_options"], "softmax": {"rotary": False, "o_bias": True}}}):
+        with pytest.raises(ValueError, match="no Hugging Face model type has this structure"):   # ... not these
+            save_pretrained(LanguageModel(ModelConfig(**{**jamba, **extra})), tmp_path / "odd")

@@ -201,13 +201,25 @@ def test_routes_without_a_gradient_and_the_route_argument():
         assert_close(h, ref_h, 1e-12, f"route={route}: state")
 
 
-def test_states_passed_in_are_not_modified():
+@pytest.mark.parametrize("T", [1, 17, 100, 257])
+def test_the_in_place_chunk_path_without_a_gradient_equals_the_token_loop(T):
+    x = {n: t.detach() for n, t in make(2, T, seed=T, strength=5.0, resets=0.05).items()}
+    h0 = state0(x).detach()
+    ref_o, ref_h = call("recurrent", x, 16, h0, True)
+    with torch.no_grad():
+        o, h = rg_lru(x["x"], x["g"], chunk_size=16, initial_state=h0, output_final_state=True, route="chunk")
+    assert_close(o, ref_o, 1e-12, "o")
+    assert_close(h, ref_h, 1e-12, "state")
+
+
+def test_inputs_and_states_passed_in_are_not_modified():
     x = {n: t.detach() for n, t in make(1, 40, seed=13).items()}
     h0 = state0(x).detach()
-    before = h0.clone()
+    before = [t.clone() for t in (x["x"], x["g"], h0)]
     for mode in ("parallel", "recurrent", "chunk"):
-        rg_lru(x["x"], x["g"], mode=mode, initial_state=h0, output_final_state=True)
-    assert torch.equal(h0, before)
+        with torch.no_grad():
+            rg_lru(x["x"], x["g"], mode=mode, initial_state=h0, output_final_state=True)
+    assert all(torch.equal(a, b) for a, b in zip((x["x"], x["g"], h0), before))
 
 
 def test_bad_input_raises_naming_the_argument():

@@ -83,6 +83,14 @@ class Format:
         raise NotImplementedError
 
     @classmethod
+    def plain(cls, cfg: ModelConfig, opts: dict) -> bool:
+        """Whether the model leaves off the options most formats have no field for (a GeGLU or biased MLP,
+        scaled embeddings, capped logits, a bias on attention's output): ``save_pretrained`` asks this before
+        ``matches``, so no format drops them silently. A format that holds them overrides it."""
+        return (cfg.mlp_act == "silu" and not cfg.mlp_bias and cfg.embed_scale is None and cfg.logit_soft_cap is None
+                and not any(o.get("o_bias") for o in opts.values()))
+
+    @classmethod
     def unpack(cls, tensors: dict, cfg: ModelConfig, dtype=None) -> dict:
         return tensors
 

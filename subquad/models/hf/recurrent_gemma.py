@@ -67,6 +67,10 @@ class RecurrentGemmaFormat(Format):
                            mixer_options={"rglru": rglru, "swa": swa})
 
     @classmethod
+    def plain(cls, cfg: ModelConfig, opts: dict) -> bool:
+        return True                                   # its options are its own: ``matches`` checks them
+
+    @classmethod
     def unpack(cls, tensors: dict, cfg: ModelConfig, dtype=None) -> dict:
         return {n: (t.float() + 1).to(dtype or t.dtype) if n.endswith(cls._ZERO_CENTRED) else t
                 for n, t in tensors.items()}

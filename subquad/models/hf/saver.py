@@ -21,7 +21,7 @@ def save_pretrained(model, path) -> None:
         raise ValueError(f"a quantised model ({model.quantized}) is not saved: save the float model it came from")
     cfg = model.config
     opts = layer_options(model)
-    fmt = next((f for f in MAPPINGS.values() if f.matches(cfg, opts)), None)
+    fmt = next((f for f in MAPPINGS.values() if f.plain(cfg, opts) and f.matches(cfg, opts)), None)
     if fmt is None:
         raise ValueError(f"no Hugging Face model type has this structure (pattern {cfg.pattern!r}, mlp={cfg.mlp}, "
                          f"moe={cfg.moe}, options {cfg.mixer_options}); supported: {', '.join(sorted(MAPPINGS))}")

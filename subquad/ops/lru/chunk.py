@@ -1,14 +1,17 @@
 """The RG-LRU, chunk form: Mamba's "lanes" (``ops/mamba/chunk.py``) for a state as wide as the input.
 
-The sequence is cut into n = ceil(T / C) lanes of C tokens; every lane at once:
-    1. local scan: each lane from a zero state, positions 0..C-1, one tensor op per position
-       (B, n, H, P) over all lanes; every local state is kept (together they are one (B, T, H, P) tensor)
-    2. state passing: lane i starts from s_i = exp(G_{i-1}) s_{i-1} + local_{i-1, C-1}, with G_i the lane's
+The sequence is cut into n = ceil(T / C) lanes of C tokens, laid out position-major, (B, C, n, H, P), so that one
+position of every lane is one contiguous (B, n, H, P) block; every lane at once:
+    1. local scan: each lane from a zero state, positions 0..C-1, one tensor op per position; every local
+       state is kept (together they are one (B, T, H, P) tensor)
+    2. state passing: lane i starts from s_i = exp(G_{i-1}) s_{i-1} + local_{C-1, i-1}, with G_i the lane's
        total log-decay (n steps of (B, H, P))
-    3. output: h = local + exp(Gcum) * s, Gcum the log-decay from the lane's start (a cumulative sum
-       inside the lane, every term <= 0), all positions at once
+    3. output: h = local + exp(Gcum) * s, Gcum the log-decay since the lane's start (a cumulative sum
+       inside the lane, every term <= 0: nothing overflows), all positions at once
 Unlike the selective scan, whose states are N times wider than its input, the RG-LRU's states are the
-input's size, so autograd may keep them: no hand-written backward. C + n vectorised steps instead of T.
+input's size, so autograd may keep them: no hand-written backward. Without a gradient step 1 writes into
+one buffer in place (a fresh tensor per position costs more in allocation than the arithmetic).
+C + n vectorised steps instead of T.
 """
 
 from __future__ import annotations
@@ -17,8 +20,9 @@ import math
 
 import torch
 
+from subquad.ops.common.autograd import wants_grad
+from subquad.ops.common.chunking import token_slice
 from subquad.ops.common.expo import exp_decay
-from subquad.ops.mamba.chunk import _lanes
 
 
 def chunk_lru(u, g, *, chunk_size=64, initial_state=None):
@@ -26,22 +30,31 @@ def chunk_lru(u, g, *, chunk_size=64, initial_state=None):
     walks C + T / C vectorised steps, fewest near C = sqrt(T)."""
     B, T, H, P = u.shape
     c = min(chunk_size, T, max(16, math.isqrt(T - 1) + 1))
-    # (B, n, c, H, P); the padded tail has g = 0 and u = 0: no decay and no write, so the final state stays
-    ul, gl = (t.view(B, t.shape[1], c, H, P) for t in _lanes(c, u.flatten(2), g.flatten(2)))
-    n = ul.shape[1]
+    n = -(-T // c)
+
+    def lanes(t):   # (B, c, n, H, P), a fresh buffer; the padded tail has g = 0 and u = 0: no decay, no write
+        return torch.empty(B, c, n, H, P, dtype=t.dtype, device=t.device).copy_(
+            token_slice(t, 0, T, n * c).view(B, n, c, H, P).transpose(1, 2))
+
+    ul, gl = lanes(u), lanes(g)
     a = exp_decay(gl)
-    h = ul[:, :, 0]
-    local = [h]
-    for j in range(1, c):                                                      # 1. every lane from zero
-        h = torch.addcmul(ul[:, :, j], a[:, :, j], h)
-        local.append(h)
-    local = torch.stack(local, 2)                                              # (B, n, c, H, P)
-    G = torch.cumsum(gl, 2)                                                    # log-decay since the lane's start
-    total = exp_decay(G[:, :, -1])
+    if wants_grad(u, g):                                                       # 1. every lane from zero
+        h = ul[:, 0]
+        local = [h]
+        for j in range(1, c):
+            h = torch.addcmul(ul[:, j], a[:, j], h)
+            local.append(h)
+        local = torch.stack(local, 1)
+    else:
+        local = ul                                                             # in place, position by position
+        for j in range(1, c):
+            local[:, j].addcmul_(a[:, j], local[:, j - 1])
+    G = torch.cumsum(gl, 1)                                                    # log-decay since the lane's start
+    total = exp_decay(G[:, -1])                                                # (B, n, H, P)
     s = u.new_zeros(B, H, P) if initial_state is None else initial_state
     starts = []
     for i in range(n):                                                         # 2. state passing between lanes
         starts.append(s)
-        s = torch.addcmul(local[:, i, -1], total[:, i], s)
-    h = torch.addcmul(local, exp_decay(G), torch.stack(starts, 1)[:, :, None])  # 3. outputs from the true starts
-    return h.flatten(1, 2)[:, :T], s
+        s = torch.addcmul(local[:, -1, i], total[:, i], s)
+    h = torch.addcmul(local, exp_decay(G), torch.stack(starts, 1)[:, None])   # 3. outputs from the true starts
+    return h.transpose(1, 2).reshape(B, n * c, H, P)[:, :T], s
