@@ -8,6 +8,7 @@ from subquad.layers.base import Mixer, tensor_bytes
 from subquad.layers.conv import ShortConv
 from subquad.layers.deltanet import DeltaNet, GatedDeltaNet
 from subquad.layers.gla import GatedLinearAttention
+from subquad.layers.griffin import GriffinRecurrentBlock
 from subquad.layers.linear_attention import LinearAttention
 from subquad.layers.linformer import Linformer
 from subquad.layers.mamba import Mamba
@@ -17,4 +18,5 @@ from subquad.layers.registry import MIXERS, build_mixer
 from subquad.layers.retention import MultiScaleRetention
 
 __all__ = ["Mixer", "tensor_bytes", "ShortConv", "RMSNorm", "GatedRMSNorm", "MIXERS", "build_mixer",
-           "SoftmaxAttention", "LinearAttention", "DeltaNet", "GatedDeltaNet", "Mamba", "Linformer", "MultiScaleRetention", "GatedLinearAttention", "Mamba2"]
+           "SoftmaxAttention", "LinearAttention", "DeltaNet", "GatedDeltaNet", "Mamba", "Linformer", "MultiScaleRetention", "GatedLinearAttention", "Mamba2",
+           "GriffinRecurrentBlock"]

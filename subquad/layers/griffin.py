@@ -94,7 +94,8 @@ class GriffinRecurrentBlock(Mixer):
         o, h = seq.recurrence(rg_lru, xs * gate_i, g, mode=self.mode, chunk_size=self.chunk_size, initial_state=h0)
         out = self.out_proj(o.reshape(B, T, -1) * y)
         end = seq.tokens(B, T, x.device) + (0 if state is None else state["pos"].to(x.device))
-        return out, {"h": h.reshape(h.shape[0], -1), "conv": conv, "pos": end}
+        h = None if h is None else h.reshape(h.shape[0], -1)                 # None: a shard of a sequence (context parallel)
+        return out, {"h": h, "conv": conv, "pos": end}
 
     def extra_repr(self):
         return f"d_model={self.d_model}, lru_width={self.lru_width}, heads={self.n_heads}, mode={self.mode}"
