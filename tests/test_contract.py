@@ -29,6 +29,7 @@ ATTENTION_INPUTS = {                      # the positional inputs of each op, ga
     "softmax_attention": ["q", "k", "v"],
     "ssd": ["x", "dt", "A", "B", "C"],
     "selective_scan": ["x", "dt", "A", "B", "C"],
+    "rg_lru": ["x", "g"],
 }
 CONTRACT = {"mode": "chunk", "chunk_size": 64, "initial_state": None, "output_final_state": False,
             "cu_seqlens": None}
@@ -76,6 +77,8 @@ def _tiny(name):
     if name == "generalized_delta_rule":                  # RWKV-7's a = -kk, b = lr * kk
         lr = torch.rand(B, T, H, 1, generator=g, dtype=torch.float64)
         return [q, k, v, -torch.rand(B, T, H, K, generator=g, dtype=torch.float64), -k, lr * k]
+    if name == "rg_lru":
+        return [r(B, T, H, K), -torch.rand(B, T, H, K, generator=g, dtype=torch.float64)]
     if name in ("ssd", "selective_scan"):
         Dm = H * K if name == "selective_scan" else None
         x = r(B, T, Dm) if Dm else r(B, T, H, K)

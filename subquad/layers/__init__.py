@@ -8,6 +8,7 @@ from subquad.layers.base import Mixer, tensor_bytes
 from subquad.layers.conv import ShortConv
 from subquad.layers.deltanet import DeltaNet, GatedDeltaNet
 from subquad.layers.gla import GatedLinearAttention
+from subquad.layers.griffin import GriffinRecurrentBlock
 from subquad.layers.linear_attention import LinearAttention
 from subquad.layers.linformer import Linformer
 from subquad.layers.mamba import Mamba
@@ -19,4 +20,4 @@ from subquad.layers.short_conv import GatedShortConv
 
 __all__ = ["Mixer", "tensor_bytes", "ShortConv", "RMSNorm", "GatedRMSNorm", "MIXERS", "build_mixer",
            "SoftmaxAttention", "LinearAttention", "DeltaNet", "GatedDeltaNet", "Mamba", "Linformer", "MultiScaleRetention", "GatedLinearAttention", "Mamba2",
-           "GatedShortConv"]
+           "GatedShortConv", "GriffinRecurrentBlock"]

@@ -5,8 +5,9 @@
 
 Checkpoints' variants are options: ``head_dim`` other than d_model / n_heads (Qwen3-Next: 256), RMS norms
 on q and k before the rotation (``qk_norm="head"``: per head, Qwen3; ``"all"``: over all heads' dims,
-OLMo-2/OLMo-Hybrid), and a sigmoid output gate (``output_gate``: Qwen3-Next's gated attention - W_q
-writes each head's query and then its gate, o_h = o_h * sigmoid(gate_h) before W_o).
+OLMo-2/OLMo-Hybrid), a sigmoid output gate (``output_gate``: Qwen3-Next's gated attention - W_q
+writes each head's query and then its gate, o_h = o_h * sigmoid(gate_h) before W_o), and a bias on W_o
+(``o_bias``: RecurrentGemma's local attention).
 
 The decoding state is a KVCache of the H_kv key/value heads only, so grouped-query
 attention (n_kv_heads < n_heads) shrinks the cache by n_heads / n_kv_heads; with a
@@ -34,14 +35,14 @@ class SoftmaxAttention(Mixer):
     attention layers); rotary_base (RoPE's theta); rotary_fraction (the leading fraction of each head's dims
     that rotate: Bamba's partial rotary 0.5); mode ("parallel": SDPA, "chunk":
     blockwise online softmax; both O(T W) with a window); chunk_size; head_dim (default d_model / n_heads);
-    qk_norm (None, "head" or "all") with qk_norm_eps; output_gate.
+    qk_norm (None, "head" or "all") with qk_norm_eps; output_gate; o_bias (a bias on the output projection).
     State: {"kv": a ``KVCache`` of k (B, L, n_kv_heads, K) and v (B, L, n_kv_heads, K)}, L the tokens seen
     (at most W with a window). A state passed in is never modified (the layer appends to a fork).
     """
     def __init__(self, d_model: int, n_heads: int = 4, n_kv_heads: int | None = None, window: int | None = None,
                  rotary: bool = True, rotary_base: float = 10000.0, rotary_fraction: float = 1.0,
                  head_dim: int | None = None, qk_norm: str | None = None, qk_norm_eps: float = 1e-6,
-                 output_gate: bool = False, mode: str = "parallel", chunk_size: int = 64):
+                 output_gate: bool = False, o_bias: bool = False, mode: str = "parallel", chunk_size: int = 64):
         super().__init__(d_model, mode, chunk_size)
         self.n_heads, self.n_kv_heads = n_heads, n_kv_heads or n_heads
         if head_dim is None and d_model % n_heads:
@@ -52,6 +53,8 @@ class SoftmaxAttention(Mixer):
             raise ValueError(f"qk_norm must be None, 'head' or 'all', got {qk_norm!r}")
         if not isinstance(output_gate, bool):
             raise ValueError(f"output_gate must be a bool, got {output_gate!r}")
+        if not isinstance(o_bias, bool):
+            raise ValueError(f"o_bias must be a bool, got {o_bias!r}")
         if n_heads % self.n_kv_heads:
             raise ValueError(f"n_heads={n_heads} must be a multiple of n_kv_heads={self.n_kv_heads}")
         if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 0):
@@ -67,7 +70,7 @@ class SoftmaxAttention(Mixer):
         self.q_proj = nn.Linear(d_model, n_heads * K * (2 if output_gate else 1), bias=False)
         self.k_proj = nn.Linear(d_model, Hk * K, bias=False)
         self.v_proj = nn.Linear(d_model, Hk * K, bias=False)
-        self.o_proj = nn.Linear(n_heads * K, d_model, bias=False)
+        self.o_proj = nn.Linear(n_heads * K, d_model, bias=o_bias)
         if qk_norm is not None:
             self.q_norm = RMSNorm(K if qk_norm == "head" else n_heads * K, qk_norm_eps)
             self.k_norm = RMSNorm(K if qk_norm == "head" else Hk * K, qk_norm_eps)

@@ -1,6 +1,6 @@
 """The feed-forward layer after each mixer (Shazeer 2020, "GLU Variants Improve Transformer", arXiv:2002.05202):
 
-    y = W_down (silu(W_gate x) * W_up x)
+    y = W_down (act(W_gate x) * W_up x)        act = silu (SwiGLU) or tanh-approximated GeLU (GeGLU: Gemma)
 
 or, ungated, with a squared ReLU (So et al. 2021, "Primer", arXiv:2109.08668; Nemotron-H's MLP layers):
 
@@ -12,21 +12,25 @@ shared expert.
 
 from __future__ import annotations
 
+import functools
+
 import torch.nn.functional as F
 from torch import nn
 
 
 class SwiGLU(nn.Module):
-    """x (..., d_model) -> (..., d_model) through a hidden width ``hidden``; no biases."""
+    """x (..., d_model) -> (..., d_model) through a hidden width ``hidden``. ``act``: "silu" or "gelu_tanh";
+    ``bias``: biases on the three projections (RecurrentGemma's MLP has them; the default has none)."""
 
-    def __init__(self, d_model: int, hidden: int):
+    def __init__(self, d_model: int, hidden: int, act: str = "silu", bias: bool = False):
         super().__init__()
-        self.w_gate = nn.Linear(d_model, hidden, bias=False)
-        self.w_up = nn.Linear(d_model, hidden, bias=False)
-        self.w_down = nn.Linear(hidden, d_model, bias=False)
+        self.w_gate = nn.Linear(d_model, hidden, bias=bias)
+        self.w_up = nn.Linear(d_model, hidden, bias=bias)
+        self.w_down = nn.Linear(hidden, d_model, bias=bias)
+        self.act = F.silu if act == "silu" else functools.partial(F.gelu, approximate="tanh")
 
     def forward(self, x):
-        return self.w_down(F.silu(self.w_gate(x)) * self.w_up(x))
+        return self.w_down(self.act(self.w_gate(x)) * self.w_up(x))
 
 
 class ReLU2MLP(nn.Module):
@@ -39,3 +43,10 @@ class ReLU2MLP(nn.Module):
 
     def forward(self, x):
         return self.w_down(F.relu(self.w_up(x)).square())
+
+
+def dense_mlp(cfg):
+    """The dense MLP a ``ModelConfig`` asks for (``mlp_kind``, ``mlp_bias``, its hidden width)."""
+    if cfg.mlp_kind == "relu2":
+        return ReLU2MLP(cfg.d_model, cfg.mlp_hidden)
+    return SwiGLU(cfg.d_model, cfg.mlp_hidden, "gelu_tanh" if cfg.mlp_kind == "geglu" else "silu", cfg.mlp_bias)

@@ -12,6 +12,7 @@ from subquad.layers.attention import SoftmaxAttention
 from subquad.layers.base import Mixer
 from subquad.layers.deltanet import DeltaNet, GatedDeltaNet
 from subquad.layers.gla import GatedLinearAttention
+from subquad.layers.griffin import GriffinRecurrentBlock
 from subquad.layers.kda import KimiDeltaAttention
 from subquad.layers.lightning import LightningAttention
 from subquad.layers.linear_attention import LinearAttention
@@ -76,6 +77,7 @@ MIXERS: dict[str, MixerEntry] = {
                             about="MiniMax's lightning attention: linear attention, fixed decays, gated norm"),
     "gated_conv": MixerEntry(GatedShortConv, heads=None,
                              about="LFM2's gated short convolution: out(c * conv(b * x)), no recurrence"),
+    "rglru": MixerEntry(GriffinRecurrentBlock, about="Griffin's recurrent block (RG-LRU)"),
 }
 
 

@@ -12,7 +12,8 @@ A single name fills all ``n_layers``; otherwise the counts must add up to
 in ``mixer_options`` keyed by mixer name: ``{"swa": {"window": 128},
 "linear": {"feature_map": "performer"}}``.
 
-The MLP after each mixer is a SwiGLU, or with ``mlp_act="relu2"`` an ungated squared-ReLU MLP; ``mlp_layers``
+The MLP after each mixer is a SwiGLU, a GeGLU with ``mlp_kind="geglu"``, or with ``mlp_kind="relu2"`` an ungated
+squared-ReLU MLP; ``mlp_layers``
 lists the layers that have one (Nemotron-H's pattern: "M-M*-MM-" has no MLP after its fourth mixer), the
 others being the mixer alone.
 
@@ -73,8 +74,10 @@ class ModelConfig:
     mlp: bool = True                     # SwiGLU MLP after each mixer (Zoology's recall setting turns it off)
     mlp_ratio: float = 4.0               # hidden = 2/3 * ratio * d_model: a SwiGLU with a 4x MLP's parameters
     mlp_size: int | None = None          # the MLP's hidden width, when set (checkpoints give it); else mlp_ratio's
+    mlp_bias: bool = False               # biases on the MLP's three projections (RecurrentGemma)
     moe: dict | None = None              # sparse mixture-of-experts MLPs (module doc); None: dense everywhere
-    mlp_act: str = "swiglu"              # "relu2": an ungated MLP, W_down relu(W_up x)^2 (Primer; Nemotron-H)
+    mlp_kind: str = "swiglu"             # the MLP: "swiglu", "geglu" (Gemma's tanh GeLU gate) or "relu2" (ungated
+                                         # W_down relu(W_up x)^2: Primer, Nemotron-H)
     mlp_layers: list | None = None       # indices of the layers with an MLP (None: all); the rest: the mixer alone
     context_length: int = 256
     pos_emb: str = "none"                # "none" (positions from the mixers: RoPE, recurrence) or "learned"
@@ -84,6 +87,8 @@ class ModelConfig:
     scaled_residual: dict | None = None  # MiniMax-01's blocks: {mixer name | "mlp": [alpha, beta]} (lm.py)
     parallel: dict = field(default_factory=dict)   # {mixer name: mixer run beside it, summed} (Falcon-H1; lm.py)
     eos_token_ids: list = field(default_factory=list)  # end-of-text ids: ``generate`` stops after emitting one
+    embed_scale: float | None = None     # the embeddings times this (Gemma: sqrt(d_model)); None: 1
+    logit_soft_cap: float | None = None  # logits = cap tanh(logits / cap) (Gemma 2, RecurrentGemma); None: none
 
     def __post_init__(self):
         for name in ("vocab_size", "d_model", "n_layers", "n_heads", "context_length"):
@@ -100,16 +105,16 @@ class ModelConfig:
             raise ValueError(f"mlp_size must be a positive int or None, got {self.mlp_size!r}")
         if self.moe is not None:
             self.moe = _check_moe(self.moe, self.mlp)
-        if self.mlp_act not in ("swiglu", "relu2"):
-            raise ValueError(f"mlp_act must be 'swiglu' or 'relu2', got {self.mlp_act!r}")
+        if self.mlp_kind not in MLP_KINDS:
+            raise ValueError(f"mlp_kind must be one of {MLP_KINDS}, got {self.mlp_kind!r}")
         if self.mlp_layers is not None:
             if not isinstance(self.mlp_layers, (list, tuple)) or any(
                     isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < self.n_layers for i in self.mlp_layers):
                 raise ValueError(f"mlp_layers must be None or a list of layer indices in [0, {self.n_layers}), "
                                  f"got {self.mlp_layers!r}")
             self.mlp_layers = sorted(set(self.mlp_layers))
-        if self.moe is not None and (self.mlp_act != "swiglu" or self.mlp_layers is not None):
-            raise ValueError("moe (SwiGLU experts in every MLP layer it names) takes mlp_act='swiglu' and "
+        if self.moe is not None and (self.mlp_kind != "swiglu" or self.mlp_layers is not None):
+            raise ValueError("moe (SwiGLU experts in every MLP layer it names) takes mlp_kind='swiglu' and "
                              "mlp_layers=None")
         from subquad.layers import MIXERS
 
@@ -137,6 +142,12 @@ class ModelConfig:
             raise ValueError(f"eos_token_ids must be a list of token ids in [0, {self.vocab_size}), "
                              f"got {self.eos_token_ids!r}")
         self.eos_token_ids = list(self.eos_token_ids)
+        if not isinstance(self.mlp_bias, bool):
+            raise ValueError(f"mlp_bias must be a bool, got {self.mlp_bias!r}")
+        for name in ("embed_scale", "logit_soft_cap"):
+            v = getattr(self, name)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v < float("inf")):
+                raise ValueError(f"{name} must be a positive finite number or None, got {v!r}")
         if self.pos_emb not in ("none", "learned"):
             raise ValueError(f"pos_emb must be 'none' or 'learned', got {self.pos_emb!r}")
 
@@ -174,6 +185,8 @@ class ModelConfig:
                                   for m, o in d["mixer_options"].items()}
         return cls(**d)
 
+
+MLP_KINDS = ("swiglu", "geglu", "relu2")
 
 MOE_DEFAULTS = {"top_k": 2, "every": 1, "offset": 0, "aux_loss_coef": 0.01, "renormalize": False, "hidden": None,
                 "shared": 0, "shared_gate": True, "router": "softmax", "groups": 1, "topk_groups": 1, "scale": 1.0,

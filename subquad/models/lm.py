@@ -17,16 +17,18 @@ for softmax layers, a bounded window for sliding-window layers, a fixed-size sta
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from subquad.layers import RMSNorm, build_mixer, sequence, tensor_bytes
 from subquad.layers.attention import SoftmaxAttention
-from subquad.layers.mlp import ReLU2MLP, SwiGLU
+from subquad.layers.mlp import ReLU2MLP, SwiGLU, dense_mlp
 from subquad.models.config import ModelConfig
 from subquad.models.generate import generate
 from subquad.models.loss import linear_cross_entropy
 from subquad.models.moe import MoE, load_balancing_loss
 from subquad.models.state import ModelState
+from subquad.ops.common.checks import state_dtype
 from subquad.ops.common.precision import checks_on
 
 
@@ -34,7 +36,7 @@ NORMED_OUTPUT_SCALE = 0.1   # see LanguageModel._init_residual_branches
 
 
 class Block(nn.Module):
-    """One layer: ``norm1``, ``mixer``, ``norm2`` and ``mlp`` (a SwiGLU or, with ``cfg.mlp_act`` "relu2", an
+    """One layer: ``norm1``, ``mixer``, ``norm2`` and ``mlp`` (a SwiGLU or, with ``cfg.mlp_kind`` "relu2", an
     ungated squared-ReLU MLP; a mixture of experts; or None - without MLPs, or at a layer ``cfg.mlp_layers``
     leaves out). Each subclass's ``forward(h (B, T, d_model), state, cu_seqlens) -> (h, state)`` is one way the two
     branches meet the residual stream; all share these parameter names, which the checkpoint formats map
@@ -55,8 +57,7 @@ class Block(nn.Module):
                            m["shared"], m["shared_gate"], m["router"], m["groups"], m["topk_groups"], m["scale"],
                            m["renorm_eps"])
         else:
-            Dense = ReLU2MLP if cfg.mlp_act == "relu2" else SwiGLU
-            self.mlp = Dense(cfg.d_model, cfg.mlp_hidden) if mlp else None
+            self.mlp = dense_mlp(cfg) if mlp else None
 
     @staticmethod
     def build(cfg: ModelConfig, mixer_name: str, moe: bool = False, mlp: bool = True) -> "Block":
@@ -256,7 +257,9 @@ class LanguageModel(nn.Module):
 
     def _logits(self, h):
         h = self.norm(h)
-        return h @ self.embed.weight.T if self.head is None else self.head(h)
+        logits = h @ self.embed.weight.T if self.head is None else self.head(h)
+        cap = self.config.logit_soft_cap
+        return logits if cap is None else torch.tanh(logits / cap) * cap
 
     def _check_idx(self, idx):
         if not isinstance(idx, torch.Tensor) or idx.dim() != 2 or idx.dtype not in (torch.long, torch.int32, torch.int64):
@@ -291,6 +294,8 @@ class LanguageModel(nn.Module):
         if cu_seqlens is not None and (B != 1 or T != sum(seq.lengths)):
             raise ValueError(f"with cu_seqlens idx must be packed as (1, T={sum(seq.lengths)}), got {tuple(idx.shape)}")
         h = self.embed(idx.long())
+        if self.config.embed_scale is not None:
+            h = h * self.config.embed_scale
         if self.pos_embed is not None:    # context parallel: idx is this rank's shard, at its global positions
             end = seq.length(T, pos)
             if end > self.config.context_length:
@@ -324,6 +329,10 @@ class LanguageModel(nn.Module):
         the (B, T, vocab) logits are never held, which at long T is most of a step's memory traffic."""
         if targets is None:
             return self.prefill(idx, cu_seqlens=cu_seqlens)[0]
+        if self.config.logit_soft_cap is not None:        # the chunked loss has no cap: the logits, materialised
+            logits = self._logits(self._hidden(idx, None, cu_seqlens)[0])
+            logits = logits.to(state_dtype(logits.dtype))             # float32 (float64 stays), as the chunked loss
+            return F.cross_entropy(logits.flatten(0, -2), targets.to(logits.device).flatten())
         h = self.norm(self._hidden(idx, None, cu_seqlens)[0])
         weight = self.embed.weight if self.head is None else self.head.weight
         return linear_cross_entropy(h, weight, targets.to(h.device))

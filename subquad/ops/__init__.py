@@ -18,12 +18,12 @@ Each op takes ``mode`` in ``("parallel", "recurrent", "chunk")``, ``chunk_size``
 different lengths in one row (``subquad.ops.common.varlen``). Every op's three forms are public too,
 ``parallel_<op>``, ``recurrent_<op>`` and ``chunk_<op>``, with the op's signature
 less ``mode``. Gates follow the values: ``(q, k, v, g)``, ``(q, k, v, beta)``,
-``(q, k, v, g, beta)``, ``(q, k, v, w, a, b)``; Mamba's scans take ``(x, dt, A, B, C)``.
+``(q, k, v, g, beta)``, ``(q, k, v, w, a, b)``; Mamba's scans take ``(x, dt, A, B, C)``, the RG-LRU ``(x, g)``.
 
 The op families live in folders named after the family, not the op (so no function
 shadows its package): ``softmax/`` (softmax_attention), ``linear/`` (linear_attention),
 ``decay/`` (retention, simple_gla, gla, ssd), ``delta/`` (delta_rule, gated_delta_rule, generalized_delta_rule),
-``mamba/`` (selective_scan); each has a file per form and a README with its recurrence.
+``mamba/`` (selective_scan), ``lru/`` (rg_lru); each has a file per form and a README with its recurrence.
 """
 
 from subquad.ops.common.checks import MODES
@@ -70,6 +70,7 @@ from subquad.ops.linear import (
     recurrent_linear_attention,
 )
 from subquad.ops.linformer import linformer_attention
+from subquad.ops.lru import chunk_rg_lru, parallel_rg_lru, recurrent_rg_lru, rg_lru
 from subquad.ops.mamba import chunk_selective_scan, parallel_selective_scan, recurrent_selective_scan, selective_scan
 from subquad.ops.softmax import (
     KVCache,
@@ -86,14 +87,14 @@ for _op, _t in ((linear_attention, Transition("identity", normaliser="normalize"
                 (retention, Transition("diagonal")), (simple_gla, Transition("diagonal")), (gla, Transition("diagonal")),
                 (ssd, Transition("diagonal", values="x")), (selective_scan, Transition("diagonal", values="x")),
                 (delta_rule, Transition("matrix")), (gated_delta_rule, Transition("matrix")),
-                (generalized_delta_rule, Transition("matrix"))):
+                (generalized_delta_rule, Transition("matrix")),
+                (rg_lru, Transition("diagonal", values="x"))):
     declare(_op, _t)
 
 # the recurrent ops under the one contract: op(inputs..., *, mode, chunk_size, scale?, initial_state,
 # output_final_state) -> (o, final_state); tests/ops/test_contract.py checks every signature against it
 RECURRENT_OPS = ("linear_attention", "retention", "simple_gla", "gla", "ssd", "delta_rule", "gated_delta_rule",
-                 "generalized_delta_rule",
-                 "selective_scan")
+                 "generalized_delta_rule", "selective_scan", "rg_lru")
 OPS = RECURRENT_OPS + ("softmax_attention",)
 
 __all__ = [

@@ -24,6 +24,7 @@ CHECKPOINT_OPTIONS = {
                "softmax": {"rotary_fraction": 0.5, "rotary_base": 500.0}}, None),
     "jamba": ({"mamba": {"bcdt_rms_eps": 1e-6, "bcdt_rms_weight": True}, "softmax": {"rotary": False}},
               {"experts": 3, "top_k": 2, "every": 2, "offset": 1}),
+    "recurrent_gemma": ({"rglru": {}, "swa": {"window": 5, "o_bias": True, "rotary_fraction": 0.5}}, None),
     # not a checkpoint type: the short-convolution option of linear attention, RetNet and GLA (its halo crosses ranks)
     "conv": ({n: {"conv_size": 4} for n in ("linear", "retention", "gla")}, None),
 }
@@ -75,7 +76,7 @@ def test_context_parallel_lm_equals_one_process(world, pattern, pos_emb, n_kv_he
 
 
 @pytest.mark.parametrize("kind,pattern", [("bamba", "mamba2,softmax"), ("jamba", "mamba,softmax"),
-                                          ("conv", "linear,retention,gla")])
+                                          ("conv", "linear,retention,gla"), ("recurrent_gemma", "rglru,swa,rglru")])
 def test_context_parallel_checkpoint_structures_equal_one_process(kind, pattern):
     T = 2 * 2 * 8
     _assert_cp_equals_one_process(2, pattern, T, "none", 1, kind)

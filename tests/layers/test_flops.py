@@ -43,6 +43,8 @@ MIX = {
     "kda": ({}, lambda T: H * 6 * 32 * 32),
     "mamba": ({}, lambda T: 4 * 128 * 16),                                     # d_inner 128 channels, N 16 each
     "mamba2": ({}, lambda T: 4 * 16 * 32 * 4),                                 # 4 heads of P 32, N 16
+    "rglru": ({}, lambda T: 2 * 2 * 64 * 32 + 2 * 64),      # two block-diagonal gates (2 x 32 x 32), a h + u per channel
+    "gated_conv": ({}, lambda T: 2 * 64),                   # b * x and c * conv(.): one multiply per channel each
 }
 VARIANTS = {                  # options that change the count: GQA, a short convolution, groups, no normaliser
     "softmax-gqa": ("softmax", {"n_kv_heads": 1}, MIX["softmax"][1]),

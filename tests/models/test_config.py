@@ -38,19 +38,19 @@ def test_presets_and_config_checks():
     assert ModelConfig.from_dict(cfg.to_dict()) == cfg
 
 
-def test_mlp_act_and_mlp_layers():
+def test_mlp_kind_and_mlp_layers():
     """relu2: an ungated squared-ReLU MLP; mlp_layers: the layers that have one, the rest the mixer alone."""
     import torch
 
     from subquad import LanguageModel
 
-    cfg = ModelConfig(vocab_size=32, d_model=16, n_layers=3, n_heads=2, mlp_size=24, mlp_act="relu2", mlp_layers=[2, 0])
+    cfg = ModelConfig(vocab_size=32, d_model=16, n_layers=3, n_heads=2, mlp_size=24, mlp_kind="relu2", mlp_layers=[2, 0])
     assert cfg.mlp_layers == [0, 2] and ModelConfig.from_dict(cfg.to_dict()) == cfg
     model = LanguageModel(cfg)
     assert [b.mlp is None and b.norm2 is None for b in model.blocks] == [False, True, False]
     mlp, x = model.blocks[0].mlp, torch.randn(5, 16)
     torch.testing.assert_close(mlp(x), torch.relu(x @ mlp.w_up.weight.T).square() @ mlp.w_down.weight.T)
-    for bad, match in (({"mlp_act": "gelu"}, "mlp_act"), ({"mlp_layers": [3]}, "mlp_layers"),
-                       ({"mlp_act": "relu2", "moe": {"experts": 2}}, "moe .*mlp_act='swiglu'")):
+    for bad, match in (({"mlp_kind": "gelu"}, "mlp_kind"), ({"mlp_layers": [3]}, "mlp_layers"),
+                       ({"mlp_kind": "relu2", "moe": {"experts": 2}}, "moe .*mlp_kind='swiglu'")):
         with pytest.raises(ValueError, match=match):
             ModelConfig(vocab_size=32, d_model=16, n_layers=3, n_heads=2, **bad)

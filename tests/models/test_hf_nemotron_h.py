@@ -47,7 +47,7 @@ def test_the_loaded_structure(tmp_path):
     _, folder = _hf(tmp_path)
     ours, _ = from_pretrained(folder)
     assert ours.config.layers == ["mamba2", "mamba2", "softmax", "mamba2", "mamba2"]
-    assert ours.config.mlp_layers == [0, 2, 4] and ours.config.mlp_act == "relu2"
+    assert ours.config.mlp_layers == [0, 2, 4] and ours.config.mlp_kind == "relu2"
     assert [b.mlp is None for b in ours.blocks] == [False, True, False, True, False]
     attn = ours.blocks[2].mixer
     assert attn.head_dim == 24 and not attn.rotary and ours.blocks[0].mlp.w_up.weight.shape == (80, 64)
@@ -86,7 +86,7 @@ def test_a_model_built_here_saves_as_nemotron_h_and_others_do_not(tmp_path):
     from subquad import LanguageModel, ModelConfig
 
     cfg = ModelConfig(vocab_size=V, d_model=32, n_layers=3, n_heads=2, pattern="mamba2,softmax,mamba2",
-                      mlp_size=48, mlp_act="relu2", mlp_layers=[1], norm_eps=1e-5,
+                      mlp_size=48, mlp_kind="relu2", mlp_layers=[1], norm_eps=1e-5,
                       mixer_options={"softmax": {"rotary": False}, "mamba2": {"norm_eps": 1e-5, "n_groups": 2}})
     model = LanguageModel(cfg).eval()
     save_pretrained(model, tmp_path / "mine")

@@ -48,6 +48,8 @@ VALID = {
     ("*", "initial_state", "none"): "None starts from the empty state",
     ("linformer_attention", "chunk_size", "none"): "Linformer's default: every query at once",
     **{("*", name, "float64"): "a gate may be float32 or float64 beside any activations" for name in GATES},
+    **{("rg_lru", "x", d): "x is the one activation: any float dtype beside its float32 gate g"
+       for d in ("float16", "float64")},
     **{("linformer_attention", p, d): "a projection is a parameter, cast to q's dtype"
        for p in ("E", "F") for d in ("float16", "float64")},
     **{("merge_attention", p, d): "a log-sum-exp is kept in float32 (or float64) beside 16-bit outputs"

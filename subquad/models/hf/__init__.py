@@ -32,6 +32,7 @@ weights shifted) and ``pack`` them back on saving.
                     the MoE variant's sigmoid-routed experts with an expert bias after its dense layers)
     falcon_h1.py    falcon_h1 (Falcon-H1: Mamba-2 beside attention in every layer, summed - a ParallelBlock; its muP
                     multipliers folded into the weights)
+    recurrent_gemma.py  recurrent_gemma (Griffin's RG-LRU blocks, local multi-query attention, GeGLU, soft cap)
 
 ``registry.MAPPINGS`` lists them by ``model_type``; ``loader`` reads a folder, ``saver`` writes one, and
 ``common`` holds what the formats share. Imports run one way: common <- formats <- registry <- loader,

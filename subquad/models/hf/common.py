@@ -64,7 +64,7 @@ class Format:
 
     model_type = ""
     conv_bias_key = None             # the config field that turns the mixers' convolution bias off, if any
-    any_mlp = False                  # matches() checks ModelConfig.mlp_act and mlp_layers itself; else the saver
+    any_mlp = False                  # matches() checks ModelConfig.mlp_kind and mlp_layers itself; else the saver
                                      # holds the type to SwiGLUs in every layer
     any_mamba2 = False               # matches() checks Mamba-2's d_inner and gated_norm itself; else the saver holds
                                      # the type to expand x d_model wide Mamba-2 layers with the gated norm
@@ -86,6 +86,15 @@ class Format:
         """Whether a model of this config, whose layers were built with ``opts`` (``layer_options``), is this
         type - what ``save_pretrained`` writes it as."""
         raise NotImplementedError
+
+    @classmethod
+    def plain(cls, cfg: ModelConfig, opts: dict) -> bool:
+        """Whether the model leaves off the options most formats have no field for (a GeGLU or biased MLP,
+        scaled embeddings, capped logits, a bias on attention's output): ``save_pretrained`` asks this before
+        ``matches``, so no format drops them silently. A format that holds them overrides it."""
+        plain_mlp = cls.any_mlp or (cfg.mlp_kind == "swiglu" and cfg.mlp_layers is None)
+        return (plain_mlp and not cfg.mlp_bias and cfg.embed_scale is None and cfg.logit_soft_cap is None
+                and not any(o.get("o_bias") for o in opts.values()))
 
     @classmethod
     def unpack(cls, tensors: dict, cfg: ModelConfig, dtype=None) -> dict:

@@ -6,7 +6,7 @@ its own), "-" an ungated squared-ReLU MLP, y = W_down relu(W_up x)^2. The head i
 
 subquad's block is a mixer and an optional MLP, so each "M" or "*" layer becomes a block and an "-" layer
 right after it becomes that block's MLP (``ModelConfig.mlp_layers`` lists the blocks that have one,
-``mlp_act="relu2"``): "M-M*-M" is four blocks, the first, second and third with MLPs. An "-" layer after
+``mlp_kind="relu2"``): "M-M*-M" is four blocks, the first, second and third with MLPs. An "-" layer after
 another "-" (or first), and "E" (the mixture-of-experts layers of the MoE variants: ungated squared-ReLU
 experts, sigmoid routing) are refused by name. The checkpoint's layer indices are the pattern's, so the name
 table writes a block's parts against "M" (its mixer layer) and "F" (its MLP layer) and ``names`` numbers them.
@@ -87,7 +87,7 @@ class NemotronHFormat(Format):
         return ModelConfig(vocab_size=c["vocab_size"], d_model=H, n_layers=len(mixers),
                            n_heads=c["num_attention_heads"], n_kv_heads=c.get("num_key_value_heads"),
                            pattern=",".join(mixers), mlp=bool(mlps), mlp_size=c.get("intermediate_size"),
-                           mlp_act="relu2", mlp_layers=mlps or None, norm_eps=eps,
+                           mlp_kind="relu2", mlp_layers=mlps or None, norm_eps=eps,
                            tie_embeddings=False, context_length=1 << 20,   # transformers never ties them
                            mixer_options={"mamba2": m2, "softmax": soft})
 
@@ -138,7 +138,7 @@ class NemotronHFormat(Format):
     def matches(cls, cfg: ModelConfig, opts: dict) -> bool:
         o, a = opts.get("mamba2"), opts.get("softmax")
         return (set(cfg.layers) <= {"mamba2", "softmax"} and cfg.moe is None and cfg.pos_emb == "none"
-                and not cfg.post_norm and cfg.scaled_residual is None and (not cfg.mlp or cfg.mlp_act == "relu2")
+                and not cfg.post_norm and cfg.scaled_residual is None and (not cfg.mlp or cfg.mlp_kind == "relu2")
                 and (o is None or (o["norm_eps"] == cfg.norm_eps and o["dt_limit"][1] == float("inf")))
                 and (a is None or (not a["rotary"] and a["qk_norm"] is None and not a["output_gate"]
                                    and a["window"] is None)))

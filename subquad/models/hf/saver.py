@@ -28,10 +28,8 @@ def save_pretrained(model, path, tokenizer=None, model_type: str | None = None) 
         raise ValueError(f"a quantised model ({model.quantized}) is not saved: save the float model it came from")
     cfg = model.config
     opts = layer_options(model)
-    plain = cfg.mlp_act == "swiglu" and cfg.mlp_layers is None
-
-    def holds(f):
-        return (f.matches(cfg, opts) and (f.any_mlp or plain) and (f.any_mamba2 or plain_mamba2(cfg, opts))
+    def holds(f):                                   # plain: no option the format would drop (Format.plain)
+        return (f.plain(cfg, opts) and f.matches(cfg, opts) and (f.any_mamba2 or plain_mamba2(cfg, opts))
                 and (f.any_block or not cfg.parallel))
 
     if model_type is not None and (model_type not in MAPPINGS or not holds(MAPPINGS[model_type])):
