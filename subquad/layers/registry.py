@@ -19,6 +19,7 @@ from subquad.layers.mamba import Mamba
 from subquad.layers.mamba2 import Mamba2
 from subquad.layers.mla import LatentAttention
 from subquad.layers.retention import MultiScaleRetention
+from subquad.layers.rwkv7 import RWKV7
 
 
 @dataclass(frozen=True)
@@ -73,6 +74,7 @@ MIXERS: dict[str, MixerEntry] = {
     "mla": MixerEntry(LatentAttention, about="multi-head latent attention (softmax; the cache keeps latents)"),
     "lightning": MixerEntry(LightningAttention,
                             about="MiniMax's lightning attention: linear attention, fixed decays, gated norm"),
+    "rwkv7": MixerEntry(RWKV7, about="RWKV-7 time mix: the generalised delta rule, token shift, value residual"),
 }
 
 

@@ -77,6 +77,9 @@ class ModelConfig:
     post_norm: list = field(default_factory=list)   # mixer names whose blocks norm the branch outputs (lm.py)
     scaled_residual: dict | None = None  # MiniMax-01's blocks: {mixer name | "mlp": [alpha, beta]} (lm.py)
     eos_token_ids: list = field(default_factory=list)  # end-of-text ids: ``generate`` stops after emitting one
+    norm: str = "rms"                    # the blocks' and final norms: "rms", or "layer" (LayerNorm with bias: RWKV)
+    embed_norm: bool = False             # a norm on the embeddings before the first block (RWKV's ln0)
+    mlp_type: str = "swiglu"             # "swiglu", or "rwkv7" (RWKV's channel mix: token shift, relu^2; it has state)
 
     def __post_init__(self):
         for name in ("vocab_size", "d_model", "n_layers", "n_heads", "context_length"):
@@ -114,6 +117,14 @@ class ModelConfig:
         self.eos_token_ids = list(self.eos_token_ids)
         if self.pos_emb not in ("none", "learned"):
             raise ValueError(f"pos_emb must be 'none' or 'learned', got {self.pos_emb!r}")
+        if self.norm not in ("rms", "layer"):
+            raise ValueError(f"norm must be 'rms' or 'layer', got {self.norm!r}")
+        if not isinstance(self.embed_norm, bool):
+            raise ValueError(f"embed_norm must be a bool, got {self.embed_norm!r}")
+        if self.mlp_type not in ("swiglu", "rwkv7"):
+            raise ValueError(f"mlp_type must be 'swiglu' or 'rwkv7', got {self.mlp_type!r}")
+        if self.moe is not None and self.mlp_type != "swiglu":
+            raise ValueError(f"moe replaces SwiGLU MLPs; mlp_type={self.mlp_type!r} has none to replace")
 
     @property
     def layers(self) -> list[str]:
