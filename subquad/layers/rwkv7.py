@@ -43,9 +43,14 @@ DECAY = math.exp(-0.5)        # the log-decay's floor: w in (-e^{-1/2}, 0), so a
 MIXES = ("x_r", "x_w", "x_k", "x_v", "x_a", "x_g")
 
 
-def _rank(d_model: int, per_root: float, factor: float) -> int:
-    """fla's default LoRA width: per_root * sqrt(D) * factor rounded to a multiple of 32, at least 32."""
-    return max(32, int(round(per_root * d_model ** 0.5 * factor / 32) * 32))
+def default_ranks(d_model: int, head_dim: int) -> dict:
+    """fla's LoRA widths: c * sqrt(D) rounded to a multiple of 32, at least 32, the decay's and lr's widened
+    by head_dim / 64."""
+    def rank(c, factor):
+        return max(32, int(round(c * d_model ** 0.5 * factor / 32) * 32))
+
+    f = head_dim / 64
+    return {"decay_rank": rank(2.5, f), "a_rank": rank(2.5, f), "v_rank": rank(1.7, f), "gate_rank": rank(5.0, 1.0)}
 
 
 def _lora(d_model: int, rank: int, activation: nn.Module, bias: bool = True) -> nn.Sequential:
@@ -80,11 +85,9 @@ class RWKV7(Mixer):
             raise ValueError(f"norm_eps must be a positive float, got {norm_eps!r}")
         D, self.n_heads = d_model, n_heads
         self.head_dim = K = D // n_heads
-        factor = K / 64                                       # fla widens the decay and lr LoRAs for K > 64
-        self.decay_rank = decay_rank or _rank(D, 2.5, factor)
-        self.a_rank = a_rank or _rank(D, 2.5, factor)
-        self.v_rank = v_rank or _rank(D, 1.7, factor)
-        self.gate_rank = gate_rank or _rank(D, 5.0, 1.0)
+        ranks = default_ranks(D, K)
+        self.decay_rank, self.a_rank = decay_rank or ranks["decay_rank"], a_rank or ranks["a_rank"]
+        self.v_rank, self.gate_rank = v_rank or ranks["v_rank"], gate_rank or ranks["gate_rank"]
         self.norm_eps = norm_eps
         for name in MIXES:
             setattr(self, name, nn.Parameter(torch.zeros(D)))

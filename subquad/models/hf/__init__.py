@@ -21,6 +21,8 @@ weights shifted) and ``pack`` them back on saving.
     olmo_hybrid.py  olmo_hybrid (Gated DeltaNet, post-norm attention with q/k norms)
     kimi_linear.py  kimi_linear (Kimi Delta Attention, latent attention, DeepSeek-V3 experts)
     minimax.py      minimax (lightning attention, MiniMax-01's scaled residual)
+    rwkv7.py        rwkv7 (fla-hub's layout: RWKV-7 time mix and channel mix, LayerNorms, layer 0's pre_norm)
+    rwkv7_pth.py    BlinkDL's RWKV-7 ``.pth`` (no config.json: sizes read off the tensors; loading only)
 
 ``registry.MAPPINGS`` lists them by ``model_type``; ``loader`` reads a folder, ``saver`` writes one, and
 ``common`` holds what the formats share. Imports run one way: common <- formats <- registry <- loader,

@@ -3,7 +3,8 @@
 The folder's ``model_type`` picks its format (``registry.MAPPINGS``); the format's config translation
 builds the model's ``ModelConfig``, its name tables say which checkpoint tensor fills which parameter, and
 every tensor must be used exactly once: a missing weight, an unexpected one or a wrong shape is refused by
-name.
+name. A BlinkDL RWKV-7 ``.pth`` file (or a folder holding one and no config.json) loads the same way, its
+config read off its tensors (``rwkv7_pth``).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import torch
 from subquad.models.decode import decode_layout
 from subquad.models.hf.common import eos_token_ids, read_json, read_weights
 from subquad.models.hf.registry import MAPPINGS
+from subquad.models.hf.rwkv7_pth import RWKV7PthFormat, pth_file, read_pth
 from subquad.models.lm import LanguageModel
 
 
@@ -28,22 +30,28 @@ def read_config(path) -> dict:
 
 
 def from_pretrained(path, dtype=None, device=None, quantize=None):
-    """(LanguageModel in eval mode, tokenizer or None) from a Hugging Face model folder (``models.hf``).
+    """(LanguageModel in eval mode, tokenizer or None) from a Hugging Face model folder (``models.hf``), or a
+    BlinkDL RWKV-7 ``.pth`` (the file, or a folder holding it; no tokenizer).
     ``quantize`` "int8" or "bf16" quantises the projections for inference (``models.quant``; from float32)."""
     from subquad.models.quant import QUANTIZE
 
     if quantize is not None and (quantize not in QUANTIZE or dtype not in (None, torch.float32)):
         raise ValueError(f"quantize must be one of {', '.join(QUANTIZE)} with float32 weights, got quantize="
                          f"{quantize!r}, dtype={dtype}")
-    c = read_config(path)
-    fmt = MAPPINGS[c["model_type"]]
-    cfg = fmt.config(c)
-    cfg.eos_token_ids = [t for t in eos_token_ids(path, c) if t < cfg.vocab_size]   # generate stops there
+    pth = pth_file(path)
+    if pth is not None:
+        c, fmt, weights = {}, RWKV7PthFormat, read_pth(pth)
+        cfg = fmt.config_from_weights(weights)
+    else:
+        c = read_config(path)
+        fmt, weights = MAPPINGS[c["model_type"]], None
+        cfg = fmt.config(c)
+        cfg.eos_token_ids = [t for t in eos_token_ids(path, c) if t < cfg.vocab_size]   # generate stops there
     with torch.device("meta"):                        # no memory and no random init: the weights come next
         model = LanguageModel(cfg)
     own = model.state_dict()
     names = fmt.names(cfg, {k: v.shape for k, v in own.items()})
-    tensors = fmt.unpack(read_weights(path), cfg, dtype)   # fused or shifted tensors -> one per parameter of ours
+    tensors = fmt.unpack(read_weights(path) if weights is None else weights, cfg, dtype)   # fused or shifted tensors -> one per parameter of ours
     if fmt.conv_bias_key and c.get(fmt.conv_bias_key, True) is False:   # no conv bias in the checkpoint: zeros
         for ours, theirs in names.items():
             if ours.endswith("mixer.conv.bias"):
@@ -76,7 +84,7 @@ def from_pretrained(path, dtype=None, device=None, quantize=None):
     if device is not None:
         model.to(device=device)
     tok = None
-    if (Path(path) / "tokenizer.json").exists():
+    if pth is None and (Path(path) / "tokenizer.json").exists():
         from tokenizers import Tokenizer
 
         tok = Tokenizer.from_file(str(Path(path) / "tokenizer.json"))

@@ -10,6 +10,8 @@ from subquad.models.hf.mamba2 import Mamba2Format
 from subquad.models.hf.minimax import MiniMaxFormat
 from subquad.models.hf.olmo_hybrid import OlmoHybridFormat
 from subquad.models.hf.qwen3_next import Qwen3NextFormat
+from subquad.models.hf.rwkv7 import RWKV7Format
 
 MAPPINGS = {f.model_type: f for f in (MambaFormat, FalconMambaFormat, Mamba2Format, BambaFormat, JambaFormat,
-                                      Qwen3NextFormat, OlmoHybridFormat, KimiLinearFormat, MiniMaxFormat)}
+                                      Qwen3NextFormat, OlmoHybridFormat, KimiLinearFormat, MiniMaxFormat,
+                                      RWKV7Format)}
