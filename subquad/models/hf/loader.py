@@ -13,6 +13,8 @@ from pathlib import Path
 
 import torch
 
+from subquad.data.rwkv_world import VOCAB_FILE as WORLD_VOCAB
+from subquad.data.rwkv_world import WorldTokenizer
 from subquad.models.decode import decode_layout
 from subquad.models.hf.common import eos_token_ids, read_json, read_weights
 from subquad.models.hf.registry import MAPPINGS
@@ -31,7 +33,8 @@ def read_config(path) -> dict:
 
 def from_pretrained(path, dtype=None, device=None, quantize=None):
     """(LanguageModel in eval mode, tokenizer or None) from a Hugging Face model folder (``models.hf``), or a
-    BlinkDL RWKV-7 ``.pth`` (the file, or a folder holding it; no tokenizer).
+    BlinkDL RWKV-7 ``.pth`` (the file, or a folder holding it; the world tokenizer when its vocabulary file
+    ``rwkv_vocab_v20230424.txt`` is beside it).
     ``quantize`` "int8" or "bf16" quantises the projections for inference (``models.quant``; from float32)."""
     from subquad.models.quant import QUANTIZE
 
@@ -84,7 +87,9 @@ def from_pretrained(path, dtype=None, device=None, quantize=None):
     if device is not None:
         model.to(device=device)
     tok = None
-    if pth is None and (Path(path) / "tokenizer.json").exists():
+    if pth is not None and (pth.parent / WORLD_VOCAB).exists():      # RWKV's world vocabulary beside the .pth
+        tok = WorldTokenizer.from_file(pth.parent / WORLD_VOCAB)
+    elif pth is None and (Path(path) / "tokenizer.json").exists():
         from tokenizers import Tokenizer
 
         tok = Tokenizer.from_file(str(Path(path) / "tokenizer.json"))
