@@ -11,9 +11,10 @@ import pytest
 import torch
 
 os.environ["RWKV_V7_ON"] = "1"            # read by rwkv.model at import: the RWKV-7 classes
-rwkv_model = pytest.importorskip("rwkv.model")   # the `rwkv` extra installs it (make test requires it); the library never does
+# the `rwkv` extra installs it (make test requires it); the library never imports it
+rwkv_model = pytest.importorskip("rwkv.model")
 
-from subquad.models import from_pretrained  # noqa: E402
+from subquad.models import LanguageModel, ModelConfig, from_pretrained  # noqa: E402
 
 V, D, L, N = 97, 128, 3, 64                # vocab, width, layers, head size (the package fixes HEAD_SIZE = 64)
 RANKS = {"w": 16, "a": 16, "v": 8, "g": 32}
@@ -218,3 +219,17 @@ def test_what_cannot_be_read_is_refused(ckpt, tmp_path):
         (tmp_path / "fla" / "config.json").write_text(json.dumps({**c, key: value}))
         with pytest.raises(ValueError, match=key):
             from_pretrained(tmp_path / "fla")
+
+
+def test_the_block_options_are_checked_and_a_built_model_holds_rwkv_blocks():
+    for field, value in (("norm", "batch"), ("mlp_type", "gelu"), ("embed_norm", 1)):
+        with pytest.raises(ValueError, match=field):
+            ModelConfig(pattern="rwkv7", **{field: value})
+    with pytest.raises(ValueError, match="moe"):
+        ModelConfig(pattern="rwkv7", mlp_type="rwkv7", moe={"experts": 2})
+    cfg = ModelConfig(vocab_size=32, d_model=32, n_layers=2, n_heads=2, pattern="rwkv7", mlp_type="rwkv7",
+                      norm="layer", embed_norm=True)
+    model = LanguageModel(cfg)
+    assert isinstance(model.embed_norm, torch.nn.LayerNorm) and isinstance(model.blocks[1].norm2, torch.nn.LayerNorm)
+    state = model.empty_state(3)
+    assert set(state[0]) == {"S", "shift", "mlp.shift"} and state[0]["mlp.shift"].shape == (3, 1, 32)

@@ -54,7 +54,9 @@ def from_pretrained(path, dtype=None, device=None, quantize=None):
         model = LanguageModel(cfg)
     own = model.state_dict()
     names = fmt.names(cfg, {k: v.shape for k, v in own.items()})
-    tensors = fmt.unpack(read_weights(path) if weights is None else weights, cfg, dtype)   # fused or shifted tensors -> one per parameter of ours
+    weights = read_weights(path) if weights is None else weights
+    tensors = fmt.unpack(weights, cfg, dtype)   # fused or shifted tensors -> one per parameter of ours
+    del weights
     if fmt.conv_bias_key and c.get(fmt.conv_bias_key, True) is False:   # no conv bias in the checkpoint: zeros
         for ours, theirs in names.items():
             if ours.endswith("mixer.conv.bias"):
