@@ -22,7 +22,10 @@ layer calls are cut into pieces at one level only, the layer's ``piece_size`` (`
                 all pairs) only while every exponent stays below e^FACTOR_LIMIT (float32 keeps 7
                 digits of a product of factors up to e^30 and e^-30); SSD's factors are taken about the
                 chunk's midpoint, so a chunk may decay by up to 2 FACTOR_LIMIT. A group whose chunks
-                decay more takes the exact route (every exponent a difference <= 0).
+                decay more takes the exact route (every exponent a difference <= 0). The generalised
+                delta rule's four score sets take midpoint factors too (``delta/chunk.py``,
+                ``_dplr_scores``): one matmul, against four sub-chunked score sets (2.3x faster forward
+                at RWKV-7's decays), and the exact sub-chunked scores beyond 2 FACTOR_LIMIT.
     DELTA_CHUNK   the delta rules' chunk engine uses chunks of at most this many tokens whatever the
                 caller's ``chunk_size`` (faster than 16 and 64 at 4K-16K tokens, with a gradient and
                 without; the result does not depend on the chunk size beyond rounding).

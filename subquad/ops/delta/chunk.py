@@ -33,6 +33,12 @@ exp(gamma) scales K and Q channel-wise, the state decays by diag(exp(gamma_C)), 
 exp(gamma_ik - gamma_jk) inside the sums over k - K K^T o Dm and Q K^T o Dm become GLA's sub-chunked
 decayed scores (``decay/intra.py``: every exponent a difference <= 0), so chunks are rounded up to a
 multiple of its 16-token sub-chunk.
+
+The generalised delta rule (RWKV-7's diag(exp(w_t)) + b_t a_t^T, ``generalized.py``) is the same engine with
+its own factors (``_dplr_factors``; README.md here, "The generalised delta rule"): D is the reads a_i^T S_{i-1},
+found by one triangular solve per chunk, and each chunk adds two state-free terms the delta rules lack - its
+direct writes to the state (H = K^T V, decayed) and to the outputs (X = (Q K^T o Dm) V) - which
+``_StatePassing`` takes as optional inputs.
 """
 
 from __future__ import annotations
@@ -44,7 +50,7 @@ from subquad.ops.common.autograd import wants_grad
 from subquad.ops.common.chunking import decay_mask, put_chunks
 from subquad.ops.common.expo import exp_decay
 from subquad.ops.common.precision import autocast_off, compiling
-from subquad.ops.common.routes import DELTA_CHUNK, TOKEN_HEADS_DELTA as TOKEN_HEADS
+from subquad.ops.common.routes import DELTA_CHUNK, FACTOR_LIMIT, TOKEN_HEADS_DELTA as TOKEN_HEADS
 from subquad.ops.decay.intra import SUB, _intra_vector_rows
 from subquad.ops.delta.triangular import unit_lower_solve
 
@@ -101,7 +107,8 @@ def _factors(q, k, v, g, beta, C, ws):
     """Steps 1, 2 and the state-free factors of 4 and 5 for every chunk of a group (tokens a multiple of C).
     Returns, chunk-major (n, B*H, ...): W, U (C, K | V); Q~ = exp(gamma) o Q (C, K); P = tril(Q K^T) o Dm
     (C, C); K^ = exp(gamma_C - gamma) o K (C, K); the state's decay over the chunk, (1, 1) or (K, 1) per
-    key row, or None for the plain rule. ``ws``: the workspace (``out=None`` under autograd)."""
+    key row, or None for the plain rule; None, None for the state-free terms H and X (the generalised rule's).
+    ``ws``: the workspace (``out=None`` under autograd)."""
     B, L, H, K = q.shape
     V = v.shape[-1]
     n, BH = L // C, B * H
@@ -144,10 +151,67 @@ def _factors(q, k, v, g, beta, C, ws):
         qg = torch.mul(qc, eg, out=ws("q", qc.shape, beta))
         kd = torch.mul(kc, exp_decay(gam[:, :, -1:] - gam), out=ws("kd", kc.shape, beta))
     W, U = unit_lower_solve(KK, rk, rv, out=(ws("W", kc.shape, beta), ws("U", rv.shape, beta)))
-    return W, U, qg, P, kd, decay
+    return W, U, qg, P, kd, decay, None, None
 
 
-def _pass(W, U, qg, P, kd, decay, S0, scale, ws):
+def _dplr_factors(q, k, v, w, a, b, C, ws):
+    """The generalised delta rule's state-free factors (README.md here, "The generalised delta rule") for every
+    chunk of a group, in ``_StatePassing``'s terms, chunk-major (n, BH, ...) and C a multiple of SUB:
+
+        W = -T A~,  U = T (L_ak V)        T = (I - L_ab)^{-1}: D = U - W S_0 are the reads a_i^T S_{i-1}
+        Q~ = exp(gamma) o Q,   P = (Q B^T) o Dm,   X = ((Q K^T) o Dm) V
+        K^ = exp(gamma_C - gamma) o B,   H = (exp(gamma_C - gamma) o K)^T V,   decay exp(gamma_C) (K, 1)
+
+    The four score sets Q K^T o Dm, Q B^T o Dm, L_ak and L_ab come from ``_dplr_scores``."""
+    B, L, H, K = q.shape
+    V = v.shape[-1]
+    n, BH = L // C, B * H
+    qc, kc, ac, bc, wc = (_chunks(x, C, w, ws(name, (n, BH, C, K), w))
+                          for name, x in (("q", q), ("k", k), ("a", a), ("b", b), ("g", w)))
+    vc = _chunks(v, C, w, ws("v", (n, BH, C, V), w))                    # (n, BH, C, V)
+    gam = torch.cumsum(wc, 2)                                           # gamma_i, chunk-local, inclusive, <= 0
+    gex = F.pad(gam[:, :, :-1], (0, 0, 1, 0))                           # gamma_{i-1} (exclusive; 0 at i = 0)
+    QK, P, Lak, Lab = _dplr_scores(qc, kc, ac, bc, gam, gex)
+    nAt = -ac * exp_decay(gex)                                          # -A~ = -exp(gamma_{i-1}) o a_i
+    W, U = unit_lower_solve(Lab.neg(), nAt, torch.matmul(Lak, vc))
+    tail = exp_decay(gam[:, :, -1:] - gam)                              # exp(gamma_C - gamma)  (n, BH, C, K)
+    Hw = torch.matmul((tail * kc).transpose(-1, -2), vc)                # (n, BH, K, V)
+    X = torch.matmul(QK, vc)                                            # (n, BH, C, V)
+    decay = exp_decay(gam[:, :, -1]).unsqueeze(-1)                      # (n, BH, K, 1)
+    return W, U, qc * exp_decay(gam), P.contiguous(), tail * bc, decay, Hw, X
+
+
+def _dplr_scores(qc, kc, ac, bc, gam, gex):
+    """(Q K^T o Dm, Q B^T o Dm, L_ak, L_ab), each (n, BH, C, C): x_i . exp(gamma_i - gamma_j) y_j for j <= i
+    and x_i . exp(gamma_{i-1} - gamma_j) y_j for j < i (zero elsewhere). Two ways, the same up to rounding:
+
+    - factored, when no channel of any chunk decays by more than 2 FACTOR_LIMIT (one host sync): about the
+      chunk's midpoint m = gamma_C / 2 every factor exp(gamma - m), exp(m - gamma) lies within e^(+-FACTOR_LIMIT),
+      so all four sets are one matmul [Q~; A~] [K~; B~]^T, masked after;
+    - exact otherwise: ``decay/intra.py``'s sub-chunked scores (every exponent a difference <= 0), the L's
+      taken against the keys shifted one token later (y'_m = y_{m-1}) under the exclusive cumulative decay
+      and their columns shifted back, L[i, j] = M[i, j + 1]."""
+    n, BH, C, K = qc.shape
+    tot = gam[:, :, -1:]                                                # (n, BH, 1, K) the chunk's whole decay
+    if gam.device.type != "meta" and gam.numel() and float(tot.detach().min()) >= -2 * FACTOR_LIMIT:
+        m = tot / 2
+        e = torch.exp(m - gam)                                          # within e^(+-FACTOR_LIMIT)
+        rows = torch.cat([qc * torch.exp(gam - m), ac * torch.exp(gex - m)], 2)   # (n, BH, 2C, K)
+        S4 = torch.matmul(rows, torch.cat([kc * e, bc * e], 2).transpose(-1, -2))  # (n, BH, 2C, 2C)
+        top, bottom = S4[..., :C, :], S4[..., C:, :]
+        return (top[..., :C].tril(), top[..., C:].tril(), bottom[..., :C].tril(-1), bottom[..., C:].tril(-1))
+    N = n * BH
+    later = (lambda x: F.pad(x[:, :, :-1], (0, 0, 1, 0)))               # y'_m = y_{m-1}, 0 at m = 0
+    flat = (lambda x: x.reshape(N, C, K))
+    scores = _intra_vector_rows(                                        # four score sets, one call: (4 N, 1, C, C)
+        torch.cat([flat(qc), flat(qc), flat(ac), flat(ac)]).unsqueeze(1),
+        torch.cat([flat(kc), flat(bc), flat(later(kc)), flat(later(bc))]),
+        torch.cat([flat(gam), flat(gam), flat(gex), flat(gex)]))
+    QK, P, AK, AB = scores.view(4, n, BH, C, C).unbind(0)
+    return (QK, P) + tuple(F.pad(x[..., 1:], (0, 1)) for x in (AK, AB))
+
+
+def _pass(W, U, qg, P, kd, decay, Hw, X, S0, scale, ws):
     """``_StatePassing``'s forward: o (n, BH, C, V), the states before each chunk and after the last (n + 1,
     BH, K, V), and D (n, BH, C, V). Called directly when autograd records nothing (no Function to apply)."""
     n, BH, C, K = W.shape
@@ -163,30 +227,36 @@ def _pass(W, U, qg, P, kd, decay, S0, scale, ws):
             torch.baddbmm(Ss[j], kdj, Ds[j], out=Ss[j + 1])
         else:
             torch.mul(Ss[j], decay[j], out=Ss[j + 1]).baddbmm_(kdj, Ds[j])
+        if Hw is not None:
+            Ss[j + 1].add_(Hw[j])
     o = ws("o", (n * BH, C, V), W)
     o = W.new_empty(n * BH, C, V) if o is None else o
     o.baddbmm_(qg.view(n * BH, C, K), states[:n].view(n * BH, K, V), beta=0, alpha=scale)   # beta = 0: o is ignored
     o.baddbmm_(P.view(n * BH, C, C), D.view(n * BH, C, V), alpha=scale)
+    if X is not None:
+        o.add_(X.view(n * BH, C, V), alpha=scale)
     return o.view(n, BH, C, V), states, D
 
 
 class _StatePassing(torch.autograd.Function):
     """Steps 3-5 for the chunks of a group, chunk-major (n, BH, ...):
 
-        D_j = U_j - W_j S_j,   S_{j+1} = a_j S_j + K^_j^T D_j             (the loop: two matmuls per chunk)
-        O   = scale (Q~ S + P D)                                          (all chunks at once)
+        D_j = U_j - W_j S_j,   S_{j+1} = a_j S_j + K^_j^T D_j + H_j       (the loop: two matmuls per chunk)
+        O   = scale (Q~ S + P D + X)                                      (all chunks at once)
 
+    H (K, V) and X (C, V) are state-free terms a chunk adds to the state and the output: None for the
+    delta rules; the generalised rule's direct writes K^T V and intra-chunk outputs (README.md here).
     Backward, the loop reversed with dS_n the final state's gradient:
 
         dD_j = scale P_j^T dO_j + K^_j dS_{j+1},   dS_j = a_j dS_{j+1} + scale Q~_j^T dO_j - W_j^T dD_j
         dW = -dD S^T,  dU = dD,  dQ~ = scale dO S^T,  dP = scale dO D^T,  dK^ = D dS_{+1}^T,
-        da_j = sum(S_j o dS_{j+1}) over what a_j broadcasts over."""
+        da_j = sum(S_j o dS_{j+1}) over what a_j broadcasts over,  dH_j = dS_{j+1},  dX = scale dO."""
 
     @staticmethod
     @autocast_off
-    def forward(ctx, W, U, qg, P, kd, decay, S0, scale, ws):
-        o, states, D = _pass(W, U, qg, P, kd, decay, S0, scale, ws)
-        ctx.scale = scale
+    def forward(ctx, W, U, qg, P, kd, decay, Hw, X, S0, scale, ws):
+        o, states, D = _pass(W, U, qg, P, kd, decay, Hw, X, S0, scale, ws)
+        ctx.scale, ctx.extra = scale, (Hw is not None, X is not None)
         ctx.save_for_backward(W, qg, P, kd, decay, states, D)
         return o, states[-1]
 
@@ -223,8 +293,10 @@ class _StatePassing(torch.autograd.Function):
             prod = (states[:n] * dstates[1:]).sum(-1, keepdim=True)            # (n, BH, K, 1)
             ddecay = prod if decay.shape[-2] == K else prod.sum(-2, keepdim=True)
         shape = (n, BH, C)
+        dH = dstates[1:] if ctx.extra[0] else None
+        dX = do.view(*shape, V) * scale if ctx.extra[1] else None
         return (dW.view(*shape, K), dD, dqg.view(*shape, K), dP.view(*shape, C), dkd.view(*shape, K), ddecay,
-                dstates[0], None, None)
+                dH, dX, dstates[0], None, None)
 
 
 def group_tokens(B, H, C, T):
@@ -243,31 +315,34 @@ def chunk_delta(q, k, v, g, beta, *, scale, chunk_size=64, initial_state=None, g
     if g is not None and g.dim() == 4:                                  # KDA's scores use sub-chunks of SUB
         C = -(-C // SUB) * SUB
     L = group_tokens(B, H, C, T) if group is None else -(-group // C) * C
-    return _engine(q, k, v, g, beta, scale, C, L, initial_state)
+    return _engine(_factors, (q, k, v, g, beta), beta.dtype, scale, C, L, initial_state)
 
 
-def _engine(q, k, v, g, beta, scale, C, L, initial_state):
+def _engine(factors, xs, sd, scale, C, L, initial_state):
     """Groups of L tokens (a multiple of C) in turn, the state carried; a last, partial group is zero-padded
-    to whole chunks (beta = k = 0 and g = 0 add nothing)."""
+    to whole chunks (zero keys, writes and log-decays add nothing). ``factors(*xs, C, ws)``: a rule's
+    state-free factors (``_factors``, ``_dplr_factors``); xs its per-token inputs (B, T, H, ...), q, k, v
+    first, None for an absent gate; sd the state's dtype."""
+    q, v = xs[0], xs[2]
     B, T, H, K = q.shape
     V = v.shape[-1]
-    ws = _Workspace(not (wants_grad(q, k, v, g, beta, initial_state) or compiling()))
-    S = (torch.zeros(B * H, K, V, dtype=beta.dtype, device=q.device) if initial_state is None
+    ws = _Workspace(not (wants_grad(*xs, initial_state) or compiling()))
+    S = (torch.zeros(B * H, K, V, dtype=sd, device=q.device) if initial_state is None
          else initial_state.reshape(B * H, K, V))
-    o = torch.empty(B, T, H, V, dtype=beta.dtype, device=q.device) if ws.on else []
+    o = torch.empty(B, T, H, V, dtype=sd, device=q.device) if ws.on else []
     # torch.split, not slicing: its backward is one concatenation
-    xs = [x.split(L, 1) if x is not None else [None] * -(-T // L) for x in (q, k, v, g, beta)]
+    xs = [x.split(L, 1) if x is not None else [None] * -(-T // L) for x in xs]
     for s, piece in zip(range(0, T, L), zip(*xs)):
         n = piece[0].shape[1]
         pad = -n % C
         if pad:
             piece = [None if x is None else F.pad(x, (0, 0) * (x.dim() - 2) + (0, pad)) for x in piece]
-        factors = _factors(*piece, C, ws)
+        factors_ = factors(*piece, C, ws)
         if ws.on:                                                       # nothing to record: no Function
-            og, states, _ = _pass(*factors, S, scale, ws)
+            og, states, _ = _pass(*factors_, S, scale, ws)
             S = states[-1]
         else:
-            og, S = _StatePassing.apply(*factors, S, scale, ws)          # (n, BH, C, V)
+            og, S = _StatePassing.apply(*factors_, S, scale, ws)          # (n, BH, C, V)
         og = og.view((n + pad) // C, B, H, C, V)
         if ws.on:
             put_chunks(o, s, s + n, og)
@@ -278,3 +353,13 @@ def _engine(q, k, v, g, beta, scale, C, L, initial_state):
     else:
         o = o[0] if len(o) == 1 else torch.cat(o, 1)
     return o, S.reshape(B, H, K, V)
+
+
+def chunk_dplr(q, k, v, w, a, b, *, scale, chunk_size=64, initial_state=None, group=None):
+    """The generalised delta rule by the same engine: q, k, w, a, b (B, T, H, K); v (B, T, H, V); w the
+    log-decay in the state's dtype; initial_state (B, H, K, V) or None. Returns o (B, T, H, V) in w's dtype
+    and the final state (B, H, K, V). Chunks are rounded up to a multiple of ``decay/intra.py``'s SUB."""
+    B, T, H, K = q.shape
+    C = -(-min(chunk_size, DELTA_CHUNK, T) // SUB) * SUB
+    L = group_tokens(B, H, C, T) if group is None else -(-group // C) * C
+    return _engine(_dplr_factors, (q, k, v, w, a, b), w.dtype, scale, C, L, initial_state)

@@ -9,6 +9,12 @@ key, lr in [0, 1] the in-context learning rate), which makes the transition diag
 delta rule's I - beta k k^T with a decay per channel. The delta rule is the case w = 0, a = -k,
 b = beta k, with v scaled by beta (``tests/ops/test_generalized_delta.py`` checks it).
 
+Forms: ``recurrent_dplr`` (``recurrent.py``, the token loop and the spec), ``chunk_dplr`` (``chunk.py``: the
+delta family's one chunk engine with this rule's factors; the derivation is README.md's "The generalised
+delta rule") and ``parallel_dplr`` (``parallel.py``: one chunk spanning the sequence, a reference for short
+T). ``route`` picks the chunk form's route as for ``delta_rule``: the token loop for short calls without a
+gradient, the engine otherwise.
+
 RWKV writes the state as (V, K) with S_t = S_{t-1} (diag(w_t) + a_t b_t^T) + v_t k_t^T: the transpose of
 the line above. a_t^T S_{t-1} reads the state before it decays.
 """
@@ -22,10 +28,11 @@ from subquad.ops.common.forms import three_forms
 from subquad.ops.common.precision import amp_op, causal_guard, checks_on, finite_log_decay
 from subquad.ops.common.routes import SHORT, check_route, took
 from subquad.ops.common.varlen import varlen
+from subquad.ops.delta.chunk import chunk_dplr
+from subquad.ops.delta.parallel import parallel_dplr
 from subquad.ops.delta.recurrent import recurrent_dplr
 
-# the parallel and chunk forms come with the chunk engine; until then every form is the token loop
-_FORMS = {"parallel": recurrent_dplr, "recurrent": recurrent_dplr, "chunk": recurrent_dplr}
+_FORMS = {"parallel": parallel_dplr, "recurrent": recurrent_dplr, "chunk": chunk_dplr}
 ROUTES = ("token", "chunk")
 
 
@@ -35,7 +42,17 @@ def generalized_delta_rule(q, k, v, w, a, b, *, mode="chunk", chunk_size=64, sca
                            output_final_state=False, route=None):
     """S_t = (diag(exp(w_t)) + b_t a_t^T) S_{t-1} + k_t v_t^T, o_t = scale * S_t^T q_t (module docstring).
     ``w`` (B, T, H, K) the log-decay <= 0; ``a``, ``b`` (B, T, H, K). ``route``: None, "chunk" or "token"
-    (mode="chunk" only), as for ``delta_rule``."""
+    (mode="chunk" only), as for ``delta_rule``.
+
+    Example:
+        >>> import torch, torch.nn.functional as F
+        >>> from subquad.ops import generalized_delta_rule
+        >>> q, k, kk = (F.normalize(torch.randn(1, 50, 2, 16), dim=-1) for _ in range(3))
+        >>> v, w, lr = torch.randn(1, 50, 2, 16), -0.6 * torch.rand(1, 50, 2, 16), torch.rand(1, 50, 2, 1)
+        >>> o, S = generalized_delta_rule(q, k, v, w, -kk, lr * kk, output_final_state=True)
+        >>> o.shape, S.shape
+        (torch.Size([1, 50, 2, 16]), torch.Size([1, 2, 16, 16]))
+    """
     check_mode(mode)
     check_route(route, ROUTES, "generalized_delta_rule")
     if route is not None and mode != "chunk":
