@@ -81,7 +81,7 @@ class RWKV7Format(Format):
         if vd is not None and any(v != D for v in (vd if isinstance(vd, list) else [vd])):
             raise ValueError(f"config field value_dim={vd!r} is not supported (subquad's RWKV-7 has value_dim = "
                              f"hidden_size = {D})")
-        head_dim = c.get("head_dim")
+        head_dim = c.get("head_dim", 64)               # fla's default; its layer takes head_dim over num_heads
         if head_dim is None:
             head_dim = D // c["num_heads"]
         elif c.get("num_heads") not in (None, D // head_dim):
