@@ -11,14 +11,14 @@ STAMP  := $(VENV)/.subquad-installed
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e ".[test,hf,serve,eval]"
+	$(PY) -m pip install -q -e ".[test,hf,serve,eval,rwkv]"
 	touch $(STAMP)
 
 demo: $(STAMP)
 	$(VENV)/bin/subquad workshop
 
 # SUBQUAD_REQUIRE_REFERENCES=1: the references the extras install (transformers, the openai client, fastapi,
-# uvicorn) must import; a test that would skip without one fails (tests/conftest.py).
+# uvicorn, rwkv) must import; a test that would skip without one fails (tests/conftest.py).
 test: $(STAMP)
 	SUBQUAD_REQUIRE_REFERENCES=1 $(PY) -m pytest
 

@@ -65,7 +65,8 @@ def check_contract(name, d_model=16, n_heads=2, options=None):
     cls = MIXERS[name].cls
     assert issubclass(cls, Mixer), f"{name}: {cls.__name__} is not a Mixer"
     assert cls.forward is Mixer.forward, f"{name}: layers write mix(); the shared preamble stays in Mixer.forward"
-    assert list(inspect.signature(cls.mix).parameters) == ["self", "x", "state", "seq"], f"{name}: mix(x, state, seq)"
+    mix_args = ["self", "x", "state", "seq"] + (["carry"] if cls.uses_carry else [])
+    assert list(inspect.signature(cls.mix).parameters) == mix_args, f"{name}: mix({', '.join(mix_args[1:])})"
     es = inspect.signature(cls.empty_state).parameters
     assert list(es) == ["self", "batch_size", "device", "dtype"], f"{name}: empty_state(batch_size, device, dtype)"
     layer = _layer(name, d_model, n_heads, options or {})

@@ -112,7 +112,8 @@ def test_layer_contract(name):
     assert cls.forward is Mixer.forward, "layers write mix(); the shared preamble stays in Mixer.forward"
     init = inspect.signature(cls.__init__).parameters
     assert not {"headdim", "d_conv", "kernel_size"} & set(init), "one name each: head_dim, conv_size"
-    assert list(inspect.signature(cls.mix).parameters) == ["self", "x", "state", "seq"]
+    carry = ["carry"] if cls.uses_carry else []            # values that cross layers (layers/base.py)
+    assert list(inspect.signature(cls.mix).parameters) == ["self", "x", "state", "seq"] + carry
     es = inspect.signature(cls.empty_state).parameters
     assert list(es) == ["self", "batch_size", "device", "dtype"]
     assert es["device"].default is None and es["dtype"].default is torch.float32

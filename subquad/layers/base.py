@@ -18,6 +18,13 @@ forward of a fixed-state mixer in pieces - and calls the layer's ``mix(x, state,
 holds the layer's equations. ``seq`` is the sequence backend (``subquad.layers.sequence``): the
 one entry point for positions, short convolutions, attention and recurrences.
 
+Values that cross layers: ``carry`` is a dict the model creates for one forward and hands to every layer
+in order (``Mixer.forward(x, state, cu_seqlens, carry)``); a layer that sets ``uses_carry`` gets it as
+``mix(x, state, seq, carry)`` and may read what an earlier layer stored or store what a later one reads
+(RWKV-7's value residual: the first layer's values under "v_first"). Its entries are per-token tensors of
+this forward only, never part of a decoding state; None when a layer runs alone. Such a layer runs its
+forward whole, not in pieces.
+
 Pieces: a sequence longer than ``piece_size`` tokens runs as consecutive pieces with the state
 carried between them (and autograd through it). The result is the same; every temporary is a
 piece long instead of T long, so inference memory stays bounded at any length, and it is faster
@@ -54,6 +61,7 @@ class Mixer(nn.Module):
 
     piece_size: int | None = None   # fixed-state mixers: tokens per piece of a long forward
     normed_output = False           # the output is normalised before the output projection (LanguageModel's init)
+    uses_carry = False              # mix(x, state, seq, carry): reads or writes values that cross layers (module doc)
 
     def __init__(self, d_model: int, mode: str = "chunk", chunk_size: int = 64):
         super().__init__()
@@ -83,12 +91,13 @@ class Mixer(nn.Module):
         the model scales its initialisation with depth."""
         return getattr(self, "o_proj", None) or getattr(self, "out_proj", None)
 
-    def forward(self, x, state=None, cu_seqlens=None):
+    def forward(self, x, state=None, cu_seqlens=None, carry=None):
         """x (B, T, d_model), state (from ``empty_state`` or a previous call) or None -> (y, new state).
 
         ``cu_seqlens`` (N + 1,): x is N sequences packed in one row (1, T, d_model) with these cumulative
         lengths; nothing crosses a boundary (positions restart, convolutions and recurrences stop), and
-        the state has one row per sequence, in and out (``empty_state(N)``)."""
+        the state has one row per sequence, in and out (``empty_state(N)``). ``carry``: the model's dict of
+        values that cross layers in this forward (module doc), or None."""
         if not isinstance(x, torch.Tensor) or x.dim() != 3 or x.shape[-1] != self.d_model:
             raise ValueError(f"x must be (B, T, d_model={self.d_model}), got shape {tuple(getattr(x, 'shape', ()))}")
         seq = sequence.backend()
@@ -100,18 +109,21 @@ class Mixer(nn.Module):
             if x.shape[1] != sum(packed.lengths) or x.shape[0] != 1:
                 raise ValueError(f"with cu_seqlens x must be packed as (1, T={sum(packed.lengths)}, d_model), "
                                  f"got {tuple(x.shape)}")
-            if self.piece_size and x.shape[1] > self.piece_size and not torch.is_grad_enabled():
+            if self.piece_size and x.shape[1] > self.piece_size and not torch.is_grad_enabled() and not self.uses_carry:
                 return self._packed_pieces(x, state, packed.lengths)     # inference: memory stays bounded
             with sequence.use(packed):
-                return self.mix(x, state, packed)
+                return self._mix(x, state, packed, carry)
         if not seq.whole_sequence:
             if state is not None:
                 raise ValueError("context parallelism runs whole sequences from an empty state; got a decoding state")
-            return self.mix(x, None, seq)[0], None
+            return self._mix(x, None, seq, carry)[0], None
         P = self.piece_size
-        if P and x.shape[1] > P:
+        if P and x.shape[1] > P and not self.uses_carry:
             return in_pieces(self, (x,), P, state)
-        return self.mix(x, state, seq)
+        return self._mix(x, state, seq, carry)
+
+    def _mix(self, x, state, seq, carry):
+        return self.mix(x, state, seq, carry) if self.uses_carry else self.mix(x, state, seq)
 
     def _packed_pieces(self, x, state, lengths):
         """A long packed row, without autograd, as pieces of whole sequences (about ``piece_size`` tokens, a

@@ -46,7 +46,12 @@ class ReLU2MLP(nn.Module):
 
 
 def dense_mlp(cfg):
-    """The dense MLP a ``ModelConfig`` asks for (``mlp_kind``, ``mlp_bias``, its hidden width)."""
+    """The dense MLP a ``ModelConfig`` asks for (``mlp_kind``, ``mlp_bias``, its hidden width): RWKV's channel
+    mix for "rwkv7" (``layers.channel_mix``: token shift, relu^2; it has a state)."""
+    if cfg.mlp_kind == "rwkv7":
+        from subquad.layers.channel_mix import ChannelMix
+
+        return ChannelMix(cfg.d_model, cfg.mlp_hidden)
     if cfg.mlp_kind == "relu2":
         return ReLU2MLP(cfg.d_model, cfg.mlp_hidden)
     return SwiGLU(cfg.d_model, cfg.mlp_hidden, "gelu_tanh" if cfg.mlp_kind == "geglu" else "silu", cfg.mlp_bias)

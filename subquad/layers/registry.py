@@ -21,6 +21,7 @@ from subquad.layers.mamba2 import Mamba2
 from subquad.layers.mla import LatentAttention
 from subquad.layers.retention import MultiScaleRetention
 from subquad.layers.short_conv import GatedShortConv
+from subquad.layers.rwkv7 import RWKV7
 
 
 @dataclass(frozen=True)
@@ -78,6 +79,7 @@ MIXERS: dict[str, MixerEntry] = {
     "gated_conv": MixerEntry(GatedShortConv, heads=None,
                              about="LFM2's gated short convolution: out(c * conv(b * x)), no recurrence"),
     "rglru": MixerEntry(GriffinRecurrentBlock, about="Griffin's recurrent block (RG-LRU)"),
+    "rwkv7": MixerEntry(RWKV7, about="RWKV-7 time mix: the generalised delta rule, token shift, value residual"),
 }
 
 

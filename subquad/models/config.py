@@ -76,8 +76,9 @@ class ModelConfig:
     mlp_size: int | None = None          # the MLP's hidden width, when set (checkpoints give it); else mlp_ratio's
     mlp_bias: bool = False               # biases on the MLP's three projections (RecurrentGemma)
     moe: dict | None = None              # sparse mixture-of-experts MLPs (module doc); None: dense everywhere
-    mlp_kind: str = "swiglu"             # the MLP: "swiglu", "geglu" (Gemma's tanh GeLU gate) or "relu2" (ungated
-                                         # W_down relu(W_up x)^2: Primer, Nemotron-H)
+    mlp_kind: str = "swiglu"             # the MLP: "swiglu", "geglu" (Gemma's tanh GeLU gate), "relu2" (ungated
+                                         # W_down relu(W_up x)^2: Primer, Nemotron-H) or "rwkv7" (RWKV's channel
+                                         # mix: token shift, relu^2; it has a state)
     mlp_layers: list | None = None       # indices of the layers with an MLP (None: all); the rest: the mixer alone
     context_length: int = 256
     pos_emb: str = "none"                # "none" (positions from the mixers: RoPE, recurrence) or "learned"
@@ -89,6 +90,8 @@ class ModelConfig:
     eos_token_ids: list = field(default_factory=list)  # end-of-text ids: ``generate`` stops after emitting one
     embed_scale: float | None = None     # the embeddings times this (Gemma: sqrt(d_model)); None: 1
     logit_soft_cap: float | None = None  # logits = cap tanh(logits / cap) (Gemma 2, RecurrentGemma); None: none
+    norm: str = "rms"                    # the blocks' and final norms: "rms", or "layer" (LayerNorm with bias: RWKV)
+    embed_norm: bool = False             # a norm on the embeddings before the first block (RWKV's ln0)
 
     def __post_init__(self):
         for name in ("vocab_size", "d_model", "n_layers", "n_heads", "context_length"):
@@ -150,6 +153,10 @@ class ModelConfig:
                 raise ValueError(f"{name} must be a positive finite number or None, got {v!r}")
         if self.pos_emb not in ("none", "learned"):
             raise ValueError(f"pos_emb must be 'none' or 'learned', got {self.pos_emb!r}")
+        if self.norm not in ("rms", "layer"):
+            raise ValueError(f"norm must be 'rms' or 'layer', got {self.norm!r}")
+        if not isinstance(self.embed_norm, bool):
+            raise ValueError(f"embed_norm must be a bool, got {self.embed_norm!r}")
 
     @property
     def layers(self) -> list[str]:
@@ -186,7 +193,7 @@ class ModelConfig:
         return cls(**d)
 
 
-MLP_KINDS = ("swiglu", "geglu", "relu2")
+MLP_KINDS = ("swiglu", "geglu", "relu2", "rwkv7")
 
 MOE_DEFAULTS = {"top_k": 2, "every": 1, "offset": 0, "aux_loss_coef": 0.01, "renormalize": False, "hidden": None,
                 "shared": 0, "shared_gate": True, "router": "softmax", "groups": 1, "topk_groups": 1, "scale": 1.0,

@@ -50,9 +50,9 @@ def _dense(t: torch.Tensor) -> torch.Tensor:
 
 def _blocks_and_head(model, h, states):
     """h (B, 1, d_model) and the per-layer states -> (logits (B, vocab), new per-layer states): the graph."""
-    out = []
+    out, carry = [], {}                     # carry: values that cross layers (``LanguageModel._hidden``)
     for block, s in zip(model.blocks, states):
-        h, s = block(h, s)
+        h, s = block(h, s, carry=carry)
         out.append(s)
     return model._logits(h)[:, -1], out
 

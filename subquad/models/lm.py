@@ -8,6 +8,10 @@ Three other residual schemes, chosen by the config: ``PostNormBlock`` for the mi
 ``config.post_norm`` (OLMo 2's norms on the branch outputs), ``ScaledResidualBlock`` with
 ``config.scaled_residual`` (MiniMax-01's scaled residual from the normed stream) and ``ParallelBlock`` for
 the mixers ``config.parallel`` names (a second mixer beside the first on the same input, summed: Falcon-H1).
+RWKV-7's layout is options of these: ``config.norm="layer"`` (LayerNorms with bias), ``config.embed_norm`` (a norm on the embeddings),
+``config.mlp_kind="rwkv7"`` (the channel mix, an MLP with a one-token state, kept in the layer's state under
+"mlp.*" beside the mixer's), and the ``carry`` dict each forward hands every block (values that cross layers:
+RWKV-7's value residual, ``subquad.layers.base``).
 
 ``forward(idx)`` trains with each mixer's configured form (chunk by default, SDPA for softmax); ``prefill``
 returns the per-layer state, and ``generate`` (``models.generate``) decodes token by token from it: a KV cache
@@ -22,6 +26,7 @@ from torch import nn
 
 from subquad.layers import RMSNorm, build_mixer, sequence, tensor_bytes
 from subquad.layers.attention import SoftmaxAttention
+from subquad.layers.channel_mix import ChannelMix
 from subquad.layers.mlp import ReLU2MLP, SwiGLU, dense_mlp
 from subquad.models.config import ModelConfig
 from subquad.models.generate import generate
@@ -33,12 +38,18 @@ from subquad.ops.common.precision import checks_on
 
 
 NORMED_OUTPUT_SCALE = 0.1   # see LanguageModel._init_residual_branches
+MLP_STATE = "mlp."          # a stateful MLP's entries in its layer's state dict
+
+
+def make_norm(cfg: ModelConfig) -> nn.Module:
+    """The blocks' and the final norm: RMSNorm, or LayerNorm with a bias (``cfg.norm == "layer"``: RWKV)."""
+    return RMSNorm(cfg.d_model, cfg.norm_eps) if cfg.norm == "rms" else nn.LayerNorm(cfg.d_model, cfg.norm_eps)
 
 
 class Block(nn.Module):
-    """One layer: ``norm1``, ``mixer``, ``norm2`` and ``mlp`` (a SwiGLU or, with ``cfg.mlp_kind`` "relu2", an
-    ungated squared-ReLU MLP; a mixture of experts; or None - without MLPs, or at a layer ``cfg.mlp_layers``
-    leaves out). Each subclass's ``forward(h (B, T, d_model), state, cu_seqlens) -> (h, state)`` is one way the two
+    """One layer: ``norm1``, ``mixer``, ``norm2`` and ``mlp`` (``layers.mlp.dense_mlp``: a SwiGLU, GeGLU, squared-ReLU
+    MLP or RWKV's channel mix; a mixture of experts; or None - without MLPs, or at a layer ``cfg.mlp_layers``
+    leaves out). Each subclass's ``forward(h (B, T, d_model), state, cu_seqlens, carry) -> (h, state)`` is one way the two
     branches meet the residual stream; all share these parameter names, which the checkpoint formats map
     (``models.hf``). ``Block.build`` picks the subclass the config asks for."""
 
@@ -47,10 +58,10 @@ class Block(nn.Module):
         mlp = cfg.mlp and mlp                              # mlp False: this layer is the mixer alone
         opts = {**cfg.mixer_options.get("*", {}), **cfg.mixer_options.get(mixer_name, {})}
         self.mixer_name = mixer_name
-        self.norm1 = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.norm1 = make_norm(cfg)
         heads = opts.pop("n_heads", cfg.n_heads)           # a layer's own head count (a MixerEntry with own_heads)
         self.mixer = build_mixer(mixer_name, cfg.d_model, heads, n_kv_heads=cfg.n_kv_heads, **opts)
-        self.norm2 = RMSNorm(cfg.d_model, cfg.norm_eps) if mlp else None
+        self.norm2 = make_norm(cfg) if mlp else None
         if moe:
             m = cfg.moe
             self.mlp = MoE(cfg.d_model, m["hidden"] or cfg.mlp_hidden, m["experts"], m["top_k"], m["renormalize"],
@@ -58,6 +69,31 @@ class Block(nn.Module):
                            m["renorm_eps"])
         else:
             self.mlp = dense_mlp(cfg) if mlp else None
+        self.stateful_mlp = hasattr(self.mlp, "empty_state")
+
+    def empty_state(self, batch_size: int, device=None, dtype=torch.float32) -> dict:
+        """The mixer's empty state, and a stateful MLP's under "mlp.*"."""
+        state = self.mixer.empty_state(batch_size, device=device, dtype=dtype)
+        if self.stateful_mlp:
+            state.update({MLP_STATE + k: v for k, v in self.mlp.empty_state(batch_size, device, dtype).items()})
+        return state
+
+    def _mix(self, x, state, cu_seqlens, carry):
+        """The mixer over x with its part of the layer's state."""
+        if state is not None and self.stateful_mlp:
+            state = {k: v for k, v in state.items() if not k.startswith(MLP_STATE)}
+        return self.mixer(x, state, cu_seqlens=cu_seqlens, carry=carry)
+
+    def _ffn(self, x, state, cu_seqlens, new_state):
+        """The MLP over x -> (y, the layer's new state): a stateful MLP reads its part of ``state`` (the layer's
+        state before this call) and adds its new part to ``new_state`` (the mixer's after it)."""
+        if not self.stateful_mlp:
+            return self.mlp(x), new_state
+        mine = None if state is None else {k[len(MLP_STATE):]: v for k, v in state.items() if k.startswith(MLP_STATE)}
+        y, s = self.mlp(x, mine, cu_seqlens=cu_seqlens)
+        if new_state is None or s is None:          # context parallelism: no decoding state
+            return y, None
+        return y, {**new_state, **{MLP_STATE + k: v for k, v in s.items()}}
 
     @staticmethod
     def build(cfg: ModelConfig, mixer_name: str, moe: bool = False, mlp: bool = True) -> "Block":
@@ -77,31 +113,30 @@ class Block(nn.Module):
         """The block's mixers, each once: ``mixer`` (and ``beside`` in a ``ParallelBlock``)."""
         return [self.mixer]
 
-    def empty_state(self, batch_size: int, device=None, dtype=torch.float32) -> dict:
-        return self.mixer.empty_state(batch_size, device=device, dtype=dtype)
-
 
 class PreNormBlock(Block):
     """h = h + mixer(rmsnorm(h));  h = h + mlp(rmsnorm(h))  (GPT-2, Llama, Mamba)."""
 
-    def forward(self, h, state=None, cu_seqlens=None):
-        y, state = self.mixer(self.norm1(h), state, cu_seqlens=cu_seqlens)
+    def forward(self, h, state=None, cu_seqlens=None, carry=None):
+        y, new = self._mix(self.norm1(h), state, cu_seqlens, carry)
         h = h + y
         if self.mlp is not None:
-            h = h + self.mlp(self.norm2(h))
-        return h, state
+            y, new = self._ffn(self.norm2(h), state, cu_seqlens, new)
+            h = h + y
+        return h, new
 
 
 class PostNormBlock(Block):
     """h = h + rmsnorm(mixer(h));  h = h + rmsnorm(mlp(h)): the norms on the branches' outputs (OLMo 2,
     arXiv:2501.00656, whose order OLMo-Hybrid's attention layers keep)."""
 
-    def forward(self, h, state=None, cu_seqlens=None):
-        y, state = self.mixer(h, state, cu_seqlens=cu_seqlens)
+    def forward(self, h, state=None, cu_seqlens=None, carry=None):
+        y, new = self._mix(h, state, cu_seqlens, carry)
         h = h + self.norm1(y)
         if self.mlp is not None:
-            h = h + self.norm2(self.mlp(h))
-        return h, state
+            y, new = self._ffn(h, state, cu_seqlens, new)
+            h = h + self.norm2(y)
+        return h, new
 
 
 class ScaledResidualBlock(Block):
@@ -115,15 +150,16 @@ class ScaledResidualBlock(Block):
         self.mixer_factors = tuple(sr.get(mixer_name, (1.0, 1.0)))
         self.mlp_factors = tuple(sr.get("mlp", (1.0, 1.0)))
 
-    def forward(self, h, state=None, cu_seqlens=None):
+    def forward(self, h, state=None, cu_seqlens=None, carry=None):
         (a1, b1), (a2, b2) = self.mixer_factors, self.mlp_factors
         x = self.norm1(h)
-        y, state = self.mixer(x, state, cu_seqlens=cu_seqlens)
+        y, new = self._mix(x, state, cu_seqlens, carry)
         h = a1 * x + b1 * y
         if self.mlp is not None:
             x = self.norm2(h)
-            h = a2 * x + b2 * self.mlp(x)
-        return h, state
+            y, new = self._ffn(x, state, cu_seqlens, new)
+            h = a2 * x + b2 * y
+        return h, new
 
 
 class ParallelBlock(Block):
@@ -148,20 +184,22 @@ class ParallelBlock(Block):
         return [self.mixer, self.beside]
 
     def empty_state(self, batch_size: int, device=None, dtype=torch.float32) -> dict:
-        return {**self.mixer.empty_state(batch_size, device=device, dtype=dtype),
+        return {**super().empty_state(batch_size, device=device, dtype=dtype),
                 **self.beside.empty_state(batch_size, device=device, dtype=dtype)}
 
-    def forward(self, h, state=None, cu_seqlens=None):
+    def forward(self, h, state=None, cu_seqlens=None, carry=None):
         x = self.norm1(h)
         ys, states = [], {}
         for m, keys in zip((self.mixer, self.beside), self.state_keys):
-            y, s = m(x, None if state is None else {k: state[k] for k in keys}, cu_seqlens=cu_seqlens)
+            y, s = m(x, None if state is None else {k: state[k] for k in keys}, cu_seqlens=cu_seqlens, carry=carry)
             ys.append(y)
             states.update(s or {})
         h = h + ys[0] + ys[1]
+        new = states or None
         if self.mlp is not None:
-            h = h + self.mlp(self.norm2(h))
-        return h, states or None
+            y, new = self._ffn(self.norm2(h), state, cu_seqlens, new)
+            h = h + y
+        return h, new
 
 
 class LanguageModel(nn.Module):
@@ -170,13 +208,14 @@ class LanguageModel(nn.Module):
         self.config = cfg
         self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
         self.pos_embed = nn.Embedding(cfg.context_length, cfg.d_model) if cfg.pos_emb == "learned" else None
+        self.embed_norm = make_norm(cfg) if cfg.embed_norm else None
         moe = set(cfg.moe_layers)
         dense = range(cfg.n_layers) if cfg.mlp_layers is None else set(cfg.mlp_layers)
         self.blocks = nn.ModuleList(Block.build(cfg, name, i in moe, i in dense) for i, name in enumerate(cfg.layers))
         for i, b in enumerate(self.blocks):                  # depth-dependent layer constants (lightning's slopes)
             if hasattr(b.mixer, "place"):
                 b.mixer.place(i, cfg.n_layers)
-        self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.norm = make_norm(cfg)
         self.head = None if cfg.tie_embeddings else nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         self.apply(self._init)
         self._init_residual_branches()
@@ -215,6 +254,8 @@ class LanguageModel(nn.Module):
                         proj.weight.normal_(0, std * scale)
                 if isinstance(block.mlp, (SwiGLU, ReLU2MLP)):
                     block.mlp.w_down.weight.normal_(0, std)
+                elif isinstance(block.mlp, ChannelMix):
+                    block.mlp.value.weight.normal_(0, std)
                 elif isinstance(block.mlp, MoE):
                     block.mlp.w_down.normal_(0, std)
                     if block.mlp.shared is not None:
@@ -279,9 +320,9 @@ class LanguageModel(nn.Module):
     def _hidden(self, idx, state=None, cu_seqlens=None):
         """The residual stream after the last block (before the final norm) and the per-layer state."""
         h, end_pos = self._embed_tokens(idx, state, cu_seqlens)
-        states = ModelState(pos=end_pos)
+        states, carry = ModelState(pos=end_pos), {}      # carry: values that cross layers in this forward
         for i, block in enumerate(self.blocks):
-            h, s = block(h, None if state is None else state[i], cu_seqlens=cu_seqlens)
+            h, s = block(h, None if state is None else state[i], cu_seqlens=cu_seqlens, carry=carry)
             states.append(s)
         return h, states
 
@@ -305,6 +346,8 @@ class LanguageModel(nn.Module):
             if not isinstance(positions, torch.Tensor):
                 positions = torch.arange(positions, positions + T, device=idx.device)
             h = h + self.pos_embed(positions)
+        if self.embed_norm is not None:
+            h = self.embed_norm(h)
         if cu_seqlens is None and not isinstance(pos, torch.Tensor):
             return h, pos + T
         return h, seq.tokens(B, T, idx.device) + pos

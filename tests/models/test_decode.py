@@ -92,11 +92,16 @@ def _checkpoint(kind, tmp_path):
         return test_hf_delta._hf(tmp_path, kind)[1], test_hf_delta.V
     if kind == "kimi_linear":
         return test_hf_kimi._hf(tmp_path)[1], test_hf_kimi.V
+    if kind == "rwkv7":
+        from tests.models import test_rwkv7
+
+        test_rwkv7.fla_folder(test_rwkv7.random_pth(tmp_path / "model.pth"), tmp_path / "rwkv7")
+        return tmp_path / "rwkv7", test_rwkv7.V
     return test_hf_minimax._hf(tmp_path)[1], test_hf_minimax.V
 
 
 @pytest.mark.parametrize("kind", ["mamba", "falcon_mamba", "mamba2", "bamba", "jamba", "qwen3_next", "olmo_hybrid",
-                                  "kimi_linear", "minimax"])
+                                  "kimi_linear", "minimax", "rwkv7"])
 def test_every_checkpoint_type(tmp_path, kind):
     pytest.importorskip("transformers")
     from subquad.models import from_pretrained

@@ -78,6 +78,11 @@ EXPECTED_DTYPE = {"float32": torch.float32, "bf16_autocast": torch.bfloat16, "bf
 # chunk boundary is off by 0.14-0.59 (Mamba-2, GLA, retention, gated DeltaNet), Mamba-2 without its SSM by
 # 0.51 and with A * 1.5 by 0.078, GLA with its decay doubled by 0.16, gated DeltaNet with beta halved by 0.13.
 TOLERANCE = {"float32": (5e-6, 3e-5), "bf16_autocast": (5e-2, 0.15), "bf16_weights": (5e-2, 0.15)}
+# RWKV-7 with bfloat16 weights: its gradients 0.30 (block 0) and 0.15 (block 1) off. The layer is precise (in
+# bfloat16, fed the float64 run's input and upstream gradient, its input gradient is 1.4% off); the model is
+# ill-conditioned at these probing weights: a float64 RWKV-7 layer fed the bfloat16 model's input (1% off by
+# rounding) moves its input gradient by 12%, and the blocks compound it. float32 and autocast keep the bounds.
+GRAD_TOLERANCE = {("rwkv7", "bf16_weights"): 0.4}
 
 
 @pytest.mark.parametrize("precision", ["float32", "bf16_autocast", "bf16_weights"])
@@ -92,6 +97,7 @@ def test_every_mixer_trains_in_every_precision(name, precision):
     assert got["finite"], f"{name} in {precision}: a gradient or weight is not finite"
     assert got["logits"].dtype == EXPECTED_DTYPE[precision], f"{name} in {precision} returned {got['logits'].dtype}"
     tol_out, tol_grad = TOLERANCE[precision]
+    tol_grad = GRAD_TOLERANCE.get((name, precision), tol_grad)
     for what, tol in (("mixers", tol_out), ("grads", tol_grad)):
         for i, (a, b) in enumerate(zip(got[what], ref[what], strict=True)):
             assert rel(a, b) <= tol, f"{name} {precision}: block {i}'s {what} off float64 by {rel(a, b):.2e} > {tol}"

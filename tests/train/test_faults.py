@@ -291,7 +291,7 @@ def test_generate_help_lists_every_checkpoint_type_and_true_defaults(capsys):
         main(["generate", "--help"])
     out = " ".join(capsys.readouterr().out.split())
     out = out[out.index("options:"):]                           # the flags, not the usage line
-    assert len(MAPPINGS) == 9 and all(t in out for t in MAPPINGS)
+    assert len(MAPPINGS) == 10 and all(t in out for t in MAPPINGS)
     prompt = out[out.index("--prompt PROMPT"):out.index("--prompts-file PROMPTS_FILE")]
     assert "default" not in prompt and "required" in prompt
     assert "sampling seed (default: 0)" in out

@@ -3,7 +3,8 @@
 The folder's ``model_type`` picks its format (``registry.MAPPINGS``); the format's config translation
 builds the model's ``ModelConfig``, its name tables say which checkpoint tensor fills which parameter, and
 every tensor must be used exactly once: a missing weight, an unexpected one or a wrong shape is refused by
-name.
+name. A BlinkDL RWKV-7 ``.pth`` file (or a folder holding one and no config.json) loads the same way, its
+config read off its tensors (``rwkv7_pth``).
 """
 
 from __future__ import annotations
@@ -12,9 +13,12 @@ from pathlib import Path
 
 import torch
 
+from subquad.data.rwkv_world import VOCAB_FILE as WORLD_VOCAB
+from subquad.data.rwkv_world import WorldTokenizer
 from subquad.models.decode import decode_layout
 from subquad.models.hf.common import eos_token_ids, read_json, read_weights
 from subquad.models.hf.registry import MAPPINGS
+from subquad.models.hf.rwkv7_pth import RWKV7PthFormat, pth_file, read_pth
 from subquad.models.lm import LanguageModel
 
 
@@ -52,26 +56,34 @@ def resolve_dtype(dtype, c: dict | None = None):
 
 
 def from_pretrained(path, dtype=None, device=None, quantize=None):
-    """(LanguageModel in eval mode, tokenizer or None) from a Hugging Face model folder (``models.hf``).
+    """(LanguageModel in eval mode, tokenizer or None) from a Hugging Face model folder (``models.hf``), or a
+    BlinkDL RWKV-7 ``.pth`` (the file, or a folder holding it; the world tokenizer when its vocabulary file
+    ``rwkv_vocab_v20230424.txt`` is beside it).
     ``dtype``: ``resolve_dtype``'s forms ("bfloat16", "auto", torch.bfloat16). ``quantize`` "int8" or "bf16"
     quantises the projections for inference (``models.quant``; from float32). The model keeps the folder's
     config and its tokenizer and generation files (``model.hf_source``) for ``save_pretrained`` to write back."""
     from subquad.models.quant import QUANTIZE
 
-    c = read_config(path)
+    pth = pth_file(path)
+    if pth is not None:
+        c, fmt, weights = {}, RWKV7PthFormat, read_pth(pth)
+        cfg = fmt.config_from_weights(weights)
+    else:
+        c = read_config(path)
+        fmt, weights = MAPPINGS[c["model_type"]], None
+        cfg = fmt.config(c)
+        cfg.eos_token_ids = [t for t in eos_token_ids(path, c) if t < cfg.vocab_size]   # generate stops there
     dtype = resolve_dtype(dtype, c)
     if quantize is not None and (quantize not in QUANTIZE or dtype not in (None, torch.float32)):
         raise ValueError(f"quantize must be one of {', '.join(QUANTIZE)} with float32 weights, got quantize="
                          f"{quantize!r}, dtype={dtype}")
-    c = read_config(path)
-    fmt = MAPPINGS[c["model_type"]]
-    cfg = fmt.config(c)
-    cfg.eos_token_ids = [t for t in eos_token_ids(path, c) if t < cfg.vocab_size]   # generate stops there
     with torch.device("meta"):                        # no memory and no random init: the weights come next
         model = LanguageModel(cfg)
     own = model.state_dict()
     names = fmt.names(cfg, {k: v.shape for k, v in own.items()})
-    tensors = fmt.unpack(read_weights(path), cfg, dtype)   # fused or shifted tensors -> one per parameter of ours
+    weights = read_weights(path) if weights is None else weights
+    tensors = fmt.unpack(weights, cfg, dtype)   # fused or shifted tensors -> one per parameter of ours
+    del weights
     if fmt.conv_bias_key and c.get(fmt.conv_bias_key, True) is False:   # no conv bias in the checkpoint: zeros
         for ours, theirs in names.items():
             if ours.endswith("mixer.conv.bias"):
@@ -106,7 +118,9 @@ def from_pretrained(path, dtype=None, device=None, quantize=None):
     model.hf_source = {"config": dict(c), "files": {f: (Path(path) / f).read_bytes() for f in SIDE_FILES
                                                     if (Path(path) / f).is_file()}}
     tok = None
-    if (Path(path) / "tokenizer.json").exists():
+    if pth is not None and (pth.parent / WORLD_VOCAB).exists():      # RWKV's world vocabulary beside the .pth
+        tok = WorldTokenizer.from_file(pth.parent / WORLD_VOCAB)
+    elif pth is None and (Path(path) / "tokenizer.json").exists():
         from tokenizers import Tokenizer
 
         try:

@@ -16,6 +16,7 @@ from subquad.models.hf.olmo_hybrid import OlmoHybridFormat
 from subquad.models.hf.qwen3_5 import Qwen3_5Format, Qwen3_5MoeFormat, Qwen3_5MoeTextFormat, Qwen3_5TextFormat
 from subquad.models.hf.qwen3_next import Qwen3NextFormat
 from subquad.models.hf.recurrent_gemma import RecurrentGemmaFormat
+from subquad.models.hf.rwkv7 import RWKV7Format
 
 MAPPINGS = {f.model_type: f for f in (MambaFormat, FalconMambaFormat, Mamba2Format, BambaFormat, JambaFormat,
                                       Qwen3NextFormat, OlmoHybridFormat, KimiLinearFormat, MiniMaxFormat)}
@@ -23,4 +24,4 @@ MAPPINGS = {f.model_type: f for f in (MambaFormat, FalconMambaFormat, Mamba2Form
 MAPPINGS.update({f.model_type: f for f in (Qwen3_5TextFormat, Qwen3_5MoeTextFormat, Qwen3_5Format, Qwen3_5MoeFormat,
                                           GraniteMoeHybridFormat, NemotronHFormat)})
 MAPPINGS.update({f.model_type: f for f in (Lfm2Format, Lfm2MoeFormat, FalconH1Format)})
-MAPPINGS.update({f.model_type: f for f in (RecurrentGemmaFormat,)})
+MAPPINGS.update({f.model_type: f for f in (RecurrentGemmaFormat, RWKV7Format)})
