@@ -44,7 +44,11 @@ MIX = {
     "mamba": ({}, lambda T: 4 * 128 * 16),                                     # d_inner 128 channels, N 16 each
     "mamba2": ({}, lambda T: 4 * 16 * 32 * 4),                                 # 4 heads of P 32, N 16
     "rglru": ({}, lambda T: 2 * 2 * 64 * 32 + 2 * 64),      # two block-diagonal gates (2 x 32 x 32), a h + u per channel
-    "gated_conv": ({}, lambda T: 2 * 64),                   # b * x and c * conv(.): one multiply per channel each
+    "gated_conv": ({}, lambda T: 2 * 64),
+    # the decay (K V), a^T S (2 K V), its rank-one correction b (a^T S)^T (2 K V), the write k v^T and the read
+    # r S (2 K V each) per head; plus the value-residual LoRA (64 -> 32 -> 64), which a layer alone - the first
+    # RWKV-7 layer of its model - skips but flops_per_token counts, as for every later layer
+    "rwkv7": ({}, lambda T: H * 9 * 32 * 32 + 2 * (2 * 64 * 32)),                   # b * x and c * conv(.): one multiply per channel each
 }
 VARIANTS = {                  # options that change the count: GQA, a short convolution, groups, no normaliser
     "softmax-gqa": ("softmax", {"n_kv_heads": 1}, MIX["softmax"][1]),

@@ -69,6 +69,7 @@ class Format:
     any_mamba2 = False               # matches() checks Mamba-2's d_inner and gated_norm itself; else the saver holds
                                      # the type to expand x d_model wide Mamba-2 layers with the gated norm
     any_block = False                # matches() checks ModelConfig.parallel itself; else the saver refuses it
+    any_norm = False                 # matches() checks ModelConfig.norm and embed_norm itself; else RMSNorms only
     top = TOP
     layer = "model.layers.{i}."
     layers: dict = {}
@@ -89,11 +90,13 @@ class Format:
 
     @classmethod
     def plain(cls, cfg: ModelConfig, opts: dict) -> bool:
-        """Whether the model leaves off the options most formats have no field for (a GeGLU or biased MLP,
-        scaled embeddings, capped logits, a bias on attention's output): ``save_pretrained`` asks this before
+        """Whether the model leaves off the options most formats have no field for (an MLP other than SwiGLU or
+        a biased one, LayerNorms or a norm on the embeddings, scaled embeddings, capped logits, a bias on
+        attention's output): ``save_pretrained`` asks this before
         ``matches``, so no format drops them silently. A format that holds them overrides it."""
         plain_mlp = cls.any_mlp or (cfg.mlp_kind == "swiglu" and cfg.mlp_layers is None)
-        return (plain_mlp and not cfg.mlp_bias and cfg.embed_scale is None and cfg.logit_soft_cap is None
+        plain_norm = cls.any_norm or (cfg.norm == "rms" and not cfg.embed_norm)
+        return (plain_mlp and plain_norm and not cfg.mlp_bias and cfg.embed_scale is None and cfg.logit_soft_cap is None
                 and not any(o.get("o_bias") for o in opts.values()))
 
     @classmethod

@@ -61,6 +61,7 @@ def tensors_rank(cfg: ModelConfig) -> int:
 
 class RWKV7Format(Format):
     model_type = "rwkv7"
+    any_mlp = any_norm = True            # matches() holds the model to RWKV's channel mix and LayerNorms (is_rwkv7)
     top = {"embed.weight": "model.embeddings.weight", "embed_norm.{p}": "model.layers.0.pre_norm.{p}",
            "norm.{p}": "model.norm.{p}", "head.weight": "lm_head.weight"}
     layer = "model.layers.{i}."
