@@ -271,6 +271,13 @@ def gdn_config(o: dict) -> dict:
             "linear_conv_kernel_dim": o["conv_size"]}
 
 
+def gated_attention(a: dict | None, norm_eps: float) -> bool:
+    """Softmax layers' built options (None: no such layers) as Qwen3-Next's gated attention has them: an output
+    gate, per-head q/k norms of the model's eps, rotary, no window."""
+    return a is None or (a["output_gate"] and a["qk_norm"] == "head" and a["qk_norm_eps"] == norm_eps and a["rotary"]
+                         and a["window"] is None)
+
+
 def gdn_matches(o: dict, norm_eps: float, neg) -> bool:
     """Built layer options ``o`` that ``gdn_options`` could have made (``neg`` None: either beta range)."""
     return (not o["open_gate"] and o["qk_eps"] == FLA_L2_EPS and o["norm_eps"] == norm_eps

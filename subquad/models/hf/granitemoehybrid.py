@@ -29,7 +29,7 @@ import torch
 
 from subquad.models.config import ModelConfig
 from subquad.models.hf.common import (TOP, Format, check_hybrid, check_layer_types, check_rope_type, mamba2_config,
-                                      mamba2_options, require, transformer_config)
+                                      mamba2_options, transformer_config)
 
 LEGACY_TYPES = {"mamba": "linear_attention", "attention": "full_attention"}   # written by the released configs
 _GATE, _UP = ".gate_half", ".up_half"           # the two halves of a fused input_linear (unpack's names)

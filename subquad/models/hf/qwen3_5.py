@@ -21,7 +21,7 @@ import warnings
 import torch
 
 from subquad.models.config import ModelConfig
-from subquad.models.hf.common import (TOP, Format, attention_types, experts, gdn_config, gdn_layer_types,
+from subquad.models.hf.common import (TOP, Format, attention_types, experts, gated_attention, gdn_config, gdn_layer_types,
                                       gdn_matches, gdn_options, gdn_rope, require, swiglu, transformer_config)
 
 _NOT_LOADED = {"model.visual.": "the vision tower", "mtp.": "the multi-token-prediction head"}
@@ -160,9 +160,7 @@ class Qwen3_5TextFormat(Format):
     def matches(cls, cfg: ModelConfig, opts: dict) -> bool:
         if not (set(cfg.layers) <= {"gated_deltanet", "softmax"} and "gated_deltanet" in cfg.layers):
             return False
-        a = opts.get("softmax")
-        attn_ok = a is None or (a["output_gate"] and a["qk_norm"] == "head" and a["qk_norm_eps"] == cfg.norm_eps
-                                and a["rotary"] and a["window"] is None)
+        attn_ok = gated_attention(opts.get("softmax"), cfg.norm_eps)
         m = cfg.moe
         moe_ok = m is None if not cls.moe else (
             m is not None and m["router"] == "softmax" and m["layers"] is None and m["scale"] == 1.0

@@ -13,8 +13,9 @@ from __future__ import annotations
 import torch
 
 from subquad.models.config import ModelConfig
-from subquad.models.hf.common import (Format, attention_types, experts, gdn_config, gdn_layer_types, gdn_matches,
-                                      gdn_options, gdn_rope, plain_moe, require, swiglu, transformer_config)
+from subquad.models.hf.common import (Format, attention_types, experts, gated_attention, gdn_config, gdn_layer_types,
+                                      gdn_matches, gdn_options, gdn_rope, plain_moe, require, swiglu,
+                                      transformer_config)
 
 
 class Qwen3NextFormat(Format):
@@ -126,9 +127,7 @@ class Qwen3NextFormat(Format):
     def matches(cls, cfg: ModelConfig, opts: dict) -> bool:
         if not (set(cfg.layers) <= {"gated_deltanet", "softmax"} and "gated_deltanet" in cfg.layers):
             return False
-        a = opts.get("softmax")
-        attn_ok = a is None or (a["output_gate"] and a["qk_norm"] == "head" and a["qk_norm_eps"] == cfg.norm_eps
-                                and a["rotary"] and a["window"] is None)
+        attn_ok = gated_attention(opts.get("softmax"), cfg.norm_eps)
         m = cfg.moe
         return (attn_ok and cfg.mlp and cfg.pos_emb == "none" and not cfg.post_norm and cfg.scaled_residual is None
                 and gdn_matches(opts["gated_deltanet"], cfg.norm_eps, False)

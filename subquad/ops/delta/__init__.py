@@ -34,33 +34,23 @@ Example:
 
 from __future__ import annotations
 
-from subquad.ops.common.checks import (check_bool, check_chunk_size, check_gate_dtype, check_like, check_mode,
-                                      check_qkv, check_state, default_scale, state_dtype)
+from subquad.ops.common.checks import check_bool, check_gate_dtype, check_like, check_state, default_scale, state_dtype
 from subquad.ops.common.autograd import wants_grad
 from subquad.ops.common.forms import three_forms
 from subquad.ops.common.precision import amp_op, causal_guard, checks_on, finite_log_decay
-from subquad.ops.common.routes import SHORT, check_route, took
+from subquad.ops.common.routes import SHORT, took
 from subquad.ops.delta.chunk import chunk_delta
+from subquad.ops.delta.inputs import check_call
 from subquad.ops.delta.parallel import parallel_delta
 from subquad.ops.delta.recurrent import recurrent_delta
 from subquad.ops.common.varlen import varlen
 
 _FORMS = {"parallel": parallel_delta, "recurrent": recurrent_delta, "chunk": chunk_delta}
-ROUTES = ("token", "chunk")   # the chunk form's routes: the token loop (short calls) or the chunk engine
 
 
 def _run(op, q, k, v, g, beta, mode, chunk_size, scale, initial_state, output_final_state, allow_neg_eigval,
          route):
-    check_mode(mode)
-    check_route(route, ROUTES, op)
-    if route is not None and mode != "chunk":
-        raise ValueError(f"route chooses between the chunk form's routes (mode='chunk'); got route={route!r} with "
-                         f"mode={mode!r}")
-    check_qkv(q, k, v)
-    if q.shape[1] < 1:
-        raise ValueError(f"q must hold at least one token (T >= 1), got shape {tuple(q.shape)}")
-    check_chunk_size(chunk_size)
-    check_bool("output_final_state", output_final_state)
+    check_call(op, q, k, v, mode, chunk_size, output_final_state, route)
     check_bool("allow_neg_eigval", allow_neg_eigval)
     check_like("beta", beta, q.shape[:3], q)
     check_gate_dtype("beta", beta, q)

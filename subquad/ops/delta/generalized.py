@@ -22,18 +22,17 @@ the line above. a_t^T S_{t-1} reads the state before it decays.
 from __future__ import annotations
 
 from subquad.ops.common.autograd import wants_grad
-from subquad.ops.common.checks import (check_bool, check_chunk_size, check_gate_dtype, check_like, check_mode,
-                                      check_qkv, check_state, default_scale, state_dtype)
+from subquad.ops.common.checks import check_gate_dtype, check_like, check_state, default_scale, state_dtype
 from subquad.ops.common.forms import three_forms
 from subquad.ops.common.precision import amp_op, causal_guard, checks_on, finite_log_decay
-from subquad.ops.common.routes import SHORT, check_route, took
+from subquad.ops.common.routes import SHORT, took
 from subquad.ops.common.varlen import varlen
 from subquad.ops.delta.chunk import chunk_dplr
+from subquad.ops.delta.inputs import check_call
 from subquad.ops.delta.parallel import parallel_dplr
 from subquad.ops.delta.recurrent import recurrent_dplr
 
 _FORMS = {"parallel": parallel_dplr, "recurrent": recurrent_dplr, "chunk": chunk_dplr}
-ROUTES = ("token", "chunk")
 
 
 @amp_op(positions=(0, 1, 2, 4, 5))             # a and b are activations like k; w is a gate and keeps its dtype
@@ -53,16 +52,7 @@ def generalized_delta_rule(q, k, v, w, a, b, *, mode="chunk", chunk_size=64, sca
         >>> o.shape, S.shape
         (torch.Size([1, 50, 2, 16]), torch.Size([1, 2, 16, 16]))
     """
-    check_mode(mode)
-    check_route(route, ROUTES, "generalized_delta_rule")
-    if route is not None and mode != "chunk":
-        raise ValueError(f"route chooses between the chunk form's routes (mode='chunk'); got route={route!r} with "
-                         f"mode={mode!r}")
-    check_qkv(q, k, v)
-    if q.shape[1] < 1:
-        raise ValueError(f"q must hold at least one token (T >= 1), got shape {tuple(q.shape)}")
-    check_chunk_size(chunk_size)
-    check_bool("output_final_state", output_final_state)
+    check_call("generalized_delta_rule", q, k, v, mode, chunk_size, output_final_state, route)
     check_like("w", w, q.shape, q)
     check_gate_dtype("w", w, q)
     for name, x in (("a", a), ("b", b)):
