@@ -20,7 +20,8 @@ from subquad.layers.conv import ShortConv
 
 
 class GatedShortConv(Mixer):
-    """y = out_proj(c * conv(b * x)), with b, c, x = in_proj(input): a short causal convolution between two gates.
+    """y = out_proj(c * conv(b * x)), with b, c, x = in_proj(input): a short causal convolution between two gates,
+    per token y_t = out_proj(c_t * sum_{j < conv_size} w_j (b * x)_{t-j}).
 
     Args: d_model; conv_size (the convolution's taps, LFM2's ``conv_L_cache``); bias (on in_proj, the
     convolution and out_proj together: LFM2's ``conv_bias``); mode and chunk_size (unused: nothing is chunked;
