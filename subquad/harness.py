@@ -87,11 +87,18 @@ class SubquadLM(LM):
 
     @classmethod
     def create_from_arg_string(cls, arg_string, additional_config=None):
-        args = dict(kv.split("=", 1) for kv in arg_string.split(",") if kv)
-        extra = {k: v for k, v in (additional_config or {}).items() if k in ("batch_size", "device") and v}
-        if isinstance(extra.get("batch_size"), str) and not extra["batch_size"].isdigit():
-            extra.pop("batch_size")                   # "auto": keep ours
-        return cls(**{**args, **extra})
+        return cls.create_from_arg_obj(dict(kv.split("=", 1) for kv in arg_string.split(",") if kv), additional_config)
+
+    @classmethod
+    def create_from_arg_obj(cls, arg_dict, additional_config=None):
+        """``--model_args`` first; of lm_eval's own settings only ``device`` (its default "cuda:0" falls back to
+        the CPU where there is no GPU, as its hf backend does) and a numeric ``batch_size``."""
+        extra = {k: v for k, v in (additional_config or {}).items() if k in ("batch_size", "device") and v is not None}
+        if not str(extra.get("batch_size", "1")).isdigit():
+            extra.pop("batch_size")                   # "auto": ours
+        if str(extra.get("device", "cpu")).startswith("cuda") and not torch.cuda.is_available():
+            extra.pop("device")                       # lm_eval's default "cuda:0" on a machine without one: the CPU
+        return cls(**{**extra, **arg_dict})
 
     # -- tokenisation, as lm_eval's hf backend ------------------------------------------------------------
 

@@ -108,3 +108,10 @@ def test_a_subquad_run_and_the_cli(tmp_path, capsys, corpus):
     assert main(["eval", "--run", str(run), "--tasks", "sq_mc", "--include-path", str(tasks), "--limit", "4"]) == 0
     out = capsys.readouterr().out
     assert "sq_mc" in out and "acc" in out and "contexts read: 4" in out
+
+    from subquad.harness import main as harness_main              # lm_eval's own command line, --model subquad
+
+    harness_main(["--model", "subquad", "--model_args", f"path={run},batch_size=2", "--tasks", "sq_mc",
+                  "--include_path", str(tasks), "--limit", "2"])
+    out = capsys.readouterr().out
+    assert "sq_mc" in out and "acc" in out
