@@ -760,7 +760,8 @@ def build_parser() -> argparse.ArgumentParser:
     g = command("generate", "stream text from a trained run with its recurrent state")
     g.add_argument("--run", help="run folder (or one of its checkpoints)")
     g.add_argument("--model", help="a Hugging Face model folder (config.json, model.safetensors, tokenizer.json) "
-                                   f"of a supported type: {', '.join(HF_TYPES)}")
+                                   f"of a supported type: {', '.join(HF_TYPES)}; or a BlinkDL RWKV-7 .pth file "
+                                   "(its world vocabulary rwkv_vocab_v20230424.txt beside it)")
     g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float64"],
                    help="weights' dtype for --model")
     g.add_argument("--prompt", help="text to continue (required, unless --prompts-file or --load-state)")
