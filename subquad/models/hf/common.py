@@ -21,6 +21,7 @@ import functools
 import json
 import math
 import re
+import warnings
 from pathlib import Path
 
 import torch
@@ -70,6 +71,8 @@ class Format:
                                      # the type to expand x d_model wide Mamba-2 layers with the gated norm
     any_block = False                # matches() checks ModelConfig.parallel itself; else the saver refuses it
     any_norm = False                 # matches() checks ModelConfig.norm and embed_norm itself; else RMSNorms only
+    not_loaded: dict = {}            # checkpoint name prefix -> what it holds, left out with a warning (a vision
+                                     # tower beside the language model, a multi-token-prediction head)
     top = TOP
     layer = "model.layers.{i}."
     layers: dict = {}
@@ -102,6 +105,22 @@ class Format:
     @classmethod
     def unpack(cls, tensors: dict, cfg: ModelConfig, dtype=None) -> dict:
         return tensors
+
+    @classmethod
+    def drop_not_loaded(cls, tensors: dict) -> dict:
+        """``tensors`` less those under a ``not_loaded`` prefix, with one warning naming what was left out."""
+        dropped, out = {}, {}
+        for name, t in tensors.items():
+            skip = next((p for p in cls.not_loaded if name.startswith(p)), None)
+            if skip is None:
+                out[name] = t
+            else:
+                dropped[skip] = dropped.get(skip, 0) + 1
+        if dropped:
+            warnings.warn(f"{cls.model_type}: not loaded (subquad loads the language model alone): "
+                          + ", ".join(f"{cls.not_loaded[p]} ({p}*, {k} tensors)" for p, k in dropped.items()),
+                          stacklevel=4)
+        return out
 
     @classmethod
     def pack(cls, tensors: dict, cfg: ModelConfig) -> dict:

@@ -82,7 +82,7 @@ def from_pretrained(path, dtype=None, device=None, quantize=None):
     own = model.state_dict()
     names = fmt.names(cfg, {k: v.shape for k, v in own.items()})
     weights = read_weights(path) if weights is None else weights
-    tensors = fmt.unpack(weights, cfg, dtype)   # fused or shifted tensors -> one per parameter of ours
+    tensors = fmt.unpack(fmt.drop_not_loaded(weights), cfg, dtype)   # fused or shifted -> one per parameter
     del weights
     if fmt.conv_bias_key and c.get(fmt.conv_bias_key, True) is False:   # no conv bias in the checkpoint: zeros
         for ours, theirs in names.items():

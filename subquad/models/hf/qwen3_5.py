@@ -16,7 +16,6 @@ Qwen3_5ForCausalLM); a multimodal folder is never written without its vision tow
 
 from __future__ import annotations
 
-import warnings
 
 import torch
 
@@ -24,15 +23,13 @@ from subquad.models.config import ModelConfig
 from subquad.models.hf.common import (TOP, Format, attention_types, experts, gated_attention, gdn_config, gdn_layer_types,
                                       gdn_matches, gdn_options, gdn_rope, require, swiglu, transformer_config)
 
-_NOT_LOADED = {"model.visual.": "the vision tower", "mtp.": "the multi-token-prediction head"}
-
-
 class Qwen3_5TextFormat(Format):
     model_type = "qwen3_5_text"
     architecture = "Qwen3_5ForCausalLM"
     moe = False
     conv_bias_key = "linear_conv_bias"
     prefix = "model."                                 # the language model's; the multimodal types nest it
+    not_loaded = {"model.visual.": "the vision tower", "mtp.": "the multi-token-prediction head"}
     layers = {"softmax": {"mixer.{p}": "self_attn.{p}"},
               "gated_deltanet": {"mixer.conv.weight": "linear_attn.conv1d.weight",
                                  "mixer.o_proj.weight": "linear_attn.out_proj.weight",
@@ -89,16 +86,12 @@ class Qwen3_5TextFormat(Format):
     @classmethod
     def unpack(cls, tensors: dict, cfg: ModelConfig, dtype=None) -> dict:
         """in_proj_qkv ((2 Hk K + H V), d) -> q, k, v; fused experts (``experts.gate_up_proj`` (E, 2 I, d),
-        ``experts.down_proj``) -> one tensor per expert; zero-centred norms + 1; the vision tower and the
-        multi-token-prediction head left out, with a warning naming them."""
+        ``experts.down_proj``) -> one tensor per expert; zero-centred norms + 1."""
         qk, v = cls._sizes(cfg) if "gated_deltanet" in cfg.layers else (0, 0)
         norm = cls.top["norm.weight"]
-        out, dropped = {}, {}
+        out = {}
         for name, t in tensors.items():
-            skip = next((p for p in _NOT_LOADED if name.startswith(p)), None)
-            if skip is not None:
-                dropped[skip] = dropped.get(skip, 0) + 1
-            elif name.endswith("linear_attn.in_proj_qkv.weight"):
+            if name.endswith("linear_attn.in_proj_qkv.weight"):
                 p = name.removesuffix("in_proj_qkv.weight")
                 for part, x in zip("qkv", t.split([qk, qk, v], dim=0)):
                     out[f"{p}{part}_proj.weight"] = x
@@ -113,10 +106,6 @@ class Qwen3_5TextFormat(Format):
                 out[name] = (t.float() + 1).to(dtype or t.dtype)
             else:
                 out[name] = t
-        if dropped:
-            warnings.warn(f"{cls.model_type}: not loaded (subquad loads the language model alone): "
-                          + ", ".join(f"{_NOT_LOADED[p]} ({p}*, {k} tensors)" for p, k in dropped.items()),
-                          stacklevel=3)
         return out
 
     @classmethod
