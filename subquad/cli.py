@@ -114,7 +114,8 @@ _MODEL_FLAGS = {"pattern": "pattern", "d_model": "d_model", "n_layers": "n_layer
                 "n_kv_heads": "n_kv_heads", "context": "context_length", "vocab_size": "vocab_size"}
 _TRAIN_FLAGS = {"steps": "steps", "batch_size": "batch_size", "lr": "lr", "warmup": "warmup",
                 "eval_every": "eval_every", "ckpt_every": "ckpt_every", "seed": "seed", "bf16": "bf16",
-                "context_parallel": "context_parallel", "on_nonfinite": "on_nonfinite", "pack": "pack"}
+                "context_parallel": "context_parallel", "on_nonfinite": "on_nonfinite", "pack": "pack",
+                "fsdp": "fsdp", "hsdp": "replicate", "activation_checkpointing": "activation_checkpointing"}
 
 
 def _given(args) -> set:
@@ -158,6 +159,8 @@ def _resume_configs(args):
                 train[field] = getattr(args, dest)
             else:
                 refused.append(f"{field} {getattr(args, dest)!r} (the run has {train.get(field)!r})")
+    if "hsdp" in given:
+        train["fsdp"] = True
     if "data" in given and (args.data or "stdlib") != saved.get("data", "stdlib"):
         refused.append(f"data {args.data!r} (the run has {saved.get('data')!r})")
     if refused:
@@ -180,20 +183,25 @@ def cmd_train(args) -> int:
         mcfg = _model_config(args)                     # bad settings fail here, once, before any process starts
         tcfg, data = None, args.data
     P = tcfg.context_parallel if tcfg is not None else args.context_parallel
-    nproc = args.nproc if args.nproc > 1 or P == 1 else P
-    if nproc % P:
-        raise SystemExit(f"error: --nproc {nproc} must be a multiple of --context-parallel {P}")
-    if nproc > 1 and "WORLD_SIZE" not in os.environ:   # re-run this command under torchrun, one process per rank
+    R = tcfg.replicate if tcfg is not None else (args.hsdp or 1)
+    nproc = args.nproc if args.nproc > 1 or P * R == 1 or args.nnodes > 1 else P * R
+    if (nproc * args.nnodes) % (P * R):
+        raise SystemExit(f"error: --nproc {nproc} x --nnodes {args.nnodes} processes must be a multiple of "
+                         f"--context-parallel {P} x --hsdp {R}")
+    if (nproc > 1 or args.nnodes > 1) and "WORLD_SIZE" not in os.environ:   # re-run under torchrun, a process per rank
         argv = list(sys.argv[1:] if args.argv is None else args.argv)
-        if "--nproc" in argv:
-            i = argv.index("--nproc")
-            argv = argv[:i] + argv[i + 2:]
-        return launch(nproc, argv)
+        for flag in ("--nproc", "--nnodes", "--rdzv-endpoint"):
+            if flag in argv:
+                i = argv.index(flag)
+                argv = argv[:i] + argv[i + 2:]
+        return launch(nproc, argv, nnodes=args.nnodes, rdzv_endpoint=args.rdzv_endpoint)
     rank, world = init_from_env(args.dist_timeout)
     if tcfg is None:
         tcfg = TrainConfig(steps=args.steps, batch_size=args.batch_size, lr=args.lr, warmup=args.warmup,
                            eval_every=args.eval_every, ckpt_every=args.ckpt_every, seed=args.seed, bf16=args.bf16,
-                           context_parallel=P, on_nonfinite=args.on_nonfinite, pack=args.pack)
+                           context_parallel=P, on_nonfinite=args.on_nonfinite, pack=args.pack,
+                           fsdp=args.fsdp or args.hsdp is not None, replicate=R,
+                           activation_checkpointing=args.activation_checkpointing)
     out = args.out or f"runs/{args.preset}-{mcfg.pattern.replace('*', 'x').replace(',', '_')}"
     try:
         r = train_run(mcfg, tcfg, out, data=data, resume=args.resume, progress=not args.no_progress,
@@ -366,6 +374,23 @@ def _stop_ids(tok, texts) -> list[int]:
             raise ValueError(f"--stop {text!r} is {len(enc)} tokens for this tokenizer; it must be one")
         ids += enc
     return ids
+
+
+def cmd_export(args) -> int:
+    from pathlib import Path
+
+    from subquad.models.hf.saver import PLAIN, hf_type, save_pretrained
+    from subquad.train import load_run
+
+    if not Path(args.run).exists():
+        raise ValueError(f"--run {args.run} does not exist")
+    model, tok, meta = load_run(args.run, log=_say)          # full or sharded checkpoints, read whole
+    kind = args.model_type or hf_type(model) or PLAIN
+    save_pretrained(model, args.out, tokenizer=tok, model_type=kind)
+    what = ("a subquad folder (no Hugging Face type has this structure; from_pretrained and subquad generate "
+            "--model read it)" if kind == PLAIN else f"a Hugging Face {kind} folder")
+    print(f"{args.run}: step {meta['step']} written to {args.out} as {what}")
+    return 0
 
 
 def cmd_generate(args) -> int:
@@ -698,6 +723,19 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--context-parallel", type=_positive, default=1, metavar="P",
                    help="split each sequence over P processes: ring attention for softmax layers, state passing "
                         "for recurrent ones (launches P processes; with --nproc N, N/P data-parallel replicas)")
+    t.add_argument("--fsdp", action=argparse.BooleanOptionalAction, default=False,
+                   help="shard parameters, gradients and optimizer state over the processes (FSDP2, per block); "
+                        "checkpoints are then written as each rank's shards (DCP) and resume on any --nproc")
+    t.add_argument("--hsdp", type=_positive, metavar="R",
+                   help="with FSDP: R replicas of the shards (HSDP: shard within a replica, all-reduce across "
+                        "them); implies --fsdp")
+    t.add_argument("--activation-checkpointing", action="store_true",
+                   help="recompute each block's activations in backward: less memory for more compute")
+    t.add_argument("--nnodes", type=_positive, default=1,
+                   help="machines taking part (torchrun's rendezvous; run the same command on each, with "
+                        "--rdzv-endpoint HOST:PORT of one of them)")
+    t.add_argument("--rdzv-endpoint", metavar="HOST:PORT",
+                   help="where the machines of a multi-node run meet (torchrun's c10d rendezvous)")
     t.add_argument("--dist-timeout", type=float, default=60.0,
                    help="seconds a rank waits for a peer before stopping with an error (distributed runs)")
     _device_flag(t)
@@ -756,6 +794,14 @@ def build_parser() -> argparse.ArgumentParser:
     _quantize_flag(e)
     _device_flag(e)
     e.set_defaults(fn=cmd_eval)
+
+    x = command("export", "write a run's checkpoint (full or sharded) as a model folder for inference")
+    x.add_argument("--run", required=True, help="a run folder (its newest intact checkpoint) or a checkpoint folder")
+    x.add_argument("--out", required=True, help="the folder to write: config.json, model.safetensors, tokenizer.json")
+    x.add_argument("--model-type", choices=HF_TYPES + ["subquad"],
+                   help="the Hugging Face type to write (default: the first whose structure the model has; "
+                        "'subquad' when none has it: a folder of subquad's own config and names)")
+    x.set_defaults(fn=cmd_export)
 
     g = command("generate", "stream text from a trained run with its recurrent state")
     g.add_argument("--run", help="run folder (or one of its checkpoints)")

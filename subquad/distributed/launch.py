@@ -23,12 +23,18 @@ def init_from_env(timeout_s: float = 60.0):
     return dist.get_rank(), dist.get_world_size()
 
 
-def launch(nproc: int, argv: list[str]) -> int:
-    """``torchrun --standalone --nproc-per-node N -m subquad <argv>``; returns its exit code."""
+def launch(nproc: int, argv: list[str], nnodes: int = 1, rdzv_endpoint: str | None = None) -> int:
+    """``torchrun --standalone --nproc-per-node N -m subquad <argv>``; on several machines (``nnodes`` > 1),
+    torchrun's c10d rendezvous at ``rdzv_endpoint`` (HOST:PORT) in place of --standalone. Returns its exit
+    code."""
     from torch.distributed.run import main as torchrun
 
+    if nnodes > 1 and not rdzv_endpoint:
+        raise ValueError("--nnodes > 1 needs --rdzv-endpoint HOST:PORT, where the machines meet")
+    where = (["--nnodes", str(nnodes), "--rdzv-backend", "c10d", "--rdzv-endpoint", rdzv_endpoint]
+             if nnodes > 1 or rdzv_endpoint else ["--standalone"])
     try:
-        torchrun(["--standalone", "--nproc-per-node", str(nproc), "-m", "subquad", *argv])
+        torchrun([*where, "--nproc-per-node", str(nproc), "-m", "subquad", *argv])
     except SystemExit as e:
         return int(e.code or 0)
     except Exception as e:  # torchrun raises ChildFailedError when a rank fails

@@ -130,17 +130,29 @@ def save_checkpoint(run_dir, step: int, model, optimizer, meta: dict, keep: int 
                       tmp / "model.safetensors")
         otensors, ometa = _optim_tensors(optimizer)
         _save_tensors(otensors, tmp / "optim.safetensors")
-        full = {**meta, "step": step, "optim": ometa,
-                "sha256": {n: _sha256(tmp / n) for n in ("model.safetensors", "optim.safetensors")}}
-        full["meta_sha256"] = _meta_digest(full)
-        with open(tmp / "meta.json", "w") as f:
-            f.write(json.dumps(full, indent=1, allow_nan=False))
-        if final.exists():
-            shutil.rmtree(final)
-        os.rename(tmp, final)
+        hashes = {n: _sha256(tmp / n) for n in ("model.safetensors", "optim.safetensors")}
+        _seal(tmp, final, {**meta, "step": step, "optim": ometa}, hashes)
     except OSError as e:
         shutil.rmtree(tmp, ignore_errors=True)
         raise _write_failed(run_dir, e, f"checkpoint of step {step}") from None
+    return _publish(run_dir, final, step, keep)
+
+
+def _seal(tmp: Path, final: Path, meta: dict, hashes: dict) -> None:
+    """Write ``meta.json`` (with the files' sha256 and its own) into the finished ``tmp`` folder and rename it
+    to ``final``."""
+    full = {**meta, "sha256": hashes}
+    full["meta_sha256"] = _meta_digest(full)
+    with open(tmp / "meta.json", "w") as f:
+        f.write(json.dumps(full, indent=1, allow_nan=False))
+    if final.exists():
+        shutil.rmtree(final)
+    os.rename(tmp, final)
+
+
+def _publish(run_dir, final: Path, step: int, keep: int) -> Path:
+    """After the rename: point ``ckpt/latest`` at ``final``, mark the run as checkpointed, prune."""
+    root = final.parent
     try:
         write_atomic(root / "latest", final.name + "\n")
         _mark_checkpointed(run_dir)
@@ -256,7 +268,8 @@ def has_checkpoints(run_dir) -> bool:
 
 def load_checkpoint(path, log=None) -> tuple[dict, dict, dict]:
     """(model state dict, optimizer state dict, meta) from a checkpoint folder, or from a run folder's
-    newest intact checkpoint (``find_checkpoint``)."""
+    newest intact checkpoint (``find_checkpoint``); a sharded one (``train.sharded``) is read whole. The
+    meta's "path" is the folder used."""
     from safetensors.torch import load_file
 
     path = Path(path)
@@ -269,6 +282,11 @@ def load_checkpoint(path, log=None) -> tuple[dict, dict, dict]:
         path, meta = found, json.loads((found / "meta.json").read_text())
     else:
         meta = verify_checkpoint(path)
+    if meta.get("format") == "dcp":                     # shards of a sharded run (train.sharded), read whole
+        from subquad.train.sharded import read_full
+
+        model_sd, optim_sd = read_full(path)
+        return model_sd, optim_sd, {**meta, "path": str(path)}
     model_sd = load_file(str(path / "model.safetensors"))
     optim_sd = _optim_state(load_file(str(path / "optim.safetensors")), meta["optim"])
-    return model_sd, optim_sd, meta
+    return model_sd, optim_sd, {**meta, "path": str(path)}

@@ -20,10 +20,12 @@ from subquad.data.dataset import prepare
 from subquad.device import resolve_device
 from subquad.models import LanguageModel, ModelConfig
 from subquad.train.checkpoint import has_checkpoints, load_checkpoint, write_atomic
+from subquad.train.parallelize import make_mesh, parallelize
 from subquad.train.trainer import TrainConfig, Trainer
 
 
-RESUME_SAFE = ("steps", "eval_every", "ckpt_every", "eval_batches")   # what a resume may change
+# what a resume may change: the schedule's bookkeeping, and how the same math is laid out on processes
+RESUME_SAFE = ("steps", "eval_every", "ckpt_every", "eval_batches", "fsdp", "replicate", "activation_checkpointing")
 
 
 def read_run_config(out) -> dict:
@@ -162,11 +164,17 @@ def train_run(model_cfg: ModelConfig, train_cfg: TrainConfig, out, data: str | N
         model_cfg = ModelConfig.from_dict({**model_cfg.to_dict(), "vocab_size": vocab})
     torch.manual_seed(train_cfg.seed)
     model = LanguageModel(model_cfg).to(device)                # bad mixer options fail here, before any write
+    mesh = None
+    if world > 1:
+        mesh = make_mesh(replicate=train_cfg.replicate, context_parallel=train_cfg.context_parallel,
+                         device_type=device.type)
+    trained = parallelize(model, mesh, fsdp=train_cfg.fsdp, bf16=train_cfg.bf16,
+                          activation_checkpointing=train_cfg.activation_checkpointing)
     created = not out.exists()
     trainer = None
     try:
         out.mkdir(parents=True, exist_ok=True)
-        trainer = Trainer(model, td, train_cfg, out, progress=progress and rank == 0)
+        trainer = Trainer(trained, td, train_cfg, out, progress=progress and rank == 0, mesh=mesh)
         if restart:
             log(f"--restart: training {out} again from step 0 (its checkpoints are lost)")
             if rank == 0:

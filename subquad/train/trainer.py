@@ -98,6 +98,9 @@ class TrainConfig:
     seed: int = 0
     bf16: bool = False
     context_parallel: int = 1      # ranks that share each sequence (ring attention / state passing)
+    fsdp: bool = False             # shard parameters, gradients and optimizer state (FSDP2; train.parallelize)
+    replicate: int = 1             # with fsdp: HSDP, this many replicas of the shards
+    activation_checkpointing: bool = False   # recompute each block's activations in backward
     pack: bool | None = None       # boundaries at document starts (None: on for a corpus of many documents)
     on_nonfinite: str = "stop"     # a step with a non-finite loss or gradient: "stop" the run, or "skip" it
     schedule_steps: int | None = None   # the cosine's length (None: steps); a resume keeps it (--reschedule)
@@ -105,7 +108,8 @@ class TrainConfig:
     def __post_init__(self):
         if self.on_nonfinite not in ("stop", "skip"):
             raise ValueError(f"on_nonfinite must be 'stop' or 'skip', got {self.on_nonfinite!r}")
-        for name in ("steps", "batch_size", "eval_every", "eval_batches", "ckpt_every", "context_parallel"):
+        for name in ("steps", "batch_size", "eval_every", "eval_batches", "ckpt_every", "context_parallel",
+                     "replicate"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         if self.schedule_steps is not None and self.schedule_steps <= 0:
@@ -115,6 +119,8 @@ class TrainConfig:
                              "size is lr / (1 - 0.9) = 10 x lr, which must fit in float32)")
         if self.warmup < 0:
             raise ValueError(f"warmup must be >= 0, got {self.warmup}")
+        if self.replicate > 1 and not self.fsdp:
+            raise ValueError(f"replicate={self.replicate} (HSDP) needs fsdp=True")
 
     def lr_at(self, step: int) -> float:
         """Linear warmup to lr, then cosine down to min_lr_ratio * lr at the schedule's last step
@@ -204,54 +210,55 @@ def packing_eot(pack, data, context_parallel: int = 1):
 
 
 class Trainer:
-    def __init__(self, model, data: TokenData, cfg: TrainConfig, run_dir, progress: bool = True, extra_meta=None):
-        self.model, self.data, self.cfg = model, data, cfg
+    """Trains ``model`` as ``train.parallelize`` left it: on more than one process, pass the ``mesh`` it was
+    parallelised over (``model`` may then be a DDP wrapper, or sharded in place by FSDP2). The loop has no
+    gradient code of its own: DDP or FSDP averages the gradients over the mesh."""
+
+    def __init__(self, model, data: TokenData, cfg: TrainConfig, run_dir, progress: bool = True, extra_meta=None,
+                 mesh=None):
+        from subquad.train.parallelize import Layout, is_sharded, unwrap
+
+        self.train_model, self.model = model, unwrap(model)
+        self.data, self.cfg = data, cfg
         self.run_dir = Path(run_dir)
         self.progress = progress
-        self.context = model.config.context_length
+        self.context = self.model.config.context_length
         self.extra_meta = extra_meta or {}
         torch.manual_seed(cfg.seed)
         self.rank, self.world = _dist()
-        self.cp_group = self._context_groups(cfg.context_parallel)
+        if self.world > 1 and mesh is None:
+            raise ValueError(f"a Trainer on {self.world} processes needs the mesh its model was parallelised over: "
+                             "mesh = make_mesh(...); model = parallelize(model, mesh, ...) (subquad.train.parallelize)")
+        layout = Layout.of(mesh)
+        self.cp_group = layout.cp_group
+        P = 1 if self.cp_group is None else self.cp_group.size()
+        if P != cfg.context_parallel:
+            raise ValueError(f"context_parallel={cfg.context_parallel}, but the mesh's cp dimension has {P} ranks")
+        if self.context % (2 * P):
+            raise ValueError(f"context_length={self.context} must divide into 2 x context_parallel = {2 * P} "
+                             "equal pieces (the zigzag layout)")
+        self.sharded = is_sharded(self.model)
         # each data-parallel replica draws its own batches (the ranks sharing a sequence draw the same);
         # replica 0's stream is the single-process one
-        replica = self.rank // cfg.context_parallel
-        self.gen = torch.Generator().manual_seed(cfg.seed + 1_000_003 * replica)
-        self.train_model = model
-        if self.world > 1 and self.cp_group is None:   # data parallel: DDP averages the gradients
-            from torch.nn.parallel import DistributedDataParallel
-            self.train_model = DistributedDataParallel(model)
-        self.opt = torch.optim.AdamW(decay_groups(model, cfg.weight_decay), lr=cfg.lr, betas=(0.9, 0.95))
+        self.gen = torch.Generator().manual_seed(cfg.seed + 1_000_003 * layout.replica)
+        self.opt = torch.optim.AdamW(decay_groups(self.model, cfg.weight_decay), lr=cfg.lr, betas=(0.9, 0.95))
         self.step = 0
         self.curve: list[tuple[int, float]] = []
         self.saved_step: int | None = None    # the newest checkpoint this trainer wrote or resumed from
         self.last_record: dict | None = None  # metrics.jsonl's record of self.step, kept in the checkpoint
         self.eot = packing_eot(cfg.pack, data, cfg.context_parallel)
 
-    def _context_groups(self, P: int):
-        """The process group of the P ranks that share this rank's sequences (consecutive ranks), or None."""
-        if P == 1:
-            return None
-        if self.world % P:
-            raise ValueError(f"context_parallel={P} must divide the number of processes ({self.world})")
-        if self.context % (2 * P):
-            raise ValueError(f"context_length={self.context} must divide into 2 x context_parallel = {2 * P} "
-                             "equal pieces (the zigzag layout)")
-        import torch.distributed as dist
+    def _all_finite(self) -> bool:
+        """Whether every weight is finite, on every rank (each checks the shards it holds)."""
+        from torch.distributed.tensor import DTensor
 
-        groups = [dist.new_group(list(range(s, s + P))) for s in range(0, self.world, P)]   # every rank makes every group
-        return groups[self.rank // P]
-
-    def _average_gradients(self):
-        """Context parallel: each rank's gradient holds its part of every loss it fed; average them all."""
-        import torch.distributed as dist
-
-        params = [p for p in self.model.parameters() if p.grad is not None]
-        flat = torch.cat([p.grad.flatten() for p in params])
-        dist.all_reduce(flat)
-        flat /= self.world
-        for p, g in zip(params, flat.split([p.numel() for p in params])):
-            p.grad.copy_(g.view_as(p))
+        ok = all(torch.isfinite(p.to_local() if isinstance(p, DTensor) else p).all() for p in self.model.parameters())
+        if self.world > 1:
+            import torch.distributed as dist
+            flag = torch.tensor(float(ok))
+            dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+            ok = bool(flag)
+        return ok
 
     # -- state ---------------------------------------------------------------------------------------------
     def _meta(self):
@@ -274,10 +281,16 @@ class Trainer:
         return f"The last good checkpoint, step {self.saved_step}, is kept in {self.run_dir / 'ckpt'}"
 
     def save(self):
-        if not all(torch.isfinite(p).all() for p in self.model.parameters()):
+        if not self._all_finite():
             raise TrainingDiverged(f"the model's weights are not finite at step {self.step}; not saved. "
                                    f"{self._kept()}")
         meta = self._meta()                      # a collective when distributed: every rank calls it
+        if self.sharded:                         # every rank writes its shards (train.sharded)
+            from subquad.train.sharded import save_sharded
+
+            path = save_sharded(self.run_dir, self.step, self.model, self.opt, meta)
+            self.saved_step = self.step
+            return path
         path = save_checkpoint(self.run_dir, self.step, self.model, self.opt, meta) if self.rank == 0 else None
         if self.world > 1:
             import torch.distributed as dist
@@ -290,9 +303,33 @@ class Trainer:
         cut back to the steps the checkpoint covers (``trim_metrics=False``: the caller does it later)."""
         if not has_checkpoints(self.run_dir):
             return False
+        if self.sharded:
+            self._resume_sharded(log, trim_metrics)
+            return True
         model_sd, optim_sd, meta = load_checkpoint(self.run_dir, log)      # the newest intact one, verified once
         self.model.load_state_dict(model_sd)
         self.opt.load_state_dict(optim_sd)
+        self._resume_meta(meta, trim_metrics)
+        return True
+
+    def _resume_sharded(self, log, trim_metrics: bool = True):
+        """A sharded model resumes from shards (any number of processes wrote them) or from a full checkpoint,
+        each rank loading only its own shard of every tensor."""
+        import json
+
+        from subquad.train.checkpoint import find_checkpoint
+        from subquad.train.sharded import FORMAT, load_full_into, load_sharded
+
+        found = find_checkpoint(self.run_dir, log if self.rank == 0 else None)
+        meta = json.loads((found / "meta.json").read_text())
+        if meta.get("format") == FORMAT:
+            load_sharded(found, self.model, self.opt)
+        else:
+            model_sd, optim_sd, meta = load_checkpoint(found)
+            load_full_into(self.model, self.opt, model_sd, optim_sd)
+        self._resume_meta(meta, trim_metrics)
+
+    def _resume_meta(self, meta: dict, trim_metrics: bool):
         ranks = meta.get("data_rng_ranks") or [meta["data_rng"]]
         if len(ranks) == self.world:
             self.gen.set_state(torch.tensor(ranks[self.rank], dtype=torch.uint8))
@@ -303,7 +340,6 @@ class Trainer:
         self.last_record = meta.get("metrics")
         if self.rank == 0 and trim_metrics:
             self._trim_metrics()
-        return True
 
     def _trim_metrics(self):
         """metrics.jsonl becomes exactly one record per step the checkpoint covers (steps after it are redone
@@ -359,8 +395,6 @@ class Trainer:
                         aux = aux.detach()
                     else:
                         loss.backward()          # DDP all-reduces the gradients here
-                    if self.cp_group is not None:
-                        self._average_gradients()
                     if self.world > 1:
                         import torch.distributed as dist
                         logged = loss.detach().clone()
@@ -372,6 +406,7 @@ class Trainer:
                                        "stopping instead of waiting") from None
                     raise
                 gnorm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+                gnorm = gnorm.full_tensor() if hasattr(gnorm, "full_tensor") else gnorm    # FSDP: a DTensor
                 skipped = not (torch.isfinite(loss) and torch.isfinite(gnorm))
                 if skipped and cfg.on_nonfinite == "stop":   # no update and no checkpoint from this step
                     raise TrainingDiverged(f"the gradient norm became {float(gnorm)} at step {step}; stopped before "
@@ -388,7 +423,7 @@ class Trainer:
                        "tokens_per_s": round(tok_rate, 1), **({"skipped": True} if skipped else {})}
                 if moe:
                     rec["aux_loss"] = round(aux.item(), 5)
-                if (lead or self.cp_group is not None) and (step % cfg.eval_every == 0 or step == cfg.steps):
+                if step % cfg.eval_every == 0 or step == cfg.steps:    # every rank: FSDP's forward is a collective
                     ev = evaluate(model, self.data.heldout, self.context, cfg.batch_size, cfg.eval_batches, cfg.bf16,
                                   cp_group=self.cp_group, eot=self.eot)
                     rec["heldout_loss"] = round(ev, 5)

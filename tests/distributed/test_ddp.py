@@ -10,7 +10,7 @@ import torch.multiprocessing as mp
 
 from subquad.data import get_batch, prepare
 from subquad.models import LanguageModel, ModelConfig
-from subquad.train import PeerLost, TrainConfig, Trainer, load_checkpoint
+from subquad.train import PeerLost, TrainConfig, Trainer, load_checkpoint, make_mesh, parallelize
 from subquad.train import trainer as trainer_mod
 from tests.distributed.helpers import run
 
@@ -26,7 +26,8 @@ def model():
 
 def _train(rank, world, corpus, cache, out):
     data = prepare(corpus, vocab_size=300, cache_dir=cache, log=lambda m: None)
-    Trainer(model(), data, TrainConfig(**CFG), out, progress=False).fit()
+    mesh = make_mesh()
+    Trainer(parallelize(model(), mesh, fsdp=False), data, TrainConfig(**CFG), out, progress=False, mesh=mesh).fit()
     return None
 
 
@@ -64,7 +65,9 @@ def _lose_a_rank(rank, world, init_file, corpus, cache, out, result_file):
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
                             timeout=timedelta(seconds=20))
     data = prepare(corpus, vocab_size=300, cache_dir=cache, log=lambda m: None)
-    t = Trainer(model(), data, TrainConfig(**{**CFG, "steps": 50}), out, progress=False)
+    mesh = make_mesh()
+    t = Trainer(parallelize(model(), mesh, fsdp=False), data, TrainConfig(**{**CFG, "steps": 50}), out,
+                progress=False, mesh=mesh)
     if rank == 1:
         os._exit(3)                                    # a rank dies mid-run
     try:
@@ -100,7 +103,9 @@ def _train_cp(rank, world, corpus, cache, out, P, pattern):
     torch.manual_seed(0)
     m = LanguageModel(ModelConfig(vocab_size=300, d_model=32, n_layers=2, n_heads=2, context_length=16,
                                   pattern=pattern))
-    Trainer(m, data, TrainConfig(**{**CFG, "context_parallel": P}), out, progress=False).fit()
+    mesh = make_mesh(context_parallel=P)
+    Trainer(parallelize(m, mesh, fsdp=False), data, TrainConfig(**{**CFG, "context_parallel": P}), out,
+            progress=False, mesh=mesh).fit()
     return None
 
 
@@ -140,7 +145,7 @@ def test_context_parallel_training_equals_one_process(corpus, tmp_path, monkeypa
 def _bad_cp(rank, world, corpus, cache, out):
     data = prepare(corpus, vocab_size=300, cache_dir=cache, log=lambda m: None)
     try:
-        Trainer(model(), data, TrainConfig(**{**CFG, "context_parallel": 3}), out, progress=False)
+        make_mesh(context_parallel=3)
     except ValueError as e:
         return str(e)
     return "accepted"
@@ -148,4 +153,4 @@ def _bad_cp(rank, world, corpus, cache, out):
 
 def test_context_parallel_must_divide_the_processes(corpus, tmp_path):
     msgs = run(2, _bad_cp, str(corpus / "code.py"), str(corpus / "cache"), str(tmp_path / "bad"))
-    assert all("context_parallel=3" in m for m in msgs)
+    assert all("context_parallel=3 must divide the number of processes (2)" in m for m in msgs), msgs

@@ -18,16 +18,43 @@ from subquad.data.rwkv_world import WorldTokenizer
 from subquad.models.decode import decode_layout
 from subquad.models.hf.common import eos_token_ids, read_json, read_weights
 from subquad.models.hf.registry import MAPPINGS
+from subquad.models.hf.saver import PLAIN
 from subquad.models.hf.rwkv7_pth import RWKV7PthFormat, pth_file, read_pth
+from subquad.models.config import ModelConfig
 from subquad.models.lm import LanguageModel
+
+
+class PlainFormat:
+    """A folder ``save_plain`` wrote: subquad's own config and parameter names (``subquad export`` of a model of
+    no Hugging Face type)."""
+    conv_bias_key = None
+
+    @staticmethod
+    def config(c: dict) -> ModelConfig:
+        if not isinstance(c.get("config"), dict):
+            raise ValueError("config.json of model_type 'subquad' has no 'config' object (the model's ModelConfig)")
+        return ModelConfig.from_dict(c["config"])
+
+    @staticmethod
+    def names(cfg, shapes: dict) -> dict:
+        return {k: k for k in shapes}
+
+    @staticmethod
+    def drop_not_loaded(weights: dict) -> dict:
+        return weights
+
+    @staticmethod
+    def unpack(tensors: dict, cfg, dtype) -> dict:
+        return dict(tensors)
 
 
 def read_config(path) -> dict:
     """The folder's config.json; ValueError for a folder without one or a ``model_type`` subquad cannot read."""
     c = read_json(path)
     mt = c.get("model_type")
-    if mt not in MAPPINGS:
-        raise ValueError(f"model_type {mt!r} is not supported; supported: {', '.join(sorted(MAPPINGS))}")
+    if mt not in MAPPINGS and mt != PLAIN:
+        raise ValueError(f"model_type {mt!r} is not supported; supported: {', '.join(sorted(MAPPINGS))}, and "
+                         f"{PLAIN!r} (a folder subquad wrote for a model of no Hugging Face type)")
     return c
 
 
@@ -70,9 +97,13 @@ def from_pretrained(path, dtype=None, device=None, quantize=None):
         cfg = fmt.config_from_weights(weights)
     else:
         c = read_config(path)
-        fmt, weights = MAPPINGS[c["model_type"]], None
-        cfg = fmt.config(c)
-        cfg.eos_token_ids = [t for t in eos_token_ids(path, c) if t < cfg.vocab_size]   # generate stops there
+        if c["model_type"] == PLAIN:
+            fmt, weights = PlainFormat, read_weights(path)
+            cfg = fmt.config(c)
+        else:
+            fmt, weights = MAPPINGS[c["model_type"]], None
+            cfg = fmt.config(c)
+            cfg.eos_token_ids = [t for t in eos_token_ids(path, c) if t < cfg.vocab_size]   # generate stops there
     dtype = resolve_dtype(dtype, c)
     if quantize is not None and (quantize not in QUANTIZE or dtype not in (None, torch.float32)):
         raise ValueError(f"quantize must be one of {', '.join(QUANTIZE)} with float32 weights, got quantize="

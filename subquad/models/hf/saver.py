@@ -26,24 +26,12 @@ def save_pretrained(model, path, tokenizer=None, model_type: str | None = None) 
 
     if getattr(model, "quantized", None):
         raise ValueError(f"a quantised model ({model.quantized}) is not saved: save the float model it came from")
+    if model_type == PLAIN:
+        return save_plain(model, path, tokenizer)
     cfg = model.config
-    opts = layer_options(model)
-    def holds(f):                                   # plain: no option the format would drop (Format.plain)
-        return (f.plain(cfg, opts) and f.matches(cfg, opts) and (f.any_mamba2 or plain_mamba2(cfg, opts))
-                and (f.any_block or not cfg.parallel))
-
-    if model_type is not None and (model_type not in MAPPINGS or not holds(MAPPINGS[model_type])):
-        raise ValueError(f"this model (pattern {cfg.pattern!r}, mlp={cfg.mlp}, moe={cfg.moe}) cannot be written as "
-                         f"model_type {model_type!r}; supported: {', '.join(sorted(MAPPINGS))}")
+    model_type, opts = _format_for(model, model_type)
+    fmt = MAPPINGS[model_type]
     source = getattr(model, "hf_source", None) or {"config": {}, "files": {}}
-    if model_type is None and source["config"].get("model_type") in MAPPINGS \
-            and holds(MAPPINGS[source["config"]["model_type"]]):
-        model_type = source["config"]["model_type"]                # what it was read as
-    fmt = MAPPINGS[model_type] if model_type is not None else next(
-        (f for f in MAPPINGS.values() if holds(f)), None)
-    if fmt is None:
-        raise ValueError(f"no Hugging Face model type has this structure (pattern {cfg.pattern!r}, mlp={cfg.mlp}, "
-                         f"moe={cfg.moe}, options {cfg.mixer_options}); supported: {', '.join(sorted(MAPPINGS))}")
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     own = model.state_dict()
@@ -75,6 +63,62 @@ def save_pretrained(model, path, tokenizer=None, model_type: str | None = None) 
         files["tokenizer.json"] = tokenizer.to_str().encode()
     for name, data in files.items():
         _write(path / name, data)
+
+
+def _format_for(model, model_type: str | None) -> tuple[str, dict]:
+    """(the model type to write ``model`` as - see ``save_pretrained`` - and the model's layer options);
+    ValueError when that type, or every type, cannot hold its structure."""
+    cfg = model.config
+    opts = layer_options(model)
+    def holds(f):                                   # plain: no option the format would drop (Format.plain)
+        return (f.plain(cfg, opts) and f.matches(cfg, opts) and (f.any_mamba2 or plain_mamba2(cfg, opts))
+                and (f.any_block or not cfg.parallel))
+
+    if model_type is not None and (model_type not in MAPPINGS or not holds(MAPPINGS[model_type])):
+        raise ValueError(f"this model (pattern {cfg.pattern!r}, mlp={cfg.mlp}, moe={cfg.moe}) cannot be written as "
+                         f"model_type {model_type!r}; supported: {', '.join(sorted(MAPPINGS))}")
+    source = getattr(model, "hf_source", None) or {"config": {}, "files": {}}
+    if model_type is None and source["config"].get("model_type") in MAPPINGS \
+            and holds(MAPPINGS[source["config"]["model_type"]]):
+        model_type = source["config"]["model_type"]                # what it was read as
+    if model_type is None:
+        model_type = next((name for name, f in MAPPINGS.items() if holds(f)), None)
+    if model_type is None:
+        raise ValueError(f"no Hugging Face model type has this structure (pattern {cfg.pattern!r}, mlp={cfg.mlp}, "
+                         f"moe={cfg.moe}, options {cfg.mixer_options}); supported: {', '.join(sorted(MAPPINGS))}")
+    return model_type, opts
+
+
+PLAIN = "subquad"     # a folder of any subquad model: its own config, its own parameter names
+
+
+def hf_type(model) -> str | None:
+    """The Hugging Face model type ``save_pretrained`` would write this model as, or None when no type has its
+    structure."""
+    try:
+        return _format_for(model, None)[0]
+    except ValueError:
+        return None
+
+
+def save_plain(model, path, tokenizer=None) -> None:
+    """Write any subquad model as a folder ``from_pretrained`` reads: config.json ``{"model_type": "subquad",
+    "config": ModelConfig}``, model.safetensors under subquad's parameter names, generation_config.json and
+    the tokenizer. transformers has no such type: ``save_pretrained`` writes one for models of its types."""
+    from safetensors.torch import save_file
+
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    tmp = path / "model.safetensors.tmp"
+    save_file({k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()}, str(tmp),
+              metadata={"format": "pt"})
+    os.replace(tmp, path / "model.safetensors")
+    cfg = model.config
+    _write(path / "config.json", json.dumps({"model_type": PLAIN, "config": cfg.to_dict()}, indent=1).encode())
+    eos = cfg.eos_token_ids[0] if len(cfg.eos_token_ids or []) == 1 else cfg.eos_token_ids
+    _write(path / "generation_config.json", json.dumps({"eos_token_id": eos} if eos else {}, indent=1).encode())
+    if tokenizer is not None:
+        _write(path / "tokenizer.json", tokenizer.to_str().encode())
 
 
 def _write(file: Path, data: bytes) -> None:
