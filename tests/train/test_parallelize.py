@@ -54,7 +54,8 @@ def _trainer(kind, corpus, out, cfg, fsdp=True):
     """A Trainer of this process, parallelised over the mesh ``cfg`` asks for (one process: none)."""
     mesh = make_mesh(replicate=cfg.replicate, context_parallel=cfg.context_parallel) if dist.is_initialized() \
         else None
-    model = parallelize(build(kind), mesh, fsdp=fsdp, activation_checkpointing=cfg.activation_checkpointing)
+    model = parallelize(build(kind), mesh, fsdp=fsdp, bf16=cfg.bf16,
+                        activation_checkpointing=cfg.activation_checkpointing)
     return Trainer(model, _data(corpus), cfg, out, progress=False, mesh=mesh)
 
 
@@ -111,6 +112,19 @@ def test_sharded_training_equals_one_process(corpus, tmp_path, monkeypatch, worl
     assert meta["format"] == "dcp" and meta["world"] == world
     files = sorted(p.name for p in (tmp_path / "sharded" / "ckpt" / "step_0000010").iterdir())
     assert files == [".metadata"] + [f"__{r}_0.distcp" for r in range(world)] + ["meta.json"]
+
+
+def test_bf16_parameters_with_float32_reductions_track_float32(corpus, tmp_path, monkeypatch):
+    """FSDP's mixed precision (bf16 gathers and compute, float32 gradient reductions and masters) follows the
+    float32 run of one process within bf16's rounding, and checkpoints float32 weights."""
+    kw = {"fsdp": True, "bf16": True, "steps": 4, "ckpt_every": 4, "eval_every": 4}
+    run(2, _fit, "hybrid", corpus, str(tmp_path / "bf16"), kw)
+    _one_process("hybrid", corpus, tmp_path / "one", 2, monkeypatch, {"steps": 4, "ckpt_every": 4, "eval_every": 4})
+    a, b = _metrics(tmp_path / "bf16"), _metrics(tmp_path / "one")
+    assert [r["loss"] for r in a] == pytest.approx([r["loss"] for r in b], abs=0.05)
+    assert [r["loss"] for r in a] != [r["loss"] for r in b]                     # bf16 did run
+    weights, _, _ = load_checkpoint(tmp_path / "bf16")
+    assert all(w.dtype == torch.float32 for w in weights.values())
 
 
 def test_activation_checkpointing_changes_nothing_but_memory(corpus, tmp_path):
@@ -198,6 +212,52 @@ def _killed(rank, world, init_file, corpus, out, kill_at, result_file):
     os._exit(0)
 
 
+def _stopped(rank, world, init_file, corpus, out, result_file):
+    """Rank 1 stops (SIGSTOP: alive, silent) at step 2; rank 0 must give up after the 10 s timeout."""
+    import signal
+    import time
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
+                            timeout=timedelta(seconds=10))
+    t = _trainer("hybrid", corpus, out, TrainConfig(**{**CFG, "steps": 4, "fsdp": True}))
+    loss = trainer_mod.cross_entropy
+
+    def stops(*a, **k):
+        if rank == 1 and t.step + 1 == 2:
+            os.kill(os.getpid(), signal.SIGSTOP)
+        return loss(*a, **k)
+    trainer_mod.cross_entropy = stops
+    start = time.monotonic()
+    try:
+        t.fit()
+        msg = "finished"
+    except PeerLost as e:
+        msg = f"PeerLost after {time.monotonic() - start:.0f} s: {e}"
+    except Exception as e:
+        msg = f"{type(e).__name__}: {e}"
+    with open(result_file, "w") as f:
+        f.write(msg)
+    os._exit(0)
+
+
+def test_a_stopped_rank_ends_the_other_within_the_timeout(corpus, tmp_path):
+    ctx = mp.get_context("spawn")
+    init_file, result = str(tmp_path / "rdv"), str(tmp_path / "rank0.txt")
+    procs = [ctx.Process(target=_stopped, args=(r, 2, init_file, corpus, str(tmp_path / "run"), result))
+             for r in range(2)]
+    for p in procs:
+        p.start()
+    procs[0].join(timeout=120)
+    alive = procs[0].is_alive()
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+    assert not alive, "rank 0 waited past its timeout for a stopped peer"
+    text = open(result).read()
+    assert text.startswith("PeerLost") and "peer stopped answering at step 2" in text, text
+
+
 def _resume_fit(rank, world, corpus, out):
     t = _trainer("hybrid", corpus, out, TrainConfig(**{**CFG, "steps": 6, "ckpt_every": 2, "fsdp": True}))
     assert t.resume() and t.step == 4
@@ -236,3 +296,19 @@ def test_read_full_needs_no_process_group(corpus, tmp_path):
     ref = build("hybrid").state_dict()
     assert model_sd.keys() == ref.keys() and all(model_sd[k].shape == ref[k].shape for k in ref)
     assert len(optim_sd["state"]) == len(ref)
+
+
+def test_compile_per_block_trains_as_the_eager_model():
+    """``compile``: each block compiled in place (dynamo's graphs, run by the eager backend here to stay quick);
+    the parameter names and the losses stay the model's own."""
+    torch.manual_seed(0)
+    cfg = ModelConfig(vocab_size=50, d_model=16, n_layers=2, n_heads=2, context_length=8, pattern="linear,softmax")
+    eager, compiled = LanguageModel(cfg), LanguageModel(cfg)
+    compiled.load_state_dict(eager.state_dict())
+    parallelize(compiled, None, compile="eager")
+    assert [n for n, _ in compiled.named_parameters()] == [n for n, _ in eager.named_parameters()]
+    x = torch.randint(0, 50, (2, 8))
+    for m in (eager, compiled):
+        m(x, targets=x).backward()
+    assert torch.allclose(eager(x, targets=x), compiled(x, targets=x), atol=1e-6)
+    assert all(torch.allclose(a.grad, b.grad, atol=1e-6) for a, b in zip(eager.parameters(), compiled.parameters()))
