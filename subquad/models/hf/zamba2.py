@@ -11,7 +11,9 @@ The checkpoint names a shared block under the first hybrid layer that uses it
 (``model.layers.{L}.shared_transformer.*``), with every use's adapters in lists there (index j); the other
 layers using it are transformers' aliases of those names. ``unpack`` reads them once (an alias must equal its
 original: a checkpoint whose copies differ has no shared weights to load) and splits the fused gate/up;
-``pack`` fuses it and writes every alias, as transformers' state dict names them.
+``pack`` fuses it and writes every alias, as transformers' state dict names them. (transformers 5 ties the
+aliases only with ``tie_word_embeddings``; untied, it loads each copy on its own - the same model while the
+copies are equal, as every folder subquad writes has them.)
 """
 
 from __future__ import annotations
@@ -157,7 +159,9 @@ class Zamba2Format(Format):
                 original = f"model.layers.{first[uses[int(m[1])][1]]}.shared_transformer.{m[2]}"
                 if original in tensors and not torch.equal(tensors[original], t):
                     raise ValueError(f"zamba2: {name} differs from {original}, the weight of the shared block it "
-                                     "repeats (subquad loads one weight per shared block)")
+                                     "repeats: these layers do not share it (transformers unties copies that differ, "
+                                     "and all of them with tie_word_embeddings=false); subquad loads one weight per "
+                                     "shared block")
                 name = original
             if name.endswith("shared_transformer.feed_forward.gate_up_proj.weight"):
                 if t.shape[0] % 2:
