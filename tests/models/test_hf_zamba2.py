@@ -94,6 +94,35 @@ def test_prefill_decode_packed_and_greedy_equal_transformers(tmp_path):
     assert greedy_agreement(ours, hf, ids, lambda x: hf(x).logits) == 32
 
 
+def test_a_state_is_reused_unchanged_and_bfloat16_trains(tmp_path):
+    """Two continuations from one state agree and leave it as it was (each use's KV cache forks); in bfloat16
+    the logits are float32's within its rounding, and a backward pass reaches every weight, shared ones once."""
+    _, folder = _hf(tmp_path)
+    ours, _ = from_pretrained(folder)
+    ids = _ids()
+    with torch.no_grad():
+        _, state = ours.prefill(ids[:, :10])
+        kept = [{k: (v.k.clone(), v.seen) if k == "kv" else v.clone() for k, v in s.items()} for s in state]
+        a, _ = ours.prefill(ids[:, 10:14], state)
+        b, _ = ours.prefill(ids[:, 10:14], state)
+        ref = ours(ids)
+    torch.testing.assert_close(a, b, rtol=0, atol=0)
+    for s, k in zip(state, kept):
+        for key, v in s.items():
+            if key == "kv":
+                assert v.seen == k[key][1] and torch.equal(v.k, k[key][0])
+            else:
+                assert torch.equal(v, k[key])
+    b16, _ = from_pretrained(folder, dtype="bfloat16")
+    got = b16(ids)
+    assert got.dtype == torch.bfloat16 and ((got.float() - ref).abs().max() / ref.abs().max()).item() < 0.05
+    b16.train()
+    b16(ids, targets=ids).backward()
+    grads = {n: p.grad for n, p in b16.named_parameters()}
+    assert all(g is not None and bool(torch.isfinite(g).all()) for g in grads.values())
+    assert len(grads) == len(b16.state_dict())                 # each shared weight one parameter
+
+
 @pytest.mark.parametrize("over", [{}, PLAIN], ids=["rotary-adapters-2-blocks", "plain-gqa-untied"])
 def test_save_pretrained_round_trip_loads_in_transformers(tmp_path, over):
     """The folder holds every name of transformers' state dict - each shared weight and adapter under every
