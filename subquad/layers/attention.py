@@ -103,7 +103,7 @@ class SoftmaxAttention(Mixer):
         return self.attend(*self.project(x), state, seq)
 
     def project(self, x):
-        """x (B, T, d_model) -> q (B, T, H K, or 2 H K with the output gate), k, v (B, T, H_kv K): W_q x, W_k x, W_v x."""
+        """x (B, T, d_model) -> W_q x (B, T, H K; 2 H K with the output gate), W_k x, W_v x (B, T, H_kv K)."""
         return self.q_proj(x), self.k_proj(x), self.v_proj(x)
 
     def attend(self, q, k, v, state, seq):

@@ -219,7 +219,8 @@ class SharedUseBlock(Block):
         self.use = SharedUse(shared, cfg.shared["adapter_rank"], cfg.shared["attention_adapter"])
         keys = [set(m.empty_state(1, device="meta")) for m in (self.mixer, self.use)]
         if keys[0] & keys[1]:
-            raise ValueError(f"a {mixer_name} layer and a shared block's use name state entries alike: {keys[0] & keys[1]}")
+            raise ValueError(f"a {mixer_name} layer and a shared block's use name state entries alike: "
+                             f"{keys[0] & keys[1]}")
         self.state_keys = keys
 
     def mixers(self) -> list:

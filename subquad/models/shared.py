@@ -53,7 +53,8 @@ def check_shared(s, n_layers: int) -> dict:
     for key, low in (("blocks", 1), ("adapter_rank", 0)):
         if isinstance(s[key], bool) or not isinstance(s[key], int) or s[key] < low:
             raise ValueError(f"shared['{key}'] must be an int >= {low}, got {s[key]!r}")
-    if s["hidden"] is not None and (isinstance(s["hidden"], bool) or not isinstance(s["hidden"], int) or s["hidden"] < 1):
+    hidden = s["hidden"]
+    if hidden is not None and (isinstance(hidden, bool) or not isinstance(hidden, int) or hidden < 1):
         raise ValueError(f"shared['hidden'] must be a positive int or None, got {s['hidden']!r}")
     if s["act"] not in ACTS:
         raise ValueError(f"shared['act'] must be one of {', '.join(ACTS)}, got {s['act']!r}")

@@ -35,7 +35,8 @@ DEFAULT_TYPES = (["mamba"] + (["mamba"] * 5 + ["hybrid"]) * 7 + ["mamba"] * 4 + 
 TOP = {"embed.weight": "model.embed_tokens.weight", "norm.weight": "model.final_layernorm.weight",
        "head.weight": "lm_head.weight"}
 MAMBA = {"norm1.weight": "input_layernorm.weight", "mixer.conv.{p}": "mamba.conv1d.{p}", "mixer.{p}": "mamba.{p}"}
-SHARED = {"norm1.weight": "input_layernorm.weight", "attn.{p}": "self_attn.{p}", "norm2.weight": "pre_ff_layernorm.weight",
+SHARED = {"norm1.weight": "input_layernorm.weight", "attn.{p}": "self_attn.{p}",
+          "norm2.weight": "pre_ff_layernorm.weight",
           "mlp.w_gate.weight": "feed_forward.gate_proj.weight", "mlp.w_up.weight": "feed_forward.up_proj.weight",
           "mlp.w_down.weight": "feed_forward.down_proj.weight"}        # gate_proj + up_proj: the fused gate_up_proj
 ADAPTERS = {"use.q_adapter.{p}": "self_attn.linear_q_adapter_list.{j}.{p}",
