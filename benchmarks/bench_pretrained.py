@@ -7,7 +7,10 @@ and 3), and 4-layer models at the layer shapes of the delta-rule hybrids (three 
 attention; fewer experts than the real ones, each of the real size and top-k): Qwen3-Next-like (d_model
 2,048, Gated DeltaNet 16 key / 32 value heads of 128, gated attention 16 heads of 256 with 2 KV heads, 32
 experts of 512, top 10, a shared expert) and Kimi-Linear-like (d_model 2,304, KDA 32 heads of 128, MLA 32
-heads with latent 512, a dense MLP of 9,216 first, then 16 experts of 1,024, top 8, a shared expert). For each dtype (float32, bfloat16) and batch (1: prefill 2,048 tokens, decode 256; 8: prefill
+heads with latent 512, a dense MLP of 9,216 first, then 16 experts of 1,024, top 8, a shared expert), and
+an 8-layer Zamba2-1.2B-like model (``--models zamba2``: d_model 2,048, Mamba-2 64 heads of 64, state 64; one
+shared attention + MLP block, 32 heads over 4,096, MLP 8,192, used at layers 3 and 7 with rank-128 adapters
+on q, k, v and the MLP, rotary). For each dtype (float32, bfloat16) and batch (1: prefill 2,048 tokens, decode 256; 8: prefill
 512 each, decode 64 - transformers' reference path needs minutes for 8 x 2,048): prefill tokens/s,
 decode ms per step (greedy; the time of generating n tokens less that of generating 1, per step), and
 each process's peak resident memory. Every measurement runs in its own process (peak memory is per
@@ -90,6 +93,15 @@ def hf_model(kind, quick):
             vocab_size=V, num_hidden_layers=4, layer_types=["linear_attention"] * 3 + ["full_attention"],
             mlp_layer_types=["dense", "sparse", "sparse", "sparse"], n_group=1, topk_group=1, pad_token_id=None,
             bos_token_id=None, eos_token_id=None, **c))
+    if kind == "zamba2":                  # Zamba2-1.2B's layer shapes, 8 layers: one shared block used at 3 and 7
+        c = dict(hidden_size=64, n_mamba_heads=4, mamba_d_state=16, num_attention_heads=4, intermediate_size=128,
+                 adapter_rank=8) if quick else \
+            dict(hidden_size=2048, n_mamba_heads=64, mamba_d_state=64, num_attention_heads=32, intermediate_size=8192,
+                 adapter_rank=128)
+        return transformers.Zamba2ForCausalLM(transformers.Zamba2Config(
+            vocab_size=V, num_hidden_layers=8, layers_block_type=(["mamba"] * 3 + ["hybrid"]) * 2, num_mem_blocks=1,
+            use_shared_attention_adapter=True, use_mem_rope=True, pad_token_id=None, bos_token_id=None,
+            eos_token_id=None, **c))
     H = 64 if quick else 768
     cfg = transformers.JambaConfig(vocab_size=V, hidden_size=H, intermediate_size=2 * H + H // 2 * 2,
                                    num_hidden_layers=4, num_attention_heads=4 if quick else 12,

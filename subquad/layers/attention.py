@@ -6,8 +6,9 @@
 Checkpoints' variants are options: ``head_dim`` other than d_model / n_heads (Qwen3-Next: 256), RMS norms
 on q and k before the rotation (``qk_norm="head"``: per head, Qwen3; ``"all"``: over all heads' dims,
 OLMo-2/OLMo-Hybrid), a sigmoid output gate (``output_gate``: Qwen3-Next's gated attention - W_q
-writes each head's query and then its gate, o_h = o_h * sigmoid(gate_h) before W_o), and a bias on W_o
-(``o_bias``: RecurrentGemma's local attention).
+writes each head's query and then its gate, o_h = o_h * sigmoid(gate_h) before W_o), a bias on W_o
+(``o_bias``: RecurrentGemma's local attention), a scale on the scores other than K^-1/2 and an output
+width other than the input's (``scale``, ``d_out``: Zamba2's shared attention, ``models.shared``).
 
 The decoding state is a KVCache of the H_kv key/value heads only, so grouped-query
 attention (n_kv_heads < n_heads) shrinks the cache by n_heads / n_kv_heads; with a
@@ -35,14 +36,17 @@ class SoftmaxAttention(Mixer):
     attention layers); rotary_base (RoPE's theta); rotary_fraction (the leading fraction of each head's dims
     that rotate: Bamba's partial rotary 0.5); mode ("parallel": SDPA, "chunk":
     blockwise online softmax; both O(T W) with a window); chunk_size; head_dim (default d_model / n_heads);
-    qk_norm (None, "head" or "all") with qk_norm_eps; output_gate; o_bias (a bias on the output projection).
+    qk_norm (None, "head" or "all") with qk_norm_eps; output_gate; o_bias (a bias on the output projection);
+    scale (the scores', default K^-1/2); d_out (the output width, default d_model).
+    ``mix`` is ``attend(*project(x))``: a caller that adds to q, k, v (``models.shared``'s adapters) calls the two.
     State: {"kv": a ``KVCache`` of k (B, L, n_kv_heads, K) and v (B, L, n_kv_heads, K)}, L the tokens seen
     (at most W with a window). A state passed in is never modified (the layer appends to a fork).
     """
     def __init__(self, d_model: int, n_heads: int = 4, n_kv_heads: int | None = None, window: int | None = None,
                  rotary: bool = True, rotary_base: float = 10000.0, rotary_fraction: float = 1.0,
                  head_dim: int | None = None, qk_norm: str | None = None, qk_norm_eps: float = 1e-6,
-                 output_gate: bool = False, o_bias: bool = False, mode: str = "parallel", chunk_size: int = 64):
+                 output_gate: bool = False, o_bias: bool = False, scale: float | None = None,
+                 d_out: int | None = None, mode: str = "parallel", chunk_size: int = 64):
         super().__init__(d_model, mode, chunk_size)
         self.n_heads, self.n_kv_heads = n_heads, n_kv_heads or n_heads
         if head_dim is None and d_model % n_heads:
@@ -55,12 +59,17 @@ class SoftmaxAttention(Mixer):
             raise ValueError(f"output_gate must be a bool, got {output_gate!r}")
         if not isinstance(o_bias, bool):
             raise ValueError(f"o_bias must be a bool, got {o_bias!r}")
+        if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float)) or not scale > 0):
+            raise ValueError(f"scale must be a positive number or None (K^-1/2), got {scale!r}")
+        if d_out is not None and (isinstance(d_out, bool) or not isinstance(d_out, int) or d_out < 1):
+            raise ValueError(f"d_out must be a positive int or None (d_model), got {d_out!r}")
         if n_heads % self.n_kv_heads:
             raise ValueError(f"n_heads={n_heads} must be a multiple of n_kv_heads={self.n_kv_heads}")
         if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 0):
             raise ValueError(f"window must be a non-negative int or None, got {window!r}")
         self.head_dim = head_dim or d_model // n_heads
         self.qk_norm, self.output_gate = qk_norm, output_gate
+        self.scale = None if scale is None else float(scale)
         self.window, self.rotary, self.rotary_base = window, rotary, float(rotary_base)
         self.rotary_dim = int(self.head_dim * rotary_fraction)
         if rotary and (self.rotary_dim % 2 or not 0 < self.rotary_dim <= self.head_dim):
@@ -70,7 +79,7 @@ class SoftmaxAttention(Mixer):
         self.q_proj = nn.Linear(d_model, n_heads * K * (2 if output_gate else 1), bias=False)
         self.k_proj = nn.Linear(d_model, Hk * K, bias=False)
         self.v_proj = nn.Linear(d_model, Hk * K, bias=False)
-        self.o_proj = nn.Linear(n_heads * K, d_model, bias=o_bias)
+        self.o_proj = nn.Linear(n_heads * K, d_out or d_model, bias=o_bias)
         if qk_norm is not None:
             self.q_norm = RMSNorm(K if qk_norm == "head" else n_heads * K, qk_norm_eps)
             self.k_norm = RMSNorm(K if qk_norm == "head" else Hk * K, qk_norm_eps)
@@ -91,10 +100,18 @@ class SoftmaxAttention(Mixer):
         return x if rep == 1 else x.repeat_interleave(rep, dim=2)
 
     def mix(self, x, state, seq):
-        B, T, _ = x.shape
+        return self.attend(*self.project(x), state, seq)
+
+    def project(self, x):
+        """x (B, T, d_model) -> W_q x (B, T, H K; 2 H K with the output gate), W_k x, W_v x (B, T, H_kv K)."""
+        return self.q_proj(x), self.k_proj(x), self.v_proj(x)
+
+    def attend(self, q, k, v, state, seq):
+        """The projections (``project``) -> (y (B, T, d_out), state): gate, norms, rotation, attention, W_o."""
+        B, T, _ = q.shape
         H, Hk, K = self.n_heads, self.n_kv_heads, self.head_dim
         cache = None if state is None else state["kv"]
-        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x).view(B, T, Hk, K)
+        v = v.view(B, T, Hk, K)
         gate = None
         if self.output_gate:                              # per head: its query's K dims, then its gate's
             q, gate = q.view(B, T, H, 2 * K).chunk(2, dim=-1)
@@ -104,11 +121,11 @@ class SoftmaxAttention(Mixer):
         if self.qk_norm == "head":
             q, k = self.q_norm(q), self.k_norm(k)
         if self.rotary:
-            pos = seq.positions(T, 0 if cache is None else cache.next_position, x.device)
+            pos = seq.positions(T, 0 if cache is None else cache.next_position, q.device)
             q = apply_rotary(q, pos, self.rotary_base, self.rotary_dim)
             k = apply_rotary(k, pos, self.rotary_base, self.rotary_dim)
         o, _ = seq.attention(q, self._repeat(k), self._repeat(v), window=self.window, mode=self.mode,
-                             chunk_size=self.chunk_size, initial_state=self._op_state(cache, seq))
+                             chunk_size=self.chunk_size, scale=self.scale, initial_state=self._op_state(cache, seq))
         if gate is not None:
             o = o * torch.sigmoid(gate)
         return self.o_proj(o.reshape(B, T, H * K)), {"kv": self._extend(cache, k, v, seq)}

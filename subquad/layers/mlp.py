@@ -1,6 +1,7 @@
 """The feed-forward layer after each mixer (Shazeer 2020, "GLU Variants Improve Transformer", arXiv:2002.05202):
 
-    y = W_down (act(W_gate x) * W_up x)        act = silu (SwiGLU) or tanh-approximated GeLU (GeGLU: Gemma)
+    y = W_down (act(W_gate x) * W_up x)        act = silu (SwiGLU), tanh-approximated GeLU (GeGLU: Gemma) or
+                                               GeLU (Zamba2's shared MLP)
 
 or, ungated, with a squared ReLU (So et al. 2021, "Primer", arXiv:2109.08668; Nemotron-H's MLP layers):
 
@@ -18,8 +19,11 @@ import torch.nn.functional as F
 from torch import nn
 
 
+ACTS = {"silu": F.silu, "gelu_tanh": functools.partial(F.gelu, approximate="tanh"), "gelu": F.gelu}
+
+
 class SwiGLU(nn.Module):
-    """x (..., d_model) -> (..., d_model) through a hidden width ``hidden``. ``act``: "silu" or "gelu_tanh";
+    """x (..., d_model) -> (..., d_model) through a hidden width ``hidden``. ``act``: "silu", "gelu_tanh" or "gelu";
     ``bias``: biases on the three projections (RecurrentGemma's MLP has them; the default has none)."""
 
     def __init__(self, d_model: int, hidden: int, act: str = "silu", bias: bool = False):
@@ -27,7 +31,9 @@ class SwiGLU(nn.Module):
         self.w_gate = nn.Linear(d_model, hidden, bias=bias)
         self.w_up = nn.Linear(d_model, hidden, bias=bias)
         self.w_down = nn.Linear(hidden, d_model, bias=bias)
-        self.act = F.silu if act == "silu" else functools.partial(F.gelu, approximate="tanh")
+        if act not in ACTS:
+            raise ValueError(f"act must be one of {', '.join(ACTS)}, got {act!r}")
+        self.act = ACTS[act]
 
     def forward(self, x):
         return self.w_down(self.act(self.w_gate(x)) * self.w_up(x))

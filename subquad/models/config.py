@@ -26,6 +26,11 @@ layer from ``offset`` (Jamba: every second layer from layer 1):
 width (0: none), gated by a learned sigmoid unless ``shared_gate`` is False; ``router`` "sigmoid" with
 ``groups``, ``topk_groups``, ``scale`` and ``renorm_eps`` is DeepSeek-V3's routing (``subquad.models.moe``); ``layers``
 lists the MoE layers explicitly, instead of every/offset (Kimi Linear: every layer but the first).
+
+Shared transformer blocks (``subquad.models.shared``, Zamba2): attention + MLP blocks whose weights serve several
+layers, each use with its own LoRA adapters and output projection, writing into that layer's mixer input:
+
+    shared={"layers": [5, 11, 17], "blocks": 2, "adapter_rank": 128, "attention_adapter": True, "act": "gelu"}
 """
 
 from __future__ import annotations
@@ -92,6 +97,7 @@ class ModelConfig:
     logit_soft_cap: float | None = None  # logits = cap tanh(logits / cap) (Gemma 2, RecurrentGemma); None: none
     norm: str = "rms"                    # the blocks' and final norms: "rms", or "layer" (LayerNorm with bias: RWKV)
     embed_norm: bool = False             # a norm on the embeddings before the first block (RWKV's ln0)
+    shared: dict | None = None           # shared transformer blocks and the layers that use them (module doc; Zamba2)
 
     def __post_init__(self):
         for name in ("vocab_size", "d_model", "n_layers", "n_heads", "context_length"):
@@ -157,6 +163,13 @@ class ModelConfig:
             raise ValueError(f"norm must be 'rms' or 'layer', got {self.norm!r}")
         if not isinstance(self.embed_norm, bool):
             raise ValueError(f"embed_norm must be a bool, got {self.embed_norm!r}")
+        if self.shared is not None:
+            from subquad.models.shared import check_shared
+
+            self.shared = check_shared(self.shared, self.n_layers)
+            if self.parallel or self.post_norm or self.scaled_residual is not None:
+                raise ValueError("the layers that use shared blocks are pre-norm: shared takes no parallel, "
+                                 "post_norm or scaled_residual")
 
     @property
     def layers(self) -> list[str]:

@@ -50,7 +50,7 @@ def _dense(t: torch.Tensor) -> torch.Tensor:
 
 def _blocks_and_head(model, h, states):
     """h (B, 1, d_model) and the per-layer states -> (logits (B, vocab), new per-layer states): the graph."""
-    out, carry = [], {}                     # carry: values that cross layers (``LanguageModel._hidden``)
+    out, carry = [], model._carry(h)        # carry: values that cross layers (``LanguageModel._hidden``)
     for block, s in zip(model.blocks, states):
         h, s = block(h, s, carry=carry)
         out.append(s)

@@ -8,6 +8,8 @@ Three other residual schemes, chosen by the config: ``PostNormBlock`` for the mi
 ``config.post_norm`` (OLMo 2's norms on the branch outputs), ``ScaledResidualBlock`` with
 ``config.scaled_residual`` (MiniMax-01's scaled residual from the normed stream) and ``ParallelBlock`` for
 the mixers ``config.parallel`` names (a second mixer beside the first on the same input, summed: Falcon-H1).
+``SharedUseBlock`` at the layers ``config.shared`` lists: one of the model's shared transformer blocks
+(``models.shared``, ``LanguageModel.shared``) writes into the mixer's input (Zamba2).
 RWKV-7's layout is options of these: ``config.norm="layer"`` (LayerNorms with bias), ``config.embed_norm`` (a norm on the embeddings),
 ``config.mlp_kind="rwkv7"`` (the channel mix, an MLP with a one-token state, kept in the layer's state under
 "mlp.*" beside the mixer's), and the ``carry`` dict each forward hands every block (values that cross layers:
@@ -32,6 +34,7 @@ from subquad.models.config import ModelConfig
 from subquad.models.generate import generate
 from subquad.models.loss import linear_cross_entropy
 from subquad.models.moe import MoE, load_balancing_loss
+from subquad.models.shared import EMBEDDINGS, SharedTransformer, SharedUse
 from subquad.models.state import ModelState
 from subquad.ops.common.checks import state_dtype
 from subquad.ops.common.precision import checks_on
@@ -96,10 +99,13 @@ class Block(nn.Module):
         return y, {**new_state, **{MLP_STATE + k: v for k, v in s.items()}}
 
     @staticmethod
-    def build(cfg: ModelConfig, mixer_name: str, moe: bool = False, mlp: bool = True) -> "Block":
+    def build(cfg: ModelConfig, mixer_name: str, moe: bool = False, mlp: bool = True, shared=None) -> "Block":
         """The block ``cfg`` asks for at a ``mixer_name`` layer: ``ScaledResidualBlock`` with
         ``cfg.scaled_residual``, else ``PostNormBlock`` for a mixer named in ``cfg.post_norm``, else
-        ``PreNormBlock`` (``ParallelBlock`` before all for a mixer ``cfg.parallel`` names)."""
+        ``PreNormBlock`` (``ParallelBlock`` before all for a mixer ``cfg.parallel`` names; ``SharedUseBlock``
+        at a layer given the ``shared`` block it uses)."""
+        if shared is not None:
+            return SharedUseBlock(cfg, mixer_name, moe, mlp, shared)
         if mixer_name in cfg.parallel:
             return ParallelBlock(cfg, mixer_name, moe, mlp)
         if cfg.scaled_residual is not None:
@@ -202,6 +208,40 @@ class ParallelBlock(Block):
         return h, new
 
 
+class SharedUseBlock(Block):
+    """t = use(h, embeddings);  h = h + mixer(rmsnorm(h + t));  h = h + mlp(rmsnorm(h)): a layer that uses one of
+    the model's shared transformer blocks (``models.shared``: Zamba2's hybrid layer, whose block output enters
+    the mixer's input and not the stream). ``use`` (a ``SharedUse``) holds this use's own weights. The state is
+    one dict holding the mixer's entries and the use's KV cache ("kv"), as a ``ParallelBlock``'s."""
+
+    def __init__(self, cfg: ModelConfig, mixer_name: str, moe: bool, mlp: bool, shared: SharedTransformer):
+        super().__init__(cfg, mixer_name, moe, mlp)
+        self.use = SharedUse(shared, cfg.shared["adapter_rank"], cfg.shared["attention_adapter"])
+        keys = [set(m.empty_state(1, device="meta")) for m in (self.mixer, self.use)]
+        if keys[0] & keys[1]:
+            raise ValueError(f"a {mixer_name} layer and a shared block's use name state entries alike: "
+                             f"{keys[0] & keys[1]}")
+        self.state_keys = keys
+
+    def mixers(self) -> list:
+        return [self.mixer, self.use]
+
+    def empty_state(self, batch_size: int, device=None, dtype=torch.float32) -> dict:
+        return {**super().empty_state(batch_size, device=device, dtype=dtype),
+                **self.use.empty_state(batch_size, device=device, dtype=dtype)}
+
+    def forward(self, h, state=None, cu_seqlens=None, carry=None):
+        mine, theirs = (None, None) if state is None else ({k: state[k] for k in keys} for keys in self.state_keys)
+        t, kv = self.use(h, theirs, cu_seqlens=cu_seqlens, carry=carry)
+        y, new = self.mixer(self.norm1(h + t), mine, cu_seqlens=cu_seqlens, carry=carry)
+        h = h + y
+        new = None if new is None or kv is None else {**new, **kv}       # None: context parallelism
+        if self.mlp is not None:
+            y, new = self._ffn(self.norm2(h), state, cu_seqlens, new)
+            h = h + y
+        return h, new
+
+
 class LanguageModel(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -211,7 +251,13 @@ class LanguageModel(nn.Module):
         self.embed_norm = make_norm(cfg) if cfg.embed_norm else None
         moe = set(cfg.moe_layers)
         dense = range(cfg.n_layers) if cfg.mlp_layers is None else set(cfg.mlp_layers)
-        self.blocks = nn.ModuleList(Block.build(cfg, name, i in moe, i in dense) for i, name in enumerate(cfg.layers))
+        # the shared transformer blocks (models.shared), held here once; use j of them takes block j mod blocks
+        self.shared = None if cfg.shared is None else nn.ModuleList(
+            SharedTransformer(cfg) for _ in range(cfg.shared["blocks"]))
+        uses = {} if cfg.shared is None else {
+            i: self.shared[j % cfg.shared["blocks"]] for j, i in enumerate(cfg.shared["layers"])}
+        self.blocks = nn.ModuleList(Block.build(cfg, name, i in moe, i in dense, uses.get(i))
+                                    for i, name in enumerate(cfg.layers))
         for i, b in enumerate(self.blocks):                  # depth-dependent layer constants (lightning's slopes)
             if hasattr(b.mixer, "place"):
                 b.mixer.place(i, cfg.n_layers)
@@ -320,11 +366,16 @@ class LanguageModel(nn.Module):
     def _hidden(self, idx, state=None, cu_seqlens=None):
         """The residual stream after the last block (before the final norm) and the per-layer state."""
         h, end_pos = self._embed_tokens(idx, state, cu_seqlens)
-        states, carry = ModelState(pos=end_pos), {}      # carry: values that cross layers in this forward
+        states, carry = ModelState(pos=end_pos), self._carry(h)     # carry: values that cross layers in this forward
         for i, block in enumerate(self.blocks):
             h, s = block(h, None if state is None else state[i], cu_seqlens=cu_seqlens, carry=carry)
             states.append(s)
         return h, states
+
+    def _carry(self, h) -> dict:
+        """The ``carry`` a forward starts with (``layers.base``): the embedded tokens ``h`` (B, T, d_model), as the
+        first block sees them, when shared blocks read them (``models.shared``); else empty."""
+        return {} if self.shared is None else {EMBEDDINGS: h}
 
     def _embed_tokens(self, idx, state=None, cu_seqlens=None):
         """(the embedded tokens (B, T, d_model) with their learned positions, the position count after them)."""

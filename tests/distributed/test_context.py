@@ -29,6 +29,10 @@ CHECKPOINT_OPTIONS = {
     "conv": ({n: {"conv_size": 4} for n in ("linear", "retention", "gla")}, None),
     # RWKV-7's blocks: the channel mix's token shift crosses ranks too, and the value residual crosses layers
     "rwkv7": ({}, None, {"mlp": True, "mlp_kind": "rwkv7", "norm": "layer", "embed_norm": True}),
+    # Zamba2's shared blocks: attention with adapters and rotary over [h, embeddings] at two layers, one block
+    "zamba2": ({"mamba2": {"n_groups": 2, "head_dim": 8, "norm_eps": 1e-5}}, None,
+               {"shared": {"layers": [1, 2], "adapter_rank": 2, "attention_adapter": True, "rotary": True,
+                           "scale": 0.3}}),
 }
 
 
@@ -80,7 +84,7 @@ def test_context_parallel_lm_equals_one_process(world, pattern, pos_emb, n_kv_he
 
 @pytest.mark.parametrize("kind,pattern", [("bamba", "mamba2,softmax"), ("jamba", "mamba,softmax"),
                                           ("conv", "linear,retention,gla"), ("recurrent_gemma", "rglru,swa,rglru"),
-                                          ("rwkv7", "rwkv7,rwkv7,softmax")])
+                                          ("rwkv7", "rwkv7,rwkv7,softmax"), ("zamba2", "mamba2,mamba2,mamba2")])
 def test_context_parallel_checkpoint_structures_equal_one_process(kind, pattern):
     T = 2 * 2 * 8
     _assert_cp_equals_one_process(2, pattern, T, "none", 1, kind)

@@ -74,3 +74,45 @@ def test_a_parallel_block_decodes_packs_and_refuses_what_it_cannot_hold():
             _model(parallel=bad)
     with pytest.raises(ValueError, match="parallel blocks are pre-norm"):
         _model(parallel={"softmax": "mamba2"}, post_norm=["softmax"])
+
+
+def test_a_shared_block_use_computes_its_scheme_and_bad_options_are_refused():
+    """Zamba2's hybrid layer (models.shared): t = W proj(mlp(rmsnorm(attn(rmsnorm([h, e]))))) with the use's adapters
+    added to q, k, v and to the MLP's gate and up; h + mixer(rmsnorm(h + t)). Written out here from the pieces."""
+    import torch.nn.functional as F
+
+    from subquad.layers.rotary import apply_rotary
+    from subquad.models.lm import SharedUseBlock
+    from subquad.models.shared import EMBEDDINGS
+
+    model = _model(pattern="mamba2", mlp=False, shared={"layers": [0, 1], "adapter_rank": 3, "attention_adapter": True,
+                                                        "hidden": 24, "act": "gelu", "scale": 0.5,
+                                                        "rotary": True})
+    b, u = model.blocks[1], model.blocks[1].use
+    assert isinstance(b, SharedUseBlock) and u.shared is model.blocks[0].use.shared is model.shared[0]
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.3)
+    h, e = torch.randn(2, 7, 16, dtype=torch.float64), torch.randn(2, 7, 16, dtype=torch.float64)
+    got, _ = b(h, carry={EMBEDDINGS: e})
+    s = u.shared
+    with torch.no_grad():
+        x = s.norm1(torch.cat([h, e], -1))
+        q, k, v = (p(x) + a(x) for p, a in ((s.attn.q_proj, u.q_adapter), (s.attn.k_proj, u.k_adapter),
+                                            (s.attn.v_proj, u.v_adapter)))
+        q, k = (apply_rotary(t.view(2, 7, 2, 16), 0, s.attn.rotary_base) for t in (q, k))   # 2 heads of 2 x 16 / 2
+        q, k, v = (t.reshape(2, 7, 2, 16).transpose(1, 2) for t in (q, k, v))
+        o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=0.5).transpose(1, 2).reshape(2, 7, 32)
+        a = s.norm2(s.attn.o_proj(o))
+        gate, up = (s.mlp.w_gate(a), s.mlp.w_up(a))
+        dg, du = u.mlp_adapter(a).chunk(2, -1)
+        t = u.proj(s.mlp.w_down(F.gelu(gate + dg) * (up + du)))
+        want = h + b.mixer(b.norm1(h + t))[0]
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
+    for bad, why in (({"layers": [2]}, "distinct layer indices"), ({"layers": [0], "act": "relu"}, "act"),
+                     ({"layers": [0], "attention_adapter": True}, "adapter_rank >= 1"), ({"layers": [0], "x": 1}, "x"),
+                     ({"layers": [0], "blocks": 0}, "blocks")):
+        with pytest.raises(ValueError, match=why):
+            _model(pattern="mamba2", shared=bad)
+    with pytest.raises(ValueError, match="pre-norm"):
+        _model(pattern="mamba2", shared={"layers": [0]}, parallel={"mamba2": "softmax"})

@@ -92,6 +92,10 @@ def _checkpoint(kind, tmp_path):
         return test_hf_delta._hf(tmp_path, kind)[1], test_hf_delta.V
     if kind == "kimi_linear":
         return test_hf_kimi._hf(tmp_path)[1], test_hf_kimi.V
+    if kind == "zamba2":
+        from tests.models import test_hf_zamba2
+
+        return test_hf_zamba2._hf(tmp_path)[1], test_hf_zamba2.V
     if kind == "rwkv7":
         from tests.models import test_rwkv7
 
@@ -101,7 +105,7 @@ def _checkpoint(kind, tmp_path):
 
 
 @pytest.mark.parametrize("kind", ["mamba", "falcon_mamba", "mamba2", "bamba", "jamba", "qwen3_next", "olmo_hybrid",
-                                  "kimi_linear", "minimax", "rwkv7"])
+                                  "kimi_linear", "minimax", "rwkv7", "zamba2"])
 def test_every_checkpoint_type(tmp_path, kind):
     pytest.importorskip("transformers")
     from subquad.models import from_pretrained

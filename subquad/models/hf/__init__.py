@@ -35,6 +35,8 @@ weights shifted) and ``pack`` them back on saving.
     recurrent_gemma.py  recurrent_gemma (Griffin's RG-LRU blocks, local multi-query attention, GeGLU, soft cap)
     rwkv7.py        rwkv7 (fla-hub's layout: RWKV-7 time mix and channel mix, LayerNorms, layer 0's pre_norm)
     rwkv7_pth.py    BlinkDL's RWKV-7 ``.pth`` (no config.json: sizes read off the tensors; loading only)
+    zamba2.py       zamba2 (Zyphra's Zamba2: Mamba-2 layers, shared attention + MLP blocks over [h, embeddings] at the
+                    hybrid layers, each use with its own LoRA adapters and projection - ``models.shared``)
 
 ``registry.MAPPINGS`` lists them by ``model_type``; ``loader`` reads a folder, ``saver`` writes one, and
 ``common`` holds what the formats share. Imports run one way: common <- formats <- registry <- loader,

@@ -71,6 +71,7 @@ class Format:
                                      # the type to expand x d_model wide Mamba-2 layers with the gated norm
     any_block = False                # matches() checks ModelConfig.parallel itself; else the saver refuses it
     any_norm = False                 # matches() checks ModelConfig.norm and embed_norm itself; else RMSNorms only
+    shared_blocks = False            # matches() checks ModelConfig.shared itself; else the saver refuses shared blocks
     not_loaded: dict = {}            # checkpoint name prefix -> what it holds, left out with a warning (a vision
                                      # tower beside the language model, a multi-token-prediction head)
     top = TOP
@@ -95,12 +96,12 @@ class Format:
     def plain(cls, cfg: ModelConfig, opts: dict) -> bool:
         """Whether the model leaves off the options most formats have no field for (an MLP other than SwiGLU or
         a biased one, LayerNorms or a norm on the embeddings, scaled embeddings, capped logits, a bias on
-        attention's output): ``save_pretrained`` asks this before
+        attention's output or its scores scaled other than by K^-1/2): ``save_pretrained`` asks this before
         ``matches``, so no format drops them silently. A format that holds them overrides it."""
         plain_mlp = cls.any_mlp or (cfg.mlp_kind == "swiglu" and cfg.mlp_layers is None)
         plain_norm = cls.any_norm or (cfg.norm == "rms" and not cfg.embed_norm)
         return (plain_mlp and plain_norm and not cfg.mlp_bias and cfg.embed_scale is None and cfg.logit_soft_cap is None
-                and not any(o.get("o_bias") for o in opts.values()))
+                and not any(o.get("o_bias") or o.get("scale") is not None for o in opts.values()))
 
     @classmethod
     def unpack(cls, tensors: dict, cfg: ModelConfig, dtype=None) -> dict:
