@@ -52,7 +52,7 @@ def _model(T: int, layers: int = LAYERS):
 
     torch.manual_seed(0)
     return LanguageModel(ModelConfig(vocab_size=VOCAB, d_model=D, n_layers=layers, n_heads=4, context_length=T,
-                                     pattern=f"{PATTERN}*{layers // LAYERS}" if layers > LAYERS else PATTERN))
+                                     pattern=",".join([PATTERN] * (layers // LAYERS))))
 
 
 class _Counter:
