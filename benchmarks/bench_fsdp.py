@@ -13,7 +13,7 @@ Part 2: one process, T=8,192 (--quick: 2,048), 1 row, the same layers twice over
 memory growth during the first training step and the second step's time, with and without per-block
 activation checkpointing, each in a fresh process. Activation memory = the growth less the gradients and AdamW's two moments (3 x parameter bytes).
 
-    python benchmarks/bench_fsdp.py [--quick]
+    python benchmarks/bench_fsdp.py [--quick] [--part all|layouts|ac] [--rounds 1]
 
 Writes results/fsdp.{json,md} and results/fsdp.png.
 """
@@ -158,14 +158,23 @@ def _ac_worker(ac: bool, T: int, q):
     q.put({"growth": growth, "activations": growth - 3 * params, "step_s": times[1], "params": params})
 
 
+def _options(p):
+    p.add_argument("--part", choices=["all", "layouts", "ac"], default="all",
+                   help="run one part; the other's rows are read from the last results/fsdp.json")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="part 2: interleaved rounds (a fresh process per variant per round); the fastest step kept")
+
+
 def main(argv=None):
-    args = parse_args(__doc__, argv)
+    args = parse_args(__doc__, argv, _options)
     T, steps = (128, 1) if args.quick else (512, 3)
     m = _model(T)
     params = sum(p.numel() for p in m.parameters())
     blocks = [sum(p.numel() for p in b.parameters()) for b in m.blocks]
-    rows = []
-    for world in (1, 2, 4):
+    saved = args.out / f"fsdp{args.suffix}.json"
+    last = json.loads(saved.read_text()) if args.part != "all" and saved.exists() else None
+    rows = last["rows"] if last and args.part == "ac" else []
+    for world in (1, 2, 4) if args.part != "ac" else ():
         for mode in ("ddp", "fsdp"):
             with tempfile.TemporaryDirectory() as d:
                 mp.spawn(_worker, args=(world, os.path.join(d, "rdv"), mode, T, steps, d), nprocs=world, join=True)
@@ -184,15 +193,18 @@ def main(argv=None):
 
     T_ac = 2048 if args.quick else 8192
     ctx = mp.get_context("spawn")
-    ac = {}
-    for flag in (False, True):
-        q = ctx.Queue()
-        p = ctx.Process(target=_ac_worker, args=(flag, T_ac, q))
-        p.start()
-        ac[flag] = q.get(timeout=3600)
-        p.join()
-        print(f"activation checkpointing {flag}: growth {ac[flag]['growth'] / 2**20:.0f} MiB, activations "
-              f"{ac[flag]['activations'] / 2**20:.0f} MiB, step {ac[flag]['step_s']:.2f} s", flush=True)
+    ac = {} if args.part != "layouts" or not last else {k == "True": v for k, v in last["ac"].items()}
+    for _ in range(args.rounds if args.part != "layouts" or not last else 0):
+        for flag in (False, True):
+            q = ctx.Queue()
+            p = ctx.Process(target=_ac_worker, args=(flag, T_ac, q))
+            p.start()
+            r = q.get(timeout=3600)
+            p.join()
+            if flag not in ac or r["step_s"] < ac[flag]["step_s"]:
+                ac[flag] = r
+            print(f"activation checkpointing {flag}: growth {r['growth'] / 2**20:.0f} MiB, activations "
+                  f"{r['activations'] / 2**20:.0f} MiB, step {r['step_s']:.2f} s", flush=True)
     cut = ac[False]["activations"] / max(ac[True]["activations"], 1)
     slow = ac[True]["step_s"] / ac[False]["step_s"]
 

@@ -137,13 +137,16 @@ def target_lines(targets: list[dict]) -> list[str]:
             for t in targets]
 
 
-def parse_args(doc: str, argv=None):
-    """The options every benchmark takes (--quick, --out), and 2 threads as on the project's machine."""
+def parse_args(doc: str, argv=None, extra=None):
+    """The options every benchmark takes (--quick, --out), and 2 threads as on the project's machine; ``extra``:
+    a function adding a script's own options to the parser."""
     import argparse
 
     p = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="tiny sizes, one repeat: a smoke test")
     p.add_argument("--out", type=Path, default=OUT)
+    if extra is not None:
+        extra(p)
     args = p.parse_args(argv)
     torch.set_num_threads(2)
     args.suffix = "_quick" if args.quick else ""
