@@ -30,6 +30,9 @@ def test_fsdp_run_resumes_on_one_process_and_exports_for_transformers(tmp_path, 
     assert cfg["world"] == 2 and cfg["train"]["fsdp"] is True
     assert sorted(p.name for p in (run / "ckpt" / "step_0000002").glob("*.distcp")) == ["__0_0.distcp",
                                                                                          "__1_0.distcp"]
+    capsys.readouterr()
+    assert main(["eval", "--run", str(run), "--batches", "1"]) == 0             # the shards, read whole
+    assert "step 2, held-out loss" in capsys.readouterr().out
     # the sharded run continues on one process (no --fsdp there: the flag is the run's layout, not its math)
     assert main(["train", "--resume", "--out", str(run), "--steps", "3", "--no-fsdp", "--no-progress"]) == 0
     assert [r["step"] for r in _lines(run)] == [1, 2, 3]
