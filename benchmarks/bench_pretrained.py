@@ -10,7 +10,15 @@ experts of 512, top 10, a shared expert) and Kimi-Linear-like (d_model 2,304, KD
 heads with latent 512, a dense MLP of 9,216 first, then 16 experts of 1,024, top 8, a shared expert), and
 an 8-layer Zamba2-1.2B-like model (``--models zamba2``: d_model 2,048, Mamba-2 64 heads of 64, state 64; one
 shared attention + MLP block, 32 heads over 4,096, MLP 8,192, used at layers 3 and 7 with rank-128 adapters
-on q, k, v and the MLP, rotary). For each dtype (float32, bfloat16) and batch (1: prefill 2,048 tokens, decode 256; 8: prefill
+on q, k, v and the MLP, rotary), and issue 33's 2026 hybrids at 8 layers (``--models qwen3_5,granitemoehybrid,
+nemotron_h,falcon_h1,lfm2``): Qwen3.5-0.8B-like (d_model 1,024, 3 Gated DeltaNet layers of 16 heads of 128 to one
+gated attention of 8 heads of 256 with 2 KV heads, MLP 3,584), Granite-4.0-H-Tiny-like (d_model 1,536, Mamba-2 48
+heads of 64 with state 128, one NoPE attention layer of 12 heads with 4 KV, 64 experts of 512, top 6, a shared
+expert of 1,024), Nemotron-H-like (d_model 2,048, pattern M-M*-M-M: Mamba-2 64 heads of 64, state 128, 8 groups;
+squared-ReLU MLPs of 8,192; attention 16 heads of 128 with 4 KV), Falcon-H1-0.5B-like (d_model 1,024, attention
+8 heads of 64 with 2 KV beside Mamba-2 24 heads of 64, state 128, in every layer; MLP 2,048) and LFM2-350M-like
+(its 16 layers: d_model 1,024, gated short convolutions, attention at layers 2, 5, 8, 10, 12, 14 with 16 heads,
+8 KV; MLP 6,656 before LFM2's adjustment). For each dtype (float32, bfloat16) and batch (1: prefill 2,048 tokens, decode 256; 8: prefill
 512 each, decode 64 - transformers' reference path needs minutes for 8 x 2,048): prefill tokens/s,
 decode ms per step (greedy; the time of generating n tokens less that of generating 1, per step), and
 each process's peak resident memory. Every measurement runs in its own process (peak memory is per
@@ -102,6 +110,8 @@ def hf_model(kind, quick):
             vocab_size=V, num_hidden_layers=8, layers_block_type=(["mamba"] * 3 + ["hybrid"]) * 2, num_mem_blocks=1,
             use_shared_attention_adapter=True, use_mem_rope=True, pad_token_id=None, bos_token_id=None,
             eos_token_id=None, **c))
+    if kind in NEW_HYBRIDS:
+        return _new_hybrid(transformers, kind, V, quick)
     H = 64 if quick else 768
     cfg = transformers.JambaConfig(vocab_size=V, hidden_size=H, intermediate_size=2 * H + H // 2 * 2,
                                    num_hidden_layers=4, num_attention_heads=4 if quick else 12,
@@ -109,6 +119,59 @@ def hf_model(kind, quick):
                                    expert_layer_period=2, expert_layer_offset=1, attn_layer_period=4,
                                    attn_layer_offset=2, mamba_d_state=16, tie_word_embeddings=True)
     return transformers.JambaForCausalLM(cfg)
+
+
+NEW_HYBRIDS = ("qwen3_5", "granitemoehybrid", "nemotron_h", "falcon_h1", "lfm2")
+
+
+def _new_hybrid(transformers, kind, V, quick):
+    """The 2026 hybrids (issue 33's rows) at the layer shapes stated in the module doc; ``quick``: tiny ones.
+    Depth is cut to 8 layers (LFM2-350M: its 16) with the released layer kinds' proportions."""
+    none = dict(bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    if kind == "qwen3_5":                 # Qwen3.5-0.8B-like: 3 Gated DeltaNet layers to 1 gated attention
+        c = dict(hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                 linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
+                 linear_value_head_dim=16) if quick else \
+            dict(hidden_size=1024, intermediate_size=3584, num_attention_heads=8, num_key_value_heads=2, head_dim=256,
+                 linear_num_key_heads=16, linear_num_value_heads=16, linear_key_head_dim=128,
+                 linear_value_head_dim=128)
+        cfg = transformers.Qwen3_5TextConfig(vocab_size=V, num_hidden_layers=8, full_attention_interval=4,
+                                             tie_word_embeddings=True, **none, **c)
+        return transformers.Qwen3_5ForCausalLM(cfg)
+    if kind == "granitemoehybrid":        # Granite-4.0-H-Tiny-like: Mamba-2 and one NoPE attention, 64 experts
+        c = dict(hidden_size=64, intermediate_size=32, shared_intermediate_size=48, num_attention_heads=4,
+                 num_key_value_heads=2, num_local_experts=8, num_experts_per_tok=2, mamba_n_heads=8,
+                 mamba_d_state=16) if quick else \
+            dict(hidden_size=1536, intermediate_size=512, shared_intermediate_size=1024, num_attention_heads=12,
+                 num_key_value_heads=4, num_local_experts=64, num_experts_per_tok=6, mamba_n_heads=48,
+                 mamba_d_state=128)
+        cfg = transformers.GraniteMoeHybridConfig(
+            vocab_size=V, num_hidden_layers=8, layer_types=["mamba"] * 3 + ["attention"] + ["mamba"] * 4,
+            mamba_n_groups=1, mamba_d_head=c["hidden_size"] * 2 // c["mamba_n_heads"], position_embedding_type="nope",
+            **none, **c)
+        cfg._experts_implementation = "eager"
+        return transformers.GraniteMoeHybridForCausalLM(cfg)
+    if kind == "nemotron_h":              # Nemotron-H-like: Mamba-2, squared-ReLU MLP and attention layers
+        c = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                 mamba_num_heads=8, mamba_head_dim=16, ssm_state_size=16, n_groups=2) if quick else \
+            dict(hidden_size=2048, intermediate_size=8192, num_attention_heads=16, num_key_value_heads=4,
+                 head_dim=128, mamba_num_heads=64, mamba_head_dim=64, ssm_state_size=128, n_groups=8)
+        return transformers.NemotronHForCausalLM(transformers.NemotronHConfig(
+            vocab_size=V, hybrid_override_pattern="M-M*-M-M", **none, **c))
+    if kind == "falcon_h1":               # Falcon-H1-0.5B-like: attention and Mamba-2 side by side in every layer
+        c = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                 mamba_d_ssm=96, mamba_n_heads=6, mamba_d_state=16) if quick else \
+            dict(hidden_size=1024, intermediate_size=2048, num_attention_heads=8, num_key_value_heads=2, head_dim=64,
+                 mamba_d_ssm=1536, mamba_n_heads=24, mamba_d_state=128)
+        return transformers.FalconH1ForCausalLM(transformers.FalconH1Config(
+            vocab_size=V, num_hidden_layers=8, mamba_n_groups=1, **none, **c))
+    # lfm2, LFM2-350M-like: gated short convolutions, attention at 6 of its 16 layers
+    c = dict(hidden_size=64, intermediate_size=192, num_attention_heads=4, num_key_value_heads=2) if quick else \
+        dict(hidden_size=1024, intermediate_size=6656, num_attention_heads=16, num_key_value_heads=8)
+    types = ["full_attention" if i in (2, 5, 8, 10, 12, 14) else "conv" for i in range(16)]
+    return transformers.Lfm2ForCausalLM(transformers.Lfm2Config(
+        vocab_size=V, num_hidden_layers=16, layer_types=types, block_auto_adjust_ff_dim=True, block_multiple_of=256,
+        block_ffn_dim_multiplier=1.0, **none, **c))
 
 
 def read_gbps():
