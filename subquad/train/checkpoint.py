@@ -19,6 +19,10 @@ step folders newer than the one just written belong to an abandoned timeline
 A write that fails (a full disk, a read-only one) removes the partial folder and
 raises ``CheckpointWriteError``: one line naming the cause and the last intact
 checkpoint.
+
+A sharded run (FSDP) writes the same folders with each rank's shards in place of
+the two tensor files (``train.sharded``, meta "format": "dcp"); ``load_checkpoint``
+reads either kind whole.
 """
 
 from __future__ import annotations
@@ -283,10 +287,33 @@ def load_checkpoint(path, log=None) -> tuple[dict, dict, dict]:
     else:
         meta = verify_checkpoint(path)
     if meta.get("format") == "dcp":                     # shards of a sharded run (train.sharded), read whole
-        from subquad.train.sharded import read_full
-
-        model_sd, optim_sd = read_full(path)
+        model_sd, optim_sd = read_sharded(path)
         return model_sd, optim_sd, {**meta, "path": str(path)}
     model_sd = load_file(str(path / "model.safetensors"))
     optim_sd = _optim_state(load_file(str(path / "optim.safetensors")), meta["optim"])
     return model_sd, optim_sd, {**meta, "path": str(path)}
+
+
+def optim_by_index(osd: dict) -> dict:
+    """An optimizer state dict keyed by parameter name (DCP's form) -> keyed by index, the parameters numbered in
+    the order the groups list them (the inverse of ``train.sharded.optim_by_name``)."""
+    index = {n: i for i, n in enumerate(n for g in osd["param_groups"] for n in g["params"])}
+    return {"state": {index[n]: st for n, st in osd["state"].items()},
+            "param_groups": [{**g, "params": [index[n] for n in g["params"]]} for g in osd["param_groups"]]}
+
+
+def read_sharded(path) -> tuple[dict, dict]:
+    """(model state dict, optimizer state dict keyed by index) of a DCP checkpoint folder, read whole in this
+    process (no process group needed): what export and ``load_run`` use."""
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+
+    state: dict = {}
+    try:                                   # no_dist: this process alone, inside a process group or not
+        _load_state_dict(state, storage_reader=FileSystemReader(str(path)), planner=_EmptyStateDictLoadPlanner(),
+                         no_dist=True)
+    except Exception as e:
+        raise CheckpointError(f"checkpoint {path}: its shards cannot be read ({type(e).__name__}: {e})") from None
+    model_sd = {k: v for k, v in state["model"].items() if isinstance(v, torch.Tensor)}
+    return model_sd, optim_by_index(state["optim"])

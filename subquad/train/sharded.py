@@ -11,7 +11,8 @@ newest intact one, and a damaged shard fails its checksum.
 
 DCP stores each tensor by name with its global shape, so a checkpoint loads on any number of processes
 (``load_sharded``: 4 -> 2 -> 1, or FSDP or not), and a full (single-process) checkpoint loads into a
-sharded model (``load_full_into``). ``read_full`` reads one whole, in one process, for ``load_checkpoint``.
+sharded model (``load_full_into``). ``train.checkpoint.load_checkpoint`` reads one whole, in one process
+(``read_sharded``), for export, eval and a resume without FSDP.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from subquad.train.checkpoint import CheckpointError, _publish, _seal, _sha256, _write_failed
+from subquad.train.checkpoint import _publish, _seal, _sha256, _write_failed
 
 FORMAT = "dcp"
 
@@ -122,27 +123,3 @@ def optim_by_name(osd: dict, order: list[str]) -> dict:
     the optimizer's order), the form ``set_state_dict`` takes."""
     return {"state": {order[int(i)]: st for i, st in osd["state"].items()},
             "param_groups": [{**g, "params": [order[int(i)] for i in g["params"]]} for g in osd["param_groups"]]}
-
-
-def optim_by_index(osd: dict) -> dict:
-    """The inverse of ``optim_by_name``: parameters numbered in the order the groups list them."""
-    index = {n: i for i, n in enumerate(n for g in osd["param_groups"] for n in g["params"])}
-    return {"state": {index[n]: st for n, st in osd["state"].items()},
-            "param_groups": [{**g, "params": [index[n] for n in g["params"]]} for g in osd["param_groups"]]}
-
-
-def read_full(path) -> tuple[dict, dict]:
-    """(model state dict, optimizer state dict keyed by index) of a DCP checkpoint folder, read whole in this
-    process (no process group needed): what export and ``load_run`` use."""
-    from torch.distributed.checkpoint import FileSystemReader
-    from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
-    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
-
-    state: dict = {}
-    try:                                   # no_dist: this process alone, inside a process group or not
-        _load_state_dict(state, storage_reader=FileSystemReader(str(path)), planner=_EmptyStateDictLoadPlanner(),
-                         no_dist=True)
-    except Exception as e:
-        raise CheckpointError(f"checkpoint {path}: its shards cannot be read ({type(e).__name__}: {e})") from None
-    model_sd = {k: v for k, v in state["model"].items() if isinstance(v, torch.Tensor)}
-    return model_sd, optim_by_index(state["optim"])

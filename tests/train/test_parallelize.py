@@ -16,7 +16,7 @@ from subquad.models import LanguageModel, ModelConfig
 from subquad.train import PeerLost, TrainConfig, Trainer, load_checkpoint, make_mesh, parallelize
 from subquad.train import trainer as trainer_mod
 from subquad.train.parallelize import local_bytes
-from subquad.train.sharded import read_full
+from subquad.train.checkpoint import read_sharded
 from tests.distributed.helpers import run
 
 TEXT = "".join(f"def k{i}(a):\n    return a + {i}\n\n" for i in range(300))
@@ -152,7 +152,7 @@ def _reload(rank, world, kind, corpus, out, fsdp):
 def _assert_state(got, model_sd, optim_sd):
     """``got`` (a resumed rank's full state, optimizer keyed by name) equals a checkpoint's state dicts
     (optimizer keyed by index, numbered in the order its groups list the parameters)."""
-    from subquad.train.sharded import optim_by_index
+    from subquad.train.checkpoint import optim_by_index
 
     assert got["model"].keys() == model_sd.keys()
     for k in model_sd:
@@ -288,11 +288,11 @@ def test_a_killed_rank_stops_the_other_and_the_resume_is_bit_identical(corpus, t
     assert [r["loss"] for r in _metrics(tmp_path / "whole")] == [r["loss"] for r in _metrics(tmp_path / "cut")]
 
 
-def test_read_full_needs_no_process_group(corpus, tmp_path):
+def test_read_sharded_needs_no_process_group(corpus, tmp_path):
     """A sharded checkpoint is read whole in a plain process (export, eval, load_run)."""
     run(2, _fit, "hybrid", corpus, str(tmp_path / "r2"), {"fsdp": True, "steps": 1, "ckpt_every": 1,
                                                            "eval_every": 1})
-    model_sd, optim_sd = read_full(tmp_path / "r2" / "ckpt" / "step_0000001")
+    model_sd, optim_sd = read_sharded(tmp_path / "r2" / "ckpt" / "step_0000001")
     ref = build("hybrid").state_dict()
     assert model_sd.keys() == ref.keys() and all(model_sd[k].shape == ref[k].shape for k in ref)
     assert len(optim_sd["state"]) == len(ref)
