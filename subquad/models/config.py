@@ -25,7 +25,10 @@ layer from ``offset`` (Jamba: every second layer from layer 1):
 ``hidden`` sets each expert's width (default: the dense MLP's), ``shared`` adds a shared expert of that
 width (0: none), gated by a learned sigmoid unless ``shared_gate`` is False; ``router`` "sigmoid" with
 ``groups``, ``topk_groups``, ``scale`` and ``renorm_eps`` is DeepSeek-V3's routing (``subquad.models.moe``); ``layers``
-lists the MoE layers explicitly, instead of every/offset (Kimi Linear: every layer but the first).
+lists the MoE layers explicitly, instead of every/offset (Kimi Linear: every layer but the first). The experts
+are MLPs of ``mlp_kind`` ("swiglu", or "relu2": Nemotron-H's); with ``mlp_layers`` the MoE layers are among
+them. An optional ``latent`` (absent: none) runs the routed experts in a space that wide (Nemotron-H's
+``moe_latent_size``).
 
 Shared transformer blocks (``subquad.models.shared``, Zamba2): attention + MLP blocks whose weights serve several
 layers, each use with its own LoRA adapters and output projection, writing into that layer's mixer input:
@@ -122,9 +125,11 @@ class ModelConfig:
                 raise ValueError(f"mlp_layers must be None or a list of layer indices in [0, {self.n_layers}), "
                                  f"got {self.mlp_layers!r}")
             self.mlp_layers = sorted(set(self.mlp_layers))
-        if self.moe is not None and (self.mlp_kind != "swiglu" or self.mlp_layers is not None):
-            raise ValueError("moe (SwiGLU experts in every MLP layer it names) takes mlp_kind='swiglu' and "
-                             "mlp_layers=None")
+        if self.moe is not None and self.mlp_kind not in ("swiglu", "relu2"):
+            raise ValueError(f"moe: its experts are MLPs of mlp_kind, 'swiglu' or 'relu2', got {self.mlp_kind!r}")
+        if self.moe is not None and self.mlp_layers is not None and not set(self.moe_layers) <= set(self.mlp_layers):
+            raise ValueError(f"moe layers {self.moe_layers} must be among mlp_layers={self.mlp_layers} (the layers "
+                             "with an MLP)")
         from subquad.layers import MIXERS
 
         if not isinstance(self.post_norm, (list, tuple)) or any(n not in MIXERS for n in self.post_norm):
@@ -217,9 +222,13 @@ def _check_moe(moe, mlp: bool) -> dict:
     """The moe option with its defaults filled in; ValueError naming the key otherwise."""
     if not isinstance(moe, dict):
         raise ValueError(f"moe must be a dict like {{'experts': 8, 'top_k': 2}} or None, got {type(moe).__name__}")
-    unknown = set(moe) - set(MOE_DEFAULTS) - {"experts"}
+    unknown = set(moe) - set(MOE_DEFAULTS) - {"experts", "latent"}
     if unknown:
-        raise ValueError(f"unknown moe keys {sorted(unknown)}; known: experts, {', '.join(MOE_DEFAULTS)}")
+        raise ValueError(f"unknown moe keys {sorted(unknown)}; known: experts, {', '.join(MOE_DEFAULTS)}, latent")
+    latent = moe.get("latent")
+    if latent is not None and (isinstance(latent, bool) or not isinstance(latent, int) or latent < 1):
+        raise ValueError(f"moe['latent'] (the routed experts' width in; absent or None: d_model) must be a positive "
+                         f"int, got {latent!r}")
     if not mlp:
         raise ValueError("moe replaces the MLP: it needs mlp=True")
     m = {**MOE_DEFAULTS, **moe}

@@ -69,7 +69,7 @@ class Block(nn.Module):
             m = cfg.moe
             self.mlp = MoE(cfg.d_model, m["hidden"] or cfg.mlp_hidden, m["experts"], m["top_k"], m["renormalize"],
                            m["shared"], m["shared_gate"], m["router"], m["groups"], m["topk_groups"], m["scale"],
-                           m["renorm_eps"])
+                           m["renorm_eps"], cfg.mlp_kind, m.get("latent"))
         else:
             self.mlp = dense_mlp(cfg) if mlp else None
         self.stateful_mlp = hasattr(self.mlp, "empty_state")
@@ -330,8 +330,10 @@ class LanguageModel(nn.Module):
             total += sum(m.flops_per_token(T) for m in b.mixers())
             if isinstance(b.mlp, MoE):
                 m = b.mlp
-                total += 2.0 * (m.router.weight.numel() + m.top_k * (m.w_gate[0].numel() + m.w_up[0].numel()
-                                                                      + m.w_down[0].numel()))
+                total += 2.0 * (m.router.weight.numel() + m.top_k * sum(getattr(m, n)[0].numel()
+                                                                         for n in m.projections))
+                if m.latent_in is not None:
+                    total += 2.0 * (m.latent_in.weight.numel() + m.latent_out.weight.numel())
                 if m.shared is not None:
                     total += 2.0 * sum(p.numel() for p in m.shared.parameters())
                     total += 0.0 if m.shared_gate is None else 2.0 * m.shared_gate.weight.numel()

@@ -26,6 +26,11 @@ transformers' ``load_balancing_loss_func`` computes it (one pool of L * N router
     aux = E * sum_e f_e P_e                                        (= k at a uniform router)
 
 ``aux`` reaches its minimum when routing is uniform; the trainer adds ``aux_loss_coef * aux`` to the loss.
+
+``kind="relu2"`` makes the experts, and the shared expert, ungated squared-ReLU MLPs (Nemotron-H's MoE layers):
+y_e = W_down_e relu(W_up_e x)^2, no ``w_gate``. ``latent`` (Nemotron-H's ``moe_latent_size``) runs the routed
+experts in a narrower space: x -> W_in x (latent wide) -> the experts' weighted sum -> W_out (back to d_model);
+the router and the shared expert read x itself.
 """
 
 from __future__ import annotations
@@ -34,19 +39,26 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from subquad.layers.mlp import SwiGLU
+from subquad.layers.mlp import ReLU2MLP, SwiGLU
+
+KINDS = {"swiglu": ("w_gate", "w_up", "w_down"), "relu2": ("w_up", "w_down")}    # an expert's projections
 
 
 class MoE(nn.Module):
-    """x (..., d_model) -> (..., d_model). Weights: ``router`` (E, d_model), ``w_gate`` and ``w_up``
-    (E, hidden, d_model), ``w_down`` (E, d_model, hidden); with ``shared``, ``shared`` (a SwiGLU) and
-    ``shared_gate`` (1, d_model). After each forward ``router_stats`` holds
-    (choices per expert (E,), sum of router probabilities per expert (E,), rows) for the auxiliary loss."""
+    """x (..., d_model) -> (..., d_model). Weights: ``router`` (E, d_model), ``w_gate`` (``kind`` "swiglu"
+    only) and ``w_up`` (E, hidden, D_e), ``w_down`` (E, D_e, hidden) - D_e is ``latent`` when given, with
+    ``latent_in`` (latent, d_model) and ``latent_out`` (d_model, latent), else d_model; with ``shared``,
+    ``shared`` (a SwiGLU, or a ``ReLU2MLP`` for "relu2") and ``shared_gate`` (1, d_model). After each forward
+    ``router_stats`` holds (choices per expert (E,), sum of router probabilities per expert (E,), rows) for
+    the auxiliary loss."""
 
     def __init__(self, d_model: int, hidden: int, experts: int, top_k: int = 2, renormalize: bool = False,
                  shared: int = 0, shared_gate: bool = True, router: str = "softmax", groups: int = 1,
-                 topk_groups: int = 1, scale: float = 1.0, renorm_eps: float = 1e-20):
+                 topk_groups: int = 1, scale: float = 1.0, renorm_eps: float = 1e-20, kind: str = "swiglu",
+                 latent: int | None = None):
         super().__init__()
+        if kind not in KINDS:
+            raise ValueError(f"kind must be one of {', '.join(KINDS)}, got {kind!r}")
         if not 1 <= top_k <= experts:
             raise ValueError(f"top_k={top_k} must lie in [1, experts={experts}]")
         if router not in ("softmax", "sigmoid"):
@@ -59,14 +71,21 @@ class MoE(nn.Module):
         self.renorm_eps = renorm_eps        # sigmoid routing's renormalisation: w / (sum w + eps) (LFM2-MoE: 1e-6)
         if router == "sigmoid":
             self.register_buffer("score_bias", torch.zeros(experts))
+        self.kind, self.projections = kind, KINDS[kind]
         self.router = nn.Linear(d_model, experts, bias=False)
-        self.w_gate = nn.Parameter(torch.randn(experts, hidden, d_model) * 0.02)
-        self.w_up = nn.Parameter(torch.randn(experts, hidden, d_model) * 0.02)
-        self.w_down = nn.Parameter(torch.randn(experts, d_model, hidden) * 0.02)
+        self.latent_in = self.latent_out = None
+        if latent is not None:
+            self.latent_in = nn.Linear(d_model, latent, bias=False)
+            self.latent_out = nn.Linear(latent, d_model, bias=False)
+        width = d_model if latent is None else latent                  # the experts' input and output width
+        if kind == "swiglu":
+            self.w_gate = nn.Parameter(torch.randn(experts, hidden, width) * 0.02)
+        self.w_up = nn.Parameter(torch.randn(experts, hidden, width) * 0.02)
+        self.w_down = nn.Parameter(torch.randn(experts, width, hidden) * 0.02)
         self.router_stats = None
         self.shared, self.shared_gate = None, None
         if shared:
-            self.shared = SwiGLU(d_model, shared)
+            self.shared = SwiGLU(d_model, shared) if kind == "swiglu" else ReLU2MLP(d_model, shared)
             self.shared_gate = nn.Linear(d_model, 1, bias=False) if shared_gate else None
 
     def route(self, x):
@@ -92,7 +111,7 @@ class MoE(nn.Module):
         return probs, w * self.scale, idx
 
     def _expert(self, name: str, e: int, h):
-        """h @ W_e^T for expert e's projection ``name`` ("w_gate", "w_up", "w_down"): its quantised module when
+        """h @ W_e^T for expert e's projection ``name`` (one of ``projections``): its quantised module when
         ``quantize_experts`` made them."""
         q = getattr(self, "quantized_experts", None)
         return h @ getattr(self, name)[e].T if q is None else q[name][e](h)
@@ -101,8 +120,8 @@ class MoE(nn.Module):
         """Replace the stacked expert weights by one module per expert and projection, ``make(W_e)`` (an
         inference-only model: ``models.quant``)."""
         self.quantized_experts = nn.ModuleDict({n: nn.ModuleList(make(w) for w in getattr(self, n).detach())
-                                                for n in ("w_gate", "w_up", "w_down")})
-        for n in ("w_gate", "w_up", "w_down"):
+                                                for n in self.projections})
+        for n in self.projections:
             delattr(self, n)
             self.register_buffer(n, None)
 
@@ -113,7 +132,10 @@ class MoE(nn.Module):
         flat = idx.reshape(-1)                                   # (N k,) choice j belongs to token j // k
         counts = torch.bincount(flat, minlength=self.experts)
         self.router_stats = (counts.to(probs.dtype), probs.sum(0), x.shape[0])
-        out = self._dispatch(x, w.reshape(-1), flat, counts)
+        if self.latent_in is None:
+            out = self._dispatch(x, w.reshape(-1), flat, counts)
+        else:
+            out = self.latent_out(self._dispatch(self.latent_in(x), w.reshape(-1), flat, counts))
         if self.shared is not None:
             y = self.shared(x)
             out = out + (y if self.shared_gate is None else torch.sigmoid(self.shared_gate(x)) * y)
@@ -133,7 +155,10 @@ class MoE(nn.Module):
             start += c
             tok = sel // self.top_k
             h = x[tok]
-            y = F.silu(self._expert("w_gate", e, h)) * self._expert("w_up", e, h)
+            if self.kind == "swiglu":
+                y = F.silu(self._expert("w_gate", e, h)) * self._expert("w_up", e, h)
+            else:
+                y = F.relu(self._expert("w_up", e, h)).square()
             y = self._expert("w_down", e, y) * w[sel].to(y.dtype).unsqueeze(-1)
             if out is None:
                 out = torch.zeros(x.shape, dtype=y.dtype, device=x.device)

@@ -177,7 +177,7 @@ def quantize(model, kind: str, min_weights: int = MIN_WEIGHTS):
             if isinstance(child, nn.Linear) and name not in getattr(module, "keep_float", ()) and \
                     child.weight.numel() >= min_weights:
                 setattr(module, name, quantized_linear(kind, child.weight, child.bias))
-        if isinstance(module, MoE) and module.w_gate[0].numel() >= min_weights:
+        if isinstance(module, MoE) and module.w_up[0].numel() >= min_weights:
             module.quantize_experts(lambda w: quantized_linear(kind, w))
     head = model.embed.weight if model.head is None else model.head.weight
     model.head = quantized_linear(kind, head)            # a tied head keeps the embedding for the lookup

@@ -44,6 +44,37 @@ def test_moe_equals_every_expert_on_every_token(experts, top_k, renormalize):
         torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
 
 
+def test_relu2_latent_experts_equal_every_expert_on_every_token():
+    """kind "relu2" (ungated squared-ReLU experts and shared expert) with ``latent`` experts and sigmoid grouped
+    routing (Nemotron-H's MoE) equals the dense sum written out, values and gradients."""
+    torch.manual_seed(0)
+    moe = MoE(16, 24, 6, 2, True, shared=20, shared_gate=False, router="sigmoid", groups=3, topk_groups=2,
+              scale=2.5, kind="relu2", latent=10).double()
+    assert not hasattr(moe, "w_gate") and moe.w_up.shape == (6, 24, 10) and moe.w_down.shape == (6, 10, 24)
+    with torch.no_grad():
+        moe.router.weight.mul_(5)                            # decisive, unsaturated sigmoid scores: no ties
+        moe.score_bias.copy_(torch.randn(6) * 0.1)
+    x = torch.randn(3, 19, 16, dtype=torch.float64, requires_grad=True)
+    s = torch.sigmoid(x @ moe.router.weight.T)                                # (..., E)
+    choice = (s + moe.score_bias).view(3, 19, 3, 2)
+    keep = choice.sum(-1).topk(2, -1).indices                                 # each group's two experts
+    mask = torch.zeros(3, 19, 3, dtype=torch.bool).scatter(-1, keep, True).repeat_interleave(2, -1)
+    idx = (s + moe.score_bias).masked_fill(~mask, float("-inf")).topk(2, -1).indices
+    w = s.gather(-1, idx)
+    weight = torch.zeros_like(s).scatter(-1, idx, 2.5 * w / w.sum(-1, keepdim=True))
+    h = moe.latent_in(x)
+    outs = torch.stack([F.relu(h @ moe.w_up[e].T).square() @ moe.w_down[e].T for e in range(6)], -1)
+    want = moe.latent_out((outs * weight.unsqueeze(-2)).sum(-1)) + moe.shared(x)
+    assert moe.shared.w_down.weight.shape == (16, 20) and not hasattr(moe.shared, "w_gate")
+    got = moe(x)
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    g = torch.randn_like(got)
+    params = [p for p in moe.parameters()]
+    for a, b in zip(torch.autograd.grad((got * g).sum(), [x, *params]),
+                    torch.autograd.grad((want * g).sum(), [x, *params])):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+
+
 def test_load_balancing_loss_by_hand():
     torch.manual_seed(1)
     cfg = ModelConfig(vocab_size=40, d_model=16, n_layers=3, n_heads=2, pattern="gla", mlp_size=24,
