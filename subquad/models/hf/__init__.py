@@ -20,8 +20,9 @@ weights shifted) and ``pack`` them back on saving.
     jamba.py        jamba (Mamba with normed dt, B and C, attention without positions every
                     ``attn_layer_period``, a mixture of experts every ``expert_layer_period``)
     qwen3_next.py   qwen3_next (Gated DeltaNet with fused projections, gated attention, MoE + shared expert)
-    nemotron_h.py   nemotron_h (Mamba-2, attention without positions and squared-ReLU MLPs as separate layers by a
-                    pattern: a mixer layer and the MLP layer after it are one block; no MoE layers)
+    nemotron_h.py   nemotron_h (Mamba-2, attention without positions, squared-ReLU MLPs and MoE layers of
+                    squared-ReLU experts as separate layers by a pattern: a mixer layer and the MLP or MoE layer
+                    after it are one block; the multi-token-prediction layers left out by name)
     olmo_hybrid.py  olmo_hybrid (Gated DeltaNet, post-norm attention with q/k norms)
     kimi_linear.py  kimi_linear (Kimi Delta Attention, latent attention, DeepSeek-V3 experts)
     minimax.py      minimax (lightning attention, MiniMax-01's scaled residual)

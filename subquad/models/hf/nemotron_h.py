@@ -1,15 +1,30 @@
-"""``nemotron_h`` (NemotronHForCausalLM, NVIDIA Nemotron-H): every layer is one norm, one sublayer and a
-residual, the sublayer chosen by ``hybrid_override_pattern`` (or ``layers_block_type``): "M" Mamba-2 (a gated
-norm per group, dt clamped from ``time_step_min``), "*" softmax attention without positions (a head_dim of
-its own), "-" an ungated squared-ReLU MLP, y = W_down relu(W_up x)^2. The head is ``lm_head`` whatever
+"""``nemotron_h`` (NemotronHForCausalLM, NVIDIA Nemotron-H and Nemotron 3): every layer is one norm, one sublayer
+and a residual, the sublayer chosen by ``hybrid_override_pattern`` (or ``layers_block_type``): "M" Mamba-2 (a
+gated norm per group, dt clamped from ``time_step_min``), "*" softmax attention without positions (a head_dim of
+its own), "-" an ungated squared-ReLU MLP, y = W_down relu(W_up x)^2, and "E" a mixture of experts (Nemotron 3
+Nano's): ``n_routed_experts`` ungated squared-ReLU experts of ``moe_intermediate_size`` beside one shared
+expert of ``moe_shared_expert_intermediate_size`` (``n_shared_experts`` changes nothing in transformers' math:
+the shared width is that field alone), routed as DeepSeek-V3 - sigmoid scores, the score-correction bias to
+choose, ``n_group`` / ``topk_group`` grouped top-``num_experts_per_tok``, weights renormalised with
+``norm_topk_prob`` and times ``routed_scaling_factor`` (``models.moe``, ``router="sigmoid"``). With
+``moe_latent_size`` the routed experts run in that narrower space (``fc1_latent_proj`` / ``fc2_latent_proj``);
+the router and the shared expert read the layer's input. The head is ``lm_head`` whatever
 ``tie_word_embeddings`` says (transformers' Nemotron-H never ties it); a tied subquad model writes it out.
 
-subquad's block is a mixer and an optional MLP, so each "M" or "*" layer becomes a block and an "-" layer
+subquad's block is a mixer and an optional MLP, so each "M" or "*" layer becomes a block and an "-" or "E" layer
 right after it becomes that block's MLP (``ModelConfig.mlp_layers`` lists the blocks that have one,
-``mlp_kind="relu2"``): "M-M*-M" is four blocks, the first, second and third with MLPs. An "-" layer after
-another "-" (or first), and "E" (the mixture-of-experts layers of the MoE variants: ungated squared-ReLU
-experts, sigmoid routing) are refused by name. The checkpoint's layer indices are the pattern's, so the name
-table writes a block's parts against "M" (its mixer layer) and "F" (its MLP layer) and ``names`` numbers them.
+``mlp_kind="relu2"``; ``moe["layers"]`` those whose MLP is the mixture of experts): "M-M*EM" is four blocks,
+the first, second and third with MLPs, the third's a MoE. An "-" or "E" layer after another "-" or "E" (or
+first) is refused by name. The checkpoint's layer indices are the pattern's, so the name table writes a
+block's parts against "M" (its mixer layer) and "F" (its MLP layer) and ``names`` numbers them.
+
+Multi-token prediction (``num_nextn_predict_layers``, the ``mtp.*`` tensors of checkpoints that carry it) is
+not loaded, with a warning naming it: transformers' model skips those tensors too, and next-token logits do not
+use them. A saved folder writes none and says ``num_nextn_predict_layers`` 0.
+
+Routing precision: transformers computes the router in float32 whatever the model's dtype; subquad computes the
+router's logits in the model's dtype (the sigmoid and the choice in float32 at least), as for Kimi Linear - equal
+in float32 and float64, and a bfloat16 model may route a near tie differently.
 """
 
 from __future__ import annotations
@@ -37,34 +52,80 @@ def layer_types(c: dict) -> list:
     return [LEGACY_TYPES.get(t, t) for t in types]
 
 
-def blocks(types: list) -> tuple[list, list]:
-    """(the blocks' mixers, the blocks that have an MLP) from the checkpoint's layer types."""
-    mixers, mlps = [], []
+def blocks(types: list) -> tuple[list, list, list]:
+    """(the blocks' mixers, the blocks that have an MLP, those whose MLP is a MoE) from the checkpoint's layers."""
+    mixers, mlps, moes = [], [], []
     for i, t in enumerate(types):
         if t in ("linear_attention", "full_attention"):
             mixers.append("mamba2" if t == "linear_attention" else "softmax")
-        elif t == "mlp" and types[i - 1:i] in (["linear_attention"], ["full_attention"]):
+        elif t in ("mlp", "moe") and types[i - 1:i] in (["linear_attention"], ["full_attention"]):
             mlps.append(len(mixers) - 1)
-        elif t == "mlp":
-            raise ValueError(f"config field hybrid_override_pattern: the MLP layer {i} does not follow a Mamba or "
-                             "attention layer (subquad places an MLP after a mixer only)")
+            if t == "moe":
+                moes.append(len(mixers) - 1)
+        elif t in ("mlp", "moe"):
+            raise ValueError(f"config field hybrid_override_pattern: the {'MLP' if t == 'mlp' else 'MoE'} layer {i} "
+                             "does not follow a Mamba or attention layer (subquad places an MLP after a mixer only)")
         else:
             raise ValueError(f"config field hybrid_override_pattern: layer {i} is {t!r}, which is not supported "
-                             "(subquad reads M, * and -; not Nemotron-H's mixture-of-experts layers, E)")
-    return mixers, mlps
+                             "(subquad reads M, *, - and E)")
+    return mixers, mlps, moes
+
+
+def _int(c: dict, key: str, default: int, low: int = 1) -> int:
+    v = c.get(key, default)
+    v = default if v is None else v
+    if isinstance(v, bool) or not isinstance(v, int) or v < low:
+        raise ValueError(f"config field {key}={v!r} must be an int >= {low}")
+    return v
+
+
+def moe_options(c: dict, layers: list) -> dict:
+    """``ModelConfig.moe`` from the config's MoE fields (module doc), the MoE blocks ``layers``."""
+    experts = _int(c, "n_routed_experts", c.get("num_local_experts") or 8, 2)
+    top_k, groups = _int(c, "num_experts_per_tok", 2), _int(c, "n_group", 1)
+    topk_groups = _int(c, "topk_group", 1)
+    if top_k > experts:
+        raise ValueError(f"config field num_experts_per_tok={top_k} exceeds n_routed_experts={experts}")
+    if experts % groups or topk_groups > groups:
+        raise ValueError(f"config fields n_group={groups} must divide n_routed_experts={experts} and topk_group="
+                         f"{topk_groups} be at most n_group")
+    if topk_groups * (experts // groups) < top_k:
+        raise ValueError(f"config fields topk_group={topk_groups} groups of {experts // groups} experts hold fewer "
+                         f"than num_experts_per_tok={top_k}")
+    scale = config_float(c.get("routed_scaling_factor", 1.0))
+    if not scale > 0:
+        raise ValueError(f"config field routed_scaling_factor={scale!r} must be positive")
+    moe = {"experts": experts, "top_k": top_k, "hidden": _int(c, "moe_intermediate_size", 7688),
+           "shared": _int(c, "moe_shared_expert_intermediate_size", 7688), "shared_gate": False,
+           "router": "sigmoid", "groups": groups, "topk_groups": topk_groups, "scale": scale,
+           "renormalize": bool(c.get("norm_topk_prob", True)), "renorm_eps": 1e-20, "aux_loss_coef": 0.0,
+           "layers": layers}
+    if c.get("moe_latent_size") is not None:
+        moe["latent"] = _int(c, "moe_latent_size", 1)
+    return moe
 
 
 class NemotronHFormat(Format):
     model_type = "nemotron_h"
     conv_bias_key = "use_conv_bias"
     any_mlp = True
+    latent_moe = True
+    not_loaded = {"mtp.": "the multi-token-prediction layers (num_nextn_predict_layers; transformers skips them too)"}
     top = {"embed.weight": "backbone.embeddings.weight", "norm.weight": "backbone.norm_f.weight",
            "head.weight": "lm_head.weight"}
     layer = "backbone.layers.{i}."                     # {i} the block; M. and F. its two layers (module doc)
     layers = {"mamba2": {"mixer.conv.{p}": "M.mixer.conv1d.{p}", "mixer.{p}": "M.mixer.{p}"},
               "softmax": {"mixer.{p}": "M.mixer.{p}"},
               "*": {"norm1.weight": "M.norm.weight", "norm2.weight": "F.norm.weight",
-                    "mlp.w_up.weight": "F.mixer.up_proj.weight", "mlp.w_down.weight": "F.mixer.down_proj.weight"}}
+                    "mlp.w_up.weight": "F.mixer.up_proj.weight", "mlp.w_down.weight": "F.mixer.down_proj.weight",
+                    "mlp.router.weight": "F.mixer.gate.weight",
+                    "mlp.score_bias": "F.mixer.gate.e_score_correction_bias",
+                    "mlp.w_up": "F.mixer.experts.{e}.up_proj.weight",               # stacked experts: one each
+                    "mlp.w_down": "F.mixer.experts.{e}.down_proj.weight",
+                    "mlp.shared.w_up.weight": "F.mixer.shared_experts.up_proj.weight",
+                    "mlp.shared.w_down.weight": "F.mixer.shared_experts.down_proj.weight",
+                    "mlp.latent_in.weight": "F.mixer.fc1_latent_proj.weight",
+                    "mlp.latent_out.weight": "F.mixer.fc2_latent_proj.weight"}}
 
     @staticmethod
     def config(c: dict) -> ModelConfig:
@@ -73,7 +134,7 @@ class NemotronHFormat(Format):
         for key in ("use_bias", "mlp_bias", "attention_bias", "mamba_proj_bias"):
             require(c, key, False)
         require(c, "sliding_window", None)
-        mixers, mlps = blocks(layer_types(c))
+        mixers, mlps, moes = blocks(layer_types(c))
         H, eps = c["hidden_size"], c.get("layer_norm_epsilon", 1e-5)
         heads, hd = c.get("mamba_num_heads", 128), c.get("mamba_head_dim", 64)
         if heads * hd % H:
@@ -88,6 +149,7 @@ class NemotronHFormat(Format):
                            n_heads=c["num_attention_heads"], n_kv_heads=c.get("num_key_value_heads"),
                            pattern=",".join(mixers), mlp=bool(mlps), mlp_size=c.get("intermediate_size"),
                            mlp_kind="relu2", mlp_layers=mlps or None, norm_eps=eps,
+                           moe=moe_options(c, moes) if moes else None,
                            tie_embeddings=False, context_length=1 << 20,   # transformers never ties them
                            mixer_options={"mamba2": m2, "softmax": soft})
 
@@ -119,7 +181,8 @@ class NemotronHFormat(Format):
     def to_config(cfg: ModelConfig, opts: dict) -> dict:
         o, a = opts.get("mamba2"), opts.get("softmax")
         with_mlp = set(range(cfg.n_layers) if cfg.mlp_layers is None else cfg.mlp_layers) if cfg.mlp else set()
-        pattern = "".join(("M" if n == "mamba2" else "*") + ("-" if b in with_mlp else "")
+        moes, m = set(cfg.moe_layers), cfg.moe
+        pattern = "".join(("M" if n == "mamba2" else "*") + ("E" if b in moes else "-" if b in with_mlp else "")
                           for b, n in enumerate(cfg.layers))
         out = {"model_type": "nemotron_h", "architectures": ["NemotronHForCausalLM"], "vocab_size": cfg.vocab_size,
                "hidden_size": cfg.d_model, "num_hidden_layers": len(pattern), "hybrid_override_pattern": pattern,
@@ -127,7 +190,15 @@ class NemotronHFormat(Format):
                "head_dim": a["head_dim"] if a else cfg.d_model // cfg.n_heads, "intermediate_size": cfg.mlp_hidden,
                "layer_norm_epsilon": cfg.norm_eps, "mlp_hidden_act": "relu2", "mamba_hidden_act": "silu",
                "use_bias": False, "mlp_bias": False, "attention_bias": False, "use_conv_bias": True,
-               "tie_word_embeddings": False}
+               "tie_word_embeddings": False, "num_nextn_predict_layers": 0,     # no multi-token prediction written
+               "layers_block_type": [{"M": "linear_attention", "*": "full_attention", "-": "mlp", "E": "moe"}[x]
+                                     for x in pattern]}
+        if m is not None:
+            out.update({"n_routed_experts": m["experts"], "num_experts_per_tok": m["top_k"],
+                        "moe_intermediate_size": m["hidden"] or cfg.mlp_hidden,
+                        "moe_shared_expert_intermediate_size": m["shared"],     # n_shared_experts: unused
+                        "n_group": m["groups"], "topk_group": m["topk_groups"], "routed_scaling_factor": m["scale"],
+                        "norm_topk_prob": m["renormalize"], "moe_latent_size": m.get("latent")})
         if o is not None:
             out.update({"mamba_num_heads": o["expand"] * cfg.d_model // o["head_dim"], "mamba_head_dim": o["head_dim"],
                         "ssm_state_size": o["d_state"], "n_groups": o["n_groups"], "conv_kernel": o["conv_size"],
@@ -136,8 +207,10 @@ class NemotronHFormat(Format):
 
     @classmethod
     def matches(cls, cfg: ModelConfig, opts: dict) -> bool:
-        o, a = opts.get("mamba2"), opts.get("softmax")
-        return (set(cfg.layers) <= {"mamba2", "softmax"} and cfg.moe is None and cfg.pos_emb == "none"
+        o, a, m = opts.get("mamba2"), opts.get("softmax"), cfg.moe
+        moe_ok = m is None or (m["router"] == "sigmoid" and not m["shared_gate"] and m["shared"] > 0
+                               and m["renorm_eps"] == 1e-20)
+        return (set(cfg.layers) <= {"mamba2", "softmax"} and moe_ok and cfg.pos_emb == "none"
                 and not cfg.post_norm and cfg.scaled_residual is None and (not cfg.mlp or cfg.mlp_kind == "relu2")
                 and (o is None or (o["norm_eps"] == cfg.norm_eps and o["dt_limit"][1] == float("inf")))
                 and (a is None or (not a["rotary"] and a["qk_norm"] is None and not a["output_gate"]
