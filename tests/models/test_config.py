@@ -51,6 +51,7 @@ def test_mlp_kind_and_mlp_layers():
     mlp, x = model.blocks[0].mlp, torch.randn(5, 16)
     torch.testing.assert_close(mlp(x), torch.relu(x @ mlp.w_up.weight.T).square() @ mlp.w_down.weight.T)
     for bad, match in (({"mlp_kind": "gelu"}, "mlp_kind"), ({"mlp_layers": [3]}, "mlp_layers"),
-                       ({"mlp_kind": "relu2", "moe": {"experts": 2}}, "moe .*mlp_kind='swiglu'")):
+                       ({"mlp_kind": "geglu", "moe": {"experts": 2}}, "moe: its experts are MLPs of mlp_kind"),
+                       ({"mlp_kind": "relu2", "mlp_layers": [0], "moe": {"experts": 2}}, "must be among mlp_layers")):
         with pytest.raises(ValueError, match=match):
             ModelConfig(vocab_size=32, d_model=16, n_layers=3, n_heads=2, **bad)
