@@ -92,7 +92,7 @@ class MoE(nn.Module):
         """x (N, d_model) -> (probabilities (N, E) float32, top-k weights (N, k), top-k experts (N, k)). A router
         held in another dtype than x (a checkpoint that keeps it in float32, as transformers' Nemotron-H and
         DeepSeek-V3 do, read without a dtype) computes the logits in its own."""
-        w = getattr(self.router, "weight", None)                  # None: a quantised router (models.quant)
+        w = self.router.weight if isinstance(self.router, nn.Linear) else None    # None: quantised (models.quant)
         logits = self.router(x) if w is None or w.dtype == x.dtype else F.linear(x.to(w.dtype), w)
         probs = torch.softmax(logits, dim=-1, dtype=torch.promote_types(logits.dtype, torch.float32))
         if self.router_kind == "softmax":
