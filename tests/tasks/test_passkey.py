@@ -85,3 +85,17 @@ def test_cli_passkey_writes_table_and_heat_map(tmp_path, capsys, corpus):
     assert [(r["length"], r["depth"]) for r in rows] == [(128, 0.0), (128, 1.0), (256, 0.0), (256, 1.0)]
     assert (out / "passkey.png").read_bytes()[:4] == b"\x89PNG"
     assert main(["eval", "--run", str(run), "--passkey", "--depths", "2"]) == 2
+
+
+def test_a_training_batch_targets_the_answer_alone():
+    import random
+
+    from subquad.tasks.passkey import passkey_batch
+
+    x, y = passkey_batch(encode, 127, 3, random.Random(0), pad=7)
+    assert x.shape == y.shape == (3, 127 + 6 - 1)                     # " 12345": 6 characters, one token each
+    rng = random.Random(0)
+    for b in range(3):
+        ids, want, _ = passkey_prompt(encode, 127, rng.random(), rng.randrange(10000, 100000))   # the same draws
+        assert x[b].tolist() == ids + want[:-1]
+        assert y[b, 126:].tolist() == want and (y[b, :126] == -100).all()   # the question's end predicts the key
