@@ -37,13 +37,15 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 from benchmarks.common import OUT, machine_line  # noqa: E402
 
-# name -> the layer pattern; every model is otherwise the same: d_model 64, 2 heads of 32, SwiGLU MLPs
+# name -> (layer pattern, mixer options); every model is otherwise the same: d_model 64, 2 heads of 32, SwiGLU MLPs.
+# "hybrid_nope": Jamba's choice, attention without positions (the recurrent layer before it supplies order).
 MODELS = {
-    "softmax": "softmax,softmax",
-    "gla": "gla,gla",
-    "mamba2": "mamba2,mamba2",
-    "gated_deltanet": "gated_deltanet,gated_deltanet",
-    "hybrid": "gla,softmax",
+    "softmax": ("softmax,softmax", {}),
+    "gla": ("gla,gla", {}),
+    "mamba2": ("mamba2,mamba2", {}),
+    "gated_deltanet": ("gated_deltanet,gated_deltanet", {}),
+    "hybrid": ("gla,softmax", {}),
+    "hybrid_nope": ("gla,softmax", {"softmax": {"rotary": False}}),
 }
 
 
@@ -57,12 +59,13 @@ def tokenizer(data=None):
     return path, (lambda s: tok.encode(s).ids)
 
 
-def curriculum_model(pattern: str, d_model: int = 64, n_layers: int = 2, vocab: int = 4096, seed: int = 0):
+def curriculum_model(pattern: str, d_model: int = 64, n_layers: int = 2, vocab: int = 4096, seed: int = 0,
+                     options: dict | None = None):
     from subquad.models import LanguageModel, ModelConfig
 
     torch.manual_seed(seed)
     cfg = ModelConfig(vocab_size=vocab, d_model=d_model, n_layers=n_layers, n_heads=max(1, d_model // 32),
-                      pattern=pattern, context_length=max(256, d_model))
+                      pattern=pattern, mixer_options=options or {}, context_length=max(256, d_model))
     return LanguageModel(cfg)
 
 
@@ -78,10 +81,12 @@ def parse_stages(text: str) -> list[tuple[int, int]]:
 
 
 def train_curriculum(model, encode, stages, batch: int = 32, lr: float = 3e-3, warmup: int = 50, seed: int = 0,
-                     log=print) -> list[dict]:
-    """Train ``model`` on passkey batches, stage by stage; the loss is the answer tokens' cross-entropy. Returns
-    the curve: every ``max(1, steps // 20)`` steps, the stage's length, the mean loss since the last point and
-    the fraction of answer tokens predicted right (teacher-forced) in those batches."""
+                     repeat: bool = True, log=print) -> list[dict]:
+    """Train ``model`` on passkey batches, stage by stage; the loss is the cross-entropy of the key's tokens: the
+    answer's, and with ``repeat`` its copy inside the needle too (``passkey_batch``). Returns the curve: every
+    ``max(1, steps // 20)`` steps, the stage's length, the mean loss since the last point, and in those batches
+    the fraction of answers whose every token was predicted right (teacher-forced, which is then what greedy
+    decoding answers) and the fraction of key tokens right."""
     from subquad.tasks.passkey import passkey_batch
 
     rng = random.Random(seed)
@@ -90,14 +95,14 @@ def train_curriculum(model, encode, stages, batch: int = 32, lr: float = 3e-3, w
     sched = torch.optim.lr_scheduler.LambdaLR(
         opt, lambda i: min(1.0, (i + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * min(i, total) / total)))
     every, curve, step, t0 = max(1, total // 20), [], 0, time.perf_counter()
-    loss_sum, right, count = 0.0, 0, 0
+    loss_sum, right, count, keys, rows = 0.0, 0, 0, 0, 0
     model.train()
     for length, steps in stages:
         for _ in range(steps):
-            x, y = passkey_batch(encode, length, batch, rng)
+            x, y = passkey_batch(encode, length, batch, rng, repeat=repeat)
             mask = y != -100
             h, _ = model._hidden(x)                              # (B, T, D)
-            logits = model._logits(h[mask])                      # (answer tokens, vocab): the head only where read
+            logits = model._logits(h[mask])                      # (key tokens, vocab): the head only where read
             loss = torch.nn.functional.cross_entropy(logits, y[mask])
             opt.zero_grad(set_to_none=True)
             loss.backward()
@@ -106,15 +111,20 @@ def train_curriculum(model, encode, stages, batch: int = 32, lr: float = 3e-3, w
             sched.step()
             step += 1
             loss_sum += loss.item()
-            right += int((logits.argmax(-1) == y[mask]).sum())
+            hit = torch.full_like(y, -1)                         # (B, T): 1 right, 0 wrong, -1 no target
+            hit[mask] = (logits.argmax(-1) == y[mask]).long()
+            keys += int((hit[:, length - 1:] != 0).all(1).sum())  # the answer: from the question's last token on
+            rows += x.shape[0]
+            right += int((hit == 1).sum())
             count += int(mask.sum())
             if step % every == 0 or step == total:
-                point = {"step": step, "length": length, "loss": loss_sum / every, "token_accuracy": right / count,
-                         "seconds": round(time.perf_counter() - t0, 1)}
+                point = {"step": step, "length": length, "loss": loss_sum / every, "key_accuracy": keys / rows,
+                         "token_accuracy": right / count, "seconds": round(time.perf_counter() - t0, 1)}
                 curve.append(point)
-                log(f"    step {step}/{total} (length {length}): loss {point['loss']:.3f}, answer tokens right "
-                    f"{point['token_accuracy']:.2f}, {point['seconds']:.0f} s")
-                loss_sum, right, count = 0.0, 0, 0
+                log(f"    step {step}/{total} (length {length}): loss {point['loss']:.3f}, answers right "
+                    f"{point['key_accuracy']:.2f}, key tokens right {point['token_accuracy']:.2f}, "
+                    f"{point['seconds']:.0f} s")
+                loss_sum, right, count, keys, rows = 0.0, 0, 0, 0, 0
     model.eval()
     return curve
 
@@ -167,9 +177,9 @@ def cmd_curriculum(args) -> dict:
               "batch": args.batch, "lr": args.lr, "d_model": args.d_model, "n_layers": args.n_layers,
               "trials": args.trials, "models": {}}
     for name in args.models.split(","):
-        pattern = MODELS[name]
-        model = curriculum_model(pattern, args.d_model, args.n_layers, seed=args.seed)
-        print(f"[{name}] {pattern}, {model.num_parameters():,} parameters; curriculum {args.stages}, batch "
+        pattern, options = MODELS[name]
+        model = curriculum_model(pattern, args.d_model, args.n_layers, seed=args.seed, options=options)
+        print(f"[{name}] {pattern} {options or ''}, {model.num_parameters():,} parameters; curriculum {args.stages}, batch "
               f"{args.batch}, lr {args.lr}", flush=True)
         t0 = time.perf_counter()
         curve = train_curriculum(model, encode, stages, args.batch, args.lr, seed=args.seed,
@@ -179,8 +189,8 @@ def cmd_curriculum(args) -> dict:
             save_run(model, tok_path, Path(args.runs) / name, sum(s for _, s in stages),
                      {"passkey_curriculum": {"stages": stages, "pattern": pattern}})
         rows = sweep(model, encode, lengths, depths, args.trials, name, log=lambda m: print(m, flush=True))
-        result["models"][name] = {"pattern": pattern, "parameters": model.num_parameters(), "curve": curve,
-                                  "train_seconds": round(train_s, 1), "rows": rows}
+        result["models"][name] = {"pattern": pattern, "mixer_options": options, "parameters": model.num_parameters(),
+                                  "curve": curve, "train_seconds": round(train_s, 1), "rows": rows}
         if not args.quick:
             heatmap(rows, OUT / f"passkey_{name}.png", f"passkey, trained for it: {name} ({pattern}), trained to "
                                                        f"{max(n for n, _ in stages)} tokens")
@@ -241,7 +251,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("part", choices=["curriculum", "workshop", "timing"])
     p.add_argument("--models", default="softmax,gla,hybrid", help=f"curriculum: some of {', '.join(MODELS)}")
-    p.add_argument("--stages", default="64:300,128:300,256:300", help="curriculum: LENGTH:STEPS per stage")
+    p.add_argument("--stages", default="64:800,128:300,256:100", help="curriculum: LENGTH:STEPS per stage")
     p.add_argument("--batch", type=int, default=32)
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--d-model", type=int, default=64)

@@ -39,24 +39,30 @@ def passkey_prompt(encode, length: int, depth: float, key: int) -> tuple[list[in
     return filler[:at] + needle + filler[at:] + question, answer, at
 
 
-def passkey_batch(encode, length: int, batch: int, rng: random.Random, pad: int = 0) -> tuple[torch.Tensor,
-                                                                                              torch.Tensor]:
+def passkey_batch(encode, length: int, batch: int, rng: random.Random, pad: int = 0,
+                  repeat: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """A training batch for the task: ``batch`` prompts of ``length`` tokens, each with a random 5-digit key at a
     depth drawn uniformly from [0, 1], followed by the key's answer tokens. (x (B, T), y (B, T)) with
     T = ``length`` + the longest answer - 1: x the tokens, y the next token where it is an answer token and -100
     everywhere else, so the loss is the retrieval alone (the filler is trivially predictable and would only dilute
-    it). Rows with a shorter answer end in ``pad`` tokens, which no target reads and causal models never see
-    before their answer."""
-    rows = []
+    it). With ``repeat`` the key's second copy inside the needle ("Remember it. 48213 is ...") is a target too:
+    the same retrieval a few tokens back, a denser signal while the copying circuit forms. Rows with a shorter
+    answer end in ``pad`` tokens, which no target reads and causal models never see before their answer."""
+    rows, repeats = [], []
     for _ in range(batch):
-        ids, want, _ = passkey_prompt(encode, length, rng.random(), rng.randrange(10000, 100000))
+        ids, want, at = passkey_prompt(encode, length, rng.random(), rng.randrange(10000, 100000))
         rows.append((ids + want, len(want)))
+        hits = [i for i in range(at, length - len(want) + 1) if ids[i:i + len(want)] == want]
+        repeats.append(hits[1] if repeat and len(hits) > 1 else None)     # hits[0]: the first copy, unknowable
     T = length + max(n for _, n in rows) - 1
     x = torch.full((batch, T), pad, dtype=torch.long)
     y = torch.full((batch, T), -100, dtype=torch.long)
     for b, (seq, n) in enumerate(rows):
         x[b, :len(seq) - 1] = torch.tensor(seq[:-1])
         y[b, length - 1:length - 1 + n] = torch.tensor(seq[length:])   # the question's last token predicts the first
+        if repeats[b] is not None:
+            r = repeats[b]
+            y[b, r - 1:r - 1 + n] = torch.tensor(seq[r:r + n])
     return x, y
 
 

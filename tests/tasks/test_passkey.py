@@ -99,3 +99,20 @@ def test_a_training_batch_targets_the_answer_alone():
         ids, want, _ = passkey_prompt(encode, 127, rng.random(), rng.randrange(10000, 100000))   # the same draws
         assert x[b].tolist() == ids + want[:-1]
         assert y[b, 126:].tolist() == want and (y[b, :126] == -100).all()   # the question's end predicts the key
+
+
+def test_repeat_also_targets_the_keys_copy_inside_the_needle():
+    import random
+
+    from subquad.tasks.passkey import passkey_batch
+
+    x, y = passkey_batch(encode, 127, 2, random.Random(3), repeat=True)
+    plain = passkey_batch(encode, 127, 2, random.Random(3))[1]
+    for b in range(2):
+        extra = ((y[b] != -100) & (plain[b] == -100)).nonzero().flatten().tolist()
+        assert len(extra) == 6                                       # " 12345": the copy after "Remember it."
+        copy = "".join(chr(t) for t in y[b, extra].tolist())
+        key = "".join(chr(t) for t in y[b, 126:].tolist())
+        assert copy == key
+        text = "".join(chr(t) for t in x[b].tolist())
+        assert text[extra[0] - len(" Remember it.") + 1:extra[0] + 1] == " Remember it."  # read after the 1st copy
