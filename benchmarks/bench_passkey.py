@@ -6,19 +6,20 @@ Three parts, each its own command:
     python benchmarks/bench_passkey.py curriculum   # train tiny models on the task, then sweep lengths x depths
     python benchmarks/bench_passkey.py workshop     # sweep the workshop-shaped runs in --runs (trained elsewhere)
     python benchmarks/bench_passkey.py timing       # seconds per passkey trial against prompt length
+    python benchmarks/bench_passkey.py attention --run DIR   # where a hybrid's attention layer looks
     python benchmarks/bench_passkey.py curriculum --quick   # the test's size: seconds
 
 The curriculum. Every model is trained from scratch on passkey prompts alone (``passkey_batch``: the filler,
-the needle at a uniform random depth, the question), with the loss on the key's answer tokens only, through a
-short curriculum of prompt lengths (``--stages``, e.g. 64:300,128:300,256:300 = 300 steps at 64 tokens, then
-at 128, then at 256), AdamW with a linear warmup and a cosine decay over all stages. The tokenizer is the
-workshop's (the stdlib corpus's BPE, 4,096), so prompts are the ones ``subquad eval --passkey`` builds. Each
-model is saved as a run folder (``ckpt/``, ``tokenizer.json``) that ``subquad eval --run DIR --passkey``
-reads, then swept over ``--lengths`` (past the longest trained) and ``--depths``; results/passkey_NAME.png
-is its heat map. Models (``--models``, names from MODELS): a softmax transformer (rotary), fixed-state
-models, and a hybrid with one softmax layer.
+the needle at a uniform random depth, the question), with the loss on the key's tokens only (the answer, and
+the key's copy inside the needle), through a short curriculum of prompt lengths (``--stages``: the default
+64:800,128:300,256:100 is 800 steps at 64 tokens, then 300 at 128, then 100 at 256), AdamW with a linear warmup
+and a cosine decay over all stages. The tokenizer is the workshop's (the stdlib corpus's BPE, 4,096), so the
+prompts are the ones ``subquad eval --passkey`` builds. Each model is saved as a run folder (``ckpt/``,
+``tokenizer.json``) that ``subquad eval --run DIR --passkey`` reads, then swept over ``--lengths`` (past the
+longest trained) and ``--depths``; its heat map is results/passkey_NAME_toLONGEST.png. Models (``--models``,
+names from MODELS): a softmax transformer (rotary), fixed-state models, and hybrids with one softmax layer.
 
-Writes results/passkey_{curriculum,workshop,timing}.{json,md}.
+Writes results/passkey_{curriculum,workshop,timing}.{json,md} (``--name`` renames them).
 """
 
 from __future__ import annotations
@@ -38,14 +39,19 @@ sys.path.insert(0, str(ROOT))
 from benchmarks.common import OUT, machine_line  # noqa: E402
 
 # name -> (layer pattern, mixer options); every model is otherwise the same: d_model 64, 2 heads of 32, SwiGLU MLPs.
-# "hybrid_nope": Jamba's choice, attention without positions (the recurrent layer before it supplies order).
+# "_conv": a short causal convolution (4) on GLA's q, k, v, as Zoology's protocol and fla's layers have
+# (subquad.bench.recall); "hybrid_nope": Jamba's choice, attention without positions (the recurrent layer before
+# it supplies order).
+CONV = {"gla": {"conv_size": 4}}
 MODELS = {
     "softmax": ("softmax,softmax", {}),
     "gla": ("gla,gla", {}),
+    "gla_conv": ("gla,gla", CONV),
     "mamba2": ("mamba2,mamba2", {}),
     "gated_deltanet": ("gated_deltanet,gated_deltanet", {}),
     "hybrid": ("gla,softmax", {}),
-    "hybrid_nope": ("gla,softmax", {"softmax": {"rotary": False}}),
+    "hybrid_conv": ("gla,softmax", CONV),
+    "hybrid_nope": ("gla,softmax", {**CONV, "softmax": {"rotary": False}}),
 }
 
 
@@ -192,8 +198,9 @@ def cmd_curriculum(args) -> dict:
         result["models"][name] = {"pattern": pattern, "mixer_options": options, "parameters": model.num_parameters(),
                                   "curve": curve, "train_seconds": round(train_s, 1), "rows": rows}
         if not args.quick:
-            heatmap(rows, OUT / f"passkey_{name}.png", f"passkey, trained for it: {name} ({pattern}), trained to "
-                                                       f"{max(n for n, _ in stages)} tokens")
+            longest = max(n for n, _ in stages)
+            heatmap(rows, OUT / f"passkey_{name}_to{longest}.png", f"passkey, trained for it: {name} ({pattern}), "
+                                                                   f"trained to {longest} tokens")
         print(table(rows), flush=True)
     return result
 
@@ -247,9 +254,91 @@ def cmd_timing(args) -> dict:
     return result
 
 
+def cmd_attention(args) -> dict:
+    """Where a hybrid's attention layer looks from the question's last token: for each --run whose layer
+    ``--layer`` is softmax attention without rotary positions (``hybrid_nope``), the weight each head puts on the
+    key's first copy and the key's best score against the filler's best, per length and depth (one key)."""
+    from subquad.tasks.passkey import NEEDLE, QUESTION, passkey_prompt
+    from subquad.train import load_run
+
+    result = {"machine": machine_line(), "date": time.strftime("%Y-%m-%d"), "rows": []}
+    for run in [Path(p) for p in args.run]:
+        model, tok, _ = load_run(run)
+        encode = lambda s, tok=tok: tok.encode(s).ids                   # noqa: E731
+        att = model.blocks[args.layer].mixer
+        if getattr(att, "rotary", True) or att.qk_norm or att.output_gate:   # scores read as q k^T / sqrt(K)
+            raise ValueError(f"{run}: layer {args.layer} is not plain softmax attention without positions")
+        seen = {}
+        hook = att.register_forward_pre_hook(lambda m, a: seen.__setitem__("x", a[0]))
+        H, K = att.n_heads, att.head_dim
+        for n in [int(x) for x in args.lengths.split(",")]:
+            for depth in [float(x) for x in args.depths.split(",")]:
+                ids, want, at = passkey_prompt(encode, n, depth, 48213)
+                with torch.no_grad():
+                    model.prefill(torch.tensor(ids).view(1, -1))
+                    x = seen["x"][0]                                    # (T, D): the layer's input
+                    q = att.q_proj(x[-1:]).view(H, K)                   # the question's last token
+                    k = att.k_proj(x).view(-1, H, K)                    # (T, H, K)
+                    score = torch.einsum("hk,thk->ht", q, k) * K ** -0.5     # (H, T)
+                key = slice(at + len(encode("The pass key is")), at + len(encode("The pass key is")) + len(want))
+                needle = slice(at, at + len(encode(NEEDLE.format(key=48213))))
+                filler = torch.cat([score[:, :needle.start], score[:, needle.stop:n - len(encode(QUESTION))]], 1)
+                row = {"model": run.name, "length": n, "depth": depth,
+                       "weight_on_key": score.softmax(-1)[:, key].sum(-1).tolist(),
+                       "key_best_score": score[:, key].max(-1).values.tolist(),
+                       "filler_best_score": filler.max(-1).values.tolist()}
+                result["rows"].append(row)
+                print(f"    {run.name} {n} depth {depth}: weight on the key per head "
+                      f"{[round(w, 3) for w in row['weight_on_key']]}, best score key "
+                      f"{[round(v, 1) for v in row['key_best_score']]} / filler "
+                      f"{[round(v, 1) for v in row['filler_best_score']]}", flush=True)
+        hook.remove()
+    return result
+
+
+def distance_split(rows: list[dict], encode_lengths: dict, trained: int) -> dict:
+    """Accuracy of the cells longer than ``trained`` split by how far the needle starts before the question's
+    end: within ``trained`` tokens, or farther. ``encode_lengths``: {"needle": n, "question": q} in tokens."""
+    near, far = [], []
+    for r in rows:
+        if r["length"] <= trained:
+            continue
+        room = r["length"] - encode_lengths["needle"] - encode_lengths["question"]
+        distance = r["length"] - round(r["depth"] * room)
+        (near if distance <= trained else far).append(r["accuracy"])
+    mean = lambda xs: None if not xs else sum(xs) / len(xs)          # noqa: E731
+    return {"near": mean(near), "near_cells": len(near), "far": mean(far), "far_cells": len(far)}
+
+
+def markdown(part: str, result: dict) -> str:
+    """The tables of a part's result, as RESULTS.md quotes them."""
+    out = [f"`{result.get('command', '')}` ({result['date']}; {result['machine']})", ""]
+    if part == "attention":
+        out += ["| model | length | depth | weight on the key, per head | key's best score | filler's best score |",
+                "|---|---|---|---|---|---|"]
+        out += [f"| {r['model']} | {r['length']:,} | {r['depth']:.2f} | "
+                + " | ".join(", ".join(f"{v:.{d}f}" for v in r[c]) for c, d in
+                             (("weight_on_key", 3), ("key_best_score", 1), ("filler_best_score", 1))) + " |"
+                for r in result["rows"]]
+        return "\n".join(out) + "\n"
+    if part == "timing":
+        out += ["| model | pattern | length | seconds per trial | tokens/s | state bytes |", "|---|---|---|---|---|---|"]
+        out += [f"| {r['model']} | {r['pattern']} | {r['length']:,} | {r['seconds']:.3f} | {r['tokens_per_s']:,.0f} | "
+                f"{r['state_bytes']:,} |" for r in result["rows"]]
+        return "\n".join(out) + "\n"
+    for name, m in result["models"].items():
+        opts = m.get("mixer_options")
+        out += [f"**{name}** (`{m['pattern']}`{f' {opts}' if opts else ''}"
+                + (f", {m['parameters']:,} parameters, trained {m['train_seconds']:.0f} s, answers right at the end "
+                   f"of training {m['curve'][-1]['key_accuracy']:.2f}" if "curve" in m else
+                   f", step {m['step']}, held-out loss {m['heldout_loss']:.3f}") + ")", "", table(m["rows"]), ""]
+    return "\n".join(out)
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("part", choices=["curriculum", "workshop", "timing"])
+    p.add_argument("part", choices=["curriculum", "workshop", "timing", "attention"])
+    p.add_argument("--layer", type=int, default=1, help="attention: the hybrid's softmax layer")
     p.add_argument("--models", default="softmax,gla,hybrid", help=f"curriculum: some of {', '.join(MODELS)}")
     p.add_argument("--stages", default="64:800,128:300,256:100", help="curriculum: LENGTH:STEPS per stage")
     p.add_argument("--batch", type=int, default=32)
@@ -272,12 +361,14 @@ def main(argv=None) -> int:
     if args.quick:
         args.stages, args.batch, args.d_model, args.lengths, args.depths, args.trials = \
             "96:3,128:3", 4, 32, "128,192", "0,1", 1
-    result = {"curriculum": cmd_curriculum, "workshop": cmd_workshop, "timing": cmd_timing}[args.part](args)
+    result = {"curriculum": cmd_curriculum, "workshop": cmd_workshop, "timing": cmd_timing,
+              "attention": cmd_attention}[args.part](args)
     result["command"] = "python benchmarks/bench_passkey.py " + " ".join(argv if argv is not None else sys.argv[1:])
     if not args.quick:
         name = args.name or args.part
         (OUT / f"passkey_{name}.json").write_text(json.dumps(result, indent=1))
-        print(f"wrote {OUT / f'passkey_{name}.json'}")
+        (OUT / f"passkey_{name}.md").write_text(markdown(args.part, result))
+        print(f"wrote {OUT / f'passkey_{name}.json'} and .md")
     return 0
 
 

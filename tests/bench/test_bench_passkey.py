@@ -46,3 +46,24 @@ def test_quick_curriculum_saves_runs_the_cli_sweeps(tmp_path, corpus, capsys):
     assert cli(["eval", "--run", str(runs / "gla"), "--passkey", "--lengths", "128", "--depths", "0,1",
                 "--trials", "1"]) == 0
     assert "| 128 |" in capsys.readouterr().out
+
+
+def test_distance_split_sorts_cells_by_how_far_the_needle_is_from_the_end():
+    from benchmarks.bench_passkey import distance_split
+
+    rows = [{"length": 128, "depth": 0.0, "accuracy": 1.0},       # trained length: left out
+            {"length": 1024, "depth": 1.0, "accuracy": 1.0},      # the needle 35 tokens from the end
+            {"length": 1024, "depth": 0.9, "accuracy": 0.5},      # 1024 - round(0.9 * 989) = 134
+            {"length": 1024, "depth": 0.5, "accuracy": 0.0}]      # 530
+    split = distance_split(rows, {"needle": 23, "question": 12}, 256)
+    assert split == {"near": 0.75, "near_cells": 2, "far": 0.0, "far_cells": 1}
+
+
+def test_the_attention_probe_reads_the_hybrids_layer(tmp_path, corpus, capsys):
+    runs = tmp_path / "runs"
+    assert main(["curriculum", "--quick", "--models", "hybrid_nope", "--data", str(corpus), "--runs", str(runs)]) == 0
+    assert main(["attention", "--quick", "--run", str(runs / "hybrid_nope"), "--lengths", "128"]) == 0
+    out = capsys.readouterr().out
+    assert "hybrid_nope 128 depth 0.0: weight on the key per head" in out
+    with pytest.raises(ValueError, match="without positions"):
+        main(["attention", "--quick", "--run", str(runs / "hybrid_nope"), "--layer", "0"])
