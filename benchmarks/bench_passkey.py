@@ -185,8 +185,8 @@ def cmd_curriculum(args) -> dict:
     for name in args.models.split(","):
         pattern, options = MODELS[name]
         model = curriculum_model(pattern, args.d_model, args.n_layers, seed=args.seed, options=options)
-        print(f"[{name}] {pattern} {options or ''}, {model.num_parameters():,} parameters; curriculum {args.stages}, batch "
-              f"{args.batch}, lr {args.lr}", flush=True)
+        print(f"[{name}] {pattern} {options or ''}, {model.num_parameters():,} parameters; curriculum {args.stages}, "
+              f"batch {args.batch}, lr {args.lr}", flush=True)
         t0 = time.perf_counter()
         curve = train_curriculum(model, encode, stages, args.batch, args.lr, seed=args.seed,
                                  log=lambda m: print(m, flush=True))
@@ -322,7 +322,8 @@ def markdown(part: str, result: dict) -> str:
                 for r in result["rows"]]
         return "\n".join(out) + "\n"
     if part == "timing":
-        out += ["| model | pattern | length | seconds per trial | tokens/s | state bytes |", "|---|---|---|---|---|---|"]
+        out += ["| model | pattern | length | seconds per trial | tokens/s | state bytes |",
+                "|---|---|---|---|---|---|"]
         out += [f"| {r['model']} | {r['pattern']} | {r['length']:,} | {r['seconds']:.3f} | {r['tokens_per_s']:,.0f} | "
                 f"{r['state_bytes']:,} |" for r in result["rows"]]
         return "\n".join(out) + "\n"
