@@ -21,12 +21,15 @@ def test_workshop_writes_png_and_json(tmp_path, capsys):
 
 
 def test_workshop_second_half_trains_both_runs_and_reports_the_gap(tmp_path, capsys, corpus):
+    # 2 steps: a curve of two points per run; each step of micro's shape also measures the held-out loss (8
+    # batches) and saves a checkpoint, for 2 mixers x 2 seeds
     out = tmp_path / "ws"
-    assert main(["workshop", "--out", str(out), "--steps", "3", "--seeds", "2", "--data", str(corpus),
+    assert main(["workshop", "--out", str(out), "--steps", "2", "--seeds", "2", "--data", str(corpus),
                  "--no-progress"]) == 0
     res = json.loads((out / "workshop.json").read_text())["training"]
     assert len(res["final"]["softmax"]) == len(res["final"]["linear"]) == 2
     assert res["gap_std"] is not None and abs(res["gap_mean"] - sum(res["gaps"]) / 2) < 1e-12
+    assert [len(c) for c in res["curves"]["linear"]] == [2, 2]
     assert "gap" in capsys.readouterr().out
 
 

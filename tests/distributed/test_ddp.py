@@ -6,13 +6,13 @@ from datetime import timedelta
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from subquad.data import get_batch, prepare
 from subquad.models import LanguageModel, ModelConfig
 from subquad.train import PeerLost, TrainConfig, Trainer, load_checkpoint, make_mesh, parallelize
 from subquad.train import trainer as trainer_mod
 from tests.distributed.helpers import run
+from tests.forked import context
 
 TEXT = "".join(f"def k{i}(a):\n    return a + {i}\n\n" for i in range(300))
 CFG = dict(steps=3, batch_size=2, lr=3e-3, warmup=1, eval_every=3, eval_batches=1, ckpt_every=3, seed=0)
@@ -82,7 +82,7 @@ def _lose_a_rank(rank, world, init_file, corpus, cache, out, result_file):
 
 
 def test_a_rank_that_dies_stops_the_others_with_a_clear_error(corpus, tmp_path):
-    ctx = mp.get_context("spawn")
+    ctx = context()                                    # forked from the tests' forkserver (tests/forked.py)
     init_file, result = str(tmp_path / "rdv"), str(tmp_path / "rank0.txt")
     procs = [ctx.Process(target=_lose_a_rank, args=(r, 2, init_file, str(corpus / "code.py"), str(corpus / "cache"),
                                                      str(tmp_path / "run"), result)) for r in range(2)]

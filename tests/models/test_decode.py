@@ -44,12 +44,14 @@ def assert_steps_equal(eager, ids, steps=STEPS, tol=1e-5, batches=None, fast=Non
 
 @pytest.fixture(scope="module")
 def every_mixer():
-    """One layer of every mixer, a mixture of experts on every other layer, learned positions: the eager model
-    and a compiled copy (compiled once for the tests below)."""
+    """One layer of every mixer, a mixture of experts in the middle one, learned positions: the eager model and
+    a compiled copy (compiled once for the tests below). One MoE layer is enough: its routed loop runs eagerly
+    (a graph break), and every break costs graphs of its own; the checkpoint types' MoE variants (shared
+    experts, grouped routing, scaled residuals) are test_every_checkpoint_type's."""
     torch.manual_seed(0)
     names = sorted(MIXERS)
     cfg = ModelConfig(vocab_size=128, d_model=32, n_layers=len(names), n_heads=2, pattern=",".join(names),
-                      context_length=512, moe={"experts": 4, "top_k": 2, "every": 2, "offset": 1},
+                      context_length=512, moe={"experts": 4, "top_k": 2, "layers": [len(names) // 2]},
                       mixer_options={"swa": {"window": 8}}, pos_emb="learned")
     eager = LanguageModel(cfg).eval()
     return eager, compile_decode(_copy(eager))
@@ -80,38 +82,55 @@ def test_generate_takes_the_compiled_step_and_gives_eager_tokens(every_mixer):
         compile_decode(other, "yes")
 
 
-def _checkpoint(kind, tmp_path):
-    """A tiny random folder of checkpoint type ``kind`` (the parity tests' builders)."""
+# Each parity test's model, cut to one layer of each kind it holds (mixer, dense MLP or MoE; the first and a
+# later RWKV-7 layer): the layers beyond repeat one already compiled, and each compiles a graph of its own.
+FEWER = {"mamba": {"num_hidden_layers": 1}, "falcon_mamba": {"num_hidden_layers": 1},
+         "mamba2": {"num_hidden_layers": 1},
+         "bamba": {"num_hidden_layers": 2},                                  # Mamba-2, then attention (layer 1)
+         "jamba": {"num_hidden_layers": 3},                                  # Mamba dense, Mamba MoE, attention
+         "qwen3_next": {"num_hidden_layers": 2},                             # Gated DeltaNet dense, attention MoE
+         "olmo_hybrid": {"num_hidden_layers": 2, "layer_types": ["linear_attention", "full_attention"]},
+         "kimi_linear": {"num_hidden_layers": 2, "layer_types": ["linear_attention", "full_attention"]},
+         "minimax": {"num_hidden_layers": 2, "layer_types": ["linear_attention", "full_attention"]},
+         "zamba2": {"num_hidden_layers": 2, "layers_block_type": ["mamba", "hybrid"], "num_mem_blocks": 1}}
+
+
+def _checkpoint(kind, tmp_path, monkeypatch):
+    """A tiny random folder of checkpoint type ``kind`` (the parity tests' builders, with ``FEWER`` layers)."""
     from tests.models import test_hf, test_hf_delta, test_hf_hybrid, test_hf_kimi, test_hf_minimax
 
+    over = FEWER.get(kind, {})
     if kind in test_hf.KINDS:
-        return test_hf._hf_mamba(tmp_path, falcon=kind)[1], 64
+        return test_hf._hf_mamba(tmp_path, falcon=kind, **over)[1], 64
     if kind in test_hf_hybrid.KINDS:
-        return test_hf_hybrid._hf(tmp_path, kind)[1], test_hf_hybrid.V
+        return test_hf_hybrid._hf(tmp_path, kind, **over)[1], test_hf_hybrid.V
     if kind in test_hf_delta.KINDS:
-        return test_hf_delta._hf(tmp_path, kind)[1], test_hf_delta.V
+        return test_hf_delta._hf(tmp_path, kind, **over)[1], test_hf_delta.V
     if kind == "kimi_linear":
-        return test_hf_kimi._hf(tmp_path)[1], test_hf_kimi.V
+        return test_hf_kimi._hf(tmp_path, **over)[1], test_hf_kimi.V
     if kind == "zamba2":
         from tests.models import test_hf_zamba2
 
-        return test_hf_zamba2._hf(tmp_path)[1], test_hf_zamba2.V
+        return test_hf_zamba2._hf(tmp_path, **over)[1], test_hf_zamba2.V
     if kind == "rwkv7":
         from tests.models import test_rwkv7
 
+        monkeypatch.setattr(test_rwkv7, "L", 2)         # layer 0 (ln0, no value lora) and one that mixes in v_first
         test_rwkv7.fla_folder(test_rwkv7.random_pth(tmp_path / "model.pth"), tmp_path / "rwkv7")
         return tmp_path / "rwkv7", test_rwkv7.V
-    return test_hf_minimax._hf(tmp_path)[1], test_hf_minimax.V
+    return test_hf_minimax._hf(tmp_path, **over)[1], test_hf_minimax.V
 
 
 @pytest.mark.parametrize("kind", ["mamba", "falcon_mamba", "mamba2", "bamba", "jamba", "qwen3_next", "olmo_hybrid",
                                   "kimi_linear", "minimax", "rwkv7", "zamba2"])
-def test_every_checkpoint_type(tmp_path, kind):
+def test_every_checkpoint_type(tmp_path, monkeypatch, kind):
     pytest.importorskip("transformers")
     from subquad.models import from_pretrained
     from subquad.models.hf import MAPPINGS
 
     assert kind in MAPPINGS
-    folder, V = _checkpoint(kind, tmp_path)
+    folder, V = _checkpoint(kind, tmp_path, monkeypatch)
     model, _ = from_pretrained(folder)
+    n = model.config.n_layers
+    assert n == FEWER.get(kind, {}).get("num_hidden_layers", 2), n      # rwkv7: 2 (test_rwkv7.L patched)
     assert_steps_equal(model, torch.randint(0, V, (2, 9), generator=torch.Generator().manual_seed(3)))

@@ -21,14 +21,15 @@ def _hf_mamba(tmp_path, dtype=torch.float32, falcon=False, **over):
     torch.manual_seed(0)
     kind = falcon if isinstance(falcon, str) else ("falcon_mamba" if falcon else "mamba")
     if kind == "mamba2":                                   # two groups of two heads, the gated norm per group
-        cfg = transformers.Mamba2Config(vocab_size=64, hidden_size=32, num_heads=4, head_dim=16, n_groups=2,
-                                        state_size=8, num_hidden_layers=3, conv_kernel=4, chunk_size=8, **over)
+        cfg = transformers.Mamba2Config(**{"vocab_size": 64, "hidden_size": 32, "num_heads": 4, "head_dim": 16,
+                                           "n_groups": 2, "state_size": 8, "num_hidden_layers": 3, "conv_kernel": 4,
+                                           "chunk_size": 8, **over})
         model = transformers.Mamba2ForCausalLM(cfg)
     else:
         Config, Model = ((transformers.FalconMambaConfig, transformers.FalconMambaForCausalLM) if kind == "falcon_mamba"
                          else (transformers.MambaConfig, transformers.MambaForCausalLM))
-        cfg = Config(vocab_size=64, hidden_size=32, state_size=8, num_hidden_layers=3, expand=2, conv_kernel=4,
-                     time_step_rank=4, **over)
+        cfg = Config(**{"vocab_size": 64, "hidden_size": 32, "state_size": 8, "num_hidden_layers": 3, "expand": 2,
+                        "conv_kernel": 4, "time_step_rank": 4, **over})
         model = Model(cfg)
     model = model.to(dtype).eval()
     with torch.no_grad():                                  # non-trivial norms, D, dt and conv biases

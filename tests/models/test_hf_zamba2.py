@@ -43,7 +43,8 @@ def _hf(tmp_path, dtype=torch.float32, **over):
             elif "adapter_list" in name:
                 p.normal_(0, 0.2)
         layers, blocks = model.model.layers, cfg.num_mem_blocks     # transformers ties the uses' blocks only with a
-        hybrid = [i for i, t in enumerate(TYPES) if t == "hybrid"]  # tied head: untied, their copies made equal
+        hybrid = [i for i, t in enumerate(cfg.layers_block_type) if t == "hybrid"]   # tied head: untied, their
+        # copies made equal
         for j, i in enumerate(hybrid[blocks:], blocks):
             layers[i].shared_transformer.load_state_dict(layers[hybrid[j % blocks]].shared_transformer.state_dict())
     folder = tmp_path / "zamba2"

@@ -20,8 +20,8 @@ from subquad.models import LanguageModel, ModelConfig
 NAMES = sorted(MIXERS) + ["linear+conv", "retention+conv", "gla+conv"]     # + the short-convolution option
 
 
-def model_and_batch(name, seed=0, probing=False):
-    """A 2-layer LM with ``name`` mixers and a batch (2, 36). ``probing``: chunks of 16 (T = 36 spans two
+def model_and_batch(name, seed=0, probing=False, n_layers=2):
+    """An ``n_layers``-layer LM with ``name`` mixers and a batch (2, 36). ``probing``: chunks of 16 (T = 36 spans two
     boundaries and a partial chunk); the mixers' projections at unit gain, N(0, 1 / fan_in), instead of the
     model's 0.02, so their outputs are O(1); Mamba's skip D x a tenth and its step sizes 0.01-0.3, so the
     SSM carries the output (with the defaults it is ~0.1% of it, and dropping it would pass)."""
@@ -31,7 +31,7 @@ def model_and_batch(name, seed=0, probing=False):
     if name.endswith("+conv"):
         name = name[:-5]
         options[name] = {**options.get(name, {}), "conv_size": 4}
-    cfg = ModelConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=2, context_length=64, pattern=name,
+    cfg = ModelConfig(vocab_size=64, d_model=32, n_layers=n_layers, n_heads=2, context_length=64, pattern=name,
                       mixer_options=options)
     model = LanguageModel(cfg)
     if probing:
@@ -129,9 +129,10 @@ def test_forward_on_the_meta_device(name):
 def test_compiled_model_equals_eager_training_and_without_gradient(name):
     """torch.compile traces every mixer (aot_eager: dynamo's graph capture and AOT autograd without a C++
     toolchain; benchmarks/bench_precision.py runs inductor): the training step's loss and gradients and
-    the no-gradient forward equal eager to 1e-5 relative."""
+    the no-gradient forward equal eager to 1e-5 relative. One layer: a second layer of the same mixer only
+    traces the same code again; RWKV-7 keeps two, as its later layers read the first one's value (``carry``)."""
     torch._dynamo.reset()
-    model, x, y = model_and_batch(name)
+    model, x, y = model_and_batch(name, n_layers=2 if name == "rwkv7" else 1)
     compiled = torch.compile(model, backend="aot_eager")
 
     def loss_and_grads(m):

@@ -4,25 +4,26 @@ step exactly once."""
 
 import json
 import os
-import subprocess
-import sys
-import textwrap
+import signal
 from pathlib import Path
 
 import pytest
 import torch
 
 from subquad.train import load_checkpoint
+from tests.forked import context
 
-CHILD = textwrap.dedent("""
-    import os, signal, sys
-    import torch
+
+def run_child(out, data, kill, resume, log):
+    """One training run in a process of its own, killed (SIGKILL) at ``kill``, then or else run to the end;
+    its stderr goes to ``log``."""
+    os.dup2(os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC), 2)
+    os.environ["SUBQUAD_CACHE"] = str(Path(data).parent / "cache")      # the token cache private to these runs
     from subquad.models import ModelConfig
     from subquad.train import TrainConfig, train_run
     import subquad.train.checkpoint as ck
     import subquad.train.trainer as tr
 
-    out, data, kill, resume = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4] == "1"
     torch.set_num_threads(1)
 
     def die():
@@ -60,14 +61,20 @@ CHILD = textwrap.dedent("""
                        mixer_options={"swa": {"window": 8}})
     tcfg = TrainConfig(steps=8, batch_size=2, lr=3e-3, warmup=2, eval_every=4, eval_batches=2, ckpt_every=3)
     train_run(mcfg, tcfg, out, data=data, resume=resume, progress=False, log=lambda m: None)
-""")
 
 
 def child(out, data, kill="none", resume=False):
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2]),
-           "SUBQUAD_CACHE": str(Path(data).parent / "cache")}          # the token cache private to these runs
-    return subprocess.run([sys.executable, "-c", CHILD, str(out), str(data), kill, "1" if resume else "0"],
-                          env=env, capture_output=True, text=True, timeout=300)
+    """(exit code, stderr) of one run in a new process (forked from the tests' forkserver, tests/forked.py,
+    without a fresh interpreter's seconds of imports: 11 runs): -9 when killed."""
+    log = Path(str(out) + f".{kill.replace(':', '_')}.{int(resume)}.stderr")
+    p = context().Process(target=run_child, args=(str(out), str(data), kill, resume, str(log)))
+    p.start()
+    p.join(300)
+    if p.exitcode is None:
+        p.kill()
+        p.join()
+        pytest.fail(f"the run ({kill}, resume={resume}) took over 300 s")
+    return p.exitcode, log.read_text() if log.exists() else ""
 
 
 @pytest.fixture(scope="module")
@@ -75,8 +82,8 @@ def setup(tmp_path_factory):
     root = tmp_path_factory.mktemp("kill")
     data = root / "code.py"
     data.write_text("".join(f"def k{i}(z):\n    return z - {i}\n\n" for i in range(300)))
-    ref = child(root / "ref", data)
-    assert ref.returncode == 0, ref.stderr[-3000:]
+    code, err = child(root / "ref", data)
+    assert code == 0, err[-3000:]
     return root, data, load_checkpoint(root / "ref")[0]
 
 
@@ -84,10 +91,10 @@ def setup(tmp_path_factory):
 def test_killed_run_resumes_bit_identically(setup, kill):
     root, data, ref = setup
     out = root / kill.replace(":", "_")
-    first = child(out, data, kill)
-    assert first.returncode == -9, (first.returncode, first.stderr[-2000:])
-    again = child(out, data, "none", resume=True)
-    assert again.returncode == 0, again.stderr[-3000:]
+    code, err = child(out, data, kill)
+    assert code == -9, (code, err[-2000:])
+    code, err = child(out, data, "none", resume=True)
+    assert code == 0, err[-3000:]
     got, _, meta = load_checkpoint(out)
     assert meta["step"] == 8 and all(torch.equal(got[k], ref[k]) for k in ref)
     steps = [json.loads(ln)["step"] for ln in (out / "metrics.jsonl").read_text().splitlines()]
