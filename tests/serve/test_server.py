@@ -363,12 +363,14 @@ def test_1000_malformed_requests_get_4xx_naming_the_field_and_the_server_goes_on
 
 
 def test_a_full_queue_answers_429_and_sigterm_drains_and_exits_0(tmp_path):
-    """Two streams running, one waiting, the next refused with 429. SIGTERM with --drain-timeout 3: the short
+    """Two streams running, one waiting, the next refused with 429. SIGTERM with --drain-timeout 10: the short
     stream (in flight at the signal) runs on and finishes ("length", every token), the long one ends at the
     deadline with a final "abort" event, the waiting one gets a final event too, and the server exits 0."""
     path = folder(tmp_path / "one", "mamba2")
     short_n = 500
-    server = Server(path, "--max-batch", 2, "--max-queue", 1, "--max-context", 32768, "--drain-timeout", 3)
+    # 10 s: the short stream's 500 tokens must fit in the drain on a loaded machine (3 s did not at load 2-3);
+    # the long one's 32,000 never do
+    server = Server(path, "--max-batch", 2, "--max-queue", 1, "--max-context", 32768, "--drain-timeout", 10)
     try:
         client = server.client()
         long = iter(client.completions.create(model="one", prompt="w5", max_tokens=32000, temperature=0, stream=True))
