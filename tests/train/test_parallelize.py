@@ -241,20 +241,28 @@ def _stopped(rank, world, init_file, corpus, out, result_file):
     os._exit(0)
 
 
-def test_a_stopped_rank_ends_the_other_within_the_timeout(corpus, tmp_path):
+def _rank0_outcome(target, args, timeout_s: float) -> str:
+    """Run ``target(rank, 2, init_file, *args, result_file)`` on 2 spawned processes; wait up to ``timeout_s``
+    for rank 0, kill what is left, and return what rank 0 wrote (None when it was still running)."""
+    import tempfile
+
     ctx = mp.get_context("spawn")
-    init_file, result = str(tmp_path / "rdv"), str(tmp_path / "rank0.txt")
-    procs = [ctx.Process(target=_stopped, args=(r, 2, init_file, corpus, str(tmp_path / "run"), result))
-             for r in range(2)]
-    for p in procs:
-        p.start()
-    procs[0].join(timeout=120)
-    alive = procs[0].is_alive()
-    for p in procs:
-        if p.is_alive():
-            p.kill()
-    assert not alive, "rank 0 waited past its timeout for a stopped peer"
-    text = open(result).read()
+    with tempfile.TemporaryDirectory() as d:
+        init_file, result = os.path.join(d, "rdv"), os.path.join(d, "rank0.txt")
+        procs = [ctx.Process(target=target, args=(r, 2, init_file, *args, result)) for r in range(2)]
+        for p in procs:
+            p.start()
+        procs[0].join(timeout=timeout_s)
+        alive = procs[0].is_alive()
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+        return None if alive else open(result).read()
+
+
+def test_a_stopped_rank_ends_the_other_within_the_timeout(corpus, tmp_path):
+    text = _rank0_outcome(_stopped, (corpus, str(tmp_path / "run")), 120)
+    assert text is not None, "rank 0 waited past its timeout for a stopped peer"
     assert text.startswith("PeerLost") and "peer stopped answering at step 2" in text, text
 
 
@@ -266,19 +274,8 @@ def _resume_fit(rank, world, corpus, out):
 
 def test_a_killed_rank_stops_the_other_and_the_resume_is_bit_identical(corpus, tmp_path):
     run(2, _fit, "hybrid", corpus, str(tmp_path / "whole"), {"fsdp": True, "steps": 6, "ckpt_every": 2})
-    ctx = mp.get_context("spawn")
-    init_file, result = str(tmp_path / "rdv"), str(tmp_path / "rank0.txt")
-    procs = [ctx.Process(target=_killed, args=(r, 2, init_file, corpus, str(tmp_path / "cut"), 5, result))
-             for r in range(2)]
-    for p in procs:
-        p.start()
-    procs[0].join(timeout=90)
-    alive = procs[0].is_alive()
-    for p in procs:
-        if p.is_alive():
-            p.kill()
-    assert not alive, "rank 0 hung after its peer died"
-    text = open(result).read()
+    text = _rank0_outcome(_killed, (corpus, str(tmp_path / "cut"), 5), 90)
+    assert text is not None, "rank 0 hung after its peer died"
     assert text.startswith("PeerLost") and "peer stopped answering at step 5" in text, text
     run(2, _resume_fit, corpus, str(tmp_path / "cut"))
     a, oa, _ = load_checkpoint(tmp_path / "whole")
