@@ -9,6 +9,12 @@ one and only up to ``--loop-grad-max`` tokens (autograd through a token loop tak
     python benchmarks/bench_generalized_delta.py              # ~4 minutes
     python benchmarks/bench_generalized_delta.py --quick      # T = 256, 512
     python benchmarks/bench_generalized_delta.py --threads 1  # on a shared machine
+
+The ``rwkv`` package's own CPU path (BlinkDL's ``rwkv``, ``RWKV_V7_ON=1``, strategy "cpu fp32": its TorchScript
+token loop; the ``rwkv`` extra installs it) runs a whole model, not the op, so it is measured at the layer:
+one RWKV-7 layer (d_model 256 = 4 heads of 64, vocab 256) in BlinkDL's ``.pth`` layout, its logits checked
+equal, forward without a gradient (the package has no backward), the package against subquad's
+``from_pretrained`` of the same file.
 Writes results/generalized_delta.{json,md}.
 """
 
@@ -59,6 +65,38 @@ def naive(x):
     return torch.stack(o, 2).transpose(1, 2), S
 
 
+def package_rows(lengths, repeats, tmp):
+    """The rwkv package's forward (its token loop) against subquad's, one RWKV-7 layer from the same .pth;
+    [] when the package is not installed."""
+    import importlib.util
+    import os
+
+    if importlib.util.find_spec("rwkv") is None:
+        print("rwkv package not installed: its rows skipped (pip install -e '.[rwkv]')", flush=True)
+        return []
+    os.environ["RWKV_V7_ON"] = "1"
+    from rwkv.model import RWKV
+
+    from subquad.models import from_pretrained
+    from subquad.testing import random_rwkv7_pth
+
+    path = Path(tmp) / "layer.pth"
+    random_rwkv7_pth(path, 256, 256, 1, {"w": 32, "a": 32, "v": 16, "g": 64})
+    theirs, (ours, _) = RWKV(str(path.with_suffix("")), "cpu fp32"), from_pretrained(path)
+    rows = []
+    for T in lengths:
+        ids = torch.randint(0, 256, (T,), generator=torch.Generator().manual_seed(T))
+        with torch.no_grad():
+            out = {}
+            s_theirs = timeit(lambda: out.__setitem__("p", theirs.forward(ids.tolist(), None, full_output=True)[0]),
+                              1, warmup=0)
+            s_ours = timeit(lambda: out.__setitem__("s", ours(ids[None])[0]), repeats)
+        diff = ((out["s"] - out["p"]).abs().max() / out["p"].abs().max()).item()
+        rows.append({"T": T, "fwd_package_s": s_theirs, "fwd_subquad_s": s_ours, "max_rel_diff": diff})
+        print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
 def fwd_bwd(fn, x):
     def step():
         o, S = fn(x)
@@ -101,6 +139,10 @@ def main(argv=None):
         row["fwdbwd_naive_s"] = timeit(fwd_bwd(naive, xg), 1, warmup=0) if T <= args.loop_grad_max else None
         rows.append(row)
         print(json.dumps(row), flush=True)
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        layer = package_rows([r["T"] for r in rows], args.repeats, tmp)
     md = [f"{machine}. generalized_delta_rule, float32, B=1, H=4, K=V=64; chunk: median of {args.repeats}, "
           "token loops: one call; — = not measured (autograd through a token loop: minutes).", "",
           "| T | pass | chunk | token loop (recurrent) | ratio | naive token loop | ratio |",
@@ -113,8 +155,15 @@ def main(argv=None):
                       + " |")
     md += ["", "Max relative difference of o and the final state, chunk and recurrent against the naive loop: "
            + ", ".join(f"T={r['T']:,}: {r['max_rel_diff']:.1e}" for r in rows) + "."]
+    if layer:
+        md += ["", "One RWKV-7 layer (d_model 256, 4 heads of 64), forward without a gradient: the rwkv package "
+               "(its CPU token loop) against subquad, the same .pth:", "",
+               "| T | rwkv package | subquad | ratio | max rel. diff of logits |", "|---:|---:|---:|---:|---:|"]
+        md += [f"| {r['T']:,} | {r['fwd_package_s'] * 1e3:,.0f} ms | {r['fwd_subquad_s'] * 1e3:,.0f} ms | "
+               f"{r['fwd_package_s'] / r['fwd_subquad_s']:.1f}x | {r['max_rel_diff']:.1e} |" for r in layer]
     suffix = "_quick" if args.quick else ""
-    (args.out / f"generalized_delta{suffix}.json").write_text(json.dumps({"machine": machine, "rows": rows}, indent=2))
+    (args.out / f"generalized_delta{suffix}.json").write_text(json.dumps({"machine": machine, "rows": rows,
+                                                                         "package_rows": layer}, indent=2))
     (args.out / f"generalized_delta{suffix}.md").write_text("\n".join(md) + "\n")
     print("\n" + "\n".join(md))
 

@@ -40,6 +40,8 @@ column-major matrices (what decoding does); each bound = bytes one token reads /
     python benchmarks/bench_pretrained.py                       # ~25 minutes
     python benchmarks/bench_pretrained.py --models mamba --dtypes float32 --batches 1
     python benchmarks/bench_pretrained.py --quick               # tiny shapes, seconds
+    python benchmarks/bench_pretrained.py --models rwkv7 --dtypes float32 --batches 1   # against the rwkv package
+    python benchmarks/bench_pretrained.py --models recurrent_gemma,zamba2 --batches 1 --new 64   # ~1B+ shapes
     python benchmarks/bench_pretrained.py --models qwen3_next,kimi_linear --batches 1 --name pretrained_delta
     python benchmarks/bench_pretrained.py --models mamba --dtypes float32,int8 --batches 1,8 \
         --llama-python /tmp/llvenv/bin/python --llama-src .../llama_cpp_python-0.3.36/vendor/llama.cpp
@@ -112,6 +114,12 @@ def hf_model(kind, quick):
             eos_token_id=None, **c))
     if kind in NEW_HYBRIDS:
         return _new_hybrid(transformers, kind, V, quick)
+    if kind == "recurrent_gemma":         # RecurrentGemma-2B's widths, 8 of its 26 layers (recurrent, recurrent, attention)
+        c = dict(vocab_size=V, hidden_size=64, intermediate_size=192, num_attention_heads=4, attention_window_size=32) \
+            if quick else dict(vocab_size=256000, hidden_size=2560, intermediate_size=15360, num_attention_heads=10,
+                               attention_window_size=2048)
+        return transformers.RecurrentGemmaForCausalLM(transformers.RecurrentGemmaConfig(
+            num_hidden_layers=8, num_key_value_heads=1, **none_ids(), **c))
     H = 64 if quick else 768
     cfg = transformers.JambaConfig(vocab_size=V, hidden_size=H, intermediate_size=2 * H + H // 2 * 2,
                                    num_hidden_layers=4, num_attention_heads=4 if quick else 12,
@@ -124,10 +132,25 @@ def hf_model(kind, quick):
 NEW_HYBRIDS = ("qwen3_5", "granitemoehybrid", "nemotron_h", "falcon_h1", "lfm2")
 
 
+def none_ids():
+    return dict(bos_token_id=None, eos_token_id=None, pad_token_id=None)
+
+
+def rwkv7_pth(folder, quick):
+    """A random RWKV-7 checkpoint in BlinkDL's .pth layout at the 0.1B release's shape (vocab 65,536, d_model
+    768, 12 layers, LoRA ranks w 64, a 64, v 32, g 128; tiny with ``quick``): (path, its tensors)."""
+    from subquad.testing import random_rwkv7_pth
+
+    folder.mkdir(parents=True, exist_ok=True)
+    shape = (1000, 128, 2, {"w": 16, "a": 16, "v": 8, "g": 32}) if quick else \
+        (65536, 768, 12, {"w": 64, "a": 64, "v": 32, "g": 128})
+    return folder / "model.pth", random_rwkv7_pth(folder / "model.pth", *shape)
+
+
 def _new_hybrid(transformers, kind, V, quick):
     """The 2026 hybrids (issue 33's rows) at the layer shapes stated in the module doc; ``quick``: tiny ones.
     Depth is cut to 8 layers (LFM2-350M: its 16) with the released layer kinds' proportions."""
-    none = dict(bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    none = none_ids()
     if kind == "qwen3_5":                 # Qwen3.5-0.8B-like: 3 Gated DeltaNet layers to 1 gated attention
         c = dict(hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
                  linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
@@ -196,16 +219,36 @@ def worker(who, folder, dtype, batch, T, n_new):
     """One measurement in this process: prints a JSON line."""
     torch.set_num_threads(2)
     dt = getattr(torch, dtype) if dtype != "int8" else torch.float32
-    V = json.loads((Path(folder) / "config.json").read_text())["vocab_size"]
+    pth = Path(folder) / "model.pth"                       # RWKV-7: BlinkDL's layout, no config.json
+    V = torch.load(pth, mmap=True)["emb.weight"].shape[0] if pth.exists() else \
+        json.loads((Path(folder) / "config.json").read_text())["vocab_size"]
     ids = torch.randint(0, V, (batch, T), generator=torch.Generator().manual_seed(1))
-    if who.startswith("subquad"):
+    if who == "rwkv":                                       # BlinkDL's package, strategy "cpu fp32", batch 1
+        os.environ["RWKV_V7_ON"] = "1"
+        from rwkv.model import RWKV
+
+        model = RWKV(str(pth.with_suffix("")), "cpu fp32")
+        prompt = ids[0].tolist()
+
+        def prefill():
+            return model.forward(prompt, None)
+
+        def gen(n):
+            out, state = model.forward(prompt, None)
+            new = [int(out.argmax())]
+            while len(new) < n:
+                out, state = model.forward(new[-1:], state)
+                new.append(int(out.argmax()))
+            return new
+    elif who.startswith("subquad"):
         from subquad.models import from_pretrained
         from subquad.models.decode import compile_decode
 
+        src = pth if pth.exists() else folder
         if dtype == "int8":
-            model, _ = from_pretrained(folder, quantize="int8")
+            model, _ = from_pretrained(src, quantize="int8")
         else:
-            model, _ = from_pretrained(folder, dtype=dt)
+            model, _ = from_pretrained(src, dtype=dt)
         if who != "subquad":                                   # subquad-compiled (int8: always compiled)
             compile_decode(model)
         model.config.eos_token_ids = []                        # n tokens each time, as min_new_tokens below
@@ -230,7 +273,7 @@ def worker(who, folder, dtype, batch, T, n_new):
         t = time.perf_counter()
         prefill()
         pre = time.perf_counter() - t
-        if who != "subquad" and who != "transformers":        # compile outside the timing, every shape the
+        if who.startswith("subquad-"):                         # compile outside the timing, every shape the
             t = time.perf_counter()                            # timed runs meet (a KV cache's: static, dynamic)
             gen(n_new)
             compile_s = time.perf_counter() - t
@@ -242,7 +285,7 @@ def worker(who, folder, dtype, batch, T, n_new):
         many = time.perf_counter() - t
     peak = _peak_mb()
     out = {"prefill_tok_s": batch * T / pre, "decode_ms": 1e3 * (many - one) / (n_new - 1), "peak_mb": peak}
-    if who != "subquad" and who != "transformers":
+    if who.startswith("subquad-"):
         out["compile_s"] = compile_s
     print(json.dumps(out))
 
@@ -305,6 +348,7 @@ def main(argv=None):
     p.add_argument("--name", default="pretrained", help="results/NAME.{json,md}")
     p.add_argument("--llama-python", help="a Python with llama-cpp-python installed")
     p.add_argument("--llama-src", help="llama.cpp's source tree (convert_hf_to_gguf.py, gguf-py)")
+    p.add_argument("--new", type=int, default=256, help="greedy tokens at batch 1 (the larger models: 64)")
     p.add_argument("--worker", nargs=6, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.worker:
@@ -320,30 +364,36 @@ def main(argv=None):
     with tempfile.TemporaryDirectory() as tmp:
         for kind in args.models.split(","):
             folder = Path(tmp) / kind
-            hf = hf_model(kind, args.quick)
-            hf.save_pretrained(folder)
-            params = sum(p.numel() for p in hf.parameters())
+            if kind == "rwkv7":                                    # against BlinkDL's package, not transformers
+                named, hf, reference = list(rwkv7_pth(folder, args.quick)[1].items()), None, "rwkv"
+            else:
+                hf, reference = hf_model(kind, args.quick), "transformers"
+                hf.save_pretrained(folder)
+                named = list(hf.named_parameters())
+            params = sum(p.numel() for n, p in named)
             active = params
             int8_bytes = 0                                         # quantize="int8": 1 byte a quantised weight
             from subquad.models.quant import MIN_WEIGHTS
-            for n, p in hf.named_parameters():
+            for n, p in named:
                 matrix = p.shape[-2] * p.shape[-1] if p.dim() >= 2 else 0      # one expert's, for stacked ones
                 int8_bytes += p.numel() * (1 if matrix >= MIN_WEIGHTS else 4)
-            if getattr(hf.config, "num_experts_per_tok", None):    # a token reads its top-k experts only
+            if hf is not None and getattr(hf.config, "num_experts_per_tok", None):   # top-k experts only
                 moe = sum(p.numel() for n, p in hf.named_parameters() if ".experts." in n)
                 E = getattr(hf.config, "num_experts", None) or hf.config.num_local_experts
                 active = params - moe + moe * hf.config.num_experts_per_tok // E
                 int8_bytes -= moe - moe * hf.config.num_experts_per_tok // E
-            del hf
+            del hf, named
             for dtype in args.dtypes.split(","):
                 for batch in map(int, args.batches.split(",")):
-                    T, n_new = ((64, 16) if args.quick else (2048, 256)) if batch == 1 else \
+                    T, n_new = ((64, 16) if args.quick else (2048, args.new)) if batch == 1 else \
                         ((32, 8) if args.quick else (512, 64))
                     nbytes = int8_bytes if dtype == "int8" else active * torch.finfo(getattr(torch, dtype)).bits // 8
                     row = {"model": kind, "dtype": dtype, "batch": batch, "T": T, "new": n_new,
                            "parameters": params, "active_parameters": active, "bytes_per_token": nbytes,
                            "bound_ms": 1e3 * nbytes / (gbps * 1e9)}
-                    whos = ("subquad-int8",) if dtype == "int8" else ("subquad", "subquad-compiled", "transformers")
+                    whos = ("subquad-int8",) if dtype == "int8" else ("subquad", "subquad-compiled", reference)
+                    if reference == "rwkv" and batch != 1:         # the package decodes one sequence
+                        whos = whos[:-1]
                     for _ in range(args.repeats):
                         for who in whos:
                             r = run_worker(who, folder, dtype, batch, T, n_new)
@@ -356,7 +406,7 @@ def main(argv=None):
                     res["rows"].append(row)
                     print(json.dumps(row), flush=True)
     md = [f"{machine}; read bandwidth {gbps:.1f} GB/s. Random weights at the real shapes; batch 1: prefill "
-          "2,048 tokens then 256 greedy tokens, batch 8: 512 then 64; best of "
+          f"2,048 tokens then {args.new} greedy tokens, batch 8: 512 then 64; best of "
           f"{args.repeats} runs, each in its own process (peak = its resident memory). subquad: eager, compiled "
           "(compile_decode), int8 (quantize='int8', compiled); llama.cpp: the float32 GGUF in float32 rows, Q8_0 "
           "in int8 rows; bound = bytes a token reads / the read bandwidth.", "",
@@ -372,8 +422,9 @@ def main(argv=None):
         lp = (ll["error"] if ll and "error" in ll else cell(ll, "prefill_tok_s", "{:,.0f}"))
         sq = r.get("subquad") or r.get("subquad-int8")
         fast = r.get("subquad-compiled") or r.get("subquad-int8")
-        h = r.get("transformers")
-        md.append(f"| {r['model']} | {r['dtype']} | {r['batch']} | {sq['prefill_tok_s']:,.0f} | "
+        h = r.get("transformers") or r.get("rwkv")
+        name = r["model"] + (" (reference: rwkv package)" if "rwkv" in r else "")
+        md.append(f"| {name} | {r['dtype']} | {r['batch']} | {sq['prefill_tok_s']:,.0f} | "
                   f"{cell(h, 'prefill_tok_s', '{:,.0f}')} | {lp} | {cell(r.get('subquad'), 'decode_ms', '{:.1f}')} | "
                   f"{fast['decode_ms']:.1f} | {cell(h, 'decode_ms', '{:.1f}')} | {cell(ll, 'decode_ms', '{:.1f}')} | "
                   f"{r['bound_ms']:.1f} | {fast['decode_ms'] / r['bound_ms']:.2f}x | {sq['peak_mb']:,.0f} | "

@@ -29,9 +29,19 @@ def timeit(fn, repeats: int = 5, warmup: int = 1, budget_s: float = 20.0) -> flo
     return statistics.median(times)
 
 
-def matmul_gflops(n: int = 2048, repeats: int = 5) -> float:
+def matmul_gflops(n: int = 2048, repeats: int = 10) -> float:
+    """This machine's float32 matmul rate (GFLOP/s): the fastest of ``repeats`` n x n products after two
+    warm-ups. The fastest, not the median: on a shared or frequency-scaling machine the median of a few
+    products swings by 1.5x between runs, and a low rate would inflate every MFU divided by it."""
     a, b = torch.randn(n, n), torch.randn(n, n)
-    return 2 * n**3 / timeit(lambda: a @ b, repeats) / 1e9
+    for _ in range(2):
+        a @ b
+    best = float("inf")
+    for _ in range(repeats):
+        t = time.perf_counter()
+        a @ b
+        best = min(best, time.perf_counter() - t)
+    return 2 * n**3 / best / 1e9
 
 
 def load_file(path: Path, name: str):

@@ -221,3 +221,40 @@ def check_mixer(name: str, *, d_model: int = 16, n_heads: int = 2, options: dict
 
 
 __all__ = ["check_mixer", "CHECKS"]
+
+
+def random_rwkv7_pth(path, vocab: int, d_model: int, n_layers: int, ranks: dict, mlp: int | None = None,
+                     head_size: int = 64, seed: int = 0) -> dict:
+    """A random RWKV-7 checkpoint in BlinkDL's ``.pth`` layout (RWKV-LM's key names and shapes) at ``path``,
+    returned as its dict: for tests against the ``rwkv`` package and for benchmarks at a release's shape
+    (RWKV-7 0.1B: vocab 65,536, d_model 768, 12 layers, ranks {"w": 64, "a": 64, "v": 32, "g": 128}).
+    ``ranks``: the LoRA ranks of w, a, v and g; ``mlp``: the channel mix's width (default 4 d_model)."""
+    g = torch.Generator().manual_seed(seed)
+    V, D, N, mlp = vocab, d_model, head_size, mlp or 4 * d_model
+
+    def r(*shape, std=0.3):
+        return torch.randn(*shape, generator=g) * std
+
+    def u(*shape):
+        return torch.rand(*shape, generator=g)
+
+    z = {"emb.weight": r(V, D, std=1.0), "ln_out.weight": 1 + r(D, std=0.1), "ln_out.bias": r(D, std=0.1),
+         "head.weight": r(V, D, std=0.2), "blocks.0.ln0.weight": 1 + r(D, std=0.1), "blocks.0.ln0.bias": r(D, std=0.1)}
+    for i in range(n_layers):
+        p, a, f = f"blocks.{i}.", f"blocks.{i}.att.", f"blocks.{i}.ffn."
+        for n in ("ln1", "ln2"):
+            z[p + n + ".weight"], z[p + n + ".bias"] = 1 + r(D, std=0.1), r(D, std=0.1)
+        for n in ("x_r", "x_w", "x_k", "x_v", "x_a", "x_g"):
+            z[a + n] = u(1, 1, D)
+        for n, rank in ranks.items():
+            if n != "g":
+                z[a + n + "0"] = r(1, 1, D, std=1.0)
+            z[a + n + "1"], z[a + n + "2"] = r(D, rank), r(rank, D)
+        z[a + "k_k"], z[a + "k_a"], z[a + "r_k"] = 1 + r(1, 1, D, std=0.1), u(1, 1, D), r(D // N, N)
+        for n in ("receptance", "key", "value", "output"):
+            z[a + n + ".weight"] = r(D, D, std=D ** -0.5)
+        z[a + "ln_x.weight"], z[a + "ln_x.bias"] = 1 + r(D, std=0.1), r(D, std=0.1)
+        z[f + "x_k"] = u(1, 1, D)
+        z[f + "key.weight"], z[f + "value.weight"] = r(mlp, D, std=D ** -0.5), r(D, mlp, std=mlp ** -0.5)
+    torch.save(z, path)
+    return z

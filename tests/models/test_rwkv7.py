@@ -15,6 +15,7 @@ os.environ["RWKV_V7_ON"] = "1"            # read by rwkv.model at import: the RW
 rwkv_model = pytest.importorskip("rwkv.model")
 
 from subquad.models import LanguageModel, ModelConfig, from_pretrained  # noqa: E402
+from subquad.testing import random_rwkv7_pth  # noqa: E402
 
 V, D, L, N = 97, 128, 3, 64                # vocab, width, layers, head size (the package fixes HEAD_SIZE = 64)
 RANKS = {"w": 16, "a": 16, "v": 8, "g": 32}
@@ -22,35 +23,8 @@ MLP = 4 * D
 
 
 def random_pth(path, seed=0):
-    """A random RWKV-7 checkpoint in BlinkDL's layout (RWKV-LM's key names and shapes), at ``path``."""
-    g = torch.Generator().manual_seed(seed)
-
-    def r(*shape, std=0.3):
-        return torch.randn(*shape, generator=g) * std
-
-    def u(*shape):
-        return torch.rand(*shape, generator=g)
-
-    z = {"emb.weight": r(V, D, std=1.0), "ln_out.weight": 1 + r(D, std=0.1), "ln_out.bias": r(D, std=0.1),
-         "head.weight": r(V, D, std=0.2), "blocks.0.ln0.weight": 1 + r(D, std=0.1), "blocks.0.ln0.bias": r(D, std=0.1)}
-    for i in range(L):
-        p, a, f = f"blocks.{i}.", f"blocks.{i}.att.", f"blocks.{i}.ffn."
-        for n in ("ln1", "ln2"):
-            z[p + n + ".weight"], z[p + n + ".bias"] = 1 + r(D, std=0.1), r(D, std=0.1)
-        for n in ("x_r", "x_w", "x_k", "x_v", "x_a", "x_g"):
-            z[a + n] = u(1, 1, D)
-        for n, rank in RANKS.items():
-            if n != "g":
-                z[a + n + "0"] = r(1, 1, D, std=1.0)
-            z[a + n + "1"], z[a + n + "2"] = r(D, rank), r(rank, D)
-        z[a + "k_k"], z[a + "k_a"], z[a + "r_k"] = 1 + r(1, 1, D, std=0.1), u(1, 1, D), r(D // N, N)
-        for n in ("receptance", "key", "value", "output"):
-            z[a + n + ".weight"] = r(D, D, std=D ** -0.5)
-        z[a + "ln_x.weight"], z[a + "ln_x.bias"] = 1 + r(D, std=0.1), r(D, std=0.1)
-        z[f + "x_k"] = u(1, 1, D)
-        z[f + "key.weight"], z[f + "value.weight"] = r(MLP, D, std=D ** -0.5), r(D, MLP, std=MLP ** -0.5)
-    torch.save(z, path)
-    return z
+    """A random RWKV-7 checkpoint in BlinkDL's layout at this file's shape, at ``path``."""
+    return random_rwkv7_pth(path, V, D, L, RANKS, MLP, N, seed=seed)
 
 
 @pytest.fixture(scope="module")
