@@ -47,14 +47,12 @@ def generate(model, prompt, max_new_tokens: int, temperature: float = 1.0, top_k
     gen = torch.Generator(device=dev).manual_seed(seed) if seed is not None else None
     B = len(prompts)
     if len({len(p) for p in prompts}) == 1:         # one length: an ordinary batch
-        logits, state = model.prefill(torch.tensor(prompts, dtype=torch.long, device=dev), state)
-        last = logits[:, -1]                        # (B, vocab)
+        last, state = model.prefill(torch.tensor(prompts, dtype=torch.long, device=dev), state, logits="last")
     else:
         lens = torch.tensor([len(p) for p in prompts])
         cu = torch.cat([torch.zeros(1, dtype=torch.long), lens.cumsum(0)]).to(dev)
         packed = torch.tensor([t for p in prompts for t in p], dtype=torch.long, device=dev).view(1, -1)
-        logits, state = model.prefill(packed, state, cu_seqlens=cu)
-        last = logits[0, cu[1:] - 1]                # each prompt's last position: (B, vocab)
+        last, state = model.prefill(packed, state, cu_seqlens=cu, logits="last")   # each prompt's last: (B, vocab)
     out = [[] for _ in range(B)]
     done = [max_new_tokens == 0] * B
     while not all(done):

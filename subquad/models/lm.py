@@ -348,7 +348,11 @@ class LanguageModel(nn.Module):
         h = self.norm(h)
         logits = h @ self.embed.weight.T if self.head is None else self.head(h)
         cap = self.config.logit_soft_cap
-        return logits if cap is None else torch.tanh(logits / cap) * cap
+        if cap is None:
+            return logits
+        if not torch.is_grad_enabled():              # in place: no second and third (B, T, vocab) tensor
+            return logits.div_(cap).tanh_().mul_(cap)
+        return torch.tanh(logits / cap) * cap
 
     def _check_idx(self, idx):
         if not isinstance(idx, torch.Tensor) or idx.dim() != 2 or idx.dtype not in (torch.long, torch.int32, torch.int64):
@@ -356,13 +360,21 @@ class LanguageModel(nn.Module):
         if idx.numel() and checks_on(idx) and (idx.min() < 0 or idx.max() >= self.config.vocab_size):
             raise ValueError(f"token ids must lie in [0, {self.config.vocab_size}), got [{idx.min()}, {idx.max()}]")
 
-    def prefill(self, idx, state=None, cu_seqlens=None):
+    def prefill(self, idx, state=None, cu_seqlens=None, logits="all"):
         """idx (B, T) -> (logits (B, T, vocab), per-layer state). Continues from ``state`` when given.
 
         ``cu_seqlens`` (N + 1,): idx holds N sequences packed in one row (1, T) with these cumulative lengths
         (flash-attention's convention); nothing crosses a boundary, positions restart at each sequence, and
-        the state has one row per sequence - what batched decoding of the N sequences continues from."""
+        the state has one row per sequence - what batched decoding of the N sequences continues from.
+        ``logits="last"``: only each sequence's last position, (B, vocab) (with cu_seqlens: (N, vocab)) - what
+        generation samples from; the head then multiplies one row per sequence, not T (transformers'
+        ``logits_to_keep=1``): at a 256K vocabulary and T = 2,048 the full logits are 2 GB and half the FLOPs."""
+        if logits not in ("all", "last"):
+            raise ValueError(f"logits must be 'all' or 'last', got {logits!r}")
         h, states = self._hidden(idx, state, cu_seqlens)
+        if logits == "last":
+            h = h[:, -1] if cu_seqlens is None else h[0, torch.as_tensor(cu_seqlens, device=h.device)[1:] - 1]
+            return self._logits(h[:, None])[:, 0], states
         return self._logits(h), states
 
     def _hidden(self, idx, state=None, cu_seqlens=None):

@@ -327,13 +327,13 @@ class Engine:
         ids = torch.tensor([seq.prompt[seq.prefilled:seq.prefilled + n]], dtype=torch.long, device=self.device)
         if seq.state is not None:                   # its KV caches sized once: chunks append in place
             seq.state = with_capacity(seq.state, seq.max_len)
-        logits, seq.state = self.model.prefill(ids, seq.state)
+        last, seq.state = self.model.prefill(ids, seq.state, logits="last")
         seq.state = with_capacity(seq.state, seq.max_len)
         seq.prefilled += n
         self.counters["prefill_tokens"] += n
         if seq.prefilled == len(seq.prompt):
             self._keep(seq.prompt, seq.state)
-            self._emit(seq, logits[:, -1])
+            self._emit(seq, last)
 
     def _join(self, joiners: list):
         """The requests whose prompt is done join the batch, its KV caches sized for the new longest row."""

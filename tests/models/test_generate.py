@@ -147,3 +147,26 @@ def test_corrupted_state_file_is_refused(tmp_path):
     (tmp_path / "s.safetensors").write_bytes(data[: len(data) // 2])
     with pytest.raises(ValueError, match="truncated or corrupted"):
         load_state(tmp_path / "s.safetensors")
+
+
+def test_prefill_of_the_last_logits_equals_the_full_prefill():
+    """logits="last" (what generation samples from) is the full prefill's last position of each row, and of
+    each sequence of a packed row; anything else is refused by name."""
+    model = tiny("mamba2,softmax", logit_soft_cap=5.0)
+    g = torch.Generator().manual_seed(3)
+    idx = torch.randint(0, 61, (3, 9), generator=g)
+    with torch.no_grad():
+        full, s_full = model.prefill(idx)
+        last, s_last = model.prefill(idx, logits="last")
+        torch.testing.assert_close(last, full[:, -1], rtol=0, atol=1e-12)
+        for a, b in zip(s_full, s_last):
+            for k in a:
+                if isinstance(a[k], torch.Tensor):
+                    torch.testing.assert_close(a[k], b[k], rtol=0, atol=0)
+        cu = torch.tensor([0, 4, 5, 12])
+        packed = torch.randint(0, 61, (1, 12), generator=g)
+        full = model.prefill(packed, cu_seqlens=cu)[0]
+        torch.testing.assert_close(model.prefill(packed, cu_seqlens=cu, logits="last")[0], full[0, cu[1:] - 1],
+                                   rtol=0, atol=1e-12)
+    with pytest.raises(ValueError, match="logits must be 'all' or 'last'"):
+        model.prefill(idx, logits=1)
