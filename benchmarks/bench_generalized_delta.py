@@ -31,7 +31,7 @@ import torch.nn.functional as F
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-from benchmarks.common import OUT, machine_line, timeit  # noqa: E402
+from benchmarks.common import OUT, fla_file, machine_line, timeit  # noqa: E402
 from subquad.ops import generalized_delta_rule  # noqa: E402
 
 
@@ -84,6 +84,8 @@ def package_rows(lengths, repeats, tmp):
     random_rwkv7_pth(path, 256, 256, 1, {"w": 32, "a": 32, "v": 16, "g": 64})
     theirs, (ours, _) = RWKV(str(path.with_suffix("")), "cpu fp32"), from_pretrained(path)
     rows = []
+    with torch.no_grad():
+        theirs.forward(list(range(64)), None, full_output=True)     # TorchScript's first-call optimisation
     for T in lengths:
         ids = torch.randint(0, 256, (T,), generator=torch.Generator().manual_seed(T))
         with torch.no_grad():
@@ -95,6 +97,21 @@ def package_rows(lengths, repeats, tmp):
         rows.append({"T": T, "fwd_package_s": s_theirs, "fwd_subquad_s": s_ours, "max_rel_diff": diff})
         print(json.dumps(rows[-1]), flush=True)
     return rows
+
+
+def fla_chunkwise():
+    """flash-linear-attention's pure-PyTorch chunk form of the same rule (``ops/generalized_delta_rule/dplr/
+    naive.py``: ``dplr_chunkwise``, chunk 32, (B, H, T, K) layout), or None when fla is not installed
+    (``pip install -e '.[bench]'``; fla-core holds the ops since fla 0.6)."""
+    mod = fla_file("ops/generalized_delta_rule/dplr/naive.py")
+    if mod is None:
+        return None
+
+    def run(x):
+        q, k, v, w, a, b = (t.transpose(1, 2) for t in x.values())
+        o, S = mod.dplr_chunkwise(q, k, v, a, b, w, output_final_state=True, chunk_size=32)
+        return o.transpose(1, 2), S
+    return run
 
 
 def fwd_bwd(fn, x):
@@ -119,6 +136,11 @@ def main(argv=None):
     machine = machine_line()
     print(machine, flush=True)
     forms = {"chunk": chunk, "recurrent": recurrent, "naive": naive}
+    fla = fla_chunkwise()
+    if fla is None:
+        print("flash-linear-attention not installed: its row skipped", flush=True)
+    else:
+        forms["fla"] = fla
     rows = []
     for T in ((256, 512) if args.quick else (4096, 16384)):
         x = inputs(T)
@@ -126,17 +148,19 @@ def main(argv=None):
         with torch.no_grad():
             outs = {}
             for name, fn in forms.items():
-                once = name != "chunk"
+                once = name not in ("chunk", "fla")
                 row[f"fwd_{name}_s"] = timeit(lambda: outs.__setitem__(name, fn(x)), 1 if once else args.repeats,
                                               warmup=0 if once else 1)
         o2, s2 = outs["naive"]
         row["max_rel_diff"] = max(max(((o1 - o2).abs().max() / o2.abs().max()).item(),
                                       ((s1 - s2).abs().max() / s2.abs().max()).item())
-                                  for o1, s1 in (outs["chunk"], outs["recurrent"]))
+                                  for name, (o1, s1) in outs.items() if name != "naive")
         xg = inputs(T, grad=True)
         row["fwdbwd_chunk_s"] = timeit(fwd_bwd(chunk, xg), args.repeats)
         row["fwdbwd_recurrent_s"] = None
         row["fwdbwd_naive_s"] = timeit(fwd_bwd(naive, xg), 1, warmup=0) if T <= args.loop_grad_max else None
+        if fla is not None:
+            row["fwdbwd_fla_s"] = timeit(fwd_bwd(fla, xg), args.repeats)
         rows.append(row)
         print(json.dumps(row), flush=True)
     import tempfile
@@ -145,15 +169,16 @@ def main(argv=None):
         layer = package_rows([r["T"] for r in rows], args.repeats, tmp)
     md = [f"{machine}. generalized_delta_rule, float32, B=1, H=4, K=V=64; chunk: median of {args.repeats}, "
           "token loops: one call; — = not measured (autograd through a token loop: minutes).", "",
-          "| T | pass | chunk | token loop (recurrent) | ratio | naive token loop | ratio |",
-          "|---:|---|---:|---:|---:|---:|---:|"]
+          "| T | pass | chunk | token loop (recurrent) | ratio | naive token loop | ratio |"
+          + (" fla dplr_chunkwise (naive.py) | ratio |" if fla else ""),
+          "|---:|---|---:|---:|---:|---:|---:|" + ("---:|---:|" if fla else "")]
     for r in rows:
         for pas, key in (("forward", "fwd"), ("fwd+bwd", "fwdbwd")):
-            c, t, n = (r[f"{key}_{name}_s"] for name in forms)
-            cells = ["—, —" if s is None else f"{s * 1e3:,.0f} ms, {s / c:.1f}x" for s in (t, n)]
+            c, *others = (r.get(f"{key}_{name}_s") for name in forms)
+            cells = ["—, —" if s is None else f"{s * 1e3:,.0f} ms, {s / c:.1f}x" for s in others]
             md.append(f"| {r['T']:,} | {pas} | {c * 1e3:,.0f} ms | " + " | ".join(c_.replace(", ", " | ") for c_ in cells)
                       + " |")
-    md += ["", "Max relative difference of o and the final state, chunk and recurrent against the naive loop: "
+    md += ["", "Max relative difference of o and the final state, chunk, recurrent (and fla) against the naive loop: "
            + ", ".join(f"T={r['T']:,}: {r['max_rel_diff']:.1e}" for r in rows) + "."]
     if layer:
         md += ["", "One RWKV-7 layer (d_model 256, 4 heads of 64), forward without a gradient: the rwkv package "

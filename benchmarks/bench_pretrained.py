@@ -216,8 +216,12 @@ def read_gbps():
 
 
 def worker(who, folder, dtype, batch, T, n_new):
-    """One measurement in this process: prints a JSON line."""
-    torch.set_num_threads(2)
+    """One measurement in this process: prints a JSON line. Prefill: ``T`` tokens a row. Decode: generating
+    ``n_new`` tokens after a prompt of ``DECODE_PROMPT`` (env; default T) tokens, less generating one, per step:
+    a short prompt keeps the two generate calls' prefill - subtracted - from swamping the steps' time."""
+    threads = int(os.environ.get("BENCH_THREADS", "2"))
+    torch.set_num_threads(threads)
+    P = min(T, int(os.environ.get("DECODE_PROMPT", T)))
     dt = getattr(torch, dtype) if dtype != "int8" else torch.float32
     pth = Path(folder) / "model.pth"                       # RWKV-7: BlinkDL's layout, no config.json
     V = torch.load(pth, mmap=True)["emb.weight"].shape[0] if pth.exists() else \
@@ -234,7 +238,7 @@ def worker(who, folder, dtype, batch, T, n_new):
             return model.forward(prompt, None)
 
         def gen(n):
-            out, state = model.forward(prompt, None)
+            out, state = model.forward(prompt[:P], None)
             new = [int(out.argmax())]
             while len(new) < n:
                 out, state = model.forward(new[-1:], state)
@@ -257,7 +261,7 @@ def worker(who, folder, dtype, batch, T, n_new):
             return model.prefill(ids)
 
         def gen(n):
-            return model.generate(ids, n, temperature=0)
+            return model.generate(ids[:, :P], n, temperature=0)
     else:
         import transformers
 
@@ -268,7 +272,7 @@ def worker(who, folder, dtype, batch, T, n_new):
             return model(ids)
 
         def gen(n):
-            return model.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False)
+            return model.generate(ids[:, :P], max_new_tokens=n, min_new_tokens=n, do_sample=False)
     with torch.no_grad():
         t = time.perf_counter()
         prefill()
@@ -300,7 +304,7 @@ def _peak_mb():
 
 def run_worker(*args, python=sys.executable):
     out = subprocess.run([python, __file__, "--worker", *map(str, args)], capture_output=True, text=True,
-                         env={**os.environ, "OMP_NUM_THREADS": "2"})
+                         env={**os.environ, "OMP_NUM_THREADS": os.environ.get("BENCH_THREADS", "2")})
     if out.returncode:
         raise RuntimeError(f"worker {args} failed:\n{out.stderr[-2000:]}")
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -348,19 +352,29 @@ def main(argv=None):
     p.add_argument("--name", default="pretrained", help="results/NAME.{json,md}")
     p.add_argument("--llama-python", help="a Python with llama-cpp-python installed")
     p.add_argument("--llama-src", help="llama.cpp's source tree (convert_hf_to_gguf.py, gguf-py)")
+    p.add_argument("--who", default="subquad,subquad-compiled,reference",
+                   help="which to run: subquad (eager), subquad-compiled, reference (transformers or rwkv)")
+    p.add_argument("--threads", type=int, default=2, help="threads of every run (the issue's rows: 2)")
+    p.add_argument("--decode-prompt", type=int, default=None,
+                   help="prompt tokens before the timed decode (default: the prefill's; 256 for models whose "
+                        "2,048-token prefill takes many seconds - its noise would swamp a 64-step decode)")
     p.add_argument("--new", type=int, default=256, help="greedy tokens at batch 1 (the larger models: 64)")
     p.add_argument("--worker", nargs=6, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.worker:
         who, folder, dtype, batch, T, n_new = args.worker
         return worker(who, folder, dtype, int(batch), int(T), int(n_new))
-    torch.set_num_threads(2)
+    os.environ["BENCH_THREADS"] = str(args.threads)
+    if args.decode_prompt:
+        os.environ["DECODE_PROMPT"] = str(args.decode_prompt)
+    torch.set_num_threads(args.threads)
     args.out.mkdir(parents=True, exist_ok=True)
     suffix = "_quick" if args.quick else ""
     machine = machine_line()
     gbps = read_gbps()
     print(machine, f"read bandwidth {gbps:.1f} GB/s", flush=True)
-    res = {"machine": machine, "read_gbps": gbps, "rows": []}
+    res = {"machine": machine, "read_gbps": gbps, "threads": args.threads, "decode_prompt": args.decode_prompt,
+           "rows": []}
     with tempfile.TemporaryDirectory() as tmp:
         for kind in args.models.split(","):
             folder = Path(tmp) / kind
@@ -394,6 +408,8 @@ def main(argv=None):
                     whos = ("subquad-int8",) if dtype == "int8" else ("subquad", "subquad-compiled", reference)
                     if reference == "rwkv" and batch != 1:         # the package decodes one sequence
                         whos = whos[:-1]
+                    chosen = set(args.who.replace("reference", reference).split(","))
+                    whos = tuple(w for w in whos if w in chosen or w == "subquad-int8")
                     for _ in range(args.repeats):
                         for who in whos:
                             r = run_worker(who, folder, dtype, batch, T, n_new)
@@ -405,8 +421,8 @@ def main(argv=None):
                         row["llama.cpp"] = llama_cpp(folder, args, T, n_new, "f32" if dtype == "float32" else "q8_0")
                     res["rows"].append(row)
                     print(json.dumps(row), flush=True)
-    md = [f"{machine}; read bandwidth {gbps:.1f} GB/s. Random weights at the real shapes; batch 1: prefill "
-          f"2,048 tokens then {args.new} greedy tokens, batch 8: 512 then 64; best of "
+    md = [f"{machine}; read bandwidth {gbps:.1f} GB/s. {args.threads} threads. Random weights at the real shapes; batch 1: prefill "
+          f"2,048 tokens; {args.new} greedy tokens after a prompt of {args.decode_prompt or 2048}, batch 8: 512 then 64; best of "
           f"{args.repeats} runs, each in its own process (peak = its resident memory). subquad: eager, compiled "
           "(compile_decode), int8 (quantize='int8', compiled); llama.cpp: the float32 GGUF in float32 rows, Q8_0 "
           "in int8 rows; bound = bytes a token reads / the read bandwidth.", "",
@@ -420,8 +436,8 @@ def main(argv=None):
     for r in res["rows"]:
         ll = r.get("llama.cpp")
         lp = (ll["error"] if ll and "error" in ll else cell(ll, "prefill_tok_s", "{:,.0f}"))
-        sq = r.get("subquad") or r.get("subquad-int8")
-        fast = r.get("subquad-compiled") or r.get("subquad-int8")
+        sq = r.get("subquad") or r.get("subquad-int8") or r.get("subquad-compiled")
+        fast = r.get("subquad-compiled") or r.get("subquad-int8") or r.get("subquad")
         h = r.get("transformers") or r.get("rwkv")
         name = r["model"] + (" (reference: rwkv package)" if "rwkv" in r else "")
         md.append(f"| {name} | {r['dtype']} | {r['batch']} | {sq['prefill_tok_s']:,.0f} | "

@@ -3,7 +3,7 @@
 Both compute the same thing from the same parameters: the block-diagonal input and recurrence gates, the log-decay
 -8 r softplus(Lambda), the reset at position 0 and the recurrence h_t = a_t h_{t-1} + sqrt(1 - a_t^2) (i_t x_t);
 subquad's recurrence is ``subquad.ops.rg_lru`` (the chunk form: Mamba's lanes). lru_width 1024 in 8 heads, B=1,
-float32, 2 threads, T = 1K and 4K, forward and forward+backward (transformers' backward through its token loop
+float32, 2 threads, T = 1K, 4K and 16K, forward and forward+backward (transformers' backward through its token loop
 only at 1K: it takes minutes at 4K); the outputs are checked equal first.
 Writes results/rg_lru.{json,md}.
 
@@ -64,7 +64,7 @@ def theirs(m):
 
 def main(argv=None):
     args = parse_args(__doc__, argv)
-    lengths, repeats, budget = ([256], 1, 2.0) if args.quick else ([1024, 4096], 3, 20.0)
+    lengths, repeats, budget = ([256], 1, 2.0) if args.quick else ([1024, 4096, 16384], 3, 20.0)
     m = hf_module()
     x = torch.randn(1, lengths[-1], WIDTH)
     with torch.no_grad():
