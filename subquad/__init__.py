@@ -12,6 +12,16 @@ Every mechanism is one function computed in three forms that agree - ``parallel`
 
 __version__ = "0.1.0"
 
+import os
+
+# Large CPU tensors on transparent huge pages: PyTorch's CPU allocator (c10 ``alloc_cpu``) madvises allocations
+# of 2 MB and more as huge pages when THP_MEM_ALLOC_ENABLE=1, read at its first such allocation. Without it
+# every fresh large tensor is faulted in 4 KB at a time, and at long sequences that is most of an elementwise
+# op's time (exp over 64 MB: 59 ms -> 25 ms; the RG-LRU at T = 16K: 2.5x; benchmarks/RESULTS.md, "Page
+# faults"). A value the user set is kept (THP_MEM_ALLOC_ENABLE=0 turns it off); it takes effect when subquad
+# is imported before the process's first large CPU tensor.
+os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
+
 from subquad import layers, models, ops  # noqa: E402
 from subquad.layers import build_mixer  # noqa: E402
 from subquad.models import LanguageModel, ModelConfig, from_pretrained, preset  # noqa: E402
