@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch import nn
 
-from subquad.models import LanguageModel, ModelConfig
+from subquad.models import LanguageModel, ModelConfig, quant
 from subquad.models.decode import compile_decode
 from subquad.models.quant import DECODE_ROWS, Bf16Linear, Int8Linear, quantize
 
@@ -78,7 +78,12 @@ def test_what_is_quantised_and_what_stays_float():
 @pytest.mark.parametrize("kind,tol", [("int8", 3e-2), ("bf16", 1e-2)])
 @pytest.mark.parametrize("pattern", ["mamba,softmax", "mamba2,gated_deltanet", "mla,retention"])
 def test_quantised_models_stay_close_to_float(kind, tol, pattern):
-    """Logits of a prefill and of token-by-token decoding within a few % of the float model's."""
+    """Logits of a prefill and of token-by-token decoding within a few % of the float model's. On a CPU without
+    VNNI fbgemm's activations keep 7 bits, not 8 (``quant.REDUCE_RANGE``: its 16-bit pair sums would saturate),
+    so their quantisation step - and the int8 tolerance - doubles there (measured on such a host, an AMD EPYC
+    with AVX2 only: mamba2,gated_deltanet decodes 4.9% off; 8 bits elsewhere keep it under 3%)."""
+    if kind == "int8" and quant.REDUCE_RANGE:
+        tol *= 2
     model = _model(pattern, moe={"experts": 4, "top_k": 2, "every": 2, "offset": 1})
     q = quantize(copy.deepcopy(model), kind, min_weights=0)
     ids = torch.randint(0, 200, (2, 24), generator=torch.Generator().manual_seed(1))
