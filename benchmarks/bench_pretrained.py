@@ -138,13 +138,13 @@ def none_ids():
 
 def rwkv7_pth(folder, quick):
     """A random RWKV-7 checkpoint in BlinkDL's .pth layout at the 0.1B release's shape (vocab 65,536, d_model
-    768, 12 layers, LoRA ranks w 64, a 64, v 32, g 128; tiny with ``quick``): (path, its tensors)."""
+    768, 12 layers, LoRA ranks w 64, a 64, v 32, g 128; tiny with ``quick``) as ``folder/model.pth``: its tensors."""
     from subquad.testing import random_rwkv7_pth
 
     folder.mkdir(parents=True, exist_ok=True)
     shape = (1000, 128, 2, {"w": 16, "a": 16, "v": 8, "g": 32}) if quick else \
         (65536, 768, 12, {"w": 64, "a": 64, "v": 32, "g": 128})
-    return folder / "model.pth", random_rwkv7_pth(folder / "model.pth", *shape)
+    return random_rwkv7_pth(folder / "model.pth", *shape)
 
 
 def _new_hybrid(transformers, kind, V, quick):
@@ -379,7 +379,7 @@ def main(argv=None):
         for kind in args.models.split(","):
             folder = Path(tmp) / kind
             if kind == "rwkv7":                                    # against BlinkDL's package, not transformers
-                named, hf, reference = list(rwkv7_pth(folder, args.quick)[1].items()), None, "rwkv"
+                named, hf, reference = list(rwkv7_pth(folder, args.quick).items()), None, "rwkv"
             else:
                 hf, reference = hf_model(kind, args.quick), "transformers"
                 hf.save_pretrained(folder)
