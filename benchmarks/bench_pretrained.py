@@ -314,6 +314,7 @@ def llama_cpp(folder, args, T, n_new, outtype="f32"):
     """The folder's GGUF (its converter; ``outtype`` f32 or q8_0), then prefill/decode at batch 1 in
     llama-cpp-python's Python; None (and why) where the converter or the runtime refuses the model."""
     gguf = Path(folder).with_suffix(f".{outtype}.gguf")
+    P = args.decode_prompt or T
     conv = subprocess.run([sys.executable, str(Path(args.llama_src) / "convert_hf_to_gguf.py"), str(folder),
                            "--outfile", str(gguf), "--outtype", outtype], capture_output=True, text=True,
                           env={**os.environ, "PYTHONPATH": str(Path(args.llama_src) / "gguf-py")})
@@ -322,10 +323,12 @@ def llama_cpp(folder, args, T, n_new, outtype="f32"):
     code = f"""
 import json, random, time
 from llama_cpp import Llama
-llm = Llama(model_path={str(gguf)!r}, n_ctx={T + n_new + 8}, n_threads=2, n_batch=512, verbose=False)
+llm = Llama(model_path={str(gguf)!r}, n_ctx={T + n_new + 8}, n_threads={args.threads}, n_threads_batch={args.threads},
+            n_batch=512, verbose=False)
 random.seed(1)
 ids = [random.randrange(100, 1000) for _ in range({T})]
 t = time.perf_counter(); llm.eval(ids); pre = time.perf_counter() - t
+llm.reset(); llm.eval(ids[:{P}])               # the decode's prompt, as subquad's and the reference's
 t = time.perf_counter()
 for _ in range({n_new}):
     llm.eval([llm.sample(temp=0.0)])
@@ -334,7 +337,7 @@ hwm = [l for l in open("/proc/self/status") if l.startswith("VmHWM:")][0].split(
 print(json.dumps({{"prefill_tok_s": {T} / pre, "decode_ms": 1e3 * dec / {n_new}, "peak_mb": int(hwm) / 1024}}))
 """
     out = subprocess.run([args.llama_python, "-c", code], capture_output=True, text=True,
-                         env={**os.environ, "OMP_NUM_THREADS": "2"})
+                         env={**os.environ, "OMP_NUM_THREADS": str(args.threads)})
     gguf.unlink(missing_ok=True)
     if out.returncode:
         return {"error": "llama.cpp: " + (out.stderr.strip().splitlines() or ["failed"])[-1][:200]}
@@ -353,7 +356,8 @@ def main(argv=None):
     p.add_argument("--llama-python", help="a Python with llama-cpp-python installed")
     p.add_argument("--llama-src", help="llama.cpp's source tree (convert_hf_to_gguf.py, gguf-py)")
     p.add_argument("--who", default="subquad,subquad-compiled,reference",
-                   help="which to run: subquad (eager), subquad-compiled, reference (transformers or rwkv)")
+                   help="which to run: subquad (eager), subquad-compiled, reference (transformers or rwkv); "
+                        "llama.cpp alone (with --llama-python, --llama-src) runs only its rows")
     p.add_argument("--threads", type=int, default=2, help="threads of every run (the issue's rows: 2)")
     p.add_argument("--decode-prompt", type=int, default=None,
                    help="prompt tokens before the timed decode (default: the prefill's; 256 for models whose "
@@ -440,10 +444,11 @@ def main(argv=None):
         fast = r.get("subquad-compiled") or r.get("subquad-int8") or r.get("subquad")
         h = r.get("transformers") or r.get("rwkv")
         name = r["model"] + (" (reference: rwkv package)" if "rwkv" in r else "")
-        md.append(f"| {name} | {r['dtype']} | {r['batch']} | {sq['prefill_tok_s']:,.0f} | "
+        ratio = "" if fast is None else f"{fast['decode_ms'] / r['bound_ms']:.2f}x"   # None: --who llama.cpp
+        md.append(f"| {name} | {r['dtype']} | {r['batch']} | {cell(sq, 'prefill_tok_s', '{:,.0f}')} | "
                   f"{cell(h, 'prefill_tok_s', '{:,.0f}')} | {lp} | {cell(r.get('subquad'), 'decode_ms', '{:.1f}')} | "
-                  f"{fast['decode_ms']:.1f} | {cell(h, 'decode_ms', '{:.1f}')} | {cell(ll, 'decode_ms', '{:.1f}')} | "
-                  f"{r['bound_ms']:.1f} | {fast['decode_ms'] / r['bound_ms']:.2f}x | {sq['peak_mb']:,.0f} | "
+                  f"{cell(fast, 'decode_ms', '{:.1f}')} | {cell(h, 'decode_ms', '{:.1f}')} | "
+                  f"{cell(ll, 'decode_ms', '{:.1f}')} | {r['bound_ms']:.1f} | {ratio} | {cell(sq, 'peak_mb', '{:,.0f}')} | "
                   f"{cell(h, 'peak_mb', '{:,.0f}')} |")
     (args.out / f"{args.name}{suffix}.json").write_text(json.dumps(res, indent=2))
     (args.out / f"{args.name}{suffix}.md").write_text("\n".join(md) + "\n")

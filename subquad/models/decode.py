@@ -14,8 +14,9 @@ One graph holds every block, the final norm and the head; the embedding and the 
 Python around it. One graph per block, shared by the blocks of the same structure, would compile several
 times faster but pay guards and a call per block on every token, where the whole-model graph pays them once.
 Sizes are symbolic from the first compile (``DYNAMIC``), so a KV cache that grows or a batch that changes
-size runs the same graph. A mixture of experts' routed loop runs eagerly inside the graph (it depends on
-the routing: ``MoE._dispatch``).
+size runs the same graph. A mixture of experts stays in the graph too: a step's few rows read their k
+experts' weights by index (``MoE._gathered``); only a batch with more choices than experts (rows * k > E)
+runs the routed loop eagerly (``MoE._dispatch``: its shapes depend on the routing).
 
 Equality: tested against the eager step over 64 steps for every mixer and every checkpoint type
 (tests/models/test_decode.py): float32 within 1e-5 of the logits' scale - inductor may reorder a sum.

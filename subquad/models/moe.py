@@ -6,7 +6,11 @@
                                                        Mixtral; Jamba keeps them as they are)
     y      = sum_{e in S} w_e * W_down_e (silu(W_gate_e x) * W_up_e x)
 
-Full capacity: no token is dropped. Each expert runs one matmul over the tokens routed to it.
+Full capacity: no token is dropped. Each expert runs one matmul over the tokens routed to it - a loop
+whose shapes depend on the routing, so a compiled model runs it eagerly. Inside a compiled graph, for
+the few rows of a decoding step (rows * k <= E), each row instead reads its k experts' weights by index
+(``_gathered``): the same sum with static shapes, which inductor fuses into one reduction per projection
+that reads the chosen weights in place, so the step stays one graph.
 
 With ``shared`` > 0 a dense SwiGLU of that width runs on every token beside the routed experts, scaled by
 a learned sigmoid gate (Qwen2-MoE / Qwen3-Next: y += sigmoid(x W_sg^T) * shared(x)) or not (``shared_gate``
@@ -135,14 +139,32 @@ class MoE(nn.Module):
         flat = idx.reshape(-1)                                   # (N k,) choice j belongs to token j // k
         counts = torch.bincount(flat, minlength=self.experts)
         self.router_stats = (counts.to(probs.dtype), probs.sum(0), x.shape[0])
-        if self.latent_in is None:
-            out = self._dispatch(x, w.reshape(-1), flat, counts)
-        else:
-            out = self.latent_out(self._dispatch(self.latent_in(x), w.reshape(-1), flat, counts))
+        gather = (torch.compiler.is_compiling() and getattr(self, "quantized_experts", None) is None
+                  and x.shape[0] * self.top_k <= self.experts)
+        h = x if self.latent_in is None else self.latent_in(x)
+        out = self._gathered(h, w, idx) if gather else self._dispatch(h, w.reshape(-1), flat, counts)
+        if self.latent_out is not None:
+            out = self.latent_out(out)
         if self.shared is not None:
             y = self.shared(x)
             out = out + (y if self.shared_gate is None else torch.sigmoid(self.shared_gate(x)) * y)
         return out.reshape(shape)
+
+    def _gathered(self, x, w, idx):
+        """``_dispatch``'s sum from each row's own k experts: x (N, D_e), w and idx (N, k) -> (N, D_e). Written
+        as products and sums over weights indexed by idx, not as matmuls of gathered copies, so inductor
+        reads each chosen expert's weights once without copying them (for the few rows of a decoding step;
+        eagerly it would materialise N k weight copies)."""
+        def proj(name, h):                          # (N, k, out, in) weights by index, applied to h (N, [k,] in)
+            W = getattr(self, name)[idx]
+            return (W * (h[:, None, None, :] if h.dim() == 2 else h[:, :, None, :])).sum(-1)
+
+        if self.kind == "swiglu":
+            y = F.silu(proj("w_gate", x)) * proj("w_up", x)
+        else:
+            y = F.relu(proj("w_up", x)).square()
+        y = proj("w_down", y) * w.to(y.dtype).unsqueeze(-1)        # (N, k, D_e)
+        return y.sum(1)
 
     @torch.compiler.disable
     def _dispatch(self, x, w, flat, counts):

@@ -75,6 +75,36 @@ def test_relu2_latent_experts_equal_every_expert_on_every_token():
         torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
 
 
+@pytest.mark.parametrize("kind", ["swiglu", "relu2"])
+def test_a_decoding_steps_rows_stay_in_one_compiled_graph(kind):
+    """A few rows (rows * k <= E: a decoding step) under torch.compile take the by-index path (``_gathered``):
+    one graph (``fullgraph`` would raise at a break) equal to the dense sum written out; its eager form
+    equals it too in float64. Many rows still run the routed loop (a break, same values)."""
+    torch.manual_seed(0)
+    moe = MoE(16, 24, 8, 2, True, shared=12, kind=kind, latent=10 if kind == "relu2" else None).double()
+    with torch.no_grad():
+        moe.router.weight.mul_(50)
+    x = torch.randn(3, 16, dtype=torch.float64)
+    h = x if moe.latent_in is None else moe.latent_in(x)
+    if kind == "swiglu":
+        want = _dense_reference(moe, x) + torch.sigmoid(moe.shared_gate(x)) * moe.shared(x)
+    else:
+        probs = torch.softmax(x @ moe.router.weight.T, -1)
+        w, idx = probs.topk(2, -1)
+        weight = torch.zeros_like(probs).scatter(-1, idx, w / w.sum(-1, keepdim=True))
+        outs = torch.stack([F.relu(h @ moe.w_up[e].T).square() @ moe.w_down[e].T for e in range(8)], -1)
+        want = moe.latent_out((outs * weight.unsqueeze(-2)).sum(-1)) + torch.sigmoid(moe.shared_gate(x)) * moe.shared(x)
+    _, w, idx = moe.route(x)
+    y = moe._gathered(h, w, idx)
+    torch.testing.assert_close(moe.latent_out(y) if moe.latent_out is not None else y,
+                               want - torch.sigmoid(moe.shared_gate(x)) * moe.shared(x), rtol=1e-12, atol=1e-12)
+    torch._dynamo.reset()
+    with torch.no_grad():
+        torch.testing.assert_close(torch.compile(moe, fullgraph=True)(x), want, rtol=1e-10, atol=1e-12)
+        many = torch.randn(2, 9, 16, dtype=torch.float64)                  # 18 rows * 2 > 8 experts: the loop
+        torch.testing.assert_close(torch.compile(moe)(many), moe(many), rtol=1e-10, atol=1e-12)
+
+
 def test_load_balancing_loss_by_hand():
     torch.manual_seed(1)
     cfg = ModelConfig(vocab_size=40, d_model=16, n_layers=3, n_heads=2, pattern="gla", mlp_size=24,
