@@ -37,6 +37,7 @@ from pathlib import Path
 import torch
 
 from subquad.data.dataset import file_sha256 as _sha256   # one file hash for the package (kill tests hook _sha256)
+from subquad.tensorfile import read_safetensors
 
 
 class CheckpointError(ValueError):
@@ -273,9 +274,8 @@ def has_checkpoints(run_dir) -> bool:
 def load_checkpoint(path, log=None) -> tuple[dict, dict, dict]:
     """(model state dict, optimizer state dict, meta) from a checkpoint folder, or from a run folder's
     newest intact checkpoint (``find_checkpoint``); a sharded one (``train.sharded``) is read whole. The
-    meta's "path" is the folder used."""
-    from safetensors.torch import load_file
-
+    meta's "path" is the folder used. The files are read without a memory map (``tensorfile``): resuming
+    does not peak at twice the checkpoint."""
     path = Path(path)
     if not path.exists():
         raise CheckpointError(f"{path} does not exist")
@@ -289,8 +289,8 @@ def load_checkpoint(path, log=None) -> tuple[dict, dict, dict]:
     if meta.get("format") == "dcp":                     # shards of a sharded run (train.sharded), read whole
         model_sd, optim_sd = read_sharded(path)
         return model_sd, optim_sd, {**meta, "path": str(path)}
-    model_sd = load_file(str(path / "model.safetensors"))
-    optim_sd = _optim_state(load_file(str(path / "optim.safetensors")), meta["optim"])
+    model_sd = read_safetensors(path / "model.safetensors")
+    optim_sd = _optim_state(read_safetensors(path / "optim.safetensors"), meta["optim"])
     return model_sd, optim_sd, {**meta, "path": str(path)}
 
 

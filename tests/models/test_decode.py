@@ -45,9 +45,10 @@ def assert_steps_equal(eager, ids, steps=STEPS, tol=1e-5, batches=None, fast=Non
 @pytest.fixture(scope="module")
 def every_mixer():
     """One layer of every mixer, a mixture of experts in the middle one, learned positions: the eager model and
-    a compiled copy (compiled once for the tests below). One MoE layer is enough: its routed loop runs eagerly
-    (a graph break), and every break costs graphs of its own; the checkpoint types' MoE variants (shared
-    experts, grouped routing, scaled residuals) are test_every_checkpoint_type's."""
+    a compiled copy (compiled once for the tests below). One MoE layer is enough: at batch 3 (6 choices of 4
+    experts) its routed loop runs eagerly (a graph break), at batch 2 and 1 by index inside the graph - the
+    shrinking batch below takes both; the checkpoint types' MoE variants (shared experts, grouped routing,
+    scaled residuals) are test_every_checkpoint_type's."""
     torch.manual_seed(0)
     names = sorted(MIXERS)
     cfg = ModelConfig(vocab_size=128, d_model=32, n_layers=len(names), n_heads=2, pattern=",".join(names),

@@ -1,0 +1,54 @@
+"""Reading a safetensors file without a memory map (model folders and training checkpoints alike)."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import torch
+
+_SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+                       "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+                       "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2}
+
+
+def read_safetensors(file) -> dict:
+    """Every tensor of one safetensors file, by name, each read with plain file reads into a fresh tensor.
+
+    Not ``safetensors.torch.load_file``: it copies out of a memory map of the file, and a mapped file's pages
+    count in the process's resident memory while the map is open, so loading peaked at twice the weights.
+    The format: 8 bytes (little-endian u64) N, N bytes of JSON {name: {dtype, shape, data_offsets: [begin,
+    end]}, "__metadata__": ...}, then the data, offsets counted from its start. Anything that does not add up
+    (a short file, offsets past its end, a size that disagrees with dtype x shape) raises ValueError."""
+    file = Path(file)
+    size = file.stat().st_size
+    with open(file, "rb") as f:
+        head = f.read(8)
+        if len(head) < 8:
+            raise ValueError(f"{size} bytes: shorter than the 8-byte header length")
+        n = int.from_bytes(head, "little")
+        if n > size - 8:
+            raise ValueError(f"the header claims {n:,} bytes, the file has {size - 8:,} after its length")
+        header = json.loads(f.read(n))
+        if not isinstance(header, dict):
+            raise ValueError("the header is not a JSON object")
+        base, out = 8 + n, {}
+        entries = sorted(((k, v) for k, v in header.items() if k != "__metadata__"),
+                         key=lambda kv: kv[1]["data_offsets"][0])       # in file order: sequential reads
+        for name, info in entries:
+            dtype = _SAFETENSORS_DTYPES.get(info["dtype"])
+            if dtype is None:
+                raise ValueError(f"tensor {name}: dtype {info['dtype']!r} is not one this reader knows")
+            shape, (begin, end) = [int(d) for d in info["shape"]], info["data_offsets"]
+            nbytes = math.prod(shape) * dtype.itemsize
+            if end - begin != nbytes or begin < 0:
+                raise ValueError(f"tensor {name}: offsets [{begin}, {end}) do not hold {info['dtype']} {shape}")
+            if base + end > size:
+                raise ValueError(f"tensor {name} ends at byte {base + end:,}, past the file's end ({size:,})")
+            buf = torch.empty(nbytes, dtype=torch.uint8)
+            f.seek(base + begin)
+            if nbytes and f.readinto(buf.numpy()) != nbytes:
+                raise ValueError(f"tensor {name}: the file ended inside it")
+            out[name] = buf.view(dtype).reshape(shape)
+    return out
