@@ -33,6 +33,9 @@ quantised weight and four per weight kept in float32.
 llama.cpp: with --llama-python (a Python with llama-cpp-python) and --llama-src (its source package's
 vendor/llama.cpp, whose convert_hf_to_gguf.py converts the folder), the GGUF of the same weights is
 measured at batch 1 for each model its converter takes: float32 in the float32 rows, Q8_0 in the int8 rows.
+The converter runs through ``llama_convert.py``, which gives it what these folders lack (a vocabulary; the
+released configs' layer names); ``llama_parity.py`` checks that the GGUF computes transformers' logits.
+``--who llama.cpp`` runs only llama.cpp's rows.
 
 Read bandwidth: the faster of summing 256 MB and float32 matrix-vector products streaming 512 MB of
 column-major matrices (what decoding does); each bound = bytes one token reads / that bandwidth.
@@ -315,9 +318,9 @@ def llama_cpp(folder, args, T, n_new, outtype="f32"):
     llama-cpp-python's Python; None (and why) where the converter or the runtime refuses the model."""
     gguf = Path(folder).with_suffix(f".{outtype}.gguf")
     P = args.decode_prompt or T
-    conv = subprocess.run([sys.executable, str(Path(args.llama_src) / "convert_hf_to_gguf.py"), str(folder),
-                           "--outfile", str(gguf), "--outtype", outtype], capture_output=True, text=True,
-                          env={**os.environ, "PYTHONPATH": str(Path(args.llama_src) / "gguf-py")})
+    conv = subprocess.run([sys.executable, str(Path(__file__).parent / "llama_convert.py"), args.llama_src,
+                           str(folder), "--outfile", str(gguf), "--outtype", outtype], capture_output=True,
+                          text=True)
     if conv.returncode:
         return {"error": "convert_hf_to_gguf.py: " + conv.stderr.strip().splitlines()[-1][:200]}
     code = f"""
@@ -432,7 +435,7 @@ def main(argv=None):
           "in int8 rows; bound = bytes a token reads / the read bandwidth.", "",
           "| model | dtype | batch | prefill tok/s: subquad | transformers | llama.cpp | decode ms/step: subquad "
           "eager | compiled | transformers | llama.cpp | bound | fastest / bound | peak MB: subquad | "
-          "transformers |", "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+          "transformers | llama.cpp |", "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
 
     def cell(r, key, fmt):
         return "" if r is None or key not in r else fmt.format(r[key])
@@ -449,7 +452,7 @@ def main(argv=None):
                   f"{cell(h, 'prefill_tok_s', '{:,.0f}')} | {lp} | {cell(r.get('subquad'), 'decode_ms', '{:.1f}')} | "
                   f"{cell(fast, 'decode_ms', '{:.1f}')} | {cell(h, 'decode_ms', '{:.1f}')} | "
                   f"{cell(ll, 'decode_ms', '{:.1f}')} | {r['bound_ms']:.1f} | {ratio} | {cell(sq, 'peak_mb', '{:,.0f}')} | "
-                  f"{cell(h, 'peak_mb', '{:,.0f}')} |")
+                  f"{cell(h, 'peak_mb', '{:,.0f}')} | {cell(ll, 'peak_mb', '{:,.0f}')} |")
     (args.out / f"{args.name}{suffix}.json").write_text(json.dumps(res, indent=2))
     (args.out / f"{args.name}{suffix}.md").write_text("\n".join(md) + "\n")
     print("\n" + "\n".join(md))
