@@ -571,8 +571,11 @@ def cmd_recall(args) -> int:
     out = Path(args.out)
     (out / "recall.md").write_text(md + "\n")
     recall.plot(res, out / "recall.png", mix_budgets=args.mix_budgets)
-    print("\nMQAR accuracy, mean over seeds (their range), best learning rate per cell:\n" + md)
-    print(f"\nwrote {out / 'recall.json'}, recall.md and recall.png ({res['seconds_this_run']} s this run)")
+    recall.grid(res, out / "recall_grid.png", mix_budgets=args.mix_budgets)
+    print("\nMQAR accuracy, mean over seeds (their range), best learning rate per cell after @ "
+          "(†: the only one run):\n" + md)
+    print(f"\nwrote {out / 'recall.json'}, recall.md, recall.png and recall_grid.png "
+          f"({res['seconds_this_run']} s this run)")
     return 0
 
 

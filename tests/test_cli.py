@@ -88,7 +88,7 @@ def test_quick_recall_sweep_runs_end_to_end_and_resumes(tmp_path, capsys):
     assert all(0 <= c["accuracy"] <= 1 and c["state_bytes"] > 0 for c in res["cells"].values())
     assert sorted(c["seed"] for c in res["cells"].values()) == [0, 0, 1, 1]
     md = (out / "recall.md").read_text()
-    assert (out / "recall.png").exists() and "softmax" in md and "-" in md.splitlines()[2]   # mean (low-high)
+    assert (out / "recall.png").exists() and (out / "recall_grid.png").exists() and "softmax" in md and "-" in md.splitlines()[2]   # mean (low-high)
     capsys.readouterr()
     assert main(["recall", "--quick", "--out", str(out), "--no-progress"]) == 0     # resumes: nothing left to run
     assert "[1/4]" not in capsys.readouterr().out

@@ -188,24 +188,27 @@ def _steps(bs) -> str:
 
 def best_per_cell(results, vocab=None):
     """(mixer, T, N, d_model, budget) -> the learning rate whose mean accuracy over seeds is best, among those
-    with the most seeds run: {"accuracy" (mean), "low", "high" (the seeds' range), "seeds", "lr", "state_bytes",
-    "steps" (mean), "budget"}. Cells of different step budgets are never compared or pooled."""
+    with the most seeds run: {"accuracy" (mean), "low", "high" (the seeds' range), "seeds", "lr", "lrs" (how
+    many learning rates the cell has run), "state_bytes", "steps" (mean), "budget"}. Cells of different step budgets are never compared or pooled."""
     groups = {}
     for r in results["cells"].values():
         if vocab is not None and r["vocab"] != vocab:
             continue
         label = r["mixer"] + ("" if r.get("decay", "all") == "all" else f" [decay: {r['decay']}]")   # its own row
         groups.setdefault((label, r["T"], r["N"], r["d_model"], r.get("budget"), r["lr"]), []).append(r)
-    best = {}
+    best, tried = {}, {}
     for (m, T, N, d, budget, lr), rs in groups.items():      # seeds of one learning rate and step budget
         accs = [r["accuracy"] for r in rs]
         cell = {"accuracy": sum(accs) / len(accs), "low": min(accs), "high": max(accs), "seeds": len(rs), "lr": lr,
                 "state_bytes": rs[0]["state_bytes"], "steps": sum(r["steps"] for r in rs) / len(rs),
                 "budget": budget}
         k = (m, T, N, d, budget)
+        tried[k] = tried.get(k, 0) + 1
         # a learning rate with all its seeds run beats one still missing some; then the better mean
         if k not in best or (cell["seeds"], cell["accuracy"]) > (best[k]["seeds"], best[k]["accuracy"]):
             best[k] = cell
+    for k, n in tried.items():
+        best[k]["lrs"] = n
     return best
 
 
@@ -226,9 +229,20 @@ def _single_budget(results, mix_budgets):
                          f"of its own, or keep one budget per results file")
 
 
+def _lr(lr) -> str:
+    return f"{lr:.0e}".replace("e-0", "e-").replace("e+0", "e")
+
+
+def _cell_text(c) -> str:
+    """``mean (low-high) @lr``, ``†`` where the cell has run one learning rate only."""
+    acc = f"{c['accuracy']:.2f} ({c['low']:.2f}-{c['high']:.2f})" if c["seeds"] > 1 else f"{c['accuracy']:.2f}"
+    return f"{acc} @{_lr(c['lr'])}" + ("†" if c.get("lrs", 1) < 2 else "")
+
+
 def table(results, mix_budgets=False) -> str:
-    """Mean accuracy over seeds (the seeds' range) of the best learning rate per cell, one row per mixer and
-    step budget. Results of more than one budget are refused unless ``mix_budgets=True``."""
+    """Mean accuracy over seeds (the seeds' range) of the best learning rate per cell, that learning rate after
+    ``@``, one row per mixer and step budget; ``†`` marks a cell that has run one learning rate only. Results
+    of more than one budget are refused unless ``mix_budgets=True``."""
     _single_budget(results, mix_budgets)
     best = best_per_cell(results)
     cols = sorted({(k[1], k[2], k[3]) for k in best}, key=lambda c: (c[2], c[0]))
@@ -238,9 +252,8 @@ def table(results, mix_budgets=False) -> str:
     for m, budget in _rows(best):
         cells = [best.get((m, T, N, d, budget)) for T, N, d in cols]
         sb = max((c["state_bytes"] for c in cells if c), default=0)
-        lines.append(f"| {m} | {'?' if budget is None else f'{budget:,}'} | " + " | ".join(
-            (f"{c['accuracy']:.2f} ({c['low']:.2f}-{c['high']:.2f})" if c["seeds"] > 1 else f"{c['accuracy']:.2f}")
-            if c else "—" for c in cells) + f" | {sb:,} |")
+        lines.append(f"| {m} | {'?' if budget is None else f'{budget:,}'} | "
+                     + " | ".join(_cell_text(c) if c else "—" for c in cells) + f" | {sb:,} |")
     return "\n".join(lines)
 
 
@@ -287,5 +300,42 @@ def plot(results, path, mix_budgets=False):
     fig.legend(handles, [name[s] for s in series], loc="lower center", ncol=min(4, len(series)), fontsize=8,
                frameon=False)
     fig.tight_layout(rect=(0, 0.04 + 0.025 * (-(-len(series) // 4)), 1, 1))
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def grid(results, path, mix_budgets=False):
+    """The table as a heat map: one row per mixer (and budget), one column per (T, N, d_model), each square
+    coloured by the mean accuracy of its best learning rate and labelled with it and that learning rate
+    (``†``: the only one run); an empty cell is left blank."""
+    from subquad.bench import plots  # noqa: F401  (Agg backend)
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    _single_budget(results, mix_budgets)
+    best = best_per_cell(results)
+    cols = sorted({(k[1], k[2], k[3]) for k in best}, key=lambda c: (c[2], c[0]))
+    rows = _rows(best)
+    acc = np.full((len(rows), len(cols)), np.nan)
+    for i, (m, b) in enumerate(rows):
+        for j, (T, N, d) in enumerate(cols):
+            if (c := best.get((m, T, N, d, b))) is not None:
+                acc[i, j] = c["accuracy"]
+    fig, ax = plt.subplots(figsize=(2.0 + 1.45 * len(cols) + 2.6, 1.2 + 0.34 * len(rows)))
+    im = ax.imshow(np.ma.masked_invalid(acc), cmap="viridis", vmin=0, vmax=1, aspect="auto")
+    for i, (m, b) in enumerate(rows):
+        for j, (T, N, d) in enumerate(cols):
+            if (c := best.get((m, T, N, d, b))) is not None:
+                ax.text(j, i, f"{c['accuracy']:.2f} @{_lr(c['lr'])}" + ("†" if c.get("lrs", 1) < 2 else ""),
+                        ha="center", va="center", fontsize=7.5, color="black" if c["accuracy"] > 0.6 else "white")
+    mixed = len({b for _, b in rows}) > 1
+    ax.set_yticks(range(len(rows)), [f"{m} ({b:,} steps)" if mixed and b else m for m, b in rows], fontsize=8)
+    ax.set_xticks(range(len(cols)), [f"T={T}, N={N}\nd={d}" for T, N, d in cols], fontsize=8)
+    ax.xaxis.tick_top()
+    budget = "" if mixed else f", {_steps({rows[0][1]})}" if rows else ""
+    ax.set_title(f"MQAR accuracy (mean over seeds, best learning rate; † one learning rate run){budget}",
+                 fontsize=9, pad=28)
+    fig.colorbar(im, ax=ax, fraction=0.03, pad=0.02)
+    fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

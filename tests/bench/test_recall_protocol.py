@@ -95,9 +95,26 @@ def test_the_recall_table_shows_its_step_budget_and_keys_cells_by_it():
     assert best["softmax", 16, 2, 16, 100]["accuracy"] == 0.40 and best["softmax", 16, 2, 16, 1500]["high"] == 0.99
     lines = recall.table(res, mix_budgets=True).splitlines()
     assert lines[0].startswith("| mixer | budget (steps) | T=16, N=2, d=16 |")
-    assert lines[2:] == ["| softmax | 100 | 0.40 (0.30-0.50) | 64 |", "| softmax | 1,500 | 0.98 (0.97-0.99) | 64 |"]
+    assert lines[2:] == ["| softmax | 100 | 0.40 (0.30-0.50) @3e-3† | 64 |",
+                         "| softmax | 1,500 | 0.98 (0.97-0.99) @3e-3† | 64 |"]
     one = {"cells": {str(i): c for i, c in enumerate(cells[2:])}}
-    assert recall.table(one).splitlines()[2] == "| softmax | 1,500 | 0.98 (0.97-0.99) | 64 |"
+    assert recall.table(one).splitlines()[2] == "| softmax | 1,500 | 0.98 (0.97-0.99) @3e-3† | 64 |"
+
+
+def test_a_cell_names_its_best_learning_rate_and_marks_one_run_alone(tmp_path):
+    """``@lr`` is the learning rate whose seeds' mean is best; ``†`` goes once a second learning rate has run,
+    whichever wins. The heat map draws the same cells."""
+    from subquad.bench import recall
+
+    cells = [_cell(1500, 0.50), _cell(1500, 0.70, seed=1)]
+    res = {"cells": {str(i): c for i, c in enumerate(cells)}}
+    assert recall.table(res).splitlines()[2] == "| softmax | 1,500 | 0.60 (0.50-0.70) @3e-3† | 64 |"
+    cells += [dict(_cell(1500, 0.90), lr=1e-2), dict(_cell(1500, 0.80, seed=1), lr=1e-2)]
+    res = {"cells": {str(i): c for i, c in enumerate(cells)}}
+    assert recall.table(res).splitlines()[2] == "| softmax | 1,500 | 0.85 (0.80-0.90) @1e-2 | 64 |"
+    assert recall.best_per_cell(res)["softmax", 16, 2, 16, 1500]["lrs"] == 2
+    recall.grid(res, tmp_path / "grid.png")
+    assert (tmp_path / "grid.png").stat().st_size > 0
 
 
 def test_one_recall_table_refuses_to_mix_step_budgets_unless_asked(tmp_path, monkeypatch):
@@ -132,8 +149,11 @@ def test_one_recall_table_refuses_to_mix_step_budgets_unless_asked(tmp_path, mon
     with pytest.raises(ValueError, match="mix step budgets"):
         recall.plot(res, tmp_path / "recall.png")
     assert [line.split(" | ")[1] for line in recall.table(res, mix_budgets=True).splitlines()[2:]] == ["100", "1,500"]
+    with pytest.raises(ValueError, match="mix step budgets"):
+        recall.grid(res, tmp_path / "grid.png")
     recall.plot(res, tmp_path / "recall.png", mix_budgets=True)
-    assert (tmp_path / "recall.png").stat().st_size > 0
+    recall.grid(res, tmp_path / "grid.png", mix_budgets=True)
+    assert (tmp_path / "recall.png").stat().st_size > 0 and (tmp_path / "grid.png").stat().st_size > 0
 
 
 def test_every_mechanism_of_the_table_is_a_row_of_the_sweep():
