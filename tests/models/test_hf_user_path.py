@@ -156,6 +156,24 @@ def test_non_finite_weights_are_refused_by_name(tmp_path):
         from_pretrained(folder)
 
 
+def test_the_blockwise_finite_check_finds_every_nan_and_inf():
+    """``all_finite`` checks a block at a time (to not allocate the tensor's size three times over): a bad value
+    in the first, a middle or the last, short block is found, as torch.isfinite on the whole tensor finds it."""
+    from subquad.models.hf.common import all_finite
+
+    g = torch.Generator().manual_seed(0)
+    for dtype in (torch.float32, torch.bfloat16, torch.float64):
+        t = torch.randn(5, 13, generator=g).to(dtype)          # 65 elements: blocks of 8 leave one of 1
+        assert all_finite(t, block=8) and all_finite(t)
+        for i in (0, 7, 8, 33, 63, 64):
+            for bad in (float("nan"), float("inf"), -float("inf")):
+                u = t.clone()
+                u.view(-1)[i] = bad
+                assert not all_finite(u, block=8) and not bool(torch.isfinite(u).all()), (dtype, i, bad)
+        assert not all_finite(t.T.contiguous().T.clone().fill_(float("nan")), block=8)   # column-major too
+    assert all_finite(torch.empty(0, 3))
+
+
 def test_dtype_names_as_transformers_users_write_them(tmp_path):
     _, folder = _hf_mamba(tmp_path, falcon="mamba2")
     for dtype, want in (("bfloat16", torch.bfloat16), ("torch.float16", torch.float16), ("fp32", torch.float32),
