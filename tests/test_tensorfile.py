@@ -33,3 +33,47 @@ def test_read_safetensors_equals_the_safetensors_library(tmp_path):
     f.write_bytes(whole[:5])
     with pytest.raises(ValueError, match="8-byte header"):
         read_safetensors(f)
+
+
+def test_mapped_tensors_equal_read_ones_and_writes_never_reach_the_file(tmp_path):
+    """``mapped`` names come back as views of a private map: the same values, checked as they are read, and a
+    write to one changes the tensor, not the file (a reread gives the file's values)."""
+    from safetensors.torch import save_file
+
+    g = torch.Generator().manual_seed(1)
+    t = {"emb": torch.randn(300, 16, generator=g), "bf": torch.randn(5, 3, generator=g).bfloat16(),
+         "w": torch.randn(4, 4, generator=g)}
+    f = tmp_path / "m.safetensors"
+    save_file(t, str(f))
+    before, seen = f.read_bytes(), []
+    got = read_safetensors(f, mapped={"emb", "bf"}, check=lambda name, x: seen.append((name, x.clone())))
+    assert sorted(n for n, _ in seen) == ["bf", "emb", "w"]
+    for k in t:
+        assert torch.equal(got[k], t[k]) and dict(seen)[k].equal(t[k]), k
+    got["emb"].mul_(2)
+    got["bf"][0, 0] = 7
+    assert torch.equal(got["emb"], 2 * t["emb"]) and f.read_bytes() == before
+    assert torch.equal(read_safetensors(f, mapped={"emb"})["emb"], t["emb"])
+
+    def refuse(name, x):
+        if name == "emb":
+            raise ValueError("no emb")
+
+    with pytest.raises(ValueError, match="no emb"):
+        read_safetensors(f, mapped={"emb"}, check=refuse)
+
+
+def test_a_misaligned_tensor_asked_mapped_is_read_instead(tmp_path):
+    """A float32 tensor at an offset not divisible by 4 (the format allows it; a view of the map could not
+    hold it) is read into a fresh tensor, its values the bytes written by hand."""
+    import json
+    import struct
+
+    head = {"u": {"dtype": "U8", "shape": [1], "data_offsets": [0, 1]},
+            "f": {"dtype": "F32", "shape": [2], "data_offsets": [1, 9]}}
+    text = json.dumps(head).encode()
+    text += b" " * (-(8 + len(text)) % 8)                      # the data starts 8-aligned: "f" at base + 1
+    f = tmp_path / "odd.safetensors"
+    f.write_bytes(struct.pack("<Q", len(text)) + text + bytes([5]) + struct.pack("<2f", 1.5, -2.25))
+    got = read_safetensors(f, mapped={"f", "u"})
+    assert got["u"].tolist() == [5] and got["f"].tolist() == [1.5, -2.25]

@@ -90,12 +90,16 @@ def compile_decode(model, on: bool = True):
 
 def decode_layout(model):
     """Store every wide matrix of ``model`` (out_features >= 2 in_features: input projections, the vocabulary
-    head or the tied embedding) column-major, and return the model. Same shapes, values and state dict.
+    head or the tied embedding; an untied embedding is only looked up and keeps its rows) column-major, and
+    return the model. Same shapes, values and state dict.
     Decoding one token reads each weight in a matrix-vector product, which CPU BLAS streams faster from the
     column-major layout; prefill and training run at the same speed either way. float32 weights only: for
     bfloat16 weights the row-major layout is the faster one. ``from_pretrained`` applies it."""
+    tied = getattr(model, "head", None) is None            # the embedding is the head's matrix too
     for m in model.modules():
         w = getattr(m, "weight", None)
+        if isinstance(m, nn.Embedding) and not tied:
+            continue                                   # looked up a row at a time: row-major serves it best
         if isinstance(m, (nn.Linear, nn.Embedding)) and w is not None and w.dim() == 2:
             wide = w.shape[0] >= 2 * w.shape[1]            # Linear: (out, in); Embedding: (vocab, d_model)
             if wide and w.is_contiguous() and w.dtype == torch.float32:

@@ -5,6 +5,7 @@ and non-finite weights each get one line naming the field or file."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -172,6 +173,42 @@ def test_the_blockwise_finite_check_finds_every_nan_and_inf():
                 assert not all_finite(u, block=8) and not bool(torch.isfinite(u).all()), (dtype, i, bad)
         assert not all_finite(t.T.contiguous().T.clone().fill_(float("nan")), block=8)   # column-major too
     assert all_finite(torch.empty(0, 3))
+
+
+def test_an_untied_embedding_is_mapped_and_its_file_never_written(tmp_path):
+    """An untied embedding (only looked up) is a view of a private map of model.safetensors, row-major; the
+    head and the wide projections are column-major copies (``decode_layout``). The logits are transformers';
+    writing into the embedding changes the model, not the file, and saving over the folder the model was
+    mapped from keeps what was written. NaN in the mapped embedding is refused by name, as any weight."""
+    import sys
+
+    from subquad.models.hf import save_pretrained
+
+    hf, folder = _hf_mamba(tmp_path, falcon="mamba2", tie_word_embeddings=False)
+    model, _ = from_pretrained(folder)
+    file = folder / "model.safetensors"
+    if sys.platform.startswith("linux"):
+        assert str(file) in Path("/proc/self/maps").read_text()
+    emb, head = model.embed.weight, model.head.weight
+    assert emb.is_contiguous() and head.T.is_contiguous() and not head.is_contiguous()
+    ids = torch.randint(0, 64, (2, 20), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids), hf(ids).logits, rtol=1e-4, atol=1e-5)
+        before = file.read_bytes()
+        emb[5].fill_(0.25)
+    assert file.read_bytes() == before
+    assert torch.equal(from_pretrained(folder)[0].embed.weight, hf.backbone.embeddings.weight.detach())
+    save_pretrained(model, folder)                          # over the mapped file: a new file, the map intact
+    again, _ = from_pretrained(folder)
+    assert torch.equal(again.embed.weight[5], torch.full((32,), 0.25)) and torch.equal(again.embed.weight, emb)
+
+    w = load_file(str(file))
+    w["backbone.embeddings.weight"][63, 31] = float("inf")
+    save_file(w, str(file))
+    with pytest.raises(ValueError, match=r"weight backbone\.embeddings\.weight holds NaN or inf"):
+        from_pretrained(folder)
+    tied, _ = from_pretrained(_hf_mamba(tmp_path / "tied", falcon="mamba2", tie_word_embeddings=True)[1])
+    assert tied.head is None and tied.embed.weight.T.is_contiguous()      # the tied matrix is the head's
 
 
 def test_dtype_names_as_transformers_users_write_them(tmp_path):

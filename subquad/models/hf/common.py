@@ -460,8 +460,13 @@ def all_finite(t, block=1 << 22) -> bool:
     return all(bool(torch.isfinite(flat[i:i + block]).all()) for i in range(0, flat.numel(), block))
 
 
-def read_weights(path) -> dict:
-    """Every tensor of the folder's safetensors file(s), by name. A missing shard, a file safetensors cannot
+class NonFinite(Exception):
+    """A weight holding NaN or inf (raised inside the reader, re-raised as ValueError)."""
+
+
+def read_weights(path, mapped=()) -> dict:
+    """Every tensor of the folder's safetensors file(s), by name; those named in ``mapped`` as views of a
+    memory map of their file (``tensorfile.read_safetensors``). A missing shard, a file safetensors cannot
     read (truncated, not safetensors) or a tensor holding NaN or inf is a ValueError naming the file or tensor."""
     path = Path(path)
     index = path / "model.safetensors.index.json"
@@ -478,13 +483,16 @@ def read_weights(path) -> dict:
     for f in files:
         if not (path / f).is_file():
             raise ValueError(f"{path / f}: the shard is missing (listed in {index.name})")
+        def finite(name, t, f=f):
+            if t.is_floating_point() and not all_finite(t):
+                raise NonFinite(f"{path / f}: weight {name} holds NaN or inf values; refusing to load it")
+
         try:
-            part = read_safetensors(path / f)
+            part = read_safetensors(path / f, mapped=mapped, check=finite)
+        except NonFinite as e:
+            raise ValueError(str(e)) from None
         except (OSError, RuntimeError, ValueError, KeyError, TypeError) as e:
             raise ValueError(f"{path / f}: not a readable safetensors file - truncated or damaged? ({e})") from None
-        for name, t in part.items():
-            if t.is_floating_point() and not all_finite(t):
-                raise ValueError(f"{path / f}: weight {name} holds NaN or inf values; refusing to load it")
         out.update(part)
     if index.exists():
         absent = sorted(set(weight_map) - set(out))

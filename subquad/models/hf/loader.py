@@ -112,7 +112,10 @@ def from_pretrained(path, dtype=None, device=None, quantize=None):
         model = LanguageModel(cfg)
     own = model.state_dict()
     names = fmt.names(cfg, {k: v.shape for k, v in own.items()})
-    weights = read_weights(path) if weights is None else weights
+    # an untied embedding is looked up a row per token, never multiplied: mapped, not read, its untouched rows
+    # (most of a large vocabulary) cost no memory (tensorfile.read_safetensors)
+    lookup = names.get("embed.weight") if not cfg.tie_embeddings else None
+    weights = read_weights(path, mapped={lookup} if isinstance(lookup, str) else ()) if weights is None else weights
     tensors = fmt.unpack(fmt.drop_not_loaded(weights), cfg, dtype)   # fused or shifted -> one per parameter
     del weights
     if fmt.conv_bias_key and c.get(fmt.conv_bias_key, True) is False:   # no conv bias in the checkpoint: zeros
