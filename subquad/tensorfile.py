@@ -55,20 +55,20 @@ def read_safetensors(file, mapped=(), check=None) -> dict:
             if base + end > size:
                 raise ValueError(f"tensor {name} ends at byte {base + end:,}, past the file's end ({size:,})")
             at = base + begin
-            if name in mapped and nbytes and at % dtype.itemsize == 0:     # (misaligned: read, as any other)
+            on_map = name in mapped and nbytes and at % dtype.itemsize == 0    # (misaligned: read, as any other)
+            if on_map:
                 mm = mm or mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
-                out[name] = torch.frombuffer(mm, dtype=torch.uint8, count=nbytes, offset=at).view(dtype).reshape(shape)
-                if check is not None:
-                    check(name, out[name])
-                    _drop_pages(mm, at, nbytes)
-                continue
-            buf = torch.empty(nbytes, dtype=torch.uint8)
-            f.seek(at)
-            if nbytes and f.readinto(buf.numpy()) != nbytes:
-                raise ValueError(f"tensor {name}: the file ended inside it")
+                buf = torch.frombuffer(mm, dtype=torch.uint8, count=nbytes, offset=at)
+            else:
+                buf = torch.empty(nbytes, dtype=torch.uint8)
+                f.seek(at)
+                if nbytes and f.readinto(buf.numpy()) != nbytes:
+                    raise ValueError(f"tensor {name}: the file ended inside it")
             out[name] = buf.view(dtype).reshape(shape)
             if check is not None:
                 check(name, out[name])
+                if on_map:
+                    _drop_pages(mm, at, nbytes)
     return out
 
 

@@ -189,7 +189,8 @@ def _steps(bs) -> str:
 def best_per_cell(results, vocab=None):
     """(mixer, T, N, d_model, budget) -> the learning rate whose mean accuracy over seeds is best, among those
     with the most seeds run: {"accuracy" (mean), "low", "high" (the seeds' range), "seeds", "lr", "lrs" (how
-    many learning rates the cell has run), "state_bytes", "steps" (mean), "budget"}. Cells of different step budgets are never compared or pooled."""
+    many learning rates the cell has run), "state_bytes", "steps" (mean), "budget"}. Cells of different step
+    budgets are never compared or pooled."""
     groups = {}
     for r in results["cells"].values():
         if vocab is not None and r["vocab"] != vocab:
@@ -233,10 +234,16 @@ def _lr(lr) -> str:
     return f"{lr:.0e}".replace("e-0", "e-").replace("e+0", "e")
 
 
-def _cell_text(c) -> str:
-    """``mean (low-high) @lr``, ``†`` where the cell has run one learning rate only."""
-    acc = f"{c['accuracy']:.2f} ({c['low']:.2f}-{c['high']:.2f})" if c["seeds"] > 1 else f"{c['accuracy']:.2f}"
-    return f"{acc} @{_lr(c['lr'])}" + ("†" if c.get("lrs", 1) < 2 else "")
+def _cell_text(c, spread=True) -> str:
+    """``mean (low-high) @lr`` (``spread=False``: without the seeds' range), ``†`` where the cell has run one
+    learning rate only."""
+    acc = f"{c['accuracy']:.2f}" + (f" ({c['low']:.2f}-{c['high']:.2f})" if spread and c["seeds"] > 1 else "")
+    return f"{acc} @{_lr(c['lr'])}" + ("†" if c["lrs"] < 2 else "")
+
+
+def _columns(best):
+    """The (T, N, d_model) cells of ``best``, by width, then length."""
+    return sorted({(k[1], k[2], k[3]) for k in best}, key=lambda c: (c[2], c[0]))
 
 
 def table(results, mix_budgets=False) -> str:
@@ -245,7 +252,7 @@ def table(results, mix_budgets=False) -> str:
     of more than one budget are refused unless ``mix_budgets=True``."""
     _single_budget(results, mix_budgets)
     best = best_per_cell(results)
-    cols = sorted({(k[1], k[2], k[3]) for k in best}, key=lambda c: (c[2], c[0]))
+    cols = _columns(best)
     head = ("| mixer | budget (steps) | " + " | ".join(f"T={T}, N={N}, d={d}" for T, N, d in cols)
             + " | state bytes (largest T) |")
     lines = [head, "|---|---|" + "---|" * (len(cols) + 1)]
@@ -267,7 +274,7 @@ def plot(results, path, mix_budgets=False):
 
     _single_budget(results, mix_budgets)
     best = best_per_cell(results)
-    sizes = sorted({(k[1], k[2], k[3]) for k in best}, key=lambda c: (c[2], c[0]))
+    sizes = _columns(best)
     series = _rows(best)                                     # (label, budget)
     mixed = len({b for _, b in series}) > 1
     name = {(m, b): f"{m} ({'?' if b is None else f'{b:,}'} steps)" if mixed else m for m, b in series}
@@ -314,20 +321,18 @@ def grid(results, path, mix_budgets=False):
 
     _single_budget(results, mix_budgets)
     best = best_per_cell(results)
-    cols = sorted({(k[1], k[2], k[3]) for k in best}, key=lambda c: (c[2], c[0]))
+    cols = _columns(best)
     rows = _rows(best)
+    cells = {(i, j): best[m, T, N, d, b] for i, (m, b) in enumerate(rows) for j, (T, N, d) in enumerate(cols)
+             if (m, T, N, d, b) in best}
     acc = np.full((len(rows), len(cols)), np.nan)
-    for i, (m, b) in enumerate(rows):
-        for j, (T, N, d) in enumerate(cols):
-            if (c := best.get((m, T, N, d, b))) is not None:
-                acc[i, j] = c["accuracy"]
+    for (i, j), c in cells.items():
+        acc[i, j] = c["accuracy"]
     fig, ax = plt.subplots(figsize=(2.0 + 1.45 * len(cols) + 2.6, 1.2 + 0.34 * len(rows)))
     im = ax.imshow(np.ma.masked_invalid(acc), cmap="viridis", vmin=0, vmax=1, aspect="auto")
-    for i, (m, b) in enumerate(rows):
-        for j, (T, N, d) in enumerate(cols):
-            if (c := best.get((m, T, N, d, b))) is not None:
-                ax.text(j, i, f"{c['accuracy']:.2f} @{_lr(c['lr'])}" + ("†" if c.get("lrs", 1) < 2 else ""),
-                        ha="center", va="center", fontsize=7.5, color="black" if c["accuracy"] > 0.6 else "white")
+    for (i, j), c in cells.items():
+        ax.text(j, i, _cell_text(c, spread=False), ha="center", va="center", fontsize=7.5,
+                color="black" if c["accuracy"] > 0.6 else "white")
     mixed = len({b for _, b in rows}) > 1
     ax.set_yticks(range(len(rows)), [f"{m} ({b:,} steps)" if mixed and b else m for m, b in rows], fontsize=8)
     ax.set_xticks(range(len(cols)), [f"T={T}, N={N}\nd={d}" for T, N, d in cols], fontsize=8)
