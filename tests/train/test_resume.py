@@ -252,7 +252,7 @@ def test_version_and_help(capsys):
 
 def test_recall_mixer_labels_with_commas_are_selectable():
     from subquad.bench.recall import sweep_rows
-    from subquad.cli import _mixer_list
+    from subquad.cli.recall import mixer_list as _mixer_list
 
     assert _mixer_list("softmax, hybrid (mamba2, softmax),linear (elu+1)") == [
         "softmax", "hybrid (mamba2, softmax)", "linear (elu+1)"]

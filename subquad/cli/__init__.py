@@ -1,0 +1,60 @@
+"""The ``subquad`` command: thin - parse arguments, call the library, print. One module per command, each with
+``add_parser(command)`` (its flags) and ``run(args)``; what they share is in :mod:`subquad.cli.common`."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from subquad.cli import eval as eval_command
+from subquad.cli import export, generate, memory, recall, serve, train, workshop
+from subquad.cli.common import Help
+
+DESCRIPTION = """\
+subquad: train, compare and run sequence mixers that escape softmax attention's quadratic cost -
+linear attention, RetNet, GLA, DeltaNet, Gated DeltaNet, Mamba, Mamba-2 and hybrids with attention.
+
+  subquad workshop                  the plate reproduced: forms agree, memory, softmax vs linear (start here)
+  subquad train --pattern mamba2    train a small language model; --resume continues a run
+  subquad generate --run runs/NAME  stream text with a constant-size state
+  subquad serve --model DIR         an OpenAI-compatible server (continuous batching, prefix-state reuse)
+  subquad recall                    associative recall of every mixer against its state size
+  subquad memory                    KV cache against recurrent state, per layer and head
+
+'subquad COMMAND --help' lists a command's flags with their defaults."""
+
+
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from subquad import __version__
+    from subquad.models.hf import MAPPINGS
+
+    hf_types = list(MAPPINGS)                   # every checkpoint type from_pretrained reads
+
+    p = argparse.ArgumentParser(prog="subquad", description=DESCRIPTION, formatter_class=Help)
+    p.add_argument("--version", action="version", version=f"subquad {__version__}")
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    def command(name, help):
+        return sub.add_parser(name, help=help, description=help, formatter_class=Help, allow_abbrev=False)
+
+    memory.add_parser(command)
+    workshop.add_parser(command)
+    train.add_parser(command)
+    recall.add_parser(command)
+    eval_command.add_parser(command)
+    export.add_parser(command, hf_types)
+    generate.add_parser(command, hf_types)
+    serve.add_parser(command)
+    return p
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    args.argv = argv
+    try:
+        return args.fn(args)
+    except ValueError as e:            # bad input found past argparse: a clear message, no traceback
+        print(f"error: {e}", file=sys.stderr)
+        return 2

@@ -1,0 +1,5 @@
+import sys
+
+from subquad.cli import main
+
+sys.exit(main())

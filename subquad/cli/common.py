@@ -1,0 +1,106 @@
+"""What the commands share: argument types, the flags several commands take, and loading the model that
+``--run`` or ``--model`` names (the one place that checks the pair, maps ``--dtype`` and places the model)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+DTYPES = ("float32", "bfloat16", "float64")     # --dtype of --model; the torch dtype is looked up by name
+
+
+def say(message: str) -> None:
+    """A note for the user on stderr (stdout stays the command's output)."""
+    print(message, file=sys.stderr)
+
+
+def positive(text: str) -> int:
+    v = int(text)
+    if v <= 0:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
+    return v
+
+
+def nonneg_float(text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        v = -1.0
+    if not v >= 0 or v == float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a finite number >= 0, got {text!r}")
+    return v
+
+
+def device(text: str):
+    from subquad.device import resolve_device
+
+    try:
+        return resolve_device(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def add_device_flag(parser) -> None:
+    """--device, resolved once by argparse: commands get a ``torch.device``."""
+    parser.add_argument("--device", type=device, default="cpu",
+                        help="auto | cpu | cuda | mps (or cuda:N): where the model, batches and sampler live "
+                             "(default cpu; auto picks CUDA, then MPS, then the CPU)")
+
+
+def add_quantize_flag(parser) -> None:
+    parser.add_argument("--quantize", choices=["int8", "bf16"],
+                        help="quantise the projections for inference: int8 per output channel, or bfloat16 "
+                             "(subquad.models.quant; the weights load as float32 first)")
+
+
+def add_model_flags(parser, hf_types: list[str], *, run_help: str = "run folder (or one of its checkpoints)",
+                    model_help: str | None = None) -> None:
+    """--run or --model (exactly one, checked by :func:`load_model`), --dtype, --quantize and --device."""
+    parser.add_argument("--run", help=run_help)
+    parser.add_argument("--model", help=model_help or (
+        "a Hugging Face model folder (config.json, model.safetensors, tokenizer.json) of a supported type: "
+        f"{', '.join(hf_types)}"))
+    parser.add_argument("--dtype", default="float32", choices=DTYPES, help="weights' dtype for --model")
+    add_quantize_flag(parser)
+    add_device_flag(parser)
+
+
+def check_run_or_model(args) -> None:
+    """Exactly one of --run and --model, and a --run that exists."""
+    from pathlib import Path
+
+    if (args.run is None) == (args.model is None):
+        raise ValueError("give one of --run (a subquad run) or --model (a Hugging Face model folder)")
+    if args.run is not None and not Path(args.run).exists():
+        raise ValueError(f"--run {args.run} does not exist")
+
+
+def load_model(args, *, need_tokenizer: str | None = None):
+    """(model, tokenizer) of --run or --model with --dtype, --quantize and --device. ``need_tokenizer`` names
+    what the tokenizer is for: a --model folder without tokenizer.json is then refused with that reason."""
+    import torch
+
+    check_run_or_model(args)
+    if args.model is not None:
+        from subquad.models import from_pretrained
+
+        model, tok = from_pretrained(args.model, dtype=getattr(torch, args.dtype), device=args.device,
+                                     quantize=args.quantize)
+        if tok is None and need_tokenizer:
+            raise ValueError(f"--model {args.model} has no tokenizer.json {need_tokenizer}")
+        return model, tok
+    from subquad.train import load_run
+
+    model, tok, _ = load_run(args.run, device=args.device, quantize=args.quantize, log=say)
+    return model, tok
+
+
+class Help(argparse.RawDescriptionHelpFormatter):
+    """Every flag's help ends with its default (left out where the help says where the default comes from)."""
+
+    def _get_help_string(self, action):
+        h = action.help or ""
+        hidden = action.default is None or action.default is False or action.default == argparse.SUPPRESS
+        if not hidden and "default" not in h and action.option_strings:     # 0 is a default to show
+            h += f" (default: {action.default})"
+        return h

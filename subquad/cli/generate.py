@@ -1,0 +1,109 @@
+"""``subquad generate``: stream text from a run or a model folder with its constant-size state; save and
+load the state to continue later."""
+
+from __future__ import annotations
+
+import sys
+
+from subquad.cli.common import add_model_flags, check_run_or_model, load_model, positive
+
+
+def add_parser(command, hf_types: list[str]) -> None:
+    g = command("generate", "stream text from a trained run with its recurrent state")
+    add_model_flags(g, hf_types, model_help=(
+        "a Hugging Face model folder (config.json, model.safetensors, tokenizer.json) of a supported type: "
+        f"{', '.join(hf_types)}; or a BlinkDL RWKV-7 .pth file (its world vocabulary rwkv_vocab_v20230424.txt "
+        "beside it)"))
+    g.add_argument("--prompt", help="text to continue (required, unless --prompts-file or --load-state)")
+    g.add_argument("--prompts-file", help="a file of prompts, one per line: all generated as one batch")
+    g.add_argument("--max-new-tokens", type=int, default=200, help="tokens to generate per prompt")
+    g.add_argument("--temperature", type=float, default=0.8, help="0 is greedy")
+    g.add_argument("--top-k", type=positive, help="sample among the k most likely tokens (default: all)")
+    g.add_argument("--top-p", type=float, help="sample within the nucleus of this mass (default: all)")
+    g.add_argument("--stop", action="append", default=None, metavar="TEXT",
+                   help="stop a sequence when it emits this text's token (repeatable; default: none)")
+    g.add_argument("--seed", type=int, default=0, help="sampling seed")
+    g.add_argument("--save-state", help="write the decoding state here (safetensors) to continue later")
+    g.add_argument("--load-state", help="continue from a state saved with --save-state")
+    g.add_argument("--compile-decode", action="store_true",
+                   help="decode with the compiled one-token step (subquad.models.decode: faster per token once "
+                        "compiled; compiling takes seconds per kind of layer)")
+    g.set_defaults(fn=run)
+
+
+def unescape(text: str) -> str:
+    """Backslash escapes as Python writes them (``--stop '\\n'`` is a newline); every other character, non-ASCII
+    included, stays itself (``unicode_escape`` alone reads UTF-8 bytes as Latin-1: "é" became "Ã©")."""
+    return text.encode("latin-1", "backslashreplace").decode("unicode_escape")
+
+
+def stop_ids(tok, texts) -> list[int]:
+    """The token id of each --stop text; a text that is not exactly one token is refused."""
+    ids = []
+    for text in texts or []:
+        enc = tok.encode(unescape(text)).ids
+        if len(enc) != 1:
+            raise ValueError(f"--stop {text!r} is {len(enc)} tokens for this tokenizer; it must be one")
+        ids += enc
+    return ids
+
+
+def run(args) -> int:
+    from pathlib import Path
+
+    from subquad.models import load_state, save_state
+
+    check_run_or_model(args)
+    if args.prompts_file:
+        if args.load_state or args.save_state or args.prompt:
+            raise ValueError("--prompts-file generates a batch; it does not combine with --prompt, --load-state "
+                             "or --save-state")
+        path = Path(args.prompts_file)
+        if not path.exists():
+            raise ValueError(f"--prompts-file {path} does not exist")
+        prompts = [ln for ln in path.read_text().splitlines() if ln.strip()]
+        if not prompts:
+            raise ValueError(f"--prompts-file {path} holds no prompt (one per line)")
+    model, tok = load_model(args, need_tokenizer="to encode the prompt with")
+    if args.compile_decode:
+        from subquad.models.decode import compile_decode
+
+        compile_decode(model)
+    stop = stop_ids(tok, args.stop)
+    if args.prompts_file:
+        outs, _ = model.generate([tok.encode(p).ids or [0] for p in prompts], args.max_new_tokens,
+                                 temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
+                                 stop_ids=stop)
+        for i, (p, o) in enumerate(zip(prompts, outs, strict=True)):
+            print(f"--- [{i}] {p}{tok.decode(o)}")
+        return 0
+    state = None
+    if args.load_state:
+        state, extra = load_state(args.load_state)
+        ids = [extra["last_token"]] + (tok.encode(args.prompt).ids if args.prompt else [])
+    else:
+        if not args.prompt:
+            print("error: --prompt is required (or --prompts-file, or --load-state to continue a saved generation)",
+                  file=sys.stderr)
+            return 2
+        ids = tok.encode(args.prompt).ids
+        print(args.prompt, end="", flush=True)
+    new: list[int] = []
+    shown = [""]
+
+    def stream(t):
+        new.append(t)
+        text = tok.decode(new)
+        if not text.endswith("\ufffd"):          # wait for the rest of a multi-byte character
+            print(text[len(shown[0]):], end="", flush=True)
+            shown[0] = text
+
+    out, state = model.generate(ids, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
+                                top_p=args.top_p, seed=args.seed, state=state, on_token=stream, stop_ids=stop)
+    print(tok.decode(new)[len(shown[0]):])
+    print(f"\n[state: {model.state_bytes(state):,} bytes over {model.config.n_layers} layers "
+          f"({', '.join(sorted(set(model.config.layers)))})]", file=sys.stderr)
+    if args.save_state:
+        save_state(args.save_state, state, {"last_token": out[-1] if out else ids[-1]})
+        print(f"[state saved to {args.save_state}; continue with --load-state]", file=sys.stderr)
+    return 0

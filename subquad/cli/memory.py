@@ -1,0 +1,54 @@
+"""``subquad memory``: the KV cache against the recurrent state, per layer and head, computed and measured."""
+
+from __future__ import annotations
+
+import argparse
+
+from subquad.cli.common import positive
+
+
+def contexts(text: str) -> list[int]:
+    try:
+        vals = [int(float(x.replace("_", ""))) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--context takes comma-separated token counts, got {text!r}") from None
+    if not vals or any(v <= 0 for v in vals):
+        raise argparse.ArgumentTypeError(f"--context needs positive token counts, got {text!r}")
+    return vals
+
+
+def add_parser(command) -> None:
+    m = command("memory", "KV cache against linear state, per layer and head")
+    m.add_argument("--context", type=contexts, default=[1024, 4096, 16384, 65536, 131072, 262144, 1048576],
+                   help="comma-separated context lengths (default: 1K..1M)")
+    m.add_argument("--head-dim", type=positive, default=32, help="head dimension d")
+    m.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16", "float64"],
+                   help="element type of cache and state")
+    m.add_argument("--flops", action="store_true", help="also print N^2 d against N d^2")
+    m.add_argument("--measure-max", type=positive, default=16384,
+                   help="measure allocated bytes at contexts up to this length")
+    m.set_defaults(fn=run)
+
+
+def run(args) -> int:
+    from subquad.bench import memory
+    from subquad.bench.table import fmt_bytes, render
+
+    rows = memory.analytic(args.context, args.head_dim, args.dtype)
+    print(f"Memory per layer and head, head dim d = {args.head_dim}, {args.dtype}")
+    print(render([{"context": f"{r['context']:,}", "KV cache 2Td (numbers)": f"{r['kv_numbers']:,}",
+                   "state d²+d (numbers)": f"{r['state_numbers']:,}",
+                   "KV cache": f"{r['kv_bytes']:,} B ({fmt_bytes(r['kv_bytes'])})",
+                   "state": f"{r['state_bytes']:,} B ({fmt_bytes(r['state_bytes'])})",
+                   "ratio": f"{r['ratio']:,.0f}x"} for r in rows]))
+    measured = memory.measure(memory.measured_contexts(args.context, args.measure_max), args.head_dim, args.dtype)
+    print("\n" + memory.measured_title(measured))
+    print(render([{"context": f"{m['context']:,}", "KV cache (KVCache.nbytes)": f"{m['kv_cache_bytes']:,} B",
+                   "state (S + z)": f"{m['state_bytes']:,} B", "state dtype": m["state_dtype"]}
+                  for m in measured]))
+    if args.flops:
+        print("\nOperations of the attention product (per head): softmax N²d against linear Nd²")
+        print(render([{"N": f"{r['context']:,}", "softmax N²d": f"{r['softmax_flops']:.2e}",
+                       "linear Nd²": f"{r['linear_flops']:.2e}", "ratio": f"{r['ratio']:,.0f}x"}
+                      for r in memory.flops(args.context, args.head_dim)]))
+    return 0

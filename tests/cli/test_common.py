@@ -1,0 +1,71 @@
+"""The pieces the commands share (subquad.cli.common) and --stop's text handling (subquad.cli.generate)."""
+
+import argparse
+
+import pytest
+import torch
+
+from subquad.cli import build_parser, common
+from subquad.cli.generate import stop_ids, unescape
+
+
+class _RecordingTokenizer:
+    """Encodes any text as one token and records the text it was given."""
+
+    def __init__(self):
+        self.seen = []
+
+    def encode(self, text):
+        self.seen.append(text)
+        return type("Enc", (), {"ids": [len(self.seen)]})()
+
+
+@pytest.mark.parametrize("text, want", [("é", "é"), ("日本", "日本"), ("\\n", "\n"), ("a\\tb", "a\tb"),
+                                        ("</s>", "</s>"), ("ü\\n", "ü\n")])
+def test_stop_text_keeps_non_ascii_and_reads_backslash_escapes(text, want):
+    # the old `text.encode().decode("unicode_escape")` read UTF-8 bytes as Latin-1: "é" -> "Ã©"
+    assert unescape(text) == want
+    tok = _RecordingTokenizer()
+    assert stop_ids(tok, [text]) == [1]
+    assert tok.seen == [want]
+
+
+def test_stop_text_of_several_tokens_is_refused_by_name():
+    class Two:
+        def encode(self, text):
+            return type("Enc", (), {"ids": [1, 2]})()
+
+    with pytest.raises(ValueError, match="--stop 'ab' is 2 tokens"):
+        stop_ids(Two(), ["ab"])
+
+
+def test_run_and_model_are_checked_once_for_every_command_that_loads_a_model(tmp_path):
+    p = build_parser()
+    for cmd in ("generate", "eval", "serve"):
+        with pytest.raises(ValueError, match="give one of --run"):
+            common.check_run_or_model(p.parse_args([cmd]))
+        with pytest.raises(ValueError, match="give one of --run"):
+            common.check_run_or_model(p.parse_args([cmd, "--run", str(tmp_path), "--model", str(tmp_path)]))
+        with pytest.raises(ValueError, match="does-not-exist does not exist"):
+            common.check_run_or_model(p.parse_args([cmd, "--run", str(tmp_path / "does-not-exist")]))
+
+
+def test_device_is_resolved_by_argparse_and_dtype_names_a_torch_dtype():
+    p = build_parser()
+    for cmd in ("generate", "eval", "serve", "train", "recall"):
+        assert p.parse_args([cmd, "--device", "cpu"]).device == torch.device("cpu")
+    for name in common.DTYPES:
+        assert isinstance(getattr(torch, name), torch.dtype)
+    with pytest.raises(argparse.ArgumentTypeError, match="device must be one of"):
+        common.device("tpu")
+
+
+def test_every_command_is_a_module_with_add_parser_and_run():
+    import importlib
+
+    p = build_parser()
+    commands = p._subparsers._group_actions[0].choices
+    assert set(commands) == {"memory", "workshop", "train", "recall", "eval", "export", "generate", "serve"}
+    for name, sub in commands.items():
+        mod = importlib.import_module(f"subquad.cli.{name}")
+        assert sub.get_default("fn") is mod.run, name
