@@ -225,7 +225,7 @@ def run(args) -> int:
                 i = argv.index(flag)
                 argv = argv[:i] + argv[i + 2:]
         return launch(nproc, argv, nnodes=args.nnodes, rdzv_endpoint=args.rdzv_endpoint)
-    rank, world = init_from_env(args.dist_timeout)
+    rank, world = init_from_env(args.dist_timeout, device=args.device)
     if tcfg is None:
         tcfg = TrainConfig(steps=args.steps, batch_size=args.batch_size, lr=args.lr, warmup=args.warmup,
                            eval_every=args.eval_every, ckpt_every=args.ckpt_every, seed=args.seed, bf16=args.bf16,

@@ -1,5 +1,6 @@
-"""Launching processes: ``subquad train --nproc N`` re-runs itself under torchrun; ``run_local`` runs a
-function on W local processes (gloo, file rendezvous) and returns what each returned (tests, checks)."""
+"""Launching processes: ``subquad train --nproc N`` re-runs itself under torchrun; ``init_from_env`` joins
+its process group on the rank's own device (``rank_device``); ``run_local`` runs a function on W local
+processes (gloo, file rendezvous) and returns what each returned (tests, checks)."""
 
 from __future__ import annotations
 
@@ -11,14 +12,61 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from subquad.device import resolve_device
 
-def init_from_env(timeout_s: float = 60.0):
-    """Join the process group torchrun describes (WORLD_SIZE > 1); returns (rank, world)."""
+
+def rank_device(device="cpu", env=None) -> tuple[torch.device, str]:
+    """(this process's device, the process group's backend) for the requested ``device`` ('auto', 'cpu',
+    'cuda', ``torch.device``) and torchrun's LOCAL_RANK in ``env`` (default ``os.environ``).
+
+    A plain 'cuda' under torchrun is cuda:LOCAL_RANK with NCCL: one GPU per local process, where every
+    rank would otherwise share cuda:0. Any other device keeps itself with gloo (NCCL takes CUDA tensors only,
+    and a CPU run on a machine with GPUs must not pick it). Without LOCAL_RANK the device is as asked.
+    ValueError naming --device and LOCAL_RANK when the local rank has no GPU of its own."""
+    env = os.environ if env is None else env
+    dev = resolve_device(device)
+    if dev.type != "cuda":
+        return dev, "gloo"
+    local = env.get("LOCAL_RANK")
+    if local is None:
+        return dev, "nccl"
+    try:
+        local = int(local)
+    except ValueError:
+        raise ValueError(f"LOCAL_RANK must be an integer (torchrun sets it), got {local!r}") from None
+    if local < 0:
+        raise ValueError(f"LOCAL_RANK must be >= 0, got {local}")
+    peers = int(env.get("LOCAL_WORLD_SIZE", env.get("WORLD_SIZE", "1")))
+    if dev.index is not None:
+        if peers > 1:             # every local rank on the one GPU named: NCCL refuses a GPU shared by ranks
+            raise ValueError(f"--device {dev} puts all {peers} local processes on one GPU; pass --device cuda "
+                             f"(LOCAL_RANK={local} then runs on cuda:{local}), or pick GPUs with CUDA_VISIBLE_DEVICES")
+        return dev, "nccl"
+    count = torch.cuda.device_count()
+    if local >= count:
+        raise ValueError(f"--device cuda with LOCAL_RANK={local}: this machine shows {count} GPU(s) (cuda:0.."
+                         f"cuda:{count - 1}); start at most {count} processes per machine (--nproc), or check "
+                         "CUDA_VISIBLE_DEVICES")
+    return torch.device("cuda", local), "nccl"
+
+
+def use_rank_device(device="cpu", env=None) -> tuple[torch.device, str]:
+    """``rank_device``, with its GPU made the current CUDA device: what NCCL's collectives, barriers and
+    ``all_gather_object`` run on when no device is named."""
+    dev, backend = rank_device(device, env)
+    if dev.type == "cuda" and dev.index is not None:     # a plain 'cuda' (one process): the current one already
+        torch.cuda.set_device(dev)
+    return dev, backend
+
+
+def init_from_env(timeout_s: float = 60.0, device="cpu"):
+    """Join the process group torchrun describes (WORLD_SIZE > 1) with the backend of this rank's device
+    (``use_rank_device``: cuda:LOCAL_RANK and NCCL for 'cuda', gloo for the CPU); returns (rank, world)."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world <= 1:
         return 0, 1
+    _, backend = use_rank_device(device)
     if not dist.is_initialized():
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
         dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
     return dist.get_rank(), dist.get_world_size()
 

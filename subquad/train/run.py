@@ -97,8 +97,8 @@ def train_run(model_cfg: ModelConfig, train_cfg: TrainConfig, out, data: str | N
               vocab_size: int | None = None, progress: bool = True, log=print, token_data=None,
               device="cpu", restart: bool = False, reschedule: bool = False) -> dict:
     """Train (or with ``resume`` continue) the run in ``out`` on ``device`` (``subquad.device``: 'auto',
-    'cpu', 'cuda', ...). The model is built on the CPU from the seed, then moved, so every device
-    starts from the same weights.
+    'cpu', 'cuda', ...; under torchrun a plain 'cuda' is each rank's cuda:LOCAL_RANK, ``rank_device``). The
+    model is built on the CPU from the seed, then moved, so every device starts from the same weights.
 
     A resume must name settings equal to the run's own (``read_run_config``; ``subquad train --resume``
     reads them for you): only ``RESUME_SAFE`` fields may differ, ``steps`` must pass the checkpoint's
@@ -108,10 +108,11 @@ def train_run(model_cfg: ModelConfig, train_cfg: TrainConfig, out, data: str | N
     refused unless ``restart`` (which trains it again from step 0, refused while an intact checkpoint
     exists). A fresh run that fails before its first checkpoint leaves no folder behind."""
     from subquad.data.dataset import file_sha256
+    from subquad.distributed.launch import use_rank_device
     from subquad.train.checkpoint import CheckpointError, find_checkpoint
     from subquad.train.trainer import _dist
 
-    device = resolve_device(device)
+    device, _ = use_rank_device(device)                        # under torchrun, 'cuda' is cuda:LOCAL_RANK
     rank, world = _dist()
     if rank != 0:
         log = lambda m: None                                   # noqa: E731  (rank 0 speaks for the run)

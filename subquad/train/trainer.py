@@ -175,7 +175,7 @@ def evaluate(model, tokens, context: int, batch_size: int, batches: int, bf16=Fa
     if cp_group is not None:
         import torch.distributed as dist
 
-        t = torch.tensor(loss, dtype=torch.float64)
+        t = torch.tensor(loss, dtype=torch.float64, device=device_of(model))    # the group's device (NCCL: CUDA)
         dist.all_reduce(t, group=cp_group)
         loss = float(t) / dist.get_world_size(cp_group)
     return loss
@@ -252,13 +252,15 @@ class Trainer:
         """Whether every weight is finite, on every rank (each checks the shards it holds)."""
         from torch.distributed.tensor import DTensor
 
-        ok = all(torch.isfinite(p.to_local() if isinstance(p, DTensor) else p).all() for p in self.model.parameters())
+        # the flag stays on the model's device, where the process group's backend works (NCCL takes no
+        # CPU tensor), and is read back once
+        checks = [torch.ones((), dtype=torch.bool, device=device_of(self.model))]
+        checks += [torch.isfinite(p.to_local() if isinstance(p, DTensor) else p).all() for p in self.model.parameters()]
+        flag = torch.stack(checks).all().float()
         if self.world > 1:
             import torch.distributed as dist
-            flag = torch.tensor(float(ok))
             dist.all_reduce(flag, op=dist.ReduceOp.MIN)
-            ok = bool(flag)
-        return ok
+        return bool(flag)
 
     # -- state ---------------------------------------------------------------------------------------------
     def _meta(self):
