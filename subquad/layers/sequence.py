@@ -28,10 +28,14 @@ state in and gives none back (``subquad.layers.base.Mixer.forward`` enforces bot
 from __future__ import annotations
 
 import contextlib
+import contextvars
 
 import torch
 
-_ACTIVE: list = []
+# The ``use`` stack, innermost last. A ContextVar, not a module-global list: each thread and each asyncio task
+# has its own, so two threads generating ragged batches (each layer pushes ``Packed``) never run under each
+# other's backend. A tuple: ``use`` sets a new one and restores the old, nothing shared is mutated.
+_ACTIVE: contextvars.ContextVar[tuple] = contextvars.ContextVar("subquad_sequence_backend", default=())
 
 
 class SingleDevice:
@@ -128,18 +132,20 @@ class Packed(SingleDevice):
 
 
 def backend():
-    """The backend the layers call now: the innermost ``use``, else ``SINGLE_DEVICE``."""
-    return _ACTIVE[-1] if _ACTIVE else SINGLE_DEVICE
+    """The backend the layers call now: this thread's (or task's) innermost ``use``, else ``SINGLE_DEVICE``."""
+    active = _ACTIVE.get()
+    return active[-1] if active else SINGLE_DEVICE
 
 
 @contextlib.contextmanager
 def use(b):
-    """Route every layer's sequence mixing through ``b`` inside the ``with`` block."""
-    _ACTIVE.append(b)
+    """Route every layer's sequence mixing through ``b`` inside the ``with`` block, in this thread (or asyncio
+    task) only: a thread started inside does not inherit it."""
+    token = _ACTIVE.set((*_ACTIVE.get(), b))
     try:
         yield b
     finally:
-        _ACTIVE.pop()
+        _ACTIVE.reset(token)
 
 
 __all__ = ["SingleDevice", "SINGLE_DEVICE", "Packed", "backend", "use"]

@@ -10,7 +10,12 @@ equal a lone ``generate`` call's.
 
 from __future__ import annotations
 
+import math
+from numbers import Integral, Real
+
 import torch
+
+GREEDY_BELOW = 1e-5    # a temperature under this is greedy (vLLM's _SAMPLING_EPS): logits / T would overflow
 
 
 @torch.no_grad()
@@ -33,12 +38,7 @@ def generate(model, prompt, max_new_tokens: int, temperature: float = 1.0, top_k
     """
     if not isinstance(max_new_tokens, int) or max_new_tokens < 0:
         raise ValueError(f"max_new_tokens must be an int >= 0, got {max_new_tokens!r}")
-    if temperature < 0:
-        raise ValueError(f"temperature must be >= 0, got {temperature}")
-    if top_k is not None and top_k < 1:
-        raise ValueError(f"top_k must be >= 1, got {top_k}")
-    if top_p is not None and not 0 < top_p <= 1:
-        raise ValueError(f"top_p must lie in (0, 1], got {top_p}")
+    temperature = check_sampling(temperature, top_k, top_p)
     prompts, single = _as_prompts(prompt)
     stop = set(int(t) for t in (stop_ids or ())) | set(model.config.eos_token_ids)
     was_training = model.training
@@ -96,11 +96,29 @@ def _as_prompts(prompt) -> tuple[list[list[int]], bool]:
     return prompts, single
 
 
+def check_sampling(temperature, top_k=None, top_p=None) -> float:
+    """The temperature to sample at, after checking all three (ValueError naming the argument). One check for
+    ``generate`` and the server's ``SamplingParams``. A finite temperature below ``GREEDY_BELOW`` becomes 0,
+    greedy: float32 logits divided by 1e-300 are inf and their softmax NaN, and below 1e-5 the distribution
+    is the argmax anyway unless two logits tie within ~1e-4."""
+    if isinstance(temperature, bool) or not isinstance(temperature, Real) \
+            or not 0 <= temperature < math.inf:          # NaN fails both comparisons
+        raise ValueError(f"temperature must be a finite number >= 0, got {temperature!r}")
+    if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, Integral) or top_k < 1):
+        raise ValueError(f"top_k must be an int >= 1, got {top_k!r}")
+    if top_p is not None and (isinstance(top_p, bool) or not isinstance(top_p, Real) or not 0 < top_p <= 1):
+        raise ValueError(f"top_p must lie in (0, 1], got {top_p!r}")
+    return 0.0 if temperature < GREEDY_BELOW else float(temperature)
+
+
 def sample_batch(logits, temperature=1.0, top_k=None, top_p=None, generator=None) -> torch.Tensor:
-    """One token id per row of (B, vocab) logits: greedy at temperature 0, else softmax(logits / T)
-    restricted to the k largest logits (ties at the k-th included) and to the nucleus of mass top_p (the
-    smallest set of most likely tokens whose mass reaches top_p)."""
+    """One token id per row of (B, vocab) logits: greedy at temperature 0 (or below ``GREEDY_BELOW``), else
+    softmax(logits / T) restricted to the k largest logits (ties at the k-th included) and to the nucleus of
+    mass top_p (the smallest set of most likely tokens whose mass reaches top_p). NaN logits (or +inf, or a
+    row all -inf) are a ValueError: argmax would pick an arbitrary id and multinomial draw garbage."""
+    temperature = check_sampling(temperature, top_k, top_p)
     if temperature == 0:
+        _refuse_nan(logits)
         return logits.argmax(-1)
     logits = logits.float() / temperature
     if top_k is not None:
@@ -111,7 +129,15 @@ def sample_batch(logits, temperature=1.0, top_k=None, top_p=None, generator=None
         sp, si = torch.sort(probs, dim=-1, descending=True)
         keep = sp.cumsum(-1) - sp < top_p                   # mass before each token is below top_p
         probs = torch.zeros_like(probs).scatter(-1, si, sp * keep)
+    _refuse_nan(probs)                                      # NaN logits give NaN probabilities
     return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+
+
+def _refuse_nan(x: torch.Tensor):
+    """ValueError if ``x`` (logits or probabilities) holds NaN: the model's output is not a number."""
+    if torch.isnan(x).any():
+        raise ValueError("logits: the model's output holds NaN (weights with NaN, or an overflow in low "
+                         "precision?); there is no distribution to sample from")
 
 
 def sample(logits, temperature=1.0, top_k=None, top_p=None, generator=None) -> int:

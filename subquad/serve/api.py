@@ -247,8 +247,10 @@ class _Completion:
     prefix = "cmpl-"
 
     def __init__(self, model, tok):
-        """The served model's name and the tokenizer (None: tokens are named "token_id:N")."""
+        """The served model's name and the tokenizer (None: tokens are named "token_id:N"). One per request:
+        ``_streamed`` counts the characters streamed so far, where the next chunk's text_offset starts."""
         self.model, self.tok = model, tok
+        self._streamed = 0
 
     def _token(self, t):
         """A token as completions' logprobs name it: its text, special tokens included."""
@@ -281,8 +283,11 @@ class _Completion:
         return self._obj(rid, now, [choice], usage)
 
     def chunks(self, rid, now, ev, first):
-        """The stream chunks of one event (one per event)."""
-        return [self._obj(rid, now, [{"index": 0, "text": ev.text, "logprobs": self._logprobs([ev]),
+        """The stream chunks of one event (one per event). Its text_offset continues from the text already
+        streamed, as the non-streamed response counts it (a chunk alone would start every token at 0)."""
+        logprobs = self._logprobs([ev], self._streamed)
+        self._streamed += len(ev.text)
+        return [self._obj(rid, now, [{"index": 0, "text": ev.text, "logprobs": logprobs,
                                       "finish_reason": ev.finish_reason}])]
 
     def usage_chunk(self, rid, now, usage):

@@ -13,10 +13,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from subquad.models.generate import sample_batch
+from subquad.models.generate import GREEDY_BELOW, check_sampling, sample_batch  # noqa: F401 (re-exported)
 
 MAX_LOGPROBS = 5       # OpenAI's bound on completions' ``logprobs``
-GREEDY_BELOW = 1e-5    # a temperature under this is greedy (vLLM's _SAMPLING_EPS): logits / T would overflow
 
 
 @dataclass
@@ -24,9 +23,9 @@ class SamplingParams:
     """What one request asks of the engine. ``stop``: strings that end the text when they appear in it
     (matched on the decoded text, across token boundaries; not included in the output). ``logprobs``: None,
     or how many most likely alternatives to report beside each token's own log-probability (0..5).
-    ``temperature`` below ``GREEDY_BELOW`` is set to 0, greedy: float32 logits divided by 1e-300 are inf and
-    their softmax NaN, and below 1e-5 the distribution is the argmax anyway unless two logits tie within
-    ~1e-4 (``generate`` at such a temperature would pick the same token but for those ties)."""
+    ``temperature``, ``top_p`` and ``top_k`` are checked by ``check_sampling``, the one ``generate`` uses:
+    a temperature below ``GREEDY_BELOW`` is set to 0, greedy (float32 logits divided by 1e-300 are inf and
+    their softmax NaN)."""
 
     max_tokens: int = 16
     temperature: float = 1.0
@@ -39,17 +38,7 @@ class SamplingParams:
     def __post_init__(self):
         if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1:
             raise ValueError(f"max_tokens must be an int >= 1, got {self.max_tokens!r}")
-        if isinstance(self.temperature, bool) or not isinstance(self.temperature, (int, float)) \
-                or not 0 <= self.temperature < float("inf"):
-            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
-        if self.temperature < GREEDY_BELOW:
-            self.temperature = 0.0
-        if self.top_p is not None and (isinstance(self.top_p, bool) or not isinstance(self.top_p, (int, float))
-                                       or not 0 < self.top_p <= 1):
-            raise ValueError(f"top_p must lie in (0, 1], got {self.top_p!r}")
-        if self.top_k is not None and (isinstance(self.top_k, bool) or not isinstance(self.top_k, int)
-                                       or self.top_k < 1):
-            raise ValueError(f"top_k must be an int >= 1, got {self.top_k!r}")
+        self.temperature = check_sampling(self.temperature, self.top_k, self.top_p)
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)
                                       or not 0 <= self.seed < 2 ** 63):
             raise ValueError(f"seed must be an int in [0, 2**63), got {self.seed!r}")

@@ -12,6 +12,7 @@ number; ``latest`` is a hint. When it is missing, unreadable, names something
 that is not a step folder of this run (``../../other/ckpt/step_20``), names an
 older step than the newest intact one (a kill between the rename and ``latest``)
 or names one that fails its checksums, the reason is reported with the step used.
+A ``step_*`` that is a symlink is reported and never followed, nor pruned.
 Pruning keeps the ``keep`` newest by step number and never the one just written;
 step folders newer than the one just written belong to an abandoned timeline
 (corrupt ones a resume passed over) and are removed.
@@ -95,6 +96,19 @@ def _step_of(path: Path) -> int:
         return -1
 
 
+def _step_folders(root: Path) -> tuple[list[Path], list[Path]]:
+    """(the real ``step_*`` folders under ``ckpt/`` by step number, the ``step_*`` symlinks). A symlink is
+    never followed: it can point into another run (whose step it would resume as this run's) and pruning it
+    would delete that run's checkpoint; the caller reports it instead."""
+    found = [p for p in root.glob("step_*") if _step_of(p) >= 0]
+    links = sorted((p for p in found if p.is_symlink()), key=_step_of)
+    return sorted((p for p in found if p.is_dir() and not p.is_symlink()), key=_step_of), links
+
+
+def _symlink_refused(path: Path) -> str:
+    return f"{path} is a symlink (to {os.readlink(path)}); a checkpoint is read from a real folder, never followed"
+
+
 def _save_tensors(tensors: dict, path: Path) -> None:
     """safetensors' writer, its I/O failures as the OSError they are (it reports them as a SafetensorError
     whose text ends '(os error N)')."""
@@ -164,7 +178,7 @@ def _publish(run_dir, final: Path, step: int, keep: int) -> Path:
     except OSError as e:                      # the step is in place and found by scanning; latest is a hint
         (root / "latest.tmp").unlink(missing_ok=True)
         raise _write_failed(run_dir, e, "ckpt/latest.tmp") from None
-    steps = sorted((p for p in root.glob("step_*") if p.is_dir() and _step_of(p) >= 0), key=_step_of)
+    steps = _step_folders(root)[0]            # symlinks left alone: their targets are not this run's
     for p in steps:
         if _step_of(p) > step:               # an abandoned timeline: resume would otherwise pick it
             shutil.rmtree(p, ignore_errors=True)
@@ -233,14 +247,16 @@ def find_checkpoint(run_dir, log=None) -> Path | None:
     root = Path(run_dir) / "ckpt"
     if not root.exists():
         return None
-    steps = sorted((p for p in root.glob("step_*") if p.is_dir() and _step_of(p) >= 0), key=_step_of,
-                   reverse=True)
+    steps, links = _step_folders(root)
+    steps.reverse()
     named, why = _read_latest(root)
-    if named is None and why == "ckpt/latest is missing" and not steps:
+    if named is None and why == "ckpt/latest is missing" and not steps and not links:
         return None
-    if named is not None and not (root / named).is_dir():
+    if named is not None and (root / named).is_symlink():
+        why = f"ckpt/latest names {named}, a symlink; not followed"
+    elif named is not None and not (root / named).is_dir():
         why = f"ckpt/latest names {named}, which does not exist"
-    problems = []
+    problems = [_symlink_refused(p) for p in links]
     for p in steps:
         try:
             verify_checkpoint(p)
@@ -284,6 +300,8 @@ def load_checkpoint(path, log=None) -> tuple[dict, dict, dict]:
         if found is None:
             raise CheckpointError(f"{path} has no checkpoint yet")
         path, meta = found, json.loads((found / "meta.json").read_text())
+    elif path.is_symlink():                            # as find_checkpoint: a step folder is never followed
+        raise CheckpointError(_symlink_refused(path))
     else:
         meta = verify_checkpoint(path)
     if meta.get("format") == "dcp":                     # shards of a sharded run (train.sharded), read whole

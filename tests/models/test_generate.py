@@ -139,6 +139,32 @@ def test_bad_generation_arguments():
         model(torch.tensor([[0, 99]]))
 
 
+
+def test_a_tiny_temperature_is_greedy_and_bad_sampling_arguments_are_refused_by_name():
+    """logits / 1e-300 overflow float32 to inf, whose softmax is NaN: a temperature below GREEDY_BELOW is greedy
+    (as the server's SamplingParams, one shared check); NaN, inf or a negative one is refused by name."""
+    model = tiny("linear")
+    greedy, _ = model.generate([1, 2, 3], 6, temperature=0)
+    for t in (1e-30, 1e-300):
+        assert model.generate([1, 2, 3], 6, temperature=t, seed=0)[0] == greedy
+    for t in (float("nan"), float("inf"), -1e-9, "0.5", True):
+        with pytest.raises(ValueError, match="temperature"):
+            model.generate([1], 2, temperature=t)
+    for name, value in (("top_p", float("nan")), ("top_p", 0), ("top_k", 0), ("top_k", 2.5), ("top_k", True)):
+        with pytest.raises(ValueError, match=name):
+            model.generate([1], 2, **{name: value})
+
+
+@pytest.mark.parametrize("temperature", [0, 1.0])
+def test_nan_logits_are_refused_rather_than_sampled(temperature):
+    """A model whose logits are NaN (weights with NaN, an overflow in low precision) would be sampled silently:
+    argmax picks an arbitrary id and multinomial fails obscurely or draws garbage on a GPU."""
+    model = tiny("linear")
+    with torch.no_grad():
+        model.embed.weight.fill_(float("nan"))
+    with pytest.raises(ValueError, match="NaN"):
+        model.generate([1, 2], 3, temperature=temperature, seed=0)
+
 def test_corrupted_state_file_is_refused(tmp_path):
     model = tiny("linear")
     _, state = model.generate([1, 2, 3], 2, temperature=0)

@@ -5,6 +5,7 @@ and non-finite weights each get one line naming the field or file."""
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -141,6 +142,22 @@ def test_broken_files_are_named(tmp_path):
     with pytest.raises(ValueError, match=r"config\.json: must hold a JSON object"):
         from_pretrained(folder)
 
+
+
+@pytest.mark.parametrize("shard", ["../outside.safetensors", "ABSOLUTE", "sub/../../outside.safetensors", 7])
+def test_a_shard_name_leaving_the_folder_is_refused(tmp_path, shard):
+    """The index is data from whoever published the folder: a shard named ../x or /x would open a file outside
+    it (here a readable safetensors file, so nothing else stops the load)."""
+    _, folder = _hf_mamba(tmp_path, falcon="mamba2")
+    outside = tmp_path / "outside.safetensors"
+    outside.write_bytes((folder / "model.safetensors").read_bytes())
+    (folder / "sub").mkdir()
+    (folder / "model.safetensors").unlink()
+    shard = str(outside) if shard == "ABSOLUTE" else shard
+    names = load_file(str(outside))
+    (folder / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {n: shard for n in names}}))
+    with pytest.raises(ValueError, match=r"model\.safetensors\.index\.json: .*shard " + re.escape(repr(shard))):
+        from_pretrained(folder)
 
 def load_file_from_bytes(data: bytes, tmp_path):
     f = tmp_path / "whole.safetensors"

@@ -408,3 +408,18 @@ def test_cli_refuses_bad_serve_arguments(tmp_path, capsys):
     assert "max_queue" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main(["serve", "--model", str(path), "--state-cache-mb", "-5"])
+
+
+def test_streamed_logprobs_carry_the_text_offsets_of_the_plain_response(hybrid):
+    """Each streamed chunk's text_offset is where its token starts in the completion text (it was 0 for every
+    token: each chunk was rendered alone), the same offsets as the non-streamed response to the same request."""
+    server = hybrid[0]
+    client = server.client(KEY)
+    req = {"model": "hybrid", "prompt": "w7 w8 w9", "max_tokens": 6, "temperature": 0, "logprobs": 1}
+    plain = client.completions.create(**req).choices[0]
+    chunks = [ch.choices[0] for ch in client.completions.create(**req, stream=True) if ch.choices]
+    with_lp = [i for i, c in enumerate(chunks) if c.logprobs is not None and c.logprobs.tokens]
+    offsets = [o for i in with_lp for o in chunks[i].logprobs.text_offset]
+    assert offsets == plain.logprobs.text_offset
+    assert offsets == [len("".join(c.text for c in chunks[:i])) for i in with_lp]
+    assert len(set(offsets)) > 1                                   # the test means something: tokens have text

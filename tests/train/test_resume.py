@@ -11,7 +11,7 @@ import torch
 from subquad.cli import main
 from subquad.models import LanguageModel, ModelConfig
 from subquad.train import CheckpointError, TrainConfig, Trainer, TrainingDiverged, load_checkpoint
-from subquad.train.checkpoint import find_checkpoint, save_checkpoint
+from subquad.train.checkpoint import find_checkpoint, save_checkpoint, verify_checkpoint
 from subquad.train.trainer import _is_comm_failure, read_metrics
 
 
@@ -177,6 +177,33 @@ def test_pruning_never_deletes_the_checkpoint_just_written(tmp_path):
     path = save_checkpoint(tmp_path, 5, m, opt, {}, keep=2)
     assert path.exists() and (tmp_path / "ckpt" / "latest").read_text().strip() == "step_0000005"
 
+
+
+def test_a_symlinked_step_folder_is_reported_and_never_followed(tmp_path):
+    """ckpt/step_* that is a symlink (into another run, here a newer and intact step) is not this run's
+    checkpoint: resume takes the newest real folder and says why, latest naming it is not followed, loading it
+    by name is refused, and pruning leaves the folder it points to alone."""
+    m = model()
+    opt = torch.optim.AdamW(m.parameters())
+    other = save_checkpoint(tmp_path / "other", 10, m, opt, {})
+    run = tmp_path / "r"
+    save_checkpoint(run, 4, m, opt, {})
+    link = run / "ckpt" / "step_0000010"
+    link.symlink_to(other, target_is_directory=True)
+    said = []
+    assert find_checkpoint(run, said.append).name == "step_0000004" and "symlink" in said[-1]
+    (run / "ckpt" / "latest").write_text("step_0000010\n")
+    assert find_checkpoint(run, said.append).name == "step_0000004" and "symlink" in said[-1]
+    assert load_checkpoint(run)[2]["step"] == 4
+    with pytest.raises(CheckpointError, match="step_0000010 is a symlink"):
+        load_checkpoint(link)
+    save_checkpoint(run, 6, m, opt, {}, keep=1)                      # prunes step 4, not the link's target
+    assert not (run / "ckpt" / "step_0000004").exists() and verify_checkpoint(other)
+    only = tmp_path / "only" / "ckpt"
+    only.mkdir(parents=True)
+    (only / "step_0000010").symlink_to(other, target_is_directory=True)
+    with pytest.raises(CheckpointError, match="step_0000010 is a symlink"):
+        find_checkpoint(only.parent)
 
 def test_meta_is_covered_by_the_checksum(tmp_path):
     run = tmp_path / "r"

@@ -464,6 +464,17 @@ class NonFinite(Exception):
     """A weight holding NaN or inf (raised inside the reader, re-raised as ValueError)."""
 
 
+def _shard_names(index: Path, weight_map: dict) -> list[str]:
+    """The index's shard file names, each a relative path inside its folder: the index is data from whoever
+    published the folder, and "../x" or "/x" would open a file outside it. Checked on the name, not the
+    resolved path: a hub cache's snapshot files are symlinks into its blobs folder, outside the snapshot."""
+    names = set(weight_map.values())
+    for name in names:
+        if not isinstance(name, str) or not name or Path(name).is_absolute() or ".." in Path(name).parts:
+            raise ValueError(f"{index}: the shard {name!r} is not a file name inside {index.parent}; refusing it")
+    return sorted(names)
+
+
 def read_weights(path, mapped=()) -> dict:
     """Every tensor of the folder's safetensors file(s), by name; those named in ``mapped`` as views of a
     memory map of their file (``tensorfile.read_safetensors``). A missing shard, a file safetensors cannot
@@ -474,7 +485,7 @@ def read_weights(path, mapped=()) -> dict:
         weight_map = read_file_json(index, " (the shard index)").get("weight_map")
         if not isinstance(weight_map, dict) or not weight_map:
             raise ValueError(f"{index}: must map tensor names to shard files under 'weight_map'")
-        files = sorted(set(weight_map.values()))
+        files = _shard_names(index, weight_map)
     elif (path / "model.safetensors").exists():
         files = ["model.safetensors"]
     else:
