@@ -6,7 +6,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.subquad-installed
 
-.PHONY: demo test bench bench-deps clean
+.PHONY: demo test test-quick bench bench-deps clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -19,8 +19,15 @@ demo: $(STAMP)
 
 # SUBQUAD_REQUIRE_REFERENCES=1: the references the extras install (transformers, the openai client, fastapi,
 # uvicorn, rwkv) must import; a test that would skip without one fails (tests/conftest.py).
+# Two test processes (pytest-xdist; one torch thread each), cases handed out as workers free up (worksteal);
+# TEST_WORKERS=0 runs them in this process. test-quick: the cases of tests/quick.txt, a few from every file.
+TEST_WORKERS ?= 2
+PYTEST := SUBQUAD_REQUIRE_REFERENCES=1 $(PY) -m pytest $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist worksteal)
 test: $(STAMP)
-	SUBQUAD_REQUIRE_REFERENCES=1 $(PY) -m pytest
+	$(PYTEST)
+
+test-quick: $(STAMP)
+	$(PYTEST) -m quick -q
 
 # Peers for benchmarks/ only. fast-transformers compiles a C++ extension (~5 min);
 # with nvcc on PATH it would try CUDA, so PATH is cut to a copy without nvcc.
@@ -49,4 +56,4 @@ bench: bench-deps
 	$(PY) benchmarks/bench_pretrained.py
 
 clean:
-	rm -rf $(VENV) runs
+	rm -rf $(VENV) runs .cache

@@ -1,14 +1,21 @@
 import os
+from pathlib import Path
 
 import pytest
 import torch
 from hypothesis import settings
 
-# Bounded property tests: the whole suite must stay well under 10 minutes on 2 cores.
+# Bounded property tests: the whole suite must stay well under 12 minutes on 2 cores.
 settings.register_profile("subquad", max_examples=int(os.environ.get("SUBQUAD_HYPOTHESIS_EXAMPLES", 12)),
                           deadline=None, derandomize=False)
 settings.load_profile("subquad")
-torch.set_num_threads(min(2, torch.get_num_threads()))
+# Under pytest-xdist (`make test` runs `-n 2`) each worker process gets one thread: two processes of two
+# threads on two cores would only fight over them.
+torch.set_num_threads(1 if os.environ.get("PYTEST_XDIST_WORKER") else min(2, torch.get_num_threads()))
+
+# torch.compile's caches (inductor's FX graph and kernel caches) in the repository, not /tmp: the test workers
+# share them, later runs reuse them, `make clean` removes them, and git ignores them (never committed).
+os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(Path(__file__).resolve().parent.parent / ".cache" / "inductor"))
 
 # SUBQUAD_TEST_DEVICE=cuda make test: the whole suite (the float64 three-form battery included) on another
 # device. Tensors made without an explicit device land there, and so do the generators the tests seed
@@ -49,3 +56,26 @@ def corpus(tmp_path, monkeypatch):
     path = tmp_path / "code.py"
     path.write_text("".join(f"def h{i}(z):\n    return z * {i}\n\n" for i in range(400)))
     return path
+
+
+# `make test-quick`: the cases named in tests/quick.txt (a few fast ones from every test file, chosen from a
+# timed run by tests/quick_select.py) carry the `quick` mark. Ids in the list that a collected file no longer
+# has are kept in QUICK_MISSING, which tests/test_quick.py asserts is empty.
+QUICK_LIST = Path(__file__).parent / "quick.txt"
+QUICK_MISSING: list[str] = []
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "quick: the iteration subset listed in tests/quick.txt (make test-quick)")
+
+
+@pytest.hookimpl(tryfirst=True)            # before -m deselects anything
+def pytest_collection_modifyitems(config, items):
+    quick = {ln.strip() for ln in QUICK_LIST.read_text().splitlines() if ln.strip() and not ln.startswith("#")}
+    ids = set()
+    for item in items:
+        ids.add(item.nodeid)
+        if item.nodeid in quick:
+            item.add_marker(pytest.mark.quick)
+    files = {i.split("::")[0] for i in ids}
+    QUICK_MISSING[:] = sorted(q for q in quick if q.split("::")[0] in files and q not in ids)
