@@ -68,41 +68,78 @@ def test_scores_equal_the_hf_backend_and_contexts_are_read_once(tmp_path):
     for task in ("sq_mc", "sq_roll", "sq_gen"):
         a, b = (sorted(r["samples"][task], key=lambda d: d["doc_id"]) for r in (theirs, ours))
         assert len(a) == len(b) == 12
-        for x, y in zip(a, b):
-            for ra, rb in zip(x["resps"], y["resps"]):
+        for x, y in zip(a, b, strict=True):
+            assert x["doc_id"] == y["doc_id"] and len(x["resps"]) == len(y["resps"]) > 0
+            for ra, rb in zip(x["resps"], y["resps"], strict=True):
                 if task == "sq_gen":
                     assert ra == rb
                 else:
                     got, want = rb[0], ra[0]
-                    got, want = (got[0], want[0]) if isinstance(got, (list, tuple)) else (got, want)
+                    if task == "sq_mc":                            # (loglikelihood, is_greedy)
+                        assert bool(got[1]) == bool(want[1]), (task, got, want)
+                        got, want = got[0], want[0]
                     assert abs(float(got) - float(want)) <= 1e-4 * max(1.0, abs(float(want))), (task, got, want)
     assert ours["results"]["sq_mc"]["acc,none"] == theirs["results"]["sq_mc"]["acc,none"]
     assert ours_lm.context_prefills == 12                 # 12 questions, 48 choices: each question read once
 
 
+def _pair(encode, context, continuation):
+    """lm_eval's rule for a causal model, written out here (not SubquadLM's ``_pair``): trailing whitespace of
+    the context goes to the continuation; the continuation's tokens are those context + continuation adds."""
+    assert context
+    n = len(context) - len(context.rstrip())
+    if n:
+        context, continuation = context[:-n], context[-n:] + continuation
+    whole, ctx = encode(context + continuation), encode(context)
+    assert whole[:len(ctx)] == ctx
+    return ctx, whole[len(ctx):]
+
+
 def test_a_subquad_run_and_the_cli(tmp_path, capsys, corpus):
-    """A run trained here: each choice's loglikelihood equals one full forward over context + choice (no state
-    reused there), and `subquad eval --run RUN --tasks` prints the task's table."""
+    """A run trained here: each choice's loglikelihood and greedy flag equal those of one plain full forward
+    over context + choice of the run loaded separately in the test (no state reused, no packing, not
+    SubquadLM's tokenisation), and `subquad eval --run RUN --tasks` prints the task's table."""
     from lm_eval.api.instance import Instance
 
     from subquad.cli import main
+    from subquad.train.run import load_run
 
     run = tmp_path / "run"
     assert main(["train", "--data", str(corpus), "--vocab-size", "300", "--d-model", "32", "--n-layers", "2",
                  "--n-heads", "2", "--context", "32", "--pattern", "gla,softmax", "--steps", "2", "--batch-size", "2",
                  "--out", str(run), "--no-progress"]) == 0
+    model, tok, _ = load_run(run)                            # the test's own copy of the run, beside SubquadLM's
+
+    def encode(s):
+        return tok.encode(s, add_special_tokens=False).ids
+
+    def greedy_text(context, n):                             # n greedy tokens after context, as text
+        ids = encode(context)
+        with torch.no_grad():
+            for _ in range(n):
+                ids.append(int(model(torch.tensor([ids]))[0, -1].argmax()))
+        return tok.decode(ids)[len(tok.decode(encode(context))):]
+
+    pairs = [(q, c) for q in ("def main(", "import os\n", "x = ") for c in (" return", "self)", "\n", " 1")]
+    pairs += [("def main(", greedy_text("def main(", 2)), ("x =", greedy_text("x =", 3))]   # greedy choices too
     lm = SubquadLM(path=str(run), batch_size=3)
-    reqs = [Instance("loglikelihood", {}, (q, c), 0) for q in ("def main(", "import os\n", "x = ")
-            for c in (" return", "self)", "\n", " 1")]
+    reqs = [Instance("loglikelihood", {}, pair, 0) for pair in pairs]
     got = lm.loglikelihood(reqs)
-    assert lm.context_prefills == 3
+    assert lm.context_prefills == 3 and len(got) == len(reqs)     # "x = " and "x =" are one context: "x ="
+    greedy_seen = set()
     with torch.no_grad():
-        for r, (ll, _) in zip(reqs, got):
-            ctx, cont = lm._pair(*r.args)
-            ids = torch.tensor([ctx + cont])
-            logp = torch.log_softmax(lm.model(ids)[0, :-1].double(), -1)
-            want = sum(logp[len(ctx) - 1 + i, t].item() for i, t in enumerate(cont))
-            assert abs(ll - want) <= 1e-4 * max(1.0, abs(want))
+        for (context, continuation), (ll, greedy) in zip(pairs, got, strict=True):
+            ctx, cont = _pair(encode, context, continuation)
+            assert cont
+            logits = model(torch.tensor([ctx + cont]))[0].double()
+            pos = torch.arange(len(ctx) - 1, len(ctx) + len(cont) - 1)    # where each continuation token is predicted
+            target = torch.tensor(cont)
+            want = torch.log_softmax(logits, -1)[pos, target].sum().item()
+            want_greedy = bool((logits[pos].argmax(-1) == target).all())
+            assert abs(ll - want) <= 1e-4 * max(1.0, abs(want)), (context, continuation, ll, want)
+            assert greedy is want_greedy, (context, continuation, greedy)
+            greedy_seen.add(want_greedy)
+    assert greedy_seen == {True, False}                      # both answers of the greedy flag were checked
     tasks = _tasks(tmp_path)
     capsys.readouterr()
     assert main(["eval", "--run", str(run), "--tasks", "sq_mc", "--include-path", str(tasks), "--limit", "4"]) == 0

@@ -146,24 +146,47 @@ def test_from_pretrained_and_the_cli_quantise(tmp_path, capsys):
 
 
 def test_cli_generate_and_eval_take_the_compiled_step_and_int8(tmp_path, capsys):
-    """`subquad generate --compile-decode` prints the eager command's greedy text; `--quantize int8` runs
-    through generate and eval (eval names the precision beside the perplexity)."""
+    """`subquad generate --temperature 0` prints the prompt and then exactly transformers' greedy continuation
+    of the same checkpoint, 12 tokens, eager, with `--compile-decode` and with `--quantize int8` alike;
+    `--quantize int8` also runs through eval (eval names the precision beside the perplexity)."""
     pytest.importorskip("transformers")
     from tokenizers import Tokenizer, models, pre_tokenizers
 
     from subquad.cli import main
+    from subquad.models import from_pretrained
     from tests.models.test_hf import _hf_mamba
 
-    _, folder = _hf_mamba(tmp_path)
+    hf, folder = _hf_mamba(tmp_path)
     tok = Tokenizer(models.WordLevel({f"w{i}": i for i in range(64)}, unk_token="w0"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
     tok.save(str(folder / "tokenizer.json"))
+    # the expected continuation, independently: transformers' own model, a full forward per token, argmax
+    prompt, n_new = "w36 w7 w23", 12          # a prompt whose greedy continuation is not one token repeated
+    ids = tok.encode(prompt).ids
+    margins = []
+    with torch.no_grad():
+        for _ in range(n_new):
+            top = hf(torch.tensor([ids])).logits[0, -1].topk(2)
+            margins.append((top.values[0] - top.values[1]).item())
+            ids.append(top.indices[0].item())
+    expected_ids = ids[3:]
+    assert len(expected_ids) == n_new and len(set(expected_ids)) > 1
+    # int8 moves these logits (|logit| <= ~3.5) by a few hundredths; each greedy choice leads by far more, so
+    # the int8 model must make the same choices (checked, not assumed: the int8 model's own full forward)
+    assert min(margins) > 0.3, margins
+    q, _ = from_pretrained(folder, quantize="int8")
+    assert q.quantized == "int8" and isinstance(q.head, Int8Linear)
+    with torch.no_grad():
+        assert q(torch.tensor([ids[:-1]]))[0, 2:].argmax(-1).tolist() == expected_ids
+    expected = prompt + tok.decode(expected_ids) + "\n"
     outs = []
     for extra in ([], ["--compile-decode"], ["--quantize", "int8"]):
-        assert main(["generate", "--model", str(folder), "--prompt", "w1 w2 w3", "--max-new-tokens", "12",
+        assert main(["generate", "--model", str(folder), "--prompt", prompt, "--max-new-tokens", str(n_new),
                      "--temperature", "0", *extra]) == 0
         outs.append(capsys.readouterr().out)
-    assert outs[1] == outs[0] and outs[2].startswith("w1 w2 w3")
+    for out in outs:
+        assert out == expected
+        assert tok.encode(out[len(prompt):]).ids == expected_ids          # exactly n_new tokens generated
     text = tmp_path / "text.txt"
     text.write_text(" ".join(f"w{(7 * i) % 64}" for i in range(200)))
     assert main(["eval", "--model", str(folder), "--data", str(text), "--quantize", "int8"]) == 0
