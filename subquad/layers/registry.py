@@ -35,6 +35,9 @@ class MixerEntry:
               attention), or None (the layer sizes itself: Mamba)
     own_heads a checkpoint may set the layer's head count apart from the model's (its value heads)
     recall    options the recall sweep gives it (``subquad.bench.recall``: Zoology's short convolution)
+    attention softmax attention (a KV cache over every kept token): in a model with such a layer, the
+              mixers with normalised outputs start with a smaller output projection
+              (``LanguageModel._init_residual_branches``)
     about     one line for listings
     The layer itself declares the rest: its op (called through ``seq.recurrence`` / ``seq.attention``,
     the op's ``Transition`` gives context parallelism), its state layout (``empty_state``) and its FLOPs.
@@ -44,6 +47,7 @@ class MixerEntry:
     heads: str | None = "n_heads"
     own_heads: bool = False
     recall: dict = field(default_factory=dict)
+    attention: bool = False
     about: str = ""
 
     def options(self, d_model: int, n_heads: int) -> dict:
@@ -57,8 +61,9 @@ def _mamba2_sizes(d_model, n_heads):
 CONV = {"conv_size": 4}       # the recall sweep's short convolution before attention-like mixers
 
 MIXERS: dict[str, MixerEntry] = {
-    "softmax": MixerEntry(SoftmaxAttention, heads="n_kv_heads", about="full causal softmax attention (KV cache grows)"),
-    "swa": MixerEntry(SoftmaxAttention, {"window": 64}, heads="n_kv_heads",
+    "softmax": MixerEntry(SoftmaxAttention, heads="n_kv_heads", attention=True,
+                          about="full causal softmax attention (KV cache grows)"),
+    "swa": MixerEntry(SoftmaxAttention, {"window": 64}, heads="n_kv_heads", attention=True,
                       about="sliding-window softmax attention (bounded cache), window 64 unless set"),
     "linear": MixerEntry(LinearAttention, recall=CONV, about="linear attention, elu+1 unless feature_map= is set"),
     "performer": MixerEntry(LinearAttention, {"feature_map": "performer"}, recall=CONV,
@@ -73,7 +78,7 @@ MIXERS: dict[str, MixerEntry] = {
     "gated_deltanet": MixerEntry(GatedDeltaNet, own_heads=True, about="the gated delta rule"),
     "kda": MixerEntry(KimiDeltaAttention, own_heads=True,
                       about="Kimi Delta Attention: the gated delta rule with a decay per key channel"),
-    "mla": MixerEntry(LatentAttention, about="multi-head latent attention (softmax; the cache keeps latents)"),
+    "mla": MixerEntry(LatentAttention, attention=True, about="multi-head latent attention (softmax; the cache keeps latents)"),
     "lightning": MixerEntry(LightningAttention,
                             about="MiniMax's lightning attention: linear attention, fixed decays, gated norm"),
     "gated_conv": MixerEntry(GatedShortConv, heads=None,
