@@ -16,6 +16,7 @@ from subquad.layers.griffin import GriffinRecurrentBlock
 from subquad.layers.kda import KimiDeltaAttention
 from subquad.layers.lightning import LightningAttention
 from subquad.layers.linear_attention import LinearAttention
+from subquad.layers.linformer import Linformer
 from subquad.layers.mamba import Mamba
 from subquad.layers.mamba2 import Mamba2
 from subquad.layers.mla import LatentAttention
@@ -38,6 +39,9 @@ class MixerEntry:
     attention softmax attention (a KV cache over every kept token): in a model with such a layer, the
               mixers with normalised outputs start with a smaller output projection
               (``LanguageModel._init_residual_branches``)
+    encoder_only  the layer has no causal form and no decoding state (Linformer): it is no language model's
+              layer (patterns refuse it) and the battery (``subquad.testing``) runs its whole-sequence checks
+              in place of decoding, packing and the model
     about     one line for listings
     The layer itself declares the rest: its op (called through ``seq.recurrence`` / ``seq.attention``,
     the op's ``Transition`` gives context parallelism), its state layout (``empty_state``) and its FLOPs.
@@ -48,6 +52,7 @@ class MixerEntry:
     own_heads: bool = False
     recall: dict = field(default_factory=dict)
     attention: bool = False
+    encoder_only: bool = False
     about: str = ""
 
     def options(self, d_model: int, n_heads: int) -> dict:
@@ -78,14 +83,22 @@ MIXERS: dict[str, MixerEntry] = {
     "gated_deltanet": MixerEntry(GatedDeltaNet, own_heads=True, about="the gated delta rule"),
     "kda": MixerEntry(KimiDeltaAttention, own_heads=True,
                       about="Kimi Delta Attention: the gated delta rule with a decay per key channel"),
-    "mla": MixerEntry(LatentAttention, attention=True, about="multi-head latent attention (softmax; the cache keeps latents)"),
+    "mla": MixerEntry(LatentAttention, attention=True,
+                      about="multi-head latent attention (softmax; the cache keeps latents)"),
     "lightning": MixerEntry(LightningAttention,
                             about="MiniMax's lightning attention: linear attention, fixed decays, gated norm"),
     "gated_conv": MixerEntry(GatedShortConv, heads=None,
                              about="LFM2's gated short convolution: out(c * conv(b * x)), no recurrence"),
     "rglru": MixerEntry(GriffinRecurrentBlock, about="Griffin's recurrent block (RG-LRU)"),
     "rwkv7": MixerEntry(RWKV7, about="RWKV-7 time mix: the generalised delta rule, token shift, value residual"),
+    "linformer": MixerEntry(Linformer, encoder_only=True,
+                            about="Linformer: softmax attention over keys and values projected along time"),
 }
+
+
+def causal_mixers() -> list[str]:
+    """The names a language model's pattern may use: every entry but the encoder-only ones."""
+    return [name for name, e in MIXERS.items() if not e.encoder_only]
 
 
 def register_mixer(name: str, cls: type, **entry) -> MixerEntry:
