@@ -103,8 +103,8 @@ def causal_mixers() -> list[str]:
 
 def register_mixer(name: str, cls: type, **entry) -> MixerEntry:
     """Add a mechanism to the table: ``register_mixer("tiny_decay", TinyDecay)``. The name is then
-    usable in patterns, ``build_mixer``, ``--mixer-option`` and the generic batteries
-    (``subquad.layers.battery``). ``entry``: ``MixerEntry``'s other fields."""
+    usable in patterns, ``build_mixer``, ``--mixer-option`` and the generic battery
+    (``subquad.testing.check_mixer``). ``entry``: ``MixerEntry``'s other fields."""
     if not isinstance(name, str) or not name.isidentifier():
         raise ValueError(f"a mixer name must be an identifier (it appears in patterns), got {name!r}")
     if name in MIXERS:
