@@ -8,6 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from subquad.layers.registry import causal_mixers
 from subquad.models import LanguageModel, ModelConfig
 
 
@@ -113,13 +114,7 @@ def test_the_table_declares_attention_as_the_old_class_test_found_it():
         assert e.attention == issubclass(e.cls, SoftmaxAttention), name
 
 
-def _decoders():
-    from subquad.layers.registry import MIXERS
-
-    return [n for n, e in MIXERS.items() if not getattr(e, "encoder_only", False)]
-
-
-@pytest.mark.parametrize("name", _decoders())
+@pytest.mark.parametrize("name", causal_mixers())
 def test_every_mixer_gets_the_init_and_blocks_of_the_rule_before_the_table(name, monkeypatch):
     """The init read from the table equals the old class test's, weight for weight, alone and beside
     attention (and the Falcon-H1 block, where the attention is the second mixer: not a hybrid, as before)."""
