@@ -13,6 +13,13 @@ is checked the same way, against simpler computations of the same layer:
     context_parallel (opt-in: spawns processes) two ranks over one sequence equal one process, outputs and
                gradients - the layer reaches across tokens only through ``seq``, so this holds without
                any distributed code in it
+    encoder    (an ``encoder_only`` entry, in place of decode, varlen, model and context_parallel, which
+               need a causal form) the output has the input's shape and each row of a batch equals that
+               row alone (float64), gradients agree with finite differences, and a state, packed
+               sequences or a wrong width are refused with ValueError
+
+Which checks apply is read from the table (``MixerEntry.encoder_only``); ``check_mixer`` runs those and
+returns their names.
 
 Each check raises AssertionError naming the mixer and what differs. The contract tests run it over the
 whole table (tests/test_contract.py); the README's "new mixer" example runs it on its own mixer.
@@ -25,7 +32,9 @@ import inspect
 import torch
 
 F64 = torch.float64
-CHECKS = ("contract", "decode", "varlen", "bf16", "compile", "model")
+CHECKS = ("contract", "decode", "varlen", "bf16", "compile", "model", "encoder")
+CAUSAL = ("decode", "varlen", "model", "context_parallel")   # need a causal form: not for an encoder-only entry
+ENCODER = ("encoder",)                                      # an encoder-only entry's, in their place
 LENGTHS = [5, 1, 9, 3]
 
 
@@ -157,6 +166,26 @@ def check_model(name, d_model=16, n_heads=2, options=None):
     assert [len(o) for o in outs] == [4, 4], f"{name}: generation in a hybrid model"
 
 
+def check_encoder(name, d_model=16, n_heads=2, options=None, T=7):
+    layer = _layer(name, d_model, n_heads, options or {})
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(3, T, d_model, generator=g, dtype=F64)
+    y, state = layer(x)
+    assert y.shape == x.shape and y.dtype == F64, f"{name}: output {tuple(y.shape)} {y.dtype} for input {tuple(x.shape)}"
+    assert state is None, f"{name}: an encoder-only layer gives no decoding state"
+    rows = torch.cat([layer(x[b:b + 1])[0] for b in range(x.shape[0])])
+    torch.testing.assert_close(y, rows, rtol=0, atol=1e-12, msg=lambda m: f"{name}: a batch != its rows alone: {m}")
+    small = x[:1, :3].clone().requires_grad_(True)
+    assert torch.autograd.gradcheck(lambda t: layer(t)[0], (small,), eps=1e-6, atol=1e-7), f"{name}: gradients"
+    for what, bad, kwargs in (("a state", x, {"state": {}}), ("a wrong width", x[..., :-1], {}),
+                              ("packed sequences", x[:1], {"cu_seqlens": torch.tensor([0, 3, T], dtype=torch.int32)})):
+        try:
+            layer(bad, **kwargs)
+        except ValueError:
+            continue
+        raise AssertionError(f"{name}: {what} was not refused with ValueError")
+
+
 def _cp_worker(rank, world, name, cls, entry, d_model, n_heads, options, x, w):
     from subquad.distributed import context_parallel, zigzag_shard
     from subquad.layers.registry import MIXERS, register_mixer
@@ -201,13 +230,15 @@ def check_context_parallel(name, d_model=16, n_heads=2, options=None, world=2, T
 
 
 _CHECKS = {"contract": check_contract, "decode": check_decode, "varlen": check_varlen, "bf16": check_bf16,
-           "compile": check_compile, "model": check_model, "context_parallel": check_context_parallel}
+           "compile": check_compile, "model": check_model, "context_parallel": check_context_parallel,
+           "encoder": check_encoder}
 
 
 def check_mixer(name: str, *, d_model: int = 16, n_heads: int = 2, options: dict | None = None,
                 checks=CHECKS, context_parallel: bool = False) -> list[str]:
     """Run the battery (``checks``, plus ``context_parallel``) on mixer ``name`` of the table with
-    ``options``; returns the checks passed, raises AssertionError at the first that fails."""
+    ``options``, the checks that apply to it (an ``encoder_only`` entry: not ``CAUSAL``; any other: not
+    ``ENCODER``); returns the checks passed, raises AssertionError at the first that fails."""
     from subquad.layers.registry import MIXERS
 
     if name not in MIXERS:
@@ -216,11 +247,14 @@ def check_mixer(name: str, *, d_model: int = 16, n_heads: int = 2, options: dict
     for c in todo:
         if c not in _CHECKS:
             raise ValueError(f"unknown check {c!r}; known: {', '.join(_CHECKS)}")
+    skip = CAUSAL if MIXERS[name].encoder_only else ENCODER
+    todo = [c for c in todo if c not in skip]
+    for c in todo:
         _CHECKS[c](name, d_model, n_heads, options)
     return todo
 
 
-__all__ = ["check_mixer", "CHECKS"]
+__all__ = ["check_mixer", "CHECKS", "CAUSAL", "ENCODER"]
 
 
 def random_rwkv7_pth(path, vocab: int, d_model: int, n_layers: int, ranks: dict, mlp: int | None = None,

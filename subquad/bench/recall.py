@@ -63,13 +63,13 @@ MIXERS = {
 def sweep_rows() -> dict:
     """The sweep's rows: ``MIXERS`` (labelled as in the published results), then every other mechanism of
     the layer table (``subquad.layers.registry``, a registered mixer included) under its own name, with
-    the table's recall options (its short convolution)."""
+    the table's recall options (its short convolution); not the encoder-only ones (no language model)."""
     from subquad.layers.registry import MIXERS as TABLE
 
     rows = dict(MIXERS)
     covered = {pattern for pattern, _ in MIXERS.values()}
     for name, entry in TABLE.items():
-        if name not in covered and name not in rows:
+        if name not in covered and name not in rows and not entry.encoder_only:
             rows[name] = (name, {name: dict(entry.recall)} if entry.recall else {})
     return rows
 

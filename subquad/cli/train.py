@@ -126,14 +126,14 @@ def _resume_configs(args):
 
 
 def add_parser(command) -> None:
-    from subquad.layers import MIXERS
+    from subquad.layers.registry import causal_mixers
     from subquad.models import PRESETS
 
     t = command("train", "train a language model from a preset and a layer pattern")
     t.add_argument("--preset", default="micro", choices=list(PRESETS),
                    help="model shape: micro (d_model 128, 4 layers), small, jamba (mamba2*3,softmax,mamba2*4)")
     t.add_argument("--pattern", help=f"mixers per layer, e.g. softmax | 'mamba2*3,softmax,mamba2*4' (default: the "
-                                     f"preset's). Mixers: {', '.join(sorted(MIXERS))}")
+                                     f"preset's). Mixers: {', '.join(sorted(causal_mixers()))}")
     t.add_argument("--d-model", type=positive, help="model width (default: the preset's)")
     t.add_argument("--n-layers", type=positive, help="layers (default: the preset's)")
     t.add_argument("--n-heads", type=positive, help="heads (default: the preset's)")

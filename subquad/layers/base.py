@@ -37,6 +37,7 @@ import torch
 from torch import nn
 
 from subquad.layers import sequence
+from subquad.layers.conv import ShortConv
 from subquad.ops.common.checks import state_dtype
 from subquad.ops.common.chunking import in_pieces
 
@@ -79,7 +80,7 @@ class Mixer(nn.Module):
         exact form computes it - the work any form must do, not what a chunk form spends on top.
         A training step costs 3x (forward, and a backward of twice the work)."""
         weights = sum(m.weight.numel() for m in self.modules()
-                      if isinstance(m, nn.Linear) or type(m).__name__ == "ShortConv")
+                      if isinstance(m, (nn.Linear, ShortConv)))
         return 2.0 * weights + self.mix_flops(T)
 
     def mix_flops(self, T: int) -> float:

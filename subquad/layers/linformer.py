@@ -1,8 +1,8 @@
 """Linformer layer (Wang et al. 2020): softmax attention over keys and values projected to k rows along time.
 
 An encoder layer: ``forward(x)`` sees the whole sequence; there is no causal form
-and no decoding state (``forward(x, state)`` raises). Not in the language-model
-mixer registry for that reason.
+and no decoding state (``forward(x, state)`` raises). In the table of mechanisms
+as ``linformer``, declared ``encoder_only``: language-model patterns refuse it.
 """
 
 from __future__ import annotations
@@ -16,6 +16,8 @@ from subquad.ops.linformer import linformer_attention
 
 class Linformer(Mixer):
     """Linformer: softmax attention over keys and values projected to k rows along time (encoder only).
+
+        o_t = softmax(q_t (E K)^T / sqrt(K)) (F V)       E, F (k, T): every position's keys, future included
 
     Args: d_model; n_heads; max_len (longest sequence the projections cover); k (projected length);
     share_heads; share_kv. State: none - there is no causal or recurrent form, and ``empty_state`` says so.
@@ -33,6 +35,10 @@ class Linformer(Mixer):
         shape = (k, max_len) if share_heads else (n_heads, k, max_len)
         self.E = nn.Parameter(torch.randn(shape) / k ** 0.5)
         self.F = self.E if share_kv else nn.Parameter(torch.randn(shape) / k ** 0.5)
+
+    def mix_flops(self, T: int) -> float:
+        """E K and F V (k rows from T tokens), q K'^T and p V' (k keys per query): 2 k d_model each."""
+        return 8.0 * self.k * self.d_model
 
     def empty_state(self, batch_size, device=None, dtype=torch.float32):
         raise ValueError("Linformer is an encoder mechanism: it has no decoding state")

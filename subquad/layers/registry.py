@@ -16,6 +16,7 @@ from subquad.layers.griffin import GriffinRecurrentBlock
 from subquad.layers.kda import KimiDeltaAttention
 from subquad.layers.lightning import LightningAttention
 from subquad.layers.linear_attention import LinearAttention
+from subquad.layers.linformer import Linformer
 from subquad.layers.mamba import Mamba
 from subquad.layers.mamba2 import Mamba2
 from subquad.layers.mla import LatentAttention
@@ -35,6 +36,12 @@ class MixerEntry:
               attention), or None (the layer sizes itself: Mamba)
     own_heads a checkpoint may set the layer's head count apart from the model's (its value heads)
     recall    options the recall sweep gives it (``subquad.bench.recall``: Zoology's short convolution)
+    attention softmax attention (a KV cache over every kept token): in a model with such a layer, the
+              mixers with normalised outputs start with a smaller output projection
+              (``LanguageModel._init_residual_branches``)
+    encoder_only  the layer has no causal form and no decoding state (Linformer): it is no language model's
+              layer (patterns refuse it) and the battery (``subquad.testing``) runs its whole-sequence checks
+              in place of decoding, packing and the model
     about     one line for listings
     The layer itself declares the rest: its op (called through ``seq.recurrence`` / ``seq.attention``,
     the op's ``Transition`` gives context parallelism), its state layout (``empty_state``) and its FLOPs.
@@ -44,6 +51,8 @@ class MixerEntry:
     heads: str | None = "n_heads"
     own_heads: bool = False
     recall: dict = field(default_factory=dict)
+    attention: bool = False
+    encoder_only: bool = False
     about: str = ""
 
     def options(self, d_model: int, n_heads: int) -> dict:
@@ -57,8 +66,9 @@ def _mamba2_sizes(d_model, n_heads):
 CONV = {"conv_size": 4}       # the recall sweep's short convolution before attention-like mixers
 
 MIXERS: dict[str, MixerEntry] = {
-    "softmax": MixerEntry(SoftmaxAttention, heads="n_kv_heads", about="full causal softmax attention (KV cache grows)"),
-    "swa": MixerEntry(SoftmaxAttention, {"window": 64}, heads="n_kv_heads",
+    "softmax": MixerEntry(SoftmaxAttention, heads="n_kv_heads", attention=True,
+                          about="full causal softmax attention (KV cache grows)"),
+    "swa": MixerEntry(SoftmaxAttention, {"window": 64}, heads="n_kv_heads", attention=True,
                       about="sliding-window softmax attention (bounded cache), window 64 unless set"),
     "linear": MixerEntry(LinearAttention, recall=CONV, about="linear attention, elu+1 unless feature_map= is set"),
     "performer": MixerEntry(LinearAttention, {"feature_map": "performer"}, recall=CONV,
@@ -73,20 +83,28 @@ MIXERS: dict[str, MixerEntry] = {
     "gated_deltanet": MixerEntry(GatedDeltaNet, own_heads=True, about="the gated delta rule"),
     "kda": MixerEntry(KimiDeltaAttention, own_heads=True,
                       about="Kimi Delta Attention: the gated delta rule with a decay per key channel"),
-    "mla": MixerEntry(LatentAttention, about="multi-head latent attention (softmax; the cache keeps latents)"),
+    "mla": MixerEntry(LatentAttention, attention=True,
+                      about="multi-head latent attention (softmax; the cache keeps latents)"),
     "lightning": MixerEntry(LightningAttention,
                             about="MiniMax's lightning attention: linear attention, fixed decays, gated norm"),
     "gated_conv": MixerEntry(GatedShortConv, heads=None,
                              about="LFM2's gated short convolution: out(c * conv(b * x)), no recurrence"),
     "rglru": MixerEntry(GriffinRecurrentBlock, about="Griffin's recurrent block (RG-LRU)"),
     "rwkv7": MixerEntry(RWKV7, about="RWKV-7 time mix: the generalised delta rule, token shift, value residual"),
+    "linformer": MixerEntry(Linformer, encoder_only=True,
+                            about="Linformer: softmax attention over keys and values projected along time"),
 }
+
+
+def causal_mixers() -> list[str]:
+    """The names a language model's pattern may use: every entry but the encoder-only ones."""
+    return [name for name, e in MIXERS.items() if not e.encoder_only]
 
 
 def register_mixer(name: str, cls: type, **entry) -> MixerEntry:
     """Add a mechanism to the table: ``register_mixer("tiny_decay", TinyDecay)``. The name is then
-    usable in patterns, ``build_mixer``, ``--mixer-option`` and the generic batteries
-    (``subquad.layers.battery``). ``entry``: ``MixerEntry``'s other fields."""
+    usable in patterns, ``build_mixer``, ``--mixer-option`` and the generic battery
+    (``subquad.testing.check_mixer``). ``entry``: ``MixerEntry``'s other fields."""
     if not isinstance(name, str) or not name.isidentifier():
         raise ValueError(f"a mixer name must be an identifier (it appears in patterns), got {name!r}")
     if name in MIXERS:

@@ -44,7 +44,7 @@ from dataclasses import dataclass, field
 
 def parse_pattern(pattern: str, n_layers: int) -> list[str]:
     """Expand a pattern into one mixer name per layer; ValueError with the reason otherwise."""
-    from subquad.layers import MIXERS
+    from subquad.layers.registry import MIXERS, causal_mixers
 
     if not isinstance(pattern, str) or not pattern.strip():
         raise ValueError(f"pattern must be a non-empty string like 'mamba2*3,softmax', got {pattern!r}")
@@ -56,7 +56,11 @@ def parse_pattern(pattern: str, n_layers: int) -> list[str]:
         name, _, count = item.partition("*")
         name = name.strip()
         if name not in MIXERS:
-            raise ValueError(f"pattern {pattern!r}: unknown mixer {name!r}; known: {', '.join(sorted(MIXERS))}")
+            raise ValueError(f"pattern {pattern!r}: unknown mixer {name!r}; "
+                             f"known: {', '.join(sorted(causal_mixers()))}")
+        if MIXERS[name].encoder_only:
+            raise ValueError(f"pattern {pattern!r}: {name} is encoder-only (no causal form, no decoding state), so a "
+                             f"causal language model cannot use it; causal mixers: {', '.join(sorted(causal_mixers()))}")
         if count:
             if not count.strip().isdigit() or int(count) < 1:
                 raise ValueError(f"pattern {pattern!r}: repeat count in {item!r} must be a positive integer")
@@ -137,8 +141,8 @@ class ModelConfig:
                              f"got {self.post_norm!r}")
         self.post_norm = list(self.post_norm)
         if not isinstance(self.parallel, dict) or any(
-                a not in MIXERS or b not in MIXERS or a == b for a, b in self.parallel.items()):
-            raise ValueError(f"parallel must be a dict {{mixer name: another mixer name run beside it}}, "
+                a not in MIXERS or b not in MIXERS or a == b or MIXERS[b].encoder_only for a, b in self.parallel.items()):
+            raise ValueError(f"parallel must be a dict {{mixer name: another (causal) mixer name run beside it}}, "
                              f"got {self.parallel!r}")
         if self.parallel and (self.post_norm or self.scaled_residual is not None):
             raise ValueError("parallel blocks are pre-norm: they take no post_norm or scaled_residual")

@@ -26,8 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from subquad.layers import RMSNorm, build_mixer, sequence, tensor_bytes
-from subquad.layers.attention import SoftmaxAttention
+from subquad.layers import MIXERS, RMSNorm, build_mixer, sequence, tensor_bytes
 from subquad.layers.channel_mix import ChannelMix
 from subquad.layers.mlp import ReLU2MLP, SwiGLU, dense_mlp
 from subquad.models.config import ModelConfig
@@ -281,8 +280,9 @@ class LanguageModel(nn.Module):
         """The projections that write into the residual stream (each mixer's output projection, each MLP's
         down projection and experts) start at N(0, 0.02 / sqrt(branches)), branches = the residual
         additions of the model (GPT-2's rule: the stream's variance at init no longer grows with depth).
-        In a hybrid - a model with attention layers - a mixer that normalises its output before that
-        projection (``normed_output``: Mamba-2, RetNet, GLA, DeltaNet, Gated DeltaNet) writes RMS ~0.2
+        In a hybrid - a model with attention layers (``attention`` in the table of mechanisms; the mixer
+        of each block, not a ``ParallelBlock``'s second one) - a mixer that normalises its output before
+        that projection (``normed_output``: Mamba-2, RetNet, GLA, DeltaNet, Gated DeltaNet) writes RMS ~0.2
         into the stream where attention's value path writes ~0.005 (two N(0, 0.02) projections and an
         average); its projection starts a further ``NORMED_OUTPUT_SCALE`` smaller, so the layers start
         comparable and the normed mixer's output does not swamp the token identities the attention layer
@@ -290,7 +290,7 @@ class LanguageModel(nn.Module):
         down alone only slows its learning."""
         branches = self.config.n_layers * (2 if self.config.mlp else 1)
         std = 0.02 / branches ** 0.5
-        hybrid = any(isinstance(b.mixer, SoftmaxAttention) for b in self.blocks)
+        hybrid = any(MIXERS[b.mixer_name].attention for b in self.blocks)
         with torch.no_grad():
             for block in self.blocks:
                 for mixer in block.mixers():

@@ -92,7 +92,7 @@ for _op, _t in ((linear_attention, Transition("identity", normaliser="normalize"
     declare(_op, _t)
 
 # the recurrent ops under the one contract: op(inputs..., *, mode, chunk_size, scale?, initial_state,
-# output_final_state) -> (o, final_state); tests/ops/test_contract.py checks every signature against it
+# output_final_state) -> (o, final_state); tests/test_contract.py checks every signature against it
 RECURRENT_OPS = ("linear_attention", "retention", "simple_gla", "gla", "ssd", "delta_rule", "gated_delta_rule",
                  "generalized_delta_rule", "selective_scan", "rg_lru")
 OPS = RECURRENT_OPS + ("softmax_attention",)

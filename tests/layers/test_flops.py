@@ -48,7 +48,9 @@ MIX = {
     # the decay (K V), a^T S (2 K V), its rank-one correction b (a^T S)^T (2 K V), the write k v^T and the read
     # r S (2 K V each) per head; plus the value-residual LoRA (64 -> 32 -> 64), which a layer alone - the first
     # RWKV-7 layer of its model - skips but flops_per_token counts, as for every later layer
-    "rwkv7": ({}, lambda T: H * 9 * 32 * 32 + 2 * (2 * 64 * 32)),                   # b * x and c * conv(.): one multiply per channel each
+    "rwkv7": ({}, lambda T: H * 9 * 32 * 32 + 2 * (2 * 64 * 32)),
+    # E K and F V project T keys and values to k rows (k D each), then q K'^T and p V' over k keys (k D each)
+    "linformer": ({"max_len": 64, "k": 16}, lambda T: 8 * 16 * 64),                   # b * x and c * conv(.): one multiply per channel each
 }
 VARIANTS = {                  # options that change the count: GQA, a short convolution, groups, no normaliser
     "softmax-gqa": ("softmax", {"n_kv_heads": 1}, MIX["softmax"][1]),

@@ -10,13 +10,17 @@ from torch import nn
 from subquad.layers.base import Mixer
 from subquad.layers.registry import MIXERS, build_mixer, mixer_options, register_mixer
 from subquad.ops import simple_gla
-from subquad.testing import CHECKS, check_mixer
+from subquad.testing import CAUSAL, CHECKS, ENCODER, check_mixer
 
 
 @pytest.mark.parametrize("check", CHECKS)
 @pytest.mark.parametrize("name", list(MIXERS))
 def test_every_mechanism_passes_the_battery(name, check):
-    check_mixer(name, checks=[check], options={"chunk_size": 4})
+    """Each check that applies to it, as the table declares (an encoder-only one: no decoding, packing or model)."""
+    options = {"chunk_size": 4} if "chunk_size" in mixer_options(name) else {}
+    ran = check_mixer(name, checks=[check], options=options)
+    skipped = CAUSAL if MIXERS[name].encoder_only else ENCODER
+    assert ran == ([] if check in skipped else [check])
 
 
 class Forgetful(Mixer):
@@ -73,3 +77,34 @@ def test_register_refuses_what_the_table_cannot_hold(registered):
         registered("module", nn.Linear)
     with pytest.raises(ValueError, match="unknown check"):
         check_mixer("softmax", checks=["speed"])
+
+
+def test_the_table_not_the_name_says_which_checks_apply(registered):
+    """The same encoder layer under another name: declared encoder-only it passes what applies and skips the
+    causal checks; undeclared, the battery runs them and they fail."""
+    from subquad.layers import Linformer
+
+    registered("encoder_a", Linformer, encoder_only=True)
+    assert check_mixer("encoder_a") == ["contract", "bf16", "compile", "encoder"]
+    registered("encoder_b", Linformer)
+    with pytest.raises(ValueError, match="no decoding state"):
+        check_mixer("encoder_b", checks=["decode"])
+
+
+def test_a_language_model_refuses_an_encoder_only_mixer():
+    from subquad.models import ModelConfig
+
+    for over in ({"pattern": "mamba2,linformer"}, {"pattern": "linformer"}):
+        with pytest.raises(ValueError, match=r"pattern '.*linformer'.*linformer is encoder-only.*causal mixers: "):
+            ModelConfig(vocab_size=32, d_model=16, n_layers=2, n_heads=2, **over)
+    with pytest.raises(ValueError, match="parallel must be"):
+        ModelConfig(vocab_size=32, d_model=16, n_layers=2, n_heads=2, pattern="mamba2",
+                    parallel={"mamba2": "linformer"})
+
+
+def test_every_entry_declares_its_fields():
+    for name, e in MIXERS.items():
+        assert isinstance(e.attention, bool) and isinstance(e.encoder_only, bool), name
+        assert e.heads in ("n_heads", "n_kv_heads", None) and isinstance(e.own_heads, bool), name
+        assert isinstance(e.recall, dict) and e.about, name
+        assert not (e.attention and e.encoder_only), f"{name}: attention is a language model's layer"

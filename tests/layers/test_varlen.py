@@ -7,13 +7,13 @@ import pytest
 import torch
 
 from subquad.layers import build_mixer
-from subquad.layers.registry import MIXERS
+from subquad.layers.registry import causal_mixers
 from subquad.models import LanguageModel, ModelConfig
 
 F64 = torch.float64
 D = 16
 LENGTHS = [5, 1, 9, 3, 12]
-NAMES = [n for n in MIXERS] + ["linear+conv", "retention+conv", "gla+conv"]   # + the short-conv option
+NAMES = causal_mixers() + ["linear+conv", "retention+conv", "gla+conv"]   # + the short-conv option
 
 
 def _layer(name):

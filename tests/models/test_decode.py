@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from subquad.layers import MIXERS
+from subquad.layers.registry import causal_mixers
 from subquad.models import LanguageModel, ModelConfig
 from subquad.models.decode import compile_decode
 
@@ -50,7 +50,7 @@ def every_mixer():
     shrinking batch below takes both; the checkpoint types' MoE variants (shared experts, grouped routing,
     scaled residuals) are test_every_checkpoint_type's."""
     torch.manual_seed(0)
-    names = sorted(MIXERS)
+    names = sorted(causal_mixers())
     cfg = ModelConfig(vocab_size=128, d_model=32, n_layers=len(names), n_heads=2, pattern=",".join(names),
                       context_length=512, moe={"experts": 4, "top_k": 2, "layers": [len(names) // 2]},
                       mixer_options={"swa": {"window": 8}}, pos_emb="learned")

@@ -8,6 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from subquad.layers.registry import causal_mixers
 from subquad.models import LanguageModel, ModelConfig
 
 
@@ -74,3 +75,65 @@ def test_a_hybrids_layers_write_into_the_stream_comparably_at_init(name):
     pure = LanguageModel(ModelConfig(vocab_size=64, d_model=64, n_layers=2, n_heads=2, pattern=name, mlp=False))
     std = pure.blocks[0].mixer.output_projection().weight.std().item()
     assert std == pytest.approx(0.02 / math.sqrt(2), rel=0.1)
+
+
+def _old_init_residual_branches(self):
+    """``LanguageModel._init_residual_branches`` as it read before the table declared ``attention``: a hybrid
+    was found by ``isinstance(block.mixer, SoftmaxAttention)``."""
+    from subquad.layers.attention import SoftmaxAttention
+    from subquad.layers.channel_mix import ChannelMix
+    from subquad.layers.mlp import ReLU2MLP, SwiGLU
+    from subquad.models.lm import NORMED_OUTPUT_SCALE
+    from subquad.models.moe import MoE
+
+    branches = self.config.n_layers * (2 if self.config.mlp else 1)
+    std = 0.02 / branches ** 0.5
+    hybrid = any(isinstance(b.mixer, SoftmaxAttention) for b in self.blocks)
+    with torch.no_grad():
+        for block in self.blocks:
+            for mixer in block.mixers():
+                proj = mixer.output_projection()
+                if proj is not None and not getattr(proj, "keep_init", False):
+                    proj.weight.normal_(0, std * (NORMED_OUTPUT_SCALE if hybrid and mixer.normed_output else 1.0))
+            if isinstance(block.mlp, (SwiGLU, ReLU2MLP)):
+                block.mlp.w_down.weight.normal_(0, std)
+            elif isinstance(block.mlp, ChannelMix):
+                block.mlp.value.weight.normal_(0, std)
+            elif isinstance(block.mlp, MoE):
+                block.mlp.w_down.normal_(0, std)
+                if block.mlp.shared is not None:
+                    block.mlp.shared.w_down.weight.normal_(0, std)
+
+
+def test_the_table_declares_attention_as_the_old_class_test_found_it():
+    from subquad.layers.attention import SoftmaxAttention
+    from subquad.layers.registry import MIXERS
+
+    for name, e in MIXERS.items():
+        assert isinstance(e.attention, bool), f"{name}: attention must be declared True or False"
+        assert e.attention == issubclass(e.cls, SoftmaxAttention), name
+
+
+@pytest.mark.parametrize("name", causal_mixers())
+def test_every_mixer_gets_the_init_and_blocks_of_the_rule_before_the_table(name, monkeypatch):
+    """The init read from the table equals the old class test's, weight for weight, alone and beside
+    attention (and the Falcon-H1 block, where the attention is the second mixer: not a hybrid, as before)."""
+    from subquad.layers.registry import MIXERS
+
+    beside = "mamba2" if MIXERS[name].attention else "softmax"
+    configs = [dict(pattern=name), dict(pattern=f"{name},softmax"), dict(pattern=f"mamba2,{name}"),
+               dict(pattern=name, parallel={name: beside})]
+    for over in configs:
+        cfg = ModelConfig(**{"vocab_size": 32, "d_model": 16, "n_layers": 2, "n_heads": 2, "context_length": 16,
+                             "mixer_options": {"mamba2": {"head_dim": 8, "d_state": 4}}, **over})
+        torch.manual_seed(0)
+        new = LanguageModel(cfg)
+        with monkeypatch.context() as m:
+            m.setattr(LanguageModel, "_init_residual_branches", _old_init_residual_branches)
+            torch.manual_seed(0)
+            old = LanguageModel(cfg)
+        assert [type(b) for b in new.blocks] == [type(b) for b in old.blocks], over
+        a, b = new.state_dict(), old.state_dict()
+        assert list(a) == list(b), over
+        for k in a:
+            assert torch.equal(a[k], b[k]), f"{over}: {k} starts differently"

@@ -14,10 +14,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from subquad.layers import MIXERS
+from subquad.layers.registry import causal_mixers
 from subquad.models import LanguageModel, ModelConfig
 
-NAMES = sorted(MIXERS) + ["linear+conv", "retention+conv", "gla+conv"]     # + the short-convolution option
+NAMES = sorted(causal_mixers()) + ["linear+conv", "retention+conv", "gla+conv"]     # + the short-convolution option
 
 
 def model_and_batch(name, seed=0, probing=False, n_layers=2):

@@ -143,9 +143,33 @@ def test_decode_step_continues_a_chunk_prefill(normalize):
     q, k, v = x["q"], x["k"], x["v"]
     o_full, _ = linear_attention(q, k, v, normalize=normalize)
     _, state = linear_attention(q[:, :20], k[:, :20], v[:, :20], normalize=normalize, output_final_state=True)
-    S, z = (state[0].clone(), state[1].clone()) if normalize else (state.clone(), None)
-    steps = [linear_attention_step(q[:, t], k[:, t], v[:, t], S, z) for t in range(20, 30)]
+    steps = []
+    for t in range(20, 30):
+        o_t, state = linear_attention_step(q[:, t], k[:, t], v[:, t], state)
+        steps.append(o_t)
     assert_close(torch.stack(steps, 1), o_full[:, 20:], 1e-10, "decode steps")
+
+
+@pytest.mark.parametrize("normalize", [False, True])
+def test_a_decode_step_leaves_the_state_passed_in_as_it_was(normalize):
+    """It returns a new state: the one passed in can be stepped again (two samples from one prompt) and gives
+    the same answer. (The step used to add k v^T into S, and k into z, in place.)"""
+    from subquad.ops.linear import linear_attention_step
+
+    x = {n: t.detach() for n, t in make(2, 9, seed=10).items()}
+    q, k, v = x["q"], x["k"], x["v"]
+    _, state = linear_attention(q[:, :8], k[:, :8], v[:, :8], normalize=normalize, output_final_state=True)
+    before = [t.clone() for t in (state if normalize else (state,))]
+    o1, new = linear_attention_step(q[:, 8], k[:, 8], v[:, 8], state)
+    after = state if normalize else (state,)
+    for b, a in zip(before, after):
+        assert torch.equal(a, b), "the state passed in was modified"
+    o2, _ = linear_attention_step(q[:, 8], k[:, 8], v[:, 8], state)
+    assert torch.equal(o1, o2)
+    assert isinstance(new, tuple) == normalize and not any(n is s for n, s in zip(new, state) if normalize)
+    o_full, full = linear_attention(q, k, v, normalize=normalize, output_final_state=True)
+    assert_close(o1, o_full[:, 8], 1e-10, "the step")
+    assert_close(new[0] if normalize else new, full[0] if normalize else full, 1e-10, "the new state")
 
 
 @pytest.mark.parametrize("normalize", [False, True])

@@ -59,3 +59,19 @@ def test_causal_decoding_and_long_inputs_are_refused():
         layer(torch.randn(2, 4, 32), state={})
     with pytest.raises(ValueError, match="exceeds"):
         layer(torch.randn(2, 17, 32))
+
+
+def test_the_layer_in_float64_is_its_formula():
+    """The table's linformer (per-head projections too): o = softmax(q (E K)^T / sqrt(K)) (F V), written out."""
+    for share_heads in (True, False):
+        torch.manual_seed(0)
+        layer = Linformer(16, 2, max_len=12, k=5, share_heads=share_heads).double()
+        x = torch.randn(2, 9, 16, dtype=torch.float64)
+        y, _ = layer(x)
+        B, T, H, K = 2, 9, 2, 8
+        q, k, v = (p(x).view(B, T, H, K).transpose(1, 2) for p in (layer.q_proj, layer.k_proj, layer.v_proj))
+        E, F = (P[..., :T].expand(H, 5, T) for P in (layer.E, layer.F))
+        kp, vp = E @ k, F @ v                                          # (B, H, k, K)
+        o = torch.softmax(q @ kp.transpose(-1, -2) / K ** 0.5, -1) @ vp
+        ref = layer.o_proj(o.transpose(1, 2).reshape(B, T, H * K))
+        assert_close(y, ref, 1e-12, f"linformer layer (share_heads={share_heads}) vs its formula")

@@ -11,7 +11,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from subquad.data import get_batch, prepare
-from subquad.layers import MIXERS
+from subquad.layers.registry import causal_mixers
 from subquad.models import LanguageModel, ModelConfig
 from subquad.train import PeerLost, TrainConfig, Trainer, load_checkpoint, make_mesh, parallelize
 from subquad.train import trainer as trainer_mod
@@ -29,7 +29,7 @@ MOE = {"experts": 4, "top_k": 2, "every": 4, "offset": 1, "aux_loss_coef": 0.0}
 def build(kind: str) -> LanguageModel:
     torch.manual_seed(0)
     if kind == "every":                  # one layer of every mixer and a mixture of experts every 4th layer
-        names = sorted(MIXERS)
+        names = sorted(causal_mixers())
         cfg = ModelConfig(vocab_size=300, d_model=32, n_layers=len(names), n_heads=2, context_length=16,
                           pattern=",".join(names), moe=MOE, mixer_options={"swa": {"window": 8}})
     else:

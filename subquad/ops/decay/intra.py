@@ -12,16 +12,10 @@ from __future__ import annotations
 
 import torch
 
-from subquad.ops.common.chunking import decay_mask
 from subquad.ops.common.expo import exp_decay
 from subquad.ops.common.routes import SPAN
 
 SUB = 16  # sub-chunk of the per-key-dim decay
-
-
-def _intra_scalar(qc, kc, b):
-    """(BH, c, c) decayed causal scores for a scalar decay b (BH, c)."""
-    return (qc @ kc.transpose(1, 2)) * decay_mask(b)
 
 
 def _intra_vector(qc, kc, b):

@@ -50,17 +50,24 @@ def recurrent_linear_attention(q, k, v, *, normalize=True, eps=1e-6, chunk_size=
 
 
 @torch.no_grad()
-def linear_attention_step(q_t, k_t, v_t, S, z=None, *, scale=None, eps=1e-6):
-    """One decoding step, in place: q_t, k_t (B, H, K), v_t (B, H, V); S (B, H, K, V) and z (B, H, K) updated.
+def linear_attention_step(q_t, k_t, v_t, state, *, scale=None, eps=1e-6):
+    """One decoding step: q_t, k_t (B, H, K), v_t (B, H, V); ``state`` S (B, H, K, V), or (S, z (B, H, K))
+    normalised - the state ``linear_attention(..., output_final_state=True)`` returns.
 
-    Returns o_t (B, H, V). The cost is O(K V) whatever the context: the point of a fixed state.
-    Normalised when ``z`` is given. No checks and no autograd: this is the generation hot path.
+    Returns (o_t (B, H, V), the new state, of the same kind); the state passed in is left as it was, so it
+    can be reused (a second sample from one prompt). The cost is O(K V) whatever the context: the point of
+    a fixed state. No checks and no autograd: this is the generation hot path.
+
+        >>> o, state = linear_attention(q, k, v, output_final_state=True)      # prefill
+        >>> o_t, state = linear_attention_step(q_t, k_t, v_t, state)           # then one token at a time
     """
+    S, z = state if isinstance(state, tuple) else (state, None)
     scale = k_t.shape[-1] ** -0.5 if scale is None else scale
     B, H, K, V = S.shape
-    S.view(B * H, K, V).baddbmm_(k_t.reshape(B * H, K, 1), v_t.reshape(B * H, 1, V))   # S += k v^T
-    o = (q_t.unsqueeze(-2) @ S).squeeze(-2).mul_(scale)
-    if z is not None:
-        z.add_(k_t)
-        o.div_((q_t * z).sum(-1, keepdim=True).mul_(scale).add_(eps))
-    return o
+    S = torch.baddbmm(S.reshape(B * H, K, V), k_t.reshape(B * H, K, 1), v_t.reshape(B * H, 1, V)).view(B, H, K, V)
+    o = (q_t.unsqueeze(-2) @ S).squeeze(-2).mul_(scale)                  # S = S + k v^T, a new tensor
+    if z is None:
+        return o, S
+    z = z + k_t
+    o.div_((q_t * z).sum(-1, keepdim=True).mul_(scale).add_(eps))
+    return o, (S, z)

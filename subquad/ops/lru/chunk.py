@@ -1,4 +1,5 @@
-"""The RG-LRU, chunk form: Mamba's "lanes" (``ops/mamba/chunk.py``) for a state as wide as the input.
+"""The RG-LRU, chunk form: the lanes scan (``ops/common/lanes.py``, shared with Mamba's selective scan) for a
+state as wide as the input.
 
 The sequence is cut into n = ceil(T / C) lanes of C tokens, laid out position-major, (B, C, n, H, P), so that one
 position of every lane is one contiguous (B, n, H, P) block; every lane at once:
@@ -16,17 +17,16 @@ C + n (2C + n without a gradient) vectorised steps instead of T.
 
 from __future__ import annotations
 
-import math
-
 import torch
 
 from subquad.ops.common.autograd import wants_grad
 from subquad.ops.common.chunking import token_slice
 from subquad.ops.common.expo import exp_decay
+from subquad.ops.common.lanes import lane_length, pass_states
 
 
 def _lanes_with_grad(ul, gl, a, s):
-    c, n = ul.shape[1], ul.shape[2]
+    c = ul.shape[1]
     h = ul[:, 0]
     local = [h]
     for j in range(1, c):                                                      # 1. every lane from zero
@@ -34,26 +34,18 @@ def _lanes_with_grad(ul, gl, a, s):
         local.append(h)
     local = torch.stack(local, 1)
     G = torch.cumsum(gl, 1)                                                    # log-decay since the lane's start
-    total = exp_decay(G[:, -1])                                                # (B, n, H, P)
-    starts = []
-    for i in range(n):                                                         # 2. state passing between lanes
-        starts.append(s)
-        s = torch.addcmul(local[:, -1, i], total[:, i], s)
-    return torch.addcmul(local, exp_decay(G), torch.stack(starts, 1)[:, None]), s   # 3. from the true starts
+    starts, s = pass_states(local[:, -1], exp_decay(G[:, -1]), s)              # 2. state passing between lanes
+    return torch.addcmul(local, exp_decay(G), starts[:, None]), s              # 3. from the true starts
 
 
 def _lanes_in_place(ul, a, s):
     """The same without autograd; ``ul`` (a fresh buffer) is overwritten with the outputs."""
-    c, n = ul.shape[1], ul.shape[2]
+    c = ul.shape[1]
     h, total = ul[:, 0].clone(), a[:, 0].clone()
     for j in range(1, c):                                                      # 1. lanes' last states, decays
         h.mul_(a[:, j]).add_(ul[:, j])
         total.mul_(a[:, j])
-    starts = torch.empty_like(h)
-    for i in range(n):                                                         # 2. state passing between lanes
-        starts[:, i] = s
-        s = torch.addcmul(h[:, i], total[:, i], s)
-    prev = starts
+    prev, s = pass_states(h, total, s)                                         # 2. state passing between lanes
     for j in range(c):                                                         # 3. positions again, true starts
         prev = ul[:, j].addcmul_(a[:, j], prev)
     return ul, s
@@ -63,7 +55,7 @@ def chunk_lru(u, g, *, chunk_size=64, initial_state=None):
     """Lanes of at most ``chunk_size`` positions; a short sequence uses about sqrt(T) (at least 16): the work
     walks C + T / C vectorised steps, fewest near C = sqrt(T)."""
     B, T, H, P = u.shape
-    c = min(chunk_size, T, max(16, math.isqrt(T - 1) + 1))
+    c = lane_length(T, chunk_size)
     n = -(-T // c)
 
     def lanes(t):   # (B, c, n, H, P), a fresh buffer; the padded tail has g = 0 and u = 0: no decay, no write

@@ -1,4 +1,5 @@
-"""The selective scan, chunk form: "lanes". Without the D skip and the z gate, which the op applies.
+"""The selective scan, chunk form: "lanes" (``ops/common/lanes.py``, shared with the RG-LRU's chunk form).
+Without the D skip and the z gate, which the op applies.
 
 The sequence is cut into n = ceil(T / C) lanes of C tokens, and the work runs over the C positions
 of a lane with every lane at once:
@@ -15,11 +16,10 @@ Every factor is exp of a log-decay <= 0: nothing overflows at dt * A = -50.
 
 from __future__ import annotations
 
-import math
-
 import torch
 
 from subquad.ops.common.chunking import token_slice
+from subquad.ops.common.lanes import lane_length, pass_states
 from subquad.ops.common.precision import autocast_off
 from subquad.ops.common.expo import exp_decay, exp_decay_
 
@@ -39,18 +39,15 @@ def _decay(dtl, A, j, out=None):
 
 def _lane_starts(dtl, dtx, Bl, A, h0):
     """Each lane's true starting state (B, n, Dm, N), the final state, and each lane's total decay."""
-    B, n, c, Dm = dtl.shape
+    B, _, c, Dm = dtl.shape
     h = dtx[:, :, 0, :, None] * Bl[:, :, 0, None, :]                          # 1. every lane from zero
     a = torch.empty_like(h)
     for j in range(1, c):
         h.mul_(_decay(dtl, A, j, a)).addcmul_(dtx[:, :, j, :, None], Bl[:, :, j, None, :])
     total = exp_decay(dtl.sum(2)[..., None] * A)                              # exp(sum_j dt_j A) per lane
-    starts = []
     s = h.new_zeros(B, Dm, A.shape[1]) if h0 is None else h0
-    for i in range(n):                                                        # 2. state passing between lanes
-        starts.append(s)
-        s = total[:, i] * s + h[:, i]
-    return torch.stack(starts, 1), s, total
+    starts, s = pass_states(h, total, s)                                      # 2. state passing between lanes
+    return starts, s, total
 
 
 class _LanesScan(torch.autograd.Function):
@@ -90,7 +87,6 @@ class _LanesScan(torch.autograd.Function):
         c = ctx.c
         T = x.shape[1]
         xl, dtl, Bl, Cl, dyl = _lanes(c, x, dt, B, C, dy if dy is not None else torch.zeros_like(x))
-        n = xl.shape[1]
         dtx = dtl * xl                                                        # (B, n, c, Dm)
         a = torch.empty_like(starts)
         # 1. local reverse scan of every lane from a zero adjoint, carried one step past position 0
@@ -99,13 +95,9 @@ class _LanesScan(torch.autograd.Function):
             g.mul_(_decay(dtl, A, j + 1, a)).addcmul_(dyl[:, :, j, :, None], Cl[:, :, j, None, :])
         g.mul_(_decay(dtl, A, 0, a))
         total = exp_decay(dtl.sum(2)[..., None] * A)
-        # 2. adjoints passed between lanes, right to left: carry[i] flows into lane i's last position
-        carry = [None] * n
+        # 2. adjoints passed between lanes, right to left: carry[:, i] flows into lane i's last position
         s = torch.zeros_like(starts[:, 0]) if dfinal is None else dfinal
-        for i in range(n - 1, -1, -1):
-            carry[i] = s
-            s = total[:, i] * s + g[:, i]
-        dh0 = s
+        carry, dh0 = pass_states(g, total, s, reverse=True)
         del g
         # 3. the positions again, backwards, with h_t recomputed from the starts: a checkpoint before every
         #    segment of ~sqrt(c) positions, then each segment's states (and decays) into reused buffers
@@ -121,7 +113,7 @@ class _LanesScan(torch.autograd.Function):
         hs, decays = starts.new_empty(seg, *starts.shape), starts.new_empty(seg, *starts.shape)
         dC, ddtx, dB, ddt = (torch.empty_like(t) for t in (Cl, dtx, Bl, dtl))
         dA = torch.zeros_like(starts)
-        dh = torch.stack(carry, 1)
+        dh = carry
         for k in reversed(range(len(bounds))):
             j0, j1 = bounds[k], min(bounds[k] + seg, c)
             h = ckpt[k]
@@ -150,6 +142,4 @@ class _LanesScan(torch.autograd.Function):
 def chunk_scan(x, dt, A, B, C, *, chunk_size=64, initial_state=None):
     """Lanes of at most ``chunk_size`` positions; a short sequence uses about sqrt(T) (at least 16), since the
     work walks 2C + T/C vectorised steps (forward) and that is smallest near C = sqrt(T)."""
-    T = x.shape[1]
-    c = min(chunk_size, T, max(16, math.isqrt(T - 1) + 1))
-    return _LanesScan.apply(x, dt, A, B, C, initial_state, c)
+    return _LanesScan.apply(x, dt, A, B, C, initial_state, lane_length(x.shape[1], chunk_size))
