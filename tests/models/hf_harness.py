@@ -1,11 +1,12 @@
 """One harness for every Hugging Face checkpoint type, as ``tests/ops/harness.py`` is for the ops.
 
 A type is a ``Row`` of ``tests/models/test_hf_parity.py``: how to build a tiny random transformers model of it
-(``build(tmp_path, dtype, **over)`` returning the model and the folder it saved), and which variants of the
-skeleton checks it runs - logits equal to transformers' (per dtype, within a tolerance of their largest),
-prefill then one-token decoding equal to the full forward, packed rows equal to separate ones, greedy tokens
-transformers' own, and a ``save_pretrained`` round trip transformers loads. What is the type's alone stays in
-its ``test_hf_<type>.py``; the assertions here are those files' helpers, shared.
+(``build(tmp_path, dtype, **over)`` returning the model and the folder it saved; ``tiny`` is the common
+skeleton), and which variants of the skeleton checks it runs - logits equal to transformers' (per dtype, within
+a tolerance of their largest), prefill then one-token decoding equal to the full forward, packed rows equal to
+separate ones, greedy tokens transformers' own, a ``save_pretrained`` round trip transformers loads, and the
+router loss of a mixture of experts. What is the type's alone stays in its ``test_hf_<type>.py``, with
+``assert_refused`` for the folders it refuses by name.
 """
 
 from __future__ import annotations
@@ -140,8 +141,9 @@ class Row:
     the model loaded for one. ``decode``: the prefill/decode, packed and greedy check runs (on a model built in
     ``decode_dtype``, cast to float64 with ours) and at least ``min_agree`` of the 32 greedy tokens equal
     transformers' ``generate``. ``round_trip``: (id, over) cases saved as ``save_as`` and loaded back by
-    ``Model`` as ``model_type`` (``atol`` from hf's logits, ``ours_atol`` from ours); ``saved(ours, config,
-    over, folder)``: the type's assertions on the folder written. ``hf_logits(hf, ids)``: transformers' logits
+    ``Model`` as ``model_type`` (``atol`` from hf's logits, ``ours_atol`` from ours); ``saved(hf, ours,
+    config, over, folder)``: the type's assertions on the folder written. ``router_loss``: the mixture of experts'
+    load-balancing loss (float64) equals transformers' (1e-6 of it). ``hf_logits(hf, ids)``: transformers' logits
     where its ``forward(ids).logits`` is not what to compare with.
     """
 
@@ -162,6 +164,7 @@ class Row:
     atol: float = 1e-5
     ours_atol: float = 0.0
     saved: Callable | None = None
+    router_loss: bool = False
     marks: tuple = field(default=())
 
     def ids(self):
@@ -213,4 +216,30 @@ def check_round_trip(row, case, tmp_path):
     assert_round_trip(hf, ours, row.Model, back, row.ids(), row.model_type or row.id, row.atol, row.ours_atol,
                       row.save_as)
     if row.saved is not None:
-        row.saved(ours, json.loads((back / "config.json").read_text()), over, back)
+        row.saved(hf, ours, json.loads((back / "config.json").read_text()), over, back)
+
+
+def check_router_loss(row, tmp_path):
+    from subquad.models.hf import from_pretrained
+
+    hf, folder = row.build(tmp_path, torch.float64)
+    ours, _ = from_pretrained(folder, dtype=torch.float64)
+    with torch.no_grad():
+        want = hf(row.ids(), output_router_logits=True).aux_loss
+        ours(row.ids())
+    torch.testing.assert_close(ours.aux_loss(), want.to(torch.float64), rtol=1e-6, atol=0)
+
+
+def assert_refused(folder, match, config=None, weights=None):
+    """With ``config`` (a dict) as its config.json and ``weights`` as its model.safetensors, where given,
+    ``from_pretrained(folder)`` raises a ValueError that matches ``match``."""
+    from subquad.models.hf import from_pretrained
+
+    if config is not None:
+        (folder / "config.json").write_text(json.dumps(config))
+    if weights is not None:
+        from safetensors.torch import save_file
+
+        save_file(weights, str(folder / "model.safetensors"))
+    with pytest.raises(ValueError, match=match):
+        from_pretrained(folder)
