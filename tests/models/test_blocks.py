@@ -59,7 +59,7 @@ def test_each_block_computes_its_scheme(scheme):
 def test_a_parallel_block_decodes_packs_and_refuses_what_it_cannot_hold():
     """Mamba-2 beside attention (Falcon-H1's block): one state dict holding both mixers' entries; prefill then
     token-by-token decoding, and a packed row, equal the full forward."""
-    from tests.models.test_hf import assert_packed_equals_separate, assert_prefill_then_decode_equals_forward
+    from tests.models.hf_harness import assert_packed_equals_separate, assert_prefill_then_decode_equals_forward
 
     model = _model(pattern="mamba2", parallel={"mamba2": "softmax"}).eval()
     assert [type(b) for b in model.blocks] == [ParallelBlock, ParallelBlock]

@@ -13,8 +13,7 @@ import torch
 transformers = pytest.importorskip("transformers")   # the `hf` extra installs it (make test requires it); the library never does
 
 from subquad.models.hf import from_pretrained, save_pretrained  # noqa: E402
-from tests.models.test_hf import (  # noqa: E402
-    assert_logits_equal, assert_packed_equals_separate, assert_prefill_then_decode_equals_forward, greedy_agreement)
+from tests.models.hf_harness import assert_refused, tiny  # noqa: E402
 
 V = 96
 # every multiplier far from 1 and each part of the in-projection its own, so a missed one shows
@@ -25,26 +24,34 @@ MULT = {"embedding_multiplier": 3.0, "lm_head_multiplier": 0.25, "attention_in_m
 
 def _hf(tmp_path, dtype=torch.float32, **over):
     """A tiny random model: 3 layers, attention heads of 24 dims (4 x 24 != 64), a Mamba 96 wide (not 2 x 64)
-    in 6 heads of 16, 2 groups."""
-    torch.manual_seed(0)
-    cfg = transformers.FalconH1Config(**{
+    in 6 heads of 16, 2 groups; non-trivial norms, D, dt and conv biases."""
+    return tiny(tmp_path, "falcon_h1", transformers.FalconH1Config, transformers.FalconH1ForCausalLM, {
         "vocab_size": V, "hidden_size": 64, "intermediate_size": 80, "num_hidden_layers": 3,
         "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 24, "mamba_d_ssm": 96, "mamba_n_heads": 6,
         "mamba_d_state": 16, "mamba_n_groups": 2, "mamba_chunk_size": 16, "rope_parameters": {
             "rope_type": "default", "rope_theta": 5000.0},
-        "bos_token_id": None, "eos_token_id": None, "pad_token_id": None, **MULT, **over})
-    model = transformers.FalconH1ForCausalLM(cfg).to(dtype).eval()
-    with torch.no_grad():                                  # non-trivial norms, D, dt and conv biases
-        for name, p in model.named_parameters():
-            if name.endswith(("norm.weight", "layernorm.weight", ".D", "conv1d.bias", "dt_bias")):
-                p.add_(torch.randn_like(p) * 0.3)
-    folder = tmp_path / "falcon_h1"
-    model.save_pretrained(folder)
-    return model, folder
+        "bos_token_id": None, "eos_token_id": None, "pad_token_id": None, **MULT, **over},
+        dtype, ("norm.weight", "layernorm.weight", ".D", "conv1d.bias", "dt_bias"))
 
 
 def _ids(T=50):
     return torch.randint(0, V, (2, T), generator=torch.Generator().manual_seed(1))
+
+
+LOGITS = {"untied": {}, "tied-gated-norm": {"tie_word_embeddings": True, "mamba_rms_norm": True,
+                                            "mamba_norm_before_gate": False}}
+ROUND_TRIP = {"untied": {}, "tied": {"tie_word_embeddings": True}}
+
+
+def _loaded(ours, over):
+    """The logits cases of test_hf_parity.py: the gated norm only with the second."""
+    assert (ours.blocks[0].mixer.norm is None) == (not over)
+
+
+def _saved(hf, ours, c, over, folder):
+    """The round trip's folder (test_hf_parity.py): the folded weights written with multipliers of 1."""
+    assert c["embedding_multiplier"] == c["key_multiplier"] == 1.0
+    assert c["ssm_multipliers"] == [1.0] * 5 and c["mamba_d_ssm"] == 96
 
 
 def test_the_loaded_structure(tmp_path):
@@ -57,41 +64,6 @@ def test_the_loaded_structure(tmp_path):
     assert set(ours.empty_state(1)[0]) == {"ssm", "conv", "kv"}
 
 
-@pytest.mark.parametrize("over", [{}, {"tie_word_embeddings": True, "mamba_rms_norm": True,
-                                       "mamba_norm_before_gate": False}], ids=["untied", "tied-gated-norm"])
-@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-4), (torch.float64, 1e-6)])
-def test_logits_equal_transformers(tmp_path, over, dtype, tol):
-    hf, folder = _hf(tmp_path, dtype, **over)
-    ours, _ = from_pretrained(folder, dtype=dtype)
-    assert (ours.blocks[0].mixer.norm is None) == (not over)
-    assert_logits_equal(ours, hf, _ids(), dtype, tol)
-
-
-def test_prefill_decode_packed_and_greedy_equal_transformers(tmp_path):
-    hf, folder = _hf(tmp_path, torch.float64)
-    ours, _ = from_pretrained(folder, dtype=torch.float64)
-    ids = _ids()[:1, :20]
-    assert_prefill_then_decode_equals_forward(ours, ids)
-    assert_packed_equals_separate(ours, _ids())
-    assert greedy_agreement(ours, hf, ids, lambda x: hf(x).logits) == 32
-
-
-@pytest.mark.parametrize("over", [{}, {"tie_word_embeddings": True}], ids=["untied", "tied"])
-def test_save_pretrained_round_trip_loads_in_transformers(tmp_path, over):
-    """The folded weights are written with multipliers of 1: transformers' logits, subquad's unchanged."""
-    hf, folder = _hf(tmp_path, **over)
-    ours, _ = from_pretrained(folder)
-    save_pretrained(ours, tmp_path / "back")
-    c = json.loads((tmp_path / "back" / "config.json").read_text())
-    assert c["model_type"] == "falcon_h1" and c["embedding_multiplier"] == c["key_multiplier"] == 1.0
-    assert c["ssm_multipliers"] == [1.0] * 5 and c["mamba_d_ssm"] == 96
-    again = transformers.FalconH1ForCausalLM.from_pretrained(tmp_path / "back").eval()
-    ours2, _ = from_pretrained(tmp_path / "back")
-    with torch.no_grad():
-        torch.testing.assert_close(again(_ids()).logits, hf(_ids()).logits, rtol=0, atol=1e-5)
-        torch.testing.assert_close(ours2(_ids()), ours(_ids()), rtol=0, atol=1e-6)
-
-
 def test_a_falcon_h1_model_is_written_as_no_other_type(tmp_path):
     """Its parallel blocks and its ungated, 96-wide Mamba-2 layers are Falcon-H1's alone."""
     _, folder = _hf(tmp_path)
@@ -102,28 +74,20 @@ def test_a_falcon_h1_model_is_written_as_no_other_type(tmp_path):
 
 
 def test_refusals_name_the_problem(tmp_path):
-    from safetensors.torch import load_file, save_file
+    from safetensors.torch import load_file
 
     _, folder = _hf(tmp_path)
     cfg = json.loads((folder / "config.json").read_text())
     for field, value in (("hidden_act", "gelu"), ("attention_bias", True), ("mlp_bias", True),
                          ("projectors_bias", True), ("mamba_proj_bias", True), ("mamba_n_heads", 5),
                          ("ssm_multipliers", [1.0, 2.0]), ("mlp_multipliers", "1"), ("mamba_rms_norm", 1)):
-        (folder / "config.json").write_text(json.dumps({**cfg, field: value}))
-        with pytest.raises(ValueError, match=field):
-            from_pretrained(folder)
-    (folder / "config.json").write_text(json.dumps({**cfg, "mamba_rms_norm": True, "mamba_norm_before_gate": True}))
-    with pytest.raises(ValueError, match="mamba_norm_before_gate"):
-        from_pretrained(folder)
+        assert_refused(folder, field, {**cfg, field: value})
+    assert_refused(folder, "mamba_norm_before_gate", {**cfg, "mamba_rms_norm": True, "mamba_norm_before_gate": True})
     for rope, why in (({"rope_type": "yarn", "factor": 2.0, "rope_theta": 1e4}, "rope_type"),
                       ({"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5},
                        "partial_rotary_factor")):
-        (folder / "config.json").write_text(json.dumps({**cfg, "rope_parameters": rope}))
-        with pytest.raises(ValueError, match=why):
-            from_pretrained(folder)
+        assert_refused(folder, why, {**cfg, "rope_parameters": rope})
     (folder / "config.json").write_text(json.dumps(cfg))
     w = load_file(str(folder / "model.safetensors"))
     del w["model.layers.2.self_attn.k_proj.weight"]
-    save_file(w, str(folder / "model.safetensors"))
-    with pytest.raises(ValueError, match="missing.*layers.2.self_attn.k_proj"):
-        from_pretrained(folder)
+    assert_refused(folder, "missing.*layers.2.self_attn.k_proj", weights=w)

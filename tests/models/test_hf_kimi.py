@@ -6,6 +6,7 @@ save_pretrained, and bad folders are refused by name."""
 from __future__ import annotations
 
 import json
+from functools import partial
 
 import pytest
 import torch
@@ -13,38 +14,29 @@ import torch
 transformers = pytest.importorskip("transformers")   # the `hf` extra installs it (make test requires it); the library never does
 
 from subquad.models.hf import from_pretrained  # noqa: E402
-from tests.models.test_hf import (  # noqa: E402
-    assert_logits_equal, assert_packed_equals_separate, assert_prefill_then_decode_equals_forward, assert_round_trip,
-    greedy_agreement)
+from tests.models.hf_harness import assert_refused, buffers_by, tiny  # noqa: E402
 
 V = 96
 
 
 def _hf(tmp_path, dtype=torch.float32, **over):
-    """Two KDA and two MLA layers, a dense MLP first then MoE layers (8 experts in 2 groups)."""
-    torch.manual_seed(0)
-    cfg = transformers.KimiLinearConfig(**{
+    """Two KDA and two MLA layers, a dense MLP first then MoE layers (8 experts in 2 groups); non-trivial norms,
+    time steps and routing bias."""
+    return tiny(tmp_path, "kimi", transformers.KimiLinearConfig, transformers.KimiLinearForCausalLM, {
         "vocab_size": V, "hidden_size": 64, "intermediate_size": 96, "moe_intermediate_size": 32,
         "num_hidden_layers": 4, "num_attention_heads": 4, "kv_lora_rank": 16, "qk_rope_head_dim": 8,
         "qk_nope_head_dim": 16, "v_head_dim": 12, "num_local_experts": 8, "num_experts_per_tok": 2, "n_group": 2,
         "topk_group": 1, "linear_head_dim": 16, "linear_num_heads": 4, "pad_token_id": None, "bos_token_id": None,
-        "eos_token_id": None, "layer_types": ["linear_attention", "full_attention"] * 2, **over})
-    cfg._experts_implementation = "eager"                  # its grouped-matmul default has no float64
-    model = transformers.KimiLinearForCausalLM(cfg).to(dtype).eval()
-    with torch.no_grad():                                  # non-trivial norms, time steps and routing bias
-        for name, p in model.named_parameters():
-            if name.endswith(("norm.weight", "layernorm.weight", "dt_bias")):
-                p.add_(torch.randn_like(p) * 0.3)
-        for name, b in model.named_buffers():
-            if name.endswith("e_score_correction_bias"):
-                b.add_(torch.randn_like(b) * 0.1)
-    folder = tmp_path / "kimi"
-    model.save_pretrained(folder)
-    return model, folder
+        "eos_token_id": None, "layer_types": ["linear_attention", "full_attention"] * 2, **over},
+        dtype, ("norm.weight", "layernorm.weight", "dt_bias"), eager=True,
+        tweak=partial(buffers_by, "e_score_correction_bias", lambda b: b.add_(torch.randn_like(b) * 0.1)))
 
 
 def _ids(T=50):
     return torch.randint(0, V, (2, T), generator=torch.Generator().manual_seed(1))
+
+
+LOGITS = {"q-full": {}, "q-low-rank": {"q_lora_rank": 24}}
 
 
 def test_the_loaded_structure_and_its_latent_cache(tmp_path):
@@ -57,29 +49,6 @@ def test_the_loaded_structure_and_its_latent_cache(tmp_path):
     with torch.no_grad():
         _, state = ours.prefill(_ids()[:1, :10])
     assert state[1]["kv"].k.shape == (1, 10, 1, 16) and state[1]["kv"].v.shape == (1, 10, 1, 8)   # latents
-
-
-@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-4), (torch.float64, 1e-6)])
-@pytest.mark.parametrize("over", [{}, {"q_lora_rank": 24}], ids=["q-full", "q-low-rank"])
-def test_logits_equal_transformers(tmp_path, dtype, tol, over):
-    hf, folder = _hf(tmp_path, dtype, **over)
-    ours, _ = from_pretrained(folder, dtype=dtype)
-    assert_logits_equal(ours, hf, _ids(), dtype, tol)
-
-
-def test_prefill_decode_packed_and_greedy_equal_transformers(tmp_path):
-    hf, folder = _hf(tmp_path, torch.float64)
-    ours, _ = from_pretrained(folder, dtype=torch.float64)
-    ids = _ids()[:1, :20]
-    assert_prefill_then_decode_equals_forward(ours, ids)
-    assert_packed_equals_separate(ours, _ids())
-    assert greedy_agreement(ours, hf, ids, lambda x: hf(x).logits) == 32
-
-
-def test_save_pretrained_round_trip_loads_in_transformers(tmp_path):
-    hf, folder = _hf(tmp_path)
-    ours, _ = from_pretrained(folder)
-    assert_round_trip(hf, ours, transformers.KimiLinearForCausalLM, tmp_path / "back", _ids(), "kimi_linear")
 
 
 def test_released_checkpoint_config_layout(tmp_path):
@@ -100,21 +69,17 @@ def test_released_checkpoint_config_layout(tmp_path):
 
 
 def test_refusals_name_the_problem(tmp_path):
-    from safetensors.torch import load_file, save_file
+    from safetensors.torch import load_file
 
     _, folder = _hf(tmp_path)
     cfg = json.loads((folder / "config.json").read_text())
     for field, value in (("hidden_act", "gelu"), ("attention_bias", True), ("layer_types", ["kda"] * 4),
                          ("mlp_layer_types", ["dense", "moe", "sparse", "sparse"])):
-        (folder / "config.json").write_text(json.dumps({**cfg, field: value}))
-        with pytest.raises(ValueError, match=field):
-            from_pretrained(folder)
+        assert_refused(folder, field, {**cfg, field: value})
     (folder / "config.json").write_text(json.dumps(cfg))
     w = load_file(str(folder / "model.safetensors"))
     del w["model.layers.2.block_sparse_moe.gate.e_score_correction_bias"]
-    save_file(w, str(folder / "model.safetensors"))
-    with pytest.raises(ValueError, match="missing.*layers.2.mlp.gate.e_score_correction_bias"):
-        from_pretrained(folder)
+    assert_refused(folder, "missing.*layers.2.mlp.gate.e_score_correction_bias", weights=w)
 
 
 def test_cli_generates_transformers_tokens_from_a_kimi_folder(tmp_path, capsys):

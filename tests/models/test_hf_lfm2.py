@@ -12,9 +12,7 @@ import torch
 transformers = pytest.importorskip("transformers")   # the `hf` extra installs it (make test requires it); the library never does
 
 from subquad.models.hf import from_pretrained, save_pretrained  # noqa: E402
-from tests.models.test_hf import (  # noqa: E402
-    assert_logits_equal, assert_packed_equals_separate, assert_prefill_then_decode_equals_forward, assert_round_trip,
-    greedy_agreement)
+from tests.models.hf_harness import assert_logits_equal, assert_refused, tiny  # noqa: E402
 
 V = 96
 TYPES = ["conv", "full_attention", "conv", "conv"]
@@ -22,25 +20,31 @@ TYPES = ["conv", "full_attention", "conv", "conv"]
 
 def _hf(tmp_path, dtype=torch.float32, **over):
     """A tiny random model: conv, attention, conv, conv; the MLP width adjusted as the released configs do
-    (2/3 of 120, rounded up to a multiple of 24: 96)."""
-    torch.manual_seed(0)
-    cfg = transformers.Lfm2Config(**{
+    (2/3 of 120, rounded up to a multiple of 24: 96); non-trivial norms and biases."""
+    return tiny(tmp_path, "lfm2", transformers.Lfm2Config, transformers.Lfm2ForCausalLM, {
         "vocab_size": V, "hidden_size": 64, "intermediate_size": 120, "block_multiple_of": 24,
         "block_ffn_dim_multiplier": 1.1, "num_hidden_layers": 4, "num_attention_heads": 4,
         "num_key_value_heads": 2, "layer_types": TYPES, "tie_word_embeddings": False,
-        "bos_token_id": None, "eos_token_id": None, "pad_token_id": None, **over})
-    model = transformers.Lfm2ForCausalLM(cfg).to(dtype).eval()
-    with torch.no_grad():                                  # non-trivial norms and biases
-        for name, p in model.named_parameters():
-            if name.endswith(("norm.weight", "layernorm.weight", "bias")):
-                p.add_(torch.randn_like(p) * 0.3)
-    folder = tmp_path / "lfm2"
-    model.save_pretrained(folder)
-    return model, folder
+        "bos_token_id": None, "eos_token_id": None, "pad_token_id": None, **over},
+        dtype, ("norm.weight", "layernorm.weight", "bias"))
 
 
 def _ids(T=50):
     return torch.randint(0, V, (2, T), generator=torch.Generator().manual_seed(1))
+
+
+LOGITS = {"plain": {}, "bias-conv4-tied": {"conv_bias": True, "conv_L_cache": 4, "tie_word_embeddings": True}}
+ROUND_TRIP = {"conv-bias": {"conv_bias": True}}
+
+
+def _loaded(ours, over):
+    """The logits cases of test_hf_parity.py: the head tied only with the second."""
+    assert ours.config.tie_embeddings == bool(over)
+
+
+def _saved(hf, ours, c, over, folder):
+    """The round trip's folder (test_hf_parity.py): the adjusted MLP width, written as adjusted."""
+    assert c["intermediate_size"] == 96 and c["block_auto_adjust_ff_dim"] is False and c["layer_types"] == TYPES
 
 
 def test_the_loaded_structure(tmp_path):
@@ -50,33 +54,6 @@ def test_the_loaded_structure(tmp_path):
     assert ours.config.mlp_hidden == 96 and ours.blocks[0].mixer.conv.kernel_size == 3
     attn = ours.blocks[1].mixer
     assert attn.qk_norm == "head" and attn.rotary_base == 1e6 and attn.n_kv_heads == 2
-
-
-@pytest.mark.parametrize("over", [{}, {"conv_bias": True, "conv_L_cache": 4, "tie_word_embeddings": True}],
-                         ids=["plain", "bias-conv4-tied"])
-@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-4), (torch.float64, 1e-6)])
-def test_logits_equal_transformers(tmp_path, over, dtype, tol):
-    hf, folder = _hf(tmp_path, dtype, **over)
-    ours, _ = from_pretrained(folder, dtype=dtype)
-    assert ours.config.tie_embeddings == bool(over)
-    assert_logits_equal(ours, hf, _ids(), dtype, tol)
-
-
-def test_prefill_decode_packed_and_greedy_equal_transformers(tmp_path):
-    hf, folder = _hf(tmp_path, torch.float64)
-    ours, _ = from_pretrained(folder, dtype=torch.float64)
-    ids = _ids()[:1, :20]
-    assert_prefill_then_decode_equals_forward(ours, ids)
-    assert_packed_equals_separate(ours, _ids())
-    assert greedy_agreement(ours, hf, ids, lambda x: hf(x).logits) == 32
-
-
-def test_save_pretrained_round_trip_loads_in_transformers(tmp_path):
-    hf, folder = _hf(tmp_path, conv_bias=True)
-    ours, _ = from_pretrained(folder)
-    assert_round_trip(hf, ours, transformers.Lfm2ForCausalLM, tmp_path / "back", _ids(), "lfm2")
-    c = json.loads((tmp_path / "back" / "config.json").read_text())
-    assert c["intermediate_size"] == 96 and c["block_auto_adjust_ff_dim"] is False and c["layer_types"] == TYPES
 
 
 def test_a_model_built_here_saves_as_lfm2(tmp_path):
@@ -108,24 +85,18 @@ def test_legacy_fields_read_as_transformers_reads_them(tmp_path):
 
 
 def test_refusals_name_the_problem(tmp_path):
-    from safetensors.torch import load_file, save_file
+    from safetensors.torch import load_file
 
     _, folder = _hf(tmp_path)
     cfg = json.loads((folder / "config.json").read_text())
     for field, value in (("layer_types", ["conv", "sliding_attention", "conv", "conv"]), ("conv_L_cache", "3"),
                          ("block_auto_adjust_ff_dim", 1), ("conv_bias", "no")):
-        (folder / "config.json").write_text(json.dumps({**cfg, field: value}))
-        with pytest.raises(ValueError, match=field):
-            from_pretrained(folder)
+        assert_refused(folder, field, {**cfg, field: value})
     for rope, why in (({"rope_type": "yarn", "factor": 2.0, "rope_theta": 1e6}, "rope_type"),
                       ({"rope_type": "default", "rope_theta": 1e6, "partial_rotary_factor": 0.5},
                        "partial_rotary_factor")):
-        (folder / "config.json").write_text(json.dumps({**cfg, "rope_parameters": rope}))
-        with pytest.raises(ValueError, match=why):
-            from_pretrained(folder)
+        assert_refused(folder, why, {**cfg, "rope_parameters": rope})
     (folder / "config.json").write_text(json.dumps(cfg))
     w = load_file(str(folder / "model.safetensors"))
     del w["model.layers.2.conv.in_proj.weight"]
-    save_file(w, str(folder / "model.safetensors"))
-    with pytest.raises(ValueError, match="missing.*layers.2.conv.in_proj"):
-        from_pretrained(folder)
+    assert_refused(folder, "missing.*layers.2.conv.in_proj", weights=w)

@@ -5,6 +5,7 @@ transformers models give transformers' logits and greedy tokens and come back th
 from __future__ import annotations
 
 import json
+from functools import partial
 
 import pytest
 import torch
@@ -12,38 +13,34 @@ import torch
 transformers = pytest.importorskip("transformers")   # the `hf` extra installs it (make test requires it); the library never does
 
 from subquad.models.hf import from_pretrained  # noqa: E402
-from tests.models.test_hf import (  # noqa: E402
-    assert_logits_equal, assert_packed_equals_separate, assert_prefill_then_decode_equals_forward, assert_round_trip,
-    greedy_agreement)
+from tests.models.hf_harness import assert_refused, buffers_by, tiny  # noqa: E402
 
 V = 96
 
 
 def _hf(tmp_path, dtype=torch.float32, **over):
-    """conv, attention, conv: the first layer's MLP dense, the others 6 experts of which 3 per token."""
-    torch.manual_seed(0)
-    cfg = transformers.Lfm2MoeConfig(**{
+    """conv, attention, conv: the first layer's MLP dense, the others 6 experts of which 3 per token;
+    non-trivial norms and expert biases."""
+    return tiny(tmp_path, "lfm2_moe", transformers.Lfm2MoeConfig, transformers.Lfm2MoeForCausalLM, {
         "vocab_size": V, "hidden_size": 64, "intermediate_size": 80, "moe_intermediate_size": 32,
         "num_hidden_layers": 3, "num_dense_layers": 1, "num_experts": 6, "num_experts_per_tok": 3,
         "routed_scaling_factor": 1.5, "num_attention_heads": 4, "num_key_value_heads": 2,
         "layer_types": ["conv", "full_attention", "conv"], "tie_word_embeddings": False,
-        "bos_token_id": None, "eos_token_id": None, "pad_token_id": None, **over})
-    cfg._experts_implementation = "eager"                  # its grouped-matmul default has no float64
-    model = transformers.Lfm2MoeForCausalLM(cfg).to(dtype).eval()
-    with torch.no_grad():                                  # non-trivial norms and expert biases
-        for name, p in model.named_parameters():
-            if name.endswith(("norm.weight", "layernorm.weight")):
-                p.add_(torch.randn_like(p) * 0.3)
-        for name, b in model.named_buffers():
-            if name.endswith("expert_bias"):
-                b.copy_(torch.randn_like(b) * 0.1)
-    folder = tmp_path / "lfm2_moe"
-    model.save_pretrained(folder)
-    return model, folder
+        "bos_token_id": None, "eos_token_id": None, "pad_token_id": None, **over},
+        dtype, ("norm.weight", "layernorm.weight"), eager=True,
+        tweak=partial(buffers_by, "expert_bias", lambda b: b.copy_(torch.randn_like(b) * 0.1)))
 
 
 def _ids(T=50):
     return torch.randint(0, V, (2, T), generator=torch.Generator().manual_seed(1))
+
+
+LOGITS = {"bias-renorm": {}, "plain": {"use_expert_bias": False, "norm_topk_prob": False}}
+
+
+def _saved(hf, ours, c, over, folder):
+    """The round trip's folder (test_hf_parity.py): the dense layers and the experts as read."""
+    assert c["num_dense_layers"] == 1 and c["num_experts"] == 6 and c["routed_scaling_factor"] == 1.5
 
 
 def test_the_loaded_structure(tmp_path):
@@ -54,37 +51,9 @@ def test_the_loaded_structure(tmp_path):
     assert ours.blocks[1].mlp.score_bias.abs().sum() > 0
 
 
-@pytest.mark.parametrize("over", [{}, {"use_expert_bias": False, "norm_topk_prob": False}],
-                         ids=["bias-renorm", "plain"])
-@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-4), (torch.float64, 1e-6)])
-def test_logits_equal_transformers(tmp_path, over, dtype, tol):
-    hf, folder = _hf(tmp_path, dtype, **over)
-    ours, _ = from_pretrained(folder, dtype=dtype)
-    assert_logits_equal(ours, hf, _ids(), dtype, tol)
-
-
-def test_prefill_decode_packed_and_greedy_equal_transformers(tmp_path):
-    hf, folder = _hf(tmp_path, torch.float64)
-    ours, _ = from_pretrained(folder, dtype=torch.float64)
-    ids = _ids()[:1, :20]
-    assert_prefill_then_decode_equals_forward(ours, ids)
-    assert_packed_equals_separate(ours, _ids())
-    assert greedy_agreement(ours, hf, ids, lambda x: hf(x).logits) == 32
-
-
-def test_save_pretrained_round_trip_loads_in_transformers(tmp_path):
-    hf, folder = _hf(tmp_path)
-    ours, _ = from_pretrained(folder)
-    assert_round_trip(hf, ours, transformers.Lfm2MoeForCausalLM, tmp_path / "back", _ids(), "lfm2_moe")
-    c = json.loads((tmp_path / "back" / "config.json").read_text())
-    assert c["num_dense_layers"] == 1 and c["num_experts"] == 6 and c["routed_scaling_factor"] == 1.5
-
-
 def test_refusals_name_the_problem(tmp_path):
     _, folder = _hf(tmp_path)
     cfg = json.loads((folder / "config.json").read_text())
     for field, value in (("norm_topk_prob", 1), ("use_expert_bias", "yes"), ("routed_scaling_factor", "2"),
                          ("layer_types", ["conv", "moe", "conv"])):
-        (folder / "config.json").write_text(json.dumps({**cfg, field: value}))
-        with pytest.raises(ValueError, match=field):
-            from_pretrained(folder)
+        assert_refused(folder, field, {**cfg, field: value})

@@ -15,9 +15,7 @@ import torch
 transformers = pytest.importorskip("transformers")   # the `hf` extra installs it (make test requires it); the library never does
 
 from subquad.models.hf import from_pretrained, save_pretrained  # noqa: E402
-from tests.models.test_hf import (  # noqa: E402
-    assert_logits_equal, assert_packed_equals_separate, assert_prefill_then_decode_equals_forward, assert_round_trip,
-    greedy_agreement)
+from tests.models.hf_harness import assert_logits_equal, assert_refused, buffers_by, tiny  # noqa: E402
 
 V = 96
 PATTERN = "M-M*-MM-"        # a Mamba layer without an MLP after it, as Nemotron Nano 2's "MM"
@@ -26,32 +24,37 @@ MOE = {"n_routed_experts": 8, "moe_intermediate_size": 32, "moe_shared_expert_in
        "num_experts_per_tok": 3, "n_group": 4, "topk_group": 2, "routed_scaling_factor": 2.5}
 
 
+def _tweak(model):
+    """Routing that depends on the token, and a correction bias of its own."""
+    for name, p in model.named_parameters():
+        if name.endswith("gate.weight"):
+            p.mul_(5)
+    buffers_by("e_score_correction_bias", lambda b: b.add_(torch.randn_like(b) * 0.1), model)
+
+
 def _hf(tmp_path, dtype=torch.float32, **over):
-    """A tiny random model: 8 layers of the pattern, attention with a head_dim of its own (4 x 24 != 64)."""
-    torch.manual_seed(0)
-    cfg = transformers.NemotronHConfig(**{
+    """A tiny random model: 8 layers of the pattern, attention with a head_dim of its own (4 x 24 != 64);
+    non-trivial norms, D, dt, conv biases and routing."""
+    return tiny(tmp_path, "nemotron_h", transformers.NemotronHConfig, transformers.NemotronHForCausalLM, {
         "vocab_size": V, "hidden_size": 64, "intermediate_size": 80, "hybrid_override_pattern": PATTERN,
         "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 24, "mamba_num_heads": 8,
         "mamba_head_dim": 16, "ssm_state_size": 16, "n_groups": 2, "chunk_size": 16,
-        "bos_token_id": None, "eos_token_id": None, "pad_token_id": None, **over})
-    cfg._experts_implementation = "eager"                  # its grouped-matmul default has no float64
-    model = transformers.NemotronHForCausalLM(cfg).to(dtype).eval()
-    with torch.no_grad():                                  # non-trivial norms, D, dt, conv biases and routing
-        for name, p in model.named_parameters():
-            if name.endswith(("norm.weight", "norm_f.weight", ".D", "conv1d.bias", "dt_bias")):
-                p.add_(torch.randn_like(p) * 0.3)
-            if name.endswith("gate.weight"):
-                p.mul_(5)                                  # routing that depends on the token
-        for name, b in model.named_buffers():
-            if name.endswith("e_score_correction_bias"):
-                b.add_(torch.randn_like(b) * 0.1)
-    folder = tmp_path / "nemotron_h"
-    model.save_pretrained(folder)
-    return model, folder
+        "bos_token_id": None, "eos_token_id": None, "pad_token_id": None, **over},
+        dtype, ("norm.weight", "norm_f.weight", ".D", "conv1d.bias", "dt_bias"), eager=True, tweak=_tweak)
 
 
 def _ids(T=50):
     return torch.randint(0, V, (2, T), generator=torch.Generator().manual_seed(1))
+
+
+# transformers' Nemotron-H reads lm_head even when tied
+ROUND_TRIP = {"mlps": {}, "no-mlps-tie-ignored": {"tie_word_embeddings": True, "hybrid_override_pattern": "M*M"}}
+
+
+def _saved(hf, ours, c, over, folder):
+    """The round trip's folder (test_hf_parity.py): MLPs only where the pattern has them, the pattern kept."""
+    assert ours.config.mlp == ("hybrid_override_pattern" not in over)
+    assert c["hybrid_override_pattern"] == over.get("hybrid_override_pattern", PATTERN)
 
 
 def test_the_loaded_structure(tmp_path):
@@ -62,33 +65,6 @@ def test_the_loaded_structure(tmp_path):
     assert [b.mlp is None for b in ours.blocks] == [False, True, False, True, False]
     attn = ours.blocks[2].mixer
     assert attn.head_dim == 24 and not attn.rotary and ours.blocks[0].mlp.w_up.weight.shape == (80, 64)
-
-
-@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-4), (torch.float64, 1e-6)])
-def test_logits_equal_transformers(tmp_path, dtype, tol):
-    hf, folder = _hf(tmp_path, dtype)
-    ours, _ = from_pretrained(folder, dtype=dtype)
-    assert_logits_equal(ours, hf, _ids(), dtype, tol)
-
-
-def test_prefill_decode_packed_and_greedy_equal_transformers(tmp_path):
-    hf, folder = _hf(tmp_path, torch.float64)
-    ours, _ = from_pretrained(folder, dtype=torch.float64)
-    ids = _ids()[:1, :20]
-    assert_prefill_then_decode_equals_forward(ours, ids)
-    assert_packed_equals_separate(ours, _ids())
-    assert greedy_agreement(ours, hf, ids, lambda x: hf(x).logits) == 32
-
-
-@pytest.mark.parametrize("over", [{}, {"tie_word_embeddings": True, "hybrid_override_pattern": "M*M"}],
-                         ids=["mlps", "no-mlps-tie-ignored"])     # transformers' Nemotron-H reads lm_head anyway
-def test_save_pretrained_round_trip_loads_in_transformers(tmp_path, over):
-    hf, folder = _hf(tmp_path, **over)
-    ours, _ = from_pretrained(folder)
-    assert ours.config.mlp == ("hybrid_override_pattern" not in over)
-    assert_round_trip(hf, ours, transformers.NemotronHForCausalLM, tmp_path / "back", _ids(), "nemotron_h")
-    c = json.loads((tmp_path / "back" / "config.json").read_text())
-    assert c["hybrid_override_pattern"] == over.get("hybrid_override_pattern", PATTERN)
 
 
 def test_a_model_built_here_saves_as_nemotron_h_and_others_do_not(tmp_path):
@@ -111,31 +87,37 @@ def test_a_model_built_here_saves_as_nemotron_h_and_others_do_not(tmp_path):
 
 
 def test_refusals_name_the_problem(tmp_path):
-    from safetensors.torch import load_file, save_file
+    from safetensors.torch import load_file
 
     _, folder = _hf(tmp_path)
     cfg = json.loads((folder / "config.json").read_text())
     cfg.pop("layers_block_type")
     for field, value in (("mlp_hidden_act", "silu"), ("mamba_hidden_act", "gelu"), ("use_bias", True),
                          ("attention_bias", True), ("sliding_window", 16), ("mamba_num_heads", 5)):
-        (folder / "config.json").write_text(json.dumps({**cfg, "hybrid_override_pattern": PATTERN, field: value}))
-        with pytest.raises(ValueError, match=field):
-            from_pretrained(folder)
+        assert_refused(folder, field, {**cfg, "hybrid_override_pattern": PATTERN, field: value})
     for pattern, why in (("M--M*-MM", "MLP layer 2 does not follow"), ("MEE", "MoE layer 2 does not follow"),
                          ("EM", "MoE layer 0 does not follow"), ("M-M*-MX-", "only M")):
-        (folder / "config.json").write_text(json.dumps({**cfg, "hybrid_override_pattern": pattern}))
-        with pytest.raises(ValueError, match=f"hybrid_override_pattern.*{why}"):
-            from_pretrained(folder)
+        assert_refused(folder, f"hybrid_override_pattern.*{why}", {**cfg, "hybrid_override_pattern": pattern})
     (folder / "config.json").write_text(json.dumps({**cfg, "hybrid_override_pattern": PATTERN}))
     w = load_file(str(folder / "model.safetensors"))
     del w["backbone.layers.7.mixer.up_proj.weight"]
-    save_file(w, str(folder / "model.safetensors"))
-    with pytest.raises(ValueError, match="missing.*backbone.layers.7.mixer.up_proj"):
-        from_pretrained(folder)
+    assert_refused(folder, "missing.*backbone.layers.7.mixer.up_proj", weights=w)
 
 
 def _hf_moe(tmp_path, dtype=torch.float32, **over):
     return _hf(tmp_path, dtype, **{"hybrid_override_pattern": MOE_PATTERN, **MOE, **over})
+
+
+MOE_LOGITS = {"": {"moe_latent_size": None}}
+MOE_LATENT_LOGITS = {"latent": {"moe_latent_size": 24}}                 # in float32 only
+MOE_ROUND_TRIP = {"latent-no-renorm": {"moe_latent_size": 24, "norm_topk_prob": False}}
+
+
+def _saved_moe(hf, ours, c, over, folder):
+    """The MoE round trip's folder (test_hf_parity.py): the pattern, the latent size and the routing kept."""
+    assert not ours.blocks[0].mlp.renormalize
+    assert c["hybrid_override_pattern"] == MOE_PATTERN and c["moe_latent_size"] == 24
+    assert {k: c[k] for k in MOE} == MOE and c["norm_topk_prob"] is False
 
 
 def test_the_loaded_moe_structure(tmp_path):
@@ -149,33 +131,6 @@ def test_the_loaded_moe_structure(tmp_path):
         ("relu2", "sigmoid", 8, 3, 4, 2, 2.5, True)
     assert m.w_up.shape == (8, 32, 24) and m.latent_in.weight.shape == (24, 64) and m.shared_gate is None
     assert m.shared.w_up.weight.shape == (48, 64) and ours.blocks[1].mlp.w_up.weight.shape == (80, 64)
-
-
-@pytest.mark.parametrize("dtype,tol,latent", [(torch.float32, 1e-4, None), (torch.float64, 1e-6, None),
-                                              (torch.float32, 1e-4, 24)], ids=["f32", "f64", "f32-latent"])
-def test_moe_logits_equal_transformers(tmp_path, dtype, tol, latent):
-    hf, folder = _hf_moe(tmp_path, dtype, moe_latent_size=latent)
-    ours, _ = from_pretrained(folder, dtype=dtype)
-    assert_logits_equal(ours, hf, _ids(), dtype, tol)
-
-
-def test_moe_prefill_decode_packed_and_greedy_equal_transformers(tmp_path):
-    hf, folder = _hf_moe(tmp_path, torch.float64)
-    ours, _ = from_pretrained(folder, dtype=torch.float64)
-    ids = _ids()[:1, :20]
-    assert_prefill_then_decode_equals_forward(ours, ids)
-    assert_packed_equals_separate(ours, _ids())
-    assert greedy_agreement(ours, hf, ids, lambda x: hf(x).logits) == 32
-
-
-def test_moe_save_pretrained_round_trip_loads_in_transformers(tmp_path):
-    hf, folder = _hf_moe(tmp_path, moe_latent_size=24, norm_topk_prob=False)
-    ours, _ = from_pretrained(folder)
-    assert not ours.blocks[0].mlp.renormalize
-    assert_round_trip(hf, ours, transformers.NemotronHForCausalLM, tmp_path / "back", _ids(), "nemotron_h")
-    c = json.loads((tmp_path / "back" / "config.json").read_text())
-    assert c["hybrid_override_pattern"] == MOE_PATTERN and c["moe_latent_size"] == 24
-    assert {k: c[k] for k in MOE} == MOE and c["norm_topk_prob"] is False
 
 
 def test_multi_token_prediction_is_named_as_not_loaded(tmp_path):
@@ -225,9 +180,7 @@ def test_moe_refusals_name_the_field(tmp_path):
                         ({"moe_latent_size": "24"}, "moe_latent_size"),
                         ({"routed_scaling_factor": 0}, "routed_scaling_factor"),
                         ({"n_routed_experts": 1}, "n_routed_experts"), ({"mlp_bias": True}, "mlp_bias")):
-        (folder / "config.json").write_text(json.dumps({**cfg, **over}))
-        with pytest.raises(ValueError, match=field):
-            from_pretrained(folder)
+        assert_refused(folder, field, {**cfg, **over})
 
 
 def test_models_built_here_with_relu2_or_latent_experts_save_only_as_nemotron_h(tmp_path):

@@ -13,8 +13,7 @@ import torch
 transformers = pytest.importorskip("transformers")   # the `hf` extra installs it (make test requires it); the library never does
 
 from subquad.models.hf import from_pretrained, save_pretrained  # noqa: E402
-from tests.models.test_hf import (  # noqa: E402
-    assert_logits_equal, assert_packed_equals_separate, assert_prefill_then_decode_equals_forward, greedy_agreement)
+from tests.models.hf_harness import assert_logits_equal, assert_refused  # noqa: E402
 
 KINDS = ["qwen3_5", "qwen3_5_moe"]
 V = 96
@@ -51,6 +50,14 @@ def _ids(T=50):
     return torch.randint(0, V, (2, T), generator=torch.Generator().manual_seed(1))
 
 
+def _saved(hf, ours, c, over, folder):
+    """The round trip (test_hf_parity.py) writes the text-only type, never the multimodal one without the
+    vision tower."""
+    kind = c["model_type"].removesuffix("_text")
+    with pytest.raises(ValueError, match=f"cannot be written as model_type '{kind}'"):
+        save_pretrained(ours, folder.parent / "mm", model_type=kind)
+
+
 def test_the_loaded_structure_and_what_is_left_out(tmp_path):
     _, folder = _hf(tmp_path, "qwen3_5_moe")
     with pytest.warns(UserWarning, match=r"not loaded.*the vision tower \(model\.visual\.\*, \d+ tensors\)"):
@@ -63,58 +70,8 @@ def test_the_loaded_structure_and_what_is_left_out(tmp_path):
 
 
 @pytest.mark.filterwarnings("ignore:qwen3_5")
-@pytest.mark.parametrize("kind", KINDS)
-@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-4), (torch.float64, 1e-6)])
-def test_logits_equal_transformers(tmp_path, kind, dtype, tol):
-    # float64 is bounded by transformers' delta rule, which computes in float32 inside
-    hf, folder = _hf(tmp_path, kind, dtype)
-    ours, _ = from_pretrained(folder, dtype=dtype)
-    assert_logits_equal(ours, hf, _ids(), dtype, tol)
-
-
-@pytest.mark.filterwarnings("ignore:qwen3_5")
-def test_router_loss_equals_transformers(tmp_path):
-    hf, folder = _hf(tmp_path, "qwen3_5_moe", torch.float64)
-    ours, _ = from_pretrained(folder, dtype=torch.float64)
-    with torch.no_grad():
-        want = hf(_ids(), output_router_logits=True).aux_loss
-        ours(_ids())
-    torch.testing.assert_close(ours.aux_loss(), want.to(torch.float64), rtol=1e-6, atol=0)
-
-
-@pytest.mark.filterwarnings("ignore:qwen3_5")
-@pytest.mark.parametrize("kind", KINDS)
-def test_prefill_decode_packed_and_greedy_equal_transformers(tmp_path, kind):
-    hf, folder = _hf(tmp_path, kind, torch.float64)
-    ours, _ = from_pretrained(folder, dtype=torch.float64)
-    ids = _ids()[:1, :20]
-    assert_prefill_then_decode_equals_forward(ours, ids)
-    assert_packed_equals_separate(ours, _ids())
-    assert greedy_agreement(ours, hf, ids, lambda x: hf(x).logits) == 32
-
-
-@pytest.mark.filterwarnings("ignore:qwen3_5")
-@pytest.mark.parametrize("kind", KINDS)
-def test_save_pretrained_round_trip_loads_in_transformers(tmp_path, kind):
-    """Saved as the text-only type (Qwen3_5[Moe]ForCausalLM): transformers' logits, and subquad's unchanged."""
-    hf, folder = _hf(tmp_path, kind)
-    ours, _ = from_pretrained(folder)
-    text = kind + "_text"
-    save_pretrained(ours, tmp_path / "back", model_type=text)
-    assert json.loads((tmp_path / "back" / "config.json").read_text())["model_type"] == text
-    Model = {"qwen3_5": transformers.Qwen3_5ForCausalLM, "qwen3_5_moe": transformers.Qwen3_5MoeForCausalLM}[kind]
-    again = Model.from_pretrained(tmp_path / "back", experts_implementation="eager").eval()
-    ours2, _ = from_pretrained(tmp_path / "back")
-    with torch.no_grad():
-        torch.testing.assert_close(again(_ids()).logits, hf(_ids()).logits, rtol=0, atol=1e-5)
-        torch.testing.assert_close(ours2(_ids()), ours(_ids()), rtol=0, atol=0)
-    with pytest.raises(ValueError, match=f"cannot be written as model_type '{kind}'"):
-        save_pretrained(ours, tmp_path / "mm", model_type=kind)       # never without the vision tower
-
-
-@pytest.mark.filterwarnings("ignore:qwen3_5")
 def test_refusals_name_the_problem(tmp_path):
-    from safetensors.torch import load_file, save_file
+    from safetensors.torch import load_file
 
     _, folder = _hf(tmp_path, "qwen3_5")
     cfg = json.loads((folder / "config.json").read_text())
@@ -122,18 +79,12 @@ def test_refusals_name_the_problem(tmp_path):
     rope = {**t["rope_parameters"], "rope_type": "yarn", "factor": 2.0}
     for field, value in (("hidden_act", "gelu"), ("attention_bias", True), ("attn_output_gate", False),
                          ("rope_parameters", rope), ("layer_types", ["full_attention", "mamba"] * 2)):
-        (folder / "config.json").write_text(json.dumps({**cfg, "text_config": {**t, field: value}}))
-        with pytest.raises(ValueError, match=field if field != "rope_parameters" else "rope_type"):
-            from_pretrained(folder)
-    (folder / "config.json").write_text(json.dumps({**cfg, "text_config": None}))
-    with pytest.raises(ValueError, match="text_config"):
-        from_pretrained(folder)
+        assert_refused(folder, field if field != "rope_parameters" else "rope_type", {**cfg, "text_config": {**t, field: value}})
+    assert_refused(folder, "text_config", {**cfg, "text_config": None})
     (folder / "config.json").write_text(json.dumps(cfg))
     w = load_file(str(folder / "model.safetensors"))
     del w["model.language_model.layers.0.linear_attn.in_proj_z.weight"]
-    save_file(w, str(folder / "model.safetensors"))
-    with pytest.raises(ValueError, match="missing.*layers.0.linear_attn.in_proj_z"):
-        from_pretrained(folder)
+    assert_refused(folder, "missing.*layers.0.linear_attn.in_proj_z", weights=w)
 
 
 def test_fused_experts_and_an_mtp_head_as_released_checkpoints_hold_them(tmp_path):

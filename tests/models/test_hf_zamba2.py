@@ -14,9 +14,7 @@ import torch
 transformers = pytest.importorskip("transformers")   # the `hf` extra installs it (make test requires it); the library never does
 
 from subquad.models.hf import from_pretrained, save_pretrained  # noqa: E402
-from tests.models.test_hf import (  # noqa: E402
-    assert_logits_equal, assert_packed_equals_separate, assert_prefill_then_decode_equals_forward, assert_round_trip,
-    greedy_agreement)
+from tests.models.hf_harness import assert_refused  # noqa: E402
 
 V = 96
 TYPES = ["mamba", "hybrid", "mamba", "hybrid", "hybrid", "mamba"]      # uses 0, 1, 2 of blocks 0, 1, 0
@@ -56,6 +54,27 @@ def _ids(T=40):
     return torch.randint(0, V, (2, T), generator=torch.Generator().manual_seed(1))
 
 
+LOGITS = ROUND_TRIP = {"rotary-adapters-2-blocks": {}, "plain-gqa-untied": PLAIN}
+
+
+def _loaded(ours, over):
+    """The logits cases of test_hf_parity.py: attention adapters only without PLAIN."""
+    assert (ours.blocks[1].use.q_adapter is None) == bool(over)
+
+
+def _saved(hf, ours, c, over, folder):
+    """The round trip's folder (test_hf_parity.py) holds every name of transformers' state dict - each shared
+    weight and adapter under every hybrid layer that uses its block - and loads in transformers with nothing
+    missing or unexpected."""
+    from safetensors.torch import load_file
+
+    written = set(load_file(str(folder / "model.safetensors")))
+    assert written == set(hf.state_dict()) - ({"lm_head.weight"} if not over else set())
+    _, info = transformers.Zamba2ForCausalLM.from_pretrained(folder, output_loading_info=True)
+    assert not any(info.values())
+    assert c["layers_block_type"] == TYPES and c["chunk_size"] == 16          # a field subquad does not use, kept
+
+
 def test_the_loaded_structure_shares_one_parameter_per_weight(tmp_path):
     _, folder = _hf(tmp_path)
     ours, _ = from_pretrained(folder)
@@ -75,24 +94,6 @@ def test_the_loaded_structure_shares_one_parameter_per_weight(tmp_path):
     assert set(state[1]) == {"ssm", "conv", "kv"} and "kv" not in state[0]
     assert len({id(c) for c in kv}) == 3 and all(c.seen == 7 for c in kv)
     assert not torch.equal(kv[0].k, kv[2].k)                  # block 0's two uses: their own adapters, inputs
-
-
-@pytest.mark.parametrize("over", [{}, PLAIN], ids=["rotary-adapters-2-blocks", "plain-gqa-untied"])
-@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-4), (torch.float64, 1e-6)])
-def test_logits_equal_transformers(tmp_path, over, dtype, tol):
-    hf, folder = _hf(tmp_path, dtype, **over)
-    ours, _ = from_pretrained(folder, dtype=dtype)
-    assert (ours.blocks[1].use.q_adapter is None) == bool(over)
-    assert_logits_equal(ours, hf, _ids(), dtype, tol)
-
-
-def test_prefill_decode_packed_and_greedy_equal_transformers(tmp_path):
-    hf, folder = _hf(tmp_path, torch.float64)
-    ours, _ = from_pretrained(folder, dtype=torch.float64)
-    ids = _ids()[:1, :20]
-    assert_prefill_then_decode_equals_forward(ours, ids)
-    assert_packed_equals_separate(ours, _ids())
-    assert greedy_agreement(ours, hf, ids, lambda x: hf(x).logits) == 32
 
 
 def test_a_state_is_reused_unchanged_and_bfloat16_trains(tmp_path):
@@ -124,23 +125,6 @@ def test_a_state_is_reused_unchanged_and_bfloat16_trains(tmp_path):
     assert len(grads) == len(b16.state_dict())                 # each shared weight one parameter
 
 
-@pytest.mark.parametrize("over", [{}, PLAIN], ids=["rotary-adapters-2-blocks", "plain-gqa-untied"])
-def test_save_pretrained_round_trip_loads_in_transformers(tmp_path, over):
-    """The folder holds every name of transformers' state dict - each shared weight and adapter under every
-    hybrid layer that uses its block - and loads in transformers with nothing missing or unexpected."""
-    from safetensors.torch import load_file
-
-    hf, folder = _hf(tmp_path, **over)
-    ours, _ = from_pretrained(folder)
-    assert_round_trip(hf, ours, transformers.Zamba2ForCausalLM, tmp_path / "back", _ids(), "zamba2")
-    written = set(load_file(str(tmp_path / "back" / "model.safetensors")))
-    assert written == set(hf.state_dict()) - ({"lm_head.weight"} if not over else set())
-    _, info = transformers.Zamba2ForCausalLM.from_pretrained(tmp_path / "back", output_loading_info=True)
-    assert not any(info.values())
-    c = json.loads((tmp_path / "back" / "config.json").read_text())
-    assert c["layers_block_type"] == TYPES and c["chunk_size"] == 16          # a field subquad does not use, kept
-
-
 def test_aliases_load_once_and_copies_that_differ_are_refused(tmp_path):
     """transformers writes a shared block under its first layer only; a folder with every alias (as
     save_pretrained writes) loads the same; an alias unlike its original is no shared weight."""
@@ -157,9 +141,7 @@ def test_aliases_load_once_and_copies_that_differ_are_refused(tmp_path):
         torch.testing.assert_close(again(_ids()), ours(_ids()), rtol=0, atol=0)
     name = "model.layers.4.shared_transformer.self_attn.linear_q_adapter_list.2.1.weight"
     full[name] = full[name] + 1
-    save_file(full, str(folder / "model.safetensors"))
-    with pytest.raises(ValueError, match=f"{name} differs from model.layers.1.shared_transformer"):
-        from_pretrained(folder)
+    assert_refused(folder, f"{name} differs from model.layers.1.shared_transformer", weights=full)
 
 
 def test_a_model_built_here_saves_as_zamba2_and_others_do_not(tmp_path):
@@ -199,7 +181,7 @@ def test_cli_generates_transformers_tokens(tmp_path, capsys):
 
 
 def test_refusals_name_the_problem(tmp_path):
-    from safetensors.torch import load_file, save_file
+    from safetensors.torch import load_file
 
     _, folder = _hf(tmp_path)
     cfg = json.loads((folder / "config.json").read_text())
@@ -208,12 +190,8 @@ def test_refusals_name_the_problem(tmp_path):
                          ("num_hidden_layers", 5), ("layers_block_type", ["mamba", "attention"] * 3),
                          ("rope_parameters.rope_type", {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4})):
         key = field.split(".")[0]
-        (folder / "config.json").write_text(json.dumps({**cfg, key: value}))
-        with pytest.raises(ValueError, match=field):
-            from_pretrained(folder)
+        assert_refused(folder, field, {**cfg, key: value})
     (folder / "config.json").write_text(json.dumps(cfg))
     w = load_file(str(folder / "model.safetensors"))
     del w["model.layers.3.linear.weight"]
-    save_file(w, str(folder / "model.safetensors"))
-    with pytest.raises(ValueError, match=r"missing.*model\.layers\.3\.linear\.weight"):
-        from_pretrained(folder)
+    assert_refused(folder, r"missing.*model\.layers\.3\.linear\.weight", weights=w)
