@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import threading
 
 import torch
 
@@ -36,6 +37,12 @@ import torch
 # has its own, so two threads generating ragged batches (each layer pushes ``Packed``) never run under each
 # other's backend. A tuple: ``use`` sets a new one and restores the old, nothing shared is mutated.
 _ACTIVE: contextvars.ContextVar[tuple] = contextvars.ContextVar("subquad_sequence_backend", default=())
+# The same stack per thread, for code that torch.compile traces: dynamo cannot read a ContextVar (a graph break
+# in every layer's forward, so a compiled model became a graph per layer and frame) but reads a threading.local's
+# attribute and guards on it (a graph built under one backend is not reused under another). ``use`` keeps it
+# equal to the ContextVar of the thread's latest ``use``; it differs only for asyncio tasks whose ``use``
+# blocks interleave across an await, and compiled code between them sees the latest.
+_THREAD = threading.local()
 
 
 class SingleDevice:
@@ -133,7 +140,7 @@ class Packed(SingleDevice):
 
 def backend():
     """The backend the layers call now: this thread's (or task's) innermost ``use``, else ``SINGLE_DEVICE``."""
-    active = _ACTIVE.get()
+    active = getattr(_THREAD, "stack", ()) if torch.compiler.is_compiling() else _ACTIVE.get()
     return active[-1] if active else SINGLE_DEVICE
 
 
@@ -142,10 +149,12 @@ def use(b):
     """Route every layer's sequence mixing through ``b`` inside the ``with`` block, in this thread (or asyncio
     task) only: a thread started inside does not inherit it."""
     token = _ACTIVE.set((*_ACTIVE.get(), b))
+    _THREAD.stack = _ACTIVE.get()
     try:
         yield b
     finally:
         _ACTIVE.reset(token)
+        _THREAD.stack = _ACTIVE.get()
 
 
 __all__ = ["SingleDevice", "SINGLE_DEVICE", "Packed", "backend", "use"]

@@ -30,3 +30,25 @@ def test_two_threads_each_see_their_own_backend_while_both_are_inside():
     assert seen[0] is mine[0] and seen[1] is mine[1]
     assert not errors, errors
     assert sequence.backend() is sequence.SINGLE_DEVICE
+
+
+def test_a_compiled_decoding_step_reads_the_backend_without_a_graph_break():
+    # a ContextVar read is a graph break for dynamo: every layer's forward became frames of their own, and
+    # compile_decode's one graph of the whole model a graph per layer
+    import torch
+
+    from subquad.layers import GatedLinearAttention
+
+    torch.manual_seed(0)
+    layer = GatedLinearAttention(16, n_heads=2).eval()
+    x, state = torch.randn(2, 1, 16), layer.empty_state(2)
+    torch._dynamo.reset()
+    compiled = torch.compile(layer, fullgraph=True, backend="eager")     # fullgraph: a break raises
+    with torch.no_grad():
+        want, got = layer(x, state), compiled(x, state)
+        torch.testing.assert_close(got[0], want[0])
+        torch.testing.assert_close(got[1]["S"], want[1]["S"])
+        mine = sequence.SingleDevice()
+        with sequence.use(mine):                   # another backend: the graph's guard sends it to a new one
+            torch.testing.assert_close(compiled(x, state)[0], want[0])
+    assert sequence.backend() is sequence.SINGLE_DEVICE

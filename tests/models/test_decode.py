@@ -44,25 +44,35 @@ def assert_steps_equal(eager, ids, steps=STEPS, tol=1e-5, batches=None, fast=Non
 
 @pytest.fixture(scope="module")
 def every_mixer():
-    """One layer of every mixer, a mixture of experts in the middle one, learned positions: the eager model and
-    a compiled copy (compiled once for the tests below). One MoE layer is enough: at batch 3 (6 choices of 4
-    experts) its routed loop runs eagerly (a graph break), at batch 2 and 1 by index inside the graph - the
-    shrinking batch below takes both; the checkpoint types' MoE variants (shared experts, grouped routing,
-    scaled residuals) are test_every_checkpoint_type's."""
+    """One layer of every causal mixer and learned positions: the eager model and a compiled copy (compiled
+    once for the tests below). No mixture of experts here: at a batch with more choices than experts its
+    routed loop runs eagerly, a graph break that makes dynamo compile every block's frames one by one (dozens
+    of graphs for this model; test_a_moe_layer_in_a_batch_that_shrinks takes that path on three layers)."""
     torch.manual_seed(0)
     names = sorted(causal_mixers())
     cfg = ModelConfig(vocab_size=128, d_model=32, n_layers=len(names), n_heads=2, pattern=",".join(names),
-                      context_length=512, moe={"experts": 4, "top_k": 2, "layers": [len(names) // 2]},
-                      mixer_options={"swa": {"window": 8}}, pos_emb="learned")
+                      context_length=512, mixer_options={"swa": {"window": 8}}, pos_emb="learned")
     eager = LanguageModel(cfg).eval()
     return eager, compile_decode(_copy(eager))
 
 
 def test_every_mixer_in_one_model_and_a_batch_that_shrinks(every_mixer):
     """Batch 3 from an odd prompt length, then rows leave at steps 20 and 40 (a KV cache and the batch change
-    size under the graph)."""
+    size under the graph; batch 1 is a graph of its own: dynamo specialises sizes 1)."""
     eager, fast = every_mixer
     assert_steps_equal(eager, torch.randint(0, 128, (3, 11)), batches={20: [0, 2], 40: [1]}, fast=fast)
+
+
+def test_a_moe_layer_in_a_batch_that_shrinks():
+    """A mixture of experts between a recurrent and an attention layer: at batch 3 (6 choices of 4 experts)
+    its routed loop runs eagerly (a graph break), at batch 2 and 1 by index inside the graph - the shrinking
+    batch takes both; the checkpoint types' MoE variants (shared experts, grouped routing, scaled residuals)
+    are test_every_checkpoint_type's."""
+    torch.manual_seed(0)
+    cfg = ModelConfig(vocab_size=128, d_model=32, n_layers=3, n_heads=2, pattern="mamba2,gla,softmax",
+                      context_length=512, moe={"experts": 4, "top_k": 2, "layers": [1]})
+    eager = LanguageModel(cfg).eval()
+    assert_steps_equal(eager, torch.randint(0, 128, (3, 11)), batches={20: [0, 2], 40: [1]})
 
 
 def test_generate_takes_the_compiled_step_and_gives_eager_tokens(every_mixer):
