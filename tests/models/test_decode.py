@@ -40,6 +40,14 @@ def assert_steps_equal(eager, ids, steps=STEPS, tol=1e-5, batches=None, fast=Non
             err = ((b - a).abs().max() / a.abs().max()).item()
             assert err <= tol, f"step {i}: compiled logits differ by {err:.2e} of their scale"
             tok = a.argmax(-1)
+    return fast
+
+
+def whole_model_graphs(fast) -> int:
+    """Graphs compiled for ``fast``'s whole step (module doc of models.decode); 0 when a graph break inside a
+    layer made dynamo skip it and compile each layer's frames on their own."""
+    code = fast._decode_step.graph._torchdynamo_orig_callable.__code__
+    return len(torch._C._dynamo.eval_frame._debug_get_cache_entry_list(code))
 
 
 GROUPS = 3      # every causal mixer has a layer in one of three models: three tests the workers share
@@ -57,7 +65,11 @@ def test_every_mixer_in_a_model_and_a_batch_that_shrinks(group):
     cfg = ModelConfig(vocab_size=128, d_model=32, n_layers=len(names), n_heads=2, pattern=",".join(names),
                       context_length=512, mixer_options={"swa": {"window": 8}}, pos_emb="learned")
     eager = LanguageModel(cfg).eval()
-    assert_steps_equal(eager, torch.randint(0, 128, (3, 11)), batches={20: [0, 2], 40: [1]})
+    fast = assert_steps_equal(eager, torch.randint(0, 128, (3, 11)), batches={20: [0, 2], 40: [1]})
+    # no layer breaks the whole-model graph (a float check in linear attention once did: dynamo then skipped
+    # it and compiled ~100 graphs of this model's frames). Recompiles still happen: 3-5 graphs where batch >= 2
+    # and batch 1 would need 2 (benchmarks/RESULTS.md, "The test suite's time")
+    assert whole_model_graphs(fast) >= 1
 
 
 def test_the_groups_hold_every_causal_mixer():

@@ -54,7 +54,12 @@ def check_chunk_size(chunk_size) -> None:
 
 
 def check_real(name: str, value, *, minimum: float | None = None) -> float:
-    """A finite Python number (not a bool, not a tensor), at least ``minimum``; returned as a float."""
+    """A finite Python number (not a bool, not a tensor), at least ``minimum``; returned as a float. Under
+    torch.compile it is returned unchecked: dynamo traces a layer's float attributes (scale, eps) as symbolic
+    numbers, and ``math.isfinite`` of one is a graph break - in a compiled decoding step, a graph per frame
+    of every layer instead of one graph (a layer's values were checked when it was built)."""
+    if torch.compiler.is_compiling():
+        return value
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
         raise ValueError(f"{name} must be finite: a real number, not a bool or a tensor; got {describe(value)}")
     if minimum is not None and value < minimum:
