@@ -118,8 +118,9 @@ def sample_batch(logits, temperature=1.0, top_k=None, top_p=None, generator=None
     row all -inf) are a ValueError: argmax would pick an arbitrary id and multinomial draw garbage."""
     temperature = check_sampling(temperature, top_k, top_p)
     if temperature == 0:
-        _refuse_nan(logits)
-        return logits.argmax(-1)
+        ids = logits.argmax(-1)                     # argmax picks a row's NaN: checking the B picks checks the rows
+        _refuse_nan(logits.gather(-1, ids.unsqueeze(-1)))
+        return ids
     logits = logits.float() / temperature
     if top_k is not None:
         kth = torch.topk(logits, min(top_k, logits.shape[-1]), dim=-1).values[:, -1:]
