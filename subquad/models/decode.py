@@ -30,6 +30,7 @@ import torch
 from torch import nn
 
 from subquad.models.state import ModelState
+from subquad.ops import KVCache
 
 RECOMPILE_LIMIT = 64        # graphs per model: a new one only where the state's structure changes
 DYNAMIC = True             # sizes symbolic from the first compile: batches and KV caches change without recompiling
@@ -37,16 +38,25 @@ OPTIONS = {"cpp_wrapper": True}   # inductor calls the kernels from C++, not Pyt
 
 
 def _dense(t: torch.Tensor) -> torch.Tensor:
-    """t with row-major strides: itself when it has them, else a copy. ``contiguous()`` is not enough: a (1, 3,
-    D) view of a (1, 4, D) buffer counts as contiguous with stride 4D on dim 0, and the graph guards on
-    strides - a short convolution's tail would recompile it once more."""
+    """t with row-major strides and no base: itself when it has them, else a copy. ``contiguous()`` is not
+    enough: a (1, 3, D) view of a (1, 4, D) buffer counts as contiguous with stride 4D on dim 0, and the graph
+    guards on strides - a short convolution's tail would recompile it once more; and it guards on a view's base
+    (a state that a prefill left as a view, the next step's not: once more)."""
     expect, n = [], 1
     for size in reversed(t.shape):
         expect.append(n)
         n *= size
-    if t.stride() == tuple(reversed(expect)):
+    if t.stride() == tuple(reversed(expect)) and t._base is None:
         return t
     return torch.empty(t.shape, dtype=t.dtype, device=t.device).copy_(t)
+
+
+def _for_graph(v):
+    """A state entry as the graph takes it: a tensor with row-major strides, a KV cache ready to append in
+    place (``KVCache.for_step``: no reallocation in the graph, ragged at >= 2 rows)."""
+    if isinstance(v, torch.Tensor):
+        return _dense(v)
+    return v.for_step() if isinstance(v, KVCache) else v
 
 
 def _blocks_and_head(model, h, states):
@@ -72,9 +82,10 @@ class CompiledStep:
     def __call__(self, tokens, state):
         model = self.model
         h, pos = model._embed_tokens(tokens, state)
-        states = [None] * len(model.blocks) if state is None else \
-            [{k: _dense(v) if isinstance(v, torch.Tensor) else v for k, v in s.items()} for s in state]
-        with torch.no_grad(), torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT):
+        states = [None] * len(model.blocks) if state is None else [{k: _for_graph(v) for k, v in s.items()} for s in state]
+        # no duck sizing: a batch of 3 beside a convolution's 3-token tail would tie the two sizes (a recompile)
+        with torch.no_grad(), torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT), \
+                torch.fx.experimental._config.patch(use_duck_shape=False):
             logits, out = self.graph(model, h, states)
         return logits, ModelState(out, pos=pos)
 

@@ -6,11 +6,13 @@
                                                        Mixtral; Jamba keeps them as they are)
     y      = sum_{e in S} w_e * W_down_e (silu(W_gate_e x) * W_up_e x)
 
-Full capacity: no token is dropped. Each expert runs one matmul over the tokens routed to it - a loop
-whose shapes depend on the routing, so a compiled model runs it eagerly. Inside a compiled graph, for
-the few rows of a decoding step (rows * k <= E), each row instead reads its k experts' weights by index
-(``_gathered``): the same sum with static shapes, which inductor fuses into one reduction per projection
-that reads the chosen weights in place, so the step stays one graph.
+Full capacity: no token is dropped. Each expert runs one matmul over the tokens routed to it
+(``_dispatch``) - a loop whose shapes depend on the routing. Inside a compiled graph that loop is the custom
+op ``subquad::moe_experts`` (x, weights, choices -> y, shapes known from x alone), so the graph holds it at
+any batch instead of breaking around it; for the few rows of a decoding step (rows * k <= E) each row
+instead reads its k experts' weights by index (``_gathered``): the same sum in plain tensor ops, which
+inductor fuses into one reduction per projection that reads the chosen weights in place. A compiled model
+that trains (gradients on) runs the loop eagerly, outside the graph: the op has no backward.
 
 With ``shared`` > 0 a dense SwiGLU of that width runs on every token beside the routed experts, scaled by
 a learned sigmoid gate (Qwen2-MoE / Qwen3-Next: y += sigmoid(x W_sg^T) * shared(x)) or not (``shared_gate``
@@ -39,6 +41,9 @@ the router and the shared expert read x itself.
 
 from __future__ import annotations
 
+import itertools
+import weakref
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -46,6 +51,9 @@ from torch import nn
 from subquad.layers.mlp import ReLU2MLP, SwiGLU
 
 KINDS = {"swiglu": ("w_gate", "w_up", "w_down"), "relu2": ("w_up", "w_down")}    # an expert's projections
+
+_keys = itertools.count()
+_LAYERS: dict[int, weakref.ref] = {}        # key -> the MoE layer ``subquad::moe_experts`` runs
 
 
 class MoE(nn.Module):
@@ -87,6 +95,7 @@ class MoE(nn.Module):
         self.w_up = nn.Parameter(torch.randn(experts, hidden, width) * 0.02)
         self.w_down = nn.Parameter(torch.randn(experts, width, hidden) * 0.02)
         self.router_stats = None
+        self._name_for_op()
         self.shared, self.shared_gate = None, None
         if shared:
             self.shared = SwiGLU(d_model, shared) if kind == "swiglu" else ReLU2MLP(d_model, shared)
@@ -137,12 +146,17 @@ class MoE(nn.Module):
         x = x.reshape(-1, shape[-1])
         probs, w, idx = self.route(x)
         flat = idx.reshape(-1)                                   # (N k,) choice j belongs to token j // k
-        counts = torch.bincount(flat, minlength=self.experts)
+        counts = flat.new_zeros(self.experts).scatter_add_(0, flat, torch.ones_like(flat))   # bincount, static shape
         self.router_stats = (counts.to(probs.dtype), probs.sum(0), x.shape[0])
-        gather = (torch.compiler.is_compiling() and getattr(self, "quantized_experts", None) is None
-                  and x.shape[0] * self.top_k <= self.experts)
         h = x if self.latent_in is None else self.latent_in(x)
-        out = self._gathered(h, w, idx) if gather else self._dispatch(h, w.reshape(-1), flat, counts)
+        if not torch.compiler.is_compiling():
+            out = self._dispatch(h, w.reshape(-1), flat, counts)
+        elif getattr(self, "quantized_experts", None) is None and x.shape[0] * self.top_k <= self.experts:
+            out = self._gathered(h, w, idx)
+        elif torch.is_grad_enabled():
+            out = self._dispatch_outside(h, w.reshape(-1), flat, counts)
+        else:
+            out = torch.ops.subquad.moe_experts(h, w.reshape(-1), flat, self._op_key)
         if self.latent_out is not None:
             out = self.latent_out(out)
         if self.shared is not None:
@@ -166,10 +180,25 @@ class MoE(nn.Module):
         y = proj("w_down", y) * w.to(y.dtype).unsqueeze(-1)        # (N, k, D_e)
         return y.sum(1)
 
+    def _name_for_op(self):
+        """A 0-d tensor naming this layer to ``subquad::moe_experts`` (``_LAYERS`` holds the layer weakly); a
+        copy (deepcopy, pickle: ``__setstate__``) gets a name of its own."""
+        n = next(_keys)
+        _LAYERS[n] = weakref.ref(self)
+        weakref.finalize(self, _LAYERS.pop, n, None)
+        self._op_key = torch.tensor(n)
+
+    def __setstate__(self, state):
+        super().__setstate__(state)
+        self._name_for_op()
+
     @torch.compiler.disable
+    def _dispatch_outside(self, x, w, flat, counts):
+        """``_dispatch`` run eagerly outside a compiled graph (a graph break): where gradients flow."""
+        return self._dispatch(x, w, flat, counts)
+
     def _dispatch(self, x, w, flat, counts):
-        """sum over each token's chosen experts of w * expert(x): one product per expert over its tokens. Its
-        loop depends on the routing, so a compiled model runs it eagerly (a graph per routing otherwise)."""
+        """sum over each token's chosen experts of w * expert(x): one product per expert over its tokens."""
         order = flat.argsort(stable=True)                        # choices grouped by expert
         out = None
         start = 0
@@ -189,6 +218,24 @@ class MoE(nn.Module):
                 out = torch.zeros(x.shape, dtype=y.dtype, device=x.device)
             out.index_add_(0, tok, y)
         return torch.zeros_like(x) if out is None else out      # None: no tokens
+
+
+def moe_experts(x: torch.Tensor, w: torch.Tensor, flat: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
+    """x (N, D_e), w and flat (N k,) (each choice's weight and expert), key naming the layer -> (N, D_e): the
+    layer's ``_dispatch`` (its routed loop), an op a compiled graph holds (module doc)."""
+    layer = _LAYERS[int(key)]()
+    counts = flat.new_zeros(layer.experts).scatter_add_(0, flat, torch.ones_like(flat))
+    return layer._dispatch(x, w, flat, counts)
+
+
+_LIB = torch.library.Library("subquad", "FRAGMENT")
+_LIB.define("moe_experts(Tensor x, Tensor w, Tensor flat, Tensor key) -> Tensor")
+_LIB.impl("moe_experts", moe_experts, "CompositeExplicitAutograd")
+
+
+@torch.library.register_fake("subquad::moe_experts")
+def _(x, w, flat, key):
+    return x.new_empty(x.shape)
 
 
 def load_balancing_loss(stats: list, experts: int) -> torch.Tensor:

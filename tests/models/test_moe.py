@@ -4,6 +4,7 @@ name when wrong, and trainable - the trainer adds the router loss and logs it.""
 
 from __future__ import annotations
 
+import copy
 import json
 
 import pytest
@@ -79,7 +80,9 @@ def test_relu2_latent_experts_equal_every_expert_on_every_token():
 def test_a_decoding_steps_rows_stay_in_one_compiled_graph(kind):
     """A few rows (rows * k <= E: a decoding step) under torch.compile take the by-index path (``_gathered``):
     one graph (``fullgraph`` would raise at a break) equal to the dense sum written out; its eager form
-    equals it too in float64. Many rows still run the routed loop (a break, same values)."""
+    equals it too in float64. Many rows run the routed loop as the op ``subquad::moe_experts``: one graph too,
+    equal to the dense sum; a deep copy's op runs the copy's own experts; with gradients on, the loop runs
+    outside the graph and gradients reach the experts."""
     torch.manual_seed(0)
     moe = MoE(16, 24, 8, 2, True, shared=12, kind=kind, latent=10 if kind == "relu2" else None).double()
     with torch.no_grad():
@@ -102,7 +105,20 @@ def test_a_decoding_steps_rows_stay_in_one_compiled_graph(kind):
     with torch.no_grad():
         torch.testing.assert_close(torch.compile(moe, fullgraph=True)(x), want, rtol=1e-10, atol=1e-12)
         many = torch.randn(2, 9, 16, dtype=torch.float64)                  # 18 rows * 2 > 8 experts: the loop
-        torch.testing.assert_close(torch.compile(moe)(many), moe(many), rtol=1e-10, atol=1e-12)
+        torch.testing.assert_close(torch.compile(moe, fullgraph=True)(many), moe(many), rtol=1e-10, atol=1e-12)
+        if kind == "swiglu":
+            flat = many.reshape(-1, 16)
+            torch.testing.assert_close(moe(many).reshape(-1, 16), _dense_reference(moe, flat) + torch.sigmoid(
+                moe.shared_gate(flat)) * moe.shared(flat), rtol=1e-10, atol=1e-12)
+        other = copy.deepcopy(moe)
+        other.w_up.mul_(2)
+        assert int(other._op_key) != int(moe._op_key)
+        torch._dynamo.reset()
+        torch.testing.assert_close(torch.compile(other, fullgraph=True)(many), other(many), rtol=1e-10, atol=1e-12)
+        assert not torch.allclose(other(many), moe(many))
+    torch._dynamo.reset()
+    torch.compile(moe)(many).square().sum().backward()                    # training: the loop outside the graph
+    assert moe.w_up.grad is not None and moe.w_up.grad.abs().sum() > 0
 
 
 def test_load_balancing_loss_by_hand():

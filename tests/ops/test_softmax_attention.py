@@ -169,3 +169,35 @@ def test_kv_cache_appends_keep_every_token_and_windows_stay_bounded(window):
         assert torch.equal(cache.k, want) and torch.equal(cache.v, -want) and cache.seen == pos
         if window is not None:
             assert cache.nbytes == 2 * (2 * window) * B * H * K * 8
+
+
+@pytest.mark.parametrize("window", [None, 1, 7])
+@pytest.mark.parametrize("B", [1, 3])
+def test_for_step_gives_room_in_place_and_leaves_the_cache_as_it_was(window, B):
+    """KVCache.for_step (the compiled step's cache): a fork with room for t tokens past its live entries (a
+    window's start past column 0), ragged with no padding at >= 2 rows; appending to it never reallocates,
+    keeps every token and position, and the cache it came from is unchanged."""
+    H, K = 2, 3
+    ks = torch.randn(B, 40, H, K, dtype=F64)
+    cache = KVCache(ks[:, :11].clone(), -ks[:, :11].clone(), window=window)     # full: as a prefill leaves it
+    before = (cache.k.clone(), cache.v.clone(), cache.seen, cache.pad)
+    pos = 11
+    for t in (1, 1, 2, 1, 9, 1):
+        ready = cache.for_step(t)
+        assert ready.pad is None if B == 1 else (torch.equal(ready.pad, torch.zeros(B, dtype=torch.long))
+                                                 and torch.equal(ready.row_seen, torch.full((B,), pos)))
+        if window is None or t < window:        # (a block that fills a window alone takes fresh buffers)
+            assert ready._start + len(ready) + t <= ready._k.shape[1] and (window is None or ready._start > 0)
+        buf = ready._k
+        ready.append(ks[:, pos:pos + t], -ks[:, pos:pos + t])
+        if window is None or t < window:
+            assert ready._k is buf                                  # in place: no reallocation
+        pos += t
+        want = ks[:, :pos] if window is None else ks[:, max(0, pos - window):pos]
+        assert torch.equal(ready.k, want) and torch.equal(ready.v, -want) and ready.seen == pos
+        if window is not None:
+            assert ready._k.shape[1] <= 2 * window + 1                # still bounded
+        cache = ready
+    first = KVCache(ks[:, :11].clone(), -ks[:, :11].clone(), window=window)
+    first.for_step(1).append(ks[:, 11:12], ks[:, 11:12])
+    assert torch.equal(first.k, before[0]) and torch.equal(first.v, before[1]) and first.seen == before[2]

@@ -169,25 +169,48 @@ class KVCache:
             self._realloc(max(capacity, self._len))
         return self
 
+    def for_step(self, t: int = 1) -> "KVCache":
+        """A fork that appends ``t`` tokens in place, for a compiled decoding step (``models.decode``): its
+        buffers have room past the live entries (doubled, or a window's slid to the front, here rather than
+        inside the graph) and, with several rows, it is ragged (no padding: ``pad`` 0, ``row_seen`` = ``seen``).
+        So every step of a batch of >= 2 rows meets one structure and the graph compiles once, not again for
+        a full buffer or for a batch that became ragged. Same entries and positions; this cache is unchanged."""
+        c = self.fork()
+        end = c._start + c._len
+        cap = max(2 * c.window, 1) if c.window is not None else None
+        if cap is not None:       # a window's entries start past column 0 (inductor guards on a start of 0)
+            if c._k.shape[1] != cap + 1 or c._start == 0 or end + t > cap + 1 or end != c._tail[0]:
+                c._realloc(cap + 1, lead=1)
+        elif end + t > c._k.shape[1] or end != c._tail[0]:
+            c._realloc(max(2 * (c._len + t), 16))
+        B = c._k.shape[0]
+        if c.pad is None and B > 1:
+            c.pad = torch.zeros(B, dtype=torch.long, device=c._k.device)
+            c.row_seen = torch.full((B,), c.seen, dtype=torch.long, device=c._k.device)
+        return c
+
     def _advance(self, t: int):
         self.seen += t
         if self.row_seen is not None:
             self.row_seen = self.row_seen + t
 
-    def _realloc(self, capacity: int):
-        """Move the live entries to the front of fresh buffers of ``capacity`` tokens."""
+    def _realloc(self, capacity: int, lead: int = 0):
+        """Move the live entries to the front of fresh buffers of ``capacity`` tokens (after ``lead`` unused
+        columns)."""
         k_buf = self._k.new_empty(self._k.shape[0], capacity, *self._k.shape[2:])
         v_buf = self._v.new_empty(self._v.shape[0], capacity, *self._v.shape[2:])
-        k_buf[:, :self._len] = self.k
-        v_buf[:, :self._len] = self.v
-        self._k, self._v, self._start, self._tail = k_buf, v_buf, 0, [self._len]
+        k_buf[:, lead:lead + self._len] = self.k
+        v_buf[:, lead:lead + self._len] = self.v
+        self._k, self._v, self._start, self._tail = k_buf, v_buf, lead, [lead + self._len]
 
     def _append_window(self, k_new, v_new):
-        """A windowed cache lives in a buffer of 2W tokens (W >= 1): bounded whatever is appended."""
+        """A windowed cache lives in a buffer of 2W tokens (W >= 1; 2W + 1 after ``for_step``): bounded whatever
+        is appended."""
         W, t = self.window, k_new.shape[1]
         cap = max(2 * W, 1)
-        if self._k.shape[1] != cap:
+        if self._k.shape[1] not in (cap, cap + 1):
             self._realloc(cap)
+        cap = self._k.shape[1]
         if t >= W:                                   # the new block alone fills the window: fresh buffers
             self._k, self._v = self._k.new_empty(self._k.shape), self._v.new_empty(self._v.shape)
             self._k[:, :W] = k_new[:, t - W:]
