@@ -148,7 +148,7 @@ class Sampler:
     def __call__(self, logits: torch.Tensor) -> torch.Tensor:
         """(B, vocab) logits -> the (B,) next ids (steps 1-7); they join the penalties' counts."""
         o = self.options
-        ids = sample_batch(self.process(logits), o.temperature, o.top_k, o.top_p, self.generator, o.min_p)
+        ids = _draw(self.process(logits), o.temperature, o.top_k, o.top_p, o.min_p, self.generator)
         self.record(ids)
         return ids
 
@@ -183,7 +183,12 @@ def sample_batch(logits, temperature=1.0, top_k=None, top_p=None, generator=None
     """One token id per row of (B, vocab) logits (steps 4-7 of the module doc): greedy at temperature 0, else
     softmax(logits / T) within min_p, top_k and the nucleus of mass top_p. NaN logits (or +inf, or a row all
     -inf) are a ValueError: argmax would pick an arbitrary id and multinomial draw garbage."""
-    temperature = check_sampling(temperature, top_k, top_p)
+    o = SamplingOptions(temperature, top_k, top_p, min_p)
+    return _draw(logits, o.temperature, o.top_k, o.top_p, o.min_p, generator)
+
+
+def _draw(logits, temperature, top_k, top_p, min_p, generator) -> torch.Tensor:
+    """``sample_batch`` on options already checked (``SamplingOptions``)."""
     if temperature == 0:
         ids = logits.argmax(-1)                     # argmax picks a row's NaN: checking the B picks checks the rows
         _refuse_nan(logits.gather(-1, ids.unsqueeze(-1)))

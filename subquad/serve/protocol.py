@@ -212,8 +212,6 @@ def parse_completion(body: dict, max_context: int) -> Parsed:
         body = {**body, "logprobs": None}
     logprobs = _int(body, "logprobs", 0, MAX_COMPLETION_LOGPROBS)
     best_of = _int(body, "best_of", 1)
-    if best_of is not None and best_of != sampling.get("n", 1):
-        raise bad("best_of", f"best_of={best_of} is not supported by this server (only best_of equal to n, or null)")
     max_tokens = _int(body, "max_tokens", 1, max_context)
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
@@ -228,6 +226,8 @@ def parse_completion(body: dict, max_context: int) -> Parsed:
     else:
         raise bad("prompt", "prompt must be a non-empty string or a non-empty list of token ids")
     params = _params(max_tokens=max_tokens or 16, logprobs=logprobs, **sampling)
+    if best_of is not None and best_of != params.n:
+        raise bad("best_of", f"best_of={best_of} is not supported by this server (only best_of equal to n, or null)")
     return Parsed(model, prompt, params, max_tokens is not None, stream, include_usage)
 
 
