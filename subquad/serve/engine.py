@@ -232,8 +232,9 @@ class Engine:
 
     @property
     def active(self) -> int:
-        """Rows holding (or about to hold) a state: prefilling, their forks, decoding."""
-        return sum(s.rows for s in self.prefilling) + len(self.running)
+        """Rows holding (or about to hold) a state: prefilling, their forks, decoding. Read from other threads
+        too (metrics, submit): ``list`` copies the deque in one step, where iterating it could meet a change."""
+        return sum(s.rows for s in list(self.prefilling)) + len(self.running)
 
     @property
     def queue_length(self) -> int:
