@@ -77,9 +77,9 @@ def _refuse_surrogates(body: dict, raw: bytes):
 
 # the sampling options passed to SamplingParams as they are (their values checked there)
 OPTIONS = ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty",
-           "seed", "n", "ignore_eos")
+           "seed", "n", "ignore_eos", "stop")
 # fields honoured by each route; and fields accepted only with the value that asks for nothing
-SAMPLING = ("max_tokens", "stop", "stop_token_ids", "logit_bias", "stream", "stream_options", *OPTIONS)
+SAMPLING = ("max_tokens", "stop_token_ids", "logit_bias", "stream", "stream_options", *OPTIONS)
 COMPLETION_FIELDS = {"model", "prompt", "logprobs", "best_of", "user", *SAMPLING}
 CHAT_FIELDS = {"model", "messages", "max_completion_tokens", "logprobs", "top_logprobs", "user", *SAMPLING}
 NO_OP = {"echo": False, "suffix": "", "tools": [], "tool_choice": "none", "parallel_tool_calls": False,
@@ -92,7 +92,8 @@ FIELD_OF = {"stop_ids": "stop_token_ids"}    # SamplingOptions' argument -> the 
 def option_error(e: OptionError) -> APIError:
     """A 400 naming the request field of a refused sampling option."""
     name = FIELD_OF.get(e.name, e.name)
-    return bad(name, str(e).replace(e.name, name, 1))
+    message = str(e).replace(e.name, name, 1)
+    return bad(name, message if len(message) <= 300 else message[:300] + "...")   # it may quote a long value
 
 
 def _params(**kw) -> SamplingParams:
@@ -186,16 +187,8 @@ def _common(body, allowed) -> tuple:
     if user is not None and not isinstance(user, str):
         raise bad("user", "user must be a string")
     sampling = {name: body[name] for name in OPTIONS if body.get(name) is not None}
-    if body.get("stop") is not None:
-        stop = body["stop"]
-        if not (isinstance(stop, str) or isinstance(stop, list) and all(isinstance(s, str) for s in stop)):
-            raise bad("stop", "stop must be a non-empty string or a list of up to 4 non-empty strings")
-        sampling["stop"] = stop
     if body.get("stop_token_ids") is not None:
-        ids = body["stop_token_ids"]
-        if not isinstance(ids, list):
-            raise bad("stop_token_ids", f"stop_token_ids must be a list of token ids, got {json.dumps(ids)[:40]}")
-        sampling["stop_ids"] = ids
+        sampling["stop_ids"] = body["stop_token_ids"]
     bias = body.get("logit_bias")
     if bias is not None:                     # JSON's keys are strings: OpenAI's are token ids written in decimal
         if not isinstance(bias, dict) or any(not re.fullmatch(r"[0-9]{1,12}", k) for k in bias):
