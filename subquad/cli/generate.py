@@ -22,6 +22,19 @@ def add_parser(command, hf_types: list[str]) -> None:
     g.add_argument("--top-p", type=float, help="sample within the nucleus of this mass (default: all)")
     g.add_argument("--stop", action="append", default=None, metavar="TEXT",
                    help="stop a sequence when it emits this text's token (repeatable; default: none)")
+    g.add_argument("--min-p", type=float, help="drop tokens less likely than this times the most likely (vLLM)")
+    g.add_argument("--presence-penalty", type=float, default=0.0,
+                   help="subtract this from the logit of every token generated so far (OpenAI; -2..2)")
+    g.add_argument("--frequency-penalty", type=float, default=0.0,
+                   help="subtract this times its count from the logit of every token generated so far (OpenAI; -2..2)")
+    g.add_argument("--repetition-penalty", type=float, default=1.0,
+                   help="divide the positive logits, multiply the negative ones, of every token in the prompt or "
+                        "generated so far by this (Hugging Face, vLLM; 1: none)")
+    g.add_argument("--logit-bias", action="append", default=None, metavar="ID=VALUE",
+                   help="add VALUE (-100..100) to token ID's logit (repeatable)")
+    g.add_argument("--stop-token-id", action="append", type=int, default=None, metavar="ID",
+                   help="stop a sequence after it emits this token id (repeatable)")
+    g.add_argument("--ignore-eos", action="store_true", help="do not stop at the model's end-of-text tokens")
     g.add_argument("--seed", type=int, default=0, help="sampling seed")
     g.add_argument("--save-state", help="write the decoding state here (safetensors) to continue later")
     g.add_argument("--load-state", help="continue from a state saved with --save-state")
@@ -48,6 +61,41 @@ def stop_ids(tok, texts) -> list[int]:
     return ids
 
 
+def logit_bias(items) -> dict[int, float] | None:
+    """--logit-bias ID=VALUE items -> {id: value} (values are checked by ``SamplingOptions``)."""
+    out = {}
+    for item in items or []:
+        tid, sep, value = item.partition("=")
+        try:
+            out[int(tid)] = float(value)
+        except ValueError:
+            raise ValueError(f"--logit-bias {item!r}: write ID=VALUE, e.g. 50256=-100") from None
+        if not sep:
+            raise ValueError(f"--logit-bias {item!r}: write ID=VALUE, e.g. 50256=-100")
+    return out or None
+
+
+def sampling(args, stop: list[int]) -> dict:
+    """The ``generate`` keyword arguments of the sampling flags (checked there, by ``SamplingOptions``)."""
+    return dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
+                stop_ids=stop + (args.stop_token_id or []), min_p=args.min_p, presence_penalty=args.presence_penalty,
+                frequency_penalty=args.frequency_penalty, repetition_penalty=args.repetition_penalty,
+                logit_bias=logit_bias(args.logit_bias), ignore_eos=args.ignore_eos)
+
+
+def check_sampling_flags(args) -> None:
+    """Refuse a bad sampling flag by name before the model loads (``SamplingOptions``' check)."""
+    from subquad.models.sampling import OptionError, SamplingOptions
+
+    kw = sampling(args, [])
+    kw.pop("seed")
+    try:
+        SamplingOptions(**kw)
+    except OptionError as e:
+        flag = {"stop_ids": "--stop-token-id"}.get(e.name, "--" + e.name.replace("_", "-"))
+        raise ValueError(f"{flag}: {e}") from None
+
+
 def run(args) -> int:
     from pathlib import Path
 
@@ -64,6 +112,7 @@ def run(args) -> int:
         prompts = [ln for ln in path.read_text().splitlines() if ln.strip()]
         if not prompts:
             raise ValueError(f"--prompts-file {path} holds no prompt (one per line)")
+    check_sampling_flags(args)
     model, tok = load_model(args, need_tokenizer="to encode the prompt with")
     if args.compile_decode:
         from subquad.models.decode import compile_decode
@@ -72,8 +121,7 @@ def run(args) -> int:
     stop = stop_ids(tok, args.stop)
     if args.prompts_file:
         outs, _ = model.generate([tok.encode(p).ids or [0] for p in prompts], args.max_new_tokens,
-                                 temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
-                                 stop_ids=stop)
+                                 **sampling(args, stop))
         for i, (p, o) in enumerate(zip(prompts, outs, strict=True)):
             print(f"--- [{i}] {p}{tok.decode(o)}")
         return 0
@@ -98,8 +146,7 @@ def run(args) -> int:
             print(text[len(shown[0]):], end="", flush=True)
             shown[0] = text
 
-    out, state = model.generate(ids, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
-                                top_p=args.top_p, seed=args.seed, state=state, on_token=stream, stop_ids=stop)
+    out, state = model.generate(ids, args.max_new_tokens, state=state, on_token=stream, **sampling(args, stop))
     print(tok.decode(new)[len(shown[0]):])
     print(f"\n[state: {model.state_bytes(state):,} bytes over {model.config.n_layers} layers "
           f"({', '.join(sorted(set(model.config.layers)))})]", file=sys.stderr)

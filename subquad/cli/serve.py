@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import argparse
+import os
 import sys
+from pathlib import Path
 
 from subquad.cli.common import add_model_flags, check_run_or_model, load_model, nonneg_float, positive
+
+KEY_ENV = "SUBQUAD_API_KEY"
 
 
 def add_parser(command) -> None:
@@ -15,7 +20,10 @@ def add_parser(command) -> None:
     add_model_flags(v, [], model_help="a Hugging Face model folder (its tokenizer.json and chat template are used)")
     v.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
     v.add_argument("--port", type=int, default=8000, help="port to listen on")
-    v.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1 routes (default: none)")
+    v.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1 routes, /tokenize and /detokenize "
+                                     "(default: none; it shows in the process list: prefer --api-key-file or "
+                                     f"{KEY_ENV})")
+    v.add_argument("--api-key-file", metavar="PATH", help="the API key in a file (surrounding whitespace dropped)")
     v.add_argument("--served-model-name", help="the model's name in the API (default: the folder's name)")
     v.add_argument("--max-batch", type=positive, default=16, help="sequences decoded together")
     v.add_argument("--max-queue", type=int, default=64, help="requests waiting for a slot before 429s")
@@ -28,6 +36,9 @@ def add_parser(command) -> None:
                    help="admission budget for live states (KV buffers as allocated, twice while the batch changes) "
                         "plus the prefix cache; 0: no bound (default: half the memory available at start - "
                         "MemAvailable in /proc/meminfo, or the GPU's free memory - and no bound where unknown)")
+    v.add_argument("--max-body-mb", type=positive_float,
+                   help="refuse a request body over this many MiB with 413, before reading it whole (default: "
+                        "serve.api.MAX_BODY_MB, 8)")
     v.add_argument("--drain-timeout", type=nonneg_float, default=10.0,
                    help="seconds accepted requests may run on after SIGTERM")
     v.add_argument("--compile-decode", action="store_true",
@@ -35,14 +46,45 @@ def add_parser(command) -> None:
     v.set_defaults(fn=run)
 
 
+def positive_float(text: str) -> float:
+    """A finite number > 0 (argparse type)."""
+    v = nonneg_float(text)
+    if v == 0:
+        raise argparse.ArgumentTypeError(f"expected a number > 0, got {text!r}")
+    return v
+
+
+def api_key(args, environ=os.environ) -> str | None:
+    """The API key from one of --api-key, --api-key-file and ``SUBQUAD_API_KEY`` (None: none given). Two of them,
+    an empty key or an empty or unreadable file are refused by name: a server meant to be closed must not come up
+    open, nor with a key other than the one its operator thinks."""
+    given = [(name, v) for name, v in (("--api-key", args.api_key), ("--api-key-file", args.api_key_file),
+                                       (KEY_ENV, environ.get(KEY_ENV))) if v is not None]
+    if len(given) > 1:
+        raise ValueError(f"give the API key one way, not {given[0][0]} and {given[1][0]}")
+    if not given:
+        return None
+    name, value = given[0]
+    if name == "--api-key-file":
+        try:
+            value = Path(value).read_text().strip()
+        except (OSError, UnicodeDecodeError) as e:
+            raise ValueError(f"--api-key-file {args.api_key_file}: cannot be read ({e})") from None
+        name = f"--api-key-file {args.api_key_file}"
+    if not value or not value.isprintable():
+        raise ValueError(f"{name}: the API key is empty" if not value else
+                         f"{name}: the API key holds a control character (a line break?)")
+    return value
+
+
 def run(args) -> int:
     """subquad serve: load the model, build the engine (memory budget: --memory-mb, else half of what is
     available), serve until SIGTERM."""
-    from pathlib import Path
-
     check_run_or_model(args)
+    key = api_key(args)
     try:
         from subquad.serve import Engine
+        from subquad.serve.api import MAX_BODY_MB
         from subquad.serve.server import default_memory_mb, end_of_text_ids
         from subquad.serve.server import run as serve_api
     except ImportError as e:
@@ -63,7 +105,7 @@ def run(args) -> int:
                     prefill_chunk=args.prefill_chunk, state_cache_mb=args.state_cache_mb, memory_mb=memory_mb,
                     eos_ids=end_of_text_ids(model, tok))
     return serve_api(engine, name, host=args.host, port=args.port, chat_template=chat_template,
-                     api_key=args.api_key, drain_timeout=args.drain_timeout)
+                     api_key=key, drain_timeout=args.drain_timeout, max_body_mb=args.max_body_mb or MAX_BODY_MB)
 
 
 def _compile_and_warm(model) -> None:

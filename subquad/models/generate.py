@@ -4,23 +4,23 @@
 
 A batch of prompts is prefilled in one packed call (``prefill(..., cu_seqlens=...)``), then decoded one
 token per sequence per step with ``model.step`` (the compiled step when ``models.decode`` set one).
-``sample_batch`` draws the next token of each row; the server draws with it too, so a request's tokens
-equal a lone ``generate`` call's.
+``models.sampling.Sampler`` draws the next token of each row (penalties, logit bias, temperature, min_p, top_k,
+top_p); the server draws with it too, so a request's tokens equal a lone ``generate`` call's.
 """
 
 from __future__ import annotations
 
-import math
-from numbers import Integral, Real
-
 import torch
 
-GREEDY_BELOW = 1e-5    # a temperature under this is greedy (vLLM's _SAMPLING_EPS): logits / T would overflow
+from subquad.models.sampling import (GREEDY_BELOW, Sampler, SamplingOptions, check_sampling,  # noqa: F401
+                                     sample, sample_batch)                                  # (re-exported)
 
 
 @torch.no_grad()
 def generate(model, prompt, max_new_tokens: int, temperature: float = 1.0, top_k: int | None = None,
-             top_p: float | None = None, seed: int | None = None, state=None, on_token=None, stop_ids=None):
+             top_p: float | None = None, seed: int | None = None, state=None, on_token=None, stop_ids=None, *,
+             min_p: float | None = None, presence_penalty: float = 0.0, frequency_penalty: float = 0.0,
+             repetition_penalty: float = 1.0, logit_bias: dict | None = None, ignore_eos: bool = False):
     """Sample up to ``max_new_tokens`` after each prompt, decoding with the recurrent state.
 
     ``prompt``: one sequence (a list of ids, or a (T,) / (1, T) tensor) -> returns (new ids, state), or a
@@ -29,8 +29,11 @@ def generate(model, prompt, max_new_tokens: int, temperature: float = 1.0, top_k
     crossing between prompts), then decoded together, one token per sequence per step, each from its
     own state (a ragged KV cache for softmax layers). A sequence finishes when it has emitted
     ``max_new_tokens`` or a token in ``stop_ids`` or the checkpoint's end-of-text ids
-    (``config.eos_token_ids``) - emitted, then it stops; finished sequences are fed
-    a pad token until all are done. ``temperature=0`` is greedy. ``on_token(id)`` (one sequence) or
+    (``config.eos_token_ids``; not with ``ignore_eos``) - emitted, then it stops; finished sequences are fed
+    a pad token until all are done. ``temperature=0`` is greedy. The sampling options (``temperature``,
+    ``top_k``, ``top_p``, ``min_p``, the penalties, ``logit_bias``: ``{token id: value}``) are
+    ``models.sampling.SamplingOptions``, checked and applied there for every row; one generator seeded with
+    ``seed`` draws for the whole batch. ``on_token(id)`` (one sequence) or
     ``on_token(i, id)`` (a batch) streams tokens as they come. Everything runs on the model's device.
 
     The returned state has consumed each prompt and every new token but the last:
@@ -38,13 +41,16 @@ def generate(model, prompt, max_new_tokens: int, temperature: float = 1.0, top_k
     """
     if not isinstance(max_new_tokens, int) or max_new_tokens < 0:
         raise ValueError(f"max_new_tokens must be an int >= 0, got {max_new_tokens!r}")
-    temperature = check_sampling(temperature, top_k, top_p)
+    options = SamplingOptions(temperature, top_k, top_p, min_p, presence_penalty, frequency_penalty,
+                              repetition_penalty, logit_bias, list(stop_ids or ()), ignore_eos)
+    options.check_vocab(model.config.vocab_size)
     prompts, single = _as_prompts(prompt)
-    stop = set(int(t) for t in (stop_ids or ())) | set(model.config.eos_token_ids)
+    stop = options.ends(model.config.eos_token_ids)
     was_training = model.training
     model.eval()
     dev = model.embed.weight.device                 # prompt, tokens and sampler follow the model
     gen = torch.Generator(device=dev).manual_seed(seed) if seed is not None else None
+    sampler = Sampler(options, prompts, gen)
     B = len(prompts)
     if len({len(p) for p in prompts}) == 1:         # one length: an ordinary batch
         last, state = model.prefill(torch.tensor(prompts, dtype=torch.long, device=dev), state, logits="last")
@@ -56,7 +62,7 @@ def generate(model, prompt, max_new_tokens: int, temperature: float = 1.0, top_k
     out = [[] for _ in range(B)]
     done = [max_new_tokens == 0] * B
     while not all(done):
-        nxt = sample_batch(last, temperature, top_k, top_p, gen).tolist()
+        nxt = sampler(last).tolist()
         feed = []
         for i in range(B):
             if done[i]:
@@ -94,53 +100,3 @@ def _as_prompts(prompt) -> tuple[list[list[int]], bool]:
     if not all(isinstance(t, int) and not isinstance(t, bool) for p in prompts for t in p):
         raise ValueError("prompt must hold integer token ids")
     return prompts, single
-
-
-def check_sampling(temperature, top_k=None, top_p=None) -> float:
-    """The temperature to sample at, after checking all three (ValueError naming the argument). One check for
-    ``generate`` and the server's ``SamplingParams``. A finite temperature below ``GREEDY_BELOW`` becomes 0,
-    greedy: float32 logits divided by 1e-300 are inf and their softmax NaN, and below 1e-5 the distribution
-    is the argmax anyway unless two logits tie within ~1e-4."""
-    if isinstance(temperature, bool) or not isinstance(temperature, Real) \
-            or not 0 <= temperature < math.inf:          # NaN fails both comparisons
-        raise ValueError(f"temperature must be a finite number >= 0, got {temperature!r}")
-    if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, Integral) or top_k < 1):
-        raise ValueError(f"top_k must be an int >= 1, got {top_k!r}")
-    if top_p is not None and (isinstance(top_p, bool) or not isinstance(top_p, Real) or not 0 < top_p <= 1):
-        raise ValueError(f"top_p must lie in (0, 1], got {top_p!r}")
-    return 0.0 if temperature < GREEDY_BELOW else float(temperature)
-
-
-def sample_batch(logits, temperature=1.0, top_k=None, top_p=None, generator=None) -> torch.Tensor:
-    """One token id per row of (B, vocab) logits: greedy at temperature 0 (or below ``GREEDY_BELOW``), else
-    softmax(logits / T) restricted to the k largest logits (ties at the k-th included) and to the nucleus of
-    mass top_p (the smallest set of most likely tokens whose mass reaches top_p). NaN logits (or +inf, or a
-    row all -inf) are a ValueError: argmax would pick an arbitrary id and multinomial draw garbage."""
-    temperature = check_sampling(temperature, top_k, top_p)
-    if temperature == 0:
-        ids = logits.argmax(-1)                     # argmax picks a row's NaN: checking the B picks checks the rows
-        _refuse_nan(logits.gather(-1, ids.unsqueeze(-1)))
-        return ids
-    logits = logits.float() / temperature
-    if top_k is not None:
-        kth = torch.topk(logits, min(top_k, logits.shape[-1]), dim=-1).values[:, -1:]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    probs = torch.softmax(logits, -1)
-    if top_p is not None and top_p < 1:
-        sp, si = torch.sort(probs, dim=-1, descending=True)
-        keep = sp.cumsum(-1) - sp < top_p                   # mass before each token is below top_p
-        probs = torch.zeros_like(probs).scatter(-1, si, sp * keep)
-    _refuse_nan(probs)                                      # NaN logits give NaN probabilities
-    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
-
-
-def _refuse_nan(x: torch.Tensor):
-    """ValueError if ``x`` (logits or probabilities) holds NaN: the model's output is not a number."""
-    if torch.isnan(x).any():
-        raise ValueError("logits: the model's output holds NaN (weights with NaN, or an overflow in low "
-                         "precision?); there is no distribution to sample from")
-
-
-def sample(logits, temperature=1.0, top_k=None, top_p=None, generator=None) -> int:
-    """One token id from a (vocab,) logit vector (``sample_batch`` on one row)."""
-    return int(sample_batch(logits.unsqueeze(0), temperature, top_k, top_p, generator)[0])

@@ -457,8 +457,10 @@ class LanguageModel(nn.Module):
         return tensor_bytes(list(state))
 
     def generate(self, prompt, max_new_tokens: int, temperature: float = 1.0, top_k: int | None = None,
-                 top_p: float | None = None, seed: int | None = None, state=None, on_token=None, stop_ids=None):
+                 top_p: float | None = None, seed: int | None = None, state=None, on_token=None, stop_ids=None,
+                 **options):
         """``models.generate.generate(self, ...)``: up to ``max_new_tokens`` sampled after each prompt, and the
-        decoding state after them."""
+        decoding state after them. ``options``: generate's keyword-only sampling options (``min_p``, the
+        penalties, ``logit_bias``, ``ignore_eos``)."""
         return generate(self, prompt, max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
-                        state=state, on_token=on_token, stop_ids=stop_ids)
+                        state=state, on_token=on_token, stop_ids=stop_ids, **options)

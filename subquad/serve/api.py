@@ -1,13 +1,17 @@
 """The HTTP layer: OpenAI's routes over an ``Engine`` (FastAPI), thin on purpose.
 
     POST /v1/completions, /v1/chat/completions     (stream: server-sent events, "data: [DONE]" last)
+    POST /tokenize, /detokenize                    (vLLM's: text or messages -> ids, ids -> text)
     GET  /v1/models, /health, /metrics             (/metrics: Prometheus text)
 
 Requests are checked in ``protocol``; every refusal is OpenAI's error body with the offending field in
-``param``. The engine runs in its own thread and hands events to the request's asyncio queue. A client
-that goes away cancels its request: a stream when the response task is cancelled, a plain request when
-the connection reports the disconnect (asked every ``DISCONNECT_POLL`` seconds, whether or not tokens are
-arriving). With an API key, /v1 routes need ``Authorization: Bearer KEY``
+``param``. A body is read chunk by chunk and refused with 413 (closing the connection) as soon as it passes
+``max_body`` bytes, or at once when its Content-Length does; JSON parsing, tokenising and chat templating run
+in a worker thread, off the event loop, so one large prompt does not stall every other stream. The engine runs
+in its own thread and hands events to the request's asyncio queue. A client that goes away cancels its
+request (every choice of it): a stream when the response task is cancelled, a plain request when the
+connection reports the disconnect (asked every ``DISCONNECT_POLL`` seconds, whether or not tokens are
+arriving). With an API key, /v1 routes and /tokenize, /detokenize need ``Authorization: Bearer KEY``
 (/health and /metrics stay open for probes and scrapers).
 """
 
@@ -19,9 +23,10 @@ import time
 import uuid
 
 from subquad.serve.engine import Engine, Event, NotAccepting, QueueFull
-from subquad.serve.protocol import APIError, Parsed, bad, parse_body, parse_chat, parse_completion
+from subquad.serve.protocol import (APIError, OptionError, Parsed, bad, option_error, parse_body, parse_chat,
+                                    parse_completion, parse_detokenize, parse_tokenize)
 
-MAX_BODY = 8 * 2 ** 20
+MAX_BODY_MB = 8.0        # the default bound of a request body (--max-body-mb)
 DISCONNECT_POLL = 0.25   # seconds between a plain (non-streamed) request's checks that its client is still there
 
 METRICS = [  # name, type, help
@@ -55,15 +60,18 @@ def metrics_text(values: dict, prefix: str = "subquad_") -> str:
     return "\n".join(lines) + "\n"
 
 
-def create_app(engine: Engine, model_name: str, chat_template=None, api_key: str | None = None):
-    """The FastAPI app serving ``engine`` under ``model_name``."""
+def create_app(engine: Engine, model_name: str, chat_template=None, api_key: str | None = None,
+               max_body_mb: float = MAX_BODY_MB):
+    """The FastAPI app serving ``engine`` under ``model_name``; request bodies up to ``max_body_mb`` MiB."""
     from fastapi import FastAPI, Request
     from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+    from starlette.concurrency import run_in_threadpool
     from starlette.exceptions import HTTPException as StarletteHTTPException
 
     app = FastAPI(title="subquad", docs_url=None, redoc_url=None, openapi_url=None)
     tok = engine.tokenizer
     created = int(time.time())
+    max_body = int(max_body_mb * 2 ** 20)
 
     @app.exception_handler(APIError)
     async def _api_error(request, e: APIError):
@@ -90,31 +98,56 @@ def create_app(engine: Engine, model_name: str, chat_template=None, api_key: str
             raise APIError(401, "missing or incorrect API key (send Authorization: Bearer KEY)",
                            code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
 
-    async def read(request: Request) -> dict:
-        """The authorised request's JSON object body, at most ``MAX_BODY`` bytes (else 4xx)."""
-        authorize(request)
-        raw = await request.body()
-        if len(raw) > MAX_BODY:
-            raise APIError(413, f"the request body is over {MAX_BODY} bytes")
-        return parse_body(raw)
+    def too_large():
+        """413, closing the connection: the rest of the body is never read."""
+        return APIError(413, f"the request body is over {max_body:,} bytes (--max-body-mb)",
+                        code="request_too_large", headers={"Connection": "close"})
 
-    def check_model(name):
-        """404 for a model name this server does not serve (OpenAI's model_not_found)."""
-        if name != model_name:
+    async def read(request: Request) -> dict:
+        """The authorised request's JSON object body, read chunk by chunk up to ``max_body`` bytes (else 413 as
+        soon as it passes), parsed in a worker thread."""
+        authorize(request)
+        length = request.headers.get("content-length", "")
+        if length.isdigit() and int(length) > max_body:
+            raise too_large()
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > max_body:
+                raise too_large()
+            chunks.append(chunk)
+        return await run_in_threadpool(parse_body, b"".join(chunks))
+
+    def check_model(name, optional=False):
+        """404 for a model name this server does not serve (OpenAI's model_not_found); None passes if ``optional``."""
+        if name != model_name and not (optional and name is None):
             raise APIError(404, f"the model {name!r} does not exist; this server serves {model_name!r}", "model",
                            code="model_not_found")
 
-    def encode(text: str, special: bool, field: str) -> list[int]:
-        """Text -> token ids, or a 400 naming ``field`` (no tokenizer, text it cannot encode, no tokens)."""
+    async def encode(text: str, special: bool, field: str, empty_ok: bool = False) -> list[int]:
+        """Text -> token ids, in a worker thread, or a 400 naming ``field`` (no tokenizer, text it cannot encode,
+        no tokens unless ``empty_ok``)."""
         if tok is None:
             raise bad(field, f"{field}: this model has no tokenizer; send token ids")
         try:
-            ids = tok.encode(text, add_special_tokens=special).ids
+            ids = (await run_in_threadpool(tok.encode, text, add_special_tokens=special)).ids
         except (TypeError, ValueError, UnicodeError) as e:      # protocol refuses lone surrogates before this
             raise bad(field, f"{field}: the tokenizer cannot encode this text ({type(e).__name__})") from None
-        if not ids:
+        if not ids and not empty_ok:
             raise bad(field, f"{field} encodes to no token")
         return ids
+
+    async def render_chat(messages, add_generation_prompt: bool = True) -> str:
+        """The folder's chat template on ``messages``, in a worker thread; 400 naming messages if it refuses."""
+        if chat_template is None:
+            raise bad("messages", "this model has no chat template (tokenizer_config.json's chat_template); "
+                                  "use /v1/completions")
+        from subquad.serve.chat import TemplateError
+
+        try:
+            return await run_in_threadpool(chat_template.render, messages, add_generation_prompt=add_generation_prompt)
+        except TemplateError as e:
+            raise bad("messages", f"messages: {e}") from None
 
     def submit(parsed: Parsed, ids: list[int], field: str, on_event):
         """Hand the request to the engine, its refusals turned into HTTP errors (429, 503, 400 by field)."""
@@ -128,13 +161,13 @@ def create_app(engine: Engine, model_name: str, chat_template=None, api_key: str
                            type="rate_limit_error", headers={"Retry-After": "1"}) from None
         except NotAccepting as e:
             raise APIError(503, str(e), type="server_error") from None
-        except ValueError as e:
-            word = str(e).split()[0].split("=")[0]
-            param = {"prompt": field, "max_tokens": "max_tokens", "stop": "stop"}.get(word)
-            raise bad(param, str(e)) from None
+        except OptionError as e:
+            raise option_error(e) from None
+        except ValueError as e:                 # the prompt's ids (the engine names them "prompt")
+            raise bad(field if str(e).startswith("prompt") else None, str(e)) from None
 
     async def run(request: Request, parsed: Parsed, ids: list[int], field: str, render):
-        """Submit and answer: a server-sent event stream, or the whole response once the request ends."""
+        """Submit and answer: a server-sent event stream, or the whole response once every choice has ended."""
         loop = asyncio.get_running_loop()
         events: asyncio.Queue = asyncio.Queue()
 
@@ -150,9 +183,9 @@ def create_app(engine: Engine, model_name: str, chat_template=None, api_key: str
         if parsed.stream:
             return StreamingResponse(_stream(seq, events, render, rid, now, parsed.include_usage),
                                      media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-        out, check_at = [], time.monotonic() + DISCONNECT_POLL
+        out, ended, check_at = [[] for _ in seq.choices], 0, time.monotonic() + DISCONNECT_POLL
         try:
-            while True:
+            while ended < len(seq.choices):
                 try:
                     ev = await asyncio.wait_for(events.get(), DISCONNECT_POLL)
                 except asyncio.TimeoutError:
@@ -163,36 +196,40 @@ def create_app(engine: Engine, model_name: str, chat_template=None, api_key: str
                         return JSONResponse({}, status_code=499)
                 if ev is None:
                     continue
-                out.append(ev)
-                if ev.finish_reason is not None:
-                    break
+                out[ev.index].append(ev)
+                ended += ev.finish_reason is not None
         finally:
-            if seq.finish_reason is None:
-                engine.cancel(seq)
+            cancel(seq)
         return JSONResponse(render.whole(rid, now, out, usage(seq)))
 
     async def _stream(seq, events, render, rid, now, include_usage):
-        """The server-sent events of one request, "data: [DONE]" last; cancels it if the client goes away."""
+        """The server-sent events of one request (its choices' events interleaved, each chunk naming its
+        index), "data: [DONE]" last; cancels it if the client goes away."""
         try:
-            first = True
-            while True:
+            ended = 0
+            while ended < len(seq.choices):
                 ev = await events.get()
-                for chunk in render.chunks(rid, now, ev, first):
+                for chunk in render.chunks(rid, now, ev):
                     yield f"data: {json.dumps(chunk)}\n\n"
-                first = False
-                if ev.finish_reason is not None:
-                    break
+                ended += ev.finish_reason is not None
             if include_usage:
                 yield f"data: {json.dumps(render.usage_chunk(rid, now, usage(seq)))}\n\n"
             yield "data: [DONE]\n\n"
         finally:
-            if seq.finish_reason is None:    # the client went away: free its row
-                engine.cancel(seq)
+            cancel(seq)                      # the client went away: free its rows
+
+    def cancel(seq):
+        """Cancel every choice of the request still running."""
+        for s in seq.choices:
+            if s.finish_reason is None:
+                engine.cancel(s)
 
     def usage(seq) -> dict:
-        """OpenAI's usage object, with the prompt tokens resumed from the prefix cache."""
-        return {"prompt_tokens": len(seq.prompt), "completion_tokens": len(seq.tokens),
-                "total_tokens": len(seq.prompt) + len(seq.tokens),
+        """OpenAI's usage object (completion tokens summed over the choices), with the prompt tokens resumed
+        from the prefix cache."""
+        completion = sum(len(s.tokens) for s in seq.choices)
+        return {"prompt_tokens": len(seq.prompt), "completion_tokens": completion,
+                "total_tokens": len(seq.prompt) + completion,
                 "prompt_tokens_details": {"cached_tokens": seq.cached_tokens}}
 
     @app.post("/v1/completions")
@@ -200,7 +237,7 @@ def create_app(engine: Engine, model_name: str, chat_template=None, api_key: str
         """POST /v1/completions: a text prompt (encoded with special tokens) or token ids."""
         parsed = parse_completion(await read(request), engine.max_context)
         check_model(parsed.model)
-        ids = parsed.prompt if isinstance(parsed.prompt, list) else encode(parsed.prompt, True, "prompt")
+        ids = parsed.prompt if isinstance(parsed.prompt, list) else await encode(parsed.prompt, True, "prompt")
         return await run(request, parsed, ids, "prompt", _Completion(model_name, tok))
 
     @app.post("/v1/chat/completions")
@@ -208,16 +245,30 @@ def create_app(engine: Engine, model_name: str, chat_template=None, api_key: str
         """POST /v1/chat/completions: messages rendered by the folder's chat template, then encoded as is."""
         parsed = parse_chat(await read(request), engine.max_context)
         check_model(parsed.model)
-        if chat_template is None:
-            raise bad("messages", "this model has no chat template (tokenizer_config.json's chat_template); "
-                                  "use /v1/completions")
-        from subquad.serve.chat import TemplateError
+        text = await render_chat(parsed.prompt)
+        return await run(request, parsed, await encode(text, False, "messages"), "messages", _Chat(model_name, tok))
 
-        try:
-            text = chat_template.render(parsed.prompt, add_generation_prompt=True)
-        except TemplateError as e:
-            raise bad("messages", f"messages: {e}") from None
-        return await run(request, parsed, encode(text, False, "messages"), "messages", _Chat(model_name))
+    @app.post("/tokenize")
+    async def tokenize(request: Request):
+        """POST /tokenize (vLLM's): a prompt, or messages through the chat template -> {tokens, count,
+        max_model_len}, the ids /v1/completions or /v1/chat/completions would prefill."""
+        body = parse_tokenize(await read(request))
+        check_model(body["model"], optional=True)
+        if "messages" in body:
+            text, field = await render_chat(body["messages"], body["add_generation_prompt"]), "messages"
+        else:
+            text, field = body["prompt"], "prompt"
+        ids = await encode(text, body["add_special_tokens"], field, empty_ok=True)
+        return {"tokens": ids, "count": len(ids), "max_model_len": engine.max_context}
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request):
+        """POST /detokenize (vLLM's): {tokens} -> {prompt}, the ids decoded (special tokens kept)."""
+        body = parse_detokenize(await read(request), engine.model.config.vocab_size)
+        check_model(body["model"], optional=True)
+        if tok is None:
+            raise bad("tokens", "this model has no tokenizer to decode with")
+        return {"prompt": await run_in_threadpool(tok.decode, body["tokens"], skip_special_tokens=False)}
 
     @app.get("/v1/models")
     async def models(request: Request):
@@ -241,6 +292,11 @@ def create_app(engine: Engine, model_name: str, chat_template=None, api_key: str
     return app
 
 
+def token_text(tok, t: int) -> str:
+    """A token as logprobs name it: its text, special tokens included ("token_id:N" without a tokenizer)."""
+    return tok.decode([t], skip_special_tokens=False) if tok is not None else f"token_id:{t}"
+
+
 class _Completion:
     """/v1/completions' response shapes."""
 
@@ -248,13 +304,9 @@ class _Completion:
 
     def __init__(self, model, tok):
         """The served model's name and the tokenizer (None: tokens are named "token_id:N"). One per request:
-        ``_streamed`` counts the characters streamed so far, where the next chunk's text_offset starts."""
+        ``_streamed`` counts each choice's characters streamed so far, where its next chunk's text_offset starts."""
         self.model, self.tok = model, tok
-        self._streamed = 0
-
-    def _token(self, t):
-        """A token as completions' logprobs name it: its text, special tokens included."""
-        return self.tok.decode([t], skip_special_tokens=False) if self.tok is not None else f"token_id:{t}"
+        self._streamed: dict[int, int] = {}
 
     def _logprobs(self, events, offset=0):
         """The logprobs object for these events (None when not asked): tokens, their log-probs, tops, offsets."""
@@ -265,8 +317,8 @@ class _Completion:
         for e in evs:
             offsets.append(at)
             at += len(e.text)
-        return {"tokens": [self._token(e.token) for e in evs], "token_logprobs": [e.logprob for e in evs],
-                "top_logprobs": [{self._token(t): lp for t, lp in e.top_logprobs} for e in evs],
+        return {"tokens": [token_text(self.tok, e.token) for e in evs], "token_logprobs": [e.logprob for e in evs],
+                "top_logprobs": [{token_text(self.tok, t): lp for t, lp in e.top_logprobs} for e in evs],
                 "text_offset": offsets}
 
     def _obj(self, rid, now, choices, usage=None):
@@ -276,18 +328,19 @@ class _Completion:
             out["usage"] = usage
         return out
 
-    def whole(self, rid, now, events, usage):
-        """The non-streamed response: every event's text joined, the last event's finish_reason."""
-        choice = {"index": 0, "text": "".join(e.text for e in events), "logprobs": self._logprobs(events),
-                  "finish_reason": events[-1].finish_reason}
-        return self._obj(rid, now, [choice], usage)
+    def whole(self, rid, now, choices, usage):
+        """The non-streamed response: per choice (a list of its events), every event's text joined and the last
+        event's finish_reason."""
+        return self._obj(rid, now, [{"index": i, "text": "".join(e.text for e in evs), "logprobs": self._logprobs(evs),
+                                     "finish_reason": evs[-1].finish_reason} for i, evs in enumerate(choices)], usage)
 
-    def chunks(self, rid, now, ev, first):
+    def chunks(self, rid, now, ev):
         """The stream chunks of one event (one per event). Its text_offset continues from the text already
-        streamed, as the non-streamed response counts it (a chunk alone would start every token at 0)."""
-        logprobs = self._logprobs([ev], self._streamed)
-        self._streamed += len(ev.text)
-        return [self._obj(rid, now, [{"index": 0, "text": ev.text, "logprobs": logprobs,
+        streamed for its choice, as the non-streamed response counts it (a chunk alone would start at 0)."""
+        at = self._streamed.get(ev.index, 0)
+        logprobs = self._logprobs([ev], at)
+        self._streamed[ev.index] = at + len(ev.text)
+        return [self._obj(rid, now, [{"index": ev.index, "text": ev.text, "logprobs": logprobs,
                                       "finish_reason": ev.finish_reason}])]
 
     def usage_chunk(self, rid, now, usage):
@@ -300,9 +353,11 @@ class _Chat:
 
     prefix = "chatcmpl-"
 
-    def __init__(self, model):
-        """The served model's name."""
-        self.model = model
+    def __init__(self, model, tok):
+        """The served model's name and tokenizer (to name tokens in logprobs). One per request: ``_started``
+        holds the choices whose role chunk has been streamed."""
+        self.model, self.tok = model, tok
+        self._started: set[int] = set()
 
     def _obj(self, rid, now, kind, choices, usage=None):
         """A chat.completion(.chunk) object around these choices."""
@@ -311,23 +366,40 @@ class _Chat:
             out["usage"] = usage
         return out
 
-    def whole(self, rid, now, events, usage):
-        """The non-streamed response: the assistant message, the last event's finish_reason."""
-        choice = {"index": 0, "message": {"role": "assistant", "content": "".join(e.text for e in events)},
-                  "logprobs": None, "finish_reason": events[-1].finish_reason}
-        return self._obj(rid, now, "chat.completion", [choice], usage)
+    def _entry(self, t: int, lp: float) -> dict:
+        """A token in chat logprobs: its text, log-probability and UTF-8 bytes."""
+        text = token_text(self.tok, t)
+        return {"token": text, "logprob": lp, "bytes": list(text.encode("utf-8"))}
 
-    def chunks(self, rid, now, ev, first):
-        """The stream chunks of one event: the role first, then content deltas and the finish_reason."""
+    def _logprobs(self, events):
+        """OpenAI's chat logprobs, {"content": [{token, logprob, bytes, top_logprobs}]}, or None when not asked."""
+        evs = [e for e in events if e.token is not None and e.logprob is not None]
+        if not evs:
+            return None
+        return {"content": [{**self._entry(e.token, e.logprob),
+                             "top_logprobs": [self._entry(t, lp) for t, lp in e.top_logprobs]} for e in evs]}
+
+    def whole(self, rid, now, choices, usage):
+        """The non-streamed response: per choice, the assistant message and the last event's finish_reason."""
+        return self._obj(rid, now, "chat.completion", [
+            {"index": i, "message": {"role": "assistant", "content": "".join(e.text for e in evs)},
+             "logprobs": self._logprobs(evs), "finish_reason": evs[-1].finish_reason}
+            for i, evs in enumerate(choices)], usage)
+
+    def chunks(self, rid, now, ev):
+        """The stream chunks of one event: its choice's role first, then a content delta (with the token's
+        logprobs when asked) and the finish_reason."""
         out = []
-        if first:
+        if ev.index not in self._started:
+            self._started.add(ev.index)
             out.append(self._obj(rid, now, "chat.completion.chunk",
-                                 [{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                                 [{"index": ev.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                                    "finish_reason": None}]))
-        if ev.text or ev.finish_reason is not None:
+        logprobs = self._logprobs([ev])
+        if ev.text or ev.finish_reason is not None or logprobs is not None:
             out.append(self._obj(rid, now, "chat.completion.chunk",
-                                 [{"index": 0, "delta": {"content": ev.text} if ev.text else {}, "logprobs": None,
-                                   "finish_reason": ev.finish_reason}]))
+                                 [{"index": ev.index, "delta": {"content": ev.text} if ev.text else {},
+                                   "logprobs": logprobs, "finish_reason": ev.finish_reason}]))
         return out
 
     def usage_chunk(self, rid, now, usage):

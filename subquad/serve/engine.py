@@ -7,6 +7,10 @@
         print(event.text, end="")
     engine.cancel(seq)                               # from any thread; its row is freed at the next step
 
+A request with ``n`` choices (``SamplingParams.n``) is prefilled once: at the prompt's end its state is copied
+for choices 1..n-1 (``seq.choices``; each has its own events, ``Event.index`` its choice, and draws from
+``seed + i``), and the n rows join the batch together.
+
 One loop iteration (``step``), vLLM's scheduler in miniature:
 
 1. Cancelled requests leave (their rows are dropped from the batch state).
@@ -53,7 +57,7 @@ import torch
 from subquad.models.rows import cat_states, select_rows, state_nbytes, with_capacity
 from subquad.ops import KVCache
 from subquad.serve.prefix_cache import PrefixCache
-from subquad.serve.sampling import RowSampler, SamplingParams, logprobs_of
+from subquad.serve.sampling import OptionError, RowSampler, SamplingParams, logprobs_of
 from subquad.serve.text import TextStream
 
 
@@ -69,13 +73,15 @@ class NotAccepting(RuntimeError):
 class Event:
     """One step of a request's output. ``token`` is None only on a final event that carries no token
     (cancelled, aborted at shutdown, or an error); ``finish_reason`` is set on the last event only:
-    "stop" (end-of-text or a stop string), "length" (max_tokens or the context), "abort", "error"."""
+    "stop" (end-of-text, a stop token or a stop string), "length" (max_tokens or the context), "abort",
+    "error". ``index``: the choice of the request it belongs to."""
 
     token: int | None
     text: str = ""
     logprob: float | None = None
     top_logprobs: list | None = None
     finish_reason: str | None = None
+    index: int = 0
 
 
 class Sequence:
@@ -83,10 +89,12 @@ class Sequence:
 
     _ids = itertools.count()
 
-    def __init__(self, prompt: list[int], params: SamplingParams, sampler: RowSampler, text, on_event):
-        """Its prompt ids, parameters, sampler, text stream (None without a tokenizer) and event callback."""
+    def __init__(self, prompt: list[int], params: SamplingParams, sampler: RowSampler, text, on_event, index=0):
+        """Its prompt ids, parameters, sampler, text stream (None without a tokenizer), event callback and choice."""
         self.id = next(Sequence._ids)
-        self.prompt, self.params, self.sampler, self.text = prompt, params, sampler, text
+        self.prompt, self.params, self.sampler, self.text, self.index = prompt, params, sampler, text, index
+        self.choices: list[Sequence] = [self]   # every choice of the request (on choice 0)
+        self.forks: list[Sequence] = []         # choices 1..n-1 until the prompt is done and they are copied
         self.tokens: list[int] = []
         self.state = None                  # while prefilling: this request's own state
         self.prefilled = 0                 # prompt tokens the state has consumed
@@ -97,6 +105,11 @@ class Sequence:
         self.events: queue.Queue = queue.Queue()
         self.submitted = time.monotonic()
         self.first_token_at: float | None = None
+
+    @property
+    def rows(self) -> int:
+        """Batch rows it will take: itself and its forks not yet copied."""
+        return 1 + len(self.forks)
 
     @property
     def max_len(self) -> int:
@@ -160,7 +173,8 @@ class Engine:
 
     def submit(self, prompt, params: SamplingParams | None = None, on_event=None) -> Sequence:
         """Queue a request; returns its handle. ``on_event(Event)`` is called from the loop's thread for each
-        event (else read them with ``stream``). ValueError names what is wrong with the request; QueueFull
+        event (else read them with ``stream``). With ``params.n`` > 1 the handle is choice 0 and ``seq.choices``
+        holds all n. ValueError names what is wrong with the request (``OptionError`` its option); QueueFull
         when ``max_queue`` requests already wait; NotAccepting while draining."""
         params = params or SamplingParams()
         if not isinstance(prompt, (list, tuple)) or not prompt:
@@ -171,25 +185,34 @@ class Engine:
         if len(prompt) > self.max_context:
             raise ValueError(f"prompt is {len(prompt)} tokens, over the server's max context of {self.max_context}")
         if len(prompt) + params.max_tokens > self.max_context:
-            raise ValueError(f"max_tokens={params.max_tokens} plus the prompt's {len(prompt)} tokens passes the "
-                             f"max context of {self.max_context}")
+            raise OptionError("max_tokens", f"max_tokens={params.max_tokens} plus the prompt's {len(prompt)} tokens "
+                                            f"passes the max context of {self.max_context}")
         if params.stop and self.tokenizer is None:
-            raise ValueError("stop strings need a tokenizer; this model has none")
-        if self.budget is not None and 2 * self.held_bytes([len(prompt) + params.max_tokens]) > self.budget:
-            raise ValueError(f"max_tokens={params.max_tokens}: the prompt and max_tokens need "
-                             f"{self.held_bytes([len(prompt) + params.max_tokens]):,} bytes of state (twice that "
-                             f"while the batch changes), over the memory budget of {self.budget:,}")
-        text = None
-        if self.tokenizer is not None:
-            text = TextStream(lambda ids: self.tokenizer.decode(ids, skip_special_tokens=True), params.stop)
-        seq = Sequence(list(prompt), params, RowSampler(params, self.device), text, on_event)
+            raise OptionError("stop", "stop strings need a tokenizer; this model has none")
+        if params.n > self.max_batch:
+            raise OptionError("n", f"n={params.n} choices are over the server's max batch of {self.max_batch}")
+        params.check_vocab(V)
+        rows = [len(prompt) + params.max_tokens] * params.n
+        if self.budget is not None and 2 * self.held_bytes(rows) > self.budget:
+            raise OptionError("max_tokens", f"max_tokens={params.max_tokens}: the prompt and max_tokens need "
+                                            f"{self.held_bytes(rows):,} bytes of state for n={params.n} (twice that "
+                                            f"while the batch changes), over the memory budget of {self.budget:,}")
+        seqs = []
+        for i in range(params.n):
+            text = None
+            if self.tokenizer is not None:
+                text = TextStream(lambda ids: self.tokenizer.decode(ids, skip_special_tokens=True), params.stop)
+            seqs.append(Sequence(list(prompt), params, RowSampler(params, self.device, list(prompt), i), text,
+                                 on_event, index=i))
+        seq = seqs[0]
+        seq.choices, seq.forks = seqs, seqs[1:]
         with self._lock:
             if not self.accepting:
                 raise NotAccepting("the server is shutting down")
             if len(self.waiting) + len(self._inbox) >= self.max_queue + max(0, self.max_batch - self.active):
                 raise QueueFull(f"{self.max_queue} requests are already waiting")
             self._inbox.append(seq)
-            self._unfinished[seq.id] = seq
+            self._unfinished.update((s.id, s) for s in seqs)
             self.counters["requests"] += 1
         self._wake.set()
         return seq
@@ -209,8 +232,9 @@ class Engine:
 
     @property
     def active(self) -> int:
-        """Requests holding a state: prefilling or decoding."""
-        return len(self.prefilling) + len(self.running)
+        """Rows holding (or about to hold) a state: prefilling, their forks, decoding. Read from other threads
+        too (metrics, submit): ``list`` copies the deque in one step, where iterating it could meet a change."""
+        return sum(s.rows for s in list(self.prefilling)) + len(self.running)
 
     @property
     def queue_length(self) -> int:
@@ -282,10 +306,10 @@ class Engine:
 
     def _admit(self):
         """Move waiting requests to prefilling while the batch and the memory budget have room."""
-        while self.waiting and self.active < self.max_batch:
+        while self.waiting and self.active + self.waiting[0].rows <= self.max_batch:
             seq = self.waiting[0]
             if self.budget is not None:
-                need = self._committed([seq.max_len])
+                need = self._committed([seq.max_len] * seq.rows)
                 if need + self.cache.nbytes > self.budget:
                     self.cache.evict(self.budget - need)
                     if need + self.cache.nbytes > self.budget:
@@ -314,11 +338,13 @@ class Engine:
             budget -= n
             if seq.prefilled == len(seq.prompt):
                 self.prefilling.popleft()
-                if seq.finish_reason is None:
-                    joiners.append(seq)
-                else:                                       # done at its first token (its prompt state is kept)
-                    seq.state = None
-                    self._finished(seq, None)
+                group, seq.forks = [seq, *seq.forks], []
+                for s in group:
+                    if s.finish_reason is None:
+                        joiners.append(s)
+                    else:                                   # done at its first token (its prompt state is kept)
+                        s.state = None
+                        self._finished(s, None)
         return joiners
 
     def _prefill_one(self, seq: Sequence, n: int):
@@ -333,7 +359,11 @@ class Engine:
         self.counters["prefill_tokens"] += n
         if seq.prefilled == len(seq.prompt):
             self._keep(seq.prompt, seq.state)
-            self._emit(seq, last)
+            for f in seq.forks:                     # the other choices: copies of the prompt's state
+                f.state = with_capacity(select_rows(seq.state, [0]), f.max_len)
+                f.prefilled, f.cached_tokens = seq.prefilled, seq.cached_tokens
+            for s in [seq, *seq.forks]:
+                self._emit(s, last)
 
     def _join(self, joiners: list):
         """The requests whose prompt is done join the batch, its KV caches sized for the new longest row."""
@@ -402,9 +432,12 @@ class Engine:
         if seq.first_token_at is None:
             seq.first_token_at = time.monotonic()
         self.counters["generated_tokens"] += 1
-        text, stopped = seq.text.push(seq.tokens) if seq.text is not None else ("", False)
+        text, stopped = "", False
+        stop_token = tok in seq.params.stop_ids
+        if seq.text is not None and not stop_token:     # a stop token's own text is not output (as vLLM)
+            text, stopped = seq.text.push(seq.tokens)
         finish = None
-        if stopped or tok in self.eos:
+        if stopped or stop_token or (tok in self.eos and not seq.params.ignore_eos):
             finish = "stop"
         elif len(seq.tokens) >= seq.params.max_tokens or len(seq.prompt) + len(seq.tokens) >= self.max_context:
             finish = "length"
@@ -415,6 +448,7 @@ class Engine:
     def _send(self, seq: Sequence, event: Event):
         """Deliver an event; the final one takes the request off the books. A consumer that raises loses its
         request (cancelled), not the loop."""
+        event.index = seq.index
         if event.finish_reason is not None:
             self._unfinished.pop(seq.id, None)
         try:
@@ -449,9 +483,14 @@ class Engine:
     def _drop_cancelled(self):
         """End the cancelled requests wherever they are; their rows leave the batch."""
         for q in (self.waiting, self.prefilling):
-            for seq in [s for s in q if s.cancelled]:
-                q.remove(seq)
-                self._end(seq, "abort", "cancelled")
+            for seq in list(q):
+                for f in [f for f in seq.forks if f.cancelled]:
+                    seq.forks.remove(f)
+                    self._end(f, "abort", "cancelled")
+                if seq.cancelled:                   # choice 0 carries the prefill: its forks end with it
+                    q.remove(seq)
+                    for s in [seq, *seq.forks]:
+                        self._end(s, "abort", "cancelled")
         rows = [i for i, s in enumerate(self.running) if s.cancelled]
         for i in rows:
             self._end(self.running[i], "abort", "cancelled")
@@ -470,12 +509,14 @@ class Engine:
         traceback.print_exc()
         if seq in where:
             where.remove(seq)
-        self._end(seq, "error", "errors")
+        for s in [seq, *seq.forks]:
+            self._end(s, "error", "errors")
 
     def _abort_all(self, reason: str = "abort", counter: str = "cancelled"):
         """End every request the loop has seen (waiting, prefilling, running)."""
         for seq in list(self.waiting) + list(self.prefilling) + list(self.running):
-            self._end(seq, reason, counter)
+            for s in [seq, *seq.forks]:
+                self._end(s, reason, counter)
         self.waiting.clear()
         self.prefilling.clear()
         self.running, self.batch_state = [], None
@@ -492,8 +533,8 @@ class Engine:
             self._end(seq, "error", "errors")
 
     def _live(self):
-        """The requests holding a state."""
-        return list(self.prefilling) + self.running
+        """The rows holding a state, or about to: prefilling, their forks, decoding."""
+        return [s for seq in self.prefilling for s in [seq, *seq.forks]] + self.running
 
     # -- memory -----------------------------------------------------------------------------------------
 

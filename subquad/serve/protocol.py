@@ -1,9 +1,11 @@
 """OpenAI request bodies -> what the engine needs, and OpenAI's error shape.
 
 Every field is checked by name; a field this server does not honour is refused by name (a value that asks
-for nothing - ``n: 1``, ``presence_penalty: 0``, ``echo: false`` - is accepted), and so is a field OpenAI
-does not have. ``null`` means "not given", as in OpenAI's API. ``top_k`` is an extension (vLLM's and
-llama.cpp's).
+for nothing - ``echo: false``, ``response_format: {"type": "text"}`` - is accepted), and so is a field neither
+OpenAI nor vLLM has. ``null`` means "not given", as in OpenAI's API. vLLM's extensions are honoured: ``top_k``,
+``min_p``, ``repetition_penalty``, ``stop_token_ids``, ``ignore_eos``. The sampling options' values are
+checked once, by ``SamplingParams`` (``models.sampling.SamplingOptions``, the check ``generate`` runs), whose
+``OptionError`` becomes a 400 naming the field; this module checks the JSON shapes around them.
 
 A JSON string may carry a lone UTF-16 surrogate (the escape "\\ud800", or its bytes, which Python's json
 decodes with surrogatepass): Python keeps it in the str, but no tokenizer encodes it and no UTF-8 response
@@ -13,11 +15,10 @@ can carry it back, so any string holding one - a value or a field's name - is re
 from __future__ import annotations
 
 import json
-import math
 import re
 from dataclasses import dataclass
 
-from subquad.serve.sampling import MAX_LOGPROBS, SamplingParams
+from subquad.serve.sampling import MAX_LOGPROBS, OptionError, SamplingParams
 
 
 class APIError(Exception):
@@ -74,14 +75,33 @@ def _refuse_surrogates(body: dict, raw: bytes):
                       if isinstance(v, (str, list, dict))]
 
 
+# the sampling options passed to SamplingParams as they are (their values checked there)
+OPTIONS = ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty",
+           "seed", "n", "ignore_eos", "stop")
 # fields honoured by each route; and fields accepted only with the value that asks for nothing
-SAMPLING = ("max_tokens", "temperature", "top_p", "top_k", "stop", "seed", "stream", "stream_options")
-COMPLETION_FIELDS = {"model", "prompt", "logprobs", "user", *SAMPLING}
-CHAT_FIELDS = {"model", "messages", "max_completion_tokens", "user", *SAMPLING}
-NO_OP = {"n": 1, "best_of": 1, "echo": False, "presence_penalty": 0, "frequency_penalty": 0, "logit_bias": {},
-         "suffix": "", "logprobs": False, "top_logprobs": 0, "tools": [], "tool_choice": "none",
-         "parallel_tool_calls": False, "response_format": {"type": "text"}}
+SAMPLING = ("max_tokens", "stop_token_ids", "logit_bias", "stream", "stream_options", *OPTIONS)
+COMPLETION_FIELDS = {"model", "prompt", "logprobs", "best_of", "user", *SAMPLING}
+CHAT_FIELDS = {"model", "messages", "max_completion_tokens", "logprobs", "top_logprobs", "user", *SAMPLING}
+NO_OP = {"echo": False, "suffix": "", "tools": [], "tool_choice": "none", "parallel_tool_calls": False,
+         "response_format": {"type": "text"}}
 ROLES = {"system", "developer", "user", "assistant"}
+MAX_COMPLETION_LOGPROBS = 5     # OpenAI's bound on completions' logprobs (chat's top_logprobs: MAX_LOGPROBS)
+FIELD_OF = {"stop_ids": "stop_token_ids"}    # SamplingOptions' argument -> the request's field, where they differ
+
+
+def option_error(e: OptionError) -> APIError:
+    """A 400 naming the request field of a refused sampling option."""
+    name = FIELD_OF.get(e.name, e.name)
+    message = str(e).replace(e.name, name, 1)
+    return bad(name, message if len(message) <= 300 else message[:300] + "...")   # it may quote a long value
+
+
+def _params(**kw) -> SamplingParams:
+    """``SamplingParams`` (every option's value checked there), or a 400 naming the field at fault."""
+    try:
+        return SamplingParams(**kw)
+    except OptionError as e:
+        raise option_error(e) from None
 
 
 @dataclass
@@ -119,16 +139,6 @@ def _int(body, name, low=None, high=None):
         rng = f">= {low}" if high is None else f"in [{low}, {high}]"
         raise bad(name, f"{name} must be {rng}, got {v}")
     return v
-
-
-def _number(body, name):
-    """An optional finite number field, as a float."""
-    v = body.get(name)
-    if v is None:
-        return None
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
-        raise bad(name, f"{name} must be a finite number, got {json.dumps(v)[:40]}")
-    return float(v)
 
 
 def _check_fields(body, allowed):
@@ -176,22 +186,15 @@ def _common(body, allowed) -> tuple:
     user = body.get("user")
     if user is not None and not isinstance(user, str):
         raise bad("user", "user must be a string")
-    temperature = _number(body, "temperature")
-    if temperature is not None and temperature < 0:
-        raise bad("temperature", f"temperature must be >= 0, got {temperature}")
-    top_p = _number(body, "top_p")
-    if top_p is not None and not 0 < top_p <= 1:
-        raise bad("top_p", f"top_p must lie in (0, 1], got {top_p}")
-    top_k = _int(body, "top_k", 1)
-    seed = _int(body, "seed", 0, 2 ** 63 - 1)
-    stop = body.get("stop")
-    if stop is not None:
-        if isinstance(stop, str):
-            stop = [stop]
-        if not isinstance(stop, list) or len(stop) > 4 or any(not isinstance(s, str) or not s for s in stop):
-            raise bad("stop", "stop must be a non-empty string or a list of up to 4 non-empty strings")
-    sampling = dict(temperature=1.0 if temperature is None else temperature, top_p=top_p, top_k=top_k,
-                    seed=seed, stop=stop or [])
+    sampling = {name: body[name] for name in OPTIONS if body.get(name) is not None}
+    if body.get("stop_token_ids") is not None:
+        sampling["stop_ids"] = body["stop_token_ids"]
+    bias = body.get("logit_bias")
+    if bias is not None:                     # JSON's keys are strings: OpenAI's are token ids written in decimal
+        if not isinstance(bias, dict) or any(not re.fullmatch(r"[0-9]{1,12}", k) for k in bias):
+            raise bad("logit_bias", "logit_bias must map token ids (\"50256\") to values in [-100, 100], got "
+                                    f"{json.dumps(bias)[:40]}")
+        sampling["logit_bias"] = {int(k): v for k, v in bias.items()}
     return model, stream, include_usage, sampling
 
 
@@ -200,7 +203,8 @@ def parse_completion(body: dict, max_context: int) -> Parsed:
     model, stream, include_usage, sampling = _common(body, COMPLETION_FIELDS)
     if body.get("logprobs") is False:
         body = {**body, "logprobs": None}
-    logprobs = _int(body, "logprobs", 0, MAX_LOGPROBS)
+    logprobs = _int(body, "logprobs", 0, MAX_COMPLETION_LOGPROBS)
+    best_of = _int(body, "best_of", 1)
     max_tokens = _int(body, "max_tokens", 1, max_context)
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
@@ -214,7 +218,9 @@ def parse_completion(body: dict, max_context: int) -> Parsed:
         raise bad("prompt", "prompt: one prompt per request (a string or a list of token ids), not a batch")
     else:
         raise bad("prompt", "prompt must be a non-empty string or a non-empty list of token ids")
-    params = SamplingParams(max_tokens=max_tokens or 16, logprobs=logprobs, **sampling)
+    params = _params(max_tokens=max_tokens or 16, logprobs=logprobs, **sampling)
+    if best_of is not None and best_of != params.n:
+        raise bad("best_of", f"best_of={best_of} is not supported by this server (only best_of equal to n, or null)")
     return Parsed(model, prompt, params, max_tokens is not None, stream, include_usage)
 
 
@@ -226,6 +232,18 @@ def parse_chat(body: dict, max_context: int) -> Parsed:
     if max_tokens is not None and mct is not None and max_tokens != mct:
         raise bad("max_completion_tokens", "give max_tokens or max_completion_tokens, not two different values")
     max_tokens = max_tokens if max_tokens is not None else mct
+    logprobs = body.get("logprobs")
+    if logprobs is not None and not isinstance(logprobs, bool):
+        raise bad("logprobs", f"logprobs must be a boolean, got {json.dumps(logprobs)[:40]}")
+    top = _int(body, "top_logprobs", 0, MAX_LOGPROBS)
+    if top and not logprobs:
+        raise bad("top_logprobs", "top_logprobs needs logprobs: true")
+    params = _params(max_tokens=max_tokens or 16, logprobs=(top or 0) if logprobs else None, **sampling)
+    return Parsed(model, parse_messages(body), params, max_tokens is not None, stream, include_usage)
+
+
+def parse_messages(body: dict) -> list[dict]:
+    """The checked chat messages of a body: [{role, content, name?}], content parts joined into one string."""
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise bad("messages", "messages must be a non-empty list of {role, content} objects")
@@ -252,5 +270,46 @@ def parse_chat(body: dict, max_context: int) -> Parsed:
         if "name" in m and not isinstance(m["name"], str):
             raise bad(f"{where}.name", f"{where}.name must be a string")
         out.append({"role": m["role"], "content": content, **({"name": m["name"]} if "name" in m else {})})
-    params = SamplingParams(max_tokens=max_tokens or 16, **sampling)
-    return Parsed(model, out, params, max_tokens is not None, stream, include_usage)
+    return out
+
+
+def _bool(body, name, default: bool) -> bool:
+    """An optional boolean field."""
+    v = body.get(name)
+    if v is None:
+        return default
+    if not isinstance(v, bool):
+        raise bad(name, f"{name} must be a boolean, got {json.dumps(v)[:40]}")
+    return v
+
+
+def parse_tokenize(body: dict) -> dict:
+    """A /tokenize body (vLLM's) -> {model, prompt} or {model, messages}, with ``add_special_tokens`` (default:
+    true for a prompt, false for messages, whose template writes them) and ``add_generation_prompt``
+    (messages only, default true) - what /v1/completions and /v1/chat/completions would encode."""
+    chat = "messages" in body
+    _check_fields(body, {"model", "messages", "add_generation_prompt", "add_special_tokens"} if chat
+                  else {"model", "prompt", "add_special_tokens"})
+    out = {"model": body.get("model"), "add_special_tokens": _bool(body, "add_special_tokens", not chat)}
+    if out["model"] is not None and not isinstance(out["model"], str):
+        raise bad("model", "model must be a string")
+    if chat:
+        out["messages"] = parse_messages(body)
+        out["add_generation_prompt"] = _bool(body, "add_generation_prompt", True)
+    else:
+        if not isinstance(body.get("prompt"), str):
+            raise bad("prompt", "prompt must be a string (or send messages)")
+        out["prompt"] = body["prompt"]
+    return out
+
+
+def parse_detokenize(body: dict, vocab_size: int) -> dict:
+    """A /detokenize body (vLLM's) -> {model, tokens}, every id in the vocabulary."""
+    _check_fields(body, {"model", "tokens"})
+    model, tokens = body.get("model"), body.get("tokens")
+    if model is not None and not isinstance(model, str):
+        raise bad("model", "model must be a string")
+    if not isinstance(tokens, list) or any(isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab_size
+                                           for t in tokens):
+        raise bad("tokens", f"tokens must be a list of token ids in [0, {vocab_size})")
+    return {"model": model, "tokens": tokens}

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import sys
 
-from subquad.serve.api import create_app
+from subquad.serve.api import MAX_BODY_MB, create_app
 from subquad.serve.engine import Engine
 
 MEMORY_FRACTION = 0.5   # the default --memory-mb: this share of the memory available once the model is loaded
@@ -54,11 +54,12 @@ def end_of_text_ids(model, tok) -> list[int]:
 
 
 def make_server(engine: Engine, model_name: str, *, host: str = "127.0.0.1", port: int = 8000, chat_template=None,
-                api_key: str | None = None, drain_timeout: float = 10.0, log_level: str = "warning"):
+                api_key: str | None = None, drain_timeout: float = 10.0, log_level: str = "warning",
+                max_body_mb: float = MAX_BODY_MB):
     """The uvicorn server for ``engine``, whose exit handler drains the engine (module doc)."""
     import uvicorn
 
-    app = create_app(engine, model_name, chat_template, api_key)
+    app = create_app(engine, model_name, chat_template, api_key, max_body_mb)
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=False,
                             timeout_graceful_shutdown=drain_timeout + 5, lifespan="off")
 
@@ -73,10 +74,11 @@ def make_server(engine: Engine, model_name: str, *, host: str = "127.0.0.1", por
 
 
 def run(engine: Engine, model_name: str, *, host: str = "127.0.0.1", port: int = 8000, chat_template=None,
-        api_key: str | None = None, drain_timeout: float = 10.0, log_level: str = "warning") -> int:
+        api_key: str | None = None, drain_timeout: float = 10.0, log_level: str = "warning",
+        max_body_mb: float = MAX_BODY_MB) -> int:
     """Serve until SIGTERM/SIGINT, drain, stop the engine; returns the exit status (0)."""
     server = make_server(engine, model_name, host=host, port=port, chat_template=chat_template, api_key=api_key,
-                         drain_timeout=drain_timeout, log_level=log_level)
+                         drain_timeout=drain_timeout, log_level=log_level, max_body_mb=max_body_mb)
     engine.start()
     budget = "no memory budget" if engine.budget is None else f"memory budget {engine.budget / 2 ** 20:,.0f} MB"
     print(f"subquad serve: {model_name} on http://{host}:{port}/v1 (max batch {engine.max_batch}, max context "

@@ -69,3 +69,28 @@ def test_every_command_is_a_module_with_add_parser_and_run():
     for name, sub in commands.items():
         mod = importlib.import_module(f"subquad.cli.{name}")
         assert sub.get_default("fn") is mod.run, name
+
+
+def test_generate_takes_the_servers_sampling_options(tmp_path, capsys):
+    """``subquad generate``'s --min-p, penalties, --logit-bias, --stop-token-id and --ignore-eos: the text of
+    ``model.generate`` with the same options; a bad one is refused by its flag before the model loads."""
+    from subquad.cli import main
+    from tests.serve.helpers import folder, load
+
+    path = folder(tmp_path / "m", "mamba2", eos=46)
+    model, tok = load(path)
+    ids = tok.encode("w5 w6").ids
+    opts = dict(repetition_penalty=1.5, presence_penalty=0.5, frequency_penalty=0.3, logit_bias={7: 3.0}, min_p=0.1,
+                ignore_eos=True)
+    free = model.generate(ids, 8, temperature=0, **opts)[0]
+    want = model.generate(ids, 8, temperature=0, stop_ids=[free[5]], **opts)[0]
+    assert want != model.generate(ids, 8, temperature=0)[0] and len(want) > 1
+    argv = ["generate", "--model", str(path), "--prompt", "w5 w6", "--max-new-tokens", "8", "--temperature", "0",
+            "--repetition-penalty", "1.5", "--presence-penalty", "0.5", "--frequency-penalty", "0.3",
+            "--logit-bias", "7=3", "--min-p", "0.1", "--ignore-eos", "--stop-token-id", str(free[5])]
+    assert main(argv) == 0
+    assert capsys.readouterr().out == "w5 w6" + tok.decode(want) + "\n"
+    for flag, value in (("--min-p", "2"), ("--repetition-penalty", "0"), ("--logit-bias", "7"),
+                        ("--logit-bias", "7=500"), ("--stop-token-id", "-3")):
+        assert main(argv[:5] + [flag, value]) == 2
+        assert flag in capsys.readouterr().err

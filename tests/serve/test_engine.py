@@ -12,6 +12,7 @@ import torch
 from subquad.models import LanguageModel
 from subquad.ops import KVCache
 from subquad.serve import Engine, NotAccepting, QueueFull, SamplingParams
+from subquad.serve.sampling import OptionError
 from subquad.serve.prefix_cache import PrefixCache, compact, exact_bytes
 from tests.serve.helpers import V, config, folder, load
 
@@ -19,6 +20,11 @@ from tests.serve.helpers import V, config, folder, load
 def model_of(kind):
     torch.manual_seed(0)
     return LanguageModel(config(kind)).eval()
+
+
+# the options a request may add (each applies to greedy decoding too but min_p)
+EXTRA = [{}, {}, {"presence_penalty": 0.8, "frequency_penalty": 0.4}, {"repetition_penalty": 1.6},
+         {"min_p": 0.05}, {"logit_bias": {7: 4.0, 8: -100.0}}, {"repetition_penalty": 0.7, "frequency_penalty": -0.5}]
 
 
 def requests(n, seed=0):
@@ -29,13 +35,17 @@ def requests(n, seed=0):
         greedy = rng.random() < 0.5
         out.append((prompt, SamplingParams(max_tokens=rng.choice([1, 4, 11]), temperature=0 if greedy else 0.9,
                                            seed=1000 + i, top_k=rng.choice([None, 20]),
-                                           top_p=rng.choice([None, 0.8]))))
+                                           top_p=rng.choice([None, 0.8]), **rng.choice(EXTRA))))
     return out
 
 
-def alone(model, prompt, p):
+def alone(model, prompt, p, index=0):
+    """``generate`` alone with the request's options (choice ``index``: seeded ``seed + index``)."""
     return model.generate(prompt, p.max_tokens, temperature=p.temperature, top_k=p.top_k, top_p=p.top_p,
-                          seed=p.seed)[0]
+                          seed=None if p.seed is None else p.seed + index, stop_ids=p.stop_ids, min_p=p.min_p,
+                          presence_penalty=p.presence_penalty, frequency_penalty=p.frequency_penalty,
+                          repetition_penalty=p.repetition_penalty, logit_bias=p.logit_bias,
+                          ignore_eos=p.ignore_eos)[0]
 
 
 def run_all(engine, reqs, per_step=3):
@@ -173,6 +183,67 @@ def test_stop_strings_across_tokens_and_end_of_text(tmp_path):
     assert model.generate(prompt, 10, temperature=0)[0] == free[:i + 1]     # generate stops there too
 
 
+def test_stop_token_ids_end_the_text_without_it_and_ignore_eos_runs_on(tmp_path):
+    """A stop token ends the sequence ("stop"), counted among the tokens but its text not output (as vLLM);
+    ignore_eos runs past the model's end of text to max_tokens; both as ``generate`` alone."""
+    model, tok = load(folder(tmp_path / "m", "bamba"))
+    prompt = [11, 40, 12, 9, 30]
+    free = alone(model, prompt, SamplingParams(max_tokens=10, temperature=0))
+    i = next(i for i in range(2, 9) if free[i] not in free[:i])
+    engine = Engine(model, tok, state_cache_mb=0, eos_ids=[free[1]])
+    stop = SamplingParams(max_tokens=10, temperature=0, stop_ids=[free[i]], ignore_eos=True)
+    seq = engine.submit(prompt, stop)
+    while engine.step():
+        pass
+    assert seq.tokens == free[:i + 1] and seq.finish_reason == "stop"
+    assert "".join(e.text for e in _events(seq)) == tok.decode(free[:i])           # without the stop token
+    model.config.eos_token_ids = [free[1]]
+    assert alone(model, prompt, stop) == free[:i + 1]
+    seq = engine.submit(prompt, SamplingParams(max_tokens=10, temperature=0))    # eos honoured: stops at free[1]
+    while engine.step():
+        pass
+    assert seq.tokens == free[:2] == alone(model, prompt, SamplingParams(max_tokens=10, temperature=0))
+
+
+@pytest.mark.parametrize("kind", ["mamba2", "bamba"])
+def test_n_choices_prefill_once_and_choice_i_equals_generate_alone_seeded_seed_plus_i(kind):
+    model = model_of(kind)
+    prompt = [random.Random(3).randrange(V) for _ in range(37)]
+    engine = Engine(model, max_batch=6, prefill_chunk=16, state_cache_mb=0)
+    p = SamplingParams(max_tokens=9, temperature=0.9, seed=40, n=4, repetition_penalty=1.3, min_p=0.02)
+    other = SamplingParams(max_tokens=5, temperature=0)
+    seq, lone = engine.submit(prompt, p), engine.submit([5, 6], other)     # another request shares the batch
+    while engine.step():
+        pass
+    assert [s.index for s in seq.choices] == [0, 1, 2, 3]
+    for i, s in enumerate(seq.choices):
+        assert s.tokens == alone(model, prompt, p, i), i
+        assert s.finish_reason == "length"
+    assert len({tuple(s.tokens) for s in seq.choices}) > 1                  # the choices differ
+    assert lone.tokens == alone(model, [5, 6], other)
+    assert engine.counters["prefill_tokens"] == len(prompt) + 2             # the prompt prefilled once
+    assert engine.active == 0 and engine.batch_state is None
+
+
+def test_n_choices_wait_for_rows_and_cancelling_choice_0_before_its_prompt_is_done_ends_them_all():
+    model = model_of("mamba2")
+    engine = Engine(model, max_batch=3, prefill_chunk=4, state_cache_mb=0)
+    first = engine.submit([1, 2], SamplingParams(max_tokens=6, temperature=0, n=2))
+    second = engine.submit([3] * 20, SamplingParams(max_tokens=3, temperature=0, n=2))
+    engine.step()
+    assert engine.active == 2 and len(engine.waiting) == 1                 # 2 + 2 rows pass max_batch 3
+    while engine.step():
+        pass
+    assert all(s.tokens == alone(model, [1, 2], SamplingParams(max_tokens=6, temperature=0)) for s in first.choices)
+    assert all(len(s.tokens) == 3 for s in second.choices)
+    third = engine.submit([4] * 20, SamplingParams(max_tokens=3, temperature=0, n=3))
+    engine.step()                                                          # 4 of its 20 prompt tokens prefilled
+    engine.cancel(third)
+    engine.step()
+    assert [s.finish_reason for s in third.choices] == ["abort"] * 3
+    assert engine.active == 0 and not engine.step()
+
+
 def _events(seq):
     out = []
     while not seq.events.empty():
@@ -214,9 +285,14 @@ def test_queue_bound_drain_and_bad_requests():
         engine.submit([1], p)
     engine.step()
     assert a.finish_reason == "abort" and b.finish_reason == "abort" and engine.drained.is_set()
-    for kw in ({"temperature": -1}, {"top_p": 0}, {"top_k": 0}, {"max_tokens": 0}, {"seed": -1}, {"logprobs": 6}):
+    for kw in ({"temperature": -1}, {"top_p": 0}, {"top_k": 0}, {"max_tokens": 0}, {"seed": -1}, {"logprobs": 21},
+               {"n": 0}, {"seed": 2 ** 63 - 2, "n": 3}, {"min_p": 2}, {"repetition_penalty": 0}):
         with pytest.raises(ValueError, match=next(iter(kw))):
             SamplingParams(**kw)
+    for p, name in ((SamplingParams(n=2), "n"), (SamplingParams(logit_bias={V: 1}), "logit_bias"),
+                    (SamplingParams(stop_ids=[V]), "stop_ids")):
+        with pytest.raises(OptionError, match=name):
+            engine.submit([1], p)
 
 
 def _storage_bytes(*objs) -> int:

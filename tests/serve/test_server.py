@@ -5,9 +5,11 @@ behind a one-slot queue. Expected outputs are computed here, independently, with
 
 from __future__ import annotations
 
+import asyncio
 import http.client
 import json
 import random
+import select
 import signal
 import socket
 import time
@@ -38,7 +40,9 @@ def hybrid(tmp_path_factory):
     i = next(i for i in range(2, 12) if free[i] not in free[:i] and free[i] not in SPECIALS.values())
     path = folder(tmp / "hybrid", "bamba", template=True, eos=free[i])
     model, tok = load(path)
-    server = Server(path, "--api-key", KEY, "--max-batch", 32, "--max-context", CONTEXT, "--prefill-chunk", 32)
+    (tmp / "key").write_text(KEY + "\n")                          # the key from a file, its line break dropped
+    server = Server(path, "--api-key-file", tmp / "key", "--max-batch", 32, "--max-context", CONTEXT,
+                    "--prefill-chunk", 32)
     yield server, model, tok, free[i]
     server.stop()
 
@@ -47,13 +51,14 @@ def hybrid(tmp_path_factory):
 def recurrent(tmp_path_factory):
     path = folder(tmp_path_factory.mktemp("serve") / "recurrent", "mamba2")
     model, tok = load(path)
-    server = Server(path, "--max-batch", 32, "--max-context", LONG)     # no --memory-mb: the default budget
+    server = Server(path, "--max-batch", 32, "--max-context", LONG,     # no --memory-mb: the default budget
+                    "--max-body-mb", 1)
     yield server, model, tok
     server.stop()
 
 
-def alone(model, ids, n, temperature=0.0, seed=None, top_p=None, top_k=None):
-    return model.generate(ids, n, temperature=temperature, seed=seed, top_p=top_p, top_k=top_k)[0]
+def alone(model, ids, n, temperature=0.0, seed=None, top_p=None, top_k=None, **options):
+    return model.generate(ids, n, temperature=temperature, seed=seed, top_p=top_p, top_k=top_k, **options)[0]
 
 
 def _mem_available() -> int:
@@ -164,6 +169,13 @@ def test_a_tiny_temperature_is_served_greedy(hybrid):
     assert server.metrics()["errors_total"] == 0
 
 
+# each request draws one: the fields of OpenAI and vLLM that change the tokens (logit_bias ids are below every
+# model's vocabulary; their values, -100 and 5, ban one token and favour another)
+OPTIONS = [{}, {}, {"presence_penalty": 1.2, "frequency_penalty": 0.5}, {"repetition_penalty": 1.5}, {"min_p": 0.05},
+           {"logit_bias": {9: 5, 12: -100}}, {"repetition_penalty": 0.8, "presence_penalty": -0.6},
+           {"frequency_penalty": 1.7, "min_p": 0.1, "logit_bias": {30: 3}}]
+
+
 def streams_equal_generate_alone(server, model, tok, key="none", n=32):
     rng = random.Random(7)
     words = [i for i in range(5, V) if i not in model.config.eos_token_ids]
@@ -173,14 +185,20 @@ def streams_equal_generate_alone(server, model, tok, key="none", n=32):
         greedy = i % 2 == 0
         reqs.append(dict(prompt=prompt, max_tokens=rng.choice([1, 6, 16]), temperature=0.0 if greedy else 0.9,
                          seed=None if greedy else 100 + i, top_p=None if greedy else rng.choice([None, 0.9]),
-                         top_k=None if greedy else rng.choice([None, 30])))
+                         top_k=None if greedy else rng.choice([None, 30]), options=rng.choice(OPTIONS)))
 
     def one(req):
         client = server.client(key)
-        extra = {"top_k": req["top_k"]} if req["top_k"] else None
+        o = req["options"]
+        extra = {k: v for k, v in {"top_k": req["top_k"], **o}.items()
+                 if v is not None and k not in ("presence_penalty", "frequency_penalty", "logit_bias")}
         out = client.completions.create(model=server.model_name, prompt=" ".join(f"w{t}" for t in req["prompt"]),
                                         max_tokens=req["max_tokens"], temperature=req["temperature"],
-                                        seed=req["seed"], top_p=req["top_p"], stream=True, extra_body=extra)
+                                        seed=req["seed"], top_p=req["top_p"], stream=True, extra_body=extra or None,
+                                        presence_penalty=o.get("presence_penalty", openai.NOT_GIVEN),
+                                        frequency_penalty=o.get("frequency_penalty", openai.NOT_GIVEN),
+                                        logit_bias={str(t): v for t, v in o["logit_bias"].items()}
+                                        if "logit_bias" in o else openai.NOT_GIVEN)
         return "".join(ch.choices[0].text for ch in out if ch.choices)
 
     before = server.metrics()
@@ -191,7 +209,7 @@ def streams_equal_generate_alone(server, model, tok, key="none", n=32):
     assert steps > 0 and rows / steps > 1, (rows, steps)          # batched: more than one row per step on average
     for req, text in zip(reqs, got):
         want = alone(model, req["prompt"], req["max_tokens"], req["temperature"], req["seed"], req["top_p"],
-                     req["top_k"])
+                     req["top_k"], **req["options"])
         assert text == tok.decode(want), req
 
 
@@ -289,7 +307,11 @@ def malformed(n: int, seed: int = 0):
         "top_p": [0, 1.01, -1, 2, "x", "\ud800"], "top_k": [0, -3, 2.5],
         "stop": [5, [1], [""], ["a"] * 5, "", "\ud800", ["ok", "x\udc00"]],
         "seed": [-1, 2 ** 64, 1.5, "1"], "stream": ["yes", 1, []], "logprobs": [6, -1, True, "2"],
-        "n": [2, 0], "echo": [True], "best_of": [3], "presence_penalty": [0.5], "logit_bias": [{"5": 1}, {"\ud800": 1}],
+        "n": [0, -1, 40], "echo": [True], "best_of": [3], "presence_penalty": [2.5, -2.01], "frequency_penalty": [3],
+        "repetition_penalty": [0, -1.5], "min_p": [-0.1, 1.5], "ignore_eos": ["yes", 1],
+        "logit_bias": [{"5": 101}, {"\ud800": 1}, {"-1": 1}, {"x": 1}, {str(V): 1}, {"5": "x"}, {"5": None}],
+        "stop_token_ids": [[-1], [V], [1.5], "5", [True]],
+        "response_format": [{"type": "json_object"}, {"type": "json_schema", "json_schema": {}}],
         "stream_options": [{"include_usage": True}], "user": [5, "\ud800"],
         # unknown fields, their names ASCII, not, or a lone surrogate (named back escaped: "\\ud800")
         "foo": [1, "x"], "na\u00efve": [1], "\u043a\u043b\u044e\u0447": ["x"], "\ud800": [1], "a\udfffb": ["x"],
@@ -304,7 +326,8 @@ def malformed(n: int, seed: int = 0):
                      [{"role": "user", "content": "w5", "\ud800": 1}],
                      [{"role": "\u30e6\u30fc\u30b6\u30fc", "content": "w5"}],
                      [{"role": "user\ud800", "content": "w5"}]],
-        "logprobs": [True], "max_completion_tokens": [0, -1, "x"], "tools": [[{"type": "function"}]],
+        "logprobs": ["yes", 1], "top_logprobs": [21, -1, 3], "max_completion_tokens": [0, -1, "x"],
+        "tools": [[{"type": "function"}]],
     }
     raw = [b"", b"{", b"nul", b"\xff\xfe", b"[1, 2]", b"3", b'"x"', b'{"model": "hybrid", "prompt": }', b"{}" * 2]
     out = []
@@ -319,7 +342,8 @@ def malformed(n: int, seed: int = 0):
         pool = {**{k: v for k, v in fields.items() if not (chat and k in ("prompt", "logprobs", "echo", "best_of"))},
                 **(chat_fields if chat else {})}
         field = rng.choice(sorted(pool))
-        value = rng.choice(pool[field] + ([w for w in wrong if _wrong_type(field, w)] if field not in UNKNOWN else []))
+        value = rng.choice(pool[field] + ([w for w in wrong if _wrong_type(field, w, chat)]
+                                          if field not in UNKNOWN else []))
         if field == "stream_options":
             body.pop("stream", None)
         body[field] = value
@@ -332,12 +356,16 @@ def malformed(n: int, seed: int = 0):
 
 UNKNOWN = {"foo", "na\u00efve", "\u043a\u043b\u044e\u0447", "\ud800", "a\udfffb"}
 VALID = {"prompt": ["x", "\u00e9t\u00e9"], "temperature": [1.5], "stop": ["x", [], "\u00e9t\u00e9"], "stream": [True],
-         "logit_bias": [{}], "tools": [[]], "user": ["x", "", "\u00e9t\u00e9"]}   # generic wrong values valid there
+         "logit_bias": [{}], "tools": [[]], "user": ["x", "", "\u00e9t\u00e9"], "presence_penalty": [-1, 1.5],
+         "frequency_penalty": [-1, 1.5], "repetition_penalty": [1.5], "stop_token_ids": [[]],
+         "ignore_eos": [True]}                                   # generic wrong values valid there
+VALID_CHAT = {"logprobs": [True]}
 
 
-def _wrong_type(field, value):
-    """Whether a generic wrong value is invalid for this field."""
-    return not any(value == v and type(value) is type(v) for v in VALID.get(field, []))
+def _wrong_type(field, value, chat=False):
+    """Whether a generic wrong value is invalid for this field (of a chat request, if ``chat``)."""
+    valid = VALID.get(field, []) + (VALID_CHAT.get(field, []) if chat else [])
+    return not any(value == v and type(value) is type(v) for v in valid)
 
 
 def test_1000_malformed_requests_get_4xx_naming_the_field_and_the_server_goes_on(hybrid):
@@ -423,3 +451,237 @@ def test_streamed_logprobs_carry_the_text_offsets_of_the_plain_response(hybrid):
     assert offsets == plain.logprobs.text_offset
     assert offsets == [len("".join(c.text for c in chunks[:i])) for i in with_lp]
     assert len(set(offsets)) > 1                                   # the test means something: tokens have text
+
+
+def test_n_choices_plain_and_streamed_each_equal_generate_alone_seeded_seed_plus_i(hybrid):
+    """n choices: one prefill (prefill_tokens grows by the prompt once), choice i = generate alone with seed + i;
+    usage counts the prompt once and every choice's tokens; a stream carries each choice's index."""
+    server, model, tok, eos = hybrid
+    client = server.client(KEY)
+    ids = tok.encode("w13 w14 w15 w16").ids
+    opts = {"repetition_penalty": 1.3}
+    want = [alone(model, ids, 7, 0.9, 70 + i, ignore_eos=True, **opts) for i in range(3)]
+    assert len(set(map(tuple, want))) > 1
+    before = server.metrics()
+    r = client.completions.create(model="hybrid", prompt=ids, max_tokens=7, temperature=0.9, seed=70, n=3,
+                                  extra_body={"ignore_eos": True, **opts})
+    assert server.metrics()["prefill_tokens_total"] - before["prefill_tokens_total"] <= len(ids)
+    assert [c.index for c in r.choices] == [0, 1, 2]
+    assert [c.text for c in r.choices] == [tok.decode(w) for w in want]
+    assert r.usage.prompt_tokens == len(ids) and r.usage.completion_tokens == sum(map(len, want)) == 21
+    chunks = list(client.completions.create(model="hybrid", prompt=ids, max_tokens=7, temperature=0.9, seed=70, n=3,
+                                            stream=True, extra_body={"ignore_eos": True, **opts}))
+    for i in range(3):
+        assert "".join(ch.choices[0].text for ch in chunks if ch.choices[0].index == i) == tok.decode(want[i])
+        assert [ch.choices[0].finish_reason for ch in chunks if ch.choices[0].index == i][-1] == "length"
+
+    msgs = [{"role": "user", "content": "w5 w6 w7"}]
+    chat_ids = [2, 5, 6, 7, eos, 3]
+    want = [alone(model, chat_ids, 6, 0.8, 11 + i) for i in range(2)]
+    chunks = list(client.chat.completions.create(model="hybrid", messages=msgs, max_tokens=6, temperature=0.8, seed=11,
+                                                 n=2, stream=True))
+    for i in range(2):
+        mine = [ch.choices[0] for ch in chunks if ch.choices[0].index == i]
+        assert mine[0].delta.role == "assistant"
+        assert "".join(c.delta.content or "" for c in mine) == tok.decode(want[i])
+
+
+def test_chat_logprobs_in_openais_shape_equal_a_full_forward(hybrid):
+    server, model, tok, eos = hybrid
+    client = server.client(KEY)
+    msgs = [{"role": "user", "content": "w21 w22"}]
+    ids = [2, 21, 22, eos, 3]
+    want = alone(model, ids, 5)
+    with torch.no_grad():
+        lp = torch.log_softmax(model(torch.tensor([ids + want]))[0, len(ids) - 1:-1].double(), -1)
+    r = client.chat.completions.create(model="hybrid", messages=msgs, max_tokens=5, temperature=0, logprobs=True,
+                                       top_logprobs=3)
+    content = r.choices[0].logprobs.content
+    names = [tok.decode([t], skip_special_tokens=False) for t in want]
+    assert [c.token for c in content] == names
+    assert [c.bytes for c in content] == [list(n.encode()) for n in names]
+    assert [c.logprob for c in content] == pytest.approx([float(lp[j, t]) for j, t in enumerate(want)], abs=1e-4)
+    for j, c in enumerate(content):
+        top = torch.topk(lp[j], 3)
+        assert [t.token for t in c.top_logprobs] == [tok.decode([t], skip_special_tokens=False) for t in top.indices]
+        assert [t.logprob for t in c.top_logprobs] == pytest.approx(top.values.tolist(), abs=1e-4)
+    chunks = list(client.chat.completions.create(model="hybrid", messages=msgs, max_tokens=5, temperature=0,
+                                                 logprobs=True, stream=True))
+    streamed = [c for ch in chunks if ch.choices[0].logprobs for c in ch.choices[0].logprobs.content]
+    assert [c.token for c in streamed] == names and all(c.top_logprobs == [] for c in streamed)
+    plain = client.chat.completions.create(model="hybrid", messages=msgs, max_tokens=5, temperature=0)
+    assert plain.choices[0].logprobs is None
+
+
+def test_stop_token_ids_and_ignore_eos(hybrid):
+    """A stop token ends the text ("stop") without its own text; ignore_eos runs past the end of text."""
+    server, model, tok, eos = hybrid
+    client = server.client(KEY)
+    ids = tok.encode(PROMPT).ids
+    free = alone(model, ids, 12, ignore_eos=True)
+    assert eos in free[:-1]                                          # the end of text comes early
+    r = client.completions.create(model="hybrid", prompt=PROMPT, max_tokens=12, temperature=0,
+                                  extra_body={"ignore_eos": True})
+    assert r.choices[0].text == tok.decode(free) and r.choices[0].finish_reason == "length"
+    stop = free[1]
+    r = client.completions.create(model="hybrid", prompt=PROMPT, max_tokens=12, temperature=0,
+                                  extra_body={"stop_token_ids": [stop]})
+    assert r.choices[0].text == tok.decode(free[:1]) and r.choices[0].finish_reason == "stop"
+    assert r.usage.completion_tokens == 2
+
+
+def test_tokenize_and_detokenize(hybrid):
+    server, model, tok, eos = hybrid
+    status, data, _ = request(server, "POST", "/tokenize", json.dumps({"prompt": PROMPT}))
+    assert status == 200 and json.loads(data) == {"tokens": tok.encode(PROMPT).ids, "count": 5,
+                                                  "max_model_len": CONTEXT}
+    msgs = [{"role": "system", "content": "w20"}, {"role": "user", "content": "w5 w6"}]
+    status, data, _ = request(server, "POST", "/tokenize", json.dumps({"model": "hybrid", "messages": msgs}))
+    assert json.loads(data)["tokens"] == [4, 20, eos, 2, 5, 6, eos, 3]         # the template by hand
+    status, data, _ = request(server, "POST", "/tokenize", json.dumps({"messages": msgs,
+                                                                       "add_generation_prompt": False}))
+    assert json.loads(data)["tokens"] == [4, 20, eos, 2, 5, 6, eos]
+    status, data, _ = request(server, "POST", "/detokenize", json.dumps({"tokens": [11, 40, 3]}))
+    assert status == 200 and json.loads(data) == {"prompt": "w11 w40 <|assistant|>"}
+    for path, body, field in (("/tokenize", {"prompt": 5}, "prompt"), ("/tokenize", {"prompt": "w5", "n": 2}, "n"),
+                              ("/tokenize", {"messages": [{"role": "x"}]}, "messages[0].role"),
+                              ("/detokenize", {"tokens": [V]}, "tokens"), ("/detokenize", {"tokens": "w5"}, "tokens"),
+                              ("/tokenize", {"prompt": "w5", "model": "other"}, "model")):
+        status, data, _ = request(server, "POST", path, json.dumps(body))
+        assert 400 <= status < 500 and json.loads(data)["error"]["param"] == field, (body, data)
+    assert request(server, "POST", "/tokenize", json.dumps({"prompt": "w5"}), key="wrong")[0] == 401
+
+
+def test_a_body_over_max_body_mb_is_refused_413_and_the_rest_never_read(recurrent):
+    """--max-body-mb 1: a Content-Length over it is refused from the header alone; a chunked body that never
+    ends gets its 413 once past 1 MiB, and the server closes the connection - the rest is not read."""
+    server = recurrent[0]
+    head = b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+    with socket.create_connection(("127.0.0.1", server.port), timeout=10) as sock:
+        sock.sendall(head + b"Content-Length: 1000000000000\r\n\r\n")           # no body sent at all
+        assert sock.recv(4096).startswith(b"HTTP/1.1 413")
+
+    piece = 64 * 1024
+    chunk = b"%x\r\n" % piece + b" " * piece + b"\r\n"                       # JSON whitespace, forever
+    with socket.create_connection(("127.0.0.1", server.port), timeout=10) as sock:
+        sock.sendall(head + b"Transfer-Encoding: chunked\r\n\r\n")
+        sent, answer = 0, b""
+        while sent < 64 * 2 ** 20 and not answer:                                # bounded: 64 MiB at most
+            sock.sendall(chunk)
+            sent += piece
+            if select.select([sock], [], [], 0)[0]:
+                answer = sock.recv(4096)
+        assert answer.startswith(b"HTTP/1.1 413") and b"connection: close" in answer.lower()
+        assert sent < 16 * 2 ** 20                 # 1 MiB read, the rest in the sockets' buffers at most
+        more, closed = 0, False
+        while more < 64 * 2 ** 20 and not closed:                                # the server reads no more
+            try:
+                sock.sendall(chunk)
+                more += piece
+            except (BrokenPipeError, ConnectionResetError):
+                closed = True
+        assert closed and more < 16 * 2 ** 20
+    assert request(server, "GET", "/health")[0] == 200
+
+
+def _on_event_loop() -> bool:
+    try:
+        asyncio.get_running_loop()
+        return True
+    except RuntimeError:
+        return False
+
+
+def test_tokenising_and_templating_run_off_the_event_loop_and_the_body_stops_at_its_bound(tmp_path):
+    """The app in this process, called as ASGI: the tokenizer and the chat template are called from worker
+    threads (no running event loop there), and a never-ending body is read only up to its bound."""
+    from subquad.serve import Engine
+    from subquad.serve.api import create_app
+    from subquad.serve.chat import load_chat_template
+
+    path = folder(tmp_path / "m", "mamba2", template=True, eos=1)
+    model, tok = load(path)
+    calls = []
+
+    class Watched:
+        """The tokenizer, its encode calls recorded with whether an event loop runs in their thread."""
+
+        def encode(self, *a, **kw):
+            calls.append(("encode", _on_event_loop()))
+            return tok.encode(*a, **kw)
+
+        def __getattr__(self, name):
+            return getattr(tok, name)
+
+    template = load_chat_template(path)
+    render = template.render
+    template.render = lambda *a, **kw: (calls.append(("render", _on_event_loop())), render(*a, **kw))[1]
+    engine = Engine(model, Watched(), max_context=64, state_cache_mb=0).start()
+    app = create_app(engine, "m", template, max_body_mb=1)
+
+    async def call(path, body=None, endless=False):
+        """(status, body) of one request; ``endless``: a body of 64 KiB chunks that never ends (counted)."""
+        sent, reads = [], [0]
+
+        async def receive():
+            reads[0] += 1
+            if endless and reads[0] < 1000:
+                return {"type": "http.request", "body": b" " * 65536, "more_body": True}
+            if reads[0] == 1:
+                return {"type": "http.request", "body": body, "more_body": False}
+            await asyncio.Event().wait()                                     # the client stays
+
+        async def send(message):
+            sent.append(message)
+
+        scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST",
+                 "scheme": "http", "path": path, "raw_path": path.encode(), "query_string": b"", "root_path": "",
+                 "headers": [(b"content-type", b"application/json")], "client": ("127.0.0.1", 1),
+                 "server": ("127.0.0.1", 80)}
+        await app(scope, receive, send)
+        return sent[0]["status"], b"".join(m.get("body", b"") for m in sent[1:]), reads[0]
+
+    async def main():
+        out = [await call("/v1/completions", json.dumps({"model": "m", "prompt": "w5 w6", "max_tokens": 3,
+                                                         "temperature": 0}).encode()),
+               await call("/v1/chat/completions", json.dumps({"model": "m", "max_tokens": 2, "messages": [
+                   {"role": "user", "content": "w7"}]}).encode()),
+               await call("/tokenize", json.dumps({"prompt": "w5 w6 w7"}).encode()),
+               await call("/v1/completions", endless=True)]
+        return out
+
+    try:
+        (s1, b1, _), (s2, _, _), (s3, b3, _), (s4, _, reads) = asyncio.run(main())
+    finally:
+        engine.drain(0)
+        engine.stop()
+    assert (s1, s2, s3, s4) == (200, 200, 200, 413)
+    assert json.loads(b1)["choices"][0]["text"] == tok.decode(alone(model, tok.encode("w5 w6").ids, 3))
+    assert json.loads(b3)["tokens"] == tok.encode("w5 w6 w7").ids
+    assert {name for name, _ in calls} == {"encode", "render"} and not any(on_loop for _, on_loop in calls)
+    assert reads == 2 ** 20 // 65536 + 1                        # 1 MiB and the chunk that passed it: no more
+
+
+def test_the_api_key_comes_from_one_of_the_flag_the_file_and_the_environment(tmp_path):
+    from subquad.cli import build_parser
+    from subquad.cli.serve import api_key
+
+    p = build_parser()
+    (tmp_path / "key").write_text("  sk-file\n")
+    (tmp_path / "empty").write_text("\n")
+
+    def args(*argv):
+        return p.parse_args(["serve", "--model", str(tmp_path), *argv])
+
+    assert api_key(args(), {}) is None
+    assert api_key(args("--api-key", "sk-flag"), {}) == "sk-flag"
+    assert api_key(args("--api-key-file", str(tmp_path / "key")), {}) == "sk-file"
+    assert api_key(args(), {"SUBQUAD_API_KEY": "sk-env"}) == "sk-env"
+    for argv, env, match in ((("--api-key", "a", "--api-key-file", str(tmp_path / "key")), {}, "--api-key and"),
+                             (("--api-key", "a"), {"SUBQUAD_API_KEY": "b"}, "--api-key and SUBQUAD_API_KEY"),
+                             (("--api-key-file", str(tmp_path / "empty")), {}, "empty"),
+                             (("--api-key-file", str(tmp_path / "none")), {}, "cannot be read"),
+                             ((), {"SUBQUAD_API_KEY": ""}, "SUBQUAD_API_KEY: the API key is empty"),
+                             (("--api-key", "a\nb"), {}, "control character")):
+        with pytest.raises(ValueError, match=match):
+            api_key(args(*argv), env)
