@@ -181,8 +181,8 @@ class KVCache:
         if cap is not None:       # a window's entries start past column 0 (inductor guards on a start of 0)
             if c._k.shape[1] != cap + 1 or c._start == 0 or end + t > cap + 1 or end != c._tail[0]:
                 c._realloc(cap + 1, lead=1)
-        elif end + t > c._k.shape[1] or end != c._tail[0]:
-            c._realloc(max(2 * (c._len + t), 16))
+        elif end + t >= c._k.shape[1] or end != c._tail[0]:     # a column to spare after the append: a buffer
+            c._realloc(max(2 * (c._len + t), 16))                # filled to its end is a layout of its own
         B = c._k.shape[0]
         if c.pad is None and B > 1:
             c.pad = torch.zeros(B, dtype=torch.long, device=c._k.device)
