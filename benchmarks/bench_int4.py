@@ -1,0 +1,84 @@
+"""int4 products against float32 and int8, per matrix, at mamba-130m's shapes: which kernel, which group size,
+and from how many rows a prefill should dequantise instead (``models.quant.INT4_ROWS``).
+
+Each path multiplies x (rows, K) by ``--matrices`` distinct weights in turn, so each weight is read from memory
+as in decoding; median of ``--repeats`` passes, microseconds per matrix. Paths: float32 F.linear on the
+column-major weight (``decode_layout``), int8 (fbgemm, ``Int8Linear``), int4 through torch's kernel
+(``aten._weight_int4pack_mm_for_cpu``, bfloat16 activations) at group sizes 32 and 128, and int4 dequantised
+then F.linear (the fallback; what a prefill runs).
+
+    python benchmarks/bench_int4.py                          # ~1 minute on 2 threads
+    python benchmarks/bench_int4.py --rows 1,4,16,64 --shape 3072x768 --threads 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from subquad.models import quant  # noqa: E402
+from subquad.models.quant import Int4Linear, Int8Linear  # noqa: E402
+
+
+def per_matrix(fn, mods, x, repeats):
+    fn(mods[0], x)
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        for m in mods:
+            fn(m, x)
+        times.append((time.perf_counter() - t) / len(mods) * 1e6)
+    return statistics.median(times)
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--rows", default="1,4,16,64,256")
+    p.add_argument("--shape", default="3072x768", help="N x K of each weight (out x in); mamba-130m's in_proj")
+    p.add_argument("--matrices", type=int, default=24)
+    p.add_argument("--repeats", type=int, default=7)
+    p.add_argument("--threads", type=int, default=2)
+    a = p.parse_args(argv)
+    torch.set_num_threads(a.threads)
+    N, K = (int(v) for v in a.shape.split("x"))
+    g = torch.Generator().manual_seed(0)
+    weights = [torch.randn(N, K, generator=g) * 0.02 for _ in range(a.matrices)]
+    call = lambda m, x: m(x)                                                         # noqa: E731
+    paths = {"float32": ([w.T.contiguous().T for w in weights], lambda w, x: F.linear(x, w), 0),
+             "int8 (fbgemm)": ([Int8Linear(w) for w in weights], call, 0)}
+    for gs in (32, 128):                            # (path, modules, call, INT4_ROWS: which int4 path runs)
+        mods = [Int4Linear(w, None, gs) for w in weights]
+        paths[f"int4 g{gs} kernel"] = (mods, call, 1 << 30)
+        paths[f"int4 g{gs} dequantise"] = (mods, call, 0)
+    del weights
+    rows = [int(r) for r in a.rows.split(",")]
+    layout = quant._layout()
+    print(f"{N} x {K}, {a.matrices} matrices, {torch.get_num_threads()} threads, int4 kernel layout {layout} "
+          f"({quant.LAYOUTS.get(layout, 'none: dequantising only')}); microseconds per matrix\n")
+    print("| path | " + " | ".join(f"{r} rows" for r in rows) + " |")
+    print("|---|" + "---:|" * len(rows))
+    saved = quant.INT4_ROWS
+    try:
+        for name, (mods, fn, int4_rows) in paths.items():
+            quant.INT4_ROWS = int4_rows
+            cells = []
+            for r in rows:
+                x = torch.randn(r, K, generator=g)
+                cells.append(f"{per_matrix(fn, mods, x, a.repeats):.0f}")
+            print(f"| {name} | " + " | ".join(cells) + " |", flush=True)
+    finally:
+        quant.INT4_ROWS = saved
+    mb = {"float32": 4 * N * K, "int8": N * K + 4 * N, "int4 g32": N * K / 2 + 4 * N * K / 32,
+          "int4 g128": N * K / 2 + 4 * N * K / 128}
+    print("\nbytes per matrix: " + ", ".join(f"{k} {v / 1e6:.2f} MB" for k, v in mb.items()))
+
+
+if __name__ == "__main__":
+    main()
