@@ -116,10 +116,18 @@ class Int8Linear(nn.Module):
         self.register_buffer("q", torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8).contiguous())
         self.register_buffer("scale", scale)
         self.register_buffer("bias", None if bias is None else bias.detach().float().clone())
-        key = next(_keys)
-        self.register_buffer("key", torch.tensor(key), persistent=False)
+        key = self.key_id = next(_keys)
+        self.register_buffer("key", torch.tensor(key, device="cpu"), persistent=False)
         weakref.finalize(self, _PACKED.pop, key, None)
         self.in_features, self.out_features = w.shape[1], w.shape[0]
+
+    @classmethod
+    def empty(cls, out_features: int, in_features: int, bias: bool) -> "Int8Linear":
+        """One to fill with ``load_state_dict(..., assign=True)`` (a saved int8 folder): no float weight made."""
+        with torch.device("meta"):
+            m = cls(torch.empty(out_features, in_features), torch.empty(out_features) if bias else None)
+        m.key = torch.tensor(m.key_id)                   # not loaded: the name of its packed weight, on the CPU
+        return m
 
     @property
     def weight(self) -> torch.Tensor:
@@ -142,6 +150,11 @@ class Bf16Linear(nn.Module):
         self.register_buffer("bias", None if bias is None else bias.detach().to(torch.bfloat16).clone())
         self.in_features, self.out_features = weight.shape[1], weight.shape[0]
 
+    @classmethod
+    def empty(cls, out_features: int, in_features: int, bias: bool) -> "Bf16Linear":
+        with torch.device("meta"):
+            return cls(torch.empty(out_features, in_features), torch.empty(out_features) if bias else None)
+
     @property
     def weight(self) -> torch.Tensor:
         return self.w.float()
@@ -157,7 +170,8 @@ class Bf16Linear(nn.Module):
 GROUP_SIZES = (32, 64, 128, 256)   # the group sizes torch's int4 kernel takes
 GROUP_SIZE = 128                   # the default: ~as fast as 32 and 0.56 bytes a weight against 0.625
                                    # (benchmarks/RESULTS.md "int4 weights"); 32 is the more accurate
-INT4_ROWS = 16                     # at most this many rows take the kernel; more (prefill) dequantise
+INT4_ROWS = 64                     # at most this many rows take the kernel; more (prefill) dequantise
+PACK_ROWS = 4096                   # rows packed at a time (a multiple of the layouts' blocks)
 INT4_FLOAT = frozenset({"router", "shared_gate", "dt_proj", "x_proj", "a_proj", "b_proj", "f_a_proj", "f_b_proj"})
 # projections int4 leaves in float32 whatever their size: a mixture's router and shared-expert gate (which
 # experts run), Mamba's dt, B and C (dt_proj, x_proj), the delta rule's write strength beta (b_proj) and
@@ -253,16 +267,16 @@ def _layout() -> int:
     if pack is None or not hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu"):
         return 0
     gen = torch.Generator().manual_seed(0)
-    codes = torch.randint(0, 16, (112, 64), generator=gen, dtype=torch.uint8)     # a whole block and a short one
+    codes = torch.randint(0, 16, (112, 64), generator=gen, dtype=torch.uint8, device="cpu")   # a block and a short one
     try:
         theirs = pack(codes.int(), 1)
     except RuntimeError:
         return 0
     for layout in LAYOUTS:
         if torch.equal(kernel_pack(codes, layout), theirs):
-            scale = torch.full((112, 2), 0.5, dtype=torch.bfloat16)
-            zero = torch.full((112, 2), 0.25, dtype=torch.bfloat16)
-            x = torch.ones(1, 64, dtype=torch.bfloat16)
+            scale = torch.full((112, 2), 0.5, dtype=torch.bfloat16, device="cpu")
+            zero = torch.full((112, 2), 0.25, dtype=torch.bfloat16, device="cpu")
+            x = torch.ones(1, 64, dtype=torch.bfloat16, device="cpu")
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(x, theirs, 32, _scale_zero(scale, zero, 112))
             ref = int4_dequantize(codes, scale, zero).sum(1)
             return layout if torch.equal(y.float()[0], ref) else 0
@@ -323,19 +337,36 @@ class Int4Linear(nn.Module):
         self.in_features, self.out_features, self.group_size = K, N, group_size
         self.layout = _layout()
         if weight is None:                              # filled by load_state_dict (a saved int4 folder)
-            codes = torch.zeros(N, K, dtype=torch.uint8)
+            q = torch.zeros(N, K // 2, dtype=torch.uint8)
             scale = zero = torch.zeros(N, K // group_size, dtype=torch.bfloat16)
         else:
             codes, scale, zero = int4_quantize(weight, group_size)
-        self._set(codes, scale, zero, None if bias is None else bias.detach().float().clone())
+            q = pair_k(codes)
+        self._set(q, scale, zero, None if bias is None else bias.detach().float().clone())
 
-    def _set(self, codes, scale, zero, bias):
-        rows = -(-self.out_features // 16) * 16 if self.layout else self.out_features
+    @classmethod
+    def empty(cls, out_features: int, in_features: int, bias: bool, group_size: int = GROUP_SIZE) -> "Int4Linear":
+        """One to fill with ``load_state_dict`` (a saved int4 folder), made without a float weight."""
+        _layout()                                        # found on the CPU, not under the meta device below
+        with torch.device("meta"):
+            return cls(None, torch.empty(out_features) if bias else None, group_size,
+                       shape=(out_features, in_features))
+
+    def _set(self, q, scale, zero, bias):
+        """Buffers from the saved form: q (N, K/2) in ``pair_k``'s layout, scale and zero (N, K/g), bias. Packed
+        ``PACK_ROWS`` rows at a time (the layout is local to blocks of 64 rows), so loading a large matrix
+        makes no copy of it wider than its packed bytes."""
+        N, K = self.out_features, self.in_features
+        rows = -(-N // 16) * 16 if self.layout else N
         if self.layout:
-            codes = kernel_pack(F.pad(codes, (0, 0, 0, rows - codes.shape[0])), self.layout)
+            w = torch.empty(rows, K // 2, dtype=torch.uint8, device=q.device)
+            for r in range(0, rows, PACK_ROWS):
+                codes = unpair_k(q[r:r + PACK_ROWS])
+                n = min(PACK_ROWS, rows - r)
+                w[r:r + n] = kernel_pack(F.pad(codes, (0, 0, 0, n - codes.shape[0])), self.layout)
         else:
-            codes = pair_k(codes)
-        self.register_buffer("w", codes.contiguous())
+            w = q.contiguous()
+        self.register_buffer("w", w)
         self.register_buffer("scale_zero", _scale_zero(scale, zero, rows))
         self.register_buffer("bias", bias)
 
@@ -382,7 +413,9 @@ class Int4Linear(nn.Module):
             else:
                 got[name] = t
         if len(got) == len(want):
-            self._set(unpair_k(got["q"]), got["scale"], got["zero"], got.get("bias"))
+            self._set(got["q"], got["scale"], got["zero"], got.get("bias"))
+        if strict:
+            unexpected_keys.extend(k for k in state_dict if k.startswith(prefix) and k[len(prefix):] not in want)
 
     def extra_repr(self):
         how = "torch's int4 kernel" if self.layout else "dequantising"
@@ -462,3 +495,102 @@ def quantize(model, kind: str, min_weights: int = MIN_WEIGHTS, group_size: int =
     for p in model.parameters():
         p.requires_grad_(False)
     return model
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Quantised folders
+
+def save_quantized(model, path, tokenizer=None) -> None:
+    """Write a quantised model as a folder ``from_pretrained`` reads back into the same quantised model:
+    config.json ``{"model_type": "subquad", "config": ModelConfig, "quantization": {"kind", "group_size"}}``,
+    model.safetensors of its state dict under subquad's names (int8: ``q`` int8 and ``scale``; int4: ``q``
+    (``pair_k``'s CPU-independent nibbles), ``scale`` and ``zero`` bfloat16; bf16: ``w``; the rest float32),
+    generation_config.json and the tokenizer files of the folder it was read from (or ``tokenizer``)."""
+    import json
+    import os
+
+    from safetensors.torch import save_file
+
+    from subquad.models.hf.saver import PLAIN, _write
+
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    tmp = path / "model.safetensors.tmp"
+    save_file({k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()}, str(tmp),
+              metadata={"format": "pt", "quantization": model.quantized})
+    os.replace(tmp, path / "model.safetensors")
+    cfg = model.config
+    quantization = {"kind": model.quantized, "group_size": getattr(model, "quant_group_size", None)}
+    _write(path / "config.json", json.dumps({"model_type": PLAIN, "config": cfg.to_dict(),
+                                             "quantization": quantization}, indent=1).encode())
+    files = dict((getattr(model, "hf_source", None) or {}).get("files", {}))
+    if "generation_config.json" not in files:
+        eos = cfg.eos_token_ids[0] if len(cfg.eos_token_ids or []) == 1 else cfg.eos_token_ids
+        files["generation_config.json"] = json.dumps({"eos_token_id": eos} if eos else {}, indent=1).encode()
+    if tokenizer is not None:
+        files["tokenizer.json"] = tokenizer.to_str().encode()
+    for name, data in files.items():
+        _write(path / name, data)
+
+
+def load_quantized(path, c: dict):
+    """The quantised ``LanguageModel`` of a folder ``save_quantized`` wrote (config.json ``c``), its quantised
+    matrices as they were saved (bit for bit; int4 packed again for this CPU's kernel). No float copy of a
+    quantised matrix is made: the model is built on the meta device, each quantised module is made empty from
+    its saved shapes, and the tensors are moved in module by module (peak: the file's tensors plus one
+    module's packed copy)."""
+    from collections import defaultdict
+
+    from subquad.models.config import ModelConfig
+    from subquad.models.hf.common import read_weights
+    from subquad.models.lm import LanguageModel
+
+    q = c.get("quantization")
+    kind = q.get("kind") if isinstance(q, dict) else None
+    if kind not in QUANTIZE:
+        raise ValueError(f"{path}: config.json's quantization.kind must be one of {', '.join(QUANTIZE)}, got {kind!r}")
+    group_size = q.get("group_size") if kind == "int4" else None
+    if kind == "int4":
+        int4_shape((1, group_size), group_size)
+    if not isinstance(c.get("config"), dict):
+        raise ValueError(f"{path}: config.json of model_type 'subquad' has no 'config' object (the model's ModelConfig)")
+    cfg = ModelConfig.from_dict(c["config"])
+    with torch.device("meta"):                        # no memory, no random init
+        model = LanguageModel(cfg)
+    tensors = read_weights(path)
+
+    def empty(N, K, bias):                            # a quantised module to fill, made from its saved shapes
+        if kind == "int4":
+            return Int4Linear.empty(N, K, bias, group_size)
+        return (Int8Linear if kind == "int8" else Bf16Linear).empty(N, K, bias)
+
+    mark = ".w" if kind == "bf16" else ".q"           # a quantised module saves this in place of ``weight``
+    for name in sorted(k[:-len(mark)] for k in tensors if k.endswith(mark)):
+        if ".quantized_experts." in name:             # a mixture's experts: made below, all at once
+            continue
+        w = tensors[name + mark]
+        parent, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent) if parent else model, child,
+                empty(w.shape[0], w.shape[1] * (2 if kind == "int4" else 1), name + ".bias" in tensors))
+    for moe in sorted({k.split(".quantized_experts.")[0] for k in tensors if ".quantized_experts." in k}):
+        model.get_submodule(moe).quantize_experts(lambda w: empty(w.shape[0], w.shape[1], False))
+    expected = set(model.state_dict().keys())
+    missing, unexpected = sorted(expected - set(tensors)), sorted(set(tensors) - expected)
+    if missing or unexpected:
+        raise ValueError(f"{path}: the quantised checkpoint does not match its config: missing "
+                         f"{', '.join(missing[:5]) or 'none'}; unexpected {', '.join(unexpected[:5]) or 'none'}")
+    groups = defaultdict(list)                        # tensors by the module that holds them
+    for k in tensors:
+        groups[k.rpartition(".")[0]].append(k)
+    modules = dict(model.named_modules())
+    for owner, keys in groups.items():
+        part = {k.rpartition(".")[2]: tensors.pop(k) for k in keys}
+        modules[owner].load_state_dict(part, strict=False, assign=True)
+        del part
+    left = [n for n, t in itertools.chain(model.named_parameters(), model.named_buffers()) if t.is_meta]
+    if left:
+        raise ValueError(f"{path}: not filled by the checkpoint: {', '.join(left[:5])}")
+    model.quantized, model.quant_group_size = kind, group_size
+    for p in model.parameters():
+        p.requires_grad_(False)
+    return model.eval()

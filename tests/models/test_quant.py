@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch import nn
 
-from subquad.models import LanguageModel, ModelConfig, quant
+from subquad.models import LanguageModel, ModelConfig, from_pretrained, quant, save_pretrained
 from subquad.models.decode import compile_decode
 from subquad.models.quant import DECODE_ROWS, INT4_ROWS, Bf16Linear, Int4Linear, Int8Linear, quantize
 
@@ -52,7 +52,8 @@ def test_the_custom_op_checks_out():
 
 def _model(pattern="mamba,softmax", **over):
     torch.manual_seed(0)
-    cfg = ModelConfig(vocab_size=200, d_model=64, n_layers=len(pattern.split(",")), n_heads=4, pattern=pattern, **over)
+    cfg = ModelConfig(**{"vocab_size": 200, "d_model": 64, "n_layers": len(pattern.split(",")), "n_heads": 4,
+                         "pattern": pattern, **over})
     return LanguageModel(cfg).eval()
 
 
@@ -99,9 +100,15 @@ def test_quantised_models_stay_close_to_float(kind, tol, pattern):
     assert _rel(torch.cat(steps, 1), ref) <= tol
 
 
-def test_compiled_int8_decoding_equals_eager_int8():
-    """The int8 product is a custom op, so the compiled step keeps fbgemm's kernel and gives the same logits."""
-    q = quantize(_model("mamba,softmax"), "int8", min_weights=0)
+def test_compiled_quantised_decoding_equals_eager():
+    """The int8 and int4 products are custom ops, so the compiled step keeps fbgemm's and torch's int4 kernels
+    and gives the same logits. One model holds both (int8 in the mixers, int4 in the MLPs and the head): one
+    compile, which costs most of this test."""
+    q = quantize(_model("mamba,softmax", mlp_size=128), "int8", min_weights=0)
+    for block in q.blocks:
+        for name in ("w_gate", "w_up", "w_down"):
+            setattr(block.mlp, name, Int4Linear(getattr(block.mlp, name).weight, None, 32))
+    q.head = Int4Linear(q.head.weight, None, 32)
     fast = compile_decode(copy.deepcopy(q))
     ids = torch.randint(0, 200, (2, 9), generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
@@ -215,34 +222,75 @@ def test_int4_models_stay_close_to_float(pattern):
             steps.append(lt[:, None])
     assert _rel(torch.cat(steps, 1), ref) <= 0.3
 
-
-def test_compiled_int4_decoding_equals_eager_int4():
-    """The int4 product is a custom op too: the compiled step keeps torch's kernel and gives the same logits."""
-    q = quantize(_model("mamba,softmax", mlp_size=128), "int4", min_weights=0, group_size=32)
-    fast = compile_decode(copy.deepcopy(q))
-    ids = torch.randint(0, 200, (2, 9), generator=torch.Generator().manual_seed(2))
+@pytest.mark.parametrize("kind", ["int8", "int4"])
+def test_a_quantised_folder_loads_as_it_was_saved(tmp_path, kind):
+    """save_pretrained of a quantised model, then from_pretrained of its folder: the same quantised weights and
+    scales bit for bit (int4's saved in a CPU-independent layout, packed again on loading), the same logits
+    and the same greedy tokens; experts, a tied head and float matrices (the router) included."""
+    model = _model("mamba,softmax", moe={"experts": 4, "top_k": 2, "every": 2, "offset": 1}, mlp_size=128)
+    q = quantize(model, kind, min_weights=0, group_size=32)
+    q.save_pretrained(tmp_path / "q")
+    back, _ = from_pretrained(tmp_path / "q")
+    assert back.quantized == kind and type(back.head) is type(q.head)
+    assert type(back.blocks[1].mlp.quantized_experts["w_down"][3]) is type(q.head)
+    a, b = q.state_dict(), back.state_dict()
+    assert a.keys() == b.keys() and any(k.endswith(".q") for k in a)
+    for k in a:
+        assert a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]), k
+    ids = torch.randint(0, 200, (2, 10), generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
-        _, state = q.prefill(ids)
-        s1 = s2 = state
-        tok = ids[:, -1]
-        for _ in range(16):
-            a, s1 = q.step(tok, s1)
-            b, s2 = fast.step(tok, s2)
-            assert _rel(b, a) <= 1e-5
-            tok = a.argmax(-1)
+        assert torch.equal(back(ids), q(ids))
+    assert back.generate(ids[0].tolist(), 12, temperature=0)[0] == q.generate(ids[0].tolist(), 12, temperature=0)[0]
+    with pytest.raises(ValueError, match=f"quantised to {kind}: it loads as it is"):
+        from_pretrained(tmp_path / "q", quantize="bf16")
+
+
+def test_loading_a_quantised_folder_makes_no_float_weight(tmp_path):
+    """Loading an int4 folder streams it into the quantised modules: no float32 tensor of a quantised matrix's
+    shape is ever made (every op's outputs watched; the model's skeleton lives on the meta device)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    model = _model("mamba2,softmax", mlp_size=160, d_model=96, vocab_size=224)
+    q = quantize(model, "int4", min_weights=0, group_size=32)
+    shapes = {(m.out_features, m.in_features) for m in q.modules() if isinstance(m, Int4Linear)}
+    shapes.discard(tuple(q.embed.weight.shape))              # the tied head: the embedding itself stays float32
+    q.save_pretrained(tmp_path / "q")
+    seen = []
+
+    class Watch(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            for t in (out if isinstance(out, (tuple, list)) else (out,)):
+                if isinstance(t, torch.Tensor) and not t.is_meta and t.is_floating_point() and t.dim() == 2 and \
+                        (tuple(t.shape) in shapes or tuple(t.shape[::-1]) in shapes):
+                    seen.append((func, tuple(t.shape)))
+            return out
+
+    with Watch():
+        back, _ = from_pretrained(tmp_path / "q")
+    assert len(shapes) >= 4 and not seen, seen
+    with torch.no_grad():
+        ids = torch.randint(0, 224, (1, 6), generator=torch.Generator().manual_seed(4))
+        assert torch.equal(back(ids), q(ids))
 
 
 def test_refusals_name_the_problem(tmp_path):
     model = _model()
-    with pytest.raises(ValueError, match="quantize must be one of int8, bf16"):
-        quantize(copy.deepcopy(model), "int4")
+    with pytest.raises(ValueError, match="quantize must be one of int8, int4, bf16"):
+        quantize(copy.deepcopy(model), "int3")
+    with pytest.raises(ValueError, match="group_size must be one of 32, 64, 128, 256"):
+        quantize(copy.deepcopy(model), "int4", group_size=48)
+    with pytest.raises(ValueError, match="input width 96 is not a multiple of group_size=64"):
+        Int4Linear(torch.randn(8, 96), None, 64)
+    with pytest.raises(ValueError, match="Int4Linear needs a"):
+        Int4Linear(torch.randn(3, 4, 64), None, 32)
     with pytest.raises(ValueError, match="needs a float32 model"):
         quantize(copy.deepcopy(model).to(torch.bfloat16), "int8")
     q = quantize(copy.deepcopy(model), "int8", min_weights=0)
     with pytest.raises(ValueError, match="already quantised"):
         quantize(q, "bf16", min_weights=0)
-    with pytest.raises(ValueError, match="not saved"):
-        q.save_pretrained(tmp_path / "out")
+    with pytest.raises(ValueError, match="written in subquad's own format"):
+        save_pretrained(q, tmp_path / "out", model_type="mamba")
     with pytest.raises(ValueError, match="Int8Linear needs a"):
         Int8Linear(torch.randn(3, 4, 5))
 
@@ -259,8 +307,8 @@ def test_from_pretrained_and_the_cli_quantise(tmp_path, capsys):
     with pytest.raises(ValueError, match="with float32 weights"):
         from_pretrained(folder, dtype=torch.bfloat16, quantize="int8")
     with pytest.raises(SystemExit):
-        main(["generate", "--model", str(folder), "--quantize", "int4", "--prompt", "x"])
-    assert "invalid choice: 'int4'" in capsys.readouterr().err
+        main(["generate", "--model", str(folder), "--quantize", "int3", "--prompt", "x"])
+    assert "invalid choice: 'int3'" in capsys.readouterr().err
 
 
 def test_cli_generate_and_eval_take_the_compiled_step_and_int8(tmp_path, capsys):
