@@ -8,7 +8,8 @@
 An eager step of a small model is mostly overhead: some 30-50 small ops per layer, each a dispatch of a few
 microseconds on tensors of a few thousand numbers, the Python around them, and the value checks the ops run
 on CPU. torch.compile (inductor) fuses each block's elementwise work into a few C++ loops and keeps the
-matrix products as library calls (and the int8 ones as ``subquad::int8_linear``, ``models.quant``).
+matrix products as library calls (and the quantised ones as ``subquad::int8_linear`` and
+``subquad::int4_linear``, ``models.quant``).
 
 One graph holds every block, the final norm and the head; the embedding and the position count run in
 Python around it. One graph per block, shared by the blocks of the same structure, would compile several

@@ -1,18 +1,28 @@
-"""Quantised weights for inference: int8 (per output channel) and bfloat16 projections.
+"""Quantised weights for inference: int8 (per output channel), int4 (per group of inputs) and bfloat16 projections.
 
     quantize(model, "int8")      every projection W (N, K) -> q (N, K) int8 and s (N,) float32,
                                  W ~ s[:, None] * q,  s = max_k |W[n, k]| / 127  (symmetric, per channel)
+    quantize(model, "int4")      every projection W (N, K) -> codes c (N, K) in [0, 15] and, per group of g input
+                                 channels (``group_size``, default 128), a bfloat16 scale s and zero z:
+                                 W ~ (c - 8) s + z,  s = (max - min) / 15,  z = min + 8 s  (asymmetric)
     quantize(model, "bf16")      every projection stored in bfloat16
-    y = Linear(x) computed as:   decoding (rows <= DECODE_ROWS): fbgemm's int8 matrix product
+    y = Linear(x) computed as:   int8 decoding (rows <= DECODE_ROWS): fbgemm's int8 matrix product
                                  (torch.ops.quantized.linear_dynamic: x quantised to 8 bits per call,
                                  int32 accumulation, * s) - it reads one byte per weight;
-                                 prefill (more rows): x (s[:, None] q)^T in x's dtype - weight-only
+                                 int4 decoding (rows <= INT4_ROWS): torch's int4 kernel
+                                 (aten._weight_int4pack_mm_for_cpu: x rounded to bfloat16, the weights
+                                 dequantised in registers, float32 sums, y rounded to bfloat16) - half a byte a
+                                 weight and 4 bytes a group;
+                                 prefill (more rows): x W^T with the dequantised W in x's dtype - weight-only
     bf16:                        (x.bfloat16() W^T).to(x.dtype)
 
 What is quantised, as llama.cpp's Q8_0 does: the projections of every mixer and MLP, the experts (one
 ``Int8Linear`` per expert), the routers and the vocabulary head (a tied head gets its own quantised copy;
 the embedding lookup stays full precision). What stays in full precision: the SSM parameters (A_log, D,
-dt_bias), the short convolutions, the norms and every 1-D tensor; the recurrent state stays float32.
+dt_bias), the short convolutions, the norms and every 1-D tensor; the recurrent state stays float32. int4
+keeps more in float32 (``INT4_FLOAT``), as GGUF's 4-bit types do: the routers and a shared expert's gate,
+Mamba's x_proj and dt_proj, the delta rule's beta and decay projections - small matrices whose error a
+recurrence compounds - and any matrix whose input width the group size does not divide (named in a warning).
 
 Why fbgemm: on one row it reads int8 weights near the memory bandwidth and keeps most of that rate at 8 rows,
 where ``aten._weight_int8pack_mm`` (the weight-only kernel torchao's int8 path calls on CPU) is an order of
@@ -24,8 +34,17 @@ call, so at batch > 1 rows share it: a quantised batch equals its rows run alone
 error, not bit for bit (float weights are exact). The kernel is wrapped as the custom op
 ``subquad::int8_linear`` so a compiled decode step (``models.decode``) keeps it in its graph.
 
-A quantised model is for inference: it refuses to train (no gradient reaches int8 weights) and to be
-saved (save the float checkpoint it came from).
+Why torch's int4 kernel: it is maintained with torch (torchao's CPU int4 path calls it), packs 4-bit weights
+with a bfloat16 scale and zero per group, and is vectorised on x86 (AVX512, AVX2) for bfloat16 activations
+only - with float32 ones it runs a scalar loop, ~10-100x slower - so x is rounded to bfloat16 for it. Its
+packed layout depends on the CPU (blocks of 64 rows on AVX512, 32 on AVX2): it is found once against torch's
+own packing (``_layout``), and a saved folder holds the CPU-independent ``pair_k`` form, packed again on
+loading. Without the kernel (another torch, another device) every product dequantises - the same weights,
+the reference the tests hold the kernel to. Wrapped as ``subquad::int4_linear`` for the compiled step.
+
+A quantised model is for inference: it refuses to train (no gradient reaches its weights). ``save_pretrained``
+writes it as a folder of its quantised weights that ``from_pretrained`` reads back as the same model
+(``save_quantized``, ``load_quantized``: subquad's own format; transformers does not read it).
 """
 
 from __future__ import annotations
