@@ -2,19 +2,20 @@
 and from how many rows a prefill should dequantise instead (``models.quant.INT4_ROWS``).
 
 Each path multiplies x (rows, K) by ``--matrices`` distinct weights in turn, so each weight is read from memory
-as in decoding; median of ``--repeats`` passes, microseconds per matrix. Paths: float32 F.linear on the
+as in decoding; microseconds per matrix, the best of ``--repeats`` rounds, every path in every round (on a
+shared machine the best round is the least disturbed one, and the paths share the disturbance). Paths: float32 F.linear on the
 column-major weight (``decode_layout``), int8 (fbgemm, ``Int8Linear``), int4 through torch's kernel
 (``aten._weight_int4pack_mm_for_cpu``, bfloat16 activations) at group sizes 32 and 128, and int4 dequantised
 then F.linear (the fallback; what a prefill runs).
 
     python benchmarks/bench_int4.py                          # ~1 minute on 2 threads
+    python benchmarks/bench_int4.py --model                  # + a mamba-130m-shape model's eager step
     python benchmarks/bench_int4.py --rows 1,4,16,64 --shape 3072x768 --threads 2
 """
 
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -27,15 +28,41 @@ from subquad.models import quant  # noqa: E402
 from subquad.models.quant import Int4Linear, Int8Linear  # noqa: E402
 
 
-def per_matrix(fn, mods, x, repeats):
-    fn(mods[0], x)
-    times = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        for m in mods:
-            fn(m, x)
-        times.append((time.perf_counter() - t) / len(mods) * 1e6)
-    return statistics.median(times)
+def per_matrix(fn, mods, x):
+    """Microseconds per matrix of one pass over ``mods``."""
+    t = time.perf_counter()
+    for m in mods:
+        fn(m, x)
+    return (time.perf_counter() - t) / len(mods) * 1e6
+
+
+def model_steps(args):
+    """ms per token of an eager decoding step (batch 1) of a model at mamba-130m's shape (random weights), float32
+    against int8 and int4: the paths interleaved, the best of ``--repeats`` rounds of 16 steps each."""
+    import copy
+
+    from subquad.models import LanguageModel, ModelConfig
+    from subquad.models.quant import quantize
+
+    torch.manual_seed(0)
+    cfg = ModelConfig(vocab_size=50280, d_model=768, n_layers=24, pattern="mamba", mlp=False)
+    base = LanguageModel(cfg).eval()
+    models = {"float32": base, "int8": quantize(copy.deepcopy(base), "int8")}
+    for gs in (32, 128):
+        models[f"int4 g{gs}"] = quantize(copy.deepcopy(base), "int4", group_size=gs)
+    best = dict.fromkeys(models, float("inf"))
+    with torch.no_grad():
+        states = {k: m.prefill(torch.tensor([[1, 2, 3]]))[1] for k, m in models.items()}
+        for _ in range(args.repeats):
+            for k, m in models.items():
+                t = time.perf_counter()
+                s = states[k]
+                for i in range(16):
+                    _, s = m.step(torch.tensor([i]), s)
+                best[k] = min(best[k], (time.perf_counter() - t) / 16 * 1e3)
+    print("| model step (eager, batch 1) | " + " | ".join(models) + " |")
+    print("|---|" + "---:|" * len(models))
+    print("| ms per token | " + " | ".join(f"{v:.1f}" for v in best.values()) + " |")
 
 
 def main(argv=None):
@@ -45,6 +72,7 @@ def main(argv=None):
     p.add_argument("--matrices", type=int, default=24)
     p.add_argument("--repeats", type=int, default=7)
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--model", action="store_true", help="also an eager decoding step of a mamba-130m-shape model")
     a = p.parse_args(argv)
     torch.set_num_threads(a.threads)
     N, K = (int(v) for v in a.shape.split("x"))
@@ -65,19 +93,25 @@ def main(argv=None):
     print("| path | " + " | ".join(f"{r} rows" for r in rows) + " |")
     print("|---|" + "---:|" * len(rows))
     saved = quant.INT4_ROWS
+    best = {(name, r): float("inf") for name in paths for r in rows}
+    xs = {r: torch.randn(r, K, generator=g) for r in rows}
     try:
-        for name, (mods, fn, int4_rows) in paths.items():
-            quant.INT4_ROWS = int4_rows
-            cells = []
-            for r in rows:
-                x = torch.randn(r, K, generator=g)
-                cells.append(f"{per_matrix(fn, mods, x, a.repeats):.0f}")
-            print(f"| {name} | " + " | ".join(cells) + " |", flush=True)
+        for _ in range(a.repeats):                  # rounds; in each, every path at every row count
+            for name, (mods, fn, int4_rows) in paths.items():
+                quant.INT4_ROWS = int4_rows
+                for r in rows:
+                    fn(mods[0], xs[r])
+                    best[name, r] = min(best[name, r], per_matrix(fn, mods, xs[r]))
     finally:
         quant.INT4_ROWS = saved
+    for name in paths:
+        print(f"| {name} | " + " | ".join(f"{best[name, r]:.0f}" for r in rows) + " |")
     mb = {"float32": 4 * N * K, "int8": N * K + 4 * N, "int4 g32": N * K / 2 + 4 * N * K / 32,
           "int4 g128": N * K / 2 + 4 * N * K / 128}
     print("\nbytes per matrix: " + ", ".join(f"{k} {v / 1e6:.2f} MB" for k, v in mb.items()))
+    if a.model:
+        print()
+        model_steps(a)
 
 
 if __name__ == "__main__":

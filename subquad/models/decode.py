@@ -98,10 +98,12 @@ def decode_layout(model):
     bfloat16 weights the row-major layout is the faster one. ``from_pretrained`` applies it."""
     tied = getattr(model, "head", None) is None            # the embedding is the head's matrix too
     for m in model.modules():
-        w = getattr(m, "weight", None)
+        if not isinstance(m, (nn.Linear, nn.Embedding)):
+            continue                                   # (a quantised module's ``weight`` is a dequantised copy)
+        w = m.weight
         if isinstance(m, nn.Embedding) and not tied:
             continue                                   # looked up a row at a time: row-major serves it best
-        if isinstance(m, (nn.Linear, nn.Embedding)) and w is not None and w.dim() == 2:
+        if w is not None and w.dim() == 2:
             wide = w.shape[0] >= 2 * w.shape[1]            # Linear: (out, in); Embedding: (vocab, d_model)
             if wide and w.is_contiguous() and w.dtype == torch.float32:
                 m.weight = nn.Parameter(w.detach().T.contiguous().T, requires_grad=w.requires_grad)

@@ -561,6 +561,7 @@ def load_quantized(path, c: dict):
     from collections import defaultdict
 
     from subquad.models.config import ModelConfig
+    from subquad.models.decode import decode_layout
     from subquad.models.hf.common import read_weights
     from subquad.models.lm import LanguageModel
 
@@ -609,6 +610,7 @@ def load_quantized(path, c: dict):
     left = [n for n, t in itertools.chain(model.named_parameters(), model.named_buffers()) if t.is_meta]
     if left:
         raise ValueError(f"{path}: not filled by the checkpoint: {', '.join(left[:5])}")
+    decode_layout(model)          # the float matrices left, as from_pretrained lays them out before quantising
     model.quantized, model.quant_group_size = kind, group_size
     for p in model.parameters():
         p.requires_grad_(False)

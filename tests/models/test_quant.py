@@ -304,6 +304,15 @@ def test_from_pretrained_and_the_cli_quantise(tmp_path, capsys):
     _, folder = _hf_mamba(tmp_path)
     model, _ = from_pretrained(folder, quantize="int8")
     assert model.quantized == "int8" and isinstance(model.head, Int8Linear)
+    # from_pretrained(quantize="int4") with groups of 32 (these matrices are 32 wide), saved and loaded back: the same
+    # logits bit for bit (its float matrices laid out for decoding both times), and its tokenizer beside it
+    q4 = quantize(from_pretrained(folder)[0], "int4", min_weights=0, group_size=32)
+    q4.save_pretrained(tmp_path / "q4")
+    back, _ = from_pretrained(tmp_path / "q4")
+    assert (tmp_path / "q4" / "tokenizer.json").exists() == (folder / "tokenizer.json").exists()
+    ids = torch.randint(0, 64, (1, 7), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        assert back.quantized == "int4" and torch.equal(back(ids), q4(ids))
     with pytest.raises(ValueError, match="with float32 weights"):
         from_pretrained(folder, dtype=torch.bfloat16, quantize="int8")
     with pytest.raises(SystemExit):
