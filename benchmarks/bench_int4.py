@@ -24,8 +24,8 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from subquad.models import quant  # noqa: E402
-from subquad.models.quant import Int4Linear, Int8Linear  # noqa: E402
+from subquad.models import quant
+from subquad.models.quant import Int4Linear, Int8Linear
 
 
 def per_matrix(fn, mods, x):
@@ -78,7 +78,7 @@ def main(argv=None):
     N, K = (int(v) for v in a.shape.split("x"))
     g = torch.Generator().manual_seed(0)
     weights = [torch.randn(N, K, generator=g) * 0.02 for _ in range(a.matrices)]
-    call = lambda m, x: m(x)                                                         # noqa: E731
+    call = lambda m, x: m(x)
     paths = {"float32": ([w.T.contiguous().T for w in weights], lambda w, x: F.linear(x, w), 0),
              "int8 (fbgemm)": ([Int8Linear(w) for w in weights], call, 0)}
     for gs in (32, 128):                            # (path, modules, call, INT4_ROWS: which int4 path runs)

@@ -141,7 +141,7 @@ class Int8Linear(nn.Module):
         self.in_features, self.out_features = w.shape[1], w.shape[0]
 
     @classmethod
-    def empty(cls, out_features: int, in_features: int, bias: bool) -> "Int8Linear":
+    def empty(cls, out_features: int, in_features: int, bias: bool) -> Int8Linear:
         """One to fill with ``load_state_dict(..., assign=True)`` (a saved int8 folder): no float weight made."""
         with torch.device("meta"):
             m = cls(torch.empty(out_features, in_features), torch.empty(out_features) if bias else None)
@@ -170,7 +170,7 @@ class Bf16Linear(nn.Module):
         self.in_features, self.out_features = weight.shape[1], weight.shape[0]
 
     @classmethod
-    def empty(cls, out_features: int, in_features: int, bias: bool) -> "Bf16Linear":
+    def empty(cls, out_features: int, in_features: int, bias: bool) -> Bf16Linear:
         with torch.device("meta"):
             return cls(torch.empty(out_features, in_features), torch.empty(out_features) if bias else None)
 
@@ -364,7 +364,7 @@ class Int4Linear(nn.Module):
         self._set(q, scale, zero, None if bias is None else bias.detach().float().clone())
 
     @classmethod
-    def empty(cls, out_features: int, in_features: int, bias: bool, group_size: int = GROUP_SIZE) -> "Int4Linear":
+    def empty(cls, out_features: int, in_features: int, bias: bool, group_size: int = GROUP_SIZE) -> Int4Linear:
         """One to fill with ``load_state_dict`` (a saved int4 folder), made without a float weight."""
         _layout()                                        # found on the CPU, not under the meta device below
         with torch.device("meta"):

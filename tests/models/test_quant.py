@@ -10,9 +10,22 @@ import pytest
 import torch
 from torch import nn
 
-from subquad.models import LanguageModel, ModelConfig, from_pretrained, quant, save_pretrained
+from subquad.models import (
+    LanguageModel,
+    ModelConfig,
+    from_pretrained,
+    quant,
+    save_pretrained,
+)
 from subquad.models.decode import compile_decode
-from subquad.models.quant import DECODE_ROWS, INT4_ROWS, Bf16Linear, Int4Linear, Int8Linear, quantize
+from subquad.models.quant import (
+    DECODE_ROWS,
+    INT4_ROWS,
+    Bf16Linear,
+    Int4Linear,
+    Int8Linear,
+    quantize,
+)
 
 
 def _rel(a, b):
