@@ -189,7 +189,8 @@ class Bf16Linear(nn.Module):
 GROUP_SIZES = (32, 64, 128, 256)   # the group sizes torch's int4 kernel takes
 GROUP_SIZE = 128                   # the default: ~as fast as 32 and 0.56 bytes a weight against 0.625
                                    # (benchmarks/RESULTS.md "int4 weights"); 32 is the more accurate
-INT4_ROWS = 64                     # at most this many rows take the kernel; more (prefill) dequantise
+INT4_ROWS = 256                    # at most this many rows take the kernel; more (a long prefill) dequantise:
+                                   # the kernel's time grows with the rows, dequantising's is mostly fixed
 PACK_ROWS = 4096                   # rows packed at a time (a multiple of the layouts' blocks)
 INT4_FLOAT = frozenset({"router", "shared_gate", "dt_proj", "x_proj", "a_proj", "b_proj", "f_a_proj", "f_b_proj"})
 # projections int4 leaves in float32 whatever their size: a mixture's router and shared-expert gate (which
