@@ -10,6 +10,7 @@ then F.linear (the fallback; what a prefill runs).
 
     python benchmarks/bench_int4.py                          # ~1 minute on 2 threads
     python benchmarks/bench_int4.py --model                  # + a mamba-130m-shape model's eager step
+    python benchmarks/bench_int4.py --load-memory            # peak memory loading its quantised folders
     python benchmarks/bench_int4.py --rows 1,4,16,64 --shape 3072x768 --threads 2
 """
 
@@ -65,6 +66,38 @@ def model_steps(args):
     print("| ms per token | " + " | ".join(f"{v:.1f}" for v in best.values()) + " |")
 
 
+def load_memory(args):
+    """Peak resident memory of a fresh process that loads a saved quantised folder (int8, int4) of a mamba-130m-shape
+    model, against the folder's size and against loading its float32 folder: what streaming the tensors in
+    module by module (``quant.load_quantized``) keeps it to."""
+    import copy
+    import subprocess
+    import tempfile
+
+    from subquad.models import LanguageModel, ModelConfig
+    from subquad.models.quant import quantize
+
+    torch.manual_seed(0)
+    base = LanguageModel(ModelConfig(vocab_size=50280, d_model=768, n_layers=24, pattern="mamba", mlp=False)).eval()
+    # VmHWM, not ru_maxrss: the child's ru_maxrss keeps the parent's high-water mark across fork and exec
+    probe = ("import re, sys, torch; from subquad.models import from_pretrained; "
+             "hwm = lambda: int(re.search(r'VmHWM:\\s+(\\d+)', open('/proc/self/status').read())[1]); "
+             "base = hwm(); m, _ = from_pretrained(sys.argv[1]); print(base, hwm())")
+    root = str(Path(__file__).resolve().parent.parent)
+    print("| folder | model.safetensors MB | peak RSS after import MB | peak RSS after loading MB | added MB |")
+    print("|---|---:|---:|---:|---:|")
+    with tempfile.TemporaryDirectory() as tmp:
+        for kind in ("float32", "int8", "int4"):
+            m = base if kind == "float32" else quantize(copy.deepcopy(base), kind)
+            folder = Path(tmp) / kind
+            m.save_pretrained(folder)
+            out = subprocess.run([sys.executable, "-c", probe, str(folder)], capture_output=True, text=True,
+                                 cwd=root, env={"PYTHONPATH": root, "OMP_NUM_THREADS": str(args.threads)}, check=True)
+            before, after = (int(v) / 1024 for v in out.stdout.split())
+            size = (folder / "model.safetensors").stat().st_size / 2 ** 20
+            print(f"| {kind} | {size:.0f} | {before:.0f} | {after:.0f} | {after - before:.0f} |", flush=True)
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--rows", default="1,4,16,64,256")
@@ -73,8 +106,11 @@ def main(argv=None):
     p.add_argument("--repeats", type=int, default=7)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--model", action="store_true", help="also an eager decoding step of a mamba-130m-shape model")
+    p.add_argument("--load-memory", action="store_true", help="only: peak memory loading quantised folders")
     a = p.parse_args(argv)
     torch.set_num_threads(a.threads)
+    if a.load_memory:
+        return load_memory(a)
     N, K = (int(v) for v in a.shape.split("x"))
     g = torch.Generator().manual_seed(0)
     weights = [torch.randn(N, K, generator=g) * 0.02 for _ in range(a.matrices)]
