@@ -191,6 +191,27 @@ XX
     assert torch.equal(lin(x.view(rows, 1, K)).view(rows, 300), got)                      # any leading shape
 
 
+def test_int4_without_the_kernel_and_across_layouts(monkeypatch):
+    """Where torch has no int4 kernel (layout 0) the codes stay in pair_k's layout and every product dequantises:
+    the dequantised reference within float32's rounding. A state dict moves between the two layouts (a folder
+    saved on a CPU without the kernel, loaded on one with it, and back) with the same codes, scales and zeros."""
+    torch.manual_seed(0)
+    w, b = torch.randn(40, 64), torch.randn(40)
+    packed = Int4Linear(torch.randn(40, 64), torch.randn(40), 32)            # this CPU's layout, other weights
+    monkeypatch.setattr(quant, "_layout", lambda: 0)
+    plain = Int4Linear(w, b, 32)
+    assert plain.layout == 0 and plain.w.shape == (40, 32) and "dequantising" in repr(plain)
+    x = torch.randn(3, 64)
+    W = quant.int4_dequantize(plain.codes(), plain.scale, plain.zero, torch.float64)
+    ref = x.double() @ W.T + b.double()
+    assert ((plain(x).double() - ref).abs() <= 1e-6 * (x.double().abs() @ W.abs().T) + 1e-6).all()
+    packed.load_state_dict(plain.state_dict())
+    back = Int4Linear.empty(40, 64, True, 32)
+    back.load_state_dict(packed.state_dict())
+    for sd in (packed.state_dict(), back.state_dict()):
+        assert all(torch.equal(sd[k], v) for k, v in plain.state_dict().items())
+    assert torch.equal(back(x), plain(x))
+
 def test_int4_custom_op_checks_out():
     lin = Int4Linear(torch.randn(20, 64), torch.randn(20), 32)
     torch.library.opcheck(torch.ops.subquad.int4_linear.default,
