@@ -1,6 +1,6 @@
 """Quantised weights (models.quant): what is quantised and what stays float, the int8 and int4 products against
 the dequantised weight, int4's packing against torch's own, models that stay close to float32, compiled
-decoding with int8 and int4, and the refusals."""
+decoding with int8 and int4, quantised folders saved and loaded back, and the refusals."""
 
 from __future__ import annotations
 
@@ -396,6 +396,14 @@ def test_cli_generate_and_eval_take_the_compiled_step_and_int8(tmp_path, capsys)
     for out in outs:
         assert out == expected
         assert tok.encode(out[len(prompt):]).ids == expected_ids          # exactly n_new tokens generated
+    # a quantised folder: `generate --model` loads it as saved (its tokenizer beside it) and decodes as the model
+    # it was saved from
+    q4 = quantize(from_pretrained(folder)[0], "int4", min_weights=0, group_size=32)
+    q4.save_pretrained(tmp_path / "q4")
+    want = q4.generate(tok.encode(prompt).ids, n_new, temperature=0)[0]
+    assert main(["generate", "--model", str(tmp_path / "q4"), "--prompt", prompt, "--max-new-tokens", str(n_new),
+                 "--temperature", "0"]) == 0
+    assert capsys.readouterr().out == prompt + tok.decode(want) + "\n"
     text = tmp_path / "text.txt"
     text.write_text(" ".join(f"w{(7 * i) % 64}" for i in range(200)))
     assert main(["eval", "--model", str(folder), "--data", str(text), "--quantize", "int8"]) == 0
