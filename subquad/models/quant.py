@@ -411,7 +411,11 @@ class Int4Linear(nn.Module):
         return torch.ops.subquad.int4_linear(x, self.w, self.scale_zero, self.bias, self.out_features, self.layout)
 
     def _save_to_state_dict(self, destination, prefix, keep_vars):
-        destination[prefix + "q"] = pair_k(self.codes())
+        if self.layout:                   # pair_k(codes), paired in the k-major order: half the bytes to transpose
+            ct = kernel_unpack_t(self.w, self.layout)[:, :self.out_features]
+            destination[prefix + "q"] = (ct[0::2] | ct[1::2] << 4).T.contiguous()
+        else:
+            destination[prefix + "q"] = self.w
         destination[prefix + "scale"] = self.scale
         destination[prefix + "zero"] = self.zero
         if self.bias is not None:
