@@ -2,7 +2,7 @@
 the embedded stdlib corpus, saved as a Hugging Face folder and loaded back in float32 and quantised; and a
 subquad run loaded with ``load_run(..., quantize=...)``.
 
-Per row: held-out loss (nats/token) of float32, int8 and bf16 over the trainer's fixed held-out windows (a
+Per row: held-out loss (nats/token) of float32, int8, int4 (groups of ``--int4-group``) and bf16 over the trainer's fixed held-out windows (a
 prefill: the int8 products multiply by the dequantised weights there), the loss token by token through the
 decoding step (fbgemm's int8 kernel, activations quantised per step) over 256 held-out tokens, and greedy
 agreement over 256 tokens from a held-out prompt (tokens equal to float32's before the first difference,
@@ -76,6 +76,9 @@ def agreement(a, b):
     return first, sum(x == y for x, y in zip(a, b))
 
 
+INT4_GROUP = 32             # these models' widths (32-64) are multiples of 32, not of 128
+
+
 def measure(name, model, td, n=256):
     from subquad.models.quant import quantize
     from subquad.train import evaluate
@@ -85,12 +88,12 @@ def measure(name, model, td, n=256):
     prompt = td.heldout[1000:1032].tolist()
     row = {"model": name}
     greedy = {}
-    for kind in ("float32", "int8", "bf16"):
-        m = model if kind == "float32" else quantize(copy.deepcopy(model), kind, min_weights=0)
+    for kind in ("float32", "int8", "int4", "bf16"):
+        m = model if kind == "float32" else quantize(copy.deepcopy(model), kind, min_weights=0, group_size=INT4_GROUP)
         row[kind] = {"heldout": evaluate(m, td.heldout, CONTEXT, 8, 8),
                      "decode": decode_loss(m, held)}
         greedy[kind] = m.generate(prompt, n, temperature=0)[0]
-    for kind in ("int8", "bf16"):
+    for kind in ("int8", "int4", "bf16"):
         row[kind]["heldout_rel"] = row[kind]["heldout"] / row["float32"]["heldout"] - 1
         row[kind]["ppl_rel"] = math.exp(row[kind]["heldout"] - row["float32"]["heldout"]) - 1
         row[kind]["decode_rel"] = row[kind]["decode"] / row["float32"]["decode"] - 1
@@ -106,7 +109,9 @@ def main(argv=None):
     p.add_argument("--steps", type=int, default=300, help="training steps per model")
     p.add_argument("--quick", action="store_true")
     p.add_argument("--out", type=Path, default=OUT)
+    p.add_argument("--int4-group", type=int, default=INT4_GROUP)
     args = p.parse_args(argv)
+    globals()["INT4_GROUP"] = args.int4_group
     torch.set_num_threads(2)
     from subquad.data import prepare
     from subquad.models import LanguageModel, ModelConfig, from_pretrained
@@ -137,17 +142,22 @@ def main(argv=None):
           "tokens one step at a time; greedy: 256 tokens from a held-out prompt, equal to float32's before the "
           "first difference / in all.", "",
           "| model | float32 held-out loss | int8 | loss | perplexity | bf16 | perplexity | float32 decode loss | "
-          "int8 | perplexity | greedy int8: first diff, equal | greedy bf16 |",
-          "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---|"]
+          "int8 | perplexity | greedy int8: first diff, equal | greedy bf16 | int4 held-out perplexity | "
+          "int4 decode perplexity | greedy int4 |",
+          "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---|---:|---:|---|"]
     for r in rows:
-        f, i, b = r["float32"], r["int8"], r["bf16"]
+        f, i, b, q = r["float32"], r["int8"], r["bf16"], r["int4"]
         md.append(f"| {r['model']} | {f['heldout']:.4f} | {i['heldout']:.4f} | {100 * i['heldout_rel']:+.2f}% | "
                   f"{100 * i['ppl_rel']:+.2f}% | {b['heldout']:.4f} | {100 * b['ppl_rel']:+.2f}% | {f['decode']:.4f} | "
                   f"{i['decode']:.4f} | {100 * i['decode_ppl_rel']:+.2f}% | {i['greedy_first_diff']}, "
-                  f"{i['greedy_equal']} / 256 | {b['greedy_first_diff']}, {b['greedy_equal']} / 256 |")
+                  f"{i['greedy_equal']} / 256 | {b['greedy_first_diff']}, {b['greedy_equal']} / 256 | "
+                  f"{100 * q['ppl_rel']:+.2f}% | {100 * q['decode_ppl_rel']:+.2f}% | {q['greedy_first_diff']}, "
+                  f"{q['greedy_equal']} / 256 |")
     worst = max(abs(r["int8"]["ppl_rel"]) for r in rows)
     md += ["", f"Largest int8 change of held-out perplexity: {100 * worst:.2f}%; of the decoding step's: "
-               f"{100 * max(abs(r['int8']['decode_ppl_rel']) for r in rows):.2f}%."]
+               f"{100 * max(abs(r['int8']['decode_ppl_rel']) for r in rows):.2f}%. int4 (groups of {INT4_GROUP}): "
+               f"{100 * max(abs(r['int4']['ppl_rel']) for r in rows):.2f}% and "
+               f"{100 * max(abs(r['int4']['decode_ppl_rel']) for r in rows):.2f}%."]
     name = "quant_accuracy" + ("_quick" if args.quick else "")
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / f"{name}.json").write_text(json.dumps({"machine": machine, "rows": rows}, indent=2))

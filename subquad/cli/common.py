@@ -48,9 +48,10 @@ def add_device_flag(parser) -> None:
 
 
 def add_quantize_flag(parser) -> None:
-    parser.add_argument("--quantize", choices=["int8", "bf16"],
-                        help="quantise the projections for inference: int8 per output channel, or bfloat16 "
-                             "(subquad.models.quant; the weights load as float32 first)")
+    parser.add_argument("--quantize", choices=["int8", "int4", "bf16"],
+                        help="quantise the projections for inference: int8 per output channel, int4 per group of "
+                             "128 inputs, or bfloat16 (subquad.models.quant; the weights load as float32 first; a "
+                             "folder saved quantised loads as it was saved)")
 
 
 def add_model_flags(parser, hf_types: list[str], *, run_help: str = "run folder (or one of its checkpoints)",

@@ -12,6 +12,9 @@ def add_parser(command, hf_types: list[str]) -> None:
     x.add_argument("--model-type", choices=hf_types + ["subquad"],
                    help="the Hugging Face type to write (default: the first whose structure the model has; "
                         "'subquad' when none has it: a folder of subquad's own config and names)")
+    x.add_argument("--quantize", choices=["int8", "int4", "bf16"],
+                   help="write the model quantised (subquad.models.quant): a folder of subquad's own format that "
+                        "from_pretrained and subquad generate --model load quantised as written")
     x.set_defaults(fn=run)
 
 
@@ -23,10 +26,14 @@ def run(args) -> int:
 
     if not Path(args.run).exists():
         raise ValueError(f"--run {args.run} does not exist")
-    model, tok, meta = load_run(args.run, log=say)          # full or sharded checkpoints, read whole
-    kind = args.model_type or hf_type(model) or PLAIN
+    model, tok, meta = load_run(args.run, log=say, quantize=args.quantize)    # full or sharded, read whole
+    if args.quantize and args.model_type not in (None, PLAIN):
+        raise ValueError(f"--quantize writes subquad's own format (--model-type {PLAIN}), not {args.model_type!r}")
+    kind = PLAIN if args.quantize else args.model_type or hf_type(model) or PLAIN
     save_pretrained(model, args.out, tokenizer=tok, model_type=kind)
-    what = ("a subquad folder (no Hugging Face type has this structure; from_pretrained and subquad generate "
+    what = (f"a subquad folder of {args.quantize} weights (from_pretrained and subquad generate --model read it)"
+            if args.quantize else
+            "a subquad folder (no Hugging Face type has this structure; from_pretrained and subquad generate "
             "--model read it)" if kind == PLAIN else f"a Hugging Face {kind} folder")
     print(f"{args.run}: step {meta['step']} written to {args.out} as {what}")
     return 0

@@ -8,7 +8,8 @@
 An eager step of a small model is mostly overhead: some 30-50 small ops per layer, each a dispatch of a few
 microseconds on tensors of a few thousand numbers, the Python around them, and the value checks the ops run
 on CPU. torch.compile (inductor) fuses each block's elementwise work into a few C++ loops and keeps the
-matrix products as library calls (and the int8 ones as ``subquad::int8_linear``, ``models.quant``).
+matrix products as library calls (and the quantised ones as ``subquad::int8_linear`` and
+``subquad::int4_linear``, ``models.quant``).
 
 One graph holds every block, the final norm and the head; the embedding and the position count run in
 Python around it. One graph per block, shared by the blocks of the same structure, would compile several
@@ -108,10 +109,12 @@ def decode_layout(model):
     bfloat16 weights the row-major layout is the faster one. ``from_pretrained`` applies it."""
     tied = getattr(model, "head", None) is None            # the embedding is the head's matrix too
     for m in model.modules():
-        w = getattr(m, "weight", None)
+        if not isinstance(m, (nn.Linear, nn.Embedding)):
+            continue                                   # (a quantised module's ``weight`` is a dequantised copy)
+        w = m.weight
         if isinstance(m, nn.Embedding) and not tied:
             continue                                   # looked up a row at a time: row-major serves it best
-        if isinstance(m, (nn.Linear, nn.Embedding)) and w is not None and w.dim() == 2:
+        if w is not None and w.dim() == 2:
             wide = w.shape[0] >= 2 * w.shape[1]            # Linear: (out, in); Embedding: (vocab, d_model)
             if wide and w.is_contiguous() and w.dtype == torch.float32:
                 m.weight = nn.Parameter(w.detach().T.contiguous().T, requires_grad=w.requires_grad)

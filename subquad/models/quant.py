@@ -1,18 +1,28 @@
-"""Quantised weights for inference: int8 (per output channel) and bfloat16 projections.
+"""Quantised weights for inference: int8 (per output channel), int4 (per group of inputs) and bfloat16 projections.
 
     quantize(model, "int8")      every projection W (N, K) -> q (N, K) int8 and s (N,) float32,
                                  W ~ s[:, None] * q,  s = max_k |W[n, k]| / 127  (symmetric, per channel)
+    quantize(model, "int4")      every projection W (N, K) -> codes c (N, K) in [0, 15] and, per group of g input
+                                 channels (``group_size``, default 128), a bfloat16 scale s and zero z:
+                                 W ~ (c - 8) s + z,  s = (max - min) / 15,  z = min + 8 s  (asymmetric)
     quantize(model, "bf16")      every projection stored in bfloat16
-    y = Linear(x) computed as:   decoding (rows <= DECODE_ROWS): fbgemm's int8 matrix product
+    y = Linear(x) computed as:   int8 decoding (rows <= DECODE_ROWS): fbgemm's int8 matrix product
                                  (torch.ops.quantized.linear_dynamic: x quantised to 8 bits per call,
                                  int32 accumulation, * s) - it reads one byte per weight;
-                                 prefill (more rows): x (s[:, None] q)^T in x's dtype - weight-only
+                                 int4 decoding (rows <= INT4_ROWS): torch's int4 kernel
+                                 (aten._weight_int4pack_mm_for_cpu: x rounded to bfloat16, the weights
+                                 dequantised in registers, float32 sums, y rounded to bfloat16) - half a byte a
+                                 weight and 4 bytes a group;
+                                 prefill (more rows): x W^T with the dequantised W in x's dtype - weight-only
     bf16:                        (x.bfloat16() W^T).to(x.dtype)
 
 What is quantised, as llama.cpp's Q8_0 does: the projections of every mixer and MLP, the experts (one
 ``Int8Linear`` per expert), the routers and the vocabulary head (a tied head gets its own quantised copy;
 the embedding lookup stays full precision). What stays in full precision: the SSM parameters (A_log, D,
-dt_bias), the short convolutions, the norms and every 1-D tensor; the recurrent state stays float32.
+dt_bias), the short convolutions, the norms and every 1-D tensor; the recurrent state stays float32. int4
+keeps more in float32 (``INT4_FLOAT``), as GGUF's 4-bit types do: the routers and a shared expert's gate,
+Mamba's x_proj and dt_proj, the delta rule's beta and decay projections - small matrices whose error a
+recurrence compounds - and any matrix whose input width the group size does not divide (named in a warning).
 
 Why fbgemm: on one row it reads int8 weights near the memory bandwidth and keeps most of that rate at 8 rows,
 where ``aten._weight_int8pack_mm`` (the weight-only kernel torchao's int8 path calls on CPU) is an order of
@@ -24,12 +34,22 @@ call, so at batch > 1 rows share it: a quantised batch equals its rows run alone
 error, not bit for bit (float weights are exact). The kernel is wrapped as the custom op
 ``subquad::int8_linear`` so a compiled decode step (``models.decode``) keeps it in its graph.
 
-A quantised model is for inference: it refuses to train (no gradient reaches int8 weights) and to be
-saved (save the float checkpoint it came from).
+Why torch's int4 kernel: it is maintained with torch (torchao's CPU int4 path calls it), packs 4-bit weights
+with a bfloat16 scale and zero per group, and is vectorised on x86 (AVX512, AVX2) for bfloat16 activations
+only - with float32 ones it runs a scalar loop, ~10-100x slower - so x is rounded to bfloat16 for it. Its
+packed layout depends on the CPU (blocks of 64 rows on AVX512, 32 on AVX2): it is found once against torch's
+own packing (``_layout``), and a saved folder holds the CPU-independent ``pair_k`` form, packed again on
+loading. Without the kernel (another torch, another device) every product dequantises - the same weights,
+the reference the tests hold the kernel to. Wrapped as ``subquad::int4_linear`` for the compiled step.
+
+A quantised model is for inference: it refuses to train (no gradient reaches its weights). ``save_pretrained``
+writes it as a folder of its quantised weights that ``from_pretrained`` reads back as the same model
+(``save_quantized``, ``load_quantized``: subquad's own format; transformers does not read it).
 """
 
 from __future__ import annotations
 
+import functools
 import itertools
 import warnings
 import weakref
@@ -39,7 +59,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-QUANTIZE = ("int8", "bf16")
+QUANTIZE = ("int8", "int4", "bf16")
 DECODE_ROWS = 16            # at most this many rows take fbgemm's kernel; more (prefill) dequantise
 MIN_WEIGHTS = 1 << 18       # smaller matrices stay float32: fbgemm's fixed cost per call exceeds the time the
                             # bytes it saves would take (mamba-130m's x_proj and dt_proj: 123K and 74K weights)
@@ -115,10 +135,18 @@ class Int8Linear(nn.Module):
         self.register_buffer("q", torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8).contiguous())
         self.register_buffer("scale", scale)
         self.register_buffer("bias", None if bias is None else bias.detach().float().clone())
-        key = next(_keys)
-        self.register_buffer("key", torch.tensor(key), persistent=False)
+        key = self.key_id = next(_keys)
+        self.register_buffer("key", torch.tensor(key, device="cpu"), persistent=False)
         weakref.finalize(self, _PACKED.pop, key, None)
         self.in_features, self.out_features = w.shape[1], w.shape[0]
+
+    @classmethod
+    def empty(cls, out_features: int, in_features: int, bias: bool) -> Int8Linear:
+        """One to fill with ``load_state_dict(..., assign=True)`` (a saved int8 folder): no float weight made."""
+        with torch.device("meta"):
+            m = cls(torch.empty(out_features, in_features), torch.empty(out_features) if bias else None)
+        m.key = torch.tensor(m.key_id)                   # not loaded: the name of its packed weight, on the CPU
+        return m
 
     @property
     def weight(self) -> torch.Tensor:
@@ -141,6 +169,11 @@ class Bf16Linear(nn.Module):
         self.register_buffer("bias", None if bias is None else bias.detach().to(torch.bfloat16).clone())
         self.in_features, self.out_features = weight.shape[1], weight.shape[0]
 
+    @classmethod
+    def empty(cls, out_features: int, in_features: int, bias: bool) -> Bf16Linear:
+        with torch.device("meta"):
+            return cls(torch.empty(out_features, in_features), torch.empty(out_features) if bias else None)
+
     @property
     def weight(self) -> torch.Tensor:
         return self.w.float()
@@ -149,22 +182,307 @@ class Bf16Linear(nn.Module):
         return F.linear(x.to(torch.bfloat16), self.w, self.bias).to(x.dtype)
 
 
-def quantized_linear(kind: str, weight: torch.Tensor, bias: torch.Tensor | None = None) -> nn.Module:
+
+# ---------------------------------------------------------------------------------------------------------------
+# int4: 4 bits per weight, a bfloat16 scale and zero per group of ``group_size`` input channels
+
+GROUP_SIZES = (32, 64, 128, 256)   # the group sizes torch's int4 kernel takes
+GROUP_SIZE = 128                   # the default: ~as fast as 32 and 0.56 bytes a weight against 0.625
+                                   # (benchmarks/RESULTS.md "int4 weights"); 32 is the more accurate
+INT4_ROWS = 256                    # at most this many rows take the kernel; more (a long prefill) dequantise:
+                                   # the kernel's time grows with the rows, dequantising's is mostly fixed
+PACK_ROWS = 4096                   # rows packed at a time (a multiple of the layouts' blocks)
+INT4_FLOAT = frozenset({"router", "shared_gate", "dt_proj", "x_proj", "a_proj", "b_proj", "f_a_proj", "f_b_proj"})
+# projections int4 leaves in float32 whatever their size: a mixture's router and shared-expert gate (which
+# experts run), Mamba's dt, B and C (dt_proj, x_proj), the delta rule's write strength beta (b_proj) and
+# decay alpha (a_proj; KDA's f_a/f_b_proj): small matrices whose error the recurrence compounds (GGUF keeps
+# them in high precision too)
+
+
+def int4_quantize(w: torch.Tensor, group_size: int):
+    """w (N, K) float -> (codes (N, K) uint8 in [0, 15], scale (N, K/g) bfloat16, zero (N, K/g) bfloat16) with
+    W ~ (codes - 8) * scale + zero per group of g input channels (asymmetric: the grid spans the group's
+    [min, max]; a constant group keeps its value up to bfloat16's rounding). The codes are rounded against
+    the bfloat16 scale and zero the products use."""
+    N, K = w.shape
+    g = w.detach().float().reshape(N, K // group_size, group_size)
+    lo, hi = g.amin(-1), g.amax(-1)
+    scale = ((hi - lo) / 15).clamp_min(1e-30).bfloat16()
+    zero = (lo + 8 * scale.float()).bfloat16()
+    codes = torch.round((g - zero.float()[..., None]) / scale.float()[..., None]) + 8
+    return codes.clamp_(0, 15).to(torch.uint8).reshape(N, K), scale, zero
+
+
+def int4_dequantize(codes, scale, zero, dtype=torch.float32) -> torch.Tensor:
+    """(codes - 8) * scale + zero per group: (N, K) in ``dtype`` - the weights every int4 product computes
+    with (float32: one rounding, as the kernel's fused multiply-add)."""
+    N, K = codes.shape
+    G = scale.shape[1]
+    w = (codes.view(N, G, K // G).to(dtype) - 8) * scale.to(dtype)[..., None] + zero.to(dtype)[..., None]
+    return w.view(N, K)
+
+
+def pair_k(codes: torch.Tensor) -> torch.Tensor:
+    """codes (N, K) -> (N, K/2) bytes, input channel 2j in the low nibble and 2j+1 in the high one: the
+    layout a saved folder holds (the kernel's own depends on the CPU)."""
+    return codes[:, 0::2] | codes[:, 1::2] << 4
+
+
+def unpair_k(q: torch.Tensor) -> torch.Tensor:
+    return torch.stack([q & 15, q >> 4], -1).flatten(-2)
+
+
+# torch's packed layout (aten/src/ATen/native/cpu/int4mm_kernel.cpp, weight_to_int4pack_kernel): rows in blocks
+# of ``block`` (the kernel's BLOCK_N), each block stored k-major as (K, block/2) bytes; a whole block's byte j
+# holds rows j and j + block/2 on AVX512 and AVX2 ("split"), rows 2j and 2j+1 on other CPUs and in a last,
+# shorter block. Which one this CPU's kernel uses is found once, against its own packing (``_layout``).
+LAYOUTS = {1: (64, True), 2: (32, True), 3: (32, False)}     # 0: no kernel: the pair_k layout
+
+
+def _pair_n(b, split):
+    h = b.shape[-1] // 2
+    return b[..., h:] << 4 | b[..., :h] if split else b[..., 1::2] << 4 | b[..., 0::2]
+
+
+def _unpair_n(p, split):
+    lo, hi = p & 15, p >> 4
+    return torch.cat([lo, hi], -1) if split else torch.stack([lo, hi], -1).flatten(-2)
+
+
+def kernel_pack(codes: torch.Tensor, layout: int) -> torch.Tensor:
+    """codes (N, K) uint8, N a multiple of 16 -> (N, K/2) uint8 in the kernel's layout ``layout`` (``LAYOUTS``)."""
+    block, split = LAYOUTS[layout]
+    N, K = codes.shape
+    full = N // block * block
+    parts = [_pair_n(codes[:full].view(full // block, block, K).transpose(1, 2), split).reshape(-1)]
+    if full < N:
+        parts.append(_pair_n(codes[full:].T, False).reshape(-1))
+    return torch.cat(parts).view(N, K // 2)
+
+
+def kernel_unpack_t(packed: torch.Tensor, layout: int) -> torch.Tensor:
+    """``kernel_pack``'s inverse, transposed: (N, K/2) -> codes (K, N) - the layout's own k-major order, so no
+    transpose of the codes is needed (a prefill multiplies by W^T)."""
+    block, split = LAYOUTS[layout]
+    N, K = packed.shape[0], packed.shape[1] * 2
+    full = N // block * block
+    flat = packed.reshape(-1)
+    body = _unpair_n(flat[:full * K // 2].view(full // block, K, block // 2), split)     # (N/block, K, block)
+    body = body.transpose(0, 1).reshape(K, full)
+    if full == N:
+        return body
+    return torch.cat([body, _unpair_n(flat[full * K // 2:].view(K, (N - full) // 2), False)], 1)
+
+
+def kernel_unpack(packed: torch.Tensor, layout: int) -> torch.Tensor:
+    """``kernel_pack``'s inverse: (N, K/2) -> codes (N, K)."""
+    return kernel_unpack_t(packed, layout).T.contiguous()
+
+
+@functools.cache
+def _layout() -> int:
+    """This CPU's packed layout for ``aten._weight_int4pack_mm_for_cpu``: the ``LAYOUTS`` entry whose packing
+    equals torch's own and whose product is right, or 0 (no kernel: every product dequantises)."""
+    pack = getattr(torch.ops.aten, "_convert_weight_to_int4pack_for_cpu", None)
+    if pack is None or not hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu"):
+        return 0
+    gen = torch.Generator().manual_seed(0)
+    codes = torch.randint(0, 16, (112, 64), generator=gen, dtype=torch.uint8, device="cpu")   # a block and a short one
+    try:
+        theirs = pack(codes.int(), 1)
+    except RuntimeError:
+        return 0
+    for layout in LAYOUTS:
+        if torch.equal(kernel_pack(codes, layout), theirs):
+            scale = torch.full((112, 2), 0.5, dtype=torch.bfloat16, device="cpu")
+            zero = torch.full((112, 2), 0.25, dtype=torch.bfloat16, device="cpu")
+            x = torch.ones(1, 64, dtype=torch.bfloat16, device="cpu")
+            y = torch.ops.aten._weight_int4pack_mm_for_cpu(x, theirs, 32, _scale_zero(scale, zero, 112))
+            ref = int4_dequantize(codes, scale, zero).sum(1)
+            return layout if torch.equal(y.float()[0], ref) else 0
+    return 0
+
+
+def _scale_zero(scale, zero, rows):
+    """scale, zero (N, G) -> the kernel's (G, rows, 2), rows >= N padded with zeros."""
+    sz = torch.stack([scale, zero], -1).transpose(0, 1)
+    return F.pad(sz, (0, 0, 0, rows - sz.shape[1])).contiguous()
+
+
+def int4_linear(x: torch.Tensor, w: torch.Tensor, scale_zero: torch.Tensor, bias: torch.Tensor | None,
+                out_features: int, layout: int) -> torch.Tensor:
+    """x (..., K) float, w (N', K/2) uint8 codes in ``layout`` (0: ``pair_k``'s; else a ``LAYOUTS`` key, N'
+    = N rounded up to 16), scale_zero (K/g, N', 2) bfloat16, bias (N,) float32 or None -> (..., N) in x's dtype.
+    Decoding (rows <= INT4_ROWS, a CPU and the kernel): ``aten._weight_int4pack_mm_for_cpu``, whose vectorised
+    form takes x rounded to bfloat16, accumulates in float32 and rounds y to bfloat16. Otherwise: x W^T with
+    W = ``int4_dequantize`` in x's dtype (the reference)."""
+    N, K = out_features, x.shape[-1]
+    if layout and x.numel() <= INT4_ROWS * K and x.device.type == "cpu":
+        y = torch.ops.aten._weight_int4pack_mm_for_cpu(x.reshape(-1, K).bfloat16(), w, K // scale_zero.shape[0],
+                                                      scale_zero)
+        y = (y if y.shape[1] == N else y[:, :N]).to(x.dtype)
+        if bias is not None:
+            y = y + bias
+        return y.view(*x.shape[:-1], N)
+    if layout:           # W^T (K, N') straight from the k-major layout: the scales broadcast along k, no transpose
+        G = scale_zero.shape[0]
+        c = kernel_unpack_t(w, layout).view(G, K // G, -1).to(x.dtype)
+        s, z = scale_zero[:, None, :, 0].to(x.dtype), scale_zero[:, None, :, 1].to(x.dtype)
+        Wt = torch.addcmul(z - 8 * s, c, s).view(K, -1)            # c s + (z - 8 s): two passes over W, not four
+        y = x @ Wt[:, :N]
+        return y if bias is None else y + bias.to(x.dtype)
+    W = int4_dequantize(unpair_k(w), scale_zero[..., 0].T, scale_zero[..., 1].T, x.dtype)
+    return F.linear(x, W, None if bias is None else bias.to(x.dtype))
+
+
+_LIB.define("int4_linear(Tensor x, Tensor w, Tensor scale_zero, Tensor? bias, int out_features, int layout) -> Tensor")
+_LIB.impl("int4_linear", int4_linear, "CompositeExplicitAutograd")
+
+
+@torch.library.register_fake("subquad::int4_linear")
+def _(x, w, scale_zero, bias, out_features, layout):
+    return x.new_empty(*x.shape[:-1], out_features)
+
+
+class Int4Linear(nn.Module):
+    """A Linear whose weight is 4-bit per group of ``group_size`` input channels (``int4_quantize``): in memory
+    ``w`` (N', K/2) uint8 in the kernel's layout and ``scale_zero`` (K/g, N', 2) bfloat16 (N' = N rounded up
+    to 16: the kernel's unit; the extra rows are zeros); in its state dict the CPU-independent form ``q``
+    (N, K/2) uint8 (``pair_k``), ``scale`` and ``zero`` (N, K/g) bfloat16 and ``bias``."""
+
+    def __init__(self, weight: torch.Tensor | None, bias: torch.Tensor | None = None, group_size: int = GROUP_SIZE,
+                 *, shape: tuple | None = None):
+        super().__init__()
+        N, K = int4_shape(weight.shape if weight is not None else shape, group_size)
+        self.in_features, self.out_features, self.group_size = K, N, group_size
+        self.layout = _layout()
+        if weight is None:                              # filled by load_state_dict (a saved int4 folder)
+            q = torch.zeros(N, K // 2, dtype=torch.uint8)
+            scale = zero = torch.zeros(N, K // group_size, dtype=torch.bfloat16)
+        else:
+            codes, scale, zero = int4_quantize(weight, group_size)
+            q = pair_k(codes)
+        self._set(q, scale, zero, None if bias is None else bias.detach().float().clone())
+
+    @classmethod
+    def empty(cls, out_features: int, in_features: int, bias: bool, group_size: int = GROUP_SIZE) -> Int4Linear:
+        """One to fill with ``load_state_dict`` (a saved int4 folder), made without a float weight."""
+        _layout()                                        # found on the CPU, not under the meta device below
+        with torch.device("meta"):
+            return cls(None, torch.empty(out_features) if bias else None, group_size,
+                       shape=(out_features, in_features))
+
+    def _set(self, q, scale, zero, bias):
+        """Buffers from the saved form: q (N, K/2) in ``pair_k``'s layout, scale and zero (N, K/g), bias. Packed
+        ``PACK_ROWS`` rows at a time (the layout is local to blocks of 64 rows), so loading a large matrix
+        makes no copy of it wider than its packed bytes."""
+        N, K = self.out_features, self.in_features
+        rows = -(-N // 16) * 16 if self.layout else N
+        if self.layout:
+            w = torch.empty(rows, K // 2, dtype=torch.uint8, device=q.device)
+            for r in range(0, rows, PACK_ROWS):
+                codes = unpair_k(q[r:r + PACK_ROWS])
+                n = min(PACK_ROWS, rows - r)
+                w[r:r + n] = kernel_pack(F.pad(codes, (0, 0, 0, n - codes.shape[0])), self.layout)
+        else:
+            w = q.contiguous()
+        self.register_buffer("w", w)
+        self.register_buffer("scale_zero", _scale_zero(scale, zero, rows))
+        self.register_buffer("bias", bias)
+
+    def codes(self) -> torch.Tensor:
+        """(N, K) uint8 in [0, 15]."""
+        return (kernel_unpack(self.w, self.layout) if self.layout else unpair_k(self.w))[:self.out_features]
+
+    @property
+    def scale(self) -> torch.Tensor:
+        return self.scale_zero[:, :self.out_features, 0].T.contiguous()
+
+    @property
+    def zero(self) -> torch.Tensor:
+        return self.scale_zero[:, :self.out_features, 1].T.contiguous()
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """The dequantised weight (N, K) float32: what the products compute with."""
+        return int4_dequantize(self.codes(), self.scale, self.zero)
+
+    def forward(self, x):
+        return torch.ops.subquad.int4_linear(x, self.w, self.scale_zero, self.bias, self.out_features, self.layout)
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        if self.layout:                   # pair_k(codes), paired in the k-major order: half the bytes to transpose
+            ct = kernel_unpack_t(self.w, self.layout)[:, :self.out_features]
+            destination[prefix + "q"] = (ct[0::2] | ct[1::2] << 4).T.contiguous()
+        else:
+            destination[prefix + "q"] = self.w
+        destination[prefix + "scale"] = self.scale
+        destination[prefix + "zero"] = self.zero
+        if self.bias is not None:
+            destination[prefix + "bias"] = self.bias
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                              error_msgs):
+        N, K, G = self.out_features, self.in_features, self.in_features // self.group_size
+        want = {"q": ((N, K // 2), torch.uint8), "scale": ((N, G), torch.bfloat16), "zero": ((N, G), torch.bfloat16)}
+        if self.bias is not None:
+            want["bias"] = ((N,), torch.float32)
+        got = {}
+        for name, (shape, dtype) in want.items():
+            t = state_dict.get(prefix + name)
+            if t is None:
+                missing_keys.append(prefix + name)
+            elif tuple(t.shape) != shape or t.dtype != dtype:
+                error_msgs.append(f"{prefix + name}: {t.dtype} {tuple(t.shape)}, expected {dtype} {shape}")
+            else:
+                got[name] = t
+        if len(got) == len(want):
+            self._set(got["q"], got["scale"], got["zero"], got.get("bias"))
+        if strict:
+            unexpected_keys.extend(k for k in state_dict if k.startswith(prefix) and k[len(prefix):] not in want)
+
+    def extra_repr(self):
+        how = "torch's int4 kernel" if self.layout else "dequantising"
+        return (f"in_features={self.in_features}, out_features={self.out_features}, int4 per {self.group_size} "
+                f"inputs ({how})")
+
+
+def int4_shape(shape, group_size: int) -> tuple[int, int]:
+    """(N, K) of an (out, in) weight int4 can hold with ``group_size``; ValueError naming what does not fit."""
+    if group_size not in GROUP_SIZES:
+        raise ValueError(f"int4's group_size must be one of {', '.join(map(str, GROUP_SIZES))} (the sizes torch's "
+                         f"int4 kernel takes), got {group_size!r}")
+    if len(shape) != 2:
+        raise ValueError(f"Int4Linear needs a (out, in) weight, got shape {tuple(shape)}")
+    if shape[1] % group_size:
+        raise ValueError(f"Int4Linear: the weight's input width {shape[1]} is not a multiple of group_size="
+                         f"{group_size}")
+    return int(shape[0]), int(shape[1])
+
+
+def quantized_linear(kind: str, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                     group_size: int = GROUP_SIZE) -> nn.Module:
+    if kind == "int4":
+        return Int4Linear(weight, bias, group_size)
     return (Int8Linear if kind == "int8" else Bf16Linear)(weight, bias)
 
 
-def quantize(model, kind: str, min_weights: int = MIN_WEIGHTS):
+def quantize(model, kind: str, min_weights: int = MIN_WEIGHTS, group_size: int = GROUP_SIZE):
     """Quantise ``model`` (a ``LanguageModel``) in place for inference (module doc) and return it.
 
-    Every ``nn.Linear`` of at least ``min_weights`` weights (``MIN_WEIGHTS``; 0: all) (but those a layer reads as a matrix, listed in its ``keep_float``: MLA's absorbed
-    ``kv_b_proj``) becomes an ``Int8Linear`` / ``Bf16Linear`` (the output of a 1-output gate too), every
-    mixture-of-experts layer gets one per expert and projection, and the vocabulary head (tied or not) one
-    of its own. Refused: an unknown kind, a model that is not float32 (quantise from float32 weights), a model
-    already quantised."""
+    Every ``nn.Linear`` of at least ``min_weights`` weights (``MIN_WEIGHTS``; 0: all) (but those a layer reads
+    as a matrix, listed in its ``keep_float``: MLA's absorbed ``kv_b_proj``) becomes an ``Int8Linear`` /
+    ``Int4Linear`` / ``Bf16Linear`` (the output of a 1-output gate too), every mixture-of-experts layer gets
+    one per expert and projection, and the vocabulary head (tied or not) one of its own. int4 also leaves the
+    projections named in ``INT4_FLOAT`` in float32, and every matrix whose input width is not a multiple of
+    ``group_size`` (a warning names them). Refused: an unknown kind or group size, a model that is not float32
+    (quantise from float32 weights), a model already quantised."""
     from subquad.models.moe import MoE
 
     if kind not in QUANTIZE:
         raise ValueError(f"quantize must be one of {', '.join(QUANTIZE)}, got {kind!r}")
+    if kind == "int4":
+        int4_shape((1, group_size), group_size)                      # the group size, checked first
     if getattr(model, "quantized", None):
         raise ValueError(f"the model is already quantised ({model.quantized})")
     dtype = model.embed.weight.dtype
@@ -172,16 +490,133 @@ def quantize(model, kind: str, min_weights: int = MIN_WEIGHTS):
         raise ValueError(f"quantize needs a float32 model (it keeps the rest in float32), got {dtype}; load it "
                          f"with dtype=float32")
     model.eval()
-    for module in list(model.modules()):
+    skipped = []
+
+    def fits(name, w):                          # int4: a width the groups divide; otherwise kept float, named
+        if kind != "int4" or w.shape[-1] % group_size == 0:
+            return True
+        skipped.append(name)
+        return False
+
+    for mname, module in list(model.named_modules()):
         for name, child in list(module.named_children()):
             if isinstance(child, nn.Linear) and name not in getattr(module, "keep_float", ()) and \
-                    child.weight.numel() >= min_weights:
-                setattr(module, name, quantized_linear(kind, child.weight, child.bias))
-        if isinstance(module, MoE) and module.w_up[0].numel() >= min_weights:
-            module.quantize_experts(lambda w: quantized_linear(kind, w))
+                    child.weight.numel() >= min_weights and not (kind == "int4" and name in INT4_FLOAT) and \
+                    fits(f"{mname}.{name}", child.weight):
+                setattr(module, name, quantized_linear(kind, child.weight, child.bias, group_size))
+        if isinstance(module, MoE) and module.w_up[0].numel() >= min_weights and \
+                all(fits(f"{mname}.{n}", getattr(module, n)) for n in module.projections):
+            module.quantize_experts(lambda w: quantized_linear(kind, w, None, group_size))
     head = model.embed.weight if model.head is None else model.head.weight
-    model.head = quantized_linear(kind, head)            # a tied head keeps the embedding for the lookup
+    if fits("head", head):
+        model.head = quantized_linear(kind, head, None, group_size)   # a tied head keeps the embedding for the lookup
+    if skipped:
+        warnings.warn(f"int4 with group_size={group_size}: {len(skipped)} matrices whose input width it does not "
+                      f"divide stay float32: {', '.join(skipped[:6])}{' ...' if len(skipped) > 6 else ''}",
+                      stacklevel=2)
     model.quantized = kind
+    model.quant_group_size = group_size if kind == "int4" else None
     for p in model.parameters():
         p.requires_grad_(False)
     return model
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Quantised folders
+
+def save_quantized(model, path, tokenizer=None) -> None:
+    """Write a quantised model as a folder ``from_pretrained`` reads back into the same quantised model:
+    config.json ``{"model_type": "subquad", "config": ModelConfig, "quantization": {"kind", "group_size"}}``,
+    model.safetensors of its state dict under subquad's names (int8: ``q`` int8 and ``scale``; int4: ``q``
+    (``pair_k``'s CPU-independent nibbles), ``scale`` and ``zero`` bfloat16; bf16: ``w``; the rest float32),
+    generation_config.json and the tokenizer files of the folder it was read from (or ``tokenizer``)."""
+    import json
+    import os
+
+    from safetensors.torch import save_file
+
+    from subquad.models.hf.saver import PLAIN, _write
+
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    tmp = path / "model.safetensors.tmp"
+    save_file({k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()}, str(tmp),
+              metadata={"format": "pt", "quantization": model.quantized})
+    os.replace(tmp, path / "model.safetensors")
+    cfg = model.config
+    quantization = {"kind": model.quantized, "group_size": getattr(model, "quant_group_size", None)}
+    _write(path / "config.json", json.dumps({"model_type": PLAIN, "config": cfg.to_dict(),
+                                             "quantization": quantization}, indent=1).encode())
+    files = dict((getattr(model, "hf_source", None) or {}).get("files", {}))
+    if "generation_config.json" not in files:
+        eos = cfg.eos_token_ids[0] if len(cfg.eos_token_ids or []) == 1 else cfg.eos_token_ids
+        files["generation_config.json"] = json.dumps({"eos_token_id": eos} if eos else {}, indent=1).encode()
+    if tokenizer is not None:
+        files["tokenizer.json"] = tokenizer.to_str().encode()
+    for name, data in files.items():
+        _write(path / name, data)
+
+
+def load_quantized(path, c: dict):
+    """The quantised ``LanguageModel`` of a folder ``save_quantized`` wrote (config.json ``c``), its quantised
+    matrices as they were saved (bit for bit; int4 packed again for this CPU's kernel). No float copy of a
+    quantised matrix is made: the model is built on the meta device, each quantised module is made empty from
+    its saved shapes, and the tensors are moved in module by module (peak: the file's tensors plus one
+    module's packed copy)."""
+    from collections import defaultdict
+
+    from subquad.models.config import ModelConfig
+    from subquad.models.decode import decode_layout
+    from subquad.models.hf.common import read_weights
+    from subquad.models.lm import LanguageModel
+
+    q = c.get("quantization")
+    kind = q.get("kind") if isinstance(q, dict) else None
+    if kind not in QUANTIZE:
+        raise ValueError(f"{path}: config.json's quantization.kind must be one of {', '.join(QUANTIZE)}, got {kind!r}")
+    group_size = q.get("group_size") if kind == "int4" else None
+    if kind == "int4":
+        int4_shape((1, group_size), group_size)
+    if not isinstance(c.get("config"), dict):
+        raise ValueError(f"{path}: config.json of model_type 'subquad' has no 'config' object (the model's ModelConfig)")
+    cfg = ModelConfig.from_dict(c["config"])
+    with torch.device("meta"):                        # no memory, no random init
+        model = LanguageModel(cfg)
+    tensors = read_weights(path)
+
+    def empty(N, K, bias):                            # a quantised module to fill, made from its saved shapes
+        if kind == "int4":
+            return Int4Linear.empty(N, K, bias, group_size)
+        return (Int8Linear if kind == "int8" else Bf16Linear).empty(N, K, bias)
+
+    mark = ".w" if kind == "bf16" else ".q"           # a quantised module saves this in place of ``weight``
+    for name in sorted(k[:-len(mark)] for k in tensors if k.endswith(mark)):
+        if ".quantized_experts." in name:             # a mixture's experts: made below, all at once
+            continue
+        w = tensors[name + mark]
+        parent, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent) if parent else model, child,
+                empty(w.shape[0], w.shape[1] * (2 if kind == "int4" else 1), name + ".bias" in tensors))
+    for moe in sorted({k.split(".quantized_experts.")[0] for k in tensors if ".quantized_experts." in k}):
+        model.get_submodule(moe).quantize_experts(lambda w: empty(w.shape[0], w.shape[1], False))
+    expected = set(model.state_dict().keys())
+    missing, unexpected = sorted(expected - set(tensors)), sorted(set(tensors) - expected)
+    if missing or unexpected:
+        raise ValueError(f"{path}: the quantised checkpoint does not match its config: missing "
+                         f"{', '.join(missing[:5]) or 'none'}; unexpected {', '.join(unexpected[:5]) or 'none'}")
+    groups = defaultdict(list)                        # tensors by the module that holds them
+    for k in tensors:
+        groups[k.rpartition(".")[0]].append(k)
+    modules = dict(model.named_modules())
+    for owner, keys in groups.items():
+        part = {k.rpartition(".")[2]: tensors.pop(k) for k in keys}
+        modules[owner].load_state_dict(part, strict=False, assign=True)
+        del part
+    left = [n for n, t in itertools.chain(model.named_parameters(), model.named_buffers()) if t.is_meta]
+    if left:
+        raise ValueError(f"{path}: not filled by the checkpoint: {', '.join(left[:5])}")
+    decode_layout(model)          # the float matrices left, as from_pretrained lays them out before quantising
+    model.quantized, model.quant_group_size = kind, group_size
+    for p in model.parameters():
+        p.requires_grad_(False)
+    return model.eval()

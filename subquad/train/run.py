@@ -244,7 +244,7 @@ def _say_schedule(cfg: TrainConfig, old: int, step: int, reschedule: bool, log) 
 
 def load_run(path, device="cpu", quantize=None, log=None):
     """(model in eval mode on ``device``, tokenizer, meta) from a run folder or a checkpoint folder;
-    ``quantize`` "int8" or "bf16" quantises its projections for inference (``models.quant``). ``log`` is
+    ``quantize`` "int8", "int4" or "bf16" quantises its projections for inference (``models.quant``). ``log`` is
     told which step is used and why when it is not the one ``ckpt/latest`` names; the run's tokenizer.json
     is checked against the sha256 its config recorded."""
     from subquad.data.tokenizer import load_tokenizer

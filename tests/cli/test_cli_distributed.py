@@ -65,6 +65,13 @@ def test_export_of_a_structure_no_hugging_face_type_has_writes_a_subquad_folder(
     ids = torch.tensor([tok.encode("def k1(a):\n").ids])
     with torch.no_grad():
         assert torch.equal(back(ids), ours(ids))
+    # --quantize: the folder holds the quantised weights and loads as the same quantised model
+    assert main(["export", "--run", str(run), "--out", str(tmp_path / "q"), "--quantize", "int4"]) == 0
+    assert "a subquad folder of int4 weights" in capsys.readouterr().out
+    qback, _ = from_pretrained(tmp_path / "q")
+    with torch.no_grad():         # (the folder's float matrices are laid out for decoding: last bits may differ)
+        want = load_run(run, quantize="int4")[0](ids)
+        assert qback.quantized == "int4" and torch.allclose(qback(ids), want, rtol=1e-5, atol=1e-5 * want.abs().max())
     with pytest.raises(SystemExit):
         main(["export", "--run", str(run), "--out", str(tmp_path / "x"), "--model-type", "nonesuch"])
     capsys.readouterr()

@@ -1,5 +1,6 @@
-"""Quantised weights (models.quant): what is quantised and what stays float, the int8 product against the
-dequantised weight, models that stay close to float32, compiled decoding with int8, and the refusals."""
+"""Quantised weights (models.quant): what is quantised and what stays float, the int8 and int4 products against
+the dequantised weight, int4's packing against torch's own, models that stay close to float32, compiled
+decoding with int8 and int4, quantised folders saved and loaded back, and the refusals."""
 
 from __future__ import annotations
 
@@ -9,9 +10,22 @@ import pytest
 import torch
 from torch import nn
 
-from subquad.models import LanguageModel, ModelConfig, quant
+from subquad.models import (
+    LanguageModel,
+    ModelConfig,
+    from_pretrained,
+    quant,
+    save_pretrained,
+)
 from subquad.models.decode import compile_decode
-from subquad.models.quant import DECODE_ROWS, Bf16Linear, Int8Linear, quantize
+from subquad.models.quant import (
+    DECODE_ROWS,
+    INT4_ROWS,
+    Bf16Linear,
+    Int4Linear,
+    Int8Linear,
+    quantize,
+)
 
 
 def _rel(a, b):
@@ -51,7 +65,8 @@ def test_the_custom_op_checks_out():
 
 def _model(pattern="mamba,softmax", **over):
     torch.manual_seed(0)
-    cfg = ModelConfig(vocab_size=200, d_model=64, n_layers=len(pattern.split(",")), n_heads=4, pattern=pattern, **over)
+    cfg = ModelConfig(**{"vocab_size": 200, "d_model": 64, "n_layers": len(pattern.split(",")), "n_heads": 4,
+                         "pattern": pattern, **over})
     return LanguageModel(cfg).eval()
 
 
@@ -98,9 +113,15 @@ def test_quantised_models_stay_close_to_float(kind, tol, pattern):
     assert _rel(torch.cat(steps, 1), ref) <= tol
 
 
-def test_compiled_int8_decoding_equals_eager_int8():
-    """The int8 product is a custom op, so the compiled step keeps fbgemm's kernel and gives the same logits."""
-    q = quantize(_model("mamba,softmax"), "int8", min_weights=0)
+def test_compiled_quantised_decoding_equals_eager():
+    """The int8 and int4 products are custom ops, so the compiled step keeps fbgemm's and torch's int4 kernels
+    and gives the same logits. One model holds both (int8 in the mixers, int4 in the MLPs and the head): one
+    compile, which costs most of this test."""
+    q = quantize(_model("mamba,softmax", mlp_size=128), "int8", min_weights=0)
+    for block in q.blocks:
+        for name in ("w_gate", "w_up", "w_down"):
+            setattr(block.mlp, name, Int4Linear(getattr(block.mlp, name).weight, None, 32))
+    q.head = Int4Linear(q.head.weight, None, 32)
     fast = compile_decode(copy.deepcopy(q))
     ids = torch.randint(0, 200, (2, 9), generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
@@ -114,17 +135,196 @@ def test_compiled_int8_decoding_equals_eager_int8():
             tok = a.argmax(-1)
 
 
+# ---- int4 ----
+
+def test_int4_weights_per_group():
+    """Codes in [0, 15]; each weight within half a step of its group's grid (plus bfloat16's rounding of the
+    zero); groups of very different scale each keep their own precision; a constant group keeps its value."""
+    w = torch.randn(48, 256, dtype=torch.float64) * torch.logspace(-3, 1, 8, dtype=torch.float64).repeat(32)[None]
+    w[5, :128] = 0.75                                                         # a constant group
+    for g in (32, 128):
+        codes, scale, zero = quant.int4_quantize(w, g)
+        assert codes.dtype == torch.uint8 and codes.max() <= 15 and scale.dtype == zero.dtype == torch.bfloat16
+        W = quant.int4_dequantize(codes, scale, zero, torch.float64)
+        err = (W - w).view(48, 256 // g, g).abs()
+        step = scale.double()[..., None]
+        assert (err <= step / 2 + zero.double().abs()[..., None] * 2 ** -8 + 1e-30).all()
+        # the half step is 1/30 of the group's range (4 bits, asymmetric)
+        rng = (w.view(48, -1, g).amax(-1) - w.view(48, -1, g).amin(-1))[..., None]
+        assert (err <= rng / 30 * 1.02 + zero.double().abs()[..., None] * 2 ** -8).all()
+        assert (W[5, :128] - 0.75).abs().max() <= 0.75 * 2 ** -8
+
+
+@pytest.mark.skipif(not quant._layout(), reason="this torch has no CPU int4 kernel: products dequantise")
+@pytest.mark.parametrize("N", [16, 48, 112, 160, 304])
+def test_int4_packing_equals_torchs_own(N):
+    """kernel_pack writes what aten._convert_weight_to_int4pack_for_cpu writes (whole blocks and a short last
+    one), and kernel_unpack reads it back."""
+    codes = torch.randint(0, 16, (N, 96), generator=torch.Generator().manual_seed(N), dtype=torch.uint8)
+    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.int(), 1)
+    assert torch.equal(quant.kernel_pack(codes, quant._layout()), packed)
+    assert torch.equal(quant.kernel_unpack(packed, quant._layout()), codes)
+
+
+@pytest.mark.parametrize("g", [32, 128])
+@pytest.mark.parametrize("rows", [1, 3, INT4_ROWS, INT4_ROWS + 1])
+def test_int4_product_against_the_dequantised_weight(g, rows):
+    """An odd output width (300: not a multiple of 16, the kernel pads it), a bias, batch > 1. Decoding rows take
+XX
+    y plus float32's rounding of the sum against float64 over the dequantised weights; prefill rows (and a
+    CPU without the kernel) multiply by the dequantised weights in float32: float32's rounding only."""
+    torch.manual_seed(0)
+    K = 3 * g
+    w, b = torch.randn(300, K), torch.randn(300)
+    lin = Int4Linear(w, b, g)
+    x = torch.randn(rows, K)
+    W = quant.int4_dequantize(lin.codes(), lin.scale, lin.zero, torch.float64)
+    got = lin(x)
+    assert got.dtype == torch.float32 and got.shape == (rows, 300)
+    sums = 1e-6 * (x.double().abs() @ W.abs().T)                              # float32's rounding of the sums
+    if quant._layout() and rows <= INT4_ROWS:
+        ref = x.bfloat16().double() @ W.T
+        assert ((got.double() - b.double() - ref).abs() <= ref.abs() * 2 ** -8 + sums).all()      # u = 2^-8
+    else:
+        ref = x.double() @ W.T + b.double()
+        assert ((got.double() - ref).abs() <= sums + 1e-6).all()
+    assert torch.equal(lin(x.view(rows, 1, K)).view(rows, 300), got)                      # any leading shape
+
+
+def test_int4_without_the_kernel_and_across_layouts(monkeypatch):
+    """Where torch has no int4 kernel (layout 0) the codes stay in pair_k's layout and every product dequantises:
+    the dequantised reference within float32's rounding. A state dict moves between the two layouts (a folder
+    saved on a CPU without the kernel, loaded on one with it, and back) with the same codes, scales and zeros."""
+    torch.manual_seed(0)
+    w, b = torch.randn(40, 64), torch.randn(40)
+    packed = Int4Linear(torch.randn(40, 64), torch.randn(40), 32)            # this CPU's layout, other weights
+    monkeypatch.setattr(quant, "_layout", lambda: 0)
+    plain = Int4Linear(w, b, 32)
+    assert plain.layout == 0 and plain.w.shape == (40, 32) and "dequantising" in repr(plain)
+    x = torch.randn(3, 64)
+    W = quant.int4_dequantize(plain.codes(), plain.scale, plain.zero, torch.float64)
+    ref = x.double() @ W.T + b.double()
+    assert ((plain(x).double() - ref).abs() <= 1e-6 * (x.double().abs() @ W.abs().T) + 1e-6).all()
+    packed.load_state_dict(plain.state_dict())
+    back = Int4Linear.empty(40, 64, True, 32)
+    back.load_state_dict(packed.state_dict())
+    for sd in (packed.state_dict(), back.state_dict()):
+        assert all(torch.equal(sd[k], v) for k, v in plain.state_dict().items())
+    assert torch.equal(back(x), plain(x))
+
+def test_int4_custom_op_checks_out():
+    lin = Int4Linear(torch.randn(20, 64), torch.randn(20), 32)
+    torch.library.opcheck(torch.ops.subquad.int4_linear.default,
+                          (torch.randn(2, 64), lin.w, lin.scale_zero, lin.bias, 20, lin.layout),
+                          test_utils=("test_schema", "test_faketensor"))
+
+
+def test_int4_what_stays_float():
+    """Beyond what int8 keeps: routers, the shared expert's gate, Mamba's x_proj and dt_proj, the delta rule's
+    beta and decay projections; a matrix whose input width the group size does not divide stays float32, named
+    in a warning."""
+    model = _model("mamba,gated_deltanet,kda", moe={"experts": 4, "top_k": 2, "every": 2, "offset": 1, "shared": 32},
+                   mlp_size=80)
+    with pytest.warns(UserWarning, match=r"group_size=32: \d+ matrices .* stay float32: .*w_down"):
+        q = quantize(copy.deepcopy(model), "int4", min_weights=0, group_size=32)
+    assert q.quantized == "int4" and isinstance(q.head, Int4Linear) and q.head.group_size == 32
+    for name in ("blocks.0.mixer.x_proj", "blocks.0.mixer.dt_proj", "blocks.1.mixer.a_proj", "blocks.1.mixer.b_proj",
+                 "blocks.2.mixer.b_proj", "blocks.2.mixer.f_a_proj", "blocks.1.mlp.router", "blocks.1.mlp.shared_gate",
+                 "blocks.0.mlp.w_down", "blocks.2.mixer.g_b_proj"):           # 80 and 16 inputs: not multiples of 32
+        assert type(q.get_submodule(name)) is nn.Linear, name
+    for name in ("blocks.0.mixer.in_proj", "blocks.1.mixer.q_proj", "blocks.2.mixer.o_proj", "blocks.0.mlp.w_up"):
+        assert isinstance(q.get_submodule(name), Int4Linear), name
+    assert "blocks.1.mlp.quantized_experts" not in dict(q.named_modules())   # experts' w_down: 80 inputs too
+
+
+@pytest.mark.parametrize("pattern", ["mamba,softmax", "mamba2,gated_deltanet", "mla,retention"])
+def test_int4_models_stay_close_to_float(pattern):
+    """Logits of a prefill and of token-by-token decoding within 30% of the float model's scale: 4 bits, groups of
+    32, every projection quantised, random weights (measured 3.7%, 24% and 7% for the three patterns - ~10x int8's
+    0.3%, 2.7% and 1.2% on the same models: 15 steps per group's range against 254 per row's)."""
+    model = _model(pattern, moe={"experts": 4, "top_k": 2, "every": 2, "offset": 1}, mlp_size=128)
+    q = quantize(copy.deepcopy(model), "int4", min_weights=0, group_size=32)
+    assert isinstance(q.blocks[1].mlp.quantized_experts["w_up"][0], Int4Linear)
+    ids = torch.randint(0, 200, (2, 24), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        ref = model(ids)
+        assert _rel(q(ids), ref) <= 0.3
+        logits, state = q.prefill(ids[:, :12])
+        steps = [logits]
+        for t in range(12, 24):
+            lt, state = q.step(ids[:, t], state)
+            steps.append(lt[:, None])
+    assert _rel(torch.cat(steps, 1), ref) <= 0.3
+
+@pytest.mark.parametrize("kind", ["int8", "int4", "bf16"])
+def test_a_quantised_folder_loads_as_it_was_saved(tmp_path, kind):
+    """save_pretrained of a quantised model, then from_pretrained of its folder: the same quantised weights and
+    scales bit for bit (int4's saved in a CPU-independent layout, packed again on loading), the same logits
+    and the same greedy tokens; experts, a tied head and float matrices (the router) included."""
+    model = _model("mamba,softmax", moe={"experts": 4, "top_k": 2, "every": 2, "offset": 1}, mlp_size=128)
+    q = quantize(model, kind, min_weights=0, group_size=32)
+    q.save_pretrained(tmp_path / "q")
+    back, _ = from_pretrained(tmp_path / "q")
+    assert back.quantized == kind and type(back.head) is type(q.head)
+    assert type(back.blocks[1].mlp.quantized_experts["w_down"][3]) is type(q.head)
+    a, b = q.state_dict(), back.state_dict()
+    assert a.keys() == b.keys() and any(k.endswith(".w" if kind == "bf16" else ".q") for k in a)
+    for k in a:
+        assert a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]), k
+    ids = torch.randint(0, 200, (2, 10), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        assert torch.equal(back(ids), q(ids))
+    assert back.generate(ids[0].tolist(), 12, temperature=0)[0] == q.generate(ids[0].tolist(), 12, temperature=0)[0]
+    with pytest.raises(ValueError, match=f"quantised to {kind}: it loads as it is"):
+        from_pretrained(tmp_path / "q", quantize="int4" if kind == "int8" else "int8")
+
+
+def test_loading_a_quantised_folder_makes_no_float_weight(tmp_path):
+    """Loading an int4 folder streams it into the quantised modules: no float32 tensor of a quantised matrix's
+    shape is ever made (every op's outputs watched; the model's skeleton lives on the meta device)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    model = _model("mamba2,softmax", mlp_size=160, d_model=96, vocab_size=224)
+    q = quantize(model, "int4", min_weights=0, group_size=32)
+    shapes = {(m.out_features, m.in_features) for m in q.modules() if isinstance(m, Int4Linear)}
+    shapes.discard(tuple(q.embed.weight.shape))              # the tied head: the embedding itself stays float32
+    q.save_pretrained(tmp_path / "q")
+    seen = []
+
+    class Watch(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            for t in (out if isinstance(out, (tuple, list)) else (out,)):
+                if isinstance(t, torch.Tensor) and not t.is_meta and t.is_floating_point() and t.dim() == 2 and \
+                        (tuple(t.shape) in shapes or tuple(t.shape[::-1]) in shapes):
+                    seen.append((func, tuple(t.shape)))
+            return out
+
+    with Watch():
+        back, _ = from_pretrained(tmp_path / "q")
+    assert len(shapes) >= 4 and not seen, seen
+    with torch.no_grad():
+        ids = torch.randint(0, 224, (1, 6), generator=torch.Generator().manual_seed(4))
+        assert torch.equal(back(ids), q(ids))
+
+
 def test_refusals_name_the_problem(tmp_path):
     model = _model()
-    with pytest.raises(ValueError, match="quantize must be one of int8, bf16"):
-        quantize(copy.deepcopy(model), "int4")
+    with pytest.raises(ValueError, match="quantize must be one of int8, int4, bf16"):
+        quantize(copy.deepcopy(model), "int3")
+    with pytest.raises(ValueError, match="group_size must be one of 32, 64, 128, 256"):
+        quantize(copy.deepcopy(model), "int4", group_size=48)
+    with pytest.raises(ValueError, match="input width 96 is not a multiple of group_size=64"):
+        Int4Linear(torch.randn(8, 96), None, 64)
+    with pytest.raises(ValueError, match="Int4Linear needs a"):
+        Int4Linear(torch.randn(3, 4, 64), None, 32)
     with pytest.raises(ValueError, match="needs a float32 model"):
         quantize(copy.deepcopy(model).to(torch.bfloat16), "int8")
     q = quantize(copy.deepcopy(model), "int8", min_weights=0)
     with pytest.raises(ValueError, match="already quantised"):
         quantize(q, "bf16", min_weights=0)
-    with pytest.raises(ValueError, match="not saved"):
-        q.save_pretrained(tmp_path / "out")
+    with pytest.raises(ValueError, match="written in subquad's own format"):
+        save_pretrained(q, tmp_path / "out", model_type="mamba")
     with pytest.raises(ValueError, match="Int8Linear needs a"):
         Int8Linear(torch.randn(3, 4, 5))
 
@@ -138,11 +338,20 @@ def test_from_pretrained_and_the_cli_quantise(tmp_path, capsys):
     _, folder = _hf_mamba(tmp_path)
     model, _ = from_pretrained(folder, quantize="int8")
     assert model.quantized == "int8" and isinstance(model.head, Int8Linear)
+    # from_pretrained(quantize="int4") with groups of 32 (these matrices are 32 wide), saved and loaded back: the same
+    # logits bit for bit (its float matrices laid out for decoding both times), and its tokenizer beside it
+    q4 = quantize(from_pretrained(folder)[0], "int4", min_weights=0, group_size=32)
+    q4.save_pretrained(tmp_path / "q4")
+    back, _ = from_pretrained(tmp_path / "q4")
+    assert (tmp_path / "q4" / "tokenizer.json").exists() == (folder / "tokenizer.json").exists()
+    ids = torch.randint(0, 64, (1, 7), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        assert back.quantized == "int4" and torch.equal(back(ids), q4(ids))
     with pytest.raises(ValueError, match="with float32 weights"):
         from_pretrained(folder, dtype=torch.bfloat16, quantize="int8")
     with pytest.raises(SystemExit):
-        main(["generate", "--model", str(folder), "--quantize", "int4", "--prompt", "x"])
-    assert "invalid choice: 'int4'" in capsys.readouterr().err
+        main(["generate", "--model", str(folder), "--quantize", "int3", "--prompt", "x"])
+    assert "invalid choice: 'int3'" in capsys.readouterr().err
 
 
 def test_cli_generate_and_eval_take_the_compiled_step_and_int8(tmp_path, capsys):
@@ -187,6 +396,14 @@ def test_cli_generate_and_eval_take_the_compiled_step_and_int8(tmp_path, capsys)
     for out in outs:
         assert out == expected
         assert tok.encode(out[len(prompt):]).ids == expected_ids          # exactly n_new tokens generated
+    # a quantised folder: `generate --model` loads it as saved (its tokenizer beside it) and decodes as the model
+    # it was saved from
+    q4 = quantize(from_pretrained(folder)[0], "int4", min_weights=0, group_size=32)
+    q4.save_pretrained(tmp_path / "q4")
+    want = q4.generate(tok.encode(prompt).ids, n_new, temperature=0)[0]
+    assert main(["generate", "--model", str(tmp_path / "q4"), "--prompt", prompt, "--max-new-tokens", str(n_new),
+                 "--temperature", "0"]) == 0
+    assert capsys.readouterr().out == prompt + tok.decode(want) + "\n"
     text = tmp_path / "text.txt"
     text.write_text(" ".join(f"w{(7 * i) % 64}" for i in range(200)))
     assert main(["eval", "--model", str(folder), "--data", str(text), "--quantize", "int8"]) == 0

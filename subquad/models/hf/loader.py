@@ -82,13 +82,43 @@ def resolve_dtype(dtype, c: dict | None = None):
     raise ValueError(f"dtype must be a torch.dtype, None, 'auto' or one of {', '.join(DTYPES)}; got {dtype!r}")
 
 
+def _tokenizer(path):
+    """The folder's tokenizer.json read by ``tokenizers``, or None when it has none."""
+    if not (Path(path) / "tokenizer.json").exists():
+        return None
+    from tokenizers import Tokenizer
+
+    try:
+        return Tokenizer.from_file(str(Path(path) / "tokenizer.json"))
+    except Exception as e:                                                    # noqa: BLE001 - any parse error
+        raise ValueError(f"{Path(path) / 'tokenizer.json'}: the tokenizers library cannot read it ({e})") from None
+
+
+def _from_quantized(path, c, dtype, device, quantize):
+    """``from_pretrained`` of a folder ``quant.save_quantized`` wrote."""
+    from subquad.models.quant import load_quantized
+
+    kind = (c.get("quantization") or {}).get("kind")
+    if quantize not in (None, kind) or resolve_dtype(dtype, c) not in (None, torch.float32):
+        raise ValueError(f"{path} holds a model quantised to {kind}: it loads as it is (quantize=None or {kind!r}, "
+                         f"float32), got quantize={quantize!r}, dtype={dtype}")
+    model = load_quantized(path, c)
+    if device is not None:
+        model.to(device=device)
+    model.hf_source = {"config": dict(c), "files": {f: (Path(path) / f).read_bytes() for f in SIDE_FILES
+                                                    if (Path(path) / f).is_file()}}
+    return model, _tokenizer(path)
+
+
 def from_pretrained(path, dtype=None, device=None, quantize=None):
     """(LanguageModel in eval mode, tokenizer or None) from a Hugging Face model folder (``models.hf``), or a
     BlinkDL RWKV-7 ``.pth`` (the file, or a folder holding it; the world tokenizer when its vocabulary file
     ``rwkv_vocab_v20230424.txt`` is beside it).
-    ``dtype``: ``resolve_dtype``'s forms ("bfloat16", "auto", torch.bfloat16). ``quantize`` "int8" or "bf16"
-    quantises the projections for inference (``models.quant``; from float32). The model keeps the folder's
-    config and its tokenizer and generation files (``model.hf_source``) for ``save_pretrained`` to write back."""
+    ``dtype``: ``resolve_dtype``'s forms ("bfloat16", "auto", torch.bfloat16). ``quantize`` "int8", "int4" or
+    "bf16" quantises the projections for inference (``models.quant``; from float32). A folder a quantised model
+    was saved to loads quantised as it was saved (``quant.load_quantized``; ``quantize`` None or its kind).
+    The model keeps the folder's config and its tokenizer and generation files (``model.hf_source``) for
+    ``save_pretrained`` to write back."""
     from subquad.models.quant import QUANTIZE
 
     pth = pth_file(path)
@@ -97,6 +127,8 @@ def from_pretrained(path, dtype=None, device=None, quantize=None):
         cfg = fmt.config_from_weights(weights)
     else:
         c = read_config(path)
+        if c["model_type"] == PLAIN and "quantization" in c:
+            return _from_quantized(path, c, dtype, device, quantize)
         if c["model_type"] == PLAIN:
             fmt, weights = PlainFormat, read_weights(path)
             cfg = fmt.config(c)
@@ -154,11 +186,6 @@ def from_pretrained(path, dtype=None, device=None, quantize=None):
     tok = None
     if pth is not None and (pth.parent / WORLD_VOCAB).exists():      # RWKV's world vocabulary beside the .pth
         tok = WorldTokenizer.from_file(pth.parent / WORLD_VOCAB)
-    elif pth is None and (Path(path) / "tokenizer.json").exists():
-        from tokenizers import Tokenizer
-
-        try:
-            tok = Tokenizer.from_file(str(Path(path) / "tokenizer.json"))
-        except Exception as e:                                                    # noqa: BLE001 - any parse error
-            raise ValueError(f"{Path(path) / 'tokenizer.json'}: the tokenizers library cannot read it ({e})") from None
+    elif pth is None:
+        tok = _tokenizer(path)
     return model.eval(), tok

@@ -21,11 +21,18 @@ def save_pretrained(model, path, tokenizer=None, model_type: str | None = None) 
     A model read by ``from_pretrained`` writes back what its folder held beside the weights: every config
     field (``bos/eos/pad_token_id``, ``max_position_embeddings``, fields subquad reads but does not use)
     under the fields the format writes, and the tokenizer and generation files as they were. ``tokenizer``
-    (a ``tokenizers.Tokenizer``) is written as tokenizer.json in place of any such file."""
+    (a ``tokenizers.Tokenizer``) is written as tokenizer.json in place of any such file. A quantised model
+    (``models.quant``) is written in subquad's own format with its quantised weights (``quant.save_quantized``).
+    """
     from safetensors.torch import save_file
 
     if getattr(model, "quantized", None):
-        raise ValueError(f"a quantised model ({model.quantized}) is not saved: save the float model it came from")
+        if model_type not in (None, PLAIN):
+            raise ValueError(f"a quantised model ({model.quantized}) is written in subquad's own format "
+                             f"(model_type {PLAIN!r}), not as {model_type!r}: no Hugging Face type holds its weights")
+        from subquad.models.quant import save_quantized
+
+        return save_quantized(model, path, tokenizer)
     if model_type == PLAIN:
         return save_plain(model, path, tokenizer)
     cfg = model.config
