@@ -16,8 +16,11 @@ Python around it. One graph per block, shared by the blocks of the same structur
 times faster but pay guards and a call per block on every token, where the whole-model graph pays them once.
 Sizes are symbolic from the first compile (``DYNAMIC``), so a KV cache that grows or a batch that changes
 size runs the same graph. A mixture of experts stays in the graph too: a step's few rows read their k
-experts' weights by index (``MoE._gathered``); only a batch with more choices than experts (rows * k > E)
-runs the routed loop eagerly (``MoE._dispatch``: its shapes depend on the routing).
+experts' weights by index (``MoE._gathered``); a batch with more choices than experts (rows * k > E) runs
+the routed loop as one op inside the graph (``subquad::moe_experts``: its loop's shapes depend on the routing,
+the op's output does not). A state keeps one structure from step to step (``_for_graph``: KV caches with room
+to append in place and ragged at >= 2 rows, tensors dense and without a base), so a batch of >= 2 rows runs
+one graph and a batch of 1 another (dynamo specialises sizes of 1), whatever the steps between.
 
 Equality: tested against the eager step over 64 steps for every mixer and every checkpoint type
 (tests/models/test_decode.py): float32 within 1e-5 of the logits' scale - inductor may reorder a sum.
