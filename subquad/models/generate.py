@@ -20,7 +20,8 @@ GREEDY_BELOW = 1e-5    # a temperature under this is greedy (vLLM's _SAMPLING_EP
 
 @torch.no_grad()
 def generate(model, prompt, max_new_tokens: int, temperature: float = 1.0, top_k: int | None = None,
-             top_p: float | None = None, seed: int | None = None, state=None, on_token=None, stop_ids=None):
+             top_p: float | None = None, seed: int | None = None, state=None, on_token=None, stop_ids=None,
+             speculative: str | None = None, draft_tokens: int = 4):
     """Sample up to ``max_new_tokens`` after each prompt, decoding with the recurrent state.
 
     ``prompt``: one sequence (a list of ids, or a (T,) / (1, T) tensor) -> returns (new ids, state), or a
@@ -35,9 +36,20 @@ def generate(model, prompt, max_new_tokens: int, temperature: float = 1.0, top_k
 
     The returned state has consumed each prompt and every new token but the last:
     ``generate(model, [new[-1]], n, state=state)`` continues exactly where a one-sequence call stopped.
+
+    ``speculative="ngram"``: speculative decoding (``models.speculative``) - up to ``draft_tokens`` tokens
+    drafted per step by prompt lookup, verified in one forward; greedy output is plain greedy decoding's and
+    sampled output is distributed as plain sampling's. ``model.speculation_stats`` holds the call's
+    statistics (``tokens_per_step``, ``acceptance``).
     """
+    from subquad.models.speculative import SPECULATIVE
+
     if not isinstance(max_new_tokens, int) or max_new_tokens < 0:
         raise ValueError(f"max_new_tokens must be an int >= 0, got {max_new_tokens!r}")
+    if speculative is not None and speculative not in SPECULATIVE:
+        raise ValueError(f"speculative must be None or one of {SPECULATIVE}, got {speculative!r}")
+    if isinstance(draft_tokens, bool) or not isinstance(draft_tokens, int) or draft_tokens < 1:
+        raise ValueError(f"draft_tokens must be an int >= 1, got {draft_tokens!r}")
     temperature = check_sampling(temperature, top_k, top_p)
     prompts, single = _as_prompts(prompt)
     stop = set(int(t) for t in (stop_ids or ())) | set(model.config.eos_token_ids)
@@ -55,6 +67,19 @@ def generate(model, prompt, max_new_tokens: int, temperature: float = 1.0, top_k
         last, state = model.prefill(packed, state, cu_seqlens=cu, logits="last")   # each prompt's last: (B, vocab)
     out = [[] for _ in range(B)]
     done = [max_new_tokens == 0] * B
+    if speculative is not None and not all(done):
+        from subquad.models.speculative import decode
+
+        def emit(i, t) -> bool:
+            out[i].append(t)
+            if on_token is not None:
+                on_token(t) if single else on_token(i, t)
+            return len(out[i]) >= max_new_tokens or t in stop
+
+        state, model.speculation_stats = decode(model, last, state, prompts, max_new_tokens, temperature, top_k,
+                                                top_p, gen, emit, draft_tokens)
+        model.train(was_training)
+        return (out[0] if single else out), state
     while not all(done):
         nxt = sample_batch(last, temperature, top_k, top_p, gen).tolist()
         feed = []
@@ -121,6 +146,14 @@ def sample_batch(logits, temperature=1.0, top_k=None, top_p=None, generator=None
         ids = logits.argmax(-1)                     # argmax picks a row's NaN: checking the B picks checks the rows
         _refuse_nan(logits.gather(-1, ids.unsqueeze(-1)))
         return ids
+    probs = probabilities(logits, temperature, top_k, top_p)
+    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+
+
+def probabilities(logits, temperature, top_k=None, top_p=None) -> torch.Tensor:
+    """The distribution ``sample_batch`` draws from at a temperature > 0: (B, vocab) logits -> (B, vocab)
+    probabilities (unnormalised after top_p; ``torch.multinomial`` normalises). Speculative decoding's acceptance
+    rule (``models.speculative``) reads the same one."""
     logits = logits.float() / temperature
     if top_k is not None:
         kth = torch.topk(logits, min(top_k, logits.shape[-1]), dim=-1).values[:, -1:]
@@ -131,7 +164,7 @@ def sample_batch(logits, temperature=1.0, top_k=None, top_p=None, generator=None
         keep = sp.cumsum(-1) - sp < top_p                   # mass before each token is below top_p
         probs = torch.zeros_like(probs).scatter(-1, si, sp * keep)
     _refuse_nan(probs)                                      # NaN logits give NaN probabilities
-    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+    return probs
 
 
 def _refuse_nan(x: torch.Tensor):

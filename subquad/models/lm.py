@@ -118,6 +118,15 @@ class Block(nn.Module):
         """The block's mixers, each once: ``mixer`` (and ``beside`` in a ``ParallelBlock``)."""
         return [self.mixer]
 
+    def rollback(self) -> str:
+        """How speculative decoding keeps this layer's state after an accepted prefix (``layers.rollback``):
+        "truncate" when every mixer of the block truncates (the table's ``MixerEntry.rollback``: attention's KV
+        caches) and the MLP holds no state, else "replay" (the block again over the kept tokens)."""
+        names = [self.mixer_name] + ([self.beside_name] if hasattr(self, "beside_name") else [])
+        if self.stateful_mlp or hasattr(self, "use") or any(MIXERS[n].rollback != "truncate" for n in names):
+            return "replay"
+        return "truncate"
+
 
 class PreNormBlock(Block):
     """h = h + mixer(rmsnorm(h));  h = h + mlp(rmsnorm(h))  (GPT-2, Llama, Mamba)."""
@@ -456,9 +465,19 @@ class LanguageModel(nn.Module):
         """Bytes of every tensor the decoding state holds, measured from the tensors."""
         return tensor_bytes(list(state))
 
+    def verify(self, tokens, state):
+        """Speculative decoding's verification: tokens (B, k) after ``state`` -> (logits (B, k, vocab), a
+        ``models.speculative.Verification`` whose ``accept(j)`` is the state after only the first j of them)."""
+        from subquad.models.speculative import verify
+
+        return verify(self, tokens, state)
+
     def generate(self, prompt, max_new_tokens: int, temperature: float = 1.0, top_k: int | None = None,
-                 top_p: float | None = None, seed: int | None = None, state=None, on_token=None, stop_ids=None):
+                 top_p: float | None = None, seed: int | None = None, state=None, on_token=None, stop_ids=None,
+                 speculative: str | None = None, draft_tokens: int = 4):
         """``models.generate.generate(self, ...)``: up to ``max_new_tokens`` sampled after each prompt, and the
-        decoding state after them."""
+        decoding state after them; ``speculative="ngram"`` drafts up to ``draft_tokens`` per step by prompt
+        lookup and verifies them in one forward (``models.speculative``; statistics in ``speculation_stats``)."""
         return generate(self, prompt, max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
-                        state=state, on_token=on_token, stop_ids=stop_ids)
+                        state=state, on_token=on_token, stop_ids=stop_ids, speculative=speculative,
+                        draft_tokens=draft_tokens)

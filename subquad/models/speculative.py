@@ -1,0 +1,217 @@
+"""Speculative decoding: draft k tokens cheaply, verify them in one forward, keep the accepted prefix exactly.
+
+    out, state = model.generate(prompt, 200, temperature=0, speculative="ngram", draft_tokens=4)
+    model.speculation_stats.tokens_per_step        # tokens emitted per model forward while decoding
+
+Each step has t0, the last emitted token (not yet fed). A drafter proposes d_1..d_k; ``verify`` runs
+[t0, d_1..d_k] through the model from the state, giving the distributions p_0..p_k (p_i: the token after d_i).
+The rule (Leviathan et al. 2023, arXiv:2211.17192; Chen et al. 2023, arXiv:2302.01318) with a deterministic
+drafter (q one-hot at d_i): accept d_{i+1} with probability p_i(d_{i+1}); at the first rejection draw from p_i
+with d_{i+1} removed and renormalised; if all k are accepted draw a bonus token from p_k. Each emitted token is
+then distributed exactly as in plain sampling; greedy (temperature 0) accepts d_{i+1} iff it is argmax p_i, so
+the output is plain greedy decoding's (up to the rounding of a k-token forward against one-token steps: exact in
+float64 tests, a near-tie in float32 may differ). With j drafts accepted, the state keeps the first j + 1
+verified tokens (``Verification.accept``): attention truncates its KV caches, any other layer replays the kept
+tokens from its state before verification (``subquad.layers.rollback``; a block's kind: ``Block.rollback``).
+
+The drafter is prompt lookup (``ngram_draft``: the continuation of the latest earlier occurrence of the last
+n tokens of prompt + output, n from ``max_ngram`` down to 1). A batch advances every row by the fewest tokens
+any unfinished row accepted in the step (exact for every row: a row's further accepted tokens are dropped and
+drafted again), so the rows' states stay one length. When drafts keep failing, drafting pauses for 1, 2, 4, ...
+up to ``MAX_PAUSE`` steps (plain one-token steps) so a text without repetitions decodes at plain speed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from subquad.layers.rollback import roll_back
+from subquad.models.state import ModelState
+
+SPECULATIVE = ("ngram",)
+MAX_NGRAM = 3      # the longest suffix prompt lookup matches (vLLM's prompt_lookup_max default is 5; 3 suits small k)
+MAX_PAUSE = 16     # plain steps after repeated failed drafts, at most
+
+
+class Verification:
+    """What ``verify`` keeps to roll the state back: the state before, the state after all T tokens, each block's
+    input and the cross-layer ``carry`` each block saw (both (B, T, ...) per token)."""
+
+    def __init__(self, model, before, after, inputs, carries, T):
+        self.model, self.before, self.after, self.inputs, self.carries, self.T = model, before, after, inputs, carries, T
+
+    def accept(self, keep: int) -> ModelState:
+        """The model state after the first ``keep`` (0..T) verified tokens, equal to prefilling only those.
+        Call it once: a truncated KV cache reuses the verification's buffers."""
+        if isinstance(keep, bool) or not isinstance(keep, int) or not 0 <= keep <= self.T:
+            raise ValueError(f"keep must be an int in [0, {self.T}] (the verified tokens), got {keep!r}")
+        pos = getattr(self.before, "pos", 0)
+        state = ModelState(pos=pos + keep)
+        for i, block in enumerate(self.model.blocks):
+            def replay(j, i=i, block=block):
+                carry = {k: v[:, :j] for k, v in self.carries[i].items()}
+                return block(self.inputs[i][:, :j], self.before[i], carry=carry)[1]
+            state.append(roll_back(block.rollback(), self.before[i], self.after[i], self.T, keep, replay))
+        return state
+
+
+@torch.no_grad()
+def verify(model, tokens, state):
+    """tokens (B, T) after ``state`` (a model state, not None) -> (logits (B, T, vocab), ``Verification``): the
+    same logits and state as ``model.prefill(tokens, state)``, keeping what ``Verification.accept`` needs."""
+    if state is None:
+        raise ValueError("verify needs the state the tokens continue (prefill the prompt first)")
+    h, pos = model._embed_tokens(tokens, state)
+    carry = model._carry(h)
+    after, inputs, carries = ModelState(pos=pos), [], []
+    for i, block in enumerate(model.blocks):
+        inputs.append(h)
+        carries.append(dict(carry))                   # the carry as this block found it (a later layer adds to it)
+        h, s = block(h, state[i], carry=carry)
+        after.append(s)
+    return model._logits(h), Verification(model, state, after, inputs, carries, tokens.shape[1])
+
+
+def ngram_draft(tokens: list[int], k: int, max_ngram: int = MAX_NGRAM) -> list[int]:
+    """Prompt lookup: up to ``k`` tokens following the latest earlier occurrence of the last n tokens of
+    ``tokens`` that has k tokens after it (else the occurrence with the most), for the largest n <= ``max_ngram``
+    that occurs earlier; [] when none does. (The latest occurrence alone would draft one token in a run
+    "a a a a": its continuation is the suffix.)"""
+    L = len(tokens)
+    for n in range(min(max_ngram, L - 1), 0, -1):
+        tail, best = tokens[L - n:], None
+        for start in range(L - n - 1, -1, -1):            # latest first; the suffix itself excluded
+            if tokens[start:start + n] == tail:
+                follow = tokens[start + n:start + n + k]
+                if len(follow) == k:
+                    return follow
+                best = follow if best is None or len(follow) > len(best) else best
+        if best is not None:
+            return best
+    return []
+
+
+def accept_drafts(logits, drafts, temperature: float, top_k=None, top_p=None, generator=None):
+    """The acceptance rule over one verification: logits (B, k + 1, vocab), drafts (B, k) -> (tokens (B, k + 1),
+    accepted (B,)): row b emits tokens[b, :accepted[b] + 1] - its accepted drafts, then the token drawn at the
+    first rejection (or the bonus token after all k). Greedy at temperature 0; else each emitted token is
+    distributed as ``sample_batch`` draws it (module doc)."""
+    from subquad.models.generate import _refuse_nan, probabilities
+
+    B, T, V = logits.shape
+    k = T - 1
+    rows = torch.arange(B, device=logits.device)
+    if temperature == 0:
+        best = logits.argmax(-1)                                                  # (B, k + 1)
+        _refuse_nan(logits.gather(-1, best.unsqueeze(-1)))
+        accepted = (best[:, :k] == drafts).long().cumprod(-1).sum(-1)
+        return best, accepted
+    probs = probabilities(logits.reshape(B * T, V), temperature, top_k, top_p).view(B, T, V)
+    probs = probs / probs.sum(-1, keepdim=True)
+    p_draft = probs[:, :k].gather(-1, drafts.unsqueeze(-1)).squeeze(-1)          # (B, k)
+    u = torch.rand(B, k, generator=generator, device=logits.device, dtype=probs.dtype)
+    accepted = (u < p_draft).long().cumprod(-1).sum(-1)                          # (B,)
+    p = probs[rows, accepted]                                                     # (B, vocab) at the first rejection
+    rejected = accepted < k
+    if k:
+        d = drafts[rows, accepted.clamp(max=k - 1)]
+        p = torch.where(rejected.unsqueeze(-1), p.scatter(-1, d.unsqueeze(-1), 0.0), p)   # the draft removed
+    last = torch.multinomial(p, 1, generator=generator).squeeze(-1)
+    tokens = torch.cat([drafts, drafts.new_zeros(B, 1)], 1)
+    tokens[rows, accepted] = last
+    return tokens, accepted
+
+
+@dataclass
+class SpeculationStats:
+    """One ``generate`` call's speculation: ``steps`` model forwards while decoding (``verifications`` of them
+    over drafted tokens, the rest plain one-token steps), ``row_steps`` the unfinished rows summed over those
+    forwards, ``drafted`` / ``accepted`` drafted tokens and ``emitted`` tokens after the first (all rows)."""
+    steps: int = 0
+    verifications: int = 0
+    row_steps: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    emitted: int = 0
+
+    @property
+    def tokens_per_step(self) -> float:
+        """Tokens a row advanced per model forward (1.0: plain decoding's)."""
+        return self.emitted / self.row_steps if self.row_steps else 0.0
+
+    @property
+    def acceptance(self) -> float:
+        """Accepted drafted tokens over drafted ones."""
+        return self.accepted / self.drafted if self.drafted else 0.0
+
+
+def decode(model, last, state, prompts, max_new_tokens, temperature, top_k, top_p, gen, emit,
+           draft_tokens, max_ngram=MAX_NGRAM):
+    """``generate``'s decoding loop with prompt-lookup speculation, after the prefill: ``last`` (B, vocab) the
+    prompts' last logits, ``emit(i, token) -> done`` records row i's token. Returns the state (every emitted
+    token consumed but each row's last) and the ``SpeculationStats``."""
+    from subquad.models.generate import sample_batch
+
+    B, dev = len(prompts), last.device
+    hist = [list(p) for p in prompts]
+    stats = SpeculationStats()
+    t0 = sample_batch(last, temperature, top_k, top_p, gen).tolist()
+    done = [False] * B
+    count = [0] * B
+    for i in range(B):
+        hist[i].append(t0[i])
+        count[i] += 1
+        done[i] = emit(i, t0[i])
+    pause, wait = 0, 0
+    while not all(done):
+        active = [i for i in range(B) if not done[i]]
+        room = min(max_new_tokens - count[i] for i in active)             # every active row may emit this many
+        drafts = [[] for _ in range(B)]
+        if wait == 0 and room > 1:
+            for i in active:
+                drafts[i] = ngram_draft(hist[i], min(draft_tokens, room - 1), max_ngram)
+        else:
+            wait = max(0, wait - 1)
+        k = max(len(d) for d in drafts)
+        feed = [t0[i] if not done[i] else 0 for i in range(B)]              # finished rows: padding
+        stats.steps += 1
+        stats.row_steps += len(active)
+        if k == 0:                                                         # nothing drafted: a plain step
+            logits, state = model.step(torch.tensor(feed, device=dev), state)
+            tokens = sample_batch(logits, temperature, top_k, top_p, gen).view(B, 1)
+            c = 1
+        else:
+            rows = [[feed[i]] + d + [d[-1] if d else feed[i]] * (k - len(d)) for i, d in enumerate(drafts)]
+            ids = torch.tensor(rows, device=dev)                           # (B, k + 1); any padding is a valid draft
+            logits, ver = verify(model, ids, state)
+            tokens, accepted = accept_drafts(logits, ids[:, 1:], temperature, top_k, top_p, gen)
+            stats.verifications += 1
+            c = min(int(accepted[i]) + 1 for i in active)                  # every active row advances c tokens
+        tokens = tokens.tolist()
+        for i in active:                                                   # a row that finishes sooner stops there
+            for n, t in enumerate(tokens[i][:c]):
+                hist[i].append(t)
+                count[i] += 1
+                done[i] = emit(i, t)
+                if done[i]:
+                    c_i = n + 1
+                    break
+            else:
+                c_i = c
+            stats.emitted += c_i
+            if k:
+                stats.drafted += len(drafts[i])
+                stats.accepted += min(c_i - 1, len(drafts[i]))
+        if k:
+            if len(active) == 1 and done[active[0]]:
+                c = c_i                                                    # one sequence: its state stops there
+            state = ver.accept(c)
+            if c == 1:                                                     # nothing accepted: draft less often
+                pause = min(2 * pause or 1, MAX_PAUSE)
+                wait = pause
+            else:
+                pause = 0
+        t0 = [tokens[i][c - 1] if not done[i] else 0 for i in range(B)]
+    return state, stats

@@ -1,0 +1,186 @@
+"""Speculative decoding (``models.speculative``): the state after an accepted prefix equals prefilling it, in every
+block structure; greedy output equals plain decoding's for every mixer, one row and a ragged batch; sampled output
+is distributed as plain sampling's (chi-square); prompt lookup drafts what it should."""
+
+import pytest
+import torch
+
+from subquad.layers.registry import causal_mixers
+from subquad.layers.rollback import same_state
+from subquad.models import LanguageModel, ModelConfig
+from subquad.models.speculative import accept_drafts, ngram_draft
+from subquad.ops import KVCache
+from subquad.testing import check_mixer
+
+OPTIONS = {"swa": {"window": 3}, "*": {"chunk_size": 4}}
+PROMPT = [1, 2, 3, 4, 1, 2, 3, 5, 1, 2, 3]
+
+
+def tiny(pattern, n_layers=2, vocab=11, scale=1.0, **over):
+    """A float64 model; ``scale`` multiplies its matrices (larger: peakier, more varied greedy output)."""
+    torch.manual_seed(0)
+    names = set(pattern.replace("*", ",").split(",")) | set(over.get("parallel", {}).values())
+    cfg = ModelConfig(vocab_size=vocab, d_model=16, n_layers=n_layers, n_heads=2, pattern=pattern, context_length=64,
+                      mixer_options={k: v for k, v in OPTIONS.items() if k in names or k == "*"}, **over)
+    model = LanguageModel(cfg).double().eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.mul_(scale)
+    return model
+
+
+@pytest.mark.parametrize("window", [3, 7])
+def test_a_sliding_window_rolls_back_whether_or_not_it_holds_the_verified_tokens(window):
+    """window 3 < the 5 verified tokens: replayed; window 7: the kept tokens appended to the cache before, the
+    window sliding past old ones (the battery checks every entry of the table at its defaults)."""
+    assert check_mixer("swa", checks=["rollback"], options={"window": window}) == ["rollback"]
+
+
+def test_kv_cache_rollback_reuses_the_buffers_and_refuses_what_a_window_let_go():
+    g = torch.Generator().manual_seed(0)
+    k = torch.randn(2, 9, 1, 4, generator=g, dtype=torch.float64)
+    before = KVCache(k[:, :6], k[:, :6])
+    after = before.fork().append(k[:, 6:], k[:, 6:])
+    cut = after.rollback(2)
+    assert (cut.seen, len(cut)) == (7, 7) and torch.equal(cut.k, k[:, :7])
+    cut.append(k[:, :1], k[:, :1])                           # writes in place over the dropped token
+    assert cut._k is after._k and torch.equal(before.k, k[:, :6])
+    win = KVCache(k[:, :4], k[:, :4], window=4).fork().append(k[:, 4:6], k[:, 4:6])
+    with pytest.raises(ValueError, match="let go"):
+        win.rollback(1)
+    with pytest.raises(ValueError, match="drop must be"):
+        before.rollback(7)
+
+
+STRUCTURES = {                      # the block structures of the checkpoint types (models.hf), tiny
+    "prenorm hybrid (jamba, bamba, nemotron_h, granitemoehybrid, qwen3_next, kimi_linear, lfm2, ...)":
+        dict(pattern="mamba2,softmax,swa,gated_conv", n_layers=4),
+    "post-norm (olmo_hybrid)": dict(pattern="gated_deltanet,softmax", post_norm=["softmax"]),
+    "scaled residual (minimax)": dict(pattern="lightning,softmax", scaled_residual={"lightning": [1.5, 0.5]}),
+    "parallel (falcon_h1)": dict(pattern="mamba2", parallel={"mamba2": "softmax"}),
+    "shared blocks (zamba2)": dict(pattern="mamba2*3", n_layers=3, shared={
+        "layers": [0, 2], "blocks": 1, "adapter_rank": 4, "attention_adapter": True, "act": "gelu"}),
+    "rwkv7 (channel mix state, value residual)": dict(pattern="rwkv7", mlp_kind="rwkv7", norm="layer",
+                                                     embed_norm=True),
+    "moe and positions (mla, rglru, learned)": dict(pattern="mla,rglru", pos_emb="learned",
+                                                   moe={"experts": 4, "top_k": 2, "every": 2, "offset": 1}),
+    "mamba (mamba, falcon_mamba), retention": dict(pattern="mamba,retention"),
+}
+
+
+@pytest.mark.parametrize("structure", list(STRUCTURES))
+def test_accepting_j_verified_tokens_equals_prefilling_them_in_every_block_structure(structure):
+    """verify k tokens from a ragged batch's state, accept j (every j in 0..k): the state, and the logits of the next
+    step from it, equal a prefill of exactly those tokens (float64)."""
+    model = tiny(**STRUCTURES[structure])
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(0, 11, (n,), generator=g).tolist() for n in (5, 3)]
+    cu = torch.tensor([0, 5, 8])
+    _, start = model.prefill(torch.tensor([prompts[0] + prompts[1]]), cu_seqlens=cu, logits="last")
+    k = 5
+    drafts = torch.randint(0, 11, (2, k), generator=g)
+    nxt = torch.randint(0, 11, (2,), generator=g)
+    for keep in range(k + 1):
+        logits, ver = model.verify(drafts, start)
+        got = ver.accept(keep)
+        want_logits, want = model.prefill(drafts[:, :keep], start) if keep else (None, start)
+        if keep:
+            torch.testing.assert_close(logits[:, :keep], want_logits, rtol=0, atol=1e-9)
+        for i, (a, b) in enumerate(zip(got, want, strict=True)):
+            assert same_state(a, b, atol=1e-9) is None, f"{structure}, layer {i}, keep {keep}: {same_state(a, b)}"
+        assert torch.equal(torch.as_tensor(got.pos), torch.as_tensor(want.pos))
+        torch.testing.assert_close(model.step(nxt, got)[0], model.step(nxt, want)[0], rtol=0, atol=1e-9)
+
+
+@pytest.mark.parametrize("pattern", sorted(causal_mixers()))
+def test_greedy_speculation_is_plain_greedy_decoding_for_every_mixer(pattern):
+    """One row (its output and final state) and a batch of prompts of three lengths, whose rows accept different
+    numbers of drafts, in a hybrid with softmax attention."""
+    model = tiny(f"{pattern},softmax", scale=6.0)
+    plain, s0 = model.generate(PROMPT, 14, temperature=0)
+    spec, s1 = model.generate(PROMPT, 14, temperature=0, speculative="ngram", draft_tokens=3)
+    assert spec == plain
+    assert model.speculation_stats.verifications > 0
+    assert s1.pos == s0.pos and all(same_state(a, b, atol=1e-9) is None for a, b in zip(s1, s0, strict=True))
+    batch = [PROMPT, PROMPT[2:9], [4, 4, 6]]
+    plain = model.generate(batch, 9, temperature=0, stop_ids=[7])[0]
+    assert model.generate(batch, 9, temperature=0, stop_ids=[7], speculative="ngram")[0] == plain
+
+
+def test_speculation_counts_its_steps_and_pauses_when_drafts_fail():
+    model = tiny("mamba2,softmax", scale=1.0)                    # soon repeats one token: drafts accepted
+    out, _ = model.generate(PROMPT, 30, temperature=0, speculative="ngram", draft_tokens=4)
+    st = model.speculation_stats
+    assert st.emitted == 29 and st.acceptance > 0.8 and st.tokens_per_step > 2.5
+    model = tiny("mamba2,softmax", scale=20.0)                   # varied output: drafts fail, drafting pauses
+    model.generate(PROMPT, 30, temperature=0, speculative="ngram", draft_tokens=4)
+    st = model.speculation_stats
+    assert st.acceptance < 0.2 and st.verifications < st.steps / 2
+    for bad in ({"speculative": "medusa"}, {"speculative": "ngram", "draft_tokens": 0}):
+        with pytest.raises(ValueError, match="speculative|draft_tokens"):
+            model.generate(PROMPT, 3, **bad)
+
+
+def test_ngram_draft_takes_the_longest_suffix_match_with_a_full_continuation():
+    assert ngram_draft([1, 2, 3, 9, 2, 3, 7, 8, 1, 2, 3], 2) == [9, 2]          # "1 2 3" beats "2 3" (-> 7 8)
+    assert ngram_draft([5, 6, 2, 3, 7, 8, 2, 3], 3) == [7, 8, 2]
+    assert ngram_draft([4] * 6, 2) == [4, 4]                 # the run's latest match has one token after it
+    assert ngram_draft([1, 2, 3], 4) == [] and ngram_draft([1], 4) == []
+
+
+def _chi2_p(counts, probs):
+    """The chi-square test's p-value of ``counts`` against ``probs``: cells expecting under 5 pooled, cells of
+    probability 0 left out (the callers check they stay empty)."""
+    from scipy.stats import chisquare
+
+    probs = probs.double()
+    expected = probs / probs.sum() * counts.sum()
+    big, rare = expected >= 5, (expected > 0) & (expected < 5)
+    obs, exp = [counts[big].double()], [expected[big]]
+    if rare.any():
+        obs.append(counts[rare].sum().double().view(1))
+        exp.append(expected[rare].sum().view(1))
+    obs, exp = torch.cat(obs), torch.cat(exp)
+    return chisquare(obs.numpy(), exp.numpy() / exp.sum().item() * obs.sum().item()).pvalue
+
+
+def test_the_acceptance_rule_draws_each_position_from_the_target_distribution():
+    """Fixed logits for k + 1 positions, one draft per position, 40,000 rows: the first emitted token ~ p_0 and,
+    given the drafts before it were accepted, the token at position i ~ p_i (the drafts: likely, unlikely and
+    impossible under top_k)."""
+    g = torch.Generator().manual_seed(3)
+    V, k, n = 6, 3, 40_000
+    logits = torch.randn(k + 1, V, generator=g, dtype=torch.float64) * 1.5
+    for top_k in (None, 4):
+        drafts = torch.stack([logits[0].argmax(), logits[1].argmin(), logits[2].argmax()])
+        tokens, accepted = accept_drafts(logits.expand(n, -1, -1), drafts.expand(n, -1), 1.0, top_k, None, g)
+        from subquad.models.generate import probabilities
+
+        p = probabilities(logits, 1.0, top_k)
+        p = p / p.sum(-1, keepdim=True)
+        for i in range(k + 1):
+            reached = accepted >= i                      # every draft before position i accepted
+            emitted = tokens[reached, i]                 # its draft if accepted, else the draw at the rejection
+            counts = torch.bincount(emitted, minlength=V)
+            if reached.sum() > 1000:
+                assert _chi2_p(counts, p[i]) > 0.01, (top_k, i, counts, p[i])
+            assert counts[p[i] == 0].sum() == 0
+
+
+def test_sampled_speculation_is_distributed_as_plain_sampling():
+    """20,000 rows of one prompt, three tokens each, through generate with and without speculation: both joint
+    distributions match the model's own (computed by enumerating every continuation)."""
+    model = tiny("gla", n_layers=1, vocab=5, scale=4.0)
+    prompt, V, n = [1, 2, 1, 2, 1], 5, 20_000
+    seqs = torch.cartesian_prod(*[torch.arange(V)] * 3)                              # (125, 3)
+    with torch.no_grad():
+        logp = torch.log_softmax(model(torch.cat([torch.tensor(prompt).expand(len(seqs), -1), seqs], 1)), -1)
+    L = len(prompt)
+    p = sum(logp[torch.arange(len(seqs)), L - 1 + i, seqs[:, i]] for i in range(3)).exp()
+    for speculative in (None, "ngram"):
+        out, _ = model.generate([prompt] * n, 3, temperature=1.0, seed=4, speculative=speculative)
+        codes = torch.tensor(out) @ torch.tensor([V * V, V, 1])
+        counts = torch.bincount(codes, minlength=V ** 3)
+        assert _chi2_p(counts, p) > 0.01, speculative
+    assert model.speculation_stats.verifications > 0
