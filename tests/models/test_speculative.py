@@ -184,3 +184,26 @@ def test_sampled_speculation_is_distributed_as_plain_sampling():
         counts = torch.bincount(codes, minlength=V ** 3)
         assert _chi2_p(counts, p) > 0.01, speculative
     assert model.speculation_stats.verifications > 0
+
+
+def test_the_cli_flag_decodes_speculatively_with_the_same_output(tmp_path, capsys, monkeypatch):
+    """``subquad generate --speculative ngram --draft-tokens K``: the greedy text without the flag, and the
+    statistics on stderr (a tiny model and a one-character-per-token tokenizer in place of a run)."""
+    from types import SimpleNamespace
+
+    import subquad.cli.generate as cli
+    from subquad.cli import main
+
+    model = tiny("mamba2,softmax", scale=6.0)
+    abc = "abcdefghijk"
+    tok = SimpleNamespace(encode=lambda s: SimpleNamespace(ids=[abc.index(c) for c in s]),
+                          decode=lambda ids: "".join(abc[i] for i in ids))
+    monkeypatch.setattr(cli, "load_model", lambda args, need_tokenizer=None: (model, tok))
+    argv = ["generate", "--run", str(tmp_path), "--prompt", "bcdebcdfbcd", "--max-new-tokens", "12",
+            "--temperature", "0"]
+    outs = []
+    for extra in ([], ["--speculative", "ngram", "--draft-tokens", "3"]):
+        assert main(argv + extra) == 0
+        captured = capsys.readouterr()
+        outs.append(captured.out)
+    assert outs[0] == outs[1] and "tokens per step" in captured.err
