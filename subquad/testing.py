@@ -120,14 +120,15 @@ def check_rollback(name, d_model=16, n_heads=2, options=None, T=5):
             before = layer(x[:, :prefix])[1] if prefix else layer.empty_state(2, dtype=F64)
             for keep in range(T + 1):
                 _, after = layer(x[:, prefix:prefix + T], before)           # the verification, fresh each time
-                got = roll_back(kind, before, after, T, keep, lambda j: layer(x[:, prefix:prefix + j], before)[1])
+                got = roll_back(kind, before, after, T, keep,
+                                lambda j, x=x, p=prefix, s=before: layer(x[:, p:p + j], s)[1])
                 n = prefix + keep
                 want = layer(x[:, :n])[1] if n else layer.empty_state(2, dtype=F64)
                 why = same_state(got, want, atol=1e-9)
                 assert why is None, f"{name}: rolled back to {keep} of {T} tokens ({kind}) != prefilled: {why}"
                 nxt = x[:, n:n + 1]
                 torch.testing.assert_close(layer(nxt, got)[0], layer(nxt, want)[0], rtol=0, atol=1e-9,
-                                           msg=lambda m: f"{name}: decoding after a rollback to {keep}: {m}")
+                                           msg=lambda m, keep=keep: f"{name}: decoding after a rollback to {keep}: {m}")
 
 
 def check_varlen(name, d_model=16, n_heads=2, options=None, lengths=LENGTHS):

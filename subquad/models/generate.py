@@ -15,6 +15,9 @@ from numbers import Integral, Real
 
 import torch
 
+from subquad.models.speculative import (MAX_NGRAM, MAX_PAUSE, SPECULATIVE, SpeculationStats, accept_drafts,
+                                        ngram_draft, verify)
+
 GREEDY_BELOW = 1e-5    # a temperature under this is greedy (vLLM's _SAMPLING_EPS): logits / T would overflow
 
 
@@ -42,8 +45,6 @@ def generate(model, prompt, max_new_tokens: int, temperature: float = 1.0, top_k
     sampled output is distributed as plain sampling's. ``model.speculation_stats`` holds the call's
     statistics (``tokens_per_step``, ``acceptance``).
     """
-    from subquad.models.speculative import SPECULATIVE
-
     if not isinstance(max_new_tokens, int) or max_new_tokens < 0:
         raise ValueError(f"max_new_tokens must be an int >= 0, got {max_new_tokens!r}")
     if speculative is not None and speculative not in SPECULATIVE:
@@ -68,16 +69,14 @@ def generate(model, prompt, max_new_tokens: int, temperature: float = 1.0, top_k
     out = [[] for _ in range(B)]
     done = [max_new_tokens == 0] * B
     if speculative is not None and not all(done):
-        from subquad.models.speculative import decode
-
         def emit(i, t) -> bool:
             out[i].append(t)
             if on_token is not None:
                 on_token(t) if single else on_token(i, t)
             return len(out[i]) >= max_new_tokens or t in stop
 
-        state, model.speculation_stats = decode(model, last, state, prompts, max_new_tokens, temperature, top_k,
-                                                top_p, gen, emit, draft_tokens)
+        state, model.speculation_stats = _decode_speculative(model, last, state, prompts, max_new_tokens,
+                                                             temperature, top_k, top_p, gen, emit, draft_tokens)
         model.train(was_training)
         return (out[0] if single else out), state
     while not all(done):
@@ -97,6 +96,79 @@ def generate(model, prompt, max_new_tokens: int, temperature: float = 1.0, top_k
         last, state = model.step(torch.tensor(feed, device=dev), state)
     model.train(was_training)
     return (out[0] if single else out), state
+
+
+def _decode_speculative(model, last, state, prompts, max_new_tokens, temperature, top_k, top_p, gen, emit,
+                        draft_tokens, max_ngram=MAX_NGRAM):
+    """``generate``'s decoding loop with prompt-lookup speculation (``models.speculative``), after the prefill:
+    ``last`` (B, vocab) the prompts' last logits, ``emit(i, token) -> done`` records row i's token. Returns the
+    state (every emitted token consumed but each row's last) and the ``SpeculationStats``."""
+    B, dev = len(prompts), last.device
+    hist = [list(p) for p in prompts]
+    stats = SpeculationStats()
+    t0 = sample_batch(last, temperature, top_k, top_p, gen).tolist()
+    done = [False] * B
+    count = [0] * B
+    for i in range(B):
+        hist[i].append(t0[i])
+        count[i] += 1
+        done[i] = emit(i, t0[i])
+    pause, wait = 0, 0
+    while not all(done):
+        active = [i for i in range(B) if not done[i]]
+        room = min(max_new_tokens - count[i] for i in active)             # every active row may emit this many
+        drafts = [[] for _ in range(B)]
+        if wait == 0 and room > 1:
+            for i in active:
+                drafts[i] = ngram_draft(hist[i], min(draft_tokens, room - 1), max_ngram)
+        else:
+            wait = max(0, wait - 1)
+        k = max(len(d) for d in drafts)
+        feed = [t0[i] if not done[i] else 0 for i in range(B)]              # finished rows: padding
+        stats.steps += 1
+        stats.row_steps += len(active)
+        if k == 0:                                                         # nothing drafted: a plain step
+            logits, state = model.step(torch.tensor(feed, device=dev), state)
+            tokens = sample_batch(logits, temperature, top_k, top_p, gen).view(B, 1)
+            c = 1
+        else:
+            rows = [[feed[i]] + d + [d[-1] if d else feed[i]] * (k - len(d)) for i, d in enumerate(drafts)]
+            ids = torch.tensor(rows, device=dev)                           # (B, k + 1); any padding is a valid draft
+            logits, ver = verify(model, ids, state)
+            if temperature == 0:
+                tokens, accepted = accept_drafts(logits, ids[:, 1:])
+                _refuse_nan(logits.gather(-1, tokens.unsqueeze(-1)))
+            else:
+                probs = probabilities(logits.flatten(0, 1), temperature, top_k, top_p).view(logits.shape)
+                tokens, accepted = accept_drafts(logits, ids[:, 1:], probs, gen)
+            stats.verifications += 1
+            c = min(int(accepted[i]) + 1 for i in active)                  # every active row advances c tokens
+        tokens = tokens.tolist()
+        for i in active:                                                   # a row that finishes sooner stops there
+            for n, t in enumerate(tokens[i][:c]):
+                hist[i].append(t)
+                count[i] += 1
+                done[i] = emit(i, t)
+                if done[i]:
+                    c_i = n + 1
+                    break
+            else:
+                c_i = c
+            stats.emitted += c_i
+            if k:
+                stats.drafted += len(drafts[i])
+                stats.accepted += min(c_i - 1, len(drafts[i]))
+        if k:
+            if len(active) == 1 and done[active[0]]:
+                c = c_i                                                    # one sequence: its state stops there
+            state = ver.accept(c)
+            if c == 1:                                                     # nothing accepted: draft less often
+                pause = min(2 * pause or 1, MAX_PAUSE)
+                wait = pause
+            else:
+                pause = 0
+        t0 = [tokens[i][c - 1] if not done[i] else 0 for i in range(B)]
+    return state, stats
 
 
 def _as_prompts(prompt) -> tuple[list[list[int]], bool]:

@@ -14,7 +14,8 @@ float64 tests, a near-tie in float32 may differ). With j drafts accepted, the st
 verified tokens (``Verification.accept``): attention truncates its KV caches, any other layer replays the kept
 tokens from its state before verification (``subquad.layers.rollback``; a block's kind: ``Block.rollback``).
 
-The drafter is prompt lookup (``ngram_draft``: the continuation of the latest earlier occurrence of the last
+The loop is ``generate``'s (``models.generate._decode_speculative``, beside the plain one); this module holds its
+parts. The drafter is prompt lookup (``ngram_draft``: the continuation of the latest earlier occurrence of the last
 n tokens of prompt + output, n from ``max_ngram`` down to 1). A batch advances every row by the fewest tokens
 any unfinished row accepted in the step (exact for every row: a row's further accepted tokens are dropped and
 drafted again), so the rows' states stay one length. When drafts keep failing, drafting pauses for 1, 2, 4, ...
@@ -31,7 +32,7 @@ from subquad.layers.rollback import roll_back
 from subquad.models.state import ModelState
 
 SPECULATIVE = ("ngram",)
-MAX_NGRAM = 3      # the longest suffix prompt lookup matches (vLLM's prompt_lookup_max default is 5; 3 suits small k)
+MAX_NGRAM = 3      # the longest suffix prompt lookup matches
 MAX_PAUSE = 16     # plain steps after repeated failed drafts, at most
 
 
@@ -42,6 +43,7 @@ class Verification:
     def __init__(self, model, before, after, inputs, carries, T):
         self.model, self.before, self.after, self.inputs, self.carries, self.T = model, before, after, inputs, carries, T
 
+    @torch.no_grad()
     def accept(self, keep: int) -> ModelState:
         """The model state after the first ``keep`` (0..T) verified tokens, equal to prefilling only those.
         Call it once: a truncated KV cache reuses the verification's buffers."""
@@ -93,31 +95,26 @@ def ngram_draft(tokens: list[int], k: int, max_ngram: int = MAX_NGRAM) -> list[i
     return []
 
 
-def accept_drafts(logits, drafts, temperature: float, top_k=None, top_p=None, generator=None):
+def accept_drafts(logits, drafts, probs=None, generator=None):
     """The acceptance rule over one verification: logits (B, k + 1, vocab), drafts (B, k) -> (tokens (B, k + 1),
     accepted (B,)): row b emits tokens[b, :accepted[b] + 1] - its accepted drafts, then the token drawn at the
-    first rejection (or the bonus token after all k). Greedy at temperature 0; else each emitted token is
-    distributed as ``sample_batch`` draws it (module doc)."""
-    from subquad.models.generate import _refuse_nan, probabilities
-
-    B, T, V = logits.shape
+    first rejection (or the bonus token after all k). ``probs`` (B, k + 1, vocab): the distributions to sample
+    from (``generate.probabilities`` of the logits: temperature, top-k, top-p), each emitted token then
+    distributed as plain sampling draws it (module doc); None: greedy, argmax of the logits."""
+    B, T, _ = logits.shape
     k = T - 1
     rows = torch.arange(B, device=logits.device)
-    if temperature == 0:
+    if probs is None:
         best = logits.argmax(-1)                                                  # (B, k + 1)
-        _refuse_nan(logits.gather(-1, best.unsqueeze(-1)))
-        accepted = (best[:, :k] == drafts).long().cumprod(-1).sum(-1)
-        return best, accepted
-    probs = probabilities(logits.reshape(B * T, V), temperature, top_k, top_p).view(B, T, V)
+        return best, (best[:, :k] == drafts).long().cumprod(-1).sum(-1)
     probs = probs / probs.sum(-1, keepdim=True)
     p_draft = probs[:, :k].gather(-1, drafts.unsqueeze(-1)).squeeze(-1)          # (B, k)
     u = torch.rand(B, k, generator=generator, device=logits.device, dtype=probs.dtype)
     accepted = (u < p_draft).long().cumprod(-1).sum(-1)                          # (B,)
     p = probs[rows, accepted]                                                     # (B, vocab) at the first rejection
-    rejected = accepted < k
     if k:
         d = drafts[rows, accepted.clamp(max=k - 1)]
-        p = torch.where(rejected.unsqueeze(-1), p.scatter(-1, d.unsqueeze(-1), 0.0), p)   # the draft removed
+        p = torch.where((accepted < k).unsqueeze(-1), p.scatter(-1, d.unsqueeze(-1), 0.0), p)   # the draft removed
     last = torch.multinomial(p, 1, generator=generator).squeeze(-1)
     tokens = torch.cat([drafts, drafts.new_zeros(B, 1)], 1)
     tokens[rows, accepted] = last
@@ -145,73 +142,3 @@ class SpeculationStats:
     def acceptance(self) -> float:
         """Accepted drafted tokens over drafted ones."""
         return self.accepted / self.drafted if self.drafted else 0.0
-
-
-def decode(model, last, state, prompts, max_new_tokens, temperature, top_k, top_p, gen, emit,
-           draft_tokens, max_ngram=MAX_NGRAM):
-    """``generate``'s decoding loop with prompt-lookup speculation, after the prefill: ``last`` (B, vocab) the
-    prompts' last logits, ``emit(i, token) -> done`` records row i's token. Returns the state (every emitted
-    token consumed but each row's last) and the ``SpeculationStats``."""
-    from subquad.models.generate import sample_batch
-
-    B, dev = len(prompts), last.device
-    hist = [list(p) for p in prompts]
-    stats = SpeculationStats()
-    t0 = sample_batch(last, temperature, top_k, top_p, gen).tolist()
-    done = [False] * B
-    count = [0] * B
-    for i in range(B):
-        hist[i].append(t0[i])
-        count[i] += 1
-        done[i] = emit(i, t0[i])
-    pause, wait = 0, 0
-    while not all(done):
-        active = [i for i in range(B) if not done[i]]
-        room = min(max_new_tokens - count[i] for i in active)             # every active row may emit this many
-        drafts = [[] for _ in range(B)]
-        if wait == 0 and room > 1:
-            for i in active:
-                drafts[i] = ngram_draft(hist[i], min(draft_tokens, room - 1), max_ngram)
-        else:
-            wait = max(0, wait - 1)
-        k = max(len(d) for d in drafts)
-        feed = [t0[i] if not done[i] else 0 for i in range(B)]              # finished rows: padding
-        stats.steps += 1
-        stats.row_steps += len(active)
-        if k == 0:                                                         # nothing drafted: a plain step
-            logits, state = model.step(torch.tensor(feed, device=dev), state)
-            tokens = sample_batch(logits, temperature, top_k, top_p, gen).view(B, 1)
-            c = 1
-        else:
-            rows = [[feed[i]] + d + [d[-1] if d else feed[i]] * (k - len(d)) for i, d in enumerate(drafts)]
-            ids = torch.tensor(rows, device=dev)                           # (B, k + 1); any padding is a valid draft
-            logits, ver = verify(model, ids, state)
-            tokens, accepted = accept_drafts(logits, ids[:, 1:], temperature, top_k, top_p, gen)
-            stats.verifications += 1
-            c = min(int(accepted[i]) + 1 for i in active)                  # every active row advances c tokens
-        tokens = tokens.tolist()
-        for i in active:                                                   # a row that finishes sooner stops there
-            for n, t in enumerate(tokens[i][:c]):
-                hist[i].append(t)
-                count[i] += 1
-                done[i] = emit(i, t)
-                if done[i]:
-                    c_i = n + 1
-                    break
-            else:
-                c_i = c
-            stats.emitted += c_i
-            if k:
-                stats.drafted += len(drafts[i])
-                stats.accepted += min(c_i - 1, len(drafts[i]))
-        if k:
-            if len(active) == 1 and done[active[0]]:
-                c = c_i                                                    # one sequence: its state stops there
-            state = ver.accept(c)
-            if c == 1:                                                     # nothing accepted: draft less often
-                pause = min(2 * pause or 1, MAX_PAUSE)
-                wait = pause
-            else:
-                pause = 0
-        t0 = [tokens[i][c - 1] if not done[i] else 0 for i in range(B)]
-    return state, stats

@@ -8,6 +8,7 @@ import torch
 from subquad.layers.registry import causal_mixers
 from subquad.layers.rollback import same_state
 from subquad.models import LanguageModel, ModelConfig
+from subquad.models.generate import probabilities
 from subquad.models.speculative import accept_drafts, ngram_draft
 from subquad.ops import KVCache
 from subquad.testing import check_mixer
@@ -110,7 +111,7 @@ def test_greedy_speculation_is_plain_greedy_decoding_for_every_mixer(pattern):
 
 def test_speculation_counts_its_steps_and_pauses_when_drafts_fail():
     model = tiny("mamba2,softmax", scale=1.0)                    # soon repeats one token: drafts accepted
-    out, _ = model.generate(PROMPT, 30, temperature=0, speculative="ngram", draft_tokens=4)
+    model.generate(PROMPT, 30, temperature=0, speculative="ngram", draft_tokens=4)
     st = model.speculation_stats
     assert st.emitted == 29 and st.acceptance > 0.8 and st.tokens_per_step > 2.5
     model = tiny("mamba2,softmax", scale=20.0)                   # varied output: drafts fail, drafting pauses
@@ -154,10 +155,8 @@ def test_the_acceptance_rule_draws_each_position_from_the_target_distribution():
     logits = torch.randn(k + 1, V, generator=g, dtype=torch.float64) * 1.5
     for top_k in (None, 4):
         drafts = torch.stack([logits[0].argmax(), logits[1].argmin(), logits[2].argmax()])
-        tokens, accepted = accept_drafts(logits.expand(n, -1, -1), drafts.expand(n, -1), 1.0, top_k, None, g)
-        from subquad.models.generate import probabilities
-
         p = probabilities(logits, 1.0, top_k)
+        tokens, accepted = accept_drafts(logits.expand(n, -1, -1), drafts.expand(n, -1), p.expand(n, -1, -1), g)
         p = p / p.sum(-1, keepdim=True)
         for i in range(k + 1):
             reached = accepted >= i                      # every draft before position i accepted
