@@ -130,7 +130,7 @@ def _decode_speculative(model, last, state, prompts, max_new_tokens, temperature
         if k == 0:                                                         # nothing drafted: a plain step
             logits, state = model.step(torch.tensor(feed, device=dev), state)
             tokens = sample_batch(logits, temperature, top_k, top_p, gen).view(B, 1)
-            c = 1
+            keeps = [1] * B
         else:
             rows = [[feed[i]] + d + [d[-1] if d else feed[i]] * (k - len(d)) for i, d in enumerate(drafts)]
             ids = torch.tensor(rows, device=dev)                           # (B, k + 1); any padding is a valid draft
@@ -142,32 +142,34 @@ def _decode_speculative(model, last, state, prompts, max_new_tokens, temperature
                 probs = probabilities(logits.flatten(0, 1), temperature, top_k, top_p).view(logits.shape)
                 tokens, accepted = accept_drafts(logits, ids[:, 1:], probs, gen)
             stats.verifications += 1
-            c = min(int(accepted[i]) + 1 for i in active)                  # every active row advances c tokens
-        tokens = tokens.tolist()
-        for i in active:                                                   # a row that finishes sooner stops there
-            for n, t in enumerate(tokens[i][:c]):
+            keeps = [n + 1 for n in accepted.tolist()]                     # row i emits keeps[i] tokens
+        tokens, was_active = tokens.tolist(), set(active)
+        for i in range(B):
+            if i not in was_active:
+                keeps[i] = 1                                               # finished before: fed padding
+                continue
+            for n, t in enumerate(tokens[i][:keeps[i]]):                   # a row that finishes sooner stops there
                 hist[i].append(t)
                 count[i] += 1
                 done[i] = emit(i, t)
                 if done[i]:
-                    c_i = n + 1
+                    keeps[i] = n + 1
                     break
-            else:
-                c_i = c
-            stats.emitted += c_i
+            stats.emitted += keeps[i]
             if k:
                 stats.drafted += len(drafts[i])
-                stats.accepted += min(c_i - 1, len(drafts[i]))
+                stats.accepted += min(keeps[i] - 1, len(drafts[i]))
         if k:
-            if len(active) == 1 and done[active[0]]:
-                c = c_i                                                    # one sequence: its state stops there
-            state = ver.accept(c)
-            if c == 1:                                                     # nothing accepted: draft less often
+            live = {keeps[i] for i in range(B) if not done[i]}
+            if len(live) == 1:                  # a finished row's state is never read: keep the others' length
+                keeps = [live.pop()] * B
+            state = ver.accept(keeps if B > 1 else keeps[0])
+            if max(keeps[i] for i in active) == 1:                         # nothing accepted: draft less often
                 pause = min(2 * pause or 1, MAX_PAUSE)
                 wait = pause
             else:
                 pause = 0
-        t0 = [tokens[i][c - 1] if not done[i] else 0 for i in range(B)]
+        t0 = [tokens[i][keeps[i] - 1] if not done[i] else 0 for i in range(B)]
     return state, stats
 
 

@@ -16,9 +16,9 @@ tokens from its state before verification (``subquad.layers.rollback``; a block'
 
 The loop is ``generate``'s (``models.generate._decode_speculative``, beside the plain one); this module holds its
 parts. The drafter is prompt lookup (``ngram_draft``: the continuation of the latest earlier occurrence of the last
-n tokens of prompt + output, n from ``max_ngram`` down to 1). A batch advances every row by the fewest tokens
-any unfinished row accepted in the step (exact for every row: a row's further accepted tokens are dropped and
-drafted again), so the rows' states stay one length. When drafts keep failing, drafting pauses for 1, 2, 4, ...
+n tokens of prompt + output, n from ``max_ngram`` down to 1). In a batch each row keeps its own accepted
+prefix: when the rows' counts differ, every block replays its rows' kept inputs packed in one row (``cu_seqlens``),
+leaving a ragged state as a packed prefill does (``Verification.accept`` with a list). When drafts keep failing, drafting pauses for 1, 2, 4, ...
 up to ``MAX_PAUSE`` steps (plain one-token steps) so a text without repetitions decodes at plain speed.
 """
 
@@ -44,9 +44,12 @@ class Verification:
         self.model, self.before, self.after, self.inputs, self.carries, self.T = model, before, after, inputs, carries, T
 
     @torch.no_grad()
-    def accept(self, keep: int) -> ModelState:
-        """The model state after the first ``keep`` (0..T) verified tokens, equal to prefilling only those.
-        Call it once: a truncated KV cache reuses the verification's buffers."""
+    def accept(self, keep) -> ModelState:
+        """The model state after the first ``keep`` (0..T) verified tokens, equal to prefilling only those; ``keep``
+        a list of one count per row (1..T) keeps a different prefix in each row (the state then ragged, as after a
+        packed prefill). Call it once: a truncated KV cache reuses the verification's buffers."""
+        if isinstance(keep, (list, tuple)):
+            return self._accept_rows(list(keep))
         if isinstance(keep, bool) or not isinstance(keep, int) or not 0 <= keep <= self.T:
             raise ValueError(f"keep must be an int in [0, {self.T}] (the verified tokens), got {keep!r}")
         pos = getattr(self.before, "pos", 0)
@@ -56,6 +59,28 @@ class Verification:
                 carry = {k: v[:, :j] for k, v in self.carries[i].items()}
                 return block(self.inputs[i][:, :j], self.before[i], carry=carry)[1]
             state.append(roll_back(block.rollback(), self.before[i], self.after[i], self.T, keep, replay))
+        return state
+
+    def _accept_rows(self, keeps: list) -> ModelState:
+        """Row b keeps its first keeps[b] tokens: every block replays its kept inputs from the state before, the
+        rows packed in one row (``cu_seqlens``; a KV cache becomes ragged), as a packed prefill continues."""
+        B = self.inputs[0].shape[0]
+        if len(keeps) != B or any(isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= self.T
+                                  for n in keeps):
+            raise ValueError(f"keep per row must be {B} ints in [1, {self.T}], got {keeps!r}")
+        if len(set(keeps)) == 1:
+            return self.accept(keeps[0])
+        dev = self.inputs[0].device
+        cu = torch.tensor([0] + keeps, device=dev).cumsum(0)
+
+        def packed(t):                                    # (B, T, ...) -> (1, sum(keeps), ...): each row's kept part
+            return torch.cat([t[b, :n] for b, n in enumerate(keeps)]).unsqueeze(0)
+
+        pos = getattr(self.before, "pos", 0)
+        state = ModelState(pos=torch.as_tensor(pos, device=dev) + torch.tensor(keeps, device=dev))
+        for i, block in enumerate(self.model.blocks):
+            carry = {k: packed(v) for k, v in self.carries[i].items()}
+            state.append(block(packed(self.inputs[i]), self.before[i], cu_seqlens=cu, carry=carry)[1])
         return state
 
 

@@ -73,7 +73,7 @@ STRUCTURES = {                      # the block structures of the checkpoint typ
 @pytest.mark.parametrize("structure", list(STRUCTURES))
 def test_accepting_j_verified_tokens_equals_prefilling_them_in_every_block_structure(structure):
     """verify k tokens from a ragged batch's state, accept j (every j in 0..k): the state, and the logits of the next
-    step from it, equal a prefill of exactly those tokens (float64)."""
+    step from it, equal a prefill of exactly those tokens (float64); and a different j per row."""
     model = tiny(**STRUCTURES[structure])
     g = torch.Generator().manual_seed(1)
     prompts = [torch.randint(0, 11, (n,), generator=g).tolist() for n in (5, 3)]
@@ -92,6 +92,11 @@ def test_accepting_j_verified_tokens_equals_prefilling_them_in_every_block_struc
             assert same_state(a, b, atol=1e-9) is None, f"{structure}, layer {i}, keep {keep}: {same_state(a, b)}"
         assert torch.equal(torch.as_tensor(got.pos), torch.as_tensor(want.pos))
         torch.testing.assert_close(model.step(nxt, got)[0], model.step(nxt, want)[0], rtol=0, atol=1e-9)
+    keeps = [2, 4]                                    # a prefix per row: the rows' states become ragged
+    got = model.step(nxt, model.verify(drafts, start)[1].accept(keeps))[0]
+    for b, n in enumerate(keeps):                     # against one forward over the row's whole sequence
+        ids = torch.tensor([prompts[b] + drafts[b, :n].tolist() + [int(nxt[b])]])
+        torch.testing.assert_close(got[b], model(ids)[0, -1], rtol=0, atol=1e-9)
 
 
 @pytest.mark.parametrize("pattern", sorted(causal_mixers()))
@@ -168,21 +173,23 @@ def test_the_acceptance_rule_draws_each_position_from_the_target_distribution():
 
 
 def test_sampled_speculation_is_distributed_as_plain_sampling():
-    """20,000 rows of one prompt, three tokens each, through generate with and without speculation: both joint
-    distributions match the model's own (computed by enumerating every continuation)."""
-    model = tiny("gla", n_layers=1, vocab=5, scale=4.0)
-    prompt, V, n = [1, 2, 1, 2, 1], 5, 20_000
-    seqs = torch.cartesian_prod(*[torch.arange(V)] * 3)                              # (125, 3)
+    """20,000 rows of one prompt, four tokens each, through generate with and without speculation (rows accept
+    different numbers of drafts): both joint distributions match the model's own, computed by enumerating
+    every continuation."""
+    model = tiny("linear", n_layers=1, vocab=4, scale=4.0)
+    prompt, V, n, m = [1, 2, 1, 2, 1], 4, 20_000, 4
+    seqs = torch.cartesian_prod(*[torch.arange(V)] * m)                              # (V^m, m)
     with torch.no_grad():
         logp = torch.log_softmax(model(torch.cat([torch.tensor(prompt).expand(len(seqs), -1), seqs], 1)), -1)
     L = len(prompt)
-    p = sum(logp[torch.arange(len(seqs)), L - 1 + i, seqs[:, i]] for i in range(3)).exp()
+    p = sum(logp[torch.arange(len(seqs)), L - 1 + i, seqs[:, i]] for i in range(m)).exp()
     for speculative in (None, "ngram"):
-        out, _ = model.generate([prompt] * n, 3, temperature=1.0, seed=4, speculative=speculative)
-        codes = torch.tensor(out) @ torch.tensor([V * V, V, 1])
-        counts = torch.bincount(codes, minlength=V ** 3)
+        out, _ = model.generate([prompt] * n, m, temperature=1.0, seed=4, speculative=speculative)
+        codes = torch.tensor(out) @ (V ** torch.arange(m - 1, -1, -1))
+        counts = torch.bincount(codes, minlength=V ** m)
         assert _chi2_p(counts, p) > 0.01, speculative
-    assert model.speculation_stats.verifications > 0
+    st = model.speculation_stats
+    assert st.verifications > 0 and 0 < st.accepted < st.drafted
 
 
 def test_the_cli_flag_decodes_speculatively_with_the_same_output(tmp_path, capsys, monkeypatch):
