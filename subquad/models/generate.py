@@ -15,8 +15,8 @@ from numbers import Integral, Real
 
 import torch
 
-from subquad.models.speculative import (MAX_NGRAM, MAX_PAUSE, SPECULATIVE, SpeculationStats, accept_drafts,
-                                        ngram_draft, verify)
+from subquad.models.speculative import (MAX_NGRAM, MAX_PAUSE, SPECULATIVE, PromptLookup, SpeculationStats,
+                                        accept_drafts, verify)
 
 GREEDY_BELOW = 1e-5    # a temperature under this is greedy (vLLM's _SAMPLING_EPS): logits / T would overflow
 
@@ -104,7 +104,7 @@ def _decode_speculative(model, last, state, prompts, max_new_tokens, temperature
     ``last`` (B, vocab) the prompts' last logits, ``emit(i, token) -> done`` records row i's token. Returns the
     state (every emitted token consumed but each row's last) and the ``SpeculationStats``."""
     B, dev = len(prompts), last.device
-    hist = [list(p) for p in prompts]
+    hist = [PromptLookup(p, max_ngram) for p in prompts]               # each row's prompt and output, indexed
     stats = SpeculationStats()
     t0 = sample_batch(last, temperature, top_k, top_p, gen).tolist()
     done = [False] * B
@@ -120,7 +120,7 @@ def _decode_speculative(model, last, state, prompts, max_new_tokens, temperature
         drafts = [[] for _ in range(B)]
         if wait == 0 and room > 1:
             for i in active:
-                drafts[i] = ngram_draft(hist[i], min(draft_tokens, room - 1), max_ngram)
+                drafts[i] = hist[i].draft(min(draft_tokens, room - 1))
         else:
             wait = max(0, wait - 1)
         k = max(len(d) for d in drafts)

@@ -120,6 +120,45 @@ def ngram_draft(tokens: list[int], k: int, max_ngram: int = MAX_NGRAM) -> list[i
     return []
 
 
+class PromptLookup:
+    """``ngram_draft`` over one growing sequence: the plain search while it is short, then (from ``index_from``
+    tokens) an index of every n-gram's start positions (n <= ``max_ngram``), kept up as tokens are appended, so a
+    draft costs O(max_ngram + k) whatever the length. ``ngram_draft`` is the specification; tests compare them."""
+
+    def __init__(self, tokens=(), max_ngram: int = MAX_NGRAM, index_from: int = 256):
+        self.tokens, self.max_ngram, self.index_from = list(tokens), max_ngram, index_from
+        self.starts = None                                   # starts[n][n-gram]: its start positions, in order
+        self.indexed = 0                                     # tokens whose n-grams ending there are indexed
+
+    def append(self, token: int) -> None:
+        self.tokens.append(token)
+
+    def _index(self) -> None:
+        if self.starts is None:
+            self.starts = [{} for _ in range(self.max_ngram + 1)]
+        toks = self.tokens
+        for L in range(self.indexed + 1, len(toks) + 1):
+            for n in range(1, min(self.max_ngram, L) + 1):
+                self.starts[n].setdefault(tuple(toks[L - n:L]), []).append(L - n)
+        self.indexed = len(toks)
+
+    def draft(self, k: int) -> list[int]:
+        toks, L = self.tokens, len(self.tokens)
+        if L < self.index_from:
+            return ngram_draft(toks, k, self.max_ngram)
+        self._index()
+        for n in range(min(self.max_ngram, L - 1), 0, -1):
+            best = None
+            for start in reversed(self.starts[n].get(tuple(toks[L - n:]), [])[:-1]):   # the suffix itself last
+                follow = toks[start + n:start + n + k]
+                if len(follow) == k:          # reached after at most k shorter ones: those start near the end
+                    return follow
+                best = follow if best is None or len(follow) > len(best) else best
+            if best is not None:
+                return best
+        return []
+
+
 def accept_drafts(logits, drafts, probs=None, generator=None):
     """The acceptance rule over one verification: logits (B, k + 1, vocab), drafts (B, k) -> (tokens (B, k + 1),
     accepted (B,)): row b emits tokens[b, :accepted[b] + 1] - its accepted drafts, then the token drawn at the

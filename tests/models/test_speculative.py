@@ -9,7 +9,7 @@ from subquad.layers.registry import causal_mixers
 from subquad.layers.rollback import same_state
 from subquad.models import LanguageModel, ModelConfig
 from subquad.models.generate import probabilities
-from subquad.models.speculative import accept_drafts, ngram_draft
+from subquad.models.speculative import PromptLookup, accept_drafts, ngram_draft
 from subquad.ops import KVCache
 from subquad.testing import check_mixer
 
@@ -133,6 +133,18 @@ def test_ngram_draft_takes_the_longest_suffix_match_with_a_full_continuation():
     assert ngram_draft([5, 6, 2, 3, 7, 8, 2, 3], 3) == [7, 8, 2]
     assert ngram_draft([4] * 6, 2) == [4, 4]                 # the run's latest match has one token after it
     assert ngram_draft([1, 2, 3], 4) == [] and ngram_draft([1], 4) == []
+
+
+def test_the_indexed_prompt_lookup_drafts_as_the_plain_search():
+    g = torch.Generator().manual_seed(5)
+    for V in (2, 3, 6):
+        tokens = torch.randint(0, V, (120,), generator=g).tolist()
+        look = PromptLookup(tokens[:1], index_from=0)
+        for L in range(2, len(tokens) + 1):
+            look.append(tokens[L - 1])
+            for k in (1, 4):
+                if (L + k) % 3:                       # some lengths skipped: the index catches up
+                    assert look.draft(k) == ngram_draft(tokens[:L], k), (V, L, k)
 
 
 def _chi2_p(counts, probs):
