@@ -78,8 +78,8 @@ CONV = {"conv_size": 4}       # the recall sweep's short convolution before atte
 MIXERS: dict[str, MixerEntry] = {
     "softmax": MixerEntry(SoftmaxAttention, heads="n_kv_heads", attention=True,
                           rollback="truncate", about="full causal softmax attention (KV cache grows)"),
-    "swa": MixerEntry(SoftmaxAttention, {"window": 64}, heads="n_kv_heads", attention=True,
-                      rollback="truncate", about="sliding-window softmax attention (bounded cache), window 64 unless set"),
+    "swa": MixerEntry(SoftmaxAttention, {"window": 64}, heads="n_kv_heads", attention=True, rollback="truncate",
+                      about="sliding-window softmax attention (bounded cache), window 64 unless set"),
     "linear": MixerEntry(LinearAttention, recall=CONV, about="linear attention, elu+1 unless feature_map= is set"),
     "performer": MixerEntry(LinearAttention, {"feature_map": "performer"}, recall=CONV,
                             about="linear attention with Performer's random features"),

@@ -122,10 +122,7 @@ class Block(nn.Module):
         """How speculative decoding keeps this layer's state after an accepted prefix (``layers.rollback``):
         "truncate" when every mixer of the block truncates (the table's ``MixerEntry.rollback``: attention's KV
         caches) and the MLP holds no state, else "replay" (the block again over the kept tokens)."""
-        names = [self.mixer_name] + ([self.beside_name] if hasattr(self, "beside_name") else [])
-        if self.stateful_mlp or hasattr(self, "use") or any(MIXERS[n].rollback != "truncate" for n in names):
-            return "replay"
-        return "truncate"
+        return "truncate" if MIXERS[self.mixer_name].rollback == "truncate" and not self.stateful_mlp else "replay"
 
 
 class PreNormBlock(Block):
@@ -197,6 +194,9 @@ class ParallelBlock(Block):
     def mixers(self) -> list:
         return [self.mixer, self.beside]
 
+    def rollback(self) -> str:
+        return super().rollback() if MIXERS[self.beside_name].rollback == "truncate" else "replay"
+
     def empty_state(self, batch_size: int, device=None, dtype=torch.float32) -> dict:
         return {**super().empty_state(batch_size, device=device, dtype=dtype),
                 **self.beside.empty_state(batch_size, device=device, dtype=dtype)}
@@ -233,6 +233,9 @@ class SharedUseBlock(Block):
 
     def mixers(self) -> list:
         return [self.mixer, self.use]
+
+    def rollback(self) -> str:
+        return "replay"                    # a shared block's use: attention beside the mixer, not in the table
 
     def empty_state(self, batch_size: int, device=None, dtype=torch.float32) -> dict:
         return {**super().empty_state(batch_size, device=device, dtype=dtype),

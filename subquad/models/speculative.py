@@ -18,8 +18,9 @@ The loop is ``generate``'s (``models.generate._decode_speculative``, beside the 
 parts. The drafter is prompt lookup (``ngram_draft``: the continuation of the latest earlier occurrence of the last
 n tokens of prompt + output, n from ``max_ngram`` down to 1). In a batch each row keeps its own accepted
 prefix: when the rows' counts differ, every block replays its rows' kept inputs packed in one row (``cu_seqlens``),
-leaving a ragged state as a packed prefill does (``Verification.accept`` with a list). When drafts keep failing, drafting pauses for 1, 2, 4, ...
-up to ``MAX_PAUSE`` steps (plain one-token steps) so a text without repetitions decodes at plain speed.
+leaving a ragged state as a packed prefill does (``Verification.accept`` with a list). When drafts keep failing,
+drafting pauses for 1, 2, 4, ... up to ``MAX_PAUSE`` steps (plain one-token steps), so a text without repetitions
+decodes at about plain speed.
 """
 
 from __future__ import annotations
@@ -41,7 +42,8 @@ class Verification:
     input and the cross-layer ``carry`` each block saw (both (B, T, ...) per token)."""
 
     def __init__(self, model, before, after, inputs, carries, T):
-        self.model, self.before, self.after, self.inputs, self.carries, self.T = model, before, after, inputs, carries, T
+        self.model, self.before, self.after, self.T = model, before, after, T
+        self.inputs, self.carries = inputs, carries
 
     @torch.no_grad()
     def accept(self, keep) -> ModelState:
