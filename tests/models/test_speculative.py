@@ -70,33 +70,71 @@ STRUCTURES = {                      # the block structures of the checkpoint typ
 }
 
 
-@pytest.mark.parametrize("structure", list(STRUCTURES))
-def test_accepting_j_verified_tokens_equals_prefilling_them_in_every_block_structure(structure):
-    """verify k tokens from a ragged batch's state, accept j (every j in 0..k): the state, and the logits of the next
-    step from it, equal a prefill of exactly those tokens (float64); and a different j per row."""
-    model = tiny(**STRUCTURES[structure])
+def assert_rollback_is_a_prefill(model, label, keeps=None, k=5):
+    """verify k tokens from a ragged batch's state, accept j (each j of ``keeps``, default 0..k): the state, and the
+    logits of the next step from it, equal a prefill of exactly those tokens (float64); and a different j per row,
+    against one forward over each row's whole sequence."""
+    V = model.config.vocab_size
     g = torch.Generator().manual_seed(1)
-    prompts = [torch.randint(0, 11, (n,), generator=g).tolist() for n in (5, 3)]
-    cu = torch.tensor([0, 5, 8])
-    _, start = model.prefill(torch.tensor([prompts[0] + prompts[1]]), cu_seqlens=cu, logits="last")
-    k = 5
-    drafts = torch.randint(0, 11, (2, k), generator=g)
-    nxt = torch.randint(0, 11, (2,), generator=g)
-    for keep in range(k + 1):
+    prompts = [torch.randint(0, V, (n,), generator=g).tolist() for n in (5, 3)]
+    _, start = model.prefill(torch.tensor([prompts[0] + prompts[1]]), cu_seqlens=torch.tensor([0, 5, 8]),
+                             logits="last")
+    drafts = torch.randint(0, V, (2, k), generator=g)
+    nxt = torch.randint(0, V, (2,), generator=g)
+    for keep in range(k + 1) if keeps is None else keeps:
         logits, ver = model.verify(drafts, start)
         got = ver.accept(keep)
         want_logits, want = model.prefill(drafts[:, :keep], start) if keep else (None, start)
         if keep:
             torch.testing.assert_close(logits[:, :keep], want_logits, rtol=0, atol=1e-9)
         for i, (a, b) in enumerate(zip(got, want, strict=True)):
-            assert same_state(a, b, atol=1e-9) is None, f"{structure}, layer {i}, keep {keep}: {same_state(a, b)}"
+            assert same_state(a, b, atol=1e-9) is None, f"{label}, layer {i}, keep {keep}: {same_state(a, b)}"
         assert torch.equal(torch.as_tensor(got.pos), torch.as_tensor(want.pos))
         torch.testing.assert_close(model.step(nxt, got)[0], model.step(nxt, want)[0], rtol=0, atol=1e-9)
-    keeps = [2, 4]                                    # a prefix per row: the rows' states become ragged
-    got = model.step(nxt, model.verify(drafts, start)[1].accept(keeps))[0]
-    for b, n in enumerate(keeps):                     # against one forward over the row's whole sequence
+    rows = [2, 4]                                     # a prefix per row: the rows' states become ragged
+    got = model.step(nxt, model.verify(drafts, start)[1].accept(rows))[0]
+    for b, n in enumerate(rows):
         ids = torch.tensor([prompts[b] + drafts[b, :n].tolist() + [int(nxt[b])]])
-        torch.testing.assert_close(got[b], model(ids)[0, -1], rtol=0, atol=1e-9)
+        torch.testing.assert_close(got[b], model(ids)[0, -1], rtol=0, atol=1e-9, msg=lambda m: f"{label}: {m}")
+
+
+@pytest.mark.parametrize("structure", list(STRUCTURES))
+def test_accepting_j_verified_tokens_equals_prefilling_them_in_every_block_structure(structure):
+    with torch.no_grad():
+        assert_rollback_is_a_prefill(tiny(**STRUCTURES[structure]), structure)
+
+
+def test_every_checkpoint_type_rolls_back(monkeypatch, tmp_path):
+    """The model each Hugging Face checkpoint type of the parity table loads (``models.hf``: its config translated,
+    random float64 weights - the translation is what sets the block structure), rolled back to 3 of 5 tokens and
+    to 2 and 4 in two rows. The table's tiny transformers configs are read without building transformers' models."""
+    pytest.importorskip("transformers")
+    import sys
+
+    from subquad.models.hf.registry import MAPPINGS
+    from tests.models import hf_harness, test_hf_parity
+
+    class Config(Exception):
+        pass
+
+    def config_only(tmp_path, name, Config_, Model, cfg, *args, **kwargs):
+        raise Config(Config_(**cfg).to_dict())
+
+    for mod in list(sys.modules.values()):
+        if getattr(mod, "__name__", "").startswith("tests.models.") and getattr(mod, "tiny", None) is hf_harness.tiny:
+            monkeypatch.setattr(mod, "tiny", config_only)
+    for row in test_hf_parity.ROWS:
+        try:
+            _, folder = row.build(tmp_path / row.id, torch.float64)     # a type with its own builder: the folder
+            from subquad.models import from_pretrained
+
+            model = from_pretrained(folder)[0].double()
+        except Config as e:
+            c = e.args[0]
+            torch.manual_seed(0)
+            model = LanguageModel(MAPPINGS[c["model_type"]].config(c)).double().eval()
+        with torch.no_grad():
+            assert_rollback_is_a_prefill(model, row.id, keeps=(3,))
 
 
 @pytest.mark.parametrize("pattern", sorted(causal_mixers()))
