@@ -118,11 +118,12 @@ class Block(nn.Module):
         """The block's mixers, each once: ``mixer`` (and ``beside`` in a ``ParallelBlock``)."""
         return [self.mixer]
 
-    def rollback(self) -> str:
-        """How speculative decoding keeps this layer's state after an accepted prefix (``layers.rollback``):
-        "truncate" when every mixer of the block truncates (the table's ``MixerEntry.rollback``: attention's KV
-        caches) and the MLP holds no state, else "replay" (the block again over the kept tokens)."""
-        return "truncate" if MIXERS[self.mixer_name].rollback == "truncate" and not self.stateful_mlp else "replay"
+    def state_parts(self) -> list:
+        """The modules holding the layer's state, each (module, rollback kind, prefix of its entries in the layer's
+        state): the mixers, rolled back as the table declares (``MixerEntry.rollback``; speculative decoding,
+        ``layers.rollback``), and a stateful MLP, replayed, its entries under "mlp."."""
+        parts = [(self.mixer, MIXERS[self.mixer_name].rollback, "")]
+        return parts + ([(self.mlp, "replay", MLP_STATE)] if self.stateful_mlp else [])
 
 
 class PreNormBlock(Block):
@@ -194,8 +195,8 @@ class ParallelBlock(Block):
     def mixers(self) -> list:
         return [self.mixer, self.beside]
 
-    def rollback(self) -> str:
-        return super().rollback() if MIXERS[self.beside_name].rollback == "truncate" else "replay"
+    def state_parts(self) -> list:
+        return [(self.beside, MIXERS[self.beside_name].rollback, "")] + super().state_parts()
 
     def empty_state(self, batch_size: int, device=None, dtype=torch.float32) -> dict:
         return {**super().empty_state(batch_size, device=device, dtype=dtype),
@@ -234,8 +235,8 @@ class SharedUseBlock(Block):
     def mixers(self) -> list:
         return [self.mixer, self.use]
 
-    def rollback(self) -> str:
-        return "replay"                    # a shared block's use: attention beside the mixer, not in the table
+    def state_parts(self) -> list:
+        return [(self.use, "truncate", "")] + super().state_parts()     # the use's state: its attention's KV cache
 
     def empty_state(self, batch_size: int, device=None, dtype=torch.float32) -> dict:
         return {**super().empty_state(batch_size, device=device, dtype=dtype),

@@ -11,13 +11,14 @@ with d_{i+1} removed and renormalised; if all k are accepted draw a bonus token 
 then distributed exactly as in plain sampling; greedy (temperature 0) accepts d_{i+1} iff it is argmax p_i, so
 the output is plain greedy decoding's (up to the rounding of a k-token forward against one-token steps: exact in
 float64 tests, a near-tie in float32 may differ). With j drafts accepted, the state keeps the first j + 1
-verified tokens (``Verification.accept``): attention truncates its KV caches, any other layer replays the kept
-tokens from its state before verification (``subquad.layers.rollback``; a block's kind: ``Block.rollback``).
+verified tokens (``Verification.accept``): attention truncates its KV caches, any other mixer (and a stateful MLP)
+replays its own kept inputs, recorded during verification, from its state before (``subquad.layers.rollback``;
+a layer's parts and their kinds: ``Block.state_parts``).
 
 The loop is ``generate``'s (``models.generate._decode_speculative``, beside the plain one); this module holds its
 parts. The drafter is prompt lookup (``ngram_draft``: the continuation of the latest earlier occurrence of the last
 n tokens of prompt + output, n from ``max_ngram`` down to 1). In a batch each row keeps its own accepted
-prefix: when the rows' counts differ, every block replays its rows' kept inputs packed in one row (``cu_seqlens``),
+prefix: when the rows' counts differ, every part replays its rows' kept inputs packed in one row (``cu_seqlens``),
 leaving a ragged state as a packed prefill does (``Verification.accept`` with a list). When drafts keep failing,
 drafting pauses for 1, 2, 4, ... up to ``MAX_PAUSE`` steps (plain one-token steps), so a text without repetitions
 decodes at about plain speed.
@@ -38,52 +39,81 @@ MAX_PAUSE = 16     # plain steps after repeated failed drafts, at most
 
 
 class Verification:
-    """What ``verify`` keeps to roll the state back: the state before, the state after all T tokens, each block's
-    input and the cross-layer ``carry`` each block saw (both (B, T, ...) per token)."""
+    """What ``verify`` keeps to roll the state back: the state before and after all T tokens, and for each part of
+    each layer's state (``Block.state_parts``: a mixer, a stateful MLP) its input, the cross-layer ``carry`` it
+    saw (both (B, T, ...) per token) and its new state."""
 
-    def __init__(self, model, before, after, inputs, carries, T):
-        self.model, self.before, self.after, self.T = model, before, after, T
-        self.inputs, self.carries = inputs, carries
+    def __init__(self, model, before, after, taps, T):
+        self.model, self.before, self.after, self.taps, self.T = model, before, after, taps, T
 
     @torch.no_grad()
     def accept(self, keep) -> ModelState:
-        """The model state after the first ``keep`` (0..T) verified tokens, equal to prefilling only those; ``keep``
-        a list of one count per row (1..T) keeps a different prefix in each row (the state then ragged, as after a
-        packed prefill). Call it once: a truncated KV cache reuses the verification's buffers."""
-        if isinstance(keep, (list, tuple)):
-            return self._accept_rows(list(keep))
-        if isinstance(keep, bool) or not isinstance(keep, int) or not 0 <= keep <= self.T:
+        """The model state after the first ``keep`` (0..T) verified tokens, equal to prefilling only those: each
+        part of each layer truncated or replayed as it declares (a replay runs that part alone over its kept
+        inputs). ``keep`` a list of one count per row (1..T) keeps a different prefix in each row: every part
+        replays its rows' kept inputs packed in one row (``cu_seqlens``), leaving a ragged state as a packed
+        prefill does. Call it once: a truncated KV cache reuses the verification's buffers."""
+        rows = isinstance(keep, (list, tuple))
+        B = self.taps[0][0].x.shape[0]
+        if rows and (len(keep) != B or any(isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= self.T
+                                           for n in keep)):
+            raise ValueError(f"keep per row must be {B} ints in [1, {self.T}], got {keep!r}")
+        if rows and len(set(keep)) == 1:
+            keep, rows = keep[0], False
+        if not rows and (isinstance(keep, bool) or not isinstance(keep, int) or not 0 <= keep <= self.T):
             raise ValueError(f"keep must be an int in [0, {self.T}] (the verified tokens), got {keep!r}")
+        dev = self.taps[0][0].x.device
         pos = getattr(self.before, "pos", 0)
-        state = ModelState(pos=pos + keep)
-        for i, block in enumerate(self.model.blocks):
-            def replay(j, i=i, block=block):
-                carry = {k: v[:, :j] for k, v in self.carries[i].items()}
-                return block(self.inputs[i][:, :j], self.before[i], carry=carry)[1]
-            state.append(roll_back(block.rollback(), self.before[i], self.after[i], self.T, keep, replay))
+        if rows:
+            cu = torch.tensor([0] + list(keep), device=dev).cumsum(0)
+            state = ModelState(pos=torch.as_tensor(pos, device=dev) + torch.tensor(keep, device=dev))
+        else:
+            state = ModelState(pos=pos + keep)
+        for i, taps in enumerate(self.taps):
+            layer = {}
+            for tap in taps:
+                before = {k[len(tap.prefix):]: v for k, v in self.before[i].items()
+                          if k.startswith(tap.prefix) and k[len(tap.prefix):] in tap.state}
+                if rows:
+                    new = tap.run(_packed(tap.x, keep), before, {k: _packed(v, keep) for k, v in tap.carry.items()}, cu)
+                else:
+                    new = roll_back(tap.kind, before, tap.state, self.T, keep,
+                                    lambda j, tap=tap, before=before: tap.run(
+                                        tap.x[:, :j], before, {k: v[:, :j] for k, v in tap.carry.items()}))
+                layer.update({tap.prefix + k: v for k, v in new.items()})
+            state.append(layer)
         return state
 
-    def _accept_rows(self, keeps: list) -> ModelState:
-        """Row b keeps its first keeps[b] tokens: every block replays its kept inputs from the state before, the
-        rows packed in one row (``cu_seqlens``; a KV cache becomes ragged), as a packed prefill continues."""
-        B = self.inputs[0].shape[0]
-        if len(keeps) != B or any(isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= self.T
-                                  for n in keeps):
-            raise ValueError(f"keep per row must be {B} ints in [1, {self.T}], got {keeps!r}")
-        if len(set(keeps)) == 1:
-            return self.accept(keeps[0])
-        dev = self.inputs[0].device
-        cu = torch.tensor([0] + keeps, device=dev).cumsum(0)
 
-        def packed(t):                                    # (B, T, ...) -> (1, sum(keeps), ...): each row's kept part
-            return torch.cat([t[b, :n] for b, n in enumerate(keeps)]).unsqueeze(0)
+def _packed(t, keeps):
+    """(B, T, ...) -> (1, sum(keeps), ...): each row's first keeps[b] positions, one after another."""
+    return torch.cat([t[b, :n] for b, n in enumerate(keeps)]).unsqueeze(0)
 
-        pos = getattr(self.before, "pos", 0)
-        state = ModelState(pos=torch.as_tensor(pos, device=dev) + torch.tensor(keeps, device=dev))
-        for i, block in enumerate(self.model.blocks):
-            carry = {k: packed(v) for k, v in self.carries[i].items()}
-            state.append(block(packed(self.inputs[i]), self.before[i], cu_seqlens=cu, carry=carry)[1])
-        return state
+
+class _Tap:
+    """One part of a layer's state during verification (``Block.state_parts``): hooks on its module record its
+    input x, the carry it was handed (a copy: a layer may add to it) and its new state."""
+
+    def __init__(self, module, kind, prefix):
+        self.module, self.kind, self.prefix = module, kind, prefix
+        self.depth = 0                                   # calls in progress: only the outermost one is recorded
+
+    def before_call(self, module, args, kwargs):
+        if self.depth == 0:
+            carry = kwargs.get("carry")
+            self.carry = {} if carry is None else dict(carry)
+            self.carried = "carry" in kwargs             # an MLP takes no carry
+        self.depth += 1
+
+    def after_call(self, module, args, kwargs, output):
+        self.depth -= 1
+        if self.depth == 0:
+            self.x, self.state = args[0], output[1]
+
+    def run(self, x, state, carry, cu_seqlens=None) -> dict:
+        """The module over x from ``state`` -> its new state (a replay)."""
+        extra = {"carry": carry} if self.carried else {}
+        return self.module(x, state, cu_seqlens=cu_seqlens, **extra)[1]
 
 
 @torch.no_grad()
@@ -92,15 +122,17 @@ def verify(model, tokens, state):
     same logits and state as ``model.prefill(tokens, state)``, keeping what ``Verification.accept`` needs."""
     if state is None:
         raise ValueError("verify needs the state the tokens continue (prefill the prompt first)")
-    h, pos = model._embed_tokens(tokens, state)
-    carry = model._carry(h)
-    after, inputs, carries = ModelState(pos=pos), [], []
-    for i, block in enumerate(model.blocks):
-        inputs.append(h)
-        carries.append(dict(carry))                   # the carry as this block found it (a later layer adds to it)
-        h, s = block(h, state[i], carry=carry)
-        after.append(s)
-    return model._logits(h), Verification(model, state, after, inputs, carries, tokens.shape[1])
+    taps = [[_Tap(*part) for part in block.state_parts()] for block in model.blocks]
+    hooks = []
+    try:
+        for tap in (t for layer in taps for t in layer):
+            hooks.append(tap.module.register_forward_pre_hook(tap.before_call, with_kwargs=True))
+            hooks.append(tap.module.register_forward_hook(tap.after_call, with_kwargs=True))
+        logits, after = model.prefill(tokens, state)
+    finally:
+        for h in hooks:
+            h.remove()
+    return logits, Verification(model, state, after, taps, tokens.shape[1])
 
 
 def ngram_draft(tokens: list[int], k: int, max_ngram: int = MAX_NGRAM) -> list[int]:
