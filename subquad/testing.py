@@ -6,6 +6,9 @@ is checked the same way, against simpler computations of the same layer:
     contract   a ``Mixer``: ``mix(x, state, seq)``, ``empty_state(batch_size, device, dtype)``, FLOPs
     decode     one forward equals a prefill then token-by-token steps (float64), from ``empty_state`` too;
                a state passed in is not modified, and reusing it gives the same answer
+    rollback   speculative decoding's verification: after k tokens from a state, rolling back to any j <= k
+               (``MixerEntry.rollback``: truncate a KV cache, or replay) equals prefilling exactly those
+               tokens (float64), and decoding continues from it as from the prefilled state
     varlen     a packed row (``cu_seqlens``) equals each sequence alone, outputs and gradients (float64)
     bf16       under bfloat16 autocast the output is finite and near float32's
     compile    ``torch.compile`` (graph capture) equals eager
@@ -32,8 +35,8 @@ import inspect
 import torch
 
 F64 = torch.float64
-CHECKS = ("contract", "decode", "varlen", "bf16", "compile", "model", "encoder")
-CAUSAL = ("decode", "varlen", "model", "context_parallel")   # need a causal form: not for an encoder-only entry
+CHECKS = ("contract", "decode", "rollback", "varlen", "bf16", "compile", "model", "encoder")
+CAUSAL = ("decode", "rollback", "varlen", "model", "context_parallel")   # need a causal form: not for an encoder-only entry
 ENCODER = ("encoder",)                                      # an encoder-only entry's, in their place
 LENGTHS = [5, 1, 9, 3]
 
@@ -102,6 +105,30 @@ def check_decode(name, d_model=16, n_heads=2, options=None, T=11, split=6):
             again, _ = layer(x[:, split:split + 1], state)
             torch.testing.assert_close(again, ys[1], rtol=0, atol=0,
                                        msg=lambda m: f"{name}: reusing a state changed the answer: {m}")
+
+
+def check_rollback(name, d_model=16, n_heads=2, options=None, T=5):
+    from subquad.layers.registry import MIXERS
+    from subquad.layers.rollback import roll_back, same_state
+
+    layer = _layer(name, d_model, n_heads, options or {})
+    kind = MIXERS[name].rollback
+    g = torch.Generator().manual_seed(8)
+    with torch.no_grad():
+        for prefix in (0, 4):
+            x = torch.randn(2, prefix + T + 1, d_model, generator=g, dtype=F64)
+            before = layer(x[:, :prefix])[1] if prefix else layer.empty_state(2, dtype=F64)
+            for keep in range(T + 1):
+                _, after = layer(x[:, prefix:prefix + T], before)           # the verification, fresh each time
+                got = roll_back(kind, before, after, T, keep,
+                                lambda j, x=x, p=prefix, s=before: layer(x[:, p:p + j], s)[1])
+                n = prefix + keep
+                want = layer(x[:, :n])[1] if n else layer.empty_state(2, dtype=F64)
+                why = same_state(got, want, atol=1e-9)
+                assert why is None, f"{name}: rolled back to {keep} of {T} tokens ({kind}) != prefilled: {why}"
+                nxt = x[:, n:n + 1]
+                torch.testing.assert_close(layer(nxt, got)[0], layer(nxt, want)[0], rtol=0, atol=1e-9,
+                                           msg=lambda m, keep=keep: f"{name}: decoding after a rollback to {keep}: {m}")
 
 
 def check_varlen(name, d_model=16, n_heads=2, options=None, lengths=LENGTHS):
@@ -229,7 +256,7 @@ def check_context_parallel(name, d_model=16, n_heads=2, options=None, world=2, T
         assert state is None, f"{name}: a shard of a sequence must give no decoding state"
 
 
-_CHECKS = {"contract": check_contract, "decode": check_decode, "varlen": check_varlen, "bf16": check_bf16,
+_CHECKS = {"contract": check_contract, "decode": check_decode, "rollback": check_rollback, "varlen": check_varlen, "bf16": check_bf16,
            "compile": check_compile, "model": check_model, "context_parallel": check_context_parallel,
            "encoder": check_encoder}
 

@@ -41,6 +41,10 @@ def add_parser(command, hf_types: list[str]) -> None:
     g.add_argument("--compile-decode", action="store_true",
                    help="decode with the compiled one-token step (subquad.models.decode: faster per token once "
                         "compiled; compiling takes seconds per kind of layer)")
+    g.add_argument("--speculative", choices=["ngram"],
+                   help="speculative decoding: draft tokens by prompt lookup (the continuation of an earlier match "
+                        "of the last few tokens) and verify them in one forward; the same output as without")
+    g.add_argument("--draft-tokens", type=positive, default=4, help="tokens drafted per step with --speculative")
     g.set_defaults(fn=run)
 
 
@@ -96,6 +100,15 @@ def check_sampling_flags(args) -> None:
         raise ValueError(f"{flag}: {e}") from None
 
 
+def report_speculation(model, args) -> None:
+    """With --speculative: tokens per model forward and the drafts' acceptance, on stderr."""
+    st = getattr(model, "speculation_stats", None)
+    if args.speculative and st is not None:
+        print(f"[speculative {args.speculative}: {st.tokens_per_step:.2f} tokens per step over {st.steps} steps "
+              f"({st.verifications} verifying drafts), {st.accepted}/{st.drafted} drafted tokens accepted]",
+              file=sys.stderr)
+
+
 def run(args) -> int:
     from pathlib import Path
 
@@ -119,11 +132,14 @@ def run(args) -> int:
 
         compile_decode(model)
     stop = stop_ids(tok, args.stop)
+    speculation = {} if args.speculative is None else {"speculative": args.speculative,
+                                                        "draft_tokens": args.draft_tokens}
     if args.prompts_file:
         outs, _ = model.generate([tok.encode(p).ids or [0] for p in prompts], args.max_new_tokens,
-                                 **sampling(args, stop))
+                                 **sampling(args, stop), **speculation)
         for i, (p, o) in enumerate(zip(prompts, outs, strict=True)):
             print(f"--- [{i}] {p}{tok.decode(o)}")
+        report_speculation(model, args)
         return 0
     state = None
     if args.load_state:
@@ -146,8 +162,10 @@ def run(args) -> int:
             print(text[len(shown[0]):], end="", flush=True)
             shown[0] = text
 
-    out, state = model.generate(ids, args.max_new_tokens, state=state, on_token=stream, **sampling(args, stop))
+    out, state = model.generate(ids, args.max_new_tokens, state=state, on_token=stream, **sampling(args, stop),
+                                **speculation)
     print(tok.decode(new)[len(shown[0]):])
+    report_speculation(model, args)
     print(f"\n[state: {model.state_bytes(state):,} bytes over {model.config.n_layers} layers "
           f"({', '.join(sorted(set(model.config.layers)))})]", file=sys.stderr)
     if args.save_state:

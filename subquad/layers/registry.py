@@ -42,6 +42,9 @@ class MixerEntry:
     encoder_only  the layer has no causal form and no decoding state (Linformer): it is no language model's
               layer (patterns refuse it) and the battery (``subquad.testing``) runs its whole-sequence checks
               in place of decoding, packing and the model
+    rollback  how speculative decoding keeps the state after the first j of k verified tokens
+              (``subquad.layers.rollback``): "truncate" (a KV cache drops the rejected tokens' entries) or
+              "replay" (the layer runs the j accepted tokens again from the state before verification)
     about     one line for listings
     The layer itself declares the rest: its op (called through ``seq.recurrence`` / ``seq.attention``,
     the op's ``Transition`` gives context parallelism), its state layout (``empty_state``) and its FLOPs.
@@ -53,7 +56,14 @@ class MixerEntry:
     recall: dict = field(default_factory=dict)
     attention: bool = False
     encoder_only: bool = False
+    rollback: str = "replay"
     about: str = ""
+
+    def __post_init__(self):
+        from subquad.layers.rollback import ROLLBACKS
+
+        if self.rollback not in ROLLBACKS:
+            raise ValueError(f"rollback must be one of {ROLLBACKS}, got {self.rollback!r}")
 
     def options(self, d_model: int, n_heads: int) -> dict:
         return dict(self.defaults(d_model, n_heads) if callable(self.defaults) else self.defaults)
@@ -67,8 +77,8 @@ CONV = {"conv_size": 4}       # the recall sweep's short convolution before atte
 
 MIXERS: dict[str, MixerEntry] = {
     "softmax": MixerEntry(SoftmaxAttention, heads="n_kv_heads", attention=True,
-                          about="full causal softmax attention (KV cache grows)"),
-    "swa": MixerEntry(SoftmaxAttention, {"window": 64}, heads="n_kv_heads", attention=True,
+                          rollback="truncate", about="full causal softmax attention (KV cache grows)"),
+    "swa": MixerEntry(SoftmaxAttention, {"window": 64}, heads="n_kv_heads", attention=True, rollback="truncate",
                       about="sliding-window softmax attention (bounded cache), window 64 unless set"),
     "linear": MixerEntry(LinearAttention, recall=CONV, about="linear attention, elu+1 unless feature_map= is set"),
     "performer": MixerEntry(LinearAttention, {"feature_map": "performer"}, recall=CONV,
@@ -83,7 +93,7 @@ MIXERS: dict[str, MixerEntry] = {
     "gated_deltanet": MixerEntry(GatedDeltaNet, own_heads=True, about="the gated delta rule"),
     "kda": MixerEntry(KimiDeltaAttention, own_heads=True,
                       about="Kimi Delta Attention: the gated delta rule with a decay per key channel"),
-    "mla": MixerEntry(LatentAttention, attention=True,
+    "mla": MixerEntry(LatentAttention, attention=True, rollback="truncate",
                       about="multi-head latent attention (softmax; the cache keeps latents)"),
     "lightning": MixerEntry(LightningAttention,
                             about="MiniMax's lightning attention: linear attention, fixed decays, gated norm"),

@@ -5,7 +5,8 @@
 A batch of prompts is prefilled in one packed call (``prefill(..., cu_seqlens=...)``), then decoded one
 token per sequence per step with ``model.step`` (the compiled step when ``models.decode`` set one).
 ``models.sampling.Sampler`` draws the next token of each row (penalties, logit bias, temperature, min_p, top_k,
-top_p); the server draws with it too, so a request's tokens equal a lone ``generate`` call's.
+top_p); the server draws with it too, so a request's tokens equal a lone ``generate`` call's. Speculative
+decoding (``models.speculative``) verifies drafted tokens against the distributions the same ``Sampler`` gives.
 """
 
 from __future__ import annotations
@@ -13,14 +14,17 @@ from __future__ import annotations
 import torch
 
 from subquad.models.sampling import (GREEDY_BELOW, Sampler, SamplingOptions, check_sampling,  # noqa: F401
-                                     sample, sample_batch)                                  # (re-exported)
+                                     probabilities, sample, sample_batch)                   # (re-exported)
+from subquad.models.speculative import (MAX_NGRAM, MAX_PAUSE, SPECULATIVE, PromptLookup, SpeculationStats,
+                                        accept_drafts, verify)
 
 
 @torch.no_grad()
 def generate(model, prompt, max_new_tokens: int, temperature: float = 1.0, top_k: int | None = None,
              top_p: float | None = None, seed: int | None = None, state=None, on_token=None, stop_ids=None, *,
              min_p: float | None = None, presence_penalty: float = 0.0, frequency_penalty: float = 0.0,
-             repetition_penalty: float = 1.0, logit_bias: dict | None = None, ignore_eos: bool = False):
+             repetition_penalty: float = 1.0, logit_bias: dict | None = None, ignore_eos: bool = False,
+             speculative: str | None = None, draft_tokens: int = 4):
     """Sample up to ``max_new_tokens`` after each prompt, decoding with the recurrent state.
 
     ``prompt``: one sequence (a list of ids, or a (T,) / (1, T) tensor) -> returns (new ids, state), or a
@@ -38,12 +42,23 @@ def generate(model, prompt, max_new_tokens: int, temperature: float = 1.0, top_k
 
     The returned state has consumed each prompt and every new token but the last:
     ``generate(model, [new[-1]], n, state=state)`` continues exactly where a one-sequence call stopped.
+
+    ``speculative="ngram"``: speculative decoding (``models.speculative``) - up to ``draft_tokens`` tokens
+    drafted per step by prompt lookup, verified in one forward; greedy output is plain greedy decoding's and
+    sampled output is distributed as plain sampling's, with every sampling option: each verified position's
+    distribution is processed with the history up to it (the drafts before it included), a stop id or the
+    end of text inside an accepted run ends the row there. ``model.speculation_stats`` holds the call's
+    statistics (``tokens_per_step``, ``acceptance``).
     """
     if not isinstance(max_new_tokens, int) or max_new_tokens < 0:
         raise ValueError(f"max_new_tokens must be an int >= 0, got {max_new_tokens!r}")
     options = SamplingOptions(temperature, top_k, top_p, min_p, presence_penalty, frequency_penalty,
                               repetition_penalty, logit_bias, list(stop_ids or ()), ignore_eos)
     options.check_vocab(model.config.vocab_size)
+    if speculative is not None and speculative not in SPECULATIVE:
+        raise ValueError(f"speculative must be None or one of {SPECULATIVE}, got {speculative!r}")
+    if isinstance(draft_tokens, bool) or not isinstance(draft_tokens, int) or draft_tokens < 1:
+        raise ValueError(f"draft_tokens must be an int >= 1, got {draft_tokens!r}")
     prompts, single = _as_prompts(prompt)
     stop = options.ends(model.config.eos_token_ids)
     was_training = model.training
@@ -61,6 +76,17 @@ def generate(model, prompt, max_new_tokens: int, temperature: float = 1.0, top_k
         last, state = model.prefill(packed, state, cu_seqlens=cu, logits="last")   # each prompt's last: (B, vocab)
     out = [[] for _ in range(B)]
     done = [max_new_tokens == 0] * B
+    if speculative is not None and not all(done):
+        def emit(i, t) -> bool:
+            out[i].append(t)
+            if on_token is not None:
+                on_token(t) if single else on_token(i, t)
+            return len(out[i]) >= max_new_tokens or t in stop
+
+        state, model.speculation_stats = _decode_speculative(model, last, state, prompts, max_new_tokens, sampler,
+                                                             emit, draft_tokens)
+        model.train(was_training)
+        return (out[0] if single else out), state
     while not all(done):
         nxt = sampler(last).tolist()
         feed = []
@@ -78,6 +104,84 @@ def generate(model, prompt, max_new_tokens: int, temperature: float = 1.0, top_k
         last, state = model.step(torch.tensor(feed, device=dev), state)
     model.train(was_training)
     return (out[0] if single else out), state
+
+
+def _decode_speculative(model, last, state, prompts, max_new_tokens, sampler, emit, draft_tokens,
+                        max_ngram=MAX_NGRAM):
+    """``generate``'s decoding loop with prompt-lookup speculation (``models.speculative``), after the prefill:
+    ``last`` (B, vocab) the prompts' last logits, ``sampler`` the plain loop's ``Sampler``, ``emit(i, token) ->
+    done`` records row i's token. Each verified position is processed as the plain loop would process it
+    (``Sampler.process_drafts``: penalties and logit bias with the drafts before it in the history), and the
+    acceptance rule reads that position's ``Sampler.probabilities``; only emitted tokens join the history.
+    Returns the state (every emitted token consumed but each row's last) and the ``SpeculationStats``."""
+    B, dev = len(prompts), last.device
+    hist = [PromptLookup(p, max_ngram) for p in prompts]               # each row's prompt and output, indexed
+    stats = SpeculationStats()
+    t0 = sampler(last).tolist()
+    done = [False] * B
+    count = [0] * B
+    for i in range(B):
+        hist[i].append(t0[i])
+        count[i] += 1
+        done[i] = emit(i, t0[i])
+    pause, wait = 0, 0
+    while not all(done):
+        active = [i for i in range(B) if not done[i]]
+        room = min(max_new_tokens - count[i] for i in active)             # every active row may emit this many
+        drafts = [[] for _ in range(B)]
+        if wait == 0 and room > 1:
+            for i in active:
+                drafts[i] = hist[i].draft(min(draft_tokens, room - 1))
+        else:
+            wait = max(0, wait - 1)
+        k = max(len(d) for d in drafts)
+        feed = [t0[i] if not done[i] else 0 for i in range(B)]              # finished rows: padding
+        stats.steps += 1
+        stats.row_steps += len(active)
+        if k == 0:                                                         # nothing drafted: a plain step
+            logits, state = model.step(torch.tensor(feed, device=dev), state)
+            tokens = sampler(logits).view(B, 1)                           # counted for the penalties
+            keeps = [1] * B
+        else:
+            rows = [[feed[i]] + d + [d[-1] if d else feed[i]] * (k - len(d)) for i, d in enumerate(drafts)]
+            ids = torch.tensor(rows, device=dev)                           # (B, k + 1); any padding is a valid draft
+            logits, ver = verify(model, ids, state)
+            x = sampler.process_drafts(logits, ids[:, 1:])                 # (B, k + 1, vocab)
+            tokens, accepted = accept_drafts(x, ids[:, 1:], sampler.probabilities(x), sampler.generator)
+            stats.verifications += 1
+            keeps = [n + 1 for n in accepted.tolist()]                     # row i emits keeps[i] tokens
+        tokens, was_active, kept = tokens.tolist(), set(active), []
+        for i in range(B):
+            if i not in was_active:
+                keeps[i] = 1                                               # finished before: fed padding
+                continue
+            for n, t in enumerate(tokens[i][:keeps[i]]):                   # a row that finishes sooner stops there
+                hist[i].append(t)
+                count[i] += 1
+                done[i] = emit(i, t)
+                kept.append((i, t))
+                if done[i]:
+                    keeps[i] = n + 1
+                    break
+            stats.emitted += keeps[i]
+            if k:
+                stats.drafted += len(drafts[i])
+                stats.accepted += min(keeps[i] - 1, len(drafts[i]))
+        if k and kept:                              # the emitted tokens join the history (a plain step's did)
+            row, tok = torch.tensor(kept, device=dev).T
+            sampler.record(tok, row)
+        if k:
+            live = {keeps[i] for i in range(B) if not done[i]}
+            if len(live) == 1:                  # a finished row's state is never read: keep the others' length
+                keeps = [live.pop()] * B
+            state = ver.accept(keeps if B > 1 else keeps[0])
+            if max(keeps[i] for i in active) == 1:                         # nothing accepted: draft less often
+                pause = min(2 * pause or 1, MAX_PAUSE)
+                wait = pause
+            else:
+                pause = 0
+        t0 = [tokens[i][keeps[i] - 1] if not done[i] else 0 for i in range(B)]
+    return state, stats
 
 
 def _as_prompts(prompt) -> tuple[list[list[int]], bool]:

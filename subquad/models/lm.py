@@ -118,6 +118,13 @@ class Block(nn.Module):
         """The block's mixers, each once: ``mixer`` (and ``beside`` in a ``ParallelBlock``)."""
         return [self.mixer]
 
+    def state_parts(self) -> list:
+        """The modules holding the layer's state, each (module, rollback kind, prefix of its entries in the layer's
+        state): the mixers, rolled back as the table declares (``MixerEntry.rollback``; speculative decoding,
+        ``layers.rollback``), and a stateful MLP, replayed, its entries under "mlp."."""
+        parts = [(self.mixer, MIXERS[self.mixer_name].rollback, "")]
+        return parts + ([(self.mlp, "replay", MLP_STATE)] if self.stateful_mlp else [])
+
 
 class PreNormBlock(Block):
     """h = h + mixer(rmsnorm(h));  h = h + mlp(rmsnorm(h))  (GPT-2, Llama, Mamba)."""
@@ -188,6 +195,9 @@ class ParallelBlock(Block):
     def mixers(self) -> list:
         return [self.mixer, self.beside]
 
+    def state_parts(self) -> list:
+        return [(self.beside, MIXERS[self.beside_name].rollback, "")] + super().state_parts()
+
     def empty_state(self, batch_size: int, device=None, dtype=torch.float32) -> dict:
         return {**super().empty_state(batch_size, device=device, dtype=dtype),
                 **self.beside.empty_state(batch_size, device=device, dtype=dtype)}
@@ -224,6 +234,9 @@ class SharedUseBlock(Block):
 
     def mixers(self) -> list:
         return [self.mixer, self.use]
+
+    def state_parts(self) -> list:
+        return [(self.use, "truncate", "")] + super().state_parts()     # the use's state: its attention's KV cache
 
     def empty_state(self, batch_size: int, device=None, dtype=torch.float32) -> dict:
         return {**super().empty_state(batch_size, device=device, dtype=dtype),
@@ -456,11 +469,21 @@ class LanguageModel(nn.Module):
         """Bytes of every tensor the decoding state holds, measured from the tensors."""
         return tensor_bytes(list(state))
 
+    def verify(self, tokens, state):
+        """Speculative decoding's verification: tokens (B, k) after ``state`` -> (logits (B, k, vocab), a
+        ``models.speculative.Verification`` whose ``accept(j)`` is the state after only the first j of them)."""
+        from subquad.models.speculative import verify
+
+        return verify(self, tokens, state)
+
     def generate(self, prompt, max_new_tokens: int, temperature: float = 1.0, top_k: int | None = None,
                  top_p: float | None = None, seed: int | None = None, state=None, on_token=None, stop_ids=None,
-                 **options):
+                 speculative: str | None = None, draft_tokens: int = 4, **options):
         """``models.generate.generate(self, ...)``: up to ``max_new_tokens`` sampled after each prompt, and the
         decoding state after them. ``options``: generate's keyword-only sampling options (``min_p``, the
-        penalties, ``logit_bias``, ``ignore_eos``)."""
+        penalties, ``logit_bias``, ``ignore_eos``); ``speculative="ngram"`` drafts up to ``draft_tokens`` per step
+        by prompt lookup and verifies them in one forward (``models.speculative``; statistics in
+        ``speculation_stats``)."""
         return generate(self, prompt, max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
-                        state=state, on_token=on_token, stop_ids=stop_ids, **options)
+                        state=state, on_token=on_token, stop_ids=stop_ids, speculative=speculative,
+                        draft_tokens=draft_tokens, **options)

@@ -15,7 +15,9 @@ For each row of (B, vocab) logits, in vLLM's order:
 7. one token is drawn from softmax(logits / T) over what is left.
 
 Steps 1-3 move the argmax, so they apply to greedy decoding too; steps 5-6 do not. Steps 1-3 are skipped (the
-logits untouched, bit for bit) when they ask for nothing.
+logits untouched, bit for bit) when they ask for nothing. Speculative decoding verifies drafts against the same
+distributions: ``Sampler.process_drafts`` processes each verified position with the drafts before it counted,
+``Sampler.probabilities`` gives what step 7 would draw from (``models.speculative.accept_drafts``).
 """
 
 from __future__ import annotations
@@ -132,18 +134,52 @@ class Sampler:
 
     def process(self, logits: torch.Tensor) -> torch.Tensor:
         """Steps 1-3 on (B, vocab) logits, in float32 (the input itself when they ask for nothing)."""
-        o = self.options
-        if o.logit_bias is None and o.repetition_penalty == 1 and not o.presence_penalty and not o.frequency_penalty:
+        if not self._asks():
             return logits
         self._history(logits)
+        return self._apply(logits, self._seen, self._counts)
+
+    def process_drafts(self, logits: torch.Tensor, drafts: torch.Tensor) -> torch.Tensor:
+        """Steps 1-3 at each verified position of speculative decoding (``models.speculative``): logits
+        (B, k + 1, vocab) after the drafts (B, k) -> position i processed with the history plus drafts[:, :i],
+        the history it has if those drafts are accepted, so each position is the distribution plain decoding
+        would sample there (bit for bit: the same operations on the same counts). Nothing is recorded."""
+        if not self._asks():
+            return logits
+        self._history(logits[:, 0])
+        B, T, V = logits.shape
+        ahead = torch.zeros(B, T, V, device=logits.device)                 # drafts[:, :i] counted at position i
+        ahead[:, 1:].scatter_(-1, drafts.unsqueeze(-1), 1.0)
+        ahead = ahead.cumsum(1)
+        seen = None if self._seen is None else self._seen.unsqueeze(1) | (ahead > 0)
+        counts = None if self._counts is None else self._counts.unsqueeze(1) + ahead
+        return self._apply(logits, seen, counts)
+
+    def _asks(self) -> bool:
+        o = self.options
+        return o.logit_bias is not None or o.repetition_penalty != 1 or bool(o.presence_penalty) \
+            or bool(o.frequency_penalty)
+
+    def _apply(self, logits, seen, counts) -> torch.Tensor:
+        """Steps 1-3 on logits (..., vocab) given the tokens ``seen`` (bool) and their generated ``counts``."""
+        o = self.options
         x = logits.float()
         if self._bias is not None:
             x = x + self._bias
-        if self._seen is not None:
-            x = torch.where(self._seen, torch.where(x > 0, x / o.repetition_penalty, x * o.repetition_penalty), x)
-        if self._counts is not None:
-            x = x - o.frequency_penalty * self._counts - o.presence_penalty * (self._counts > 0).float()
+        if seen is not None:
+            x = torch.where(seen, torch.where(x > 0, x / o.repetition_penalty, x * o.repetition_penalty), x)
+        if counts is not None:
+            x = x - o.frequency_penalty * counts - o.presence_penalty * (counts > 0).float()
         return x
+
+    def probabilities(self, x: torch.Tensor) -> torch.Tensor | None:
+        """What step 7 draws from, on logits (..., vocab) that steps 1-3 processed: ``probabilities`` at the
+        options' temperature, min_p, top_k and top_p; None when greedy (the argmax of x; NaN refused)."""
+        o = self.options
+        if o.temperature == 0:
+            _refuse_nan(x.gather(-1, x.argmax(-1, keepdim=True)))
+            return None
+        return probabilities(x.flatten(0, -2), o.temperature, o.top_k, o.top_p, o.min_p).view(x.shape)
 
     def __call__(self, logits: torch.Tensor) -> torch.Tensor:
         """(B, vocab) logits -> the (B,) next ids (steps 1-7); they join the penalties' counts."""
@@ -152,9 +188,9 @@ class Sampler:
         self.record(ids)
         return ids
 
-    def record(self, ids: torch.Tensor) -> None:
-        """Count one generated token per row."""
-        rows = torch.arange(len(ids), device=ids.device)
+    def record(self, ids: torch.Tensor, rows: torch.Tensor | None = None) -> None:
+        """Count generated tokens: ``ids[j]`` in row ``rows[j]`` (default: one per row, in order)."""
+        rows = torch.arange(len(ids), device=ids.device) if rows is None else rows
         if self._counts is not None:
             self._counts.index_put_((rows, ids), torch.ones(len(ids), device=ids.device), accumulate=True)
         if self._seen is not None:
@@ -193,6 +229,14 @@ def _draw(logits, temperature, top_k, top_p, min_p, generator) -> torch.Tensor:
         ids = logits.argmax(-1)                     # argmax picks a row's NaN: checking the B picks checks the rows
         _refuse_nan(logits.gather(-1, ids.unsqueeze(-1)))
         return ids
+    probs = probabilities(logits, temperature, top_k, top_p, min_p)
+    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+
+
+def probabilities(logits, temperature, top_k=None, top_p=None, min_p=None) -> torch.Tensor:
+    """Steps 4-6 at a temperature > 0: (B, vocab) logits -> the (B, vocab) probabilities ``sample_batch`` draws
+    from (unnormalised after top_p; ``torch.multinomial`` normalises). Speculative decoding's acceptance rule
+    (``models.speculative.accept_drafts``) reads the same ones; NaN refused."""
     logits = logits.float() / temperature
     if min_p:
         probs = torch.softmax(logits, -1)
@@ -206,7 +250,7 @@ def _draw(logits, temperature, top_k, top_p, min_p, generator) -> torch.Tensor:
         keep = sp.cumsum(-1) - sp < top_p                   # mass before each token is below top_p
         probs = torch.zeros_like(probs).scatter(-1, si, sp * keep)
     _refuse_nan(probs)                                      # NaN logits give NaN probabilities
-    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+    return probs
 
 
 def _refuse_nan(x: torch.Tensor):

@@ -75,6 +75,8 @@ def test_register_refuses_what_the_table_cannot_hold(registered):
         registered("two words", Forgetful)
     with pytest.raises(ValueError, match="subclass of subquad.layers.base.Mixer"):
         registered("module", nn.Linear)
+    with pytest.raises(ValueError, match="rollback must be one of"):
+        registered("rewinding", Forgetful, rollback="rewind")
     with pytest.raises(ValueError, match="unknown check"):
         check_mixer("softmax", checks=["speed"])
 
@@ -108,3 +110,4 @@ def test_every_entry_declares_its_fields():
         assert e.heads in ("n_heads", "n_kv_heads", None) and isinstance(e.own_heads, bool), name
         assert isinstance(e.recall, dict) and e.about, name
         assert not (e.attention and e.encoder_only), f"{name}: attention is a language model's layer"
+        assert e.rollback == ("truncate" if e.attention else "replay"), f"{name}: attention truncates its cache"

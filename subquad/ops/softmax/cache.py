@@ -229,6 +229,25 @@ class KVCache:
         self._trim()
         return self
 
+    def rollback(self, drop: int) -> "KVCache":
+        """A fork without the last ``drop`` tokens (speculative decoding's rejected drafts:
+        ``subquad.layers.rollback``), in O(1) and without copying. The buffer positions past the fork's end are
+        given back, so its next append writes there in place: this cache, which still holds the dropped tokens,
+        must not be read after that (caches forked before those tokens were appended are untouched). A windowed
+        cache may have let older tokens go to make room for the dropped ones: ValueError then (append the kept
+        tokens to the cache before them instead)."""
+        if isinstance(drop, bool) or not isinstance(drop, int) or not 0 <= drop <= self._len:
+            raise ValueError(f"drop must be an int in [0, {self._len}] (the cached tokens), got {drop!r}")
+        if self.window is not None and self._len - drop != min(self.seen - drop, self.window):
+            raise ValueError(f"a window of {self.window} has let go of tokens the {drop} dropped ones displaced")
+        c = self.fork()
+        c._len -= drop
+        c.seen -= drop
+        if c.row_seen is not None:
+            c.row_seen = c.row_seen - drop
+        c._tail[0] = c._start + c._len
+        return c
+
     def clone(self) -> "KVCache":
         return KVCache(self.k.clone(), self.v.clone(), window=self.window, seen=self.seen, pad=self.pad,
                        row_seen=self.row_seen)

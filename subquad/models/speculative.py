@@ -1,0 +1,243 @@
+"""Speculative decoding: draft k tokens cheaply, verify them in one forward, keep the accepted prefix exactly.
+
+    out, state = model.generate(prompt, 200, temperature=0, speculative="ngram", draft_tokens=4)
+    model.speculation_stats.tokens_per_step        # tokens emitted per model forward while decoding
+
+Each step has t0, the last emitted token (not yet fed). A drafter proposes d_1..d_k; ``verify`` runs
+[t0, d_1..d_k] through the model from the state, giving the distributions p_0..p_k (p_i: the token after d_i).
+The rule (Leviathan et al. 2023, arXiv:2211.17192; Chen et al. 2023, arXiv:2302.01318) with a deterministic
+drafter (q one-hot at d_i): accept d_{i+1} with probability p_i(d_{i+1}); at the first rejection draw from p_i
+with d_{i+1} removed and renormalised; if all k are accepted draw a bonus token from p_k. Each emitted token is
+then distributed exactly as in plain sampling; greedy (temperature 0) accepts d_{i+1} iff it is argmax p_i, so
+the output is plain greedy decoding's (up to the rounding of a k-token forward against one-token steps: exact in
+float64 tests, a near-tie in float32 may differ). With j drafts accepted, the state keeps the first j + 1
+verified tokens (``Verification.accept``): attention truncates its KV caches, any other mixer (and a stateful MLP)
+replays its own kept inputs, recorded during verification, from its state before (``subquad.layers.rollback``;
+a layer's parts and their kinds: ``Block.state_parts``).
+
+The loop is ``generate``'s (``models.generate._decode_speculative``, beside the plain one); this module holds its
+parts. The drafter is prompt lookup (``ngram_draft``: the continuation of the latest earlier occurrence of the last
+n tokens of prompt + output, n from ``max_ngram`` down to 1). In a batch each row keeps its own accepted
+prefix: when the rows' counts differ, every part replays its rows' kept inputs packed in one row (``cu_seqlens``),
+leaving a ragged state as a packed prefill does (``Verification.accept`` with a list). When drafts keep failing,
+drafting pauses for 1, 2, 4, ... up to ``MAX_PAUSE`` steps (plain one-token steps), so a text without repetitions
+decodes at about plain speed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from subquad.layers.rollback import roll_back
+from subquad.models.state import ModelState
+
+SPECULATIVE = ("ngram",)
+MAX_NGRAM = 3      # the longest suffix prompt lookup matches
+MAX_PAUSE = 16     # plain steps after repeated failed drafts, at most
+
+
+class Verification:
+    """What ``verify`` keeps to roll the state back: the state before and after all T tokens, and for each part of
+    each layer's state (``Block.state_parts``: a mixer, a stateful MLP) its input, the cross-layer ``carry`` it
+    saw (both (B, T, ...) per token) and its new state."""
+
+    def __init__(self, model, before, after, taps, T):
+        self.model, self.before, self.after, self.taps, self.T = model, before, after, taps, T
+
+    @torch.no_grad()
+    def accept(self, keep) -> ModelState:
+        """The model state after the first ``keep`` (0..T) verified tokens, equal to prefilling only those: each
+        part of each layer truncated or replayed as it declares (a replay runs that part alone over its kept
+        inputs). ``keep`` a list of one count per row (1..T) keeps a different prefix in each row: every part
+        replays its rows' kept inputs packed in one row (``cu_seqlens``), leaving a ragged state as a packed
+        prefill does. Call it once: a truncated KV cache reuses the verification's buffers."""
+        rows = isinstance(keep, (list, tuple))
+        B = self.taps[0][0].x.shape[0]
+        if rows and (len(keep) != B or any(isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= self.T
+                                           for n in keep)):
+            raise ValueError(f"keep per row must be {B} ints in [1, {self.T}], got {keep!r}")
+        if rows and len(set(keep)) == 1:
+            keep, rows = keep[0], False
+        if not rows and (isinstance(keep, bool) or not isinstance(keep, int) or not 0 <= keep <= self.T):
+            raise ValueError(f"keep must be an int in [0, {self.T}] (the verified tokens), got {keep!r}")
+        dev = self.taps[0][0].x.device
+        pos = getattr(self.before, "pos", 0)
+        if rows:
+            cu = torch.tensor([0] + list(keep), device=dev).cumsum(0)
+            state = ModelState(pos=torch.as_tensor(pos, device=dev) + torch.tensor(keep, device=dev))
+        else:
+            state = ModelState(pos=pos + keep)
+        for i, taps in enumerate(self.taps):
+            layer = {}
+            for tap in taps:
+                before = {k[len(tap.prefix):]: v for k, v in self.before[i].items()
+                          if k.startswith(tap.prefix) and k[len(tap.prefix):] in tap.state}
+                if rows:
+                    new = tap.run(_packed(tap.x, keep), before, {k: _packed(v, keep) for k, v in tap.carry.items()}, cu)
+                else:
+                    new = roll_back(tap.kind, before, tap.state, self.T, keep,
+                                    lambda j, tap=tap, before=before: tap.run(
+                                        tap.x[:, :j], before, {k: v[:, :j] for k, v in tap.carry.items()}))
+                layer.update({tap.prefix + k: v for k, v in new.items()})
+            state.append(layer)
+        return state
+
+
+def _packed(t, keeps):
+    """(B, T, ...) -> (1, sum(keeps), ...): each row's first keeps[b] positions, one after another."""
+    return torch.cat([t[b, :n] for b, n in enumerate(keeps)]).unsqueeze(0)
+
+
+class _Tap:
+    """One part of a layer's state during verification (``Block.state_parts``): hooks on its module record its
+    input x, the carry it was handed (a copy: a layer may add to it) and its new state."""
+
+    def __init__(self, module, kind, prefix):
+        self.module, self.kind, self.prefix = module, kind, prefix
+        self.depth = 0                                   # calls in progress: only the outermost one is recorded
+
+    def before_call(self, module, args, kwargs):
+        if self.depth == 0:
+            carry = kwargs.get("carry")
+            self.carry = {} if carry is None else dict(carry)
+            self.carried = "carry" in kwargs             # an MLP takes no carry
+        self.depth += 1
+
+    def after_call(self, module, args, kwargs, output):
+        self.depth -= 1
+        if self.depth == 0:
+            self.x, self.state = args[0], output[1]
+
+    def run(self, x, state, carry, cu_seqlens=None) -> dict:
+        """The module over x from ``state`` -> its new state (a replay)."""
+        extra = {"carry": carry} if self.carried else {}
+        return self.module(x, state, cu_seqlens=cu_seqlens, **extra)[1]
+
+
+@torch.no_grad()
+def verify(model, tokens, state):
+    """tokens (B, T) after ``state`` (a model state, not None) -> (logits (B, T, vocab), ``Verification``): the
+    same logits and state as ``model.prefill(tokens, state)``, keeping what ``Verification.accept`` needs."""
+    if state is None:
+        raise ValueError("verify needs the state the tokens continue (prefill the prompt first)")
+    taps = [[_Tap(*part) for part in block.state_parts()] for block in model.blocks]
+    hooks = []
+    try:
+        for tap in (t for layer in taps for t in layer):
+            hooks.append(tap.module.register_forward_pre_hook(tap.before_call, with_kwargs=True))
+            hooks.append(tap.module.register_forward_hook(tap.after_call, with_kwargs=True))
+        logits, after = model.prefill(tokens, state)
+    finally:
+        for h in hooks:
+            h.remove()
+    return logits, Verification(model, state, after, taps, tokens.shape[1])
+
+
+def ngram_draft(tokens: list[int], k: int, max_ngram: int = MAX_NGRAM) -> list[int]:
+    """Prompt lookup: up to ``k`` tokens following the latest earlier occurrence of the last n tokens of
+    ``tokens`` that has k tokens after it (else the occurrence with the most), for the largest n <= ``max_ngram``
+    that occurs earlier; [] when none does. (The latest occurrence alone would draft one token in a run
+    "a a a a": its continuation is the suffix.)"""
+    L = len(tokens)
+    for n in range(min(max_ngram, L - 1), 0, -1):
+        tail, best = tokens[L - n:], None
+        for start in range(L - n - 1, -1, -1):            # latest first; the suffix itself excluded
+            if tokens[start:start + n] == tail:
+                follow = tokens[start + n:start + n + k]
+                if len(follow) == k:
+                    return follow
+                best = follow if best is None or len(follow) > len(best) else best
+        if best is not None:
+            return best
+    return []
+
+
+class PromptLookup:
+    """``ngram_draft`` over one growing sequence: the plain search while it is short, then (from ``index_from``
+    tokens) an index of every n-gram's start positions (n <= ``max_ngram``), kept up as tokens are appended, so a
+    draft costs O(max_ngram + k) whatever the length. ``ngram_draft`` is the specification; tests compare them."""
+
+    def __init__(self, tokens=(), max_ngram: int = MAX_NGRAM, index_from: int = 256):
+        self.tokens, self.max_ngram, self.index_from = list(tokens), max_ngram, index_from
+        self.starts = None                                   # starts[n][n-gram]: its start positions, in order
+        self.indexed = 0                                     # tokens whose n-grams ending there are indexed
+
+    def append(self, token: int) -> None:
+        self.tokens.append(token)
+
+    def _index(self) -> None:
+        if self.starts is None:
+            self.starts = [{} for _ in range(self.max_ngram + 1)]
+        toks = self.tokens
+        for L in range(self.indexed + 1, len(toks) + 1):
+            for n in range(1, min(self.max_ngram, L) + 1):
+                self.starts[n].setdefault(tuple(toks[L - n:L]), []).append(L - n)
+        self.indexed = len(toks)
+
+    def draft(self, k: int) -> list[int]:
+        toks, L = self.tokens, len(self.tokens)
+        if L < self.index_from:
+            return ngram_draft(toks, k, self.max_ngram)
+        self._index()
+        for n in range(min(self.max_ngram, L - 1), 0, -1):
+            best = None
+            for start in reversed(self.starts[n].get(tuple(toks[L - n:]), [])[:-1]):   # the suffix itself last
+                follow = toks[start + n:start + n + k]
+                if len(follow) == k:          # reached after at most k shorter ones: those start near the end
+                    return follow
+                best = follow if best is None or len(follow) > len(best) else best
+            if best is not None:
+                return best
+        return []
+
+
+def accept_drafts(logits, drafts, probs=None, generator=None):
+    """The acceptance rule over one verification: logits (B, k + 1, vocab), drafts (B, k) -> (tokens (B, k + 1),
+    accepted (B,)): row b emits tokens[b, :accepted[b] + 1] - its accepted drafts, then the token drawn at the
+    first rejection (or the bonus token after all k). ``probs`` (B, k + 1, vocab): the distributions to sample
+    from (``models.sampling.Sampler.probabilities``: the plain loop's, each position's logits processed with
+    the drafts before it), each emitted token then distributed as plain sampling draws it (module doc); None:
+    greedy, argmax of the logits (processed the same way)."""
+    B, T, _ = logits.shape
+    k = T - 1
+    rows = torch.arange(B, device=logits.device)
+    if probs is None:
+        best = logits.argmax(-1)                                                  # (B, k + 1)
+        return best, (best[:, :k] == drafts).long().cumprod(-1).sum(-1)
+    probs = probs / probs.sum(-1, keepdim=True)
+    p_draft = probs[:, :k].gather(-1, drafts.unsqueeze(-1)).squeeze(-1)          # (B, k)
+    u = torch.rand(B, k, generator=generator, device=logits.device, dtype=probs.dtype)
+    accepted = (u < p_draft).long().cumprod(-1).sum(-1)                          # (B,)
+    p = probs[rows, accepted]                                                     # (B, vocab) at the first rejection
+    if k:
+        d = drafts[rows, accepted.clamp(max=k - 1)]
+        p = torch.where((accepted < k).unsqueeze(-1), p.scatter(-1, d.unsqueeze(-1), 0.0), p)   # the draft removed
+    last = torch.multinomial(p, 1, generator=generator).squeeze(-1)
+    tokens = torch.cat([drafts, drafts.new_zeros(B, 1)], 1)
+    tokens[rows, accepted] = last
+    return tokens, accepted
+
+
+@dataclass
+class SpeculationStats:
+    """One ``generate`` call's speculation: ``steps`` model forwards while decoding (``verifications`` of them
+    over drafted tokens, the rest plain one-token steps), ``row_steps`` the unfinished rows summed over those
+    forwards, ``drafted`` / ``accepted`` drafted tokens and ``emitted`` tokens after the first (all rows)."""
+    steps: int = 0
+    verifications: int = 0
+    row_steps: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    emitted: int = 0
+
+    @property
+    def tokens_per_step(self) -> float:
+        """Tokens a row advanced per model forward (1.0: plain decoding's)."""
+        return self.emitted / self.row_steps if self.row_steps else 0.0
+
+    @property
+    def acceptance(self) -> float:
+        """Accepted drafted tokens over drafted ones."""
+        return self.accepted / self.drafted if self.drafted else 0.0

@@ -1,0 +1,337 @@
+"""Speculative decoding (``models.speculative``): the state after an accepted prefix equals prefilling it, in every
+block structure; greedy output equals plain decoding's for every mixer, one row and a ragged batch, and with the
+sampling options (penalties, logit bias, stop ids, ignore_eos); sampled output is distributed as plain sampling's
+(chi-square), with and without them; prompt lookup drafts what it should."""
+
+import pytest
+import torch
+
+from subquad.layers.registry import causal_mixers
+from subquad.layers.rollback import same_state
+from subquad.models import LanguageModel, ModelConfig
+from subquad.models.sampling import Sampler, SamplingOptions, probabilities
+from subquad.models.speculative import PromptLookup, accept_drafts, ngram_draft
+from subquad.ops import KVCache
+from subquad.testing import check_mixer
+
+OPTIONS = {"swa": {"window": 3}, "*": {"chunk_size": 4}}
+PROMPT = [1, 2, 3, 4, 1, 2, 3, 5, 1, 2, 3]
+
+
+def tiny(pattern, n_layers=2, vocab=11, scale=1.0, **over):
+    """A float64 model; ``scale`` multiplies its matrices (larger: peakier, more varied greedy output)."""
+    torch.manual_seed(0)
+    names = set(pattern.replace("*", ",").split(",")) | set(over.get("parallel", {}).values())
+    cfg = ModelConfig(vocab_size=vocab, d_model=16, n_layers=n_layers, n_heads=2, pattern=pattern, context_length=64,
+                      mixer_options={k: v for k, v in OPTIONS.items() if k in names or k == "*"}, **over)
+    model = LanguageModel(cfg).double().eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.mul_(scale)
+    return model
+
+
+@pytest.mark.parametrize("window", [3, 7])
+def test_a_sliding_window_rolls_back_whether_or_not_it_holds_the_verified_tokens(window):
+    """window 3 < the 5 verified tokens: replayed; window 7: the kept tokens appended to the cache before, the
+    window sliding past old ones (the battery checks every entry of the table at its defaults)."""
+    assert check_mixer("swa", checks=["rollback"], options={"window": window}) == ["rollback"]
+
+
+def test_kv_cache_rollback_reuses_the_buffers_and_refuses_what_a_window_let_go():
+    g = torch.Generator().manual_seed(0)
+    k = torch.randn(2, 9, 1, 4, generator=g, dtype=torch.float64)
+    before = KVCache(k[:, :6], k[:, :6])
+    after = before.fork().append(k[:, 6:], k[:, 6:])
+    cut = after.rollback(2)
+    assert (cut.seen, len(cut)) == (7, 7) and torch.equal(cut.k, k[:, :7])
+    cut.append(k[:, :1], k[:, :1])                           # writes in place over the dropped token
+    assert cut._k is after._k and torch.equal(before.k, k[:, :6])
+    win = KVCache(k[:, :4], k[:, :4], window=4).fork().append(k[:, 4:6], k[:, 4:6])
+    with pytest.raises(ValueError, match="let go"):
+        win.rollback(1)
+    with pytest.raises(ValueError, match="drop must be"):
+        before.rollback(7)
+
+
+STRUCTURES = {                      # the block structures of the checkpoint types (models.hf), tiny
+    "prenorm hybrid (jamba, bamba, nemotron_h, granitemoehybrid, qwen3_next, kimi_linear, lfm2, ...)":
+        dict(pattern="mamba2,softmax,swa,gated_conv", n_layers=4),
+    "post-norm (olmo_hybrid)": dict(pattern="gated_deltanet,softmax", post_norm=["softmax"]),
+    "scaled residual (minimax)": dict(pattern="lightning,softmax", scaled_residual={"lightning": [1.5, 0.5]}),
+    "parallel (falcon_h1)": dict(pattern="mamba2", parallel={"mamba2": "softmax"}),
+    "shared blocks (zamba2)": dict(pattern="mamba2*3", n_layers=3, shared={
+        "layers": [0, 2], "blocks": 1, "adapter_rank": 4, "attention_adapter": True, "act": "gelu"}),
+    "rwkv7 (channel mix state, value residual)": dict(pattern="rwkv7", mlp_kind="rwkv7", norm="layer",
+                                                     embed_norm=True),
+    "moe and positions (mla, rglru, learned)": dict(pattern="mla,rglru", pos_emb="learned",
+                                                   moe={"experts": 4, "top_k": 2, "every": 2, "offset": 1}),
+    "mamba (mamba, falcon_mamba), retention": dict(pattern="mamba,retention"),
+}
+
+
+def assert_rollback_is_a_prefill(model, label, keeps=None, k=5):
+    """verify k tokens from a ragged batch's state, accept j (each j of ``keeps``, default 0..k): the state, and the
+    logits of the next step from it, equal a prefill of exactly those tokens (float64); and a different j per row,
+    against one forward over each row's whole sequence."""
+    V = model.config.vocab_size
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(0, V, (n,), generator=g).tolist() for n in (5, 3)]
+    _, start = model.prefill(torch.tensor([prompts[0] + prompts[1]]), cu_seqlens=torch.tensor([0, 5, 8]),
+                             logits="last")
+    drafts = torch.randint(0, V, (2, k), generator=g)
+    nxt = torch.randint(0, V, (2,), generator=g)
+    for keep in range(k + 1) if keeps is None else keeps:
+        logits, ver = model.verify(drafts, start)
+        got = ver.accept(keep)
+        want_logits, want = model.prefill(drafts[:, :keep], start) if keep else (None, start)
+        if keep:
+            torch.testing.assert_close(logits[:, :keep], want_logits, rtol=0, atol=1e-9)
+        for i, (a, b) in enumerate(zip(got, want, strict=True)):
+            assert same_state(a, b, atol=1e-9) is None, f"{label}, layer {i}, keep {keep}: {same_state(a, b)}"
+        assert torch.equal(torch.as_tensor(got.pos), torch.as_tensor(want.pos))
+        torch.testing.assert_close(model.step(nxt, got)[0], model.step(nxt, want)[0], rtol=0, atol=1e-9)
+    rows = [2, 4]                                     # a prefix per row: the rows' states become ragged
+    got = model.step(nxt, model.verify(drafts, start)[1].accept(rows))[0]
+    for b, n in enumerate(rows):
+        ids = torch.tensor([prompts[b] + drafts[b, :n].tolist() + [int(nxt[b])]])
+        torch.testing.assert_close(got[b], model(ids)[0, -1], rtol=0, atol=1e-9, msg=lambda m: f"{label}: {m}")
+
+
+@pytest.mark.parametrize("structure", list(STRUCTURES))
+def test_accepting_j_verified_tokens_equals_prefilling_them_in_every_block_structure(structure):
+    with torch.no_grad():
+        assert_rollback_is_a_prefill(tiny(**STRUCTURES[structure]), structure)
+
+
+def test_every_checkpoint_type_rolls_back(monkeypatch, tmp_path):
+    """The model each Hugging Face checkpoint type of the parity table loads (``models.hf``: its config translated,
+    random float64 weights - the translation is what sets the block structure), rolled back to 3 of 5 tokens and
+    to 2 and 4 in two rows. The table's tiny transformers configs are read without building transformers' models."""
+    pytest.importorskip("transformers")
+    import sys
+
+    from subquad.models.hf.registry import MAPPINGS
+    from tests.models import hf_harness, test_hf_parity
+
+    class Config(Exception):
+        pass
+
+    def config_only(tmp_path, name, Config_, Model, cfg, *args, **kwargs):
+        raise Config(Config_(**cfg).to_dict())
+
+    for mod in list(sys.modules.values()):
+        if getattr(mod, "__name__", "").startswith("tests.models.") and getattr(mod, "tiny", None) is hf_harness.tiny:
+            monkeypatch.setattr(mod, "tiny", config_only)
+    for row in test_hf_parity.ROWS:
+        try:
+            _, folder = row.build(tmp_path / row.id, torch.float64)     # a type with its own builder: the folder
+            from subquad.models import from_pretrained
+
+            model = from_pretrained(folder)[0].double()
+        except Config as e:
+            c = e.args[0]
+            torch.manual_seed(0)
+            model = LanguageModel(MAPPINGS[c["model_type"]].config(c)).double().eval()
+        with torch.no_grad():
+            assert_rollback_is_a_prefill(model, row.id, keeps=(3,))
+
+
+@pytest.mark.parametrize("pattern", sorted(causal_mixers()))
+def test_greedy_speculation_is_plain_greedy_decoding_for_every_mixer(pattern):
+    """One row (its output and final state) and a batch of prompts of three lengths, whose rows accept different
+    numbers of drafts, in a hybrid with softmax attention."""
+    model = tiny(f"{pattern},softmax", scale=6.0)
+    plain, s0 = model.generate(PROMPT, 14, temperature=0)
+    spec, s1 = model.generate(PROMPT, 14, temperature=0, speculative="ngram", draft_tokens=3)
+    assert spec == plain
+    assert model.speculation_stats.verifications > 0
+    assert s1.pos == s0.pos and all(same_state(a, b, atol=1e-9) is None for a, b in zip(s1, s0, strict=True))
+    batch = [PROMPT, PROMPT[2:9], [4, 4, 6]]
+    plain = model.generate(batch, 9, temperature=0, stop_ids=[7])[0]
+    assert model.generate(batch, 9, temperature=0, stop_ids=[7], speculative="ngram")[0] == plain
+
+
+PENALTIES = dict(presence_penalty=0.4, frequency_penalty=0.3, repetition_penalty=1.3, logit_bias={5: 1.5, 9: -2.0})
+
+
+def test_the_processing_of_the_drafts_is_the_plain_processing_after_each_of_them():
+    """``Sampler.process_drafts``: position i bit for bit ``process`` after recording drafts[:, :i]; it records
+    nothing (a second verification after recording the same tokens agrees again)."""
+    g = torch.Generator().manual_seed(2)
+    B, k, V = 3, 4, 11
+    prompts = [[1, 2, 2], [5], [0, 9, 10, 4]]
+    ahead, plain = Sampler(SamplingOptions(**PENALTIES), prompts), Sampler(SamplingOptions(**PENALTIES), prompts)
+    for _ in range(2):
+        logits = torch.randn(B, k + 1, V, generator=g, dtype=torch.float64) * 3
+        drafts = torch.randint(0, 4, (B, k), generator=g)                   # small ids: drafts repeat
+        got = ahead.process_drafts(logits, drafts)
+        for i in range(k + 1):
+            assert torch.equal(got[:, i], plain.process(logits[:, i])), i
+            if i < k:
+                plain.record(drafts[:, i])
+        ahead.record(drafts.flatten(), torch.arange(B).repeat_interleave(k))
+
+
+def test_greedy_speculation_with_the_sampling_options_is_plain_greedy_decoding(monkeypatch):
+    """Penalties and logit bias (each position's history includes the drafts before it), every token as a
+    stop id - one of them inside an accepted run, which ends the row there - and ignore_eos; one row (its
+    state too) and a ragged batch."""
+    import subquad.models.generate as gen
+
+    runs = []
+
+    def spy(*args):
+        tokens, accepted = accept_drafts(*args)
+        runs.append([t[:a] for t, a in zip(tokens.tolist(), accepted.tolist(), strict=True)])
+        return tokens, accepted
+
+    monkeypatch.setattr(gen, "accept_drafts", spy)
+    model = tiny("gla,softmax")
+    plain, s0 = model.generate(PROMPT, 30, temperature=0, **PENALTIES)
+    spec, s1 = model.generate(PROMPT, 30, temperature=0, speculative="ngram", **PENALTIES)
+    assert spec == plain and plain != model.generate(PROMPT, 30, temperature=0)[0]
+    assert model.speculation_stats.accepted > 0
+    assert s1.pos == s0.pos and all(same_state(a, b, atol=1e-9) is None for a, b in zip(s1, s0, strict=True))
+    inside = set()
+    for stop in range(11):
+        runs.clear()
+        want = model.generate(PROMPT, 30, temperature=0, stop_ids=[stop], **PENALTIES)[0]
+        got = model.generate(PROMPT, 30, temperature=0, stop_ids=[stop], speculative="ngram", **PENALTIES)[0]
+        assert got == want == plain[:plain.index(stop) + 1 if stop in plain else 30], stop
+        inside |= {stop for run in runs for row in run if stop in row}
+    assert inside                                                  # a stop id among accepted drafts
+    model.config.eos_token_ids = [plain[9]]
+    for ignore_eos in (False, True):
+        want = model.generate(PROMPT, 30, temperature=0, ignore_eos=ignore_eos, **PENALTIES)[0]
+        got = model.generate(PROMPT, 30, temperature=0, ignore_eos=ignore_eos, speculative="ngram", **PENALTIES)[0]
+        assert got == want == (plain if ignore_eos else plain[:plain.index(plain[9]) + 1])
+    batch = [PROMPT, PROMPT[2:9], [4, 4, 6]]
+    want = model.generate(batch, 12, temperature=0, stop_ids=[7], **PENALTIES)[0]
+    assert model.generate(batch, 12, temperature=0, stop_ids=[7], speculative="ngram", **PENALTIES)[0] == want
+
+
+def test_speculation_counts_its_steps_and_pauses_when_drafts_fail():
+    model = tiny("mamba2,softmax", scale=1.0)                    # soon repeats one token: drafts accepted
+    model.generate(PROMPT, 30, temperature=0, speculative="ngram", draft_tokens=4)
+    st = model.speculation_stats
+    assert st.emitted == 29 and st.acceptance > 0.8 and st.tokens_per_step > 2.5
+    model = tiny("mamba2,softmax", scale=20.0)                   # varied output: drafts fail, drafting pauses
+    model.generate(PROMPT, 30, temperature=0, speculative="ngram", draft_tokens=4)
+    st = model.speculation_stats
+    assert st.acceptance < 0.2 and st.verifications < st.steps / 2
+    for bad in ({"speculative": "medusa"}, {"speculative": "ngram", "draft_tokens": 0}):
+        with pytest.raises(ValueError, match="speculative|draft_tokens"):
+            model.generate(PROMPT, 3, **bad)
+
+
+def test_ngram_draft_takes_the_longest_suffix_match_with_a_full_continuation():
+    assert ngram_draft([1, 2, 3, 9, 2, 3, 7, 8, 1, 2, 3], 2) == [9, 2]          # "1 2 3" beats "2 3" (-> 7 8)
+    assert ngram_draft([5, 6, 2, 3, 7, 8, 2, 3], 3) == [7, 8, 2]
+    assert ngram_draft([4] * 6, 2) == [4, 4]                 # the run's latest match has one token after it
+    assert ngram_draft([1, 2, 3], 4) == [] and ngram_draft([1], 4) == []
+
+
+def test_the_indexed_prompt_lookup_drafts_as_the_plain_search():
+    g = torch.Generator().manual_seed(5)
+    for V in (2, 3, 6):
+        tokens = torch.randint(0, V, (120,), generator=g).tolist()
+        look = PromptLookup(tokens[:1], index_from=0)
+        for L in range(2, len(tokens) + 1):
+            look.append(tokens[L - 1])
+            for k in (1, 4):
+                if (L + k) % 3:                       # some lengths skipped: the index catches up
+                    assert look.draft(k) == ngram_draft(tokens[:L], k), (V, L, k)
+
+
+def _chi2_p(counts, probs):
+    """The chi-square test's p-value of ``counts`` against ``probs``: cells expecting under 5 pooled, cells of
+    probability 0 left out (the callers check they stay empty)."""
+    from scipy.stats import chisquare
+
+    probs = probs.double()
+    expected = probs / probs.sum() * counts.sum()
+    big, rare = expected >= 5, (expected > 0) & (expected < 5)
+    obs, exp = [counts[big].double()], [expected[big]]
+    if rare.any():
+        obs.append(counts[rare].sum().double().view(1))
+        exp.append(expected[rare].sum().view(1))
+    obs, exp = torch.cat(obs), torch.cat(exp)
+    return chisquare(obs.numpy(), exp.numpy() / exp.sum().item() * obs.sum().item()).pvalue
+
+
+def test_the_acceptance_rule_draws_each_position_from_the_target_distribution():
+    """Fixed logits for k + 1 positions, one draft per position, 40,000 rows: the first emitted token ~ p_0 and,
+    given the drafts before it were accepted, the token at position i ~ p_i (the drafts: likely, unlikely and
+    impossible under top_k)."""
+    g = torch.Generator().manual_seed(3)
+    V, k, n = 6, 3, 40_000
+    logits = torch.randn(k + 1, V, generator=g, dtype=torch.float64) * 1.5
+    for top_k in (None, 4):
+        drafts = torch.stack([logits[0].argmax(), logits[1].argmin(), logits[2].argmax()])
+        p = probabilities(logits, 1.0, top_k)
+        tokens, accepted = accept_drafts(logits.expand(n, -1, -1), drafts.expand(n, -1), p.expand(n, -1, -1), g)
+        p = p / p.sum(-1, keepdim=True)
+        for i in range(k + 1):
+            reached = accepted >= i                      # every draft before position i accepted
+            emitted = tokens[reached, i]                 # its draft if accepted, else the draw at the rejection
+            counts = torch.bincount(emitted, minlength=V)
+            if reached.sum() > 1000:
+                assert _chi2_p(counts, p[i]) > 0.01, (top_k, i, counts, p[i])
+            assert counts[p[i] == 0].sum() == 0
+
+
+@pytest.mark.parametrize("options", [{}, dict(PENALTIES, logit_bias={2: 1.0}, min_p=0.05)])
+def test_sampled_speculation_is_distributed_as_plain_sampling(options):
+    """20,000 rows of one prompt, four tokens each, through generate with and without speculation (rows accept
+    different numbers of drafts): both joint distributions match the model's own, computed by enumerating
+    every continuation - each token's distribution processed with the tokens before it (``Sampler.process``,
+    tested against the rules by hand in test_sampling.py)."""
+    model = tiny("linear", n_layers=1, vocab=4, scale=4.0)
+    prompt, V, n, m = [1, 2, 1, 2, 1], 4, 20_000, 4
+    seqs = torch.cartesian_prod(*[torch.arange(V)] * m)                              # (V^m, m)
+    with torch.no_grad():
+        logits = model(torch.cat([torch.tensor(prompt).expand(len(seqs), -1), seqs], 1))
+    L, o = len(prompt), SamplingOptions(**options)
+    sampler, logp = Sampler(o, [prompt] * len(seqs)), 0
+    for i in range(m):
+        p = probabilities(sampler.process(logits[:, L - 1 + i]), 1.0, o.top_k, o.top_p, o.min_p)
+        logp = logp + (p / p.sum(-1, keepdim=True)).gather(-1, seqs[:, i:i + 1]).squeeze(-1).log()
+        sampler.record(seqs[:, i])
+    p = logp.exp()
+    for speculative in (None, "ngram"):
+        out, _ = model.generate([prompt] * n, m, temperature=1.0, seed=4, speculative=speculative, **options)
+        codes = torch.tensor(out) @ (V ** torch.arange(m - 1, -1, -1))
+        counts = torch.bincount(codes, minlength=V ** m)
+        assert _chi2_p(counts, p) > 0.01, speculative
+        assert counts[p == 0].sum() == 0
+    st = model.speculation_stats
+    assert st.verifications > 0 and 0 < st.accepted < st.drafted
+
+
+def test_the_cli_flag_decodes_speculatively_with_the_same_output(tmp_path, capsys, monkeypatch):
+    """``subquad generate --speculative ngram --draft-tokens K``: the greedy text without the flag (with sampling
+    flags too), and the statistics on stderr (a tiny model and a one-character-per-token tokenizer in place of
+    a run)."""
+    from types import SimpleNamespace
+
+    import subquad.cli.generate as cli
+    from subquad.cli import main
+
+    model = tiny("mamba2,softmax", scale=6.0)
+    abc = "abcdefghijk"
+    tok = SimpleNamespace(encode=lambda s: SimpleNamespace(ids=[abc.index(c) for c in s]),
+                          decode=lambda ids: "".join(abc[i] for i in ids))
+    monkeypatch.setattr(cli, "load_model", lambda args, need_tokenizer=None: (model, tok))
+    argv = ["generate", "--run", str(tmp_path), "--prompt", "bcdebcdfbcd", "--max-new-tokens", "12",
+            "--temperature", "0"]
+    outs = []
+    for extra in ([], ["--speculative", "ngram", "--draft-tokens", "3"], ["--logit-bias", "3=-100",
+                  "--presence-penalty", "1", "--ignore-eos", "--speculative", "ngram"]):
+        assert main(argv + extra) == 0
+        captured = capsys.readouterr()
+        outs.append(captured.out)
+        if "--logit-bias" in extra:                              # the options through the CLI: plain's output
+            assert main(argv + extra[:-2]) == 0 and capsys.readouterr().out == outs[-1]
+    assert outs[0] == outs[1] != outs[2] and "tokens per step" in captured.err
