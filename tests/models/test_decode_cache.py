@@ -96,16 +96,23 @@ def test_another_shape_or_config_misses_the_cache():
     assert cache_key(a) != cache_key(same)
 
 
-def test_a_corrupt_file_is_ignored_with_a_warning(saved, tmp_path):
+def test_a_corrupt_file_is_ignored_with_a_warning_and_rewritten(saved, tmp_path):
+    """Every saved graph of the model truncated in a copy of the cache: the step warns, compiles and saves."""
     cache, _ = saved
     torch.manual_seed(0)
-    key = cache_key(LanguageModel(ModelConfig(**CFG)).eval())
-    good = next(cache.glob(f"{key}-*.bin"))
-    path = tmp_path / good.name
-    path.write_bytes(good.read_bytes()[:1000])                 # truncated
-    with pytest.warns(UserWarning, match="unreadable saved graph"):
-        assert CompiledStep._load(path) is None
-    assert CompiledStep._load(good) is not None
+    model = LanguageModel(ModelConfig(**CFG)).eval()
+    for good in cache.glob(f"{cache_key(model)}-*.bin"):
+        (tmp_path / good.name).write_bytes(good.read_bytes()[:1000])
+    with torch.no_grad():
+        logits, state = model.prefill(torch.randint(0, 64, (2, 5)))
+        tok = logits[:, -1].argmax(-1)
+        ref, _ = model.step(tok, state)
+        compile_decode(model, cache=tmp_path)
+        with pytest.warns(UserWarning, match="unreadable saved graph"):
+            out, _ = model.step(tok, state)
+    assert ((out - ref).abs().max() / ref.abs().max()).item() <= 1e-5
+    rewritten = [p for p in tmp_path.glob("*.bin") if p.stat().st_size > 1000]
+    assert len(rewritten) == 1 and CompiledStep._load(rewritten[0]) is not None
 
 
 def test_cache_false_and_bad_arguments(tmp_path):
