@@ -1,6 +1,7 @@
 """The compiled step's cache across processes (models.decode): a second process loads the saved graphs instead of
 compiling them, and its logits equal the eager step's; another model's shape or config names other files; an
-unreadable file is ignored; a loaded batch-2 graph refuses batch 1 (its guards), which gets a graph of its own."""
+unreadable file is ignored and rewritten; a loaded batch-2 graph refuses batch 1 (its guards), which gets a
+graph of its own."""
 
 from __future__ import annotations
 
