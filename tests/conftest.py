@@ -16,6 +16,8 @@ torch.set_num_threads(1 if os.environ.get("PYTEST_XDIST_WORKER") else min(2, tor
 # torch.compile's caches (inductor's FX graph and kernel caches) in the repository, not /tmp: the test workers
 # share them, later runs reuse them, `make clean` removes them, and git ignores them (never committed).
 os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(Path(__file__).resolve().parent.parent / ".cache" / "inductor"))
+# and so are compile_decode's saved graphs (models.decode's cache), not the user's ~/.cache/subquad/decode
+os.environ.setdefault("SUBQUAD_COMPILE_CACHE", str(Path(__file__).resolve().parent.parent / ".cache" / "decode"))
 
 # SUBQUAD_TEST_DEVICE=cuda make test: the whole suite (the float64 three-form battery included) on another
 # device. Tensors made without an explicit device land there, and so do the generators the tests seed

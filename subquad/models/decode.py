@@ -22,13 +22,33 @@ the op's output does not). A state keeps one structure from step to step (``_for
 to append in place and ragged at >= 2 rows, tensors dense and without a base), so a batch of >= 2 rows runs
 one graph and a batch of 1 another (dynamo specialises sizes of 1), whatever the steps between.
 
+Across processes: each graph is saved where ``SUBQUAD_COMPILE_CACHE`` points (default
+``~/.cache/subquad/decode``) and the next process that decodes the same model on the same machine loads it
+instead of compiling it again (seconds, not a minute: ``benchmarks/RESULTS.md``, "The compiled step across
+processes"). A file is named by a hash of everything the graph depends on (``cache_key``: torch and Python, every
+``subquad/**/*.py``, the model's config, module types and tensors' names, shapes, strides, dtypes and devices, the
+CPU and its vector instructions, the threads) and of the call's specialisation (batch 1 or more, the state's
+structure: ``_specialisation``); anything else differs, the name differs and the step compiles. A loaded
+graph's own guards still run on every call (a call they refuse takes another graph or compiles one), an
+unreadable file is ignored with a warning and rewritten, and a model that dynamo cannot trace whole (a graph
+break: ``aot_compile`` needs one graph) runs ``torch.compile``'s graphs of the step, not cached across processes.
+
 Equality: tested against the eager step over 64 steps for every mixer and every checkpoint type
 (tests/models/test_decode.py): float32 within 1e-5 of the logits' scale - inductor may reorder a sum.
 """
 
 from __future__ import annotations
 
+import glob
+import hashlib
+import logging
+import os
+import platform
+import sys
 import types
+import warnings
+from functools import lru_cache
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -39,6 +59,9 @@ from subquad.ops import KVCache
 RECOMPILE_LIMIT = 64        # graphs per model: a new one only where the state's structure changes
 DYNAMIC = True             # sizes symbolic from the first compile: batches and KV caches change without recompiling
 OPTIONS = {"cpp_wrapper": True}   # inductor calls the kernels from C++, not Python: less overhead per token
+CACHE_ENV = "SUBQUAD_COMPILE_CACHE"  # the folder of saved graphs; default ~/.cache/subquad/decode (cache_dir)
+
+log = logging.getLogger(__name__)
 
 
 def _dense(t: torch.Tensor) -> torch.Tensor:
@@ -72,16 +95,93 @@ def _blocks_and_head(model, h, states):
     return model._logits(h)[:, -1], out
 
 
-class CompiledStep:
-    """``model.step``'s compiled form (module doc): tokens (B, 1) long, state -> (logits (B, vocab), state)."""
+def cache_dir(cache=True) -> Path | None:
+    """The folder of saved graphs: ``cache`` itself when a path, ``$SUBQUAD_COMPILE_CACHE`` when set, else
+    ``$XDG_CACHE_HOME/subquad/decode`` (``~/.cache/subquad/decode``); None with ``cache=False``."""
+    if cache is False:
+        return None
+    if cache is not True:
+        return Path(cache)
+    if os.environ.get(CACHE_ENV):
+        return Path(os.environ[CACHE_ENV])
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "subquad" / "decode"
 
-    def __init__(self, model):
+
+@lru_cache(maxsize=1)
+def _machine_key() -> str:
+    """What a graph depends on besides the model: torch, Python, subquad's source, the CPU, inductor's options."""
+    from torch._inductor import cpu_vec_isa
+
+    import subquad
+
+    h = hashlib.sha256()
+    root = Path(subquad.__file__).resolve().parent
+    for f in sorted(glob.glob(str(root / "**" / "*.py"), recursive=True)):
+        h.update(os.path.relpath(f, root).encode() + b"\0" + Path(f).read_bytes() + b"\0")
+    cpu = platform.processor()
+    try:
+        with open("/proc/cpuinfo") as f:
+            info = f.read()
+        lines = info.splitlines()           # the first processor's model name and flags
+        cpu = "|".join(next((ln for ln in lines if ln.startswith(k)), "") for k in ("model name", "flags"))
+    except OSError:
+        pass
+    for part in (torch.__version__, sys.version, platform.machine(), cpu, str(cpu_vec_isa.pick_vec_isa()),
+                 repr(sorted(OPTIONS.items())), str(DYNAMIC)):
+        h.update(part.encode() + b"\0")
+    return h.hexdigest()
+
+
+def cache_key(model) -> str:
+    """A hash of everything the compiled step of ``model`` depends on but the call's specialisation (module doc)."""
+    h = hashlib.sha256(_machine_key().encode())
+    h.update(f"{type(model).__module__}.{type(model).__qualname__}|{model.config!r}|{torch.get_num_threads()}".encode())
+    for name, m in model.named_modules():
+        h.update(f"m|{name}|{type(m).__module__}.{type(m).__qualname__}".encode())
+    for kind, items in (("p", model.named_parameters()), ("b", model.named_buffers())):
+        for name, t in items:
+            h.update(f"{kind}|{name}|{tuple(t.shape)}|{t.stride()}|{t.dtype}|{t.device}|{t.requires_grad}".encode())
+    return h.hexdigest()[:32]
+
+
+def _describe(v) -> str:
+    if v is None:
+        return "None"
+    if isinstance(v, torch.Tensor):
+        return f"T({v.dtype},{v.dim()},{v.device})"
+    if isinstance(v, KVCache):
+        return f"KV({v.ragged},{v.window},{v.k.dtype},{v.k.dim()})"
+    if isinstance(v, (bool, int, float, str)):
+        return f"{type(v).__name__}({v!r})"
+    return type(v).__qualname__
+
+
+def _specialisation(h, states) -> str:
+    """The call's part of a saved graph's name: batch 1 or more (dynamo specialises sizes of 1) and the state's
+    structure, per layer its keys and their kinds. A loaded graph's guards check the rest."""
+    layers = ";".join("None" if s is None else ",".join(f"{k}:{_describe(v)}" for k, v in sorted(s.items()))
+                      for s in states)
+    return f"{'1' if h.shape[0] == 1 else 'B'}|{h.dtype}|{layers}"
+
+
+class CompiledStep:
+    """``model.step``'s compiled form (module doc): tokens (B, 1) long, state -> (logits (B, vocab), state).
+    ``loaded`` and ``compiled`` count the graphs read from the cache and compiled here (``aot_compile``);
+    ``fallback`` is why the step runs ``torch.compile``'s graphs instead (None while it does not)."""
+
+    def __init__(self, model, cache=True):
         self.model = model
         # dynamo keeps compiled graphs per code object, so each model gets a copy of the function's code: its own
         # cache and recompile limit, and no guard scan over other models' graphs
         code = _blocks_and_head.__code__.replace()
         own = types.FunctionType(code, _blocks_and_head.__globals__, _blocks_and_head.__name__)
         self.graph = torch.compile(own, dynamic=DYNAMIC, options=OPTIONS)
+        self.cache = cache_dir(cache)
+        self.fallback = None if self.cache is not None else "cache=False"
+        self.graphs = []             # precompiled graphs, each taken where its guards accept the call
+        self.loaded = self.compiled = 0
+        self._fullgraph = torch.compile(own, dynamic=DYNAMIC, fullgraph=True, options=OPTIONS)
+        self._key = None
 
     def __call__(self, tokens, state):
         model = self.model
@@ -90,16 +190,84 @@ class CompiledStep:
         # no duck sizing: a batch of 3 beside a convolution's 3-token tail would tie the two sizes (a recompile)
         with torch.no_grad(), torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT), \
                 torch.fx.experimental._config.patch(use_duck_shape=False):
-            logits, out = self.graph(model, h, states)
+            graph = self._precompiled(h, states) if self.fallback is None else None
+            logits, out = (graph or self.graph)(model, h, states)
         return logits, ModelState(out, pos=pos)
 
+    def _precompiled(self, h, states):
+        """The saved or precompiled graph whose guards accept this call: one already here, else the cache's
+        file for the call's specialisation, else one compiled now and saved; None when the model cannot be
+        compiled whole (``fallback`` says why, and the step stops trying)."""
+        model = self.model
+        for g in self.graphs:
+            if g.guard_check(model, h, states):
+                return g
+        if len(self.graphs) >= RECOMPILE_LIMIT:
+            self.fallback = f"{RECOMPILE_LIMIT} graphs, none of whose guards accept the call"
+            return None
+        if self._key is None:
+            self._key = cache_key(model)
+        spec = hashlib.sha256(_specialisation(h, states).encode()).hexdigest()[:16]
+        path = self.cache / f"{self._key}-{spec}.bin"
+        g = self._load(path)
+        if g is not None and g.guard_check(model, h, states):
+            self.loaded += 1
+        else:
+            # the saved guards pickle the model's attributes: not this step (its graphs' guards do not pickle)
+            held = model.__dict__.pop("_decode_step", None)
+            try:
+                with torch._dynamo.config.patch(specialize_float=True):
+                    g = self._fullgraph.aot_compile(((model, h, states), {}))
+            except Exception as e:  # noqa: BLE001 - a graph break, an op aot_compile cannot save: torch.compile's graphs
+                self.fallback = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+                log.info("compile_decode: %s runs torch.compile's graphs, not cached (%s)", type(model).__name__,
+                         self.fallback)
+                return None
+            finally:
+                if held is not None:
+                    model._decode_step = held
+            self.compiled += 1
+            self._save(g, path)
+        g.disable_guard_check()          # checked here, before each call
+        self.graphs.append(g)
+        return g
 
-def compile_decode(model, on: bool = True):
+    @staticmethod
+    def _load(path):
+        if not path.exists():
+            return None
+        try:
+            with open(path, "rb") as f:
+                return torch.compiler.load_compiled_function(f)
+        except Exception as e:  # noqa: BLE001 - any unreadable file: compile instead
+            warnings.warn(f"compile_decode: ignoring an unreadable saved graph {path} ({type(e).__name__}: {e}); "
+                          "compiling it again", stacklevel=3)
+            return None
+
+    @staticmethod
+    def _save(g, path):
+        """Write ``g`` to ``path`` through a temporary file and a rename: a reader sees a whole file or none."""
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+            with open(tmp, "wb") as f:
+                f.write(type(g).serialize(g).serialized_data)
+            os.replace(tmp, path)
+        except Exception as e:  # noqa: BLE001 - a read-only or full disk: the step still runs, the next process compiles
+            warnings.warn(f"compile_decode: could not save the compiled step to {path} ({type(e).__name__}: {e})",
+                          stacklevel=3)
+
+
+def compile_decode(model, on: bool = True, cache=True):
     """Make ``model.step`` (and so ``generate``) run the compiled step (module doc), or eager with ``on=False``;
-    returns the model. The first steps compile (seconds for a small model, longer for a large one)."""
+    returns the model. The first steps compile (seconds for a small model, longer for a large one) unless a
+    process on this machine saved the same graphs before: ``cache`` True (``cache_dir``), a folder, or False
+    (compile in this process only)."""
     if not isinstance(on, bool):
         raise ValueError(f"compile_decode's on must be a bool, got {on!r}")
-    model._decode_step = CompiledStep(model) if on else None
+    if not isinstance(cache, (bool, str, os.PathLike)):
+        raise ValueError(f"compile_decode's cache must be a bool or a folder, got {cache!r}")
+    model._decode_step = CompiledStep(model, cache) if on else None
     return model
 
 
