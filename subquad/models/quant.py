@@ -44,7 +44,7 @@ the reference the tests hold the kernel to. Wrapped as ``subquad::int4_linear`` 
 
 A quantised model is for inference: it refuses to train (no gradient reaches its weights). ``save_pretrained``
 writes it as a folder of its quantised weights that ``from_pretrained`` reads back as the same model
-(``save_quantized``, ``load_quantized``: subquad's own format; transformers does not read it).
+(``hf.saver.save_quantized``, ``load_quantized``: subquad's own format; transformers does not read it).
 """
 
 from __future__ import annotations
@@ -524,41 +524,8 @@ def quantize(model, kind: str, min_weights: int = MIN_WEIGHTS, group_size: int =
 # ---------------------------------------------------------------------------------------------------------------
 # Quantised folders
 
-def save_quantized(model, path, tokenizer=None) -> None:
-    """Write a quantised model as a folder ``from_pretrained`` reads back into the same quantised model:
-    config.json ``{"model_type": "subquad", "config": ModelConfig, "quantization": {"kind", "group_size"}}``,
-    model.safetensors of its state dict under subquad's names (int8: ``q`` int8 and ``scale``; int4: ``q``
-    (``pair_k``'s CPU-independent nibbles), ``scale`` and ``zero`` bfloat16; bf16: ``w``; the rest float32),
-    generation_config.json and the tokenizer files of the folder it was read from (or ``tokenizer``)."""
-    import json
-    import os
-
-    from safetensors.torch import save_file
-
-    from subquad.models.hf.saver import PLAIN, _write
-
-    path = Path(path)
-    path.mkdir(parents=True, exist_ok=True)
-    tmp = path / "model.safetensors.tmp"
-    save_file({k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()}, str(tmp),
-              metadata={"format": "pt", "quantization": model.quantized})
-    os.replace(tmp, path / "model.safetensors")
-    cfg = model.config
-    quantization = {"kind": model.quantized, "group_size": getattr(model, "quant_group_size", None)}
-    _write(path / "config.json", json.dumps({"model_type": PLAIN, "config": cfg.to_dict(),
-                                             "quantization": quantization}, indent=1).encode())
-    files = dict((getattr(model, "hf_source", None) or {}).get("files", {}))
-    if "generation_config.json" not in files:
-        eos = cfg.eos_token_ids[0] if len(cfg.eos_token_ids or []) == 1 else cfg.eos_token_ids
-        files["generation_config.json"] = json.dumps({"eos_token_id": eos} if eos else {}, indent=1).encode()
-    if tokenizer is not None:
-        files["tokenizer.json"] = tokenizer.to_str().encode()
-    for name, data in files.items():
-        _write(path / name, data)
-
-
 def load_quantized(path, c: dict):
-    """The quantised ``LanguageModel`` of a folder ``save_quantized`` wrote (config.json ``c``), its quantised
+    """The quantised ``LanguageModel`` of a folder ``hf.saver.save_quantized`` wrote (config.json ``c``), its quantised
     matrices as they were saved (bit for bit; int4 packed again for this CPU's kernel). No float copy of a
     quantised matrix is made: the model is built on the meta device, each quantised module is made empty from
     its saved shapes, and the tensors are moved in module by module (peak: the file's tensors plus one

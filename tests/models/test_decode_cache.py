@@ -38,7 +38,8 @@ def run_steps(cache) -> dict:
             model._decode_step = step
             out, _ = model.step(t, s)
             errs.append(((out - ref).abs().max() / ref.abs().max()).item())
-    return {"errs": errs, "loaded": step.loaded, "compiled": step.compiled, "fallback": step.fallback, "graphs": len(step.graphs)}
+    return {"errs": errs, "loaded": step.loaded, "compiled": step.compiled, "fallback": step.fallback,
+            "graphs": len(step.graphs), "key": cache_key(model), "threads": torch.get_num_threads()}
 
 
 CHILD = ("import json, sys, torch; torch.set_num_threads(int(sys.argv[1])); "
@@ -55,10 +56,11 @@ def _steps_in_a_process(cache) -> dict:
 
 @pytest.fixture(scope="module")
 def saved():
-    """The tests' cache folder (tests/conftest.py: .cache/decode) where this process compiled or loaded the
-    step at batch 2 and at batch 1: a compile on the first run, a load on later runs (~2 minutes against ~10 s
-    on 2 busy cores)."""
-    cache = Path(os.environ["SUBQUAD_COMPILE_CACHE"])
+    """A cache folder of this test process's own (under tests/conftest.py's .cache/decode: the test workers never
+    write each other's files while one reads them) where this process compiled or loaded the step at batch 2
+    and at batch 1: a compile on the first run, a load on later runs (~2 minutes against ~10 s on 2 busy
+    cores)."""
+    cache = Path(os.environ["SUBQUAD_COMPILE_CACHE"]) / f"tests-{os.environ.get('PYTEST_XDIST_WORKER', 'main')}"
     return cache, run_steps(cache)
 
 
@@ -66,7 +68,9 @@ def test_a_second_process_loads_the_step_and_batch_1_after_batch_2_is_right(save
     cache, first = saved
     assert first["compiled"] + first["loaded"] == first["graphs"] == 2 and first["fallback"] is None
     second = _steps_in_a_process(cache)
-    assert (second["loaded"], second["compiled"], second["graphs"], second["fallback"]) == (2, 0, 2, None)
+    assert (second["key"], second["threads"]) == (first["key"], first["threads"])
+    assert (second["loaded"], second["compiled"], second["graphs"], second["fallback"]) == (2, 0, 2, None), \
+        (second, sorted(p.name for p in cache.iterdir()))
     assert max(first["errs"] + second["errs"]) <= 1e-5
 
 

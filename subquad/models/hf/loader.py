@@ -95,7 +95,7 @@ def _tokenizer(path):
 
 
 def _from_quantized(path, c, dtype, device, quantize):
-    """``from_pretrained`` of a folder ``quant.save_quantized`` wrote."""
+    """``from_pretrained`` of a folder ``saver.save_quantized`` wrote."""
     from subquad.models.quant import load_quantized
 
     kind = (c.get("quantization") or {}).get("kind")

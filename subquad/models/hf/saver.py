@@ -22,7 +22,7 @@ def save_pretrained(model, path, tokenizer=None, model_type: str | None = None) 
     field (``bos/eos/pad_token_id``, ``max_position_embeddings``, fields subquad reads but does not use)
     under the fields the format writes, and the tokenizer and generation files as they were. ``tokenizer``
     (a ``tokenizers.Tokenizer``) is written as tokenizer.json in place of any such file. A quantised model
-    (``models.quant``) is written in subquad's own format with its quantised weights (``quant.save_quantized``).
+    (``models.quant``) is written in subquad's own format with its quantised weights (``save_quantized``).
     """
     from safetensors.torch import save_file
 
@@ -30,8 +30,6 @@ def save_pretrained(model, path, tokenizer=None, model_type: str | None = None) 
         if model_type not in (None, PLAIN):
             raise ValueError(f"a quantised model ({model.quantized}) is written in subquad's own format "
                              f"(model_type {PLAIN!r}), not as {model_type!r}: no Hugging Face type holds its weights")
-        from subquad.models.quant import save_quantized
-
         return save_quantized(model, path, tokenizer)
     if model_type == PLAIN:
         return save_plain(model, path, tokenizer)
@@ -133,3 +131,34 @@ def _write(file: Path, data: bytes) -> None:
     tmp = file.with_name(file.name + ".tmp")
     tmp.write_bytes(data)
     os.replace(tmp, file)
+
+
+def save_quantized(model, path, tokenizer=None) -> None:
+    """Write a quantised model as a folder ``from_pretrained`` reads back into the same quantised model:
+    config.json ``{"model_type": "subquad", "config": ModelConfig, "quantization": {"kind", "group_size"}}``,
+    model.safetensors of its state dict under subquad's names (int8: ``q`` int8 and ``scale``; int4: ``q``
+    (``pair_k``'s CPU-independent nibbles), ``scale`` and ``zero`` bfloat16; bf16: ``w``; the rest float32),
+    generation_config.json and the tokenizer files of the folder it was read from (or ``tokenizer``)."""
+    import json
+    import os
+
+    from safetensors.torch import save_file
+
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    tmp = path / "model.safetensors.tmp"
+    save_file({k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()}, str(tmp),
+              metadata={"format": "pt", "quantization": model.quantized})
+    os.replace(tmp, path / "model.safetensors")
+    cfg = model.config
+    quantization = {"kind": model.quantized, "group_size": getattr(model, "quant_group_size", None)}
+    _write(path / "config.json", json.dumps({"model_type": PLAIN, "config": cfg.to_dict(),
+                                             "quantization": quantization}, indent=1).encode())
+    files = dict((getattr(model, "hf_source", None) or {}).get("files", {}))
+    if "generation_config.json" not in files:
+        eos = cfg.eos_token_ids[0] if len(cfg.eos_token_ids or []) == 1 else cfg.eos_token_ids
+        files["generation_config.json"] = json.dumps({"eos_token_id": eos} if eos else {}, indent=1).encode()
+    if tokenizer is not None:
+        files["tokenizer.json"] = tokenizer.to_str().encode()
+    for name, data in files.items():
+        _write(path / name, data)
