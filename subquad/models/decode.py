@@ -16,7 +16,7 @@ Python around it. One graph per block, shared by the blocks of the same structur
 times faster but pay guards and a call per block on every token, where the whole-model graph pays them once.
 Sizes are symbolic from the first compile (``DYNAMIC``), so a KV cache that grows or a batch that changes
 size runs the same graph. A mixture of experts stays in the graph too: a step's few rows read their k
-experts' weights by index (``MoE._gathered``); a batch with more choices than experts (rows * k > E) runs
+experts' weights by index (``MoE._gathered``); a batch with more choices (rows * k > 4 E, ``moe.GATHER``) runs
 the routed loop as one op inside the graph (``subquad::moe_experts``: its loop's shapes depend on the routing,
 the op's output does not). A state keeps one structure from step to step (``_for_graph``: KV caches with room
 to append in place and ragged at >= 2 rows, tensors dense and without a base), so a batch of >= 2 rows runs

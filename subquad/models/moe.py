@@ -9,7 +9,7 @@
 Full capacity: no token is dropped. Each expert runs one matmul over the tokens routed to it
 (``_dispatch``) - a loop whose shapes depend on the routing. Inside a compiled graph that loop is the custom
 op ``subquad::moe_experts`` (x, weights, choices -> y, shapes known from x alone), so the graph holds it at
-any batch instead of breaking around it; for the few rows of a decoding step (rows * k <= E) each row
+any batch instead of breaking around it; for the few rows of a decoding step (rows * k <= 4 E: ``GATHER``) each row
 instead reads its k experts' weights by index (``_gathered``): the same sum in plain tensor ops, which
 inductor fuses into one reduction per projection that reads the chosen weights in place. A compiled model
 that trains (gradients on) runs the loop eagerly, outside the graph: the op has no backward.
@@ -52,6 +52,10 @@ from subquad.layers.mlp import ReLU2MLP, SwiGLU
 
 KINDS = {"swiglu": ("w_gate", "w_up", "w_down"), "relu2": ("w_up", "w_down")}    # an expert's projections
 
+# a compiled step reads each row's experts by index up to GATHER * E choices (rows * k), the routed loop beyond:
+# measured at 64 experts of 256 x 1,024, top 8, 2 threads, AMD EPYC (benchmarks/RESULTS.md): by index 2.4-10x
+# faster up to 4 E choices, level at 8 E, slower past it
+GATHER = 4
 _keys = itertools.count()
 _LAYERS: dict[int, weakref.ref] = {}        # key -> the MoE layer ``subquad::moe_experts`` runs
 
@@ -151,7 +155,7 @@ class MoE(nn.Module):
         h = x if self.latent_in is None else self.latent_in(x)
         if not torch.compiler.is_compiling():
             out = self._dispatch(h, w.reshape(-1), flat, counts)
-        elif getattr(self, "quantized_experts", None) is None and x.shape[0] * self.top_k <= self.experts:
+        elif getattr(self, "quantized_experts", None) is None and x.shape[0] * self.top_k <= GATHER * self.experts:
             out = self._gathered(h, w, idx)
         elif torch.is_grad_enabled():
             out = self._dispatch_outside(h, w.reshape(-1), flat, counts)

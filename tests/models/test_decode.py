@@ -80,15 +80,15 @@ def test_the_groups_hold_every_causal_mixer():
 
 
 def test_a_moe_layer_in_a_batch_that_shrinks():
-    """A mixture of experts between a recurrent and an attention layer: at batch 3 (6 choices of 4 experts)
-    its routed loop runs as an op inside the graph, at batch 2 and 1 by index - the shrinking batch takes
-    both, in three whole-model graphs; the checkpoint types' MoE variants (shared experts, grouped routing,
-    scaled residuals) are test_every_checkpoint_type's."""
+    """A mixture of experts between a recurrent and an attention layer: at batch 9 (18 choices of 4 experts,
+    over ``moe.GATHER`` * 4) its routed loop runs as an op inside the graph, at batch 2 and 1 by index - the
+    shrinking batch takes both, in three whole-model graphs; the checkpoint types' MoE variants (shared
+    experts, grouped routing, scaled residuals) are test_every_checkpoint_type's."""
     torch.manual_seed(0)
     cfg = ModelConfig(vocab_size=128, d_model=32, n_layers=3, n_heads=2, pattern="mamba2,gla,softmax",
                       context_length=512, moe={"experts": 4, "top_k": 2, "layers": [1]})
     eager = LanguageModel(cfg).eval()
-    fast = assert_steps_equal(eager, torch.randint(0, 128, (3, 11)), batches={20: [0, 2], 40: [1]})
+    fast = assert_steps_equal(eager, torch.randint(0, 128, (9, 11)), batches={20: [0, 2], 40: [1]})
     assert whole_model_graphs(fast) == 3
 
 

@@ -78,7 +78,7 @@ def test_relu2_latent_experts_equal_every_expert_on_every_token():
 
 @pytest.mark.parametrize("kind", ["swiglu", "relu2"])
 def test_a_decoding_steps_rows_stay_in_one_compiled_graph(kind):
-    """A few rows (rows * k <= E: a decoding step) under torch.compile take the by-index path (``_gathered``):
+    """A few rows (rows * k <= 4 E, moe.GATHER: a decoding step) under torch.compile take the by-index path (``_gathered``):
     one graph (``fullgraph`` would raise at a break) equal to the dense sum written out; its eager form
     equals it too in float64. Many rows run the routed loop as the op ``subquad::moe_experts``: one graph too,
     equal to the dense sum; a deep copy's op runs the copy's own experts; with gradients on, the loop runs
@@ -104,7 +104,7 @@ def test_a_decoding_steps_rows_stay_in_one_compiled_graph(kind):
     torch._dynamo.reset()
     with torch.no_grad():
         torch.testing.assert_close(torch.compile(moe, fullgraph=True)(x), want, rtol=1e-10, atol=1e-12)
-        many = torch.randn(2, 9, 16, dtype=torch.float64)                  # 18 rows * 2 > 8 experts: the loop
+        many = torch.randn(2, 9, 16, dtype=torch.float64)                  # 18 rows * 2 > 4 * 8 experts: the loop
         torch.testing.assert_close(torch.compile(moe, fullgraph=True)(many), moe(many), rtol=1e-10, atol=1e-12)
         if kind == "swiglu":
             flat = many.reshape(-1, 16)
