@@ -16,7 +16,10 @@ m = MoE(1024, 256, 64, top_k=8).eval()
 def gathered_fn(x):
     p, w, idx = m.route(x); return m._gathered(x, w, idx)
 def op_fn(x):
-    p, w, idx = m.route(x); return torch.ops.subquad.moe_experts(x, w.reshape(-1), idx.reshape(-1), m._op_key)
+    p, w, idx = m.route(x)
+    flat = idx.reshape(-1)
+    counts = flat.new_zeros(m.experts).scatter_add_(0, flat, torch.ones_like(flat))
+    return torch.ops.subquad.moe_experts(x, w.reshape(-1), flat, counts, m._op_key)
 cg = torch.compile(gathered_fn, dynamic=True); co = torch.compile(op_fn, dynamic=True)
 with torch.no_grad():
   for N in (1, 2, 4, 8, 16, 32, 64, 128):

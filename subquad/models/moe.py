@@ -160,7 +160,7 @@ class MoE(nn.Module):
         elif torch.is_grad_enabled():
             out = self._dispatch_outside(h, w.reshape(-1), flat, counts)
         else:
-            out = torch.ops.subquad.moe_experts(h, w.reshape(-1), flat, self._op_key)
+            out = torch.ops.subquad.moe_experts(h, w.reshape(-1), flat, counts, self._op_key)
         if self.latent_out is not None:
             out = self.latent_out(out)
         if self.shared is not None:
@@ -224,21 +224,21 @@ class MoE(nn.Module):
         return torch.zeros_like(x) if out is None else out      # None: no tokens
 
 
-def moe_experts(x: torch.Tensor, w: torch.Tensor, flat: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
-    """x (N, D_e), w and flat (N k,) (each choice's weight and expert), key naming the layer -> (N, D_e): the
-    layer's ``_dispatch`` (its routed loop), an op a compiled graph holds (module doc)."""
-    layer = _LAYERS[int(key)]()
-    counts = flat.new_zeros(layer.experts).scatter_add_(0, flat, torch.ones_like(flat))
-    return layer._dispatch(x, w, flat, counts)
+def moe_experts(x: torch.Tensor, w: torch.Tensor, flat: torch.Tensor, counts: torch.Tensor,
+                key: torch.Tensor) -> torch.Tensor:
+    """x (N, D_e), w and flat (N k,) (each choice's weight and expert), counts (E,) (choices per expert), key
+    naming the layer -> (N, D_e): the layer's ``_dispatch`` (its routed loop), an op a compiled graph holds
+    (module doc)."""
+    return _LAYERS[int(key)]()._dispatch(x, w, flat, counts)
 
 
 _LIB = torch.library.Library("subquad", "FRAGMENT")
-_LIB.define("moe_experts(Tensor x, Tensor w, Tensor flat, Tensor key) -> Tensor")
+_LIB.define("moe_experts(Tensor x, Tensor w, Tensor flat, Tensor counts, Tensor key) -> Tensor")
 _LIB.impl("moe_experts", moe_experts, "CompositeExplicitAutograd")
 
 
 @torch.library.register_fake("subquad::moe_experts")
-def _(x, w, flat, key):
+def _(x, w, flat, counts, key):
     return x.new_empty(x.shape)
 
 
