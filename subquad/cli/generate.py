@@ -41,9 +41,11 @@ def add_parser(command, hf_types: list[str]) -> None:
     g.add_argument("--compile-decode", action="store_true",
                    help="decode with the compiled one-token step (subquad.models.decode: faster per token once "
                         "compiled; compiling takes seconds per kind of layer)")
-    g.add_argument("--speculative", choices=["ngram"],
-                   help="speculative decoding: draft tokens by prompt lookup (the continuation of an earlier match "
-                        "of the last few tokens) and verify them in one forward; the same output as without")
+    g.add_argument("--speculative", metavar="ngram|DIR",
+                   help="speculative decoding: draft tokens by prompt lookup ('ngram': the continuation of an earlier "
+                        "match of the last few tokens) or with a smaller model of the same tokenizer (DIR: a run or "
+                        "a model folder, loaded with --dtype/--device), and verify them in one forward; the same "
+                        "output as without")
     g.add_argument("--draft-tokens", type=positive, default=4, help="tokens drafted per step with --speculative")
     g.set_defaults(fn=run)
 
@@ -100,11 +102,38 @@ def check_sampling_flags(args) -> None:
         raise ValueError(f"{flag}: {e}") from None
 
 
+def check_speculative_flag(args) -> None:
+    """--speculative is 'ngram' or a folder that exists (checked before the model loads)."""
+    from pathlib import Path
+
+    if args.speculative not in (None, "ngram") and not Path(args.speculative).is_dir():
+        raise ValueError(f"--speculative must be 'ngram' or a draft model's folder (a run or a model folder); "
+                         f"{args.speculative} is not a folder")
+
+
+def load_draft(args, model):
+    """--speculative's drafter for ``generate``: 'ngram', or the draft model of a run or model folder."""
+    import argparse
+    from pathlib import Path
+
+    if args.speculative == "ngram":
+        return "ngram"
+    hf = (Path(args.speculative) / "config.json").exists()
+    draft_args = argparse.Namespace(**{**vars(args), "run": None if hf else args.speculative,
+                                       "model": args.speculative if hf else None})
+    draft, _ = load_model(draft_args)
+    if draft.config.vocab_size != model.config.vocab_size:
+        raise ValueError(f"--speculative {args.speculative}: its vocab_size ({draft.config.vocab_size}) is not the "
+                         f"model's ({model.config.vocab_size}); a draft model needs the same tokenizer")
+    return draft
+
+
 def report_speculation(model, args) -> None:
     """With --speculative: tokens per model forward and the drafts' acceptance, on stderr."""
     st = getattr(model, "speculation_stats", None)
     if args.speculative and st is not None:
-        print(f"[speculative {args.speculative}: {st.tokens_per_step:.2f} tokens per step over {st.steps} steps "
+        name = args.speculative if args.speculative == "ngram" else f"draft model {args.speculative}"
+        print(f"[speculative {name}: {st.tokens_per_step:.2f} tokens per step over {st.steps} steps "
               f"({st.verifications} verifying drafts), {st.accepted}/{st.drafted} drafted tokens accepted]",
               file=sys.stderr)
 
@@ -126,13 +155,14 @@ def run(args) -> int:
         if not prompts:
             raise ValueError(f"--prompts-file {path} holds no prompt (one per line)")
     check_sampling_flags(args)
+    check_speculative_flag(args)
     model, tok = load_model(args, need_tokenizer="to encode the prompt with")
     if args.compile_decode:
         from subquad.models.decode import compile_decode
 
         compile_decode(model)
     stop = stop_ids(tok, args.stop)
-    speculation = {} if args.speculative is None else {"speculative": args.speculative,
+    speculation = {} if args.speculative is None else {"speculative": load_draft(args, model),
                                                         "draft_tokens": args.draft_tokens}
     if args.prompts_file:
         outs, _ = model.generate([tok.encode(p).ids or [0] for p in prompts], args.max_new_tokens,

@@ -13,10 +13,24 @@ from __future__ import annotations
 
 import torch
 
-from subquad.models.sampling import (GREEDY_BELOW, Sampler, SamplingOptions, check_sampling,  # noqa: F401
-                                     probabilities, sample, sample_batch)                   # (re-exported)
-from subquad.models.speculative import (MAX_NGRAM, MAX_PAUSE, SPECULATIVE, PromptLookup, SpeculationStats,
-                                        accept_drafts, verify)
+from subquad.models.sampling import (  # noqa: F401
+    GREEDY_BELOW,
+    Sampler,
+    SamplingOptions,
+    check_sampling,
+    probabilities,  # (re-exported)
+    sample,
+    sample_batch,
+)
+from subquad.models.speculative import (
+    MAX_NGRAM,
+    MAX_PAUSE,
+    SpeculationStats,
+    accept_drafts,
+    check_speculative,
+    drafter,
+    verify,
+)
 
 
 @torch.no_grad()
@@ -24,7 +38,7 @@ def generate(model, prompt, max_new_tokens: int, temperature: float = 1.0, top_k
              top_p: float | None = None, seed: int | None = None, state=None, on_token=None, stop_ids=None, *,
              min_p: float | None = None, presence_penalty: float = 0.0, frequency_penalty: float = 0.0,
              repetition_penalty: float = 1.0, logit_bias: dict | None = None, ignore_eos: bool = False,
-             speculative: str | None = None, draft_tokens: int = 4):
+             speculative=None, draft_tokens: int = 4):
     """Sample up to ``max_new_tokens`` after each prompt, decoding with the recurrent state.
 
     ``prompt``: one sequence (a list of ids, or a (T,) / (1, T) tensor) -> returns (new ids, state), or a
@@ -47,16 +61,17 @@ def generate(model, prompt, max_new_tokens: int, temperature: float = 1.0, top_k
     drafted per step by prompt lookup, verified in one forward; greedy output is plain greedy decoding's and
     sampled output is distributed as plain sampling's, with every sampling option: each verified position's
     distribution is processed with the history up to it (the drafts before it included), a stop id or the
-    end of text inside an accepted run ends the row there. ``model.speculation_stats`` holds the call's
-    statistics (``tokens_per_step``, ``acceptance``).
+    end of text inside an accepted run ends the row there. ``speculative=draft`` (a ``LanguageModel`` with
+    the same vocabulary, on the same device): the draft model's greedy continuation is the draft, its own state
+    kept in step (``models.speculative.ModelDrafter``); the same guarantees. ``model.speculation_stats`` holds
+    the call's statistics (``tokens_per_step``, ``acceptance``).
     """
     if not isinstance(max_new_tokens, int) or max_new_tokens < 0:
         raise ValueError(f"max_new_tokens must be an int >= 0, got {max_new_tokens!r}")
     options = SamplingOptions(temperature, top_k, top_p, min_p, presence_penalty, frequency_penalty,
                               repetition_penalty, logit_bias, list(stop_ids or ()), ignore_eos)
     options.check_vocab(model.config.vocab_size)
-    if speculative is not None and speculative not in SPECULATIVE:
-        raise ValueError(f"speculative must be None or one of {SPECULATIVE}, got {speculative!r}")
+    check_speculative(speculative, model)
     if isinstance(draft_tokens, bool) or not isinstance(draft_tokens, int) or draft_tokens < 1:
         raise ValueError(f"draft_tokens must be an int >= 1, got {draft_tokens!r}")
     prompts, single = _as_prompts(prompt)
@@ -84,7 +99,7 @@ def generate(model, prompt, max_new_tokens: int, temperature: float = 1.0, top_k
             return len(out[i]) >= max_new_tokens or t in stop
 
         state, model.speculation_stats = _decode_speculative(model, last, state, prompts, max_new_tokens, sampler,
-                                                             emit, draft_tokens)
+                                                             emit, draft_tokens, speculative)
         model.train(was_training)
         return (out[0] if single else out), state
     while not all(done):
@@ -107,39 +122,47 @@ def generate(model, prompt, max_new_tokens: int, temperature: float = 1.0, top_k
 
 
 def _decode_speculative(model, last, state, prompts, max_new_tokens, sampler, emit, draft_tokens,
-                        max_ngram=MAX_NGRAM):
+                        speculative="ngram", max_ngram=MAX_NGRAM):
     """``generate``'s decoding loop with prompt-lookup speculation (``models.speculative``), after the prefill:
     ``last`` (B, vocab) the prompts' last logits, ``sampler`` the plain loop's ``Sampler``, ``emit(i, token) ->
     done`` records row i's token. Each verified position is processed as the plain loop would process it
     (``Sampler.process_drafts``: penalties and logit bias with the drafts before it in the history), and the
     acceptance rule reads that position's ``Sampler.probabilities``; only emitted tokens join the history.
     Returns the state (every emitted token consumed but each row's last) and the ``SpeculationStats``."""
-    B, dev = len(prompts), last.device
-    hist = [PromptLookup(p, max_ngram) for p in prompts]               # each row's prompt and output, indexed
+    drafts_by = drafter(speculative, model, prompts, max_ngram)       # prompt lookup, or a draft model's state
+    try:
+        return _speculate(model, last, state, max_new_tokens, sampler, emit, draft_tokens, drafts_by)
+    finally:
+        getattr(drafts_by, "close", lambda: None)()
+
+
+def _speculate(model, last, state, max_new_tokens, sampler, emit, draft_tokens, drafts_by):
+    """``_decode_speculative``'s loop with its drafter."""
+    B, dev = last.shape[0], last.device
     stats = SpeculationStats()
     t0 = sampler(last).tolist()
     done = [False] * B
     count = [0] * B
     for i in range(B):
-        hist[i].append(t0[i])
+        drafts_by.append(i, t0[i])
         count[i] += 1
         done[i] = emit(i, t0[i])
     pause, wait = 0, 0
     while not all(done):
         active = [i for i in range(B) if not done[i]]
         room = min(max_new_tokens - count[i] for i in active)             # every active row may emit this many
+        feed = [t0[i] if not done[i] else 0 for i in range(B)]              # finished rows: padding
         drafts = [[] for _ in range(B)]
         if wait == 0 and room > 1:
-            for i in active:
-                drafts[i] = hist[i].draft(min(draft_tokens, room - 1))
+            drafts = drafts_by.propose(feed, active, min(draft_tokens, room - 1))
         else:
             wait = max(0, wait - 1)
         k = max(len(d) for d in drafts)
-        feed = [t0[i] if not done[i] else 0 for i in range(B)]              # finished rows: padding
         stats.steps += 1
         stats.row_steps += len(active)
         if k == 0:                                                         # nothing drafted: a plain step
             logits, state = model.step(torch.tensor(feed, device=dev), state)
+            drafts_by.settle(feed, None, 1)
             tokens = sampler(logits).view(B, 1)                           # counted for the penalties
             keeps = [1] * B
         else:
@@ -156,7 +179,7 @@ def _decode_speculative(model, last, state, prompts, max_new_tokens, sampler, em
                 keeps[i] = 1                                               # finished before: fed padding
                 continue
             for n, t in enumerate(tokens[i][:keeps[i]]):                   # a row that finishes sooner stops there
-                hist[i].append(t)
+                drafts_by.append(i, t)
                 count[i] += 1
                 done[i] = emit(i, t)
                 kept.append((i, t))
@@ -174,6 +197,7 @@ def _decode_speculative(model, last, state, prompts, max_new_tokens, sampler, em
             live = {keeps[i] for i in range(B) if not done[i]}
             if len(live) == 1:                  # a finished row's state is never read: keep the others' length
                 keeps = [live.pop()] * B
+            drafts_by.settle(feed, drafts, keeps if B > 1 else keeps[0])
             state = ver.accept(keeps if B > 1 else keeps[0])
             if max(keeps[i] for i in active) == 1:                         # nothing accepted: draft less often
                 pause = min(2 * pause or 1, MAX_PAUSE)

@@ -16,8 +16,10 @@ replays its own kept inputs, recorded during verification, from its state before
 a layer's parts and their kinds: ``Block.state_parts``).
 
 The loop is ``generate``'s (``models.generate._decode_speculative``, beside the plain one); this module holds its
-parts. The drafter is prompt lookup (``ngram_draft``: the continuation of the latest earlier occurrence of the last
-n tokens of prompt + output, n from ``max_ngram`` down to 1). In a batch each row keeps its own accepted
+parts. Two drafters: prompt lookup (``NgramDrafter``, ``ngram_draft``: the continuation of the latest earlier
+occurrence of the last n tokens of prompt + output, n from ``max_ngram`` down to 1) and a smaller model with the
+same vocabulary (``ModelDrafter``: its greedy continuation, its own state kept in step with the target's). Both
+are deterministic given the tokens so far (q one-hot), so the rule above is exact for either. In a batch each row keeps its own accepted
 prefix: when the rows' counts differ, every part replays its rows' kept inputs packed in one row (``cu_seqlens``),
 leaving a ragged state as a packed prefill does (``Verification.accept`` with a list). When drafts keep failing,
 drafting pauses for 1, 2, 4, ... up to ``MAX_PAUSE`` steps (plain one-token steps), so a text without repetitions
@@ -33,7 +35,7 @@ import torch
 from subquad.layers.rollback import roll_back
 from subquad.models.state import ModelState
 
-SPECULATIVE = ("ngram",)
+SPECULATIVE = ("ngram",)   # by name; a draft model is passed as itself
 MAX_NGRAM = 3      # the longest suffix prompt lookup matches
 MAX_PAUSE = 16     # plain steps after repeated failed drafts, at most
 
@@ -191,6 +193,118 @@ class PromptLookup:
             if best is not None:
                 return best
         return []
+
+
+class NgramDrafter:
+    """Prompt lookup over each row's prompt and emitted tokens (``PromptLookup``)."""
+
+    name = "ngram"
+
+    def __init__(self, prompts, max_ngram: int = MAX_NGRAM):
+        self.hist = [PromptLookup(p, max_ngram) for p in prompts]
+
+    def append(self, i: int, token: int) -> None:
+        """Row i emitted ``token``."""
+        self.hist[i].append(token)
+
+    def propose(self, feed: list[int], active: list[int], k: int) -> list[list[int]]:
+        """Up to k drafts for each active row (the others: []); ``feed`` the tokens the verification starts with."""
+        return [self.hist[i].draft(k) if i in active else [] for i in range(len(self.hist))]
+
+    def settle(self, feed, drafts, keeps) -> None:
+        """The target kept ``keeps[i]`` of row i's [feed[i], drafts...] (nothing to do: the history is appended)."""
+
+
+class ModelDrafter:
+    """A smaller model with the target's vocabulary drafts its greedy continuation.
+
+    Its state always covers the tokens the target's state covers (each row's tokens before the one to feed):
+    prefilled on the prompts, then each step ``propose`` runs k one-token steps from it, keeping the state after
+    each, and ``settle`` takes the one after the tokens the target kept - the (n)th kept state when every row
+    kept n <= k tokens, one more step when all k drafts and the fed token were kept, and a verification of the
+    draft itself rolled back per row (``verify(...).accept(keeps)``) when rows kept different numbers."""
+
+    name = "model"
+
+    def __init__(self, draft, target, prompts):
+        check_speculative(draft, target)
+        dev = draft.embed.weight.device
+        self.model, self.dev, self.was_training = draft, dev, draft.training
+        draft.eval()
+        if len({len(p) for p in prompts}) == 1:
+            _, self.state = draft.prefill(torch.tensor(prompts, device=dev), logits="last")
+        else:
+            lens = torch.tensor([len(p) for p in prompts])
+            cu = torch.cat([torch.zeros(1, dtype=torch.long), lens.cumsum(0)]).to(dev)
+            packed = torch.tensor([t for p in prompts for t in p], device=dev).view(1, -1)
+            _, self.state = draft.prefill(packed, cu_seqlens=cu, logits="last")
+        self.states = []
+
+    def append(self, i: int, token: int) -> None:
+        pass
+
+    def propose(self, feed: list[int], active: list[int], k: int) -> list[list[int]]:
+        s, tok, out = self.state, torch.tensor(feed, device=self.dev), []
+        self.states = []
+        for _ in range(k):
+            logits, s = self.model.step(tok, s)
+            tok = logits.argmax(-1)
+            self.states.append(s)
+            out.append(tok)
+        drafts = torch.stack(out, 1).tolist() if out else [[] for _ in feed]
+        self.drafted = drafts                              # every row's, finished ones included (settle feeds them)
+        return [drafts[i] if i in active else [] for i in range(len(feed))]
+
+    def settle(self, feed, drafts, keeps) -> None:
+        """The target kept ``keeps[i]`` tokens of row i's [feed[i], drafts[i]...] (``keeps`` an int: every row
+        the same; ``drafts`` None: a plain step, which kept feed)."""
+        if drafts is None:
+            _, self.state = self.model.step(torch.tensor(feed, device=self.dev), self.state)
+            return
+        drafts = self.drafted
+        k = len(drafts[0])
+        if isinstance(keeps, (list, tuple)) and len(set(keeps)) == 1:
+            keeps = keeps[0]
+        if isinstance(keeps, int):
+            if keeps <= k:
+                self.state = self.states[keeps - 1]
+            else:                                          # every draft kept: feed the last one too
+                _, self.state = self.model.step(torch.tensor([d[-1] for d in drafts], device=self.dev),
+                                                self.states[-1])
+        else:
+            ids = torch.tensor([[f] + d for f, d in zip(feed, drafts, strict=True)], device=self.dev)
+            _, ver = verify(self.model, ids, self.state)
+            self.state = ver.accept(list(keeps))
+        self.states = []
+
+    def close(self) -> None:
+        self.model.train(self.was_training)
+
+
+def check_speculative(speculative, model) -> None:
+    """ValueError naming ``speculative`` unless it is None, a name of ``SPECULATIVE`` or a draft model for
+    ``model``: one with ``prefill`` and ``step``, the same vocabulary size, on the same device."""
+    if speculative is None or (isinstance(speculative, str) and speculative in SPECULATIVE):
+        return
+    if isinstance(speculative, str) or not (callable(getattr(speculative, "prefill", None))
+                                            and callable(getattr(speculative, "step", None))):
+        raise ValueError(f"speculative must be None, one of {SPECULATIVE} or a draft model (a LanguageModel), "  # noqa: TRY004
+                         f"got {speculative!r}")
+    dv, tv = speculative.config.vocab_size, model.config.vocab_size
+    if dv != tv:
+        raise ValueError(f"the draft model's vocab_size ({dv}) must equal the model's ({tv}): it drafts token "
+                         "ids for it (use a draft with the same tokenizer)")
+    dev, tdev = speculative.embed.weight.device, model.embed.weight.device
+    if dev != tdev:
+        raise ValueError(f"the draft model is on {dev}, the model on {tdev}: put them on one device")
+
+
+def drafter(speculative, model, prompts, max_ngram: int = MAX_NGRAM):
+    """The drafter ``generate(speculative=...)`` names: "ngram" or a draft model (checked)."""
+    check_speculative(speculative, model)
+    if speculative == "ngram":
+        return NgramDrafter(prompts, max_ngram)
+    return ModelDrafter(speculative, model, prompts)
 
 
 def accept_drafts(logits, drafts, probs=None, generator=None):

@@ -226,6 +226,62 @@ def test_speculation_counts_its_steps_and_pauses_when_drafts_fail():
             model.generate(PROMPT, 3, **bad)
 
 
+def _draft_for(model, pattern="gla", seed=1, noise=0.0):
+    """A one-layer draft with the model's vocabulary: random (``noise`` 0), or ``model`` itself perturbed."""
+    if noise:
+        torch.manual_seed(seed)
+        import copy
+
+        draft = copy.deepcopy(model)
+        with torch.no_grad():
+            for p in draft.parameters():
+                p.mul_(1 + noise * torch.randn_like(p))        # relative: the same model, blurred
+        return draft
+    draft = tiny(pattern, n_layers=len(pattern.split(",")), vocab=model.config.vocab_size, scale=6.0)
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        draft.embed.weight.normal_()
+    return draft
+
+
+@pytest.mark.parametrize("target,draft", [("mamba2,softmax", "gla"), ("gated_deltanet", "swa,mamba")])
+def test_greedy_speculation_with_a_draft_model_is_plain_greedy_decoding(target, draft):
+    """A draft model's greedy drafts: one row, and a ragged batch whose rows accept different numbers of drafts
+    (the draft's own state rolled back per row), with a stop id; the final state equals plain decoding's."""
+    model = tiny(target, scale=6.0)
+    for d in (_draft_for(model, draft), _draft_for(model, noise=0.1)):
+        plain, s0 = model.generate(PROMPT, 14, temperature=0)
+        spec, s1 = model.generate(PROMPT, 14, temperature=0, speculative=d, draft_tokens=3)
+        assert spec == plain
+        assert s1.pos == s0.pos and all(same_state(a, b, atol=1e-9) is None for a, b in zip(s1, s0, strict=True))
+        batch = [PROMPT, PROMPT[2:9], [4, 4, 6]]
+        plain = model.generate(batch, 11, temperature=0, stop_ids=[7])[0]
+        assert model.generate(batch, 11, temperature=0, stop_ids=[7], speculative=d, draft_tokens=3)[0] == plain
+        assert model.speculation_stats.verifications > 0
+
+
+def test_the_model_drafting_for_itself_is_always_accepted():
+    """The target as its own draft: every greedy draft is its argmax, so all are accepted (k + 1 tokens per
+    verification); a perturbed copy is accepted less; a random draft least."""
+    model = tiny("mamba2,softmax", scale=20.0)                  # varied greedy output
+    acceptance = []
+    for d in (model, _draft_for(model, noise=0.1), _draft_for(model, "gla")):
+        out = model.generate(PROMPT, 21, temperature=0, speculative=d, draft_tokens=4)[0]
+        assert out == model.generate(PROMPT, 21, temperature=0)[0]
+        acceptance.append(model.speculation_stats.acceptance)
+    st = model.generate(PROMPT, 21, temperature=0, speculative=model, draft_tokens=4) and model.speculation_stats
+    assert st.acceptance == 1.0 and st.tokens_per_step == 5.0 and st.steps == 4
+    assert acceptance[0] == 1.0 > acceptance[2] and acceptance[1] > acceptance[2]
+
+
+def test_a_draft_model_must_share_the_vocabulary_and_device():
+    model = tiny("mamba2", n_layers=1)
+    for bad, match in ((tiny("gla", n_layers=1, vocab=12), "vocab_size"), ("medusa", "speculative"),
+                       (object(), "draft model")):
+        with pytest.raises(ValueError, match=match):
+            model.generate(PROMPT, 3, speculative=bad)
+
+
 def test_ngram_draft_takes_the_longest_suffix_match_with_a_full_continuation():
     assert ngram_draft([1, 2, 3, 9, 2, 3, 7, 8, 1, 2, 3], 2) == [9, 2]          # "1 2 3" beats "2 3" (-> 7 8)
     assert ngram_draft([5, 6, 2, 3, 7, 8, 2, 3], 3) == [7, 8, 2]
@@ -300,7 +356,7 @@ def test_sampled_speculation_is_distributed_as_plain_sampling(options):
         logp = logp + (p / p.sum(-1, keepdim=True)).gather(-1, seqs[:, i:i + 1]).squeeze(-1).log()
         sampler.record(seqs[:, i])
     p = logp.exp()
-    for speculative in (None, "ngram"):
+    for speculative in (None, "ngram", tiny("gla", n_layers=1, vocab=4, scale=4.0)):
         out, _ = model.generate([prompt] * n, m, temperature=1.0, seed=4, speculative=speculative, **options)
         codes = torch.tensor(out) @ (V ** torch.arange(m - 1, -1, -1))
         counts = torch.bincount(codes, minlength=V ** m)
@@ -323,15 +379,26 @@ def test_the_cli_flag_decodes_speculatively_with_the_same_output(tmp_path, capsy
     abc = "abcdefghijk"
     tok = SimpleNamespace(encode=lambda s: SimpleNamespace(ids=[abc.index(c) for c in s]),
                           decode=lambda ids: "".join(abc[i] for i in ids))
-    monkeypatch.setattr(cli, "load_model", lambda args, need_tokenizer=None: (model, tok))
+    draft = _draft_for(model, noise=0.1)
+    (tmp_path / "draft").mkdir()
+    loaded = []
+
+    def load_model(args, need_tokenizer=None):
+        loaded.append(args.run)
+        return (draft if args.run.endswith("draft") else model), tok
+
+    monkeypatch.setattr(cli, "load_model", load_model)
     argv = ["generate", "--run", str(tmp_path), "--prompt", "bcdebcdfbcd", "--max-new-tokens", "12",
             "--temperature", "0"]
     outs = []
-    for extra in ([], ["--speculative", "ngram", "--draft-tokens", "3"], ["--logit-bias", "3=-100",
-                  "--presence-penalty", "1", "--ignore-eos", "--speculative", "ngram"]):
+    for extra in ([], ["--speculative", "ngram", "--draft-tokens", "3"], ["--speculative", str(tmp_path / "draft")],
+                  ["--logit-bias", "3=-100", "--presence-penalty", "1", "--ignore-eos", "--speculative", "ngram"]):
         assert main(argv + extra) == 0
         captured = capsys.readouterr()
         outs.append(captured.out)
         if "--logit-bias" in extra:                              # the options through the CLI: plain's output
             assert main(argv + extra[:-2]) == 0 and capsys.readouterr().out == outs[-1]
-    assert outs[0] == outs[1] != outs[2] and "tokens per step" in captured.err
+    assert outs[0] == outs[1] == outs[2] != outs[3] and "tokens per step" in captured.err
+    assert loaded.count(str(tmp_path / "draft")) == 1
+    assert main(argv + ["--speculative", str(tmp_path / "nowhere")]) != 0
+    assert "--speculative must be 'ngram' or a draft model's folder" in capsys.readouterr().err
