@@ -41,9 +41,10 @@ def add_parser(command, hf_types: list[str]) -> None:
     g.add_argument("--compile-decode", action="store_true",
                    help="decode with the compiled one-token step (subquad.models.decode: faster per token once "
                         "compiled; compiling takes seconds per kind of layer)")
-    g.add_argument("--speculative", metavar="ngram|DIR",
+    g.add_argument("--speculative", metavar="ngram|mtp|DIR",
                    help="speculative decoding: draft tokens by prompt lookup ('ngram': the continuation of an earlier "
-                        "match of the last few tokens) or with a smaller model of the same tokenizer (DIR: a run or "
+                        "match of the last few tokens), with the checkpoint's own multi-token-prediction head "
+                        "('mtp': Qwen3-Next, Qwen3.5) or with a smaller model of the same tokenizer (DIR: a run or "
                         "a model folder, loaded with --dtype/--device), and verify them in one forward; the same "
                         "output as without")
     g.add_argument("--draft-tokens", type=positive, default=4, help="tokens drafted per step with --speculative")
@@ -106,18 +107,18 @@ def check_speculative_flag(args) -> None:
     """--speculative is 'ngram' or a folder that exists (checked before the model loads)."""
     from pathlib import Path
 
-    if args.speculative not in (None, "ngram") and not Path(args.speculative).is_dir():
-        raise ValueError(f"--speculative must be 'ngram' or a draft model's folder (a run or a model folder); "
-                         f"{args.speculative} is not a folder")
+    if args.speculative not in (None, "ngram", "mtp") and not Path(args.speculative).is_dir():
+        raise ValueError(f"--speculative must be 'ngram', 'mtp' or a draft model's folder (a run or a model "
+                         f"folder); {args.speculative} is not a folder")
 
 
 def load_draft(args, model):
-    """--speculative's drafter for ``generate``: 'ngram', or the draft model of a run or model folder."""
+    """--speculative's drafter for ``generate``: 'ngram', 'mtp', or the draft model of a run or model folder."""
     import argparse
     from pathlib import Path
 
-    if args.speculative == "ngram":
-        return "ngram"
+    if args.speculative in ("ngram", "mtp"):
+        return args.speculative
     hf = (Path(args.speculative) / "config.json").exists()
     draft_args = argparse.Namespace(**{**vars(args), "run": None if hf else args.speculative,
                                        "model": args.speculative if hf else None})
@@ -132,7 +133,7 @@ def report_speculation(model, args) -> None:
     """With --speculative: tokens per model forward and the drafts' acceptance, on stderr."""
     st = getattr(model, "speculation_stats", None)
     if args.speculative and st is not None:
-        name = args.speculative if args.speculative == "ngram" else f"draft model {args.speculative}"
+        name = args.speculative if args.speculative in ("ngram", "mtp") else f"draft model {args.speculative}"
         print(f"[speculative {name}: {st.tokens_per_step:.2f} tokens per step over {st.steps} steps "
               f"({st.verifications} verifying drafts), {st.accepted}/{st.drafted} drafted tokens accepted]",
               file=sys.stderr)

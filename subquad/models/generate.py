@@ -23,10 +23,10 @@ from subquad.models.sampling import (  # noqa: F401
     sample_batch,
 )
 from subquad.models.speculative import (
-    MAX_NGRAM,
     MAX_PAUSE,
     SpeculationStats,
     accept_drafts,
+    capture_hidden,
     check_speculative,
     drafter,
     verify,
@@ -82,13 +82,15 @@ def generate(model, prompt, max_new_tokens: int, temperature: float = 1.0, top_k
     gen = torch.Generator(device=dev).manual_seed(seed) if seed is not None else None
     sampler = Sampler(options, prompts, gen)
     B = len(prompts)
-    if len({len(p) for p in prompts}) == 1:         # one length: an ordinary batch
-        last, state = model.prefill(torch.tensor(prompts, dtype=torch.long, device=dev), state, logits="last")
-    else:
-        lens = torch.tensor([len(p) for p in prompts])
-        cu = torch.cat([torch.zeros(1, dtype=torch.long), lens.cumsum(0)]).to(dev)
-        packed = torch.tensor([t for p in prompts for t in p], dtype=torch.long, device=dev).view(1, -1)
-        last, state = model.prefill(packed, state, cu_seqlens=cu, logits="last")   # each prompt's last: (B, vocab)
+    cu = None
+    with capture_hidden(model, speculative == "mtp") as seen:      # the MTP head reads the prompts' hidden states
+        if len({len(p) for p in prompts}) == 1:         # one length: an ordinary batch
+            last, state = model.prefill(torch.tensor(prompts, dtype=torch.long, device=dev), state, logits="last")
+        else:
+            lens = torch.tensor([len(p) for p in prompts])
+            cu = torch.cat([torch.zeros(1, dtype=torch.long), lens.cumsum(0)]).to(dev)
+            packed = torch.tensor([t for p in prompts for t in p], dtype=torch.long, device=dev).view(1, -1)
+            last, state = model.prefill(packed, state, cu_seqlens=cu, logits="last")   # each prompt's last: (B, vocab)
     out = [[] for _ in range(B)]
     done = [max_new_tokens == 0] * B
     if speculative is not None and not all(done):
@@ -98,8 +100,12 @@ def generate(model, prompt, max_new_tokens: int, temperature: float = 1.0, top_k
                 on_token(t) if single else on_token(i, t)
             return len(out[i]) >= max_new_tokens or t in stop
 
-        state, model.speculation_stats = _decode_speculative(model, last, state, prompts, max_new_tokens, sampler,
-                                                             emit, draft_tokens, speculative)
+        drafts_by = drafter(speculative, model, prompts, hidden=seen[-1] if seen else None, cu_seqlens=cu)
+        try:
+            state, model.speculation_stats = _speculate(model, last, state, max_new_tokens, sampler, emit,
+                                                        draft_tokens, drafts_by)
+        finally:
+            getattr(drafts_by, "close", lambda: None)()
         model.train(was_training)
         return (out[0] if single else out), state
     while not all(done):
@@ -121,23 +127,14 @@ def generate(model, prompt, max_new_tokens: int, temperature: float = 1.0, top_k
     return (out[0] if single else out), state
 
 
-def _decode_speculative(model, last, state, prompts, max_new_tokens, sampler, emit, draft_tokens,
-                        speculative="ngram", max_ngram=MAX_NGRAM):
-    """``generate``'s decoding loop with prompt-lookup speculation (``models.speculative``), after the prefill:
-    ``last`` (B, vocab) the prompts' last logits, ``sampler`` the plain loop's ``Sampler``, ``emit(i, token) ->
-    done`` records row i's token. Each verified position is processed as the plain loop would process it
-    (``Sampler.process_drafts``: penalties and logit bias with the drafts before it in the history), and the
-    acceptance rule reads that position's ``Sampler.probabilities``; only emitted tokens join the history.
-    Returns the state (every emitted token consumed but each row's last) and the ``SpeculationStats``."""
-    drafts_by = drafter(speculative, model, prompts, max_ngram)       # prompt lookup, or a draft model's state
-    try:
-        return _speculate(model, last, state, max_new_tokens, sampler, emit, draft_tokens, drafts_by)
-    finally:
-        getattr(drafts_by, "close", lambda: None)()
-
-
 def _speculate(model, last, state, max_new_tokens, sampler, emit, draft_tokens, drafts_by):
-    """``_decode_speculative``'s loop with its drafter."""
+    """``generate``'s decoding loop with speculation (``models.speculative``), after the prefill: ``last`` (B,
+    vocab) the prompts' last logits, ``sampler`` the plain loop's ``Sampler``, ``emit(i, token) -> done`` records
+    row i's token, ``drafts_by`` the drafter. Each verified position is processed as the plain loop would
+    process it (``Sampler.process_drafts``: penalties and logit bias with the drafts before it in the history),
+    and the acceptance rule reads that position's ``Sampler.probabilities``; only emitted tokens join the
+    history. Returns the state (every emitted token consumed but each row's last) and the ``SpeculationStats``."""
+    hooked = drafts_by.needs_hidden
     B, dev = last.shape[0], last.device
     stats = SpeculationStats()
     t0 = sampler(last).tolist()
@@ -161,14 +158,19 @@ def _speculate(model, last, state, max_new_tokens, sampler, emit, draft_tokens, 
         stats.steps += 1
         stats.row_steps += len(active)
         if k == 0:                                                         # nothing drafted: a plain step
-            logits, state = model.step(torch.tensor(feed, device=dev), state)
-            drafts_by.settle(feed, None, 1)
+            with capture_hidden(model, hooked) as seen:                    # (the eager step: hooks fire)
+                if hooked:
+                    logits, state = model.prefill(torch.tensor(feed, device=dev)[:, None], state, logits="last")
+                else:
+                    logits, state = model.step(torch.tensor(feed, device=dev), state)
+            drafts_by.settle(feed, None, 1, seen[-1] if seen else None)
             tokens = sampler(logits).view(B, 1)                           # counted for the penalties
             keeps = [1] * B
         else:
             rows = [[feed[i]] + d + [d[-1] if d else feed[i]] * (k - len(d)) for i, d in enumerate(drafts)]
             ids = torch.tensor(rows, device=dev)                           # (B, k + 1); any padding is a valid draft
-            logits, ver = verify(model, ids, state)
+            with capture_hidden(model, hooked) as seen:
+                logits, ver = verify(model, ids, state)
             x = sampler.process_drafts(logits, ids[:, 1:])                 # (B, k + 1, vocab)
             tokens, accepted = accept_drafts(x, ids[:, 1:], sampler.probabilities(x), sampler.generator)
             stats.verifications += 1
@@ -197,7 +199,7 @@ def _speculate(model, last, state, max_new_tokens, sampler, emit, draft_tokens, 
             live = {keeps[i] for i in range(B) if not done[i]}
             if len(live) == 1:                  # a finished row's state is never read: keep the others' length
                 keeps = [live.pop()] * B
-            drafts_by.settle(feed, drafts, keeps if B > 1 else keeps[0])
+            drafts_by.settle(feed, drafts, keeps if B > 1 else keeps[0], seen[-1] if seen else None)
             state = ver.accept(keeps if B > 1 else keeps[0])
             if max(keeps[i] for i in active) == 1:                         # nothing accepted: draft less often
                 pause = min(2 * pause or 1, MAX_PAUSE)

@@ -35,7 +35,7 @@ import torch
 from subquad.layers.rollback import roll_back
 from subquad.models.state import ModelState
 
-SPECULATIVE = ("ngram",)   # by name; a draft model is passed as itself
+SPECULATIVE = ("ngram", "mtp")   # by name; a draft model is passed as itself
 MAX_NGRAM = 3      # the longest suffix prompt lookup matches
 MAX_PAUSE = 16     # plain steps after repeated failed drafts, at most
 
@@ -199,6 +199,7 @@ class NgramDrafter:
     """Prompt lookup over each row's prompt and emitted tokens (``PromptLookup``)."""
 
     name = "ngram"
+    needs_hidden = False
 
     def __init__(self, prompts, max_ngram: int = MAX_NGRAM):
         self.hist = [PromptLookup(p, max_ngram) for p in prompts]
@@ -211,7 +212,7 @@ class NgramDrafter:
         """Up to k drafts for each active row (the others: []); ``feed`` the tokens the verification starts with."""
         return [self.hist[i].draft(k) if i in active else [] for i in range(len(self.hist))]
 
-    def settle(self, feed, drafts, keeps) -> None:
+    def settle(self, feed, drafts, keeps, hidden=None) -> None:
         """The target kept ``keeps[i]`` of row i's [feed[i], drafts...] (nothing to do: the history is appended)."""
 
 
@@ -225,6 +226,7 @@ class ModelDrafter:
     draft itself rolled back per row (``verify(...).accept(keeps)``) when rows kept different numbers."""
 
     name = "model"
+    needs_hidden = False
 
     def __init__(self, draft, target, prompts):
         check_speculative(draft, target)
@@ -255,7 +257,7 @@ class ModelDrafter:
         self.drafted = drafts                              # every row's, finished ones included (settle feeds them)
         return [drafts[i] if i in active else [] for i in range(len(feed))]
 
-    def settle(self, feed, drafts, keeps) -> None:
+    def settle(self, feed, drafts, keeps, hidden=None) -> None:
         """The target kept ``keeps[i]`` tokens of row i's [feed[i], drafts[i]...] (``keeps`` an int: every row
         the same; ``drafts`` None: a plain step, which kept feed)."""
         if drafts is None:
@@ -281,14 +283,105 @@ class ModelDrafter:
         self.model.train(self.was_training)
 
 
+class MTPDrafter:
+    """The checkpoint's own multi-token-prediction head drafts (``models.mtp``; ``model.mtp``): its greedy
+    next-next token from the model's hidden state and the token after it, then from its own output.
+
+    The head's KV cache holds one pair per token the model has consumed (pair i: the model's final-normed hidden
+    state at i and the token at i + 1). The pairs whose hidden state or next token has just arrived wait in
+    ``pending`` (per row: hidden rows, tokens) and go through the head in one forward (packed when rows wait
+    with different counts) when the next draft is asked: the tokens come from ``append`` (every emitted token),
+    the hidden states from ``settle`` (the verified positions kept, read from the model's forward by
+    ``capture_hidden``). Drafting chains the head on its own output from a fork of that cache, which is
+    never kept: the verified pairs replace the drafted ones."""
+
+    name = "mtp"
+    needs_hidden = True
+
+    def __init__(self, model, prompts, hidden, cu_seqlens=None):
+        self.model, self.head = model, model.mtp
+        self.dev = model.embed.weight.device
+        h = model.norm(hidden)
+        if cu_seqlens is None:
+            rows = list(h.unbind(0))
+        else:
+            cu = cu_seqlens.tolist()
+            rows = [h[0, cu[b]:cu[b + 1]] for b in range(len(prompts))]
+        self.pending = [([r], list(p[1:])) for r, p in zip(rows, prompts, strict=True)]
+        self.cache, self.last = None, None
+
+    def append(self, i: int, token: int) -> None:
+        self.pending[i][1].append(token)
+
+    def _flush(self) -> None:
+        """Run the pending pairs through the head: ``cache`` then covers them, ``last`` = (logits (B, vocab),
+        u (B, d)) at each row's last pair."""
+        hs = [torch.cat(h) for h, _ in self.pending]
+        n = [len(h) for h in hs]
+        toks = [(t + [0] * m)[:m] for (_, t), m in zip(self.pending, n, strict=True)]   # finished rows: padding
+        head, model = self.head, self.model
+        if len(set(n)) == 1:
+            logits, u, self.cache = head(model, torch.stack(hs), torch.tensor(toks, device=self.dev), self.cache)
+            self.last = logits[:, -1], u[:, -1]
+        else:
+            cu = torch.tensor([0] + n, device=self.dev).cumsum(0)
+            flat = torch.tensor([t for row in toks for t in row], device=self.dev)
+            logits, u, self.cache = head(model, torch.cat(hs)[None], flat[None], self.cache, cu_seqlens=cu)
+            self.last = logits[0, cu[1:] - 1], u[0, cu[1:] - 1]
+        self.pending = [([], []) for _ in n]
+
+    def propose(self, feed: list[int], active: list[int], k: int) -> list[list[int]]:
+        if any(h for h, _ in self.pending):
+            self._flush()
+        logits, u = self.last
+        tok = logits.argmax(-1)
+        out, s = [tok], self.cache
+        for _ in range(k - 1):
+            logits, u, s = self.head(self.model, u[:, None], tok[:, None], s)
+            logits, u = logits[:, -1], u[:, -1]
+            tok = logits.argmax(-1)
+            out.append(tok)
+        drafts = torch.stack(out, 1).tolist()
+        return [drafts[i] if i in active else [] for i in range(len(feed))]
+
+    def settle(self, feed, drafts, keeps, hidden=None) -> None:
+        """``hidden`` (B, T, d): the model's last block's output over the fed tokens; the first ``keeps[i]`` rows
+        (final-normed) join row i's pending pairs."""
+        h = self.model.norm(hidden)
+        keeps = [keeps] * h.shape[0] if isinstance(keeps, int) else keeps
+        for i, n in enumerate(keeps):
+            self.pending[i][0].append(h[i, :n])
+
+
+class capture_hidden:
+    """``with capture_hidden(model, on) as seen:`` - ``seen[-1]`` the output of the model's last block in the
+    forwards run inside (the residual stream before the final norm, every position): what ``MTPDrafter``
+    reads. Off (``on`` False): nothing is hooked."""
+
+    def __init__(self, model, on: bool = True):
+        self.model, self.on, self.seen, self.hook = model, on, [], None
+
+    def __enter__(self):
+        if self.on:
+            self.hook = self.model.blocks[-1].register_forward_hook(lambda m, a, out: self.seen.append(out[0]))
+        return self.seen
+
+    def __exit__(self, *exc):
+        if self.hook is not None:
+            self.hook.remove()
+
+
 def check_speculative(speculative, model) -> None:
     """ValueError naming ``speculative`` unless it is None, a name of ``SPECULATIVE`` or a draft model for
     ``model``: one with ``prefill`` and ``step``, the same vocabulary size, on the same device."""
+    if speculative == "mtp" and getattr(model, "mtp", None) is None:
+        raise ValueError("speculative='mtp' needs the checkpoint's multi-token-prediction head (model.mtp: loaded "
+                         "from a Qwen3-Next or Qwen3.5 folder that holds mtp.* tensors); this model has none")
     if speculative is None or (isinstance(speculative, str) and speculative in SPECULATIVE):
         return
     if isinstance(speculative, str) or not (callable(getattr(speculative, "prefill", None))
                                             and callable(getattr(speculative, "step", None))):
-        raise ValueError(f"speculative must be None, one of {SPECULATIVE} or a draft model (a LanguageModel), "  # noqa: TRY004
+        raise ValueError(f"speculative must be None, one of {SPECULATIVE} or a draft model (a LanguageModel), "
                          f"got {speculative!r}")
     dv, tv = speculative.config.vocab_size, model.config.vocab_size
     if dv != tv:
@@ -299,11 +392,14 @@ def check_speculative(speculative, model) -> None:
         raise ValueError(f"the draft model is on {dev}, the model on {tdev}: put them on one device")
 
 
-def drafter(speculative, model, prompts, max_ngram: int = MAX_NGRAM):
-    """The drafter ``generate(speculative=...)`` names: "ngram" or a draft model (checked)."""
+def drafter(speculative, model, prompts, max_ngram: int = MAX_NGRAM, hidden=None, cu_seqlens=None):
+    """The drafter ``generate(speculative=...)`` names: "ngram", "mtp" (``hidden``: the prompts' last block
+    output, packed by ``cu_seqlens`` or not) or a draft model (checked)."""
     check_speculative(speculative, model)
     if speculative == "ngram":
         return NgramDrafter(prompts, max_ngram)
+    if speculative == "mtp":
+        return MTPDrafter(model, prompts, hidden, cu_seqlens)
     return ModelDrafter(speculative, model, prompts)
 
 

@@ -89,7 +89,7 @@ def test_refusals_name_the_problem(tmp_path):
 
 def test_fused_experts_and_an_mtp_head_as_released_checkpoints_hold_them(tmp_path):
     """Experts stacked as ``experts.gate_up_proj`` (E, 2I, d) and ``experts.down_proj`` load as one per expert;
-    ``mtp.*`` tensors are left out and named."""
+    an incomplete ``mtp.*`` head is left out and named (a whole one loads: test_mtp.py)."""
     from safetensors.torch import load_file, save_file
 
     hf, folder = _hf(tmp_path, "qwen3_5_moe")

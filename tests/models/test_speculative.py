@@ -401,4 +401,4 @@ def test_the_cli_flag_decodes_speculatively_with_the_same_output(tmp_path, capsy
     assert outs[0] == outs[1] == outs[2] != outs[3] and "tokens per step" in captured.err
     assert loaded.count(str(tmp_path / "draft")) == 1
     assert main(argv + ["--speculative", str(tmp_path / "nowhere")]) != 0
-    assert "--speculative must be 'ngram' or a draft model's folder" in capsys.readouterr().err
+    assert "--speculative must be 'ngram', 'mtp' or a draft model's folder" in capsys.readouterr().err

@@ -9,6 +9,7 @@ config read off its tensors (``rwkv7_pth``).
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 
 import torch
@@ -118,7 +119,9 @@ def from_pretrained(path, dtype=None, device=None, quantize=None):
     "bf16" quantises the projections for inference (``models.quant``; from float32). A folder a quantised model
     was saved to loads quantised as it was saved (``quant.load_quantized``; ``quantize`` None or its kind).
     The model keeps the folder's config and its tokenizer and generation files (``model.hf_source``) for
-    ``save_pretrained`` to write back."""
+    ``save_pretrained`` to write back. A Qwen3-Next or Qwen3.5 folder's multi-token-prediction tensors
+    (``mtp.*``) load as ``model.mtp`` (``models.mtp``: ``generate(..., speculative="mtp")`` drafts with it)."""
+    from subquad.models.mtp import MTP_TYPES, load_mtp
     from subquad.models.quant import QUANTIZE
 
     pth = pth_file(path)
@@ -148,6 +151,9 @@ def from_pretrained(path, dtype=None, device=None, quantize=None):
     # (most of a large vocabulary) cost no memory (tensorfile.read_safetensors)
     lookup = names.get("embed.weight") if not cfg.tie_embeddings else None
     weights = read_weights(path, mapped={lookup} if isinstance(lookup, str) else ()) if weights is None else weights
+    mtp = {}
+    if c.get("model_type") in MTP_TYPES:              # its multi-token-prediction head, when it has one
+        mtp = {k: weights.pop(k) for k in [k for k in weights if k.startswith("mtp.")]}
     tensors = fmt.unpack(fmt.drop_not_loaded(weights), cfg, dtype)   # fused or shifted -> one per parameter
     del weights
     if fmt.conv_bias_key and c.get(fmt.conv_bias_key, True) is False:   # no conv bias in the checkpoint: zeros
@@ -174,6 +180,13 @@ def from_pretrained(path, dtype=None, device=None, quantize=None):
         state[ours] = t.to(dtype) if dtype is not None and t.is_floating_point() else t   # one copy at a time
     model.load_state_dict(state, strict=True, assign=True)
     del state
+    if mtp:                                           # speculative decoding's drafter (models.mtp)
+        try:
+            model.mtp = load_mtp(fmt, cfg, mtp, dtype)
+        except ValueError as e:                       # the language model is whole without it: said, not refused
+            warnings.warn(f"{c['model_type']}: not loaded: the multi-token-prediction head (mtp.*, {len(mtp)} "
+                          f"tensors): {e}", stacklevel=2)
+        del mtp
     decode_layout(model)                              # the weights as one-token decoding reads them fastest
     if quantize is not None:
         from subquad.models.quant import quantize as quantize_model

@@ -40,6 +40,7 @@ def save_pretrained(model, path, tokenizer=None, model_type: str | None = None) 
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     own = model.state_dict()
+    mtp = {k: own.pop(k) for k in [k for k in own if k.startswith("mtp.")]}   # a multi-token-prediction head
     tensors = {}
     for ours, theirs in fmt.names(cfg, {k: v.shape for k, v in own.items()}).items():
         t = own[ours].detach().cpu()
@@ -48,6 +49,10 @@ def save_pretrained(model, path, tokenizer=None, model_type: str | None = None) 
         else:
             tensors[theirs] = t.contiguous()
     tensors = {n: t.contiguous() for n, t in fmt.pack(tensors, cfg).items()}
+    if mtp:
+        from subquad.models.mtp import pack_mtp
+
+        tensors.update(pack_mtp(fmt, model.mtp, mtp))
     tmp = path / "model.safetensors.tmp"
     save_file(tensors, str(tmp), metadata={"format": "pt"})
     os.replace(tmp, path / "model.safetensors")

@@ -1,0 +1,154 @@
+"""A checkpoint's multi-token-prediction (MTP) head: a next-next-token predictor that drafts for speculative
+decoding (``models.speculative.MTPDrafter``).
+
+Qwen3-Next and Qwen3.5 ship one MTP layer (``mtp_num_hidden_layers``, tensors ``mtp.*``; transformers loads
+none of them). Pair i joins the model's hidden state at position i with the token at i + 1 and predicts the token
+at i + 2 (the layout vLLM and SGLang run, written out here; the reference in the tests is transformers' own
+decoder layer with these weights):
+
+    e_i = norm_e(embed(x_{i+1}))                  (B, T, d)   the model's embedding, shared
+    g_i = norm_h(h_i)                              (B, T, d)   h: the model's hidden state after its final norm
+    z   = block(fc([e ; g]))                       (B, T, d)   fc: (d, 2 d); block: one attention layer of the
+                                                              model's kind (its own KV cache over the pairs,
+                                                              pair i at position i), MoE or dense MLP
+    u_i = norm(z_i);  logits_i = head(u_i)                     the model's head, shared
+
+To draft more than one token the head runs on its own output: the pair (u_i, x_{i+2}) at position i + 1.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+from torch import nn
+
+from subquad.models.config import ModelConfig
+
+
+def mtp_config(cfg: ModelConfig, moe: bool) -> ModelConfig:
+    """The one-layer config of the head's block: the model's attention layer ("softmax" and its options),
+    with the model's MoE (``moe``) or its dense MLP."""
+    m = None if not moe else {**cfg.moe, "every": 1, "offset": 0}
+    return dataclasses.replace(cfg, n_layers=1, pattern="softmax", moe=m, mlp_layers=None, parallel={},
+                               post_norm=[], shared=None)
+
+
+class MTPHead(nn.Module):
+    """One MTP layer (module doc): ``norm_embed``, ``norm_hidden``, ``fc``, ``block``, ``norm``; the embedding and
+    the head are the model's, passed to ``forward``."""
+
+    def __init__(self, cfg: ModelConfig, moe: bool):
+        from subquad.models.lm import Block, make_norm
+
+        super().__init__()
+        self.config = mtp_config(cfg, moe)
+        d = cfg.d_model
+        self.norm_embed, self.norm_hidden, self.norm = make_norm(cfg), make_norm(cfg), make_norm(cfg)
+        self.fc = nn.Linear(2 * d, d, bias=False)
+        self.block = Block.build(self.config, "softmax", moe, True)
+
+    def empty_state(self, batch_size: int = 1, device=None, dtype=None) -> dict:
+        dtype = self.fc.weight.dtype if dtype is None else dtype
+        return self.block.empty_state(batch_size, device=device, dtype=dtype)
+
+    def forward(self, model, hidden, tokens, state=None, cu_seqlens=None):
+        """hidden (B, T, d): the model's states after its final norm (or the head's own ``u``), tokens (B, T): the
+        token after each -> (logits (B, T, vocab), u (B, T, d), the block's new state). ``state``: the block's
+        state after the earlier pairs (None: none); ``cu_seqlens`` packs rows as ``LanguageModel.prefill``."""
+        e = model.embed(tokens.long())
+        if model.config.embed_scale is not None:
+            e = e * model.config.embed_scale
+        z = self.fc(torch.cat([self.norm_embed(e), self.norm_hidden(hidden)], -1))
+        z, new = self.block(z, state, cu_seqlens=cu_seqlens, carry={})
+        u = self.norm(z)
+        logits = u @ model.embed.weight.T if model.head is None else model.head(u)
+        return logits, u, new
+
+
+def mtp_names(fmt, head: MTPHead) -> dict:
+    """subquad name (under "mtp.") -> the checkpoint's, for every tensor of ``head``: its block named as the
+    format names an attention layer, under "mtp.layers.0."; the rest "mtp.fc", "mtp.norm",
+    "mtp.pre_fc_norm_embedding", "mtp.pre_fc_norm_hidden"."""
+    shapes = {"blocks.0." + k: v.shape for k, v in head.block.state_dict().items()}
+    inner = fmt.names(head.config, shapes)
+    out = {"mtp." + k.replace("blocks.0.", "block.", 1):
+           (tuple(t.replace(fmt.layer.format(i=0), "mtp.layers.0.", 1) for t in v) if isinstance(v, tuple)
+            else v.replace(fmt.layer.format(i=0), "mtp.layers.0.", 1)) for k, v in inner.items()}
+    out.update({"mtp.fc.weight": "mtp.fc.weight", "mtp.norm.weight": "mtp.norm.weight",
+                "mtp.norm_embed.weight": "mtp.pre_fc_norm_embedding.weight",
+                "mtp.norm_hidden.weight": "mtp.pre_fc_norm_hidden.weight"})
+    return out
+
+
+def _zero_centred(fmt, cfg) -> bool:
+    """Whether the format stores its final norm zero-centred (x (1 + w)): the head's own norms are stored so too."""
+    name = fmt.top["norm.weight"]
+    return bool(fmt.unpack({name: torch.zeros(1)}, cfg)[name].item() == 1)
+
+
+MTP_TYPES = ("qwen3_next", "qwen3_5", "qwen3_5_moe")   # the types whose ``mtp.*`` tensors load (this layout)
+
+
+def load_mtp(fmt, cfg: ModelConfig, tensors: dict, dtype=None) -> MTPHead:
+    """The ``MTPHead`` of a checkpoint's ``mtp.*`` tensors (``tensors``: all of them, checkpoint names). One layer
+    (``mtp_num_hidden_layers`` 1, as every released checkpoint); MoE when the layer holds experts. The format's
+    ``unpack`` treats the layer's tensors as any layer's (fused projections, zero-centred norms); the head's own
+    norms are zero-centred where the format's are."""
+    layers = {k.split(".")[2] for k in tensors if k.startswith("mtp.layers.")}
+    if layers != {"0"}:
+        raise ValueError(f"{fmt.model_type}: an MTP head of one layer is supported, the checkpoint has layers "
+                         f"{sorted(layers)}")
+    moe = any(".mlp.experts." in k for k in tensors)
+    with torch.device("meta"):
+        head = MTPHead(cfg, moe)
+    names = mtp_names(fmt, head)
+    prefix = fmt.layer.format(i=0)
+    inner = fmt.unpack({k.replace("mtp.layers.0.", prefix, 1) if k.startswith("mtp.layers.0.") else k: v
+                        for k, v in tensors.items()}, head.config, dtype)
+    inner = {k.replace(prefix, "mtp.layers.0.", 1) if k.startswith(prefix) else k: v for k, v in inner.items()}
+    centred = _zero_centred(fmt, cfg)
+    state, used = {}, set()
+    own = head.state_dict()
+    for ours, theirs in names.items():
+        parts = theirs if isinstance(theirs, tuple) else (theirs,)
+        missing = [t for t in parts if t not in inner]
+        if missing:
+            raise ValueError(f"{fmt.model_type}: MTP weights missing from the checkpoint: {', '.join(missing[:5])}")
+        t = torch.stack([inner[p] for p in parts]) if isinstance(theirs, tuple) else inner[theirs]
+        if centred and theirs in ("mtp.norm.weight", "mtp.pre_fc_norm_embedding.weight",
+                                  "mtp.pre_fc_norm_hidden.weight"):
+            t = t.float() + 1
+        key = ours.removeprefix("mtp.")
+        if t.shape != own[key].shape:
+            raise ValueError(f"{fmt.model_type}: MTP weight {theirs} has shape {tuple(t.shape)}, the config implies "
+                             f"{tuple(own[key].shape)}")
+        state[key] = t.to(dtype) if dtype is not None and t.is_floating_point() else t
+        used.update(parts)
+    extra = set(inner) - used
+    if extra:
+        raise ValueError(f"{fmt.model_type}: unexpected MTP weights: {', '.join(sorted(extra)[:5])}")
+    head.load_state_dict(state, strict=True, assign=True)
+    return head.eval()
+
+
+def pack_mtp(fmt, head: MTPHead, own: dict) -> dict:
+    """``load_mtp``'s inverse: the head's tensors (``own``: "mtp."-prefixed, from the model's state dict) under
+    the checkpoint's names, packed by the format as any layer's."""
+    prefix = fmt.layer.format(i=0)
+    centred = _zero_centred(fmt, head.config)
+    flat = {}
+    for ours, theirs in mtp_names(fmt, head).items():
+        t = own[ours].detach().cpu()
+        if isinstance(theirs, tuple):
+            flat.update({n: p.contiguous() for n, p in zip(theirs, t.unbind(0), strict=True)})
+            continue
+        if centred and theirs in ("mtp.norm.weight", "mtp.pre_fc_norm_embedding.weight",
+                                  "mtp.pre_fc_norm_hidden.weight"):
+            t = (t.float() - 1).to(t.dtype)
+        flat[theirs] = t
+    inner = {k.replace("mtp.layers.0.", prefix, 1) if k.startswith("mtp.layers.0.") else k: v
+             for k, v in flat.items()}
+    packed = fmt.pack(inner, head.config)
+    return {k.replace(prefix, "mtp.layers.0.", 1) if k.startswith(prefix) else k: v.contiguous()
+            for k, v in packed.items()}
