@@ -11,7 +11,7 @@ STAMP  := $(VENV)/.subquad-installed
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e ".[test,hf,serve,eval,rwkv]"
+	$(PY) -m pip install -q -e ".[test,hf,serve,eval,rwkv,grammar]"
 	touch $(STAMP)
 
 demo: $(STAMP)

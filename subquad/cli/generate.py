@@ -48,6 +48,11 @@ def add_parser(command, hf_types: list[str]) -> None:
                         "a model folder, loaded with --dtype/--device), and verify them in one forward; the same "
                         "output as without")
     g.add_argument("--draft-tokens", type=positive, default=4, help="tokens drafted per step with --speculative")
+    g.add_argument("--json", action="store_true",
+                   help="answer with a JSON object (OpenAI's response_format json_object; needs llguidance: "
+                        "pip install 'subquad[grammar]')")
+    g.add_argument("--json-schema", metavar="FILE",
+                   help="answer with JSON valid under the JSON schema in FILE (response_format json_schema)")
     g.set_defaults(fn=run)
 
 
@@ -129,6 +134,25 @@ def load_draft(args, model):
     return draft
 
 
+def response_format(args) -> dict | None:
+    """--json / --json-schema FILE as ``generate``'s response_format (checked there)."""
+    import json
+    from pathlib import Path
+
+    if args.json and args.json_schema:
+        raise ValueError("give one of --json and --json-schema")
+    if args.json:
+        return {"type": "json_object"}
+    if args.json_schema is None:
+        return None
+    path = Path(args.json_schema)
+    try:
+        schema = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise ValueError(f"--json-schema {path}: not a readable JSON file ({e})") from None
+    return {"type": "json_schema", "json_schema": {"name": path.stem, "schema": schema}}
+
+
 def report_speculation(model, args) -> None:
     """With --speculative: tokens per model forward and the drafts' acceptance, on stderr."""
     st = getattr(model, "speculation_stats", None)
@@ -157,6 +181,7 @@ def run(args) -> int:
             raise ValueError(f"--prompts-file {path} holds no prompt (one per line)")
     check_sampling_flags(args)
     check_speculative_flag(args)
+    fmt = response_format(args)                       # a bad --json-schema file is refused before the model loads
     model, tok = load_model(args, need_tokenizer="to encode the prompt with")
     if args.compile_decode:
         from subquad.models.decode import compile_decode
@@ -165,6 +190,8 @@ def run(args) -> int:
     stop = stop_ids(tok, args.stop)
     speculation = {} if args.speculative is None else {"speculative": load_draft(args, model),
                                                         "draft_tokens": args.draft_tokens}
+    if fmt is not None:
+        speculation.update(response_format=fmt, tokenizer=tok)
     if args.prompts_file:
         outs, _ = model.generate([tok.encode(p).ids or [0] for p in prompts], args.max_new_tokens,
                                  **sampling(args, stop), **speculation)

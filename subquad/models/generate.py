@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import torch
 
+from subquad.models.constrain import Grammar, check_format
 from subquad.models.sampling import (  # noqa: F401
     GREEDY_BELOW,
     Sampler,
@@ -38,7 +39,7 @@ def generate(model, prompt, max_new_tokens: int, temperature: float = 1.0, top_k
              top_p: float | None = None, seed: int | None = None, state=None, on_token=None, stop_ids=None, *,
              min_p: float | None = None, presence_penalty: float = 0.0, frequency_penalty: float = 0.0,
              repetition_penalty: float = 1.0, logit_bias: dict | None = None, ignore_eos: bool = False,
-             speculative=None, draft_tokens: int = 4):
+             speculative=None, draft_tokens: int = 4, response_format: dict | None = None, tokenizer=None):
     """Sample up to ``max_new_tokens`` after each prompt, decoding with the recurrent state.
 
     ``prompt``: one sequence (a list of ids, or a (T,) / (1, T) tensor) -> returns (new ids, state), or a
@@ -65,6 +66,11 @@ def generate(model, prompt, max_new_tokens: int, temperature: float = 1.0, top_k
     the same vocabulary, on the same device): the draft model's greedy continuation is the draft, its own state
     kept in step (``models.speculative.ModelDrafter``); the same guarantees. ``model.speculation_stats`` holds
     the call's statistics (``tokens_per_step``, ``acceptance``).
+
+    ``response_format`` (OpenAI's: ``{"type": "json_object"}``, ``{"type": "json_schema", "json_schema":
+    {"schema": ...}}``; needs ``tokenizer``, the model's ``tokenizers.Tokenizer``): each row's output is held to
+    the grammar (``models.constrain``: tokens it does not allow get -inf before sampling) and the row ends when
+    the grammar is complete. Not with ``speculative``.
     """
     if not isinstance(max_new_tokens, int) or max_new_tokens < 0:
         raise ValueError(f"max_new_tokens must be an int >= 0, got {max_new_tokens!r}")
@@ -72,6 +78,11 @@ def generate(model, prompt, max_new_tokens: int, temperature: float = 1.0, top_k
                               repetition_penalty, logit_bias, list(stop_ids or ()), ignore_eos)
     options.check_vocab(model.config.vocab_size)
     check_speculative(speculative, model)
+    grammar = None
+    if check_format(response_format) is not None:
+        if speculative is not None:
+            raise ValueError("response_format and speculative do not combine (yet): drop one")
+        grammar = Grammar(response_format, tokenizer, model.config.vocab_size, model.config.eos_token_ids)
     if isinstance(draft_tokens, bool) or not isinstance(draft_tokens, int) or draft_tokens < 1:
         raise ValueError(f"draft_tokens must be an int >= 1, got {draft_tokens!r}")
     prompts, single = _as_prompts(prompt)
@@ -80,8 +91,9 @@ def generate(model, prompt, max_new_tokens: int, temperature: float = 1.0, top_k
     model.eval()
     dev = model.embed.weight.device                 # prompt, tokens and sampler follow the model
     gen = torch.Generator(device=dev).manual_seed(seed) if seed is not None else None
-    sampler = Sampler(options, prompts, gen)
     B = len(prompts)
+    matchers = None if grammar is None else [grammar.matcher() for _ in range(B)]
+    sampler = Sampler(options, prompts, gen, matchers)
     cu = None
     with capture_hidden(model, speculative == "mtp") as seen:      # the MTP head reads the prompts' hidden states
         if len({len(p) for p in prompts}) == 1:         # one length: an ordinary batch
@@ -118,7 +130,7 @@ def generate(model, prompt, max_new_tokens: int, temperature: float = 1.0, top_k
             out[i].append(nxt[i])
             if on_token is not None:
                 on_token(nxt[i]) if single else on_token(i, nxt[i])
-            done[i] = len(out[i]) >= max_new_tokens or nxt[i] in stop
+            done[i] = len(out[i]) >= max_new_tokens or nxt[i] in stop or (matchers is not None and matchers[i].done)
             feed.append(nxt[i])
         if all(done):
             break                                   # the last tokens are not fed: continue from them

@@ -128,16 +128,24 @@ class Sampler:
         token = sampler(logits)[0]          # (B, vocab) logits -> (B,) ids, counted as generated
     """
 
-    def __init__(self, options: SamplingOptions, prompts: list[list[int]], generator=None):
+    def __init__(self, options: SamplingOptions, prompts: list[list[int]], generator=None, matchers=None):
         self.options, self.prompts, self.generator = options, prompts, generator
+        self.matchers = matchers    # per row a ``models.constrain.RowMatcher`` (or None): its grammar masks the logits
         self._counts = self._seen = self._bias = None     # (B, vocab) float, (B, vocab) bool, (vocab,): built lazily
 
     def process(self, logits: torch.Tensor) -> torch.Tensor:
-        """Steps 1-3 on (B, vocab) logits, in float32 (the input itself when they ask for nothing)."""
-        if not self._asks():
+        """Steps 1-3 on (B, vocab) logits, in float32 (the input itself when they ask for nothing), then each
+        row's grammar (``matchers``): the tokens it does not allow get -inf."""
+        if not self._asks() and self.matchers is None:
             return logits
         self._history(logits)
-        return self._apply(logits, self._seen, self._counts)
+        x = self._apply(logits, self._seen, self._counts)
+        if self.matchers is not None:
+            x = x.clone() if x is logits else x
+            for i, m in enumerate(self.matchers):
+                if m is not None and not m.done:
+                    x[i].masked_fill_(~m.allowed().to(x.device), float("-inf"))
+        return x
 
     def process_drafts(self, logits: torch.Tensor, drafts: torch.Tensor) -> torch.Tensor:
         """Steps 1-3 at each verified position of speculative decoding (``models.speculative``): logits
@@ -191,6 +199,10 @@ class Sampler:
     def record(self, ids: torch.Tensor, rows: torch.Tensor | None = None) -> None:
         """Count generated tokens: ``ids[j]`` in row ``rows[j]`` (default: one per row, in order)."""
         rows = torch.arange(len(ids), device=ids.device) if rows is None else rows
+        if self.matchers is not None:
+            for r, t in zip(rows.tolist(), ids.tolist(), strict=True):
+                if self.matchers[r] is not None:
+                    self.matchers[r].consume(t)
         if self._counts is not None:
             self._counts.index_put_((rows, ids), torch.ones(len(ids), device=ids.device), accumulate=True)
         if self._seen is not None:

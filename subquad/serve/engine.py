@@ -57,6 +57,7 @@ import torch
 from subquad.models.rows import cat_states, select_rows, state_nbytes, with_capacity
 from subquad.ops import KVCache
 from subquad.serve.prefix_cache import PrefixCache
+from subquad.models.constrain import FormatError, Grammar, check_format
 from subquad.serve.sampling import OptionError, RowSampler, SamplingParams, logprobs_of
 from subquad.serve.text import TextStream
 
@@ -192,6 +193,7 @@ class Engine:
         if params.n > self.max_batch:
             raise OptionError("n", f"n={params.n} choices are over the server's max batch of {self.max_batch}")
         params.check_vocab(V)
+        grammar = self._grammar(params.response_format)
         rows = [len(prompt) + params.max_tokens] * params.n
         if self.budget is not None and 2 * self.held_bytes(rows) > self.budget:
             raise OptionError("max_tokens", f"max_tokens={params.max_tokens}: the prompt and max_tokens need "
@@ -202,8 +204,8 @@ class Engine:
             text = None
             if self.tokenizer is not None:
                 text = TextStream(lambda ids: self.tokenizer.decode(ids, skip_special_tokens=True), params.stop)
-            seqs.append(Sequence(list(prompt), params, RowSampler(params, self.device, list(prompt), i), text,
-                                 on_event, index=i))
+            sampler = RowSampler(params, self.device, list(prompt), i, None if grammar is None else grammar.matcher())
+            seqs.append(Sequence(list(prompt), params, sampler, text, on_event, index=i))
         seq = seqs[0]
         seq.choices, seq.forks = seqs, seqs[1:]
         with self._lock:
@@ -422,6 +424,18 @@ class Engine:
             if seq.finish_reason != "error":
                 self._finished(seq, finals.get(i))
 
+    def _grammar(self, response_format):
+        """The compiled ``response_format`` of a request (``models.constrain.Grammar``), None for plain text;
+        OptionError naming it without a tokenizer or when the grammar library refuses its schema."""
+        if check_format(response_format) is None:
+            return None
+        if self.tokenizer is None:
+            raise OptionError("response_format", "response_format needs a tokenizer; this model has none")
+        try:
+            return Grammar(response_format, self.tokenizer, self.model.config.vocab_size, sorted(self.eos))
+        except (FormatError, ImportError) as e:
+            raise OptionError("response_format", str(e)) from None
+
     def _emit(self, seq: Sequence, row: torch.Tensor):
         """Sample the request's next token from its (1, vocab) logits and send the event."""
         tok = seq.sampler(row)
@@ -437,7 +451,8 @@ class Engine:
         if seq.text is not None and not stop_token:     # a stop token's own text is not output (as vLLM)
             text, stopped = seq.text.push(seq.tokens)
         finish = None
-        if stopped or stop_token or (tok in self.eos and not seq.params.ignore_eos):
+        done = seq.sampler.matcher is not None and seq.sampler.matcher.done      # the response_format is complete
+        if stopped or stop_token or done or (tok in self.eos and not seq.params.ignore_eos):
             finish = "stop"
         elif len(seq.tokens) >= seq.params.max_tokens or len(seq.prompt) + len(seq.tokens) >= self.max_context:
             finish = "length"

@@ -77,13 +77,12 @@ def _refuse_surrogates(body: dict, raw: bytes):
 
 # the sampling options passed to SamplingParams as they are (their values checked there)
 OPTIONS = ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty",
-           "seed", "n", "ignore_eos", "stop")
+           "seed", "n", "ignore_eos", "stop", "response_format")
 # fields honoured by each route; and fields accepted only with the value that asks for nothing
 SAMPLING = ("max_tokens", "stop_token_ids", "logit_bias", "stream", "stream_options", *OPTIONS)
 COMPLETION_FIELDS = {"model", "prompt", "logprobs", "best_of", "user", *SAMPLING}
 CHAT_FIELDS = {"model", "messages", "max_completion_tokens", "logprobs", "top_logprobs", "user", *SAMPLING}
-NO_OP = {"echo": False, "suffix": "", "tools": [], "tool_choice": "none", "parallel_tool_calls": False,
-         "response_format": {"type": "text"}}
+NO_OP = {"echo": False, "suffix": "", "tools": [], "tool_choice": "none", "parallel_tool_calls": False}
 ROLES = {"system", "developer", "user", "assistant"}
 MAX_COMPLETION_LOGPROBS = 5     # OpenAI's bound on completions' logprobs (chat's top_logprobs: MAX_LOGPROBS)
 FIELD_OF = {"stop_ids": "stop_token_ids"}    # SamplingOptions' argument -> the request's field, where they differ

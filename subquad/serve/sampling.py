@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from subquad.models.constrain import FormatError, check_format
 from subquad.models.sampling import GREEDY_BELOW, OptionError, Sampler, SamplingOptions  # noqa: F401 (re-exported)
 
 MAX_LOGPROBS = 20      # OpenAI's bound on chat's ``top_logprobs`` (completions' ``logprobs``: 5, in protocol)
@@ -26,14 +27,16 @@ class SamplingParams(SamplingOptions):
     logit_bias, stop_ids, ignore_eos: checked there, the check ``generate`` uses) and ``max_tokens``, ``seed``,
     ``stop`` (strings that end the text when they appear in it, matched on the decoded text across token
     boundaries, not included in the output), ``logprobs`` (None, or how many most likely alternatives to report
-    beside each token's own log-probability, 0..20) and ``n`` (choices: the prompt prefilled once, its state
-    copied per choice; choice i seeded ``seed + i``). Bad values raise ``OptionError`` naming the field."""
+    beside each token's own log-probability, 0..20), ``n`` (choices: the prompt prefilled once, its state
+    copied per choice; choice i seeded ``seed + i``) and ``response_format`` (OpenAI's: text, json_object or
+    json_schema, ``models.constrain``). Bad values raise ``OptionError`` naming the field."""
 
     max_tokens: int = 16
     seed: int | None = None
     stop: list = field(default_factory=list)
     logprobs: int | None = None
     n: int = 1
+    response_format: dict | None = None
 
     def __post_init__(self):
         super().__post_init__()
@@ -52,6 +55,10 @@ class SamplingParams(SamplingOptions):
                 any(not isinstance(s, str) or not s for s in self.stop):
             raise OptionError("stop", f"stop must be a non-empty string or a list of up to 4 of them, got {self.stop!r}")
         self.stop = list(self.stop)
+        try:
+            check_format(self.response_format)
+        except FormatError as e:
+            raise OptionError("response_format", str(e)) from None
         if self.logprobs is not None and (isinstance(self.logprobs, bool) or not isinstance(self.logprobs, int)
                                           or not 0 <= self.logprobs <= MAX_LOGPROBS):
             raise OptionError("logprobs", f"logprobs must be an int in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
@@ -62,10 +69,11 @@ class RowSampler:
     history is ``prompt``, with a generator seeded ``seed + index`` (choice ``index`` of the request; an
     unseeded request gets a generator of its own, randomly seeded, so no request's draws depend on another's)."""
 
-    def __init__(self, params: SamplingParams, device, prompt: list[int], index: int = 0):
+    def __init__(self, params: SamplingParams, device, prompt: list[int], index: int = 0, matcher=None):
         seed = params.seed + index if params.seed is not None else int.from_bytes(os.urandom(8), "little") >> 1
         self.generator = torch.Generator(device=device).manual_seed(seed)
-        self.sampler = Sampler(params, [prompt], self.generator)
+        self.matcher = matcher                  # the row's grammar (``models.constrain.RowMatcher``) or None
+        self.sampler = Sampler(params, [prompt], self.generator, None if matcher is None else [matcher])
 
     def __call__(self, row: torch.Tensor) -> int:
         """row: (1, vocab) logits -> the token id."""

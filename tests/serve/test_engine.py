@@ -489,3 +489,38 @@ def test_a_subquad_run_ends_text_at_its_tokenizers_end_of_text():
     assert end_of_text_ids(model, Tokenizer(models.WordLevel({"a": 0}, unk_token="a"))) == []
     model.config.eos_token_ids = [7]
     assert end_of_text_ids(model, tok) == [7]
+
+
+def test_response_format_rows_equal_generate_alone_and_parse():
+    """A JSON-schema request and a JSON-object one beside a plain one: each equal to ``generate`` alone with the
+    same response_format, the constrained ones ended ("stop") by the grammar, their text valid JSON; the
+    request's field checked through the protocol (a 400 naming response_format)."""
+    import json
+
+    pytest.importorskip("llguidance")
+    from subquad.serve.protocol import parse_completion
+    from tests.models.test_constrain import FORMAT, tiny_json_model
+
+    tok, model = tiny_json_model()
+    model = model.float()
+    prompt = tok.encode("a b").ids
+    reqs = [SamplingParams(max_tokens=40, temperature=0.9, seed=5, response_format=FORMAT),
+            SamplingParams(max_tokens=8, temperature=0.9, seed=6),
+            SamplingParams(max_tokens=60, temperature=0, response_format={"type": "json_schema",
+                                                                           "json_schema": {"schema": FORMAT[
+                                                                               "json_schema"]["schema"]}})]
+    engine = Engine(model, tok, state_cache_mb=0)
+    seqs = run_all(engine, [(prompt, p) for p in reqs])
+    for seq, p in zip(seqs, reqs, strict=True):
+        want = model.generate(prompt, p.max_tokens, temperature=p.temperature, seed=p.seed,
+                              response_format=p.response_format, tokenizer=tok)[0]
+        assert seq.tokens == want
+        if p.response_format is not None:
+            assert seq.finish_reason == "stop" and set(json.loads(tok.decode(seq.tokens))) == {"ok", "n", "color"}
+    body = {"model": "m", "prompt": "x", "response_format": {"type": "json_object"}}
+    assert parse_completion(body, 256).params.response_format == {"type": "json_object"}
+    with pytest.raises(Exception, match="response_format"):
+        parse_completion({**body, "response_format": {"type": "yaml"}}, 256)
+    with pytest.raises(OptionError, match="response_format"):
+        Engine(model, None, state_cache_mb=0).submit(prompt, SamplingParams(response_format={"type": "json_object"}))
+

@@ -311,7 +311,8 @@ def malformed(n: int, seed: int = 0):
         "repetition_penalty": [0, -1.5], "min_p": [-0.1, 1.5], "ignore_eos": ["yes", 1],
         "logit_bias": [{"5": 101}, {"\ud800": 1}, {"-1": 1}, {"x": 1}, {str(V): 1}, {"5": "x"}, {"5": None}],
         "stop_token_ids": [[-1], [V], [1.5], "5", [True]],
-        "response_format": [{"type": "json_object"}, {"type": "json_schema", "json_schema": {}}],
+        "response_format": [{"type": "xml"}, {"type": "json_schema", "json_schema": 3}, "json",
+                            {"type": "json_schema", "json_schema": {"schema": {"type": "nope"}}}],
         "stream_options": [{"include_usage": True}], "user": [5, "\ud800"],
         # unknown fields, their names ASCII, not, or a lone surrogate (named back escaped: "\\ud800")
         "foo": [1, "x"], "na\u00efve": [1], "\u043a\u043b\u044e\u0447": ["x"], "\ud800": [1], "a\udfffb": ["x"],
