@@ -1,0 +1,188 @@
+"""Speculative decoding measured (``models.speculative``): tokens per model forward, acceptance and decode
+tokens/s for prompt lookup ("ngram") and a draft model against plain decoding, at batch 1 and 8, greedy, on an
+input-grounded task and on free continuation, with models trained here on the embedded corpus (random weights
+would make acceptance meaningless).
+
+    python benchmarks/bench_speculative.py                 # trains both models once (~10-20 min), then ~5 min
+    python benchmarks/bench_speculative.py --quick         # a few training steps: checks the script runs
+
+The target: the ``small`` preset as a hybrid (Mamba-2 and softmax attention, 6 layers of 256), the draft: the
+``micro`` preset (4 layers of 128, GLA) on the same tokens and tokenizer; both trained ``--steps`` steps and kept
+in ``--out`` (reused when there). The target decodes with its compiled step (``compile_decode``) in every mode;
+a verification is an eager forward over the drafted tokens.
+
+Tasks (prompts from the corpus' held-out split, never trained on):
+- **edit** (input-grounded): a held-out standard-library function, then a comment asking for the same function
+  with one parameter renamed, then the renamed signature line; the model continues the body (a model that
+  copies its context well repeats most of it: what prompt lookup is for).
+- **free**: 192 tokens of a held-out file; the model continues.
+
+Each row: generated tokens / wall time (the prefill excluded), tokens per verification step, the drafts'
+acceptance, and whether the output equals plain greedy decoding's (it must, up to float32 near-ties).
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import json
+import random
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks.common import OUT, machine_line, matmul_gflops  # noqa: E402
+from subquad.data.corpus import stdlib_corpus  # noqa: E402
+from subquad.data.dataset import prepare  # noqa: E402
+from subquad.models import presets  # noqa: E402
+from subquad.models.decode import compile_decode  # noqa: E402
+from subquad.train import load_run  # noqa: E402
+from subquad.train.run import train_run  # noqa: E402
+from subquad.train.trainer import TrainConfig  # noqa: E402
+
+TARGET = {"preset": "small", "pattern": "mamba2,mamba2,softmax,mamba2,mamba2,softmax"}
+DRAFT = {"preset": "micro", "pattern": "gla"}
+
+
+def train_or_load(out: Path, spec: dict, steps: int, token_data, log):
+    """The run in ``out`` (trained ``steps`` steps first if it is not there)."""
+    if not (out / "config.json").exists():
+        cfg = presets.preset(spec["preset"], pattern=spec["pattern"], vocab_size=4096)
+        train_run(cfg, TrainConfig(steps=steps, batch_size=16, eval_every=max(steps // 4, 1),
+                                   ckpt_every=steps), out, token_data=token_data, log=log)
+    model, tok, _ = load_run(out)
+    return model.eval(), tok
+
+
+def edit_prompts(tok, n: int, rng: random.Random) -> list[list[int]]:
+    """Held-out functions of 8-30 lines with a parameter to rename: source, the request, the new signature."""
+    out = []
+    docs = [d for d in stdlib_corpus().heldout if d.lstrip().startswith(('"""', "#", "import", "from", "def", "class"))]
+    rng.shuffle(docs)
+    for doc in docs:
+        try:
+            tree = ast.parse(doc)
+        except (SyntaxError, ValueError):
+            continue
+        for node in tree.body:
+            if not isinstance(node, ast.FunctionDef) or not 8 <= node.end_lineno - node.lineno <= 30:
+                continue
+            args = [a.arg for a in node.args.args if a.arg not in ("self", "cls") and len(a.arg) > 2]
+            if not args:
+                continue
+            src = "\n".join(doc.splitlines()[node.lineno - 1:node.end_lineno])
+            old = args[0]
+            new = old + "_value"
+            head = src.splitlines()[0].replace(old, new)
+            text = f"{src}\n\n\n# The same function, with the parameter `{old}` renamed to `{new}`:\n{head}\n"
+            ids = tok.encode(text).ids
+            if len(ids) <= 400:
+                out.append(ids)
+            break
+        if len(out) == n:
+            return out
+    return out
+
+
+def free_prompts(tok, n: int, rng: random.Random) -> list[list[int]]:
+    docs = [d for d in stdlib_corpus().heldout if len(d) > 4000]
+    rng.shuffle(docs)
+    return [tok.encode(d).ids[:192] for d in docs[:n]]
+
+
+def run(model, prompts, new_tokens, batch, speculative=None, draft_tokens=4) -> dict:
+    """Decode every prompt (in batches of ``batch``), greedy -> tokens/s, tokens per step, acceptance, outputs."""
+    outs, t_total, gen, steps, emitted, drafted, accepted = [], 0.0, 0, 0, 0, 0, 0
+    for i in range(0, len(prompts), batch):
+        group = prompts[i:i + batch]
+        with torch.no_grad():
+            _, state = model.prefill(torch.tensor([group[0][:-1]])) if batch == 1 else (None, None)
+        t = time.perf_counter()
+        kw = {} if speculative is None else {"speculative": speculative, "draft_tokens": draft_tokens}
+        out, _ = model.generate(group if batch > 1 else group[0], new_tokens, temperature=0, ignore_eos=True, **kw)
+        t_total += time.perf_counter() - t
+        out = out if batch > 1 else [out]
+        outs += out
+        gen += sum(len(o) for o in out)
+        st = getattr(model, "speculation_stats", None) if speculative is not None else None
+        if st is not None:
+            steps, emitted = steps + st.row_steps, emitted + st.emitted
+            drafted, accepted = drafted + st.drafted, accepted + st.accepted
+        del state
+    return {"tok_s": gen / t_total, "tokens_per_step": emitted / steps if steps else 1.0,
+            "acceptance": accepted / drafted if drafted else float("nan"), "outs": outs}
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--steps", type=int, default=1500, help="training steps of each model")
+    ap.add_argument("--out", default=str(OUT / "speculative"), help="where the two runs are kept")
+    ap.add_argument("--prompts", type=int, default=8, help="prompts per task")
+    ap.add_argument("--new-tokens", type=int, default=128)
+    ap.add_argument("--draft-tokens", type=int, default=6)
+    ap.add_argument("--quick", action="store_true", help="20 training steps, 2 prompts, 24 tokens: the script runs")
+    args = ap.parse_args(argv)
+    if args.quick:
+        args.steps, args.prompts, args.new_tokens, args.out = 20, 2, 24, str(Path(args.out) / "quick")
+    torch.set_num_threads(2)
+    out = Path(args.out)
+    td = prepare(None, 4096, log=print)
+    target, tok = train_or_load(out / "target", TARGET, args.steps, td, print)
+    draft, _ = train_or_load(out / "draft", DRAFT, args.steps, td, print)
+    t = time.perf_counter()
+    compile_decode(target)
+    compile_s = time.perf_counter() - t
+    rng = random.Random(0)
+    tasks = {"edit": edit_prompts(tok, args.prompts, rng), "free": free_prompts(tok, args.prompts, rng)}
+    gflops = matmul_gflops()
+    print(machine_line(gflops))
+    print(f"target {TARGET}, draft {DRAFT}, {args.steps} training steps each; compile_decode {compile_s:.1f} s; "
+          f"{args.new_tokens} new tokens per prompt, greedy, draft_tokens={args.draft_tokens}")
+    print("| task | batch | mode | tokens/s | x plain | tokens/step | acceptance | = plain |")
+    print("|---|---:|---|---:|---:|---:|---:|---:|")
+    rows = []
+    for task, prompts in tasks.items():
+        for batch in (1, min(8, len(prompts))):
+            plain = run(target, prompts, args.new_tokens, batch)
+            for mode, spec in (("plain", None), ("ngram", "ngram"), ("draft model", draft)):
+                r = plain if spec is None else run(target, prompts, args.new_tokens, batch, spec, args.draft_tokens)
+                same = sum(a == b for a, b in zip(r["outs"], plain["outs"], strict=True)) / len(prompts)
+                row = {"task": task, "batch": batch, "mode": mode, "tok_s": r["tok_s"],
+                       "speedup": r["tok_s"] / plain["tok_s"], "tokens_per_step": r["tokens_per_step"],
+                       "acceptance": r["acceptance"], "same": same}
+                rows.append(row)
+                print(f"| {task} | {batch} | {mode} | {r['tok_s']:.1f} | {row['speedup']:.2f} | "
+                      f"{r['tokens_per_step']:.2f} | {r['acceptance']:.2f} | {100 * same:.0f}% |", flush=True)
+    (out / "results.json").write_text(json.dumps(rows, indent=1))
+    plot(rows, out / "speculative.png")
+    print(f"plot: {out / 'speculative.png'}")
+
+
+def plot(rows, path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    keys = sorted({(r["task"], r["batch"]) for r in rows})
+    modes = ["plain", "ngram", "draft model"]
+    fig, ax = plt.subplots(figsize=(8, 4))
+    w = 0.8 / len(modes)
+    for j, mode in enumerate(modes):
+        vals = [next(r["speedup"] for r in rows if (r["task"], r["batch"]) == k and r["mode"] == mode) for k in keys]
+        ax.bar([i + j * w for i in range(len(keys))], vals, w, label=mode)
+    ax.set_xticks([i + w for i in range(len(keys))], [f"{t}, batch {b}" for t, b in keys])
+    ax.axhline(1.0, color="gray", lw=0.8)
+    ax.set_ylabel("decode tokens/s / plain")
+    ax.set_title("speculative decoding, greedy (bench_speculative.py)")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+if __name__ == "__main__":
+    main()
