@@ -27,7 +27,8 @@ One loop iteration (``step``), vLLM's scheduler in miniature:
    (``rows.cat_states``).
 4. One decoding step for every row together (``LanguageModel.step``); each row samples its token with
    its own generator (``RowSampler``), finished rows leave (``rows.select_rows``) and their state is kept
-   in the prefix cache under the tokens it has consumed.
+   in the prefix cache under the tokens it has consumed; a row whose state reaches a multiple of
+   ``prefix_block`` tokens is kept there too, so the guarantee above covers answers as well as prompts.
 
 Memory. Every KV cache the engine holds is sized once for the longest ``prompt + max_tokens`` among the rows
 it serves (``rows.with_capacity``: a left-padded batch holds every row as long as its longest), so steps and
@@ -442,6 +443,11 @@ class Engine:
                 traceback.print_exc()
                 self._end(seq, "error", "errors")
         self._recent.append((time.monotonic(), len(self.running)))
+        if self.cache.max_bytes:                            # a row's state at a block's end: a checkpoint too
+            for i, seq in enumerate(self.running):
+                at = len(seq.prompt) + len(seq.tokens) - 1      # tokens its state has consumed
+                if seq.finish_reason is None and at % self.prefix_block == 0:
+                    self._keep(seq.prompt + seq.tokens[:-1], select_rows(self.batch_state, [i]), copy=False)
         done = [i for i, s in enumerate(self.running) if s.finish_reason is not None]
         ended = {i: self.running[i] for i in done}
         finals = {}
