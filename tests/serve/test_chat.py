@@ -6,7 +6,12 @@ import re
 
 import pytest
 
-from subquad.serve.chat import ChatTemplate, TemplateError, load_chat_template, message_ends
+from subquad.serve.chat import (
+    ChatTemplate,
+    TemplateError,
+    load_chat_template,
+    message_ends,
+)
 
 TEMPLATES = [
     # ChatML with a default system prompt, trim_blocks/lstrip_blocks-sensitive layout
