@@ -458,6 +458,9 @@ def test_cli_refuses_bad_serve_arguments(tmp_path, capsys):
     assert "max_queue" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main(["serve", "--model", str(path), "--state-cache-mb", "-5"])
+    with pytest.raises(SystemExit):
+        main(["serve", "--model", str(path), "--prefix-block", "0"])
+    assert "--prefix-block" in capsys.readouterr().err
 
 
 def test_streamed_logprobs_carry_the_text_offsets_of_the_plain_response(hybrid):
