@@ -192,8 +192,9 @@ class Engine:
         """Queue a request; returns its handle. ``on_event(Event)`` is called from the loop's thread for each
         event (else read them with ``stream``). With ``params.n`` > 1 the handle is choice 0 and ``seq.choices``
         holds all n. ``boundaries``: token counts in (0, len(prompt)) where the prompt's chat messages end
-        (``chat.message_ends``); the prefix cache keeps a checkpoint at each. ValueError names what is wrong with the request (``OptionError`` its option); QueueFull
-        when ``max_queue`` requests already wait; NotAccepting while draining."""
+        (``chat.message_ends``); the prefix cache keeps a checkpoint at each. ValueError names what is wrong
+        with the request (``OptionError`` its option); QueueFull when ``max_queue`` requests already wait;
+        NotAccepting while draining."""
         params = params or SamplingParams()
         if not isinstance(prompt, (list, tuple)) or not prompt:
             raise ValueError("prompt must hold at least one token")
