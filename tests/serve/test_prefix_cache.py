@@ -5,6 +5,7 @@ that share, fork and diverge mid-block, each answer equal to ``generate`` run al
 
 import random
 
+import pytest
 import torch
 
 from subquad.models import LanguageModel
@@ -88,6 +89,8 @@ def test_500_random_conversations_equal_generate_alone_and_resume_from_their_dee
     model = model_of("bamba")
     block = 8
     engine = Engine(model, max_batch=16, prefill_chunk=24, state_cache_mb=256, prefix_block=block)
+    with pytest.raises(ValueError, match="boundaries"):
+        engine.submit([1, 2, 3], boundaries=[3])              # a message end is inside the prompt
     rng = random.Random(0)
     served = []                       # (prompt, message ends it prefilled through, answer) of earlier waves
     total = 0
