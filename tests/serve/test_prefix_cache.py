@@ -8,7 +8,7 @@ import random
 import pytest
 import torch
 
-from subquad.models import LanguageModel
+from subquad.models import LanguageModel, ModelConfig
 from subquad.ops import KVCache
 from subquad.serve import Engine, SamplingParams
 from subquad.serve.prefix_cache import PrefixCache
@@ -17,6 +17,11 @@ from tests.serve.helpers import V, config
 
 def model_of(kind):
     torch.manual_seed(0)
+    if kind == "small hybrid":        # Mamba-2 then attention (GQA, partial rotary), no MLP: cheap forwards
+        return LanguageModel(ModelConfig(vocab_size=V, d_model=32, n_layers=2, n_heads=2, n_kv_heads=1,
+                                         pattern="mamba2,softmax", mlp=False, tie_embeddings=False,
+                                         mixer_options={"softmax": {"rotary_fraction": 0.5},
+                                                        "mamba2": {"norm_eps": 1e-6}})).eval()
     return LanguageModel(config(kind)).eval()
 
 
@@ -73,6 +78,13 @@ def test_the_tree_holds_each_tokens_kv_once_and_assembles_each_checkpoint_exactl
     assert cache.evict(0) and cache.nbytes == 0 and cache.tensors() == [] and len(cache) == 0
 
 
+def _events(seq):
+    out = []
+    while not seq.events.empty():
+        out.append(seq.events.get_nowait())
+    return [ev for ev in out if ev.token is not None]
+
+
 def _lcp(x, y) -> int:
     n = 0
     while n < min(len(x), len(y)) and x[n] == y[n]:
@@ -82,11 +94,12 @@ def _lcp(x, y) -> int:
 
 def test_500_random_conversations_equal_generate_alone_and_resume_from_their_deepest_shared_block():
     """Conversations that fork a served prompt at any token (mid-block), continue a served turn, or start
-    afresh, with random chat-message ends, 20 per wave: each answer equals ``generate`` alone, and each resumes
+    afresh, with random chat-message ends, 20 per wave: each answer equals ``generate`` alone (and each token's
+    log-probability a forward over the whole text's, to 2e-5), and each resumes
     at least ``M - M % block`` tokens in, M the tokens it shares with a prompt served before its wave (at most
     its length - 1), or at a finished turn it continues, or at a message end it shares (one its request
     prefilled through, not skipped by resuming past it)."""
-    model = model_of("bamba")
+    model = model_of("small hybrid")
     block = 8
     engine = Engine(model, max_batch=16, prefill_chunk=24, state_cache_mb=256, prefix_block=block)
     with pytest.raises(ValueError, match="boundaries"):
@@ -106,14 +119,21 @@ def test_500_random_conversations_equal_generate_alone_and_resume_from_their_dee
                 prompt = p[:rng.randint(1, len(p))] + [rng.randrange(V) for _ in range(rng.randint(1, 12))]
             else:
                 prompt = [rng.randrange(V) for _ in range(rng.randint(1, 30))]
-            prompt = prompt[:60]
+            prompt = prompt[:48]
             ends = sorted(rng.sample(range(1, len(prompt)), min(len(prompt) - 1, rng.randint(0, 2))))
-            wave.append((prompt, ends, SamplingParams(max_tokens=rng.randint(1, 3), temperature=0)))
+            wave.append((prompt, ends, SamplingParams(max_tokens=rng.randint(1, 3), temperature=0, logprobs=0)))
         seqs = [engine.submit(p, sp, boundaries=ends) for p, ends, sp in wave]
         while engine.step():
             pass
         for (p, ends, sp), seq in zip(wave, seqs):
             assert seq.tokens == model.generate(p, sp.max_tokens, temperature=0)[0], (total, p)
+            # the tokens' log-probabilities against one forward over the whole text: a state off by far less
+            # than it takes to change a greedy token shows here
+            got = [ev.logprob for ev in _events(seq)]
+            with torch.no_grad():
+                logits = model.prefill(torch.tensor([p + seq.tokens[:-1]]))[0][0, len(p) - 1:].double()
+            want = logits.log_softmax(-1)[torch.arange(len(seq.tokens)), seq.tokens]
+            torch.testing.assert_close(torch.tensor(got, dtype=torch.float64), want, rtol=0, atol=2e-5)
             m = len(p) - 1
             want = 0
             for q, q_ends, ans in served:
