@@ -32,6 +32,10 @@ def add_parser(command) -> None:
                    help="prompt tokens prefilled per loop iteration, between decoding steps")
     v.add_argument("--state-cache-mb", type=nonneg_float, default=256.0,
                    help="bound of the prefix-state cache, exact bytes (0: no cache)")
+    v.add_argument("--prefix-block", type=positive,
+                   help="prompt tokens between two prefix-state checkpoints kept during prefill (also kept at each "
+                        "chat message's end); a prompt sharing N tokens with a cached one resumes at least "
+                        "N - N %% block in (default: serve.engine.PREFIX_BLOCK, 256)")
     v.add_argument("--memory-mb", type=nonneg_float,
                    help="admission budget for live states (KV buffers as allocated, twice while the batch changes) "
                         "plus the prefix cache; 0: no bound (default: half the memory available at start - "
@@ -103,7 +107,7 @@ def run(args) -> int:
     memory_mb = default_memory_mb(args.device) if args.memory_mb is None else args.memory_mb or None  # 0: none
     engine = Engine(model, tok, max_batch=args.max_batch, max_queue=args.max_queue, max_context=args.max_context,
                     prefill_chunk=args.prefill_chunk, state_cache_mb=args.state_cache_mb, memory_mb=memory_mb,
-                    eos_ids=end_of_text_ids(model, tok))
+                    eos_ids=end_of_text_ids(model, tok), prefix_block=args.prefix_block)
     return serve_api(engine, name, host=args.host, port=args.port, chat_template=chat_template,
                      api_key=key, drain_timeout=args.drain_timeout, max_body_mb=args.max_body_mb or MAX_BODY_MB)
 

@@ -22,6 +22,7 @@ import json
 import time
 import uuid
 
+from subquad.serve.chat import message_ends
 from subquad.serve.engine import Engine, Event, NotAccepting, QueueFull
 from subquad.serve.protocol import (APIError, OptionError, Parsed, bad, option_error, parse_body, parse_chat,
                                     parse_completion, parse_detokenize, parse_tokenize)
@@ -149,13 +150,13 @@ def create_app(engine: Engine, model_name: str, chat_template=None, api_key: str
         except TemplateError as e:
             raise bad("messages", f"messages: {e}") from None
 
-    def submit(parsed: Parsed, ids: list[int], field: str, on_event):
+    def submit(parsed: Parsed, ids: list[int], field: str, on_event, boundaries=()):
         """Hand the request to the engine, its refusals turned into HTTP errors (429, 503, 400 by field)."""
         p = parsed.params
         if not parsed.max_tokens_given and field == "messages":   # chat: up to the context, as OpenAI's default
             p.max_tokens = max(1, engine.max_context - len(ids))
         try:
-            return engine.submit(ids, p, on_event)
+            return engine.submit(ids, p, on_event, boundaries=boundaries)
         except QueueFull as e:
             raise APIError(429, f"the server is busy: {e}; retry later", code="rate_limit_exceeded",
                            type="rate_limit_error", headers={"Retry-After": "1"}) from None
@@ -166,8 +167,9 @@ def create_app(engine: Engine, model_name: str, chat_template=None, api_key: str
         except ValueError as e:                 # the prompt's ids (the engine names them "prompt")
             raise bad(field if str(e).startswith("prompt") else None, str(e)) from None
 
-    async def run(request: Request, parsed: Parsed, ids: list[int], field: str, render):
-        """Submit and answer: a server-sent event stream, or the whole response once every choice has ended."""
+    async def run(request: Request, parsed: Parsed, ids: list[int], field: str, render, boundaries=()):
+        """Submit and answer: a server-sent event stream, or the whole response once every choice has ended.
+        ``boundaries``: the prompt's chat-message ends (prefix checkpoints are kept there)."""
         loop = asyncio.get_running_loop()
         events: asyncio.Queue = asyncio.Queue()
 
@@ -178,7 +180,7 @@ def create_app(engine: Engine, model_name: str, chat_template=None, api_key: str
             except RuntimeError:            # the event loop is gone (shutdown): nobody is listening
                 pass
 
-        seq = submit(parsed, ids, field, on_event)
+        seq = submit(parsed, ids, field, on_event, boundaries)
         rid, now = render.prefix + uuid.uuid4().hex[:24], int(time.time())
         if parsed.stream:
             return StreamingResponse(_stream(seq, events, render, rid, now, parsed.include_usage),
@@ -246,7 +248,10 @@ def create_app(engine: Engine, model_name: str, chat_template=None, api_key: str
         parsed = parse_chat(await read(request), engine.max_context)
         check_model(parsed.model)
         text = await render_chat(parsed.prompt)
-        return await run(request, parsed, await encode(text, False, "messages"), "messages", _Chat(model_name, tok))
+        ids = await encode(text, False, "messages")
+        ends = await run_in_threadpool(message_ends, chat_template, parsed.prompt,
+                                       lambda t: tok.encode(t, add_special_tokens=False).ids, ids)
+        return await run(request, parsed, ids, "messages", _Chat(model_name, tok), ends)
 
     @app.post("/tokenize")
     async def tokenize(request: Request):

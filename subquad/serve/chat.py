@@ -80,3 +80,20 @@ def load_chat_template(folder) -> ChatTemplate | None:
         if isinstance(v, str):
             special[name] = v
     return ChatTemplate(source, special)
+
+
+def message_ends(template: ChatTemplate, messages: list[dict], encode, ids: list[int]) -> list[int]:
+    """Where each message ends in the prompt ``ids`` (the encoding of ``template.render(messages)``), as token
+    counts: the template rendered on the first i messages without a generation prompt, encoded with
+    ``encode(text) -> ids``, where that is a prefix of ``ids`` (a template that renders a message differently
+    once more follow, or a tokenizer that merges across the end, gives no boundary there). The prompt's own
+    end is left out. Costs one render and one encoding per message, off the event loop in the server."""
+    ends = []
+    for i in range(1, len(messages) + 1):
+        try:
+            part = encode(template.render(messages[:i], add_generation_prompt=False))
+        except (TemplateError, TypeError, ValueError, UnicodeError):
+            continue                    # e.g. a template that refuses a conversation ending on a user turn
+        if 0 < len(part) < len(ids) and ids[:len(part)] == part and (not ends or len(part) > ends[-1]):
+            ends.append(len(part))
+    return ends

@@ -14,14 +14,21 @@ for choices 1..n-1 (``seq.choices``; each has its own events, ``Event.index`` it
 One loop iteration (``step``), vLLM's scheduler in miniature:
 
 1. Cancelled requests leave (their rows are dropped from the batch state).
-2. Admission: waiting requests join while the batch has room and the memory budget (below) allows; each
-   resumes from the longest cached prefix of its prompt (``PrefixCache``).
+2. Admission: waiting requests join while the batch has room and the memory budget (below) allows.
 3. Chunked prefill: at most ``prefill_chunk`` prompt tokens are prefilled per iteration, one request at a
    time, so a long prompt is spread over many iterations and never stalls the rows that are decoding. A
-   request whose prompt is done samples its first token and joins the batch (``rows.cat_states``).
+   request resumes from the deepest checkpoint of its prompt in the prefix cache (``PrefixCache``, a radix
+   tree) when its first piece is due - not at admission, so the requests admitted together behind one that
+   prefills a shared system prompt find it. It prefills in pieces that end at every multiple of
+   ``prefix_block`` tokens and at each end of a chat message (``submit(boundaries=)``), and keeps its state
+   at each as a checkpoint: a later prompt sharing N tokens with this one resumes at least
+   ``N - N % prefix_block`` tokens in (the prompt's last token is always prefilled: it gives the first
+   token's logits). A request whose prompt is done samples its first token and joins the batch
+   (``rows.cat_states``).
 4. One decoding step for every row together (``LanguageModel.step``); each row samples its token with
    its own generator (``RowSampler``), finished rows leave (``rows.select_rows``) and their state is kept
-   in the prefix cache under the tokens it has consumed.
+   in the prefix cache under the tokens it has consumed; a row whose state reaches a multiple of
+   ``prefix_block`` tokens is kept there too, so the guarantee above covers answers as well as prompts.
 
 Memory. Every KV cache the engine holds is sized once for the longest ``prompt + max_tokens`` among the rows
 it serves (``rows.with_capacity``: a left-padded batch holds every row as long as its longest), so steps and
@@ -61,6 +68,8 @@ from subquad.models.constrain import FormatError, Grammar, check_format
 from subquad.serve.sampling import OptionError, RowSampler, SamplingParams, logprobs_of
 from subquad.serve.text import TextStream
 
+PREFIX_BLOCK = 256    # prompt tokens between two prefix checkpoints (benchmarks/RESULTS.md, "Prefix checkpoints")
+
 
 class QueueFull(RuntimeError):
     """The waiting queue is at ``max_queue``: try again later (HTTP 429)."""
@@ -90,10 +99,14 @@ class Sequence:
 
     _ids = itertools.count()
 
-    def __init__(self, prompt: list[int], params: SamplingParams, sampler: RowSampler, text, on_event, index=0):
-        """Its prompt ids, parameters, sampler, text stream (None without a tokenizer), event callback and choice."""
+    def __init__(self, prompt: list[int], params: SamplingParams, sampler: RowSampler, text, on_event, index=0,
+                 boundaries=()):
+        """Its prompt ids, parameters, sampler, text stream (None without a tokenizer), event callback, choice
+        and the prompt's chat-message ends (token counts: checkpoints are kept there)."""
         self.id = next(Sequence._ids)
         self.prompt, self.params, self.sampler, self.text, self.index = prompt, params, sampler, text, index
+        self.boundaries = sorted(set(boundaries))
+        self.resumed = False               # has it looked for its prefix in the cache (at its first piece)
         self.choices: list[Sequence] = [self]   # every choice of the request (on choice 0)
         self.forks: list[Sequence] = []         # choices 1..n-1 until the prompt is done and they are copied
         self.tokens: list[int] = []
@@ -129,13 +142,16 @@ class Engine:
     for text and stop strings (None: tokens only). ``memory_mb``: the budget for live states plus the
     prefix cache (module doc; None: no limit but ``state_cache_mb``; ``subquad serve`` defaults it to half
     the memory available, ``available_memory_bytes``). ``eos_ids``: default the model's
-    ``config.eos_token_ids``."""
+    ``config.eos_token_ids``. ``prefix_block``: prefill keeps a checkpoint every this many prompt tokens
+    (module doc; ``PREFIX_BLOCK`` by default)."""
 
     def __init__(self, model, tokenizer=None, *, max_batch: int = 16, max_queue: int = 64, max_context: int = 4096,
                  prefill_chunk: int = 512, state_cache_mb: float = 256.0, memory_mb: float | None = None,
-                 eos_ids=None):
+                 eos_ids=None, prefix_block: int | None = None):
         """Check the limits, measure one row's state and set up the queues (the loop starts with ``start``)."""
-        for name, v in (("max_batch", max_batch), ("max_context", max_context), ("prefill_chunk", prefill_chunk)):
+        prefix_block = PREFIX_BLOCK if prefix_block is None else prefix_block
+        for name, v in (("max_batch", max_batch), ("max_context", max_context), ("prefill_chunk", prefill_chunk),
+                        ("prefix_block", prefix_block)):
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"{name} must be an int >= 1, got {v!r}")
         if isinstance(max_queue, bool) or not isinstance(max_queue, int) or max_queue < 0:
@@ -153,6 +169,7 @@ class Engine:
         self.max_batch, self.max_queue, self.max_context, self.prefill_chunk = max_batch, max_queue, max_context, prefill_chunk
         self.budget = None if memory_mb is None else int(memory_mb * 2 ** 20)
         self.cache = PrefixCache(int(state_cache_mb * 2 ** 20))
+        self.prefix_block = prefix_block
         self.eos = set(model.config.eos_token_ids if eos_ids is None else eos_ids)
         self._fixed_bytes, self._fixed_held, self._kv_layers = self._measure_row()
         self._inbox: deque = deque()       # submitted, not yet seen by the loop
@@ -172,11 +189,13 @@ class Engine:
 
     # -- the public interface -------------------------------------------------------------------------
 
-    def submit(self, prompt, params: SamplingParams | None = None, on_event=None) -> Sequence:
+    def submit(self, prompt, params: SamplingParams | None = None, on_event=None, boundaries=()) -> Sequence:
         """Queue a request; returns its handle. ``on_event(Event)`` is called from the loop's thread for each
         event (else read them with ``stream``). With ``params.n`` > 1 the handle is choice 0 and ``seq.choices``
-        holds all n. ValueError names what is wrong with the request (``OptionError`` its option); QueueFull
-        when ``max_queue`` requests already wait; NotAccepting while draining."""
+        holds all n. ``boundaries``: token counts in (0, len(prompt)) where the prompt's chat messages end
+        (``chat.message_ends``); the prefix cache keeps a checkpoint at each. ValueError names what is wrong
+        with the request (``OptionError`` its option); QueueFull when ``max_queue`` requests already wait;
+        NotAccepting while draining."""
         params = params or SamplingParams()
         if not isinstance(prompt, (list, tuple)) or not prompt:
             raise ValueError("prompt must hold at least one token")
@@ -194,6 +213,8 @@ class Engine:
             raise OptionError("n", f"n={params.n} choices are over the server's max batch of {self.max_batch}")
         params.check_vocab(V)
         grammar = self._grammar(params.response_format)
+        if any(isinstance(b, bool) or not isinstance(b, int) or not 0 < b < len(prompt) for b in boundaries):
+            raise ValueError(f"boundaries must be token counts in (0, {len(prompt)}), got {list(boundaries)}")
         rows = [len(prompt) + params.max_tokens] * params.n
         if self.budget is not None and 2 * self.held_bytes(rows) > self.budget:
             raise OptionError("max_tokens", f"max_tokens={params.max_tokens}: the prompt and max_tokens need "
@@ -205,7 +226,7 @@ class Engine:
             if self.tokenizer is not None:
                 text = TextStream(lambda ids: self.tokenizer.decode(ids, skip_special_tokens=True), params.stop)
             sampler = RowSampler(params, self.device, list(prompt), i, None if grammar is None else grammar.matcher())
-            seqs.append(Sequence(list(prompt), params, sampler, text, on_event, index=i))
+            seqs.append(Sequence(list(prompt), params, sampler, text, on_event, index=i, boundaries=boundaries))
         seq = seqs[0]
         seq.choices, seq.forks = seqs, seqs[1:]
         with self._lock:
@@ -318,12 +339,6 @@ class Engine:
                         break                       # wait until a row leaves
             self.waiting.popleft()
             self.prefilling.append(seq)
-            try:
-                seq.prefilled, seq.state = self.cache.lookup(seq.prompt, max_len=len(seq.prompt) - 1)
-            except Exception:
-                self._fault(seq, self.prefilling)
-                continue
-            seq.cached_tokens = seq.prefilled
 
     def _prefill(self) -> list:
         """Spend up to ``prefill_chunk`` prompt tokens; returns the requests whose prompt is done and who go on.
@@ -331,8 +346,12 @@ class Engine:
         budget, joiners = self.prefill_chunk, []
         while self.prefilling and budget > 0:
             seq = self.prefilling[0]
-            n = min(len(seq.prompt) - seq.prefilled, budget)
             try:
+                if not seq.resumed:                     # its first piece: from the deepest checkpoint there is now
+                    seq.resumed = True
+                    seq.prefilled, seq.state = self.cache.lookup(seq.prompt, max_len=len(seq.prompt) - 1)
+                    seq.cached_tokens = seq.prefilled
+                n = min(self._next_stop(seq), seq.prefilled + budget) - seq.prefilled
                 self._prefill_one(seq, n)
             except Exception:
                 self._fault(seq, self.prefilling)
@@ -349,9 +368,19 @@ class Engine:
                         self._finished(s, None)
         return joiners
 
+    def _next_stop(self, seq: Sequence) -> int:
+        """Where the request's next prefill piece ends: the next multiple of ``prefix_block``, the next end of
+        a chat message or the prompt's end, whichever comes first (the prompt's end only without a cache)."""
+        end = len(seq.prompt)
+        if not self.cache.max_bytes:
+            return end
+        block = (seq.prefilled // self.prefix_block + 1) * self.prefix_block
+        message = next((b for b in seq.boundaries if b > seq.prefilled), end)
+        return min(end, block, message)
+
     def _prefill_one(self, seq: Sequence, n: int):
-        """Prefill the request's next ``n`` prompt tokens; at the prompt's end keep its state in the prefix
-        cache and sample its first token."""
+        """Prefill the request's next ``n`` prompt tokens; at a block's or a message's end keep its state in the
+        prefix cache; at the prompt's end keep it too and sample its first token."""
         ids = torch.tensor([seq.prompt[seq.prefilled:seq.prefilled + n]], dtype=torch.long, device=self.device)
         if seq.state is not None:                   # its KV caches sized once: chunks append in place
             seq.state = with_capacity(seq.state, seq.max_len)
@@ -359,6 +388,9 @@ class Engine:
         seq.state = with_capacity(seq.state, seq.max_len)
         seq.prefilled += n
         self.counters["prefill_tokens"] += n
+        at = seq.prefilled
+        if at < len(seq.prompt) and self.cache.max_bytes and (at % self.prefix_block == 0 or at in seq.boundaries):
+            self._keep(seq.prompt[:at], seq.state)
         if seq.prefilled == len(seq.prompt):
             self._keep(seq.prompt, seq.state)
             for f in seq.forks:                     # the other choices: copies of the prompt's state
@@ -414,6 +446,11 @@ class Engine:
                 traceback.print_exc()
                 self._end(seq, "error", "errors")
         self._recent.append((time.monotonic(), len(self.running)))
+        if self.cache.max_bytes:                            # a row's state at a block's end: a checkpoint too
+            for i, seq in enumerate(self.running):
+                at = len(seq.prompt) + len(seq.tokens) - 1      # tokens its state has consumed
+                if seq.finish_reason is None and at % self.prefix_block == 0:
+                    self._keep(seq.prompt + seq.tokens[:-1], select_rows(self.batch_state, [i]), copy=False)
         done = [i for i, s in enumerate(self.running) if s.finish_reason is not None]
         ended = {i: self.running[i] for i in done}
         finals = {}

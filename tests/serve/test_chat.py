@@ -2,10 +2,16 @@
 controls, raise_exception, tojson and special tokens), and a template's refusal is a ValueError."""
 
 import json
+import re
 
 import pytest
 
-from subquad.serve.chat import ChatTemplate, TemplateError, load_chat_template
+from subquad.serve.chat import (
+    ChatTemplate,
+    TemplateError,
+    load_chat_template,
+    message_ends,
+)
 
 TEMPLATES = [
     # ChatML with a default system prompt, trim_blocks/lstrip_blocks-sensitive layout
@@ -51,3 +57,24 @@ def test_a_template_refusal_is_a_value_error(tmp_path):
     assert load_chat_template(tmp_path).render([{"role": "user", "content": "a"}]) == "a"
     with pytest.raises(ValueError, match="compile"):
         ChatTemplate("{% for %}")
+
+
+def test_message_ends_are_where_each_message_ends_in_the_prompts_tokens():
+    """Counted by hand on the ChatML template: after each "<|im_end|>\n\n" (its "\n" and the line break after
+    the expression; a character per token here); a
+    tokenizer that merges across a message's end gives no boundary there."""
+    template = ChatTemplate(TEMPLATES[0])
+    messages = [{"role": "system", "content": "S"}, {"role": "user", "content": "hi"},
+                {"role": "assistant", "content": "yo"}, {"role": "user", "content": "q"}]
+    text = template.render(messages)
+
+    def chars(t):
+        return [ord(c) for c in t]
+
+    want = [m.end() for m in re.finditer(re.escape("<|im_end|>\n\n"), text)]
+    assert len(want) == 4 and message_ends(template, messages, chars, chars(text)) == want
+
+    def merging(t):                       # "\n<" one token: no message ends exactly on a token
+        return [ord(c) for c in t.replace("\n<", "\x00")]
+
+    assert message_ends(template, messages, merging, merging(text)) == []

@@ -127,13 +127,16 @@ def test_prefix_cache_counts_bytes_exactly_and_evicts_least_recently_used():
     engine = Engine(model)
     assert engine.row_bytes(20) == size[20]
 
-    cache = PrefixCache(size[3] + size[20] + size[40] - 1)   # not room for all three
+    # a radix tree: the 20-token checkpoint below the 3-token one holds its own state and the KV of tokens 3..19
+    # only (attention's keys and values are shared along the path, recurrent states are per checkpoint)
+    cache = PrefixCache(3 * fixed + 40 * per_token - 1)      # not room for three checkpoints on 40 tokens
     assert cache.insert(range(3), states[3]) and cache.insert(range(20), states[20])
-    assert cache.nbytes == size[3] + size[20]
+    assert cache.nbytes == size[3] + size[20] - 3 * per_token
     assert cache.lookup(list(range(25)))[0] == 20            # the longest prefix; 3-token entry now least recent
     assert cache.lookup(list(range(3)) + [99])[0] == 3       # ... and now the 20-token entry is
     assert cache.insert(range(40), states[40])
-    assert cache.nbytes == size[3] + size[40] and len(cache) == 2
+    # the 20-token checkpoint was evicted, its tokens' KV kept: the 40-token one needs it
+    assert cache.nbytes == size[3] + size[40] - 3 * per_token and len(cache) == 2
     assert cache.lookup(list(range(25)), max_len=24)[0] == 3  # the 20-token entry was evicted
     assert not PrefixCache(size[40] - 1).insert(range(40), states[40])   # larger than the whole cache
     assert cache.lookup([5, 6])[1] is None
@@ -333,7 +336,7 @@ def test_the_memory_budget_holds_on_the_bytes_really_allocated(monkeypatch):
 
     def measure(*extra):
         held = [engine.batch_state, [s.state for s in engine.prefilling],
-                [entry[1] for entry in engine.cache._entries.values()]]
+                engine.cache.tensors()]
         peak[0] = max(peak[0], _storage_bytes(*held, *extra))
         most[0] = max(most[0], engine.active)
 
@@ -354,7 +357,7 @@ def test_the_memory_budget_holds_on_the_bytes_really_allocated(monkeypatch):
     seqs = [engine.submit(p, sp) for p, sp in reqs]
     while engine.step():
         measure()
-    kept = list(engine.cache._entries.values())[-1][0]   # the turn the cache kept last: its next turn
+    kept = engine.cache.checkpoints()[-1]                 # the turn the cache kept last: its next turn
     reqs.append((list(kept) + [7, 8, 9], SamplingParams(max_tokens=5, temperature=0)))
     seqs.append(engine.submit(*reqs[-1]))
     while engine.step():

@@ -28,6 +28,7 @@ KEY = "sk-test"
 CONTEXT = 256
 LONG = 8192                # the recurrent server's context: a request long enough to be caught running
 PROMPT = "w11 w40 w12 w9 w30"
+BLOCK = 8                  # the hybrid server's --prefix-block
 
 
 @pytest.fixture(scope="module")
@@ -42,7 +43,7 @@ def hybrid(tmp_path_factory):
     model, tok = load(path)
     (tmp / "key").write_text(KEY + "\n")                          # the key from a file, its line break dropped
     server = Server(path, "--api-key-file", tmp / "key", "--max-batch", 32, "--max-context", CONTEXT,
-                    "--prefill-chunk", 32)
+                    "--prefill-chunk", 32, "--prefix-block", BLOCK)
     yield server, model, tok, free[i]
     server.stop()
 
@@ -138,6 +139,27 @@ def test_chat_plain_streamed_and_the_second_turn_from_the_prefix_cache(hybrid):
     assert chunks[-1].usage.prompt_tokens_details.cached_tokens == resumed
     assert after["prefix_cache_hits_total"] == mid["prefix_cache_hits_total"] + 1
     assert after["prefix_cache_bytes"] > 0
+
+
+def test_a_shared_system_prompt_is_resumed_from_the_prefix_cache_by_another_user(hybrid):
+    """Two users, one 30-word system prompt, different questions: the second resumes at the system message's
+    end (a checkpoint at each message's end) or later; a prompt sharing 21 tokens mid-message at 16 (every
+    --prefix-block 8 tokens). Answers equal generate alone."""
+    server, model, tok, eos = hybrid
+    client = server.client(KEY)
+    system = " ".join(f"w{20 + i}" for i in range(30))
+    ids = {}
+    for question in ("w5 w6", "w7 w8 w9"):
+        msgs = [{"role": "system", "content": system}, {"role": "user", "content": question}]
+        # the template by hand: "<|role|> content </s> " per message, then "<|assistant|>"
+        ids[question] = [4, *range(20, 50), eos, 2, *tok.encode(question).ids, eos, 3]
+        r = client.chat.completions.create(model="hybrid", messages=msgs, max_tokens=4, temperature=0)
+        assert r.choices[0].message.content == tok.decode(alone(model, ids[question], 4))
+    assert r.usage.prompt_tokens_details.cached_tokens >= 1 + 30 + 1          # the system message
+    shared = ids["w5 w6"][:21] + [90, 91, 92]
+    r = client.completions.create(model="hybrid", prompt=shared, max_tokens=3, temperature=0)
+    assert r.usage.prompt_tokens_details.cached_tokens >= 21 - 21 % BLOCK
+    assert r.choices[0].text == tok.decode(alone(model, shared, 3))
 
 
 def test_chat_stop_strings_plain_and_streamed(hybrid):
@@ -437,6 +459,9 @@ def test_cli_refuses_bad_serve_arguments(tmp_path, capsys):
     assert "max_queue" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main(["serve", "--model", str(path), "--state-cache-mb", "-5"])
+    with pytest.raises(SystemExit):
+        main(["serve", "--model", str(path), "--prefix-block", "0"])
+    assert "--prefix-block" in capsys.readouterr().err
 
 
 def test_streamed_logprobs_carry_the_text_offsets_of_the_plain_response(hybrid):
