@@ -1,0 +1,64 @@
+"""from_pretrained("x.gguf"): files written by ggml's own writer from tiny random transformers models give
+transformers' logits (F32) and, quantised, the logits of the same weights dequantised by ``gguf.quants``
+loaded from a Hugging Face folder; quantised projections stay quantised."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+gguf = pytest.importorskip("gguf")
+
+from subquad.models.hf import from_pretrained
+from subquad.models.quant import Int8Linear
+from tests.models.gguf_harness import convert, dequantized_folder
+from tests.models.test_hf import _hf_logits, _hf_mamba, _ids
+
+
+@pytest.mark.parametrize("kind", ["mamba", "mamba2"])
+def test_f32_file_gives_transformers_logits(tmp_path, kind):
+    hf, _ = _hf_mamba(tmp_path, falcon=kind)
+    convert(hf, tmp_path / "m.gguf", "f32")
+    ours, tok = from_pretrained(tmp_path / "m.gguf")
+    ids = _ids()
+    with torch.no_grad():
+        want = _hf_logits(hf, ids)
+        assert torch.allclose(ours(ids), want, atol=1e-4, rtol=1e-4)
+    assert ours.config.pattern == kind and tok is None and not getattr(ours, "quantized", None)
+
+
+@pytest.mark.parametrize("kind,outtype", [("mamba", "q8_0"), ("mamba2", "q4_0")])
+def test_quantised_file_equals_its_weights_dequantised_by_gguf(tmp_path, kind, outtype):
+    hf, _ = _hf_mamba(tmp_path, falcon=kind, tie_word_embeddings=kind == "mamba")
+    types = convert(hf, tmp_path / "m.gguf", outtype)
+    assert outtype.upper() in types.values() and ("F16" in types.values()) == (kind == "mamba")  # dt_proj: 4 wide
+    ref, _ = from_pretrained(dequantized_folder(hf, tmp_path / "m.gguf", tmp_path / "ref"))
+    if kind == "mamba":
+        ours, _ = from_pretrained(tmp_path / "m.gguf")
+    else:                                       # an untied embedding is looked up: dequantised, and said so
+        with pytest.warns(UserWarning, match=r"dequantised to torch.float32: token_embd.weight \(Q4_0\)"):
+            ours, _ = from_pretrained(tmp_path / "m.gguf")
+    ids = _ids()
+    with torch.no_grad():
+        want = ref(ids)
+        assert torch.allclose(ours(ids), want, rtol=0, atol=1e-5 * want.abs().max())
+    quantised = [m for m in ours.modules() if isinstance(m, Int8Linear)]
+    # every matrix written quantised is held as int8 blocks (and a tied head of the embedding's)
+    assert len(quantised) == sum(t == outtype.upper() for g, t in types.items() if g != "token_embd.weight") + \
+        (kind == "mamba")
+    assert ours.quantized == "int8" and all(m.scale.shape[1] == m.in_features // 32 for m in quantised)
+
+
+def test_refusals_name_the_problem(tmp_path):
+    (tmp_path / "x.gguf").write_bytes(b"GGML" + bytes(20))
+    with pytest.raises(ValueError, match="not a GGUF file"):
+        from_pretrained(tmp_path / "x.gguf")
+    w = gguf.GGUFWriter(str(tmp_path / "y.gguf"), "llama")
+    w.add_tensor("token_embd.weight", torch.zeros(4, 32).numpy())
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(ValueError, match="architecture 'llama' is not one subquad loads"):
+        from_pretrained(tmp_path / "y.gguf")
