@@ -117,18 +117,22 @@ def _install_blocks(model, names: dict, blocks: dict, dtype) -> None:
 
 
 def tokenizer(meta: dict):
-    """A ``tokenizers.Tokenizer`` from GGUF metadata: a byte-level BPE (``tokenizer.ggml.model`` "gpt2") from
-    its tokens and merges; None for other models (SentencePiece "llama", RWKV's "rwkv") or none."""
-    if meta.get("tokenizer.ggml.model") != "gpt2" or "tokenizer.ggml.tokens" not in meta:
-        return None
+    """A ``tokenizers.Tokenizer`` from GGUF metadata: ``tokenizer.huggingface.json`` when the file holds one, else
+    a byte-level BPE (``tokenizer.ggml.model`` "gpt2") from its tokens and merges (padding tokens of type 5,
+    unused, left out); None for other models (SentencePiece "llama", RWKV's "rwkv") or none."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
-    vocab = {t: i for i, t in enumerate(meta["tokenizer.ggml.tokens"])}
+    if isinstance(meta.get("tokenizer.huggingface.json"), str):     # the whole tokenizer, as subquad writes it
+        return Tokenizer.from_str(meta["tokenizer.huggingface.json"])
+    if meta.get("tokenizer.ggml.model") != "gpt2" or "tokenizer.ggml.tokens" not in meta:
+        return None
+
+    types = meta.get("tokenizer.ggml.token_type", [])
+    vocab = {t: i for i, t in enumerate(meta["tokenizer.ggml.tokens"]) if i >= len(types) or types[i] != 5}
     merges = [tuple(m.split(" ", 1)) for m in meta.get("tokenizer.ggml.merges", [])]
     tok = Tokenizer(models.BPE(vocab, merges))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    types = meta.get("tokenizer.ggml.token_type", [])
     special = [t for t, kind in zip(meta["tokenizer.ggml.tokens"], types) if kind == 3]   # 3: control tokens
     if special:
         tok.add_special_tokens(special)
