@@ -14,6 +14,7 @@ from subquad.models.hf import from_pretrained
 from subquad.models.quant import Int8Linear
 from tests.models.gguf_harness import convert, dequantized_folder
 from tests.models.test_hf import _hf_logits, _hf_mamba, _ids
+from tests.models.test_hf_lfm2 import _hf as _hf_lfm2
 
 
 @pytest.mark.parametrize("kind", ["mamba", "mamba2"])
@@ -26,6 +27,26 @@ def test_f32_file_gives_transformers_logits(tmp_path, kind):
         want = _hf_logits(hf, ids)
         assert torch.allclose(ours(ids), want, atol=1e-4, rtol=1e-4)
     assert ours.config.pattern == kind and tok is None and not getattr(ours, "quantized", None)
+
+
+def test_lfm2_files_give_transformers_logits_and_their_dequantised_weights(tmp_path):
+    """LFM2 (conv, attention, conv, conv; MLP width adjusted): F32 against transformers, Q8_0 against the
+    same weights dequantised by gguf."""
+    hf, _ = _hf_lfm2(tmp_path, conv_bias=True)
+    convert(hf, tmp_path / "f.gguf", "f32")
+    ours, _ = from_pretrained(tmp_path / "f.gguf")
+    ids = torch.randint(0, 96, (2, 30), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        assert torch.allclose(ours(ids), hf(ids).logits, atol=1e-4, rtol=1e-4)
+    assert ours.config.pattern == "gated_conv,softmax,gated_conv,gated_conv" and ours.config.mlp_hidden == 96
+    convert(hf, tmp_path / "q.gguf", "q8_0")
+    ref, _ = from_pretrained(dequantized_folder(hf, tmp_path / "q.gguf", tmp_path / "ref"))
+    with pytest.warns(UserWarning, match="token_embd.weight"):
+        ours, _ = from_pretrained(tmp_path / "q.gguf")
+    with torch.no_grad():
+        want = ref(ids)
+        assert torch.allclose(ours(ids), want, rtol=0, atol=1e-5 * want.abs().max())
+    assert sum(isinstance(m, Int8Linear) for m in ours.modules()) == 4 * 3 + 4 + 2 * 3 + 1   # MLPs, attention, convs, head
 
 
 @pytest.mark.parametrize("kind,outtype", [("mamba", "q8_0"), ("mamba2", "q4_0")])

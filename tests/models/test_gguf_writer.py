@@ -19,6 +19,7 @@ from subquad.models.gguf.writer import quantize_q4_0, quantize_q8_0
 from subquad.models.hf import from_pretrained
 from tests.models.gguf_harness import TYPES, dequantized_folder, gguf_name
 from tests.models.test_hf import _hf_mamba, _ids
+from tests.models.test_hf_lfm2 import _hf as _hf_lfm2
 
 
 def test_quantisers_write_ggmls_bytes():
@@ -30,18 +31,21 @@ def test_quantisers_write_ggmls_bytes():
         assert np.array_equal(ours(x).numpy(), want), kind
 
 
-@pytest.mark.parametrize("kind,outtype", [("mamba", "q8_0"), ("mamba2", "q4_0"), ("mamba2", "f32")])
+@pytest.mark.parametrize("kind,outtype", [("mamba", "q8_0"), ("mamba2", "q4_0"), ("mamba2", "f32"), ("lfm2", "q8_0")])
 def test_written_file_reads_in_gguf_and_loads_back(tmp_path, kind, outtype):
-    hf, folder = _hf_mamba(tmp_path, falcon=kind)
+    hf, folder = _hf_lfm2(tmp_path) if kind == "lfm2" else _hf_mamba(tmp_path, falcon=kind)
     model, _ = from_pretrained(folder)
     types = save_gguf(model, tmp_path / "m.gguf", outtype)
     r = gguf.GGUFReader(str(tmp_path / "m.gguf"))
     field = r.fields[f"{kind}.block_count"]
-    assert r.fields["general.architecture"].contents() == kind and field.contents() == 3
+    assert r.fields["general.architecture"].contents() == kind and field.contents() == hf.config.num_hidden_layers
     assert field.types == [gguf.GGUFValueType.UINT32]                  # the type llama.cpp reads it as
+    if kind == "lfm2":                                                  # which layers attend: llama.cpp's array
+        assert r.fields["lfm2.attention.head_count_kv"].contents() == [0, 2, 0, 0]
+        assert r.fields["lfm2.feed_forward_length"].contents() == 96
     sd = hf.state_dict()
     stored = {t.name: t for t in r.tensors}
-    assert set(stored) == {gguf_name(n) for n in sd if n != "lm_head.weight" or kind == "mamba2"}
+    assert set(stored) == {gguf_name(n) for n in sd if n != "lm_head.weight" or kind != "mamba"}
     for name, t in sd.items():                        # ggml's dequantiser of each = ours quantised by ggml
         g = gguf_name(name)
         if g not in stored:
@@ -59,7 +63,7 @@ def test_written_file_reads_in_gguf_and_loads_back(tmp_path, kind, outtype):
     with warnings.catch_warnings():           # an untied embedding written quantised loads dequantised: said
         warnings.simplefilter("ignore")
         back, _ = from_pretrained(tmp_path / "m.gguf")
-    ids = _ids()
+    ids = _ids() % hf.config.vocab_size
     with torch.no_grad():
         if outtype == "f32":
             assert torch.allclose(back(ids), model(ids), atol=1e-5)

@@ -9,6 +9,8 @@ reads - as llama.cpp's converter (``convert_hf_to_gguf.py``, ``conversion/mamba.
     config / meta   the GGUF metadata -> a Hugging Face config.json (which ``models.hf``'s format translates
                     and checks), and back
 
+Architectures: ``mamba`` (Mamba, Falcon-Mamba), ``mamba2``, ``lfm2`` (conversion/lfm2.py).
+
 ``ARCHS`` lists them by ``general.architecture``; an architecture not there is refused by name.
 """
 
@@ -77,7 +79,7 @@ class MambaArch:
         """The metadata llama.cpp's converter writes for the Hugging Face config ``c`` (the values it reads)."""
         inner = c.get("intermediate_size", c.get("expand", 2) * c["hidden_size"])
         return {"context_length": 1 << 20, "embedding_length": c["hidden_size"], "feed_forward_length": 0,
-                "head_count": 0, "block_count": c["num_hidden_layers"], "ssm.conv_kernel": c["conv_kernel"],
+                "attention.head_count": 0, "block_count": c["num_hidden_layers"], "ssm.conv_kernel": c["conv_kernel"],
                 "ssm.inner_size": inner, "ssm.state_size": c["state_size"],
                 "ssm.time_step_rank": c["time_step_rank"], "attention.layer_norm_rms_epsilon": c["layer_norm_epsilon"],
                 "ssm.dt_b_c_rms": c["model_type"] == "falcon_mamba"}
@@ -123,14 +125,74 @@ class Mamba2Arch(MambaArch):
     def meta(cls, c: dict) -> dict:
         inner = c["num_heads"] * c["head_dim"]
         return {"context_length": 1 << 20, "embedding_length": c["hidden_size"], "feed_forward_length": 0,
-                "head_count": 0, "block_count": c["num_hidden_layers"], "ssm.conv_kernel": c["conv_kernel"],
+                "attention.head_count": 0, "block_count": c["num_hidden_layers"], "ssm.conv_kernel": c["conv_kernel"],
                 "ssm.inner_size": inner, "ssm.state_size": c["state_size"], "ssm.time_step_rank": c["num_heads"],
                 "ssm.group_count": c["n_groups"], "attention.layer_norm_rms_epsilon": c["layer_norm_epsilon"]}
 
 
-ARCHS = {a.arch: a for a in (MambaArch, Mamba2Arch)}
+class Lfm2Arch:
+    """``lfm2`` (conversion/lfm2.py): gated short convolutions (``shortconv.*``, the (C, 1, k) kernel squeezed)
+    and attention layers - which is which read off ``attention.head_count_kv``, 0 for a convolution layer -,
+    SwiGLU MLPs of the width ``feed_forward_length`` holds (the released configs' adjustment applied), the
+    final norm as ``token_embd_norm``. No reshapes of q and k: llama.cpp rotates LFM2 in halves (NeoX), as
+    transformers does."""
+    arch = "lfm2"
+    hf_layer = "model.layers.{i}."
+    top: ClassVar[dict] = {"token_embd.weight": "model.embed_tokens.weight",
+                           "token_embd_norm.weight": "model.embedding_norm.weight", "output.weight": "lm_head.weight"}
+    layer: ClassVar[dict] = {
+        "attn_norm.weight": "operator_norm.weight", "ffn_norm.weight": "ffn_norm.weight",
+        "ffn_gate.weight": "feed_forward.w1.weight", "ffn_up.weight": "feed_forward.w3.weight",
+        "ffn_down.weight": "feed_forward.w2.weight", "attn_q.weight": "self_attn.q_proj.weight",
+        "attn_k.weight": "self_attn.k_proj.weight", "attn_v.weight": "self_attn.v_proj.weight",
+        "attn_output.weight": "self_attn.out_proj.weight", "attn_q_norm.weight": "self_attn.q_layernorm.weight",
+        "attn_k_norm.weight": "self_attn.k_layernorm.weight", "shortconv.conv.weight": "conv.conv.weight",
+        "shortconv.conv.bias": "conv.conv.bias", "shortconv.in_proj.weight": "conv.in_proj.weight",
+        "shortconv.out_proj.weight": "conv.out_proj.weight", "shortconv.in_proj.bias": "conv.in_proj.bias",
+        "shortconv.out_proj.bias": "conv.out_proj.bias"}
+
+    @staticmethod
+    def to_hf(name: str, t: torch.Tensor, c: dict) -> torch.Tensor:
+        return t.unsqueeze(1) if name.endswith("conv.conv.weight") else t
+
+    @staticmethod
+    def to_gguf(name: str, t: torch.Tensor, c: dict) -> torch.Tensor:
+        return t.squeeze(1) if name.endswith("conv.conv.weight") else t
+
+    @classmethod
+    def config(cls, meta: dict, tensors: dict) -> dict:
+        a = cls.arch
+        n = _get(meta, a, "block_count")
+        kv = _get(meta, a, "attention.head_count_kv")
+        kv = kv if isinstance(kv, list) else [kv] * n
+        if len(kv) != n or len({k for k in kv if k}) > 1:
+            raise ValueError(f"GGUF metadata {a}.attention.head_count_kv={kv} must give each of the {n} layers 0 "
+                             f"(a convolution) or one common count")
+        types = ["conv" if k == 0 else "full_attention" for k in kv]
+        conv = next((i for i, t in enumerate(types) if t == "conv"), 0)
+        return {"model_type": "lfm2", "hidden_size": _get(meta, a, "embedding_length"), "num_hidden_layers": n,
+                "num_attention_heads": _get(meta, a, "attention.head_count"),
+                "num_key_value_heads": max(kv) or _get(meta, a, "attention.head_count"), "layer_types": types,
+                "intermediate_size": _get(meta, a, "feed_forward_length"), "block_auto_adjust_ff_dim": False,
+                "norm_eps": _get(meta, a, "attention.layer_norm_rms_epsilon", 1e-5),
+                "conv_L_cache": _get(meta, a, "shortconv.l_cache"),
+                "conv_bias": f"blk.{conv}.shortconv.conv.bias" in tensors,
+                "tie_word_embeddings": "output.weight" not in tensors,
+                "rope_parameters": {"rope_type": "default", "rope_theta": float(_get(meta, a, "rope.freq_base", 1e6))}}
+
+    @classmethod
+    def meta(cls, c: dict) -> dict:
+        kv = c.get("num_key_value_heads") or c["num_attention_heads"]
+        return {"context_length": c.get("max_position_embeddings", 128000), "embedding_length": c["hidden_size"],
+                "feed_forward_length": c["intermediate_size"], "attention.head_count": c["num_attention_heads"],
+                "attention.head_count_kv": [kv if t == "full_attention" else 0 for t in c["layer_types"]],
+                "block_count": c["num_hidden_layers"], "rope.freq_base": float(c["rope_parameters"]["rope_theta"]),
+                "attention.layer_norm_rms_epsilon": float(c["norm_eps"]), "shortconv.l_cache": c["conv_L_cache"]}
+
+
+ARCHS = {a.arch: a for a in (MambaArch, Mamba2Arch, Lfm2Arch)}
 # the Hugging Face model_type each architecture's file is written from
-HF_TYPES = {"mamba": MambaArch, "falcon_mamba": MambaArch, "mamba2": Mamba2Arch}
+HF_TYPES = {"mamba": MambaArch, "falcon_mamba": MambaArch, "mamba2": Mamba2Arch, "lfm2": Lfm2Arch}
 
 
 def hf_name(arch, name: str) -> str:

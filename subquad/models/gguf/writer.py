@@ -63,7 +63,8 @@ def quantize_q4_0(x: torch.Tensor) -> torch.Tensor:
 
 
 def _kind(name: str, t: torch.Tensor, outtype: str) -> str:
-    if t.dim() <= 1 or name.endswith("_norm.weight") or ".ssm_conv1d." in name or not name.endswith(".weight"):
+    if t.dim() <= 1 or name.endswith("_norm.weight") or ".ssm_conv1d." in name or ".shortconv.conv." in name \
+            or not name.endswith(".weight"):
         return "f32"
     if outtype in ("q8_0", "q4_0") and t.shape[-1] % 32:
         return "f16"                                         # the converter's fallback for a row off the block
@@ -133,7 +134,7 @@ def tokenizer_metadata(tokenizer, vocab_size: int) -> dict:
 
 # ------------------------------------------------------------------------------------------------- the file
 def save_gguf(model, path, outtype: str = "f32", tokenizer=None, name: str | None = None) -> dict:
-    """Write ``model`` (float, of a type ``arch.HF_TYPES`` holds: mamba, falcon_mamba, mamba2) as the GGUF file
+    """Write ``model`` (float, of a type ``arch.HF_TYPES`` holds: mamba, falcon_mamba, mamba2, lfm2) as the GGUF file
     ``path`` (module doc) and return {GGUF tensor name: type written}. ValueError for an unknown ``outtype``,
     a quantised model, or a structure no GGUF architecture here holds."""
     from subquad.models.hf.registry import MAPPINGS
