@@ -10,7 +10,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 gguf = pytest.importorskip("gguf")
 
-from subquad.models.hf import from_pretrained
+from subquad.models.hf import from_pretrained, save_pretrained
 from subquad.models.quant import Int8Linear
 from tests.models.gguf_harness import convert, dequantized_folder
 from tests.models.test_hf import _hf_logits, _hf_mamba, _ids
@@ -69,6 +69,10 @@ def test_quantised_file_equals_its_weights_dequantised_by_gguf(tmp_path, kind, o
     assert len(quantised) == sum(t == outtype.upper() for g, t in types.items() if g != "token_embd.weight") + \
         (kind == "mamba")
     assert ours.quantized == "int8" and all(m.scale.shape[1] == m.in_features // 32 for m in quantised)
+    save_pretrained(ours, tmp_path / "saved")            # a quantised folder keeps the blocks, bit for bit
+    again, _ = from_pretrained(tmp_path / "saved")
+    with torch.no_grad():
+        assert torch.equal(again(ids), ours(ids))
 
 
 def test_refusals_name_the_problem(tmp_path):
@@ -83,3 +87,18 @@ def test_refusals_name_the_problem(tmp_path):
     w.close()
     with pytest.raises(ValueError, match="architecture 'llama' is not one subquad loads"):
         from_pretrained(tmp_path / "y.gguf")
+
+
+def test_tokenizer_from_llama_cpps_vocabulary(tmp_path):
+    """A byte-level BPE written as llama.cpp's "gpt2" vocabulary (tokens, merges; no tokenizer.json) reads back
+    as a tokenizer that encodes and decodes as the original."""
+    from subquad.data.tokenizer import train_tokenizer
+
+    text = "".join(f"def h{i}(z):\n    return z * {i}  # é\n" for i in range(60))
+    tok0 = train_tokenizer([text], vocab_size=300)
+    hf, _ = _hf_mamba(tmp_path, vocab_size=tok0.get_vocab_size())
+    convert(hf, tmp_path / "m.gguf", "f32", tokenizer=tok0)
+    _, tok = from_pretrained(tmp_path / "m.gguf")
+    sample = "def h7(z):\n    return z * 12  # é ü"
+    assert tok.encode(sample).ids == tok0.encode(sample).ids
+    assert tok.decode(tok.encode(sample).ids) == sample
