@@ -4,7 +4,7 @@ the float32 model, and the eager decoding step (batch 1) of each loaded model ag
 int8 (``quantize="int8"``, fbgemm per channel). A GGUF's quantised matrices load as ``Int8Linear`` per block,
 whose product dequantises (no kernel takes per-block scales): the step measures what that costs.
 
-    python benchmarks/bench_gguf.py                      # ~2 minutes on 2 threads
+    python benchmarks/bench_gguf.py                      # ~2 minutes on 2 threads (quiet machine)
     python benchmarks/bench_gguf.py --threads 1 --repeats 3
 
 (llama.cpp's load of these files and its logits belong here too, with llama-cpp-python built: not run - see
@@ -25,14 +25,16 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.common import cpu_model
 
+# peak resident memory from VmHWM: ru_maxrss of a child counts the parent's pages at the fork
 LOAD = """
-import resource, sys, time, torch
+import sys, time, torch
 sys.path.insert(0, {root!r})
 torch.set_num_threads(1)
 t = time.perf_counter()
 from subquad.models import from_pretrained
 m, _ = from_pretrained({path!r})
-print(time.perf_counter() - t, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
+hwm = next(ln for ln in open("/proc/self/status") if ln.startswith("VmHWM"))
+print(time.perf_counter() - t, int(hwm.split()[1]) / 1024)
 """
 
 
@@ -53,6 +55,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--outtypes", default="f32,q8_0,q4_0")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     import copy
@@ -73,7 +76,7 @@ def main(argv=None) -> int:
              None)]
     root = str(Path(__file__).resolve().parent.parent)
     with tempfile.TemporaryDirectory() as d:
-        for outtype in ("f32", "q8_0", "q4_0"):
+        for outtype in args.outtypes.split(","):
             path = Path(d) / f"m.{outtype}.gguf"
             t = time.perf_counter()
             save_gguf(base, path, outtype)

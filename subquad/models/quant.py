@@ -191,9 +191,9 @@ class Int8Linear(nn.Module):
             return self.q.to(dtype) * self.scale.to(dtype)[:, None]
         N, K = self.q.shape
         G = self.scale.shape[1]
-        w = self.q.view(N, G, K // G).to(dtype) * self.scale.to(dtype)[..., None]
+        w = self.q.view(N, G, K // G).to(dtype).mul_(self.scale.to(dtype)[..., None])   # in place: one (N, K) copy
         if self.offset is not None:
-            w = w - self.offset.to(dtype)[..., None]
+            w.sub_(self.offset.to(dtype)[..., None])
         return w.view(N, K)
 
     def forward(self, x):
