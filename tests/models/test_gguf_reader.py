@@ -73,3 +73,14 @@ def test_cut_short_and_unknown_types_are_refused_by_name(tmp_path):
     (tmp_path / "cut.gguf").write_bytes(data[:60])
     with pytest.raises(ValueError, match="cut short"):
         GGUFFile(tmp_path / "cut.gguf")
+
+
+def test_the_library_never_imports_ggufs_package():
+    """ggml's ``gguf`` is the tests' reference only: no module of subquad imports it."""
+    import re
+    from pathlib import Path
+
+    import subquad
+
+    for f in Path(subquad.__file__).parent.rglob("*.py"):
+        assert not re.search(r"^\s*(import gguf|from gguf)\b", f.read_text(), re.M), f
