@@ -31,6 +31,11 @@ def test_export_gguf_of_a_run(tmp_path, capsys, corpus):
     ids = torch.tensor([tok.encode(text).ids])
     with torch.no_grad():
         assert torch.allclose(back(ids), ours(ids), atol=1e-5)
+    capsys.readouterr()                                  # the file generates from the command line
+    assert main(["generate", "--model", str(tmp_path / "m.gguf"), "--prompt", "def", "--max-new-tokens", "4",
+                 "--temperature", "0"]) == 0
+    new, _ = ours.generate(tok0.encode("def").ids, max_new_tokens=4, temperature=0)
+    assert tok0.decode(new) in capsys.readouterr().out             # the run's own greedy tokens
     assert main(["export", "--run", str(run), "--out", str(tmp_path / "q.gguf"), "--format", "gguf",
                  "--quantize", "int8"]) == 2
     assert "not --quantize" in capsys.readouterr().err
