@@ -91,6 +91,15 @@ def main(argv=None) -> int:
             rows.append((f"GGUF {outtype.upper()} ({path.stat().st_size / 2**20:.0f} MiB, written in {write_s:.1f} s)",
                          float(out[0]), float(out[1]), steps(m, args.repeats), err))
             del m
+            kernel = {"q8_0": "int8", "q4_0": "int4"}.get(outtype)
+            if kernel:                                  # the same file in subquad's kernels' forms (approximate)
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore")
+                    m, _ = from_pretrained(path, quantize=kernel)
+                with torch.no_grad():
+                    err = ((m(ids) - want).abs().max() / want.abs().max()).item()
+                rows.append((f"GGUF {outtype.upper()}, quantize={kernel!r}", None, None, steps(m, args.repeats), err))
+                del m
     print(f"CPU: {cpu_model()}; {args.threads} threads for the steps, 1 for the loads; under load (shared machine)")
     print("| model | load s (fresh process) | peak MB at load | decode ms/token (eager, batch 1) | "
           "max logit error / max logit |")

@@ -102,3 +102,31 @@ def test_tokenizer_from_llama_cpps_vocabulary(tmp_path):
     sample = "def h7(z):\n    return z * 12  # é ü"
     assert tok.encode(sample).ids == tok0.encode(sample).ids
     assert tok.decode(tok.encode(sample).ids) == sample
+
+
+@pytest.mark.parametrize("quantize", ["int4", "int8"])
+def test_quantize_puts_a_quantised_file_in_subquads_kernels(tmp_path, quantize):
+    """quantize="int4": Q4_0's codes as they are in torch's int4 layout (group 32), the scales rounded to
+    bfloat16; "int8": requantised per channel. Close to the exact load, and saved and loaded as it is."""
+    from subquad.models.quant import Int4Linear
+
+    hf, _ = _hf_mamba(tmp_path, falcon="mamba2", tie_word_embeddings=True)
+    convert(hf, tmp_path / "m.gguf", "q4_0")
+    exact, _ = from_pretrained(tmp_path / "m.gguf")
+    ours, _ = from_pretrained(tmp_path / "m.gguf", quantize=quantize)
+    cls = Int4Linear if quantize == "int4" else Int8Linear
+    pairs = [(a, b) for a, b in zip(exact.modules(), ours.modules()) if isinstance(a, Int8Linear)]
+    assert pairs and all(isinstance(b, cls) for _, b in pairs) and isinstance(ours.head, cls)
+    for a, b in pairs:      # int4: the same codes, each block's float16 scale in bfloat16; int8: within half a step
+        tol = {"rtol": 2 ** -8, "atol": 1e-7} if quantize == "int4" else {"rtol": 0, "atol": b.scale.max() / 2 + 1e-7}
+        assert torch.allclose(b.weight, a.weight, **tol)
+    ids = _ids()
+    with torch.no_grad():
+        want, got = exact(ids), ours(ids)
+        assert (got - want).abs().max() < 0.05 * want.abs().max()
+        assert ours.quantized == quantize
+        save_pretrained(ours, tmp_path / "saved")
+        again, _ = from_pretrained(tmp_path / "saved")
+        assert torch.allclose(again(ids), got, rtol=0, atol=1e-5 * got.abs().max())
+    with pytest.raises(ValueError, match="quantize must be None"):
+        from_pretrained(tmp_path / "m.gguf", quantize="bf16")

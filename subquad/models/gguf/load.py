@@ -12,7 +12,9 @@ as for a folder (every tensor used once, every config field honoured or refused)
                           rounds x to bfloat16). Anything else quantised (the embedding, which is looked up,
                           not multiplied; a tensor the converter reshaped) is dequantised, with a warning
                           naming the tensor and its type. A tied head (no ``output.weight``) gets its own
-                          ``Int8Linear`` of the embedding's blocks.
+                          ``Int8Linear`` of the embedding's blocks. ``quantize="int8"`` / ``"int4"`` puts
+                          them in subquad's fast kernels' forms instead (``_linear``: per-channel int8, or
+                          Q4_0 / Q4_K's codes in torch's int4 layout with bfloat16 scales - approximate).
 
 The tokenizer comes from the metadata when it is a byte-level BPE (``tokenizer.ggml.model`` "gpt2": its tokens
 and merges as a ``tokenizers`` BPE); otherwise None.
@@ -30,8 +32,10 @@ from subquad.models.gguf.reader import BLOCKED, GGUFFile
 
 
 def load_gguf(path, dtype=None, device=None, quantize=None):
-    """(LanguageModel in eval mode, tokenizer or None) from a GGUF file (module doc). ``quantize`` ("int8", ...)
-    applies to a file of float tensors only: a file of quantised ones loads as they are."""
+    """(LanguageModel in eval mode, tokenizer or None) from a GGUF file (module doc). ``quantize``: for a file of
+    float tensors, ``models.quant``'s (as for a folder); for a file of quantised ones, None keeps them exactly
+    (``Int8Linear.from_blocks``), "int8" / "int4" puts them in subquad's fast kernels' forms (``_linear``:
+    approximate - per-channel int8, or int4 with bfloat16 scales and x rounded to bfloat16 - and fast)."""
     from subquad.models.hf.loader import build, resolve_dtype
     from subquad.models.hf.registry import MAPPINGS
 
@@ -62,20 +66,24 @@ def load_gguf(path, dtype=None, device=None, quantize=None):
     probe = fmt.unpack(dict(placeholders), cfg, None)
     for h in [h for h in blocks if probe.get(h) is not placeholders[h]]:
         weights[h] = blocks.pop(h)
-    if blocks and quantize is not None:
+    if blocks and quantize not in (None, "int8", "int4"):
         raise ValueError(f"{path} holds quantised tensors ({', '.join(sorted({t for _, t in blocks.values()}))}): "
-                         f"it loads as they are (quantize=None), got quantize={quantize!r}")
+                         f"quantize must be None (exact), 'int8' or 'int4' (subquad's kernels), got {quantize!r}")
+    if blocks and resolve_dtype(dtype) not in (None, torch.float32) and quantize is not None:
+        raise ValueError(f"quantize={quantize!r} keeps the rest of the model in float32, got dtype={dtype}")
     tensors = {h: placeholders[h] for h in blocks}
     for h, (g, kind) in weights.items():
         t = f.dequantize(g) if kind in BLOCKED else f.plain(g)
         tensors[h] = arch.to_hf(h, t, c).to(dtype if t.is_floating_point() else t.dtype)
 
     def finish(model, names):
-        _install_blocks(model, names, {h: f.blocks(g) + (g, kind) for h, (g, kind) in blocks.items()}, dtype)
+        _install_blocks(model, names, {h: f.blocks(g) + (g, kind) for h, (g, kind) in blocks.items()}, dtype,
+                        quantize)
 
-    model = build(path, c, fmt, cfg, tensors, dtype, device, quantize, finish=finish)
+    model = build(path, c, fmt, cfg, tensors, dtype, device, None if blocks else quantize, finish=finish)
     if blocks:
-        model.quantized, model.quant_group_size = "int8", None
+        model.quantized = quantize or "int8"
+        model.quant_group_size = GROUP if quantize == "int4" else None
         for p in model.parameters():
             p.requires_grad_(False)
     model.hf_source = {"config": dict(c), "files": {}}
@@ -86,12 +94,37 @@ def _meta(info) -> torch.Tensor:
     return torch.empty(info.shape, device="meta")
 
 
-def _install_blocks(model, names: dict, blocks: dict, dtype) -> None:
-    """Put each quantised tensor (``blocks``: Hugging Face name -> (q, scale, offset, GGUF name, type)) where
-    its placeholder is: an ``nn.Linear``'s weight -> ``Int8Linear.from_blocks``; anything else dequantised,
-    said in one warning."""
+GROUP = 32     # quantize="int4": Q4_0 and Q4_K's blocks are groups of 32 inputs
+
+
+def _linear(q, scale, offset, kind: str, bias, quantize):
+    """The module of one quantised matrix: exact blocks (``quantize`` None), or subquad's kernels' forms -
+    "int8": requantised per output channel (fbgemm); "int4": Q4_0 / Q4_K's 4-bit codes as they are, their
+    scales (and Q4_K's offsets, as zeros) rounded to bfloat16, in groups of 32 (torch's int4 kernel); another
+    type requantised to int4 from its dequantised weights."""
     from subquad.models.gguf.reader import block_dequantize
-    from subquad.models.quant import Int8Linear
+    from subquad.models.quant import Int4Linear, Int8Linear, pair_k
+
+    if quantize is None:
+        return Int8Linear.from_blocks(q, scale, offset, bias)
+    if quantize == "int8":
+        return Int8Linear(block_dequantize(q, scale, offset), bias)
+    N, K = q.shape
+    if kind not in ("Q4_0", "Q4_K") or scale.shape[1] != K // GROUP:
+        return Int4Linear(block_dequantize(q, scale, offset), bias, GROUP)
+    # Q4_0: w = q d, q in [-8, 7]; Q4_K: w = q s - m, q in [0, 15] = (q - 8) s + (8 s - m)
+    codes = (q + 8 if offset is None else q).to(torch.uint8)
+    zero = torch.zeros_like(scale) if offset is None else 8 * scale - offset
+    m = Int4Linear(None, bias, GROUP, shape=(N, K))
+    m._set(pair_k(codes), scale.bfloat16(), zero.bfloat16(), None if bias is None else bias.detach().float().clone())
+    return m
+
+
+def _install_blocks(model, names: dict, blocks: dict, dtype, quantize=None) -> None:
+    """Put each quantised tensor (``blocks``: Hugging Face name -> (q, scale, offset, GGUF name, type)) where
+    its placeholder is: an ``nn.Linear``'s weight -> ``_linear`` (exact blocks unless ``quantize``); anything
+    else dequantised, said in one warning."""
+    from subquad.models.gguf.reader import block_dequantize
 
     dequantised = []
     for ours, theirs in names.items():
@@ -103,11 +136,11 @@ def _install_blocks(model, names: dict, blocks: dict, dtype) -> None:
         if isinstance(parent, nn.Linear) and leaf == "weight":
             owner_name, _, child = parent_name.rpartition(".")
             setattr(model.get_submodule(owner_name) if owner_name else model, child,
-                    Int8Linear.from_blocks(q, scale, offset, parent.bias))
+                    _linear(q, scale, offset, kind, parent.bias, quantize))
             continue
         setattr(parent, leaf, nn.Parameter(block_dequantize(q, scale, offset).to(dtype), requires_grad=False))
         if ours == "embed.weight" and model.head is None:         # tied: the head multiplies, it keeps the blocks
-            model.head = Int8Linear.from_blocks(q, scale, offset)
+            model.head = _linear(q, scale, offset, kind, None, quantize)
         else:
             dequantised.append(f"{g} ({kind})")
     if dequantised:
