@@ -83,4 +83,4 @@ def test_the_library_never_imports_ggufs_package():
     import subquad
 
     for f in Path(subquad.__file__).parent.rglob("*.py"):
-        assert not re.search(r"^\s*(import gguf|from gguf)\b", f.read_text(), re.M), f
+        assert not re.search(r"^\s*(import gguf|from gguf)\b", f.read_text(), re.MULTILINE), f
