@@ -11,14 +11,14 @@ STAMP  := $(VENV)/.subquad-installed
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e ".[test,hf,serve,eval,rwkv,grammar]"
+	$(PY) -m pip install -q -e ".[test,hf,serve,eval,rwkv,grammar,gguf]"
 	touch $(STAMP)
 
 demo: $(STAMP)
 	$(VENV)/bin/subquad workshop
 
 # SUBQUAD_REQUIRE_REFERENCES=1: the references the extras install (transformers, the openai client, fastapi,
-# uvicorn, rwkv) must import; a test that would skip without one fails (tests/conftest.py).
+# uvicorn, rwkv, gguf) must import; a test that would skip without one fails (tests/conftest.py).
 # Two test processes (pytest-xdist; one torch thread each), cases handed out as workers free up (worksteal);
 # TEST_WORKERS=0 runs them in this process. test-quick: the cases of tests/quick.txt, a few from every file.
 TEST_WORKERS ?= 2

@@ -32,10 +32,10 @@ if _DEVICE and _DEVICE != "cpu":
 
     torch.Generator = _generator
 
-# SUBQUAD_REQUIRE_REFERENCES=1 (set by `make test`, which installs the `test`, `hf`, `serve`, `eval`, `rwkv` and `grammar` extras): the
+# SUBQUAD_REQUIRE_REFERENCES=1 (set by `make test`, which installs the `test`, `hf`, `serve`, `eval`, `rwkv` `grammar` and `gguf` extras): the
 # reference packages those extras install must import. A test's pytest.importorskip of one of them fails,
 # at collection or in the test, instead of skipping; other modules still skip.
-REFERENCES = ("transformers", "openai", "fastapi", "uvicorn", "jinja2", "lm_eval", "accelerate", "rwkv", "llguidance")
+REFERENCES = ("transformers", "openai", "fastapi", "uvicorn", "jinja2", "lm_eval", "accelerate", "rwkv", "llguidance", "gguf")
 if os.environ.get("SUBQUAD_REQUIRE_REFERENCES") == "1":
     _importorskip = pytest.importorskip
 
@@ -46,7 +46,7 @@ if os.environ.get("SUBQUAD_REQUIRE_REFERENCES") == "1":
             if modname.split(".")[0] not in REFERENCES:
                 raise
             pytest.fail(f"SUBQUAD_REQUIRE_REFERENCES=1 and {e}; the extras install it: "
-                        "pip install -e '.[test,hf,serve,eval,rwkv]'", pytrace=False)
+                        "pip install -e '.[test,hf,serve,eval,rwkv,gguf]'", pytrace=False)
 
     pytest.importorskip = _importorfail
 

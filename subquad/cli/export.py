@@ -12,6 +12,11 @@ def add_parser(command, hf_types: list[str]) -> None:
     x.add_argument("--model-type", choices=hf_types + ["subquad"],
                    help="the Hugging Face type to write (default: the first whose structure the model has; "
                         "'subquad' when none has it: a folder of subquad's own config and names)")
+    x.add_argument("--format", choices=["hf", "gguf"], default="hf",
+                   help="hf: a model folder (default); gguf: one GGUF file for llama.cpp / Ollama (--out is the file; "
+                        "mamba, falcon_mamba and mamba2 structures; subquad.models.gguf)")
+    x.add_argument("--outtype", choices=["f32", "f16", "q8_0", "q4_0"], default="f32",
+                   help="--format gguf: the type of the matrices (norms, convolutions, A, D and biases stay f32)")
     x.add_argument("--quantize", choices=["int8", "int4", "bf16"],
                    help="write the model quantised (subquad.models.quant): a folder of subquad's own format that "
                         "from_pretrained and subquad generate --model load quantised as written")
@@ -26,6 +31,10 @@ def run(args) -> int:
 
     if not Path(args.run).exists():
         raise ValueError(f"--run {args.run} does not exist")
+    if args.format == "gguf":
+        return _gguf(args)
+    if args.outtype != "f32":
+        raise ValueError("--outtype is for --format gguf; a folder's quantisation is --quantize")
     model, tok, meta = load_run(args.run, log=say, quantize=args.quantize)    # full or sharded, read whole
     if args.quantize and args.model_type not in (None, PLAIN):
         raise ValueError(f"--quantize writes subquad's own format (--model-type {PLAIN}), not {args.model_type!r}")
@@ -36,4 +45,18 @@ def run(args) -> int:
             "a subquad folder (no Hugging Face type has this structure; from_pretrained and subquad generate "
             "--model read it)" if kind == PLAIN else f"a Hugging Face {kind} folder")
     print(f"{args.run}: step {meta['step']} written to {args.out} as {what}")
+    return 0
+
+
+def _gguf(args) -> int:
+    from subquad.models.gguf import save_gguf
+    from subquad.train import load_run
+
+    if args.quantize or args.model_type not in (None, "mamba", "falcon_mamba", "mamba2"):
+        raise ValueError("--format gguf takes --outtype for its types, not --quantize, and writes the model's own "
+                         "type (mamba, falcon_mamba or mamba2), not --model-type " + str(args.model_type))
+    model, tok, meta = load_run(args.run, log=say)
+    types = save_gguf(model, args.out, args.outtype, tokenizer=tok)
+    print(f"{args.run}: step {meta['step']} written to {args.out} as a GGUF file ({len(types)} tensors, "
+          f"{sum(t == args.outtype.upper() for t in types.values())} of them {args.outtype.upper()})")
     return 0

@@ -124,7 +124,12 @@ def _(x, q, scale, bias, key):
 
 
 class Int8Linear(nn.Module):
-    """A Linear whose weight is int8 per output channel (module doc): ``q`` (N, K) int8, ``scale`` (N,)."""
+    """A Linear whose weight is int8 per output channel (module doc): ``q`` (N, K) int8, ``scale`` (N,).
+
+    Or per block of inputs (``from_blocks``: GGUF's block types held exactly, ``models.gguf``): ``scale`` and
+    an optional ``offset`` (N, G) float32, W[n, k] = q[n, k] * scale[n, g] - offset[n, g] for k in block
+    g = k // (K / G). fbgemm's kernel takes one scale per channel, so a blocked product dequantises W in x's
+    dtype (the same weights, exactly as ``gguf.quants.dequantize`` computes them, in float32)."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
         super().__init__()
@@ -132,32 +137,73 @@ class Int8Linear(nn.Module):
             raise ValueError(f"Int8Linear needs a (out, in) weight, got shape {tuple(weight.shape)}")
         w = weight.detach().float()
         scale = (w.abs().amax(1) / 127).clamp_min(1e-12)
-        self.register_buffer("q", torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8).contiguous())
+        self._init(torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8).contiguous(), scale, None, bias)
+
+    def _init(self, q, scale, offset, bias):
+        self.register_buffer("q", q)
         self.register_buffer("scale", scale)
+        self.register_buffer("offset", offset)
         self.register_buffer("bias", None if bias is None else bias.detach().float().clone())
         key = self.key_id = next(_keys)
         self.register_buffer("key", torch.tensor(key, device="cpu"), persistent=False)
         weakref.finalize(self, _PACKED.pop, key, None)
-        self.in_features, self.out_features = w.shape[1], w.shape[0]
+        self.in_features, self.out_features = q.shape[1], q.shape[0]
 
     @classmethod
-    def empty(cls, out_features: int, in_features: int, bias: bool) -> Int8Linear:
-        """One to fill with ``load_state_dict(..., assign=True)`` (a saved int8 folder): no float weight made."""
+    def from_blocks(cls, q: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor | None = None,
+                    bias: torch.Tensor | None = None) -> Int8Linear:
+        """W = q * scale - offset per block (class doc): q (N, K) int8, scale and offset (N, G) float32, G
+        dividing K; the tensors are kept, not copied."""
+        N, K = q.shape
+        if q.dtype != torch.int8 or scale.dim() != 2 or scale.shape[0] != N or K % scale.shape[1] or \
+                (offset is not None and offset.shape != scale.shape):
+            raise ValueError(f"Int8Linear.from_blocks: q must be (N, K) int8 and scale/offset (N, G) with G dividing "
+                             f"K; got q {q.dtype} {tuple(q.shape)}, scale {tuple(scale.shape)}, offset "
+                             f"{None if offset is None else tuple(offset.shape)}")
+        m = cls.__new__(cls)
+        nn.Module.__init__(m)
+        m._init(q, scale.float(), None if offset is None else offset.float(), bias)
+        return m
+
+    @classmethod
+    def empty(cls, out_features: int, in_features: int, bias: bool, groups: int = 0,
+              offset: bool = False) -> Int8Linear:
+        """One to fill with ``load_state_dict(..., assign=True)`` (a saved int8 folder): no float weight made;
+        ``groups`` > 0: blocked scales (and ``offset``), ``from_blocks``'s form."""
         with torch.device("meta"):
-            m = cls(torch.empty(out_features, in_features), torch.empty(out_features) if bias else None)
+            if groups:
+                s = torch.empty(out_features, groups)
+                m = cls.from_blocks(torch.empty(out_features, in_features, dtype=torch.int8), s,
+                                    torch.empty_like(s) if offset else None,
+                                    torch.empty(out_features) if bias else None)
+            else:
+                m = cls(torch.empty(out_features, in_features), torch.empty(out_features) if bias else None)
         m.key = torch.tensor(m.key_id)                   # not loaded: the name of its packed weight, on the CPU
         return m
 
     @property
     def weight(self) -> torch.Tensor:
-        """The dequantised weight s[:, None] q (float32): what the products compute with."""
-        return self.q.float() * self.scale[:, None]
+        """The dequantised weight (float32): s[:, None] q, or per block q s - offset - what products compute with."""
+        return self.dequantized(torch.float32)
+
+    def dequantized(self, dtype) -> torch.Tensor:
+        if self.scale.dim() == 1:
+            return self.q.to(dtype) * self.scale.to(dtype)[:, None]
+        N, K = self.q.shape
+        G = self.scale.shape[1]
+        w = self.q.view(N, G, K // G).to(dtype).mul_(self.scale.to(dtype)[..., None])   # in place: one (N, K) copy
+        if self.offset is not None:
+            w.sub_(self.offset.to(dtype)[..., None])
+        return w.view(N, K)
 
     def forward(self, x):
+        if self.scale.dim() == 2:                        # blocked: no kernel takes it, the naive product
+            return F.linear(x, self.dequantized(x.dtype), None if self.bias is None else self.bias.to(x.dtype))
         return torch.ops.subquad.int8_linear(x, self.q, self.scale, self.bias, self.key)
 
     def extra_repr(self):
-        return f"in_features={self.in_features}, out_features={self.out_features}, int8 per channel"
+        how = "per channel" if self.scale.dim() == 1 else f"per block of {self.in_features // self.scale.shape[1]}"
+        return f"in_features={self.in_features}, out_features={self.out_features}, int8 {how}"
 
 
 class Bf16Linear(nn.Module):
@@ -556,6 +602,12 @@ def load_quantized(path, c: dict):
             return Int4Linear.empty(N, K, bias, group_size)
         return (Int8Linear if kind == "int8" else Bf16Linear).empty(N, K, bias)
 
+    def empty_for(name, N, K):                        # int8 per block (a GGUF file's types): from the scale's shape
+        s = tensors.get(name + ".scale")
+        if kind == "int8" and s is not None and s.dim() == 2:
+            return Int8Linear.empty(N, K, name + ".bias" in tensors, s.shape[1], name + ".offset" in tensors)
+        return empty(N, K, name + ".bias" in tensors)
+
     mark = ".w" if kind == "bf16" else ".q"           # a quantised module saves this in place of ``weight``
     for name in sorted(k[:-len(mark)] for k in tensors if k.endswith(mark)):
         if ".quantized_experts." in name:             # a mixture's experts: made below, all at once
@@ -563,7 +615,7 @@ def load_quantized(path, c: dict):
         w = tensors[name + mark]
         parent, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent) if parent else model, child,
-                empty(w.shape[0], w.shape[1] * (2 if kind == "int4" else 1), name + ".bias" in tensors))
+                empty_for(name, w.shape[0], w.shape[1] * (2 if kind == "int4" else 1)))
     for moe in sorted({k.split(".quantized_experts.")[0] for k in tensors if ".quantized_experts." in k}):
         model.get_submodule(moe).quantize_experts(lambda w: empty(w.shape[0], w.shape[1], False))
     expected = set(model.state_dict().keys())

@@ -16,12 +16,12 @@ import torch
 
 from subquad.data.rwkv_world import VOCAB_FILE as WORLD_VOCAB
 from subquad.data.rwkv_world import WorldTokenizer
+from subquad.models.config import ModelConfig
 from subquad.models.decode import decode_layout
 from subquad.models.hf.common import eos_token_ids, read_json, read_weights
 from subquad.models.hf.registry import MAPPINGS
-from subquad.models.hf.saver import PLAIN
 from subquad.models.hf.rwkv7_pth import RWKV7PthFormat, pth_file, read_pth
-from subquad.models.config import ModelConfig
+from subquad.models.hf.saver import PLAIN
 from subquad.models.lm import LanguageModel
 
 
@@ -120,10 +120,12 @@ def from_pretrained(path, dtype=None, device=None, quantize=None):
     was saved to loads quantised as it was saved (``quant.load_quantized``; ``quantize`` None or its kind).
     The model keeps the folder's config and its tokenizer and generation files (``model.hf_source``) for
     ``save_pretrained`` to write back. A Qwen3-Next or Qwen3.5 folder's multi-token-prediction tensors
-    (``mtp.*``) load as ``model.mtp`` (``models.mtp``: ``generate(..., speculative="mtp")`` drafts with it)."""
-    from subquad.models.mtp import MTP_TYPES, load_mtp
-    from subquad.models.quant import QUANTIZE
+    (``mtp.*``) load as ``model.mtp`` (``models.mtp``: ``generate(..., speculative="mtp")`` drafts with it).
+    A ``.gguf`` file (llama.cpp's format) loads through ``models.gguf``."""
+    if str(path).endswith(".gguf"):
+        from subquad.models.gguf import load_gguf
 
+        return load_gguf(path, dtype=dtype, device=device, quantize=quantize)
     pth = pth_file(path)
     if pth is not None:
         c, fmt, weights = {}, RWKV7PthFormat, read_pth(pth)
@@ -139,6 +141,26 @@ def from_pretrained(path, dtype=None, device=None, quantize=None):
             fmt, weights = MAPPINGS[c["model_type"]], None
             cfg = fmt.config(c)
             cfg.eos_token_ids = [t for t in eos_token_ids(path, c) if t < cfg.vocab_size]   # generate stops there
+    model = build(path, c, fmt, cfg, weights, dtype, device, quantize)
+    model.hf_source = {"config": dict(c), "files": {f: (Path(path) / f).read_bytes() for f in SIDE_FILES
+                                                    if (Path(path) / f).is_file()}}
+    tok = None
+    if pth is not None and (pth.parent / WORLD_VOCAB).exists():      # RWKV's world vocabulary beside the .pth
+        tok = WorldTokenizer.from_file(pth.parent / WORLD_VOCAB)
+    elif pth is None:
+        tok = _tokenizer(path)
+    return model.eval(), tok
+
+
+def build(path, c: dict, fmt, cfg: ModelConfig, weights: dict | None, dtype=None, device=None, quantize=None,
+          finish=None) -> LanguageModel:
+    """The model of config ``cfg`` with the checkpoint's tensors ``weights`` ({checkpoint name: tensor}; None:
+    read from the folder ``path``) put in place by ``fmt``'s name tables, each used exactly once (module doc).
+    ``finish(model, names)`` (a GGUF file's quantised matrices, ``models.gguf``) runs after the tensors are in
+    place (``names``: subquad name -> the checkpoint's) and before the decoding layout and ``quantize``."""
+    from subquad.models.mtp import MTP_TYPES, load_mtp
+    from subquad.models.quant import QUANTIZE
+
     dtype = resolve_dtype(dtype, c)
     if quantize is not None and (quantize not in QUANTIZE or dtype not in (None, torch.float32)):
         raise ValueError(f"quantize must be one of {', '.join(QUANTIZE)} with float32 weights, got quantize="
@@ -180,6 +202,8 @@ def from_pretrained(path, dtype=None, device=None, quantize=None):
         state[ours] = t.to(dtype) if dtype is not None and t.is_floating_point() else t   # one copy at a time
     model.load_state_dict(state, strict=True, assign=True)
     del state
+    if finish is not None:
+        finish(model, names)
     if mtp:                                           # speculative decoding's drafter (models.mtp)
         try:
             model.mtp = load_mtp(fmt, cfg, mtp, dtype)
@@ -194,11 +218,4 @@ def from_pretrained(path, dtype=None, device=None, quantize=None):
         quantize_model(model, quantize)
     if device is not None:
         model.to(device=device)
-    model.hf_source = {"config": dict(c), "files": {f: (Path(path) / f).read_bytes() for f in SIDE_FILES
-                                                    if (Path(path) / f).is_file()}}
-    tok = None
-    if pth is not None and (pth.parent / WORLD_VOCAB).exists():      # RWKV's world vocabulary beside the .pth
-        tok = WorldTokenizer.from_file(pth.parent / WORLD_VOCAB)
-    elif pth is None:
-        tok = _tokenizer(path)
-    return model.eval(), tok
+    return model.eval()

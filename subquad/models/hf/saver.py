@@ -34,25 +34,11 @@ def save_pretrained(model, path, tokenizer=None, model_type: str | None = None) 
     if model_type == PLAIN:
         return save_plain(model, path, tokenizer)
     cfg = model.config
-    model_type, opts = _format_for(model, model_type)
+    model_type, opts, tensors = checkpoint_tensors(model, model_type)
     fmt = MAPPINGS[model_type]
     source = getattr(model, "hf_source", None) or {"config": {}, "files": {}}
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    own = model.state_dict()
-    mtp = {k: own.pop(k) for k in [k for k in own if k.startswith("mtp.")]}   # a multi-token-prediction head
-    tensors = {}
-    for ours, theirs in fmt.names(cfg, {k: v.shape for k, v in own.items()}).items():
-        t = own[ours].detach().cpu()
-        if isinstance(theirs, tuple):                       # stacked experts: one tensor each
-            tensors.update({name: part.contiguous() for name, part in zip(theirs, t.unbind(0))})
-        else:
-            tensors[theirs] = t.contiguous()
-    tensors = {n: t.contiguous() for n, t in fmt.pack(tensors, cfg).items()}
-    if mtp:
-        from subquad.models.mtp import pack_mtp
-
-        tensors.update(pack_mtp(fmt, model.mtp, mtp))
     tmp = path / "model.safetensors.tmp"
     save_file(tensors, str(tmp), metadata={"format": "pt"})
     os.replace(tmp, path / "model.safetensors")
@@ -73,6 +59,29 @@ def save_pretrained(model, path, tokenizer=None, model_type: str | None = None) 
         files["tokenizer.json"] = tokenizer.to_str().encode()
     for name, data in files.items():
         _write(path / name, data)
+
+
+def checkpoint_tensors(model, model_type: str | None = None) -> tuple[str, dict, dict]:
+    """(the Hugging Face type ``model`` is written as - ``save_pretrained``'s choice -, its layer options, and
+    {checkpoint name: tensor} on the CPU, as that type's checkpoint holds them); ValueError as ``save_pretrained``."""
+    cfg = model.config
+    model_type, opts = _format_for(model, model_type)
+    fmt = MAPPINGS[model_type]
+    own = model.state_dict()
+    mtp = {k: own.pop(k) for k in [k for k in own if k.startswith("mtp.")]}
+    tensors = {}
+    for ours, theirs in fmt.names(cfg, {k: v.shape for k, v in own.items()}).items():
+        t = own[ours].detach().cpu()
+        if isinstance(theirs, tuple):                       # stacked experts: one tensor each
+            tensors.update({name: part.contiguous() for name, part in zip(theirs, t.unbind(0))})
+        else:
+            tensors[theirs] = t.contiguous()
+    tensors = {n: t.contiguous() for n, t in fmt.pack(tensors, cfg).items()}
+    if mtp:                                             # a multi-token-prediction head (models.mtp)
+        from subquad.models.mtp import pack_mtp
+
+        tensors.update(pack_mtp(fmt, model.mtp, mtp))
+    return model_type, opts, tensors
 
 
 def _format_for(model, model_type: str | None) -> tuple[str, dict]:

@@ -1,0 +1,193 @@
+"""``save_gguf``: a subquad ``LanguageModel`` written as a GGUF file llama.cpp loads - the file its converter
+(``convert_hf_to_gguf.py``) would write from the Hugging Face checkpoint ``save_pretrained`` writes.
+
+Types, as the converter chooses them: 1-D tensors, norms, convolutions and every tensor whose name does not
+end in ``.weight`` (Mamba's A and D, biases) in F32; the other matrices in ``outtype``, F16 where a row is
+not a multiple of the block (32 values: mamba-130m's dt_proj, 48 wide). ``outtype``:
+
+    f32, f16   plain
+    q8_0       per block of 32: d = max|x| / 127 (stored f16), q = round(x / d) (halves away from zero)
+    q4_0       per block of 32: m = the value of largest |x| (its sign kept), d = m / -8 (stored f16),
+               q = min(15, trunc(x / d + 8.5)) - 8
+               (ggml's reference quantisers, ``ggml-quants.c``; the same bytes as ``gguf.quants.quantize``)
+
+The tokenizer, when given and a byte-level BPE, is written as llama.cpp's "gpt2" vocabulary (tokens, types,
+merges; padded with unused ``[PAD{i}]`` tokens to the embedding's rows, as the converter pads) and whole as
+``tokenizer.huggingface.json``, which ``from_pretrained`` reads back first. The file is written whole or not
+at all (a temporary file, then a rename).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+from pathlib import Path
+
+import torch
+
+from subquad.models.gguf.arch import HF_TYPES, gguf_name
+
+ALIGN = 32
+OUTTYPES = {"f32": 0, "f16": 1, "q8_0": 8, "q4_0": 2}            # -> ggml type
+FILE_TYPES = {"f32": 0, "f16": 1, "q8_0": 7, "q4_0": 2}          # llama_ftype: ALL_F32, MOSTLY_F16, MOSTLY_Q8_0, ...
+TOKEN_NORMAL, TOKEN_CONTROL, TOKEN_UNUSED = 1, 3, 5
+
+
+def _roundf(x):
+    """Round halves away from zero, as ggml's roundf (gguf's np_roundf, term for term)."""
+    a = x.abs()
+    f = torch.floor(a)
+    return torch.sign(x) * (f + torch.floor(2 * (a - f)))
+
+
+def quantize_q8_0(x: torch.Tensor) -> torch.Tensor:
+    """x (..., K) float32, K a multiple of 32 -> the Q8_0 bytes (..., K / 32 * 34)."""
+    b = x.float().reshape(-1, 32)
+    d = b.abs().amax(1, keepdim=True) / 127
+    inv = torch.where(d == 0, torch.zeros_like(d), 1 / d)
+    q = _roundf(b * inv).to(torch.int8)
+    out = torch.cat([d.half().view(torch.uint8), q.view(torch.uint8)], 1)
+    return out.reshape(*x.shape[:-1], -1)
+
+
+def quantize_q4_0(x: torch.Tensor) -> torch.Tensor:
+    """x (..., K) float32, K a multiple of 32 -> the Q4_0 bytes (..., K / 32 * 18)."""
+    b = x.float().reshape(-1, 32)
+    m = b.gather(1, b.abs().argmax(1, keepdim=True))
+    d = m / -8
+    inv = torch.where(d == 0, torch.zeros_like(d), 1 / d)
+    q = torch.trunc(b * inv + 8.5).clamp(0, 15).to(torch.uint8)
+    out = torch.cat([d.half().view(torch.uint8), q[:, :16] | q[:, 16:] << 4], 1)
+    return out.reshape(*x.shape[:-1], -1)
+
+
+def _kind(name: str, t: torch.Tensor, outtype: str) -> str:
+    if t.dim() <= 1 or name.endswith("_norm.weight") or ".ssm_conv1d." in name or ".shortconv.conv." in name \
+            or not name.endswith(".weight"):
+        return "f32"
+    if outtype in ("q8_0", "q4_0") and t.shape[-1] % 32:
+        return "f16"                                         # the converter's fallback for a row off the block
+    return outtype
+
+
+def _encode(kind: str, t: torch.Tensor) -> bytes:
+    t = t.detach().float().contiguous()
+    if kind == "f32":
+        data = t.view(torch.uint8)
+    elif kind == "f16":
+        data = t.half().view(torch.uint8)
+    else:
+        data = (quantize_q8_0 if kind == "q8_0" else quantize_q4_0)(t)
+    return data.contiguous().numpy().tobytes()
+
+
+# ------------------------------------------------------------------------------------------------- metadata
+def _string(s: str) -> bytes:
+    b = s.encode("utf-8")
+    return struct.pack("<Q", len(b)) + b
+
+
+def _value(v) -> bytes:
+    """A metadata value with its type: bool, u32 (ints: llama.cpp reads its counts as u32), f32, string, arrays
+    of strings, i32 or f32."""
+    if isinstance(v, bool):
+        return struct.pack("<I?", 7, v)
+    if isinstance(v, int):
+        return struct.pack("<II", 4, v) if 0 <= v < 1 << 32 else struct.pack("<Iq", 11, v)
+    if isinstance(v, float):
+        return struct.pack("<If", 6, v)
+    if isinstance(v, str):
+        return struct.pack("<I", 8) + _string(v)
+    if isinstance(v, list):
+        if all(isinstance(x, str) for x in v):
+            return struct.pack("<IIQ", 9, 8, len(v)) + b"".join(_string(x) for x in v)
+        if all(isinstance(x, int) for x in v):
+            return struct.pack(f"<IIQ{len(v)}i", 9, 5, len(v), *v)
+        return struct.pack(f"<IIQ{len(v)}f", 9, 6, len(v), *v)
+    raise TypeError(f"GGUF metadata value {v!r} of type {type(v).__name__} has no GGUF type here")
+
+
+def tokenizer_metadata(tokenizer, vocab_size: int) -> dict:
+    """llama.cpp's vocabulary keys for a byte-level BPE ``tokenizers.Tokenizer`` (module doc); {} for another."""
+    spec = json.loads(tokenizer.to_str())
+    model = spec.get("model", {})
+    pre = spec.get("pre_tokenizer") or {}
+    meta = {"tokenizer.huggingface.json": tokenizer.to_str()}
+    if model.get("type") != "BPE" or pre.get("type") != "ByteLevel":
+        return meta
+    vocab = model["vocab"]
+    if len(vocab) > vocab_size:
+        raise ValueError(f"the tokenizer has {len(vocab)} tokens, more than the model's {vocab_size} embeddings")
+    tokens = sorted(vocab, key=vocab.get)
+    if [vocab[t] for t in tokens] != list(range(len(tokens))):
+        raise ValueError("the tokenizer's ids are not 0..n-1 without gaps: llama.cpp's vocabulary is a list")
+    special = {a["content"] for a in spec.get("added_tokens", []) if a.get("special")}
+    types = [TOKEN_CONTROL if t in special else TOKEN_NORMAL for t in tokens]
+    pad = vocab_size - len(tokens)
+    merges = [m if isinstance(m, str) else " ".join(m) for m in model.get("merges", [])]
+    meta.update({"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": "default",
+                 "tokenizer.ggml.tokens": tokens + [f"[PAD{i}]" for i in range(pad)],
+                 "tokenizer.ggml.token_type": types + [TOKEN_UNUSED] * pad, "tokenizer.ggml.merges": merges})
+    return meta
+
+
+# ------------------------------------------------------------------------------------------------- the file
+def save_gguf(model, path, outtype: str = "f32", tokenizer=None, name: str | None = None) -> dict:
+    """Write ``model`` (float, of a type ``arch.HF_TYPES`` holds: mamba, falcon_mamba, mamba2, lfm2) as the GGUF file
+    ``path`` (module doc) and return {GGUF tensor name: type written}. ValueError for an unknown ``outtype``,
+    a quantised model, or a structure no GGUF architecture here holds."""
+    from subquad.models.hf.registry import MAPPINGS
+    from subquad.models.hf.saver import checkpoint_tensors
+
+    if outtype not in OUTTYPES:
+        raise ValueError(f"outtype must be one of {', '.join(OUTTYPES)}, got {outtype!r}")
+    if getattr(model, "quantized", None):
+        raise ValueError(f"save_gguf writes a float model; this one is quantised ({model.quantized}): load it "
+                         f"without quantize, and choose the GGUF type with outtype")
+    try:
+        model_type, opts, tensors = checkpoint_tensors(model)
+    except ValueError as e:
+        raise ValueError(f"no GGUF architecture subquad writes holds this model: {e}") from None
+    if model_type not in HF_TYPES:
+        raise ValueError(f"this model is a Hugging Face {model_type!r} model; subquad writes GGUF files of "
+                         f"{', '.join(sorted(HF_TYPES))} only")
+    arch = HF_TYPES[model_type]
+    c = MAPPINGS[model_type].to_config(model.config, opts)
+    vocab = model.config.vocab_size
+    meta = {"general.architecture": arch.arch, "general.name": name or Path(path).stem,
+            "general.file_type": FILE_TYPES[outtype], "general.quantization_version": 2,
+            "general.alignment": ALIGN, **{f"{arch.arch}.{k}": v for k, v in arch.meta(c).items()},
+            f"{arch.arch}.vocab_size": vocab}
+    if tokenizer is not None:
+        meta.update(tokenizer_metadata(tokenizer, vocab))
+    eos = model.config.eos_token_ids or []
+    if eos:
+        meta["tokenizer.ggml.eos_token_id"] = int(eos[0])
+    meta.setdefault("tokenizer.ggml.model", "none")            # llama.cpp reads a file without a vocabulary so
+
+    infos, blobs, offset, types = [], [], 0, {}
+    for hf, t in tensors.items():
+        g = gguf_name(arch, hf)
+        t = arch.to_gguf(hf, t.float(), c)
+        kind = _kind(g, t, outtype)
+        data = _encode(kind, t)
+        ne = list(reversed(t.shape))
+        infos.append(_string(g) + struct.pack(f"<I{len(ne)}QIQ", len(ne), *ne, OUTTYPES[kind], offset))
+        pad = -len(data) % ALIGN
+        blobs.append(data + bytes(pad))
+        offset += len(data) + pad
+        types[g] = kind.upper()
+    head = MAGIC_V3 + struct.pack("<QQ", len(infos), len(meta))
+    head += b"".join(_string(k) + _value(v) for k, v in meta.items()) + b"".join(infos)
+    head += bytes(-len(head) % ALIGN)
+    path = Path(path)
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "wb") as f:
+        f.write(head)
+        f.writelines(blobs)
+    os.replace(tmp, path)
+    return types
+
+
+MAGIC_V3 = b"GGUF" + struct.pack("<I", 3)

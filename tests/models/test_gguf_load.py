@@ -1,0 +1,132 @@
+"""from_pretrained("x.gguf"): files written by ggml's own writer from tiny random transformers models give
+transformers' logits (F32) and, quantised, the logits of the same weights dequantised by ``gguf.quants``
+loaded from a Hugging Face folder; quantised projections stay quantised."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+gguf = pytest.importorskip("gguf")
+
+from subquad.models.hf import from_pretrained, save_pretrained
+from subquad.models.quant import Int8Linear
+from tests.models.gguf_harness import convert, dequantized_folder
+from tests.models.test_hf import _hf_logits, _hf_mamba, _ids
+from tests.models.test_hf_lfm2 import _hf as _hf_lfm2
+
+
+@pytest.mark.parametrize("kind", ["mamba", "mamba2"])
+def test_f32_file_gives_transformers_logits(tmp_path, kind):
+    hf, _ = _hf_mamba(tmp_path, falcon=kind)
+    convert(hf, tmp_path / "m.gguf", "f32")
+    ours, tok = from_pretrained(tmp_path / "m.gguf")
+    ids = _ids()
+    with torch.no_grad():
+        want = _hf_logits(hf, ids)
+        assert torch.allclose(ours(ids), want, atol=1e-4, rtol=1e-4)
+    assert ours.config.pattern == kind and tok is None and not getattr(ours, "quantized", None)
+
+
+def test_lfm2_files_give_transformers_logits_and_their_dequantised_weights(tmp_path):
+    """LFM2 (conv, attention, conv, conv; MLP width adjusted): F32 against transformers, Q8_0 against the
+    same weights dequantised by gguf."""
+    hf, _ = _hf_lfm2(tmp_path, conv_bias=True)
+    convert(hf, tmp_path / "f.gguf", "f32")
+    ours, _ = from_pretrained(tmp_path / "f.gguf")
+    ids = torch.randint(0, 96, (2, 30), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        assert torch.allclose(ours(ids), hf(ids).logits, atol=1e-4, rtol=1e-4)
+    assert ours.config.pattern == "gated_conv,softmax,gated_conv,gated_conv" and ours.config.mlp_hidden == 96
+    convert(hf, tmp_path / "q.gguf", "q8_0")
+    ref, _ = from_pretrained(dequantized_folder(hf, tmp_path / "q.gguf", tmp_path / "ref"))
+    with pytest.warns(UserWarning, match="token_embd.weight"):
+        ours, _ = from_pretrained(tmp_path / "q.gguf")
+    with torch.no_grad():
+        want = ref(ids)
+        assert torch.allclose(ours(ids), want, rtol=0, atol=1e-5 * want.abs().max())
+    assert sum(isinstance(m, Int8Linear) for m in ours.modules()) == 4 * 3 + 4 + 2 * 3 + 1   # MLPs, attention, convs, head
+
+
+@pytest.mark.parametrize("kind,outtype", [("mamba", "q8_0"), ("mamba2", "q4_0")])
+def test_quantised_file_equals_its_weights_dequantised_by_gguf(tmp_path, kind, outtype):
+    hf, _ = _hf_mamba(tmp_path, falcon=kind, tie_word_embeddings=kind == "mamba")
+    types = convert(hf, tmp_path / "m.gguf", outtype)
+    assert outtype.upper() in types.values() and ("F16" in types.values()) == (kind == "mamba")  # dt_proj: 4 wide
+    ref, _ = from_pretrained(dequantized_folder(hf, tmp_path / "m.gguf", tmp_path / "ref"))
+    if kind == "mamba":
+        ours, _ = from_pretrained(tmp_path / "m.gguf")
+    else:                                       # an untied embedding is looked up: dequantised, and said so
+        with pytest.warns(UserWarning, match=r"dequantised to torch.float32: token_embd.weight \(Q4_0\)"):
+            ours, _ = from_pretrained(tmp_path / "m.gguf")
+    ids = _ids()
+    with torch.no_grad():
+        want = ref(ids)
+        assert torch.allclose(ours(ids), want, rtol=0, atol=1e-5 * want.abs().max())
+    quantised = [m for m in ours.modules() if isinstance(m, Int8Linear)]
+    # every matrix written quantised is held as int8 blocks (and a tied head of the embedding's)
+    assert len(quantised) == sum(t == outtype.upper() for g, t in types.items() if g != "token_embd.weight") + \
+        (kind == "mamba")
+    assert ours.quantized == "int8" and all(m.scale.shape[1] == m.in_features // 32 for m in quantised)
+    save_pretrained(ours, tmp_path / "saved")            # a quantised folder keeps the blocks, bit for bit
+    again, _ = from_pretrained(tmp_path / "saved")
+    with torch.no_grad():
+        assert torch.equal(again(ids), ours(ids))
+
+
+def test_refusals_name_the_problem(tmp_path):
+    (tmp_path / "x.gguf").write_bytes(b"GGML" + bytes(20))
+    with pytest.raises(ValueError, match="not a GGUF file"):
+        from_pretrained(tmp_path / "x.gguf")
+    w = gguf.GGUFWriter(str(tmp_path / "y.gguf"), "llama")
+    w.add_tensor("token_embd.weight", torch.zeros(4, 32).numpy())
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(ValueError, match="architecture 'llama' is not one subquad loads"):
+        from_pretrained(tmp_path / "y.gguf")
+
+
+def test_tokenizer_from_llama_cpps_vocabulary(tmp_path):
+    """A byte-level BPE written as llama.cpp's "gpt2" vocabulary (tokens, merges; no tokenizer.json) reads back
+    as a tokenizer that encodes and decodes as the original."""
+    from subquad.data.tokenizer import train_tokenizer
+
+    text = "".join(f"def h{i}(z):\n    return z * {i}  # é\n" for i in range(60))
+    tok0 = train_tokenizer([text], vocab_size=300)
+    hf, _ = _hf_mamba(tmp_path, vocab_size=tok0.get_vocab_size())
+    convert(hf, tmp_path / "m.gguf", "f32", tokenizer=tok0)
+    _, tok = from_pretrained(tmp_path / "m.gguf")
+    sample = "def h7(z):\n    return z * 12  # é ü"
+    assert tok.encode(sample).ids == tok0.encode(sample).ids
+    assert tok.decode(tok.encode(sample).ids) == sample
+
+
+@pytest.mark.parametrize("quantize", ["int4", "int8"])
+def test_quantize_puts_a_quantised_file_in_subquads_kernels(tmp_path, quantize):
+    """quantize="int4": Q4_0's codes as they are in torch's int4 layout (group 32), the scales rounded to
+    bfloat16; "int8": requantised per channel. Close to the exact load, and saved and loaded as it is."""
+    from subquad.models.quant import Int4Linear
+
+    hf, _ = _hf_mamba(tmp_path, falcon="mamba2", tie_word_embeddings=True)
+    convert(hf, tmp_path / "m.gguf", "q4_0")
+    exact, _ = from_pretrained(tmp_path / "m.gguf")
+    ours, _ = from_pretrained(tmp_path / "m.gguf", quantize=quantize)
+    cls = Int4Linear if quantize == "int4" else Int8Linear
+    pairs = [(a, b) for a, b in zip(exact.modules(), ours.modules()) if isinstance(a, Int8Linear)]
+    assert pairs and all(isinstance(b, cls) for _, b in pairs) and isinstance(ours.head, cls)
+    for a, b in pairs:      # int4: the same codes, each block's float16 scale in bfloat16; int8: within half a step
+        tol = {"rtol": 2 ** -8, "atol": 1e-7} if quantize == "int4" else {"rtol": 0, "atol": b.scale.max() / 2 + 1e-7}
+        assert torch.allclose(b.weight, a.weight, **tol)
+    ids = _ids()
+    with torch.no_grad():
+        want, got = exact(ids), ours(ids)
+        assert (got - want).abs().max() < 0.05 * want.abs().max()
+        assert ours.quantized == quantize
+        save_pretrained(ours, tmp_path / "saved")
+        again, _ = from_pretrained(tmp_path / "saved")
+        assert torch.allclose(again(ids), got, rtol=0, atol=1e-5 * got.abs().max())
+    with pytest.raises(ValueError, match="quantize must be None"):
+        from_pretrained(tmp_path / "m.gguf", quantize="bf16")
