@@ -47,7 +47,10 @@ def _hf(tmp_path, dtype=torch.float32, fused=False, **over):
     """Two blocks of width 128 (q, k 64 wide: transformers' cache needs a multiple of 64), two heads, a SwiGLU of
     192 (1.5 x 128 rounded to 16), chunks of 8 (transformers runs 6 whole chunks of the 50 tokens, then its token
     loop); gates that depend on the input (transformers starts their weights at zero) and input-gate biases ~ N(0, 4)
-    (exp(i) up to e^15: the stabiliser at work), non-trivial norms; the gate and logit soft caps (15, 30) on."""
+    (exp(i) up to e^15: the stabiliser at work), non-trivial norms; the gate and logit soft caps (15, 30) on. Norms
+    reduced in the model's dtype (``norm_reduction_force_float32`` off): transformers' float64 is then float32 only
+    in its final norm and its token loop's state (``inference_state_dtype``, float32 at best), 2e-7 of the logits
+    here instead of 9e-7."""
     def tweak(m):
         for n, p in m.named_parameters():
             if n.endswith("igate_preact.bias"):
@@ -55,7 +58,7 @@ def _hf(tmp_path, dtype=torch.float32, fused=False, **over):
 
     hf, folder = tiny(tmp_path, "xlstm", transformers.xLSTMConfig, transformers.xLSTMForCausalLM, {
         "vocab_size": V, "hidden_size": 128, "num_hidden_layers": 2, "num_heads": 2, "chunk_size": 8,
-        "ffn_proj_factor": 1.5, "ffn_round_up_to_multiple_of": 16, **over},
+        "ffn_proj_factor": 1.5, "ffn_round_up_to_multiple_of": 16, "norm_reduction_force_float32": False, **over},
         dtype, ("norm.weight", "norm_mlstm.weight", "norm_ffn.weight", "gate_preact.weight", "bias"), tweak=tweak)
     if fused:
         _fuse(folder)
@@ -72,7 +75,12 @@ def _hf_logits(hf, ids):
 
 
 def test_the_loaded_structure(tmp_path):
+    """A fused folder with the released xLSTM-7B's kernel fields (NX-AI's Triton kernels: the same mLSTM)."""
     _, folder = _hf(tmp_path, fused=True)
+    c = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**c, "chunkwise_kernel": "chunkwise--triton_xl_chunk",
+                                                    "sequence_kernel": "native_sequence__triton",
+                                                    "step_kernel": "triton", "autocast_kernel_dtype": "bfloat16"}))
     ours, _ = from_pretrained(folder)
     c = ours.config
     assert (c.layers, c.mlp_hidden, c.logit_soft_cap, c.tie_embeddings) == (["mlstm", "mlstm"], 192, 30.0, False)
@@ -82,8 +90,8 @@ def test_the_loaded_structure(tmp_path):
 
 def test_logits_where_transformers_cannot_decode(tmp_path):
     """Width 64: q, k 32 wide, which transformers' cache (64 rounded) cannot hold; its forward without a cache is
-    the reference, float64 to 1e-6 of its logits' size as in the table: transformers' float64 is float32 in places
-    (its final norm always reduces in float32, its token loop keeps the state in ``inference_state_dtype``)."""
+    the reference, float64 to 1e-6 of its logits' size as in the table (transformers' float64 is float32 in places:
+    ``_hf``)."""
     hf, folder = _hf(tmp_path, torch.float64, hidden_size=64, num_heads=4)
     ours, _ = from_pretrained(folder, dtype=torch.float64)
     ids = token_ids(V)
