@@ -154,3 +154,14 @@ def test_bad_gates_are_refused_by_name():
         mlstm(x["q"], x["k"], x["v"], x["g"], x["i"][..., :1])
     with pytest.raises(ValueError, match="initial_state must be the triple"):
         mlstm(x["q"], x["k"], x["v"], x["g"], x["i"], initial_state=torch.zeros(1, 2, 4, 3, dtype=F64))
+
+
+@pytest.mark.parametrize("name", ["k", "v", "i"])
+def test_a_non_finite_token_changes_nothing_before_it(name):
+    x = {n: t.detach() for n, t in make(2, 19, seed=6).items()}
+    clean = {m: call(m, x, 4, None, False)[0] for m in ("parallel", "recurrent", "chunk")}
+    bad = {n: t.clone() for n, t in x.items()}
+    bad[name][:, 9] = float("nan")
+    for mode, want in clean.items():
+        o, _ = call(mode, bad, 4, None, False)
+        assert_close(o[:, :9], want[:, :9], 1e-12, f"{mode}: a NaN in {name} at token 9")
