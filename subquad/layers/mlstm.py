@@ -43,7 +43,9 @@ class HeadLayerNorm(nn.Module):
 
 
 class MLSTM(Mixer):
-    """The mLSTM: a K x V matrix memory per head with an exponential input gate and a max-stabilised normaliser.
+    """The mLSTM: a K x V matrix memory per head with an exponential input gate and a max-stabilised normaliser,
+    C_t = f_t C_{t-1} + exp(i_t) k_t v_t^T, n_t = f_t n_{t-1} + exp(i_t) k_t, h_t = C_t^T q_t / max(|n_t . q_t|, 1)
+    (kept divided by exp(m_t), the running max of the log gates: ``subquad.ops.mlstm``).
 
     Args: d_model; n_heads; expand_k, expand_v (key / value widths as fractions of d_model: xLSTM's qk_dim_factor
     and v_dim_factor); gate_soft_cap (the gates' soft cap, None: none); eps (the op's, after the normaliser's max);

@@ -49,7 +49,7 @@ def mlstm_chunk(q, k, v, g, i, *, scale, eps, chunk_size=64, initial_state):
         Cs.append(Cj)
         ns.append(nj)
         ms.append(mj)
-        m_next = torch.maximum(G[..., j] + mj, amax[..., j])
+        m_next = torch.maximum(G[..., j] + mj, amax[..., j]).detach()   # a constant to autograd (README)
         decay = torch.exp(G[..., j] + mj - m_next)
         kw = kc[:, :, j] * torch.exp(a[..., j, :] - m_next.unsqueeze(-1)).unsqueeze(-1)   # (B, H, c, K)
         Cj = decay[..., None, None] * Cj + kw.transpose(-1, -2) @ vc[:, :, j]
@@ -58,7 +58,7 @@ def mlstm_chunk(q, k, v, g, i, *, scale, eps, chunk_size=64, initial_state):
     Cs, ns, ms = torch.stack(Cs, 2), torch.stack(ns, 2), torch.stack(ms, 2)  # (B, H, n, K, V), (.., K), (B, H, n)
     # 3. outputs of every chunk at once
     inter = b + ms.unsqueeze(-1)                                           # (B, H, n, c)
-    m = torch.maximum(inter, logD.amax(-1))
+    m = torch.maximum(inter, logD.amax(-1)).detach()
     w = torch.exp(inter - m).unsqueeze(-1)                                 # (B, H, n, c, 1)
     S = (qc @ kc.transpose(-1, -2)) * torch.exp(logD - m.unsqueeze(-1))
     num = w * (qc @ Cs) + S @ vc

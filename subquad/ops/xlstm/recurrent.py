@@ -15,7 +15,7 @@ import torch
 
 def mlstm_step(q, k, v, g, i, C, n, m, scale, eps):
     """One token: q, k (B, H, K), v (B, H, V), g, i (B, H), state (C, n, m) -> (h (B, H, V), (C, n, m))."""
-    m_new = torch.maximum(g + m, i)
+    m_new = torch.maximum(g + m, i).detach()                                 # a constant to autograd (README)
     decay = torch.exp(g + m - m_new)                                          # (B, H)
     write = torch.exp(i - m_new)
     C = decay[..., None, None] * C + write[..., None, None] * (k[..., :, None] * v[..., None, :])
