@@ -91,8 +91,8 @@ class MLSTM(Mixer):
 
     def empty_state(self, batch_size, device=None, dtype=torch.float32):
         B, H, K, V = batch_size, self.n_heads, self.head_k, self.head_v
-        return {"C": self.zeros(B, H, K, V, device=device, dtype=dtype), "n": self.zeros(B, H, K, device=device, dtype=dtype),
-                "m": self.zeros(B, H, device=device, dtype=dtype)}
+        return {"C": self.zeros(B, H, K, V, device=device, dtype=dtype),
+                "n": self.zeros(B, H, K, device=device, dtype=dtype), "m": self.zeros(B, H, device=device, dtype=dtype)}
 
     def mix(self, x, state, seq):
         B, T, _ = x.shape

@@ -24,7 +24,8 @@ the mLSTM ``(q, k, v, g, i)`` (its state the triple (C, n, m)).
 The op families live in folders named after the family, not the op (so no function
 shadows its package): ``softmax/`` (softmax_attention), ``linear/`` (linear_attention),
 ``decay/`` (retention, simple_gla, gla, ssd), ``delta/`` (delta_rule, gated_delta_rule, generalized_delta_rule),
-``mamba/`` (selective_scan), ``lru/`` (rg_lru), ``xlstm/`` (mlstm); each has a file per form and a README with its recurrence.
+``mamba/`` (selective_scan), ``lru/`` (rg_lru), ``xlstm/`` (mlstm); each has a file per form and a README with its
+recurrence.
 """
 
 from subquad.ops.common.checks import MODES

@@ -13,9 +13,11 @@ float64 inputs). The empty state is all zeros, m_0 = 0 included: the convention 
 transformers' xLSTM (m_0 reaches the outputs through eps alone, README.md). ``scale=None`` is
 K ** -0.5 on q; ``eps`` is added after the max, as xLSTM-7B does (1e-6).
 
-The family's folder is ``xlstm/`` (the op is ``mlstm``: no function shadows its package). Forms: ``recurrent.py`` the token loop (the spec, decoding); ``parallel.py`` the stabilised T x T form;
+The family's folder is ``xlstm/`` (the op is ``mlstm``: no function shadows its package). Forms: ``recurrent.py``
+the token loop (the spec, decoding); ``parallel.py`` the stabilised T x T form;
 ``chunk.py`` chunkwise with the stabiliser carried across chunks. All compute the same m_t, so they agree to
-rounding. The state is not affine in the initial one (m enters through a max): no ``Transition`` is declared,
+rounding, and all treat m as a constant to autograd (the derivative dropped is of order eps; README.md). The
+state is not affine in the initial one (m enters through a max): no ``Transition`` is declared,
 and context parallelism refuses the op by name.
 
 Example:
@@ -94,8 +96,8 @@ def mlstm(q, k, v, g, i, *, eps=1e-6, mode="chunk", chunk_size=64, scale=None, i
     else:
         if not isinstance(initial_state, (tuple, list)) or len(initial_state) != 3:
             raise ValueError(f"initial_state must be the triple (C, n, m), got {type(initial_state).__name__}")
-        for name, t, shape in zip(("initial_state[0] (C)", "initial_state[1] (n)", "initial_state[2] (m)"), initial_state,
-                                  ((B, H, K, V), (B, H, K), (B, H))):
+        names = ("initial_state[0] (C)", "initial_state[1] (n)", "initial_state[2] (m)")
+        for name, t, shape in zip(names, initial_state, ((B, H, K, V), (B, H, K), (B, H))):
             check_state(name, t, shape, q)
         initial_state = tuple(initial_state)
     out_dtype = q.dtype
