@@ -19,7 +19,8 @@ from subquad.models.hf import from_pretrained, save_pretrained  # noqa: E402
 from tests.models.hf_harness import assert_refused, tiny, token_ids  # noqa: E402
 
 V = 96
-LOGITS = {"": {}, "fused": {"fused": True}}
+LOGITS = {"": {}, "bias": {"use_bias": True}, "fused-bias": {"fused": True, "use_bias": True}}
+ROUND_TRIP = {"": {}, "bias": {"use_bias": True}}
 
 
 def _fuse(folder):
@@ -75,8 +76,8 @@ def _hf_logits(hf, ids):
 
 
 def test_the_loaded_structure(tmp_path):
-    """A fused folder with the released xLSTM-7B's kernel fields (NX-AI's Triton kernels: the same mLSTM)."""
-    _, folder = _hf(tmp_path, fused=True)
+    """A fused folder with the released xLSTM-7B's kernel fields (NX-AI's Triton kernels: the same mLSTM), biases on."""
+    _, folder = _hf(tmp_path, fused=True, use_bias=True)
     c = json.loads((folder / "config.json").read_text())
     (folder / "config.json").write_text(json.dumps({**c, "chunkwise_kernel": "chunkwise--triton_xl_chunk",
                                                     "sequence_kernel": "native_sequence__triton",
@@ -86,6 +87,7 @@ def test_the_loaded_structure(tmp_path):
     assert (c.layers, c.mlp_hidden, c.logit_soft_cap, c.tie_embeddings) == (["mlstm", "mlstm"], 192, 30.0, False)
     m = ours.blocks[0].mixer
     assert (m.n_heads, m.head_k, m.head_v, m.gate_soft_cap, m.chunk_size) == (2, 32, 64, 15.0, 8)
+    assert (c.norm_bias, c.mlp_bias, m.q_proj.bias is not None, ours.norm.bias) == (True, True, True, None)
 
 
 def test_logits_where_transformers_cannot_decode(tmp_path):
@@ -130,9 +132,14 @@ def test_a_model_built_here_saves_as_xlstm(tmp_path):
 def test_refusals_name_the_problem(tmp_path):
     from safetensors.torch import load_file
 
+    from subquad import ModelConfig
+
+    with pytest.raises(ValueError, match="norm_bias"):            # a LayerNorm has its bias already
+        ModelConfig(norm="layer", norm_bias=True)
+
     _, folder = _hf(tmp_path)
     cfg = json.loads((folder / "config.json").read_text())
-    for field, value in (("use_bias", True), ("add_out_norm", False), ("weight_mode", "split"), ("num_heads", 3),
+    for field, value in (("use_bias", "yes"), ("add_out_norm", False), ("weight_mode", "split"), ("num_heads", 3),
                          ("qk_dim_factor", 0.0), ("embedding_dim", 96), ("gate_soft_cap", -1.0),
                          ("ffn_round_up_to_multiple_of", 0), ("num_heads", "2")):
         assert_refused(folder, field, {**cfg, field: value})

@@ -9,9 +9,10 @@ q, k, v and the output gate in one ``qkv_opreact`` and the two gates in one ``if
 two input projections in one ``proj_up_gate_z``: ``unpack`` splits them, and a folder is written back unfused
 ("single"). The kernel fields (``chunkwise_kernel``, ``sequence_kernel``, ``step_kernel``, ``mode``,
 ``autocast_kernel_dtype``, ``inference_state_dtype``, ``max_inference_chunksize``) choose how transformers or
-NX-AI's package computes the same mLSTM and are read as such. Refused by name: ``use_bias`` (biases on the blocks'
-RMS norms, which subquad's norms do not have) and ``add_out_norm=false`` (transformers keeps the final norm
-whatever it says; NX-AI's package drops it).
+NX-AI's package computes the same mLSTM and are read as such. ``use_bias`` puts biases on every projection but the
+gates' (which always have one), the per-head norm, the SwiGLU and the blocks' RMS norms - not the final norm
+(``ModelConfig.norm_bias``, ``mlp_bias`` and the layer's ``bias``). Refused by name: ``add_out_norm=false``
+(transformers keeps the final norm whatever it says; NX-AI's package drops it).
 """
 
 from __future__ import annotations
@@ -59,14 +60,14 @@ class XLSTMFormat(Format):
                         "mixer.v_proj.{p}": LAYER + "v.{p}", "mixer.o_gate.{p}": LAYER + "ogate_preact.{p}",
                         "mixer.i_proj.{p}": LAYER + "igate_preact.{p}", "mixer.f_proj.{p}": LAYER + "fgate_preact.{p}",
                         "mixer.norm.{p}": LAYER + "multihead_norm.{p}", "mixer.out_proj.{p}": LAYER + "out_proj.{p}"},
-              "*": {"norm1.weight": "norm_mlstm.weight", "norm2.weight": "norm_ffn.weight",
-                    "mlp.w_gate.weight": "ffn.proj_up_gate.weight", "mlp.w_up.weight": "ffn.proj_up.weight",
-                    "mlp.w_down.weight": "ffn.proj_down.weight"}}
+              "*": {"norm1.{p}": "norm_mlstm.{p}", "norm2.{p}": "norm_ffn.{p}",
+                    "mlp.w_gate.{p}": "ffn.proj_up_gate.{p}", "mlp.w_up.{p}": "ffn.proj_up.{p}",
+                    "mlp.w_down.{p}": "ffn.proj_down.{p}"}}
 
     @staticmethod
     def config(c: dict) -> ModelConfig:
-        require(c, "use_bias", False)
         require(c, "add_out_norm", True)
+        bias = c.get("use_bias", False)
         weight_mode = c.get("weight_mode", "single")
         if weight_mode not in ("single", "fused"):
             raise ValueError(f"config field weight_mode={weight_mode!r} must be 'single' or 'fused'")
@@ -86,9 +87,11 @@ class XLSTMFormat(Format):
         if chunk < 1:
             raise ValueError(f"config field chunk_size={chunk!r} must be a positive int")
         mlstm = {"expand_k": fk, "expand_v": fv, "gate_soft_cap": _positive(c, "gate_soft_cap", 15.0),
-                 "eps": _positive(c, "eps", 1e-6), "norm_eps": _positive(c, "norm_eps", 1e-6), "chunk_size": chunk}
+                 "eps": _positive(c, "eps", 1e-6), "norm_eps": _positive(c, "norm_eps", 1e-6), "chunk_size": chunk,
+                 "bias": bias}
         return ModelConfig(vocab_size=c["vocab_size"], d_model=D, n_layers=n, n_heads=H, pattern="mlstm", mlp=True,
-                           mlp_size=round_up(D * _positive(c, "ffn_proj_factor", 2.667), multiple),
+                           mlp_size=round_up(D * _positive(c, "ffn_proj_factor", 2.667), multiple), mlp_bias=bias,
+                           norm_bias=bias,
                            norm_eps=mlstm["norm_eps"], tie_embeddings=c.get("tie_word_embeddings", False),
                            context_length=1 << 20, logit_soft_cap=_positive(c, "output_logit_soft_cap", 30.0),
                            mixer_options={"mlstm": mlstm})
@@ -125,7 +128,7 @@ class XLSTMFormat(Format):
         o = opts["mlstm"]
         return {"model_type": "xlstm", "architectures": ["xLSTMForCausalLM"], "vocab_size": cfg.vocab_size,
                 "hidden_size": cfg.d_model, "embedding_dim": cfg.d_model, "num_hidden_layers": cfg.n_layers,
-                "num_blocks": cfg.n_layers, "num_heads": cfg.n_heads, "use_bias": False, "add_out_norm": True,
+                "num_blocks": cfg.n_layers, "num_heads": cfg.n_heads, "use_bias": o["bias"], "add_out_norm": True,
                 "norm_eps": cfg.norm_eps, "qk_dim_factor": o["expand_k"], "v_dim_factor": o["expand_v"],
                 "gate_soft_cap": o["gate_soft_cap"], "output_logit_soft_cap": cfg.logit_soft_cap, "eps": o["eps"],
                 "chunk_size": o["chunk_size"], "ffn_proj_factor": cfg.mlp_hidden / cfg.d_model,
@@ -137,7 +140,7 @@ class XLSTMFormat(Format):
     @classmethod
     def matches(cls, cfg: ModelConfig, opts: dict) -> bool:
         o = opts.get("mlstm")
-        return (set(cfg.layers) == {"mlstm"} and not o["bias"] and o["norm_eps"] == cfg.norm_eps
-                and o["n_heads"] == cfg.n_heads and cfg.mlp and cfg.moe is None and cfg.mlp_kind == "swiglu"
-                and not cfg.mlp_bias and cfg.mlp_layers is None and cfg.embed_scale is None and cfg.pos_emb == "none"
+        return (set(cfg.layers) == {"mlstm"} and o["bias"] == cfg.mlp_bias == cfg.norm_bias
+                and o["norm_eps"] == cfg.norm_eps and o["n_heads"] == cfg.n_heads and cfg.mlp and cfg.moe is None
+                and cfg.mlp_kind == "swiglu" and cfg.mlp_layers is None and cfg.embed_scale is None and cfg.pos_emb == "none"
                 and cfg.norm == "rms" and not cfg.embed_norm and not cfg.post_norm and cfg.scaled_residual is None)
