@@ -30,6 +30,7 @@ ATTENTION_INPUTS = {                      # the positional inputs of each op, ga
     "ssd": ["x", "dt", "A", "B", "C"],
     "selective_scan": ["x", "dt", "A", "B", "C"],
     "rg_lru": ["x", "g"],
+    "mlstm": ["q", "k", "v", "g", "i"],
 }
 CONTRACT = {"mode": "chunk", "chunk_size": 64, "initial_state": None, "output_final_state": False,
             "cu_seqlens": None}
@@ -79,6 +80,8 @@ def _tiny(name):
         return [q, k, v, -torch.rand(B, T, H, K, generator=g, dtype=torch.float64), -k, lr * k]
     if name == "rg_lru":
         return [r(B, T, H, K), -torch.rand(B, T, H, K, generator=g, dtype=torch.float64)]
+    if name == "mlstm":
+        return [q, k, v, gates["g"], r(B, T, H)]
     if name in ("ssd", "selective_scan"):
         Dm = H * K if name == "selective_scan" else None
         x = r(B, T, Dm) if Dm else r(B, T, H, K)

@@ -10,18 +10,20 @@ from subquad.ops.common.autograd import wants_grad
 
 
 class RMSNorm(nn.Module):
-    """x / rms(x) * weight over the last dim (computed in float32)."""
+    """x / rms(x) * weight over the last dim (computed in float32), plus a bias with ``bias`` (xLSTM's use_bias)."""
 
-    def __init__(self, dim: int, eps: float = 1e-6, affine: bool = True):
+    def __init__(self, dim: int, eps: float = 1e-6, affine: bool = True, bias: bool = False):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim)) if affine else None
+        self.bias = nn.Parameter(torch.zeros(dim)) if bias else None
 
     def forward(self, x):
         xf = x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
         y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         y = y.to(x.dtype)
-        return y * self.weight if self.weight is not None else y
+        y = y * self.weight if self.weight is not None else y
+        return y if self.bias is None else y + self.bias
 
 
 class GatedRMSNorm(RMSNorm):

@@ -20,6 +20,7 @@ from subquad.layers.linformer import Linformer
 from subquad.layers.mamba import Mamba
 from subquad.layers.mamba2 import Mamba2
 from subquad.layers.mla import LatentAttention
+from subquad.layers.mlstm import MLSTM
 from subquad.layers.retention import MultiScaleRetention
 from subquad.layers.short_conv import GatedShortConv
 from subquad.layers.rwkv7 import RWKV7
@@ -101,6 +102,8 @@ MIXERS: dict[str, MixerEntry] = {
                              about="LFM2's gated short convolution: out(c * conv(b * x)), no recurrence"),
     "rglru": MixerEntry(GriffinRecurrentBlock, about="Griffin's recurrent block (RG-LRU)"),
     "rwkv7": MixerEntry(RWKV7, about="RWKV-7 time mix: the generalised delta rule, token shift, value residual"),
+    "mlstm": MixerEntry(MLSTM,
+                        about="xLSTM's mLSTM: a matrix memory, exponential input gate, max-stabilised normaliser"),
     "linformer": MixerEntry(Linformer, encoder_only=True,
                             about="Linformer: softmax attention over keys and values projected along time"),
 }

@@ -103,6 +103,7 @@ class ModelConfig:
     embed_scale: float | None = None     # the embeddings times this (Gemma: sqrt(d_model)); None: 1
     logit_soft_cap: float | None = None  # logits = cap tanh(logits / cap) (Gemma 2, RecurrentGemma); None: none
     norm: str = "rms"                    # the blocks' and final norms: "rms", or "layer" (LayerNorm with bias: RWKV)
+    norm_bias: bool = False              # a bias on the blocks' RMS norms, not the final one's (xLSTM's use_bias)
     embed_norm: bool = False             # a norm on the embeddings before the first block (RWKV's ln0)
     shared: dict | None = None           # shared transformer blocks and the layers that use them (module doc; Zamba2)
 
@@ -170,6 +171,9 @@ class ModelConfig:
             raise ValueError(f"pos_emb must be 'none' or 'learned', got {self.pos_emb!r}")
         if self.norm not in ("rms", "layer"):
             raise ValueError(f"norm must be 'rms' or 'layer', got {self.norm!r}")
+        if not isinstance(self.norm_bias, bool) or (self.norm_bias and self.norm != "rms"):
+            raise ValueError(f"norm_bias must be a bool, and True only with norm='rms' (a LayerNorm has its bias), "
+                             f"got {self.norm_bias!r} with norm={self.norm!r}")
         if not isinstance(self.embed_norm, bool):
             raise ValueError(f"embed_norm must be a bool, got {self.embed_norm!r}")
         if self.shared is not None:

@@ -43,9 +43,11 @@ NORMED_OUTPUT_SCALE = 0.1   # see LanguageModel._init_residual_branches
 MLP_STATE = "mlp."          # a stateful MLP's entries in its layer's state dict
 
 
-def make_norm(cfg: ModelConfig) -> nn.Module:
-    """The blocks' and the final norm: RMSNorm, or LayerNorm with a bias (``cfg.norm == "layer"``: RWKV)."""
-    return RMSNorm(cfg.d_model, cfg.norm_eps) if cfg.norm == "rms" else nn.LayerNorm(cfg.d_model, cfg.norm_eps)
+def make_norm(cfg: ModelConfig, bias: bool = False) -> nn.Module:
+    """The blocks' and the final norm: RMSNorm (with ``bias``, a bias: the blocks' with ``cfg.norm_bias``), or
+    LayerNorm with a bias (``cfg.norm == "layer"``: RWKV)."""
+    return RMSNorm(cfg.d_model, cfg.norm_eps, bias=bias) if cfg.norm == "rms" else nn.LayerNorm(cfg.d_model,
+                                                                                                cfg.norm_eps)
 
 
 class Block(nn.Module):
@@ -60,10 +62,10 @@ class Block(nn.Module):
         mlp = cfg.mlp and mlp                              # mlp False: this layer is the mixer alone
         opts = {**cfg.mixer_options.get("*", {}), **cfg.mixer_options.get(mixer_name, {})}
         self.mixer_name = mixer_name
-        self.norm1 = make_norm(cfg)
+        self.norm1 = make_norm(cfg, cfg.norm_bias)
         heads = opts.pop("n_heads", cfg.n_heads)           # a layer's own head count (a MixerEntry with own_heads)
         self.mixer = build_mixer(mixer_name, cfg.d_model, heads, n_kv_heads=cfg.n_kv_heads, **opts)
-        self.norm2 = make_norm(cfg) if mlp else None
+        self.norm2 = make_norm(cfg, cfg.norm_bias) if mlp else None
         if moe:
             m = cfg.moe
             self.mlp = MoE(cfg.d_model, m["hidden"] or cfg.mlp_hidden, m["experts"], m["top_k"], m["renormalize"],

@@ -18,12 +18,14 @@ Each op takes ``mode`` in ``("parallel", "recurrent", "chunk")``, ``chunk_size``
 different lengths in one row (``subquad.ops.common.varlen``). Every op's three forms are public too,
 ``parallel_<op>``, ``recurrent_<op>`` and ``chunk_<op>``, with the op's signature
 less ``mode``. Gates follow the values: ``(q, k, v, g)``, ``(q, k, v, beta)``,
-``(q, k, v, g, beta)``, ``(q, k, v, w, a, b)``; Mamba's scans take ``(x, dt, A, B, C)``, the RG-LRU ``(x, g)``.
+``(q, k, v, g, beta)``, ``(q, k, v, w, a, b)``; Mamba's scans take ``(x, dt, A, B, C)``, the RG-LRU ``(x, g)``,
+the mLSTM ``(q, k, v, g, i)`` (its state the triple (C, n, m)).
 
 The op families live in folders named after the family, not the op (so no function
 shadows its package): ``softmax/`` (softmax_attention), ``linear/`` (linear_attention),
 ``decay/`` (retention, simple_gla, gla, ssd), ``delta/`` (delta_rule, gated_delta_rule, generalized_delta_rule),
-``mamba/`` (selective_scan), ``lru/`` (rg_lru); each has a file per form and a README with its recurrence.
+``mamba/`` (selective_scan), ``lru/`` (rg_lru), ``xlstm/`` (mlstm); each has a file per form and a README with its
+recurrence.
 """
 
 from subquad.ops.common.checks import MODES
@@ -80,8 +82,10 @@ from subquad.ops.softmax import (
     recurrent_softmax_attention,
     softmax_attention,
 )
+from subquad.ops.xlstm import chunk_mlstm, mlstm, parallel_mlstm, recurrent_mlstm
 
-# Each recurrent op's state-passing transition (``common.transition``): what context parallelism and
+# Each recurrent op's state-passing transition (the mLSTM has none: its max stabiliser makes the state
+# non-affine in the initial one) (``common.transition``): what context parallelism and
 # sequence parallelism read to carry a state across ranks, with no code of their own per op.
 for _op, _t in ((linear_attention, Transition("identity", normaliser="normalize")),
                 (retention, Transition("diagonal")), (simple_gla, Transition("diagonal")), (gla, Transition("diagonal")),
@@ -94,7 +98,7 @@ for _op, _t in ((linear_attention, Transition("identity", normaliser="normalize"
 # the recurrent ops under the one contract: op(inputs..., *, mode, chunk_size, scale?, initial_state,
 # output_final_state) -> (o, final_state); tests/test_contract.py checks every signature against it
 RECURRENT_OPS = ("linear_attention", "retention", "simple_gla", "gla", "ssd", "delta_rule", "gated_delta_rule",
-                 "generalized_delta_rule", "selective_scan", "rg_lru")
+                 "generalized_delta_rule", "selective_scan", "rg_lru", "mlstm")
 OPS = RECURRENT_OPS + ("softmax_attention",)
 
 __all__ = [

@@ -45,6 +45,7 @@ MIX = {
     "mamba2": ({}, lambda T: 4 * 16 * 32 * 4),                                 # 4 heads of P 32, N 16
     "rglru": ({}, lambda T: 2 * 2 * 64 * 32 + 2 * 64),      # two block-diagonal gates (2 x 32 x 32), a h + u per channel
     "gated_conv": ({}, lambda T: 2 * 64),
+    "mlstm": ({}, lambda T: H * 4 * 16 * (32 + 1)),                            # K = D / 2 / H, V = D / H; n a column
     # the decay (K V), a^T S (2 K V), its rank-one correction b (a^T S)^T (2 K V), the write k v^T and the read
     # r S (2 K V each) per head; plus the value-residual LoRA (64 -> 32 -> 64), which a layer alone - the first
     # RWKV-7 layer of its model - skips but flops_per_token counts, as for every later layer

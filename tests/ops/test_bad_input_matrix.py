@@ -39,7 +39,7 @@ NOT_OPS = {
 }
 
 # (family or "*", argument, value label) -> why that "bad" value is in fact valid: the call must succeed
-GATES = ("g", "beta", "dt", "A", "D", "w")
+GATES = ("g", "beta", "dt", "A", "D", "w", "i")
 VALID = {
     **{("*", name, "none"): "optional: None means absent" for name in ("D", "z", "cu_seqlens")},
     ("*", "scale", "none"): "None means K ** -0.5",

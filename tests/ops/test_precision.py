@@ -9,8 +9,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from subquad.ops import (delta_rule, gated_delta_rule, gla, linear_attention, retention, selective_scan, set_checks,
-                         simple_gla, softmax_attention)
+from subquad.ops import (delta_rule, gated_delta_rule, gla, linear_attention, mlstm, retention, selective_scan,
+                         set_checks, simple_gla, softmax_attention)
 from subquad.ops.softmax.chunk import attention_forward
 from subquad.ops.softmax.naive import naive_softmax_attention
 
@@ -32,6 +32,7 @@ CALLS = {
     "delta_rule": lambda q, k, v, g, b, m: delta_rule(q, k, v, b, mode=m)[0],
     "gated_delta_rule": lambda q, k, v, g, b, m: gated_delta_rule(q, k, v, g, b, mode=m)[0],
     "softmax_attention": lambda q, k, v, g, b, m: softmax_attention(q, k, v, mode=m)[0],
+    "mlstm": lambda q, k, v, g, b, m: mlstm(q, k, v, g, 4 * b - 2, mode=m)[0],     # b as the log input gate
 }
 
 

@@ -54,6 +54,8 @@ def inputs(name: str, b: int = B, t: int = T, dtype=torch.float32, seed: int = 0
         return {"x": r(b, t, H, P), "dt": u(b, t, H), "A": -u(H), "B": r(b, t, N), "C": r(b, t, N)}
     if family == "selective_scan":
         return {"x": r(b, t, H * P), "dt": u(b, t, H * P), "A": -u(H * P, N), "B": r(b, t, N), "C": r(b, t, N)}
+    if family == "mlstm":                                   # a log forget gate and a log input gate
+        return {"q": q, "k": k, "v": v, "g": -u(b, t, H), "i": r(b, t, H)}
     if family == "rg_lru":
         return {"x": r(b, t, H, P), "g": -u(b, t, H, P)}
     raise KeyError(name)

@@ -38,6 +38,7 @@ weights shifted) and ``pack`` them back on saving.
     rwkv7_pth.py    BlinkDL's RWKV-7 ``.pth`` (no config.json: sizes read off the tensors; loading only)
     zamba2.py       zamba2 (Zyphra's Zamba2: Mamba-2 layers, shared attention + MLP blocks over [h, embeddings] at the
                     hybrid layers, each use with its own LoRA adapters and projection - ``models.shared``)
+    xlstm.py        xlstm (xLSTM-7B: mLSTM layers and SwiGLUs, soft-capped gates and logits; fused weights split)
 
 ``registry.MAPPINGS`` lists them by ``model_type``; ``loader`` reads a folder, ``saver`` writes one, and
 ``common`` holds what the formats share. Imports run one way: common <- formats <- registry <- loader,

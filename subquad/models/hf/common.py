@@ -101,7 +101,7 @@ class Format:
         attention's output or its scores scaled other than by K^-1/2): ``save_pretrained`` asks this before
         ``matches``, so no format drops them silently. A format that holds them overrides it."""
         plain_mlp = cls.any_mlp or (cfg.mlp_kind == "swiglu" and cfg.mlp_layers is None)
-        plain_norm = cls.any_norm or (cfg.norm == "rms" and not cfg.embed_norm)
+        plain_norm = cls.any_norm or (cfg.norm == "rms" and not cfg.embed_norm and not cfg.norm_bias)
         plain_moe = cls.latent_moe or cfg.moe is None or cfg.moe.get("latent") is None
         return (plain_mlp and plain_norm and plain_moe and not cfg.mlp_bias and cfg.embed_scale is None and cfg.logit_soft_cap is None
                 and not any(o.get("o_bias") or o.get("scale") is not None for o in opts.values()))

@@ -104,4 +104,4 @@ class RecurrentGemmaFormat(Format):
                                 and not a["output_gate"] and a["head_dim"] * cfg.n_heads == cfg.d_model)
         return (attn_ok and cfg.mlp and cfg.moe is None and cfg.mlp_kind == "geglu" and cfg.mlp_bias
                 and cfg.embed_scale == embed_scale(cfg.d_model) and cfg.logit_soft_cap is not None
-                and cfg.pos_emb == "none" and not cfg.post_norm and cfg.scaled_residual is None)
+                and cfg.pos_emb == "none" and not cfg.post_norm and cfg.scaled_residual is None and not cfg.norm_bias)
