@@ -11,7 +11,8 @@ transformers = pytest.importorskip("transformers")   # the `hf` extra installs i
 
 from tests.models import (  # noqa: E402
     test_hf, test_hf_delta, test_hf_falcon_h1, test_hf_granite, test_hf_hybrid, test_hf_kimi, test_hf_lfm2,
-    test_hf_lfm2_moe, test_hf_minimax, test_hf_nemotron_h, test_hf_qwen3_5, test_hf_recurrent_gemma, test_hf_zamba2)
+    test_hf_lfm2_moe, test_hf_minimax, test_hf_nemotron_h, test_hf_qwen3_5, test_hf_recurrent_gemma, test_hf_zamba,
+    test_hf_zamba2)
 from tests.models.hf_harness import (  # noqa: E402
     F32, Row, cases, check_decode, check_logits, check_round_trip, check_router_loss, variants)
 
@@ -67,6 +68,8 @@ ROWS = [
         round_trip=tuple(test_hf_nemotron_h.MOE_ROUND_TRIP.items()), model_type="nemotron_h",
         saved=test_hf_nemotron_h._saved_moe),
     _module(test_hf_zamba2, "zamba2", transformers.Zamba2ForCausalLM, T=40),
+    # float64 cannot be tighter than ~1e-7: transformers' Mamba computes A = -exp(A_log.float()) in float32
+    _module(test_hf_zamba, "zamba", transformers.ZambaForCausalLM, T=40),
     # multimodal folders, saved as their text-only types; float64 bounded by transformers' delta rule (float32)
     _kind(test_hf_qwen3_5, "qwen3_5", transformers.Qwen3_5ForCausalLM, save_as="qwen3_5_text",
           model_type="qwen3_5_text", saved=test_hf_qwen3_5._saved,

@@ -17,6 +17,7 @@ from subquad.models.hf.qwen3_5 import Qwen3_5Format, Qwen3_5MoeFormat, Qwen3_5Mo
 from subquad.models.hf.qwen3_next import Qwen3NextFormat
 from subquad.models.hf.recurrent_gemma import RecurrentGemmaFormat
 from subquad.models.hf.rwkv7 import RWKV7Format
+from subquad.models.hf.zamba import ZambaFormat
 from subquad.models.hf.zamba2 import Zamba2Format
 
 MAPPINGS = {f.model_type: f for f in (MambaFormat, FalconMambaFormat, Mamba2Format, BambaFormat, JambaFormat,
@@ -25,4 +26,4 @@ MAPPINGS = {f.model_type: f for f in (MambaFormat, FalconMambaFormat, Mamba2Form
 MAPPINGS.update({f.model_type: f for f in (Qwen3_5TextFormat, Qwen3_5MoeTextFormat, Qwen3_5Format, Qwen3_5MoeFormat,
                                           GraniteMoeHybridFormat, NemotronHFormat)})
 MAPPINGS.update({f.model_type: f for f in (Lfm2Format, Lfm2MoeFormat, FalconH1Format)})
-MAPPINGS.update({f.model_type: f for f in (RecurrentGemmaFormat, RWKV7Format, Zamba2Format)})
+MAPPINGS.update({f.model_type: f for f in (RecurrentGemmaFormat, RWKV7Format, Zamba2Format, ZambaFormat)})
