@@ -11,8 +11,8 @@ transformers = pytest.importorskip("transformers")   # the `hf` extra installs i
 
 from tests.models import (  # noqa: E402
     test_hf, test_hf_delta, test_hf_falcon_h1, test_hf_granite, test_hf_hybrid, test_hf_kimi, test_hf_lfm2,
-    test_hf_lfm2_moe, test_hf_minimax, test_hf_nemotron_h, test_hf_qwen3_5, test_hf_recurrent_gemma, test_hf_zamba,
-    test_hf_zamba2)
+    test_hf_lfm2_moe, test_hf_lfm3, test_hf_minimax, test_hf_nemotron_h, test_hf_qwen3_5, test_hf_recurrent_gemma,
+    test_hf_zamba, test_hf_zamba2)
 from tests.models.hf_harness import (  # noqa: E402
     F32, Row, cases, check_decode, check_logits, check_round_trip, check_router_loss, variants)
 
@@ -55,6 +55,7 @@ ROWS = [
     _module(test_hf_minimax, "minimax", transformers.MiniMaxForCausalLM, router_loss=True),
     _module(test_hf_lfm2, "lfm2", transformers.Lfm2ForCausalLM),
     _module(test_hf_lfm2_moe, "lfm2_moe", transformers.Lfm2MoeForCausalLM),
+    _module(test_hf_lfm3, "lfm3", transformers.Lfm3ForCausalLM),
     _module(test_hf_falcon_h1, "falcon_h1", transformers.FalconH1ForCausalLM, ours_atol=1e-6),
     _module(test_hf_granite, "granitemoehybrid", transformers.GraniteMoeHybridForCausalLM, ours_atol=1e-6,
             router_loss=True),

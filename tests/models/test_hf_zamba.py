@@ -12,8 +12,8 @@ import torch
 
 transformers = pytest.importorskip("transformers")   # the `hf` extra installs it (make test requires it); the library never does
 
-from subquad.models.hf import from_pretrained
-from tests.models.hf_harness import assert_refused
+from subquad.models.hf import from_pretrained  # noqa: E402
+from tests.models.hf_harness import assert_refused  # noqa: E402
 
 V = 96
 TYPES = ["mamba", "hybrid", "mamba", "hybrid", "mamba"]

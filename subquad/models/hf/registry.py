@@ -8,6 +8,7 @@ from subquad.models.hf.granitemoehybrid import GraniteMoeHybridFormat
 from subquad.models.hf.jamba import JambaFormat
 from subquad.models.hf.kimi_linear import KimiLinearFormat
 from subquad.models.hf.lfm2 import Lfm2Format, Lfm2MoeFormat
+from subquad.models.hf.lfm3 import Lfm3Format
 from subquad.models.hf.mamba import FalconMambaFormat, MambaFormat
 from subquad.models.hf.mamba2 import Mamba2Format
 from subquad.models.hf.minimax import MiniMaxFormat
@@ -26,4 +27,4 @@ MAPPINGS = {f.model_type: f for f in (MambaFormat, FalconMambaFormat, Mamba2Form
 MAPPINGS.update({f.model_type: f for f in (Qwen3_5TextFormat, Qwen3_5MoeTextFormat, Qwen3_5Format, Qwen3_5MoeFormat,
                                           GraniteMoeHybridFormat, NemotronHFormat)})
 MAPPINGS.update({f.model_type: f for f in (Lfm2Format, Lfm2MoeFormat, FalconH1Format)})
-MAPPINGS.update({f.model_type: f for f in (RecurrentGemmaFormat, RWKV7Format, Zamba2Format, ZambaFormat)})
+MAPPINGS.update({f.model_type: f for f in (RecurrentGemmaFormat, RWKV7Format, Zamba2Format, ZambaFormat, Lfm3Format)})
