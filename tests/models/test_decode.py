@@ -64,10 +64,12 @@ def test_every_mixer_in_a_model_and_a_batch_that_shrinks(group):
     more choices than experts its routed loop runs eagerly, a graph break that makes dynamo compile every
     block's frames one by one (test_a_moe_layer_in_a_batch_that_shrinks takes that path on three layers).
     Mamba in two heads (Zamba's, a scan per head; one head: the mamba checkpoint types'); softmax attention with
-    LFM3's per-head gate, and its group in LFM3's sandwich-norm blocks."""
+    LFM3's per-head gate, and its group in LFM3's sandwich-norm blocks; MLA with Ling's per-head gate, KDA with its
+    full-rank gates and bounded decay."""
     torch.manual_seed(group)
     names = sorted(causal_mixers())[group::GROUPS]
-    options = {"swa": {"window": 8}, "mamba": {"heads": 2}, "softmax": {"head_gate": True}}
+    options = {"swa": {"window": 8}, "mamba": {"heads": 2}, "softmax": {"head_gate": True}, "mla": {"head_gate": True},
+               "kda": {"full_gates": True, "gate_bound": -5.0}}
     cfg = ModelConfig(vocab_size=128, d_model=32, n_layers=len(names), n_heads=2, pattern=",".join(names),
                       context_length=512, pos_emb="learned", sandwich_norm="softmax" in names,
                       mixer_options={k: v for k, v in options.items() if k in names})

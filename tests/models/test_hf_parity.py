@@ -10,9 +10,9 @@ import torch
 transformers = pytest.importorskip("transformers")   # the `hf` extra installs it (make test requires it); the library never does
 
 from tests.models import (  # noqa: E402
-    test_hf, test_hf_delta, test_hf_falcon_h1, test_hf_granite, test_hf_hybrid, test_hf_kimi, test_hf_lfm2,
-    test_hf_lfm2_moe, test_hf_lfm3, test_hf_minimax, test_hf_nemotron_h, test_hf_qwen3_5, test_hf_recurrent_gemma,
-    test_hf_zamba, test_hf_zamba2)
+    test_hf, test_hf_bailing_hybrid, test_hf_delta, test_hf_falcon_h1, test_hf_granite, test_hf_hybrid, test_hf_kimi,
+    test_hf_lfm2, test_hf_lfm2_moe, test_hf_lfm3, test_hf_minimax, test_hf_nemotron_h, test_hf_qwen3_5,
+    test_hf_recurrent_gemma, test_hf_zamba, test_hf_zamba2)
 from tests.models.hf_harness import (  # noqa: E402
     F32, Row, cases, check_decode, check_logits, check_round_trip, check_router_loss, variants)
 
@@ -52,6 +52,8 @@ ROWS = [
     _kind(test_hf_delta, "qwen3_next", transformers.Qwen3NextForCausalLM, router_loss=True),
     _kind(test_hf_delta, "olmo_hybrid", transformers.OlmoHybridForCausalLM),
     _module(test_hf_kimi, "kimi_linear", transformers.KimiLinearForCausalLM),
+    # float64 bounded by transformers' KDA and router, which compute in float32 inside
+    _module(test_hf_bailing_hybrid, "bailing_hybrid", transformers.BailingHybridForCausalLM),
     _module(test_hf_minimax, "minimax", transformers.MiniMaxForCausalLM, router_loss=True),
     _module(test_hf_lfm2, "lfm2", transformers.Lfm2ForCausalLM),
     _module(test_hf_lfm2_moe, "lfm2_moe", transformers.Lfm2MoeForCausalLM),

@@ -74,8 +74,8 @@ class Format:
     any_norm = False                 # matches() checks ModelConfig.norm and embed_norm itself; else RMSNorms only
     shared_blocks = False            # matches() checks ModelConfig.shared itself; else the saver refuses shared blocks
     latent_moe = False               # matches() holds a MoE with ``latent`` experts; else plain() refuses one
-    lfm3_blocks = False              # matches() checks ModelConfig.sandwich_norm and attention's head_gate itself;
-                                     # else plain() refuses them
+    gates_and_sandwich = False       # matches() checks ModelConfig.sandwich_norm and attention's head_gate
+                                     # itself; else plain() refuses them
     not_loaded: dict = {}            # checkpoint name prefix -> what it holds, left out with a warning (a vision
                                      # tower beside the language model, a multi-token-prediction head)
     top = TOP
@@ -106,8 +106,9 @@ class Format:
         plain_mlp = cls.any_mlp or (cfg.mlp_kind == "swiglu" and cfg.mlp_layers is None)
         plain_norm = cls.any_norm or (cfg.norm == "rms" and not cfg.embed_norm)
         plain_moe = cls.latent_moe or cfg.moe is None or cfg.moe.get("latent") is None
-        plain_lfm3 = cls.lfm3_blocks or (not cfg.sandwich_norm and not any(o.get("head_gate") for o in opts.values()))
-        return (plain_mlp and plain_norm and plain_moe and plain_lfm3 and not cfg.mlp_bias and cfg.embed_scale is None
+        plain_gates = cls.gates_and_sandwich or (not cfg.sandwich_norm
+                                                 and not any(o.get("head_gate") for o in opts.values()))
+        return (plain_mlp and plain_norm and plain_moe and plain_gates and not cfg.mlp_bias and cfg.embed_scale is None
                 and cfg.logit_soft_cap is None
                 and not any(o.get("o_bias") or o.get("scale") is not None for o in opts.values()))
 

@@ -90,7 +90,7 @@ PERMUTED = ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.q_n
 
 class Lfm3Format(Format):
     model_type = "lfm3"
-    lfm3_blocks = True
+    gates_and_sandwich = True
     top = {**TOP, "norm.weight": "model.embedding_norm.weight"}
     layers = {"gated_conv": {"mixer.{p}": "conv.{p}"}, "softmax": ATTENTION, "swa": ATTENTION,
               "*": {"norm1.weight": "operator_norm.weight", "norm2.weight": "ffn_norm.weight",

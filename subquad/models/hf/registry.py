@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from subquad.models.hf.bailing_hybrid import BailingHybridFormat
 from subquad.models.hf.bamba import BambaFormat
 from subquad.models.hf.falcon_h1 import FalconH1Format
 from subquad.models.hf.granitemoehybrid import GraniteMoeHybridFormat
@@ -27,4 +28,4 @@ MAPPINGS = {f.model_type: f for f in (MambaFormat, FalconMambaFormat, Mamba2Form
 MAPPINGS.update({f.model_type: f for f in (Qwen3_5TextFormat, Qwen3_5MoeTextFormat, Qwen3_5Format, Qwen3_5MoeFormat,
                                           GraniteMoeHybridFormat, NemotronHFormat)})
 MAPPINGS.update({f.model_type: f for f in (Lfm2Format, Lfm2MoeFormat, FalconH1Format)})
-MAPPINGS.update({f.model_type: f for f in (RecurrentGemmaFormat, RWKV7Format, Zamba2Format, ZambaFormat, Lfm3Format)})
+MAPPINGS.update({f.model_type: f for f in (RecurrentGemmaFormat, RWKV7Format, Zamba2Format, ZambaFormat, Lfm3Format, BailingHybridFormat)})
