@@ -12,7 +12,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")   # the `hf` extra installs it (make test requires it); the library never does
 
-from subquad.models.hf import from_pretrained  # noqa: E402
+from subquad.models.hf import from_pretrained, save_pretrained  # noqa: E402
 from tests.models.hf_harness import assert_refused  # noqa: E402
 
 V = 96
@@ -93,3 +93,28 @@ def test_refusals_name_the_problem(tmp_path):
     w = load_file(str(folder / "model.safetensors"))
     del w["model.layers.3.linear.weight"]
     assert_refused(folder, r"missing.*model\.layers\.3\.linear\.weight", weights=w)
+
+
+
+def test_a_model_built_here_with_mamba_heads_saves_as_zamba(tmp_path):
+    """Multi-head Mamba (``heads``) with a shared block saves as zamba, which transformers reads with our logits;
+    without one no type holds it (transformers' Zamba needs a hybrid layer; with tied embeddings two), with one
+    head it is a mamba folder."""
+    from subquad import LanguageModel, ModelConfig
+
+    def model(heads, shared):
+        return LanguageModel(ModelConfig(
+            vocab_size=V, d_model=32, n_layers=3, n_heads=4, pattern="mamba", mlp=False, norm_eps=1e-5,
+            mixer_options={"mamba": {"heads": heads, "d_state": 8}},
+            shared={"layers": [1, 2], "hidden": 48, "scale": 8 ** -0.5} if shared else None)).eval()
+
+    mine = model(2, True)
+    save_pretrained(mine, tmp_path / "zamba")
+    assert json.loads((tmp_path / "zamba" / "config.json").read_text())["model_type"] == "zamba"
+    theirs = transformers.ZambaForCausalLM.from_pretrained(tmp_path / "zamba").eval()
+    with torch.no_grad():
+        torch.testing.assert_close(theirs(_ids()).logits, mine(_ids()), rtol=0, atol=1e-5)
+    with pytest.raises(ValueError, match="no Hugging Face model type"):
+        save_pretrained(model(2, False), tmp_path / "none")
+    save_pretrained(model(1, False), tmp_path / "mamba")
+    assert json.loads((tmp_path / "mamba" / "config.json").read_text())["model_type"] == "mamba"

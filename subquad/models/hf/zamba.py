@@ -128,6 +128,6 @@ class ZambaFormat(Zamba2Format):
         return (cfg.layers == ["mamba"] * cfg.n_layers and not cfg.mlp and cfg.moe is None and cfg.pos_emb == "none"
                 and not cfg.parallel and not cfg.post_norm and cfg.scaled_residual is None
                 and o["bcdt_rms_eps"] is None and (2 * cfg.d_model) % cfg.n_heads == 0
-                and (s is None or (s["blocks"] == 1 and s["adapter_rank"] == 0 and not s["rotary"]
-                                   and s["scale"] is not None
-                                   and math.isclose(s["scale"], (cfg.d_model / cfg.n_heads) ** -0.5, rel_tol=1e-12))))
+                and s is not None and s["blocks"] == 1 and s["adapter_rank"] == 0 and not s["rotary"]   # transformers'
+                and s["scale"] is not None                                  # Zamba needs a hybrid layer to run
+                and math.isclose(s["scale"], (cfg.d_model / cfg.n_heads) ** -0.5, rel_tol=1e-12))
