@@ -98,3 +98,19 @@ def test_refusals_name_the_problem(tmp_path):
                          ("num_expert_group", 3), ("rope_parameters.rope_type",
                                                    {"rope_type": "yarn", "rope_theta": 1e4, "factor": 2.0})):
         assert_refused(folder, field.replace("num_expert_group", "n_group"), {**cfg, field.split(".")[0]: value})
+
+
+def test_kda_heads_other_than_the_rotary_dims_as_the_released_configs_have_them(tmp_path):
+    """Released configs hold head_dim (KDA's, 128) beside qk_rope_head_dim (64); transformers writes head_dim as the
+    rotary size, so such a folder is its save with head_dim put back - it loads in transformers and here alike."""
+    hf, folder = _hf(tmp_path, head_dim=16)
+    c = json.loads((folder / "config.json").read_text())
+    assert c["head_dim"] == 8 and hf.config.linear_head_dim == 16
+    (folder / "config.json").write_text(json.dumps({**c, "head_dim": 16}))
+    theirs = transformers.BailingHybridForCausalLM.from_pretrained(folder, experts_implementation="eager").eval()
+    ours, _ = from_pretrained(folder)
+    assert ours.blocks[0].mixer.head_dim == 16 and ours.blocks[2].mixer.rope_dim == 8
+    ids = torch.randint(0, V, (2, 30), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        ref = theirs(ids).logits
+        torch.testing.assert_close(ours(ids), ref, rtol=0, atol=1e-4 * ref.abs().max().item())
