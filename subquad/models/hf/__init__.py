@@ -38,8 +38,8 @@ weights shifted) and ``pack`` them back on saving.
     rwkv7_pth.py    BlinkDL's RWKV-7 ``.pth`` (no config.json: sizes read off the tensors; loading only)
     zamba2.py       zamba2 (Zyphra's Zamba2: Mamba-2 layers, shared attention + MLP blocks over [h, embeddings] at the
                     hybrid layers, each use with its own LoRA adapters and projection - ``models.shared``)
-    zamba.py        zamba (Zamba v1: multi-head Mamba layers - each head its own dt, B and C - and one shared attention +
-                    MLP block without adapters or positions, zamba2.py's format with other names)
+    zamba.py        zamba (Zamba v1: multi-head Mamba layers - each head its own dt, B and C - and one shared attention
+                    + MLP block without adapters or positions, zamba2.py's format with other names)
     lfm3.py         lfm3 (Liquid LFM3: LFM2's convolutions, sliding and full attention with a sigmoid gate per head,
                     rotary per attention kind - proportional rotary as partial rotary on reordered dims - and
                     sandwich norms: ``ModelConfig.sandwich_norm``)
