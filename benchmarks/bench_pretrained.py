@@ -18,7 +18,12 @@ expert of 1,024), Nemotron-H-like (d_model 2,048, pattern M-M*-M-M: Mamba-2 64 h
 squared-ReLU MLPs of 8,192; attention 16 heads of 128 with 4 KV), Falcon-H1-0.5B-like (d_model 1,024, attention
 8 heads of 64 with 2 KV beside Mamba-2 24 heads of 64, state 128, in every layer; MLP 2,048) and LFM2-350M-like
 (its 16 layers: d_model 1,024, gated short convolutions, attention at layers 2, 5, 8, 10, 12, 14 with 16 heads,
-8 KV; MLP 6,656 before LFM2's adjustment). For each dtype (float32, bfloat16) and batch (1: prefill 2,048 tokens, decode 256; 8: prefill
+8 KV; MLP 6,656 before LFM2's adjustment), and issue 52's at a few layers (``--models zamba,lfm3,bailing_hybrid``):
+Zamba-7B-v1-like (d_model 3,712, 6 layers of two-head Mamba, state 16, the shared attention block - 16 heads over
+7,424, MLP 14,848 - at layers 2 and 5), LFM3-1.7B-like (d_model 2,048, 8 layers: gated convolutions of 7 taps,
+full attention at 2 and 6, sliding (256) at 4, 16 heads of 128 with 4 KV, MLP 7,680, sandwich norms, gated heads)
+and Ling-3.0-Flash-like (d_model 2,560, 5 KDA layers of 32 heads of 128 and one MLA of latent 512, the first two
+with a dense MLP of 6,144, then 32 experts of 768 - of its 512 - top 8 in 8 groups, top 4, a shared expert). For each dtype (float32, bfloat16) and batch (1: prefill 2,048 tokens, decode 256; 8: prefill
 512 each, decode 64 - transformers' reference path needs minutes for 8 x 2,048): prefill tokens/s,
 decode ms per step (greedy; the time of generating n tokens less that of generating 1, per step), and
 each process's peak resident memory. Every measurement runs in its own process (peak memory is per
@@ -45,6 +50,7 @@ column-major matrices (what decoding does); each bound = bytes one token reads /
     python benchmarks/bench_pretrained.py --quick               # tiny shapes, seconds
     python benchmarks/bench_pretrained.py --models rwkv7 --dtypes float32 --batches 1   # against the rwkv package
     python benchmarks/bench_pretrained.py --models recurrent_gemma,zamba2 --batches 1 --new 64   # ~1B+ shapes
+    python benchmarks/bench_pretrained.py --models zamba,lfm3,bailing_hybrid --batches 1 --new 64 --name pretrained_52
     python benchmarks/bench_pretrained.py --models qwen3_next,kimi_linear --batches 1 --name pretrained_delta
     python benchmarks/bench_pretrained.py --models mamba --dtypes float32,int8 --batches 1,8 \
         --llama-python /tmp/llvenv/bin/python --llama-src .../llama_cpp_python-0.3.36/vendor/llama.cpp
@@ -117,6 +123,8 @@ def hf_model(kind, quick):
             eos_token_id=None, **c))
     if kind in NEW_HYBRIDS:
         return _new_hybrid(transformers, kind, V, quick)
+    if kind in ISSUE_52:
+        return _issue_52(transformers, kind, V, quick)
     if kind == "recurrent_gemma":         # RecurrentGemma-2B's widths, 8 of its 26 layers (recurrent, recurrent, attention)
         c = dict(vocab_size=V, hidden_size=64, intermediate_size=192, num_attention_heads=4, attention_window_size=32) \
             if quick else dict(vocab_size=256000, hidden_size=2560, intermediate_size=15360, num_attention_heads=10,
@@ -133,6 +141,7 @@ def hf_model(kind, quick):
 
 
 NEW_HYBRIDS = ("qwen3_5", "granitemoehybrid", "nemotron_h", "falcon_h1", "lfm2")
+ISSUE_52 = ("zamba", "lfm3", "bailing_hybrid")
 
 
 def none_ids():
@@ -198,6 +207,35 @@ def _new_hybrid(transformers, kind, V, quick):
     return transformers.Lfm2ForCausalLM(transformers.Lfm2Config(
         vocab_size=V, num_hidden_layers=16, layer_types=types, block_auto_adjust_ff_dim=True, block_multiple_of=256,
         block_ffn_dim_multiplier=1.0, **none, **c))
+
+
+def _issue_52(transformers, kind, V, quick):
+    """Issue 52's types at the layer shapes stated in the module doc, a few layers each (``quick``: tiny)."""
+    none = none_ids()
+    if kind == "zamba":                   # Zamba-7B-v1's widths, 6 of its 76 layers: the shared block at 2 and 5
+        c = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=4) if quick else \
+            dict(hidden_size=3712, intermediate_size=14848, num_attention_heads=16, num_key_value_heads=16)
+        return transformers.ZambaForCausalLM(transformers.ZambaConfig(
+            vocab_size=V, num_hidden_layers=6, layers_block_type=["mamba", "mamba", "hybrid"] * 2, n_mamba_heads=2,
+            mamba_d_state=16, **none, **c))
+    if kind == "lfm3":                    # LFM3-1.7B-like: conv, conv, full, conv, sliding, conv, full, conv
+        c = dict(hidden_size=64, intermediate_size=192, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                 sliding_window=16) if quick else \
+            dict(hidden_size=2048, intermediate_size=7680, num_attention_heads=16, num_key_value_heads=4, head_dim=128,
+                 sliding_window=256)
+        return transformers.Lfm3ForCausalLM(transformers.Lfm3Config(vocab_size=V, num_hidden_layers=8, **none, **c))
+    # bailing_hybrid, Ling-3.0-Flash-like: 5 KDA layers and one MLA, the first 2 dense; 32 of its 512 experts (of the
+    # real size, top 8, in 8 groups, top 4 groups)
+    c = dict(hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_attention_heads=4, head_dim=16,
+             kv_lora_rank=16, qk_rope_head_dim=16, qk_nope_head_dim=16, v_head_dim=16, num_local_experts=8,
+             num_experts_per_tok=2, n_group=4, topk_group=2) if quick else \
+        dict(hidden_size=2560, intermediate_size=6144, moe_intermediate_size=768, num_attention_heads=32, head_dim=128,
+             kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128, num_local_experts=32,
+             num_experts_per_tok=8, n_group=8, topk_group=4)
+    cfg = transformers.BailingHybridConfig(vocab_size=V, num_hidden_layers=6, layer_group_size=6,
+                                           first_k_dense_replace=2, num_mtp_layers=0, **none, **c)
+    cfg._experts_implementation = "eager"
+    return transformers.BailingHybridForCausalLM(cfg)
 
 
 def read_gbps():
@@ -390,6 +428,10 @@ def main(argv=None):
             else:
                 hf, reference = hf_model(kind, args.quick), "transformers"
                 hf.save_pretrained(folder)
+                if kind == "bailing_hybrid":     # transformers writes head_dim as qk_rope_head_dim and reads it
+                    c = json.loads((folder / "config.json").read_text())     # back as KDA's head size: the
+                    c["head_dim"] = hf.config.linear_head_dim                # released configs' value again
+                    (folder / "config.json").write_text(json.dumps(c))
                 named = list(hf.named_parameters())
             params = sum(p.numel() for n, p in named)
             active = params

@@ -6,7 +6,8 @@
 Checkpoints' variants are options: ``head_dim`` other than d_model / n_heads (Qwen3-Next: 256), RMS norms
 on q and k before the rotation (``qk_norm="head"``: per head, Qwen3; ``"all"``: over all heads' dims,
 OLMo-2/OLMo-Hybrid), a sigmoid output gate (``output_gate``: Qwen3-Next's gated attention - W_q
-writes each head's query and then its gate, o_h = o_h * sigmoid(gate_h) before W_o), a bias on W_o
+writes each head's query and then its gate, o_h = o_h * sigmoid(gate_h) before W_o), one sigmoid gate per head
+(``head_gate``: LFM3's, o_h = o_h * sigmoid(W_g x)_h, a scalar per head and token from the layer's input), a bias on W_o
 (``o_bias``: RecurrentGemma's local attention), a scale on the scores other than K^-1/2 and an output
 width other than the input's (``scale``, ``d_out``: Zamba2's shared attention, ``models.shared``).
 
@@ -36,7 +37,7 @@ class SoftmaxAttention(Mixer):
     attention layers); rotary_base (RoPE's theta); rotary_fraction (the leading fraction of each head's dims
     that rotate: Bamba's partial rotary 0.5); mode ("parallel": SDPA, "chunk":
     blockwise online softmax; both O(T W) with a window); chunk_size; head_dim (default d_model / n_heads);
-    qk_norm (None, "head" or "all") with qk_norm_eps; output_gate; o_bias (a bias on the output projection);
+    qk_norm (None, "head" or "all") with qk_norm_eps; output_gate; head_gate (``g_proj``: d_model -> n_heads); o_bias (a bias on the output projection);
     scale (the scores', default K^-1/2); d_out (the output width, default d_model).
     ``mix`` is ``attend(*project(x))``: a caller that adds to q, k, v (``models.shared``'s adapters) calls the two.
     State: {"kv": a ``KVCache`` of k (B, L, n_kv_heads, K) and v (B, L, n_kv_heads, K)}, L the tokens seen
@@ -46,7 +47,7 @@ class SoftmaxAttention(Mixer):
                  rotary: bool = True, rotary_base: float = 10000.0, rotary_fraction: float = 1.0,
                  head_dim: int | None = None, qk_norm: str | None = None, qk_norm_eps: float = 1e-6,
                  output_gate: bool = False, o_bias: bool = False, scale: float | None = None,
-                 d_out: int | None = None, mode: str = "parallel", chunk_size: int = 64):
+                 d_out: int | None = None, head_gate: bool = False, mode: str = "parallel", chunk_size: int = 64):
         super().__init__(d_model, mode, chunk_size)
         self.n_heads, self.n_kv_heads = n_heads, n_kv_heads or n_heads
         if head_dim is None and d_model % n_heads:
@@ -57,6 +58,8 @@ class SoftmaxAttention(Mixer):
             raise ValueError(f"qk_norm must be None, 'head' or 'all', got {qk_norm!r}")
         if not isinstance(output_gate, bool):
             raise ValueError(f"output_gate must be a bool, got {output_gate!r}")
+        if not isinstance(head_gate, bool):
+            raise ValueError(f"head_gate must be a bool, got {head_gate!r}")
         if not isinstance(o_bias, bool):
             raise ValueError(f"o_bias must be a bool, got {o_bias!r}")
         if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float)) or not scale > 0):
@@ -80,6 +83,8 @@ class SoftmaxAttention(Mixer):
         self.k_proj = nn.Linear(d_model, Hk * K, bias=False)
         self.v_proj = nn.Linear(d_model, Hk * K, bias=False)
         self.o_proj = nn.Linear(n_heads * K, d_out or d_model, bias=o_bias)
+        self.head_gate = head_gate
+        self.g_proj = nn.Linear(d_model, n_heads, bias=False) if head_gate else None
         if qk_norm is not None:
             self.q_norm = RMSNorm(K if qk_norm == "head" else n_heads * K, qk_norm_eps)
             self.k_norm = RMSNorm(K if qk_norm == "head" else Hk * K, qk_norm_eps)
@@ -100,14 +105,15 @@ class SoftmaxAttention(Mixer):
         return x if rep == 1 else x.repeat_interleave(rep, dim=2)
 
     def mix(self, x, state, seq):
-        return self.attend(*self.project(x), state, seq)
+        return self.attend(*self.project(x), state, seq, x)
 
     def project(self, x):
         """x (B, T, d_model) -> W_q x (B, T, H K; 2 H K with the output gate), W_k x, W_v x (B, T, H_kv K)."""
         return self.q_proj(x), self.k_proj(x), self.v_proj(x)
 
-    def attend(self, q, k, v, state, seq):
-        """The projections (``project``) -> (y (B, T, d_out), state): gate, norms, rotation, attention, W_o."""
+    def attend(self, q, k, v, state, seq, x=None):
+        """The projections (``project``) -> (y (B, T, d_out), state): gate, norms, rotation, attention, W_o
+        (``x``: the layer's input, which the head gate reads)."""
         B, T, _ = q.shape
         H, Hk, K = self.n_heads, self.n_kv_heads, self.head_dim
         cache = None if state is None else state["kv"]
@@ -128,6 +134,8 @@ class SoftmaxAttention(Mixer):
                              chunk_size=self.chunk_size, scale=self.scale, initial_state=self._op_state(cache, seq))
         if gate is not None:
             o = o * torch.sigmoid(gate)
+        if self.g_proj is not None:
+            o = o * torch.sigmoid(self.g_proj(x)).unsqueeze(-1)           # (B, T, H, 1)
         return self.o_proj(o.reshape(B, T, H * K)), {"kv": self._extend(cache, k, v, seq)}
 
     def _op_state(self, cache, seq):

@@ -6,6 +6,8 @@
     dt    = softplus(dt_proj(dt))                    (B, T, d_inner), bias initialised so dt ~ logU[1e-3, 0.1]
     A     = -exp(A_log)                              S4D-real init: A[d, n] = -(n + 1)
     (Falcon-Mamba: dt, B, C = rms(dt), rms(B), rms(C), weightless; Jamba: the same norms with weights)
+    (Zamba: ``heads`` > 1 splits d_inner into heads of d_inner / heads channels, each with its own x_proj and
+    dt_proj, so its own dt, B and C: one scan per head)
     y     = selective_scan(x, dt, A, B, C, D=D, z=z) h_t = exp(dt A) h + dt B x;  y = C.h + D x, * silu(z)
     out   = out_proj(y)
 """
@@ -32,15 +34,23 @@ class Mamba(Mixer):
     Args: d_model; d_state N; conv_size (the short convolution's width); expand (d_inner = expand d_model);
     dt_rank (default ceil(d_model / 16)); dt_min, dt_max (dt's initial range); bcdt_rms_eps (Falcon-Mamba:
     an RMS norm on dt, B and C after x_proj, with this epsilon; None: none); bcdt_rms_weight (Jamba: those
-    norms have learned weights, ``dt_norm``, ``b_norm``, ``c_norm``; Falcon-Mamba's have none); mode; chunk_size.
+    norms have learned weights, ``dt_norm``, ``b_norm``, ``c_norm``; Falcon-Mamba's have none); heads (Zamba's
+    multi-head Mamba: d_inner in ``heads`` groups of channels, each with its own projections to dt, B and C -
+    ``x_proj_weight`` (heads, dt_rank + 2N, d_inner / heads), ``dt_proj_weight`` (heads, d_inner / heads,
+    dt_rank), ``dt_proj_bias`` (heads, d_inner / heads) in place of ``x_proj`` and ``dt_proj``); mode; chunk_size.
     State: {"ssm": (B, d_inner, N) float32 (float64 for float64), "conv": (B, conv_size - 1, d_inner)}.
     """
     piece_size = 2048   # fixed state: long forwards run in pieces (base.Mixer.forward); bench_pieces.py's best
     def __init__(self, d_model: int, d_state: int = 16, conv_size: int = 4, expand: int = 2, dt_rank: int | None = None,
                  dt_min: float = 1e-3, dt_max: float = 0.1, bcdt_rms_eps: float | None = None,
-                 bcdt_rms_weight: bool = False, mode: str = "chunk", chunk_size: int = 64):
+                 bcdt_rms_weight: bool = False, heads: int = 1, mode: str = "chunk", chunk_size: int = 64):
         super().__init__(d_model, mode, chunk_size)
         self.d_inner, self.d_state = expand * d_model, d_state
+        if isinstance(heads, bool) or not isinstance(heads, int) or heads < 1 or self.d_inner % heads:
+            raise ValueError(f"heads must be a positive int dividing d_inner={self.d_inner}, got {heads!r}")
+        if heads > 1 and bcdt_rms_eps is not None:
+            raise ValueError("heads > 1 (Zamba's multi-head Mamba) takes no bcdt_rms_eps norms")
+        self.heads = heads
         self.dt_rank = dt_rank or math.ceil(d_model / 16)
         self.bcdt_rms_eps = bcdt_rms_eps
         if bcdt_rms_weight and bcdt_rms_eps is None:
@@ -57,6 +67,12 @@ class Mamba(Mixer):
         with torch.no_grad():
             self.dt_proj.bias.copy_(dt + torch.log(-torch.expm1(-dt)))         # inverse softplus
         self.dt_proj.keep_init = True      # a model's generic re-initialisation must leave this alone
+        if heads > 1:                      # the same initialisation, held per head (Zamba's layout)
+            hd = self.d_inner // heads
+            self.x_proj_weight = nn.Parameter(torch.randn(heads, self.dt_rank + 2 * d_state, hd) * hd ** -0.5)
+            self.dt_proj_weight = nn.Parameter(self.dt_proj.weight.detach().view(heads, hd, self.dt_rank).clone())
+            self.dt_proj_bias = nn.Parameter(self.dt_proj.bias.detach().view(heads, hd).clone())
+            self.x_proj = self.dt_proj = None
         self.A_log = nn.Parameter(torch.log(torch.arange(1, d_state + 1, dtype=torch.float32)).repeat(self.d_inner, 1))
         self.D = nn.Parameter(torch.ones(self.d_inner))
         self.A_log._no_weight_decay = self.D._no_weight_decay = True     # the reference's marks (decay_groups)
@@ -74,6 +90,8 @@ class Mamba(Mixer):
         xs, z = self.in_proj(x).chunk(2, dim=-1)
         xs, conv = self.short_conv(xs, state, seq)
         xs = F.silu(xs, inplace=seq.whole_sequence and not wants_grad(xs))   # in place on the conv's output
+        if self.heads > 1:
+            return self._mix_heads(xs, z, state, seq, conv)
         dt, Bm, Cm = torch.split(self.x_proj(xs), [self.dt_rank, self.d_state, self.d_state], dim=-1)
         if self.bcdt_norms is not None:                                    # Jamba
             n = self.bcdt_norms
@@ -85,6 +103,27 @@ class Mamba(Mixer):
         y, h = seq.recurrence(selective_scan, xs, dt, A, Bm, Cm, D=self.D.to(xs.dtype), z=z, mode=self.mode,
                               chunk_size=self.chunk_size, initial_state=None if state is None else state["ssm"])
         return self.out_proj(y), {"ssm": h, "conv": conv}
+
+    def _mix_heads(self, xs, z, state, seq, conv):
+        """Zamba's multi-head Mamba: head j's channels xs[..., j hd:(j + 1) hd] get their own dt, B and C and
+        their own scan (the scans share nothing but the convolution before and out_proj after)."""
+        Hm, hd = self.heads, self.d_inner // self.heads
+        xh = xs.unflatten(-1, (Hm, hd))                                     # (B, T, Hm, hd)
+        p = torch.einsum("bthd,hrd->bthr", xh, self.x_proj_weight.to(xs.dtype))
+        dt, Bm, Cm = torch.split(p, [self.dt_rank, self.d_state, self.d_state], dim=-1)    # (B, T, Hm, .)
+        dt = F.softplus(torch.einsum("bthr,hdr->bthd", dt, self.dt_proj_weight.to(xs.dtype))
+                        + self.dt_proj_bias.to(xs.dtype)).flatten(-2)           # (B, T, d_inner)
+        A = -torch.exp(self.A_log.to(state_dtype(xs.dtype)))                 # (d_inner, N) < 0
+        D = self.D.to(xs.dtype)
+        ys, hs = [], []
+        for j in range(Hm):
+            c = slice(j * hd, (j + 1) * hd)
+            y, h = seq.recurrence(selective_scan, xs[..., c], dt[..., c], A[c], Bm[:, :, j], Cm[:, :, j], D=D[c],
+                                  z=z[..., c], mode=self.mode, chunk_size=self.chunk_size,
+                                  initial_state=None if state is None else state["ssm"][:, c])
+            ys.append(y)
+            hs.append(h)
+        return self.out_proj(torch.cat(ys, -1)), {"ssm": torch.cat(hs, 1), "conv": conv}
 
 
 def _weightless_rms(x, eps):

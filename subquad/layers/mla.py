@@ -15,7 +15,8 @@ attends in the latent space instead (DeepSeek-V2's absorbed form, the same sums 
 
 which costs O(L H (C + R)) per token where expanding the cache costs O(L C H (N + V)) - 50x less at Kimi
 Linear's shapes. With ``rotary`` the R dims of q and k_rope rotate (DeepSeek); Kimi Linear's MLA has no
-positions (``rotary=False``).
+positions (``rotary=False``). ``head_gate``: one sigmoid gate per head from the layer's input on o before W_o
+(Ling's, ``SoftmaxAttention``'s option).
 """
 
 from __future__ import annotations
@@ -44,9 +45,10 @@ class LatentAttention(SoftmaxAttention):
     def __init__(self, d_model: int, n_heads: int = 4, n_kv_heads: int | None = None, kv_rank: int = 64,
                  rope_dim: int = 16, nope_dim: int | None = None, v_head_dim: int | None = None,
                  q_rank: int | None = None, latent_eps: float = 1e-6, rotary: bool = True,
-                 rotary_base: float = 10000.0, mode: str = "parallel", chunk_size: int = 64):
+                 rotary_base: float = 10000.0, head_gate: bool = False, mode: str = "parallel", chunk_size: int = 64):
         nope = nope_dim or d_model // n_heads
-        super().__init__(d_model, n_heads, rotary=False, head_dim=nope + rope_dim, mode=mode, chunk_size=chunk_size)
+        super().__init__(d_model, n_heads, rotary=False, head_dim=nope + rope_dim, head_gate=head_gate, mode=mode,
+                         chunk_size=chunk_size)
         for name, v in (("kv_rank", kv_rank), ("rope_dim", rope_dim)):
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"{name} must be a positive int, got {v!r}")
@@ -99,11 +101,17 @@ class LatentAttention(SoftmaxAttention):
             k_rope = apply_rotary(k_rope, pos, self.rotary_base)
         if cache is not None and len(cache) and T <= ABSORBED_MAX_T and seq.cu_seqlens is None:
             new = self._extend(cache, c, k_rope, seq)
-            return self.o_proj(self._absorbed(q, new).reshape(B, T, H * self.v_head_dim)), {"kv": new}
+            return self._out(self._absorbed(q, new), x), {"kv": new}
         k, v = self._expand(c, k_rope)
         o, _ = seq.attention(q, k, v, mode=self.mode, chunk_size=self.chunk_size,
                              initial_state=self._op_state(cache, seq))
-        return self.o_proj(o.reshape(B, T, H * self.v_head_dim)), {"kv": self._extend(cache, c, k_rope, seq)}
+        return self._out(o, x), {"kv": self._extend(cache, c, k_rope, seq)}
+
+    def _out(self, o, x):
+        """o (B, T, H, V), gated per head with ``head_gate``, -> W_o o (B, T, d_model)."""
+        if self.g_proj is not None:
+            o = o * torch.sigmoid(self.g_proj(x)).unsqueeze(-1)
+        return self.o_proj(o.flatten(2))
 
     def _absorbed(self, q, cache):
         """Attention of q (B, T, H, N + R) - the last T tokens of ``cache`` - over the cached latents, in the

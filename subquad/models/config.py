@@ -97,6 +97,7 @@ class ModelConfig:
     tie_embeddings: bool = True
     norm_eps: float = 1e-6
     post_norm: list = field(default_factory=list)   # mixer names whose blocks norm the branch outputs (lm.py)
+    sandwich_norm: bool = False          # norms before and after both branches of every block (LFM3; lm.py)
     scaled_residual: dict | None = None  # MiniMax-01's blocks: {mixer name | "mlp": [alpha, beta]} (lm.py)
     parallel: dict = field(default_factory=dict)   # {mixer name: mixer run beside it, summed} (Falcon-H1; lm.py)
     eos_token_ids: list = field(default_factory=list)  # end-of-text ids: ``generate`` stops after emitting one
@@ -145,6 +146,11 @@ class ModelConfig:
                 a not in MIXERS or b not in MIXERS or a == b or MIXERS[b].encoder_only for a, b in self.parallel.items()):
             raise ValueError(f"parallel must be a dict {{mixer name: another (causal) mixer name run beside it}}, "
                              f"got {self.parallel!r}")
+        if not isinstance(self.sandwich_norm, bool):
+            raise ValueError(f"sandwich_norm must be a bool, got {self.sandwich_norm!r}")
+        if self.sandwich_norm and (self.parallel or self.post_norm or self.scaled_residual is not None
+                                   or self.shared is not None):
+            raise ValueError("sandwich_norm blocks take no parallel, post_norm, scaled_residual or shared")
         if self.parallel and (self.post_norm or self.scaled_residual is not None):
             raise ValueError("parallel blocks are pre-norm: they take no post_norm or scaled_residual")
         self.parallel = dict(self.parallel)

@@ -4,8 +4,9 @@
     for each layer:  h = h + mixer(rmsnorm(h));  h = h + swiglu(rmsnorm(h))      (PreNormBlock)
     logits = rmsnorm(h) @ embed^T            (tied embeddings)
 
-Three other residual schemes, chosen by the config: ``PostNormBlock`` for the mixers named in
-``config.post_norm`` (OLMo 2's norms on the branch outputs), ``ScaledResidualBlock`` with
+Four other residual schemes, chosen by the config: ``PostNormBlock`` for the mixers named in
+``config.post_norm`` (OLMo 2's norms on the branch outputs), ``SandwichNormBlock`` with ``config.sandwich_norm``
+(norms before and after each branch: LFM3), ``ScaledResidualBlock`` with
 ``config.scaled_residual`` (MiniMax-01's scaled residual from the normed stream) and ``ParallelBlock`` for
 the mixers ``config.parallel`` names (a second mixer beside the first on the same input, summed: Falcon-H1).
 ``SharedUseBlock`` at the layers ``config.shared`` lists: one of the model's shared transformer blocks
@@ -111,6 +112,8 @@ class Block(nn.Module):
             return ParallelBlock(cfg, mixer_name, moe, mlp)
         if cfg.scaled_residual is not None:
             return ScaledResidualBlock(cfg, mixer_name, moe, mlp)
+        if cfg.sandwich_norm:
+            return SandwichNormBlock(cfg, mixer_name, moe, mlp)
         if mixer_name in cfg.post_norm:
             return PostNormBlock(cfg, mixer_name, moe, mlp)
         return PreNormBlock(cfg, mixer_name, moe, mlp)
@@ -150,6 +153,24 @@ class PostNormBlock(Block):
         if self.mlp is not None:
             y, new = self._ffn(h, state, cu_seqlens, new)
             h = h + self.norm2(y)
+        return h, new
+
+
+class SandwichNormBlock(Block):
+    """h = h + rmsnorm(mixer(rmsnorm(h)));  h = h + rmsnorm(mlp(rmsnorm(h))): a norm before and one after each
+    branch (Gemma 2's sandwich, arXiv:2408.00118; LFM3's ``use_sandwich_norm``): ``post_norm1``, ``post_norm2``."""
+
+    def __init__(self, cfg: ModelConfig, mixer_name: str, moe: bool = False, mlp: bool = True):
+        super().__init__(cfg, mixer_name, moe, mlp)
+        self.post_norm1 = make_norm(cfg)
+        self.post_norm2 = make_norm(cfg) if self.mlp is not None else None
+
+    def forward(self, h, state=None, cu_seqlens=None, carry=None):
+        y, new = self._mix(self.norm1(h), state, cu_seqlens, carry)
+        h = h + self.post_norm1(y)
+        if self.mlp is not None:
+            y, new = self._ffn(self.norm2(h), state, cu_seqlens, new)
+            h = h + self.post_norm2(y)
         return h, new
 
 

@@ -23,6 +23,12 @@ LAYERS = {
     "linear-conv": lambda mode="chunk": build_mixer("linear", D, 4, conv_size=4, mode=mode, chunk_size=8),
     "retention-conv": lambda mode="chunk": MultiScaleRetention(D, n_heads=4, conv_size=3, mode=mode, chunk_size=8),
     "gla-conv": lambda mode="chunk": GatedLinearAttention(D, n_heads=2, conv_size=4, mode=mode, chunk_size=8),
+    # checkpoints' variants: Zamba's multi-head Mamba, LFM3's gate per attention head, Ling's KDA gates
+    "mamba-heads": lambda mode="chunk": build_mixer("mamba", D, 4, d_state=4, heads=2, mode=mode, chunk_size=8),
+    "softmax-head-gate": lambda mode="chunk": build_mixer("swa", D, 4, window=5, head_gate=True, mode=mode,
+                                                          chunk_size=8),
+    "kda-ling": lambda mode="chunk": build_mixer("kda", D, 2, head_dim=8, full_gates=True, gate_bound=-5.0,
+                                                 mode=mode, chunk_size=8),
 }
 
 
@@ -211,3 +217,12 @@ def test_partial_rotary_rotates_the_leading_dims_only():
     assert layer.rotary_dim == 6
     with pytest.raises(ValueError, match="rotary_fraction"):
         SoftmaxAttention(48, 4, rotary_fraction=0.25)    # 3 of 12 dims: not even
+
+
+def test_checkpoint_variant_options_refuse_bad_values():
+    for name, bad, match in (("mamba", {"heads": 3}, "heads must be a positive int dividing d_inner=64"),
+                             ("softmax", {"head_gate": 1}, "head_gate must be a bool"),
+                             ("kda", {"gate_bound": 2.0}, "gate_bound must be None or a negative number"),
+                             ("kda", {"full_gates": "yes"}, "full_gates must be a bool")):
+        with pytest.raises(ValueError, match=match):
+            build_mixer(name, D, 4, **bad)

@@ -1,4 +1,4 @@
-"""The four residual schemes of ``models.lm``: the config picks the block class, every class holds the same
+"""The residual schemes of ``models.lm``: the config picks the block class, every class holds the same
 parameter names (the names the checkpoint formats map), and each computes its scheme."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from subquad.models import LanguageModel, ModelConfig
-from subquad.models.lm import ParallelBlock, PostNormBlock, PreNormBlock, ScaledResidualBlock
+from subquad.models.lm import ParallelBlock, PostNormBlock, PreNormBlock, SandwichNormBlock, ScaledResidualBlock
 
 
 def _model(**over):
@@ -29,12 +29,17 @@ def test_the_config_picks_the_block_class_and_the_names_stay():
     assert list(post.state_dict()) == keys and list(scaled.state_dict()) == keys
 
 
-@pytest.mark.parametrize("scheme", ["pre", "post", "scaled", "parallel"])
+@pytest.mark.parametrize("scheme", ["pre", "post", "scaled", "parallel", "sandwich"])
 def test_each_block_computes_its_scheme(scheme):
     over = {"pre": {}, "post": {"post_norm": ["softmax"]},
             "scaled": {"scaled_residual": {"softmax": [1.5, 0.5], "mlp": [0.75, 2.0]}},
-            "parallel": {"parallel": {"softmax": "mamba2"}}}[scheme]
+            "parallel": {"parallel": {"softmax": "mamba2"}}, "sandwich": {"sandwich_norm": True}}[scheme]
     b = _model(**over).blocks[0]
+    if scheme == "sandwich":
+        assert isinstance(b, SandwichNormBlock)
+        with torch.no_grad():                              # post-norms unlike the pre-norms
+            b.post_norm1.weight.uniform_(0.5, 1.5)
+            b.post_norm2.weight.uniform_(0.5, 1.5)
     h = torch.randn(2, 7, 16, dtype=torch.float64)
     got, _ = b(h)
     with torch.no_grad():
@@ -48,6 +53,9 @@ def test_each_block_computes_its_scheme(scheme):
         elif scheme == "post":
             h1 = h + b.norm1(b.mixer(h)[0])
             want = h1 + b.norm2(b.mlp(h1))
+        elif scheme == "sandwich":
+            h1 = h + b.post_norm1(b.mixer(b.norm1(h))[0])
+            want = h1 + b.post_norm2(b.mlp(b.norm2(h1)))
         else:
             x = b.norm1(h)
             h1 = 1.5 * x + 0.5 * b.mixer(x)[0]
@@ -116,3 +124,12 @@ def test_a_shared_block_use_computes_its_scheme_and_bad_options_are_refused():
             _model(pattern="mamba2", shared=bad)
     with pytest.raises(ValueError, match="pre-norm"):
         _model(pattern="mamba2", shared={"layers": [0]}, parallel={"mamba2": "softmax"})
+
+
+def test_sandwich_norms_refuse_the_other_schemes():
+    for other in ({"post_norm": ["softmax"]}, {"parallel": {"softmax": "mamba2"}},
+                  {"scaled_residual": {"softmax": [1.0, 1.0]}}):
+        with pytest.raises(ValueError, match="sandwich_norm blocks take no"):
+            _model(sandwich_norm=True, **other)
+    with pytest.raises(ValueError, match="sandwich_norm must be a bool"):
+        _model(sandwich_norm=1)

@@ -62,11 +62,17 @@ def test_every_mixer_in_a_model_and_a_batch_that_shrinks(group):
     prompt length, then rows leave at steps 20 and 40 (a KV cache and the batch change size under the graph;
     batch 1 is a graph of its own: dynamo specialises sizes of 1). No mixture of experts here: at a batch with
     more choices than experts its routed loop runs eagerly, a graph break that makes dynamo compile every
-    block's frames one by one (test_a_moe_layer_in_a_batch_that_shrinks takes that path on three layers)."""
+    block's frames one by one (test_a_moe_layer_in_a_batch_that_shrinks takes that path on three layers).
+    Mamba in two heads (Zamba's, a scan per head; one head: the mamba checkpoint types'); softmax attention with
+    LFM3's per-head gate, and its group in LFM3's sandwich-norm blocks; MLA with Ling's per-head gate, KDA with its
+    full-rank gates and bounded decay."""
     torch.manual_seed(group)
     names = sorted(causal_mixers())[group::GROUPS]
+    options = {"swa": {"window": 8}, "mamba": {"heads": 2}, "softmax": {"head_gate": True}, "mla": {"head_gate": True},
+               "kda": {"full_gates": True, "gate_bound": -5.0}}
     cfg = ModelConfig(vocab_size=128, d_model=32, n_layers=len(names), n_heads=2, pattern=",".join(names),
-                      context_length=512, mixer_options={"swa": {"window": 8}}, pos_emb="learned")
+                      context_length=512, pos_emb="learned", sandwich_norm="softmax" in names,
+                      mixer_options={k: v for k, v in options.items() if k in names})
     eager = LanguageModel(cfg).eval()
     fast = assert_steps_equal(eager, torch.randint(0, 128, (3, 11)), batches={20: [0, 2], 40: [1]})
     # no layer breaks the whole-model graph (a float check in linear attention once did: dynamo then skipped

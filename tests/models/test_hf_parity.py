@@ -10,9 +10,9 @@ import torch
 transformers = pytest.importorskip("transformers")   # the `hf` extra installs it (make test requires it); the library never does
 
 from tests.models import (  # noqa: E402
-    test_hf, test_hf_delta, test_hf_falcon_h1, test_hf_granite, test_hf_hybrid, test_hf_kimi, test_hf_lfm2,
-    test_hf_lfm2_moe, test_hf_minimax, test_hf_nemotron_h, test_hf_qwen3_5, test_hf_recurrent_gemma, test_hf_xlstm,
-    test_hf_zamba2)
+    test_hf, test_hf_bailing_hybrid, test_hf_delta, test_hf_falcon_h1, test_hf_granite, test_hf_hybrid, test_hf_kimi,
+    test_hf_lfm2, test_hf_lfm2_moe, test_hf_lfm3, test_hf_minimax, test_hf_nemotron_h, test_hf_qwen3_5,
+    test_hf_recurrent_gemma, test_hf_xlstm, test_hf_zamba, test_hf_zamba2)
 from tests.models.hf_harness import (  # noqa: E402
     F32, Row, cases, check_decode, check_logits, check_round_trip, check_router_loss, variants)
 
@@ -52,9 +52,12 @@ ROWS = [
     _kind(test_hf_delta, "qwen3_next", transformers.Qwen3NextForCausalLM, router_loss=True),
     _kind(test_hf_delta, "olmo_hybrid", transformers.OlmoHybridForCausalLM),
     _module(test_hf_kimi, "kimi_linear", transformers.KimiLinearForCausalLM),
+    # float64 bounded by transformers' KDA and router, which compute in float32 inside
+    _module(test_hf_bailing_hybrid, "bailing_hybrid", transformers.BailingHybridForCausalLM),
     _module(test_hf_minimax, "minimax", transformers.MiniMaxForCausalLM, router_loss=True),
     _module(test_hf_lfm2, "lfm2", transformers.Lfm2ForCausalLM),
     _module(test_hf_lfm2_moe, "lfm2_moe", transformers.Lfm2MoeForCausalLM),
+    _module(test_hf_lfm3, "lfm3", transformers.Lfm3ForCausalLM),
     _module(test_hf_falcon_h1, "falcon_h1", transformers.FalconH1ForCausalLM, ours_atol=1e-6),
     _module(test_hf_granite, "granitemoehybrid", transformers.GraniteMoeHybridForCausalLM, ours_atol=1e-6,
             router_loss=True),
@@ -71,6 +74,8 @@ ROWS = [
     # transformers' logits in the model's dtype (its forward casts them to float32); "fused": a folder of NX-AI's
     # fused layout checked against the single-mode model it was written from (transformers cannot build one)
     _module(test_hf_xlstm, "xlstm", transformers.xLSTMForCausalLM, hf_logits=test_hf_xlstm._hf_logits),
+    # float64 cannot be tighter than ~1e-7: transformers' Mamba computes A = -exp(A_log.float()) in float32
+    _module(test_hf_zamba, "zamba", transformers.ZambaForCausalLM, T=40),
     # multimodal folders, saved as their text-only types; float64 bounded by transformers' delta rule (float32)
     _kind(test_hf_qwen3_5, "qwen3_5", transformers.Qwen3_5ForCausalLM, save_as="qwen3_5_text",
           model_type="qwen3_5_text", saved=test_hf_qwen3_5._saved,

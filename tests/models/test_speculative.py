@@ -18,12 +18,14 @@ OPTIONS = {"swa": {"window": 3}, "*": {"chunk_size": 4}}
 PROMPT = [1, 2, 3, 4, 1, 2, 3, 5, 1, 2, 3]
 
 
-def tiny(pattern, n_layers=2, vocab=11, scale=1.0, **over):
-    """A float64 model; ``scale`` multiplies its matrices (larger: peakier, more varied greedy output)."""
+def tiny(pattern, n_layers=2, vocab=11, scale=1.0, options=None, **over):
+    """A float64 model; ``scale`` multiplies its matrices (larger: peakier, more varied greedy output);
+    ``options``: mixer options over ``OPTIONS``."""
     torch.manual_seed(0)
     names = set(pattern.replace("*", ",").split(",")) | set(over.get("parallel", {}).values())
     cfg = ModelConfig(vocab_size=vocab, d_model=16, n_layers=n_layers, n_heads=2, pattern=pattern, context_length=64,
-                      mixer_options={k: v for k, v in OPTIONS.items() if k in names or k == "*"}, **over)
+                      mixer_options={k: v for k, v in {**OPTIONS, **(options or {})}.items() if k in names or k == "*"},
+                      **over)
     model = LanguageModel(cfg).double().eval()
     with torch.no_grad():
         for p in model.parameters():
@@ -68,6 +70,10 @@ STRUCTURES = {                      # the block structures of the checkpoint typ
     "moe and positions (mla, rglru, learned)": dict(pattern="mla,rglru", pos_emb="learned",
                                                    moe={"experts": 4, "top_k": 2, "every": 2, "offset": 1}),
     "mamba (mamba, falcon_mamba), retention": dict(pattern="mamba,retention"),
+    "sandwich norms, gated heads, Mamba heads, Ling's KDA (lfm3, zamba, bailing_hybrid)": dict(
+        pattern="mamba,swa,kda,mla", n_layers=4, sandwich_norm=True, options={
+            "mamba": {"heads": 2}, "swa": {"window": 4, "head_gate": True}, "mla": {"head_gate": True},
+            "kda": {"full_gates": True, "gate_bound": -5.0}}),
 }
 
 

@@ -39,6 +39,13 @@ weights shifted) and ``pack`` them back on saving.
     zamba2.py       zamba2 (Zyphra's Zamba2: Mamba-2 layers, shared attention + MLP blocks over [h, embeddings] at the
                     hybrid layers, each use with its own LoRA adapters and projection - ``models.shared``)
     xlstm.py        xlstm (xLSTM-7B: mLSTM layers and SwiGLUs, soft-capped gates and logits; fused weights split)
+    zamba.py        zamba (Zamba v1: multi-head Mamba layers - each head its own dt, B and C - and one shared attention
+                    + MLP block without adapters or positions, zamba2.py's format with other names)
+    lfm3.py         lfm3 (Liquid LFM3: LFM2's convolutions, sliding and full attention with a sigmoid gate per head,
+                    rotary per attention kind - proportional rotary as partial rotary on reordered dims - and
+                    sandwich norms: ``ModelConfig.sandwich_norm``)
+    bailing_hybrid.py  bailing_hybrid (inclusionAI's Ling 3: KDA with full-rank gates and a bounded decay, MLA with a
+                    gate per head and DeepSeek's interleaved rotary, DeepSeek-V3 grouped experts; MTP layers left out)
 
 ``registry.MAPPINGS`` lists them by ``model_type``; ``loader`` reads a folder, ``saver`` writes one, and
 ``common`` holds what the formats share. Imports run one way: common <- formats <- registry <- loader,

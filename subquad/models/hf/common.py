@@ -74,6 +74,8 @@ class Format:
     any_norm = False                 # matches() checks ModelConfig.norm and embed_norm itself; else RMSNorms only
     shared_blocks = False            # matches() checks ModelConfig.shared itself; else the saver refuses shared blocks
     latent_moe = False               # matches() holds a MoE with ``latent`` experts; else plain() refuses one
+    gates_and_sandwich = False       # matches() checks ModelConfig.sandwich_norm and attention's head_gate
+                                     # itself; else plain() refuses them
     not_loaded: dict = {}            # checkpoint name prefix -> what it holds, left out with a warning (a vision
                                      # tower beside the language model, a multi-token-prediction head)
     top = TOP
@@ -97,13 +99,17 @@ class Format:
     @classmethod
     def plain(cls, cfg: ModelConfig, opts: dict) -> bool:
         """Whether the model leaves off the options most formats have no field for (an MLP other than SwiGLU or
-        a biased one, a MoE with latent experts, LayerNorms or a norm on the embeddings, scaled embeddings, capped logits, a bias on
-        attention's output or its scores scaled other than by K^-1/2): ``save_pretrained`` asks this before
+        a biased one, a MoE with latent experts, LayerNorms or a norm on the embeddings, scaled embeddings, capped
+        logits, a bias on attention's output or its scores scaled other than by K^-1/2, sandwich norms, a gate per
+        attention head): ``save_pretrained`` asks this before
         ``matches``, so no format drops them silently. A format that holds them overrides it."""
         plain_mlp = cls.any_mlp or (cfg.mlp_kind == "swiglu" and cfg.mlp_layers is None)
         plain_norm = cls.any_norm or (cfg.norm == "rms" and not cfg.embed_norm and not cfg.norm_bias)
         plain_moe = cls.latent_moe or cfg.moe is None or cfg.moe.get("latent") is None
-        return (plain_mlp and plain_norm and plain_moe and not cfg.mlp_bias and cfg.embed_scale is None and cfg.logit_soft_cap is None
+        plain_gates = cls.gates_and_sandwich or (not cfg.sandwich_norm
+                                                 and not any(o.get("head_gate") for o in opts.values()))
+        return (plain_mlp and plain_norm and plain_moe and plain_gates and not cfg.mlp_bias and cfg.embed_scale is None
+                and cfg.logit_soft_cap is None
                 and not any(o.get("o_bias") or o.get("scale") is not None for o in opts.values()))
 
     @classmethod

@@ -135,7 +135,8 @@ class KimiLinearFormat(Format):
         hidden = None if m is None else (m["hidden"] or cfg.mlp_hidden)
         return (cfg.mlp and cfg.pos_emb == "none" and not cfg.post_norm and cfg.scaled_residual is None
                 and k["qk_eps"] == 1e-6
-                and k["norm_eps"] == cfg.norm_eps and k["gate_rank"] == k["head_dim"]
-                and (a is None or (not a["rotary"] and a["latent_eps"] == _LATENT_EPS))
+                and k["norm_eps"] == cfg.norm_eps and k["gate_rank"] == k["head_dim"] and not k["full_gates"]
+                and k["gate_bound"] is None
+                and (a is None or (not a["rotary"] and not a["head_gate"] and a["latent_eps"] == _LATENT_EPS))
                 and (m is None or (m["router"] == "sigmoid" and not m["shared_gate"] and m["shared"] > 0
                                    and m["shared"] % hidden == 0)))

@@ -59,7 +59,7 @@ class MambaFormat(BackboneFormat):
 
     @classmethod
     def matches(cls, cfg: ModelConfig, opts: dict) -> bool:
-        return pure(cfg, "mamba") and opts["mamba"]["bcdt_rms_eps"] is None
+        return pure(cfg, "mamba") and opts["mamba"]["bcdt_rms_eps"] is None and opts["mamba"]["heads"] == 1
 
 
 class FalconMambaFormat(MambaFormat):
@@ -78,5 +78,5 @@ class FalconMambaFormat(MambaFormat):
 
     @classmethod
     def matches(cls, cfg: ModelConfig, opts: dict) -> bool:
-        return (pure(cfg, "mamba") and opts["mamba"]["bcdt_rms_eps"] is not None
+        return (pure(cfg, "mamba") and opts["mamba"]["bcdt_rms_eps"] is not None and opts["mamba"]["heads"] == 1
                 and not opts["mamba"]["bcdt_rms_weight"])

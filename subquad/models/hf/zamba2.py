@@ -43,7 +43,6 @@ ADAPTERS = {"use.q_adapter.{p}": "self_attn.linear_q_adapter_list.{j}.{p}",
             "use.k_adapter.{p}": "self_attn.linear_k_adapter_list.{j}.{p}",
             "use.v_adapter.{p}": "self_attn.linear_v_adapter_list.{j}.{p}",
             "use.mlp_adapter.{p}": "feed_forward.gate_up_proj_adapter_list.{j}.{p}"}
-_SHARED_NAME = re.compile(r"model\.layers\.(\d+)\.shared_transformer\.(.+)")
 
 
 def layer_types(c: dict) -> list:
@@ -71,6 +70,13 @@ def _uses(cfg: ModelConfig) -> tuple[dict, dict]:
 class Zamba2Format(Format):
     model_type = "zamba2"
     shared_blocks = True
+    shared_key = "shared_transformer"    # the shared block's module name under a hybrid layer (Zamba's: shared_transf)
+    shared_names = SHARED
+    fused_gate_up = True                 # the MLP's gate and up in one gate_up_proj (Zamba's: apart)
+
+    @classmethod
+    def _shared_name(cls) -> re.Pattern:
+        return re.compile(rf"model\.layers\.(\d+)\.{cls.shared_key}\.(.+)")
 
     @staticmethod
     def config(c: dict) -> ModelConfig:
@@ -130,14 +136,14 @@ class Zamba2Format(Format):
                 k, _, rest = rest.partition(".")
                 k = int(k)
                 if part == "shared":
-                    t = _rename(rest, SHARED)
-                    theirs = None if t is None else f"model.layers.{first[k]}.shared_transformer.{t}"
+                    t = _rename(rest, cls.shared_names)
+                    theirs = None if t is None else f"model.layers.{first[k]}.{cls.shared_key}.{t}"
                 elif k in uses and rest == "use.proj.weight":
                     theirs = f"model.layers.{k}.linear.weight"
                 elif k in uses and rest.startswith("use."):
                     j, b = uses[k]
                     t = _rename(rest, ADAPTERS)
-                    theirs = None if t is None else f"model.layers.{first[b]}.shared_transformer.{t}".replace(
+                    theirs = None if t is None else f"model.layers.{first[b]}.{cls.shared_key}.{t}".replace(
                         "{j}", str(j))
                 else:
                     t = _rename(rest, MAMBA)
@@ -145,7 +151,7 @@ class Zamba2Format(Format):
             else:
                 theirs = _rename(ours, TOP)
             if theirs is None:
-                raise ValueError(f"zamba2: no checkpoint name for subquad's {ours}")
+                raise ValueError(f"{cls.model_type}: no checkpoint name for subquad's {ours}")
             out[ours] = theirs
         return out
 
@@ -153,20 +159,20 @@ class Zamba2Format(Format):
     def unpack(cls, tensors: dict, cfg: ModelConfig, dtype=None) -> dict:
         """Aliases read once (each must equal the name it repeats), the fused gate/up split in two."""
         uses, first = _uses(cfg)
-        out = {}
+        out, pattern = {}, cls._shared_name()
         for name, t in tensors.items():
-            m = _SHARED_NAME.fullmatch(name)
+            m = pattern.fullmatch(name)
             if m and int(m[1]) in uses and first[uses[int(m[1])][1]] != int(m[1]):
-                original = f"model.layers.{first[uses[int(m[1])][1]]}.shared_transformer.{m[2]}"
+                original = f"model.layers.{first[uses[int(m[1])][1]]}.{cls.shared_key}.{m[2]}"
                 if original in tensors and not torch.equal(tensors[original], t):
-                    raise ValueError(f"zamba2: {name} differs from {original}, the weight of the shared block it "
+                    raise ValueError(f"{cls.model_type}: {name} differs from {original}, the weight of the shared block it "
                                      "repeats: these layers do not share it (transformers unties copies that differ, "
                                      "and all of them with tie_word_embeddings=false); subquad loads one weight per "
                                      "shared block")
                 name = original
-            if name.endswith("shared_transformer.feed_forward.gate_up_proj.weight"):
+            if cls.fused_gate_up and name.endswith(f"{cls.shared_key}.feed_forward.gate_up_proj.weight"):
                 if t.shape[0] % 2:
-                    raise ValueError(f"zamba2: {name} has shape {tuple(t.shape)}; it holds gate and up, an even "
+                    raise ValueError(f"{cls.model_type}: {name} has shape {tuple(t.shape)}; it holds gate and up, an even "
                                      "number of rows")
                 p = name.removesuffix("gate_up_proj.weight")
                 out[p + "gate_proj.weight"], out[p + "up_proj.weight"] = t.chunk(2, 0)
@@ -178,20 +184,20 @@ class Zamba2Format(Format):
     def pack(cls, tensors: dict, cfg: ModelConfig) -> dict:
         """The gate/up fused, and every shared name repeated under each layer that uses its block."""
         uses, first = _uses(cfg)
-        out = {}
+        out, pattern = {}, cls._shared_name()
         for name, t in tensors.items():
-            if name.endswith("feed_forward.up_proj.weight"):
+            if cls.fused_gate_up and name.endswith("feed_forward.up_proj.weight"):
                 continue
-            if name.endswith("feed_forward.gate_proj.weight"):
+            if cls.fused_gate_up and name.endswith("feed_forward.gate_proj.weight"):
                 p = name.removesuffix("gate_proj.weight")
                 name, t = p + "gate_up_proj.weight", torch.cat([t, tensors[p + "up_proj.weight"]], 0)
             out[name] = t
-            m = _SHARED_NAME.fullmatch(name)
+            m = pattern.fullmatch(name)
             if m:
                 b = uses[int(m[1])][1]
                 for layer, (_, other) in uses.items():
                     if other == b and layer != first[b]:
-                        out[f"model.layers.{layer}.shared_transformer.{m[2]}"] = t.clone()
+                        out[f"model.layers.{layer}.{cls.shared_key}.{m[2]}"] = t.clone()
         return out
 
     @staticmethod
