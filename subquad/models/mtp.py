@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from subquad.models.config import ModelConfig
+from subquad.models.hf.mtp_names import _zero_centred, mtp_names
 
 
 def mtp_config(cfg: ModelConfig, moe: bool) -> ModelConfig:
@@ -66,25 +67,6 @@ class MTPHead(nn.Module):
         return logits, u, new
 
 
-def mtp_names(fmt, head: MTPHead) -> dict:
-    """subquad name (under "mtp.") -> the checkpoint's, for every tensor of ``head``: its block named as the
-    format names an attention layer, under "mtp.layers.0."; the rest "mtp.fc", "mtp.norm",
-    "mtp.pre_fc_norm_embedding", "mtp.pre_fc_norm_hidden"."""
-    shapes = {"blocks.0." + k: v.shape for k, v in head.block.state_dict().items()}
-    inner = fmt.names(head.config, shapes)
-    out = {"mtp." + k.replace("blocks.0.", "block.", 1):
-           (tuple(t.replace(fmt.layer.format(i=0), "mtp.layers.0.", 1) for t in v) if isinstance(v, tuple)
-            else v.replace(fmt.layer.format(i=0), "mtp.layers.0.", 1)) for k, v in inner.items()}
-    out.update({"mtp.fc.weight": "mtp.fc.weight", "mtp.norm.weight": "mtp.norm.weight",
-                "mtp.norm_embed.weight": "mtp.pre_fc_norm_embedding.weight",
-                "mtp.norm_hidden.weight": "mtp.pre_fc_norm_hidden.weight"})
-    return out
-
-
-def _zero_centred(fmt, cfg) -> bool:
-    """Whether the format stores its final norm zero-centred (x (1 + w)): the head's own norms are stored so too."""
-    name = fmt.top["norm.weight"]
-    return bool(fmt.unpack({name: torch.zeros(1)}, cfg)[name].item() == 1)
 
 
 MTP_TYPES = ("qwen3_next", "qwen3_5", "qwen3_5_moe")   # the types whose ``mtp.*`` tensors load (this layout)
@@ -130,25 +112,3 @@ def load_mtp(fmt, cfg: ModelConfig, tensors: dict, dtype=None) -> MTPHead:
         raise ValueError(f"{fmt.model_type}: unexpected MTP weights: {', '.join(sorted(extra)[:5])}")
     head.load_state_dict(state, strict=True, assign=True)
     return head.eval()
-
-
-def pack_mtp(fmt, head: MTPHead, own: dict) -> dict:
-    """``load_mtp``'s inverse: the head's tensors (``own``: "mtp."-prefixed, from the model's state dict) under
-    the checkpoint's names, packed by the format as any layer's."""
-    prefix = fmt.layer.format(i=0)
-    centred = _zero_centred(fmt, head.config)
-    flat = {}
-    for ours, theirs in mtp_names(fmt, head).items():
-        t = own[ours].detach().cpu()
-        if isinstance(theirs, tuple):
-            flat.update({n: p.contiguous() for n, p in zip(theirs, t.unbind(0), strict=True)})
-            continue
-        if centred and theirs in ("mtp.norm.weight", "mtp.pre_fc_norm_embedding.weight",
-                                  "mtp.pre_fc_norm_hidden.weight"):
-            t = (t.float() - 1).to(t.dtype)
-        flat[theirs] = t
-    inner = {k.replace("mtp.layers.0.", prefix, 1) if k.startswith("mtp.layers.0.") else k: v
-             for k, v in flat.items()}
-    packed = fmt.pack(inner, head.config)
-    return {k.replace(prefix, "mtp.layers.0.", 1) if k.startswith(prefix) else k: v.contiguous()
-            for k, v in packed.items()}

@@ -488,7 +488,8 @@ class Engine:
         if seq.text is not None and not stop_token:     # a stop token's own text is not output (as vLLM)
             text, stopped = seq.text.push(seq.tokens)
         finish = None
-        done = seq.sampler.matcher is not None and seq.sampler.matcher.done      # the response_format is complete
+        matcher = getattr(seq.sampler, "matcher", None)
+        done = matcher is not None and matcher.done                     # the response_format is complete
         if stopped or stop_token or done or (tok in self.eos and not seq.params.ignore_eos):
             finish = "stop"
         elif len(seq.tokens) >= seq.params.max_tokens or len(seq.prompt) + len(seq.tokens) >= self.max_context:

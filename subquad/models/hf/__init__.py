@@ -53,8 +53,22 @@ saver.
 """
 
 from subquad.models.hf.common import eos_token_ids, read_weights
-from subquad.models.hf.loader import from_pretrained, read_config
+from subquad.models.hf.loader import from_pretrained as _from_folder
+from subquad.models.hf.loader import read_config
 from subquad.models.hf.registry import MAPPINGS
 from subquad.models.hf.saver import save_pretrained
 
 __all__ = ["from_pretrained", "save_pretrained", "MAPPINGS", "read_config", "read_weights", "eos_token_ids"]
+
+
+def from_pretrained(path, dtype=None, device=None, quantize=None):
+    """``loader.from_pretrained`` (a Hugging Face folder, a quantised folder, an RWKV-7 .pth), or a ``.gguf`` file
+    (llama.cpp's format) through ``models.gguf``: (LanguageModel in eval mode, tokenizer or None)."""
+    if str(path).endswith(".gguf"):
+        from subquad.models.gguf import load_gguf
+
+        return load_gguf(path, dtype=dtype, device=device, quantize=quantize)
+    return _from_folder(path, dtype=dtype, device=device, quantize=quantize)
+
+
+from_pretrained.__doc__ = (from_pretrained.__doc__ or "") + "\n\n" + (_from_folder.__doc__ or "")

@@ -121,11 +121,7 @@ def from_pretrained(path, dtype=None, device=None, quantize=None):
     The model keeps the folder's config and its tokenizer and generation files (``model.hf_source``) for
     ``save_pretrained`` to write back. A Qwen3-Next or Qwen3.5 folder's multi-token-prediction tensors
     (``mtp.*``) load as ``model.mtp`` (``models.mtp``: ``generate(..., speculative="mtp")`` drafts with it).
-    A ``.gguf`` file (llama.cpp's format) loads through ``models.gguf``."""
-    if str(path).endswith(".gguf"):
-        from subquad.models.gguf import load_gguf
-
-        return load_gguf(path, dtype=dtype, device=device, quantize=quantize)
+    A ``.gguf`` file (llama.cpp's format) is ``models.hf.from_pretrained``'s, through ``models.gguf``."""
     pth = pth_file(path)
     if pth is not None:
         c, fmt, weights = {}, RWKV7PthFormat, read_pth(pth)

@@ -78,7 +78,7 @@ def checkpoint_tensors(model, model_type: str | None = None) -> tuple[str, dict,
             tensors[theirs] = t.contiguous()
     tensors = {n: t.contiguous() for n, t in fmt.pack(tensors, cfg).items()}
     if mtp:                                             # a multi-token-prediction head (models.mtp)
-        from subquad.models.mtp import pack_mtp
+        from subquad.models.hf.mtp_names import pack_mtp
 
         tensors.update(pack_mtp(fmt, model.mtp, mtp))
     return model_type, opts, tensors
