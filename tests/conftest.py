@@ -65,6 +65,8 @@ def corpus(tmp_path, monkeypatch):
 # has are kept in QUICK_MISSING, which tests/test_quick.py asserts is empty.
 QUICK_LIST = Path(__file__).parent / "quick.txt"
 QUICK_MISSING: list[str] = []
+COLLECTED: set[str] = set()                  # the node ids and files of this run's collection
+COLLECTED_FILES: set[str] = set()
 
 
 def pytest_configure(config):
@@ -80,4 +82,77 @@ def pytest_collection_modifyitems(config, items):
         if item.nodeid in quick:
             item.add_marker(pytest.mark.quick)
     files = {i.split("::")[0] for i in ids}
+    COLLECTED.update(ids)
+    COLLECTED_FILES.update(files)
     QUICK_MISSING[:] = sorted(q for q in quick if q.split("::")[0] in files and q not in ids)
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0"))
+    if workers > 1:
+        items[:] = heavy_first(items, read_heavy(), workers)
+
+
+# Under pytest-xdist the cases measured slowest (tests/heavy.txt, seconds and id, from a timed run) start first,
+# spread over the workers: xdist's worksteal hands each worker a contiguous share of the list and idle workers
+# steal from the end of another's, so a long case left near the end of a share would run alone while the other
+# worker waits (the wall time of `make test` is the busier worker's).
+HEAVY_LIST = Path(__file__).parent / "heavy.txt"
+
+
+def read_heavy() -> dict[str, float]:
+    out = {}
+    for ln in HEAVY_LIST.read_text().splitlines() if HEAVY_LIST.exists() else []:
+        if ln.strip() and not ln.startswith("#"):
+            seconds, nid = ln.split(maxsplit=1)
+            out[nid.strip()] = float(seconds)
+    return out
+
+
+def heavy_first(items: list, heavy: dict[str, float], workers: int) -> list:
+    """``items`` reordered so that worker w's contiguous share (xdist: len // workers each, the last the rest)
+    starts with the heavy cases given to it - each to the share with the least heavy seconds so far, slowest
+    first - and then continues with the other cases in their collected order."""
+    slow = sorted((i for i in items if i.nodeid in heavy), key=lambda i: -heavy[i.nodeid])
+    rest = [i for i in items if i.nodeid not in heavy]
+    shares, load = [[] for _ in range(workers)], [0.0] * workers
+    for item in slow:
+        w = min(range(workers), key=lambda k: (load[k], k))
+        shares[w].append(item)
+        load[w] += heavy[item.nodeid]
+    size = len(items) // workers
+    out = []
+    for w, share in enumerate(shares):
+        room = size - len(share) if w < workers - 1 else len(rest)
+        out += share + rest[:max(0, room)]
+        rest = rest[max(0, room):]
+    return out
+
+
+# A test whose worker processes (tests/distributed/helpers.run, tests/forked) lose one to a signal - SIGABRT or
+# SIGSEGV, the process dying inside a C++ library rather than an assertion failing - runs once more in a fresh
+# tmp_path, with a warning that keeps the first failure. Seen once in CI: "malloc(): unaligned tcache chunk
+# detected" in a gloo rank during a DCP save of test_sharded_checkpoints_reshard_4_to_2_to_1_and_1_to_4, not
+# reproduced in 30 runs here; the ranks now print their stacks on such a signal (distributed.launch's worker,
+# faulthandler). A second crash fails the test.
+CRASH_SIGNALS = ("SIGABRT", "SIGSEGV", "SIGBUS")
+RANKS = ("tests/distributed/", "tests/train/test_parallelize.py", "tests/train/test_kill_resume.py")
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_pyfunc_call(pyfuncitem):
+    if not pyfuncitem.nodeid.startswith(RANKS):
+        return None                                  # pytest's own call
+    import warnings
+
+    from torch.multiprocessing import ProcessExitedException
+
+    args = {name: pyfuncitem.funcargs[name] for name in pyfuncitem._fixtureinfo.argnames}
+    try:
+        pyfuncitem.obj(**args)
+    except ProcessExitedException as e:
+        if getattr(e, "signal_name", None) not in CRASH_SIGNALS:
+            raise
+        warnings.warn(f"{pyfuncitem.nodeid}: a worker process died ({e}); running the test once more", stacklevel=1)
+        if isinstance(args.get("tmp_path"), Path):
+            args["tmp_path"] = args["tmp_path"] / "rerun"
+            args["tmp_path"].mkdir()
+        pyfuncitem.obj(**args)
+    return True

@@ -3,6 +3,7 @@ case of each further test function while the file's share of the budget lasts.
 
     pytest -n 2 --durations=0 --durations-min=0 > durations.log      # a full, timed run
     python tests/quick_select.py durations.log > tests/quick.txt
+    python tests/quick_select.py --heavy durations.log > tests/heavy.txt   # the cases make test starts first
 
 Times are pytest's own (setup + call + teardown per case); a case that did not appear took under its
 --durations-min. A module fixture's cost lands on the first case that used it, so a cheap case here may pay
@@ -57,7 +58,22 @@ def collect() -> list[str]:
     return [ln.strip() for ln in out.splitlines() if "::" in ln]
 
 
+HEAVY_S = 4.0               # a case at least this long is started first under xdist (tests/conftest.py, heavy_first)
+
+
+def heavy(times: dict[str, float]) -> str:
+    """tests/heavy.txt: the cases of at least ``HEAVY_S`` seconds, slowest first, as "seconds id" lines."""
+    lines = ["# make test under pytest-xdist starts these cases first, slowest first, spread over the workers",
+             "# (tests/conftest.py, heavy_first); seconds (setup + call + teardown) from a timed run on 2 workers",
+             "# (tests/quick_select.py --heavy durations.log > tests/heavy.txt)"]
+    lines += [f"{t:.1f} {n}" for n, t in sorted(times.items(), key=lambda x: -x[1]) if t >= HEAVY_S]
+    return "\n".join(lines)
+
+
 if __name__ == "__main__":
+    if len(sys.argv) == 3 and sys.argv[1] == "--heavy":
+        print(heavy(read_durations(sys.argv[2])))
+        sys.exit(0)
     if len(sys.argv) != 2:
         sys.exit(__doc__)
     times = read_durations(sys.argv[1])

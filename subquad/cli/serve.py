@@ -45,6 +45,13 @@ def add_parser(command) -> None:
                         "serve.api.MAX_BODY_MB, 8)")
     v.add_argument("--drain-timeout", type=nonneg_float, default=10.0,
                    help="seconds accepted requests may run on after SIGTERM")
+    v.add_argument("--speculative", choices=["ngram"],
+                   help="speculative decoding per row: each row drafts tokens by prompt lookup (the continuation of "
+                        "an earlier occurrence of its last tokens in its prompt and output) and the batch verifies "
+                        "them in one forward; every row's tokens are the ones it would get without it "
+                        "(subquad.serve.engine, 'Speculation')")
+    v.add_argument("--draft-tokens", type=positive, default=4,
+                   help="tokens drafted per row and step with --speculative")
     v.add_argument("--compile-decode", action="store_true",
                    help="decode with the compiled step (subquad.models.decode), compiled before serving")
     v.set_defaults(fn=run)
@@ -107,7 +114,8 @@ def run(args) -> int:
     memory_mb = default_memory_mb(args.device) if args.memory_mb is None else args.memory_mb or None  # 0: none
     engine = Engine(model, tok, max_batch=args.max_batch, max_queue=args.max_queue, max_context=args.max_context,
                     prefill_chunk=args.prefill_chunk, state_cache_mb=args.state_cache_mb, memory_mb=memory_mb,
-                    eos_ids=end_of_text_ids(model, tok), prefix_block=args.prefix_block)
+                    eos_ids=end_of_text_ids(model, tok), prefix_block=args.prefix_block,
+                    speculative=args.speculative, draft_tokens=args.draft_tokens)
     return serve_api(engine, name, host=args.host, port=args.port, chat_template=chat_template,
                      api_key=key, drain_timeout=args.drain_timeout, max_body_mb=args.max_body_mb or MAX_BODY_MB)
 

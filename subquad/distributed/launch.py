@@ -4,6 +4,7 @@ processes (gloo, file rendezvous) and returns what each returned (tests, checks)
 
 from __future__ import annotations
 
+import faulthandler
 import os
 import sys
 import tempfile
@@ -92,6 +93,7 @@ def launch(nproc: int, argv: list[str], nnodes: int = 1, rdzv_endpoint: str | No
 
 
 def _local_worker(rank, world, init_file, out_dir, fn, args, timeout_s):
+    faulthandler.enable()           # a rank killed by a signal (SIGABRT, SIGSEGV) prints where it was
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,

@@ -30,6 +30,20 @@ One loop iteration (``step``), vLLM's scheduler in miniature:
    in the prefix cache under the tokens it has consumed; a row whose state reaches a multiple of
    ``prefix_block`` tokens is kept there too, so the guarantee above covers answers as well as prompts.
 
+Speculation (``Engine(speculative="ngram")``, ``subquad serve --speculative ngram``). Each decoding step, a
+row drafts up to ``draft_tokens`` tokens by prompt lookup over its prompt and output
+(``models.speculative.PromptLookup``), and the batch runs [last token, drafts] through the model in one
+forward (``models.speculative.verify``; rows with fewer drafts are padded, a step without any draft is a plain
+step). Each row then samples its tokens in order with its own sampler, one position at a time, and goes on
+past position j only while the token it drew is the draft there: a token drawn at a position whose context
+(the drafts before it) is its own history is a plain step's token, so every row's tokens - greedy or sampled,
+with penalties, a grammar or logprobs - are the ones it would draw without speculation, from the same draws of
+its generator. (With a one-hot draft this is the standard rule: it keeps draft d with probability p(d), and
+otherwise draws from p without d.) The state keeps each row's consumed tokens (``Verification.accept``, a
+different count per row). A row whose drafts keep failing drafts again after 1, 2, 4, ... up to
+``MAX_PAUSE`` plain steps. A row may pass a multiple of ``prefix_block`` inside one verification; no
+checkpoint is kept there.
+
 Memory. Every KV cache the engine holds is sized once for the longest ``prompt + max_tokens`` among the rows
 it serves (``rows.with_capacity``: a left-padded batch holds every row as long as its longest), so steps and
 prefill chunks append in place and never double a buffer. A row then holds ``held_bytes``: its fixed-size
@@ -62,6 +76,7 @@ from dataclasses import dataclass
 import torch
 
 from subquad.models.rows import cat_states, select_rows, state_nbytes, with_capacity
+from subquad.models.speculative import MAX_PAUSE, PromptLookup, verify
 from subquad.ops import KVCache
 from subquad.serve.prefix_cache import PrefixCache
 from subquad.models.constrain import FormatError, Grammar, check_format
@@ -119,6 +134,8 @@ class Sequence:
         self.events: queue.Queue = queue.Queue()
         self.submitted = time.monotonic()
         self.first_token_at: float | None = None
+        self.lookup: PromptLookup | None = None   # speculation: prompt lookup over its prompt and tokens
+        self.pause = self.wait = 0                # plain steps after failed drafts: the next pause, left of it
 
     @property
     def rows(self) -> int:
@@ -143,15 +160,20 @@ class Engine:
     prefix cache (module doc; None: no limit but ``state_cache_mb``; ``subquad serve`` defaults it to half
     the memory available, ``available_memory_bytes``). ``eos_ids``: default the model's
     ``config.eos_token_ids``. ``prefix_block``: prefill keeps a checkpoint every this many prompt tokens
-    (module doc; ``PREFIX_BLOCK`` by default)."""
+    (module doc; ``PREFIX_BLOCK`` by default). ``speculative="ngram"``: each row drafts up to ``draft_tokens``
+    tokens per step by prompt lookup (module doc, "Speculation")."""
 
     def __init__(self, model, tokenizer=None, *, max_batch: int = 16, max_queue: int = 64, max_context: int = 4096,
                  prefill_chunk: int = 512, state_cache_mb: float = 256.0, memory_mb: float | None = None,
-                 eos_ids=None, prefix_block: int | None = None):
+                 eos_ids=None, prefix_block: int | None = None, speculative: str | None = None,
+                 draft_tokens: int = 4):
         """Check the limits, measure one row's state and set up the queues (the loop starts with ``start``)."""
         prefix_block = PREFIX_BLOCK if prefix_block is None else prefix_block
+        if speculative not in (None, "ngram"):
+            raise ValueError(f"speculative must be None or 'ngram' (prompt lookup) in the server, got {speculative!r}; "
+                             "an MTP head or a draft model drafts in generate only")
         for name, v in (("max_batch", max_batch), ("max_context", max_context), ("prefill_chunk", prefill_chunk),
-                        ("prefix_block", prefix_block)):
+                        ("prefix_block", prefix_block), ("draft_tokens", draft_tokens)):
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"{name} must be an int >= 1, got {v!r}")
         if isinstance(max_queue, bool) or not isinstance(max_queue, int) or max_queue < 0:
@@ -170,6 +192,7 @@ class Engine:
         self.budget = None if memory_mb is None else int(memory_mb * 2 ** 20)
         self.cache = PrefixCache(int(state_cache_mb * 2 ** 20))
         self.prefix_block = prefix_block
+        self.speculative, self.draft_tokens = speculative, draft_tokens
         self.eos = set(model.config.eos_token_ids if eos_ids is None else eos_ids)
         self._fixed_bytes, self._fixed_held, self._kv_layers = self._measure_row()
         self._inbox: deque = deque()       # submitted, not yet seen by the loop
@@ -183,7 +206,7 @@ class Engine:
         self.accepting, self._deadline, self._thread, self._stop = True, None, None, False
         self.drained = threading.Event()
         self.counters = dict(requests=0, prefill_tokens=0, generated_tokens=0, finished=0, cancelled=0, errors=0,
-                             decode_steps=0, decode_rows=0)
+                             decode_steps=0, decode_rows=0, verifications=0, drafted=0, accepted=0)
         self.state_bytes = 0
         self._recent: deque = deque()      # (time, tokens generated) over the last seconds: tokens/s
 
@@ -425,12 +448,20 @@ class Engine:
             traceback.print_exc()
 
     def _decode(self):
-        """One step of every running row; a row whose sampling fails ends with "error", finished rows leave."""
+        """One step of every running row (with speculation: a verification of each row's drafts); a row whose
+        sampling fails ends with "error", finished rows leave."""
         if not self.running:
             return
-        feed = torch.tensor([s.tokens[-1] for s in self.running], dtype=torch.long, device=self.device)
+        drafts = self._drafts() if self.speculative else []
+        feed = [s.tokens[-1] for s in self.running]
+        k = max(map(len, drafts), default=0)
         try:
-            logits, self.batch_state = self.model.step(feed, self.batch_state)
+            if k:
+                ids = [[t] + d + [t] * (k - len(d)) for t, d in zip(feed, drafts)]    # padding: never read
+                logits, ver = verify(self.model, torch.tensor(ids, device=self.device), self.batch_state)
+            else:
+                logits, self.batch_state = self.model.step(torch.tensor(feed, device=self.device), self.batch_state)
+                logits = logits.unsqueeze(1)
         except Exception:                                   # the batched step: no one row to blame
             traceback.print_exc()
             for s in self.running:
@@ -439,13 +470,19 @@ class Engine:
             return
         self.counters["decode_steps"] += 1
         self.counters["decode_rows"] += len(self.running)
-        for i, seq in enumerate(self.running):
+        emitted = [self._emit_drafted(seq, logits[i], drafts[i] if k else []) for i, seq in enumerate(self.running)]
+        if k:
+            self.counters["verifications"] += 1
             try:
-                self._emit(seq, logits[i:i + 1])
+                self.batch_state = ver.accept(emitted if len(emitted) > 1 else emitted[0])
+                self.batch_state = with_capacity(self.batch_state, max(s.max_len for s in self.running))
             except Exception:
                 traceback.print_exc()
-                self._end(seq, "error", "errors")
-        self._recent.append((time.monotonic(), len(self.running)))
+                for s in self.running:
+                    self._end(s, "error", "errors")
+                self.running, self.batch_state = [], None
+                return
+        self._recent.append((time.monotonic(), sum(emitted)))
         if self.cache.max_bytes:                            # a row's state at a block's end: a checkpoint too
             for i, seq in enumerate(self.running):
                 at = len(seq.prompt) + len(seq.tokens) - 1      # tokens its state has consumed
@@ -460,6 +497,44 @@ class Engine:
         for i, seq in ended.items():
             if seq.finish_reason != "error":
                 self._finished(seq, finals.get(i))
+
+    def _drafts(self) -> list[list[int]]:
+        """Each running row's drafts by prompt lookup: up to ``draft_tokens``, fewer where its max_tokens or the
+        context would end first, none while it pauses after failed drafts (module doc)."""
+        out = []
+        for s in self.running:
+            room = min(s.params.max_tokens - len(s.tokens), self.max_context - len(s.prompt) - len(s.tokens)) - 1
+            if s.wait or room < 1 or s.finish_reason is not None:
+                s.wait = max(0, s.wait - 1)
+                out.append([])
+                continue
+            if s.lookup is None:
+                s.lookup = PromptLookup(s.prompt + s.tokens)
+            out.append(s.lookup.draft(min(self.draft_tokens, room)))
+        return out
+
+    def _emit_drafted(self, seq: Sequence, rows: torch.Tensor, drafts: list[int]) -> int:
+        """Sample the row's tokens from its logits at each verified position (rows (k + 1, vocab)), going on
+        past position j only while the token drawn there is draft j and the request goes on; returns how many
+        it emitted (>= 1: the tokens of [fed, drafts...] its state keeps). A failed sampling ends it ("error")."""
+        n = 0
+        try:
+            while True:
+                self._emit(seq, rows[n:n + 1])
+                n += 1
+                if seq.lookup is not None:
+                    seq.lookup.append(seq.tokens[-1])
+                if n > len(drafts) or seq.tokens[-1] != drafts[n - 1] or seq.finish_reason is not None:
+                    break
+        except Exception:
+            traceback.print_exc()
+            self._end(seq, "error", "errors")
+        if drafts:
+            self.counters["drafted"] += len(drafts)
+            self.counters["accepted"] += n - 1
+            seq.pause = 0 if n > 1 else min(2 * seq.pause or 1, MAX_PAUSE)
+            seq.wait = seq.pause
+        return max(n, 1)
 
     def _grammar(self, response_format):
         """The compiled ``response_format`` of a request (``models.constrain.Grammar``), None for plain text;

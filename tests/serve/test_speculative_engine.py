@@ -1,0 +1,98 @@
+"""Speculation in the serving engine (``Engine(speculative="ngram")``): inside the continuous batch every
+request's tokens still equal ``generate`` run alone - greedy, seeded sampling, penalties, several choices -
+while rows accept different numbers of drafts in the same verification; logprobs equal the plain engine's."""
+
+import random
+
+import pytest
+import torch
+
+from subquad.models import LanguageModel
+from subquad.serve import Engine, SamplingParams
+from tests.serve.helpers import V, config
+from tests.serve.test_engine import EXTRA, alone, run_all
+
+
+def model_of(kind):
+    torch.manual_seed(0)
+    return LanguageModel(config(kind)).double().eval()      # float64: no near-tie between a k-token forward and steps
+
+
+def repetitive(n, seed):
+    """Requests whose prompts repeat a phrase (prompt lookup finds it) with greedy and sampled options."""
+    rng = random.Random(seed)
+    out = []
+    for i in range(n):
+        phrase = [rng.randrange(V) for _ in range(rng.choice([3, 5, 8]))]
+        prompt = (phrase * 4)[:rng.choice([7, 12, 25, 33])]
+        greedy = i % 3 != 2
+        out.append((prompt, SamplingParams(max_tokens=rng.choice([5, 17, 30]), temperature=0 if greedy else 0.9,
+                                           seed=500 + i, top_k=rng.choice([None, 20]), **rng.choice(EXTRA))))
+    return out
+
+
+@pytest.mark.parametrize("kind", ["mamba2", "bamba"])
+def test_every_stream_equals_generate_alone_and_rows_accept_different_counts(kind):
+    model = model_of(kind)
+    reqs = repetitive(14, seed=3)
+    engine = Engine(model, max_batch=5, prefill_chunk=16, state_cache_mb=0, speculative="ngram", draft_tokens=4)
+    accepted = []
+    verify = engine._emit_drafted
+
+    def counting(seq, rows, drafts):
+        n = verify(seq, rows, drafts)
+        accepted.append((len(drafts), n))
+        return n
+    engine._emit_drafted = counting
+    seqs = run_all(engine, reqs)
+    for (prompt, p), seq in zip(reqs, seqs):
+        assert seq.tokens == alone(model, prompt, p), (prompt, p)
+    c = engine.counters
+    assert c["verifications"] > 0 and 0 < c["accepted"] < c["drafted"], c
+    # the same verification kept several tokens of one row and one of another (a ragged rollback)
+    assert any(n > 1 for d, n in accepted) and any(d and n == 1 for d, n in accepted)
+    assert c["generated_tokens"] == sum(len(s.tokens) for s in seqs)
+    assert c["decode_steps"] < c["generated_tokens"] - len(reqs)       # fewer forwards than tokens decoded
+
+
+def test_choices_and_logprobs_equal_the_plain_engine():
+    model = model_of("bamba")
+    start = [5, 9, 14, 2, 7]
+    seen = start + model.generate(start, 20, temperature=0)[0] + start     # its own continuation, then the start
+    reqs = [(seen, SamplingParams(max_tokens=20, temperature=0, logprobs=3)),
+            (seen, SamplingParams(max_tokens=20, temperature=0.5, seed=11, n=3, logprobs=0))]
+
+    def runner(speculative):
+        engine = Engine(model, max_batch=4, state_cache_mb=0, speculative=speculative)
+        got = []
+        for r, (prompt, p) in enumerate(reqs):
+            engine.submit(prompt, p,
+                          on_event=lambda e, r=r: got.append((r, e.index, e.token, e.logprob, e.top_logprobs)))
+        while engine.step():
+            pass
+        return sorted(got, key=lambda x: (x[0], x[1])), engine.counters
+    (plain, _), (spec, c) = runner(None), runner("ngram")
+    assert c["accepted"] > 0
+    assert [x[:3] for x in spec] == [x[:3] for x in plain]
+    for a, b in zip(spec, plain):
+        assert (a[3] is None) == (b[3] is None)
+        if a[3] is not None:
+            assert a[3] == pytest.approx(b[3], abs=1e-9)
+            assert [t for t, _ in a[4]] == [t for t, _ in b[4]]
+
+
+def test_speculation_options_are_checked_by_name():
+    model = model_of("mamba2")
+    with pytest.raises(ValueError, match="speculative"):
+        Engine(model, speculative="mtp")
+    with pytest.raises(ValueError, match="draft_tokens"):
+        Engine(model, speculative="ngram", draft_tokens=0)
+
+
+def test_serve_takes_speculative_and_draft_tokens():
+    from subquad.cli import build_parser
+
+    args = build_parser().parse_args(["serve", "--model", "m", "--speculative", "ngram", "--draft-tokens", "6"])
+    assert (args.speculative, args.draft_tokens) == ("ngram", 6)
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--model", "m", "--speculative", "mtp"])
