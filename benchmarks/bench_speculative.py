@@ -3,13 +3,14 @@ tokens/s for prompt lookup ("ngram") and a draft model against plain decoding, a
 input-grounded task and on free continuation, with models trained here on the embedded corpus (random weights
 would make acceptance meaningless).
 
-    python benchmarks/bench_speculative.py                 # trains both models once (~10-20 min), then ~5 min
+    python benchmarks/bench_speculative.py                 # trains both models once (~10 min), then ~5 min
     python benchmarks/bench_speculative.py --quick         # a few training steps: checks the script runs
 
 The target: the ``small`` preset as a hybrid (Mamba-2 and softmax attention, 6 layers of 256), the draft: the
 ``micro`` preset (4 layers of 128, GLA) on the same tokens and tokenizer; both trained ``--steps`` steps and kept
 in ``--out`` (reused when there). The target decodes with its compiled step (``compile_decode``) in every mode;
-a verification is an eager forward over the drafted tokens.
+a verification is an eager forward over the drafted tokens. Then ``--served`` edit prompts go through the serving
+engine at once (``serve.Engine``, one batch, greedy), without and with per-row speculation (``speculative="ngram"``).
 
 Tasks (prompts from the corpus' held-out split, never trained on):
 - **edit** (input-grounded): a held-out standard-library function, then a comment asking for the same function
@@ -48,11 +49,11 @@ TARGET = {"preset": "small", "pattern": "mamba2,mamba2,softmax,mamba2,mamba2,sof
 DRAFT = {"preset": "micro", "pattern": "gla"}
 
 
-def train_or_load(out: Path, spec: dict, steps: int, token_data, log):
-    """The run in ``out`` (trained ``steps`` steps first if it is not there)."""
+def train_or_load(out: Path, spec: dict, steps: int, token_data, log, batch_size: int = 4):
+    """The run in ``out`` (trained ``steps`` steps of ``batch_size`` windows first if it is not there)."""
     if not (out / "config.json").exists():
         cfg = presets.preset(spec["preset"], pattern=spec["pattern"], vocab_size=4096)
-        train_run(cfg, TrainConfig(steps=steps, batch_size=16, eval_every=max(steps // 4, 1),
+        train_run(cfg, TrainConfig(steps=steps, batch_size=batch_size, eval_every=max(steps // 4, 1),
                                    ckpt_every=steps), out, token_data=token_data, log=log)
     model, tok, _ = load_run(out)
     return model.eval(), tok
@@ -117,22 +118,44 @@ def run(model, prompts, new_tokens, batch, speculative=None, draft_tokens=4) -> 
             "acceptance": accepted / drafted if drafted else float("nan"), "outs": outs}
 
 
+def serve_run(model, prompts, new_tokens, speculative=None, draft_tokens=4) -> dict:
+    """Every prompt through the serving engine at once (``serve.Engine``, one batch of len(prompts) rows, greedy),
+    with or without per-row speculation -> completion tokens/s (prefill included), tokens per row and forward,
+    acceptance, outputs."""
+    from subquad.serve import Engine, SamplingParams
+
+    engine = Engine(model, max_batch=len(prompts), state_cache_mb=0, speculative=speculative,
+                    draft_tokens=draft_tokens, max_context=max(map(len, prompts)) + new_tokens)
+    t = time.perf_counter()
+    seqs = [engine.submit(p, SamplingParams(max_tokens=new_tokens, temperature=0, ignore_eos=True)) for p in prompts]
+    while engine.step():
+        pass
+    wall = time.perf_counter() - t
+    c = engine.counters
+    return {"tok_s": c["generated_tokens"] / wall, "outs": [s.tokens for s in seqs],
+            "tokens_per_step": (c["generated_tokens"] - len(prompts)) / max(c["decode_rows"], 1),
+            "acceptance": c["accepted"] / c["drafted"] if c["drafted"] else float("nan")}
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--steps", type=int, default=1500, help="training steps of each model")
+    ap.add_argument("--steps", type=int, default=500, help="training steps of each model")
+    ap.add_argument("--batch-size", type=int, default=4, help="training windows per step (of the preset's context)")
     ap.add_argument("--out", default=str(OUT / "speculative"), help="where the two runs are kept")
     ap.add_argument("--prompts", type=int, default=8, help="prompts per task")
     ap.add_argument("--new-tokens", type=int, default=128)
+    ap.add_argument("--served", type=int, default=16, help="edit prompts served at once through serve.Engine")
     ap.add_argument("--draft-tokens", type=int, default=6)
     ap.add_argument("--quick", action="store_true", help="20 training steps, 2 prompts, 24 tokens: the script runs")
     args = ap.parse_args(argv)
     if args.quick:
-        args.steps, args.prompts, args.new_tokens, args.out = 20, 2, 24, str(Path(args.out) / "quick")
+        args.steps, args.prompts, args.new_tokens, args.served = 20, 2, 24, 4
+        args.out = str(Path(args.out) / "quick")
     torch.set_num_threads(2)
     out = Path(args.out)
     td = prepare(None, 4096, log=print)
-    target, tok = train_or_load(out / "target", TARGET, args.steps, td, print)
-    draft, _ = train_or_load(out / "draft", DRAFT, args.steps, td, print)
+    target, tok = train_or_load(out / "target", TARGET, args.steps, td, print, args.batch_size)
+    draft, _ = train_or_load(out / "draft", DRAFT, args.steps, td, print, args.batch_size)
     t = time.perf_counter()
     compile_decode(target)
     compile_s = time.perf_counter() - t
@@ -157,6 +180,17 @@ def main(argv=None):
                 rows.append(row)
                 print(f"| {task} | {batch} | {mode} | {r['tok_s']:.1f} | {row['speedup']:.2f} | "
                       f"{r['tokens_per_step']:.2f} | {r['acceptance']:.2f} | {100 * same:.0f}% |", flush=True)
+    served = edit_prompts(tok, args.served, random.Random(1))
+    plain = serve_run(target, served, args.new_tokens)
+    for mode, spec in (("served plain", None), ("served ngram", "ngram")):
+        r = plain if spec is None else serve_run(target, served, args.new_tokens, spec, args.draft_tokens)
+        same = sum(a == b for a, b in zip(r["outs"], plain["outs"], strict=True)) / len(served)
+        row = {"task": "edit", "batch": len(served), "mode": mode, "tok_s": r["tok_s"],
+               "speedup": r["tok_s"] / plain["tok_s"], "tokens_per_step": r["tokens_per_step"],
+               "acceptance": r["acceptance"], "same": same}
+        rows.append(row)
+        print(f"| edit | {len(served)} | {mode} | {r['tok_s']:.1f} | {row['speedup']:.2f} | "
+              f"{r['tokens_per_step']:.2f} | {r['acceptance']:.2f} | {100 * same:.0f}% |", flush=True)
     (out / "results.json").write_text(json.dumps(rows, indent=1))
     plot(rows, out / "speculative.png")
     print(f"plot: {out / 'speculative.png'}")
@@ -168,12 +202,17 @@ def plot(rows, path):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    keys = sorted({(r["task"], r["batch"]) for r in rows})
+    served = [{**r, "batch": f"{r['batch']} served", "mode": r["mode"].split()[1]}
+              for r in rows if r["mode"].startswith("served")]
+    rows = [r for r in rows if not r["mode"].startswith("served")] + served
+    keys = sorted({(r["task"], str(r["batch"])) for r in rows})
+    rows = [{**r, "batch": str(r["batch"])} for r in rows]
     modes = ["plain", "ngram", "draft model"]
     fig, ax = plt.subplots(figsize=(8, 4))
     w = 0.8 / len(modes)
     for j, mode in enumerate(modes):
-        vals = [next(r["speedup"] for r in rows if (r["task"], r["batch"]) == k and r["mode"] == mode) for k in keys]
+        vals = [next((r["speedup"] for r in rows if (r["task"], r["batch"]) == k and r["mode"] == mode), 0.0)
+                for k in keys]
         ax.bar([i + j * w for i in range(len(keys))], vals, w, label=mode)
     ax.set_xticks([i + w for i in range(len(keys))], [f"{t}, batch {b}" for t, b in keys])
     ax.axhline(1.0, color="gray", lw=0.8)
