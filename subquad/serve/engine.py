@@ -511,7 +511,10 @@ class Engine:
             if s.lookup is None:
                 s.lookup = PromptLookup(s.prompt + s.tokens)
             out.append(s.lookup.draft(min(self.draft_tokens, room)))
-        return out
+        # a row with fewer drafts is padded to the longest: no row's positions may pass max_context (learned
+        # positions end there)
+        cap = min(self.max_context - len(s.prompt) - len(s.tokens) for s in self.running)
+        return [d[:max(cap, 0)] for d in out]
 
     def _emit_drafted(self, seq: Sequence, rows: torch.Tensor, drafts: list[int]) -> int:
         """Sample the row's tokens from its logits at each verified position (rows (k + 1, vocab)), going on

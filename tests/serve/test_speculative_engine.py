@@ -96,3 +96,28 @@ def test_serve_takes_speculative_and_draft_tokens():
     assert (args.speculative, args.draft_tokens) == ("ngram", 6)
     with pytest.raises(SystemExit):
         build_parser().parse_args(["serve", "--model", "m", "--speculative", "mtp"])
+
+
+def test_drafts_stop_at_the_learned_positions_end(monkeypatch):
+    """Rows padded to the longest draft never pass max_context: with a drafter that always drafts 6 tokens (and
+    never pauses), a model with learned positions serves two rows up to its last position, each as generate
+    alone (a padded row past the last position would index past the position table: every row "error")."""
+    from dataclasses import replace
+
+    from subquad.models.speculative import PromptLookup
+    from subquad.serve import engine as engine_mod
+
+    monkeypatch.setattr(engine_mod, "MAX_PAUSE", 0)
+    monkeypatch.setattr(PromptLookup, "draft", lambda self, k: [self.tokens[-1]] * k)
+    torch.manual_seed(0)
+    model = LanguageModel(replace(config("bamba"), pos_emb="learned", context_length=48)).double().eval()
+    engine = Engine(model, max_batch=2, max_context=48, state_cache_mb=0, speculative="ngram", draft_tokens=6)
+    long, short = [5, 9, 14, 2, 7] * 8, [5, 9, 14]
+    a = engine.submit(long, SamplingParams(max_tokens=48 - len(long), temperature=0))
+    b = engine.submit(short, SamplingParams(max_tokens=48 - len(short), temperature=0))
+    while engine.step():
+        pass
+    assert a.finish_reason == b.finish_reason == "length"
+    assert a.tokens == model.generate(long, 48 - len(long), temperature=0)[0]
+    assert b.tokens == model.generate(short, 48 - len(short), temperature=0)[0]
+    assert engine.counters["verifications"] >= 8
