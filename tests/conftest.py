@@ -71,6 +71,19 @@ COLLECTED_FILES: set[str] = set()
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "quick: the iteration subset listed in tests/quick.txt (make test-quick)")
+    config.addinivalue_line("markers", "paced: speculation paced by wall time as users get it (see ``unpaced``)")
+
+
+@pytest.fixture
+def unpaced(request, monkeypatch):
+    """Speculation's mechanics without its pacing: every step may draft and verify. ``models.speculative.Pacer``
+    decides by wall time, which a loaded machine makes vary, so tests that count verifications, acceptance or
+    tokens per step use this (``pytestmark = pytest.mark.usefixtures("unpaced")``); a test marked ``paced`` keeps
+    the pacer."""
+    from subquad.models.speculative import Pacer
+
+    if request.node.get_closest_marker("paced") is None:
+        monkeypatch.setattr(Pacer, "want", lambda self: True)
 
 
 @pytest.hookimpl(tryfirst=True)            # before -m deselects anything

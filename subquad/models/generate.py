@@ -11,6 +11,8 @@ decoding (``models.speculative``) verifies drafted tokens against the distributi
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 from subquad.models.constrain import Grammar, check_format
@@ -25,6 +27,7 @@ from subquad.models.sampling import (  # noqa: F401
 )
 from subquad.models.speculative import (
     MAX_PAUSE,
+    Pacer,
     SpeculationStats,
     accept_drafts,
     capture_hidden,
@@ -145,7 +148,9 @@ def _speculate(model, last, state, max_new_tokens, sampler, emit, draft_tokens, 
     row i's token, ``drafts_by`` the drafter. Each verified position is processed as the plain loop would
     process it (``Sampler.process_drafts``: penalties and logit bias with the drafts before it in the history),
     and the acceptance rule reads that position's ``Sampler.probabilities``; only emitted tokens join the
-    history. Returns the state (every emitted token consumed but each row's last) and the ``SpeculationStats``."""
+    history. Drafting pauses after a verification that kept nothing, and while verifying costs more wall time
+    per emitted token than a plain step (``Pacer``). Returns the state (every emitted token consumed but each
+    row's last) and the ``SpeculationStats``."""
     hooked = drafts_by.needs_hidden
     B, dev = last.shape[0], last.device
     stats = SpeculationStats()
@@ -157,12 +162,14 @@ def _speculate(model, last, state, max_new_tokens, sampler, emit, draft_tokens, 
         count[i] += 1
         done[i] = emit(i, t0[i])
     pause, wait = 0, 0
+    pacer = Pacer()                              # verify only while it pays against a plain step's time
     while not all(done):
+        started = time.perf_counter()
         active = [i for i in range(B) if not done[i]]
         room = min(max_new_tokens - count[i] for i in active)             # every active row may emit this many
         feed = [t0[i] if not done[i] else 0 for i in range(B)]              # finished rows: padding
         drafts = [[] for _ in range(B)]
-        if wait == 0 and room > 1:
+        if wait == 0 and room > 1 and pacer.want():
             drafts = drafts_by.propose(feed, active, min(draft_tokens, room - 1))
         else:
             wait = max(0, wait - 1)
@@ -204,6 +211,7 @@ def _speculate(model, last, state, max_new_tokens, sampler, emit, draft_tokens, 
             if k:
                 stats.drafted += len(drafts[i])
                 stats.accepted += min(keeps[i] - 1, len(drafts[i]))
+        gain = sum(keeps[i] for i in active) / len(active)                  # tokens emitted per active row
         if k and kept:                              # the emitted tokens join the history (a plain step's did)
             row, tok = torch.tensor(kept, device=dev).T
             sampler.record(tok, row)
@@ -218,6 +226,7 @@ def _speculate(model, last, state, max_new_tokens, sampler, emit, draft_tokens, 
                 wait = pause
             else:
                 pause = 0
+        pacer.measured(time.perf_counter() - started, gain if k else None)
         t0 = [tokens[i][keeps[i] - 1] if not done[i] else 0 for i in range(B)]
     return state, stats
 

@@ -24,13 +24,13 @@ import torch
 from torch import nn
 
 from subquad.models.config import ModelConfig
-from subquad.models.hf.mtp_names import _zero_centred, mtp_names
+from subquad.models.hf.mtp_names import _from_mtp, _own_norms, _to_mtp, _zero_centred, mtp_names
 
 
 def mtp_config(cfg: ModelConfig, moe: bool) -> ModelConfig:
     """The one-layer config of the head's block: the model's attention layer ("softmax" and its options),
     with the model's MoE (``moe``) or its dense MLP."""
-    m = None if not moe else {**cfg.moe, "every": 1, "offset": 0}
+    m = None if not moe else {**cfg.moe, "every": 1, "offset": 0, **({"layers": [0]} if "layers" in cfg.moe else {})}
     return dataclasses.replace(cfg, n_layers=1, pattern="softmax", moe=m, mlp_layers=None, parallel={},
                                post_norm=[], shared=None)
 
@@ -69,26 +69,26 @@ class MTPHead(nn.Module):
 
 
 
-MTP_TYPES = ("qwen3_next", "qwen3_5", "qwen3_5_moe")   # the types whose ``mtp.*`` tensors load (this layout)
+MTP_TYPES = ("qwen3_next", "qwen3_5", "qwen3_5_moe", "nemotron_h")   # the types whose ``mtp.*`` tensors load
 
 
 def load_mtp(fmt, cfg: ModelConfig, tensors: dict, dtype=None) -> MTPHead:
-    """The ``MTPHead`` of a checkpoint's ``mtp.*`` tensors (``tensors``: all of them, checkpoint names). One layer
-    (``mtp_num_hidden_layers`` 1, as every released checkpoint); MoE when the layer holds experts. The format's
-    ``unpack`` treats the layer's tensors as any layer's (fused projections, zero-centred norms); the head's own
-    norms are zero-centred where the format's are."""
+    """The ``MTPHead`` of a checkpoint's ``mtp.*`` tensors (``tensors``: all of them, checkpoint names). One block
+    (``mtp_num_hidden_layers`` / ``num_nextn_predict_layers`` 1, as every released checkpoint), spread over the
+    format's ``mtp_layers`` layers; MoE when it holds experts. The format's ``unpack`` treats the block's tensors
+    as any layer's (fused projections, zero-centred norms); the head's own norms are zero-centred where the
+    format's are."""
     layers = {k.split(".")[2] for k in tensors if k.startswith("mtp.layers.")}
-    if layers != {"0"}:
-        raise ValueError(f"{fmt.model_type}: an MTP head of one layer is supported, the checkpoint has layers "
-                         f"{sorted(layers)}")
-    moe = any(".mlp.experts." in k for k in tensors)
+    want = {str(j) for j in range(fmt.mtp_layers)}
+    if layers != want:
+        raise ValueError(f"{fmt.model_type}: an MTP head of one block (layers {sorted(want)}) is supported, the "
+                         f"checkpoint has layers {sorted(layers)}")
+    moe = any(".experts." in k for k in tensors)
     with torch.device("meta"):
         head = MTPHead(cfg, moe)
     names = mtp_names(fmt, head)
-    prefix = fmt.layer.format(i=0)
-    inner = fmt.unpack({k.replace("mtp.layers.0.", prefix, 1) if k.startswith("mtp.layers.0.") else k: v
-                        for k, v in tensors.items()}, head.config, dtype)
-    inner = {k.replace(prefix, "mtp.layers.0.", 1) if k.startswith(prefix) else k: v for k, v in inner.items()}
+    inner = fmt.unpack({_from_mtp(fmt, k): v for k, v in tensors.items()}, head.config, dtype)
+    inner = {_to_mtp(fmt, k): v for k, v in inner.items()}
     centred = _zero_centred(fmt, cfg)
     state, used = {}, set()
     own = head.state_dict()
@@ -98,8 +98,7 @@ def load_mtp(fmt, cfg: ModelConfig, tensors: dict, dtype=None) -> MTPHead:
         if missing:
             raise ValueError(f"{fmt.model_type}: MTP weights missing from the checkpoint: {', '.join(missing[:5])}")
         t = torch.stack([inner[p] for p in parts]) if isinstance(theirs, tuple) else inner[theirs]
-        if centred and theirs in ("mtp.norm.weight", "mtp.pre_fc_norm_embedding.weight",
-                                  "mtp.pre_fc_norm_hidden.weight"):
+        if centred and theirs in _own_norms(fmt):
             t = t.float() + 1
         key = ours.removeprefix("mtp.")
         if t.shape != own[key].shape:

@@ -23,7 +23,8 @@ are deterministic given the tokens so far (q one-hot), so the rule above is exac
 prefix: when the rows' counts differ, every part replays its rows' kept inputs packed in one row (``cu_seqlens``),
 leaving a ragged state as a packed prefill does (``Verification.accept`` with a list). When drafts keep failing,
 drafting pauses for 1, 2, 4, ... up to ``MAX_PAUSE`` steps (plain one-token steps), so a text without repetitions
-decodes at about plain speed.
+decodes at about plain speed; and so it does while a verification costs more wall time per emitted token than a
+plain step (``Pacer``: an eager verification against a compiled step at 8 rows, say).
 """
 
 from __future__ import annotations
@@ -38,6 +39,52 @@ from subquad.models.state import ModelState
 SPECULATIVE = ("ngram", "mtp")   # by name; a draft model is passed as itself
 MAX_NGRAM = 3      # the longest suffix prompt lookup matches
 MAX_PAUSE = 16     # plain steps after repeated failed drafts, at most
+
+
+class Pacer:
+    """Whether the next decoding step verifies drafts: only while verifying pays in wall time.
+
+    A verification that took t_v seconds (drafting included) and emitted g tokens per row pays when
+    g / t_v >= 1 / t_p, with t_p a plain step's seconds at about the same batch - a compiled step can cost far less
+    than an eager verification (benchmarks/RESULTS.md, "Speculative decoding measured"). t_v and g are moving
+    averages (weight ``ALPHA`` on the newest); t_p is each plain step's time but never more than ``GROWTH`` times
+    the last estimate (a first step that compiled a graph is forgotten at the next one, a batch that grows is
+    followed within a few). Speculation starts optimistic: t_p comes from the plain steps that happen anyway
+    (nothing drafted, drafting paused) and, after ``PROBE`` verifications without one, from a plain step taken to
+    measure it. While verifying does not pay, drafting waits 1, 2, 4, ... up to ``MAX_PAUSE`` plain steps, then
+    verifies once more: acceptance and costs change with the text and the batch."""
+
+    ALPHA = 0.3
+    GROWTH = 1.5
+    PROBE = 16
+
+    def __init__(self):
+        self.plain = self.verify = self.gain = None
+        self.since = 0                   # verifications since the last plain step
+        self.pause = self.wait = 0
+
+    def want(self) -> bool:
+        """Whether to draft and verify at this step (a plain step otherwise)."""
+        if self.wait:
+            self.wait -= 1
+            return False
+        return self.since < self.PROBE                 # else a plain step that measures t_p
+
+    def measured(self, seconds: float, tokens_per_row: float | None = None) -> None:
+        """A plain step's seconds (``tokens_per_row`` None) or a verification's and the tokens it emitted per row."""
+        if tokens_per_row is None:
+            self.since = 0
+            self.plain = seconds if self.plain is None else min(seconds, self.GROWTH * self.plain)
+            return
+        self.since += 1
+        a = self.ALPHA
+        self.verify = seconds if self.verify is None else (1 - a) * self.verify + a * seconds
+        self.gain = tokens_per_row if self.gain is None else (1 - a) * self.gain + a * tokens_per_row
+        if self.plain is not None and self.gain * self.plain < self.verify:
+            self.pause = min(2 * self.pause or 1, MAX_PAUSE)
+            self.wait = self.pause
+        else:
+            self.pause = self.wait = 0
 
 
 class Verification:

@@ -41,8 +41,9 @@ with penalties, a grammar or logprobs - are the ones it would draw without specu
 its generator. (With a one-hot draft this is the standard rule: it keeps draft d with probability p(d), and
 otherwise draws from p without d.) The state keeps each row's consumed tokens (``Verification.accept``, a
 different count per row). A row whose drafts keep failing drafts again after 1, 2, 4, ... up to
-``MAX_PAUSE`` plain steps. A row may pass a multiple of ``prefix_block`` inside one verification; no
-checkpoint is kept there.
+``MAX_PAUSE`` plain steps, and the whole batch takes plain steps while a verification costs more wall time per
+emitted token than a plain step (``models.speculative.Pacer``). A row may pass a multiple of ``prefix_block``
+inside one verification; no checkpoint is kept there.
 
 Memory. Every KV cache the engine holds is sized once for the longest ``prompt + max_tokens`` among the rows
 it serves (``rows.with_capacity``: a left-padded batch holds every row as long as its longest), so steps and
@@ -76,7 +77,7 @@ from dataclasses import dataclass
 import torch
 
 from subquad.models.rows import cat_states, select_rows, state_nbytes, with_capacity
-from subquad.models.speculative import MAX_PAUSE, PromptLookup, verify
+from subquad.models.speculative import MAX_PAUSE, Pacer, PromptLookup, verify
 from subquad.ops import KVCache
 from subquad.serve.prefix_cache import PrefixCache
 from subquad.models.constrain import FormatError, Grammar, check_format
@@ -193,6 +194,7 @@ class Engine:
         self.cache = PrefixCache(int(state_cache_mb * 2 ** 20))
         self.prefix_block = prefix_block
         self.speculative, self.draft_tokens = speculative, draft_tokens
+        self.pacer = Pacer()               # speculation: verify only while it pays against a plain step
         self.eos = set(model.config.eos_token_ids if eos_ids is None else eos_ids)
         self._fixed_bytes, self._fixed_held, self._kv_layers = self._measure_row()
         self._inbox: deque = deque()       # submitted, not yet seen by the loop
@@ -452,7 +454,8 @@ class Engine:
         sampling fails ends with "error", finished rows leave."""
         if not self.running:
             return
-        drafts = self._drafts() if self.speculative else []
+        started = time.perf_counter()
+        drafts = self._drafts() if self.speculative and self.pacer.want() else []
         feed = [s.tokens[-1] for s in self.running]
         k = max(map(len, drafts), default=0)
         try:
@@ -483,6 +486,7 @@ class Engine:
                 self.running, self.batch_state = [], None
                 return
         self._recent.append((time.monotonic(), sum(emitted)))
+        self.pacer.measured(time.perf_counter() - started, sum(emitted) / len(emitted) if k else None)
         if self.cache.max_bytes:                            # a row's state at a block's end: a checkpoint too
             for i, seq in enumerate(self.running):
                 at = len(seq.prompt) + len(seq.tokens) - 1      # tokens its state has consumed

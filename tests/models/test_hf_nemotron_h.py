@@ -3,7 +3,7 @@ MLPs and mixtures of squared-ReLU experts (Nemotron 3's "E" layers: sigmoid grou
 bias, a shared expert, optionally latent experts) as separate layers chosen by a pattern string - each mixer
 layer a subquad block, the MLP or MoE layer after it that block's MLP: tiny random transformers models give
 transformers' logits and greedy tokens, come back through save_pretrained, multi-token-prediction tensors are
-named as not loaded, and configs subquad cannot hold are refused by name."""
+load as the model's drafter (models.mtp), and configs subquad cannot hold are refused by name."""
 
 from __future__ import annotations
 
@@ -133,28 +133,109 @@ def test_the_loaded_moe_structure(tmp_path):
     assert m.shared.w_up.weight.shape == (48, 64) and ours.blocks[1].mlp.w_up.weight.shape == (80, 64)
 
 
-def test_multi_token_prediction_is_named_as_not_loaded(tmp_path):
-    """A checkpoint with MTP layers (``mtp.*``, as Nemotron 3 writes them): transformers skips them, subquad too,
-    saying so by name; a saved folder has none and says num_nextn_predict_layers 0."""
+def _with_mtp(tmp_path):
+    """(transformers' float64 MoE model, a reference ``mtp(h, tokens)`` -> logits, the folder) with an MTP head as
+    Nemotron 3 writes one: "mtp.layers.0." a perturbed copy of attention layer 6 with random ``enorm``, ``hnorm``
+    and ``eh_proj``, "mtp.layers.1." a perturbed copy of MoE layer 7 with a random ``final_layernorm``. The
+    reference is the layout (vLLM's nemotron_h_mtp.py) written out around transformers' own Nemotron-H blocks
+    holding those weights (transformers has no MTP forward)."""
+    import copy
+
+    from safetensors.torch import load_file, save_file
+
+    hf, folder = _hf_moe(tmp_path, torch.float64)
+    torch.manual_seed(5)
+    twin = copy.deepcopy(hf)
+    attn, moe = twin.model.layers[6], twin.model.layers[7]
+    assert (attn.block_type, moe.block_type) == ("full_attention", "moe")
+    with torch.no_grad():
+        for p in [*attn.parameters(), *moe.parameters()]:
+            p.add_(0.05 * torch.randn_like(p))
+    twin.save_pretrained(tmp_path / "twin")
+    theirs = load_file(str(tmp_path / "twin" / "model.safetensors"))
+    tensors = load_file(str(folder / "model.safetensors"))
+    for j, src in ((0, "backbone.layers.6."), (1, "backbone.layers.7.")):
+        tensors.update({f"mtp.layers.{j}." + k[len(src):]: v for k, v in theirs.items() if k.startswith(src)})
+    RMS, d, eps = transformers.models.nemotron_h.modeling_nemotron_h.NemotronHRMSNorm, 64, hf.config.layer_norm_epsilon
+    norms = {n: RMS(d, eps).double() for n in ("0.enorm", "0.hnorm", "1.final_layernorm")}
+    eh = torch.nn.Linear(2 * d, d, bias=False).double()
+    with torch.no_grad():
+        for n, m in norms.items():
+            m.weight.copy_(1 + 0.3 * torch.randn(d))
+            tensors[f"mtp.layers.{n}.weight"] = m.weight.clone()
+        tensors["mtp.layers.0.eh_proj.weight"] = eh.weight.detach().clone()
+    save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    cfg = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**cfg, "num_nextn_predict_layers": 1,
+                                                    "mtp_layers_block_type": ["full_attention", "moe"]}))
+
+    @torch.no_grad()
+    def mtp(h, tokens):
+        """h (B, T, d) after the final norm, tokens (B, T) the token after each -> logits of the token after."""
+        T = h.shape[1]
+        z = eh(torch.cat([norms["0.enorm"](hf.model.embeddings(tokens)), norms["0.hnorm"](h)], -1))
+        mask = torch.full((T, T), float("-inf"), dtype=z.dtype).triu(1)[None, None]
+        z = attn(z, attention_mask=mask, position_ids=torch.arange(T)[None])
+        z = moe(z[0] if isinstance(z, tuple) else z)
+        return hf.lm_head(norms["1.final_layernorm"](z[0] if isinstance(z, tuple) else z))
+
+    return hf, mtp, folder
+
+
+def test_the_mtp_head_equals_the_layout_written_out_and_drafts_greedily(tmp_path):
+    """Nemotron 3's MTP layers load as ``model.mtp``: every pair's logits within 1e-6 of the reference (all at once
+    and in two pieces from the head's state); a saved folder keeps the head, declares it, and transformers still
+    loads it with the same logits; greedy decoding with speculative="mtp" is plain greedy decoding."""
+    from safetensors.torch import load_file
+
+    hf, mtp, folder = _with_mtp(tmp_path)
+    ours, _ = from_pretrained(folder, dtype=torch.float64)
+    assert ours.mtp is not None and ours.mtp.block.mlp.__class__.__name__ == "MoE"
+    ids = _ids(21)
+    with torch.no_grad():
+        h = hf.model(ids).last_hidden_state
+        ref = mtp(h[:, :-1], ids[:, 1:])
+        mine = ours.norm(ours._hidden(ids)[0])
+        torch.testing.assert_close(mine, h, rtol=0, atol=1e-6 * h.abs().max().item())
+        got, _, _ = ours.mtp(ours, mine[:, :-1], ids[:, 1:])
+        torch.testing.assert_close(got, ref, rtol=0, atol=1e-6 * ref.abs().max().item())
+        a, _, st = ours.mtp(ours, mine[:, :7], ids[:, 1:8])
+        b, _, _ = ours.mtp(ours, mine[:, 7:-1], ids[:, 8:], st)
+        torch.testing.assert_close(torch.cat([a, b], 1), ref, rtol=0, atol=1e-6 * ref.abs().max().item())
+    save_pretrained(ours, tmp_path / "back")
+    c = json.loads((tmp_path / "back" / "config.json").read_text())
+    assert c["num_nextn_predict_layers"] == 1 and c["mtp_layers_block_type"] == ["full_attention", "moe"]
+    assert set(load_file(str(tmp_path / "back" / "model.safetensors"))) == set(
+        load_file(str(folder / "model.safetensors")))
+    back, _ = from_pretrained(tmp_path / "back", dtype=torch.float64)
+    with torch.no_grad():
+        torch.testing.assert_close(back.mtp(back, mine[:, :-1], ids[:, 1:])[0], got, rtol=0, atol=0)
+    again = transformers.NemotronHForCausalLM.from_pretrained(tmp_path / "back", dtype=torch.float64,
+                                                              experts_implementation="eager").eval()
+    with torch.no_grad():
+        torch.testing.assert_close(again(ids).logits, hf(ids).logits, rtol=0, atol=1e-9)
+    prompt = ids[0, :9].tolist()
+    plain = ours.generate(prompt, 14, temperature=0)[0]
+    assert ours.generate(prompt, 14, temperature=0, speculative="mtp", draft_tokens=2)[0] == plain
+    assert ours.speculation_stats.verifications > 0
+
+
+def test_an_mtp_head_of_two_blocks_is_named_as_not_loaded(tmp_path):
+    """Two MTP steps (mtp.layers.0-3): not supported, said by name; the language model loads whole."""
     from safetensors.torch import load_file, save_file
 
     hf, folder = _hf_moe(tmp_path)
     w = load_file(str(folder / "model.safetensors"))
-    w["mtp.layers.0.enorm.weight"] = torch.ones(64)
-    w["mtp.layers.0.eh_proj.weight"] = torch.zeros(64, 128)
+    for j in range(4):
+        w[f"mtp.layers.{j}.norm.weight"] = torch.ones(64)
     save_file(w, str(folder / "model.safetensors"), metadata={"format": "pt"})
-    cfg = json.loads((folder / "config.json").read_text())
-    (folder / "config.json").write_text(json.dumps({**cfg, "num_nextn_predict_layers": 1}))
-    with pytest.warns(UserWarning, match=r"not loaded.*multi-token-prediction layers \(num_nextn_predict_layers.*"
-                                         r"mtp\.\*, 2 tensors"):
+    with pytest.warns(UserWarning, match=r"not loaded.*multi-token-prediction head \(mtp\.\*, 4 tensors\).*"
+                                         r"one block \(layers \['0', '1'\]\)"):
         ours, _ = from_pretrained(folder)
+    assert getattr(ours, "mtp", None) is None
     assert_logits_equal(ours, hf, _ids(), torch.float32, 1e-4)
     save_pretrained(ours, tmp_path / "back")
     assert json.loads((tmp_path / "back" / "config.json").read_text())["num_nextn_predict_layers"] == 0
-    from safetensors import safe_open
-
-    with safe_open(str(tmp_path / "back" / "model.safetensors"), "pt") as f:
-        assert not any(k.startswith("mtp.") for k in f.keys())
 
 
 def test_float32_routers_beside_bfloat16_weights_load_and_run(tmp_path):

@@ -10,12 +10,14 @@ from subquad.layers.registry import causal_mixers
 from subquad.layers.rollback import same_state
 from subquad.models import LanguageModel, ModelConfig
 from subquad.models.sampling import Sampler, SamplingOptions, probabilities
-from subquad.models.speculative import PromptLookup, accept_drafts, ngram_draft
+from subquad.models.speculative import MAX_PAUSE, Pacer, PromptLookup, accept_drafts, ngram_draft
 from subquad.ops import KVCache
 from subquad.testing import check_mixer
 
 OPTIONS = {"swa": {"window": 3}, "*": {"chunk_size": 4}}
 PROMPT = [1, 2, 3, 4, 1, 2, 3, 5, 1, 2, 3]
+
+pytestmark = pytest.mark.usefixtures("unpaced")     # counts verifications: no pacing by wall time
 
 
 def tiny(pattern, n_layers=2, vocab=11, scale=1.0, options=None, **over):
@@ -408,3 +410,54 @@ def test_the_cli_flag_decodes_speculatively_with_the_same_output(tmp_path, capsy
     assert loaded.count(str(tmp_path / "draft")) == 1
     assert main(argv + ["--speculative", str(tmp_path / "nowhere")]) != 0
     assert "--speculative must be 'ngram', 'mtp' or a draft model's folder" in capsys.readouterr().err
+
+
+@pytest.mark.paced
+def test_the_pacer_verifies_only_while_it_pays_against_a_plain_step():
+    p = Pacer()
+    assert [p.want() for _ in range(3)] == [True] * 3           # optimistic: no plain step measured yet
+    for _ in range(Pacer.PROBE):
+        p.measured(0.010, 3.0)                                  # verifications, unjudged without t_p
+    assert not p.want()                                         # PROBE verifications: a plain step to measure
+    p.measured(60.0)                                            # it compiled a graph: t_p 60 s for now
+    p.measured(0.010, 3.0)
+    assert p.pause == 0 and p.want()
+    p.measured(0.004)                                           # the next plain step: min(0.004, 1.5 x 60)
+    assert p.plain == 0.004
+    p.measured(0.006)                                           # grows at most 1.5x per plain step
+    assert p.plain == 0.006
+    p.measured(0.008)
+    assert p.plain == pytest.approx(0.008)
+    # verifying costs 0.1 s for 1 token per row, a plain step 0.008 s per token: it does not pay
+    waits = []
+    for _ in range(7):
+        p.measured(0.100, 1.0)
+        n = 0
+        while not p.want():
+            n += 1
+        waits.append(n)
+    assert waits[:5] == [1, 2, 4, 8, 16] and waits[5:] == [MAX_PAUSE] * 2
+    for _ in range(8):                                          # verifications cheaper: it pays again at once
+        p.measured(0.008, 3.0)
+    assert p.pause == 0 and p.want()
+
+
+@pytest.mark.paced
+def test_speculation_backs_off_when_verifying_costs_more_than_it_emits(monkeypatch):
+    """A verification made slow on purpose (25 ms more): generate soon decodes with plain steps, same tokens."""
+    import time
+
+    from subquad.models import generate as generate_mod
+
+    model = tiny("mamba2,softmax", scale=1.0)                    # repeats itself: drafts accepted
+    plain = model.generate(PROMPT, 60, temperature=0)[0]
+    real = generate_mod.verify
+
+    def slow(*a, **k):
+        time.sleep(0.025)
+        return real(*a, **k)
+    monkeypatch.setattr(generate_mod, "verify", slow)
+    monkeypatch.setattr(Pacer, "PROBE", 2)
+    assert model.generate(PROMPT, 60, temperature=0, speculative="ngram", draft_tokens=2)[0] == plain
+    st = model.speculation_stats
+    assert st.verifications < st.steps / 3, (st.verifications, st.steps)

@@ -81,6 +81,17 @@ class Format:
     top = TOP
     layer = "model.layers.{i}."
     layers: dict = {}
+    # a multi-token-prediction head (``models.mtp``) in the checkpoint: how many of the format's layers its block
+    # spans ("mtp.layers.0." ...: Nemotron-H's attention and MoE are two) and its own tensors' names
+    mtp_layers = 1
+    mtp_own = {"mtp.fc.weight": "mtp.fc.weight", "mtp.norm.weight": "mtp.norm.weight",
+               "mtp.norm_embed.weight": "mtp.pre_fc_norm_embedding.weight",
+               "mtp.norm_hidden.weight": "mtp.pre_fc_norm_hidden.weight"}
+
+    @staticmethod
+    def mtp_fields(head) -> dict:
+        """Config fields that declare a multi-token-prediction head ``head`` in a saved folder ({}: none needed)."""
+        return {}
 
     @staticmethod
     def config(c: dict) -> ModelConfig:

@@ -6,19 +6,38 @@ from __future__ import annotations
 import torch
 
 
+def _to_mtp(fmt, name: str) -> str:
+    """A name of the format's first ``mtp_layers`` layers -> under "mtp.layers.{j}."."""
+    for j in range(fmt.mtp_layers):
+        prefix = fmt.layer.format(i=j)
+        if name.startswith(prefix):
+            return f"mtp.layers.{j}." + name[len(prefix):]
+    return name
+
+
+def _from_mtp(fmt, name: str) -> str:
+    """``_to_mtp``'s inverse: "mtp.layers.{j}." -> the format's layer j."""
+    for j in range(fmt.mtp_layers):
+        if name.startswith(f"mtp.layers.{j}."):
+            return fmt.layer.format(i=j) + name[len(f"mtp.layers.{j}."):]
+    return name
+
+
 def mtp_names(fmt, head) -> dict:
     """subquad name (under "mtp.") -> the checkpoint's, for every tensor of ``head``: its block named as the
-    format names an attention layer, under "mtp.layers.0."; the rest "mtp.fc", "mtp.norm",
-    "mtp.pre_fc_norm_embedding", "mtp.pre_fc_norm_hidden"."""
+    format names a block of that structure, its layers under "mtp.layers.0." (and 1. ... where the format spreads
+    a block over ``mtp_layers`` layers); its own tensors as the format's ``mtp_own`` names them."""
     shapes = {"blocks.0." + k: v.shape for k, v in head.block.state_dict().items()}
     inner = fmt.names(head.config, shapes)
     out = {"mtp." + k.replace("blocks.0.", "block.", 1):
-           (tuple(t.replace(fmt.layer.format(i=0), "mtp.layers.0.", 1) for t in v) if isinstance(v, tuple)
-            else v.replace(fmt.layer.format(i=0), "mtp.layers.0.", 1)) for k, v in inner.items()}
-    out.update({"mtp.fc.weight": "mtp.fc.weight", "mtp.norm.weight": "mtp.norm.weight",
-                "mtp.norm_embed.weight": "mtp.pre_fc_norm_embedding.weight",
-                "mtp.norm_hidden.weight": "mtp.pre_fc_norm_hidden.weight"})
+           (tuple(_to_mtp(fmt, t) for t in v) if isinstance(v, tuple) else _to_mtp(fmt, v)) for k, v in inner.items()}
+    out.update(fmt.mtp_own)
     return out
+
+
+def _own_norms(fmt) -> set:
+    """The checkpoint names of the head's own norms (the fc is the one matrix among its own tensors)."""
+    return {v for k, v in fmt.mtp_own.items() if k != "mtp.fc.weight"}
 
 
 def _zero_centred(fmt, cfg) -> bool:
@@ -30,7 +49,6 @@ def _zero_centred(fmt, cfg) -> bool:
 def pack_mtp(fmt, head, own: dict) -> dict:
     """``load_mtp``'s inverse: the head's tensors (``own``: "mtp."-prefixed, from the model's state dict) under
     the checkpoint's names, packed by the format as any layer's."""
-    prefix = fmt.layer.format(i=0)
     centred = _zero_centred(fmt, head.config)
     flat = {}
     for ours, theirs in mtp_names(fmt, head).items():
@@ -38,12 +56,8 @@ def pack_mtp(fmt, head, own: dict) -> dict:
         if isinstance(theirs, tuple):
             flat.update({n: p.contiguous() for n, p in zip(theirs, t.unbind(0), strict=True)})
             continue
-        if centred and theirs in ("mtp.norm.weight", "mtp.pre_fc_norm_embedding.weight",
-                                  "mtp.pre_fc_norm_hidden.weight"):
+        if centred and theirs in _own_norms(fmt):
             t = (t.float() - 1).to(t.dtype)
         flat[theirs] = t
-    inner = {k.replace("mtp.layers.0.", prefix, 1) if k.startswith("mtp.layers.0.") else k: v
-             for k, v in flat.items()}
-    packed = fmt.pack(inner, head.config)
-    return {k.replace(prefix, "mtp.layers.0.", 1) if k.startswith(prefix) else k: v.contiguous()
-            for k, v in packed.items()}
+    packed = fmt.pack({_from_mtp(fmt, k): v for k, v in flat.items()}, head.config)
+    return {_to_mtp(fmt, k): v.contiguous() for k, v in packed.items()}

@@ -18,9 +18,12 @@ the first, second and third with MLPs, the third's a MoE. An "-" or "E" layer af
 first) is refused by name. The checkpoint's layer indices are the pattern's, so the name table writes a
 block's parts against "M" (its mixer layer) and "F" (its MLP layer) and ``names`` numbers them.
 
-Multi-token prediction (``num_nextn_predict_layers``, the ``mtp.*`` tensors of checkpoints that carry it) is
-not loaded, with a warning naming it: transformers' model skips those tensors too, and next-token logits do not
-use them. A saved folder writes none and says ``num_nextn_predict_layers`` 0.
+Multi-token prediction (``num_nextn_predict_layers`` 1, the ``mtp.*`` tensors of checkpoints that carry it; which
+transformers skips) loads as ``model.mtp`` (``models.mtp``, the drafter of ``generate(speculative="mtp")``): its
+block is two layers, ``mtp_layers_block_type`` ["full_attention", "moe"] (or "mlp"), named as the backbone's,
+"mtp.layers.0." the attention with the head's own ``enorm``, ``hnorm`` and ``eh_proj`` (the fc over [enorm(embed);
+hnorm(h)]) and "mtp.layers.1." the MoE with the final ``final_layernorm`` - vLLM's ``nemotron_h_mtp.py`` reading.
+A saved folder writes the head back and declares it; without one it says ``num_nextn_predict_layers`` 0.
 
 Routing precision: transformers computes the router in float32 whatever the model's dtype; subquad computes the
 router's logits in the model's dtype (the sigmoid and the choice in float32 at least), as for Kimi Linear - equal
@@ -110,7 +113,10 @@ class NemotronHFormat(Format):
     conv_bias_key = "use_conv_bias"
     any_mlp = True
     latent_moe = True
-    not_loaded = {"mtp.": "the multi-token-prediction layers (num_nextn_predict_layers; transformers skips them too)"}
+    mtp_layers = 2                                     # the head's block: its attention layer, its MoE (or MLP)
+    mtp_own = {"mtp.fc.weight": "mtp.layers.0.eh_proj.weight", "mtp.norm_embed.weight": "mtp.layers.0.enorm.weight",
+               "mtp.norm_hidden.weight": "mtp.layers.0.hnorm.weight",
+               "mtp.norm.weight": "mtp.layers.1.final_layernorm.weight"}
     top = {"embed.weight": "backbone.embeddings.weight", "norm.weight": "backbone.norm_f.weight",
            "head.weight": "lm_head.weight"}
     layer = "backbone.layers.{i}."                     # {i} the block; M. and F. its two layers (module doc)
@@ -126,6 +132,11 @@ class NemotronHFormat(Format):
                     "mlp.shared.w_down.weight": "F.mixer.shared_experts.down_proj.weight",
                     "mlp.latent_in.weight": "F.mixer.fc1_latent_proj.weight",
                     "mlp.latent_out.weight": "F.mixer.fc2_latent_proj.weight"}}
+
+    @staticmethod
+    def mtp_fields(head) -> dict:
+        return {"num_nextn_predict_layers": 1,
+                "mtp_layers_block_type": ["full_attention", "moe" if head.config.moe is not None else "mlp"]}
 
     @staticmethod
     def config(c: dict) -> ModelConfig:

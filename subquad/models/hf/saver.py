@@ -43,6 +43,8 @@ def save_pretrained(model, path, tokenizer=None, model_type: str | None = None) 
     save_file(tensors, str(tmp), metadata={"format": "pt"})
     os.replace(tmp, path / "model.safetensors")
     conf = fmt.to_config(cfg, opts)
+    if getattr(model, "mtp", None) is not None:       # the multi-token-prediction head written: declared
+        conf.update(fmt.mtp_fields(model.mtp))
     if cfg.eos_token_ids:
         conf["eos_token_id"] = cfg.eos_token_ids[0] if len(cfg.eos_token_ids) == 1 else cfg.eos_token_ids
     if source["config"].get("model_type") == conf["model_type"]:     # what the format does not write, kept
