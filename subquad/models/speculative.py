@@ -47,20 +47,24 @@ class Pacer:
     A verification that took t_v seconds (drafting included) and emitted g tokens per row pays when
     g / t_v >= 1 / t_p, with t_p a plain step's seconds at about the same batch - a compiled step can cost far less
     than an eager verification (benchmarks/RESULTS.md, "Speculative decoding measured"). t_v and g are moving
-    averages (weight ``ALPHA`` on the newest); t_p is each plain step's time but never more than ``GROWTH`` times
+    averages (weight ``ALPHA`` on the newest). t_p is each plain step's time but never more than ``GROWTH`` times
     the last estimate (a first step that compiled a graph is forgotten at the next one, a batch that grows is
-    followed within a few). Speculation starts optimistic: t_p comes from the plain steps that happen anyway
-    (nothing drafted, drafting paused) and, after ``PROBE`` verifications without one, from a plain step taken to
-    measure it. While verifying does not pay, drafting waits 1, 2, 4, ... up to ``MAX_PAUSE`` plain steps, then
-    verifies once more: acceptance and costs change with the text and the batch."""
+    followed within a few); the plain step right after a verification is not one of them: what it costs over t_p
+    (the compiled step taking a state the verification left in another layout) is the verification's, added to
+    t_v. Speculation starts optimistic: t_p comes from the plain steps that happen anyway (nothing drafted,
+    drafting paused) and, after ``PROBE`` verifications without one, from a plain step taken to measure it. While
+    verifying does not pay, drafting waits 1, 2, 4, ... up to ``MAX_WAIT`` plain steps, then verifies once more:
+    acceptance and costs change with the text and the batch."""
 
     ALPHA = 0.3
     GROWTH = 1.5
     PROBE = 16
+    MAX_WAIT = 64
 
     def __init__(self):
         self.plain = self.verify = self.gain = None
         self.since = 0                   # verifications since the last plain step
+        self.after = False               # the last step was a verification
         self.pause = self.wait = 0
 
     def want(self) -> bool:
@@ -74,14 +78,25 @@ class Pacer:
         """A plain step's seconds (``tokens_per_row`` None) or a verification's and the tokens it emitted per row."""
         if tokens_per_row is None:
             self.since = 0
+            if self.after and self.plain is not None:             # the verification's aftermath
+                self.after = False
+                self.verify += self.ALPHA * max(0.0, seconds - self.plain)
+                if not self.wait:                                 # judged to pay: judged again with it
+                    self._judge()
+                return
+            self.after = False
             self.plain = seconds if self.plain is None else min(seconds, self.GROWTH * self.plain)
             return
         self.since += 1
+        self.after = True
         a = self.ALPHA
         self.verify = seconds if self.verify is None else (1 - a) * self.verify + a * seconds
         self.gain = tokens_per_row if self.gain is None else (1 - a) * self.gain + a * tokens_per_row
+        self._judge()
+
+    def _judge(self) -> None:
         if self.plain is not None and self.gain * self.plain < self.verify:
-            self.pause = min(2 * self.pause or 1, MAX_PAUSE)
+            self.pause = min(2 * self.pause or 1, self.MAX_WAIT)
             self.wait = self.pause
         else:
             self.pause = self.wait = 0

@@ -10,7 +10,7 @@ from subquad.layers.registry import causal_mixers
 from subquad.layers.rollback import same_state
 from subquad.models import LanguageModel, ModelConfig
 from subquad.models.sampling import Sampler, SamplingOptions, probabilities
-from subquad.models.speculative import MAX_PAUSE, Pacer, PromptLookup, accept_drafts, ngram_draft
+from subquad.models.speculative import Pacer, PromptLookup, accept_drafts, ngram_draft
 from subquad.ops import KVCache
 from subquad.testing import check_mixer
 
@@ -422,23 +422,36 @@ def test_the_pacer_verifies_only_while_it_pays_against_a_plain_step():
     p.measured(60.0)                                            # it compiled a graph: t_p 60 s for now
     p.measured(0.010, 3.0)
     assert p.pause == 0 and p.want()
-    p.measured(0.004)                                           # the next plain step: min(0.004, 1.5 x 60)
+    p.measured(0.050)                            # right after a verification: its cost, not t_p's (t_p = 60 s)
+    assert p.plain == 60.0 and p.verify == pytest.approx(0.010)
+    p.measured(0.004)                                           # a plain step after a plain step: min(0.004, 90)
     assert p.plain == 0.004
     p.measured(0.006)                                           # grows at most 1.5x per plain step
     assert p.plain == 0.006
     p.measured(0.008)
     assert p.plain == pytest.approx(0.008)
+    # 3 tokens per row for 0.020 s against 0.008 s per plain token pays - until the plain step after it costs
+    # 0.040 s more than a plain step (the state's layout changed back): 0.3 x 0.040 more on t_v, then it does not
+    p.measured(0.020, 3.0)
+    assert p.pause == 0 and p.want()
+    p.measured(0.048)
+    assert p.verify == pytest.approx(0.7 * 0.010 + 0.3 * 0.020 + 0.3 * 0.040) and p.pause == 1
+    assert [p.want(), p.want()] == [False, True]
+    p.measured(0.007)                                           # a plain step after a plain step: measured
+    assert p.plain == pytest.approx(0.007)
     # verifying costs 0.1 s for 1 token per row, a plain step 0.008 s per token: it does not pay
     waits = []
-    for _ in range(7):
+    for _ in range(8):
         p.measured(0.100, 1.0)
         n = 0
         while not p.want():
             n += 1
         waits.append(n)
-    assert waits[:5] == [1, 2, 4, 8, 16] and waits[5:] == [MAX_PAUSE] * 2
+    assert waits == [2, 4, 8, 16, 32, 64, 64, 64]
     for _ in range(8):                                          # verifications cheaper: it pays again at once
         p.measured(0.008, 3.0)
+    assert p.pause == 0 and not p.want()                        # but 16 of them without a plain step: a probe
+    p.measured(0.008)
     assert p.pause == 0 and p.want()
 
 
