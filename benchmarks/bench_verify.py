@@ -1,0 +1,101 @@
+"""What a speculative verification costs against the compiled decoding step (issue 50's target: verifying 8
+tokens <= 1.5x one compiled float32 step at mamba-130m's shape), random weights, batch 1, 2 threads:
+
+    compiled step        model.step after ``compile_decode`` (its graph compiled before timing); both models
+                         in ``decode_layout``, as ``from_pretrained`` leaves them
+    eager step           model.step without it
+    prefill 8            model.prefill of 8 tokens from a state (eager: what a verification's forward runs)
+    verify 8             ``models.speculative.verify`` of 8 tokens (the prefill with the taps that record the
+                         rollback's inputs) and ``accept(j)`` of j = 4 (a replay of every recurrent layer)
+
+    python benchmarks/bench_verify.py            # ~2 min (the compile is most of it)
+
+Median of ``--repeats`` interleaved rounds, after warm-up; prints ms and ratios to the compiled step, writes
+results/verify.{json,md}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from benchmarks.bench_compile_cache import CASES  # noqa: E402
+from benchmarks.common import OUT, machine_line, matmul_gflops  # noqa: E402
+from subquad.models import LanguageModel, ModelConfig  # noqa: E402
+from subquad.models.decode import compile_decode, decode_layout  # noqa: E402
+from subquad.models.speculative import verify  # noqa: E402
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--repeats", type=int, default=20)
+    ap.add_argument("--tokens", type=int, default=8, help="tokens verified (the fed token and k - 1 drafts)")
+    ap.add_argument("--quick", action="store_true", help="a 2-layer model of width 128: checks the script runs")
+    a = ap.parse_args(argv)
+    torch.set_num_threads(2)
+    fields = dict(CASES["mamba-130m"][0])
+    if a.quick:
+        fields.update(d_model=128, n_layers=2, vocab_size=1000)
+        a.repeats = 3
+    torch.manual_seed(0)
+    eager = LanguageModel(ModelConfig(**fields)).eval()
+    fast = compile_decode(LanguageModel(ModelConfig(**fields)).eval())
+    fast.load_state_dict(eager.state_dict())
+    decode_layout(eager), decode_layout(fast)            # as from_pretrained leaves a model
+    g = torch.Generator().manual_seed(1)
+    prompt = torch.randint(0, fields["vocab_size"], (1, 64), generator=g)
+    block = torch.randint(0, fields["vocab_size"], (1, a.tokens), generator=g)
+    tok = block[:, 0]
+    with torch.no_grad():
+        _, state = eager.prefill(prompt)
+        _, fstate = fast.prefill(prompt)
+        t = time.perf_counter()
+        for _ in range(3):
+            fast.step(tok, fstate)                       # the graph (batch 1) compiled or loaded here
+        compile_s = time.perf_counter() - t
+
+        def compiled():
+            fast.step(tok, fstate)
+
+        def eager_step():
+            eager.step(tok, state)
+
+        def prefill():
+            eager.prefill(block, state)
+
+        def verify_accept():
+            _, ver = verify(eager, block, state)
+            ver.accept(a.tokens // 2)
+
+        cases = {"compiled step": compiled, "eager step": eager_step, f"prefill {a.tokens}": prefill,
+                 f"verify {a.tokens} + accept {a.tokens // 2}": verify_accept}
+        for fn in cases.values():
+            fn()
+        times = {k: [] for k in cases}
+        for _ in range(a.repeats):
+            for name, fn in cases.items():
+                t = time.perf_counter()
+                fn()
+                times[name].append(time.perf_counter() - t)
+    ms = {k: 1e3 * statistics.median(v) for k, v in times.items()}
+    base = ms["compiled step"]
+    machine = machine_line(matmul_gflops())
+    lines = [f"mamba-130m's shape{' (quick: width 128, 2 layers)' if a.quick else ''}, batch 1, float32; "
+             f"{machine}; first compiled steps {compile_s:.1f} s", "",
+             "| call | ms | x compiled step |", "|---|---:|---:|"]
+    lines += [f"| {k} | {v:.2f} | {v / base:.2f} |" for k, v in ms.items()]
+    print("\n".join(lines))
+    if not a.quick:
+        (OUT / "verify.json").write_text(json.dumps({"ms": ms, "machine": machine, "tokens": a.tokens}, indent=1))
+        (OUT / "verify.md").write_text("\n".join(lines) + "\n")
+
+
+if __name__ == "__main__":
+    main()
