@@ -1,0 +1,106 @@
+"""Decoding one token at batch 1 against llama.cpp on the same weights (issue 53's anchor), measured in one run:
+a random model at mamba-130m's shape (Mamba-1, d_model 768, 24 layers, vocab 50,280) saved as a Hugging Face
+folder and as GGUF files (``save_gguf``: f32 and q8_0), then
+
+    llama.cpp   ``llama-bench -p 0 -n N`` on each GGUF (built natively from llama-cpp-python's vendored source:
+                cmake -B build -DGGML_NATIVE=ON -DLLAMA_CURL=OFF && cmake --build build --target llama-bench)
+    subquad     ``from_pretrained`` of the folder: eager float32, ``compile_decode`` float32, ``compile_decode``
+                with ``quantize="int8"``; N greedy ``model.step`` calls after warm-up (the graph compiled first)
+
+    python benchmarks/bench_llama_decode.py --llama-bench /path/to/build/bin/llama-bench
+
+ms per token (median of ``--repeats`` runs for subquad; llama-bench's mean over its own repetitions), the read
+bound (the bytes of the weights one token reads over the measured read bandwidth is not measured here: the
+ratios are to llama.cpp in the same run). Writes results/llama_decode.{json,md}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from benchmarks.common import OUT, machine_line, matmul_gflops  # noqa: E402
+
+SHAPE = dict(vocab_size=50280, d_model=768, n_layers=24, pattern="mamba", mlp=False, norm_eps=1e-5)
+
+
+def llama_ms(bench: str, gguf: Path, tokens: int, threads: int) -> float:
+    out = subprocess.run([bench, "-m", str(gguf), "-p", "0", "-n", str(tokens), "-t", str(threads), "-r", "3",
+                          "-o", "json"], capture_output=True, text=True, check=True).stdout
+    row = json.loads(out)[0]
+    return 1e3 / row["avg_ts"]
+
+
+def subquad_ms(folder: Path, tokens: int, repeats: int, compiled: bool, quantize=None) -> float:
+    from subquad.models import from_pretrained
+    from subquad.models.decode import compile_decode
+
+    model, _ = from_pretrained(folder, quantize=quantize)
+    model.eval()
+    if compiled:
+        compile_decode(model)
+    ids = torch.tensor([[1, 2, 3, 4]])
+    runs = []
+    with torch.no_grad():
+        _, state = model.prefill(ids)
+        tok = torch.tensor([5])
+        for _ in range(3):                                   # warm-up: the graph compiled (or loaded) here
+            logits, s = model.step(tok, state)
+        for _ in range(repeats):
+            s, t = state, time.perf_counter()
+            for _ in range(tokens):
+                logits, s = model.step(tok, s)
+                tok = logits.argmax(-1)
+            runs.append((time.perf_counter() - t) * 1e3 / tokens)
+    return statistics.median(runs)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--llama-bench", required=True, help="the llama-bench binary")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--tokens", type=int, default=64)
+    ap.add_argument("--repeats", type=int, default=3)
+    a = ap.parse_args(argv)
+    torch.set_num_threads(a.threads)
+    from subquad.models import LanguageModel, ModelConfig
+    from subquad.models.gguf import save_gguf
+
+    torch.manual_seed(0)
+    model = LanguageModel(ModelConfig(**SHAPE)).eval()
+    rows = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = Path(tmp) / "mamba"
+        model.save_pretrained(folder)
+        for outtype in ("f32", "q8_0"):
+            save_gguf(model, Path(tmp) / f"m-{outtype}.gguf", outtype)
+        for outtype in ("f32", "q8_0"):
+            rows[f"llama.cpp {outtype}"] = llama_ms(a.llama_bench, Path(tmp) / f"m-{outtype}.gguf", a.tokens, a.threads)
+            print(f"llama.cpp {outtype}: {rows[f'llama.cpp {outtype}']:.2f} ms/token", flush=True)
+        for name, compiled, q in (("subquad f32 eager", False, None), ("subquad f32 compile_decode", True, None),
+                                  ("subquad int8 compile_decode", True, "int8")):
+            rows[name] = subquad_ms(folder, a.tokens, a.repeats, compiled, q)
+            print(f"{name}: {rows[name]:.2f} ms/token", flush=True)
+    machine = machine_line(matmul_gflops())
+    ref = {"f32": rows["llama.cpp f32"], "int8": rows["llama.cpp q8_0"]}
+    lines = [f"mamba-130m's shape (random weights), batch 1, {a.threads} threads, {a.tokens} tokens; {machine}", "",
+             "| engine | ms/token | x llama.cpp (same precision) |", "|---|---:|---:|"]
+    for name, ms in rows.items():
+        base = ref["int8"] if ("int8" in name or "q8_0" in name) else ref["f32"]
+        lines.append(f"| {name} | {ms:.2f} | {ms / base:.2f} |")
+    print("\n".join(lines))
+    (OUT / "llama_decode.json").write_text(json.dumps({"ms": rows, "machine": machine, "tokens": a.tokens}, indent=1))
+    (OUT / "llama_decode.md").write_text("\n".join(lines) + "\n")
+
+
+if __name__ == "__main__":
+    main()
