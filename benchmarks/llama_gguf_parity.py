@@ -1,0 +1,80 @@
+"""Does llama.cpp compute the same model from the GGUF files subquad writes (``save_gguf``)? Logits at every
+position of a short prompt from llama.cpp (llama-cpp-python's bindings over a natively built ``libllama``)
+against subquad's: float32 files against the float model, q8_0 files against subquad's own load of the same
+file (``from_pretrained("x.gguf")``: Q8_0 kept as per-block int8).
+
+    python benchmarks/llama_gguf_parity.py --llama-src LLAMA_PY_SRC [--pythonpath DIR]
+
+LLAMA_PY_SRC: an unpacked llama-cpp-python sdist whose ``vendor/llama.cpp/build/bin`` holds the built libraries
+(see RESULTS.md "Decoding against llama.cpp" for the build); ``--pythonpath``: where its Python dependencies
+(diskcache) are, if not installed. A tiny random Mamba-1, nothing downloaded.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+IDS = [5, 17, 30, 42, 95, 7, 12, 45, 78, 9, 11, 25]
+CHILD = """
+import os, sys, json
+src, extra, path, ids, out = sys.argv[1:6]
+os.environ["LLAMA_CPP_LIB_PATH"] = os.path.join(src, "vendor", "llama.cpp", "build", "bin")
+sys.path[:0] = [src] + ([extra] if extra else [])
+import numpy as np
+import llama_cpp
+m = llama_cpp.Llama(model_path=path, logits_all=True, n_ctx=64, n_threads=2, verbose=False)
+ids = json.loads(ids)
+m.eval(ids)
+np.save(out, np.array(m.scores[:len(ids)], dtype=np.float64))
+"""
+
+
+def models(tmp: Path):
+    """(kind, model): a tiny random Mamba-1 (the Mamba-2 and LFM2 files are checked by the test suite with
+    ggml's own readers, not yet against llama.cpp here)."""
+    from subquad.models import LanguageModel, ModelConfig
+
+    torch.manual_seed(0)
+    yield "mamba", LanguageModel(ModelConfig(vocab_size=100, d_model=64, n_layers=2, pattern="mamba", mlp=False,
+                                             norm_eps=1e-5)).eval()
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--llama-src", required=True)
+    ap.add_argument("--pythonpath", default="")
+    a = ap.parse_args(argv)
+    from subquad.models import from_pretrained
+    from subquad.models.gguf import save_gguf
+
+    rows = []
+    print("| model | GGUF | max abs(llama.cpp - subquad) / max abs(subquad) | next token agrees |\n|---|---|---:|---:|")
+    with tempfile.TemporaryDirectory() as tmp:
+        for kind, model in models(Path(tmp)):
+            for outtype in ("f32", "q8_0"):
+                path, out = Path(tmp) / f"{kind}-{outtype}.gguf", Path(tmp) / f"{kind}-{outtype}.npy"
+                save_gguf(model, path, outtype)
+                subprocess.run([sys.executable, "-c", CHILD, a.llama_src, a.pythonpath, str(path), json.dumps(IDS),
+                                str(out)], check=True)
+                theirs = torch.from_numpy(np.load(out))
+                ours = model if outtype == "f32" else from_pretrained(path)[0].eval()
+                with torch.no_grad():
+                    mine = ours(torch.tensor([IDS]))[0].double()
+                rel = ((theirs - mine).abs().max() / mine.abs().max()).item()
+                agree = (theirs.argmax(-1) == mine.argmax(-1)).double().mean().item()
+                rows.append((kind, outtype, rel, agree))
+                print(f"| {kind} | {outtype} | {rel:.2e} | {100 * agree:.0f}% |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
