@@ -7,7 +7,7 @@ file (``from_pretrained("x.gguf")``: Q8_0 kept as per-block int8).
 
 LLAMA_PY_SRC: an unpacked llama-cpp-python sdist whose ``vendor/llama.cpp/build/bin`` holds the built libraries
 (see RESULTS.md "Decoding against llama.cpp" for the build); ``--pythonpath``: where its Python dependencies
-(diskcache) are, if not installed. A tiny random Mamba-1, nothing downloaded.
+(diskcache) are, if not installed. Tiny random Mamba-1, Mamba-2 and Falcon-Mamba models, nothing downloaded.
 """
 
 from __future__ import annotations
@@ -40,13 +40,26 @@ np.save(out, np.array(m.scores[:len(ids)], dtype=np.float64))
 
 
 def models(tmp: Path):
-    """(kind, model): a tiny random Mamba-1 (the Mamba-2 and LFM2 files are checked by the test suite with
-    ggml's own readers, not yet against llama.cpp here)."""
-    from subquad.models import LanguageModel, ModelConfig
+    """(kind, model): tiny random Mamba-1 (built here) and Mamba-2 and Falcon-Mamba (transformers' models saved
+    and read back: the type a model was read as is the one save_gguf writes). LFM2 files are checked by the test
+    suite with ggml's own readers, not against llama.cpp here."""
+    import transformers
+
+    from subquad.models import LanguageModel, ModelConfig, from_pretrained
 
     torch.manual_seed(0)
     yield "mamba", LanguageModel(ModelConfig(vocab_size=100, d_model=64, n_layers=2, pattern="mamba", mlp=False,
                                              norm_eps=1e-5)).eval()
+    for kind, Config, Model, cfg in (
+            ("mamba2", transformers.Mamba2Config, transformers.Mamba2ForCausalLM,
+             {"vocab_size": 100, "hidden_size": 64, "num_heads": 8, "head_dim": 16, "n_groups": 2, "state_size": 16,
+              "num_hidden_layers": 2, "conv_kernel": 4, "chunk_size": 8}),
+            ("falcon_mamba", transformers.FalconMambaConfig, transformers.FalconMambaForCausalLM,
+             {"vocab_size": 100, "hidden_size": 64, "state_size": 16, "num_hidden_layers": 2, "expand": 2,
+              "conv_kernel": 4, "time_step_rank": 4})):
+        torch.manual_seed(0)
+        Model(Config(**cfg)).save_pretrained(tmp / kind)
+        yield kind, from_pretrained(tmp / kind)[0].eval()
 
 
 def main(argv=None):
