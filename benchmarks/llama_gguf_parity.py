@@ -7,7 +7,8 @@ file (``from_pretrained("x.gguf")``: Q8_0 kept as per-block int8).
 
 LLAMA_PY_SRC: an unpacked llama-cpp-python sdist whose ``vendor/llama.cpp/build/bin`` holds the built libraries
 (see RESULTS.md "Decoding against llama.cpp" for the build); ``--pythonpath``: where its Python dependencies
-(diskcache) are, if not installed. Tiny random Mamba-1, Mamba-2 and Falcon-Mamba models, nothing downloaded.
+(diskcache) are, if not installed. Tiny random Mamba-1, Mamba-2, Falcon-Mamba and LFM2
+models, nothing downloaded.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ os.environ["LLAMA_CPP_LIB_PATH"] = os.path.join(src, "vendor", "llama.cpp", "bui
 sys.path[:0] = [src] + ([extra] if extra else [])
 import numpy as np
 import llama_cpp
-m = llama_cpp.Llama(model_path=path, logits_all=True, n_ctx=64, n_threads=2, verbose=False)
+m = llama_cpp.Llama(model_path=path, logits_all=True, n_ctx=64, n_threads=2, verbose=False, type_k=0, type_v=0)
 ids = json.loads(ids)
 m.eval(ids)
 np.save(out, np.array(m.scores[:len(ids)], dtype=np.float64))
@@ -40,9 +41,8 @@ np.save(out, np.array(m.scores[:len(ids)], dtype=np.float64))
 
 
 def models(tmp: Path):
-    """(kind, model): tiny random Mamba-1 (built here) and Mamba-2 and Falcon-Mamba (transformers' models saved
-    and read back: the type a model was read as is the one save_gguf writes). LFM2 files are checked by the test
-    suite with ggml's own readers, not against llama.cpp here."""
+    """(kind, model): tiny random Mamba-1 (built here), Mamba-2, Falcon-Mamba and LFM2 (transformers' models saved
+    and read back: the type a model was read as is the one save_gguf writes)."""
     import transformers
 
     from subquad.models import LanguageModel, ModelConfig, from_pretrained
@@ -56,7 +56,12 @@ def models(tmp: Path):
               "num_hidden_layers": 2, "conv_kernel": 4, "chunk_size": 8}),
             ("falcon_mamba", transformers.FalconMambaConfig, transformers.FalconMambaForCausalLM,
              {"vocab_size": 100, "hidden_size": 64, "state_size": 16, "num_hidden_layers": 2, "expand": 2,
-              "conv_kernel": 4, "time_step_rank": 4})):
+              "conv_kernel": 4, "time_step_rank": 4}),
+            ("lfm2", transformers.Lfm2Config, transformers.Lfm2ForCausalLM,
+             {"vocab_size": 100, "hidden_size": 64, "intermediate_size": 120, "block_multiple_of": 24,
+              "block_ffn_dim_multiplier": 1.1, "num_hidden_layers": 4, "num_attention_heads": 4,
+              "num_key_value_heads": 2, "layer_types": ["conv", "full_attention", "conv", "conv"],
+              "tie_word_embeddings": False, "bos_token_id": None, "eos_token_id": None, "pad_token_id": None})):
         torch.manual_seed(0)
         Model(Config(**cfg)).save_pretrained(tmp / kind)
         yield kind, from_pretrained(tmp / kind)[0].eval()
