@@ -28,21 +28,14 @@ import warnings
 import torch
 
 from subquad.models.config import ModelConfig
-from subquad.models.hf.common import (Format, check_layer_types, check_rope_type, experts, join_convs, require,
-                                      split_conv, swiglu, transformer_config)
+from subquad.models.hf.common import (Format, check_layer_types, check_rope_type, deepseek_moe, deepseek_moe_fields,
+                                     deepseek_moe_holds, experts, first_set, join_convs, require, split_conv, swiglu,
+                                     transformer_config)
 
 ATTENTION = {"mixer.o_proj.weight": "attention.dense.weight"}
 ID_DEFAULTS = {"pad_token_id": 156_892, "eos_token_id": 156_895}       # BailingHybridConfig's
 LATENT_EPS = 1e-6                       # DeepseekV3RMSNorm's default on the latents (q_a_layernorm, kv_a_layernorm)
 _LAYER = re.compile(r"model\.layers\.(\d+)\.")
-
-
-def _get(c: dict, *names, default=None):
-    """The first of ``names`` the config sets (transformers writes its aliases: num_experts for num_local_experts)."""
-    for n in names:
-        if c.get(n) is not None:
-            return c[n]
-    return default
 
 
 def _order(R: int) -> torch.Tensor:
@@ -100,21 +93,13 @@ class BailingHybridFormat(Format):
         sparse = [i for i, t in enumerate(mlp_types) if t == "sparse"]
         moe = None
         if sparse:
-            hidden = c.get("moe_intermediate_size", 768)
-            e, groups = _get(c, "num_experts", "num_local_experts", default=512), _get(c, "num_expert_group", "n_group",
-                                                                                       default=8)
-            if groups < 1 or e % groups:
-                raise ValueError(f"config field n_group={groups} must divide num_local_experts={e}")
-            moe = {"experts": e, "top_k": _get(c, "num_experts_per_token", "num_experts_per_tok", default=8),
-                   "hidden": hidden, "shared": hidden * _get(c, "num_shared_experts", "n_shared_experts", default=1),
-                   "shared_gate": False, "router": "sigmoid", "groups": groups,
-                   "topk_groups": c.get("topk_group") or 4, "scale": float(c.get("routed_scaling_factor", 2.5)),
-                   "renormalize": bool(_get(c, "moe_renormalize", "norm_topk_prob", default=True)),
-                   "aux_loss_coef": 0.0, "layers": sparse}
+            moe = deepseek_moe(c, sparse, experts=512, hidden=768, groups=8, topk_groups=4, scale=2.5)
+            if moe["groups"] < 1 or moe["experts"] % moe["groups"]:
+                raise ValueError(f"config field n_group={moe['groups']} must divide num_local_experts={moe['experts']}")
         pattern = ",".join("mla" if t == "full_attention" else "kda" for t in types)
         cfg = transformer_config(c, pattern, eps, moe=moe, mixer_options={"kda": kda, "mla": mla})
         cfg.tie_embeddings = False          # transformers' Ling ties nothing, whatever tie_word_embeddings says
-        cfg.bailing_mtp = _get(c, "num_nextn_predict_layers", "num_mtp_layers", default=1)
+        cfg.bailing_mtp = first_set(c, "num_nextn_predict_layers", "num_mtp_layers", default=1)
         return cfg
 
     @classmethod
@@ -187,24 +172,18 @@ class BailingHybridFormat(Format):
                "hidden_act": "silu", "attention_bias": False, "tie_word_embeddings": cfg.tie_embeddings,
                "num_nextn_predict_layers": 0}
         if m is not None:
-            hidden = m["hidden"] or cfg.mlp_hidden
-            out.update({"num_experts": m["experts"], "num_experts_per_token": m["top_k"],
-                        "moe_intermediate_size": hidden, "num_shared_experts": m["shared"] // hidden,
-                        "num_expert_group": m["groups"], "topk_group": m["topk_groups"],
-                        "routed_scaling_factor": m["scale"], "moe_renormalize": m["renormalize"]})
+            out.update(deepseek_moe_fields(m, cfg))
         return out
 
     @classmethod
     def matches(cls, cfg: ModelConfig, opts: dict) -> bool:
         if not (set(cfg.layers) <= {"kda", "mla"} and "kda" in cfg.layers):
             return False
-        k, a, m = opts["kda"], opts.get("mla"), cfg.moe
-        hidden = None if m is None else (m["hidden"] or cfg.mlp_hidden)
+        k, a = opts["kda"], opts.get("mla")
         return (cfg.mlp and cfg.pos_emb == "none" and not cfg.post_norm and cfg.scaled_residual is None
                 and not cfg.sandwich_norm and not cfg.tie_embeddings and k["full_gates"] and k["qk_eps"] == 1e-6
                 and k["norm_eps"] == cfg.norm_eps
                 and k["n_heads"] == cfg.n_heads
                 and (a is None or (a["rotary"] and a["head_gate"] and a["latent_eps"] == LATENT_EPS))
-                and (m is None or (m["router"] == "sigmoid" and not m["shared_gate"] and m["shared"] > 0
-                                   and m["shared"] % hidden == 0)))
+                and deepseek_moe_holds(cfg.moe, cfg))
 

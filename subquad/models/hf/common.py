@@ -550,3 +550,44 @@ def plain_mamba2(cfg: ModelConfig, opts: dict) -> bool:
     """No Mamba-2 layers, or ones every Mamba-2 format writes: expand x d_model wide, with the gated norm."""
     o = opts.get("mamba2")
     return o is None or (o["gated_norm"] and o["d_inner"] == o["expand"] * cfg.d_model)
+
+
+def first_set(c: dict, *names, default=None):
+    """The first of ``names`` the config sets (transformers writes aliases: num_experts for num_local_experts)."""
+    for n in names:
+        if c.get(n) is not None:
+            return c[n]
+    return default
+
+
+def deepseek_moe(c: dict, sparse: list, *, experts: int, hidden: int, groups: int, topk_groups: int,
+                 scale: float) -> dict:
+    """``ModelConfig.moe`` of DeepSeek-V3's mixture of experts as Kimi Linear and Ling write it: a sigmoid router
+    with the score-correction bias, grouped top-k, ``routed_scaling_factor``, an ungated shared expert of
+    ``num_shared_experts`` x ``moe_intermediate_size``; ``sparse`` the MoE layers, the keywords the defaults of
+    the type's released config."""
+    hidden = c.get("moe_intermediate_size", hidden)
+    return {"experts": first_set(c, "num_experts", "num_local_experts", default=experts),
+            "top_k": first_set(c, "num_experts_per_token", "num_experts_per_tok", default=8),
+            "hidden": hidden, "shared": hidden * first_set(c, "num_shared_experts", "n_shared_experts", default=1),
+            "shared_gate": False, "router": "sigmoid", "groups": first_set(c, "num_expert_group", "n_group",
+                                                                            default=groups),
+            "topk_groups": c.get("topk_group") or topk_groups, "scale": float(c.get("routed_scaling_factor", scale)),
+            "renormalize": bool(first_set(c, "moe_renormalize", "norm_topk_prob", default=True)),
+            "aux_loss_coef": 0.0, "layers": sparse}
+
+
+def deepseek_moe_fields(m: dict, cfg: ModelConfig) -> dict:
+    """``deepseek_moe``'s inverse: the config fields of the MoE ``m``."""
+    hidden = m["hidden"] or cfg.mlp_hidden
+    return {"num_experts": m["experts"], "num_experts_per_token": m["top_k"], "moe_intermediate_size": hidden,
+            "num_shared_experts": m["shared"] // hidden, "num_expert_group": m["groups"],
+            "topk_group": m["topk_groups"], "routed_scaling_factor": m["scale"], "moe_renormalize": m["renormalize"]}
+
+
+def deepseek_moe_holds(m: dict | None, cfg: ModelConfig) -> bool:
+    """Whether ``deepseek_moe_fields`` can write the MoE ``m`` (None: no MoE, held)."""
+    if m is None:
+        return True
+    hidden = m["hidden"] or cfg.mlp_hidden
+    return m["router"] == "sigmoid" and not m["shared_gate"] and m["shared"] > 0 and m["shared"] % hidden == 0

@@ -15,17 +15,11 @@ the top level (transformers' own config); both are read, and transformers' alias
 from __future__ import annotations
 
 from subquad.models.config import ModelConfig
-from subquad.models.hf.common import (W132, Format, check_layer_types, experts, join_convs, require, split_conv,
-                                      swiglu, transformer_config)
+from subquad.models.hf.common import (Format, W132, check_layer_types, deepseek_moe, deepseek_moe_fields,
+                                     deepseek_moe_holds, experts, first_set, join_convs, require, split_conv, swiglu,
+                                     transformer_config)
 
 _LATENT_EPS = 1e-6                                   # KimiLinearRMSNorm's default, used by the latent norms
-
-
-def _get(c: dict, *names, default=None):
-    for n in names:
-        if n in c and c[n] is not None:
-            return c[n]
-    return default
 
 
 class KimiLinearFormat(Format):
@@ -62,9 +56,10 @@ class KimiLinearFormat(Format):
             mlp_types = ["dense" if i < k else "sparse" for i in range(n)]
         if len(mlp_types) != n or set(mlp_types) - {"dense", "sparse"}:
             raise ValueError(f"config field mlp_layer_types={mlp_types!r} must name 'dense' or 'sparse' per layer")
-        kda = {"n_heads": _get(lin, "num_heads", default=_get(c, "linear_num_heads", default=32)),
-               "head_dim": _get(lin, "head_dim", default=_get(c, "linear_head_dim", default=128)),
-               "conv_size": _get(lin, "short_conv_kernel_size", default=_get(c, "linear_conv_kernel_dim", default=4)),
+        kda = {"n_heads": first_set(lin, "num_heads", default=first_set(c, "linear_num_heads", default=32)),
+               "head_dim": first_set(lin, "head_dim", default=first_set(c, "linear_head_dim", default=128)),
+               "conv_size": first_set(lin, "short_conv_kernel_size",
+                                      default=first_set(c, "linear_conv_kernel_dim", default=4)),
                "qk_eps": 1e-6, "norm_eps": eps}
         kda["gate_rank"] = kda["head_dim"]
         mla = {"kv_rank": c.get("kv_lora_rank", 512), "rope_dim": c.get("qk_rope_head_dim", 64),
@@ -73,14 +68,7 @@ class KimiLinearFormat(Format):
         sparse = [i for i, t in enumerate(mlp_types) if t == "sparse"]
         moe = None
         if sparse:
-            experts = _get(c, "num_experts", "num_local_experts", default=256)
-            hidden = c.get("moe_intermediate_size", 1024)
-            moe = {"experts": experts, "top_k": _get(c, "num_experts_per_token", "num_experts_per_tok", default=8),
-                   "hidden": hidden, "shared": hidden * _get(c, "num_shared_experts", "n_shared_experts", default=1),
-                   "shared_gate": False, "router": "sigmoid", "groups": _get(c, "num_expert_group", "n_group", default=1),
-                   "topk_groups": c.get("topk_group") or 1, "scale": float(c.get("routed_scaling_factor", 2.446)),
-                   "renormalize": bool(_get(c, "moe_renormalize", "norm_topk_prob", default=True)),
-                   "aux_loss_coef": 0.0, "layers": sparse}
+            moe = deepseek_moe(c, sparse, experts=256, hidden=1024, groups=1, topk_groups=1, scale=2.446)
         pattern = ",".join("mla" if t == "full_attention" else "kda" for t in types)
         return transformer_config(c, pattern, eps, moe=moe, mixer_options={"kda": kda, "mla": mla})
 
@@ -120,23 +108,17 @@ class KimiLinearFormat(Format):
                "hidden_act": "silu", "attention_bias": False, "tie_word_embeddings": cfg.tie_embeddings,
                "pad_token_id": None, "bos_token_id": None, "eos_token_id": None}
         if m is not None:
-            hidden = m["hidden"] or cfg.mlp_hidden
-            out.update({"num_experts": m["experts"], "num_experts_per_token": m["top_k"], "moe_intermediate_size": hidden,
-                        "num_shared_experts": m["shared"] // hidden, "num_expert_group": m["groups"],
-                        "topk_group": m["topk_groups"], "routed_scaling_factor": m["scale"],
-                        "moe_renormalize": m["renormalize"]})
+            out.update(deepseek_moe_fields(m, cfg))
         return out
 
     @classmethod
     def matches(cls, cfg: ModelConfig, opts: dict) -> bool:
         if not (set(cfg.layers) <= {"kda", "mla"} and "kda" in cfg.layers):
             return False
-        k, a, m = opts["kda"], opts.get("mla"), cfg.moe
-        hidden = None if m is None else (m["hidden"] or cfg.mlp_hidden)
+        k, a = opts["kda"], opts.get("mla")
         return (cfg.mlp and cfg.pos_emb == "none" and not cfg.post_norm and cfg.scaled_residual is None
                 and k["qk_eps"] == 1e-6
                 and k["norm_eps"] == cfg.norm_eps and k["gate_rank"] == k["head_dim"] and not k["full_gates"]
                 and k["gate_bound"] is None
                 and (a is None or (not a["rotary"] and not a["head_gate"] and a["latent_eps"] == _LATENT_EPS))
-                and (m is None or (m["router"] == "sigmoid" and not m["shared_gate"] and m["shared"] > 0
-                                   and m["shared"] % hidden == 0)))
+                and deepseek_moe_holds(cfg.moe, cfg))
