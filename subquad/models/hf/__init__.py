@@ -22,7 +22,7 @@ weights shifted) and ``pack`` them back on saving.
     qwen3_next.py   qwen3_next (Gated DeltaNet with fused projections, gated attention, MoE + shared expert)
     nemotron_h.py   nemotron_h (Mamba-2, attention without positions, squared-ReLU MLPs and MoE layers of
                     squared-ReLU experts as separate layers by a pattern: a mixer layer and the MLP or MoE layer
-                    after it are one block; the multi-token-prediction layers left out by name)
+                    after it are one block; the multi-token-prediction layers as ``models.mtp``'s head)
     olmo_hybrid.py  olmo_hybrid (Gated DeltaNet, post-norm attention with q/k norms)
     kimi_linear.py  kimi_linear (Kimi Delta Attention, latent attention, DeepSeek-V3 experts)
     minimax.py      minimax (lightning attention, MiniMax-01's scaled residual)
