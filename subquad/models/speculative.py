@@ -52,9 +52,10 @@ class Pacer:
     followed within a few); the plain step right after a verification is not one of them: what it costs over t_p
     (the compiled step taking a state the verification left in another layout) is the verification's, added to
     t_v. Speculation starts optimistic: t_p comes from the plain steps that happen anyway (nothing drafted,
-    drafting paused) and, after ``PROBE`` verifications without one, from a plain step taken to measure it. While
-    verifying does not pay, drafting waits 1, 2, 4, ... up to ``MAX_WAIT`` plain steps, then verifies once more:
-    acceptance and costs change with the text and the batch."""
+    drafting paused) and, after ``PROBE`` verifications without one, from plain steps taken to measure it (two:
+    the first is the last verification's aftermath). While verifying does not pay, drafting waits 1, 2, 4, ... up
+    to ``MAX_WAIT`` plain steps, then verifies once more: acceptance and costs change with the text and the
+    batch."""
 
     ALPHA = 0.3
     GROWTH = 1.5
@@ -77,14 +78,13 @@ class Pacer:
     def measured(self, seconds: float, tokens_per_row: float | None = None) -> None:
         """A plain step's seconds (``tokens_per_row`` None) or a verification's and the tokens it emitted per row."""
         if tokens_per_row is None:
-            self.since = 0
-            if self.after and self.plain is not None:             # the verification's aftermath
+            if self.after and self.plain is not None:             # the verification's aftermath (a probe goes on)
                 self.after = False
                 self.verify += self.ALPHA * max(0.0, seconds - self.plain)
                 if not self.wait:                                 # judged to pay: judged again with it
                     self._judge()
                 return
-            self.after = False
+            self.after, self.since = False, 0
             self.plain = seconds if self.plain is None else min(seconds, self.GROWTH * self.plain)
             return
         self.since += 1

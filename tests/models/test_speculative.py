@@ -451,7 +451,9 @@ def test_the_pacer_verifies_only_while_it_pays_against_a_plain_step():
     for _ in range(8):                                          # verifications cheaper: it pays again at once
         p.measured(0.008, 3.0)
     assert p.pause == 0 and not p.want()                        # but 16 of them without a plain step: a probe
-    p.measured(0.008)
+    p.measured(0.008)                                           # the last one's aftermath
+    assert not p.want()
+    p.measured(0.008)                                           # the probe's measured plain step
     assert p.pause == 0 and p.want()
 
 
@@ -474,3 +476,21 @@ def test_speculation_backs_off_when_verifying_costs_more_than_it_emits(monkeypat
     assert model.generate(PROMPT, 60, temperature=0, speculative="ngram", draft_tokens=2)[0] == plain
     st = model.speculation_stats
     assert st.verifications < st.steps / 3, (st.verifications, st.steps)
+
+
+@pytest.mark.paced
+def test_a_probe_measures_a_plain_step_after_the_verifications_aftermath():
+    """Drafts that never fail: after PROBE verifications the pacer takes plain steps until one is measured - the
+    first after a verification is that verification's aftermath (charged to it), the second measures t_p."""
+    p = Pacer()
+    p.measured(0.004)
+    p.measured(0.004)                                           # t_p known: 4 ms
+    for _ in range(Pacer.PROBE):
+        assert p.want()
+        p.measured(0.008, 4.0)                                  # pays: 4 tokens for 8 ms
+    assert not p.want()
+    p.measured(0.010)                                           # the aftermath: +6 ms on t_v, t_p untouched
+    assert p.plain == 0.004 and p.verify == pytest.approx(0.008 + 0.3 * 0.006)
+    assert not p.want()                                         # the probe goes on
+    p.measured(0.005)
+    assert p.plain == pytest.approx(0.005) and p.want()
