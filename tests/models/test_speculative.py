@@ -457,22 +457,27 @@ def test_the_pacer_verifies_only_while_it_pays_against_a_plain_step():
     assert p.pause == 0 and p.want()
 
 
+def slow_verification(monkeypatch, module, seconds=0.025):
+    """``module.verify`` made ``seconds`` slower, and the pacer probing after 2 verifications (the pacer's tests)."""
+    import time
+
+    real = module.verify
+
+    def slow(*a, **k):
+        time.sleep(seconds)
+        return real(*a, **k)
+    monkeypatch.setattr(module, "verify", slow)
+    monkeypatch.setattr(Pacer, "PROBE", 2)
+
+
 @pytest.mark.paced
 def test_speculation_backs_off_when_verifying_costs_more_than_it_emits(monkeypatch):
     """A verification made slow on purpose (25 ms more): generate soon decodes with plain steps, same tokens."""
-    import time
-
     from subquad.models import generate as generate_mod
 
     model = tiny("mamba2,softmax", scale=1.0)                    # repeats itself: drafts accepted
     plain = model.generate(PROMPT, 60, temperature=0)[0]
-    real = generate_mod.verify
-
-    def slow(*a, **k):
-        time.sleep(0.025)
-        return real(*a, **k)
-    monkeypatch.setattr(generate_mod, "verify", slow)
-    monkeypatch.setattr(Pacer, "PROBE", 2)
+    slow_verification(monkeypatch, generate_mod)
     assert model.generate(PROMPT, 60, temperature=0, speculative="ngram", draft_tokens=2)[0] == plain
     st = model.speculation_stats
     assert st.verifications < st.steps / 3, (st.verifications, st.steps)

@@ -128,21 +128,13 @@ def test_drafts_stop_at_the_learned_positions_end(monkeypatch):
 @pytest.mark.paced
 def test_the_batch_takes_plain_steps_while_verifying_costs_more(monkeypatch):
     """A verification made slow on purpose (25 ms more): the engine soon steps plainly; the same tokens."""
-    import time
-
-    from subquad.models.speculative import Pacer
     from subquad.serve import engine as engine_mod
+    from tests.models.test_speculative import slow_verification
 
     model = model_of("mamba2")
     reqs = [(([3, 8, 1] * 5)[:n], SamplingParams(max_tokens=40, temperature=0)) for n in (7, 11, 15)]
     plain = [s.tokens for s in run_all(Engine(model, max_batch=3, state_cache_mb=0), reqs)]
-    real = engine_mod.verify
-
-    def slow(*a, **k):
-        time.sleep(0.025)
-        return real(*a, **k)
-    monkeypatch.setattr(engine_mod, "verify", slow)
-    monkeypatch.setattr(Pacer, "PROBE", 2)
+    slow_verification(monkeypatch, engine_mod)
     engine = Engine(model, max_batch=3, state_cache_mb=0, speculative="ngram", draft_tokens=3)
     assert [s.tokens for s in run_all(engine, reqs)] == plain
     c = engine.counters
