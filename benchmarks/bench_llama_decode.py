@@ -8,6 +8,9 @@ folder and as GGUF files (``save_gguf``: f32 and q8_0), then
                 with ``quantize="int8"``; N greedy ``model.step`` calls after warm-up (the graph compiled first)
 
     python benchmarks/bench_llama_decode.py --llama-bench /path/to/build/bin/llama-bench
+    SUBQUAD_ONEDNN=0 python benchmarks/bench_llama_decode.py ...     # the float32 products through MKL instead
+
+and the compiled steps at ``--batch`` rows (default 16), ms per step and the ratio to one row.
 
 ms per token (median of ``--repeats`` runs for subquad; llama-bench's mean over its own repetitions), the read
 bound (the bytes of the weights one token reads over the measured read bandwidth is not measured here: the
@@ -40,7 +43,7 @@ def llama_ms(bench: str, gguf: Path, tokens: int, threads: int) -> float:
     return 1e3 / row["avg_ts"]
 
 
-def subquad_ms(folder: Path, tokens: int, repeats: int, compiled: bool, quantize=None) -> float:
+def subquad_ms(folder: Path, tokens: int, repeats: int, compiled: bool, quantize=None, batch: int = 1) -> float:
     from subquad.models import from_pretrained
     from subquad.models.decode import compile_decode
 
@@ -48,11 +51,11 @@ def subquad_ms(folder: Path, tokens: int, repeats: int, compiled: bool, quantize
     model.eval()
     if compiled:
         compile_decode(model)
-    ids = torch.tensor([[1, 2, 3, 4]])
+    ids = torch.tensor([[1, 2, 3, 4]] * batch)
     runs = []
     with torch.no_grad():
         _, state = model.prefill(ids)
-        tok = torch.tensor([5])
+        tok = torch.tensor([5] * batch)
         for _ in range(3):                                   # warm-up: the graph compiled (or loaded) here
             logits, s = model.step(tok, state)
         for _ in range(repeats):
@@ -70,6 +73,7 @@ def main(argv=None):
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--batch", type=int, default=16, help="the rows of the batched compiled steps (1: none)")
     a = ap.parse_args(argv)
     torch.set_num_threads(a.threads)
     from subquad.models import LanguageModel, ModelConfig
@@ -77,7 +81,7 @@ def main(argv=None):
 
     torch.manual_seed(0)
     model = LanguageModel(ModelConfig(**SHAPE)).eval()
-    rows = {}
+    rows, batched = {}, {}
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp) / "mamba"
         model.save_pretrained(folder)
@@ -90,15 +94,26 @@ def main(argv=None):
                                   ("subquad int8 compile_decode", True, "int8")):
             rows[name] = subquad_ms(folder, a.tokens, a.repeats, compiled, q)
             print(f"{name}: {rows[name]:.2f} ms/token", flush=True)
+            if compiled and a.batch > 1:
+                batched[name] = subquad_ms(folder, a.tokens // 4, a.repeats, compiled, q, a.batch)
+                print(f"{name}, batch {a.batch}: {batched[name]:.2f} ms/step", flush=True)
     machine = machine_line(matmul_gflops())
     ref = {"f32": rows["llama.cpp f32"], "int8": rows["llama.cpp q8_0"]}
-    lines = [f"mamba-130m's shape (random weights), batch 1, {a.threads} threads, {a.tokens} tokens; {machine}", "",
+    from subquad.layers.linear import ONEDNN
+
+    lines = [f"mamba-130m's shape (random weights), batch 1, {a.threads} threads, {a.tokens} tokens; float32 "
+             f"products through {'oneDNN' if ONEDNN else 'MKL (SUBQUAD_ONEDNN=0)'}; {machine}", "",
              "| engine | ms/token | x llama.cpp (same precision) |", "|---|---:|---:|"]
     for name, ms in rows.items():
         base = ref["int8"] if ("int8" in name or "q8_0" in name) else ref["f32"]
         lines.append(f"| {name} | {ms:.2f} | {ms / base:.2f} |")
+    if batched:
+        lines += ["", f"| batch {a.batch}, compiled | ms/step | x batch 1 |", "|---|---:|---:|"]
+        lines += [f"| {name} | {ms:.2f} | {ms / rows[name]:.2f} |" for name, ms in batched.items()]
     print("\n".join(lines))
-    (OUT / "llama_decode.json").write_text(json.dumps({"ms": rows, "machine": machine, "tokens": a.tokens}, indent=1))
+    (OUT / "llama_decode.json").write_text(json.dumps({"ms": rows, "batched": batched, "batch": a.batch,
+                                                       "onednn": ONEDNN, "machine": machine, "tokens": a.tokens},
+                                                      indent=1))
     (OUT / "llama_decode.md").write_text("\n".join(lines) + "\n")
 
 

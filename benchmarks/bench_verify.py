@@ -5,8 +5,11 @@ tokens <= 1.5x one compiled float32 step at mamba-130m's shape), random weights,
                          in ``decode_layout``, as ``from_pretrained`` leaves them
     eager step           model.step without it
     prefill 8            model.prefill of 8 tokens from a state (eager: what a verification's forward runs)
-    verify 8             ``models.speculative.verify`` of 8 tokens (the prefill with the taps that record the
-                         rollback's inputs) and ``accept(j)`` of j = 4 (a replay of every recurrent layer)
+    verify 8             ``models.speculative.verify`` of 8 tokens, eager (the prefill with the taps that record
+                         the rollback's inputs) and ``accept(j)`` of j = 4 (a replay of every recurrent layer)
+    compiled verify 8    the same through the compiled verification (``CompiledStep.verifier``: one graph over the
+                         8 tokens that keeps each Mamba layer's state after every token) and ``accept(4)`` (a
+                         pick of the 4th); its graph compiled before timing
 
     python benchmarks/bench_verify.py            # ~2 min (the compile is most of it)
 
@@ -74,8 +77,17 @@ def main(argv=None):
             _, ver = verify(eager, block, state)
             ver.accept(a.tokens // 2)
 
+        def compiled_verify_accept():
+            _, ver = verify(fast, block, fstate)
+            ver.accept(a.tokens // 2)
+
+        t = time.perf_counter()
+        compiled_verify_accept()                          # its graph compiled (or loaded) here
+        verify_compile_s = time.perf_counter() - t
+
         cases = {"compiled step": compiled, "eager step": eager_step, f"prefill {a.tokens}": prefill,
-                 f"verify {a.tokens} + accept {a.tokens // 2}": verify_accept}
+                 f"verify {a.tokens} + accept {a.tokens // 2}": verify_accept,
+                 f"compiled verify {a.tokens} + accept {a.tokens // 2}": compiled_verify_accept}
         for fn in cases.values():
             fn()
         times = {k: [] for k in cases}
@@ -88,7 +100,8 @@ def main(argv=None):
     base = ms["compiled step"]
     machine = machine_line(matmul_gflops())
     lines = [f"mamba-130m's shape{' (quick: width 128, 2 layers)' if a.quick else ''}, batch 1, float32; "
-             f"{machine}; first compiled steps {compile_s:.1f} s", "",
+             f"{machine}; first compiled steps {compile_s:.1f} s, first compiled verification {verify_compile_s:.1f} s",
+             "",
              "| call | ms | x compiled step |", "|---|---:|---:|"]
     lines += [f"| {k} | {v:.2f} | {v / base:.2f} |" for k, v in ms.items()]
     print("\n".join(lines))

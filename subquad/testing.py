@@ -129,6 +129,30 @@ def check_rollback(name, d_model=16, n_heads=2, options=None, T=5):
                 nxt = x[:, n:n + 1]
                 torch.testing.assert_close(layer(nxt, got)[0], layer(nxt, want)[0], rtol=0, atol=1e-9,
                                            msg=lambda m, keep=keep: f"{name}: decoding after a rollback to {keep}: {m}")
+            if kind == "states":
+                _check_states(name, layer, x, prefix, T, before)
+
+
+def _check_states(name, layer, x, prefix, T, before):
+    """A "states" mixer under ``PerToken``: the same output, and the state after each verified token - taken
+    for one keep or one per row (``pick``) - equal to prefilling exactly those tokens."""
+    from subquad.layers.rollback import PER_TOKEN, pick, same_state
+    from subquad.layers.sequence import use
+
+    y, after = layer(x[:, prefix:prefix + T], before)
+    with use(PER_TOKEN):
+        y2, per = layer(x[:, prefix:prefix + T], before)
+    torch.testing.assert_close(y2, y, rtol=0, atol=1e-9, msg=lambda m: f"{name}: output under PerToken: {m}")
+    if set(per) != set(after):
+        raise AssertionError(f"{name}: state entries under PerToken {sorted(per)} != {sorted(after)}")
+    B = x.shape[0]
+    for keep in [*range(1, T + 1), torch.tensor([T, 1][:B])]:
+        got = {k: pick(before[k], v, keep) for k, v in per.items()}
+        rows = keep.tolist() if isinstance(keep, torch.Tensor) else [keep] * B
+        for b, n in enumerate(rows):
+            want = layer(x[b:b + 1, :prefix + n])[1]
+            why = same_state({k: v[b:b + 1] for k, v in got.items()}, want, atol=1e-9)
+            assert why is None, f"{name}: the state after {n} of {T} verified tokens (PerToken, row {b}): {why}"
 
 
 def check_varlen(name, d_model=16, n_heads=2, options=None, lengths=LENGTHS):

@@ -23,6 +23,8 @@ class ChannelMix(nn.Module):
     sequence with ``cu_seqlens``), never modified.
     """
 
+    rollback = "states"         # its state is a token shift's tail (layers.rollback; Block.state_parts)
+
     def __init__(self, d_model: int, hidden: int):
         super().__init__()
         self.d_model = d_model

@@ -123,7 +123,7 @@ class Mamba(Mixer):
                                   initial_state=None if state is None else state["ssm"][:, c])
             ys.append(y)
             hs.append(h)
-        return self.out_proj(torch.cat(ys, -1)), {"ssm": torch.cat(hs, 1), "conv": conv}
+        return self.out_proj(torch.cat(ys, -1)), {"ssm": torch.cat(hs, -2), "conv": conv}
 
 
 def _weightless_rms(x, eps):

@@ -45,7 +45,9 @@ class MixerEntry:
               in place of decoding, packing and the model
     rollback  how speculative decoding keeps the state after the first j of k verified tokens
               (``subquad.layers.rollback``): "truncate" (a KV cache drops the rejected tokens' entries) or
-              "replay" (the layer runs the j accepted tokens again from the state before verification)
+              "replay" (the layer runs the j accepted tokens again from the state before verification) or
+              "states" (a fixed state built only through ``seq.recurrence`` and ``seq.causal_conv``: the
+              compiled verification keeps it after every token and takes the j-th; replayed otherwise)
     about     one line for listings
     The layer itself declares the rest: its op (called through ``seq.recurrence`` / ``seq.attention``,
     the op's ``Transition`` gives context parallelism), its state layout (``empty_state``) and its FLOPs.
@@ -81,28 +83,31 @@ MIXERS: dict[str, MixerEntry] = {
                           rollback="truncate", about="full causal softmax attention (KV cache grows)"),
     "swa": MixerEntry(SoftmaxAttention, {"window": 64}, heads="n_kv_heads", attention=True, rollback="truncate",
                       about="sliding-window softmax attention (bounded cache), window 64 unless set"),
-    "linear": MixerEntry(LinearAttention, recall=CONV, about="linear attention, elu+1 unless feature_map= is set"),
+    "linear": MixerEntry(LinearAttention, recall=CONV, rollback="states",
+                         about="linear attention, elu+1 unless feature_map= is set"),
     "performer": MixerEntry(LinearAttention, {"feature_map": "performer"}, recall=CONV,
-                            about="linear attention with Performer's random features"),
+                            rollback="states", about="linear attention with Performer's random features"),
     "taylor": MixerEntry(LinearAttention, {"feature_map": "taylor", "qk_dim": 16}, recall=CONV,
-                         about="Based's second-order Taylor map on a 16-dim projection"),
+                         rollback="states", about="Based's second-order Taylor map on a 16-dim projection"),
     "retention": MixerEntry(MultiScaleRetention, recall=CONV, about="RetNet's multi-scale retention"),
-    "gla": MixerEntry(GatedLinearAttention, recall=CONV, about="gated linear attention, a decay per key channel"),
-    "mamba": MixerEntry(Mamba, heads=None, about="Mamba-1 (selective scan, S6)"),
-    "mamba2": MixerEntry(Mamba2, _mamba2_sizes, heads=None, about="Mamba-2 (SSD)"),
-    "deltanet": MixerEntry(DeltaNet, own_heads=True, about="the delta rule"),
-    "gated_deltanet": MixerEntry(GatedDeltaNet, own_heads=True, about="the gated delta rule"),
-    "kda": MixerEntry(KimiDeltaAttention, own_heads=True,
+    "gla": MixerEntry(GatedLinearAttention, recall=CONV, rollback="states",
+                      about="gated linear attention, a decay per key channel"),
+    "mamba": MixerEntry(Mamba, heads=None, rollback="states", about="Mamba-1 (selective scan, S6)"),
+    "mamba2": MixerEntry(Mamba2, _mamba2_sizes, heads=None, rollback="states", about="Mamba-2 (SSD)"),
+    "deltanet": MixerEntry(DeltaNet, own_heads=True, rollback="states", about="the delta rule"),
+    "gated_deltanet": MixerEntry(GatedDeltaNet, own_heads=True, rollback="states", about="the gated delta rule"),
+    "kda": MixerEntry(KimiDeltaAttention, own_heads=True, rollback="states",
                       about="Kimi Delta Attention: the gated delta rule with a decay per key channel"),
     "mla": MixerEntry(LatentAttention, attention=True, rollback="truncate",
                       about="multi-head latent attention (softmax; the cache keeps latents)"),
-    "lightning": MixerEntry(LightningAttention,
+    "lightning": MixerEntry(LightningAttention, rollback="states",
                             about="MiniMax's lightning attention: linear attention, fixed decays, gated norm"),
-    "gated_conv": MixerEntry(GatedShortConv, heads=None,
+    "gated_conv": MixerEntry(GatedShortConv, heads=None, rollback="states",
                              about="LFM2's gated short convolution: out(c * conv(b * x)), no recurrence"),
     "rglru": MixerEntry(GriffinRecurrentBlock, about="Griffin's recurrent block (RG-LRU)"),
-    "rwkv7": MixerEntry(RWKV7, about="RWKV-7 time mix: the generalised delta rule, token shift, value residual"),
-    "mlstm": MixerEntry(MLSTM,
+    "rwkv7": MixerEntry(RWKV7, rollback="states",
+                        about="RWKV-7 time mix: the generalised delta rule, token shift, value residual"),
+    "mlstm": MixerEntry(MLSTM, rollback="states",
                         about="xLSTM's mLSTM: a matrix memory, exponential input gate, max-stabilised normaliser"),
     "linformer": MixerEntry(Linformer, encoder_only=True,
                             about="Linformer: softmax attention over keys and values projected along time"),

@@ -10,6 +10,10 @@ been fed. How each mixer gets it is declared in the table of mechanisms (``Mixer
                  has lost some of them: replayed.
     "replay"     a fixed-size state (a recurrence, a convolution's tail): the layer runs the j accepted tokens
                  again from ``before`` - exact for every recurrent form, and it holds no state per position.
+    "states"     a fixed-size state built only by ``seq.recurrence`` and ``seq.causal_conv``: the compiled
+                 verification (``models.decode``) runs the layer under ``PerToken``, which keeps the state
+                 after each of the k tokens, (B, k, ...) per entry, and accepting j takes the j-th
+                 (``pick``) - no second pass over the layer's weights. Outside it such a layer is replayed.
 
 Either way the result equals the state after a forward over those j tokens from ``before`` (float64: to
 rounding), which is what ``subquad.testing.check_rollback`` checks for every entry of the table.
@@ -19,9 +23,58 @@ from __future__ import annotations
 
 import torch
 
+from subquad.layers.sequence import SingleDevice
 from subquad.ops import KVCache
 
-ROLLBACKS = ("truncate", "replay")
+ROLLBACKS = ("truncate", "replay", "states")
+
+
+class PerToken(SingleDevice):
+    """The sequence backend of a verification that keeps the state after every token ("states" above): each
+    recurrence runs one token at a time from the state before (its recurrent form: a few fused loops per token
+    in a compiled graph, while the layer's projections still run over all k tokens at once) and returns the
+    states after each, stacked on dim 1; a causal convolution returns its tail after each token, (B, k, reach,
+    ...), cut from [tail, x]. Outputs are those of ``SingleDevice``."""
+
+    def recurrence(self, op, *inputs, initial_state=None, **options):
+        timed, names = getattr(op, "token_args", None), getattr(op, "arg_names", None)
+        if timed is None:
+            raise ValueError(f"{getattr(op, '__name__', op)!r} does not declare its per-token arguments "
+                             "(ops.common.varlen): a verification cannot keep its states per token")
+        args = list(inputs)
+        at = [i for i, a in enumerate(args) if names[i] in timed and a is not None]
+        kw = [k for k, v in options.items() if k in timed and v is not None]
+        T = (args[at[0]] if at else options[kw[0]]).shape[1]
+        ys, states, S = [], [], initial_state
+        for t in range(T):
+            a = [x[:, t:t + 1] if i in at else x for i, x in enumerate(args)]
+            o = {k: (v[:, t:t + 1] if k in kw else v) for k, v in options.items()}
+            y, S = op(*a, initial_state=S, output_final_state=True, **o)
+            ys.append(y)
+            states.append(S)
+        if isinstance(S, tuple):
+            S = tuple(torch.stack([s[i] for s in states], 1) for i in range(len(S)))
+        else:
+            S = torch.stack(states, 1)
+        return torch.cat(ys, 1), S
+
+    def causal_conv(self, conv, x, reach: int, tail=None):
+        y, new = conv(x, tail)
+        if tail is None:                  # from an empty state: nothing before x (a verification has a state)
+            tail = torch.zeros_like(new)
+        full = torch.cat([tail.to(new.dtype), x.to(new.dtype)], 1)          # (B, reach + T, ...)
+        return y, torch.stack([full[:, t + 1:t + 1 + reach] for t in range(x.shape[1])], 1)
+
+
+PER_TOKEN = PerToken()
+
+
+def pick(before, after, keep):
+    """The entry of a "states" part after the first ``keep`` verified tokens: ``after`` (B, k, ...) holds it
+    after each; ``keep`` an int (0: ``before``) or one count >= 1 per row ((B,) long tensor)."""
+    if isinstance(keep, torch.Tensor):
+        return after[torch.arange(after.shape[0], device=after.device), keep.to(after.device) - 1]
+    return before if keep == 0 else after[:, keep - 1].contiguous()
 
 
 def truncate(before: dict, after: dict, T: int, keep: int) -> dict | None:

@@ -22,6 +22,14 @@ the op's output does not). A state keeps one structure from step to step (``_for
 to append in place and ragged at >= 2 rows, tensors dense and without a base), so a batch of >= 2 rows runs
 one graph and a batch of 1 another (dynamo specialises sizes of 1), whatever the steps between.
 
+Speculative decoding's verification (``models.speculative.verify``) has graphs of its own, one per number of
+verified tokens T (``CompiledStep.verifier``): the whole model over (B, T) tokens under
+``layers.rollback.PER_TOKEN``, so each recurrent layer's projections run over the T tokens at once while its
+recurrence runs token by token and keeps the state after each - accepting j of them takes the j-th, nothing
+runs again. Its recurrences unrolled T times, it builds in minutes at mamba-130m's shape (189 s, T = 9),
+once per machine: saved as the step's graphs are. (A graph per block structure, shared by the blocks, built
+in 12 s but cost 1.7x a step against 1.4x, its calls and guards per block: benchmarks/RESULTS.md.)
+
 Across processes: each graph is saved where ``SUBQUAD_COMPILE_CACHE`` points (default
 ``~/.cache/subquad/decode``) and the next process that decodes the same model on the same machine loads it
 instead of compiling it again (seconds, not a minute: ``benchmarks/RESULTS.md``, "The compiled step across
@@ -39,6 +47,7 @@ Equality: tested against the eager step over 64 steps for every mixer and every 
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import hashlib
 import logging
@@ -53,6 +62,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from subquad.layers import sequence
 from subquad.models.state import ModelState
 from subquad.ops import KVCache
 
@@ -78,12 +88,12 @@ def _dense(t: torch.Tensor) -> torch.Tensor:
     return torch.empty(t.shape, dtype=t.dtype, device=t.device).copy_(t)
 
 
-def _for_graph(v):
-    """A state entry as the graph takes it: a tensor with row-major strides, a KV cache ready to append in
-    place (``KVCache.for_step``: no reallocation in the graph, ragged at >= 2 rows)."""
+def _for_graph(v, t: int = 1):
+    """A state entry as the graph takes it: a tensor with row-major strides, a KV cache ready to append ``t``
+    tokens in place (``KVCache.for_step``: no reallocation in the graph, ragged at >= 2 rows)."""
     if isinstance(v, torch.Tensor):
         return _dense(v)
-    return v.for_step() if isinstance(v, KVCache) else v
+    return v.for_step(t) if isinstance(v, KVCache) else v
 
 
 def _blocks_and_head(model, h, states):
@@ -93,6 +103,16 @@ def _blocks_and_head(model, h, states):
         h, s = block(h, s, carry=carry)
         out.append(s)
     return model._logits(h)[:, -1], out
+
+
+def _blocks_and_heads(model, h, states):
+    """h (B, T, d_model) and the per-layer states -> (logits (B, T, vocab), new per-layer states): the graph of
+    a speculative verification (``CompiledStep.verifier``), run under ``layers.rollback.PER_TOKEN``."""
+    out, carry = [], model._carry(h)
+    for block, s in zip(model.blocks, states):
+        h, s = block(h, s, carry=carry)
+        out.append(s)
+    return model._logits(h), out
 
 
 def cache_dir(cache=True) -> Path | None:
@@ -124,8 +144,10 @@ def _machine_key() -> str:
         cpu = "|".join(next((ln for ln in lines if ln.startswith(k)), "") for k in ("model name", "flags"))
     except OSError:
         pass
+    from subquad.layers.linear import ONEDNN
+
     for part in (torch.__version__, sys.version, platform.machine(), cpu, str(cpu_vec_isa.pick_vec_isa()),
-                 repr(sorted(OPTIONS.items())), str(DYNAMIC)):
+                 repr(sorted(OPTIONS.items())), str(DYNAMIC), str(ONEDNN)):
         h.update(part.encode() + b"\0")
     return h.hexdigest()
 
@@ -159,7 +181,7 @@ def _specialisation(h, states) -> str:
     structure, per layer its keys and their kinds. A loaded graph's guards check the rest."""
     layers = ";".join("None" if s is None else ",".join(f"{k}:{_describe(v)}" for k, v in sorted(s.items()))
                       for s in states)
-    return f"{'1' if h.shape[0] == 1 else 'B'}|{h.dtype}|{layers}"
+    return f"{'1' if h.shape[0] == 1 else 'B'}|T{h.shape[1]}|{h.dtype}|{layers}"
 
 
 class CompiledStep:
@@ -167,12 +189,13 @@ class CompiledStep:
     ``loaded`` and ``compiled`` count the graphs read from the cache and compiled here (``aot_compile``);
     ``fallback`` is why the step runs ``torch.compile``'s graphs instead (None while it does not)."""
 
-    def __init__(self, model, cache=True):
-        self.model = model
+    def __init__(self, model, cache=True, graph=_blocks_and_head, backend=None):
+        self.model, self.backend, self._cache_arg, self._verifier = model, backend, cache, None
+        self.shapes = set()          # a verifier's (B, T) seen
         # dynamo keeps compiled graphs per code object, so each model gets a copy of the function's code: its own
         # cache and recompile limit, and no guard scan over other models' graphs
-        code = _blocks_and_head.__code__.replace()
-        own = types.FunctionType(code, _blocks_and_head.__globals__, _blocks_and_head.__name__)
+        code = graph.__code__.replace()
+        own = types.FunctionType(code, graph.__globals__, graph.__name__)
         self.graph = torch.compile(own, dynamic=DYNAMIC, options=OPTIONS)
         self.cache = cache_dir(cache)
         self.fallback = None if self.cache is not None else "cache=False"
@@ -184,13 +207,30 @@ class CompiledStep:
     def __call__(self, tokens, state):
         model = self.model
         h, pos = model._embed_tokens(tokens, state)
-        states = [None] * len(model.blocks) if state is None else [{k: _for_graph(v) for k, v in s.items()} for s in state]
+        t = tokens.shape[1]
+        if self.backend is not None:
+            self.shapes.add(tuple(tokens.shape))
+        states = [None] * len(model.blocks) if state is None else [{k: _for_graph(v, t) for k, v in s.items()}
+                                                                    for s in state]
         # no duck sizing: a batch of 3 beside a convolution's 3-token tail would tie the two sizes (a recompile)
         with torch.no_grad(), torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT), \
-                torch.fx.experimental._config.patch(use_duck_shape=False):
+                torch.fx.experimental._config.patch(use_duck_shape=False), \
+                (sequence.use(self.backend) if self.backend is not None else contextlib.nullcontext()):
             graph = self._precompiled(h, states) if self.fallback is None else None
             logits, out = (graph or self.graph)(model, h, states)
         return logits, ModelState(out, pos=pos)
+
+    def verifier(self) -> "CompiledStep":
+        """The compiled verification of speculative decoding (``models.speculative.verify``; module doc): tokens
+        (B, T), state -> (logits (B, T, vocab), the state with each "states" part's entries kept after every
+        token, (B, T, ...), and KV caches appended). A graph per (batch 1 or more, T), built at its first call -
+        minutes for a large model (its recurrences unrolled T times) - or loaded from the cache."""
+        if self._verifier is None:
+            from subquad.layers.rollback import PER_TOKEN
+
+            self._verifier = CompiledStep(self.model, self._cache_arg, _blocks_and_heads, PER_TOKEN)
+        return self._verifier
+
 
     def _precompiled(self, h, states):
         """The saved or precompiled graph whose guards accept this call: one already here, else the cache's

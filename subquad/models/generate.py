@@ -152,6 +152,7 @@ def _speculate(model, last, state, max_new_tokens, sampler, emit, draft_tokens, 
     per emitted token than a plain step (``Pacer``). Returns the state (every emitted token consumed but each
     row's last) and the ``SpeculationStats``."""
     hooked = drafts_by.needs_hidden
+    fixed = not hooked and getattr(model, "_decode_step", None) is not None    # drafts padded to draft_tokens
     B, dev = last.shape[0], last.device
     stats = SpeculationStats()
     t0 = sampler(last).tolist()
@@ -169,11 +170,13 @@ def _speculate(model, last, state, max_new_tokens, sampler, emit, draft_tokens, 
         room = min(max_new_tokens - count[i] for i in active)             # every active row may emit this many
         feed = [t0[i] if not done[i] else 0 for i in range(B)]              # finished rows: padding
         drafts = [[] for _ in range(B)]
-        if wait == 0 and room > 1 and pacer.want():
+        if wait == 0 and room > (draft_tokens if fixed else 1) and pacer.want():
             drafts = drafts_by.propose(feed, active, min(draft_tokens, room - 1))
         else:
             wait = max(0, wait - 1)
         k = max(len(d) for d in drafts)
+        if k and fixed:                         # a compiled verification: one graph, for k = draft_tokens
+            k = draft_tokens
         stats.steps += 1
         stats.row_steps += len(active)
         if k == 0:                                                         # nothing drafted: a plain step
@@ -189,7 +192,7 @@ def _speculate(model, last, state, max_new_tokens, sampler, emit, draft_tokens, 
             rows = [[feed[i]] + d + [d[-1] if d else feed[i]] * (k - len(d)) for i, d in enumerate(drafts)]
             ids = torch.tensor(rows, device=dev)                           # (B, k + 1); any padding is a valid draft
             with capture_hidden(model, hooked) as seen:
-                logits, ver = verify(model, ids, state)
+                logits, ver = verify(model, ids, state, how="replay" if hooked else None)
             x = sampler.process_drafts(logits, ids[:, 1:])                 # (B, k + 1, vocab)
             tokens, accepted = accept_drafts(x, ids[:, 1:], sampler.probabilities(x), sampler.generator)
             stats.verifications += 1

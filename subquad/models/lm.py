@@ -30,6 +30,7 @@ from torch import nn
 from subquad.layers import MIXERS, RMSNorm, build_mixer, sequence, tensor_bytes
 from subquad.layers.channel_mix import ChannelMix
 from subquad.layers.mlp import ReLU2MLP, SwiGLU, dense_mlp
+from subquad.layers.linear import linear, use_linear
 from subquad.models.config import ModelConfig
 from subquad.models.generate import generate
 from subquad.models.loss import linear_cross_entropy
@@ -126,9 +127,10 @@ class Block(nn.Module):
     def state_parts(self) -> list:
         """The modules holding the layer's state, each (module, rollback kind, prefix of its entries in the layer's
         state): the mixers, rolled back as the table declares (``MixerEntry.rollback``; speculative decoding,
-        ``layers.rollback``), and a stateful MLP, replayed, its entries under "mlp."."""
+        ``layers.rollback``), and a stateful MLP (its ``rollback``, else "replay"), its entries under "mlp."."""
         parts = [(self.mixer, MIXERS[self.mixer_name].rollback, "")]
-        return parts + ([(self.mlp, "replay", MLP_STATE)] if self.stateful_mlp else [])
+        kind = getattr(self.mlp, "rollback", "replay")
+        return parts + ([(self.mlp, kind, MLP_STATE)] if self.stateful_mlp else [])
 
 
 class PreNormBlock(Block):
@@ -300,6 +302,7 @@ class LanguageModel(nn.Module):
         self.head = None if cfg.tie_embeddings else nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         self.apply(self._init)
         self._init_residual_branches()
+        use_linear(self)                  # inference products through oneDNN on CPU (layers.linear)
 
     @staticmethod
     def _init(m):
@@ -382,7 +385,7 @@ class LanguageModel(nn.Module):
 
     def _logits(self, h):
         h = self.norm(h)
-        logits = h @ self.embed.weight.T if self.head is None else self.head(h)
+        logits = linear(h, self.embed.weight) if self.head is None else self.head(h)
         cap = self.config.logit_soft_cap
         if cap is None:
             return logits
@@ -492,12 +495,12 @@ class LanguageModel(nn.Module):
         """Bytes of every tensor the decoding state holds, measured from the tensors."""
         return tensor_bytes(list(state))
 
-    def verify(self, tokens, state):
-        """Speculative decoding's verification: tokens (B, k) after ``state`` -> (logits (B, k, vocab), a
-        ``models.speculative.Verification`` whose ``accept(j)`` is the state after only the first j of them)."""
+    def verify(self, tokens, state, how: str | None = None):
+        """Speculative decoding's verification: tokens (B, k) after ``state`` -> (logits (B, k, vocab), an object
+        whose ``accept(j)`` is the state after only the first j of them; ``how``: ``models.speculative.verify``)."""
         from subquad.models.speculative import verify
 
-        return verify(self, tokens, state)
+        return verify(self, tokens, state, how)
 
     def generate(self, prompt, max_new_tokens: int, temperature: float = 1.0, top_k: int | None = None,
                  top_p: float | None = None, seed: int | None = None, state=None, on_token=None, stop_ids=None,

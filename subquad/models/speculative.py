@@ -33,8 +33,10 @@ from dataclasses import dataclass
 
 import torch
 
-from subquad.layers.rollback import roll_back
+from subquad.layers import sequence
+from subquad.layers.rollback import PER_TOKEN, pick, roll_back, truncate
 from subquad.models.state import ModelState
+from subquad.ops import KVCache
 
 SPECULATIVE = ("ngram", "mtp")   # by name; a draft model is passed as itself
 MAX_NGRAM = 3      # the longest suffix prompt lookup matches
@@ -117,15 +119,7 @@ class Verification:
         inputs). ``keep`` a list of one count per row (1..T) keeps a different prefix in each row: every part
         replays its rows' kept inputs packed in one row (``cu_seqlens``), leaving a ragged state as a packed
         prefill does. Call it once: a truncated KV cache reuses the verification's buffers."""
-        rows = isinstance(keep, (list, tuple))
-        B = self.taps[0][0].x.shape[0]
-        if rows and (len(keep) != B or any(isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= self.T
-                                           for n in keep)):
-            raise ValueError(f"keep per row must be {B} ints in [1, {self.T}], got {keep!r}")
-        if rows and len(set(keep)) == 1:
-            keep, rows = keep[0], False
-        if not rows and (isinstance(keep, bool) or not isinstance(keep, int) or not 0 <= keep <= self.T):
-            raise ValueError(f"keep must be an int in [0, {self.T}] (the verified tokens), got {keep!r}")
+        keep, rows = _check_keep(keep, self.taps[0][0].x.shape[0], self.T)
         dev = self.taps[0][0].x.device
         pos = getattr(self.before, "pos", 0)
         if rows:
@@ -180,12 +174,112 @@ class _Tap:
         return self.module(x, state, cu_seqlens=cu_seqlens, **extra)[1]
 
 
+def _check_keep(keep, B, T):
+    """keep as an int, or as a list of one count per row when they differ; ValueError for anything else."""
+    rows = isinstance(keep, (list, tuple))
+    if rows and (len(keep) != B or any(isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= T
+                                       for n in keep)):
+        raise ValueError(f"keep per row must be {B} ints in [1, {T}], got {keep!r}")
+    if rows and len(set(keep)) == 1:
+        keep, rows = keep[0], False
+    if not rows and (isinstance(keep, bool) or not isinstance(keep, int) or not 0 <= keep <= T):
+        raise ValueError(f"keep must be an int in [0, {T}] (the verified tokens), got {keep!r}")
+    return keep, rows
+
+
+class KeptStates:
+    """The rollback of a verification that kept the states per token (``verify``'s "compiled" and "states"):
+    each "states" part left its entries after every verified token, (B, T, ...), so accepting j takes the j-th
+    (``layers.rollback.pick``: per row, a gather), and a KV cache drops the rest (``truncate``) - nothing runs
+    again."""
+
+    def __init__(self, model, before, after, tokens):
+        self.model, self.before, self.after = model, before, after
+        self.B, self.T = tokens.shape
+        self.device = tokens.device
+
+    @torch.no_grad()
+    def accept(self, keep) -> ModelState:
+        """As ``Verification.accept``: the state after the first ``keep`` verified tokens (an int, or one count
+        per row: rows whose counts differ hold no KV cache, which ``keeps_states`` made sure of)."""
+        keep, rows = _check_keep(keep, self.B, self.T)
+        pos = getattr(self.before, "pos", 0)
+        if rows:
+            dev = self.device
+            keep = torch.tensor(keep, device=dev)
+            state = ModelState(pos=torch.as_tensor(pos, device=dev) + keep)
+        else:
+            state = ModelState(pos=pos + keep)
+        for before, after in zip(self.before, self.after):
+            layer = {}
+            for key, v in after.items():
+                b = before[key]
+                if isinstance(v, KVCache):
+                    kept = None if rows else truncate({key: b}, {key: v}, self.T, keep)
+                    if kept is None:
+                        raise RuntimeError(f"a verification kept per token cannot roll back KV cache {key!r} to {keep}")
+                    layer[key] = kept[key]
+                    continue
+                if v.shape[:2] != (b.shape[0], self.T) or v.shape[2:] != b.shape[1:]:
+                    raise RuntimeError(f"state entry {key!r} of a verification kept per token is {tuple(v.shape)}, not "
+                                       f"kept per token from {tuple(b.shape)}: its mixer is not \"states\"")
+                layer[key] = pick(b, v, keep)
+            state.append(layer)
+        return state
+
+
+def keeps_states(model, tokens) -> bool:
+    """Whether a verification of ``tokens`` (B, T) can keep the state after every token instead of replaying:
+    every part of the model's state is a "states" part (``layers.rollback``) or a KV cache, the latter only at
+    batch 1 (rows may keep different counts; a cache cannot drop a different number per row) and with any
+    window holding all T tokens."""
+    B, T = tokens.shape
+    for block in model.blocks:
+        for module, kind, _ in block.state_parts():
+            if kind == "truncate":
+                window = getattr(module, "window", None)
+                if B > 1 or (window is not None and window < T):
+                    return False
+            elif kind != "states":
+                return False
+    return True
+
+
+HOW = ("compiled", "states", "replay")
+
+
 @torch.no_grad()
-def verify(model, tokens, state):
-    """tokens (B, T) after ``state`` (a model state, not None) -> (logits (B, T, vocab), ``Verification``): the
-    same logits and state as ``model.prefill(tokens, state)``, keeping what ``Verification.accept`` needs."""
+def verify(model, tokens, state, how: str | None = None):
+    """tokens (B, T) after ``state`` (a model state, not None) -> (logits (B, T, vocab), the rollback: a
+    ``Verification`` or ``KeptStates``): the same logits and state as ``model.prefill(tokens, state)``, keeping
+    what ``accept`` needs. ``how``:
+
+        "compiled"   the compiled verification (``CompiledStep.verifier``, after ``compile_decode``), keeping
+                     the states per token (``keeps_states``); it fires no hooks
+        "states"     the same eagerly: the prefill under ``layers.rollback.PER_TOKEN``
+        "replay"     the prefill with taps that record each part's inputs, replayed at ``accept``
+        None         "compiled" where the model decodes compiled and ``keeps_states``, else "replay"
+    """
     if state is None:
         raise ValueError("verify needs the state the tokens continue (prefill the prompt first)")
+    if how is None:
+        fast = getattr(model, "_decode_step", None) is not None and hasattr(model._decode_step, "verifier")
+        how = "compiled" if fast and keeps_states(model, tokens) else "replay"
+    if how not in HOW:
+        raise ValueError(f"how must be one of {HOW} or None, got {how!r}")
+    if how != "replay":
+        if not keeps_states(model, tokens):
+            raise ValueError(f"how={how!r} needs every part of the state kept per token (keeps_states): this model's "
+                             f"parts at batch {tokens.shape[0]} and {tokens.shape[1]} tokens are not")
+        if how == "compiled":
+            step = getattr(model, "_decode_step", None)
+            if step is None or not hasattr(step, "verifier"):
+                raise ValueError("how='compiled' needs compile_decode(model) first")
+            logits, after = step.verifier()(tokens, state)
+        else:
+            with sequence.use(PER_TOKEN):
+                logits, after = model.prefill(tokens, state)
+        return logits, KeptStates(model, state, after, tokens)
     taps = [[_Tap(*part) for part in block.state_parts()] for block in model.blocks]
     hooks = []
     try:

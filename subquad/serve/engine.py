@@ -458,6 +458,8 @@ class Engine:
         drafts = self._drafts() if self.speculative and self.pacer.want() else []
         feed = [s.tokens[-1] for s in self.running]
         k = max(map(len, drafts), default=0)
+        if k and getattr(self.model, "_decode_step", None) is not None:   # a compiled verification: one graph,
+            k = self.draft_tokens if self._draft_cap >= self.draft_tokens else 0     # for k = draft_tokens
         try:
             if k:
                 ids = [[t] + d + [t] * (k - len(d)) for t, d in zip(feed, drafts)]    # padding: never read
@@ -517,8 +519,8 @@ class Engine:
             out.append(s.lookup.draft(min(self.draft_tokens, room)))
         # a row with fewer drafts is padded to the longest: no row's positions may pass max_context (learned
         # positions end there)
-        cap = min(self.max_context - len(s.prompt) - len(s.tokens) for s in self.running)
-        return [d[:max(cap, 0)] for d in out]
+        cap = self._draft_cap = max(min(self.max_context - len(s.prompt) - len(s.tokens) for s in self.running), 0)
+        return [d[:cap] for d in out]
 
     def _emit_drafted(self, seq: Sequence, rows: torch.Tensor, drafts: list[int]) -> int:
         """Sample the row's tokens from its logits at each verified position (rows (k + 1, vocab)), going on

@@ -23,6 +23,14 @@ def test_every_mechanism_passes_the_battery(name, check):
     assert ran == ([] if check in skipped else [check])
 
 
+@pytest.mark.parametrize("name,options", [("mamba", {"heads": 2}), ("mamba2", {"conv_size": 2}),
+                                          ("gla", {"conv_size": 4}), ("mamba", {"bcdt_rms_eps": 1e-5})])
+def test_rollback_per_token_with_options(name, options):
+    """A "states" mixer keeps its state per verified token with the options checkpoints set (Zamba's heads)."""
+    assert MIXERS[name].rollback == "states"
+    assert check_mixer(name, checks=["rollback"], options=options) == ["rollback"]
+
+
 class Forgetful(Mixer):
     """A decayed recurrence that drops the state it is given: one forward is right, decoding is not."""
 
@@ -110,4 +118,6 @@ def test_every_entry_declares_its_fields():
         assert e.heads in ("n_heads", "n_kv_heads", None) and isinstance(e.own_heads, bool), name
         assert isinstance(e.recall, dict) and e.about, name
         assert not (e.attention and e.encoder_only), f"{name}: attention is a language model's layer"
-        assert e.rollback == ("truncate" if e.attention else "replay"), f"{name}: attention truncates its cache"
+        assert (e.rollback == "truncate") == e.attention, f"{name}: attention truncates its cache, nothing else"
+        assert e.encoder_only or e.rollback != "replay" or name in ("retention", "rglru"), \
+            f"{name}: a fixed state kept per token (\"states\") unless it holds a position count (replayed)"

@@ -10,7 +10,7 @@ from subquad.layers.registry import causal_mixers
 from subquad.layers.rollback import same_state
 from subquad.models import LanguageModel, ModelConfig
 from subquad.models.sampling import Sampler, SamplingOptions, probabilities
-from subquad.models.speculative import Pacer, PromptLookup, accept_drafts, ngram_draft
+from subquad.models.speculative import Pacer, PromptLookup, accept_drafts, keeps_states, ngram_draft
 from subquad.ops import KVCache
 from subquad.testing import check_mixer
 
@@ -79,10 +79,11 @@ STRUCTURES = {                      # the block structures of the checkpoint typ
 }
 
 
-def assert_rollback_is_a_prefill(model, label, keeps=None, k=5):
+def assert_rollback_is_a_prefill(model, label, keeps=None, k=5, how="replay"):
     """verify k tokens from a ragged batch's state, accept j (each j of ``keeps``, default 0..k): the state, and the
     logits of the next step from it, equal a prefill of exactly those tokens (float64); and a different j per row,
-    against one forward over each row's whole sequence."""
+    against one forward over each row's whole sequence. ``how="states"`` (kept per token) where the model keeps
+    its states per token at 2 rows, else at one row (KV caches)."""
     V = model.config.vocab_size
     g = torch.Generator().manual_seed(1)
     prompts = [torch.randint(0, V, (n,), generator=g).tolist() for n in (5, 3)]
@@ -90,8 +91,12 @@ def assert_rollback_is_a_prefill(model, label, keeps=None, k=5):
                              logits="last")
     drafts = torch.randint(0, V, (2, k), generator=g)
     nxt = torch.randint(0, V, (2,), generator=g)
+    if how != "replay" and not keeps_states(model, drafts):
+        prompts, drafts, nxt = prompts[:1], drafts[:1], nxt[:1]
+        _, start = model.prefill(torch.tensor(prompts), logits="last")
     for keep in range(k + 1) if keeps is None else keeps:
-        logits, ver = model.verify(drafts, start)
+        logits, ver = model.verify(drafts, start, how)
+        assert type(ver).__name__ == ("Verification" if how == "replay" else "KeptStates")
         got = ver.accept(keep)
         want_logits, want = model.prefill(drafts[:, :keep], start) if keep else (None, start)
         if keep:
@@ -100,17 +105,25 @@ def assert_rollback_is_a_prefill(model, label, keeps=None, k=5):
             assert same_state(a, b, atol=1e-9) is None, f"{label}, layer {i}, keep {keep}: {same_state(a, b)}"
         assert torch.equal(torch.as_tensor(got.pos), torch.as_tensor(want.pos))
         torch.testing.assert_close(model.step(nxt, got)[0], model.step(nxt, want)[0], rtol=0, atol=1e-9)
+    if len(prompts) == 1:
+        return
     rows = [2, 4]                                     # a prefix per row: the rows' states become ragged
-    got = model.step(nxt, model.verify(drafts, start)[1].accept(rows))[0]
+    got = model.step(nxt, model.verify(drafts, start, how)[1].accept(rows))[0]
     for b, n in enumerate(rows):
         ids = torch.tensor([prompts[b] + drafts[b, :n].tolist() + [int(nxt[b])]])
         torch.testing.assert_close(got[b], model(ids)[0, -1], rtol=0, atol=1e-9, msg=lambda m: f"{label}: {m}")
 
 
+@pytest.mark.parametrize("how", ["replay", "states"])
 @pytest.mark.parametrize("structure", list(STRUCTURES))
-def test_accepting_j_verified_tokens_equals_prefilling_them_in_every_block_structure(structure):
+def test_accepting_j_verified_tokens_equals_prefilling_them_in_every_block_structure(structure, how):
+    model = tiny(**STRUCTURES[structure])
     with torch.no_grad():
-        assert_rollback_is_a_prefill(tiny(**STRUCTURES[structure]), structure)
+        if how == "states" and not keeps_states(model, torch.zeros(1, 5, dtype=torch.long)):
+            with pytest.raises(ValueError, match="kept per token"):                     # retention, rglru: replayed
+                model.verify(torch.zeros(1, 5, dtype=torch.long), model.prefill(torch.zeros(1, 2).long())[1], how)
+            return
+        assert_rollback_is_a_prefill(model, structure, how=how)
 
 
 def test_every_checkpoint_type_rolls_back(monkeypatch, tmp_path):
@@ -132,6 +145,7 @@ def test_every_checkpoint_type_rolls_back(monkeypatch, tmp_path):
     for mod in list(sys.modules.values()):
         if getattr(mod, "__name__", "").startswith("tests.models.") and getattr(mod, "tiny", None) is hf_harness.tiny:
             monkeypatch.setattr(mod, "tiny", config_only)
+    kept = 0
     for row in test_hf_parity.ROWS:
         try:
             _, folder = row.build(tmp_path / row.id, torch.float64)     # a type with its own builder: the folder
@@ -144,6 +158,10 @@ def test_every_checkpoint_type_rolls_back(monkeypatch, tmp_path):
             model = LanguageModel(MAPPINGS[c["model_type"]].config(c)).double().eval()
         with torch.no_grad():
             assert_rollback_is_a_prefill(model, row.id, keeps=(3,))
+            if keeps_states(model, torch.zeros(1, 5, dtype=torch.long)):
+                assert_rollback_is_a_prefill(model, row.id, keeps=(3,), how="states")
+            kept += keeps_states(model, torch.zeros(1, 5, dtype=torch.long))
+    assert kept >= len(test_hf_parity.ROWS) - 4, f"only {kept} types keep their states per token"
 
 
 @pytest.mark.parametrize("pattern", sorted(causal_mixers()))
@@ -499,3 +517,20 @@ def test_a_probe_measures_a_plain_step_after_the_verifications_aftermath():
     assert not p.want()                                         # the probe goes on
     p.measured(0.005)
     assert p.plain == pytest.approx(0.005) and p.want()
+
+
+def test_the_compiled_verification_keeps_the_states_per_token_and_decodes_as_plain_greedy(tmp_path):
+    """After ``compile_decode`` a verification runs one graph (``CompiledStep.verifier``) that keeps each recurrent
+    layer's state after every token: its logits and accepted states equal a prefill of the kept tokens (the KV
+    cache truncated); greedy speculation through it is plain greedy decoding, drafts padded to ``draft_tokens``
+    so that one graph serves every step (the eager "states" cases above check the rest, rows included)."""
+    from subquad.models.decode import compile_decode
+
+    model = tiny("mamba,softmax", scale=6.0)
+    plain = model.generate(PROMPT, 14, temperature=0)[0]
+    compile_decode(model, cache=tmp_path)
+    assert model.generate(PROMPT, 14, temperature=0, speculative="ngram", draft_tokens=4)[0] == plain
+    assert model.speculation_stats.verifications > 0
+    with torch.no_grad():
+        assert_rollback_is_a_prefill(model, "compiled", keeps=(0, 2, 5), how="compiled")
+    assert model._decode_step.verifier().shapes == {(1, 5)}              # one graph's shape, every time

@@ -159,6 +159,8 @@ def varlen(*token_args: str, states: str = "tensors"):
             return o, final
 
         params = list(sig.parameters.values())
+        run.token_args = token_args                     # read by the per-token backend of verification
+        run.arg_names = tuple(sig.parameters)           # (``layers.rollback.PerToken``)
         run.__signature__ = sig.replace(parameters=params + [
             inspect.Parameter("cu_seqlens", inspect.Parameter.KEYWORD_ONLY, default=None)])
         return run

@@ -1,0 +1,70 @@
+"""Float32 products through oneDNN at inference: ``linear(x, w, bias)`` is ``F.linear`` with another kernel.
+
+    y = x @ w.T + bias            x (..., K), w (N, K), bias (N,) or None -> (..., N)
+
+On CPU, PyTorch's ``F.linear`` calls MKL's GEMM, which streams a matrix at 12-15 GB/s on a one-token decoding
+step on the AMD Zen 4 hosts (the read bound is ~27 GB/s) and costs 3-4x a one-row product at 8-16 rows - a
+speculative verification's and a batched step's shapes. oneDNN's inner-product primitive
+(``torch.ops.mkldnn._linear_pointwise``, the kernel inductor's CPU freezing uses) reads the same row-major (or
+column-major) weights at the bound and keeps 9 rows near one row's time: measured in benchmarks/RESULTS.md
+("oneDNN for the float32 products"). So without autograd, on CPU, in float32, every ``Linear`` of a model
+(``Linear``, which ``LanguageModel`` gives its ``nn.Linear`` layers) and the tied head take it when the matrix
+holds >= ``MIN_WEIGHTS`` weights (below, oneDNN's fixed ~14 us per call costs more than it saves); training,
+other devices and dtypes keep ``F.linear``. ``SUBQUAD_ONEDNN=0`` turns it off (the reference).
+
+Inside a compiled graph the call is the custom op ``subquad::dense_linear`` (inductor's own lowering of the
+oneDNN op wants a frozen weight); eagerly it is the oneDNN op itself (no custom op's dispatch per call).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+ONEDNN = (os.environ.get("SUBQUAD_ONEDNN", "1") != "0" and torch.backends.mkldnn.is_available()
+          and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
+MIN_WEIGHTS = 1 << 18       # smaller matrices keep F.linear: oneDNN's ~14 us per call outweighs what it saves
+
+
+def _onednn(x, w, bias):
+    return torch.ops.mkldnn._linear_pointwise(x if x.is_contiguous() else x.contiguous(), w, bias, "none", [], "")
+
+
+_LIB = torch.library.Library("subquad", "FRAGMENT")
+_LIB.define("dense_linear(Tensor x, Tensor w, Tensor? bias) -> Tensor")
+_LIB.impl("dense_linear", _onednn, "CPU")
+
+
+@torch.library.register_fake("subquad::dense_linear")
+def _(x, w, bias):
+    return x.new_empty(*x.shape[:-1], w.shape[0])
+
+
+def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear(x, w, bias)``, through oneDNN where the module doc says."""
+    if (ONEDNN and x.dtype == torch.float32 and w.dtype == torch.float32 and x.device.type == "cpu"
+            and w.device.type == "cpu" and w.dim() == 2 and x.dim() >= 2 and w.numel() >= MIN_WEIGHTS
+            and not torch.is_grad_enabled()
+            and (bias is None or bias.dtype == torch.float32)):
+        if torch.compiler.is_compiling():
+            return torch.ops.subquad.dense_linear(x, w, bias)
+        return _onednn(x, w, bias)
+    return F.linear(x, w, bias)
+
+
+class Linear(nn.Linear):
+    """``nn.Linear`` whose inference product is ``linear`` (same parameters, state dict and training)."""
+
+    def forward(self, x):
+        return linear(x, self.weight, self.bias)
+
+
+def use_linear(model: nn.Module) -> nn.Module:
+    """Make every plain ``nn.Linear`` of ``model`` a ``Linear`` (in place: the class only); returns the model."""
+    for m in model.modules():
+        if type(m) is nn.Linear:
+            m.__class__ = Linear
+    return model
