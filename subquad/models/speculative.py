@@ -201,7 +201,7 @@ class KeptStates:
     @torch.no_grad()
     def accept(self, keep) -> ModelState:
         """As ``Verification.accept``: the state after the first ``keep`` verified tokens (an int, or one count
-        per row: rows whose counts differ hold no KV cache, which ``keeps_states`` made sure of)."""
+        per row; a KV cache then drops a count per row, ``KVCache.rollback_rows``)."""
         keep, rows = _check_keep(keep, self.B, self.T)
         pos = getattr(self.before, "pos", 0)
         if rows:
@@ -215,7 +215,10 @@ class KeptStates:
             for key, v in after.items():
                 b = before[key]
                 if isinstance(v, KVCache):
-                    kept = None if rows else truncate({key: b}, {key: v}, self.T, keep)
+                    if rows:                          # each row drops its own count (no window: keeps_states)
+                        layer[key] = v.rollback_rows([self.T - n for n in keep.tolist()])
+                        continue
+                    kept = truncate({key: b}, {key: v}, self.T, keep)
                     if kept is None:
                         raise RuntimeError(f"a verification kept per token cannot roll back KV cache {key!r} to {keep}")
                     layer[key] = kept[key]
@@ -230,15 +233,14 @@ class KeptStates:
 
 def keeps_states(model, tokens) -> bool:
     """Whether a verification of ``tokens`` (B, T) can keep the state after every token instead of replaying:
-    every part of the model's state is a "states" part (``layers.rollback``) or a KV cache, the latter only at
-    batch 1 (rows may keep different counts; a cache cannot drop a different number per row) and with any
-    window holding all T tokens."""
+    every part of the model's state is a "states" part (``layers.rollback``) or a KV cache - without a window
+    (rows that keep different counts: ``KVCache.rollback_rows``), or at batch 1 with a window holding all T."""
     B, T = tokens.shape
     for block in model.blocks:
         for module, kind, _ in block.state_parts():
             if kind == "truncate":
                 window = getattr(module, "window", None)
-                if B > 1 or (window is not None and window < T):
+                if window is not None and (B > 1 or window < T):
                     return False
             elif kind != "states":
                 return False

@@ -59,6 +59,22 @@ def test_kv_cache_rollback_reuses_the_buffers_and_refuses_what_a_window_let_go()
         before.rollback(7)
 
 
+def test_kv_cache_rollback_per_row_right_aligns_the_rows_it_drops_more_from():
+    g = torch.Generator().manual_seed(0)
+    k = torch.randn(3, 9, 1, 4, generator=g, dtype=torch.float64)
+    after = KVCache(k[:, :6], k[:, :6] + 1).fork().append(k[:, 6:], k[:, 6:] + 1)
+    cut = after.rollback_rows([1, 3, 1])
+    assert cut.seen == 8 and len(cut) == 8 and cut.pad.tolist() == [0, 2, 0] and cut.row_seen.tolist() == [8, 6, 8]
+    for b, (row, n) in enumerate(zip(cut.unstack(), (8, 6, 8))):
+        assert row.seen == n and torch.equal(row.k, k[b:b + 1, :n]) and torch.equal(row.v, k[b:b + 1, :n] + 1)
+    assert after.rollback_rows([2, 2, 2]).pad is None                      # the same count: rollback's O(1) fork
+    with pytest.raises(ValueError, match="drops must be 3 ints"):
+        after.rollback_rows([1, 2])
+    win = KVCache(k[:, :6], k[:, :6], window=8).fork().append(k[:, 6:7], k[:, 6:7])
+    with pytest.raises(ValueError, match="windowed cache"):
+        win.rollback_rows([0, 1, 0])
+
+
 STRUCTURES = {                      # the block structures of the checkpoint types (models.hf), tiny
     "prenorm hybrid (jamba, bamba, nemotron_h, granitemoehybrid, qwen3_next, kimi_linear, lfm2, ...)":
         dict(pattern="mamba2,softmax,swa,gated_conv", n_layers=4),

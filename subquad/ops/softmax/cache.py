@@ -248,6 +248,36 @@ class KVCache:
         c._tail[0] = c._start + c._len
         return c
 
+    def rollback_rows(self, drops) -> "KVCache":
+        """``rollback`` by a different number of tokens per row, ``drops`` (B ints): the common part in O(1), then
+        each row that drops more moves its entries right by the rest, its leading columns becoming padding
+        (``pad``, ``row_seen``), so every row still ends at the last column: a copy of the live entries (a window
+        cannot take it: ValueError)."""
+        B = self._k.shape[0]
+        if (not isinstance(drops, (list, tuple)) or len(drops) != B
+                or any(isinstance(d, bool) or not isinstance(d, int) or not 0 <= d <= self._len for d in drops)):
+            raise ValueError(f"drops must be {B} ints in [0, {self._len}] (one per row), got {drops!r}")
+        base = min(drops)
+        c = self.rollback(base)
+        extra = [d - base for d in drops]
+        if not any(extra):
+            return c
+        if self.window is not None:
+            raise ValueError("a windowed cache cannot drop a different number of tokens per row")
+        k, v, L = c.k, c.v, len(c)
+        nk, nv = k.clone(), v.clone()
+        for b, e in enumerate(extra):
+            if e:
+                nk[b, e:], nv[b, e:] = k[b, :L - e], v[b, :L - e]
+                nk[b, :e], nv[b, :e] = 0, 0
+        dev = k.device
+        e = torch.tensor(extra, dtype=torch.long, device=dev)
+        pad = (torch.zeros(B, dtype=torch.long, device=dev) if c.pad is None else c.pad.to(dev)).clamp(min=c.offset) + e
+        row_seen = (torch.full((B,), c.seen, dtype=torch.long, device=dev) if c.row_seen is None else c.row_seen) - e
+        out = KVCache(nk, nv, window=None, seen=c.seen, pad=pad, row_seen=row_seen)
+        out._start, out._len = 0, L
+        return out
+
     def clone(self) -> "KVCache":
         return KVCache(self.k.clone(), self.v.clone(), window=self.window, seen=self.seen, pad=self.pad,
                        row_seen=self.row_seen)
