@@ -5,6 +5,8 @@ matrices and a small one, for 1, 9 and 16 rows (a decoding step, a verification 
 and a 2,048-token prefill.
 
     python benchmarks/bench_linear.py            # ~1 min
+    python benchmarks/bench_linear.py --layouts  # the compiled step at mamba-130m's shape, wide matrices row-
+                                                 # against column-major, 1 and 16 rows (~4 min: two compiles)
 
 Median microseconds of interleaved rounds, 2 threads. The 9.4 MB in_proj fits in this CPU's L3 when called
 alone (faster than in a model, where every layer's weights stream from memory); the 154 MB head does not.
@@ -48,12 +50,55 @@ def timed(fns: dict, budget_s: float) -> dict:
     return {k: statistics.median(v) for k, v in out.items()}
 
 
+def layouts(threads: int) -> str:
+    """The compiled float32 step of two copies of a mamba-130m-shaped model, one with its wide matrices (and the
+    tied head) column-major as ``decode_layout`` stored them for MKL, timed in turn in one process."""
+    from subquad.layers.linear import ONEDNN
+    from subquad.models import LanguageModel, ModelConfig
+    from subquad.models.decode import compile_decode
+
+    shape = dict(vocab_size=50280, d_model=768, n_layers=24, pattern="mamba", mlp=False, norm_eps=1e-5)
+    torch.manual_seed(0)
+    row = LanguageModel(ModelConfig(**shape)).eval()
+    col = LanguageModel(ModelConfig(**shape)).eval()
+    col.load_state_dict(row.state_dict())
+    for m in col.modules():
+        if isinstance(m, torch.nn.Linear) and m.weight.shape[0] >= 2 * m.weight.shape[1]:
+            m.weight = torch.nn.Parameter(m.weight.detach().T.contiguous().T)
+    col.embed.weight = torch.nn.Parameter(col.embed.weight.detach().T.contiguous().T)
+    models = {"row-major": compile_decode(row), "column-major": compile_decode(col)}
+    lines = [f"compiled step, products through {'oneDNN' if ONEDNN else 'MKL'}", "",
+             "| rows | row-major ms | column-major ms |", "|---:|---:|---:|"]
+    with torch.no_grad():
+        for B in (1, 16):
+            st = {k: m.prefill(torch.randint(0, 100, (B, 5)))[1] for k, m in models.items()}
+            tok = torch.tensor([3] * B)
+            for k, m in models.items():
+                for _ in range(3):
+                    m.step(tok, st[k])                     # compiled (or loaded) here
+            ts = {k: [] for k in models}
+            for _ in range(5):
+                for k, m in models.items():
+                    s, t = st[k], time.perf_counter()
+                    for _ in range(16):
+                        _, s = m.step(tok, s)
+                    ts[k].append((time.perf_counter() - t) / 16 * 1e3)
+            ms = {k: statistics.median(v) for k, v in ts.items()}
+            lines.append(f"| {B} | {ms['row-major']:.2f} | {ms['column-major']:.2f} |")
+            print(lines[-1], flush=True)
+    return "\n".join(lines)
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--quick", action="store_true", help="two shapes, one and nine rows")
+    ap.add_argument("--layouts", action="store_true", help="the compiled step, row- against column-major")
     a = ap.parse_args(argv)
     torch.set_num_threads(a.threads)
+    if a.layouts:
+        print(f"{layouts(a.threads)}\n\n{machine_line(matmul_gflops())}")
+        return
     shapes = dict(list(SHAPES.items())[:2]) if a.quick else SHAPES
     rows = (1, 9) if a.quick else (1, 9, 16, 2048)
     lines = ["| matrix | rows | F.linear (MKL) us | oneDNN us | oneDNN packed us | MKL / oneDNN |",

@@ -8,9 +8,10 @@ would make acceptance meaningless).
 
 The target: the ``small`` preset as a hybrid (Mamba-2 and softmax attention, 6 layers of 256), the draft: the
 ``micro`` preset (4 layers of 128, GLA) on the same tokens and tokenizer; both trained ``--steps`` steps and kept
-in ``--out`` (reused when there). The target decodes with its compiled step (``compile_decode``) in every mode;
-a verification is an eager forward over the drafted tokens. Then ``--served`` edit prompts go through the serving
-engine at once (``serve.Engine``, one batch, greedy), without and with per-row speculation (``speculative="ngram"``).
+in ``--out`` (reused when there). The target decodes with its compiled step (``compile_decode``) in every mode,
+and verifies through its compiled verification (``CompiledStep.verifier``; both built before timing). Then
+``--served`` edit prompts go through the serving engine at once (``serve.Engine``, one batch, greedy), without
+and with per-row speculation (``speculative="ngram"``).
 
 Tasks (prompts from the corpus' held-out split, never trained on):
 - **edit** (input-grounded): a held-out standard-library function, then a comment asking for the same function
@@ -41,6 +42,7 @@ from subquad.data.corpus import stdlib_corpus  # noqa: E402
 from subquad.data.dataset import prepare  # noqa: E402
 from subquad.models import presets  # noqa: E402
 from subquad.models.decode import compile_decode  # noqa: E402
+from subquad.models.speculative import verify  # noqa: E402
 from subquad.train import load_run  # noqa: E402
 from subquad.train.run import train_run  # noqa: E402
 from subquad.train.trainer import TrainConfig  # noqa: E402
@@ -165,9 +167,17 @@ def main(argv=None):
     for batch in (1, 2):
         target.generate(tasks["free"][0] if batch == 1 else tasks["free"][:2], 4, temperature=0)
     compile_s += time.perf_counter() - t
+    t = time.perf_counter()                     # and the compiled verification's, for draft_tokens + 1 tokens
+    with torch.no_grad():
+        for batch in (1, 2):
+            ids = torch.tensor([tasks["free"][0][:8]] * batch)
+            _, state = target.prefill(ids)
+            verify(target, ids[:, :args.draft_tokens + 1], state)[1].accept(1)
+    verify_s = time.perf_counter() - t
     gflops = matmul_gflops()
     print(machine_line(gflops))
-    print(f"target {TARGET}, draft {DRAFT}, {args.steps} training steps each; compile_decode {compile_s:.1f} s; "
+    print(f"target {TARGET}, draft {DRAFT}, {args.steps} training steps each; compile_decode {compile_s:.1f} s, "
+          f"its verification's graphs {verify_s:.1f} s; "
           f"{args.new_tokens} new tokens per prompt, greedy, draft_tokens={args.draft_tokens}")
     print("| task | batch | mode | tokens/s | x plain | tokens/step | acceptance | = plain |")
     print("|---|---:|---|---:|---:|---:|---:|---:|")
