@@ -33,6 +33,7 @@ from subquad.models.speculative import (
     capture_hidden,
     check_speculative,
     drafter,
+    keeps_states,
     verify,
 )
 
@@ -152,8 +153,9 @@ def _speculate(model, last, state, max_new_tokens, sampler, emit, draft_tokens, 
     per emitted token than a plain step (``Pacer``). Returns the state (every emitted token consumed but each
     row's last) and the ``SpeculationStats``."""
     hooked = drafts_by.needs_hidden
-    fixed = not hooked and getattr(model, "_decode_step", None) is not None    # drafts padded to draft_tokens
     B, dev = last.shape[0], last.device
+    fixed = (not hooked and getattr(model, "_decode_step", None) is not None       # the compiled verification:
+             and keeps_states(model, torch.zeros(B, draft_tokens + 1, dtype=torch.long)))  # drafts padded to k
     stats = SpeculationStats()
     t0 = sampler(last).tolist()
     done = [False] * B

@@ -11,20 +11,23 @@ with d_{i+1} removed and renormalised; if all k are accepted draw a bonus token 
 then distributed exactly as in plain sampling; greedy (temperature 0) accepts d_{i+1} iff it is argmax p_i, so
 the output is plain greedy decoding's (up to the rounding of a k-token forward against one-token steps: exact in
 float64 tests, a near-tie in float32 may differ). With j drafts accepted, the state keeps the first j + 1
-verified tokens (``Verification.accept``): attention truncates its KV caches, any other mixer (and a stateful MLP)
-replays its own kept inputs, recorded during verification, from its state before (``subquad.layers.rollback``;
-a layer's parts and their kinds: ``Block.state_parts``).
+verified tokens: attention truncates its KV caches; a mixer whose state is kept per token ("states") - after
+``compile_decode``, where every part of the model is (``keeps_states``), the verification is a compiled graph
+that keeps each recurrent layer's state after every token - takes the j + 1-th (``KeptStates``); otherwise any
+other mixer (and a stateful MLP) replays its own kept inputs, recorded during verification, from its state
+before (``Verification``; ``subquad.layers.rollback``; a layer's parts and their kinds: ``Block.state_parts``).
 
 The loop is ``generate``'s (``models.generate._decode_speculative``, beside the plain one); this module holds its
 parts. Two drafters: prompt lookup (``NgramDrafter``, ``ngram_draft``: the continuation of the latest earlier
 occurrence of the last n tokens of prompt + output, n from ``max_ngram`` down to 1) and a smaller model with the
 same vocabulary (``ModelDrafter``: its greedy continuation, its own state kept in step with the target's). Both
-are deterministic given the tokens so far (q one-hot), so the rule above is exact for either. In a batch each row keeps its own accepted
-prefix: when the rows' counts differ, every part replays its rows' kept inputs packed in one row (``cu_seqlens``),
-leaving a ragged state as a packed prefill does (``Verification.accept`` with a list). When drafts keep failing,
-drafting pauses for 1, 2, 4, ... up to ``MAX_PAUSE`` steps (plain one-token steps), so a text without repetitions
-decodes at about plain speed; and so it does while a verification costs more wall time per emitted token than a
-plain step (``Pacer``: an eager verification against a compiled step at 8 rows, say).
+are deterministic given the tokens so far (q one-hot), so the rule above is exact for either. In a batch each
+row keeps its own accepted prefix: when the rows' counts differ, each row's states are picked at its own count
+and its KV caches drop their own number (``KVCache.rollback_rows``), or every part replays its rows' kept inputs
+packed in one row (``cu_seqlens``), leaving a ragged state as a packed prefill does (``accept`` with a list).
+When drafts keep failing, drafting pauses for 1, 2, 4, ... up to ``MAX_PAUSE`` steps (plain one-token steps),
+so a text without repetitions decodes at about plain speed; and so it does while a verification costs more wall
+time per emitted token than a plain step (``Pacer``: an eager verification against a compiled step, say).
 """
 
 from __future__ import annotations

@@ -77,7 +77,7 @@ from dataclasses import dataclass
 import torch
 
 from subquad.models.rows import cat_states, select_rows, state_nbytes, with_capacity
-from subquad.models.speculative import MAX_PAUSE, Pacer, PromptLookup, verify
+from subquad.models.speculative import MAX_PAUSE, Pacer, PromptLookup, keeps_states, verify
 from subquad.ops import KVCache
 from subquad.serve.prefix_cache import PrefixCache
 from subquad.models.constrain import FormatError, Grammar, check_format
@@ -458,8 +458,9 @@ class Engine:
         drafts = self._drafts() if self.speculative and self.pacer.want() else []
         feed = [s.tokens[-1] for s in self.running]
         k = max(map(len, drafts), default=0)
-        if k and getattr(self.model, "_decode_step", None) is not None:   # a compiled verification: one graph,
-            k = self.draft_tokens if self._draft_cap >= self.draft_tokens else 0     # for k = draft_tokens
+        if k and getattr(self.model, "_decode_step", None) is not None and keeps_states(
+                self.model, torch.zeros(len(feed), self.draft_tokens + 1, dtype=torch.long)):
+            k = self.draft_tokens if self._draft_cap >= self.draft_tokens else 0  # compiled: one graph, k fixed
         try:
             if k:
                 ids = [[t] + d + [t] * (k - len(d)) for t, d in zip(feed, drafts)]    # padding: never read

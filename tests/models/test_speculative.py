@@ -538,7 +538,7 @@ def test_a_probe_measures_a_plain_step_after_the_verifications_aftermath():
 def test_the_compiled_verification_keeps_the_states_per_token_and_decodes_as_plain_greedy(tmp_path):
     """After ``compile_decode`` a verification runs one graph (``CompiledStep.verifier``) that keeps each recurrent
     layer's state after every token: its logits and accepted states equal a prefill of the kept tokens (the KV
-    cache truncated); greedy speculation through it is plain greedy decoding, drafts padded to ``draft_tokens``
+    cache truncated, by a different count per row in two rows); greedy speculation through it is plain greedy decoding, drafts padded to ``draft_tokens``
     so that one graph serves every step (the eager "states" cases above check the rest, rows included)."""
     from subquad.models.decode import compile_decode
 
@@ -549,4 +549,4 @@ def test_the_compiled_verification_keeps_the_states_per_token_and_decodes_as_pla
     assert model.speculation_stats.verifications > 0
     with torch.no_grad():
         assert_rollback_is_a_prefill(model, "compiled", keeps=(0, 2, 5), how="compiled")
-    assert model._decode_step.verifier().shapes == {(1, 5)}              # one graph's shape, every time
+    assert model._decode_step.verifier().shapes == {(1, 5), (2, 5)}    # every step the same k: a graph per batch
