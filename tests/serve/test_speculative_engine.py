@@ -139,3 +139,20 @@ def test_the_batch_takes_plain_steps_while_verifying_costs_more(monkeypatch):
     assert [s.tokens for s in run_all(engine, reqs)] == plain
     c = engine.counters
     assert 0 < c["verifications"] < c["decode_steps"] / 3, c
+
+
+def test_under_compile_decode_the_verification_is_compiled_and_every_stream_equals_generate_alone(tmp_path):
+    """With ``compile_decode`` the batch verifies through the compiled verification (drafts padded to
+    ``draft_tokens``: one shape), the rows keeping their states per token and accepting different counts; the
+    greedy streams equal ``generate`` alone. Two rows decoding together to the same length: two graphs."""
+    from subquad.models.decode import compile_decode
+
+    model = model_of("mamba2")
+    reqs = [(prompt, SamplingParams(max_tokens=24, temperature=0)) for prompt, _ in repetitive(2, seed=5)]
+    want = [alone(model, prompt, p) for prompt, p in reqs]
+    compile_decode(model, cache=tmp_path)
+    engine = Engine(model, max_batch=2, prefill_chunk=64, state_cache_mb=0, speculative="ngram", draft_tokens=4)
+    seqs = run_all(engine, reqs, per_step=2)
+    assert [s.tokens for s in seqs] == want
+    assert engine.counters["verifications"] > 0
+    assert model._decode_step.verifier().shapes == {(2, 5)}                      # always draft_tokens + 1
