@@ -96,23 +96,20 @@ def _for_graph(v, t: int = 1):
     return v.for_step(t) if isinstance(v, KVCache) else v
 
 
-def _blocks_and_head(model, h, states):
-    """h (B, 1, d_model) and the per-layer states -> (logits (B, vocab), new per-layer states): the graph."""
+def _blocks_and_heads(model, h, states):
+    """h (B, T, d_model) and the per-layer states -> (logits (B, T, vocab), new per-layer states): the graph of
+    a speculative verification (``CompiledStep.verifier``, run under ``layers.rollback.PER_TOKEN``)."""
     out, carry = [], model._carry(h)        # carry: values that cross layers (``LanguageModel._hidden``)
     for block, s in zip(model.blocks, states):
         h, s = block(h, s, carry=carry)
         out.append(s)
-    return model._logits(h)[:, -1], out
-
-
-def _blocks_and_heads(model, h, states):
-    """h (B, T, d_model) and the per-layer states -> (logits (B, T, vocab), new per-layer states): the graph of
-    a speculative verification (``CompiledStep.verifier``), run under ``layers.rollback.PER_TOKEN``."""
-    out, carry = [], model._carry(h)
-    for block, s in zip(model.blocks, states):
-        h, s = block(h, s, carry=carry)
-        out.append(s)
     return model._logits(h), out
+
+
+def _blocks_and_head(model, h, states):
+    """h (B, 1, d_model) and the per-layer states -> (logits (B, vocab), new per-layer states): the step's graph."""
+    logits, out = _blocks_and_heads(model, h, states)
+    return logits[:, -1], out
 
 
 def cache_dir(cache=True) -> Path | None:

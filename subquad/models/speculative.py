@@ -267,18 +267,18 @@ def verify(model, tokens, state, how: str | None = None):
     """
     if state is None:
         raise ValueError("verify needs the state the tokens continue (prefill the prompt first)")
-    if how is None:
-        fast = getattr(model, "_decode_step", None) is not None and hasattr(model._decode_step, "verifier")
-        how = "compiled" if fast and keeps_states(model, tokens) else "replay"
-    if how not in HOW:
+    if how is not None and how not in HOW:
         raise ValueError(f"how must be one of {HOW} or None, got {how!r}")
+    step = getattr(model, "_decode_step", None)
+    kept = how != "replay" and keeps_states(model, tokens)
+    if how is None:
+        how = "compiled" if step is not None and kept else "replay"
     if how != "replay":
-        if not keeps_states(model, tokens):
+        if not kept:
             raise ValueError(f"how={how!r} needs every part of the state kept per token (keeps_states): this model's "
                              f"parts at batch {tokens.shape[0]} and {tokens.shape[1]} tokens are not")
         if how == "compiled":
-            step = getattr(model, "_decode_step", None)
-            if step is None or not hasattr(step, "verifier"):
+            if step is None:
                 raise ValueError("how='compiled' needs compile_decode(model) first")
             logits, after = step.verifier()(tokens, state)
         else:
