@@ -10,7 +10,8 @@ The target: the ``small`` preset as a hybrid (Mamba-2 and softmax attention, 6 l
 ``micro`` preset (4 layers of 128, GLA) on the same tokens and tokenizer; both trained ``--steps`` steps and kept
 in ``--out`` (reused when there). The target decodes with its compiled step (``compile_decode``) in every mode,
 and verifies through its compiled verification (``CompiledStep.verifier``; both built before timing). Then
-``--served`` edit prompts go through the serving engine at once (``serve.Engine``, one batch, greedy), without
+``--served`` edit prompts go through the serving engine at once (``serve.Engine``, one batch, greedy; one untimed
+round first, as a server that has run a while), without
 and with per-row speculation (``speculative="ngram"``).
 
 Tasks (prompts from the corpus' held-out split, never trained on):
@@ -19,7 +20,8 @@ Tasks (prompts from the corpus' held-out split, never trained on):
   copies its context well repeats most of it: what prompt lookup is for).
 - **free**: 192 tokens of a held-out file; the model continues.
 
-Each row: generated tokens / wall time (the prefill excluded), tokens per verification step, the drafts'
+Each row: generated tokens / wall time (the prefill excluded; the median of ``--rounds`` rounds that run every
+mode in turn), tokens per verification step, the drafts'
 acceptance, and whether the output equals plain greedy decoding's (it must, up to float32 near-ties).
 """
 
@@ -29,6 +31,7 @@ import argparse
 import ast
 import json
 import random
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -139,6 +142,17 @@ def serve_run(model, prompts, new_tokens, speculative=None, draft_tokens=4) -> d
             "acceptance": c["accepted"] / c["drafted"] if c["drafted"] else float("nan")}
 
 
+def interleaved(measure, modes, rounds: int) -> dict:
+    """{mode: measure(spec)'s result with the median tokens/s of ``rounds`` rounds}, the modes run in turn in each
+    round (this host's timings drift 10-25% within minutes: interleaving spreads the drift over every mode)."""
+    runs = {mode: [] for mode, _ in modes}
+    for _ in range(rounds):
+        for mode, spec in modes:
+            runs[mode].append(measure(spec))
+    return {mode: {**r[-1], "tok_s": statistics.median(x["tok_s"] for x in r), "rounds": [x["tok_s"] for x in r]}
+            for mode, r in runs.items()}
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--steps", type=int, default=500, help="training steps of each model")
@@ -148,10 +162,11 @@ def main(argv=None):
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--served", type=int, default=16, help="edit prompts served at once through serve.Engine")
     ap.add_argument("--draft-tokens", type=int, default=6)
+    ap.add_argument("--rounds", type=int, default=3, help="interleaved rounds of every mode; the median tokens/s")
     ap.add_argument("--quick", action="store_true", help="20 training steps, 2 prompts, 24 tokens: the script runs")
     args = ap.parse_args(argv)
     if args.quick:
-        args.steps, args.prompts, args.new_tokens, args.served = 20, 2, 24, 4
+        args.steps, args.prompts, args.new_tokens, args.served, args.rounds = 20, 2, 24, 4, 1
         args.out = str(Path(args.out) / "quick")
     torch.set_num_threads(2)
     out = Path(args.out)
@@ -179,32 +194,41 @@ def main(argv=None):
     print(f"target {TARGET}, draft {DRAFT}, {args.steps} training steps each; compile_decode {compile_s:.1f} s, "
           f"its verification's graphs {verify_s:.1f} s; "
           f"{args.new_tokens} new tokens per prompt, greedy, draft_tokens={args.draft_tokens}")
-    print("| task | batch | mode | tokens/s | x plain | tokens/step | acceptance | = plain |")
-    print("|---|---:|---|---:|---:|---:|---:|---:|")
+    print("| task | batch | mode | tokens/s | x plain | tokens/step | acceptance | = plain | each round |")
+    print("|---|---:|---|---:|---:|---:|---:|---:|---|")
     rows = []
+    modes = (("plain", None), ("ngram", "ngram"), ("draft model", draft))
     for task, prompts in tasks.items():
         for batch in (1, min(8, len(prompts))):
-            plain = run(target, prompts, args.new_tokens, batch)
-            for mode, spec in (("plain", None), ("ngram", "ngram"), ("draft model", draft)):
-                r = plain if spec is None else run(target, prompts, args.new_tokens, batch, spec, args.draft_tokens)
+            res = interleaved(lambda spec: run(target, prompts, args.new_tokens, batch, spec, args.draft_tokens),
+                              modes, args.rounds)
+            plain = res["plain"]
+            for mode, _ in modes:
+                r = res[mode]
                 same = sum(a == b for a, b in zip(r["outs"], plain["outs"], strict=True)) / len(prompts)
                 row = {"task": task, "batch": batch, "mode": mode, "tok_s": r["tok_s"],
                        "speedup": r["tok_s"] / plain["tok_s"], "tokens_per_step": r["tokens_per_step"],
-                       "acceptance": r["acceptance"], "same": same}
+                       "acceptance": r["acceptance"], "same": same, "rounds": r["rounds"]}
                 rows.append(row)
                 print(f"| {task} | {batch} | {mode} | {r['tok_s']:.1f} | {row['speedup']:.2f} | "
-                      f"{r['tokens_per_step']:.2f} | {r['acceptance']:.2f} | {100 * same:.0f}% |", flush=True)
+                      f"{r['tokens_per_step']:.2f} | {r['acceptance']:.2f} | {100 * same:.0f}% | "
+                      f"{' / '.join(f'{x:.0f}' for x in r['rounds'])} |", flush=True)
     served = edit_prompts(tok, args.served, random.Random(1))
-    plain = serve_run(target, served, args.new_tokens)
+    for spec in (None, "ngram"):                # untimed: a server that has run a while (the verification at
+        serve_run(target, served, args.new_tokens, spec, args.draft_tokens)   # 16 rows is slow its first calls)
+    res = interleaved(lambda spec: serve_run(target, served, args.new_tokens, spec, args.draft_tokens),
+                      (("served plain", None), ("served ngram", "ngram")), args.rounds)
+    plain = res["served plain"]
     for mode, spec in (("served plain", None), ("served ngram", "ngram")):
-        r = plain if spec is None else serve_run(target, served, args.new_tokens, spec, args.draft_tokens)
+        r = res[mode]
         same = sum(a == b for a, b in zip(r["outs"], plain["outs"], strict=True)) / len(served)
         row = {"task": "edit", "batch": len(served), "mode": mode, "tok_s": r["tok_s"],
                "speedup": r["tok_s"] / plain["tok_s"], "tokens_per_step": r["tokens_per_step"],
-               "acceptance": r["acceptance"], "same": same}
+               "acceptance": r["acceptance"], "same": same, "rounds": r["rounds"]}
         rows.append(row)
         print(f"| edit | {len(served)} | {mode} | {r['tok_s']:.1f} | {row['speedup']:.2f} | "
-              f"{r['tokens_per_step']:.2f} | {r['acceptance']:.2f} | {100 * same:.0f}% |", flush=True)
+              f"{r['tokens_per_step']:.2f} | {r['acceptance']:.2f} | {100 * same:.0f}% | "
+              f"{' / '.join(f'{x:.0f}' for x in r['rounds'])} |", flush=True)
     (out / "results.json").write_text(json.dumps(rows, indent=1))
     plot(rows, out / "speculative.png")
     print(f"plot: {out / 'speculative.png'}")

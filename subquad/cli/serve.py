@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 from subquad.cli.common import add_model_flags, check_run_or_model, load_model, nonneg_float, positive
+from subquad.cli.generate import check_speculative_flag, load_draft
 
 KEY_ENV = "SUBQUAD_API_KEY"
 
@@ -45,11 +46,12 @@ def add_parser(command) -> None:
                         "serve.api.MAX_BODY_MB, 8)")
     v.add_argument("--drain-timeout", type=nonneg_float, default=10.0,
                    help="seconds accepted requests may run on after SIGTERM")
-    v.add_argument("--speculative", choices=["ngram"],
-                   help="speculative decoding per row: each row drafts tokens by prompt lookup (the continuation of "
-                        "an earlier occurrence of its last tokens in its prompt and output) and the batch verifies "
-                        "them in one forward; every row's tokens are the ones it would get without it "
-                        "(subquad.serve.engine, 'Speculation')")
+    v.add_argument("--speculative", metavar="ngram|DIR",
+                   help="speculative decoding per row: each row drafts tokens by prompt lookup ('ngram': the "
+                        "continuation of an earlier occurrence of its last tokens in its prompt and output) or from "
+                        "a smaller model with the same tokenizer (DIR: its run or model folder; its state follows "
+                        "the batch's rows), and the batch verifies them in one forward; every row's tokens are the "
+                        "ones it would get without it (subquad.serve.engine, 'Speculation')")
     v.add_argument("--draft-tokens", type=positive, default=4,
                    help="tokens drafted per row and step with --speculative")
     v.add_argument("--compile-decode", action="store_true",
@@ -107,7 +109,12 @@ def run(args) -> int:
         if not Path(args.model).is_dir():
             raise ValueError(f"--model {args.model} is not a folder")
         chat_template = load_chat_template(args.model)
+    if args.speculative == "mtp":
+        raise ValueError("--speculative: an MTP head drafts in `subquad generate` only; serve takes 'ngram' or a "
+                         "draft model's folder")
+    check_speculative_flag(args)
     model, tok = load_model(args)
+    speculative = None if args.speculative is None else load_draft(args, model)
     if args.compile_decode:
         _compile_and_warm(model)
     name = args.served_model_name or Path(args.model or args.run).resolve().name
@@ -115,7 +122,7 @@ def run(args) -> int:
     engine = Engine(model, tok, max_batch=args.max_batch, max_queue=args.max_queue, max_context=args.max_context,
                     prefill_chunk=args.prefill_chunk, state_cache_mb=args.state_cache_mb, memory_mb=memory_mb,
                     eos_ids=end_of_text_ids(model, tok), prefix_block=args.prefix_block,
-                    speculative=args.speculative, draft_tokens=args.draft_tokens)
+                    speculative=speculative, draft_tokens=args.draft_tokens)
     return serve_api(engine, name, host=args.host, port=args.port, chat_template=chat_template,
                      api_key=key, drain_timeout=args.drain_timeout, max_body_mb=args.max_body_mb or MAX_BODY_MB)
 

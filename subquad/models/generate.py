@@ -231,7 +231,7 @@ def _speculate(model, last, state, max_new_tokens, sampler, emit, draft_tokens, 
                 wait = pause
             else:
                 pause = 0
-        pacer.measured(time.perf_counter() - started, gain if k else None)
+        pacer.measured(time.perf_counter() - started, gain if k else None, B)
         t0 = [tokens[i][keeps[i] - 1] if not done[i] else 0 for i in range(B)]
     return state, stats
 

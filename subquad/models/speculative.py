@@ -49,58 +49,84 @@ MAX_PAUSE = 16     # plain steps after repeated failed drafts, at most
 class Pacer:
     """Whether the next decoding step verifies drafts: only while verifying pays in wall time.
 
-    A verification that took t_v seconds (drafting included) and emitted g tokens per row pays when
-    g / t_v >= 1 / t_p, with t_p a plain step's seconds at about the same batch - a compiled step can cost far less
-    than an eager verification (benchmarks/RESULTS.md, "Speculative decoding measured"). t_v and g are moving
-    averages (weight ``ALPHA`` on the newest). t_p is each plain step's time but never more than ``GROWTH`` times
-    the last estimate (a first step that compiled a graph is forgotten at the next one, a batch that grows is
-    followed within a few); the plain step right after a verification is not one of them: what it costs over t_p
-    (the compiled step taking a state the verification left in another layout) is the verification's, added to
-    t_v. Speculation starts optimistic: t_p comes from the plain steps that happen anyway (nothing drafted,
-    drafting paused) and, after ``PROBE`` verifications without one, from plain steps taken to measure it (two:
-    the first is the last verification's aftermath). While verifying does not pay, drafting waits 1, 2, 4, ... up
-    to ``MAX_WAIT`` plain steps, then verifies once more: acceptance and costs change with the text and the
-    batch."""
+    A verification at a batch of B rows that took t_v seconds (drafting included) and emitted g tokens per row
+    pays when g >= t_v / t_p(B), with t_p(B) a plain step's seconds at that batch (a compiled step can cost far
+    less than an eager verification: benchmarks/RESULTS.md, "Speculative decoding measured"). The pacer keeps
+    r = t_v / t_p(B) and g as moving averages (weight ``ALPHA`` on the newest) and judges that verifying pays
+    while either the averages or the last verification's own r and g say so (acceptance comes in runs: a text
+    that starts repeating itself pays at once, not after the averages catch up), so a batch that grows or shrinks
+    (the server's rows joining and leaving) is judged against plain steps of its own size: t_p(B) is the plain
+    step measured at B, else at the nearest batch measured. Each plain step at B sets t_p(B) to its time, but
+    never more than ``GROWTH`` times the last (a step that compiled a graph is forgotten at the next one), and
+    caps t_p at every smaller batch (a smaller batch costs no more: a graph built at batch 1 is forgotten once a
+    larger batch is measured). The plain step right after a verification is not one of them: what it costs over
+    t_p (the compiled step taking a state the verification left in another layout) is the verification's, added
+    to r. Nothing is verified before ``WARMUP`` plain steps are measured (the first may have compiled the step),
+    and after ``PROBE`` verifications in a row a plain step measures t_p again (two: the first is the last
+    verification's aftermath). While verifying does not pay, drafting waits 1, 2, 4, ... up to ``MAX_WAIT``
+    plain steps, then verifies once more: acceptance and costs change with the text and the batch."""
 
     ALPHA = 0.3
     GROWTH = 1.5
+    WARMUP = 2
     PROBE = 16
     MAX_WAIT = 64
 
     def __init__(self):
-        self.plain = self.verify = self.gain = None
-        self.since = 0                   # verifications since the last plain step
-        self.after = False               # the last step was a verification
+        self.plain: dict[int, float] = {}   # batch -> a plain step's seconds there
+        self.ratio = self.gain = None
+        self.last = None                   # the last verification's (g, r)
+        self.measured_plain = 0            # plain steps measured (aftermaths not counted)
+        self.since = 0                     # verifications since the last plain step
+        self.after = False                 # the last step was a verification
         self.pause = self.wait = 0
+
+    def t_plain(self, batch: int) -> float:
+        """A plain step's seconds at ``batch`` rows (the nearest batch measured; the larger on a tie)."""
+        return self.plain[min(self.plain, key=lambda b: (abs(b - batch), -b))]
 
     def want(self) -> bool:
         """Whether to draft and verify at this step (a plain step otherwise)."""
+        if self.measured_plain < self.WARMUP:
+            return False
         if self.wait:
             self.wait -= 1
             return False
         return self.since < self.PROBE                 # else a plain step that measures t_p
 
-    def measured(self, seconds: float, tokens_per_row: float | None = None) -> None:
-        """A plain step's seconds (``tokens_per_row`` None) or a verification's and the tokens it emitted per row."""
+    def measured(self, seconds: float, tokens_per_row: float | None = None, batch: int = 1) -> None:
+        """A plain step's seconds (``tokens_per_row`` None) or a verification's and the tokens it emitted per
+        row, at ``batch`` rows."""
         if tokens_per_row is None:
-            if self.after and self.plain is not None:             # the verification's aftermath (a probe goes on)
+            if self.after and self.ratio is not None:             # the verification's aftermath (a probe goes on)
                 self.after = False
-                self.verify += self.ALPHA * max(0.0, seconds - self.plain)
+                t = self.t_plain(batch)
+                extra = max(0.0, seconds - t) / t
+                self.ratio += self.ALPHA * extra
+                self.last = (self.last[0], self.last[1] + extra)
                 if not self.wait:                                 # judged to pay: judged again with it
                     self._judge()
                 return
             self.after, self.since = False, 0
-            self.plain = seconds if self.plain is None else min(seconds, self.GROWTH * self.plain)
+            self.measured_plain += 1
+            last = self.plain.get(batch)
+            self.plain[batch] = seconds if last is None else min(seconds, self.GROWTH * last)
+            for b in self.plain:
+                if b < batch:
+                    self.plain[b] = min(self.plain[b], self.plain[batch])
             return
         self.since += 1
         self.after = True
-        a = self.ALPHA
-        self.verify = seconds if self.verify is None else (1 - a) * self.verify + a * seconds
+        if not self.plain:                  # verified before any plain step (want() overridden): nothing to judge
+            return
+        a, r = self.ALPHA, seconds / self.t_plain(batch)
+        self.ratio = r if self.ratio is None else (1 - a) * self.ratio + a * r
         self.gain = tokens_per_row if self.gain is None else (1 - a) * self.gain + a * tokens_per_row
+        self.last = (tokens_per_row, r)
         self._judge()
 
     def _judge(self) -> None:
-        if self.plain is not None and self.gain * self.plain < self.verify:
+        if self.gain < self.ratio and self.last[0] < self.last[1]:
             self.pause = min(2 * self.pause or 1, self.MAX_WAIT)
             self.wait = self.pause
         else:

@@ -30,9 +30,11 @@ One loop iteration (``step``), vLLM's scheduler in miniature:
    in the prefix cache under the tokens it has consumed; a row whose state reaches a multiple of
    ``prefix_block`` tokens is kept there too, so the guarantee above covers answers as well as prompts.
 
-Speculation (``Engine(speculative="ngram")``, ``subquad serve --speculative ngram``). Each decoding step, a
-row drafts up to ``draft_tokens`` tokens by prompt lookup over its prompt and output
-(``models.speculative.PromptLookup``), and the batch runs [last token, drafts] through the model in one
+Speculation (``Engine(speculative="ngram")``, ``subquad serve --speculative ngram``; or a draft model:
+``Engine(speculative=draft)``, ``--speculative DIR``). Each decoding step, a row drafts up to ``draft_tokens``
+tokens by prompt lookup over its prompt and output (``models.speculative.PromptLookup``) or as the draft model's
+greedy continuation (``serve.drafting.BatchDraft``: its state has a row per running row, joins and leaves with
+them, and keeps what each row kept), and the batch runs [last token, drafts] through the model in one
 forward (``models.speculative.verify``; rows with fewer drafts are padded, a step without any draft is a plain
 step). Each row then samples its tokens in order with its own sampler, one position at a time, and goes on
 past position j only while the token it drew is the draft there: a token drawn at a position whose context
@@ -79,6 +81,7 @@ import torch
 from subquad.models.rows import cat_states, select_rows, state_nbytes, with_capacity
 from subquad.models.speculative import MAX_PAUSE, Pacer, PromptLookup, keeps_states, verify
 from subquad.ops import KVCache
+from subquad.serve.drafting import BatchDraft
 from subquad.serve.prefix_cache import PrefixCache
 from subquad.models.constrain import FormatError, Grammar, check_format
 from subquad.serve.sampling import OptionError, RowSampler, SamplingParams, logprobs_of
@@ -161,8 +164,9 @@ class Engine:
     prefix cache (module doc; None: no limit but ``state_cache_mb``; ``subquad serve`` defaults it to half
     the memory available, ``available_memory_bytes``). ``eos_ids``: default the model's
     ``config.eos_token_ids``. ``prefix_block``: prefill keeps a checkpoint every this many prompt tokens
-    (module doc; ``PREFIX_BLOCK`` by default). ``speculative="ngram"``: each row drafts up to ``draft_tokens``
-    tokens per step by prompt lookup (module doc, "Speculation")."""
+    (module doc; ``PREFIX_BLOCK`` by default). ``speculative="ngram"`` or a draft model (a ``LanguageModel`` with
+    the same vocabulary): each row drafts up to ``draft_tokens`` tokens per step by prompt lookup or from it
+    (module doc, "Speculation")."""
 
     def __init__(self, model, tokenizer=None, *, max_batch: int = 16, max_queue: int = 64, max_context: int = 4096,
                  prefill_chunk: int = 512, state_cache_mb: float = 256.0, memory_mb: float | None = None,
@@ -170,9 +174,9 @@ class Engine:
                  draft_tokens: int = 4):
         """Check the limits, measure one row's state and set up the queues (the loop starts with ``start``)."""
         prefix_block = PREFIX_BLOCK if prefix_block is None else prefix_block
-        if speculative not in (None, "ngram"):
-            raise ValueError(f"speculative must be None or 'ngram' (prompt lookup) in the server, got {speculative!r}; "
-                             "an MTP head or a draft model drafts in generate only")
+        if isinstance(speculative, str) and speculative != "ngram":
+            raise ValueError(f"speculative must be None, 'ngram' (prompt lookup) or a draft model in the server, got "
+                             f"{speculative!r}; an MTP head drafts in generate only")
         for name, v in (("max_batch", max_batch), ("max_context", max_context), ("prefill_chunk", prefill_chunk),
                         ("prefix_block", prefix_block), ("draft_tokens", draft_tokens)):
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
@@ -194,6 +198,8 @@ class Engine:
         self.cache = PrefixCache(int(state_cache_mb * 2 ** 20))
         self.prefix_block = prefix_block
         self.speculative, self.draft_tokens = speculative, draft_tokens
+        # a draft model: its state follows the batch's rows (serve.drafting)
+        self.draft = None if speculative is None or isinstance(speculative, str) else BatchDraft(speculative, model)
         self.pacer = Pacer()               # speculation: verify only while it pays against a plain step
         self.eos = set(model.config.eos_token_ids if eos_ids is None else eos_ids)
         self._fixed_bytes, self._fixed_held, self._kv_layers = self._measure_row()
@@ -434,6 +440,13 @@ class Engine:
             else:
                 joined = cat_states(([self.batch_state] if self.batch_state is not None else [])
                                     + [s.state for s in joiners])
+            if self.draft is not None:
+                rows = self.draft.rows
+                try:
+                    self.draft.join([s.prompt for s in joiners])
+                except Exception:
+                    self.draft.keep(list(range(rows)))      # the draft's rows as they were
+                    raise
         except Exception:                                   # the batch is as it was: the joiners fail
             traceback.print_exc()
             for s in joiners:
@@ -455,7 +468,7 @@ class Engine:
         if not self.running:
             return
         started = time.perf_counter()
-        drafts = self._drafts() if self.speculative and self.pacer.want() else []
+        drafts = self._drafts() if self.speculative is not None and self.pacer.want() else []
         feed = [s.tokens[-1] for s in self.running]
         k = max(map(len, drafts), default=0)
         if k and getattr(self.model, "_decode_step", None) is not None and keeps_states(
@@ -472,24 +485,26 @@ class Engine:
             traceback.print_exc()
             for s in self.running:
                 self._end(s, "error", "errors")
-            self.running, self.batch_state = [], None
+            self._clear_batch()
             return
         self.counters["decode_steps"] += 1
         self.counters["decode_rows"] += len(self.running)
         emitted = [self._emit_drafted(seq, logits[i], drafts[i] if k else []) for i, seq in enumerate(self.running)]
-        if k:
-            self.counters["verifications"] += 1
-            try:
+        try:
+            if k:
+                self.counters["verifications"] += 1
                 self.batch_state = ver.accept(emitted if len(emitted) > 1 else emitted[0])
                 self.batch_state = with_capacity(self.batch_state, max(s.max_len for s in self.running))
-            except Exception:
-                traceback.print_exc()
-                for s in self.running:
-                    self._end(s, "error", "errors")
-                self.running, self.batch_state = [], None
-                return
+            if self.draft is not None:                      # the draft model keeps what the rows kept
+                self.draft.settle(feed, emitted if k else None)
+        except Exception:
+            traceback.print_exc()
+            for s in self.running:
+                self._end(s, "error", "errors")
+            self._clear_batch()
+            return
         self._recent.append((time.monotonic(), sum(emitted)))
-        self.pacer.measured(time.perf_counter() - started, sum(emitted) / len(emitted) if k else None)
+        self.pacer.measured(time.perf_counter() - started, sum(emitted) / len(emitted) if k else None, len(emitted))
         if self.cache.max_bytes:                            # a row's state at a block's end: a checkpoint too
             for i, seq in enumerate(self.running):
                 at = len(seq.prompt) + len(seq.tokens) - 1      # tokens its state has consumed
@@ -506,18 +521,25 @@ class Engine:
                 self._finished(seq, finals.get(i))
 
     def _drafts(self) -> list[list[int]]:
-        """Each running row's drafts by prompt lookup: up to ``draft_tokens``, fewer where its max_tokens or the
-        context would end first, none while it pauses after failed drafts (module doc)."""
-        out = []
+        """Each running row's drafts by prompt lookup or from the draft model: up to ``draft_tokens``, fewer where
+        its max_tokens or the context would end first, none while it pauses after failed drafts (module doc)."""
+        rooms = []
         for s in self.running:
             room = min(s.params.max_tokens - len(s.tokens), self.max_context - len(s.prompt) - len(s.tokens)) - 1
             if s.wait or room < 1 or s.finish_reason is not None:
                 s.wait = max(0, s.wait - 1)
-                out.append([])
-                continue
-            if s.lookup is None:
-                s.lookup = PromptLookup(s.prompt + s.tokens)
-            out.append(s.lookup.draft(min(self.draft_tokens, room)))
+                room = 0
+            rooms.append(min(self.draft_tokens, max(room, 0)))
+        if self.draft is not None:                  # the draft model runs for every row, or for none
+            k = max(rooms)
+            proposed = self.draft.propose([s.tokens[-1] for s in self.running], k) if k else []
+            out = [p[:r] for p, r in zip(proposed, rooms)] if k else [[] for _ in rooms]
+        else:
+            out = []
+            for s, room in zip(self.running, rooms):
+                if room and s.lookup is None:
+                    s.lookup = PromptLookup(s.prompt + s.tokens)
+                out.append(s.lookup.draft(room) if room else [])
         # a row with fewer drafts is padded to the longest: no row's positions may pass max_context (learned
         # positions end there)
         cap = self._draft_cap = max(min(self.max_context - len(s.prompt) - len(s.tokens) for s in self.running), 0)
@@ -612,6 +634,8 @@ class Engine:
             return
         keep = [i for i in range(len(self.running)) if i not in set(rows)]
         self.running = [self.running[i] for i in keep]
+        if self.draft is not None:
+            self.draft.keep(keep)
         if not keep:
             self.batch_state = None
             return
@@ -657,7 +681,13 @@ class Engine:
                 self._end(s, reason, counter)
         self.waiting.clear()
         self.prefilling.clear()
+        self._clear_batch()
+
+    def _clear_batch(self):
+        """No row runs: the batch's state (and the draft model's) goes."""
         self.running, self.batch_state = [], None
+        if self.draft is not None:
+            self.draft.clear()
 
     def _fail_all(self):
         """After an error no request can be blamed for: end every accepted request that has not had its final

@@ -449,30 +449,24 @@ def test_the_cli_flag_decodes_speculatively_with_the_same_output(tmp_path, capsy
 @pytest.mark.paced
 def test_the_pacer_verifies_only_while_it_pays_against_a_plain_step():
     p = Pacer()
-    assert [p.want() for _ in range(3)] == [True] * 3           # optimistic: no plain step measured yet
-    for _ in range(Pacer.PROBE):
-        p.measured(0.010, 3.0)                                  # verifications, unjudged without t_p
-    assert not p.want()                                         # PROBE verifications: a plain step to measure
-    p.measured(60.0)                                            # it compiled a graph: t_p 60 s for now
-    p.measured(0.010, 3.0)
-    assert p.pause == 0 and p.want()
-    p.measured(0.050)                            # right after a verification: its cost, not t_p's (t_p = 60 s)
-    assert p.plain == 60.0 and p.verify == pytest.approx(0.010)
-    p.measured(0.004)                                           # a plain step after a plain step: min(0.004, 90)
-    assert p.plain == 0.004
+    assert not p.want()                                         # no plain step measured yet
+    p.measured(60.0)                                            # the first compiled a graph: t_p(1) 60 s for now
+    assert not p.want()                                         # WARMUP: a second plain step first
+    p.measured(0.004)                                           # min(0.004, 1.5 x 60)
+    assert p.plain == {1: 0.004} and p.want()
     p.measured(0.006)                                           # grows at most 1.5x per plain step
-    assert p.plain == 0.006
+    assert p.plain == {1: 0.006}
+    p.measured(0.010)
+    assert p.plain == {1: pytest.approx(0.009)}
     p.measured(0.008)
-    assert p.plain == pytest.approx(0.008)
-    # 3 tokens per row for 0.020 s against 0.008 s per plain token pays - until the plain step after it costs
-    # 0.040 s more than a plain step (the state's layout changed back): 0.3 x 0.040 more on t_v, then it does not
+    assert p.plain == {1: 0.008}
+    # 3 tokens per row for 0.020 s against 0.008 s per plain token pays (r = 2.5 <= 3) - until the plain step
+    # after it costs 0.016 s more than a plain step (the state's layout changed back): r + 0.3 x 2, then not
     p.measured(0.020, 3.0)
-    assert p.pause == 0 and p.want()
-    p.measured(0.048)
-    assert p.verify == pytest.approx(0.7 * 0.010 + 0.3 * 0.020 + 0.3 * 0.040) and p.pause == 1
+    assert p.ratio == pytest.approx(2.5) and p.pause == 0 and p.want()
+    p.measured(0.024)
+    assert p.ratio == pytest.approx(3.1) and p.pause == 1 and p.plain == {1: 0.008}
     assert [p.want(), p.want()] == [False, True]
-    p.measured(0.007)                                           # a plain step after a plain step: measured
-    assert p.plain == pytest.approx(0.007)
     # verifying costs 0.1 s for 1 token per row, a plain step 0.008 s per token: it does not pay
     waits = []
     for _ in range(8):
@@ -482,12 +476,42 @@ def test_the_pacer_verifies_only_while_it_pays_against_a_plain_step():
             n += 1
         waits.append(n)
     assert waits == [2, 4, 8, 16, 32, 64, 64, 64]
-    for _ in range(8):                                          # verifications cheaper: it pays again at once
-        p.measured(0.008, 3.0)
-    assert p.pause == 0 and not p.want()                        # but 16 of them without a plain step: a probe
-    p.measured(0.008)                                           # the last one's aftermath
-    assert not p.want()
-    p.measured(0.008)                                           # the probe's measured plain step
+
+
+@pytest.mark.paced
+def test_the_pacer_judges_each_batch_against_plain_steps_of_its_size():
+    """The server's batch grows as rows join: a verification at 16 rows is set against a plain step at 16 rows (or
+    the nearest batch measured), not against the one-row step measured first; a plain step at a larger batch
+    caps the smaller ones' (the graph compiled at batch 1 is forgotten)."""
+    p = Pacer()
+    p.measured(30.0, batch=1)                                   # compiled the step
+    p.measured(0.010, batch=16)
+    assert p.plain == {1: 0.010, 16: 0.010}
+    p.measured(0.005, batch=1)
+    assert p.plain == {1: 0.005, 16: 0.010} and p.t_plain(12) == 0.010 and p.t_plain(3) == 0.005
+    assert p.want()
+    p.measured(0.012, 2.0, batch=1)                             # 2.4x a one-row step for 2 tokens: does not pay
+    assert p.ratio == pytest.approx(2.4) and p.pause == 1
+    p = Pacer()
+    for b in (1, 1, 16):
+        p.measured(0.005 if b == 1 else 0.010, batch=b)
+    p.measured(0.018, 2.0, batch=16)                            # 1.8x a 16-row step for 2 tokens: pays
+    assert p.ratio == pytest.approx(1.8) and p.pause == 0 and p.want()
+    p.measured(0.018, 2.0, batch=15)                            # 15 rows: against 16's step, the nearest
+    assert p.ratio == pytest.approx(1.8) and p.pause == 0
+
+
+@pytest.mark.paced
+def test_a_verification_that_pays_by_itself_goes_on_before_the_averages_catch_up():
+    """Text that starts repeating itself: the averages still say no (g 1.9 < r 3), the last verification's 5
+    tokens for 3 plain steps' time says yes - verifying goes on at once."""
+    p = Pacer()
+    p.measured(0.010)
+    p.measured(0.010)
+    p.measured(0.030, 1.0)                                      # r 3, g 1: waits
+    assert p.pause == 1 and [p.want(), p.want()] == [False, True]
+    p.measured(0.030, 5.0)                                      # averages: g 2.2 < r 3; this one: 5 >= 3
+    assert p.gain == pytest.approx(2.2) and p.ratio == pytest.approx(3.0)
     assert p.pause == 0 and p.want()
 
 
@@ -526,13 +550,13 @@ def test_a_probe_measures_a_plain_step_after_the_verifications_aftermath():
     p.measured(0.004)                                           # t_p known: 4 ms
     for _ in range(Pacer.PROBE):
         assert p.want()
-        p.measured(0.008, 4.0)                                  # pays: 4 tokens for 8 ms
+        p.measured(0.008, 4.0)                                  # pays: 4 tokens for 2 plain steps' time
     assert not p.want()
-    p.measured(0.010)                                           # the aftermath: +6 ms on t_v, t_p untouched
-    assert p.plain == 0.004 and p.verify == pytest.approx(0.008 + 0.3 * 0.006)
+    p.measured(0.010)                                           # the aftermath: +6 ms (1.5 t_p) on r, t_p untouched
+    assert p.plain == {1: 0.004} and p.ratio == pytest.approx(2.0 + 0.3 * 1.5)
     assert not p.want()                                         # the probe goes on
     p.measured(0.005)
-    assert p.plain == pytest.approx(0.005) and p.want()
+    assert p.plain == {1: pytest.approx(0.005)} and p.want()
 
 
 def test_the_compiled_verification_keeps_the_states_per_token_and_decodes_as_plain_greedy(tmp_path):

@@ -1,6 +1,7 @@
-"""Speculation in the serving engine (``Engine(speculative="ngram")``): inside the continuous batch every
-request's tokens still equal ``generate`` run alone - greedy, seeded sampling, penalties, several choices -
-while rows accept different numbers of drafts in the same verification; logprobs equal the plain engine's."""
+"""Speculation in the serving engine (``Engine(speculative="ngram")``, or a draft model): inside the continuous
+batch every request's tokens still equal ``generate`` run alone - greedy, seeded sampling, penalties, several
+choices - while rows accept different numbers of drafts in the same verification; logprobs equal the plain
+engine's."""
 
 import random
 
@@ -83,21 +84,77 @@ def test_choices_and_logprobs_equal_the_plain_engine():
             assert [t for t, _ in a[4]] == [t for t, _ in b[4]]
 
 
+def draft_state_is_a_prefill(engine, draft):
+    """Every running row's draft state equals the draft model prefilled on the tokens that row's state covers
+    (its prompt and its tokens but the last): the next-token logits of both, fed the row's last token."""
+    from subquad.models.rows import select_rows
+
+    for i, seq in enumerate(engine.running):
+        row = select_rows(engine.draft.state, [i])
+        got, _ = draft.step(torch.tensor([seq.tokens[-1]]), row)
+        want, _ = draft.prefill(torch.tensor([seq.prompt + seq.tokens]), logits="last")
+        torch.testing.assert_close(got, want.view(1, -1), rtol=0, atol=1e-9)
+
+
+@pytest.mark.parametrize("kind,draft_kind", [("bamba", "same"), ("mamba2", "bamba")])
+def test_a_draft_model_drafts_for_rows_that_join_and_leave_and_every_stream_equals_generate_alone(kind, draft_kind):
+    """A draft model in the batch (``serve.drafting.BatchDraft``): a hybrid drafting for itself (every greedy draft
+    accepted, sampled ones in part: its KV cache rolled back by a different count per row) and an unrelated
+    hybrid drafting for a Mamba-2 model (its drafts rejected).
+    Requests join a batch already decoding and leave at different times; each equals generate alone, and after
+    every step each row's draft state equals a prefill of the tokens its row's state covers."""
+    model = model_of(kind)
+    if draft_kind == "same":
+        draft = model
+    else:
+        torch.manual_seed(1)
+        draft = LanguageModel(config(draft_kind)).double().eval()
+    reqs = repetitive(9, seed=5)
+    engine = Engine(model, max_batch=4, prefill_chunk=16, state_cache_mb=0, speculative=draft, draft_tokens=3)
+    seqs, steps = [], 0
+    for i, (prompt, p) in enumerate(reqs):
+        seqs.append(engine.submit(prompt, p))
+        if i % 3 == 2:
+            engine.step()
+    while engine.step():
+        steps += 1
+        if steps % 4 == 1 and engine.running:
+            assert engine.draft.rows == len(engine.running)
+            draft_state_is_a_prefill(engine, draft)
+    for (prompt, p), seq in zip(reqs, seqs):
+        assert seq.tokens == alone(model, prompt, p), (prompt, p)
+    c = engine.counters
+    assert c["verifications"] > 0, c
+    if draft_kind == "same":
+        assert 0 < c["accepted"] < c["drafted"] and c["decode_steps"] < c["generated_tokens"] - len(reqs), c
+    assert engine.draft.state is None and engine.draft.rows == 0
+
+
 def test_speculation_options_are_checked_by_name():
     model = model_of("mamba2")
     with pytest.raises(ValueError, match="speculative"):
         Engine(model, speculative="mtp")
     with pytest.raises(ValueError, match="draft_tokens"):
         Engine(model, speculative="ngram", draft_tokens=0)
+    torch.manual_seed(0)
+    other = LanguageModel(config("mamba2").__class__(**{**config("mamba2").__dict__, "vocab_size": V + 4}))
+    with pytest.raises(ValueError, match="vocab_size"):
+        Engine(model, speculative=other.double())
 
 
-def test_serve_takes_speculative_and_draft_tokens():
-    from subquad.cli import build_parser
+def test_serve_takes_speculative_and_draft_tokens(tmp_path, capsys):
+    from subquad.cli import build_parser, main
 
     args = build_parser().parse_args(["serve", "--model", "m", "--speculative", "ngram", "--draft-tokens", "6"])
     assert (args.speculative, args.draft_tokens) == ("ngram", 6)
-    with pytest.raises(SystemExit):
-        build_parser().parse_args(["serve", "--model", "m", "--speculative", "mtp"])
+    args = build_parser().parse_args(["serve", "--model", "m", "--speculative", str(tmp_path)])
+    assert args.speculative == str(tmp_path)
+    folder = tmp_path / "m"
+    model_of("mamba2").float().save_pretrained(folder)
+    assert main(["serve", "--model", str(folder), "--speculative", "mtp"]) != 0
+    assert "an MTP head drafts in `subquad generate` only" in capsys.readouterr().err
+    assert main(["serve", "--model", str(folder), "--speculative", str(tmp_path / "nowhere")]) != 0
+    assert "is not a folder" in capsys.readouterr().err
 
 
 def test_drafts_stop_at_the_learned_positions_end(monkeypatch):
