@@ -1,7 +1,7 @@
 """The serving engine: continuous batching of independent requests over one model, without HTTP.
 
     engine = Engine(model, tokenizer, max_batch=16)
-    engine.start()                                   # the decoding loop, in a thread of its own
+    engine.start()                                   # the decoding loop, in a thread of its own (or engine.run())
     seq = engine.submit(prompt_ids, SamplingParams(max_tokens=64, temperature=0))
     for event in engine.stream(seq):                 # Event(token, text, logprob, ..., finish_reason)
         print(event.text, end="")
@@ -328,9 +328,16 @@ class Engine:
 
     # -- the loop ---------------------------------------------------------------------------------------
 
-    def _run(self):
-        """The loop's thread: step while there is work, else wait for a submit (or 0.05 s)."""
-        while not self._stop:
+    def run(self, until=None) -> None:
+        """The loop on the calling thread (``start`` gives it a thread of its own) until ``stop`` or ``until()``:
+        step while there is work, else wait for a submit (or 0.05 s).
+
+        ``subquad serve`` runs it on the main thread, where the model was loaded and compiled, and the HTTP
+        server in another: with GNU OpenMP, the thread that first ran a parallel region keeps fast ones, and a
+        second thread that runs them gets its own team whose workers sleep between regions (tens of us to wake
+        each) - a compiled step took 29 ms on a thread against 20 ms on the main thread at mamba-130m's shape
+        (benchmarks/RESULTS.md, "The engine on the main thread")."""
+        while not self._stop and (until is None or not until()):
             try:
                 busy = self.step()
             except Exception:                       # a bug outside any one request's work: end them all, go on
@@ -340,6 +347,9 @@ class Engine:
             if not busy:
                 self._wake.wait(0.05)
                 self._wake.clear()
+
+    def _run(self):
+        self.run()
 
     @torch.no_grad()
     def step(self) -> bool:

@@ -1,15 +1,20 @@
 """Running the server: uvicorn over ``api.create_app``, with a graceful SIGTERM.
 
-On SIGTERM (or SIGINT) the engine stops accepting at once (new requests: 503), the requests already
-accepted run on for up to ``drain_timeout`` seconds and then end with a final "abort" event, uvicorn closes
-its listening socket and waits for the open responses, and the process exits 0. The signal handler runs on
-the main thread, between any two bytecodes of whatever it was doing - possibly ``Engine.submit`` holding the
-engine's lock - so it only sets flags (``Engine.drain`` takes no lock).
+The engine's loop runs on the main thread and uvicorn on another (``Engine.run``: OpenMP's parallel regions
+are fast on the thread that loaded the model). On SIGTERM (or SIGINT) the engine stops accepting at once (new
+requests: 503), the requests already accepted run on for up to ``drain_timeout`` seconds and then end with a
+final "abort" event, uvicorn closes its listening socket and waits for the open responses, and the process
+exits 0. The signal handler runs on the main thread, between any two bytecodes of whatever it was doing -
+possibly ``Engine.submit`` holding the engine's lock - so it only sets flags (``Engine.drain`` takes no lock,
+uvicorn's ``handle_exit`` sets ``should_exit``).
 """
 
 from __future__ import annotations
 
+import signal
 import sys
+import threading
+import time
 
 from subquad.serve.api import MAX_BODY_MB, create_app
 from subquad.serve.engine import Engine
@@ -76,16 +81,28 @@ def make_server(engine: Engine, model_name: str, *, host: str = "127.0.0.1", por
 def run(engine: Engine, model_name: str, *, host: str = "127.0.0.1", port: int = 8000, chat_template=None,
         api_key: str | None = None, drain_timeout: float = 10.0, log_level: str = "warning",
         max_body_mb: float = MAX_BODY_MB) -> int:
-    """Serve until SIGTERM/SIGINT, drain, stop the engine; returns the exit status (0)."""
+    """Serve until SIGTERM/SIGINT, drain, stop the engine; returns the exit status (0; 1 when uvicorn could not
+    start, e.g. the port is taken)."""
     server = make_server(engine, model_name, host=host, port=port, chat_template=chat_template, api_key=api_key,
                          drain_timeout=drain_timeout, log_level=log_level, max_body_mb=max_body_mb)
-    engine.start()
+    failed = []
+
+    def serve_http():
+        try:
+            server.run()
+        except BaseException as e:  # noqa: BLE001 - a port that cannot be bound ends uvicorn with SystemExit
+            failed.append(e)
+
+    http = threading.Thread(target=serve_http, name="subquad-http", daemon=True)
+    for sig in (signal.SIGTERM, signal.SIGINT):      # uvicorn listens for signals on the main thread only
+        signal.signal(sig, server.handle_exit)
     budget = "no memory budget" if engine.budget is None else f"memory budget {engine.budget / 2 ** 20:,.0f} MB"
     print(f"subquad serve: {model_name} on http://{host}:{port}/v1 (max batch {engine.max_batch}, max context "
           f"{engine.max_context}, state {engine.row_bytes(engine.max_context):,} bytes per stream at the max context, "
           f"{budget})", file=sys.stderr, flush=True)
-    server.run()
+    http.start()
+    engine.run(until=lambda: not http.is_alive())     # until uvicorn has shut down (module doc)
     engine.drain(0)
-    engine.drained.wait(drain_timeout + 5)
-    engine.stop()
-    return 0
+    end = time.monotonic() + drain_timeout + 5
+    engine.run(until=lambda: engine.drained.is_set() or time.monotonic() > end)
+    return 0 if server.started and not failed else 1

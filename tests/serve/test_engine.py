@@ -527,3 +527,26 @@ def test_response_format_rows_equal_generate_alone_and_parse():
     with pytest.raises(OptionError, match="response_format"):
         Engine(model, None, state_cache_mb=0).submit(prompt, SamplingParams(response_format={"type": "json_object"}))
 
+
+
+def test_run_steps_on_the_calling_thread_until_told_to_stop():
+    """``Engine.run``: the loop on the calling thread (``subquad serve`` runs it on the main thread, where
+    OpenMP's parallel regions are fast), until ``until()`` holds; requests submitted meanwhile from another
+    thread are served exactly, and every step ran on this thread."""
+    import threading
+
+    model = model_of("mamba2")
+    engine = Engine(model, state_cache_mb=0)
+    p = SamplingParams(max_tokens=7, temperature=0)
+    threads, real = set(), engine.step
+
+    def step():
+        threads.add(threading.get_ident())
+        return real()
+    engine.step = step
+    seqs = []
+    submitter = threading.Thread(target=lambda: seqs.extend(engine.submit([i + 1, i + 3], p) for i in range(3)))
+    submitter.start()
+    engine.run(until=lambda: not submitter.is_alive() and all(s.finish_reason for s in seqs))
+    assert [s.tokens for s in seqs] == [alone(model, [i + 1, i + 3], p) for i in range(3)]
+    assert threads == {threading.get_ident()}

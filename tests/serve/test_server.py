@@ -447,6 +447,21 @@ def test_a_full_queue_answers_429_and_sigterm_drains_and_exits_0(tmp_path):
         server.stop()
 
 
+def test_a_port_already_taken_exits_1(tmp_path):
+    """uvicorn runs on a thread of its own (the engine on the main thread): a port it cannot bind still ends the
+    process with status 1 and uvicorn's message, not 0."""
+    import subprocess
+    import sys
+
+    path = folder(tmp_path / "m", "mamba2")
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        r = subprocess.run([sys.executable, "-m", "subquad", "serve", "--model", str(path), "--port",
+                            str(taken.getsockname()[1])], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 1 and "address already in use" in r.stderr
+
+
 def test_cli_refuses_bad_serve_arguments(tmp_path, capsys):
     from subquad.cli import main
 
