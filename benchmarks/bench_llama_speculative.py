@@ -42,7 +42,7 @@ from benchmarks.bench_serve import Server  # noqa: E402
 from benchmarks.bench_speculative import TARGET, edit_prompts, free_prompts, prepare, train_or_load  # noqa: E402
 from benchmarks.common import OUT, machine_line, matmul_gflops  # noqa: E402
 
-MAMBA2 = {**TARGET, "pattern": "mamba2"}
+MAMBA2 = {**TARGET, "pattern": "mamba2", "mlp": False}   # as Hugging Face's mamba2 (no MLP)
 
 
 def llama_complete(port: int, prompt: list[int], n: int) -> list[int]:

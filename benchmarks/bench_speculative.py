@@ -57,7 +57,7 @@ DRAFT = {"preset": "micro", "pattern": "gla"}
 def train_or_load(out: Path, spec: dict, steps: int, token_data, log, batch_size: int = 4):
     """The run in ``out`` (trained ``steps`` steps of ``batch_size`` windows first if it is not there)."""
     if not (out / "config.json").exists():
-        cfg = presets.preset(spec["preset"], pattern=spec["pattern"], vocab_size=4096)
+        cfg = presets.preset(spec["preset"], vocab_size=4096, **{k: v for k, v in spec.items() if k != "preset"})
         train_run(cfg, TrainConfig(steps=steps, batch_size=batch_size, eval_every=max(steps // 4, 1),
                                    ckpt_every=steps), out, token_data=token_data, log=log)
     model, tok, _ = load_run(out)
