@@ -143,6 +143,19 @@ def generate(model, prompt, max_new_tokens: int, temperature: float = 1.0, top_k
     return (out[0] if single else out), state
 
 
+class _Never:
+    """A drafter that proposes nothing (every step plain), wrapping one whose hooks still run."""
+
+    def __init__(self, inner):
+        self.inner, self.needs_hidden = inner, inner.needs_hidden
+
+    def propose(self, feed, active, k):
+        return [[] for _ in feed]
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+
 def _speculate(model, last, state, max_new_tokens, sampler, emit, draft_tokens, drafts_by):
     """``generate``'s decoding loop with speculation (``models.speculative``), after the prefill: ``last`` (B,
     vocab) the prompts' last logits, ``sampler`` the plain loop's ``Sampler``, ``emit(i, token) -> done`` records
@@ -166,14 +179,25 @@ def _speculate(model, last, state, max_new_tokens, sampler, emit, draft_tokens, 
         done[i] = emit(i, t0[i])
     pause, wait = 0, 0
     pacer = Pacer()                              # verify only while it pays against a plain step's time
+    # Each row drafts up to its own room (rows that accept more finish sooner: the others go on verifying), the
+    # verification padded past a row's end. Learned positions end at context_length: there a compiled
+    # verification's k padded positions must fit in the row's room, and in a batch a row that finished early is
+    # fed padding at every later step, up to max_new_tokens more positions - so a batch that could walk past the
+    # end that way decodes without speculation.
+    limit = model.config.context_length if getattr(model, "pos_embed", None) is not None else None
+    if limit is not None and B > 1 and int(torch.as_tensor(getattr(state, "pos", 0)).max()) + 2 * max_new_tokens \
+            + draft_tokens > limit:
+        drafts_by = _Never(drafts_by)
     while not all(done):
         started = time.perf_counter()
         active = [i for i in range(B) if not done[i]]
-        room = min(max_new_tokens - count[i] for i in active)             # every active row may emit this many
+        rooms = [max_new_tokens - count[i] if not done[i] else 0 for i in range(B)]   # tokens row i may emit
+        room = max(rooms)
         feed = [t0[i] if not done[i] else 0 for i in range(B)]              # finished rows: padding
         drafts = [[] for _ in range(B)]
-        if wait == 0 and room > (draft_tokens if fixed else 1) and pacer.want():
+        if wait == 0 and room > (draft_tokens if fixed and limit is not None else 1) and pacer.want():
             drafts = drafts_by.propose(feed, active, min(draft_tokens, room - 1))
+            drafts = [d[:max(rooms[i] - 1, 0)] for i, d in enumerate(drafts)]
         else:
             wait = max(0, wait - 1)
         k = max(len(d) for d in drafts)

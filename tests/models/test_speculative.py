@@ -268,6 +268,22 @@ def test_speculation_counts_its_steps_and_pauses_when_drafts_fail():
             model.generate(PROMPT, 3, **bad)
 
 
+@pytest.mark.parametrize("pos_emb", ["learned", "none"])
+def test_rows_draft_up_to_their_own_end_and_learned_positions_never_pass_the_context(pos_emb):
+    """Each row drafts up to its own room (rows that accept more finish sooner; the others go on verifying).
+    Learned positions end at context_length: the longer prompt reaches it exactly, no verification may pass it,
+    and a batch - whose finished rows are fed padding - that could walk past it decodes without speculation."""
+    model = tiny("mamba2,softmax", scale=8.0, pos_emb=pos_emb)
+    batch = [PROMPT, [5, 9, 2, 6, 5, 3, 5, 8]]                   # the first accepts more: it ends first
+    n = model.config.context_length - len(PROMPT)
+    plain = model.generate(batch, n, temperature=0)[0]
+    assert model.generate(batch, n, temperature=0, speculative="ngram", draft_tokens=6)[0] == plain
+    st = model.speculation_stats
+    assert st.emitted == 2 * n - 2 and (st.verifications == 0) == (pos_emb == "learned")
+    assert model.generate(PROMPT, n, temperature=0, speculative="ngram", draft_tokens=6)[0] == plain[0]
+    assert model.speculation_stats.verifications > 0
+
+
 def _draft_for(model, pattern="gla", seed=1, noise=0.0):
     """A one-layer draft with the model's vocabulary: random (``noise`` 0), or ``model`` itself perturbed."""
     if noise:
