@@ -406,11 +406,13 @@ class NgramDrafter:
 class ModelDrafter:
     """A smaller model with the target's vocabulary drafts its greedy continuation.
 
-    Its state always covers the tokens the target's state covers (each row's tokens before the one to feed):
-    prefilled on the prompts, then each step ``propose`` runs k one-token steps from it, keeping the state after
-    each, and ``settle`` takes the one after the tokens the target kept - the (n)th kept state when every row
-    kept n <= k tokens, one more step when all k drafts and the fed token were kept, and a verification of the
-    draft itself rolled back per row (``verify(...).accept(keeps)``) when rows kept different numbers."""
+    Its state, with the tokens in ``pending``, covers the tokens the target's state covers (each row's tokens
+    before the one to feed): prefilled on the prompts; a plain step of the target only appends its fed tokens to
+    ``pending`` (the draft model does not run while the pacer has drafting wait), and the next ``propose`` first
+    prefills them, one forward for all. ``propose`` then runs k one-token steps, keeping the state after each,
+    and ``settle`` takes the one after the tokens the target kept - the (n)th kept state when every row kept
+    n <= k tokens, one more step when all k drafts and the fed token were kept, and a verification of the draft
+    itself rolled back per row (``verify(...).accept(keeps)``) when rows kept different numbers."""
 
     name = "model"
     needs_hidden = False
@@ -427,12 +429,20 @@ class ModelDrafter:
             cu = torch.cat([torch.zeros(1, dtype=torch.long), lens.cumsum(0)]).to(dev)
             packed = torch.tensor([t for p in prompts for t in p], device=dev).view(1, -1)
             _, self.state = draft.prefill(packed, cu_seqlens=cu, logits="last")
-        self.states = []
+        self.states, self.pending = [], []
 
     def append(self, i: int, token: int) -> None:
         pass
 
+    def catch_up(self) -> None:
+        """Prefill the tokens plain steps fed (``pending``: one list of every row's token per step) into the state."""
+        if self.pending:
+            ids = torch.tensor(self.pending, device=self.dev).T.contiguous()      # (B, steps)
+            _, self.state = self.model.prefill(ids, self.state, logits="last")
+            self.pending = []
+
     def propose(self, feed: list[int], active: list[int], k: int) -> list[list[int]]:
+        self.catch_up()
         s, tok, out = self.state, torch.tensor(feed, device=self.dev), []
         self.states = []
         for _ in range(k):
@@ -448,7 +458,7 @@ class ModelDrafter:
         """The target kept ``keeps[i]`` tokens of row i's [feed[i], drafts[i]...] (``keeps`` an int: every row
         the same; ``drafts`` None: a plain step, which kept feed)."""
         if drafts is None:
-            _, self.state = self.model.step(torch.tensor(feed, device=self.dev), self.state)
+            self.pending.append(list(feed))
             return
         drafts = self.drafted
         k = len(drafts[0])

@@ -12,8 +12,9 @@ tokens as that row's state (its prompt and every token it has emitted but the la
 
 ``settle`` is ``models.speculative.ModelDrafter``'s - the kept draft state when every row kept the same count, a
 verification of the draft itself rolled back per row when they differ - so the engine's rows and ``generate``'s
-keep their draft states the same way. The draft model steps on every decoding step, plain ones included: it
-must cover the tokens the rows consume. Its states are not counted in the engine's memory budget.
+keep their draft states the same way. A plain step's fed tokens wait in ``pending`` and are prefilled in one
+forward at the next proposal, or before rows join or leave (``catch_up``): the draft model does not run while
+drafting waits. Its states are not counted in the engine's memory budget.
 """
 
 from __future__ import annotations
@@ -31,11 +32,16 @@ class BatchDraft(ModelDrafter):
         check_speculative(draft, target)
         self.model, self.dev, self.was_training = draft, draft.embed.weight.device, draft.training
         draft.eval()
-        self.state, self.states, self.rows = None, [], 0
+        self.state, self.states, self.pending, self.rows = None, [], [], 0
+
+    @torch.no_grad()
+    def catch_up(self) -> None:
+        ModelDrafter.catch_up(self)
 
     @torch.no_grad()
     def join(self, prompts: list[list[int]]) -> None:
         """The draft states of ``prompts`` (one packed prefill) join after the rows there are."""
+        self.catch_up()
         lens = torch.tensor([len(p) for p in prompts])
         cu = torch.cat([torch.zeros(1, dtype=torch.long), lens.cumsum(0)]).to(self.dev)
         packed = torch.tensor([t for p in prompts for t in p], device=self.dev).view(1, -1)
@@ -51,10 +57,11 @@ class BatchDraft(ModelDrafter):
         if not rows:
             self.clear()
             return
+        self.catch_up()
         self.state, self.rows = select_rows(self.state, rows), len(rows)
 
     def clear(self) -> None:
-        self.state, self.states, self.rows = None, [], 0
+        self.state, self.states, self.pending, self.rows = None, [], [], 0
 
     @torch.no_grad()
     def propose(self, feed: list[int], k: int) -> list[list[int]]:

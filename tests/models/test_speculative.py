@@ -332,6 +332,31 @@ def test_the_model_drafting_for_itself_is_always_accepted():
     assert acceptance[0] == 1.0 > acceptance[2] and acceptance[1] > acceptance[2]
 
 
+@pytest.mark.parametrize("pattern", ["gla,softmax", "mamba"])
+def test_a_draft_model_catches_up_on_the_plain_steps_in_one_prefill(pattern):
+    """Plain steps of the target only queue their fed tokens for the draft model (it does not run while drafting
+    waits); the next proposal prefills them: its state then equals the draft prefilled on every token, in a ragged
+    batch too, and its drafts are its greedy continuation from there."""
+    from subquad.models.speculative import ModelDrafter
+
+    model = tiny("mamba2,softmax")
+    draft = _draft_for(model, pattern)
+    prompts = [PROMPT, [3, 1, 4, 1, 5]]
+    d = ModelDrafter(draft, model, prompts)
+    fed = [[2, 7], [6, 8], [9, 1]]                              # three plain steps of both rows
+    for f in fed:
+        d.settle(f, None, 1)
+    assert len(d.pending) == 3
+    got = d.propose([4, 4], [0, 1], 2)
+    assert d.pending == []
+    for i, p in enumerate(prompts):
+        seq = p + [f[i] for f in fed] + [4]
+        want, state = draft.prefill(torch.tensor([seq]), logits="last")
+        first = int(want.argmax(-1))
+        second = int(draft.step(torch.tensor([first]), state)[0].argmax(-1))
+        assert got[i] == [first, second], i
+
+
 def test_a_draft_model_must_share_the_vocabulary_and_device():
     model = tiny("mamba2", n_layers=1)
     for bad, match in ((tiny("gla", n_layers=1, vocab=12), "vocab_size"), ("medusa", "speculative"),

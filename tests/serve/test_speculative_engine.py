@@ -89,6 +89,7 @@ def draft_state_is_a_prefill(engine, draft):
     (its prompt and its tokens but the last): the next-token logits of both, fed the row's last token."""
     from subquad.models.rows import select_rows
 
+    engine.draft.catch_up()                         # the plain steps' tokens, prefilled at the next proposal
     for i, seq in enumerate(engine.running):
         row = select_rows(engine.draft.state, [i])
         got, _ = draft.step(torch.tensor([seq.tokens[-1]]), row)
