@@ -46,12 +46,13 @@ def add_parser(command) -> None:
                         "serve.api.MAX_BODY_MB, 8)")
     v.add_argument("--drain-timeout", type=nonneg_float, default=10.0,
                    help="seconds accepted requests may run on after SIGTERM")
-    v.add_argument("--speculative", metavar="ngram|DIR",
+    v.add_argument("--speculative", metavar="ngram|mtp|DIR",
                    help="speculative decoding per row: each row drafts tokens by prompt lookup ('ngram': the "
-                        "continuation of an earlier occurrence of its last tokens in its prompt and output) or from "
-                        "a smaller model with the same tokenizer (DIR: its run or model folder; its state follows "
-                        "the batch's rows), and the batch verifies them in one forward; every row's tokens are the "
-                        "ones it would get without it (subquad.serve.engine, 'Speculation')")
+                        "continuation of an earlier occurrence of its last tokens in its prompt and output), from "
+                        "the checkpoint's multi-token-prediction head ('mtp'; the model then decodes eagerly) or "
+                        "from a smaller model with the same tokenizer (DIR: its run or model folder; its state "
+                        "follows the batch's rows), and the batch verifies them in one forward; every row's tokens "
+                        "are the ones it would get without it (subquad.serve.engine, 'Speculation')")
     v.add_argument("--draft-tokens", type=positive, default=4,
                    help="tokens drafted per row and step with --speculative")
     v.add_argument("--compile-decode", action="store_true",
@@ -109,12 +110,12 @@ def run(args) -> int:
         if not Path(args.model).is_dir():
             raise ValueError(f"--model {args.model} is not a folder")
         chat_template = load_chat_template(args.model)
-    if args.speculative == "mtp":
-        raise ValueError("--speculative: an MTP head drafts in `subquad generate` only; serve takes 'ngram' or a "
-                         "draft model's folder")
     check_speculative_flag(args)
     model, tok = load_model(args)
     speculative = None if args.speculative is None else load_draft(args, model)
+    if speculative == "mtp" and getattr(model, "mtp", None) is None:
+        raise ValueError(f"--speculative mtp: {args.model or args.run} has no multi-token-prediction head (mtp.* "
+                         f"tensors); use 'ngram' or a draft model's folder")
     if args.compile_decode:
         _compile_and_warm(model)
     name = args.served_model_name or Path(args.model or args.run).resolve().name

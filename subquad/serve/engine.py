@@ -30,22 +30,25 @@ One loop iteration (``step``), vLLM's scheduler in miniature:
    in the prefix cache under the tokens it has consumed; a row whose state reaches a multiple of
    ``prefix_block`` tokens is kept there too, so the guarantee above covers answers as well as prompts.
 
-Speculation (``Engine(speculative="ngram")``, ``subquad serve --speculative ngram``; or a draft model:
-``Engine(speculative=draft)``, ``--speculative DIR``). Each decoding step, a row drafts up to ``draft_tokens``
-tokens by prompt lookup over its prompt and output (``models.speculative.PromptLookup``) or as the draft model's
-greedy continuation (``serve.drafting.BatchDraft``: its state has a row per running row, joins and leaves with
-them, and keeps what each row kept), and the batch runs [last token, drafts] through the model in one
+Speculation (``Engine(speculative="ngram")``, ``subquad serve --speculative ngram``; a draft model:
+``Engine(speculative=draft)``, ``--speculative DIR``; or the checkpoint's MTP head: ``"mtp"``). Each decoding step,
+a row drafts up to ``draft_tokens`` tokens by prompt lookup over its prompt and output
+(``models.speculative.PromptLookup``), as the draft model's greedy continuation (``serve.drafting.BatchDraft``: its
+state has a row per running row, joins and leaves with them, and keeps what each row kept), or from the MTP head (a
+``models.speculative.MTPDrafter`` per row, fed the model's hidden states - so the model's steps and verifications
+run eagerly, where hooks see them - from the prompt tokens this request prefilled: a prefix taken from the cache
+has none, and the head drafts from the rest), and the batch runs [last token, drafts] through the model in one
 forward (``models.speculative.verify``; rows with fewer drafts are padded, a step without any draft is a plain
-step). Each row then samples its tokens in order with its own sampler, one position at a time, and goes on
-past position j only while the token it drew is the draft there: a token drawn at a position whose context
-(the drafts before it) is its own history is a plain step's token, so every row's tokens - greedy or sampled,
-with penalties, a grammar or logprobs - are the ones it would draw without speculation, from the same draws of
-its generator. (With a one-hot draft this is the standard rule: it keeps draft d with probability p(d), and
-otherwise draws from p without d.) The state keeps each row's consumed tokens (``Verification.accept``, a
-different count per row). A row whose drafts keep failing drafts again after 1, 2, 4, ... up to
-``MAX_PAUSE`` plain steps, and the whole batch takes plain steps while a verification costs more wall time per
-emitted token than a plain step (``models.speculative.Pacer``). A row may pass a multiple of ``prefix_block``
-inside one verification; no checkpoint is kept there.
+step). Each row then samples its tokens in order with its own sampler, one position at a time, and goes on past
+position j only while the token it drew is the draft there: a token drawn at a position whose context (the drafts
+before it) is its own history is a plain step's token, so every row's tokens - greedy or sampled, with penalties, a
+grammar or logprobs - are the ones it would draw without speculation, from the same draws of its generator. (With a
+one-hot draft this is the standard rule: it keeps draft d with probability p(d), and otherwise draws from p without
+d.) The state keeps each row's consumed tokens (``Verification.accept``, a different count per row). A row whose
+drafts keep failing drafts again after 1, 2, 4, ... up to ``MAX_PAUSE`` plain steps, and the whole batch takes
+plain steps while a verification costs more wall time per emitted token than a plain step
+(``models.speculative.Pacer``). A row may pass a multiple of ``prefix_block`` inside one verification; no
+checkpoint is kept there.
 
 Memory. Every KV cache the engine holds is sized once for the longest ``prompt + max_tokens`` among the rows
 it serves (``rows.with_capacity``: a left-padded batch holds every row as long as its longest), so steps and
@@ -79,7 +82,8 @@ from dataclasses import dataclass
 import torch
 
 from subquad.models.rows import cat_states, select_rows, state_nbytes, with_capacity
-from subquad.models.speculative import MAX_PAUSE, Pacer, PromptLookup, keeps_states, verify
+from subquad.models.speculative import (MAX_PAUSE, MTPDrafter, Pacer, PromptLookup, capture_hidden, keeps_states,
+                                        verify)
 from subquad.ops import KVCache
 from subquad.serve.drafting import BatchDraft
 from subquad.serve.prefix_cache import PrefixCache
@@ -139,6 +143,8 @@ class Sequence:
         self.submitted = time.monotonic()
         self.first_token_at: float | None = None
         self.lookup: PromptLookup | None = None   # speculation: prompt lookup over its prompt and tokens
+        self.mtp = None                           # or its MTP drafter (made when its prompt is done)
+        self.hidden: list = []                    # the model's hidden states over the prompt tokens it prefilled
         self.pause = self.wait = 0                # plain steps after failed drafts: the next pause, left of it
 
     @property
@@ -164,9 +170,9 @@ class Engine:
     prefix cache (module doc; None: no limit but ``state_cache_mb``; ``subquad serve`` defaults it to half
     the memory available, ``available_memory_bytes``). ``eos_ids``: default the model's
     ``config.eos_token_ids``. ``prefix_block``: prefill keeps a checkpoint every this many prompt tokens
-    (module doc; ``PREFIX_BLOCK`` by default). ``speculative="ngram"`` or a draft model (a ``LanguageModel`` with
-    the same vocabulary): each row drafts up to ``draft_tokens`` tokens per step by prompt lookup or from it
-    (module doc, "Speculation")."""
+    (module doc; ``PREFIX_BLOCK`` by default). ``speculative="ngram"``, ``"mtp"`` (the model's own MTP head) or a
+    draft model (a ``LanguageModel`` with the same vocabulary): each row drafts up to ``draft_tokens`` tokens per
+    step by prompt lookup, from the head or from the draft model (module doc, "Speculation")."""
 
     def __init__(self, model, tokenizer=None, *, max_batch: int = 16, max_queue: int = 64, max_context: int = 4096,
                  prefill_chunk: int = 512, state_cache_mb: float = 256.0, memory_mb: float | None = None,
@@ -174,9 +180,11 @@ class Engine:
                  draft_tokens: int = 4):
         """Check the limits, measure one row's state and set up the queues (the loop starts with ``start``)."""
         prefix_block = PREFIX_BLOCK if prefix_block is None else prefix_block
-        if isinstance(speculative, str) and speculative != "ngram":
-            raise ValueError(f"speculative must be None, 'ngram' (prompt lookup) or a draft model in the server, got "
-                             f"{speculative!r}; an MTP head drafts in generate only")
+        if isinstance(speculative, str) and speculative not in ("ngram", "mtp"):
+            raise ValueError(f"speculative must be None, 'ngram' (prompt lookup), 'mtp' (the model's MTP head) or a "
+                             f"draft model, got {speculative!r}")
+        if speculative == "mtp" and getattr(model, "mtp", None) is None:
+            raise ValueError("speculative='mtp': this model has no MTP head (model.mtp); use 'ngram' or a draft model")
         for name, v in (("max_batch", max_batch), ("max_context", max_context), ("prefill_chunk", prefill_chunk),
                         ("prefix_block", prefix_block), ("draft_tokens", draft_tokens)):
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
@@ -425,7 +433,10 @@ class Engine:
         ids = torch.tensor([seq.prompt[seq.prefilled:seq.prefilled + n]], dtype=torch.long, device=self.device)
         if seq.state is not None:                   # its KV caches sized once: chunks append in place
             seq.state = with_capacity(seq.state, seq.max_len)
-        last, seq.state = self.model.prefill(ids, seq.state, logits="last")
+        with capture_hidden(self.model, self.speculative == "mtp") as seen:
+            last, seq.state = self.model.prefill(ids, seq.state, logits="last")
+        if seen:
+            seq.hidden.append(seen[-1][0])
         seq.state = with_capacity(seq.state, seq.max_len)
         seq.prefilled += n
         self.counters["prefill_tokens"] += n
@@ -437,6 +448,11 @@ class Engine:
             for f in seq.forks:                     # the other choices: copies of the prompt's state
                 f.state = with_capacity(select_rows(seq.state, [0]), f.max_len)
                 f.prefilled, f.cached_tokens = seq.prefilled, seq.cached_tokens
+            if seq.hidden:                          # the MTP head drafts from the prompt tokens prefilled here
+                hidden, start = torch.cat(seq.hidden)[None], seq.prefilled - sum(len(h) for h in seq.hidden)
+                for s in [seq, *seq.forks]:
+                    s.mtp = MTPDrafter(self.model, [seq.prompt[start:]], hidden)
+                seq.hidden = []
             for s in [seq, *seq.forks]:
                 self._emit(s, last)
 
@@ -481,16 +497,24 @@ class Engine:
         drafts = self._drafts() if self.speculative is not None and self.pacer.want() else []
         feed = [s.tokens[-1] for s in self.running]
         k = max(map(len, drafts), default=0)
-        if k and getattr(self.model, "_decode_step", None) is not None and keeps_states(
+        mtp = self.speculative == "mtp"                     # eager forwards: the head reads their hidden states
+        if k and not mtp and getattr(self.model, "_decode_step", None) is not None and keeps_states(
                 self.model, torch.zeros(len(feed), self.draft_tokens + 1, dtype=torch.long)):
             k = self.draft_tokens if self._draft_cap >= self.draft_tokens else 0  # compiled: one graph, k fixed
         try:
-            if k:
-                ids = [[t] + d + [t] * (k - len(d)) for t, d in zip(feed, drafts)]    # padding: never read
-                logits, ver = verify(self.model, torch.tensor(ids, device=self.device), self.batch_state)
-            else:
-                logits, self.batch_state = self.model.step(torch.tensor(feed, device=self.device), self.batch_state)
-                logits = logits.unsqueeze(1)
+            with capture_hidden(self.model, mtp) as seen:
+                if k:
+                    ids = [[t] + d + [t] * (k - len(d)) for t, d in zip(feed, drafts)]    # padding: never read
+                    logits, ver = verify(self.model, torch.tensor(ids, device=self.device), self.batch_state,
+                                         how="replay" if mtp else None)
+                elif mtp:
+                    logits, self.batch_state = self.model.prefill(torch.tensor(feed, device=self.device)[:, None],
+                                                                  self.batch_state, logits="last")
+                    logits = logits.unsqueeze(1)
+                else:
+                    logits, self.batch_state = self.model.step(torch.tensor(feed, device=self.device),
+                                                               self.batch_state)
+                    logits = logits.unsqueeze(1)
         except Exception:                                   # the batched step: no one row to blame
             traceback.print_exc()
             for s in self.running:
@@ -507,6 +531,10 @@ class Engine:
                 self.batch_state = with_capacity(self.batch_state, max(s.max_len for s in self.running))
             if self.draft is not None:                      # the draft model keeps what the rows kept
                 self.draft.settle(feed, emitted if k else None)
+            if mtp:                                         # each row's head: the hidden states of what it kept
+                for i, seq in enumerate(self.running):
+                    if seq.mtp is not None:
+                        seq.mtp.settle(None, None, emitted[i], seen[-1][i:i + 1])
         except Exception:
             traceback.print_exc()
             for s in self.running:
@@ -540,7 +568,10 @@ class Engine:
                 s.wait = max(0, s.wait - 1)
                 room = 0
             rooms.append(min(self.draft_tokens, max(room, 0)))
-        if self.draft is not None:                  # the draft model runs for every row, or for none
+        if self.speculative == "mtp":
+            out = [s.mtp.propose([s.tokens[-1]], [0], room)[0] if room and s.mtp is not None else []
+                   for s, room in zip(self.running, rooms)]
+        elif self.draft is not None:                # the draft model runs for every row, or for none
             k = max(rooms)
             proposed = self.draft.propose([s.tokens[-1] for s in self.running], k) if k else []
             out = [p[:r] for p, r in zip(proposed, rooms)] if k else [[] for _ in rooms]
@@ -597,6 +628,8 @@ class Engine:
         if seq.params.logprobs is not None:
             lp, top = logprobs_of(row, tok, seq.params.logprobs)
         seq.tokens.append(tok)
+        if seq.mtp is not None:
+            seq.mtp.append(0, tok)
         if seq.first_token_at is None:
             seq.first_token_at = time.monotonic()
         self.counters["generated_tokens"] += 1

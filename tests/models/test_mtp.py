@@ -18,6 +18,8 @@ from subquad.models import from_pretrained  # noqa: E402
 from subquad.models.speculative import MTPDrafter  # noqa: E402
 from tests.models import test_hf_delta, test_hf_qwen3_5  # noqa: E402
 
+pytestmark = pytest.mark.usefixtures("unpaced")     # counts verifications: no pacing by wall time
+
 MTP_LAYER = 1          # the tiny model's attention layer with experts: the MTP layer copies its shape
 
 

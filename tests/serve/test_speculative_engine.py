@@ -133,8 +133,10 @@ def test_a_draft_model_drafts_for_rows_that_join_and_leave_and_every_stream_equa
 
 def test_speculation_options_are_checked_by_name():
     model = model_of("mamba2")
-    with pytest.raises(ValueError, match="speculative"):
+    with pytest.raises(ValueError, match="speculative='mtp': this model has no MTP head"):
         Engine(model, speculative="mtp")
+    with pytest.raises(ValueError, match="speculative must be"):
+        Engine(model, speculative="medusa")
     with pytest.raises(ValueError, match="draft_tokens"):
         Engine(model, speculative="ngram", draft_tokens=0)
     torch.manual_seed(0)
@@ -153,7 +155,7 @@ def test_serve_takes_speculative_and_draft_tokens(tmp_path, capsys):
     folder = tmp_path / "m"
     model_of("mamba2").float().save_pretrained(folder)
     assert main(["serve", "--model", str(folder), "--speculative", "mtp"]) != 0
-    assert "an MTP head drafts in `subquad generate` only" in capsys.readouterr().err
+    assert "--speculative mtp" in (err := capsys.readouterr().err) and "no multi-token-prediction head" in err
     assert main(["serve", "--model", str(folder), "--speculative", str(tmp_path / "nowhere")]) != 0
     assert "is not a folder" in capsys.readouterr().err
 
@@ -214,3 +216,44 @@ def test_under_compile_decode_the_verification_is_compiled_and_every_stream_equa
     assert [s.tokens for s in seqs] == want
     assert engine.counters["verifications"] > 0
     assert model._decode_step.verifier().shapes == {(2, 5)}                      # always draft_tokens + 1
+
+
+def test_the_mtp_head_drafts_for_each_row_from_the_hidden_states_it_consumed(tmp_path, monkeypatch):
+    """speculative="mtp": a drafter per row, fed the model's hidden states of what its row consumed - from the
+    prompt tokens it prefilled (a request resumed from the prefix cache drafts from the rest) and every kept
+    verified position. Every stream equals generate alone, and every first draft is the head's argmax at the
+    pair (hidden state at the last consumed position, the token fed) over the row's pairs, computed afresh."""
+    pytest.importorskip("transformers")
+    from subquad.models import from_pretrained
+    from subquad.models.speculative import MTPDrafter, capture_hidden
+    from tests.models.test_mtp import _with_mtp
+
+    _, _, folder = _with_mtp(tmp_path)
+    model, _ = from_pretrained(folder, dtype=torch.float64)
+    rng = random.Random(7)
+    V = model.config.vocab_size
+    shared = [rng.randrange(V) for _ in range(10)]
+    reqs = [(shared + [rng.randrange(V) for _ in range(n)],
+             SamplingParams(max_tokens=m, temperature=0 if i % 2 == 0 else 0.8, seed=40 + i))
+            for i, (n, m) in enumerate([(3, 14), (6, 9), (2, 12), (5, 11)])]
+    engine = Engine(model, max_batch=3, prefill_chunk=8, prefix_block=4, speculative="mtp", draft_tokens=3)
+    proposals, propose = [], MTPDrafter.propose
+
+    def recording(self, feed, active, k):
+        drafts = propose(self, feed, active, k)
+        seq = next(s for s in engine.running if s.mtp is self)
+        proposals.append((seq.cached_tokens, seq.prompt + seq.tokens, drafts[0][0]))
+        return drafts
+    monkeypatch.setattr(MTPDrafter, "propose", recording)
+    seqs = run_all(engine, reqs, per_step=2)
+    for (prompt, p), seq in zip(reqs, seqs):
+        assert seq.tokens == alone(model, prompt, p), (prompt, p)
+    assert engine.counters["verifications"] > 0 and any(s.cached_tokens > 0 for s in seqs)
+    assert any(c > 0 for c, _, _ in proposals) and any(c == 0 for c, _, _ in proposals)
+    with torch.no_grad():
+        for start, full, first in proposals:                # full: consumed tokens and the one fed
+            with capture_hidden(model) as seen:
+                model.prefill(torch.tensor([full[:-1]]))
+            h = model.norm(seen[-1])[:, start:]
+            logits, _, _ = model.mtp(model, h, torch.tensor([full[start + 1:]]))
+            assert first == logits[0, -1].argmax().item()
