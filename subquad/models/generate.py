@@ -240,7 +240,9 @@ def _speculate(model, last, state, max_new_tokens, sampler, emit, draft_tokens, 
             if k:
                 stats.drafted += len(drafts[i])
                 stats.accepted += min(keeps[i] - 1, len(drafts[i]))
-        gain = sum(keeps[i] for i in active) / len(active)                  # tokens emitted per active row
+        # the pacer's gain: the batch ends with its slowest row, and a row that finished first only pads the
+        # steps after it - so the tokens the row that moved least emitted (one row: its own)
+        gain = min(keeps[i] for i in active)
         if k and kept:                              # the emitted tokens join the history (a plain step's did)
             row, tok = torch.tensor(kept, device=dev).T
             sampler.record(tok, row)

@@ -284,6 +284,30 @@ def test_rows_draft_up_to_their_own_end_and_learned_positions_never_pass_the_con
     assert model.speculation_stats.verifications > 0
 
 
+def test_the_pacer_hears_what_the_slowest_row_emitted(monkeypatch):
+    """A batch of generate ends with its slowest row (a row that finished first only pads the steps after it),
+    so each verification reports to the pacer the tokens the row that moved least emitted, not the mean."""
+    from subquad.models import speculative
+
+    heard, kept = [], []
+    measured, accept = Pacer.measured, speculative.Verification.accept
+
+    def hearing(self, seconds, tokens_per_row=None, batch=1):
+        if tokens_per_row is not None:
+            heard.append(tokens_per_row)
+        measured(self, seconds, tokens_per_row, batch)
+
+    def keeping(self, keep):
+        kept.append(keep)
+        return accept(self, keep)
+    monkeypatch.setattr(Pacer, "measured", hearing)
+    monkeypatch.setattr(speculative.Verification, "accept", keeping)
+    model = tiny("mamba2,softmax")
+    model.generate([PROMPT, [5, 9, 2, 6, 5, 3, 5, 8]], 30, temperature=0, speculative="ngram", draft_tokens=4)
+    assert kept[0] == [1, 5] and heard[0] == 1                  # rows kept 1 and 5: the pacer hears 1, not 3
+    assert len(heard) == len(kept) == model.speculation_stats.verifications
+
+
 def _draft_for(model, pattern="gla", seed=1, noise=0.0):
     """A one-layer draft with the model's vocabulary: random (``noise`` 0), or ``model`` itself perturbed."""
     if noise:
