@@ -221,8 +221,9 @@ def test_under_compile_decode_the_verification_is_compiled_and_every_stream_equa
 def test_the_mtp_head_drafts_for_each_row_from_the_hidden_states_it_consumed(tmp_path, monkeypatch):
     """speculative="mtp": a drafter per row, fed the model's hidden states of what its row consumed - from the
     prompt tokens it prefilled (a request resumed from the prefix cache drafts from the rest) and every kept
-    verified position. Every stream equals generate alone, and every first draft is the head's argmax at the
-    pair (hidden state at the last consumed position, the token fed) over the row's pairs, computed afresh."""
+    verified position; each choice of a request its own. Every stream equals generate alone, and every first
+    draft is the head's argmax at the pair (hidden state at the last consumed position, the token fed) over the
+    row's pairs, computed afresh."""
     pytest.importorskip("transformers")
     from subquad.models import from_pretrained
     from subquad.models.speculative import MTPDrafter, capture_hidden
@@ -236,6 +237,7 @@ def test_the_mtp_head_drafts_for_each_row_from_the_hidden_states_it_consumed(tmp
     reqs = [(shared + [rng.randrange(V) for _ in range(n)],
              SamplingParams(max_tokens=m, temperature=0 if i % 2 == 0 else 0.8, seed=40 + i))
             for i, (n, m) in enumerate([(3, 14), (6, 9), (2, 12), (5, 11)])]
+    reqs[1] = (reqs[1][0], SamplingParams(max_tokens=9, temperature=0.8, seed=41, n=2))   # a drafter per choice
     engine = Engine(model, max_batch=3, prefill_chunk=8, prefix_block=4, speculative="mtp", draft_tokens=3)
     proposals, propose = [], MTPDrafter.propose
 
@@ -247,8 +249,10 @@ def test_the_mtp_head_drafts_for_each_row_from_the_hidden_states_it_consumed(tmp
     monkeypatch.setattr(MTPDrafter, "propose", recording)
     seqs = run_all(engine, reqs, per_step=2)
     for (prompt, p), seq in zip(reqs, seqs):
-        assert seq.tokens == alone(model, prompt, p), (prompt, p)
-    assert engine.counters["verifications"] > 0 and any(s.cached_tokens > 0 for s in seqs)
+        for c in seq.choices:
+            assert c.tokens == alone(model, prompt, p, c.index), (prompt, p, c.index)
+    assert len(seqs[1].choices) == 2 and engine.counters["verifications"] > 0
+    assert any(s.cached_tokens > 0 for s in seqs)
     assert any(c > 0 for c, _, _ in proposals) and any(c == 0 for c, _, _ in proposals)
     with torch.no_grad():
         for start, full, first in proposals:                # full: consumed tokens and the one fed
