@@ -1,11 +1,12 @@
 """Decoding one token at batch 1 against llama.cpp on the same weights (issue 53's anchor), measured in one run:
 a random model at mamba-130m's shape (Mamba-1, d_model 768, 24 layers, vocab 50,280) saved as a Hugging Face
-folder and as GGUF files (``save_gguf``: f32 and q8_0), then
+folder and as GGUF files (``save_gguf``: f32, q8_0 and q4_0), then
 
     llama.cpp   ``llama-bench -p 0 -n N`` on each GGUF (built natively from llama-cpp-python's vendored source:
                 cmake -B build -DGGML_NATIVE=ON -DLLAMA_CURL=OFF && cmake --build build --target llama-bench)
     subquad     ``from_pretrained`` of the folder: eager float32, ``compile_decode`` float32, ``compile_decode``
-                with ``quantize="int8"``; N greedy ``model.step`` calls after warm-up (the graph compiled first)
+                with ``quantize="int8"`` and with ``quantize="int4"`` (groups of 128, the default; against Q4_0,
+                issue 51's target); N greedy ``model.step`` calls after warm-up (the graph compiled first)
 
     python benchmarks/bench_llama_decode.py --llama-bench /path/to/build/bin/llama-bench
     SUBQUAD_ONEDNN=0 python benchmarks/bench_llama_decode.py ...     # the float32 products through MKL instead
@@ -33,6 +34,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.common import OUT, machine_line, matmul_gflops  # noqa: E402
 
+OUTTYPES = ("f32", "q8_0", "q4_0")
 SHAPE = dict(vocab_size=50280, d_model=768, n_layers=24, pattern="mamba", mlp=False, norm_eps=1e-5)
 
 
@@ -85,28 +87,32 @@ def main(argv=None):
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp) / "mamba"
         model.save_pretrained(folder)
-        for outtype in ("f32", "q8_0"):
+        for outtype in OUTTYPES:
             save_gguf(model, Path(tmp) / f"m-{outtype}.gguf", outtype)
-        for outtype in ("f32", "q8_0"):
+        for outtype in OUTTYPES:
             rows[f"llama.cpp {outtype}"] = llama_ms(a.llama_bench, Path(tmp) / f"m-{outtype}.gguf", a.tokens, a.threads)
             print(f"llama.cpp {outtype}: {rows[f'llama.cpp {outtype}']:.2f} ms/token", flush=True)
         for name, compiled, q in (("subquad f32 eager", False, None), ("subquad f32 compile_decode", True, None),
-                                  ("subquad int8 compile_decode", True, "int8")):
+                                  ("subquad int8 compile_decode", True, "int8"),
+                                  ("subquad int4 compile_decode", True, "int4")):
             rows[name] = subquad_ms(folder, a.tokens, a.repeats, compiled, q)
             print(f"{name}: {rows[name]:.2f} ms/token", flush=True)
             if compiled and a.batch > 1:
                 batched[name] = subquad_ms(folder, a.tokens // 4, a.repeats, compiled, q, a.batch)
                 print(f"{name}, batch {a.batch}: {batched[name]:.2f} ms/step", flush=True)
     machine = machine_line(matmul_gflops())
-    ref = {"f32": rows["llama.cpp f32"], "int8": rows["llama.cpp q8_0"]}
+    def base(name):                     # llama.cpp's row of the same precision
+        return rows[next(f"llama.cpp {o}" for k, o in (("int8", "q8_0"), ("q8_0", "q8_0"), ("int4", "q4_0"),
+                                                        ("q4_0", "q4_0"), ("", "f32")) if k in name)]
     from subquad.layers.linear import ONEDNN
 
     lines = [f"mamba-130m's shape (random weights), batch 1, {a.threads} threads, {a.tokens} tokens; float32 "
              f"products through {'oneDNN' if ONEDNN else 'MKL (SUBQUAD_ONEDNN=0)'}; {machine}", "",
              "| engine | ms/token | x llama.cpp (same precision) |", "|---|---:|---:|"]
     for name, ms in rows.items():
-        base = ref["int8"] if ("int8" in name or "q8_0" in name) else ref["f32"]
-        lines.append(f"| {name} | {ms:.2f} | {ms / base:.2f} |")
+        lines.append(f"| {name} | {ms:.2f} | {ms / base(name):.2f} |")
+    lines += ["", f"subquad int4 / int8 (compiled, batch 1): "
+              f"{rows['subquad int4 compile_decode'] / rows['subquad int8 compile_decode']:.2f}"]
     if batched:
         lines += ["", f"| batch {a.batch}, compiled | ms/step | x batch 1 |", "|---|---:|---:|"]
         lines += [f"| {name} | {ms:.2f} | {ms / rows[name]:.2f} |" for name, ms in batched.items()]
