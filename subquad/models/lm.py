@@ -35,6 +35,7 @@ from subquad.models.config import ModelConfig
 from subquad.models.generate import generate
 from subquad.models.loss import linear_cross_entropy
 from subquad.models.moe import MoE, load_balancing_loss
+from subquad.models.quant import decoding
 from subquad.models.shared import EMBEDDINGS, SharedTransformer, SharedUse
 from subquad.models.state import ModelState
 from subquad.ops.common.checks import state_dtype
@@ -463,9 +464,10 @@ class LanguageModel(nn.Module):
         all decode through it."""
         tokens = tokens.reshape(-1, 1)
         fast = getattr(self, "_decode_step", None)
-        if fast is not None:
-            return fast(tokens, state)
-        logits, state = self.prefill(tokens, state)
+        with decoding():                         # int8: fbgemm's kernel at any batch (models.quant)
+            if fast is not None:
+                return fast(tokens, state)
+            logits, state = self.prefill(tokens, state)
         return logits[:, -1], state
 
     def forward(self, idx, cu_seqlens=None, targets=None):

@@ -6,9 +6,11 @@
                                  channels (``group_size``, default 128), a bfloat16 scale s and zero z:
                                  W ~ (c - 8) s + z,  s = (max - min) / 15,  z = min + 8 s  (asymmetric)
     quantize(model, "bf16")      every projection stored in bfloat16
-    y = Linear(x) computed as:   int8 decoding (rows <= DECODE_ROWS): fbgemm's int8 matrix product
+    y = Linear(x) computed as:   int8 decoding (rows <= DECODE_ROWS, or any rows inside ``decoding()``: the
+                                 steps and verifications of a batch): fbgemm's int8 matrix product
                                  (torch.ops.quantized.linear_dynamic: x quantised to 8 bits per call,
-                                 int32 accumulation, * s) - it reads one byte per weight;
+                                 int32 accumulation, * s), DECODE_ROWS rows per call - it reads one byte per
+                                 weight;
                                  int4 decoding (rows <= INT4_ROWS): torch's int4 kernel
                                  (aten._weight_int4pack_mm_for_cpu: x rounded to bfloat16, the weights
                                  dequantised in registers, float32 sums, y rounded to bfloat16) - half a byte a
@@ -49,8 +51,10 @@ writes it as a folder of its quantised weights that ``from_pretrained`` reads ba
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import itertools
+import threading
 import warnings
 import weakref
 from pathlib import Path
@@ -60,11 +64,29 @@ import torch.nn.functional as F
 from torch import nn
 
 QUANTIZE = ("int8", "int4", "bf16")
-DECODE_ROWS = 16            # at most this many rows take fbgemm's kernel; more (prefill) dequantise
+DECODE_ROWS = 16            # rows per call of fbgemm's kernel (they share one activation scale); a product of
+                            # more rows outside ``decoding()`` (a prompt) multiplies by the dequantised weight
 MIN_WEIGHTS = 1 << 18       # smaller matrices stay float32: fbgemm's fixed cost per call exceeds the time the
                             # bytes it saves would take (mamba-130m's x_proj and dt_proj: 123K and 74K weights)
 
 _keys = itertools.count()
+_MODE = threading.local()
+
+
+@contextlib.contextmanager
+def decoding():
+    """Inside, int8 products are decoding steps or verifications - one or a few tokens of each of many rows -
+    and take fbgemm's kernel at any number of rows, ``DECODE_ROWS`` rows per call (a row's activations share a
+    scale with at most 15 others, as in a 16-row step), never a float copy of the matrix: fbgemm was 3-70x
+    faster than the dequantised product at 16-2,048 rows (benchmarks/RESULTS.md, "int8 at any batch"). Prompts
+    outside it keep the exact product (float activations). ``LanguageModel.step`` and ``speculative.verify``
+    enter it; per thread."""
+    was = getattr(_MODE, "decoding", False)
+    _MODE.decoding = True
+    try:
+        yield
+    finally:
+        _MODE.decoding = was
 _PACKED: dict[int, tuple] = {}   # key -> (q's data_ptr, q's version, fbgemm's packed weight)
 
 
@@ -101,9 +123,15 @@ def int8_linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bias: tor
                 key: torch.Tensor) -> torch.Tensor:
     """x (..., K) float, q (N, K) int8, scale (N,) float32, bias (N,) or None, key a 0-d int64 tensor naming
     the packed weight -> (..., N) in x's dtype (module doc). Kept lean: it runs ~100 times per token."""
-    if FBGEMM and x.numel() <= DECODE_ROWS * x.shape[-1] and x.device.type == "cpu":
+    if FBGEMM and x.device.type == "cpu" and (x.numel() <= DECODE_ROWS * x.shape[-1]
+                                              or getattr(_MODE, "decoding", False)):
         x2 = x if x.dim() == 2 and x.dtype == torch.float32 else x.reshape(-1, x.shape[-1]).float()
-        y = torch.ops.quantized.linear_dynamic(x2, _packed(q, scale, key.item()), REDUCE_RANGE)
+        packed = _packed(q, scale, key.item())
+        if x2.shape[0] <= DECODE_ROWS:
+            y = torch.ops.quantized.linear_dynamic(x2, packed, REDUCE_RANGE)
+        else:
+            y = torch.cat([torch.ops.quantized.linear_dynamic(c, packed, REDUCE_RANGE)
+                           for c in x2.split(DECODE_ROWS)])
         if bias is not None:
             y = y + bias
         return y.view(*x.shape[:-1], q.shape[0]).to(x.dtype)

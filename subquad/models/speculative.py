@@ -38,6 +38,7 @@ import torch
 
 from subquad.layers import sequence
 from subquad.layers.rollback import PER_TOKEN, pick, roll_back, truncate
+from subquad.models.quant import decoding
 from subquad.models.state import ModelState
 from subquad.ops import KVCache
 
@@ -295,6 +296,11 @@ def verify(model, tokens, state, how: str | None = None):
         raise ValueError("verify needs the state the tokens continue (prefill the prompt first)")
     if how is not None and how not in HOW:
         raise ValueError(f"how must be one of {HOW} or None, got {how!r}")
+    with decoding():                            # int8: fbgemm's kernel at any batch (models.quant)
+        return _verify(model, tokens, state, how)
+
+
+def _verify(model, tokens, state, how):
     step = getattr(model, "_decode_step", None)
     kept = how != "replay" and keeps_states(model, tokens)
     if how is None:

@@ -57,6 +57,33 @@ def test_int8_product_against_the_dequantised_weight(rows):
     assert _rel(lin(x.view(rows, 1, 96)).view(rows, 300), got) == 0       # any leading shape
 
 
+def test_int8_decoding_takes_the_kernel_at_any_batch(monkeypatch):
+    """A decoding step or a verification of more than DECODE_ROWS rows multiplies with fbgemm's kernel,
+    DECODE_ROWS rows per call (``quant.decoding``), not with a float copy of each matrix: its logits are those of
+    the same rows stepped in blocks of DECODE_ROWS, and near the float model's; a prompt of as many rows keeps
+    the exact product."""
+    from subquad.models.speculative import verify
+
+    model = _model("mamba,softmax")
+    q = quantize(copy.deepcopy(model), "int8", min_weights=0)
+    kernel, packed = [], quant._packed
+    monkeypatch.setattr(quant, "_packed", lambda *a: kernel.append(1) or packed(*a))
+    B = 2 * DECODE_ROWS + 5
+    ids = torch.randint(0, 200, (B, 6), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        _, state = q.prefill(ids[:, :4])
+        assert not kernel                                           # the prompts: exact
+        got, _ = q.step(ids[:, 4], state)
+        assert kernel
+        blocks = [q.step(ids[i:i + DECODE_ROWS, 4], q.prefill(ids[i:i + DECODE_ROWS, :4])[1])[0]
+                  for i in range(0, B, DECODE_ROWS)]
+        torch.testing.assert_close(got, torch.cat(blocks), rtol=1e-4, atol=1e-5)
+        assert _rel(got, model.step(ids[:, 4], model.prefill(ids[:, :4])[1])[0]) <= 0.06
+        kernel.clear()
+        logits, _ = verify(q, ids[:, 4:6], state)
+        assert kernel and _rel(logits[:, 0], got) <= 2e-2          # its blocks of 16 rows: other scales
+
+
 def test_the_custom_op_checks_out():
     """The op's fake (meta) implementation and its real one agree (torch.library's own check)."""
     lin = Int8Linear(torch.randn(8, 16))
