@@ -35,7 +35,7 @@ from subquad.models.config import ModelConfig
 from subquad.models.generate import generate
 from subquad.models.loss import linear_cross_entropy
 from subquad.models.moe import MoE, load_balancing_loss
-from subquad.models.quant import decoding
+from subquad.models.mode import decoding
 from subquad.models.shared import EMBEDDINGS, SharedTransformer, SharedUse
 from subquad.models.state import ModelState
 from subquad.ops.common.checks import state_dtype

@@ -6,7 +6,7 @@
                                  channels (``group_size``, default 128), a bfloat16 scale s and zero z:
                                  W ~ (c - 8) s + z,  s = (max - min) / 15,  z = min + 8 s  (asymmetric)
     quantize(model, "bf16")      every projection stored in bfloat16
-    y = Linear(x) computed as:   int8 decoding (rows <= DECODE_ROWS, or any rows inside ``decoding()``: the
+    y = Linear(x) computed as:   int8 decoding (rows <= DECODE_ROWS, or any rows inside ``mode.decoding()``: the
                                  steps and verifications of a batch): fbgemm's int8 matrix product
                                  (torch.ops.quantized.linear_dynamic: x quantised to 8 bits per call,
                                  int32 accumulation, * s), DECODE_ROWS rows per call - it reads one byte per
@@ -51,10 +51,8 @@ writes it as a folder of its quantised weights that ``from_pretrained`` reads ba
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import itertools
-import threading
 import warnings
 import weakref
 from pathlib import Path
@@ -63,6 +61,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from subquad.models.mode import MODE
+
 QUANTIZE = ("int8", "int4", "bf16")
 DECODE_ROWS = 16            # rows per call of fbgemm's kernel (they share one activation scale); a product of
                             # more rows outside ``decoding()`` (a prompt) multiplies by the dequantised weight
@@ -70,23 +70,6 @@ MIN_WEIGHTS = 1 << 18       # smaller matrices stay float32: fbgemm's fixed cost
                             # bytes it saves would take (mamba-130m's x_proj and dt_proj: 123K and 74K weights)
 
 _keys = itertools.count()
-_MODE = threading.local()
-
-
-@contextlib.contextmanager
-def decoding():
-    """Inside, int8 products are decoding steps or verifications - one or a few tokens of each of many rows -
-    and take fbgemm's kernel at any number of rows, ``DECODE_ROWS`` rows per call (a row's activations share a
-    scale with at most 15 others, as in a 16-row step), never a float copy of the matrix: fbgemm was 3-70x
-    faster than the dequantised product at 16-2,048 rows (benchmarks/RESULTS.md, "int8 at any batch"). Prompts
-    outside it keep the exact product (float activations). ``LanguageModel.step`` and ``speculative.verify``
-    enter it; per thread."""
-    was = getattr(_MODE, "decoding", False)
-    _MODE.decoding = True
-    try:
-        yield
-    finally:
-        _MODE.decoding = was
 _PACKED: dict[int, tuple] = {}   # key -> (q's data_ptr, q's version, fbgemm's packed weight)
 
 
@@ -124,7 +107,7 @@ def int8_linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bias: tor
     """x (..., K) float, q (N, K) int8, scale (N,) float32, bias (N,) or None, key a 0-d int64 tensor naming
     the packed weight -> (..., N) in x's dtype (module doc). Kept lean: it runs ~100 times per token."""
     if FBGEMM and x.device.type == "cpu" and (x.numel() <= DECODE_ROWS * x.shape[-1]
-                                              or getattr(_MODE, "decoding", False)):
+                                              or getattr(MODE, "decoding", False)):
         x2 = x if x.dim() == 2 and x.dtype == torch.float32 else x.reshape(-1, x.shape[-1]).float()
         packed = _packed(q, scale, key.item())
         if x2.shape[0] <= DECODE_ROWS:

@@ -38,7 +38,7 @@ import torch
 
 from subquad.layers import sequence
 from subquad.layers.rollback import PER_TOKEN, pick, roll_back, truncate
-from subquad.models.quant import decoding
+from subquad.models.mode import decoding
 from subquad.models.state import ModelState
 from subquad.ops import KVCache
 
