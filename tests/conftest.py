@@ -24,6 +24,9 @@ os.environ.setdefault("SUBQUAD_COMPILE_CACHE", str(Path(__file__).resolve().pare
 # (a CPU generator cannot drive torch.randn on another device). Off by default: CI runs on the CPU.
 _DEVICE = os.environ.get("SUBQUAD_TEST_DEVICE")
 if _DEVICE and _DEVICE != "cpu":
+    import torch._dynamo  # noqa: F401  (imported before the patch: their annotations read `torch.Generator | None`)
+    import torch.distributed.tensor  # noqa: F401
+
     torch.set_default_device(_DEVICE)
     _Generator = torch.Generator
 
