@@ -343,7 +343,7 @@ def _layout() -> int:
     pack = getattr(torch.ops.aten, "_convert_weight_to_int4pack_for_cpu", None)
     if pack is None or not hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu"):
         return 0
-    gen = torch.Generator().manual_seed(0)
+    gen = torch.Generator(device="cpu").manual_seed(0)
     codes = torch.randint(0, 16, (112, 64), generator=gen, dtype=torch.uint8, device="cpu")   # a block and a short one
     try:
         theirs = pack(codes.int(), 1)
