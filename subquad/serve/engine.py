@@ -15,16 +15,19 @@ One loop iteration (``step``), vLLM's scheduler in miniature:
 
 1. Cancelled requests leave (their rows are dropped from the batch state).
 2. Admission: waiting requests join while the batch has room and the memory budget (below) allows.
-3. Chunked prefill: at most ``prefill_chunk`` prompt tokens are prefilled per iteration, one request at a
-   time, so a long prompt is spread over many iterations and never stalls the rows that are decoding. A
-   request resumes from the deepest checkpoint of its prompt in the prefix cache (``PrefixCache``, a radix
-   tree) when its first piece is due - not at admission, so the requests admitted together behind one that
-   prefills a shared system prompt find it. It prefills in pieces that end at every multiple of
-   ``prefix_block`` tokens and at each end of a chat message (``submit(boundaries=)``), and keeps its state
-   at each as a checkpoint: a later prompt sharing N tokens with this one resumes at least
-   ``N - N % prefix_block`` tokens in (the prompt's last token is always prefilled: it gives the first
-   token's logits). A request whose prompt is done samples its first token and joins the batch
-   (``rows.cat_states``).
+3. Chunked, batched prefill: at most ``prefill_chunk`` prompt tokens are prefilled per iteration, so a long
+   prompt is spread over many iterations and never stalls the rows that are decoding. The tokens go in rounds:
+   each round takes the next piece of every prefilling request in order while the budget lasts and runs them in
+   one packed forward (``cu_seqlens``; the pieces that start from a state and those that start from none in one
+   each), so prompts admitted together share their forwards and a lone prompt still takes several pieces in
+   one iteration. A request resumes from the deepest checkpoint of its prompt in the prefix cache (``PrefixCache``,
+   a radix tree) when its first piece is due - not at admission, and a round later when a piece beside it ends
+   inside the prefix they share, so the requests admitted together behind one that prefills a shared system
+   prompt find it. It prefills in pieces that end at every multiple of ``prefix_block`` tokens and at each end
+   of a chat message (``submit(boundaries=)``), and keeps its state at each as a checkpoint: a later prompt
+   sharing N tokens with this one resumes at least ``N - N % prefix_block`` tokens in (the prompt's last token
+   is always prefilled: it gives the first token's logits). A request whose prompt is done samples its first
+   token and joins the batch (``rows.cat_states``).
 4. One decoding step for every row together (``LanguageModel.step``); each row samples its token with
    its own generator (``RowSampler``), finished rows leave (``rows.select_rows``) and their state is kept
    in the prefix cache under the tokens it has consumed; a row whose state reaches a multiple of
@@ -92,6 +95,15 @@ from subquad.serve.sampling import OptionError, RowSampler, SamplingParams, logp
 from subquad.serve.text import TextStream
 
 PREFIX_BLOCK = 256    # prompt tokens between two prefix checkpoints (benchmarks/RESULTS.md, "Prefix checkpoints")
+
+
+def _shared(a: list, b: list, limit: int) -> int:
+    """How many leading tokens ``a`` and ``b[:limit]`` have in common."""
+    n = min(len(a), len(b), limit)
+    for i in range(n):
+        if a[i] != b[i]:
+            return i
+    return n
 
 
 class QueueFull(RuntimeError):
@@ -222,7 +234,8 @@ class Engine:
         self.accepting, self._deadline, self._thread, self._stop = True, None, None, False
         self.drained = threading.Event()
         self.counters = dict(requests=0, prefill_tokens=0, generated_tokens=0, finished=0, cancelled=0, errors=0,
-                             decode_steps=0, decode_rows=0, verifications=0, drafted=0, accepted=0)
+                             decode_steps=0, decode_rows=0, verifications=0, drafted=0, accepted=0,
+                             prefill_forwards=0)
         self.state_bytes = 0
         self._recent: deque = deque()      # (time, tokens generated) over the last seconds: tokens/s
 
@@ -390,24 +403,22 @@ class Engine:
             self.prefilling.append(seq)
 
     def _prefill(self) -> list:
-        """Spend up to ``prefill_chunk`` prompt tokens; returns the requests whose prompt is done and who go on.
-        A request stays in ``prefilling`` until it has its first token, so a failure finds it there."""
+        """Spend up to ``prefill_chunk`` prompt tokens in rounds; returns the requests whose prompt is done and who
+        go on. Each round takes one piece of each prefilling request in order while the budget lasts
+        (``_plan``) and runs them together (``_run_pieces``), so a lone request still takes several pieces in one
+        iteration and several requests share each forward. A request stays in ``prefilling`` until it has its
+        first token, so a failure finds it there."""
         budget, joiners = self.prefill_chunk, []
-        while self.prefilling and budget > 0:
-            seq = self.prefilling[0]
-            try:
-                if not seq.resumed:                     # its first piece: from the deepest checkpoint there is now
-                    seq.resumed = True
-                    seq.prefilled, seq.state = self.cache.lookup(seq.prompt, max_len=len(seq.prompt) - 1)
-                    seq.cached_tokens = seq.prefilled
-                n = min(self._next_stop(seq), seq.prefilled + budget) - seq.prefilled
-                self._prefill_one(seq, n)
-            except Exception:
-                self._fault(seq, self.prefilling)
-                continue
-            budget -= n
-            if seq.prefilled == len(seq.prompt):
-                self.prefilling.popleft()
+        while budget > 0:
+            pieces = self._plan(budget)
+            if not pieces:
+                break
+            self._run_pieces(pieces)
+            budget -= sum(n for _, n in pieces)
+            for seq, _ in pieces:
+                if seq.prefilled < len(seq.prompt) or seq not in self.prefilling:
+                    continue
+                self.prefilling.remove(seq)
                 group, seq.forks = [seq, *seq.forks], []
                 for s in group:
                     if s.finish_reason is None:
@@ -416,6 +427,55 @@ class Engine:
                         s.state = None
                         self._finished(s, None)
         return joiners
+
+    def _plan(self, budget: int) -> list:
+        """One round's pieces [(request, tokens)]: the next piece of each prefilling request in order, within
+        ``budget`` tokens. A request's first piece starts from the deepest checkpoint of its prompt in the prefix
+        cache now; a request that has not looked yet waits for the next round when a piece planned before it ends
+        inside the prefix they share (it will find that piece's checkpoint there, instead of prefilling the same
+        tokens beside it)."""
+        pieces = []
+        for seq in list(self.prefilling):
+            if budget <= 0:
+                break
+            try:
+                if not seq.resumed:                     # its first piece: from the deepest checkpoint there is now
+                    if self.cache.max_bytes and any(
+                            _shared(seq.prompt, p.prompt, p.prefilled + n) >= p.prefilled + n for p, n in pieces):
+                        continue
+                    seq.resumed = True
+                    seq.prefilled, seq.state = self.cache.lookup(seq.prompt, max_len=len(seq.prompt) - 1)
+                    seq.cached_tokens = seq.prefilled
+                n = min(self._next_stop(seq), seq.prefilled + budget) - seq.prefilled
+            except Exception:
+                self._fault(seq, self.prefilling)
+                continue
+            pieces.append((seq, n))
+            budget -= n
+        return pieces
+
+    def _run_pieces(self, pieces: list):
+        """Prefill each request's piece: one packed forward (``cu_seqlens``) for the pieces that start from a state
+        and one for those that start from none. A forward that fails is run again piece by piece (the states it
+        read are unchanged), so only the request whose own work fails - its forward or its ``_after_piece`` -
+        ends with "error", and the others go on."""
+        for group in ([p for p in pieces if p[0].state is not None], [p for p in pieces if p[0].state is None]):
+            if not group:
+                continue
+            try:
+                done = self._forward_pieces(group)
+            except Exception:
+                done = []
+                for piece in group:
+                    try:
+                        done += self._forward_pieces([piece])
+                    except Exception:
+                        self._fault(piece[0], self.prefilling)
+            for seq, *result in done:
+                try:
+                    self._after_piece(seq, *result)
+                except Exception:
+                    self._fault(seq, self.prefilling)
 
     def _next_stop(self, seq: Sequence) -> int:
         """Where the request's next prefill piece ends: the next multiple of ``prefix_block``, the next end of
@@ -427,17 +487,36 @@ class Engine:
         message = next((b for b in seq.boundaries if b > seq.prefilled), end)
         return min(end, block, message)
 
-    def _prefill_one(self, seq: Sequence, n: int):
-        """Prefill the request's next ``n`` prompt tokens; at a block's or a message's end keep its state in the
+    def _forward_pieces(self, pieces: list) -> list:
+        """The next ``n`` prompt tokens of each (request, n) in one forward -> [(request, n, state, last logits
+        (1, vocab), hidden states or None)]: a lone piece as a (1, n) row from its own state, several packed in
+        one row with their states' rows joined (``cat_states``) and taken apart after (``select_rows``)."""
+        mtp = self.speculative == "mtp"
+        self.counters["prefill_forwards"] += 1
+        if len(pieces) == 1:
+            seq, n = pieces[0]
+            ids = torch.tensor([seq.prompt[seq.prefilled:seq.prefilled + n]], dtype=torch.long, device=self.device)
+            state = None if seq.state is None else with_capacity(seq.state, seq.max_len)  # chunks append in place
+            with capture_hidden(self.model, mtp) as seen:
+                last, state = self.model.prefill(ids, state, logits="last")
+            return [(seq, n, state, last, seen[-1][0] if seen else None)]
+        tokens = [t for seq, n in pieces for t in seq.prompt[seq.prefilled:seq.prefilled + n]]
+        cu = torch.tensor([0] + [n for _, n in pieces], device=self.device).cumsum(0)
+        state = None if pieces[0][0].state is None else cat_states([seq.state for seq, _ in pieces])
+        with capture_hidden(self.model, mtp) as seen:
+            last, state = self.model.prefill(torch.tensor([tokens], dtype=torch.long, device=self.device), state,
+                                             cu_seqlens=cu, logits="last")
+        bounds = cu.tolist()
+        return [(seq, n, select_rows(state, [i]), last[i:i + 1], seen[-1][0, bounds[i]:bounds[i + 1]] if seen else None)
+                for i, (seq, n) in enumerate(pieces)]
+
+    def _after_piece(self, seq: Sequence, n: int, state, last: torch.Tensor, hidden):
+        """The request's state after ``n`` more prompt tokens (``last``: (1, vocab) logits at its last; ``hidden``
+        the model's hidden states over them, for the MTP head): at a block's or a message's end keep it in the
         prefix cache; at the prompt's end keep it too and sample its first token."""
-        ids = torch.tensor([seq.prompt[seq.prefilled:seq.prefilled + n]], dtype=torch.long, device=self.device)
-        if seq.state is not None:                   # its KV caches sized once: chunks append in place
-            seq.state = with_capacity(seq.state, seq.max_len)
-        with capture_hidden(self.model, self.speculative == "mtp") as seen:
-            last, seq.state = self.model.prefill(ids, seq.state, logits="last")
-        if seen:
-            seq.hidden.append(seen[-1][0])
-        seq.state = with_capacity(seq.state, seq.max_len)
+        if hidden is not None:
+            seq.hidden.append(hidden)
+        seq.state = with_capacity(state, seq.max_len)
         seq.prefilled += n
         self.counters["prefill_tokens"] += n
         at = seq.prefilled
