@@ -171,7 +171,8 @@ def build(path, c: dict, fmt, cfg: ModelConfig, weights: dict | None, dtype=None
     weights = read_weights(path, mapped={lookup} if isinstance(lookup, str) else ()) if weights is None else weights
     mtp = {}
     if c.get("model_type") in MTP_TYPES:              # its multi-token-prediction head, when it has one
-        mtp = {k: weights.pop(k) for k in [k for k in weights if k.startswith("mtp.")]}
+        src = fmt.mtp_prefix(cfg)[0]
+        mtp = {k: weights.pop(k) for k in [k for k in weights if k.startswith(src)]}
     tensors = fmt.unpack(fmt.drop_not_loaded(weights), cfg, dtype)   # fused or shifted -> one per parameter
     del weights
     if fmt.conv_bias_key and c.get(fmt.conv_bias_key, True) is False:   # no conv bias in the checkpoint: zeros
@@ -204,7 +205,7 @@ def build(path, c: dict, fmt, cfg: ModelConfig, weights: dict | None, dtype=None
         try:
             model.mtp = load_mtp(fmt, cfg, mtp, dtype)
         except ValueError as e:                       # the language model is whole without it: said, not refused
-            warnings.warn(f"{c['model_type']}: not loaded: the multi-token-prediction head (mtp.*, {len(mtp)} "
+            warnings.warn(f"{c['model_type']}: not loaded: the multi-token-prediction head ({src}*, {len(mtp)} "
                           f"tensors): {e}", stacklevel=2)
         del mtp
     decode_layout(model)                              # the weights as one-token decoding reads them fastest
