@@ -2,15 +2,19 @@
 decoding (``models.speculative.MTPDrafter``).
 
 Qwen3-Next and Qwen3.5 ship one MTP layer (``mtp_num_hidden_layers``, tensors ``mtp.*``; transformers loads
-none of them). Pair i joins the model's hidden state at position i with the token at i + 1 and predicts the token
-at i + 2 (the layout vLLM and SGLang run, written out here; the reference in the tests is transformers' own
-decoder layer with these weights):
+none of them); Nemotron-H's spans two of its layers (``mtp.layers.0-1``: attention, then the MoE); Ling 3's
+(``bailing_hybrid``) is the layer after its decoder layers (``model.layers.{num_hidden_layers}``), one MLA layer
+with the MoE (``hf/bailing_hybrid.py``'s doc: SGLang's reading). The format says where (``Format.mtp_prefix``),
+under which names (``mtp_own``) and with which attention (``mtp_mixer``). Pair i joins the model's hidden state at
+position i with the token at i + 1 and predicts the token at i + 2 (the layout vLLM and SGLang run, written out
+here; the reference in the tests is transformers' own decoder layer with these weights):
 
     e_i = norm_e(embed(x_{i+1}))                  (B, T, d)   the model's embedding, shared
     g_i = norm_h(h_i)                              (B, T, d)   h: the model's hidden state after its final norm
     z   = block(fc([e ; g]))                       (B, T, d)   fc: (d, 2 d); block: one attention layer of the
-                                                              model's kind (its own KV cache over the pairs,
-                                                              pair i at position i), MoE or dense MLP
+                                                              model's kind or the format's ``mtp_mixer`` (its
+                                                              own KV cache over the pairs, pair i at
+                                                              position i), MoE or dense MLP
     u_i = norm(z_i);  logits_i = head(u_i)                     the model's head, shared
 
 To draft more than one token the head runs on its own output: the pair (u_i, x_{i+2}) at position i + 1.

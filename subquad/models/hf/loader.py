@@ -119,8 +119,9 @@ def from_pretrained(path, dtype=None, device=None, quantize=None):
     "bf16" quantises the projections for inference (``models.quant``; from float32). A folder a quantised model
     was saved to loads quantised as it was saved (``quant.load_quantized``; ``quantize`` None or its kind).
     The model keeps the folder's config and its tokenizer and generation files (``model.hf_source``) for
-    ``save_pretrained`` to write back. A Qwen3-Next or Qwen3.5 folder's multi-token-prediction tensors
-    (``mtp.*``) load as ``model.mtp`` (``models.mtp``: ``generate(..., speculative="mtp")`` drafts with it).
+    ``save_pretrained`` to write back. A Qwen3-Next, Qwen3.5, Nemotron-H or Ling 3 folder's multi-token-prediction
+    tensors (``mtp.*``; Ling's layer after the decoder layers: ``Format.mtp_prefix``) load as ``model.mtp``
+    (``models.mtp``: ``generate(..., speculative="mtp")`` drafts with it).
     A ``.gguf`` file (llama.cpp's format) is ``models.hf.from_pretrained``'s, through ``models.gguf``."""
     pth = pth_file(path)
     if pth is not None:
