@@ -320,6 +320,7 @@ def test_the_memory_budget_holds_on_the_bytes_really_allocated(monkeypatch):
     plus the inputs and outputs of every prefill, step, join and leave while they are alive - never pass
     --memory-mb, with prefix-cache inserts on; the engine still batches and every stream stays exact."""
     import subquad.serve.engine as engine_module
+    import subquad.serve.prefill as prefill_module
 
     model = model_of("bamba")
     cfg = model.config
@@ -352,8 +353,9 @@ def test_the_memory_budget_holds_on_the_bytes_really_allocated(monkeypatch):
 
     monkeypatch.setattr(model, "prefill", watched(model.prefill))
     monkeypatch.setattr(model, "step", watched(model.step))
-    for name in ("cat_states", "select_rows", "with_capacity"):
-        monkeypatch.setattr(engine_module, name, watched(getattr(engine_module, name)))
+    for module in (engine_module, prefill_module):
+        for name in ("cat_states", "select_rows", "with_capacity"):
+            monkeypatch.setattr(module, name, watched(getattr(module, name)))
     seqs = [engine.submit(p, sp) for p, sp in reqs]
     while engine.step():
         measure()
