@@ -295,7 +295,8 @@ class Engine(Prefill, Speculating, Memory):
             self.prefilling.append(seq)
 
     def _join(self, joiners: list):
-        """The requests whose prompt is done join the batch, its KV caches sized for the new longest row."""
+        """The requests whose prompt is done join the batch, its KV caches sized for the new longest row in the
+        same copy (``cat_states(.., capacity)``)."""
         if not joiners:
             return
         try:
@@ -303,7 +304,7 @@ class Engine(Prefill, Speculating, Memory):
                 joined = joiners[0].state                   # already sized for its own max_len
             else:
                 joined = cat_states(([self.batch_state] if self.batch_state is not None else [])
-                                    + [s.state for s in joiners])
+                                    + [s.state for s in joiners], max(s.max_len for s in self.running + joiners))
             if self.draft is not None:
                 rows = self.draft.rows
                 try:
@@ -316,15 +317,11 @@ class Engine(Prefill, Speculating, Memory):
             for s in joiners:
                 self._end(s, "error", "errors")
             return
-        self.batch_state = joined                           # the old states go before the new one is sized
+        self.batch_state = joined
         del joined
         for s in joiners:
             s.state = None
         self.running += joiners
-        try:
-            self.batch_state = with_capacity(self.batch_state, max(s.max_len for s in self.running))
-        except Exception:                                   # still a valid state: its appends reallocate
-            traceback.print_exc()
 
     def _decode(self):
         """One step of every running row (with speculation: a verification of each row's drafts); a row whose
@@ -469,8 +466,7 @@ class Engine(Prefill, Speculating, Memory):
         if not keep:
             self.batch_state = None
             return
-        self.batch_state = select_rows(self.batch_state, keep)
-        self.batch_state = with_capacity(self.batch_state, max(s.max_len for s in self.running))
+        self.batch_state = select_rows(self.batch_state, keep, max(s.max_len for s in self.running))
 
     def _drop_cancelled(self):
         """End the cancelled requests wherever they are; their rows leave the batch."""

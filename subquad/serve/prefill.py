@@ -142,8 +142,8 @@ class Prefill:
             last, state = self.model.prefill(torch.tensor([tokens], dtype=torch.long, device=self.device), state,
                                              cu_seqlens=cu, logits="last")
         bounds = cu.tolist()
-        return [(seq, n, select_rows(state, [i]), last[i:i + 1], seen[-1][0, bounds[i]:bounds[i + 1]] if seen else None)
-                for i, (seq, n) in enumerate(pieces)]
+        return [(seq, n, select_rows(state, [i], seq.max_len), last[i:i + 1],
+                 seen[-1][0, bounds[i]:bounds[i + 1]] if seen else None) for i, (seq, n) in enumerate(pieces)]
 
     def _after_piece(self, seq: Sequence, n: int, state, last: torch.Tensor, hidden):
         """The request's state after ``n`` more prompt tokens (``last``: (1, vocab) logits at its last; ``hidden``
@@ -160,7 +160,7 @@ class Prefill:
         if seq.prefilled == len(seq.prompt):
             self._keep(seq.prompt, seq.state)
             for f in seq.forks:                     # the other choices: copies of the prompt's state
-                f.state = with_capacity(select_rows(seq.state, [0]), f.max_len)
+                f.state = select_rows(seq.state, [0], f.max_len)
                 f.prefilled, f.cached_tokens = seq.prefilled, seq.cached_tokens
             if seq.hidden:                          # the MTP head drafts from the prompt tokens prefilled here
                 hidden, start = torch.cat(seq.hidden)[None], seq.prefilled - sum(len(h) for h in seq.hidden)
