@@ -4,31 +4,25 @@
     POST /tokenize, /detokenize                    (vLLM's: text or messages -> ids, ids -> text)
     GET  /v1/models, /health, /metrics             (/metrics: Prometheus text)
 
-Requests are checked in ``protocol``; every refusal is OpenAI's error body with the offending field in
-``param``. A body is read chunk by chunk and refused with 413 (closing the connection) as soon as it passes
-``max_body`` bytes, or at once when its Content-Length does; JSON parsing, tokenising and chat templating run
-in a worker thread, off the event loop, so one large prompt does not stall every other stream. The engine runs
-in its own thread and hands events to the request's asyncio queue. A client that goes away cancels its
-request (every choice of it): a stream when the response task is cancelled, a plain request when the
-connection reports the disconnect (asked every ``DISCONNECT_POLL`` seconds, whether or not tokens are
-arriving). With an API key, /v1 routes and /tokenize, /detokenize need ``Authorization: Bearer KEY``
-(/health and /metrics stay open for probes and scrapers).
+Requests are checked in ``protocol``; every refusal is OpenAI's error body with the offending field in ``param``. A
+body is read chunk by chunk and refused with 413 (closing the connection) as soon as it passes ``max_body`` bytes,
+or at once when its Content-Length does; JSON parsing, tokenising and chat templating run in a worker thread, off
+the event loop (``gateway.Gateway``: the handling behind every route), so one large prompt does not stall every
+other stream. The engine runs in its own thread and hands events to the request's asyncio queue. A client that goes
+away cancels its request (every choice of it): a stream when the response task is cancelled, a plain request when
+the connection reports the disconnect (asked every ``gateway.DISCONNECT_POLL`` seconds, whether or not tokens are
+arriving). With an API key, /v1 routes and /tokenize, /detokenize need ``Authorization: Bearer KEY`` (/health and
+/metrics stay open for probes and scrapers).
 """
 
 
-import asyncio
-import hmac
-import json
 import time
-import uuid
 
 from subquad.serve.chat import message_ends
-from subquad.serve.engine import Engine, Event, NotAccepting, QueueFull
-from subquad.serve.protocol import (APIError, OptionError, Parsed, bad, option_error, parse_body, parse_chat,
-                                    parse_completion, parse_detokenize, parse_tokenize)
+from subquad.serve.engine import Engine
+from subquad.serve.protocol import APIError, bad, parse_chat, parse_completion, parse_detokenize, parse_tokenize
 
 MAX_BODY_MB = 8.0        # the default bound of a request body (--max-body-mb)
-DISCONNECT_POLL = 0.25   # seconds between a plain (non-streamed) request's checks that its client is still there
 
 METRICS = [  # name, type, help
     ("queue_length", "gauge", "Requests waiting for a batch slot."),
@@ -66,14 +60,14 @@ def create_app(engine: Engine, model_name: str, chat_template=None, api_key: str
                max_body_mb: float = MAX_BODY_MB):
     """The FastAPI app serving ``engine`` under ``model_name``; request bodies up to ``max_body_mb`` MiB."""
     from fastapi import FastAPI, Request
-    from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+    from fastapi.responses import JSONResponse, PlainTextResponse
     from starlette.concurrency import run_in_threadpool
     from starlette.exceptions import HTTPException as StarletteHTTPException
 
+    from subquad.serve.gateway import Gateway
+
     app = FastAPI(title="subquad", docs_url=None, redoc_url=None, openapi_url=None)
-    tok = engine.tokenizer
     created = int(time.time())
-    max_body = int(max_body_mb * 2 ** 20)
 
     @app.exception_handler(APIError)
     async def _api_error(request, e: APIError):
@@ -91,195 +85,53 @@ def create_app(engine: Engine, model_name: str, chat_template=None, api_key: str
         return JSONResponse(APIError(500, f"internal error: {type(e).__name__}", type="server_error").body(),
                             status_code=500)
 
-    def authorize(request: Request):
-        """401 unless the request carries the API key (compared in constant time); open without a key."""
-        if api_key is None:
-            return
-        got = request.headers.get("authorization", "")
-        if not hmac.compare_digest(got.encode(), f"Bearer {api_key}".encode()):
-            raise APIError(401, "missing or incorrect API key (send Authorization: Bearer KEY)",
-                           code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
-
-    def too_large():
-        """413, closing the connection: the rest of the body is never read."""
-        return APIError(413, f"the request body is over {max_body:,} bytes (--max-body-mb)",
-                        code="request_too_large", headers={"Connection": "close"})
-
-    async def read(request: Request) -> dict:
-        """The authorised request's JSON object body, read chunk by chunk up to ``max_body`` bytes (else 413 as
-        soon as it passes), parsed in a worker thread."""
-        authorize(request)
-        length = request.headers.get("content-length", "")
-        if length.isdigit() and int(length) > max_body:
-            raise too_large()
-        chunks, size = [], 0
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > max_body:
-                raise too_large()
-            chunks.append(chunk)
-        return await run_in_threadpool(parse_body, b"".join(chunks))
-
-    def check_model(name, optional=False):
-        """404 for a model name this server does not serve (OpenAI's model_not_found); None passes if ``optional``."""
-        if name != model_name and not (optional and name is None):
-            raise APIError(404, f"the model {name!r} does not exist; this server serves {model_name!r}", "model",
-                           code="model_not_found")
-
-    async def encode(text: str, special: bool, field: str, empty_ok: bool = False) -> list[int]:
-        """Text -> token ids, in a worker thread, or a 400 naming ``field`` (no tokenizer, text it cannot encode,
-        no tokens unless ``empty_ok``)."""
-        if tok is None:
-            raise bad(field, f"{field}: this model has no tokenizer; send token ids")
-        try:
-            ids = (await run_in_threadpool(tok.encode, text, add_special_tokens=special)).ids
-        except (TypeError, ValueError, UnicodeError) as e:      # protocol refuses lone surrogates before this
-            raise bad(field, f"{field}: the tokenizer cannot encode this text ({type(e).__name__})") from None
-        if not ids and not empty_ok:
-            raise bad(field, f"{field} encodes to no token")
-        return ids
-
-    async def render_chat(messages, add_generation_prompt: bool = True) -> str:
-        """The folder's chat template on ``messages``, in a worker thread; 400 naming messages if it refuses."""
-        if chat_template is None:
-            raise bad("messages", "this model has no chat template (tokenizer_config.json's chat_template); "
-                                  "use /v1/completions")
-        from subquad.serve.chat import TemplateError
-
-        try:
-            return await run_in_threadpool(chat_template.render, messages, add_generation_prompt=add_generation_prompt)
-        except TemplateError as e:
-            raise bad("messages", f"messages: {e}") from None
-
-    def submit(parsed: Parsed, ids: list[int], field: str, on_event, boundaries=()):
-        """Hand the request to the engine, its refusals turned into HTTP errors (429, 503, 400 by field)."""
-        p = parsed.params
-        if not parsed.max_tokens_given and field == "messages":   # chat: up to the context, as OpenAI's default
-            p.max_tokens = max(1, engine.max_context - len(ids))
-        try:
-            return engine.submit(ids, p, on_event, boundaries=boundaries)
-        except QueueFull as e:
-            raise APIError(429, f"the server is busy: {e}; retry later", code="rate_limit_exceeded",
-                           type="rate_limit_error", headers={"Retry-After": "1"}) from None
-        except NotAccepting as e:
-            raise APIError(503, str(e), type="server_error") from None
-        except OptionError as e:
-            raise option_error(e) from None
-        except ValueError as e:                 # the prompt's ids (the engine names them "prompt")
-            raise bad(field if str(e).startswith("prompt") else None, str(e)) from None
-
-    async def run(request: Request, parsed: Parsed, ids: list[int], field: str, render, boundaries=()):
-        """Submit and answer: a server-sent event stream, or the whole response once every choice has ended.
-        ``boundaries``: the prompt's chat-message ends (prefix checkpoints are kept there)."""
-        loop = asyncio.get_running_loop()
-        events: asyncio.Queue = asyncio.Queue()
-
-        def on_event(ev: Event):
-            """From the engine's thread: queue the event on this request's event loop."""
-            try:
-                loop.call_soon_threadsafe(events.put_nowait, ev)
-            except RuntimeError:            # the event loop is gone (shutdown): nobody is listening
-                pass
-
-        seq = submit(parsed, ids, field, on_event, boundaries)
-        rid, now = render.prefix + uuid.uuid4().hex[:24], int(time.time())
-        if parsed.stream:
-            return StreamingResponse(_stream(seq, events, render, rid, now, parsed.include_usage),
-                                     media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-        out, ended, check_at = [[] for _ in seq.choices], 0, time.monotonic() + DISCONNECT_POLL
-        try:
-            while ended < len(seq.choices):
-                try:
-                    ev = await asyncio.wait_for(events.get(), DISCONNECT_POLL)
-                except asyncio.TimeoutError:
-                    ev = None
-                if time.monotonic() >= check_at:            # asked on a clock: tokens may never stop arriving
-                    check_at = time.monotonic() + DISCONNECT_POLL
-                    if await request.is_disconnected():
-                        return JSONResponse({}, status_code=499)
-                if ev is None:
-                    continue
-                out[ev.index].append(ev)
-                ended += ev.finish_reason is not None
-        finally:
-            cancel(seq)
-        return JSONResponse(render.whole(rid, now, out, usage(seq)))
-
-    async def _stream(seq, events, render, rid, now, include_usage):
-        """The server-sent events of one request (its choices' events interleaved, each chunk naming its
-        index), "data: [DONE]" last; cancels it if the client goes away."""
-        try:
-            ended = 0
-            while ended < len(seq.choices):
-                ev = await events.get()
-                for chunk in render.chunks(rid, now, ev):
-                    yield f"data: {json.dumps(chunk)}\n\n"
-                ended += ev.finish_reason is not None
-            if include_usage:
-                yield f"data: {json.dumps(render.usage_chunk(rid, now, usage(seq)))}\n\n"
-            yield "data: [DONE]\n\n"
-        finally:
-            cancel(seq)                      # the client went away: free its rows
-
-    def cancel(seq):
-        """Cancel every choice of the request still running."""
-        for s in seq.choices:
-            if s.finish_reason is None:
-                engine.cancel(s)
-
-    def usage(seq) -> dict:
-        """OpenAI's usage object (completion tokens summed over the choices), with the prompt tokens resumed
-        from the prefix cache."""
-        completion = sum(len(s.tokens) for s in seq.choices)
-        return {"prompt_tokens": len(seq.prompt), "completion_tokens": completion,
-                "total_tokens": len(seq.prompt) + completion,
-                "prompt_tokens_details": {"cached_tokens": seq.cached_tokens}}
+    gate = Gateway(engine, model_name, chat_template, api_key, int(max_body_mb * 2 ** 20))
 
     @app.post("/v1/completions")
     async def completions(request: Request):
         """POST /v1/completions: a text prompt (encoded with special tokens) or token ids."""
-        parsed = parse_completion(await read(request), engine.max_context)
-        check_model(parsed.model)
-        ids = parsed.prompt if isinstance(parsed.prompt, list) else await encode(parsed.prompt, True, "prompt")
-        return await run(request, parsed, ids, "prompt", _Completion(model_name, tok))
+        parsed = parse_completion(await gate.read(request), engine.max_context)
+        gate.check_model(parsed.model)
+        ids = parsed.prompt if isinstance(parsed.prompt, list) else await gate.encode(parsed.prompt, True, "prompt")
+        return await gate.run(request, parsed, ids, "prompt", _Completion(model_name, gate.tok))
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request):
         """POST /v1/chat/completions: messages rendered by the folder's chat template, then encoded as is."""
-        parsed = parse_chat(await read(request), engine.max_context)
-        check_model(parsed.model)
-        text = await render_chat(parsed.prompt)
-        ids = await encode(text, False, "messages")
-        ends = await run_in_threadpool(message_ends, chat_template, parsed.prompt,
-                                       lambda t: tok.encode(t, add_special_tokens=False).ids, ids)
-        return await run(request, parsed, ids, "messages", _Chat(model_name, tok), ends)
+        parsed = parse_chat(await gate.read(request), engine.max_context)
+        gate.check_model(parsed.model)
+        text = await gate.render_chat(parsed.prompt)
+        ids = await gate.encode(text, False, "messages")
+        ends = await run_in_threadpool(message_ends, gate.chat_template, parsed.prompt,
+                                       lambda t: gate.tok.encode(t, add_special_tokens=False).ids, ids)
+        return await gate.run(request, parsed, ids, "messages", _Chat(model_name, gate.tok), ends)
 
     @app.post("/tokenize")
     async def tokenize(request: Request):
         """POST /tokenize (vLLM's): a prompt, or messages through the chat template -> {tokens, count,
         max_model_len}, the ids /v1/completions or /v1/chat/completions would prefill."""
-        body = parse_tokenize(await read(request))
-        check_model(body["model"], optional=True)
+        body = parse_tokenize(await gate.read(request))
+        gate.check_model(body["model"], optional=True)
         if "messages" in body:
-            text, field = await render_chat(body["messages"], body["add_generation_prompt"]), "messages"
+            text, field = await gate.render_chat(body["messages"], body["add_generation_prompt"]), "messages"
         else:
             text, field = body["prompt"], "prompt"
-        ids = await encode(text, body["add_special_tokens"], field, empty_ok=True)
+        ids = await gate.encode(text, body["add_special_tokens"], field, empty_ok=True)
         return {"tokens": ids, "count": len(ids), "max_model_len": engine.max_context}
 
     @app.post("/detokenize")
     async def detokenize(request: Request):
         """POST /detokenize (vLLM's): {tokens} -> {prompt}, the ids decoded (special tokens kept)."""
-        body = parse_detokenize(await read(request), engine.model.config.vocab_size)
-        check_model(body["model"], optional=True)
-        if tok is None:
+        body = parse_detokenize(await gate.read(request), engine.model.config.vocab_size)
+        gate.check_model(body["model"], optional=True)
+        if gate.tok is None:
             raise bad("tokens", "this model has no tokenizer to decode with")
-        return {"prompt": await run_in_threadpool(tok.decode, body["tokens"], skip_special_tokens=False)}
+        return {"prompt": await run_in_threadpool(gate.tok.decode, body["tokens"], skip_special_tokens=False)}
 
     @app.get("/v1/models")
     async def models(request: Request):
         """GET /v1/models: the one model served, with its max context."""
-        authorize(request)
+        gate.authorize(request)
         return {"object": "list", "data": [{"id": model_name, "object": "model", "created": created,
                                             "owned_by": "subquad", "max_model_len": engine.max_context}]}
 
