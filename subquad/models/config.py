@@ -107,6 +107,7 @@ class ModelConfig:
     norm_bias: bool = False              # a bias on the blocks' RMS norms, not the final one's (xLSTM's use_bias)
     embed_norm: bool = False             # a norm on the embeddings before the first block (RWKV's ln0)
     shared: dict | None = None           # shared transformer blocks and the layers that use them (module doc; Zamba2)
+    hyper: dict | None = None            # hyper-connections: {"streams", "rank", "ple"} (models.hyper; Qwen4-Exp)
 
     def __post_init__(self):
         for name in ("vocab_size", "d_model", "n_layers", "n_heads", "context_length"):
@@ -189,6 +190,15 @@ class ModelConfig:
             if self.parallel or self.post_norm or self.scaled_residual is not None:
                 raise ValueError("the layers that use shared blocks are pre-norm: shared takes no parallel, "
                                  "post_norm or scaled_residual")
+
+        if self.hyper is not None:
+            from subquad.models.hyper import check_hyper
+
+            self.hyper = check_hyper(self.hyper, self.n_layers, self.vocab_size, self.d_model)
+            if (self.parallel or self.post_norm or self.scaled_residual is not None or self.shared is not None
+                    or self.sandwich_norm or self.mlp_kind == "rwkv7" or self.pos_emb != "none"):
+                raise ValueError("hyper-connection blocks take no parallel, post_norm, scaled_residual, shared, "
+                                 "sandwich_norm, learned positions or rwkv7 MLP")
 
     @property
     def layers(self) -> list[str]:
