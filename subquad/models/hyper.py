@@ -196,7 +196,8 @@ class PLE(nn.Module):
         u = (torch.sigmoid(g) * self.value_proj(e)[..., None, :]).flatten(-2)     # (B, T, n d)
         full = torch.cat([tail.to(u.dtype), self.norm_conv(u).transpose(1, 2)], -1)   # (B, n d, reach + T)
         y = F.conv1d(full, self.conv1d.weight, groups=self.n * self.d, dilation=self.N).transpose(1, 2)
-        return u + F.silu(y), {PLE_STATE + "ctx": hist[:, -c:], PLE_STATE + "conv": full[..., full.shape[-1] - self.reach:]}
+        tail = full[..., full.shape[-1] - self.reach:]
+        return u + F.silu(y), {PLE_STATE + "ctx": hist[:, -c:], PLE_STATE + "conv": tail}
 
     def forward(self, h, tokens, state=None, lengths=None):
         """h (B, T, n d), tokens (B, T), this layer's PLE state or None; ``lengths``: packed sequences (h is one
