@@ -7,11 +7,12 @@ first position. For the query at position p (it sees tokens 0..p):
     n_p    = (p + 1) // c                                   complete blocks it sees
     kbar_b = rotary(norm(mean(ik_{bc .. bc+c-1})), bc)       (b < n_p)        block keys (D,)
     s_b    = sum_h relu(rotary(norm(iq_{p,h}), p) . kbar_b) / sqrt(D)
-    S_p    = the tokens of the top min(budget / c, n_p) blocks by s_b (ties: the earlier block)
-             + the tail n_p c .. p (always)
+    S_p    = the tokens of the top min(budget / c, n_p) blocks by s_b + the tail n_p c .. p (always)
     o_p    = softmax over S_p of q_p k_j / sqrt(K), times v_j                (else as ``SoftmaxAttention``)
 
-A query whose own block is complete may not select it (transformers' rule, kept). Shapes: q (B, T, H, K),
+A query whose own block is complete may not select it (transformers' rule, kept). Ties among the s_b (relu
+makes zeros common) are ``torch.topk``'s over the n_p scores, as transformers calls it: the queries are taken in
+groups of equal n_p (contiguous: n_p grows with p), one ``topk`` over the first n_p blocks each. Shapes: q (B, T, H, K),
 iq (B, T, Hi, D), ik (B, T, D), the selection (B, T, L + T) over the L cached and T new tokens.
 There is one path, dense and masked: O(T (L + T)) per call, the reference the indexer is checked against.
 
@@ -91,10 +92,11 @@ class IndexedAttention(SoftmaxAttention):
             kbar = self.index_k_norm(ik[:, :nb * c].reshape(B, nb, c, D).mean(2))
             kbar = self._rotate(kbar[:, :, None], torch.arange(nb, device=dev) * c)[:, :, 0]   # (B, nb, D)
             s = torch.einsum("bthd,bnd->bthn", iq, kbar).relu().sum(2) / math.sqrt(D)     # (B, T, nb)
-            valid = torch.arange(nb, device=dev)[None] < n[:, None]                    # (T, nb)
-            s = s.masked_fill(~valid, float("-inf"))
-            top = s.sort(dim=-1, descending=True, stable=True).indices[..., :self.index_budget // c]
-            chosen = torch.zeros(B, T, nb, dtype=torch.bool, device=dev).scatter_(-1, top, True) & valid
+            chosen = torch.zeros(B, T, nb, dtype=torch.bool, device=dev)
+            for m in range(max(1, (L + 1) // c), (L + T) // c + 1):   # the queries that see m complete blocks
+                ts = slice(max(0, m * c - L - 1), min(T, (m + 1) * c - L - 1))
+                top = s[:, ts, :m].topk(min(self.index_budget // c, m), dim=-1).indices
+                chosen[:, ts] = chosen[:, ts].scatter(-1, top, True)
             blocks = chosen.repeat_interleave(c, -1)                                   # (B, T, nb c)
             keep = keep | torch.nn.functional.pad(blocks, (0, S - nb * c))
         return keep

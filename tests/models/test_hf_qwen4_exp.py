@@ -103,7 +103,7 @@ def _qsa_reference(layer, x):
         for b in range(n):
             kb = rot(layer.index_k_norm(ik[b * c:(b + 1) * c].mean(0)), b * c)
             scores.append(sum(max(float(rot(iq[p, h], p) @ kb), 0.0) for h in range(Hi)) / math.sqrt(D))
-        best = sorted(range(n), key=lambda b: (-scores[b], b))[:keep]
+        best = torch.tensor(scores).topk(min(keep, n)).indices.tolist() if n else []     # transformers' ties
         seen = sorted([j for b in best for j in range(b * c, b * c + c)] + list(range(n * c, p + 1)))
         heads = []
         for h in range(H):
