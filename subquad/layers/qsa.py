@@ -93,8 +93,12 @@ class IndexedAttention(SoftmaxAttention):
             kbar = self._rotate(kbar[:, :, None], torch.arange(nb, device=dev) * c)[:, :, 0]   # (B, nb, D)
             s = torch.einsum("bthd,bnd->bthn", iq, kbar).relu().sum(2) / math.sqrt(D)     # (B, T, nb)
             chosen = torch.zeros(B, T, nb, dtype=torch.bool, device=dev)
-            for m in range(max(1, (L + 1) // c), (L + T) // c + 1):   # the queries that see m complete blocks
-                ts = slice(max(0, m * c - L - 1), min(T, (m + 1) * c - L - 1))
+            groups = [((L + 1) // c, slice(0, 1))] if T == 1 else [     # one token: no loop (compiled decoding)
+                (m, slice(max(0, m * c - L - 1), min(T, (m + 1) * c - L - 1)))
+                for m in range(max(1, (L + 1) // c), (L + T) // c + 1)]  # the queries that see m complete blocks
+            for m, ts in groups:
+                if m < 1:
+                    continue
                 top = s[:, ts, :m].topk(min(self.index_budget // c, m), dim=-1).indices
                 chosen[:, ts] = chosen[:, ts].scatter(-1, top, True)
             blocks = chosen.repeat_interleave(c, -1)                                   # (B, T, nb c)
