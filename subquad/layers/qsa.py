@@ -93,13 +93,13 @@ class IndexedAttention(SoftmaxAttention):
             kbar = self._rotate(kbar[:, :, None], torch.arange(nb, device=dev) * c)[:, :, 0]   # (B, nb, D)
             s = torch.einsum("bthd,bnd->bthn", iq, kbar).relu().sum(2) / math.sqrt(D)     # (B, T, nb)
             chosen = torch.zeros(B, T, nb, dtype=torch.bool, device=dev)
-            groups = [((L + 1) // c, slice(0, 1))] if T == 1 else [     # one token: no loop (compiled decoding)
+            # the queries that see m complete blocks; one token sees all nb, and no loop or guard on its size
+            # (sym_min: compiled decoding keeps one graph as the cache grows)
+            groups = [(nb, slice(0, 1))] if T == 1 else [
                 (m, slice(max(0, m * c - L - 1), min(T, (m + 1) * c - L - 1)))
-                for m in range(max(1, (L + 1) // c), (L + T) // c + 1)]  # the queries that see m complete blocks
+                for m in range(max(1, (L + 1) // c), (L + T) // c + 1)]
             for m, ts in groups:
-                if m < 1:
-                    continue
-                top = s[:, ts, :m].topk(min(self.index_budget // c, m), dim=-1).indices
+                top = s[:, ts, :m].topk(torch.sym_min(self.index_budget // c, m), dim=-1).indices
                 chosen[:, ts] = chosen[:, ts].scatter(-1, top, True)
             blocks = chosen.repeat_interleave(c, -1)                                   # (B, T, nb c)
             keep = keep | torch.nn.functional.pad(blocks, (0, S - nb * c))
