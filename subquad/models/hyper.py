@@ -165,8 +165,8 @@ class PLE(nn.Module):
         self.reach = (p["conv_size"] - 1) * self.N
 
     def empty_state(self, batch_size, device=None, dtype=torch.float32) -> dict:
-        return {PLE_STATE + "ctx": torch.full((batch_size, self.N - 1), self.eos, dtype=torch.long, device=device),
-                PLE_STATE + "conv": torch.zeros(batch_size, self.n * self.d, self.reach, dtype=dtype, device=device)}
+        return {"ctx": torch.full((batch_size, self.N - 1), self.eos, dtype=torch.long, device=device),
+                "conv": torch.zeros(batch_size, self.n * self.d, self.reach, dtype=dtype, device=device)}
 
     def ngram_ids(self, hist):
         """hist (B, S) tokens -> (B, S, heads) rows of the table (module doc: t~_s, id_m)."""
@@ -197,15 +197,20 @@ class PLE(nn.Module):
         full = torch.cat([tail.to(u.dtype), self.norm_conv(u).transpose(1, 2)], -1)   # (B, n d, reach + T)
         y = F.conv1d(full, self.conv1d.weight, groups=self.n * self.d, dilation=self.N).transpose(1, 2)
         tail = full[..., full.shape[-1] - self.reach:]
-        return u + F.silu(y), {PLE_STATE + "ctx": hist[:, -c:], PLE_STATE + "conv": tail}
+        return u + F.silu(y), {"ctx": hist[:, -c:], "conv": tail}
 
-    def forward(self, h, tokens, state=None, lengths=None):
-        """h (B, T, n d), tokens (B, T), this layer's PLE state or None; ``lengths``: packed sequences (h is one
-        row) -> (what adds to h, the new PLE state, a row per sequence)."""
+    def forward(self, h, state=None, cu_seqlens=None, carry=None):
+        """h (B, T, n d), the PLE state {"ctx", "conv"} or None, packed sequences' ``cu_seqlens`` (h is one row),
+        the carry holding the tokens (B, T) -> (what adds to h, the new state, a row per sequence): a mixer's
+        contract, which speculative decoding's replay calls (``Block.state_parts``)."""
+        if not carry or TOKENS not in carry:
+            raise ValueError(f"a PLE layer reads the token ids (carry[{TOKENS!r}]); it runs inside a LanguageModel")
+        tokens = carry[TOKENS]
+        lengths = None if cu_seqlens is None else torch.as_tensor(cu_seqlens).diff().tolist()
         rows = h.shape[0] if lengths is None else len(lengths)
         if state is None:
             state = self.empty_state(rows, h.device, h.dtype)
-        ctx, tail = state[PLE_STATE + "ctx"], state[PLE_STATE + "conv"]
+        ctx, tail = state["ctx"], state["conv"]
         if lengths is None:
             return self._one(h, tokens, ctx, tail)
         outs = [self._one(hi, ti, ctx[i:i + 1], tail[i:i + 1])
@@ -228,7 +233,9 @@ class HyperBlock(Block):
 
     def empty_state(self, batch_size: int, device=None, dtype=torch.float32) -> dict:
         state = super().empty_state(batch_size, device=device, dtype=dtype)
-        return state if self.ple is None else {**state, **self.ple.empty_state(batch_size, device, dtype)}
+        if self.ple is not None:
+            state.update({PLE_STATE + k: v for k, v in self.ple.empty_state(batch_size, device, dtype).items()})
+        return state
 
     def state_parts(self) -> list:
         return super().state_parts() + ([] if self.ple is None else [(self.ple, "replay", PLE_STATE)])
@@ -241,11 +248,10 @@ class HyperBlock(Block):
         mine = None if state is None else {k: v for k, v in state.items() if not k.startswith(PLE_STATE)}
         new_ple = None
         if self.ple is not None:
-            if not carry or TOKENS not in carry:
-                raise ValueError(f"a PLE layer reads the token ids (carry[{TOKENS!r}]); it runs inside a LanguageModel")
-            ple = None if state is None else {k: v for k, v in state.items() if k.startswith(PLE_STATE)}
-            lengths = None if cu_seqlens is None else torch.as_tensor(cu_seqlens).diff().tolist()
-            y, new_ple = self.ple(h, carry[TOKENS], ple, lengths)
+            ple = None if state is None else {k[len(PLE_STATE):]: v for k, v in state.items()
+                                              if k.startswith(PLE_STATE)}
+            y, new_ple = self.ple(h, ple, cu_seqlens=cu_seqlens, carry=carry)
+            new_ple = {PLE_STATE + k: v for k, v in new_ple.items()}
             h = h + y
         x, g = self.norm1(h)
         y, new = self._mix(x, mine, cu_seqlens, carry)

@@ -162,9 +162,9 @@ def test_hyper_connections_and_ple_equal_their_equations():
             assert int(ids[0, t, j]) == mixed % int(ple.head_sizes[j]) + int(ple.head_offsets[j])
     with torch.no_grad():
         ple.conv1d.weight.normal_()
-        y, state = ple(h[:1, :5], toks[:, :5])
-        y2, _ = ple(h[:1, 5:], toks[:, 5:7], state)
-        full, _ = ple(h[:1], toks[:, :7])
+        y, state = ple(h[:1, :5], carry={"tokens": toks[:, :5]})
+        y2, _ = ple(h[:1, 5:], state, carry={"tokens": toks[:, 5:7]})
+        full, _ = ple(h[:1], carry={"tokens": toks[:, :7]})
     torch.testing.assert_close(torch.cat([y, y2], 1), full, rtol=0, atol=1e-13)
 
 
