@@ -34,6 +34,11 @@ Shared transformer blocks (``subquad.models.shared``, Zamba2): attention + MLP b
 layers, each use with its own LoRA adapters and output projection, writing into that layer's mixer input:
 
     shared={"layers": [5, 11, 17], "blocks": 2, "adapter_rank": 128, "attention_adapter": True, "act": "gelu"}
+
+Hyper-connections (``subquad.models.hyper``, Qwen4-Exp): n residual streams, every block's branches reading a
+learned mix of them and writing into each with a learned weight, and optional per-layer hashed n-gram embeddings:
+
+    hyper={"streams": 4, "rank": 320, "ple": {"layers": [0, 2], "dim": 2048, "eos": 248046, "ngram": 3, ...}}
 """
 
 from __future__ import annotations
