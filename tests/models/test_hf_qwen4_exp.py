@@ -216,6 +216,48 @@ def test_the_compiled_step_equals_eager_decoding():
             torch.testing.assert_close(lt, w, rtol=0, atol=1e-5)
 
 
+def test_without_the_indexer_its_attention_is_full_and_read_not_written(tmp_path):
+    """A folder without the ``indexer_*`` fields and tensors loads plain gated attention: transformers' logits
+    when its indexer's budget holds every token; such a model is not written (transformers builds none)."""
+    from safetensors.torch import load_file, save_file
+
+    hf, folder = _hf(tmp_path, indexer_budget=64)
+    cfg = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({k: v for k, v in cfg.items() if not k.startswith("indexer_")}))
+    weights = load_file(str(folder / "model.safetensors"))
+    save_file({k: v for k, v in weights.items() if ".indexer." not in k}, str(folder / "model.safetensors"))
+    ours, _ = from_pretrained(folder)
+    assert ours.config.layers == ["gated_deltanet", "softmax"] * 2
+    assert_logits_equal(ours, hf, token_ids(V, 40), torch.float32, 1e-4)
+    with pytest.raises(ValueError, match="no Hugging Face model type has this structure"):
+        save_pretrained(ours, tmp_path / "back")
+
+
+def test_a_model_built_here_saves_as_qwen4_exp_text(tmp_path):
+    """A subquad model of this structure (Qwen3.5's gated attention and Gated DeltaNet options, QSA, streams, PLE,
+    MoE with a gated shared expert) is written as qwen4_exp_text, and transformers computes its logits."""
+    from subquad import LanguageModel, ModelConfig
+    from subquad.models.hf.common import gdn_options
+
+    torch.manual_seed(0)
+    gdn = gdn_options({"linear_num_value_heads": 2, "linear_num_key_heads": 1, "linear_key_head_dim": 8,
+                       "linear_value_head_dim": 8}, 1e-6, False)
+    qsa = {"index_heads": 2, "index_head_dim": 8, "index_budget": 4, "index_block": 2, "qk_norm": "head",
+           "output_gate": True, "rotary_fraction": 0.5}
+    ple = {"layers": [0], "dim": 8, "eos": 1, "ngram": 3, "heads_per_ngram": 2, "vocab_base": 20, "vocab_multiple": 4,
+           "parts": 2}
+    cfg = ModelConfig(vocab_size=32, d_model=16, n_layers=2, n_heads=2, pattern="gated_deltanet,qsa", norm_eps=1e-6,
+                      hyper={"streams": 2, "rank": 4, "ple": ple}, mixer_options={"gated_deltanet": gdn, "qsa": qsa},
+                      moe={"experts": 4, "top_k": 2, "shared": 8, "renormalize": True, "hidden": 8})
+    model = LanguageModel(cfg).eval()
+    save_pretrained(model, tmp_path / "mine")
+    assert json.loads((tmp_path / "mine" / "config.json").read_text())["model_type"] == "qwen4_exp_text"
+    theirs = transformers.Qwen4ExpForCausalLM.from_pretrained(tmp_path / "mine", experts_implementation="eager")
+    ids = torch.randint(0, 32, (2, 24), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        torch.testing.assert_close(theirs.eval()(ids).logits, model(ids), rtol=0, atol=1e-5)
+
+
 def test_refusals_name_the_problem(tmp_path):
     _, folder = _hf(tmp_path)
     cfg = json.loads((folder / "config.json").read_text())
