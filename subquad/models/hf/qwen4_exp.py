@@ -13,6 +13,10 @@ Layer i (``models.hyper`` has the equations; ``layers.qsa`` the indexer's):
     x, g = HC_mlp(h);  h = h + g_i * moe(x)
     logits = lm_head(HC_final(h))                 ``hyper_connection_mixer``: the mix alone, (B, T, d)
 
+Output gates: attention's ``q_proj`` writes per head [q_h (K), gate_h (K)] and o_h = softmax(.) V * sigmoid(gate_h)
+(B, T, H, K) before ``o_proj``; the Gated DeltaNet's output is rmsnorm(o) w * silu(z), z = ``in_proj_z`` x
+(``output_gate_type`` "silu", the only one subquad has; "sigmoid" is refused).
+
 The attention layers ("indexed_attention"; "full_attention" in released configs) are QSA (``layers.qsa``): with
 the ``indexer_*`` fields each query attends to the tail of its incomplete block plus the ``indexer_budget /
 indexer_compress_ratio`` blocks of ``indexer_compress_ratio`` tokens whose pooled, normed, rotated key scores
