@@ -14,7 +14,9 @@ A query whose own block is complete may not select it (transformers' rule, kept)
 makes zeros common) are ``torch.topk``'s over the n_p scores, as transformers calls it: the queries are taken in
 groups of equal n_p (contiguous: n_p grows with p), one ``topk`` over the first n_p blocks each. Shapes: q (B, T, H, K),
 iq (B, T, Hi, D), ik (B, T, D), the selection (B, T, L + T) over the L cached and T new tokens.
-There is one path, dense and masked: O(T (L + T)) per call, the reference the indexer is checked against.
+Two paths: the dense masked one, O(T (L + T)) per call - the reference, and prefill's -, and for one token
+(decoding) the selected keys gathered, O(budget + c) attention after the O(L / c) block scores
+(``gather_one``; the decoding checks compare the two, prefill then steps).
 
 State: {"kv": the KV cache (rotated keys, values), "ik": a ``KVCache`` of the indexer's raw keys (B, L, 1, D)
 with no values}: the block keys are pooled again from them each call (O(L D), under attention's O(L H K)).
@@ -63,6 +65,8 @@ class IndexedAttention(SoftmaxAttention):
         self.index_q_norm = RMSNorm(index_head_dim, eps)
         self.index_k_norm = RMSNorm(index_head_dim, eps)
 
+    gather_one = True            # one token attends to its gathered keys (``_gathered``); False: the dense mask
+
     def mix_flops(self, T):
         """The attention over at most budget + c - 1 keys, the indexer's scores over (T + 1) / (2 c) blocks."""
         seen = min((T + 1) / 2, self.index_budget + self.index_block - 1)
@@ -89,9 +93,7 @@ class IndexedAttention(SoftmaxAttention):
         keep = keep.expand(B, T, S)
         nb = S // c
         if nb:
-            kbar = self.index_k_norm(ik[:, :nb * c].reshape(B, nb, c, D).mean(2))
-            kbar = self._rotate(kbar[:, :, None], torch.arange(nb, device=dev) * c)[:, :, 0]   # (B, nb, D)
-            s = torch.einsum("bthd,bnd->bthn", iq, kbar).relu().sum(2) / math.sqrt(D)     # (B, T, nb)
+            s = self.block_scores(iq, ik)                                                  # (B, T, nb)
             chosen = torch.zeros(B, T, nb, dtype=torch.bool, device=dev)
             # the queries that see m complete blocks; one token sees all nb, and no loop or guard on its size
             # (sym_min: compiled decoding keeps one graph as the cache grows)
@@ -105,6 +107,43 @@ class IndexedAttention(SoftmaxAttention):
             keep = keep | torch.nn.functional.pad(blocks, (0, S - nb * c))
         return keep
 
+    def block_scores(self, iq, ik):
+        """iq (B, T, Hi, D) normed and rotated, ik (B, S, D) raw keys -> s (B, T, S // c): every query's score of
+        every complete block (module doc)."""
+        B, S, D = ik.shape
+        c = self.index_block
+        nb = S // c
+        kbar = self.index_k_norm(ik[:, :nb * c].reshape(B, nb, c, D).mean(2))
+        kbar = self._rotate(kbar[:, :, None], torch.arange(nb, device=ik.device) * c)[:, :, 0]     # (B, nb, D)
+        return torch.einsum("bthd,bnd->bthn", iq, kbar).relu().sum(2) / math.sqrt(D)
+
+    def selected(self, iq, ik, L: int):
+        """One query at position L (T = 1): iq (B, 1, Hi, D), ik (B, L + 1, D) -> (idx (B, W), valid (B, W)): the
+        tokens it attends to, W = min(budget / c, n) c + c - 1 slots (the tail's unused ones invalid)."""
+        B, c = iq.shape[0], self.index_block
+        nb = (L + 1) // c
+        dev = iq.device
+        blocks = torch.zeros(B, 0, dtype=torch.long, device=dev)
+        if nb:
+            top = self.block_scores(iq, ik)[:, 0].topk(torch.sym_min(self.index_budget // c, nb), dim=-1).indices
+            blocks = (top[..., None] * c + torch.arange(c, device=dev)).flatten(1)
+        tail = nb * c + torch.arange(c - 1, device=dev)
+        idx = torch.cat([blocks, tail.clamp(max=L).expand(B, c - 1)], 1)
+        valid = torch.cat([torch.ones_like(blocks, dtype=torch.bool), (tail <= L).expand(B, c - 1)], 1)
+        return idx, valid
+
+    def _gathered(self, q, K_all, V_all, iq, ik_all, L: int):
+        """The fast path of one token: attention over the W <= budget + c - 1 selected keys, gathered (O(budget)
+        where ``select``'s dense mask is O(L)); q (B, 1, H, K) rotated -> o (B, 1, H, K)."""
+        idx, valid = self.selected(iq, ik_all, L)
+        B, W = idx.shape
+        take = idx[:, :, None, None].expand(B, W, *K_all.shape[2:])
+        Kg, Vg = self._repeat(K_all.gather(1, take)), self._repeat(V_all.gather(1, take))      # (B, W, H, K)
+        scale = self.scale if self.scale is not None else self.head_dim ** -0.5
+        scores = torch.einsum("bhk,bwhk->bhw", q[:, 0], Kg) * scale
+        p = scores.masked_fill(~valid[:, None], float("-inf")).softmax(-1)
+        return torch.einsum("bhw,bwhk->bhk", p, Vg)[:, None]
+
     def _rows(self, q, k, v, iq, ik, past, pastik, L: int):
         """One group of rows at a common position L: q, k, iq normed (unrotated), v, ik raw; past the cached
         rotated keys and values (or None) -> (o (B, T, H, K), the new tokens' rotated keys)."""
@@ -113,6 +152,8 @@ class IndexedAttention(SoftmaxAttention):
         q, k, iq = self._rotate(q, pos), self._rotate(k, pos), self._rotate(iq, pos)
         K_all, V_all, ik_all = (k, v, ik) if past is None else (
             torch.cat([past.k, k], 1), torch.cat([past.v, v], 1), torch.cat([pastik.k[:, :, 0], ik], 1))
+        if T == 1 and self.gather_one:
+            return self._gathered(q, K_all, V_all, iq, ik_all, L), k
         keep = self.select(iq, ik_all, L)                                              # (B, T, S)
         scale = self.scale if self.scale is not None else self.head_dim ** -0.5
         scores = torch.einsum("bthk,bshk->bhts", q, self._repeat(K_all)) * scale

@@ -129,6 +129,15 @@ def test_qsa_equals_its_equations_token_by_token(tmp_path):
         iq = layer._rotate(iq, torch.arange(30))
         keep = layer.select(iq, layer.index_qk_proj(x)[..., 32:], 0)
     assert keep.sum(-1).max() == 8 + 3 and (~keep[0] & torch.ones(30, 30, dtype=torch.bool).tril()).any()
+    with torch.no_grad():                    # decoding's gathered keys (its fast path) against the dense mask
+        _, state = layer(x[:, :9])
+        for t in range(9, 30):
+            fast, new = layer(x[:, t:t + 1], state)
+            layer.gather_one = False
+            dense, _ = layer(x[:, t:t + 1], state)
+            layer.gather_one = True
+            torch.testing.assert_close(fast, dense, rtol=0, atol=1e-13)
+            state = new
 
 
 def test_hyper_connections_and_ple_equal_their_equations():
