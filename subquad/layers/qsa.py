@@ -12,14 +12,17 @@ first position. For the query at position p (it sees tokens 0..p):
 
 A query whose own block is complete may not select it (transformers' rule, kept). Ties among the s_b (relu
 makes zeros common) are ``torch.topk``'s over the n_p scores, as transformers calls it: the queries are taken in
-groups of equal n_p (contiguous: n_p grows with p), one ``topk`` over the first n_p blocks each. Shapes: q (B, T, H, K),
-iq (B, T, Hi, D), ik (B, T, D), the selection (B, T, L + T) over the L cached and T new tokens.
+groups of equal n_p (contiguous: n_p grows with p), one ``topk`` over the first n_p blocks each.
+Shapes: q (B, T, H, K), iq (B, T, Hi, D), ik (B, T, D), the selection (B, T, L + T) over the L cached and T new
+tokens.
 Two paths: the dense masked one, O(T (L + T)) per call - the reference, and prefill's -, and for one token
 (decoding) the selected keys gathered, O(budget + c) attention after the O(L / c) block scores
 (``gather_one``; the decoding checks compare the two, prefill then steps).
 
 State: {"kv": the KV cache (rotated keys, values), "ik": a ``KVCache`` of the indexer's raw keys (B, L, 1, D)
-with no values}: the block keys are pooled again from them each call (O(L D), under attention's O(L H K)).
+with no values}: the block keys are pooled again from them each call, O(L D) - at long contexts more than the
+gathered attention. A cache of the pooled block keys would make that O(L D / c), but it grows by one entry every
+c tokens, which speculative decoding's rollback by truncation (a KV cache entry per token) cannot undo.
 """
 
 from __future__ import annotations
