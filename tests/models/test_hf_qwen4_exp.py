@@ -271,6 +271,7 @@ def test_refusals_name_the_problem(tmp_path):
     _, folder = _hf(tmp_path)
     cfg = json.loads((folder / "config.json").read_text())
     for field, value in (("hidden_act", "gelu"), ("output_gate_type", "sigmoid"), ("attention_bias", True),
+                         ("attn_output_gate", False),
                          ("hc_count", 1), ("indexer_kv_heads", 2), ("indexer_budget", 6),
                          ("layer_types", ["linear_attention", "sliding_attention"] * 2), ("ple_layer_ids", [5]),
                          ("ple_embed_dim", 25)):

@@ -31,7 +31,8 @@ The checkpoint splits each table into ``split_ngram_parts`` shards (``ngram_embe
 rows): ``unpack`` concatenates them, ``pack`` splits again (``torch.chunk``, as transformers' reverse op).
 
 Zero-centred norms (x (1 + w)): the q/k norms, the indexer's, every ``hc_norm``, PLE's three; ``unpack`` adds 1.
-Refused by name: ``hidden_act`` / ``output_gate_type`` other than silu, ``attention_bias``, ``hc_count`` < 2,
+Refused by name: ``hidden_act`` / ``output_gate_type`` other than silu, ``attention_bias``, ``attn_output_gate``
+False, ``hc_count`` < 2,
 partial ``indexer_*`` fields or ``indexer_kv_heads`` != 1, a budget not a multiple of the ratio, layer types
 other than these, PLE without ``eos_token_id``.
 """
@@ -109,6 +110,7 @@ class Qwen4ExpTextFormat(Format):
         t = cls.text_config(c)
         require(t, "hidden_act", "silu")
         require(t, "attention_bias", False)
+        require(t, "attn_output_gate", True)          # Qwen3.5's configs write it; transformers' attention is gated
         if t.get("output_gate_type") not in (None, "silu"):
             raise ValueError(f"config field output_gate_type={t['output_gate_type']!r} is not supported (subquad's "
                              "Gated DeltaNet gates its output norm with silu)")
