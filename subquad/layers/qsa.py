@@ -165,6 +165,9 @@ class IndexedAttention(SoftmaxAttention):
         return o, k
 
     def mix(self, x, state, seq):
+        if not seq.whole_sequence:
+            raise ValueError("qsa selects among all of a sequence's keys: it runs no shard of a sequence (context "
+                             "parallelism)")
         B, T, _ = x.shape
         H, Hk, K, Hi, D = self.n_heads, self.n_kv_heads, self.head_dim, self.index_heads, self.index_head_dim
         q, k, v = self.project(x)
