@@ -36,6 +36,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from subquad.layers import sequence
 from subquad.models.lm import Block
 
 TOKENS = "tokens"            # the carry entry PLE reads: the forward's token ids (B, T)
@@ -205,6 +206,9 @@ class PLE(nn.Module):
         contract, which speculative decoding's replay calls (``Block.state_parts``)."""
         if not carry or TOKENS not in carry:
             raise ValueError(f"a PLE layer reads the token ids (carry[{TOKENS!r}]); it runs inside a LanguageModel")
+        if not sequence.backend().whole_sequence:
+            raise ValueError("PLE's n-grams and convolution read the tokens before each one: it runs no shard of a "
+                             "sequence (context parallelism)")
         tokens = carry[TOKENS]
         lengths = None if cu_seqlens is None else torch.as_tensor(cu_seqlens).diff().tolist()
         rows = h.shape[0] if lengths is None else len(lengths)
