@@ -69,6 +69,7 @@ class IndexedAttention(SoftmaxAttention):
         self.index_k_norm = RMSNorm(index_head_dim, eps)
 
     gather_one = True            # one token attends to its gathered keys (``_gathered``); False: the dense mask
+    query_chunk = 512            # the dense path's queries per block of scores
 
     def mix_flops(self, T):
         """The attention over at most budget + c - 1 keys, the indexer's scores over (T + 1) / (2 c) blocks."""
@@ -157,12 +158,16 @@ class IndexedAttention(SoftmaxAttention):
             torch.cat([past.k, k], 1), torch.cat([past.v, v], 1), torch.cat([pastik.k[:, :, 0], ik], 1))
         if T == 1 and self.gather_one:
             return self._gathered(q, K_all, V_all, iq, ik_all, L), k
-        keep = self.select(iq, ik_all, L)                                              # (B, T, S)
         scale = self.scale if self.scale is not None else self.head_dim ** -0.5
-        scores = torch.einsum("bthk,bshk->bhts", q, self._repeat(K_all)) * scale
-        scores = scores.masked_fill(~keep[:, None], float("-inf"))
-        o = torch.einsum("bhts,bshk->bthk", scores.softmax(-1), self._repeat(V_all))
-        return o, k
+        outs = []
+        for a in range(0, T, self.query_chunk):          # the scores (B, H, chunk, S): memory O(chunk S), not O(T S)
+            b = min(T, a + self.query_chunk)
+            S = L + b                                    # the keys these queries can see
+            keep = self.select(iq[:, a:b], ik_all[:, :S], L + a)                             # (B, b - a, S)
+            scores = torch.einsum("bthk,bshk->bhts", q[:, a:b], self._repeat(K_all[:, :S])) * scale
+            scores = scores.masked_fill(~keep[:, None], float("-inf"))
+            outs.append(torch.einsum("bhts,bshk->bthk", scores.softmax(-1), self._repeat(V_all[:, :S])))
+        return torch.cat(outs, 1), k
 
     def mix(self, x, state, seq):
         if not seq.whole_sequence:

@@ -125,6 +125,9 @@ def test_qsa_equals_its_equations_token_by_token(tmp_path):
     with torch.no_grad():
         got, _ = layer(x)
         torch.testing.assert_close(got, _qsa_reference(layer, x), rtol=0, atol=1e-12)
+        layer.query_chunk = 7                             # the dense path's queries in blocks of 7
+        torch.testing.assert_close(layer(x)[0], got, rtol=0, atol=1e-14)
+        layer.query_chunk = 512
         iq = layer.index_q_norm(layer.index_qk_proj(x)[..., :32].view(1, 30, 4, 8))
         iq = layer._rotate(iq, torch.arange(30))
         keep = layer.select(iq, layer.index_qk_proj(x)[..., 32:], 0)
