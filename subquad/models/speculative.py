@@ -579,7 +579,8 @@ def check_speculative(speculative, model) -> None:
     ``model``: one with ``prefill`` and ``step``, the same vocabulary size, on the same device."""
     if speculative == "mtp" and getattr(model, "mtp", None) is None:
         raise ValueError("speculative='mtp' needs the checkpoint's multi-token-prediction head (model.mtp: loaded "
-                         "from a Qwen3-Next or Qwen3.5 folder that holds mtp.* tensors); this model has none")
+                         "from a Qwen3-Next, Qwen3.5, Nemotron-H or Ling 3 folder that holds one); this model has "
+                         "none")
     if speculative is None or (isinstance(speculative, str) and speculative in SPECULATIVE):
         return
     if isinstance(speculative, str) or not (callable(getattr(speculative, "prefill", None))

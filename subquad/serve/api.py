@@ -46,6 +46,7 @@ METRICS = [  # name, type, help
     ("decode_steps_total", "counter", "Batched decoding steps."),
     ("decode_rows_total", "counter", "Rows stepped, summed over decoding steps (/ steps: the mean batch)."),
     ("prefill_tokens_total", "counter", "Prompt tokens prefilled (not taken from the prefix cache)."),
+    ("prefill_forwards_total", "counter", "Prefill forwards (the pieces due together share one: / tokens)."),
     ("generated_tokens_total", "counter", "Tokens generated."),
     ("prefix_cache_hits_total", "counter", "Requests that resumed from a cached prefix state."),
     ("prefix_cache_misses_total", "counter", "Requests that found no cached prefix."),

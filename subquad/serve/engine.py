@@ -15,49 +15,21 @@ One loop iteration (``step``), vLLM's scheduler in miniature:
 
 1. Cancelled requests leave (their rows are dropped from the batch state).
 2. Admission: waiting requests join while the batch has room and the memory budget (below) allows.
-3. Chunked prefill: at most ``prefill_chunk`` prompt tokens are prefilled per iteration, one request at a
-   time, so a long prompt is spread over many iterations and never stalls the rows that are decoding. A
-   request resumes from the deepest checkpoint of its prompt in the prefix cache (``PrefixCache``, a radix
-   tree) when its first piece is due - not at admission, so the requests admitted together behind one that
-   prefills a shared system prompt find it. It prefills in pieces that end at every multiple of
-   ``prefix_block`` tokens and at each end of a chat message (``submit(boundaries=)``), and keeps its state
-   at each as a checkpoint: a later prompt sharing N tokens with this one resumes at least
-   ``N - N % prefix_block`` tokens in (the prompt's last token is always prefilled: it gives the first
-   token's logits). A request whose prompt is done samples its first token and joins the batch
+3. Chunked, batched prefill (``serve.prefill``): up to ``prefill_chunk`` prompt tokens, the pieces of the
+   requests due together packed in one forward, each resumed from the deepest checkpoint of its prompt in the
+   prefix cache (``PrefixCache``, a radix tree) and keeping checkpoints every ``prefix_block`` tokens and at each
+   chat message's end. A request whose prompt is done samples its first token and joins the batch
    (``rows.cat_states``).
 4. One decoding step for every row together (``LanguageModel.step``); each row samples its token with
    its own generator (``RowSampler``), finished rows leave (``rows.select_rows``) and their state is kept
    in the prefix cache under the tokens it has consumed; a row whose state reaches a multiple of
    ``prefix_block`` tokens is kept there too, so the guarantee above covers answers as well as prompts.
 
-Speculation (``Engine(speculative="ngram")``, ``subquad serve --speculative ngram``; a draft model:
-``Engine(speculative=draft)``, ``--speculative DIR``; or the checkpoint's MTP head: ``"mtp"``). Each decoding step,
-a row drafts up to ``draft_tokens`` tokens by prompt lookup over its prompt and output
-(``models.speculative.PromptLookup``), as the draft model's greedy continuation (``serve.drafting.BatchDraft``: its
-state has a row per running row, joins and leaves with them, and keeps what each row kept), or from the MTP head (a
-``models.speculative.MTPDrafter`` per row, fed the model's hidden states - so the model's steps and verifications
-run eagerly, where hooks see them - from the prompt tokens this request prefilled: a prefix taken from the cache
-has none, and the head drafts from the rest), and the batch runs [last token, drafts] through the model in one
-forward (``models.speculative.verify``; rows with fewer drafts are padded, a step without any draft is a plain
-step). Each row then samples its tokens in order with its own sampler, one position at a time, and goes on past
-position j only while the token it drew is the draft there: a token drawn at a position whose context (the drafts
-before it) is its own history is a plain step's token, so every row's tokens - greedy or sampled, with penalties, a
-grammar or logprobs - are the ones it would draw without speculation, from the same draws of its generator. (With a
-one-hot draft this is the standard rule: it keeps draft d with probability p(d), and otherwise draws from p without
-d.) The state keeps each row's consumed tokens (``Verification.accept``, a different count per row). A row whose
-drafts keep failing drafts again after 1, 2, 4, ... up to ``MAX_PAUSE`` plain steps, and the whole batch takes
-plain steps while a verification costs more wall time per emitted token than a plain step
-(``models.speculative.Pacer``). A row may pass a multiple of ``prefix_block`` inside one verification; no
-checkpoint is kept there.
+Speculation (``Engine(speculative="ngram" | "mtp" | draft model)``): each row drafts and the batch verifies the
+drafts in one forward, every row's tokens those it would draw without it (``serve.speculation``).
 
-Memory. Every KV cache the engine holds is sized once for the longest ``prompt + max_tokens`` among the rows
-it serves (``rows.with_capacity``: a left-padded batch holds every row as long as its longest), so steps and
-prefill chunks append in place and never double a buffer. A row then holds ``held_bytes``: its fixed-size
-state plus those KV buffers (a sliding window's buffer is 2W). Joining, leaving and each step hold the old
-and the new state at once for a moment, so admission keeps ``2 x held_bytes(live rows) + prefix cache <=
-memory budget``, and a state goes into the prefix cache only within what that leaves (LRU entries are
-evicted first, else it is not kept). The budget covers states and the cache, not the weights nor a step's
-activations (an attention layer's keys and values, its grouped heads repeated, one layer at a time).
+Memory: KV caches are sized once per batch for its longest row, and admission keeps the live rows' states (twice,
+while the batch changes) and the prefix cache within ``memory_mb`` (``serve.memory``).
 
 Faults. Every accepted request gets exactly one final event. A request whose own work fails (its prefill,
 its sampling: say NaN logits) ends with finish_reason "error" and the others go on; a failure of the
@@ -71,100 +43,31 @@ from a cached state sums in another order - so two tokens whose logits tie to ~1
 
 from __future__ import annotations
 
-import itertools
-import queue
 import threading
 import time
 import traceback
 from collections import deque
-from dataclasses import dataclass
 
 import torch
 
-from subquad.models.rows import cat_states, select_rows, state_nbytes, with_capacity
-from subquad.models.speculative import (MAX_PAUSE, MTPDrafter, Pacer, PromptLookup, capture_hidden, keeps_states,
-                                        verify)
-from subquad.ops import KVCache
-from subquad.serve.drafting import BatchDraft
-from subquad.serve.prefix_cache import PrefixCache
 from subquad.models.constrain import FormatError, Grammar, check_format
+from subquad.models.rows import cat_states, select_rows, state_nbytes, with_capacity
+from subquad.models.speculative import Pacer, capture_hidden, keeps_states, verify
+from subquad.serve.drafting import BatchDraft
+from subquad.serve.memory import Memory
+from subquad.serve.prefill import Prefill
+from subquad.serve.prefix_cache import PrefixCache
+from subquad.serve.request import Event, NotAccepting, QueueFull, Sequence
 from subquad.serve.sampling import OptionError, RowSampler, SamplingParams, logprobs_of
+from subquad.serve.speculation import Speculating
 from subquad.serve.text import TextStream
+
+__all__ = ["Engine", "Event", "NotAccepting", "QueueFull", "Sequence", "PREFIX_BLOCK"]
 
 PREFIX_BLOCK = 256    # prompt tokens between two prefix checkpoints (benchmarks/RESULTS.md, "Prefix checkpoints")
 
 
-class QueueFull(RuntimeError):
-    """The waiting queue is at ``max_queue``: try again later (HTTP 429)."""
-
-
-class NotAccepting(RuntimeError):
-    """The engine is draining or stopped (HTTP 503)."""
-
-
-@dataclass
-class Event:
-    """One step of a request's output. ``token`` is None only on a final event that carries no token
-    (cancelled, aborted at shutdown, or an error); ``finish_reason`` is set on the last event only:
-    "stop" (end-of-text, a stop token or a stop string), "length" (max_tokens or the context), "abort",
-    "error". ``index``: the choice of the request it belongs to."""
-
-    token: int | None
-    text: str = ""
-    logprob: float | None = None
-    top_logprobs: list | None = None
-    finish_reason: str | None = None
-    index: int = 0
-
-
-class Sequence:
-    """One request as the engine holds it."""
-
-    _ids = itertools.count()
-
-    def __init__(self, prompt: list[int], params: SamplingParams, sampler: RowSampler, text, on_event, index=0,
-                 boundaries=()):
-        """Its prompt ids, parameters, sampler, text stream (None without a tokenizer), event callback, choice
-        and the prompt's chat-message ends (token counts: checkpoints are kept there)."""
-        self.id = next(Sequence._ids)
-        self.prompt, self.params, self.sampler, self.text, self.index = prompt, params, sampler, text, index
-        self.boundaries = sorted(set(boundaries))
-        self.resumed = False               # has it looked for its prefix in the cache (at its first piece)
-        self.choices: list[Sequence] = [self]   # every choice of the request (on choice 0)
-        self.forks: list[Sequence] = []         # choices 1..n-1 until the prompt is done and they are copied
-        self.tokens: list[int] = []
-        self.state = None                  # while prefilling: this request's own state
-        self.prefilled = 0                 # prompt tokens the state has consumed
-        self.cached_tokens = 0             # of them, taken from the prefix cache
-        self.finish_reason: str | None = None
-        self.cancelled = False
-        self.on_event = on_event
-        self.events: queue.Queue = queue.Queue()
-        self.submitted = time.monotonic()
-        self.first_token_at: float | None = None
-        self.lookup: PromptLookup | None = None   # speculation: prompt lookup over its prompt and tokens
-        self.mtp = None                           # or its MTP drafter (made when its prompt is done)
-        self.hidden: list = []                    # the model's hidden states over the prompt tokens it prefilled
-        self.pause = self.wait = 0                # plain steps after failed drafts: the next pause, left of it
-
-    @property
-    def rows(self) -> int:
-        """Batch rows it will take: itself and its forks not yet copied."""
-        return 1 + len(self.forks)
-
-    @property
-    def max_len(self) -> int:
-        """Tokens its state can reach: the prompt and every token it may generate (what memory is sized for)."""
-        return len(self.prompt) + self.params.max_tokens
-
-    def _push(self, event: Event):
-        """Hand an event to its consumer (the callback, else the queue ``Engine.stream`` reads)."""
-        if event.finish_reason is not None:
-            self.finish_reason = event.finish_reason
-        (self.on_event or self.events.put)(event)
-
-
-class Engine:
+class Engine(Prefill, Speculating, Memory):
     """Continuous batching over ``model`` (see the module doc). ``tokenizer``: a ``tokenizers.Tokenizer``
     for text and stop strings (None: tokens only). ``memory_mb``: the budget for live states plus the
     prefix cache (module doc; None: no limit but ``state_cache_mb``; ``subquad serve`` defaults it to half
@@ -201,7 +104,8 @@ class Engine:
         self.model = model.eval()
         self.tokenizer = tokenizer
         self.device = model.embed.weight.device
-        self.max_batch, self.max_queue, self.max_context, self.prefill_chunk = max_batch, max_queue, max_context, prefill_chunk
+        self.max_batch, self.max_queue, self.max_context = max_batch, max_queue, max_context
+        self.prefill_chunk = prefill_chunk
         self.budget = None if memory_mb is None else int(memory_mb * 2 ** 20)
         self.cache = PrefixCache(int(state_cache_mb * 2 ** 20))
         self.prefix_block = prefix_block
@@ -222,7 +126,8 @@ class Engine:
         self.accepting, self._deadline, self._thread, self._stop = True, None, None, False
         self.drained = threading.Event()
         self.counters = dict(requests=0, prefill_tokens=0, generated_tokens=0, finished=0, cancelled=0, errors=0,
-                             decode_steps=0, decode_rows=0, verifications=0, drafted=0, accepted=0)
+                             decode_steps=0, decode_rows=0, verifications=0, drafted=0, accepted=0,
+                             prefill_forwards=0)
         self.state_bytes = 0
         self._recent: deque = deque()      # (time, tokens generated) over the last seconds: tokens/s
 
@@ -389,75 +294,9 @@ class Engine:
             self.waiting.popleft()
             self.prefilling.append(seq)
 
-    def _prefill(self) -> list:
-        """Spend up to ``prefill_chunk`` prompt tokens; returns the requests whose prompt is done and who go on.
-        A request stays in ``prefilling`` until it has its first token, so a failure finds it there."""
-        budget, joiners = self.prefill_chunk, []
-        while self.prefilling and budget > 0:
-            seq = self.prefilling[0]
-            try:
-                if not seq.resumed:                     # its first piece: from the deepest checkpoint there is now
-                    seq.resumed = True
-                    seq.prefilled, seq.state = self.cache.lookup(seq.prompt, max_len=len(seq.prompt) - 1)
-                    seq.cached_tokens = seq.prefilled
-                n = min(self._next_stop(seq), seq.prefilled + budget) - seq.prefilled
-                self._prefill_one(seq, n)
-            except Exception:
-                self._fault(seq, self.prefilling)
-                continue
-            budget -= n
-            if seq.prefilled == len(seq.prompt):
-                self.prefilling.popleft()
-                group, seq.forks = [seq, *seq.forks], []
-                for s in group:
-                    if s.finish_reason is None:
-                        joiners.append(s)
-                    else:                                   # done at its first token (its prompt state is kept)
-                        s.state = None
-                        self._finished(s, None)
-        return joiners
-
-    def _next_stop(self, seq: Sequence) -> int:
-        """Where the request's next prefill piece ends: the next multiple of ``prefix_block``, the next end of
-        a chat message or the prompt's end, whichever comes first (the prompt's end only without a cache)."""
-        end = len(seq.prompt)
-        if not self.cache.max_bytes:
-            return end
-        block = (seq.prefilled // self.prefix_block + 1) * self.prefix_block
-        message = next((b for b in seq.boundaries if b > seq.prefilled), end)
-        return min(end, block, message)
-
-    def _prefill_one(self, seq: Sequence, n: int):
-        """Prefill the request's next ``n`` prompt tokens; at a block's or a message's end keep its state in the
-        prefix cache; at the prompt's end keep it too and sample its first token."""
-        ids = torch.tensor([seq.prompt[seq.prefilled:seq.prefilled + n]], dtype=torch.long, device=self.device)
-        if seq.state is not None:                   # its KV caches sized once: chunks append in place
-            seq.state = with_capacity(seq.state, seq.max_len)
-        with capture_hidden(self.model, self.speculative == "mtp") as seen:
-            last, seq.state = self.model.prefill(ids, seq.state, logits="last")
-        if seen:
-            seq.hidden.append(seen[-1][0])
-        seq.state = with_capacity(seq.state, seq.max_len)
-        seq.prefilled += n
-        self.counters["prefill_tokens"] += n
-        at = seq.prefilled
-        if at < len(seq.prompt) and self.cache.max_bytes and (at % self.prefix_block == 0 or at in seq.boundaries):
-            self._keep(seq.prompt[:at], seq.state)
-        if seq.prefilled == len(seq.prompt):
-            self._keep(seq.prompt, seq.state)
-            for f in seq.forks:                     # the other choices: copies of the prompt's state
-                f.state = with_capacity(select_rows(seq.state, [0]), f.max_len)
-                f.prefilled, f.cached_tokens = seq.prefilled, seq.cached_tokens
-            if seq.hidden:                          # the MTP head drafts from the prompt tokens prefilled here
-                hidden, start = torch.cat(seq.hidden)[None], seq.prefilled - sum(len(h) for h in seq.hidden)
-                for s in [seq, *seq.forks]:
-                    s.mtp = MTPDrafter(self.model, [seq.prompt[start:]], hidden)
-                seq.hidden = []
-            for s in [seq, *seq.forks]:
-                self._emit(s, last)
-
     def _join(self, joiners: list):
-        """The requests whose prompt is done join the batch, its KV caches sized for the new longest row."""
+        """The requests whose prompt is done join the batch, its KV caches sized for the new longest row in the
+        same copy (``cat_states(.., capacity)``)."""
         if not joiners:
             return
         try:
@@ -465,7 +304,7 @@ class Engine:
                 joined = joiners[0].state                   # already sized for its own max_len
             else:
                 joined = cat_states(([self.batch_state] if self.batch_state is not None else [])
-                                    + [s.state for s in joiners])
+                                    + [s.state for s in joiners], max(s.max_len for s in self.running + joiners))
             if self.draft is not None:
                 rows = self.draft.rows
                 try:
@@ -478,15 +317,11 @@ class Engine:
             for s in joiners:
                 self._end(s, "error", "errors")
             return
-        self.batch_state = joined                           # the old states go before the new one is sized
+        self.batch_state = joined
         del joined
         for s in joiners:
             s.state = None
         self.running += joiners
-        try:
-            self.batch_state = with_capacity(self.batch_state, max(s.max_len for s in self.running))
-        except Exception:                                   # still a valid state: its appends reallocate
-            traceback.print_exc()
 
     def _decode(self):
         """One step of every running row (with speculation: a verification of each row's drafts); a row whose
@@ -557,57 +392,6 @@ class Engine:
         for i, seq in ended.items():
             if seq.finish_reason != "error":
                 self._finished(seq, finals.get(i))
-
-    def _drafts(self) -> list[list[int]]:
-        """Each running row's drafts by prompt lookup or from the draft model: up to ``draft_tokens``, fewer where
-        its max_tokens or the context would end first, none while it pauses after failed drafts (module doc)."""
-        rooms = []
-        for s in self.running:
-            room = min(s.params.max_tokens - len(s.tokens), self.max_context - len(s.prompt) - len(s.tokens)) - 1
-            if s.wait or room < 1 or s.finish_reason is not None:
-                s.wait = max(0, s.wait - 1)
-                room = 0
-            rooms.append(min(self.draft_tokens, max(room, 0)))
-        if self.speculative == "mtp":
-            out = [s.mtp.propose([s.tokens[-1]], [0], room)[0] if room and s.mtp is not None else []
-                   for s, room in zip(self.running, rooms)]
-        elif self.draft is not None:                # the draft model runs for every row, or for none
-            k = max(rooms)
-            proposed = self.draft.propose([s.tokens[-1] for s in self.running], k) if k else []
-            out = [p[:r] for p, r in zip(proposed, rooms)] if k else [[] for _ in rooms]
-        else:
-            out = []
-            for s, room in zip(self.running, rooms):
-                if room and s.lookup is None:
-                    s.lookup = PromptLookup(s.prompt + s.tokens)
-                out.append(s.lookup.draft(room) if room else [])
-        # a row with fewer drafts is padded to the longest: no row's positions may pass max_context (learned
-        # positions end there)
-        cap = self._draft_cap = max(min(self.max_context - len(s.prompt) - len(s.tokens) for s in self.running), 0)
-        return [d[:cap] for d in out]
-
-    def _emit_drafted(self, seq: Sequence, rows: torch.Tensor, drafts: list[int]) -> int:
-        """Sample the row's tokens from its logits at each verified position (rows (k + 1, vocab)), going on
-        past position j only while the token drawn there is draft j and the request goes on; returns how many
-        it emitted (>= 1: the tokens of [fed, drafts...] its state keeps). A failed sampling ends it ("error")."""
-        n = 0
-        try:
-            while True:
-                self._emit(seq, rows[n:n + 1])
-                n += 1
-                if seq.lookup is not None:
-                    seq.lookup.append(seq.tokens[-1])
-                if n > len(drafts) or seq.tokens[-1] != drafts[n - 1] or seq.finish_reason is not None:
-                    break
-        except Exception:
-            traceback.print_exc()
-            self._end(seq, "error", "errors")
-        if drafts:
-            self.counters["drafted"] += len(drafts)
-            self.counters["accepted"] += n - 1
-            seq.pause = 0 if n > 1 else min(2 * seq.pause or 1, MAX_PAUSE)
-            seq.wait = seq.pause
-        return max(n, 1)
 
     def _grammar(self, response_format):
         """The compiled ``response_format`` of a request (``models.constrain.Grammar``), None for plain text;
@@ -682,8 +466,7 @@ class Engine:
         if not keep:
             self.batch_state = None
             return
-        self.batch_state = select_rows(self.batch_state, keep)
-        self.batch_state = with_capacity(self.batch_state, max(s.max_len for s in self.running))
+        self.batch_state = select_rows(self.batch_state, keep, max(s.max_len for s in self.running))
 
     def _drop_cancelled(self):
         """End the cancelled requests wherever they are; their rows leave the batch."""
@@ -746,54 +529,6 @@ class Engine:
     def _live(self):
         """The rows holding a state, or about to: prefilling, their forks, decoding."""
         return [s for seq in self.prefilling for s in [seq, *seq.forks]] + self.running
-
-    # -- memory -----------------------------------------------------------------------------------------
-
-    def _measure_row(self):
-        """(bytes of one row's fixed-size state compact, bytes it holds, [(bytes per token, window)] per attention
-        cache), measured from a one-token prefill and one more token. "Holds" counts whole storages: a step's
-        convolution tail is a view of its (1, W, C) input, a third larger than the tail; and a batched row has
-        an int64 position and, per cache, an int64 pad and row count."""
-        zero = torch.zeros(1, 1, dtype=torch.long, device=self.device)
-        with torch.no_grad():
-            first = self.model.prefill(zero)[1]
-            states = [first, self.model.prefill(zero, first)[1]]    # eager: the step as prefill of one token
-        fixed, kv, held = 0, [], []
-        for state in states:
-            storages = {}
-            for layer in state:
-                for v in layer.values():
-                    if not isinstance(v, KVCache):
-                        storages[v.untyped_storage().data_ptr()] = v.untyped_storage().nbytes()
-            held.append(sum(storages.values()))
-        for layer in first:
-            for v in layer.values():
-                if isinstance(v, KVCache):
-                    kv.append((v.k[0, 0].nelement() * v.k.element_size() + v.v[0, 0].nelement() * v.v.element_size(),
-                               v.window))
-                else:
-                    fixed += v.nelement() * v.element_size()
-        return fixed, max(held) + 8 * (1 + 2 * len(kv)), kv
-
-    def row_bytes(self, tokens: int) -> int:
-        """Bytes of one row's compact state after ``tokens`` tokens (its fixed-size state plus its KV caches'
-        live entries): what the prefix cache keeps for it."""
-        return self._fixed_bytes + sum(per * (tokens if w is None else min(tokens, w)) for per, w in self._kv_layers)
-
-    def held_bytes(self, max_lens: list[int]) -> int:
-        """Bytes the rows of these ``prompt + max_tokens`` hold at most, batched (module doc): each row's
-        fixed-size state as allocated (``_measure_row``) and KV buffers sized for the longest of them (a
-        window's: 2W, its fixed buffer)."""
-        if not max_lens:
-            return 0
-        longest = max(max_lens)
-        kv = sum(per * (longest if w is None else max(2 * w, 1)) for per, w in self._kv_layers)
-        return len(max_lens) * (self._fixed_held + kv)
-
-    def _committed(self, extra=()) -> int:
-        """Bytes admission sets aside for the live rows (and ``extra`` more): twice ``held_bytes``, the old and
-        the new state while the batch changes or steps."""
-        return 2 * self.held_bytes([s.max_len for s in self._live()] + list(extra))
 
     def _measure(self):
         """Update the state-bytes gauge (allocated, from the tensors) and forget tokens/s samples over 60 s old."""

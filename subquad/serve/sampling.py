@@ -53,7 +53,7 @@ class SamplingParams(SamplingOptions):
             self.stop = [self.stop]
         if not isinstance(self.stop, (list, tuple)) or len(self.stop) > 4 or \
                 any(not isinstance(s, str) or not s for s in self.stop):
-            raise OptionError("stop", f"stop must be a non-empty string or a list of up to 4 of them, got {self.stop!r}")
+            raise OptionError("stop", f"stop must be a non-empty string or a list of up to 4, got {self.stop!r}")
         self.stop = list(self.stop)
         try:
             check_format(self.response_format)

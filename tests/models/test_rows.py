@@ -124,3 +124,39 @@ def test_a_float64_model_decodes_from_its_own_empty_state():
     state = model.empty_state(2)
     assert all(t.dtype == torch.float64 for t in snapshot(state))
     torch.testing.assert_close(model.prefill(idx, state)[0], model.prefill(idx)[0], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("pattern", ["mamba2,softmax", "deltanet,mla", "gla,swa,retention,softmax"])
+@torch.no_grad()
+def test_joins_and_leaves_with_capacity_copy_once_and_step_as_sized_after(pattern):
+    """``cat_states(.., capacity)`` and ``select_rows(.., capacity)`` - what a server does when a row joins or
+    leaves - give the states ``with_capacity`` gives after the plain call (same steps, to 1e-12), with buffers of
+    exactly that room that the next steps append into in place; rows picked out of order, a batch whose rows
+    rolled back by different counts (padding inside), and a window (re-stacked) included."""
+    model = tiny(pattern)
+    g = torch.Generator().manual_seed(3)
+    singles = [model.prefill(torch.randint(0, 61, (1, T), generator=g))[1] for T in (6, 2, 9)]
+    cap = 20
+    batch = model.step(torch.tensor([1, 2, 3]), cat_states(singles))[1]
+    if "swa" not in pattern:                               # rows that kept different counts of 3 tokens
+        for layer in batch:
+            for key, v in layer.items():
+                if isinstance(v, KVCache):
+                    layer[key] = v.rollback_rows([0, 1, 0])
+        batch.pos = batch.pos - torch.tensor([0, 1, 0])
+    cases = [(cat_states([batch, singles[1]], cap), with_capacity(cat_states([batch, singles[1]]), cap)),
+             (select_rows(batch, [2, 0], cap), with_capacity(select_rows(batch, [2, 0]), cap)),
+             (select_rows(batch, [1], cap), with_capacity(select_rows(batch, [1]), cap))]
+    for got, want in cases:
+        assert row_positions(got).tolist() == row_positions(want).tolist()
+        kv = [v for layer in got for v in layer.values() if isinstance(v, KVCache) and v.window is None]
+        for v in kv:
+            assert v.k.untyped_storage().nbytes() == v.k.shape[0] * cap * v.k.shape[2] * v.k.shape[3] * 8
+        ptrs = [v.k.untyped_storage().data_ptr() for v in kv]
+        for t in range(4):
+            tokens = torch.arange(t, t + num_rows(got)) % 61
+            a, got = model.step(tokens, got)
+            b, want = model.step(tokens, want)
+            torch.testing.assert_close(a, b, rtol=0, atol=1e-12)
+        kv = [v for layer in got for v in layer.values() if isinstance(v, KVCache) and v.window is None]
+        assert [v.k.untyped_storage().data_ptr() for v in kv] == ptrs    # appended in place

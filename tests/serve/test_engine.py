@@ -320,6 +320,7 @@ def test_the_memory_budget_holds_on_the_bytes_really_allocated(monkeypatch):
     plus the inputs and outputs of every prefill, step, join and leave while they are alive - never pass
     --memory-mb, with prefix-cache inserts on; the engine still batches and every stream stays exact."""
     import subquad.serve.engine as engine_module
+    import subquad.serve.prefill as prefill_module
 
     model = model_of("bamba")
     cfg = model.config
@@ -352,8 +353,9 @@ def test_the_memory_budget_holds_on_the_bytes_really_allocated(monkeypatch):
 
     monkeypatch.setattr(model, "prefill", watched(model.prefill))
     monkeypatch.setattr(model, "step", watched(model.step))
-    for name in ("cat_states", "select_rows", "with_capacity"):
-        monkeypatch.setattr(engine_module, name, watched(getattr(engine_module, name)))
+    for module in (engine_module, prefill_module):
+        for name in ("cat_states", "select_rows", "with_capacity"):
+            monkeypatch.setattr(module, name, watched(getattr(module, name)))
     seqs = [engine.submit(p, sp) for p, sp in reqs]
     while engine.step():
         measure()
@@ -550,3 +552,65 @@ def test_run_steps_on_the_calling_thread_until_told_to_stop():
     engine.run(until=lambda: not submitter.is_alive() and all(s.finish_reason for s in seqs))
     assert [s.tokens for s in seqs] == [alone(model, [i + 1, i + 3], p) for i in range(3)]
     assert threads == {threading.get_ident()}
+
+
+@pytest.mark.parametrize("kind", ["mamba2", "bamba"])
+def test_prompts_due_together_prefill_in_one_packed_forward_and_equal_generate_alone(kind):
+    """Prompts of different lengths admitted together go through one packed forward (``cu_seqlens``): one for
+    those that start afresh, one for those that resume from a cached state; every stream equals ``generate``
+    alone, and a request that shares a block with a prompt prefilled beside it waits a round to resume from it."""
+    model = model_of(kind)
+    rng = random.Random(3)
+    greedy = SamplingParams(max_tokens=5, temperature=0)
+    fresh = [[rng.randrange(V) for _ in range(n)] for n in (3, 17, 9, 26)]
+    engine = Engine(model, max_batch=8, prefill_chunk=256, state_cache_mb=0)
+    seqs = [engine.submit(p, greedy) for p in fresh]
+    engine.step()
+    assert engine.counters["prefill_forwards"] == 1 and len(engine.running) == 4
+    while engine.step():
+        pass
+    assert [s.tokens for s in seqs] == [alone(model, p, greedy) for p in fresh]
+
+    block = 8
+    engine = Engine(model, max_batch=8, prefill_chunk=256, state_cache_mb=64, prefix_block=block)
+    base = [rng.randrange(V) for _ in range(20)]
+    run_all(engine, [(base, greedy)])
+    forwards = engine.counters["prefill_forwards"]
+    # two that resume from base's checkpoints (a block end, its prompt's end), one afresh, and one sharing 19
+    # tokens with a new prompt beside it
+    twin = [rng.randrange(V) for _ in range(19)]
+    prompts = [base[:13] + [1, 2], base + [5, 6, 7], [9] * 11, twin + [4], twin + [3, 3]]
+    seqs = [engine.submit(p, greedy) for p in prompts]
+    engine.step()
+    # round 1: the resumed pair in one forward, twin's first block (and [9] * 11's) in another; the second twin
+    # waits, so its first round resumes at twin's checkpoint at 16
+    assert engine.counters["prefill_forwards"] - forwards >= 2
+    while engine.step():
+        pass
+    assert [s.cached_tokens for s in seqs] == [8, 20, 0, 0, 16]    # base ends a kept prompt: 20
+    assert [s.tokens for s in seqs] == [alone(model, p, greedy) for p in prompts]
+
+
+def test_a_packed_prefill_that_fails_is_run_again_piece_by_piece(monkeypatch):
+    """The packed forward raises for one prompt's sake: the pieces run again one by one, that request ends with
+    "error", and the others, prefilled alone, equal ``generate`` alone."""
+    model = model_of("bamba")
+    engine = Engine(model, max_batch=4, state_cache_mb=0)
+    real = model.prefill
+
+    def prefill(ids, *args, **kw):
+        if 77 in ids.tolist()[0]:
+            raise RuntimeError("a bad piece")
+        return real(ids, *args, **kw)
+
+    monkeypatch.setattr(model, "prefill", prefill)
+    p = SamplingParams(max_tokens=4, temperature=0)
+    prompts = [[1, 2, 3], [4, 77, 6], [8, 9, 10, 11]]
+    seqs = [engine.submit(q, p) for q in prompts]
+    while engine.step():
+        pass
+    assert [s.finish_reason for s in seqs] == ["length", "error", "length"]
+    assert engine.counters["prefill_forwards"] == 4 and engine.counters["errors"] == 1
+    monkeypatch.setattr(model, "prefill", real)
+    for i in (0, 2):
+        assert seqs[i].tokens == alone(model, prompts[i], p)

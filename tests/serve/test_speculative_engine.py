@@ -167,9 +167,9 @@ def test_drafts_stop_at_the_learned_positions_end(monkeypatch):
     from dataclasses import replace
 
     from subquad.models.speculative import PromptLookup
-    from subquad.serve import engine as engine_mod
+    from subquad.serve import speculation
 
-    monkeypatch.setattr(engine_mod, "MAX_PAUSE", 0)
+    monkeypatch.setattr(speculation, "MAX_PAUSE", 0)
     monkeypatch.setattr(PromptLookup, "draft", lambda self, k: [self.tokens[-1]] * k)
     torch.manual_seed(0)
     model = LanguageModel(replace(config("bamba"), pos_emb="learned", context_length=48)).double().eval()

@@ -45,7 +45,8 @@ weights shifted) and ``pack`` them back on saving.
                     rotary per attention kind - proportional rotary as partial rotary on reordered dims - and
                     sandwich norms: ``ModelConfig.sandwich_norm``)
     bailing_hybrid.py  bailing_hybrid (inclusionAI's Ling 3: KDA with full-rank gates and a bounded decay, MLA with a
-                    gate per head and DeepSeek's interleaved rotary, DeepSeek-V3 grouped experts; MTP layers left out)
+                    gate per head and DeepSeek's interleaved rotary, DeepSeek-V3 grouped experts; the multi-token-
+                    prediction layer after the decoder layers as ``models.mtp``'s head: MLA and the MoE)
     qwen4_exp.py    qwen4_exp (multimodal: the language model, the vision tower left out by name) and qwen4_exp_text
                     (Qwen4-Exp: Gated DeltaNet and QSA's indexed attention - ``layers.qsa`` - in hyper-connected
                     streams with per-layer hashed n-gram embeddings - ``models.hyper`` -, MoE + shared expert)

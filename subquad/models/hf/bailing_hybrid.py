@@ -14,10 +14,22 @@ The checkpoint's names are the released ones, as transformers writes them: ``wor
 ``dense`` for the output projections, the KDA convolutions per part (``q_conv1d``, ...), the router's
 ``expert_bias``. DeepSeek's rotary pairs interleaved dims (2i, 2i + 1) of the R rotating ones; subquad's pairs
 (i, i + R/2): ``unpack`` reorders those rows of q_proj (q_b_proj) and kv_a_proj_with_mqa evens-then-odds (the
-scores are sums over all dims, so the order inside is free), ``pack`` restores it. The multi-token-prediction
-layers after the ``num_hidden_layers`` decoder layers (``num_nextn_predict_layers``) are left out with a warning.
+scores are sums over all dims, so the order inside is free), ``pack`` restores it.
 transformers' Ling ties no weights (its ``_tied_weights_keys`` is empty), so ``lm_head.weight`` is always read, with
 ``tie_word_embeddings`` true too.
+
+Multi-token prediction (``num_nextn_predict_layers`` / ``num_mtp_layers`` 1; transformers skips those layers on
+load) loads as ``model.mtp`` (``models.mtp``, the drafter of ``generate(speculative="mtp")``): the layer after the
+decoder layers, "model.layers.{num_hidden_layers}.", is one decoder layer - always MLA (whatever ``layer_types``
+would say of its index) and always the MoE, its tensors named as any such layer's (``input_layernorm``,
+``attention.*``, ``post_attention_layernorm``, ``mlp.*``) - beside the head's own ``enorm`` (the embedding's norm),
+``hnorm`` (the model's final-normed hidden state's), ``eh_proj`` (the fc over [enorm(embed); hnorm(h)]) and
+``final_layernorm``; the embedding and ``lm_head`` are the model's. That is SGLang's reading of Ling's checkpoints
+(``models/bailing_moe_nextn.py``: ``BailingMoEModelNextN`` building ``bailing_moe_v3``'s decoder layer with
+``attention_type`` 1 and ``is_nextn``, which makes its MLP the MoE; ``resolve_nextn_layer_id`` /
+``rewrite_nextn_weight_name``: the layer index ``num_hidden_layers``, enorm / hnorm / eh_proj / final_layernorm the
+head's own). More MTP layers (``model.layers.{num_hidden_layers + 1}`` on) are left out with a warning. A saved
+folder writes the head back under those names and says ``num_nextn_predict_layers`` 1; without one, 0.
 """
 
 from __future__ import annotations
@@ -46,6 +58,10 @@ def _order(R: int) -> torch.Tensor:
 class BailingHybridFormat(Format):
     model_type = "bailing_hybrid"
     gates_and_sandwich = True           # matches() takes MLA's head gate and refuses sandwich norms itself
+    mtp_mixer = "mla"                   # the MTP layer's attention (module doc), named as the layer's own norms
+    mtp_own = {"mtp.fc.weight": "mtp.layers.0.eh_proj.weight", "mtp.norm_embed.weight": "mtp.layers.0.enorm.weight",
+               "mtp.norm_hidden.weight": "mtp.layers.0.hnorm.weight",
+               "mtp.norm.weight": "mtp.layers.0.final_layernorm.weight"}
     top = {"embed.weight": "model.word_embeddings.weight", "norm.weight": "model.norm.weight",
            "head.weight": "lm_head.weight"}
     layers = {"kda": {**ATTENTION, "mixer.norm.weight": "attention.o_norm.weight",
@@ -58,6 +74,14 @@ class BailingHybridFormat(Format):
               "*": {"norm1.weight": "input_layernorm.weight", "norm2.weight": "post_attention_layernorm.weight",
                     **swiglu("mlp.", "mlp."), **experts("mlp.", "mlp.", "gate.weight"),
                     "mlp.score_bias": "mlp.gate.expert_bias", **swiglu("mlp.shared.", "mlp.shared_experts.")}}
+
+    @staticmethod
+    def mtp_prefix(cfg: ModelConfig) -> tuple[str, str]:
+        return f"model.layers.{cfg.n_layers}.", "mtp.layers.0."
+
+    @staticmethod
+    def mtp_fields(head) -> dict:
+        return {"num_nextn_predict_layers": 1}
 
     @staticmethod
     def config(c: dict) -> ModelConfig:
@@ -104,17 +128,19 @@ class BailingHybridFormat(Format):
 
     @classmethod
     def unpack(cls, tensors: dict, cfg: ModelConfig, dtype=None) -> dict:
-        """The MTP layers left out (a warning); the convolutions joined; MLA's rotary rows reordered."""
-        out, mtp = {}, 0
+        """The MTP layers not read as the head left out (a warning); the convolutions joined; MLA's rotary rows
+        reordered."""
+        out, mtp = {}, set()
         for name, t in tensors.items():
             m = _LAYER.match(name)
             if m and int(m[1]) >= cfg.n_layers:
-                mtp += 1
+                mtp.add((int(m[1]), name))
                 continue
             out[name] = t
         if mtp:
-            warnings.warn(f"bailing_hybrid: not loaded (subquad loads the language model alone): the multi-token-"
-                          f"prediction layers (model.layers.{cfg.n_layers}* on, {mtp} tensors)", stacklevel=3)
+            first = min(i for i, _ in mtp)
+            warnings.warn(f"bailing_hybrid: not loaded (the model's head is one MTP layer): the multi-token-"
+                          f"prediction layers model.layers.{first}* on ({len(mtp)} tensors)", stacklevel=3)
         out = join_convs(out, "attention")
         return cls._rotary_rows(out, cfg, back=False)
 

@@ -83,16 +83,24 @@ class Format:
     layer = "model.layers.{i}."
     layers: dict = {}
     # a multi-token-prediction head (``models.mtp``) in the checkpoint: how many of the format's layers its block
-    # spans ("mtp.layers.0." ...: Nemotron-H's attention and MoE are two) and its own tensors' names
+    # spans ("mtp.layers.0." ...: Nemotron-H's attention and MoE are two), its own tensors' names, and the mixer of
+    # its block (a ``layers`` table's key: Ling's head attends by MLA)
     mtp_layers = 1
     mtp_own = {"mtp.fc.weight": "mtp.fc.weight", "mtp.norm.weight": "mtp.norm.weight",
                "mtp.norm_embed.weight": "mtp.pre_fc_norm_embedding.weight",
                "mtp.norm_hidden.weight": "mtp.pre_fc_norm_hidden.weight"}
+    mtp_mixer = "softmax"
 
     @staticmethod
     def mtp_fields(head) -> dict:
         """Config fields that declare a multi-token-prediction head ``head`` in a saved folder ({}: none needed)."""
         return {}
+
+    @staticmethod
+    def mtp_prefix(cfg: ModelConfig) -> tuple[str, str]:
+        """(the checkpoint's prefix of the MTP tensors, the name it is read as): "mtp." as itself; Ling's head is
+        the layer after the decoder layers, "model.layers.{n_layers}." read as "mtp.layers.0."."""
+        return "mtp.", "mtp."
 
     @staticmethod
     def config(c: dict) -> ModelConfig:

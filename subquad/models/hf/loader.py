@@ -119,8 +119,9 @@ def from_pretrained(path, dtype=None, device=None, quantize=None):
     "bf16" quantises the projections for inference (``models.quant``; from float32). A folder a quantised model
     was saved to loads quantised as it was saved (``quant.load_quantized``; ``quantize`` None or its kind).
     The model keeps the folder's config and its tokenizer and generation files (``model.hf_source``) for
-    ``save_pretrained`` to write back. A Qwen3-Next or Qwen3.5 folder's multi-token-prediction tensors
-    (``mtp.*``) load as ``model.mtp`` (``models.mtp``: ``generate(..., speculative="mtp")`` drafts with it).
+    ``save_pretrained`` to write back. A Qwen3-Next, Qwen3.5, Nemotron-H or Ling 3 folder's multi-token-prediction
+    tensors (``mtp.*``; Ling's layer after the decoder layers: ``Format.mtp_prefix``) load as ``model.mtp``
+    (``models.mtp``: ``generate(..., speculative="mtp")`` drafts with it).
     A ``.gguf`` file (llama.cpp's format) is ``models.hf.from_pretrained``'s, through ``models.gguf``."""
     pth = pth_file(path)
     if pth is not None:
@@ -171,7 +172,8 @@ def build(path, c: dict, fmt, cfg: ModelConfig, weights: dict | None, dtype=None
     weights = read_weights(path, mapped={lookup} if isinstance(lookup, str) else ()) if weights is None else weights
     mtp = {}
     if c.get("model_type") in MTP_TYPES:              # its multi-token-prediction head, when it has one
-        mtp = {k: weights.pop(k) for k in [k for k in weights if k.startswith("mtp.")]}
+        src = fmt.mtp_prefix(cfg)[0]
+        mtp = {k: weights.pop(k) for k in [k for k in weights if k.startswith(src)]}
     tensors = fmt.unpack(fmt.drop_not_loaded(weights), cfg, dtype)   # fused or shifted -> one per parameter
     del weights
     if fmt.conv_bias_key and c.get(fmt.conv_bias_key, True) is False:   # no conv bias in the checkpoint: zeros
@@ -204,7 +206,7 @@ def build(path, c: dict, fmt, cfg: ModelConfig, weights: dict | None, dtype=None
         try:
             model.mtp = load_mtp(fmt, cfg, mtp, dtype)
         except ValueError as e:                       # the language model is whole without it: said, not refused
-            warnings.warn(f"{c['model_type']}: not loaded: the multi-token-prediction head (mtp.*, {len(mtp)} "
+            warnings.warn(f"{c['model_type']}: not loaded: the multi-token-prediction head ({src}*, {len(mtp)} "
                           f"tensors): {e}", stacklevel=2)
         del mtp
     decode_layout(model)                              # the weights as one-token decoding reads them fastest

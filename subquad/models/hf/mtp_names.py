@@ -46,9 +46,10 @@ def _zero_centred(fmt, cfg) -> bool:
     return bool(fmt.unpack({name: torch.zeros(1)}, cfg)[name].item() == 1)
 
 
-def pack_mtp(fmt, head, own: dict) -> dict:
+def pack_mtp(fmt, head, own: dict, cfg) -> dict:
     """``load_mtp``'s inverse: the head's tensors (``own``: "mtp."-prefixed, from the model's state dict) under
-    the checkpoint's names, packed by the format as any layer's."""
+    the checkpoint's names (``cfg`` the model's config: the format's ``mtp_prefix``), packed by the format as any
+    layer's."""
     centred = _zero_centred(fmt, head.config)
     flat = {}
     for ours, theirs in mtp_names(fmt, head).items():
@@ -60,4 +61,6 @@ def pack_mtp(fmt, head, own: dict) -> dict:
             t = (t.float() - 1).to(t.dtype)
         flat[theirs] = t
     packed = fmt.pack({_from_mtp(fmt, k): v for k, v in flat.items()}, head.config)
-    return {_to_mtp(fmt, k): v.contiguous() for k, v in packed.items()}
+    src, dst = fmt.mtp_prefix(cfg)
+    out = {_to_mtp(fmt, k): v.contiguous() for k, v in packed.items()}
+    return {src + k[len(dst):] if k.startswith(dst) else k: v for k, v in out.items()}

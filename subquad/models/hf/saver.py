@@ -82,7 +82,7 @@ def checkpoint_tensors(model, model_type: str | None = None) -> tuple[str, dict,
     if mtp:                                             # a multi-token-prediction head (models.mtp)
         from subquad.models.hf.mtp_names import pack_mtp
 
-        tensors.update(pack_mtp(fmt, model.mtp, mtp))
+        tensors.update(pack_mtp(fmt, model.mtp, mtp, cfg))
     return model_type, opts, tensors
 
 
