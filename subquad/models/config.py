@@ -199,7 +199,7 @@ class ModelConfig:
         if self.hyper is not None:
             from subquad.models.hyper import check_hyper
 
-            self.hyper = check_hyper(self.hyper, self.n_layers, self.vocab_size, self.d_model)
+            self.hyper = check_hyper(self.hyper, self.n_layers, self.vocab_size)
             if (self.parallel or self.post_norm or self.scaled_residual is not None or self.shared is not None
                     or self.sandwich_norm or self.mlp_kind == "rwkv7" or self.pos_emb != "none"):
                 raise ValueError("hyper-connection blocks take no parallel, post_norm, scaled_residual, shared, "

@@ -45,7 +45,7 @@ PLE_DEFAULTS = {"ngram": 3, "heads_per_ngram": 8, "conv_size": 4, "vocab_base": 
                 "seed": 1234, "parts": 1}
 
 
-def check_hyper(h, n_layers: int, vocab_size: int, d_model: int) -> dict:
+def check_hyper(h, n_layers: int, vocab_size: int) -> dict:
     """``ModelConfig.hyper`` with defaults filled in: {"streams": n >= 2, "rank": r, "ple": None or {"layers": [..],
     "dim": P, "eos": id, PLE_DEFAULTS' keys}}; ValueError naming the key otherwise."""
     if not isinstance(h, dict) or set(h) - {"streams", "rank", "ple"}:
