@@ -23,7 +23,10 @@ Zamba-7B-v1-like (d_model 3,712, 6 layers of two-head Mamba, state 16, the share
 7,424, MLP 14,848 - at layers 2 and 5), LFM3-1.7B-like (d_model 2,048, 8 layers: gated convolutions of 7 taps,
 full attention at 2 and 6, sliding (256) at 4, 16 heads of 128 with 4 KV, MLP 7,680, sandwich norms, gated heads)
 and Ling-3.0-Flash-like (d_model 2,560, 5 KDA layers of 32 heads of 128 and one MLA of latent 512, the first two
-with a dense MLP of 6,144, then 32 experts of 768 - of its 512 - top 8 in 8 groups, top 4, a shared expert). For each dtype (float32, bfloat16) and batch (1: prefill 2,048 tokens, decode 256; 8: prefill
+with a dense MLP of 6,144, then 32 experts of 768 - of its 512 - top 8 in 8 groups, top 4, a shared expert)
+and Qwen4-Exp-like (``--models qwen4_exp``: d_model 2,048 in 4 hyper-connected streams, 3 Gated DeltaNet layers
+of 16 key / 32 value heads of 128, one QSA attention of 16 heads of 256 with 2 KV heads, 32 experts of 512, top
+10, a shared expert; PLE at layers 1 and 3 with tables shrunk 1,000x - ``_issue_52`` says how). For each dtype (float32, bfloat16) and batch (1: prefill 2,048 tokens, decode 256; 8: prefill
 512 each, decode 64 - transformers' reference path needs minutes for 8 x 2,048): prefill tokens/s,
 decode ms per step (greedy; the time of generating n tokens less that of generating 1, per step), and
 each process's peak resident memory. Every measurement runs in its own process (peak memory is per
@@ -51,6 +54,7 @@ column-major matrices (what decoding does); each bound = bytes one token reads /
     python benchmarks/bench_pretrained.py --models rwkv7 --dtypes float32 --batches 1   # against the rwkv package
     python benchmarks/bench_pretrained.py --models recurrent_gemma,zamba2 --batches 1 --new 64   # ~1B+ shapes
     python benchmarks/bench_pretrained.py --models zamba,lfm3,bailing_hybrid --batches 1 --new 64 --name pretrained_52
+    python benchmarks/bench_pretrained.py --models qwen4_exp --batches 1 --new 64 --name pretrained_qwen4
     python benchmarks/bench_pretrained.py --models qwen3_next,kimi_linear --batches 1 --name pretrained_delta
     python benchmarks/bench_pretrained.py --models mamba --dtypes float32,int8 --batches 1,8 \
         --llama-python /tmp/llvenv/bin/python --llama-src .../llama_cpp_python-0.3.36/vendor/llama.cpp
@@ -141,7 +145,7 @@ def hf_model(kind, quick):
 
 
 NEW_HYBRIDS = ("qwen3_5", "granitemoehybrid", "nemotron_h", "falcon_h1", "lfm2")
-ISSUE_52 = ("zamba", "lfm3", "bailing_hybrid")
+ISSUE_52 = ("zamba", "lfm3", "bailing_hybrid", "qwen4_exp")
 
 
 def none_ids():
@@ -224,6 +228,26 @@ def _issue_52(transformers, kind, V, quick):
             dict(hidden_size=2048, intermediate_size=7680, num_attention_heads=16, num_key_value_heads=4, head_dim=128,
                  sliding_window=256)
         return transformers.Lfm3ForCausalLM(transformers.Lfm3Config(vocab_size=V, num_hidden_layers=8, **none, **c))
+    if kind == "qwen4_exp":               # Qwen4-Exp's default widths, 4 layers: GDN, GDN, GDN, QSA; 4 streams
+        # PLE at layers 1 and 3 with the n-gram tables shrunk: 16 prime-sized heads from 20,000 rows each (the
+        # release's 20,000,000: ~90 GB of tables), 128 dims a head; the indexer's fields are not in the config's
+        # defaults: 16 heads of 128, 2,048 tokens in blocks of 16 are our guess. 32 of its 512 experts, top 10.
+        c = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16, linear_num_key_heads=2,
+                 linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16, num_experts=8,
+                 num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=32, hc_lowrank=16,
+                 ngram_vocab_size_base=200, heads_per_ngram=2, indexer_n_heads=2, indexer_head_dim=16,
+                 indexer_budget=16, indexer_compress_ratio=4, split_ngram_parts=2) if quick else \
+            dict(hidden_size=2048, num_attention_heads=16, num_key_value_heads=2, head_dim=256, linear_num_key_heads=16,
+                 linear_num_value_heads=32, linear_key_head_dim=128, linear_value_head_dim=128, num_experts=32,
+                 num_experts_per_tok=10, moe_intermediate_size=512, shared_expert_intermediate_size=512,
+                 hc_lowrank=320, ngram_vocab_size_base=20000, heads_per_ngram=8, indexer_n_heads=16,
+                 indexer_head_dim=128, indexer_budget=2048, indexer_compress_ratio=16, split_ngram_parts=8)
+        cfg = transformers.Qwen4ExpTextConfig(
+            vocab_size=V, num_hidden_layers=4, hc_count=4, ple_layer_ids=[1, 3], ngram_size=3, indexer_kv_heads=1,
+            rope_parameters={"rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.25},
+            **{**none, "eos_token_id": 0}, **c)
+        cfg._experts_implementation = "eager"
+        return transformers.Qwen4ExpForCausalLM(cfg)
     # bailing_hybrid, Ling-3.0-Flash-like: 5 KDA layers and one MLA, the first 2 dense; 32 of its 512 experts (of the
     # real size, top 8, in 8 groups, top 4 groups)
     c = dict(hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_attention_heads=4, head_dim=16,

@@ -24,6 +24,7 @@ from subquad.layers.mlstm import MLSTM
 from subquad.layers.retention import MultiScaleRetention
 from subquad.layers.short_conv import GatedShortConv
 from subquad.layers.rwkv7 import RWKV7
+from subquad.layers.qsa import IndexedAttention
 
 
 @dataclass(frozen=True)
@@ -83,6 +84,8 @@ MIXERS: dict[str, MixerEntry] = {
                           rollback="truncate", about="full causal softmax attention (KV cache grows)"),
     "swa": MixerEntry(SoftmaxAttention, {"window": 64}, heads="n_kv_heads", attention=True, rollback="truncate",
                       about="sliding-window softmax attention (bounded cache), window 64 unless set"),
+    "qsa": MixerEntry(IndexedAttention, heads="n_kv_heads", attention=True, rollback="truncate",
+                      about="softmax attention over the blocks an indexer selects (Qwen4-Exp's QSA)"),
     "linear": MixerEntry(LinearAttention, recall=CONV, rollback="states",
                          about="linear attention, elu+1 unless feature_map= is set"),
     "performer": MixerEntry(LinearAttention, {"feature_map": "performer"}, recall=CONV,

@@ -34,6 +34,11 @@ Shared transformer blocks (``subquad.models.shared``, Zamba2): attention + MLP b
 layers, each use with its own LoRA adapters and output projection, writing into that layer's mixer input:
 
     shared={"layers": [5, 11, 17], "blocks": 2, "adapter_rank": 128, "attention_adapter": True, "act": "gelu"}
+
+Hyper-connections (``subquad.models.hyper``, Qwen4-Exp): n residual streams, every block's branches reading a
+learned mix of them and writing into each with a learned weight, and optional per-layer hashed n-gram embeddings:
+
+    hyper={"streams": 4, "rank": 320, "ple": {"layers": [0, 2], "dim": 2048, "eos": 248046, "ngram": 3, ...}}
 """
 
 from __future__ import annotations
@@ -107,6 +112,7 @@ class ModelConfig:
     norm_bias: bool = False              # a bias on the blocks' RMS norms, not the final one's (xLSTM's use_bias)
     embed_norm: bool = False             # a norm on the embeddings before the first block (RWKV's ln0)
     shared: dict | None = None           # shared transformer blocks and the layers that use them (module doc; Zamba2)
+    hyper: dict | None = None            # hyper-connections: {"streams", "rank", "ple"} (models.hyper; Qwen4-Exp)
 
     def __post_init__(self):
         for name in ("vocab_size", "d_model", "n_layers", "n_heads", "context_length"):
@@ -189,6 +195,15 @@ class ModelConfig:
             if self.parallel or self.post_norm or self.scaled_residual is not None:
                 raise ValueError("the layers that use shared blocks are pre-norm: shared takes no parallel, "
                                  "post_norm or scaled_residual")
+
+        if self.hyper is not None:
+            from subquad.models.hyper import check_hyper
+
+            self.hyper = check_hyper(self.hyper, self.n_layers, self.vocab_size)
+            if (self.parallel or self.post_norm or self.scaled_residual is not None or self.shared is not None
+                    or self.sandwich_norm or self.mlp_kind == "rwkv7" or self.pos_emb != "none"):
+                raise ValueError("hyper-connection blocks take no parallel, post_norm, scaled_residual, shared, "
+                                 "sandwich_norm, learned positions or rwkv7 MLP")
 
     @property
     def layers(self) -> list[str]:

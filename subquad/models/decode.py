@@ -96,19 +96,21 @@ def _for_graph(v, t: int = 1):
     return v.for_step(t) if isinstance(v, KVCache) else v
 
 
-def _blocks_and_heads(model, h, states):
-    """h (B, T, d_model) and the per-layer states -> (logits (B, T, vocab), new per-layer states): the graph of
-    a speculative verification (``CompiledStep.verifier``, run under ``layers.rollback.PER_TOKEN``)."""
-    out, carry = [], model._carry(h)        # carry: values that cross layers (``LanguageModel._hidden``)
+def _blocks_and_heads(model, h, states, tokens=None):
+    """h (B, T, d_model), the per-layer states and the tokens (B, T) -> (logits (B, T, vocab), new per-layer
+    states): the graph of a speculative verification (``CompiledStep.verifier``, run under
+    ``layers.rollback.PER_TOKEN``)."""
+    out, carry = [], model._carry(h, tokens)   # carry: values that cross layers (``LanguageModel._hidden``)
     for block, s in zip(model.blocks, states):
         h, s = block(h, s, carry=carry)
         out.append(s)
     return model._logits(h), out
 
 
-def _blocks_and_head(model, h, states):
-    """h (B, 1, d_model) and the per-layer states -> (logits (B, vocab), new per-layer states): the step's graph."""
-    logits, out = _blocks_and_heads(model, h, states)
+def _blocks_and_head(model, h, states, tokens=None):
+    """h (B, 1, d_model), the per-layer states and the tokens (B, 1) -> (logits (B, vocab), new per-layer states):
+    the step's graph."""
+    logits, out = _blocks_and_heads(model, h, states, tokens)
     return logits[:, -1], out
 
 
@@ -213,8 +215,8 @@ class CompiledStep:
         with torch.no_grad(), torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT), \
                 torch.fx.experimental._config.patch(use_duck_shape=False), \
                 (sequence.use(self.backend) if self.backend is not None else contextlib.nullcontext()):
-            graph = self._precompiled(h, states) if self.fallback is None else None
-            logits, out = (graph or self.graph)(model, h, states)
+            graph = self._precompiled(h, states, tokens) if self.fallback is None else None
+            logits, out = (graph or self.graph)(model, h, states, tokens)
         return logits, ModelState(out, pos=pos)
 
     def verifier(self) -> "CompiledStep":
@@ -229,13 +231,13 @@ class CompiledStep:
         return self._verifier
 
 
-    def _precompiled(self, h, states):
+    def _precompiled(self, h, states, tokens):
         """The saved or precompiled graph whose guards accept this call: one already here, else the cache's
         file for the call's specialisation, else one compiled now and saved; None when the model cannot be
         compiled whole (``fallback`` says why, and the step stops trying)."""
         model = self.model
         for g in self.graphs:
-            if g.guard_check(model, h, states):
+            if g.guard_check(model, h, states, tokens):
                 return g
         if len(self.graphs) >= RECOMPILE_LIMIT:
             self.fallback = f"{RECOMPILE_LIMIT} graphs, none of whose guards accept the call"
@@ -245,14 +247,14 @@ class CompiledStep:
         spec = hashlib.sha256(_specialisation(h, states).encode()).hexdigest()[:16]
         path = self.cache / f"{self._key}-{spec}.bin"
         g = self._load(path)
-        if g is not None and g.guard_check(model, h, states):
+        if g is not None and g.guard_check(model, h, states, tokens):
             self.loaded += 1
         else:
             # the saved guards pickle the model's attributes: not this step (its graphs' guards do not pickle)
             held = model.__dict__.pop("_decode_step", None)
             try:
                 with torch._dynamo.config.patch(specialize_float=True):
-                    g = self._fullgraph.aot_compile(((model, h, states), {}))
+                    g = self._fullgraph.aot_compile(((model, h, states, tokens), {}))
             except Exception as e:  # noqa: BLE001 - a graph break, an op aot_compile cannot save: torch.compile's graphs
                 self.fallback = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
                 log.info("compile_decode: %s runs torch.compile's graphs, not cached (%s)", type(model).__name__,

@@ -11,6 +11,9 @@ Four other residual schemes, chosen by the config: ``PostNormBlock`` for the mix
 the mixers ``config.parallel`` names (a second mixer beside the first on the same input, summed: Falcon-H1).
 ``SharedUseBlock`` at the layers ``config.shared`` lists: one of the model's shared transformer blocks
 (``models.shared``, ``LanguageModel.shared``) writes into the mixer's input (Zamba2).
+``HyperBlock`` in every layer with ``config.hyper`` (``models.hyper``: Qwen4-Exp's hyper-connections, n residual
+streams the embedding fills and the final norm mixes back to one, and its per-layer n-gram embeddings, which read
+the token ids from ``carry``).
 RWKV-7's layout is options of these: ``config.norm="layer"`` (LayerNorms with bias), ``config.embed_norm`` (a norm on the embeddings),
 ``config.mlp_kind="rwkv7"`` (the channel mix, an MLP with a one-token state, kept in the layer's state under
 "mlp.*" beside the mixer's), and the ``carry`` dict each forward hands every block (values that cross layers:
@@ -103,11 +106,16 @@ class Block(nn.Module):
         return y, {**new_state, **{MLP_STATE + k: v for k, v in s.items()}}
 
     @staticmethod
-    def build(cfg: ModelConfig, mixer_name: str, moe: bool = False, mlp: bool = True, shared=None) -> "Block":
+    def build(cfg: ModelConfig, mixer_name: str, moe: bool = False, mlp: bool = True, shared=None,
+              layer: int = 0) -> "Block":
         """The block ``cfg`` asks for at a ``mixer_name`` layer: ``ScaledResidualBlock`` with
         ``cfg.scaled_residual``, else ``PostNormBlock`` for a mixer named in ``cfg.post_norm``, else
         ``PreNormBlock`` (``ParallelBlock`` before all for a mixer ``cfg.parallel`` names; ``SharedUseBlock``
-        at a layer given the ``shared`` block it uses)."""
+        at a layer given the ``shared`` block it uses; ``HyperBlock`` with ``cfg.hyper``, ``layer`` its index)."""
+        if cfg.hyper is not None:
+            from subquad.models.hyper import HyperBlock
+
+            return HyperBlock(cfg, mixer_name, moe, mlp, layer)
         if shared is not None:
             return SharedUseBlock(cfg, mixer_name, moe, mlp, shared)
         if mixer_name in cfg.parallel:
@@ -294,12 +302,16 @@ class LanguageModel(nn.Module):
             SharedTransformer(cfg) for _ in range(cfg.shared["blocks"]))
         uses = {} if cfg.shared is None else {
             i: self.shared[j % cfg.shared["blocks"]] for j, i in enumerate(cfg.shared["layers"])}
-        self.blocks = nn.ModuleList(Block.build(cfg, name, i in moe, i in dense, uses.get(i))
+        self.blocks = nn.ModuleList(Block.build(cfg, name, i in moe, i in dense, uses.get(i), i)
                                     for i, name in enumerate(cfg.layers))
         for i, b in enumerate(self.blocks):                  # depth-dependent layer constants (lightning's slopes)
             if hasattr(b.mixer, "place"):
                 b.mixer.place(i, cfg.n_layers)
         self.norm = make_norm(cfg)
+        if cfg.hyper is not None:                # the streams' last mix: (B, T, n d) -> (B, T, d), no norm after
+            from subquad.models.hyper import HyperConnection
+
+            self.norm = HyperConnection(cfg.d_model, cfg.hyper["streams"], cfg.hyper["rank"], cfg.norm_eps, False)
         self.head = None if cfg.tie_embeddings else nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         self.apply(self._init)
         self._init_residual_branches()
@@ -420,19 +432,26 @@ class LanguageModel(nn.Module):
     def _hidden(self, idx, state=None, cu_seqlens=None):
         """The residual stream after the last block (before the final norm) and the per-layer state."""
         h, end_pos = self._embed_tokens(idx, state, cu_seqlens)
-        states, carry = ModelState(pos=end_pos), self._carry(h)     # carry: values that cross layers in this forward
+        states, carry = ModelState(pos=end_pos), self._carry(h, idx)  # carry: values that cross layers in this forward
         for i, block in enumerate(self.blocks):
             h, s = block(h, None if state is None else state[i], cu_seqlens=cu_seqlens, carry=carry)
             states.append(s)
         return h, states
 
-    def _carry(self, h) -> dict:
+    def _carry(self, h, idx=None) -> dict:
         """The ``carry`` a forward starts with (``layers.base``): the embedded tokens ``h`` (B, T, d_model), as the
-        first block sees them, when shared blocks read them (``models.shared``); else empty."""
-        return {} if self.shared is None else {EMBEDDINGS: h}
+        first block sees them, when shared blocks read them (``models.shared``); the token ids ``idx`` when
+        per-layer n-gram embeddings read them (``models.hyper``); else empty."""
+        carry = {} if self.shared is None else {EMBEDDINGS: h}
+        if idx is not None and self.config.hyper is not None and self.config.hyper["ple"] is not None:
+            from subquad.models.hyper import TOKENS
+
+            carry[TOKENS] = idx
+        return carry
 
     def _embed_tokens(self, idx, state=None, cu_seqlens=None):
-        """(the embedded tokens (B, T, d_model) with their learned positions, the position count after them)."""
+        """(the embedded tokens (B, T, d_model) with their learned positions - with hyper-connections, repeated
+        into the n streams (B, T, n d_model) -, the position count after them)."""
         self._check_idx(idx)
         pos = 0 if state is None else getattr(state, "pos", 0)
         seq = sequence.backend() if cu_seqlens is None else sequence.Packed(cu_seqlens)
@@ -453,6 +472,8 @@ class LanguageModel(nn.Module):
             h = h + self.pos_embed(positions)
         if self.embed_norm is not None:
             h = self.embed_norm(h)
+        if self.config.hyper is not None:
+            h = h.repeat(1, 1, self.config.hyper["streams"])
         if cu_seqlens is None and not isinstance(pos, torch.Tensor):
             return h, pos + T
         return h, seq.tokens(B, T, idx.device) + pos

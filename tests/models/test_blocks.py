@@ -133,3 +133,31 @@ def test_sandwich_norms_refuse_the_other_schemes():
             _model(sandwich_norm=True, **other)
     with pytest.raises(ValueError, match="sandwich_norm must be a bool"):
         _model(sandwich_norm=1)
+
+
+def test_hyper_connection_blocks_compute_their_scheme_and_the_model_mixes_the_streams():
+    """``hyper`` (models.hyper): every block a HyperBlock over n streams - h + g_i branch(x), x and g from the
+    branch's HyperConnection -, the embedding repeated into the streams and the final mix before the head."""
+    from subquad.models.hyper import HyperBlock, HyperConnection
+
+    model = _model(hyper={"streams": 3, "rank": 4})
+    b = model.blocks[0]
+    assert all(isinstance(x, HyperBlock) for x in model.blocks) and isinstance(model.norm, HyperConnection)
+    h = torch.randn(2, 7, 48, dtype=torch.float64)
+    ids = torch.randint(0, 32, (2, 7))
+    with torch.no_grad():
+        got, _ = b(h)
+        x, g = b.norm1(h)
+        h1 = h + (g[..., None] * b.mixer(x)[0][..., None, :]).flatten(-2)
+        x, g = b.norm2(h1)
+        want = h1 + (g[..., None] * b.mlp(x)[..., None, :]).flatten(-2)
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
+        h = model.embed(ids).repeat(1, 1, 3)
+        for blk in model.blocks:
+            h = blk(h)[0]
+        torch.testing.assert_close(model(ids), model.norm(h) @ model.embed.weight.T, rtol=0, atol=1e-12)
+    for other in ({"sandwich_norm": True}, {"post_norm": ["softmax"]}, {"parallel": {"softmax": "mamba2"}}):
+        with pytest.raises(ValueError, match="hyper-connection blocks take no"):
+            _model(hyper={"streams": 3, "rank": 4}, **other)
+    with pytest.raises(ValueError, match=r"hyper\['streams'\] must be an int >= 2"):
+        _model(hyper={"streams": 1, "rank": 4})

@@ -12,7 +12,7 @@ transformers = pytest.importorskip("transformers")   # the `hf` extra installs i
 from tests.models import (  # noqa: E402
     test_hf, test_hf_bailing_hybrid, test_hf_delta, test_hf_falcon_h1, test_hf_granite, test_hf_hybrid, test_hf_kimi,
     test_hf_lfm2, test_hf_lfm2_moe, test_hf_lfm3, test_hf_minimax, test_hf_nemotron_h, test_hf_qwen3_5,
-    test_hf_recurrent_gemma, test_hf_xlstm, test_hf_zamba, test_hf_zamba2)
+    test_hf_qwen4_exp, test_hf_recurrent_gemma, test_hf_xlstm, test_hf_zamba, test_hf_zamba2)
 from tests.models.hf_harness import (  # noqa: E402
     F32, Row, cases, check_decode, check_logits, check_round_trip, check_router_loss, variants)
 
@@ -83,6 +83,8 @@ ROWS = [
     _kind(test_hf_qwen3_5, "qwen3_5_moe", transformers.Qwen3_5MoeForCausalLM, save_as="qwen3_5_moe_text",
           model_type="qwen3_5_moe_text", saved=test_hf_qwen3_5._saved, router_loss=True,
           marks=(pytest.mark.filterwarnings("ignore:qwen3_5"),)),
+    # float64 bounded by transformers' delta rule and QSA's pooled keys and scores (float32 inside)
+    _module(test_hf_qwen4_exp, "qwen4_exp_text", transformers.Qwen4ExpForCausalLM, router_loss=True),
 ]
 
 

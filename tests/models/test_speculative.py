@@ -92,6 +92,11 @@ STRUCTURES = {                      # the block structures of the checkpoint typ
         pattern="mamba,swa,kda,mla", n_layers=4, sandwich_norm=True, options={
             "mamba": {"heads": 2}, "swa": {"window": 4, "head_gate": True}, "mla": {"head_gate": True},
             "kda": {"full_gates": True, "gate_bound": -5.0}}),
+    "hyper-connections, n-gram embeddings, QSA (qwen4_exp)": dict(
+        pattern="gated_deltanet,qsa", hyper={"streams": 2, "rank": 4, "ple": {
+            "layers": [0], "dim": 8, "eos": 1, "ngram": 3, "heads_per_ngram": 2, "vocab_base": 20,
+            "vocab_multiple": 4}},
+        options={"qsa": {"index_heads": 2, "index_head_dim": 8, "index_budget": 4, "index_block": 2}}),
 }
 
 

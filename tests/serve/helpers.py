@@ -38,6 +38,13 @@ def config(kind: str) -> ModelConfig:
                            pattern="mamba2,softmax,mamba2",
                            mixer_options={"softmax": {"rotary_fraction": 0.5}, "mamba2": {"norm_eps": 1e-6}},
                            tie_embeddings=False)
+    if kind == "qwen4_exp":                    # hyper-connections, PLE (token and convolution state), QSA's caches
+        ple = {"layers": [0], "dim": 8, "eos": 1, "ngram": 3, "heads_per_ngram": 2, "vocab_base": 20,
+               "vocab_multiple": 4}
+        return ModelConfig(vocab_size=V, d_model=32, n_layers=2, n_heads=2, pattern="gated_deltanet,qsa",
+                           hyper={"streams": 2, "rank": 4, "ple": ple}, tie_embeddings=False,
+                           mixer_options={"qsa": {"index_heads": 2, "index_head_dim": 16, "index_budget": 4,
+                                                  "index_block": 2}})
     raise ValueError(kind)
 
 

@@ -60,7 +60,7 @@ def run_all(engine, reqs, per_step=3):
     return seqs
 
 
-@pytest.mark.parametrize("kind", ["mamba2", "bamba"])
+@pytest.mark.parametrize("kind", ["mamba2", "bamba", "qwen4_exp"])
 def test_every_stream_equals_generate_alone(kind):
     model = model_of(kind)
     reqs = requests(18)

@@ -294,7 +294,8 @@ def test_generate_help_lists_every_checkpoint_type_and_true_defaults(capsys):
     assert set(MAPPINGS) == {"mamba", "falcon_mamba", "mamba2", "bamba", "jamba", "qwen3_next", "olmo_hybrid",
                              "kimi_linear", "minimax", "qwen3_5", "qwen3_5_moe", "qwen3_5_text", "qwen3_5_moe_text",
                              "granitemoehybrid", "nemotron_h", "lfm2", "lfm2_moe", "falcon_h1", "recurrent_gemma",
-                             "rwkv7", "zamba2", "zamba", "lfm3", "bailing_hybrid", "xlstm"}
+                             "rwkv7", "zamba2", "zamba", "lfm3", "bailing_hybrid", "xlstm", "qwen4_exp",
+                             "qwen4_exp_text"}
     assert all(t in out for t in MAPPINGS)
     prompt = out[out.index("--prompt PROMPT"):out.index("--prompts-file PROMPTS_FILE")]
     assert "default" not in prompt and "required" in prompt

@@ -47,6 +47,9 @@ weights shifted) and ``pack`` them back on saving.
     bailing_hybrid.py  bailing_hybrid (inclusionAI's Ling 3: KDA with full-rank gates and a bounded decay, MLA with a
                     gate per head and DeepSeek's interleaved rotary, DeepSeek-V3 grouped experts; the multi-token-
                     prediction layer after the decoder layers as ``models.mtp``'s head: MLA and the MoE)
+    qwen4_exp.py    qwen4_exp (multimodal: the language model, the vision tower left out by name) and qwen4_exp_text
+                    (Qwen4-Exp: Gated DeltaNet and QSA's indexed attention - ``layers.qsa`` - in hyper-connected
+                    streams with per-layer hashed n-gram embeddings - ``models.hyper`` -, MoE + shared expert)
 
 ``registry.MAPPINGS`` lists them by ``model_type``; ``loader`` reads a folder, ``saver`` writes one, and
 ``common`` holds what the formats share. Imports run one way: common <- formats <- registry <- loader,

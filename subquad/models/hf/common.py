@@ -73,6 +73,7 @@ class Format:
     any_block = False                # matches() checks ModelConfig.parallel itself; else the saver refuses it
     any_norm = False                 # matches() checks ModelConfig.norm and embed_norm itself; else RMSNorms only
     shared_blocks = False            # matches() checks ModelConfig.shared itself; else the saver refuses shared blocks
+    hyper_connections = False        # matches() checks ModelConfig.hyper itself; else the saver refuses it
     latent_moe = False               # matches() holds a MoE with ``latent`` experts; else plain() refuses one
     gates_and_sandwich = False       # matches() checks ModelConfig.sandwich_norm and attention's head_gate
                                      # itself; else plain() refuses them

@@ -17,6 +17,7 @@ from subquad.models.hf.nemotron_h import NemotronHFormat
 from subquad.models.hf.olmo_hybrid import OlmoHybridFormat
 from subquad.models.hf.qwen3_5 import Qwen3_5Format, Qwen3_5MoeFormat, Qwen3_5MoeTextFormat, Qwen3_5TextFormat
 from subquad.models.hf.qwen3_next import Qwen3NextFormat
+from subquad.models.hf.qwen4_exp import Qwen4ExpFormat, Qwen4ExpTextFormat
 from subquad.models.hf.recurrent_gemma import RecurrentGemmaFormat
 from subquad.models.hf.rwkv7 import RWKV7Format
 from subquad.models.hf.xlstm import XLSTMFormat
@@ -31,3 +32,4 @@ MAPPINGS.update({f.model_type: f for f in (Qwen3_5TextFormat, Qwen3_5MoeTextForm
 MAPPINGS.update({f.model_type: f for f in (Lfm2Format, Lfm2MoeFormat, FalconH1Format)})
 MAPPINGS.update({f.model_type: f for f in (RecurrentGemmaFormat, RWKV7Format, Zamba2Format, XLSTMFormat, ZambaFormat,
                                            Lfm3Format, BailingHybridFormat)})
+MAPPINGS.update({f.model_type: f for f in (Qwen4ExpTextFormat, Qwen4ExpFormat)})

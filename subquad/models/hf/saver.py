@@ -93,7 +93,8 @@ def _format_for(model, model_type: str | None) -> tuple[str, dict]:
     opts = layer_options(model)
     def holds(f):                                   # plain: no option the format would drop (Format.plain)
         return (f.plain(cfg, opts) and f.matches(cfg, opts) and (f.any_mamba2 or plain_mamba2(cfg, opts))
-                and (f.any_block or not cfg.parallel) and (f.shared_blocks or cfg.shared is None))
+                and (f.any_block or not cfg.parallel) and (f.shared_blocks or cfg.shared is None)
+                and (f.hyper_connections or cfg.hyper is None))
 
     if model_type is not None and (model_type not in MAPPINGS or not holds(MAPPINGS[model_type])):
         raise ValueError(f"this model (pattern {cfg.pattern!r}, mlp={cfg.mlp}, moe={cfg.moe}) cannot be written as "
