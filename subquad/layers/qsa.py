@@ -39,9 +39,11 @@ from subquad.ops import KVCache
 
 
 class IndexedAttention(SoftmaxAttention):
-    """``SoftmaxAttention`` (no window) whose queries see only the tokens the indexer selects (module doc).
+    """``SoftmaxAttention`` (no window) whose queries see only the tokens the indexer selects (module doc):
+    o_t = softmax over S_t of q_t k_j, times v_j.
     Args beyond the parent's: index_heads (Hi), index_head_dim (D, at least the rotating dims), index_budget
-    (tokens selected from complete blocks, a multiple of index_block), index_block (c)."""
+    (tokens selected from complete blocks, a multiple of index_block), index_block (c).
+    State: {"kv": the KV cache, "ik": the indexer's raw keys (a ``KVCache`` without values)}."""
 
     def __init__(self, d_model: int, n_heads: int = 4, n_kv_heads: int | None = None, index_heads: int = 2,
                  index_head_dim: int = 16, index_budget: int = 16, index_block: int = 4, rotary: bool = True,
@@ -72,10 +74,14 @@ class IndexedAttention(SoftmaxAttention):
     query_chunk = 512            # the dense path's queries per block of scores
 
     def mix_flops(self, T):
-        """The attention over at most budget + c - 1 keys, the indexer's scores over (T + 1) / (2 c) blocks."""
-        seen = min((T + 1) / 2, self.index_budget + self.index_block - 1)
-        return 4.0 * self.n_heads * self.head_dim * seen + 2.0 * self.index_heads * self.index_head_dim * (
-            T + 1) / (2 * self.index_block)
+        """On average over the T queries: q k^T and p v over the |S_p| keys each attends to (module doc), and the
+        indexer's Hi scores of D dims over its n_p complete blocks."""
+        c, total = self.index_block, 0
+        for p in range(T):
+            n = (p + 1) // c
+            keys = min(self.index_budget // c, n) * c + p + 1 - n * c
+            total += 4.0 * self.n_heads * self.head_dim * keys + 2.0 * self.index_heads * self.index_head_dim * n
+        return total / T
 
     def empty_state(self, batch_size, device=None, dtype=torch.float32):
         return {**super().empty_state(batch_size, device, dtype),

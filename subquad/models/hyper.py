@@ -37,7 +37,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from subquad.layers import sequence
-from subquad.models.lm import Block
 
 TOKENS = "tokens"            # the carry entry PLE reads: the forward's token ids (B, T)
 PLE_STATE = "ple."           # a PLE layer's entries in its block's state
@@ -220,48 +219,3 @@ class PLE(nn.Module):
         outs = [self._one(hi, ti, ctx[i:i + 1], tail[i:i + 1])
                 for i, (hi, ti) in enumerate(zip(h.split(lengths, 1), tokens.split(lengths, 1)))]
         return torch.cat([y for y, _ in outs], 1), {k: torch.cat([s[k] for _, s in outs], 0) for k in outs[0][1]}
-
-
-class HyperBlock(Block):
-    """A block of a model with hyper-connections (module doc): ``norm1`` / ``norm2`` are the branches'
-    ``HyperConnection``s, ``ple`` the layer's PLE (or None); h (B, T, n d)."""
-
-    def __init__(self, cfg, mixer_name: str, moe: bool, mlp: bool, layer: int):
-        super().__init__(cfg, mixer_name, moe, mlp)
-        hc, d = cfg.hyper, cfg.d_model
-        self.norm1 = HyperConnection(d, hc["streams"], hc["rank"], cfg.norm_eps)
-        self.norm2 = HyperConnection(d, hc["streams"], hc["rank"], cfg.norm_eps) if self.mlp is not None else None
-        p = hc["ple"]
-        self.ple = None if p is None or layer not in p["layers"] else PLE(
-            d, hc["streams"], cfg.norm_eps, cfg.vocab_size, p, p["layers"].index(layer))
-
-    def empty_state(self, batch_size: int, device=None, dtype=torch.float32) -> dict:
-        state = super().empty_state(batch_size, device=device, dtype=dtype)
-        if self.ple is not None:
-            state.update({PLE_STATE + k: v for k, v in self.ple.empty_state(batch_size, device, dtype).items()})
-        return state
-
-    def state_parts(self) -> list:
-        return super().state_parts() + ([] if self.ple is None else [(self.ple, "replay", PLE_STATE)])
-
-    @staticmethod
-    def _inject(h, y, g):
-        return h + (g[..., None] * y[..., None, :]).flatten(-2)
-
-    def forward(self, h, state=None, cu_seqlens=None, carry=None):
-        mine = None if state is None else {k: v for k, v in state.items() if not k.startswith(PLE_STATE)}
-        new_ple = None
-        if self.ple is not None:
-            ple = None if state is None else {k[len(PLE_STATE):]: v for k, v in state.items()
-                                              if k.startswith(PLE_STATE)}
-            y, new_ple = self.ple(h, ple, cu_seqlens=cu_seqlens, carry=carry)
-            new_ple = {PLE_STATE + k: v for k, v in new_ple.items()}
-            h = h + y
-        x, g = self.norm1(h)
-        y, new = self._mix(x, mine, cu_seqlens, carry)
-        h = self._inject(h, y, g)
-        if self.mlp is not None:
-            x, g = self.norm2(h)
-            y, new = self._ffn(x, mine, cu_seqlens, new)
-            h = self._inject(h, y, g)
-        return h, (new if new is None or new_ple is None else {**new, **new_ple})

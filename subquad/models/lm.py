@@ -36,6 +36,7 @@ from subquad.layers.mlp import ReLU2MLP, SwiGLU, dense_mlp
 from subquad.layers.linear import linear, use_linear
 from subquad.models.config import ModelConfig
 from subquad.models.generate import generate
+from subquad.models.hyper import PLE, PLE_STATE, TOKENS, HyperConnection
 from subquad.models.loss import linear_cross_entropy
 from subquad.models.moe import MoE, load_balancing_loss
 from subquad.models.mode import decoding
@@ -113,8 +114,6 @@ class Block(nn.Module):
         ``PreNormBlock`` (``ParallelBlock`` before all for a mixer ``cfg.parallel`` names; ``SharedUseBlock``
         at a layer given the ``shared`` block it uses; ``HyperBlock`` with ``cfg.hyper``, ``layer`` its index)."""
         if cfg.hyper is not None:
-            from subquad.models.hyper import HyperBlock
-
             return HyperBlock(cfg, mixer_name, moe, mlp, layer)
         if shared is not None:
             return SharedUseBlock(cfg, mixer_name, moe, mlp, shared)
@@ -288,6 +287,51 @@ class SharedUseBlock(Block):
         return h, new
 
 
+class HyperBlock(Block):
+    """A block of a model with hyper-connections (module doc): ``norm1`` / ``norm2`` are the branches'
+    ``HyperConnection``s, ``ple`` the layer's PLE (or None); h (B, T, n d)."""
+
+    def __init__(self, cfg, mixer_name: str, moe: bool, mlp: bool, layer: int):
+        super().__init__(cfg, mixer_name, moe, mlp)
+        hc, d = cfg.hyper, cfg.d_model
+        self.norm1 = HyperConnection(d, hc["streams"], hc["rank"], cfg.norm_eps)
+        self.norm2 = HyperConnection(d, hc["streams"], hc["rank"], cfg.norm_eps) if self.mlp is not None else None
+        p = hc["ple"]
+        self.ple = None if p is None or layer not in p["layers"] else PLE(
+            d, hc["streams"], cfg.norm_eps, cfg.vocab_size, p, p["layers"].index(layer))
+
+    def empty_state(self, batch_size: int, device=None, dtype=torch.float32) -> dict:
+        state = super().empty_state(batch_size, device=device, dtype=dtype)
+        if self.ple is not None:
+            state.update({PLE_STATE + k: v for k, v in self.ple.empty_state(batch_size, device, dtype).items()})
+        return state
+
+    def state_parts(self) -> list:
+        return super().state_parts() + ([] if self.ple is None else [(self.ple, "replay", PLE_STATE)])
+
+    @staticmethod
+    def _inject(h, y, g):
+        return h + (g[..., None] * y[..., None, :]).flatten(-2)
+
+    def forward(self, h, state=None, cu_seqlens=None, carry=None):
+        mine = None if state is None else {k: v for k, v in state.items() if not k.startswith(PLE_STATE)}
+        new_ple = None
+        if self.ple is not None:
+            ple = None if state is None else {k[len(PLE_STATE):]: v for k, v in state.items()
+                                              if k.startswith(PLE_STATE)}
+            y, new_ple = self.ple(h, ple, cu_seqlens=cu_seqlens, carry=carry)
+            new_ple = {PLE_STATE + k: v for k, v in new_ple.items()}
+            h = h + y
+        x, g = self.norm1(h)
+        y, new = self._mix(x, mine, cu_seqlens, carry)
+        h = self._inject(h, y, g)
+        if self.mlp is not None:
+            x, g = self.norm2(h)
+            y, new = self._ffn(x, mine, cu_seqlens, new)
+            h = self._inject(h, y, g)
+        return h, (new if new is None or new_ple is None else {**new, **new_ple})
+
+
 class LanguageModel(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -309,8 +353,6 @@ class LanguageModel(nn.Module):
                 b.mixer.place(i, cfg.n_layers)
         self.norm = make_norm(cfg)
         if cfg.hyper is not None:                # the streams' last mix: (B, T, n d) -> (B, T, d), no norm after
-            from subquad.models.hyper import HyperConnection
-
             self.norm = HyperConnection(cfg.d_model, cfg.hyper["streams"], cfg.hyper["rank"], cfg.norm_eps, False)
         self.head = None if cfg.tie_embeddings else nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         self.apply(self._init)
@@ -444,8 +486,6 @@ class LanguageModel(nn.Module):
         per-layer n-gram embeddings read them (``models.hyper``); else empty."""
         carry = {} if self.shared is None else {EMBEDDINGS: h}
         if idx is not None and self.config.hyper is not None and self.config.hyper["ple"] is not None:
-            from subquad.models.hyper import TOKENS
-
             carry[TOKENS] = idx
         return carry
 

@@ -26,12 +26,25 @@ def windowed(T, W):
     return sum(min(t + 1, W + 1) for t in range(T)) / T
 
 
+def indexed(T, budget=16, c=4, Hi=2, D=32):
+    """QSA (index_head_dim 32, qsa's other defaults): the query at p attends to the budget / c best of its
+    (p + 1) // c complete blocks,
+    every token of them, and the p + 1 - c ((p + 1) // c) tokens after them; its indexer scores those blocks."""
+    total = 0
+    for p in range(T):
+        complete = (p + 1) // c
+        attended = min(budget // c, complete) * c + (p + 1) % c
+        total += H * (2 * 32 + 2 * 32) * attended + 2 * Hi * D * complete
+    return total / T
+
+
 # name -> (build options, the mixing's FLOPs per token at length T), counted from the configuration:
 # a state write k v^T and a read q S cost 2 K V each per head; the delta rule's prediction S^T k another 2 K V.
 MIX = {
     "softmax": ({}, lambda T: H * (2 * 32 + 2 * 32) * causal(T)),               # q k^T over K, p v over V
     "swa": ({"window": 16}, lambda T: H * (2 * 32 + 2 * 32) * windowed(T, 16)),
-    "mla": ({}, lambda T: H * (2 * (32 + 16) + 2 * 32) * causal(T)),           # K = nope 32 + rope 16, V 32
+    "mla": ({}, lambda T: H * (2 * (32 + 16) + 2 * 32) * causal(T)),
+    "qsa": ({"index_head_dim": 32}, indexed),           # K = nope 32 + rope 16, V 32
     "linear": ({}, lambda T: H * 4 * 32 * (32 + 1)),                           # F = K = 32; z is a column of ones
     "performer": ({}, lambda T: H * (4 * 64 * (32 + 1) + 2 * (2 * 32 * 64))),   # F = 64 features: q, k projected
     "taylor": ({}, lambda T: H * 4 * (1 + 16 + 16 * 16) * (32 + 1)),           # F = 1 + d + d^2 on qk_dim 16

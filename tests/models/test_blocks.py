@@ -138,7 +138,8 @@ def test_sandwich_norms_refuse_the_other_schemes():
 def test_hyper_connection_blocks_compute_their_scheme_and_the_model_mixes_the_streams():
     """``hyper`` (models.hyper): every block a HyperBlock over n streams - h + g_i branch(x), x and g from the
     branch's HyperConnection -, the embedding repeated into the streams and the final mix before the head."""
-    from subquad.models.hyper import HyperBlock, HyperConnection
+    from subquad.models.hyper import HyperConnection
+    from subquad.models.lm import HyperBlock
 
     model = _model(hyper={"streams": 3, "rank": 4})
     b = model.blocks[0]

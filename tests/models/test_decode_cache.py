@@ -88,9 +88,10 @@ def test_a_loaded_batch_2_graph_refuses_batch_1(saved):
         model.step(logits[:, -1].argmax(-1), state)          # loads the batch-2 graph
         step = model._decode_step
         assert (step.loaded, step.compiled) == (1, 0)
-        h, _ = model._embed_tokens(logits[:1, -1].argmax(-1, keepdim=True), None)
+        tokens = logits[:1, -1].argmax(-1, keepdim=True)
+        h, _ = model._embed_tokens(tokens, None)
         one = [{k: _for_graph(v[:1] if isinstance(v, torch.Tensor) else v) for k, v in s.items()} for s in state]
-        assert not step.graphs[0].guard_check(model, h, one)
+        assert not step.graphs[0].guard_check(model, h, one, tokens)
 
 
 def test_another_shape_or_config_misses_the_cache():
