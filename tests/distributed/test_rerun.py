@@ -9,6 +9,11 @@ from tests.distributed.helpers import run
 
 
 def _abort_once(rank, world, marker):
+    import torch.distributed as dist
+
+    # both ranks past the process group's connections first: rank 1 aborting while rank 0 still connects made
+    # rank 0 raise (gloo's "Connection closed by peer"), an ordinary failure seen before the signal, not rerun
+    dist.barrier()
     if rank == 1 and not os.path.exists(marker):
         open(marker, "w").close()
         os.abort()                                   # SIGABRT, as a C++ library's heap check would
