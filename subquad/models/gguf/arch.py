@@ -190,9 +190,11 @@ class Lfm2Arch:
                 "attention.layer_norm_rms_epsilon": float(c["norm_eps"]), "shortconv.l_cache": c["conv_L_cache"]}
 
 
-ARCHS = {a.arch: a for a in (MambaArch, Mamba2Arch, Lfm2Arch)}
+from subquad.models.gguf.qwen import QWEN_ARCHS, QWEN_HF_TYPES  # noqa: E402  (qwen3next, qwen35, qwen35moe)
+
+ARCHS = {a.arch: a for a in (MambaArch, Mamba2Arch, Lfm2Arch, *QWEN_ARCHS)}
 # the Hugging Face model_type each architecture's file is written from
-HF_TYPES = {"mamba": MambaArch, "falcon_mamba": MambaArch, "mamba2": Mamba2Arch, "lfm2": Lfm2Arch}
+HF_TYPES = {"mamba": MambaArch, "falcon_mamba": MambaArch, "mamba2": Mamba2Arch, "lfm2": Lfm2Arch, **QWEN_HF_TYPES}
 
 
 def hf_name(arch, name: str) -> str:

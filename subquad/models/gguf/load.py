@@ -62,8 +62,10 @@ def load_gguf(path, dtype=None, device=None, quantize=None):
             blocks[h] = (g, info.type)
         else:
             weights[h] = (g, info.type)
-    # a quantised matrix the format fuses or splits (unpack) cannot stay in blocks: found on the meta device
-    probe = fmt.unpack(dict(placeholders), cfg, None)
+    # a quantised matrix the format fuses or splits (unpack) cannot stay in blocks: found on the meta device;
+    # ``regroup``: an architecture whose file holds other groupings than the checkpoint's (qwen.py), else none
+    regroup = getattr(arch, "regroup", lambda t, c: t)
+    probe = fmt.unpack(regroup(dict(placeholders), c), cfg, None)
     for h in [h for h in blocks if probe.get(h) is not placeholders[h]]:
         weights[h] = blocks.pop(h)
     if blocks and quantize not in (None, "int8", "int4"):
@@ -75,6 +77,7 @@ def load_gguf(path, dtype=None, device=None, quantize=None):
     for h, (g, kind) in weights.items():
         t = f.dequantize(g) if kind in BLOCKED else f.plain(g)
         tensors[h] = arch.to_hf(h, t, c).to(dtype if t.is_floating_point() else t.dtype)
+    tensors = regroup(tensors, c)
 
     def finish(model, names):
         _install_blocks(model, names, {h: f.blocks(g) + (g, kind) for h, (g, kind) in blocks.items()}, dtype,

@@ -64,7 +64,7 @@ def quantize_q4_0(x: torch.Tensor) -> torch.Tensor:
 
 def _kind(name: str, t: torch.Tensor, outtype: str) -> str:
     if t.dim() <= 1 or name.endswith("_norm.weight") or ".ssm_conv1d." in name or ".shortconv.conv." in name \
-            or not name.endswith(".weight"):
+            or ".ffn_gate_inp" in name or not name.endswith(".weight"):        # ffn_gate_inp*: routers, F32
         return "f32"
     if outtype in ("q8_0", "q4_0") and t.shape[-1] % 32:
         return "f16"                                         # the converter's fallback for a row off the block
@@ -90,7 +90,7 @@ def _string(s: str) -> bytes:
 
 def _value(v) -> bytes:
     """A metadata value with its type: bool, u32 (ints: llama.cpp reads its counts as u32), f32, string, arrays
-    of strings, i32 or f32."""
+    of strings, bools, i32 or f32."""
     if isinstance(v, bool):
         return struct.pack("<I?", 7, v)
     if isinstance(v, int):
@@ -102,6 +102,8 @@ def _value(v) -> bytes:
     if isinstance(v, list):
         if all(isinstance(x, str) for x in v):
             return struct.pack("<IIQ", 9, 8, len(v)) + b"".join(_string(x) for x in v)
+        if v and all(isinstance(x, bool) for x in v):                  # e.g. attention.recurrent_layers
+            return struct.pack(f"<IIQ{len(v)}?", 9, 7, len(v), *v)
         if all(isinstance(x, int) for x in v):
             return struct.pack(f"<IIQ{len(v)}i", 9, 5, len(v), *v)
         return struct.pack(f"<IIQ{len(v)}f", 9, 6, len(v), *v)
@@ -154,6 +156,8 @@ def save_gguf(model, path, outtype: str = "f32", tokenizer=None, name: str | Non
                          f"{', '.join(sorted(HF_TYPES))} only")
     arch = HF_TYPES[model_type]
     c = MAPPINGS[model_type].to_config(model.config, opts)
+    if getattr(model, "mtp", None) is not None:      # its multi-token-prediction head: the layers after the model's
+        c["mtp_num_hidden_layers"] = 1
     vocab = model.config.vocab_size
     meta = {"general.architecture": arch.arch, "general.name": name or Path(path).stem,
             "general.file_type": FILE_TYPES[outtype], "general.quantization_version": 2,
@@ -166,6 +170,8 @@ def save_gguf(model, path, outtype: str = "f32", tokenizer=None, name: str | Non
         meta["tokenizer.ggml.eos_token_id"] = int(eos[0])
     meta.setdefault("tokenizer.ggml.model", "none")            # llama.cpp reads a file without a vocabulary so
 
+    if hasattr(arch, "split"):                 # the file groups some tensors otherwise than the checkpoint (qwen.py)
+        tensors = arch.split(tensors, c)
     infos, blobs, offset, types = [], [], 0, {}
     for hf, t in tensors.items():
         g = gguf_name(arch, hf)
