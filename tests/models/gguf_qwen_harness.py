@@ -148,8 +148,9 @@ def _kind(g: str, t, outtype: str):
     return TYPES[outtype]
 
 
-def convert(folder, path, outtype="f32") -> dict:
-    """Write the Qwen3-Next / Qwen3.5 folder as llama.cpp's converter does; {GGUF name: the type written}."""
+def convert(folder, path, outtype="f32", override: dict | None = None) -> dict:
+    """Write the Qwen3-Next / Qwen3.5 folder as llama.cpp's converter does; {GGUF name: the type written}.
+    ``override``: metadata keys given another value of the same type (None: left out) - a bad file."""
     h = hparams(folder)
     arch = ARCH[h["model_type"]]
     sd = load_file(str(folder / "model.safetensors"))
@@ -189,6 +190,11 @@ def convert(folder, path, outtype="f32") -> dict:
         w.add_nextn_predict_layers(n_mtp)
     if arch != "qwen3next" and "mrope_section" not in rope:          # _Qwen35MRopeMixin's default
         w.add_rope_dimension_sections([11, 11, 10, 0])
+    for key, value in (override or {}).items():
+        if value is None:
+            del w.kv_data[0][key]
+        else:
+            w.kv_data[0][key].value = value
     types = {}
     for g, t in converted(folder).items():
         kind = _kind(g, t, outtype)

@@ -78,8 +78,10 @@ EXPERT = re.compile(r"(.*\.mlp\.experts\.)(\d+)\.(gate_proj|up_proj|down_proj)\.
 
 
 def _centred(name: str) -> bool:
-    """A zero-centred norm the converter writes as 1 + w: every norm but the Gated DeltaNet's gated one."""
-    return name.endswith("norm.weight") and not name.endswith("linear_attn.norm.weight")
+    """A zero-centred norm the converter writes as 1 + w: every norm but the Gated DeltaNet's gated one (the
+    converter tests the GGUF-side name, "*norm.weight": the MTP head's pre-fc norms are ``enorm`` / ``hnorm``)."""
+    return (name.endswith(("norm.weight", "pre_fc_norm_embedding.weight", "pre_fc_norm_hidden.weight"))
+            and not name.endswith("linear_attn.norm.weight"))
 
 
 class Qwen3NextArch:
@@ -408,3 +410,7 @@ class Qwen35MoeArch(Qwen35Arch):
 QWEN_ARCHS = (Qwen3NextArch, Qwen35Arch, Qwen35MoeArch)
 # the Hugging Face model_type a model is written from (``save_gguf``: the type ``save_pretrained`` would write)
 QWEN_HF_TYPES = {"qwen3_next": Qwen3NextArch, "qwen3_5_text": Qwen35Arch, "qwen3_5_moe_text": Qwen35MoeArch}
+# a model read as a multimodal Qwen3.5 (a folder or a qwen35 file) is written as its text type's architecture, not as
+# qwen3next (whose Hugging Face type also holds its structure and comes first in save_pretrained's choice)
+QWEN_SOURCE_TYPES = {"qwen3_5": "qwen3_5_text", "qwen3_5_moe": "qwen3_5_moe_text", "qwen3_5_text": "qwen3_5_text",
+                     "qwen3_5_moe_text": "qwen3_5_moe_text"}

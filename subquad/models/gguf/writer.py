@@ -27,6 +27,7 @@ from pathlib import Path
 import torch
 
 from subquad.models.gguf.arch import HF_TYPES, gguf_name
+from subquad.models.gguf.qwen import QWEN_SOURCE_TYPES
 
 ALIGN = 32
 OUTTYPES = {"f32": 0, "f16": 1, "q8_0": 8, "q4_0": 2}            # -> ggml type
@@ -147,8 +148,12 @@ def save_gguf(model, path, outtype: str = "f32", tokenizer=None, name: str | Non
     if getattr(model, "quantized", None):
         raise ValueError(f"save_gguf writes a float model; this one is quantised ({model.quantized}): load it "
                          f"without quantize, and choose the GGUF type with outtype")
+    source = ((getattr(model, "hf_source", None) or {}).get("config") or {}).get("model_type")
     try:
-        model_type, opts, tensors = checkpoint_tensors(model)
+        try:                                       # the type it was read as, where another type comes first
+            model_type, opts, tensors = checkpoint_tensors(model, QWEN_SOURCE_TYPES.get(source))
+        except ValueError:
+            model_type, opts, tensors = checkpoint_tensors(model)
     except ValueError as e:
         raise ValueError(f"no GGUF architecture subquad writes holds this model: {e}") from None
     if model_type not in HF_TYPES:
@@ -156,6 +161,11 @@ def save_gguf(model, path, outtype: str = "f32", tokenizer=None, name: str | Non
                          f"{', '.join(sorted(HF_TYPES))} only")
     arch = HF_TYPES[model_type]
     c = MAPPINGS[model_type].to_config(model.config, opts)
+    src = ((getattr(model, "hf_source", None) or {}).get("config") or {})
+    if model_type in (source, QWEN_SOURCE_TYPES.get(source)):  # what the format does not write, kept (save_pretrained's
+        src = src.get("text_config", src)            # rule): the context length, Qwen3.5's M-RoPE sections
+        c = {**{k: v for k, v in src.items() if k not in c}, **c,
+             **{k: {**src[k], **v} for k, v in c.items() if isinstance(v, dict) and isinstance(src.get(k), dict)}}
     if getattr(model, "mtp", None) is not None:      # its multi-token-prediction head: the layers after the model's
         c["mtp_num_hidden_layers"] = 1
     vocab = model.config.vocab_size
