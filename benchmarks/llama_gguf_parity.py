@@ -7,8 +7,9 @@ file (``from_pretrained("x.gguf")``: Q8_0 kept as per-block int8).
 
 LLAMA_PY_SRC: an unpacked llama-cpp-python sdist whose ``vendor/llama.cpp/build/bin`` holds the built libraries
 (see RESULTS.md "Decoding against llama.cpp" for the build); ``--pythonpath``: where its Python dependencies
-(diskcache) are, if not installed. Tiny random Mamba-1, Mamba-2, Falcon-Mamba and LFM2
-models, nothing downloaded.
+(diskcache) are, if not installed. Tiny random Mamba-1, Mamba-2, Falcon-Mamba, LFM2, Qwen3-Next (qwen3next) and
+Qwen3.5 dense and MoE (qwen35, qwen35moe) models, nothing downloaded. ``--only KIND ...``: those models alone;
+``--converter``: also llama.cpp's own converter on tiny Qwen folders (``converter_rows``).
 """
 
 from __future__ import annotations
@@ -40,9 +41,30 @@ np.save(out, np.array(m.scores[:len(ids)], dtype=np.float64))
 """
 
 
+QWEN = {"vocab_size": 100, "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 4, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "head_dim": 32, "linear_num_key_heads": 2, "linear_num_value_heads": 4,
+        "linear_key_head_dim": 16, "linear_value_head_dim": 16, "full_attention_interval": 2,
+        "tie_word_embeddings": False, "bos_token_id": None, "eos_token_id": None, "pad_token_id": None}
+MROPE = {"rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25,
+                             "mrope_section": [2, 1, 1], "mrope_interleaved": True}}
+
+
+def QWEN_MODELS(transformers):
+    """Gated DeltaNet + gated attention (2 key heads for 4 value heads; K = V: llama.cpp takes the value head
+    width from ssm.state_size); Qwen3-Next with experts and a shared expert in every layer (qwen3next's only
+    form), Qwen3.5 dense and with experts."""
+    moe = {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 64,
+           "shared_expert_intermediate_size": 64}
+    return (("qwen3_next", transformers.Qwen3NextConfig, transformers.Qwen3NextForCausalLM,
+             {**QWEN, **moe, "decoder_sparse_step": 1}),
+            ("qwen3_5_text", transformers.Qwen3_5TextConfig, transformers.Qwen3_5ForCausalLM, {**QWEN, **MROPE}),
+            ("qwen3_5_moe_text", transformers.Qwen3_5MoeTextConfig, transformers.Qwen3_5MoeForCausalLM,
+             {**QWEN, **MROPE, **moe}))
+
+
 def models(tmp: Path):
-    """(kind, model): tiny random Mamba-1 (built here), Mamba-2, Falcon-Mamba and LFM2 (transformers' models saved
-    and read back: the type a model was read as is the one save_gguf writes)."""
+    """(kind, model): tiny random Mamba-1 (built here), Mamba-2, Falcon-Mamba, LFM2, Qwen3-Next and Qwen3.5
+    (transformers' models saved and read back: the type a model was read as is the one save_gguf writes)."""
     import transformers
 
     from subquad.models import LanguageModel, ModelConfig, from_pretrained
@@ -61,9 +83,17 @@ def models(tmp: Path):
              {"vocab_size": 100, "hidden_size": 64, "intermediate_size": 120, "block_multiple_of": 24,
               "block_ffn_dim_multiplier": 1.1, "num_hidden_layers": 4, "num_attention_heads": 4,
               "num_key_value_heads": 2, "layer_types": ["conv", "full_attention", "conv", "conv"],
-              "tie_word_embeddings": False, "bos_token_id": None, "eos_token_id": None, "pad_token_id": None})):
+              "tie_word_embeddings": False, "bos_token_id": None, "eos_token_id": None, "pad_token_id": None}),
+            # Gated DeltaNet + gated attention (2 key heads for 4 value heads; K = V: llama.cpp takes the value
+            # head width from ssm.state_size), experts with a shared expert in every layer (qwen3next's only form)
+            *QWEN_MODELS(transformers)):
         torch.manual_seed(0)
-        Model(Config(**cfg)).save_pretrained(tmp / kind)
+        hf = Model(Config(**cfg))
+        with torch.no_grad():                          # non-trivial zero-centred norms and time steps
+            for name, p in hf.named_parameters():
+                if name.endswith(("norm.weight", "dt_bias")):
+                    p.add_(0.3 * torch.randn_like(p))
+        hf.save_pretrained(tmp / kind)
         yield kind, from_pretrained(tmp / kind)[0].eval()
 
 
@@ -71,6 +101,9 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--llama-src", required=True)
     ap.add_argument("--pythonpath", default="")
+    ap.add_argument("--only", nargs="*", default=None)
+    ap.add_argument("--converter", action="store_true", help="also llama.cpp's convert_hf_to_gguf.py on tiny Qwen "
+                    "folders (converter_rows)")
     a = ap.parse_args(argv)
     from subquad.models import from_pretrained
     from subquad.models.gguf import save_gguf
@@ -79,6 +112,8 @@ def main(argv=None):
     print("| model | GGUF | max abs(llama.cpp - subquad) / max abs(subquad) | next token agrees |\n|---|---|---:|---:|")
     with tempfile.TemporaryDirectory() as tmp:
         for kind, model in models(Path(tmp)):
+            if a.only and kind not in a.only:
+                continue
             for outtype in ("f32", "q8_0"):
                 path, out = Path(tmp) / f"{kind}-{outtype}.gguf", Path(tmp) / f"{kind}-{outtype}.npy"
                 save_gguf(model, path, outtype)
@@ -92,6 +127,93 @@ def main(argv=None):
                 agree = (theirs.argmax(-1) == mine.argmax(-1)).double().mean().item()
                 rows.append((kind, outtype, rel, agree))
                 print(f"| {kind} | {outtype} | {rel:.2e} | {100 * agree:.0f}% |", flush=True)
+    if a.converter:
+        converter_rows(a)
+
+
+# llama.cpp's own converter on a tiny folder: its BPE pre-tokenizer check hashes a known tokenizer's output (a
+# tokenizer trained here has none, and nothing is downloaded), so that one step is answered "default"; every
+# tensor and metadata key is the converter's own
+CONVERT = """
+import sys
+src, folder, out, outtype = sys.argv[1:5]
+sys.path[:0] = [src + "/gguf-py", src]
+import conversion.base as base
+base.TextModel.get_vocab_base_pre = lambda self, tokenizer: "default"
+import convert_hf_to_gguf
+sys.argv = ["convert_hf_to_gguf.py", folder, "--outfile", out, "--outtype", outtype, "--no-mtp"]
+convert_hf_to_gguf.main()
+"""
+
+
+def converter_rows(a):
+    """Tiny Qwen3-Next / Qwen3.5 folders (with a byte-level BPE tokenizer: the converter reads one) converted by
+    llama.cpp's ``convert_hf_to_gguf.py``: subquad's load of the file against transformers, save_gguf's file of
+    the folder against the converter's (tensor names, shapes, types, F32 values, metadata keys), llama.cpp on
+    the converter's file against subquad's load of it."""
+    import transformers
+
+    from subquad.data.tokenizer import train_tokenizer
+    from subquad.models import from_pretrained
+    from subquad.models.gguf import save_gguf
+    from subquad.models.gguf.reader import GGUFFile
+
+    llama = Path(a.llama_src) / "vendor" / "llama.cpp"
+    tok = train_tokenizer(["".join(f"def f{i}(x):\n    return x * {i}\n" for i in range(200))], vocab_size=320)
+    print("\n| model | converter's GGUF | subquad vs transformers | save_gguf = converter's file | llama.cpp vs "
+          "subquad | next token agrees |\n|---|---|---:|---|---:|---:|")
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = Path(tmp)
+        for kind, Config, Model, cfg in QWEN_MODELS(transformers):
+            torch.manual_seed(0)
+            hf = Model(Config(**{**cfg, "vocab_size": 320})).eval()
+            with torch.no_grad():
+                for name, p in hf.named_parameters():
+                    if name.endswith(("norm.weight", "dt_bias")):
+                        p.add_(0.3 * torch.randn_like(p))
+            folder = tmp / kind
+            hf.save_pretrained(folder)
+            transformers.PreTrainedTokenizerFast(tokenizer_object=tok).save_pretrained(folder)
+            for outtype in ("f32", "q8_0"):
+                path = tmp / f"{kind}-{outtype}.gguf"
+                subprocess.run([sys.executable, "-c", CONVERT, str(llama), str(folder), str(path), outtype],
+                               check=True, capture_output=True)
+                ours = from_pretrained(path)[0].eval()
+                ids = torch.tensor([IDS])
+                with torch.no_grad():
+                    want, mine = hf(ids).logits[0].double(), ours(ids)[0].double()
+                vs_hf = ((mine - want).abs().max() / want.abs().max()).item()
+                save_gguf(from_pretrained(folder)[0], tmp / "ours.gguf", outtype)
+                same = same_file(GGUFFile(tmp / "ours.gguf"), GGUFFile(path))
+                out = tmp / "llama.npy"
+                subprocess.run([sys.executable, "-c", CHILD, a.llama_src, a.pythonpath, str(path), json.dumps(IDS),
+                                str(out)], check=True)
+                theirs = torch.from_numpy(np.load(out))
+                rel = ((theirs - mine).abs().max() / mine.abs().max()).item()
+                agree = (theirs.argmax(-1) == mine.argmax(-1)).double().mean().item()
+                print(f"| {kind} | {outtype} | {vs_hf:.2e} | {same} | {rel:.2e} | {100 * agree:.0f}% |", flush=True)
+
+
+def same_file(ours, theirs) -> str:
+    """"yes", or what differs: tensor names, shapes, types, F32 values (to 2e-6), the architecture's metadata keys
+    and values (the file type and vocabulary aside)."""
+    if set(ours.tensors) != set(theirs.tensors):
+        return f"no: tensors {sorted(set(ours.tensors) ^ set(theirs.tensors))[:4]}"
+    for g, t in ours.tensors.items():
+        u = theirs.tensors[g]
+        if (t.type, tuple(t.shape)) != (u.type, tuple(u.shape)):
+            return f"no: {g} {t.type} {tuple(t.shape)} / {u.type} {tuple(u.shape)}"
+        if t.type == "F32" and not torch.allclose(ours.plain(g), theirs.plain(g), rtol=0, atol=2e-6):
+            return f"no: {g} values"
+        if t.type != "F32" and not torch.equal(ours.raw(g), theirs.raw(g)):
+            return f"no: {g} bytes"
+    arch = ours.metadata["general.architecture"]
+    mine = {k: v for k, v in ours.metadata.items() if k.startswith(arch + ".") and k != f"{arch}.vocab_size"}
+    conv = {k: v for k, v in theirs.metadata.items() if k.startswith(arch + ".") and k != f"{arch}.vocab_size"}
+    if mine.keys() != conv.keys():
+        return f"no: keys {sorted(set(mine) ^ set(conv))}"
+    differ = [k for k in mine if not (mine[k] == conv[k] or np.allclose(mine[k], conv[k], rtol=1e-7))]
+    return "yes" if not differ else f"no: {', '.join(f'{k}={mine[k]}/{conv[k]}' for k in differ)}"
 
 
 if __name__ == "__main__":
