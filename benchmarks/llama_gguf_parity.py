@@ -62,6 +62,26 @@ def QWEN_MODELS(transformers):
              {**QWEN, **MROPE, **moe}))
 
 
+def with_mtp(folder: Path, out: Path) -> Path:
+    """A copy of the Qwen3-Next folder with an MTP head under the published names (``mtp.layers.0.*``: a perturbed
+    copy of attention layer 1, random fc and norms), which subquad loads as ``model.mtp``."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(folder, out)
+    sd = load_file(str(out / "model.safetensors"))
+    g = torch.Generator().manual_seed(5)
+    for k in [k for k in sd if k.startswith("model.layers.1.")]:
+        sd["mtp.layers.0." + k.removeprefix("model.layers.1.")] = sd[k] + 0.05 * torch.randn(sd[k].shape, generator=g)
+    d = sd["model.norm.weight"].shape[0]
+    for n in ("norm", "pre_fc_norm_embedding", "pre_fc_norm_hidden"):
+        sd[f"mtp.{n}.weight"] = 0.3 * torch.randn(d, generator=g)
+    sd["mtp.fc.weight"] = 0.1 * torch.randn(d, 2 * d, generator=g)
+    save_file(sd, str(out / "model.safetensors"), metadata={"format": "pt"})
+    return out
+
+
 def models(tmp: Path):
     """(kind, model): tiny random Mamba-1 (built here), Mamba-2, Falcon-Mamba, LFM2, Qwen3-Next and Qwen3.5
     (transformers' models saved and read back: the type a model was read as is the one save_gguf writes)."""
@@ -95,6 +115,8 @@ def models(tmp: Path):
                     p.add_(0.3 * torch.randn_like(p))
         hf.save_pretrained(tmp / kind)
         yield kind, from_pretrained(tmp / kind)[0].eval()
+        if kind == "qwen3_next":                     # with an MTP head: written as llama.cpp's nextn layer 4
+            yield kind + "+mtp", from_pretrained(with_mtp(tmp / kind, tmp / (kind + "+mtp")))[0].eval()
 
 
 def main(argv=None):
