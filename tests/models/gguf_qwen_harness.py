@@ -25,7 +25,8 @@ LAYER = {"input_layernorm.weight": "attn_norm.weight", "post_attention_layernorm
          "self_attn.v_proj.weight": "attn_v.weight", "self_attn.o_proj.weight": "attn_output.weight",
          "self_attn.q_norm.weight": "attn_q_norm.weight", "self_attn.k_norm.weight": "attn_k_norm.weight",
          "linear_attn.in_proj_qkv.weight": "attn_qkv.weight", "linear_attn.in_proj_z.weight": "attn_gate.weight",
-         "linear_attn.in_proj_ba.weight": "ssm_ba.weight", "linear_attn.in_proj_b.weight": "ssm_beta.weight",
+         "linear_attn.in_proj_ba.weight": "ssm_ba.weight", "linear_attn.in_proj_qkvz.weight": "ssm_in.weight",
+         "linear_attn.in_proj_b.weight": "ssm_beta.weight",
          "linear_attn.in_proj_a.weight": "ssm_alpha.weight", "linear_attn.conv1d.weight": "ssm_conv1d.weight",
          "linear_attn.dt_proj.bias": "ssm_dt.bias", "linear_attn.A_log": "ssm_a",
          "linear_attn.norm.weight": "ssm_norm.weight", "linear_attn.out_proj.weight": "ssm_out.weight",
@@ -62,9 +63,10 @@ def _reorder_v(t, dim, hk, r, width):
     return t.permute(*perm).contiguous().reshape(shape)
 
 
-def converted(folder, tensors: dict | None = None) -> dict:
+def converted(folder, tensors: dict | None = None, legacy: bool = False) -> dict:
     """{GGUF name: tensor} as the converter writes the folder's checkpoint (``tensors``: these instead of the
-    folder's, the same names and shapes)."""
+    folder's, the same names and shapes; ``legacy``: Qwen3-Next's in_proj_qkvz as it is, ``ssm_in``, as the
+    converter wrote it before splitting it into attn_qkv and attn_gate)."""
     h = hparams(folder)
     kind = ARCH[h["model_type"]]
     n = h["num_hidden_layers"]
@@ -108,7 +110,7 @@ def converted(folder, tensors: dict | None = None) -> dict:
             t = t.squeeze()
         elif name.endswith("norm.weight") and not name.endswith("linear_attn.norm.weight"):
             t = t + 1
-        if "in_proj_qkvz.weight" in name:            # per key head [q, k, v, z] -> [q...; k...; v...], z
+        if "in_proj_qkvz.weight" in name and not legacy:   # per key head [q, k, v, z] -> [q...; k...; v...], z
             d = h["hidden_size"]
             split = [K, K, hv // hk * V, hv // hk * V]
             x = t.permute(1, 0).contiguous().view(-1, hk, sum(split))
@@ -148,9 +150,10 @@ def _kind(g: str, t, outtype: str):
     return TYPES[outtype]
 
 
-def convert(folder, path, outtype="f32", override: dict | None = None) -> dict:
+def convert(folder, path, outtype="f32", override: dict | None = None, legacy: bool = False) -> dict:
     """Write the Qwen3-Next / Qwen3.5 folder as llama.cpp's converter does; {GGUF name: the type written}.
-    ``override``: metadata keys given another value of the same type (None: left out) - a bad file."""
+    ``override``: metadata keys given another value of the same type (None: left out) - a bad file;
+    ``legacy``: ``converted``'s."""
     h = hparams(folder)
     arch = ARCH[h["model_type"]]
     sd = load_file(str(folder / "model.safetensors"))
@@ -196,7 +199,7 @@ def convert(folder, path, outtype="f32", override: dict | None = None) -> dict:
         else:
             w.kv_data[0][key].value = value
     types = {}
-    for g, t in converted(folder).items():
+    for g, t in converted(folder, legacy=legacy).items():
         kind = _kind(g, t, outtype)
         try:
             data = gguf.quants.quantize(t.numpy(), kind)
@@ -223,8 +226,9 @@ def dequantized_folder(folder, gguf_path, out):
         index[name] = torch.arange(base, base + t.numel(), dtype=torch.float64).reshape(t.shape)
         base += t.numel()
     values = torch.cat(flat)
-    where = converted(folder, index)
-    for t in gguf.GGUFReader(str(gguf_path)).tensors:
+    stored = gguf.GGUFReader(str(gguf_path)).tensors
+    where = converted(folder, index, legacy=any(t.name.endswith(".ssm_in.weight") for t in stored))
+    for t in stored:
         if t.tensor_type == gguf.GGMLQuantizationType.F32:
             continue
         w = gguf.quants.dequantize(np.asarray(t.data), t.tensor_type)

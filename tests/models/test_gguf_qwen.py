@@ -67,6 +67,18 @@ def test_f32_file_gives_transformers_logits(tmp_path, kind):
             assert ((ours64(ids) - want).abs().max() / want.abs().max()).item() < 1e-6
 
 
+def test_a_legacy_qwen3next_file_with_ssm_in_loads(tmp_path):
+    """Older converters wrote Qwen3-Next's in_proj_qkvz whole, as ``ssm_in`` (llama.cpp still reads it)."""
+    hf, folder = _hf(tmp_path, "qwen3_next")
+    types = convert(folder, tmp_path / "m.gguf", "q8_0", legacy=True)
+    assert "blk.0.ssm_in.weight" in types and "blk.0.attn_qkv.weight" not in types
+    ref = _load(dequantized_folder(folder, tmp_path / "m.gguf", tmp_path / "ref"))
+    ours = _load(tmp_path / "m.gguf")
+    with torch.no_grad():
+        want = ref(_ids())
+        assert torch.allclose(ours(_ids()), want, rtol=0, atol=1e-5 * want.abs().max())
+
+
 # GGUF matrices subquad keeps as int8 blocks: attention's, the MLPs' and shared experts', the head; and the Gated
 # DeltaNet's output where the converter did not permute its columns (qwen3next). The fused or reordered Gated
 # DeltaNet projections and the stacked experts are dequantised (load.py).

@@ -14,8 +14,9 @@ The converter's rewrites, each undone by ``to_hf`` / ``regroup`` and redone by `
     conv1d           (C, 1, k) squeezed to (C, k)
     experts          one (I, d) / (d, I) matrix per expert stacked to (E, I, d) / (E, d, I): ``ffn_{gate,up,down}_exps``
     qwen3next        ``in_proj_qkvz`` (per key head [q (K), k (K), v (r V), z (r V)], r = H / Hk value heads a key
-                     head) regrouped by part: ``attn_qkv`` = [q of every head, k ..., v ...] and ``attn_gate`` = z;
-                     ``in_proj_ba`` written as it is (``ssm_ba``)
+                     head) regrouped by part: ``attn_qkv`` = [q of every head, k ..., v ...] and ``attn_gate`` = z
+                     (older converters wrote it as it is, ``ssm_in``: read too); ``in_proj_ba`` written as it is
+                     (``ssm_ba``)
     qwen35, qwen35moe  with fewer key heads than value heads (Hk < H) the value heads, grouped by key head in the
                      checkpoint (v_{k,j}: key head k's j-th), are written tiled (v_{0,0}, v_{1,0}, ..., v_{0,1}, ...)
                      wherever they index a dimension: the v rows of ``in_proj_qkv`` and the v channels of conv1d,
@@ -92,7 +93,9 @@ class Qwen3NextArch:
     prefix = "model."                     # where the checkpoint's language model is
     hf_layer = "model.layers.{i}."
     top: ClassVar[dict] = TOP
-    layer: ClassVar[dict] = {**ATTENTION, **DELTANET, **MOE, **NEXTN, "ssm_ba.weight": "linear_attn.in_proj_ba.weight"}
+    # ssm_in: the legacy files' in_proj_qkvz as the checkpoint holds it (llama.cpp still reads them; never written)
+    layer: ClassVar[dict] = {**ATTENTION, **DELTANET, **MOE, **NEXTN, "ssm_ba.weight": "linear_attn.in_proj_ba.weight",
+                             "ssm_in.weight": "linear_attn.in_proj_qkvz.weight"}
 
     # ------------------------------------------------------------------ config
     @staticmethod
