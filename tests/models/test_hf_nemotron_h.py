@@ -12,7 +12,8 @@ import json
 import pytest
 import torch
 
-transformers = pytest.importorskip("transformers")   # the `hf` extra installs it (make test requires it); the library never does
+# the `hf` extra installs it (make test requires it); the library never does
+transformers = pytest.importorskip("transformers")
 
 from subquad.models.hf import from_pretrained, save_pretrained  # noqa: E402
 from tests.models.hf_harness import assert_logits_equal, assert_refused, buffers_by, tiny  # noqa: E402
@@ -134,52 +135,30 @@ def test_the_loaded_moe_structure(tmp_path):
 
 
 def _with_mtp(tmp_path):
-    """(transformers' float64 MoE model, a reference ``mtp(h, tokens)`` -> logits, the folder) with an MTP head as
-    Nemotron 3 writes one: "mtp.layers.0." a perturbed copy of attention layer 6 with random ``enorm``, ``hnorm``
-    and ``eh_proj``, "mtp.layers.1." a perturbed copy of MoE layer 7 with a random ``final_layernorm``. The
-    reference is the layout (vLLM's nemotron_h_mtp.py) written out around transformers' own Nemotron-H blocks
+    """(transformers' float64 MoE model, a reference ``mtp(h, tokens)`` -> (logits, u), the folder) with an MTP head
+    as Nemotron 3 writes one: "mtp.layers.0." a perturbed copy of attention layer 6 with random ``enorm``,
+    ``hnorm`` and ``eh_proj``, "mtp.layers.1." a perturbed copy of MoE layer 7 with a random ``final_layernorm``.
+    The reference is the layout (vLLM's nemotron_h_mtp.py) written out around transformers' own Nemotron-H blocks
     holding those weights (transformers has no MTP forward)."""
-    import copy
-
-    from safetensors.torch import load_file, save_file
+    from tests.models.mtp_harness import causal, first, graft, random_head, reference
 
     hf, folder = _hf_moe(tmp_path, torch.float64)
-    torch.manual_seed(5)
-    twin = copy.deepcopy(hf)
-    attn, moe = twin.model.layers[6], twin.model.layers[7]
+    attn, moe = graft(hf, tmp_path, folder, [(lambda t: t.model.layers[6], "backbone.layers.6.", "mtp.layers.0."),
+                                             (lambda t: t.model.layers[7], "backbone.layers.7.", "mtp.layers.1.")])
     assert (attn.block_type, moe.block_type) == ("full_attention", "moe")
-    with torch.no_grad():
-        for p in [*attn.parameters(), *moe.parameters()]:
-            p.add_(0.05 * torch.randn_like(p))
-    twin.save_pretrained(tmp_path / "twin")
-    theirs = load_file(str(tmp_path / "twin" / "model.safetensors"))
-    tensors = load_file(str(folder / "model.safetensors"))
-    for j, src in ((0, "backbone.layers.6."), (1, "backbone.layers.7.")):
-        tensors.update({f"mtp.layers.{j}." + k[len(src):]: v for k, v in theirs.items() if k.startswith(src)})
-    RMS, d, eps = transformers.models.nemotron_h.modeling_nemotron_h.NemotronHRMSNorm, 64, hf.config.layer_norm_epsilon
-    norms = {n: RMS(d, eps).double() for n in ("0.enorm", "0.hnorm", "1.final_layernorm")}
-    eh = torch.nn.Linear(2 * d, d, bias=False).double()
-    with torch.no_grad():
-        for n, m in norms.items():
-            m.weight.copy_(1 + 0.3 * torch.randn(d))
-            tensors[f"mtp.layers.{n}.weight"] = m.weight.clone()
-        tensors["mtp.layers.0.eh_proj.weight"] = eh.weight.detach().clone()
-    save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    RMS = transformers.models.nemotron_h.modeling_nemotron_h.NemotronHRMSNorm
+    names = {"embed": "mtp.layers.0.enorm.weight", "hidden": "mtp.layers.0.hnorm.weight",
+             "final": "mtp.layers.1.final_layernorm.weight"}
+    norms, eh = random_head(folder, RMS, 64, hf.config.layer_norm_epsilon, names, "mtp.layers.0.eh_proj.weight",
+                            torch.float64, centre=1.0)
     cfg = json.loads((folder / "config.json").read_text())
     (folder / "config.json").write_text(json.dumps({**cfg, "num_nextn_predict_layers": 1,
                                                     "mtp_layers_block_type": ["full_attention", "moe"]}))
 
-    @torch.no_grad()
-    def mtp(h, tokens):
-        """h (B, T, d) after the final norm, tokens (B, T) the token after each -> logits of the token after."""
-        T = h.shape[1]
-        z = eh(torch.cat([norms["0.enorm"](hf.model.embeddings(tokens)), norms["0.hnorm"](h)], -1))
-        mask = torch.full((T, T), float("-inf"), dtype=z.dtype).triu(1)[None, None]
-        z = attn(z, attention_mask=mask, position_ids=torch.arange(T)[None])
-        z = moe(z[0] if isinstance(z, tuple) else z)
-        return hf.lm_head(norms["1.final_layernorm"](z[0] if isinstance(z, tuple) else z))
+    def run(z, T):
+        return first(moe(first(attn(z, attention_mask=causal(T, z.dtype), position_ids=torch.arange(T)[None]))))
 
-    return hf, mtp, folder
+    return hf, reference(hf.model.embeddings, hf.lm_head, norms, eh, run), folder
 
 
 def test_the_mtp_head_equals_the_layout_written_out_and_drafts_greedily(tmp_path):
@@ -188,20 +167,14 @@ def test_the_mtp_head_equals_the_layout_written_out_and_drafts_greedily(tmp_path
     loads it with the same logits; greedy decoding with speculative="mtp" is plain greedy decoding."""
     from safetensors.torch import load_file
 
+    from tests.models.mtp_harness import assert_head_equals
+
     hf, mtp, folder = _with_mtp(tmp_path)
     ours, _ = from_pretrained(folder, dtype=torch.float64)
     assert ours.mtp is not None and ours.mtp.block.mlp.__class__.__name__ == "MoE"
     ids = _ids(21)
     with torch.no_grad():
-        h = hf.model(ids).last_hidden_state
-        ref = mtp(h[:, :-1], ids[:, 1:])
-        mine = ours.norm(ours._hidden(ids)[0])
-        torch.testing.assert_close(mine, h, rtol=0, atol=1e-6 * h.abs().max().item())
-        got, _, _ = ours.mtp(ours, mine[:, :-1], ids[:, 1:])
-        torch.testing.assert_close(got, ref, rtol=0, atol=1e-6 * ref.abs().max().item())
-        a, _, st = ours.mtp(ours, mine[:, :7], ids[:, 1:8])
-        b, _, _ = ours.mtp(ours, mine[:, 7:-1], ids[:, 8:], st)
-        torch.testing.assert_close(torch.cat([a, b], 1), ref, rtol=0, atol=1e-6 * ref.abs().max().item())
+        mine, got = assert_head_equals(ours, hf.model(ids).last_hidden_state, ids, mtp)
     save_pretrained(ours, tmp_path / "back")
     c = json.loads((tmp_path / "back" / "config.json").read_text())
     assert c["num_nextn_predict_layers"] == 1 and c["mtp_layers_block_type"] == ["full_attention", "moe"]
@@ -244,7 +217,8 @@ def test_float32_routers_beside_bfloat16_weights_load_and_run(tmp_path):
     from safetensors.torch import load_file, save_file
 
     hf, folder = _hf_moe(tmp_path)
-    w = {k: v if ".gate." in k else v.to(torch.bfloat16) for k, v in load_file(str(folder / "model.safetensors")).items()}
+    w = {k: v if ".gate." in k else v.to(torch.bfloat16)
+         for k, v in load_file(str(folder / "model.safetensors")).items()}
     save_file(w, str(folder / "model.safetensors"), metadata={"format": "pt"})
     ours, _ = from_pretrained(folder)
     assert ours.blocks[0].mlp.router.weight.dtype == torch.float32 and ours.embed.weight.dtype == torch.bfloat16

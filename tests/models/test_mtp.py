@@ -5,18 +5,17 @@ holding the same weights (transformers has no MTP forward)."""
 
 from __future__ import annotations
 
-import copy
-
 import pytest
 import torch
 
 transformers = pytest.importorskip("transformers")   # the `hf` extra installs it (make test requires it)
 
-from safetensors.torch import load_file, save_file  # noqa: E402
+from safetensors.torch import load_file  # noqa: E402
 
 from subquad.models import from_pretrained  # noqa: E402
-from subquad.models.speculative import MTPDrafter  # noqa: E402
 from tests.models import test_hf_delta, test_hf_qwen3_5  # noqa: E402
+from tests.models.mtp_harness import (assert_batch_speculation_is_plain, assert_head_equals, causal, first,  # noqa: E402
+                                      graft, random_head, reference, speculate_recording)
 
 pytestmark = pytest.mark.usefixtures("unpaced")     # counts verifications: no pacing by wall time
 
@@ -31,44 +30,25 @@ def _with_mtp(tmp_path, kind="qwen3_next"):
         hf, folder = test_hf_delta._hf(tmp_path, kind, torch.float64)
         lm, RMS = hf.model, transformers.models.qwen3_next.modeling_qwen3_next.Qwen3NextRMSNorm
         src, d, eps = f"model.layers.{MTP_LAYER}.", hf.config.hidden_size, hf.config.rms_norm_eps
+        (layer,) = graft(hf, tmp_path, folder, [(lambda t: t.model.layers[MTP_LAYER], src, "mtp.layers.0.")])
     else:
         hf, folder = test_hf_qwen3_5._hf(tmp_path, kind, torch.float64)
         lm, RMS = hf.model.language_model, transformers.models.qwen3_5_moe.modeling_qwen3_5_moe.Qwen3_5MoeRMSNorm
         c = hf.config.text_config
         src, d, eps = f"model.language_model.layers.{MTP_LAYER}.", c.hidden_size, c.rms_norm_eps
-    torch.manual_seed(5)
-    twin = copy.deepcopy(hf)
-    layer = (twin.model.layers if kind == "qwen3_next" else twin.model.language_model.layers)[MTP_LAYER]
-    with torch.no_grad():
-        for p in layer.parameters():
-            p.add_(0.05 * torch.randn_like(p))
-    twin.save_pretrained(tmp_path / "twin")                 # the layer's tensors under the checkpoint's names
-    theirs = load_file(str(tmp_path / "twin" / "model.safetensors"))
-    tensors = load_file(str(folder / "model.safetensors"))
-    tensors.update({"mtp.layers.0." + k[len(src):]: v for k, v in theirs.items() if k.startswith(src)})
-    norms = {n: RMS(d, eps).double() for n in ("norm", "pre_fc_norm_embedding", "pre_fc_norm_hidden")}
-    fc = torch.nn.Linear(2 * d, d, bias=False).double()
-    with torch.no_grad():
-        for n, m in norms.items():
-            m.weight.copy_(0.3 * torch.randn(d))
-            tensors[f"mtp.{n}.weight"] = m.weight.clone()
-        tensors["mtp.fc.weight"] = fc.weight.detach().clone()
-    save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+        (layer,) = graft(hf, tmp_path, folder,
+                         [(lambda t: t.model.language_model.layers[MTP_LAYER], src, "mtp.layers.0.")])
+    names = {"embed": "mtp.pre_fc_norm_embedding.weight", "hidden": "mtp.pre_fc_norm_hidden.weight",
+             "final": "mtp.norm.weight"}
+    norms, fc = random_head(folder, RMS, d, eps, names, "mtp.fc.weight", torch.float64, centre=0.0)
 
-    @torch.no_grad()
-    def mtp(h, tokens):
-        """h (B, T, d) after the final norm, tokens (B, T) the token after each -> (logits, u)."""
-        T = h.shape[1]
-        e = norms["pre_fc_norm_embedding"](lm.embed_tokens(tokens))
-        z = fc(torch.cat([e, norms["pre_fc_norm_hidden"](h)], -1))
+    def run(z, T):
         pos = torch.arange(T)[None]
-        mask = torch.full((T, T), float("-inf"), dtype=z.dtype).triu(1)[None, None]
-        z = layer(z, position_embeddings=lm.rotary_emb(z, pos), attention_mask=mask, position_ids=pos)
-        u = norms["norm"](z[0] if isinstance(z, tuple) else z)
-        return hf.lm_head(u), u
+        return first(layer(z, position_embeddings=lm.rotary_emb(z, pos), attention_mask=causal(T, z.dtype),
+                           position_ids=pos))
 
     hf.lm = lm
-    return hf, mtp, folder
+    return hf, reference(lm.embed_tokens, hf.lm_head, norms, fc, run), folder
 
 
 @pytest.mark.parametrize("kind", ["qwen3_next", "qwen3_5_moe"])
@@ -80,15 +60,7 @@ def test_the_mtp_head_equals_the_layout_written_out(tmp_path, kind):
     assert ours.mtp is not None and ours.mtp.block.mlp.__class__.__name__ == "MoE"
     ids = test_hf_delta._ids(21)
     with torch.no_grad():
-        h = hf.lm(ids).last_hidden_state
-        ref, _ = mtp(h[:, :-1], ids[:, 1:])
-        mine = ours.norm(ours._hidden(ids)[0])
-        torch.testing.assert_close(mine, h, rtol=0, atol=1e-6 * h.abs().max().item())   # the parity tests' bound
-        got, _, _ = ours.mtp(ours, mine[:, :-1], ids[:, 1:])
-        torch.testing.assert_close(got, ref, rtol=0, atol=1e-6 * ref.abs().max().item())
-        a, _, s = ours.mtp(ours, mine[:, :7], ids[:, 1:8])
-        b, _, _ = ours.mtp(ours, mine[:, 7:-1], ids[:, 8:], s)
-        torch.testing.assert_close(torch.cat([a, b], 1), ref, rtol=0, atol=1e-6 * ref.abs().max().item())
+        mine, got = assert_head_equals(ours, hf.lm(ids).last_hidden_state, ids, mtp)
         if kind != "qwen3_next":
             return
         ours.save_pretrained(tmp_path / "again")
@@ -105,22 +77,7 @@ def test_greedy_mtp_speculation_is_plain_greedy_and_drafts_what_the_head_predict
     hf, mtp, folder = _with_mtp(tmp_path)
     model, _ = from_pretrained(folder, dtype=torch.float64)
     prompt = test_hf_delta._ids(9)[0].tolist()
-    rounds, emitted, propose, append = [], [], MTPDrafter.propose, MTPDrafter.append
-
-    def recording(self, feed, active, k):
-        drafts = propose(self, feed, active, k)
-        rounds.append((len(prompt) + len(emitted) - 1, feed[0], drafts[0]))   # (tokens consumed, feed, drafts)
-        return drafts
-
-    def counting(self, i, token):
-        emitted.append(token)
-        append(self, i, token)
-
-    monkeypatch.setattr(MTPDrafter, "propose", recording)
-    monkeypatch.setattr(MTPDrafter, "append", counting)
-    plain, _ = model.generate(prompt, 16, temperature=0)
-    spec, _ = model.generate(prompt, 16, temperature=0, speculative="mtp", draft_tokens=3)
-    assert spec == plain and model.speculation_stats.verifications == len(rounds) > 0
+    plain, rounds = speculate_recording(model, monkeypatch, prompt, 16)
     seq = torch.tensor([prompt + plain])
     with torch.no_grad():
         h = hf.model(seq).last_hidden_state
@@ -134,10 +91,7 @@ def test_greedy_mtp_speculation_is_plain_greedy_and_drafts_what_the_head_predict
     with torch.no_grad():
         chain, _ = mtp(torch.cat([h[:, :n], u[:, n - 1:n]], 1), torch.tensor([full[1:n + 1] + [drafts[0]]]))
     assert drafts[1] == chain[0, -1].argmax().item()
-    monkeypatch.undo()
-    batch = [prompt, prompt[3:], prompt[:4]]
-    want = model.generate(batch, 10, temperature=0)[0]
-    assert model.generate(batch, 10, temperature=0, speculative="mtp", draft_tokens=2)[0] == want
+    assert_batch_speculation_is_plain(model, prompt, 10)
 
 
 def test_mtp_needs_the_head(tmp_path):

@@ -6,7 +6,6 @@ Ling decoder layer holding the same weights (transformers has no MTP forward: it
 
 from __future__ import annotations
 
-import copy
 import json
 
 import pytest
@@ -17,8 +16,9 @@ transformers = pytest.importorskip("transformers")   # the `hf` extra installs i
 from safetensors.torch import load_file, save_file  # noqa: E402
 
 from subquad.models.hf import from_pretrained, save_pretrained  # noqa: E402
-from subquad.models.speculative import MTPDrafter  # noqa: E402
 from tests.models import test_hf_bailing_hybrid as ling  # noqa: E402
+from tests.models.mtp_harness import (assert_batch_speculation_is_plain, assert_head_equals, causal, first,  # noqa: E402
+                                      graft, random_head, reference, speculate_recording)
 
 pytestmark = pytest.mark.usefixtures("unpaced")     # counts verifications: no pacing by wall time
 
@@ -36,42 +36,21 @@ def _with_mtp(tmp_path, dtype=torch.float64):
     layer is a perturbed copy of layer 2 (MLA, MoE) with random ``enorm``, ``hnorm``, ``eh_proj`` and
     ``final_layernorm``."""
     hf, folder = ling._hf(tmp_path, dtype)
-    torch.manual_seed(5)
-    twin = copy.deepcopy(hf)
-    layer = twin.model.layers[SRC]
+    (layer,) = graft(hf, tmp_path, folder, [(lambda t: t.model.layers[SRC], f"model.layers.{SRC}.", MTP)],
+                     buffers=True)
     assert layer.block_type == "full_attention" and layer.mlp.__class__.__name__ == "BailingHybridMoE"
-    with torch.no_grad():
-        for p in [*layer.parameters(), *layer.buffers()]:
-            p.add_(0.05 * torch.randn_like(p))
-    twin.save_pretrained(tmp_path / "twin")                 # the layer's tensors under the checkpoint's names
-    theirs = load_file(str(tmp_path / "twin" / "model.safetensors"))
-    tensors = load_file(str(folder / "model.safetensors"))
-    src = f"model.layers.{SRC}."
-    tensors.update({MTP + k[len(src):]: v for k, v in theirs.items() if k.startswith(src)})
     RMS = transformers.models.bailing_hybrid.modeling_bailing_hybrid.BailingHybridRMSNorm
-    d, eps = hf.config.hidden_size, hf.config.rms_norm_eps
-    norms = {n: RMS(d, eps).to(dtype) for n in ("enorm", "hnorm", "final_layernorm")}
-    eh = torch.nn.Linear(2 * d, d, bias=False).to(dtype)
-    with torch.no_grad():
-        for n, m in norms.items():
-            m.weight.copy_(1 + 0.3 * torch.randn(d))
-            tensors[f"{MTP}{n}.weight"] = m.weight.clone()
-        tensors[f"{MTP}eh_proj.weight"] = eh.weight.detach().clone()
-    save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    names = {"embed": f"{MTP}enorm.weight", "hidden": f"{MTP}hnorm.weight", "final": f"{MTP}final_layernorm.weight"}
+    norms, eh = random_head(folder, RMS, hf.config.hidden_size, hf.config.rms_norm_eps, names, f"{MTP}eh_proj.weight",
+                            dtype, centre=1.0)
     lm = hf.model
 
-    @torch.no_grad()
-    def mtp(h, tokens):
-        """h (B, T, d) after the final norm, tokens (B, T) the token after each -> (logits, u)."""
-        T = h.shape[1]
-        z = eh(torch.cat([norms["enorm"](lm.embed_tokens(tokens)), norms["hnorm"](h)], -1))
+    def run(z, T):
         pos = torch.arange(T)[None]
-        mask = torch.full((T, T), float("-inf"), dtype=z.dtype).triu(1)[None, None]
-        z = layer(z, position_embeddings=lm.rotary_emb(z, pos), attention_mask=mask, position_ids=pos)
-        u = norms["final_layernorm"](z[0] if isinstance(z, tuple) else z)
-        return hf.lm_head(u), u
+        return first(layer(z, position_embeddings=lm.rotary_emb(z, pos), attention_mask=causal(T, z.dtype),
+                           position_ids=pos))
 
-    return hf, mtp, folder
+    return hf, reference(lm.embed_tokens, hf.lm_head, norms, eh, run), folder
 
 
 def test_the_mtp_head_equals_the_layout_written_out_and_saves_back(tmp_path):
@@ -84,15 +63,7 @@ def test_the_mtp_head_equals_the_layout_written_out_and_saves_back(tmp_path):
     assert ours.mtp.block.mixer.__class__.__name__ == "LatentAttention" and ours.mtp.block.mixer.g_proj is not None
     ids = _ids(21)
     with torch.no_grad():
-        h = hf.model(ids).last_hidden_state
-        ref, _ = mtp(h[:, :-1], ids[:, 1:])
-        mine = ours.norm(ours._hidden(ids)[0])
-        torch.testing.assert_close(mine, h, rtol=0, atol=1e-6 * h.abs().max().item())   # the parity tests' bound
-        got, _, _ = ours.mtp(ours, mine[:, :-1], ids[:, 1:])
-        torch.testing.assert_close(got, ref, rtol=0, atol=1e-6 * ref.abs().max().item())
-        a, _, st = ours.mtp(ours, mine[:, :7], ids[:, 1:8])
-        b, _, _ = ours.mtp(ours, mine[:, 7:-1], ids[:, 8:], st)
-        torch.testing.assert_close(torch.cat([a, b], 1), ref, rtol=0, atol=1e-6 * ref.abs().max().item())
+        mine, got = assert_head_equals(ours, hf.model(ids).last_hidden_state, ids, mtp)
     save_pretrained(ours, tmp_path / "back")
     c = json.loads((tmp_path / "back" / "config.json").read_text())
     assert c["num_nextn_predict_layers"] == 1 and c["num_hidden_layers"] == N
@@ -106,10 +77,10 @@ def test_the_mtp_head_equals_the_layout_written_out_and_saves_back(tmp_path):
         torch.testing.assert_close(back.mtp(back, mine[:, :-1], ids[:, 1:])[0], got, rtol=0, atol=0)
     kw = {"dtype": torch.float64, "experts_implementation": "eager", "output_loading_info": True}
     again, info = transformers.BailingHybridForCausalLM.from_pretrained(tmp_path / "back", **kw)
-    first, _ = transformers.BailingHybridForCausalLM.from_pretrained(folder, **kw)    # its float32 modules as here
+    first_load, _ = transformers.BailingHybridForCausalLM.from_pretrained(folder, **kw)   # its float32 modules as here
     assert not info["missing_keys"] and not info["mismatched_keys"]
     with torch.no_grad():
-        torch.testing.assert_close(again.eval()(ids).logits, first.eval()(ids).logits, rtol=0, atol=0)
+        torch.testing.assert_close(again.eval()(ids).logits, first_load.eval()(ids).logits, rtol=0, atol=0)
 
 
 def test_greedy_mtp_speculation_is_plain_greedy_and_drafts_what_the_head_predicts(tmp_path, monkeypatch):
@@ -118,30 +89,12 @@ def test_greedy_mtp_speculation_is_plain_greedy_and_drafts_what_the_head_predict
     hf, mtp, folder = _with_mtp(tmp_path)
     model, _ = from_pretrained(folder, dtype=torch.float64)
     prompt = _ids(9, seed=2)[0].tolist()
-    rounds, emitted, propose, append = [], [], MTPDrafter.propose, MTPDrafter.append
-
-    def recording(self, feed, active, k):
-        drafts = propose(self, feed, active, k)
-        rounds.append((len(prompt) + len(emitted) - 1, drafts[0]))          # (tokens consumed, drafts)
-        return drafts
-
-    def counting(self, i, token):
-        emitted.append(token)
-        append(self, i, token)
-
-    monkeypatch.setattr(MTPDrafter, "propose", recording)
-    monkeypatch.setattr(MTPDrafter, "append", counting)
-    plain, _ = model.generate(prompt, 14, temperature=0)
-    spec, _ = model.generate(prompt, 14, temperature=0, speculative="mtp", draft_tokens=3)
-    assert spec == plain and model.speculation_stats.verifications == len(rounds) > 0
+    plain, rounds = speculate_recording(model, monkeypatch, prompt, 14)
     seq = torch.tensor([prompt + plain])
     with torch.no_grad():
         ref, _ = mtp(hf.model(seq).last_hidden_state[:, :-1], seq[:, 1:])    # ref[:, i]: the token at i + 2
-    assert all(drafts[0] == ref[0, n - 1].argmax().item() for n, drafts in rounds)
-    monkeypatch.undo()
-    batch = [prompt, prompt[3:], prompt[:4]]
-    want = model.generate(batch, 8, temperature=0)[0]
-    assert model.generate(batch, 8, temperature=0, speculative="mtp", draft_tokens=2)[0] == want
+    assert all(drafts[0] == ref[0, n - 1].argmax().item() for n, _, drafts in rounds)
+    assert_batch_speculation_is_plain(model, prompt, 8)
 
 
 def test_a_wrong_or_partial_mtp_layer_is_named_and_the_model_loads_without_it(tmp_path):

@@ -20,8 +20,9 @@ from __future__ import annotations
 import torch
 
 from subquad.models.config import ModelConfig
-from subquad.models.hf.common import (TOP, Format, attention_types, experts, gated_attention, gdn_config, gdn_layer_types,
-                                      gdn_matches, gdn_options, gdn_rope, require, swiglu, transformer_config)
+from subquad.models.hf.common import (TOP, Format, attention_types, experts, gated_attention, gdn_config,
+                                      gdn_layer_types, gdn_matches, gdn_options, gdn_rope, require, swiglu,
+                                      transformer_config)
 
 class Qwen3_5TextFormat(Format):
     model_type = "qwen3_5_text"
@@ -84,11 +85,14 @@ class Qwen3_5TextFormat(Format):
         return o["n_key_heads"] * o["head_dim"], o["n_heads"] * o["value_head_dim"]
 
     @classmethod
+    def _zero_centred(cls, name: str) -> bool:
+        return name == cls.top.get("norm.weight") or name.endswith(cls._ZERO_CENTRED)
+
+    @classmethod
     def unpack(cls, tensors: dict, cfg: ModelConfig, dtype=None) -> dict:
         """in_proj_qkv ((2 Hk K + H V), d) -> q, k, v; fused experts (``experts.gate_up_proj`` (E, 2 I, d),
         ``experts.down_proj``) -> one tensor per expert; zero-centred norms + 1."""
         qk, v = cls._sizes(cfg) if "gated_deltanet" in cfg.layers else (0, 0)
-        norm = cls.top["norm.weight"]
         out = {}
         for name, t in tensors.items():
             if name.endswith("linear_attn.in_proj_qkv.weight"):
@@ -102,7 +106,7 @@ class Qwen3_5TextFormat(Format):
             elif name.endswith("mlp.experts.down_proj"):
                 p = name.removesuffix("down_proj")
                 out.update({f"{p}{e}.down_proj.weight": x for e, x in enumerate(t.unbind(0))})
-            elif name == norm or name.endswith(cls._ZERO_CENTRED):
+            elif cls._zero_centred(name):
                 out[name] = (t.float() + 1).to(dtype or t.dtype)
             else:
                 out[name] = t
@@ -110,7 +114,6 @@ class Qwen3_5TextFormat(Format):
 
     @classmethod
     def pack(cls, tensors: dict, cfg: ModelConfig) -> dict:
-        norm = cls.top["norm.weight"]
         out = {}
         for name, t in tensors.items():
             if name.endswith("linear_attn.q_proj.weight"):
@@ -118,7 +121,7 @@ class Qwen3_5TextFormat(Format):
                 out[p + "in_proj_qkv.weight"] = torch.cat([tensors[f"{p}{x}_proj.weight"] for x in "qkv"], 0)
             elif "linear_attn." in name and name.endswith(("k_proj.weight", "v_proj.weight")):
                 continue
-            elif name == norm or name.endswith(cls._ZERO_CENTRED):
+            elif cls._zero_centred(name):
                 out[name] = (t.float() - 1).to(t.dtype)
             else:
                 out[name] = t

@@ -44,9 +44,9 @@ import re
 import torch
 
 from subquad.models.config import ModelConfig
-from subquad.models.hf.common import (Format, experts, gdn_config, gdn_matches, gdn_options, gdn_rope, require,
-                                      swiglu, transformer_config)
-from subquad.models.hf.qwen3_5 import _Multimodal
+from subquad.models.hf.common import (experts, gdn_config, gdn_matches, gdn_options, gdn_rope, require, swiglu,
+                                      transformer_config)
+from subquad.models.hf.qwen3_5 import Qwen3_5MoeTextFormat, _Multimodal
 
 HC = {"norm": "hc_norm", "down": "input_mix_weight_down", "up": "input_mix_weight_up", "inject": "block_inject_weight"}
 QSA_FIELDS = {"indexer_n_heads": "index_heads", "indexer_head_dim": "index_head_dim", "indexer_budget": "index_budget",
@@ -63,13 +63,12 @@ def hc(ours: str, theirs: str) -> dict:
     return {f"{ours}{a}.weight": f"{theirs}{b}.weight" for a, b in HC.items()}
 
 
-class Qwen4ExpTextFormat(Format):
+class Qwen4ExpTextFormat(Qwen3_5MoeTextFormat):
+    """Qwen3.5-MoE's format (its prefix, text_config, q/k/v and expert unpacking, zero-centred norms) with the
+    hyper-connection, PLE and QSA names and fields."""
     model_type = "qwen4_exp_text"
     architecture = "Qwen4ExpForCausalLM"
     hyper_connections = True
-    conv_bias_key = "linear_conv_bias"
-    prefix = "model."
-    not_loaded = {"model.visual.": "the vision tower", "mtp.": "the multi-token-prediction head"}
     attention = {"mixer.index_qk_proj.weight": "self_attn.indexer.index_qk_proj.weight",
                  "mixer.index_q_norm.weight": "self_attn.indexer.q_layernorm.weight",
                  "mixer.index_k_norm.weight": "self_attn.indexer.k_layernorm.weight", "mixer.{p}": "self_attn.{p}"}
@@ -91,19 +90,11 @@ class Qwen4ExpTextFormat(Format):
                      "indexer.k_layernorm.weight", "hc_norm.weight", "ple.norm_key.weight", "ple.norm_query.weight",
                      "ple.norm_conv.weight")
 
-    def __init_subclass__(cls, **kw):
-        super().__init_subclass__(**kw)
-        cls._set_prefix()
-
     @classmethod
     def _set_prefix(cls):
         cls.top = {"embed.weight": cls.prefix + "embed_tokens.weight", "head.weight": "lm_head.weight",
                    **hc("norm.", cls.prefix + "hyper_connection_mixer.")}
         cls.layer = cls.prefix + "layers.{i}."
-
-    @staticmethod
-    def text_config(c: dict) -> dict:
-        return c
 
     @classmethod
     def config(cls, c: dict) -> ModelConfig:
@@ -175,37 +166,17 @@ class Qwen4ExpTextFormat(Format):
                              f"= {heads}")
         return {**p, "layers": [i - 1 for i in ids], "dim": dim, "eos": eos}
 
-    @staticmethod
-    def _sizes(cfg: ModelConfig):
-        o = cfg.mixer_options["gated_deltanet"]
-        return o["n_key_heads"] * o["head_dim"], o["n_heads"] * o["value_head_dim"]
-
     @classmethod
     def unpack(cls, tensors: dict, cfg: ModelConfig, dtype=None) -> dict:
-        """PLE tables' shards -> one table; in_proj_qkv ((2 Hk K + H V), d) -> q, k, v; fused experts (E, 2 I, d)
-        -> one tensor per expert; zero-centred norms + 1."""
-        qk, v = cls._sizes(cfg) if "gated_deltanet" in cfg.layers else (0, 0)
-        shards = {}
-        out = {}
+        """PLE tables' shards -> one table; then Qwen3.5's (q, k, v, experts, zero-centred norms + 1)."""
+        shards, rest = {}, {}
         for name, t in tensors.items():
             m = SHARD.match(name)
             if m:
                 shards.setdefault(m.group(1), {})[int(m.group(2))] = t
-            elif name.endswith("linear_attn.in_proj_qkv.weight"):
-                p = name.removesuffix("in_proj_qkv.weight")
-                for part, x in zip("qkv", t.split([qk, qk, v], dim=0)):
-                    out[f"{p}{part}_proj.weight"] = x
-            elif name.endswith("mlp.experts.gate_up_proj"):
-                p = name.removesuffix("gate_up_proj")
-                for e, (g, u) in enumerate(x.chunk(2, dim=0) for x in t.unbind(0)):
-                    out[f"{p}{e}.gate_proj.weight"], out[f"{p}{e}.up_proj.weight"] = g, u
-            elif name.endswith("mlp.experts.down_proj"):
-                p = name.removesuffix("down_proj")
-                out.update({f"{p}{e}.down_proj.weight": x for e, x in enumerate(t.unbind(0))})
-            elif name.endswith(cls._ZERO_CENTRED):
-                out[name] = (t.float() + 1).to(dtype or t.dtype)
             else:
-                out[name] = t
+                rest[name] = t
+        out = super().unpack(rest, cfg, dtype)
         for p, parts in shards.items():
             if sorted(parts) != list(range(len(parts))):
                 raise ValueError(f"{p}.shard_*.weight: the shards must be numbered 0 .. {len(parts) - 1}, "
@@ -217,17 +188,10 @@ class Qwen4ExpTextFormat(Format):
     def pack(cls, tensors: dict, cfg: ModelConfig) -> dict:
         parts = (cfg.hyper["ple"] or {}).get("parts", 1)
         out = {}
-        for name, t in tensors.items():
-            if name.endswith("linear_attn.q_proj.weight"):
-                p = name.removesuffix("q_proj.weight")
-                out[p + "in_proj_qkv.weight"] = torch.cat([tensors[f"{p}{x}_proj.weight"] for x in "qkv"], 0)
-            elif "linear_attn." in name and name.endswith(("k_proj.weight", "v_proj.weight")):
-                continue
-            elif name.endswith("ngram_embedding.weight"):
+        for name, t in super().pack(tensors, cfg).items():
+            if name.endswith("ngram_embedding.weight"):
                 p = name.removesuffix(".weight")
                 out.update({f"{p}.shard_{j}.weight": x.contiguous() for j, x in enumerate(t.chunk(parts, 0))})
-            elif name.endswith(cls._ZERO_CENTRED):
-                out[name] = (t.float() - 1).to(t.dtype)
             else:
                 out[name] = t
         return out
@@ -268,9 +232,6 @@ class Qwen4ExpTextFormat(Format):
                 and m["every"] == 1 and m["scale"] == 1.0 and m["shared"] > 0 and m["shared_gate"] and cfg.mlp
                 and (p is None or not cfg.eos_token_ids or cfg.eos_token_ids[0] == p["eos"])
                 and gdn_matches(opts["gated_deltanet"], cfg.norm_eps, False))
-
-
-Qwen4ExpTextFormat._set_prefix()
 
 
 class Qwen4ExpFormat(_Multimodal, Qwen4ExpTextFormat):
