@@ -79,9 +79,13 @@ def load_gguf(path, dtype=None, device=None, quantize=None):
         tensors[h] = arch.to_hf(h, t, c).to(dtype if t.is_floating_point() else t.dtype)
     tensors = regroup(tensors, c)
 
+    # quantised tensors the format reshapes, fuses or regroups (a Gated DeltaNet's split projections, stacked
+    # experts) were dequantised above: said in the same warning as the rest
+    expanded = [f"{g} ({kind})" for h, (g, kind) in weights.items() if kind in BLOCKED]
+
     def finish(model, names):
         _install_blocks(model, names, {h: f.blocks(g) + (g, kind) for h, (g, kind) in blocks.items()}, dtype,
-                        quantize)
+                        quantize, expanded)
 
     model = build(path, c, fmt, cfg, tensors, dtype, device, None if blocks else quantize, finish=finish)
     if blocks:
@@ -123,13 +127,13 @@ def _linear(q, scale, offset, kind: str, bias, quantize):
     return m
 
 
-def _install_blocks(model, names: dict, blocks: dict, dtype, quantize=None) -> None:
+def _install_blocks(model, names: dict, blocks: dict, dtype, quantize=None, dequantised=()) -> None:
     """Put each quantised tensor (``blocks``: Hugging Face name -> (q, scale, offset, GGUF name, type)) where
     its placeholder is: an ``nn.Linear``'s weight -> ``_linear`` (exact blocks unless ``quantize``); anything
-    else dequantised, said in one warning."""
+    else dequantised, said in one warning with ``dequantised`` (those the loader expanded already)."""
     from subquad.models.gguf.reader import block_dequantize
 
-    dequantised = []
+    expanded, dequantised = list(dequantised), []
     for ours, theirs in names.items():
         if not isinstance(theirs, str) or theirs not in blocks:
             continue
@@ -146,6 +150,7 @@ def _install_blocks(model, names: dict, blocks: dict, dtype, quantize=None) -> N
             model.head = _linear(q, scale, offset, kind, None, quantize)
         else:
             dequantised.append(f"{g} ({kind})")
+    dequantised += expanded
     if dequantised:
         warnings.warn(f"GGUF: {len(dequantised)} quantised tensors are not projections subquad keeps quantised "
                       f"and were dequantised to {dtype}: {', '.join(dequantised[:6])}"
