@@ -26,10 +26,12 @@ and Ling-3.0-Flash-like (d_model 2,560, 5 KDA layers of 32 heads of 128 and one 
 with a dense MLP of 6,144, then 32 experts of 768 - of its 512 - top 8 in 8 groups, top 4, a shared expert)
 and Qwen4-Exp-like (``--models qwen4_exp``: d_model 2,048 in 4 hyper-connected streams, 3 Gated DeltaNet layers
 of 16 key / 32 value heads of 128, one QSA attention of 16 heads of 256 with 2 KV heads, 32 experts of 512, top
-10, a shared expert; PLE at layers 1 and 3 with tables shrunk 1,000x - ``_issue_52`` says how). For each dtype (float32, bfloat16) and batch (1: prefill 2,048 tokens, decode 256; 8: prefill
-512 each, decode 64 - transformers' reference path needs minutes for 8 x 2,048): prefill tokens/s,
-decode ms per step (greedy; the time of generating n tokens less that of generating 1, per step), and
-each process's peak resident memory. Every measurement runs in its own process (peak memory is per
+10, a shared expert; PLE at layers 1 and 3 with tables shrunk 1,000x - ``_issue_52`` says how) and xLSTM-7B-like
+(``--models xlstm``: 4 of its 32 mLSTM blocks, d_model 4,096, 8 heads, q/k at half width, FFN 2.667x). For each
+dtype (float32, bfloat16) and batch (1: prefill 2,048 tokens, decode 256; 8: prefill 512 each, decode 64 -
+transformers' reference path needs minutes for 8 x 2,048): prefill tokens/s, decode ms per step (greedy; the
+time of generating n tokens less that of generating 1, per step), and each process's peak resident memory. Every
+measurement runs in its own process (peak memory is per
 process), subquad and transformers interleaved, best of --repeats. Decode is shown beside the weight-read
 bound (bytes of weights per token / this machine's measured read bandwidth).
 
@@ -145,7 +147,7 @@ def hf_model(kind, quick):
 
 
 NEW_HYBRIDS = ("qwen3_5", "granitemoehybrid", "nemotron_h", "falcon_h1", "lfm2")
-ISSUE_52 = ("zamba", "lfm3", "bailing_hybrid", "qwen4_exp")
+ISSUE_52 = ("zamba", "lfm3", "bailing_hybrid", "qwen4_exp", "xlstm")
 
 
 def none_ids():
@@ -228,6 +230,10 @@ def _issue_52(transformers, kind, V, quick):
             dict(hidden_size=2048, intermediate_size=7680, num_attention_heads=16, num_key_value_heads=4, head_dim=128,
                  sliding_window=256)
         return transformers.Lfm3ForCausalLM(transformers.Lfm3Config(vocab_size=V, num_hidden_layers=8, **none, **c))
+    if kind == "xlstm":                   # xLSTM-7B's widths (transformers' defaults), 4 of its 32 blocks
+        c = dict(hidden_size=128, num_heads=2, chunk_size=16) if quick else dict(hidden_size=4096, num_heads=8)
+        return transformers.xLSTMForCausalLM(transformers.xLSTMConfig(
+            vocab_size=V, num_hidden_layers=4, num_blocks=4, **none, **c))
     if kind == "qwen4_exp":               # Qwen4-Exp's default widths, 4 layers: GDN, GDN, GDN, QSA; 4 streams
         # PLE at layers 1 and 3 with the n-gram tables shrunk: 16 prime-sized heads from 20,000 rows each (the
         # release's 20,000,000: ~90 GB of tables), 128 dims a head; the indexer's fields are not in the config's
