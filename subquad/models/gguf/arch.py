@@ -194,6 +194,11 @@ ARCHS = {a.arch: a for a in (MambaArch, Mamba2Arch, Lfm2Arch)}
 # the Hugging Face model_type each architecture's file is written from
 HF_TYPES = {"mamba": MambaArch, "falcon_mamba": MambaArch, "mamba2": Mamba2Arch, "lfm2": Lfm2Arch}
 
+from subquad.models.gguf.hybrid import GraniteHybridArch  # noqa: E402  (hybrid.py builds on the classes above)
+
+ARCHS.update({a.arch: a for a in (GraniteHybridArch,)})
+HF_TYPES.update({"granitemoehybrid": GraniteHybridArch, "bamba": GraniteHybridArch})
+
 
 def hf_name(arch, name: str) -> str:
     """The Hugging Face name of GGUF tensor ``name``; ValueError naming it when the table has none."""

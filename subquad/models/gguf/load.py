@@ -57,7 +57,9 @@ def load_gguf(path, dtype=None, device=None, quantize=None):
     for g, info in f.tensors.items():
         h = hf_name(arch, g)
         m = _meta(info)
-        if info.type in BLOCKED and len(info.shape) == 2 and arch.to_hf(h, m, c) is m:   # not reshaped: kept
+        # kept quantised: not reshaped, or reshaped by whole rows (a row order, a factor: ``on_blocks``)
+        if info.type in BLOCKED and len(info.shape) == 2 and (arch.to_hf(h, m, c) is m
+                                                             or getattr(arch, "on_blocks", lambda h, c: None)(h, c)):
             placeholders[h] = m
             blocks[h] = (g, info.type)
         else:
@@ -77,8 +79,8 @@ def load_gguf(path, dtype=None, device=None, quantize=None):
         tensors[h] = arch.to_hf(h, t, c).to(dtype if t.is_floating_point() else t.dtype)
 
     def finish(model, names):
-        _install_blocks(model, names, {h: f.blocks(g) + (g, kind) for h, (g, kind) in blocks.items()}, dtype,
-                        quantize)
+        _install_blocks(model, names, {h: _rows(arch, h, c, f.blocks(g)) + (g, kind) for h, (g, kind) in blocks.items()},
+                        dtype, quantize)
 
     model = build(path, c, fmt, cfg, tensors, dtype, device, None if blocks else quantize, finish=finish)
     if blocks:
@@ -88,6 +90,18 @@ def load_gguf(path, dtype=None, device=None, quantize=None):
             p.requires_grad_(False)
     model.hf_source = {"config": dict(c), "files": {}}
     return model, tokenizer(f.metadata)
+
+
+def _rows(arch, h: str, c: dict, blocks: tuple) -> tuple:
+    """A quantised matrix's (q, scale, offset) with ``arch.on_blocks``' row order and factor applied (exact: each
+    row's blocks move whole; a factor k scales w = q d - m as d k and m k)."""
+    if not hasattr(arch, "on_blocks"):
+        return blocks
+    rows, k = arch.on_blocks(h, c)
+    q, scale, offset = blocks if rows is None else (b if b is None else b[rows] for b in blocks)
+    if k != 1.0:
+        scale, offset = scale * k, None if offset is None else offset * k
+    return q, scale, offset
 
 
 def _meta(info) -> torch.Tensor:

@@ -64,6 +64,7 @@ def quantize_q4_0(x: torch.Tensor) -> torch.Tensor:
 
 def _kind(name: str, t: torch.Tensor, outtype: str) -> str:
     if t.dim() <= 1 or name.endswith("_norm.weight") or ".ssm_conv1d." in name or ".shortconv.conv." in name \
+            or ".ffn_gate_inp." in name \
             or not name.endswith(".weight"):
         return "f32"
     if outtype in ("q8_0", "q4_0") and t.shape[-1] % 32:
@@ -166,10 +167,12 @@ def save_gguf(model, path, outtype: str = "f32", tokenizer=None, name: str | Non
         meta["tokenizer.ggml.eos_token_id"] = int(eos[0])
     meta.setdefault("tokenizer.ggml.model", "none")            # llama.cpp reads a file without a vocabulary so
 
+    if hasattr(arch, "gguf_tensors"):                          # names or splits that depend on the config
+        tensors = arch.gguf_tensors(tensors, c)
+    else:
+        tensors = {gguf_name(arch, hf): arch.to_gguf(hf, t.float(), c) for hf, t in tensors.items()}
     infos, blobs, offset, types = [], [], 0, {}
-    for hf, t in tensors.items():
-        g = gguf_name(arch, hf)
-        t = arch.to_gguf(hf, t.float(), c)
+    for g, t in tensors.items():
         kind = _kind(g, t, outtype)
         data = _encode(kind, t)
         ne = list(reversed(t.shape))

@@ -1,0 +1,280 @@
+"""llama.cpp's GGUF layout of the Mamba-2 hybrids, as its converter writes them (``conversion/granite.py``,
+``conversion/nemotron.py``, ``conversion/mamba.py``'s Mamba2Model for the SSM layers, gguf-py's
+``tensor_mapping.py``), against the Hugging Face checkpoints ``models.hf`` reads. Same protocol as ``arch.py``'s
+classes (``top`` / ``layer`` / ``to_hf`` / ``to_gguf`` / ``config`` / ``meta``), plus two hooks:
+
+    on_blocks(h, c)            for a tensor whose ``to_hf`` is a permutation of rows and / or a scale factor,
+                               (row order or None, factor): the loader applies them to a quantised matrix's
+                               blocks (rows and scales) and keeps it quantised, exactly
+    gguf_tensors(tensors, c)   the checkpoint's tensors -> {GGUF name: tensor as the converter writes it}
+                               (where one checkpoint tensor is written as two, or names depend on the config)
+
+Which layer is attention and which SSM is read off the per-layer ``attention.head_count_kv`` array (0: an SSM
+layer), as llama.cpp reads it.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import ClassVar
+
+import torch
+
+from subquad.models.gguf.arch import Mamba2Arch, _get
+
+_GATE, _UP = ".gate_half", ".up_half"        # the halves of Granite's fused input_linear (its format's unpack)
+
+
+def permute(w: torch.Tensor, heads: int) -> torch.Tensor:
+    """The converter's ``LlamaModel.permute`` of q / k rows: per head, [first half; second half] of the head's
+    dims -> interleaved (d0, d_h/2, d1, d_h/2 + 1, ...), so that llama.cpp's adjacent-pair rotary ("NORM")
+    equals transformers' rotate-half."""
+    return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def unpermute(w: torch.Tensor, heads: int) -> torch.Tensor:
+    """``permute``'s inverse."""
+    return w.reshape(heads, w.shape[0] // heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def permutation(rows: int, heads: int, inverse: bool = True) -> torch.Tensor:
+    """The row order ``unpermute`` (or ``permute``) applies, as indices: for quantised blocks."""
+    idx = torch.arange(rows)
+    return unpermute(idx, heads) if inverse else permute(idx, heads)
+
+
+def _head_count_kv(meta: dict, a: str, n: int) -> list:
+    kv = _get(meta, a, "attention.head_count_kv")
+    kv = kv if isinstance(kv, list) else [kv] * n
+    if len(kv) != n or len({k for k in kv if k}) > 1:
+        raise ValueError(f"GGUF metadata {a}.attention.head_count_kv={kv} must give each of the {n} layers 0 "
+                         f"(an SSM layer) or one common count")
+    return kv
+
+
+class GraniteHybridArch:
+    """``granitehybrid`` - Hugging Face ``granitemoehybrid`` (IBM Granite 4) and ``bamba`` (GraniteHybridModel in
+    conversion/granite.py). Loaded as ``granitemoehybrid`` (a Bamba is its dense, rotary case).
+
+    Layers: ``attention.head_count_kv[i]`` 0 is a Mamba-2 layer (``Mamba2Arch``'s tensors and reshapes), else
+    attention. MLPs: with experts (``expert_count`` > 0) ``ffn_{gate,up,down}_exps`` (E, I, d) / (E, d, I) - the
+    fused input_linear split into gate and up - ``ffn_gate_inp`` the router, ``ffn_*_shexp`` the shared expert
+    (``expert_shared_feed_forward_length`` wide); without, ``ffn_{gate,up,down}`` (the shared MLP, or Bamba's).
+
+    q and k: ``permute`` (the converter's, for llama.cpp's NORM rotary; done also for attention without
+    positions, where it leaves q k^T as it is) - undone here. Rotary is on only where ``rope.scaling.finetuned``
+    is true, which the converter writes for Bamba alone among hybrids: read as transformers' Bamba, rotary on
+    the first half of each head's dims (transformers hardcodes ``partial_rotary_factor`` 0.5; the converter
+    writes ``rope.dimension_count`` = head_dim, or the older configs' ``attn_rotary_emb``).
+
+    Multipliers (``embedding_scale`` m, ``residual_scale`` r, ``attention_scale`` a, ``logit_scale`` s; llama.cpp
+    applies them at run time, 0 / absent meaning none and a = 1 / sqrt(head_dim)) are folded into the weights
+    here, as subquad's Hugging Face format folds them, and the config given the loader has multipliers of 1:
+    embedding x m, head / s (tied: output_norm / (m s)), q x a sqrt(head_dim), each branch's output projection
+    (ssm_out, attn_output, ffn_down*) x r. Both the permutation and the factors act on whole rows, so a
+    quantised matrix keeps its blocks (``on_blocks``). ``save_gguf`` writes a model's weights with multipliers
+    of 1 (attention_scale 1 / sqrt(head_dim)), as the converter writes the config ``save_pretrained`` writes."""
+    arch = "granitehybrid"
+    hf_layer = "model.layers.{i}."
+    top: ClassVar[dict] = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
+                           "output.weight": "lm_head.weight"}
+    layer: ClassVar[dict] = {
+        **{k: v.replace("mixer.", "mamba.") for k, v in Mamba2Arch.layer.items() if k != "attn_norm.weight"},
+        "attn_norm.weight": "input_layernorm.weight", "ffn_norm.weight": "post_attention_layernorm.weight",
+        "attn_q.weight": "self_attn.q_proj.weight", "attn_k.weight": "self_attn.k_proj.weight",
+        "attn_v.weight": "self_attn.v_proj.weight", "attn_output.weight": "self_attn.o_proj.weight",
+        "ffn_gate_inp.weight": "block_sparse_moe.router.layer.weight",
+        "ffn_gate_exps.weight": "block_sparse_moe.input_linear.weight" + _GATE,
+        "ffn_up_exps.weight": "block_sparse_moe.input_linear.weight" + _UP,
+        "ffn_down_exps.weight": "block_sparse_moe.output_linear.weight",
+        "ffn_gate_shexp.weight": "shared_mlp.input_linear.weight" + _GATE,
+        "ffn_up_shexp.weight": "shared_mlp.input_linear.weight" + _UP,
+        "ffn_down_shexp.weight": "shared_mlp.output_linear.weight",
+        # no experts: the shared MLP written as a dense one (GraniteMoeModel.modify_tensors) - the same tensors
+        "ffn_gate.weight": "shared_mlp.input_linear.weight" + _GATE,
+        "ffn_up.weight": "shared_mlp.input_linear.weight" + _UP, "ffn_down.weight": "shared_mlp.output_linear.weight"}
+    # Bamba's checkpoint names (written as the same GGUF tensors)
+    BAMBA: ClassVar[dict] = {"pre_ff_layernorm.weight": "ffn_norm.weight", "feed_forward.gate_proj.weight": "ffn_gate.weight",
+                             "feed_forward.up_proj.weight": "ffn_up.weight",
+                             "feed_forward.down_proj.weight": "ffn_down.weight"}
+
+    @staticmethod
+    def _scales(c: dict) -> dict:
+        return c.get("_gguf_scales", {})
+
+    @classmethod
+    def on_blocks(cls, h: str, c: dict):
+        """(row order, factor) that ``to_hf`` applies to ``h`` (module doc); None where it reshapes otherwise."""
+        if ".mamba." in h and not h.endswith(("in_proj.weight", "out_proj.weight")):
+            return None
+        rows = None
+        sc = cls._scales(c)
+        hd = c["hidden_size"] // c["num_attention_heads"]
+        if h.endswith("q_proj.weight"):
+            rows = permutation(c["num_attention_heads"] * hd, c["num_attention_heads"])
+        elif h.endswith("k_proj.weight"):
+            rows = permutation(c["num_key_value_heads"] * hd, c["num_key_value_heads"])
+        return rows, cls._factor(h, sc)
+
+    @staticmethod
+    def _factor(h: str, sc: dict) -> float:
+        if not sc:
+            return 1.0
+        if h == "model.embed_tokens.weight":
+            return sc["m"]
+        if h == "lm_head.weight":
+            return 1 / sc["s"]
+        if h == "model.norm.weight" and sc["tied"]:
+            return 1 / (sc["m"] * sc["s"])
+        if h.endswith(("mamba.out_proj.weight", "self_attn.o_proj.weight", "output_linear.weight")):
+            return sc["r"]
+        if h.endswith("q_proj.weight"):
+            return sc["q"]
+        return 1.0
+
+    @classmethod
+    def to_hf(cls, name: str, t: torch.Tensor, c: dict) -> torch.Tensor:
+        if cls.on_blocks(name, c) is None:
+            return Mamba2Arch.to_hf(name.replace(".mamba.", ".mixer."), t, c)
+        rows, f = cls.on_blocks(name, c)
+        if rows is not None:
+            t = t[rows] if t.device.type != "meta" else t.clone()
+        if f != 1.0:
+            t = (t.double() * f).to(t.dtype)
+        return t
+
+    @classmethod
+    def to_gguf(cls, name: str, t: torch.Tensor, c: dict) -> torch.Tensor:
+        if ".mamba." in name:
+            return Mamba2Arch.to_gguf(name.replace(".mamba.", ".mixer."), t, {**c, "n_groups": c["mamba_n_groups"]})
+        if name.endswith("q_proj.weight"):
+            return permute(t, c["num_attention_heads"])
+        if name.endswith("k_proj.weight"):
+            return permute(t, c["num_key_value_heads"])
+        return t
+
+    @classmethod
+    def gguf_tensors(cls, tensors: dict, c: dict) -> dict:
+        """Checkpoint -> GGUF tensors: input_linear split into gate and up (GraniteMoeModel.modify_tensors), the
+        shared MLP written as ``ffn_*_shexp`` beside experts and as ``ffn_*`` without; Bamba's names."""
+        experts = c.get("model_type") != "bamba" and c.get("num_local_experts", 0) > 0
+        inverse = {v: k for k, v in cls.layer.items() if not k.startswith("ffn_") or k.endswith(("_exps.weight",
+                   "_inp.weight")) or (k.endswith("_shexp.weight") == experts)}
+        out = {}
+        for h, t in tensors.items():
+            t = t.float()
+            if h in ("lm_head.weight",) and c.get("tie_word_embeddings"):
+                continue
+            g = {v: k for k, v in cls.top.items()}.get(h) or {"model.final_layernorm.weight": "output_norm.weight"}.get(h)
+            if g is not None:
+                out[g] = t
+                continue
+            i, _, rest = h.removeprefix(cls.hf_layer.split("{i}")[0]).partition(".")
+            parts = {rest: t}
+            if rest.endswith("input_linear.weight"):
+                parts = dict(zip((rest + _GATE, rest + _UP), t.chunk(2, dim=-2)))
+            for r, p in parts.items():
+                if r in cls.BAMBA:
+                    g = cls.BAMBA[r]
+                elif r in inverse:
+                    g = inverse[r]
+                else:
+                    raise ValueError(f"{cls.arch}: no GGUF name for the checkpoint tensor {h!r}")
+                out[f"blk.{i}.{g}"] = cls.to_gguf(h, p, c)
+        return out
+
+    @classmethod
+    def config(cls, meta: dict, tensors: dict) -> dict:
+        a = cls.arch
+        n, d = _get(meta, a, "block_count"), _get(meta, a, "embedding_length")
+        heads = _get(meta, a, "attention.head_count")
+        kv = _head_count_kv(meta, a, n)
+        hd = d // heads
+        inner, ssm_heads = _get(meta, a, "ssm.inner_size"), _get(meta, a, "ssm.time_step_rank")
+        if inner % ssm_heads or inner % d:
+            raise ValueError(f"GGUF metadata {a}.ssm.inner_size={inner} must be a multiple of "
+                             f"{a}.ssm.time_step_rank={ssm_heads} and of embedding_length={d}")
+        rope = bool(meta.get(f"{a}.rope.scaling.finetuned", True))     # llama.cpp's default: true
+        if rope and 0 in kv:
+            rot = meta.get(f"{a}.rope.dimension_count", hd)
+            if rot not in (hd, hd // 2):
+                raise ValueError(f"GGUF metadata {a}.rope.dimension_count={rot}: a hybrid with rotary is Bamba, "
+                                 f"which rotates half of each head's {hd} dims (its converter writes {hd} or {hd // 2})")
+        experts = meta.get(f"{a}.expert_count", 0)
+        ff = _get(meta, a, "feed_forward_length")
+        ssm = next((i for i, k in enumerate(kv) if k == 0), None)
+        c = {"model_type": "granitemoehybrid", "hidden_size": d, "num_hidden_layers": n,
+             "num_attention_heads": heads, "num_key_value_heads": max(kv) or heads,
+             "layer_types": ["mamba" if k == 0 else "attention" for k in kv],
+             "rms_norm_eps": float(_get(meta, a, "attention.layer_norm_rms_epsilon")), "hidden_act": "silu",
+             "attention_bias": False, "mamba_proj_bias": False,
+             "mamba_n_heads": ssm_heads, "mamba_d_head": inner // ssm_heads, "mamba_expand": inner // d,
+             "mamba_n_groups": _get(meta, a, "ssm.group_count"), "mamba_d_state": _get(meta, a, "ssm.state_size"),
+             "mamba_d_conv": _get(meta, a, "ssm.conv_kernel"),
+             "mamba_conv_bias": ssm is None or f"blk.{ssm}.ssm_conv1d.bias" in tensors,
+             "num_local_experts": experts, "intermediate_size": ff,
+             # without experts the dense MLP is the shared one; llama.cpp sizes it by feed_forward_length, which
+             # the converter writes from intermediate_size: equal in the released dense configs
+             "shared_intermediate_size": meta.get(f"{a}.expert_shared_feed_forward_length", 0 if experts else ff),
+             # folded into the weights by to_hf (class doc): the loader's format sees multipliers of 1
+             "embedding_multiplier": 1.0, "residual_multiplier": 1.0, "logits_scaling": 1.0,
+             "attention_multiplier": hd ** -0.5,
+             "position_embedding_type": "rope" if rope else "nope",
+             "rope_parameters": {"rope_type": "default", "rope_theta": float(meta.get(f"{a}.rope.freq_base", 10000.0)),
+                                 "partial_rotary_factor": 0.5 if rope and 0 in kv else 1.0},
+             "tie_word_embeddings": "output.weight" not in tensors}
+        if experts:
+            c["num_experts_per_tok"] = _get(meta, a, "expert_used_count")
+        if experts and not c["shared_intermediate_size"]:
+            raise ValueError(f"GGUF metadata {a}.expert_shared_feed_forward_length is missing or 0: subquad's "
+                             f"granitemoehybrid needs the shared expert beside the experts")
+        m = float(meta.get(f"{a}.embedding_scale") or 1.0)
+        s = float(meta.get(f"{a}.logit_scale") or 1.0)
+        att = float(meta.get(f"{a}.attention.scale") or hd ** -0.5)
+        c["_gguf_scales"] = {"m": m, "s": s, "r": float(meta.get(f"{a}.residual_scale") or 1.0),
+                             "q": att * math.sqrt(hd), "tied": c["tie_word_embeddings"]}
+        if all(v == 1.0 for k, v in c["_gguf_scales"].items() if k != "tied"):
+            c["_gguf_scales"] = {}
+        return c
+
+    @classmethod
+    def meta(cls, c: dict) -> dict:
+        """GraniteHybridModel.set_gguf_parameters (via GraniteMoeModel, GraniteModel, LlamaModel, TextModel) for the
+        config ``save_pretrained`` writes (granitemoehybrid or bamba)."""
+        n, d, heads = c["num_hidden_layers"], c["hidden_size"], c["num_attention_heads"]
+        bamba = c["model_type"] == "bamba"
+        attn = (set(c["attn_layer_indices"]) if bamba else
+                {i for i, t in enumerate(c["layer_types"]) if t in ("attention", "full_attention")})
+        kv = c.get("num_key_value_heads") or heads
+        experts = 0 if bamba else c.get("num_local_experts", 0)
+        if not bamba and c.get("position_embedding_type") == "rope" and len(attn) < n:
+            raise ValueError("position_embedding_type='rope' in a granitemoehybrid with Mamba-2 layers: llama.cpp's "
+                             "converter writes rotary only for Bamba (rope.scaling.finetuned false here), so the "
+                             "file would lose it; subquad does not write it")
+        ctx = c.get("max_position_embeddings", 262144 if bamba else 2048)   # transformers' config defaults
+        out = {"block_count": n, "context_length": ctx, "embedding_length": d,
+               "feed_forward_length": c["intermediate_size"], "attention.head_count": heads,
+               "attention.head_count_kv": [kv if i in attn else 0 for i in range(n)],
+               "rope.freq_base": float(c["rope_parameters"]["rope_theta"]),
+               "attention.layer_norm_rms_epsilon": float(c["rms_norm_eps"])}
+        if not bamba:
+            out["expert_count"] = experts
+            if experts:
+                out["expert_used_count"] = c["num_experts_per_tok"]
+        out["rope.dimension_count"] = d // heads
+        if not bamba:
+            for key, field in (("attention.scale", "attention_multiplier"), ("embedding_scale", "embedding_multiplier"),
+                               ("residual_scale", "residual_multiplier"), ("logit_scale", "logits_scaling")):
+                if c.get(field):
+                    out[key] = float(c[field])
+            if c.get("shared_intermediate_size"):
+                out["expert_shared_feed_forward_length"] = c["shared_intermediate_size"]
+        inner = c["mamba_expand"] * d
+        out.update({"ssm.conv_kernel": c["mamba_d_conv"], "ssm.state_size": c["mamba_d_state"],
+                    "ssm.group_count": c["mamba_n_groups"], "ssm.inner_size": inner,
+                    "ssm.time_step_rank": c["mamba_n_heads"]})
+        rope = bamba or c.get("position_embedding_type") == "rope" or not any(i not in attn for i in range(n))
+        out["rope.scaling.finetuned"] = rope
+        if not rope:
+            out["context_length"] = 1 << 20
+        return out

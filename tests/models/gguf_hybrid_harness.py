@@ -1,0 +1,219 @@
+"""GGUF files of tiny random Hugging Face Mamba-2 hybrids, written with ggml's own ``gguf`` package by llama.cpp's
+converter rules (``conversion/granite.py``'s GraniteHybridModel, ``conversion/mamba.py``'s Mamba2Model,
+``convert_hf_to_gguf``'s choice of types in ``conversion/base.py``) written out here, independently of
+``subquad.models.gguf``; and the reference a quantised file is held to (``dequantized_folder``)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from tests.models.gguf_harness import TYPES, gguf
+
+MAMBA = {"norm.weight": "ssm_norm.weight", "in_proj.weight": "ssm_in.weight", "conv1d.weight": "ssm_conv1d.weight",
+         "conv1d.bias": "ssm_conv1d.bias", "dt_bias": "ssm_dt.bias", "A_log": "ssm_a", "D": "ssm_d",
+         "out_proj.weight": "ssm_out.weight"}
+# granitehybrid (Granite 4 and Bamba): checkpoint name inside model.layers.{i}. -> GGUF name inside blk.{i}.
+GRANITE = {"input_layernorm.weight": "attn_norm.weight", "post_attention_layernorm.weight": "ffn_norm.weight",
+           "pre_ff_layernorm.weight": "ffn_norm.weight", "self_attn.q_proj.weight": "attn_q.weight",
+           "self_attn.k_proj.weight": "attn_k.weight", "self_attn.v_proj.weight": "attn_v.weight",
+           "self_attn.o_proj.weight": "attn_output.weight", "feed_forward.gate_proj.weight": "ffn_gate.weight",
+           "feed_forward.up_proj.weight": "ffn_up.weight", "feed_forward.down_proj.weight": "ffn_down.weight",
+           "block_sparse_moe.router.layer.weight": "ffn_gate_inp.weight",
+           "block_sparse_moe.output_linear.weight": "ffn_down_exps.weight",
+           **{f"mamba.{k}": v for k, v in MAMBA.items()}}
+GRANITE_TOP = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+               "model.final_layernorm.weight": "output_norm.weight", "lm_head.weight": "output.weight"}
+F32_ALWAYS = ("ffn_gate_inp.weight", "ssm_conv1d.weight")        # base.py: FFN_GATE_INP, SSM_CONV1D
+
+
+def _permute(w, n_head):
+    """LlamaModel.permute: rotate-half -> llama.cpp's adjacent pairs."""
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def checkpoint(folder) -> dict:
+    """The tensors of a saved folder, by their checkpoint names (what the converter reads)."""
+    from safetensors.torch import load_file
+
+    return load_file(str(Path(folder) / "model.safetensors"))
+
+
+def granite_tensors(c, sd) -> dict:
+    """{GGUF name: float32 tensor} as GraniteHybridModel.modify_tensors yields them (with Mamba2Model's reshapes)
+    from config ``c`` and checkpoint ``sd``."""
+    bamba = c.model_type == "bamba"
+    experts = not bamba and c.num_local_experts > 0
+    n_groups = c.mamba_n_groups
+    tied = c.tie_word_embeddings
+    out = {}
+    for name, t in sd.items():
+        t = t.detach().float()
+        if name in GRANITE_TOP:
+            if name == "lm_head.weight" and tied:
+                continue
+            out[GRANITE_TOP[name]] = t
+            continue
+        i, rest = name.removeprefix("model.layers.").split(".", 1)
+        p = f"blk.{i}."
+        if rest.endswith("input_linear.weight"):               # GraniteMoeModel: gate, up = split(ffn, dim=-2)
+            gate, up = t.chunk(2, dim=-2)
+            kind = "exps" if rest.startswith("block_sparse_moe") else ("shexp" if experts else None)
+            out[p + (f"ffn_gate_{kind}.weight" if kind else "ffn_gate.weight")] = gate
+            out[p + (f"ffn_up_{kind}.weight" if kind else "ffn_up.weight")] = up
+            continue
+        if rest == "shared_mlp.output_linear.weight":
+            out[p + ("ffn_down_shexp.weight" if experts else "ffn_down.weight")] = t
+            continue
+        g = GRANITE[rest]
+        if rest == "self_attn.q_proj.weight":
+            t = _permute(t, c.num_attention_heads)
+        elif rest == "self_attn.k_proj.weight":
+            t = _permute(t, c.num_key_value_heads)
+        elif rest == "mamba.conv1d.weight":
+            t = t.squeeze()
+        elif rest in ("mamba.A_log", "mamba.D"):
+            t = t.reshape(-1, 1)
+        elif rest == "mamba.norm.weight":
+            t = t.reshape(n_groups, -1)
+        if rest == "mamba.A_log":
+            t = -torch.exp(t)
+        out[p + g] = t
+    return out
+
+
+def granite_metadata(w, c):
+    """GraniteHybridModel.set_gguf_parameters (GraniteMoeModel -> GraniteModel -> LlamaModel -> TextModel, then
+    the hybrid's own keys, overwriting head_count_kv and, without rotary, context_length)."""
+    bamba = c.model_type == "bamba"
+    n = c.num_hidden_layers
+    if bamba:
+        attn = set(c.attn_layer_indices)
+    else:
+        # the converter's get_attn_layers takes "attention" (the released configs' name); transformers 5 saves
+        # "full_attention", which this converter does not recognise (it would write every layer as Mamba-2)
+        attn = {i for i, t in enumerate(c.layer_types) if t in ("attention", "full_attention")}
+    w.add_block_count(n)
+    w.add_context_length(c.max_position_embeddings)
+    w.add_embedding_length(c.hidden_size)
+    w.add_feed_forward_length(c.intermediate_size)
+    w.add_head_count(c.num_attention_heads)
+    w.add_rope_freq_base(c.rope_parameters["rope_theta"])
+    w.add_layer_norm_rms_eps(c.rms_norm_eps)
+    if not bamba:
+        w.add_expert_count(c.num_local_experts)
+        if c.num_local_experts:
+            w.add_expert_used_count(c.num_experts_per_tok)
+    w.add_vocab_size(c.vocab_size)
+    w.add_rope_dimension_count(c.hidden_size // c.num_attention_heads)
+    for value, add in ((getattr(c, "attention_multiplier", None), w.add_attention_scale),
+                       (getattr(c, "embedding_multiplier", None), w.add_embedding_scale),
+                       (getattr(c, "residual_multiplier", None), w.add_residual_scale),
+                       (getattr(c, "logits_scaling", None), w.add_logit_scale)):
+        if value:
+            add(value)
+    if getattr(c, "shared_intermediate_size", None):
+        w.add_expert_shared_feed_forward_length(c.shared_intermediate_size)
+    w.add_ssm_conv_kernel(c.mamba_d_conv)
+    w.add_ssm_state_size(c.mamba_d_state)
+    w.add_ssm_group_count(c.mamba_n_groups)
+    w.add_ssm_inner_size(c.mamba_expand * c.hidden_size)
+    w.add_ssm_time_step_rank(c.mamba_n_heads)
+    w.add_head_count_kv([c.num_key_value_heads if i in attn else 0 for i in range(n)])
+    w.add_rope_scaling_finetuned(bamba)
+    if not bamba:
+        w.add_context_length(2 ** 20)
+
+
+def _kind(g: str, a: np.ndarray, outtype: str):
+    """conversion/base.py: 1-D tensors, norms, the router, convolutions and non-.weight tensors in F32."""
+    if a.ndim <= 1 or g.endswith("_norm.weight") or g.endswith(F32_ALWAYS) or not g.endswith(".weight"):
+        return gguf.GGMLQuantizationType.F32
+    return TYPES[outtype]
+
+
+def convert(hf, folder, path, outtype="f32") -> dict:
+    """Write the model ``hf`` saved in ``folder`` (granitemoehybrid or bamba) as llama.cpp's converter does;
+    {GGUF name: type written}."""
+    import warnings
+
+    c = hf.config
+    w = gguf.GGUFWriter(str(path), "granitehybrid")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        import logging
+        logging.getLogger("gguf.gguf_writer").setLevel(logging.ERROR)   # the converter's expected duplicates
+        granite_metadata(w, c)
+    types = {}
+    for g, t in granite_tensors(c, checkpoint(folder)).items():
+        a = t.numpy()
+        kind = _kind(g, a, outtype)
+        try:
+            data = gguf.quants.quantize(a, kind)
+        except gguf.QuantError:
+            kind = gguf.GGMLQuantizationType.F16
+            data = gguf.quants.quantize(a, kind)
+        w.add_tensor(g, data, raw_dtype=kind)
+        types[g] = kind.name
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return types
+
+
+def dequantized_folder(hf, src, gguf_path, folder):
+    """The checkpoint in ``src`` with each tensor the file stores quantised or in F16 replaced by gguf's
+    dequantisation of it (the converter's reshapes undone), saved to ``folder``: the reference of a quantised
+    file's logits."""
+    import shutil
+
+    from safetensors.torch import save_file
+
+    r = gguf.GGUFReader(str(gguf_path))
+    stored = {t.name: t for t in r.tensors}
+    written = granite_tensors(hf.config, checkpoint(src))
+    deq = {}
+    for g, t in stored.items():
+        if t.tensor_type != gguf.GGMLQuantizationType.F32:
+            a = gguf.quants.dequantize(np.asarray(t.data), t.tensor_type)
+            deq[g] = torch.from_numpy(np.ascontiguousarray(a)).reshape(written[g].shape)
+    c = hf.config
+    sd = checkpoint(src)
+    for name in sd:
+        if name in GRANITE_TOP:
+            g = GRANITE_TOP[name] if not (name == "lm_head.weight" and c.tie_word_embeddings) else "token_embd.weight"
+            if g in deq:
+                sd[name] = deq[g].to(sd[name].dtype)
+            continue
+        i, rest = name.removeprefix("model.layers.").split(".", 1)
+        p = f"blk.{i}."
+        if rest.endswith("input_linear.weight"):
+            gs = [g for g in deq if g.startswith(p) and (("exps" in g) == rest.startswith("block_sparse_moe"))
+                  and g.split(".")[-2].startswith(("ffn_gate", "ffn_up")) and "inp" not in g]
+            gate = next((g for g in gs if ".ffn_gate" in g), None)
+            up = next((g for g in gs if ".ffn_up" in g), None)
+            if gate and up:
+                sd[name] = torch.cat([deq[gate], deq[up]], dim=-2)
+            continue
+        g = GRANITE.get(rest)
+        if rest == "shared_mlp.output_linear.weight":
+            g = next(x.removeprefix(p) for x in written if x.startswith(p + "ffn_down") and "exps" not in x)
+        if p + g not in deq:
+            continue
+        t = deq[p + g]
+        if rest == "self_attn.q_proj.weight":
+            t = _unpermute(t, c.num_attention_heads)
+        elif rest == "self_attn.k_proj.weight":
+            t = _unpermute(t, c.num_key_value_heads)
+        sd[name] = t.reshape(sd[name].shape).to(sd[name].dtype)
+    Path(folder).mkdir(parents=True, exist_ok=True)
+    shutil.copy(Path(src) / "config.json", Path(folder) / "config.json")
+    save_file({k: v.contiguous() for k, v in sd.items()}, str(Path(folder) / "model.safetensors"))
+    return folder
+
+
+def _unpermute(w, n_head):
+    return w.reshape(n_head, w.shape[0] // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
