@@ -158,8 +158,9 @@ class GraniteHybridArch:
         """Checkpoint -> GGUF tensors: input_linear split into gate and up (GraniteMoeModel.modify_tensors), the
         shared MLP written as ``ffn_*_shexp`` beside experts and as ``ffn_*`` without; Bamba's names."""
         experts = c.get("model_type") != "bamba" and c.get("num_local_experts", 0) > 0
-        inverse = {v: k for k, v in cls.layer.items() if not k.startswith("ffn_") or k.endswith(("_exps.weight",
-                   "_inp.weight")) or (k.endswith("_shexp.weight") == experts)}
+        dense = ("ffn_gate.weight", "ffn_up.weight", "ffn_down.weight")
+        inverse = {v: k for k, v in cls.layer.items()
+                   if not (k.endswith("_shexp.weight") and not experts or k in dense and experts)}
         out = {}
         for h, t in tensors.items():
             t = t.float()
