@@ -26,6 +26,12 @@ GRANITE = {"input_layernorm.weight": "attn_norm.weight", "post_attention_layerno
            **{f"mamba.{k}": v for k, v in MAMBA.items()}}
 GRANITE_TOP = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
                "model.final_layernorm.weight": "output_norm.weight", "lm_head.weight": "output.weight"}
+NEMOTRON = {"norm.weight": "attn_norm.weight", "mixer.q_proj.weight": "attn_q.weight",
+            "mixer.k_proj.weight": "attn_k.weight", "mixer.v_proj.weight": "attn_v.weight",
+            "mixer.o_proj.weight": "attn_output.weight", "mixer.up_proj.weight": "ffn_up.weight",
+            "mixer.down_proj.weight": "ffn_down.weight", **{f"mixer.{k}": v for k, v in MAMBA.items()}}
+NEMOTRON_TOP = {"backbone.embeddings.weight": "token_embd.weight", "backbone.norm_f.weight": "output_norm.weight",
+                "lm_head.weight": "output.weight"}
 F32_ALWAYS = ("ffn_gate_inp.weight", "ssm_conv1d.weight")        # base.py: FFN_GATE_INP, SSM_CONV1D
 
 
@@ -134,20 +140,82 @@ def _kind(g: str, a: np.ndarray, outtype: str):
     return TYPES[outtype]
 
 
+def nemotron_tensors(c, sd) -> dict:
+    """NemotronHModel.modify_tensors (dense): attention layers as Granite's (q, k permuted), Mamba-2 layers as
+    Mamba2Model's, MLP layers and the rest by gguf-py's names."""
+    n_groups = c.n_groups
+    out = {}
+    for name, t in sd.items():
+        t = t.detach().float()
+        if name in NEMOTRON_TOP:
+            out[NEMOTRON_TOP[name]] = t
+            continue
+        i, rest = name.removeprefix("backbone.layers.").split(".", 1)
+        if rest == "mixer.q_proj.weight":
+            t = _permute(t, c.num_attention_heads)
+        elif rest == "mixer.k_proj.weight":
+            t = _permute(t, c.num_key_value_heads)
+        elif rest == "mixer.conv1d.weight":
+            t = t.squeeze()
+        elif rest in ("mixer.A_log", "mixer.D"):
+            t = t.reshape(-1, 1)
+        elif rest == "mixer.norm.weight":
+            t = t.reshape(n_groups, -1)
+        if rest == "mixer.A_log":
+            t = -torch.exp(t)
+        out[f"blk.{i}.{NEMOTRON[rest]}"] = t
+    return out
+
+
+def nemotron_metadata(w, c):
+    """NemotronHModel.set_gguf_parameters for a released-form config (``hybrid_override_pattern`` a string, no MoE
+    fields): GraniteHybridModel's keys, then key / value length and feed_forward_length per layer. (transformers
+    5 saves ``layers_block_type`` with "mlp" and the MoE defaults, num_experts_per_tok among them, which this
+    converter reads as a Nemotron-H MoE: it cannot convert such a folder as saved.)"""
+    pattern = c.hybrid_override_pattern
+    n = len(pattern)
+    w.add_block_count(n)
+    w.add_context_length(c.max_position_embeddings)
+    w.add_embedding_length(c.hidden_size)
+    w.add_feed_forward_length(c.intermediate_size)
+    w.add_head_count(c.num_attention_heads)
+    w.add_layer_norm_eps(c.layer_norm_epsilon)
+    w.add_vocab_size(c.vocab_size)
+    w.add_rope_dimension_count(c.hidden_size // c.num_attention_heads)   # GraniteModel popped head_dim
+    w.add_ssm_conv_kernel(c.conv_kernel)
+    w.add_ssm_state_size(c.ssm_state_size)
+    w.add_ssm_group_count(c.n_groups)
+    w.add_ssm_inner_size(c.mamba_num_heads * c.mamba_head_dim)
+    w.add_ssm_time_step_rank(c.mamba_num_heads)
+    w.add_head_count_kv([c.num_key_value_heads if ch == "*" else 0 for ch in pattern])
+    w.add_rope_scaling_finetuned(False)
+    w.add_context_length(2 ** 20)
+    w.add_key_length(c.head_dim)
+    w.add_value_length(c.head_dim)
+    w.add_feed_forward_length([c.intermediate_size if ch == "-" else 0 for ch in pattern])
+
+
+ARCH = {"granitemoehybrid": ("granitehybrid", granite_metadata, lambda c, sd: granite_tensors(c, sd)),
+        "bamba": ("granitehybrid", granite_metadata, lambda c, sd: granite_tensors(c, sd)),
+        "nemotron_h": ("nemotron_h", nemotron_metadata, lambda c, sd: nemotron_tensors(c, sd))}
+
+
 def convert(hf, folder, path, outtype="f32") -> dict:
-    """Write the model ``hf`` saved in ``folder`` (granitemoehybrid or bamba) as llama.cpp's converter does;
-    {GGUF name: type written}."""
-    import warnings
+    """Write the model ``hf`` saved in ``folder`` (granitemoehybrid, bamba or nemotron_h) as llama.cpp's converter
+    does; {GGUF name: type written}."""
+    import logging
 
     c = hf.config
-    w = gguf.GGUFWriter(str(path), "granitehybrid")
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        import logging
-        logging.getLogger("gguf.gguf_writer").setLevel(logging.ERROR)   # the converter's expected duplicates
-        granite_metadata(w, c)
+    arch, metadata, tensors = ARCH[c.model_type]
+    w = gguf.GGUFWriter(str(path), arch)
+    level = logging.getLogger("gguf.gguf_writer").level
+    logging.getLogger("gguf.gguf_writer").setLevel(logging.ERROR)   # the converter's expected duplicate keys
+    try:
+        metadata(w, c)
+    finally:
+        logging.getLogger("gguf.gguf_writer").setLevel(level)
     types = {}
-    for g, t in granite_tensors(c, checkpoint(folder)).items():
+    for g, t in tensors(c, checkpoint(folder)).items():
         a = t.numpy()
         kind = _kind(g, a, outtype)
         try:
@@ -174,15 +242,30 @@ def dequantized_folder(hf, src, gguf_path, folder):
 
     r = gguf.GGUFReader(str(gguf_path))
     stored = {t.name: t for t in r.tensors}
-    written = granite_tensors(hf.config, checkpoint(src))
+    c = hf.config
+    written = ARCH[c.model_type][2](c, checkpoint(src))
     deq = {}
     for g, t in stored.items():
         if t.tensor_type != gguf.GGMLQuantizationType.F32:
             a = gguf.quants.dequantize(np.asarray(t.data), t.tensor_type)
             deq[g] = torch.from_numpy(np.ascontiguousarray(a)).reshape(written[g].shape)
-    c = hf.config
     sd = checkpoint(src)
-    for name in sd:
+    if c.model_type == "nemotron_h":                              # one GGUF tensor per checkpoint tensor
+        for name in sd:
+            top = name in NEMOTRON_TOP
+            i, rest = ("", name) if top else name.removeprefix("backbone.layers.").split(".", 1)
+            g = NEMOTRON_TOP[name] if top else f"blk.{i}.{NEMOTRON[rest]}"
+            if g in deq:
+                t = deq[g]
+                if rest == "mixer.q_proj.weight":
+                    t = _unpermute(t, c.num_attention_heads)
+                elif rest == "mixer.k_proj.weight":
+                    t = _unpermute(t, c.num_key_value_heads)
+                sd[name] = t.reshape(sd[name].shape).to(sd[name].dtype)
+        names = ()
+    else:
+        names = list(sd)
+    for name in names:
         if name in GRANITE_TOP:
             g = GRANITE_TOP[name] if not (name == "lm_head.weight" and c.tie_word_embeddings) else "token_embd.weight"
             if g in deq:

@@ -194,10 +194,10 @@ ARCHS = {a.arch: a for a in (MambaArch, Mamba2Arch, Lfm2Arch)}
 # the Hugging Face model_type each architecture's file is written from
 HF_TYPES = {"mamba": MambaArch, "falcon_mamba": MambaArch, "mamba2": Mamba2Arch, "lfm2": Lfm2Arch}
 
-from subquad.models.gguf.hybrid import GraniteHybridArch  # noqa: E402  (hybrid.py builds on the classes above)
+from subquad.models.gguf.hybrid import GraniteHybridArch, NemotronHArch  # noqa: E402  (built on the classes above)
 
-ARCHS.update({a.arch: a for a in (GraniteHybridArch,)})
-HF_TYPES.update({"granitemoehybrid": GraniteHybridArch, "bamba": GraniteHybridArch})
+ARCHS.update({a.arch: a for a in (GraniteHybridArch, NemotronHArch)})
+HF_TYPES.update({"granitemoehybrid": GraniteHybridArch, "bamba": GraniteHybridArch, "nemotron_h": NemotronHArch})
 
 
 def hf_name(arch, name: str) -> str:

@@ -279,3 +279,110 @@ class GraniteHybridArch:
         if not rope:
             out["context_length"] = 1 << 20
         return out
+
+
+class NemotronHArch:
+    """``nemotron_h`` - Hugging Face ``nemotron_h`` (NVIDIA Nemotron-H; NemotronHModel in conversion/nemotron.py,
+    a GraniteHybridModel). One GGUF block per checkpoint layer, its kind read as llama.cpp reads it: attention
+    where ``attention.head_count_kv[i]`` > 0, an MLP ("-": ungated squared ReLU, ``ffn_up`` / ``ffn_down``) where
+    ``feed_forward_length[i]`` > 0, else Mamba-2 (``Mamba2Arch``'s tensors and reshapes); every block's norm is
+    ``attn_norm``. The pattern string "M-M*-..." is rebuilt from the two arrays. Attention without positions,
+    heads of ``attention.key_length``; q and k ``permute``d as Granite's (undone here, by whole rows:
+    ``on_blocks``). The Mamba-2 width is ``ssm.inner_size`` = ``ssm.time_step_rank`` heads x their head dim.
+
+    Not in the file: transformers clamps dt to [``time_step_min``, inf); llama.cpp does not clamp. Read with
+    transformers' default, 0.001 (the released configs'). The MoE form (``nemotron_h_moe``, "E" layers) is not
+    read here. transformers' Nemotron-H reads ``lm_head`` even when tied: a file without ``output.weight`` is
+    refused by name."""
+    arch = "nemotron_h"
+    hf_layer = "backbone.layers.{i}."
+    top: ClassVar[dict] = {"token_embd.weight": "backbone.embeddings.weight",
+                           "output_norm.weight": "backbone.norm_f.weight", "output.weight": "lm_head.weight"}
+    layer: ClassVar[dict] = {**{k: v for k, v in Mamba2Arch.layer.items()},
+                             "attn_q.weight": "mixer.q_proj.weight", "attn_k.weight": "mixer.k_proj.weight",
+                             "attn_v.weight": "mixer.v_proj.weight", "attn_output.weight": "mixer.o_proj.weight",
+                             "ffn_up.weight": "mixer.up_proj.weight", "ffn_down.weight": "mixer.down_proj.weight"}
+
+    @staticmethod
+    def on_blocks(h: str, c: dict):
+        if h.endswith(("mixer.A_log", "mixer.D", "mixer.norm.weight", "conv1d.weight")):
+            return None
+        if h.endswith("q_proj.weight"):
+            return permutation(c["num_attention_heads"] * c["head_dim"], c["num_attention_heads"]), 1.0
+        if h.endswith("k_proj.weight"):
+            return permutation(c["num_key_value_heads"] * c["head_dim"], c["num_key_value_heads"]), 1.0
+        return None, 1.0
+
+    @classmethod
+    def to_hf(cls, name: str, t: torch.Tensor, c: dict) -> torch.Tensor:
+        how = cls.on_blocks(name, c)
+        if how is None:
+            return Mamba2Arch.to_hf(name, t, c)
+        if how[0] is not None:
+            return t[how[0]] if t.device.type != "meta" else t.clone()
+        return t
+
+    @staticmethod
+    def to_gguf(name: str, t: torch.Tensor, c: dict) -> torch.Tensor:
+        if name.endswith("q_proj.weight"):
+            return permute(t, c["num_attention_heads"])
+        if name.endswith("k_proj.weight"):
+            return permute(t, c["num_key_value_heads"])
+        return Mamba2Arch.to_gguf(name, t, c)
+
+    @classmethod
+    def config(cls, meta: dict, tensors: dict) -> dict:
+        a = cls.arch
+        n, d = _get(meta, a, "block_count"), _get(meta, a, "embedding_length")
+        kv = _head_count_kv(meta, a, n)
+        ff = _get(meta, a, "feed_forward_length")
+        ff = ff if isinstance(ff, list) else [ff] * n
+        if len(ff) != n or len({f for f in ff if f}) > 1:
+            raise ValueError(f"GGUF metadata {a}.feed_forward_length={ff} must give each of the {n} layers 0 or "
+                             f"one common MLP width")
+        if any(k and f for k, f in zip(kv, ff)):
+            raise ValueError(f"GGUF metadata {a}.attention.head_count_kv={kv} and feed_forward_length={ff}: a layer "
+                             f"is attention or an MLP, not both")
+        if meta.get(f"{a}.expert_count"):
+            raise ValueError(f"GGUF metadata {a}.expert_count={meta[f'{a}.expert_count']}: Nemotron-H's MoE layers "
+                             f"are not read from GGUF here")
+        if "output.weight" not in tensors:
+            raise ValueError(f"GGUF file of architecture {a!r} has no output.weight: transformers' Nemotron-H "
+                             f"reads lm_head whatever tie_word_embeddings says, and subquad's nemotron_h with it")
+        heads = _get(meta, a, "attention.head_count")
+        inner, ssm_heads = _get(meta, a, "ssm.inner_size"), _get(meta, a, "ssm.time_step_rank")
+        pattern = "".join("*" if k else "-" if f else "M" for k, f in zip(kv, ff))
+        ssm = pattern.find("M")
+        eps = meta.get(f"{a}.attention.layer_norm_epsilon", meta.get(f"{a}.attention.layer_norm_rms_epsilon"))
+        if eps is None:
+            raise ValueError(f"GGUF metadata has no {a}.attention.layer_norm_epsilon (needed for architecture {a!r})")
+        return {"model_type": "nemotron_h", "hidden_size": d, "num_hidden_layers": n,
+                "hybrid_override_pattern": pattern, "num_attention_heads": heads,
+                "num_key_value_heads": max(kv) or heads,
+                "head_dim": meta.get(f"{a}.attention.key_length", d // heads),
+                "intermediate_size": max(ff) or None, "layer_norm_epsilon": float(eps),
+                "mlp_hidden_act": "relu2", "mamba_hidden_act": "silu", "use_bias": False, "mlp_bias": False,
+                "attention_bias": False, "mamba_num_heads": ssm_heads, "mamba_head_dim": inner // ssm_heads,
+                "ssm_state_size": _get(meta, a, "ssm.state_size"), "n_groups": _get(meta, a, "ssm.group_count"),
+                "conv_kernel": _get(meta, a, "ssm.conv_kernel"),
+                "use_conv_bias": ssm < 0 or f"blk.{ssm}.ssm_conv1d.bias" in tensors,
+                "time_step_min": 0.001, "tie_word_embeddings": False}
+
+    @classmethod
+    def meta(cls, c: dict) -> dict:
+        """NemotronHModel.set_gguf_parameters (GraniteHybridModel's, then key / value length and the per-layer
+        feed_forward_length) for the config ``save_pretrained`` writes."""
+        pattern = c["hybrid_override_pattern"]
+        if "E" in pattern:
+            raise ValueError("nemotron_h with MoE layers ('E'): subquad writes the dense Nemotron-H GGUF only")
+        n, d, heads = len(pattern), c["hidden_size"], c["num_attention_heads"]
+        kv = c.get("num_key_value_heads") or heads
+        return {"block_count": n, "context_length": 1 << 20, "embedding_length": d,
+                "feed_forward_length": [c["intermediate_size"] if ch == "-" else 0 for ch in pattern],
+                "attention.head_count": heads, "attention.head_count_kv": [kv if ch == "*" else 0 for ch in pattern],
+                "attention.layer_norm_epsilon": float(c["layer_norm_epsilon"]),
+                "rope.dimension_count": d // heads,
+                "ssm.conv_kernel": c["conv_kernel"], "ssm.state_size": c["ssm_state_size"],
+                "ssm.group_count": c["n_groups"], "ssm.inner_size": c["mamba_num_heads"] * c["mamba_head_dim"],
+                "ssm.time_step_rank": c["mamba_num_heads"], "rope.scaling.finetuned": False,
+                "attention.key_length": c["head_dim"], "attention.value_length": c["head_dim"]}
