@@ -195,9 +195,91 @@ def nemotron_metadata(w, c):
     w.add_feed_forward_length([c.intermediate_size if ch == "-" else 0 for ch in pattern])
 
 
+FALCON = {"input_layernorm.weight": "attn_norm.weight", "pre_ff_layernorm.weight": "ffn_norm",   # FFN_PRE_NORM
+          "self_attn.q_proj.weight": "attn_q.weight", "self_attn.k_proj.weight": "attn_k.weight",
+          "self_attn.v_proj.weight": "attn_v.weight", "self_attn.o_proj.weight": "attn_output.weight",
+          "feed_forward.gate_proj.weight": "ffn_gate.weight", "feed_forward.up_proj.weight": "ffn_up.weight",
+          "feed_forward.down_proj.weight": "ffn_down.weight", **{f"mamba.{k}": v for k, v in MAMBA.items()}}
+
+
+def falcon_tensors(c, sd) -> dict:
+    """FalconH1Model.modify_tensors: Mamba2Model's reshapes, then the muP multipliers folded into the weights
+    (each tensor times its multiplier; in_proj's z, x, B, C, dt rows times ssm_multipliers)."""
+    out = {}
+    I, GN = c.mamba_d_ssm, c.mamba_n_groups * c.mamba_d_state
+    mlp, ssm = c.mlp_multipliers, c.ssm_multipliers
+    for name, t in sd.items():
+        t = t.detach().float().clone()
+        if name == "model.embed_tokens.weight":
+            out["token_embd.weight"] = t * c.embedding_multiplier
+            continue
+        if name == "lm_head.weight":
+            if not c.tie_word_embeddings:
+                out["output.weight"] = t * c.lm_head_multiplier
+            continue
+        if name == "model.final_layernorm.weight":
+            out["output_norm.weight"] = t
+            continue
+        i, rest = name.removeprefix("model.layers.").split(".", 1)
+        if rest == "mamba.conv1d.weight":
+            t = t.squeeze()
+        elif rest in ("mamba.A_log", "mamba.D"):
+            t = t.reshape(-1, 1)
+        if rest == "mamba.A_log":
+            t = -torch.exp(t)
+        if "down_proj" in rest:
+            t = t * mlp[1]
+        elif "gate_proj" in rest:
+            t = t * mlp[0]
+        elif "k_proj" in rest:
+            t = t * c.key_multiplier * c.attention_in_multiplier
+        elif "q_proj" in rest or "v_proj" in rest:
+            t = t * c.attention_in_multiplier
+        elif "o_proj" in rest:
+            t = t * c.attention_out_multiplier
+        elif "out_proj" in rest:
+            t = t * c.ssm_out_multiplier
+        elif "in_proj" in rest:
+            t = t * c.ssm_in_multiplier
+            t[:I] *= ssm[0]
+            t[I:2 * I] *= ssm[1]
+            t[2 * I:2 * I + GN] *= ssm[2]
+            t[2 * I + GN:2 * I + 2 * GN] *= ssm[3]
+            t[2 * I + 2 * GN:] *= ssm[4]
+        elif "mamba.norm" in rest:
+            t = t.reshape(c.mamba_n_groups, I // c.mamba_n_groups)
+        out[f"blk.{i}.{FALCON[rest]}"] = t
+    return out
+
+
+def falcon_metadata(w, c):
+    """Mamba2Model.set_gguf_parameters, then FalconH1Model's overrides."""
+    w.add_context_length(2 ** 20)
+    w.add_embedding_length(c.hidden_size)
+    w.add_feed_forward_length(0)
+    w.add_head_count(0)
+    w.add_block_count(c.num_hidden_layers)
+    w.add_ssm_conv_kernel(c.mamba_d_conv)
+    w.add_ssm_inner_size(c.mamba_d_ssm)
+    w.add_ssm_state_size(c.mamba_d_state)
+    w.add_ssm_time_step_rank(c.mamba_d_ssm // c.mamba_d_head)
+    w.add_ssm_group_count(c.mamba_n_groups)
+    w.add_layer_norm_rms_eps(c.rms_norm_eps)
+    w.add_vocab_size(c.vocab_size)
+    w.add_block_count(c.num_hidden_layers)
+    w.add_context_length(c.max_position_embeddings)
+    w.add_feed_forward_length(c.intermediate_size)
+    w.add_head_count(c.num_attention_heads)
+    w.add_head_count_kv(c.num_key_value_heads)
+    w.add_key_length(c.head_dim)
+    w.add_value_length(c.head_dim)
+    w.add_rope_freq_base(c.rope_parameters["rope_theta"])
+
+
 ARCH = {"granitemoehybrid": ("granitehybrid", granite_metadata, lambda c, sd: granite_tensors(c, sd)),
         "bamba": ("granitehybrid", granite_metadata, lambda c, sd: granite_tensors(c, sd)),
-        "nemotron_h": ("nemotron_h", nemotron_metadata, lambda c, sd: nemotron_tensors(c, sd))}
+        "nemotron_h": ("nemotron_h", nemotron_metadata, lambda c, sd: nemotron_tensors(c, sd)),
+        "falcon_h1": ("falcon-h1", falcon_metadata, lambda c, sd: falcon_tensors(c, sd))}
 
 
 def convert(hf, folder, path, outtype="f32") -> dict:
@@ -250,6 +332,8 @@ def dequantized_folder(hf, src, gguf_path, folder):
             a = gguf.quants.dequantize(np.asarray(t.data), t.tensor_type)
             deq[g] = torch.from_numpy(np.ascontiguousarray(a)).reshape(written[g].shape)
     sd = checkpoint(src)
+    if c.model_type == "falcon_h1":
+        return _falcon_folder(c, r, written, deq, Path(src), Path(folder))
     if c.model_type == "nemotron_h":                              # one GGUF tensor per checkpoint tensor
         for name in sd:
             top = name in NEMOTRON_TOP
@@ -300,3 +384,39 @@ def dequantized_folder(hf, src, gguf_path, folder):
 
 def _unpermute(w, n_head):
     return w.reshape(n_head, w.shape[0] // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def _falcon_folder(c, r, written, deq, src, folder):
+    """Falcon-H1's reference: the file's tensors (the multipliers already folded in; dequantised where stored
+    quantised) as a checkpoint whose config has multipliers of 1."""
+    import json
+
+    from safetensors.torch import save_file
+
+    inverse = {v: k for k, v in FALCON.items()}
+    sd = {}
+    for g, t in written.items():
+        t = deq.get(g, t)
+        if g in ("token_embd.weight", "output.weight", "output_norm.weight"):
+            name = {"token_embd.weight": "model.embed_tokens.weight", "output.weight": "lm_head.weight",
+                    "output_norm.weight": "model.final_layernorm.weight"}[g]
+        else:
+            _, i, rest = g.split(".", 2)
+            name = f"model.layers.{i}.{inverse[rest]}"
+            if rest == "ssm_conv1d.weight":
+                t = t.unsqueeze(1)
+            elif rest == "ssm_a":
+                t = torch.log(-t).reshape(-1)
+            elif rest in ("ssm_d", "ssm_norm.weight"):
+                t = t.reshape(-1)
+        sd[name] = t.contiguous()
+    cfg = json.loads((src / "config.json").read_text())
+    cfg.update({k: 1.0 for k in ("embedding_multiplier", "lm_head_multiplier", "attention_in_multiplier",
+                                 "attention_out_multiplier", "key_multiplier", "ssm_in_multiplier",
+                                 "ssm_out_multiplier")}, ssm_multipliers=[1.0] * 5, mlp_multipliers=[1.0] * 2)
+    if c.tie_word_embeddings:                       # llama.cpp's reading: the head is the file's embedding
+        cfg["tie_word_embeddings"] = True
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.json").write_text(json.dumps(cfg))
+    save_file(sd, str(folder / "model.safetensors"))
+    return folder

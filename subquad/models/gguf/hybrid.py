@@ -386,3 +386,85 @@ class NemotronHArch:
                 "ssm.group_count": c["n_groups"], "ssm.inner_size": c["mamba_num_heads"] * c["mamba_head_dim"],
                 "ssm.time_step_rank": c["mamba_num_heads"], "rope.scaling.finetuned": False,
                 "attention.key_length": c["head_dim"], "attention.value_length": c["head_dim"]}
+
+
+class FalconH1Arch:
+    """``falcon-h1`` - Hugging Face ``falcon_h1`` (TII Falcon-H1; conversion/falcon_h1.py, a Mamba2Model). Every
+    layer holds Mamba-2 (``Mamba2Arch``'s tensors and reshapes; ``ssm_norm`` only where the checkpoint has the
+    gated norm, ``mamba_rms_norm``) and attention side by side (GQA, heads of ``attention.key_length``, rotary in
+    halves as transformers - no permute), then a SwiGLU MLP after a norm the converter names ``blk.{i}.ffn_norm``
+    (gguf-py's FFN_PRE_NORM, without ".weight"; llama.cpp loads it so). The Mamba-2 width is ``ssm.inner_size``
+    (``mamba_d_ssm``), ``ssm.time_step_rank`` heads.
+
+    Falcon-H1's muP multipliers are folded into the weights by the converter (modify_tensors): embed x
+    embedding_multiplier, output x lm_head_multiplier, q / v x attention_in_multiplier, k x attention_in x
+    key_multiplier, attn_output x attention_out_multiplier, ssm_in x ssm_in_multiplier with its z, x, B, C and dt
+    rows x ssm_multipliers[0..4], ssm_out x ssm_out_multiplier, ffn_gate x mlp_multipliers[0], ffn_down x
+    mlp_multipliers[1]. The file keeps none of them, so it is read with multipliers of 1 (the weights are
+    already the folded ones) and written from subquad's folded weights as they are. A file without
+    ``output.weight`` (tied) uses the folded embedding as the head, as llama.cpp does - transformers' tied
+    Falcon-H1 would use it times lm_head_multiplier / embedding_multiplier, which the file does not record."""
+    arch = "falcon-h1"
+    hf_layer = "model.layers.{i}."
+    top: ClassVar[dict] = {"token_embd.weight": "model.embed_tokens.weight",
+                           "output_norm.weight": "model.final_layernorm.weight", "output.weight": "lm_head.weight"}
+    layer: ClassVar[dict] = {
+        **{k: v.replace("mixer.", "mamba.") for k, v in Mamba2Arch.layer.items() if k != "attn_norm.weight"},
+        "attn_norm.weight": "input_layernorm.weight", "ffn_norm": "pre_ff_layernorm.weight",
+        "attn_q.weight": "self_attn.q_proj.weight", "attn_k.weight": "self_attn.k_proj.weight",
+        "attn_v.weight": "self_attn.v_proj.weight", "attn_output.weight": "self_attn.o_proj.weight",
+        "ffn_gate.weight": "feed_forward.gate_proj.weight", "ffn_up.weight": "feed_forward.up_proj.weight",
+        "ffn_down.weight": "feed_forward.down_proj.weight"}
+
+    @staticmethod
+    def to_hf(name: str, t: torch.Tensor, c: dict) -> torch.Tensor:
+        if ".mamba." in name:
+            return Mamba2Arch.to_hf(name.replace(".mamba.", ".mixer."), t, c)
+        return t
+
+    @staticmethod
+    def to_gguf(name: str, t: torch.Tensor, c: dict) -> torch.Tensor:
+        if ".mamba." in name:
+            return Mamba2Arch.to_gguf(name.replace(".mamba.", ".mixer."), t, {**c, "n_groups": c["mamba_n_groups"]})
+        return t
+
+    @classmethod
+    def config(cls, meta: dict, tensors: dict) -> dict:
+        a = cls.arch
+        n, d = _get(meta, a, "block_count"), _get(meta, a, "embedding_length")
+        heads = _get(meta, a, "attention.head_count")
+        kv = _get(meta, a, "attention.head_count_kv", heads)
+        if isinstance(kv, list):
+            raise ValueError(f"GGUF metadata {a}.attention.head_count_kv={kv}: Falcon-H1 has attention in every "
+                             f"layer, one count")
+        inner, ssm_heads = _get(meta, a, "ssm.inner_size"), _get(meta, a, "ssm.time_step_rank")
+        if inner % ssm_heads:
+            raise ValueError(f"GGUF metadata {a}.ssm.inner_size={inner} is not a multiple of "
+                             f"{a}.ssm.time_step_rank={ssm_heads}")
+        return {"model_type": "falcon_h1", "hidden_size": d, "num_hidden_layers": n, "num_attention_heads": heads,
+                "num_key_value_heads": kv, "head_dim": meta.get(f"{a}.attention.key_length", d // heads),
+                "intermediate_size": _get(meta, a, "feed_forward_length"), "hidden_act": "silu",
+                "rms_norm_eps": float(_get(meta, a, "attention.layer_norm_rms_epsilon")),
+                "mamba_d_ssm": inner, "mamba_n_heads": ssm_heads, "mamba_d_head": inner // ssm_heads,
+                "mamba_n_groups": _get(meta, a, "ssm.group_count"), "mamba_d_state": _get(meta, a, "ssm.state_size"),
+                "mamba_d_conv": _get(meta, a, "ssm.conv_kernel"),
+                "mamba_conv_bias": "blk.0.ssm_conv1d.bias" in tensors, "mamba_proj_bias": False,
+                "mamba_rms_norm": "blk.0.ssm_norm.weight" in tensors, "mamba_norm_before_gate": False,
+                "projectors_bias": False, "attention_bias": False, "mlp_bias": False,
+                "rope_parameters": {"rope_type": "default", "rope_theta": float(_get(meta, a, "rope.freq_base"))},
+                "tie_word_embeddings": "output.weight" not in tensors}      # multipliers: 1 (class doc)
+
+    @classmethod
+    def meta(cls, c: dict) -> dict:
+        """Mamba2Model.set_gguf_parameters, then FalconH1Model's overrides, for the config ``save_pretrained``
+        writes (multipliers of 1)."""
+        inner = c["mamba_d_ssm"]
+        return {"context_length": c.get("max_position_embeddings", 8192), "embedding_length": c["hidden_size"],
+                "feed_forward_length": c["intermediate_size"], "attention.head_count": c["num_attention_heads"],
+                "block_count": c["num_hidden_layers"], "ssm.conv_kernel": c["mamba_d_conv"],
+                "ssm.inner_size": inner, "ssm.state_size": c["mamba_d_state"],
+                "ssm.time_step_rank": inner // c["mamba_d_head"], "ssm.group_count": c["mamba_n_groups"],
+                "attention.layer_norm_rms_epsilon": float(c["rms_norm_eps"]),
+                "attention.head_count_kv": c["num_key_value_heads"], "attention.key_length": c["head_dim"],
+                "attention.value_length": c["head_dim"],
+                "rope.freq_base": float(c["rope_parameters"]["rope_theta"])}
