@@ -206,7 +206,7 @@ def falcon_tensors(c, sd) -> dict:
     """FalconH1Model.modify_tensors: Mamba2Model's reshapes, then the muP multipliers folded into the weights
     (each tensor times its multiplier; in_proj's z, x, B, C, dt rows times ssm_multipliers)."""
     out = {}
-    I, GN = c.mamba_d_ssm, c.mamba_n_groups * c.mamba_d_state
+    inner, GN = c.mamba_d_ssm, c.mamba_n_groups * c.mamba_d_state
     mlp, ssm = c.mlp_multipliers, c.ssm_multipliers
     for name, t in sd.items():
         t = t.detach().float().clone()
@@ -241,13 +241,13 @@ def falcon_tensors(c, sd) -> dict:
             t = t * c.ssm_out_multiplier
         elif "in_proj" in rest:
             t = t * c.ssm_in_multiplier
-            t[:I] *= ssm[0]
-            t[I:2 * I] *= ssm[1]
-            t[2 * I:2 * I + GN] *= ssm[2]
-            t[2 * I + GN:2 * I + 2 * GN] *= ssm[3]
-            t[2 * I + 2 * GN:] *= ssm[4]
+            t[:inner] *= ssm[0]
+            t[inner:2 * inner] *= ssm[1]
+            t[2 * inner:2 * inner + GN] *= ssm[2]
+            t[2 * inner + GN:2 * inner + 2 * GN] *= ssm[3]
+            t[2 * inner + 2 * GN:] *= ssm[4]
         elif "mamba.norm" in rest:
-            t = t.reshape(c.mamba_n_groups, I // c.mamba_n_groups)
+            t = t.reshape(c.mamba_n_groups, inner // c.mamba_n_groups)
         out[f"blk.{i}.{FALCON[rest]}"] = t
     return out
 
@@ -282,9 +282,10 @@ ARCH = {"granitemoehybrid": ("granitehybrid", granite_metadata, lambda c, sd: gr
         "falcon_h1": ("falcon-h1", falcon_metadata, lambda c, sd: falcon_tensors(c, sd))}
 
 
-def convert(hf, folder, path, outtype="f32") -> dict:
-    """Write the model ``hf`` saved in ``folder`` (granitemoehybrid, bamba or nemotron_h) as llama.cpp's converter
-    does; {GGUF name: type written}."""
+def convert(hf, folder, path, outtype="f32", after=None) -> dict:
+    """Write the model ``hf`` saved in ``folder`` (granitemoehybrid, bamba, nemotron_h or falcon_h1) as llama.cpp's
+    converter does; {GGUF name: type written}. ``after(writer)``: a metadata change made after the converter's
+    (the refusal tests' wrong fields)."""
     import logging
 
     c = hf.config
@@ -294,6 +295,8 @@ def convert(hf, folder, path, outtype="f32") -> dict:
     logging.getLogger("gguf.gguf_writer").setLevel(logging.ERROR)   # the converter's expected duplicate keys
     try:
         metadata(w, c)
+        if after is not None:
+            after(w)
     finally:
         logging.getLogger("gguf.gguf_writer").setLevel(level)
     types = {}

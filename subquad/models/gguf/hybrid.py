@@ -94,7 +94,8 @@ class GraniteHybridArch:
         "ffn_gate.weight": "shared_mlp.input_linear.weight" + _GATE,
         "ffn_up.weight": "shared_mlp.input_linear.weight" + _UP, "ffn_down.weight": "shared_mlp.output_linear.weight"}
     # Bamba's checkpoint names (written as the same GGUF tensors)
-    BAMBA: ClassVar[dict] = {"pre_ff_layernorm.weight": "ffn_norm.weight", "feed_forward.gate_proj.weight": "ffn_gate.weight",
+    BAMBA: ClassVar[dict] = {"pre_ff_layernorm.weight": "ffn_norm.weight",
+                             "feed_forward.gate_proj.weight": "ffn_gate.weight",
                              "feed_forward.up_proj.weight": "ffn_up.weight",
                              "feed_forward.down_proj.weight": "ffn_down.weight"}
 
@@ -164,9 +165,9 @@ class GraniteHybridArch:
         out = {}
         for h, t in tensors.items():
             t = t.float()
-            if h in ("lm_head.weight",) and c.get("tie_word_embeddings"):
+            if h == "lm_head.weight" and c.get("tie_word_embeddings"):
                 continue
-            g = {v: k for k, v in cls.top.items()}.get(h) or {"model.final_layernorm.weight": "output_norm.weight"}.get(h)
+            g = {**{v: k for k, v in cls.top.items()}, "model.final_layernorm.weight": "output_norm.weight"}.get(h)
             if g is not None:
                 out[g] = t
                 continue
@@ -200,7 +201,7 @@ class GraniteHybridArch:
             rot = meta.get(f"{a}.rope.dimension_count", hd)
             if rot not in (hd, hd // 2):
                 raise ValueError(f"GGUF metadata {a}.rope.dimension_count={rot}: a hybrid with rotary is Bamba, "
-                                 f"which rotates half of each head's {hd} dims (its converter writes {hd} or {hd // 2})")
+                                 f"which rotates half of each head's {hd} dims (converter: {hd} or {hd // 2})")
         experts = meta.get(f"{a}.expert_count", 0)
         ff = _get(meta, a, "feed_forward_length")
         ssm = next((i for i, k in enumerate(kv) if k == 0), None)

@@ -79,8 +79,8 @@ def load_gguf(path, dtype=None, device=None, quantize=None):
         tensors[h] = arch.to_hf(h, t, c).to(dtype if t.is_floating_point() else t.dtype)
 
     def finish(model, names):
-        _install_blocks(model, names, {h: _rows(arch, h, c, f.blocks(g)) + (g, kind) for h, (g, kind) in blocks.items()},
-                        dtype, quantize)
+        kept = {h: _rows(arch, h, c, f.blocks(g)) + (g, kind) for h, (g, kind) in blocks.items()}
+        _install_blocks(model, names, kept, dtype, quantize)
 
     model = build(path, c, fmt, cfg, tensors, dtype, device, None if blocks else quantize, finish=finish)
     if blocks:
