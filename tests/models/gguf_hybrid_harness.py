@@ -276,10 +276,68 @@ def falcon_metadata(w, c):
     w.add_rope_freq_base(c.rope_parameters["rope_theta"])
 
 
+JAMBA = {"input_layernorm.weight": "attn_norm.weight", "pre_ff_layernorm.weight": "ffn_norm.weight",
+         "self_attn.q_proj.weight": "attn_q.weight", "self_attn.k_proj.weight": "attn_k.weight",
+         "self_attn.v_proj.weight": "attn_v.weight", "self_attn.o_proj.weight": "attn_output.weight",
+         "feed_forward.gate_proj.weight": "ffn_gate.weight", "feed_forward.up_proj.weight": "ffn_up.weight",
+         "feed_forward.down_proj.weight": "ffn_down.weight", "feed_forward.router.weight": "ffn_gate_inp.weight",
+         "mamba.in_proj.weight": "ssm_in.weight", "mamba.conv1d.weight": "ssm_conv1d.weight",
+         "mamba.conv1d.bias": "ssm_conv1d.bias", "mamba.x_proj.weight": "ssm_x.weight",
+         "mamba.dt_proj.weight": "ssm_dt.weight", "mamba.dt_proj.bias": "ssm_dt.bias", "mamba.A_log": "ssm_a",
+         "mamba.D": "ssm_d", "mamba.out_proj.weight": "ssm_out.weight",
+         "mamba.dt_layernorm.weight": "ssm_dt_norm.weight", "mamba.b_layernorm.weight": "ssm_b_norm.weight",
+         "mamba.c_layernorm.weight": "ssm_c_norm.weight"}
+JAMBA_TOP = {"model.embed_tokens.weight": "token_embd.weight", "model.final_layernorm.weight": "output_norm.weight",
+             "lm_head.weight": "output.weight"}
+
+
+def jamba_tensors(c, sd) -> dict:
+    """JambaModel.modify_tensors: each MoE layer's experts stacked per projection (E, ...), the convolution
+    squeezed, A = -exp(A_log); no permute."""
+    out, experts = {}, {}
+    for name, t in sd.items():
+        t = t.detach().float()
+        if name in JAMBA_TOP:
+            out[JAMBA_TOP[name]] = t
+            continue
+        i, rest = name.removeprefix("model.layers.").split(".", 1)
+        if rest.startswith("feed_forward.experts."):
+            _, _, e, proj = rest.split(".", 3)
+            experts.setdefault((i, proj), {})[int(e)] = t
+            continue
+        if rest == "mamba.conv1d.weight":
+            t = t.squeeze()
+        if rest == "mamba.A_log":
+            t = -torch.exp(t)
+        out[f"blk.{i}.{JAMBA[rest]}"] = t
+    for (i, proj), parts in experts.items():             # gate_proj.weight -> ffn_gate_exps.weight
+        out[f"blk.{i}.ffn_{proj.split('_')[0]}_exps.weight"] = torch.stack([parts[e] for e in sorted(parts)])
+    return out
+
+
+def jamba_metadata(w, c):
+    """JambaModel.set_gguf_parameters (no TextModel keys, no vocab_size)."""
+    n, off, per = c.num_hidden_layers, c.attn_layer_offset, c.attn_layer_period
+    w.add_block_count(n)
+    w.add_context_length(c.max_position_embeddings)
+    w.add_embedding_length(c.hidden_size)
+    w.add_feed_forward_length(c.intermediate_size)
+    w.add_head_count(c.num_attention_heads)
+    w.add_head_count_kv([0] * off + [c.num_key_value_heads if (i - off) % per == 0 else 0 for i in range(off, n)])
+    w.add_ssm_conv_kernel(c.mamba_d_conv)
+    w.add_ssm_inner_size(c.mamba_expand * c.hidden_size)
+    w.add_ssm_state_size(c.mamba_d_state)
+    w.add_ssm_time_step_rank(c.mamba_dt_rank)
+    w.add_layer_norm_rms_eps(c.rms_norm_eps)
+    w.add_expert_count(c.num_experts)
+    w.add_expert_used_count(c.num_experts_per_tok)
+
+
 ARCH = {"granitemoehybrid": ("granitehybrid", granite_metadata, lambda c, sd: granite_tensors(c, sd)),
         "bamba": ("granitehybrid", granite_metadata, lambda c, sd: granite_tensors(c, sd)),
         "nemotron_h": ("nemotron_h", nemotron_metadata, lambda c, sd: nemotron_tensors(c, sd)),
-        "falcon_h1": ("falcon-h1", falcon_metadata, lambda c, sd: falcon_tensors(c, sd))}
+        "falcon_h1": ("falcon-h1", falcon_metadata, lambda c, sd: falcon_tensors(c, sd)),
+        "jamba": ("jamba", jamba_metadata, lambda c, sd: jamba_tensors(c, sd))}
 
 
 def convert(hf, folder, path, outtype="f32", after=None) -> dict:
@@ -337,7 +395,21 @@ def dequantized_folder(hf, src, gguf_path, folder):
     sd = checkpoint(src)
     if c.model_type == "falcon_h1":
         return _falcon_folder(c, r, written, deq, Path(src), Path(folder))
-    if c.model_type == "nemotron_h":                              # one GGUF tensor per checkpoint tensor
+    if c.model_type == "jamba":
+        inverse = {v: k for k, v in JAMBA.items()}
+        for g, t in deq.items():
+            if g in ("token_embd.weight", "output.weight"):
+                sd[{v: k for k, v in JAMBA_TOP.items()}[g]] = t
+                continue
+            _, i, rest = g.split(".", 2)
+            if rest.endswith("_exps.weight"):              # ffn_gate_exps.weight -> experts.{e}.gate_proj.weight
+                proj = rest.removeprefix("ffn_").split("_")[0] + "_proj.weight"
+                for e, part in enumerate(t.unbind(0)):
+                    sd[f"model.layers.{i}.feed_forward.experts.{e}.{proj}"] = part.contiguous()
+            else:
+                sd[f"model.layers.{i}.{inverse[rest]}"] = t.reshape(sd[f"model.layers.{i}.{inverse[rest]}"].shape)
+        names = ()
+    elif c.model_type == "nemotron_h":                              # one GGUF tensor per checkpoint tensor
         for name in sd:
             top = name in NEMOTRON_TOP
             i, rest = ("", name) if top else name.removeprefix("backbone.layers.").split(".", 1)

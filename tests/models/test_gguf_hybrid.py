@@ -41,9 +41,10 @@ MODELS = {
     "falcon_h1": lambda p, **o: _falcon(p, **o),                        # muP multipliers folded by the converter
     "falcon_h1-gated-tied": lambda p, **o: _falcon(p, mamba_rms_norm=True, mamba_norm_before_gate=False,
                                                    tie_word_embeddings=True, **o),
+    "jamba": lambda p, **o: _hybrid(p, "jamba", **o),                   # Mamba-1 with dt/B/C norms, experts
 }
 ONE = {"granite-moe": GRANITE_ONE, "granite-dense-tied": GRANITE_ONE, "falcon_h1": FALCON_ONE,
-       "falcon_h1-gated-tied": FALCON_ONE, "bamba": {}, "nemotron_h": {}}
+       "falcon_h1-gated-tied": FALCON_ONE, "bamba": {}, "nemotron_h": {}, "jamba": {}}
 
 
 def _ids(T=40):
@@ -65,7 +66,8 @@ def test_f32_file_gives_transformers_logits(tmp_path, kind):
     assert tok is None and not getattr(ours, "quantized", None)
 
 
-@pytest.mark.parametrize("kind", ["granite-moe", "granite-dense-tied", "bamba", "nemotron_h", "falcon_h1-gated-tied"])
+@pytest.mark.parametrize("kind", ["granite-moe", "granite-dense-tied", "bamba", "nemotron_h", "falcon_h1-gated-tied",
+                                  "jamba"])
 def test_q8_0_file_equals_its_weights_dequantised_by_gguf(tmp_path, kind):
     """Every 2-D Q8_0 matrix but the embedding (looked up) stays quantised - q and k reordered by whole rows, a
     Granite multiplier folded into the blocks' scales -, a tied head of the embedding's blocks; the stacked
@@ -98,7 +100,7 @@ def _fields(path, arch) -> dict:
 
 @pytest.mark.parametrize("kind,outtype", [("granite-moe", "q8_0"), ("granite-dense-tied", "f32"), ("bamba", "q8_0"),
                                           ("nemotron_h", "q8_0"), ("falcon_h1", "f32"),
-                                          ("falcon_h1-gated-tied", "q8_0")])
+                                          ("falcon_h1-gated-tied", "q8_0"), ("jamba", "q8_0")])
 def test_save_gguf_writes_what_the_converter_writes(tmp_path, kind, outtype):
     """A model loaded from the folder, written by save_gguf: the converter's file of the same folder, metadata
     (keys, values, types), tensor names, shapes, types and bytes; and it loads back to the model's logits (F32)
@@ -139,6 +141,7 @@ BAD = {   # (model, a metadata change made after the converter's, the error's wo
                             r"head_count_kv=.*feed_forward_length=.*attention or an MLP"),
     "nemotron-moe": ("nemotron_h", lambda w: w.add_expert_count(8), r"nemotron_h\.expert_count=8"),
     "falcon-kv-array": ("falcon_h1", lambda w: w.add_head_count_kv([2, 2, 2]), r"falcon-h1\.attention\.head_count_kv"),
+    "jamba-attn-layout": ("jamba", lambda w: w.add_head_count_kv([2, 2, 0, 2]), r"attn layers \[0, 1, 3\]"),
 }
 
 

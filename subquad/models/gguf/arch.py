@@ -194,11 +194,11 @@ ARCHS = {a.arch: a for a in (MambaArch, Mamba2Arch, Lfm2Arch)}
 # the Hugging Face model_type each architecture's file is written from
 HF_TYPES = {"mamba": MambaArch, "falcon_mamba": MambaArch, "mamba2": Mamba2Arch, "lfm2": Lfm2Arch}
 
-from subquad.models.gguf.hybrid import FalconH1Arch, GraniteHybridArch, NemotronHArch  # noqa: E402  (on the above)
+from subquad.models.gguf.hybrid import FalconH1Arch, GraniteHybridArch, JambaArch, NemotronHArch  # noqa: E402
 
-ARCHS.update({a.arch: a for a in (GraniteHybridArch, NemotronHArch, FalconH1Arch)})
+ARCHS.update({a.arch: a for a in (GraniteHybridArch, NemotronHArch, FalconH1Arch, JambaArch)})   # hybrid.py
 HF_TYPES.update({"granitemoehybrid": GraniteHybridArch, "bamba": GraniteHybridArch, "nemotron_h": NemotronHArch,
-                 "falcon_h1": FalconH1Arch})
+                 "falcon_h1": FalconH1Arch, "jamba": JambaArch})
 
 
 def hf_name(arch, name: str) -> str:

@@ -20,7 +20,7 @@ from typing import ClassVar
 
 import torch
 
-from subquad.models.gguf.arch import Mamba2Arch, _get
+from subquad.models.gguf.arch import MambaArch, Mamba2Arch, _get
 
 _GATE, _UP = ".gate_half", ".up_half"        # the halves of Granite's fused input_linear (its format's unpack)
 
@@ -469,3 +469,114 @@ class FalconH1Arch:
                 "attention.head_count_kv": c["num_key_value_heads"], "attention.key_length": c["head_dim"],
                 "attention.value_length": c["head_dim"],
                 "rope.freq_base": float(c["rope_parameters"]["rope_theta"])}
+
+
+class JambaArch:
+    """``jamba`` - Hugging Face ``jamba`` (AI21 Jamba; conversion/jamba.py, a TextModel: no permute). Mamba-1 layers
+    (``MambaArch``'s tensors and reshapes: A = -exp(A_log), the convolution squeezed) with Jamba's weighted RMS
+    norms on dt, B and C (``ssm_dt_norm``, ``ssm_b_norm``, ``ssm_c_norm``, their epsilon the model's), attention
+    without positions where ``attention.head_count_kv[i]`` > 0, and after each a SwiGLU MLP: a mixture of
+    ``expert_count`` experts (``ffn_gate_inp`` the router - softmax, top ``expert_used_count``, not renormalised -
+    and ``ffn_{gate,up,down}_exps`` the per-expert checkpoint tensors stacked) where the block has
+    ``ffn_gate_inp``, else dense ``ffn_{gate,up,down}``. Which layers attend and which have experts must each
+    be every k-th layer from an offset, as Jamba's config says it (``attn_layer_period`` / ``_offset``,
+    ``expert_layer_period`` / ``_offset``); a file whose layout is not is refused by name. The converter writes
+    no ``vocab_size`` for Jamba."""
+    arch = "jamba"
+    hf_layer = "model.layers.{i}."
+    writes_vocab_size = False
+    top: ClassVar[dict] = {"token_embd.weight": "model.embed_tokens.weight",
+                           "output_norm.weight": "model.final_layernorm.weight", "output.weight": "lm_head.weight"}
+    layer: ClassVar[dict] = {
+        **{k: v.replace("mixer.", "mamba.") for k, v in MambaArch.layer.items() if k != "attn_norm.weight"},
+        "ssm_dt_norm.weight": "mamba.dt_layernorm.weight", "ssm_b_norm.weight": "mamba.b_layernorm.weight",
+        "ssm_c_norm.weight": "mamba.c_layernorm.weight",
+        "attn_norm.weight": "input_layernorm.weight", "ffn_norm.weight": "pre_ff_layernorm.weight",
+        "attn_q.weight": "self_attn.q_proj.weight", "attn_k.weight": "self_attn.k_proj.weight",
+        "attn_v.weight": "self_attn.v_proj.weight", "attn_output.weight": "self_attn.o_proj.weight",
+        "ffn_gate.weight": "feed_forward.gate_proj.weight", "ffn_up.weight": "feed_forward.up_proj.weight",
+        "ffn_down.weight": "feed_forward.down_proj.weight", "ffn_gate_inp.weight": "feed_forward.router.weight",
+        # stacked experts: one checkpoint tensor per expert ({e}), split on loading, stacked on writing
+        "ffn_gate_exps.weight": "feed_forward.experts.{e}.gate_proj.weight",
+        "ffn_up_exps.weight": "feed_forward.experts.{e}.up_proj.weight",
+        "ffn_down_exps.weight": "feed_forward.experts.{e}.down_proj.weight"}
+
+    @staticmethod
+    def to_hf(name: str, t: torch.Tensor, c: dict) -> torch.Tensor:
+        return MambaArch.to_hf(name, t, c) if ".mamba." in name else t
+
+    @staticmethod
+    def to_gguf(name: str, t: torch.Tensor, c: dict) -> torch.Tensor:
+        return MambaArch.to_gguf(name, t, c) if ".mamba." in name else t
+
+    @classmethod
+    def gguf_tensors(cls, tensors: dict, c: dict) -> dict:
+        """Checkpoint -> GGUF tensors, each expert's three matrices stacked (E, ...) as the converter does."""
+        import re
+
+        from subquad.models.gguf.arch import gguf_name
+
+        out, stacks = {}, {}
+        for h, t in tensors.items():
+            m = re.fullmatch(r"(model\.layers\.\d+\.feed_forward\.experts\.)(\d+)(\..+)", h)
+            if m:
+                stacks.setdefault(m[1] + "{e}" + m[3], {})[int(m[2])] = t.float()
+                continue
+            out[gguf_name(cls, h)] = cls.to_gguf(h, t.float(), c)
+        for h, parts in stacks.items():
+            if sorted(parts) != list(range(len(parts))):
+                raise ValueError(f"jamba: the experts of {h} are {sorted(parts)}, not 0..{len(parts) - 1}")
+            out[gguf_name(cls, h)] = torch.stack([parts[e] for e in range(len(parts))])
+        return out
+
+    @classmethod
+    def config(cls, meta: dict, tensors: dict) -> dict:
+        from subquad.models.hf.jamba import attention_period
+
+        a = cls.arch
+        n, d = _get(meta, a, "block_count"), _get(meta, a, "embedding_length")
+        heads = _get(meta, a, "attention.head_count")
+        kv = _head_count_kv(meta, a, n)
+        attn = [i for i, k in enumerate(kv) if k]
+        moe = [i for i in range(n) if f"blk.{i}.ffn_gate_inp.weight" in tensors]
+        experts = meta.get(f"{a}.expert_count", 0)
+        if moe and experts < 2:
+            raise ValueError(f"GGUF metadata {a}.expert_count={experts}, but blocks {moe} have experts")
+        layout = {}
+        for what, idx in (("attn", attn), ("expert", moe)):
+            po = attention_period(idx, n) if idx else None
+            if po is None and idx:
+                raise ValueError(f"GGUF file of architecture {a!r}: the {what} layers {idx} are not every k-th layer "
+                                 f"from an offset, which Jamba's config ({what}_layer_period / _offset) requires")
+            layout[what] = po
+        inner = _get(meta, a, "ssm.inner_size")
+        if inner % d:
+            raise ValueError(f"GGUF metadata {a}.ssm.inner_size={inner} is not a multiple of embedding_length={d}")
+        ssm = next((i for i, k in enumerate(kv) if k == 0), None)
+        c = {"model_type": "jamba", "hidden_size": d, "num_hidden_layers": n, "num_attention_heads": heads,
+             "num_key_value_heads": max(kv) or heads, "intermediate_size": _get(meta, a, "feed_forward_length"),
+             "attn_layer_period": layout["attn"][0] if attn else n + 1,
+             "attn_layer_offset": layout["attn"][1] if attn else n,
+             "num_experts": experts if moe else 1, "num_experts_per_tok": meta.get(f"{a}.expert_used_count", 1),
+             "expert_layer_period": layout["expert"][0] if moe else 1,
+             "expert_layer_offset": layout["expert"][1] if moe else 0,
+             "mamba_d_state": _get(meta, a, "ssm.state_size"), "mamba_d_conv": _get(meta, a, "ssm.conv_kernel"),
+             "mamba_expand": inner // d, "mamba_dt_rank": _get(meta, a, "ssm.time_step_rank"),
+             "mamba_conv_bias": ssm is None or f"blk.{ssm}.ssm_conv1d.bias" in tensors, "mamba_proj_bias": False,
+             "rms_norm_eps": float(_get(meta, a, "attention.layer_norm_rms_epsilon")), "hidden_act": "silu",
+             "attention_bias": False, "tie_word_embeddings": "output.weight" not in tensors}
+        return c
+
+    @classmethod
+    def meta(cls, c: dict) -> dict:
+        """JambaModel.set_gguf_parameters for the config ``save_pretrained`` writes."""
+        n, off, per = c["num_hidden_layers"], c["attn_layer_offset"], c["attn_layer_period"]
+        kv = c.get("num_key_value_heads") or c["num_attention_heads"]
+        return {"block_count": n, "context_length": c.get("max_position_embeddings", 262144),
+                "embedding_length": c["hidden_size"], "feed_forward_length": c["intermediate_size"],
+                "attention.head_count": c["num_attention_heads"],
+                "attention.head_count_kv": [kv if i >= off and (i - off) % per == 0 else 0 for i in range(n)],
+                "ssm.conv_kernel": c["mamba_d_conv"], "ssm.inner_size": c["mamba_expand"] * c["hidden_size"],
+                "ssm.state_size": c["mamba_d_state"], "ssm.time_step_rank": c["mamba_dt_rank"],
+                "attention.layer_norm_rms_epsilon": float(c["rms_norm_eps"]), "expert_count": c["num_experts"],
+                "expert_used_count": c["num_experts_per_tok"]}

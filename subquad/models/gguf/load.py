@@ -76,7 +76,11 @@ def load_gguf(path, dtype=None, device=None, quantize=None):
     tensors = {h: placeholders[h] for h in blocks}
     for h, (g, kind) in weights.items():
         t = f.dequantize(g) if kind in BLOCKED else f.plain(g)
-        tensors[h] = arch.to_hf(h, t, c).to(dtype if t.is_floating_point() else t.dtype)
+        t = arch.to_hf(h, t, c).to(dtype if t.is_floating_point() else t.dtype)
+        if "{e}" in h:                          # stacked experts, one checkpoint tensor each (jamba)
+            tensors.update({h.replace("{e}", str(e)): part for e, part in enumerate(t.unbind(0))})
+        else:
+            tensors[h] = t
 
     def finish(model, names):
         kept = {h: _rows(arch, h, c, f.blocks(g)) + (g, kind) for h, (g, kind) in blocks.items()}
