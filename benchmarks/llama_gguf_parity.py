@@ -9,7 +9,7 @@ LLAMA_PY_SRC: an unpacked llama-cpp-python sdist whose ``vendor/llama.cpp/build/
 (see RESULTS.md "Decoding against llama.cpp" for the build); ``--pythonpath``: where its Python dependencies
 (diskcache) are, if not installed; ``--kinds``: only these models. Tiny random Mamba-1, Mamba-2, Falcon-Mamba,
 LFM2 and the Mamba-2 hybrids (Granite 4 with experts and multipliers, Granite 4 dense, Bamba, Nemotron-H,
-Falcon-H1 with its muP multipliers: the parity tests' models), nothing downloaded. For the hybrids the last
+Falcon-H1 with its muP multipliers, Jamba: the parity tests' models), nothing downloaded. For the hybrids the last
 column is subquad's float model against transformers' (the reference).
 """
 
@@ -81,7 +81,7 @@ def hybrids(tmp: Path):
     for kind, make in (("granitemoehybrid", lambda p: granite(p)),
                        ("granitemoehybrid-dense", lambda p: granite(p, num_local_experts=0, intermediate_size=48)),
                        ("bamba", lambda p: hybrid(p, "bamba")), ("nemotron_h", lambda p: nemotron(p)),
-                       ("falcon_h1", lambda p: falcon(p))):
+                       ("falcon_h1", lambda p: falcon(p)), ("jamba", lambda p: hybrid(p, "jamba"))):
         (tmp / kind).mkdir()
         hf, folder = make(tmp / kind)
         yield kind, from_pretrained(folder)[0].eval(), hf

@@ -481,7 +481,8 @@ class JambaArch:
     ``ffn_gate_inp``, else dense ``ffn_{gate,up,down}``. Which layers attend and which have experts must each
     be every k-th layer from an offset, as Jamba's config says it (``attn_layer_period`` / ``_offset``,
     ``expert_layer_period`` / ``_offset``); a file whose layout is not is refused by name. The converter writes
-    no ``vocab_size`` for Jamba."""
+    no ``vocab_size`` for Jamba (llama.cpp counts the vocabulary's tokens); ``save_gguf`` writes it only for a
+    file without a vocabulary (no tokenizer given), where llama.cpp would otherwise read 0."""
     arch = "jamba"
     hf_layer = "model.layers.{i}."
     writes_vocab_size = False

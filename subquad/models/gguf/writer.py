@@ -159,10 +159,11 @@ def save_gguf(model, path, outtype: str = "f32", tokenizer=None, name: str | Non
     meta = {"general.architecture": arch.arch, "general.name": name or Path(path).stem,
             "general.file_type": FILE_TYPES[outtype], "general.quantization_version": 2,
             "general.alignment": ALIGN, **{f"{arch.arch}.{k}": v for k, v in arch.meta(c).items()}}
-    if getattr(arch, "writes_vocab_size", True):               # the converter writes none for Jamba
-        meta[f"{arch.arch}.vocab_size"] = vocab
     if tokenizer is not None:
         meta.update(tokenizer_metadata(tokenizer, vocab))
+    # the converter writes none for Jamba, whose file always has a vocabulary; without one llama.cpp needs it
+    if getattr(arch, "writes_vocab_size", True) or "tokenizer.ggml.tokens" not in meta:
+        meta[f"{arch.arch}.vocab_size"] = vocab
     eos = model.config.eos_token_ids or []
     if eos:
         meta["tokenizer.ggml.eos_token_id"] = int(eos[0])
