@@ -135,7 +135,7 @@ def tokenizer_metadata(tokenizer, vocab_size: int) -> dict:
 
 # ------------------------------------------------------------------------------------------------- the file
 def save_gguf(model, path, outtype: str = "f32", tokenizer=None, name: str | None = None) -> dict:
-    """Write ``model`` (float, of a type ``arch.HF_TYPES`` holds: mamba, falcon_mamba, mamba2, lfm2) as the GGUF file
+    """Write ``model`` (float, of a Hugging Face type ``arch.HF_TYPES`` holds) as the GGUF file
     ``path`` (module doc) and return {GGUF tensor name: type written}. ValueError for an unknown ``outtype``,
     a quantised model, or a structure no GGUF architecture here holds."""
     from subquad.models.hf.registry import MAPPINGS
