@@ -8,9 +8,9 @@ file (``from_pretrained("x.gguf")``: Q8_0 kept as per-block int8).
 LLAMA_PY_SRC: an unpacked llama-cpp-python sdist whose ``vendor/llama.cpp/build/bin`` holds the built libraries
 (see RESULTS.md "Decoding against llama.cpp" for the build); ``--pythonpath``: where its Python dependencies
 (diskcache) are, if not installed; ``--kinds``: only these models. Tiny random Mamba-1, Mamba-2, Falcon-Mamba,
-LFM2 and the Mamba-2 hybrids (Granite 4 with experts and multipliers, Granite 4 dense, Bamba, Nemotron-H,
-Falcon-H1 with its muP multipliers, Jamba: the parity tests' models), nothing downloaded. For the hybrids the last
-column is subquad's float model against transformers' (the reference).
+LFM2 and the hybrids (Granite 4 with experts and multipliers, Granite 4 dense, Bamba, Nemotron-H with and
+without experts, Falcon-H1 with its muP multipliers, Jamba: the parity tests' models), nothing downloaded. For
+the hybrids the last column is subquad's float model against transformers' (the reference).
 """
 
 from __future__ import annotations
@@ -76,11 +76,13 @@ def hybrids(tmp: Path):
     from tests.models.test_hf_falcon_h1 import _hf as falcon
     from tests.models.test_hf_granite import _hf as granite
     from tests.models.test_hf_hybrid import _hf as hybrid
+    from tests.models.test_hf_nemotron_h import MOE
     from tests.models.test_hf_nemotron_h import _hf as nemotron
 
     for kind, make in (("granitemoehybrid", lambda p: granite(p)),
                        ("granitemoehybrid-dense", lambda p: granite(p, num_local_experts=0, intermediate_size=48)),
                        ("bamba", lambda p: hybrid(p, "bamba")), ("nemotron_h", lambda p: nemotron(p)),
+                       ("nemotron_h_moe", lambda p: nemotron(p, hybrid_override_pattern="ME*EM", **MOE)),
                        ("falcon_h1", lambda p: falcon(p)), ("jamba", lambda p: hybrid(p, "jamba"))):
         (tmp / kind).mkdir()
         hf, folder = make(tmp / kind)

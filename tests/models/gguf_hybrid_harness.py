@@ -30,6 +30,12 @@ NEMOTRON = {"norm.weight": "attn_norm.weight", "mixer.q_proj.weight": "attn_q.we
             "mixer.k_proj.weight": "attn_k.weight", "mixer.v_proj.weight": "attn_v.weight",
             "mixer.o_proj.weight": "attn_output.weight", "mixer.up_proj.weight": "ffn_up.weight",
             "mixer.down_proj.weight": "ffn_down.weight", **{f"mixer.{k}": v for k, v in MAMBA.items()}}
+NEMOTRON.update({"mixer.gate.weight": "ffn_gate_inp.weight",            # nemotron_h_moe's "E" layers
+                 "mixer.gate.e_score_correction_bias": "exp_probs_b.bias",
+                 "mixer.shared_experts.up_proj.weight": "ffn_up_shexp.weight",
+                 "mixer.shared_experts.down_proj.weight": "ffn_down_shexp.weight",
+                 "mixer.fc1_latent_proj.weight": "ffn_latent_down.weight",
+                 "mixer.fc2_latent_proj.weight": "ffn_latent_up.weight"})
 NEMOTRON_TOP = {"backbone.embeddings.weight": "token_embd.weight", "backbone.norm_f.weight": "output_norm.weight",
                 "lm_head.weight": "output.weight"}
 F32_ALWAYS = ("ffn_gate_inp.weight", "ssm_conv1d.weight")        # base.py: FFN_GATE_INP, SSM_CONV1D
@@ -141,16 +147,20 @@ def _kind(g: str, a: np.ndarray, outtype: str):
 
 
 def nemotron_tensors(c, sd) -> dict:
-    """NemotronHModel.modify_tensors (dense): attention layers as Granite's (q, k permuted), Mamba-2 layers as
-    Mamba2Model's, MLP layers and the rest by gguf-py's names."""
+    """NemotronHModel.modify_tensors: attention layers as Granite's (q, k permuted), Mamba-2 layers as
+    Mamba2Model's, MLP layers and the rest by gguf-py's names; with MoE each layer's experts stacked (E, ...)."""
     n_groups = c.n_groups
-    out = {}
+    out, experts = {}, {}
     for name, t in sd.items():
         t = t.detach().float()
         if name in NEMOTRON_TOP:
             out[NEMOTRON_TOP[name]] = t
             continue
         i, rest = name.removeprefix("backbone.layers.").split(".", 1)
+        if rest.startswith("mixer.experts."):
+            _, _, e, proj = rest.split(".", 3)
+            experts.setdefault((i, proj), {})[int(e)] = t
+            continue
         if rest == "mixer.q_proj.weight":
             t = _permute(t, c.num_attention_heads)
         elif rest == "mixer.k_proj.weight":
@@ -164,6 +174,8 @@ def nemotron_tensors(c, sd) -> dict:
         if rest == "mixer.A_log":
             t = -torch.exp(t)
         out[f"blk.{i}.{NEMOTRON[rest]}"] = t
+    for (i, proj), parts in experts.items():             # up_proj.weight -> ffn_up_exps.weight
+        out[f"blk.{i}.ffn_{proj.split('_')[0]}_exps.weight"] = torch.stack([parts[e] for e in sorted(parts)])
     return out
 
 
@@ -192,7 +204,22 @@ def nemotron_metadata(w, c):
     w.add_context_length(2 ** 20)
     w.add_key_length(c.head_dim)
     w.add_value_length(c.head_dim)
-    w.add_feed_forward_length([c.intermediate_size if ch == "-" else 0 for ch in pattern])
+    if "E" not in pattern:
+        w.add_feed_forward_length([c.intermediate_size if ch == "-" else 0 for ch in pattern])
+        return
+    # is_moe (the config has num_experts_per_tok): TextModel's expert keys, then NemotronHModel's
+    w.add_expert_count(c.n_routed_experts)
+    w.add_expert_used_count(c.num_experts_per_tok)
+    w.add_expert_group_count(c.n_group)
+    w.add_expert_group_used_count(c.topk_group)
+    w.add_feed_forward_length([c.moe_intermediate_size if ch == "E" else 0 for ch in pattern])
+    w.add_expert_feed_forward_length(c.moe_intermediate_size)
+    w.add_expert_shared_feed_forward_length(c.moe_shared_expert_intermediate_size)
+    w.add_expert_shared_count(c.n_shared_experts)
+    w.add_expert_weights_norm(c.norm_topk_prob)
+    w.add_expert_weights_scale(c.routed_scaling_factor)
+    if c.moe_latent_size is not None:
+        w.add_moe_latent_size(c.moe_latent_size)
 
 
 FALCON = {"input_layernorm.weight": "attn_norm.weight", "pre_ff_layernorm.weight": "ffn_norm",   # FFN_PRE_NORM
@@ -340,6 +367,13 @@ ARCH = {"granitemoehybrid": ("granitehybrid", granite_metadata, lambda c, sd: gr
         "jamba": ("jamba", jamba_metadata, lambda c, sd: jamba_tensors(c, sd))}
 
 
+def arch_name(c) -> str:
+    """The GGUF architecture the converter writes for config ``c`` (nemotron_h with "E" layers: nemotron_h_moe)."""
+    if c.model_type == "nemotron_h" and "E" in c.hybrid_override_pattern:
+        return "nemotron_h_moe"
+    return ARCH[c.model_type][0]
+
+
 def convert(hf, folder, path, outtype="f32", after=None) -> dict:
     """Write the model ``hf`` saved in ``folder`` (granitemoehybrid, bamba, nemotron_h or falcon_h1) as llama.cpp's
     converter does; {GGUF name: type written}. ``after(writer)``: a metadata change made after the converter's
@@ -347,8 +381,8 @@ def convert(hf, folder, path, outtype="f32", after=None) -> dict:
     import logging
 
     c = hf.config
-    arch, metadata, tensors = ARCH[c.model_type]
-    w = gguf.GGUFWriter(str(path), arch)
+    _, metadata, tensors = ARCH[c.model_type]
+    w = gguf.GGUFWriter(str(path), arch_name(c))
     level = logging.getLogger("gguf.gguf_writer").level
     logging.getLogger("gguf.gguf_writer").setLevel(logging.ERROR)   # the converter's expected duplicate keys
     try:
@@ -413,6 +447,12 @@ def dequantized_folder(hf, src, gguf_path, folder):
         for name in sd:
             top = name in NEMOTRON_TOP
             i, rest = ("", name) if top else name.removeprefix("backbone.layers.").split(".", 1)
+            if rest.startswith("mixer.experts."):                  # a slice of the stacked experts
+                _, _, e, proj = rest.split(".", 3)
+                g = f"blk.{i}.ffn_{proj.split('_')[0]}_exps.weight"
+                if g in deq:
+                    sd[name] = deq[g][int(e)].contiguous()
+                continue
             g = NEMOTRON_TOP[name] if top else f"blk.{i}.{NEMOTRON[rest]}"
             if g in deq:
                 t = deq[g]

@@ -18,10 +18,11 @@ gguf = pytest.importorskip("gguf")
 from subquad.models.gguf import save_gguf  # noqa: E402
 from subquad.models.hf import from_pretrained  # noqa: E402
 from subquad.models.quant import Int8Linear  # noqa: E402
-from tests.models.gguf_hybrid_harness import ARCH, convert, dequantized_folder  # noqa: E402
+from tests.models.gguf_hybrid_harness import arch_name, convert, dequantized_folder  # noqa: E402
 from tests.models.test_hf_falcon_h1 import _hf as _falcon  # noqa: E402
 from tests.models.test_hf_granite import _hf as _granite  # noqa: E402
 from tests.models.test_hf_hybrid import _hf as _hybrid  # noqa: E402
+from tests.models.test_hf_nemotron_h import MOE  # noqa: E402
 from tests.models.test_hf_nemotron_h import _hf as _nemotron  # noqa: E402
 
 V = 96
@@ -38,13 +39,17 @@ MODELS = {
                                                   intermediate_size=48, **o),
     "bamba": lambda p, **o: _hybrid(p, "bamba", **o),                   # rotary on half of each head
     "nemotron_h": lambda p, **o: _nemotron(p, **o),                     # M-M*-MM-: squared-ReLU MLP layers
+    # Nemotron 3's MoE layers (sigmoid grouped routing, correction bias, shared expert); no dense "-" layer,
+    # which nemotron_h_moe cannot hold
+    "nemotron_h_moe": lambda p, **o: _nemotron(p, hybrid_override_pattern="ME*EM", **{**MOE, **o}),
     "falcon_h1": lambda p, **o: _falcon(p, **o),                        # muP multipliers folded by the converter
     "falcon_h1-gated-tied": lambda p, **o: _falcon(p, mamba_rms_norm=True, mamba_norm_before_gate=False,
                                                    tie_word_embeddings=True, **o),
     "jamba": lambda p, **o: _hybrid(p, "jamba", **o),                   # Mamba-1 with dt/B/C norms, experts
 }
 ONE = {"granite-moe": GRANITE_ONE, "granite-dense-tied": GRANITE_ONE, "falcon_h1": FALCON_ONE,
-       "falcon_h1-gated-tied": FALCON_ONE, "bamba": {}, "nemotron_h": {}, "jamba": {}}
+       "falcon_h1-gated-tied": FALCON_ONE, "bamba": {}, "nemotron_h": {}, "jamba": {},
+       "nemotron_h_moe": {}}
 
 
 def _ids(T=40):
@@ -52,7 +57,7 @@ def _ids(T=40):
 
 
 def _arch(hf) -> str:
-    return ARCH[hf.config.model_type][0]
+    return arch_name(hf.config)
 
 
 @pytest.mark.parametrize("kind", [k for k in MODELS if k != "falcon_h1-gated-tied"])
@@ -66,8 +71,8 @@ def test_f32_file_gives_transformers_logits(tmp_path, kind):
     assert tok is None and not getattr(ours, "quantized", None)
 
 
-@pytest.mark.parametrize("kind", ["granite-moe", "granite-dense-tied", "bamba", "nemotron_h", "falcon_h1-gated-tied",
-                                  "jamba"])
+@pytest.mark.parametrize("kind", ["granite-moe", "granite-dense-tied", "bamba", "nemotron_h", "nemotron_h_moe",
+                                  "falcon_h1-gated-tied", "jamba"])
 def test_q8_0_file_equals_its_weights_dequantised_by_gguf(tmp_path, kind):
     """Every 2-D Q8_0 matrix but the embedding (looked up) stays quantised - q and k reordered by whole rows, a
     Granite multiplier folded into the blocks' scales -, a tied head of the embedding's blocks; the stacked
@@ -100,7 +105,8 @@ def _fields(path, arch) -> dict:
 
 @pytest.mark.parametrize("kind,outtype", [("granite-moe", "q8_0"), ("granite-dense-tied", "f32"), ("bamba", "q8_0"),
                                           ("nemotron_h", "q8_0"), ("falcon_h1", "f32"),
-                                          ("falcon_h1-gated-tied", "q8_0"), ("jamba", "q8_0")])
+                                          ("falcon_h1-gated-tied", "q8_0"), ("jamba", "q8_0"),
+                                          ("nemotron_h_moe", "q8_0")])
 def test_save_gguf_writes_what_the_converter_writes(tmp_path, kind, outtype):
     """A model loaded from the folder, written by save_gguf: the converter's file of the same folder, metadata
     (keys, values, types), tensor names, shapes, types and bytes; and it loads back to the model's logits (F32)
@@ -158,9 +164,13 @@ def test_a_wrong_metadata_field_is_refused_by_name(tmp_path, case):
 
 
 def test_what_save_gguf_cannot_write_is_refused_by_name(tmp_path):
-    """A Granite 4 hybrid with rotary attention: the converter writes rotary for Bamba alone, so the file would
-    lose it."""
+    """A Granite 4 hybrid with rotary attention (the converter writes rotary for Bamba alone, so the file would
+    lose it); a Nemotron-H with both dense and MoE MLP layers (nemotron_h_moe reads every MLP layer as experts)."""
     _, folder = _granite(tmp_path, position_embedding_type="rope")
     model, _ = from_pretrained(folder)
     with pytest.raises(ValueError, match="position_embedding_type='rope'"):
+        save_gguf(model, tmp_path / "x.gguf")
+    _, folder = _nemotron(tmp_path, hybrid_override_pattern="ME*-MM*E", **MOE)
+    model, _ = from_pretrained(folder)
+    with pytest.raises(ValueError, match=r"hybrid_override_pattern='ME\*-MM\*E'"):
         save_gguf(model, tmp_path / "x.gguf")

@@ -195,9 +195,10 @@ ARCHS = {a.arch: a for a in (MambaArch, Mamba2Arch, Lfm2Arch)}
 # the Hugging Face model_type each architecture's file is written from
 HF_TYPES = {"mamba": MambaArch, "falcon_mamba": MambaArch, "mamba2": Mamba2Arch, "lfm2": Lfm2Arch}
 
-from subquad.models.gguf.hybrid import FalconH1Arch, GraniteHybridArch, JambaArch, NemotronHArch  # noqa: E402
+from subquad.models.gguf.hybrid import (FalconH1Arch, GraniteHybridArch, JambaArch, NemotronHArch,  # noqa: E402
+                                        NemotronHMoeArch)
 
-ARCHS.update({a.arch: a for a in (GraniteHybridArch, NemotronHArch, FalconH1Arch, JambaArch)})   # hybrid.py
+ARCHS.update({a.arch: a for a in (GraniteHybridArch, NemotronHArch, NemotronHMoeArch, FalconH1Arch, JambaArch)})
 HF_TYPES.update({"granitemoehybrid": GraniteHybridArch, "bamba": GraniteHybridArch, "nemotron_h": NemotronHArch,
                  "falcon_h1": FalconH1Arch, "jamba": JambaArch})
 

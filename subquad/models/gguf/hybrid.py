@@ -43,6 +43,28 @@ def permutation(rows: int, heads: int, inverse: bool = True) -> torch.Tensor:
     return unpermute(idx, heads) if inverse else permute(idx, heads)
 
 
+def stack_experts(arch, tensors: dict, c: dict) -> dict:
+    """Checkpoint -> GGUF tensors for a checkpoint of one tensor per expert (``...experts.{e}...``): those
+    stacked (E, ...) under the table's ``{e}`` name (JambaModel / NemotronHModel.modify_tensors), the rest
+    renamed and ``to_gguf``'d one by one."""
+    import re
+
+    from subquad.models.gguf.arch import gguf_name
+
+    out, stacks = {}, {}
+    for h, t in tensors.items():
+        m = re.fullmatch(r"(.+\.experts\.)(\d+)(\..+)", h)
+        if m:
+            stacks.setdefault(m[1] + "{e}" + m[3], {})[int(m[2])] = t.float()
+            continue
+        out[gguf_name(arch, h)] = arch.to_gguf(h, t.float(), c)
+    for h, parts in stacks.items():
+        if sorted(parts) != list(range(len(parts))):
+            raise ValueError(f"{arch.arch}: the experts of {h} are {sorted(parts)}, not 0..{len(parts) - 1}")
+        out[gguf_name(arch, h)] = torch.stack([parts[e] for e in range(len(parts))])
+    return out
+
+
 def _head_count_kv(meta: dict, a: str, n: int) -> list:
     kv = _get(meta, a, "attention.head_count_kv")
     kv = kv if isinstance(kv, list) else [kv] * n
@@ -292,9 +314,15 @@ class NemotronHArch:
     ``on_blocks``). The Mamba-2 width is ``ssm.inner_size`` = ``ssm.time_step_rank`` heads x their head dim.
 
     Not in the file: transformers clamps dt to [``time_step_min``, inf); llama.cpp does not clamp. Read with
-    transformers' default, 0.001 (the released configs'). The MoE form (``nemotron_h_moe``, "E" layers) is not
-    read here. transformers' Nemotron-H reads ``lm_head`` even when tied: a file without ``output.weight`` is
-    refused by name."""
+    transformers' default, 0.001 (the released configs'). The MoE form is ``nemotron_h_moe``
+    (``NemotronHMoeArch``); ``for_config`` picks it for a config with "E" layers. transformers' Nemotron-H reads
+    ``lm_head`` even when tied: a file without ``output.weight`` is refused by name."""
+    MLP = "-"                                # the pattern's letter for a layer with feed_forward_length > 0
+
+    @classmethod
+    def for_config(cls, c: dict):
+        """The GGUF architecture of Hugging Face config ``c``: nemotron_h_moe with "E" layers."""
+        return NemotronHMoeArch if "E" in c["hybrid_override_pattern"] else NemotronHArch
     arch = "nemotron_h"
     hf_layer = "backbone.layers.{i}."
     top: ClassVar[dict] = {"token_embd.weight": "backbone.embeddings.weight",
@@ -344,24 +372,24 @@ class NemotronHArch:
         if any(k and f for k, f in zip(kv, ff)):
             raise ValueError(f"GGUF metadata {a}.attention.head_count_kv={kv} and feed_forward_length={ff}: a layer "
                              f"is attention or an MLP, not both")
-        if meta.get(f"{a}.expert_count"):
-            raise ValueError(f"GGUF metadata {a}.expert_count={meta[f'{a}.expert_count']}: Nemotron-H's MoE layers "
-                             f"are not read from GGUF here")
+        if meta.get(f"{a}.expert_count") and cls.MLP == "-":
+            raise ValueError(f"GGUF metadata {a}.expert_count={meta[f'{a}.expert_count']}: a dense nemotron_h has no "
+                             f"experts (nemotron_h_moe files hold Nemotron-H's MoE)")
         if "output.weight" not in tensors:
             raise ValueError(f"GGUF file of architecture {a!r} has no output.weight: transformers' Nemotron-H "
                              f"reads lm_head whatever tie_word_embeddings says, and subquad's nemotron_h with it")
         heads = _get(meta, a, "attention.head_count")
         inner, ssm_heads = _get(meta, a, "ssm.inner_size"), _get(meta, a, "ssm.time_step_rank")
-        pattern = "".join("*" if k else "-" if f else "M" for k, f in zip(kv, ff))
+        pattern = "".join("*" if k else cls.MLP if f else "M" for k, f in zip(kv, ff))
         ssm = pattern.find("M")
         eps = meta.get(f"{a}.attention.layer_norm_epsilon", meta.get(f"{a}.attention.layer_norm_rms_epsilon"))
         if eps is None:
             raise ValueError(f"GGUF metadata has no {a}.attention.layer_norm_epsilon (needed for architecture {a!r})")
-        return {"model_type": "nemotron_h", "hidden_size": d, "num_hidden_layers": n,
+        return {**cls._moe(meta, ff), "model_type": "nemotron_h", "hidden_size": d, "num_hidden_layers": n,
                 "hybrid_override_pattern": pattern, "num_attention_heads": heads,
                 "num_key_value_heads": max(kv) or heads,
                 "head_dim": meta.get(f"{a}.attention.key_length", d // heads),
-                "intermediate_size": max(ff) or None, "layer_norm_epsilon": float(eps),
+                "intermediate_size": (max(ff) or None) if cls.MLP == "-" else None, "layer_norm_epsilon": float(eps),
                 "mlp_hidden_act": "relu2", "mamba_hidden_act": "silu", "use_bias": False, "mlp_bias": False,
                 "attention_bias": False, "mamba_num_heads": ssm_heads, "mamba_head_dim": inner // ssm_heads,
                 "ssm_state_size": _get(meta, a, "ssm.state_size"), "n_groups": _get(meta, a, "ssm.group_count"),
@@ -369,13 +397,15 @@ class NemotronHArch:
                 "use_conv_bias": ssm < 0 or f"blk.{ssm}.ssm_conv1d.bias" in tensors,
                 "time_step_min": 0.001, "tie_word_embeddings": False}
 
+    @staticmethod
+    def _moe(meta: dict, ff: list) -> dict:
+        return {}
+
     @classmethod
     def meta(cls, c: dict) -> dict:
         """NemotronHModel.set_gguf_parameters (GraniteHybridModel's, then key / value length and the per-layer
         feed_forward_length) for the config ``save_pretrained`` writes."""
         pattern = c["hybrid_override_pattern"]
-        if "E" in pattern:
-            raise ValueError("nemotron_h with MoE layers ('E'): subquad writes the dense Nemotron-H GGUF only")
         n, d, heads = len(pattern), c["hidden_size"], c["num_attention_heads"]
         kv = c.get("num_key_value_heads") or heads
         return {"block_count": n, "context_length": 1 << 20, "embedding_length": d,
@@ -512,23 +542,8 @@ class JambaArch:
 
     @classmethod
     def gguf_tensors(cls, tensors: dict, c: dict) -> dict:
-        """Checkpoint -> GGUF tensors, each expert's three matrices stacked (E, ...) as the converter does."""
-        import re
-
-        from subquad.models.gguf.arch import gguf_name
-
-        out, stacks = {}, {}
-        for h, t in tensors.items():
-            m = re.fullmatch(r"(model\.layers\.\d+\.feed_forward\.experts\.)(\d+)(\..+)", h)
-            if m:
-                stacks.setdefault(m[1] + "{e}" + m[3], {})[int(m[2])] = t.float()
-                continue
-            out[gguf_name(cls, h)] = cls.to_gguf(h, t.float(), c)
-        for h, parts in stacks.items():
-            if sorted(parts) != list(range(len(parts))):
-                raise ValueError(f"jamba: the experts of {h} are {sorted(parts)}, not 0..{len(parts) - 1}")
-            out[gguf_name(cls, h)] = torch.stack([parts[e] for e in range(len(parts))])
-        return out
+        """Checkpoint -> GGUF tensors, each expert's matrices stacked (E, ...) as the converter does."""
+        return stack_experts(cls, tensors, c)
 
     @classmethod
     def config(cls, meta: dict, tensors: dict) -> dict:
@@ -581,3 +596,69 @@ class JambaArch:
                 "ssm.state_size": c["mamba_d_state"], "ssm.time_step_rank": c["mamba_dt_rank"],
                 "attention.layer_norm_rms_epsilon": float(c["rms_norm_eps"]), "expert_count": c["num_experts"],
                 "expert_used_count": c["num_experts_per_tok"]}
+
+
+class NemotronHMoeArch(NemotronHArch):
+    """``nemotron_h_moe`` - Hugging Face ``nemotron_h`` with mixture-of-experts layers (Nemotron 3; NemotronHModel
+    with ``is_moe``, which the converter sets when the config has ``num_experts_per_tok``). As ``nemotron_h``
+    (``NemotronHArch``), but a layer with ``feed_forward_length[i]`` > 0 is "E": ungated squared-ReLU experts,
+    ``ffn_{up,down}_exps`` the per-expert checkpoint tensors stacked (E, ...), ``ffn_gate_inp`` the router
+    (sigmoid, DeepSeek-V3's grouped top-k: ``expert_group_count`` groups, the best ``expert_group_used_count``
+    of them by their two best scores, ``exp_probs_b`` the score-correction bias to choose), weights renormalised
+    if ``expert_weights_norm`` and times ``expert_weights_scale``; the shared expert ``ffn_{up,down}_shexp``;
+    with ``moe_latent_size`` the experts' latent projections ``ffn_latent_down`` / ``ffn_latent_up``.
+    ``feed_forward_length[i]`` is the expert width (``expert_feed_forward_length``). Dense "-" layers have no
+    place in this architecture (llama.cpp reads every MLP layer of it as experts, and the converter counts only
+    "E"): a config with both is refused by name."""
+    arch = "nemotron_h_moe"
+    MLP = "E"
+    layer: ClassVar[dict] = {
+        **{k: v for k, v in NemotronHArch.layer.items() if k not in ("ffn_up.weight", "ffn_down.weight")},
+        "ffn_gate_inp.weight": "mixer.gate.weight", "exp_probs_b.bias": "mixer.gate.e_score_correction_bias",
+        "ffn_up_exps.weight": "mixer.experts.{e}.up_proj.weight",
+        "ffn_down_exps.weight": "mixer.experts.{e}.down_proj.weight",
+        "ffn_up_shexp.weight": "mixer.shared_experts.up_proj.weight",
+        "ffn_down_shexp.weight": "mixer.shared_experts.down_proj.weight",
+        "ffn_latent_down.weight": "mixer.fc1_latent_proj.weight",
+        "ffn_latent_up.weight": "mixer.fc2_latent_proj.weight"}
+
+    @classmethod
+    def gguf_tensors(cls, tensors: dict, c: dict) -> dict:
+        return stack_experts(cls, tensors, c)
+
+    @classmethod
+    def _moe(cls, meta: dict, ff: list) -> dict:
+        a = cls.arch
+        out = {"n_routed_experts": _get(meta, a, "expert_count"),
+               "num_experts_per_tok": _get(meta, a, "expert_used_count"),
+               "moe_intermediate_size": meta.get(f"{a}.expert_feed_forward_length", max(ff)),
+               "moe_shared_expert_intermediate_size": _get(meta, a, "expert_shared_feed_forward_length"),
+               "n_group": meta.get(f"{a}.expert_group_count", 1),
+               "topk_group": meta.get(f"{a}.expert_group_used_count", 1),
+               "routed_scaling_factor": float(meta.get(f"{a}.expert_weights_scale", 1.0)),
+               "norm_topk_prob": bool(meta.get(f"{a}.expert_weights_norm", False))}
+        if f"{a}.moe_latent_size" in meta:
+            out["moe_latent_size"] = meta[f"{a}.moe_latent_size"]
+        return out
+
+    @classmethod
+    def meta(cls, c: dict) -> dict:
+        """NemotronHModel.set_gguf_parameters with ``is_moe``: TextModel's expert keys, then the per-layer
+        feed_forward_length of the expert width and the MoE keys."""
+        pattern = c["hybrid_override_pattern"]
+        if "-" in pattern:
+            raise ValueError(f"nemotron_h with both dense ('-') and MoE ('E') layers (hybrid_override_pattern="
+                             f"{pattern!r}): llama.cpp's nemotron_h_moe reads every MLP layer as experts")
+        out = super().meta(c)
+        width = c["moe_intermediate_size"]
+        out.update({"feed_forward_length": [width if ch == "E" else 0 for ch in pattern],
+                    "expert_count": c["n_routed_experts"], "expert_used_count": c["num_experts_per_tok"],
+                    "expert_group_count": c.get("n_group", 1), "expert_group_used_count": c.get("topk_group", 1),
+                    "expert_feed_forward_length": width,
+                    "expert_shared_feed_forward_length": c["moe_shared_expert_intermediate_size"],
+                    "expert_shared_count": c.get("n_shared_experts", 1),
+                    "expert_weights_norm": bool(c.get("norm_topk_prob", True)),
+                    "expert_weights_scale": float(c.get("routed_scaling_factor", 1.0))})
+        if c.get("moe_latent_size") is not None:
+            out["moe_latent_size"] = c["moe_latent_size"]
+        return out

@@ -155,6 +155,7 @@ def save_gguf(model, path, outtype: str = "f32", tokenizer=None, name: str | Non
                          f"{', '.join(sorted(HF_TYPES))} only")
     arch = HF_TYPES[model_type]
     c = MAPPINGS[model_type].to_config(model.config, opts)
+    arch = arch.for_config(c) if hasattr(arch, "for_config") else arch    # nemotron_h: with experts or without
     vocab = model.config.vocab_size
     meta = {"general.architecture": arch.arch, "general.name": name or Path(path).stem,
             "general.file_type": FILE_TYPES[outtype], "general.quantization_version": 2,
