@@ -165,7 +165,8 @@ def test_a_wrong_metadata_field_is_refused_by_name(tmp_path, case):
 
 def test_what_save_gguf_cannot_write_is_refused_by_name(tmp_path):
     """A Granite 4 hybrid with rotary attention (the converter writes rotary for Bamba alone, so the file would
-    lose it); a Nemotron-H with both dense and MoE MLP layers (nemotron_h_moe reads every MLP layer as experts)."""
+    lose it); a Nemotron-H with both dense and MoE MLP layers (nemotron_h_moe reads every MLP layer as experts);
+    one without Mamba layers."""
     _, folder = _granite(tmp_path, position_embedding_type="rope")
     model, _ = from_pretrained(folder)
     with pytest.raises(ValueError, match="position_embedding_type='rope'"):
@@ -173,4 +174,8 @@ def test_what_save_gguf_cannot_write_is_refused_by_name(tmp_path):
     _, folder = _nemotron(tmp_path, hybrid_override_pattern="ME*-MM*E", **MOE)
     model, _ = from_pretrained(folder)
     with pytest.raises(ValueError, match=r"hybrid_override_pattern='ME\*-MM\*E'"):
+        save_gguf(model, tmp_path / "x.gguf")
+    _, folder = _nemotron(tmp_path, hybrid_override_pattern="*-*-")     # the converter makes it a Granite
+    model, _ = from_pretrained(folder)
+    with pytest.raises(ValueError, match="nemotron_h without Mamba layers"):
         save_gguf(model, tmp_path / "x.gguf")

@@ -406,6 +406,9 @@ class NemotronHArch:
         """NemotronHModel.set_gguf_parameters (GraniteHybridModel's, then key / value length and the per-layer
         feed_forward_length) for the config ``save_pretrained`` writes."""
         pattern = c["hybrid_override_pattern"]
+        if "M" not in pattern:
+            raise ValueError(f"nemotron_h without Mamba layers (hybrid_override_pattern={pattern!r}): the converter "
+                             f"writes such a model as a Granite (granite / granitemoe), not nemotron_h")
         n, d, heads = len(pattern), c["hidden_size"], c["num_attention_heads"]
         kv = c.get("num_key_value_heads") or heads
         return {"block_count": n, "context_length": 1 << 20, "embedding_length": d,
