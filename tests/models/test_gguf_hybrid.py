@@ -16,7 +16,7 @@ transformers = pytest.importorskip("transformers")
 gguf = pytest.importorskip("gguf")
 
 from subquad.models.gguf import save_gguf  # noqa: E402
-from subquad.models.hf import from_pretrained  # noqa: E402
+from subquad.models.hf import from_pretrained, save_pretrained  # noqa: E402
 from subquad.models.quant import Int8Linear  # noqa: E402
 from tests.models.gguf_hybrid_harness import arch_name, convert, dequantized_folder  # noqa: E402
 from tests.models.test_hf_falcon_h1 import _hf as _falcon  # noqa: E402
@@ -96,6 +96,11 @@ def test_q8_0_file_equals_its_weights_dequantised_by_gguf(tmp_path, kind):
     matrices = [g for g, t in types.items() if t == "Q8_0" and dims[g] == 2 and g != "token_embd.weight"]
     assert sum(isinstance(m, Int8Linear) for m in ours.modules()) == len(matrices) + tied
     assert ours.quantized == "int8" and any(g.endswith("attn_q.weight") for g in matrices)
+    save_pretrained(ours, tmp_path / "saved")            # a quantised folder keeps the blocks, bit for bit
+    assert "_gguf_scales" not in (tmp_path / "saved" / "config.json").read_text()
+    again, _ = from_pretrained(tmp_path / "saved")
+    with torch.no_grad():
+        assert torch.equal(again(ids), ours(ids))
 
 
 def _fields(path, arch) -> dict:

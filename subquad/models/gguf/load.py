@@ -92,7 +92,9 @@ def load_gguf(path, dtype=None, device=None, quantize=None):
         model.quant_group_size = GROUP if quantize == "int4" else None
         for p in model.parameters():
             p.requires_grad_(False)
-    model.hf_source = {"config": dict(c), "files": {}}
+    # the config save_pretrained keeps what its format does not write from; an architecture's private keys
+    # ("_..."; granitehybrid's multipliers, folded into the weights here) are not the model's
+    model.hf_source = {"config": {k: v for k, v in c.items() if not k.startswith("_")}, "files": {}}
     return model, tokenizer(f.metadata)
 
 
