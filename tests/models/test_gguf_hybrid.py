@@ -184,3 +184,25 @@ def test_what_save_gguf_cannot_write_is_refused_by_name(tmp_path):
     model, _ = from_pretrained(folder)
     with pytest.raises(ValueError, match="nemotron_h without Mamba layers"):
         save_gguf(model, tmp_path / "x.gguf")
+
+
+def test_jamba_with_a_vocabulary_writes_no_vocab_size(tmp_path):
+    """The converter writes no jamba.vocab_size (llama.cpp counts the vocabulary); save_gguf writes it only for a
+    file without one. A byte-level BPE of the model's 96 tokens comes back as written."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    from subquad.models.gguf.reader import GGUFFile
+
+    _, folder = _hybrid(tmp_path, "jamba")
+    model, _ = from_pretrained(folder)
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    tok = Tokenizer(models.BPE({ch: i for i, ch in enumerate(sorted(alphabet)[:V])}, []))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    save_gguf(model, tmp_path / "with.gguf", "f32", tokenizer=tok)
+    meta = GGUFFile(tmp_path / "with.gguf").metadata
+    assert "jamba.vocab_size" not in meta and len(meta["tokenizer.ggml.tokens"]) == V
+    back, tok2 = from_pretrained(tmp_path / "with.gguf")
+    assert tok2.encode("abc").ids == tok.encode("abc").ids == [64, 65, 66]
+    save_gguf(model, tmp_path / "without.gguf", "f32")
+    assert GGUFFile(tmp_path / "without.gguf").metadata["jamba.vocab_size"] == V

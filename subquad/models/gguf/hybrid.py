@@ -1,16 +1,28 @@
-"""llama.cpp's GGUF layout of the Mamba-2 hybrids, as its converter writes them (``conversion/granite.py``,
-``conversion/nemotron.py``, ``conversion/mamba.py``'s Mamba2Model for the SSM layers, gguf-py's
-``tensor_mapping.py``), against the Hugging Face checkpoints ``models.hf`` reads. Same protocol as ``arch.py``'s
-classes (``top`` / ``layer`` / ``to_hf`` / ``to_gguf`` / ``config`` / ``meta``), plus two hooks:
+"""llama.cpp's GGUF layout of the SSM hybrids, as its converter writes them (``conversion/granite.py``,
+``nemotron.py``, ``falcon_h1.py``, ``jamba.py``, ``mamba.py``'s Mamba2Model for the Mamba-2 layers, gguf-py's
+``tensor_mapping.py``), against the Hugging Face checkpoints ``models.hf`` reads:
+
+    GraniteHybridArch   granitehybrid    Granite 4 hybrids (granitemoehybrid) and Bamba
+    NemotronHArch       nemotron_h       Nemotron-H, dense ("M", "*", "-" layers)
+    NemotronHMoeArch    nemotron_h_moe   Nemotron-H with experts ("M", "*", "E" layers)
+    FalconH1Arch        falcon-h1        Falcon-H1 (Mamba-2 beside attention in every layer)
+    JambaArch           jamba            Jamba (Mamba-1 with dt/B/C norms, attention, experts)
+
+Same protocol as ``arch.py``'s classes (``top`` / ``layer`` / ``to_hf`` / ``to_gguf`` / ``config`` / ``meta``), plus
+optional hooks the loader and writer look for:
 
     on_blocks(h, c)            for a tensor whose ``to_hf`` is a permutation of rows and / or a scale factor,
                                (row order or None, factor): the loader applies them to a quantised matrix's
-                               blocks (rows and scales) and keeps it quantised, exactly
+                               blocks (rows and scales) and keeps it quantised, exactly; None: reshaped otherwise
     gguf_tensors(tensors, c)   the checkpoint's tensors -> {GGUF name: tensor as the converter writes it}
-                               (where one checkpoint tensor is written as two, or names depend on the config)
+                               (where one checkpoint tensor is written as two, experts are stacked, or names
+                               depend on the config)
+    for_config(c)              the class that writes Hugging Face config ``c`` (nemotron_h: with experts or not)
+    writes_vocab_size          False where the converter writes no ``{arch}.vocab_size`` (Jamba)
 
-Which layer is attention and which SSM is read off the per-layer ``attention.head_count_kv`` array (0: an SSM
-layer), as llama.cpp reads it.
+A table's Hugging Face name holding ``{e}`` is one checkpoint tensor per expert: the loader splits the stacked
+GGUF tensor (E, ...) into them. Which layer is attention and which SSM is read off the per-layer
+``attention.head_count_kv`` array (0: an SSM layer), as llama.cpp reads it.
 """
 
 from __future__ import annotations
