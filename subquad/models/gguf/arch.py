@@ -10,7 +10,8 @@ reads - as llama.cpp's converter (``convert_hf_to_gguf.py``, ``conversion/mamba.
                     and checks), and back
 
 Architectures: ``mamba`` (Mamba, Falcon-Mamba), ``mamba2``, ``lfm2`` (conversion/lfm2.py); the hybrids
-``granitehybrid``, ``nemotron_h``, ``falcon-h1`` and ``jamba`` in ``hybrid.py`` (registered at the end).
+``granitehybrid``, ``nemotron_h``, ``nemotron_h_moe``, ``falcon-h1`` and ``jamba`` in ``hybrid.py`` (registered at the
+end).
 
 ``ARCHS`` lists them by ``general.architecture``; an architecture not there is refused by name.
 """
