@@ -374,10 +374,10 @@ def arch_name(c) -> str:
     return ARCH[c.model_type][0]
 
 
-def convert(hf, folder, path, outtype="f32", after=None) -> dict:
+def convert(hf, folder, path, outtype="f32", after=None, drop=()) -> dict:
     """Write the model ``hf`` saved in ``folder`` (granitemoehybrid, bamba, nemotron_h or falcon_h1) as llama.cpp's
     converter does; {GGUF name: type written}. ``after(writer)``: a metadata change made after the converter's
-    (the refusal tests' wrong fields)."""
+    (the refusal tests' wrong fields); ``drop``: GGUF tensors left out (their missing ones)."""
     import logging
 
     c = hf.config
@@ -393,6 +393,8 @@ def convert(hf, folder, path, outtype="f32", after=None) -> dict:
         logging.getLogger("gguf.gguf_writer").setLevel(level)
     types = {}
     for g, t in tensors(c, checkpoint(folder)).items():
+        if g in drop:
+            continue
         a = t.numpy()
         kind = _kind(g, a, outtype)
         try:

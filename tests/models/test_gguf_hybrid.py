@@ -168,6 +168,14 @@ def test_a_wrong_metadata_field_is_refused_by_name(tmp_path, case):
         from_pretrained(tmp_path / "m.gguf")
 
 
+def test_a_nemotron_h_file_without_its_head_is_refused_by_name(tmp_path):
+    """transformers' Nemotron-H reads lm_head whatever tie_word_embeddings says: no output.weight, no model."""
+    hf, folder = MODELS["nemotron_h"](tmp_path)
+    convert(hf, folder, tmp_path / "m.gguf", "f32", drop=("output.weight",))
+    with pytest.raises(ValueError, match="has no output.weight"):
+        from_pretrained(tmp_path / "m.gguf")
+
+
 def test_what_save_gguf_cannot_write_is_refused_by_name(tmp_path):
     """A Granite 4 hybrid with rotary attention (the converter writes rotary for Bamba alone, so the file would
     lose it); a Nemotron-H with both dense and MoE MLP layers (nemotron_h_moe reads every MLP layer as experts);
