@@ -7,9 +7,12 @@ file (``from_pretrained("x.gguf")``: Q8_0 kept as per-block int8).
 
 LLAMA_PY_SRC: an unpacked llama-cpp-python sdist whose ``vendor/llama.cpp/build/bin`` holds the built libraries
 (see RESULTS.md "Decoding against llama.cpp" for the build); ``--pythonpath``: where its Python dependencies
-(diskcache) are, if not installed. Tiny random Mamba-1, Mamba-2, Falcon-Mamba, LFM2, Qwen3-Next (qwen3next) and
-Qwen3.5 dense and MoE (qwen35, qwen35moe) models, nothing downloaded. ``--only KIND ...``: those models alone;
-``--converter``: also llama.cpp's own converter on tiny Qwen folders (``converter_rows``).
+(diskcache) are, if not installed. Tiny random Mamba-1, Mamba-2, Falcon-Mamba, LFM2, Qwen3-Next (qwen3next),
+Qwen3.5 dense and MoE (qwen35, qwen35moe) and the Mamba-2 hybrids (Granite 4 with experts and multipliers,
+Granite 4 dense, Bamba, Nemotron-H with and without experts, Falcon-H1 with its muP multipliers, Jamba: the parity
+tests' models), nothing downloaded; for the hybrids the last column is subquad's float model against
+transformers' (the reference). ``--kinds a,b`` (or ``--only a b``): those models alone; ``--converter``: also
+llama.cpp's own converter on tiny Qwen folders (``converter_rows``).
 """
 
 from __future__ import annotations
@@ -91,7 +94,7 @@ def models(tmp: Path):
 
     torch.manual_seed(0)
     yield "mamba", LanguageModel(ModelConfig(vocab_size=100, d_model=64, n_layers=2, pattern="mamba", mlp=False,
-                                             norm_eps=1e-5)).eval()
+                                             norm_eps=1e-5)).eval(), None
     for kind, Config, Model, cfg in (
             ("mamba2", transformers.Mamba2Config, transformers.Mamba2ForCausalLM,
              {"vocab_size": 100, "hidden_size": 64, "num_heads": 8, "head_dim": 16, "n_groups": 2, "state_size": 16,
@@ -114,16 +117,37 @@ def models(tmp: Path):
                 if name.endswith(("norm.weight", "dt_bias")):
                     p.add_(0.3 * torch.randn_like(p))
         hf.save_pretrained(tmp / kind)
-        yield kind, from_pretrained(tmp / kind)[0].eval()
+        yield kind, from_pretrained(tmp / kind)[0].eval(), None
         if kind == "qwen3_next":                     # with an MTP head: written as llama.cpp's nextn layer 4
-            yield kind + "+mtp", from_pretrained(with_mtp(tmp / kind, tmp / (kind + "+mtp")))[0].eval()
+            yield kind + "+mtp", from_pretrained(with_mtp(tmp / kind, tmp / (kind + "+mtp")))[0].eval(), None
+    yield from hybrids(tmp)
+
+
+def hybrids(tmp: Path):
+    """(kind, subquad model, transformers model): the hybrids of tests/models/test_gguf_hybrid.py."""
+    from subquad.models import from_pretrained
+    from tests.models.test_hf_falcon_h1 import _hf as falcon
+    from tests.models.test_hf_granite import _hf as granite
+    from tests.models.test_hf_hybrid import _hf as hybrid
+    from tests.models.test_hf_nemotron_h import MOE
+    from tests.models.test_hf_nemotron_h import _hf as nemotron
+
+    for kind, make in (("granitemoehybrid", lambda p: granite(p)),
+                       ("granitemoehybrid-dense", lambda p: granite(p, num_local_experts=0, intermediate_size=48)),
+                       ("bamba", lambda p: hybrid(p, "bamba")), ("nemotron_h", lambda p: nemotron(p)),
+                       ("nemotron_h_moe", lambda p: nemotron(p, hybrid_override_pattern="ME*EM", **MOE)),
+                       ("falcon_h1", lambda p: falcon(p)), ("jamba", lambda p: hybrid(p, "jamba"))):
+        (tmp / kind).mkdir()
+        hf, folder = make(tmp / kind)
+        yield kind, from_pretrained(folder)[0].eval(), hf
 
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--llama-src", required=True)
     ap.add_argument("--pythonpath", default="")
-    ap.add_argument("--only", nargs="*", default=None)
+    ap.add_argument("--kinds", default="", help="comma-separated model kinds (default: all)")
+    ap.add_argument("--only", nargs="*", default=None, help="model kinds, space-separated (as --kinds)")
     ap.add_argument("--converter", action="store_true", help="also llama.cpp's convert_hf_to_gguf.py on tiny Qwen "
                     "folders (converter_rows)")
     a = ap.parse_args(argv)
@@ -131,10 +155,12 @@ def main(argv=None):
     from subquad.models.gguf import save_gguf
 
     rows = []
-    print("| model | GGUF | max abs(llama.cpp - subquad) / max abs(subquad) | next token agrees |\n|---|---|---:|---:|")
+    print("| model | GGUF | max abs(llama.cpp - subquad) / max abs(subquad) | next token agrees "
+          "| subquad vs transformers |\n|---|---|---:|---:|---:|")
+    kinds = set(filter(None, a.kinds.split(","))) | set(a.only or ())
     with tempfile.TemporaryDirectory() as tmp:
-        for kind, model in models(Path(tmp)):
-            if a.only and kind not in a.only:
+        for kind, model, hf in models(Path(tmp)):
+            if kinds and kind not in kinds:
                 continue
             for outtype in ("f32", "q8_0"):
                 path, out = Path(tmp) / f"{kind}-{outtype}.gguf", Path(tmp) / f"{kind}-{outtype}.npy"
@@ -147,8 +173,13 @@ def main(argv=None):
                     mine = ours(torch.tensor([IDS]))[0].double()
                 rel = ((theirs - mine).abs().max() / mine.abs().max()).item()
                 agree = (theirs.argmax(-1) == mine.argmax(-1)).double().mean().item()
+                ref = "-"
+                if hf is not None and outtype == "f32":
+                    with torch.no_grad():
+                        want = hf(torch.tensor([IDS])).logits[0].double()
+                    ref = f"{((mine - want).abs().max() / want.abs().max()).item():.2e}"
                 rows.append((kind, outtype, rel, agree))
-                print(f"| {kind} | {outtype} | {rel:.2e} | {100 * agree:.0f}% |", flush=True)
+                print(f"| {kind} | {outtype} | {rel:.2e} | {100 * agree:.0f}% | {ref} |", flush=True)
     if a.converter:
         converter_rows(a)
 

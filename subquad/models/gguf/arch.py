@@ -10,7 +10,8 @@ reads - as llama.cpp's converter (``convert_hf_to_gguf.py``, ``conversion/mamba.
                     and checks), and back
 
 Architectures: ``mamba`` (Mamba, Falcon-Mamba), ``mamba2``, ``lfm2`` (conversion/lfm2.py); ``qwen3next``,
-``qwen35``, ``qwen35moe`` in ``qwen.py``.
+``qwen35``, ``qwen35moe`` in ``qwen.py``; the Mamba-2 hybrids ``granitehybrid``, ``nemotron_h``, ``nemotron_h_moe``,
+``falcon-h1`` and ``jamba`` in ``hybrid.py`` (registered at the end).
 
 ``ARCHS`` lists them by ``general.architecture``; an architecture not there is refused by name.
 """
@@ -196,6 +197,13 @@ from subquad.models.gguf.qwen import QWEN_ARCHS, QWEN_HF_TYPES  # noqa: E402  (q
 ARCHS = {a.arch: a for a in (MambaArch, Mamba2Arch, Lfm2Arch, *QWEN_ARCHS)}
 # the Hugging Face model_type each architecture's file is written from
 HF_TYPES = {"mamba": MambaArch, "falcon_mamba": MambaArch, "mamba2": Mamba2Arch, "lfm2": Lfm2Arch, **QWEN_HF_TYPES}
+
+from subquad.models.gguf.hybrid import (FalconH1Arch, GraniteHybridArch, JambaArch, NemotronHArch,  # noqa: E402
+                                        NemotronHMoeArch)
+
+ARCHS.update({a.arch: a for a in (GraniteHybridArch, NemotronHArch, NemotronHMoeArch, FalconH1Arch, JambaArch)})
+HF_TYPES.update({"granitemoehybrid": GraniteHybridArch, "bamba": GraniteHybridArch, "nemotron_h": NemotronHArch,
+                 "falcon_h1": FalconH1Arch, "jamba": JambaArch})
 
 
 def hf_name(arch, name: str) -> str:

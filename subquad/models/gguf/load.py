@@ -57,7 +57,9 @@ def load_gguf(path, dtype=None, device=None, quantize=None):
     for g, info in f.tensors.items():
         h = hf_name(arch, g)
         m = _meta(info)
-        if info.type in BLOCKED and len(info.shape) == 2 and arch.to_hf(h, m, c) is m:   # not reshaped: kept
+        # kept quantised: not reshaped, or reshaped by whole rows (a row order, a factor: ``on_blocks``)
+        if info.type in BLOCKED and len(info.shape) == 2 and (arch.to_hf(h, m, c) is m
+                                                             or getattr(arch, "on_blocks", lambda h, c: None)(h, c)):
             placeholders[h] = m
             blocks[h] = (g, info.type)
         else:
@@ -76,7 +78,11 @@ def load_gguf(path, dtype=None, device=None, quantize=None):
     tensors = {h: placeholders[h] for h in blocks}
     for h, (g, kind) in weights.items():
         t = f.dequantize(g) if kind in BLOCKED else f.plain(g)
-        tensors[h] = arch.to_hf(h, t, c).to(dtype if t.is_floating_point() else t.dtype)
+        t = arch.to_hf(h, t, c).to(dtype if t.is_floating_point() else t.dtype)
+        if "{e}" in h:                          # stacked experts, one checkpoint tensor each (jamba)
+            tensors.update({h.replace("{e}", str(e)): part for e, part in enumerate(t.unbind(0))})
+        else:
+            tensors[h] = t
     tensors = regroup(tensors, c)
 
     # quantised tensors the format reshapes, fuses or regroups (a Gated DeltaNet's split projections, stacked
@@ -84,8 +90,8 @@ def load_gguf(path, dtype=None, device=None, quantize=None):
     expanded = [f"{g} ({kind})" for h, (g, kind) in weights.items() if kind in BLOCKED]
 
     def finish(model, names):
-        _install_blocks(model, names, {h: f.blocks(g) + (g, kind) for h, (g, kind) in blocks.items()}, dtype,
-                        quantize, expanded)
+        kept = {h: _rows(arch, h, c, f.blocks(g)) + (g, kind) for h, (g, kind) in blocks.items()}
+        _install_blocks(model, names, kept, dtype, quantize, expanded)
 
     model = build(path, c, fmt, cfg, tensors, dtype, device, None if blocks else quantize, finish=finish)
     if blocks:
@@ -93,8 +99,22 @@ def load_gguf(path, dtype=None, device=None, quantize=None):
         model.quant_group_size = GROUP if quantize == "int4" else None
         for p in model.parameters():
             p.requires_grad_(False)
-    model.hf_source = {"config": dict(c), "files": {}}
+    # the config save_pretrained keeps what its format does not write from; an architecture's private keys
+    # ("_..."; granitehybrid's multipliers, folded into the weights here) are not the model's
+    model.hf_source = {"config": {k: v for k, v in c.items() if not k.startswith("_")}, "files": {}}
     return model, tokenizer(f.metadata)
+
+
+def _rows(arch, h: str, c: dict, blocks: tuple) -> tuple:
+    """A quantised matrix's (q, scale, offset) with ``arch.on_blocks``' row order and factor applied (exact: each
+    row's blocks move whole; a factor k scales w = q d - m as d k and m k)."""
+    if not hasattr(arch, "on_blocks"):
+        return blocks
+    rows, k = arch.on_blocks(h, c)
+    q, scale, offset = blocks if rows is None else (b if b is None else b[rows] for b in blocks)
+    if k != 1.0:
+        scale, offset = scale * k, None if offset is None else offset * k
+    return q, scale, offset
 
 
 def _meta(info) -> torch.Tensor:

@@ -137,9 +137,8 @@ def tokenizer_metadata(tokenizer, vocab_size: int) -> dict:
 
 # ------------------------------------------------------------------------------------------------- the file
 def save_gguf(model, path, outtype: str = "f32", tokenizer=None, name: str | None = None) -> dict:
-    """Write ``model`` (float, of a type ``arch.HF_TYPES`` holds: mamba, falcon_mamba, mamba2, lfm2, qwen3_next,
-    qwen3_5_text, qwen3_5_moe_text) as the GGUF file ``path`` (module doc) and return {GGUF tensor name: type
-    written}. ValueError for an unknown ``outtype``,
+    """Write ``model`` (float, of a Hugging Face type ``arch.HF_TYPES`` holds) as the GGUF file
+    ``path`` (module doc) and return {GGUF tensor name: type written}. ValueError for an unknown ``outtype``,
     a quantised model, or a structure no GGUF architecture here holds."""
     from subquad.models.hf.registry import MAPPINGS
     from subquad.models.hf.saver import checkpoint_tensors
@@ -169,13 +168,16 @@ def save_gguf(model, path, outtype: str = "f32", tokenizer=None, name: str | Non
              **{k: {**src[k], **v} for k, v in c.items() if isinstance(v, dict) and isinstance(src.get(k), dict)}}
     if getattr(model, "mtp", None) is not None:      # its multi-token-prediction head: the layers after the model's
         c["mtp_num_hidden_layers"] = 1
+    arch = arch.for_config(c) if hasattr(arch, "for_config") else arch    # nemotron_h: with experts or without
     vocab = model.config.vocab_size
     meta = {"general.architecture": arch.arch, "general.name": name or Path(path).stem,
             "general.file_type": FILE_TYPES[outtype], "general.quantization_version": 2,
-            "general.alignment": ALIGN, **{f"{arch.arch}.{k}": v for k, v in arch.meta(c).items()},
-            f"{arch.arch}.vocab_size": vocab}
+            "general.alignment": ALIGN, **{f"{arch.arch}.{k}": v for k, v in arch.meta(c).items()}}
     if tokenizer is not None:
         meta.update(tokenizer_metadata(tokenizer, vocab))
+    # the converter writes none for Jamba, whose file always has a vocabulary; without one llama.cpp needs it
+    if getattr(arch, "writes_vocab_size", True) or "tokenizer.ggml.tokens" not in meta:
+        meta[f"{arch.arch}.vocab_size"] = vocab
     eos = model.config.eos_token_ids or []
     if eos:
         meta["tokenizer.ggml.eos_token_id"] = int(eos[0])
@@ -183,10 +185,12 @@ def save_gguf(model, path, outtype: str = "f32", tokenizer=None, name: str | Non
 
     if hasattr(arch, "split"):                 # the file groups some tensors otherwise than the checkpoint (qwen.py)
         tensors = arch.split(tensors, c)
+    if hasattr(arch, "gguf_tensors"):                          # names or splits that depend on the config
+        tensors = arch.gguf_tensors(tensors, c)
+    else:
+        tensors = {gguf_name(arch, hf): arch.to_gguf(hf, t.float(), c) for hf, t in tensors.items()}
     infos, blobs, offset, types = [], [], 0, {}
-    for hf, t in tensors.items():
-        g = gguf_name(arch, hf)
-        t = arch.to_gguf(hf, t.float(), c)
+    for g, t in tensors.items():
         kind = _kind(g, t, outtype)
         data = _encode(kind, t)
         ne = list(reversed(t.shape))
