@@ -105,7 +105,7 @@ def _tensors(w, hf, outtype, tokenizer):
         w.add_token_list(sorted(m["vocab"], key=m["vocab"].get))
         w.add_token_merges([" ".join(p) if isinstance(p, list) else p for p in m["merges"]])
         w.add_eos_token_id(1)
-    types = {}
+    out = {}
     sd = hf.state_dict()
     embed = sd.get("backbone.embeddings.weight", sd.get("model.embed_tokens.weight"))
     for name, t in sd.items():
@@ -121,11 +121,19 @@ def _tensors(w, hf, outtype, tokenizer):
             t = t.reshape(-1, 1)
         if mamba2 and name.endswith("mixer.norm.weight"):
             t = t.reshape(c.n_groups, -1)
+        out[g] = t
+    return write_tensors(w, out, lambda g, a: gguf.GGMLQuantizationType.F32 if a.ndim <= 1 or g.endswith(
+        "_norm.weight") or "conv1d" in g or "shortconv.conv" in g or not g.endswith(".weight") else TYPES[outtype])
+
+
+def write_tensors(w, tensors: dict, kind_of) -> dict:
+    """Quantise each of ``tensors`` (GGUF name -> float tensor) to ``kind_of(name, array)`` with gguf.quants - F16
+    where a row does not fill the type's blocks, the converter's fallback -, add it to the GGUFWriter ``w`` and
+    write the file. Returns {name: type written}."""
+    types = {}
+    for g, t in tensors.items():
         a = t.numpy()
-        kind = TYPES[outtype]
-        if a.ndim <= 1 or g.endswith("_norm.weight") or "conv1d" in g or "shortconv.conv" in g or \
-                not g.endswith(".weight"):
-            kind = gguf.GGMLQuantizationType.F32
+        kind = kind_of(g, a)
         try:
             data = gguf.quants.quantize(a, kind)
         except gguf.QuantError:

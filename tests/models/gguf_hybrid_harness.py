@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from tests.models.gguf_harness import TYPES, gguf
+from tests.models.gguf_harness import TYPES, gguf, write_tensors
 
 MAMBA = {"norm.weight": "ssm_norm.weight", "in_proj.weight": "ssm_in.weight", "conv1d.weight": "ssm_conv1d.weight",
          "conv1d.bias": "ssm_conv1d.bias", "dt_bias": "ssm_dt.bias", "A_log": "ssm_a", "D": "ssm_d",
@@ -391,24 +391,8 @@ def convert(hf, folder, path, outtype="f32", after=None, drop=()) -> dict:
             after(w)
     finally:
         logging.getLogger("gguf.gguf_writer").setLevel(level)
-    types = {}
-    for g, t in tensors(c, checkpoint(folder)).items():
-        if g in drop:
-            continue
-        a = t.numpy()
-        kind = _kind(g, a, outtype)
-        try:
-            data = gguf.quants.quantize(a, kind)
-        except gguf.QuantError:
-            kind = gguf.GGMLQuantizationType.F16
-            data = gguf.quants.quantize(a, kind)
-        w.add_tensor(g, data, raw_dtype=kind)
-        types[g] = kind.name
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return types
+    out = {g: t for g, t in tensors(c, checkpoint(folder)).items() if g not in drop}
+    return write_tensors(w, out, lambda g, a: _kind(g, a, outtype))
 
 
 def dequantized_folder(hf, src, gguf_path, folder):

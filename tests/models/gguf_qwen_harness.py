@@ -14,7 +14,7 @@ import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
-gguf = __import__("pytest").importorskip("gguf")
+from tests.models.gguf_harness import TYPES, gguf, write_tensors  # noqa: E402  (gguf: the extra, or a skip)
 
 ARCH = {"qwen3_next": "qwen3next", "qwen3_5": "qwen35", "qwen3_5_text": "qwen35", "qwen3_5_moe": "qwen35moe",
         "qwen3_5_moe_text": "qwen35moe"}
@@ -43,8 +43,6 @@ LAYER = {"input_layernorm.weight": "attn_norm.weight", "post_attention_layernorm
 TOP = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
        "lm_head.weight": "output.weight"}
 MTP_OWN = {"fc": "eh_proj", "pre_fc_norm_embedding": "enorm", "pre_fc_norm_hidden": "hnorm", "norm": "shared_head.norm"}
-TYPES = {"f32": gguf.GGMLQuantizationType.F32, "f16": gguf.GGMLQuantizationType.F16,
-         "q8_0": gguf.GGMLQuantizationType.Q8_0, "q4_0": gguf.GGMLQuantizationType.Q4_0}
 FILE_TYPES = {"f32": 0, "f16": 1, "q8_0": 7, "q4_0": 2}
 
 
@@ -141,10 +139,10 @@ def _gguf_name(name: str) -> str:
     return f"blk.{i}.{LAYER[rest]}"
 
 
-def _kind(g: str, t, outtype: str):
+def _kind(g: str, t: np.ndarray, outtype: str):
     """ModelBase.prepare_tensors' choice: F32 for 1-D tensors, norms, routers, convolutions, anything not a
     ``.weight``; ``outtype`` for the rest (F16 where a row is not a multiple of the block)."""
-    if t.dim() <= 1 or g.endswith("_norm.weight") or ".ffn_gate_inp" in g or ".ssm_conv1d." in g \
+    if t.ndim <= 1 or g.endswith("_norm.weight") or ".ffn_gate_inp" in g or ".ssm_conv1d." in g \
             or not g.endswith(".weight"):
         return TYPES["f32"]
     return TYPES[outtype]
@@ -198,21 +196,7 @@ def convert(folder, path, outtype="f32", override: dict | None = None, legacy: b
             del w.kv_data[0][key]
         else:
             w.kv_data[0][key].value = value
-    types = {}
-    for g, t in converted(folder, legacy=legacy).items():
-        kind = _kind(g, t, outtype)
-        try:
-            data = gguf.quants.quantize(t.numpy(), kind)
-        except gguf.QuantError:
-            kind = TYPES["f16"]
-            data = gguf.quants.quantize(t.numpy(), kind)
-        w.add_tensor(g, data, raw_dtype=kind)
-        types[g] = kind.name
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return types
+    return write_tensors(w, converted(folder, legacy=legacy), lambda g, a: _kind(g, a, outtype))
 
 
 def dequantized_folder(folder, gguf_path, out):
