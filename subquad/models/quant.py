@@ -628,7 +628,9 @@ def load_quantized(path, c: dict):
         setattr(model.get_submodule(parent) if parent else model, child,
                 empty_for(name, w.shape[0], w.shape[1] * (2 if kind == "int4" else 1)))
     for moe in sorted({k.split(".quantized_experts.")[0] for k in tensors if ".quantized_experts." in k}):
-        model.get_submodule(moe).quantize_experts(lambda w: empty(w.shape[0], w.shape[1], False))
+        m = model.get_submodule(moe)
+        names = iter(f"{moe}.quantized_experts.{n}.{e}" for n in m.projections for e in range(getattr(m, n).shape[0]))
+        m.quantize_experts(lambda w: empty_for(next(names), w.shape[0], w.shape[1]))   # a GGUF file's: per block
     expected = set(model.state_dict().keys())
     missing, unexpected = sorted(expected - set(tensors)), sorted(set(tensors) - expected)
     if missing or unexpected:

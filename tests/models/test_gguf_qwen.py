@@ -30,10 +30,12 @@ KINDS = ["qwen3_next", "qwen3_5", "qwen3_5_moe"]
 def _hf(tmp_path, kind, dtype=torch.float32):
     """A tiny random transformers model and its folder: Gated DeltaNet and gated attention alternating, 2 key
     heads for 4 value heads (K 16, V 24); Qwen3-Next with experts in every layer (llama.cpp's qwen3next has no
-    dense layers), Qwen3.5 dense or with experts (multimodal folders with a one-block vision tower)."""
+    dense layers), Qwen3.5 dense or with experts (multimodal folders with a one-block vision tower); experts 64
+    wide, so that their down projections fill Q8_0's blocks of 32 and stay quantised."""
     if kind == "qwen3_next":
-        return test_hf_delta._hf(tmp_path, kind, dtype, decoder_sparse_step=1)
-    return test_hf_qwen3_5._hf(tmp_path, kind, dtype)
+        return test_hf_delta._hf(tmp_path, kind, dtype, decoder_sparse_step=1, moe_intermediate_size=64)
+    wide = {"moe_intermediate_size": 64} if kind == "qwen3_5_moe" else {}
+    return test_hf_qwen3_5._hf(tmp_path, kind, dtype, **wide)
 
 
 def _ids():
@@ -91,8 +93,9 @@ def test_quantised_file_equals_its_weights_dequantised_by_gguf(tmp_path, kind, o
     types = convert(folder, tmp_path / "m.gguf", outtype)
     assert types["blk.0.ffn_gate_inp.weight" if kind != "qwen3_5" else "blk.0.ssm_conv1d.weight"] == "F32"
     ref = _load(dequantized_folder(folder, tmp_path / "m.gguf", tmp_path / "ref"))
-    # the embedding, and the projections the converter regrouped or stacked (experts), dequantised and named
-    with pytest.warns(UserWarning, match=rf"token_embd.weight \({outtype.upper()}\), blk\.0\.\w+\.weight"):
+    # the embedding and the projections the converter regrouped (Qwen3.5's Gated DeltaNet) dequantised and named
+    match = rf"token_embd.weight \({outtype.upper()}\)" + (r", blk\.0\.\w+\.weight" if kind != "qwen3_next" else "")
+    with pytest.warns(UserWarning, match=match):
         ours, _ = from_pretrained(tmp_path / "m.gguf")
     ids = _ids()
     with torch.no_grad():
@@ -100,8 +103,10 @@ def test_quantised_file_equals_its_weights_dequantised_by_gguf(tmp_path, kind, o
         assert torch.allclose(ours(ids), want, rtol=0, atol=1e-5 * want.abs().max())
     kept = KEPT[:-len(")\\.weight$")] + ("|ssm_out" if kind == "qwen3_next" else "") + ")\\.weight$"
     expect = sum(t == outtype.upper() and re.search(kept, g) is not None for g, t in types.items()) + 1   # + head
+    experts = sum(4 * (t == outtype.upper()) for g, t in types.items() if g.endswith("_exps.weight"))  # 4 each
     quantised = [m for m in ours.modules() if isinstance(m, Int8Linear)]
-    assert len(quantised) == expect and ours.quantized == "int8"
+    assert len(quantised) == expect + experts and ours.quantized == "int8"
+    assert experts == 3 * 4 * 4 * (kind != "qwen3_5")     # every layer's gate, up and down, 4 experts, 4 layers
 
 
 def _same_file(ours, theirs, quantised: bool):

@@ -9,7 +9,9 @@ as for a folder (every tensor used once, every config field honoured or refused)
                           ``Int8Linear.from_blocks`` (int8 codes, a float32 scale - and for Q4_K an offset -
                           per block of 32, or 16 for Q6_K; 8 bits a weight against Q4_0's 4.5: torch's int4
                           kernel takes bfloat16 scales, which cannot hold GGUF's float16 ones exactly, and
-                          rounds x to bfloat16). Anything else quantised (the embedding, which is looked up,
+                          rounds x to bfloat16). A mixture's stacked experts ((E, N, K), ``ffn_*_exps``)
+                          too, one such module per expert, where all of a layer's are of block types
+                          (``_install_experts``). Anything else quantised (the embedding, which is looked up,
                           not multiplied; a tensor the converter reshaped) is dequantised, with a warning
                           naming the tensor and its type. A tied head (no ``output.weight``) gets its own
                           ``Int8Linear`` of the embedding's blocks. ``quantize="int8"`` / ``"int4"`` puts
@@ -22,6 +24,7 @@ and merges as a ``tokenizers`` BPE); otherwise None.
 
 from __future__ import annotations
 
+import re
 import warnings
 
 import torch
@@ -53,31 +56,42 @@ def load_gguf(path, dtype=None, device=None, quantize=None):
     cfg.eos_token_ids = [eos] if isinstance(eos, int) and eos < cfg.vocab_size else []
     dtype = resolve_dtype(dtype) or torch.float32
 
-    placeholders, blocks, weights = {}, {}, {}
+    placeholders, blocks, weights, experts = {}, {}, {}, {}
+    layers = (c.get("num_hidden_layers") or c.get("text_config", {}).get("num_hidden_layers")   # the checkpoint's
+              or cfg.n_layers)                                                                # (MTP layers after)
+    on_blocks = getattr(arch, "on_blocks", lambda h, c: None)
     for g, info in f.tensors.items():
         h = hf_name(arch, g)
         m = _meta(info)
         # kept quantised: not reshaped, or reshaped by whole rows (a row order, a factor: ``on_blocks``)
-        if info.type in BLOCKED and len(info.shape) == 2 and (arch.to_hf(h, m, c) is m
-                                                             or getattr(arch, "on_blocks", lambda h, c: None)(h, c)):
+        if info.type in BLOCKED and len(info.shape) == 2 and (arch.to_hf(h, m, c) is m or on_blocks(h, c)):
             placeholders[h] = m
             blocks[h] = (g, info.type)
         else:
             weights[h] = (g, info.type)
+            # a mixture's stacked experts (E, N, K), as the model stacks them, at most scaled: kept in blocks too
+            # (_install_experts), met on the meta device on their way through the format
+            if info.type in BLOCKED and len(info.shape) == 3 and _expert_layer(g, layers) is not None and \
+                    (arch.to_hf(h, m, c) is m or (on_blocks(h, c) or (0,))[0] is None):
+                experts[h] = (g, info.type)
+    for i in {_expert_layer(g, layers) for g, _ in experts.values()}:    # a layer's experts all, or none
+        if any(_expert_layer(g, layers) == i and g.endswith(EXPERTS) and f.tensors[g].type not in BLOCKED
+               for g in f.tensors):
+            experts = {h: v for h, v in experts.items() if _expert_layer(v[0], layers) != i}
     # a quantised matrix the format fuses or splits (unpack) cannot stay in blocks: found on the meta device;
     # ``regroup``: an architecture whose file holds other groupings than the checkpoint's (qwen.py), else none
     regroup = getattr(arch, "regroup", lambda t, c: t)
     probe = fmt.unpack(regroup(dict(placeholders), c), cfg, None)
     for h in [h for h in blocks if probe.get(h) is not placeholders[h]]:
         weights[h] = blocks.pop(h)
-    if blocks and quantize not in (None, "int8", "int4"):
+    if (blocks or experts) and quantize not in (None, "int8", "int4"):
         raise ValueError(f"{path} holds quantised tensors ({', '.join(sorted({t for _, t in blocks.values()}))}): "
                          f"quantize must be None (exact), 'int8' or 'int4' (subquad's kernels), got {quantize!r}")
     if blocks and resolve_dtype(dtype) not in (None, torch.float32) and quantize is not None:
         raise ValueError(f"quantize={quantize!r} keeps the rest of the model in float32, got dtype={dtype}")
     tensors = {h: placeholders[h] for h in blocks}
     for h, (g, kind) in weights.items():
-        t = f.dequantize(g) if kind in BLOCKED else f.plain(g)
+        t = _meta(f.tensors[g]) if h in experts else f.dequantize(g) if kind in BLOCKED else f.plain(g)
         t = arch.to_hf(h, t, c).to(dtype if t.is_floating_point() else t.dtype)
         if "{e}" in h:                          # stacked experts, one checkpoint tensor each (jamba)
             tensors.update({h.replace("{e}", str(e)): part for e, part in enumerate(t.unbind(0))})
@@ -87,14 +101,16 @@ def load_gguf(path, dtype=None, device=None, quantize=None):
 
     # quantised tensors the format reshapes, fuses or regroups (a Gated DeltaNet's split projections, stacked
     # experts) were dequantised above: said in the same warning as the rest
-    expanded = [f"{g} ({kind})" for h, (g, kind) in weights.items() if kind in BLOCKED]
+    expanded = [f"{g} ({kind})" for h, (g, kind) in weights.items() if kind in BLOCKED and h not in experts]
 
     def finish(model, names):
         kept = {h: _rows(arch, h, c, f.blocks(g)) + (g, kind) for h, (g, kind) in blocks.items()}
         _install_blocks(model, names, kept, dtype, quantize, expanded)
+        _install_experts(model, names, {g: _rows(arch, h, c, f.blocks(g)) + (kind,)
+                                        for h, (g, kind) in experts.items()}, quantize)
 
-    model = build(path, c, fmt, cfg, tensors, dtype, device, None if blocks else quantize, finish=finish)
-    if blocks:
+    model = build(path, c, fmt, cfg, tensors, dtype, device, None if blocks or experts else quantize, finish=finish)
+    if blocks or experts:
         model.quantized = quantize or "int8"
         model.quant_group_size = GROUP if quantize == "int4" else None
         for p in model.parameters():
@@ -115,6 +131,54 @@ def _rows(arch, h: str, c: dict, blocks: tuple) -> tuple:
     if k != 1.0:
         scale, offset = scale * k, None if offset is None else offset * k
     return q, scale, offset
+
+
+# a mixture's stacked experts in a GGUF file (blk.{i}.<suffix>) -> the projection of subquad's MoE they are
+EXPERTS = ("ffn_gate_exps.weight", "ffn_up_exps.weight", "ffn_down_exps.weight")
+PROJECTION = dict(zip(EXPERTS, ("w_gate", "w_up", "w_down")))
+
+
+def _expert_layer(g: str, n_layers: int) -> int | None:
+    """The decoder layer of a stacked-experts tensor ``g``; None for another tensor or an MTP layer's (loaded by
+    ``models.mtp`` from float tensors)."""
+    head, _, rest = g.partition(".")
+    i, _, suffix = rest.partition(".")
+    return int(i) if head == "blk" and i.isdigit() and int(i) < n_layers and suffix in EXPERTS else None
+
+
+def _install_experts(model, names: dict, experts: dict, quantize=None) -> None:
+    """Each mixture's experts (``experts``: GGUF name -> (q, scale, offset, type), stacked (E, N, K)) as one
+    quantised module per expert and projection (``MoE.quantize_experts``, ``_linear``'s forms). The format gave
+    those MoEs meta tensors of the experts' shapes; which file tensor each projection is comes from the checkpoint
+    names it was given (``names``: subquad name -> the checkpoint's; their ``layers.{i}.`` is the file's
+    ``blk.{i}.``: a subquad block can hold two of the checkpoint's layers, as Nemotron-H's mixer and MoE)."""
+    from subquad.models.moe import MoE
+
+    suffix = {v: k for k, v in PROJECTION.items()}
+    used = set()
+    for path, moe in model.named_modules():
+        if not isinstance(moe, MoE) or not any(getattr(moe, n).is_meta for n in moe.projections):
+            continue
+        made = []
+        for n in moe.projections:
+            theirs = names[f"{path}.{n}"]
+            layer = re.search(r"layers\.(\d+)\.", theirs[0] if isinstance(theirs, tuple) else theirs)
+            g = f"blk.{layer.group(1)}.{suffix[n]}" if layer else None
+            if g not in experts:
+                raise ValueError(f"GGUF: the experts of {path}.{n} (checkpoint {theirs}) are not among the stacked "
+                                 f"experts kept quantised ({', '.join(sorted(experts))})")
+            q, scale, offset, kind = experts[g]
+            if tuple(q.shape) != tuple(getattr(moe, n).shape):
+                raise ValueError(f"GGUF tensor {g} has shape {tuple(q.shape)}, the model's {path}.{n} "
+                                 f"{tuple(getattr(moe, n).shape)}")
+            made += [_linear(q[e], scale[e], None if offset is None else offset[e], kind, None, quantize)
+                     for e in range(q.shape[0])]
+            used.add(g)
+        modules = iter(made)
+        moe.quantize_experts(lambda w: next(modules))
+    if used != set(experts):
+        raise ValueError(f"GGUF: stacked experts {', '.join(sorted(set(experts) - used))} have no mixture of experts "
+                         "in the model")
 
 
 def _meta(info) -> torch.Tensor:
