@@ -1,0 +1,144 @@
+"""GGUF's ``lfm2moe`` and ``rwkv7``: files written by ggml's own writer from tiny random models by llama.cpp's
+converter rules (``gguf_more_harness.py``) give the reference's logits (F32: transformers for LFM2-MoE, subquad's
+own fla-folder load for RWKV-7, which test_rwkv7.py holds to BlinkDL's rwkv package) and, quantised, the logits of
+the same weights dequantised by ``gguf.quants`` loaded from a folder; ``save_gguf`` writes what the converter
+writes (names, shapes, types, metadata) and loads back; bad metadata is refused by name. (llama.cpp's own run of
+such files: benchmarks/llama_gguf_parity.py.)"""
+
+from __future__ import annotations
+
+import re
+import warnings
+
+import numpy as np
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+gguf = pytest.importorskip("gguf")
+
+from subquad.models.gguf import save_gguf  # noqa: E402
+from subquad.models.hf import from_pretrained  # noqa: E402
+from subquad.models.quant import Int8Linear  # noqa: E402
+from tests.models import gguf_more_harness as harness  # noqa: E402
+from tests.models import test_hf_lfm2_moe  # noqa: E402
+
+KINDS = ["lfm2_moe"]
+
+
+def _hf(tmp_path, kind):
+    """(reference model or None, folder): LFM2-MoE's tiny transformers model (conv, attention, conv; a dense first
+    layer, then 6 experts of which 3 a token, random expert biases), tied and unscaled as llama.cpp holds it."""
+    return test_hf_lfm2_moe._hf(tmp_path, tie_word_embeddings=True, routed_scaling_factor=1.0)
+
+
+def _ids():
+    return torch.randint(0, 96, (2, 24), generator=torch.Generator().manual_seed(1))
+
+
+def _load(path, **kw):
+    with warnings.catch_warnings():             # the embedding / experts written quantised are dequantised: expected
+        warnings.simplefilter("ignore")
+        return from_pretrained(path, **kw)[0]
+
+
+def _reference_logits(hf, folder, ids):
+    return hf(ids).logits
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_f32_file_gives_the_references_logits(tmp_path, kind):
+    hf, folder = _hf(tmp_path, kind)
+    types = harness.convert(folder, tmp_path / "m.gguf", "f32")
+    assert set(types.values()) == {"F32"}
+    ours = _load(tmp_path / "m.gguf")
+    ids = _ids()
+    with torch.no_grad():
+        want = _reference_logits(hf, folder, ids)
+        assert torch.allclose(ours(ids), want, atol=1e-4, rtol=1e-4)
+    if kind == "lfm2_moe":
+        assert "blk.1.ffn_gate_exps.weight" in types and "blk.0.ffn_gate.weight" in types
+        assert ours.config.moe_layers == [1, 2] and ours.blocks[1].mlp.score_bias.abs().sum() > 0
+
+
+# GGUF matrices subquad keeps as int8 blocks: attention's, the short convolutions' projections, the dense MLP's; the
+# stacked experts are dequantised (load.py); + the tied head
+# the quantised tensors dequantised on loading, named in a warning (a tied embedding keeps its blocks for the head)
+WARNED = {"lfm2_moe": r"blk\.1\.ffn_gate_exps\.weight \(Q8_0\)"}
+KEPT = r"\.(attn_[qkv]|attn_output|shortconv\.(in|out)_proj|ffn_(gate|up|down))\.weight$"
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_q8_0_file_equals_its_weights_dequantised_by_gguf(tmp_path, kind):
+    hf, folder = _hf(tmp_path, kind)
+    types = harness.convert(folder, tmp_path / "m.gguf", "q8_0")
+    ref = _load(harness.dequantized_folder(folder, tmp_path / "m.gguf", tmp_path / "ref"))
+    with pytest.warns(UserWarning, match=WARNED[kind]):
+        ours, _ = from_pretrained(tmp_path / "m.gguf")
+    ids = _ids()
+    with torch.no_grad():
+        want = ref(ids)
+        assert torch.allclose(ours(ids), want, rtol=0, atol=1e-5 * want.abs().max())
+    expect = sum(t == "Q8_0" and re.search(KEPT, g) is not None for g, t in types.items()) + 1
+    quantised = [m for m in ours.modules() if isinstance(m, Int8Linear)]
+    assert len(quantised) == expect and ours.quantized == "int8"
+
+
+def _same_file(ours, theirs, quantised: bool):
+    """Two GGUF files (gguf's reader) hold the same tensors (names, shapes, types; F32 values to float32
+    rounding, the quantised ones byte for byte) and the same architecture metadata keys and values (of the same
+    types) but the context length, which subquad does not keep."""
+    a, b = gguf.GGUFReader(str(ours)), gguf.GGUFReader(str(theirs))
+    ta, tb = {t.name: t for t in a.tensors}, {t.name: t for t in b.tensors}
+    assert set(ta) == set(tb)
+    for g, t in ta.items():
+        u = tb[g]
+        assert (t.tensor_type, list(t.shape)) == (u.tensor_type, list(u.shape)), g
+        x, y = np.asarray(t.data), np.asarray(u.data)
+        if t.tensor_type == gguf.GGMLQuantizationType.F32:
+            assert np.allclose(x, y, rtol=0, atol=2e-6), g
+        else:
+            assert quantised and np.array_equal(x, y), g
+    arch = a.fields["general.architecture"].contents()
+    keys = {k for k in a.fields if k.startswith(arch + ".")}
+    assert keys == {k for k in b.fields if k.startswith(arch + ".")}
+    for k in keys - {f"{arch}.context_length"}:
+        va, vb = a.fields[k].contents(), b.fields[k].contents()
+        assert va == vb or np.allclose(va, vb, rtol=1e-7), (k, va, vb)
+        assert a.fields[k].types == b.fields[k].types, k
+
+
+@pytest.mark.parametrize("kind,outtype", [("lfm2_moe", "f32"), ("lfm2_moe", "q8_0")])
+def test_save_gguf_writes_the_converters_file_and_loads_back(tmp_path, kind, outtype):
+    hf, folder = _hf(tmp_path, kind)
+    model = _load(folder)
+    save_gguf(model, tmp_path / "ours.gguf", outtype)
+    harness.convert(folder, tmp_path / "theirs.gguf", outtype)
+    assert gguf.GGUFReader(str(tmp_path / "ours.gguf")).fields["general.architecture"].contents() == \
+        harness.ARCH[kind]
+    _same_file(tmp_path / "ours.gguf", tmp_path / "theirs.gguf", outtype != "f32")
+    back = _load(tmp_path / "ours.gguf")
+    ids = _ids()
+    with torch.no_grad():
+        want = model(ids) if outtype == "f32" else _load(tmp_path / "theirs.gguf")(ids)
+        assert torch.allclose(back(ids), want, rtol=0, atol=1e-5 * want.abs().max())
+
+
+@pytest.mark.parametrize("kind,key,value,match", [
+    ("lfm2_moe", "lfm2moe.expert_gating_func", 1, r"lfm2moe.expert_gating_func=1: LFM2-MoE routes by sigmoid"),
+    ("lfm2_moe", "lfm2moe.expert_feed_forward_length", None, "GGUF metadata has no lfm2moe.expert_feed_forward"),
+    ("lfm2_moe", "lfm2moe.leading_dense_block_count", 7, r"lfm2moe.leading_dense_block_count=7 must be in \[0, 3\]"),
+], ids=["lfm2moe-gating", "lfm2moe-missing", "lfm2moe-dense"])
+def test_bad_metadata_is_refused_by_name(tmp_path, kind, key, value, match):
+    _, folder = _hf(tmp_path, kind)
+    harness.convert(folder, tmp_path / "bad.gguf", "f32", override={key: value})
+    with pytest.raises(ValueError, match=match):
+        from_pretrained(tmp_path / "bad.gguf")
+
+
+@pytest.mark.parametrize("over,match", [({"routed_scaling_factor": 1.5}, "routed_scaling_factor=1.5"),
+                                        ({"norm_topk_prob": False}, "norm_topk_prob=False")])
+def test_what_llama_cpps_lfm2moe_cannot_hold_is_refused_by_name(tmp_path, over, match):
+    _, folder = test_hf_lfm2_moe._hf(tmp_path, tie_word_embeddings=True, **over)
+    with pytest.raises(ValueError, match="lfm2moe: llama.cpp's lfm2moe holds " + match.split("=")[0]):
+        save_gguf(_load(folder), tmp_path / "x.gguf")
