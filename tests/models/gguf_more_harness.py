@@ -1,7 +1,8 @@
-"""GGUF files of LFM2-MoE checkpoints written with ggml's own ``gguf`` package, by llama.cpp's converter rules
-(``conversion/lfm2.py``: LFM2MoeModel; ``conversion/base.py``'s TextModel metadata and choice of types; gguf-py's
-tensor names) written out here, independently of ``subquad.models.gguf``: a Hugging Face folder (config.json,
-model.safetensors - what the converter reads) in, a file out. And the reference a quantised file is held to: the
+"""GGUF files of LFM2-MoE and RWKV-7 (fla layout) checkpoints written with ggml's own ``gguf`` package, by
+llama.cpp's converter rules (``conversion/lfm2.py``: LFM2MoeModel; ``conversion/rwkv.py``: Rwkv7Model;
+``conversion/base.py``'s TextModel metadata and choice of types; gguf-py's tensor names) written out here,
+independently of ``subquad.models.gguf``: a Hugging Face folder (config.json, model.safetensors - what the
+converter reads) in, a file out. And the reference a quantised file is held to: the
 folder with every tensor the file stores quantised replaced by ``gguf.quants.dequantize`` of it."""
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from safetensors.torch import load_file, save_file
 
 gguf = __import__("pytest").importorskip("gguf")
 
-ARCH = {"lfm2_moe": "lfm2moe"}
+ARCH = {"lfm2_moe": "lfm2moe", "rwkv7": "rwkv7"}
 # Hugging Face name (in model.layers.{i}., after filter_tensors' expert_bias -> expert_bias.bias) -> GGUF name
 # (in blk.{i}.): gguf-py's tensor_mapping.py for LFM2MOE
 LFM2MOE_LAYER = {
@@ -34,6 +35,59 @@ TOP = {"model.embed_tokens.weight": "token_embd.weight", "model.embedding_norm.w
 TYPES = {"f32": gguf.GGMLQuantizationType.F32, "f16": gguf.GGMLQuantizationType.F16,
          "q8_0": gguf.GGMLQuantizationType.Q8_0, "q4_0": gguf.GGMLQuantizationType.Q4_0}
 FILE_TYPES = {"f32": 0, "f16": 1, "q8_0": 7, "q4_0": 2}
+
+
+# RWKV-7: the name after Rwkv7Model.filter_tensors' and modify_tensors' renames (blocks -> layers, ffn ->
+# feed_forward, attn -> attention, feed_forward_norm -> ln2, g_norm -> ln_x; _lora.lora.0.weight -> 1.weight,
+# .2.weight -> 2.weight, .2.bias -> 0.weight), in model.layers.{i}. -> GGUF name in blk.{i}. (tensor_mapping.py)
+RWKV7_LAYER = {"attention_norm": "attn_norm", "ln2": "attn_norm_2", "attention.ln_x": "time_mix_ln",
+               "attention.k_k": "time_mix_k_k", "attention.k_a": "time_mix_k_a", "attention.r_k": "time_mix_r_k",
+               "attention.r_proj": "time_mix_receptance", "attention.k_proj": "time_mix_key",
+               "attention.v_proj": "time_mix_value", "attention.o_proj": "time_mix_output",
+               **{f"attention.{n}{j}": f"time_mix_{n}{j}" for n in "wavg" for j in "012"},
+               "feed_forward.x_k": "channel_mix_lerp_k", "feed_forward.key": "channel_mix_key",
+               "feed_forward.value": "channel_mix_value"}
+RWKV7_TOP = {"model.embeddings": "token_embd", "model.layers.0.pre_norm": "token_embd_norm",
+             "model.norm": "output_norm", "lm_head": "output"}
+LERPS = ["r", "w", "k", "v", "a", "g"]                    # wkv_has_gate
+# Rwkv7Model's LoRAs never transposed (fla's names), F32 always (prepare_tensors' list): the decay's and the lerps
+RWKV7_F32 = (".time_mix_w1.weight", ".time_mix_w2.weight", ".time_mix_lerp_fused.weight")
+
+
+def rwkv7_converted(folder, tensors: dict | None = None) -> dict:
+    """{GGUF name: tensor} as Rwkv7Model writes the fla folder's checkpoint (``tensors``: these instead)."""
+    sd = load_file(str(folder / "model.safetensors")) if tensors is None else tensors
+    out, lerps = {}, {}
+    for name, t in sd.items():
+        t = t if t.dtype == torch.float64 else t.float()
+        name = name.replace("blocks", "layers").replace("ffn", "feed_forward")          # filter_tensors
+        name = name.replace("self_attn", "attention").replace("attn", "attention").replace("time_mixer.", "")
+        name = name.replace("feed_forward_norm", "ln2").replace("g_norm", "ln_x")
+        name = name.replace("_lora.lora.0.weight", "1.weight").replace("_lora.lora.2.weight", "2.weight")
+        name = name.replace("_lora.lora.2.bias", "0.weight")
+        parts = name.split(".")
+        bid = int(parts[2]) if name.startswith("model.layers.") else None
+        if bid == 0 and ".attention.v" in name and "_proj" not in name:
+            continue                                           # layer 0's dummy v0 / v1 / v2 (none in fla's)
+        if bid is not None and ".attention.x_" in name:
+            lerps.setdefault(bid, {})[name] = t
+            if all(f"model.layers.{bid}.attention.x_{m}" in lerps[bid] for m in LERPS):
+                out[f"blk.{bid}.time_mix_lerp_fused.weight"] = torch.stack(
+                    [lerps[bid][f"model.layers.{bid}.attention.x_{m}"] for m in LERPS])
+            continue
+        t = t.squeeze()
+        base, suffix = (name[:-len(".weight")], ".weight") if name.endswith(".weight") else \
+            (name[:-len(".bias")], ".bias") if name.endswith(".bias") else (name, ".weight")
+        if base in RWKV7_TOP:
+            g = RWKV7_TOP[base] + suffix
+        else:
+            g = f"blk.{bid}.{RWKV7_LAYER[base.split('.', 3)[3]]}{suffix}"
+        if ".time_mix_r_k." in g:
+            t = t.flatten()
+        if bid == 0 and ".time_mix_a" in g:
+            out[g.replace("time_mix_a", "time_mix_v")] = t
+        out[g] = t
+    return out
 
 
 def hparams(folder) -> dict:
@@ -78,17 +132,36 @@ def _kind(g: str, t, outtype: str):
     """ModelBase.prepare_tensors' choice: F32 for 1-D tensors, norms, routers, convolutions, anything not a
     ``.weight``; ``outtype`` for the rest (F16 where a row is not a multiple of the block)."""
     if t.dim() <= 1 or g.endswith("_norm.weight") or ".ffn_gate_inp" in g or ".shortconv.conv." in g \
-            or not g.endswith(".weight"):
+            or not g.endswith(".weight") or g.endswith(RWKV7_F32):
         return TYPES["f32"]
     return TYPES[outtype]
 
 
+def _rwkv7_metadata(w, h):
+    """Rwkv7Model.set_gguf_parameters (the config's ranks, which the fla folders here all give)."""
+    w.add_context_length(1048576)
+    w.add_embedding_length(h["hidden_size"])
+    w.add_block_count(h["num_hidden_layers"])
+    w.add_layer_norm_eps(h["norm_eps"])
+    w.add_wkv_head_size(h["head_dim"])
+    w.add_decay_lora_rank(h["decay_low_rank_dim"])
+    w.add_iclr_lora_rank(h["a_low_rank_dim"])
+    w.add_value_residual_mix_lora_rank(h["v_low_rank_dim"])
+    w.add_gate_lora_rank(h["gate_low_rank_dim"])
+    w.add_feed_forward_length(h["intermediate_size"])
+    w.add_head_count(0)
+
+
 def convert(folder, path, outtype="f32", override: dict | None = None) -> dict:
-    """Write the LFM2-MoE folder as llama.cpp's converter does; {GGUF name: the type written}. ``override``:
-    metadata keys given another value of the same type (None: left out) - a bad file."""
+    """Write the LFM2-MoE / RWKV-7 folder as llama.cpp's converter does; {GGUF name: the type written}.
+    ``override``: metadata keys given another value of the same type (None: left out) - a bad file."""
     h = hparams(folder)
     arch = ARCH[h["model_type"]]
     w = gguf.GGUFWriter(str(path), arch)
+    if arch == "rwkv7":
+        _rwkv7_metadata(w, h)
+        w.add_file_type(FILE_TYPES[outtype])
+        return _write(w, rwkv7_converted(folder), outtype, override)
     w.add_block_count(h["num_hidden_layers"])                       # TextModel.set_gguf_parameters
     w.add_context_length(h["max_position_embeddings"])
     w.add_embedding_length(h["hidden_size"])
@@ -105,13 +178,17 @@ def convert(folder, path, outtype="f32", override: dict | None = None) -> dict:
     w.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
     w.add_vocab_size(h["vocab_size"])
     w.add_shortconv_l_cache(h["conv_L_cache"])
+    return _write(w, converted(folder), outtype, override)
+
+
+def _write(w, tensors: dict, outtype: str, override: dict | None) -> dict:
     for key, value in (override or {}).items():
         if value is None:
             del w.kv_data[0][key]
         else:
             w.kv_data[0][key].value = value
     types = {}
-    for g, t in converted(folder).items():
+    for g, t in tensors.items():
         kind = _kind(g, t, outtype)
         try:
             data = gguf.quants.quantize(t.numpy(), kind)

@@ -7,6 +7,7 @@ such files: benchmarks/llama_gguf_parity.py.)"""
 
 from __future__ import annotations
 
+import json
 import re
 import warnings
 
@@ -23,17 +24,32 @@ from subquad.models.quant import Int8Linear  # noqa: E402
 from tests.models import gguf_more_harness as harness  # noqa: E402
 from tests.models import test_hf_lfm2_moe  # noqa: E402
 
-KINDS = ["lfm2_moe"]
+KINDS = ["lfm2_moe", "rwkv7"]
 
 
-def _hf(tmp_path, kind):
+def _hf(tmp_path, kind, **over):
     """(reference model or None, folder): LFM2-MoE's tiny transformers model (conv, attention, conv; a dense first
-    layer, then 6 experts of which 3 a token, random expert biases), tied and unscaled as llama.cpp holds it."""
-    return test_hf_lfm2_moe._hf(tmp_path, tie_word_embeddings=True, routed_scaling_factor=1.0)
+    layer, then 6 experts of which 3 a token, random expert biases), tied and unscaled as llama.cpp holds it; or
+    RWKV-7's fla folder of test_rwkv7.py's random BlinkDL checkpoint (D 128, head 64, 3 layers, LoRA ranks 16,
+    16, 8, 32: the a and v LoRAs' up-projections too narrow for a block, written F16)."""
+    if kind == "lfm2_moe":
+        return test_hf_lfm2_moe._hf(tmp_path, **{"tie_word_embeddings": True, "routed_scaling_factor": 1.0, **over})
+    from tests.models import test_rwkv7          # needs BlinkDL's rwkv package (the `rwkv` extra): only here
+
+    folder = tmp_path / "fla"
+    test_rwkv7.fla_folder(test_rwkv7.random_pth(tmp_path / "model.pth"), folder)
+    if over:
+        c = json.loads((folder / "config.json").read_text())
+        (folder / "config.json").write_text(json.dumps({**c, **over}))
+    return None, folder
 
 
 def _ids():
     return torch.randint(0, 96, (2, 24), generator=torch.Generator().manual_seed(1))
+
+
+def _convert_fn(kind):
+    return harness.rwkv7_converted if kind == "rwkv7" else harness.converted
 
 
 def _load(path, **kw):
@@ -43,7 +59,8 @@ def _load(path, **kw):
 
 
 def _reference_logits(hf, folder, ids):
-    return hf(ids).logits
+    """transformers' logits; for RWKV-7, subquad's own load of the fla folder (test_rwkv7.py: BlinkDL's)."""
+    return hf(ids).logits if hf is not None else _load(folder)(ids)
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -59,27 +76,34 @@ def test_f32_file_gives_the_references_logits(tmp_path, kind):
     if kind == "lfm2_moe":
         assert "blk.1.ffn_gate_exps.weight" in types and "blk.0.ffn_gate.weight" in types
         assert ours.config.moe_layers == [1, 2] and ours.blocks[1].mlp.score_bias.abs().sum() > 0
+    else:
+        assert "blk.0.time_mix_v1.weight" in types and "blk.2.time_mix_lerp_fused.weight" in types
+        assert ours.config.n_heads == 2 and ours.blocks[0].mixer.v_lora[0].weight.abs().sum() == 0
 
 
 # GGUF matrices subquad keeps as int8 blocks: attention's, the short convolutions' projections, the dense MLP's; the
 # stacked experts are dequantised (load.py); + the tied head
 # the quantised tensors dequantised on loading, named in a warning (a tied embedding keeps its blocks for the head)
-WARNED = {"lfm2_moe": r"blk\.1\.ffn_gate_exps\.weight \(Q8_0\)"}
-KEPT = r"\.(attn_[qkv]|attn_output|shortconv\.(in|out)_proj|ffn_(gate|up|down))\.weight$"
+WARNED = {"lfm2_moe": r"blk\.1\.ffn_gate_exps\.weight \(Q8_0\)", "rwkv7": r"token_embd\.weight \(Q8_0\)"}
+# the Q8_0 tensors kept as int8 blocks (and + 1: LFM2-MoE's tied head): LFM2's projections (not the stacked
+# experts); every RWKV-7 matrix but the embedding and layer 0's unused v1 (dropped)
+KEPT = {"lfm2_moe": (r"\.(attn_[qkv]|attn_output|shortconv\.(in|out)_proj|ffn_(gate|up|down))\.weight$", 1),
+        "rwkv7": (r"^(?!token_embd|blk\.0\.time_mix_v1)", 0)}
 
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_q8_0_file_equals_its_weights_dequantised_by_gguf(tmp_path, kind):
     hf, folder = _hf(tmp_path, kind)
     types = harness.convert(folder, tmp_path / "m.gguf", "q8_0")
-    ref = _load(harness.dequantized_folder(folder, tmp_path / "m.gguf", tmp_path / "ref"))
+    ref = _load(harness.dequantized_folder(folder, tmp_path / "m.gguf", tmp_path / "ref", _convert_fn(kind)))
     with pytest.warns(UserWarning, match=WARNED[kind]):
         ours, _ = from_pretrained(tmp_path / "m.gguf")
     ids = _ids()
     with torch.no_grad():
         want = ref(ids)
         assert torch.allclose(ours(ids), want, rtol=0, atol=1e-5 * want.abs().max())
-    expect = sum(t == "Q8_0" and re.search(KEPT, g) is not None for g, t in types.items()) + 1
+    kept, head = KEPT[kind]
+    expect = sum(t == "Q8_0" and re.search(kept, g) is not None for g, t in types.items()) + head
     quantised = [m for m in ours.modules() if isinstance(m, Int8Linear)]
     assert len(quantised) == expect and ours.quantized == "int8"
 
@@ -108,7 +132,8 @@ def _same_file(ours, theirs, quantised: bool):
         assert a.fields[k].types == b.fields[k].types, k
 
 
-@pytest.mark.parametrize("kind,outtype", [("lfm2_moe", "f32"), ("lfm2_moe", "q8_0")])
+@pytest.mark.parametrize("kind,outtype", [("lfm2_moe", "f32"), ("lfm2_moe", "q8_0"), ("rwkv7", "f32"),
+                                          ("rwkv7", "q8_0")])
 def test_save_gguf_writes_the_converters_file_and_loads_back(tmp_path, kind, outtype):
     hf, folder = _hf(tmp_path, kind)
     model = _load(folder)
@@ -128,7 +153,9 @@ def test_save_gguf_writes_the_converters_file_and_loads_back(tmp_path, kind, out
     ("lfm2_moe", "lfm2moe.expert_gating_func", 1, r"lfm2moe.expert_gating_func=1: LFM2-MoE routes by sigmoid"),
     ("lfm2_moe", "lfm2moe.expert_feed_forward_length", None, "GGUF metadata has no lfm2moe.expert_feed_forward"),
     ("lfm2_moe", "lfm2moe.leading_dense_block_count", 7, r"lfm2moe.leading_dense_block_count=7 must be in \[0, 3\]"),
-], ids=["lfm2moe-gating", "lfm2moe-missing", "lfm2moe-dense"])
+    ("rwkv7", "rwkv7.wkv.head_size", 48, r"rwkv7.wkv.head_size=48 must divide rwkv7.embedding_length=128"),
+    ("rwkv7", "rwkv7.attention.gate_lora_rank", None, "GGUF metadata has no rwkv7.attention.gate_lora_rank"),
+], ids=["lfm2moe-gating", "lfm2moe-missing", "lfm2moe-dense", "rwkv7-head-size", "rwkv7-missing"])
 def test_bad_metadata_is_refused_by_name(tmp_path, kind, key, value, match):
     _, folder = _hf(tmp_path, kind)
     harness.convert(folder, tmp_path / "bad.gguf", "f32", override={key: value})
@@ -136,9 +163,14 @@ def test_bad_metadata_is_refused_by_name(tmp_path, kind, key, value, match):
         from_pretrained(tmp_path / "bad.gguf")
 
 
-@pytest.mark.parametrize("over,match", [({"routed_scaling_factor": 1.5}, "routed_scaling_factor=1.5"),
-                                        ({"norm_topk_prob": False}, "norm_topk_prob=False")])
-def test_what_llama_cpps_lfm2moe_cannot_hold_is_refused_by_name(tmp_path, over, match):
-    _, folder = test_hf_lfm2_moe._hf(tmp_path, tie_word_embeddings=True, **over)
-    with pytest.raises(ValueError, match="lfm2moe: llama.cpp's lfm2moe holds " + match.split("=")[0]):
+@pytest.mark.parametrize("kind,over,match", [
+    ("lfm2_moe", {"routed_scaling_factor": 1.5}, "lfm2moe: llama.cpp's lfm2moe holds routed_scaling_factor=1.0 only; "
+                                                 "this model has routed_scaling_factor=1.5"),
+    ("lfm2_moe", {"norm_topk_prob": False}, "lfm2moe: llama.cpp's lfm2moe holds norm_topk_prob=True only"),
+    ("rwkv7", {"norm_eps": 2e-5}, r"rwkv7: llama.cpp norms ln_x with 0.00064; this model's head_dim x norm_eps is "
+                                  r"64 x 2e-05"),
+], ids=["lfm2moe-scale", "lfm2moe-renorm", "rwkv7-group-norm-eps"])
+def test_what_llama_cpp_cannot_hold_is_refused_by_name(tmp_path, kind, over, match):
+    _, folder = _hf(tmp_path, kind, **over)
+    with pytest.raises(ValueError, match=match):
         save_gguf(_load(folder), tmp_path / "x.gguf")

@@ -65,7 +65,9 @@ def quantize_q4_0(x: torch.Tensor) -> torch.Tensor:
 
 def _kind(name: str, t: torch.Tensor, outtype: str) -> str:
     if t.dim() <= 1 or name.endswith("_norm.weight") or ".ssm_conv1d." in name or ".shortconv.conv." in name \
-            or ".ffn_gate_inp" in name or not name.endswith(".weight"):        # ffn_gate_inp*: routers, F32
+            or ".ffn_gate_inp" in name or not name.endswith(".weight") \
+            or name.endswith((".time_mix_w1.weight", ".time_mix_w2.weight", ".time_mix_lerp_fused.weight")):
+        # ffn_gate_inp*: routers; RWKV's decay LoRA and lerps: F32 (the converter's list)
         return "f32"
     if outtype in ("q8_0", "q4_0") and t.shape[-1] % 32:
         return "f16"                                         # the converter's fallback for a row off the block
@@ -172,8 +174,9 @@ def save_gguf(model, path, outtype: str = "f32", tokenizer=None, name: str | Non
     vocab = model.config.vocab_size
     meta = {"general.architecture": arch.arch, "general.name": name or Path(path).stem,
             "general.file_type": FILE_TYPES[outtype], "general.quantization_version": 2,
-            "general.alignment": ALIGN, **{f"{arch.arch}.{k}": v for k, v in arch.meta(c).items()},
-            f"{arch.arch}.vocab_size": vocab}
+            "general.alignment": ALIGN, **{f"{arch.arch}.{k}": v for k, v in arch.meta(c).items()}}
+    if getattr(arch, "vocab_size_key", True):           # as the converter: not Rwkv7Model's (its vocabulary has it)
+        meta[f"{arch.arch}.vocab_size"] = vocab
     if tokenizer is not None:
         meta.update(tokenizer_metadata(tokenizer, vocab))
     eos = model.config.eos_token_ids or []
