@@ -7,9 +7,10 @@ file (``from_pretrained("x.gguf")``: Q8_0 kept as per-block int8).
 
 LLAMA_PY_SRC: an unpacked llama-cpp-python sdist whose ``vendor/llama.cpp/build/bin`` holds the built libraries
 (see RESULTS.md "Decoding against llama.cpp" for the build); ``--pythonpath``: where its Python dependencies
-(diskcache) are, if not installed. Tiny random Mamba-1, Mamba-2, Falcon-Mamba, LFM2, Qwen3-Next (qwen3next) and
-Qwen3.5 dense and MoE (qwen35, qwen35moe) models, nothing downloaded. ``--only KIND ...``: those models alone;
-``--converter``: also llama.cpp's own converter on tiny Qwen folders (``converter_rows``).
+(diskcache) are, if not installed. Tiny random Mamba-1, Mamba-2, Falcon-Mamba, LFM2, Qwen3-Next (qwen3next),
+Qwen3.5 dense and MoE (qwen35, qwen35moe), LFM2-MoE (lfm2_moe) and RWKV-7 (rwkv7) models, nothing downloaded.
+``--only KIND ...``: those models alone; ``--converter``: also llama.cpp's own converter on tiny Qwen folders
+(``converter_rows``).
 """
 
 from __future__ import annotations
@@ -117,6 +118,35 @@ def models(tmp: Path):
         yield kind, from_pretrained(tmp / kind)[0].eval()
         if kind == "qwen3_next":                     # with an MTP head: written as llama.cpp's nextn layer 4
             yield kind + "+mtp", from_pretrained(with_mtp(tmp / kind, tmp / (kind + "+mtp")))[0].eval()
+    yield from MORE_MODELS(tmp, transformers)
+
+
+def MORE_MODELS(tmp: Path, transformers):
+    """LFM2-MoE (conv, attention, conv, attention: a dense first layer, then 8 experts of which 3 a token, random
+    expert biases; tied and unscaled, as llama.cpp's lfm2moe holds it) and RWKV-7 (a random BlinkDL checkpoint at
+    D 128, head 64, 3 layers, read by subquad and saved as fla's Hugging Face folder; the a and v LoRAs' 16- and
+    8-wide up-projections F16 in a q8_0 file, as the converter writes them)."""
+    from subquad.models import from_pretrained
+    from subquad.testing import random_rwkv7_pth
+
+    torch.manual_seed(0)
+    hf = transformers.Lfm2MoeForCausalLM(transformers.Lfm2MoeConfig(
+        vocab_size=100, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=4,
+        num_dense_layers=1, num_experts=8, num_experts_per_tok=3, num_attention_heads=4, num_key_value_heads=2,
+        layer_types=["conv", "full_attention", "conv", "full_attention"], tie_word_embeddings=True,
+        routed_scaling_factor=1.0, bos_token_id=None, eos_token_id=None, pad_token_id=None))
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if name.endswith("norm.weight"):
+                p.add_(0.3 * torch.randn_like(p))
+        for name, b in hf.named_buffers():
+            if name.endswith("expert_bias"):
+                b.copy_(0.1 * torch.randn_like(b))
+    hf.save_pretrained(tmp / "lfm2_moe")
+    yield "lfm2_moe", from_pretrained(tmp / "lfm2_moe")[0].eval()
+    random_rwkv7_pth(tmp / "rwkv7.pth", 100, 128, 3, {"w": 32, "a": 16, "v": 8, "g": 32}, 256, 64, seed=0)
+    from_pretrained(tmp / "rwkv7.pth")[0].save_pretrained(tmp / "rwkv7")
+    yield "rwkv7", from_pretrained(tmp / "rwkv7")[0].eval()
 
 
 def main(argv=None):

@@ -128,7 +128,7 @@ class Rwkv7Arch:
     layer_norm_epsilon - equal for every released RWKV-7 (head 64, 1e-5); ``save_gguf`` refuses a model where
     they differ, by name. The head is untied (llama.cpp requires ``output.weight``)."""
     arch = "rwkv7"
-    vocab_size_key = False               # Rwkv7Model writes no rwkv7.vocab_size (the vocabulary's length gives it)
+    vocab_size_key = False               # Rwkv7Model writes no rwkv7.vocab_size (written without a token list)
     hf_layer = "model.layers.{i}."
     top: ClassVar[dict] = {"token_embd.weight": "model.embeddings.weight",
                            "token_embd_norm.weight": "model.layers.0.pre_norm.weight",

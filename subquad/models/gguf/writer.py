@@ -175,10 +175,12 @@ def save_gguf(model, path, outtype: str = "f32", tokenizer=None, name: str | Non
     meta = {"general.architecture": arch.arch, "general.name": name or Path(path).stem,
             "general.file_type": FILE_TYPES[outtype], "general.quantization_version": 2,
             "general.alignment": ALIGN, **{f"{arch.arch}.{k}": v for k, v in arch.meta(c).items()}}
-    if getattr(arch, "vocab_size_key", True):           # as the converter: not Rwkv7Model's (its vocabulary has it)
-        meta[f"{arch.arch}.vocab_size"] = vocab
     if tokenizer is not None:
         meta.update(tokenizer_metadata(tokenizer, vocab))
+    # Rwkv7Model writes no rwkv7.vocab_size: llama.cpp counts the RWKV vocabulary it always writes; without a token
+    # list here, the count is what llama.cpp reads instead
+    if getattr(arch, "vocab_size_key", True) or "tokenizer.ggml.tokens" not in meta:
+        meta[f"{arch.arch}.vocab_size"] = vocab
     eos = model.config.eos_token_ids or []
     if eos:
         meta["tokenizer.ggml.eos_token_id"] = int(eos[0])
