@@ -121,7 +121,7 @@ def models(tmp: Path):
     yield from MORE_MODELS(tmp, transformers)
 
 
-def MORE_MODELS(tmp: Path, transformers):
+def MORE_MODELS(tmp: Path, transformers, vocab: int = 100):
     """LFM2-MoE (conv, attention, conv, attention: a dense first layer, then 8 experts of which 3 a token, random
     expert biases; tied and unscaled, as llama.cpp's lfm2moe holds it) and RWKV-7 (a random BlinkDL checkpoint at
     D 128, head 64, 3 layers, read by subquad and saved as fla's Hugging Face folder; the a and v LoRAs' 16- and
@@ -131,7 +131,7 @@ def MORE_MODELS(tmp: Path, transformers):
 
     torch.manual_seed(0)
     hf = transformers.Lfm2MoeForCausalLM(transformers.Lfm2MoeConfig(
-        vocab_size=100, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=4,
+        vocab_size=vocab, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=4,
         num_dense_layers=1, num_experts=8, num_experts_per_tok=3, num_attention_heads=4, num_key_value_heads=2,
         layer_types=["conv", "full_attention", "conv", "full_attention"], tie_word_embeddings=True,
         routed_scaling_factor=1.0, bos_token_id=None, eos_token_id=None, pad_token_id=None))
@@ -144,7 +144,7 @@ def MORE_MODELS(tmp: Path, transformers):
                 b.copy_(0.1 * torch.randn_like(b))
     hf.save_pretrained(tmp / "lfm2_moe")
     yield "lfm2_moe", from_pretrained(tmp / "lfm2_moe")[0].eval()
-    random_rwkv7_pth(tmp / "rwkv7.pth", 100, 128, 3, {"w": 32, "a": 16, "v": 8, "g": 32}, 256, 64, seed=0)
+    random_rwkv7_pth(tmp / "rwkv7.pth", vocab, 128, 3, {"w": 32, "a": 16, "v": 8, "g": 32}, 256, 64, seed=0)
     from_pretrained(tmp / "rwkv7.pth")[0].save_pretrained(tmp / "rwkv7")
     yield "rwkv7", from_pretrained(tmp / "rwkv7")[0].eval()
 
@@ -181,6 +181,7 @@ def main(argv=None):
                 print(f"| {kind} | {outtype} | {rel:.2e} | {100 * agree:.0f}% |", flush=True)
     if a.converter:
         converter_rows(a)
+        more_converter_rows(a)
 
 
 # llama.cpp's own converter on a tiny folder: its BPE pre-tokenizer check hashes a known tokenizer's output (a
@@ -188,12 +189,12 @@ def main(argv=None):
 # tensor and metadata key is the converter's own
 CONVERT = """
 import sys
-src, folder, out, outtype = sys.argv[1:5]
+src, folder, out, outtype, *flags = sys.argv[1:]
 sys.path[:0] = [src + "/gguf-py", src]
 import conversion.base as base
 base.TextModel.get_vocab_base_pre = lambda self, tokenizer: "default"
 import convert_hf_to_gguf
-sys.argv = ["convert_hf_to_gguf.py", folder, "--outfile", out, "--outtype", outtype, "--no-mtp"]
+sys.argv = ["convert_hf_to_gguf.py", folder, "--outfile", out, "--outtype", outtype, *flags]
 convert_hf_to_gguf.main()
 """
 
@@ -217,6 +218,8 @@ def converter_rows(a):
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         for kind, Config, Model, cfg in QWEN_MODELS(transformers):
+            if a.only and kind not in a.only:
+                continue
             torch.manual_seed(0)
             hf = Model(Config(**{**cfg, "vocab_size": 320})).eval()
             with torch.no_grad():
@@ -228,8 +231,8 @@ def converter_rows(a):
             transformers.PreTrainedTokenizerFast(tokenizer_object=tok).save_pretrained(folder)
             for outtype in ("f32", "q8_0"):
                 path = tmp / f"{kind}-{outtype}.gguf"
-                subprocess.run([sys.executable, "-c", CONVERT, str(llama), str(folder), str(path), outtype],
-                               check=True, capture_output=True)
+                subprocess.run([sys.executable, "-c", CONVERT, str(llama), str(folder), str(path), outtype,
+                                "--no-mtp"], check=True, capture_output=True)
                 ours = from_pretrained(path)[0].eval()
                 ids = torch.tensor([IDS])
                 with torch.no_grad():
@@ -244,6 +247,56 @@ def converter_rows(a):
                 rel = ((theirs - mine).abs().max() / mine.abs().max()).item()
                 agree = (theirs.argmax(-1) == mine.argmax(-1)).double().mean().item()
                 print(f"| {kind} | {outtype} | {vs_hf:.2e} | {same} | {rel:.2e} | {100 * agree:.0f}% |", flush=True)
+
+
+def more_converter_rows(a):
+    """``converter_rows`` for LFM2-MoE and RWKV-7 (``MORE_MODELS``' models, LFM2-MoE's with a byte-level BPE
+    tokenizer, RWKV-7's fla folder with a 60-token RWKV world vocabulary file, which its converter reads): subquad's
+    load of the converter's file against the folder's reference (transformers; for RWKV-7 subquad's load of the
+    folder), save_gguf's file against the converter's, llama.cpp on the converter's file against subquad."""
+    import transformers
+
+    from subquad.data.tokenizer import train_tokenizer
+    from subquad.models import from_pretrained
+    from subquad.models.gguf import save_gguf
+    from subquad.models.gguf.reader import GGUFFile
+
+    llama = Path(a.llama_src) / "vendor" / "llama.cpp"
+    tok = train_tokenizer(["".join(f"def f{i}(x):\n    return x * {i}\n" for i in range(200))], vocab_size=320)
+    print("\n| model | converter's GGUF | subquad vs reference | save_gguf = converter's file | llama.cpp vs "
+          "subquad | next token agrees |\n|---|---|---:|---|---:|---:|")
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = Path(tmp)
+        for kind, model in MORE_MODELS(tmp, transformers, vocab=320):
+            if a.only and kind not in a.only:
+                continue
+            folder = tmp / kind
+            if kind == "lfm2_moe":
+                transformers.PreTrainedTokenizerFast(tokenizer_object=tok).save_pretrained(folder)
+                ref = transformers.Lfm2MoeForCausalLM.from_pretrained(folder).eval()
+            else:                                   # RWKV's world vocabulary: "id repr(token) length" a line
+                (folder / "rwkv_vocab_v20230424.txt").write_text(
+                    "".join(f"{i} {chr(64 + i)!r} 1\n" for i in range(1, 61)), encoding="utf-8")
+                ref = None
+            for outtype in ("f32", "q8_0"):
+                path = tmp / f"{kind}-{outtype}.gguf"
+                subprocess.run([sys.executable, "-c", CONVERT, str(llama), str(folder), str(path), outtype],
+                               check=True, capture_output=True)
+                ours = from_pretrained(path)[0].eval()
+                ids = torch.tensor([IDS])
+                with torch.no_grad():
+                    want = (ref(ids).logits if ref is not None else model(ids))[0].double()
+                    mine = ours(ids)[0].double()
+                vs_ref = ((mine - want).abs().max() / want.abs().max()).item()
+                save_gguf(model, tmp / "ours.gguf", outtype)
+                same = same_file(GGUFFile(tmp / "ours.gguf"), GGUFFile(path))
+                out = tmp / "llama.npy"
+                subprocess.run([sys.executable, "-c", CHILD, a.llama_src, a.pythonpath, str(path), json.dumps(IDS),
+                                str(out)], check=True)
+                theirs = torch.from_numpy(np.load(out))
+                rel = ((theirs - mine).abs().max() / mine.abs().max()).item()
+                agree = (theirs.argmax(-1) == mine.argmax(-1)).double().mean().item()
+                print(f"| {kind} | {outtype} | {vs_ref:.2e} | {same} | {rel:.2e} | {100 * agree:.0f}% |", flush=True)
 
 
 def same_file(ours, theirs) -> str:
