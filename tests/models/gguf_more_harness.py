@@ -1,5 +1,6 @@
-"""GGUF files of LFM2-MoE and RWKV-7 (fla layout) checkpoints written with ggml's own ``gguf`` package, by
-llama.cpp's converter rules (``conversion/lfm2.py``: LFM2MoeModel; ``conversion/rwkv.py``: Rwkv7Model;
+"""GGUF files of LFM2-MoE, RWKV-7 (fla layout) and Kimi-Linear checkpoints written with ggml's own ``gguf`` package,
+by llama.cpp's converter rules (``conversion/lfm2.py``: LFM2MoeModel; ``conversion/rwkv.py``: Rwkv7Model;
+``conversion/kimi_linear.py``: KimiLinearModel;
 ``conversion/base.py``'s TextModel metadata and choice of types; gguf-py's tensor names) written out here,
 independently of ``subquad.models.gguf``: a Hugging Face folder (config.json, model.safetensors - what the
 converter reads) in, a file out. And the reference a quantised file is held to: the
@@ -16,7 +17,7 @@ from safetensors.torch import load_file, save_file
 
 gguf = __import__("pytest").importorskip("gguf")
 
-ARCH = {"lfm2_moe": "lfm2moe", "rwkv7": "rwkv7"}
+ARCH = {"lfm2_moe": "lfm2moe", "rwkv7": "rwkv7", "kimi_linear": "kimi-linear"}
 # Hugging Face name (in model.layers.{i}., after filter_tensors' expert_bias -> expert_bias.bias) -> GGUF name
 # (in blk.{i}.): gguf-py's tensor_mapping.py for LFM2MOE
 LFM2MOE_LAYER = {
@@ -90,6 +91,131 @@ def rwkv7_converted(folder, tensors: dict | None = None) -> dict:
     return out
 
 
+# Kimi-Linear: Hugging Face name in model.layers.{i}. (after TextModel.filter_tensors' e_score_correction_bias ->
+# e_score_correction.bias and KimiLinearModel's renames) -> GGUF name in blk.{i}. (tensor_mapping.py)
+KIMI_LAYER = {
+    "input_layernorm.weight": "attn_norm.weight", "post_attention_layernorm.weight": "ffn_norm.weight",
+    "self_attn.q_proj.weight": "attn_q.weight", "self_attn.k_proj.weight": "attn_k.weight",
+    "self_attn.v_proj.weight": "attn_v.weight", "self_attn.o_proj.weight": "attn_output.weight",
+    "self_attn.q_conv1d.weight": "ssm_conv1d_q.weight", "self_attn.k_conv1d.weight": "ssm_conv1d_k.weight",
+    "self_attn.v_conv1d.weight": "ssm_conv1d_v.weight", "self_attn.f_a_proj.weight": "ssm_f_a.weight",
+    "self_attn.f_b_proj.weight": "ssm_f_b.weight", "self_attn.g_a_proj.weight": "ssm_g_a.weight",
+    "self_attn.g_b_proj.weight": "ssm_g_b.weight", "self_attn.b_proj.weight": "ssm_beta.weight",
+    "self_attn.A_log": "ssm_a", "self_attn.dt_proj.bias": "ssm_dt.bias", "self_attn.o_norm.weight": "ssm_norm.weight",
+    "self_attn.q_a_proj.weight": "attn_q_a.weight", "self_attn.q_b_proj.weight": "attn_q_b.weight",
+    "self_attn.q_a_layernorm.weight": "attn_q_a_norm.weight",
+    "self_attn.kv_a_proj_with_mqa.weight": "attn_kv_a_mqa.weight",
+    "self_attn.kv_a_layernorm.weight": "attn_kv_a_norm.weight",
+    "self_attn.k_b_proj.weight": "attn_k_b.weight", "self_attn.v_b_proj.weight": "attn_v_b.weight",
+    "mlp.gate_proj.weight": "ffn_gate.weight", "mlp.up_proj.weight": "ffn_up.weight",
+    "mlp.down_proj.weight": "ffn_down.weight", "block_sparse_moe.gate.weight": "ffn_gate_inp.weight",
+    "block_sparse_moe.gate.e_score_correction.bias": "exp_probs_b.bias",
+    "block_sparse_moe.shared_experts.gate_proj.weight": "ffn_gate_shexp.weight",
+    "block_sparse_moe.shared_experts.up_proj.weight": "ffn_up_shexp.weight",
+    "block_sparse_moe.shared_experts.down_proj.weight": "ffn_down_shexp.weight"}
+KIMI_TOP = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+            "lm_head.weight": "output.weight"}
+KIMI_EXPERTS = {"w1": "ffn_gate_exps.weight", "w2": "ffn_down_exps.weight", "w3": "ffn_up_exps.weight"}
+KIMI_F32 = (".ssm_conv1d_q.weight", ".ssm_conv1d_k.weight", ".ssm_conv1d_v.weight")
+
+
+def released_kimi_folder(folder):
+    """Rewrite a transformers-saved Kimi-Linear folder as the released checkpoints spell it, which is what
+    KimiLinearModel reads (``linear_attn_config`` with 1-indexed ``full_attn_layers``, ``first_k_dense_replace``,
+    ``moe_router_activation_func``, ``num_key_value_heads`` = the heads; the dense MLPs under ``mlp.``, not
+    ``block_sparse_moe.``): the same model, the same weights."""
+    c = hparams(folder)
+    types = c.pop("layer_types")
+    mlp = c.pop("mlp_layer_types")
+    dense = mlp.count("dense")
+    assert mlp == ["dense"] * dense + ["sparse"] * (len(mlp) - dense)
+    c["linear_attn_config"] = {"full_attn_layers": [i + 1 for i, t in enumerate(types) if t == "full_attention"],
+                               "kda_layers": [i + 1 for i, t in enumerate(types) if t != "full_attention"],
+                               "num_heads": c.pop("linear_num_heads"), "head_dim": c.pop("linear_head_dim"),
+                               "short_conv_kernel_size": c.pop("linear_conv_kernel_dim")}
+    c.update(first_k_dense_replace=dense, moe_router_activation_func="sigmoid",
+             num_key_value_heads=c["num_attention_heads"])
+    c.pop("head_dim", None)                       # transformers' derived field, not in the released config
+    (folder / "config.json").write_text(json.dumps(c, indent=1))
+    sd = load_file(str(folder / "model.safetensors"))
+    sd = {(k.replace(".block_sparse_moe.", ".mlp.") if int(k.split(".")[2]) < dense else k)
+          if k.startswith("model.layers.") else k: v for k, v in sd.items()}
+    save_file(sd, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    return folder
+
+
+def kimi_converted(folder, tensors: dict | None = None) -> dict:
+    """{GGUF name: tensor} as KimiLinearModel writes the (released-style) folder's checkpoint."""
+    h = hparams(folder)
+    sd = load_file(str(folder / "model.safetensors")) if tensors is None else tensors
+    out, experts = {}, {}
+    for name, t in sd.items():
+        t = t if t.dtype == torch.float64 else t.float()
+        if name.endswith("e_score_correction_bias"):                          # TextModel.filter_tensors
+            name = name.replace("e_score_correction_bias", "e_score_correction.bias")
+        if name.endswith((".q_conv1d.weight", ".k_conv1d.weight", ".v_conv1d.weight")):
+            d_inner, _, d_conv = t.shape                                       # (C, 1, k) -> (1, C, 1, k)
+            t = t.reshape(1, d_inner, 1, d_conv)
+        if name.endswith(".A_log"):
+            t = -torch.exp(t)
+        if name.endswith(".dt_bias"):
+            name = name.rpartition(".dt_bias")[0] + ".dt_proj.bias"
+        if "block_sparse_moe.experts" in name:
+            base, _, rest = name.partition(".block_sparse_moe.experts.")
+            e, w, _ = rest.split(".")
+            experts.setdefault((base, w), {})[int(e)] = t
+            continue
+        if name.endswith("kv_b_proj.weight"):                                 # split per head, k_b transposed
+            H, v, nope = h["num_key_value_heads"], h["v_head_dim"], h["qk_nope_head_dim"]
+            assert t.shape[0] == H * (v + nope)
+            k_b, v_b = torch.split(t.view(H, v + nope, t.shape[-1]), [nope, v], dim=1)
+            out[_kimi_name(name.replace("kv_b_proj", "k_b_proj"))] = k_b.transpose(1, 2)
+            out[_kimi_name(name.replace("kv_b_proj", "v_b_proj"))] = v_b
+            continue
+        out[_kimi_name(name)] = t
+    for (base, w), parts in experts.items():
+        assert len(parts) == h["num_experts"]
+        out[f"blk.{base.split('.')[2]}.{KIMI_EXPERTS[w]}"] = torch.stack([parts[e] for e in range(len(parts))])
+    return out
+
+
+def _kimi_name(name: str) -> str:
+    if name in KIMI_TOP:
+        return KIMI_TOP[name]
+    i, rest = name.removeprefix("model.layers.").split(".", 1)
+    return f"blk.{i}.{KIMI_LAYER[rest]}"
+
+
+def _kimi_metadata(w, h):
+    """TextModel.set_gguf_parameters and KimiLinearModel.set_gguf_parameters for a released-style config."""
+    lin = h["linear_attn_config"]
+    n = h["num_hidden_layers"]
+    w.add_block_count(n)
+    w.add_context_length(h.get("max_position_embeddings") or h["model_max_length"])
+    w.add_embedding_length(h["hidden_size"])
+    w.add_feed_forward_length(h["intermediate_size"])
+    w.add_head_count(h["num_attention_heads"])
+    w.add_layer_norm_rms_eps(h["rms_norm_eps"])
+    w.add_expert_count(h["num_experts"])
+    w.add_expert_used_count(h["num_experts_per_token"])
+    w.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)              # moe_router_activation_func
+    w.add_vocab_size(h["vocab_size"])
+    w.add_head_count_kv([1 if i + 1 in lin["full_attn_layers"] else 0 for i in range(n)])   # MLA as MQA
+    w.add_ssm_conv_kernel(lin["short_conv_kernel_size"])
+    w.add_kda_head_dim(lin["head_dim"])
+    if h.get("q_lora_rank") is not None:
+        w.add_q_lora_rank(h["q_lora_rank"])
+    w.add_kv_lora_rank(h["kv_lora_rank"])
+    w.add_rope_dimension_count(h["qk_rope_head_dim"])
+    w.add_key_length(h["kv_lora_rank"] + h["qk_rope_head_dim"])
+    w.add_key_length_mla(h["qk_nope_head_dim"] + h["qk_rope_head_dim"])
+    w.add_value_length_mla(h["v_head_dim"])
+    w.add_expert_feed_forward_length(h["moe_intermediate_size"])
+    w.add_expert_shared_count(h["num_shared_experts"])
+    w.add_leading_dense_block_count(h["first_k_dense_replace"])
+    w.add_expert_weights_scale(h["routed_scaling_factor"])
+
+
 def hparams(folder) -> dict:
     return json.loads((folder / "config.json").read_text())
 
@@ -132,7 +258,7 @@ def _kind(g: str, t, outtype: str):
     """ModelBase.prepare_tensors' choice: F32 for 1-D tensors, norms, routers, convolutions, anything not a
     ``.weight``; ``outtype`` for the rest (F16 where a row is not a multiple of the block)."""
     if t.dim() <= 1 or g.endswith("_norm.weight") or ".ffn_gate_inp" in g or ".shortconv.conv." in g \
-            or not g.endswith(".weight") or g.endswith(RWKV7_F32):
+            or not g.endswith(".weight") or g.endswith(RWKV7_F32 + KIMI_F32):
         return TYPES["f32"]
     return TYPES[outtype]
 
@@ -162,6 +288,10 @@ def convert(folder, path, outtype="f32", override: dict | None = None) -> dict:
         _rwkv7_metadata(w, h)
         w.add_file_type(FILE_TYPES[outtype])
         return _write(w, rwkv7_converted(folder), outtype, override)
+    if arch == "kimi-linear":
+        _kimi_metadata(w, h)
+        w.add_file_type(FILE_TYPES[outtype])
+        return _write(w, kimi_converted(folder), outtype, override)
     w.add_block_count(h["num_hidden_layers"])                       # TextModel.set_gguf_parameters
     w.add_context_length(h["max_position_embeddings"])
     w.add_embedding_length(h["hidden_size"])

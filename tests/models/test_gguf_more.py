@@ -22,18 +22,23 @@ from subquad.models.gguf import save_gguf  # noqa: E402
 from subquad.models.hf import from_pretrained  # noqa: E402
 from subquad.models.quant import Int8Linear  # noqa: E402
 from tests.models import gguf_more_harness as harness  # noqa: E402
-from tests.models import test_hf_lfm2_moe  # noqa: E402
+from tests.models import test_hf_kimi, test_hf_lfm2_moe  # noqa: E402
 
-KINDS = ["lfm2_moe", "rwkv7"]
+KINDS = ["lfm2_moe", "rwkv7", "kimi_linear"]
 
 
 def _hf(tmp_path, kind, **over):
     """(reference model or None, folder): LFM2-MoE's tiny transformers model (conv, attention, conv; a dense first
     layer, then 6 experts of which 3 a token, random expert biases), tied and unscaled as llama.cpp holds it; or
     RWKV-7's fla folder of test_rwkv7.py's random BlinkDL checkpoint (D 128, head 64, 3 layers, LoRA ranks 16,
-    16, 8, 32: the a and v LoRAs' up-projections too narrow for a block, written F16)."""
+    16, 8, 32: the a and v LoRAs' up-projections too narrow for a block, written F16); or Kimi-Linear's tiny
+    transformers model (KDA, MLA, KDA, MLA; a dense first layer, then 8 experts and a shared one; ungrouped routing,
+    as llama.cpp routes) in the released checkpoints' spelling, which the converter reads."""
     if kind == "lfm2_moe":
         return test_hf_lfm2_moe._hf(tmp_path, **{"tie_word_embeddings": True, "routed_scaling_factor": 1.0, **over})
+    if kind == "kimi_linear":
+        hf, folder = test_hf_kimi._hf(tmp_path, **{"n_group": 1, "topk_group": 1, **over})
+        return hf, harness.released_kimi_folder(folder)
     from tests.models import test_rwkv7          # needs BlinkDL's rwkv package (the `rwkv` extra): only here
 
     folder = tmp_path / "fla"
@@ -49,7 +54,7 @@ def _ids():
 
 
 def _convert_fn(kind):
-    return harness.rwkv7_converted if kind == "rwkv7" else harness.converted
+    return {"rwkv7": harness.rwkv7_converted, "kimi_linear": harness.kimi_converted}.get(kind, harness.converted)
 
 
 def _load(path, **kw):
@@ -76,18 +81,24 @@ def test_f32_file_gives_the_references_logits(tmp_path, kind):
     if kind == "lfm2_moe":
         assert "blk.1.ffn_gate_exps.weight" in types and "blk.0.ffn_gate.weight" in types
         assert ours.config.moe_layers == [1, 2] and ours.blocks[1].mlp.score_bias.abs().sum() > 0
-    else:
+    elif kind == "rwkv7":
         assert "blk.0.time_mix_v1.weight" in types and "blk.2.time_mix_lerp_fused.weight" in types
         assert ours.config.n_heads == 2 and ours.blocks[0].mixer.v_lora[0].weight.abs().sum() == 0
+    else:
+        assert "blk.1.attn_k_b.weight" in types and "blk.0.ssm_conv1d_q.weight" in types
+        assert ours.config.layers == ["kda", "mla"] * 2 and ours.config.moe_layers == [1, 2, 3]
 
 
 # GGUF matrices subquad keeps as int8 blocks: attention's, the short convolutions' projections, the dense MLP's; the
 # stacked experts are dequantised (load.py); + the tied head
 # the quantised tensors dequantised on loading, named in a warning (a tied embedding keeps its blocks for the head)
-WARNED = {"lfm2_moe": r"blk\.1\.ffn_gate_exps\.weight \(Q8_0\)", "rwkv7": r"token_embd\.weight \(Q8_0\)"}
+WARNED = {"lfm2_moe": r"blk\.1\.ffn_gate_exps\.weight \(Q8_0\)", "rwkv7": r"token_embd\.weight \(Q8_0\)",
+          "kimi_linear": r"token_embd\.weight \(Q8_0\)"}
 # the Q8_0 tensors kept as int8 blocks (and + 1: LFM2-MoE's tied head): LFM2's projections (not the stacked
-# experts); every RWKV-7 matrix but the embedding and layer 0's unused v1 (dropped)
-KEPT = {"lfm2_moe": (r"\.(attn_[qkv]|attn_output|shortconv\.(in|out)_proj|ffn_(gate|up|down))\.weight$", 1),
+# experts); every RWKV-7 matrix but the embedding and layer 0's unused v1 (dropped); every Kimi-Linear matrix but
+# the embedding and the stacked experts
+KEPT = {"kimi_linear": (r"^(?!token_embd|.*_exps\.)", 0),
+        "lfm2_moe": (r"\.(attn_[qkv]|attn_output|shortconv\.(in|out)_proj|ffn_(gate|up|down))\.weight$", 1),
         "rwkv7": (r"^(?!token_embd|blk\.0\.time_mix_v1)", 0)}
 
 
@@ -134,8 +145,7 @@ def _same_file(ours, theirs, quantised: bool):
         assert a.fields[k].types == b.fields[k].types, k
 
 
-@pytest.mark.parametrize("kind,outtype", [("lfm2_moe", "f32"), ("lfm2_moe", "q8_0"), ("rwkv7", "f32"),
-                                          ("rwkv7", "q8_0")])
+@pytest.mark.parametrize("kind,outtype", [(k, t) for k in KINDS for t in ("f32", "q8_0")])
 def test_save_gguf_writes_the_converters_file_and_loads_back(tmp_path, kind, outtype):
     hf, folder = _hf(tmp_path, kind)
     model = _load(folder)
@@ -157,7 +167,12 @@ def test_save_gguf_writes_the_converters_file_and_loads_back(tmp_path, kind, out
     ("lfm2_moe", "lfm2moe.leading_dense_block_count", 7, r"lfm2moe.leading_dense_block_count=7 must be in \[0, 3\]"),
     ("rwkv7", "rwkv7.wkv.head_size", 48, r"rwkv7.wkv.head_size=48 must divide rwkv7.embedding_length=128"),
     ("rwkv7", "rwkv7.attention.gate_lora_rank", None, "GGUF metadata has no rwkv7.attention.gate_lora_rank"),
-], ids=["lfm2moe-gating", "lfm2moe-missing", "lfm2moe-dense", "rwkv7-head-size", "rwkv7-missing"])
+    ("kimi_linear", "kimi-linear.expert_gating_func", 1, "kimi-linear.expert_gating_func=1: Kimi-Linear routes by"),
+    ("kimi_linear", "kimi-linear.attention.head_count_kv", [0, 4, 0, 4],
+     r"kimi-linear.attention.head_count_kv=\[0, 4, 0, 4\] must give each of the 4 layers 0 \(KDA\) or 1 \(MLA\)"),
+    ("kimi_linear", "kimi-linear.attention.key_length_mla", None, "GGUF metadata has no kimi-linear.attention.key_len"),
+], ids=["lfm2moe-gating", "lfm2moe-missing", "lfm2moe-dense", "rwkv7-head-size", "rwkv7-missing", "kimi-gating",
+        "kimi-head-count-kv", "kimi-missing"])
 def test_bad_metadata_is_refused_by_name(tmp_path, kind, key, value, match):
     _, folder = _hf(tmp_path, kind)
     harness.convert(folder, tmp_path / "bad.gguf", "f32", override={key: value})
@@ -171,7 +186,9 @@ def test_bad_metadata_is_refused_by_name(tmp_path, kind, key, value, match):
     ("lfm2_moe", {"norm_topk_prob": False}, "lfm2moe: llama.cpp's lfm2moe holds norm_topk_prob=True only"),
     ("rwkv7", {"norm_eps": 2e-5}, r"rwkv7: llama.cpp norms ln_x with 0.00064; this model's head_dim x norm_eps is "
                                   r"64 x 2e-05"),
-], ids=["lfm2moe-scale", "lfm2moe-renorm", "rwkv7-group-norm-eps"])
+    ("kimi_linear", {"n_group": 2}, r"kimi-linear: llama.cpp's kimi-linear holds .* ungrouped routing, .*; this model "
+                                    r"has num_expert_group=2"),
+], ids=["lfm2moe-scale", "lfm2moe-renorm", "rwkv7-group-norm-eps", "kimi-grouped"])
 def test_what_llama_cpp_cannot_hold_is_refused_by_name(tmp_path, kind, over, match):
     _, folder = _hf(tmp_path, kind, **over)
     with pytest.raises(ValueError, match=match):

@@ -1,9 +1,10 @@
-"""llama.cpp's ``lfm2moe`` and ``rwkv7`` against the Hugging Face checkpoints ``models.hf`` reads (``hf/lfm2.py``'s
-``lfm2_moe``, ``hf/rwkv7.py``'s fla layout), as llama.cpp's converter writes them (``conversion/lfm2.py``:
-LFM2MoeModel; ``conversion/rwkv.py``: Rwkv7Model; gguf-py's ``tensor_mapping.py``; the loaders
-``src/models/lfm2moe.cpp``, ``rwkv7.cpp``). The tables follow ``arch.py``'s and ``qwen.py``'s (``top`` /
-``layer``, ``to_hf`` / ``to_gguf``, ``config`` / ``meta``, ``regroup`` / ``split``); each class's docstring states
-its reshapes.
+"""llama.cpp's ``lfm2moe``, ``rwkv7`` and ``kimi-linear`` against the Hugging Face checkpoints ``models.hf`` reads
+(``hf/lfm2.py``'s ``lfm2_moe``, ``hf/rwkv7.py``'s fla layout, ``hf/kimi_linear.py``), as llama.cpp's converter
+writes them (``conversion/lfm2.py``: LFM2MoeModel; ``conversion/rwkv.py``: Rwkv7Model;
+``conversion/kimi_linear.py``: KimiLinearModel; gguf-py's ``tensor_mapping.py``; the loaders
+``src/models/lfm2moe.cpp``, ``rwkv7.cpp``, ``kimi-linear.cpp``). The tables follow ``arch.py``'s and
+``qwen.py``'s (``top`` / ``layer``, ``to_hf`` / ``to_gguf``, ``config`` / ``meta``, ``regroup`` / ``split``); each
+class's docstring states its reshapes.
 """
 
 from __future__ import annotations
@@ -231,6 +232,184 @@ class Rwkv7Arch:
         return out
 
 
-MORE_ARCHS = (Lfm2MoeArch, Rwkv7Arch)
+KIMI_EXPERT = re.compile(r"(.*\.mlp\.experts\.)(\d+)\.(w1|w2|w3)\.weight$")
+
+
+class KimiLinearArch:
+    """``kimi-linear`` (KimiLinearModel): Kimi Delta Attention layers (``head_count_kv`` 0) and multi-head latent
+    attention layers (``head_count_kv`` 1: the converter's MQA form of MLA), a dense SwiGLU in the first
+    ``leading_dense_block_count`` layers, then DeepSeek-V3 experts (sigmoid router with ``exp_probs_b``,
+    renormalised, times ``expert_weights_scale``) and a shared expert. The converter's rewrites:
+
+        KDA convs    ``q_conv1d`` / ``k_conv1d`` / ``v_conv1d`` (C, 1, k) as (1, C, 1, k): ``ssm_conv1d_{q,k,v}``
+        A_log        (1, 1, H, 1) written as A = -exp(A_log) (``ssm_a``); dt_bias as ``ssm_dt.bias``
+        kv_b_proj    (H (nope + v), R) split per head: ``attn_k_b`` = k_b transposed, (H, R, nope), and
+                     ``attn_v_b`` (H, v, R) (``regroup`` / ``split``)
+        experts      w1 / w3 / w2 stacked to (E, I, d) / (E, I, d) / (E, d, I): ``ffn_{gate,up,down}_exps``
+        router bias  ``e_score_correction_bias`` as ``exp_probs_b.bias``
+
+    The converter reads the released config's spelling (``linear_attn_config``, ``first_k_dense_replace``,
+    ``moe_router_activation_func``); a file loads as transformers' ``kimi_linear`` config. What llama.cpp's loader
+    cannot hold is refused by name on writing: KDA heads other than ``num_attention_heads`` (it takes both from
+    ``head_count``), grouped routing (it reads no group count), ``moe_renormalize`` false, dense layers that do not
+    lead. MLA rotates nothing, in llama.cpp as in transformers' Kimi-Linear."""
+    arch = "kimi-linear"
+    hf_layer = "model.layers.{i}."
+    top: ClassVar[dict] = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
+                           "output.weight": "lm_head.weight"}
+    layer: ClassVar[dict] = {
+        "attn_norm.weight": "input_layernorm.weight", "ffn_norm.weight": "post_attention_layernorm.weight",
+        "attn_q.weight": "self_attn.q_proj.weight", "attn_k.weight": "self_attn.k_proj.weight",
+        "attn_v.weight": "self_attn.v_proj.weight", "attn_output.weight": "self_attn.o_proj.weight",
+        **{f"ssm_conv1d_{x}.weight": f"self_attn.{x}_conv1d.weight" for x in "qkv"},
+        **{f"ssm_{x}.weight": f"self_attn.{x}_proj.weight" for x in ("f_a", "f_b", "g_a", "g_b")},
+        "ssm_beta.weight": "self_attn.b_proj.weight", "ssm_a": "self_attn.A_log", "ssm_dt.bias": "self_attn.dt_bias",
+        "ssm_norm.weight": "self_attn.o_norm.weight",
+        "attn_q_a.weight": "self_attn.q_a_proj.weight", "attn_q_b.weight": "self_attn.q_b_proj.weight",
+        "attn_q_a_norm.weight": "self_attn.q_a_layernorm.weight",
+        "attn_kv_a_mqa.weight": "self_attn.kv_a_proj_with_mqa.weight",
+        "attn_kv_a_norm.weight": "self_attn.kv_a_layernorm.weight",
+        "attn_k_b.weight": "self_attn.kv_b_proj.k_b", "attn_v_b.weight": "self_attn.kv_b_proj.v_b",    # ``regroup``
+        # the MLPs under "mlp." (``models.hf``'s unpack renames transformers' block_sparse_moe so; quantised
+        # projections are kept in blocks only where the name is the format's own)
+        "ffn_gate.weight": "mlp.gate_proj.weight", "ffn_up.weight": "mlp.up_proj.weight",
+        "ffn_down.weight": "mlp.down_proj.weight", "ffn_gate_inp.weight": "mlp.gate.weight",
+        "exp_probs_b.bias": "mlp.gate.e_score_correction_bias",
+        **{f"ffn_{p}_shexp.weight": f"mlp.shared_experts.{p}_proj.weight" for p in ("gate", "up", "down")},
+        "ffn_gate_exps.weight": "mlp.experts.w1", "ffn_up_exps.weight": "mlp.experts.w3",
+        "ffn_down_exps.weight": "mlp.experts.w2"}
+
+    @staticmethod
+    def to_hf(name: str, t: torch.Tensor, c: dict) -> torch.Tensor:
+        if name.endswith("A_log"):
+            return torch.log(-t)
+        if name.endswith("_conv1d.weight"):
+            return t.reshape(t.shape[1], 1, t.shape[-1])                 # (1, C, 1, k) -> (C, 1, k)
+        return t
+
+    @staticmethod
+    def to_gguf(name: str, t: torch.Tensor, c: dict) -> torch.Tensor:
+        if name.endswith("A_log"):
+            return -torch.exp(t)
+        if name.endswith("_conv1d.weight"):
+            return t.reshape(1, t.shape[0], 1, t.shape[-1])
+        return t
+
+    @classmethod
+    def config(cls, meta: dict, tensors: dict) -> dict:
+        a = cls.arch
+        n = _get(meta, a, "block_count")
+        kv = _get(meta, a, "attention.head_count_kv")
+        kv = kv if isinstance(kv, list) else [kv] * n
+        if len(kv) != n or set(kv) - {0, 1}:
+            raise ValueError(f"GGUF metadata {a}.attention.head_count_kv={kv} must give each of the {n} layers 0 (KDA) "
+                             f"or 1 (MLA)")
+        gating = _get(meta, a, "expert_gating_func")
+        if gating != SIGMOID:
+            raise ValueError(f"GGUF metadata {a}.expert_gating_func={gating}: Kimi-Linear routes by sigmoid "
+                             f"({SIGMOID})")
+        dense = meta.get(f"{a}.leading_dense_block_count", 0)
+        if not isinstance(dense, int) or not 0 <= dense <= n:
+            raise ValueError(f"GGUF metadata {a}.leading_dense_block_count={dense} must be in [0, {n}]")
+        heads, rope = _get(meta, a, "attention.head_count"), _get(meta, a, "rope.dimension_count")
+        kv_rank, k_mla = _get(meta, a, "attention.kv_lora_rank"), _get(meta, a, "attention.key_length_mla")
+        if _get(meta, a, "attention.key_length", kv_rank + rope) != kv_rank + rope or k_mla <= rope:
+            raise ValueError(f"GGUF metadata {a}.attention.key_length={meta.get(f'{a}.attention.key_length')} must be "
+                             f"kv_lora_rank + rope.dimension_count = {kv_rank + rope}, and key_length_mla={k_mla} more "
+                             f"than rope.dimension_count={rope}")
+        return {"model_type": "kimi_linear", "hidden_size": _get(meta, a, "embedding_length"), "num_hidden_layers": n,
+                "num_attention_heads": heads, "num_key_value_heads": heads,
+                "layer_types": ["full_attention" if k else "linear_attention" for k in kv],
+                "mlp_layer_types": ["dense" if i < dense else "sparse" for i in range(n)],
+                "intermediate_size": _get(meta, a, "feed_forward_length"),
+                "linear_num_heads": heads, "linear_head_dim": _get(meta, a, "kda.head_dim"),
+                "linear_conv_kernel_dim": _get(meta, a, "ssm.conv_kernel"),
+                "kv_lora_rank": kv_rank, "q_lora_rank": meta.get(f"{a}.attention.q_lora_rank"),
+                "qk_rope_head_dim": rope, "qk_nope_head_dim": k_mla - rope,
+                "v_head_dim": _get(meta, a, "attention.value_length_mla"),
+                "rms_norm_eps": float(_get(meta, a, "attention.layer_norm_rms_epsilon")), "hidden_act": "silu",
+                "attention_bias": False, "tie_word_embeddings": "output.weight" not in tensors,
+                "num_experts": _get(meta, a, "expert_count"),
+                "num_experts_per_token": _get(meta, a, "expert_used_count"),
+                "moe_intermediate_size": _get(meta, a, "expert_feed_forward_length"),
+                "num_shared_experts": _get(meta, a, "expert_shared_count"), "num_expert_group": 1, "topk_group": 1,
+                "routed_scaling_factor": float(meta.get(f"{a}.expert_weights_scale") or 1.0),
+                "moe_renormalize": True}
+
+    @classmethod
+    def meta(cls, c: dict) -> dict:
+        n, heads = c["num_hidden_layers"], c["num_attention_heads"]
+        dense = c["mlp_layer_types"].count("dense")
+        problems = [f"{k}={c.get(k)}" for k, bad in (
+            ("linear_num_heads", c["linear_num_heads"] != heads),
+            ("num_expert_group", c.get("num_expert_group", 1) != c.get("topk_group", 1)),
+            ("moe_renormalize", not c.get("moe_renormalize", True)),
+            ("mlp_layer_types", c["mlp_layer_types"] != ["dense"] * dense + ["sparse"] * (n - dense))) if bad]
+        if problems:
+            raise ValueError(f"{cls.arch}: llama.cpp's kimi-linear holds KDA heads = num_attention_heads={heads}, "
+                             f"ungrouped routing, renormalised top-k and leading dense layers only; this model has "
+                             f"{', '.join(problems)}")
+        rope, kv_rank = c["qk_rope_head_dim"], c["kv_lora_rank"]
+        m = {"block_count": n, "context_length": c.get("model_max_length", 1048576),
+             "embedding_length": c["hidden_size"], "feed_forward_length": c["intermediate_size"],
+             "attention.head_count": heads,
+             "attention.head_count_kv": [1 if t == "full_attention" else 0 for t in c["layer_types"]],
+             "attention.layer_norm_rms_epsilon": float(c["rms_norm_eps"]),
+             "expert_count": c["num_experts"], "expert_used_count": c["num_experts_per_token"],
+             "expert_gating_func": SIGMOID, "ssm.conv_kernel": c["linear_conv_kernel_dim"],
+             "kda.head_dim": c["linear_head_dim"]}
+        if c.get("q_lora_rank") is not None:
+            m["attention.q_lora_rank"] = c["q_lora_rank"]
+        m.update({"attention.kv_lora_rank": kv_rank, "rope.dimension_count": rope,
+                  "attention.key_length": kv_rank + rope, "attention.key_length_mla": c["qk_nope_head_dim"] + rope,
+                  "attention.value_length_mla": c["v_head_dim"],
+                  "expert_feed_forward_length": c["moe_intermediate_size"],
+                  "expert_shared_count": c["num_shared_experts"], "leading_dense_block_count": dense,
+                  "expert_weights_scale": float(c["routed_scaling_factor"])})
+        return m
+
+    @classmethod
+    def regroup(cls, tensors: dict, c: dict) -> dict:
+        """k_b (H, R, nope) and v_b (H, v, R) -> kv_b_proj (H (nope + v), R); stacked experts -> one per expert."""
+        out = {}
+        for name, t in tensors.items():
+            if name.endswith("kv_b_proj.k_b"):
+                p = name.removesuffix("k_b")
+                v = tensors.get(p + "v_b")
+                if v is None:                 # half a pair (load's probe of the quantised ones): not kept as is
+                    continue
+                out[p + "weight"] = torch.cat([t.transpose(1, 2), v], 1).reshape(-1, t.shape[1])
+            elif name.endswith("kv_b_proj.v_b"):
+                continue
+            elif name.endswith(("mlp.experts.w1", "mlp.experts.w2",
+                                "mlp.experts.w3")):
+                p, _, w = name.rpartition(".")
+                out.update({f"{p}.{e}.{w}.weight": x for e, x in enumerate(t.unbind(0))})
+            else:
+                out[name] = t
+        return out
+
+    @classmethod
+    def split(cls, tensors: dict, c: dict) -> dict:
+        """``regroup``'s inverse, as KimiLinearModel.modify_tensors splits and stacks."""
+        out, stacks = {}, {}
+        H, nope, v = c["num_attention_heads"], c["qk_nope_head_dim"], c["v_head_dim"]
+        for name, t in tensors.items():
+            name = name.replace(".block_sparse_moe.", ".mlp.")       # as the tables name them (unpack's names)
+            m = KIMI_EXPERT.match(name)
+            if m:
+                stacks.setdefault(m.group(1) + m.group(3), {})[int(m.group(2))] = t
+            elif name.endswith("kv_b_proj.weight"):
+                p = name.removesuffix("weight")
+                k_b, v_b = t.reshape(H, nope + v, t.shape[-1]).split([nope, v], 1)
+                out[p + "k_b"], out[p + "v_b"] = k_b.transpose(1, 2).contiguous(), v_b.contiguous()
+            else:
+                out[name] = t
+        for name, parts in stacks.items():
+            out[name] = torch.stack([parts[e] for e in range(len(parts))])
+        return out
+
+
+MORE_ARCHS = (Lfm2MoeArch, Rwkv7Arch, KimiLinearArch)
 # the Hugging Face model_type each is written from
-MORE_HF_TYPES = {"lfm2_moe": Lfm2MoeArch, "rwkv7": Rwkv7Arch}
+MORE_HF_TYPES = {"lfm2_moe": Lfm2MoeArch, "rwkv7": Rwkv7Arch, "kimi_linear": KimiLinearArch}

@@ -64,10 +64,10 @@ def quantize_q4_0(x: torch.Tensor) -> torch.Tensor:
 
 
 def _kind(name: str, t: torch.Tensor, outtype: str) -> str:
-    if t.dim() <= 1 or name.endswith("_norm.weight") or ".ssm_conv1d." in name or ".shortconv.conv." in name \
+    if t.dim() <= 1 or name.endswith("_norm.weight") or ".ssm_conv1d" in name or ".shortconv.conv." in name \
             or ".ffn_gate_inp" in name or not name.endswith(".weight") \
             or name.endswith((".time_mix_w1.weight", ".time_mix_w2.weight", ".time_mix_lerp_fused.weight")):
-        # ffn_gate_inp*: routers; RWKV's decay LoRA and lerps: F32 (the converter's list)
+        # ffn_gate_inp*: routers; Kimi's ssm_conv1d_{q,k,v}; RWKV's decay LoRA and lerps: F32 (the converter's list)
         return "f32"
     if outtype in ("q8_0", "q4_0") and t.shape[-1] % 32:
         return "f16"                                         # the converter's fallback for a row off the block
