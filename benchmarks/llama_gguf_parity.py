@@ -8,7 +8,8 @@ file (``from_pretrained("x.gguf")``: Q8_0 kept as per-block int8).
 LLAMA_PY_SRC: an unpacked llama-cpp-python sdist whose ``vendor/llama.cpp/build/bin`` holds the built libraries
 (see RESULTS.md "Decoding against llama.cpp" for the build); ``--pythonpath``: where its Python dependencies
 (diskcache) are, if not installed. Tiny random Mamba-1, Mamba-2, Falcon-Mamba, LFM2, Qwen3-Next (qwen3next),
-Qwen3.5 dense and MoE (qwen35, qwen35moe), LFM2-MoE (lfm2_moe) and RWKV-7 (rwkv7) models, nothing downloaded.
+Qwen3.5 dense and MoE (qwen35, qwen35moe), LFM2-MoE (lfm2_moe), Kimi-Linear (kimi_linear) and RWKV-7 (rwkv7)
+models, nothing downloaded.
 ``--only KIND ...``: those models alone; ``--converter``: also llama.cpp's own converter on tiny Qwen folders
 (``converter_rows``).
 """
@@ -122,8 +123,11 @@ def models(tmp: Path):
 
 
 def MORE_MODELS(tmp: Path, transformers, vocab: int = 100):
-    """LFM2-MoE (conv, attention, conv, attention: a dense first layer, then 8 experts of which 3 a token, random
-    expert biases; tied and unscaled, as llama.cpp's lfm2moe holds it) and RWKV-7 (a random BlinkDL checkpoint at
+    """Kimi-Linear (KDA, MLA, KDA, MLA; a dense first layer, then 8 experts of which 2 a token and a shared one,
+    ungrouped routing, random router biases; saved by transformers, rewritten as the released checkpoints spell
+    their config, which llama.cpp's converter reads), LFM2-MoE (conv, attention, conv, attention: a dense first
+    layer, then 8 experts of which 3 a token, random expert biases; tied and unscaled, as llama.cpp's lfm2moe
+    holds it) and RWKV-7 (a random BlinkDL checkpoint at
     D 128, head 64, 3 layers, read by subquad and saved as fla's Hugging Face folder; the a and v LoRAs' 16- and
     8-wide up-projections F16 in a q8_0 file, as the converter writes them)."""
     from subquad.models import from_pretrained
@@ -144,6 +148,23 @@ def MORE_MODELS(tmp: Path, transformers, vocab: int = 100):
                 b.copy_(0.1 * torch.randn_like(b))
     hf.save_pretrained(tmp / "lfm2_moe")
     yield "lfm2_moe", from_pretrained(tmp / "lfm2_moe")[0].eval()
+    torch.manual_seed(0)
+    hf = transformers.KimiLinearForCausalLM(transformers.KimiLinearConfig(
+        vocab_size=vocab, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=16,
+        v_head_dim=12, num_local_experts=8, num_experts_per_tok=2, n_group=1, topk_group=1, linear_head_dim=16,
+        linear_num_heads=4, layer_types=["linear_attention", "full_attention"] * 2, pad_token_id=None,
+        bos_token_id=None, eos_token_id=None))
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if name.endswith(("norm.weight", "layernorm.weight", "dt_bias")):
+                p.add_(0.3 * torch.randn_like(p))
+        for name, b in hf.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.add_(0.1 * torch.randn_like(b))
+    hf.save_pretrained(tmp / "kimi_linear")
+    released_kimi(tmp / "kimi_linear")
+    yield "kimi_linear", from_pretrained(tmp / "kimi_linear")[0].eval()
     random_rwkv7_pth(tmp / "rwkv7.pth", vocab, 128, 3, {"w": 32, "a": 16, "v": 8, "g": 32}, 256, 64, seed=0)
     from_pretrained(tmp / "rwkv7.pth")[0].save_pretrained(tmp / "rwkv7")
     yield "rwkv7", from_pretrained(tmp / "rwkv7")[0].eval()
@@ -179,6 +200,15 @@ def main(argv=None):
                 agree = (theirs.argmax(-1) == mine.argmax(-1)).double().mean().item()
                 rows.append((kind, outtype, rel, agree))
                 print(f"| {kind} | {outtype} | {rel:.2e} | {100 * agree:.0f}% |", flush=True)
+                if kind == "kimi_linear":             # the same, subquad given llama.cpp's epsilons (llama_eps)
+                    import copy
+
+                    with torch.no_grad():
+                        mine = llama_eps(copy.deepcopy(ours))(torch.tensor([IDS]))[0].double()
+                    rel = ((theirs - mine).abs().max() / mine.abs().max()).item()
+                    agree = (theirs.argmax(-1) == mine.argmax(-1)).double().mean().item()
+                    print(f"| {kind}, subquad with llama.cpp's epsilons | {outtype} | {rel:.2e} | {100 * agree:.0f}% |",
+                          flush=True)
     if a.converter:
         converter_rows(a)
         more_converter_rows(a)
@@ -249,6 +279,43 @@ def converter_rows(a):
                 print(f"| {kind} | {outtype} | {vs_hf:.2e} | {same} | {rel:.2e} | {100 * agree:.0f}% |", flush=True)
 
 
+def llama_eps(model):
+    """A Kimi-Linear model given llama.cpp's epsilons: its kimi-linear graph L2-normalises KDA's q and k and
+    RMS-normalises MLA's latents with ``attention.layer_norm_rms_epsilon`` (1e-5 here), where transformers and fla
+    use 1e-6 (fla's L2 norm, KimiLinearRMSNorm's default) - the whole of the two engines' f32 difference."""
+    eps = model.config.norm_eps
+    for block in model.blocks:
+        if hasattr(block.mixer, "qk_eps"):
+            block.mixer.qk_eps = eps
+        for name in ("kv_a_norm", "q_a_norm"):
+            if getattr(block.mixer, name, None) is not None:
+                getattr(block.mixer, name).eps = eps
+    return model
+
+
+def released_kimi(folder: Path) -> None:
+    """The transformers-saved Kimi-Linear folder rewritten as the released checkpoints spell it, which llama.cpp's
+    converter reads (``linear_attn_config``, ``first_k_dense_replace``, ``moe_router_activation_func``,
+    ``num_key_value_heads`` = the heads, dense MLPs under ``mlp.``); subquad reads both spellings."""
+    from safetensors.torch import load_file, save_file
+
+    c = json.loads((folder / "config.json").read_text())
+    types, mlp = c.pop("layer_types"), c.pop("mlp_layer_types")
+    dense = mlp.count("dense")
+    c["linear_attn_config"] = {"full_attn_layers": [i + 1 for i, t in enumerate(types) if t == "full_attention"],
+                               "kda_layers": [i + 1 for i, t in enumerate(types) if t != "full_attention"],
+                               "num_heads": c.pop("linear_num_heads"), "head_dim": c.pop("linear_head_dim"),
+                               "short_conv_kernel_size": c.pop("linear_conv_kernel_dim")}
+    c.update(first_k_dense_replace=dense, moe_router_activation_func="sigmoid",
+             num_key_value_heads=c["num_attention_heads"])
+    c.pop("head_dim", None)
+    (folder / "config.json").write_text(json.dumps(c, indent=1))
+    sd = load_file(str(folder / "model.safetensors"))
+    sd = {(k.replace(".block_sparse_moe.", ".mlp.") if k.startswith("model.layers.") and int(k.split(".")[2]) < dense
+           else k): v for k, v in sd.items()}
+    save_file(sd, str(folder / "model.safetensors"), metadata={"format": "pt"})
+
+
 def more_converter_rows(a):
     """``converter_rows`` for LFM2-MoE and RWKV-7 (``MORE_MODELS``' models, LFM2-MoE's with a byte-level BPE
     tokenizer, RWKV-7's fla folder with a 60-token RWKV world vocabulary file, which its converter reads): subquad's
@@ -271,9 +338,9 @@ def more_converter_rows(a):
             if a.only and kind not in a.only:
                 continue
             folder = tmp / kind
-            if kind == "lfm2_moe":
+            if kind in ("lfm2_moe", "kimi_linear"):
                 transformers.PreTrainedTokenizerFast(tokenizer_object=tok).save_pretrained(folder)
-                ref = transformers.Lfm2MoeForCausalLM.from_pretrained(folder).eval()
+                ref = None if kind == "kimi_linear" else transformers.Lfm2MoeForCausalLM.from_pretrained(folder).eval()
             else:                                   # RWKV's world vocabulary: "id repr(token) length" a line
                 (folder / "rwkv_vocab_v20230424.txt").write_text(
                     "".join(f"{i} {chr(64 + i)!r} 1\n" for i in range(1, 61)), encoding="utf-8")
@@ -297,6 +364,15 @@ def more_converter_rows(a):
                 rel = ((theirs - mine).abs().max() / mine.abs().max()).item()
                 agree = (theirs.argmax(-1) == mine.argmax(-1)).double().mean().item()
                 print(f"| {kind} | {outtype} | {vs_ref:.2e} | {same} | {rel:.2e} | {100 * agree:.0f}% |", flush=True)
+                if kind == "kimi_linear":
+                    import copy
+
+                    with torch.no_grad():
+                        mine = llama_eps(copy.deepcopy(ours))(ids)[0].double()
+                    rel = ((theirs - mine).abs().max() / mine.abs().max()).item()
+                    agree = (theirs.argmax(-1) == mine.argmax(-1)).double().mean().item()
+                    print(f"| {kind}, subquad with llama.cpp's epsilons | {outtype} | | | {rel:.2e} | "
+                          f"{100 * agree:.0f}% |", flush=True)
 
 
 def same_file(ours, theirs) -> str:

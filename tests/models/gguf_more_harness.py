@@ -187,9 +187,12 @@ def _kimi_name(name: str) -> str:
 
 
 def _kimi_metadata(w, h):
-    """TextModel.set_gguf_parameters and KimiLinearModel.set_gguf_parameters for a released-style config."""
+    """TextModel.set_gguf_parameters and KimiLinearModel.set_gguf_parameters for a released-style config, as the
+    converter reads it: through transformers' AutoConfig (kimi_linear is a transformers type), whose to_dict()
+    adds head_dim = qk_rope_head_dim and topk_group (default 1)."""
     lin = h["linear_attn_config"]
     n = h["num_hidden_layers"]
+    head_dim = h["qk_rope_head_dim"]                         # KimiLinearConfig.__post_init__
     w.add_block_count(n)
     w.add_context_length(h.get("max_position_embeddings") or h["model_max_length"])
     w.add_embedding_length(h["hidden_size"])
@@ -198,7 +201,10 @@ def _kimi_metadata(w, h):
     w.add_layer_norm_rms_eps(h["rms_norm_eps"])
     w.add_expert_count(h["num_experts"])
     w.add_expert_used_count(h["num_experts_per_token"])
+    w.add_expert_group_used_count(h.get("topk_group", 1))
     w.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)              # moe_router_activation_func
+    w.add_key_length(head_dim)                                               # replaced below
+    w.add_value_length(head_dim)
     w.add_vocab_size(h["vocab_size"])
     w.add_head_count_kv([1 if i + 1 in lin["full_attn_layers"] else 0 for i in range(n)])   # MLA as MQA
     w.add_ssm_conv_kernel(lin["short_conv_kernel_size"])

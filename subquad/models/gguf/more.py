@@ -311,6 +311,8 @@ class KimiLinearArch:
         dense = meta.get(f"{a}.leading_dense_block_count", 0)
         if not isinstance(dense, int) or not 0 <= dense <= n:
             raise ValueError(f"GGUF metadata {a}.leading_dense_block_count={dense} must be in [0, {n}]")
+        groups = meta.get(f"{a}.expert_group_count", 1)     # llama.cpp's generic keys; the converter writes the
+        # used count (topk_group) only
         heads, rope = _get(meta, a, "attention.head_count"), _get(meta, a, "rope.dimension_count")
         kv_rank, k_mla = _get(meta, a, "attention.kv_lora_rank"), _get(meta, a, "attention.key_length_mla")
         if _get(meta, a, "attention.key_length", kv_rank + rope) != kv_rank + rope or k_mla <= rope:
@@ -332,13 +334,15 @@ class KimiLinearArch:
                 "num_experts": _get(meta, a, "expert_count"),
                 "num_experts_per_token": _get(meta, a, "expert_used_count"),
                 "moe_intermediate_size": _get(meta, a, "expert_feed_forward_length"),
-                "num_shared_experts": _get(meta, a, "expert_shared_count"), "num_expert_group": 1, "topk_group": 1,
+                "num_shared_experts": _get(meta, a, "expert_shared_count"), "num_expert_group": groups,
+                "topk_group": meta.get(f"{a}.expert_group_used_count", groups),
                 "routed_scaling_factor": float(meta.get(f"{a}.expert_weights_scale") or 1.0),
                 "moe_renormalize": True}
 
     @classmethod
     def meta(cls, c: dict) -> dict:
         n, heads = c["num_hidden_layers"], c["num_attention_heads"]
+        rope, kv_rank = c["qk_rope_head_dim"], c["kv_lora_rank"]
         dense = c["mlp_layer_types"].count("dense")
         problems = [f"{k}={c.get(k)}" for k, bad in (
             ("linear_num_heads", c["linear_num_heads"] != heads),
@@ -349,14 +353,16 @@ class KimiLinearArch:
             raise ValueError(f"{cls.arch}: llama.cpp's kimi-linear holds KDA heads = num_attention_heads={heads}, "
                              f"ungrouped routing, renormalised top-k and leading dense layers only; this model has "
                              f"{', '.join(problems)}")
-        rope, kv_rank = c["qk_rope_head_dim"], c["kv_lora_rank"]
         m = {"block_count": n, "context_length": c.get("model_max_length", 1048576),
              "embedding_length": c["hidden_size"], "feed_forward_length": c["intermediate_size"],
              "attention.head_count": heads,
              "attention.head_count_kv": [1 if t == "full_attention" else 0 for t in c["layer_types"]],
              "attention.layer_norm_rms_epsilon": float(c["rms_norm_eps"]),
              "expert_count": c["num_experts"], "expert_used_count": c["num_experts_per_token"],
-             "expert_gating_func": SIGMOID, "ssm.conv_kernel": c["linear_conv_kernel_dim"],
+             "expert_gating_func": SIGMOID, "expert_group_used_count": c.get("topk_group", 1),
+             # the converter reads config.json through transformers, whose head_dim is qk_rope_head_dim: written as
+             # value_length (llama.cpp's kimi-linear reads the _mla lengths)
+             "attention.value_length": rope, "ssm.conv_kernel": c["linear_conv_kernel_dim"],
              "kda.head_dim": c["linear_head_dim"]}
         if c.get("q_lora_rank") is not None:
             m["attention.q_lora_rank"] = c["q_lora_rank"]
