@@ -61,7 +61,7 @@ def add_model_flags(parser, hf_types: list[str], *, run_help: str = "run folder 
     parser.add_argument("--model", help=model_help or (
         "a Hugging Face model folder (config.json, model.safetensors, tokenizer.json) of a supported type: "
         f"{', '.join(hf_types)}; or a GGUF file (.gguf) of llama.cpp's mamba, mamba2, lfm2, lfm2moe, rwkv7, "
-        "qwen3next, qwen35 or qwen35moe"))
+        "kimi-linear, qwen3next, qwen35 or qwen35moe"))
     parser.add_argument("--dtype", default="float32", choices=DTYPES, help="weights' dtype for --model")
     add_quantize_flag(parser)
     add_device_flag(parser)

@@ -14,8 +14,8 @@ def add_parser(command, hf_types: list[str]) -> None:
                         "'subquad' when none has it: a folder of subquad's own config and names)")
     x.add_argument("--format", choices=["hf", "gguf"], default="hf",
                    help="hf: a model folder (default); gguf: one GGUF file for llama.cpp / Ollama (--out is the file; "
-                        "mamba, falcon_mamba, mamba2, lfm2, lfm2_moe, rwkv7, qwen3_next and qwen3_5 structures; "
-                        "subquad.models.gguf)")
+                        "mamba, falcon_mamba, mamba2, lfm2, lfm2_moe, rwkv7, kimi_linear, qwen3_next and qwen3_5 "
+                        "structures; subquad.models.gguf)")
     x.add_argument("--outtype", choices=["f32", "f16", "q8_0", "q4_0"], default="f32",
                    help="--format gguf: the type of the matrices (norms, convolutions, A, D and biases stay f32)")
     x.add_argument("--quantize", choices=["int8", "int4", "bf16"],

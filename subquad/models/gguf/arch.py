@@ -10,7 +10,7 @@ reads - as llama.cpp's converter (``convert_hf_to_gguf.py``, ``conversion/mamba.
                     and checks), and back
 
 Architectures: ``mamba`` (Mamba, Falcon-Mamba), ``mamba2``, ``lfm2`` (conversion/lfm2.py); ``qwen3next``,
-``qwen35``, ``qwen35moe`` in ``qwen.py``; ``lfm2moe``, ``rwkv7`` in ``more.py``.
+``qwen35``, ``qwen35moe`` in ``qwen.py``; ``lfm2moe``, ``rwkv7``, ``kimi-linear`` in ``more.py``.
 
 ``ARCHS`` lists them by ``general.architecture``; an architecture not there is refused by name.
 """
@@ -191,7 +191,7 @@ class Lfm2Arch:
                 "attention.layer_norm_rms_epsilon": float(c["norm_eps"]), "shortconv.l_cache": c["conv_L_cache"]}
 
 
-from subquad.models.gguf.more import MORE_ARCHS, MORE_HF_TYPES  # noqa: E402  (lfm2moe, rwkv7)
+from subquad.models.gguf.more import MORE_ARCHS, MORE_HF_TYPES  # noqa: E402  (lfm2moe, rwkv7, kimi-linear)
 from subquad.models.gguf.qwen import QWEN_ARCHS, QWEN_HF_TYPES  # noqa: E402  (qwen3next, qwen35, qwen35moe)
 
 ARCHS = {a.arch: a for a in (MambaArch, Mamba2Arch, Lfm2Arch, *QWEN_ARCHS, *MORE_ARCHS)}

@@ -140,9 +140,9 @@ def tokenizer_metadata(tokenizer, vocab_size: int) -> dict:
 # ------------------------------------------------------------------------------------------------- the file
 def save_gguf(model, path, outtype: str = "f32", tokenizer=None, name: str | None = None) -> dict:
     """Write ``model`` (float, of a type ``arch.HF_TYPES`` holds: mamba, falcon_mamba, mamba2, lfm2, lfm2_moe, rwkv7,
-    qwen3_next, qwen3_5_text, qwen3_5_moe_text) as the GGUF file ``path`` (module doc) and return {GGUF tensor
-    name: type written}. ValueError for an unknown ``outtype``, a quantised model, or a structure no GGUF
-    architecture here holds."""
+    kimi_linear, qwen3_next, qwen3_5_text, qwen3_5_moe_text) as the GGUF file ``path`` (module doc) and return
+    {GGUF tensor name: type written}. ValueError for an unknown ``outtype``, a quantised model, or a structure no
+    GGUF architecture here holds."""
     from subquad.models.hf.registry import MAPPINGS
     from subquad.models.hf.saver import checkpoint_tensors
 
