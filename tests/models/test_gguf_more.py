@@ -186,10 +186,26 @@ def test_bad_metadata_is_refused_by_name(tmp_path, kind, key, value, match):
     ("lfm2_moe", {"norm_topk_prob": False}, "lfm2moe: llama.cpp's lfm2moe holds norm_topk_prob=True only"),
     ("rwkv7", {"norm_eps": 2e-5}, r"rwkv7: llama.cpp norms ln_x with 0.00064; this model's head_dim x norm_eps is "
                                   r"64 x 2e-05"),
-    ("kimi_linear", {"n_group": 2}, r"kimi-linear: llama.cpp's kimi-linear holds .* ungrouped routing, .*; this model "
-                                    r"has num_expert_group=2"),
+    ("kimi_linear", {"n_group": 2}, r"kimi-linear: llama.cpp's kimi-linear holds .* ungrouped routing, .*; this "
+                                    r"model has num_expert_group=2"),
 ], ids=["lfm2moe-scale", "lfm2moe-renorm", "rwkv7-group-norm-eps", "kimi-grouped"])
 def test_what_llama_cpp_cannot_hold_is_refused_by_name(tmp_path, kind, over, match):
     _, folder = _hf(tmp_path, kind, **over)
     with pytest.raises(ValueError, match=match):
         save_gguf(_load(folder), tmp_path / "x.gguf")
+
+
+def test_kimi_low_rank_q_is_read_from_the_converters_file_and_refused_on_writing(tmp_path):
+    """Kimi-Linear's MLA with a low-rank q (``q_lora_rank``: q_a_proj, q_a_layernorm, q_b_proj as ``attn_q_a``,
+    ``attn_q_a_norm``, ``attn_q_b``): the converter's file gives transformers' logits; save_gguf refuses it by name
+    (llama.cpp's kimi-linear multiplies by a full-rank attn_q only and fails to load such a file)."""
+    hf, folder = _hf(tmp_path, "kimi_linear", q_lora_rank=24)
+    types = harness.convert(folder, tmp_path / "theirs.gguf", "f32")
+    assert "blk.1.attn_q_b.weight" in types and "blk.1.attn_q.weight" not in types
+    ours = _load(tmp_path / "theirs.gguf")
+    ids = _ids()
+    with torch.no_grad():
+        want = hf(ids).logits
+        assert torch.allclose(ours(ids), want, atol=1e-4, rtol=1e-4)
+    with pytest.raises(ValueError, match="a full-rank q only; this model has q_lora_rank=24"):
+        save_gguf(_load(folder), tmp_path / "ours.gguf", "f32")

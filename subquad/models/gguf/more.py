@@ -251,8 +251,11 @@ class KimiLinearArch:
     The converter reads the released config's spelling (``linear_attn_config``, ``first_k_dense_replace``,
     ``moe_router_activation_func``); a file loads as transformers' ``kimi_linear`` config. What llama.cpp's loader
     cannot hold is refused by name on writing: KDA heads other than ``num_attention_heads`` (it takes both from
-    ``head_count``), grouped routing (it reads no group count), ``moe_renormalize`` false, dense layers that do not
-    lead. MLA rotates nothing, in llama.cpp as in transformers' Kimi-Linear."""
+    ``head_count``), grouped routing (its files carry no group count), ``moe_renormalize`` false, dense layers that
+    do not lead, a low-rank q (``q_lora_rank``: the converter writes ``attn_q_a`` / ``attn_q_b`` /
+    ``attn_q_a_norm`` and ``attention.q_lora_rank``, which subquad reads, but llama.cpp's kimi-linear reads no
+    q_lora_rank and multiplies by ``attn_q`` only). MLA rotates nothing, in llama.cpp as in transformers'
+    Kimi-Linear."""
     arch = "kimi-linear"
     hf_layer = "model.layers.{i}."
     top: ClassVar[dict] = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
@@ -348,11 +351,12 @@ class KimiLinearArch:
             ("linear_num_heads", c["linear_num_heads"] != heads),
             ("num_expert_group", c.get("num_expert_group", 1) != c.get("topk_group", 1)),
             ("moe_renormalize", not c.get("moe_renormalize", True)),
+            ("q_lora_rank", c.get("q_lora_rank") is not None),
             ("mlp_layer_types", c["mlp_layer_types"] != ["dense"] * dense + ["sparse"] * (n - dense))) if bad]
         if problems:
             raise ValueError(f"{cls.arch}: llama.cpp's kimi-linear holds KDA heads = num_attention_heads={heads}, "
-                             f"ungrouped routing, renormalised top-k and leading dense layers only; this model has "
-                             f"{', '.join(problems)}")
+                             f"ungrouped routing, renormalised top-k, leading dense layers and a full-rank q "
+                             f"only; this model has {', '.join(problems)}")
         m = {"block_count": n, "context_length": c.get("model_max_length", 1048576),
              "embedding_length": c["hidden_size"], "feed_forward_length": c["intermediate_size"],
              "attention.head_count": heads,
@@ -364,8 +368,6 @@ class KimiLinearArch:
              # value_length (llama.cpp's kimi-linear reads the _mla lengths)
              "attention.value_length": rope, "ssm.conv_kernel": c["linear_conv_kernel_dim"],
              "kda.head_dim": c["linear_head_dim"]}
-        if c.get("q_lora_rank") is not None:
-            m["attention.q_lora_rank"] = c["q_lora_rank"]
         m.update({"attention.kv_lora_rank": kv_rank, "rope.dimension_count": rope,
                   "attention.key_length": kv_rank + rope, "attention.key_length_mla": c["qk_nope_head_dim"] + rope,
                   "attention.value_length_mla": c["v_head_dim"],
