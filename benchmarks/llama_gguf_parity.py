@@ -9,9 +9,8 @@ LLAMA_PY_SRC: an unpacked llama-cpp-python sdist whose ``vendor/llama.cpp/build/
 (see RESULTS.md "Decoding against llama.cpp" for the build); ``--pythonpath``: where its Python dependencies
 (diskcache) are, if not installed. Tiny random Mamba-1, Mamba-2, Falcon-Mamba, LFM2, Qwen3-Next (qwen3next),
 Qwen3.5 dense and MoE (qwen35, qwen35moe), LFM2-MoE (lfm2_moe), Kimi-Linear (kimi_linear) and RWKV-7 (rwkv7)
-models, nothing downloaded.
-``--only KIND ...``: those models alone; ``--converter``: also llama.cpp's own converter on tiny Qwen folders
-(``converter_rows``).
+models, nothing downloaded. ``--only KIND ...``: those models alone; ``--converter``: also llama.cpp's own
+converter on tiny Qwen, LFM2-MoE, Kimi-Linear and RWKV-7 folders (``converter_rows``, ``more_converter_rows``).
 """
 
 from __future__ import annotations
@@ -175,8 +174,8 @@ def main(argv=None):
     ap.add_argument("--llama-src", required=True)
     ap.add_argument("--pythonpath", default="")
     ap.add_argument("--only", nargs="*", default=None)
-    ap.add_argument("--converter", action="store_true", help="also llama.cpp's convert_hf_to_gguf.py on tiny Qwen "
-                    "folders (converter_rows)")
+    ap.add_argument("--converter", action="store_true", help="also llama.cpp's convert_hf_to_gguf.py on tiny Qwen, "
+                    "LFM2-MoE, Kimi-Linear and RWKV-7 folders (converter_rows, more_converter_rows)")
     a = ap.parse_args(argv)
     from subquad.models import from_pretrained
     from subquad.models.gguf import save_gguf
