@@ -81,7 +81,9 @@ def load_gguf(path, dtype=None, device=None, quantize=None):
 
     # quantised tensors the format reshapes, fuses or regroups (a Gated DeltaNet's split projections, stacked
     # experts) were dequantised above: said in the same warning as the rest
-    expanded = [f"{g} ({kind})" for h, (g, kind) in weights.items() if kind in BLOCKED]
+    # (not those the architecture drops as unused: rwkv7's layer-0 v LoRA, the converter's copy of a's)
+    unused = getattr(arch, "unused", lambda h: False)
+    expanded = [f"{g} ({kind})" for h, (g, kind) in weights.items() if kind in BLOCKED and not unused(h)]
 
     def finish(model, names):
         _install_blocks(model, names, {h: f.blocks(g) + (g, kind) for h, (g, kind) in blocks.items()}, dtype,

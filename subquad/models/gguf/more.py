@@ -204,6 +204,11 @@ class Rwkv7Arch:
                 **{f"attention.{k}_lora_rank": v for k, v in ranks.items()},
                 "feed_forward_length": c["intermediate_size"], "attention.head_count": 0}
 
+    @staticmethod
+    def unused(name: str) -> bool:
+        """Layer 0's v0 / v1 / v2 (the converter's copies of a's): dropped by ``regroup``, not named as dequantised."""
+        return name.startswith("model.layers.0.attn.v_lora.")
+
     @classmethod
     def regroup(cls, tensors: dict, c: dict) -> dict:
         """``x_fused`` (6, 1, 1, D) -> x_r .. x_g, each (1, 1, D); layer 0's v0 / v1 / v2 (copies of a's) dropped."""
