@@ -31,7 +31,7 @@ class Lfm2MoeArch(Lfm2Arch):
     llama.cpp always routes by sigmoid (``expert_gating_func`` 2, anything else refused) with the expert bias
     and renormalises the chosen weights, unscaled - the converter writes neither ``norm_topk_prob`` nor
     ``routed_scaling_factor`` - so a file loads with ``norm_topk_prob`` true and ``routed_scaling_factor`` 1, and
-    ``save_gguf`` refuses, by name, a model with other values (llama.cpp would run it otherwise), or with a
+    ``save_gguf`` refuses, by name, a model with other values (llama.cpp would compute another model), or with a
     convolution bias (llama.cpp's lfm2moe has no ``shortconv.conv.bias``). An untied head is read and written as
     ``output.weight`` (llama.cpp's loader takes it; gguf-py's lfm2moe tensor list lacks it, so its converter
     writes tied checkpoints only)."""
