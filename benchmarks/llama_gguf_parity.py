@@ -8,11 +8,12 @@ file (``from_pretrained("x.gguf")``: Q8_0 kept as per-block int8).
 LLAMA_PY_SRC: an unpacked llama-cpp-python sdist whose ``vendor/llama.cpp/build/bin`` holds the built libraries
 (see RESULTS.md "Decoding against llama.cpp" for the build); ``--pythonpath``: where its Python dependencies
 (diskcache) are, if not installed. Tiny random Mamba-1, Mamba-2, Falcon-Mamba, LFM2, Qwen3-Next (qwen3next),
-Qwen3.5 dense and MoE (qwen35, qwen35moe) and the Mamba-2 hybrids (Granite 4 with experts and multipliers,
-Granite 4 dense, Bamba, Nemotron-H with and without experts, Falcon-H1 with its muP multipliers, Jamba: the parity
-tests' models), nothing downloaded; for the hybrids the last column is subquad's float model against
-transformers' (the reference). ``--kinds a,b`` (or ``--only a b``): those models alone; ``--converter``: also
-llama.cpp's own converter on tiny Qwen folders (``converter_rows``).
+Qwen3.5 dense and MoE (qwen35, qwen35moe), LFM2-MoE (lfm2_moe), Kimi-Linear (kimi_linear), RWKV-7 (rwkv7) and
+the Mamba-2 hybrids (Granite 4 with experts and multipliers, Granite 4 dense, Bamba, Nemotron-H with and without
+experts, Falcon-H1 with its muP multipliers, Jamba: the parity tests' models), nothing downloaded; for the hybrids
+the last column is subquad's float model against transformers' (the reference). ``--kinds a,b`` (or ``--only a
+b``): those models alone; ``--converter``: also llama.cpp's own converter on tiny Qwen, LFM2-MoE, Kimi-Linear and
+RWKV-7 folders (``converter_rows``, ``more_converter_rows``).
 """
 
 from __future__ import annotations
@@ -120,6 +121,7 @@ def models(tmp: Path):
         yield kind, from_pretrained(tmp / kind)[0].eval(), None
         if kind == "qwen3_next":                     # with an MTP head: written as llama.cpp's nextn layer 4
             yield kind + "+mtp", from_pretrained(with_mtp(tmp / kind, tmp / (kind + "+mtp")))[0].eval(), None
+    yield from ((kind, model, None) for kind, model in MORE_MODELS(tmp, transformers))
     yield from hybrids(tmp)
 
 
@@ -142,14 +144,62 @@ def hybrids(tmp: Path):
         yield kind, from_pretrained(folder)[0].eval(), hf
 
 
+def MORE_MODELS(tmp: Path, transformers, vocab: int = 100):
+    """Kimi-Linear (KDA, MLA, KDA, MLA; a dense first layer, then 8 experts of which 2 a token and a shared one,
+    ungrouped routing, random router biases; saved by transformers, rewritten as the released checkpoints spell
+    their config, which llama.cpp's converter reads), LFM2-MoE (conv, attention, conv, attention: a dense first
+    layer, then 8 experts of which 3 a token, random expert biases; tied and unscaled, as llama.cpp's lfm2moe
+    holds it) and RWKV-7 (a random BlinkDL checkpoint at
+    D 128, head 64, 3 layers, read by subquad and saved as fla's Hugging Face folder; the a and v LoRAs' 16- and
+    8-wide up-projections F16 in a q8_0 file, as the converter writes them)."""
+    from subquad.models import from_pretrained
+    from subquad.testing import random_rwkv7_pth
+
+    torch.manual_seed(0)
+    hf = transformers.Lfm2MoeForCausalLM(transformers.Lfm2MoeConfig(
+        vocab_size=vocab, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=4,
+        num_dense_layers=1, num_experts=8, num_experts_per_tok=3, num_attention_heads=4, num_key_value_heads=2,
+        layer_types=["conv", "full_attention", "conv", "full_attention"], tie_word_embeddings=True,
+        routed_scaling_factor=1.0, bos_token_id=None, eos_token_id=None, pad_token_id=None))
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if name.endswith("norm.weight"):
+                p.add_(0.3 * torch.randn_like(p))
+        for name, b in hf.named_buffers():
+            if name.endswith("expert_bias"):
+                b.copy_(0.1 * torch.randn_like(b))
+    hf.save_pretrained(tmp / "lfm2_moe")
+    yield "lfm2_moe", from_pretrained(tmp / "lfm2_moe")[0].eval()
+    torch.manual_seed(0)
+    hf = transformers.KimiLinearForCausalLM(transformers.KimiLinearConfig(
+        vocab_size=vocab, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=16,
+        v_head_dim=12, num_local_experts=8, num_experts_per_tok=2, n_group=1, topk_group=1, linear_head_dim=16,
+        linear_num_heads=4, layer_types=["linear_attention", "full_attention"] * 2, pad_token_id=None,
+        bos_token_id=None, eos_token_id=None))
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if name.endswith(("norm.weight", "layernorm.weight", "dt_bias")):
+                p.add_(0.3 * torch.randn_like(p))
+        for name, b in hf.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.add_(0.1 * torch.randn_like(b))
+    hf.save_pretrained(tmp / "kimi_linear")
+    released_kimi(tmp / "kimi_linear")
+    yield "kimi_linear", from_pretrained(tmp / "kimi_linear")[0].eval()
+    random_rwkv7_pth(tmp / "rwkv7.pth", vocab, 128, 3, {"w": 32, "a": 16, "v": 8, "g": 32}, 256, 64, seed=0)
+    from_pretrained(tmp / "rwkv7.pth")[0].save_pretrained(tmp / "rwkv7")
+    yield "rwkv7", from_pretrained(tmp / "rwkv7")[0].eval()
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--llama-src", required=True)
     ap.add_argument("--pythonpath", default="")
     ap.add_argument("--kinds", default="", help="comma-separated model kinds (default: all)")
     ap.add_argument("--only", nargs="*", default=None, help="model kinds, space-separated (as --kinds)")
-    ap.add_argument("--converter", action="store_true", help="also llama.cpp's convert_hf_to_gguf.py on tiny Qwen "
-                    "folders (converter_rows)")
+    ap.add_argument("--converter", action="store_true", help="also llama.cpp's convert_hf_to_gguf.py on tiny Qwen, "
+                    "LFM2-MoE, Kimi-Linear and RWKV-7 folders (converter_rows, more_converter_rows)")
     a = ap.parse_args(argv)
     from subquad.models import from_pretrained
     from subquad.models.gguf import save_gguf
@@ -180,8 +230,18 @@ def main(argv=None):
                     ref = f"{((mine - want).abs().max() / want.abs().max()).item():.2e}"
                 rows.append((kind, outtype, rel, agree))
                 print(f"| {kind} | {outtype} | {rel:.2e} | {100 * agree:.0f}% | {ref} |", flush=True)
+                if kind == "kimi_linear":             # the same, subquad given llama.cpp's epsilons (llama_eps)
+                    import copy
+
+                    with torch.no_grad():
+                        mine = llama_eps(copy.deepcopy(ours))(torch.tensor([IDS]))[0].double()
+                    rel = ((theirs - mine).abs().max() / mine.abs().max()).item()
+                    agree = (theirs.argmax(-1) == mine.argmax(-1)).double().mean().item()
+                    print(f"| {kind}, subquad with llama.cpp's epsilons | {outtype} | {rel:.2e} | "
+                          f"{100 * agree:.0f}% | - |", flush=True)
     if a.converter:
         converter_rows(a)
+        more_converter_rows(a)
 
 
 # llama.cpp's own converter on a tiny folder: its BPE pre-tokenizer check hashes a known tokenizer's output (a
@@ -189,12 +249,12 @@ def main(argv=None):
 # tensor and metadata key is the converter's own
 CONVERT = """
 import sys
-src, folder, out, outtype = sys.argv[1:5]
+src, folder, out, outtype, *flags = sys.argv[1:]
 sys.path[:0] = [src + "/gguf-py", src]
 import conversion.base as base
 base.TextModel.get_vocab_base_pre = lambda self, tokenizer: "default"
 import convert_hf_to_gguf
-sys.argv = ["convert_hf_to_gguf.py", folder, "--outfile", out, "--outtype", outtype, "--no-mtp"]
+sys.argv = ["convert_hf_to_gguf.py", folder, "--outfile", out, "--outtype", outtype, *flags]
 convert_hf_to_gguf.main()
 """
 
@@ -218,6 +278,8 @@ def converter_rows(a):
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         for kind, Config, Model, cfg in QWEN_MODELS(transformers):
+            if a.only and kind not in a.only:
+                continue
             torch.manual_seed(0)
             hf = Model(Config(**{**cfg, "vocab_size": 320})).eval()
             with torch.no_grad():
@@ -229,8 +291,8 @@ def converter_rows(a):
             transformers.PreTrainedTokenizerFast(tokenizer_object=tok).save_pretrained(folder)
             for outtype in ("f32", "q8_0"):
                 path = tmp / f"{kind}-{outtype}.gguf"
-                subprocess.run([sys.executable, "-c", CONVERT, str(llama), str(folder), str(path), outtype],
-                               check=True, capture_output=True)
+                subprocess.run([sys.executable, "-c", CONVERT, str(llama), str(folder), str(path), outtype,
+                                "--no-mtp"], check=True, capture_output=True)
                 ours = from_pretrained(path)[0].eval()
                 ids = torch.tensor([IDS])
                 with torch.no_grad():
@@ -245,6 +307,102 @@ def converter_rows(a):
                 rel = ((theirs - mine).abs().max() / mine.abs().max()).item()
                 agree = (theirs.argmax(-1) == mine.argmax(-1)).double().mean().item()
                 print(f"| {kind} | {outtype} | {vs_hf:.2e} | {same} | {rel:.2e} | {100 * agree:.0f}% |", flush=True)
+
+
+def llama_eps(model):
+    """A Kimi-Linear model given llama.cpp's epsilons: its kimi-linear graph L2-normalises KDA's q and k and
+    RMS-normalises MLA's latents with ``attention.layer_norm_rms_epsilon`` (1e-5 here), where transformers and fla
+    use 1e-6 (fla's L2 norm, KimiLinearRMSNorm's default) - the whole of the two engines' f32 difference."""
+    eps = model.config.norm_eps
+    for block in model.blocks:
+        if hasattr(block.mixer, "qk_eps"):
+            block.mixer.qk_eps = eps
+        for name in ("kv_a_norm", "q_a_norm"):
+            if getattr(block.mixer, name, None) is not None:
+                getattr(block.mixer, name).eps = eps
+    return model
+
+
+def released_kimi(folder: Path) -> None:
+    """The transformers-saved Kimi-Linear folder rewritten as the released checkpoints spell it, which llama.cpp's
+    converter reads (``linear_attn_config``, ``first_k_dense_replace``, ``moe_router_activation_func``,
+    ``num_key_value_heads`` = the heads, dense MLPs under ``mlp.``); subquad reads both spellings."""
+    from safetensors.torch import load_file, save_file
+
+    c = json.loads((folder / "config.json").read_text())
+    types, mlp = c.pop("layer_types"), c.pop("mlp_layer_types")
+    dense = mlp.count("dense")
+    c["linear_attn_config"] = {"full_attn_layers": [i + 1 for i, t in enumerate(types) if t == "full_attention"],
+                               "kda_layers": [i + 1 for i, t in enumerate(types) if t != "full_attention"],
+                               "num_heads": c.pop("linear_num_heads"), "head_dim": c.pop("linear_head_dim"),
+                               "short_conv_kernel_size": c.pop("linear_conv_kernel_dim")}
+    c.update(first_k_dense_replace=dense, moe_router_activation_func="sigmoid",
+             num_key_value_heads=c["num_attention_heads"])
+    c.pop("head_dim", None)
+    (folder / "config.json").write_text(json.dumps(c, indent=1))
+    sd = load_file(str(folder / "model.safetensors"))
+    sd = {(k.replace(".block_sparse_moe.", ".mlp.") if k.startswith("model.layers.") and int(k.split(".")[2]) < dense
+           else k): v for k, v in sd.items()}
+    save_file(sd, str(folder / "model.safetensors"), metadata={"format": "pt"})
+
+
+def more_converter_rows(a):
+    """``converter_rows`` for LFM2-MoE and RWKV-7 (``MORE_MODELS``' models, LFM2-MoE's with a byte-level BPE
+    tokenizer, RWKV-7's fla folder with a 60-token RWKV world vocabulary file, which its converter reads): subquad's
+    load of the converter's file against the folder's reference (transformers; for RWKV-7 subquad's load of the
+    folder), save_gguf's file against the converter's, llama.cpp on the converter's file against subquad."""
+    import transformers
+
+    from subquad.data.tokenizer import train_tokenizer
+    from subquad.models import from_pretrained
+    from subquad.models.gguf import save_gguf
+    from subquad.models.gguf.reader import GGUFFile
+
+    llama = Path(a.llama_src) / "vendor" / "llama.cpp"
+    tok = train_tokenizer(["".join(f"def f{i}(x):\n    return x * {i}\n" for i in range(200))], vocab_size=320)
+    print("\n| model | converter's GGUF | subquad vs reference | save_gguf = converter's file | llama.cpp vs "
+          "subquad | next token agrees |\n|---|---|---:|---|---:|---:|")
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = Path(tmp)
+        for kind, model in MORE_MODELS(tmp, transformers, vocab=320):
+            if a.only and kind not in a.only:
+                continue
+            folder = tmp / kind
+            if kind in ("lfm2_moe", "kimi_linear"):
+                transformers.PreTrainedTokenizerFast(tokenizer_object=tok).save_pretrained(folder)
+                ref = None if kind == "kimi_linear" else transformers.Lfm2MoeForCausalLM.from_pretrained(folder).eval()
+            else:                                   # RWKV's world vocabulary: "id repr(token) length" a line
+                (folder / "rwkv_vocab_v20230424.txt").write_text(
+                    "".join(f"{i} {chr(64 + i)!r} 1\n" for i in range(1, 61)), encoding="utf-8")
+                ref = None
+            for outtype in ("f32", "q8_0"):
+                path = tmp / f"{kind}-{outtype}.gguf"
+                subprocess.run([sys.executable, "-c", CONVERT, str(llama), str(folder), str(path), outtype],
+                               check=True, capture_output=True)
+                ours = from_pretrained(path)[0].eval()
+                ids = torch.tensor([IDS])
+                with torch.no_grad():
+                    want = (ref(ids).logits if ref is not None else model(ids))[0].double()
+                    mine = ours(ids)[0].double()
+                vs_ref = ((mine - want).abs().max() / want.abs().max()).item()
+                save_gguf(model, tmp / "ours.gguf", outtype)
+                same = same_file(GGUFFile(tmp / "ours.gguf"), GGUFFile(path))
+                out = tmp / "llama.npy"
+                subprocess.run([sys.executable, "-c", CHILD, a.llama_src, a.pythonpath, str(path), json.dumps(IDS),
+                                str(out)], check=True)
+                theirs = torch.from_numpy(np.load(out))
+                rel = ((theirs - mine).abs().max() / mine.abs().max()).item()
+                agree = (theirs.argmax(-1) == mine.argmax(-1)).double().mean().item()
+                print(f"| {kind} | {outtype} | {vs_ref:.2e} | {same} | {rel:.2e} | {100 * agree:.0f}% |", flush=True)
+                if kind == "kimi_linear":
+                    import copy
+
+                    with torch.no_grad():
+                        mine = llama_eps(copy.deepcopy(ours))(ids)[0].double()
+                    rel = ((theirs - mine).abs().max() / mine.abs().max()).item()
+                    agree = (theirs.argmax(-1) == mine.argmax(-1)).double().mean().item()
+                    print(f"| {kind}, subquad with llama.cpp's epsilons | {outtype} | | | {rel:.2e} | "
+                          f"{100 * agree:.0f}% |", flush=True)
 
 
 def same_file(ours, theirs) -> str:

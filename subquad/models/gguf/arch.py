@@ -10,8 +10,9 @@ reads - as llama.cpp's converter (``convert_hf_to_gguf.py``, ``conversion/mamba.
                     and checks), and back
 
 Architectures: ``mamba`` (Mamba, Falcon-Mamba), ``mamba2``, ``lfm2`` (conversion/lfm2.py); ``qwen3next``,
-``qwen35``, ``qwen35moe`` in ``qwen.py``; the Mamba-2 hybrids ``granitehybrid``, ``nemotron_h``, ``nemotron_h_moe``,
-``falcon-h1`` and ``jamba`` in ``hybrid.py`` (registered at the end).
+``qwen35``, ``qwen35moe`` in ``qwen.py``; ``lfm2moe``, ``rwkv7``, ``kimi-linear`` in ``more.py``; the Mamba-2
+hybrids ``granitehybrid``, ``nemotron_h``, ``nemotron_h_moe``, ``falcon-h1`` and ``jamba`` in ``hybrid.py``
+(registered at the end).
 
 ``ARCHS`` lists them by ``general.architecture``; an architecture not there is refused by name.
 """
@@ -192,11 +193,13 @@ class Lfm2Arch:
                 "attention.layer_norm_rms_epsilon": float(c["norm_eps"]), "shortconv.l_cache": c["conv_L_cache"]}
 
 
+from subquad.models.gguf.more import MORE_ARCHS, MORE_HF_TYPES  # noqa: E402  (lfm2moe, rwkv7, kimi-linear)
 from subquad.models.gguf.qwen import QWEN_ARCHS, QWEN_HF_TYPES  # noqa: E402  (qwen3next, qwen35, qwen35moe)
 
-ARCHS = {a.arch: a for a in (MambaArch, Mamba2Arch, Lfm2Arch, *QWEN_ARCHS)}
+ARCHS = {a.arch: a for a in (MambaArch, Mamba2Arch, Lfm2Arch, *QWEN_ARCHS, *MORE_ARCHS)}
 # the Hugging Face model_type each architecture's file is written from
-HF_TYPES = {"mamba": MambaArch, "falcon_mamba": MambaArch, "mamba2": Mamba2Arch, "lfm2": Lfm2Arch, **QWEN_HF_TYPES}
+HF_TYPES = {"mamba": MambaArch, "falcon_mamba": MambaArch, "mamba2": Mamba2Arch, "lfm2": Lfm2Arch, **QWEN_HF_TYPES,
+            **MORE_HF_TYPES}
 
 from subquad.models.gguf.hybrid import (FalconH1Arch, GraniteHybridArch, JambaArch, NemotronHArch,  # noqa: E402
                                         NemotronHMoeArch)

@@ -101,7 +101,11 @@ def load_gguf(path, dtype=None, device=None, quantize=None):
 
     # quantised tensors the format reshapes, fuses or regroups (a Gated DeltaNet's split projections, stacked
     # experts) were dequantised above: said in the same warning as the rest
-    expanded = [f"{g} ({kind})" for h, (g, kind) in weights.items() if kind in BLOCKED and h not in experts]
+    # (not those the architecture drops as unused: rwkv7's layer-0 v LoRA, the converter's copy of a's; nor the
+    # experts kept in blocks)
+    unused = getattr(arch, "unused", lambda h: False)
+    expanded = [f"{g} ({kind})" for h, (g, kind) in weights.items()
+                if kind in BLOCKED and not unused(h) and h not in experts]
 
     def finish(model, names):
         kept = {h: _rows(arch, h, c, f.blocks(g)) + (g, kind) for h, (g, kind) in blocks.items()}

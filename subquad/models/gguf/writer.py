@@ -64,8 +64,10 @@ def quantize_q4_0(x: torch.Tensor) -> torch.Tensor:
 
 
 def _kind(name: str, t: torch.Tensor, outtype: str) -> str:
-    if t.dim() <= 1 or name.endswith("_norm.weight") or ".ssm_conv1d." in name or ".shortconv.conv." in name \
-            or ".ffn_gate_inp" in name or not name.endswith(".weight"):        # ffn_gate_inp*: routers, F32
+    if t.dim() <= 1 or name.endswith("_norm.weight") or ".ssm_conv1d" in name or ".shortconv.conv." in name \
+            or ".ffn_gate_inp" in name or not name.endswith(".weight") \
+            or name.endswith((".time_mix_w1.weight", ".time_mix_w2.weight", ".time_mix_lerp_fused.weight")):
+        # ffn_gate_inp*: routers; Kimi's ssm_conv1d_{q,k,v}; RWKV's decay LoRA and lerps: F32 (the converter's list)
         return "f32"
     if outtype in ("q8_0", "q4_0") and t.shape[-1] % 32:
         return "f16"                                         # the converter's fallback for a row off the block
@@ -175,7 +177,8 @@ def save_gguf(model, path, outtype: str = "f32", tokenizer=None, name: str | Non
             "general.alignment": ALIGN, **{f"{arch.arch}.{k}": v for k, v in arch.meta(c).items()}}
     if tokenizer is not None:
         meta.update(tokenizer_metadata(tokenizer, vocab))
-    # the converter writes none for Jamba, whose file always has a vocabulary; without one llama.cpp needs it
+    # the converter writes none for Jamba (its file always has a vocabulary) nor RWKV-7 (llama.cpp counts the RWKV
+    # vocabulary it always writes); without a token list here, the count is what llama.cpp reads instead
     if getattr(arch, "writes_vocab_size", True) or "tokenizer.ggml.tokens" not in meta:
         meta[f"{arch.arch}.vocab_size"] = vocab
     eos = model.config.eos_token_ids or []
