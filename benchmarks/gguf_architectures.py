@@ -67,7 +67,7 @@ def main(argv=None) -> int:
         print(__doc__, file=sys.stderr)
         return 2
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-    from subquad.models.gguf.arch import ARCHS
+    from subquad.models.gguf.registry import ARCHS
     from subquad.models.hf.registry import MAPPINGS
 
     table = converter_table(Path(argv[0]))

@@ -14,7 +14,7 @@ Architectures: ``mamba`` (Mamba, Falcon-Mamba), ``mamba2``, ``lfm2`` (conversion
 hybrids ``granitehybrid``, ``nemotron_h``, ``nemotron_h_moe``, ``falcon-h1`` and ``jamba`` in ``hybrid.py``
 (registered at the end).
 
-``ARCHS`` lists them by ``general.architecture``; an architecture not there is refused by name.
+``registry.ARCHS`` lists them by ``general.architecture``; an architecture not there is refused by name.
 """
 
 from __future__ import annotations
@@ -191,22 +191,6 @@ class Lfm2Arch:
                 "attention.head_count_kv": [kv if t == "full_attention" else 0 for t in c["layer_types"]],
                 "block_count": c["num_hidden_layers"], "rope.freq_base": float(c["rope_parameters"]["rope_theta"]),
                 "attention.layer_norm_rms_epsilon": float(c["norm_eps"]), "shortconv.l_cache": c["conv_L_cache"]}
-
-
-from subquad.models.gguf.more import MORE_ARCHS, MORE_HF_TYPES  # noqa: E402  (lfm2moe, rwkv7, kimi-linear)
-from subquad.models.gguf.qwen import QWEN_ARCHS, QWEN_HF_TYPES  # noqa: E402  (qwen3next, qwen35, qwen35moe)
-
-ARCHS = {a.arch: a for a in (MambaArch, Mamba2Arch, Lfm2Arch, *QWEN_ARCHS, *MORE_ARCHS)}
-# the Hugging Face model_type each architecture's file is written from
-HF_TYPES = {"mamba": MambaArch, "falcon_mamba": MambaArch, "mamba2": Mamba2Arch, "lfm2": Lfm2Arch, **QWEN_HF_TYPES,
-            **MORE_HF_TYPES}
-
-from subquad.models.gguf.hybrid import (FalconH1Arch, GraniteHybridArch, JambaArch, NemotronHArch,  # noqa: E402
-                                        NemotronHMoeArch)
-
-ARCHS.update({a.arch: a for a in (GraniteHybridArch, NemotronHArch, NemotronHMoeArch, FalconH1Arch, JambaArch)})
-HF_TYPES.update({"granitemoehybrid": GraniteHybridArch, "bamba": GraniteHybridArch, "nemotron_h": NemotronHArch,
-                 "falcon_h1": FalconH1Arch, "jamba": JambaArch})
 
 
 def hf_name(arch, name: str) -> str:

@@ -30,7 +30,8 @@ import warnings
 import torch
 from torch import nn
 
-from subquad.models.gguf.arch import ARCHS, hf_name
+from subquad.models.gguf.arch import hf_name
+from subquad.models.gguf.registry import ARCHS
 from subquad.models.gguf.reader import BLOCKED, GGUFFile
 
 

@@ -26,7 +26,8 @@ from pathlib import Path
 
 import torch
 
-from subquad.models.gguf.arch import HF_TYPES, gguf_name
+from subquad.models.gguf.arch import gguf_name
+from subquad.models.gguf.registry import HF_TYPES
 from subquad.models.gguf.qwen import QWEN_SOURCE_TYPES
 
 ALIGN = 32
@@ -139,7 +140,7 @@ def tokenizer_metadata(tokenizer, vocab_size: int) -> dict:
 
 # ------------------------------------------------------------------------------------------------- the file
 def save_gguf(model, path, outtype: str = "f32", tokenizer=None, name: str | None = None) -> dict:
-    """Write ``model`` (float, of a Hugging Face type ``arch.HF_TYPES`` holds) as the GGUF file
+    """Write ``model`` (float, of a Hugging Face type ``registry.HF_TYPES`` holds) as the GGUF file
     ``path`` (module doc) and return {GGUF tensor name: type written}. ValueError for an unknown ``outtype``,
     a quantised model, or a structure no GGUF architecture here holds."""
     from subquad.models.hf.registry import MAPPINGS
