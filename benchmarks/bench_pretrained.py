@@ -150,6 +150,14 @@ NEW_HYBRIDS = ("qwen3_5", "granitemoehybrid", "nemotron_h", "falcon_h1", "lfm2")
 ISSUE_52 = ("zamba", "lfm3", "bailing_hybrid", "qwen4_exp", "xlstm")
 
 
+def lookup_only(hf) -> int:
+    """Parameters of ``hf``'s embedding tables that a decoding step looks a row up in and never multiplies by
+    (each ``nn.Embedding``'s but one that is also the head's weight): not part of the bytes a token reads."""
+    head = hf.get_output_embeddings()
+    tables = {id(m.weight): m.weight for m in hf.modules() if isinstance(m, torch.nn.Embedding)}
+    return sum(w.numel() for w in tables.values() if head is None or w is not head.weight)
+
+
 def none_ids():
     return dict(bos_token_id=None, eos_token_id=None, pad_token_id=None)
 
@@ -475,6 +483,10 @@ def main(argv=None):
                 E = getattr(hf.config, "num_experts", None) or hf.config.num_local_experts
                 active = params - moe + moe * hf.config.num_experts_per_tok // E
                 int8_bytes -= moe - moe * hf.config.num_experts_per_tok // E
+            if hf is not None:                                     # tables looked up, not read: an untied
+                looked = lookup_only(hf)                           # embedding, PLE's n-gram tables
+                active -= looked
+                int8_bytes -= 4 * looked                           # kept float32 by quantize="int8"
             del hf, named
             for dtype in args.dtypes.split(","):
                 for batch in map(int, args.batches.split(",")):
