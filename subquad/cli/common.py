@@ -89,7 +89,9 @@ def load_model(args, *, need_tokenizer: str | None = None):
         model, tok = from_pretrained(args.model, dtype=getattr(torch, args.dtype), device=args.device,
                                      quantize=args.quantize)
         if tok is None and need_tokenizer:
-            raise ValueError(f"--model {args.model} has no tokenizer.json {need_tokenizer}")
+            where = "no tokenizer in its metadata (write it with save_gguf(..., tokenizer=tok))" \
+                if str(args.model).lower().endswith(".gguf") else "no tokenizer.json"
+            raise ValueError(f"--model {args.model} has {where} {need_tokenizer}")
         return model, tok
     from subquad.train import load_run
 

@@ -10,7 +10,8 @@ from subquad.cli.common import add_model_flags, check_run_or_model, load_model, 
 
 def add_parser(command) -> None:
     e = command("eval", "held-out loss of a trained run, or the perplexity of a text under a model folder")
-    add_model_flags(e, [], model_help="a Hugging Face model folder (with tokenizer.json): perplexity of --data")
+    add_model_flags(e, [], model_help="a Hugging Face model folder (with tokenizer.json) or a GGUF file "
+                    "(with a tokenizer in its metadata): perplexity of --data")
     e.add_argument("--data", help="corpus (default: the run's); with --model, a local text file")
     e.add_argument("--piece", type=positive, default=1024,
                    help="with --model: tokens per forward, the state carried between them")

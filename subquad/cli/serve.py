@@ -18,7 +18,8 @@ def add_parser(command) -> None:
     v.description += ("\n\nfinish_reason: \"stop\" (end of text or a stop string), \"length\" (max_tokens or the\n"
                       "context), \"abort\" (still running when a SIGTERM's --drain-timeout ran out) or \"error\"\n"
                       "(the engine failed on that request; the others and the server go on).")
-    add_model_flags(v, [], model_help="a Hugging Face model folder (its tokenizer.json and chat template are used)")
+    add_model_flags(v, [], model_help="a Hugging Face model folder (its tokenizer.json and chat "
+                    "template are used); a GGUF file is not served yet: `subquad generate --model x.gguf` reads it")
     v.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
     v.add_argument("--port", type=int, default=8000, help="port to listen on")
     v.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1 routes, /tokenize and /detokenize "

@@ -13,6 +13,9 @@ from subquad.train import load_run
 gguf = pytest.importorskip("gguf")
 
 
+from subquad.models.gguf import save_gguf  # noqa: E402
+
+
 def test_export_gguf_of_a_run(tmp_path, capsys, corpus):
     run = tmp_path / "run"
     assert main(["train", "--data", str(corpus), "--vocab-size", "300", "--d-model", "32", "--n-heads", "2",
@@ -39,3 +42,9 @@ def test_export_gguf_of_a_run(tmp_path, capsys, corpus):
     assert main(["export", "--run", str(run), "--out", str(tmp_path / "q.gguf"), "--format", "gguf",
                  "--quantize", "int8"]) == 2
     assert "not --quantize" in capsys.readouterr().err
+    for name, said in (("missing.gguf", "no such GGUF file"), ("m.gguf", None)):   # refused by name, no traceback
+        if said is None:                                 # a file without a tokenizer: said where one would be
+            save_gguf(ours, tmp_path / "bare.gguf")
+            name, said = "bare.gguf", "no tokenizer in its metadata"
+        assert main(["generate", "--model", str(tmp_path / name), "--prompt", "def"]) == 2
+        assert said in capsys.readouterr().err

@@ -87,6 +87,16 @@ def test_refusals_name_the_problem(tmp_path):
     w.close()
     with pytest.raises(ValueError, match="architecture 'llama' is not one subquad loads"):
         from_pretrained(tmp_path / "y.gguf")
+    (tmp_path / "Y.GGUF").write_bytes((tmp_path / "y.gguf").read_bytes())      # known by its magic, any name
+    (tmp_path / "y.bin").write_bytes((tmp_path / "y.gguf").read_bytes())
+    for name in ("Y.GGUF", "y.bin"):
+        with pytest.raises(ValueError, match="architecture 'llama' is not one subquad loads"):
+            from_pretrained(tmp_path / name)
+    with pytest.raises(ValueError, match=r"missing\.gguf: no such GGUF file"):
+        from_pretrained(tmp_path / "missing.gguf")
+    (tmp_path / "empty.gguf").write_bytes(b"")
+    with pytest.raises(ValueError, match=r"empty\.gguf: not a GGUF file \(0 bytes"):
+        from_pretrained(tmp_path / "empty.gguf")
 
 
 def test_tokenizer_from_llama_cpps_vocabulary(tmp_path):

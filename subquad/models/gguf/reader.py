@@ -59,6 +59,11 @@ class GGUFFile:
 
     def __init__(self, path):
         self.path = Path(path)
+        if not self.path.is_file():
+            raise ValueError(f"{self.path}: no such GGUF file" + (" (it is a folder)" if self.path.exists() else ""))
+        if self.path.stat().st_size < 24:
+            raise ValueError(f"{self.path}: not a GGUF file ({self.path.stat().st_size} bytes: shorter than its "
+                             "header)")
         with open(self.path, "rb") as f:
             self._map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)   # writable for torch, never written
         self._pos = 0

@@ -56,6 +56,8 @@ weights shifted) and ``pack`` them back on saving.
 saver.
 """
 
+from pathlib import Path
+
 from subquad.models.hf.common import eos_token_ids, read_weights
 from subquad.models.hf.loader import from_pretrained as _from_folder
 from subquad.models.hf.loader import read_config
@@ -68,7 +70,7 @@ __all__ = ["from_pretrained", "save_pretrained", "MAPPINGS", "read_config", "rea
 def from_pretrained(path, dtype=None, device=None, quantize=None):
     """``loader.from_pretrained`` (a Hugging Face folder, a quantised folder, an RWKV-7 .pth), or a ``.gguf`` file
     (llama.cpp's format) through ``models.gguf``: (LanguageModel in eval mode, tokenizer or None)."""
-    if str(path).endswith(".gguf"):
+    if str(path).lower().endswith(".gguf") or _is_gguf(path):
         from subquad.models.gguf import load_gguf
 
         return load_gguf(path, dtype=dtype, device=device, quantize=quantize)
@@ -76,3 +78,12 @@ def from_pretrained(path, dtype=None, device=None, quantize=None):
 
 
 from_pretrained.__doc__ = (from_pretrained.__doc__ or "") + "\n\n" + (_from_folder.__doc__ or "")
+
+
+def _is_gguf(path) -> bool:
+    """A file (not a folder) that starts with GGUF's magic bytes, whatever its name."""
+    p = Path(path)
+    if not p.is_file():
+        return False
+    with open(p, "rb") as f:
+        return f.read(4) == b"GGUF"
