@@ -80,5 +80,6 @@ def test_refusals_name_the_problem(tmp_path):
     model, _ = from_pretrained(folder)
     with pytest.raises(ValueError, match="outtype must be one of f32, f16, q8_0, q4_0"):
         save_gguf(model, tmp_path / "x.gguf", "q5_1")
+    assert set(save_gguf(model, tmp_path / "u.gguf", "Q8_0").values()) >= {"Q8_0"}    # as file names spell it
     with pytest.raises(ValueError, match="quantised"):
         save_gguf(from_pretrained(folder, quantize="int8")[0], tmp_path / "x.gguf")

@@ -146,6 +146,7 @@ def save_gguf(model, path, outtype: str = "f32", tokenizer=None, name: str | Non
     from subquad.models.hf.registry import MAPPINGS
     from subquad.models.hf.saver import checkpoint_tensors
 
+    outtype = outtype.lower() if isinstance(outtype, str) else outtype    # "Q8_0", as file names spell it
     if outtype not in OUTTYPES:
         raise ValueError(f"outtype must be one of {', '.join(OUTTYPES)}, got {outtype!r}")
     if getattr(model, "quantized", None):
