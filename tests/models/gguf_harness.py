@@ -167,3 +167,30 @@ def dequantized_folder(hf, gguf_path, folder):
     hf.load_state_dict(sd)
     hf.save_pretrained(folder)
     return folder
+
+
+def assert_same_file(ours, theirs, quantised: bool, theirs_vocab_size: bool = False):
+    """Two GGUF files (gguf's reader) hold the same tensors (names, shapes, types; F32 values to float32
+    rounding, the quantised ones byte for byte) and the same architecture metadata keys and values (of the same
+    types) but the context length, which subquad does not keep, and ours' ``vocab_size`` (save_gguf without a
+    tokenizer writes it; ``theirs_vocab_size``: theirs may hold one too - Rwkv7Model's count of RWKV's
+    vocabulary)."""
+    a, b = gguf.GGUFReader(str(ours)), gguf.GGUFReader(str(theirs))
+    ta, tb = {t.name: t for t in a.tensors}, {t.name: t for t in b.tensors}
+    assert set(ta) == set(tb)
+    for g, t in ta.items():
+        u = tb[g]
+        assert (t.tensor_type, list(t.shape)) == (u.tensor_type, list(u.shape)), g
+        x, y = np.asarray(t.data), np.asarray(u.data)
+        if t.tensor_type == gguf.GGMLQuantizationType.F32:
+            assert np.allclose(x, y, rtol=0, atol=2e-6), g
+        else:
+            assert quantised and np.array_equal(x, y), g
+    arch = a.fields["general.architecture"].contents()
+    vocab = {f"{arch}.vocab_size"}
+    keys = {k for k in a.fields if k.startswith(arch + ".")} - vocab
+    assert keys == {k for k in b.fields if k.startswith(arch + ".")} - (vocab if theirs_vocab_size else set())
+    for k in keys - {f"{arch}.context_length"}:
+        va, vb = a.fields[k].contents(), b.fields[k].contents()
+        assert va == vb or np.allclose(va, vb, rtol=1e-7), (k, va, vb)
+        assert a.fields[k].types == b.fields[k].types, k

@@ -11,7 +11,6 @@ import json
 import re
 import warnings
 
-import numpy as np
 import pytest
 import torch
 
@@ -22,6 +21,7 @@ from subquad.models.gguf import save_gguf  # noqa: E402
 from subquad.models.hf import from_pretrained  # noqa: E402
 from subquad.models.quant import Int8Linear  # noqa: E402
 from tests.models import gguf_more_harness as harness  # noqa: E402
+from tests.models.gguf_harness import assert_same_file  # noqa: E402
 from tests.models import test_hf_kimi, test_hf_lfm2_moe  # noqa: E402
 
 KINDS = ["lfm2_moe", "rwkv7", "kimi_linear"]
@@ -129,32 +129,6 @@ def test_q8_0_file_equals_its_weights_dequantised_by_gguf(tmp_path, kind):
     assert (experts > 0) == (kind != "rwkv7")
 
 
-def _same_file(ours, theirs, quantised: bool):
-    """Two GGUF files (gguf's reader) hold the same tensors (names, shapes, types; F32 values to float32
-    rounding, the quantised ones byte for byte) and the same architecture metadata keys and values (of the same
-    types) but the context length, which subquad does not keep, and the vocabulary's size: the harness writes no
-    vocabulary (Rwkv7Model always writes RWKV's, whose length llama.cpp reads), save_gguf without a tokenizer
-    writes ``vocab_size`` in its place."""
-    a, b = gguf.GGUFReader(str(ours)), gguf.GGUFReader(str(theirs))
-    ta, tb = {t.name: t for t in a.tensors}, {t.name: t for t in b.tensors}
-    assert set(ta) == set(tb)
-    for g, t in ta.items():
-        u = tb[g]
-        assert (t.tensor_type, list(t.shape)) == (u.tensor_type, list(u.shape)), g
-        x, y = np.asarray(t.data), np.asarray(u.data)
-        if t.tensor_type == gguf.GGMLQuantizationType.F32:
-            assert np.allclose(x, y, rtol=0, atol=2e-6), g
-        else:
-            assert quantised and np.array_equal(x, y), g
-    arch = a.fields["general.architecture"].contents()
-    keys = {k for k in a.fields if k.startswith(arch + ".")} - {f"{arch}.vocab_size"}
-    assert keys == {k for k in b.fields if k.startswith(arch + ".")} - {f"{arch}.vocab_size"}
-    for k in keys - {f"{arch}.context_length"}:
-        va, vb = a.fields[k].contents(), b.fields[k].contents()
-        assert va == vb or np.allclose(va, vb, rtol=1e-7), (k, va, vb)
-        assert a.fields[k].types == b.fields[k].types, k
-
-
 @pytest.mark.parametrize("kind,outtype", [(k, t) for k in KINDS for t in ("f32", "q8_0")])
 def test_save_gguf_writes_the_converters_file_and_loads_back(tmp_path, kind, outtype):
     hf, folder = _hf(tmp_path, kind)
@@ -163,7 +137,7 @@ def test_save_gguf_writes_the_converters_file_and_loads_back(tmp_path, kind, out
     harness.convert(folder, tmp_path / "theirs.gguf", outtype)
     assert gguf.GGUFReader(str(tmp_path / "ours.gguf")).fields["general.architecture"].contents() == \
         harness.ARCH[kind]
-    _same_file(tmp_path / "ours.gguf", tmp_path / "theirs.gguf", outtype != "f32")
+    assert_same_file(tmp_path / "ours.gguf", tmp_path / "theirs.gguf", outtype != "f32", theirs_vocab_size=True)
     back = _load(tmp_path / "ours.gguf")
     ids = _ids()
     with torch.no_grad():

@@ -9,7 +9,6 @@ from __future__ import annotations
 import re
 import warnings
 
-import numpy as np
 import pytest
 import torch
 
@@ -22,6 +21,7 @@ from subquad.models.gguf import save_gguf  # noqa: E402
 from subquad.models.hf import from_pretrained  # noqa: E402
 from subquad.models.quant import Int8Linear  # noqa: E402
 from tests.models import test_hf_delta, test_hf_qwen3_5  # noqa: E402
+from tests.models.gguf_harness import assert_same_file  # noqa: E402
 from tests.models.gguf_qwen_harness import ARCH, convert, converted, dequantized_folder  # noqa: E402
 
 KINDS = ["qwen3_next", "qwen3_5", "qwen3_5_moe"]
@@ -109,30 +109,6 @@ def test_quantised_file_equals_its_weights_dequantised_by_gguf(tmp_path, kind, o
     assert experts == 3 * 4 * 4 * (kind != "qwen3_5")     # every layer's gate, up and down, 4 experts, 4 layers
 
 
-def _same_file(ours, theirs, quantised: bool):
-    """Two GGUF files (gguf's reader) hold the same tensors (names, shapes, types; F32 values to float32
-    rounding, the quantised ones byte for byte) and the same architecture metadata keys, equal values but the
-    context length (the config's max_position_embeddings, which subquad does not keep)."""
-    a, b = gguf.GGUFReader(str(ours)), gguf.GGUFReader(str(theirs))
-    ta, tb = {t.name: t for t in a.tensors}, {t.name: t for t in b.tensors}
-    assert set(ta) == set(tb)
-    for g, t in ta.items():
-        u = tb[g]
-        assert (t.tensor_type, list(t.shape)) == (u.tensor_type, list(u.shape)), g
-        x, y = np.asarray(t.data), np.asarray(u.data)
-        if t.tensor_type == gguf.GGMLQuantizationType.F32:
-            assert np.allclose(x, y, rtol=0, atol=2e-6), g
-        else:
-            assert quantised and np.array_equal(x, y), g
-    arch = a.fields["general.architecture"].contents()
-    keys = {k for k in a.fields if k.startswith(arch + ".")} - {f"{arch}.vocab_size"}
-    assert keys == {k for k in b.fields if k.startswith(arch + ".")}
-    for k in keys - {f"{arch}.context_length"}:
-        va, vb = a.fields[k].contents(), b.fields[k].contents()
-        assert va == vb or np.allclose(va, vb, rtol=1e-7), (k, va, vb)
-        assert a.fields[k].types == b.fields[k].types, k
-
-
 @pytest.mark.parametrize("kind,outtype", [("qwen3_next", "f32"), ("qwen3_5", "q8_0"), ("qwen3_5_moe", "f32")])
 def test_save_gguf_writes_the_converters_file_and_loads_back(tmp_path, kind, outtype):
     hf, folder = _hf(tmp_path, kind)
@@ -140,7 +116,7 @@ def test_save_gguf_writes_the_converters_file_and_loads_back(tmp_path, kind, out
     save_gguf(model, tmp_path / "ours.gguf", outtype)
     convert(folder, tmp_path / "theirs.gguf", outtype)
     assert gguf.GGUFReader(str(tmp_path / "ours.gguf")).fields["general.architecture"].contents() == ARCH[kind]
-    _same_file(tmp_path / "ours.gguf", tmp_path / "theirs.gguf", outtype != "f32")
+    assert_same_file(tmp_path / "ours.gguf", tmp_path / "theirs.gguf", outtype != "f32")
     back = _load(tmp_path / "ours.gguf")
     ids = _ids()
     with torch.no_grad():
@@ -178,7 +154,7 @@ def test_the_mtp_layer_loads_as_model_mtp_and_is_written_back(tmp_path, kind):
     a, b = ours.mtp.state_dict(), ref.mtp.state_dict()
     assert a.keys() == b.keys() and all(torch.allclose(a[k], b[k], rtol=0, atol=2e-6) for k in a)
     save_gguf(ours, tmp_path / "ours.gguf", "f32")
-    _same_file(tmp_path / "ours.gguf", tmp_path / "theirs.gguf", False)
+    assert_same_file(tmp_path / "ours.gguf", tmp_path / "theirs.gguf", False)
 
 
 @pytest.mark.parametrize("kind,key,value,match", [
