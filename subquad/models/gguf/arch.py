@@ -32,6 +32,13 @@ MAMBA_LAYER = {"attn_norm.weight": "norm.weight", "ssm_in.weight": "mixer.in_pro
                "ssm_out.weight": "mixer.out_proj.weight"}
 
 
+# the llama-style names most Hugging Face decoders share: the model's ends, and attention's four projections
+LLAMA_TOP = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
+             "output.weight": "lm_head.weight"}
+SELF_ATTN = {"attn_q.weight": "self_attn.q_proj.weight", "attn_k.weight": "self_attn.k_proj.weight",
+             "attn_v.weight": "self_attn.v_proj.weight", "attn_output.weight": "self_attn.o_proj.weight"}
+
+
 def _get(meta: dict, arch: str, key: str, default=None):
     v = meta.get(f"{arch}.{key}", default)
     if v is None:

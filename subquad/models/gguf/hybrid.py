@@ -32,7 +32,7 @@ from typing import ClassVar
 
 import torch
 
-from subquad.models.gguf.arch import MambaArch, Mamba2Arch, _get
+from subquad.models.gguf.arch import LLAMA_TOP, SELF_ATTN, MambaArch, Mamba2Arch, _get
 
 _GATE, _UP = ".gate_half", ".up_half"        # the halves of Granite's fused input_linear (its format's unpack)
 
@@ -110,13 +110,11 @@ class GraniteHybridArch:
     of 1 (attention_scale 1 / sqrt(head_dim)), as the converter writes the config ``save_pretrained`` writes."""
     arch = "granitehybrid"
     hf_layer = "model.layers.{i}."
-    top: ClassVar[dict] = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
-                           "output.weight": "lm_head.weight"}
+    top: ClassVar[dict] = LLAMA_TOP
     layer: ClassVar[dict] = {
         **{k: v.replace("mixer.", "mamba.") for k, v in Mamba2Arch.layer.items() if k != "attn_norm.weight"},
         "attn_norm.weight": "input_layernorm.weight", "ffn_norm.weight": "post_attention_layernorm.weight",
-        "attn_q.weight": "self_attn.q_proj.weight", "attn_k.weight": "self_attn.k_proj.weight",
-        "attn_v.weight": "self_attn.v_proj.weight", "attn_output.weight": "self_attn.o_proj.weight",
+        **SELF_ATTN,
         "ffn_gate_inp.weight": "block_sparse_moe.router.layer.weight",
         "ffn_gate_exps.weight": "block_sparse_moe.input_linear.weight" + _GATE,
         "ffn_up_exps.weight": "block_sparse_moe.input_linear.weight" + _UP,
@@ -457,8 +455,7 @@ class FalconH1Arch:
     layer: ClassVar[dict] = {
         **{k: v.replace("mixer.", "mamba.") for k, v in Mamba2Arch.layer.items() if k != "attn_norm.weight"},
         "attn_norm.weight": "input_layernorm.weight", "ffn_norm": "pre_ff_layernorm.weight",
-        "attn_q.weight": "self_attn.q_proj.weight", "attn_k.weight": "self_attn.k_proj.weight",
-        "attn_v.weight": "self_attn.v_proj.weight", "attn_output.weight": "self_attn.o_proj.weight",
+        **SELF_ATTN,
         "ffn_gate.weight": "feed_forward.gate_proj.weight", "ffn_up.weight": "feed_forward.up_proj.weight",
         "ffn_down.weight": "feed_forward.down_proj.weight"}
 
@@ -538,8 +535,7 @@ class JambaArch:
         "ssm_dt_norm.weight": "mamba.dt_layernorm.weight", "ssm_b_norm.weight": "mamba.b_layernorm.weight",
         "ssm_c_norm.weight": "mamba.c_layernorm.weight",
         "attn_norm.weight": "input_layernorm.weight", "ffn_norm.weight": "pre_ff_layernorm.weight",
-        "attn_q.weight": "self_attn.q_proj.weight", "attn_k.weight": "self_attn.k_proj.weight",
-        "attn_v.weight": "self_attn.v_proj.weight", "attn_output.weight": "self_attn.o_proj.weight",
+        **SELF_ATTN,
         "ffn_gate.weight": "feed_forward.gate_proj.weight", "ffn_up.weight": "feed_forward.up_proj.weight",
         "ffn_down.weight": "feed_forward.down_proj.weight", "ffn_gate_inp.weight": "feed_forward.router.weight",
         # stacked experts: one checkpoint tensor per expert ({e}), split on loading, stacked on writing

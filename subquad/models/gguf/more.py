@@ -14,7 +14,7 @@ from typing import ClassVar
 
 import torch
 
-from subquad.models.gguf.arch import Lfm2Arch, _get
+from subquad.models.gguf.arch import LLAMA_TOP, SELF_ATTN, Lfm2Arch, _get
 
 SIGMOID = 2          # llama.cpp's LLAMA_EXPERT_GATING_FUNC_TYPE_SIGMOID (``expert_gating_func``)
 LFM2_EXPERT = re.compile(r"(.*\.feed_forward\.experts\.)(\d+)\.(w1|w2|w3)\.weight$")
@@ -263,12 +263,10 @@ class KimiLinearArch:
     Kimi-Linear."""
     arch = "kimi-linear"
     hf_layer = "model.layers.{i}."
-    top: ClassVar[dict] = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
-                           "output.weight": "lm_head.weight"}
+    top: ClassVar[dict] = LLAMA_TOP
     layer: ClassVar[dict] = {
         "attn_norm.weight": "input_layernorm.weight", "ffn_norm.weight": "post_attention_layernorm.weight",
-        "attn_q.weight": "self_attn.q_proj.weight", "attn_k.weight": "self_attn.k_proj.weight",
-        "attn_v.weight": "self_attn.v_proj.weight", "attn_output.weight": "self_attn.o_proj.weight",
+        **SELF_ATTN,
         **{f"ssm_conv1d_{x}.weight": f"self_attn.{x}_conv1d.weight" for x in "qkv"},
         **{f"ssm_{x}.weight": f"self_attn.{x}_proj.weight" for x in ("f_a", "f_b", "g_a", "g_b")},
         "ssm_beta.weight": "self_attn.b_proj.weight", "ssm_a": "self_attn.A_log", "ssm_dt.bias": "self_attn.dt_bias",

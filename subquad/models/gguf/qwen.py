@@ -44,6 +44,8 @@ from typing import ClassVar
 
 import torch
 
+from subquad.models.gguf.arch import LLAMA_TOP, SELF_ATTN
+
 
 def _get(meta: dict, arch: str, key: str, default=None):
     v = meta.get(f"{arch}.{key}", default)
@@ -52,12 +54,10 @@ def _get(meta: dict, arch: str, key: str, default=None):
     return v
 
 
-TOP = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
-       "output.weight": "lm_head.weight"}
+TOP = LLAMA_TOP
 ATTENTION = {"attn_norm.weight": "input_layernorm.weight",
              "post_attention_norm.weight": "post_attention_layernorm.weight",
-             "attn_q.weight": "self_attn.q_proj.weight", "attn_k.weight": "self_attn.k_proj.weight",
-             "attn_v.weight": "self_attn.v_proj.weight", "attn_output.weight": "self_attn.o_proj.weight",
+             **SELF_ATTN,
              "attn_q_norm.weight": "self_attn.q_norm.weight", "attn_k_norm.weight": "self_attn.k_norm.weight"}
 DELTANET = {"attn_qkv.weight": "linear_attn.in_proj_qkv.weight", "attn_gate.weight": "linear_attn.in_proj_z.weight",
             "ssm_conv1d.weight": "linear_attn.conv1d.weight", "ssm_dt.bias": "linear_attn.dt_bias",
