@@ -5,6 +5,7 @@ matrices and a small one, for 1, 9 and 16 rows (a decoding step, a verification 
 and a 2,048-token prefill.
 
     python benchmarks/bench_linear.py            # ~1 min
+    python benchmarks/bench_linear.py --large    # the larger hybrids' matrices (50-220 MB), 1 and 16 rows
     python benchmarks/bench_linear.py --layouts  # the compiled step at mamba-130m's shape, wide matrices row-
                                                  # against column-major, 1 and 16 rows (~4 min: two compiles)
 
@@ -31,6 +32,10 @@ from benchmarks.common import OUT, machine_line, matmul_gflops  # noqa: E402
 SHAPES = {"small (256 x 128)": (256, 128), "x_proj-like (512 x 512)": (512, 512),
           "in_proj (3072 x 768)": (3072, 768), "out_proj (768 x 1536)": (768, 1536),
           "head (50280 x 768)": (50280, 768)}
+LARGE = {"Zamba in_proj (14848 x 3712)": (14848, 3712), "Zamba out_proj (3712 x 7424)": (3712, 7424),
+         "MLP up (11008 x 4096)": (11008, 4096), "MLP down (4096 x 11008)": (4096, 11008),
+         "attention (4096 x 4096)": (4096, 4096), "in_proj (8192 x 2048)": (8192, 2048),
+         "qkv (6144 x 2048)": (6144, 2048)}
 
 
 def timed(fns: dict, budget_s: float) -> dict:
@@ -93,14 +98,15 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--quick", action="store_true", help="two shapes, one and nine rows")
+    ap.add_argument("--large", action="store_true", help="the larger hybrids' matrices, one and 16 rows")
     ap.add_argument("--layouts", action="store_true", help="the compiled step, row- against column-major")
     a = ap.parse_args(argv)
     torch.set_num_threads(a.threads)
     if a.layouts:
         print(f"{layouts(a.threads)}\n\n{machine_line(matmul_gflops())}")
         return
-    shapes = dict(list(SHAPES.items())[:2]) if a.quick else SHAPES
-    rows = (1, 9) if a.quick else (1, 9, 16, 2048)
+    shapes = dict(list(SHAPES.items())[:2]) if a.quick else LARGE if a.large else SHAPES
+    rows = (1, 9) if a.quick else (1, 16) if a.large else (1, 9, 16, 2048)
     lines = ["| matrix | rows | F.linear (MKL) us | oneDNN us | oneDNN packed us | MKL / oneDNN |",
              "|---|---:|---:|---:|---:|---:|"]
     results = []
@@ -125,7 +131,7 @@ def main(argv=None):
     machine = machine_line(matmul_gflops())
     text = "\n".join([f"float32, {a.threads} threads; {machine}", ""] + lines)
     print(text)
-    if not a.quick:
+    if not a.quick and not a.large:
         (OUT / "linear.json").write_text(json.dumps({"rows": results, "machine": machine}, indent=1))
         (OUT / "linear.md").write_text(text + "\n")
 

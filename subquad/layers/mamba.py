@@ -23,7 +23,9 @@ from torch import nn
 from subquad.layers.base import Mixer
 from subquad.layers.conv import ShortConv
 from subquad.layers.norm import RMSNorm
+from subquad.layers.sequence import SingleDevice
 from subquad.ops import selective_scan
+from subquad.ops.mamba import fused_step
 from subquad.ops.common.autograd import wants_grad
 from subquad.ops.common.checks import state_dtype
 
@@ -87,6 +89,10 @@ class Mamba(Mixer):
                 "conv": self.conv.empty_state(batch_size, device, dtype)}
 
     def mix(self, x, state, seq):
+        if state is not None and self.heads == 1 and self.bcdt_rms_eps is None and type(seq) is SingleDevice \
+                and isinstance(self.x_proj, nn.Linear) and isinstance(self.dt_proj, nn.Linear) \
+                and fused_step.usable(x, state["ssm"], state["conv"], self.A_log, self.x_proj.weight):
+            return self._fused_step(x, state)       # one decoding token: the kernel (float32 CPU, no gradient)
         xs, z = self.in_proj(x).chunk(2, dim=-1)
         xs, conv = self.short_conv(xs, state, seq)
         xs = F.silu(xs, inplace=seq.whole_sequence and not wants_grad(xs))   # in place on the conv's output
@@ -103,6 +109,13 @@ class Mamba(Mixer):
         y, h = seq.recurrence(selective_scan, xs, dt, A, Bm, Cm, D=self.D.to(xs.dtype), z=z, mode=self.mode,
                               chunk_size=self.chunk_size, initial_state=None if state is None else state["ssm"])
         return self.out_proj(y), {"ssm": h, "conv": conv}
+
+    def _fused_step(self, x, state):
+        """One token through ``ops.mamba.fused_step`` (the same math as ``mix``'s ops, in one call)."""
+        y, conv, h = fused_step.mamba_step(self.in_proj(x), state["conv"], self.conv.weight, self.conv.bias,
+                                           self.x_proj.weight, self.dt_proj.weight, self.dt_proj.bias, self.A_log,
+                                           self.D, state["ssm"])
+        return self.out_proj(y[:, None]), {"ssm": h, "conv": conv}
 
     def _mix_heads(self, xs, z, state, seq, conv):
         """Zamba's multi-head Mamba: head j's channels xs[..., j hd:(j + 1) hd] get their own dt, B and C and

@@ -62,6 +62,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from subquad.models.mode import MODE
+from subquad.tensorfile import release_freed
 
 QUANTIZE = ("int8", "int4", "bf16")
 DECODE_ROWS = 16            # rows per call of fbgemm's kernel (they share one activation scale); a product of
@@ -644,6 +645,7 @@ def load_quantized(path, c: dict):
         part = {k.rpartition(".")[2]: tensors.pop(k) for k in keys}
         modules[owner].load_state_dict(part, strict=False, assign=True)
         del part
+        release_freed()
     left = [n for n, t in itertools.chain(model.named_parameters(), model.named_buffers()) if t.is_meta]
     if left:
         raise ValueError(f"{path}: not filled by the checkpoint: {', '.join(left[:5])}")

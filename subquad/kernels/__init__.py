@@ -1,0 +1,87 @@
+"""Small fused CPU kernels written in C (``*.c`` beside this file), built on first use and called through ctypes.
+
+A decoding step of one token spends most of its time outside the large products in a dozen small ops per layer
+(a short convolution, two thin products, softplus, the recurrence's update, the gate), each paying PyTorch's
+dispatch in eager mode and a parallel region's start in a compiled graph. A kernel here does one such run in
+one call. Each has a PyTorch reference (the layer's own step), which also runs wherever the kernel does not:
+other devices and dtypes, gradients, and machines where it cannot be built.
+
+Building: the machine's C compiler (``$CC``, else ``cc``) at ``-O3 -march=native -fopenmp`` (never
+``-ffast-math``: its start-up code would flush denormals for the whole process), once per source, flags and
+CPU, into ``$SUBQUAD_CACHE/kernels`` (default ``~/.cache/subquad/kernels``), written to a temporary name and
+renamed, so processes building at once never load half a file. OpenMP comes from the runtime torch loaded (the
+same ``libgomp.so.1``), so the kernels and torch's own ops share one thread pool. ``SUBQUAD_KERNELS=0`` turns
+every kernel off (the reference path); a failed build warns once and falls back.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import platform
+import subprocess
+import tempfile
+import warnings
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
+
+
+def enabled() -> bool:
+    """Whether kernels may be used at all (``SUBQUAD_KERNELS`` is not "0")."""
+    return os.environ.get("SUBQUAD_KERNELS", "1") != "0"
+
+
+def cache_dir() -> Path:
+    root = os.environ.get("SUBQUAD_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "subquad")
+    return Path(root) / "kernels"
+
+
+def _cpu() -> str:
+    """What ``-march=native`` depends on: the CPU's model and its flags."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+        keep = [line for line in text.splitlines() if line.startswith(("model name", "flags"))][:2]
+        return "\n".join(keep)
+    except OSError:
+        return platform.processor()
+
+
+def build(name: str) -> Path:
+    """The shared library of ``name.c``, compiled now unless the cache holds it; RuntimeError if it fails."""
+    src = HERE / f"{name}.c"
+    cc = os.environ.get("CC", "cc")
+    key = hashlib.sha256("\0".join([src.read_text(), cc, *FLAGS, _cpu()]).encode()).hexdigest()[:16]
+    out = cache_dir() / f"{name}-{key}.so"
+    if out.exists():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
+    os.close(fd)
+    try:
+        r = subprocess.run([cc, *FLAGS, str(src), "-o", tmp], capture_output=True, text=True, timeout=120)
+        if r.returncode:
+            raise RuntimeError(f"{cc} could not build {src.name}: {r.stderr.strip()[-2000:]}")
+        os.replace(tmp, out)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return out
+
+
+@functools.cache
+def load(name: str):
+    """``name``'s library (ctypes.CDLL), or None when kernels are off or it cannot be built (warned once)."""
+    if not enabled():
+        return None
+    try:
+        import torch  # noqa: F401  (its libgomp first: the kernel's OpenMP binds to the loaded runtime)
+
+        return ctypes.CDLL(str(build(name)))
+    except (OSError, RuntimeError, subprocess.SubprocessError) as e:
+        warnings.warn(f"subquad: the fused kernel {name!r} is not available ({e}); the PyTorch step runs instead",
+                      RuntimeWarning, stacklevel=2)
+        return None

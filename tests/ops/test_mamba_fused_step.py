@@ -1,0 +1,139 @@
+"""The fused Mamba-1 decoding step (ops.mamba.fused_step, kernels/mamba_step.c) against its math written out in
+float64 here, and inside the layer against the layer's own PyTorch step: odd widths, batch > 1, strong decays,
+both layouts of dt_proj's weight, no convolution bias, states left as they were; the kernel off or unbuildable
+falls back."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from subquad import kernels
+from subquad.models import LanguageModel, ModelConfig
+from subquad.models.decode import decode_layout
+from subquad.ops.mamba import fused_step
+
+pytestmark = pytest.mark.skipif(not fused_step.available(), reason="no C compiler: the kernel cannot be built")
+
+
+def reference(xz, conv_state, conv_w, conv_b, wx, wdt, bdt, A_log, Dp, h):
+    """The module doc's step, op by op in float64."""
+    xz, conv_state, conv_w, wx, wdt, bdt, A_log, Dp, h = (t.double() for t in (xz, conv_state, conv_w, wx, wdt, bdt,
+                                                                               A_log, Dp, h))
+    D, N, R = A_log.shape[0], A_log.shape[1], wdt.shape[1]
+    x, z = xz[:, :D], xz[:, D:]
+    window = torch.cat([conv_state, x[:, None]], 1)                    # (B, K, D)
+    u = (window * conv_w.t()[None]).sum(1) + (0 if conv_b is None else conv_b.double())
+    u = F.silu(u)
+    dt, Bm, Cm = (u @ wx.t()).split([R, N, N], -1)
+    dt = F.softplus(dt @ wdt.t() + bdt)                                # (B, D)
+    h = torch.exp(-dt[..., None] * A_log.exp()) * h + (dt * u)[..., None] * Bm[:, None]
+    y = ((h * Cm[:, None]).sum(-1) + Dp * u) * F.silu(z)
+    return y, window[:, 1:], h
+
+
+def inputs(B, D, N, R, K, g, bias=True, strong=False):
+    r = lambda *s, scale=1.0: torch.randn(*s, generator=g) * scale
+    A_log = torch.log(torch.arange(1, N + 1).float()).repeat(D, 1) + (r(D, N, scale=2.0).abs() if strong else 0)
+    bdt = r(D) + (4.0 if strong else -3.0)                             # strong: dt ~ 4, decays to exp(-600)
+    return [r(B, 2 * D), r(B, K - 1, D), r(D, K, scale=0.5), r(D) if bias else None, r(R + 2 * N, D, scale=D ** -0.5),
+            r(D, R, scale=R ** -0.5), bdt, A_log, r(D), r(B, D, N)]
+
+
+@pytest.mark.parametrize("B,D,N,R,K,bias,strong,column_major", [
+    (1, 64, 16, 4, 4, True, False, False),
+    (3, 37, 16, 3, 4, True, True, True),          # odd width, strong decays, dt_proj column-major (decode_layout's)
+    (2, 130, 5, 9, 2, False, False, True),        # odd N, no bias, the shortest convolution with a state
+    (5, 48, 16, 48, 3, True, True, False),
+])
+def test_the_step_equals_its_math_in_float64(B, D, N, R, K, bias, strong, column_major):
+    g = torch.Generator().manual_seed(B * 1000 + D)
+    args = inputs(B, D, N, R, K, g, bias, strong)
+    if column_major:
+        args[5] = args[5].t().contiguous().t()
+    before = [None if t is None else t.clone() for t in args]
+    y, conv, h = fused_step.mamba_step(*args)
+    ry, rconv, rh = reference(*args)
+    for got, want in ((y, ry), (conv, rconv), (h, rh)):
+        assert got.dtype == torch.float32 and got.shape == want.shape
+        assert (got.double() - want).abs().max() <= 2e-6 * want.abs().max() + 1e-30
+    for a, b in zip(args, before):
+        assert a is None or torch.equal(a, b)                     # the states (and weights) passed in unchanged
+
+
+def _models(pattern, **kw):
+    torch.manual_seed(0)
+    cfg = ModelConfig(vocab_size=300, d_model=48, n_layers=3, pattern=pattern, mlp=False, **kw)
+    m = LanguageModel(cfg).eval()
+    m64 = LanguageModel(cfg).eval().double()
+    m64.load_state_dict(m.state_dict())
+    return decode_layout(m), m64
+
+
+def test_the_layer_takes_it_and_agrees_with_its_own_step(monkeypatch):
+    """Decoding steps of a Mamba model (batch 3, odd prompt): the kernel's logits within float32 rounding of the
+    layer's PyTorch step and of a float64 copy; the greedy continuation identical; the kernel was called."""
+    m, m64 = _models("mamba,softmax,mamba")
+    ids = torch.randint(0, 300, (3, 11), generator=torch.Generator().manual_seed(1))
+    calls = []
+    run = fused_step._run
+    monkeypatch.setattr(fused_step, "_run", lambda *a: calls.append(1) or run(*a))
+    with torch.no_grad():
+        _, st = m.prefill(ids)
+        _, st64 = m64.prefill(ids)
+        monkeypatch.setenv("SUBQUAD_KERNELS", "0")
+        _, st_ref = m.prefill(ids)
+        tok = torch.tensor([4, 100, 299])
+        for _ in range(4):
+            monkeypatch.setenv("SUBQUAD_KERNELS", "1")
+            a, st = m.step(tok, st)
+            monkeypatch.setenv("SUBQUAD_KERNELS", "0")
+            b, st_ref = m.step(tok, st_ref)
+            c, st64 = m64.step(tok, st64)
+            assert (a - b).abs().max() <= 1e-5 * b.abs().max()
+            assert (a.double() - c).abs().max() <= 1e-5 * c.abs().max()
+            tok = c.argmax(-1)
+    assert len(calls) == 4 * 2                                    # two Mamba layers, four steps
+    monkeypatch.setenv("SUBQUAD_KERNELS", "1")
+    with_kernel = m.generate(ids[0].tolist(), 16, temperature=0)[0]
+    monkeypatch.setenv("SUBQUAD_KERNELS", "0")
+    assert with_kernel == m.generate(ids[0].tolist(), 16, temperature=0)[0]
+
+
+def test_where_it_is_not_taken(monkeypatch):
+    """Gradients, autocast, float64, Falcon-Mamba's norms and a prompt keep the PyTorch path."""
+    m, m64 = _models("mamba")
+    x = torch.randn(2, 1, 48)
+    st = m.blocks[0].mixer.empty_state(2)
+    assert not fused_step.usable(x)                               # gradients on (pytest's default)
+    with torch.no_grad():
+        assert fused_step.usable(x)
+        assert not fused_step.usable(torch.randn(2, 3, 48)) and not fused_step.usable(x.double())
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            assert not fused_step.usable(x)
+        monkeypatch.setenv("SUBQUAD_KERNELS", "0")
+        assert not fused_step.usable(x)
+    calls = []
+    monkeypatch.setenv("SUBQUAD_KERNELS", "1")
+    monkeypatch.setattr(fused_step, "_run", lambda *a: calls.append(1))
+    torch.manual_seed(0)
+    falcon = LanguageModel(ModelConfig(vocab_size=300, d_model=48, n_layers=1, pattern="mamba", mlp=False,
+                                       mixer_options={"mamba": {"bcdt_rms_eps": 1e-6}})).eval()
+    with torch.no_grad():
+        falcon.step(torch.tensor([1, 2]), falcon.empty_state(2))
+    assert not calls and st["ssm"].abs().sum() == 0
+
+
+def test_a_kernel_that_cannot_be_built_warns_and_falls_back(tmp_path, monkeypatch):
+    monkeypatch.setenv("SUBQUAD_CACHE", str(tmp_path))
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
+    kernels.load.cache_clear()
+    try:
+        with pytest.warns(RuntimeWarning, match="'mamba_step' is not available"):
+            assert kernels.load("mamba_step") is None
+    finally:
+        kernels.load.cache_clear()
+    monkeypatch.delenv("CC")
+    assert kernels.load("mamba_step") is not None and list((tmp_path / "kernels").glob("mamba_step-*.so"))
+    kernels.load.cache_clear()
