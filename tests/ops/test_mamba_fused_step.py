@@ -34,7 +34,9 @@ def reference(xz, conv_state, conv_w, conv_b, wx, wdt, bdt, A_log, Dp, h):
 
 
 def inputs(B, D, N, R, K, g, bias=True, strong=False):
-    r = lambda *s, scale=1.0: torch.randn(*s, generator=g) * scale
+    def r(*s, scale=1.0):
+        return torch.randn(*s, generator=g) * scale
+
     A_log = torch.log(torch.arange(1, N + 1).float()).repeat(D, 1) + (r(D, N, scale=2.0).abs() if strong else 0)
     bdt = r(D) + (4.0 if strong else -3.0)                             # strong: dt ~ 4, decays to exp(-600)
     return [r(B, 2 * D), r(B, K - 1, D), r(D, K, scale=0.5), r(D) if bias else None, r(R + 2 * N, D, scale=D ** -0.5),

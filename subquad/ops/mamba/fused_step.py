@@ -45,6 +45,10 @@ def available() -> bool:
     return _BUILT[0]
 
 
+def ptr(t):
+    return None if t is None else t.data_ptr()
+
+
 def _run(xz, conv_state, conv_w, conv_b, wx, wdt, bdt, A_log, Dp, h):
     B, D = xz.shape[0], xz.shape[-1] // 2
     N, K, R = A_log.shape[1], conv_w.shape[-1], wdt.shape[1]
@@ -56,7 +60,6 @@ def _run(xz, conv_state, conv_w, conv_b, wx, wdt, bdt, A_log, Dp, h):
     y, h_out = xz.new_empty(B, D), torch.empty_like(h)
     conv_out = conv_state.new_empty(B, K - 1, D)
     scratch = xz.new_empty(B * (2 * D + wx.shape[0]))
-    ptr = lambda t: None if t is None else t.data_ptr()
     _library().mamba_step(B, D, N, R, K, torch.get_num_threads(), ptr(xz), xz.stride(0), ptr(conv_state),
                           ptr(conv_w), ptr(conv_b), ptr(wx), ptr(wdt), wdt.stride(0), wdt.stride(1), ptr(bdt),
                           ptr(A_log), ptr(Dp), ptr(h), ptr(y), ptr(conv_out), ptr(h_out), ptr(scratch))
