@@ -26,8 +26,11 @@ import tempfile
 import warnings
 from pathlib import Path
 
+import torch
+
 HERE = Path(__file__).resolve().parent
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
+I64, PTR, INT, FLOAT = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int, ctypes.c_float
 
 
 def enabled() -> bool:
@@ -62,7 +65,7 @@ def build(name: str) -> Path:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
     os.close(fd)
     try:
-        r = subprocess.run([cc, *FLAGS, str(src), "-o", tmp], capture_output=True, text=True, timeout=120)
+        r = subprocess.run([cc, *FLAGS, str(src), "-o", tmp, "-lm"], capture_output=True, text=True, timeout=120)
         if r.returncode:
             raise RuntimeError(f"{cc} could not build {src.name}: {r.stderr.strip()[-2000:]}")
         os.replace(tmp, out)
@@ -77,11 +80,50 @@ def load(name: str):
     """``name``'s library (ctypes.CDLL), or None when kernels are off or it cannot be built (warned once)."""
     if not enabled():
         return None
-    try:
-        import torch  # noqa: F401  (its libgomp first: the kernel's OpenMP binds to the loaded runtime)
-
+    try:                    # torch is imported: its libgomp is the OpenMP runtime the kernel binds to
         return ctypes.CDLL(str(build(name)))
     except (OSError, RuntimeError, subprocess.SubprocessError) as e:
         warnings.warn(f"subquad: the fused kernel {name!r} is not available ({e}); the PyTorch step runs instead",
                       RuntimeWarning, stacklevel=2)
         return None
+
+
+class Kernel:
+    """The C function ``name`` of ``name.c`` with ctypes ``argtypes``; called with tensors (their data pointers),
+    None (NULL) and numbers. ``available()`` builds it on the first ask and remembers the answer."""
+
+    def __init__(self, name: str, argtypes: list):
+        self.name, self.argtypes, self.built, self.f = name, argtypes, [], None
+
+    def available(self) -> bool:
+        if not self.built:
+            self.built.append(self._function() is not None)
+        return self.built[0]
+
+    def _function(self):
+        if self.f is None:
+            lib = load(self.name)
+            if lib is None:
+                return None
+            self.f = getattr(lib, self.name)
+            self.f.restype, self.f.argtypes = None, self.argtypes
+        return self.f
+
+    def __call__(self, *args):
+        """Run it (it must be available)."""
+        (self.f or self._function())(*(a.data_ptr() if isinstance(a, torch.Tensor) else a for a in args))
+
+
+def usable(kernel: Kernel, x: torch.Tensor, *tensors) -> bool:
+    """Whether a decoding step's ``kernel`` may run on x (B, 1, .): float32 on CPU like every tensor given, no
+    gradient, no autocast (the products' outputs would be bfloat16), kernels on, the kernel built, and not
+    while tracing: in a compiled step inductor fuses the same ops itself (the custom op measured no faster
+    there: benchmarks/RESULTS.md), and a graph must not depend on whether a kernel happens to be built yet."""
+    if torch.compiler.is_compiling():
+        return False
+    if x.dim() != 3 or x.shape[1] != 1 or x.dtype != torch.float32 or x.device.type != "cpu" \
+            or torch.is_grad_enabled() or torch.is_autocast_enabled("cpu") or not enabled():
+        return False
+    if not all(t is None or (t.dtype == torch.float32 and t.device.type == "cpu") for t in tensors):
+        return False
+    return kernel.available()

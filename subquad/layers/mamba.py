@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from subquad import kernels
 from subquad.layers.base import Mixer
 from subquad.layers.conv import ShortConv
 from subquad.layers.norm import RMSNorm
@@ -91,7 +92,9 @@ class Mamba(Mixer):
     def mix(self, x, state, seq):
         if state is not None and self.heads == 1 and self.bcdt_rms_eps is None and type(seq) is SingleDevice \
                 and isinstance(self.x_proj, nn.Linear) and isinstance(self.dt_proj, nn.Linear) \
-                and fused_step.usable(x, state["ssm"], state["conv"], self.A_log, self.x_proj.weight):
+                and kernels.usable(fused_step.KERNEL, x, state["ssm"], state["conv"], self.A_log, self.D,
+                               self.conv.weight, self.conv.bias, self.x_proj.weight, self.dt_proj.weight,
+                               self.dt_proj.bias):
             return self._fused_step(x, state)       # one decoding token: the kernel (float32 CPU, no gradient)
         xs, z = self.in_proj(x).chunk(2, dim=-1)
         xs, conv = self.short_conv(xs, state, seq)

@@ -19,10 +19,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from subquad import kernels
 from subquad.layers.base import Mixer
 from subquad.layers.conv import ShortConv
 from subquad.layers.norm import GatedRMSNorm
+from subquad.layers.sequence import SingleDevice
 from subquad.ops import ssd
+from subquad.ops.decay import fused_step
 from subquad.ops.common.autograd import wants_grad
 
 
@@ -78,6 +81,10 @@ class Mamba2(Mixer):
                 "conv": self.conv.empty_state(batch_size, device, dtype)}
 
     def mix(self, x, state, seq):
+        if state is not None and type(seq) is SingleDevice \
+                and kernels.usable(fused_step.KERNEL, x, state["ssm"], state["conv"], self.A_log, self.D, self.dt_bias,
+                               self.conv.weight, self.conv.bias, None if self.norm is None else self.norm.weight):
+            return self._fused_step(x, state)       # one decoding token: the kernel (float32 CPU, no gradient)
         B, T, _ = x.shape
         H, P, N = self.n_heads, self.head_dim, self.d_state
         z, xBC, dt = torch.split(self.in_proj(x), [self.d_inner, self.conv_dim, H], dim=-1)
@@ -94,6 +101,15 @@ class Mamba2(Mixer):
         y, h = seq.recurrence(ssd, xs.view(B, T, H, P), dt, A, Bm, Cm, D=self.D, mode=self.mode,
                               chunk_size=self.chunk_size, initial_state=None if state is None else state["ssm"])
         return self.project_out(y.reshape(B, T, self.d_inner), z), {"ssm": h, "conv": conv}
+
+    def _fused_step(self, x, state):
+        """One token through ``ops.decay.fused_step`` (the same math as ``mix``'s ops, in one call)."""
+        norm = self.norm
+        out, conv, h = fused_step.mamba2_step(
+            self.in_proj(x), state["conv"], self.conv.weight, self.conv.bias, self.dt_bias, self.A_log, self.D,
+            state["ssm"], None if norm is None else norm.weight, self.n_groups,
+            self.d_inner if norm is None else norm.group_size, 0.0 if norm is None else norm.eps, self.dt_limit)
+        return self.out_proj(out[:, None]), {"ssm": h, "conv": conv}
 
     def project_out(self, y, z):
         """out_proj(norm(y, z)). With one norm group, the norm's row scale commutes with out_proj, so it

@@ -14,7 +14,7 @@ from subquad.models import LanguageModel, ModelConfig
 from subquad.models.decode import decode_layout
 from subquad.ops.mamba import fused_step
 
-pytestmark = pytest.mark.skipif(not fused_step.available(), reason="no C compiler: the kernel cannot be built")
+pytestmark = pytest.mark.skipif(not fused_step.KERNEL.available(), reason="no C compiler: the kernel cannot be built")
 
 
 def reference(xz, conv_state, conv_w, conv_b, wx, wdt, bdt, A_log, Dp, h):
@@ -108,14 +108,18 @@ def test_where_it_is_not_taken(monkeypatch):
     m, m64 = _models("mamba")
     x = torch.randn(2, 1, 48)
     st = m.blocks[0].mixer.empty_state(2)
-    assert not fused_step.usable(x)                               # gradients on (pytest's default)
+
+    def usable(x):
+        return kernels.usable(fused_step.KERNEL, x)
+
+    assert not usable(x)                               # gradients on (pytest's default)
     with torch.no_grad():
-        assert fused_step.usable(x)
-        assert not fused_step.usable(torch.randn(2, 3, 48)) and not fused_step.usable(x.double())
+        assert usable(x)
+        assert not usable(torch.randn(2, 3, 48)) and not usable(x.double())
         with torch.autocast("cpu", dtype=torch.bfloat16):
-            assert not fused_step.usable(x)
+            assert not usable(x)
         monkeypatch.setenv("SUBQUAD_KERNELS", "0")
-        assert not fused_step.usable(x)
+        assert not usable(x)
     calls = []
     monkeypatch.setenv("SUBQUAD_KERNELS", "1")
     monkeypatch.setattr(fused_step, "_run", lambda *a: calls.append(1))

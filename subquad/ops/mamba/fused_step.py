@@ -8,45 +8,20 @@
     y        = (C . h' + Dp u) * silu(z)                         -> y (B, Dm), new conv state, h' (B, Dm, N)
 
 The layer's own PyTorch step (``layers.mamba.Mamba.mix`` with ``selective_scan``) is the same math and the
-reference: ``mamba_step`` is used by ``Mamba`` only where ``usable`` says (float32 on CPU, one token, no
-gradient, a plain single-device sequence, the kernel built). The states passed in are read, never written.
-Inside a compiled graph it is the custom op ``subquad::mamba_step``; eagerly the ctypes call itself.
+reference: ``mamba_step`` is used by ``Mamba`` only where ``kernels.usable`` says (float32 on CPU, one token,
+no gradient, no autocast, the kernel built) and the sequence is a plain single-device one. The states passed
+in are read, never written. Inside a compiled graph it is the custom op ``subquad::mamba_step``; eagerly the
+ctypes call itself.
 """
 
 from __future__ import annotations
 
-import ctypes
-
 import torch
 
-from subquad import kernels
+from subquad.kernels import I64, INT, PTR, Kernel
 
-_I64, _P = ctypes.c_int64, ctypes.c_void_p
-
-
-@torch.compiler.disable
-def _library():
-    lib = kernels.load("mamba_step")
-    if lib is not None and not getattr(lib, "_typed", False):
-        lib.mamba_step.restype = None
-        lib.mamba_step.argtypes = [_I64, _I64, _I64, _I64, _I64, ctypes.c_int, _P, _I64, _P, _P, _P, _P, _P, _I64,
-                                   _I64, _P, _P, _P, _P, _P, _P, _P, _P]
-        lib._typed = True
-    return lib
-
-
-_BUILT: list[bool] = []            # [whether the kernel loaded], once asked: what a compiled graph reads
-
-
-def available() -> bool:
-    """Whether the kernel is built (building it on the first call) and kernels are on."""
-    if not _BUILT:
-        _BUILT.append(_library() is not None)
-    return _BUILT[0]
-
-
-def ptr(t):
-    return None if t is None else t.data_ptr()
+KERNEL = Kernel("mamba_step", [I64, I64, I64, I64, I64, INT, PTR, I64, PTR, PTR, PTR, PTR, PTR, I64, I64, PTR,
+                               PTR, PTR, PTR, PTR, PTR, PTR, PTR])
 
 
 def _run(xz, conv_state, conv_w, conv_b, wx, wdt, bdt, A_log, Dp, h):
@@ -60,9 +35,8 @@ def _run(xz, conv_state, conv_w, conv_b, wx, wdt, bdt, A_log, Dp, h):
     y, h_out = xz.new_empty(B, D), torch.empty_like(h)
     conv_out = conv_state.new_empty(B, K - 1, D)
     scratch = xz.new_empty(B * (2 * D + wx.shape[0]))
-    _library().mamba_step(B, D, N, R, K, torch.get_num_threads(), ptr(xz), xz.stride(0), ptr(conv_state),
-                          ptr(conv_w), ptr(conv_b), ptr(wx), ptr(wdt), wdt.stride(0), wdt.stride(1), ptr(bdt),
-                          ptr(A_log), ptr(Dp), ptr(h), ptr(y), ptr(conv_out), ptr(h_out), ptr(scratch))
+    KERNEL(B, D, N, R, K, torch.get_num_threads(), xz, xz.stride(0), conv_state, conv_w, conv_b, wx, wdt,
+           wdt.stride(0), wdt.stride(1), bdt, A_log, Dp, h, y, conv_out, h_out, scratch)
     return y, conv_out, h_out
 
 
@@ -76,19 +50,6 @@ _LIB.impl("mamba_step", _run, "CPU")
 def _(xz, conv_state, conv_w, conv_b, wx, wdt, bdt, A_log, Dp, h):
     B, D = xz.shape[0], xz.shape[-1] // 2
     return xz.new_empty(B, D), conv_state.new_empty(B, conv_w.shape[-1] - 1, D), h.new_empty(h.shape)
-
-
-def usable(x: torch.Tensor, *tensors) -> bool:
-    """Whether ``mamba_step`` may take this step: x (B, 1, .) float32 on CPU, every tensor given float32 on CPU,
-    no gradient wanted, no autocast (in_proj's output would be bfloat16), and the kernel available."""
-    if x.dim() != 3 or x.shape[1] != 1 or x.dtype != torch.float32 or x.device.type != "cpu" \
-            or torch.is_grad_enabled() or torch.is_autocast_enabled("cpu") or not kernels.enabled():
-        return False
-    if not all(t is None or (t.dtype == torch.float32 and t.device.type == "cpu") for t in tensors):
-        return False
-    if torch.compiler.is_compiling():          # traced: only a kernel an eager call has already loaded
-        return bool(_BUILT) and _BUILT[0]
-    return available()
 
 
 def mamba_step(xz, conv_state, conv_w, conv_b, wx, wdt, bdt, A_log, Dp, h):

@@ -1,0 +1,133 @@
+/* One decoding step of a Mamba-2 layer between in_proj and out_proj, fused (subquad/ops/decay/fused_step.py
+ * states the math and shapes; layers/mamba2.py's PyTorch step is the reference). float32, row-major.
+ *
+ *   z, xBC, dt = split(in, [Dn, Dn + 2GN, H])
+ *   x, B, C    = silu(conv_b + sum_k conv_w[:, k] [conv_state; xBC]_k)
+ *   dt         = clamp(softplus(dt + dt_bias), lo, hi)
+ *   S'_h       = exp(-dt_h exp(A_log_h)) S_h + dt_h B_g x_h^T        S_h (N, P), g = h / (H / G)
+ *   y_h        = C_g^T S'_h + Dp_h x_h;   g = y * silu(z);   out = rmsnorm(g) * w per norm group (or g)
+ *
+ * One OpenMP team of the runtime torch loaded: channels split for the convolution, heads for the scan, norm
+ * groups for the norm; two barriers. exp written out as in mamba_step.c (no -ffast-math). */
+
+#include <math.h>
+#include <omp.h>
+#include <stdint.h>
+#include <string.h>
+
+static inline float exp_f(float x) {
+    x = x < -87.0f ? -87.0f : (x > 88.0f ? 88.0f : x);
+    float n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
+    float r = x - n * 0.693359375f;
+    r = r + n * 2.12194440e-4f;
+    float p = 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.0f;
+    int32_t bits = ((int32_t)n + 127) << 23;
+    float scale;
+    memcpy(&scale, &bits, 4);
+    return p * scale;
+}
+
+static inline float silu_f(float x) { return x / (1.0f + exp_f(-x)); }
+
+static inline float softplus_f(float x) {
+    float y = exp_f(x > 0.0f ? -x : x);
+    float s = y / (2.0f + y), s2 = s * s;
+    float l = 2.0f * s * (1.0f + s2 * (1.0f / 3 + s2 * (1.0f / 5 + s2 * (1.0f / 7 + s2 * (1.0f / 9
+                                                          + s2 * (1.0f / 11 + s2 * (1.0f / 13)))))));
+    float v = (x > 0.0f ? x : 0.0f) + l;
+    return x > 20.0f ? x : v;
+}
+
+static inline void span(int64_t n, int parts, int i, int64_t *a, int64_t *b) {
+    int64_t blocks = (n + 15) / 16;
+    *a = blocks * i / parts * 16;
+    *b = blocks * (i + 1) / parts * 16;
+    if (*a > n) *a = n;
+    if (*b > n) *b = n;
+}
+
+void mamba2_step(int64_t B, int64_t Dn, int64_t G, int64_t N, int64_t H, int64_t P, int64_t K, int threads,
+                 const float *in, int64_t in_row,                      /* (B, 2 Dn + 2 G N + H) */
+                 const float *conv_state, const float *conv_w,         /* (B, K-1, Dn + 2GN); (Dn + 2GN, K) */
+                 const float *conv_b,                                  /* (Dn + 2GN,) or NULL */
+                 const float *dt_bias, const float *A_log, const float *Dp,  /* (H,) each */
+                 float dt_lo, float dt_hi,
+                 const float *S,                                       /* (B, H, N, P) */
+                 const float *norm_w, int64_t norm_group, float eps,   /* (Dn,) or NULL: no norm */
+                 float *out, float *conv_out, float *S_out,            /* (B, Dn), (B, K-1, Dn + 2GN), like S */
+                 float *scratch)                                       /* B (Dn + 2GN) floats */
+{
+    const int64_t C = Dn + 2 * G * N, heads_per_group = H / G, groups = Dn / norm_group;
+    float *xbc = scratch;
+#pragma omp parallel num_threads(threads)
+    {
+        const int t = omp_get_thread_num(), nt = omp_get_num_threads();
+        int64_t c0, c1;
+        span(C, nt, t, &c0, &c1);
+        for (int64_t b = 0; b < B; b++) {                   /* the convolution, its new tail */
+            const float *x = in + b * in_row + Dn, *st = conv_state + b * (K - 1) * C;
+            float *so = conv_out + b * (K - 1) * C, *xb = xbc + b * C;
+            for (int64_t c = c0; c < c1; c++) {
+                float acc = conv_b ? conv_b[c] : 0.0f;
+                for (int64_t k = 0; k < K - 1; k++)
+                    acc += conv_w[c * K + k] * st[k * C + c];
+                acc += conv_w[c * K + K - 1] * x[c];
+                xb[c] = silu_f(acc);
+            }
+            for (int64_t k = 0; k + 1 < K - 1; k++)
+                memcpy(so + k * C + c0, st + (k + 1) * C + c0, (c1 - c0) * sizeof(float));
+            if (K > 1)
+                memcpy(so + (K - 2) * C + c0, x + c0, (c1 - c0) * sizeof(float));
+        }
+#pragma omp barrier
+        const int64_t h0 = H * t / nt, h1 = H * (t + 1) / nt;
+        for (int64_t b = 0; b < B; b++) {                   /* the scan and the gate, head by head */
+            const float *row = in + b * in_row, *xb = xbc + b * C;
+            for (int64_t hh = h0; hh < h1; hh++) {
+                const int64_t g = hh / heads_per_group;
+                const float *x = xb + hh * P, *Bv = xb + Dn + g * N, *Cv = xb + Dn + G * N + g * N;
+                const float *z = row + hh * P;
+                float dt = softplus_f(row[Dn + C + hh] + dt_bias[hh]);
+                dt = dt < dt_lo ? dt_lo : (dt > dt_hi ? dt_hi : dt);
+                const float dA = exp_f(-dt * exp_f(A_log[hh]));
+                const float *s = S + ((b * H + hh) * N) * P;
+                float *so = S_out + ((b * H + hh) * N) * P, *y = out + b * Dn + hh * P;
+                for (int64_t p = 0; p < P; p++)
+                    y[p] = Dp[hh] * x[p];
+                for (int64_t n = 0; n < N; n++) {
+                    const float db = dt * Bv[n], cn = Cv[n];
+                    const float *sn = s + n * P;
+                    float *on = so + n * P;
+                    for (int64_t p = 0; p < P; p++) {
+                        float v = dA * sn[p] + db * x[p];
+                        on[p] = v;
+                        y[p] += cn * v;
+                    }
+                }
+                for (int64_t p = 0; p < P; p++)
+                    y[p] *= silu_f(z[p]);
+            }
+        }
+        if (norm_w) {
+#pragma omp barrier
+#pragma omp for schedule(static)
+            for (int64_t bg = 0; bg < B * groups; bg++) {   /* rmsnorm per group of norm_group channels */
+                float *y = out + (bg / groups) * Dn + (bg % groups) * norm_group;
+                const float *w = norm_w + (bg % groups) * norm_group;
+                float ss = 0.0f;
+#pragma omp simd reduction(+ : ss)
+                for (int64_t i = 0; i < norm_group; i++)
+                    ss += y[i] * y[i];
+                const float inv = 1.0f / sqrtf(ss / (float)norm_group + eps);
+                for (int64_t i = 0; i < norm_group; i++)
+                    y[i] = y[i] * inv * w[i];
+            }
+        }
+    }
+}

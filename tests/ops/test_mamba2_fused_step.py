@@ -1,0 +1,97 @@
+"""The fused Mamba-2 decoding step (ops.decay.fused_step, kernels/mamba2_step.c) against its math written out in
+float64 here, and inside the layer against the layer's own PyTorch step: groups of heads, norm groups, no norm,
+a dt limit, odd sizes, batch > 1, strong decays, states left as they were."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from subquad.models import LanguageModel, ModelConfig
+from subquad.models.decode import decode_layout
+from subquad.ops.decay import fused_step
+
+pytestmark = pytest.mark.skipif(not fused_step.KERNEL.available(), reason="no C compiler: the kernel cannot be built")
+
+
+def reference(zxbcdt, conv_state, conv_w, conv_b, dt_bias, A_log, Dp, S, norm_w, G, group_size, eps, lo, hi):
+    """The module doc's step, op by op in float64."""
+    Bz, H, N, P = S.shape
+    Dn = H * P
+    t = [None if v is None else v.double() for v in (zxbcdt, conv_state, conv_w, conv_b, dt_bias, A_log, Dp, S,
+                                                     norm_w)]
+    zxbcdt, conv_state, conv_w, conv_b, dt_bias, A_log, Dp, S, norm_w = t
+    z, xBC, dt = zxbcdt.split([Dn, Dn + 2 * G * N, H], -1)
+    window = torch.cat([conv_state, xBC[:, None]], 1)
+    xBC = F.silu((window * conv_w.t()[None]).sum(1) + (0 if conv_b is None else conv_b))
+    x, Bm, Cm = xBC.split([Dn, G * N, G * N], -1)
+    x, Bm, Cm = x.view(Bz, H, P), Bm.view(Bz, G, N), Cm.view(Bz, G, N)
+    group = torch.arange(H) // (H // G)
+    Bh, Ch = Bm[:, group], Cm[:, group]                                  # (B, H, N)
+    dt = F.softplus(dt + dt_bias).clamp(lo, hi)                          # (B, H)
+    dA = torch.exp(-dt * A_log.exp())
+    S = dA[..., None, None] * S + (dt[..., None] * Bh)[..., None] * x[:, :, None]
+    y = (Ch[..., None] * S).sum(2) + Dp[:, None] * x                    # (B, H, P)
+    g = y.reshape(Bz, Dn) * F.silu(z)
+    if norm_w is not None:
+        gg = g.view(Bz, -1, group_size)
+        g = (gg / (gg.pow(2).mean(-1, keepdim=True) + eps).sqrt()).reshape(Bz, Dn) * norm_w
+    return g, window[:, 1:], S
+
+
+@pytest.mark.parametrize("B,H,P,N,G,K,norm_groups,bias,strong,limit", [
+    (1, 4, 16, 16, 1, 4, 1, True, False, (0.0, float("inf"))),
+    (3, 6, 5, 7, 3, 4, 2, True, True, (0.0, float("inf"))),       # odd P and N, 3 groups of 2 heads, 2 norm groups
+    (2, 4, 8, 16, 2, 2, 0, False, False, (0.01, 0.3)),            # no norm, no bias, a dt limit, K = 2
+])
+def test_the_step_equals_its_math_in_float64(B, H, P, N, G, K, norm_groups, bias, strong, limit):
+    g = torch.Generator().manual_seed(B * 100 + H * 10 + P)
+
+    def r(*s, scale=1.0):
+        return torch.randn(*s, generator=g) * scale
+
+    Dn, C = H * P, H * P + 2 * G * N
+    args = [r(B, 2 * Dn + 2 * G * N + H), r(B, K - 1, C), r(C, K, scale=0.5), r(C) if bias else None,
+            r(H) + (3.0 if strong else -2.0), r(H).abs() + (4.0 if strong else 0.0), r(H), r(B, H, N, P),
+            r(Dn).abs() + 0.5 if norm_groups else None, G, Dn // max(norm_groups, 1), 1e-5, *limit]
+    before = [a.clone() if isinstance(a, torch.Tensor) else a for a in args]
+    got = fused_step.mamba2_step(*args[:11], args[11], args[12:])
+    want = reference(*args)
+    for a, b in zip(got, want):
+        assert a.dtype == torch.float32 and a.shape == b.shape
+        assert (a.double() - b).abs().max() <= 2e-6 * b.abs().max() + 1e-30
+    for a, b in zip(args, before):
+        assert not isinstance(a, torch.Tensor) or torch.equal(a, b)      # the states passed in unchanged
+
+
+@pytest.mark.parametrize("options", [{"n_groups": 2, "d_state": 16, "head_dim": 8},
+                                     {"gated_norm": False, "dt_limit": (0.01, 0.2)}])
+def test_the_layer_takes_it_and_agrees_with_its_own_step(monkeypatch, options):
+    """Decoding steps of a Mamba-2 + attention model (batch 3): the kernel's logits within float32 rounding of
+    the layer's PyTorch step and of a float64 copy; the kernel was called."""
+    torch.manual_seed(0)
+    cfg = ModelConfig(vocab_size=300, d_model=64, n_layers=2, pattern="mamba2,softmax", mlp=False,
+                      mixer_options={"mamba2": options})
+    m = decode_layout(LanguageModel(cfg).eval())
+    m64 = LanguageModel(cfg).eval().double()
+    m64.load_state_dict(m.state_dict())
+    ids = torch.randint(0, 300, (3, 9), generator=torch.Generator().manual_seed(1))
+    calls = []
+    run = fused_step._run
+    monkeypatch.setattr(fused_step, "_run", lambda *a: calls.append(1) or run(*a))
+    with torch.no_grad():
+        _, st = m.prefill(ids)
+        _, st64 = m64.prefill(ids)
+        st_ref = st
+        tok = torch.tensor([4, 100, 299])
+        for _ in range(3):
+            monkeypatch.setenv("SUBQUAD_KERNELS", "1")
+            a, st = m.step(tok, st)
+            monkeypatch.setenv("SUBQUAD_KERNELS", "0")
+            b, st_ref = m.step(tok, st_ref)
+            c, st64 = m64.step(tok, st64)
+            assert (a - b).abs().max() <= 1e-5 * b.abs().max()
+            assert (a.double() - c).abs().max() <= 1e-5 * c.abs().max()
+            tok = c.argmax(-1)
+    assert len(calls) == 3
