@@ -61,8 +61,9 @@ def load_gguf(path, dtype=None, device=None, quantize=None):
     layers = (c.get("num_hidden_layers") or c.get("text_config", {}).get("num_hidden_layers")   # the checkpoint's
               or cfg.n_layers)                                                                # (MTP layers after)
     on_blocks = getattr(arch, "on_blocks", lambda h, c: None)
+    name_of = getattr(arch, "hf_name_for", lambda g, c: hf_name(arch, g))    # names that depend on the config
     for g, info in f.tensors.items():
-        h = hf_name(arch, g)
+        h = name_of(g, c)
         m = _meta(info)
         # kept quantised: not reshaped, or reshaped by whole rows (a row order, a factor: ``on_blocks``)
         if info.type in BLOCKED and len(info.shape) == 2 and (arch.to_hf(h, m, c) is m or on_blocks(h, c)):
