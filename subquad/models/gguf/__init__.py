@@ -9,6 +9,8 @@
                 reads, as llama.cpp's converter maps them
     load.py     a file -> a LanguageModel (quantised matrices kept as int8 per block, exactly)
     writer.py   a LanguageModel -> a file llama.cpp reads (its converter's names, types and metadata)
+    vocab.py    the vocabulary: "gpt2" BPE and RWKV's "rwkv" world vocabulary <-> tokenizers, the chat template and
+                special tokens <-> a folder's tokenizer_config.json
 """
 
 from subquad.models.gguf.load import load_gguf
