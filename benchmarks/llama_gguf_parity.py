@@ -10,10 +10,11 @@ LLAMA_PY_SRC: an unpacked llama-cpp-python sdist whose ``vendor/llama.cpp/build/
 (diskcache) are, if not installed. Tiny random Mamba-1, Mamba-2, Falcon-Mamba, LFM2, Qwen3-Next (qwen3next),
 Qwen3.5 dense and MoE (qwen35, qwen35moe), LFM2-MoE (lfm2_moe), Kimi-Linear (kimi_linear), RWKV-7 (rwkv7) and
 the Mamba-2 hybrids (Granite 4 with experts and multipliers, Granite 4 dense, Bamba, Nemotron-H with and without
-experts, Falcon-H1 with its muP multipliers, Jamba: the parity tests' models), nothing downloaded; for the hybrids
-the last column is subquad's float model against transformers' (the reference). ``--kinds a,b`` (or ``--only a
-b``): those models alone; ``--converter``: also llama.cpp's own converter on tiny Qwen, LFM2-MoE, Kimi-Linear and
-RWKV-7 folders (``converter_rows``, ``more_converter_rows``).
+experts, Falcon-H1 with its muP multipliers, Jamba: the parity tests' models) and MiniMax (minimax-01: the
+released layout, and attention every other layer), nothing downloaded; for the hybrids and MiniMax the last column
+is subquad's float model against transformers' (the reference). ``--kinds a,b`` (or ``--only a b``): those models
+alone; ``--converter``: also llama.cpp's own converter on tiny Qwen, LFM2-MoE, Kimi-Linear, RWKV-7 and MiniMax
+folders (``converter_rows``, ``more_converter_rows``, ``minimax_converter_rows``).
 """
 
 from __future__ import annotations
@@ -123,6 +124,20 @@ def models(tmp: Path):
             yield kind + "+mtp", from_pretrained(with_mtp(tmp / kind, tmp / (kind + "+mtp")))[0].eval(), None
     yield from ((kind, model, None) for kind, model in MORE_MODELS(tmp, transformers))
     yield from hybrids(tmp)
+    yield from minimax_models(tmp)
+
+
+def minimax_models(tmp: Path):
+    """(kind, subquad model, transformers model): tests/models/test_gguf_minimax.py's MiniMax - 8 layers with
+    attention in the last (MiniMax-Text-01's layout, llama.cpp's default) and 4 alternating (``minimax-alternating``:
+    the file states its layout, ``attention.recurrent_layers``)."""
+    from subquad.models import from_pretrained
+    from tests.models.test_gguf_minimax import _hf
+
+    for kind, layout in (("minimax", "default"), ("minimax-alternating", "alternating")):
+        (tmp / kind).mkdir()
+        hf, folder = _hf(tmp / kind, layout)
+        yield kind, from_pretrained(folder)[0].eval(), hf
 
 
 def hybrids(tmp: Path):
@@ -199,7 +214,8 @@ def main(argv=None):
     ap.add_argument("--kinds", default="", help="comma-separated model kinds (default: all)")
     ap.add_argument("--only", nargs="*", default=None, help="model kinds, space-separated (as --kinds)")
     ap.add_argument("--converter", action="store_true", help="also llama.cpp's convert_hf_to_gguf.py on tiny Qwen, "
-                    "LFM2-MoE, Kimi-Linear and RWKV-7 folders (converter_rows, more_converter_rows)")
+                    "LFM2-MoE, Kimi-Linear, RWKV-7 and MiniMax folders (converter_rows, more_converter_rows, "
+                    "minimax_converter_rows)")
     a = ap.parse_args(argv)
     from subquad.models import from_pretrained
     from subquad.models.gguf import save_gguf
@@ -230,8 +246,8 @@ def main(argv=None):
                     ref = f"{((mine - want).abs().max() / want.abs().max()).item():.2e}"
                 rows.append((kind, outtype, rel, agree))
                 print(f"| {kind} | {outtype} | {rel:.2e} | {100 * agree:.0f}% | {ref} |", flush=True)
-                if kind == "kimi_linear":             # the same, subquad given llama.cpp's epsilons (llama_eps)
-                    import copy
+                if kind in ("kimi_linear", "minimax", "minimax-alternating"):   # the same, subquad given llama.cpp's
+                    import copy                                                 # epsilons (llama_eps)
 
                     with torch.no_grad():
                         mine = llama_eps(copy.deepcopy(ours))(torch.tensor([IDS]))[0].double()
@@ -242,6 +258,7 @@ def main(argv=None):
     if a.converter:
         converter_rows(a)
         more_converter_rows(a)
+        minimax_converter_rows(a)
 
 
 # llama.cpp's own converter on a tiny folder: its BPE pre-tokenizer check hashes a known tokenizer's output (a
@@ -310,11 +327,17 @@ def converter_rows(a):
 
 
 def llama_eps(model):
-    """A Kimi-Linear model given llama.cpp's epsilons: its kimi-linear graph L2-normalises KDA's q and k and
-    RMS-normalises MLA's latents with ``attention.layer_norm_rms_epsilon`` (1e-5 here), where transformers and fla
-    use 1e-6 (fla's L2 norm, KimiLinearRMSNorm's default) - the whole of the two engines' f32 difference."""
+    """A Kimi-Linear or MiniMax model given llama.cpp's epsilons: its kimi-linear graph L2-normalises KDA's q and k
+    and RMS-normalises MLA's latents with ``attention.layer_norm_rms_epsilon`` (1e-5 here), where transformers and
+    fla use 1e-6 (fla's L2 norm, KimiLinearRMSNorm's default); its minimax-01 graph norms the lightning layers'
+    output with it too (``attn_norm_2``), transformers' MiniMaxRMSNorm there its default 1e-6 - the whole of the two
+    engines' f32 difference."""
+    from subquad.layers.lightning import LightningAttention
+
     eps = model.config.norm_eps
     for block in model.blocks:
+        if isinstance(block.mixer, LightningAttention):
+            block.mixer.norm.eps = eps
         if hasattr(block.mixer, "qk_eps"):
             block.mixer.qk_eps = eps
         for name in ("kv_a_norm", "q_a_norm"):
@@ -403,6 +426,58 @@ def more_converter_rows(a):
                     agree = (theirs.argmax(-1) == mine.argmax(-1)).double().mean().item()
                     print(f"| {kind}, subquad with llama.cpp's epsilons | {outtype} | | | {rel:.2e} | "
                           f"{100 * agree:.0f}% |", flush=True)
+
+
+def minimax_converter_rows(a):
+    """``converter_rows`` for MiniMax (``minimax_models``' default layout, with a byte-level BPE tokenizer): the
+    transformers folder rewritten as the released checkpoint spells it (``gguf_minimax_harness.released_folder``:
+    the converter reads ``layernorm_*_alpha``, ``rotary_dim``, no lightning buffers); subquad's load of the
+    converter's file against transformers, save_gguf's file against the converter's, llama.cpp on the converter's
+    file against subquad (and against subquad with llama.cpp's epsilons)."""
+    import copy
+
+    import transformers
+
+    from subquad.data.tokenizer import train_tokenizer
+    from subquad.models import from_pretrained
+    from subquad.models.gguf import save_gguf
+    from subquad.models.gguf.reader import GGUFFile
+    from tests.models.gguf_minimax_harness import released_folder
+    from tests.models.test_gguf_minimax import _hf
+
+    if a.only and "minimax" not in a.only:
+        return
+    llama = Path(a.llama_src) / "vendor" / "llama.cpp"
+    tok = train_tokenizer(["".join(f"def f{i}(x):\n    return x * {i}\n" for i in range(200))], vocab_size=320)
+    print("\n| model | converter's GGUF | subquad vs transformers | save_gguf = converter's file | llama.cpp vs "
+          "subquad | next token agrees |\n|---|---|---:|---|---:|---:|")
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = Path(tmp)
+        hf, folder = _hf(tmp, "default", vocab_size=320)
+        transformers.PreTrainedTokenizerFast(tokenizer_object=tok).save_pretrained(folder)
+        model = from_pretrained(folder)[0].eval()
+        released = released_folder(folder, tmp / "released")
+        for outtype in ("f32", "q8_0"):
+            path = tmp / f"minimax-{outtype}.gguf"
+            subprocess.run([sys.executable, "-c", CONVERT, str(llama), str(released), str(path), outtype],
+                           check=True, capture_output=True)
+            ours = from_pretrained(path)[0].eval()
+            ids = torch.tensor([IDS])
+            with torch.no_grad():
+                want, mine = hf(ids).logits[0].double(), ours(ids)[0].double()
+                mine_eps = llama_eps(copy.deepcopy(ours))(ids)[0].double()
+            vs_hf = ((mine - want).abs().max() / want.abs().max()).item()
+            save_gguf(model, tmp / "ours.gguf", outtype)
+            same = same_file(GGUFFile(tmp / "ours.gguf"), GGUFFile(path))
+            out = tmp / "llama.npy"
+            subprocess.run([sys.executable, "-c", CHILD, a.llama_src, a.pythonpath, str(path), json.dumps(IDS),
+                            str(out)], check=True)
+            theirs = torch.from_numpy(np.load(out))
+            for label, m, ref, sf in (("minimax", mine, f"{vs_hf:.2e}", same),
+                                      ("minimax, subquad with llama.cpp's epsilons", mine_eps, "", "")):
+                rel = ((theirs - m).abs().max() / m.abs().max()).item()
+                agree = (theirs.argmax(-1) == m.argmax(-1)).double().mean().item()
+                print(f"| {label} | {outtype} | {ref} | {sf} | {rel:.2e} | {100 * agree:.0f}% |", flush=True)
 
 
 def same_file(ours, theirs) -> str:

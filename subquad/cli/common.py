@@ -85,12 +85,13 @@ def load_model(args, *, need_tokenizer: str | None = None):
     check_run_or_model(args)
     if args.model is not None:
         from subquad.models import from_pretrained
+        from subquad.models.hf import is_gguf
 
         model, tok = from_pretrained(args.model, dtype=getattr(torch, args.dtype), device=args.device,
                                      quantize=args.quantize)
         if tok is None and need_tokenizer:
             where = "no tokenizer in its metadata (write it with save_gguf(..., tokenizer=tok))" \
-                if str(args.model).lower().endswith(".gguf") else "no tokenizer.json"
+                if is_gguf(args.model) else "no tokenizer.json"
             raise ValueError(f"--model {args.model} has {where} {need_tokenizer}")
         return model, tok
     from subquad.train import load_run

@@ -14,8 +14,8 @@ def add_parser(command, hf_types: list[str]) -> None:
         "a Hugging Face model folder (config.json, model.safetensors, tokenizer.json) of a supported type: "
         f"{', '.join(hf_types)}; or a BlinkDL RWKV-7 .pth file (its world vocabulary rwkv_vocab_v20230424.txt "
         "beside it); or a GGUF file (llama.cpp's mamba, mamba2, lfm2, lfm2moe, rwkv7, kimi-linear, qwen3next, "
-        "qwen35, qwen35moe, granitehybrid, nemotron_h, nemotron_h_moe, falcon-h1, jamba; its tokenizer from the "
-        "file's metadata)"))
+        "qwen35, qwen35moe, granitehybrid, nemotron_h, nemotron_h_moe, falcon-h1, jamba, minimax-01; its tokenizer "
+        "from the file's metadata)"))
     g.add_argument("--prompt", help="text to continue (required, unless --prompts-file or --load-state)")
     g.add_argument("--prompts-file", help="a file of prompts, one per line: all generated as one batch")
     g.add_argument("--max-new-tokens", type=int, default=200, help="tokens to generate per prompt")

@@ -18,8 +18,9 @@ def add_parser(command) -> None:
     v.description += ("\n\nfinish_reason: \"stop\" (end of text or a stop string), \"length\" (max_tokens or the\n"
                       "context), \"abort\" (still running when a SIGTERM's --drain-timeout ran out) or \"error\"\n"
                       "(the engine failed on that request; the others and the server go on).")
-    add_model_flags(v, [], model_help="a Hugging Face model folder (its tokenizer.json and chat "
-                    "template are used); a GGUF file is not served yet: `subquad generate --model x.gguf` reads it")
+    add_model_flags(v, [], model_help="a Hugging Face model folder (its tokenizer.json and chat template are used), "
+                    "or a GGUF file (.gguf, read as `subquad generate --model x.gguf` reads it: its tokenizer, "
+                    "chat template - tokenizer.chat_template - and end-of-text ids from its metadata)")
     v.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
     v.add_argument("--port", type=int, default=8000, help="port to listen on")
     v.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1 routes, /tokenize and /detokenize "
@@ -104,15 +105,18 @@ def run(args) -> int:
         from subquad.serve.server import run as serve_api
     except ImportError as e:
         raise ValueError(f"subquad serve needs the serve extra (pip install 'subquad[serve]'): {e}") from None
-    chat_template = None
-    if args.model is not None:
-        from subquad.serve.chat import load_chat_template
+    from subquad.models.hf import is_gguf
+    from subquad.serve.chat import chat_template_of, load_chat_template
 
+    chat_template, gguf = None, args.model is not None and is_gguf(args.model)
+    if args.model is not None and not gguf:
         if not Path(args.model).is_dir():
-            raise ValueError(f"--model {args.model} is not a folder")
-        chat_template = load_chat_template(args.model)
+            raise ValueError(f"--model {args.model} is neither a folder nor a GGUF file")
+        chat_template = load_chat_template(args.model)              # before the load: a bad template fails fast
     check_speculative_flag(args)
     model, tok = load_model(args)
+    if gguf:                       # the metadata's template, kept as a folder's tokenizer_config.json (gguf.vocab)
+        chat_template = chat_template_of(model.hf_source["files"])
     speculative = None if args.speculative is None else load_draft(args, model)
     if speculative == "mtp" and getattr(model, "mtp", None) is None:
         raise ValueError(f"--speculative mtp: {args.model or args.run} has no multi-token-prediction head (mtp.* "

@@ -8,13 +8,17 @@ single byte is a token, so the walk never sticks).
     tok = WorldTokenizer.from_file("rwkv_vocab_v20230424.txt")
     tok.encode("Hello").ids   ->  [33155, ...]        tok.decode(ids) -> str
 
-``encode(text).ids`` and ``decode(ids)`` are the calls subquad makes of a Hugging Face ``tokenizers.Tokenizer``,
-so ``from_pretrained`` returns one for a ``.pth`` with the vocabulary file beside it.
+``encode(text).ids``, ``decode(ids)`` and ``token_to_id`` are the calls subquad makes of a Hugging Face
+``tokenizers.Tokenizer`` (the server's ``add_special_tokens`` / ``skip_special_tokens`` keywords taken too), so
+``from_pretrained`` returns one for a ``.pth`` with the vocabulary file beside it, and for a GGUF file of RWKV's
+world vocabulary (``models.gguf.vocab``: there token 0 is ``<s>``, a special token matched in text as a
+``tokenizers`` special token is).
 """
 
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -22,12 +26,21 @@ VOCAB_FILE = "rwkv_vocab_v20230424.txt"
 
 
 class WorldTokenizer:
-    """Greedy longest-match over a byte trie (module docstring). ``vocab``: {token bytes: id}."""
+    """Greedy longest-match over a byte trie (module docstring). ``vocab``: {token bytes: id}; ``special``:
+    {text: id} of special tokens, found in the text before the trie runs on the pieces between them, and left
+    out of ``decode`` unless ``skip_special_tokens=False``."""
 
-    def __init__(self, vocab: dict):
+    def __init__(self, vocab: dict, special: dict | None = None):
         if not vocab or any(not isinstance(t, bytes) or not t for t in vocab):
             raise ValueError("vocab must map non-empty byte strings to ids")
+        if any(not isinstance(t, str) or not t for t in special or {}):
+            raise ValueError("special must map non-empty strings to ids")
         self.id_to_bytes = {i: t for t, i in vocab.items()}
+        self.special = dict(special or {})
+        self.special_text = {i: t for t, i in self.special.items()}
+        # the longest first, so that a special token holding another is found whole
+        self._split = re.compile("(" + "|".join(map(re.escape, sorted(self.special, key=len, reverse=True))) + ")") \
+            if self.special else None
         self.trie: dict = {}                        # byte -> child node; a node's None key holds its token id
         for token, i in vocab.items():
             node = self.trie
@@ -69,13 +82,33 @@ class WorldTokenizer:
             pos = end
         return ids
 
-    def encode(self, text: str):
-        """An object with ``.ids``, as ``tokenizers.Tokenizer.encode`` returns."""
-        return SimpleNamespace(ids=self.encode_bytes(text.encode("utf-8")))
+    def encode(self, text: str, add_special_tokens: bool = True):
+        """An object with ``.ids``, as ``tokenizers.Tokenizer.encode`` returns. ``add_special_tokens``: the world
+        vocabulary adds none (llama.cpp: no BOS for RWKV), taken for the server's calls."""
+        if self._split is None:
+            return SimpleNamespace(ids=self.encode_bytes(text.encode("utf-8")))
+        ids = []
+        for k, piece in enumerate(self._split.split(text)):     # odd pieces: the special tokens found
+            ids += [self.special[piece]] if k % 2 else self.encode_bytes(piece.encode("utf-8"))
+        return SimpleNamespace(ids=ids)
 
-    def decode(self, ids) -> str:
-        """The text of ``ids``; id 0 (end-of-text) and unknown ids decode to nothing, broken UTF-8 to U+FFFD."""
-        return b"".join(self.id_to_bytes.get(int(i), b"") for i in ids).decode("utf-8", errors="replace")
+    def decode(self, ids, skip_special_tokens: bool = True) -> str:
+        """The text of ``ids``; special tokens (their text with ``skip_special_tokens=False``), id 0 of the
+        vocabulary file (end-of-text) and unknown ids decode to nothing, broken UTF-8 to U+FFFD."""
+        keep = {} if skip_special_tokens else self.special_text
+        return b"".join(self.id_to_bytes.get(int(i)) or keep.get(int(i), "").encode("utf-8")
+                        for i in ids).decode("utf-8", errors="replace")
+
+    def token_to_id(self, text: str) -> int | None:
+        """The id of the token spelling ``text`` (a special token's, or the token of its UTF-8 bytes); None."""
+        if text in self.special:
+            return self.special[text]
+        node = self.trie
+        for byte in text.encode("utf-8"):
+            node = node.get(byte)
+            if node is None:
+                return None
+        return node.get(None)
 
     def get_vocab_size(self) -> int:
-        return max(self.id_to_bytes) + 1
+        return max([*self.id_to_bytes, *self.special_text]) + 1

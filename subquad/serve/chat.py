@@ -1,4 +1,5 @@
-"""Chat templates: a checkpoint folder's messages-to-prompt template, rendered as transformers renders it.
+"""Chat templates: a checkpoint folder's messages-to-prompt template, rendered as transformers renders it (a GGUF
+file's ``tokenizer.chat_template`` too: ``models.gguf.vocab`` keeps it as the folder's files would hold it).
 
 The template is the jinja2 source under ``chat_template`` in ``tokenizer_config.json`` (a string, or a list
 of named templates of which "default" is used), or the file ``chat_template.jinja`` beside it. Like
@@ -61,15 +62,16 @@ class ChatTemplate:
 def load_chat_template(folder) -> ChatTemplate | None:
     """The folder's chat template, or None when it has none."""
     folder = Path(folder)
-    config = {}
-    if (folder / "tokenizer_config.json").exists():
-        config = json.loads((folder / "tokenizer_config.json").read_text())
-    source = config.get("chat_template")
-    if isinstance(source, list):
-        named = {t.get("name"): t.get("template") for t in source if isinstance(t, dict)}
-        source = named.get("default")
-    if source is None and (folder / "chat_template.jinja").exists():
-        source = (folder / "chat_template.jinja").read_text()
+    return chat_template_of({f: (folder / f).read_bytes() for f in ("tokenizer_config.json", "chat_template.jinja")
+                             if (folder / f).exists()})
+
+
+def chat_template_of(files: dict) -> ChatTemplate | None:
+    """The chat template of a folder's files ({name: bytes}: ``tokenizer_config.json``, ``chat_template.jinja``;
+    a model's ``hf_source["files"]``, which a GGUF file's loader fills from its metadata), or None."""
+    from subquad.models.hf.common import chat_template_source
+
+    config, source = chat_template_source(files)
     if not source:
         return None
     special = {}

@@ -284,8 +284,39 @@ def _rwkv7_metadata(w, h):
     w.add_head_count(0)
 
 
+WORLD_VOCAB = "rwkv_vocab_v20230424.txt"
+
+
+def set_vocab_rwkv_world(w, folder, h):
+    """TextModel._set_vocab_rwkv_world (conversion/base.py): "<s>" (control), then each line's token as the UTF-8
+    of ``repr(bytes)[2:-1]`` (normal), "[PAD{i}]" (unused) up to vocab_size; model "rwkv"; eot 261 ("\n\n"),
+    bos = eos = 0; the chat template "rwkv-world" (its fallback where llama.cpp's template file is not beside it).
+    gguf-py's SpecialVocab writes the ids and the template."""
+    import ast
+
+    tokens, types = [b"<s>"], [gguf.TokenType.CONTROL]
+    for line in (folder / WORLD_VOCAB).read_text(encoding="utf-8").splitlines(keepends=True):
+        parts = line.split(" ")
+        token, n = ast.literal_eval(" ".join(parts[1:-1])), int(parts[-1])
+        token = token.encode("utf-8") if isinstance(token, str) else token
+        assert isinstance(token, bytes) and len(token) == n
+        tokens.append(repr(token)[2:-1].encode("utf-8"))
+        types.append(gguf.TokenType.NORMAL)
+    for i in range(len(tokens), h.get("vocab_size", 65536)):
+        tokens.append(f"[PAD{i}]".encode("utf-8"))
+        types.append(gguf.TokenType.UNUSED)
+    w.add_tokenizer_model("rwkv")
+    w.add_token_list(tokens)
+    w.add_token_types(types)
+    w.add_bos_token_id(0)
+    w.add_eos_token_id(0)
+    w.add_eot_token_id(261)
+    w.add_chat_template("rwkv-world")
+
+
 def convert(folder, path, outtype="f32", override: dict | None = None) -> dict:
-    """Write the LFM2-MoE / RWKV-7 folder as llama.cpp's converter does; {GGUF name: the type written}.
+    """Write the LFM2-MoE / RWKV-7 folder as llama.cpp's converter does; {GGUF name: the type written}. An RWKV-7
+    folder holding RWKV's world vocabulary file gets it as the converter writes it (``set_vocab_rwkv_world``).
     ``override``: metadata keys given another value of the same type (None: left out) - a bad file."""
     h = hparams(folder)
     arch = ARCH[h["model_type"]]
@@ -293,6 +324,8 @@ def convert(folder, path, outtype="f32", override: dict | None = None) -> dict:
     if arch == "rwkv7":
         _rwkv7_metadata(w, h)
         w.add_file_type(FILE_TYPES[outtype])
+        if (folder / WORLD_VOCAB).is_file():            # the converter asserts it; the tests' folders may lack it
+            set_vocab_rwkv_world(w, folder, h)
         return _write(w, rwkv7_converted(folder), outtype, override)
     if arch == "kimi-linear":
         _kimi_metadata(w, h)

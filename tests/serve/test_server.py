@@ -466,7 +466,10 @@ def test_cli_refuses_bad_serve_arguments(tmp_path, capsys):
     from subquad.cli import main
 
     assert main(["serve"]) == 2 and "--run" in capsys.readouterr().err
-    assert main(["serve", "--model", str(tmp_path / "none")]) == 2 and "not a folder" in capsys.readouterr().err
+    assert main(["serve", "--model", str(tmp_path / "none")]) == 2
+    assert "neither a folder nor a GGUF file" in capsys.readouterr().err
+    assert main(["serve", "--model", str(tmp_path / "none.gguf")]) == 2
+    assert "no such GGUF file" in capsys.readouterr().err
     path = folder(tmp_path / "m", "mamba2")
     assert main(["serve", "--model", str(path), "--max-queue", "-1"]) == 2
     assert "max_queue" in capsys.readouterr().err

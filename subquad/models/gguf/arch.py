@@ -11,8 +11,9 @@ reads - as llama.cpp's converter (``convert_hf_to_gguf.py``, ``conversion/mamba.
 
 Architectures: ``mamba`` (Mamba, Falcon-Mamba), ``mamba2``, ``lfm2`` (conversion/lfm2.py); ``qwen3next``,
 ``qwen35``, ``qwen35moe`` in ``qwen.py``; ``lfm2moe``, ``rwkv7``, ``kimi-linear`` in ``more.py``; the Mamba-2
-hybrids ``granitehybrid``, ``nemotron_h``, ``nemotron_h_moe``, ``falcon-h1`` and ``jamba`` in ``hybrid.py``
-(registered at the end).
+hybrids ``granitehybrid``, ``nemotron_h``, ``nemotron_h_moe``, ``falcon-h1`` and ``jamba`` in ``hybrid.py``;
+``minimax-01`` in ``minimax.py`` (whose ``attn_output`` is a lightning layer's out_proj or attention's o_proj: an
+architecture may name tensors by the config, ``hf_name_for(g, c)``, which the loader prefers).
 
 ``registry.ARCHS`` lists them by ``general.architecture``; an architecture not there is refused by name.
 """

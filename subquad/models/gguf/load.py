@@ -18,12 +18,16 @@ as for a folder (every tensor used once, every config field honoured or refused)
                           them in subquad's fast kernels' forms instead (``_linear``: per-channel int8, or
                           Q4_0 / Q4_K's codes in torch's int4 layout with bfloat16 scales - approximate).
 
-The tokenizer comes from the metadata when it is a byte-level BPE (``tokenizer.ggml.model`` "gpt2": its tokens
-and merges as a ``tokenizers`` BPE); otherwise None.
+The tokenizer comes from the metadata (``vocab``: a byte-level BPE, "gpt2", as a ``tokenizers`` BPE; RWKV's world
+vocabulary, "rwkv", as ``data.rwkv_world.WorldTokenizer``); otherwise None. Generation stops at the metadata's
+eos, eot and eom ids (llama.cpp's end-of-generation set). Its chat template and special tokens are kept as the
+``tokenizer_config.json`` a folder would hold (``model.hf_source``: the server renders it, ``save_pretrained``
+writes it, ``save_gguf`` writes it back).
 """
 
 from __future__ import annotations
 
+import json
 import re
 import warnings
 
@@ -33,6 +37,7 @@ from torch import nn
 from subquad.models.gguf.arch import hf_name
 from subquad.models.gguf.registry import ARCHS
 from subquad.models.gguf.reader import BLOCKED, GGUFFile
+from subquad.models.gguf.vocab import end_of_generation_ids, tokenizer, tokenizer_config
 
 
 def load_gguf(path, dtype=None, device=None, quantize=None):
@@ -53,16 +58,16 @@ def load_gguf(path, dtype=None, device=None, quantize=None):
     fmt = MAPPINGS[c["model_type"]]
     c["vocab_size"] = f.tensors["token_embd.weight"].shape[0] if "token_embd.weight" in f.tensors else None
     cfg = fmt.config(c)
-    eos = f.metadata.get("tokenizer.ggml.eos_token_id")
-    cfg.eos_token_ids = [eos] if isinstance(eos, int) and eos < cfg.vocab_size else []
+    cfg.eos_token_ids = end_of_generation_ids(f.metadata, cfg.vocab_size)
     dtype = resolve_dtype(dtype) or torch.float32
 
     placeholders, blocks, weights, experts = {}, {}, {}, {}
     layers = (c.get("num_hidden_layers") or c.get("text_config", {}).get("num_hidden_layers")   # the checkpoint's
               or cfg.n_layers)                                                                # (MTP layers after)
     on_blocks = getattr(arch, "on_blocks", lambda h, c: None)
+    name_of = getattr(arch, "hf_name_for", lambda g, c: hf_name(arch, g))    # names that depend on the config
     for g, info in f.tensors.items():
-        h = hf_name(arch, g)
+        h = name_of(g, c)
         m = _meta(info)
         # kept quantised: not reshaped, or reshaped by whole rows (a row order, a factor: ``on_blocks``)
         if info.type in BLOCKED and len(info.shape) == 2 and (arch.to_hf(h, m, c) is m or on_blocks(h, c)):
@@ -122,8 +127,11 @@ def load_gguf(path, dtype=None, device=None, quantize=None):
             p.requires_grad_(False)
     # the config save_pretrained keeps what its format does not write from; an architecture's private keys
     # ("_..."; granitehybrid's multipliers, folded into the weights here) are not the model's
-    model.hf_source = {"config": {k: v for k, v in c.items() if not k.startswith("_")}, "files": {}}
-    return model, tokenizer(f.metadata)
+    tok = tokenizer(f.metadata)
+    side = tokenizer_config(f.metadata, tok)
+    model.hf_source = {"config": {k: v for k, v in c.items() if not k.startswith("_")},
+                       "files": {"tokenizer_config.json": json.dumps(side, indent=1).encode()} if side else {}}
+    return model, tok
 
 
 def _rows(arch, h: str, c: dict, blocks: tuple) -> tuple:
@@ -244,26 +252,3 @@ def _install_blocks(model, names: dict, blocks: dict, dtype, quantize=None, dequ
         warnings.warn(f"GGUF: {len(dequantised)} quantised tensors are not projections subquad keeps quantised "
                       f"and were dequantised to {dtype}: {', '.join(dequantised[:6])}"
                       f"{' ...' if len(dequantised) > 6 else ''}", stacklevel=3)
-
-
-def tokenizer(meta: dict):
-    """A ``tokenizers.Tokenizer`` from GGUF metadata: ``tokenizer.huggingface.json`` when the file holds one, else
-    a byte-level BPE (``tokenizer.ggml.model`` "gpt2") from its tokens and merges (padding tokens of type 5,
-    unused, left out); None for other models (SentencePiece "llama", RWKV's "rwkv") or none."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-
-    if isinstance(meta.get("tokenizer.huggingface.json"), str):     # the whole tokenizer, as subquad writes it
-        return Tokenizer.from_str(meta["tokenizer.huggingface.json"])
-    if meta.get("tokenizer.ggml.model") != "gpt2" or "tokenizer.ggml.tokens" not in meta:
-        return None
-
-    types = meta.get("tokenizer.ggml.token_type", [])
-    vocab = {t: i for i, t in enumerate(meta["tokenizer.ggml.tokens"]) if i >= len(types) or types[i] != 5}
-    merges = [tuple(m.split(" ", 1)) for m in meta.get("tokenizer.ggml.merges", [])]
-    tok = Tokenizer(models.BPE(vocab, merges))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    special = [t for t, kind in zip(meta["tokenizer.ggml.tokens"], types) if kind == 3]   # 3: control tokens
-    if special:
-        tok.add_special_tokens(special)
-    return tok

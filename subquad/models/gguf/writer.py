@@ -11,15 +11,16 @@ not a multiple of the block (32 values: mamba-130m's dt_proj, 48 wide). ``outtyp
                q = min(15, trunc(x / d + 8.5)) - 8
                (ggml's reference quantisers, ``ggml-quants.c``; the same bytes as ``gguf.quants.quantize``)
 
-The tokenizer, when given and a byte-level BPE, is written as llama.cpp's "gpt2" vocabulary (tokens, types,
-merges; padded with unused ``[PAD{i}]`` tokens to the embedding's rows, as the converter pads) and whole as
-``tokenizer.huggingface.json``, which ``from_pretrained`` reads back first. The file is written whole or not
-at all (a temporary file, then a rename).
+The tokenizer, when given, is written as the converter writes its vocabulary (``vocab.py``): a byte-level BPE as
+llama.cpp's "gpt2" vocabulary (tokens, types, merges; padded with unused ``[PAD{i}]`` tokens to the embedding's
+rows, as the converter pads) and whole as ``tokenizer.huggingface.json``, which ``from_pretrained`` reads back
+first; RWKV's world tokenizer as "rwkv". The model's chat template and special tokens (its folder's
+``tokenizer_config.json``, kept in ``model.hf_source``) go with it, as the converter's ``SpecialVocab`` writes them.
+The file is written whole or not at all (a temporary file, then a rename).
 """
 
 from __future__ import annotations
 
-import json
 import os
 import struct
 from pathlib import Path
@@ -29,11 +30,11 @@ import torch
 from subquad.models.gguf.arch import gguf_name
 from subquad.models.gguf.registry import HF_TYPES
 from subquad.models.gguf.qwen import QWEN_SOURCE_TYPES
+from subquad.models.gguf.vocab import tokenizer_metadata
 
 ALIGN = 32
 OUTTYPES = {"f32": 0, "f16": 1, "q8_0": 8, "q4_0": 2}            # -> ggml type
 FILE_TYPES = {"f32": 0, "f16": 1, "q8_0": 7, "q4_0": 2}          # llama_ftype: ALL_F32, MOSTLY_F16, MOSTLY_Q8_0, ...
-TOKEN_NORMAL, TOKEN_CONTROL, TOKEN_UNUSED = 1, 3, 5
 
 
 def _roundf(x):
@@ -114,30 +115,6 @@ def _value(v) -> bytes:
     raise TypeError(f"GGUF metadata value {v!r} of type {type(v).__name__} has no GGUF type here")
 
 
-def tokenizer_metadata(tokenizer, vocab_size: int) -> dict:
-    """llama.cpp's vocabulary keys for a byte-level BPE ``tokenizers.Tokenizer`` (module doc); {} for another."""
-    spec = json.loads(tokenizer.to_str())
-    model = spec.get("model", {})
-    pre = spec.get("pre_tokenizer") or {}
-    meta = {"tokenizer.huggingface.json": tokenizer.to_str()}
-    if model.get("type") != "BPE" or pre.get("type") != "ByteLevel":
-        return meta
-    vocab = model["vocab"]
-    if len(vocab) > vocab_size:
-        raise ValueError(f"the tokenizer has {len(vocab)} tokens, more than the model's {vocab_size} embeddings")
-    tokens = sorted(vocab, key=vocab.get)
-    if [vocab[t] for t in tokens] != list(range(len(tokens))):
-        raise ValueError("the tokenizer's ids are not 0..n-1 without gaps: llama.cpp's vocabulary is a list")
-    special = {a["content"] for a in spec.get("added_tokens", []) if a.get("special")}
-    types = [TOKEN_CONTROL if t in special else TOKEN_NORMAL for t in tokens]
-    pad = vocab_size - len(tokens)
-    merges = [m if isinstance(m, str) else " ".join(m) for m in model.get("merges", [])]
-    meta.update({"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": "default",
-                 "tokenizer.ggml.tokens": tokens + [f"[PAD{i}]" for i in range(pad)],
-                 "tokenizer.ggml.token_type": types + [TOKEN_UNUSED] * pad, "tokenizer.ggml.merges": merges})
-    return meta
-
-
 # ------------------------------------------------------------------------------------------------- the file
 def save_gguf(model, path, outtype: str = "f32", tokenizer=None, name: str | None = None) -> dict:
     """Write ``model`` (float, of a Hugging Face type ``registry.HF_TYPES`` holds) as the GGUF file
@@ -178,14 +155,15 @@ def save_gguf(model, path, outtype: str = "f32", tokenizer=None, name: str | Non
             "general.file_type": FILE_TYPES[outtype], "general.quantization_version": 2,
             "general.alignment": ALIGN, **{f"{arch.arch}.{k}": v for k, v in arch.meta(c).items()}}
     if tokenizer is not None:
-        meta.update(tokenizer_metadata(tokenizer, vocab))
+        files = (getattr(model, "hf_source", None) or {}).get("files") or {}
+        meta.update(tokenizer_metadata(tokenizer, vocab, files))
     # the converter writes none for Jamba (its file always has a vocabulary) nor RWKV-7 (llama.cpp counts the RWKV
     # vocabulary it always writes); without a token list here, the count is what llama.cpp reads instead
     if getattr(arch, "writes_vocab_size", True) or "tokenizer.ggml.tokens" not in meta:
         meta[f"{arch.arch}.vocab_size"] = vocab
     eos = model.config.eos_token_ids or []
-    if eos:
-        meta["tokenizer.ggml.eos_token_id"] = int(eos[0])
+    if eos:                                                    # the world vocabulary's is the converter's (0)
+        meta.setdefault("tokenizer.ggml.eos_token_id", int(eos[0]))
     meta.setdefault("tokenizer.ggml.model", "none")            # llama.cpp reads a file without a vocabulary so
 
     if hasattr(arch, "split"):                 # the file groups some tensors otherwise than the checkpoint (qwen.py)

@@ -70,7 +70,7 @@ __all__ = ["from_pretrained", "save_pretrained", "MAPPINGS", "read_config", "rea
 def from_pretrained(path, dtype=None, device=None, quantize=None):
     """``loader.from_pretrained`` (a Hugging Face folder, a quantised folder, an RWKV-7 .pth), or a ``.gguf`` file
     (llama.cpp's format) through ``models.gguf``: (LanguageModel in eval mode, tokenizer or None)."""
-    if str(path).lower().endswith(".gguf") or _is_gguf(path):
+    if is_gguf(path):
         from subquad.models.gguf import load_gguf
 
         return load_gguf(path, dtype=dtype, device=device, quantize=quantize)
@@ -80,8 +80,11 @@ def from_pretrained(path, dtype=None, device=None, quantize=None):
 from_pretrained.__doc__ = (from_pretrained.__doc__ or "") + "\n\n" + (_from_folder.__doc__ or "")
 
 
-def _is_gguf(path) -> bool:
-    """A file (not a folder) that starts with GGUF's magic bytes, whatever its name."""
+def is_gguf(path) -> bool:
+    """A GGUF file: a ``.gguf`` name (read, and refused by name if it is no such file), or a file (not a folder)
+    that starts with GGUF's magic bytes, whatever its name."""
+    if str(path).lower().endswith(".gguf"):
+        return True
     p = Path(path)
     if not p.is_file():
         return False

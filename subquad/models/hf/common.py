@@ -478,6 +478,19 @@ def eos_token_ids(path, config: dict | None = None) -> list[int]:
     return []
 
 
+def chat_template_source(files: dict) -> tuple[dict, str | None]:
+    """(``tokenizer_config.json``, the chat template) of a folder's files ({name: bytes}): the config's
+    ``chat_template`` (a string, or the "default" of a list of named ones), else ``chat_template.jinja``'s text;
+    ({}, None) for none. transformers' rule, and llama.cpp's converter's (gguf-py ``SpecialVocab``)."""
+    config = json.loads(files["tokenizer_config.json"]) if "tokenizer_config.json" in files else {}
+    source = config.get("chat_template")
+    if isinstance(source, list):
+        source = {t.get("name"): t.get("template") for t in source if isinstance(t, dict)}.get("default")
+    if source is None and "chat_template.jinja" in files:
+        source = files["chat_template.jinja"].decode("utf-8")
+    return config, source or None
+
+
 def all_finite(t, block=1 << 22) -> bool:
     """Whether ``t`` holds no NaN or inf, checked ``block`` elements at a time: ``torch.isfinite`` of the whole
     tensor allocates a float copy (its ``abs``) and two masks as large as the tensor, which made loading peak at
