@@ -26,11 +26,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from subquad import kernels
 from subquad.layers.base import Mixer
 from subquad.layers.conv import ShortConv
 from subquad.layers.gla import OPEN
 from subquad.layers.norm import RMSNorm
+from subquad.layers.sequence import SingleDevice
 from subquad.ops import delta_rule, gated_delta_rule
+from subquad.ops.common.checks import default_scale
+from subquad.ops.delta import fused_step
 
 
 class DeltaNet(Mixer):
@@ -95,6 +99,11 @@ class DeltaNet(Mixer):
         return x * torch.rsqrt(x.square().sum(-1, keepdim=True) + self.qk_eps)
 
     def mix(self, x, state, seq):
+        if state is not None and type(seq) is SingleDevice and self.conv.bias is None \
+                and (self.qk_eps is None or self.qk_eps > 0) \
+                and kernels.usable(fused_step.KERNEL, x, state["S"], state["conv"], self.conv.weight, self.norm.weight,
+                                   *((self.A_log, self.dt_bias, self.gate_bias) if self.gated else ())):
+            return self._fused_step(x, state)       # one decoding token: the kernel (float32 CPU, no gradient)
         B, T, _ = x.shape
         H, Hk, K, V = self.n_heads, self.n_key_heads, self.head_dim, self.value_head_dim
         (q, k, v), conv = self.conv_projections([self.q_proj(x), self.k_proj(x), self.v_proj(x)], state, seq)
@@ -116,6 +125,16 @@ class DeltaNet(Mixer):
             o, S = seq.recurrence(delta_rule, q, k, v, beta, **kw)
             o = self.norm(o)
         return self.o_proj(o.reshape(B, T, H * V)), {"S": S, "conv": conv}
+
+    def _fused_step(self, x, state):
+        """One token through ``ops.delta.fused_step`` (the same math as ``mix``'s ops, in one call)."""
+        gated = self.gated
+        o, conv, S = fused_step.delta_step(
+            self.q_proj(x), self.k_proj(x), self.v_proj(x), state["conv"], self.conv.weight, self.b_proj(x),
+            self.a_proj(x) if gated else None, self.A_log if gated else None, self.dt_bias if gated else None,
+            self.g_proj(x) if gated else None, self.gate_bias if gated else None, state["S"], self.norm.weight,
+            self.allow_neg_eigval, self.qk_eps, default_scale(None, self.head_dim), self.norm.eps)
+        return self.o_proj(o[:, None]), {"S": S, "conv": conv}
 
 
 class GatedDeltaNet(DeltaNet):
