@@ -6,6 +6,7 @@
  *   dt         = clamp(softplus(dt + dt_bias), lo, hi)
  *   S'_h       = exp(-dt_h exp(A_log_h)) S_h + dt_h B_g x_h^T        S_h (N, P), g = h / (H / G)
  *   y_h        = C_g^T S'_h + Dp_h x_h;   g = y * silu(z);   out = rmsnorm(g) * w per norm group (or g)
+ *   (defer: out = g * w, and inv = 1 / rms(g) per group written apart, for the caller to apply after out_proj)
  *
  * One OpenMP team of the runtime torch loaded: channels split for the convolution, heads for the scan, norm
  * groups for the norm; two barriers. exp written out as in mamba_step.c (no -ffast-math). */
@@ -60,6 +61,7 @@ void mamba2_step(int64_t B, int64_t Dn, int64_t G, int64_t N, int64_t H, int64_t
                  float dt_lo, float dt_hi,
                  const float *S,                                       /* (B, H, N, P) */
                  const float *norm_w, int64_t norm_group, float eps,   /* (Dn,) or NULL: no norm */
+                 int defer, float *inv_out,                            /* (B, Dn / norm_group) */
                  float *out, float *conv_out, float *S_out,            /* (B, Dn), (B, K-1, Dn + 2GN), like S */
                  float *scratch)                                       /* B (Dn + 2GN) floats */
 {
@@ -125,8 +127,10 @@ void mamba2_step(int64_t B, int64_t Dn, int64_t G, int64_t N, int64_t H, int64_t
                 for (int64_t i = 0; i < norm_group; i++)
                     ss += y[i] * y[i];
                 const float inv = 1.0f / sqrtf(ss / (float)norm_group + eps);
+                inv_out[bg] = inv;
+                const float f = defer ? 1.0f : inv;
                 for (int64_t i = 0; i < norm_group; i++)
-                    y[i] = y[i] * inv * w[i];
+                    y[i] = y[i] * f * w[i];
             }
         }
     }

@@ -103,13 +103,16 @@ class Mamba2(Mixer):
         return self.project_out(y.reshape(B, T, self.d_inner), z), {"ssm": h, "conv": conv}
 
     def _fused_step(self, x, state):
-        """One token through ``ops.decay.fused_step`` (the same math as ``mix``'s ops, in one call)."""
+        """One token through ``ops.decay.fused_step`` (the same math as ``mix``'s ops, in one call; with one norm
+        group the row scale applies after out_proj, as ``project_out`` orders it)."""
         norm = self.norm
-        out, conv, h = fused_step.mamba2_step(
+        defer = norm is not None and norm.group_size == self.d_inner and self.out_proj.bias is None
+        out, inv, conv, h = fused_step.mamba2_step(
             self.in_proj(x), state["conv"], self.conv.weight, self.conv.bias, self.dt_bias, self.A_log, self.D,
             state["ssm"], None if norm is None else norm.weight, self.n_groups,
-            self.d_inner if norm is None else norm.group_size, 0.0 if norm is None else norm.eps, self.dt_limit)
-        return self.out_proj(out[:, None]), {"ssm": h, "conv": conv}
+            self.d_inner if norm is None else norm.group_size, 0.0 if norm is None else norm.eps, self.dt_limit, defer)
+        y = self.out_proj(out[:, None])
+        return (y * inv[:, None] if defer else y), {"ssm": h, "conv": conv}
 
     def project_out(self, y, z):
         """out_proj(norm(y, z)). With one norm group, the norm's row scale commutes with out_proj, so it

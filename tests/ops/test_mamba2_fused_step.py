@@ -56,8 +56,13 @@ def test_the_step_equals_its_math_in_float64(B, H, P, N, G, K, norm_groups, bias
             r(H) + (3.0 if strong else -2.0), r(H).abs() + (4.0 if strong else 0.0), r(H), r(B, H, N, P),
             r(Dn).abs() + 0.5 if norm_groups else None, G, Dn // max(norm_groups, 1), 1e-5, *limit]
     before = [a.clone() if isinstance(a, torch.Tensor) else a for a in args]
-    got = fused_step.mamba2_step(*args[:11], args[11], args[12:])
-    want = reference(*args)
+    out, inv, conv, S = fused_step.mamba2_step(*args[:11], args[11], args[12:])
+    got, want = (out, conv, S), reference(*args)
+    if norm_groups:                                # deferred: g * w, and the rows' 1 / rms apart
+        deferred, inv2, _, _ = fused_step.mamba2_step(*args[:11], args[11], args[12:], defer=True)
+        assert torch.equal(inv2, inv) and inv.shape == (B, norm_groups)
+        scaled = (deferred.view(B, norm_groups, -1) * inv[..., None]).view(B, -1)
+        assert (scaled.double() - want[0]).abs().max() <= 2e-6 * want[0].abs().max()
     for a, b in zip(got, want):
         assert a.dtype == torch.float32 and a.shape == b.shape
         assert (a.double() - b).abs().max() <= 2e-6 * b.abs().max() + 1e-30
