@@ -28,7 +28,8 @@ HF_CLASSES = {"mamba": "MambaForCausalLM", "falcon_mamba": "FalconMambaForCausal
               "granitemoehybrid": "GraniteMoeHybridForCausalLM", "nemotron_h": "NemotronHForCausalLM",
               "lfm2": "Lfm2ForCausalLM", "lfm2_moe": "Lfm2MoeForCausalLM", "falcon_h1": "FalconH1ForCausalLM",
               "recurrent_gemma": "RecurrentGemmaForCausalLM", "rwkv7": "RWKV7ForCausalLM",
-              "zamba2": "Zamba2ForCausalLM"}
+              "zamba2": "Zamba2ForCausalLM", "qwen4_exp_text": "Qwen4ExpForCausalLM",
+              "qwen4_exp": "Qwen4ExpForConditionalGeneration"}
 
 
 def converter_table(src: Path) -> dict:

@@ -141,8 +141,11 @@ class Qwen4ExpArch(Qwen35MoeArch):
                   "attention.indexer.head_count": c["indexer_n_heads"],
                   "attention.indexer.key_length": c["indexer_head_dim"],
                   "attention.indexer.top_k": c["indexer_budget"],
-                  # the ratio at each attention layer: a released config's "full_attention" (the converter
-                  # tests that name; transformers' save_pretrained writes "indexed_attention", which it reads as 0)
+                  # the ratio at each attention layer, as the converter writes it from the released config.json
+                  # ("full_attention", the name it tests). It reads the config through transformers' AutoConfig
+                  # where it can, and transformers renames those layers "indexed_attention": with a transformers
+                  # that knows qwen4_exp the converter writes 0 everywhere, and llama.cpp attends densely
+                  # (benchmarks/RESULTS.md); QSA's ratio is the file that computes the model
                   "attention.compress_ratios": [c["indexer_compress_ratio"] if t != "linear_attention" else 0
                                                 for t in c["layer_types"][:n]]})
         ids = c.get("ple_layer_ids") or []
