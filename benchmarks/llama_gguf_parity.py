@@ -11,10 +11,11 @@ LLAMA_PY_SRC: an unpacked llama-cpp-python sdist whose ``vendor/llama.cpp/build/
 Qwen3.5 dense and MoE (qwen35, qwen35moe), LFM2-MoE (lfm2_moe), Kimi-Linear (kimi_linear), RWKV-7 (rwkv7) and
 the Mamba-2 hybrids (Granite 4 with experts and multipliers, Granite 4 dense, Bamba, Nemotron-H with and without
 experts, Falcon-H1 with its muP multipliers, Jamba: the parity tests' models) and MiniMax (minimax-01: the
-released layout, and attention every other layer), nothing downloaded; for the hybrids and MiniMax the last column
+released layout, and attention every other layer) and Qwen4-Exp (qwen4exp, QSA's blocks of 2 and of 1 token:
+``qwen4``), nothing downloaded; for the hybrids and MiniMax the last column
 is subquad's float model against transformers' (the reference). ``--kinds a,b`` (or ``--only a b``): those models
-alone; ``--converter``: also llama.cpp's own converter on tiny Qwen, LFM2-MoE, Kimi-Linear, RWKV-7 and MiniMax
-folders (``converter_rows``, ``more_converter_rows``, ``minimax_converter_rows``).
+alone; ``--converter``: also llama.cpp's own converter on tiny Qwen, LFM2-MoE, Kimi-Linear, RWKV-7, MiniMax and
+Qwen4-Exp folders (``converter_rows``, ``more_converter_rows``, ``minimax_converter_rows``).
 """
 
 from __future__ import annotations
@@ -124,6 +125,8 @@ def models(tmp: Path):
             yield kind + "+mtp", from_pretrained(with_mtp(tmp / kind, tmp / (kind + "+mtp")))[0].eval(), None
     yield from ((kind, model, None) for kind, model in MORE_MODELS(tmp, transformers))
     yield from hybrids(tmp)
+    yield qwen4(tmp, transformers)
+    yield qwen4(tmp, transformers, "qwen4_exp_text-r1", indexer_compress_ratio=1)
     yield from minimax_models(tmp)
 
 
@@ -138,6 +141,48 @@ def minimax_models(tmp: Path):
         (tmp / kind).mkdir()
         hf, folder = _hf(tmp / kind, layout)
         yield kind, from_pretrained(folder)[0].eval(), hf
+
+
+# Qwen4-Exp as llama.cpp's qwen4exp holds it (tests/models/test_gguf_qwen4.py's fields): 3 hyper-connected streams,
+# QSA keeping 2 blocks of 2 tokens plus the tail (binding from the 6th token of IDS on), PLE (2- and 3-grams) at the
+# first layer with eos = 45, a token of IDS; the Gated DeltaNet's sigmoid output gate, K = V
+QWEN4 = {"vocab_size": 100, "hidden_size": 64, "num_hidden_layers": 4, "num_attention_heads": 4,
+         "num_key_value_heads": 2, "head_dim": 16, "linear_num_key_heads": 2, "linear_num_value_heads": 4,
+         "linear_key_head_dim": 16, "linear_value_head_dim": 16, "num_experts": 4, "num_experts_per_tok": 2,
+         "moe_intermediate_size": 32, "shared_expert_intermediate_size": 32, "hc_count": 3, "hc_lowrank": 8,
+         "layer_types": ["linear_attention", "indexed_attention"] * 2, "ple_layer_ids": [1], "ple_embed_dim": 64,
+         "ngram_size": 3, "heads_per_ngram": 2, "ngram_vocab_size_base": 50, "make_ngram_vocab_size_divisible_by": 8,
+         "split_ngram_parts": 2, "ple_conv_kernel_size": 3, "indexer_n_heads": 4, "indexer_kv_heads": 1,
+         "indexer_head_dim": 16, "indexer_budget": 4, "indexer_compress_ratio": 2, "eos_token_id": 45,
+         "output_gate_type": "sigmoid", "bos_token_id": None, "pad_token_id": None,
+         "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5,
+                             "mrope_section": [2, 1, 1], "mrope_interleaved": True}}
+
+
+def qwen4(tmp: Path, transformers, kind: str = "qwen4_exp_text", vocab: int = 100, **over):
+    """(kind, subquad's load of the saved folder, transformers' model): ``QWEN4`` (with ``over``) with non-trivial
+    zero-centred norms, time steps, gates and PLE convolution; the folder's config.json naming the attention layers
+    "full_attention" as the released config does (llama.cpp's converter writes QSA's ratio for that name only).
+    llama.cpp's QSA attends to budget + ratio - 1 tokens always (build_qsa_top_k's width): where the query's tail
+    is shorter than ratio - 1, tokens of the next blocks too, which transformers' does not - ratio 1 (blocks of one
+    token, no tail) is the form where both select the same tokens."""
+    from subquad.models import from_pretrained
+
+    torch.manual_seed(0)
+    cfg = transformers.Qwen4ExpTextConfig(**{**QWEN4, "vocab_size": vocab, **over})
+    cfg._experts_implementation = "eager"
+    hf = transformers.Qwen4ExpForCausalLM(cfg).eval()
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if name.endswith(("norm.weight", "layernorm.weight", "dt_bias", "gate.weight", "ple.conv1d.weight",
+                              "norm_key.weight", "norm_query.weight", "norm_conv.weight")):
+                p.add_(0.3 * torch.randn_like(p))
+    folder = tmp / kind
+    hf.save_pretrained(folder)
+    c = json.loads((folder / "config.json").read_text())
+    c["layer_types"] = ["full_attention" if t == "indexed_attention" else t for t in c["layer_types"]]
+    (folder / "config.json").write_text(json.dumps(c))
+    return kind, from_pretrained(folder)[0].eval(), hf
 
 
 def hybrids(tmp: Path):
@@ -259,6 +304,7 @@ def main(argv=None):
         converter_rows(a)
         more_converter_rows(a)
         minimax_converter_rows(a)
+        qwen4_converter_rows(a)
 
 
 # llama.cpp's own converter on a tiny folder: its BPE pre-tokenizer check hashes a known tokenizer's output (a
@@ -478,6 +524,49 @@ def minimax_converter_rows(a):
                 rel = ((theirs - m).abs().max() / m.abs().max()).item()
                 agree = (theirs.argmax(-1) == m.argmax(-1)).double().mean().item()
                 print(f"| {label} | {outtype} | {ref} | {sf} | {rel:.2e} | {100 * agree:.0f}% |", flush=True)
+
+
+def qwen4_converter_rows(a):
+    """``converter_rows`` for Qwen4-Exp (``qwen4``'s folders, QSA blocks of 2 and of 1, with a byte-level BPE
+    tokenizer): subquad's load of the converter's file against transformers, save_gguf's file against the
+    converter's, llama.cpp on the converter's file against subquad."""
+    import transformers
+
+    from subquad.data.tokenizer import train_tokenizer
+    from subquad.models import from_pretrained
+    from subquad.models.gguf import save_gguf
+    from subquad.models.gguf.reader import GGUFFile
+
+    llama = Path(a.llama_src) / "vendor" / "llama.cpp"
+    tok = train_tokenizer(["".join(f"def f{i}(x):\n    return x * {i}\n" for i in range(200))], vocab_size=320)
+    print("\n| model | converter's GGUF | subquad vs transformers | save_gguf = converter's file | llama.cpp vs "
+          "subquad | next token agrees |\n|---|---|---:|---|---:|---:|")
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = Path(tmp)
+        for kind, over in (("qwen4_exp_text", {}), ("qwen4_exp_text-r1", {"indexer_compress_ratio": 1})):
+            if a.only and kind not in a.only:
+                continue
+            _, model, hf = qwen4(tmp, transformers, kind, vocab=320, **over)
+            folder = tmp / kind
+            transformers.PreTrainedTokenizerFast(tokenizer_object=tok).save_pretrained(folder)
+            for outtype in ("f32", "q8_0"):
+                path = tmp / f"{kind}-{outtype}.gguf"
+                subprocess.run([sys.executable, "-c", CONVERT, str(llama), str(folder), str(path), outtype],
+                               check=True, capture_output=True)
+                ours = from_pretrained(path)[0].eval()
+                ids = torch.tensor([IDS])
+                with torch.no_grad():
+                    want, mine = hf(ids).logits[0].double(), ours(ids)[0].double()
+                vs_hf = ((mine - want).abs().max() / want.abs().max()).item()
+                save_gguf(model, tmp / "ours.gguf", outtype)
+                same = same_file(GGUFFile(tmp / "ours.gguf"), GGUFFile(path))
+                out = tmp / "llama.npy"
+                subprocess.run([sys.executable, "-c", CHILD, a.llama_src, a.pythonpath, str(path), json.dumps(IDS),
+                                str(out)], check=True)
+                theirs = torch.from_numpy(np.load(out))
+                rel = ((theirs - mine).abs().max() / mine.abs().max()).item()
+                agree = (theirs.argmax(-1) == mine.argmax(-1)).double().mean().item()
+                print(f"| {kind} | {outtype} | {vs_hf:.2e} | {same} | {rel:.2e} | {100 * agree:.0f}% |", flush=True)
 
 
 def same_file(ours, theirs) -> str:

@@ -5,7 +5,8 @@
     beta    = sigmoid(x W_b)                                            (B, T, H); 2 sigmoid with allow_neg_eigval
     g       = -exp(A_log) * softplus(x W_a + dt_bias)                   (Gated DeltaNet only)
     o       = delta_rule(q, k, v, beta)  |  gated_delta_rule(q, k, v, g, beta)
-    y       = W_o rmsnorm_per_head(o)            (Gated DeltaNet: rmsnorm(o) * silu(x W_g + b_g))
+    y       = W_o rmsnorm_per_head(o)            (Gated DeltaNet: rmsnorm(o) * silu(x W_g + b_g); sigmoid with
+                                                  ``output_gate="sigmoid"``, Qwen4-Exp's ``output_gate_type``)
 
 Gated DeltaNet's output gate bias b_g starts at 1.28, where silu is 1: the gate starts open
 (``open_gate``; the paper's gate has no bias and starts nearly closed after the norm, which stalled
@@ -37,6 +38,9 @@ from subquad.ops.common.checks import default_scale
 from subquad.ops.delta import fused_step
 
 
+GATES = {"silu": F.silu, "sigmoid": torch.sigmoid}     # Gated DeltaNet's output gate activations
+
+
 class DeltaNet(Mixer):
     """DeltaNet: S_t = (I - b_t k_t k_t^T) S_{t-1} + b_t k_t v_t^T, o_t = S_t^T q_t (see the module docstring).
 
@@ -44,7 +48,8 @@ class DeltaNet(Mixer):
     V (default K); n_key_heads Hk (query/key heads, default H; H must be a multiple); conv_size (short
     convolutions on q, k, v); open_gate (Gated DeltaNet: a learned output-gate bias ``gate_bias`` starting
     where silu is 1; False: the paper's bias-free gate); qk_eps (None: F.normalize; a float: fla's
-    x rsqrt(|x|^2 + eps)); allow_neg_eigval; norm_eps; mode; chunk_size.
+    x rsqrt(|x|^2 + eps)); allow_neg_eigval; norm_eps; output_gate (Gated DeltaNet's gate activation, "silu" or
+    "sigmoid"); mode; chunk_size.
     State: {"S": (B, H, K, V) float32 (float64 for float64), "conv": (B, conv_size - 1, 2 Hk K + H V)}.
     """
     piece_size = 1024   # fixed state: long forwards run in pieces (base.Mixer.forward); bench_pieces.py's best
@@ -55,7 +60,7 @@ class DeltaNet(Mixer):
     def __init__(self, d_model: int, n_heads: int = 4, head_dim: int | None = None, conv_size: int = 4,
                  open_gate: bool = True, value_head_dim: int | None = None, n_key_heads: int | None = None,
                  qk_eps: float | None = None, allow_neg_eigval: bool = False, norm_eps: float = 1e-6,
-                 mode: str = "chunk", chunk_size: int = 64):
+                 output_gate: str = "silu", mode: str = "chunk", chunk_size: int = 64):
         super().__init__(d_model, mode, chunk_size)
         self.n_heads = n_heads
         self.n_key_heads = n_key_heads or n_heads
@@ -65,6 +70,9 @@ class DeltaNet(Mixer):
             raise ValueError(f"qk_eps must be a positive float or None, got {qk_eps!r}")
         if not isinstance(allow_neg_eigval, bool):
             raise ValueError(f"allow_neg_eigval must be a bool, got {allow_neg_eigval!r}")
+        if output_gate not in GATES:
+            raise ValueError(f"output_gate must be one of {', '.join(GATES)}, got {output_gate!r}")
+        self.output_gate = output_gate
         self.head_dim = head_dim or d_model // n_heads
         self.value_head_dim = value_head_dim or self.head_dim
         self.qk_eps, self.allow_neg_eigval = qk_eps, allow_neg_eigval
@@ -120,7 +128,7 @@ class DeltaNet(Mixer):
             g = -torch.exp(self.A_log) * F.softplus(self.a_proj(x) + self.dt_bias)
             o, S = seq.recurrence(gated_delta_rule, q, k, v, g, beta, **kw)
             r = self.g_proj(x) if self.gate_bias is None else self.g_proj(x) + self.gate_bias
-            o = self.norm(o) * F.silu(r).view(B, T, H, V)
+            o = self.norm(o) * GATES[self.output_gate](r).view(B, T, H, V)
         else:
             o, S = seq.recurrence(delta_rule, q, k, v, beta, **kw)
             o = self.norm(o)

@@ -17,7 +17,7 @@ from safetensors.torch import load_file, save_file
 from tests.models.gguf_harness import TYPES, gguf, write_tensors  # noqa: E402  (gguf: the extra, or a skip)
 
 ARCH = {"qwen3_next": "qwen3next", "qwen3_5": "qwen35", "qwen3_5_text": "qwen35", "qwen3_5_moe": "qwen35moe",
-        "qwen3_5_moe_text": "qwen35moe"}
+        "qwen3_5_moe_text": "qwen35moe", "qwen4_exp_text": "qwen4exp"}
 # Hugging Face name (in model.layers.{i}., after the converter's renames) -> GGUF name (in blk.{i}.): gguf-py's
 # tensor_mapping.py for these architectures
 LAYER = {"input_layernorm.weight": "attn_norm.weight", "post_attention_layernorm.weight": "post_attention_norm.weight",
@@ -148,10 +148,12 @@ def _kind(g: str, t: np.ndarray, outtype: str):
     return TYPES[outtype]
 
 
-def convert(folder, path, outtype="f32", override: dict | None = None, legacy: bool = False) -> dict:
+def convert(folder, path, outtype="f32", override: dict | None = None, legacy: bool = False,
+            tensors: dict | None = None, more=None) -> dict:
     """Write the Qwen3-Next / Qwen3.5 folder as llama.cpp's converter does; {GGUF name: the type written}.
     ``override``: metadata keys given another value of the same type (None: left out) - a bad file;
-    ``legacy``: ``converted``'s."""
+    ``legacy``: ``converted``'s; ``tensors`` (GGUF name -> tensor) instead of ``converted``'s and ``more(writer,
+    hparams)`` writing a subclass's metadata after these (gguf_qwen4_harness.py)."""
     h = hparams(folder)
     arch = ARCH[h["model_type"]]
     sd = load_file(str(folder / "model.safetensors"))
@@ -191,12 +193,15 @@ def convert(folder, path, outtype="f32", override: dict | None = None, legacy: b
         w.add_nextn_predict_layers(n_mtp)
     if arch != "qwen3next" and "mrope_section" not in rope:          # _Qwen35MRopeMixin's default
         w.add_rope_dimension_sections([11, 11, 10, 0])
+    if more is not None:
+        more(w, h)
     for key, value in (override or {}).items():
         if value is None:
             del w.kv_data[0][key]
         else:
             w.kv_data[0][key].value = value
-    return write_tensors(w, converted(folder, legacy=legacy), lambda g, a: _kind(g, a, outtype))
+    tensors = converted(folder, legacy=legacy) if tensors is None else tensors
+    return write_tensors(w, tensors, lambda g, a: _kind(g, a, outtype))
 
 
 def dequantized_folder(folder, gguf_path, out):

@@ -54,8 +54,8 @@ def _hf(tmp_path, dtype=torch.float32, **over):
     return model, folder
 
 
-LOGITS = {"": {}, "no-ple": {"ple_layer_ids": None}}
-ROUND_TRIP = {"": {}}
+LOGITS = {"": {}, "no-ple": {"ple_layer_ids": None}, "sigmoid-gate": {"output_gate_type": "sigmoid"}}
+ROUND_TRIP = {"": {}, "sigmoid-gate": {"output_gate_type": "sigmoid"}}
 
 
 def _loaded(ours, over):
@@ -273,7 +273,7 @@ def test_a_model_built_here_saves_as_qwen4_exp_text(tmp_path):
 def test_refusals_name_the_problem(tmp_path):
     _, folder = _hf(tmp_path)
     cfg = json.loads((folder / "config.json").read_text())
-    for field, value in (("hidden_act", "gelu"), ("output_gate_type", "sigmoid"), ("attention_bias", True),
+    for field, value in (("hidden_act", "gelu"), ("output_gate_type", "relu"), ("attention_bias", True),
                          ("attn_output_gate", False),
                          ("hc_count", 1), ("indexer_kv_heads", 2), ("indexer_budget", 6),
                          ("layer_types", ["linear_attention", "sliding_attention"] * 2), ("ple_layer_ids", [5]),

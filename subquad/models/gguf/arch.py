@@ -40,6 +40,10 @@ SELF_ATTN = {"attn_q.weight": "self_attn.q_proj.weight", "attn_k.weight": "self_
              "attn_v.weight": "self_attn.v_proj.weight", "attn_output.weight": "self_attn.o_proj.weight"}
 
 
+class U64(list):
+    """A metadata array of ints written as uint64 (``writer``; qwen4exp's PLE hash constants reach ~2^45)."""
+
+
 def _get(meta: dict, arch: str, key: str, default=None):
     v = meta.get(f"{arch}.{key}", default)
     if v is None:

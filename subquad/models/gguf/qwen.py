@@ -416,4 +416,5 @@ QWEN_HF_TYPES = {"qwen3_next": Qwen3NextArch, "qwen3_5_text": Qwen35Arch, "qwen3
 # a model read as a multimodal Qwen3.5 (a folder or a qwen35 file) is written as its text type's architecture, not as
 # qwen3next (whose Hugging Face type also holds its structure and comes first in save_pretrained's choice)
 QWEN_SOURCE_TYPES = {"qwen3_5": "qwen3_5_text", "qwen3_5_moe": "qwen3_5_moe_text", "qwen3_5_text": "qwen3_5_text",
-                     "qwen3_5_moe_text": "qwen3_5_moe_text"}
+                     "qwen3_5_moe_text": "qwen3_5_moe_text", "qwen4_exp": "qwen4_exp_text",
+                     "qwen4_exp_text": "qwen4_exp_text"}

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from subquad.models.gguf.arch import gguf_name
+from subquad.models.gguf.arch import U64, gguf_name
 from subquad.models.gguf.registry import HF_TYPES
 from subquad.models.gguf.qwen import QWEN_SOURCE_TYPES
 from subquad.models.gguf.vocab import tokenizer_metadata
@@ -95,7 +95,7 @@ def _string(s: str) -> bytes:
 
 def _value(v) -> bytes:
     """A metadata value with its type: bool, u32 (ints: llama.cpp reads its counts as u32), f32, string, arrays
-    of strings, bools, i32 or f32."""
+    of strings, bools, i32, u64 (``arch.U64``) or f32."""
     if isinstance(v, bool):
         return struct.pack("<I?", 7, v)
     if isinstance(v, int):
@@ -109,6 +109,8 @@ def _value(v) -> bytes:
             return struct.pack("<IIQ", 9, 8, len(v)) + b"".join(_string(x) for x in v)
         if v and all(isinstance(x, bool) for x in v):                  # e.g. attention.recurrent_layers
             return struct.pack(f"<IIQ{len(v)}?", 9, 7, len(v), *v)
+        if isinstance(v, U64):
+            return struct.pack(f"<IIQ{len(v)}Q", 9, 10, len(v), *v)
         if all(isinstance(x, int) for x in v):
             return struct.pack(f"<IIQ{len(v)}i", 9, 5, len(v), *v)
         return struct.pack(f"<IIQ{len(v)}f", 9, 6, len(v), *v)
@@ -166,6 +168,8 @@ def save_gguf(model, path, outtype: str = "f32", tokenizer=None, name: str | Non
         meta.setdefault("tokenizer.ggml.eos_token_id", int(eos[0]))
     meta.setdefault("tokenizer.ggml.model", "none")            # llama.cpp reads a file without a vocabulary so
 
+    if hasattr(arch, "tensor_meta"):           # metadata the converter reads from the checkpoint's tensors (qwen4exp)
+        meta.update({f"{arch.arch}.{k}": v for k, v in arch.tensor_meta(tensors, c).items()})
     if hasattr(arch, "split"):                 # the file groups some tensors otherwise than the checkpoint (qwen.py)
         tensors = arch.split(tensors, c)
     if hasattr(arch, "gguf_tensors"):                          # names or splits that depend on the config

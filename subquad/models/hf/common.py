@@ -77,6 +77,7 @@ class Format:
     latent_moe = False               # matches() holds a MoE with ``latent`` experts; else plain() refuses one
     gates_and_sandwich = False       # matches() checks ModelConfig.sandwich_norm and attention's head_gate
                                      # itself; else plain() refuses them
+    sigmoid_gdn_gate = False         # matches() checks the Gated DeltaNet's output_gate; else silu only
     not_loaded: dict = {}            # checkpoint name prefix -> what it holds, left out with a warning (a vision
                                      # tower beside the language model, a multi-token-prediction head)
     top = TOP
@@ -121,14 +122,16 @@ class Format:
         """Whether the model leaves off the options most formats have no field for (an MLP other than SwiGLU or
         a biased one, a MoE with latent experts, LayerNorms or a norm on the embeddings, scaled embeddings, capped
         logits, a bias on attention's output or its scores scaled other than by K^-1/2, sandwich norms, a gate per
-        attention head): ``save_pretrained`` asks this before
+        attention head, a Gated DeltaNet's sigmoid output gate): ``save_pretrained`` asks this before
         ``matches``, so no format drops them silently. A format that holds them overrides it."""
         plain_mlp = cls.any_mlp or (cfg.mlp_kind == "swiglu" and cfg.mlp_layers is None)
         plain_norm = cls.any_norm or (cfg.norm == "rms" and not cfg.embed_norm and not cfg.norm_bias)
         plain_moe = cls.latent_moe or cfg.moe is None or cfg.moe.get("latent") is None
         plain_gates = cls.gates_and_sandwich or (not cfg.sandwich_norm
                                                  and not any(o.get("head_gate") for o in opts.values()))
-        return (plain_mlp and plain_norm and plain_moe and plain_gates and not cfg.mlp_bias and cfg.embed_scale is None
+        plain_gdn = cls.sigmoid_gdn_gate or (opts.get("gated_deltanet") or {}).get("output_gate", "silu") == "silu"
+        return (plain_mlp and plain_norm and plain_moe and plain_gates and plain_gdn and not cfg.mlp_bias
+                and cfg.embed_scale is None
                 and cfg.logit_soft_cap is None
                 and not any(o.get("o_bias") or o.get("scale") is not None for o in opts.values()))
 

@@ -14,8 +14,8 @@ Layer i (``models.hyper`` has the equations; ``layers.qsa`` the indexer's):
     logits = lm_head(HC_final(h))                 ``hyper_connection_mixer``: the mix alone, (B, T, d)
 
 Output gates: attention's ``q_proj`` writes per head [q_h (K), gate_h (K)] and o_h = softmax(.) V * sigmoid(gate_h)
-(B, T, H, K) before ``o_proj``; the Gated DeltaNet's output is rmsnorm(o) w * silu(z), z = ``in_proj_z`` x
-(``output_gate_type`` "silu", the only one subquad has; "sigmoid" is refused).
+(B, T, H, K) before ``o_proj``; the Gated DeltaNet's output is rmsnorm(o) w * act(z), z = ``in_proj_z`` x, act
+``output_gate_type`` ("silu", the default: ``hidden_act``; or "sigmoid", what llama.cpp's qwen4exp computes).
 
 The attention layers ("indexed_attention"; "full_attention" in released configs) are QSA (``layers.qsa``): with
 the ``indexer_*`` fields each query attends to the tail of its incomplete block plus the ``indexer_budget /
@@ -31,7 +31,8 @@ The checkpoint splits each table into ``split_ngram_parts`` shards (``ngram_embe
 rows): ``unpack`` concatenates them, ``pack`` splits again (``torch.chunk``, as transformers' reverse op).
 
 Zero-centred norms (x (1 + w)): the q/k norms, the indexer's, every ``hc_norm``, PLE's three; ``unpack`` adds 1.
-Refused by name: ``hidden_act`` / ``output_gate_type`` other than silu, ``attention_bias``, ``attn_output_gate``
+Refused by name: ``hidden_act`` other than silu, ``output_gate_type`` other than silu / sigmoid, ``attention_bias``,
+``attn_output_gate``
 False, ``hc_count`` < 2,
 partial ``indexer_*`` fields or ``indexer_kv_heads`` != 1, a budget not a multiple of the ratio, layer types
 other than these, PLE without ``eos_token_id``.
@@ -69,6 +70,7 @@ class Qwen4ExpTextFormat(Qwen3_5MoeTextFormat):
     model_type = "qwen4_exp_text"
     architecture = "Qwen4ExpForCausalLM"
     hyper_connections = True
+    sigmoid_gdn_gate = True
     attention = {"mixer.index_qk_proj.weight": "self_attn.indexer.index_qk_proj.weight",
                  "mixer.index_q_norm.weight": "self_attn.indexer.q_layernorm.weight",
                  "mixer.index_k_norm.weight": "self_attn.indexer.k_layernorm.weight", "mixer.{p}": "self_attn.{p}"}
@@ -102,9 +104,10 @@ class Qwen4ExpTextFormat(Qwen3_5MoeTextFormat):
         require(t, "hidden_act", "silu")
         require(t, "attention_bias", False)
         require(t, "attn_output_gate", True)          # Qwen3.5's configs write it; transformers' attention is gated
-        if t.get("output_gate_type") not in (None, "silu"):
-            raise ValueError(f"config field output_gate_type={t['output_gate_type']!r} is not supported (subquad's "
-                             "Gated DeltaNet gates its output norm with silu)")
+        gate = t.get("output_gate_type") or "silu"
+        if gate not in ("silu", "sigmoid"):
+            raise ValueError(f"config field output_gate_type={t['output_gate_type']!r} is not supported (the Gated "
+                             "DeltaNet's output gate is silu or sigmoid)")
         n, eps, d = t["num_hidden_layers"], t.get("rms_norm_eps", 1e-6), t["hidden_size"]
         streams = t.get("hc_count", 4)
         if streams < 2:
@@ -140,7 +143,7 @@ class Qwen4ExpTextFormat(Qwen3_5MoeTextFormat):
                "hidden": t.get("moe_intermediate_size", 512), "shared": t.get("shared_expert_intermediate_size", 512)}
         pattern = ",".join("gated_deltanet" if x == "linear_attention" else attention for x in types)
         hyper = {"streams": streams, "rank": t.get("hc_lowrank", 320), "ple": cls._ple(t, n)}
-        options = {"gated_deltanet": gdn_options(t, eps, False), attention: soft}
+        options = {"gated_deltanet": {**gdn_options(t, eps, False), "output_gate": gate}, attention: soft}
         options = {k: v for k, v in options.items() if k in pattern.split(",")}
         return transformer_config({**t, "intermediate_size": moe["hidden"],
                                    "tie_word_embeddings": c.get("tie_word_embeddings", False)},
@@ -207,7 +210,8 @@ class Qwen4ExpTextFormat(Qwen3_5MoeTextFormat):
                "tie_word_embeddings": cfg.tie_embeddings,
                "rope_parameters": {"rope_type": "default", "rope_theta": a["rotary_base"],
                                    "partial_rotary_factor": a["rotary_fraction"]},
-               **gdn_config(opts["gated_deltanet"]), "num_experts": m["experts"], "num_experts_per_tok": m["top_k"],
+               **gdn_config(opts["gated_deltanet"]), "output_gate_type": opts["gated_deltanet"]["output_gate"],
+               "num_experts": m["experts"], "num_experts_per_tok": m["top_k"],
                "moe_intermediate_size": m["hidden"] or cfg.mlp_hidden, "norm_topk_prob": m["renormalize"],
                "shared_expert_intermediate_size": m["shared"], "router_aux_loss_coef": m["aux_loss_coef"],
                "hc_count": hy["streams"], "hc_lowrank": hy["rank"], "indexer_kv_heads": 1,
