@@ -6,7 +6,7 @@
  *   q, k    = l2(q), l2(k) per key head            (qk_eps 0: x / max(|x|, 1e-12); else x rsqrt(|x|^2 + eps))
  *   beta    = sigmoid(b) (x 2 with neg_eigval);  a = exp(-exp(A_log) softplus(a_raw + dt_bias)) (gated; else 1)
  *   S'      = a S + k (beta (v - a S^T k))^T       per value head h, key head h / (H / Hk); S (K, V)
- *   o       = rmsnorm(scale S'^T q) * norm_w       (gated: * silu(gate + gate_bias))
+ *   o       = rmsnorm(scale S'^T q) * norm_w       (gated: * silu(gate + gate_bias), or sigmoid)
  *
  * One OpenMP team of the runtime torch loaded: channels split for the convolution, value heads for the rest;
  * one barrier. exp written out as in mamba_step.c (no -ffast-math). */
@@ -77,6 +77,7 @@ void delta_step(int64_t B, int64_t H, int64_t Hk, int64_t K, int64_t V, int64_t 
                 const float *a_in, int64_t a_row,                     /* (B, H), or NULL: not gated */
                 const float *A_log, const float *dt_bias,             /* (H,) */
                 const float *gate, int64_t gate_row, const float *gate_bias,   /* (B, H V) or NULL, (H V) or NULL */
+                int gate_sigmoid,                                     /* the gate's activation: silu or sigmoid */
                 const float *S, float qk_eps, float scale,            /* (B, H, K, V) */
                 const float *norm_w, float norm_eps,                  /* (V,) */
                 float *out, float *conv_out, float *S_out,            /* (B, H V), (B, W-1, C), like S */
@@ -158,7 +159,7 @@ void delta_step(int64_t B, int64_t H, int64_t Hk, int64_t K, int64_t V, int64_t 
                     float y = o[j] * inv * norm_w[j];
                     if (gate) {
                         float r = gate[b * gate_row + h * V + j] + (gate_bias ? gate_bias[h * V + j] : 0.0f);
-                        y *= silu_f(r);
+                        y *= gate_sigmoid ? 1.0f / (1.0f + exp_f(-r)) : silu_f(r);
                     }
                     o[j] = y;
                 }

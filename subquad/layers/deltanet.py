@@ -141,7 +141,8 @@ class DeltaNet(Mixer):
             self.q_proj(x), self.k_proj(x), self.v_proj(x), state["conv"], self.conv.weight, self.b_proj(x),
             self.a_proj(x) if gated else None, self.A_log if gated else None, self.dt_bias if gated else None,
             self.g_proj(x) if gated else None, self.gate_bias if gated else None, state["S"], self.norm.weight,
-            self.allow_neg_eigval, self.qk_eps, default_scale(None, self.head_dim), self.norm.eps)
+            self.allow_neg_eigval, self.qk_eps, default_scale(None, self.head_dim), self.norm.eps,
+            gated and self.output_gate == "sigmoid")
         return self.o_proj(o[:, None]), {"S": S, "conv": conv}
 
 

@@ -16,7 +16,7 @@ pytestmark = pytest.mark.skipif(not fused_step.KERNEL.available(), reason="no C 
 
 
 def reference(q, k, v, conv_state, conv_w, b, a, A_log, dt_bias, gate, gate_bias, S, norm_w, neg, qk_eps, scale,
-              norm_eps):
+              norm_eps, gate_sigmoid=False):
     """The module doc's step, op by op in float64."""
     Bz, H, K, V = S.shape
     Hk = q.shape[-1] // K
@@ -43,16 +43,18 @@ def reference(q, k, v, conv_state, conv_w, b, a, A_log, dt_bias, gate, gate_bias
     o = scale * torch.einsum("bhk,bhkv->bhv", q, S)
     o = o / (o.pow(2).mean(-1, keepdim=True) + norm_eps).sqrt() * norm_w
     if gate is not None:
-        o = o * F.silu(gate.view(Bz, H, V) + (0 if gate_bias is None else gate_bias.view(H, V)))
+        act = torch.sigmoid if gate_sigmoid else F.silu
+        o = o * act(gate.view(Bz, H, V) + (0 if gate_bias is None else gate_bias.view(H, V)))
     return o.reshape(Bz, H * V), window[:, 1:], S
 
 
-@pytest.mark.parametrize("B,H,Hk,K,V,W,gated,gate_bias,neg,qk_eps,strong", [
-    (1, 4, 4, 16, 16, 4, True, True, False, None, False),
-    (3, 6, 2, 7, 5, 4, True, False, False, 1e-6, True),      # shared key heads, odd K and V, strong decays
-    (2, 3, 3, 8, 12, 2, False, False, True, None, False),    # DeltaNet (no gate, no decay), 2 sigmoid, W = 2
+@pytest.mark.parametrize("B,H,Hk,K,V,W,gated,gate_bias,neg,qk_eps,strong,sigmoid", [
+    (1, 4, 4, 16, 16, 4, True, True, False, None, False, False),
+    (3, 6, 2, 7, 5, 4, True, False, False, 1e-6, True, False),     # shared key heads, odd K and V, strong decays
+    (2, 3, 3, 8, 12, 2, False, False, True, None, False, False),   # DeltaNet (no gate, no decay), 2 sigmoid, W = 2
+    (2, 4, 2, 8, 8, 4, True, True, False, 1e-6, False, True),      # Qwen4-Exp's sigmoid output gate
 ])
-def test_the_step_equals_its_math_in_float64(B, H, Hk, K, V, W, gated, gate_bias, neg, qk_eps, strong):
+def test_the_step_equals_its_math_in_float64(B, H, Hk, K, V, W, gated, gate_bias, neg, qk_eps, strong, sigmoid):
     g = torch.Generator().manual_seed(B * 100 + H * 10 + K)
 
     def r(*s, scale=1.0):
@@ -62,7 +64,7 @@ def test_the_step_equals_its_math_in_float64(B, H, Hk, K, V, W, gated, gate_bias
     args = [r(B, Hk * K), r(B, Hk * K), r(B, H * V), r(B, W - 1, C), r(C, W, scale=0.5), r(B, H),
             r(B, H) + (3.0 if strong else 0.0) if gated else None, r(H).abs() + (2.0 if strong else 0.0) if gated
             else None, r(H) if gated else None, r(B, H * V) if gated else None, r(H * V) if gate_bias else None,
-            r(B, H, K, V), r(V).abs() + 0.5, neg, qk_eps, K ** -0.5, 1e-6]
+            r(B, H, K, V), r(V).abs() + 0.5, neg, qk_eps, K ** -0.5, 1e-6, sigmoid]
     before = [a.clone() if isinstance(a, torch.Tensor) else a for a in args]
     got = fused_step.delta_step(*args)
     want = reference(*args)
@@ -74,6 +76,7 @@ def test_the_step_equals_its_math_in_float64(B, H, Hk, K, V, W, gated, gate_bias
 
 
 @pytest.mark.parametrize("pattern,options", [("gated_deltanet", {"n_key_heads": 2, "qk_eps": 1e-6}),
+                                             ("gated_deltanet", {"output_gate": "sigmoid"}),
                                              ("deltanet", {"allow_neg_eigval": True})])
 def test_the_layer_takes_it_and_agrees_with_its_own_step(monkeypatch, pattern, options):
     """Decoding steps of a DeltaNet + attention model (batch 3): the kernel's logits within float32 rounding of
