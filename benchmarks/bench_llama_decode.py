@@ -4,7 +4,8 @@ folder and as GGUF files (``save_gguf``: f32, q8_0 and q4_0), then
 
     llama.cpp   ``llama-bench -p 0 -n N`` on each GGUF (built natively from llama-cpp-python's vendored source:
                 cmake -B build -DGGML_NATIVE=ON -DLLAMA_CURL=OFF && cmake --build build --target llama-bench)
-    subquad     ``from_pretrained`` of the folder: eager float32, ``compile_decode`` float32, ``compile_decode``
+    subquad     ``from_pretrained`` of the folder: eager float32 (with the fused C step, the default, and op by op:
+                ``SUBQUAD_KERNELS=0``), ``compile_decode`` float32, ``compile_decode``
                 with ``quantize="int8"`` and with ``quantize="int4"`` (groups of 128, the default; against Q4_0,
                 issue 51's target); N greedy ``model.step`` calls after warm-up (the graph compiled first)
 
@@ -45,8 +46,13 @@ def llama_ms(bench: str, gguf: Path, tokens: int, threads: int) -> float:
     return 1e3 / row["avg_ts"]
 
 
-def subquad_ms(folder: Path, tokens: int, repeats: int, compiled: bool, quantize=None, batch: int = 1) -> float:
+def subquad_ms(folder: Path, tokens: int, repeats: int, compiled: bool, quantize=None, batch: int = 1,
+               kernels: str = "1") -> float:
+    import os
+
     from subquad.models import from_pretrained
+
+    os.environ["SUBQUAD_KERNELS"] = kernels
     from subquad.models.decode import compile_decode
 
     model, _ = from_pretrained(folder, quantize=quantize)
@@ -92,10 +98,12 @@ def main(argv=None):
         for outtype in OUTTYPES:
             rows[f"llama.cpp {outtype}"] = llama_ms(a.llama_bench, Path(tmp) / f"m-{outtype}.gguf", a.tokens, a.threads)
             print(f"llama.cpp {outtype}: {rows[f'llama.cpp {outtype}']:.2f} ms/token", flush=True)
-        for name, compiled, q in (("subquad f32 eager", False, None), ("subquad f32 compile_decode", True, None),
-                                  ("subquad int8 compile_decode", True, "int8"),
-                                  ("subquad int4 compile_decode", True, "int4")):
-            rows[name] = subquad_ms(folder, a.tokens, a.repeats, compiled, q)
+        for name, compiled, q, k in (("subquad f32 eager", False, None, "1"),
+                                     ("subquad f32 eager, op by op", False, None, "0"),
+                                     ("subquad f32 compile_decode", True, None, "1"),
+                                     ("subquad int8 compile_decode", True, "int8", "1"),
+                                     ("subquad int4 compile_decode", True, "int4", "1")):
+            rows[name] = subquad_ms(folder, a.tokens, a.repeats, compiled, q, kernels=k)
             print(f"{name}: {rows[name]:.2f} ms/token", flush=True)
             if compiled and a.batch > 1:
                 batched[name] = subquad_ms(folder, a.tokens // 4, a.repeats, compiled, q, a.batch)
