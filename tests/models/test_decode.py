@@ -83,8 +83,8 @@ def test_every_mixer_in_a_model_and_a_batch_that_shrinks(group):
 
 
 def _grouped() -> list:
-    """The causal mixers of the three models: all but QSA - test_indexed_attention_decodes_in_one_graph is its own
-    (a ragged batch, and its graph the slowest to build)."""
+    """The causal mixers of the three models: all but QSA, tested on its own -
+    test_indexed_attention_decodes_in_one_graph (a ragged batch from prompts of different lengths)."""
     return sorted(set(causal_mixers()) - {"qsa"})
 
 
