@@ -17,7 +17,11 @@ Shapes: q (B, T, H, K), iq (B, T, Hi, D), ik (B, T, D), the selection (B, T, L +
 tokens.
 Two paths: the dense masked one, O(T (L + T)) per call - the reference, and prefill's -, and for one token
 (decoding) the selected keys gathered, O(budget + c) attention after the O(L / c) block scores
-(``gather_one``; the decoding checks compare the two, prefill then steps).
+(``gather_one``; the decoding checks compare the two, prefill then steps). A ragged batch (rows at different
+positions: a server's batch, ``generate`` from prompts of different lengths, a compiled step at >= 2 rows) runs
+either path for all rows at once, each at its own position over its own keys (``_ragged``; row by row, the
+reference, with ``batch_ragged = False``; tests/layers/test_qsa.py compares them) - ties at the budget's edge
+aside (``_ragged``'s doc).
 
 State: {"kv": the KV cache (rotated keys, values), "ik": a ``KVCache`` of the indexer's raw keys (B, L, 1, D)
 with no values}: the block keys are pooled again from them each call, O(L D) - at long contexts more than the
@@ -72,6 +76,7 @@ class IndexedAttention(SoftmaxAttention):
 
     gather_one = True            # one token attends to its gathered keys (``_gathered``); False: the dense mask
     query_chunk = 512            # the dense path's queries per block of scores
+    batch_ragged = True          # a ragged batch at once (``_ragged``); False: row by row (``_rows``), the reference
 
     def mix_flops(self, T):
         """On average over the T queries: q k^T and p v over the |S_p| keys each attends to (module doc), and the
@@ -145,7 +150,11 @@ class IndexedAttention(SoftmaxAttention):
     def _gathered(self, q, K_all, V_all, iq, ik_all, L: int):
         """The fast path of one token: attention over the W <= budget + c - 1 selected keys, gathered (O(budget)
         where ``select``'s dense mask is O(L)); q (B, 1, H, K) rotated -> o (B, 1, H, K)."""
-        idx, valid = self.selected(iq, ik_all, L)
+        return self._attend_slots(q, K_all, V_all, *self.selected(iq, ik_all, L))
+
+    def _attend_slots(self, q, K_all, V_all, idx, valid):
+        """One query per row over the keys of columns idx (B, W) where valid (B, W): q (B, 1, H, K) rotated,
+        K_all, V_all (B, S, Hk, K) -> o (B, 1, H, K)."""
         B, W = idx.shape
         take = idx[:, :, None, None].expand(B, W, *K_all.shape[2:])
         Kg, Vg = self._repeat(K_all.gather(1, take)), self._repeat(V_all.gather(1, take))      # (B, W, H, K)
@@ -175,6 +184,73 @@ class IndexedAttention(SoftmaxAttention):
             outs.append(torch.einsum("bhts,bshk->bthk", scores.softmax(-1), self._repeat(V_all[:, :S])))
         return torch.cat(outs, 1), k
 
+    def _ragged(self, q, k, v, iq, ik, cache, icache):
+        """A ragged batch (``KVCache.ragged``: rows at different positions, left-padded) at once, no loop over rows
+        and no read of a tensor's value (a compiled step traces it whole): row b's cached tokens are the columns
+        f_b .. Lc - 1 (f_b: its padding), its token i column f_b + i, its T new tokens at positions
+        p = L_b .. L_b + T - 1 (L_b = Lc - f_b) - as ``_rows`` of that row alone, the reference (``batch_ragged``
+        False). The raw index keys are gathered into each row's own order, so one pooling makes every row's
+        blocks; each query takes the top of its own n = (p + 1) // c complete blocks (``_own_blocks``), and the
+        selection is read back at the columns: padding is never selected.
+        Ties: ``topk`` runs over the S // c blocks of the longest row, the scores past a query's n -inf, not over
+        its n as the reference (transformers' call): the same blocks unless two of a query's scores tie at the
+        budget's edge (relu's zeros), and then still a top set; one token of a row without padding is the
+        reference's call exactly.
+        q, k, iq normed (unrotated), v, ik raw; cache: rotated keys and values, icache: raw index keys ->
+        (o (B, T, H, K), the new tokens' rotated keys)."""
+        B, T = q.shape[:2]
+        c, dev = self.index_block, q.device
+        Lc = cache.k.shape[1]
+        first = (cache.pad.to(dev) - cache.offset).clamp(0, Lc)                # (B,) f_b
+        pos = (Lc - first)[:, None] + torch.arange(T, device=dev)              # (B, T) p
+        q, k, iq = self._rotate(q, pos), self._rotate(k, pos), self._rotate(iq, pos)
+        K_all, V_all = torch.cat([cache.k, k], 1), torch.cat([cache.v, v], 1)
+        ik_all = torch.cat([icache.k[:, :, 0], ik], 1)                          # (B, S, D) by column
+        S, D = ik_all.shape[1:]
+        nb = S // c
+        # each row's tokens 0 .. nb c - 1 in its own order (past its end: its last token, in no block it sees);
+        # nb c of them, not S and a slice (a guard on S's parity: a second graph)
+        at = (first[:, None] + torch.arange(nb * c, device=dev)).clamp(max=S - 1)           # (B, nb c)
+        ik_own = ik_all.gather(1, at[..., None].expand(B, nb * c, D))                       # (B, nb c, D)
+        if T == 1 and self.gather_one:
+            top, n = self._own_blocks(iq, ik_own, pos)                          # (B, 1, kk), (B, 1)
+            blocks = (top * c)[..., None] + torch.arange(c, device=dev)       # (B, 1, kk, c) in row order
+            tail = (n * c)[..., None] + torch.arange(c - 1, device=dev)        # (B, 1, c - 1)
+            idx = torch.cat([blocks.flatten(2), tail], -1)[:, 0]
+            valid = torch.cat([(top < n[..., None]).repeat_interleave(c, -1), tail <= pos[..., None]], -1)[:, 0]
+            return self._attend_slots(q, K_all, V_all, (first[:, None] + idx).clamp(max=S - 1), valid), k
+        j = torch.arange(S, device=dev)
+        own = j - first[:, None]                                                # (B, S) each column's i (< 0: padding)
+        scale = self.scale if self.scale is not None else self.head_dim ** -0.5
+        outs = []
+        for a in range(0, T, self.query_chunk):          # the scores (B, H, chunk, S): memory O(chunk S), not O(T S)
+            b = min(T, a + self.query_chunk)
+            top, n = self._own_blocks(iq[:, a:b], ik_own, pos[:, a:b])          # (B, t, kk), (B, t)
+            keep = (j >= n[..., None] * c) & (j <= pos[:, a:b, None])          # (B, t, S) the tail, in row order
+            if nb:
+                chosen = torch.zeros(B, b - a, nb, dtype=torch.bool, device=dev).scatter(-1, top, True)
+                chosen = chosen & (torch.arange(nb, device=dev) < n[..., None])
+                keep = keep | torch.nn.functional.pad(chosen.repeat_interleave(c, -1), (0, S - nb * c))
+            keep = keep.gather(-1, own.clamp(min=0)[:, None].expand(B, b - a, S)) & (own >= 0)[:, None]  # by column
+            scores = torch.einsum("bthk,bshk->bhts", q[:, a:b], self._repeat(K_all)) * scale
+            scores = scores.masked_fill(~keep[:, None], float("-inf"))
+            outs.append(torch.einsum("bhts,bshk->bthk", scores.softmax(-1), self._repeat(V_all)))
+        return torch.cat(outs, 1), k
+
+    def _own_blocks(self, iq, ik_own, pos):
+        """iq (B, t, Hi, D) rotated, ik_own (B, nb c, D) raw keys in each row's order, pos (B, t) -> (top (B, t, kk)
+        block indices by ``topk`` of the nb blocks' scores, those past each query's n -inf (picked only where
+        n < kk = min(budget / c, nb)), n (B, t) = (p + 1) // c)."""
+        B, t = pos.shape
+        c = self.index_block
+        n = (pos + 1) // c
+        nb = ik_own.shape[1] // c
+        if not nb:
+            return torch.zeros(B, t, 0, dtype=torch.long, device=pos.device), n
+        s = self.block_scores(iq, ik_own)                                      # (B, t, nb)
+        s = s.masked_fill(torch.arange(nb, device=pos.device) >= n[..., None], float("-inf"))
+        return s.topk(torch.sym_min(self.index_budget // c, nb), dim=-1).indices, n
+
     def mix(self, x, state, seq):
         if not seq.whole_sequence:
             raise ValueError("qsa selects among all of a sequence's keys: it runs no shard of a sequence (context "
@@ -193,7 +269,9 @@ class IndexedAttention(SoftmaxAttention):
         cache, icache = (None, None) if state is None else (state["kv"], state["ik"])
         if cache is not None and not len(cache) and not cache.ragged:
             cache = icache = None
-        if seq.cu_seqlens is not None or (cache is not None and cache.ragged):
+        if cache is not None and cache.ragged and seq.cu_seqlens is None and self.batch_ragged:
+            o, k = self._ragged(q, k, v, iq, ik, cache, icache)
+        elif seq.cu_seqlens is not None or (cache is not None and cache.ragged):
             if seq.cu_seqlens is not None:                 # packed: one row per sequence
                 spans = list(zip(*(t.split(seq.lengths, 1) for t in (q, k, v, iq, ik))))
             else:                                          # a ragged batch: row by row

@@ -20,17 +20,18 @@ def _copy(model):
     return other
 
 
-def assert_steps_equal(eager, ids, steps=STEPS, tol=1e-5, batches=None, fast=None):
+def assert_steps_equal(eager, ids, steps=STEPS, tol=1e-5, batches=None, fast=None, cu_seqlens=None):
     """Prefill ``ids`` (B, T) eagerly, then decode ``steps`` greedy tokens with the eager and the compiled step
     (``fast``, else a compiled copy) from the same states: logits within ``tol`` of their largest at every
-    step. ``batches`` (step -> rows) drops rows on the way (the batch changes size, as a server's does)."""
+    step. ``batches`` (step -> rows) drops rows on the way (the batch changes size, as a server's does).
+    ``cu_seqlens``: ids (1, T) packs prompts of different lengths, one row each (a ragged batch)."""
     from subquad.models.rows import select_rows
 
     fast = compile_decode(_copy(eager)) if fast is None else fast
     with torch.no_grad():
-        logits, state = eager.prefill(ids)
+        logits, state = eager.prefill(ids, cu_seqlens=cu_seqlens, logits="last")
         s_eager, s_fast = state, state
-        tok = logits[:, -1].argmax(-1)
+        tok = logits.argmax(-1)
         for i in range(steps):
             if batches and i in batches:
                 rows = batches[i]
@@ -82,8 +83,8 @@ def test_every_mixer_in_a_model_and_a_batch_that_shrinks(group):
 
 
 def _grouped() -> list:
-    """The causal mixers of the three models: all but QSA, whose ragged batch runs row by row (each row's graph
-    unrolled: its group took 167 s against 73) - test_indexed_attention_decodes_in_one_graph is its own."""
+    """The causal mixers of the three models: all but QSA, tested on its own -
+    test_indexed_attention_decodes_in_one_graph (a ragged batch from prompts of different lengths)."""
     return sorted(set(causal_mixers()) - {"qsa"})
 
 
@@ -92,16 +93,17 @@ def test_the_groups_hold_every_causal_mixer():
 
 
 def test_indexed_attention_decodes_in_one_graph():
-    """QSA (Qwen4-Exp's indexed attention) alone, past its budget (selection matters), a batch of 2 (its rows run
-    one by one): the compiled steps equal the eager ones, in one graph. (Each graph of it takes ~30 s to
-    build: batch 1's is the battery's and test_hf_qwen4_exp's.)"""
+    """QSA (Qwen4-Exp's indexed attention) alone, past its budget (selection matters), a ragged batch of 3 (prompts
+    of 3, 11 and 6 tokens: each row at its own position, all rows at once - ``IndexedAttention._ragged``): the
+    compiled steps equal the eager ones, in one graph - no break, as the cache grows (a slice of the S index keys
+    once guarded on S's parity: a second graph). (Batch 1's graph is the battery's and test_hf_qwen4_exp's.)"""
     torch.manual_seed(0)
     cfg = ModelConfig(vocab_size=128, d_model=32, n_layers=1, n_heads=2, pattern="qsa", context_length=512,
                       mixer_options={"qsa": {"index_head_dim": 16, "index_budget": 4, "index_block": 2,
                                              "rotary_fraction": 0.5}})
     eager = LanguageModel(cfg).eval()
-    fast = assert_steps_equal(eager, torch.randint(0, 128, (2, 11)), steps=6)
-    assert whole_model_graphs(fast) == 1
+    fast = assert_steps_equal(eager, torch.randint(0, 128, (1, 20)), steps=6, cu_seqlens=torch.tensor([0, 3, 14, 20]))
+    assert fast._decode_step.fallback is None and whole_model_graphs(fast) == 1
 
 
 def test_a_moe_layer_in_a_batch_that_shrinks():
