@@ -117,8 +117,9 @@ class Kernel:
 def usable(kernel: Kernel, x: torch.Tensor, *tensors) -> bool:
     """Whether a decoding step's ``kernel`` may run on x (B, 1, .): float32 on CPU like every tensor given, no
     gradient, no autocast (the products' outputs would be bfloat16), kernels on, the kernel built, and not
-    while tracing: in a compiled step inductor fuses the same ops itself (the custom op measured no faster
-    there: benchmarks/RESULTS.md), and a graph must not depend on whether a kernel happens to be built yet."""
+    while tracing: in a compiled step inductor fuses the same ops itself, faster than the custom op called from
+    the graph (benchmarks/RESULTS.md, "Fused decoding steps in C"), and no graph then depends on whether a
+    kernel happens to be built yet."""
     if torch.compiler.is_compiling():
         return False
     if x.dim() != 3 or x.shape[1] != 1 or x.dtype != torch.float32 or x.device.type != "cpu" \
