@@ -3,6 +3,8 @@
  *
  *   u        = silu(conv_b + sum_k conv_w[:, k] * [conv_state, x][k])     the short convolution's new output
  *   dt, B, C = wx u                                                       x_proj, (R + 2N) rows
+ *   (Zamba: ``heads`` groups of D / heads channels, each with its own wx (R + 2N, D / heads) over its own
+ *   channels, so its own dt, B and C; wdt then row-major, (D, R) = (heads, D / heads, R))
  *   dt       = softplus(wdt dt + bdt)                                     dt_proj, strided (either layout)
  *   h'       = exp(-dt exp(A_log)) h + dt B u;   y = (C . h' + Dp u) * silu(z)
  *
@@ -52,18 +54,18 @@ static inline void span(int64_t n, int parts, int i, int64_t *a, int64_t *b) {  
     if (*b > n) *b = n;
 }
 
-void mamba_step(int64_t B, int64_t D, int64_t N, int64_t R, int64_t K, int threads,
+void mamba_step(int64_t B, int64_t D, int64_t N, int64_t R, int64_t K, int64_t heads, int threads,
                 const float *xz, int64_t xz_row,                       /* (B, 2D): x, then z; row stride */
                 const float *conv_state, const float *conv_w,          /* (B, K-1, D); (D, K) */
                 const float *conv_b,                                   /* (D,) or NULL */
-                const float *wx,                                       /* (R + 2N, D) */
+                const float *wx,                                       /* (heads, R + 2N, D / heads) */
                 const float *wdt, int64_t wdt_s0, int64_t wdt_s1,      /* (D, R), strides */
                 const float *bdt, const float *A_log, const float *Dp, /* (D,), (D, N), (D,) */
                 const float *h,                                        /* (B, D, N) */
                 float *y, float *conv_out, float *h_out,               /* (B, D), (B, K-1, D), (B, D, N) */
-                float *scratch)                                        /* B (2D + R + 2N) floats */
+                float *scratch)                                        /* B (2D + heads (R + 2N)) floats */
 {
-    const int64_t J = R + 2 * N;
+    const int64_t J = R + 2 * N, hd = D / heads;
     float *u = scratch, *dts = scratch + B * D, *p = scratch + 2 * B * D;
 #pragma omp parallel num_threads(threads)
     {
@@ -86,35 +88,36 @@ void mamba_step(int64_t B, int64_t D, int64_t N, int64_t R, int64_t K, int threa
                 memcpy(so + (K - 2) * D + c0, x + c0, (c1 - c0) * sizeof(float));
         }
 #pragma omp barrier
-        j0 = J * t / nt;                                    /* x_proj: rows of wx by thread */
-        j1 = J * (t + 1) / nt;
+        j0 = heads * J * t / nt;                            /* x_proj: rows of wx (all heads') by thread */
+        j1 = heads * J * (t + 1) / nt;
         for (int64_t j = j0; j < j1; j++) {
-            const float *w = wx + j * D;
+            const float *w = wx + j * hd;
+            const int64_t hh = j / J;
             for (int64_t b = 0; b < B; b++) {
-                const float *ub = u + b * D;
+                const float *ub = u + b * D + hh * hd;
                 float acc = 0.0f;
 #pragma omp simd reduction(+ : acc)
-                for (int64_t c = 0; c < D; c++)
+                for (int64_t c = 0; c < hd; c++)
                     acc += w[c] * ub[c];
-                p[b * J + j] = acc;
+                p[b * heads * J + j] = acc;
             }
         }
 #pragma omp barrier
         for (int64_t b = 0; b < B; b++) {                   /* dt_proj, softplus, the scan, the gate */
-            const float *pb = p + b * J, *Bv = pb + R, *Cv = pb + R + N, *z = xz + b * xz_row + D;
+            const float *pr = p + b * heads * J, *z = xz + b * xz_row + D;   /* head hh's dt, B, C at pr + hh J */
             float *dt = dts + b * D;
             for (int64_t c = c0; c < c1; c++)
                 dt[c] = bdt[c];
-            if (wdt_s0 == 1) {                              /* column-major: a column per dt rank */
+            if (wdt_s0 == 1 && heads == 1) {                /* column-major: a column per dt rank */
                 for (int64_t r = 0; r < R; r++) {
                     const float *w = wdt + r * wdt_s1;
-                    const float pr = pb[r];
+                    const float prr = pr[r];
                     for (int64_t c = c0; c < c1; c++)
-                        dt[c] += w[c] * pr;
+                        dt[c] += w[c] * prr;
                 }
             } else {
                 for (int64_t c = c0; c < c1; c++) {
-                    const float *w = wdt + c * wdt_s0;
+                    const float *w = wdt + c * wdt_s0, *pb = pr + (c / hd) * J;
                     float acc = 0.0f;
                     for (int64_t r = 0; r < R; r++)
                         acc += w[r * wdt_s1] * pb[r];
@@ -125,6 +128,7 @@ void mamba_step(int64_t B, int64_t D, int64_t N, int64_t R, int64_t K, int threa
                 dt[c] = softplus_f(dt[c]);
             for (int64_t c = c0; c < c1; c++) {
                 const float d = dt[c], du = d * u[b * D + c];
+                const float *Bv = pr + (c / hd) * J + R, *Cv = Bv + N;
                 const float *hc = h + (b * D + c) * N, *al = A_log + c * N;
                 float *ho = h_out + (b * D + c) * N;
                 float acc = 0.0f;

@@ -90,11 +90,10 @@ class Mamba(Mixer):
                 "conv": self.conv.empty_state(batch_size, device, dtype)}
 
     def mix(self, x, state, seq):
-        if state is not None and self.heads == 1 and self.bcdt_rms_eps is None and type(seq) is SingleDevice \
-                and isinstance(self.x_proj, nn.Linear) and isinstance(self.dt_proj, nn.Linear) \
+        if state is not None and self.bcdt_rms_eps is None and type(seq) is SingleDevice \
+                and (self.heads > 1 or isinstance(self.x_proj, nn.Linear) and isinstance(self.dt_proj, nn.Linear)) \
                 and kernels.usable(fused_step.KERNEL, x, state["ssm"], state["conv"], self.A_log, self.D,
-                               self.conv.weight, self.conv.bias, self.x_proj.weight, self.dt_proj.weight,
-                               self.dt_proj.bias):
+                                   self.conv.weight, self.conv.bias, *self._dt_weights()):
             return self._fused_step(x, state)       # one decoding token: the kernel (float32 CPU, no gradient)
         xs, z = self.in_proj(x).chunk(2, dim=-1)
         xs, conv = self.short_conv(xs, state, seq)
@@ -113,11 +112,17 @@ class Mamba(Mixer):
                               chunk_size=self.chunk_size, initial_state=None if state is None else state["ssm"])
         return self.out_proj(y), {"ssm": h, "conv": conv}
 
+    def _dt_weights(self):
+        """x_proj's and dt_proj's weights and dt's bias (Zamba's per-head tensors with heads > 1)."""
+        if self.heads > 1:
+            return self.x_proj_weight, self.dt_proj_weight, self.dt_proj_bias
+        return self.x_proj.weight, self.dt_proj.weight, self.dt_proj.bias
+
     def _fused_step(self, x, state):
         """One token through ``ops.mamba.fused_step`` (the same math as ``mix``'s ops, in one call)."""
-        y, conv, h = fused_step.mamba_step(self.in_proj(x), state["conv"], self.conv.weight, self.conv.bias,
-                                           self.x_proj.weight, self.dt_proj.weight, self.dt_proj.bias, self.A_log,
-                                           self.D, state["ssm"])
+        wx, wdt, bdt = self._dt_weights()
+        y, conv, h = fused_step.mamba_step(self.in_proj(x), state["conv"], self.conv.weight, self.conv.bias, wx, wdt,
+                                           bdt, self.A_log, self.D, state["ssm"])
         return self.out_proj(y[:, None]), {"ssm": h, "conv": conv}
 
     def _mix_heads(self, xs, z, state, seq, conv):

@@ -21,37 +21,46 @@ def reference(xz, conv_state, conv_w, conv_b, wx, wdt, bdt, A_log, Dp, h):
     """The module doc's step, op by op in float64."""
     xz, conv_state, conv_w, wx, wdt, bdt, A_log, Dp, h = (t.double() for t in (xz, conv_state, conv_w, wx, wdt, bdt,
                                                                                A_log, Dp, h))
-    D, N, R = A_log.shape[0], A_log.shape[1], wdt.shape[1]
+    D, N, R = A_log.shape[0], A_log.shape[1], wdt.shape[-1]
+    heads = wx.shape[0] if wx.dim() == 3 else 1                        # Zamba: per-head wx, wdt, bdt
+    wx, wdt, bdt = wx.reshape(heads, -1, D // heads), wdt.reshape(heads, D // heads, R), bdt.reshape(heads, -1)
     x, z = xz[:, :D], xz[:, D:]
     window = torch.cat([conv_state, x[:, None]], 1)                    # (B, K, D)
     u = (window * conv_w.t()[None]).sum(1) + (0 if conv_b is None else conv_b.double())
     u = F.silu(u)
-    dt, Bm, Cm = (u @ wx.t()).split([R, N, N], -1)
-    dt = F.softplus(dt @ wdt.t() + bdt)                                # (B, D)
-    h = torch.exp(-dt[..., None] * A_log.exp()) * h + (dt * u)[..., None] * Bm[:, None]
-    y = ((h * Cm[:, None]).sum(-1) + Dp * u) * F.silu(z)
+    uh = u.view(-1, heads, D // heads)
+    dt, Bm, Cm = torch.einsum("bhc,hjc->bhj", uh, wx).split([R, N, N], -1)      # (B, heads, .)
+    dt = F.softplus(torch.einsum("bhr,hcr->bhc", dt, wdt) + bdt).reshape(-1, D)  # (B, D)
+    Bm, Cm = (t.repeat_interleave(D // heads, 1) for t in (Bm, Cm))    # (B, D, N): each channel its head's
+    h = torch.exp(-dt[..., None] * A_log.exp()) * h + (dt * u)[..., None] * Bm
+    y = ((h * Cm).sum(-1) + Dp * u) * F.silu(z)
     return y, window[:, 1:], h
 
 
-def inputs(B, D, N, R, K, g, bias=True, strong=False):
+def inputs(B, D, N, R, K, g, bias=True, strong=False, heads=1):
     def r(*s, scale=1.0):
         return torch.randn(*s, generator=g) * scale
 
     A_log = torch.log(torch.arange(1, N + 1).float()).repeat(D, 1) + (r(D, N, scale=2.0).abs() if strong else 0)
     bdt = r(D) + (4.0 if strong else -3.0)                             # strong: dt ~ 4, decays to exp(-600)
-    return [r(B, 2 * D), r(B, K - 1, D), r(D, K, scale=0.5), r(D) if bias else None, r(R + 2 * N, D, scale=D ** -0.5),
-            r(D, R, scale=R ** -0.5), bdt, A_log, r(D), r(B, D, N)]
+    if heads > 1:
+        wx, wdt, bdt = r(heads, R + 2 * N, D // heads, scale=D ** -0.5), r(heads, D // heads, R), bdt.view(heads, -1)
+    else:
+        wx, wdt = r(R + 2 * N, D, scale=D ** -0.5), r(D, R, scale=R ** -0.5)
+    return [r(B, 2 * D), r(B, K - 1, D), r(D, K, scale=0.5), r(D) if bias else None, wx, wdt, bdt, A_log, r(D),
+            r(B, D, N)]
 
 
-@pytest.mark.parametrize("B,D,N,R,K,bias,strong,column_major", [
-    (1, 64, 16, 4, 4, True, False, False),
-    (3, 37, 16, 3, 4, True, True, True),          # odd width, strong decays, dt_proj column-major (decode_layout's)
-    (2, 130, 5, 9, 2, False, False, True),        # odd N, no bias, the shortest convolution with a state
-    (5, 48, 16, 48, 3, True, True, False),
+@pytest.mark.parametrize("B,D,N,R,K,bias,strong,column_major,heads", [
+    (1, 64, 16, 4, 4, True, False, False, 1),
+    (3, 37, 16, 3, 4, True, True, True, 1),       # odd width, strong decays, dt_proj column-major (decode_layout's)
+    (2, 130, 5, 9, 2, False, False, True, 1),     # odd N, no bias, the shortest convolution with a state
+    (5, 48, 16, 48, 3, True, True, False, 1),
+    (3, 42, 16, 5, 4, True, True, False, 3),      # Zamba's heads: each its own x_proj, dt_proj and dt bias
 ])
-def test_the_step_equals_its_math_in_float64(B, D, N, R, K, bias, strong, column_major):
+def test_the_step_equals_its_math_in_float64(B, D, N, R, K, bias, strong, column_major, heads):
     g = torch.Generator().manual_seed(B * 1000 + D)
-    args = inputs(B, D, N, R, K, g, bias, strong)
+    args = inputs(B, D, N, R, K, g, bias, strong, heads)
     if column_major:
         args[5] = args[5].t().contiguous().t()
     before = [None if t is None else t.clone() for t in args]
@@ -73,10 +82,12 @@ def _models(pattern, **kw):
     return decode_layout(m), m64
 
 
-def test_the_layer_takes_it_and_agrees_with_its_own_step(monkeypatch):
-    """Decoding steps of a Mamba model (batch 3, odd prompt): the kernel's logits within float32 rounding of the
-    layer's PyTorch step and of a float64 copy; the greedy continuation identical; the kernel was called."""
-    m, m64 = _models("mamba,softmax,mamba")
+@pytest.mark.parametrize("heads", [1, 4])
+def test_the_layer_takes_it_and_agrees_with_its_own_step(monkeypatch, heads):
+    """Decoding steps of a Mamba model (batch 3, odd prompt; Zamba's heads too): the kernel's logits within float32
+    rounding of the layer's PyTorch step and of a float64 copy; the greedy continuation identical; the kernel was
+    called."""
+    m, m64 = _models("mamba,softmax,mamba", mixer_options={"mamba": {"heads": heads}})
     ids = torch.randint(0, 300, (3, 11), generator=torch.Generator().manual_seed(1))
     calls = []
     run = fused_step._run

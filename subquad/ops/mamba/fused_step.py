@@ -3,6 +3,7 @@
     x, z     = xz[:, :Dm], xz[:, Dm:]                            xz (B, 2 Dm): in_proj's output for one token
     u        = silu(conv_b + sum_k conv_w[:, k] [conv_state; x]_k)   conv_state (B, K-1, Dm), conv_w (Dm, K)
     dt, B, C = split(u wx^T, [R, N, N])                          wx (R + 2N, Dm): x_proj's weight
+               (Zamba's heads: wx (heads, R + 2N, Dm / heads), each head's own dt, B, C from its own channels)
     dt       = softplus(dt wdt^T + bdt)                          wdt (Dm, R), bdt (Dm,): dt_proj's
     h'       = exp(-dt exp(A_log)) h + dt B u                    h (B, Dm, N), A_log (Dm, N)
     y        = (C . h' + Dp u) * silu(z)                         -> y (B, Dm), new conv state, h' (B, Dm, N)
@@ -20,22 +21,24 @@ import torch
 
 from subquad.kernels import I64, INT, PTR, Kernel
 
-KERNEL = Kernel("mamba_step", [I64, I64, I64, I64, I64, INT, PTR, I64, PTR, PTR, PTR, PTR, PTR, I64, I64, PTR,
+KERNEL = Kernel("mamba_step", [I64, I64, I64, I64, I64, I64, INT, PTR, I64, PTR, PTR, PTR, PTR, PTR, I64, I64, PTR,
                                PTR, PTR, PTR, PTR, PTR, PTR, PTR])
 
 
 def _run(xz, conv_state, conv_w, conv_b, wx, wdt, bdt, A_log, Dp, h):
     B, D = xz.shape[0], xz.shape[-1] // 2
-    N, K, R = A_log.shape[1], conv_w.shape[-1], wdt.shape[1]
+    N, K, R = A_log.shape[1], conv_w.shape[-1], wdt.shape[-1]
     xz = xz.reshape(B, 2 * D)
     if xz.stride(1) != 1:
         xz = xz.contiguous()
     conv_w = conv_w.reshape(D, K).contiguous()
-    conv_state, wx, A_log, h = (t.contiguous() for t in (conv_state, wx, A_log, h))
+    heads = wx.shape[0] if wx.dim() == 3 else 1
+    conv_state, wx, A_log, h, bdt = (t.contiguous() for t in (conv_state, wx, A_log, h, bdt.reshape(D)))
+    wdt = wdt.reshape(D, R)
     y, h_out = xz.new_empty(B, D), torch.empty_like(h)
     conv_out = conv_state.new_empty(B, K - 1, D)
-    scratch = xz.new_empty(B * (2 * D + wx.shape[0]))
-    KERNEL(B, D, N, R, K, torch.get_num_threads(), xz, xz.stride(0), conv_state, conv_w, conv_b, wx, wdt,
+    scratch = xz.new_empty(B * (2 * D + heads * (R + 2 * N)))
+    KERNEL(B, D, N, R, K, heads, torch.get_num_threads(), xz, xz.stride(0), conv_state, conv_w, conv_b, wx, wdt,
            wdt.stride(0), wdt.stride(1), bdt, A_log, Dp, h, y, conv_out, h_out, scratch)
     return y, conv_out, h_out
 
@@ -54,7 +57,7 @@ def _(xz, conv_state, conv_w, conv_b, wx, wdt, bdt, A_log, Dp, h):
 
 def mamba_step(xz, conv_state, conv_w, conv_b, wx, wdt, bdt, A_log, Dp, h):
     """(y (B, Dm), new conv state (B, K-1, Dm), new h (B, Dm, N)) of the module doc's step; xz (B, 1, 2 Dm) or
-    (B, 2 Dm), conv_w (Dm, 1, K) or (Dm, K)."""
+    (B, 2 Dm), conv_w (Dm, 1, K) or (Dm, K); with heads, wdt (heads, Dm / heads, R) and bdt (heads, Dm / heads)."""
     if torch.compiler.is_compiling():
         return torch.ops.subquad.mamba_step(xz, conv_state, conv_w, conv_b, wx, wdt, bdt, A_log, Dp, h)
     return _run(xz, conv_state, conv_w, conv_b, wx, wdt, bdt, A_log, Dp, h)
