@@ -7,7 +7,8 @@ weights, float32, 2 threads, the rounds interleaved in one process.
     python benchmarks/bench_fused_step.py --no-compile         # eager rows only (~1 min)
 
 Shapes: ``mamba`` mamba-130m (d_model 768, 24 layers, vocab 50,280); ``mamba2`` mamba2-130m (768, 24 layers,
-d_state 128, head_dim 64). Writes results/fused_step.md.
+d_state 128, head_dim 64); ``gdn`` 12 Gated DeltaNet layers of Qwen3.5-0.8B's widths (d_model 1,024, 8 value heads
+of 128 over 4 key heads; ``--shapes gdn``). Writes results/fused_step.md.
 """
 
 from __future__ import annotations
@@ -26,7 +27,9 @@ from benchmarks.common import OUT, machine_line, matmul_gflops  # noqa: E402
 
 SHAPES = {"mamba": dict(vocab_size=50280, d_model=768, n_layers=24, pattern="mamba", mlp=False, norm_eps=1e-5),
           "mamba2": dict(vocab_size=50280, d_model=768, n_layers=24, pattern="mamba2", mlp=False, norm_eps=1e-5,
-                         mixer_options={"mamba2": {"d_state": 128, "head_dim": 64}})}
+                         mixer_options={"mamba2": {"d_state": 128, "head_dim": 64}}),
+          "gdn": dict(vocab_size=50280, d_model=1024, n_layers=12, pattern="gated_deltanet", mlp=False, n_heads=8,
+                      norm_eps=1e-6, mixer_options={"gated_deltanet": {"head_dim": 128, "n_key_heads": 4}})}
 
 
 def steps(model, batch: int, kernels: str, n: int, state):
