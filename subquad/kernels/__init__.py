@@ -57,7 +57,8 @@ def build(name: str) -> Path:
     """The shared library of ``name.c``, compiled now unless the cache holds it; RuntimeError if it fails."""
     src = HERE / f"{name}.c"
     cc = os.environ.get("CC", "cc")
-    key = hashlib.sha256("\0".join([src.read_text(), cc, *FLAGS, _cpu()]).encode()).hexdigest()[:16]
+    key = hashlib.sha256("\0".join([src.read_text(), (HERE / "common.h").read_text(), cc, *FLAGS, _cpu()])
+                         .encode()).hexdigest()[:16]
     out = cache_dir() / f"{name}-{key}.so"
     if out.exists():
         return out
@@ -65,7 +66,8 @@ def build(name: str) -> Path:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
     os.close(fd)
     try:
-        r = subprocess.run([cc, *FLAGS, str(src), "-o", tmp, "-lm"], capture_output=True, text=True, timeout=120)
+        r = subprocess.run([cc, *FLAGS, f"-I{HERE}", str(src), "-o", tmp, "-lm"], capture_output=True, text=True,
+                           timeout=120)
         if r.returncode:
             raise RuntimeError(f"{cc} could not build {src.name}: {r.stderr.strip()[-2000:]}")
         os.replace(tmp, out)

@@ -9,49 +9,9 @@
  *   o       = rmsnorm(scale S'^T q) * norm_w       (gated: * silu(gate + gate_bias), or sigmoid)
  *
  * One OpenMP team of the runtime torch loaded: channels split for the convolution, value heads for the rest;
- * one barrier. exp written out as in mamba_step.c (no -ffast-math). */
+ * one barrier. exp written out in common.h (no -ffast-math). */
 
-#include <math.h>
-#include <omp.h>
-#include <stdint.h>
-#include <string.h>
-
-static inline float exp_f(float x) {
-    x = x < -87.0f ? -87.0f : (x > 88.0f ? 88.0f : x);
-    float n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
-    float r = x - n * 0.693359375f;
-    r = r + n * 2.12194440e-4f;
-    float p = 1.9875691500e-4f;
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    p = p * r * r + r + 1.0f;
-    int32_t bits = ((int32_t)n + 127) << 23;
-    float scale;
-    memcpy(&scale, &bits, 4);
-    return p * scale;
-}
-
-static inline float silu_f(float x) { return x / (1.0f + exp_f(-x)); }
-
-static inline float softplus_f(float x) {
-    float y = exp_f(x > 0.0f ? -x : x);
-    float s = y / (2.0f + y), s2 = s * s;
-    float l = 2.0f * s * (1.0f + s2 * (1.0f / 3 + s2 * (1.0f / 5 + s2 * (1.0f / 7 + s2 * (1.0f / 9
-                                                          + s2 * (1.0f / 11 + s2 * (1.0f / 13)))))));
-    float v = (x > 0.0f ? x : 0.0f) + l;
-    return x > 20.0f ? x : v;
-}
-
-static inline void span(int64_t n, int parts, int i, int64_t *a, int64_t *b) {
-    int64_t blocks = (n + 15) / 16;
-    *a = blocks * i / parts * 16;
-    *b = blocks * (i + 1) / parts * 16;
-    if (*a > n) *a = n;
-    if (*b > n) *b = n;
-}
+#include "common.h"
 
 static void l2(float *x, int64_t n, float eps) {
     float ss = 0.0f;

@@ -9,49 +9,9 @@
  *   (defer: out = g * w, and inv = 1 / rms(g) per group written apart, for the caller to apply after out_proj)
  *
  * One OpenMP team of the runtime torch loaded: channels split for the convolution, heads for the scan, norm
- * groups for the norm; two barriers. exp written out as in mamba_step.c (no -ffast-math). */
+ * groups for the norm; two barriers. exp written out in common.h (no -ffast-math). */
 
-#include <math.h>
-#include <omp.h>
-#include <stdint.h>
-#include <string.h>
-
-static inline float exp_f(float x) {
-    x = x < -87.0f ? -87.0f : (x > 88.0f ? 88.0f : x);
-    float n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
-    float r = x - n * 0.693359375f;
-    r = r + n * 2.12194440e-4f;
-    float p = 1.9875691500e-4f;
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    p = p * r * r + r + 1.0f;
-    int32_t bits = ((int32_t)n + 127) << 23;
-    float scale;
-    memcpy(&scale, &bits, 4);
-    return p * scale;
-}
-
-static inline float silu_f(float x) { return x / (1.0f + exp_f(-x)); }
-
-static inline float softplus_f(float x) {
-    float y = exp_f(x > 0.0f ? -x : x);
-    float s = y / (2.0f + y), s2 = s * s;
-    float l = 2.0f * s * (1.0f + s2 * (1.0f / 3 + s2 * (1.0f / 5 + s2 * (1.0f / 7 + s2 * (1.0f / 9
-                                                          + s2 * (1.0f / 11 + s2 * (1.0f / 13)))))));
-    float v = (x > 0.0f ? x : 0.0f) + l;
-    return x > 20.0f ? x : v;
-}
-
-static inline void span(int64_t n, int parts, int i, int64_t *a, int64_t *b) {
-    int64_t blocks = (n + 15) / 16;
-    *a = blocks * i / parts * 16;
-    *b = blocks * (i + 1) / parts * 16;
-    if (*a > n) *a = n;
-    if (*b > n) *b = n;
-}
+#include "common.h"
 
 void mamba2_step(int64_t B, int64_t Dn, int64_t G, int64_t N, int64_t H, int64_t P, int64_t K, int threads,
                  const float *in, int64_t in_row,                      /* (B, 2 Dn + 2 G N + H) */
@@ -72,21 +32,9 @@ void mamba2_step(int64_t B, int64_t Dn, int64_t G, int64_t N, int64_t H, int64_t
         const int t = omp_get_thread_num(), nt = omp_get_num_threads();
         int64_t c0, c1;
         span(C, nt, t, &c0, &c1);
-        for (int64_t b = 0; b < B; b++) {                   /* the convolution, its new tail */
-            const float *x = in + b * in_row + Dn, *st = conv_state + b * (K - 1) * C;
-            float *so = conv_out + b * (K - 1) * C, *xb = xbc + b * C;
-            for (int64_t c = c0; c < c1; c++) {
-                float acc = conv_b ? conv_b[c] : 0.0f;
-                for (int64_t k = 0; k < K - 1; k++)
-                    acc += conv_w[c * K + k] * st[k * C + c];
-                acc += conv_w[c * K + K - 1] * x[c];
-                xb[c] = silu_f(acc);
-            }
-            for (int64_t k = 0; k + 1 < K - 1; k++)
-                memcpy(so + k * C + c0, st + (k + 1) * C + c0, (c1 - c0) * sizeof(float));
-            if (K > 1)
-                memcpy(so + (K - 2) * C + c0, x + c0, (c1 - c0) * sizeof(float));
-        }
+        for (int64_t b = 0; b < B; b++)                     /* the convolution, its new tail */
+            conv_step(in + b * in_row + Dn, conv_state + b * (K - 1) * C, conv_out + b * (K - 1) * C, conv_w,
+                      conv_b, C, K, c0, c1, xbc + b * C);
 #pragma omp barrier
         const int64_t h0 = H * t / nt, h1 = H * (t + 1) / nt;
         for (int64_t b = 0; b < B; b++) {                   /* the scan and the gate, head by head */

@@ -9,50 +9,11 @@
  *   h'       = exp(-dt exp(A_log)) h + dt B u;   y = (C . h' + Dp u) * silu(z)
  *
  * One OpenMP team (the runtime torch itself loaded, so no second pool): channels split across threads for the
- * convolution and the scan, x_proj's rows for the product; two barriers. exp and log1p are written out below
- * (Cephes' expf polynomial; log1p through atanh's series) so the loops vectorise without -ffast-math, whose
- * start-up code would set flush-to-zero for the whole process. */
+ * convolution and the scan, x_proj's rows for the product; two barriers. exp and log1p are written out in
+ * common.h so the loops vectorise without -ffast-math, whose start-up code would set flush-to-zero for the whole
+ * process. */
 
-#include <omp.h>
-#include <stdint.h>
-#include <string.h>
-
-static inline float exp_f(float x) {
-    x = x < -87.0f ? -87.0f : (x > 88.0f ? 88.0f : x);
-    float n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;        /* round(x / ln 2) */
-    float r = x - n * 0.693359375f;
-    r = r + n * 2.12194440e-4f;                                                  /* ln 2 = C1 - C2 */
-    float p = 1.9875691500e-4f;
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    p = p * r * r + r + 1.0f;
-    int32_t bits = ((int32_t)n + 127) << 23;
-    float scale;
-    memcpy(&scale, &bits, 4);
-    return p * scale;
-}
-
-static inline float silu_f(float x) { return x / (1.0f + exp_f(-x)); }
-
-static inline float softplus_f(float x) {         /* torch's softplus: x past 20, else log(1 + e^x) */
-    float y = exp_f(x > 0.0f ? -x : x);           /* e^-|x| in (0, 1] */
-    float s = y / (2.0f + y), s2 = s * s;         /* log1p(y) = 2 atanh(y / (2 + y)), s <= 1/3 */
-    float l = 2.0f * s * (1.0f + s2 * (1.0f / 3 + s2 * (1.0f / 5 + s2 * (1.0f / 7 + s2 * (1.0f / 9
-                                                          + s2 * (1.0f / 11 + s2 * (1.0f / 13)))))));
-    float v = (x > 0.0f ? x : 0.0f) + l;
-    return x > 20.0f ? x : v;
-}
-
-static inline void span(int64_t n, int parts, int i, int64_t *a, int64_t *b) {   /* i-th of parts, by 16s */
-    int64_t blocks = (n + 15) / 16;
-    *a = blocks * i / parts * 16;
-    *b = blocks * (i + 1) / parts * 16;
-    if (*a > n) *a = n;
-    if (*b > n) *b = n;
-}
+#include "common.h"
 
 void mamba_step(int64_t B, int64_t D, int64_t N, int64_t R, int64_t K, int64_t heads, int threads,
                 const float *xz, int64_t xz_row,                       /* (B, 2D): x, then z; row stride */
@@ -72,21 +33,9 @@ void mamba_step(int64_t B, int64_t D, int64_t N, int64_t R, int64_t K, int64_t h
         const int t = omp_get_thread_num(), nt = omp_get_num_threads();
         int64_t c0, c1, j0, j1;
         span(D, nt, t, &c0, &c1);
-        for (int64_t b = 0; b < B; b++) {                   /* the convolution, its new tail */
-            const float *x = xz + b * xz_row, *st = conv_state + b * (K - 1) * D;
-            float *so = conv_out + b * (K - 1) * D, *ub = u + b * D;
-            for (int64_t c = c0; c < c1; c++) {
-                float acc = conv_b ? conv_b[c] : 0.0f;
-                for (int64_t k = 0; k < K - 1; k++)
-                    acc += conv_w[c * K + k] * st[k * D + c];
-                acc += conv_w[c * K + K - 1] * x[c];
-                ub[c] = silu_f(acc);
-            }
-            for (int64_t k = 0; k + 1 < K - 1; k++)
-                memcpy(so + k * D + c0, st + (k + 1) * D + c0, (c1 - c0) * sizeof(float));
-            if (K > 1)
-                memcpy(so + (K - 2) * D + c0, x + c0, (c1 - c0) * sizeof(float));
-        }
+        for (int64_t b = 0; b < B; b++)                     /* the convolution, its new tail */
+            conv_step(xz + b * xz_row, conv_state + b * (K - 1) * D, conv_out + b * (K - 1) * D, conv_w, conv_b,
+                      D, K, c0, c1, u + b * D);
 #pragma omp barrier
         j0 = heads * J * t / nt;                            /* x_proj: rows of wx (all heads') by thread */
         j1 = heads * J * (t + 1) / nt;

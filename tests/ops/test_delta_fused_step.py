@@ -8,9 +8,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from subquad.models import LanguageModel, ModelConfig
-from subquad.models.decode import decode_layout
 from subquad.ops.delta import fused_step
+from tests.ops.fused_harness import assert_steps_agree, models
 
 pytestmark = pytest.mark.skipif(not fused_step.KERNEL.available(), reason="no C compiler: the kernel cannot be built")
 
@@ -81,28 +80,6 @@ def test_the_step_equals_its_math_in_float64(B, H, Hk, K, V, W, gated, gate_bias
 def test_the_layer_takes_it_and_agrees_with_its_own_step(monkeypatch, pattern, options):
     """Decoding steps of a DeltaNet + attention model (batch 3): the kernel's logits within float32 rounding of
     the layer's PyTorch step and of a float64 copy; the kernel was called."""
-    torch.manual_seed(0)
-    cfg = ModelConfig(vocab_size=300, d_model=64, n_layers=2, n_heads=4, pattern=f"{pattern},softmax", mlp=False,
-                      mixer_options={pattern: options})
-    m = decode_layout(LanguageModel(cfg).eval())
-    m64 = LanguageModel(cfg).eval().double()
-    m64.load_state_dict(m.state_dict())
-    ids = torch.randint(0, 300, (3, 9), generator=torch.Generator().manual_seed(1))
-    calls = []
-    run = fused_step._run
-    monkeypatch.setattr(fused_step, "_run", lambda *a: calls.append(1) or run(*a))
-    with torch.no_grad():
-        _, st = m.prefill(ids)
-        _, st64 = m64.prefill(ids)
-        st_ref = st
-        tok = torch.tensor([4, 100, 299])
-        for _ in range(3):
-            monkeypatch.setenv("SUBQUAD_KERNELS", "1")
-            a, st = m.step(tok, st)
-            monkeypatch.setenv("SUBQUAD_KERNELS", "0")
-            b, st_ref = m.step(tok, st_ref)
-            c, st64 = m64.step(tok, st64)
-            assert (a - b).abs().max() <= 1e-5 * b.abs().max()
-            assert (a.double() - c).abs().max() <= 1e-5 * c.abs().max()
-            tok = c.argmax(-1)
-    assert len(calls) == 3
+    m, m64 = models(d_model=64, n_layers=2, n_heads=4, pattern=f"{pattern},softmax",
+                    mixer_options={pattern: options})
+    assert assert_steps_agree(monkeypatch, fused_step, m, m64, 3) == 3

@@ -8,9 +8,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from subquad.models import LanguageModel, ModelConfig
-from subquad.models.decode import decode_layout
 from subquad.ops.decay import fused_step
+from tests.ops.fused_harness import assert_steps_agree, models
 
 pytestmark = pytest.mark.skipif(not fused_step.KERNEL.available(), reason="no C compiler: the kernel cannot be built")
 
@@ -75,28 +74,6 @@ def test_the_step_equals_its_math_in_float64(B, H, P, N, G, K, norm_groups, bias
 def test_the_layer_takes_it_and_agrees_with_its_own_step(monkeypatch, options):
     """Decoding steps of a Mamba-2 + attention model (batch 3): the kernel's logits within float32 rounding of
     the layer's PyTorch step and of a float64 copy; the kernel was called."""
-    torch.manual_seed(0)
-    cfg = ModelConfig(vocab_size=300, d_model=64, n_layers=2, pattern="mamba2,softmax", mlp=False,
-                      mixer_options={"mamba2": options})
-    m = decode_layout(LanguageModel(cfg).eval())
-    m64 = LanguageModel(cfg).eval().double()
-    m64.load_state_dict(m.state_dict())
-    ids = torch.randint(0, 300, (3, 9), generator=torch.Generator().manual_seed(1))
-    calls = []
-    run = fused_step._run
-    monkeypatch.setattr(fused_step, "_run", lambda *a: calls.append(1) or run(*a))
-    with torch.no_grad():
-        _, st = m.prefill(ids)
-        _, st64 = m64.prefill(ids)
-        st_ref = st
-        tok = torch.tensor([4, 100, 299])
-        for _ in range(3):
-            monkeypatch.setenv("SUBQUAD_KERNELS", "1")
-            a, st = m.step(tok, st)
-            monkeypatch.setenv("SUBQUAD_KERNELS", "0")
-            b, st_ref = m.step(tok, st_ref)
-            c, st64 = m64.step(tok, st64)
-            assert (a - b).abs().max() <= 1e-5 * b.abs().max()
-            assert (a.double() - c).abs().max() <= 1e-5 * c.abs().max()
-            tok = c.argmax(-1)
-    assert len(calls) == 3
+    m, m64 = models(d_model=64, n_layers=2, pattern="mamba2,softmax",
+                    mixer_options={"mamba2": options})
+    assert assert_steps_agree(monkeypatch, fused_step, m, m64, 3) == 3

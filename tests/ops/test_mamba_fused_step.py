@@ -11,8 +11,8 @@ import torch.nn.functional as F
 
 from subquad import kernels
 from subquad.models import LanguageModel, ModelConfig
-from subquad.models.decode import decode_layout
 from subquad.ops.mamba import fused_step
+from tests.ops.fused_harness import assert_steps_agree, models
 
 pytestmark = pytest.mark.skipif(not fused_step.KERNEL.available(), reason="no C compiler: the kernel cannot be built")
 
@@ -73,41 +73,14 @@ def test_the_step_equals_its_math_in_float64(B, D, N, R, K, bias, strong, column
         assert a is None or torch.equal(a, b)                     # the states (and weights) passed in unchanged
 
 
-def _models(pattern, **kw):
-    torch.manual_seed(0)
-    cfg = ModelConfig(vocab_size=300, d_model=48, n_layers=3, pattern=pattern, mlp=False, **kw)
-    m = LanguageModel(cfg).eval()
-    m64 = LanguageModel(cfg).eval().double()
-    m64.load_state_dict(m.state_dict())
-    return decode_layout(m), m64
-
-
 @pytest.mark.parametrize("heads", [1, 4])
 def test_the_layer_takes_it_and_agrees_with_its_own_step(monkeypatch, heads):
     """Decoding steps of a Mamba model (batch 3, odd prompt; Zamba's heads too): the kernel's logits within float32
     rounding of the layer's PyTorch step and of a float64 copy; the greedy continuation identical; the kernel was
     called."""
-    m, m64 = _models("mamba,softmax,mamba", mixer_options={"mamba": {"heads": heads}})
+    m, m64 = models(d_model=48, n_layers=3, pattern="mamba,softmax,mamba", mixer_options={"mamba": {"heads": heads}})
+    assert assert_steps_agree(monkeypatch, fused_step, m, m64, 4, prompt=11) == 4 * 2     # two Mamba layers
     ids = torch.randint(0, 300, (3, 11), generator=torch.Generator().manual_seed(1))
-    calls = []
-    run = fused_step._run
-    monkeypatch.setattr(fused_step, "_run", lambda *a: calls.append(1) or run(*a))
-    with torch.no_grad():
-        _, st = m.prefill(ids)
-        _, st64 = m64.prefill(ids)
-        monkeypatch.setenv("SUBQUAD_KERNELS", "0")
-        _, st_ref = m.prefill(ids)
-        tok = torch.tensor([4, 100, 299])
-        for _ in range(4):
-            monkeypatch.setenv("SUBQUAD_KERNELS", "1")
-            a, st = m.step(tok, st)
-            monkeypatch.setenv("SUBQUAD_KERNELS", "0")
-            b, st_ref = m.step(tok, st_ref)
-            c, st64 = m64.step(tok, st64)
-            assert (a - b).abs().max() <= 1e-5 * b.abs().max()
-            assert (a.double() - c).abs().max() <= 1e-5 * c.abs().max()
-            tok = c.argmax(-1)
-    assert len(calls) == 4 * 2                                    # two Mamba layers, four steps
     monkeypatch.setenv("SUBQUAD_KERNELS", "1")
     with_kernel = m.generate(ids[0].tolist(), 16, temperature=0)[0]
     monkeypatch.setenv("SUBQUAD_KERNELS", "0")
@@ -116,7 +89,7 @@ def test_the_layer_takes_it_and_agrees_with_its_own_step(monkeypatch, heads):
 
 def test_where_it_is_not_taken(monkeypatch):
     """Gradients, autocast, float64, Falcon-Mamba's norms and a prompt keep the PyTorch path."""
-    m, m64 = _models("mamba")
+    m, _ = models(d_model=48, n_layers=3, pattern="mamba")
     x = torch.randn(2, 1, 48)
     st = m.blocks[0].mixer.empty_state(2)
 
