@@ -5,14 +5,14 @@ folder and as GGUF files (``save_gguf``: f32, q8_0 and q4_0), then
     llama.cpp   ``llama-bench -p 0 -n N`` on each GGUF (built natively from llama-cpp-python's vendored source:
                 cmake -B build -DGGML_NATIVE=ON -DLLAMA_CURL=OFF && cmake --build build --target llama-bench)
     subquad     ``from_pretrained`` of the folder: eager float32 (with the fused C step, the default, and op by op:
-                ``SUBQUAD_KERNELS=0``), ``compile_decode`` float32, ``compile_decode``
+                ``SUBQUAD_KERNELS=0``), ``compile_decode`` float32, eager and ``compile_decode``
                 with ``quantize="int8"`` and with ``quantize="int4"`` (groups of 128, the default; against Q4_0,
                 issue 51's target); N greedy ``model.step`` calls after warm-up (the graph compiled first)
 
     python benchmarks/bench_llama_decode.py --llama-bench /path/to/build/bin/llama-bench
     SUBQUAD_ONEDNN=0 python benchmarks/bench_llama_decode.py ...     # the float32 products through MKL instead
 
-and the compiled steps at ``--batch`` rows (default 16), ms per step and the ratio to one row.
+and every step but the op-by-op one at ``--batch`` rows (default 16), ms per step and the ratio to one row.
 
 ms per token (median of ``--repeats`` runs for subquad; llama-bench's mean over its own repetitions), the read
 bound (the bytes of the weights one token reads over the measured read bandwidth is not measured here: the
@@ -101,11 +101,13 @@ def main(argv=None):
         for name, compiled, q, k in (("subquad f32 eager", False, None, "1"),
                                      ("subquad f32 eager, op by op", False, None, "0"),
                                      ("subquad f32 compile_decode", True, None, "1"),
+                                     ("subquad int8 eager", False, "int8", "1"),
                                      ("subquad int8 compile_decode", True, "int8", "1"),
+                                     ("subquad int4 eager", False, "int4", "1"),
                                      ("subquad int4 compile_decode", True, "int4", "1")):
             rows[name] = subquad_ms(folder, a.tokens, a.repeats, compiled, q, kernels=k)
             print(f"{name}: {rows[name]:.2f} ms/token", flush=True)
-            if compiled and a.batch > 1:
+            if k == "1" and a.batch > 1:
                 batched[name] = subquad_ms(folder, a.tokens // 4, a.repeats, compiled, q, a.batch)
                 print(f"{name}, batch {a.batch}: {batched[name]:.2f} ms/step", flush=True)
     machine = machine_line(matmul_gflops())
@@ -119,10 +121,13 @@ def main(argv=None):
              "| engine | ms/token | x llama.cpp (same precision) |", "|---|---:|---:|"]
     for name, ms in rows.items():
         lines.append(f"| {name} | {ms:.2f} | {ms / base(name):.2f} |")
-    lines += ["", f"subquad int4 / int8 (compiled, batch 1): "
-              f"{rows['subquad int4 compile_decode'] / rows['subquad int8 compile_decode']:.2f}"]
+    modes = ("eager", "compile_decode")
+    best = {q: min(rows[f"subquad {q} {m}"] for m in modes) for q in ("int8", "int4")}
+    lines += ["", "subquad int4 / int8 (batch 1, eager; compiled; the faster of each): "
+              + "; ".join(f"{rows[f'subquad int4 {m}'] / rows[f'subquad int8 {m}']:.2f}" for m in modes)
+              + f"; {best['int4'] / best['int8']:.2f}"]
     if batched:
-        lines += ["", f"| batch {a.batch}, compiled | ms/step | x batch 1 |", "|---|---:|---:|"]
+        lines += ["", f"| batch {a.batch} | ms/step | x batch 1 |", "|---|---:|---:|"]
         lines += [f"| {name} | {ms:.2f} | {ms / rows[name]:.2f} |" for name, ms in batched.items()]
     print("\n".join(lines))
     (OUT / "llama_decode.json").write_text(json.dumps({"ms": rows, "batched": batched, "batch": a.batch,

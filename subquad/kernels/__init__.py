@@ -91,11 +91,12 @@ def load(name: str):
 
 
 class Kernel:
-    """The C function ``name`` of ``name.c`` with ctypes ``argtypes``; called with tensors (their data pointers),
-    None (NULL) and numbers. ``available()`` builds it on the first ask and remembers the answer."""
+    """The C function ``name`` of ``library.c`` (default ``name.c``) with ctypes ``argtypes``; called with tensors
+    (their data pointers), None (NULL) and numbers. ``available()`` builds it on the first ask and remembers."""
 
-    def __init__(self, name: str, argtypes: list):
+    def __init__(self, name: str, argtypes: list, library: str | None = None):
         self.name, self.argtypes, self.built, self.f = name, argtypes, [], None
+        self.library = library or name
 
     def available(self) -> bool:
         if not self.built:
@@ -104,7 +105,7 @@ class Kernel:
 
     def _function(self):
         if self.f is None:
-            lib = load(self.name)
+            lib = load(self.library)
             if lib is None:
                 return None
             self.f = getattr(lib, self.name)

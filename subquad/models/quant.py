@@ -11,6 +11,9 @@
                                  (torch.ops.quantized.linear_dynamic: x quantised to 8 bits per call,
                                  int32 accumulation, * s), DECODE_ROWS rows per call - it reads one byte per
                                  weight;
+                                 int4, one float32 row: a C kernel (``kernels.qgemv``: x kept float32,
+                                 the codes read in torch's packed layout);
+                                 int8 per block (a GGUF file's), at most 8 float32 rows: the same C kernel;
                                  int4 decoding (rows <= INT4_ROWS): torch's int4 kernel
                                  (aten._weight_int4pack_mm_for_cpu: x rounded to bfloat16, the weights
                                  dequantised in registers, float32 sums, y rounded to bfloat16) - half a byte a
@@ -61,6 +64,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from subquad.kernels import qgemv
 from subquad.models.mode import MODE
 from subquad.tensorfile import release_freed
 
@@ -107,6 +111,8 @@ def int8_linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bias: tor
                 key: torch.Tensor) -> torch.Tensor:
     """x (..., K) float, q (N, K) int8, scale (N,) float32, bias (N,) or None, key a 0-d int64 tensor naming
     the packed weight -> (..., N) in x's dtype (module doc). Kept lean: it runs ~100 times per token."""
+    if not FBGEMM and qgemv.usable(qgemv.INT8, x, qgemv.INT8_ROWS):     # fbgemm gone: the C kernel's rows
+        return qgemv.int8_gemv(x, q, scale, None, bias)
     if FBGEMM and x.device.type == "cpu" and (x.numel() <= DECODE_ROWS * x.shape[-1]
                                               or getattr(MODE, "decoding", False)):
         x2 = x if x.dim() == 2 and x.dtype == torch.float32 else x.reshape(-1, x.shape[-1]).float()
@@ -132,6 +138,34 @@ _LIB.impl("int8_linear", int8_linear, "CompositeExplicitAutograd")
 
 @torch.library.register_fake("subquad::int8_linear")
 def _(x, q, scale, bias, key):
+    return x.new_empty(*x.shape[:-1], q.shape[0])
+
+
+def int8_block_linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor | None,
+                      bias: torch.Tensor | None) -> torch.Tensor:
+    """x (..., K), q (N, K) int8, scale and offset (N, G) (``Int8Linear.from_blocks``) -> (..., N) in x's dtype:
+    the C kernel for a few float32 rows, else x times the dequantised weight (the reference)."""
+    if qgemv.usable(qgemv.INT8, x, qgemv.INT8_ROWS):
+        return qgemv.int8_gemv(x, q, scale, offset, bias)
+    return F.linear(x, dequantize_blocks(q, scale, offset, x.dtype), None if bias is None else bias.to(x.dtype))
+
+
+def dequantize_blocks(q, scale, offset, dtype) -> torch.Tensor:
+    """q (N, K) int8, scale and offset (N, G) -> W = q scale - offset per block, (N, K) in ``dtype``."""
+    N, K = q.shape
+    G = scale.shape[1]
+    w = q.view(N, G, K // G).to(dtype).mul_(scale.to(dtype)[..., None])   # in place: one (N, K) copy
+    if offset is not None:
+        w.sub_(offset.to(dtype)[..., None])
+    return w.view(N, K)
+
+
+_LIB.define("int8_block_linear(Tensor x, Tensor q, Tensor scale, Tensor? offset, Tensor? bias) -> Tensor")
+_LIB.impl("int8_block_linear", int8_block_linear, "CompositeExplicitAutograd")
+
+
+@torch.library.register_fake("subquad::int8_block_linear")
+def _(x, q, scale, offset, bias):
     return x.new_empty(*x.shape[:-1], q.shape[0])
 
 
@@ -201,16 +235,11 @@ class Int8Linear(nn.Module):
     def dequantized(self, dtype) -> torch.Tensor:
         if self.scale.dim() == 1:
             return self.q.to(dtype) * self.scale.to(dtype)[:, None]
-        N, K = self.q.shape
-        G = self.scale.shape[1]
-        w = self.q.view(N, G, K // G).to(dtype).mul_(self.scale.to(dtype)[..., None])   # in place: one (N, K) copy
-        if self.offset is not None:
-            w.sub_(self.offset.to(dtype)[..., None])
-        return w.view(N, K)
+        return dequantize_blocks(self.q, self.scale, self.offset, dtype)
 
     def forward(self, x):
-        if self.scale.dim() == 2:                        # blocked: no kernel takes it, the naive product
-            return F.linear(x, self.dequantized(x.dtype), None if self.bias is None else self.bias.to(x.dtype))
+        if self.scale.dim() == 2:                        # blocked: the C kernel for a few rows, else dequantised
+            return torch.ops.subquad.int8_block_linear(x, self.q, self.scale, self.offset, self.bias)
         return torch.ops.subquad.int8_linear(x, self.q, self.scale, self.bias, self.key)
 
     def extra_repr(self):
@@ -375,6 +404,8 @@ def int4_linear(x: torch.Tensor, w: torch.Tensor, scale_zero: torch.Tensor, bias
     form takes x rounded to bfloat16, accumulates in float32 and rounds y to bfloat16. Otherwise: x W^T with
     W = ``int4_dequantize`` in x's dtype (the reference)."""
     N, K = out_features, x.shape[-1]
+    if layout and qgemv.usable(qgemv.INT4, x, qgemv.INT4_ROWS):     # one float32 row: the C kernel, x exact
+        return qgemv.int4_gemv(x, w, scale_zero, bias, N, *LAYOUTS[layout])
     if layout and x.numel() <= INT4_ROWS * K and x.device.type == "cpu":
         y = torch.ops.aten._weight_int4pack_mm_for_cpu(x.reshape(-1, K).bfloat16(), w, K // scale_zero.shape[0],
                                                       scale_zero)

@@ -10,6 +10,7 @@ import pytest
 import torch
 from torch import nn
 
+from subquad.kernels import qgemv
 from subquad.layers.linear import Linear
 from subquad.models import (
     LanguageModel,
@@ -45,7 +46,8 @@ def test_int8_weights_per_output_channel():
 @pytest.mark.parametrize("rows", [1, 5, DECODE_ROWS, DECODE_ROWS + 1, 40])
 def test_int8_product_against_the_dequantised_weight(rows):
     """Prefill rows (> DECODE_ROWS) multiply by the dequantised weight exactly; decoding rows take fbgemm's
-    int8 kernel, whose 7-bit activations add at most ~1% of the output's scale."""
+    int8 kernel, whose 7-bit activations add at most ~1% of the output's scale (where fbgemm is gone, the C
+    kernel's few rows are exact: x kept float32)."""
     torch.manual_seed(0)
     w, b = torch.randn(300, 96), torch.randn(300)
     lin = Int8Linear(w, b)
@@ -53,7 +55,8 @@ def test_int8_product_against_the_dequantised_weight(rows):
     ref = x.double() @ lin.weight.double().T + b.double()
     got = lin(x)
     assert got.dtype == torch.float32 and got.shape == (rows, 300)
-    assert _rel(got.double(), ref) <= (1e-6 if rows > DECODE_ROWS else 2e-2)
+    exact = rows > DECODE_ROWS or (not quant.FBGEMM and qgemv.usable(qgemv.INT8, x, qgemv.INT8_ROWS))
+    assert _rel(got.double(), ref) <= (1e-6 if exact else 2e-2)
     assert _rel(lin(x.view(rows, 1, 96)).view(rows, 300), got) == 0       # any leading shape
 
 
@@ -89,6 +92,14 @@ def test_the_custom_op_checks_out():
     lin = Int8Linear(torch.randn(8, 16))
     torch.library.opcheck(torch.ops.subquad.int8_linear.default, (torch.randn(2, 16), lin.q, lin.scale, None, lin.key),
                           test_utils=("test_schema", "test_faketensor"))
+    blocked = Int8Linear.from_blocks(lin.q, torch.rand(8, 2) + 0.1, torch.randn(8, 2), torch.randn(8))
+    for rows in (2, 40):                                        # the C kernel's rows and the dequantising path's
+        torch.library.opcheck(torch.ops.subquad.int8_block_linear.default,
+                              (torch.randn(rows, 16), blocked.q, blocked.scale, blocked.offset, blocked.bias),
+                              test_utils=("test_schema", "test_faketensor"))
+        x = torch.randn(rows, 16)
+        ref = x.double() @ blocked.weight.double().T + blocked.bias.double()
+        assert _rel(blocked(x).double(), ref) <= 1e-6
 
 
 def _model(pattern="mamba,softmax", **over):
@@ -197,10 +208,11 @@ def test_int4_packing_equals_torchs_own(N):
 @pytest.mark.parametrize("g", [32, 128])
 @pytest.mark.parametrize("rows", [1, 3, INT4_ROWS, INT4_ROWS + 1])
 def test_int4_product_against_the_dequantised_weight(g, rows):
-    """An odd output width (300: not a multiple of 16, the kernel pads it), a bias, batch > 1. Decoding rows take
-XX
-    y plus float32's rounding of the sum against float64 over the dequantised weights; prefill rows (and a
-    CPU without the kernel) multiply by the dequantised weights in float32: float32's rounding only."""
+    """An odd output width (300: not a multiple of 16, the kernel pads it), a bias, batch > 1. One float32 row
+    takes the C kernel (kernels/qgemv.c: x kept float32, float32's rounding of the sums only); more decoding rows
+    (<= INT4_ROWS) torch's int4 kernel, which rounds x to bfloat16 and y to bfloat16: within 2^-8 of |y| plus
+    float32's rounding of the sum against float64 over the dequantised weights; prefill rows (and a CPU without
+    the kernel) multiply by the dequantised weights in float32: float32's rounding only."""
     torch.manual_seed(0)
     K = 3 * g
     w, b = torch.randn(300, K), torch.randn(300)
@@ -210,7 +222,7 @@ XX
     got = lin(x)
     assert got.dtype == torch.float32 and got.shape == (rows, 300)
     sums = 1e-6 * (x.double().abs() @ W.abs().T)                              # float32's rounding of the sums
-    if quant._layout() and rows <= INT4_ROWS:
+    if quant._layout() and rows <= INT4_ROWS and not qgemv.usable(qgemv.INT4, x, qgemv.INT4_ROWS):
         ref = x.bfloat16().double() @ W.T
         assert ((got.double() - b.double() - ref).abs() <= ref.abs() * 2 ** -8 + sums).all()      # u = 2^-8
     else:

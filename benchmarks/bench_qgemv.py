@@ -1,0 +1,110 @@
+"""The quantised products of a decoding step: the C kernels (``kernels/qgemv.c``, x kept float32) against the
+library kernels they replace - fbgemm's int8 ``linear_dynamic`` (x rounded to 7-8 bits per call), torch's int4
+``_weight_int4pack_mm_for_cpu`` (x rounded to bfloat16), the dequantised product a blocked (GGUF Q8_0) weight
+took - and the float32 product, at mamba-130m's matrices, 1 to 16 rows, 2 threads, rounds interleaved.
+
+    python benchmarks/bench_qgemv.py              # ~1 min; writes results/qgemv.{md,png}
+
+us per call (median of the rounds) and the weights' read bound (bytes over ``--bandwidth`` GB/s).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from benchmarks.common import OUT, machine_line, matmul_gflops  # noqa: E402
+
+MATRICES = {"in_proj 3072x768": (3072, 768), "out_proj 768x1536": (768, 1536), "head 50280x768": (50280, 768)}
+
+
+def per_call(fn, budget_s: float) -> float:
+    fn()
+    n, t = 0, time.perf_counter()
+    while True:
+        fn()
+        n += 1
+        el = time.perf_counter() - t
+        if el > budget_s and n >= 3:
+            return el / n * 1e6
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--rows", default="1,2,4,8,16")
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--bandwidth", type=float, default=27.4, help="GB/s for the read bound column")
+    a = ap.parse_args(argv)
+    torch.set_num_threads(a.threads)
+    import torch.nn.functional as F
+
+    from subquad.kernels import qgemv
+    from subquad.models import quant
+
+    assert qgemv.INT8.available(), "the C kernels could not be built here"
+    torch.manual_seed(0)
+    results: dict[tuple, list] = {}
+    cases = []
+    for name, (N, K) in MATRICES.items():
+        w = torch.randn(N, K) * K ** -0.5
+        l8, l4 = quant.Int8Linear(w), quant.Int4Linear(w, None, 128)
+        blocks = quant.Int8Linear.from_blocks(l8.q, l8.scale[:, None].expand(N, K // 32).contiguous())   # Q8_0's
+        layout = quant.LAYOUTS.get(l4.layout)
+        for M in map(int, a.rows.split(",")):
+            x = torch.randn(M, K)
+            row = {
+                "int8 C": lambda x=x, l8=l8: qgemv.int8_gemv(x, l8.q, l8.scale, None, None),
+                "int8 fbgemm": lambda x=x, l8=l8: torch.ops.quantized.linear_dynamic(
+                    x, quant._packed(l8.q, l8.scale, l8.key_id), quant.REDUCE_RANGE),
+                "int8 blocks C": lambda x=x, b=blocks: qgemv.int8_gemv(x, b.q, b.scale, None, None),
+                "int8 blocks dequantised": lambda x=x, b=blocks: F.linear(x, b.dequantized(torch.float32)),
+                "float32": lambda x=x, w=w: F.linear(x, w),
+            }
+            if layout:
+                row["int4 C"] = lambda x=x, l4=l4, N=N: qgemv.int4_gemv(x, l4.w, l4.scale_zero, None, N, *layout)
+                row["int4 torch"] = lambda x=x, l4=l4, N=N: torch.ops.aten._weight_int4pack_mm_for_cpu(
+                    x.bfloat16(), l4.w, 128, l4.scale_zero).float()
+            cases.append((name, N, K, M, row))
+    budget = 0.15
+    for r in range(a.rounds):
+        for name, N, K, M, row in cases:
+            for kind, fn in row.items():
+                results.setdefault((name, M, kind), []).append(per_call(fn, budget * (3 if "head" in name else 1)))
+        print(f"round {r + 1}/{a.rounds}", flush=True)
+    kinds = list(cases[0][4])
+    machine = machine_line(matmul_gflops())
+    lines = [f"us per call, median of {a.rounds} rounds, {a.threads} threads; {machine}", "",
+             "| matrix | rows | " + " | ".join(kinds) + " | int8 / int4 read bound |",
+             "|---|---:|" + "---:|" * (len(kinds) + 1)]
+    for name, N, K, M, row in cases:
+        med = [statistics.median(results[(name, M, k)]) for k in kinds]
+        bound = f"{N * K / a.bandwidth / 1e3:.0f} / {N * K / 2 / a.bandwidth / 1e3:.0f}"
+        lines.append(f"| {name} | {M} | " + " | ".join(f"{v:.0f}" for v in med) + f" | {bound} |")
+    print("\n".join(lines))
+    OUT.mkdir(exist_ok=True)
+    (OUT / "qgemv.md").write_text("\n".join(lines) + "\n")
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(MATRICES), figsize=(5 * len(MATRICES), 4))
+    for ax, name in zip(axes, MATRICES):
+        for k in kinds:
+            ms = [M for n, _, _, M, _ in cases if n == name]
+            ax.plot(ms, [statistics.median(results[(name, M, k)]) for M in ms], marker="o", label=k)
+        ax.set(title=name, xlabel="rows", ylabel="us per call", xscale="log", yscale="log")
+    axes[0].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(OUT / "qgemv.png", dpi=90)
+
+
+if __name__ == "__main__":
+    main()

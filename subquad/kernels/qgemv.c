@@ -1,0 +1,274 @@
+/* Quantised weights times a few float32 rows (a decoding step's products), reading each weight byte once.
+ *
+ * int8_gemv:  y[m, n] = sum_g scale[n, g] (sum_{k in g} q[n, k] x[m, k]) - offset[n, g] (sum_{k in g} x[m, k])
+ *                       + bias[n]
+ *             q (N, K) int8 row-major, scale (and offset, or NULL) (N, G) float32, G groups of K / G inputs
+ *             (G = 1: one scale per output channel), x (M, K) with row stride ldx, y (M, N).
+ * int4_gemv:  y[m, n] = sum_g s[g, n] (sum_{k in g} c[n, k] x[m, k]) + (z[g, n] - 8 s[g, n]) (sum_{k in g} x[m, k])
+ *                       + bias[n]
+ *             c in [0, 15] packed as torch's _weight_int4pack_mm_for_cpu packs them (quant.py's LAYOUTS): rows in
+ *             blocks of BN, each block k-major (K, BN / 2) bytes; in a full block byte j holds rows j (low nibble)
+ *             and j + BN / 2 (high) when split, rows 2j and 2j + 1 otherwise, and so does a last, shorter block;
+ *             sz (G, Np, 2) bfloat16 scale and zero per group, Np = N rounded up to 16.
+ *
+ * x stays float32 (no rounding of the activations, unlike fbgemm's 8-bit x and torch's int4 kernel's bfloat16
+ * x), sums in float32. Threads split the output rows; each weight row (int8) or row block (int4) is read once
+ * for all M rows of x, so M rows cost one pass over the weights. */
+
+#include "common.h"
+
+static inline float bf16_f(uint16_t v) {
+    uint32_t bits = (uint32_t)v << 16;
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
+
+/* Group g's sums of x, per row: xs (M, G). */
+static void group_sums(int64_t M, int64_t G, int64_t gs, const float *x, int64_t ldx, float *xs) {
+    for (int64_t m = 0; m < M; m++)
+        for (int64_t g = 0; g < G; g++) {
+            float s = 0;
+            for (int64_t k = g * gs; k < (g + 1) * gs; k++)
+                s += x[m * ldx + k];
+            xs[m * G + g] = s;
+        }
+}
+
+/* Four rows of q against one row of x, groups of K / G (a multiple of 16): sum_g scale[r, g] (q_r . x)_g. */
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define SIMD 1
+
+static inline __m256 i8_f(__m128i v) { return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v)); }   /* low 8 bytes */
+static inline __m256 u8_f(__m128i v) { return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(v)); }
+
+static inline float hsum8(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+static inline void dot4s(const int8_t *q, int64_t K, const float *x, int64_t G, const float *scale, float out[4]) {
+    const int64_t gs = K / G;
+    __m256 t[8];
+    for (int i = 0; i < 8; i++)
+        t[i] = _mm256_setzero_ps();
+    for (int64_t g = 0; g < G; g++) {
+        __m256 a[8];
+        for (int i = 0; i < 8; i++)
+            a[i] = _mm256_setzero_ps();
+        for (int64_t k = g * gs; k < (g + 1) * gs; k += 16) {
+            const __m256 x0 = _mm256_loadu_ps(x + k), x1 = _mm256_loadu_ps(x + k + 8);
+            for (int r = 0; r < 4; r++) {
+                const __m128i v = _mm_loadu_si128((const __m128i *)(q + r * K + k));
+                a[2 * r] = _mm256_fmadd_ps(i8_f(v), x0, a[2 * r]);
+                a[2 * r + 1] = _mm256_fmadd_ps(i8_f(_mm_srli_si128(v, 8)), x1, a[2 * r + 1]);
+            }
+        }
+        for (int r = 0; r < 4; r++) {                 /* the group's scale, still as vectors */
+            const __m256 s = _mm256_set1_ps(scale[r * G + g]);
+            t[2 * r] = _mm256_fmadd_ps(a[2 * r], s, t[2 * r]);
+            t[2 * r + 1] = _mm256_fmadd_ps(a[2 * r + 1], s, t[2 * r + 1]);
+        }
+    }
+    for (int r = 0; r < 4; r++)
+        out[r] = hsum8(_mm256_add_ps(t[2 * r], t[2 * r + 1]));
+}
+#else
+#define SIMD 0
+
+static inline void dot4s(const int8_t *q, int64_t K, const float *x, int64_t G, const float *scale, float out[4]) {
+    const int64_t gs = K / G;
+    out[0] = out[1] = out[2] = out[3] = 0.0f;
+    for (int64_t g = 0; g < G; g++) {
+        float a0[16] = {0}, a1[16] = {0}, a2[16] = {0}, a3[16] = {0};
+        for (int64_t k = g * gs; k < (g + 1) * gs; k += 16)
+            for (int j = 0; j < 16; j++) {
+                const float xv = x[k + j];
+                a0[j] += (float)q[k + j] * xv;
+                a1[j] += (float)q[K + k + j] * xv;
+                a2[j] += (float)q[2 * K + k + j] * xv;
+                a3[j] += (float)q[3 * K + k + j] * xv;
+            }
+        float s0 = 0, s1 = 0, s2 = 0, s3 = 0;
+        for (int j = 0; j < 16; j++)
+            s0 += a0[j], s1 += a1[j], s2 += a2[j], s3 += a3[j];
+        out[0] += scale[g] * s0, out[1] += scale[G + g] * s1, out[2] += scale[2 * G + g] * s2;
+        out[3] += scale[3 * G + g] * s3;
+    }
+}
+#endif
+
+static inline float dot1(const int8_t *q, const float *x, int64_t k0, int64_t k1) {
+    float a[16] = {0};
+    int64_t k = k0;
+    for (; k + 16 <= k1; k += 16)
+        for (int j = 0; j < 16; j++)
+            a[j] += (float)q[k + j] * x[k + j];
+    float s = 0;
+    for (int j = 0; j < 16; j++)
+        s += a[j];
+    for (; k < k1; k++)
+        s += (float)q[k] * x[k];
+    return s;
+}
+
+void int8_gemv(int64_t M, int64_t N, int64_t K, int64_t G, int threads, const float *x, int64_t ldx,
+               const int8_t *q, const float *scale, const float *offset, const float *bias, float *y,
+               float *xs) {                                  /* xs: scratch of M G floats */
+    const int64_t gs = K / G;
+    if (offset)
+        group_sums(M, G, gs, x, ldx, xs);
+    const int fast = gs % 16 == 0;
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t n4 = 0; n4 < (N + 3) / 4; n4++) {
+        const int64_t n0 = n4 * 4;
+        for (int64_t m = 0; m < M; m++) {
+            const float *xm = x + m * ldx;
+            float out[4] = {0, 0, 0, 0};
+            if (fast && n0 + 4 <= N)                     /* four rows at once, scaled per group as vectors */
+                dot4s(q + n0 * K, K, xm, G, scale + n0 * G, out);
+            else
+                for (int r = 0; r < 4 && n0 + r < N; r++)
+                    for (int64_t g = 0; g < G; g++)
+                        out[r] += scale[(n0 + r) * G + g] * dot1(q + (n0 + r) * K, xm, g * gs, (g + 1) * gs);
+            if (offset)
+                for (int r = 0; r < 4 && n0 + r < N; r++)
+                    for (int64_t g = 0; g < G; g++)
+                        out[r] -= offset[(n0 + r) * G + g] * xs[m * G + g];
+            for (int r = 0; r < 4 && n0 + r < N; r++)
+                y[m * N + n0 + r] = out[r] + (bias ? bias[n0 + r] : 0.0f);
+        }
+    }
+}
+
+/* A split block of 64 (h = 32) or 32 (h = 16) rows at w against one row of x: byte j of each k holds rows j
+ * and j + h. Four (two) sums of 16 rows each, kept in registers along k. */
+static inline __attribute__((always_inline)) void int4_split(int64_t K, int64_t G, int64_t Np, int64_t h,
+                                                             const float *x, const float *xs, const uint8_t *w,
+                                                             const uint16_t *sz, int64_t n0, float *out) {
+    const int64_t gs = K / G;
+    for (int64_t r = 0; r < 2 * h; r++)
+        out[r] = 0.0f;
+    for (int64_t g = 0; g < G; g++) {
+#if SIMD
+        __m256 v8[8];
+        float a0[16], a1[16], a2[16], a3[16];
+        for (int i = 0; i < 8; i++)
+            v8[i] = _mm256_setzero_ps();
+        const __m128i m4 = _mm_set1_epi8(15);
+        if (h == 32)                  /* 8 sums: bytes 0-15 and 16-31, low and high nibbles, 8 rows each */
+            for (int64_t k = g * gs; k < (g + 1) * gs; k++) {
+                const __m256 xv = _mm256_broadcast_ss(x + k);
+                for (int c = 0; c < 2; c++) {
+                    const __m128i v = _mm_loadu_si128((const __m128i *)(w + k * h + 16 * c));
+                    const __m128i lo = _mm_and_si128(v, m4), hi = _mm_and_si128(_mm_srli_epi16(v, 4), m4);
+                    v8[4 * c] = _mm256_fmadd_ps(u8_f(lo), xv, v8[4 * c]);
+                    v8[4 * c + 1] = _mm256_fmadd_ps(u8_f(_mm_srli_si128(lo, 8)), xv, v8[4 * c + 1]);
+                    v8[4 * c + 2] = _mm256_fmadd_ps(u8_f(hi), xv, v8[4 * c + 2]);
+                    v8[4 * c + 3] = _mm256_fmadd_ps(u8_f(_mm_srli_si128(hi, 8)), xv, v8[4 * c + 3]);
+                }
+            }
+        else                          /* h = 16: two k at a time into two sets of 4 sums */
+            for (int64_t k = g * gs; k < (g + 1) * gs; k += 2)
+                for (int c = 0; c < 2; c++) {
+                    const __m256 xv = _mm256_broadcast_ss(x + k + c);
+                    const __m128i v = _mm_loadu_si128((const __m128i *)(w + (k + c) * h));
+                    const __m128i lo = _mm_and_si128(v, m4), hi = _mm_and_si128(_mm_srli_epi16(v, 4), m4);
+                    v8[4 * c] = _mm256_fmadd_ps(u8_f(lo), xv, v8[4 * c]);
+                    v8[4 * c + 1] = _mm256_fmadd_ps(u8_f(_mm_srli_si128(lo, 8)), xv, v8[4 * c + 1]);
+                    v8[4 * c + 2] = _mm256_fmadd_ps(u8_f(hi), xv, v8[4 * c + 2]);
+                    v8[4 * c + 3] = _mm256_fmadd_ps(u8_f(_mm_srli_si128(hi, 8)), xv, v8[4 * c + 3]);
+                }
+        if (h == 32) {                /* a0: rows 0-15, a1: 16-31, a2: 32-47, a3: 48-63 */
+            _mm256_storeu_ps(a0, v8[0]), _mm256_storeu_ps(a0 + 8, v8[1]);
+            _mm256_storeu_ps(a2, v8[2]), _mm256_storeu_ps(a2 + 8, v8[3]);
+            _mm256_storeu_ps(a1, v8[4]), _mm256_storeu_ps(a1 + 8, v8[5]);
+            _mm256_storeu_ps(a3, v8[6]), _mm256_storeu_ps(a3 + 8, v8[7]);
+        } else {                      /* a0: rows 0-15, a2: 16-31 */
+            _mm256_storeu_ps(a0, _mm256_add_ps(v8[0], v8[4])), _mm256_storeu_ps(a0 + 8, _mm256_add_ps(v8[1], v8[5]));
+            _mm256_storeu_ps(a2, _mm256_add_ps(v8[2], v8[6])), _mm256_storeu_ps(a2 + 8, _mm256_add_ps(v8[3], v8[7]));
+        }
+#else
+        float a0[16] = {0}, a1[16] = {0}, a2[16] = {0}, a3[16] = {0};
+        for (int64_t k = g * gs; k < (g + 1) * gs; k++) {
+            const uint8_t *b = w + k * h;
+            const float xv = x[k];
+            for (int j = 0; j < 16; j++) {
+                a0[j] += (float)(b[j] & 15) * xv;
+                a2[j] += (float)(b[j] >> 4) * xv;
+            }
+            if (h == 32)
+                for (int j = 0; j < 16; j++) {
+                    a1[j] += (float)(b[16 + j] & 15) * xv;
+                    a3[j] += (float)(b[16 + j] >> 4) * xv;
+                }
+        }
+#endif
+        const uint16_t *sg = sz + (g * Np + n0) * 2;
+        const float xg = xs[g];
+        for (int j = 0; j < 16; j++) {                  /* rows j, (16 + j,) h + j, (h + 16 + j) */
+            float s = bf16_f(sg[2 * j]), z = bf16_f(sg[2 * j + 1]);
+            out[j] += s * a0[j] + (z - 8.0f * s) * xg;
+            s = bf16_f(sg[2 * (h + j)]), z = bf16_f(sg[2 * (h + j) + 1]);
+            out[h + j] += s * a2[j] + (z - 8.0f * s) * xg;
+            if (h == 32) {
+                s = bf16_f(sg[2 * (16 + j)]), z = bf16_f(sg[2 * (16 + j) + 1]);
+                out[16 + j] += s * a1[j] + (z - 8.0f * s) * xg;
+                s = bf16_f(sg[2 * (48 + j)]), z = bf16_f(sg[2 * (48 + j) + 1]);
+                out[48 + j] += s * a3[j] + (z - 8.0f * s) * xg;
+            }
+        }
+    }
+}
+
+/* Any block of bn <= 64 rows, byte j of each k holding rows 2j and 2j + 1 (split = 0) or j and j + bn / 2. */
+static void int4_any(int64_t K, int64_t G, int64_t Np, int64_t bn, int split, const float *x, const float *xs,
+                     const uint8_t *w, const uint16_t *sz, int64_t n0, float *out) {
+    const int64_t gs = K / G, h = bn / 2;
+    float acc[64];
+    for (int64_t r = 0; r < bn; r++)
+        out[r] = 0.0f;
+    for (int64_t g = 0; g < G; g++) {
+        for (int64_t r = 0; r < bn; r++)
+            acc[r] = 0.0f;
+        for (int64_t k = g * gs; k < (g + 1) * gs; k++) {
+            const uint8_t *b = w + k * h;
+            for (int64_t j = 0; j < h; j++) {
+                acc[split ? j : 2 * j] += (float)(b[j] & 15) * x[k];
+                acc[split ? j + h : 2 * j + 1] += (float)(b[j] >> 4) * x[k];
+            }
+        }
+        const uint16_t *sg = sz + (g * Np + n0) * 2;
+        for (int64_t r = 0; r < bn; r++) {
+            const float s = bf16_f(sg[2 * r]), z = bf16_f(sg[2 * r + 1]);
+            out[r] += s * acc[r] + (z - 8.0f * s) * xs[g];
+        }
+    }
+}
+
+void int4_gemv(int64_t M, int64_t N, int64_t Np, int64_t K, int64_t G, int64_t BN, int split, int threads,
+               const float *x, int64_t ldx, const uint8_t *w, const uint16_t *sz, const float *bias, float *y,
+               float *xs) {                                  /* xs: scratch of M G floats */
+    const int64_t full = Np / BN;
+    group_sums(M, G, K / G, x, ldx, xs);
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t blk = 0; blk < full + (full * BN < Np); blk++) {
+        const int64_t n0 = blk * BN, bn = blk < full ? BN : Np - n0;
+        const uint8_t *wb = w + n0 * K / 2;
+        float out[64];
+        for (int64_t m = 0; m < M; m++) {
+            const float *xm = x + m * ldx, *xsm = xs + m * G;
+            if (bn == 64 && split && BN == 64)
+                int4_split(K, G, Np, 32, xm, xsm, wb, sz, n0, out);
+            else if (bn == 32 && split && BN == 32)
+                int4_split(K, G, Np, 16, xm, xsm, wb, sz, n0, out);
+            else                                           /* a last, shorter block is in pairs */
+                int4_any(K, G, Np, bn, split && bn == BN, xm, xsm, wb, sz, n0, out);
+            for (int64_t r = 0; r < bn && n0 + r < N; r++)
+                y[m * N + n0 + r] = out[r] + (bias ? bias[n0 + r] : 0.0f);
+        }
+    }
+}

@@ -1,0 +1,70 @@
+"""Quantised weights times a few float32 rows in C (``qgemv.c``): a decoding step's int8 and int4 products.
+
+    int8   y = x (q * scale - offset)^T + bias     q (N, K) int8, scale/offset (N, G) per group of K/G inputs
+                                                    (G = 1: per output channel; offset None: symmetric)
+    int4   y = x ((c - 8) s + z)^T + bias          c (N, K) in [0, 15] in torch's packed int4 layout
+                                                    (``models.quant.LAYOUTS``), s, z bfloat16 per group
+
+x stays float32 (fbgemm's int8 kernel rounds it to 7-8 bits per call, torch's int4 kernel to bfloat16), so a
+row's result does not depend on the rows beside it. Each weight byte is read once per call for all its rows.
+Used by ``models.quant`` for products of a few float32 rows on the CPU (``INT8_ROWS``, ``INT4_ROWS``: where
+they measure faster) when the library builds (``kernels.enabled``); the naive reference is the dequantised product (``Int8Linear.dequantized``,
+``quant.int4_dequantize``), which the tests hold it to in float64.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from subquad.kernels import I64, INT, PTR, Kernel, enabled
+
+# Up to how many rows the C kernels are faster than what else runs (benchmarks/bench_qgemv.py; AMD EPYC, AVX2):
+# int8 per block (a GGUF Q8_0 / Q6_K / Q4_K file's matrices) against the dequantised product: 4-8x at one row,
+# 1.5-3.4x at 8; int8 per channel against fbgemm's kernel: slower at every row count, so only where fbgemm is
+# gone; int4 against torch's kernel: 1.3-1.7x at one row, slower from 2 (each row decodes the nibbles again).
+INT8_ROWS = 8
+INT4_ROWS = 1
+
+INT8 = Kernel("int8_gemv", [I64, I64, I64, I64, INT, PTR, I64, PTR, PTR, PTR, PTR, PTR, PTR], "qgemv")
+INT4 = Kernel("int4_gemv", [I64, I64, I64, I64, I64, I64, INT, INT, PTR, I64, PTR, PTR, PTR, PTR, PTR],
+              "qgemv")
+
+
+def usable(kernel: Kernel, x: torch.Tensor, rows: int) -> bool:
+    """Whether ``kernel`` may take x (..., K): float32 on the CPU, 1 to ``rows`` rows, kernels on and built."""
+    return x.dtype == torch.float32 and x.device.type == "cpu" and 0 < x.numel() <= rows * x.shape[-1] \
+        and enabled() and kernel.available()
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    x2 = x.reshape(-1, x.shape[-1])
+    return x2 if x2.stride(-1) == 1 else x2.contiguous()
+
+
+def int8_gemv(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor | None,
+              bias: torch.Tensor | None) -> torch.Tensor:
+    """x (..., K) float32 (``usable``), q (N, K) int8, scale (N,) or (N, G), offset like scale or None, bias (N,)
+    or None -> (..., N) float32."""
+    x2 = _rows(x)
+    M, K = x2.shape
+    N = q.shape[0]
+    G = 1 if scale.dim() == 1 else scale.shape[1]
+    y = x2.new_empty(M, N)
+    scratch = x2.new_empty(M * G)
+    INT8(M, N, K, G, torch.get_num_threads(), x2, x2.stride(0), q, scale, offset, bias, y, scratch)
+    return y.view(*x.shape[:-1], N)
+
+
+def int4_gemv(x: torch.Tensor, w: torch.Tensor, scale_zero: torch.Tensor, bias: torch.Tensor | None,
+              out_features: int, block: int, split: bool) -> torch.Tensor:
+    """x (..., K) float32 (``usable``), w (N', K/2) uint8 in torch's packed layout of ``block``-row blocks
+    (``split``: a byte holds rows j and j + block/2), scale_zero (K/g, N', 2) bfloat16, bias (N,) or None ->
+    (..., N) float32, N = ``out_features``."""
+    x2 = _rows(x)
+    M, K = x2.shape
+    G, Np = scale_zero.shape[0], scale_zero.shape[1]
+    y = x2.new_empty(M, out_features)
+    scratch = x2.new_empty(M * G)
+    INT4(M, out_features, Np, K, G, block, int(split), torch.get_num_threads(), x2, x2.stride(0), w, scale_zero,
+         bias, y, scratch)
+    return y.view(*x.shape[:-1], out_features)

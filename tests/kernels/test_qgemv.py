@@ -1,0 +1,111 @@
+"""The quantised products in C (kernels/qgemv.c) against the dequantised weights multiplied in float64: int8 per
+channel and per block (with and without offsets, GGUF's Q8_0 / Q4_1-like forms), int4 in every packed layout
+torch's kernel uses (blocks of 64 and 32 rows, split or in pairs, a last shorter block), odd widths, 1 to 16 rows,
+a strided x; a row's result does not depend on the rows beside it; the kernels off, the library falls back."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from subquad.kernels import qgemv
+from subquad.models import quant
+
+pytestmark = pytest.mark.skipif(not qgemv.INT8.available(), reason="no C compiler: the kernel cannot be built")
+
+
+def _rel(got, ref):
+    return ((got.double() - ref).abs().max() / ref.abs().max()).item()
+
+
+@pytest.mark.parametrize("M,N,K,G,offset,bias", [
+    (1, 3072, 768, 1, False, False),      # mamba-130m's in_proj, one row
+    (3, 77, 96, 1, False, True),          # odd width (not a multiple of the 4 rows a pass takes)
+    (16, 50, 64, 2, True, True),          # blocks with offsets, the most rows
+    (5, 33, 128, 4, True, False),
+    (2, 9, 40, 1, False, False),          # K not a multiple of 16: the scalar tail
+    (4, 64, 96, 3, False, True),          # blocks of 32 (Q8_0) without offsets
+])
+def test_int8_against_the_dequantised_weight(M, N, K, G, offset, bias):
+    g = torch.Generator().manual_seed(M * 1000 + N)
+    q = torch.randint(-127, 128, (N, K), dtype=torch.int8, generator=g)
+    scale = torch.rand(N, G, generator=g) + 0.01 if G > 1 else torch.rand(N, generator=g) + 0.01
+    off = torch.randn(N, G, generator=g) if offset else None
+    b = torch.randn(N, generator=g) if bias else None
+    xx = torch.randn(M, K + 5, generator=g)
+    x = xx[:, 2:K + 2]                                          # a row stride that is not K
+    W = q.double().view(N, G, K // G) * scale.double().view(N, G, 1)
+    if off is not None:
+        W = W - off.double()[..., None]
+    ref = x.double() @ W.reshape(N, K).T + (0 if b is None else b.double())
+    got = qgemv.int8_gemv(x, q, scale, off, b)
+    assert got.shape == (M, N) and got.dtype == torch.float32
+    assert _rel(got, ref) <= 1e-6
+    for m in range(M):                                          # a row alone gives the same bits
+        assert torch.equal(qgemv.int8_gemv(x[m:m + 1], q, scale, off, b)[0], got[m])
+
+
+@pytest.mark.parametrize("layout", sorted(quant.LAYOUTS))
+@pytest.mark.parametrize("M,N,K,gs,bias", [
+    (1, 3072, 768, 128, False),
+    (4, 304, 256, 32, True),              # a last, shorter block (304 = 4 x 64 + 48)
+    (16, 48, 128, 64, True),              # shorter than one block of 64
+    (3, 112, 512, 256, False),
+])
+def test_int4_in_every_packed_layout(layout, M, N, K, gs, bias):
+    """The layouts are packed here with quant.kernel_pack (what Int4Linear holds on a CPU with that layout)."""
+    g = torch.Generator().manual_seed(N + K)
+    w = torch.randn(N, K, generator=g)
+    codes, scale, zero = quant.int4_quantize(w, gs)
+    packed = quant.kernel_pack(codes, layout)
+    sz = quant._scale_zero(scale, zero, N)
+    b = torch.randn(N, generator=g) if bias else None
+    x = torch.randn(M, K, generator=g)
+    ref = x.double() @ quant.int4_dequantize(codes, scale, zero, torch.float64).T + (0 if b is None else b.double())
+    block, split = quant.LAYOUTS[layout]
+    got = qgemv.int4_gemv(x, packed, sz, b, N, block, split)
+    assert got.shape == (M, N)
+    assert _rel(got, ref) <= 2e-6
+    assert torch.equal(qgemv.int4_gemv(x[-1:], packed, sz, b, N, block, split)[0], got[-1])
+
+
+def test_int4_of_a_padded_module():
+    """Int4Linear pads N to 16 (300 -> 304): the kernel writes only the N real rows."""
+    torch.manual_seed(0)
+    lin = quant.Int4Linear(torch.randn(300, 96), torch.randn(300), 32)
+    x = torch.randn(2, 96)
+    if lin.layout == 0:
+        pytest.skip("torch has no int4 kernel on this CPU: nothing packed to read")
+    ref = x.double() @ lin.weight.double().T + lin.bias.double()
+    got = qgemv.int4_gemv(x, lin.w, lin.scale_zero, lin.bias, 300, *quant.LAYOUTS[lin.layout])
+    assert got.shape == (2, 300) and _rel(got, ref) <= 2e-6
+
+
+def test_usable_says_when():
+    x = torch.randn(3, 64)
+    assert qgemv.usable(qgemv.INT8, x, 3) and not qgemv.usable(qgemv.INT8, x, 2)
+    assert not qgemv.usable(qgemv.INT8, x[:0], 3)
+    assert not qgemv.usable(qgemv.INT8, x.double(), 3)
+    assert not qgemv.usable(qgemv.INT8, x.bfloat16(), 3)
+
+
+def test_the_modules_take_it_and_off_means_the_library_paths(monkeypatch):
+    """A blocked Int8Linear (a GGUF file's Q8_0 / Q4_K matrices) and an Int4Linear take the C kernel for their
+    rows (x exact); SUBQUAD_KERNELS=0: the dequantised product (exact too) and torch's int4 kernel (x rounded to
+    bfloat16) - the same weights either way."""
+    torch.manual_seed(0)
+    q = torch.randint(-127, 128, (64, 96), dtype=torch.int8)
+    blocked = quant.Int8Linear.from_blocks(q, torch.rand(64, 3) + 0.1, torch.randn(64, 3), torch.randn(64))
+    lin4 = quant.Int4Linear(torch.randn(64, 96), None, 32)
+    calls = []
+    for k in (qgemv.INT8, qgemv.INT4):
+        monkeypatch.setattr(k, "f", (lambda f: lambda *a: calls.append(1) or f(*a))(k._function()))
+    x8, x4 = torch.randn(qgemv.INT8_ROWS, 96), torch.randn(qgemv.INT4_ROWS, 96)
+    with_kernel = blocked(x8), lin4(x4)
+    assert len(calls) == (2 if lin4.layout else 1)
+    monkeypatch.setenv("SUBQUAD_KERNELS", "0")
+    without = blocked(x8), lin4(x4)
+    assert len(calls) == (2 if lin4.layout else 1)
+    for a, b, x, lin, tol in zip(with_kernel, without, (x8, x4), (blocked, lin4), (1e-6, 1e-2)):
+        r = x.double() @ lin.weight.double().T + (0 if lin.bias is None else lin.bias.double())
+        assert _rel(a, r) <= 1e-6 and _rel(b, r) <= tol
