@@ -8,8 +8,8 @@
 x stays float32 (fbgemm's int8 kernel rounds it to 7-8 bits per call, torch's int4 kernel to bfloat16), so a
 row's result does not depend on the rows beside it. Each weight byte is read once per call for all its rows.
 Used by ``models.quant`` for products of a few float32 rows on the CPU (``INT8_ROWS``, ``INT4_ROWS``: where
-they measure faster) when the library builds (``kernels.enabled``); the naive reference is the dequantised product (``Int8Linear.dequantized``,
-``quant.int4_dequantize``), which the tests hold it to in float64.
+they measure faster) when the library builds (``kernels.enabled``); the naive reference is the dequantised
+product (``Int8Linear.dequantized``, ``quant.int4_dequantize``), which the tests hold it to in float64.
 """
 
 from __future__ import annotations
