@@ -8,6 +8,7 @@ vocab 50,280) saved as a Hugging Face folder and as GGUF files of the same weigh
                            && cmake --build build --target llama-server -j 2
                    run as ``llama-server -m F.gguf -t 2 -tb 2 --parallel 16 -c 16*512 --no-webui``
     subquad serve  ``--max-batch 16``, default (eager) and ``--compile-decode``, float32 and ``--quantize int8``
+                   (each)
 
     python benchmarks/bench_llama_server.py --llama-server /path/to/build/bin/llama-server
     python benchmarks/bench_llama_server.py --llama-server ... --quick    # 2 streams, 8 tokens: the script runs
@@ -115,6 +116,7 @@ def main(argv=None):
             "llama-server q8_0": dict(command=llama + ["-m", Path(tmp) / "m-q8_0.gguf"]),
             "subquad serve f32 (eager)": dict(args=()),
             "subquad serve f32 --compile-decode": dict(args=("--compile-decode",)),
+            "subquad serve int8 (eager)": dict(args=("--quantize", "int8")),
             "subquad serve int8 --compile-decode": dict(args=("--compile-decode", "--quantize", "int8")),
         }
         if a.only:

@@ -1,5 +1,5 @@
 /* What the kernels share: exp, silu, softplus written out (Cephes' expf polynomial; log1p through atanh's
- * series) so the loops vectorise without -ffast-math, a thread's share of a range, and the short convolution's
+ * series) so the loops vectorise without -ffast-math, and as AVX2 intrinsics on 8 at once, a thread's share of a range, and the short convolution's
  * step. Included by each kernel; its text is part of every kernel's build key (kernels/__init__.py). */
 
 #ifndef SUBQUAD_KERNELS_COMMON_H
@@ -39,6 +39,89 @@ static inline float softplus_f(float x) {         /* torch's softplus: x past 20
     return x > 20.0f ? x : v;
 }
 
+/* The same functions on 8 floats at once where the CPU has AVX2 and FMA (gcc leaves the scalar forms' loops
+ * unvectorised where they hold a branch or sit beside another inner loop), and over arrays either way. */
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define SUBQUAD_AVX2 1
+
+static inline __m256 exp8(__m256 x) {
+    x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.0f)), _mm256_set1_ps(88.0f));
+    const __m256 big = _mm256_set1_ps(12582912.0f);
+    __m256 n = _mm256_sub_ps(_mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), big), big);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+    r = _mm256_fmadd_ps(n, _mm256_set1_ps(2.12194440e-4f), r);
+    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+    p = _mm256_add_ps(_mm256_fmadd_ps(_mm256_mul_ps(p, r), r, r), _mm256_set1_ps(1.0f));
+    const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
+}
+
+static inline __m256 silu8(__m256 x) {
+    const __m256 one = _mm256_set1_ps(1.0f);
+    return _mm256_div_ps(x, _mm256_add_ps(one, exp8(_mm256_sub_ps(_mm256_setzero_ps(), x))));
+}
+
+static inline __m256 softplus8(__m256 x) {
+    const __m256 zero = _mm256_setzero_ps();
+    __m256 y = exp8(_mm256_min_ps(x, _mm256_sub_ps(zero, x)));                     /* e^-|x| */
+    __m256 s = _mm256_div_ps(y, _mm256_add_ps(_mm256_set1_ps(2.0f), y)), s2 = _mm256_mul_ps(s, s);
+    __m256 t = _mm256_set1_ps(1.0f / 13);
+    t = _mm256_fmadd_ps(t, s2, _mm256_set1_ps(1.0f / 11));
+    t = _mm256_fmadd_ps(t, s2, _mm256_set1_ps(1.0f / 9));
+    t = _mm256_fmadd_ps(t, s2, _mm256_set1_ps(1.0f / 7));
+    t = _mm256_fmadd_ps(t, s2, _mm256_set1_ps(1.0f / 5));
+    t = _mm256_fmadd_ps(t, s2, _mm256_set1_ps(1.0f / 3));
+    t = _mm256_fmadd_ps(t, s2, _mm256_set1_ps(1.0f));
+    __m256 v = _mm256_add_ps(_mm256_max_ps(x, zero), _mm256_mul_ps(_mm256_add_ps(s, s), t));
+    return _mm256_blendv_ps(v, x, _mm256_cmp_ps(x, _mm256_set1_ps(20.0f), _CMP_GT_OQ));
+}
+
+static inline float hsum8(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+#else
+#define SUBQUAD_AVX2 0
+#endif
+
+static inline void silu_n(float *v, int64_t n) {                 /* v = silu(v) */
+    int64_t i = 0;
+#if SUBQUAD_AVX2
+    for (; i + 8 <= n; i += 8)
+        _mm256_storeu_ps(v + i, silu8(_mm256_loadu_ps(v + i)));
+#endif
+    for (; i < n; i++)
+        v[i] = silu_f(v[i]);
+}
+
+static inline void softplus_n(float *v, int64_t n) {             /* v = softplus(v) */
+    int64_t i = 0;
+#if SUBQUAD_AVX2
+    for (; i + 8 <= n; i += 8)
+        _mm256_storeu_ps(v + i, softplus8(_mm256_loadu_ps(v + i)));
+#endif
+    for (; i < n; i++)
+        v[i] = softplus_f(v[i]);
+}
+
+static inline void mul_silu_n(float *y, const float *z, int64_t n) {   /* y *= silu(z) */
+    int64_t i = 0;
+#if SUBQUAD_AVX2
+    for (; i + 8 <= n; i += 8)
+        _mm256_storeu_ps(y + i, _mm256_mul_ps(_mm256_loadu_ps(y + i), silu8(_mm256_loadu_ps(z + i))));
+#endif
+    for (; i < n; i++)
+        y[i] *= silu_f(z[i]);
+}
+
 static inline void span(int64_t n, int parts, int i, int64_t *a, int64_t *b) {   /* i-th of parts, by 16s */
     int64_t blocks = (n + 15) / 16;
     *a = blocks * i / parts * 16;
@@ -56,8 +139,9 @@ static inline void conv_step(const float *x, const float *st, float *so, const f
         for (int64_t k = 0; k < K - 1; k++)
             acc += w[c * K + k] * st[k * C + c];
         acc += w[c * K + K - 1] * x[c];
-        out[c] = silu_f(acc);
+        out[c] = acc;
     }
+    silu_n(out + c0, c1 - c0);
     for (int64_t k = 0; k + 1 < K - 1; k++)
         memcpy(so + k * C + c0, st + (k + 1) * C + c0, (c1 - c0) * sizeof(float));
     if (K > 1)

@@ -59,10 +59,11 @@ void delta_step(int64_t B, int64_t H, int64_t Hk, int64_t K, int64_t V, int64_t 
                 float acc = conv_w[c * W + W - 1] * x;
                 for (int64_t j = 0; j < W - 1; j++)
                     acc += conv_w[c * W + j] * st[j * C + c];
-                xb[c] = silu_f(acc);
+                xb[c] = acc;
                 if (W > 1)
                     so[(W - 2) * C + c] = x;
             }
+            silu_n(xb + c0, c1 - c0);
             for (int64_t j = 0; j + 1 < W - 1; j++)
                 memcpy(so + j * C + c0, st + (j + 1) * C + c0, (c1 - c0) * sizeof(float));
         }
@@ -115,14 +116,19 @@ void delta_step(int64_t B, int64_t H, int64_t Hk, int64_t K, int64_t V, int64_t 
                 for (int64_t j = 0; j < V; j++)
                     ss += o[j] * o[j];
                 const float inv = 1.0f / sqrtf(ss / (float)V + norm_eps);
-                for (int64_t j = 0; j < V; j++) {
-                    float y = o[j] * inv * norm_w[j];
-                    if (gate) {
-                        float r = gate[b * gate_row + h * V + j] + (gate_bias ? gate_bias[h * V + j] : 0.0f);
-                        y *= gate_sigmoid ? 1.0f / (1.0f + exp_f(-r)) : silu_f(r);
+                if (gate && !gate_bias && !gate_sigmoid) {          /* silu(gate), 8 at a time */
+                    for (int64_t j = 0; j < V; j++)
+                        o[j] *= inv * norm_w[j];
+                    mul_silu_n(o, gate + b * gate_row + h * V, V);
+                } else
+                    for (int64_t j = 0; j < V; j++) {
+                        float y = o[j] * inv * norm_w[j];
+                        if (gate) {
+                            float r = gate[b * gate_row + h * V + j] + (gate_bias ? gate_bias[h * V + j] : 0.0f);
+                            y *= gate_sigmoid ? 1.0f / (1.0f + exp_f(-r)) : silu_f(r);
+                        }
+                        o[j] = y;
                     }
-                    o[j] = y;
-                }
             }
         }
     }

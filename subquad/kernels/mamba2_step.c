@@ -60,8 +60,7 @@ void mamba2_step(int64_t B, int64_t Dn, int64_t G, int64_t N, int64_t H, int64_t
                         y[p] += cn * v;
                     }
                 }
-                for (int64_t p = 0; p < P; p++)
-                    y[p] *= silu_f(z[p]);
+                mul_silu_n(y, z, P);
             }
         }
         if (norm_w) {

@@ -64,6 +64,15 @@ void mamba_step(int64_t B, int64_t D, int64_t N, int64_t R, int64_t K, int64_t h
                     for (int64_t c = c0; c < c1; c++)
                         dt[c] += w[c] * prr;
                 }
+            } else if (wdt_s1 == 1) {                       /* row-major (nn.Linear's): a dot per channel */
+                for (int64_t c = c0; c < c1; c++) {
+                    const float *w = wdt + c * wdt_s0, *pb = pr + (c / hd) * J;
+                    float acc = 0.0f;
+#pragma omp simd reduction(+ : acc)
+                    for (int64_t r = 0; r < R; r++)
+                        acc += w[r] * pb[r];
+                    dt[c] += acc;
+                }
             } else {
                 for (int64_t c = c0; c < c1; c++) {
                     const float *w = wdt + c * wdt_s0, *pb = pr + (c / hd) * J;
@@ -73,22 +82,34 @@ void mamba_step(int64_t B, int64_t D, int64_t N, int64_t R, int64_t K, int64_t h
                     dt[c] += acc;
                 }
             }
-            for (int64_t c = c0; c < c1; c++)
-                dt[c] = softplus_f(dt[c]);
+            softplus_n(dt + c0, c1 - c0);
             for (int64_t c = c0; c < c1; c++) {
                 const float d = dt[c], du = d * u[b * D + c];
                 const float *Bv = pr + (c / hd) * J + R, *Cv = Bv + N;
                 const float *hc = h + (b * D + c) * N, *al = A_log + c * N;
                 float *ho = h_out + (b * D + c) * N;
                 float acc = 0.0f;
-#pragma omp simd reduction(+ : acc)
-                for (int64_t n = 0; n < N; n++) {
+                int64_t n = 0;
+#if SUBQUAD_AVX2
+                __m256 av = _mm256_setzero_ps();
+                const __m256 md = _mm256_set1_ps(-d), duv = _mm256_set1_ps(du);
+                for (; n + 8 <= N; n += 8) {
+                    const __m256 e = exp8(_mm256_mul_ps(md, exp8(_mm256_loadu_ps(al + n))));
+                    const __m256 hn = _mm256_fmadd_ps(e, _mm256_loadu_ps(hc + n),
+                                                      _mm256_mul_ps(duv, _mm256_loadu_ps(Bv + n)));
+                    _mm256_storeu_ps(ho + n, hn);
+                    av = _mm256_fmadd_ps(_mm256_loadu_ps(Cv + n), hn, av);
+                }
+                acc = hsum8(av);
+#endif
+                for (; n < N; n++) {
                     float hn = exp_f(-d * exp_f(al[n])) * hc[n] + du * Bv[n];
                     ho[n] = hn;
                     acc += Cv[n] * hn;
                 }
-                y[b * D + c] = (acc + Dp[c] * u[b * D + c]) * silu_f(z[c]);
+                y[b * D + c] = acc + Dp[c] * u[b * D + c];
             }
+            mul_silu_n(y + b * D + c0, z + c0, c1 - c0);
         }
     }
 }

@@ -36,19 +36,12 @@ static void group_sums(int64_t M, int64_t G, int64_t gs, const float *x, int64_t
 }
 
 /* Four rows of q against one row of x, groups of K / G (a multiple of 16): sum_g scale[r, g] (q_r . x)_g. */
-#if defined(__AVX2__) && defined(__FMA__)
-#include <immintrin.h>
+#if SUBQUAD_AVX2
 #define SIMD 1
 
 static inline __m256 i8_f(__m128i v) { return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v)); }   /* low 8 bytes */
 static inline __m256 u8_f(__m128i v) { return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(v)); }
 
-static inline float hsum8(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
-}
 
 static inline void dot4s(const int8_t *q, int64_t K, const float *x, int64_t G, const float *scale, float out[4]) {
     const int64_t gs = K / G;
