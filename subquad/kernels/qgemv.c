@@ -8,7 +8,8 @@
  *                       + bias[n]
  *             c in [0, 15] packed as torch's _weight_int4pack_mm_for_cpu packs them (quant.py's LAYOUTS): rows in
  *             blocks of BN, each block k-major (K, BN / 2) bytes; in a full block byte j holds rows j (low nibble)
- *             and j + BN / 2 (high) when split, rows 2j and 2j + 1 otherwise, and so does a last, shorter block;
+ *             and j + BN / 2 (high) when split, rows 2j and 2j + 1 otherwise, as it always does in a last,
+ *             shorter block;
  *             sz (G, Np, 2) bfloat16 scale and zero per group, Np = N rounded up to 16.
  *
  * x stays float32 (no rounding of the activations, unlike fbgemm's 8-bit x and torch's int4 kernel's bfloat16
