@@ -322,6 +322,37 @@ convert_hf_to_gguf.main()
 """
 
 
+def convert_and_compare(a, folder: Path, path: Path, outtype: str, saved, reference, tmp: Path, *convert_args):
+    """One converter row's work: llama.cpp's converter on ``folder`` -> ``path``; subquad's load of it (``ours``)
+    and its logits (``mine``) against ``reference(ids)``'s; save_gguf's file of ``saved`` against the converter's;
+    llama.cpp's logits of the converter's file (``theirs``) -> (ours, mine, vs_reference, same, theirs)."""
+    from subquad.models import from_pretrained
+    from subquad.models.gguf import save_gguf
+    from subquad.models.gguf.reader import GGUFFile
+
+    llama = Path(a.llama_src) / "vendor" / "llama.cpp"
+    subprocess.run([sys.executable, "-c", CONVERT, str(llama), str(folder), str(path), outtype, *convert_args],
+                   check=True, capture_output=True)
+    ours = from_pretrained(path)[0].eval()
+    ids = torch.tensor([IDS])
+    with torch.no_grad():
+        want, mine = reference(ids)[0].double(), ours(ids)[0].double()
+    vs_reference = ((mine - want).abs().max() / want.abs().max()).item()
+    save_gguf(saved, tmp / "ours.gguf", outtype)
+    same = same_file(GGUFFile(tmp / "ours.gguf"), GGUFFile(path))
+    out = tmp / "llama.npy"
+    subprocess.run([sys.executable, "-c", CHILD, a.llama_src, a.pythonpath, str(path), json.dumps(IDS), str(out)],
+                   check=True)
+    return ours, mine, vs_reference, same, torch.from_numpy(np.load(out))
+
+
+def print_row(label: str, outtype: str, reference: str, same: str, theirs, mine) -> None:
+    """A converter table's row: llama.cpp's logits against subquad's, and how often their next tokens agree."""
+    rel = ((theirs - mine).abs().max() / mine.abs().max()).item()
+    agree = (theirs.argmax(-1) == mine.argmax(-1)).double().mean().item()
+    print(f"| {label} | {outtype} | {reference} | {same} | {rel:.2e} | {100 * agree:.0f}% |", flush=True)
+
+
 def converter_rows(a):
     """Tiny Qwen3-Next / Qwen3.5 folders (with a byte-level BPE tokenizer: the converter reads one) converted by
     llama.cpp's ``convert_hf_to_gguf.py``: subquad's load of the file against transformers, save_gguf's file of
@@ -331,10 +362,7 @@ def converter_rows(a):
 
     from subquad.data.tokenizer import train_tokenizer
     from subquad.models import from_pretrained
-    from subquad.models.gguf import save_gguf
-    from subquad.models.gguf.reader import GGUFFile
 
-    llama = Path(a.llama_src) / "vendor" / "llama.cpp"
     tok = train_tokenizer(["".join(f"def f{i}(x):\n    return x * {i}\n" for i in range(200))], vocab_size=320)
     print("\n| model | converter's GGUF | subquad vs transformers | save_gguf = converter's file | llama.cpp vs "
           "subquad | next token agrees |\n|---|---|---:|---|---:|---:|")
@@ -352,24 +380,12 @@ def converter_rows(a):
             folder = tmp / kind
             hf.save_pretrained(folder)
             transformers.PreTrainedTokenizerFast(tokenizer_object=tok).save_pretrained(folder)
+            saved = from_pretrained(folder)[0]
             for outtype in ("f32", "q8_0"):
-                path = tmp / f"{kind}-{outtype}.gguf"
-                subprocess.run([sys.executable, "-c", CONVERT, str(llama), str(folder), str(path), outtype,
-                                "--no-mtp"], check=True, capture_output=True)
-                ours = from_pretrained(path)[0].eval()
-                ids = torch.tensor([IDS])
-                with torch.no_grad():
-                    want, mine = hf(ids).logits[0].double(), ours(ids)[0].double()
-                vs_hf = ((mine - want).abs().max() / want.abs().max()).item()
-                save_gguf(from_pretrained(folder)[0], tmp / "ours.gguf", outtype)
-                same = same_file(GGUFFile(tmp / "ours.gguf"), GGUFFile(path))
-                out = tmp / "llama.npy"
-                subprocess.run([sys.executable, "-c", CHILD, a.llama_src, a.pythonpath, str(path), json.dumps(IDS),
-                                str(out)], check=True)
-                theirs = torch.from_numpy(np.load(out))
-                rel = ((theirs - mine).abs().max() / mine.abs().max()).item()
-                agree = (theirs.argmax(-1) == mine.argmax(-1)).double().mean().item()
-                print(f"| {kind} | {outtype} | {vs_hf:.2e} | {same} | {rel:.2e} | {100 * agree:.0f}% |", flush=True)
+                _, mine, vs_hf, same, theirs = convert_and_compare(
+                    a, folder, tmp / f"{kind}-{outtype}.gguf", outtype, saved, lambda ids: hf(ids).logits, tmp,
+                    "--no-mtp")
+                print_row(kind, outtype, f"{vs_hf:.2e}", same, theirs, mine)
 
 
 def llama_eps(model):
@@ -423,11 +439,7 @@ def more_converter_rows(a):
     import transformers
 
     from subquad.data.tokenizer import train_tokenizer
-    from subquad.models import from_pretrained
-    from subquad.models.gguf import save_gguf
-    from subquad.models.gguf.reader import GGUFFile
 
-    llama = Path(a.llama_src) / "vendor" / "llama.cpp"
     tok = train_tokenizer(["".join(f"def f{i}(x):\n    return x * {i}\n" for i in range(200))], vocab_size=320)
     print("\n| model | converter's GGUF | subquad vs reference | save_gguf = converter's file | llama.cpp vs "
           "subquad | next token agrees |\n|---|---|---:|---|---:|---:|")
@@ -444,34 +456,17 @@ def more_converter_rows(a):
                 (folder / "rwkv_vocab_v20230424.txt").write_text(
                     "".join(f"{i} {chr(64 + i)!r} 1\n" for i in range(1, 61)), encoding="utf-8")
                 ref = None
+            reference = (lambda ids: ref(ids).logits) if ref is not None else model
             for outtype in ("f32", "q8_0"):
-                path = tmp / f"{kind}-{outtype}.gguf"
-                subprocess.run([sys.executable, "-c", CONVERT, str(llama), str(folder), str(path), outtype],
-                               check=True, capture_output=True)
-                ours = from_pretrained(path)[0].eval()
-                ids = torch.tensor([IDS])
-                with torch.no_grad():
-                    want = (ref(ids).logits if ref is not None else model(ids))[0].double()
-                    mine = ours(ids)[0].double()
-                vs_ref = ((mine - want).abs().max() / want.abs().max()).item()
-                save_gguf(model, tmp / "ours.gguf", outtype)
-                same = same_file(GGUFFile(tmp / "ours.gguf"), GGUFFile(path))
-                out = tmp / "llama.npy"
-                subprocess.run([sys.executable, "-c", CHILD, a.llama_src, a.pythonpath, str(path), json.dumps(IDS),
-                                str(out)], check=True)
-                theirs = torch.from_numpy(np.load(out))
-                rel = ((theirs - mine).abs().max() / mine.abs().max()).item()
-                agree = (theirs.argmax(-1) == mine.argmax(-1)).double().mean().item()
-                print(f"| {kind} | {outtype} | {vs_ref:.2e} | {same} | {rel:.2e} | {100 * agree:.0f}% |", flush=True)
+                ours, mine, vs_ref, same, theirs = convert_and_compare(
+                    a, folder, tmp / f"{kind}-{outtype}.gguf", outtype, model, reference, tmp)
+                print_row(kind, outtype, f"{vs_ref:.2e}", same, theirs, mine)
                 if kind == "kimi_linear":
                     import copy
 
                     with torch.no_grad():
-                        mine = llama_eps(copy.deepcopy(ours))(ids)[0].double()
-                    rel = ((theirs - mine).abs().max() / mine.abs().max()).item()
-                    agree = (theirs.argmax(-1) == mine.argmax(-1)).double().mean().item()
-                    print(f"| {kind}, subquad with llama.cpp's epsilons | {outtype} | | | {rel:.2e} | "
-                          f"{100 * agree:.0f}% |", flush=True)
+                        mine = llama_eps(copy.deepcopy(ours))(torch.tensor([IDS]))[0].double()
+                    print_row(f"{kind}, subquad with llama.cpp's epsilons", outtype, "", "", theirs, mine)
 
 
 def minimax_converter_rows(a):
@@ -486,14 +481,11 @@ def minimax_converter_rows(a):
 
     from subquad.data.tokenizer import train_tokenizer
     from subquad.models import from_pretrained
-    from subquad.models.gguf import save_gguf
-    from subquad.models.gguf.reader import GGUFFile
     from tests.models.gguf_minimax_harness import released_folder
     from tests.models.test_gguf_minimax import _hf
 
     if a.only and "minimax" not in a.only:
         return
-    llama = Path(a.llama_src) / "vendor" / "llama.cpp"
     tok = train_tokenizer(["".join(f"def f{i}(x):\n    return x * {i}\n" for i in range(200))], vocab_size=320)
     print("\n| model | converter's GGUF | subquad vs transformers | save_gguf = converter's file | llama.cpp vs "
           "subquad | next token agrees |\n|---|---|---:|---|---:|---:|")
@@ -504,26 +496,12 @@ def minimax_converter_rows(a):
         model = from_pretrained(folder)[0].eval()
         released = released_folder(folder, tmp / "released")
         for outtype in ("f32", "q8_0"):
-            path = tmp / f"minimax-{outtype}.gguf"
-            subprocess.run([sys.executable, "-c", CONVERT, str(llama), str(released), str(path), outtype],
-                           check=True, capture_output=True)
-            ours = from_pretrained(path)[0].eval()
-            ids = torch.tensor([IDS])
+            ours, mine, vs_hf, same, theirs = convert_and_compare(
+                a, released, tmp / f"minimax-{outtype}.gguf", outtype, model, lambda ids: hf(ids).logits, tmp)
             with torch.no_grad():
-                want, mine = hf(ids).logits[0].double(), ours(ids)[0].double()
-                mine_eps = llama_eps(copy.deepcopy(ours))(ids)[0].double()
-            vs_hf = ((mine - want).abs().max() / want.abs().max()).item()
-            save_gguf(model, tmp / "ours.gguf", outtype)
-            same = same_file(GGUFFile(tmp / "ours.gguf"), GGUFFile(path))
-            out = tmp / "llama.npy"
-            subprocess.run([sys.executable, "-c", CHILD, a.llama_src, a.pythonpath, str(path), json.dumps(IDS),
-                            str(out)], check=True)
-            theirs = torch.from_numpy(np.load(out))
-            for label, m, ref, sf in (("minimax", mine, f"{vs_hf:.2e}", same),
-                                      ("minimax, subquad with llama.cpp's epsilons", mine_eps, "", "")):
-                rel = ((theirs - m).abs().max() / m.abs().max()).item()
-                agree = (theirs.argmax(-1) == m.argmax(-1)).double().mean().item()
-                print(f"| {label} | {outtype} | {ref} | {sf} | {rel:.2e} | {100 * agree:.0f}% |", flush=True)
+                mine_eps = llama_eps(copy.deepcopy(ours))(torch.tensor([IDS]))[0].double()
+            print_row("minimax", outtype, f"{vs_hf:.2e}", same, theirs, mine)
+            print_row("minimax, subquad with llama.cpp's epsilons", outtype, "", "", theirs, mine_eps)
 
 
 def qwen4_converter_rows(a):
@@ -533,11 +511,7 @@ def qwen4_converter_rows(a):
     import transformers
 
     from subquad.data.tokenizer import train_tokenizer
-    from subquad.models import from_pretrained
-    from subquad.models.gguf import save_gguf
-    from subquad.models.gguf.reader import GGUFFile
 
-    llama = Path(a.llama_src) / "vendor" / "llama.cpp"
     tok = train_tokenizer(["".join(f"def f{i}(x):\n    return x * {i}\n" for i in range(200))], vocab_size=320)
     print("\n| model | converter's GGUF | subquad vs transformers | save_gguf = converter's file | llama.cpp vs "
           "subquad | next token agrees |\n|---|---|---:|---|---:|---:|")
@@ -550,23 +524,9 @@ def qwen4_converter_rows(a):
             folder = tmp / kind
             transformers.PreTrainedTokenizerFast(tokenizer_object=tok).save_pretrained(folder)
             for outtype in ("f32", "q8_0"):
-                path = tmp / f"{kind}-{outtype}.gguf"
-                subprocess.run([sys.executable, "-c", CONVERT, str(llama), str(folder), str(path), outtype],
-                               check=True, capture_output=True)
-                ours = from_pretrained(path)[0].eval()
-                ids = torch.tensor([IDS])
-                with torch.no_grad():
-                    want, mine = hf(ids).logits[0].double(), ours(ids)[0].double()
-                vs_hf = ((mine - want).abs().max() / want.abs().max()).item()
-                save_gguf(model, tmp / "ours.gguf", outtype)
-                same = same_file(GGUFFile(tmp / "ours.gguf"), GGUFFile(path))
-                out = tmp / "llama.npy"
-                subprocess.run([sys.executable, "-c", CHILD, a.llama_src, a.pythonpath, str(path), json.dumps(IDS),
-                                str(out)], check=True)
-                theirs = torch.from_numpy(np.load(out))
-                rel = ((theirs - mine).abs().max() / mine.abs().max()).item()
-                agree = (theirs.argmax(-1) == mine.argmax(-1)).double().mean().item()
-                print(f"| {kind} | {outtype} | {vs_hf:.2e} | {same} | {rel:.2e} | {100 * agree:.0f}% |", flush=True)
+                _, mine, vs_hf, same, theirs = convert_and_compare(
+                    a, folder, tmp / f"{kind}-{outtype}.gguf", outtype, model, lambda ids: hf(ids).logits, tmp)
+                print_row(kind, outtype, f"{vs_hf:.2e}", same, theirs, mine)
 
 
 def same_file(ours, theirs) -> str:
