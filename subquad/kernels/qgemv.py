@@ -19,9 +19,9 @@ import torch
 from subquad.kernels import I64, INT, PTR, Kernel, enabled
 
 # Up to how many rows the C kernels are faster than what else runs (benchmarks/bench_qgemv.py; AMD EPYC, AVX2):
-# int8 per block (a GGUF Q8_0 / Q6_K / Q4_K file's matrices) against the dequantised product: 4-8x at one row,
-# 1.5-3.4x at 8; int8 per channel against fbgemm's kernel: slower at every row count, so only where fbgemm is
-# gone; int4 against torch's kernel: 1.3-1.7x at one row, slower from 2 (each row decodes the nibbles again).
+# int8 per block (a GGUF Q8_0 / Q6_K / Q4_K file's matrices) against the dequantised product: 3.4-8x at one row,
+# 1.5-3x at 8; int8 per channel against fbgemm's kernel: slower at every row count, so only where fbgemm is
+# gone; int4 against torch's kernel: 1.4-1.7x at one row, slower from 2 (each row decodes the nibbles again).
 INT8_ROWS = 8
 INT4_ROWS = 1
 
