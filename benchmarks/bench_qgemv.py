@@ -1,11 +1,15 @@
 """The quantised products of a decoding step: the C kernels (``kernels/qgemv.c``, x kept float32) against the
 library kernels they replace - fbgemm's int8 ``linear_dynamic`` (x rounded to 7-8 bits per call), torch's int4
 ``_weight_int4pack_mm_for_cpu`` (x rounded to bfloat16), the dequantised product a blocked (GGUF Q8_0) weight
-took - and the float32 product, at mamba-130m's matrices, 1 to 16 rows, 2 threads, rounds interleaved.
+took - and the float32 product (the C kernel, oneDNN's which ``layers.linear`` takes, and ``F.linear``'s MKL), at
+mamba-130m's matrices, 1 to 16 rows, 2 threads, rounds interleaved.
 
-    python benchmarks/bench_qgemv.py              # ~1 min; writes results/qgemv.{md,png}
+    python benchmarks/bench_qgemv.py                  # ~1 min; writes results/qgemv.{md,png}
+    python benchmarks/bench_qgemv.py --from-memory    # each call another copy: weights read from memory
 
-us per call (median of the rounds) and the weights' read bound (bytes over ``--bandwidth`` GB/s).
+us per call (median of the rounds) and the weights' read bound (bytes over ``--bandwidth`` GB/s). Without
+``--from-memory`` a matrix stays in the cache from one call to the next (the head excepted: 154 MB in float32);
+a decoding step reads each of its matrices once, from memory.
 """
 
 from __future__ import annotations
@@ -22,6 +26,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.common import OUT, machine_line, matmul_gflops  # noqa: E402
 
 MATRICES = {"in_proj 3072x768": (3072, 768), "out_proj 768x1536": (768, 1536), "head 50280x768": (50280, 768)}
+
+
+def rotating(fn, copies: list):
+    """``fn`` called with the next of ``copies`` each time."""
+    i = [0]
+
+    def call():
+        i[0] = (i[0] + 1) % len(copies)
+        return fn(*copies[i[0]])
+    return call
 
 
 def per_call(fn, budget_s: float) -> float:
@@ -41,11 +55,14 @@ def main(argv=None):
     ap.add_argument("--rows", default="1,2,4,8,16")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--bandwidth", type=float, default=27.4, help="GB/s for the read bound column")
+    ap.add_argument("--from-memory", action="store_true",
+                    help="copies of each matrix, > 256 MB of float32 in all, called in turn")
     a = ap.parse_args(argv)
     torch.set_num_threads(a.threads)
     import torch.nn.functional as F
 
     from subquad.kernels import qgemv
+    from subquad.layers import linear
     from subquad.models import quant
 
     assert qgemv.INT8.available(), "the C kernels could not be built here"
@@ -53,25 +70,31 @@ def main(argv=None):
     results: dict[tuple, list] = {}
     cases = []
     for name, (N, K) in MATRICES.items():
-        w = torch.randn(N, K) * K ** -0.5
-        l8, l4 = quant.Int8Linear(w), quant.Int4Linear(w, None, 128)
-        blocks = quant.Int8Linear.from_blocks(l8.q, l8.scale[:, None].expand(N, K // 32).contiguous())   # Q8_0's
-        layout = quant.LAYOUTS.get(l4.layout)
+        sets = []
+        for _ in range(-(-(256 << 20) // (N * K * 4)) if a.from_memory else 1):
+            w = torch.randn(N, K) * K ** -0.5
+            l8, l4 = quant.Int8Linear(w), quant.Int4Linear(w, None, 128)
+            blocks = quant.Int8Linear.from_blocks(l8.q, l8.scale[:, None].expand(N, K // 32).contiguous())  # Q8_0's
+            sets.append((w, l8, l4, blocks))
+        layout = quant.LAYOUTS.get(sets[0][2].layout)
         for M in map(int, a.rows.split(",")):
             x = torch.randn(M, K)
             row = {
-                "int8 C": lambda x=x, l8=l8: qgemv.int8_gemv(x, l8.q, l8.scale, None, None),
-                "int8 fbgemm": lambda x=x, l8=l8: torch.ops.quantized.linear_dynamic(
+                "int8 C": lambda w, l8, l4, b, x=x: qgemv.int8_gemv(x, l8.q, l8.scale, None, None),
+                "int8 fbgemm": lambda w, l8, l4, b, x=x: torch.ops.quantized.linear_dynamic(
                     x, quant._packed(l8.q, l8.scale, l8.key_id), quant.REDUCE_RANGE),
-                "int8 blocks C": lambda x=x, b=blocks: qgemv.int8_gemv(x, b.q, b.scale, None, None),
-                "int8 blocks dequantised": lambda x=x, b=blocks: F.linear(x, b.dequantized(torch.float32)),
-                "float32": lambda x=x, w=w: F.linear(x, w),
+                "int8 blocks C": lambda w, l8, l4, b, x=x: qgemv.int8_gemv(x, b.q, b.scale, None, None),
+                "int8 blocks dequantised": lambda w, l8, l4, b, x=x: F.linear(x, b.dequantized(torch.float32)),
+                "float32 C": lambda w, l8, l4, b, x=x: qgemv.f32_gemv(x, w, None),
+                "float32 oneDNN": lambda w, l8, l4, b, x=x: linear._onednn(x, w, None),
+                "float32 MKL": lambda w, l8, l4, b, x=x: F.linear(x, w),
             }
             if layout:
-                row["int4 C"] = lambda x=x, l4=l4, N=N: qgemv.int4_gemv(x, l4.w, l4.scale_zero, None, N, *layout)
-                row["int4 torch"] = lambda x=x, l4=l4, N=N: torch.ops.aten._weight_int4pack_mm_for_cpu(
+                row["int4 C"] = lambda w, l8, l4, b, x=x, N=N: qgemv.int4_gemv(x, l4.w, l4.scale_zero, None, N,
+                                                                               *layout)
+                row["int4 torch"] = lambda w, l8, l4, b, x=x: torch.ops.aten._weight_int4pack_mm_for_cpu(
                     x.bfloat16(), l4.w, 128, l4.scale_zero).float()
-            cases.append((name, N, K, M, row))
+            cases.append((name, N, K, M, {k: rotating(fn, sets) for k, fn in row.items()}))
     budget = 0.15
     for r in range(a.rounds):
         for name, N, K, M, row in cases:
@@ -80,16 +103,18 @@ def main(argv=None):
         print(f"round {r + 1}/{a.rounds}", flush=True)
     kinds = list(cases[0][4])
     machine = machine_line(matmul_gflops())
-    lines = [f"us per call, median of {a.rounds} rounds, {a.threads} threads; {machine}", "",
-             "| matrix | rows | " + " | ".join(kinds) + " | int8 / int4 read bound |",
+    where = "each call another copy of the matrix (from memory)" if a.from_memory else "the same matrix each call"
+    lines = [f"us per call, median of {a.rounds} rounds, {a.threads} threads, {where}; {machine}", "",
+             "| matrix | rows | " + " | ".join(kinds) + " | float32 / int8 / int4 read bound |",
              "|---|---:|" + "---:|" * (len(kinds) + 1)]
     for name, N, K, M, row in cases:
         med = [statistics.median(results[(name, M, k)]) for k in kinds]
-        bound = f"{N * K / a.bandwidth / 1e3:.0f} / {N * K / 2 / a.bandwidth / 1e3:.0f}"
+        bound = " / ".join(f"{N * K * b / a.bandwidth / 1e3:.0f}" for b in (4, 1, 0.5))
         lines.append(f"| {name} | {M} | " + " | ".join(f"{v:.0f}" for v in med) + f" | {bound} |")
     print("\n".join(lines))
     OUT.mkdir(exist_ok=True)
-    (OUT / "qgemv.md").write_text("\n".join(lines) + "\n")
+    stem = "qgemv_memory" if a.from_memory else "qgemv"
+    (OUT / f"{stem}.md").write_text("\n".join(lines) + "\n")
     import matplotlib
 
     matplotlib.use("Agg")
@@ -103,7 +128,7 @@ def main(argv=None):
         ax.set(title=name, xlabel="rows", ylabel="us per call", xscale="log", yscale="log")
     axes[0].legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(OUT / "qgemv.png", dpi=90)
+    fig.savefig(OUT / f"{stem}.png", dpi=90)
 
 
 if __name__ == "__main__":

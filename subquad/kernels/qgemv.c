@@ -1,5 +1,7 @@
-/* Quantised weights times a few float32 rows (a decoding step's products), reading each weight byte once.
+/* Weights times a few float32 rows (a decoding step's products), reading each weight byte once.
  *
+ * f32_gemv:   y[m, n] = sum_k w[n, k] x[m, k] + bias[n]      w (N, K) float32 row-major, x (M, K) with row
+ *             stride ldx, y (M, N).
  * int8_gemv:  y[m, n] = sum_g scale[n, g] (sum_{k in g} q[n, k] x[m, k]) - offset[n, g] (sum_{k in g} x[m, k])
  *                       + bias[n]
  *             q (N, K) int8 row-major, scale (and offset, or NULL) (N, G) float32, G groups of K / G inputs
@@ -263,6 +265,71 @@ void int4_gemv(int64_t M, int64_t N, int64_t Np, int64_t K, int64_t G, int64_t B
                 int4_any(K, G, Np, bn, split && bn == BN, xm, xsm, wb, sz, n0, out);
             for (int64_t r = 0; r < bn && n0 + r < N; r++)
                 y[m * N + n0 + r] = out[r] + (bias ? bias[n0 + r] : 0.0f);
+        }
+    }
+}
+
+/* Four rows of w against two rows of x (x1 NULL: one), k in steps of 8 then a scalar tail: out[j][r]. */
+static inline void f32_dot4(const float *w, int64_t K, const float *x0, const float *x1, float out[2][4]) {
+    int64_t k = 0;
+#if SIMD
+    __m256 a[2][4];
+    for (int r = 0; r < 4; r++)
+        a[0][r] = a[1][r] = _mm256_setzero_ps();
+    for (; k + 8 <= K; k += 8) {
+        const __m256 v0 = _mm256_loadu_ps(x0 + k);
+        const __m256 v1 = x1 ? _mm256_loadu_ps(x1 + k) : v0;
+        for (int r = 0; r < 4; r++) {
+            const __m256 wr = _mm256_loadu_ps(w + r * K + k);
+            a[0][r] = _mm256_fmadd_ps(wr, v0, a[0][r]);
+            a[1][r] = _mm256_fmadd_ps(wr, v1, a[1][r]);
+        }
+    }
+    for (int j = 0; j < 2; j++)
+        for (int r = 0; r < 4; r++)
+            out[j][r] = hsum8(a[j][r]);
+#else
+    for (int j = 0; j < 2; j++)
+        for (int r = 0; r < 4; r++)
+            out[j][r] = 0.0f;
+    for (; k + 8 <= K; k += 8)
+        for (int r = 0; r < 4; r++) {
+            float s0 = 0, s1 = 0;
+            for (int i = 0; i < 8; i++) {
+                s0 += w[r * K + k + i] * x0[k + i];
+                s1 += w[r * K + k + i] * (x1 ? x1[k + i] : 0.0f);
+            }
+            out[0][r] += s0, out[1][r] += s1;
+        }
+#endif
+    for (; k < K; k++)
+        for (int r = 0; r < 4; r++) {
+            out[0][r] += w[r * K + k] * x0[k];
+            out[1][r] += w[r * K + k] * (x1 ? x1[k] : 0.0f);
+        }
+}
+
+void f32_gemv(int64_t M, int64_t N, int64_t K, int threads, const float *x, int64_t ldx, const float *w,
+              const float *bias, float *y) {
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t n4 = 0; n4 < (N + 3) / 4; n4++) {
+        const int64_t n0 = n4 * 4;
+        if (n0 + 4 > N) {                            /* the last 1-3 rows: plain sums */
+            for (int64_t n = n0; n < N; n++)
+                for (int64_t m = 0; m < M; m++) {
+                    float s = 0.0f;
+                    for (int64_t k = 0; k < K; k++)
+                        s += w[n * K + k] * x[m * ldx + k];
+                    y[m * N + n] = s + (bias ? bias[n] : 0.0f);
+                }
+            continue;
+        }
+        for (int64_t m = 0; m < M; m += 2) {        /* the block stays in L1 for every pair of rows of x */
+            float out[2][4];
+            f32_dot4(w + n0 * K, K, x + m * ldx, m + 1 < M ? x + (m + 1) * ldx : NULL, out);
+            for (int64_t j = 0; j < 2 && m + j < M; j++)
+                for (int64_t r = 0; r < 4; r++)
+                    y[(m + j) * N + n0 + r] = out[j][r] + (bias ? bias[n0 + r] : 0.0f);
         }
     }
 }

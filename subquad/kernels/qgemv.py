@@ -26,6 +26,7 @@ INT8_ROWS = 8
 INT4_ROWS = 1
 
 INT8 = Kernel("int8_gemv", [I64, I64, I64, I64, INT, PTR, I64, PTR, PTR, PTR, PTR, PTR, PTR], "qgemv")
+F32 = Kernel("f32_gemv", [I64, I64, I64, INT, PTR, I64, PTR, PTR, PTR], "qgemv")
 INT4 = Kernel("int4_gemv", [I64, I64, I64, I64, I64, I64, INT, INT, PTR, I64, PTR, PTR, PTR, PTR, PTR],
               "qgemv")
 
@@ -68,3 +69,13 @@ def int4_gemv(x: torch.Tensor, w: torch.Tensor, scale_zero: torch.Tensor, bias: 
     INT4(M, out_features, Np, K, G, block, int(split), torch.get_num_threads(), x2, x2.stride(0), w, scale_zero,
          bias, y, scratch)
     return y.view(*x.shape[:-1], out_features)
+
+
+def f32_gemv(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x (..., K) float32 (``usable``), w (N, K) float32 contiguous, bias (N,) or None -> (..., N) float32."""
+    x2 = _rows(x)
+    M, K = x2.shape
+    N = w.shape[0]
+    y = x2.new_empty(M, N)
+    F32(M, N, K, torch.get_num_threads(), x2, x2.stride(0), w, bias, y)
+    return y.view(*x.shape[:-1], N)

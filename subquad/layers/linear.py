@@ -12,6 +12,11 @@ column-major) weights at the bound and keeps 9 rows near one row's time: measure
 holds >= ``MIN_WEIGHTS`` weights (below, oneDNN's fixed ~14 us per call costs more than it saves); training,
 other devices and dtypes keep ``F.linear``. ``SUBQUAD_ONEDNN=0`` turns it off (the reference).
 
+Up to ``C_ROWS`` rows (a decoding step's, a verification's, a served batch's) a row-major matrix goes to the
+C kernel of ``kernels.qgemv`` (``f32_gemv``) where it builds: it reads the matrix once for all rows at the
+read bound, where oneDNN's cost grows with the rows (mamba-130m's vocabulary head from memory, AVX2 EPYC: 4.8
+against 5.0 ms at one row, 8.9 against 11.7 at 8, 13.5 against 15.8 at 16; ``bench_qgemv.py --from-memory``).
+
 Inside a compiled graph the call is the custom op ``subquad::dense_linear`` (inductor's own lowering of the
 oneDNN op wants a frozen weight); eagerly it is the oneDNN op itself (no custom op's dispatch per call).
 """
@@ -24,18 +29,28 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from subquad.kernels import qgemv
+
 ONEDNN = (os.environ.get("SUBQUAD_ONEDNN", "1") != "0" and torch.backends.mkldnn.is_available()
           and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
 MIN_WEIGHTS = 1 << 18       # smaller matrices keep F.linear: oneDNN's ~14 us per call outweighs what it saves
+C_ROWS = 16                 # up to this many rows the C kernel (module doc)
 
 
 def _onednn(x, w, bias):
     return torch.ops.mkldnn._linear_pointwise(x if x.is_contiguous() else x.contiguous(), w, bias, "none", [], "")
 
 
+def _dense(x, w, bias):
+    """oneDNN's product, or the C kernel's for a few rows of a row-major matrix."""
+    if w.is_contiguous() and qgemv.usable(qgemv.F32, x, C_ROWS) and (bias is None or bias.is_contiguous()):
+        return qgemv.f32_gemv(x, w, bias)
+    return _onednn(x, w, bias)
+
+
 _LIB = torch.library.Library("subquad", "FRAGMENT")
 _LIB.define("dense_linear(Tensor x, Tensor w, Tensor? bias) -> Tensor")
-_LIB.impl("dense_linear", _onednn, "CPU")
+_LIB.impl("dense_linear", _dense, "CPU")
 
 
 @torch.library.register_fake("subquad::dense_linear")
@@ -51,7 +66,7 @@ def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -
             and (bias is None or bias.dtype == torch.float32)):
         if torch.compiler.is_compiling():
             return torch.ops.subquad.dense_linear(x, w, bias)
-        return _onednn(x, w, bias)
+        return _dense(x, w, bias)
     return F.linear(x, w, bias)
 
 

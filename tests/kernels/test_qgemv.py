@@ -1,4 +1,4 @@
-"""The quantised products in C (kernels/qgemv.c) against the dequantised weights multiplied in float64: int8 per
+"""The products in C (kernels/qgemv.c) against float64: float32 weights, and the dequantised weights: int8 per
 channel and per block (with and without offsets, GGUF's Q8_0 / Q4_1-like forms), int4 in every packed layout
 torch's kernel uses (blocks of 64 and 32 rows, split or in pairs, a last shorter block), odd widths, 1 to 16 rows,
 a strided x; a row's result does not depend on the rows beside it; the kernels off, the library falls back."""
@@ -43,6 +43,25 @@ def test_int8_against_the_dequantised_weight(M, N, K, G, offset, bias):
     assert _rel(got, ref) <= 1e-6
     for m in range(M):                                          # a row alone gives the same bits
         assert torch.equal(qgemv.int8_gemv(x[m:m + 1], q, scale, off, b)[0], got[m])
+
+
+@pytest.mark.parametrize("M,N,K,bias", [
+    (1, 3072, 768, False),                # mamba-130m's in_proj, one row
+    (2, 771, 1536, True),                 # rows past the last block of 4 (771 = 4 x 192 + 3)
+    (3, 64, 37, True),                    # K not a multiple of 8: the scalar tail; an odd row of x
+    (16, 50, 96, False),                  # the most rows
+])
+def test_f32_against_float64(M, N, K, bias):
+    g = torch.Generator().manual_seed(M * 1000 + N)
+    w = torch.randn(N, K, generator=g)
+    b = torch.randn(N, generator=g) if bias else None
+    x = torch.randn(M, K + 3, generator=g)[:, 1:K + 1]         # a row stride that is not K
+    ref = x.double() @ w.double().T + (0 if b is None else b.double())
+    got = qgemv.f32_gemv(x, w, b)
+    assert got.shape == (M, N) and got.dtype == torch.float32
+    assert _rel(got, ref) <= 1e-6
+    for m in range(M):                                          # a row alone gives the same bits
+        assert torch.equal(qgemv.f32_gemv(x[m:m + 1], w, b)[0], got[m])
 
 
 @pytest.mark.parametrize("layout", sorted(quant.LAYOUTS))

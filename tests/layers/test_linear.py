@@ -1,4 +1,5 @@
-"""``layers.linear``: the inference product through oneDNN equals the float64 product, keeps autograd's path
+"""``layers.linear``: the inference product through oneDNN or the C kernel equals the float64 product, keeps
+autograd's path
 when gradients are on, runs inside a compiled graph as ``subquad::dense_linear``, and every plain Linear of a
 model takes it without changing the state dict."""
 
@@ -32,6 +33,27 @@ def test_the_onednn_product_equals_the_float64_product(rows, layout):
             got = L.linear(x, w, bias)
             assert got.dtype == torch.float32 and got.shape == (2, rows, 520)
             torch.testing.assert_close(got.double(), reference(x, w, bias), rtol=0, atol=2e-4)
+
+
+def test_a_few_rows_of_a_row_major_matrix_take_the_c_kernel(monkeypatch):
+    from subquad.kernels import qgemv
+
+    if not (L.ONEDNN and qgemv.F32.available()):
+        pytest.skip("oneDNN or the C kernels are not available here")
+    calls = []
+    real = qgemv.f32_gemv
+    monkeypatch.setattr(qgemv, "f32_gemv", lambda *a: calls.append(a[0].shape) or real(*a))
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(520, 512, generator=g)
+    with torch.no_grad():
+        for x, taken in ((torch.randn(1, 512), True), (torch.randn(2, 8, 512), True),
+                         (torch.randn(L.C_ROWS + 1, 512), False)):
+            calls.clear()
+            torch.testing.assert_close(L.linear(x, w).double(), reference(x, w, None), rtol=0, atol=2e-4)
+            assert bool(calls) == taken, (x.shape, calls)
+        calls.clear()
+        L.linear(torch.randn(1, 512), w.T.contiguous().T)        # column-major: oneDNN's
+        assert not calls
 
 
 def test_training_and_other_dtypes_keep_f_linear():
