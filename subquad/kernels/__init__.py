@@ -21,6 +21,7 @@ import functools
 import hashlib
 import os
 import platform
+import re
 import subprocess
 import tempfile
 import warnings
@@ -53,12 +54,24 @@ def _cpu() -> str:
         return platform.processor()
 
 
+def _texts(src: Path, seen=None) -> list[str]:
+    """The text of ``src`` and of every file it includes with quotes (``#include "common.h"``), each once."""
+    seen = set() if seen is None else seen
+    if src.name in seen:
+        return []
+    seen.add(src.name)
+    text = src.read_text()
+    out = [text]
+    for inc in re.findall(r'^#include "([^"]+)"', text, flags=re.M):
+        out += _texts(HERE / inc, seen)
+    return out
+
+
 def build(name: str) -> Path:
     """The shared library of ``name.c``, compiled now unless the cache holds it; RuntimeError if it fails."""
     src = HERE / f"{name}.c"
     cc = os.environ.get("CC", "cc")
-    key = hashlib.sha256("\0".join([src.read_text(), (HERE / "common.h").read_text(), cc, *FLAGS, _cpu()])
-                         .encode()).hexdigest()[:16]
+    key = hashlib.sha256("\0".join([*_texts(src), cc, *FLAGS, _cpu()]).encode()).hexdigest()[:16]
     out = cache_dir() / f"{name}-{key}.so"
     if out.exists():
         return out
@@ -125,9 +138,9 @@ def usable(kernel: Kernel, x: torch.Tensor, *tensors) -> bool:
     kernel happens to be built yet."""
     if torch.compiler.is_compiling():
         return False
-    if x.dim() != 3 or x.shape[1] != 1 or x.dtype != torch.float32 or x.device.type != "cpu" \
+    if x.dim() != 3 or x.shape[1] != 1 or x.dtype != torch.float32 or not x.is_cpu \
             or torch.is_grad_enabled() or torch.is_autocast_enabled("cpu") or not enabled():
         return False
-    if not all(t is None or (t.dtype == torch.float32 and t.device.type == "cpu") for t in tensors):
+    if not all(t is None or (t.dtype == torch.float32 and t.is_cpu) for t in tensors):
         return False
     return kernel.available()

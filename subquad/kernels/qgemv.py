@@ -33,7 +33,7 @@ INT4 = Kernel("int4_gemv", [I64, I64, I64, I64, I64, I64, INT, INT, PTR, I64, PT
 
 def usable(kernel: Kernel, x: torch.Tensor, rows: int) -> bool:
     """Whether ``kernel`` may take x (..., K): float32 on the CPU, 1 to ``rows`` rows, kernels on and built."""
-    return x.dtype == torch.float32 and x.device.type == "cpu" and 0 < x.numel() <= rows * x.shape[-1] \
+    return x.dtype == torch.float32 and x.is_cpu and 0 < x.numel() <= rows * x.shape[-1] \
         and enabled() and kernel.available()
 
 

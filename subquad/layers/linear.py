@@ -60,8 +60,8 @@ def _(x, w, bias):
 
 def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``F.linear(x, w, bias)``, through oneDNN where the module doc says."""
-    if (ONEDNN and x.dtype == torch.float32 and w.dtype == torch.float32 and x.device.type == "cpu"
-            and w.device.type == "cpu" and w.dim() == 2 and x.dim() >= 2 and w.numel() >= MIN_WEIGHTS
+    if (ONEDNN and x.dtype == torch.float32 and w.dtype == torch.float32 and x.is_cpu
+            and w.is_cpu and w.dim() == 2 and x.dim() >= 2 and w.numel() >= MIN_WEIGHTS
             and not torch.is_grad_enabled()
             and (bias is None or bias.dtype == torch.float32)):
         if torch.compiler.is_compiling():

@@ -22,11 +22,13 @@ from torch import nn
 
 from subquad import kernels
 from subquad.layers.base import Mixer
+from subquad.layers import sequence
 from subquad.layers.conv import ShortConv
+from subquad.layers.linear import C_ROWS, Linear
 from subquad.layers.norm import RMSNorm
 from subquad.layers.sequence import SingleDevice
 from subquad.ops import selective_scan
-from subquad.ops.mamba import fused_step
+from subquad.ops.mamba import fused_block, fused_step
 from subquad.ops.common.autograd import wants_grad
 from subquad.ops.common.checks import state_dtype
 
@@ -89,11 +91,40 @@ class Mamba(Mixer):
         return {"ssm": self.zeros(batch_size, self.d_inner, self.d_state, device=device, dtype=dtype),
                 "conv": self.conv.empty_state(batch_size, device, dtype)}
 
+    def _step_weights(self):
+        """What the fused kernels read besides the state: (conv weight, conv bias, x_proj's, dt_proj's weights and
+        dt's bias (``_dt_weights``), A_log, D)."""
+        conv = self.conv
+        return (conv.weight, conv.bias, *self._dt_weights(), self.A_log, self.D)
+
+    def _fusable(self, kernel, x, state, seq, *tensors) -> bool:
+        """Whether one decoding token may take ``kernel`` (the layer's step or its block's, float32 on the CPU, no
+        gradient; ``kernels.usable``) with ``tensors`` (the layer's ``_step_weights`` and any others)."""
+        return state is not None and self.bcdt_rms_eps is None and type(seq) is SingleDevice \
+            and (self.heads > 1 or isinstance(self.x_proj, nn.Linear) and isinstance(self.dt_proj, nn.Linear)) \
+            and kernels.usable(kernel, x, state["ssm"], state["conv"], *tensors)
+
+    def fused_block(self, h, norm, state):
+        """A pre-norm block's whole decoding step, h + mix(norm(h)), in one call (``ops.mamba.fused_block``):
+        h (B, 1, d_model) -> (h', new state), or None where it does not apply - a norm other than a plain
+        RMSNorm, projections that are not float32 ``Linear`` (quantised ones have their own products),
+        more than ``layers.linear.C_ROWS`` rows, or what keeps the layer's own fused step from running."""
+        wi, wo = self.in_proj, self.out_proj
+        if not (type(norm) is RMSNorm and h.shape[0] <= C_ROWS and type(wi) in (nn.Linear, Linear)
+                and type(wo) in (nn.Linear, Linear) and h.shape[-1] == self.d_model):
+            return None
+        nw, w_in, b_in, w_out, b_out = norm.weight, wi.weight, wi.bias, wo.weight, wo.bias
+        conv_w, conv_b, wx, wdt, bdt, A_log, Dp = weights = self._step_weights()
+        if not (nw is not None and norm.bias is None and fused_block.layout(w_in) and fused_block.layout(w_out)
+                and self._fusable(fused_block.KERNEL, h, state, sequence.backend(), *weights, nw, w_in, b_in, w_out,
+                                  b_out)):
+            return None
+        h, conv, ssm = fused_block.block_step(h, nw, norm.eps, w_in, b_in, w_out, b_out, state["conv"], conv_w,
+                                              conv_b, wx, wdt, bdt, A_log, Dp, state["ssm"])
+        return h, {"ssm": ssm, "conv": conv}
+
     def mix(self, x, state, seq):
-        if state is not None and self.bcdt_rms_eps is None and type(seq) is SingleDevice \
-                and (self.heads > 1 or isinstance(self.x_proj, nn.Linear) and isinstance(self.dt_proj, nn.Linear)) \
-                and kernels.usable(fused_step.KERNEL, x, state["ssm"], state["conv"], self.A_log, self.D,
-                                   self.conv.weight, self.conv.bias, *self._dt_weights()):
+        if self._fusable(fused_step.KERNEL, x, state, seq, *self._step_weights()):
             return self._fused_step(x, state)       # one decoding token: the kernel (float32 CPU, no gradient)
         xs, z = self.in_proj(x).chunk(2, dim=-1)
         xs, conv = self.short_conv(xs, state, seq)

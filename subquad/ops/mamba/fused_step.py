@@ -25,16 +25,22 @@ KERNEL = Kernel("mamba_step", [I64, I64, I64, I64, I64, I64, INT, PTR, I64, PTR,
                                PTR, PTR, PTR, PTR, PTR, PTR, PTR])
 
 
+def prepare(conv_state, conv_w, wx, wdt, bdt, A_log, h):
+    """The layer's tensors as the kernel reads them -> (conv_state, conv_w (D, K), wx, wdt (D, R), bdt (D,), A_log,
+    h, (N, K, R, heads)); each contiguous where the kernel needs it (a view where it already is)."""
+    D, N, K, R = A_log.shape[0], A_log.shape[1], conv_w.shape[-1], wdt.shape[-1]
+    heads = wx.shape[0] if wx.dim() == 3 else 1
+    conv_w = conv_w.reshape(D, K).contiguous()
+    conv_state, wx, A_log, h, bdt = (t.contiguous() for t in (conv_state, wx, A_log, h, bdt.reshape(D)))
+    return conv_state, conv_w, wx, wdt.reshape(D, R), bdt, A_log, h, (N, K, R, heads)
+
+
 def _run(xz, conv_state, conv_w, conv_b, wx, wdt, bdt, A_log, Dp, h):
     B, D = xz.shape[0], xz.shape[-1] // 2
-    N, K, R = A_log.shape[1], conv_w.shape[-1], wdt.shape[-1]
     xz = xz.reshape(B, 2 * D)
     if xz.stride(1) != 1:
         xz = xz.contiguous()
-    conv_w = conv_w.reshape(D, K).contiguous()
-    heads = wx.shape[0] if wx.dim() == 3 else 1
-    conv_state, wx, A_log, h, bdt = (t.contiguous() for t in (conv_state, wx, A_log, h, bdt.reshape(D)))
-    wdt = wdt.reshape(D, R)
+    conv_state, conv_w, wx, wdt, bdt, A_log, h, (N, K, R, heads) = prepare(conv_state, conv_w, wx, wdt, bdt, A_log, h)
     y, h_out = xz.new_empty(B, D), torch.empty_like(h)
     conv_out = conv_state.new_empty(B, K - 1, D)
     scratch = xz.new_empty(B * (2 * D + heads * (R + 2 * N)))

@@ -1,0 +1,49 @@
+"""One decoding token of a whole pre-norm Mamba-1 block without an MLP, in one call (``kernels/mamba_block.c``).
+
+    x  = h / sqrt(mean(h^2) + eps) * norm_w        h (B, 1, d): the residual stream
+    xz = x W_in^T + b_in                            in_proj: W_in (2 Dm, d)
+    y  = ops.mamba.fused_step's step of xz          (B, Dm), the new conv state and h
+    h' = h + y W_out^T + b_out                      out_proj: W_out (d, Dm)   -> (h' (B, 1, d), conv, h)
+
+mamba-130m's layer and every mamba checkpoint's without Falcon-Mamba's norms: the step's norm, two products,
+kernel and residual cost one call instead of a dozen ops and five module calls (~170 us of Python and dispatch
+per layer on the AVX2 EPYC hosts; benchmarks/RESULTS.md). ``models.lm.PreNormBlock`` takes it through
+``layers.mamba.Mamba.fused_block`` where the layer's fused step would run and the block has no MLP, a plain
+RMSNorm and both projections as float32 row-major matrices, for up to ``layers.linear.C_ROWS`` rows; the
+block's PyTorch forward is the reference. The states passed in are read, never written. Eager only (a compiled
+step leaves it to inductor, as it does the layer's fused step: ``kernels.usable``).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from subquad.kernels import FLOAT, I64, INT, PTR, Kernel
+from subquad.ops.mamba.fused_step import prepare
+
+KERNEL = Kernel("mamba_block_step", [I64] * 7 + [INT, PTR, PTR, FLOAT] + [PTR] * 4 + [INT, INT] + [PTR] * 5
+                + [I64, I64] + [PTR] * 8,
+                "mamba_block")
+
+
+def layout(w: torch.Tensor) -> bool:
+    """Whether the kernel reads ``w`` as it is: row-major or column-major."""
+    return w.is_contiguous() or w.T.is_contiguous()
+
+
+def block_step(h, norm_w, eps, w_in, b_in, w_out, b_out, conv_state, conv_w, conv_b, wx, wdt, bdt, A_log, Dp, ssm):
+    """(h' (B, 1, d), new conv state (B, K-1, Dm), new ssm state (B, Dm, N)) of the module doc's step; h (B, 1, d)
+    float32, B <= 16, w_in and w_out row-major or column-major (``layout``); the rest as
+    ``ops.mamba.fused_step.mamba_step`` takes them."""
+    B, d = h.shape[0], h.shape[-1]
+    h2 = h.reshape(B, d).contiguous()
+    conv_state, conv_w, wx, wdt, bdt, A_log, ssm, (N, K, R, heads) = prepare(conv_state, conv_w, wx, wdt, bdt,
+                                                                               A_log, ssm)
+    D = A_log.shape[0]
+    h_out, ssm_out = h2.new_empty(B, d), torch.empty_like(ssm)
+    conv_out = conv_state.new_empty(B, K - 1, D)
+    scratch = h2.new_empty(B * (d + 5 * D + heads * (R + 2 * N)))
+    KERNEL(B, d, D, N, R, K, heads, torch.get_num_threads(), h2, norm_w, float(eps), w_in, b_in, w_out, b_out,
+           int(not w_in.is_contiguous()), int(not w_out.is_contiguous()), conv_state, conv_w, conv_b, wx, wdt,
+           wdt.stride(0), wdt.stride(1), bdt, A_log, Dp, ssm, h_out, conv_out, ssm_out, scratch)
+    return h_out.view(B, 1, d), conv_out, ssm_out

@@ -1,0 +1,106 @@
+"""The fused pre-norm Mamba-1 block (ops.mamba.fused_block, kernels/mamba_block.c) against its math written out in
+float64 here (the norm, both products with and without biases, the layer's step as test_mamba_fused_step's
+reference has it, the residual), and inside a model against the blocks' own PyTorch forward and a float64 copy:
+odd widths, batch > 1, strong decays, Zamba's heads; where it is not taken the block runs its modules."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from subquad.models import LanguageModel, ModelConfig
+from subquad.ops.mamba import fused_block, fused_step
+from tests.ops.fused_harness import assert_steps_agree, models
+from tests.ops.test_mamba_fused_step import inputs, reference
+
+pytestmark = pytest.mark.skipif(not fused_block.KERNEL.available(), reason="no C compiler: the kernel cannot be built")
+
+
+@pytest.mark.parametrize("B,d,D,N,R,K,bias,strong,heads,cm", [
+    (1, 40, 64, 16, 4, 4, True, False, 1, (False, False)),
+    (3, 29, 37, 16, 3, 4, False, True, 1, (True, False)),    # odd widths, strong decays, no biases, in_proj col-major
+    (5, 33, 42, 16, 5, 4, True, True, 3, (False, True)),     # Zamba's heads; out_proj column-major
+    (16, 70, 72, 8, 4, 4, True, False, 1, (True, True)),     # the most rows; a last group of < 64 outputs
+])
+def test_the_block_equals_its_math_in_float64(B, d, D, N, R, K, bias, strong, heads, cm):
+    """``cm``: in_proj's and out_proj's weights stored column-major (decode_layout's small wide matrices)."""
+    g = torch.Generator().manual_seed(B * 100 + d)
+    _, conv_state, conv_w, conv_b, wx, wdt, bdt, A_log, Dp, ssm = inputs(B, D, N, R, K, g, bias, strong, heads)
+    h = torch.randn(B, 1, d, generator=g) * 3
+    norm_w = torch.rand(d, generator=g) + 0.5
+    w_in, w_out = torch.randn(2 * D, d, generator=g) * d ** -0.5, torch.randn(d, D, generator=g) * D ** -0.5
+    w_in, w_out = (w.T.contiguous().T if c else w for w, c in zip((w_in, w_out), cm))
+    b_in, b_out = (torch.randn(2 * D, generator=g), torch.randn(d, generator=g)) if bias else (None, None)
+    args = [h, norm_w, 1e-5, w_in, b_in, w_out, b_out, conv_state, conv_w, conv_b, wx, wdt, bdt, A_log, Dp, ssm]
+    before = [a.clone() if isinstance(a, torch.Tensor) else a for a in args]
+
+    hd = h.double()[:, 0]
+    x = hd * torch.rsqrt(hd.pow(2).mean(-1, keepdim=True) + 1e-5) * norm_w.double()
+    xz = x @ w_in.double().T + (0 if b_in is None else b_in.double())
+    y, conv_want, ssm_want = reference(xz, conv_state, conv_w, conv_b, wx, wdt, bdt, A_log, Dp, ssm)
+    h_want = hd + y @ w_out.double().T + (0 if b_out is None else b_out.double())
+
+    with torch.no_grad():
+        h_got, conv_got, ssm_got = fused_block.block_step(*args)
+    assert h_got.shape == (B, 1, d)
+    for got, want in ((h_got[:, 0], h_want), (conv_got, conv_want), (ssm_got, ssm_want)):
+        assert got.dtype == torch.float32 and got.shape == want.shape
+        assert (got.double() - want).abs().max() <= 2e-6 * want.abs().max() + 1e-30
+    for a, b in zip(args, before):
+        assert not isinstance(a, torch.Tensor) or torch.equal(a, b)    # the states (and weights) passed in unchanged
+
+
+@pytest.mark.parametrize("heads", [1, 4])
+def test_a_model_without_mlps_takes_it_and_agrees_with_its_blocks(monkeypatch, heads):
+    """mamba-130m's structure (pre-norm Mamba blocks, no MLP) at batch 3 and an odd prompt: the block kernel's logits
+    within float32 rounding of the blocks' PyTorch forward and a float64 copy's, once per Mamba layer and step; a
+    softmax layer between them keeps its modules; greedy continuations identical."""
+    m, m64 = models(d_model=48, n_layers=3, pattern="mamba,softmax,mamba", mixer_options={"mamba": {"heads": heads}})
+    step_calls = []
+    monkeypatch.setattr(fused_step, "_run", lambda *a: step_calls.append(1))      # the layer's own kernel: unused
+    assert assert_steps_agree(monkeypatch, fused_block, m, m64, 4, prompt=11, fn="block_step") == 4 * 2
+    assert not step_calls
+    ids = torch.randint(0, 300, (3, 11), generator=torch.Generator().manual_seed(1))
+    monkeypatch.undo()
+    monkeypatch.setenv("SUBQUAD_KERNELS", "1")
+    with_kernel = m.generate(ids[0].tolist(), 16, temperature=0)[0]
+    monkeypatch.setenv("SUBQUAD_KERNELS", "0")
+    assert with_kernel == m.generate(ids[0].tolist(), 16, temperature=0)[0]
+
+
+def test_where_it_is_not_taken(monkeypatch):
+    """A prompt, more rows than layers.linear.C_ROWS, quantised projections, a norm with a bias, a hook on the
+    mixer, Falcon-Mamba's norms: the block runs its modules (the layer's own kernel where it applies)."""
+    calls = []
+    real = fused_block.block_step
+    monkeypatch.setattr(fused_block, "block_step", lambda *a: calls.append(1) or real(*a))
+    m, _ = models(d_model=48, n_layers=2, pattern="mamba")
+    with torch.no_grad():
+        _, st = m.prefill(torch.randint(0, 300, (2, 5)))
+        assert not calls                                                # a prompt: the blocks' modules
+        m.step(torch.tensor([1, 2]), st)
+        assert len(calls) == 2
+        calls.clear()
+        m.step(torch.arange(17), m.empty_state(17))                     # 17 rows > C_ROWS
+        assert not calls
+        hook = m.blocks[0].mixer.register_forward_hook(lambda *a: None)
+        m.step(torch.tensor([1, 2]), st)
+        assert len(calls) == 1                                          # only the block without the hook
+        hook.remove()
+        calls.clear()
+        m.blocks[0].norm1.bias = nn.Parameter(torch.zeros(48))
+        m.step(torch.tensor([1, 2]), st)
+        assert len(calls) == 1
+    calls.clear()
+    torch.manual_seed(0)
+    falcon = LanguageModel(ModelConfig(vocab_size=300, d_model=48, n_layers=1, pattern="mamba", mlp=False,
+                                       mixer_options={"mamba": {"bcdt_rms_eps": 1e-6}})).eval()
+    int8 = LanguageModel(ModelConfig(vocab_size=300, d_model=48, n_layers=1, pattern="mamba", mlp=False)).eval()
+    from subquad.models.quant import quantize
+
+    quantize(int8, "int8", min_weights=0)
+    with torch.no_grad():
+        for model in (falcon, int8):
+            model.step(torch.tensor([1, 2]), model.empty_state(2))
+    assert not calls
