@@ -109,6 +109,8 @@ class Mamba(Mixer):
         h (B, 1, d_model) -> (h', new state), or None where it does not apply - a norm other than a plain
         RMSNorm, projections that are not float32 ``Linear`` (quantised ones have their own products),
         more than ``layers.linear.C_ROWS`` rows, or what keeps the layer's own fused step from running."""
+        if torch.compiler.is_compiling():            # (before any test of a size: no guard on the batch in a graph)
+            return None
         wi, wo = self.in_proj, self.out_proj
         if not (type(norm) is RMSNorm and h.shape[0] <= C_ROWS and type(wi) in (nn.Linear, Linear)
                 and type(wo) in (nn.Linear, Linear) and h.shape[-1] == self.d_model):

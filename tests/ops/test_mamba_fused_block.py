@@ -104,3 +104,21 @@ def test_where_it_is_not_taken(monkeypatch):
         for model in (falcon, int8):
             model.step(torch.tensor([1, 2]), model.empty_state(2))
     assert not calls
+
+
+def test_a_compiled_block_leaves_it_to_the_graph_without_a_guard_on_the_batch():
+    """Inside torch.compile the block runs its modules (inductor fuses them itself) and tests no size on the way:
+    one graph serves a batch of 2 and one of 20 (past C_ROWS), as compile_decode's one graph per regime needs."""
+    import torch._dynamo
+
+    m, _ = models(d_model=48, n_layers=1, pattern="mamba")
+    blk = m.blocks[0]
+    torch._dynamo.reset()
+    counts = torch._dynamo.utils.counters
+    counts.clear()
+    f = torch.compile(lambda h, st: blk(h, st)[0], backend="eager", dynamic=True, fullgraph=True)
+    with torch.no_grad():
+        for B in (2, 20):
+            st = blk.mixer.empty_state(B)
+            assert f(torch.randn(B, 1, 48), st).shape == (B, 1, 48)
+    assert counts["stats"]["unique_graphs"] == 1, dict(counts["stats"])
