@@ -148,4 +148,17 @@ static inline void conv_step(const float *x, const float *st, float *so, const f
         memcpy(so + (K - 2) * C + c0, x + c0, (c1 - c0) * sizeof(float));
 }
 
+/* The blocks' RMSNorm over B rows of width d: x = h / sqrt(mean(h^2) + eps) * w (one thread: d is small). */
+static inline void rms_rows(int64_t B, int64_t d, const float *h, const float *w, float eps, float *x) {
+    for (int64_t b = 0; b < B; b++) {
+        const float *hb = h + b * d;
+        float ss = 0.0f;
+        for (int64_t i = 0; i < d; i++)
+            ss += hb[i] * hb[i];
+        const float r = 1.0f / sqrtf(ss / (float)d + eps);
+        for (int64_t i = 0; i < d; i++)
+            x[b * d + i] = hb[i] * r * w[i];
+    }
+}
+
 #endif

@@ -24,15 +24,7 @@ void mamba_block_step(int64_t B, int64_t d, int64_t D, int64_t N, int64_t R, int
                       float *scratch)  /* B (d + 2D + D + 2D + heads (R + 2N)) floats */
 {
     float *x = scratch, *xz = x + B * d, *y = xz + B * 2 * D, *rest = y + B * D;
-    for (int64_t b = 0; b < B; b++) {                    /* the norm: d is a few thousand at most, one thread */
-        const float *hb = h + b * d;
-        float ss = 0.0f;
-        for (int64_t i = 0; i < d; i++)
-            ss += hb[i] * hb[i];
-        const float r = 1.0f / sqrtf(ss / (float)d + eps);
-        for (int64_t i = 0; i < d; i++)
-            x[b * d + i] = hb[i] * r * norm_w[i];
-    }
+    rms_rows(B, d, h, norm_w, eps, x);
     (in_cm ? f32_gemv_cm : f32_gemv)(B, 2 * D, d, threads, x, d, w_in, b_in, xz);
     mamba_step(B, D, N, R, K, heads, threads, xz, 2 * D, conv_state, conv_w, conv_b, wx, wdt, wdt_s0, wdt_s1, bdt,
                A_log, Dp, ssm, y, conv_out, ssm_out, rest);

@@ -33,6 +33,24 @@ from subquad.ops.common.autograd import wants_grad
 from subquad.ops.common.checks import state_dtype
 
 
+def block_projections(mixer, h, norm):
+    """(norm weight, in_proj's weight and bias, out_proj's weight and bias) where a pre-norm block's decoding step
+    may run in one C call (``fused_block`` of Mamba and Mamba-2), else None: never while compiling (inductor fuses
+    the block itself; tested before any size, so no guard on the batch), a plain RMSNorm without a bias, at most
+    ``layers.linear.C_ROWS`` rows, float32-able ``Linear`` projections (quantised ones have their own products)
+    stored row- or column-major. The kernel's own ``usable`` checks dtypes, devices and gradients."""
+    if torch.compiler.is_compiling():
+        return None
+    wi, wo = mixer.in_proj, mixer.out_proj
+    if not (type(norm) is RMSNorm and h.shape[0] <= C_ROWS and type(wi) in (nn.Linear, Linear)
+            and type(wo) in (nn.Linear, Linear) and h.shape[-1] == mixer.d_model):
+        return None
+    nw, w_in, w_out = norm.weight, wi.weight, wo.weight
+    if nw is None or norm.bias is not None or not (fused_block.layout(w_in) and fused_block.layout(w_out)):
+        return None
+    return nw, w_in, wi.bias, w_out, wo.bias
+
+
 class Mamba(Mixer):
     """Mamba (S6): h_t = exp(dt_t A) h_{t-1} + dt_t B_t x_t, y_t = C_t h_t + D x_t, gated by silu(z).
 
@@ -106,21 +124,15 @@ class Mamba(Mixer):
 
     def fused_block(self, h, norm, state):
         """A pre-norm block's whole decoding step, h + mix(norm(h)), in one call (``ops.mamba.fused_block``):
-        h (B, 1, d_model) -> (h', new state), or None where it does not apply - a norm other than a plain
-        RMSNorm, projections that are not float32 ``Linear`` (quantised ones have their own products),
-        more than ``layers.linear.C_ROWS`` rows, or what keeps the layer's own fused step from running."""
-        if torch.compiler.is_compiling():            # (before any test of a size: no guard on the batch in a graph)
+        h (B, 1, d_model) -> (h', new state), or None where it does not apply (``block_projections``, or what
+        keeps the layer's own fused step from running)."""
+        proj = block_projections(self, h, norm)
+        if proj is None:
             return None
-        wi, wo = self.in_proj, self.out_proj
-        if not (type(norm) is RMSNorm and h.shape[0] <= C_ROWS and type(wi) in (nn.Linear, Linear)
-                and type(wo) in (nn.Linear, Linear) and h.shape[-1] == self.d_model):
-            return None
-        nw, w_in, b_in, w_out, b_out = norm.weight, wi.weight, wi.bias, wo.weight, wo.bias
         conv_w, conv_b, wx, wdt, bdt, A_log, Dp = weights = self._step_weights()
-        if not (nw is not None and norm.bias is None and fused_block.layout(w_in) and fused_block.layout(w_out)
-                and self._fusable(fused_block.KERNEL, h, state, sequence.backend(), *weights, nw, w_in, b_in, w_out,
-                                  b_out)):
+        if not self._fusable(fused_block.KERNEL, h, state, sequence.backend(), *weights, *proj):
             return None
+        nw, w_in, b_in, w_out, b_out = proj
         h, conv, ssm = fused_block.block_step(h, nw, norm.eps, w_in, b_in, w_out, b_out, state["conv"], conv_w,
                                               conv_b, wx, wdt, bdt, A_log, Dp, state["ssm"])
         return h, {"ssm": ssm, "conv": conv}

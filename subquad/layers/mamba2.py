@@ -20,12 +20,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from subquad import kernels
+from subquad.layers import sequence
 from subquad.layers.base import Mixer
 from subquad.layers.conv import ShortConv
+from subquad.layers.mamba import block_projections
 from subquad.layers.norm import GatedRMSNorm
 from subquad.layers.sequence import SingleDevice
 from subquad.ops import ssd
-from subquad.ops.decay import fused_step
+from subquad.ops.decay import fused_block, fused_step
 from subquad.ops.common.autograd import wants_grad
 
 
@@ -101,6 +103,25 @@ class Mamba2(Mixer):
         y, h = seq.recurrence(ssd, xs.view(B, T, H, P), dt, A, Bm, Cm, D=self.D, mode=self.mode,
                               chunk_size=self.chunk_size, initial_state=None if state is None else state["ssm"])
         return self.project_out(y.reshape(B, T, self.d_inner), z), {"ssm": h, "conv": conv}
+
+    def fused_block(self, h, norm, state):
+        """A pre-norm block's whole decoding step, h + mix(norm(h)), in one call (``ops.decay.fused_block``):
+        h (B, 1, d_model) -> (h', new state), or None where it does not apply (``layers.mamba.block_projections``,
+        or what keeps the layer's own fused step from running)."""
+        proj = block_projections(self, h, norm)
+        if proj is None or type(sequence.backend()) is not SingleDevice:
+            return None
+        gn = self.norm
+        gw = None if gn is None else gn.weight
+        if not kernels.usable(fused_block.KERNEL, h, state["ssm"], state["conv"], self.A_log, self.D, self.dt_bias,
+                              self.conv.weight, self.conv.bias, gw, *proj):
+            return None
+        nw, w_in, b_in, w_out, b_out = proj
+        h, conv, S = fused_block.block_step(
+            h, nw, norm.eps, w_in, b_in, w_out, b_out, state["conv"], self.conv.weight, self.conv.bias, self.dt_bias,
+            self.A_log, self.D, state["ssm"], gw, self.n_groups, self.d_inner if gn is None else gn.group_size,
+            0.0 if gn is None else gn.eps, self.dt_limit)
+        return h, {"ssm": S, "conv": conv}
 
     def _fused_step(self, x, state):
         """One token through ``ops.decay.fused_step`` (the same math as ``mix``'s ops, in one call; with one norm

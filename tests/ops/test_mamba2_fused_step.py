@@ -73,7 +73,8 @@ def test_the_step_equals_its_math_in_float64(B, H, P, N, G, K, norm_groups, bias
                                      {"gated_norm": False, "dt_limit": (0.01, 0.2)}])
 def test_the_layer_takes_it_and_agrees_with_its_own_step(monkeypatch, options):
     """Decoding steps of a Mamba-2 + attention model (batch 3): the kernel's logits within float32 rounding of
-    the layer's PyTorch step and of a float64 copy; the kernel was called."""
+    the layer's PyTorch step and of a float64 copy; the kernel was called. (Blocks with an MLP: without one the
+    whole block's kernel runs, test_mamba2_fused_block.py.)"""
     m, m64 = models(d_model=64, n_layers=2, pattern="mamba2,softmax",
-                    mixer_options={"mamba2": options})
+                    mixer_options={"mamba2": options}, mlp=True)
     assert assert_steps_agree(monkeypatch, fused_step, m, m64, 3) == 3

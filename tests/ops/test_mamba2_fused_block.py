@@ -1,0 +1,65 @@
+"""The fused pre-norm Mamba-2 block (ops.decay.fused_block, kernels/mamba2_block.c) against its math written out in
+float64 here (the norm, both products in either layout, the layer's step as test_mamba2_fused_step's reference
+has it, the residual), and inside a model against the blocks' own PyTorch forward and a float64 copy: groups of
+heads, norm groups, no norm, a dt limit, odd sizes, batch > 1."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from subquad.ops.decay import fused_block, fused_step
+from tests.ops.fused_harness import assert_steps_agree, models
+from tests.ops.test_mamba2_fused_step import reference
+
+pytestmark = pytest.mark.skipif(not fused_block.KERNEL.available(), reason="no C compiler: the kernel cannot be built")
+
+
+@pytest.mark.parametrize("B,d,H,P,N,G,K,norm_groups,bias,limit,cm", [
+    (1, 40, 4, 16, 16, 1, 4, 1, True, (0.0, float("inf")), (False, False)),
+    (3, 29, 6, 5, 7, 3, 4, 2, False, (0.0, float("inf")), (True, False)),   # odd sizes, groups, 2 norm groups
+    (16, 33, 4, 8, 16, 2, 2, 0, True, (0.01, 0.3), (False, True)),          # no norm, a dt limit, 16 rows
+])
+def test_the_block_equals_its_math_in_float64(B, d, H, P, N, G, K, norm_groups, bias, limit, cm):
+    g = torch.Generator().manual_seed(B * 100 + d)
+
+    def r(*s, scale=1.0):
+        return torch.randn(*s, generator=g) * scale
+
+    Dn, C = H * P, H * P + 2 * G * N
+    W = 2 * Dn + 2 * G * N + H
+    h, norm_w = r(B, 1, d, scale=3.0), torch.rand(d, generator=g) + 0.5
+    w_in, w_out = r(W, d, scale=d ** -0.5), r(d, Dn, scale=Dn ** -0.5)
+    w_in, w_out = (w.T.contiguous().T if c else w for w, c in zip((w_in, w_out), cm))
+    b_in, b_out = (r(W), r(d)) if bias else (None, None)
+    layer = [r(B, K - 1, C), r(C, K, scale=0.5), r(C) if bias else None, r(H) - 2.0, r(H).abs(), r(H),
+             r(B, H, N, P), r(Dn).abs() + 0.5 if norm_groups else None, G, Dn // max(norm_groups, 1), 1e-5]
+    args = [h, norm_w, 1e-5, w_in, b_in, w_out, b_out, *layer, limit]
+    before = [a.clone() if isinstance(a, torch.Tensor) else a for a in args]
+
+    hd = h.double()[:, 0]
+    x = hd * torch.rsqrt(hd.pow(2).mean(-1, keepdim=True) + 1e-5) * norm_w.double()
+    zxbcdt = (x @ w_in.double().T + (0 if b_in is None else b_in.double())).float()   # reference() takes float32
+    y, conv_want, S_want = reference(zxbcdt, *layer, *limit)
+    h_want = hd + y @ w_out.double().T + (0 if b_out is None else b_out.double())
+
+    with torch.no_grad():
+        h_got, conv_got, S_got = fused_block.block_step(*args)
+    for got, want in ((h_got[:, 0], h_want), (conv_got, conv_want), (S_got, S_want)):
+        assert got.dtype == torch.float32 and got.shape == want.shape
+        assert (got.double() - want).abs().max() <= 1e-5 * want.abs().max() + 1e-30
+    for a, b in zip(args, before):
+        assert not isinstance(a, torch.Tensor) or torch.equal(a, b)    # the states (and weights) passed in unchanged
+
+
+@pytest.mark.parametrize("options", [{"n_groups": 2, "d_state": 16, "head_dim": 8},
+                                     {"gated_norm": False, "dt_limit": (0.01, 0.2)}])
+def test_a_model_without_mlps_takes_it_and_agrees_with_its_blocks(monkeypatch, options):
+    """mamba2-130m's structure (pre-norm Mamba-2 blocks, no MLP) with a softmax layer, batch 3: the block kernel's
+    logits within float32 rounding of the blocks' PyTorch forward and a float64 copy's; the layer's own kernel
+    unused."""
+    m, m64 = models(d_model=64, n_layers=3, pattern="mamba2,softmax,mamba2", mixer_options={"mamba2": options})
+    step_calls = []
+    monkeypatch.setattr(fused_step, "_run", lambda *a: step_calls.append(1))
+    assert assert_steps_agree(monkeypatch, fused_block, m, m64, 3, fn="block_step") == 3 * 2
+    assert not step_calls
