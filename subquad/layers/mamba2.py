@@ -82,10 +82,16 @@ class Mamba2(Mixer):
         return {"ssm": self.zeros(batch_size, self.n_heads, self.d_state, self.head_dim, device=device, dtype=dtype),
                 "conv": self.conv.empty_state(batch_size, device, dtype)}
 
+    def _fusable(self, kernel, x, state, seq, *tensors) -> bool:
+        """Whether one decoding token may take ``kernel`` (the layer's step or its block's, float32 on the CPU, no
+        gradient; ``kernels.usable``) with the layer's weights and ``tensors``."""
+        return state is not None and type(seq) is SingleDevice \
+            and kernels.usable(kernel, x, state["ssm"], state["conv"], self.A_log, self.D, self.dt_bias,
+                               self.conv.weight, self.conv.bias, None if self.norm is None else self.norm.weight,
+                               *tensors)
+
     def mix(self, x, state, seq):
-        if state is not None and type(seq) is SingleDevice \
-                and kernels.usable(fused_step.KERNEL, x, state["ssm"], state["conv"], self.A_log, self.D, self.dt_bias,
-                               self.conv.weight, self.conv.bias, None if self.norm is None else self.norm.weight):
+        if self._fusable(fused_step.KERNEL, x, state, seq):
             return self._fused_step(x, state)       # one decoding token: the kernel (float32 CPU, no gradient)
         B, T, _ = x.shape
         H, P, N = self.n_heads, self.head_dim, self.d_state
@@ -109,13 +115,10 @@ class Mamba2(Mixer):
         h (B, 1, d_model) -> (h', new state), or None where it does not apply (``layers.mamba.block_projections``,
         or what keeps the layer's own fused step from running)."""
         proj = block_projections(self, h, norm)
-        if proj is None or type(sequence.backend()) is not SingleDevice:
+        if proj is None or not self._fusable(fused_block.KERNEL, h, state, sequence.backend(), *proj):
             return None
         gn = self.norm
         gw = None if gn is None else gn.weight
-        if not kernels.usable(fused_block.KERNEL, h, state["ssm"], state["conv"], self.A_log, self.D, self.dt_bias,
-                              self.conv.weight, self.conv.bias, gw, *proj):
-            return None
         nw, w_in, b_in, w_out, b_out = proj
         h, conv, S = fused_block.block_step(
             h, nw, norm.eps, w_in, b_in, w_out, b_out, state["conv"], self.conv.weight, self.conv.bias, self.dt_bias,

@@ -143,7 +143,7 @@ class Block(nn.Module):
 
 class PreNormBlock(Block):
     """h = h + mixer(rmsnorm(h));  h = h + mlp(rmsnorm(h))  (GPT-2, Llama, Mamba). Without an MLP, a decoding
-    step may run the whole block in one call where the mixer offers it (``fused_block``: Mamba's)."""
+    step may run the whole block in one call where the mixer offers it (``fused_block``: Mamba's, Mamba-2's)."""
 
     def forward(self, h, state=None, cu_seqlens=None, carry=None):
         m = self.mixer
