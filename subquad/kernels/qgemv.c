@@ -2,7 +2,7 @@
  *
  * f32_gemv:   y[m, n] = sum_k w[n, k] x[m, k] + bias[n]      w (N, K) float32 row-major, x (M, K) with row
  *             stride ldx, y (M, N); f32_gemv_cm the same for w stored column-major (wt = w^T (K, N) row-major:
- *             ``models.decode.decode_layout``'s small wide matrices), up to 16 rows.
+ *             ``models.decode.decode_layout``'s small wide matrices), 16 rows of x per pass over the weights.
  * int8_gemv:  y[m, n] = sum_g scale[n, g] (sum_{k in g} q[n, k] x[m, k]) - offset[n, g] (sum_{k in g} x[m, k])
  *                       + bias[n]
  *             q (N, K) int8 row-major, scale (and offset, or NULL) (N, G) float32, G groups of K / G inputs
@@ -338,27 +338,30 @@ void f32_gemv(int64_t M, int64_t N, int64_t K, int threads, const float *x, int6
 void f32_gemv_cm(int64_t M, int64_t N, int64_t K, int threads, const float *x, int64_t ldx, const float *wt,
                  const float *bias, float *y) {
 #pragma omp parallel for num_threads(threads) schedule(static)
-    for (int64_t n64 = 0; n64 < (N + 63) / 64; n64++) {      /* 64 outputs, every k, every row of x at once */
+    for (int64_t n64 = 0; n64 < (N + 63) / 64; n64++) {      /* 64 outputs, every k, 16 rows of x at a time */
         const int64_t n0 = n64 * 64, nn = N - n0 < 64 ? N - n0 : 64;
         float acc[16][64];
-        for (int64_t m = 0; m < M; m++)
-            for (int64_t j = 0; j < 64; j++)
-                acc[m][j] = 0.0f;
-        for (int64_t k = 0; k < K; k++) {
-            const float *wk = wt + k * N + n0;
-            for (int64_t m = 0; m < M; m++) {
-                const float xv = x[m * ldx + k];
-                if (nn == 64) {
+        for (int64_t m0 = 0; m0 < M; m0 += 16) {
+            const int64_t mm = M - m0 < 16 ? M - m0 : 16;
+            for (int64_t m = 0; m < mm; m++)
+                for (int64_t j = 0; j < 64; j++)
+                    acc[m][j] = 0.0f;
+            for (int64_t k = 0; k < K; k++) {
+                const float *wk = wt + k * N + n0;
+                for (int64_t m = 0; m < mm; m++) {
+                    const float xv = x[(m0 + m) * ldx + k];
+                    if (nn == 64) {
 #pragma omp simd
-                    for (int64_t j = 0; j < 64; j++)
-                        acc[m][j] += wk[j] * xv;
-                } else
-                    for (int64_t j = 0; j < nn; j++)
-                        acc[m][j] += wk[j] * xv;
+                        for (int64_t j = 0; j < 64; j++)
+                            acc[m][j] += wk[j] * xv;
+                    } else
+                        for (int64_t j = 0; j < nn; j++)
+                            acc[m][j] += wk[j] * xv;
+                }
             }
+            for (int64_t m = 0; m < mm; m++)
+                for (int64_t j = 0; j < nn; j++)
+                    y[(m0 + m) * N + n0 + j] = acc[m][j] + (bias ? bias[n0 + j] : 0.0f);
         }
-        for (int64_t m = 0; m < M; m++)
-            for (int64_t j = 0; j < nn; j++)
-                y[m * N + n0 + j] = acc[m][j] + (bias ? bias[n0 + j] : 0.0f);
     }
 }
