@@ -141,6 +141,102 @@ void int8_gemv(int64_t M, int64_t N, int64_t K, int64_t G, int threads, const fl
     }
 }
 
+/* int8q_gemv: y[m, n] = scale[n] sum_b d[m, b] (sum_{k in b} q[n, k] c[m, k]) + bias[n]
+ * with x's rows rounded per block b of 32 inputs to int8 codes c and a float scale d (GGUF's Q8_0: d = max |x| /
+ * 127, c = round(127 x / max |x|)), as llama.cpp's Q8_0 and fbgemm's products do (fbgemm: one scale per call): the sums are
+ * exact in int32 - AVX2's maddubs multiplies 32 byte pairs into 16-bit pair sums, |q| <= 128 and |c| <= 127 keep
+ * them below 2^15 - about half the instructions per weight of widening q to float. q (N, K) int8 per output
+ * channel, K a multiple of 32; x (M, K) with row stride ldx, y (M, N); xq: scratch of M K bytes, xd: M K / 32
+ * floats. */
+static void quantize_q8(int64_t M, int64_t K, const float *x, int64_t ldx, int8_t *xq, float *xd) {
+    const int64_t nb = K / 32;
+    for (int64_t m = 0; m < M; m++)
+        for (int64_t b = 0; b < nb; b++) {
+            const float *v = x + m * ldx + 32 * b;
+            int8_t *c = xq + m * K + 32 * b;
+#if SIMD
+            const __m256 sign = _mm256_set1_ps(-0.0f);
+            __m256 f[4], amax = _mm256_setzero_ps();
+            for (int i = 0; i < 4; i++) {
+                f[i] = _mm256_loadu_ps(v + 8 * i);
+                amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, f[i]));
+            }
+            float mx = hmax8(amax);
+            const float d = mx / 127.0f;
+            const __m256 id = _mm256_set1_ps(mx > 0.0f ? 127.0f / mx : 0.0f);
+            __m256i i32[4];
+            for (int i = 0; i < 4; i++)
+                i32[i] = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(f[i], id), _MM_FROUND_TO_NEAREST_INT
+                                                                                      | _MM_FROUND_NO_EXC));
+            /* pack 32 int32 to 32 int8; the packs interleave 128-bit lanes, the permute puts them back in order */
+            const __m256i p16 = _mm256_packs_epi32(i32[0], i32[1]), q16 = _mm256_packs_epi32(i32[2], i32[3]);
+            const __m256i p8 = _mm256_packs_epi16(p16, q16);
+            _mm256_storeu_si256((__m256i *)c, _mm256_permutevar8x32_epi32(p8, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3,
+                                                                                                7)));
+#else
+            float mx = 0.0f;
+            for (int j = 0; j < 32; j++)
+                mx = fabsf(v[j]) > mx ? fabsf(v[j]) : mx;
+            const float d = mx / 127.0f, id = mx > 0.0f ? 127.0f / mx : 0.0f;
+            for (int j = 0; j < 32; j++)
+                c[j] = (int8_t)nearbyintf(v[j] * id);
+#endif
+            xd[m * nb + b] = d;
+        }
+}
+
+/* One row of q against one row of codes, two blocks at a time: sum_b d[b] (q . c)_b. Reads q in order and
+ * prefetches PF_BYTES ahead: with it the loop keeps up with memory, without it it waits on each miss in turn. */
+#define PF_BYTES 2048
+static inline float q8_dot(const int8_t *q, int64_t nb, const int8_t *c, const float *d) {
+#if SIMD
+    const __m256i ones = _mm256_set1_epi16(1);
+    __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
+    int64_t b = 0;
+    for (; b + 2 <= nb; b += 2) {
+        _mm_prefetch((const char *)(q + 32 * b + PF_BYTES), _MM_HINT_T0);
+        const __m256i w0 = _mm256_loadu_si256((const __m256i *)(q + 32 * b));
+        const __m256i w1 = _mm256_loadu_si256((const __m256i *)(q + 32 * b + 32));
+        const __m256i x0 = _mm256_loadu_si256((const __m256i *)(c + 32 * b));
+        const __m256i x1 = _mm256_loadu_si256((const __m256i *)(c + 32 * b + 32));
+        /* |q| as unsigned bytes times c with q's sign: 16-bit pair sums, then 32-bit ones */
+        const __m256i p0 = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_sign_epi8(w0, w0), _mm256_sign_epi8(x0, w0)),
+                                             ones);
+        const __m256i p1 = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_sign_epi8(w1, w1), _mm256_sign_epi8(x1, w1)),
+                                             ones);
+        a0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p0), _mm256_set1_ps(d[b]), a0);
+        a1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p1), _mm256_set1_ps(d[b + 1]), a1);
+    }
+    if (b < nb) {
+        const __m256i w0 = _mm256_loadu_si256((const __m256i *)(q + 32 * b));
+        const __m256i x0 = _mm256_loadu_si256((const __m256i *)(c + 32 * b));
+        const __m256i p0 = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_sign_epi8(w0, w0), _mm256_sign_epi8(x0, w0)),
+                                             ones);
+        a0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p0), _mm256_set1_ps(d[b]), a0);
+    }
+    return hsum8(_mm256_add_ps(a0, a1));
+#else
+    float s = 0.0f;
+    for (int64_t b = 0; b < nb; b++) {
+        int32_t t = 0;
+        for (int i = 0; i < 32; i++)
+            t += (int32_t)q[32 * b + i] * c[32 * b + i];
+        s += d[b] * (float)t;
+    }
+    return s;
+#endif
+}
+
+void int8q_gemv(int64_t M, int64_t N, int64_t K, int threads, const float *x, int64_t ldx, const int8_t *q,
+                const float *scale, const float *bias, float *y, int8_t *xq, float *xd) {
+    const int64_t nb = K / 32;
+    quantize_q8(M, K, x, ldx, xq, xd);
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t n = 0; n < N; n++)                  /* the row stays in L1 for every row of x */
+        for (int64_t m = 0; m < M; m++)
+            y[m * N + n] = q8_dot(q + n * K, nb, xq + m * K, xd + m * nb) * scale[n] + (bias ? bias[n] : 0.0f);
+}
+
 /* A split block of 64 (h = 32) or 32 (h = 16) rows at w against one row of x: byte j of each k holds rows j
  * and j + h. Four (two) sums of 16 rows each, kept in registers along k. */
 static inline __attribute__((always_inline)) void int4_split(int64_t K, int64_t G, int64_t Np, int64_t h,
@@ -364,4 +460,19 @@ void f32_gemv_cm(int64_t M, int64_t N, int64_t K, int threads, const float *x, i
                     y[(m0 + m) * N + n0 + j] = acc[m][j] + (bias ? bias[n0 + j] : 0.0f);
         }
     }
+}
+
+/* The blocks' projections (mamba_block.c, mamba2_block.c): y = x W^T + bias, W float32 row-major (kind 0),
+ * column-major (kind 1: w holds W^T) or int8 codes per output channel times scale (kind 2, int8q_gemv, K a
+ * multiple of 32; its scratch allocated here). */
+enum { PROJ_F32 = 0, PROJ_F32_CM = 1, PROJ_INT8 = 2 };
+
+static void proj_gemv(int kind, int64_t M, int64_t N, int64_t K, int threads, const float *x, int64_t ldx,
+                      const void *w, const float *scale, const float *bias, float *y) {
+    if (kind == PROJ_INT8) {
+        int8_t *xq = malloc(M * K + M * (K / 32) * sizeof(float));
+        int8q_gemv(M, N, K, threads, x, ldx, w, scale, bias, y, xq, (float *)(xq + M * K));
+        free(xq);
+    } else
+        (kind == PROJ_F32_CM ? f32_gemv_cm : f32_gemv)(M, N, K, threads, x, ldx, w, bias, y);
 }

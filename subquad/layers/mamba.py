@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from subquad import kernels
+from subquad.kernels import qgemv
 from subquad.layers.base import Mixer
 from subquad.layers import sequence
 from subquad.layers.conv import ShortConv
@@ -33,22 +34,42 @@ from subquad.ops.common.autograd import wants_grad
 from subquad.ops.common.checks import state_dtype
 
 
+def _kernel_weight(lin):
+    """A projection as the block kernels read it (``ops.mamba.fused_block.proj_args``): a float32-able ``Linear``'s
+    weight stored row- or column-major, or (q, scale) of an int8 one per output channel (``models.quant``'s
+    ``Int8Linear``) whose input width is a multiple of 32; None for anything else."""
+    if type(lin) in (nn.Linear, Linear):
+        return lin.weight if fused_block.layout(lin.weight) else None
+    q, scale = getattr(lin, "q", None), getattr(lin, "scale", None)
+    if isinstance(q, torch.Tensor) and q.dtype == torch.int8 and q.is_cpu and q.is_contiguous() \
+            and scale.dim() == 1 and q.shape[1] % 32 == 0:
+        return q, scale
+    return None
+
+
 def block_projections(mixer, h, norm):
     """(norm weight, in_proj's weight and bias, out_proj's weight and bias) where a pre-norm block's decoding step
     may run in one C call (``fused_block`` of Mamba and Mamba-2), else None: never while compiling (inductor fuses
     the block itself; tested before any size, so no guard on the batch), a plain RMSNorm without a bias, at most
-    ``layers.linear.C_ROWS`` rows, float32-able ``Linear`` projections (quantised ones have their own products)
-    stored row- or column-major. The kernel's own ``usable`` checks dtypes, devices and gradients."""
+    ``layers.linear.C_ROWS`` rows (int8 ones: ``kernels.qgemv.INT8Q_ROWS``), projections the kernels read
+    (``_kernel_weight``: float32 or int8 per channel).
+    The kernel's own ``usable`` checks dtypes, devices and gradients (``checked`` gives it what to check)."""
     if torch.compiler.is_compiling():
         return None
     wi, wo = mixer.in_proj, mixer.out_proj
-    if not (type(norm) is RMSNorm and h.shape[0] <= C_ROWS and type(wi) in (nn.Linear, Linear)
-            and type(wo) in (nn.Linear, Linear) and h.shape[-1] == mixer.d_model):
+    if not (type(norm) is RMSNorm and h.shape[0] <= C_ROWS and h.shape[-1] == mixer.d_model):
         return None
-    nw, w_in, w_out = norm.weight, wi.weight, wo.weight
-    if nw is None or norm.bias is not None or not (fused_block.layout(w_in) and fused_block.layout(w_out)):
+    nw, w_in, w_out = norm.weight, _kernel_weight(wi), _kernel_weight(wo)
+    if nw is None or norm.bias is not None or w_in is None or w_out is None:
         return None
+    if (isinstance(w_in, tuple) or isinstance(w_out, tuple)) and h.shape[0] > qgemv.INT8Q_ROWS:
+        return None                                  # more rows: fbgemm's int8 products are faster (qgemv.py)
     return nw, w_in, wi.bias, w_out, wo.bias
+
+
+def checked(proj) -> list:
+    """``block_projections``'s tensors that must be float32 (an int8 weight's scale stands for it)."""
+    return [p[1] if isinstance(p, tuple) else p for p in proj]
 
 
 class Mamba(Mixer):
@@ -130,7 +151,7 @@ class Mamba(Mixer):
         if proj is None:
             return None
         conv_w, conv_b, wx, wdt, bdt, A_log, Dp = weights = self._step_weights()
-        if not self._fusable(fused_block.KERNEL, h, state, sequence.backend(), *weights, *proj):
+        if not self._fusable(fused_block.KERNEL, h, state, sequence.backend(), *weights, *checked(proj)):
             return None
         nw, w_in, b_in, w_out, b_out = proj
         h, conv, ssm = fused_block.block_step(h, nw, norm.eps, w_in, b_in, w_out, b_out, state["conv"], conv_w,

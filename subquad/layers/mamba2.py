@@ -23,7 +23,7 @@ from subquad import kernels
 from subquad.layers import sequence
 from subquad.layers.base import Mixer
 from subquad.layers.conv import ShortConv
-from subquad.layers.mamba import block_projections
+from subquad.layers.mamba import block_projections, checked
 from subquad.layers.norm import GatedRMSNorm
 from subquad.layers.sequence import SingleDevice
 from subquad.ops import ssd
@@ -115,7 +115,7 @@ class Mamba2(Mixer):
         h (B, 1, d_model) -> (h', new state), or None where it does not apply (``layers.mamba.block_projections``,
         or what keeps the layer's own fused step from running)."""
         proj = block_projections(self, h, norm)
-        if proj is None or not self._fusable(fused_block.KERNEL, h, state, sequence.backend(), *proj):
+        if proj is None or not self._fusable(fused_block.KERNEL, h, state, sequence.backend(), *checked(proj)):
             return None
         gn = self.norm
         gw = None if gn is None else gn.weight

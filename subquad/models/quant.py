@@ -6,7 +6,12 @@
                                  channels (``group_size``, default 128), a bfloat16 scale s and zero z:
                                  W ~ (c - 8) s + z,  s = (max - min) / 15,  z = min + 8 s  (asymmetric)
     quantize(model, "bf16")      every projection stored in bfloat16
-    y = Linear(x) computed as:   int8 decoding (rows <= DECODE_ROWS, or any rows inside ``mode.decoding()``: the
+    y = Linear(x) computed as:   int8, at most ``qgemv.INT8Q_ROWS`` float32 rows of a width that is a multiple of
+                                 32: a C kernel (``kernels.qgemv.int8q_gemv``: x rounded to int8 per block of
+                                 32 inputs with a float scale, as llama.cpp's Q8_0 products do; exact integer
+                                 sums) - it reads the weights near the memory's rate (fbgemm's kernel, one x
+                                 scale per call, is faster from 8 rows; benchmarks/RESULTS.md);
+                                 int8 decoding (rows <= DECODE_ROWS, or any rows inside ``mode.decoding()``: the
                                  steps and verifications of a batch): fbgemm's int8 matrix product
                                  (torch.ops.quantized.linear_dynamic: x quantised to 8 bits per call,
                                  int32 accumulation, * s), DECODE_ROWS rows per call - it reads one byte per
@@ -111,6 +116,8 @@ def int8_linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bias: tor
                 key: torch.Tensor) -> torch.Tensor:
     """x (..., K) float, q (N, K) int8, scale (N,) float32, bias (N,) or None, key a 0-d int64 tensor naming
     the packed weight -> (..., N) in x's dtype (module doc). Kept lean: it runs ~100 times per token."""
+    if x.shape[-1] % 32 == 0 and qgemv.usable(qgemv.INT8Q, x, qgemv.INT8Q_ROWS):   # a few rows: x to int8 per block
+        return qgemv.int8q_gemv(x, q, scale, bias)
     if not FBGEMM and qgemv.usable(qgemv.INT8, x, qgemv.INT8_ROWS):     # fbgemm gone: the C kernel's rows
         return qgemv.int8_gemv(x, q, scale, None, bias)
     if FBGEMM and x.device.type == "cpu" and (x.numel() <= DECODE_ROWS * x.shape[-1]

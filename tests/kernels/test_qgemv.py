@@ -45,6 +45,60 @@ def test_int8_against_the_dequantised_weight(M, N, K, G, offset, bias):
         assert torch.equal(qgemv.int8_gemv(x[m:m + 1], q, scale, off, b)[0], got[m])
 
 
+def _q8_rows(x):
+    """x (M, K) float32 -> (codes (M, K) as float64, d (M, K/32) float64): per block of 32, c = round(127 x / max|x|)
+    (half to even, as the kernel's rounding) in float32 - the kernel's own arithmetic, written with torch ops."""
+    M, K = x.shape
+    b = x.reshape(M, K // 32, 32)
+    mx = b.abs().amax(-1, keepdim=True)
+    inv = torch.where(mx > 0, torch.tensor(127.0) / mx, torch.zeros_like(mx))
+    return torch.round(b * inv).reshape(M, K).double(), (mx / 127).squeeze(-1).double()
+
+
+@pytest.mark.parametrize("M,N,K,bias", [
+    (1, 3072, 768, False),                # mamba-130m's in_proj, one row
+    (2, 77, 96, True),                    # an odd number of blocks (the tail), odd N
+    (4, 33, 32, True),                    # one block
+    (16, 50, 1536, False),                # the most rows a block kernel takes
+])
+def test_int8q_against_its_math_and_the_bound(M, N, K, bias):
+    """y = scale sum_b d_b (q . c)_b + bias with x's codes per block of 32: against that sum in float64 from the
+    codes computed here, and within half a code per input of the float64 product with x itself (a bound that
+    does not depend on how x is rounded)."""
+    g = torch.Generator().manual_seed(M * 1000 + N)
+    q = torch.randint(-128, 128, (N, K), dtype=torch.int8, generator=g)    # -128 too: no 16-bit pair overflows
+    scale = torch.rand(N, generator=g) + 0.01
+    b = torch.randn(N, generator=g) if bias else None
+    xx = torch.randn(M, K + 5, generator=g) * torch.logspace(-3, 3, M)[:, None]
+    x = xx[:, 2:K + 2]                                          # a row stride that is not K
+    x[0, :32] = 0.0                                             # an all-zero block: d = 0, no division by it
+    got = qgemv.int8q_gemv(x, q, scale, b)
+    assert got.shape == (M, N) and got.dtype == torch.float32
+    c, d = _q8_rows(x.contiguous())
+    qd = q.double().view(N, K // 32, 32)
+    sums = torch.einsum("nbk,mbk->mnb", qd, c.view(M, K // 32, 32))
+    ref = (sums * d[:, None, :]).sum(-1) * scale.double() + (0 if b is None else b.double())
+    assert _rel(got, ref) <= 2e-6
+    exact = x.double() @ (q.double() * scale.double()[:, None]).T + (0 if b is None else b.double())
+    bound = (qd.abs().sum(-1)[None] * d[:, None, :] / 2).sum(-1) * scale.double()      # (M, N)
+    assert ((got.double() - exact).abs() <= bound * (1 + 1e-5) + 1e-6 * exact.abs().max()).all()
+    for m in range(M):                                          # a row alone gives the same bits
+        assert torch.equal(qgemv.int8q_gemv(x[m:m + 1], q, scale, b)[0], got[m])
+
+
+def test_int8q_is_exact_for_x_on_its_grid():
+    """x whose blocks are codes times a power of two, one code 127: rounding x changes nothing, so the product
+    equals the float64 one to float32's summation."""
+    g = torch.Generator().manual_seed(1)
+    q = torch.randint(-127, 128, (40, 256), dtype=torch.int8, generator=g)
+    scale = torch.rand(40, generator=g) + 0.5
+    codes = torch.randint(-127, 128, (3, 256), generator=g).float()
+    codes[:, ::32] = 127.0
+    x = codes * 2.0 ** torch.randint(-4, 4, (3, 8), generator=g).float().repeat_interleave(32, 1)   # d = 2^e
+    ref = x.double() @ (q.double() * scale.double()[:, None]).T
+    assert _rel(qgemv.int8q_gemv(x, q, scale, None), ref) <= 1e-6
+
+
 @pytest.mark.parametrize("M,N,K,bias", [
     (1, 3072, 768, False),                # mamba-130m's in_proj, one row
     (2, 771, 1536, True),                 # rows past the last block of 4 (771 = 4 x 192 + 3)
@@ -106,6 +160,18 @@ def test_usable_says_when():
     assert not qgemv.usable(qgemv.INT8, x[:0], 3)
     assert not qgemv.usable(qgemv.INT8, x.double(), 3)
     assert not qgemv.usable(qgemv.INT8, x.bfloat16(), 3)
+
+
+def test_int8_modules_take_int8q_for_a_few_rows():
+    """A per-channel Int8Linear's product of up to INT8Q_ROWS float32 rows is the kernel's (x rounded per block of
+    32), more rows fbgemm's; a width that is not a multiple of 32 never takes it."""
+    torch.manual_seed(0)
+    lin = quant.Int8Linear(torch.randn(48, 96), torch.randn(48))
+    x = torch.randn(qgemv.INT8Q_ROWS, 96)
+    assert torch.equal(lin(x), qgemv.int8q_gemv(x, lin.q, lin.scale, lin.bias))
+    odd = quant.Int8Linear(torch.randn(48, 72))
+    r = torch.randn(1, 72)
+    assert _rel(odd(r), r.double() @ odd.weight.double().T) <= 2e-2
 
 
 def test_the_modules_take_it_and_off_means_the_library_paths(monkeypatch):

@@ -11,7 +11,7 @@ from torch import nn
 
 from subquad.models import LanguageModel, ModelConfig
 from subquad.ops.mamba import fused_block, fused_step
-from tests.ops.fused_harness import assert_steps_agree, models
+from tests.ops.fused_harness import assert_int8_block_agrees, assert_steps_agree, models
 from tests.ops.test_mamba_fused_step import inputs, reference
 
 pytestmark = pytest.mark.skipif(not fused_block.KERNEL.available(), reason="no C compiler: the kernel cannot be built")
@@ -70,8 +70,9 @@ def test_a_model_without_mlps_takes_it_and_agrees_with_its_blocks(monkeypatch, h
 
 
 def test_where_it_is_not_taken(monkeypatch):
-    """A prompt, more rows than layers.linear.C_ROWS, quantised projections, a norm with a bias, a hook on the
-    mixer, Falcon-Mamba's norms: the block runs its modules (the layer's own kernel where it applies)."""
+    """A prompt, more rows than layers.linear.C_ROWS, int8 projections of a width that is not a multiple of 32, a
+    norm with a bias, a hook on the mixer, Falcon-Mamba's norms: the block runs its modules (the layer's own kernel
+    where it applies)."""
     calls = []
     real = fused_block.block_step
     monkeypatch.setattr(fused_block, "block_step", lambda *a: calls.append(1) or real(*a))
@@ -122,3 +123,11 @@ def test_a_compiled_block_leaves_it_to_the_graph_without_a_guard_on_the_batch():
             st = blk.mixer.empty_state(B)
             assert f(torch.randn(B, 1, 48), st).shape == (B, 1, 48)
     assert counts["stats"]["unique_graphs"] == 1, dict(counts["stats"])
+
+
+def test_int8_projections_take_it_for_a_few_rows(monkeypatch):
+    """int8 in_proj and out_proj (per channel, x rounded per block of 32 inside the kernel, as their modules'
+    products are): the block in one call agrees with its modules and with a float64 copy (fused_harness)."""
+    from subquad.layers.mamba import Mamba
+
+    assert assert_int8_block_agrees(monkeypatch, fused_block, Mamba, "mamba") == 2 * 3 * 2
