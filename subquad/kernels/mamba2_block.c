@@ -6,7 +6,7 @@
  *   in = x W_in^T + b_in                                   W_in (2 Dn + 2 G N + H, d), b_in or NULL
  *   y  = mamba2_step(in, ...)                              (B, Dn), the new conv state and S (mamba2_step.c)
  *   h' = h + y W_out^T + b_out                             W_out (d, Dn), b_out (d,) or NULL
- * Each W float32 row- or column-major or int8 per output channel, as its kind says (mamba_block.c); B <= 16. ops/decay/fused_block.py is the Python side;
+ * Each W float32 row- or column-major, int8 or int4, as its kind says (mamba_block.c); B <= 16. ops/decay/fused_block.py is the Python side;
  * the block's own PyTorch forward is the reference. */
 
 #include "mamba2_step.c"
@@ -14,8 +14,8 @@
 
 void mamba2_block_step(int64_t B, int64_t d, int64_t Dn, int64_t G, int64_t N, int64_t H, int64_t P, int64_t K,
                        int threads, const float *h, const float *norm_w, float eps, const void *w_in,
-                       const float *s_in, const float *b_in, const void *w_out, const float *s_out,
-                       const float *b_out, int in_kind, int out_kind,
+                       const void *s_in, const float *b_in, const void *w_out, const void *s_out,
+                       const float *b_out, int in_kind, int out_kind, int64_t in_groups, int64_t out_groups,
                        const float *conv_state, const float *conv_w, const float *conv_b, const float *dt_bias,
                        const float *A_log, const float *Dp, float dt_lo, float dt_hi, const float *S,
                        const float *gnorm_w, int64_t norm_group, float geps,
@@ -25,10 +25,10 @@ void mamba2_block_step(int64_t B, int64_t d, int64_t Dn, int64_t G, int64_t N, i
     const int64_t W = 2 * Dn + 2 * G * N + H;
     float *x = scratch, *in = x + B * d, *y = in + B * W, *inv = y + B * Dn, *rest = inv + B * (Dn / norm_group);
     rms_rows(B, d, h, norm_w, eps, x);
-    proj_gemv(in_kind, B, W, d, threads, x, d, w_in, s_in, b_in, in);
+    proj_gemv(in_kind, in_groups, B, W, d, threads, x, d, w_in, s_in, b_in, in);
     mamba2_step(B, Dn, G, N, H, P, K, threads, in, W, conv_state, conv_w, conv_b, dt_bias, A_log, Dp, dt_lo, dt_hi,
                 S, gnorm_w, norm_group, geps, 0, inv, y, conv_out, S_out, rest);
-    proj_gemv(out_kind, B, d, Dn, threads, y, Dn, w_out, s_out, b_out, h_out);
+    proj_gemv(out_kind, out_groups, B, d, Dn, threads, y, Dn, w_out, s_out, b_out, h_out);
     for (int64_t i = 0; i < B * d; i++)
         h_out[i] += h[i];
 }

@@ -5,8 +5,9 @@
  *   xz = x W_in^T + b_in                                   W_in (2D, d), b_in (2D,) or NULL
  *   y  = mamba_step(xz, ...)                               (B, D), the new conv state and h (mamba_step.c)
  *   h' = h + y W_out^T + b_out                             W_out (d, D), b_out (d,) or NULL
- * Each W float32 row-major, column-major (decode_layout's small wide matrices) or int8 per output channel times
- * s_in / s_out, as its kind (in_kind, out_kind: qgemv.c's proj_gemv) says; B <= 16.
+ * Each W float32 row-major, column-major (decode_layout's small wide matrices), int8 per output channel times
+ * s_in / s_out, or int4 with groups of scales and zeros, as its kind and groups say (qgemv.c's proj_gemv);
+ * B <= 16.
  *
  * ops/mamba/fused_block.py states it once more with the Python side; the block's own PyTorch forward is the
  * reference. The products are qgemv.c's: each weight read once for all B rows. */
@@ -16,8 +17,8 @@
 
 void mamba_block_step(int64_t B, int64_t d, int64_t D, int64_t N, int64_t R, int64_t K, int64_t heads,
                       int threads, const float *h, const float *norm_w, float eps, const void *w_in,
-                      const float *s_in, const float *b_in, const void *w_out, const float *s_out,
-                      const float *b_out, int in_kind, int out_kind,
+                      const void *s_in, const float *b_in, const void *w_out, const void *s_out,
+                      const float *b_out, int in_kind, int out_kind, int64_t in_groups, int64_t out_groups,
                       const float *conv_state, const float *conv_w, const float *conv_b, const float *wx,
                       const float *wdt, int64_t wdt_s0, int64_t wdt_s1, const float *bdt, const float *A_log,
                       const float *Dp, const float *ssm,
@@ -26,10 +27,10 @@ void mamba_block_step(int64_t B, int64_t d, int64_t D, int64_t N, int64_t R, int
 {
     float *x = scratch, *xz = x + B * d, *y = xz + B * 2 * D, *rest = y + B * D;
     rms_rows(B, d, h, norm_w, eps, x);
-    proj_gemv(in_kind, B, 2 * D, d, threads, x, d, w_in, s_in, b_in, xz);
+    proj_gemv(in_kind, in_groups, B, 2 * D, d, threads, x, d, w_in, s_in, b_in, xz);
     mamba_step(B, D, N, R, K, heads, threads, xz, 2 * D, conv_state, conv_w, conv_b, wx, wdt, wdt_s0, wdt_s1, bdt,
                A_log, Dp, ssm, y, conv_out, ssm_out, rest);
-    proj_gemv(out_kind, B, d, D, threads, y, D, w_out, s_out, b_out, h_out);
+    proj_gemv(out_kind, out_groups, B, d, D, threads, y, D, w_out, s_out, b_out, h_out);
     for (int64_t i = 0; i < B * d; i++)
         h_out[i] += h[i];
 }

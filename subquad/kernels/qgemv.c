@@ -7,8 +7,8 @@
  *                       + bias[n]
  *             q (N, K) int8 row-major, scale (and offset, or NULL) (N, G) float32, G groups of K / G inputs
  *             (G = 1: one scale per output channel), x (M, K) with row stride ldx, y (M, N).
- * int4_gemv:  y[m, n] = sum_g s[g, n] (sum_{k in g} c[n, k] x[m, k]) + (z[g, n] - 8 s[g, n]) (sum_{k in g} x[m, k])
- *                       + bias[n]
+ * int4_gemv:  y[m, n] = sum_g s[g, n] (sum_{k in g} c[n, k] x~[m, k]) + (z[g, n] - 8 s[g, n]) (sum_{k in g} x~[m, k])
+ *                       + bias[n],  x~ = x rounded per block of 32 (below; K a multiple of 32)
  *             c in [0, 15] packed as torch's _weight_int4pack_mm_for_cpu packs them (quant.py's LAYOUTS): rows in
  *             blocks of BN, each block k-major (K, BN / 2) bytes; in a full block byte j holds rows j (low nibble)
  *             and j + BN / 2 (high) when split, rows 2j and 2j + 1 otherwise, as it always does in a last,
@@ -237,85 +237,66 @@ void int8q_gemv(int64_t M, int64_t N, int64_t K, int threads, const float *x, in
             y[m * N + n] = q8_dot(q + n * K, nb, xq + m * K, xd + m * nb) * scale[n] + (bias ? bias[n] : 0.0f);
 }
 
-/* A split block of 64 (h = 32) or 32 (h = 16) rows at w against one row of x: byte j of each k holds rows j
- * and j + h. Four (two) sums of 16 rows each, kept in registers along k. */
-static inline __attribute__((always_inline)) void int4_split(int64_t K, int64_t G, int64_t Np, int64_t h,
-                                                             const float *x, const float *xs, const uint8_t *w,
-                                                             const uint16_t *sz, int64_t n0, float *out) {
-    const int64_t gs = K / G;
+#if SIMD
+/* A split block of 2h rows (h = 16 or 32) at w against one row of x's codes c (quantize_q8's; xp: c as byte pairs
+ * (c[2i], c[2i + 1]) per 16-bit lane, d per block of 32, xc: sum of x~ = c d per group): byte j of each k holds
+ * rows j (low nibble) and j + h (high). Two k at a time, each row's two codes are interleaved into adjacent bytes
+ * (one permute, one shuffle) so maddubs multiplies them by (c[k], c[k + 1]) and adds the pair in 16 bits
+ * (<= 2 x 15 x 127); 16 k sum
+ * exactly in 16 bits, then widen to float times d.
+ * out[r] = sum_g s[g, r] (sum_{k in g} code[r, k] c[k] d) + (z - 8 s)[g, r] xc[g]. */
+static inline __attribute__((always_inline)) void int4_split_q(int64_t K, int64_t G, int64_t Np, int64_t h,
+                                                               const int16_t *xp, const float *d, const float *xc,
+                                                               const uint8_t *w, const uint16_t *sz, int64_t n0,
+                                                               float *out) {
+    const int64_t gs = K / G, nv = h / 8;           /* 16-row vectors: 2 (h = 16) or 4 (h = 32) */
+    const __m256i m4 = _mm256_set1_epi8(15);
+    const __m256i inter = _mm256_setr_epi8(0, 8, 1, 9, 2, 10, 3, 11, 4, 12, 5, 13, 6, 14, 7, 15,
+                                           0, 8, 1, 9, 2, 10, 3, 11, 4, 12, 5, 13, 6, 14, 7, 15);
     for (int64_t r = 0; r < 2 * h; r++)
         out[r] = 0.0f;
     for (int64_t g = 0; g < G; g++) {
-#if SIMD
-        __m256 v8[8];
-        float a0[16], a1[16], a2[16], a3[16];
-        for (int i = 0; i < 8; i++)
-            v8[i] = _mm256_setzero_ps();
-        const __m128i m4 = _mm_set1_epi8(15);
-        if (h == 32)                  /* 8 sums: bytes 0-15 and 16-31, low and high nibbles, 8 rows each */
-            for (int64_t k = g * gs; k < (g + 1) * gs; k++) {
-                const __m256 xv = _mm256_broadcast_ss(x + k);
-                for (int c = 0; c < 2; c++) {
-                    const __m128i v = _mm_loadu_si128((const __m128i *)(w + k * h + 16 * c));
-                    const __m128i lo = _mm_and_si128(v, m4), hi = _mm_and_si128(_mm_srli_epi16(v, 4), m4);
-                    v8[4 * c] = _mm256_fmadd_ps(u8_f(lo), xv, v8[4 * c]);
-                    v8[4 * c + 1] = _mm256_fmadd_ps(u8_f(_mm_srli_si128(lo, 8)), xv, v8[4 * c + 1]);
-                    v8[4 * c + 2] = _mm256_fmadd_ps(u8_f(hi), xv, v8[4 * c + 2]);
-                    v8[4 * c + 3] = _mm256_fmadd_ps(u8_f(_mm_srli_si128(hi, 8)), xv, v8[4 * c + 3]);
+        __m256 f[8];                                 /* per 8 rows, lo rows then hi rows: sum code c d */
+        for (int i = 0; i < 2 * nv; i++)
+            f[i] = _mm256_setzero_ps();
+        for (int64_t k0 = g * gs; k0 < (g + 1) * gs; k0 += 16) {
+            __m256i a[4];                            /* vector v: rows 16v..16v+15 */
+            for (int i = 0; i < nv; i++)
+                a[i] = _mm256_setzero_si256();
+            for (int64_t k = k0; k < k0 + 16; k += 2) {
+                const __m256i xv = _mm256_set1_epi16(xp[k / 2]);
+                _mm_prefetch((const char *)(w + k * h + PF_BYTES), _MM_HINT_T0);
+                for (int64_t ch = 0; ch < h / 16; ch++) {
+                    /* [k's 16 bytes | k + 1's]: 64-bit quarters to (0, 2, 1, 3), then bytes interleaved in each
+                     * lane, so byte 2j, 2j + 1 are row j's (or j + 8's) codes at k and k + 1 */
+                    const __m256i v = h == 16 ? _mm256_loadu_si256((const __m256i *)(w + k * h))
+                        : _mm256_loadu2_m128i((const __m128i *)(w + (k + 1) * h + 16 * ch),
+                                              (const __m128i *)(w + k * h + 16 * ch));
+                    const __m256i p = _mm256_shuffle_epi8(_mm256_permute4x64_epi64(v, 0xD8), inter);
+                    const __m256i L = _mm256_and_si256(p, m4), H = _mm256_and_si256(_mm256_srli_epi16(p, 4), m4);
+                    a[ch] = _mm256_add_epi16(a[ch], _mm256_maddubs_epi16(L, xv));
+                    a[h / 16 + ch] = _mm256_add_epi16(a[h / 16 + ch], _mm256_maddubs_epi16(H, xv));
                 }
             }
-        else                          /* h = 16: two k at a time into two sets of 4 sums */
-            for (int64_t k = g * gs; k < (g + 1) * gs; k += 2)
-                for (int c = 0; c < 2; c++) {
-                    const __m256 xv = _mm256_broadcast_ss(x + k + c);
-                    const __m128i v = _mm_loadu_si128((const __m128i *)(w + (k + c) * h));
-                    const __m128i lo = _mm_and_si128(v, m4), hi = _mm_and_si128(_mm_srli_epi16(v, 4), m4);
-                    v8[4 * c] = _mm256_fmadd_ps(u8_f(lo), xv, v8[4 * c]);
-                    v8[4 * c + 1] = _mm256_fmadd_ps(u8_f(_mm_srli_si128(lo, 8)), xv, v8[4 * c + 1]);
-                    v8[4 * c + 2] = _mm256_fmadd_ps(u8_f(hi), xv, v8[4 * c + 2]);
-                    v8[4 * c + 3] = _mm256_fmadd_ps(u8_f(_mm_srli_si128(hi, 8)), xv, v8[4 * c + 3]);
-                }
-        if (h == 32) {                /* a0: rows 0-15, a1: 16-31, a2: 32-47, a3: 48-63 */
-            _mm256_storeu_ps(a0, v8[0]), _mm256_storeu_ps(a0 + 8, v8[1]);
-            _mm256_storeu_ps(a2, v8[2]), _mm256_storeu_ps(a2 + 8, v8[3]);
-            _mm256_storeu_ps(a1, v8[4]), _mm256_storeu_ps(a1 + 8, v8[5]);
-            _mm256_storeu_ps(a3, v8[6]), _mm256_storeu_ps(a3 + 8, v8[7]);
-        } else {                      /* a0: rows 0-15, a2: 16-31 */
-            _mm256_storeu_ps(a0, _mm256_add_ps(v8[0], v8[4])), _mm256_storeu_ps(a0 + 8, _mm256_add_ps(v8[1], v8[5]));
-            _mm256_storeu_ps(a2, _mm256_add_ps(v8[2], v8[6])), _mm256_storeu_ps(a2 + 8, _mm256_add_ps(v8[3], v8[7]));
-        }
-#else
-        float a0[16] = {0}, a1[16] = {0}, a2[16] = {0}, a3[16] = {0};
-        for (int64_t k = g * gs; k < (g + 1) * gs; k++) {
-            const uint8_t *b = w + k * h;
-            const float xv = x[k];
-            for (int j = 0; j < 16; j++) {
-                a0[j] += (float)(b[j] & 15) * xv;
-                a2[j] += (float)(b[j] >> 4) * xv;
+            const __m256 dv = _mm256_set1_ps(d[k0 / 32]);
+            for (int i = 0; i < nv; i++) {
+                const __m256i l32 = _mm256_cvtepi16_epi32(_mm256_castsi256_si128(a[i]));
+                const __m256i h32 = _mm256_cvtepi16_epi32(_mm256_extracti128_si256(a[i], 1));
+                f[2 * i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(l32), dv, f[2 * i]);
+                f[2 * i + 1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(h32), dv, f[2 * i + 1]);
             }
-            if (h == 32)
-                for (int j = 0; j < 16; j++) {
-                    a1[j] += (float)(b[16 + j] & 15) * xv;
-                    a3[j] += (float)(b[16 + j] >> 4) * xv;
-                }
         }
-#endif
+        float acc[64];                               /* rows in order: lo rows 0..h-1, hi rows h..2h-1 */
+        for (int i = 0; i < 2 * nv; i++)
+            _mm256_storeu_ps(acc + 8 * i, f[i]);
         const uint16_t *sg = sz + (g * Np + n0) * 2;
-        const float xg = xs[g];
-        for (int j = 0; j < 16; j++) {                  /* rows j, (16 + j,) h + j, (h + 16 + j) */
-            float s = bf16_f(sg[2 * j]), z = bf16_f(sg[2 * j + 1]);
-            out[j] += s * a0[j] + (z - 8.0f * s) * xg;
-            s = bf16_f(sg[2 * (h + j)]), z = bf16_f(sg[2 * (h + j) + 1]);
-            out[h + j] += s * a2[j] + (z - 8.0f * s) * xg;
-            if (h == 32) {
-                s = bf16_f(sg[2 * (16 + j)]), z = bf16_f(sg[2 * (16 + j) + 1]);
-                out[16 + j] += s * a1[j] + (z - 8.0f * s) * xg;
-                s = bf16_f(sg[2 * (48 + j)]), z = bf16_f(sg[2 * (48 + j) + 1]);
-                out[48 + j] += s * a3[j] + (z - 8.0f * s) * xg;
-            }
+        for (int64_t r = 0; r < 2 * h; r++) {
+            const float sc = bf16_f(sg[2 * r]), z = bf16_f(sg[2 * r + 1]);
+            out[r] += sc * acc[r] + (z - 8.0f * sc) * xc[g];
         }
     }
 }
+#endif
 
 /* Any block of bn <= 64 rows, byte j of each k holding rows 2j and 2j + 1 (split = 0) or j and j + bn / 2. */
 static void int4_any(int64_t K, int64_t G, int64_t Np, int64_t bn, int split, const float *x, const float *xs,
@@ -342,28 +323,36 @@ static void int4_any(int64_t K, int64_t G, int64_t Np, int64_t bn, int split, co
     }
 }
 
+/* x rounded per block of 32 first (quantize_q8); two k per maddubs in a split block (int4_split_q), other
+ * blocks through int4_any with x~ = c d as floats. */
 void int4_gemv(int64_t M, int64_t N, int64_t Np, int64_t K, int64_t G, int64_t BN, int split, int threads,
-               const float *x, int64_t ldx, const uint8_t *w, const uint16_t *sz, const float *bias, float *y,
-               float *xs) {                                  /* xs: scratch of M G floats */
-    const int64_t full = Np / BN;
-    group_sums(M, G, K / G, x, ldx, xs);
+               const float *x, int64_t ldx, const uint8_t *w, const uint16_t *sz, const float *bias, float *y) {
+    const int64_t full = Np / BN, nb = K / 32;
+    int8_t *c = malloc(M * K + (M * nb + M * K + M * G) * sizeof(float));
+    float *d = (float *)(c + M * K), *xr = d + M * nb, *xc = xr + M * K;   /* xr: x~ = c d, xc: its group sums */
+    quantize_q8(M, K, x, ldx, c, d);
+    for (int64_t i = 0; i < M * K; i++)
+        xr[i] = (float)c[i] * d[i / 32];
+    group_sums(M, G, K / G, xr, K, xc);
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t blk = 0; blk < full + (full * BN < Np); blk++) {
         const int64_t n0 = blk * BN, bn = blk < full ? BN : Np - n0;
         const uint8_t *wb = w + n0 * K / 2;
         float out[64];
         for (int64_t m = 0; m < M; m++) {
-            const float *xm = x + m * ldx, *xsm = xs + m * G;
-            if (bn == 64 && split && BN == 64)
-                int4_split(K, G, Np, 32, xm, xsm, wb, sz, n0, out);
-            else if (bn == 32 && split && BN == 32)
-                int4_split(K, G, Np, 16, xm, xsm, wb, sz, n0, out);
+#if SIMD
+            if (split && bn == BN && BN == 64)             /* h a constant in each call: registers, not memory */
+                int4_split_q(K, G, Np, 32, (const int16_t *)(c + m * K), d + m * nb, xc + m * G, wb, sz, n0, out);
+            else if (split && bn == BN && BN == 32)
+                int4_split_q(K, G, Np, 16, (const int16_t *)(c + m * K), d + m * nb, xc + m * G, wb, sz, n0, out);
             else                                           /* a last, shorter block is in pairs */
-                int4_any(K, G, Np, bn, split && bn == BN, xm, xsm, wb, sz, n0, out);
+#endif
+                int4_any(K, G, Np, bn, split && bn == BN, xr + m * K, xc + m * G, wb, sz, n0, out);
             for (int64_t r = 0; r < bn && n0 + r < N; r++)
                 y[m * N + n0 + r] = out[r] + (bias ? bias[n0 + r] : 0.0f);
         }
     }
+    free(c);
 }
 
 /* Four rows of w against two rows of x (x1 NULL: one), k in steps of 8 then a scalar tail: out[j][r]. */
@@ -463,16 +452,21 @@ void f32_gemv_cm(int64_t M, int64_t N, int64_t K, int threads, const float *x, i
 }
 
 /* The blocks' projections (mamba_block.c, mamba2_block.c): y = x W^T + bias, W float32 row-major (kind 0),
- * column-major (kind 1: w holds W^T) or int8 codes per output channel times scale (kind 2, int8q_gemv, K a
- * multiple of 32; its scratch allocated here). */
-enum { PROJ_F32 = 0, PROJ_F32_CM = 1, PROJ_INT8 = 2 };
+ * column-major (kind 1: w holds W^T), int8 codes per output channel times scale (kind 2, int8q_gemv, K a
+ * multiple of 32), or int4 in torch's packed layout with ``groups`` bfloat16 scales and zeros per row in scale
+ * (int4_gemv; kind 3: blocks of 64 rows split, 4: of 32 split, 5: of 32 in pairs - quant.py's LAYOUTS 1-3). The
+ * scratch each needs is allocated here. */
+enum { PROJ_F32 = 0, PROJ_F32_CM = 1, PROJ_INT8 = 2, PROJ_INT4 = 3 };
 
-static void proj_gemv(int kind, int64_t M, int64_t N, int64_t K, int threads, const float *x, int64_t ldx,
-                      const void *w, const float *scale, const float *bias, float *y) {
+static void proj_gemv(int kind, int64_t groups, int64_t M, int64_t N, int64_t K, int threads, const float *x,
+                      int64_t ldx, const void *w, const void *scale, const float *bias, float *y) {
     if (kind == PROJ_INT8) {
         int8_t *xq = malloc(M * K + M * (K / 32) * sizeof(float));
         int8q_gemv(M, N, K, threads, x, ldx, w, scale, bias, y, xq, (float *)(xq + M * K));
         free(xq);
-    } else
+    } else if (kind >= PROJ_INT4)
+        int4_gemv(M, N, (N + 15) / 16 * 16, K, groups, kind == PROJ_INT4 ? 64 : 32, kind < PROJ_INT4 + 2, threads,
+                  x, ldx, w, scale, bias, y);
+    else
         (kind == PROJ_F32_CM ? f32_gemv_cm : f32_gemv)(M, N, K, threads, x, ldx, w, bias, y);
 }

@@ -2,14 +2,19 @@
 
     int8   y = x (q * scale - offset)^T + bias     q (N, K) int8, scale/offset (N, G) per group of K/G inputs
                                                     (G = 1: per output channel; offset None: symmetric)
-    int4   y = x ((c - 8) s + z)^T + bias          c (N, K) in [0, 15] in torch's packed int4 layout
-                                                    (``models.quant.LAYOUTS``), s, z bfloat16 per group
+    int4   y = x~ ((c - 8) s + z)^T + bias         c (N, K) in [0, 15] in torch's packed int4 layout
+                                                    (``models.quant.LAYOUTS``), s, z bfloat16 per group,
+                                                    x~ = x rounded to int8 per block of 32 (``int8q``)
+    int8q  y = x~ (q * scale)^T + bias             q (N, K) int8 per output channel
 
-x stays float32 (fbgemm's int8 kernel rounds it to 7-8 bits per call, torch's int4 kernel to bfloat16), so a
-row's result does not depend on the rows beside it. Each weight byte is read once per call for all its rows.
-Used by ``models.quant`` for products of a few float32 rows on the CPU (``INT8_ROWS``, ``INT4_ROWS``: where
-they measure faster) when the library builds (``kernels.enabled``); the naive reference is the dequantised
-product (``Int8Linear.dequantized``, ``quant.int4_dequantize``), which the tests hold it to in float64.
+int8 keeps x float32 (exact: GGUF files' blocked weights, 1e-5 of their dequantised product); int8q and int4
+round it to int8 per block of 32 with a float scale, as llama.cpp's Q8_0 / Q4_0 products do (fbgemm's int8 kernel
+rounds it to 7-8 bits per call, torch's int4 kernel to bfloat16): integer sums, about twice the weights per
+instruction. Either way a row's result does not depend on the rows beside it. Each weight byte is read once per
+call for all its rows. Used by ``models.quant`` for products of a few float32 rows on the CPU (``INT8_ROWS``,
+``INT8Q_ROWS``, ``INT4_ROWS``: where they measure faster) when the library builds (``kernels.enabled``), and
+by the Mamba blocks' kernels; the naive reference is the dequantised product (``Int8Linear.dequantized``,
+``quant.int4_dequantize``) times x (or x~), which the tests hold it to in float64.
 """
 
 from __future__ import annotations
@@ -20,10 +25,11 @@ from subquad.kernels import I64, INT, PTR, Kernel, enabled
 
 # Up to how many rows the C kernels are faster than what else runs (benchmarks/bench_qgemv.py; AMD EPYC, AVX2):
 # int8 per block (a GGUF Q8_0 / Q6_K / Q4_K file's matrices) against the dequantised product: 3.4-8x at one row,
-# 1.5-3x at 8; int8 per channel against fbgemm's kernel: slower at every row count, so only where fbgemm is
-# gone; int4 against torch's kernel: 1.4-1.7x at one row, slower from 2 (each row decodes the nibbles again).
+# 1.5-3x at 8; int8 per channel with x exact against fbgemm's kernel: slower at every row count, so only where
+# fbgemm is gone; int4 (x rounded per block of 32) against torch's kernel, weights read from memory: 1.6-3.7x
+# at one row, 1.1-1.6x at 2-8.
 INT8_ROWS = 8
-INT4_ROWS = 1
+INT4_ROWS = 8
 # int8 per channel with x rounded to int8 per block of 32 (int8q_gemv) against fbgemm's kernel, weights read from
 # memory: 1.05-1.6x faster at one row, level at 4, slower from 8 (16 rows: 1.3-2.1x slower)
 INT8Q_ROWS = 4
@@ -31,8 +37,7 @@ INT8Q_ROWS = 4
 INT8 = Kernel("int8_gemv", [I64, I64, I64, I64, INT, PTR, I64, PTR, PTR, PTR, PTR, PTR, PTR], "qgemv")
 F32 = Kernel("f32_gemv", [I64, I64, I64, INT, PTR, I64, PTR, PTR, PTR], "qgemv")
 INT8Q = Kernel("int8q_gemv", [I64, I64, I64, INT, PTR, I64, PTR, PTR, PTR, PTR, PTR, PTR], "qgemv")
-INT4 = Kernel("int4_gemv", [I64, I64, I64, I64, I64, I64, INT, INT, PTR, I64, PTR, PTR, PTR, PTR, PTR],
-              "qgemv")
+INT4 = Kernel("int4_gemv", [I64, I64, I64, I64, I64, I64, INT, INT, PTR, I64, PTR, PTR, PTR, PTR], "qgemv")
 
 
 def usable(kernel: Kernel, x: torch.Tensor, rows: int) -> bool:
@@ -69,9 +74,8 @@ def int4_gemv(x: torch.Tensor, w: torch.Tensor, scale_zero: torch.Tensor, bias: 
     M, K = x2.shape
     G, Np = scale_zero.shape[0], scale_zero.shape[1]
     y = x2.new_empty(M, out_features)
-    scratch = x2.new_empty(M * G)
     INT4(M, out_features, Np, K, G, block, int(split), torch.get_num_threads(), x2, x2.stride(0), w, scale_zero,
-         bias, y, scratch)
+         bias, y)
     return y.view(*x.shape[:-1], out_features)
 
 
@@ -97,3 +101,4 @@ def int8q_gemv(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bias: torc
     d = x2.new_empty(M * (K // 32))
     INT8Q(M, N, K, torch.get_num_threads(), x2, x2.stride(0), q, scale, bias, y, codes, d)
     return y.view(*x.shape[:-1], N)
+

@@ -34,16 +34,21 @@ from subquad.ops.common.autograd import wants_grad
 from subquad.ops.common.checks import state_dtype
 
 
-def _kernel_weight(lin):
-    """A projection as the block kernels read it (``ops.mamba.fused_block.proj_args``): a float32-able ``Linear``'s
-    weight stored row- or column-major, or (q, scale) of an int8 one per output channel (``models.quant``'s
-    ``Int8Linear``) whose input width is a multiple of 32; None for anything else."""
+def kernel_weight(lin, rows: int):
+    """A projection as the block kernels read it for ``rows`` rows (``ops.mamba.fused_block.proj_args``), or None:
+    a float32-able ``Linear``'s weight stored row- or column-major; (q, scale, 2, 0) of an int8 one per output
+    channel (``models.quant.Int8Linear``) of an input width that is a multiple of 32, for at most
+    ``kernels.qgemv.INT8Q_ROWS`` rows; (w, scale_zero, 2 + layout, groups) of an ``Int4Linear`` packed for torch's
+    kernel, for at most ``INT4_ROWS`` rows (more: the libraries' int8 and int4 products are faster, qgemv.py)."""
     if type(lin) in (nn.Linear, Linear):
         return lin.weight if fused_block.layout(lin.weight) else None
     q, scale = getattr(lin, "q", None), getattr(lin, "scale", None)
     if isinstance(q, torch.Tensor) and q.dtype == torch.int8 and q.is_cpu and q.is_contiguous() \
-            and scale.dim() == 1 and q.shape[1] % 32 == 0:
-        return q, scale
+            and scale.dim() == 1 and q.shape[1] % 32 == 0 and rows <= qgemv.INT8Q_ROWS:
+        return q, scale, 2, 0
+    w, sz = getattr(lin, "w", None), getattr(lin, "scale_zero", None)
+    if isinstance(sz, torch.Tensor) and getattr(lin, "layout", 0) and w.is_cpu and rows <= qgemv.INT4_ROWS:
+        return w, sz, 2 + lin.layout, sz.shape[0]
     return None
 
 
@@ -51,25 +56,23 @@ def block_projections(mixer, h, norm):
     """(norm weight, in_proj's weight and bias, out_proj's weight and bias) where a pre-norm block's decoding step
     may run in one C call (``fused_block`` of Mamba and Mamba-2), else None: never while compiling (inductor fuses
     the block itself; tested before any size, so no guard on the batch), a plain RMSNorm without a bias, at most
-    ``layers.linear.C_ROWS`` rows (int8 ones: ``kernels.qgemv.INT8Q_ROWS``), projections the kernels read
-    (``_kernel_weight``: float32 or int8 per channel).
+    ``layers.linear.C_ROWS`` rows, projections the kernels read (``kernel_weight``: float32, int8 or int4).
     The kernel's own ``usable`` checks dtypes, devices and gradients (``checked`` gives it what to check)."""
     if torch.compiler.is_compiling():
         return None
     wi, wo = mixer.in_proj, mixer.out_proj
     if not (type(norm) is RMSNorm and h.shape[0] <= C_ROWS and h.shape[-1] == mixer.d_model):
         return None
-    nw, w_in, w_out = norm.weight, _kernel_weight(wi), _kernel_weight(wo)
+    nw, w_in, w_out = norm.weight, kernel_weight(wi, h.shape[0]), kernel_weight(wo, h.shape[0])
     if nw is None or norm.bias is not None or w_in is None or w_out is None:
         return None
-    if (isinstance(w_in, tuple) or isinstance(w_out, tuple)) and h.shape[0] > qgemv.INT8Q_ROWS:
-        return None                                  # more rows: fbgemm's int8 products are faster (qgemv.py)
     return nw, w_in, wi.bias, w_out, wo.bias
 
 
 def checked(proj) -> list:
-    """``block_projections``'s tensors that must be float32 (an int8 weight's scale stands for it)."""
-    return [p[1] if isinstance(p, tuple) else p for p in proj]
+    """``block_projections``'s tensors that must be float32 (a quantised weight's own are checked in
+    ``kernel_weight``)."""
+    return [p for p in proj if not isinstance(p, tuple)]
 
 
 class Mamba(Mixer):

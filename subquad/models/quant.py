@@ -16,10 +16,12 @@
                                  (torch.ops.quantized.linear_dynamic: x quantised to 8 bits per call,
                                  int32 accumulation, * s), DECODE_ROWS rows per call - it reads one byte per
                                  weight;
-                                 int4, one float32 row: a C kernel (``kernels.qgemv``: x kept float32,
-                                 the codes read in torch's packed layout);
-                                 int8 per block (a GGUF file's), at most 8 float32 rows: the same C kernel;
-                                 int4 decoding (rows <= INT4_ROWS): torch's int4 kernel
+                                 int4, up to ``qgemv.INT4_ROWS`` float32 rows: a C kernel
+                                 (``kernels.qgemv``: x rounded to int8 per block of 32, the codes read
+                                 in torch's packed layout);
+                                 int8 per block (a GGUF file's), at most 8 float32 rows: a C kernel with
+                                 x exact (``qgemv.int8_gemv``);
+                                 int4, more rows up to this module's INT4_ROWS: torch's int4 kernel
                                  (aten._weight_int4pack_mm_for_cpu: x rounded to bfloat16, the weights
                                  dequantised in registers, float32 sums, y rounded to bfloat16) - half a byte a
                                  weight and 4 bytes a group;
@@ -407,11 +409,12 @@ def int4_linear(x: torch.Tensor, w: torch.Tensor, scale_zero: torch.Tensor, bias
                 out_features: int, layout: int) -> torch.Tensor:
     """x (..., K) float, w (N', K/2) uint8 codes in ``layout`` (0: ``pair_k``'s; else a ``LAYOUTS`` key, N'
     = N rounded up to 16), scale_zero (K/g, N', 2) bfloat16, bias (N,) float32 or None -> (..., N) in x's dtype.
-    Decoding (rows <= INT4_ROWS, a CPU and the kernel): ``aten._weight_int4pack_mm_for_cpu``, whose vectorised
+    Up to ``qgemv.INT4_ROWS`` float32 rows: the C kernel (x rounded to int8 per block of 32). More rows up to
+    INT4_ROWS (a CPU and torch's kernel): ``aten._weight_int4pack_mm_for_cpu``, whose vectorised
     form takes x rounded to bfloat16, accumulates in float32 and rounds y to bfloat16. Otherwise: x W^T with
     W = ``int4_dequantize`` in x's dtype (the reference)."""
     N, K = out_features, x.shape[-1]
-    if layout and qgemv.usable(qgemv.INT4, x, qgemv.INT4_ROWS):     # one float32 row: the C kernel, x exact
+    if layout and qgemv.usable(qgemv.INT4, x, qgemv.INT4_ROWS):     # a few float32 rows: the C kernel
         return qgemv.int4_gemv(x, w, scale_zero, bias, N, *LAYOUTS[layout])
     if layout and x.numel() <= INT4_ROWS * K and x.device.type == "cpu":
         y = torch.ops.aten._weight_int4pack_mm_for_cpu(x.reshape(-1, K).bfloat16(), w, K // scale_zero.shape[0],

@@ -45,7 +45,7 @@ def test_int8_against_the_dequantised_weight(M, N, K, G, offset, bias):
         assert torch.equal(qgemv.int8_gemv(x[m:m + 1], q, scale, off, b)[0], got[m])
 
 
-def _q8_rows(x):
+def q8_rows(x):
     """x (M, K) float32 -> (codes (M, K) as float64, d (M, K/32) float64): per block of 32, c = round(127 x / max|x|)
     (half to even, as the kernel's rounding) in float32 - the kernel's own arithmetic, written with torch ops."""
     M, K = x.shape
@@ -74,7 +74,7 @@ def test_int8q_against_its_math_and_the_bound(M, N, K, bias):
     x[0, :32] = 0.0                                             # an all-zero block: d = 0, no division by it
     got = qgemv.int8q_gemv(x, q, scale, b)
     assert got.shape == (M, N) and got.dtype == torch.float32
-    c, d = _q8_rows(x.contiguous())
+    c, d = q8_rows(x.contiguous())
     qd = q.double().view(N, K // 32, 32)
     sums = torch.einsum("nbk,mbk->mnb", qd, c.view(M, K // 32, 32))
     ref = (sums * d[:, None, :]).sum(-1) * scale.double() + (0 if b is None else b.double())
@@ -126,15 +126,18 @@ def test_f32_against_float64(M, N, K, bias):
     (3, 112, 512, 256, False),
 ])
 def test_int4_in_every_packed_layout(layout, M, N, K, gs, bias):
-    """The layouts are packed here with quant.kernel_pack (what Int4Linear holds on a CPU with that layout)."""
+    """The layouts are packed here with quant.kernel_pack (what Int4Linear holds on a CPU with that layout);
+    against the dequantised weights times x rounded per block of 32 (``q8_rows``), in float64."""
     g = torch.Generator().manual_seed(N + K)
     w = torch.randn(N, K, generator=g)
     codes, scale, zero = quant.int4_quantize(w, gs)
     packed = quant.kernel_pack(codes, layout)
     sz = quant._scale_zero(scale, zero, N)
     b = torch.randn(N, generator=g) if bias else None
-    x = torch.randn(M, K, generator=g)
-    ref = x.double() @ quant.int4_dequantize(codes, scale, zero, torch.float64).T + (0 if b is None else b.double())
+    x = torch.randn(M, K, generator=g) * torch.logspace(-2, 2, M)[:, None]
+    c, d = q8_rows(x)
+    xr = (c.view(M, K // 32, 32) * d[..., None]).view(M, K)
+    ref = xr @ quant.int4_dequantize(codes, scale, zero, torch.float64).T + (0 if b is None else b.double())
     block, split = quant.LAYOUTS[layout]
     got = qgemv.int4_gemv(x, packed, sz, b, N, block, split)
     assert got.shape == (M, N)
@@ -143,10 +146,11 @@ def test_int4_in_every_packed_layout(layout, M, N, K, gs, bias):
 
 
 def test_int4_of_a_padded_module():
-    """Int4Linear pads N to 16 (300 -> 304): the kernel writes only the N real rows."""
+    """Int4Linear pads N to 16 (300 -> 304): the kernel writes only the N real rows (x on its grid: exact)."""
     torch.manual_seed(0)
     lin = quant.Int4Linear(torch.randn(300, 96), torch.randn(300), 32)
-    x = torch.randn(2, 96)
+    x = torch.randint(-127, 128, (2, 96)).float() / 64
+    x[:, ::32] = 127 / 64                                       # d = 1/64 in every block: rounding changes nothing
     if lin.layout == 0:
         pytest.skip("torch has no int4 kernel on this CPU: nothing packed to read")
     ref = x.double() @ lin.weight.double().T + lin.bias.double()
@@ -175,9 +179,9 @@ def test_int8_modules_take_int8q_for_a_few_rows():
 
 
 def test_the_modules_take_it_and_off_means_the_library_paths(monkeypatch):
-    """A blocked Int8Linear (a GGUF file's Q8_0 / Q4_K matrices) and an Int4Linear take the C kernel for their
-    rows (x exact); SUBQUAD_KERNELS=0: the dequantised product (exact too) and torch's int4 kernel (x rounded to
-    bfloat16) - the same weights either way."""
+    """A blocked Int8Linear (a GGUF file's Q8_0 / Q4_K matrices, x exact) and an Int4Linear (x rounded per block
+    of 32) take the C kernel for their rows; SUBQUAD_KERNELS=0: the dequantised product (exact) and torch's int4
+    kernel (x rounded to bfloat16) - the same weights either way."""
     torch.manual_seed(0)
     q = torch.randint(-127, 128, (64, 96), dtype=torch.int8)
     blocked = quant.Int8Linear.from_blocks(q, torch.rand(64, 3) + 0.1, torch.randn(64, 3), torch.randn(64))
@@ -193,4 +197,8 @@ def test_the_modules_take_it_and_off_means_the_library_paths(monkeypatch):
     assert len(calls) == (2 if lin4.layout else 1)
     for a, b, x, lin, tol in zip(with_kernel, without, (x8, x4), (blocked, lin4), (1e-6, 1e-2)):
         r = x.double() @ lin.weight.double().T + (0 if lin.bias is None else lin.bias.double())
-        assert _rel(a, r) <= 1e-6 and _rel(b, r) <= tol
+        assert _rel(b, r) <= tol
+        if lin is lin4 and lin4.layout:                         # the int4 kernel rounds x per block of 32
+            c, d = q8_rows(x)
+            r = (c.view(len(x), -1, 32) * d[..., None]).view(x.shape) @ lin.weight.double().T
+        assert _rel(a, r) <= 1e-6

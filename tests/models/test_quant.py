@@ -28,6 +28,7 @@ from subquad.models.quant import (
     Int8Linear,
     quantize,
 )
+from tests.kernels.test_qgemv import q8_rows
 
 
 def _rel(a, b):
@@ -206,10 +207,11 @@ def test_int4_packing_equals_torchs_own(N):
 
 
 @pytest.mark.parametrize("g", [32, 128])
-@pytest.mark.parametrize("rows", [1, 3, INT4_ROWS, INT4_ROWS + 1])
+@pytest.mark.parametrize("rows", [1, 3, qgemv.INT4_ROWS + 1, INT4_ROWS, INT4_ROWS + 1])
 def test_int4_product_against_the_dequantised_weight(g, rows):
-    """An odd output width (300: not a multiple of 16, the kernel pads it), a bias, batch > 1. One float32 row
-    takes the C kernel (kernels/qgemv.c: x kept float32, float32's rounding of the sums only); more decoding rows
+    """An odd output width (300: not a multiple of 16, the kernel pads it), a bias, batch > 1. Up to
+    qgemv.INT4_ROWS float32 rows take the C kernel (kernels/qgemv.c: x rounded to int8 per block of 32, then
+    float32's rounding of the sums only: against x~ times the dequantised weights); more decoding rows
     (<= INT4_ROWS) torch's int4 kernel, which rounds x to bfloat16 and y to bfloat16: within 2^-8 of |y| plus
     float32's rounding of the sum against float64 over the dequantised weights; prefill rows (and a CPU without
     the kernel) multiply by the dequantised weights in float32: float32's rounding only."""
@@ -222,7 +224,12 @@ def test_int4_product_against_the_dequantised_weight(g, rows):
     got = lin(x)
     assert got.dtype == torch.float32 and got.shape == (rows, 300)
     sums = 1e-6 * (x.double().abs() @ W.abs().T)                              # float32's rounding of the sums
-    if quant._layout() and rows <= INT4_ROWS and not qgemv.usable(qgemv.INT4, x, qgemv.INT4_ROWS):
+    if quant._layout() and qgemv.usable(qgemv.INT4, x, qgemv.INT4_ROWS):
+        c, d = q8_rows(x)
+        xr = (c.view(rows, -1, 32) * d[..., None]).view(rows, K)
+        ref = xr @ W.T + b.double()
+        assert ((got.double() - ref).abs() <= 1e-6 * (xr.abs() @ W.abs().T) + 1e-6).all()
+    elif quant._layout() and rows <= INT4_ROWS:
         ref = x.bfloat16().double() @ W.T
         assert ((got.double() - b.double() - ref).abs() <= ref.abs() * 2 ** -8 + sums).all()      # u = 2^-8
     else:

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from subquad.ops.decay import fused_block, fused_step
-from tests.ops.fused_harness import assert_int8_block_agrees, assert_steps_agree, models
+from tests.ops.fused_harness import assert_quantized_block_agrees, assert_steps_agree, models
 from tests.ops.test_mamba2_fused_step import reference
 
 pytestmark = pytest.mark.skipif(not fused_block.KERNEL.available(), reason="no C compiler: the kernel cannot be built")
@@ -65,9 +65,11 @@ def test_a_model_without_mlps_takes_it_and_agrees_with_its_blocks(monkeypatch, o
     assert not step_calls
 
 
-def test_int8_projections_take_it_for_a_few_rows(monkeypatch):
-    """int8 in_proj and out_proj (per channel, x rounded per block of 32 inside the kernel, as their modules'
-    products are): the block in one call agrees with its modules and with a float64 copy (fused_harness)."""
+@pytest.mark.parametrize("kind,tol", [("int8", 5e-2), ("int4", 0.15)])
+def test_quantized_projections_take_it_for_a_few_rows(monkeypatch, kind, tol):
+    """int8 (per channel) and int4 in_proj and out_proj, x rounded per block of 32 inside the kernel as their
+    modules' products round it: the block in one call agrees with its modules and with a float64 copy of the
+    dequantised weights (fused_harness)."""
     from subquad.layers.mamba2 import Mamba2
 
-    assert assert_int8_block_agrees(monkeypatch, fused_block, Mamba2, "mamba2") == 2 * 3 * 2
+    assert assert_quantized_block_agrees(monkeypatch, fused_block, Mamba2, "mamba2", kind, tol) == 2 * 3 * 2

@@ -11,7 +11,7 @@ from torch import nn
 
 from subquad.models import LanguageModel, ModelConfig
 from subquad.ops.mamba import fused_block, fused_step
-from tests.ops.fused_harness import assert_int8_block_agrees, assert_steps_agree, models
+from tests.ops.fused_harness import assert_quantized_block_agrees, assert_steps_agree, models
 from tests.ops.test_mamba_fused_step import inputs, reference
 
 pytestmark = pytest.mark.skipif(not fused_block.KERNEL.available(), reason="no C compiler: the kernel cannot be built")
@@ -125,9 +125,11 @@ def test_a_compiled_block_leaves_it_to_the_graph_without_a_guard_on_the_batch():
     assert counts["stats"]["unique_graphs"] == 1, dict(counts["stats"])
 
 
-def test_int8_projections_take_it_for_a_few_rows(monkeypatch):
-    """int8 in_proj and out_proj (per channel, x rounded per block of 32 inside the kernel, as their modules'
-    products are): the block in one call agrees with its modules and with a float64 copy (fused_harness)."""
+@pytest.mark.parametrize("kind,tol", [("int8", 5e-2), ("int4", 0.15)])
+def test_quantized_projections_take_it_for_a_few_rows(monkeypatch, kind, tol):
+    """int8 (per channel) and int4 in_proj and out_proj, x rounded per block of 32 inside the kernel as their
+    modules' products round it: the block in one call agrees with its modules and with a float64 copy of the
+    dequantised weights (fused_harness)."""
     from subquad.layers.mamba import Mamba
 
-    assert assert_int8_block_agrees(monkeypatch, fused_block, Mamba, "mamba") == 2 * 3 * 2
+    assert assert_quantized_block_agrees(monkeypatch, fused_block, Mamba, "mamba", kind, tol) == 2 * 3 * 2

@@ -17,14 +17,14 @@ import torch
 from subquad.kernels import FLOAT, I64, INT, PTR, Kernel
 from subquad.ops.mamba.fused_block import proj_args
 
-KERNEL = Kernel("mamba2_block_step", [I64] * 8 + [INT, PTR, PTR, FLOAT] + [PTR] * 6 + [INT, INT] + [PTR] * 6
+KERNEL = Kernel("mamba2_block_step", [I64] * 8 + [INT, PTR, PTR, FLOAT] + [PTR] * 6 + [INT, INT, I64, I64] + [PTR] * 6
                 + [FLOAT, FLOAT, PTR, PTR, I64, FLOAT] + [PTR] * 4, "mamba2_block")
 
 
 def block_step(h, norm_w, eps, w_in, b_in, w_out, b_out, conv_state, conv_w, conv_b, dt_bias, A_log, Dp, S,
                gnorm_w, groups: int, group_size: int, geps: float, dt_limit=(0.0, float("inf"))):
     """(h' (B, 1, d), new conv state, new S (B, H, N, P)) of the module doc's step; h (B, 1, d) float32, B <= 16,
-    W_in and W_out float32 row- or column-major or int8 (q, scale) (``ops.mamba.fused_block.proj_args``); the rest
+    W_in and W_out float32 row- or column-major or quantised (``ops.mamba.fused_block.proj_args``); the rest
     as ``ops.decay.fused_step.mamba2_step`` takes them (``gnorm_w`` its gated norm's weight or None, ``group_size``
     that norm's groups, the inner width without it)."""
     B, d = h.shape[0], h.shape[-1]
@@ -36,8 +36,8 @@ def block_step(h, norm_w, eps, w_in, b_in, w_out, b_out, conv_state, conv_w, con
     h_out, S_out, conv_out = h2.new_empty(B, d), torch.empty_like(S), conv_state.new_empty(B, K - 1, C)
     scratch = h2.new_empty(B * (d + W + Dn + Dn // group_size + C))
     lo, hi = (float(v) for v in dt_limit)
-    (w_in, s_in, in_kind), (w_out, s_out, out_kind) = proj_args(w_in), proj_args(w_out)
+    (w_in, s_in, in_kind, in_g), (w_out, s_out, out_kind, out_g) = proj_args(w_in), proj_args(w_out)
     KERNEL(B, d, Dn, groups, N, H, P, K, torch.get_num_threads(), h2, norm_w, float(eps), w_in, s_in, b_in, w_out,
-           s_out, b_out, in_kind, out_kind, conv_state, conv_w, conv_b, dt_bias, A_log,
+           s_out, b_out, in_kind, out_kind, in_g, out_g, conv_state, conv_w, conv_b, dt_bias, A_log,
            Dp, lo, hi, S, gnorm_w, group_size, float(geps), h_out, conv_out, S_out, scratch)
     return h_out.view(B, 1, d), conv_out, S_out

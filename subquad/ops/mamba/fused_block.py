@@ -22,7 +22,7 @@ import torch
 from subquad.kernels import FLOAT, I64, INT, PTR, Kernel
 from subquad.ops.mamba.fused_step import prepare
 
-KERNEL = Kernel("mamba_block_step", [I64] * 7 + [INT, PTR, PTR, FLOAT] + [PTR] * 6 + [INT, INT] + [PTR] * 5
+KERNEL = Kernel("mamba_block_step", [I64] * 7 + [INT, PTR, PTR, FLOAT] + [PTR] * 6 + [INT, INT, I64, I64] + [PTR] * 5
                 + [I64, I64] + [PTR] * 8,
                 "mamba_block")
 
@@ -33,19 +33,18 @@ def layout(w: torch.Tensor) -> bool:
 
 
 def proj_args(w) -> tuple:
-    """(weight, scale, kind) as the block kernels take a projection (``qgemv.c``'s proj_gemv): ``w`` a float32
-    matrix, row-major (kind 0) or column-major (1), or (q, scale) - int8 codes (N, K) per output channel, K a
-    multiple of 32, and their (N,) float32 scales (2: x rounded to int8 per block of 32 for the product, as
-    ``models.quant``'s int8 decoding products do)."""
+    """(weight, scale, kind, groups) as the block kernels take a projection (``qgemv.c``'s proj_gemv): ``w`` a
+    float32 matrix, row-major (kind 0) or column-major (1), or already such a tuple
+    (``layers.mamba.kernel_weight``: int8 per output channel, kind 2; int4 in torch's packed layout, 3-5)."""
     if isinstance(w, tuple):
-        return w[0], w[1], 2
-    return w, None, int(not w.is_contiguous())
+        return w
+    return w, None, int(not w.is_contiguous()), 0
 
 
 def block_step(h, norm_w, eps, w_in, b_in, w_out, b_out, conv_state, conv_w, conv_b, wx, wdt, bdt, A_log, Dp, ssm):
     """(h' (B, 1, d), new conv state (B, K-1, Dm), new ssm state (B, Dm, N)) of the module doc's step; h (B, 1, d)
-    float32, B <= 16, w_in and w_out float32 row- or column-major (``layout``) or int8 (q, scale) (``proj_args``);
-    the rest as
+    float32, B <= 16, w_in and w_out float32 row- or column-major (``layout``) or quantised (``proj_args``); the
+    rest as
     ``ops.mamba.fused_step.mamba_step`` takes them."""
     B, d = h.shape[0], h.shape[-1]
     h2 = h.reshape(B, d).contiguous()
@@ -55,8 +54,8 @@ def block_step(h, norm_w, eps, w_in, b_in, w_out, b_out, conv_state, conv_w, con
     h_out, ssm_out = h2.new_empty(B, d), torch.empty_like(ssm)
     conv_out = conv_state.new_empty(B, K - 1, D)
     scratch = h2.new_empty(B * (d + 5 * D + heads * (R + 2 * N)))
-    (w_in, s_in, in_kind), (w_out, s_out, out_kind) = proj_args(w_in), proj_args(w_out)
+    (w_in, s_in, in_kind, in_g), (w_out, s_out, out_kind, out_g) = proj_args(w_in), proj_args(w_out)
     KERNEL(B, d, D, N, R, K, heads, torch.get_num_threads(), h2, norm_w, float(eps), w_in, s_in, b_in, w_out, s_out,
-           b_out, in_kind, out_kind, conv_state, conv_w, conv_b, wx, wdt,
+           b_out, in_kind, out_kind, in_g, out_g, conv_state, conv_w, conv_b, wx, wdt,
            wdt.stride(0), wdt.stride(1), bdt, A_log, Dp, ssm, h_out, conv_out, ssm_out, scratch)
     return h_out.view(B, 1, d), conv_out, ssm_out
