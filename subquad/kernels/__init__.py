@@ -144,3 +144,49 @@ def usable(kernel: Kernel, x: torch.Tensor, *tensors) -> bool:
     if not all(t is None or (t.dtype == torch.float32 and t.is_cpu) for t in tensors):
         return False
     return kernel.available()
+
+
+class Call:
+    """``kernel`` with every argument but a few converted once: a decoding step passes a layer the same weights
+    and sizes at every token, and converting ~35 arguments (data pointers, numbers) costs ~10 us a call.
+    ``args`` holds the fixed values (their tensors kept alive here) and anything at ``slots``, the positions each
+    call fills, in order: ``call(*values)``."""
+
+    def __init__(self, kernel: Kernel, args: list, slots: tuple):
+        self.f, self.keep, self.slots = kernel._function(), args, slots
+        self.raw = [a.data_ptr() if isinstance(a, torch.Tensor) else a for a in args]
+
+    def __call__(self, *values):
+        raw = self.raw.copy()
+        for i, v in zip(self.slots, values):
+            raw[i] = v.data_ptr() if isinstance(v, torch.Tensor) else v
+        self.f(*raw)
+
+
+class Held:
+    """What ``modules``' trees hold now, to tell cheaply later whether a ``Call`` built from ``tensors`` (found in
+    them) still reads what they hold: every parameter and buffer slot the same tensor (or still None: a bias
+    added later counts) with the same data pointer (``.data =`` swaps it), every submodule the same object (a
+    replaced projection, a quantised one). ``ok``: each of ``tensors`` was found (else nothing may be cached)."""
+
+    def __init__(self, modules, tensors):
+        want = {id(t) for t in tensors if t is not None}
+        self.refs, self.sizes, found = [], [], set()
+        for root in modules:
+            for mod in root.modules():
+                for d in (mod._parameters, mod._buffers, mod._modules):
+                    self.sizes.append((d, len(d)))          # a slot added later (a bias) changes its size
+                    for name, t in d.items():
+                        ptr = t.data_ptr() if isinstance(t, torch.Tensor) else None
+                        self.refs.append((d, name, t, ptr))
+                        found.add(id(t))
+        self.ok = want <= found
+
+    def valid(self) -> bool:
+        for d, n in self.sizes:
+            if len(d) != n:
+                return False
+        for d, name, obj, ptr in self.refs:
+            if d.get(name) is not obj or (ptr is not None and obj.data_ptr() != ptr):
+                return False
+        return True

@@ -15,6 +15,7 @@
 from __future__ import annotations
 
 import math
+import weakref
 
 import torch
 import torch.nn.functional as F
@@ -67,6 +68,39 @@ def block_projections(mixer, h, norm):
     if nw is None or norm.bias is not None or w_in is None or w_out is None:
         return None
     return nw, w_in, wi.bias, w_out, wo.bias
+
+
+_PLANS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()    # mixer -> {rows: (norm, Held, BlockStep)}
+
+
+def planned_block(mixer, h, norm, state, kernel, build):
+    """A pre-norm block's decoding step through a ``BlockStep`` kept for the mixer and the batch size: ``build(h,
+    norm, state)`` makes one where every check passes (``block_projections``, the layer's ``_fusable``; None where
+    it does not apply) the first time, and again whenever a module or tensor it read has changed
+    (``kernels.Held``); later tokens check only what changes between tokens - not compiling, h and the state as
+    ``kernels.usable`` wants them, the sequence backend (the block checks hooks) -, ~10 us against the ~80 of
+    the checks and argument conversion (benchmarks/RESULTS.md) -> (h', new state) or None. Kept outside the
+    module (a weak mapping), so copies and pickles of a model carry none."""
+    if torch.compiler.is_compiling():                # before any size is read: no guard on the batch
+        return None
+    plans = _PLANS.get(mixer)
+    if plans is None:
+        plans = _PLANS[mixer] = {}
+    hit = plans.get(h.shape[0])
+    if hit is not None and hit[0] is norm and hit[1].valid():
+        if state is None or type(sequence.backend()) is not SingleDevice \
+                or not kernels.usable(kernel, h, state["ssm"], state["conv"]):
+            return None
+        step = hit[2]
+    else:
+        step = build(h, norm, state)
+        if step is None:
+            return None
+        held = kernels.Held([mixer, norm], step.tensors)
+        if held.ok:
+            plans[h.shape[0]] = (norm, held, step)
+    h, conv, ssm = step(h, state["conv"], state["ssm"])
+    return h, {"ssm": ssm, "conv": conv}
 
 
 def checked(proj) -> list:
@@ -149,7 +183,11 @@ class Mamba(Mixer):
     def fused_block(self, h, norm, state):
         """A pre-norm block's whole decoding step, h + mix(norm(h)), in one call (``ops.mamba.fused_block``):
         h (B, 1, d_model) -> (h', new state), or None where it does not apply (``block_projections``, or what
-        keeps the layer's own fused step from running)."""
+        keeps the layer's own fused step from running). The call is kept between tokens (``planned_block``)."""
+        return planned_block(self, h, norm, state, fused_block.KERNEL, self._block_step)
+
+    def _block_step(self, h, norm, state):
+        """``fused_block``'s ``ops.mamba.fused_block.BlockStep`` for h's rows, or None where it does not apply."""
         proj = block_projections(self, h, norm)
         if proj is None:
             return None
@@ -157,9 +195,8 @@ class Mamba(Mixer):
         if not self._fusable(fused_block.KERNEL, h, state, sequence.backend(), *weights, *checked(proj)):
             return None
         nw, w_in, b_in, w_out, b_out = proj
-        h, conv, ssm = fused_block.block_step(h, nw, norm.eps, w_in, b_in, w_out, b_out, state["conv"], conv_w,
-                                              conv_b, wx, wdt, bdt, A_log, Dp, state["ssm"])
-        return h, {"ssm": ssm, "conv": conv}
+        return fused_block.BlockStep(h.shape[0], nw, norm.eps, w_in, b_in, w_out, b_out, conv_w, conv_b, wx, wdt,
+                                     bdt, A_log, Dp)
 
     def mix(self, x, state, seq):
         if self._fusable(fused_step.KERNEL, x, state, seq, *self._step_weights()):

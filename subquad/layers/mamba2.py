@@ -23,7 +23,7 @@ from subquad import kernels
 from subquad.layers import sequence
 from subquad.layers.base import Mixer
 from subquad.layers.conv import ShortConv
-from subquad.layers.mamba import block_projections, checked
+from subquad.layers.mamba import block_projections, checked, planned_block
 from subquad.layers.norm import GatedRMSNorm
 from subquad.layers.sequence import SingleDevice
 from subquad.ops import ssd
@@ -113,18 +113,21 @@ class Mamba2(Mixer):
     def fused_block(self, h, norm, state):
         """A pre-norm block's whole decoding step, h + mix(norm(h)), in one call (``ops.decay.fused_block``):
         h (B, 1, d_model) -> (h', new state), or None where it does not apply (``layers.mamba.block_projections``,
-        or what keeps the layer's own fused step from running)."""
+        or what keeps the layer's own fused step from running). The call is kept between tokens
+        (``layers.mamba.planned_block``)."""
+        return planned_block(self, h, norm, state, fused_block.KERNEL, self._block_step)
+
+    def _block_step(self, h, norm, state):
+        """``fused_block``'s ``ops.decay.fused_block.BlockStep`` for h's rows, or None where it does not apply."""
         proj = block_projections(self, h, norm)
         if proj is None or not self._fusable(fused_block.KERNEL, h, state, sequence.backend(), *checked(proj)):
             return None
         gn = self.norm
-        gw = None if gn is None else gn.weight
         nw, w_in, b_in, w_out, b_out = proj
-        h, conv, S = fused_block.block_step(
-            h, nw, norm.eps, w_in, b_in, w_out, b_out, state["conv"], self.conv.weight, self.conv.bias, self.dt_bias,
-            self.A_log, self.D, state["ssm"], gw, self.n_groups, self.d_inner if gn is None else gn.group_size,
-            0.0 if gn is None else gn.eps, self.dt_limit)
-        return h, {"ssm": S, "conv": conv}
+        return fused_block.BlockStep(
+            h.shape[0], nw, norm.eps, w_in, b_in, w_out, b_out, self.conv.weight, self.conv.bias, self.dt_bias,
+            self.A_log, self.D, None if gn is None else gn.weight, self.d_inner, self.d_state, self.n_groups,
+            self.d_inner if gn is None else gn.group_size, 0.0 if gn is None else gn.eps, self.dt_limit)
 
     def _fused_step(self, x, state):
         """One token through ``ops.decay.fused_step`` (the same math as ``mix``'s ops, in one call; with one norm

@@ -55,7 +55,7 @@ def assert_quantized_block_agrees(monkeypatch, module, mixer_cls, pattern: str, 
     call each: ``mixer_cls.fused_block`` refused; not 1e-5 as in float32: x rounded to int8 per block of 32 is a
     step function, and the two paths' norms differ in the last bit, so now and then one code of x differs by one
     - 3.5e-3 of the scale here) and within ``tol`` of a float64 copy's with the dequantised weights; one row more
-    runs the modules. Returns how often ``module.block_step`` ran."""
+    runs the modules. Returns how often a ``module.BlockStep`` ran."""
     from subquad.kernels import qgemv
     from subquad.models.quant import quantize
 
@@ -70,8 +70,8 @@ def assert_quantized_block_agrees(monkeypatch, module, mixer_cls, pattern: str, 
         if type(mod).__name__ in ("Int8Linear", "Int4Linear") and name != "head":
             m64.get_submodule(name).weight.data.copy_(mod.weight)
     calls = []
-    real = module.block_step
-    monkeypatch.setattr(module, "block_step", lambda *a: calls.append(1) or real(*a))
+    real = module.BlockStep.__call__
+    monkeypatch.setattr(module.BlockStep, "__call__", lambda *a: calls.append(1) or real(*a))
     own = mixer_cls.fused_block
     for rows in (1, qgemv.INT8Q_ROWS if kind == "int8" else qgemv.INT4_ROWS):
         ids = torch.randint(0, 300, (rows, 7), generator=torch.Generator().manual_seed(rows))

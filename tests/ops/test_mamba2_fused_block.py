@@ -61,7 +61,7 @@ def test_a_model_without_mlps_takes_it_and_agrees_with_its_blocks(monkeypatch, o
     m, m64 = models(d_model=64, n_layers=3, pattern="mamba2,softmax,mamba2", mixer_options={"mamba2": options})
     step_calls = []
     monkeypatch.setattr(fused_step, "_run", lambda *a: step_calls.append(1))
-    assert assert_steps_agree(monkeypatch, fused_block, m, m64, 3, fn="block_step") == 3 * 2
+    assert assert_steps_agree(monkeypatch, fused_block.BlockStep, m, m64, 3, fn="__call__") == 3 * 2
     assert not step_calls
 
 

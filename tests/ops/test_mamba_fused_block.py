@@ -59,7 +59,7 @@ def test_a_model_without_mlps_takes_it_and_agrees_with_its_blocks(monkeypatch, h
     m, m64 = models(d_model=48, n_layers=3, pattern="mamba,softmax,mamba", mixer_options={"mamba": {"heads": heads}})
     step_calls = []
     monkeypatch.setattr(fused_step, "_run", lambda *a: step_calls.append(1))      # the layer's own kernel: unused
-    assert assert_steps_agree(monkeypatch, fused_block, m, m64, 4, prompt=11, fn="block_step") == 4 * 2
+    assert assert_steps_agree(monkeypatch, fused_block.BlockStep, m, m64, 4, prompt=11, fn="__call__") == 4 * 2
     assert not step_calls
     ids = torch.randint(0, 300, (3, 11), generator=torch.Generator().manual_seed(1))
     monkeypatch.undo()
@@ -74,8 +74,8 @@ def test_where_it_is_not_taken(monkeypatch):
     norm with a bias, a hook on the mixer, Falcon-Mamba's norms: the block runs its modules (the layer's own kernel
     where it applies)."""
     calls = []
-    real = fused_block.block_step
-    monkeypatch.setattr(fused_block, "block_step", lambda *a: calls.append(1) or real(*a))
+    real = fused_block.BlockStep.__call__
+    monkeypatch.setattr(fused_block.BlockStep, "__call__", lambda *a: calls.append(1) or real(*a))
     m, _ = models(d_model=48, n_layers=2, pattern="mamba")
     with torch.no_grad():
         _, st = m.prefill(torch.randint(0, 300, (2, 5)))
@@ -133,3 +133,50 @@ def test_quantized_projections_take_it_for_a_few_rows(monkeypatch, kind, tol):
     from subquad.layers.mamba import Mamba
 
     assert assert_quantized_block_agrees(monkeypatch, fused_block, Mamba, "mamba", kind, tol) == 2 * 3 * 2
+
+
+def test_the_step_is_kept_between_tokens_and_rebuilt_when_the_modules_change(monkeypatch):
+    """layers.mamba.planned_block: one BlockStep per batch size, reused while the modules hold what it read; a
+    weight's data swapped, a projection replaced, new values loaded in place: each step still equals the blocks'
+    own PyTorch forward (the kept step reads the tensors themselves, a rebuilt one the new ones); a deep copy of
+    the model decodes as the original (nothing kept inside the modules)."""
+    import copy
+
+    from subquad.layers.mamba import Mamba
+
+    built = []
+    init = fused_block.BlockStep.__init__
+    monkeypatch.setattr(fused_block.BlockStep, "__init__", lambda s, *a: built.append(1) or init(s, *a))
+    m, _ = models(d_model=48, n_layers=1, pattern="mamba")
+    own = Mamba.fused_block
+
+    def both(tok, st):
+        a, new = m.step(tok, st)
+        monkeypatch.setattr(Mamba, "fused_block", lambda *x: None)
+        b, _ = m.step(tok, st)
+        monkeypatch.setattr(Mamba, "fused_block", own)
+        assert (a - b).abs().max() <= 1e-5 * b.abs().max()
+        return new
+
+    with torch.no_grad():
+        _, st = m.prefill(torch.randint(0, 300, (2, 5), generator=torch.Generator().manual_seed(0)))
+        tok = torch.tensor([1, 2])
+        for _ in range(3):
+            st = both(tok, st)
+        assert len(built) == 1                                           # kept between tokens
+        _, st3 = m.prefill(torch.randint(0, 300, (3, 5)))
+        both(torch.tensor([1, 2, 3]), st3)
+        assert len(built) == 2                                           # another batch size: its own
+        mixer = m.blocks[0].mixer
+        mixer.in_proj.weight.data = torch.randn_like(mixer.in_proj.weight) * 0.1
+        st = both(tok, st)
+        assert len(built) == 3                                           # new data: rebuilt
+        mixer.out_proj.load_state_dict({"weight": torch.randn_like(mixer.out_proj.weight)})
+        st = both(tok, st)
+        assert len(built) == 3                                           # in place: the same step, new values
+        mixer.out_proj = nn.Linear(mixer.d_inner, 48, bias=False)
+        st = both(tok, st)
+        assert len(built) == 4                                           # a new module: rebuilt
+        twin = copy.deepcopy(m)
+        a, _ = twin.step(tok, st)
+        assert torch.equal(a, m.step(tok, st)[0])

@@ -14,30 +14,51 @@ from __future__ import annotations
 
 import torch
 
-from subquad.kernels import FLOAT, I64, INT, PTR, Kernel
+from subquad.kernels import FLOAT, I64, INT, PTR, Call, Kernel
 from subquad.ops.mamba.fused_block import proj_args
 
 KERNEL = Kernel("mamba2_block_step", [I64] * 8 + [INT, PTR, PTR, FLOAT] + [PTR] * 6 + [INT, INT, I64, I64] + [PTR] * 6
                 + [FLOAT, FLOAT, PTR, PTR, I64, FLOAT] + [PTR] * 4, "mamba2_block")
 
 
+class BlockStep:
+    """The module doc's step for ``B`` rows with the layer's weights fixed (as ``ops.mamba.fused_block.BlockStep``):
+    built once from the weights, the sizes (``d_inner``, ``d_state``, ``groups`` of B and C) and the gated norm's
+    weight (or None), ``group_size`` and eps; then ``step(h, conv_state, S)`` -> (h' (B, 1, d), new conv state,
+    new S (B, H, N, P)) per token. W_in and W_out float32 row- or column-major or quantised
+    (``ops.mamba.fused_block.proj_args``); the rest as ``ops.decay.fused_step.mamba2_step`` takes them."""
+
+    def __init__(self, B, norm_w, eps, w_in, b_in, w_out, b_out, conv_w, conv_b, dt_bias, A_log, Dp, gnorm_w,
+                 d_inner: int, d_state: int, groups: int, group_size: int, geps: float,
+                 dt_limit=(0.0, float("inf"))):
+        d, H, N, Dn, K = norm_w.shape[0], A_log.shape[0], d_state, d_inner, conv_w.shape[-1]
+        P, C = Dn // H, Dn + 2 * groups * d_state
+        W = 2 * Dn + 2 * groups * N + H
+        (w_in, s_in, in_kind, in_g), (w_out, s_out, out_kind, out_g) = proj_args(w_in), proj_args(w_out)
+        self.tensors = [norm_w, w_in, s_in, b_in, w_out, s_out, b_out, conv_w, conv_b, dt_bias, A_log, Dp, gnorm_w]
+        conv_w = conv_w.reshape(C, K).contiguous()
+        lo, hi = (float(v) for v in dt_limit)
+        self.B, self.d, self.conv_shape, self.S_shape = B, d, (B, K - 1, C), (B, H, N, P)
+        self.scratch = B * (d + W + Dn + Dn // group_size + C)
+        self.call = Call(KERNEL, [B, d, Dn, groups, N, H, P, K, None, None, norm_w, float(eps), w_in, s_in, b_in,
+                                  w_out, s_out, b_out, in_kind, out_kind, in_g, out_g, None, conv_w, conv_b, dt_bias,
+                                  A_log, Dp, lo, hi, None, gnorm_w, group_size, float(geps), None, None, None, None],
+                         (8, 9, 22, 30, 34, 35, 36, 37))
+
+    def __call__(self, h, conv_state, S):
+        B, d = self.B, self.d
+        if tuple(conv_state.shape) != self.conv_shape or tuple(S.shape) != self.S_shape or h.shape[0] != B:
+            raise ValueError(f"the Mamba-2 block step holds {B} rows: conv state {self.conv_shape}, S "
+                             f"{self.S_shape}; got h {tuple(h.shape)}, {tuple(conv_state.shape)}, {tuple(S.shape)}")
+        h2, conv_state, S = h.reshape(B, d).contiguous(), conv_state.contiguous(), S.contiguous()
+        h_out, S_out, conv_out = h2.new_empty(B, d), torch.empty_like(S), torch.empty_like(conv_state)
+        self.call(torch.get_num_threads(), h2, conv_state, S, h_out, conv_out, S_out, h2.new_empty(self.scratch))
+        return h_out.view(B, 1, d), conv_out, S_out
+
+
 def block_step(h, norm_w, eps, w_in, b_in, w_out, b_out, conv_state, conv_w, conv_b, dt_bias, A_log, Dp, S,
                gnorm_w, groups: int, group_size: int, geps: float, dt_limit=(0.0, float("inf"))):
-    """(h' (B, 1, d), new conv state, new S (B, H, N, P)) of the module doc's step; h (B, 1, d) float32, B <= 16,
-    W_in and W_out float32 row- or column-major or quantised (``ops.mamba.fused_block.proj_args``); the rest
-    as ``ops.decay.fused_step.mamba2_step`` takes them (``gnorm_w`` its gated norm's weight or None, ``group_size``
-    that norm's groups, the inner width without it)."""
-    B, d = h.shape[0], h.shape[-1]
+    """``BlockStep``'s step once: (h', new conv state, new S); the sizes from S (B, H, N, P)."""
     _, H, N, P = S.shape
-    Dn, K = H * P, conv_w.shape[-1]
-    C, W = Dn + 2 * groups * N, 2 * Dn + 2 * groups * N + H
-    h2 = h.reshape(B, d).contiguous()
-    conv_w, conv_state, S = conv_w.reshape(C, K).contiguous(), conv_state.contiguous(), S.contiguous()
-    h_out, S_out, conv_out = h2.new_empty(B, d), torch.empty_like(S), conv_state.new_empty(B, K - 1, C)
-    scratch = h2.new_empty(B * (d + W + Dn + Dn // group_size + C))
-    lo, hi = (float(v) for v in dt_limit)
-    (w_in, s_in, in_kind, in_g), (w_out, s_out, out_kind, out_g) = proj_args(w_in), proj_args(w_out)
-    KERNEL(B, d, Dn, groups, N, H, P, K, torch.get_num_threads(), h2, norm_w, float(eps), w_in, s_in, b_in, w_out,
-           s_out, b_out, in_kind, out_kind, in_g, out_g, conv_state, conv_w, conv_b, dt_bias, A_log,
-           Dp, lo, hi, S, gnorm_w, group_size, float(geps), h_out, conv_out, S_out, scratch)
-    return h_out.view(B, 1, d), conv_out, S_out
+    return BlockStep(h.shape[0], norm_w, eps, w_in, b_in, w_out, b_out, conv_w, conv_b, dt_bias, A_log, Dp, gnorm_w,
+                     H * P, N, groups, group_size, geps, dt_limit)(h, conv_state, S)

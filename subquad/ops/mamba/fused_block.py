@@ -19,8 +19,8 @@ from __future__ import annotations
 
 import torch
 
-from subquad.kernels import FLOAT, I64, INT, PTR, Kernel
-from subquad.ops.mamba.fused_step import prepare
+from subquad.kernels import FLOAT, I64, INT, PTR, Call, Kernel
+from subquad.ops.mamba.fused_step import prepare_weights
 
 KERNEL = Kernel("mamba_block_step", [I64] * 7 + [INT, PTR, PTR, FLOAT] + [PTR] * 6 + [INT, INT, I64, I64] + [PTR] * 5
                 + [I64, I64] + [PTR] * 8,
@@ -41,21 +41,40 @@ def proj_args(w) -> tuple:
     return w, None, int(not w.is_contiguous()), 0
 
 
+class BlockStep:
+    """The module doc's step for ``B`` rows with the layer's weights fixed: ``BlockStep(B, norm_w, eps, w_in, b_in,
+    w_out, b_out, conv_w, conv_b, wx, wdt, bdt, A_log, Dp)`` converts them once (``kernels.Call``), then
+    ``step(h, conv_state, ssm)`` -> (h' (B, 1, d), new conv state (B, K-1, Dm), new ssm state (B, Dm, N)) per
+    token; h (B, 1, d) float32, B <= 16; w_in and w_out float32 row- or column-major (``layout``) or quantised
+    (``proj_args``); the rest as ``ops.mamba.fused_step.mamba_step`` takes them. ``tensors``: what it was built
+    from (``kernels.Held`` finds them in the modules)."""
+
+    def __init__(self, B, norm_w, eps, w_in, b_in, w_out, b_out, conv_w, conv_b, wx, wdt, bdt, A_log, Dp):
+        (w_in, s_in, in_kind, in_g), (w_out, s_out, out_kind, out_g) = proj_args(w_in), proj_args(w_out)
+        self.tensors = [norm_w, w_in, s_in, b_in, w_out, s_out, b_out, conv_w, conv_b, wx, wdt, bdt, A_log, Dp]
+        conv_w, wx, wdt, bdt, A_log, (N, K, R, heads) = prepare_weights(conv_w, wx, wdt, bdt, A_log)
+        d, D = norm_w.shape[0], A_log.shape[0]
+        self.B, self.d, self.conv_shape, self.ssm_shape = B, d, (B, K - 1, D), (B, D, N)
+        self.scratch = B * (d + 5 * D + heads * (R + 2 * N))
+        self.call = Call(KERNEL, [B, d, D, N, R, K, heads, None, None, norm_w, float(eps), w_in, s_in, b_in, w_out,
+                                  s_out, b_out, in_kind, out_kind, in_g, out_g, None, conv_w, conv_b, wx, wdt,
+                                  wdt.stride(0), wdt.stride(1), bdt, A_log, Dp, None, None, None, None, None],
+                         (7, 8, 21, 31, 32, 33, 34, 35))
+
+    def __call__(self, h, conv_state, ssm):
+        B, d = self.B, self.d
+        if tuple(conv_state.shape) != self.conv_shape or tuple(ssm.shape) != self.ssm_shape or h.shape[0] != B:
+            raise ValueError(f"the Mamba block step holds {B} rows: conv state {self.conv_shape}, ssm state "
+                             f"{self.ssm_shape}; got h {tuple(h.shape)}, {tuple(conv_state.shape)}, "
+                             f"{tuple(ssm.shape)}")
+        h2, conv_state, ssm = h.reshape(B, d).contiguous(), conv_state.contiguous(), ssm.contiguous()
+        h_out, ssm_out, conv_out = h2.new_empty(B, d), torch.empty_like(ssm), torch.empty_like(conv_state)
+        self.call(torch.get_num_threads(), h2, conv_state, ssm, h_out, conv_out, ssm_out,
+                  h2.new_empty(self.scratch))
+        return h_out.view(B, 1, d), conv_out, ssm_out
+
+
 def block_step(h, norm_w, eps, w_in, b_in, w_out, b_out, conv_state, conv_w, conv_b, wx, wdt, bdt, A_log, Dp, ssm):
-    """(h' (B, 1, d), new conv state (B, K-1, Dm), new ssm state (B, Dm, N)) of the module doc's step; h (B, 1, d)
-    float32, B <= 16, w_in and w_out float32 row- or column-major (``layout``) or quantised (``proj_args``); the
-    rest as
-    ``ops.mamba.fused_step.mamba_step`` takes them."""
-    B, d = h.shape[0], h.shape[-1]
-    h2 = h.reshape(B, d).contiguous()
-    conv_state, conv_w, wx, wdt, bdt, A_log, ssm, (N, K, R, heads) = prepare(conv_state, conv_w, wx, wdt, bdt,
-                                                                               A_log, ssm)
-    D = A_log.shape[0]
-    h_out, ssm_out = h2.new_empty(B, d), torch.empty_like(ssm)
-    conv_out = conv_state.new_empty(B, K - 1, D)
-    scratch = h2.new_empty(B * (d + 5 * D + heads * (R + 2 * N)))
-    (w_in, s_in, in_kind, in_g), (w_out, s_out, out_kind, out_g) = proj_args(w_in), proj_args(w_out)
-    KERNEL(B, d, D, N, R, K, heads, torch.get_num_threads(), h2, norm_w, float(eps), w_in, s_in, b_in, w_out, s_out,
-           b_out, in_kind, out_kind, in_g, out_g, conv_state, conv_w, conv_b, wx, wdt,
-           wdt.stride(0), wdt.stride(1), bdt, A_log, Dp, ssm, h_out, conv_out, ssm_out, scratch)
-    return h_out.view(B, 1, d), conv_out, ssm_out
+    """``BlockStep``'s step once: (h', new conv state, new ssm state)."""
+    return BlockStep(h.shape[0], norm_w, eps, w_in, b_in, w_out, b_out, conv_w, conv_b, wx, wdt, bdt, A_log,
+                     Dp)(h, conv_state, ssm)

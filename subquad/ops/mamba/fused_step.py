@@ -25,14 +25,20 @@ KERNEL = Kernel("mamba_step", [I64, I64, I64, I64, I64, I64, INT, PTR, I64, PTR,
                                PTR, PTR, PTR, PTR, PTR, PTR, PTR])
 
 
-def prepare(conv_state, conv_w, wx, wdt, bdt, A_log, h):
-    """The layer's tensors as the kernel reads them -> (conv_state, conv_w (D, K), wx, wdt (D, R), bdt (D,), A_log,
-    h, (N, K, R, heads)); each contiguous where the kernel needs it (a view where it already is)."""
+def prepare_weights(conv_w, wx, wdt, bdt, A_log):
+    """The layer's weights as the kernel reads them -> (conv_w (D, K), wx, wdt (D, R), bdt (D,), A_log, (N, K, R,
+    heads)); each contiguous where the kernel needs it (a view where it already is)."""
     D, N, K, R = A_log.shape[0], A_log.shape[1], conv_w.shape[-1], wdt.shape[-1]
     heads = wx.shape[0] if wx.dim() == 3 else 1
-    conv_w = conv_w.reshape(D, K).contiguous()
-    conv_state, wx, A_log, h, bdt = (t.contiguous() for t in (conv_state, wx, A_log, h, bdt.reshape(D)))
-    return conv_state, conv_w, wx, wdt.reshape(D, R), bdt, A_log, h, (N, K, R, heads)
+    wx, A_log, bdt = (t.contiguous() for t in (wx, A_log, bdt.reshape(D)))
+    return conv_w.reshape(D, K).contiguous(), wx, wdt.reshape(D, R), bdt, A_log, (N, K, R, heads)
+
+
+def prepare(conv_state, conv_w, wx, wdt, bdt, A_log, h):
+    """``prepare_weights`` and the states, contiguous -> (conv_state, conv_w, wx, wdt, bdt, A_log, h, (N, K, R,
+    heads))."""
+    conv_w, wx, wdt, bdt, A_log, sizes = prepare_weights(conv_w, wx, wdt, bdt, A_log)
+    return conv_state.contiguous(), conv_w, wx, wdt, bdt, A_log, h.contiguous(), sizes
 
 
 def _run(xz, conv_state, conv_w, conv_b, wx, wdt, bdt, A_log, Dp, h):
