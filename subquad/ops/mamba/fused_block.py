@@ -9,10 +9,11 @@ mamba-130m's layer and every mamba checkpoint's without Falcon-Mamba's norms: th
 kernel and residual cost one call instead of a dozen ops and five module calls (~170 us of Python and dispatch
 per layer on the AVX2 EPYC hosts; benchmarks/RESULTS.md). ``models.lm.PreNormBlock`` takes it through
 ``layers.mamba.Mamba.fused_block`` where the layer's fused step would run and the block has no MLP, a plain
-RMSNorm and both projections as float32 matrices, row- or column-major (``layers.mamba.block_projections``), for
-up to ``layers.linear.C_ROWS`` rows; the
-block's PyTorch forward is the reference. The states passed in are read, never written. Eager only (a compiled
-step leaves it to inductor, as it does the layer's fused step: ``kernels.usable``).
+RMSNorm and projections the kernel reads (``layers.mamba.block_projections``: float32 row- or column-major up to
+``layers.linear.C_ROWS`` rows, int8 per channel and int4 for a few); ``BlockStep`` keeps the call between
+tokens (``layers.mamba.planned_block``). The block's PyTorch forward is the reference. The states passed in are
+read, never written. Eager only (a compiled step leaves it to inductor, as it does the layer's fused step:
+``kernels.usable``).
 """
 
 from __future__ import annotations
