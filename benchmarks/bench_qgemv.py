@@ -1,7 +1,7 @@
-"""The quantised products of a decoding step: the C kernels (``kernels/qgemv.c``, x kept float32) against the
-library kernels they replace - fbgemm's int8 ``linear_dynamic`` (x rounded to 7-8 bits per call), torch's int4
-``_weight_int4pack_mm_for_cpu`` (x rounded to bfloat16), the dequantised product a blocked (GGUF Q8_0) weight
-took - and the float32 product (the C kernel, oneDNN's which ``layers.linear`` takes, and ``F.linear``'s MKL), at
+"""The quantised products of a decoding step: the C kernels (``kernels/qgemv.c``: int8 with x kept float32,
+int8q and int4 with x rounded to int8 per block of 32) against the library kernels they replace - fbgemm's int8
+``linear_dynamic`` (x rounded to 7-8 bits per call), torch's int4 ``_weight_int4pack_mm_for_cpu`` (x rounded to
+bfloat16), the dequantised product a blocked (GGUF Q8_0) weight took - and the float32 product (the C kernel, oneDNN's which ``layers.linear`` takes, and ``F.linear``'s MKL), at
 mamba-130m's matrices, 1 to 16 rows, 2 threads, rounds interleaved.
 
     python benchmarks/bench_qgemv.py                  # ~1 min; writes results/qgemv.{md,png}
@@ -81,6 +81,7 @@ def main(argv=None):
             x = torch.randn(M, K)
             row = {
                 "int8 C": lambda w, l8, l4, b, x=x: qgemv.int8_gemv(x, l8.q, l8.scale, None, None),
+                "int8q C": lambda w, l8, l4, b, x=x: qgemv.int8q_gemv(x, l8.q, l8.scale, None),
                 "int8 fbgemm": lambda w, l8, l4, b, x=x: torch.ops.quantized.linear_dynamic(
                     x, quant._packed(l8.q, l8.scale, l8.key_id), quant.REDUCE_RANGE),
                 "int8 blocks C": lambda w, l8, l4, b, x=x: qgemv.int8_gemv(x, b.q, b.scale, None, None),
