@@ -31,8 +31,11 @@ from subquad.kernels import I64, INT, PTR, Kernel, enabled
 INT8_ROWS = 8
 INT4_ROWS = 8
 # int8 per channel with x rounded to int8 per block of 32 (int8q_gemv) against fbgemm's kernel, weights read from
-# memory: 1.05-1.6x faster at one row, level at 4, slower from 8 (16 rows: 1.3-2.1x slower)
-INT8Q_ROWS = 4
+# memory (bench_qgemv.py --from-memory): 1.3-1.6x faster at one row, 1.0-1.2x at 2, slower from 4 (16 rows:
+# 2-2.7x slower). Inside a Mamba block's one call it is taken up to BLOCK_INT8Q_ROWS rows: there the call saves
+# more than the products lose (the whole step at 4 rows 0.74x of the modules' with fbgemm; RESULTS.md).
+INT8Q_ROWS = 2
+BLOCK_INT8Q_ROWS = 4
 
 INT8 = Kernel("int8_gemv", [I64, I64, I64, I64, INT, PTR, I64, PTR, PTR, PTR, PTR, PTR, PTR], "qgemv")
 F32 = Kernel("f32_gemv", [I64, I64, I64, INT, PTR, I64, PTR, PTR, PTR], "qgemv")

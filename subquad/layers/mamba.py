@@ -39,13 +39,14 @@ def kernel_weight(lin, rows: int):
     """A projection as the block kernels read it for ``rows`` rows (``ops.mamba.fused_block.proj_args``), or None:
     a float32-able ``Linear``'s weight stored row- or column-major; (q, scale, 2, 0) of an int8 one per output
     channel (``models.quant.Int8Linear``) of an input width that is a multiple of 32, for at most
-    ``kernels.qgemv.INT8Q_ROWS`` rows; (w, scale_zero, 2 + layout, groups) of an ``Int4Linear`` packed for torch's
-    kernel, for at most ``INT4_ROWS`` rows (more: the libraries' int8 and int4 products are faster, qgemv.py)."""
+    ``kernels.qgemv.BLOCK_INT8Q_ROWS`` rows; (w, scale_zero, 2 + layout, groups) of an ``Int4Linear`` packed for
+    torch's kernel, for at most ``INT4_ROWS`` rows (more: the libraries' int8 and int4 products are faster,
+    qgemv.py)."""
     if type(lin) in (nn.Linear, Linear):
         return lin.weight if fused_block.layout(lin.weight) else None
     q, scale = getattr(lin, "q", None), getattr(lin, "scale", None)
     if isinstance(q, torch.Tensor) and q.dtype == torch.int8 and q.is_cpu and q.is_contiguous() \
-            and scale.dim() == 1 and q.shape[1] % 32 == 0 and rows <= qgemv.INT8Q_ROWS:
+            and scale.dim() == 1 and q.shape[1] % 32 == 0 and rows <= qgemv.BLOCK_INT8Q_ROWS:
         return q, scale, 2, 0
     w, sz = getattr(lin, "w", None), getattr(lin, "scale_zero", None)
     if isinstance(sz, torch.Tensor) and getattr(lin, "layout", 0) and w.is_cpu and rows <= qgemv.INT4_ROWS:

@@ -50,12 +50,13 @@ def assert_quantized_block_agrees(monkeypatch, module, mixer_cls, pattern: str, 
                                   **options) -> int:
     """A model of ``pattern`` blocks without MLPs whose in_proj, out_proj and head are ``kind`` ("int8": per
     channel; "int4": groups of 32), the small x_proj / dt_proj float32 as at mamba-130m's shape, decoding 1 and
-    the most rows the block kernel takes for them (``kernels.qgemv.INT8Q_ROWS``, ``INT4_ROWS``): the block kernel's
-    logits within 1% of the logits' scale of the same model's steps through its modules (the same products one
-    call each: ``mixer_cls.fused_block`` refused; not 1e-5 as in float32: x rounded to int8 per block of 32 is a
-    step function, and the two paths' norms differ in the last bit, so now and then one code of x differs by one
-    - 3.5e-3 of the scale here) and within ``tol`` of a float64 copy's with the dequantised weights; one row more
-    runs the modules. Returns how often a ``module.BlockStep`` ran."""
+    the most rows the block kernel takes for them (``kernels.qgemv.BLOCK_INT8Q_ROWS``, ``INT4_ROWS``): the block
+    kernel's logits within 1% of the logits' scale of the same model's steps through its modules (the same
+    products one call each: ``mixer_cls.fused_block`` refused, INT8Q_ROWS raised to the block's; not 1e-5 as in
+    float32: x rounded to int8 per block of 32 is a step function, and the two paths' norms differ in the last
+    bit, so now and then one code of x differs by one - 3.5e-3 of the scale here) and within ``tol`` of a float64
+    copy's with the dequantised weights; one row more runs the modules. Returns how often a ``module.BlockStep``
+    ran."""
     from subquad.kernels import qgemv
     from subquad.models.quant import quantize
 
@@ -69,11 +70,12 @@ def assert_quantized_block_agrees(monkeypatch, module, mixer_cls, pattern: str, 
     for name, mod in m.named_modules():                 # the dequantised weights into the float64 copy
         if type(mod).__name__ in ("Int8Linear", "Int4Linear") and name != "head":
             m64.get_submodule(name).weight.data.copy_(mod.weight)
+    monkeypatch.setattr(qgemv, "INT8Q_ROWS", qgemv.BLOCK_INT8Q_ROWS)     # the modules' products the block's too
     calls = []
     real = module.BlockStep.__call__
     monkeypatch.setattr(module.BlockStep, "__call__", lambda *a: calls.append(1) or real(*a))
     own = mixer_cls.fused_block
-    for rows in (1, qgemv.INT8Q_ROWS if kind == "int8" else qgemv.INT4_ROWS):
+    for rows in (1, qgemv.BLOCK_INT8Q_ROWS if kind == "int8" else qgemv.INT4_ROWS):
         ids = torch.randint(0, 300, (rows, 7), generator=torch.Generator().manual_seed(rows))
         with torch.no_grad():
             _, st = m.prefill(ids)
