@@ -10,9 +10,14 @@ folder and as GGUF files (``save_gguf``: f32, q8_0 and q4_0), then
                 issue 51's target); N greedy ``model.step`` calls after warm-up (the graph compiled first)
 
     python benchmarks/bench_llama_decode.py --llama-bench /path/to/build/bin/llama-bench
+    python benchmarks/bench_llama_decode.py --llama-bench ... --interleave 3   # eager rows only, rounds alternating
     SUBQUAD_ONEDNN=0 python benchmarks/bench_llama_decode.py ...     # the float32 products through MKL instead
 
 and every step but the op-by-op one at ``--batch`` rows (default 16), ms per step and the ratio to one row.
+
+``--interleave R``: only llama.cpp and subquad's eager step at each precision (f32 / Q8_0 / Q4_0 against float32 /
+int8 / int4), R rounds each running every row once in turn, so a host whose speed drifts moves both engines
+alike; the median of each row and every round's ratio. Writes results/llama_decode_interleaved.md.
 
 ms per token (median of ``--repeats`` runs for subquad; llama-bench's mean over its own repetitions), the read
 bound (the bytes of the weights one token reads over the measured read bandwidth is not measured here: the
@@ -75,6 +80,31 @@ def subquad_ms(folder: Path, tokens: int, repeats: int, compiled: bool, quantize
     return statistics.median(runs)
 
 
+def interleaved(a, folder: Path, tmp: Path):
+    """``--interleave``'s rounds (module doc)."""
+    pairs = (("f32", None), ("q8_0", "int8"), ("q4_0", "int4"))
+    runs: dict[str, list] = {}
+    for r in range(a.interleave):
+        for outtype, q in pairs:
+            runs.setdefault(f"llama.cpp {outtype}", []).append(llama_ms(a.llama_bench, tmp / f"m-{outtype}.gguf",
+                                                                         a.tokens, a.threads))
+            runs.setdefault(f"subquad {q or 'f32'} eager", []).append(
+                subquad_ms(folder, a.tokens, a.repeats, False, q))
+        print(f"round {r + 1}/{a.interleave}: " + ", ".join(f"{k} {v[-1]:.2f}" for k, v in runs.items()), flush=True)
+    machine = machine_line(matmul_gflops())
+    lines = [f"mamba-130m's shape (random weights), batch 1, {a.threads} threads, {a.tokens} tokens, {a.interleave} "
+             f"rounds alternating the engines; {machine}", "",
+             "| precision | llama.cpp ms (median) | subquad eager ms (median) | ratio of medians | each round's |",
+             "|---|---:|---:|---:|---|"]
+    for outtype, q in pairs:
+        ll, sq = runs[f"llama.cpp {outtype}"], runs[f"subquad {q or 'f32'} eager"]
+        ratios = ", ".join(f"{x / y:.2f}" for x, y in zip(sq, ll))
+        lines.append(f"| {q or 'f32'} / {outtype} | {statistics.median(ll):.2f} | {statistics.median(sq):.2f} | "
+                     f"{statistics.median(sq) / statistics.median(ll):.2f} | {ratios} |")
+    print("\n".join(lines))
+    (OUT / "llama_decode_interleaved.md").write_text("\n".join(lines) + "\n")
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--llama-bench", required=True, help="the llama-bench binary")
@@ -82,6 +112,7 @@ def main(argv=None):
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--batch", type=int, default=16, help="the rows of the batched compiled steps (1: none)")
+    ap.add_argument("--interleave", type=int, default=0, help="rounds of the eager rows against llama.cpp only")
     a = ap.parse_args(argv)
     torch.set_num_threads(a.threads)
     from subquad.models import LanguageModel, ModelConfig
@@ -95,6 +126,8 @@ def main(argv=None):
         model.save_pretrained(folder)
         for outtype in OUTTYPES:
             save_gguf(model, Path(tmp) / f"m-{outtype}.gguf", outtype)
+        if a.interleave:
+            return interleaved(a, folder, Path(tmp))
         for outtype in OUTTYPES:
             rows[f"llama.cpp {outtype}"] = llama_ms(a.llama_bench, Path(tmp) / f"m-{outtype}.gguf", a.tokens, a.threads)
             print(f"llama.cpp {outtype}: {rows[f'llama.cpp {outtype}']:.2f} ms/token", flush=True)
