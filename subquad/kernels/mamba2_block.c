@@ -6,7 +6,8 @@
  *   in = x W_in^T + b_in                                   W_in (2 Dn + 2 G N + H, d), b_in or NULL
  *   y  = mamba2_step(in, ...)                              (B, Dn), the new conv state and S (mamba2_step.c)
  *   h' = h + y W_out^T + b_out                             W_out (d, Dn), b_out (d,) or NULL
- * Each W float32 row- or column-major, int8 or int4, as its kind says (mamba_block.c); B <= 16. ops/decay/fused_block.py is the Python side;
+ * Each W float32 row- or column-major, int8 or int4, as its kind says (mamba_block.c); B <= 16.
+ * ops/decay/fused_block.py is the Python side;
  * the block's own PyTorch forward is the reference. */
 
 #include "mamba2_step.c"

@@ -143,11 +143,11 @@ void int8_gemv(int64_t M, int64_t N, int64_t K, int64_t G, int threads, const fl
 
 /* int8q_gemv: y[m, n] = scale[n] sum_b d[m, b] (sum_{k in b} q[n, k] c[m, k]) + bias[n]
  * with x's rows rounded per block b of 32 inputs to int8 codes c and a float scale d (GGUF's Q8_0: d = max |x| /
- * 127, c = round(127 x / max |x|)), as llama.cpp's Q8_0 and fbgemm's products do (fbgemm: one scale per call): the sums are
- * exact in int32 - AVX2's maddubs multiplies 32 byte pairs into 16-bit pair sums, |q| <= 128 and |c| <= 127 keep
- * them below 2^15 - about half the instructions per weight of widening q to float. q (N, K) int8 per output
- * channel, K a multiple of 32; x (M, K) with row stride ldx, y (M, N); xq: scratch of M K bytes, xd: M K / 32
- * floats. */
+ * 127, c = round(127 x / max |x|)), as llama.cpp's Q8_0 and fbgemm's products do (fbgemm: one scale per call):
+ * the sums are exact in int32 - AVX2's maddubs multiplies 32 byte pairs into 16-bit pair sums, |q| <= 128 and
+ * |c| <= 127 keep them below 2^15 - about half the instructions per weight of widening q to float. q (N, K) int8
+ * per output channel, K a multiple of 32; x (M, K) with row stride ldx, y (M, N); xq: scratch of M K bytes, xd:
+ * M K / 32 floats. */
 static void quantize_q8(int64_t M, int64_t K, const float *x, int64_t ldx, int8_t *xq, float *xd) {
     const int64_t nb = K / 32;
     for (int64_t m = 0; m < M; m++)
@@ -242,8 +242,7 @@ void int8q_gemv(int64_t M, int64_t N, int64_t K, int threads, const float *x, in
  * (c[2i], c[2i + 1]) per 16-bit lane, d per block of 32, xc: sum of x~ = c d per group): byte j of each k holds
  * rows j (low nibble) and j + h (high). Two k at a time, each row's two codes are interleaved into adjacent bytes
  * (one permute, one shuffle) so maddubs multiplies them by (c[k], c[k + 1]) and adds the pair in 16 bits
- * (<= 2 x 15 x 127); 16 k sum
- * exactly in 16 bits, then widen to float times d.
+ * (<= 2 x 15 x 127); 16 k sum exactly in 16 bits, then widen to float times d.
  * out[r] = sum_g s[g, r] (sum_{k in g} code[r, k] c[k] d) + (z - 8 s)[g, r] xc[g]. */
 static inline __attribute__((always_inline)) void int4_split_q(int64_t K, int64_t G, int64_t Np, int64_t h,
                                                                const int16_t *xp, const float *d, const float *xc,
