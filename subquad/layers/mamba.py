@@ -94,6 +94,8 @@ def planned_block(mixer, h, norm, state, kernel, build):
             return None
         step = hit[2]
     else:
+        for rows in [r for r, (_, kept, _) in plans.items() if not kept.valid()]:
+            del plans[rows]                          # stale at every batch size: their old weights freed
         step = build(h, norm, state)
         if step is None:
             return None
@@ -102,6 +104,14 @@ def planned_block(mixer, h, norm, state, kernel, build):
             plans[h.shape[0]] = (norm, held, step)
     h, conv, ssm = step(h, state["conv"], state["ssm"])
     return h, {"ssm": ssm, "conv": conv}
+
+
+def forget_block_steps(model) -> None:
+    """Drop the ``BlockStep``s kept for ``model``'s mixers (``planned_block``), and with them their references to
+    the weights: ``quantize`` and ``decode_layout`` replace the weights, whose old copies would otherwise stay
+    alive until the next decoding step finds the kept steps stale."""
+    for m in model.modules():
+        _PLANS.pop(m, None)
 
 
 def checked(proj) -> list:

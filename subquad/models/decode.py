@@ -63,6 +63,7 @@ import torch
 from torch import nn
 
 from subquad.layers import sequence
+from subquad.layers.mamba import forget_block_steps
 from subquad.models.state import ModelState
 from subquad.ops import KVCache
 
@@ -331,4 +332,5 @@ def decode_layout(model):
             onednn = ONEDNN and w.numel() >= MIN_WEIGHTS and w.device.type == "cpu"   # reads row-major best
             if wide and w.is_contiguous() and w.dtype == torch.float32 and not onednn:
                 m.weight = nn.Parameter(w.detach().T.contiguous().T, requires_grad=w.requires_grad)
+    forget_block_steps(model)
     return model

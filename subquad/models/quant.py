@@ -617,6 +617,9 @@ def quantize(model, kind: str, min_weights: int = MIN_WEIGHTS, group_size: int =
     model.quant_group_size = group_size if kind == "int4" else None
     for p in model.parameters():
         p.requires_grad_(False)
+    from subquad.layers.mamba import forget_block_steps
+
+    forget_block_steps(model)                    # steps kept for the float weights (layers.mamba.planned_block)
     return model
 
 
