@@ -452,14 +452,19 @@ void f32_gemv_cm(int64_t M, int64_t N, int64_t K, int threads, const float *x, i
 
 /* The blocks' projections (mamba_block.c, mamba2_block.c): y = x W^T + bias, W float32 row-major (kind 0),
  * column-major (kind 1: w holds W^T), int8 codes per output channel times scale (kind 2, int8q_gemv, K a
- * multiple of 32), or int4 in torch's packed layout with ``groups`` bfloat16 scales and zeros per row in scale
- * (int4_gemv; kind 3: blocks of 64 rows split, 4: of 32 split, 5: of 32 in pairs - quant.py's LAYOUTS 1-3). The
- * scratch each needs is allocated here. */
-enum { PROJ_F32 = 0, PROJ_F32_CM = 1, PROJ_INT8 = 2, PROJ_INT4 = 3 };
+ * multiple of 32), int4 in torch's packed layout with ``groups`` bfloat16 scales and zeros per row in scale
+ * (int4_gemv; kind 3: blocks of 64 rows split, 4: of 32 split, 5: of 32 in pairs - quant.py's LAYOUTS 1-3), or
+ * int8 codes times ``groups`` float32 scales per row (kind 6, int8_gemv, x exact: a GGUF file's Q8_0 / Q6_K
+ * matrices). The scratch each needs is allocated here. */
+enum { PROJ_F32 = 0, PROJ_F32_CM = 1, PROJ_INT8 = 2, PROJ_INT4 = 3, PROJ_INT8_BLOCKS = 6 };
 
 static void proj_gemv(int kind, int64_t groups, int64_t M, int64_t N, int64_t K, int threads, const float *x,
                       int64_t ldx, const void *w, const void *scale, const float *bias, float *y) {
-    if (kind == PROJ_INT8) {
+    if (kind == PROJ_INT8_BLOCKS) {
+        float *xs = malloc(M * groups * sizeof(float));       /* int8_gemv's group sums: unused without offsets */
+        int8_gemv(M, N, K, groups, threads, x, ldx, w, scale, NULL, bias, y, xs);
+        free(xs);
+    } else if (kind == PROJ_INT8) {
         int8_t *xq = malloc(M * K + M * (K / 32) * sizeof(float));
         int8q_gemv(M, N, K, threads, x, ldx, w, scale, bias, y, xq, (float *)(xq + M * K));
         free(xq);

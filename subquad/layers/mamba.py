@@ -39,15 +39,19 @@ def kernel_weight(lin, rows: int):
     """A projection as the block kernels read it for ``rows`` rows (``ops.mamba.fused_block.proj_args``), or None:
     a float32-able ``Linear``'s weight stored row- or column-major; (q, scale, 2, 0) of an int8 one per output
     channel (``models.quant.Int8Linear``) of an input width that is a multiple of 32, for at most
-    ``kernels.qgemv.BLOCK_INT8Q_ROWS`` rows; (w, scale_zero, 2 + layout, groups) of an ``Int4Linear`` packed for
-    torch's kernel, for at most ``INT4_ROWS`` rows (more: the libraries' int8 and int4 products are faster,
-    qgemv.py)."""
+    ``kernels.qgemv.BLOCK_INT8Q_ROWS`` rows; (q, scale, 6, groups) of one per block without offsets (a GGUF file's
+    Q8_0 / Q6_K matrices: ``qgemv.int8_gemv``, x exact) for ``INT8_ROWS``; (w, scale_zero, 2 + layout, groups)
+    of an ``Int4Linear`` packed for torch's kernel, for at most ``INT4_ROWS`` rows (more: the libraries' int8 and
+    int4 products are faster, qgemv.py)."""
     if type(lin) in (nn.Linear, Linear):
         return lin.weight if fused_block.layout(lin.weight) else None
     q, scale = getattr(lin, "q", None), getattr(lin, "scale", None)
-    if isinstance(q, torch.Tensor) and q.dtype == torch.int8 and q.is_cpu and q.is_contiguous() \
-            and scale.dim() == 1 and q.shape[1] % 32 == 0 and rows <= qgemv.BLOCK_INT8Q_ROWS:
-        return q, scale, 2, 0
+    if isinstance(q, torch.Tensor) and q.dtype == torch.int8 and q.is_cpu and q.is_contiguous():
+        if scale.dim() == 1 and q.shape[1] % 32 == 0 and rows <= qgemv.BLOCK_INT8Q_ROWS:
+            return q, scale, 2, 0
+        if scale.dim() == 2 and lin.offset is None and scale.is_contiguous() and rows <= qgemv.INT8_ROWS:
+            return q, scale, 6, scale.shape[1]        # per block (a GGUF file's Q8_0 / Q6_K), x exact
+        return None
     w, sz = getattr(lin, "w", None), getattr(lin, "scale_zero", None)
     if isinstance(sz, torch.Tensor) and getattr(lin, "layout", 0) and w.is_cpu and rows <= qgemv.INT4_ROWS:
         return w, sz, 2 + lin.layout, sz.shape[0]
@@ -112,6 +116,13 @@ def forget_block_steps(model) -> None:
     alive until the next decoding step finds the kept steps stale."""
     for m in model.modules():
         _PLANS.pop(m, None)
+
+
+def _float_or_int8(lin) -> bool:
+    """Whether the fused kernels may read ``lin``'s weight as float32: a ``Linear``, or an int8 one (a GGUF Q8_0
+    file's x_proj), whose ``weight`` is its dequantised copy - made once for a kept block step, per token for the
+    layer's own step (~50 us at mamba-130m's x_proj: far less than the op-by-op step it replaces)."""
+    return isinstance(lin, nn.Linear) or (getattr(lin, "q", None) is not None and hasattr(lin, "dequantized"))
 
 
 def checked(proj) -> list:
@@ -188,7 +199,7 @@ class Mamba(Mixer):
         """Whether one decoding token may take ``kernel`` (the layer's step or its block's, float32 on the CPU, no
         gradient; ``kernels.usable``) with ``tensors`` (the layer's ``_step_weights`` and any others)."""
         return state is not None and self.bcdt_rms_eps is None and type(seq) is SingleDevice \
-            and (self.heads > 1 or isinstance(self.x_proj, nn.Linear) and isinstance(self.dt_proj, nn.Linear)) \
+            and (self.heads > 1 or _float_or_int8(self.x_proj) and isinstance(self.dt_proj, nn.Linear)) \
             and kernels.usable(kernel, x, state["ssm"], state["conv"], *tensors)
 
     def fused_block(self, h, norm, state):
@@ -206,8 +217,11 @@ class Mamba(Mixer):
         if not self._fusable(fused_block.KERNEL, h, state, sequence.backend(), *weights, *checked(proj)):
             return None
         nw, w_in, b_in, w_out, b_out = proj
-        return fused_block.BlockStep(h.shape[0], nw, norm.eps, w_in, b_in, w_out, b_out, conv_w, conv_b, wx, wdt,
+        step = fused_block.BlockStep(h.shape[0], nw, norm.eps, w_in, b_in, w_out, b_out, conv_w, conv_b, wx, wdt,
                                      bdt, A_log, Dp)
+        if self.heads == 1 and not isinstance(self.x_proj, nn.Linear):
+            step.tensors = [t for t in step.tensors if t is not wx]  # a dequantised copy: Held checks its codes
+        return step
 
     def mix(self, x, state, seq):
         if self._fusable(fused_step.KERNEL, x, state, seq, *self._step_weights()):

@@ -49,8 +49,10 @@ def assert_steps_agree(monkeypatch, module, m, m64, steps: int, prompt: int = 9,
 def assert_quantized_block_agrees(monkeypatch, module, mixer_cls, pattern: str, kind: str, tol: float,
                                   **options) -> int:
     """A model of ``pattern`` blocks without MLPs whose in_proj, out_proj and head are ``kind`` ("int8": per
-    channel; "int4": groups of 32), the small x_proj / dt_proj float32 as at mamba-130m's shape, decoding 1 and
-    the most rows the block kernel takes for them (``kernels.qgemv.BLOCK_INT8Q_ROWS``, ``INT4_ROWS``): the block
+    channel; "int4": groups of 32; "int8 blocks": in_proj, out_proj and Mamba's x_proj per block of 32 as a GGUF
+    file's Q8_0, x exact: within 1e-5 of the modules), else the small x_proj / dt_proj float32 as at mamba-130m's
+    shape, decoding 1 and the most rows the block kernel takes for them (``kernels.qgemv.BLOCK_INT8Q_ROWS``,
+    ``INT4_ROWS``, ``INT8_ROWS``): the block
     kernel's logits within 1% of the logits' scale of the same model's steps through its modules (the same
     products one call each: ``mixer_cls.fused_block`` refused, INT8Q_ROWS raised to the block's; not 1e-5 as in
     float32: x rounded to int8 per block of 32 is a step function, and the two paths' norms differ in the last
@@ -58,13 +60,21 @@ def assert_quantized_block_agrees(monkeypatch, module, mixer_cls, pattern: str, 
     copy's with the dequantised weights; one row more runs the modules. Returns how often a ``module.BlockStep``
     ran."""
     from subquad.kernels import qgemv
-    from subquad.models.quant import quantize
+    from subquad.models.quant import Int8Linear, quantize
 
     torch.manual_seed(0)
     m = LanguageModel(ModelConfig(vocab_size=300, d_model=64, n_layers=2, pattern=pattern, mlp=False,
                                   mixer_options=options)).eval()
-    quantize(m, kind, min_weights=8192, group_size=32)
-    assert type(m.blocks[0].mixer.in_proj).__name__ == ("Int8Linear" if kind == "int8" else "Int4Linear")
+    if kind == "int8 blocks":                           # a GGUF Q8_0 file's matrices: scales per block of 32
+        for blk in m.blocks:
+            for name in ("in_proj", "out_proj") + (("x_proj",) if pattern == "mamba" else ()):
+                w = getattr(blk.mixer, name).weight.detach()
+                s = (w.view(w.shape[0], -1, 32).abs().amax(-1) / 127).clamp_min(1e-12)
+                q = torch.round(w.view(w.shape[0], -1, 32) / s[..., None]).to(torch.int8).view_as(w)
+                setattr(blk.mixer, name, Int8Linear.from_blocks(q.contiguous(), s.contiguous()))
+    else:
+        quantize(m, kind, min_weights=8192, group_size=32)
+    assert type(m.blocks[0].mixer.in_proj).__name__ == ("Int4Linear" if kind == "int4" else "Int8Linear")
     m64 = LanguageModel(m.config).eval().double()
     m64.load_state_dict({k: v for k, v in m.state_dict().items() if k in m64.state_dict()}, strict=False)
     for name, mod in m.named_modules():                 # the dequantised weights into the float64 copy
@@ -75,7 +85,8 @@ def assert_quantized_block_agrees(monkeypatch, module, mixer_cls, pattern: str, 
     real = module.BlockStep.__call__
     monkeypatch.setattr(module.BlockStep, "__call__", lambda *a: calls.append(1) or real(*a))
     own = mixer_cls.fused_block
-    for rows in (1, qgemv.BLOCK_INT8Q_ROWS if kind == "int8" else qgemv.INT4_ROWS):
+    most = {"int8": qgemv.BLOCK_INT8Q_ROWS, "int4": qgemv.INT4_ROWS, "int8 blocks": qgemv.INT8_ROWS}[kind]
+    for rows in (1, most):
         ids = torch.randint(0, 300, (rows, 7), generator=torch.Generator().manual_seed(rows))
         with torch.no_grad():
             _, st = m.prefill(ids)
@@ -87,7 +98,7 @@ def assert_quantized_block_agrees(monkeypatch, module, mixer_cls, pattern: str, 
                 b, st_ref = m.step(tok, st_ref)
                 monkeypatch.setattr(mixer_cls, "fused_block", own)
                 c, st64 = m64.step(tok, st64)
-                assert (a - b).abs().max() <= 1e-2 * b.abs().max()
+                assert (a - b).abs().max() <= (1e-5 if kind == "int8 blocks" else 1e-2) * b.abs().max()
                 assert (a.double() - c).abs().max() <= tol * c.abs().max()
                 tok = c.argmax(-1)
     n = len(calls)

@@ -65,11 +65,11 @@ def test_a_model_without_mlps_takes_it_and_agrees_with_its_blocks(monkeypatch, o
     assert not step_calls
 
 
-@pytest.mark.parametrize("kind,tol", [("int8", 5e-2), ("int4", 0.15)])
+@pytest.mark.parametrize("kind,tol", [("int8", 5e-2), ("int4", 0.15), ("int8 blocks", 1e-5)])
 def test_quantized_projections_take_it_for_a_few_rows(monkeypatch, kind, tol):
     """int8 (per channel) and int4 in_proj and out_proj, x rounded per block of 32 inside the kernel as their
-    modules' products round it: the block in one call agrees with its modules and with a float64 copy of the
-    dequantised weights (fused_harness)."""
+    modules' products round it, and int8 per block (a GGUF Q8_0 file's, x exact): the block in one call agrees
+    with its modules and with a float64 copy of the dequantised weights (fused_harness)."""
     from subquad.layers.mamba2 import Mamba2
 
     assert assert_quantized_block_agrees(monkeypatch, fused_block, Mamba2, "mamba2", kind, tol) == 2 * 3 * 2
