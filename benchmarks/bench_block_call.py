@@ -1,10 +1,12 @@
 """A Mamba block's decoding step in one C call against the same block through its modules, in one process: a
-random model at mamba-130m's shape (Mamba-1, or ``--pattern mamba2``), float32 / int8 / int4, 1 to 16 rows;
+random model at mamba-130m's shape (Mamba-1, or ``--pattern mamba2``), float32 / int8 / int4 (or read back from a
+GGUF file: q8_0, q4_0), 1 to 16 rows;
 rounds alternate the two (the one call refused by making ``fused_block`` return None), so a noisy host moves
 both alike.
 
     python benchmarks/bench_block_call.py                       # ~3 minutes; writes results/block_call.md
     python benchmarks/bench_block_call.py --quantize int8 --rows 1,2,4,8
+    python benchmarks/bench_block_call.py --quantize q8_0 --rows 1      # the model read back from a Q8_0 GGUF
 
 ms per step (median of ``--rounds``), and one call / modules. The modules' products are the library's (oneDNN /
 fbgemm / torch's int4 kernel) or the C kernels where ``models.quant`` takes them.
@@ -48,7 +50,16 @@ def main(argv=None):
         torch.manual_seed(0)
         m = LanguageModel(ModelConfig(vocab_size=50280, d_model=768, n_layers=24, pattern=a.pattern, mlp=False,
                                       norm_eps=1e-5)).eval()
-        if q != "f32":
+        if q in ("q8_0", "q4_0"):                       # saved as a GGUF file and read back (models.gguf)
+            import tempfile
+
+            from subquad.models import from_pretrained
+            from subquad.models.gguf import save_gguf
+
+            with tempfile.TemporaryDirectory() as tmp:
+                save_gguf(m, Path(tmp) / "m.gguf", q)
+                m = from_pretrained(Path(tmp) / "m.gguf")[0].eval()
+        elif q != "f32":
             quantize(m, q)
         for B in map(int, a.rows.split(",")):
             res = {"one call": [], "modules": []}
