@@ -10,7 +10,7 @@
                                  32: a C kernel (``kernels.qgemv.int8q_gemv``: x rounded to int8 per block of
                                  32 inputs with a float scale, as llama.cpp's Q8_0 products do; exact integer
                                  sums) - it reads the weights near the memory's rate (fbgemm's kernel, one x
-                                 scale per call, is faster from 8 rows; benchmarks/RESULTS.md);
+                                 scale per call, is faster from 4 rows; benchmarks/RESULTS.md);
                                  int8 decoding (rows <= DECODE_ROWS, or any rows inside ``mode.decoding()``: the
                                  steps and verifications of a batch): fbgemm's int8 matrix product
                                  (torch.ops.quantized.linear_dynamic: x quantised to 8 bits per call,

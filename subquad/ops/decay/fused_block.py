@@ -12,21 +12,21 @@ The mamba2 checkpoints' layer (mamba2-130m's): as ``ops.mamba.fused_block`` is f
 
 from __future__ import annotations
 
-import torch
-
 from subquad.kernels import FLOAT, I64, INT, PTR, Call, Kernel
-from subquad.ops.mamba.fused_block import proj_args
+from subquad.ops.mamba.fused_block import KeptStep, proj_args
 
 KERNEL = Kernel("mamba2_block_step", [I64] * 8 + [INT, PTR, PTR, FLOAT] + [PTR] * 6 + [INT, INT, I64, I64] + [PTR] * 6
                 + [FLOAT, FLOAT, PTR, PTR, I64, FLOAT] + [PTR] * 4, "mamba2_block")
 
 
-class BlockStep:
+class BlockStep(KeptStep):
     """The module doc's step for ``B`` rows with the layer's weights fixed (as ``ops.mamba.fused_block.BlockStep``):
     built once from the weights, the sizes (``d_inner``, ``d_state``, ``groups`` of B and C) and the gated norm's
     weight (or None), ``group_size`` and eps; then ``step(h, conv_state, S)`` -> (h' (B, 1, d), new conv state,
     new S (B, H, N, P)) per token. W_in and W_out float32 row- or column-major or quantised
     (``ops.mamba.fused_block.proj_args``); the rest as ``ops.decay.fused_step.mamba2_step`` takes them."""
+
+    name = "Mamba-2 block"
 
     def __init__(self, B, norm_w, eps, w_in, b_in, w_out, b_out, conv_w, conv_b, dt_bias, A_log, Dp, gnorm_w,
                  d_inner: int, d_state: int, groups: int, group_size: int, geps: float,
@@ -38,22 +38,12 @@ class BlockStep:
         self.tensors = [norm_w, w_in, s_in, b_in, w_out, s_out, b_out, conv_w, conv_b, dt_bias, A_log, Dp, gnorm_w]
         conv_w = conv_w.reshape(C, K).contiguous()
         lo, hi = (float(v) for v in dt_limit)
-        self.B, self.d, self.conv_shape, self.S_shape = B, d, (B, K - 1, C), (B, H, N, P)
+        self.B, self.d, self.conv_shape, self.state_shape = B, d, (B, K - 1, C), (B, H, N, P)
         self.scratch = B * (d + W + Dn + Dn // group_size + C)
         self.call = Call(KERNEL, [B, d, Dn, groups, N, H, P, K, None, None, norm_w, float(eps), w_in, s_in, b_in,
                                   w_out, s_out, b_out, in_kind, out_kind, in_g, out_g, None, conv_w, conv_b, dt_bias,
                                   A_log, Dp, lo, hi, None, gnorm_w, group_size, float(geps), None, None, None, None],
                          (8, 9, 22, 30, 34, 35, 36, 37))
-
-    def __call__(self, h, conv_state, S):
-        B, d = self.B, self.d
-        if tuple(conv_state.shape) != self.conv_shape or tuple(S.shape) != self.S_shape or h.shape[0] != B:
-            raise ValueError(f"the Mamba-2 block step holds {B} rows: conv state {self.conv_shape}, S "
-                             f"{self.S_shape}; got h {tuple(h.shape)}, {tuple(conv_state.shape)}, {tuple(S.shape)}")
-        h2, conv_state, S = h.reshape(B, d).contiguous(), conv_state.contiguous(), S.contiguous()
-        h_out, S_out, conv_out = h2.new_empty(B, d), torch.empty_like(S), torch.empty_like(conv_state)
-        self.call(torch.get_num_threads(), h2, conv_state, S, h_out, conv_out, S_out, h2.new_empty(self.scratch))
-        return h_out.view(B, 1, d), conv_out, S_out
 
 
 def block_step(h, norm_w, eps, w_in, b_in, w_out, b_out, conv_state, conv_w, conv_b, dt_bias, A_log, Dp, S,

@@ -43,7 +43,29 @@ def proj_args(w) -> tuple:
     return w, None, int(not w.is_contiguous()), 0
 
 
-class BlockStep:
+class KeptStep:
+    """What both blocks' kept steps share (this module's ``BlockStep``, ``ops.decay.fused_block.BlockStep``): a
+    subclass sets ``B``, ``d``, ``conv_shape`` and ``state_shape`` (the states it holds), ``scratch`` (floats),
+    ``call`` (a ``kernels.Call`` whose per-call slots take threads, h, the conv state, the state, h', the new conv
+    state, the new state and the scratch, in that order) and ``tensors``; ``step(h, conv_state, state)`` -> (h'
+    (B, 1, d), new conv state, new state), the states passed in read, never written."""
+
+    name = "block"
+
+    def __call__(self, h, conv_state, state):
+        B, d = self.B, self.d
+        if tuple(conv_state.shape) != self.conv_shape or tuple(state.shape) != self.state_shape or h.shape[0] != B:
+            raise ValueError(f"the {self.name} step holds {B} rows: conv state {self.conv_shape}, state "
+                             f"{self.state_shape}; got h {tuple(h.shape)}, {tuple(conv_state.shape)}, "
+                             f"{tuple(state.shape)}")
+        h2, conv_state, state = h.reshape(B, d).contiguous(), conv_state.contiguous(), state.contiguous()
+        h_out, state_out, conv_out = h2.new_empty(B, d), torch.empty_like(state), torch.empty_like(conv_state)
+        self.call(torch.get_num_threads(), h2, conv_state, state, h_out, conv_out, state_out,
+                  h2.new_empty(self.scratch))
+        return h_out.view(B, 1, d), conv_out, state_out
+
+
+class BlockStep(KeptStep):
     """The module doc's step for ``B`` rows with the layer's weights fixed: ``BlockStep(B, norm_w, eps, w_in, b_in,
     w_out, b_out, conv_w, conv_b, wx, wdt, bdt, A_log, Dp)`` converts them once (``kernels.Call``), then
     ``step(h, conv_state, ssm)`` -> (h' (B, 1, d), new conv state (B, K-1, Dm), new ssm state (B, Dm, N)) per
@@ -51,29 +73,19 @@ class BlockStep:
     (``proj_args``); the rest as ``ops.mamba.fused_step.mamba_step`` takes them. ``tensors``: what it was built
     from (``kernels.Held`` finds them in the modules)."""
 
+    name = "Mamba block"
+
     def __init__(self, B, norm_w, eps, w_in, b_in, w_out, b_out, conv_w, conv_b, wx, wdt, bdt, A_log, Dp):
         (w_in, s_in, in_kind, in_g), (w_out, s_out, out_kind, out_g) = proj_args(w_in), proj_args(w_out)
         self.tensors = [norm_w, w_in, s_in, b_in, w_out, s_out, b_out, conv_w, conv_b, wx, wdt, bdt, A_log, Dp]
         conv_w, wx, wdt, bdt, A_log, (N, K, R, heads) = prepare_weights(conv_w, wx, wdt, bdt, A_log)
         d, D = norm_w.shape[0], A_log.shape[0]
-        self.B, self.d, self.conv_shape, self.ssm_shape = B, d, (B, K - 1, D), (B, D, N)
+        self.B, self.d, self.conv_shape, self.state_shape = B, d, (B, K - 1, D), (B, D, N)
         self.scratch = B * (d + 5 * D + heads * (R + 2 * N))
         self.call = Call(KERNEL, [B, d, D, N, R, K, heads, None, None, norm_w, float(eps), w_in, s_in, b_in, w_out,
                                   s_out, b_out, in_kind, out_kind, in_g, out_g, None, conv_w, conv_b, wx, wdt,
                                   wdt.stride(0), wdt.stride(1), bdt, A_log, Dp, None, None, None, None, None],
                          (7, 8, 21, 31, 32, 33, 34, 35))
-
-    def __call__(self, h, conv_state, ssm):
-        B, d = self.B, self.d
-        if tuple(conv_state.shape) != self.conv_shape or tuple(ssm.shape) != self.ssm_shape or h.shape[0] != B:
-            raise ValueError(f"the Mamba block step holds {B} rows: conv state {self.conv_shape}, ssm state "
-                             f"{self.ssm_shape}; got h {tuple(h.shape)}, {tuple(conv_state.shape)}, "
-                             f"{tuple(ssm.shape)}")
-        h2, conv_state, ssm = h.reshape(B, d).contiguous(), conv_state.contiguous(), ssm.contiguous()
-        h_out, ssm_out, conv_out = h2.new_empty(B, d), torch.empty_like(ssm), torch.empty_like(conv_state)
-        self.call(torch.get_num_threads(), h2, conv_state, ssm, h_out, conv_out, ssm_out,
-                  h2.new_empty(self.scratch))
-        return h_out.view(B, 1, d), conv_out, ssm_out
 
 
 def block_step(h, norm_w, eps, w_in, b_in, w_out, b_out, conv_state, conv_w, conv_b, wx, wdt, bdt, A_log, Dp, ssm):
