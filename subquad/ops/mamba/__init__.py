@@ -27,6 +27,7 @@ from subquad.ops.common.checks import (check_bool, check_chunk_size, check_gate_
                                       check_state, describe, state_dtype)
 from subquad.ops.common.forms import three_forms
 from subquad.ops.common.precision import amp_op, causal_guard, checks_on
+from subquad.ops.mamba import fused_scan
 from subquad.ops.mamba.chunk import chunk_scan
 from subquad.ops.mamba.parallel import parallel_scan
 from subquad.ops.mamba.recurrent import recurrent_scan
@@ -74,6 +75,9 @@ def selective_scan(x, dt, A, B, C, *, D=None, z=None, mode="chunk", chunk_size=6
     sd = state_dtype(x.dtype)
     if initial_state is not None:
         check_state("initial_state", initial_state, (Bz, Dm, N), x, "x")
+    if mode == "chunk" and fused_scan.usable(x, dt, A, B, C, D, z, initial_state):
+        y, h = fused_scan.scan(x, dt, A, B, C, D, z, initial_state)   # a float32 prefill: the token loop in C
+        return y, (h if output_final_state else None)
     if mode == "chunk" and T < SHORT_SCAN and not wants_grad(x, dt, A, B, C, initial_state):
         mode = "recurrent"                             # a decoding step or a short prompt: the token loop is faster
     args = (x.to(sd), dt.to(sd), A.to(sd), B.to(sd), C.to(sd))

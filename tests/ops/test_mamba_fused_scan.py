@@ -1,0 +1,118 @@
+"""The selective scan of whole prompts in C (ops.mamba.fused_scan, kernels/mamba_scan.c) against the scan written
+out token by token in float64 here: odd lengths and widths (channel blocks with tails), batch > 1, strong decays
+(dt A far below exp's underflow), inputs read through strides (in_proj's and x_proj's split outputs), with and
+without D, z and a starting state, inputs left as they were; ``selective_scan`` takes it for a float32 prefill
+(packed prompts too) and keeps the chunked form under gradients, in float64, while compiling and with kernels
+off; a Mamba model's prefill then equals its own step-by-step decoding."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from subquad.models import LanguageModel, ModelConfig
+from subquad.ops import selective_scan
+from subquad.ops.mamba import fused_scan
+
+pytestmark = pytest.mark.skipif(not fused_scan.KERNEL.available(), reason="no C compiler: the kernel cannot be built")
+
+
+def reference(x, dt, A, B, C, D=None, z=None, h=None):
+    """The module doc's scan in float64, one token at a time."""
+    x, dt, A, B, C = (t.double() for t in (x, dt, A, B, C))
+    Bz, T, Dm = x.shape
+    h = x.new_zeros(Bz, Dm, A.shape[1]) if h is None else h.double()
+    ys = []
+    for t in range(T):
+        h = torch.exp(dt[:, t, :, None] * A) * h + (dt[:, t] * x[:, t])[..., None] * B[:, t, None, :]
+        y = (h * C[:, t, None, :]).sum(-1) + (0 if D is None else D.double() * x[:, t])
+        ys.append(y if z is None else y * F.silu(z[:, t].double()))
+    return torch.stack(ys, 1), h
+
+
+def inputs(Bz, T, Dm, N, strong=False, seed=0):
+    """x, dt, A, B, C, D, z, h0; B, C as x_proj's output split (token stride R + 2N), z as in_proj's second half."""
+    g = torch.Generator().manual_seed(seed)
+    xz = torch.randn(Bz, T, 2 * Dm, generator=g)
+    x, z = xz[..., :Dm], xz[..., Dm:]
+    dt = torch.rand(Bz, T, Dm, generator=g) * (8.0 if strong else 0.5)
+    A = -torch.rand(Dm, N, generator=g) * (30.0 if strong else 2.0) - 0.1           # strong: dt A down to -240
+    _, B, C = torch.randn(Bz, T, 3 + 2 * N, generator=g).split([3, N, N], -1)
+    return x, dt, A, B, C, torch.randn(Dm, generator=g), z, torch.randn(Bz, Dm, N, generator=g)
+
+
+@pytest.mark.parametrize("Bz,T,Dm,N,strong", [(1, 1, 8, 4, False), (2, 37, 50, 16, False), (3, 130, 33, 7, True),
+                                              (1, 64, 96, 16, True)])
+@pytest.mark.parametrize("parts", ["all", "bare"])
+def test_the_kernel_equals_the_scan_written_out(Bz, T, Dm, N, strong, parts):
+    x, dt, A, B, C, D, z, h0 = inputs(Bz, T, Dm, N, strong)
+    if parts == "bare":
+        D = z = h0 = None
+    assert x.stride(-1) == 1 and x.stride(1) == 2 * Dm and B.stride(1) == 3 + 2 * N       # read through strides
+    before = [t.clone() for t in (x, dt, A, B, C, D, z, h0) if t is not None]
+    assert fused_scan.usable(x, dt, A, B, C, D, z, h0)
+    y, h = fused_scan.scan(x, dt, A, B, C, D, z, h0)
+    want_y, want_h = reference(x, dt, A, B, C, D, z, h0)
+    assert ((y.double() - want_y).abs().max() / want_y.abs().max()).item() <= 2e-6
+    assert ((h.double() - want_h).abs().max() / want_h.abs().max()).item() <= 2e-6
+    for a, b in zip(before, [t for t in (x, dt, A, B, C, D, z, h0) if t is not None]):
+        assert torch.equal(a, b)
+
+
+def _counting(monkeypatch):
+    calls = []
+    run = fused_scan.KERNEL.__call__
+    monkeypatch.setattr(type(fused_scan.KERNEL), "__call__", lambda self, *a: calls.append(1) or run(*a))
+    return calls
+
+
+def test_selective_scan_takes_it_for_a_float32_prefill_and_packed_prompts(monkeypatch):
+    calls = _counting(monkeypatch)
+    x, dt, A, B, C, D, z, h0 = inputs(2, 23, 40, 8)
+    y, h = selective_scan(x, dt, A, B, C, D=D, z=z, initial_state=h0, output_final_state=True)
+    assert len(calls) == 1
+    want_y, want_h = reference(x, dt, A, B, C, D, z, h0)
+    assert ((y.double() - want_y).abs().max() / want_y.abs().max()).item() <= 2e-6
+    # two prompts of 9 and 14 tokens packed in one row: each its own scan from its own state
+    cu = torch.tensor([0, 9, 23])
+    px, pdt, pB, pC, pz = (t[:1] for t in (x, dt, B, C, z))
+    y, h = selective_scan(px, pdt, A, pB, pC, D=D, z=pz, initial_state=h0, cu_seqlens=cu, output_final_state=True)
+    for i, (a, b) in enumerate(((0, 9), (9, 23))):
+        wy, wh = reference(*(t[:, a:b] for t in (px, pdt)), A, pB[:, a:b], pC[:, a:b], D, pz[:, a:b], h0[i:i + 1])
+        assert ((y[:, a:b].double() - wy).abs().max() / wy.abs().max()).item() <= 2e-6
+        assert ((h[i:i + 1].double() - wh).abs().max() / wh.abs().max()).item() <= 2e-6
+
+
+def test_gradients_float64_compiling_and_kernels_off_keep_the_chunked_form(monkeypatch):
+    calls = _counting(monkeypatch)
+    x, dt, A, B, C, D, z, _ = inputs(1, 20, 16, 4)
+    selective_scan(x.requires_grad_(), dt, A, B, C, D=D, z=z)[0].sum().backward()
+    assert x.grad is not None
+    selective_scan(*(t.double() for t in (x.detach(), dt, A, B, C)))
+    assert not fused_scan.usable(x.detach().bfloat16(), dt, A, B, C)
+    assert not fused_scan.usable(x.detach().transpose(1, 2).contiguous().transpose(1, 2), dt, A, B, C)
+    monkeypatch.setenv("SUBQUAD_KERNELS", "0")
+    selective_scan(x.detach(), dt, A, B, C)
+    assert calls == []
+    monkeypatch.delenv("SUBQUAD_KERNELS")
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    assert not fused_scan.usable(x.detach(), dt, A, B, C)
+
+
+def test_a_mamba_models_prefill_equals_its_own_decoding(monkeypatch):
+    """Prefill (the kernel) against the same prompt fed one token at a time from the state (the decoding step):
+    the last logits and the states equal, for a batch of prompts of one length and for a packed ragged batch."""
+    calls = _counting(monkeypatch)
+    torch.manual_seed(0)
+    model = LanguageModel(ModelConfig(vocab_size=64, d_model=32, n_layers=2, pattern="mamba", mlp=False)).eval()
+    ids = torch.randint(0, 64, (3, 19))
+    with torch.no_grad():
+        logits, state = model.prefill(ids, logits="last")
+        assert len(calls) == 2                                           # one call per layer
+        s = None
+        for t in range(ids.shape[1]):
+            step, s = model.step(ids[:, t:t + 1], s)
+    assert ((logits.squeeze(1) - step).abs().max() / step.abs().max()).item() <= 1e-5
+    for a, b in zip(state, s):
+        assert ((a["ssm"] - b["ssm"]).abs().max() / b["ssm"].abs().max()).item() <= 1e-5
