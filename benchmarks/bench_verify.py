@@ -7,11 +7,14 @@ tokens <= 1.5x one compiled float32 step at mamba-130m's shape), random weights,
     prefill 8            model.prefill of 8 tokens from a state (eager: what a verification's forward runs)
     verify 8             ``models.speculative.verify`` of 8 tokens, eager (the prefill with the taps that record
                          the rollback's inputs) and ``accept(j)`` of j = 4 (a replay of every recurrent layer)
+    verify 8 (states)    the same eagerly under ``PER_TOKEN`` (``how="states"``: each Mamba layer's state kept
+                         after every token, so ``accept(4)`` picks the 4th)
     compiled verify 8    the same through the compiled verification (``CompiledStep.verifier``: one graph over the
                          8 tokens that keeps each Mamba layer's state after every token) and ``accept(4)`` (a
                          pick of the 4th); its graph compiled before timing
 
     python benchmarks/bench_verify.py            # ~2 min (the compile is most of it)
+    python benchmarks/bench_verify.py --no-compile   # the eager rows, against the eager step
 
 Median of ``--repeats`` interleaved rounds, after warm-up; prints ms and ratios to the compiled step, writes
 results/verify.{json,md}.
@@ -40,6 +43,7 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--repeats", type=int, default=20)
     ap.add_argument("--tokens", type=int, default=8, help="tokens verified (the fed token and k - 1 drafts)")
+    ap.add_argument("--no-compile", action="store_true", help="the eager rows only, ratios to the eager step")
     ap.add_argument("--quick", action="store_true", help="a 2-layer model of width 128: checks the script runs")
     a = ap.parse_args(argv)
     torch.set_num_threads(2)
@@ -60,7 +64,7 @@ def main(argv=None):
         _, state = eager.prefill(prompt)
         _, fstate = fast.prefill(prompt)
         t = time.perf_counter()
-        for _ in range(3):
+        for _ in range(0 if a.no_compile else 3):
             fast.step(tok, fstate)                       # the graph (batch 1) compiled or loaded here
         compile_s = time.perf_counter() - t
 
@@ -77,17 +81,25 @@ def main(argv=None):
             _, ver = verify(eager, block, state)
             ver.accept(a.tokens // 2)
 
+        def states_verify_accept():
+            _, ver = verify(eager, block, state, how="states")
+            ver.accept(a.tokens // 2)
+
         def compiled_verify_accept():
             _, ver = verify(fast, block, fstate)
             ver.accept(a.tokens // 2)
 
         t = time.perf_counter()
-        compiled_verify_accept()                          # its graph compiled (or loaded) here
+        if not a.no_compile:
+            compiled_verify_accept()                      # its graph compiled (or loaded) here
         verify_compile_s = time.perf_counter() - t
 
-        cases = {"compiled step": compiled, "eager step": eager_step, f"prefill {a.tokens}": prefill,
-                 f"verify {a.tokens} + accept {a.tokens // 2}": verify_accept,
-                 f"compiled verify {a.tokens} + accept {a.tokens // 2}": compiled_verify_accept}
+        n, j = a.tokens, a.tokens // 2
+        cases = {"compiled step": compiled, "eager step": eager_step, f"prefill {n}": prefill,
+                 f"verify {n} + accept {j}": verify_accept, f"verify {n} (states) + accept {j}": states_verify_accept,
+                 f"compiled verify {n} + accept {j}": compiled_verify_accept}
+        if a.no_compile:
+            cases = {k: v for k, v in cases.items() if "compiled" not in k}
         for fn in cases.values():
             fn()
         times = {k: [] for k in cases}
@@ -97,15 +109,15 @@ def main(argv=None):
                 fn()
                 times[name].append(time.perf_counter() - t)
     ms = {k: 1e3 * statistics.median(v) for k, v in times.items()}
-    base = ms["compiled step"]
+    base = ms["eager step" if a.no_compile else "compiled step"]
     machine = machine_line(matmul_gflops())
     lines = [f"mamba-130m's shape{' (quick: width 128, 2 layers)' if a.quick else ''}, batch 1, float32; "
              f"{machine}; first compiled steps {compile_s:.1f} s, first compiled verification {verify_compile_s:.1f} s",
              "",
-             "| call | ms | x compiled step |", "|---|---:|---:|"]
+             f"| call | ms | x {'eager' if a.no_compile else 'compiled'} step |", "|---|---:|---:|"]
     lines += [f"| {k} | {v:.2f} | {v / base:.2f} |" for k, v in ms.items()]
     print("\n".join(lines))
-    if not a.quick:
+    if not a.quick and not a.no_compile:
         (OUT / "verify.json").write_text(json.dumps({"ms": ms, "machine": machine, "tokens": a.tokens}, indent=1))
         (OUT / "verify.md").write_text("\n".join(lines) + "\n")
 

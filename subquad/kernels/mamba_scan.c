@@ -6,7 +6,8 @@
  *
  * x, dt, z (Bz, T, D) and B, C (Bz, T, N) are read through their batch and token strides (unit stride within a
  * token: in_proj's and x_proj's outputs are split without copies); y (Bz, T, D) and the states (Bz, D, N) are
- * contiguous. Work items are (row, CB channels): their N x CB states and decays transposed into the item's own
+ * contiguous, and so are the states after every token where hs is given (a speculative verification's).
+ * Work items are (row, CB channels): their N x CB states and decays transposed into the item's own
  * arrays (L1), each token's update 8 channels at a time, so no sum runs across a vector. Rows and channel
  * blocks split across one OpenMP team (the runtime torch loaded). */
 
@@ -17,7 +18,7 @@
 static void scan_item(int64_t T, int64_t N, int64_t nc, const float *x, int64_t xs, const float *dt, int64_t ds,
                       const float *z, int64_t zs, const float *Bm, int64_t bs, const float *Cm, int64_t cs,
                       const float *A, const float *Dp, const float *h0, float *y, int64_t ys, float *hT,
-                      float *At, float *h)
+                      float *hs, int64_t hss, float *At, float *h)
 {
     for (int64_t n = 0; n < N; n++)                              /* transposed: (N, CB), pad lanes 0 */
         for (int64_t c = 0; c < CB; c++) {
@@ -73,6 +74,10 @@ static void scan_item(int64_t T, int64_t N, int64_t nc, const float *x, int64_t 
             float v = yv[c] + (Dp ? Dp[c] * xt[c] : 0.0f);
             yt[c] = zt ? v * silu_f(zt[c]) : v;
         }
+        if (hs)                                                  /* the state after this token too */
+            for (int64_t c = 0; c < nc; c++)
+                for (int64_t n = 0; n < N; n++)
+                    hs[t * hss + c * N + n] = h[n * CB + c];
     }
     for (int64_t c = 0; c < nc; c++)
         for (int64_t n = 0; n < N; n++)
@@ -85,7 +90,8 @@ void mamba_scan(int64_t Bz, int64_t T, int64_t D, int64_t N, int threads,
                 const float *Bm, int64_t b_b, int64_t b_t, const float *Cm, int64_t c_b, int64_t c_t,
                 const float *A, const float *Dp,                      /* (D, N) contiguous; (D,) or NULL */
                 const float *h0,                                      /* (Bz, D, N) or NULL (zeros) */
-                float *y, float *hT)                                  /* (Bz, T, D), (Bz, D, N) */
+                float *y, float *hT,                                  /* (Bz, T, D), (Bz, D, N) */
+                float *hs)                                            /* (Bz, T, D, N) or NULL */
 {
     const int64_t blocks = (D + CB - 1) / CB, items = Bz * blocks;
 #pragma omp parallel num_threads(threads)
@@ -96,7 +102,8 @@ void mamba_scan(int64_t Bz, int64_t T, int64_t D, int64_t N, int threads,
             const int64_t b = it / blocks, c0 = it % blocks * CB, nc = D - c0 < CB ? D - c0 : CB;
             scan_item(T, N, nc, x + b * x_b + c0, x_t, dt + b * dt_b + c0, dt_t, z ? z + b * z_b + c0 : NULL, z_t,
                       Bm + b * b_b, b_t, Cm + b * c_b, c_t, A + c0 * N, Dp ? Dp + c0 : NULL,
-                      h0 ? h0 + (b * D + c0) * N : NULL, y + b * T * D + c0, D, hT + (b * D + c0) * N, At, h);
+                      h0 ? h0 + (b * D + c0) * N : NULL, y + b * T * D + c0, D, hT + (b * D + c0) * N,
+                      hs ? hs + (b * T * D + c0) * N : NULL, D * N, At, h);
         }
         free(At);
     }

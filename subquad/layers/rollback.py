@@ -34,9 +34,15 @@ class PerToken(SingleDevice):
     recurrence runs one token at a time from the state before (its recurrent form: a few fused loops per token
     in a compiled graph, while the layer's projections still run over all k tokens at once) and returns the
     states after each, stacked on dim 1; a causal convolution returns its tail after each token, (B, k, reach,
-    ...), cut from [tail, x]. Outputs are those of ``SingleDevice``."""
+    ...), cut from [tail, x]. Outputs are those of ``SingleDevice``. An op with a ``per_token`` function (the
+    selective scan's C kernel) gives the states after every token in one call where it can (else None)."""
 
     def recurrence(self, op, *inputs, initial_state=None, **options):
+        every = getattr(op, "per_token", None)
+        out = None if every is None or torch.compiler.is_compiling() else \
+            every(*inputs, initial_state=initial_state, **options)
+        if out is not None:
+            return out
         timed, names = getattr(op, "token_args", None), getattr(op, "arg_names", None)
         if timed is None:
             raise ValueError(f"{getattr(op, '__name__', op)!r} does not declare its per-token arguments "

@@ -116,3 +116,19 @@ def test_a_mamba_models_prefill_equals_its_own_decoding(monkeypatch):
     assert ((logits.squeeze(1) - step).abs().max() / step.abs().max()).item() <= 1e-5
     for a, b in zip(state, s):
         assert ((a["ssm"] - b["ssm"]).abs().max() / b["ssm"].abs().max()).item() <= 1e-5
+
+
+def test_a_verification_keeps_every_tokens_state_in_one_call(monkeypatch):
+    """Under ``layers.rollback.PER_TOKEN`` (a speculative verification) the scan returns the state after each
+    token, (Bz, T, D, N), from one kernel call; each equals the float64 scan stopped at that token."""
+    from subquad.layers.rollback import PER_TOKEN
+
+    calls = _counting(monkeypatch)
+    x, dt, A, B, C, D, z, h0 = inputs(2, 9, 40, 8, strong=True)
+    y, states = PER_TOKEN.recurrence(selective_scan, x, dt, A, B, C, D=D, z=z, mode="chunk", initial_state=h0)
+    assert len(calls) == 1 and states.shape == (2, 9, 40, 8)
+    want_y, _ = reference(x, dt, A, B, C, D, z, h0)
+    assert ((y.double() - want_y).abs().max() / want_y.abs().max()).item() <= 2e-6
+    for t in (0, 4, 8):
+        _, want_h = reference(x[:, :t + 1], dt[:, :t + 1], A, B[:, :t + 1], C[:, :t + 1], h=h0)
+        assert ((states[:, t].double() - want_h).abs().max() / want_h.abs().max()).item() <= 2e-6

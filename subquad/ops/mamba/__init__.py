@@ -95,6 +95,16 @@ def selective_scan(x, dt, A, B, C, *, D=None, z=None, mode="chunk", chunk_size=6
     return y.to(x.dtype), (h if output_final_state else None)
 
 
+def _per_token(x, dt, A, B, C, *, D=None, z=None, initial_state=None, cu_seqlens=None, **_):
+    """``selective_scan``'s output and the state after every token (Bz, T, Dm, N) in one call where the kernel
+    runs (``layers.rollback.PerToken``, a speculative verification), else None: the caller steps token by token."""
+    if cu_seqlens is not None or not fused_scan.usable(x, dt, A, B, C, D, z, initial_state):
+        return None
+    return fused_scan.scan(x, dt, A, B, C, D, z, initial_state, every=True)
+
+
+selective_scan.per_token = _per_token
+
 parallel_selective_scan, recurrent_selective_scan, chunk_selective_scan = three_forms(selective_scan)
 
 __all__ = ["selective_scan", "parallel_selective_scan", "recurrent_selective_scan", "chunk_selective_scan"]

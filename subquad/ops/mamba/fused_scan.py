@@ -18,7 +18,7 @@ import torch
 from subquad.kernels import I64, INT, PTR, Kernel, enabled
 
 KERNEL = Kernel("mamba_scan", [I64, I64, I64, I64, INT, PTR, I64, I64, PTR, I64, I64, PTR, I64, I64, PTR, I64, I64,
-                               PTR, I64, I64, PTR, PTR, PTR, PTR, PTR])
+                               PTR, I64, I64, PTR, PTR, PTR, PTR, PTR, PTR])
 
 
 def usable(x, dt, A, B, C, D=None, z=None, initial_state=None) -> bool:
@@ -37,15 +37,17 @@ def usable(x, dt, A, B, C, D=None, z=None, initial_state=None) -> bool:
     return KERNEL.available()
 
 
-def scan(x, dt, A, B, C, D=None, z=None, initial_state=None):
-    """The module doc's scan (``usable`` must hold) -> (y, h_T)."""
+def scan(x, dt, A, B, C, D=None, z=None, initial_state=None, every=False):
+    """The module doc's scan (``usable`` must hold) -> (y, h_T), or with ``every`` (y, the state after each token
+    (Bz, T, D, N)): a speculative verification's (``layers.rollback.PerToken``)."""
     Bz, T, Dm = x.shape
     N = A.shape[1]
     A = A.contiguous()
     h0 = None if initial_state is None else initial_state.contiguous()
     D = None if D is None else D.contiguous()
     y, h = x.new_empty(Bz, T, Dm), x.new_empty(Bz, Dm, N)
+    hs = x.new_empty(Bz, T, Dm, N) if every else None
     zs = (0, 0) if z is None else (z.stride(0), z.stride(1))
     KERNEL(Bz, T, Dm, N, torch.get_num_threads(), x, x.stride(0), x.stride(1), dt, dt.stride(0), dt.stride(1),
-           z, *zs, B, B.stride(0), B.stride(1), C, C.stride(0), C.stride(1), A, D, h0, y, h)
-    return y, h
+           z, *zs, B, B.stride(0), B.stride(1), C, C.stride(0), C.stride(1), A, D, h0, y, h, hs)
+    return (y, hs) if every else (y, h)
