@@ -277,6 +277,12 @@ def keeps_states(model, tokens) -> bool:
     return True
 
 
+def _one_call(model) -> bool:
+    """Every "states" part of the model keeps its per-token states in one call eagerly (``per_token_states``)."""
+    return all(kind != "states" or getattr(module, "per_token_states", False)
+               for block in model.blocks for module, kind, _ in block.state_parts())
+
+
 HOW = ("compiled", "states", "replay")
 
 
@@ -290,7 +296,10 @@ def verify(model, tokens, state, how: str | None = None):
                      the states per token (``keeps_states``); it fires no hooks
         "states"     the same eagerly: the prefill under ``layers.rollback.PER_TOKEN``
         "replay"     the prefill with taps that record each part's inputs, replayed at ``accept``
-        None         "compiled" where the model decodes compiled and ``keeps_states``, else "replay"
+        None         "compiled" where the model decodes compiled and ``keeps_states``; eagerly "states" where
+                     moreover every "states" part keeps them in one call (``per_token_states``: Mamba's scan
+                     kernel; 2.65x an eager step at mamba-130m's shape against the replay's 4.41x,
+                     benchmarks/bench_verify.py), else "replay"
     """
     if state is None:
         raise ValueError("verify needs the state the tokens continue (prefill the prompt first)")
@@ -304,7 +313,7 @@ def _verify(model, tokens, state, how):
     step = getattr(model, "_decode_step", None)
     kept = how != "replay" and keeps_states(model, tokens)
     if how is None:
-        how = "compiled" if step is not None and kept else "replay"
+        how = "replay" if not kept else "compiled" if step is not None else "states" if _one_call(model) else "replay"
     if how != "replay":
         if not kept:
             raise ValueError(f"how={how!r} needs every part of the state kept per token (keeps_states): this model's "

@@ -632,8 +632,9 @@ def test_a_probe_measures_a_plain_step_after_the_verifications_aftermath():
 def test_the_compiled_verification_keeps_the_states_per_token_and_decodes_as_plain_greedy(tmp_path):
     """After ``compile_decode`` a verification runs one graph (``CompiledStep.verifier``) that keeps each recurrent
     layer's state after every token: its logits and accepted states equal a prefill of the kept tokens (the KV
-    cache truncated, by a different count per row in two rows); greedy speculation through it is plain greedy decoding, drafts padded to ``draft_tokens``
-    so that one graph serves every step (the eager "states" cases above check the rest, rows included)."""
+    cache truncated, by a different count per row in two rows); greedy speculation through it is plain greedy
+    decoding, drafts padded to ``draft_tokens`` so that one graph serves every step (the eager "states" cases above
+    check the rest, rows included)."""
     from subquad.models.decode import compile_decode
 
     model = tiny("mamba,softmax", scale=6.0)
@@ -644,3 +645,25 @@ def test_the_compiled_verification_keeps_the_states_per_token_and_decodes_as_pla
     with torch.no_grad():
         assert_rollback_is_a_prefill(model, "compiled", keeps=(0, 2, 5), how="compiled")
     assert model._decode_step.verifier().shapes == {(1, 5), (2, 5)}    # every step the same k: a graph per batch
+
+
+def test_an_eager_mamba_verification_keeps_its_states_from_the_scan_kernel():
+    """Eagerly, a model whose recurrent parts keep their per-token states in one call (Mamba's scan kernel,
+    ``per_token_states``) verifies by keeping them (``KeptStates``: accept picks, nothing replays); another
+    recurrence replays. float32: the kernel's path; the state after accepting j equals a prefill of those j."""
+    from subquad.ops.mamba import fused_scan
+
+    model = tiny("mamba,softmax", scale=3.0).float()
+    other = tiny("gla,softmax").float()
+    g = torch.Generator().manual_seed(2)
+    with torch.no_grad():
+        _, start = model.prefill(torch.randint(0, 11, (2, 6), generator=g), logits="last")
+        drafts = torch.randint(0, 11, (2, 5), generator=g)
+        logits, ver = model.verify(drafts, start)
+        assert type(ver).__name__ == "KeptStates" and fused_scan.KERNEL.available()
+        got, (want_logits, want) = ver.accept(3), model.prefill(drafts[:, :3], start)
+        torch.testing.assert_close(logits[:, :3], want_logits, rtol=1e-5, atol=1e-5)
+        for a, b in zip(got, want, strict=True):
+            assert same_state(a, b, atol=1e-5) is None
+        _, o_start = other.prefill(drafts, logits="last")
+        assert type(other.verify(drafts, o_start)[1]).__name__ == "Verification"
