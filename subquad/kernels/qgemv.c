@@ -142,6 +142,8 @@ void int8_gemv(int64_t M, int64_t N, int64_t K, int64_t G, int threads, const fl
 }
 
 /* int8q_gemv: y[m, n] = scale[n] sum_b d[m, b] (sum_{k in b} q[n, k] c[m, k]) + bias[n]
+ * or, with G = K / 32 scales per row (a GGUF file's Q8_0 matrix), sum_b scale[n, b] d[m, b] (q . c)_b + bias[n],
+ * which is llama.cpp's own Q8_0 x Q8_0 product (G = 1: one scale per output channel), 
  * with x's rows rounded per block b of 32 inputs to int8 codes c and a float scale d (GGUF's Q8_0: d = max |x| /
  * 127, c = round(127 x / max |x|)), as llama.cpp's Q8_0 and fbgemm's products do (fbgemm: one scale per call):
  * the sums are exact in int32 - AVX2's maddubs multiplies 32 byte pairs into 16-bit pair sums, |q| <= 128 and
@@ -188,7 +190,7 @@ static void quantize_q8(int64_t M, int64_t K, const float *x, int64_t ldx, int8_
 /* One row of q against one row of codes, two blocks at a time: sum_b d[b] (q . c)_b. Reads q in order and
  * prefetches PF_BYTES ahead: with it the loop keeps up with memory, without it it waits on each miss in turn. */
 #define PF_BYTES 2048
-static inline float q8_dot(const int8_t *q, int64_t nb, const int8_t *c, const float *d) {
+static inline float q8_dot(const int8_t *q, int64_t nb, const int8_t *c, const float *d, const float *ws) {
 #if SIMD
     const __m256i ones = _mm256_set1_epi16(1);
     __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
@@ -204,15 +206,15 @@ static inline float q8_dot(const int8_t *q, int64_t nb, const int8_t *c, const f
                                              ones);
         const __m256i p1 = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_sign_epi8(w1, w1), _mm256_sign_epi8(x1, w1)),
                                              ones);
-        a0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p0), _mm256_set1_ps(d[b]), a0);
-        a1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p1), _mm256_set1_ps(d[b + 1]), a1);
+        a0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p0), _mm256_set1_ps(ws ? d[b] * ws[b] : d[b]), a0);
+        a1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p1), _mm256_set1_ps(ws ? d[b + 1] * ws[b + 1] : d[b + 1]), a1);
     }
     if (b < nb) {
         const __m256i w0 = _mm256_loadu_si256((const __m256i *)(q + 32 * b));
         const __m256i x0 = _mm256_loadu_si256((const __m256i *)(c + 32 * b));
         const __m256i p0 = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_sign_epi8(w0, w0), _mm256_sign_epi8(x0, w0)),
                                              ones);
-        a0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p0), _mm256_set1_ps(d[b]), a0);
+        a0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p0), _mm256_set1_ps(ws ? d[b] * ws[b] : d[b]), a0);
     }
     return hsum8(_mm256_add_ps(a0, a1));
 #else
@@ -221,20 +223,22 @@ static inline float q8_dot(const int8_t *q, int64_t nb, const int8_t *c, const f
         int32_t t = 0;
         for (int i = 0; i < 32; i++)
             t += (int32_t)q[32 * b + i] * c[32 * b + i];
-        s += d[b] * (float)t;
+        s += (ws ? d[b] * ws[b] : d[b]) * (float)t;
     }
     return s;
 #endif
 }
 
-void int8q_gemv(int64_t M, int64_t N, int64_t K, int threads, const float *x, int64_t ldx, const int8_t *q,
-                const float *scale, const float *bias, float *y, int8_t *xq, float *xd) {
+void int8q_gemv(int64_t M, int64_t N, int64_t K, int64_t G, int threads, const float *x, int64_t ldx,
+                const int8_t *q, const float *scale, const float *bias, float *y, int8_t *xq, float *xd) {
     const int64_t nb = K / 32;
     quantize_q8(M, K, x, ldx, xq, xd);
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t n = 0; n < N; n++)                  /* the row stays in L1 for every row of x */
         for (int64_t m = 0; m < M; m++)
-            y[m * N + n] = q8_dot(q + n * K, nb, xq + m * K, xd + m * nb) * scale[n] + (bias ? bias[n] : 0.0f);
+            y[m * N + n] = (G == 1 ? q8_dot(q + n * K, nb, xq + m * K, xd + m * nb, NULL) * scale[n]
+                                   : q8_dot(q + n * K, nb, xq + m * K, xd + m * nb, scale + n * G))
+                           + (bias ? bias[n] : 0.0f);
 }
 
 #if SIMD
@@ -454,19 +458,24 @@ void f32_gemv_cm(int64_t M, int64_t N, int64_t K, int threads, const float *x, i
  * column-major (kind 1: w holds W^T), int8 codes per output channel times scale (kind 2, int8q_gemv, K a
  * multiple of 32), int4 in torch's packed layout with ``groups`` bfloat16 scales and zeros per row in scale
  * (int4_gemv; kind 3: blocks of 64 rows split, 4: of 32 split, 5: of 32 in pairs - quant.py's LAYOUTS 1-3), or
- * int8 codes times ``groups`` float32 scales per row (kind 6, int8_gemv, x exact: a GGUF file's Q8_0 / Q6_K
- * matrices). The scratch each needs is allocated here. */
-enum { PROJ_F32 = 0, PROJ_F32_CM = 1, PROJ_INT8 = 2, PROJ_INT4 = 3, PROJ_INT8_BLOCKS = 6 };
+ * int8 codes times ``groups`` float32 scales per row (kind 6, int8_gemv, x exact: a GGUF file's Q6_K matrices,
+ * or Q8_0's where asked; kind 7, Q8_0's blocks of 32 with x rounded per block by int8q_gemv, as llama.cpp does).
+ * The scratch each needs is allocated here. */
+enum { PROJ_F32 = 0, PROJ_F32_CM = 1, PROJ_INT8 = 2, PROJ_INT4 = 3, PROJ_INT8_BLOCKS = 6, PROJ_Q8_0 = 7 };
 
 static void proj_gemv(int kind, int64_t groups, int64_t M, int64_t N, int64_t K, int threads, const float *x,
                       int64_t ldx, const void *w, const void *scale, const float *bias, float *y) {
-    if (kind == PROJ_INT8_BLOCKS) {
+    if (kind == PROJ_Q8_0) {                                  /* x rounded per block, as llama.cpp does */
+        int8_t *xq = malloc(M * K + M * (K / 32) * sizeof(float));
+        int8q_gemv(M, N, K, groups, threads, x, ldx, w, scale, bias, y, xq, (float *)(xq + M * K));
+        free(xq);
+    } else if (kind == PROJ_INT8_BLOCKS) {
         float *xs = malloc(M * groups * sizeof(float));       /* int8_gemv's group sums: unused without offsets */
         int8_gemv(M, N, K, groups, threads, x, ldx, w, scale, NULL, bias, y, xs);
         free(xs);
     } else if (kind == PROJ_INT8) {
         int8_t *xq = malloc(M * K + M * (K / 32) * sizeof(float));
-        int8q_gemv(M, N, K, threads, x, ldx, w, scale, bias, y, xq, (float *)(xq + M * K));
+        int8q_gemv(M, N, K, 1, threads, x, ldx, w, scale, bias, y, xq, (float *)(xq + M * K));
         free(xq);
     } else if (kind >= PROJ_INT4)
         int4_gemv(M, N, (N + 15) / 16 * 16, K, groups, kind == PROJ_INT4 ? 64 : 32, kind < PROJ_INT4 + 2, threads,

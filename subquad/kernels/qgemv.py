@@ -5,9 +5,10 @@
     int4   y = x~ ((c - 8) s + z)^T + bias         c (N, K) in [0, 15] in torch's packed int4 layout
                                                     (``models.quant.LAYOUTS``), s, z bfloat16 per group,
                                                     x~ = x rounded to int8 per block of 32 (``int8q``)
-    int8q  y = x~ (q * scale)^T + bias             q (N, K) int8 per output channel
+    int8q  y = x~ (q * scale)^T + bias             q (N, K) int8 per output channel, or per block of 32 (Q8_0)
 
-int8 keeps x float32 (exact: GGUF files' blocked weights, 1e-5 of their dequantised product); int8q and int4
+int8 keeps x float32 (exact: GGUF files' Q6_K and offset blocks, 1e-5 of their dequantised product); int8q
+(GGUF's Q8_0 too) and int4
 round it to int8 per block of 32 with a float scale, as llama.cpp's Q8_0 / Q4_0 products do (fbgemm's int8 kernel
 rounds it to 7-8 bits per call, torch's int4 kernel to bfloat16): integer sums, about twice the weights per
 instruction. Either way a row's result does not depend on the rows beside it. Each weight byte is read once per
@@ -19,15 +20,17 @@ by the Mamba blocks' kernels; the naive reference is the dequantised product (``
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from subquad.kernels import I64, INT, PTR, Kernel, enabled
 
 # Up to how many rows the C kernels are faster than what else runs (benchmarks/bench_qgemv.py; AMD EPYC, AVX2):
-# int8 per block (a GGUF Q8_0 / Q6_K / Q4_K file's matrices) against the dequantised product: 3.4-8x at one row,
-# 1.5-3x at 8; int8 per channel with x exact against fbgemm's kernel: slower at every row count, so only where
-# fbgemm is gone; int4 (x rounded per block of 32) against torch's kernel, weights read from memory: 1.6-3.7x
-# at one row, 1.1-1.6x at 2-8.
+# int8 per block (a GGUF Q8_0 / Q6_K / Q4_K file's matrices; Q8_0 with x rounded, int8q) against the
+# dequantised product: 3.4-8x at one row, 1.5-3x at 8; int8 per channel with x exact against fbgemm's kernel:
+# slower at every row count, so only where fbgemm is gone; int4 (x rounded per block of 32) against torch's
+# kernel, weights read from memory: 1.6-3.7x at one row, 1.1-1.6x at 2-8.
 INT8_ROWS = 8
 INT4_ROWS = 8
 # int8 per channel with x rounded to int8 per block of 32 (int8q_gemv) against fbgemm's kernel, weights read from
@@ -37,9 +40,20 @@ INT4_ROWS = 8
 INT8Q_ROWS = 2
 BLOCK_INT8Q_ROWS = 4
 
+# SUBQUAD_Q8_0_EXACT=1: a GGUF file's Q8_0 matrices keep x exact at a few rows too (1e-5 of their dequantised
+# product, as more rows compute it; about twice the time per weight of rounding x as llama.cpp does).
+Q8_0_EXACT = os.environ.get("SUBQUAD_Q8_0_EXACT") == "1"
+
+
+def rounds_x(q: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor | None) -> bool:
+    """Whether a blocked int8 product of a few rows (``models.quant.int8_block_linear``, a Mamba block's one call)
+    rounds x per block of 32 (``int8q_gemv``): Q8_0's form - blocks of 32, no offsets - unless ``Q8_0_EXACT``."""
+    return not Q8_0_EXACT and offset is None and scale.dim() == 2 and scale.shape[1] * 32 == q.shape[1]
+
+
 INT8 = Kernel("int8_gemv", [I64, I64, I64, I64, INT, PTR, I64, PTR, PTR, PTR, PTR, PTR, PTR], "qgemv")
 F32 = Kernel("f32_gemv", [I64, I64, I64, INT, PTR, I64, PTR, PTR, PTR], "qgemv")
-INT8Q = Kernel("int8q_gemv", [I64, I64, I64, INT, PTR, I64, PTR, PTR, PTR, PTR, PTR, PTR], "qgemv")
+INT8Q = Kernel("int8q_gemv", [I64, I64, I64, I64, INT, PTR, I64, PTR, PTR, PTR, PTR, PTR, PTR], "qgemv")
 INT4 = Kernel("int4_gemv", [I64, I64, I64, I64, I64, I64, INT, INT, PTR, I64, PTR, PTR, PTR, PTR], "qgemv")
 
 
@@ -93,15 +107,17 @@ def f32_gemv(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> tor
 
 
 def int8q_gemv(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """x (..., K) float32 (``usable``), K a multiple of 32, q (N, K) int8 with |q| <= 127, scale (N,) float32,
-    bias (N,) or None -> (..., N) float32, x's rows rounded to int8 per block of 32 (``qgemv.c``'s int8q_gemv:
-    y = scale (sum_b d_b q_b . c_b) + bias, x_b ~ d_b c_b)."""
+    """x (..., K) float32 (``usable``), K a multiple of 32, q (N, K) int8 with |q| <= 127, scale (N,) float32 or
+    (N, K / 32) (per block of 32: GGUF's Q8_0), bias (N,) or None -> (..., N) float32, x's rows rounded to int8
+    per block of 32 (``qgemv.c``'s int8q_gemv: y = scale (sum_b d_b q_b . c_b) + bias, or per block
+    sum_b scale_b d_b q_b . c_b + bias, x_b ~ d_b c_b)."""
     x2 = _rows(x)
     M, K = x2.shape
     N = q.shape[0]
     y = x2.new_empty(M, N)
     codes = torch.empty(M * K, dtype=torch.int8)
     d = x2.new_empty(M * (K // 32))
-    INT8Q(M, N, K, torch.get_num_threads(), x2, x2.stride(0), q, scale, bias, y, codes, d)
+    G = 1 if scale.dim() == 1 else scale.shape[1]
+    INT8Q(M, N, K, G, torch.get_num_threads(), x2, x2.stride(0), q, scale, bias, y, codes, d)
     return y.view(*x.shape[:-1], N)
 

@@ -55,19 +55,23 @@ def q8_rows(x):
     return torch.round(b * inv).reshape(M, K).double(), (mx / 127).squeeze(-1).double()
 
 
+@pytest.mark.parametrize("blocked", [False, True])
 @pytest.mark.parametrize("M,N,K,bias", [
     (1, 3072, 768, False),                # mamba-130m's in_proj, one row
     (2, 77, 96, True),                    # an odd number of blocks (the tail), odd N
     (4, 33, 32, True),                    # one block
     (16, 50, 1536, False),                # the most rows a block kernel takes
 ])
-def test_int8q_against_its_math_and_the_bound(M, N, K, bias):
-    """y = scale sum_b d_b (q . c)_b + bias with x's codes per block of 32: against that sum in float64 from the
-    codes computed here, and within half a code per input of the float64 product with x itself (a bound that
-    does not depend on how x is rounded)."""
+def test_int8q_against_its_math_and_the_bound(M, N, K, bias, blocked):
+    """y = scale sum_b d_b (q . c)_b + bias with x's codes per block of 32 (``blocked``: a scale per row and block
+    of 32, GGUF's Q8_0 - llama.cpp's own product): against that sum in float64 from the codes computed here, and
+    within half a code per input of the float64 product with x itself (a bound that does not depend on how x is
+    rounded)."""
     g = torch.Generator().manual_seed(M * 1000 + N)
     q = torch.randint(-128, 128, (N, K), dtype=torch.int8, generator=g)    # -128 too: no 16-bit pair overflows
-    scale = torch.rand(N, generator=g) + 0.01
+    scale = torch.rand(N, K // 32 if blocked else 1, generator=g) + 0.01
+    ws = scale.double()                                          # (N, blocks) or (N, 1): per block or channel
+    scale = scale if blocked else scale[:, 0]
     b = torch.randn(N, generator=g) if bias else None
     xx = torch.randn(M, K + 5, generator=g) * torch.logspace(-3, 3, M)[:, None]
     x = xx[:, 2:K + 2]                                          # a row stride that is not K
@@ -77,10 +81,11 @@ def test_int8q_against_its_math_and_the_bound(M, N, K, bias):
     c, d = q8_rows(x.contiguous())
     qd = q.double().view(N, K // 32, 32)
     sums = torch.einsum("nbk,mbk->mnb", qd, c.view(M, K // 32, 32))
-    ref = (sums * d[:, None, :]).sum(-1) * scale.double() + (0 if b is None else b.double())
+    ref = (sums * d[:, None, :] * ws[None]).sum(-1) + (0 if b is None else b.double())
     assert _rel(got, ref) <= 2e-6
-    exact = x.double() @ (q.double() * scale.double()[:, None]).T + (0 if b is None else b.double())
-    bound = (qd.abs().sum(-1)[None] * d[:, None, :] / 2).sum(-1) * scale.double()      # (M, N)
+    W = (qd * ws[..., None]).reshape(N, K)
+    exact = x.double() @ W.T + (0 if b is None else b.double())
+    bound = (qd.abs().sum(-1)[None] * ws[None] * d[:, None, :] / 2).sum(-1)      # (M, N)
     assert ((got.double() - exact).abs() <= bound * (1 + 1e-5) + 1e-6 * exact.abs().max()).all()
     for m in range(M):                                          # a row alone gives the same bits
         assert torch.equal(qgemv.int8q_gemv(x[m:m + 1], q, scale, b)[0], got[m])
@@ -202,3 +207,24 @@ def test_the_modules_take_it_and_off_means_the_library_paths(monkeypatch):
             c, d = q8_rows(x)
             r = (c.view(len(x), -1, 32) * d[..., None]).view(x.shape) @ lin.weight.double().T
         assert _rel(a, r) <= 1e-6
+
+
+def test_a_q8_0_matrix_rounds_x_at_a_few_rows_unless_asked_to_keep_it(monkeypatch):
+    """``Int8Linear.from_blocks`` with blocks of 32 and no offsets (GGUF's Q8_0): up to ``INT8_ROWS`` rows x is
+    rounded per block (``int8q_gemv``, llama.cpp's arithmetic); ``SUBQUAD_Q8_0_EXACT=1`` (``Q8_0_EXACT``) keeps
+    it exact (``int8_gemv``, 1e-5 of the dequantised product); blocks of 16 (Q6_K's) and offsets always do."""
+    from subquad.models.quant import Int8Linear
+
+    g = torch.Generator().manual_seed(3)
+    q = torch.randint(-127, 128, (48, 128), dtype=torch.int8, generator=g)
+    lin = Int8Linear.from_blocks(q, torch.rand(48, 4, generator=g) + 0.1)
+    x = torch.randn(3, 128, generator=g)
+    exact = x.double() @ lin.weight.double().T
+    with torch.no_grad():
+        rounded = lin(x)
+        assert torch.equal(rounded, qgemv.int8q_gemv(x, lin.q, lin.scale, None)) and _rel(rounded, exact) > 1e-5
+        monkeypatch.setattr(qgemv, "Q8_0_EXACT", True)
+        assert _rel(lin(x), exact) <= 1e-6
+        monkeypatch.setattr(qgemv, "Q8_0_EXACT", False)
+        sixteen = Int8Linear.from_blocks(q, torch.rand(48, 8, generator=g) + 0.1)
+        assert _rel(sixteen(x), x.double() @ sixteen.weight.double().T) <= 1e-6

@@ -50,7 +50,8 @@ def assert_quantized_block_agrees(monkeypatch, module, mixer_cls, pattern: str, 
                                   **options) -> int:
     """A model of ``pattern`` blocks without MLPs whose in_proj, out_proj and head are ``kind`` ("int8": per
     channel; "int4": groups of 32; "int8 blocks": in_proj, out_proj and Mamba's x_proj per block of 32 as a GGUF
-    file's Q8_0, x exact: within 1e-5 of the modules), else the small x_proj / dt_proj float32 as at mamba-130m's
+    file's Q8_0, x rounded per block as for "int8"; "int8 blocks of 16": per block of 16 as Q6_K's, x exact:
+    within 1e-5 of the modules), else the small x_proj / dt_proj float32 as at mamba-130m's
     shape, decoding 1 and the most rows the block kernel takes for them (``kernels.qgemv.BLOCK_INT8Q_ROWS``,
     ``INT4_ROWS``, ``INT8_ROWS``): the block
     kernel's logits within 1% of the logits' scale of the same model's steps through its modules (the same
@@ -65,12 +66,14 @@ def assert_quantized_block_agrees(monkeypatch, module, mixer_cls, pattern: str, 
     torch.manual_seed(0)
     m = LanguageModel(ModelConfig(vocab_size=300, d_model=64, n_layers=2, pattern=pattern, mlp=False,
                                   mixer_options=options)).eval()
-    if kind == "int8 blocks":                           # a GGUF Q8_0 file's matrices: scales per block of 32
+    exact = kind == "int8 blocks of 16"
+    if kind.startswith("int8 blocks"):                  # a GGUF file's matrices: scales per block of 32 (Q8_0) or 16
+        size = 16 if exact else 32
         for blk in m.blocks:
             for name in ("in_proj", "out_proj") + (("x_proj",) if pattern == "mamba" else ()):
                 w = getattr(blk.mixer, name).weight.detach()
-                s = (w.view(w.shape[0], -1, 32).abs().amax(-1) / 127).clamp_min(1e-12)
-                q = torch.round(w.view(w.shape[0], -1, 32) / s[..., None]).to(torch.int8).view_as(w)
+                s = (w.view(w.shape[0], -1, size).abs().amax(-1) / 127).clamp_min(1e-12)
+                q = torch.round(w.view(w.shape[0], -1, size) / s[..., None]).to(torch.int8).view_as(w)
                 setattr(blk.mixer, name, Int8Linear.from_blocks(q.contiguous(), s.contiguous()))
     else:
         quantize(m, kind, min_weights=8192, group_size=32)
@@ -85,7 +88,8 @@ def assert_quantized_block_agrees(monkeypatch, module, mixer_cls, pattern: str, 
     real = module.BlockStep.__call__
     monkeypatch.setattr(module.BlockStep, "__call__", lambda *a: calls.append(1) or real(*a))
     own = mixer_cls.fused_block
-    most = {"int8": qgemv.BLOCK_INT8Q_ROWS, "int4": qgemv.INT4_ROWS, "int8 blocks": qgemv.INT8_ROWS}[kind]
+    most = qgemv.INT8_ROWS if kind.startswith("int8 blocks") else {"int8": qgemv.BLOCK_INT8Q_ROWS,
+                                                                    "int4": qgemv.INT4_ROWS}[kind]
     for rows in (1, most):
         ids = torch.randint(0, 300, (rows, 7), generator=torch.Generator().manual_seed(rows))
         with torch.no_grad():
@@ -98,7 +102,7 @@ def assert_quantized_block_agrees(monkeypatch, module, mixer_cls, pattern: str, 
                 b, st_ref = m.step(tok, st_ref)
                 monkeypatch.setattr(mixer_cls, "fused_block", own)
                 c, st64 = m64.step(tok, st64)
-                assert (a - b).abs().max() <= (1e-5 if kind == "int8 blocks" else 1e-2) * b.abs().max()
+                assert (a - b).abs().max() <= (1e-5 if exact else 1e-2) * b.abs().max()
                 assert (a.double() - c).abs().max() <= tol * c.abs().max()
                 tok = c.argmax(-1)
     n = len(calls)
