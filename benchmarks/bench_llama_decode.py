@@ -16,8 +16,9 @@ folder and as GGUF files (``save_gguf``: f32, q8_0 and q4_0), then
 and every step but the op-by-op one at ``--batch`` rows (default 16), ms per step and the ratio to one row.
 
 ``--interleave R``: only llama.cpp and subquad's eager step at each precision (f32 / Q8_0 / Q4_0 against float32 /
-int8 / int4), R rounds each running every row once in turn, so a host whose speed drifts moves both engines
-alike; the median of each row and every round's ratio. Writes results/llama_decode_interleaved.md.
+int8 / int4, and subquad reading the Q8_0 and Q4_0 files themselves), R rounds each running every row once in
+turn, so a host whose speed drifts moves both engines alike; the median of each row and every round's ratio.
+Writes results/llama_decode_interleaved.md.
 
 ms per token (median of ``--repeats`` runs for subquad; llama-bench's mean over its own repetitions), the read
 bound (the bytes of the weights one token reads over the measured read bandwidth is not measured here: the
@@ -82,14 +83,16 @@ def subquad_ms(folder: Path, tokens: int, repeats: int, compiled: bool, quantize
 
 def interleaved(a, folder: Path, tmp: Path):
     """``--interleave``'s rounds (module doc)."""
-    pairs = (("f32", None), ("q8_0", "int8"), ("q4_0", "int4"))
+    pairs = (("f32", None), ("q8_0", "int8"), ("q4_0", "int4"), ("q8_0", "gguf q8_0"), ("q4_0", "gguf q4_0"))
     runs: dict[str, list] = {}
     for r in range(a.interleave):
         for outtype, q in pairs:
-            runs.setdefault(f"llama.cpp {outtype}", []).append(llama_ms(a.llama_bench, tmp / f"m-{outtype}.gguf",
-                                                                         a.tokens, a.threads))
+            if q is None or not q.startswith("gguf"):        # llama.cpp once per file, against each subquad row
+                runs.setdefault(f"llama.cpp {outtype}", []).append(
+                    llama_ms(a.llama_bench, tmp / f"m-{outtype}.gguf", a.tokens, a.threads))
+            source = tmp / f"m-{outtype}.gguf" if q and q.startswith("gguf") else folder   # the file read back
             runs.setdefault(f"subquad {q or 'f32'} eager", []).append(
-                subquad_ms(folder, a.tokens, a.repeats, False, q))
+                subquad_ms(source, a.tokens, a.repeats, False, None if source != folder else q))
         print(f"round {r + 1}/{a.interleave}: " + ", ".join(f"{k} {v[-1]:.2f}" for k, v in runs.items()), flush=True)
     machine = machine_line(matmul_gflops())
     lines = [f"mamba-130m's shape (random weights), batch 1, {a.threads} threads, {a.tokens} tokens, {a.interleave} "
@@ -97,7 +100,7 @@ def interleaved(a, folder: Path, tmp: Path):
              "| precision | llama.cpp ms (median) | subquad eager ms (median) | ratio of medians | each round's |",
              "|---|---:|---:|---:|---|"]
     for outtype, q in pairs:
-        ll, sq = runs[f"llama.cpp {outtype}"], runs[f"subquad {q or 'f32'} eager"]
+        ll, sq = runs[f"llama.cpp {outtype}"], runs[f"subquad {q or 'f32'} eager"]     # gguf rows: the same llama.cpp
         ratios = ", ".join(f"{x / y:.2f}" for x, y in zip(sq, ll))
         lines.append(f"| {q or 'f32'} / {outtype} | {statistics.median(ll):.2f} | {statistics.median(sq):.2f} | "
                      f"{statistics.median(sq) / statistics.median(ll):.2f} | {ratios} |")
