@@ -49,6 +49,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from subquad.layers.mlp import ReLU2MLP, SwiGLU
+from subquad.ops.common.precision import outside_graphs
 
 KINDS = {"swiglu": ("w_gate", "w_up", "w_down"), "relu2": ("w_up", "w_down")}    # an expert's projections
 
@@ -196,7 +197,7 @@ class MoE(nn.Module):
         super().__setstate__(state)
         self._name_for_op()
 
-    @torch.compiler.disable
+    @outside_graphs
     def _dispatch_outside(self, x, w, flat, counts):
         """``_dispatch`` run eagerly outside a compiled graph (a graph break): where gradients flow."""
         return self._dispatch(x, w, flat, counts)

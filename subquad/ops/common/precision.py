@@ -41,6 +41,22 @@ def set_checks(enabled: bool | None) -> None:
     _CHECKS = enabled
 
 
+def outside_graphs(fn):
+    """``torch.compiler.disable(fn)`` - torch.compile runs ``fn`` as it is, outside its graphs - without importing
+    torch._dynamo when the module defining ``fn`` is imported (~1.3 s of a process's start, which `subquad --help`,
+    a server or a process that never compiles need not pay): the disabled wrapper is made at the first call
+    (one graph break more where that call is traced, then the same skip as the decorator's)."""
+    made = []
+
+    @functools.wraps(fn)
+    def run(*args, **kwargs):
+        if not made:
+            made.append(torch.compiler.disable(fn))
+        return made[0](*args, **kwargs)
+
+    return run
+
+
 def compiling() -> bool:
     """True while torch.compile (dynamo) traces the calling code."""
     return torch.compiler.is_compiling()

@@ -41,7 +41,7 @@ import torch
 from subquad.ops.common.autograd import wants_grad
 from subquad.ops.common.chunking import chunk_view, decay_mask, put_chunks, token_slice
 from subquad.ops.common.expo import exp_decay, exp_decay_
-from subquad.ops.common.precision import autocast_off, compiling
+from subquad.ops.common.precision import autocast_off, compiling, outside_graphs
 from subquad.ops.common.routes import FACTOR_LIMIT, SHORT, STATES_DECAY, TOKEN_HEADS_DECAY, took
 from subquad.ops.decay.intra import SUB, _intra_vector, _intra_vector_grad
 from subquad.ops.decay.recurrent import recurrent_decay_attention
@@ -296,7 +296,7 @@ class ChunkDecay(torch.autograd.Function):
         return dq, dk, dv, dg, dS0, None, None, None, None, None
 
 
-@torch.compiler.disable
+@outside_graphs
 def chunk_engine(q, k, v, g, *, scale, chunk_size, initial_state=None, route=None, op="simple_gla", group=None):
     """The chunk routes: q, k (B, T, H, K); v (B, T, H, V); g (B, T, H), (B, T, H, K) or None (no decay),
     all in the state's dtype; initial_state (B, H, K, V) or None. ``route``: None, "factorised" or
