@@ -241,6 +241,55 @@ void int8q_gemv(int64_t M, int64_t N, int64_t K, int64_t G, int threads, const f
                            + (bias ? bias[n] : 0.0f);
 }
 
+/* q4_0_gemv: a GGUF file's Q4_0 matrix as it is stored, times x rounded per block of 32 (quantize_q8) - llama.cpp's
+ * Q4_0 x Q8_0 product: y[m, n] = sum_b scale[n, b] d[m, b] ((u - 8) . c)_b + bias[n], with u the block's 32
+ * nibbles (q (N, K / 2) bytes, 16 per block: byte j's low nibble is value j, its high nibble value 16 + j) and
+ * (u - 8) . c = u . c - 8 sum(c). u is unsigned and c signed, so maddubs takes them as they are. */
+static inline float q4_dot(const uint8_t *q, int64_t nb, const int8_t *c, const float *d, const float *ws) {
+#if SIMD
+    const __m256i ones = _mm256_set1_epi16(1), low = _mm256_set1_epi8(15), eight = _mm256_set1_epi8(8);
+    __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
+    int64_t b = 0;
+    for (; b + 2 <= nb; b += 2) {
+        _mm_prefetch((const char *)(q + 16 * b + PF_BYTES), _MM_HINT_T0);
+        const __m256i raw = _mm256_loadu_si256((const __m256i *)(q + 16 * b));         /* two blocks' bytes */
+        const __m256i lo = _mm256_and_si256(raw, low), hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low);
+        const __m256i u0 = _mm256_permute2x128_si256(lo, hi, 0x20), u1 = _mm256_permute2x128_si256(lo, hi, 0x31);
+        const __m256i x0 = _mm256_loadu_si256((const __m256i *)(c + 32 * b));
+        const __m256i x1 = _mm256_loadu_si256((const __m256i *)(c + 32 * b + 32));
+        const __m256i p0 = _mm256_madd_epi16(_mm256_sub_epi16(_mm256_maddubs_epi16(u0, x0),
+                                                              _mm256_maddubs_epi16(eight, x0)), ones);
+        const __m256i p1 = _mm256_madd_epi16(_mm256_sub_epi16(_mm256_maddubs_epi16(u1, x1),
+                                                              _mm256_maddubs_epi16(eight, x1)), ones);
+        a0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p0), _mm256_set1_ps(d[b] * ws[b]), a0);
+        a1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p1), _mm256_set1_ps(d[b + 1] * ws[b + 1]), a1);
+    }
+    float s = hsum8(_mm256_add_ps(a0, a1));
+#else
+    float s = 0.0f;
+    int64_t b = 0;
+#endif
+    for (; b < nb; b++) {                               /* the odd block (and every block without AVX2) */
+        int32_t t = 0;
+        for (int j = 0; j < 16; j++)
+            t += ((int32_t)(q[16 * b + j] & 15) - 8) * c[32 * b + j] + ((int32_t)(q[16 * b + j] >> 4) - 8)
+                 * c[32 * b + 16 + j];
+        s += d[b] * ws[b] * (float)t;
+    }
+    return s;
+}
+
+void q4_0_gemv(int64_t M, int64_t N, int64_t K, int threads, const float *x, int64_t ldx, const uint8_t *q,
+               const float *scale, const float *bias, float *y, int8_t *xq, float *xd) {
+    const int64_t nb = K / 32;
+    quantize_q8(M, K, x, ldx, xq, xd);
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t n = 0; n < N; n++)
+        for (int64_t m = 0; m < M; m++)
+            y[m * N + n] = q4_dot(q + n * (K / 2), nb, xq + m * K, xd + m * nb, scale + n * nb)
+                           + (bias ? bias[n] : 0.0f);
+}
+
 #if SIMD
 /* A split block of 2h rows (h = 16 or 32) at w against one row of x's codes c (quantize_q8's; xp: c as byte pairs
  * (c[2i], c[2i + 1]) per 16-bit lane, d per block of 32, xc: sum of x~ = c d per group): byte j of each k holds
@@ -459,13 +508,19 @@ void f32_gemv_cm(int64_t M, int64_t N, int64_t K, int threads, const float *x, i
  * multiple of 32), int4 in torch's packed layout with ``groups`` bfloat16 scales and zeros per row in scale
  * (int4_gemv; kind 3: blocks of 64 rows split, 4: of 32 split, 5: of 32 in pairs - quant.py's LAYOUTS 1-3), or
  * int8 codes times ``groups`` float32 scales per row (kind 6, int8_gemv, x exact: a GGUF file's Q6_K matrices,
- * or Q8_0's where asked; kind 7, Q8_0's blocks of 32 with x rounded per block by int8q_gemv, as llama.cpp does).
+ * or Q8_0's where asked; kind 7, Q8_0's blocks of 32 with x rounded per block by int8q_gemv, as llama.cpp does;
+ * kind 8, Q4_0's nibbles as the file packs them, by q4_0_gemv).
  * The scratch each needs is allocated here. */
-enum { PROJ_F32 = 0, PROJ_F32_CM = 1, PROJ_INT8 = 2, PROJ_INT4 = 3, PROJ_INT8_BLOCKS = 6, PROJ_Q8_0 = 7 };
+enum { PROJ_F32 = 0, PROJ_F32_CM = 1, PROJ_INT8 = 2, PROJ_INT4 = 3, PROJ_INT8_BLOCKS = 6, PROJ_Q8_0 = 7,
+       PROJ_Q4_0 = 8 };
 
 static void proj_gemv(int kind, int64_t groups, int64_t M, int64_t N, int64_t K, int threads, const float *x,
                       int64_t ldx, const void *w, const void *scale, const float *bias, float *y) {
-    if (kind == PROJ_Q8_0) {                                  /* x rounded per block, as llama.cpp does */
+    if (kind == PROJ_Q4_0) {                                  /* Q4_0's nibbles as stored, x rounded per block */
+        int8_t *xq = malloc(M * K + M * (K / 32) * sizeof(float));
+        q4_0_gemv(M, N, K, threads, x, ldx, w, scale, bias, y, xq, (float *)(xq + M * K));
+        free(xq);
+    } else if (kind == PROJ_Q8_0) {                           /* x rounded per block, as llama.cpp does */
         int8_t *xq = malloc(M * K + M * (K / 32) * sizeof(float));
         int8q_gemv(M, N, K, groups, threads, x, ldx, w, scale, bias, y, xq, (float *)(xq + M * K));
         free(xq);

@@ -6,6 +6,8 @@
                                                     (``models.quant.LAYOUTS``), s, z bfloat16 per group,
                                                     x~ = x rounded to int8 per block of 32 (``int8q``)
     int8q  y = x~ (q * scale)^T + bias             q (N, K) int8 per output channel, or per block of 32 (Q8_0)
+    q4_0   y = x~ ((u - 8) * scale)^T + bias       u (N, K) nibbles as a GGUF file's Q4_0 blocks pack them, scale
+                                                    per block of 32
 
 int8 keeps x float32 (exact: GGUF files' Q6_K and offset blocks, 1e-5 of their dequantised product); int8q
 (GGUF's Q8_0 too) and int4
@@ -54,6 +56,7 @@ def rounds_x(q: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor | None) 
 INT8 = Kernel("int8_gemv", [I64, I64, I64, I64, INT, PTR, I64, PTR, PTR, PTR, PTR, PTR, PTR], "qgemv")
 F32 = Kernel("f32_gemv", [I64, I64, I64, INT, PTR, I64, PTR, PTR, PTR], "qgemv")
 INT8Q = Kernel("int8q_gemv", [I64, I64, I64, I64, INT, PTR, I64, PTR, PTR, PTR, PTR, PTR, PTR], "qgemv")
+Q4_0 = Kernel("q4_0_gemv", [I64, I64, I64, INT, PTR, I64, PTR, PTR, PTR, PTR, PTR, PTR], "qgemv")
 INT4 = Kernel("int4_gemv", [I64, I64, I64, I64, I64, I64, INT, INT, PTR, I64, PTR, PTR, PTR, PTR], "qgemv")
 
 
@@ -79,6 +82,21 @@ def int8_gemv(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, offset: tor
     y = x2.new_empty(M, N)
     scratch = x2.new_empty(M * G)
     INT8(M, N, K, G, torch.get_num_threads(), x2, x2.stride(0), q, scale, offset, bias, y, scratch)
+    return y.view(*x.shape[:-1], N)
+
+
+def q4_0_gemv(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x (..., K) float32 (``usable``), K a multiple of 32, q (N, K / 2) uint8 as a GGUF file's Q4_0 blocks hold
+    their nibbles (16 bytes a block: byte j = value j low, value 16 + j high; w = (u - 8) scale), scale (N, K / 32)
+    float32, bias (N,) or None -> (..., N) float32, x's rows rounded to int8 per block of 32 (llama.cpp's Q4_0 x
+    Q8_0 product; ``qgemv.c``'s q4_0_gemv)."""
+    x2 = _rows(x)
+    M, K = x2.shape
+    N = q.shape[0]
+    y = x2.new_empty(M, N)
+    codes = torch.empty(M * K, dtype=torch.int8)
+    d = x2.new_empty(M * (K // 32))
+    Q4_0(M, N, K, torch.get_num_threads(), x2, x2.stride(0), q, scale, bias, y, codes, d)
     return y.view(*x.shape[:-1], N)
 
 

@@ -40,13 +40,16 @@ def kernel_weight(lin, rows: int):
     a float32-able ``Linear``'s weight stored row- or column-major; (q, scale, 2, 0) of an int8 one per output
     channel (``models.quant.Int8Linear``) of an input width that is a multiple of 32, for at most
     ``kernels.qgemv.BLOCK_INT8Q_ROWS`` rows; (q, scale, 6 or 7, groups) of one per block without offsets (a GGUF
-    file's Q8_0 / Q6_K matrices: 7 with x rounded per block where ``kernels.qgemv.rounds_x`` says, 6 x exact) for
-    ``INT8_ROWS``; (w, scale_zero, 2 + layout, groups)
+    file's Q8_0 / Q6_K matrices: 7 with x rounded per block where ``kernels.qgemv.rounds_x`` says, 6 x exact) and
+    (q, scale, 8, groups) of Q4_0's packed nibbles, for ``INT8_ROWS``; (w, scale_zero, 2 + layout, groups)
     of an ``Int4Linear`` packed for torch's kernel, for at most ``INT4_ROWS`` rows (more: the libraries' int8 and
     int4 products are faster, qgemv.py)."""
     if type(lin) in (nn.Linear, Linear):
         return lin.weight if fused_block.layout(lin.weight) else None
     q, scale = getattr(lin, "q", None), getattr(lin, "scale", None)
+    if isinstance(q, torch.Tensor) and q.dtype == torch.uint8 and q.is_cpu and q.is_contiguous():   # Q4_0's bytes
+        ok = scale.is_contiguous() and rows <= qgemv.INT8_ROWS and not qgemv.Q8_0_EXACT
+        return (q, scale, 8, scale.shape[1]) if ok else None
     if isinstance(q, torch.Tensor) and q.dtype == torch.int8 and q.is_cpu and q.is_contiguous():
         if scale.dim() == 1 and q.shape[1] % 32 == 0 and rows <= qgemv.BLOCK_INT8Q_ROWS:
             return q, scale, 2, 0

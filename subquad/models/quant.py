@@ -157,6 +157,10 @@ def int8_block_linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, off
     the C kernel for a few float32 rows, else x times the dequantised weight (the reference). Blocks of 32
     without offsets (GGUF's Q8_0) round those rows of x to int8 per block first, as llama.cpp's Q8_0 product
     does (``qgemv.int8q_gemv``: ~2x fewer instructions per weight than widening them); other blocks keep x."""
+    if q.dtype == torch.uint8:                          # Q4_0's nibbles as the file packs them
+        if not qgemv.Q8_0_EXACT and qgemv.usable(qgemv.Q4_0, x, qgemv.INT8_ROWS):
+            return qgemv.q4_0_gemv(x, q, scale, bias)
+        q = unpack_q4_0(q)
     if qgemv.rounds_x(q, scale, offset) and qgemv.usable(qgemv.INT8Q, x, qgemv.INT8_ROWS):
         return qgemv.int8q_gemv(x, q, scale, bias)      # Q8_0: x rounded per block of 32, as llama.cpp's product
     if qgemv.usable(qgemv.INT8, x, qgemv.INT8_ROWS):
@@ -164,8 +168,24 @@ def int8_block_linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, off
     return F.linear(x, dequantize_blocks(q, scale, offset, x.dtype), None if bias is None else bias.to(x.dtype))
 
 
+def pack_q4_0(q: torch.Tensor) -> torch.Tensor:
+    """Codes q (N, K) in [-8, 7] -> (N, K / 2) uint8 as GGUF's Q4_0 blocks hold them: per block of 32, byte j
+    = (q_j + 8) | (q_{16 + j} + 8) << 4."""
+    u = (q.to(torch.int16) + 8).to(torch.uint8).view(q.shape[0], -1, 2, 16)
+    return (u[:, :, 0] | (u[:, :, 1] << 4)).reshape(q.shape[0], -1)
+
+
+def unpack_q4_0(p: torch.Tensor) -> torch.Tensor:
+    """``pack_q4_0``'s inverse: (N, K / 2) uint8 -> (N, K) int8 codes in [-8, 7]."""
+    b = p.view(p.shape[0], -1, 16)
+    return (torch.cat([b & 15, b >> 4], -1).to(torch.int8) - 8).reshape(p.shape[0], -1)
+
+
 def dequantize_blocks(q, scale, offset, dtype) -> torch.Tensor:
-    """q (N, K) int8, scale and offset (N, G) -> W = q scale - offset per block, (N, K) in ``dtype``."""
+    """q (N, K) int8 (or Q4_0's packed nibbles, ``unpack_q4_0``), scale and offset (N, G) -> W = q scale - offset
+    per block, (N, K) in ``dtype``."""
+    if q.dtype == torch.uint8:
+        q = unpack_q4_0(q)
     N, K = q.shape
     G = scale.shape[1]
     w = q.view(N, G, K // G).to(dtype).mul_(scale.to(dtype)[..., None])   # in place: one (N, K) copy
@@ -207,16 +227,19 @@ class Int8Linear(nn.Module):
         key = self.key_id = next(_keys)
         self.register_buffer("key", torch.tensor(key, device="cpu"), persistent=False)
         weakref.finalize(self, _PACKED.pop, key, None)
-        self.in_features, self.out_features = q.shape[1], q.shape[0]
+        self.in_features, self.out_features = q.shape[1] * (2 if q.dtype == torch.uint8 else 1), q.shape[0]
 
     @classmethod
     def from_blocks(cls, q: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor | None = None,
                     bias: torch.Tensor | None = None) -> Int8Linear:
         """W = q * scale - offset per block (class doc): q (N, K) int8, scale and offset (N, G) float32, G
-        dividing K; the tensors are kept, not copied."""
-        N, K = q.shape
-        if q.dtype != torch.int8 or scale.dim() != 2 or scale.shape[0] != N or K % scale.shape[1] or \
-                (offset is not None and offset.shape != scale.shape):
+        dividing K; or GGUF's Q4_0 as it is stored - q (N, K / 2) uint8 nibbles (``pack_q4_0``), scale (N, K / 32),
+        no offset: half the bytes, multiplied in C as llama.cpp does (``qgemv.q4_0_gemv``). The tensors are kept,
+        not copied."""
+        N, K = q.shape[0], q.shape[1] * (2 if q.dtype == torch.uint8 else 1)
+        packed_ok = q.dtype != torch.uint8 or (offset is None and scale.dim() == 2 and scale.shape[1] * 32 == K)
+        if q.dtype not in (torch.int8, torch.uint8) or not packed_ok or scale.dim() != 2 or scale.shape[0] != N \
+                or K % scale.shape[1] or (offset is not None and offset.shape != scale.shape):
             raise ValueError(f"Int8Linear.from_blocks: q must be (N, K) int8 and scale/offset (N, G) with G dividing "
                              f"K; got q {q.dtype} {tuple(q.shape)}, scale {tuple(scale.shape)}, offset "
                              f"{None if offset is None else tuple(offset.shape)}")
@@ -227,13 +250,15 @@ class Int8Linear(nn.Module):
 
     @classmethod
     def empty(cls, out_features: int, in_features: int, bias: bool, groups: int = 0,
-              offset: bool = False) -> Int8Linear:
+              offset: bool = False, packed: bool = False) -> Int8Linear:
         """One to fill with ``load_state_dict(..., assign=True)`` (a saved int8 folder): no float weight made;
-        ``groups`` > 0: blocked scales (and ``offset``), ``from_blocks``'s form."""
+        ``groups`` > 0: blocked scales (and ``offset``), ``from_blocks``'s form (``packed``: Q4_0's nibbles)."""
         with torch.device("meta"):
             if groups:
                 s = torch.empty(out_features, groups)
-                m = cls.from_blocks(torch.empty(out_features, in_features, dtype=torch.int8), s,
+                q = torch.empty(out_features, in_features // 2, dtype=torch.uint8) if packed else \
+                    torch.empty(out_features, in_features, dtype=torch.int8)
+                m = cls.from_blocks(q, s,
                                     torch.empty_like(s) if offset else None,
                                     torch.empty(out_features) if bias else None)
             else:
@@ -258,6 +283,7 @@ class Int8Linear(nn.Module):
 
     def extra_repr(self):
         how = "per channel" if self.scale.dim() == 1 else f"per block of {self.in_features // self.scale.shape[1]}"
+        how += ", 4-bit codes (Q4_0)" if self.q.dtype == torch.uint8 else ""
         return f"in_features={self.in_features}, out_features={self.out_features}, int8 {how}"
 
 
@@ -652,7 +678,8 @@ def load_quantized(path, c: dict):
     if kind == "int4":
         int4_shape((1, group_size), group_size)
     if not isinstance(c.get("config"), dict):
-        raise ValueError(f"{path}: config.json of model_type 'subquad' has no 'config' object (the model's ModelConfig)")
+        raise ValueError(f"{path}: config.json of model_type 'subquad' has no 'config' object "
+                         "(the model's ModelConfig)")
     cfg = ModelConfig.from_dict(c["config"])
     with torch.device("meta"):                        # no memory, no random init
         model = LanguageModel(cfg)
@@ -666,7 +693,9 @@ def load_quantized(path, c: dict):
     def empty_for(name, N, K):                        # int8 per block (a GGUF file's types): from the scale's shape
         s = tensors.get(name + ".scale")
         if kind == "int8" and s is not None and s.dim() == 2:
-            return Int8Linear.empty(N, K, name + ".bias" in tensors, s.shape[1], name + ".offset" in tensors)
+            packed = tensors[name + ".q"].dtype == torch.uint8          # Q4_0's nibbles: K = 2 x its bytes
+            return Int8Linear.empty(N, 2 * tensors[name + ".q"].shape[1] if packed else K, name + ".bias" in tensors,
+                                    s.shape[1], name + ".offset" in tensors, packed)
         return empty(N, K, name + ".bias" in tensors)
 
     mark = ".w" if kind == "bf16" else ".q"           # a quantised module saves this in place of ``weight``

@@ -228,3 +228,53 @@ def test_a_q8_0_matrix_rounds_x_at_a_few_rows_unless_asked_to_keep_it(monkeypatc
         monkeypatch.setattr(qgemv, "Q8_0_EXACT", False)
         sixteen = Int8Linear.from_blocks(q, torch.rand(48, 8, generator=g) + 0.1)
         assert _rel(sixteen(x), x.double() @ sixteen.weight.double().T) <= 1e-6
+
+
+@pytest.mark.parametrize("M,N,K,bias", [(1, 3072, 768, False), (3, 77, 96, True), (8, 33, 32, True)])
+def test_q4_0_against_its_math(M, N, K, bias):
+    """GGUF's Q4_0 as the file holds it (``pack_q4_0``: two nibbles a byte, a float scale per block of 32) times x
+    rounded per block of 32: against sum_b scale_b d_b ((u - 8) . c)_b in float64 from the codes computed here,
+    within half a code per input of the float64 product with x, a row alone bit-equal; the packing round-trips."""
+    from subquad.models.quant import pack_q4_0, unpack_q4_0
+
+    g = torch.Generator().manual_seed(M * 100 + N)
+    q = torch.randint(-8, 8, (N, K), dtype=torch.int8, generator=g)
+    packed = pack_q4_0(q)
+    assert packed.dtype == torch.uint8 and packed.shape == (N, K // 2) and torch.equal(unpack_q4_0(packed), q)
+    assert int(packed[0, 0]) == (int(q[0, 0]) + 8) | (int(q[0, 16]) + 8) << 4        # GGUF's byte order
+    scale = torch.rand(N, K // 32, generator=g) + 0.01
+    b = torch.randn(N, generator=g) if bias else None
+    x = torch.randn(M, K + 3, generator=g)[:, 1:K + 1]                 # a row stride that is not K
+    got = qgemv.q4_0_gemv(x, packed, scale, b)
+    c, d = q8_rows(x.contiguous())
+    qd, ws = q.double().view(N, K // 32, 32), scale.double()
+    sums = torch.einsum("nbk,mbk->mnb", qd, c.view(M, K // 32, 32))
+    ref = (sums * d[:, None, :] * ws[None]).sum(-1) + (0 if b is None else b.double())
+    assert _rel(got, ref) <= 2e-6
+    exact = x.double() @ (qd * ws[..., None]).reshape(N, K).T + (0 if b is None else b.double())
+    bound = (qd.abs().sum(-1)[None] * ws[None] * d[:, None, :] / 2).sum(-1)
+    assert ((got.double() - exact).abs() <= bound * (1 + 1e-5) + 1e-6 * exact.abs().max()).all()
+    for m in range(M):
+        assert torch.equal(qgemv.q4_0_gemv(x[m:m + 1], packed, scale, b)[0], got[m])
+
+
+def test_a_q4_0_module_keeps_four_bits_and_multiplies_as_llama_cpp_at_a_few_rows(monkeypatch):
+    """``Int8Linear.from_blocks`` of Q4_0's packed bytes: half a byte a weight, ``weight`` the dequantised matrix;
+    a few rows through ``q4_0_gemv``, more rows (or ``Q8_0_EXACT``) the dequantised product, exact."""
+    from subquad.models.quant import Int8Linear, pack_q4_0
+
+    g = torch.Generator().manual_seed(5)
+    q = torch.randint(-8, 8, (40, 96), dtype=torch.int8, generator=g)
+    scale = torch.rand(40, 3, generator=g) + 0.1
+    lin = Int8Linear.from_blocks(pack_q4_0(q), scale)
+    assert (lin.in_features, lin.out_features, lin.q.numel()) == (96, 40, 40 * 48) and "Q4_0" in repr(lin)
+    W = (q.double().view(40, 3, 32) * scale.double()[..., None]).reshape(40, 96)
+    assert torch.equal(lin.weight.double(), W.float().double())
+    with torch.no_grad():
+        few, many = torch.randn(2, 96, generator=g), torch.randn(20, 96, generator=g)
+        assert torch.equal(lin(few), qgemv.q4_0_gemv(few, lin.q, scale, None))
+        assert _rel(lin(many), many.double() @ W.T) <= 1e-6
+        monkeypatch.setattr(qgemv, "Q8_0_EXACT", True)
+        assert _rel(lin(few), few.double() @ W.T) <= 1e-6
+    with pytest.raises(ValueError, match="from_blocks"):
+        Int8Linear.from_blocks(pack_q4_0(q), torch.rand(40, 6))             # Q4_0's bytes need blocks of 32

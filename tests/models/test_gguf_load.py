@@ -69,6 +69,8 @@ def test_quantised_file_equals_its_weights_dequantised_by_gguf(tmp_path, kind, o
     assert len(quantised) == sum(t == outtype.upper() for g, t in types.items() if g != "token_embd.weight") + \
         (kind == "mamba")
     assert ours.quantized == "int8" and all(m.scale.shape[1] == m.in_features // 32 for m in quantised)
+    # Q4_0's nibbles kept as the file packs them (half a byte a weight), Q8_0's int8 codes
+    assert all(m.q.dtype == (torch.uint8 if outtype == "q4_0" else torch.int8) for m in quantised)
     save_pretrained(ours, tmp_path / "saved")            # a quantised folder keeps the blocks, bit for bit
     again, _ = from_pretrained(tmp_path / "saved")
     with torch.no_grad():

@@ -48,18 +48,17 @@ def assert_steps_agree(monkeypatch, module, m, m64, steps: int, prompt: int = 9,
 
 def assert_quantized_block_agrees(monkeypatch, module, mixer_cls, pattern: str, kind: str, tol: float,
                                   **options) -> int:
-    """A model of ``pattern`` blocks without MLPs whose in_proj, out_proj and head are ``kind`` ("int8": per
-    channel; "int4": groups of 32; "int8 blocks": in_proj, out_proj and Mamba's x_proj per block of 32 as a GGUF
-    file's Q8_0, x rounded per block as for "int8"; "int8 blocks of 16": per block of 16 as Q6_K's, x exact:
-    within 1e-5 of the modules), else the small x_proj / dt_proj float32 as at mamba-130m's
-    shape, decoding 1 and the most rows the block kernel takes for them (``kernels.qgemv.BLOCK_INT8Q_ROWS``,
-    ``INT4_ROWS``, ``INT8_ROWS``): the block
-    kernel's logits within 1% of the logits' scale of the same model's steps through its modules (the same
-    products one call each: ``mixer_cls.fused_block`` refused, INT8Q_ROWS raised to the block's; not 1e-5 as in
-    float32: x rounded to int8 per block of 32 is a step function, and the two paths' norms differ in the last
-    bit, so now and then one code of x differs by one - 3.5e-3 of the scale here) and within ``tol`` of a float64
-    copy's with the dequantised weights; one row more runs the modules. Returns how often a ``module.BlockStep``
-    ran."""
+    """A model of ``pattern`` blocks without MLPs whose in_proj, out_proj and head are ``kind`` ("int8": per channel;
+    "int4": groups of 32; "int8 blocks": in_proj, out_proj and Mamba's x_proj per block of 32 as a GGUF file's Q8_0,
+    x rounded per block as for "int8"; "int8 blocks of 16": per block of 16 as Q6_K's, x exact: within 1e-5 of the
+    modules; "q4_0": 4-bit codes per block of 32 as a Q4_0 file packs them, x rounded), else the small x_proj /
+    dt_proj float32 as at mamba-130m's shape, decoding 1 and the most rows the block kernel takes for them
+    (``kernels.qgemv.BLOCK_INT8Q_ROWS``, ``INT4_ROWS``, ``INT8_ROWS``): the block kernel's logits within 1% of the
+    logits' scale of the same model's steps through its modules (the same products one call each:
+    ``mixer_cls.fused_block`` refused, INT8Q_ROWS raised to the block's; not 1e-5 as in float32: x rounded to int8
+    per block of 32 is a step function, and the two paths' norms differ in the last bit, so now and then one code of
+    x differs by one - 3.5e-3 of the scale here) and within ``tol`` of a float64 copy's with the dequantised
+    weights; one row more runs the modules. Returns how often a ``module.BlockStep`` ran."""
     from subquad.kernels import qgemv
     from subquad.models.quant import Int8Linear, quantize
 
@@ -67,13 +66,16 @@ def assert_quantized_block_agrees(monkeypatch, module, mixer_cls, pattern: str, 
     m = LanguageModel(ModelConfig(vocab_size=300, d_model=64, n_layers=2, pattern=pattern, mlp=False,
                                   mixer_options=options)).eval()
     exact = kind == "int8 blocks of 16"
-    if kind.startswith("int8 blocks"):                  # a GGUF file's matrices: scales per block of 32 (Q8_0) or 16
-        size = 16 if exact else 32
+    if kind.startswith("int8 blocks") or kind == "q4_0":   # a GGUF file's: scales per block of 32 (Q8_0, Q4_0), 16
+        from subquad.models.quant import pack_q4_0
+
+        size, top = (16 if exact else 32), (7 if kind == "q4_0" else 127)
         for blk in m.blocks:
             for name in ("in_proj", "out_proj") + (("x_proj",) if pattern == "mamba" else ()):
                 w = getattr(blk.mixer, name).weight.detach()
-                s = (w.view(w.shape[0], -1, size).abs().amax(-1) / 127).clamp_min(1e-12)
+                s = (w.view(w.shape[0], -1, size).abs().amax(-1) / top).clamp_min(1e-12)
                 q = torch.round(w.view(w.shape[0], -1, size) / s[..., None]).to(torch.int8).view_as(w)
+                q = pack_q4_0(q) if kind == "q4_0" else q
                 setattr(blk.mixer, name, Int8Linear.from_blocks(q.contiguous(), s.contiguous()))
     else:
         quantize(m, kind, min_weights=8192, group_size=32)
@@ -88,7 +90,7 @@ def assert_quantized_block_agrees(monkeypatch, module, mixer_cls, pattern: str, 
     real = module.BlockStep.__call__
     monkeypatch.setattr(module.BlockStep, "__call__", lambda *a: calls.append(1) or real(*a))
     own = mixer_cls.fused_block
-    most = qgemv.INT8_ROWS if kind.startswith("int8 blocks") else {"int8": qgemv.BLOCK_INT8Q_ROWS,
+    most = qgemv.INT8_ROWS if kind.startswith("int8 blocks") or kind == "q4_0" else {"int8": qgemv.BLOCK_INT8Q_ROWS,
                                                                     "int4": qgemv.INT4_ROWS}[kind]
     for rows in (1, most):
         ids = torch.randint(0, 300, (rows, 7), generator=torch.Generator().manual_seed(rows))

@@ -66,7 +66,7 @@ def test_a_model_without_mlps_takes_it_and_agrees_with_its_blocks(monkeypatch, o
 
 
 @pytest.mark.parametrize("kind,tol", [("int8", 5e-2), ("int4", 0.15), ("int8 blocks", 5e-2),
-                                      ("int8 blocks of 16", 1e-5)])
+                                      ("int8 blocks of 16", 1e-5), ("q4_0", 5e-2)])
 def test_quantized_projections_take_it_for_a_few_rows(monkeypatch, kind, tol):
     """int8 (per channel) and int4 in_proj and out_proj, x rounded per block of 32 inside the kernel as their
     modules' products round it, and int8 per block (a GGUF Q8_0 file's, x exact): the block in one call agrees

@@ -126,7 +126,7 @@ def test_a_compiled_block_leaves_it_to_the_graph_without_a_guard_on_the_batch():
 
 
 @pytest.mark.parametrize("kind,tol", [("int8", 5e-2), ("int4", 0.15), ("int8 blocks", 5e-2),
-                                      ("int8 blocks of 16", 1e-5)])
+                                      ("int8 blocks of 16", 1e-5), ("q4_0", 5e-2)])
 def test_quantized_projections_take_it_for_a_few_rows(monkeypatch, kind, tol):
     """int8 (per channel) and int4 in_proj and out_proj, x rounded per block of 32 inside the kernel as their
     modules' products round it, and int8 per block (a GGUF Q8_0 file's, x rounded per block; Q6_K's blocks of 16,

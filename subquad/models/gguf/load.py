@@ -7,10 +7,11 @@ as for a folder (every tensor used once, every config field honoured or refused)
     F32, F16, BF16        read as float32 (or ``dtype``)
     Q8_0, Q4_0, Q4_K, Q6_K  a projection's matrix (an ``nn.Linear``) is kept quantised, exactly:
                           ``Int8Linear.from_blocks`` (int8 codes, a float32 scale - and for Q4_K an offset -
-                          per block of 32, or 16 for Q6_K; 8 bits a weight against Q4_0's 4.5: torch's int4
-                          kernel takes bfloat16 scales, which cannot hold GGUF's float16 ones exactly, and
-                          rounds x to bfloat16). A mixture's stacked experts ((E, N, K), ``ffn_*_exps``)
-                          too, one such module per expert, where all of a layer's are of block types
+                          per block of 32, or 16 for Q6_K; Q4_0's nibbles as the file packs them, 4 bits a
+                          weight, multiplied in C as llama.cpp does: torch's int4 kernel takes bfloat16
+                          scales, which cannot hold GGUF's float16 ones exactly). A mixture's stacked
+                          experts ((E, N, K), ``ffn_*_exps``) too, one such module per expert, where all
+                          of a layer's are of block types
                           (``_install_experts``). Anything else quantised (the embedding, which is looked up,
                           not multiplied; a tensor the converter reshaped) is dequantised, with a warning
                           naming the tensor and its type. A tied head (no ``output.weight``) gets its own
@@ -207,9 +208,11 @@ def _linear(q, scale, offset, kind: str, bias, quantize):
     scales (and Q4_K's offsets, as zeros) rounded to bfloat16, in groups of 32 (torch's int4 kernel); another
     type requantised to int4 from its dequantised weights."""
     from subquad.models.gguf.reader import block_dequantize
-    from subquad.models.quant import Int4Linear, Int8Linear, pair_k
+    from subquad.models.quant import Int4Linear, Int8Linear, pack_q4_0, pair_k
 
     if quantize is None:
+        if kind == "Q4_0" and offset is None and scale.shape[1] * 32 == q.shape[1]:   # its 4-bit bytes, as stored
+            return Int8Linear.from_blocks(pack_q4_0(q), scale, None, bias)
         return Int8Linear.from_blocks(q, scale, offset, bias)
     if quantize == "int8":
         return Int8Linear(block_dequantize(q, scale, offset), bias)

@@ -37,7 +37,7 @@ def proj_args(w) -> tuple:
     """(weight, scale, kind, groups) as the block kernels take a projection (``qgemv.c``'s proj_gemv): ``w`` a
     float32 matrix, row-major (kind 0) or column-major (1), or already such a tuple
     (``layers.mamba.kernel_weight``: int8 per output channel, kind 2; int4 in torch's packed layout, 3-5; int8
-    per block of inputs, x exact, 6)."""
+    per block of inputs, x exact, 6, or x rounded per block (Q8_0), 7; Q4_0's packed nibbles, 8)."""
     if isinstance(w, tuple):
         return w
     return w, None, int(not w.is_contiguous()), 0
