@@ -244,10 +244,13 @@ void int8q_gemv(int64_t M, int64_t N, int64_t K, int64_t G, int threads, const f
 /* q4_0_gemv: a GGUF file's Q4_0 matrix as it is stored, times x rounded per block of 32 (quantize_q8) - llama.cpp's
  * Q4_0 x Q8_0 product: y[m, n] = sum_b scale[n, b] d[m, b] ((u - 8) . c)_b + bias[n], with u the block's 32
  * nibbles (q (N, K / 2) bytes, 16 per block: byte j's low nibble is value j, its high nibble value 16 + j) and
- * (u - 8) . c = u . c - 8 sum(c). u is unsigned and c signed, so maddubs takes them as they are. */
-static inline float q4_dot(const uint8_t *q, int64_t nb, const int8_t *c, const float *d, const float *ws) {
+ * (u - 8) . c = u . c - 8 sum(c): u is unsigned and c signed, so maddubs takes them as they are, and 8 sum(c) - the
+ * same for every row of q - comes once per call (cs: sum(c) per block of x) into a scalar sum beside. */
+static inline float q4_dot(const uint8_t *q, int64_t nb, const int8_t *c, const float *d, const float *cs,
+                           const float *ws) {
+    float corr = 0.0f;                                  /* sum_b ws d sum(c): times 8, taken off at the end */
 #if SIMD
-    const __m256i ones = _mm256_set1_epi16(1), low = _mm256_set1_epi8(15), eight = _mm256_set1_epi8(8);
+    const __m256i ones = _mm256_set1_epi16(1), low = _mm256_set1_epi8(15);
     __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
     int64_t b = 0;
     for (; b + 2 <= nb; b += 2) {
@@ -257,16 +260,16 @@ static inline float q4_dot(const uint8_t *q, int64_t nb, const int8_t *c, const 
         const __m256i u0 = _mm256_permute2x128_si256(lo, hi, 0x20), u1 = _mm256_permute2x128_si256(lo, hi, 0x31);
         const __m256i x0 = _mm256_loadu_si256((const __m256i *)(c + 32 * b));
         const __m256i x1 = _mm256_loadu_si256((const __m256i *)(c + 32 * b + 32));
-        const __m256i p0 = _mm256_madd_epi16(_mm256_sub_epi16(_mm256_maddubs_epi16(u0, x0),
-                                                              _mm256_maddubs_epi16(eight, x0)), ones);
-        const __m256i p1 = _mm256_madd_epi16(_mm256_sub_epi16(_mm256_maddubs_epi16(u1, x1),
-                                                              _mm256_maddubs_epi16(eight, x1)), ones);
-        a0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p0), _mm256_set1_ps(d[b] * ws[b]), a0);
-        a1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p1), _mm256_set1_ps(d[b + 1] * ws[b + 1]), a1);
+        const __m256i p0 = _mm256_madd_epi16(_mm256_maddubs_epi16(u0, x0), ones);
+        const __m256i p1 = _mm256_madd_epi16(_mm256_maddubs_epi16(u1, x1), ones);
+        const float s0 = d[b] * ws[b], s1 = d[b + 1] * ws[b + 1];
+        a0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p0), _mm256_set1_ps(s0), a0);
+        a1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p1), _mm256_set1_ps(s1), a1);
+        corr += s0 * cs[b] + s1 * cs[b + 1];
     }
-    float s = hsum8(_mm256_add_ps(a0, a1));
+    float s = hsum8(_mm256_add_ps(a0, a1)) - 8.0f * corr;
 #else
-    float s = 0.0f;
+    float s = 0.0f * corr;
     int64_t b = 0;
 #endif
     for (; b < nb; b++) {                               /* the odd block (and every block without AVX2) */
@@ -283,11 +286,19 @@ void q4_0_gemv(int64_t M, int64_t N, int64_t K, int threads, const float *x, int
                const float *scale, const float *bias, float *y, int8_t *xq, float *xd) {
     const int64_t nb = K / 32;
     quantize_q8(M, K, x, ldx, xq, xd);
+    float *cs = malloc(M * nb * sizeof(float));
+    for (int64_t i = 0; i < M * nb; i++) {              /* sum(c) per block: exact in a float (|sum| < 2^12) */
+        int32_t t = 0;
+        for (int j = 0; j < 32; j++)
+            t += xq[32 * i + j];
+        cs[i] = (float)t;
+    }
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t n = 0; n < N; n++)
         for (int64_t m = 0; m < M; m++)
-            y[m * N + n] = q4_dot(q + n * (K / 2), nb, xq + m * K, xd + m * nb, scale + n * nb)
+            y[m * N + n] = q4_dot(q + n * (K / 2), nb, xq + m * K, xd + m * nb, cs + m * nb, scale + n * nb)
                            + (bias ? bias[n] : 0.0f);
+    free(cs);
 }
 
 #if SIMD
