@@ -91,13 +91,16 @@ def q4_0_gemv(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bias: torch
     float32, bias (N,) or None -> (..., N) float32, x's rows rounded to int8 per block of 32 (llama.cpp's Q4_0 x
     Q8_0 product; ``qgemv.c``'s q4_0_gemv)."""
     x2 = _rows(x)
-    M, K = x2.shape
-    N = q.shape[0]
-    y = x2.new_empty(M, N)
-    codes = torch.empty(M * K, dtype=torch.int8)
-    d = x2.new_empty(M * (K // 32))
+    (M, K), N = x2.shape, q.shape[0]
+    y, codes, d = _rounding_scratch(x2, N)
     Q4_0(M, N, K, torch.get_num_threads(), x2, x2.stride(0), q, scale, bias, y, codes, d)
     return y.view(*x.shape[:-1], N)
+
+
+def _rounding_scratch(x2: torch.Tensor, N: int):
+    """y (M, N) and what a kernel that rounds x (M, K) per block of 32 writes first: codes (M K) int8, scales."""
+    M, K = x2.shape
+    return x2.new_empty(M, N), torch.empty(M * K, dtype=torch.int8), x2.new_empty(M * (K // 32))
 
 
 def int4_gemv(x: torch.Tensor, w: torch.Tensor, scale_zero: torch.Tensor, bias: torch.Tensor | None,
@@ -130,11 +133,8 @@ def int8q_gemv(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bias: torc
     per block of 32 (``qgemv.c``'s int8q_gemv: y = scale (sum_b d_b q_b . c_b) + bias, or per block
     sum_b scale_b d_b q_b . c_b + bias, x_b ~ d_b c_b)."""
     x2 = _rows(x)
-    M, K = x2.shape
-    N = q.shape[0]
-    y = x2.new_empty(M, N)
-    codes = torch.empty(M * K, dtype=torch.int8)
-    d = x2.new_empty(M * (K // 32))
+    (M, K), N = x2.shape, q.shape[0]
+    y, codes, d = _rounding_scratch(x2, N)
     G = 1 if scale.dim() == 1 else scale.shape[1]
     INT8Q(M, N, K, G, torch.get_num_threads(), x2, x2.stride(0), q, scale, bias, y, codes, d)
     return y.view(*x.shape[:-1], N)

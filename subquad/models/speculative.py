@@ -313,7 +313,12 @@ def _verify(model, tokens, state, how):
     step = getattr(model, "_decode_step", None)
     kept = how != "replay" and keeps_states(model, tokens)
     if how is None:
-        how = "replay" if not kept else "compiled" if step is not None else "states" if _one_call(model) else "replay"
+        if not kept:
+            how = "replay"
+        elif step is not None:
+            how = "compiled"
+        else:
+            how = "states" if _one_call(model) else "replay"
     if how != "replay":
         if not kept:
             raise ValueError(f"how={how!r} needs every part of the state kept per token (keeps_states): this model's "

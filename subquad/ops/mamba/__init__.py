@@ -4,8 +4,11 @@
     y_t = C_t . h_t + D x_t                             (times silu(z_t) when z is given)
 
 Shapes: x, dt, z (B, T, Dm); A (Dm, N) negative; B, C (B, T, N); D (Dm,);
-state (B, Dm, N). Unlike the reference CUDA kernel, every form takes an
-``initial_state`` and can return the final one, so prefill and decoding compose.
+state (B, Dm, N). A float32 prefill on the CPU without gradients (mode "chunk") runs the recurrent form's
+token loop as one C call instead (``fused_scan``; its reference is the recurrent form), which also gives a
+verification the state after every token (``selective_scan.per_token``, for ``layers.rollback.PerToken``).
+Unlike the reference CUDA kernel, every form takes an ``initial_state`` and can return the final one, so
+prefill and decoding compose.
 
 Example:
     >>> import torch
