@@ -14,6 +14,7 @@
 #include "common.h"
 
 #define CB 32
+#define PF_T 4        /* tokens ahead to prefetch */
 
 static void scan_item(int64_t T, int64_t N, int64_t nc, const float *x, int64_t xs, const float *dt, int64_t ds,
                       const float *z, int64_t zs, const float *Bm, int64_t bs, const float *Cm, int64_t cs,
@@ -28,6 +29,14 @@ static void scan_item(int64_t T, int64_t N, int64_t nc, const float *x, int64_t 
     float dv[CB], dx[CB], yv[CB];
     for (int64_t t = 0; t < T; t++) {
         const float *xt = x + t * xs, *dtt = dt + t * ds, *bt = Bm + t * bs, *ct = Cm + t * cs;
+        if (t + PF_T < T) {                                      /* a later token's rows: strided, so no    */
+            __builtin_prefetch(xt + PF_T * xs);                  /* hardware prefetcher follows them        */
+            __builtin_prefetch(dtt + PF_T * ds);
+            __builtin_prefetch(bt + PF_T * bs);
+            __builtin_prefetch(ct + PF_T * cs);
+            if (z)
+                __builtin_prefetch(z + (t + PF_T) * zs);
+        }
         for (int64_t c = 0; c < CB; c++) {
             dv[c] = c < nc ? dtt[c] : 0.0f;
             dx[c] = c < nc ? dtt[c] * xt[c] : 0.0f;
