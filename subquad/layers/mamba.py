@@ -30,7 +30,7 @@ from subquad.layers.linear import C_ROWS, Linear
 from subquad.layers.norm import RMSNorm
 from subquad.layers.sequence import SingleDevice
 from subquad.ops import selective_scan
-from subquad.ops.mamba import fused_block, fused_step
+from subquad.ops.mamba import fused_block, fused_scan, fused_step
 from subquad.ops.common.autograd import wants_grad
 from subquad.ops.common.checks import state_dtype
 
@@ -148,9 +148,15 @@ class Mamba(Mixer):
     State: {"ssm": (B, d_inner, N) float32 (float64 for float64), "conv": (B, conv_size - 1, d_inner)}.
     """
     piece_size = 2048   # fixed state: long forwards run in pieces (base.Mixer.forward); bench_pieces.py's best
-    # under layers.rollback.PER_TOKEN its scan keeps every token's state in one call (ops.mamba.fused_scan), so an
-    # eager verification keeps states rather than replaying (models.speculative.verify)
-    per_token_states = True
+
+    @property
+    def per_token_states(self) -> bool:
+        """Whether under ``layers.rollback.PER_TOKEN`` its scan keeps every token's state in one call (the C kernel,
+        ``ops.mamba.fused_scan``: float32 on the CPU, kernels on and built), so that an eager verification keeps
+        states rather than replaying (``models.speculative.verify``); elsewhere the per-token loop would be slower."""
+        return self.A_log.dtype == torch.float32 and self.A_log.is_cpu and kernels.enabled() \
+            and fused_scan.KERNEL.available()
+
     def __init__(self, d_model: int, d_state: int = 16, conv_size: int = 4, expand: int = 2, dt_rank: int | None = None,
                  dt_min: float = 1e-3, dt_max: float = 0.1, bcdt_rms_eps: float | None = None,
                  bcdt_rms_weight: bool = False, heads: int = 1, mode: str = "chunk", chunk_size: int = 64):

@@ -650,7 +650,8 @@ def test_the_compiled_verification_keeps_the_states_per_token_and_decodes_as_pla
 def test_an_eager_mamba_verification_keeps_its_states_from_the_scan_kernel():
     """Eagerly, a model whose recurrent parts keep their per-token states in one call (Mamba's scan kernel,
     ``per_token_states``) verifies by keeping them (``KeptStates``: accept picks, nothing replays); another
-    recurrence replays. float32: the kernel's path; the state after accepting j equals a prefill of those j."""
+    recurrence replays, and so does a float64 Mamba (no kernel: a per-token loop would cost more than the replay).
+    float32: the kernel's path; the state after accepting j equals a prefill of those j."""
     from subquad.ops.mamba import fused_scan
 
     model = tiny("mamba,softmax", scale=3.0).float()
@@ -667,3 +668,6 @@ def test_an_eager_mamba_verification_keeps_its_states_from_the_scan_kernel():
             assert same_state(a, b, atol=1e-5) is None
         _, o_start = other.prefill(drafts, logits="last")
         assert type(other.verify(drafts, o_start)[1]).__name__ == "Verification"
+        wide = tiny("mamba,softmax")                                     # float64: no kernel, so it replays
+        _, w_start = wide.prefill(drafts, logits="last")
+        assert type(wide.verify(drafts, w_start)[1]).__name__ == "Verification"
