@@ -48,9 +48,11 @@ Q8_0_EXACT = os.environ.get("SUBQUAD_Q8_0_EXACT") == "1"
 
 
 def rounds_x(q: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor | None) -> bool:
-    """Whether a blocked int8 product of a few rows (``models.quant.int8_block_linear``, a Mamba block's one call)
-    rounds x per block of 32 (``int8q_gemv``): Q8_0's form - blocks of 32, no offsets - unless ``Q8_0_EXACT``."""
-    return not Q8_0_EXACT and offset is None and scale.dim() == 2 and scale.shape[1] * 32 == q.shape[1]
+    """Whether a blocked product of a few rows (``models.quant.int8_block_linear``, a Mamba block's one call)
+    rounds x per block of 32 (``int8q_gemv``, ``q4_0_gemv``): Q8_0's and Q4_0's form - blocks of 32, no offsets,
+    q int8 codes or Q4_0's packed nibbles (uint8, two a byte) - unless ``Q8_0_EXACT``."""
+    K = q.shape[1] * (2 if q.dtype == torch.uint8 else 1)
+    return not Q8_0_EXACT and offset is None and scale.dim() == 2 and scale.shape[1] * 32 == K
 
 
 INT8 = Kernel("int8_gemv", [I64, I64, I64, I64, INT, PTR, I64, PTR, PTR, PTR, PTR, PTR, PTR], "qgemv")

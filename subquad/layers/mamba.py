@@ -48,7 +48,7 @@ def kernel_weight(lin, rows: int):
         return lin.weight if fused_block.layout(lin.weight) else None
     q, scale = getattr(lin, "q", None), getattr(lin, "scale", None)
     if isinstance(q, torch.Tensor) and q.dtype == torch.uint8 and q.is_cpu and q.is_contiguous():   # Q4_0's bytes
-        ok = scale.is_contiguous() and rows <= qgemv.INT8_ROWS and not qgemv.Q8_0_EXACT
+        ok = scale.is_contiguous() and rows <= qgemv.INT8_ROWS and qgemv.rounds_x(q, scale, None)
         return (q, scale, 8, scale.shape[1]) if ok else None
     if isinstance(q, torch.Tensor) and q.dtype == torch.int8 and q.is_cpu and q.is_contiguous():
         if scale.dim() == 1 and q.shape[1] % 32 == 0 and rows <= qgemv.BLOCK_INT8Q_ROWS:

@@ -157,12 +157,12 @@ def int8_block_linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, off
     the C kernel for a few float32 rows, else x times the dequantised weight (the reference). Blocks of 32
     without offsets (GGUF's Q8_0) round those rows of x to int8 per block first, as llama.cpp's Q8_0 product
     does (``qgemv.int8q_gemv``: ~2x fewer instructions per weight than widening them); other blocks keep x."""
-    if q.dtype == torch.uint8:                          # Q4_0's nibbles as the file packs them
-        if not qgemv.Q8_0_EXACT and qgemv.usable(qgemv.Q4_0, x, qgemv.INT8_ROWS):
-            return qgemv.q4_0_gemv(x, q, scale, bias)
+    if qgemv.rounds_x(q, scale, offset):                # Q8_0 / Q4_0: x rounded per block of 32, as llama.cpp's
+        packed = q.dtype == torch.uint8                  # products (Q4_0's nibbles as the file packs them)
+        if qgemv.usable(qgemv.Q4_0 if packed else qgemv.INT8Q, x, qgemv.INT8_ROWS):
+            return (qgemv.q4_0_gemv if packed else qgemv.int8q_gemv)(x, q, scale, bias)
+    if q.dtype == torch.uint8:
         q = unpack_q4_0(q)
-    if qgemv.rounds_x(q, scale, offset) and qgemv.usable(qgemv.INT8Q, x, qgemv.INT8_ROWS):
-        return qgemv.int8q_gemv(x, q, scale, bias)      # Q8_0: x rounded per block of 32, as llama.cpp's product
     if qgemv.usable(qgemv.INT8, x, qgemv.INT8_ROWS):
         return qgemv.int8_gemv(x, q, scale, offset, bias)
     return F.linear(x, dequantize_blocks(q, scale, offset, x.dtype), None if bias is None else bias.to(x.dtype))
