@@ -6,8 +6,10 @@ mamba-130m's matrices, 1 to 16 rows, 2 threads, rounds interleaved.
 
     python benchmarks/bench_qgemv.py                  # ~1 min; writes results/qgemv.{md,png}
     python benchmarks/bench_qgemv.py --from-memory    # each call another copy: weights read from memory
+    python benchmarks/bench_qgemv.py --from-memory --kinds "float32 C,float32 oneDNN" --rows 1,2,3,4,8,12,16
 
-us per call (median of the rounds) and the weights' read bound (bytes over ``--bandwidth`` GB/s). Without
+us per call (median of the rounds) and the weights' read bound (bytes over ``--bandwidth`` GB/s); then the
+float32 C kernel's rate against the matmul rate of the same run (issue 53's batch-16 target: >= 60%). Without
 ``--from-memory`` a matrix stays in the cache from one call to the next (the head excepted: 154 MB in float32);
 a decoding step reads each of its matrices once, from memory.
 """
@@ -57,6 +59,7 @@ def main(argv=None):
     ap.add_argument("--bandwidth", type=float, default=27.4, help="GB/s for the read bound column")
     ap.add_argument("--from-memory", action="store_true",
                     help="copies of each matrix, > 256 MB of float32 in all, called in turn")
+    ap.add_argument("--kinds", default="", help="comma-separated columns to time (default: every one)")
     a = ap.parse_args(argv)
     torch.set_num_threads(a.threads)
     import torch.nn.functional as F
@@ -95,7 +98,11 @@ def main(argv=None):
                                                                                *layout)
                 row["int4 torch"] = lambda w, l8, l4, b, x=x: torch.ops.aten._weight_int4pack_mm_for_cpu(
                     x.bfloat16(), l4.w, 128, l4.scale_zero).float()
-            cases.append((name, N, K, M, {k: rotating(fn, sets) for k, fn in row.items()}))
+            keep = set(a.kinds.split(",")) - {""} or set(row)
+            unknown = keep - set(row) - {"int4 C", "int4 torch"}
+            if unknown:
+                ap.error(f"--kinds: unknown {sorted(unknown)}; known: {sorted(row)}")
+            cases.append((name, N, K, M, {k: rotating(fn, sets) for k, fn in row.items() if k in keep}))
     budget = 0.15
     for r in range(a.rounds):
         for name, N, K, M, row in cases:
@@ -103,7 +110,8 @@ def main(argv=None):
                 results.setdefault((name, M, kind), []).append(per_call(fn, budget * (3 if "head" in name else 1)))
         print(f"round {r + 1}/{a.rounds}", flush=True)
     kinds = list(cases[0][4])
-    machine = machine_line(matmul_gflops())
+    rate = matmul_gflops()
+    machine = machine_line(rate)
     where = "each call another copy of the matrix (from memory)" if a.from_memory else "the same matrix each call"
     lines = [f"us per call, median of {a.rounds} rounds, {a.threads} threads, {where}; {machine}", "",
              "| matrix | rows | " + " | ".join(kinds) + " | float32 / int8 / int4 read bound |",
@@ -112,6 +120,12 @@ def main(argv=None):
         med = [statistics.median(results[(name, M, k)]) for k in kinds]
         bound = " / ".join(f"{N * K * b / a.bandwidth / 1e3:.0f}" for b in (4, 1, 0.5))
         lines.append(f"| {name} | {M} | " + " | ".join(f"{v:.0f}" for v in med) + f" | {bound} |")
+    if "float32 C" in kinds:
+        lines += ["", f"float32 C: GFLOP/s (2 M N K over the median time) and its share of this run's matmul rate "
+                      f"({rate:.0f} GFLOP/s)", "", "| matrix | rows | GFLOP/s | share |", "|---|---:|---:|---:|"]
+        for name, N, K, M, row in cases:
+            g = 2 * M * N * K / statistics.median(results[(name, M, "float32 C")]) / 1e3     # us per call
+            lines.append(f"| {name} | {M} | {g:.0f} | {g / rate:.0%} |")
     print("\n".join(lines))
     OUT.mkdir(exist_ok=True)
     stem = "qgemv_memory" if a.from_memory else "qgemv"

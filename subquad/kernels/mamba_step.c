@@ -15,6 +15,30 @@
 
 #include "common.h"
 
+#define SCAN_N 256                                          /* state sizes whose decays a channel keeps */
+
+/* w (n,) against four rows of u: out[i] = w . u[i], k in steps of 8 (then a scalar tail). */
+static inline void dot_rows4(const float *w, const float *const u[4], int64_t n, float out[4]) {
+    int64_t k = 0;
+    for (int i = 0; i < 4; i++)
+        out[i] = 0.0f;
+#if SUBQUAD_AVX2
+    __m256 a[4];
+    for (int i = 0; i < 4; i++)
+        a[i] = _mm256_setzero_ps();
+    for (; k + 8 <= n; k += 8) {
+        const __m256 wv = _mm256_loadu_ps(w + k);
+        for (int i = 0; i < 4; i++)
+            a[i] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(u[i] + k), a[i]);
+    }
+    for (int i = 0; i < 4; i++)
+        out[i] = hsum8(a[i]);
+#endif
+    for (; k < n; k++)
+        for (int i = 0; i < 4; i++)
+            out[i] += w[k] * u[i][k];
+}
+
 void mamba_step(int64_t B, int64_t D, int64_t N, int64_t R, int64_t K, int64_t heads, int threads,
                 const float *xz, int64_t xz_row,                       /* (B, 2D): x, then z; row stride */
                 const float *conv_state, const float *conv_w,          /* (B, K-1, D); (D, K) */
@@ -39,21 +63,22 @@ void mamba_step(int64_t B, int64_t D, int64_t N, int64_t R, int64_t K, int64_t h
 #pragma omp barrier
         j0 = heads * J * t / nt;                            /* x_proj: rows of wx (all heads') by thread */
         j1 = heads * J * (t + 1) / nt;
-        for (int64_t j = j0; j < j1; j++) {
+        for (int64_t j = j0; j < j1; j++) {                 /* four rows of u per pass: four chains, w read once */
             const float *w = wx + j * hd;
             const int64_t hh = j / J;
-            for (int64_t b = 0; b < B; b++) {
-                const float *ub = u + b * D + hh * hd;
-                float acc = 0.0f;
-#pragma omp simd reduction(+ : acc)
-                for (int64_t c = 0; c < hd; c++)
-                    acc += w[c] * ub[c];
-                p[b * heads * J + j] = acc;
+            for (int64_t b0 = 0; b0 < B; b0 += 4) {
+                const float *ub[4];
+                for (int i = 0; i < 4; i++)                 /* past the last row: row b0 again, not stored */
+                    ub[i] = u + (b0 + i < B ? b0 + i : b0) * D + hh * hd;
+                float acc[4];
+                dot_rows4(w, ub, hd, acc);
+                for (int i = 0; i < 4 && b0 + i < B; i++)
+                    p[(b0 + i) * heads * J + j] = acc[i];
             }
         }
 #pragma omp barrier
-        for (int64_t b = 0; b < B; b++) {                   /* dt_proj, softplus, the scan, the gate */
-            const float *pr = p + b * heads * J, *z = xz + b * xz_row + D;   /* head hh's dt, B, C at pr + hh J */
+        for (int64_t b = 0; b < B; b++) {                   /* dt_proj, softplus: dt (B, D) */
+            const float *pr = p + b * heads * J;            /* head hh's dt, B, C at pr + hh J */
             float *dt = dts + b * D;
             for (int64_t c = c0; c < c1; c++)
                 dt[c] = bdt[c];
@@ -83,10 +108,23 @@ void mamba_step(int64_t B, int64_t D, int64_t N, int64_t R, int64_t K, int64_t h
                 }
             }
             softplus_n(dt + c0, c1 - c0);
-            for (int64_t c = c0; c < c1; c++) {
-                const float d = dt[c], du = d * u[b * D + c];
+        }
+        for (int64_t c = c0; c < c1; c++) {                 /* the scan: a channel's decays once for every row */
+            const float *al = A_log + c * N;
+            float a[SCAN_N];                                /* exp(A_log[c]) where N fits, else per row below */
+            const int keep = N <= SCAN_N;
+            int64_t n8 = 0;                                 /* each exp as the loop below would take it */
+#if SUBQUAD_AVX2
+            for (; keep && n8 + 8 <= N; n8 += 8)
+                _mm256_storeu_ps(a + n8, exp8(_mm256_loadu_ps(al + n8)));
+#endif
+            for (int64_t n = n8; keep && n < N; n++)
+                a[n] = exp_f(al[n]);
+            for (int64_t b = 0; b < B; b++) {
+                const float *pr = p + b * heads * J;
+                const float d = dts[b * D + c], du = d * u[b * D + c];
                 const float *Bv = pr + (c / hd) * J + R, *Cv = Bv + N;
-                const float *hc = h + (b * D + c) * N, *al = A_log + c * N;
+                const float *hc = h + (b * D + c) * N;
                 float *ho = h_out + (b * D + c) * N;
                 float acc = 0.0f;
                 int64_t n = 0;
@@ -94,7 +132,8 @@ void mamba_step(int64_t B, int64_t D, int64_t N, int64_t R, int64_t K, int64_t h
                 __m256 av = _mm256_setzero_ps();
                 const __m256 md = _mm256_set1_ps(-d), duv = _mm256_set1_ps(du);
                 for (; n + 8 <= N; n += 8) {
-                    const __m256 e = exp8(_mm256_mul_ps(md, exp8(_mm256_loadu_ps(al + n))));
+                    const __m256 an = keep ? _mm256_loadu_ps(a + n) : exp8(_mm256_loadu_ps(al + n));
+                    const __m256 e = exp8(_mm256_mul_ps(md, an));
                     const __m256 hn = _mm256_fmadd_ps(e, _mm256_loadu_ps(hc + n),
                                                       _mm256_mul_ps(duv, _mm256_loadu_ps(Bv + n)));
                     _mm256_storeu_ps(ho + n, hn);
@@ -103,13 +142,14 @@ void mamba_step(int64_t B, int64_t D, int64_t N, int64_t R, int64_t K, int64_t h
                 acc = hsum8(av);
 #endif
                 for (; n < N; n++) {
-                    float hn = exp_f(-d * exp_f(al[n])) * hc[n] + du * Bv[n];
+                    float hn = exp_f(-d * (keep ? a[n] : exp_f(al[n]))) * hc[n] + du * Bv[n];
                     ho[n] = hn;
                     acc += Cv[n] * hn;
                 }
                 y[b * D + c] = acc + Dp[c] * u[b * D + c];
             }
-            mul_silu_n(y + b * D + c0, z + c0, c1 - c0);
         }
+        for (int64_t b = 0; b < B; b++)
+            mul_silu_n(y + b * D + c0, xz + b * xz_row + D + c0, c1 - c0);
     }
 }

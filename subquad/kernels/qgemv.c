@@ -2,7 +2,8 @@
  *
  * f32_gemv:   y[m, n] = sum_k w[n, k] x[m, k] + bias[n]      w (N, K) float32 row-major, x (M, K) with row
  *             stride ldx, y (M, N); f32_gemv_cm the same for w stored column-major (wt = w^T (K, N) row-major:
- *             ``models.decode.decode_layout``'s small wide matrices), 16 rows of x per pass over the weights.
+ *             ``models.decode.decode_layout``'s small wide matrices), 16 rows of x per pass over the weights;
+ *             from TILE_ROWS rows on f32_gemv computes tiles of outer products (below).
  * int8_gemv:  y[m, n] = sum_g scale[n, g] (sum_{k in g} q[n, k] x[m, k]) - offset[n, g] (sum_{k in g} x[m, k])
  *                       + bias[n]
  *             q (N, K) int8 row-major, scale (and offset, or NULL) (N, G) float32, G groups of K / G inputs
@@ -458,8 +459,120 @@ static inline void f32_dot4(const float *w, int64_t K, const float *x0, const fl
         }
 }
 
+/* From TILE_ROWS rows on, outer products against x^T: the matrix's rows stream through broadcasts, x^T packed
+ * k-major (xp, W = 8 or 16 columns: every row of x) stays in the cache, and each output is its own fma chain in
+ * k order, summed per block of KB inputs (float32's error grows with KB + K / KB terms, not K). A tile of 6
+ * weight rows x 16 rows of x holds 12 accumulators (the FMA units' latency times their count): compute-bound
+ * at 16 rows where the dot products above were at ~half the matmul rate (benchmarks/RESULTS.md). The
+ * entries do not depend on the other rows of x either, but differ in the last bits from the dot products'. */
+#define TILE_ROWS 3
+#define KB 128
+
+#if SIMD
+/* xp[k * W + m] = x[m, k], zero past M. */
+static void pack_xt(int64_t M, int64_t K, int64_t W, const float *x, int64_t ldx, float *xp) {
+    for (int64_t k = 0; k < K; k++)
+        for (int64_t m = 0; m < W; m++)
+            xp[k * W + m] = m < M ? x[m * ldx + k] : 0.0f;
+}
+
+/* rows w[0..5] against 16 columns of xp: out[i][m] = sum_k w[i K + k] xp[k 16 + m], one fma chain per entry. */
+static inline void tile6x16(int64_t K, const float *w, const float *xp, float out[6][16]) {
+    for (int i = 0; i < 6; i++)
+        for (int m = 0; m < 16; m++)
+            out[i][m] = 0.0f;
+    for (int64_t k0 = 0; k0 < K; k0 += KB) {
+        const int64_t k1 = k0 + KB < K ? k0 + KB : K;
+        __m256 a[6][2];
+        for (int i = 0; i < 6; i++)
+            a[i][0] = a[i][1] = _mm256_setzero_ps();
+        for (int64_t k = k0; k < k1; k++) {
+            const __m256 b0 = _mm256_load_ps(xp + k * 16), b1 = _mm256_load_ps(xp + k * 16 + 8);
+            for (int i = 0; i < 6; i++) {
+                const __m256 v = _mm256_broadcast_ss(w + i * K + k);
+                a[i][0] = _mm256_fmadd_ps(v, b0, a[i][0]);
+                a[i][1] = _mm256_fmadd_ps(v, b1, a[i][1]);
+            }
+        }
+        for (int i = 0; i < 6; i++) {
+            _mm256_storeu_ps(out[i], _mm256_add_ps(_mm256_loadu_ps(out[i]), a[i][0]));
+            _mm256_storeu_ps(out[i] + 8, _mm256_add_ps(_mm256_loadu_ps(out[i] + 8), a[i][1]));
+        }
+    }
+}
+
+static inline void tile12x8(int64_t K, const float *w, const float *xp, float out[12][8]) {
+    for (int i = 0; i < 12; i++)
+        for (int m = 0; m < 8; m++)
+            out[i][m] = 0.0f;
+    for (int64_t k0 = 0; k0 < K; k0 += KB) {
+        const int64_t k1 = k0 + KB < K ? k0 + KB : K;
+        __m256 a[12];
+        for (int i = 0; i < 12; i++)
+            a[i] = _mm256_setzero_ps();
+        for (int64_t k = k0; k < k1; k++) {
+            const __m256 b = _mm256_load_ps(xp + k * 8);
+            for (int i = 0; i < 12; i++)
+                a[i] = _mm256_fmadd_ps(_mm256_broadcast_ss(w + i * K + k), b, a[i]);
+        }
+        for (int i = 0; i < 12; i++)
+            _mm256_storeu_ps(out[i], _mm256_add_ps(_mm256_loadu_ps(out[i]), a[i]));
+    }
+}
+#endif
+
+/* Rows n0 .. n0 + nr of w against every row of x, the tiles' sums written out (the last rows, no AVX2). */
+static void rows_chain(int64_t M, int64_t K, int64_t n0, int64_t nr, const float *x, int64_t ldx, const float *w,
+                       const float *bias, int64_t N, float *y) {
+    for (int64_t i = 0; i < nr; i++)
+        for (int64_t m = 0; m < M; m++) {
+            float s = 0.0f;
+            for (int64_t k0 = 0; k0 < K; k0 += KB) {
+                float p = 0.0f;
+                for (int64_t k = k0; k < K && k < k0 + KB; k++)
+                    p = fmaf(w[(n0 + i) * K + k], x[m * ldx + k], p);
+                s += p;
+            }
+            y[m * N + n0 + i] = s + (bias ? bias[n0 + i] : 0.0f);
+        }
+}
+
+static void f32_tiles(int64_t M, int64_t N, int64_t K, int threads, const float *x, int64_t ldx, const float *w,
+                      const float *bias, float *y) {
+#if SIMD
+    const int64_t W = M > 8 ? 16 : 8, R = W == 16 ? 6 : 12, tiles = N / R;
+    float *xp = aligned_alloc(32, (K * W * sizeof(float) + 31) / 32 * 32);
+    pack_xt(M, K, W, x, ldx, xp);
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t t = 0; t <= tiles; t++) {
+        const int64_t n0 = t * R;
+        if (t == tiles) {
+            rows_chain(M, K, n0, N - n0, x, ldx, w, bias, N, y);
+            continue;
+        }
+        float out[12 * 16];
+        if (W == 16)
+            tile6x16(K, w + n0 * K, xp, (float (*)[16])out);
+        else
+            tile12x8(K, w + n0 * K, xp, (float (*)[8])out);
+        for (int64_t i = 0; i < R; i++)
+            for (int64_t m = 0; m < M; m++)
+                y[m * N + n0 + i] = out[i * W + m] + (bias ? bias[n0 + i] : 0.0f);
+    }
+    free(xp);
+#else
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t n = 0; n < N; n++)
+        rows_chain(M, K, n, 1, x, ldx, w, bias, N, y);
+#endif
+}
+
 void f32_gemv(int64_t M, int64_t N, int64_t K, int threads, const float *x, int64_t ldx, const float *w,
               const float *bias, float *y) {
+    if (M >= TILE_ROWS) {
+        f32_tiles(M, N, K, threads, x, ldx, w, bias, y);
+        return;
+    }
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t n4 = 0; n4 < (N + 3) / 4; n4++) {
         const int64_t n0 = n4 * 4;

@@ -41,6 +41,9 @@ INT4_ROWS = 8
 # more than the products lose (the whole step at 4 rows 0.74x of the modules' with fbgemm; RESULTS.md).
 INT8Q_ROWS = 2
 BLOCK_INT8Q_ROWS = 4
+# From this many rows f32_gemv computes outer-product tiles (qgemv.c's TILE_ROWS; the tests hold the two equal):
+# compute-bound where dot products of 8-16 rows reached about half the matmul rate (RESULTS.md).
+F32_TILE_ROWS = 3
 
 # SUBQUAD_Q8_0_EXACT=1: a GGUF file's Q8_0 matrices keep x exact at a few rows too (1e-5 of their dequantised
 # product, as more rows compute it; about twice the time per weight of rounding x as llama.cpp does).

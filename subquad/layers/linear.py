@@ -13,9 +13,10 @@ holds >= ``MIN_WEIGHTS`` weights (below, oneDNN's fixed ~14 us per call costs mo
 other devices and dtypes keep ``F.linear``. ``SUBQUAD_ONEDNN=0`` turns it off (the reference).
 
 Up to ``C_ROWS`` rows (a decoding step's, a verification's, a served batch's) a row-major matrix goes to the
-C kernel of ``kernels.qgemv`` (``f32_gemv``) where it builds: it reads the matrix once for all rows at the
-read bound, where oneDNN's cost grows with the rows (mamba-130m's vocabulary head from memory, AVX2 EPYC: 4.8
-against 5.0 ms at one row, 8.9 against 11.7 at 8, 13.5 against 15.8 at 16; ``bench_qgemv.py --from-memory``).
+C kernel of ``kernels.qgemv`` (``f32_gemv``) where it builds: it reads the matrix once for all rows, at the
+read bound up to ~8 rows and at 64-75% of the matmul rate at 16, where oneDNN's cost grows with the rows
+(mamba-130m's vocabulary head from memory, AVX2 EPYC: 5.0 against 4.4 ms at one row, 6.6 against 12.2 at 8,
+9.2 against 16.6 at 16; ``bench_qgemv.py --from-memory``).
 
 Inside a compiled graph the call is the custom op ``subquad::dense_linear`` (inductor's own lowering of the
 oneDNN op wants a frozen weight); eagerly it is the oneDNN op itself (no custom op's dispatch per call).

@@ -108,9 +108,15 @@ def test_int8q_is_exact_for_x_on_its_grid():
     (1, 3072, 768, False),                # mamba-130m's in_proj, one row
     (2, 771, 1536, True),                 # rows past the last block of 4 (771 = 4 x 192 + 3)
     (3, 64, 37, True),                    # K not a multiple of 8: the scalar tail; an odd row of x
-    (16, 50, 96, False),                  # the most rows
+    (qgemv.F32_TILE_ROWS, 771, 1536, True),  # the tiles from here: 12 weight rows x 8 rows of x, 3 rows past them
+    (8, 40, 300, False),                  # K past two blocks of KB = 128 inputs, a shorter third
+    (9, 50, 96, True),                    # 6 weight rows x 16 rows of x, 7 of them zero, 2 weight rows past
+    (16, 3072, 768, False),               # the most rows, mamba-130m's in_proj
+    (16, 7, 5, True),                     # fewer weight rows than a tile
 ])
 def test_f32_against_float64(M, N, K, bias):
+    """Below F32_TILE_ROWS rows dot products, from there outer-product tiles: both within 1e-6 of float64, and
+    a row's bits do not depend on the rows beside it - alone, or (tiles) in another batch of as many rows."""
     g = torch.Generator().manual_seed(M * 1000 + N)
     w = torch.randn(N, K, generator=g)
     b = torch.randn(N, generator=g) if bias else None
@@ -119,8 +125,13 @@ def test_f32_against_float64(M, N, K, bias):
     got = qgemv.f32_gemv(x, w, b)
     assert got.shape == (M, N) and got.dtype == torch.float32
     assert _rel(got, ref) <= 1e-6
-    for m in range(M):                                          # a row alone gives the same bits
-        assert torch.equal(qgemv.f32_gemv(x[m:m + 1], w, b)[0], got[m])
+    if M < qgemv.F32_TILE_ROWS:
+        for m in range(M):                                      # a row alone gives the same bits
+            assert torch.equal(qgemv.f32_gemv(x[m:m + 1], w, b)[0], got[m])
+    else:                                                       # rows reversed, beside other rows: the same bits
+        other = torch.cat([x.flip(0), torch.randn(16 - M, K, generator=g)])
+        assert torch.equal(qgemv.f32_gemv(other, w, b)[:M].flip(0), got)
+        assert torch.equal(qgemv.f32_gemv(x[:qgemv.F32_TILE_ROWS], w, b), got[:qgemv.F32_TILE_ROWS])
 
 
 @pytest.mark.parametrize("layout", sorted(quant.LAYOUTS))
