@@ -32,9 +32,9 @@ from subquad.kernels import I64, INT, PTR, Kernel, enabled
 # int8 per block (a GGUF Q8_0 / Q6_K / Q4_K file's matrices; Q8_0 with x rounded, int8q) against the
 # dequantised product: 3.4-8x at one row, 1.5-3x at 8; int8 per channel with x exact against fbgemm's kernel:
 # slower at every row count, so only where fbgemm is gone; int4 (x rounded per block of 32) against torch's
-# kernel, weights read from memory: 1.6-3.7x at one row, 1.1-1.6x at 2-8.
+# kernel, weights read from memory: 1.6-3.7x at one row, 1.1-1.6x at 2-8, 1.2-1.4x at 12-16.
 INT8_ROWS = 8
-INT4_ROWS = 8
+INT4_ROWS = 16
 # int8 per channel with x rounded to int8 per block of 32 (int8q_gemv) against fbgemm's kernel, weights read from
 # memory (bench_qgemv.py --from-memory): 1.3-1.6x faster at one row, 1.0-1.2x at 2, slower from 4 (16 rows:
 # 2-2.7x slower). Inside a Mamba block's one call it is taken up to BLOCK_INT8Q_ROWS rows: there the call saves
