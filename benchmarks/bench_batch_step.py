@@ -1,0 +1,113 @@
+"""A decoding step at 1 to 16 rows against one row (issue 53's batch-16 target: <= 1.6x one row's step, or in
+float32 the products at >= 60% of the matmul rate, which ``bench_qgemv.py --from-memory`` gives), eagerly, the
+path ``generate`` and ``serve`` take by default: a random model at mamba-130m's shape (Mamba-1, d_model 768, 24
+layers, vocabulary 50,280), float32, int8 and int4 (``models.quant.quantize``), ms per ``model.step`` (median of
+three runs of ``--tokens`` steps after warm-up). One process per tree and precision, rounds alternating.
+
+    python benchmarks/bench_batch_step.py                                   # ~2 min; this checkout
+    python benchmarks/bench_batch_step.py --trees /tmp/parent,. --rounds 2  # an A/B of two checkouts
+
+Writes results/batch_step.{md,png}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from benchmarks.common import OUT, machine_line, matmul_gflops  # noqa: E402
+
+SHAPE = dict(vocab_size=50280, d_model=768, n_layers=24, pattern="mamba", mlp=False, norm_eps=1e-5)
+
+CHILD = r'''
+import json, statistics, sys, time, torch
+tree, quantize, rows, tokens, threads = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4]), int(sys.argv[5])
+sys.path.insert(0, tree)
+torch.set_num_threads(threads)
+from subquad.models import LanguageModel, ModelConfig
+torch.manual_seed(0)
+model = LanguageModel(ModelConfig(**SHAPE)).eval()
+if quantize != "f32":
+    from subquad.models.quant import quantize as q
+    q(model, quantize)
+out = {}
+with torch.no_grad():
+    for B in map(int, rows.split(",")):
+        _, state = model.prefill(torch.tensor([[1, 2, 3, 4]] * B))
+        tok = torch.tensor([5] * B)
+        for _ in range(3):
+            model.step(tok, state)
+        runs = []
+        for _ in range(3):
+            s, t = state, time.perf_counter()
+            for _ in range(tokens):
+                _, s = model.step(tok, s)
+            runs.append((time.perf_counter() - t) * 1e3 / tokens)
+        out[B] = statistics.median(runs)
+print(json.dumps(out))
+'''
+
+
+def child(tree: str, quantize: str, a) -> dict:
+    code = "SHAPE = " + repr(SHAPE) + "\n" + CHILD
+    out = subprocess.run([sys.executable, "-c", code, str(Path(tree).resolve()), quantize, a.rows, str(a.tokens),
+                          str(a.threads)], capture_output=True, text=True, check=True).stdout
+    return {int(k): v for k, v in json.loads(out.strip().splitlines()[-1]).items()}
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--trees", default=str(Path(__file__).resolve().parent.parent),
+                    help="comma-separated checkouts of subquad (default: this one)")
+    ap.add_argument("--precisions", default="f32,int8,int4")
+    ap.add_argument("--rows", default="1,4,8,16")
+    ap.add_argument("--tokens", type=int, default=16)
+    ap.add_argument("--rounds", type=int, default=1)
+    ap.add_argument("--threads", type=int, default=2)
+    a = ap.parse_args(argv)
+    trees, precisions = a.trees.split(","), a.precisions.split(",")
+    for p in precisions:
+        if p not in ("f32", "int8", "int4"):
+            ap.error(f"--precisions: unknown {p!r} (f32, int8, int4)")
+    runs: dict[tuple, list] = {}
+    for r in range(a.rounds):
+        for p in precisions:
+            for tree in trees:
+                for B, ms in child(tree, p, a).items():
+                    runs.setdefault((tree, p, B), []).append(ms)
+        print(f"round {r + 1}/{a.rounds} done", flush=True)
+    rows = list(map(int, a.rows.split(",")))
+    machine = machine_line(matmul_gflops())
+    lines = [f"ms per eager step (median over {a.rounds} rounds), mamba-130m's shape, random weights; {machine}", "",
+             "| tree | precision | " + " | ".join(f"{B} rows" for B in rows) + f" | {rows[-1]} / {rows[0]} |",
+             "|---|---|" + "---:|" * (len(rows) + 1)]
+    for tree in trees:
+        for p in precisions:
+            med = [statistics.median(runs[(tree, p, B)]) for B in rows]
+            lines.append(f"| {tree} | {p} | " + " | ".join(f"{v:.2f}" for v in med) + f" | {med[-1] / med[0]:.2f} |")
+    print("\n".join(lines))
+    OUT.mkdir(exist_ok=True)
+    (OUT / "batch_step.md").write_text("\n".join(lines) + "\n")
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for tree in trees:
+        for p in precisions:
+            ax.plot(rows, [statistics.median(runs[(tree, p, B)]) for B in rows], marker="o",
+                    label=f"{p} {Path(tree).name}" if len(trees) > 1 else p)
+    ax.set(xlabel="rows", ylabel="ms per step", title="A decoding step's rows (eager, mamba-130m's shape)")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(OUT / "batch_step.png", dpi=90)
+
+
+if __name__ == "__main__":
+    main()
