@@ -12,6 +12,7 @@ vocab 50,280) saved as a Hugging Face folder and as GGUF files of the same weigh
 
     python benchmarks/bench_llama_server.py --llama-server /path/to/build/bin/llama-server
     python benchmarks/bench_llama_server.py --llama-server ... --quick    # 2 streams, 8 tokens: the script runs
+    python benchmarks/bench_llama_server.py --llama-server ... --model hybrid   # Bamba's structure (HYBRID)
 
 Every request is the same for both: a 128-token prompt of random token ids, 128 new tokens forced
 (``ignore_eos``, checked in each answer's usage), greedy, not streamed. At ``c`` streams, ``--rounds`` x c
@@ -40,6 +41,15 @@ from benchmarks.bench_serve import Server  # noqa: E402
 from benchmarks.common import OUT, machine_line, matmul_gflops  # noqa: E402
 
 SHAPE = dict(vocab_size=50280, d_model=768, n_layers=24, pattern="mamba", mlp=False, norm_eps=1e-5)
+# --model hybrid: Bamba's structure (Mamba-2 blocks with a SwiGLU MLP each, softmax attention every sixth layer with
+# half-rotary GQA; ``save_gguf`` writes it as Bamba, llama.cpp's granitehybrid) at mamba2-130m's mixer shape.
+HYBRID = dict(vocab_size=50280, d_model=768, n_layers=24, n_heads=12, n_kv_heads=4,
+              pattern=",".join("softmax" if i % 6 == 5 else "mamba2" for i in range(24)),
+              mixer_options={"mamba2": {"d_state": 128, "head_dim": 64, "expand": 2, "conv_size": 4, "n_groups": 1,
+                                        "norm_eps": 1e-5},
+                             "softmax": {"rotary_base": 10000.0, "rotary_fraction": 0.5}},
+              mlp=True, mlp_size=1536, mlp_bias=False, mlp_kind="swiglu", pos_emb="none", tie_embeddings=False,
+              norm_eps=1e-5, eos_token_ids=[2])
 
 
 def byte_tokenizer():
@@ -90,13 +100,16 @@ def main(argv=None):
     ap.add_argument("--prompt-tokens", type=int, default=128)
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--only", help="comma-separated server names to run (default: every one)")
+    ap.add_argument("--model", choices=("mamba", "hybrid"), default="mamba",
+                    help="mamba-130m's shape, or HYBRID (Bamba's structure, 4 attention layers of 24)")
     ap.add_argument("--quick", action="store_true", help="2 layers, streams 1 and 2, 8 tokens: the script runs")
     a = ap.parse_args(argv)
     streams = [int(s) for s in a.streams.split(",")]
-    shape = dict(SHAPE)
+    shape = dict(SHAPE if a.model == "mamba" else HYBRID)
     if a.quick:
         streams, a.rounds, a.prompt_tokens, a.max_tokens = [1, 2], 1, 16, 8
-        shape.update(n_layers=2, d_model=128)
+        shape.update(n_layers=2, d_model=128, **({"pattern": "mamba2,softmax", "n_heads": 4, "n_kv_heads": 2}
+                                                 if a.model == "hybrid" else {}))
     torch.set_num_threads(2)
     from subquad.models import LanguageModel, ModelConfig
     from subquad.models.gguf import save_gguf
@@ -136,7 +149,8 @@ def main(argv=None):
                 server.stop()
             print(name, {c: round(v, 1) for c, v in rows[name].items()}, flush=True)
     machine = machine_line(matmul_gflops())
-    what = "a 2-layer Mamba of width 128" if a.quick else "mamba-130m's shape"
+    what = {"mamba": "mamba-130m's shape", "hybrid": "a Bamba-structured hybrid (bench_llama_server.HYBRID)"}[a.model]
+    what = f"{what}, cut to 2 layers of width 128 (--quick)" if a.quick else what
     lines = [f"{what} (random weights), {a.prompt_tokens}-token prompts as ids, {a.max_tokens} new tokens "
              f"(ignore_eos), greedy, {a.rounds} requests per stream; {machine}", "",
              "| server | " + " | ".join(f"{c} stream{'s' if c > 1 else ''} tok/s" for c in streams)
@@ -149,9 +163,10 @@ def main(argv=None):
                      + f" | {r[top] / r[min(streams)]:.2f} | {vs} |")
     print("\n".join(lines))
     OUT.mkdir(parents=True, exist_ok=True)
-    (OUT / "llama_server.json").write_text(json.dumps({"tokens_per_s": rows, "machine": machine,
+    stem = "llama_server" if a.model == "mamba" else "llama_server_hybrid"
+    (OUT / f"{stem}.json").write_text(json.dumps({"tokens_per_s": rows, "machine": machine,
                                                        "streams": streams}, indent=1))
-    (OUT / "llama_server.md").write_text("\n".join(lines) + "\n")
+    (OUT / f"{stem}.md").write_text("\n".join(lines) + "\n")
 
 
 if __name__ == "__main__":

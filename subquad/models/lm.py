@@ -142,16 +142,20 @@ class Block(nn.Module):
 
 
 class PreNormBlock(Block):
-    """h = h + mixer(rmsnorm(h));  h = h + mlp(rmsnorm(h))  (GPT-2, Llama, Mamba). Without an MLP, a decoding
-    step may run the whole block in one call where the mixer offers it (``fused_block``: Mamba's, Mamba-2's)."""
+    """h = h + mixer(rmsnorm(h));  h = h + mlp(rmsnorm(h))  (GPT-2, Llama, Mamba). A decoding step may run the
+    mixer's half (norm, mixer, residual) in one call where the mixer offers it (``fused_block``: Mamba's,
+    Mamba-2's); an MLP (not a stateful one) then follows as usual (Bamba's, Granite 4's, Nemotron-H's blocks)."""
 
     def forward(self, h, state=None, cu_seqlens=None, carry=None):
         m = self.mixer
-        if self.mlp is None and state is not None and cu_seqlens is None and hasattr(m, "fused_block") \
+        if state is not None and cu_seqlens is None and hasattr(m, "fused_block") and not self.stateful_mlp \
                 and not (m._forward_hooks or m._forward_pre_hooks):     # (a hook expects the mixer's own call)
             out = m.fused_block(h, self.norm1, state)
             if out is not None:
-                return out
+                if self.mlp is None:
+                    return out
+                h, new = out
+                return h + self.mlp(self.norm2(h)), new
         y, new = self._mix(self.norm1(h), state, cu_seqlens, carry)
         h = h + y
         if self.mlp is not None:

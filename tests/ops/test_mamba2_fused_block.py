@@ -65,6 +65,19 @@ def test_a_model_without_mlps_takes_it_and_agrees_with_its_blocks(monkeypatch, o
     assert not step_calls
 
 
+@pytest.mark.parametrize("mlp_kind", ["swiglu", "relu2"])
+def test_blocks_with_an_mlp_take_it_for_the_mixers_half(monkeypatch, mlp_kind):
+    """Bamba's and Granite 4's structure (a SwiGLU MLP after each Mamba-2 mixer; Nemotron-H's squared ReLU), with a
+    softmax layer: the mixer's half (norm, mixer, residual) in one call, then the MLP's modules - logits within
+    float32 rounding of the blocks' PyTorch forward and a float64 copy's, once per Mamba-2 layer and step."""
+    m, m64 = models(d_model=64, n_layers=3, pattern="mamba2,softmax,mamba2", mlp=True, mlp_kind=mlp_kind,
+                    mixer_options={"mamba2": {"n_groups": 2, "d_state": 16, "head_dim": 8}})
+    step_calls = []
+    monkeypatch.setattr(fused_step, "_run", lambda *a: step_calls.append(1))
+    assert assert_steps_agree(monkeypatch, fused_block.BlockStep, m, m64, 3, fn="__call__") == 3 * 2
+    assert not step_calls
+
+
 @pytest.mark.parametrize("kind,tol", [("int8", 5e-2), ("int4", 0.15), ("int8 blocks", 5e-2),
                                       ("int8 blocks of 16", 1e-5), ("q4_0", 5e-2)])
 def test_quantized_projections_take_it_for_a_few_rows(monkeypatch, kind, tol):
