@@ -43,6 +43,8 @@ def reference(zxbcdt, conv_state, conv_w, conv_b, dt_bias, A_log, Dp, S, norm_w,
     (1, 4, 16, 16, 1, 4, 1, True, False, (0.0, float("inf"))),
     (3, 6, 5, 7, 3, 4, 2, True, True, (0.0, float("inf"))),       # odd P and N, 3 groups of 2 heads, 2 norm groups
     (2, 4, 8, 16, 2, 2, 0, False, False, (0.01, 0.3)),            # no norm, no bias, a dt limit, K = 2
+    (3, 2, 64, 19, 1, 4, 1, True, True, (0.0, float("inf"))),     # mamba2-130m's head (64 columns in registers,
+    (2, 2, 80, 16, 2, 4, 2, True, False, (0.0, float("inf"))),    # the state streamed), and 16 columns past them
 ])
 def test_the_step_equals_its_math_in_float64(B, H, P, N, G, K, norm_groups, bias, strong, limit):
     g = torch.Generator().manual_seed(B * 100 + H * 10 + P)
@@ -73,8 +75,8 @@ def test_the_step_equals_its_math_in_float64(B, H, P, N, G, K, norm_groups, bias
                                      {"gated_norm": False, "dt_limit": (0.01, 0.2)}])
 def test_the_layer_takes_it_and_agrees_with_its_own_step(monkeypatch, options):
     """Decoding steps of a Mamba-2 + attention model (batch 3): the kernel's logits within float32 rounding of
-    the layer's PyTorch step and of a float64 copy; the kernel was called. (Blocks with an MLP: without one the
-    whole block's kernel runs, test_mamba2_fused_block.py.)"""
+    the layer's PyTorch step and of a float64 copy; the kernel was called. (Norms with a bias: elsewhere the
+    block's kernel runs the mixer's half, test_mamba2_fused_block.py.)"""
     m, m64 = models(d_model=64, n_layers=2, pattern="mamba2,softmax",
-                    mixer_options={"mamba2": options}, mlp=True)
+                    mixer_options={"mamba2": options}, mlp=True, norm_bias=True)
     assert assert_steps_agree(monkeypatch, fused_step, m, m64, 3) == 3

@@ -77,9 +77,9 @@ def test_the_step_equals_its_math_in_float64(B, D, N, R, K, bias, strong, column
 def test_the_layer_takes_it_and_agrees_with_its_own_step(monkeypatch, heads):
     """Decoding steps of a Mamba model (batch 3, odd prompt; Zamba's heads too): the kernel's logits within float32
     rounding of the layer's PyTorch step and of a float64 copy; the greedy continuation identical; the kernel was
-    called. (Blocks with an MLP: without one the whole block's kernel runs, test_mamba_fused_block.py.)"""
+    called. (Norms with a bias: elsewhere the block's kernel runs the mixer's half, test_mamba_fused_block.py.)"""
     m, m64 = models(d_model=48, n_layers=3, pattern="mamba,softmax,mamba", mixer_options={"mamba": {"heads": heads}},
-                    mlp=True)
+                    mlp=True, norm_bias=True)
     assert assert_steps_agree(monkeypatch, fused_step, m, m64, 4, prompt=11) == 4 * 2     # two Mamba layers
     ids = torch.randint(0, 300, (3, 11), generator=torch.Generator().manual_seed(1))
     monkeypatch.setenv("SUBQUAD_KERNELS", "1")
