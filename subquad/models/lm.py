@@ -144,7 +144,7 @@ class Block(nn.Module):
 class PreNormBlock(Block):
     """h = h + mixer(rmsnorm(h));  h = h + mlp(rmsnorm(h))  (GPT-2, Llama, Mamba). A decoding step may run the
     mixer's half (norm, mixer, residual) in one call where the mixer offers it (``fused_block``: Mamba's,
-    Mamba-2's); an MLP (not a stateful one) then follows as usual (Bamba's, Granite 4's, Nemotron-H's blocks)."""
+    Mamba-2's); an MLP (not a stateful one) then follows as usual (Bamba's and Granite 4's blocks)."""
 
     def forward(self, h, state=None, cu_seqlens=None, carry=None):
         m = self.mixer
