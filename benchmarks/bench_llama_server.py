@@ -163,7 +163,7 @@ def main(argv=None):
                      + f" | {r[top] / r[min(streams)]:.2f} | {vs} |")
     print("\n".join(lines))
     OUT.mkdir(parents=True, exist_ok=True)
-    stem = "llama_server" if a.model == "mamba" else "llama_server_hybrid"
+    stem = ("llama_server" if a.model == "mamba" else "llama_server_hybrid") + ("_quick" if a.quick else "")
     (OUT / f"{stem}.json").write_text(json.dumps({"tokens_per_s": rows, "machine": machine,
                                                        "streams": streams}, indent=1))
     (OUT / f"{stem}.md").write_text("\n".join(lines) + "\n")
