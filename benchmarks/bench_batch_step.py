@@ -20,9 +20,8 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from benchmarks.bench_llama_decode import SHAPE  # noqa: E402
 from benchmarks.common import OUT, machine_line, matmul_gflops  # noqa: E402
-
-SHAPE = dict(vocab_size=50280, d_model=768, n_layers=24, pattern="mamba", mlp=False, norm_eps=1e-5)
 
 CHILD = r'''
 import json, statistics, sys, time, torch

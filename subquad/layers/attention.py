@@ -134,20 +134,19 @@ class SoftmaxAttention(Mixer):
             pos = seq.positions(T, 0 if cache is None else cache.next_position, q.device)
             q = apply_rotary(q, pos, self.rotary_base, self.rotary_dim)
             k = apply_rotary(k, pos, self.rotary_base, self.rotary_dim)
+        new = self._extend(cache, k, v, seq)              # a fork: ``cache`` itself keeps its entries
         if self._one_token(q, cache, seq):
-            new = self._extend(cache, k, v, seq)
             o = F.scaled_dot_product_attention(q.transpose(1, 2), new.k.transpose(1, 2), new.v.transpose(1, 2),
                                                scale=self.scale, enable_gqa=H != Hk).transpose(1, 2)
         else:
             o, _ = seq.attention(q, self._repeat(k), self._repeat(v), window=self.window, mode=self.mode,
                                  chunk_size=self.chunk_size, scale=self.scale,
                                  initial_state=self._op_state(cache, seq))
-            new = None
         if gate is not None:
             o = o * torch.sigmoid(gate)
         if self.g_proj is not None:
             o = o * torch.sigmoid(self.g_proj(x)).unsqueeze(-1)           # (B, T, H, 1)
-        return self.o_proj(o.reshape(B, T, H * K)), {"kv": self._extend(cache, k, v, seq) if new is None else new}
+        return self.o_proj(o.reshape(B, T, H * K)), {"kv": new}
 
     def _one_token(self, q, cache, seq) -> bool:
         """Whether this call is one decoding token against a plain cache - one row or rows of one length, no

@@ -155,7 +155,8 @@ class PreNormBlock(Block):
                 if self.mlp is None:
                     return out
                 h, new = out
-                return h + self.mlp(self.norm2(h)), new
+                y, new = self._ffn(self.norm2(h), state, cu_seqlens, new)
+                return h + y, new
         y, new = self._mix(self.norm1(h), state, cu_seqlens, carry)
         h = h + y
         if self.mlp is not None:
