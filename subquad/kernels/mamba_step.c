@@ -39,16 +39,34 @@ static inline void dot_rows4(const float *w, const float *const u[4], int64_t n,
             out[i] += w[k] * u[i][k];
 }
 
-void mamba_step(int64_t B, int64_t D, int64_t N, int64_t R, int64_t K, int64_t heads, int threads,
-                const float *xz, int64_t xz_row,                       /* (B, 2D): x, then z; row stride */
-                const float *conv_state, const float *conv_w,          /* (B, K-1, D); (D, K) */
-                const float *conv_b,                                   /* (D,) or NULL */
-                const float *wx,                                       /* (heads, R + 2N, D / heads) */
-                const float *wdt, int64_t wdt_s0, int64_t wdt_s1,      /* (D, R), strides */
-                const float *bdt, const float *A_log, const float *Dp, /* (D,), (D, N), (D,) */
-                const float *h,                                        /* (B, D, N) */
-                float *y, float *conv_out, float *h_out,               /* (B, D), (B, K-1, D), (B, D, N) */
-                float *scratch)                                        /* B (2D + heads (R + 2N)) floats */
+/* w . u for one row of u: four chains over k in steps of 32 (a single chain waits on each fma in turn). */
+static inline float dot_row1(const float *w, const float *u, int64_t n) {
+    int64_t k = 0;
+    float out = 0.0f;
+#if SUBQUAD_AVX2
+    __m256 a[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+    for (; k + 32 <= n; k += 32)
+        for (int i = 0; i < 4; i++)
+            a[i] = _mm256_fmadd_ps(_mm256_loadu_ps(w + k + 8 * i), _mm256_loadu_ps(u + k + 8 * i), a[i]);
+    for (; k + 8 <= n; k += 8)
+        a[0] = _mm256_fmadd_ps(_mm256_loadu_ps(w + k), _mm256_loadu_ps(u + k), a[0]);
+    out = hsum8(_mm256_add_ps(_mm256_add_ps(a[0], a[1]), _mm256_add_ps(a[2], a[3])));
+#endif
+    for (; k < n; k++)
+        out += w[k] * u[k];
+    return out;
+}
+
+/* mamba_step over B rows, of which rows b >= Bs continue row b - Bs: their conv and ssm states are the ones row
+ * b - Bs leaves (in conv_out, h_out), not conv_state and h - T tokens of Bs sequences, rows t-major, in one pass
+ * (mamba_block.c's mamba_block_tokens). A channel's rows run in order on one thread, so row b - Bs is done
+ * before row b reads it; the convolution, x_proj and dt of every row are computed first, as they depend on the
+ * inputs only. Bs = B: every row on its own (mamba_step). */
+static void mamba_rows(int64_t B, int64_t Bs, int64_t D, int64_t N, int64_t R, int64_t K, int64_t heads, int threads,
+                       const float *xz, int64_t xz_row, const float *conv_state, const float *conv_w,
+                       const float *conv_b, const float *wx, const float *wdt, int64_t wdt_s0, int64_t wdt_s1,
+                       const float *bdt, const float *A_log, const float *Dp, const float *h, float *y,
+                       float *conv_out, float *h_out, float *scratch)
 {
     const int64_t J = R + 2 * N, hd = D / heads;
     float *u = scratch, *dts = scratch + B * D, *p = scratch + 2 * B * D;
@@ -58,15 +76,16 @@ void mamba_step(int64_t B, int64_t D, int64_t N, int64_t R, int64_t K, int64_t h
         int64_t c0, c1, j0, j1;
         span(D, nt, t, &c0, &c1);
         for (int64_t b = 0; b < B; b++)                     /* the convolution, its new tail */
-            conv_step(xz + b * xz_row, conv_state + b * (K - 1) * D, conv_out + b * (K - 1) * D, conv_w, conv_b,
-                      D, K, c0, c1, u + b * D);
+            conv_step(xz + b * xz_row, b < Bs ? conv_state + b * (K - 1) * D : conv_out + (b - Bs) * (K - 1) * D,
+                      conv_out + b * (K - 1) * D, conv_w, conv_b, D, K, c0, c1, u + b * D);
 #pragma omp barrier
         j0 = heads * J * t / nt;                            /* x_proj: rows of wx (all heads') by thread */
         j1 = heads * J * (t + 1) / nt;
         for (int64_t j = j0; j < j1; j++) {                 /* four rows of u per pass: four chains, w read once */
             const float *w = wx + j * hd;
             const int64_t hh = j / J;
-            for (int64_t b0 = 0; b0 < B; b0 += 4) {
+            int64_t b0 = 0;
+            for (; b0 + 4 <= B || (b0 < B && B - b0 > 1); b0 += 4) {
                 const float *ub[4];
                 for (int i = 0; i < 4; i++)                 /* past the last row: row b0 again, not stored */
                     ub[i] = u + (b0 + i < B ? b0 + i : b0) * D + hh * hd;
@@ -75,6 +94,8 @@ void mamba_step(int64_t B, int64_t D, int64_t N, int64_t R, int64_t K, int64_t h
                 for (int i = 0; i < 4 && b0 + i < B; i++)
                     p[(b0 + i) * heads * J + j] = acc[i];
             }
+            if (b0 < B)                                     /* a last row alone: one row's dot, not four */
+                p[b0 * heads * J + j] = dot_row1(w, u + b0 * D + hh * hd, hd);
         }
 #pragma omp barrier
         for (int64_t b = 0; b < B; b++) {                   /* dt_proj, softplus: dt (B, D) */
@@ -124,7 +145,7 @@ void mamba_step(int64_t B, int64_t D, int64_t N, int64_t R, int64_t K, int64_t h
                 const float *pr = p + b * heads * J;
                 const float d = dts[b * D + c], du = d * u[b * D + c];
                 const float *Bv = pr + (c / hd) * J + R, *Cv = Bv + N;
-                const float *hc = h + (b * D + c) * N;
+                const float *hc = b < Bs ? h + (b * D + c) * N : h_out + ((b - Bs) * D + c) * N;
                 float *ho = h_out + (b * D + c) * N;
                 float acc = 0.0f;
                 int64_t n = 0;
@@ -152,4 +173,19 @@ void mamba_step(int64_t B, int64_t D, int64_t N, int64_t R, int64_t K, int64_t h
         for (int64_t b = 0; b < B; b++)
             mul_silu_n(y + b * D + c0, xz + b * xz_row + D + c0, c1 - c0);
     }
+}
+
+void mamba_step(int64_t B, int64_t D, int64_t N, int64_t R, int64_t K, int64_t heads, int threads,
+                const float *xz, int64_t xz_row,                       /* (B, 2D): x, then z; row stride */
+                const float *conv_state, const float *conv_w,          /* (B, K-1, D); (D, K) */
+                const float *conv_b,                                   /* (D,) or NULL */
+                const float *wx,                                       /* (heads, R + 2N, D / heads) */
+                const float *wdt, int64_t wdt_s0, int64_t wdt_s1,      /* (D, R), strides */
+                const float *bdt, const float *A_log, const float *Dp, /* (D,), (D, N), (D,) */
+                const float *h,                                        /* (B, D, N) */
+                float *y, float *conv_out, float *h_out,               /* (B, D), (B, K-1, D), (B, D, N) */
+                float *scratch)                                        /* B (2D + heads (R + 2N)) floats */
+{
+    mamba_rows(B, B, D, N, R, K, heads, threads, xz, xz_row, conv_state, conv_w, conv_b, wx, wdt, wdt_s0, wdt_s1,
+               bdt, A_log, Dp, h, y, conv_out, h_out, scratch);
 }

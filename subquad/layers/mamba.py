@@ -28,6 +28,7 @@ from subquad.layers import sequence
 from subquad.layers.conv import ShortConv
 from subquad.layers.linear import C_ROWS, Linear
 from subquad.layers.norm import RMSNorm
+from subquad.layers.rollback import PerToken
 from subquad.layers.sequence import SingleDevice
 from subquad.ops import selective_scan
 from subquad.ops.mamba import fused_block, fused_scan, fused_step
@@ -88,17 +89,20 @@ def planned_block(mixer, h, norm, state, kernel, build):
     it does not apply) the first time, and again whenever a module or tensor it read has changed
     (``kernels.Held``); later tokens check only what changes between tokens - not compiling, h and the state as
     ``kernels.usable`` wants them, the sequence backend (the block checks hooks) -, ~10 us against the ~80 of
-    the checks and argument conversion (benchmarks/RESULTS.md) -> (h', new state) or None. Kept outside the
-    module (a weak mapping), so copies and pickles of a model carry none."""
+    the checks and argument conversion (benchmarks/RESULTS.md) -> (h', new state) or None. Kept per rows and
+    tokens: one token under ``SingleDevice`` (decoding), or T > 1 under ``layers.rollback.PerToken`` (a
+    verification; Mamba's ``TokensStep``: the state after every token). Kept outside the module (a weak
+    mapping), so copies and pickles of a model carry none."""
     if torch.compiler.is_compiling():                # before any size is read: no guard on the batch
         return None
     plans = _PLANS.get(mixer)
     if plans is None:
         plans = _PLANS[mixer] = {}
-    hit = plans.get(h.shape[0])
+    key = tuple(h.shape[:2])
+    hit = plans.get(key)
     if hit is not None and hit[0] is norm and hit[1].valid():
-        if state is None or type(sequence.backend()) is not SingleDevice \
-                or not kernels.usable(kernel, h, state["ssm"], state["conv"]):
+        if state is None or type(sequence.backend()) is not (SingleDevice if key[1] == 1 else PerToken) \
+                or not kernels.usable(kernel, h[:, :1], state["ssm"], state["conv"]):
             return None
         step = hit[2]
     else:
@@ -109,7 +113,7 @@ def planned_block(mixer, h, norm, state, kernel, build):
             return None
         held = kernels.Held([mixer, norm], step.tensors)
         if held.ok:
-            plans[h.shape[0]] = (norm, held, step)
+            plans[key] = (norm, held, step)
     h, conv, ssm = step(h, state["conv"], state["ssm"])
     return h, {"ssm": ssm, "conv": conv}
 
@@ -208,30 +212,40 @@ class Mamba(Mixer):
         conv = self.conv
         return (conv.weight, conv.bias, *self._dt_weights(), self.A_log, self.D)
 
-    def _fusable(self, kernel, x, state, seq, *tensors) -> bool:
+    def _fusable(self, kernel, x, state, seq, *tensors, backend=SingleDevice) -> bool:
         """Whether one decoding token may take ``kernel`` (the layer's step or its block's, float32 on the CPU, no
-        gradient; ``kernels.usable``) with ``tensors`` (the layer's ``_step_weights`` and any others)."""
-        return state is not None and self.bcdt_rms_eps is None and type(seq) is SingleDevice \
+        gradient; ``kernels.usable``) with ``tensors`` (the layer's ``_step_weights`` and any others); ``backend``:
+        the sequence backend it runs under (``PerToken`` for a verification's tokens)."""
+        return state is not None and self.bcdt_rms_eps is None and type(seq) is backend \
             and (self.heads > 1 or _float_or_int8(self.x_proj) and isinstance(self.dt_proj, nn.Linear)) \
             and kernels.usable(kernel, x, state["ssm"], state["conv"], *tensors)
 
     def fused_block(self, h, norm, state):
         """A pre-norm block's whole decoding step, h + mix(norm(h)), in one call (``ops.mamba.fused_block``):
         h (B, 1, d_model) -> (h', new state), or None where it does not apply (``block_projections``, or what
-        keeps the layer's own fused step from running). The call is kept between tokens (``planned_block``)."""
-        return planned_block(self, h, norm, state, fused_block.KERNEL, self._block_step)
+        keeps the layer's own fused step from running). Under ``layers.rollback.PerToken`` (a verification), h
+        (B, T, d_model) -> (h', the states after every token) the same way (``TokensStep``). The call is kept
+        between tokens (``planned_block``)."""
+        T = h.shape[1]
+        if T > 1 and type(sequence.backend()) is not PerToken:        # a prompt: the modules
+            return None
+        return planned_block(self, h, norm, state, fused_block.KERNEL if T == 1 else fused_block.TOKENS,
+                             self._block_step)
 
     def _block_step(self, h, norm, state):
-        """``fused_block``'s ``ops.mamba.fused_block.BlockStep`` for h's rows, or None where it does not apply."""
-        proj = block_projections(self, h, norm)
+        """``fused_block``'s ``ops.mamba.fused_block.BlockStep`` for h's rows (``TokensStep`` for T > 1 tokens
+        each), or None where it does not apply."""
+        (B, T, d), kernel = h.shape, fused_block.KERNEL if h.shape[1] == 1 else fused_block.TOKENS
+        proj = block_projections(self, h.reshape(B * T, 1, d), norm)          # the products' rows: B T
         if proj is None:
             return None
         conv_w, conv_b, wx, wdt, bdt, A_log, Dp = weights = self._step_weights()
-        if not self._fusable(fused_block.KERNEL, h, state, sequence.backend(), *weights, *checked(proj)):
+        if not self._fusable(kernel, h[:, :1], state, sequence.backend(), *weights, *checked(proj),
+                             backend=SingleDevice if T == 1 else PerToken):
             return None
         nw, w_in, b_in, w_out, b_out = proj
-        step = fused_block.BlockStep(h.shape[0], nw, norm.eps, w_in, b_in, w_out, b_out, conv_w, conv_b, wx, wdt,
-                                     bdt, A_log, Dp)
+        weights = (nw, norm.eps, w_in, b_in, w_out, b_out, conv_w, conv_b, wx, wdt, bdt, A_log, Dp)
+        step = fused_block.BlockStep(B, *weights) if T == 1 else fused_block.TokensStep(T, B, *weights)
         if self.heads == 1 and not isinstance(self.x_proj, nn.Linear):
             step.tensors = [t for t in step.tensors if t is not wx]  # a dequantised copy: Held checks its codes
         return step

@@ -51,6 +51,88 @@ def test_the_block_equals_its_math_in_float64(B, d, D, N, R, K, bias, strong, he
         assert not isinstance(a, torch.Tensor) or torch.equal(a, b)    # the states (and weights) passed in unchanged
 
 
+@pytest.mark.parametrize("T,B,d,D,N,R,K,strong,heads,cm", [
+    (8, 1, 40, 64, 16, 4, 4, False, 1, (False, False)),      # a verification of 8 tokens of one row
+    (3, 5, 29, 37, 16, 3, 4, True, 1, (True, False)),        # odd widths, strong decays; 5 rows of 3 tokens
+    (5, 2, 33, 42, 5, 5, 2, True, 3, (False, True)),         # Zamba's heads, odd N, the shortest convolution
+    (16, 1, 70, 72, 8, 4, 4, False, 1, (True, True)),        # the most rows
+])
+def test_tokens_equal_the_math_token_by_token_in_float64(T, B, d, D, N, R, K, strong, heads, cm):
+    """``TokensStep``: T tokens of B rows in one call equal the block's math in float64 run token by token from the
+    state each token leaves - every token's h', conv state and ssm state (the states a verification keeps)."""
+    g = torch.Generator().manual_seed(T * 100 + B)
+    _, conv_state, conv_w, conv_b, wx, wdt, bdt, A_log, Dp, ssm = inputs(B, D, N, R, K, g, True, strong, heads)
+    h = torch.randn(B, T, d, generator=g) * 3
+    norm_w = torch.rand(d, generator=g) + 0.5
+    w_in, w_out = torch.randn(2 * D, d, generator=g) * d ** -0.5, torch.randn(d, D, generator=g) * D ** -0.5
+    w_in, w_out = (w.T.contiguous().T if c else w for w, c in zip((w_in, w_out), cm))
+    b_in, b_out = torch.randn(2 * D, generator=g), torch.randn(d, generator=g)
+    weights = [norm_w, 1e-5, w_in, b_in, w_out, b_out, conv_w, conv_b, wx, wdt, bdt, A_log, Dp]
+    before = [t.clone() for t in (h, conv_state, ssm)]
+    with torch.no_grad():
+        h_got, conv_got, ssm_got = fused_block.TokensStep(T, B, *weights)(h, conv_state, ssm)
+    assert h_got.shape == (B, T, d) and conv_got.shape == (B, T, K - 1, D) and ssm_got.shape == (B, T, D, N)
+    conv, s = conv_state, ssm
+    for t in range(T):
+        hd = h[:, t].double()
+        x = hd * torch.rsqrt(hd.pow(2).mean(-1, keepdim=True) + 1e-5) * norm_w.double()
+        y, conv, s = reference(x @ w_in.double().T + b_in.double(), conv, conv_w, conv_b, wx, wdt, bdt, A_log, Dp, s)
+        h_want = hd + y @ w_out.double().T + b_out.double()
+        for got, want in ((h_got[:, t], h_want), (conv_got[:, t], conv), (ssm_got[:, t], s)):
+            assert got.dtype == torch.float32
+            assert (got.double() - want).abs().max() <= 4e-6 * want.abs().max() + 1e-30, t
+    for a, b in zip((h, conv_state, ssm), before):
+        assert torch.equal(a, b)                                         # the inputs passed in unchanged
+
+
+@pytest.mark.parametrize("mlp", [False, True])
+def test_a_verification_takes_the_tokens_call_per_mamba_block(monkeypatch, mlp):
+    """``models.speculative.verify`` (states kept per token) of a Mamba + softmax model, 2 rows of 6 tokens: each
+    Mamba block runs as one ``TokensStep`` call (blocks with an MLP too: the MLP follows), and its logits and the
+    state after accepting j tokens (the same j for all rows, and one per row) equal the modules' under ``PerToken``
+    and a prefill of exactly those tokens by a float64 copy. A prompt from a state, and a verification of more
+    rows times tokens than ``layers.linear.C_ROWS``, run the modules."""
+    from subquad.layers.rollback import same_state
+    from subquad.models.speculative import verify
+
+    m, m64 = models(d_model=48, n_layers=3, pattern="mamba,softmax,mamba", mlp=mlp)
+    calls = []
+    real = fused_block.TokensStep.__call__
+    monkeypatch.setattr(fused_block.TokensStep, "__call__", lambda *a: calls.append(1) or real(*a))
+    g = torch.Generator().manual_seed(2)
+    prompt, toks = torch.randint(0, 300, (2, 7), generator=g), torch.randint(0, 300, (2, 6), generator=g)
+    with torch.no_grad():
+        _, st = m.prefill(prompt)
+        _, st64 = m64.prefill(prompt)
+        logits, ver = verify(m, toks, st, how="states")
+        assert len(calls) == 2
+        monkeypatch.setenv("SUBQUAD_KERNELS", "0")
+        want, ver_modules = verify(m, toks, st, how="states")
+        monkeypatch.setenv("SUBQUAD_KERNELS", "1")
+        want64, _ = m64.prefill(toks, st64)
+        assert len(calls) == 2
+        scale = want64.abs().max().item()
+        assert (logits.double() - want64).abs().max() <= 1e-5 * scale
+        assert (logits - want).abs().max() <= 1e-5 * scale
+        got = ver.accept(2)
+        for x, y in zip(got, ver_modules.accept(2), strict=True):
+            assert same_state(x, y, atol=1e-5) is None
+        nxt = torch.tensor([3, 4])
+        want_next = m64.step(nxt, m64.prefill(toks[:, :2], st64)[1])[0]
+        assert (m.step(nxt, got)[0].double() - want_next).abs().max() <= 1e-5 * want_next.abs().max()
+        rows = [5, 1]                        # a prefix per row, from a new verification (the step above extended
+        got_next = m.step(nxt, verify(m, toks, st, how="states")[1].accept(rows))[0]    # the first one's caches)
+        for r, n in enumerate(rows):
+            ids = torch.cat([prompt[r], toks[r, :n], nxt[r:r + 1]])[None]
+            want_next = m64(ids)[0, -1]
+            assert (got_next[r].double() - want_next).abs().max() <= 1e-5 * want_next.abs().max()
+        calls.clear()
+        m.prefill(toks, st)                                               # a prompt from a state: the modules
+        _, st3 = m.prefill(torch.randint(0, 300, (3, 4), generator=g))
+        verify(m, torch.randint(0, 300, (3, 6), generator=g), st3, how="states")   # 18 rows > C_ROWS: the modules
+        assert not calls
+
+
 @pytest.mark.parametrize("heads", [1, 4])
 def test_a_model_without_mlps_takes_it_and_agrees_with_its_blocks(monkeypatch, heads):
     """mamba-130m's structure (pre-norm Mamba blocks, no MLP) at batch 3 and an odd prompt: the block kernel's logits

@@ -5,6 +5,12 @@
     y  = ops.mamba.fused_step's step of xz          (B, Dm), the new conv state and h
     h' = h + y W_out^T + b_out                      out_proj: W_out (d, Dm)   -> (h' (B, 1, d), conv, h)
 
+``TokensStep``: T consecutive tokens of each row (a speculative verification's forward under
+``layers.rollback.PER_TOKEN``), h (B, T, d) -> (h' (B, T, d), conv (B, T, K-1, Dm), h (B, T, Dm, N)): the
+products over all B T rows at once, the step token by token, and the states after every token kept - what the
+layer's modules give under ``PerToken`` (its reference), in one call instead of a dozen ops per layer
+(``kernels/mamba_block.c``'s ``mamba_block_tokens``).
+
 mamba-130m's layer and every mamba checkpoint's without Falcon-Mamba's norms: the step's norm, two products,
 kernel and residual cost one call instead of a dozen ops and five module calls (~170 us of Python and dispatch
 per layer on the AVX2 EPYC hosts; benchmarks/RESULTS.md). ``models.lm.PreNormBlock`` takes it through
@@ -24,6 +30,9 @@ from subquad.kernels import FLOAT, I64, INT, PTR, Call, Kernel
 from subquad.ops.mamba.fused_step import prepare_weights
 
 KERNEL = Kernel("mamba_block_step", [I64] * 7 + [INT, PTR, PTR, FLOAT] + [PTR] * 6 + [INT, INT, I64, I64] + [PTR] * 5
+                + [I64, I64] + [PTR] * 8,
+                "mamba_block")
+TOKENS = Kernel("mamba_block_tokens", [I64] * 8 + [INT, PTR, PTR, FLOAT] + [PTR] * 6 + [INT, INT, I64, I64] + [PTR] * 5
                 + [I64, I64] + [PTR] * 8,
                 "mamba_block")
 
@@ -75,17 +84,46 @@ class BlockStep(KeptStep):
 
     name = "Mamba block"
 
-    def __init__(self, B, norm_w, eps, w_in, b_in, w_out, b_out, conv_w, conv_b, wx, wdt, bdt, A_log, Dp):
+    def __init__(self, B, norm_w, eps, w_in, b_in, w_out, b_out, conv_w, conv_b, wx, wdt, bdt, A_log, Dp, T=0):
         (w_in, s_in, in_kind, in_g), (w_out, s_out, out_kind, out_g) = proj_args(w_in), proj_args(w_out)
         self.tensors = [norm_w, w_in, s_in, b_in, w_out, s_out, b_out, conv_w, conv_b, wx, wdt, bdt, A_log, Dp]
         conv_w, wx, wdt, bdt, A_log, (N, K, R, heads) = prepare_weights(conv_w, wx, wdt, bdt, A_log)
         d, D = norm_w.shape[0], A_log.shape[0]
         self.B, self.d, self.conv_shape, self.state_shape = B, d, (B, K - 1, D), (B, D, N)
-        self.scratch = B * (d + 5 * D + heads * (R + 2 * N))
-        self.call = Call(KERNEL, [B, d, D, N, R, K, heads, None, None, norm_w, float(eps), w_in, s_in, b_in, w_out,
-                                  s_out, b_out, in_kind, out_kind, in_g, out_g, None, conv_w, conv_b, wx, wdt,
-                                  wdt.stride(0), wdt.stride(1), bdt, A_log, Dp, None, None, None, None, None],
-                         (7, 8, 21, 31, 32, 33, 34, 35))
+        self.scratch = max(T, 1) * B * (d + 5 * D + heads * (R + 2 * N))   # per row and token
+        lead = [T] if T else []                                # mamba_block_tokens takes T first
+        self.call = Call(TOKENS if T else KERNEL,
+                         lead + [B, d, D, N, R, K, heads, None, None, norm_w, float(eps), w_in, s_in, b_in, w_out,
+                                 s_out, b_out, in_kind, out_kind, in_g, out_g, None, conv_w, conv_b, wx, wdt,
+                                 wdt.stride(0), wdt.stride(1), bdt, A_log, Dp, None, None, None, None, None],
+                         tuple(i + len(lead) for i in (7, 8, 21, 31, 32, 33, 34, 35)))
+
+
+class TokensStep(BlockStep):
+    """The module doc's ``TokensStep`` for ``T`` tokens of ``B`` rows (T B <= 16), the weights as ``BlockStep``
+    takes them: ``step(h (B, T, d), conv_state, ssm)`` -> (h' (B, T, d), the conv state after each token (B, T,
+    K-1, Dm), the ssm state after each (B, T, Dm, N)); the states passed in read, never written. The kernel runs
+    tokens t-major (row t B + b); for B > 1 the outputs are views of (T, B, ...) buffers."""
+
+    name = "Mamba block (tokens)"
+
+    def __init__(self, T, B, *weights):
+        super().__init__(B, *weights, T=T)
+        self.T = T
+
+    def __call__(self, h, conv_state, state):
+        B, T, d = self.B, self.T, self.d
+        if tuple(conv_state.shape) != self.conv_shape or tuple(state.shape) != self.state_shape \
+                or tuple(h.shape) != (B, T, d):
+            raise ValueError(f"the {self.name} step holds {B} rows of {T} tokens: conv state {self.conv_shape}, "
+                             f"state {self.state_shape}; got h {tuple(h.shape)}, {tuple(conv_state.shape)}, "
+                             f"{tuple(state.shape)}")
+        ht, conv_state, state = h.transpose(0, 1).contiguous(), conv_state.contiguous(), state.contiguous()
+        h_out = ht.new_empty(T, B, d)
+        conv_out, state_out = ht.new_empty(T, *conv_state.shape), ht.new_empty(T, *state.shape)
+        self.call(torch.get_num_threads(), ht, conv_state, state, h_out, conv_out, state_out,
+                  ht.new_empty(self.scratch))
+        return h_out.transpose(0, 1), conv_out.transpose(0, 1), state_out.transpose(0, 1)
 
 
 def block_step(h, norm_w, eps, w_in, b_in, w_out, b_out, conv_state, conv_w, conv_b, wx, wdt, bdt, A_log, Dp, ssm):
