@@ -283,6 +283,21 @@ def _one_call(model) -> bool:
                for block in model.blocks for module, kind, _ in block.state_parts())
 
 
+def _mamba_calls(model, tokens) -> bool:
+    """Every block is a plain pre-norm Mamba-1 block whose verification of ``tokens`` runs as one C call
+    (``ops.mamba.fused_block.TokensStep``: float32 on the CPU, kernels built, rows times tokens within
+    ``layers.linear.C_ROWS``) - faster eagerly than the compiled verification (1.21x a compiled step against
+    1.41x for 8 tokens at mamba-130m's shape, benchmarks/RESULTS.md) and with no graph to build (~3 minutes)."""
+    from subquad.layers.linear import C_ROWS
+    from subquad.layers.mamba import Mamba
+    from subquad.models.lm import PreNormBlock
+    from subquad.ops.mamba import fused_block
+
+    return tokens.numel() <= C_ROWS and fused_block.TOKENS.available() and all(
+        type(b) is PreNormBlock and type(b.mixer) is Mamba and b.mlp is None and b.mixer.per_token_states
+        for b in model.blocks)
+
+
 HOW = ("compiled", "states", "replay")
 
 
@@ -296,10 +311,11 @@ def verify(model, tokens, state, how: str | None = None):
                      the states per token (``keeps_states``); it fires no hooks
         "states"     the same eagerly: the prefill under ``layers.rollback.PER_TOKEN``
         "replay"     the prefill with taps that record each part's inputs, replayed at ``accept``
-        None         "compiled" where the model decodes compiled and ``keeps_states``; eagerly "states" where
-                     moreover every "states" part keeps them in one call (``per_token_states``: Mamba's scan
-                     kernel; 2.65x an eager step at mamba-130m's shape against the replay's 4.41x,
-                     benchmarks/bench_verify.py), else "replay"
+        None         "compiled" where the model decodes compiled and ``keeps_states``, but "states" for a model of
+                     plain Mamba-1 blocks each of which runs as one C call (``_mamba_calls``: faster than the
+                     graph); eagerly "states" where every "states" part keeps them in one call
+                     (``per_token_states``: Mamba's scan kernel; 1.3x an eager step for 8 tokens at
+                     mamba-130m's shape against the replay's 4.4x, benchmarks/bench_verify.py), else "replay"
     """
     if state is None:
         raise ValueError("verify needs the state the tokens continue (prefill the prompt first)")
@@ -315,7 +331,7 @@ def _verify(model, tokens, state, how):
     if how is None:
         if not kept:
             how = "replay"
-        elif step is not None:
+        elif step is not None and not _mamba_calls(model, tokens):
             how = "compiled"
         else:
             how = "states" if _one_call(model) else "replay"

@@ -647,6 +647,30 @@ def test_the_compiled_verification_keeps_the_states_per_token_and_decodes_as_pla
     assert model._decode_step.verifier().shapes == {(1, 5), (2, 5)}    # every step the same k: a graph per batch
 
 
+def test_after_compile_decode_a_mamba_model_verifies_through_its_block_calls(tmp_path):
+    """A model of plain Mamba-1 blocks (mamba-130m's structure) whose blocks verify as one C call each
+    (``TokensStep``) keeps doing so after ``compile_decode``: no verification graph is built, the state after
+    accepting j equals a prefill of those j; with an MLP in the blocks, or more rows times tokens than
+    ``layers.linear.C_ROWS``, the compiled verification is the choice."""
+    from subquad.models.decode import compile_decode
+    from subquad.models.speculative import _mamba_calls
+
+    model = tiny("mamba", scale=3.0, mlp=False).float()
+    compile_decode(model, cache=tmp_path)
+    g = torch.Generator().manual_seed(4)
+    with torch.no_grad():
+        _, start = model.prefill(torch.randint(0, 11, (2, 6), generator=g), logits="last")
+        drafts = torch.randint(0, 11, (2, 5), generator=g)
+        logits, ver = model.verify(drafts, start)
+        assert type(ver).__name__ == "KeptStates" and model._decode_step._verifier is None
+        got, (want_logits, want) = ver.accept(3), model.prefill(drafts[:, :3], start)
+        torch.testing.assert_close(logits[:, :3], want_logits, rtol=1e-5, atol=1e-5)
+        for a, b in zip(got, want, strict=True):
+            assert same_state(a, b, atol=1e-5) is None
+    assert _mamba_calls(model, drafts) and not _mamba_calls(model, torch.zeros(4, 5, dtype=torch.long))
+    assert not _mamba_calls(tiny("mamba", mlp=True).float(), drafts)
+
+
 def test_an_eager_mamba_verification_keeps_its_states_from_the_scan_kernel():
     """Eagerly, a model whose recurrent parts keep their per-token states in one call (Mamba's scan kernel,
     ``per_token_states``) verifies by keeping them (``KeptStates``: accept picks, nothing replays); another
