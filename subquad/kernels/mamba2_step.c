@@ -18,10 +18,11 @@
  * y[p] += sum_n C[n] S'[n, p], row after row of S (read in address order: the state of a 16-row batch is ~12 MB a
  * layer, read from memory), y's 64 columns in registers. S' is written with streaming stores where its rows are
  * whole lines: it is read back only at the next token, from memory, so it skips the read a cached store does
- * first (a third of the state's traffic). Returns the columns done. */
+ * first (a third of the state's traffic) - unless ``may_stream`` is 0 (a state the next row reads at once:
+ * mamba2_rows' chained rows). Returns the columns done. */
 static int64_t scan_lines(int64_t N, int64_t P, float dA, float dt, const float *Bv, const float *Cv,
-                          const float *x, const float *s, float *so, float *y) {
-    const int stream = (uintptr_t)so % 64 == 0 && P % 16 == 0;
+                          const float *x, const float *s, float *so, float *y, int may_stream) {
+    const int stream = may_stream && (uintptr_t)so % 64 == 0 && P % 16 == 0;
     const int64_t done = P - P % 64;
     const __m256 da = _mm256_set1_ps(dA);
     for (int64_t p0 = 0; p0 < done; p0 += 64) {
@@ -51,17 +52,15 @@ static int64_t scan_lines(int64_t N, int64_t P, float dA, float dt, const float 
 }
 #endif
 
-void mamba2_step(int64_t B, int64_t Dn, int64_t G, int64_t N, int64_t H, int64_t P, int64_t K, int threads,
-                 const float *in, int64_t in_row,                      /* (B, 2 Dn + 2 G N + H) */
-                 const float *conv_state, const float *conv_w,         /* (B, K-1, Dn + 2GN); (Dn + 2GN, K) */
-                 const float *conv_b,                                  /* (Dn + 2GN,) or NULL */
-                 const float *dt_bias, const float *A_log, const float *Dp,  /* (H,) each */
-                 float dt_lo, float dt_hi,
-                 const float *S,                                       /* (B, H, N, P) */
-                 const float *norm_w, int64_t norm_group, float eps,   /* (Dn,) or NULL: no norm */
-                 int defer, float *inv_out,                            /* (B, Dn / norm_group) */
-                 float *out, float *conv_out, float *S_out,            /* (B, Dn), (B, K-1, Dn + 2GN), like S */
-                 float *scratch)                                       /* B (Dn + 2GN) floats */
+/* mamba2_step over B rows, of which rows b >= Bs continue row b - Bs (their conv state and S are the ones row
+ * b - Bs leaves in conv_out and S_out): T tokens of Bs sequences, rows t-major (mamba2_block.c's
+ * mamba2_block_tokens). A channel's (a head's) rows run in order on one thread, so row b - Bs is done before row
+ * b reads it. Bs = B: every row on its own (mamba2_step). */
+static void mamba2_rows(int64_t B, int64_t Bs, int64_t Dn, int64_t G, int64_t N, int64_t H, int64_t P, int64_t K,
+                        int threads, const float *in, int64_t in_row, const float *conv_state, const float *conv_w,
+                        const float *conv_b, const float *dt_bias, const float *A_log, const float *Dp, float dt_lo,
+                        float dt_hi, const float *S, const float *norm_w, int64_t norm_group, float eps, int defer,
+                        float *inv_out, float *out, float *conv_out, float *S_out, float *scratch)
 {
     const int64_t C = Dn + 2 * G * N, heads_per_group = H / G, groups = Dn / norm_group;
     float *xbc = scratch;
@@ -71,8 +70,8 @@ void mamba2_step(int64_t B, int64_t Dn, int64_t G, int64_t N, int64_t H, int64_t
         int64_t c0, c1;
         span(C, nt, t, &c0, &c1);
         for (int64_t b = 0; b < B; b++)                     /* the convolution, its new tail */
-            conv_step(in + b * in_row + Dn, conv_state + b * (K - 1) * C, conv_out + b * (K - 1) * C, conv_w,
-                      conv_b, C, K, c0, c1, xbc + b * C);
+            conv_step(in + b * in_row + Dn, b < Bs ? conv_state + b * (K - 1) * C : conv_out + (b - Bs) * (K - 1) * C,
+                      conv_out + b * (K - 1) * C, conv_w, conv_b, C, K, c0, c1, xbc + b * C);
 #pragma omp barrier
         const int64_t h0 = H * t / nt, h1 = H * (t + 1) / nt;
         for (int64_t b = 0; b < B; b++) {                   /* the scan and the gate, head by head */
@@ -84,13 +83,13 @@ void mamba2_step(int64_t B, int64_t Dn, int64_t G, int64_t N, int64_t H, int64_t
                 float dt = softplus_f(row[Dn + C + hh] + dt_bias[hh]);
                 dt = dt < dt_lo ? dt_lo : (dt > dt_hi ? dt_hi : dt);
                 const float dA = exp_f(-dt * exp_f(A_log[hh]));
-                const float *s = S + ((b * H + hh) * N) * P;
+                const float *s = b < Bs ? S + ((b * H + hh) * N) * P : S_out + (((b - Bs) * H + hh) * N) * P;
                 float *so = S_out + ((b * H + hh) * N) * P, *y = out + b * Dn + hh * P;
                 for (int64_t p = 0; p < P; p++)
                     y[p] = Dp[hh] * x[p];
                 int64_t p0 = 0;
 #if SUBQUAD_AVX2
-                p0 = scan_lines(N, P, dA, dt, Bv, Cv, x, s, so, y);
+                p0 = scan_lines(N, P, dA, dt, Bv, Cv, x, s, so, y, b + Bs >= B);
 #endif
                 for (int64_t n = 0; n < N && p0 < P; n++) {
                     const float db = dt * Bv[n], cn = Cv[n];
@@ -123,4 +122,20 @@ void mamba2_step(int64_t B, int64_t Dn, int64_t G, int64_t N, int64_t H, int64_t
             }
         }
     }
+}
+
+void mamba2_step(int64_t B, int64_t Dn, int64_t G, int64_t N, int64_t H, int64_t P, int64_t K, int threads,
+                 const float *in, int64_t in_row,                      /* (B, 2 Dn + 2 G N + H) */
+                 const float *conv_state, const float *conv_w,         /* (B, K-1, Dn + 2GN); (Dn + 2GN, K) */
+                 const float *conv_b,                                  /* (Dn + 2GN,) or NULL */
+                 const float *dt_bias, const float *A_log, const float *Dp,  /* (H,) each */
+                 float dt_lo, float dt_hi,
+                 const float *S,                                       /* (B, H, N, P) */
+                 const float *norm_w, int64_t norm_group, float eps,   /* (Dn,) or NULL: no norm */
+                 int defer, float *inv_out,                            /* (B, Dn / norm_group) */
+                 float *out, float *conv_out, float *S_out,            /* (B, Dn), (B, K-1, Dn + 2GN), like S */
+                 float *scratch)                                       /* B (Dn + 2GN) floats */
+{
+    mamba2_rows(B, B, Dn, G, N, H, P, K, threads, in, in_row, conv_state, conv_w, conv_b, dt_bias, A_log, Dp, dt_lo,
+                dt_hi, S, norm_w, norm_group, eps, defer, inv_out, out, conv_out, S_out, scratch);
 }

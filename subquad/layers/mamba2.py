@@ -25,6 +25,7 @@ from subquad.layers.base import Mixer
 from subquad.layers.conv import ShortConv
 from subquad.layers.mamba import block_projections, checked, planned_block
 from subquad.layers.norm import GatedRMSNorm
+from subquad.layers.rollback import PerToken
 from subquad.layers.sequence import SingleDevice
 from subquad.ops import ssd
 from subquad.ops.decay import fused_block, fused_step
@@ -82,10 +83,22 @@ class Mamba2(Mixer):
         return {"ssm": self.zeros(batch_size, self.n_heads, self.d_state, self.head_dim, device=device, dtype=dtype),
                 "conv": self.conv.empty_state(batch_size, device, dtype)}
 
-    def _fusable(self, kernel, x, state, seq, *tensors) -> bool:
+    # Its states per token (``layers.rollback.PerToken``, a verification) come in one call only through its
+    # pre-norm block's (``fused_block``: ``TokensStep``); ``models.speculative`` asks the block (``per_token_states``)
+    block_tokens = True
+
+    @property
+    def per_token_states(self) -> bool:
+        """Whether its pre-norm block can keep its states per token in one call (``TokensStep``: float32 on the
+        CPU, kernels on and built); the layer alone would loop over the tokens."""
+        return self.A_log.dtype == torch.float32 and self.A_log.is_cpu and kernels.enabled() \
+            and fused_block.TOKENS.available()
+
+    def _fusable(self, kernel, x, state, seq, *tensors, backend=SingleDevice) -> bool:
         """Whether one decoding token may take ``kernel`` (the layer's step or its block's, float32 on the CPU, no
-        gradient; ``kernels.usable``) with the layer's weights and ``tensors``."""
-        return state is not None and type(seq) is SingleDevice \
+        gradient; ``kernels.usable``) with the layer's weights and ``tensors``; ``backend``: the sequence backend
+        it runs under (``PerToken`` for a verification's tokens)."""
+        return state is not None and type(seq) is backend \
             and kernels.usable(kernel, x, state["ssm"], state["conv"], self.A_log, self.D, self.dt_bias,
                                self.conv.weight, self.conv.bias, None if self.norm is None else self.norm.weight,
                                *tensors)
@@ -113,21 +126,29 @@ class Mamba2(Mixer):
     def fused_block(self, h, norm, state):
         """A pre-norm block's whole decoding step, h + mix(norm(h)), in one call (``ops.decay.fused_block``):
         h (B, 1, d_model) -> (h', new state), or None where it does not apply (``layers.mamba.block_projections``,
-        or what keeps the layer's own fused step from running). The call is kept between tokens
-        (``layers.mamba.planned_block``)."""
-        return planned_block(self, h, norm, state, fused_block.KERNEL, self._block_step)
+        or what keeps the layer's own fused step from running). Under ``layers.rollback.PerToken`` (a
+        verification), h (B, T, d_model) -> (h', the states after every token) the same way (``TokensStep``).
+        The call is kept between tokens (``layers.mamba.planned_block``)."""
+        T = h.shape[1]
+        if T > 1 and type(sequence.backend()) is not PerToken:        # a prompt: the modules
+            return None
+        return planned_block(self, h, norm, state, fused_block.KERNEL if T == 1 else fused_block.TOKENS,
+                             self._block_step)
 
     def _block_step(self, h, norm, state):
-        """``fused_block``'s ``ops.decay.fused_block.BlockStep`` for h's rows, or None where it does not apply."""
-        proj = block_projections(self, h, norm)
-        if proj is None or not self._fusable(fused_block.KERNEL, h, state, sequence.backend(), *checked(proj)):
+        """``fused_block``'s ``ops.decay.fused_block.BlockStep`` for h's rows (``TokensStep`` for T > 1 tokens
+        each), or None where it does not apply."""
+        (B, T, d), kernel = h.shape, fused_block.KERNEL if h.shape[1] == 1 else fused_block.TOKENS
+        proj = block_projections(self, h.reshape(B * T, 1, d), norm)          # the products' rows: B T
+        if proj is None or not self._fusable(kernel, h[:, :1], state, sequence.backend(), *checked(proj),
+                                             backend=SingleDevice if T == 1 else PerToken):
             return None
         gn = self.norm
         nw, w_in, b_in, w_out, b_out = proj
-        return fused_block.BlockStep(
-            h.shape[0], nw, norm.eps, w_in, b_in, w_out, b_out, self.conv.weight, self.conv.bias, self.dt_bias,
-            self.A_log, self.D, None if gn is None else gn.weight, self.d_inner, self.d_state, self.n_groups,
-            self.d_inner if gn is None else gn.group_size, 0.0 if gn is None else gn.eps, self.dt_limit)
+        weights = (nw, norm.eps, w_in, b_in, w_out, b_out, self.conv.weight, self.conv.bias, self.dt_bias,
+                   self.A_log, self.D, None if gn is None else gn.weight, self.d_inner, self.d_state, self.n_groups,
+                   self.d_inner if gn is None else gn.group_size, 0.0 if gn is None else gn.eps, self.dt_limit)
+        return fused_block.BlockStep(B, *weights) if T == 1 else fused_block.TokensStep(T, B, *weights)
 
     def _fused_step(self, x, state):
         """One token through ``ops.decay.fused_step`` (the same math as ``mix``'s ops, in one call; with one norm

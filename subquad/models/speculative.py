@@ -277,9 +277,21 @@ def keeps_states(model, tokens) -> bool:
     return True
 
 
-def _one_call(model) -> bool:
-    """Every "states" part of the model keeps its per-token states in one call eagerly (``per_token_states``)."""
-    return all(kind != "states" or getattr(module, "per_token_states", False)
+def _one_call(model, tokens) -> bool:
+    """Every "states" part of the model keeps its per-token states of ``tokens`` (B, T) in one call eagerly
+    (``per_token_states``; a part that does so only through its pre-norm block's call, ``block_tokens``: Mamba-2,
+    when its block is one and B T is within the call's ``layers.linear.C_ROWS``)."""
+    from subquad.layers.linear import C_ROWS
+    from subquad.models.lm import PreNormBlock
+
+    def one(block, module):
+        if not getattr(module, "per_token_states", False):
+            return False
+        return not getattr(module, "block_tokens", False) or (
+            type(block) is PreNormBlock and block.mixer is module and not block.stateful_mlp
+            and tokens.numel() <= C_ROWS)
+
+    return all(kind != "states" or one(block, module)
                for block in model.blocks for module, kind, _ in block.state_parts())
 
 
@@ -334,7 +346,7 @@ def _verify(model, tokens, state, how):
         elif step is not None and not _mamba_calls(model, tokens):
             how = "compiled"
         else:
-            how = "states" if _one_call(model) else "replay"
+            how = "states" if _one_call(model, tokens) else "replay"
     if how != "replay":
         if not kept:
             raise ValueError(f"how={how!r} needs every part of the state kept per token (keeps_states): this model's "

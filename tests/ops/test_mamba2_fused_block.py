@@ -52,6 +52,48 @@ def test_the_block_equals_its_math_in_float64(B, d, H, P, N, G, K, norm_groups, 
         assert not isinstance(a, torch.Tensor) or torch.equal(a, b)    # the states (and weights) passed in unchanged
 
 
+@pytest.mark.parametrize("T,B,d,H,P,N,G,K,norm_groups,limit,cm", [
+    (8, 1, 40, 4, 16, 16, 1, 4, 1, (0.0, float("inf")), (False, False)),    # a verification of 8 tokens, 1 row
+    (3, 5, 29, 6, 5, 7, 3, 4, 2, (0.0, float("inf")), (True, False)),       # odd sizes, groups, 2 norm groups
+    (4, 4, 33, 4, 64, 16, 2, 2, 0, (0.01, 0.3), (False, True)),             # P 64 (whole lines), no norm, a limit
+])
+def test_tokens_equal_the_math_token_by_token_in_float64(T, B, d, H, P, N, G, K, norm_groups, limit, cm):
+    """``TokensStep``: T tokens of B rows in one call equal the block's math in float64 run token by token from the
+    state each token leaves - every token's h', conv state and S (the states a verification keeps)."""
+    g = torch.Generator().manual_seed(T * 100 + B)
+
+    def r(*s, scale=1.0):
+        return torch.randn(*s, generator=g) * scale
+
+    Dn, C = H * P, H * P + 2 * G * N
+    W = 2 * Dn + 2 * G * N + H
+    h, norm_w = r(B, T, d, scale=3.0), torch.rand(d, generator=g) + 0.5
+    w_in, w_out = r(W, d, scale=d ** -0.5), r(d, Dn, scale=Dn ** -0.5)
+    w_in, w_out = (w.T.contiguous().T if c else w for w, c in zip((w_in, w_out), cm))
+    b_in, b_out = r(W), r(d)
+    conv_state, S = r(B, K - 1, C), r(B, H, N, P)
+    fixed = [r(C, K, scale=0.5), r(C), r(H) - 2.0, r(H).abs(), r(H)]                    # conv w, b, dt bias, A_log, D
+    gnorm = [r(Dn).abs() + 0.5 if norm_groups else None, G, Dn // max(norm_groups, 1), 1e-5]
+    before = [t.clone() for t in (h, conv_state, S)]
+    step = fused_block.TokensStep(T, B, norm_w, 1e-5, w_in, b_in, w_out, b_out, *fixed[:3], fixed[3], fixed[4],
+                                  gnorm[0], Dn, N, G, gnorm[2], gnorm[3], limit)
+    with torch.no_grad():
+        h_got, conv_got, S_got = step(h, conv_state, S)
+    assert h_got.shape == (B, T, d) and conv_got.shape == (B, T, K - 1, C) and S_got.shape == (B, T, H, N, P)
+    conv, s = conv_state, S
+    for t in range(T):
+        hd = h[:, t].double()
+        x = hd * torch.rsqrt(hd.pow(2).mean(-1, keepdim=True) + 1e-5) * norm_w.double()
+        zxbcdt = (x @ w_in.double().T + b_in.double()).float()                          # reference() takes float32
+        y, conv, s = reference(zxbcdt, conv, fixed[0], fixed[1], fixed[2], fixed[3], fixed[4], s, *gnorm, *limit)
+        h_want = hd + y @ w_out.double().T + b_out.double()
+        for got, want in ((h_got[:, t], h_want), (conv_got[:, t], conv), (S_got[:, t], s)):
+            assert got.dtype == torch.float32
+            assert (got.double() - want).abs().max() <= 1e-5 * want.abs().max() + 1e-30, t
+    for a, b in zip((h, conv_state, S), before):
+        assert torch.equal(a, b)                                         # the inputs passed in unchanged
+
+
 @pytest.mark.parametrize("options", [{"n_groups": 2, "d_state": 16, "head_dim": 8},
                                      {"gated_norm": False, "dt_limit": (0.01, 0.2)}])
 def test_a_model_without_mlps_takes_it_and_agrees_with_its_blocks(monkeypatch, options):

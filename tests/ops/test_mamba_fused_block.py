@@ -86,26 +86,32 @@ def test_tokens_equal_the_math_token_by_token_in_float64(T, B, d, D, N, R, K, st
 
 
 @pytest.mark.parametrize("mlp", [False, True])
-def test_a_verification_takes_the_tokens_call_per_mamba_block(monkeypatch, mlp):
-    """``models.speculative.verify`` (states kept per token) of a Mamba + softmax model, 2 rows of 6 tokens: each
-    Mamba block runs as one ``TokensStep`` call (blocks with an MLP too: the MLP follows), and its logits and the
+@pytest.mark.parametrize("kind", ["mamba", "mamba2"])
+def test_a_verification_takes_the_tokens_call_per_mamba_block(monkeypatch, kind, mlp):
+    """``models.speculative.verify`` (states kept per token) of a Mamba (Mamba-2) + softmax model, 2 rows of 6
+    tokens: each Mamba block runs as one ``TokensStep`` call (``ops.mamba.fused_block``'s, ``ops.decay``'s; blocks
+    with an MLP too: the MLP follows), and its logits and the
     state after accepting j tokens (the same j for all rows, and one per row) equal the modules' under ``PerToken``
     and a prefill of exactly those tokens by a float64 copy. A prompt from a state, and a verification of more
     rows times tokens than ``layers.linear.C_ROWS``, run the modules."""
     from subquad.layers.rollback import same_state
     from subquad.models.speculative import verify
 
-    m, m64 = models(d_model=48, n_layers=3, pattern="mamba,softmax,mamba", mlp=mlp)
+    from subquad.ops.decay import fused_block as fused_block2
+
+    options = {"mamba2": {"d_state": 16, "head_dim": 16, "n_groups": 2}}
+    m, m64 = models(d_model=48, n_layers=3, pattern=f"{kind},softmax,{kind}", mlp=mlp, mixer_options=options)
     calls = []
-    real = fused_block.TokensStep.__call__
-    monkeypatch.setattr(fused_block.TokensStep, "__call__", lambda *a: calls.append(1) or real(*a))
+    tokens = (fused_block if kind == "mamba" else fused_block2).TokensStep
+    real = tokens.__call__
+    monkeypatch.setattr(tokens, "__call__", lambda *a: calls.append(1) or real(*a))
     g = torch.Generator().manual_seed(2)
     prompt, toks = torch.randint(0, 300, (2, 7), generator=g), torch.randint(0, 300, (2, 6), generator=g)
     with torch.no_grad():
         _, st = m.prefill(prompt)
         _, st64 = m64.prefill(prompt)
-        logits, ver = verify(m, toks, st, how="states")
-        assert len(calls) == 2
+        logits, ver = verify(m, toks, st)                                 # how=None: states kept
+        assert len(calls) == 2 and type(ver).__name__ == "KeptStates"
         monkeypatch.setenv("SUBQUAD_KERNELS", "0")
         want, ver_modules = verify(m, toks, st, how="states")
         monkeypatch.setenv("SUBQUAD_KERNELS", "1")

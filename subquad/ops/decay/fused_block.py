@@ -8,15 +8,20 @@
 The mamba2 checkpoints' layer (mamba2-130m's): as ``ops.mamba.fused_block`` is for Mamba-1, taken by
 ``models.lm.PreNormBlock`` through ``layers.mamba2.Mamba2.fused_block`` under the same conditions
 (``layers.mamba.block_projections``); the block's PyTorch forward is the reference. States read, never written.
+``TokensStep``: T consecutive tokens of each row under ``layers.rollback.PER_TOKEN`` (a speculative
+verification), as ``ops.mamba.fused_block.TokensStep`` does for Mamba-1: h (B, T, d) -> (h', the conv state
+(B, T, K-1, C) and S (B, T, H, N, P) after every token), ``mamba2_block_tokens``.
 """
 
 from __future__ import annotations
 
 from subquad.kernels import FLOAT, I64, INT, PTR, Call, Kernel
-from subquad.ops.mamba.fused_block import KeptStep, proj_args
+from subquad.ops.mamba.fused_block import KeptStep, TokensStep as _Tokens, proj_args
 
 KERNEL = Kernel("mamba2_block_step", [I64] * 8 + [INT, PTR, PTR, FLOAT] + [PTR] * 6 + [INT, INT, I64, I64] + [PTR] * 6
                 + [FLOAT, FLOAT, PTR, PTR, I64, FLOAT] + [PTR] * 4, "mamba2_block")
+TOKENS = Kernel("mamba2_block_tokens", [I64] * 9 + [INT, PTR, PTR, FLOAT] + [PTR] * 6 + [INT, INT, I64, I64]
+                + [PTR] * 6 + [FLOAT, FLOAT, PTR, PTR, I64, FLOAT] + [PTR] * 4, "mamba2_block")
 
 
 class BlockStep(KeptStep):
@@ -30,7 +35,7 @@ class BlockStep(KeptStep):
 
     def __init__(self, B, norm_w, eps, w_in, b_in, w_out, b_out, conv_w, conv_b, dt_bias, A_log, Dp, gnorm_w,
                  d_inner: int, d_state: int, groups: int, group_size: int, geps: float,
-                 dt_limit=(0.0, float("inf"))):
+                 dt_limit=(0.0, float("inf")), T=0):
         d, H, N, Dn, K = norm_w.shape[0], A_log.shape[0], d_state, d_inner, conv_w.shape[-1]
         P, C = Dn // H, Dn + 2 * groups * d_state
         W = 2 * Dn + 2 * groups * N + H
@@ -39,11 +44,26 @@ class BlockStep(KeptStep):
         conv_w = conv_w.reshape(C, K).contiguous()
         lo, hi = (float(v) for v in dt_limit)
         self.B, self.d, self.conv_shape, self.state_shape = B, d, (B, K - 1, C), (B, H, N, P)
-        self.scratch = B * (d + W + Dn + Dn // group_size + C)
-        self.call = Call(KERNEL, [B, d, Dn, groups, N, H, P, K, None, None, norm_w, float(eps), w_in, s_in, b_in,
-                                  w_out, s_out, b_out, in_kind, out_kind, in_g, out_g, None, conv_w, conv_b, dt_bias,
-                                  A_log, Dp, lo, hi, None, gnorm_w, group_size, float(geps), None, None, None, None],
-                         (8, 9, 22, 30, 34, 35, 36, 37))
+        self.scratch = max(T, 1) * B * (d + W + Dn + Dn // group_size + C)     # per row and token
+        lead = [T] if T else []                                              # mamba2_block_tokens takes T first
+        self.call = Call(TOKENS if T else KERNEL,
+                         lead + [B, d, Dn, groups, N, H, P, K, None, None, norm_w, float(eps), w_in, s_in, b_in,
+                                 w_out, s_out, b_out, in_kind, out_kind, in_g, out_g, None, conv_w, conv_b, dt_bias,
+                                 A_log, Dp, lo, hi, None, gnorm_w, group_size, float(geps), None, None, None, None],
+                         tuple(i + len(lead) for i in (8, 9, 22, 30, 34, 35, 36, 37)))
+
+
+class TokensStep(BlockStep):
+    """The module doc's ``TokensStep`` for ``T`` tokens of ``B`` rows (T B <= 16): built as ``BlockStep`` (with
+    ``T``), called as ``ops.mamba.fused_block.TokensStep`` - h (B, T, d), the states before -> (h', each token's
+    conv state, each token's S), views of t-major buffers."""
+
+    name = "Mamba-2 block (tokens)"
+    __call__ = _Tokens.__call__
+
+    def __init__(self, T, B, *weights, **options):
+        super().__init__(B, *weights, **options, T=T)
+        self.T = T
 
 
 def block_step(h, norm_w, eps, w_in, b_in, w_out, b_out, conv_state, conv_w, conv_b, dt_bias, A_log, Dp, S,
