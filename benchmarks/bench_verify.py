@@ -15,6 +15,10 @@ tokens <= 1.5x one compiled float32 step at mamba-130m's shape), random weights,
 
     python benchmarks/bench_verify.py            # ~2 min (the compile is most of it)
     python benchmarks/bench_verify.py --no-compile   # the eager rows, against the eager step
+    python benchmarks/bench_verify.py --model hybrid --no-compile   # bench_llama_server's HYBRID (Bamba's
+                                                 # structure: Mamba-2 blocks with MLPs, attention every 6th)
+
+    verify 8 (replay)    the eager verification that replays the kept tokens (``how="replay"``)
 
 Median of ``--repeats`` interleaved rounds, after warm-up; prints ms and ratios to the compiled step, writes
 results/verify.{json,md}.
@@ -33,6 +37,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.bench_compile_cache import CASES  # noqa: E402
+from benchmarks.bench_llama_server import HYBRID  # noqa: E402
 from benchmarks.common import OUT, machine_line, matmul_gflops  # noqa: E402
 from subquad.models import LanguageModel, ModelConfig  # noqa: E402
 from subquad.models.decode import compile_decode, decode_layout  # noqa: E402
@@ -45,11 +50,13 @@ def main(argv=None):
     ap.add_argument("--tokens", type=int, default=8, help="tokens verified (the fed token and k - 1 drafts)")
     ap.add_argument("--no-compile", action="store_true", help="the eager rows only, ratios to the eager step")
     ap.add_argument("--quick", action="store_true", help="a 2-layer model of width 128: checks the script runs")
+    ap.add_argument("--model", choices=["mamba-130m", "hybrid"], default="mamba-130m")
     a = ap.parse_args(argv)
     torch.set_num_threads(2)
-    fields = dict(CASES["mamba-130m"][0])
+    fields = dict(CASES["mamba-130m"][0] if a.model == "mamba-130m" else HYBRID)
     if a.quick:
-        fields.update(d_model=128, n_layers=2, vocab_size=1000)
+        fields.update(d_model=128, n_layers=2, vocab_size=1000, n_heads=4, n_kv_heads=None,
+                      pattern="mamba" if a.model == "mamba-130m" else "mamba2,softmax")
         a.repeats = 3
     torch.manual_seed(0)
     eager = LanguageModel(ModelConfig(**fields)).eval()
@@ -81,6 +88,10 @@ def main(argv=None):
             _, ver = verify(eager, block, state)
             ver.accept(a.tokens // 2)
 
+        def replay_verify_accept():
+            _, ver = verify(eager, block, state, how="replay")
+            ver.accept(a.tokens // 2)
+
         def states_verify_accept():
             _, ver = verify(eager, block, state, how="states")
             ver.accept(a.tokens // 2)
@@ -96,7 +107,8 @@ def main(argv=None):
 
         n, j = a.tokens, a.tokens // 2
         cases = {"compiled step": compiled, "eager step": eager_step, f"prefill {n}": prefill,
-                 f"verify {n} + accept {j}": verify_accept, f"verify {n} (states) + accept {j}": states_verify_accept,
+                 f"verify {n} + accept {j}": verify_accept, f"verify {n} (replay) + accept {j}": replay_verify_accept,
+                 f"verify {n} (states) + accept {j}": states_verify_accept,
                  f"compiled verify {n} + accept {j}": compiled_verify_accept}
         if a.no_compile:
             cases = {k: v for k, v in cases.items() if "compiled" not in k}
@@ -111,13 +123,13 @@ def main(argv=None):
     ms = {k: 1e3 * statistics.median(v) for k, v in times.items()}
     base = ms["eager step" if a.no_compile else "compiled step"]
     machine = machine_line(matmul_gflops())
-    lines = [f"mamba-130m's shape{' (quick: width 128, 2 layers)' if a.quick else ''}, batch 1, float32; "
+    lines = [f"{a.model}'s shape{' (quick: width 128, 2 layers)' if a.quick else ''}, batch 1, float32; "
              f"{machine}; first compiled steps {compile_s:.1f} s, first compiled verification {verify_compile_s:.1f} s",
              "",
              f"| call | ms | x {'eager' if a.no_compile else 'compiled'} step |", "|---|---:|---:|"]
     lines += [f"| {k} | {v:.2f} | {v / base:.2f} |" for k, v in ms.items()]
     print("\n".join(lines))
-    if not a.quick and not a.no_compile:
+    if not a.quick and not a.no_compile and a.model == "mamba-130m":
         (OUT / "verify.json").write_text(json.dumps({"ms": ms, "machine": machine, "tokens": a.tokens}, indent=1))
         (OUT / "verify.md").write_text("\n".join(lines) + "\n")
 
