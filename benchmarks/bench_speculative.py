@@ -5,6 +5,8 @@ would make acceptance meaningless).
 
     python benchmarks/bench_speculative.py                 # trains both models once (~10 min), then ~5 min
     python benchmarks/bench_speculative.py --quick         # a few training steps: checks the script runs
+    python benchmarks/bench_speculative.py --eager         # the target eager (what generate and serve run
+                                                           # without --compile-decode): results_eager.json
 
 The target: the ``small`` preset as a hybrid (Mamba-2 and softmax attention, 6 layers of 256), the draft: the
 ``micro`` preset (4 layers of 128, GLA) on the same tokens and tokenizer; both trained ``--steps`` steps and kept
@@ -164,6 +166,8 @@ def main(argv=None):
     ap.add_argument("--draft-tokens", type=int, default=6)
     ap.add_argument("--rounds", type=int, default=3, help="interleaved rounds of every mode; the median tokens/s")
     ap.add_argument("--quick", action="store_true", help="20 training steps, 2 prompts, 24 tokens: the script runs")
+    ap.add_argument("--eager", action="store_true", help="the target without compile_decode: eager steps and "
+                    "verifications")
     args = ap.parse_args(argv)
     if args.quick:
         args.steps, args.prompts, args.new_tokens, args.served, args.rounds = 20, 2, 24, 4, 1
@@ -174,7 +178,8 @@ def main(argv=None):
     target, tok = train_or_load(out / "target", TARGET, args.steps, td, print, args.batch_size)
     draft, _ = train_or_load(out / "draft", DRAFT, args.steps, td, print, args.batch_size)
     t = time.perf_counter()
-    compile_decode(target)
+    if not args.eager:
+        compile_decode(target)
     compile_s = time.perf_counter() - t
     rng = random.Random(0)
     tasks = {"edit": edit_prompts(tok, args.prompts, rng), "free": free_prompts(tok, args.prompts, rng)}
@@ -191,9 +196,10 @@ def main(argv=None):
     verify_s = time.perf_counter() - t
     gflops = matmul_gflops()
     print(machine_line(gflops))
-    print(f"target {TARGET}, draft {DRAFT}, {args.steps} training steps each; compile_decode {compile_s:.1f} s, "
-          f"its verification's graphs {verify_s:.1f} s; "
-          f"{args.new_tokens} new tokens per prompt, greedy, draft_tokens={args.draft_tokens}")
+    print(f"target {TARGET}, draft {DRAFT}, {args.steps} training steps each; "
+          + ("eager (no compile_decode); " if args.eager else
+             f"compile_decode {compile_s:.1f} s, its verification's graphs {verify_s:.1f} s; ")
+          + f"{args.new_tokens} new tokens per prompt, greedy, draft_tokens={args.draft_tokens}")
     print("| task | batch | mode | tokens/s | x plain | tokens/step | acceptance | = plain | each round |")
     print("|---|---:|---|---:|---:|---:|---:|---:|---|")
     rows = []
@@ -229,9 +235,10 @@ def main(argv=None):
         print(f"| edit | {len(served)} | {mode} | {r['tok_s']:.1f} | {row['speedup']:.2f} | "
               f"{r['tokens_per_step']:.2f} | {r['acceptance']:.2f} | {100 * same:.0f}% | "
               f"{' / '.join(f'{x:.0f}' for x in r['rounds'])} |", flush=True)
-    (out / "results.json").write_text(json.dumps(rows, indent=1))
-    plot(rows, out / "speculative.png")
-    print(f"plot: {out / 'speculative.png'}")
+    name = "_eager" if args.eager else ""
+    (out / f"results{name}.json").write_text(json.dumps(rows, indent=1))
+    plot(rows, out / f"speculative{name}.png")
+    print(f"plot: {out / f'speculative{name}.png'}")
 
 
 def plot(rows, path):
