@@ -136,7 +136,9 @@ class SoftmaxAttention(Mixer):
             k = apply_rotary(k, pos, self.rotary_base, self.rotary_dim)
         new = self._extend(cache, k, v, seq)              # a fork: ``cache`` itself keeps its entries
         if self._one_token(q, cache, seq):
+            mask = new.key_mask()                         # a ragged cache: each row's left padding masked
             o = F.scaled_dot_product_attention(q.transpose(1, 2), new.k.transpose(1, 2), new.v.transpose(1, 2),
+                                               attn_mask=None if mask is None else mask[:, None, None, :],
                                                scale=self.scale, enable_gqa=H != Hk).transpose(1, 2)
         else:
             o, _ = seq.attention(q, self._repeat(k), self._repeat(v), window=self.window, mode=self.mode,
@@ -149,14 +151,14 @@ class SoftmaxAttention(Mixer):
         return self.o_proj(o.reshape(B, T, H * K)), {"kv": new}
 
     def _one_token(self, q, cache, seq) -> bool:
-        """Whether this call is one decoding token against a plain cache - one row or rows of one length, no
-        window, no packing, one process, no gradient, a positive scale (the op folds a scale <= 0 into q): then
-        SDPA reads the appended cache directly, the grouped heads through ``enable_gqa`` (torch >= 2.5), where
-        the op's route repeats the cached keys and values for every query head, concatenates the new token and
-        builds a mask (a layer step at d_model 768, 12 heads over 4, 256 cached tokens: 1.5 -> 0.85 ms). Not
-        while compiling (the decoding graph keeps the op). ``seq.attention`` stays the reference
-        (tests/layers/test_attention_one_token.py)."""
-        return (q.shape[1] == 1 and cache is not None and len(cache) > 0 and not cache.ragged
+        """Whether this call is one decoding token against a cache without a window - rows of one length, or a
+        ragged batch (left-padded rows: the padding masked) -, no packing, one process, no gradient, a positive
+        scale (the op folds a scale <= 0 into q): then SDPA reads the appended cache directly, the grouped heads
+        through ``enable_gqa`` (torch >= 2.5), where the op's route repeats the cached keys and values for every
+        query head, concatenates the new token and builds a mask (a layer step at d_model 768, 12 heads over 4,
+        256 cached tokens: 1.5 -> 0.85 ms). Not while compiling (the decoding graph keeps the op).
+        ``seq.attention`` stays the reference (tests/layers/test_attention_one_token.py)."""
+        return (q.shape[1] == 1 and cache is not None and len(cache) > 0
                 and cache.window is None and self.window is None and seq.cu_seqlens is None
                 and type(seq) is SingleDevice and not torch.is_grad_enabled() and GQA_SDPA
                 and (self.scale is None or self.scale > 0) and not torch.compiler.is_compiling())

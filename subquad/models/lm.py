@@ -146,6 +146,8 @@ class PreNormBlock(Block):
     mixer's half (norm, mixer, residual) in one call where the mixer offers it (``fused_block``: Mamba's,
     Mamba-2's); an MLP (not a stateful one) then follows as usual (Bamba's and Granite 4's blocks)."""
 
+    one_call = True     # its mixer's half may run as the mixer's one call (models.speculative asks)
+
     def forward(self, h, state=None, cu_seqlens=None, carry=None):
         m = self.mixer
         if state is not None and cu_seqlens is None and hasattr(m, "fused_block") and not self.stateful_mlp \

@@ -282,13 +282,12 @@ def _one_call(model, tokens) -> bool:
     (``per_token_states``; a part that does so only through its pre-norm block's call, ``block_tokens``: Mamba-2,
     when its block is one and B T is within the call's ``layers.linear.C_ROWS``)."""
     from subquad.layers.linear import C_ROWS
-    from subquad.models.lm import PreNormBlock
 
     def one(block, module):
         if not getattr(module, "per_token_states", False):
             return False
         return not getattr(module, "block_tokens", False) or (
-            type(block) is PreNormBlock and block.mixer is module and not block.stateful_mlp
+            getattr(block, "one_call", False) and block.mixer is module and not block.stateful_mlp
             and tokens.numel() <= C_ROWS)
 
     return all(kind != "states" or one(block, module)
@@ -302,11 +301,10 @@ def _mamba_calls(model, tokens) -> bool:
     1.41x for 8 tokens at mamba-130m's shape, benchmarks/RESULTS.md) and with no graph to build (~3 minutes)."""
     from subquad.layers.linear import C_ROWS
     from subquad.layers.mamba import Mamba
-    from subquad.models.lm import PreNormBlock
     from subquad.ops.mamba import fused_block
 
     return tokens.numel() <= C_ROWS and fused_block.TOKENS.available() and all(
-        type(b) is PreNormBlock and type(b.mixer) is Mamba and b.mlp is None and b.mixer.per_token_states
+        getattr(b, "one_call", False) and type(b.mixer) is Mamba and b.mlp is None and b.mixer.per_token_states
         for b in model.blocks)
 
 
