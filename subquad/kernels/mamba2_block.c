@@ -7,35 +7,15 @@
  *   y  = mamba2_step(in, ...)                              (B, Dn), the new conv state and S (mamba2_step.c)
  *   h' = h + y W_out^T + b_out                             W_out (d, Dn), b_out (d,) or NULL
  * Each W float32 row- or column-major, int8 or int4, as its kind says (mamba_block.c); B <= 16.
- * mamba2_block_tokens: T consecutive tokens of B sequences (a speculative verification), rows t-major, as
- * mamba_block.c's mamba_block_tokens: the products over all T B rows, the step token by token from the states
- * the token before left, every token's states written out: conv_out (T, B, K-1, C), S_out (T, B, H, N, P).
+ * mamba2_block_tokens runs T consecutive tokens of B sequences at once (T = 1 a decoding step, T > 1 a
+ * speculative verification), rows t-major, as mamba_block.c's mamba_block_tokens: the products over all T B rows,
+ * the step token by token from the states the token before left (mamba2_step.c's mamba2_rows), every token's
+ * states written out: conv_out (T, B, K-1, C), S_out (T, B, H, N, P).
  * ops/decay/fused_block.py is the Python side;
  * the block's own PyTorch forward is the reference. */
 
 #include "mamba2_step.c"
 #include "qgemv.c"
-
-void mamba2_block_step(int64_t B, int64_t d, int64_t Dn, int64_t G, int64_t N, int64_t H, int64_t P, int64_t K,
-                       int threads, const float *h, const float *norm_w, float eps, const void *w_in,
-                       const void *s_in, const float *b_in, const void *w_out, const void *s_out,
-                       const float *b_out, int in_kind, int out_kind, int64_t in_groups, int64_t out_groups,
-                       const float *conv_state, const float *conv_w, const float *conv_b, const float *dt_bias,
-                       const float *A_log, const float *Dp, float dt_lo, float dt_hi, const float *S,
-                       const float *gnorm_w, int64_t norm_group, float geps,
-                       float *h_out, float *conv_out, float *S_out,
-                       float *scratch)   /* B (d + W + Dn + Dn / norm_group + Dn + 2GN) floats, W = 2Dn + 2GN + H */
-{
-    const int64_t W = 2 * Dn + 2 * G * N + H;
-    float *x = scratch, *in = x + B * d, *y = in + B * W, *inv = y + B * Dn, *rest = inv + B * (Dn / norm_group);
-    rms_rows(B, d, h, norm_w, eps, x);
-    proj_gemv(in_kind, in_groups, B, W, d, threads, x, d, w_in, s_in, b_in, in);
-    mamba2_step(B, Dn, G, N, H, P, K, threads, in, W, conv_state, conv_w, conv_b, dt_bias, A_log, Dp, dt_lo, dt_hi,
-                S, gnorm_w, norm_group, geps, 0, inv, y, conv_out, S_out, rest);
-    proj_gemv(out_kind, out_groups, B, d, Dn, threads, y, Dn, w_out, s_out, b_out, h_out);
-    for (int64_t i = 0; i < B * d; i++)
-        h_out[i] += h[i];
-}
 
 void mamba2_block_tokens(int64_t T, int64_t B, int64_t d, int64_t Dn, int64_t G, int64_t N, int64_t H, int64_t P,
                          int64_t K, int threads, const float *h, const float *norm_w, float eps, const void *w_in,

@@ -9,36 +9,17 @@
  * s_in / s_out, or int4 with groups of scales and zeros, as its kind and groups say (qgemv.c's proj_gemv);
  * B <= 16.
  *
- * mamba_block_tokens: T consecutive tokens of B sequences (a speculative verification), rows t-major (row t B + b
- * of h is token t of sequence b); the products over all T B rows at once, the step between them token by token
- * from the state the previous token left, and every token's states written out: conv_out (T, B, K-1, D), ssm_out
- * (T, B, D, N) - the state after each token, as layers/rollback.py's PerToken keeps it. T B <= 16.
+ * mamba_block_tokens runs T consecutive tokens of B sequences at once: T = 1 a decoding step, T > 1 a speculative
+ * verification. Rows t-major (row t B + b of h is token t of sequence b); the products over all T B rows at once,
+ * the step between them token by token from the state the previous token left (mamba_step.c's mamba_rows), and
+ * every token's states written out: conv_out (T, B, K-1, D), ssm_out (T, B, D, N) - the state after each token,
+ * as layers/rollback.py's PerToken keeps it. T B <= 16.
  *
  * ops/mamba/fused_block.py states it once more with the Python side; the block's own PyTorch forward is the
  * reference. The products are qgemv.c's: each weight read once for all B rows. */
 
 #include "mamba_step.c"
 #include "qgemv.c"
-
-void mamba_block_step(int64_t B, int64_t d, int64_t D, int64_t N, int64_t R, int64_t K, int64_t heads,
-                      int threads, const float *h, const float *norm_w, float eps, const void *w_in,
-                      const void *s_in, const float *b_in, const void *w_out, const void *s_out,
-                      const float *b_out, int in_kind, int out_kind, int64_t in_groups, int64_t out_groups,
-                      const float *conv_state, const float *conv_w, const float *conv_b, const float *wx,
-                      const float *wdt, int64_t wdt_s0, int64_t wdt_s1, const float *bdt, const float *A_log,
-                      const float *Dp, const float *ssm,
-                      float *h_out, float *conv_out, float *ssm_out,
-                      float *scratch)  /* B (d + 2D + D + 2D + heads (R + 2N)) floats */
-{
-    float *x = scratch, *xz = x + B * d, *y = xz + B * 2 * D, *rest = y + B * D;
-    rms_rows(B, d, h, norm_w, eps, x);
-    proj_gemv(in_kind, in_groups, B, 2 * D, d, threads, x, d, w_in, s_in, b_in, xz);
-    mamba_step(B, D, N, R, K, heads, threads, xz, 2 * D, conv_state, conv_w, conv_b, wx, wdt, wdt_s0, wdt_s1, bdt,
-               A_log, Dp, ssm, y, conv_out, ssm_out, rest);
-    proj_gemv(out_kind, out_groups, B, d, D, threads, y, D, w_out, s_out, b_out, h_out);
-    for (int64_t i = 0; i < B * d; i++)
-        h_out[i] += h[i];
-}
 
 void mamba_block_tokens(int64_t T, int64_t B, int64_t d, int64_t D, int64_t N, int64_t R, int64_t K, int64_t heads,
                         int threads, const float *h, const float *norm_w, float eps, const void *w_in,

@@ -18,10 +18,9 @@ from __future__ import annotations
 from subquad.kernels import FLOAT, I64, INT, PTR, Call, Kernel
 from subquad.ops.mamba.fused_block import KeptStep, TokensStep as _Tokens, proj_args
 
-KERNEL = Kernel("mamba2_block_step", [I64] * 8 + [INT, PTR, PTR, FLOAT] + [PTR] * 6 + [INT, INT, I64, I64] + [PTR] * 6
-                + [FLOAT, FLOAT, PTR, PTR, I64, FLOAT] + [PTR] * 4, "mamba2_block")
-TOKENS = Kernel("mamba2_block_tokens", [I64] * 9 + [INT, PTR, PTR, FLOAT] + [PTR] * 6 + [INT, INT, I64, I64]
-                + [PTR] * 6 + [FLOAT, FLOAT, PTR, PTR, I64, FLOAT] + [PTR] * 4, "mamba2_block")
+# One C function for both: a decoding step is T = 1 token of B rows
+KERNEL = TOKENS = Kernel("mamba2_block_tokens", [I64] * 9 + [INT, PTR, PTR, FLOAT] + [PTR] * 6 + [INT, INT, I64, I64]
+                         + [PTR] * 6 + [FLOAT, FLOAT, PTR, PTR, I64, FLOAT] + [PTR] * 4, "mamba2_block")
 
 
 class BlockStep(KeptStep):
@@ -45,12 +44,11 @@ class BlockStep(KeptStep):
         lo, hi = (float(v) for v in dt_limit)
         self.B, self.d, self.conv_shape, self.state_shape = B, d, (B, K - 1, C), (B, H, N, P)
         self.scratch = max(T, 1) * B * (d + W + Dn + Dn // group_size + C)     # per row and token
-        lead = [T] if T else []                                              # mamba2_block_tokens takes T first
-        self.call = Call(TOKENS if T else KERNEL,
-                         lead + [B, d, Dn, groups, N, H, P, K, None, None, norm_w, float(eps), w_in, s_in, b_in,
-                                 w_out, s_out, b_out, in_kind, out_kind, in_g, out_g, None, conv_w, conv_b, dt_bias,
-                                 A_log, Dp, lo, hi, None, gnorm_w, group_size, float(geps), None, None, None, None],
-                         tuple(i + len(lead) for i in (8, 9, 22, 30, 34, 35, 36, 37)))
+        self.call = Call(KERNEL, [max(T, 1), B, d, Dn, groups, N, H, P, K, None, None, norm_w, float(eps), w_in, s_in,
+                                  b_in, w_out, s_out, b_out, in_kind, out_kind, in_g, out_g, None, conv_w, conv_b,
+                                  dt_bias, A_log, Dp, lo, hi, None, gnorm_w, group_size, float(geps), None, None, None,
+                                  None],
+                         (9, 10, 23, 31, 35, 36, 37, 38))
 
 
 class TokensStep(BlockStep):

@@ -29,12 +29,9 @@ import torch
 from subquad.kernels import FLOAT, I64, INT, PTR, Call, Kernel
 from subquad.ops.mamba.fused_step import prepare_weights
 
-KERNEL = Kernel("mamba_block_step", [I64] * 7 + [INT, PTR, PTR, FLOAT] + [PTR] * 6 + [INT, INT, I64, I64] + [PTR] * 5
-                + [I64, I64] + [PTR] * 8,
-                "mamba_block")
-TOKENS = Kernel("mamba_block_tokens", [I64] * 8 + [INT, PTR, PTR, FLOAT] + [PTR] * 6 + [INT, INT, I64, I64] + [PTR] * 5
-                + [I64, I64] + [PTR] * 8,
-                "mamba_block")
+# One C function for both: a decoding step is T = 1 token of B rows
+KERNEL = TOKENS = Kernel("mamba_block_tokens", [I64] * 8 + [INT, PTR, PTR, FLOAT] + [PTR] * 6 + [INT, INT, I64, I64]
+                         + [PTR] * 5 + [I64, I64] + [PTR] * 8, "mamba_block")
 
 
 def layout(w: torch.Tensor) -> bool:
@@ -91,12 +88,10 @@ class BlockStep(KeptStep):
         d, D = norm_w.shape[0], A_log.shape[0]
         self.B, self.d, self.conv_shape, self.state_shape = B, d, (B, K - 1, D), (B, D, N)
         self.scratch = max(T, 1) * B * (d + 5 * D + heads * (R + 2 * N))   # per row and token
-        lead = [T] if T else []                                # mamba_block_tokens takes T first
-        self.call = Call(TOKENS if T else KERNEL,
-                         lead + [B, d, D, N, R, K, heads, None, None, norm_w, float(eps), w_in, s_in, b_in, w_out,
-                                 s_out, b_out, in_kind, out_kind, in_g, out_g, None, conv_w, conv_b, wx, wdt,
-                                 wdt.stride(0), wdt.stride(1), bdt, A_log, Dp, None, None, None, None, None],
-                         tuple(i + len(lead) for i in (7, 8, 21, 31, 32, 33, 34, 35)))
+        self.call = Call(KERNEL, [max(T, 1), B, d, D, N, R, K, heads, None, None, norm_w, float(eps), w_in, s_in, b_in,
+                                  w_out, s_out, b_out, in_kind, out_kind, in_g, out_g, None, conv_w, conv_b, wx, wdt,
+                                  wdt.stride(0), wdt.stride(1), bdt, A_log, Dp, None, None, None, None, None],
+                         (8, 9, 22, 32, 33, 34, 35, 36))
 
 
 class TokensStep(BlockStep):
