@@ -83,6 +83,8 @@ def test_tokens_equal_the_math_token_by_token_in_float64(T, B, d, D, N, R, K, st
             assert (got.double() - want).abs().max() <= 4e-6 * want.abs().max() + 1e-30, t
     for a, b in zip((h, conv_state, ssm), before):
         assert torch.equal(a, b)                                         # the inputs passed in unchanged
+    with pytest.raises(ValueError, match="rows of .* tokens"):
+        fused_block.TokensStep(T, B, *weights)(h[:, :-1], conv_state, ssm)   # not the tokens it holds
 
 
 @pytest.mark.parametrize("mlp", [False, True])
