@@ -91,9 +91,11 @@ def planned_block(mixer, h, norm, state, kernel, build):
     ``kernels.usable`` wants them, the sequence backend (the block checks hooks) -, ~10 us against the ~80 of
     the checks and argument conversion (benchmarks/RESULTS.md) -> (h', new state) or None. Kept per rows and
     tokens: one token under ``SingleDevice`` (decoding), or T > 1 under ``layers.rollback.PerToken`` (a
-    verification; Mamba's ``TokensStep``: the state after every token). Kept outside the module (a weak
+    verification; Mamba's and Mamba-2's ``TokensStep``: the state after every token). Kept outside the module (a weak
     mapping), so copies and pickles of a model carry none."""
     if torch.compiler.is_compiling():                # before any size is read: no guard on the batch
+        return None
+    if type(sequence.backend()) is not block_backend(h.shape[1]):     # a prompt, another backend: the modules
         return None
     plans = _PLANS.get(mixer)
     if plans is None:
@@ -101,8 +103,7 @@ def planned_block(mixer, h, norm, state, kernel, build):
     key = tuple(h.shape[:2])
     hit = plans.get(key)
     if hit is not None and hit[0] is norm and hit[1].valid():
-        if state is None or type(sequence.backend()) is not (SingleDevice if key[1] == 1 else PerToken) \
-                or not kernels.usable(kernel, h[:, :1], state["ssm"], state["conv"]):
+        if state is None or not kernels.usable(kernel, h if key[1] == 1 else h[:, :1], state["ssm"], state["conv"]):
             return None
         step = hit[2]
     else:
@@ -116,6 +117,12 @@ def planned_block(mixer, h, norm, state, kernel, build):
             plans[key] = (norm, held, step)
     h, conv, ssm = step(h, state["conv"], state["ssm"])
     return h, {"ssm": ssm, "conv": conv}
+
+
+def block_backend(T: int) -> type:
+    """The sequence backend a block's one call runs under: ``SingleDevice`` for one token (decoding), ``PerToken``
+    for T > 1 (a verification's tokens, each token's state kept)."""
+    return SingleDevice if T == 1 else PerToken
 
 
 def forget_block_steps(model) -> None:
@@ -226,22 +233,18 @@ class Mamba(Mixer):
         keeps the layer's own fused step from running). Under ``layers.rollback.PerToken`` (a verification), h
         (B, T, d_model) -> (h', the states after every token) the same way (``TokensStep``). The call is kept
         between tokens (``planned_block``)."""
-        T = h.shape[1]
-        if T > 1 and type(sequence.backend()) is not PerToken:        # a prompt: the modules
-            return None
-        return planned_block(self, h, norm, state, fused_block.KERNEL if T == 1 else fused_block.TOKENS,
-                             self._block_step)
+        return planned_block(self, h, norm, state, fused_block.KERNEL, self._block_step)
 
     def _block_step(self, h, norm, state):
         """``fused_block``'s ``ops.mamba.fused_block.BlockStep`` for h's rows (``TokensStep`` for T > 1 tokens
         each), or None where it does not apply."""
-        (B, T, d), kernel = h.shape, fused_block.KERNEL if h.shape[1] == 1 else fused_block.TOKENS
+        B, T, d = h.shape
         proj = block_projections(self, h.reshape(B * T, 1, d), norm)          # the products' rows: B T
         if proj is None:
             return None
         conv_w, conv_b, wx, wdt, bdt, A_log, Dp = weights = self._step_weights()
-        if not self._fusable(kernel, h[:, :1], state, sequence.backend(), *weights, *checked(proj),
-                             backend=SingleDevice if T == 1 else PerToken):
+        if not self._fusable(fused_block.KERNEL, h[:, :1], state, sequence.backend(), *weights, *checked(proj),
+                             backend=block_backend(T)):
             return None
         nw, w_in, b_in, w_out, b_out = proj
         weights = (nw, norm.eps, w_in, b_in, w_out, b_out, conv_w, conv_b, wx, wdt, bdt, A_log, Dp)

@@ -23,9 +23,8 @@ from subquad import kernels
 from subquad.layers import sequence
 from subquad.layers.base import Mixer
 from subquad.layers.conv import ShortConv
-from subquad.layers.mamba import block_projections, checked, planned_block
+from subquad.layers.mamba import block_backend, block_projections, checked, planned_block
 from subquad.layers.norm import GatedRMSNorm
-from subquad.layers.rollback import PerToken
 from subquad.layers.sequence import SingleDevice
 from subquad.ops import ssd
 from subquad.ops.decay import fused_block, fused_step
@@ -129,19 +128,15 @@ class Mamba2(Mixer):
         or what keeps the layer's own fused step from running). Under ``layers.rollback.PerToken`` (a
         verification), h (B, T, d_model) -> (h', the states after every token) the same way (``TokensStep``).
         The call is kept between tokens (``layers.mamba.planned_block``)."""
-        T = h.shape[1]
-        if T > 1 and type(sequence.backend()) is not PerToken:        # a prompt: the modules
-            return None
-        return planned_block(self, h, norm, state, fused_block.KERNEL if T == 1 else fused_block.TOKENS,
-                             self._block_step)
+        return planned_block(self, h, norm, state, fused_block.KERNEL, self._block_step)
 
     def _block_step(self, h, norm, state):
         """``fused_block``'s ``ops.decay.fused_block.BlockStep`` for h's rows (``TokensStep`` for T > 1 tokens
         each), or None where it does not apply."""
-        (B, T, d), kernel = h.shape, fused_block.KERNEL if h.shape[1] == 1 else fused_block.TOKENS
+        B, T, d = h.shape
         proj = block_projections(self, h.reshape(B * T, 1, d), norm)          # the products' rows: B T
-        if proj is None or not self._fusable(kernel, h[:, :1], state, sequence.backend(), *checked(proj),
-                                             backend=SingleDevice if T == 1 else PerToken):
+        if proj is None or not self._fusable(fused_block.KERNEL, h[:, :1], state, sequence.backend(),
+                                             *checked(proj), backend=block_backend(T)):
             return None
         gn = self.norm
         nw, w_in, b_in, w_out, b_out = proj
