@@ -245,33 +245,78 @@ void int8q_gemv(int64_t M, int64_t N, int64_t K, int64_t G, int threads, const f
 /* q4_0_gemv: a GGUF file's Q4_0 matrix as it is stored, times x rounded per block of 32 (quantize_q8) - llama.cpp's
  * Q4_0 x Q8_0 product: y[m, n] = sum_b scale[n, b] d[m, b] ((u - 8) . c)_b + bias[n], with u the block's 32
  * nibbles (q (N, K / 2) bytes, 16 per block: byte j's low nibble is value j, its high nibble value 16 + j) and
- * (u - 8) . c = u . c - 8 sum(c): u is unsigned and c signed, so maddubs takes them as they are, and 8 sum(c) - the
- * same for every row of q - comes once per call (cs: sum(c) per block of x) into a scalar sum beside. */
-static inline float q4_dot(const uint8_t *q, int64_t nb, const int8_t *c, const float *d, const float *cs,
-                           const float *ws) {
-    float corr = 0.0f;                                  /* sum_b ws d sum(c): times 8, taken off at the end */
+ * (u - 8) . c = u . c - 8 sum(c): u is unsigned and c signed, so maddubs takes them as they are.
+ *
+ * Two blocks per 256-bit load of q: its low nibbles are values 0-15 of block b (lane 0) and of b + 1 (lane 1), its
+ * high nibbles values 16-31. x's codes are laid out once per call to match (q4x: per pair of blocks c_b[0:16],
+ * c_{b+1}[0:16], c_b[16:32], c_{b+1}[16:32]), so a pair takes two maddubs, one 16-bit add (each 16-bit sum
+ * <= 4 x 15 x 127) and one madd - no lane shuffle of q -, madd's four int32 sums per block carry -8 sum(c) in their
+ * first (o4, also once per call), and one fma scales the pair by [scale_b d_b x 4, scale_{b+1} d_{b+1} x 4]
+ * (d4: d_b four times, then d_{b+1}). The integer sums are exact; an odd last block takes the plain loop. */
+typedef struct {
+    int8_t *c;                                          /* M K bytes: x's codes, pairs of blocks laid out as above */
+    float *d4;                                          /* M (nb / 2) 8: d per block of the pair, four times each */
+    int32_t *o4;                                        /* M (nb / 2) 8: -8 sum(c) per block, then three zeros */
+} q4x;
+
+static q4x q4x_layout(int64_t M, int64_t K, const int8_t *xq, const float *xd) {
+    const int64_t nb = K / 32, np = nb / 2;
+    q4x t = {malloc(M * K), malloc(M * np * 8 * sizeof(float)), malloc(M * np * 8 * sizeof(int32_t))};
+    for (int64_t m = 0; m < M; m++)
+        for (int64_t p = 0; p < np; p++) {
+            const int8_t *c0 = xq + m * K + 64 * p, *c1 = c0 + 32;
+            int8_t *o = t.c + m * K + 64 * p;
+            memcpy(o, c0, 16), memcpy(o + 16, c1, 16), memcpy(o + 32, c0 + 16, 16), memcpy(o + 48, c1 + 16, 16);
+            for (int h = 0; h < 2; h++) {
+                int32_t sum = 0;
+                for (int j = 0; j < 32; j++)
+                    sum += (h ? c1 : c0)[j];
+                for (int i = 0; i < 4; i++) {
+                    t.d4[(m * np + p) * 8 + 4 * h + i] = xd[m * nb + 2 * p + h];
+                    t.o4[(m * np + p) * 8 + 4 * h + i] = i ? 0 : -8 * sum;
+                }
+            }
+        }
+    return t;
+}
+
 #if SIMD
-    const __m256i ones = _mm256_set1_epi16(1), low = _mm256_set1_epi8(15);
+static inline __m256 q4_pair(const uint8_t *q, const int8_t *c, const float *d4, const int32_t *o4, const float *ws,
+                             __m256 acc) {
+    const __m256i low = _mm256_set1_epi8(15);
+    const __m256i raw = _mm256_loadu_si256((const __m256i *)q);
+    const __m256i lo = _mm256_and_si256(raw, low), hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low);
+    const __m256i s16 = _mm256_add_epi16(_mm256_maddubs_epi16(lo, _mm256_loadu_si256((const __m256i *)c)),
+                                         _mm256_maddubs_epi16(hi, _mm256_loadu_si256((const __m256i *)(c + 32))));
+    const __m256i s32 = _mm256_add_epi32(_mm256_madd_epi16(s16, _mm256_set1_epi16(1)),
+                                         _mm256_loadu_si256((const __m256i *)o4));
+    const __m256 w = _mm256_permutevar8x32_ps(_mm256_castps128_ps256(_mm_castsi128_ps(_mm_loadl_epi64(
+        (const __m128i *)ws))), _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1));
+    return _mm256_fmadd_ps(_mm256_cvtepi32_ps(s32), _mm256_mul_ps(w, _mm256_loadu_ps(d4)), acc);
+}
+#endif
+
+/* One row of q (nb blocks) against row m of x: xl its laid-out codes (q4x, row m), c its codes in order, d their
+ * scales, ws the row's block scales. */
+static inline float q4_dot(const uint8_t *q, int64_t nb, const int8_t *xl, const float *d4, const int32_t *o4,
+                           const int8_t *c, const float *d, const float *ws) {
+    float s = 0.0f;
+    int64_t b = 0;
+#if SIMD
+    const int64_t np = nb / 2;
     __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
-    int64_t b = 0;
-    for (; b + 2 <= nb; b += 2) {
-        _mm_prefetch((const char *)(q + 16 * b + PF_BYTES), _MM_HINT_T0);
-        const __m256i raw = _mm256_loadu_si256((const __m256i *)(q + 16 * b));         /* two blocks' bytes */
-        const __m256i lo = _mm256_and_si256(raw, low), hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low);
-        const __m256i u0 = _mm256_permute2x128_si256(lo, hi, 0x20), u1 = _mm256_permute2x128_si256(lo, hi, 0x31);
-        const __m256i x0 = _mm256_loadu_si256((const __m256i *)(c + 32 * b));
-        const __m256i x1 = _mm256_loadu_si256((const __m256i *)(c + 32 * b + 32));
-        const __m256i p0 = _mm256_madd_epi16(_mm256_maddubs_epi16(u0, x0), ones);
-        const __m256i p1 = _mm256_madd_epi16(_mm256_maddubs_epi16(u1, x1), ones);
-        const float s0 = d[b] * ws[b], s1 = d[b + 1] * ws[b + 1];
-        a0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p0), _mm256_set1_ps(s0), a0);
-        a1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p1), _mm256_set1_ps(s1), a1);
-        corr += s0 * cs[b] + s1 * cs[b + 1];
+    int64_t p = 0;
+    for (; p + 2 <= np; p += 2) {
+        _mm_prefetch((const char *)(q + 32 * p + PF_BYTES), _MM_HINT_T0);
+        a0 = q4_pair(q + 32 * p, xl + 64 * p, d4 + 8 * p, o4 + 8 * p, ws + 2 * p, a0);
+        a1 = q4_pair(q + 32 * p + 32, xl + 64 * p + 64, d4 + 8 * p + 8, o4 + 8 * p + 8, ws + 2 * p + 2, a1);
     }
-    float s = hsum8(_mm256_add_ps(a0, a1)) - 8.0f * corr;
+    if (p < np)
+        a0 = q4_pair(q + 32 * p, xl + 64 * p, d4 + 8 * p, o4 + 8 * p, ws + 2 * p, a0);
+    s = hsum8(_mm256_add_ps(a0, a1));
+    b = 2 * np;
 #else
-    float s = 0.0f * corr;
-    int64_t b = 0;
+    (void)xl, (void)d4, (void)o4;
 #endif
     for (; b < nb; b++) {                               /* the odd block (and every block without AVX2) */
         int32_t t = 0;
@@ -285,21 +330,15 @@ static inline float q4_dot(const uint8_t *q, int64_t nb, const int8_t *c, const 
 
 void q4_0_gemv(int64_t M, int64_t N, int64_t K, int threads, const float *x, int64_t ldx, const uint8_t *q,
                const float *scale, const float *bias, float *y, int8_t *xq, float *xd) {
-    const int64_t nb = K / 32;
+    const int64_t nb = K / 32, np = nb / 2;
     quantize_q8(M, K, x, ldx, xq, xd);
-    float *cs = malloc(M * nb * sizeof(float));
-    for (int64_t i = 0; i < M * nb; i++) {              /* sum(c) per block: exact in a float (|sum| < 2^12) */
-        int32_t t = 0;
-        for (int j = 0; j < 32; j++)
-            t += xq[32 * i + j];
-        cs[i] = (float)t;
-    }
+    const q4x t = q4x_layout(M, K, xq, xd);
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t n = 0; n < N; n++)
         for (int64_t m = 0; m < M; m++)
-            y[m * N + n] = q4_dot(q + n * (K / 2), nb, xq + m * K, xd + m * nb, cs + m * nb, scale + n * nb)
-                           + (bias ? bias[n] : 0.0f);
-    free(cs);
+            y[m * N + n] = q4_dot(q + n * (K / 2), nb, t.c + m * K, t.d4 + m * np * 8, t.o4 + m * np * 8, xq + m * K,
+                                  xd + m * nb, scale + n * nb) + (bias ? bias[n] : 0.0f);
+    free(t.c), free(t.d4), free(t.o4);
 }
 
 #if SIMD
