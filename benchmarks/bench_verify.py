@@ -1,5 +1,5 @@
 """What a speculative verification costs against the compiled decoding step (issue 50's target: verifying 8
-tokens <= 1.5x one compiled float32 step at mamba-130m's shape), random weights, batch 1, 2 threads:
+tokens <= 1.5x one compiled float32 step at mamba-130m's shape), random weights, batch 1 (``--batch``), 2 threads:
 
     compiled step        model.step after ``compile_decode`` (its graph compiled before timing); both models
                          in ``decode_layout``, as ``from_pretrained`` leaves them
@@ -17,6 +17,8 @@ tokens <= 1.5x one compiled float32 step at mamba-130m's shape), random weights,
     python benchmarks/bench_verify.py --no-compile   # the eager rows, against the eager step
     python benchmarks/bench_verify.py --model hybrid --no-compile   # bench_llama_server's HYBRID (Bamba's
                                                  # structure: Mamba-2 blocks with MLPs, attention every 6th)
+    python benchmarks/bench_verify.py --model hybrid --no-compile --batch 8 --tokens 2   # a batch's drafts
+                                                 # (models.speculative.draft_budget: 1 each at 8 rows)
 
     verify 8 (replay)    the eager verification that replays the kept tokens (``how="replay"``)
 
@@ -51,6 +53,7 @@ def main(argv=None):
     ap.add_argument("--no-compile", action="store_true", help="the eager rows only, ratios to the eager step")
     ap.add_argument("--quick", action="store_true", help="a 2-layer model of width 128: checks the script runs")
     ap.add_argument("--model", choices=["mamba-130m", "hybrid"], default="mamba-130m")
+    ap.add_argument("--batch", type=int, default=1, help="rows verified at once (each its own prompt)")
     a = ap.parse_args(argv)
     torch.set_num_threads(2)
     fields = dict(CASES["mamba-130m"][0] if a.model == "mamba-130m" else HYBRID)
@@ -64,8 +67,8 @@ def main(argv=None):
     fast.load_state_dict(eager.state_dict())
     decode_layout(eager), decode_layout(fast)            # as from_pretrained leaves a model
     g = torch.Generator().manual_seed(1)
-    prompt = torch.randint(0, fields["vocab_size"], (1, 64), generator=g)
-    block = torch.randint(0, fields["vocab_size"], (1, a.tokens), generator=g)
+    prompt = torch.randint(0, fields["vocab_size"], (a.batch, 64), generator=g)
+    block = torch.randint(0, fields["vocab_size"], (a.batch, a.tokens), generator=g)
     tok = block[:, 0]
     with torch.no_grad():
         _, state = eager.prefill(prompt)
@@ -123,13 +126,13 @@ def main(argv=None):
     ms = {k: 1e3 * statistics.median(v) for k, v in times.items()}
     base = ms["eager step" if a.no_compile else "compiled step"]
     machine = machine_line(matmul_gflops())
-    lines = [f"{a.model}'s shape{' (quick: width 128, 2 layers)' if a.quick else ''}, batch 1, float32; "
+    lines = [f"{a.model}'s shape{' (quick: width 128, 2 layers)' if a.quick else ''}, batch {a.batch}, float32; "
              f"{machine}; first compiled steps {compile_s:.1f} s, first compiled verification {verify_compile_s:.1f} s",
              "",
              f"| call | ms | x {'eager' if a.no_compile else 'compiled'} step |", "|---|---:|---:|"]
     lines += [f"| {k} | {v:.2f} | {v / base:.2f} |" for k, v in ms.items()]
     print("\n".join(lines))
-    if not a.quick and not a.no_compile and a.model == "mamba-130m":
+    if not a.quick and not a.no_compile and a.model == "mamba-130m" and a.batch == 1:
         (OUT / "verify.json").write_text(json.dumps({"ms": ms, "machine": machine, "tokens": a.tokens}, indent=1))
         (OUT / "verify.md").write_text("\n".join(lines) + "\n")
 

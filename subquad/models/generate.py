@@ -32,6 +32,7 @@ from subquad.models.speculative import (
     accept_drafts,
     capture_hidden,
     check_speculative,
+    draft_budget,
     drafter,
     keeps_states,
     verify,
@@ -179,6 +180,8 @@ def _speculate(model, last, state, max_new_tokens, sampler, emit, draft_tokens, 
         done[i] = emit(i, t0[i])
     pause, wait = 0, 0
     pacer = Pacer()                              # verify only while it pays against a plain step's time
+    budget = draft_tokens if fixed else draft_budget(model, B, draft_tokens)
+    moved = [None] * B                           # each row's tokens per verification, a moving average
     # Each row drafts up to its own room (rows that accept more finish sooner: the others go on verifying), the
     # verification padded past a row's end. Learned positions end at context_length: there a compiled
     # verification's k padded positions must fit in the row's room, and in a batch a row that finished early is
@@ -196,7 +199,7 @@ def _speculate(model, last, state, max_new_tokens, sampler, emit, draft_tokens, 
         feed = [t0[i] if not done[i] else 0 for i in range(B)]              # finished rows: padding
         drafts = [[] for _ in range(B)]
         if wait == 0 and room > (draft_tokens if fixed and limit is not None else 1) and pacer.want():
-            drafts = drafts_by.propose(feed, active, min(draft_tokens, room - 1))
+            drafts = drafts_by.propose(feed, active, min(budget, room - 1))
             drafts = [d[:max(rooms[i] - 1, 0)] for i, d in enumerate(drafts)]
         else:
             wait = max(0, wait - 1)
@@ -241,8 +244,13 @@ def _speculate(model, last, state, max_new_tokens, sampler, emit, draft_tokens, 
                 stats.drafted += len(drafts[i])
                 stats.accepted += min(keeps[i] - 1, len(drafts[i]))
         # the pacer's gain: the batch ends with its slowest row, and a row that finished first only pads the
-        # steps after it - so the tokens the row that moved least emitted (one row: its own)
-        gain = min(keeps[i] for i in active)
+        # steps after it - so the least of the rows' average tokens per verification; the least of one
+        # verification's would be too low (rows that take turns at accepting all move faster). One row: its own
+        # tokens (the pacer averages them, and judges the last verification by itself too).
+        if k:
+            for i in active:
+                moved[i] = keeps[i] if moved[i] is None else (1 - Pacer.ALPHA) * moved[i] + Pacer.ALPHA * keeps[i]
+        gain = None if not k else keeps[active[0]] if len(active) == 1 else min(moved[i] for i in active)
         if k and kept:                              # the emitted tokens join the history (a plain step's did)
             row, tok = torch.tensor(kept, device=dev).T
             sampler.record(tok, row)
@@ -257,7 +265,7 @@ def _speculate(model, last, state, max_new_tokens, sampler, emit, draft_tokens, 
                 wait = pause
             else:
                 pause = 0
-        pacer.measured(time.perf_counter() - started, gain if k else None, B)
+        pacer.measured(time.perf_counter() - started, gain, B)
         t0 = [tokens[i][keeps[i] - 1] if not done[i] else 0 for i in range(B)]
     return state, stats
 

@@ -32,6 +32,7 @@ time per emitted token than a plain step (``Pacer``: an eager verification again
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -65,13 +66,18 @@ class Pacer:
     to r. Nothing is verified before ``WARMUP`` plain steps are measured (the first may have compiled the step),
     and after ``PROBE`` verifications in a row a plain step measures t_p again (two: the first is the last
     verification's aftermath). While verifying does not pay, drafting waits 1, 2, 4, ... up to ``MAX_WAIT``
-    plain steps, then verifies once more: acceptance and costs change with the text and the batch."""
+    plain steps, then verifies once more: acceptance and costs change with the text and the batch - and at least
+    as many as keep what that failed verification cost beyond a plain step's time per token (r - g plain steps)
+    within ``BUDGET`` of the plain steps' time: a verification that costs 4 plain steps for 1 token waits 60
+    steps, so probing a text without repetitions costs about 5%, not the 16-22% of doubling from one step (a
+    batch of 8 that replays its verifications, benchmarks/RESULTS.md)."""
 
     ALPHA = 0.3
     GROWTH = 1.5
     WARMUP = 2
     PROBE = 16
     MAX_WAIT = 64
+    BUDGET = 0.05
 
     def __init__(self):
         self.plain: dict[int, float] = {}   # batch -> a plain step's seconds there
@@ -129,7 +135,7 @@ class Pacer:
     def _judge(self) -> None:
         if self.gain < self.ratio and self.last[0] < self.last[1]:
             self.pause = min(2 * self.pause or 1, self.MAX_WAIT)
-            self.wait = self.pause
+            self.wait = max(self.pause, math.ceil((self.last[1] - self.last[0]) / self.BUDGET))
         else:
             self.pause = self.wait = 0
 
@@ -306,6 +312,21 @@ def _mamba_calls(model, tokens) -> bool:
     return tokens.numel() <= C_ROWS and fused_block.TOKENS.available() and all(
         getattr(b, "one_call", False) and type(b.mixer) is Mamba and b.mlp is None and b.mixer.per_token_states
         for b in model.blocks)
+
+
+def draft_budget(model, batch: int, k: int) -> int:
+    """The most tokens each of ``batch`` rows drafts when asked for ``k``: on the CPU no more than keeps the
+    verification's rows x tokens within ``layers.linear.C_ROWS`` (at least one). Up to there its products read
+    each weight once for all rows at a decoding step's cost (the C kernels, a Mamba block's one call keeping the
+    states); past it every row costs compute, and a Mamba-2 block's verification replays: at 8 rows of a Bamba-like
+    hybrid at mamba-130m's width 4 drafts (40 rows) cost 8.3x a plain step, 1 draft (16 rows) 1.7x
+    (benchmarks/RESULTS.md, "Drafts by batch"). A compiled verification is one graph for ``k`` drafts: its
+    callers keep ``k``."""
+    from subquad.layers.linear import C_ROWS
+
+    if k < 1 or next(model.parameters()).device.type != "cpu":
+        return k
+    return max(1, min(k, C_ROWS // max(batch, 1) - 1))
 
 
 HOW = ("compiled", "states", "replay")

@@ -32,16 +32,17 @@ class Speculating:
     """Each running row's drafts and the tokens it keeps of a verification (module doc); a part of
     ``serve.engine.Engine``, whose ``_decode`` verifies the drafts."""
 
-    def _drafts(self) -> list[list[int]]:
-        """Each running row's drafts by prompt lookup or from the draft model: up to ``draft_tokens``, fewer where
-        its max_tokens or the context would end first, none while it pauses after failed drafts (module doc)."""
+    def _drafts(self, budget: int) -> list[list[int]]:
+        """Each running row's drafts by prompt lookup or from the draft model: up to ``budget`` (``draft_tokens``,
+        or fewer at a large batch: ``models.speculative.draft_budget``), fewer where its max_tokens or the
+        context would end first, none while it pauses after failed drafts (module doc)."""
         rooms = []
         for s in self.running:
             room = min(s.params.max_tokens - len(s.tokens), self.max_context - len(s.prompt) - len(s.tokens)) - 1
             if s.wait or room < 1 or s.finish_reason is not None:
                 s.wait = max(0, s.wait - 1)
                 room = 0
-            rooms.append(min(self.draft_tokens, max(room, 0)))
+            rooms.append(min(budget, max(room, 0)))
         if self.speculative == "mtp":
             out = [s.mtp.propose([s.tokens[-1]], [0], room)[0] if room and s.mtp is not None else []
                    for s, room in zip(self.running, rooms)]

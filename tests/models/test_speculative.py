@@ -311,6 +311,37 @@ def test_the_pacer_hears_what_the_slowest_row_emitted(monkeypatch):
     model.generate([PROMPT, [5, 9, 2, 6, 5, 3, 5, 8]], 30, temperature=0, speculative="ngram", draft_tokens=4)
     assert kept[0] == [1, 5] and heard[0] == 1                  # rows kept 1 and 5: the pacer hears 1, not 3
     assert len(heard) == len(kept) == model.speculation_stats.verifications
+    # then the least of the rows' moving averages (weight ALPHA on the newest), while both rows go on
+    avg, emitted, a = [None, None], [1, 1], Pacer.ALPHA
+    for keep, got in zip(kept, heard):
+        emitted = [e + n for e, n in zip(emitted, keep)]
+        if max(emitted) >= 30:
+            break
+        avg = [n if m is None else (1 - a) * m + a * n for m, n in zip(avg, keep)]
+        assert got == pytest.approx(min(avg))
+    assert any(min(k) < got for k, got in zip(kept[1:], heard[1:]))   # not one verification's least
+
+
+def test_a_batch_drafts_no_more_than_its_rows_verify_at_a_steps_cost(monkeypatch):
+    """On the CPU each of B rows drafts at most C_ROWS // B - 1 tokens (at least one): at 8 rows one, so the
+    verification's 16 rows x tokens stay one C call per Mamba-2 block; outputs equal plain greedy decoding's."""
+    from subquad.layers.linear import C_ROWS
+    from subquad.models import generate as generate_mod
+    from subquad.models.speculative import draft_budget
+
+    model = tiny("mamba2,softmax", scale=6.0)
+    assert [draft_budget(model, b, 4) for b in (1, 2, 3, 4, 5, 8, 16, 40)] == [4, 4, 4, 3, 2, 1, 1, 1]
+    assert draft_budget(model, 8, 0) == 0 and C_ROWS == 16
+    widths, real = [], generate_mod.verify
+    monkeypatch.setattr(generate_mod, "verify",
+                        lambda m, ids, *a, **k: widths.append(ids.shape) or real(m, ids, *a, **k))
+    prompts = [PROMPT[i:] + PROMPT[:i] for i in range(8)]
+    plain = model.generate(prompts, 24, temperature=0)[0]
+    assert model.generate(prompts, 24, temperature=0, speculative="ngram", draft_tokens=4)[0] == plain
+    assert widths and {w for w in widths} == {(8, 2)}
+    widths.clear()
+    assert model.generate(prompts[:3], 24, temperature=0, speculative="ngram", draft_tokens=6)[0] == plain[:3]
+    assert widths and max(w[1] for w in widths) == 5            # 3 rows: 4 drafts (15 rows x tokens)
 
 
 def _draft_for(model, pattern="gla", seed=1, noise=0.0):
@@ -536,16 +567,22 @@ def test_the_pacer_verifies_only_while_it_pays_against_a_plain_step():
     assert p.ratio == pytest.approx(2.5) and p.pause == 0 and p.want()
     p.measured(0.024)
     assert p.ratio == pytest.approx(3.1) and p.pause == 1 and p.plain == {1: 0.008}
-    assert [p.want(), p.want()] == [False, True]
-    # verifying costs 0.1 s for 1 token per row, a plain step 0.008 s per token: it does not pay
-    waits = []
-    for _ in range(8):
-        p.measured(0.100, 1.0)
-        n = 0
-        while not p.want():
-            n += 1
-        waits.append(n)
-    assert waits == [2, 4, 8, 16, 32, 64, 64, 64]
+    # it lost 4.5 - 3 = 1.5 plain steps' time: drafting waits the 30 plain steps that keep that within BUDGET (5%)
+    assert [p.want() for _ in range(31)] == [False] * 30 + [True]
+    # verifying costs 0.012 s for 1 token per row, a plain step 0.008 s per token: it does not pay; drafting waits
+    # 2, 4, 8, ... up to MAX_WAIT plain steps, and at least the 10 that keep the half a step each verification
+    # lost within BUDGET (5%) of their time
+    def waits(seconds, times=8):
+        out = []
+        for _ in range(times):
+            p.measured(seconds, 1.0)
+            n = 0
+            while not p.want():
+                n += 1
+            out.append(n)
+        return out
+    assert waits(0.012) == [10, 10, 10, 16, 32, 64, 64, 64]
+    assert waits(0.100, 2) == [230, 230]                        # 11.5 steps lost: 230 plain steps
 
 
 @pytest.mark.paced
@@ -578,8 +615,8 @@ def test_a_verification_that_pays_by_itself_goes_on_before_the_averages_catch_up
     p = Pacer()
     p.measured(0.010)
     p.measured(0.010)
-    p.measured(0.030, 1.0)                                      # r 3, g 1: waits
-    assert p.pause == 1 and [p.want(), p.want()] == [False, True]
+    p.measured(0.030, 1.0)                                      # r 3, g 1: waits 2 / BUDGET plain steps
+    assert p.pause == 1 and [p.want() for _ in range(41)] == [False] * 40 + [True]
     p.measured(0.030, 5.0)                                      # averages: g 2.2 < r 3; this one: 5 >= 3
     assert p.gain == pytest.approx(2.2) and p.ratio == pytest.approx(3.0)
     assert p.pause == 0 and p.want()

@@ -58,6 +58,23 @@ def test_every_stream_equals_generate_alone_and_rows_accept_different_counts(kin
     assert c["decode_steps"] < c["generated_tokens"] - len(reqs)       # fewer forwards than tokens decoded
 
 
+def test_a_large_batch_drafts_fewer_tokens_per_row(monkeypatch):
+    """Each row drafts at most ``draft_budget`` tokens at the batch's size (C_ROWS // rows - 1, at least one): 8
+    running rows verify 2 tokens each; streams equal generate alone."""
+    from subquad.serve import engine as engine_mod
+
+    model = model_of("bamba")
+    widths, real = [], engine_mod.verify
+    monkeypatch.setattr(engine_mod, "verify", lambda m, ids, *a, **k: widths.append(ids.shape) or real(m, ids, *a, **k))
+    reqs = [(prompt, SamplingParams(max_tokens=20, temperature=0)) for prompt, _ in repetitive(10, seed=5)]
+    engine = Engine(model, max_batch=8, state_cache_mb=0, speculative="ngram", draft_tokens=4)
+    seqs = run_all(engine, reqs)
+    for (prompt, p), seq in zip(reqs, seqs):
+        assert seq.tokens == alone(model, prompt, p)
+    assert all(t - 1 <= max(1, 16 // b - 1) for b, t in widths), widths
+    assert (8, 2) in widths and any(t == 5 for b, t in widths if b <= 3), widths    # few rows: all 4 drafts
+
+
 def test_choices_and_logprobs_equal_the_plain_engine():
     model = model_of("bamba")
     start = [5, 9, 14, 2, 7]
