@@ -1,11 +1,14 @@
 """A decoding step at 1 to 16 rows against one row (issue 53's batch-16 target: <= 1.6x one row's step, or in
 float32 the products at >= 60% of the matmul rate, which ``bench_qgemv.py --from-memory`` gives), eagerly, the
 path ``generate`` and ``serve`` take by default: a random model at mamba-130m's shape (Mamba-1, d_model 768, 24
-layers, vocabulary 50,280), float32, int8 and int4 (``models.quant.quantize``), ms per ``model.step`` (median of
-three runs of ``--tokens`` steps after warm-up). One process per tree and precision, rounds alternating.
+layers, vocabulary 50,280), float32, int8 and int4 (``models.quant.quantize``) and read back from a GGUF file
+of Q8_0 or Q4_0 blocks (``gguf-q8_0``, ``gguf-q4_0``: ``save_gguf``, then ``from_pretrained`` of the file), ms per
+``model.step`` (median of three runs of ``--tokens`` steps after warm-up). One process per tree and precision,
+rounds alternating.
 
     python benchmarks/bench_batch_step.py                                   # ~2 min; this checkout
     python benchmarks/bench_batch_step.py --trees /tmp/parent,. --rounds 2  # an A/B of two checkouts
+    python benchmarks/bench_batch_step.py --precisions gguf-q8_0,gguf-q4_0  # a GGUF file's blocks
 
 Writes results/batch_step.{md,png}.
 """
@@ -31,7 +34,16 @@ torch.set_num_threads(threads)
 from subquad.models import LanguageModel, ModelConfig
 torch.manual_seed(0)
 model = LanguageModel(ModelConfig(**SHAPE)).eval()
-if quantize != "f32":
+if quantize.startswith("gguf-"):
+    import tempfile
+    from pathlib import Path
+    from subquad.models import from_pretrained
+    from subquad.models.gguf import save_gguf
+    path = Path(tempfile.mkdtemp()) / "m.gguf"
+    save_gguf(model, path, quantize[5:])
+    model, _ = from_pretrained(path)
+    path.unlink()
+elif quantize != "f32":
     from subquad.models.quant import quantize as q
     q(model, quantize)
 out = {}
@@ -50,6 +62,9 @@ with torch.no_grad():
         out[B] = statistics.median(runs)
 print(json.dumps(out))
 '''
+
+
+PRECISIONS = ("f32", "int8", "int4", "gguf-q8_0", "gguf-q4_0")
 
 
 def child(tree: str, quantize: str, a) -> dict:
@@ -71,8 +86,8 @@ def main(argv=None):
     a = ap.parse_args(argv)
     trees, precisions = a.trees.split(","), a.precisions.split(",")
     for p in precisions:
-        if p not in ("f32", "int8", "int4"):
-            ap.error(f"--precisions: unknown {p!r} (f32, int8, int4)")
+        if p not in PRECISIONS:
+            ap.error(f"--precisions: unknown {p!r} ({', '.join(PRECISIONS)})")
     runs: dict[tuple, list] = {}
     for r in range(a.rounds):
         for p in precisions:

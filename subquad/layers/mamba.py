@@ -41,21 +41,24 @@ def kernel_weight(lin, rows: int):
     a float32-able ``Linear``'s weight stored row- or column-major; (q, scale, 2, 0) of an int8 one per output
     channel (``models.quant.Int8Linear``) of an input width that is a multiple of 32, for at most
     ``kernels.qgemv.BLOCK_INT8Q_ROWS`` rows; (q, scale, 6 or 7, groups) of one per block without offsets (a GGUF
-    file's Q8_0 / Q6_K matrices: 7 with x rounded per block where ``kernels.qgemv.rounds_x`` says, 6 x exact) and
-    (q, scale, 8, groups) of Q4_0's packed nibbles, for ``INT8_ROWS``; (w, scale_zero, 2 + layout, groups)
+    file's Q8_0 / Q6_K matrices: 7 with x rounded per block where ``kernels.qgemv.rounds_x`` says, for
+    ``ROUNDED_ROWS``, 6 x exact, for ``INT8_ROWS``) and (q, scale, 8, groups) of Q4_0's packed nibbles, for
+    ``ROUNDED_ROWS``; (w, scale_zero, 2 + layout, groups)
     of an ``Int4Linear`` packed for torch's kernel, for at most ``INT4_ROWS`` rows (more: the libraries' int8 and
     int4 products are faster, qgemv.py)."""
     if type(lin) in (nn.Linear, Linear):
         return lin.weight if fused_block.layout(lin.weight) else None
     q, scale = getattr(lin, "q", None), getattr(lin, "scale", None)
     if isinstance(q, torch.Tensor) and q.dtype == torch.uint8 and q.is_cpu and q.is_contiguous():   # Q4_0's bytes
-        ok = scale.is_contiguous() and rows <= qgemv.INT8_ROWS and qgemv.rounds_x(q, scale, None)
+        ok = scale.is_contiguous() and rows <= qgemv.ROUNDED_ROWS and qgemv.rounds_x(q, scale, None)
         return (q, scale, 8, scale.shape[1]) if ok else None
     if isinstance(q, torch.Tensor) and q.dtype == torch.int8 and q.is_cpu and q.is_contiguous():
         if scale.dim() == 1 and q.shape[1] % 32 == 0 and rows <= qgemv.BLOCK_INT8Q_ROWS:
             return q, scale, 2, 0
-        if scale.dim() == 2 and lin.offset is None and scale.is_contiguous() and rows <= qgemv.INT8_ROWS:
-            return q, scale, 7 if qgemv.rounds_x(q, scale, None) else 6, scale.shape[1]   # a GGUF file's Q8_0 / Q6_K
+        if scale.dim() == 2 and lin.offset is None and scale.is_contiguous():        # a GGUF file's Q8_0 / Q6_K
+            rounds = qgemv.rounds_x(q, scale, None)
+            if rows <= (qgemv.ROUNDED_ROWS if rounds else qgemv.INT8_ROWS):
+                return q, scale, 7 if rounds else 6, scale.shape[1]
         return None
     w, sz = getattr(lin, "w", None), getattr(lin, "scale_zero", None)
     if isinstance(sz, torch.Tensor) and getattr(lin, "layout", 0) and w.is_cpu and rows <= qgemv.INT4_ROWS:

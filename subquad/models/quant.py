@@ -159,7 +159,7 @@ def int8_block_linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, off
     does (``qgemv.int8q_gemv``: ~2x fewer instructions per weight than widening them); other blocks keep x."""
     if qgemv.rounds_x(q, scale, offset):                # Q8_0 / Q4_0: x rounded per block of 32, as llama.cpp's
         packed = q.dtype == torch.uint8                  # products (Q4_0's nibbles as the file packs them)
-        if qgemv.usable(qgemv.Q4_0 if packed else qgemv.INT8Q, x, qgemv.INT8_ROWS):
+        if qgemv.usable(qgemv.Q4_0 if packed else qgemv.INT8Q, x, qgemv.ROUNDED_ROWS):
             return (qgemv.q4_0_gemv if packed else qgemv.int8q_gemv)(x, q, scale, bias)
     if q.dtype == torch.uint8:
         q = unpack_q4_0(q)

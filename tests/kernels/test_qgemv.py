@@ -221,7 +221,7 @@ def test_the_modules_take_it_and_off_means_the_library_paths(monkeypatch):
 
 
 def test_a_q8_0_matrix_rounds_x_at_a_few_rows_unless_asked_to_keep_it(monkeypatch):
-    """``Int8Linear.from_blocks`` with blocks of 32 and no offsets (GGUF's Q8_0): up to ``INT8_ROWS`` rows x is
+    """``Int8Linear.from_blocks`` with blocks of 32 and no offsets (GGUF's Q8_0): up to ``ROUNDED_ROWS`` rows x is
     rounded per block (``int8q_gemv``, llama.cpp's arithmetic); ``SUBQUAD_Q8_0_EXACT=1`` (``Q8_0_EXACT``) keeps
     it exact (``int8_gemv``, 1e-5 of the dequantised product); blocks of 16 (Q6_K's) and offsets always do."""
     from subquad.models.quant import Int8Linear
@@ -282,8 +282,10 @@ def test_a_q4_0_module_keeps_four_bits_and_multiplies_as_llama_cpp_at_a_few_rows
     W = (q.double().view(40, 3, 32) * scale.double()[..., None]).reshape(40, 96)
     assert torch.equal(lin.weight.double(), W.float().double())
     with torch.no_grad():
-        few, many = torch.randn(2, 96, generator=g), torch.randn(20, 96, generator=g)
+        few, many = torch.randn(2, 96, generator=g), torch.randn(qgemv.ROUNDED_ROWS + 1, 96, generator=g)
         assert torch.equal(lin(few), qgemv.q4_0_gemv(few, lin.q, scale, None))
+        sixteen = many[:qgemv.ROUNDED_ROWS]                                  # a served batch's rows: still the kernel
+        assert qgemv.ROUNDED_ROWS == 16 and torch.equal(lin(sixteen), qgemv.q4_0_gemv(sixteen, lin.q, scale, None))
         assert _rel(lin(many), many.double() @ W.T) <= 1e-6
         monkeypatch.setattr(qgemv, "Q8_0_EXACT", True)
         assert _rel(lin(few), few.double() @ W.T) <= 1e-6

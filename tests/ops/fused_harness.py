@@ -90,8 +90,8 @@ def assert_quantized_block_agrees(monkeypatch, module, mixer_cls, pattern: str, 
     real = module.BlockStep.__call__
     monkeypatch.setattr(module.BlockStep, "__call__", lambda *a: calls.append(1) or real(*a))
     own = mixer_cls.fused_block
-    most = qgemv.INT8_ROWS if kind.startswith("int8 blocks") or kind == "q4_0" else {"int8": qgemv.BLOCK_INT8Q_ROWS,
-                                                                    "int4": qgemv.INT4_ROWS}[kind]
+    most = {"int8": qgemv.BLOCK_INT8Q_ROWS, "int4": qgemv.INT4_ROWS, "int8 blocks of 16": qgemv.INT8_ROWS}.get(
+        kind, qgemv.ROUNDED_ROWS)                        # Q8_0's and Q4_0's blocks: x rounded, the most rows
     for rows in (1, most):
         ids = torch.randint(0, 300, (rows, 7), generator=torch.Generator().manual_seed(rows))
         with torch.no_grad():
