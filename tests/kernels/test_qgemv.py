@@ -241,7 +241,8 @@ def test_a_q8_0_matrix_rounds_x_at_a_few_rows_unless_asked_to_keep_it(monkeypatc
         assert _rel(sixteen(x), x.double() @ sixteen.weight.double().T) <= 1e-6
 
 
-@pytest.mark.parametrize("M,N,K,bias", [(1, 3072, 768, False), (3, 77, 96, True), (8, 33, 32, True), (2, 40, 224, False)])
+@pytest.mark.parametrize("M,N,K,bias", [(1, 3072, 768, False), (3, 77, 96, True), (8, 33, 32, True),
+                                        (2, 40, 224, False)])
 def test_q4_0_against_its_math(M, N, K, bias):
     """GGUF's Q4_0 as the file holds it (``pack_q4_0``: two nibbles a byte, a float scale per block of 32) times x
     rounded per block of 32: against sum_b scale_b d_b ((u - 8) . c)_b in float64 from the codes computed here,
