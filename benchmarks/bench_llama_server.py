@@ -1,6 +1,7 @@
 """`subquad serve` against llama.cpp's own `llama-server` on the same weights (issue 49, item 5): completion
 tokens/s at 1 and 16 concurrent streams, a random model at mamba-130m's shape (Mamba-1, d_model 768, 24 layers,
-vocab 50,280) saved as a Hugging Face folder and as GGUF files of the same weights (``save_gguf``: f32, q8_0).
+vocab 50,280) saved as a Hugging Face folder and as GGUF files of the same weights (``save_gguf``: f32, q8_0,
+q4_0).
 
     llama-server   built natively from llama-cpp-python's vendored source (its C++ server, continuous batching
                    over ``--parallel`` slots; not llama-cpp-python's Python server):
@@ -8,7 +9,7 @@ vocab 50,280) saved as a Hugging Face folder and as GGUF files of the same weigh
                            && cmake --build build --target llama-server -j 2
                    run as ``llama-server -m F.gguf -t 2 -tb 2 --parallel 16 -c 16*512 --no-webui``
     subquad serve  ``--max-batch 16``, default (eager) and ``--compile-decode``, float32 and ``--quantize int8``
-                   (each)
+                   (each), and the Q8_0 / Q4_0 GGUF files themselves (``--model m-q8_0.gguf``, eager)
 
     python benchmarks/bench_llama_server.py --llama-server /path/to/build/bin/llama-server
     python benchmarks/bench_llama_server.py --llama-server ... --quick    # 2 streams, 8 tokens: the script runs
@@ -121,16 +122,19 @@ def main(argv=None):
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp) / "mamba"
         model.save_pretrained(folder)
-        for outtype in ("f32", "q8_0"):
+        for outtype in ("f32", "q8_0", "q4_0"):
             save_gguf(model, Path(tmp) / f"m-{outtype}.gguf", outtype, tokenizer=byte_tokenizer())
         llama = [a.llama_server, "-t", 2, "-tb", 2, "--parallel", top, "-c", top * 512, "--no-webui"]
         servers = {
             "llama-server f32": dict(command=llama + ["-m", Path(tmp) / "m-f32.gguf"]),
             "llama-server q8_0": dict(command=llama + ["-m", Path(tmp) / "m-q8_0.gguf"]),
+            "llama-server q4_0": dict(command=llama + ["-m", Path(tmp) / "m-q4_0.gguf"]),
             "subquad serve f32 (eager)": dict(args=()),
             "subquad serve f32 --compile-decode": dict(args=("--compile-decode",)),
             "subquad serve int8 (eager)": dict(args=("--quantize", "int8")),
             "subquad serve int8 --compile-decode": dict(args=("--compile-decode", "--quantize", "int8")),
+            "subquad serve q8_0 GGUF (eager)": dict(args=(), model=Path(tmp) / "m-q8_0.gguf"),
+            "subquad serve q4_0 GGUF (eager)": dict(args=(), model=Path(tmp) / "m-q4_0.gguf"),
         }
         if a.only:
             servers = {k: v for k, v in servers.items() if k in a.only.split(",")}
@@ -138,7 +142,7 @@ def main(argv=None):
             if "command" in how:
                 server = Server(folder, command=[str(c) for c in how["command"]])
             else:
-                server = Server(folder, "--max-batch", top, "--max-context", 2 * (a.prompt_tokens + a.max_tokens),
+                server = Server(how.get("model", folder), "--max-batch", top, "--max-context", 2 * (a.prompt_tokens + a.max_tokens),
                                 "--served-model-name", "m",
                                 *how["args"])
             try:
@@ -157,7 +161,8 @@ def main(argv=None):
              + f" | {top} / 1 | x llama-server ({top}, same precision) |",
              "|---|" + "---:|" * (len(streams) + 2)]
     for name, r in rows.items():
-        ref = rows.get("llama-server q8_0" if "int8" in name or "q8_0" in name else "llama-server f32")
+        ref = rows.get("llama-server q4_0" if "q4_0" in name else
+                       "llama-server q8_0" if "int8" in name or "q8_0" in name else "llama-server f32")
         vs = f"{r[top] / ref[top]:.2f}" if ref else "-"
         lines.append(f"| {name} | " + " | ".join(f"{r[c]:.1f}" for c in streams)
                      + f" | {r[top] / r[min(streams)]:.2f} | {vs} |")
