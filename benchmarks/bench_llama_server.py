@@ -142,8 +142,8 @@ def main(argv=None):
             if "command" in how:
                 server = Server(folder, command=[str(c) for c in how["command"]])
             else:
-                server = Server(how.get("model", folder), "--max-batch", top, "--max-context", 2 * (a.prompt_tokens + a.max_tokens),
-                                "--served-model-name", "m",
+                server = Server(how.get("model", folder), "--max-batch", top,
+                                "--max-context", 2 * (a.prompt_tokens + a.max_tokens), "--served-model-name", "m",
                                 *how["args"])
             try:
                 tokens_per_s(server.port, top, 1, a.prompt_tokens, a.max_tokens, shape["vocab_size"], 99)  # warm-up
