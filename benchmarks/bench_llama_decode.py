@@ -147,16 +147,24 @@ def main(argv=None):
                 batched[name] = subquad_ms(folder, a.tokens // 4, a.repeats, compiled, q, a.batch)
                 print(f"{name}, batch {a.batch}: {batched[name]:.2f} ms/step", flush=True)
     machine = machine_line(matmul_gflops())
+    from benchmarks.bench_pretrained import read_gbps
+
+    gbps = read_gbps()                   # the float32 bound: every weight read once a token (the tied head once)
+    bound = sum(p.numel() * p.element_size() for p in model.parameters()) / gbps / 1e6
+
     def base(name):                     # llama.cpp's row of the same precision
         return rows[next(f"llama.cpp {o}" for k, o in (("int8", "q8_0"), ("q8_0", "q8_0"), ("int4", "q4_0"),
                                                         ("q4_0", "q4_0"), ("", "f32")) if k in name)]
     from subquad.layers.linear import ONEDNN
 
     lines = [f"mamba-130m's shape (random weights), batch 1, {a.threads} threads, {a.tokens} tokens; float32 "
-             f"products through {'oneDNN' if ONEDNN else 'MKL (SUBQUAD_ONEDNN=0)'}; {machine}", "",
-             "| engine | ms/token | x llama.cpp (same precision) |", "|---|---:|---:|"]
+             f"products through {'oneDNN' if ONEDNN else 'MKL (SUBQUAD_ONEDNN=0)'}; {machine}; read bandwidth "
+             f"{gbps:.1f} GB/s (bench_pretrained.read_gbps), so the float32 bound is {bound:.2f} ms", "",
+             "| engine | ms/token | x llama.cpp (same precision) | x the f32 bound (f32 rows) |",
+             "|---|---:|---:|---:|"]
     for name, ms in rows.items():
-        lines.append(f"| {name} | {ms:.2f} | {ms / base(name):.2f} |")
+        f32 = "f32" in name
+        lines.append(f"| {name} | {ms:.2f} | {ms / base(name):.2f} | {f'{ms / bound:.2f}' if f32 else '-'} |")
     modes = ("eager", "compile_decode")
     best = {q: min(rows[f"subquad {q} {m}"] for m in modes) for q in ("int8", "int4")}
     lines += ["", "subquad int4 / int8 (batch 1, eager; compiled; the faster of each): "
@@ -167,6 +175,7 @@ def main(argv=None):
         lines += [f"| {name} | {ms:.2f} | {ms / rows[name]:.2f} |" for name, ms in batched.items()]
     print("\n".join(lines))
     (OUT / "llama_decode.json").write_text(json.dumps({"ms": rows, "batched": batched, "batch": a.batch,
+                                                       "read_gbps": gbps, "f32_bound_ms": bound,
                                                        "onednn": ONEDNN, "machine": machine, "tokens": a.tokens},
                                                       indent=1))
     (OUT / "llama_decode.md").write_text("\n".join(lines) + "\n")
