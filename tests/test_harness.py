@@ -53,7 +53,7 @@ def _run(model, tasks, **kw):
     from lm_eval.tasks import TaskManager
 
     res = simple_evaluate(model=model, tasks=["sq_mc", "sq_roll", "sq_gen"], task_manager=TaskManager(
-        include_path=str(tasks)), log_samples=True, **kw)
+        include_path=str(tasks), include_defaults=False), log_samples=True, **kw)
     return res
 
 
