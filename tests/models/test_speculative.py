@@ -482,11 +482,15 @@ def test_the_acceptance_rule_draws_each_position_from_the_target_distribution():
 
 
 @pytest.mark.parametrize("options", [{}, dict(PENALTIES, logit_bias={2: 1.0}, min_p=0.05)])
-def test_sampled_speculation_is_distributed_as_plain_sampling(options):
+def test_sampled_speculation_is_distributed_as_plain_sampling(options, monkeypatch):
     """20,000 rows of one prompt, four tokens each, through generate with and without speculation (rows accept
     different numbers of drafts): both joint distributions match the model's own, computed by enumerating
     every continuation - each token's distribution processed with the tokens before it (``Sampler.process``,
-    tested against the rules by hand in test_sampling.py)."""
+    tested against the rules by hand in test_sampling.py). Every row drafts the default 4 tokens (a batch this
+    large would draft one: ``draft_budget``, a speed policy), so every position's rule is exercised."""
+    from subquad.models import generate as generate_mod
+
+    monkeypatch.setattr(generate_mod, "draft_budget", lambda model, batch, k: k)
     model = tiny("linear", n_layers=1, vocab=4, scale=4.0)
     prompt, V, n, m = [1, 2, 1, 2, 1], 4, 20_000, 4
     seqs = torch.cartesian_prod(*[torch.arange(V)] * m)                              # (V^m, m)
