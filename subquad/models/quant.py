@@ -115,6 +115,14 @@ def _packed(q: torch.Tensor, scale: torch.Tensor, key: int):
     return packed
 
 
+def _direct(x: torch.Tensor) -> bool:
+    """Whether a quantised module may call its product's function itself rather than through its op: not while
+    compiling (the graph keeps the op), nor under autocast or with x requiring grad (the op runs below both). The
+    dispatcher costs ~12 us a call (AVX2 EPYC; benchmarks/RESULTS.md): a hybrid decodes through ~100 such products
+    a token."""
+    return not torch.compiler.is_compiling() and not x.requires_grad and not torch.is_autocast_enabled(x.device.type)
+
+
 def int8_linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None,
                 key: torch.Tensor) -> torch.Tensor:
     """x (..., K) float, q (N, K) int8, scale (N,) float32, bias (N,) or None, key a 0-d int64 tensor naming
@@ -140,7 +148,8 @@ def int8_linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bias: tor
 
 
 # The op torch.compile keeps in its graph. Registered with torch.library's low-level API, whose dispatch costs
-# a fraction of the custom_op decorator's wrapper - paid on every projection of every decoded token.
+# a fraction of the custom_op decorator's wrapper - paid on every projection of every decoded token; eagerly the
+# modules call the function itself (``_direct``).
 _LIB = torch.library.Library("subquad", "DEF")
 _LIB.define("int8_linear(Tensor x, Tensor q, Tensor scale, Tensor? bias, Tensor key) -> Tensor")
 _LIB.impl("int8_linear", int8_linear, "CompositeExplicitAutograd")
@@ -277,9 +286,12 @@ class Int8Linear(nn.Module):
         return dequantize_blocks(self.q, self.scale, self.offset, dtype)
 
     def forward(self, x):
+        direct = _direct(x)
         if self.scale.dim() == 2:                        # blocked: the C kernel for a few rows, else dequantised
-            return torch.ops.subquad.int8_block_linear(x, self.q, self.scale, self.offset, self.bias)
-        return torch.ops.subquad.int8_linear(x, self.q, self.scale, self.bias, self.key)
+            f = int8_block_linear if direct else torch.ops.subquad.int8_block_linear
+            return f(x, self.q, self.scale, self.offset, self.bias)
+        f = int8_linear if direct else torch.ops.subquad.int8_linear
+        return f(x, self.q, self.scale, self.bias, self.key)
 
     def extra_repr(self):
         how = "per channel" if self.scale.dim() == 1 else f"per block of {self.in_features // self.scale.shape[1]}"
@@ -538,7 +550,8 @@ class Int4Linear(nn.Module):
         return int4_dequantize(self.codes(), self.scale, self.zero)
 
     def forward(self, x):
-        return torch.ops.subquad.int4_linear(x, self.w, self.scale_zero, self.bias, self.out_features, self.layout)
+        f = int4_linear if _direct(x) else torch.ops.subquad.int4_linear
+        return f(x, self.w, self.scale_zero, self.bias, self.out_features, self.layout)
 
     def _save_to_state_dict(self, destination, prefix, keep_vars):
         if self.layout:                   # pair_k(codes), paired in the k-major order: half the bytes to transpose
