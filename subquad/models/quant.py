@@ -19,7 +19,8 @@
                                  int4, up to ``qgemv.INT4_ROWS`` float32 rows: a C kernel
                                  (``kernels.qgemv``: x rounded to int8 per block of 32, the codes read
                                  in torch's packed layout);
-                                 int8 per block (a GGUF file's), at most 8 float32 rows: a C kernel,
+                                 int8 per block (a GGUF file's), at most 8 float32 rows (16 for Q8_0's
+                                 and Q4_0's blocks, ``qgemv.ROUNDED_ROWS``): a C kernel,
                                  Q8_0's blocks of 32 with x rounded per block as llama.cpp
                                  rounds it (``qgemv.int8q_gemv``), others x exact (``int8_gemv``);
                                  int4, more rows up to this module's INT4_ROWS: torch's int4 kernel
