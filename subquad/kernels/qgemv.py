@@ -43,8 +43,9 @@ INT8Q_ROWS = 2
 BLOCK_INT8Q_ROWS = 4
 # A GGUF file's Q8_0 and Q4_0 matrices (x rounded per block of 32: int8q_gemv, q4_0_gemv) against the dequantised
 # product a product of more rows would take, weights read from memory at mamba-130m's matrices: 4-15x faster at
-# 8, 12 and 16 rows (benchmarks/RESULTS.md, "Q4_0 in pairs of blocks"), so every row of a served batch up to C_ROWS;
-# blocks with x exact (int8_gemv: Q6_K, offsets) keep INT8_ROWS (at 16 rows 0.9x the dequantised in_proj).
+# 8, 12 and 16 rows (benchmarks/RESULTS.md, "Q4_0 in pairs of blocks"), so a decoding step's rows up to C_ROWS
+# (``models.mode.decoding``: a prompt's rows stay exact, as int8's do); blocks with x exact (int8_gemv: Q6_K,
+# offsets) keep INT8_ROWS (at 16 rows 0.9x the dequantised in_proj).
 ROUNDED_ROWS = 16
 # From this many rows f32_gemv computes outer-product tiles (qgemv.c's TILE_ROWS; the tests hold the two equal):
 # compute-bound where dot products of 8-16 rows reached about half the matmul rate (RESULTS.md).

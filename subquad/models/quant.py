@@ -20,7 +20,7 @@
                                  (``kernels.qgemv``: x rounded to int8 per block of 32, the codes read
                                  in torch's packed layout);
                                  int8 per block (a GGUF file's), at most 8 float32 rows (16 for Q8_0's
-                                 and Q4_0's blocks, ``qgemv.ROUNDED_ROWS``): a C kernel,
+                                 and Q4_0's blocks inside ``decoding()``, ``qgemv.ROUNDED_ROWS``): a C kernel,
                                  Q8_0's blocks of 32 with x rounded per block as llama.cpp
                                  rounds it (``qgemv.int8q_gemv``), others x exact (``int8_gemv``);
                                  int4, more rows up to this module's INT4_ROWS: torch's int4 kernel
@@ -169,7 +169,8 @@ def int8_block_linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, off
     does (``qgemv.int8q_gemv``: ~2x fewer instructions per weight than widening them); other blocks keep x."""
     if qgemv.rounds_x(q, scale, offset):                # Q8_0 / Q4_0: x rounded per block of 32, as llama.cpp's
         packed = q.dtype == torch.uint8                  # products (Q4_0's nibbles as the file packs them)
-        if qgemv.usable(qgemv.Q4_0 if packed else qgemv.INT8Q, x, qgemv.ROUNDED_ROWS):
+        rows = qgemv.ROUNDED_ROWS if getattr(MODE, "decoding", False) else qgemv.INT8_ROWS   # a prompt: exact
+        if qgemv.usable(qgemv.Q4_0 if packed else qgemv.INT8Q, x, rows):
             return (qgemv.q4_0_gemv if packed else qgemv.int8q_gemv)(x, q, scale, bias)
     if q.dtype == torch.uint8:
         q = unpack_q4_0(q)

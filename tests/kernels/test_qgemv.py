@@ -10,6 +10,7 @@ import torch
 
 from subquad.kernels import qgemv
 from subquad.models import quant
+from subquad.models.mode import decoding
 
 pytestmark = pytest.mark.skipif(not qgemv.INT8.available(), reason="no C compiler: the kernel cannot be built")
 
@@ -285,8 +286,11 @@ def test_a_q4_0_module_keeps_four_bits_and_multiplies_as_llama_cpp_at_a_few_rows
     with torch.no_grad():
         few, many = torch.randn(2, 96, generator=g), torch.randn(qgemv.ROUNDED_ROWS + 1, 96, generator=g)
         assert torch.equal(lin(few), qgemv.q4_0_gemv(few, lin.q, scale, None))
-        sixteen = many[:qgemv.ROUNDED_ROWS]                                  # a served batch's rows: still the kernel
-        assert qgemv.ROUNDED_ROWS == 16 and torch.equal(lin(sixteen), qgemv.q4_0_gemv(sixteen, lin.q, scale, None))
+        sixteen = many[:qgemv.ROUNDED_ROWS]              # a decoding step's rows (a served batch's): still the kernel
+        with decoding():
+            assert qgemv.ROUNDED_ROWS == 16 and torch.equal(lin(sixteen), qgemv.q4_0_gemv(sixteen, lin.q, scale, None))
+            assert _rel(lin(many), many.double() @ W.T) <= 1e-6
+        assert _rel(lin(sixteen), sixteen.double() @ W.T) <= 1e-6                  # a prompt's: exact
         assert _rel(lin(many), many.double() @ W.T) <= 1e-6
         monkeypatch.setattr(qgemv, "Q8_0_EXACT", True)
         assert _rel(lin(few), few.double() @ W.T) <= 1e-6
