@@ -261,6 +261,11 @@ typedef struct {
 
 static q4x q4x_layout(int64_t M, int64_t K, const int8_t *xq, const float *xd) {
     const int64_t nb = K / 32, np = nb / 2;
+#if !SIMD
+    q4x none = {NULL, NULL, NULL};                      /* the plain loop reads x's codes in order */
+    (void)M, (void)np, (void)xq, (void)xd;
+    return none;
+#endif
     q4x t = {malloc(M * K), malloc(M * np * 8 * sizeof(float)), malloc(M * np * 8 * sizeof(int32_t))};
     for (int64_t m = 0; m < M; m++)
         for (int64_t p = 0; p < np; p++) {

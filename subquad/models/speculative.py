@@ -38,6 +38,7 @@ from dataclasses import dataclass
 import torch
 
 from subquad.layers import sequence
+from subquad.layers.linear import C_ROWS
 from subquad.layers.rollback import PER_TOKEN, pick, roll_back, truncate
 from subquad.models.mode import decoding
 from subquad.models.state import ModelState
@@ -287,8 +288,6 @@ def _one_call(model, tokens) -> bool:
     """Every "states" part of the model keeps its per-token states of ``tokens`` (B, T) in one call eagerly
     (``per_token_states``; a part that does so only through its pre-norm block's call, ``block_tokens``: Mamba-2,
     when its block is one and B T is within the call's ``layers.linear.C_ROWS``)."""
-    from subquad.layers.linear import C_ROWS
-
     def one(block, module):
         if not getattr(module, "per_token_states", False):
             return False
@@ -305,7 +304,6 @@ def _mamba_calls(model, tokens) -> bool:
     (``ops.mamba.fused_block.TokensStep``: float32 on the CPU, kernels built, rows times tokens within
     ``layers.linear.C_ROWS``) - faster eagerly than the compiled verification (1.21x a compiled step against
     1.41x for 8 tokens at mamba-130m's shape, benchmarks/RESULTS.md) and with no graph to build (~3 minutes)."""
-    from subquad.layers.linear import C_ROWS
     from subquad.layers.mamba import Mamba
     from subquad.ops.mamba import fused_block
 
@@ -322,8 +320,6 @@ def draft_budget(model, batch: int, k: int) -> int:
     hybrid at mamba-130m's width 4 drafts (40 rows) cost 8.3x a plain step, 1 draft (16 rows) 1.7x
     (benchmarks/RESULTS.md, "Drafts by batch"). A compiled verification is one graph for ``k`` drafts: its
     callers keep ``k``."""
-    from subquad.layers.linear import C_ROWS
-
     if k < 1 or next(model.parameters()).device.type != "cpu":
         return k
     return max(1, min(k, C_ROWS // max(batch, 1) - 1))
