@@ -78,25 +78,28 @@ def main(argv=None):
             w = torch.randn(N, K) * K ** -0.5
             l8, l4 = quant.Int8Linear(w), quant.Int4Linear(w, None, 128)
             blocks = quant.Int8Linear.from_blocks(l8.q, l8.scale[:, None].expand(N, K // 32).contiguous())  # Q8_0's
-            sets.append((w, l8, l4, blocks))
+            q4 = (torch.randint(0, 256, (N, K // 2), dtype=torch.uint8), torch.rand(N, K // 32) * 0.02)  # Q4_0's
+            sets.append((w, l8, l4, blocks, q4))
         layout = quant.LAYOUTS.get(sets[0][2].layout)
         for M in map(int, a.rows.split(",")):
             x = torch.randn(M, K)
             row = {
-                "int8 C": lambda w, l8, l4, b, x=x: qgemv.int8_gemv(x, l8.q, l8.scale, None, None),
-                "int8q C": lambda w, l8, l4, b, x=x: qgemv.int8q_gemv(x, l8.q, l8.scale, None),
-                "int8 fbgemm": lambda w, l8, l4, b, x=x: torch.ops.quantized.linear_dynamic(
+                "int8 C": lambda w, l8, l4, b, q4, x=x: qgemv.int8_gemv(x, l8.q, l8.scale, None, None),
+                "int8q C": lambda w, l8, l4, b, q4, x=x: qgemv.int8q_gemv(x, l8.q, l8.scale, None),
+                "int8 fbgemm": lambda w, l8, l4, b, q4, x=x: torch.ops.quantized.linear_dynamic(
                     x, quant._packed(l8.q, l8.scale, l8.key_id), quant.REDUCE_RANGE),
-                "int8 blocks C": lambda w, l8, l4, b, x=x: qgemv.int8_gemv(x, b.q, b.scale, None, None),
-                "int8 blocks dequantised": lambda w, l8, l4, b, x=x: F.linear(x, b.dequantized(torch.float32)),
-                "float32 C": lambda w, l8, l4, b, x=x: qgemv.f32_gemv(x, w, None),
-                "float32 oneDNN": lambda w, l8, l4, b, x=x: linear._onednn(x, w, None),
-                "float32 MKL": lambda w, l8, l4, b, x=x: F.linear(x, w),
+                "int8 blocks C": lambda w, l8, l4, b, q4, x=x: qgemv.int8_gemv(x, b.q, b.scale, None, None),
+                "Q8_0 C": lambda w, l8, l4, b, q4, x=x: qgemv.int8q_gemv(x, b.q, b.scale, None),
+                "Q4_0 C": lambda w, l8, l4, b, q4, x=x: qgemv.q4_0_gemv(x, *q4, None),
+                "int8 blocks dequantised": lambda w, l8, l4, b, q4, x=x: F.linear(x, b.dequantized(torch.float32)),
+                "float32 C": lambda w, l8, l4, b, q4, x=x: qgemv.f32_gemv(x, w, None),
+                "float32 oneDNN": lambda w, l8, l4, b, q4, x=x: linear._onednn(x, w, None),
+                "float32 MKL": lambda w, l8, l4, b, q4, x=x: F.linear(x, w),
             }
             if layout:
-                row["int4 C"] = lambda w, l8, l4, b, x=x, N=N: qgemv.int4_gemv(x, l4.w, l4.scale_zero, None, N,
+                row["int4 C"] = lambda w, l8, l4, b, q4, x=x, N=N: qgemv.int4_gemv(x, l4.w, l4.scale_zero, None, N,
                                                                                *layout)
-                row["int4 torch"] = lambda w, l8, l4, b, x=x: torch.ops.aten._weight_int4pack_mm_for_cpu(
+                row["int4 torch"] = lambda w, l8, l4, b, q4, x=x: torch.ops.aten._weight_int4pack_mm_for_cpu(
                     x.bfloat16(), l4.w, 128, l4.scale_zero).float()
             keep = set(a.kinds.split(",")) - {""} or set(row)
             unknown = keep - set(row) - {"int4 C", "int4 torch"}

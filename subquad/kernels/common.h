@@ -100,6 +100,14 @@ static inline float hmax8(__m256 v) {
 #define SUBQUAD_AVX2 0
 #endif
 
+/* 512-bit integer dot products (vpdpbusd: 64 unsigned x signed byte products summed into 16 int32 in one
+ * instruction) where the CPU has AVX-512 VNNI (Intel from Ice Lake and Sapphire Rapids; AMD from Zen 4). */
+#if SUBQUAD_AVX2 && defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#define SUBQUAD_VNNI512 1
+#else
+#define SUBQUAD_VNNI512 0
+#endif
+
 static inline void silu_n(float *v, int64_t n) {                 /* v = silu(v) */
     int64_t i = 0;
 #if SUBQUAD_AVX2

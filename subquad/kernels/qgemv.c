@@ -230,10 +230,179 @@ static inline float q8_dot(const int8_t *q, int64_t nb, const int8_t *c, const f
 #endif
 }
 
+#if SUBQUAD_VNNI512
+/* With AVX-512 VNNI, int8q_gemv and q4_0_gemv take a weight row 64 bytes at a time (two blocks of Q8_0, four of
+ * Q4_0) against up to 4 rows of x at once: one vpdpbusd sums 64 byte products into 16 int32 (four per lane),
+ * so a row of x costs about one instruction per 64 weights besides its scaling, and the weights' own work
+ * (loading, sums, unpacking nibbles) is shared by the 4 rows. x's codes are laid out once per call:
+ *   Q8_0: u = c + 128 (unsigned, as vpdpbusd's first operand must be), and q . c = q . u - 128 sum(q), sum(q)
+ *         one more vpdpbusd against ones shared by the rows, -128 sum(q) the accumulator each row starts from;
+ *         d16 per pair of blocks [d_b x 8, d_{b+1} x 8] (each lane of the pair's 16 sums its block's scale).
+ *   Q4_0: per four blocks their values 0-15 (the nibbles' low halves, 16 bytes a block) then 16-31, so the low
+ *         and the high nibbles of one 64-byte load each meet their codes in one vpdpbusd (nibbles unsigned,
+ *         codes signed: as they are); o16 carries -8 sum(c) per block in its block's first lane, d16 per block
+ *         d_b four times. Integer sums exact; a last pair (Q8_0) or quad (Q4_0) that is not whole takes the
+ *         plain loop. */
+#define VROWS 4
+
+static inline __m512 bcast16(const float *v, int per) {     /* [v[0] x per, v[1] x per, ...], per 8 or 4 */
+    const __m512i idx = per == 8 ? _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1)
+                                 : _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
+    const __m128 v4 = per == 8 ? _mm_castpd_ps(_mm_load_sd((const double *)v)) : _mm_loadu_ps(v);  /* no more */
+    return _mm512_permutexvar_ps(idx, _mm512_castps128_ps512(v4));
+}
+
+/* R rows of x (u: row r at u + r K, d16 at d16 + r ld16) against one weight row q of nb blocks:
+ * out[r] = sum_b ws_b d[r, b] (q . c_r)_b (blocked: ws per block; else 1). */
+static inline __attribute__((always_inline)) void q8v_rows(int R, int blocked, const int8_t *q, int64_t nb,
+                                                           const uint8_t *u, int64_t K, const float *d16,
+                                                           int64_t ld16, const int8_t *c, const float *d,
+                                                           const float *ws, float *out) {
+    const int64_t np = nb / 2;
+    const __m512i ones = _mm512_set1_epi8(1), zero = _mm512_setzero_si512();
+    __m512 acc[2][VROWS];                                  /* even and odd pairs apart: the fma's latency */
+    for (int r = 0; r < R; r++)
+        acc[0][r] = acc[1][r] = _mm512_setzero_ps();
+    for (int64_t p = 0; p < np; p += 2)
+        for (int h = 0; h < 2 && p + h < np; h++) {
+            const int64_t o = 64 * (p + h);
+            _mm_prefetch((const char *)(q + o + PF_BYTES), _MM_HINT_T0);
+            const __m512i w = _mm512_loadu_si512(q + o);
+            const __m512i base = _mm512_sub_epi32(zero, _mm512_slli_epi32(_mm512_dpbusd_epi32(zero, ones, w), 7));
+            const __m512 wsv = blocked ? bcast16(ws + 2 * (p + h), 8) : _mm512_setzero_ps();
+            for (int r = 0; r < R; r++) {
+                const __m512i s = _mm512_dpbusd_epi32(base, _mm512_loadu_si512(u + r * K + o), w);
+                const __m512 dv = _mm512_loadu_ps(d16 + r * ld16 + 16 * (p + h));
+                acc[h][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), blocked ? _mm512_mul_ps(dv, wsv) : dv, acc[h][r]);
+            }
+        }
+    for (int r = 0; r < R; r++) {
+        out[r] = _mm512_reduce_add_ps(_mm512_add_ps(acc[0][r], acc[1][r]));
+        for (int64_t b = 2 * np; b < nb; b++) {             /* an odd last block */
+            int32_t t = 0;
+            for (int i = 0; i < 32; i++)
+                t += (int32_t)q[32 * b + i] * c[r * K + 32 * b + i];
+            out[r] += (blocked ? ws[b] : 1.0f) * d[r * nb + b] * (float)t;
+        }
+    }
+}
+
+static void int8q_vnni(int64_t M, int64_t N, int64_t K, int64_t G, int threads, const int8_t *q, const float *scale,
+                       const float *bias, float *y, const int8_t *xq, const float *xd) {
+    const int64_t nb = K / 32, np = nb / 2;
+    uint8_t *u = malloc(M * K + M * np * 16 * sizeof(float));
+    float *d16 = (float *)(u + M * K);                       /* K a multiple of 32 */
+    for (int64_t i = 0; i < M * K; i++)
+        u[i] = (uint8_t)(xq[i] + 128);
+    for (int64_t m = 0; m < M; m++)
+        for (int64_t p = 0; p < np; p++)
+            for (int j = 0; j < 16; j++)
+                d16[(m * np + p) * 16 + j] = xd[m * nb + 2 * p + j / 8];
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t n = 0; n < N; n++) {
+        float out[VROWS];
+        for (int64_t m0 = 0; m0 < M; m0 += VROWS) {
+            const int R = M - m0 < VROWS ? (int)(M - m0) : VROWS;
+            const uint8_t *um = u + m0 * K;
+            const float *dm = d16 + m0 * np * 16, *ws = scale + n * G;
+            const int8_t *cm = xq + m0 * K, *qn = q + n * K;
+#define Q8V(r, blk) q8v_rows(r, blk, qn, nb, um, K, dm, np * 16, cm, xd + m0 * nb, ws, out)
+            if (G == 1)
+                switch (R) { case 1: Q8V(1, 0); break; case 2: Q8V(2, 0); break; case 3: Q8V(3, 0); break;
+                             default: Q8V(4, 0); }
+            else
+                switch (R) { case 1: Q8V(1, 1); break; case 2: Q8V(2, 1); break; case 3: Q8V(3, 1); break;
+                             default: Q8V(4, 1); }
+#undef Q8V
+            for (int r = 0; r < R; r++)
+                y[(m0 + r) * N + n] = (G == 1 ? out[r] * scale[n] : out[r]) + (bias ? bias[n] : 0.0f);
+        }
+    }
+    free(u);
+}
+
+/* R rows of x (xl: row r's laid-out codes at xl + r K, o16 / d16 at + r ld16) against one row of Q4_0 blocks:
+ * out[r] = sum_b ws_b d[r, b] ((u - 8) . c_r)_b. */
+static inline __attribute__((always_inline)) void q4v_rows(int R, const uint8_t *q, int64_t nb, const int8_t *xl,
+                                                           int64_t K, const int32_t *o16, const float *d16,
+                                                           int64_t ld16, const int8_t *c, const float *d,
+                                                           const float *ws, float *out) {
+    const int64_t nq = nb / 4;
+    const __m512i m4 = _mm512_set1_epi8(15);
+    __m512 acc[2 * VROWS];                                 /* two per row: even and odd quads */
+    for (int r = 0; r < 2 * R; r++)
+        acc[r] = _mm512_setzero_ps();
+    for (int64_t t = 0; t < nq; t++) {
+        _mm_prefetch((const char *)(q + 64 * t + PF_BYTES), _MM_HINT_T0);
+        const __m512i raw = _mm512_loadu_si512(q + 64 * t);
+        const __m512i lo = _mm512_and_si512(raw, m4), hi = _mm512_and_si512(_mm512_srli_epi16(raw, 4), m4);
+        const __m512 wsv = bcast16(ws + 4 * t, 4);
+        for (int r = 0; r < R; r++) {
+            const int8_t *x = xl + r * K + 128 * t;
+            __m512i s = _mm512_dpbusd_epi32(_mm512_loadu_si512(o16 + r * ld16 + 16 * t), lo, _mm512_loadu_si512(x));
+            s = _mm512_dpbusd_epi32(s, hi, _mm512_loadu_si512(x + 64));
+            acc[2 * r + (t & 1)] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(
+                _mm512_loadu_ps(d16 + r * ld16 + 16 * t), wsv), acc[2 * r + (t & 1)]);
+        }
+    }
+    for (int r = 0; r < R; r++) {
+        out[r] = _mm512_reduce_add_ps(_mm512_add_ps(acc[2 * r], acc[2 * r + 1]));
+        for (int64_t b = 4 * nq; b < nb; b++) {             /* blocks past the last whole four */
+            int32_t t = 0;
+            for (int j = 0; j < 16; j++)
+                t += ((int32_t)(q[16 * b + j] & 15) - 8) * c[r * K + 32 * b + j]
+                     + ((int32_t)(q[16 * b + j] >> 4) - 8) * c[r * K + 32 * b + 16 + j];
+            out[r] += d[r * nb + b] * ws[b] * (float)t;
+        }
+    }
+}
+
+static void q4_0_vnni(int64_t M, int64_t N, int64_t K, int threads, const uint8_t *q, const float *scale,
+                      const float *bias, float *y, const int8_t *xq, const float *xd) {
+    const int64_t nb = K / 32, nq = nb / 4;
+    int8_t *xl = malloc(M * K + 2 * M * nq * 16 * sizeof(float));
+    float *d16 = (float *)(xl + M * K);
+    int32_t *o16 = (int32_t *)(d16 + M * nq * 16);
+    for (int64_t m = 0; m < M; m++)
+        for (int64_t t = 0; t < nq; t++)
+            for (int i = 0; i < 4; i++) {
+                const int64_t b = 4 * t + i;
+                const int8_t *cb = xq + m * K + 32 * b;
+                memcpy(xl + m * K + 128 * t + 16 * i, cb, 16);
+                memcpy(xl + m * K + 128 * t + 64 + 16 * i, cb + 16, 16);
+                int32_t sum = 0;
+                for (int j = 0; j < 32; j++)
+                    sum += cb[j];
+                for (int j = 0; j < 4; j++) {
+                    d16[(m * nq + t) * 16 + 4 * i + j] = xd[m * nb + b];
+                    o16[(m * nq + t) * 16 + 4 * i + j] = j ? 0 : -8 * sum;
+                }
+            }
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t n = 0; n < N; n++) {
+        float out[VROWS];
+        for (int64_t m0 = 0; m0 < M; m0 += VROWS) {
+            const int R = M - m0 < VROWS ? (int)(M - m0) : VROWS;
+#define Q4V(r) q4v_rows(r, q + n * (K / 2), nb, xl + m0 * K, K, o16 + m0 * nq * 16, d16 + m0 * nq * 16, nq * 16, \
+                        xq + m0 * K, xd + m0 * nb, scale + n * nb, out)
+            switch (R) { case 1: Q4V(1); break; case 2: Q4V(2); break; case 3: Q4V(3); break; default: Q4V(4); }
+#undef Q4V
+            for (int r = 0; r < R; r++)
+                y[(m0 + r) * N + n] = out[r] + (bias ? bias[n] : 0.0f);
+        }
+    }
+    free(xl);
+}
+#endif
+
 void int8q_gemv(int64_t M, int64_t N, int64_t K, int64_t G, int threads, const float *x, int64_t ldx,
                 const int8_t *q, const float *scale, const float *bias, float *y, int8_t *xq, float *xd) {
     const int64_t nb = K / 32;
     quantize_q8(M, K, x, ldx, xq, xd);
+#if SUBQUAD_VNNI512
+    int8q_vnni(M, N, K, G, threads, q, scale, bias, y, xq, xd);
+    return;
+#endif
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t n = 0; n < N; n++)                  /* the row stays in L1 for every row of x */
         for (int64_t m = 0; m < M; m++)
@@ -337,6 +506,10 @@ void q4_0_gemv(int64_t M, int64_t N, int64_t K, int threads, const float *x, int
                const float *scale, const float *bias, float *y, int8_t *xq, float *xd) {
     const int64_t nb = K / 32, np = nb / 2;
     quantize_q8(M, K, x, ldx, xq, xd);
+#if SUBQUAD_VNNI512
+    q4_0_vnni(M, N, K, threads, q, scale, bias, y, xq, xd);
+    return;
+#endif
     const q4x t = q4x_layout(M, K, xq, xd);
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t n = 0; n < N; n++)

@@ -61,6 +61,7 @@ def q8_rows(x):
     (1, 3072, 768, False),                # mamba-130m's in_proj, one row
     (2, 77, 96, True),                    # an odd number of blocks (the tail), odd N
     (4, 33, 32, True),                    # one block
+    (7, 45, 224, True),                   # rows past a multiple of 4 (AVX-512 VNNI takes 4 at a time), 7 blocks
     (16, 50, 1536, False),                # the most rows a block kernel takes
 ])
 def test_int8q_against_its_math_and_the_bound(M, N, K, bias, blocked):
