@@ -100,6 +100,30 @@ static inline float hmax8(__m256 v) {
 #define SUBQUAD_AVX2 0
 #endif
 
+/* exp on 16 floats at once where the CPU has AVX-512 (exp8's steps, twice as wide). */
+#if SUBQUAD_AVX2 && defined(__AVX512F__)
+#define SUBQUAD_AVX512 1
+
+static inline __m512 exp16(__m512 x) {
+    x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.0f)), _mm512_set1_ps(88.0f));
+    const __m512 big = _mm512_set1_ps(12582912.0f);
+    __m512 n = _mm512_sub_ps(_mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504088896341f), big), big);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+    r = _mm512_fmadd_ps(n, _mm512_set1_ps(2.12194440e-4f), r);
+    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+    p = _mm512_add_ps(_mm512_fmadd_ps(_mm512_mul_ps(p, r), r, r), _mm512_set1_ps(1.0f));
+    const __m512i bits = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+    return _mm512_mul_ps(p, _mm512_castsi512_ps(bits));
+}
+#else
+#define SUBQUAD_AVX512 0
+#endif
+
 /* 512-bit integer dot products (vpdpbusd: 64 unsigned x signed byte products summed into 16 int32 in one
  * instruction) where the CPU has AVX-512 VNNI (Intel from Ice Lake and Sapphire Rapids; AMD from Zen 4). */
 #if SUBQUAD_AVX2 && defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)

@@ -37,3 +37,32 @@ void mamba2_block_tokens(int64_t T, int64_t B, int64_t d, int64_t Dn, int64_t G,
     for (int64_t i = 0; i < M * d; i++)
         h_out[i] += h[i];
 }
+
+/* mamba2_block_stack: L such blocks one after another, one token of B rows each, in one call (as mamba_block.c's
+ * mamba_block_stack): args (L, 39) int64, each layer's mamba2_block_tokens arguments as 64-bit words (eps, dt's
+ * limits and the gated norm's eps floats' bits); threads, h, h_out and scratch shared. */
+static inline float f_bits(int64_t v) {
+    const int32_t bits = (int32_t)v;
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
+
+void mamba2_block_stack(int64_t L, const int64_t *args, int threads, const float *h, float *h_out, float *scratch)
+{
+    const int64_t B = args[1], d = args[2];
+    float *buf = malloc(2 * B * d * sizeof(float));
+    const float *in = h;
+    for (int64_t l = 0; l < L; l++) {
+        const int64_t *a = args + 39 * l;
+        float *out = l == L - 1 ? h_out : buf + (l % 2) * B * d;
+#define P(i) ((void *)(intptr_t)a[i])
+        mamba2_block_tokens(a[0], a[1], a[2], a[3], a[4], a[5], a[6], a[7], a[8], threads, in, P(11), f_bits(a[12]),
+                            P(13), P(14), P(15), P(16), P(17), P(18), (int)a[19], (int)a[20], a[21], a[22], P(23),
+                            P(24), P(25), P(26), P(27), P(28), f_bits(a[29]), f_bits(a[30]), P(31), P(32), a[33],
+                            f_bits(a[34]), out, P(36), P(37), scratch);
+#undef P
+        in = out;
+    }
+    free(buf);
+}

@@ -41,3 +41,29 @@ void mamba_block_tokens(int64_t T, int64_t B, int64_t d, int64_t D, int64_t N, i
     for (int64_t i = 0; i < M * d; i++)
         h_out[i] += h[i];
 }
+
+/* mamba_block_stack: L such blocks one after another, one token of B rows each (a whole model's blocks in a
+ * decoding step: models/stack.py), in one call instead of L. args (L, 37) int64: each layer's mamba_block_tokens
+ * arguments in its order as 64-bit words (pointers, integers; eps a float's bits); the ones every layer shares
+ * come here: threads, h (B, d) the first layer reads, h_out (B, d) the last one writes, scratch (the largest
+ * layer's). Layer l reads the h' layer l - 1 wrote. */
+void mamba_block_stack(int64_t L, const int64_t *args, int threads, const float *h, float *h_out, float *scratch)
+{
+    const int64_t B = args[1], d = args[2];
+    float *buf = malloc(2 * B * d * sizeof(float));
+    const float *in = h;
+    for (int64_t l = 0; l < L; l++) {
+        const int64_t *a = args + 37 * l;
+        float *out = l == L - 1 ? h_out : buf + (l % 2) * B * d;
+        const int32_t bits = (int32_t)a[11];
+        float eps;
+        memcpy(&eps, &bits, 4);
+#define P(i) ((void *)(intptr_t)a[i])
+        mamba_block_tokens(a[0], a[1], a[2], a[3], a[4], a[5], a[6], a[7], threads, in, P(10), eps, P(12), P(13),
+                           P(14), P(15), P(16), P(17), (int)a[18], (int)a[19], a[20], a[21], P(22), P(23), P(24),
+                           P(25), P(26), a[27], a[28], P(29), P(30), P(31), P(32), out, P(34), P(35), scratch);
+#undef P
+        in = out;
+    }
+    free(buf);
+}

@@ -149,6 +149,18 @@ static void mamba_rows(int64_t B, int64_t Bs, int64_t D, int64_t N, int64_t R, i
                 float *ho = h_out + (b * D + c) * N;
                 float acc = 0.0f;
                 int64_t n = 0;
+#if SUBQUAD_AVX512
+                __m512 aw = _mm512_setzero_ps();            /* 16 at a time: Mamba-1's N = 16 in one */
+                for (; n + 16 <= N; n += 16) {
+                    const __m512 an = keep ? _mm512_loadu_ps(a + n) : exp16(_mm512_loadu_ps(al + n));
+                    const __m512 e = exp16(_mm512_mul_ps(_mm512_set1_ps(-d), an));
+                    const __m512 hn = _mm512_fmadd_ps(e, _mm512_loadu_ps(hc + n),
+                                                      _mm512_mul_ps(_mm512_set1_ps(du), _mm512_loadu_ps(Bv + n)));
+                    _mm512_storeu_ps(ho + n, hn);
+                    aw = _mm512_fmadd_ps(_mm512_loadu_ps(Cv + n), hn, aw);
+                }
+                acc = _mm512_reduce_add_ps(aw);
+#endif
 #if SUBQUAD_AVX2
                 __m256 av = _mm256_setzero_ps();
                 const __m256 md = _mm256_set1_ps(-d), duv = _mm256_set1_ps(du);
@@ -160,7 +172,7 @@ static void mamba_rows(int64_t B, int64_t Bs, int64_t D, int64_t N, int64_t R, i
                     _mm256_storeu_ps(ho + n, hn);
                     av = _mm256_fmadd_ps(_mm256_loadu_ps(Cv + n), hn, av);
                 }
-                acc = hsum8(av);
+                acc += hsum8(av);
 #endif
                 for (; n < N; n++) {
                     float hn = exp_f(-d * (keep ? a[n] : exp_f(al[n]))) * hc[n] + du * Bv[n];

@@ -84,6 +84,7 @@ def block_projections(mixer, h, norm):
 
 
 _PLANS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()    # mixer -> {rows: (norm, Held, BlockStep)}
+STACKS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()    # blocks -> {rows: models.stack's plan}
 
 
 def planned_block(mixer, h, norm, state, kernel, build):
@@ -122,6 +123,14 @@ def planned_block(mixer, h, norm, state, kernel, build):
     return h, {"ssm": ssm, "conv": conv}
 
 
+def kept_plan(mixer, norm, rows: int):
+    """(``kernels.Held``, step) that ``planned_block`` keeps for ``mixer`` after ``norm`` at ``rows`` rows of one
+    token, or None where it keeps none (``models.stack`` puts consecutive ones in one call)."""
+    plans = _PLANS.get(mixer)
+    hit = None if plans is None else plans.get((rows, 1))
+    return None if hit is None or hit[0] is not norm else hit[1:]
+
+
 def block_backend(T: int) -> type:
     """The sequence backend a block's one call runs under: ``SingleDevice`` for one token (decoding), ``PerToken``
     for T > 1 (a verification's tokens, each token's state kept)."""
@@ -129,11 +138,13 @@ def block_backend(T: int) -> type:
 
 
 def forget_block_steps(model) -> None:
-    """Drop the ``BlockStep``s kept for ``model``'s mixers (``planned_block``), and with them their references to
+    """Drop the ``BlockStep``s kept for ``model``'s mixers (``planned_block``) and ``models.stack``'s plans of its
+    blocks, and with them their references to
     the weights: ``quantize`` and ``decode_layout`` replace the weights, whose old copies would otherwise stay
     alive until the next decoding step finds the kept steps stale."""
     for m in model.modules():
         _PLANS.pop(m, None)
+        STACKS.pop(m, None)
 
 
 def _float_or_int8(lin) -> bool:

@@ -34,6 +34,7 @@ from subquad.layers import MIXERS, RMSNorm, build_mixer, sequence, tensor_bytes
 from subquad.layers.channel_mix import ChannelMix
 from subquad.layers.mlp import ReLU2MLP, SwiGLU, dense_mlp
 from subquad.layers.linear import linear, use_linear
+from subquad.layers.mamba import kept_plan
 from subquad.models.config import ModelConfig
 from subquad.models.generate import generate
 from subquad.models.hyper import PLE, PLE_STATE, TOKENS, HyperConnection
@@ -41,6 +42,7 @@ from subquad.models.loss import linear_cross_entropy
 from subquad.models.moe import MoE, load_balancing_loss
 from subquad.models.mode import decoding
 from subquad.models.shared import EMBEDDINGS, SharedTransformer, SharedUse
+from subquad.models.stack import stacked_blocks
 from subquad.models.state import ModelState
 from subquad.ops.common.checks import state_dtype
 from subquad.ops.common.precision import checks_on
@@ -147,6 +149,17 @@ class PreNormBlock(Block):
     Mamba-2's); an MLP (not a stateful one) then follows as usual (Bamba's and Granite 4's blocks)."""
 
     one_call = True     # its mixer's half may run as the mixer's one call (models.speculative asks)
+
+    def kept_step(self, rows: int):
+        """(``kernels.Held``, step) of the mixer's one call kept for ``rows`` rows of one token
+        (``layers.mamba.planned_block``) where this block's decoding step is that call alone - no MLP, no hooks
+        on the block or the mixer, ``forward`` this class's -, else None (``models.stack``)."""
+        m = self.mixer
+        if type(self).forward is not PreNormBlock.forward or self.mlp is not None or self.stateful_mlp \
+                or self._forward_hooks or self._forward_pre_hooks or m._forward_hooks or m._forward_pre_hooks \
+                or not hasattr(m, "fused_block"):
+            return None
+        return kept_plan(m, self.norm1, rows)
 
     def forward(self, h, state=None, cu_seqlens=None, carry=None):
         m = self.mixer
@@ -488,6 +501,10 @@ class LanguageModel(nn.Module):
     def _hidden(self, idx, state=None, cu_seqlens=None):
         """The residual stream after the last block (before the final norm) and the per-layer state."""
         h, end_pos = self._embed_tokens(idx, state, cu_seqlens)
+        if state is not None and cu_seqlens is None and self.shared is None and self.config.hyper is None:
+            out = stacked_blocks(self.blocks, h, state)     # a decoding token's blocks in one call, where it applies
+            if out is not None:
+                return out[0], ModelState(out[1], pos=end_pos)
         states, carry = ModelState(pos=end_pos), self._carry(h, idx)  # carry: values that cross layers in this forward
         for i, block in enumerate(self.blocks):
             h, s = block(h, None if state is None else state[i], cu_seqlens=cu_seqlens, carry=carry)

@@ -8,9 +8,17 @@ from __future__ import annotations
 import pytest
 import torch
 
+from subquad.models import stack
 from subquad.ops.decay import fused_block, fused_step
 from tests.ops.fused_harness import assert_quantized_block_agrees, assert_steps_agree, models
 from tests.ops.test_mamba2_fused_step import reference
+
+
+@pytest.fixture(autouse=True)
+def blocks_one_by_one(monkeypatch):
+    """These tests hold each block's own call (and count it); tests/models/test_stack.py the blocks in one."""
+    monkeypatch.setattr(stack, "ENABLED", False)
+
 
 pytestmark = pytest.mark.skipif(not fused_block.KERNEL.available(), reason="no C compiler: the kernel cannot be built")
 

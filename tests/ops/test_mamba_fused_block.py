@@ -9,10 +9,18 @@ import pytest
 import torch
 from torch import nn
 
+from subquad.models import stack
 from subquad.models import LanguageModel, ModelConfig
 from subquad.ops.mamba import fused_block, fused_step
 from tests.ops.fused_harness import assert_quantized_block_agrees, assert_steps_agree, models
 from tests.ops.test_mamba_fused_step import inputs, reference
+
+
+@pytest.fixture(autouse=True)
+def blocks_one_by_one(monkeypatch):
+    """These tests hold each block's own call (and count it); tests/models/test_stack.py the blocks in one."""
+    monkeypatch.setattr(stack, "ENABLED", False)
+
 
 pytestmark = pytest.mark.skipif(not fused_block.KERNEL.available(), reason="no C compiler: the kernel cannot be built")
 

@@ -22,6 +22,9 @@ from subquad.ops.mamba.fused_block import KeptStep, TokensStep as _Tokens, proj_
 KERNEL = TOKENS = Kernel("mamba2_block_tokens", [I64] * 9 + [INT, PTR, PTR, FLOAT] + [PTR] * 6 + [INT, INT, I64, I64]
                          + [PTR] * 6 + [FLOAT, FLOAT, PTR, PTR, I64, FLOAT] + [PTR] * 4, "mamba2_block")
 
+STACK = Kernel("mamba2_block_stack", [I64, PTR, INT, PTR, PTR, PTR], "mamba2_block")   # ``StackStep``'s
+STACK_FLOATS = (12, 29, 30, 34)                 # eps, dt's limits, the gated norm's eps
+
 
 class BlockStep(KeptStep):
     """The module doc's step for ``B`` rows with the layer's weights fixed (as ``ops.mamba.fused_block.BlockStep``):

@@ -24,6 +24,8 @@ read, never written. Eager only (a compiled step leaves it to inductor, as it do
 
 from __future__ import annotations
 
+import struct
+
 import torch
 
 from subquad.kernels import FLOAT, I64, INT, PTR, Call, Kernel
@@ -32,6 +34,8 @@ from subquad.ops.mamba.fused_step import prepare_weights
 # One C function for both: a decoding step is T = 1 token of B rows
 KERNEL = TOKENS = Kernel("mamba_block_tokens", [I64] * 8 + [INT, PTR, PTR, FLOAT] + [PTR] * 6 + [INT, INT, I64, I64]
                          + [PTR] * 5 + [I64, I64] + [PTR] * 8, "mamba_block")
+# Consecutive blocks' steps in one call (``StackStep``): (L, 37 args each, threads, h, h', scratch)
+STACK = Kernel("mamba_block_stack", [I64, PTR, INT, PTR, PTR, PTR], "mamba_block")
 
 
 def layout(w: torch.Tensor) -> bool:
@@ -92,6 +96,51 @@ class BlockStep(KeptStep):
                                   w_out, s_out, b_out, in_kind, out_kind, in_g, out_g, None, conv_w, conv_b, wx, wdt,
                                   wdt.stride(0), wdt.stride(1), bdt, A_log, Dp, None, None, None, None, None],
                          (8, 9, 22, 32, 33, 34, 35, 36))
+
+
+class StackStep:
+    """``L`` kept one-token steps of one kind (``BlockStep``s of consecutive blocks at the same rows) in one C call
+    (``kernel``: this module's ``STACK``, or ``ops.decay.fused_block.STACK`` for Mamba-2's): the ~20 us of Python
+    a block's call costs besides its arithmetic paid once per step, not per block (``models.stack``). Each layer's
+    arguments are converted once into an (L, n) int64 table (the floats at ``floats`` as their bits), and the
+    states' slots filled per call; layer l reads the h' layer l - 1 wrote. ``step(h (B, 1, d), [(conv state,
+    state) per layer])`` -> (h' after the last, [(new conv state, new state) per layer]): the states passed in
+    read, never written, each new one its own tensor, as the layers' own steps return them."""
+
+    def __init__(self, kernel: Kernel, steps: list, floats: tuple):
+        self.kernel, self.steps = kernel, tuple(steps)
+        self.B, self.d = steps[0].B, steps[0].d
+        rows = []
+        for step in steps:
+            row = [0 if v is None else v for v in step.call.raw]
+            for i in floats:
+                row[i] = struct.unpack("<i", struct.pack("<f", row[i]))[0]
+            rows.append(row)
+        self.args = torch.tensor(rows, dtype=torch.int64)
+        slots = steps[0].call.slots         # threads, h, conv state, state, h', new conv state, new state, scratch
+        self.cols = [slots[2], slots[3], slots[5], slots[6]]
+        self.scratch = max(step.scratch for step in steps)
+
+    def __call__(self, h, states):
+        B, d, L = self.B, self.d, len(self.steps)
+        if tuple(h.shape) != (B, 1, d) or len(states) != L:
+            raise ValueError(f"the stacked step holds {L} layers of {B} rows of width {d}; got h {tuple(h.shape)} "
+                             f"and {len(states)} states")
+        args, ptrs, keep, outs = self.args.clone(), [], [], []
+        for step, (conv, state) in zip(self.steps, states):
+            if tuple(conv.shape) != step.conv_shape or tuple(state.shape) != step.state_shape:
+                raise ValueError(f"a {step.name} step holds conv state {step.conv_shape}, state "
+                                 f"{step.state_shape}; got {tuple(conv.shape)}, {tuple(state.shape)}")
+            conv, state = conv.contiguous(), state.contiguous()
+            new = torch.empty_like(conv), torch.empty_like(state)
+            ptrs += [conv.data_ptr(), state.data_ptr(), new[0].data_ptr(), new[1].data_ptr()]
+            keep.append((conv, state))
+            outs.append(new)
+        args[:, self.cols] = torch.tensor(ptrs, dtype=torch.int64).view(L, 4)
+        h2 = h.reshape(B, d).contiguous()
+        h_out = h2.new_empty(B, d)
+        self.kernel(L, args, torch.get_num_threads(), h2, h_out, h2.new_empty(self.scratch))
+        return h_out.view(B, 1, d), outs
 
 
 class TokensStep(BlockStep):

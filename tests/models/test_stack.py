@@ -1,0 +1,126 @@
+"""models.stack: a decoding token's Mamba / Mamba-2 blocks in one C call - equal, bit for bit, to the blocks one
+by one (whose own tests hold them to float64), and to a float64 model's step; every change the blocks would see
+is seen."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from subquad.layers.mamba import STACKS
+from subquad.models import stack
+from subquad.models.quant import quantize
+from subquad.models.state import save_state
+from subquad.ops.mamba import fused_block
+from tests.ops.fused_harness import models
+
+pytestmark = pytest.mark.skipif(not fused_block.STACK.available(), reason="no C compiler: the kernel cannot be built")
+
+PATTERNS = {"mamba": dict(d_model=48, n_layers=3, pattern="mamba"),
+            "mamba heads": dict(d_model=48, n_layers=2, pattern="mamba", mixer_options={"mamba": {"heads": 2}}),
+            "mamba2": dict(d_model=64, n_layers=3, pattern="mamba2")}
+
+
+def counted(monkeypatch):
+    """How often the stack kernel runs."""
+    calls = []
+    run = stack.mamba_block.StackStep.__call__
+    monkeypatch.setattr(stack.mamba_block.StackStep, "__call__", lambda self, *a: calls.append(1) or run(self, *a))
+    return calls
+
+
+def steps(m, ids, tok, n, enabled, monkeypatch):
+    """n greedy steps after prefilling ids -> [(logits, state) per step]."""
+    monkeypatch.setattr(stack, "ENABLED", enabled)
+    out = []
+    with torch.no_grad():
+        _, st = m.prefill(ids)
+        for _ in range(n):
+            logits, st = m.step(tok, st)
+            out.append((logits, st))
+            tok = logits.argmax(-1)
+    return out
+
+
+def assert_same(a, b):
+    for (la, sa), (lb, sb) in zip(a, b):
+        assert torch.equal(la, lb)
+        for x, y in zip(sa, sb):
+            assert x.keys() == y.keys() and all(torch.equal(x[k], y[k]) for k in x)
+
+
+@pytest.mark.parametrize("name", sorted(PATTERNS))
+@pytest.mark.parametrize("B", [1, 3])
+def test_the_blocks_in_one_call_equal_them_one_by_one_and_float64(monkeypatch, name, B):
+    m, m64 = models(**PATTERNS[name])
+    ids = torch.randint(0, 300, (B, 7), generator=torch.Generator().manual_seed(B))
+    tok = torch.tensor([4, 100, 299][:B])
+    calls = counted(monkeypatch)
+    one = steps(m, ids, tok, 4, True, monkeypatch)
+    assert len(calls) == 3                        # the first token builds the blocks' steps, then one call each
+    assert_same(one, steps(m, ids, tok, 4, False, monkeypatch))
+    with torch.no_grad():                         # an independent float64 computation: the whole sequence at once
+        seq = torch.cat([ids] + [torch.stack([tok] + [lg.argmax(-1) for lg, _ in one[:-1]], 1)], 1)
+        full = m64(seq)[:, ids.shape[1]:]
+    for i, (logits, _) in enumerate(one):
+        assert (logits.double() - full[:, i]).abs().max() <= 1e-5 * full.abs().max()
+
+
+def test_a_quantised_model_and_a_change_of_weights_between_tokens(monkeypatch):
+    """int8 projections (the kernels' kind 2) take it too; weights replaced between tokens (``.data =``, a new
+    module, ``quantize``) are read at the next token, as the blocks one by one read them."""
+    m, _ = models(d_model=64, n_layers=2, pattern="mamba")
+    ids, tok = torch.randint(0, 300, (2, 5), generator=torch.Generator().manual_seed(0)), torch.tensor([3, 9])
+    calls = counted(monkeypatch)
+
+    def run(enabled):
+        monkeypatch.setattr(stack, "ENABLED", enabled)
+        with torch.no_grad():
+            _, st = m.prefill(ids)
+            a, st = m.step(tok, st)
+            b, st = m.step(tok, st)
+            m.blocks[1].mixer.out_proj.weight.data = m.blocks[1].mixer.out_proj.weight.data * 2   # a new tensor
+            c, st = m.step(tok, st)
+            d, st = m.step(tok, st)
+            m.blocks[1].mixer.out_proj.weight.data = m.blocks[1].mixer.out_proj.weight.data / 2
+            return a, b, c, d
+
+    on = run(True)
+    assert len(calls) == 2                        # steps 2 and 4; step 3 ran the blocks (their plans rebuilt)
+    assert all(torch.equal(x, y) for x, y in zip(on, run(False)))
+    assert not torch.equal(on[1], on[3])
+    quantize(m, "int8")
+    calls.clear()
+    assert all(torch.equal(x, y) for x, y in zip(run(True), run(False)))
+    assert calls
+
+
+def test_what_keeps_the_blocks_one_by_one(monkeypatch):
+    """A hook on a block or a mixer (it must run), a model with another kind of block, and a compiled or
+    verification backend run the blocks one by one; the states passed in are never written and the new ones
+    are tensors of their own (a state saves)."""
+    m, _ = models(d_model=48, n_layers=2, pattern="mamba")
+    calls = counted(monkeypatch)
+    ids, tok = torch.randint(0, 300, (1, 5), generator=torch.Generator().manual_seed(2)), torch.tensor([7])
+    with torch.no_grad():
+        _, st = m.prefill(ids)
+        _, st = m.step(tok, st)
+        before = [{k: v.clone() for k, v in s.items()} for s in st]
+        _, new = m.step(tok, st)
+        assert len(calls) == 1
+        assert all(torch.equal(s[k], b[k]) for s, b in zip(st, before) for k in s)
+        save_state("/dev/null", new)              # no two tensors share memory (safetensors refuses that)
+        seen = []
+        for mod in (m.blocks[0], m.blocks[1].mixer):
+            handle = mod.register_forward_hook(lambda *a: seen.append(1))
+            m.step(tok, st)
+            handle.remove()
+        assert len(calls) == 1 and len(seen) == 2
+        m.step(tok, st)
+        assert len(calls) == 2
+    hybrid, _ = models(d_model=48, n_layers=2, pattern="mamba,softmax")
+    with torch.no_grad():
+        _, st = hybrid.prefill(ids)
+        for _ in range(3):
+            _, st = hybrid.step(tok, st)
+    assert len(calls) == 2 and STACKS[hybrid.blocks] == {"structure": (tuple(hybrid.blocks), False)}
