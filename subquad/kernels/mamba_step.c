@@ -104,11 +104,27 @@ static void mamba_rows(int64_t B, int64_t Bs, int64_t D, int64_t N, int64_t R, i
             for (int64_t c = c0; c < c1; c++)
                 dt[c] = bdt[c];
             if (wdt_s0 == 1 && heads == 1) {                /* column-major: a column per dt rank */
-                for (int64_t r = 0; r < R; r++) {
+                int64_t c = c0;
+#if SUBQUAD_AVX2
+                for (; c + 32 <= c1; c += 32) {             /* 32 channels' sums in registers over every rank */
+                    __m256 a[4];
+                    for (int i = 0; i < 4; i++)
+                        a[i] = _mm256_loadu_ps(dt + c + 8 * i);
+                    for (int64_t r = 0; r < R; r++) {
+                        const float *w = wdt + r * wdt_s1 + c;
+                        const __m256 prr = _mm256_set1_ps(pr[r]);
+                        for (int i = 0; i < 4; i++)
+                            a[i] = _mm256_fmadd_ps(_mm256_loadu_ps(w + 8 * i), prr, a[i]);
+                    }
+                    for (int i = 0; i < 4; i++)
+                        _mm256_storeu_ps(dt + c + 8 * i, a[i]);
+                }
+#endif
+                for (int64_t r = 0; r < R; r++) {           /* the channels past the last 32 */
                     const float *w = wdt + r * wdt_s1;
                     const float prr = pr[r];
-                    for (int64_t c = c0; c < c1; c++)
-                        dt[c] += w[c] * prr;
+                    for (int64_t cc = c; cc < c1; cc++)
+                        dt[cc] += w[cc] * prr;
                 }
             } else if (wdt_s1 == 1) {                       /* row-major (nn.Linear's): a dot per channel */
                 for (int64_t c = c0; c < c1; c++) {
