@@ -718,6 +718,29 @@ static inline void tile6x16(int64_t K, const float *w, const float *xp, float ou
     }
 }
 
+#if SUBQUAD_AVX512
+/* tile6x16 with 512-bit vectors (AVX-512): 12 rows of w against the 16 columns in one vector each, 12 chains, one
+ * load of xp per k for 192 products; the same chain per entry, so the same bits as tile6x16 and rows_chain. */
+static inline void tile12x16(int64_t K, const float *w, const float *xp, float out[12][16]) {
+    for (int i = 0; i < 12; i++)
+        for (int m = 0; m < 16; m++)
+            out[i][m] = 0.0f;
+    for (int64_t k0 = 0; k0 < K; k0 += KB) {
+        const int64_t k1 = k0 + KB < K ? k0 + KB : K;
+        __m512 a[12];
+        for (int i = 0; i < 12; i++)
+            a[i] = _mm512_setzero_ps();
+        for (int64_t k = k0; k < k1; k++) {
+            const __m512 b = _mm512_loadu_ps(xp + k * 16);
+            for (int i = 0; i < 12; i++)
+                a[i] = _mm512_fmadd_ps(_mm512_set1_ps(w[i * K + k]), b, a[i]);
+        }
+        for (int i = 0; i < 12; i++)
+            _mm512_storeu_ps(out[i], _mm512_add_ps(_mm512_loadu_ps(out[i]), a[i]));
+    }
+}
+#endif
+
 static inline void tile12x8(int64_t K, const float *w, const float *xp, float out[12][8]) {
     for (int i = 0; i < 12; i++)
         for (int m = 0; m < 8; m++)
@@ -757,7 +780,7 @@ static void rows_chain(int64_t M, int64_t K, int64_t n0, int64_t nr, const float
 static void f32_tiles(int64_t M, int64_t N, int64_t K, int threads, const float *x, int64_t ldx, const float *w,
                       const float *bias, float *y) {
 #if SIMD
-    const int64_t W = M > 8 ? 16 : 8, R = W == 16 ? 6 : 12, tiles = N / R;
+    const int64_t W = M > 8 ? 16 : 8, R = W == 16 && !SUBQUAD_AVX512 ? 6 : 12, tiles = N / R;
     float *xp = aligned_alloc(32, (K * W * sizeof(float) + 31) / 32 * 32);
     pack_xt(M, K, W, x, ldx, xp);
 #pragma omp parallel for num_threads(threads) schedule(static)
@@ -769,7 +792,11 @@ static void f32_tiles(int64_t M, int64_t N, int64_t K, int threads, const float 
         }
         float out[12 * 16];
         if (W == 16)
+#if SUBQUAD_AVX512
+            tile12x16(K, w + n0 * K, xp, (float (*)[16])out);
+#else
             tile6x16(K, w + n0 * K, xp, (float (*)[16])out);
+#endif
         else
             tile12x8(K, w + n0 * K, xp, (float (*)[8])out);
         for (int64_t i = 0; i < R; i++)
