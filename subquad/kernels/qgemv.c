@@ -397,18 +397,18 @@ static void q4_0_vnni(int64_t M, int64_t N, int64_t K, int threads, const uint8_
 
 void int8q_gemv(int64_t M, int64_t N, int64_t K, int64_t G, int threads, const float *x, int64_t ldx,
                 const int8_t *q, const float *scale, const float *bias, float *y, int8_t *xq, float *xd) {
-    const int64_t nb = K / 32;
     quantize_q8(M, K, x, ldx, xq, xd);
 #if SUBQUAD_VNNI512
     int8q_vnni(M, N, K, G, threads, q, scale, bias, y, xq, xd);
-    return;
-#endif
+#else
+    const int64_t nb = K / 32;
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t n = 0; n < N; n++)                  /* the row stays in L1 for every row of x */
         for (int64_t m = 0; m < M; m++)
             y[m * N + n] = (G == 1 ? q8_dot(q + n * K, nb, xq + m * K, xd + m * nb, NULL) * scale[n]
                                    : q8_dot(q + n * K, nb, xq + m * K, xd + m * nb, scale + n * G))
                            + (bias ? bias[n] : 0.0f);
+#endif
 }
 
 /* q4_0_gemv: a GGUF file's Q4_0 matrix as it is stored, times x rounded per block of 32 (quantize_q8) - llama.cpp's
@@ -504,12 +504,11 @@ static inline float q4_dot(const uint8_t *q, int64_t nb, const int8_t *xl, const
 
 void q4_0_gemv(int64_t M, int64_t N, int64_t K, int threads, const float *x, int64_t ldx, const uint8_t *q,
                const float *scale, const float *bias, float *y, int8_t *xq, float *xd) {
-    const int64_t nb = K / 32, np = nb / 2;
     quantize_q8(M, K, x, ldx, xq, xd);
 #if SUBQUAD_VNNI512
     q4_0_vnni(M, N, K, threads, q, scale, bias, y, xq, xd);
-    return;
-#endif
+#else
+    const int64_t nb = K / 32, np = nb / 2;
     const q4x t = q4x_layout(M, K, xq, xd);
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t n = 0; n < N; n++)
@@ -517,6 +516,7 @@ void q4_0_gemv(int64_t M, int64_t N, int64_t K, int threads, const float *x, int
             y[m * N + n] = q4_dot(q + n * (K / 2), nb, t.c + m * K, t.d4 + m * np * 8, t.o4 + m * np * 8, xq + m * K,
                                   xd + m * nb, scale + n * nb) + (bias ? bias[n] : 0.0f);
     free(t.c), free(t.d4), free(t.o4);
+#endif
 }
 
 #if SIMD
