@@ -428,7 +428,7 @@ typedef struct {
     int32_t *o4;                                        /* M (nb / 2) 8: -8 sum(c) per block, then three zeros */
 } q4x;
 
-static q4x q4x_layout(int64_t M, int64_t K, const int8_t *xq, const float *xd) {
+static inline q4x q4x_layout(int64_t M, int64_t K, const int8_t *xq, const float *xd) {
     const int64_t nb = K / 32, np = nb / 2;
 #if !SIMD
     q4x none = {NULL, NULL, NULL};                      /* the plain loop reads x's codes in order */
@@ -579,6 +579,66 @@ static inline __attribute__((always_inline)) void int4_split_q(int64_t K, int64_
 }
 #endif
 
+#if SUBQUAD_VNNI512 && defined(__AVX512VBMI__)
+#define INT4_VNNI 1
+/* int4_split_q with AVX-512 VNNI and VBMI: four k at a time, the 4 x 16 bytes of a 16-row chunk (byte j of k's row
+ * holds rows j and j + h) put in row order by one byte permute (vpermb / vpermt2b: row j's codes at k..k+3 in one
+ * dword), then its low and its high nibbles each against x's four codes c[k..k+3] (one broadcast dword) in one
+ * vpdpbusd: 16 rows' sums of four products, exact in int32, widened to float times d once per block of 32. */
+static inline __attribute__((always_inline)) void int4_split_vnni(int64_t K, int64_t G, int64_t Np, int64_t h,
+                                                                  const int8_t *c, const float *d, const float *xc,
+                                                                  const uint8_t *w, const uint16_t *sz, int64_t n0,
+                                                                  float *out) {
+    const int64_t gs = K / G, nv = h / 16;               /* 16-row chunks: 1 (h = 16) or 2 (h = 32) */
+    const __m512i m4 = _mm512_set1_epi8(15);
+    uint8_t ix[2][64];                                    /* chunk ch's byte 4j + t <- byte t h + 16 ch + j */
+    for (int64_t ch = 0; ch < nv; ch++)
+        for (int j = 0; j < 16; j++)
+            for (int t = 0; t < 4; t++)
+                ix[ch][4 * j + t] = (uint8_t)(t * h + 16 * ch + j);
+    const __m512i idx0 = _mm512_loadu_si512(ix[0]), idx1 = _mm512_loadu_si512(ix[1]);
+    for (int64_t r = 0; r < 2 * h; r++)
+        out[r] = 0.0f;
+    for (int64_t g = 0; g < G; g++) {
+        __m512 f[4];                                      /* lo rows by chunk, then hi rows by chunk */
+        for (int i = 0; i < 2 * nv; i++)
+            f[i] = _mm512_setzero_ps();
+        for (int64_t k0 = g * gs; k0 < (g + 1) * gs; k0 += 32) {
+            __m512i a[4];
+            for (int i = 0; i < 2 * nv; i++)
+                a[i] = _mm512_setzero_si512();
+            for (int64_t k = k0; k < k0 + 32; k += 4) {
+                int32_t x4;
+                memcpy(&x4, c + k, 4);
+                const __m512i xv = _mm512_set1_epi32(x4);
+                _mm_prefetch((const char *)(w + k * h + PF_BYTES), _MM_HINT_T0);
+                for (int64_t ch = 0; ch < nv; ch++) {
+                    const __m512i p = h == 16
+                        ? _mm512_permutexvar_epi8(idx0, _mm512_loadu_si512(w + k * h))
+                        : _mm512_permutex2var_epi8(_mm512_loadu_si512(w + k * h), ch ? idx1 : idx0,
+                                                   _mm512_loadu_si512(w + k * h + 64));
+                    a[ch] = _mm512_dpbusd_epi32(a[ch], _mm512_and_si512(p, m4), xv);
+                    a[nv + ch] = _mm512_dpbusd_epi32(a[nv + ch], _mm512_and_si512(_mm512_srli_epi16(p, 4), m4), xv);
+                }
+            }
+            const __m512 dv = _mm512_set1_ps(d[k0 / 32]);
+            for (int i = 0; i < 2 * nv; i++)
+                f[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a[i]), dv, f[i]);
+        }
+        float acc[64];                                    /* rows in order: lo rows 0..h-1, hi rows h..2h-1 */
+        for (int i = 0; i < 2 * nv; i++)
+            _mm512_storeu_ps(acc + 16 * i, f[i]);
+        const uint16_t *sg = sz + (g * Np + n0) * 2;
+        for (int64_t r = 0; r < 2 * h; r++) {
+            const float sc = bf16_f(sg[2 * r]), z = bf16_f(sg[2 * r + 1]);
+            out[r] += sc * acc[r] + (z - 8.0f * sc) * xc[g];
+        }
+    }
+}
+#else
+#define INT4_VNNI 0
+#endif
+
 /* Any block of bn <= 64 rows, byte j of each k holding rows 2j and 2j + 1 (split = 0) or j and j + bn / 2. */
 static void int4_any(int64_t K, int64_t G, int64_t Np, int64_t bn, int split, const float *x, const float *xs,
                      const uint8_t *w, const uint16_t *sz, int64_t n0, float *out) {
@@ -621,7 +681,13 @@ void int4_gemv(int64_t M, int64_t N, int64_t Np, int64_t K, int64_t G, int64_t B
         const uint8_t *wb = w + n0 * K / 2;
         float out[64];
         for (int64_t m = 0; m < M; m++) {
-#if SIMD
+#if INT4_VNNI
+            if (split && bn == BN && BN == 64)             /* h a constant in each call: registers, not memory */
+                int4_split_vnni(K, G, Np, 32, c + m * K, d + m * nb, xc + m * G, wb, sz, n0, out);
+            else if (split && bn == BN && BN == 32)
+                int4_split_vnni(K, G, Np, 16, c + m * K, d + m * nb, xc + m * G, wb, sz, n0, out);
+            else
+#elif SIMD
             if (split && bn == BN && BN == 64)             /* h a constant in each call: registers, not memory */
                 int4_split_q(K, G, Np, 32, (const int16_t *)(c + m * K), d + m * nb, xc + m * G, wb, sz, n0, out);
             else if (split && bn == BN && BN == 32)
