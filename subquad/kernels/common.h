@@ -1,6 +1,8 @@
 /* What the kernels share: exp, silu, softplus written out (Cephes' expf polynomial; log1p through atanh's
- * series) so the loops vectorise without -ffast-math, and as AVX2 intrinsics on 8 at once, a thread's share of a range, and the short convolution's
- * step. Included by each kernel; its text is part of every kernel's build key (kernels/__init__.py). */
+ * series) so the loops vectorise without -ffast-math, and as AVX2 intrinsics on 8 at once (exp on 16 with
+ * AVX-512); which vector instructions the CPU has (SUBQUAD_AVX2, SUBQUAD_AVX512, SUBQUAD_VNNI512); a thread's share
+ * of a range, the short convolution's step, the blocks' norm. Included by each kernel; its text is part of every
+ * kernel's build key (kernels/__init__.py). */
 
 #ifndef SUBQUAD_KERNELS_COMMON_H
 #define SUBQUAD_KERNELS_COMMON_H
@@ -168,6 +170,14 @@ static inline void span(int64_t n, int parts, int i, int64_t *a, int64_t *b) {  
     *b = blocks * (i + 1) / parts * 16;
     if (*a > n) *a = n;
     if (*b > n) *b = n;
+}
+
+/* A float passed as its bits in a 64-bit word (the stacked blocks' argument tables, mamba_block.c). */
+static inline float f_bits(int64_t v) {
+    const int32_t bits = (int32_t)v;
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
 }
 
 /* One token of the depthwise causal convolution, channels [c0, c1): out = silu(bias + sum_k w[:, k] [st; x]_k),

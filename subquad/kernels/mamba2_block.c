@@ -41,13 +41,6 @@ void mamba2_block_tokens(int64_t T, int64_t B, int64_t d, int64_t Dn, int64_t G,
 /* mamba2_block_stack: L such blocks one after another, one token of B rows each, in one call (as mamba_block.c's
  * mamba_block_stack): args (L, 39) int64, each layer's mamba2_block_tokens arguments as 64-bit words (eps, dt's
  * limits and the gated norm's eps floats' bits); threads, h, h_out and scratch shared. */
-static inline float f_bits(int64_t v) {
-    const int32_t bits = (int32_t)v;
-    float f;
-    memcpy(&f, &bits, 4);
-    return f;
-}
-
 void mamba2_block_stack(int64_t L, const int64_t *args, int threads, const float *h, float *h_out, float *scratch)
 {
     const int64_t B = args[1], d = args[2];

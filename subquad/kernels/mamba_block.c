@@ -55,13 +55,10 @@ void mamba_block_stack(int64_t L, const int64_t *args, int threads, const float 
     for (int64_t l = 0; l < L; l++) {
         const int64_t *a = args + 37 * l;
         float *out = l == L - 1 ? h_out : buf + (l % 2) * B * d;
-        const int32_t bits = (int32_t)a[11];
-        float eps;
-        memcpy(&eps, &bits, 4);
 #define P(i) ((void *)(intptr_t)a[i])
-        mamba_block_tokens(a[0], a[1], a[2], a[3], a[4], a[5], a[6], a[7], threads, in, P(10), eps, P(12), P(13),
-                           P(14), P(15), P(16), P(17), (int)a[18], (int)a[19], a[20], a[21], P(22), P(23), P(24),
-                           P(25), P(26), a[27], a[28], P(29), P(30), P(31), P(32), out, P(34), P(35), scratch);
+        mamba_block_tokens(a[0], a[1], a[2], a[3], a[4], a[5], a[6], a[7], threads, in, P(10), f_bits(a[11]), P(12),
+                           P(13), P(14), P(15), P(16), P(17), (int)a[18], (int)a[19], a[20], a[21], P(22), P(23),
+                           P(24), P(25), P(26), a[27], a[28], P(29), P(30), P(31), P(32), out, P(34), P(35), scratch);
 #undef P
         in = out;
     }
