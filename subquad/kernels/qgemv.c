@@ -287,6 +287,45 @@ static inline __attribute__((always_inline)) void q8v_rows(int R, int blocked, c
     }
 }
 
+/* One row of x against two weight rows at once (a decoding step's one row), as q4v_two: out[i] = sum_b ws_i,b d_b
+ * (q_i . c)_b (blocked), or the unscaled sum. */
+static inline __attribute__((always_inline)) void q8v_two(int blocked, const int8_t *q0, const int8_t *q1,
+                                                          int64_t nb, const uint8_t *u, const float *d16,
+                                                          const int8_t *c, const float *d, const float *ws0,
+                                                          const float *ws1, float out[2]) {
+    const int64_t np = nb / 2;
+    const __m512i ones = _mm512_set1_epi8(1), zero = _mm512_setzero_si512();
+    __m512 a[2][2];                                        /* [even / odd pair][row]: q8v_rows' order, its bits */
+    a[0][0] = a[0][1] = a[1][0] = a[1][1] = _mm512_setzero_ps();
+    for (int64_t p0 = 0; p0 < np; p0 += 2)
+        for (int h = 0; h < 2 && p0 + h < np; h++) {
+            const int64_t p = p0 + h;
+            _mm_prefetch((const char *)(q0 + 64 * p + PF_BYTES), _MM_HINT_T0);
+            _mm_prefetch((const char *)(q1 + 64 * p + PF_BYTES), _MM_HINT_T0);
+            const __m512i w0 = _mm512_loadu_si512(q0 + 64 * p), w1 = _mm512_loadu_si512(q1 + 64 * p);
+            const __m512i x = _mm512_loadu_si512(u + 64 * p);
+            const __m512 dv = _mm512_loadu_ps(d16 + 16 * p);
+            __m512i s0 = _mm512_sub_epi32(zero, _mm512_slli_epi32(_mm512_dpbusd_epi32(zero, ones, w0), 7));
+            __m512i s1 = _mm512_sub_epi32(zero, _mm512_slli_epi32(_mm512_dpbusd_epi32(zero, ones, w1), 7));
+            s0 = _mm512_dpbusd_epi32(s0, x, w0);
+            s1 = _mm512_dpbusd_epi32(s1, x, w1);
+            a[h][0] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s0), blocked ? _mm512_mul_ps(dv, bcast16(ws0 + 2 * p, 8)) : dv,
+                                      a[h][0]);
+            a[h][1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s1), blocked ? _mm512_mul_ps(dv, bcast16(ws1 + 2 * p, 8)) : dv,
+                                      a[h][1]);
+        }
+    out[0] = _mm512_reduce_add_ps(_mm512_add_ps(a[0][0], a[1][0]));
+    out[1] = _mm512_reduce_add_ps(_mm512_add_ps(a[0][1], a[1][1]));
+    for (int64_t b = 2 * np; b < nb; b++)                   /* an odd last block */
+        for (int i = 0; i < 2; i++) {
+            const int8_t *qb = (i ? q1 : q0) + 32 * b;
+            int32_t t = 0;
+            for (int j = 0; j < 32; j++)
+                t += (int32_t)qb[j] * c[32 * b + j];
+            out[i] += (blocked ? (i ? ws1 : ws0)[b] : 1.0f) * d[b] * (float)t;
+        }
+}
+
 static void int8q_vnni(int64_t M, int64_t N, int64_t K, int64_t G, int threads, const int8_t *q, const float *scale,
                        const float *bias, float *y, const int8_t *xq, const float *xd) {
     const int64_t nb = K / 32, np = nb / 2;
@@ -298,8 +337,21 @@ static void int8q_vnni(int64_t M, int64_t N, int64_t K, int64_t G, int threads, 
         for (int64_t p = 0; p < np; p++)
             for (int j = 0; j < 16; j++)
                 d16[(m * np + p) * 16 + j] = xd[m * nb + 2 * p + j / 8];
+    if (M == 1) {                                           /* weight rows in pairs */
 #pragma omp parallel for num_threads(threads) schedule(static)
-    for (int64_t n = 0; n < N; n++) {
+        for (int64_t p = 0; p < N / 2; p++) {
+            const int64_t n = 2 * p;
+            float out[2];
+            if (G == 1)
+                q8v_two(0, q + n * K, q + (n + 1) * K, nb, u, d16, xq, xd, NULL, NULL, out);
+            else
+                q8v_two(1, q + n * K, q + (n + 1) * K, nb, u, d16, xq, xd, scale + n * G, scale + (n + 1) * G, out);
+            for (int i = 0; i < 2; i++)
+                y[n + i] = (G == 1 ? out[i] * scale[n + i] : out[i]) + (bias ? bias[n + i] : 0.0f);
+        }
+    }
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t n = M == 1 ? N - N % 2 : 0; n < N; n++) {  /* (one row: the odd last weight row) */
         float out[VROWS];
         for (int64_t m0 = 0; m0 < M; m0 += VROWS) {
             const int R = M - m0 < VROWS ? (int)(M - m0) : VROWS;
@@ -357,6 +409,41 @@ static inline __attribute__((always_inline)) void q4v_rows(int R, const uint8_t 
     }
 }
 
+/* One row of x against two weight rows at once (a decoding step's one row): x's codes, o16 and d16 loaded once for
+ * both, two independent chains; out[i] as q4v_rows gives it for row q_i. */
+static inline void q4v_two(const uint8_t *q0, const uint8_t *q1, int64_t nb, const int8_t *xl, const int32_t *o16,
+                           const float *d16, const int8_t *c, const float *d, const float *ws0, const float *ws1,
+                           float out[2]) {
+    const int64_t nq = nb / 4;
+    const __m512i m4 = _mm512_set1_epi8(15);
+    __m512 a[2][2];                                        /* [even / odd quad][row]: q4v_rows' order, its bits */
+    a[0][0] = a[0][1] = a[1][0] = a[1][1] = _mm512_setzero_ps();
+    for (int64_t t = 0; t < nq; t++) {
+        _mm_prefetch((const char *)(q0 + 64 * t + PF_BYTES), _MM_HINT_T0);
+        _mm_prefetch((const char *)(q1 + 64 * t + PF_BYTES), _MM_HINT_T0);
+        const __m512i xlo = _mm512_loadu_si512(xl + 128 * t), xhi = _mm512_loadu_si512(xl + 128 * t + 64);
+        const __m512i o = _mm512_loadu_si512(o16 + 16 * t);
+        const __m512 dv = _mm512_loadu_ps(d16 + 16 * t);
+        const __m512i r0 = _mm512_loadu_si512(q0 + 64 * t), r1 = _mm512_loadu_si512(q1 + 64 * t);
+        __m512i s0 = _mm512_dpbusd_epi32(o, _mm512_and_si512(r0, m4), xlo);
+        __m512i s1 = _mm512_dpbusd_epi32(o, _mm512_and_si512(r1, m4), xlo);
+        s0 = _mm512_dpbusd_epi32(s0, _mm512_and_si512(_mm512_srli_epi16(r0, 4), m4), xhi);
+        s1 = _mm512_dpbusd_epi32(s1, _mm512_and_si512(_mm512_srli_epi16(r1, 4), m4), xhi);
+        a[t & 1][0] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s0), _mm512_mul_ps(dv, bcast16(ws0 + 4 * t, 4)), a[t & 1][0]);
+        a[t & 1][1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s1), _mm512_mul_ps(dv, bcast16(ws1 + 4 * t, 4)), a[t & 1][1]);
+    }
+    out[0] = _mm512_reduce_add_ps(_mm512_add_ps(a[0][0], a[1][0]));
+    out[1] = _mm512_reduce_add_ps(_mm512_add_ps(a[0][1], a[1][1]));
+    for (int64_t b = 4 * nq; b < nb; b++)                   /* blocks past the last whole four */
+        for (int i = 0; i < 2; i++) {
+            const uint8_t *qb = (i ? q1 : q0) + 16 * b;
+            int32_t t = 0;
+            for (int j = 0; j < 16; j++)
+                t += ((int32_t)(qb[j] & 15) - 8) * c[32 * b + j] + ((int32_t)(qb[j] >> 4) - 8) * c[32 * b + 16 + j];
+            out[i] += d[b] * (i ? ws1 : ws0)[b] * (float)t;
+        }
+}
+
 static void q4_0_vnni(int64_t M, int64_t N, int64_t K, int threads, const uint8_t *q, const float *scale,
                       const float *bias, float *y, const int8_t *xq, const float *xd) {
     const int64_t nb = K / 32, nq = nb / 4;
@@ -378,6 +465,23 @@ static void q4_0_vnni(int64_t M, int64_t N, int64_t K, int threads, const uint8_
                     o16[(m * nq + t) * 16 + 4 * i + j] = j ? 0 : -8 * sum;
                 }
             }
+    if (M == 1) {                                           /* weight rows in pairs */
+#pragma omp parallel for num_threads(threads) schedule(static)
+        for (int64_t p = 0; p < N / 2; p++) {
+            float out[2];
+            q4v_two(q + 2 * p * (K / 2), q + (2 * p + 1) * (K / 2), nb, xl, o16, d16, xq, xd, scale + 2 * p * nb,
+                    scale + (2 * p + 1) * nb, out);
+            for (int i = 0; i < 2; i++)
+                y[2 * p + i] = out[i] + (bias ? bias[2 * p + i] : 0.0f);
+        }
+        if (N % 2) {
+            float out[VROWS];
+            q4v_rows(1, q + (N - 1) * (K / 2), nb, xl, K, o16, d16, nq * 16, xq, xd, scale + (N - 1) * nb, out);
+            y[N - 1] = out[0] + (bias ? bias[N - 1] : 0.0f);
+        }
+        free(xl);
+        return;
+    }
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t n = 0; n < N; n++) {
         float out[VROWS];

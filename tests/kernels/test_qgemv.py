@@ -62,6 +62,7 @@ def q8_rows(x):
     (2, 77, 96, True),                    # an odd number of blocks (the tail), odd N
     (4, 33, 32, True),                    # one block
     (7, 45, 224, True),                   # rows past a multiple of 4 (AVX-512 VNNI takes 4 at a time), 7 blocks
+    (1, 45, 224, True),                   # one row: weight rows in pairs, an odd one last
     (16, 50, 1536, False),                # the most rows a block kernel takes
 ])
 def test_int8q_against_its_math_and_the_bound(M, N, K, bias, blocked):
@@ -244,7 +245,8 @@ def test_a_q8_0_matrix_rounds_x_at_a_few_rows_unless_asked_to_keep_it(monkeypatc
 
 
 @pytest.mark.parametrize("M,N,K,bias", [(1, 3072, 768, False), (3, 77, 96, True), (8, 33, 32, True),
-                                        (2, 40, 224, False)])
+                                        (2, 40, 224, False), (1, 37, 224, True),    # one row: weight rows in pairs
+                                        (2, 33, 288, True)])                        # 2 quads + 1: a row alone
 def test_q4_0_against_its_math(M, N, K, bias):
     """GGUF's Q4_0 as the file holds it (``pack_q4_0``: two nibbles a byte, a float scale per block of 32) times x
     rounded per block of 32: against sum_b scale_b d_b ((u - 8) . c)_b in float64 from the codes computed here,
