@@ -474,16 +474,9 @@ static void q4_0_vnni(int64_t M, int64_t N, int64_t K, int threads, const uint8_
             for (int i = 0; i < 2; i++)
                 y[2 * p + i] = out[i] + (bias ? bias[2 * p + i] : 0.0f);
         }
-        if (N % 2) {
-            float out[VROWS];
-            q4v_rows(1, q + (N - 1) * (K / 2), nb, xl, K, o16, d16, nq * 16, xq, xd, scale + (N - 1) * nb, out);
-            y[N - 1] = out[0] + (bias ? bias[N - 1] : 0.0f);
-        }
-        free(xl);
-        return;
     }
 #pragma omp parallel for num_threads(threads) schedule(static)
-    for (int64_t n = 0; n < N; n++) {
+    for (int64_t n = M == 1 ? N - N % 2 : 0; n < N; n++) {  /* (one row: the odd last weight row) */
         float out[VROWS];
         for (int64_t m0 = 0; m0 < M; m0 += VROWS) {
             const int R = M - m0 < VROWS ? (int)(M - m0) : VROWS;

@@ -48,7 +48,6 @@ class Plan:
         kind = KINDS.get(type(steps[0]))
         if kind is None or any(type(step) is not type(steps[0]) for step in steps):
             raise LookupError(type(steps[0]))
-        self.kernel = kind[0]
         self.stack = mamba_block.StackStep(kind[0], steps, kind[1])
 
     def still(self) -> bool:
@@ -63,11 +62,10 @@ class Plan:
 
 
 def _fits(block) -> bool:
-    """Whether ``block`` may ever take part: a block with ``kept_step`` whose mixer has a one-call step and which has
-    no MLP (hooks, the kept steps and the states are checked per token)."""
-    mixer = block._modules.get("mixer")
-    return hasattr(block, "kept_step") and hasattr(mixer, "fused_block") and block._modules.get("mlp") is None \
-        and type(mixer) in MIXERS
+    """Whether ``block`` may ever take part: a block with ``kept_step``, a Mamba or Mamba-2 mixer (their one-call
+    steps) and no MLP (hooks, the kept steps and the states are checked per token)."""
+    return hasattr(block, "kept_step") and type(block._modules.get("mixer")) in MIXERS \
+        and block._modules.get("mlp") is None
 
 
 def stacked_blocks(blocks, h, state):
@@ -107,7 +105,7 @@ def stacked_blocks(blocks, h, state):
                 or not conv.is_cpu or not ssm.is_cpu:
             return None
         pairs.append((conv, ssm))
-    if not kernels.usable(plan.kernel, h):
+    if not kernels.usable(plan.stack.kernel, h):
         return None
     h, new = plan.stack(h, pairs)
     return h, [{"ssm": ssm, "conv": conv} for conv, ssm in new]
