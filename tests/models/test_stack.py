@@ -124,3 +124,22 @@ def test_what_keeps_the_blocks_one_by_one(monkeypatch):
         for _ in range(3):
             _, st = hybrid.step(tok, st)
     assert len(calls) == 2 and STACKS[hybrid.blocks] == {"structure": (tuple(hybrid.blocks), False)}
+
+
+def test_autocast_and_compiling_keep_the_blocks_one_by_one(monkeypatch):
+    """Under bf16 autocast (the products' outputs would be bf16) and while compiling (inductor fuses the blocks
+    itself) the stack does not run; afterwards it does again."""
+    m, _ = models(d_model=48, n_layers=2, pattern="mamba")
+    calls = counted(monkeypatch)
+    tok = torch.tensor([7])
+    with torch.no_grad():
+        _, st = m.prefill(torch.tensor([[1, 2, 3]]))
+        _, st = m.step(tok, st)                   # the blocks' steps kept
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            m.step(tok, st)
+        assert not calls
+        with monkeypatch.context() as p:
+            p.setattr(torch.compiler, "is_compiling", lambda: True)
+            assert stack.stacked_blocks(m.blocks, m.embed(tok.view(1, 1)), st) is None
+        m.step(tok, st)
+        assert len(calls) == 1
