@@ -11,6 +11,7 @@ folder and as GGUF files (``save_gguf``: f32, q8_0 and q4_0), then
 
     python benchmarks/bench_llama_decode.py --llama-bench /path/to/build/bin/llama-bench
     python benchmarks/bench_llama_decode.py --llama-bench ... --interleave 3   # eager rows only, rounds alternating
+    python benchmarks/bench_llama_decode.py --llama-bench ... --interleave 3 --model hybrid   # Bamba's structure
     SUBQUAD_ONEDNN=0 python benchmarks/bench_llama_decode.py ...     # the float32 products through MKL instead
 
 and every step but the op-by-op one at ``--batch`` rows (default 16), ms per step and the ratio to one row.
@@ -18,11 +19,16 @@ and every step but the op-by-op one at ``--batch`` rows (default 16), ms per ste
 ``--interleave R``: only llama.cpp and subquad's eager step at each precision (f32 / Q8_0 / Q4_0 against float32 /
 int8 / int4, and subquad reading the Q8_0 and Q4_0 files themselves), R rounds each running every row once in
 turn, so a host whose speed drifts moves both engines alike; the median of each row and every round's ratio.
-Writes results/llama_decode_interleaved.md.
+Writes results/llama_decode_interleaved.md (``--model hybrid``: llama_decode_hybrid_interleaved.md).
+
+``--model hybrid``: ``bench_llama_server.HYBRID`` (Bamba's structure at mamba2-130m's mixer shape: Mamba-2 blocks
+with a SwiGLU MLP each, softmax attention every sixth layer; llama.cpp runs it as ``granitehybrid``) instead of
+mamba-130m's shape.
 
 ms per token (median of ``--repeats`` runs for subquad; llama-bench's mean over its own repetitions), the read
 bound (the bytes of the weights one token reads over the measured read bandwidth is not measured here: the
-ratios are to llama.cpp in the same run). Writes results/llama_decode.{json,md}.
+ratios are to llama.cpp in the same run). Writes results/llama_decode.{json,md} (``--model hybrid``:
+llama_decode_hybrid.{json,md}).
 """
 
 from __future__ import annotations
@@ -81,6 +87,10 @@ def subquad_ms(folder: Path, tokens: int, repeats: int, compiled: bool, quantize
     return statistics.median(runs)
 
 
+def what(model: str) -> str:
+    return {"mamba": "mamba-130m's shape", "hybrid": "a Bamba-structured hybrid (bench_llama_server.HYBRID)"}[model]
+
+
 def interleaved(a, folder: Path, tmp: Path):
     """``--interleave``'s rounds (module doc)."""
     pairs = (("f32", None), ("q8_0", "int8"), ("q4_0", "int4"), ("q8_0", "gguf q8_0"), ("q4_0", "gguf q4_0"))
@@ -95,7 +105,7 @@ def interleaved(a, folder: Path, tmp: Path):
                 subquad_ms(source, a.tokens, a.repeats, False, None if source != folder else q))
         print(f"round {r + 1}/{a.interleave}: " + ", ".join(f"{k} {v[-1]:.2f}" for k, v in runs.items()), flush=True)
     machine = machine_line(matmul_gflops())
-    lines = [f"mamba-130m's shape (random weights), batch 1, {a.threads} threads, {a.tokens} tokens, {a.interleave} "
+    lines = [f"{what(a.model)} (random weights), batch 1, {a.threads} threads, {a.tokens} tokens, {a.interleave} "
              f"rounds alternating the engines; {machine}", "",
              "| precision | llama.cpp ms (median) | subquad eager ms (median) | ratio of medians | each round's |",
              "|---|---:|---:|---:|---|"]
@@ -105,7 +115,8 @@ def interleaved(a, folder: Path, tmp: Path):
         lines.append(f"| {q or 'f32'} / {outtype} | {statistics.median(ll):.2f} | {statistics.median(sq):.2f} | "
                      f"{statistics.median(sq) / statistics.median(ll):.2f} | {ratios} |")
     print("\n".join(lines))
-    (OUT / "llama_decode_interleaved.md").write_text("\n".join(lines) + "\n")
+    stem = "llama_decode_interleaved" if a.model == "mamba" else "llama_decode_hybrid_interleaved"
+    (OUT / f"{stem}.md").write_text("\n".join(lines) + "\n")
 
 
 def main(argv=None):
@@ -116,13 +127,16 @@ def main(argv=None):
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--batch", type=int, default=16, help="the rows of the batched compiled steps (1: none)")
     ap.add_argument("--interleave", type=int, default=0, help="rounds of the eager rows against llama.cpp only")
+    ap.add_argument("--model", choices=("mamba", "hybrid"), default="mamba")
     a = ap.parse_args(argv)
     torch.set_num_threads(a.threads)
     from subquad.models import LanguageModel, ModelConfig
     from subquad.models.gguf import save_gguf
 
+    from benchmarks.bench_llama_server import HYBRID
+
     torch.manual_seed(0)
-    model = LanguageModel(ModelConfig(**SHAPE)).eval()
+    model = LanguageModel(ModelConfig(**(SHAPE if a.model == "mamba" else HYBRID))).eval()
     rows, batched = {}, {}
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp) / "mamba"
@@ -157,7 +171,7 @@ def main(argv=None):
                                                         ("q4_0", "q4_0"), ("", "f32")) if k in name)]
     from subquad.layers.linear import ONEDNN
 
-    lines = [f"mamba-130m's shape (random weights), batch 1, {a.threads} threads, {a.tokens} tokens; float32 "
+    lines = [f"{what(a.model)} (random weights), batch 1, {a.threads} threads, {a.tokens} tokens; float32 "
              f"products through {'oneDNN' if ONEDNN else 'MKL (SUBQUAD_ONEDNN=0)'}; {machine}; read bandwidth "
              f"{gbps:.1f} GB/s (bench_pretrained.read_gbps), so the float32 bound is {bound:.2f} ms", "",
              "| engine | ms/token | x llama.cpp (same precision) | x the f32 bound (f32 rows) |",
@@ -174,11 +188,12 @@ def main(argv=None):
         lines += ["", f"| batch {a.batch} | ms/step | x batch 1 |", "|---|---:|---:|"]
         lines += [f"| {name} | {ms:.2f} | {ms / rows[name]:.2f} |" for name, ms in batched.items()]
     print("\n".join(lines))
-    (OUT / "llama_decode.json").write_text(json.dumps({"ms": rows, "batched": batched, "batch": a.batch,
+    stem = "llama_decode" if a.model == "mamba" else "llama_decode_hybrid"
+    (OUT / f"{stem}.json").write_text(json.dumps({"ms": rows, "batched": batched, "batch": a.batch,
                                                        "read_gbps": gbps, "f32_bound_ms": bound,
                                                        "onednn": ONEDNN, "machine": machine, "tokens": a.tokens},
                                                       indent=1))
-    (OUT / "llama_decode.md").write_text("\n".join(lines) + "\n")
+    (OUT / f"{stem}.md").write_text("\n".join(lines) + "\n")
 
 
 if __name__ == "__main__":

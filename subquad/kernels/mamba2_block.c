@@ -15,7 +15,7 @@
  * the block's own PyTorch forward is the reference. */
 
 #include "mamba2_step.c"
-#include "qgemv.c"
+#include "mlp_block.c"
 
 void mamba2_block_tokens(int64_t T, int64_t B, int64_t d, int64_t Dn, int64_t G, int64_t N, int64_t H, int64_t P,
                          int64_t K, int threads, const float *h, const float *norm_w, float eps, const void *w_in,
@@ -39,21 +39,31 @@ void mamba2_block_tokens(int64_t T, int64_t B, int64_t d, int64_t Dn, int64_t G,
 }
 
 /* mamba2_block_stack: L such blocks one after another, one token of B rows each, in one call (as mamba_block.c's
- * mamba_block_stack): args (L, 39) int64, each layer's mamba2_block_tokens arguments as 64-bit words (eps, dt's
- * limits and the gated norm's eps floats' bits); threads, h, h_out and scratch shared. */
+ * mamba_block_stack): args (L, STACK_ROW) int64, each layer's mamba2_block_tokens arguments as 64-bit words (eps,
+ * dt's limits and the gated norm's eps floats' bits), then 1 where the block has an MLP (Bamba's, Granite 4's)
+ * and mlp_block_rows' arguments for it (its norm's eps as bits), else 0; threads, h, h_out and scratch shared
+ * (scratch: the most any layer's mixer or MLP needs). */
+#define MIXER_ARGS 39
+#define STACK_ROW (MIXER_ARGS + 1 + 24)
 void mamba2_block_stack(int64_t L, const int64_t *args, int threads, const float *h, float *h_out, float *scratch)
 {
     const int64_t B = args[1], d = args[2];
-    float *buf = malloc(2 * B * d * sizeof(float));
+    float *buf = malloc(3 * B * d * sizeof(float));
     const float *in = h;
     for (int64_t l = 0; l < L; l++) {
-        const int64_t *a = args + 39 * l;
-        float *out = l == L - 1 ? h_out : buf + (l % 2) * B * d;
+        const int64_t *a = args + STACK_ROW * l, *m = a + MIXER_ARGS + 1;
+        float *out = l == L - 1 ? h_out : buf + (l % 2) * B * d, *mid = a[MIXER_ARGS] ? buf + 2 * B * d : out;
 #define P(i) ((void *)(intptr_t)a[i])
         mamba2_block_tokens(a[0], a[1], a[2], a[3], a[4], a[5], a[6], a[7], a[8], threads, in, P(11), f_bits(a[12]),
                             P(13), P(14), P(15), P(16), P(17), P(18), (int)a[19], (int)a[20], a[21], a[22], P(23),
                             P(24), P(25), P(26), P(27), P(28), f_bits(a[29]), f_bits(a[30]), P(31), P(32), a[33],
-                            f_bits(a[34]), out, P(36), P(37), scratch);
+                            f_bits(a[34]), mid, P(36), P(37), scratch);
+#undef P
+#define P(i) ((void *)(intptr_t)m[i])
+        if (a[MIXER_ARGS])
+            mlp_block_rows(m[0], m[1], m[2], threads, mid, P(5), f_bits(m[6]), P(7), P(8), P(9), (int)m[10], m[11],
+                           P(12), P(13), P(14), (int)m[15], m[16], P(17), P(18), P(19), (int)m[20], m[21], out,
+                           scratch);
 #undef P
         in = out;
     }

@@ -20,6 +20,9 @@
  * x), sums in float32. Threads split the output rows; each weight row (int8) or row block (int4) is read once
  * for all M rows of x, so M rows cost one pass over the weights. */
 
+#ifndef SUBQUAD_KERNELS_QGEMV_C      /* included by the block kernels, some of them twice (mlp_block.c) */
+#define SUBQUAD_KERNELS_QGEMV_C
+
 #include "common.h"
 
 static inline float bf16_f(uint16_t v) {
@@ -1069,3 +1072,5 @@ static void proj_gemv(int kind, int64_t groups, int64_t M, int64_t N, int64_t K,
     else
         (kind == PROJ_F32_CM ? f32_gemv_cm : f32_gemv)(M, N, K, threads, x, ldx, w, bias, y);
 }
+
+#endif

@@ -150,3 +150,12 @@ def int8q_gemv(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bias: torc
     INT8Q(M, N, K, G, torch.get_num_threads(), x2, x2.stride(0), q, scale, bias, y, codes, d)
     return y.view(*x.shape[:-1], N)
 
+
+def proj_args(w) -> tuple:
+    """(weight, scale, kind, groups) as the block kernels take a projection (``qgemv.c``'s proj_gemv): ``w`` a
+    float32 matrix, row-major (kind 0) or column-major (1), or already such a tuple
+    (``layers.mamba.kernel_weight``: int8 per output channel, kind 2; int4 in torch's packed layout, 3-5; int8
+    per block of inputs, x exact, 6, or x rounded per block (Q8_0), 7; Q4_0's packed nibbles, 8)."""
+    if isinstance(w, tuple):
+        return w
+    return w, None, int(not w.is_contiguous()), 0

@@ -37,7 +37,7 @@ from subquad.ops.common.checks import state_dtype
 
 
 def kernel_weight(lin, rows: int):
-    """A projection as the block kernels read it for ``rows`` rows (``ops.mamba.fused_block.proj_args``), or None:
+    """A projection as the block kernels read it for ``rows`` rows (``kernels.qgemv.proj_args``), or None:
     a float32-able ``Linear``'s weight stored row- or column-major; (q, scale, 2, 0) of an int8 one per output
     channel (``models.quant.Int8Linear``) of an input width that is a multiple of 32, for at most
     ``kernels.qgemv.BLOCK_INT8Q_ROWS`` rows; (q, scale, 6 or 7, groups) of one per block without offsets (a GGUF

@@ -34,7 +34,10 @@ from subquad.layers import MIXERS, RMSNorm, build_mixer, sequence, tensor_bytes
 from subquad.layers.channel_mix import ChannelMix
 from subquad.layers.mlp import ReLU2MLP, SwiGLU, dense_mlp
 from subquad.layers.linear import linear, use_linear
+from subquad.layers.attention import SoftmaxAttention
+from subquad.layers.attention_step import fused_attention
 from subquad.layers.mamba import kept_plan
+from subquad.layers.mlp_step import fits as mlp_fits, fused_mlp
 from subquad.models.config import ModelConfig
 from subquad.models.generate import generate
 from subquad.models.hyper import PLE, PLE_STATE, TOKENS, HyperConnection
@@ -146,16 +149,20 @@ class Block(nn.Module):
 class PreNormBlock(Block):
     """h = h + mixer(rmsnorm(h));  h = h + mlp(rmsnorm(h))  (GPT-2, Llama, Mamba). A decoding step may run the
     mixer's half (norm, mixer, residual) in one call where the mixer offers it (``fused_block``: Mamba's,
-    Mamba-2's); an MLP (not a stateful one) then follows as usual (Bamba's and Granite 4's blocks)."""
+    Mamba-2's; softmax attention's in two around its cache's append, ``layers.attention_step``); an MLP (not a
+    stateful one) then follows, itself in one call where it is a SwiGLU (``layers.mlp_step``: Bamba's and
+    Granite 4's blocks, attention layers' MLPs)."""
 
     one_call = True     # its mixer's half may run as the mixer's one call (models.speculative asks)
 
     def kept_step(self, rows: int):
         """(``kernels.Held``, step) of the mixer's one call kept for ``rows`` rows of one token
-        (``layers.mamba.planned_block``) where this block's decoding step is that call alone - no MLP, no hooks
-        on the block or the mixer, ``forward`` this class's -, else None (``models.stack``)."""
+        (``layers.mamba.planned_block``) where this block's decoding step is that call, then the MLP's where it
+        has one (``layers.mlp_step``: the stack asks it for its own) - no other MLP, no hooks on the block or the
+        mixer, ``forward`` this class's -, else None (``models.stack``)."""
         m = self.mixer
-        if type(self).forward is not PreNormBlock.forward or self.mlp is not None or self.stateful_mlp \
+        if type(self).forward is not PreNormBlock.forward or self.stateful_mlp \
+                or (self.mlp is not None and not mlp_fits(self.mlp, self.norm2)) \
                 or self._forward_hooks or self._forward_pre_hooks or m._forward_hooks or m._forward_pre_hooks \
                 or not hasattr(m, "fused_block"):
             return None
@@ -163,21 +170,27 @@ class PreNormBlock(Block):
 
     def forward(self, h, state=None, cu_seqlens=None, carry=None):
         m = self.mixer
-        if state is not None and cu_seqlens is None and hasattr(m, "fused_block") and not self.stateful_mlp \
+        if state is not None and cu_seqlens is None and not self.stateful_mlp \
                 and not (m._forward_hooks or m._forward_pre_hooks):     # (a hook expects the mixer's own call)
-            out = m.fused_block(h, self.norm1, state)
+            out = m.fused_block(h, self.norm1, state) if hasattr(m, "fused_block") else \
+                fused_attention(m, h, self.norm1, state) if type(m) is SoftmaxAttention else None
             if out is not None:
-                if self.mlp is None:
-                    return out
-                h, new = out
-                y, new = self._ffn(self.norm2(h), state, cu_seqlens, new)
-                return h + y, new
+                return out if self.mlp is None else self._mlp_half(*out, state, cu_seqlens)
         y, new = self._mix(self.norm1(h), state, cu_seqlens, carry)
         h = h + y
         if self.mlp is not None:
-            y, new = self._ffn(self.norm2(h), state, cu_seqlens, new)
-            h = h + y
+            return self._mlp_half(h, new, state, cu_seqlens)
         return h, new
+
+    def _mlp_half(self, h, new, state, cu_seqlens):
+        """h + mlp(norm2(h)) and the layer's new state: at a decoding token in one call where it applies
+        (``layers.mlp_step``: a SwiGLU's norm, products and residual)."""
+        if state is not None and cu_seqlens is None and not self.stateful_mlp:
+            out = fused_mlp(self.mlp, h, self.norm2)
+            if out is not None:
+                return out, new
+        y, new = self._ffn(self.norm2(h), state, cu_seqlens, new)
+        return h + y, new
 
 
 class PostNormBlock(Block):
@@ -502,7 +515,7 @@ class LanguageModel(nn.Module):
         """The residual stream after the last block (before the final norm) and the per-layer state."""
         h, end_pos = self._embed_tokens(idx, state, cu_seqlens)
         if state is not None and cu_seqlens is None and self.shared is None and self.config.hyper is None:
-            out = stacked_blocks(self.blocks, h, state)     # a decoding token's blocks in one call, where it applies
+            out = stacked_blocks(self.blocks, h, state)     # a decoding token's runs of blocks in one call each
             if out is not None:
                 return out[0], ModelState(out[1], pos=end_pos)
         states, carry = ModelState(pos=end_pos), self._carry(h, idx)  # carry: values that cross layers in this forward

@@ -1,17 +1,19 @@
-"""A decoding token's blocks in one C call, where each is a pre-norm Mamba or Mamba-2 block without an MLP.
+"""A decoding token's runs of consecutive pre-norm Mamba or Mamba-2 blocks in one C call each.
 
 A block's kept one-call step (``layers.mamba.planned_block``) still costs ~20 us of Python per block and token
 besides its arithmetic - the block's and the mixer's calls, the checks of what may have changed, three new
 tensors, the ctypes call - about 0.5 ms of a 24-layer step, 8-14% of an 8- or 4-bit mamba-130m token
-(benchmarks/RESULTS.md). Where every block of the model is such a block, each with its step already kept at
-this batch (the first token builds them the usual way), ``stacked_blocks`` runs them all as one
-``ops.mamba.fused_block.StackStep``: the same C function per layer, called from one C loop, so the result is
-the one the blocks give one by one (tests/models/test_stack.py holds them equal, bit for bit). The plan is kept
-per blocks and rows (``layers.mamba.STACKS``) and checked at every token as the blocks check themselves: each
-block, its norm and mixer the same modules without hooks and no MLP added, each kept step still valid
-(``kernels.Held``: the same modules, tensors and data), no global module hooks, the sequence backend
-``SingleDevice``, not compiling, the states float32 on the CPU, the kernel usable; where a check fails the
-blocks run one by one (and rebuild what changed). ``ENABLED = False`` turns it off.
+(benchmarks/RESULTS.md); a hybrid's MLP after it (``layers.mlp_step``) as much again. Where consecutive blocks
+are such blocks of one kind - Mamba without an MLP, Mamba-2 without one or with a SwiGLU (Bamba's, Granite 4's
+blocks) -, each with its steps already kept at this batch (the first token builds them the usual way),
+``stacked_blocks`` runs each run of them as one ``ops.mamba.fused_block.StackStep``: the same C functions per
+layer, called from one C loop, so the result is the one the blocks give one by one (tests/models/test_stack.py
+holds them equal, bit for bit); the blocks between runs (attention, a lone block) run as usual. The plan is kept
+per run and rows (``layers.mamba.STACKS``) and checked at every token as the blocks check themselves: each block,
+its norms, mixer and MLP the same modules without hooks, each kept step still valid (``kernels.Held``: the same
+modules, tensors and data), no global module hooks, the sequence backend ``SingleDevice``, not compiling, the
+states float32 on the CPU, the kernel usable; where a check fails that run's blocks run one by one (and rebuild
+what changed). ``ENABLED = False`` turns it off.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from __future__ import annotations
 import torch
 
 from subquad import kernels
-from subquad.layers import sequence
+from subquad.layers import mlp_step, sequence
 from subquad.layers.mamba import STACKS, Mamba
 from subquad.layers.mamba2 import Mamba2
 from subquad.layers.sequence import SingleDevice
@@ -27,75 +29,81 @@ from subquad.ops.decay import fused_block as mamba2_block
 from subquad.ops.mamba import fused_block as mamba_block
 
 ENABLED = True
+MIN_RUN = 2                 # a lone block keeps its own kept call: the stack saves nothing there
 MIXERS = (Mamba, Mamba2)
-# a kept step's class -> (the stack kernel of its library, the float arguments' positions)
-KINDS = {mamba_block.BlockStep: (mamba_block.STACK, (11,)),
-         mamba2_block.BlockStep: (mamba2_block.STACK, mamba2_block.STACK_FLOATS)}
+# a kept step's class -> (the stack kernel of its library, the float arguments' positions, whether its rows
+# carry an MLP: kernels/mamba2_block.c)
+KINDS = {mamba_block.BlockStep: (mamba_block.STACK, (11,), False),
+         mamba2_block.BlockStep: (mamba2_block.STACK, mamba2_block.STACK_FLOATS, True)}
 
 
 class Plan:
-    """The blocks' kept steps at ``rows`` rows as one ``StackStep``, with what ``still`` checks per token."""
+    """The run of ``blocks``' kept steps at ``h``'s rows as one ``StackStep``, with what ``still`` checks per
+    token."""
 
-    def __init__(self, blocks, rows: int):
-        self.parts, steps = [], []           # (block, norm, mixer, Held) per block
+    def __init__(self, blocks, h):
+        rows = h.shape[0]
+        self.parts, steps, mlps = [], [], []      # (block, norm, mixer, Held, mlp, norm2, its Held) per block
         for block in blocks:
             kept = getattr(block, "kept_step", None)
             plan = None if kept is None else kept(rows)
             if plan is None or not plan[0].valid():
                 raise LookupError(block)
-            self.parts.append((block, block.norm1, block.mixer, plan[0]))
+            mlp, norm2 = block._modules.get("mlp"), block._modules.get("norm2")
+            mlp_plan = None if mlp is None else mlp_step.kept(mlp, norm2, h)
+            if mlp is not None and mlp_plan is None:
+                raise LookupError(mlp)
+            self.parts.append((block, block.norm1, block.mixer, plan[0], mlp, norm2,
+                               None if mlp_plan is None else mlp_plan[0]))
             steps.append(plan[1])
+            mlps.append(None if mlp_plan is None else mlp_plan[1])
         kind = KINDS.get(type(steps[0]))
-        if kind is None or any(type(step) is not type(steps[0]) for step in steps):
+        if kind is None or any(type(step) is not type(steps[0]) for step in steps) \
+                or (not kind[2] and any(m is not None for m in mlps)):
             raise LookupError(type(steps[0]))
-        self.stack = mamba_block.StackStep(kind[0], steps, kind[1])
+        self.stack = mamba_block.StackStep(kind[0], steps, kind[1], mlps if kind[2] else None)
 
     def still(self) -> bool:
-        """Whether every block is still what ``kept_step`` accepted when this was built."""
-        for block, norm, mixer, held in self.parts:
+        """Whether every block is still what ``kept_step`` and ``layers.mlp_step.kept`` accepted when this was
+        built."""
+        for block, norm, mixer, held, mlp, norm2, mlp_held in self.parts:
             mods = block._modules
-            if mods.get("norm1") is not norm or mods.get("mixer") is not mixer or mods.get("mlp") is not None \
+            if mods.get("norm1") is not norm or mods.get("mixer") is not mixer or mods.get("mlp") is not mlp \
                     or block._forward_hooks or block._forward_pre_hooks or mixer._forward_hooks \
                     or mixer._forward_pre_hooks or not held.valid():
+                return False
+            if mlp is not None and (mods.get("norm2") is not norm2 or mlp._forward_hooks or mlp._forward_pre_hooks
+                                    or not mlp_held.valid()):
                 return False
         return True
 
 
-def _fits(block) -> bool:
-    """Whether ``block`` may ever take part: a block with ``kept_step``, a Mamba or Mamba-2 mixer (their one-call
-    steps) and no MLP (hooks, the kept steps and the states are checked per token)."""
-    return hasattr(block, "kept_step") and type(block._modules.get("mixer")) in MIXERS \
-        and block._modules.get("mlp") is None
+def _kind(block):
+    """The mixer type of ``block`` where it may ever take part - a block with ``kept_step``, a Mamba mixer
+    without an MLP or a Mamba-2 mixer without one or with a SwiGLU (``layers.mlp_step.fits``) - else None (hooks,
+    the kept steps and the states are checked per token)."""
+    mixer, mlp = type(block._modules.get("mixer")), block._modules.get("mlp")
+    if not hasattr(block, "kept_step") or mixer not in MIXERS:
+        return None
+    if mlp is None or (mixer is Mamba2 and mlp_step.fits(mlp, block._modules.get("norm2"))):
+        return mixer
+    return None
 
 
-def stacked_blocks(blocks, h, state):
-    """h (B, 1, d) the embedded token, ``state`` one dict per block -> (h after the last block, the new per-block
-    states) through one ``StackStep``, or None where that does not apply (the module doc): the caller then runs
-    the blocks one by one."""
-    if not ENABLED or h.dim() != 3 or h.shape[1] != 1 or len(state) != len(blocks) or not len(blocks) \
-            or torch.compiler.is_compiling() or type(sequence.backend()) is not SingleDevice:
-        return None
-    hooks = torch.nn.modules.module
-    if hooks._global_forward_hooks or hooks._global_forward_pre_hooks:
-        return None
-    B = h.shape[0]
-    plans = STACKS.get(blocks)
-    if plans is None:
-        plans = STACKS[blocks] = {}
-    members, fits = plans.get("structure", ((), False))
-    if len(members) != len(blocks) or any(a is not b for a, b in zip(members, blocks)):
-        members, fits = tuple(blocks), all(map(_fits, blocks))       # once per set of blocks, not per token
-        plans["structure"] = members, fits
-    if not fits:
-        return None
-    plan = plans.get(B)
-    if plan is None or not plan.still():
-        plans.pop(B, None)
-        try:
-            plan = Plan(blocks, B)
-        except LookupError:                  # a block runs otherwise, or its step is not kept yet: one by one
-            return None
-        plans[B] = plan
+def runs(blocks) -> tuple:
+    """(start, end) of each run of at least ``MIN_RUN`` consecutive blocks of one kind (``_kind``)."""
+    kinds, out, start = [_kind(b) for b in blocks], [], 0
+    for i in range(1, len(kinds) + 1):
+        if i == len(kinds) or kinds[i] is not kinds[start]:
+            if kinds[start] is not None and i - start >= MIN_RUN:
+                out.append((start, i))
+            start = i
+    return tuple(out)
+
+
+def _states(state) -> list | None:
+    """[(conv, ssm)] of a run's per-block states, or None where one is not float32 on the CPU as the kernel reads
+    it."""
     pairs = []
     for s in state:
         if type(s) is not dict or len(s) != 2:
@@ -105,7 +113,58 @@ def stacked_blocks(blocks, h, state):
                 or not conv.is_cpu or not ssm.is_cpu:
             return None
         pairs.append((conv, ssm))
-    if not kernels.usable(plan.stack.kernel, h):
+    return pairs
+
+
+def _run(plans, blocks, start, end, h, state):
+    """The run [start, end) of ``blocks`` in one call -> (h', its new states), or None (the module doc's checks)."""
+    key = (start, h.shape[0])
+    plan = plans.get(key)
+    if plan is None or not plan.still():
+        plans.pop(key, None)
+        try:
+            plan = Plan(blocks[start:end], h)
+        except LookupError:                  # a block runs otherwise, or its step is not kept yet: one by one
+            return None
+        plans[key] = plan
+    pairs = _states(state[start:end])
+    if pairs is None or not kernels.usable(plan.stack.kernel, h):
         return None
     h, new = plan.stack(h, pairs)
     return h, [{"ssm": ssm, "conv": conv} for conv, ssm in new]
+
+
+def stacked_blocks(blocks, h, state):
+    """h (B, 1, d) the embedded token, ``state`` one dict per block -> (h after the last block, the new per-block
+    states) with each run of blocks (``runs``) in one ``StackStep`` where the module doc's checks pass and the
+    other blocks one by one, or None where no run applies: the caller then runs the blocks one by one."""
+    if not ENABLED or h.dim() != 3 or h.shape[1] != 1 or len(state) != len(blocks) or not len(blocks) \
+            or torch.compiler.is_compiling() or type(sequence.backend()) is not SingleDevice:
+        return None
+    hooks = torch.nn.modules.module
+    if hooks._global_forward_hooks or hooks._global_forward_pre_hooks:
+        return None
+    plans = STACKS.get(blocks)
+    if plans is None:
+        plans = STACKS[blocks] = {}
+    members, spans = plans.get("structure", ((), ()))
+    if len(members) != len(blocks) or any(a is not b for a, b in zip(members, blocks)):
+        members, spans = tuple(blocks), runs(blocks)       # once per set of blocks, not per token
+        plans["structure"] = members, spans
+    if not spans:
+        return None
+    states, i = [], 0
+    for start, end in spans + ((len(blocks), len(blocks)),):
+        for j in range(i, start):                          # the blocks before the run, one by one
+            h, s = blocks[j](h, state[j], carry={})
+            states.append(s)
+        out = None if start == end else _run(plans, blocks, start, end, h, state)
+        if out is None:
+            for j in range(start, end):
+                h, s = blocks[j](h, state[j], carry={})
+                states.append(s)
+        else:
+            h, new = out
+            states += new
+        i = end
+    return h, states

@@ -46,7 +46,10 @@ def assert_same(a, b):
     for (la, sa), (lb, sb) in zip(a, b):
         assert torch.equal(la, lb)
         for x, y in zip(sa, sb):
-            assert x.keys() == y.keys() and all(torch.equal(x[k], y[k]) for k in x)
+            assert x.keys() == y.keys()
+            for k in x:                          # a tensor, or an attention layer's KV cache
+                a, b = (x[k], y[k]) if isinstance(x[k], torch.Tensor) else ((x[k].k, x[k].v), (y[k].k, y[k].v))
+                assert torch.equal(a, b) if isinstance(a, torch.Tensor) else all(map(torch.equal, a, b))
 
 
 @pytest.mark.parametrize("name", sorted(PATTERNS))
@@ -64,6 +67,54 @@ def test_the_blocks_in_one_call_equal_them_one_by_one_and_float64(monkeypatch, n
         full = m64(seq)[:, ids.shape[1]:]
     for i, (logits, _) in enumerate(one):
         assert (logits.double() - full[:, i]).abs().max() <= 1e-5 * full.abs().max()
+
+
+HYBRID = dict(d_model=64, n_layers=7, pattern="mamba2,mamba2,mamba2,softmax,mamba2,mamba2,softmax", mlp=True,
+              mlp_size=96, n_heads=4, mixer_options={"mamba2": {"d_state": 16, "head_dim": 16}})
+
+
+@pytest.mark.parametrize("B", [1, 3])
+def test_a_hybrids_runs_of_blocks_with_mlps_equal_them_one_by_one_and_float64(monkeypatch, B):
+    """Bamba's structure: runs of Mamba-2 blocks with a SwiGLU each (layers 0-2, 4-5) in one call each, the
+    attention blocks between them as usual - bit-equal to the blocks one by one, within 1e-5 of a float64 forward
+    of the whole sequence."""
+    from subquad.ops import mlp_block
+
+    assert stack.runs(models(**HYBRID)[0].blocks) == ((0, 3), (4, 6))
+    m, m64 = models(**HYBRID)
+    ids = torch.randint(0, 300, (B, 7), generator=torch.Generator().manual_seed(B))
+    tok = torch.tensor([4, 100, 299][:B])
+    calls = counted(monkeypatch)
+    mlps = []
+    run = mlp_block.MlpStep.__call__
+    monkeypatch.setattr(mlp_block.MlpStep, "__call__", lambda self, h: mlps.append(1) or run(self, h))
+    one = steps(m, ids, tok, 4, True, monkeypatch)
+    assert len(calls) == 2 * 3                    # the first token builds the steps, then one call a run
+    assert len(mlps) == 7 + 3 * 2                 # the first token's MLPs, then the attention blocks'
+    assert_same(one, steps(m, ids, tok, 4, False, monkeypatch))
+    with torch.no_grad():
+        seq = torch.cat([ids] + [torch.stack([tok] + [lg.argmax(-1) for lg, _ in one[:-1]], 1)], 1)
+        full = m64(seq)[:, ids.shape[1]:]
+    for i, (logits, _) in enumerate(one):
+        assert (logits.double() - full[:, i]).abs().max() <= 1e-5 * full.abs().max()
+
+
+@pytest.mark.parametrize("kind", ["int8", "int4"])
+def test_a_quantised_hybrid_and_a_hooked_mlp(monkeypatch, kind):
+    """int8 / int4 MLPs and mixers in the runs equal the blocks one by one; a hook on an MLP runs its run's
+    blocks one by one (the hook runs), the other run still in one call; a replaced MLP weight is read."""
+    m, _ = models(**dict(HYBRID, mlp_size=128))
+    quantize(m, kind, group_size=32) if kind == "int4" else quantize(m, kind)
+    ids, tok = torch.randint(0, 300, (2, 5), generator=torch.Generator().manual_seed(0)), torch.tensor([3, 9])
+    calls = counted(monkeypatch)
+    assert_same(steps(m, ids, tok, 3, True, monkeypatch), steps(m, ids, tok, 3, False, monkeypatch))
+    assert len(calls) == 2 * 2
+    seen = []
+    handle = m.blocks[4].mlp.register_forward_hook(lambda *a: seen.append(1))
+    calls.clear()
+    assert_same(steps(m, ids, tok, 3, True, monkeypatch), steps(m, ids, tok, 3, False, monkeypatch))
+    assert len(calls) == 3 and len(seen) == 2 * (1 + 3)    # the first run, kept; the hook: prefill, 3 steps, twice
+    handle.remove()
 
 
 def test_a_quantised_model_and_a_change_of_weights_between_tokens(monkeypatch):
@@ -123,7 +174,7 @@ def test_what_keeps_the_blocks_one_by_one(monkeypatch):
         _, st = hybrid.prefill(ids)
         for _ in range(3):
             _, st = hybrid.step(tok, st)
-    assert len(calls) == 2 and STACKS[hybrid.blocks] == {"structure": (tuple(hybrid.blocks), False)}
+    assert len(calls) == 2 and STACKS[hybrid.blocks] == {"structure": (tuple(hybrid.blocks), ())}   # no run
 
 
 def test_autocast_and_compiling_keep_the_blocks_one_by_one(monkeypatch):

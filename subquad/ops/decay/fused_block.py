@@ -16,7 +16,8 @@ verification), as ``ops.mamba.fused_block.TokensStep`` does for Mamba-1: h (B, T
 from __future__ import annotations
 
 from subquad.kernels import FLOAT, I64, INT, PTR, Call, Kernel
-from subquad.ops.mamba.fused_block import KeptStep, TokensStep as _Tokens, proj_args
+from subquad.kernels.qgemv import proj_args
+from subquad.ops.mamba.fused_block import KeptStep, TokensStep as _Tokens
 
 # One C function for both: a decoding step is T = 1 token of B rows
 KERNEL = TOKENS = Kernel("mamba2_block_tokens", [I64] * 9 + [INT, PTR, PTR, FLOAT] + [PTR] * 6 + [INT, INT, I64, I64]
@@ -31,7 +32,7 @@ class BlockStep(KeptStep):
     built once from the weights, the sizes (``d_inner``, ``d_state``, ``groups`` of B and C) and the gated norm's
     weight (or None), ``group_size`` and eps; then ``step(h, conv_state, S)`` -> (h' (B, 1, d), new conv state,
     new S (B, H, N, P)) per token. W_in and W_out float32 row- or column-major or quantised
-    (``ops.mamba.fused_block.proj_args``); the rest as ``ops.decay.fused_step.mamba2_step`` takes them."""
+    (``kernels.qgemv.proj_args``); the rest as ``ops.decay.fused_step.mamba2_step`` takes them."""
 
     name = "Mamba-2 block"
 

@@ -29,6 +29,8 @@ import struct
 import torch
 
 from subquad.kernels import FLOAT, I64, INT, PTR, Call, Kernel
+from subquad.kernels.qgemv import proj_args
+from subquad.ops import mlp_block
 from subquad.ops.mamba.fused_step import prepare_weights
 
 # One C function for both: a decoding step is T = 1 token of B rows
@@ -41,16 +43,6 @@ STACK = Kernel("mamba_block_stack", [I64, PTR, INT, PTR, PTR, PTR], "mamba_block
 def layout(w: torch.Tensor) -> bool:
     """Whether the kernel reads ``w`` as it is: row-major or column-major."""
     return w.is_contiguous() or w.T.is_contiguous()
-
-
-def proj_args(w) -> tuple:
-    """(weight, scale, kind, groups) as the block kernels take a projection (``qgemv.c``'s proj_gemv): ``w`` a
-    float32 matrix, row-major (kind 0) or column-major (1), or already such a tuple
-    (``layers.mamba.kernel_weight``: int8 per output channel, kind 2; int4 in torch's packed layout, 3-5; int8
-    per block of inputs, x exact, 6, or x rounded per block (Q8_0), 7; Q4_0's packed nibbles, 8)."""
-    if isinstance(w, tuple):
-        return w
-    return w, None, int(not w.is_contiguous()), 0
 
 
 class KeptStep:
@@ -80,8 +72,8 @@ class BlockStep(KeptStep):
     w_out, b_out, conv_w, conv_b, wx, wdt, bdt, A_log, Dp)`` converts them once (``kernels.Call``), then
     ``step(h, conv_state, ssm)`` -> (h' (B, 1, d), new conv state (B, K-1, Dm), new ssm state (B, Dm, N)) per
     token; h (B, 1, d) float32, B <= 16; w_in and w_out float32 row- or column-major (``layout``) or quantised
-    (``proj_args``); the rest as ``ops.mamba.fused_step.mamba_step`` takes them. ``tensors``: what it was built
-    from (``kernels.Held`` finds them in the modules)."""
+    (``kernels.qgemv.proj_args``); the rest as ``ops.mamba.fused_step.mamba_step`` takes them. ``tensors``: what it
+    was built from (``kernels.Held`` finds them in the modules)."""
 
     name = "Mamba block"
 
@@ -98,6 +90,14 @@ class BlockStep(KeptStep):
                          (8, 9, 22, 32, 33, 34, 35, 36))
 
 
+def _words(raw: list, floats: tuple) -> list:
+    """A kept call's arguments as 64-bit words: None as 0, the floats at ``floats`` as their bits."""
+    row = [0 if v is None else v for v in raw]
+    for i in floats:
+        row[i] = struct.unpack("<i", struct.pack("<f", row[i]))[0]
+    return row
+
+
 class StackStep:
     """``L`` kept one-token steps of one kind (``BlockStep``s of consecutive blocks at the same rows) in one C call
     (``kernel``: this module's ``STACK``, or ``ops.decay.fused_block.STACK`` for Mamba-2's): the ~20 us of Python
@@ -107,19 +107,20 @@ class StackStep:
     state) per layer])`` -> (h' after the last, [(new conv state, new state) per layer]): the states passed in
     read, never written, each new one its own tensor, as the layers' own steps return them."""
 
-    def __init__(self, kernel: Kernel, steps: list, floats: tuple):
+    def __init__(self, kernel: Kernel, steps: list, floats: tuple, mlps: list | None = None):
         self.kernel, self.steps = kernel, tuple(steps)
         self.B, self.d = steps[0].B, steps[0].d
         rows = []
-        for step in steps:
-            row = [0 if v is None else v for v in step.call.raw]
-            for i in floats:
-                row[i] = struct.unpack("<i", struct.pack("<f", row[i]))[0]
+        for i, step in enumerate(steps):
+            row = _words(step.call.raw, floats)
+            if mlps is not None:            # Mamba-2's rows: 1 and the MLP's arguments, or 0 and zeros
+                mlp = mlps[i]
+                row += [0] * (1 + mlp_block.ARGS) if mlp is None else [1] + _words(mlp.call.raw, mlp_block.FLOATS)
             rows.append(row)
         self.args = torch.tensor(rows, dtype=torch.int64)
         slots = steps[0].call.slots         # threads, h, conv state, state, h', new conv state, new state, scratch
         self.cols = [slots[2], slots[3], slots[5], slots[6]]
-        self.scratch = max(step.scratch for step in steps)
+        self.scratch = max([step.scratch for step in steps] + [m.scratch for m in mlps or () if m is not None])
 
     def __call__(self, h, states):
         B, d, L = self.B, self.d, len(self.steps)

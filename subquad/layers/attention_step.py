@@ -1,0 +1,137 @@
+"""A pre-norm softmax attention block's mixer half at a decoding token in two C calls (``kernels/attention_step.c``).
+
+    x = rmsnorm(h);  q, k, v = x W_q^T, x W_k^T, x W_v^T, q and k rotated        attn_in_rows
+    the cache's append (``ops.softmax.cache.KVCache``, Python's, as the layer appends)
+    h' = h + softmax(scale q K^T) V W_o^T over each row's cached tokens          attn_out_rows
+
+A hybrid's attention layers (Bamba's, Granite 4's, Nemotron-H's, Falcon-H1's, Jamba's) decode through a dozen
+small ops, two module calls and the rotary's angles each token: ~0.8 ms a layer at mamba2-130m's width on the
+Sapphire Rapids host, a tenth of a hybrid's 8-bit token (benchmarks/RESULTS.md); here the same math costs two calls.
+``fused_attention(attn, h, norm, state)`` -> (h + attn(norm(h)), new state) for h (B, 1, d), or None where it does
+not apply: while compiling, a ``SoftmaxAttention`` with an output gate, a head gate, q / k norms, a window or an
+output width other than d_model (or a subclass), a norm other than a plain RMSNorm, more than
+``layers.linear.C_ROWS`` rows, a projection the kernels do not read (``layers.mamba.kernel_weight``), a sequence
+backend other than ``SingleDevice``, a cache that is not a float32 CPU ``KVCache`` without a window, or what
+``kernels.usable`` refuses. The calls are kept per layer and rows (a weak mapping) with a ``kernels.Held`` of
+what they read. The state passed in is left as it was: the new keys and values go to a fork of the cache, as the
+layer's own step appends them. The layer's ``attend`` (SDPA) is the reference.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import weakref
+
+import torch
+
+from subquad import kernels
+from subquad.kernels import FLOAT, I64, INT, PTR, Call, Kernel
+from subquad.kernels.qgemv import proj_args
+from subquad.layers import sequence
+from subquad.layers.attention import SoftmaxAttention
+from subquad.layers.linear import C_ROWS
+from subquad.layers.mamba import kernel_weight
+from subquad.layers.norm import RMSNorm
+from subquad.layers.sequence import SingleDevice
+from subquad.ops import KVCache
+
+_PROJ = [PTR, PTR, PTR, INT, I64]          # weight, scale, bias, kind, groups
+IN = Kernel("attn_in_rows", [I64] * 6 + [ctypes.c_double, INT, PTR, PTR, FLOAT] + _PROJ * 3 + [PTR] * 5,
+            "attention_step")
+OUT = Kernel("attn_out_rows", [I64] * 6 + [INT, PTR, PTR, I64, PTR, I64, PTR, FLOAT, PTR] + _PROJ + [PTR, PTR],
+             "attention_step")
+_PLANS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()    # attention -> {rows: (norm, Held, Step)}
+
+
+def fits(attn, norm) -> bool:
+    """Whether ``attn`` after ``norm`` is what the kernels compute (the rows, weights and state aside)."""
+    return type(attn) is SoftmaxAttention and not attn.output_gate and attn.g_proj is None \
+        and attn.qk_norm is None and attn.window is None and attn.o_proj.out_features == attn.d_model \
+        and type(norm) is RMSNorm and norm.weight is not None and norm.bias is None
+
+
+class Step:
+    """Both calls for ``B`` rows of ``attn`` after ``norm`` with the weights fixed (``kernels.Call``):
+    ``step(h (B, 1, d), cache, seq)`` -> (h', the cache's fork with this token appended)."""
+
+    def __init__(self, attn, norm, B: int, projs: list):
+        H, Hk, K, d = attn.n_heads, attn.n_kv_heads, attn.head_dim, attn.d_model
+        self.B, self.d, self.shape = B, d, (H, Hk, K)
+        self.attn = weakref.ref(attn)
+        (wq, sq, kq, gq), (wk, sk, kk, gk), (wv, sv, kv, gv), (wo, so, ko, go) = map(proj_args, projs)
+        lins = (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj)
+        bq, bk, bv, bo = (lin.bias for lin in lins)
+        self.tensors = [norm.weight, wq, sq, bq, wk, sk, bk, wv, sv, bv, wo, so, bo]
+        self.floats = [norm.weight] + [t for p, lin in zip(projs, lins) for t in (p, lin.bias)
+                                       if not isinstance(t, tuple)]
+        R = attn.rotary_dim if attn.rotary else 0
+        self.scale = attn.scale if attn.scale is not None else K ** -0.5
+        self.call_in = Call(IN, [B, d, H, Hk, K, R, attn.rotary_base, None, None, norm.weight, float(norm.eps),
+                                 wq, sq, bq, kq, gq, wk, sk, bk, kk, gk, wv, sv, bv, kv, gv,
+                                 None, None, None, None, None], (7, 8, 26, 27, 28, 29, 30))
+        self.call_out = Call(OUT, [B, d, H, Hk, K, None, None, None, None, None, None, None, None, self.scale, None,
+                                   wo, so, bo, ko, go, None, None], (5, 6, 7, 8, 9, 10, 11, 12, 14, 20, 21))
+
+    def __call__(self, h, cache: KVCache, seq):
+        B, d, (H, Hk, K) = self.B, self.d, self.shape
+        h2 = h.reshape(B, d).contiguous()
+        pos = cache.next_position
+        pos = torch.full((B,), pos, dtype=torch.int64) if not isinstance(pos, torch.Tensor) \
+            else pos.to(torch.int64).expand(B).contiguous()
+        q, k, v = h2.new_empty(B, H * K), h2.new_empty(B, 1, Hk, K), h2.new_empty(B, 1, Hk, K)
+        threads = torch.get_num_threads()
+        self.call_in(threads, h2, pos, q, k, v, h2.new_empty(B * d))
+        new = self.attn()._extend(cache, k, v, seq)
+        kc, vc = new.k, new.v
+        L = kc.shape[1]
+        start = None if new.pad is None else (new.pad - new.offset).clamp_min(0).to(torch.int64).contiguous()
+        h_out = h2.new_empty(B, d)
+        self.call_out(L, threads, q, kc, kc.stride(0), vc, vc.stride(0), start, h2, h_out,
+                      h2.new_empty(B * H * (K + L)))
+        return h_out.view(B, 1, d), new
+
+
+def _cache_ok(cache) -> bool:
+    """A float32 CPU ``KVCache`` without a window whose entries lie as (B, L, Hk, K) rows the kernel strides."""
+    if type(cache) is not KVCache or cache.window is not None:
+        return False
+    k, v = cache._k, cache._v
+    return k.dtype == torch.float32 and v.dtype == torch.float32 and k.is_cpu and v.is_cpu \
+        and k.stride()[1:] == (k.shape[2] * k.shape[3], k.shape[3], 1) \
+        and v.stride()[1:] == (v.shape[2] * v.shape[3], v.shape[3], 1)
+
+
+def _build(attn, norm, B: int):
+    projs = [kernel_weight(lin, B) for lin in (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj)]
+    return None if any(p is None for p in projs) else Step(attn, norm, B, projs)
+
+
+def fused_attention(attn, h, norm, state):
+    """The module doc's call: h (B, 1, d), the layer's state -> (h', new state), or None."""
+    if torch.compiler.is_compiling() or state is None or h.dim() != 3 or h.shape[1] != 1:
+        return None
+    B, seq = h.shape[0], sequence.backend()
+    cache = state.get("kv") if type(state) is dict and len(state) == 1 else None
+    if B > C_ROWS or type(seq) is not SingleDevice or seq.cu_seqlens is not None or not _cache_ok(cache) \
+            or cache.k.shape[0] != B or not fits(attn, norm):
+        return None
+    plans = _PLANS.get(attn)
+    if plans is None:
+        plans = _PLANS[attn] = {}
+    hit = plans.get(B)
+    if hit is not None and hit[0] is norm and hit[1].valid():
+        if not kernels.usable(OUT, h):
+            return None
+        step = hit[2]
+    else:
+        for r in [r for r, (_, held, _) in plans.items() if not held.valid()]:
+            del plans[r]                              # stale at every batch size: their old weights freed
+        step = _build(attn, norm, B)
+        if step is None or not kernels.usable(OUT, h, *step.floats) or not kernels.usable(IN, h):
+            return None
+        held = kernels.Held([attn, norm], step.tensors)
+        if not held.ok:
+            return None
+        plans[B] = (norm, held, step)
+    h, new = step(h, cache, seq)
+    return h, {"kv": new}
