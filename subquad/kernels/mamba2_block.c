@@ -40,11 +40,11 @@ void mamba2_block_tokens(int64_t T, int64_t B, int64_t d, int64_t Dn, int64_t G,
 
 /* mamba2_block_stack: L such blocks one after another, one token of B rows each, in one call (as mamba_block.c's
  * mamba_block_stack): args (L, STACK_ROW) int64, each layer's mamba2_block_tokens arguments as 64-bit words (eps,
- * dt's limits and the gated norm's eps floats' bits), then 1 where the block has an MLP (Bamba's, Granite 4's)
+ * dt's limits and the gated norm's eps floats' bits), then 1 where the block has an MLP (Bamba's, Nemotron-H's)
  * and mlp_block_rows' arguments for it (its norm's eps as bits), else 0; threads, h, h_out and scratch shared
  * (scratch: the most any layer's mixer or MLP needs). */
 #define MIXER_ARGS 39
-#define STACK_ROW (MIXER_ARGS + 1 + 24)
+#define STACK_ROW (MIXER_ARGS + 1 + 25)
 void mamba2_block_stack(int64_t L, const int64_t *args, int threads, const float *h, float *h_out, float *scratch)
 {
     const int64_t B = args[1], d = args[2];
@@ -61,9 +61,9 @@ void mamba2_block_stack(int64_t L, const int64_t *args, int threads, const float
 #undef P
 #define P(i) ((void *)(intptr_t)m[i])
         if (a[MIXER_ARGS])
-            mlp_block_rows(m[0], m[1], m[2], threads, mid, P(5), f_bits(m[6]), P(7), P(8), P(9), (int)m[10], m[11],
-                           P(12), P(13), P(14), (int)m[15], m[16], P(17), P(18), P(19), (int)m[20], m[21], out,
-                           scratch);
+            mlp_block_rows(m[0], m[1], m[2], (int)m[3], threads, mid, P(6), f_bits(m[7]), P(8), P(9), P(10),
+                           (int)m[11], m[12], P(13), P(14), P(15), (int)m[16], m[17], P(18), P(19), P(20), (int)m[21],
+                           m[22], out, scratch);
 #undef P
         in = out;
     }

@@ -1,7 +1,8 @@
-/* One decoding step of a pre-norm block's MLP half (SwiGLU), in one call:
+/* One decoding step of a pre-norm block's MLP half, in one call:
  *
  *   x  = h / sqrt(mean(h^2) + eps) * norm_w        h (M, d): the residual stream, one token per row
- *   a  = silu(x W_g^T + b_g) * (x W_u^T + b_u)     W_g, W_u (F, d), biases (F,) or NULL
+ *   a  = silu(x W_g^T + b_g) * (x W_u^T + b_u)     SwiGLU (act 0): W_g, W_u (F, d), biases (F,) or NULL
+ *   a  = relu(x W_u^T + b_u)^2                     ReLU^2, ungated (act 1: Nemotron-H's; W_g unused)
  *   h' = h + a W_d^T + b_d                          W_d (d, F), b_d (d,) or NULL
  *
  * Each W float32 row- or column-major, int8 or int4, as its kind says (qgemv.c's proj_gemv); M <= 16.
@@ -13,7 +14,8 @@
 
 #include "qgemv.c"
 
-void mlp_block_rows(int64_t M, int64_t d, int64_t F, int threads, const float *h, const float *norm_w, float eps,
+void mlp_block_rows(int64_t M, int64_t d, int64_t F, int act, int threads, const float *h, const float *norm_w,
+                    float eps,
                     const void *w_g, const void *s_g, const float *b_g, int g_kind, int64_t g_groups,
                     const void *w_u, const void *s_u, const float *b_u, int u_kind, int64_t u_groups,
                     const void *w_d, const void *s_d, const float *b_d, int d_kind, int64_t d_groups,
@@ -21,9 +23,15 @@ void mlp_block_rows(int64_t M, int64_t d, int64_t F, int threads, const float *h
 {
     float *x = scratch, *g = x + M * d, *u = g + M * F;
     rms_rows(M, d, h, norm_w, eps, x);
-    proj_gemv(g_kind, g_groups, M, F, d, threads, x, d, w_g, s_g, b_g, g);
     proj_gemv(u_kind, u_groups, M, F, d, threads, x, d, w_u, s_u, b_u, u);
-    mul_silu_n(u, g, M * F);                                          /* u * silu(g): the product commutes */
+    if (act == 0) {
+        proj_gemv(g_kind, g_groups, M, F, d, threads, x, d, w_g, s_g, b_g, g);
+        mul_silu_n(u, g, M * F);                                      /* u * silu(g): the product commutes */
+    } else
+        for (int64_t i = 0; i < M * F; i++) {
+            const float r = u[i] > 0.0f ? u[i] : 0.0f;
+            u[i] = r * r;
+        }
     proj_gemv(d_kind, d_groups, M, d, F, threads, u, F, w_d, s_d, b_d, h_out);
     for (int64_t i = 0; i < M * d; i++)
         h_out[i] += h[i];

@@ -73,15 +73,15 @@ HYBRID = dict(d_model=64, n_layers=7, pattern="mamba2,mamba2,mamba2,softmax,mamb
               mlp_size=96, n_heads=4, mixer_options={"mamba2": {"d_state": 16, "head_dim": 16}})
 
 
-@pytest.mark.parametrize("B", [1, 3])
-def test_a_hybrids_runs_of_blocks_with_mlps_equal_them_one_by_one_and_float64(monkeypatch, B):
-    """Bamba's structure: runs of Mamba-2 blocks with a SwiGLU each (layers 0-2, 4-5) in one call each, the
-    attention blocks between them as usual - bit-equal to the blocks one by one, within 1e-5 of a float64 forward
-    of the whole sequence."""
+@pytest.mark.parametrize("B,kind", [(1, "swiglu"), (3, "swiglu"), (3, "relu2")])
+def test_a_hybrids_runs_of_blocks_with_mlps_equal_them_one_by_one_and_float64(monkeypatch, B, kind):
+    """Bamba's structure: runs of Mamba-2 blocks with a SwiGLU each (layers 0-2, 4-5; Nemotron-H's ReLU^2 too) in
+    one call each, the attention blocks between them as usual - bit-equal to the blocks one by one, within 1e-5 of
+    a float64 forward of the whole sequence."""
     from subquad.ops import mlp_block
 
     assert stack.runs(models(**HYBRID)[0].blocks) == ((0, 3), (4, 6))
-    m, m64 = models(**HYBRID)
+    m, m64 = models(**HYBRID, mlp_kind=kind)
     ids = torch.randint(0, 300, (B, 7), generator=torch.Generator().manual_seed(B))
     tok = torch.tensor([4, 100, 299][:B])
     calls = counted(monkeypatch)

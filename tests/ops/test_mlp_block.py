@@ -19,10 +19,12 @@ HYBRID = dict(d_model=64, n_layers=3, pattern="mamba2,softmax,mamba2", mlp=True,
               mixer_options={"mamba2": {"d_state": 16, "head_dim": 16}})
 
 
-@pytest.mark.parametrize("B,d,F,bias,cm", [(1, 40, 64, False, (False, False, False)),
-                                           (3, 29, 37, True, (True, False, True)),      # odd sizes, column-major
-                                           (16, 33, 96, True, (False, True, False))])
-def test_the_mlp_equals_its_math_in_float64(B, d, F, bias, cm):
+@pytest.mark.parametrize("B,d,F,bias,cm,act", [(1, 40, 64, False, (False, False, False), mlp_block.SWIGLU),
+                                               (3, 29, 37, True, (True, False, True), mlp_block.SWIGLU),
+                                               (16, 33, 96, True, (False, True, False), mlp_block.SWIGLU),
+                                               (3, 29, 37, True, (False, True, True), mlp_block.RELU2)])
+def test_the_mlp_equals_its_math_in_float64(B, d, F, bias, cm, act):
+    """SwiGLU and the ungated ReLU^2: odd sizes, column-major weights, biases, 1 to 16 rows."""
     g = torch.Generator().manual_seed(B * 100 + d)
 
     def r(*s, scale=1.0):
@@ -39,11 +41,12 @@ def test_the_mlp_equals_its_math_in_float64(B, d, F, bias, cm):
 
     def lin(v, w, b):
         return v @ w.double().T + (0 if b is None else b.double())
-    a = lin(x, ws[0], bs[0])
-    want = hd + lin(a * torch.sigmoid(a) * lin(x, ws[1], bs[1]), ws[2], bs[2])
+    a, u = lin(x, ws[0], bs[0]), lin(x, ws[1], bs[1])
+    want = hd + lin(a * torch.sigmoid(a) * u if act == mlp_block.SWIGLU else u.clamp_min(0) ** 2, ws[2], bs[2])
 
+    pairs = list(zip(ws, bs))
     with torch.no_grad():
-        got = mlp_block.mlp_block(h, norm_w, 1e-5, *zip(ws, bs))
+        got = mlp_block.mlp_block(h, norm_w, 1e-5, (None, None) if act else pairs[0], *pairs[1:], act=act)
     assert got.dtype == torch.float32 and got.shape == (B, 1, d)
     assert (got[:, 0].double() - want).abs().max() <= 1e-5 * want.abs().max()
     for t, b in zip([h, norm_w, *ws] + [b for b in bs if b is not None], before):
@@ -57,11 +60,12 @@ def counted(monkeypatch):
     return calls
 
 
-def test_a_hybrids_mlps_take_it_and_agree_with_the_modules_and_float64(monkeypatch):
-    """Each block's MLP at each token (3 layers, 4 steps), the attention layer's too: in float32 within 1e-5 of
-    the PyTorch step and of a float64 model's."""
+@pytest.mark.parametrize("kind", ["swiglu", "relu2"])
+def test_a_hybrids_mlps_take_it_and_agree_with_the_modules_and_float64(monkeypatch, kind):
+    """Each block's MLP at each token (3 layers, 4 steps), the attention layer's too, SwiGLU and ReLU^2
+    (Nemotron-H's): in float32 within 1e-5 of the PyTorch step and of a float64 model's."""
     monkeypatch.setattr(stack, "ENABLED", False)
-    m, m64 = models(**HYBRID)
+    m, m64 = models(**HYBRID, mlp_kind=kind)
     calls = counted(monkeypatch)
     assert_steps_agree(monkeypatch, mlp_step, m, m64, 4, fn="fused_mlp")
     assert len(calls) == 3 * 4
