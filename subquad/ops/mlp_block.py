@@ -8,10 +8,10 @@
 The hybrids' MLP (Bamba's, Nemotron-H's, Jamba's attention layers', every SwiGLU after a pre-norm mixer): a
 decoding token's norm, three products, gate and residual cost one call instead of eight ops and four module
 calls (~150 us of Python and dispatch a layer on the Sapphire Rapids host; benchmarks/RESULTS.md).
-``layers.mlp.SwiGLU.fused_block`` takes it from ``models.lm.PreNormBlock`` and keeps the call between tokens;
-``models.stack`` puts it after a Mamba-2 block's mixer half in one C call (``kernels/mamba2_block.c``). The
-block's PyTorch forward (``norm2``, then ``SwiGLU.forward`` / ``ReLU2MLP.forward``) is the reference. Each W float32 row- or
-column-major or quantised as ``kernels.qgemv.proj_args`` takes it; h is read, never written.
+``layers.mlp_step`` takes it for ``models.lm.PreNormBlock`` and keeps the call between tokens; ``models.stack``
+puts it after a Mamba-2 block's mixer half in one C call (``kernels/mamba2_block.c``). The block's PyTorch forward
+(``norm2``, then ``SwiGLU.forward`` / ``ReLU2MLP.forward``) is the reference. Each W float32 row- or column-major
+or quantised as ``kernels.qgemv.proj_args`` takes it; h is read, never written.
 """
 
 from __future__ import annotations
@@ -30,9 +30,9 @@ SWIGLU, RELU2 = 0, 1                        # the activation (``act``)
 
 class MlpStep:
     """The module doc's step for ``B`` rows with the weights fixed: ``MlpStep(B, norm_w, eps, F, (w_g, b_g),
-    (w_u, b_u), (w_d, b_d), act)`` (F the hidden width; ``RELU2``: gate (None, None)) converts them once (``kernels.Call``), then ``step(h (B, 1,
-    d))`` -> h' (B, 1, d). ``tensors``: what it was built from (``kernels.Held`` finds them in the modules);
-    ``floats``: those that must be float32."""
+    (w_u, b_u), (w_d, b_d), act)`` (F the hidden width; ``RELU2``: gate (None, None)) converts them once
+    (``kernels.Call``), then ``step(h (B, 1, d))`` -> h' (B, 1, d). ``tensors``: what it was built from
+    (``kernels.Held`` finds them in the modules); ``floats``: those that must be float32."""
 
     name = "MLP"
 

@@ -1,7 +1,7 @@
 """A decoding token's softmax attention half in two C calls (layers.attention_step, kernels/attention_step.c)
 against the layer's own step (SDPA over the cache) and a float64 model: full, partial and no rotary, grouped
-heads, a scale, an output bias, 1 to 16 rows, a ragged (left-padded) batch, quantised projections; the cache
-passed in unchanged; what keeps the layer's own step."""
+heads, a scale, an output bias, q / k norms per head and the output gate (Qwen3.5's), 1 to 16 rows, a ragged
+(left-padded) batch, quantised projections; the cache passed in unchanged; what keeps the layer's own step."""
 
 from __future__ import annotations
 
@@ -29,6 +29,7 @@ def counted(monkeypatch):
     ((4, 2), {"rotary_fraction": 0.5}),                   # Bamba's: grouped heads, half the dims rotate
     ((4, 4), {"scale": 0.3, "o_bias": True}),             # full rotary, a scale, a bias
     ((6, 2), {"rotary": False, "head_dim": 12}),          # Jamba's: no positions
+    ((4, 2), {"output_gate": True, "qk_norm": "head"}),   # Qwen3.5's: gated, q and k normed per head
 ])
 def test_a_hybrids_attention_agrees_with_the_layer_and_float64(monkeypatch, heads, options):
     """3 rows, 4 tokens after a 9-token prompt: within 1e-5 of the logits' scale of the layer's own step and of a
@@ -48,7 +49,8 @@ def layer_and_cache(B, lengths, seed=0, **options):
     torch.manual_seed(seed)
     attn, norm = SoftmaxAttention(48, 4, 2, rotary_fraction=0.5, **options).eval(), RMSNorm(48)
     with torch.no_grad():
-        norm.weight.uniform_(0.5, 1.5)
+        for n in [norm] + ([attn.q_norm, attn.k_norm] if attn.qk_norm else []):
+            n.weight.uniform_(0.5, 1.5)
     caches = [KVCache(torch.randn(1, n, 2, 12), torch.randn(1, n, 2, 12), seen=n + 3 * b)
               for b, n in enumerate(lengths)]
     cache = caches[0] if B == 1 else KVCache.stack(caches)
@@ -65,9 +67,10 @@ def reference(attn, norm, h, cache):
     return h.double() + y, new["kv"]
 
 
-@pytest.mark.parametrize("B,lengths", [(1, [7]), (3, [5, 9, 2]), (16, list(range(1, 17)))])
-def test_one_token_against_the_layer_in_float64_ragged_rows_and_the_cache_untouched(B, lengths):
-    attn, norm, cache = layer_and_cache(B, lengths)
+@pytest.mark.parametrize("B,lengths,options", [(1, [7], {}), (3, [5, 9, 2], {}), (16, list(range(1, 17)), {}),
+                                               (3, [5, 9, 2], {"output_gate": True, "qk_norm": "head"})])
+def test_one_token_against_the_layer_in_float64_ragged_rows_and_the_cache_untouched(B, lengths, options):
+    attn, norm, cache = layer_and_cache(B, lengths, **options)
     h = torch.randn(B, 1, 48) * 2
     before = (cache.k.clone(), cache.v.clone(), len(cache), cache.seen)
     want, want_cache = reference(attn, norm, h, cache)
@@ -106,7 +109,7 @@ def test_quantised_projections(monkeypatch):
     assert len(calls) == 1 and (a - b).abs().max() <= 2e-2 * b.abs().max()
 
 
-@pytest.mark.parametrize("options", [{"output_gate": True}, {"qk_norm": "head"}, {"window": 4}, {"head_gate": True}])
+@pytest.mark.parametrize("options", [{"qk_norm": "all"}, {"window": 4}, {"head_gate": True}])
 def test_what_the_kernels_do_not_compute_keeps_the_layers_step(options):
     attn, norm, cache = layer_and_cache(1, [5], **options)
     if options.get("window"):
