@@ -34,6 +34,7 @@ from subquad.layers import MIXERS, RMSNorm, build_mixer, sequence, tensor_bytes
 from subquad.layers.channel_mix import ChannelMix
 from subquad.layers.mlp import ReLU2MLP, SwiGLU, dense_mlp
 from subquad.layers.linear import linear, use_linear
+from subquad.kernels.fpenv import flush_denormals
 from subquad.layers.attention import SoftmaxAttention
 from subquad.layers.attention_step import fused_attention
 from subquad.layers.mamba import kept_plan
@@ -512,7 +513,15 @@ class LanguageModel(nn.Module):
         return self._logits(h), states
 
     def _hidden(self, idx, state=None, cu_seqlens=None):
-        """The residual stream after the last block (before the final norm) and the per-layer state."""
+        """The residual stream after the last block (before the final norm) and the per-layer state; denormals
+        flushed to zero meanwhile (``kernels.fpenv``: an Intel core's assists on them slowed a chunkwise
+        prefill 3x)."""
+        if torch.compiler.is_compiling():             # (no context manager in a traced graph)
+            return self._blocks(idx, state, cu_seqlens)
+        with flush_denormals():
+            return self._blocks(idx, state, cu_seqlens)
+
+    def _blocks(self, idx, state=None, cu_seqlens=None):
         h, end_pos = self._embed_tokens(idx, state, cu_seqlens)
         if state is not None and cu_seqlens is None and self.shared is None and self.config.hyper is None:
             out = stacked_blocks(self.blocks, h, state)     # a decoding token's runs of blocks in one call each
