@@ -25,6 +25,7 @@ import re
 import subprocess
 import tempfile
 import warnings
+import weakref
 from pathlib import Path
 
 import torch
@@ -190,3 +191,50 @@ class Held:
             if d.get(name) is not obj or (ptr is not None and obj.data_ptr() != ptr):
                 return False
         return True
+
+
+class KeptCalls:
+    """Calls built once and kept between decoding tokens, per module and key (rows, tokens), each with the norm it
+    follows and a ``Held`` of what it read - a layer's ``planned_block``, an MLP's and an attention layer's call
+    (``layers.mamba``, ``layers.mlp_step``, ``layers.attention_step``). Kept outside the modules (weak mappings),
+    so copies and pickles of a model carry none; ``forget`` drops a model's from every instance (``ALL``) when its
+    weights are replaced (``quantize``, ``decode_layout``)."""
+
+    ALL: list = []
+
+    def __init__(self):
+        self.by = weakref.WeakKeyDictionary()
+        KeptCalls.ALL.append(self)
+
+    def get(self, module, norm, key, build):
+        """(``Held``, step, whether it was kept) for ``module`` after ``norm`` at ``key``: the kept step while
+        everything it read is unchanged, else ``build()``'s (None: none applies), kept where its tensors were
+        found in the modules; steps gone stale at any key are dropped (their old weights freed)."""
+        plans = self.by.get(module)
+        if plans is None:
+            plans = self.by[module] = {}
+        hit = plans.get(key)
+        if hit is not None and hit[0] is norm and hit[1].valid():
+            return hit[1], hit[2], True
+        for k in [k for k, (_, held, _) in plans.items() if not held.valid()]:
+            del plans[k]
+        step = build()
+        if step is None:
+            return None
+        held = Held([module, norm], step.tensors)
+        if held.ok:
+            plans[key] = (norm, held, step)
+        return held, step, False
+
+    def peek(self, module, norm, key):
+        """(``Held``, step) kept for ``module`` after ``norm`` at ``key`` (valid or not), or None."""
+        plans = self.by.get(module)
+        hit = None if plans is None else plans.get(key)
+        return None if hit is None or hit[0] is not norm else hit[1:]
+
+    @classmethod
+    def forget(cls, modules) -> None:
+        modules = list(modules)
+        for kept in cls.ALL:
+            for m in modules:
+                kept.by.pop(m, None)

@@ -40,7 +40,7 @@ IN = Kernel("attn_in_rows", [I64] * 6 + [ctypes.c_double, INT, INT, PTR, PTR, FL
             + [PTR, FLOAT, PTR, FLOAT] + [PTR] * 6, "attention_step")
 OUT = Kernel("attn_out_rows", [I64] * 6 + [INT, PTR, PTR, I64, PTR, I64, PTR, FLOAT, PTR, PTR] + _PROJ + [PTR, PTR],
              "attention_step")
-_PLANS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()    # attention -> {rows: (norm, Held, Step)}
+_PLANS = kernels.KeptCalls()                                        # attention -> {rows: Step}
 
 
 def _plain(norm) -> bool:
@@ -125,23 +125,13 @@ def fused_attention(attn, h, norm, state):
     if B > C_ROWS or type(seq) is not SingleDevice or seq.cu_seqlens is not None or not _cache_ok(cache) \
             or cache.k.shape[0] != B or not fits(attn, norm):
         return None
-    plans = _PLANS.get(attn)
-    if plans is None:
-        plans = _PLANS[attn] = {}
-    hit = plans.get(B)
-    if hit is not None and hit[0] is norm and hit[1].valid():
-        if not kernels.usable(OUT, h):
-            return None
-        step = hit[2]
-    else:
-        for r in [r for r, (_, held, _) in plans.items() if not held.valid()]:
-            del plans[r]                              # stale at every batch size: their old weights freed
+    def make():
         step = _build(attn, norm, B)
-        if step is None or not kernels.usable(OUT, h, *step.floats) or not kernels.usable(IN, h):
-            return None
-        held = kernels.Held([attn, norm], step.tensors)
-        if not held.ok:
-            return None
-        plans[B] = (norm, held, step)
+        ok = step is not None and kernels.usable(OUT, h, *step.floats) and kernels.usable(IN, h)
+        return step if ok else None
+    got = _PLANS.get(attn, norm, B, make)
+    if got is None or (got[2] and not kernels.usable(OUT, h)):
+        return None
+    step = got[1]
     h, new = step(h, cache, seq)
     return h, {"kv": new}

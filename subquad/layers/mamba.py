@@ -83,7 +83,7 @@ def block_projections(mixer, h, norm):
     return nw, w_in, wi.bias, w_out, wo.bias
 
 
-_PLANS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()    # mixer -> {rows: (norm, Held, BlockStep)}
+_PLANS = kernels.KeptCalls()                                        # mixer -> {(rows, tokens): BlockStep}
 STACKS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()    # blocks -> {rows: models.stack's plan}
 
 
@@ -101,24 +101,13 @@ def planned_block(mixer, h, norm, state, kernel, build):
         return None
     if type(sequence.backend()) is not block_backend(h.shape[1]):     # a prompt, another backend: the modules
         return None
-    plans = _PLANS.get(mixer)
-    if plans is None:
-        plans = _PLANS[mixer] = {}
-    key = tuple(h.shape[:2])
-    hit = plans.get(key)
-    if hit is not None and hit[0] is norm and hit[1].valid():
-        if state is None or not kernels.usable(kernel, h if key[1] == 1 else h[:, :1], state["ssm"], state["conv"]):
-            return None
-        step = hit[2]
-    else:
-        for rows in [r for r, (_, kept, _) in plans.items() if not kept.valid()]:
-            del plans[rows]                          # stale at every batch size: their old weights freed
-        step = build(h, norm, state)
-        if step is None:
-            return None
-        held = kernels.Held([mixer, norm], step.tensors)
-        if held.ok:
-            plans[key] = (norm, held, step)
+    got = _PLANS.get(mixer, norm, tuple(h.shape[:2]), lambda: build(h, norm, state))
+    if got is None:
+        return None
+    _, step, kept = got
+    if kept and (state is None or not kernels.usable(kernel, h if h.shape[1] == 1 else h[:, :1], state["ssm"],
+                                                     state["conv"])):
+        return None
     h, conv, ssm = step(h, state["conv"], state["ssm"])
     return h, {"ssm": ssm, "conv": conv}
 
@@ -126,9 +115,7 @@ def planned_block(mixer, h, norm, state, kernel, build):
 def kept_plan(mixer, norm, rows: int):
     """(``kernels.Held``, step) that ``planned_block`` keeps for ``mixer`` after ``norm`` at ``rows`` rows of one
     token, or None where it keeps none (``models.stack`` puts consecutive ones in one call)."""
-    plans = _PLANS.get(mixer)
-    hit = None if plans is None else plans.get((rows, 1))
-    return None if hit is None or hit[0] is not norm else hit[1:]
+    return _PLANS.peek(mixer, norm, (rows, 1))
 
 
 def block_backend(T: int) -> type:
@@ -138,12 +125,12 @@ def block_backend(T: int) -> type:
 
 
 def forget_block_steps(model) -> None:
-    """Drop the ``BlockStep``s kept for ``model``'s mixers (``planned_block``) and ``models.stack``'s plans of its
-    blocks, and with them their references to
-    the weights: ``quantize`` and ``decode_layout`` replace the weights, whose old copies would otherwise stay
-    alive until the next decoding step finds the kept steps stale."""
+    """Drop the calls kept for ``model``'s layers (``kernels.KeptCalls``: ``planned_block``'s, the MLPs' and
+    attention layers') and ``models.stack``'s plans of its blocks, and with them their references to the
+    weights: ``quantize`` and ``decode_layout`` replace the weights, whose old copies would otherwise stay alive
+    until the next decoding step finds the kept steps stale."""
+    kernels.KeptCalls.forget(model.modules())
     for m in model.modules():
-        _PLANS.pop(m, None)
         STACKS.pop(m, None)
 
 

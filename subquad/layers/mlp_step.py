@@ -11,8 +11,6 @@ model carry none) with a ``kernels.Held`` of what it read, and rebuilt when a we
 
 from __future__ import annotations
 
-import weakref
-
 import torch
 import torch.nn.functional as F
 
@@ -23,7 +21,7 @@ from subquad.layers.mlp import ReLU2MLP, SwiGLU
 from subquad.layers.norm import RMSNorm
 from subquad.ops import mlp_block
 
-_PLANS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()    # mlp -> {rows: (norm, Held, MlpStep)}
+_PLANS = kernels.KeptCalls()                                        # mlp -> {rows: MlpStep}
 
 
 def fits(mlp, norm) -> bool:
@@ -53,22 +51,14 @@ def kept(mlp, norm, h):
     rows = h.shape[0]
     if torch.compiler.is_compiling() or rows > C_ROWS or not fits(mlp, norm):
         return None
-    plans = _PLANS.get(mlp)
-    if plans is None:
-        plans = _PLANS[mlp] = {}
-    hit = plans.get(rows)
-    if hit is not None and hit[0] is norm and hit[1].valid():
-        return hit[1:] if kernels.usable(mlp_block.KERNEL, h) else None
-    for r in [r for r, (_, held, _) in plans.items() if not held.valid()]:
-        del plans[r]                                  # stale at every batch size: their old weights freed
-    step = build(mlp, norm, rows)
-    if step is None or not kernels.usable(mlp_block.KERNEL, h, *step.floats):
+
+    def make():
+        step = build(mlp, norm, rows)
+        return step if step is not None and kernels.usable(mlp_block.KERNEL, h, *step.floats) else None
+    got = _PLANS.get(mlp, norm, rows, make)
+    if got is None or not got[0].ok or (got[2] and not kernels.usable(mlp_block.KERNEL, h)):
         return None
-    held = kernels.Held([mlp, norm], step.tensors)
-    if not held.ok:
-        return None
-    plans[rows] = (norm, held, step)
-    return held, step
+    return got[:2]
 
 
 def fused_mlp(mlp, h, norm):

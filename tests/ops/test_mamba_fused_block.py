@@ -283,6 +283,6 @@ def test_the_step_is_kept_between_tokens_and_rebuilt_when_the_modules_change(mon
     from subquad.layers import mamba
     from subquad.models.quant import quantize
 
-    assert mamba._PLANS.get(m.blocks[0].mixer)
+    assert mamba._PLANS.by.get(m.blocks[0].mixer)
     quantize(m, "int8", min_weights=0)                                   # the float weights no longer held
-    assert not mamba._PLANS.get(m.blocks[0].mixer)
+    assert not mamba._PLANS.by.get(m.blocks[0].mixer)

@@ -136,3 +136,20 @@ def test_the_call_is_kept_and_sees_every_change(monkeypatch):
     _, st = m.prefill(ids)
     m.step(tok, st)                                                   # gradients on
     assert len(calls) == n
+
+
+def test_quantize_forgets_the_kept_calls(monkeypatch):
+    """``quantize`` replaces the weights: the MLPs' and attention layer's kept calls go with the old ones
+    (``layers.mamba.forget_block_steps``), not held until the next token finds them stale."""
+    from subquad.layers import attention_step
+    from subquad.models.quant import quantize
+
+    monkeypatch.setattr(stack, "ENABLED", False)
+    m, _ = models(**HYBRID)
+    with torch.no_grad():
+        _, st = m.prefill(torch.tensor([[1, 2, 3]]))
+        m.step(torch.tensor([4]), st)
+    mlps, attn = [b.mlp for b in m.blocks], m.blocks[1].mixer
+    assert all(mlp_step._PLANS.by.get(mlp) for mlp in mlps) and attention_step._PLANS.by.get(attn)
+    quantize(m, "int8")
+    assert not any(mlp in mlp_step._PLANS.by for mlp in mlps) and attn not in attention_step._PLANS.by
