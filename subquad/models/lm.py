@@ -151,8 +151,8 @@ class PreNormBlock(Block):
     """h = h + mixer(rmsnorm(h));  h = h + mlp(rmsnorm(h))  (GPT-2, Llama, Mamba). A decoding step may run the
     mixer's half (norm, mixer, residual) in one call where the mixer offers it (``fused_block``: Mamba's,
     Mamba-2's; softmax attention's in two around its cache's append, ``layers.attention_step``); an MLP (not a
-    stateful one) then follows, itself in one call where it is a SwiGLU (``layers.mlp_step``: Bamba's and
-    Granite 4's blocks, attention layers' MLPs)."""
+    stateful one) then follows, itself in one call where it is a SwiGLU or ReLU^2 (``layers.mlp_step``: Bamba's,
+    Nemotron-H's blocks, attention layers' MLPs)."""
 
     one_call = True     # its mixer's half may run as the mixer's one call (models.speculative asks)
 
@@ -185,7 +185,7 @@ class PreNormBlock(Block):
 
     def _mlp_half(self, h, new, state, cu_seqlens):
         """h + mlp(norm2(h)) and the layer's new state: at a decoding token in one call where it applies
-        (``layers.mlp_step``: a SwiGLU's norm, products and residual)."""
+        (``layers.mlp_step``: a SwiGLU's or ReLU^2's norm, products and residual)."""
         if state is not None and cu_seqlens is None and not self.stateful_mlp:
             out = fused_mlp(self.mlp, h, self.norm2)
             if out is not None:
