@@ -112,6 +112,17 @@ class Block(nn.Module):
             return y, None
         return y, {**new_state, **{MLP_STATE + k: v for k, v in s.items()}}
 
+    def _mlp_half(self, h, new, state, cu_seqlens):
+        """h + mlp(norm2(h)) and the layer's new state (a pre-norm MLP after the mixers' half): at a decoding
+        token in one call where it applies (``layers.mlp_step``: a SwiGLU's or ReLU^2's norm, products and
+        residual)."""
+        if state is not None and cu_seqlens is None and not self.stateful_mlp:
+            out = fused_mlp(self.mlp, h, self.norm2)
+            if out is not None:
+                return out, new
+        y, new = self._ffn(self.norm2(h), state, cu_seqlens, new)
+        return h + y, new
+
     @staticmethod
     def build(cfg: ModelConfig, mixer_name: str, moe: bool = False, mlp: bool = True, shared=None,
               layer: int = 0) -> "Block":
@@ -183,15 +194,6 @@ class PreNormBlock(Block):
             return self._mlp_half(h, new, state, cu_seqlens)
         return h, new
 
-    def _mlp_half(self, h, new, state, cu_seqlens):
-        """h + mlp(norm2(h)) and the layer's new state: at a decoding token in one call where it applies
-        (``layers.mlp_step``: a SwiGLU's or ReLU^2's norm, products and residual)."""
-        if state is not None and cu_seqlens is None and not self.stateful_mlp:
-            out = fused_mlp(self.mlp, h, self.norm2)
-            if out is not None:
-                return out, new
-        y, new = self._ffn(self.norm2(h), state, cu_seqlens, new)
-        return h + y, new
 
 
 class PostNormBlock(Block):
@@ -285,10 +287,7 @@ class ParallelBlock(Block):
             states.update(s or {})
         h = h + ys[0] + ys[1]
         new = states or None
-        if self.mlp is not None:
-            y, new = self._ffn(self.norm2(h), state, cu_seqlens, new)
-            h = h + y
-        return h, new
+        return (h, new) if self.mlp is None else self._mlp_half(h, new, state, cu_seqlens)
 
 
 class SharedUseBlock(Block):

@@ -71,6 +71,17 @@ def test_a_hybrids_mlps_take_it_and_agree_with_the_modules_and_float64(monkeypat
     assert len(calls) == 3 * 4
 
 
+def test_a_parallel_blocks_mlp_takes_it(monkeypatch):
+    """Falcon-H1's block (Mamba-2 beside attention on one normed input, then the MLP): the MLP half takes the
+    call too, within 1e-5 of the PyTorch step and of a float64 model's."""
+    monkeypatch.setattr(stack, "ENABLED", False)
+    m, m64 = models(d_model=64, n_layers=2, pattern="mamba2", parallel={"mamba2": "softmax"}, mlp=True,
+                    mlp_size=96, n_heads=4, mixer_options={"mamba2": {"d_state": 16, "head_dim": 16}})
+    calls = counted(monkeypatch)
+    assert_steps_agree(monkeypatch, mlp_step, m, m64, 3, fn="fused_mlp")
+    assert len(calls) == 2 * 3
+
+
 @pytest.mark.parametrize("kind,tol", [("int8", 2e-2), ("int4", 6e-2)])
 def test_quantised_mlps_agree_with_the_modules(monkeypatch, kind, tol):
     """int8 per channel (x rounded per block of 32 in the kernel) and int4 MLPs: the logits within ``tol`` of the
