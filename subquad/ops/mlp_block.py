@@ -41,10 +41,9 @@ class MlpStep:
         projs = [(None, None, 0, 0, None) if w is None else proj_args(w) + (b,)   # (w, scale, kind, groups, bias)
                  for w, b in (gate, up, down)]
         self.B, self.d, self.F = B, d, F
-        self.tensors = [norm_w] + [t for p in projs for t in (p[0], p[1], p[4])]
+        self.tensors = [norm_w] + [t for p in projs for t in (p[0], p[1], p[4]) if t is not None]
         # what must be float32 (``kernels.usable``): a quantised weight's own are checked where it is read
         self.floats = [norm_w] + [t for w, b in (gate, up, down) for t in (w, b) if not isinstance(t, tuple)]
-        self.tensors = [t for t in self.tensors if t is not None]
         args = [B, d, F, act, None, None, norm_w, float(eps)]
         for w, s, kind, groups, b in projs:
             args += [w, s, b, kind, groups]

@@ -13,7 +13,7 @@ from subquad.layers.attention import SoftmaxAttention
 from subquad.layers.norm import RMSNorm
 from subquad.models import stack
 from subquad.ops import KVCache
-from tests.ops.fused_harness import assert_steps_agree, models
+from tests.ops.fused_harness import assert_steps_agree, models, step_logits
 
 pytestmark = pytest.mark.skipif(not attention_step.OUT.available(), reason="no C compiler: the kernel cannot be built")
 
@@ -98,14 +98,10 @@ def test_quantised_projections(monkeypatch):
     calls = counted(monkeypatch)
     ids, tok = torch.randint(0, 300, (2, 6), generator=torch.Generator().manual_seed(0)), torch.tensor([3, 9])
 
-    def run():
-        with torch.no_grad():
-            _, st = m.prefill(ids)
-            return m.step(tok, st)[0]
-    a = run()
+    a = step_logits(m, ids, tok)
     assert len(calls) == 1
     monkeypatch.setattr(attention_step, "fits", lambda attn, norm: False)
-    b = run()
+    b = step_logits(m, ids, tok)
     assert len(calls) == 1 and (a - b).abs().max() <= 2e-2 * b.abs().max()
 
 

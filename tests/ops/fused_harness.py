@@ -113,3 +113,10 @@ def assert_quantized_block_agrees(monkeypatch, module, mixer_cls, pattern: str, 
         m.step(torch.arange(more), m.prefill(torch.randint(0, 300, (more, 3)))[1])
     assert len(calls) == n
     return n
+
+
+def step_logits(m, ids, tok):
+    """The logits of one decoding step of ``tok`` after prefilling ``ids``, without gradients."""
+    with torch.no_grad():
+        _, st = m.prefill(ids)
+        return m.step(tok, st)[0]

@@ -11,7 +11,7 @@ import torch
 from subquad.layers import mlp_step
 from subquad.models import stack
 from subquad.ops import mlp_block
-from tests.ops.fused_harness import assert_steps_agree, models
+from tests.ops.fused_harness import assert_steps_agree, models, step_logits
 
 pytestmark = pytest.mark.skipif(not mlp_block.KERNEL.available(), reason="no C compiler: the kernel cannot be built")
 
@@ -95,14 +95,10 @@ def test_quantised_mlps_agree_with_the_modules(monkeypatch, kind, tol):
     calls = counted(monkeypatch)
     ids, tok = torch.randint(0, 300, (2, 6), generator=torch.Generator().manual_seed(0)), torch.tensor([3, 9])
 
-    def run():
-        with torch.no_grad():
-            _, st = m.prefill(ids)
-            return m.step(tok, st)[0]
-    a = run()
+    a = step_logits(m, ids, tok)
     assert len(calls) == 3
     monkeypatch.setattr(mlp_step, "fits", lambda mlp, norm: False)      # the modules
-    b = run()
+    b = step_logits(m, ids, tok)
     assert len(calls) == 3
     assert (a - b).abs().max() <= tol * b.abs().max()
 
