@@ -146,3 +146,26 @@ def test_hooks_autocast_gradients_and_a_new_weight(monkeypatch):
     changed = step()
     assert len(calls) == 2 and (changed - first).abs().max() > 1e-4
     assert (changed - step(False)).abs().max() <= 1e-5 * changed.abs().max()
+
+
+def test_compiling_another_backend_or_packed_rows_keep_the_modules(monkeypatch):
+    """While compiling (inductor fuses the block itself), under another sequence backend (a verification's
+    ``PerToken``, a context-parallel one) or with packed rows (``cu_seqlens``), neither the attention call nor the
+    MLP call runs: the layer's own ops do."""
+    from subquad.layers import mlp_step, sequence
+    from subquad.layers.mlp import SwiGLU
+    from subquad.layers.rollback import PerToken
+
+    attn, norm, cache = layer_and_cache(1, [5])
+    mlp, h = SwiGLU(48, 64).eval(), torch.randn(1, 1, 48)
+    with torch.no_grad():
+        assert attention_step.fused_attention(attn, h, norm, {"kv": cache}) is not None    # the plain case runs
+        assert mlp_step.fused_mlp(mlp, h, norm) is not None
+        with sequence.use(PerToken()):
+            assert attention_step.fused_attention(attn, h, norm, {"kv": cache}) is None
+        with sequence.use(sequence.Packed(torch.tensor([0, 1]))):
+            assert attention_step.fused_attention(attn, h, norm, {"kv": cache}) is None
+        with monkeypatch.context() as p:
+            p.setattr(torch.compiler, "is_compiling", lambda: True)
+            assert attention_step.fused_attention(attn, h, norm, {"kv": cache}) is None
+            assert mlp_step.fused_mlp(mlp, h, norm) is None
