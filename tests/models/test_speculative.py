@@ -483,7 +483,7 @@ def test_the_acceptance_rule_draws_each_position_from_the_target_distribution():
 
 @pytest.mark.parametrize("options", [{}, dict(PENALTIES, logit_bias={2: 1.0}, min_p=0.05)])
 def test_sampled_speculation_is_distributed_as_plain_sampling(options, monkeypatch):
-    """20,000 rows of one prompt, four tokens each, through generate with and without speculation (rows accept
+    """20,000 rows of one prompt, four tokens each, through generate with speculation (rows accept
     different numbers of drafts): both joint distributions match the model's own, computed by enumerating
     every continuation - each token's distribution processed with the tokens before it (``Sampler.process``,
     tested against the rules by hand in test_sampling.py). Every row drafts the default 4 tokens (a batch this
@@ -503,7 +503,7 @@ def test_sampled_speculation_is_distributed_as_plain_sampling(options, monkeypat
         logp = logp + (p / p.sum(-1, keepdim=True)).gather(-1, seqs[:, i:i + 1]).squeeze(-1).log()
         sampler.record(seqs[:, i])
     p = logp.exp()
-    for speculative in (None, "ngram", tiny("gla", n_layers=1, vocab=4, scale=4.0)):
+    for speculative in ("ngram", tiny("gla", n_layers=1, vocab=4, scale=4.0)):     # plain sampling: test_sampling
         out, _ = model.generate([prompt] * n, m, temperature=1.0, seed=4, speculative=speculative, **options)
         codes = torch.tensor(out) @ (V ** torch.arange(m - 1, -1, -1))
         counts = torch.bincount(codes, minlength=V ** m)
