@@ -134,6 +134,13 @@ static inline __m512 exp16(__m512 x) {
 #define SUBQUAD_VNNI512 0
 #endif
 
+/* Sapphire Rapids' tiles (AMX-INT8): qgemv.c's int8_amx_gemv. */
+#if SUBQUAD_VNNI512 && defined(__AMX_TILE__) && defined(__AMX_INT8__)
+#define SUBQUAD_AMX 1
+#else
+#define SUBQUAD_AMX 0
+#endif
+
 static inline void silu_n(float *v, int64_t n) {                 /* v = silu(v) */
     int64_t i = 0;
 #if SUBQUAD_AVX2

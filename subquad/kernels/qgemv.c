@@ -511,6 +511,115 @@ void int8q_gemv(int64_t M, int64_t N, int64_t K, int64_t G, int threads, const f
 #endif
 }
 
+/* int8_amx_gemv: y[m, n] = d[m] scale[n] sum_k q[n, k] c[m, k] + bias[n] (amx_rows' c, d; one scale per output
+ * channel) through Sapphire Rapids' AMX tiles: per block of 16 output channels one tile of int32 sums (up to 16
+ * rows x 16), per 64 k one tdpbusd of x's codes (16 rows x 64 bytes, u = c + 128; more rows: tiles of 16, u then
+ * M rounded up to 16 rows) against the weights' tile (16 x 64 bytes: row r holds k = 4r .. 4r + 3 of each of the
+ * 16 channels, int8_amx_pack's layout), q . c = q . u - 128 sum(q) with sum(q) packed after the tiles. A tdpbusd
+ * does 16 K products: 3-16 rows cost about one pass over the weights (benchmarks/RESULTS.md). Linux hands a
+ * process the tiles' state only when asked (arch_prctl, int8_amx_init). */
+#if SUBQUAD_AMX
+#include <sys/syscall.h>
+#include <unistd.h>
+typedef struct { uint8_t palette, start, reserved[14]; uint16_t colsb[16]; uint8_t rows[16]; } amx_config;
+#endif
+
+/* 1 where the tiles may be used (compiled in, the kernel grants their state): *out. */
+void int8_amx_init(int32_t *out) {
+#if SUBQUAD_AMX
+    *out = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XFEATURE_XTILEDATA */) == 0;
+#else
+    *out = 0;
+#endif
+}
+
+/* q (N, K) int8 row-major, K a multiple of 64 -> p: per block of 16 channels (the last padded with zeros) and 64 k,
+ * 16 rows of 64 bytes, p[r][4 i + j] = q[16 b + i, 64 kb + 4 r + j]; qsum (Np,) the rows' sums. */
+void int8_amx_pack(int64_t N, int64_t K, const int8_t *q, int8_t *p, int32_t *qsum) {
+    const int64_t nk = K / 64, Np = (N + 15) / 16 * 16;
+    for (int64_t n = 0; n < Np; n++) {
+        int32_t t = 0;
+        for (int64_t k = 0; k < K && n < N; k++)
+            t += q[n * K + k];
+        qsum[n] = t;
+    }
+    for (int64_t b = 0; b < Np / 16; b++)
+        for (int64_t kb = 0; kb < nk; kb++) {
+            int8_t *dst = p + (b * nk + kb) * 1024;
+            for (int r = 0; r < 16; r++)
+                for (int i = 0; i < 16; i++)
+                    for (int j = 0; j < 4; j++)
+                        dst[r * 64 + 4 * i + j] = 16 * b + i < N ? q[(16 * b + i) * K + 64 * kb + 4 * r + j] : 0;
+        }
+}
+
+#if SUBQUAD_AMX
+/* x's rows rounded to 8 bits as a whole, as the tiles take them: d[m] = max_k |x[m, k]| / 127, c = round(x / d)
+ * (to nearest even), u = c + 128 - finer than fbgemm's dynamic product, which rounds all the rows of a call to
+ * one scale. K a multiple of 64. */
+static void amx_rows(int64_t M, int64_t K, const float *x, int64_t ldx, uint8_t *u, float *d) {
+    const __m512 sign = _mm512_set1_ps(-0.0f);
+    const __m512i off = _mm512_set1_epi32(128);
+    for (int64_t m = 0; m < M; m++) {
+        const float *xm = x + m * ldx;
+        __m512 mx = _mm512_setzero_ps();
+        for (int64_t k = 0; k < K; k += 16)
+            mx = _mm512_max_ps(mx, _mm512_andnot_ps(sign, _mm512_loadu_ps(xm + k)));
+        const float dm = _mm512_reduce_max_ps(mx) / 127.0f;
+        const __m512 inv = _mm512_set1_ps(dm > 0.0f ? 1.0f / dm : 0.0f);
+        d[m] = dm;
+        for (int64_t k = 0; k < K; k += 16) {
+            const __m512i c = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(xm + k), inv));
+            _mm_storeu_si128((__m128i *)(u + m * K + k), _mm512_cvtusepi32_epi8(_mm512_add_epi32(c, off)));
+        }
+    }
+}
+#endif
+
+void int8_amx_gemv(int64_t M, int64_t N, int64_t K, int threads, const float *x, int64_t ldx, const int8_t *p,
+                   const int32_t *qsum, const float *scale, const float *bias, float *y, uint8_t *u, float *xd) {
+#if SUBQUAD_AMX
+    const int64_t nk = K / 64, nb = (N + 15) / 16, R = M < 16 ? M : 16;     /* R rows a tile */
+    amx_rows(M, K, x, ldx, u, xd);
+    if (M > 16)                                              /* whole tiles: the last one's rows past M zero */
+        memset(u + M * K, 0, ((M + 15) / 16 * 16 - M) * K);
+#pragma omp parallel num_threads(threads)
+    {
+        amx_config c;
+        memset(&c, 0, sizeof c);
+        c.palette = 1;
+        c.rows[0] = c.rows[1] = (uint8_t)R;                 /* 0: the sums, R x 16 int32; 1: x's codes, R x 64 */
+        c.rows[2] = 16;                                      /* 2: the weights' tile */
+        c.colsb[0] = c.colsb[1] = c.colsb[2] = 64;
+        _tile_loadconfig(&c);
+        int32_t out[16 * 16];
+#pragma omp for schedule(static)
+        for (int64_t b = 0; b < nb; b++) {                  /* the block's tiles stay in L1 for every R rows */
+            const int8_t *pb = p + b * nk * 1024;
+            const int64_t n0 = 16 * b, nr = N - n0 < 16 ? N - n0 : 16;
+            for (int64_t m0 = 0; m0 < M; m0 += R) {
+                _tile_zero(0);
+                for (int64_t kb = 0; kb < nk; kb++) {
+                    _tile_loadd(1, u + m0 * K + 64 * kb, K);
+                    _tile_loadd(2, pb + kb * 1024, 64);
+                    _tile_dpbusd(0, 1, 2);
+                }
+                _tile_stored(0, out, 64);
+                for (int64_t m = m0; m < M && m < m0 + R; m++)
+                    for (int64_t i = 0; i < nr; i++)
+                        y[m * N + n0 + i] = xd[m] * scale[n0 + i] * (float)(out[(m - m0) * 16 + i] - 128 * qsum[n0 + i])
+                                            + (bias ? bias[n0 + i] : 0.0f);
+            }
+        }
+        _tile_release();
+    }
+#else
+    (void)x; (void)ldx; (void)p; (void)qsum; (void)scale; (void)bias; (void)u; (void)xd; (void)threads; (void)K;
+    for (int64_t i = 0; i < M * N; i++)                       /* never called: int8_amx_init said 0 */
+        y[i] = 0.0f;
+#endif
+}
+
 /* q4_0_gemv: a GGUF file's Q4_0 matrix as it is stored, times x rounded per block of 32 (quantize_q8) - llama.cpp's
  * Q4_0 x Q8_0 product: y[m, n] = sum_b scale[n, b] d[m, b] ((u - 8) . c)_b + bias[n], with u the block's 32
  * nibbles (q (N, K / 2) bytes, 16 per block: byte j's low nibble is value j, its high nibble value 16 + j) and
@@ -1053,7 +1162,7 @@ void f32_gemv_cm(int64_t M, int64_t N, int64_t K, int threads, const float *x, i
  * kind 8, Q4_0's nibbles as the file packs them, by q4_0_gemv).
  * The scratch each needs is allocated here. */
 enum { PROJ_F32 = 0, PROJ_F32_CM = 1, PROJ_INT8 = 2, PROJ_INT4 = 3, PROJ_INT8_BLOCKS = 6, PROJ_Q8_0 = 7,
-       PROJ_Q4_0 = 8 };
+       PROJ_Q4_0 = 8, PROJ_INT8_AMX = 9 };
 
 static void proj_gemv(int kind, int64_t groups, int64_t M, int64_t N, int64_t K, int threads, const float *x,
                       int64_t ldx, const void *w, const void *scale, const float *bias, float *y) {
@@ -1069,6 +1178,11 @@ static void proj_gemv(int kind, int64_t groups, int64_t M, int64_t N, int64_t K,
         float *xs = malloc(M * groups * sizeof(float));       /* int8_gemv's group sums: unused without offsets */
         int8_gemv(M, N, K, groups, threads, x, ldx, w, scale, NULL, bias, y, xs);
         free(xs);
+    } else if (kind == PROJ_INT8_AMX) {                       /* int8_amx_pack's tiles, the rows' sums after them */
+        uint8_t *u = malloc(M * K + M * sizeof(float));
+        int8_amx_gemv(M, N, K, threads, x, ldx, w, (const int32_t *)((const int8_t *)w + (N + 15) / 16 * 16 * K),
+                      scale, bias, y, u, (float *)(u + M * K));
+        free(u);
     } else if (kind == PROJ_INT8) {
         int8_t *xq = malloc(M * K + M * (K / 32) * sizeof(float));
         int8q_gemv(M, N, K, 1, threads, x, ldx, w, scale, bias, y, xq, (float *)(xq + M * K));

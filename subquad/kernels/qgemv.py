@@ -23,6 +23,7 @@ by the Mamba blocks' kernels; the naive reference is the dequantised product (``
 from __future__ import annotations
 
 import os
+from functools import lru_cache
 
 import torch
 
@@ -40,6 +41,10 @@ INT4_ROWS = 16
 # 2-2.7x slower). Inside a Mamba block's one call it is taken up to BLOCK_INT8Q_ROWS rows: there the call saves
 # more than the products lose (the whole step at 4 rows 0.74x of the modules' with fbgemm; RESULTS.md).
 INT8Q_ROWS = 2
+# Beyond those, with Sapphire Rapids' AMX tiles (int8_amx: rows rounded to 8 bits each, a tile's 16 rows at most)
+# against fbgemm's kernel, weights read from memory, this Intel Xeon: 1.2-1.6x faster at 3-16 rows at mamba-130m's
+# matrices (benchmarks/RESULTS.md, "int8 through AMX tiles").
+AMX_ROWS = 16
 BLOCK_INT8Q_ROWS = 4
 # A GGUF file's Q8_0 and Q4_0 matrices (x rounded per block of 32: int8q_gemv, q4_0_gemv) against the dequantised
 # product a product of more rows would take, weights read from memory at mamba-130m's matrices: 4-15x faster at
@@ -68,6 +73,9 @@ INT8 = Kernel("int8_gemv", [I64, I64, I64, I64, INT, PTR, I64, PTR, PTR, PTR, PT
 F32 = Kernel("f32_gemv", [I64, I64, I64, INT, PTR, I64, PTR, PTR, PTR], "qgemv")
 INT8Q = Kernel("int8q_gemv", [I64, I64, I64, I64, INT, PTR, I64, PTR, PTR, PTR, PTR, PTR, PTR], "qgemv")
 Q4_0 = Kernel("q4_0_gemv", [I64, I64, I64, INT, PTR, I64, PTR, PTR, PTR, PTR, PTR, PTR], "qgemv")
+INT8_AMX = Kernel("int8_amx_gemv", [I64, I64, I64, INT, PTR, I64, PTR, PTR, PTR, PTR, PTR, PTR, PTR], "qgemv")
+AMX_PACK = Kernel("int8_amx_pack", [I64, I64, PTR, PTR, PTR], "qgemv")
+_AMX_INIT = Kernel("int8_amx_init", [PTR], "qgemv")
 INT4 = Kernel("int4_gemv", [I64, I64, I64, I64, I64, I64, INT, INT, PTR, I64, PTR, PTR, PTR, PTR], "qgemv")
 
 
@@ -94,6 +102,53 @@ def int8_gemv(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, offset: tor
     scratch = x2.new_empty(M * G)
     INT8(M, N, K, G, torch.get_num_threads(), x2, x2.stride(0), q, scale, offset, bias, y, scratch)
     return y.view(*x.shape[:-1], N)
+
+
+def int8_amx(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None,
+             key: int) -> torch.Tensor:
+    """x (..., K) float32 (``usable``, ``amx()``), K a multiple of 64, any rows (16 a tile); q (N, K) int8, scale (N,)
+    float32, bias (N,) or None -> (..., N) float32, each row of x rounded to int8 with one scale of its own
+    (``qgemv.c``'s int8_amx_gemv). q's tile layout is made on the first call and kept under ``key`` (one per
+    matrix; remade when q's storage or version changes)."""
+    x2 = _rows(x)
+    (M, K), N = x2.shape, q.shape[0]
+    p = amx_packed(q, key)
+    y, codes, d = x2.new_empty(M, N), torch.empty(_padded(M) * K, dtype=torch.uint8), x2.new_empty(M)
+    INT8_AMX(M, N, K, torch.get_num_threads(), x2, x2.stride(0), p, p[-4 * _padded(N):], scale, bias, y, codes, d)
+    return y.view(*x.shape[:-1], N)
+
+
+AMX_PACKED: dict = {}      # key -> (q's storage, its version, the packed bytes); models.quant drops a module's
+
+
+def _padded(N: int) -> int:
+    return (N + 15) // 16 * 16
+
+
+def amx_packed(q: torch.Tensor, key: int) -> torch.Tensor:
+    """q (N, K) int8, K a multiple of 64, in AMX tiles (``qgemv.c``'s int8_amx_pack) with the rows' int32 sums
+    after them: one int8 tensor of Np K + 4 Np bytes (Np = N rounded up to 16), made once per (key, storage,
+    version) of q - the block kernels' projection kind 9 reads the same bytes."""
+    hit = AMX_PACKED.get(key)
+    if hit is not None and hit[0] == q.data_ptr() and hit[1] == q._version:
+        return hit[2]
+    (N, K), Np = q.shape, _padded(q.shape[0])
+    p = torch.empty(Np * K + 4 * Np, dtype=torch.int8)
+    AMX_PACK(N, K, q.contiguous(), p, p[Np * K:])
+    AMX_PACKED[key] = (q.data_ptr(), q._version, p)
+    return p
+
+
+@lru_cache(maxsize=None)
+def amx() -> bool:
+    """Whether int8_amx may run: the kernels built with AMX-INT8 (Sapphire Rapids and later) and Linux granted
+    this process the tiles' state; ``SUBQUAD_AMX=0`` in the environment: never (fbgemm's kernel and the block
+    kernels' int8 rows as before)."""
+    if os.environ.get("SUBQUAD_AMX") == "0" or not _AMX_INIT.available():
+        return False
+    out = torch.zeros(1, dtype=torch.int32)
+    _AMX_INIT(out)
+    return bool(out.item())
 
 
 def q4_0_gemv(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

@@ -11,6 +11,11 @@
                                  32 inputs with a float scale, as llama.cpp's Q8_0 products do; exact integer
                                  sums) - it reads the weights near the memory's rate (fbgemm's kernel, one x
                                  scale per call, is faster from 4 rows; benchmarks/RESULTS.md);
+                                 int8, up to ``qgemv.AMX_ROWS`` float32 rows (any inside ``decoding()``) of a
+                                 width that is a multiple of 64 on a CPU with AMX tiles (Sapphire Rapids on):
+                                 ``kernels.qgemv.int8_amx``, each row of x rounded to int8 with a scale of its
+                                 own, exact integer sums, 16 rows against 16 channels per instruction - in
+                                 place of fbgemm's kernel below (1.2-1.6x faster; ``SUBQUAD_AMX=0``: fbgemm's);
                                  int8 decoding (rows <= DECODE_ROWS, or any rows inside ``mode.decoding()``: the
                                  steps and verifications of a batch): fbgemm's int8 matrix product
                                  (torch.ops.quantized.linear_dynamic: x quantised to 8 bits per call,
@@ -130,6 +135,10 @@ def int8_linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bias: tor
     the packed weight -> (..., N) in x's dtype (module doc). Kept lean: it runs ~100 times per token."""
     if x.shape[-1] % 32 == 0 and qgemv.usable(qgemv.INT8Q, x, qgemv.INT8Q_ROWS):   # a few rows: x to int8 per block
         return qgemv.int8q_gemv(x, q, scale, bias)
+    if x.shape[-1] % 64 == 0 and qgemv.amx():                   # AMX tiles: a step's rows, or a decoding batch's
+        rows = max(qgemv.AMX_ROWS, x.numel() // x.shape[-1] if getattr(MODE, "decoding", False) else 0)
+        if qgemv.usable(qgemv.INT8_AMX, x, rows):
+            return qgemv.int8_amx(x, q, scale, bias, key.item())
     if not FBGEMM and qgemv.usable(qgemv.INT8, x, qgemv.INT8_ROWS):     # fbgemm gone: the C kernel's rows
         return qgemv.int8_gemv(x, q, scale, None, bias)
     if FBGEMM and x.device.type == "cpu" and (x.numel() <= DECODE_ROWS * x.shape[-1]
@@ -238,6 +247,7 @@ class Int8Linear(nn.Module):
         key = self.key_id = next(_keys)
         self.register_buffer("key", torch.tensor(key, device="cpu"), persistent=False)
         weakref.finalize(self, _PACKED.pop, key, None)
+        weakref.finalize(self, qgemv.AMX_PACKED.pop, key, None)
         self.in_features, self.out_features = q.shape[1] * (2 if q.dtype == torch.uint8 else 1), q.shape[0]
 
     @classmethod

@@ -63,15 +63,17 @@ def test_int8_product_against_the_dequantised_weight(rows):
 
 def test_int8_decoding_takes_the_kernel_at_any_batch(monkeypatch):
     """A decoding step or a verification of more than DECODE_ROWS rows multiplies with fbgemm's kernel,
-    DECODE_ROWS rows per call (``quant.decoding``), not with a float copy of each matrix: its logits are those of
-    the same rows stepped in blocks of DECODE_ROWS, and near the float model's; a prompt of as many rows keeps
-    the exact product."""
+    DECODE_ROWS rows per call, or with AMX tiles where the CPU has them (``quant.decoding``), not with a float
+    copy of each matrix: its logits are those of the same rows stepped in blocks of DECODE_ROWS, and near the
+    float model's; a prompt of as many rows keeps the exact product."""
+    from subquad.kernels import qgemv
     from subquad.models.speculative import verify
 
     model = _model("mamba,softmax")
     q = quantize(copy.deepcopy(model), "int8", min_weights=0)
-    kernel, packed = [], quant._packed
+    kernel, packed, tiles = [], quant._packed, qgemv.amx_packed
     monkeypatch.setattr(quant, "_packed", lambda *a: kernel.append(1) or packed(*a))
+    monkeypatch.setattr(qgemv, "amx_packed", lambda *a: kernel.append(1) or tiles(*a))
     B = 2 * DECODE_ROWS + 5
     ids = torch.randint(0, 200, (B, 6), generator=torch.Generator().manual_seed(3))
     with torch.no_grad():

@@ -53,9 +53,9 @@ def assert_quantized_block_agrees(monkeypatch, module, mixer_cls, pattern: str, 
     x rounded per block as for "int8"; "int8 blocks of 16": per block of 16 as Q6_K's, x exact: within 1e-5 of the
     modules; "q4_0": 4-bit codes per block of 32 as a Q4_0 file packs them, x rounded), else the small x_proj /
     dt_proj float32 as at mamba-130m's shape, decoding 1 and the most rows the block kernel takes for them
-    (``kernels.qgemv.BLOCK_INT8Q_ROWS``, ``INT4_ROWS``, ``INT8_ROWS``): the block kernel's logits within 1% of the
-    logits' scale of the same model's steps through its modules (the same products one call each:
-    ``mixer_cls.fused_block`` refused, INT8Q_ROWS raised to the block's; not 1e-5 as in float32: x rounded to int8
+    (``kernels.qgemv.BLOCK_INT8Q_ROWS`` or ``AMX_ROWS``, ``INT4_ROWS``, ``INT8_ROWS``), and 3: the block kernel's
+    logits within 1% of the logits' scale of the same model's steps through its modules (the same products one call
+    each: ``mixer_cls.fused_block`` refused, INT8Q_ROWS raised to the block's; not 1e-5 as in float32: x rounded to int8
     per block of 32 is a step function, and the two paths' norms differ in the last bit, so now and then one code of
     x differs by one - 3.5e-3 of the scale here) and within ``tol`` of a float64 copy's with the dequantised
     weights; one row more runs the modules. Returns how often a ``module.BlockStep`` ran."""
@@ -90,9 +90,9 @@ def assert_quantized_block_agrees(monkeypatch, module, mixer_cls, pattern: str, 
     real = module.BlockStep.__call__
     monkeypatch.setattr(module.BlockStep, "__call__", lambda *a: calls.append(1) or real(*a))
     own = mixer_cls.fused_block
-    most = {"int8": qgemv.BLOCK_INT8Q_ROWS, "int4": qgemv.INT4_ROWS, "int8 blocks of 16": qgemv.INT8_ROWS}.get(
-        kind, qgemv.ROUNDED_ROWS)                        # Q8_0's and Q4_0's blocks: x rounded, the most rows
-    for rows in (1, most):
+    most = {"int8": qgemv.AMX_ROWS if qgemv.amx() else qgemv.BLOCK_INT8Q_ROWS, "int4": qgemv.INT4_ROWS,
+            "int8 blocks of 16": qgemv.INT8_ROWS}.get(kind, qgemv.ROUNDED_ROWS)   # Q8_0's, Q4_0's: x rounded
+    for rows in (1, 3, most):                           # int8 with AMX tiles: 3 rows int8q, 16 the tiles
         ids = torch.randint(0, 300, (rows, 7), generator=torch.Generator().manual_seed(rows))
         with torch.no_grad():
             _, st = m.prefill(ids)

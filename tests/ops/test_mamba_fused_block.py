@@ -232,7 +232,7 @@ def test_quantized_projections_take_it_for_a_few_rows(monkeypatch, kind, tol):
     (fused_harness)."""
     from subquad.layers.mamba import Mamba
 
-    assert assert_quantized_block_agrees(monkeypatch, fused_block, Mamba, "mamba", kind, tol) == 2 * 3 * 2
+    assert assert_quantized_block_agrees(monkeypatch, fused_block, Mamba, "mamba", kind, tol) == 2 * 3 * 3
 
 
 def test_the_step_is_kept_between_tokens_and_rebuilt_when_the_modules_change(monkeypatch):

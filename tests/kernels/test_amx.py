@@ -1,0 +1,101 @@
+"""int8 products through AMX tiles (kernels/qgemv.c's int8_amx_gemv) against their math in float64: each row of x
+rounded to int8 with its own scale (max |x| / 127, to nearest even), exact integer sums, the channels' scales and
+bias; odd channel counts (a last block of 16 padded), K of 1-3 tiles, 1 to 40 rows (several tiles of 16), a row
+stride that is not K, a zero row; the weights' tiles remade when q changes in place; the int8 modules and the
+Mamba block's one call take them for 3-16 rows (and a decoding batch's more). On a CPU without AMX the kernel is
+never offered (``qgemv.amx()`` False) and the modules keep their other paths."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from subquad.kernels import qgemv
+from subquad.models.mode import decoding
+from subquad.models.quant import Int8Linear
+
+pytestmark = pytest.mark.skipif(not qgemv.INT8.available(), reason="no C compiler: the kernel cannot be built")
+
+
+def _cpu_has_amx() -> bool:
+    flags = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+    return " amx_int8" in flags and " amx_tile" in flags
+
+
+def _math(x, q, scale, bias):
+    """The product as int8_amx defines it, in float64: rows rounded per row, integer sums, scales."""
+    d = x.double().abs().amax(1, keepdim=True) / 127
+    c = torch.where(d > 0, torch.round(x.double() / d.clamp_min(1e-300)), torch.zeros_like(d))
+    y = (c @ q.double().T) * d * scale.double()
+    return y if bias is None else y + bias.double()
+
+
+def test_offered_exactly_where_the_cpu_has_the_tiles():
+    off = os.environ.get("SUBQUAD_AMX") == "0"
+    assert qgemv.amx() == (_cpu_has_amx() and qgemv.INT8_AMX.available() and not off)
+
+
+needs_amx = pytest.mark.skipif(not qgemv.amx(), reason="no AMX tiles on this CPU (the test above checks that)")
+
+
+@needs_amx
+@pytest.mark.parametrize("M,N,K,bias", [(1, 3072, 768, False), (3, 77, 64, True), (16, 50, 128, True),
+                                        (17, 33, 192, False), (40, 100, 64, True)])
+def test_against_its_math(M, N, K, bias):
+    g = torch.Generator().manual_seed(M * 100 + N)
+    q = torch.randint(-127, 128, (N, K), dtype=torch.int8, generator=g)
+    scale = torch.rand(N, generator=g) + 0.01
+    b = torch.randn(N, generator=g) if bias else None
+    x = torch.randn(M, K + 7, generator=g)[:, 3:K + 3]              # a row stride that is not K
+    if M > 1:
+        x[M // 2] = 0.0                                              # a zero row: scale 0, output the bias
+    y = qgemv.int8_amx(x, q, scale, b, key=-(M * 100 + N))
+    ref = _math(x, q, scale, b)
+    assert y.shape == (M, N) and ((y.double() - ref).abs().max() / ref.abs().max()).item() < 1e-6
+
+
+@needs_amx
+def test_the_tiles_are_remade_when_q_changes_in_place():
+    g = torch.Generator().manual_seed(0)
+    q = torch.randint(-127, 128, (40, 128), dtype=torch.int8, generator=g)
+    scale, x = torch.rand(40, generator=g) + 0.1, torch.randn(5, 128, generator=g)
+    first = qgemv.int8_amx(x, q, scale, None, key=-1)
+    q[3].neg_()
+    again = qgemv.int8_amx(x, q, scale, None, key=-1)
+    ref = _math(x, q, scale, None)
+    assert (again - first).abs().max() > 0 and ((again.double() - ref).abs().max() / ref.abs().max()) < 1e-6
+
+
+@needs_amx
+def test_the_modules_and_a_mamba_block_take_them_for_a_few_rows(monkeypatch):
+    from subquad.layers.mamba import kernel_weight
+
+    lin = Int8Linear(torch.randn(96, 128) * 0.05, torch.randn(96))
+    calls, real = [], type(qgemv.INT8_AMX).__call__
+    monkeypatch.setattr(type(qgemv.INT8_AMX), "__call__", lambda s, *a: (calls.append(s.name), real(s, *a))[1])
+    for rows, taken in ((2, False), (3, True), (16, True), (17, False)):
+        calls.clear()
+        x = torch.randn(rows, 128)
+        with torch.no_grad():
+            y = lin(x)
+        assert ("int8_amx_gemv" in calls) == taken, rows
+        if taken:
+            assert ((y.double() - _math(x, lin.q, lin.scale, lin.bias)).abs().max() < 1e-5 * y.abs().max())
+    calls.clear()
+    with torch.no_grad(), decoding():                    # a decoding batch past 16 rows: the tiles, 16 rows a tile
+        lin(torch.randn(40, 128))
+    assert "int8_amx_gemv" in calls
+    assert kernel_weight(lin, 4)[2] == 2 and kernel_weight(lin, 5)[2] == 9 and kernel_weight(lin, 16)[2] == 9
+
+
+def test_off_in_the_environment(monkeypatch):
+    monkeypatch.setenv("SUBQUAD_AMX", "0")
+    qgemv.amx.cache_clear()
+    try:
+        assert not qgemv.amx()
+    finally:
+        monkeypatch.delenv("SUBQUAD_AMX")
+        qgemv.amx.cache_clear()
