@@ -168,10 +168,14 @@ class Held:
     """What ``modules``' trees hold now, to tell cheaply later whether a ``Call`` built from ``tensors`` (found in
     them) still reads what they hold: every parameter and buffer slot the same tensor (or still None: a bias
     added later counts) with the same data pointer (``.data =`` swaps it), every submodule the same object (a
-    replaced projection, a quantised one). ``ok``: each of ``tensors`` was found (else nothing may be cached)."""
+    replaced projection, a quantised one); a tensor made from one of them (``derive``) by its source, which must
+    also keep its version. ``ok``: each of ``tensors`` was found (else nothing may be cached)."""
 
     def __init__(self, modules, tensors):
-        want = {id(t) for t in tensors if t is not None}
+        sources = [source(t) for t in tensors if t is not None]
+        want = {id(t) for t in tensors if t is not None and source(t) is None}
+        want |= {id(t) for t in sources if t is not None}
+        self.versions = [(t, t._version) for t in sources if t is not None]    # a copy's source edited in place
         self.refs, self.sizes, found = [], [], set()
         for root in modules:
             for mod in root.modules():
@@ -190,7 +194,23 @@ class Held:
         for d, name, obj, ptr in self.refs:
             if d.get(name) is not obj or (ptr is not None and obj.data_ptr() != ptr):
                 return False
+        for t, v in self.versions:
+            if t._version != v:
+                return False
         return True
+
+
+def derive(copy: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
+    """Mark ``copy`` as a tensor a kernel reads in place of the module tensor ``src`` (AMX tiles of an int8 weight:
+    ``qgemv.amx_packed``): ``Held`` looks for ``src`` in the modules and holds the copy valid while ``src`` is the
+    same tensor with the same storage and version."""
+    copy._subquad_source = src
+    return copy
+
+
+def source(t: torch.Tensor):
+    """The module tensor ``t`` was derived from (``derive``), or None."""
+    return getattr(t, "_subquad_source", None)
 
 
 class KeptCalls:

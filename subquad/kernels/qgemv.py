@@ -27,7 +27,7 @@ from functools import lru_cache
 
 import torch
 
-from subquad.kernels import I64, INT, PTR, Kernel, enabled
+from subquad.kernels import I64, INT, PTR, Kernel, derive, enabled
 
 # Up to how many rows the C kernels are faster than what else runs (benchmarks/bench_qgemv.py; AMD EPYC, AVX2):
 # int8 per block (a GGUF Q8_0 / Q6_K / Q4_K file's matrices; Q8_0 with x rounded, int8q) against the
@@ -135,7 +135,7 @@ def amx_packed(q: torch.Tensor, key: int) -> torch.Tensor:
     (N, K), Np = q.shape, _padded(q.shape[0])
     p = torch.empty(Np * K + 4 * Np, dtype=torch.int8)
     AMX_PACK(N, K, q.contiguous(), p, p[Np * K:])
-    AMX_PACKED[key] = (q.data_ptr(), q._version, p)
+    AMX_PACKED[key] = (q.data_ptr(), q._version, derive(p, q))    # kept calls holding p: valid while q stays
     return p
 
 

@@ -99,3 +99,33 @@ def test_off_in_the_environment(monkeypatch):
     finally:
         monkeypatch.delenv("SUBQUAD_AMX")
         qgemv.amx.cache_clear()
+
+
+@needs_amx
+def test_a_kept_mlp_call_reads_the_tiles_and_sees_its_weights_edited_in_place():
+    """An int8 SwiGLU block's MLP at 16 rows runs as one call reading the tiles (``layers.mlp_step``, kept between
+    tokens: the tiles are not a module's tensor, ``kernels.derive`` ties them to q); q edited in place: the next
+    call reads new tiles. Each against the modules' forward within 1% of its scale (x rounded to 8 bits is a step
+    function: the two paths' norms may differ in a last bit and move one code, as in fused_harness)."""
+    from subquad.layers import mlp_step
+    from subquad.models import LanguageModel, ModelConfig
+    from subquad.models.quant import quantize
+
+    torch.manual_seed(0)
+    m = LanguageModel(ModelConfig(vocab_size=64, d_model=64, n_layers=1, pattern="mamba2", mlp=True, mlp_size=128,
+                                  mlp_kind="swiglu")).eval()
+    quantize(m, "int8", min_weights=0)
+    blk, h = m.blocks[0], torch.randn(16, 1, 64)
+
+    def both():                                          # the MLP's part of h' (the residual h dwarfs it)
+        got = mlp_step.fused_mlp(blk.mlp, h, blk.norm2)
+        return None if got is None else got - h, blk.mlp(blk.norm2(h))
+
+    with torch.no_grad():
+        got, want = both()
+        assert got is not None and (got - want).abs().max() < 1e-2 * want.abs().max()
+        assert mlp_step.kept(blk.mlp, blk.norm2, h)[1].call is mlp_step.kept(blk.mlp, blk.norm2, h)[1].call
+        blk.mlp.w_up.q[:7].neg_()
+        got2, want2 = both()
+        assert (want2 - want).abs().max() > 0.05 * want.abs().max()
+        assert (got2 - want2).abs().max() < 1e-2 * want2.abs().max()
