@@ -1,5 +1,6 @@
 """The quantised products of a decoding step: the C kernels (``kernels/qgemv.c``: int8 with x kept float32,
-int8q and int4 with x rounded to int8 per block of 32) against the library kernels they replace - fbgemm's int8
+int8q and int4 with x rounded to int8 per block of 32; int8 through AMX tiles with x rounded per row, where the CPU
+has them) against the library kernels they replace - fbgemm's int8
 ``linear_dynamic`` (x rounded to 7-8 bits per call), torch's int4 ``_weight_int4pack_mm_for_cpu`` (x rounded to
 bfloat16), the dequantised product a blocked (GGUF Q8_0) weight took - and the float32 product (the C kernel, oneDNN's which ``layers.linear`` takes, and ``F.linear``'s MKL), at
 mamba-130m's matrices, 1 to 16 rows, 2 threads, rounds interleaved.
@@ -96,6 +97,8 @@ def main(argv=None):
                 "float32 oneDNN": lambda w, l8, l4, b, q4, x=x: linear._onednn(x, w, None),
                 "float32 MKL": lambda w, l8, l4, b, q4, x=x: F.linear(x, w),
             }
+            if qgemv.amx() and K % 64 == 0:                  # Sapphire Rapids' tiles (x rounded per row)
+                row["int8 AMX"] = lambda w, l8, l4, b, q4, x=x: qgemv.int8_amx(x, l8.q, l8.scale, None, l8.key_id)
             if layout:
                 row["int4 C"] = lambda w, l8, l4, b, q4, x=x, N=N: qgemv.int4_gemv(x, l4.w, l4.scale_zero, None, N,
                                                                                *layout)
