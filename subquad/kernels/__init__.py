@@ -172,10 +172,9 @@ class Held:
     also keep its version. ``ok``: each of ``tensors`` was found (else nothing may be cached)."""
 
     def __init__(self, modules, tensors):
-        sources = [source(t) for t in tensors if t is not None]
-        want = {id(t) for t in tensors if t is not None and source(t) is None}
-        want |= {id(t) for t in sources if t is not None}
-        self.versions = [(t, t._version) for t in sources if t is not None]    # a copy's source edited in place
+        sources = [source(t) for t in tensors]                              # a derived copy is held by its source
+        want = {id(t if s is None else s) for t, s in zip(tensors, sources) if t is not None}
+        self.versions = [(s, s._version) for s in sources if s is not None]  # the source edited in place
         self.refs, self.sizes, found = [], [], set()
         for root in modules:
             for mod in root.modules():

@@ -533,10 +533,16 @@ void int8_amx_init(int32_t *out) {
 #endif
 }
 
-/* q (N, K) int8 row-major, K a multiple of 64 -> p: per block of 16 channels (the last padded with zeros) and 64 k,
- * 16 rows of 64 bytes, p[r][4 i + j] = q[16 b + i, 64 kb + 4 r + j]; qsum (Np,) the rows' sums. */
-void int8_amx_pack(int64_t N, int64_t K, const int8_t *q, int8_t *p, int32_t *qsum) {
+/* q (N, K) int8 row-major, K a multiple of 64 -> p (Np K + 4 Np bytes, Np = N rounded up to 16): per block of 16
+ * channels (the last padded with zeros) and 64 k, 16 rows of 64 bytes, p[r][4 i + j] = q[16 b + i, 64 kb + 4 r + j];
+ * then the rows' sums, Np int32 (amx_sums). */
+static inline const int32_t *amx_sums(const int8_t *p, int64_t N, int64_t K) {
+    return (const int32_t *)(p + (N + 15) / 16 * 16 * K);
+}
+
+void int8_amx_pack(int64_t N, int64_t K, const int8_t *q, int8_t *p) {
     const int64_t nk = K / 64, Np = (N + 15) / 16 * 16;
+    int32_t *qsum = (int32_t *)amx_sums(p, N, K);
     for (int64_t n = 0; n < Np; n++) {
         int32_t t = 0;
         for (int64_t k = 0; k < K && n < N; k++)
@@ -577,9 +583,10 @@ static void amx_rows(int64_t M, int64_t K, const float *x, int64_t ldx, uint8_t 
 #endif
 
 void int8_amx_gemv(int64_t M, int64_t N, int64_t K, int threads, const float *x, int64_t ldx, const int8_t *p,
-                   const int32_t *qsum, const float *scale, const float *bias, float *y, uint8_t *u, float *xd) {
+                   const float *scale, const float *bias, float *y, uint8_t *u, float *xd) {
 #if SUBQUAD_AMX
     const int64_t nk = K / 64, nb = (N + 15) / 16, R = M < 16 ? M : 16;     /* R rows a tile */
+    const int32_t *qsum = amx_sums(p, N, K);
     amx_rows(M, K, x, ldx, u, xd);
     if (M > 16)                                              /* whole tiles: the last one's rows past M zero */
         memset(u + M * K, 0, ((M + 15) / 16 * 16 - M) * K);
@@ -614,7 +621,7 @@ void int8_amx_gemv(int64_t M, int64_t N, int64_t K, int threads, const float *x,
         _tile_release();
     }
 #else
-    (void)x; (void)ldx; (void)p; (void)qsum; (void)scale; (void)bias; (void)u; (void)xd; (void)threads; (void)K;
+    (void)x; (void)ldx; (void)p; (void)scale; (void)bias; (void)u; (void)xd; (void)threads; (void)K;
     for (int64_t i = 0; i < M * N; i++)                       /* never called: int8_amx_init said 0 */
         y[i] = 0.0f;
 #endif
@@ -1180,8 +1187,7 @@ static void proj_gemv(int kind, int64_t groups, int64_t M, int64_t N, int64_t K,
         free(xs);
     } else if (kind == PROJ_INT8_AMX) {                       /* int8_amx_pack's tiles, the rows' sums after them */
         uint8_t *u = malloc(M * K + M * sizeof(float));
-        int8_amx_gemv(M, N, K, threads, x, ldx, w, (const int32_t *)((const int8_t *)w + (N + 15) / 16 * 16 * K),
-                      scale, bias, y, u, (float *)(u + M * K));
+        int8_amx_gemv(M, N, K, threads, x, ldx, w, scale, bias, y, u, (float *)(u + M * K));
         free(u);
     } else if (kind == PROJ_INT8) {
         int8_t *xq = malloc(M * K + M * (K / 32) * sizeof(float));

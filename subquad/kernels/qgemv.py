@@ -73,8 +73,8 @@ INT8 = Kernel("int8_gemv", [I64, I64, I64, I64, INT, PTR, I64, PTR, PTR, PTR, PT
 F32 = Kernel("f32_gemv", [I64, I64, I64, INT, PTR, I64, PTR, PTR, PTR], "qgemv")
 INT8Q = Kernel("int8q_gemv", [I64, I64, I64, I64, INT, PTR, I64, PTR, PTR, PTR, PTR, PTR, PTR], "qgemv")
 Q4_0 = Kernel("q4_0_gemv", [I64, I64, I64, INT, PTR, I64, PTR, PTR, PTR, PTR, PTR, PTR], "qgemv")
-INT8_AMX = Kernel("int8_amx_gemv", [I64, I64, I64, INT, PTR, I64, PTR, PTR, PTR, PTR, PTR, PTR, PTR], "qgemv")
-AMX_PACK = Kernel("int8_amx_pack", [I64, I64, PTR, PTR, PTR], "qgemv")
+INT8_AMX = Kernel("int8_amx_gemv", [I64, I64, I64, INT, PTR, I64, PTR, PTR, PTR, PTR, PTR, PTR], "qgemv")
+AMX_PACK = Kernel("int8_amx_pack", [I64, I64, PTR, PTR], "qgemv")
 _AMX_INIT = Kernel("int8_amx_init", [PTR], "qgemv")
 INT4 = Kernel("int4_gemv", [I64, I64, I64, I64, I64, I64, INT, INT, PTR, I64, PTR, PTR, PTR, PTR], "qgemv")
 
@@ -114,7 +114,7 @@ def int8_amx(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bias: torch.
     (M, K), N = x2.shape, q.shape[0]
     p = amx_packed(q, key)
     y, codes, d = x2.new_empty(M, N), torch.empty(_padded(M) * K, dtype=torch.uint8), x2.new_empty(M)
-    INT8_AMX(M, N, K, torch.get_num_threads(), x2, x2.stride(0), p, p[-4 * _padded(N):], scale, bias, y, codes, d)
+    INT8_AMX(M, N, K, torch.get_num_threads(), x2, x2.stride(0), p, scale, bias, y, codes, d)
     return y.view(*x.shape[:-1], N)
 
 
@@ -134,7 +134,7 @@ def amx_packed(q: torch.Tensor, key: int) -> torch.Tensor:
         return hit[2]
     (N, K), Np = q.shape, _padded(q.shape[0])
     p = torch.empty(Np * K + 4 * Np, dtype=torch.int8)
-    AMX_PACK(N, K, q.contiguous(), p, p[Np * K:])
+    AMX_PACK(N, K, q.contiguous(), p)
     AMX_PACKED[key] = (q.data_ptr(), q._version, derive(p, q))    # kept calls holding p: valid while q stays
     return p
 
