@@ -98,9 +98,14 @@ def _local_worker(rank, world, init_file, out_dir, fn, args, timeout_s):
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
                             timeout=timedelta(seconds=timeout_s))
+    # gloo's full mesh can be complete on one rank while another still reads its last handshake: a rank
+    # whose ``fn`` needs no collective would leave and close that pair under it ("Connection closed by
+    # peer" in the other's init). Every rank passes a barrier once joined, and again before leaving.
+    dist.barrier()
     try:
         result = fn(rank, world, *args)
         torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
+        dist.barrier()
     finally:
         dist.destroy_process_group()
     # Done: leave without interpreter finalization, where gloo's worker threads can still be torn down and
