@@ -4,7 +4,8 @@ verification - one or a few tokens of each of many rows - as against a prompt's 
 ``models.quant``'s int8 products read it: inside, they take fbgemm's kernel at any number of rows,
 ``quant.DECODE_ROWS`` rows per call (a row's activations share a scale with at most 15 others, as in a 16-row
 step), never a float copy of the matrix - fbgemm was 3-70x faster than the dequantised product at 16-2,048 rows
-(benchmarks/RESULTS.md, "int8 at any batch"); prompts outside it keep the exact product (float activations).
+(benchmarks/RESULTS.md, "int8 at any batch"); prompts outside it keep the exact product (float activations),
+except on a CPU with AMX tiles, where every int8 product of 3 rows or more takes them, inside or out.
 ``LanguageModel.step`` and ``speculative.verify`` enter it. A module of its own, importing nothing of subquad's:
 the model, speculation and quantisation all read it.
 """

@@ -11,11 +11,15 @@
                                  32 inputs with a float scale, as llama.cpp's Q8_0 products do; exact integer
                                  sums) - it reads the weights near the memory's rate (fbgemm's kernel, one x
                                  scale per call, is faster from 4 rows; benchmarks/RESULTS.md);
-                                 int8, up to ``qgemv.AMX_ROWS`` float32 rows (any inside ``decoding()``) of a
-                                 width that is a multiple of 64 on a CPU with AMX tiles (Sapphire Rapids on):
+                                 int8, 3 or more float32 rows - a step's, a decoding batch's, a prompt's - of
+                                 a width that is a multiple of 64 on a CPU with AMX tiles (Sapphire Rapids on):
                                  ``kernels.qgemv.int8_amx``, each row of x rounded to int8 with a scale of its
                                  own, exact integer sums, 16 rows against 16 channels per instruction - in
-                                 place of fbgemm's kernel below (1.2-1.6x faster; ``SUBQUAD_AMX=0``: fbgemm's);
+                                 place of fbgemm's kernel below (1.2-1.6x faster) and of the prompt's exact
+                                 product (4-5x faster at 2,048 rows; the rounding roughly doubles a prefill's
+                                 error against the float model, a few % on tiny random models; a row's result
+                                 does not depend on the rows beside it, so a packed or chunked prompt equals
+                                 the same prompt alone; ``SUBQUAD_AMX=0``: neither);
                                  int8 decoding (rows <= DECODE_ROWS, or any rows inside ``mode.decoding()``: the
                                  steps and verifications of a batch): fbgemm's int8 matrix product
                                  (torch.ops.quantized.linear_dynamic: x quantised to 8 bits per call,
@@ -32,7 +36,8 @@
                                  (aten._weight_int4pack_mm_for_cpu: x rounded to bfloat16, the weights
                                  dequantised in registers, float32 sums, y rounded to bfloat16) - half a byte a
                                  weight and 4 bytes a group;
-                                 prefill (more rows): x W^T with the dequantised W in x's dtype - weight-only
+                                 prefill (more rows, without the tiles): x W^T with the dequantised W in x's
+                                 dtype - weight-only, exact
     bf16:                        (x.bfloat16() W^T).to(x.dtype)
 
 What is quantised, as llama.cpp's Q8_0 does: the projections of every mixer and MLP, the experts (one
@@ -85,6 +90,7 @@ from subquad.tensorfile import release_freed
 QUANTIZE = ("int8", "int4", "bf16")
 DECODE_ROWS = 16            # rows per call of fbgemm's kernel (they share one activation scale); a product of
                             # more rows outside ``decoding()`` (a prompt) multiplies by the dequantised weight
+                            # where the AMX tiles do not take it
 MIN_WEIGHTS = 1 << 18       # smaller matrices stay float32: fbgemm's fixed cost per call exceeds the time the
                             # bytes it saves would take (mamba-130m's x_proj and dt_proj: 123K and 74K weights)
 
@@ -135,10 +141,8 @@ def int8_linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bias: tor
     the packed weight -> (..., N) in x's dtype (module doc). Kept lean: it runs ~100 times per token."""
     if x.shape[-1] % 32 == 0 and qgemv.usable(qgemv.INT8Q, x, qgemv.INT8Q_ROWS):   # a few rows: x to int8 per block
         return qgemv.int8q_gemv(x, q, scale, bias)
-    if x.shape[-1] % 64 == 0 and qgemv.amx():                   # AMX tiles: a step's rows, or a decoding batch's
-        rows = max(qgemv.AMX_ROWS, x.numel() // x.shape[-1] if getattr(MODE, "decoding", False) else 0)
-        if qgemv.usable(qgemv.INT8_AMX, x, rows):
-            return qgemv.int8_amx(x, q, scale, bias, key.item())
+    if x.shape[-1] % 64 == 0 and qgemv.amx() and qgemv.usable(qgemv.INT8_AMX, x, x.numel()):   # AMX tiles:
+        return qgemv.int8_amx(x, q, scale, bias, key.item())            # any rows, a prompt's too (module doc)
     if not FBGEMM and qgemv.usable(qgemv.INT8, x, qgemv.INT8_ROWS):     # fbgemm gone: the C kernel's rows
         return qgemv.int8_gemv(x, q, scale, None, bias)
     if FBGEMM and x.device.type == "cpu" and (x.numel() <= DECODE_ROWS * x.shape[-1]

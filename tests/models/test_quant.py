@@ -65,7 +65,7 @@ def test_int8_decoding_takes_the_kernel_at_any_batch(monkeypatch):
     """A decoding step or a verification of more than DECODE_ROWS rows multiplies with fbgemm's kernel,
     DECODE_ROWS rows per call, or with AMX tiles where the CPU has them (``quant.decoding``), not with a float
     copy of each matrix: its logits are those of the same rows stepped in blocks of DECODE_ROWS, and near the
-    float model's; a prompt of as many rows keeps the exact product."""
+    float model's; a prompt of as many rows keeps the exact product, or takes the tiles where the CPU has them."""
     from subquad.kernels import qgemv
     from subquad.models.speculative import verify
 
@@ -78,7 +78,8 @@ def test_int8_decoding_takes_the_kernel_at_any_batch(monkeypatch):
     ids = torch.randint(0, 200, (B, 6), generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
         _, state = q.prefill(ids[:, :4])
-        assert not kernel                                           # the prompts: exact
+        assert bool(kernel) == qgemv.amx()                          # the prompts: exact, or the tiles
+        kernel.clear()
         got, _ = q.step(ids[:, 4], state)
         assert kernel
         blocks = [q.step(ids[i:i + DECODE_ROWS, 4], q.prefill(ids[i:i + DECODE_ROWS, :4])[1])[0]
@@ -138,9 +139,14 @@ def test_quantised_models_stay_close_to_float(kind, tol, pattern):
     """Logits of a prefill and of token-by-token decoding within a few % of the float model's. On a CPU without
     VNNI fbgemm's activations keep 7 bits, not 8 (``quant.REDUCE_RANGE``: its 16-bit pair sums would saturate),
     so their quantisation step - and the int8 tolerance - doubles there (measured on such a host, an AMD EPYC
-    with AVX2 only: mamba2,gated_deltanet decodes 4.9% off; 8 bits elsewhere keep it under 3%)."""
+    with AVX2 only: mamba2,gated_deltanet decodes 4.9% off; 8 bits elsewhere keep it under 3%). With AMX tiles a
+    prompt's rows are rounded to 8 bits too, each with a scale of its own (``quant.int8_linear``), where the
+    product is exact elsewhere: the prefill's error roughly doubles (Sapphire Rapids: 1.1, 3.4 and 0.7% for the
+    three patterns against 0.3, 1.8 and 0.4% with exact prompts), so its tolerance is 4% there."""
     if kind == "int8" and quant.REDUCE_RANGE:
         tol *= 2
+    if kind == "int8" and qgemv.amx():
+        tol = max(tol, 4e-2)
     model = _model(pattern, moe={"experts": 4, "top_k": 2, "every": 2, "offset": 1})
     q = quantize(copy.deepcopy(model), kind, min_weights=0)
     ids = torch.randint(0, 200, (2, 24), generator=torch.Generator().manual_seed(1))
