@@ -16,14 +16,17 @@ F64 = torch.float64
 
 @pytest.mark.parametrize("T,C,group", [(1, 64, None), (7, 16, None), (100, 16, 32), (257, 5, 10), (300, 64, None)])
 @pytest.mark.parametrize("strength", [0.01, 1.0, 30.0])
-def test_ssd_equals_simple_gla(T, C, group, strength):
+@pytest.mark.parametrize("start", ["state", "zero"])
+def test_ssd_equals_simple_gla(T, C, group, strength, start):
+    """From a given state, and from none (the first chunk's terms that read the state are skipped: each route,
+    one group or several, one chunk or more)."""
     gen = torch.Generator().manual_seed(T)
     Bz, H, P, N = 2, 3, 4, 5
     x = torch.randn(Bz, T, H, P, generator=gen, dtype=F64)
     dt = torch.rand(Bz, T, H, generator=gen, dtype=F64) * strength
     A = -torch.rand(H, generator=gen, dtype=F64) - 0.1
     Bm, Cm = (torch.randn(Bz, T, N, generator=gen, dtype=F64) for _ in range(2))
-    S0 = torch.randn(Bz, H, N, P, generator=gen, dtype=F64)
+    S0 = torch.randn(Bz, H, N, P, generator=gen, dtype=F64) if start == "state" else None
     y, S = ssd_inference(x, dt, A, Bm, Cm, chunk_size=C, initial_state=S0, group=group)
     q, k = Cm.unsqueeze(2).expand(-1, -1, H, -1), Bm.unsqueeze(2).expand(-1, -1, H, -1) * dt.unsqueeze(-1)
     y_ref, S_ref = simple_gla(q, k, x, dt * A, mode="parallel", scale=1.0, initial_state=S0, output_final_state=True)

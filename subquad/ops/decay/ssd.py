@@ -71,10 +71,15 @@ def ssd_inference(x, dt, A, Bm, Cm, *, chunk_size=64, initial_state=None, group=
     CB = buf(nb, C, C)
     yb = buf(nb, C, H * P)
     yi = buf(n, Bz, H, C, P)
-    KV = buf(n, Bz, N, H * P)
     Se = buf(n, Bz, N, H, P)                                          # factorised: exp(m) S
-    states = buf(n + 1, Bz, N, H, P)                                  # states[j]: the state before chunk j
-    states[0] = 0 if initial_state is None else initial_state.permute(0, 2, 1, 3)
+    # states[j]: the state before chunk j; states[j + 1] first holds chunk j's KV, then the recurrence adds
+    # exp(b_C) states[j] to it in place. No state given: the first chunk starts from zero, and its terms that
+    # read states[0] are left out rather than computed on zeros (a short prompt's chunks are few).
+    states = buf(n + 1, Bz, N, H, P)
+    fresh = initial_state is None
+    if not fresh:
+        states[0] = initial_state.permute(0, 2, 1, 3)
+    final = torch.empty(Bz, H, N, P, dtype=sd, device=dev)            # the last chunk's update writes it
     y = torch.empty(Bz, T, H, P, dtype=sd, device=dev)
     # chunk-local cumulative log-decays of the whole call, (ng n, B, C, H): T H numbers
     ball = chunk_view(token_slice(dt.to(sd) * A.to(sd), 0, T, ng * L), C, (1, 0, 2, 3)).cumsum(2)
@@ -84,8 +89,11 @@ def ssd_inference(x, dt, A, Bm, Cm, *, chunk_size=64, initial_state=None, group=
         factorised = [route == "factorised"] * ng
     for f in sorted(set(factorised)):
         took("ssd", "factorised" if f else "exact")
+    KV = states[1:].view(n, Bz, N, H * P)
     for gi, s in enumerate(range(0, T, L)):
         e = min(s + L, T)
+        first = 1 if fresh and gi == 0 else 0                         # chunks from here on read a state
+        last = e == T
         xs, dts, Bs, Cs = (token_slice(t, s, e, L) for t in (x, dt, Bm, Cm))   # zero tail: dt = B = 0 add nothing
         Bb.copy_(chunk_view(Bs, C, (1, 0, 2, 3)))
         Cb.copy_(chunk_view(Cs, C, (1, 0, 2, 3)))
@@ -109,20 +117,29 @@ def ssd_inference(x, dt, A, Bm, Cm, *, chunk_size=64, initial_state=None, group=
             decay_mask(bh.reshape(nb, H, C), out=Lm).mul_(CB.unsqueeze(1))
             torch.bmm(Lm.view(nb * H, C, C), xd.view(nb * H, C, P), out=yi.view(nb * H, C, P))
             torch.bmm(Bb.view(nb, C, N).transpose(1, 2), xh.view(nb, C, H * P), out=KV.view(nb, N, H * P))
-        for j in range(n):
-            torch.addcmul(KV[j].view(Bz, N, H, P), decay[j], states[j], out=states[j + 1])
+        for j in range(first, n):                                     # S_{j+1} = KV_j + exp(b_C) S_j
+            if last and j == n - 1:                                   # the final state, in its own layout
+                torch.addcmul(states[j + 1], decay[j], states[j], out=final.permute(0, 2, 1, 3))
+            else:
+                states[j + 1].addcmul_(decay[j], states[j])
+        if last and first == n:                                       # one chunk from zero: its KV is the state
+            final.copy_(states[n].permute(0, 2, 1, 3))
         ybv = yb.view(n, Bz, C, H, P)
+        lo = first * Bz                                               # yb's rows of the chunks reading a state
         if factorised[gi]:                                            # y = exp(b - m) (tril(CB) X + C exp(m) S)
-            torch.mul(states[:n], exp_decay(m).unsqueeze(-1), out=Se)
             torch.bmm(CB.tril_(), Xv, out=yb)
-            yb.baddbmm_(Cb.view(nb, C, N), Se.view(nb, N, H * P))
+            if first < n:
+                torch.mul(states[first:n], exp_decay(m[first:]).unsqueeze(-1), out=Se[first:])
+                yb[lo:].baddbmm_(Cb.view(nb, C, N)[lo:], Se.view(nb, N, H * P)[lo:])
             scale = exp_decay_(b - m).unsqueeze(-1)
             if e - s == L:                                            # straight into the output
                 torch.mul(ybv, scale, out=chunk_view(y[:, s:e], C, TOKEN_MAJOR))
             else:
                 put_chunks(y, s, e, ybv.mul_(scale), TOKEN_MAJOR)
         else:
-            torch.bmm(Cb.view(nb, C, N), states[:n].view(nb, N, H * P), out=yb)
+            yb[:lo].zero_()
+            torch.bmm(Cb.view(nb, C, N)[lo:], states[first:n].view(-1, N, H * P), out=yb[lo:])
             put_chunks(y, s, e, ybv.mul_(exp_decay(b).unsqueeze(-1)).add_(yi.transpose(2, 3)), TOKEN_MAJOR)
-        states[0] = states[n]                                          # padded chunks leave the state as it was
-    return y, states[0].permute(0, 2, 1, 3).contiguous()
+        if not last:
+            states[0] = states[n]                                      # padded chunks leave the state as it was
+    return y, final
