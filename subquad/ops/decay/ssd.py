@@ -103,8 +103,8 @@ def ssd_inference(x, dt, A, Bm, Cm, *, chunk_size=64, initial_state=None, group=
         decay = exp_decay(bC).unsqueeze(-1)                                # (n, B, 1, H, 1)
         if factorised[gi]:                                            # every |b_C| <= 2 LIMIT
             m = bC * 0.5                                              # reference: exponents within +-|b_C| / 2
-            torch.mul(chunk_view(xs, C, TOKEN_MAJOR), (exp_decay_(m - b) * chunk_view(dts, C, (1, 0, 2, 3))).unsqueeze(-1),
-                      out=Xf)
+            torch.mul(chunk_view(xs, C, TOKEN_MAJOR),
+                      (exp_decay_(m - b) * chunk_view(dts, C, (1, 0, 2, 3))).unsqueeze(-1), out=Xf)
             Xv = Xf.view(nb, C, H * P)
             torch.bmm(Bb.view(nb, C, N).transpose(1, 2), Xv, out=KV.view(nb, N, H * P))
             KV.view(n, Bz, N, H, P).mul_(exp_decay_(bC - m).unsqueeze(-1))   # B^T (exp(b_C - b) dt x)
