@@ -141,6 +141,19 @@ static inline __m512 exp16(__m512 x) {
 #define SUBQUAD_AMX 0
 #endif
 
+/* bfloat16 pairs summed into float32 (vdpbf16ps: Sapphire Rapids, Zen 4), and their tiles (AMX-BF16: Sapphire
+ * Rapids): qgemv.c's bf16_gemv. */
+#if SUBQUAD_AVX512 && defined(__AVX512BF16__)
+#define SUBQUAD_BF16 1
+#else
+#define SUBQUAD_BF16 0
+#endif
+#if SUBQUAD_BF16 && SUBQUAD_AMX && defined(__AMX_BF16__)
+#define SUBQUAD_AMX_BF16 1
+#else
+#define SUBQUAD_AMX_BF16 0
+#endif
+
 static inline void silu_n(float *v, int64_t n) {                 /* v = silu(v) */
     int64_t i = 0;
 #if SUBQUAD_AVX2

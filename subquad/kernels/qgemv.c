@@ -627,6 +627,144 @@ void int8_amx_gemv(int64_t M, int64_t N, int64_t K, int threads, const float *x,
 #endif
 }
 
+/* bf16_gemv: y[m, n] = sum_k bf16(x[m, k]) w[n, k] + bias[n] - a bfloat16 model's product (models.quant's
+ * Bf16Linear): w (N, K) bfloat16 row-major as stored, each x rounded to bfloat16 to nearest even (as torch's
+ * .to(torch.bfloat16); xb, M K halves), float32 sums, y float32 (not rounded to bfloat16 as F.linear's bfloat16
+ * output is). K a multiple of 32, M <= 16. Two ways, each reading a channel's row from memory once per call:
+ * - vectors (vdpbf16ps, 32 pairs an instruction): per block of four channels up to four rows of x at a time (each
+ *   group of four rows reads the block again from L1), the next block's lines asked for meanwhile;
+ * - tiles (tdpbf16ps, ``amx`` set, 16 channels x 16 rows x 32 k an instruction): the weights' tile is 16 channels'
+ *   rows of 32 k loaded as they lie (stride K), x's tile its rows' pairs k-major (xp: per 32 k, 16 pair-rows of M
+ *   words), the sums' tile 16 channels x M rows, stored and written out transposed. Channels past the last 16
+ *   take the vectors.
+ * bf16_init: 0 neither built, 1 the vectors, 2 the tiles too (built, and Linux granted their state). */
+void bf16_init(int32_t *out) {
+#if SUBQUAD_AMX_BF16
+    *out = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XFEATURE_XTILEDATA */) == 0 ? 2 : 1;
+#else
+    *out = SUBQUAD_BF16;
+#endif
+}
+
+#if SUBQUAD_BF16
+/* R rows of xb against C channels of w (R, C <= 4; constants where inlined): out[r][c]. */
+static inline __attribute__((always_inline)) void bf16_block(const int R, const int C, int64_t K, const uint16_t *xb,
+                                                             const uint16_t *w, float out[4][4]) {
+    __m512 a[4][4];
+    for (int r = 0; r < R; r++)
+        for (int c = 0; c < C; c++)
+            a[r][c] = _mm512_setzero_ps();
+    for (int64_t k = 0; k < K; k += 32) {
+        __m512bh wv[4], xv[4];
+        for (int c = 0; c < C; c++) {
+            wv[c] = (__m512bh)_mm512_loadu_si512(w + c * K + k);
+            _mm_prefetch((const char *)(w + (c + 4) * K + k), _MM_HINT_T0);      /* never faults */
+        }
+        for (int r = 0; r < R; r++)
+            xv[r] = (__m512bh)_mm512_loadu_si512(xb + r * K + k);
+        for (int r = 0; r < R; r++)
+            for (int c = 0; c < C; c++)
+                a[r][c] = _mm512_dpbf16_ps(a[r][c], xv[r], wv[c]);
+    }
+    for (int r = 0; r < R; r++)
+        for (int c = 0; c < C; c++)
+            out[r][c] = _mm512_reduce_add_ps(a[r][c]);
+}
+
+/* Channels [n_from, N) through the vectors, blocks of four spread over the threads. */
+static void bf16_vectors(int64_t M, int64_t N, int64_t n_from, int64_t K, int threads, const uint16_t *xb,
+                         const uint16_t *w, const float *bias, float *y) {
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t b = 0; b < (N - n_from + 3) / 4; b++) {
+        const int64_t n0 = n_from + 4 * b;
+        const int C = N - n0 < 4 ? (int)(N - n0) : 4;
+        const uint16_t *wb = w + n0 * K;
+        float out[4][4];
+        for (int64_t m0 = 0; m0 < M; m0 += 4) {
+            const int R = M - m0 < 4 ? (int)(M - m0) : 4;
+            const uint16_t *xr = xb + m0 * K;
+            if (C == 4 && R == 4)
+                bf16_block(4, 4, K, xr, wb, out);
+            else if (C == 4 && R == 1)
+                bf16_block(1, 4, K, xr, wb, out);
+            else if (C == 4 && R == 2)
+                bf16_block(2, 4, K, xr, wb, out);
+            else if (C == 4)
+                bf16_block(3, 4, K, xr, wb, out);
+            else
+                bf16_block(R, C, K, xr, wb, out);                  /* the last channels */
+            for (int r = 0; r < R; r++)
+                for (int c = 0; c < C; c++)
+                    y[(m0 + r) * N + n0 + c] = out[r][c] + (bias ? bias[n0 + c] : 0.0f);
+        }
+    }
+}
+#endif
+
+#if SUBQUAD_AMX_BF16
+/* Channels [0, 16 (N / 16)) through the tiles (the comment above bf16_init). */
+static void bf16_tiles(int64_t M, int64_t N, int64_t K, int threads, const uint16_t *xb, const uint16_t *w,
+                       const float *bias, float *y, uint32_t *xp) {
+    const int64_t nk = K / 32;
+    for (int64_t kb = 0; kb < nk; kb++)
+        for (int r = 0; r < 16; r++)
+            for (int64_t m = 0; m < M; m++)
+                memcpy(xp + (kb * 16 + r) * M + m, xb + m * K + 32 * kb + 2 * r, 4);
+#pragma omp parallel num_threads(threads)
+    {
+        amx_config c;
+        memset(&c, 0, sizeof c);
+        c.palette = 1;
+        c.rows[0] = c.rows[1] = c.rows[2] = 16;    /* 0: sums, 16 channels x M; 1: weights, 16 x 32 k; 2: x's pairs */
+        c.colsb[0] = c.colsb[2] = (uint16_t)(4 * M);
+        c.colsb[1] = 64;
+        _tile_loadconfig(&c);
+        float out[16 * 16];
+#pragma omp for schedule(static)
+        for (int64_t b = 0; b < N / 16; b++) {
+            const uint16_t *wb = w + 16 * b * K;
+            _tile_zero(0);
+            for (int64_t kb = 0; kb < nk; kb++) {
+                _tile_loadd(1, wb + 32 * kb, 2 * K);
+                _tile_loadd(2, xp + kb * 16 * M, 4 * M);
+                _tile_dpbf16ps(0, 1, 2);
+            }
+            _tile_stored(0, out, 64);
+            for (int64_t m = 0; m < M; m++)
+                for (int i = 0; i < 16; i++)
+                    y[m * N + 16 * b + i] = out[i * 16 + m] + (bias ? bias[16 * b + i] : 0.0f);
+        }
+        _tile_release();
+    }
+}
+#endif
+
+void bf16_gemv(int64_t M, int64_t N, int64_t K, int threads, int amx, const float *x, int64_t ldx,
+               const uint16_t *w, const float *bias, float *y, uint16_t *xb) {
+#if SUBQUAD_BF16
+    for (int64_t m = 0; m < M; m++)
+        for (int64_t k = 0; k < K; k += 16)
+            _mm256_storeu_si256((__m256i *)(xb + m * K + k),
+                                (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(x + m * ldx + k)));
+    int64_t n_from = 0;
+#if SUBQUAD_AMX_BF16
+    if (amx && N >= 16) {
+        uint32_t *xp = malloc(M * K * 2);
+        bf16_tiles(M, N, K, threads, xb, w, bias, y, xp);
+        free(xp);
+        n_from = N / 16 * 16;
+    }
+#endif
+    (void)amx;
+    if (n_from < N)
+        bf16_vectors(M, N, n_from, K, threads, xb, w, bias, y);
+#else
+    (void)x; (void)ldx; (void)w; (void)bias; (void)xb; (void)threads; (void)K; (void)amx;
+    for (int64_t i = 0; i < M * N; i++)                       /* never called: bf16_init said 0 */
+        y[i] = 0.0f;
+#endif
+}
+
 /* q4_0_gemv: a GGUF file's Q4_0 matrix as it is stored, times x rounded per block of 32 (quantize_q8) - llama.cpp's
  * Q4_0 x Q8_0 product: y[m, n] = sum_b scale[n, b] d[m, b] ((u - 8) . c)_b + bias[n], with u the block's 32
  * nibbles (q (N, K / 2) bytes, 16 per block: byte j's low nibble is value j, its high nibble value 16 + j) and
@@ -1166,10 +1304,11 @@ void f32_gemv_cm(int64_t M, int64_t N, int64_t K, int threads, const float *x, i
  * (int4_gemv; kind 3: blocks of 64 rows split, 4: of 32 split, 5: of 32 in pairs - quant.py's LAYOUTS 1-3), or
  * int8 codes times ``groups`` float32 scales per row (kind 6, int8_gemv, x exact: a GGUF file's Q6_K matrices,
  * or Q8_0's where asked; kind 7, Q8_0's blocks of 32 with x rounded per block by int8q_gemv, as llama.cpp does;
- * kind 8, Q4_0's nibbles as the file packs them, by q4_0_gemv).
+ * kind 8, Q4_0's nibbles as the file packs them, by q4_0_gemv; kind 9, int8_amx_pack's tiles; kind 10, bfloat16
+ * row-major, bf16_gemv, groups 1 through its tiles).
  * The scratch each needs is allocated here. */
 enum { PROJ_F32 = 0, PROJ_F32_CM = 1, PROJ_INT8 = 2, PROJ_INT4 = 3, PROJ_INT8_BLOCKS = 6, PROJ_Q8_0 = 7,
-       PROJ_Q4_0 = 8, PROJ_INT8_AMX = 9 };
+       PROJ_Q4_0 = 8, PROJ_INT8_AMX = 9, PROJ_BF16 = 10 };
 
 static void proj_gemv(int kind, int64_t groups, int64_t M, int64_t N, int64_t K, int threads, const float *x,
                       int64_t ldx, const void *w, const void *scale, const float *bias, float *y) {
@@ -1189,6 +1328,10 @@ static void proj_gemv(int kind, int64_t groups, int64_t M, int64_t N, int64_t K,
         uint8_t *u = malloc(M * K + M * sizeof(float));
         int8_amx_gemv(M, N, K, threads, x, ldx, w, scale, bias, y, u, (float *)(u + M * K));
         free(u);
+    } else if (kind == PROJ_BF16) {                           /* bfloat16 weights; groups 1: through the tiles */
+        uint16_t *xb = malloc(M * K * sizeof(uint16_t));
+        bf16_gemv(M, N, K, threads, (int)groups, x, ldx, w, bias, y, xb);
+        free(xb);
     } else if (kind == PROJ_INT8) {
         int8_t *xq = malloc(M * K + M * (K / 32) * sizeof(float));
         int8q_gemv(M, N, K, 1, threads, x, ldx, w, scale, bias, y, xq, (float *)(xq + M * K));

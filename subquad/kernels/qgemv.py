@@ -52,6 +52,10 @@ BLOCK_INT8Q_ROWS = 4
 # (``models.mode.decoding``: a prompt's rows stay exact, as int8's do); blocks with x exact (int8_gemv: Q6_K,
 # offsets) keep INT8_ROWS (at 16 rows 0.9x the dequantised in_proj).
 ROUNDED_ROWS = 16
+# bfloat16 weights (models.quant.Bf16Linear) up to BF16_ROWS rows through bf16_gemv, its AMX-BF16 tiles from
+# BF16_TILE_ROWS rows where the CPU has them (benchmarks/RESULTS.md, "bfloat16 products in C").
+BF16_ROWS = 16
+BF16_TILE_ROWS = 3
 # From this many rows f32_gemv computes outer-product tiles (qgemv.c's TILE_ROWS; the tests hold the two equal):
 # compute-bound where dot products of 8-16 rows reached about half the matmul rate (RESULTS.md).
 F32_TILE_ROWS = 3
@@ -76,6 +80,8 @@ Q4_0 = Kernel("q4_0_gemv", [I64, I64, I64, INT, PTR, I64, PTR, PTR, PTR, PTR, PT
 INT8_AMX = Kernel("int8_amx_gemv", [I64, I64, I64, INT, PTR, I64, PTR, PTR, PTR, PTR, PTR, PTR], "qgemv")
 AMX_PACK = Kernel("int8_amx_pack", [I64, I64, PTR, PTR], "qgemv")
 _AMX_INIT = Kernel("int8_amx_init", [PTR], "qgemv")
+BF16 = Kernel("bf16_gemv", [I64, I64, I64, INT, INT, PTR, I64, PTR, PTR, PTR, PTR], "qgemv")
+_BF16_INIT = Kernel("bf16_init", [PTR], "qgemv")
 INT4 = Kernel("int4_gemv", [I64, I64, I64, I64, I64, I64, INT, INT, PTR, I64, PTR, PTR, PTR, PTR], "qgemv")
 
 
@@ -151,6 +157,32 @@ def amx() -> bool:
     return bool(out.item())
 
 
+@lru_cache(maxsize=None)
+def bf16() -> int:
+    """What bf16_gemv may use: 0 nothing (not built with AVX512-BF16, or the kernels off), 1 its vectors
+    (Sapphire Rapids, Zen 4), 2 the AMX-BF16 tiles too (Sapphire Rapids, the tiles' state granted;
+    ``SUBQUAD_AMX=0``: not)."""
+    if not BF16.available():
+        return 0
+    out = torch.zeros(1, dtype=torch.int32)
+    _BF16_INIT(out)
+    return min(int(out.item()), 1 if os.environ.get("SUBQUAD_AMX") == "0" else 2)
+
+
+def bf16_gemv(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, tiles: bool | None = None) -> torch.Tensor:
+    """x (..., K) float32 (``usable``, ``bf16()``), K a multiple of 32, at most 16 rows; w (N, K) bfloat16, bias
+    (N,) float32 or None -> (..., N) float32: x rounded to bfloat16, float32 sums (``qgemv.c``'s bf16_gemv;
+    ``tiles``: through AMX-BF16, by default where ``bf16()`` offers them from BF16_TILE_ROWS rows)."""
+    x2 = _rows(x)
+    (M, K), N = x2.shape, w.shape[0]
+    if tiles is None:
+        tiles = M >= BF16_TILE_ROWS and bf16() == 2
+    y = x2.new_empty(M, N)
+    BF16(M, N, K, torch.get_num_threads(), int(tiles), x2, x2.stride(0), w, bias, y,
+         torch.empty(M * K, dtype=torch.int16))
+    return y.view(*x.shape[:-1], N)
+
+
 def q4_0_gemv(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """x (..., K) float32 (``usable``), K a multiple of 32, q (N, K / 2) uint8 as a GGUF file's Q4_0 blocks hold
     their nibbles (16 bytes a block: byte j = value j low, value 16 + j high; w = (u - 8) scale), scale (N, K / 32)
@@ -210,7 +242,8 @@ def proj_args(w) -> tuple:
     """(weight, scale, kind, groups) as the block kernels take a projection (``qgemv.c``'s proj_gemv): ``w`` a
     float32 matrix, row-major (kind 0) or column-major (1), or already such a tuple
     (``layers.mamba.kernel_weight``: int8 per output channel, kind 2; int4 in torch's packed layout, 3-5; int8
-    per block of inputs, x exact, 6, or x rounded per block (Q8_0), 7; Q4_0's packed nibbles, 8)."""
+    per block of inputs, x exact, 6, or x rounded per block (Q8_0), 7; Q4_0's packed nibbles, 8; int8 in AMX
+    tiles, 9; bfloat16, 10, groups 1 through its tiles)."""
     if isinstance(w, tuple):
         return w
     return w, None, int(not w.is_contiguous()), 0

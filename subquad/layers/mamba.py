@@ -46,7 +46,8 @@ def kernel_weight(lin, rows: int):
     ``ROUNDED_ROWS``, 6 x exact, for ``INT8_ROWS``) and (q, scale, 8, groups) of Q4_0's packed nibbles, for
     ``ROUNDED_ROWS``; (w, scale_zero, 2 + layout, groups)
     of an ``Int4Linear`` packed for torch's kernel, for at most ``INT4_ROWS`` rows (more: the libraries' int8 and
-    int4 products are faster, qgemv.py)."""
+    int4 products are faster, qgemv.py); (w, None, 10, tiles) of a ``Bf16Linear`` without a bias, for
+    ``BF16_ROWS``, where ``kernels.qgemv.bf16()`` offers its kernel."""
     if type(lin) in (nn.Linear, Linear):
         return lin.weight if fused_block.layout(lin.weight) else None
     q, scale = getattr(lin, "q", None), getattr(lin, "scale", None)
@@ -65,6 +66,10 @@ def kernel_weight(lin, rows: int):
                 return q, scale, 7 if rounds else 6, scale.shape[1]
         return None
     w, sz = getattr(lin, "w", None), getattr(lin, "scale_zero", None)
+    if isinstance(w, torch.Tensor) and w.dtype == torch.bfloat16 and sz is None:       # models.quant.Bf16Linear
+        ok = lin.bias is None and w.is_cpu and w.is_contiguous() and w.shape[1] % 32 == 0 \
+            and rows <= qgemv.BF16_ROWS and qgemv.bf16()
+        return (w, None, 10, int(rows >= qgemv.BF16_TILE_ROWS and qgemv.bf16() == 2)) if ok else None
     if isinstance(sz, torch.Tensor) and getattr(lin, "layout", 0) and w.is_cpu and rows <= qgemv.INT4_ROWS:
         return w, sz, 2 + lin.layout, sz.shape[0]
     return None

@@ -38,7 +38,11 @@
                                  weight and 4 bytes a group;
                                  prefill (more rows, without the tiles): x W^T with the dequantised W in x's
                                  dtype - weight-only, exact
-    bf16:                        (x.bfloat16() W^T).to(x.dtype)
+    bf16:                        (x.bfloat16() W^T).to(x.dtype); up to ``qgemv.BF16_ROWS`` float32 rows of a
+                                 width that is a multiple of 32 where the CPU has AVX512-BF16 (Sapphire Rapids,
+                                 Zen 4): ``kernels.qgemv.bf16_gemv``, the same products summed in float32 and y
+                                 kept float32 (not rounded to bfloat16), from 3 rows through AMX-BF16 tiles where
+                                 the CPU has them - 1.8-2.6x torch's bfloat16 product (oneDNN) at 1-16 rows
 
 What is quantised, as llama.cpp's Q8_0 does: the projections of every mixer and MLP, the experts (one
 ``Int8Linear`` per expert), the routers and the vocabulary head (a tied head gets its own quantised copy;
@@ -334,6 +338,8 @@ class Bf16Linear(nn.Module):
         return self.w.float()
 
     def forward(self, x):
+        if qgemv.bf16() and x.shape[-1] % 32 == 0 and _direct(x) and qgemv.usable(qgemv.BF16, x, qgemv.BF16_ROWS):
+            return qgemv.bf16_gemv(x, self.w, None if self.bias is None else self.bias.float())
         return F.linear(x.to(torch.bfloat16), self.w, self.bias).to(x.dtype)
 
 

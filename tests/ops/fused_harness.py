@@ -51,7 +51,8 @@ def assert_quantized_block_agrees(monkeypatch, module, mixer_cls, pattern: str, 
     """A model of ``pattern`` blocks without MLPs whose in_proj, out_proj and head are ``kind`` ("int8": per channel;
     "int4": groups of 32; "int8 blocks": in_proj, out_proj and Mamba's x_proj per block of 32 as a GGUF file's Q8_0,
     x rounded per block as for "int8"; "int8 blocks of 16": per block of 16 as Q6_K's, x exact: within 1e-5 of the
-    modules; "q4_0": 4-bit codes per block of 32 as a Q4_0 file packs them, x rounded), else the small x_proj /
+    modules; "q4_0": 4-bit codes per block of 32 as a Q4_0 file packs them, x rounded; "bf16": bfloat16 weights,
+    x rounded to bfloat16, where the CPU has the kernel), else the small x_proj /
     dt_proj float32 as at mamba-130m's shape, decoding 1 and the most rows the block kernel takes for them
     (``kernels.qgemv.BLOCK_INT8Q_ROWS`` or ``AMX_ROWS``, ``INT4_ROWS``, ``INT8_ROWS``), and 3: the block kernel's
     logits within 1% of the logits' scale of the same model's steps through its modules (the same products one call
@@ -79,11 +80,12 @@ def assert_quantized_block_agrees(monkeypatch, module, mixer_cls, pattern: str, 
                 setattr(blk.mixer, name, Int8Linear.from_blocks(q.contiguous(), s.contiguous()))
     else:
         quantize(m, kind, min_weights=8192, group_size=32)
-    assert type(m.blocks[0].mixer.in_proj).__name__ == ("Int4Linear" if kind == "int4" else "Int8Linear")
+    assert type(m.blocks[0].mixer.in_proj).__name__ == {"int4": "Int4Linear", "bf16": "Bf16Linear"}.get(kind,
+                                                                                                   "Int8Linear")
     m64 = LanguageModel(m.config).eval().double()
     m64.load_state_dict({k: v for k, v in m.state_dict().items() if k in m64.state_dict()}, strict=False)
     for name, mod in m.named_modules():                 # the dequantised weights into the float64 copy
-        if type(mod).__name__ in ("Int8Linear", "Int4Linear") and name != "head":
+        if type(mod).__name__ in ("Int8Linear", "Int4Linear", "Bf16Linear") and name != "head":
             m64.get_submodule(name).weight.data.copy_(mod.weight)
     monkeypatch.setattr(qgemv, "INT8Q_ROWS", qgemv.BLOCK_INT8Q_ROWS)     # the modules' products the block's too
     calls = []
@@ -91,8 +93,9 @@ def assert_quantized_block_agrees(monkeypatch, module, mixer_cls, pattern: str, 
     monkeypatch.setattr(module.BlockStep, "__call__", lambda *a: calls.append(1) or real(*a))
     own = mixer_cls.fused_block
     most = {"int8": qgemv.AMX_ROWS if qgemv.amx() else qgemv.BLOCK_INT8Q_ROWS, "int4": qgemv.INT4_ROWS,
-            "int8 blocks of 16": qgemv.INT8_ROWS}.get(kind, qgemv.ROUNDED_ROWS)   # Q8_0's, Q4_0's: x rounded
-    for rows in (1, 3, most):                           # int8 with AMX tiles: 3 rows int8q, 16 the tiles
+            "int8 blocks of 16": qgemv.INT8_ROWS, "bf16": qgemv.BF16_ROWS}.get(kind, qgemv.ROUNDED_ROWS)
+    for rows in (1, 3, most):                           # int8 with AMX tiles: 3 rows int8q, 16 the tiles; bf16: 1
+        # row its vectors, 3 and 16 its tiles where the CPU has them; Q8_0's, Q4_0's: x rounded
         ids = torch.randint(0, 300, (rows, 7), generator=torch.Generator().manual_seed(rows))
         with torch.no_grad():
             _, st = m.prefill(ids)
