@@ -68,7 +68,7 @@ print(json.dumps(out))
 '''
 
 
-PRECISIONS = ("f32", "int8", "int8-noamx", "int4", "gguf-q8_0", "gguf-q4_0")
+PRECISIONS = ("f32", "int8", "int8-noamx", "int4", "bf16", "gguf-q8_0", "gguf-q4_0")
 
 
 def child(tree: str, quantize: str, a) -> dict:
