@@ -7,7 +7,8 @@ folder and as GGUF files (``save_gguf``: f32, q8_0 and q4_0), then
     subquad     ``from_pretrained`` of the folder: eager float32 (with the fused C step, the default, and op by op:
                 ``SUBQUAD_KERNELS=0``), ``compile_decode`` float32, eager and ``compile_decode``
                 with ``quantize="int8"`` and with ``quantize="int4"`` (groups of 128, the default; against Q4_0,
-                issue 51's target); N greedy ``model.step`` calls after warm-up (the graph compiled first)
+                issue 51's target), eager ``quantize="bf16"`` against a BF16 file; N greedy ``model.step``
+                calls after warm-up (the graph compiled first)
 
     python benchmarks/bench_llama_decode.py --llama-bench /path/to/build/bin/llama-bench
     python benchmarks/bench_llama_decode.py --llama-bench ... --interleave 3   # eager rows only, rounds alternating
@@ -16,9 +17,10 @@ folder and as GGUF files (``save_gguf``: f32, q8_0 and q4_0), then
 
 and every step but the op-by-op one at ``--batch`` rows (default 16), ms per step and the ratio to one row.
 
-``--interleave R``: only llama.cpp and subquad's eager step at each precision (f32 / Q8_0 / Q4_0 against float32 /
-int8 / int4, and subquad reading the Q8_0 and Q4_0 files themselves), R rounds each running every row once in
-turn, so a host whose speed drifts moves both engines alike; the median of each row and every round's ratio.
+``--interleave R``: only llama.cpp and subquad's eager step at each precision (f32 / BF16 / Q8_0 / Q4_0 against
+float32 / bfloat16 / int8 / int4, and subquad reading the Q8_0 and Q4_0 files themselves), R rounds each running
+every row once in turn, so a host whose speed drifts moves both engines alike; the median of each row and every
+round's ratio.
 Writes results/llama_decode_interleaved.md (``--model hybrid``: llama_decode_hybrid_interleaved.md).
 
 ``--model hybrid``: ``bench_llama_server.HYBRID`` (Bamba's structure at mamba2-130m's mixer shape: Mamba-2 blocks
@@ -47,7 +49,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.common import OUT, machine_line, matmul_gflops  # noqa: E402
 
-OUTTYPES = ("f32", "q8_0", "q4_0")
+OUTTYPES = ("f32", "bf16", "q8_0", "q4_0")
 SHAPE = dict(vocab_size=50280, d_model=768, n_layers=24, pattern="mamba", mlp=False, norm_eps=1e-5)
 
 
@@ -93,7 +95,8 @@ def what(model: str) -> str:
 
 def interleaved(a, folder: Path, tmp: Path):
     """``--interleave``'s rounds (module doc)."""
-    pairs = (("f32", None), ("q8_0", "int8"), ("q4_0", "int4"), ("q8_0", "gguf q8_0"), ("q4_0", "gguf q4_0"))
+    pairs = (("f32", None), ("bf16", "bf16"), ("q8_0", "int8"), ("q4_0", "int4"), ("q8_0", "gguf q8_0"),
+             ("q4_0", "gguf q4_0"))
     runs: dict[str, list] = {}
     for r in range(a.interleave):
         for outtype, q in pairs:
@@ -151,6 +154,7 @@ def main(argv=None):
         for name, compiled, q, k in (("subquad f32 eager", False, None, "1"),
                                      ("subquad f32 eager, op by op", False, None, "0"),
                                      ("subquad f32 compile_decode", True, None, "1"),
+                                     ("subquad bf16 eager", False, "bf16", "1"),
                                      ("subquad int8 eager", False, "int8", "1"),
                                      ("subquad int8 compile_decode", True, "int8", "1"),
                                      ("subquad int4 eager", False, "int4", "1"),
@@ -168,7 +172,8 @@ def main(argv=None):
 
     def base(name):                     # llama.cpp's row of the same precision
         return rows[next(f"llama.cpp {o}" for k, o in (("int8", "q8_0"), ("q8_0", "q8_0"), ("int4", "q4_0"),
-                                                        ("q4_0", "q4_0"), ("", "f32")) if k in name)]
+                                                        ("q4_0", "q4_0"), ("bf16", "bf16"), ("", "f32"))
+                           if k in name)]
     from subquad.layers.linear import ONEDNN
 
     lines = [f"{what(a.model)} (random weights), batch 1, {a.threads} threads, {a.tokens} tokens; float32 "

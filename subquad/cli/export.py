@@ -16,7 +16,7 @@ def add_parser(command, hf_types: list[str]) -> None:
                    help="hf: a model folder (default); gguf: one GGUF file for llama.cpp / Ollama (--out is the file; "
                         "the structures of the Hugging Face types subquad.models.gguf writes: "
                         "benchmarks/gguf_architectures.md)")
-    x.add_argument("--outtype", choices=["f32", "f16", "q8_0", "q4_0"], default="f32",
+    x.add_argument("--outtype", choices=["f32", "f16", "bf16", "q8_0", "q4_0"], default="f32",
                    help="--format gguf: the type of the matrices (norms, convolutions, A, D and biases stay f32)")
     x.add_argument("--quantize", choices=["int8", "int4", "bf16"],
                    help="write the model quantised (subquad.models.quant): a folder of subquad's own format that "

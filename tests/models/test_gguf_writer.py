@@ -32,7 +32,7 @@ def test_quantisers_write_ggmls_bytes():
 
 
 @pytest.mark.parametrize("kind,outtype", [("mamba", "q8_0"), ("mamba2", "q4_0"), ("mamba2", "f32"), ("lfm2", "q8_0"),
-                                          ("mamba", "f16")])
+                                          ("mamba", "f16"), ("mamba2", "bf16")])
 def test_written_file_reads_in_gguf_and_loads_back(tmp_path, kind, outtype):
     hf, folder = _hf_lfm2(tmp_path) if kind == "lfm2" else _hf_mamba(tmp_path, falcon=kind)
     model, _ = from_pretrained(folder)
@@ -78,7 +78,7 @@ def test_written_file_reads_in_gguf_and_loads_back(tmp_path, kind, outtype):
 def test_refusals_name_the_problem(tmp_path):
     _, folder = _hf_mamba(tmp_path)
     model, _ = from_pretrained(folder)
-    with pytest.raises(ValueError, match="outtype must be one of f32, f16, q8_0, q4_0"):
+    with pytest.raises(ValueError, match="outtype must be one of f32, f16, bf16, q8_0, q4_0"):
         save_gguf(model, tmp_path / "x.gguf", "q5_1")
     assert set(save_gguf(model, tmp_path / "u.gguf", "Q8_0").values()) >= {"Q8_0"}    # as file names spell it
     with pytest.raises(ValueError, match="quantised"):

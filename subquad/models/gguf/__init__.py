@@ -1,7 +1,7 @@
 """GGUF (llama.cpp's file format) in and out, without ggml's ``gguf`` package (the tests' reference).
 
     model, tokenizer = from_pretrained("model.gguf")            # models.from_pretrained routes .gguf here
-    save_gguf(model, "out.gguf", outtype="q8_0")   # f32, f16, q8_0, q4_0; subquad export --format gguf
+    save_gguf(model, "out.gguf", outtype="q8_0")   # f32, f16, bf16, q8_0, q4_0; subquad export --format gguf
 
     reader.py   the file: metadata, tensor table, tensors (F32/F16/BF16/Q8_0/Q4_0/Q4_K/Q6_K) as views of the map
     arch.py     per architecture (mamba, mamba2, lfm2; qwen.py: qwen3next, qwen35, qwen35moe; qwen4.py: qwen4exp;

@@ -5,7 +5,7 @@ Types, as the converter chooses them: 1-D tensors, norms, convolutions and every
 end in ``.weight`` (Mamba's A and D, biases) in F32; the other matrices in ``outtype``, F16 where a row is
 not a multiple of the block (32 values: mamba-130m's dt_proj, 48 wide). ``outtype``:
 
-    f32, f16   plain
+    f32, f16, bf16   plain (bf16: float32 rounded to nearest even, as torch's and ggml's conversions)
     q8_0       per block of 32: d = max|x| / 127 (stored f16), q = round(x / d) (halves away from zero)
     q4_0       per block of 32: m = the value of largest |x| (its sign kept), d = m / -8 (stored f16),
                q = min(15, trunc(x / d + 8.5)) - 8
@@ -33,8 +33,8 @@ from subquad.models.gguf.qwen import QWEN_SOURCE_TYPES
 from subquad.models.gguf.vocab import tokenizer_metadata
 
 ALIGN = 32
-OUTTYPES = {"f32": 0, "f16": 1, "q8_0": 8, "q4_0": 2}            # -> ggml type
-FILE_TYPES = {"f32": 0, "f16": 1, "q8_0": 7, "q4_0": 2}          # llama_ftype: ALL_F32, MOSTLY_F16, MOSTLY_Q8_0, ...
+OUTTYPES = {"f32": 0, "f16": 1, "bf16": 30, "q8_0": 8, "q4_0": 2}            # -> ggml type
+FILE_TYPES = {"f32": 0, "f16": 1, "bf16": 32, "q8_0": 7, "q4_0": 2}   # llama_ftype: ALL_F32, MOSTLY_F16, ...
 
 
 def _roundf(x):
@@ -80,8 +80,8 @@ def _encode(kind: str, t: torch.Tensor) -> bytes:
     t = t.detach().float().contiguous()
     if kind == "f32":
         data = t.view(torch.uint8)
-    elif kind == "f16":
-        data = t.half().view(torch.uint8)
+    elif kind in ("f16", "bf16"):
+        data = t.to(torch.float16 if kind == "f16" else torch.bfloat16).view(torch.uint8)
     else:
         data = (quantize_q8_0 if kind == "q8_0" else quantize_q4_0)(t)
     return data.contiguous().numpy().tobytes()
