@@ -18,7 +18,7 @@ folder and as GGUF files (``save_gguf``: f32, q8_0 and q4_0), then
 and every step but the op-by-op one at ``--batch`` rows (default 16), ms per step and the ratio to one row.
 
 ``--interleave R``: only llama.cpp and subquad's eager step at each precision (f32 / BF16 / Q8_0 / Q4_0 against
-float32 / bfloat16 / int8 / int4, and subquad reading the Q8_0 and Q4_0 files themselves), R rounds each running
+float32 / bfloat16 / int8 / int4, and subquad reading the BF16, Q8_0 and Q4_0 files themselves), R rounds each running
 every row once in turn, so a host whose speed drifts moves both engines alike; the median of each row and every
 round's ratio.
 Writes results/llama_decode_interleaved.md (``--model hybrid``: llama_decode_hybrid_interleaved.md).
@@ -95,8 +95,8 @@ def what(model: str) -> str:
 
 def interleaved(a, folder: Path, tmp: Path):
     """``--interleave``'s rounds (module doc)."""
-    pairs = (("f32", None), ("bf16", "bf16"), ("q8_0", "int8"), ("q4_0", "int4"), ("q8_0", "gguf q8_0"),
-             ("q4_0", "gguf q4_0"))
+    pairs = (("f32", None), ("bf16", "bf16"), ("q8_0", "int8"), ("q4_0", "int4"), ("bf16", "gguf bf16"),
+             ("q8_0", "gguf q8_0"), ("q4_0", "gguf q4_0"))
     runs: dict[str, list] = {}
     for r in range(a.interleave):
         for outtype, q in pairs:

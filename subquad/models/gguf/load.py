@@ -4,7 +4,9 @@ The file's tensors are renamed and reshaped to the Hugging Face checkpoint of it
 and its metadata to that checkpoint's config.json; ``models.hf``'s format for that type then builds the model
 as for a folder (every tensor used once, every config field honoured or refused). Tensor types:
 
-    F32, F16, BF16        read as float32 (or ``dtype``)
+    F32, F16, BF16        read as float32 (or ``dtype``); a projection's BF16 matrix, with the default float32,
+                          kept in bfloat16 (``quant.Bf16Linear``, ``_keep_bf16``: exact, half the memory,
+                          multiplied as llama.cpp's BF16 products are - x rounded to bfloat16)
     Q8_0, Q4_0, Q4_K, Q6_K  a projection's matrix (an ``nn.Linear``) is kept quantised, exactly:
                           ``Int8Linear.from_blocks`` (int8 codes, a float32 scale - and for Q4_K an offset -
                           per block of 32, or 16 for Q6_K; Q4_0's nibbles as the file packs them, 4 bits a
@@ -117,12 +119,15 @@ def load_gguf(path, dtype=None, device=None, quantize=None):
     def finish(model, names):
         kept = {h: _rows(arch, h, c, f.blocks(g)) + (g, kind) for h, (g, kind) in blocks.items()}
         _install_blocks(model, names, kept, dtype, quantize, expanded)
+        if quantize is None and dtype == torch.float32 and _keep_bf16(model, names, weights):
+            kept_bf16.append(True)
         _install_experts(model, names, {g: _rows(arch, h, c, f.blocks(g)) + (kind,)
                                         for h, (g, kind) in experts.items()}, quantize)
 
+    kept_bf16 = []
     model = build(path, c, fmt, cfg, tensors, dtype, device, None if blocks or experts else quantize, finish=finish)
-    if blocks or experts:
-        model.quantized = quantize or "int8"
+    if blocks or experts or kept_bf16:
+        model.quantized = quantize or ("int8" if blocks or experts else "bf16")
         model.quant_group_size = GROUP if quantize == "int4" else None
         for p in model.parameters():
             p.requires_grad_(False)
@@ -225,6 +230,33 @@ def _linear(q, scale, offset, kind: str, bias, quantize):
     m = Int4Linear(None, bias, GROUP, shape=(N, K))
     m._set(pair_k(codes), scale.bfloat16(), zero.bfloat16(), None if bias is None else bias.detach().float().clone())
     return m
+
+
+def _keep_bf16(model, names: dict, weights: dict) -> int:
+    """Each projection whose file tensor is BF16 (``weights``: Hugging Face name -> (GGUF name, type)) as a
+    ``quant.Bf16Linear`` - half the memory, and its products through ``kernels.qgemv.bf16_gemv`` (x rounded to
+    bfloat16, as llama.cpp's BF16 products round it) - where the float32 weight the format built is that tensor
+    exactly (not scaled, nor fused with another type) and its bias, if any, is bfloat16 too; the rest stays float32.
+    Returns how many."""
+    from subquad.layers.linear import Linear
+    from subquad.models.quant import Bf16Linear
+
+    def exact(t):
+        return t is None or torch.equal(t.detach().bfloat16().float(), t.detach())
+
+    n = 0
+    for ours, theirs in names.items():
+        if not isinstance(theirs, str) or weights.get(theirs, (None, None))[1] != "BF16":
+            continue
+        parent_name, _, leaf = ours.rpartition(".")
+        parent = model.get_submodule(parent_name)
+        if leaf != "weight" or type(parent) not in (nn.Linear, Linear) or parent.weight.dtype != torch.float32 \
+                or parent.weight.is_meta or not exact(parent.weight) or not exact(parent.bias):
+            continue
+        owner_name, _, child = parent_name.rpartition(".")
+        setattr(model.get_submodule(owner_name) if owner_name else model, child, Bf16Linear(parent.weight, parent.bias))
+        n += 1
+    return n
 
 
 def _install_blocks(model, names: dict, blocks: dict, dtype, quantize=None, dequantised=()) -> None:
