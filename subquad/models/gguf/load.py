@@ -236,10 +236,12 @@ def _keep_bf16(model, names: dict, weights: dict) -> int:
     """Each projection whose file tensor is BF16 (``weights``: Hugging Face name -> (GGUF name, type)) as a
     ``quant.Bf16Linear`` - half the memory, and its products through ``kernels.qgemv.bf16_gemv`` (x rounded to
     bfloat16, as llama.cpp's BF16 products round it) - where the float32 weight the format built is that tensor
-    exactly (not scaled, nor fused with another type) and its bias, if any, is bfloat16 too; the rest stays float32.
-    Returns how many."""
+    exactly (not scaled, nor fused with another type) and its bias, if any, is bfloat16 too, and which
+    ``quant.quantize(model, "bf16")`` would convert (``MIN_WEIGHTS`` and more, not in a layer's ``keep_float``:
+    Mamba's small x_proj and dt_proj stay float32, so its blocks keep their one C call); the rest stays float32
+    (exactly the file's values); a tied head its own bfloat16 copy of a BF16 embedding. Returns how many."""
     from subquad.layers.linear import Linear
-    from subquad.models.quant import Bf16Linear
+    from subquad.models.quant import MIN_WEIGHTS, Bf16Linear
 
     def exact(t):
         return t is None or torch.equal(t.detach().bfloat16().float(), t.detach())
@@ -250,12 +252,17 @@ def _keep_bf16(model, names: dict, weights: dict) -> int:
             continue
         parent_name, _, leaf = ours.rpartition(".")
         parent = model.get_submodule(parent_name)
-        if leaf != "weight" or type(parent) not in (nn.Linear, Linear) or parent.weight.dtype != torch.float32 \
-                or parent.weight.is_meta or not exact(parent.weight) or not exact(parent.bias):
-            continue
         owner_name, _, child = parent_name.rpartition(".")
-        setattr(model.get_submodule(owner_name) if owner_name else model, child, Bf16Linear(parent.weight, parent.bias))
+        owner = model.get_submodule(owner_name) if owner_name else model
+        if leaf != "weight" or type(parent) not in (nn.Linear, Linear) or parent.weight.dtype != torch.float32 \
+                or parent.weight.is_meta or parent.weight.numel() < MIN_WEIGHTS \
+                or child in getattr(owner, "keep_float", ()) or not exact(parent.weight) or not exact(parent.bias):
+            continue
+        setattr(owner, child, Bf16Linear(parent.weight, parent.bias))
         n += 1
+    embed = names.get("embed.weight")
+    if n and model.head is None and weights.get(embed, (None, None))[1] == "BF16" and exact(model.embed.weight):
+        model.head = Bf16Linear(model.embed.weight)        # tied: the head multiplies a bfloat16 copy, as quantize's
     return n
 
 
