@@ -514,8 +514,9 @@ void int8q_gemv(int64_t M, int64_t N, int64_t K, int64_t G, int threads, const f
 /* int8_amx_gemv: y[m, n] = d[m] scale[n] sum_k q[n, k] c[m, k] + bias[n] (amx_rows' c, d; one scale per output
  * channel) through Sapphire Rapids' AMX tiles: per block of 16 output channels one tile of int32 sums (up to 16
  * rows x 16), per 64 k one tdpbusd of x's codes (16 rows x 64 bytes, u = c + 128; more rows: tiles of 16, u then
- * M rounded up to 16 rows) against the weights' tile (16 x 64 bytes: row r holds k = 4r .. 4r + 3 of each of the
- * 16 channels, int8_amx_pack's layout), q . c = q . u - 128 sum(q) with sum(q) packed after the tiles. A tdpbusd
+ * M rounded up to 16 rows, two channel blocks x two row tiles at a time: int8_amx_many) against the weights' tile
+ * (16 x 64 bytes: row r holds k = 4r .. 4r + 3 of each of the 16 channels, int8_amx_pack's layout),
+ * q . c = q . u - 128 sum(q) with sum(q) packed after the tiles. A tdpbusd
  * does 16 K products: 3-16 rows cost about one pass over the weights (benchmarks/RESULTS.md). Linux hands a
  * process the tiles' state only when asked (arch_prctl, int8_amx_init). */
 #if SUBQUAD_AMX
@@ -563,9 +564,10 @@ void int8_amx_pack(int64_t N, int64_t K, const int8_t *q, int8_t *p) {
 /* x's rows rounded to 8 bits as a whole, as the tiles take them: d[m] = max_k |x[m, k]| / 127, c = round(x / d)
  * (to nearest even), u = c + 128 - finer than fbgemm's dynamic product, which rounds all the rows of a call to
  * one scale. K a multiple of 64. */
-static void amx_rows(int64_t M, int64_t K, const float *x, int64_t ldx, uint8_t *u, float *d) {
+static void amx_rows(int64_t M, int64_t K, int threads, const float *x, int64_t ldx, uint8_t *u, float *d) {
     const __m512 sign = _mm512_set1_ps(-0.0f);
     const __m512i off = _mm512_set1_epi32(128);
+#pragma omp parallel for num_threads(M >= 64 ? threads : 1) schedule(static)
     for (int64_t m = 0; m < M; m++) {
         const float *xm = x + m * ldx;
         __m512 mx = _mm512_setzero_ps();
@@ -582,41 +584,118 @@ static void amx_rows(int64_t M, int64_t K, const float *x, int64_t ldx, uint8_t 
 }
 #endif
 
-void int8_amx_gemv(int64_t M, int64_t N, int64_t K, int threads, const float *x, int64_t ldx, const int8_t *p,
-                   const float *scale, const float *bias, float *y, uint8_t *u, float *xd) {
 #if SUBQUAD_AMX
-    const int64_t nk = K / 64, nb = (N + 15) / 16, R = M < 16 ? M : 16;     /* R rows a tile */
+/* One tile of sums (16 rows from m0 x 16 channels from n0) out: y = d scale (sum - 128 sum(q)) + bias. */
+static inline void amx_out(const int32_t *out, int64_t m0, int64_t M, int64_t n0, int64_t N, const float *xd,
+                           const float *scale, const int32_t *qsum, const float *bias, float *y) {
+    const int64_t nr = N - n0 < 16 ? N - n0 : 16;
+    const __mmask16 k = (__mmask16)((1u << nr) - 1);                /* the block's channels that exist */
+    const __m512i q128 = _mm512_slli_epi32(_mm512_maskz_loadu_epi32(k, qsum + n0), 7);
+    const __m512 sc = _mm512_maskz_loadu_ps(k, scale + n0);
+    const __m512 bs = bias ? _mm512_maskz_loadu_ps(k, bias + n0) : _mm512_setzero_ps();
+    for (int64_t m = m0; m < M && m < m0 + 16; m++) {          /* the same float operations as written out */
+        const __m512 t = _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_loadu_si512(out + (m - m0) * 16), q128));
+        _mm512_mask_storeu_ps(y + m * N + n0, k,
+                              _mm512_add_ps(_mm512_mul_ps(_mm512_mul_ps(_mm512_set1_ps(xd[m]), sc), t), bs));
+    }
+}
+
+/* More than 16 rows (a prompt's): per pair of channel blocks and pair of row tiles, four sums' tiles (0-3) over two
+ * x tiles (4, 5) and two weight tiles (6, 7) - each tile loaded serves two tdpbusd, half the loads per product of
+ * the one-pair loop, whose loads from L2 bound it (benchmarks/RESULTS.md). The same integer sums, so the same y. */
+static void int8_amx_many(int64_t M, int64_t N, int64_t K, int threads, const int8_t *p, const float *scale,
+                          const float *bias, float *y, const uint8_t *u, const float *xd) {
+    const int64_t nk = K / 64, nb = (N + 15) / 16, mt = (M + 15) / 16;
     const int32_t *qsum = amx_sums(p, N, K);
-    amx_rows(M, K, x, ldx, u, xd);
-    if (M > 16)                                              /* whole tiles: the last one's rows past M zero */
-        memset(u + M * K, 0, ((M + 15) / 16 * 16 - M) * K);
 #pragma omp parallel num_threads(threads)
     {
         amx_config c;
         memset(&c, 0, sizeof c);
         c.palette = 1;
-        c.rows[0] = c.rows[1] = (uint8_t)R;                 /* 0: the sums, R x 16 int32; 1: x's codes, R x 64 */
+        for (int t = 0; t < 8; t++)
+            c.rows[t] = 16, c.colsb[t] = 64;
+        _tile_loadconfig(&c);
+        int32_t out[16 * 16];
+#pragma omp for schedule(static)
+        for (int64_t bp = 0; bp < (nb + 1) / 2; bp++) {
+            const int64_t b = 2 * bp;
+            const int two_n = b + 1 < nb;
+            const int8_t *p0 = p + b * nk * 1024, *p1 = p0 + nk * 1024;
+            for (int64_t t = 0; t < mt; t += 2) {
+                const int two_m = t + 1 < mt;
+                const uint8_t *u0 = u + 16 * t * K, *u1 = u0 + 16 * K;
+                _tile_zero(0);
+                _tile_zero(1);
+                _tile_zero(2);
+                _tile_zero(3);
+                for (int64_t kb = 0; kb < nk; kb++) {
+                    _tile_loadd(4, u0 + 64 * kb, K);
+                    _tile_loadd(6, p0 + kb * 1024, 64);
+                    _tile_dpbusd(0, 4, 6);
+                    if (two_n) {
+                        _tile_loadd(7, p1 + kb * 1024, 64);
+                        _tile_dpbusd(1, 4, 7);
+                    }
+                    if (two_m) {
+                        _tile_loadd(5, u1 + 64 * kb, K);
+                        _tile_dpbusd(2, 5, 6);
+                        if (two_n)
+                            _tile_dpbusd(3, 5, 7);
+                    }
+                }
+                _tile_stored(0, out, 64);
+                amx_out(out, 16 * t, M, 16 * b, N, xd, scale, qsum, bias, y);
+                if (two_n) {
+                    _tile_stored(1, out, 64);
+                    amx_out(out, 16 * t, M, 16 * (b + 1), N, xd, scale, qsum, bias, y);
+                }
+                if (two_m) {
+                    _tile_stored(2, out, 64);
+                    amx_out(out, 16 * (t + 1), M, 16 * b, N, xd, scale, qsum, bias, y);
+                    if (two_n) {
+                        _tile_stored(3, out, 64);
+                        amx_out(out, 16 * (t + 1), M, 16 * (b + 1), N, xd, scale, qsum, bias, y);
+                    }
+                }
+            }
+        }
+        _tile_release();
+    }
+}
+#endif
+
+void int8_amx_gemv(int64_t M, int64_t N, int64_t K, int threads, const float *x, int64_t ldx, const int8_t *p,
+                   const float *scale, const float *bias, float *y, uint8_t *u, float *xd) {
+#if SUBQUAD_AMX
+    const int64_t nk = K / 64, nb = (N + 15) / 16;
+    const int32_t *qsum = amx_sums(p, N, K);
+    amx_rows(M, K, threads, x, ldx, u, xd);
+    if (M > 16) {                                            /* whole tiles: the last one's rows past M zero */
+        memset(u + M * K, 0, ((M + 15) / 16 * 16 - M) * K);
+        int8_amx_many(M, N, K, threads, p, scale, bias, y, u, xd);
+        return;
+    }
+#pragma omp parallel num_threads(threads)
+    {
+        amx_config c;
+        memset(&c, 0, sizeof c);
+        c.palette = 1;
+        c.rows[0] = c.rows[1] = (uint8_t)M;                 /* 0: the sums, M x 16 int32; 1: x's codes, M x 64 */
         c.rows[2] = 16;                                      /* 2: the weights' tile */
         c.colsb[0] = c.colsb[1] = c.colsb[2] = 64;
         _tile_loadconfig(&c);
         int32_t out[16 * 16];
 #pragma omp for schedule(static)
-        for (int64_t b = 0; b < nb; b++) {                  /* the block's tiles stay in L1 for every R rows */
+        for (int64_t b = 0; b < nb; b++) {
             const int8_t *pb = p + b * nk * 1024;
-            const int64_t n0 = 16 * b, nr = N - n0 < 16 ? N - n0 : 16;
-            for (int64_t m0 = 0; m0 < M; m0 += R) {
-                _tile_zero(0);
-                for (int64_t kb = 0; kb < nk; kb++) {
-                    _tile_loadd(1, u + m0 * K + 64 * kb, K);
-                    _tile_loadd(2, pb + kb * 1024, 64);
-                    _tile_dpbusd(0, 1, 2);
-                }
-                _tile_stored(0, out, 64);
-                for (int64_t m = m0; m < M && m < m0 + R; m++)
-                    for (int64_t i = 0; i < nr; i++)
-                        y[m * N + n0 + i] = xd[m] * scale[n0 + i] * (float)(out[(m - m0) * 16 + i] - 128 * qsum[n0 + i])
-                                            + (bias ? bias[n0 + i] : 0.0f);
+            _tile_zero(0);
+            for (int64_t kb = 0; kb < nk; kb++) {
+                _tile_loadd(1, u + 64 * kb, K);
+                _tile_loadd(2, pb + kb * 1024, 64);
+                _tile_dpbusd(0, 1, 2);
             }
+            _tile_stored(0, out, 64);
+            amx_out(out, 0, M, 16 * b, N, xd, scale, qsum, bias, y);
         }
         _tile_release();
     }

@@ -43,8 +43,11 @@ needs_amx = pytest.mark.skipif(not qgemv.amx(), reason="no AMX tiles on this CPU
 
 @needs_amx
 @pytest.mark.parametrize("M,N,K,bias", [(1, 3072, 768, False), (3, 77, 64, True), (16, 50, 128, True),
-                                        (17, 33, 192, False), (40, 100, 64, True)])
+                                        (17, 33, 192, False), (40, 100, 64, True), (33, 16, 64, True),
+                                        (64, 48, 128, False), (100, 96, 64, True)])
 def test_against_its_math(M, N, K, bias):
+    """Past 16 rows two channel blocks x two row tiles at a time (int8_amx_many): odd and even counts of each;
+    a row's result the same bits as that row alone."""
     g = torch.Generator().manual_seed(M * 100 + N)
     q = torch.randint(-127, 128, (N, K), dtype=torch.int8, generator=g)
     scale = torch.rand(N, generator=g) + 0.01
@@ -55,6 +58,7 @@ def test_against_its_math(M, N, K, bias):
     y = qgemv.int8_amx(x, q, scale, b, key=-(M * 100 + N))
     ref = _math(x, q, scale, b)
     assert y.shape == (M, N) and ((y.double() - ref).abs().max() / ref.abs().max()).item() < 1e-6
+    assert torch.equal(y[-1], qgemv.int8_amx(x[-1:], q, scale, b, key=-(M * 100 + N))[0])
 
 
 @needs_amx
