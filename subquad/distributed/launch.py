@@ -100,12 +100,12 @@ def _local_worker(rank, world, init_file, out_dir, fn, args, timeout_s):
                             timeout=timedelta(seconds=timeout_s))
     # gloo's full mesh can be complete on one rank while another still reads its last handshake: a rank
     # whose ``fn`` needs no collective would leave and close that pair under it ("Connection closed by
-    # peer" in the other's init). Every rank passes a barrier once joined, and again before leaving.
+    # peer" in the other's init). Every rank passes a barrier once joined (not again before leaving: a rank
+    # whose ``fn`` failed would then surface as the others' broken barrier, not as its own error).
     dist.barrier()
     try:
         result = fn(rank, world, *args)
         torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
-        dist.barrier()
     finally:
         dist.destroy_process_group()
     # Done: leave without interpreter finalization, where gloo's worker threads can still be torn down and
