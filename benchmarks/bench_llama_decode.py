@@ -18,7 +18,7 @@ folder and as GGUF files (``save_gguf``: f32, q8_0 and q4_0), then
 and every step but the op-by-op one at ``--batch`` rows (default 16), ms per step and the ratio to one row.
 
 ``--interleave R``: only llama.cpp and subquad's eager step at each precision (f32 / BF16 / Q8_0 / Q4_0 against
-float32 / bfloat16 / int8 / int4, and subquad reading the BF16, Q8_0 and Q4_0 files themselves), R rounds each running
+float32 / bfloat16 / int8 / int4, and subquad reading the F16, BF16, Q8_0 and Q4_0 files themselves), R rounds each running
 every row once in turn, so a host whose speed drifts moves both engines alike; the median of each row and every
 round's ratio.
 Writes results/llama_decode_interleaved.md (``--model hybrid``: llama_decode_hybrid_interleaved.md).
@@ -49,7 +49,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.common import OUT, machine_line, matmul_gflops  # noqa: E402
 
-OUTTYPES = ("f32", "bf16", "q8_0", "q4_0")
+OUTTYPES = ("f32", "f16", "bf16", "q8_0", "q4_0")
 SHAPE = dict(vocab_size=50280, d_model=768, n_layers=24, pattern="mamba", mlp=False, norm_eps=1e-5)
 
 
@@ -95,12 +95,14 @@ def what(model: str) -> str:
 
 def interleaved(a, folder: Path, tmp: Path):
     """``--interleave``'s rounds (module doc)."""
-    pairs = (("f32", None), ("bf16", "bf16"), ("q8_0", "int8"), ("q4_0", "int4"), ("bf16", "gguf bf16"),
-             ("q8_0", "gguf q8_0"), ("q4_0", "gguf q4_0"))
+    pairs = (("f32", None), ("bf16", "bf16"), ("q8_0", "int8"), ("q4_0", "int4"), ("f16", "gguf f16"),
+             ("bf16", "gguf bf16"), ("q8_0", "gguf q8_0"), ("q4_0", "gguf q4_0"))
     runs: dict[str, list] = {}
     for r in range(a.interleave):
+        done = set()
         for outtype, q in pairs:
-            if q is None or not q.startswith("gguf"):        # llama.cpp once per file, against each subquad row
+            if outtype not in done:                          # llama.cpp once per file, against each subquad row
+                done.add(outtype)
                 runs.setdefault(f"llama.cpp {outtype}", []).append(
                     llama_ms(a.llama_bench, tmp / f"m-{outtype}.gguf", a.tokens, a.threads))
             source = tmp / f"m-{outtype}.gguf" if q and q.startswith("gguf") else folder   # the file read back

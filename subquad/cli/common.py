@@ -62,7 +62,9 @@ def add_model_flags(parser, hf_types: list[str], *, run_help: str = "run folder 
         "a Hugging Face model folder (config.json, model.safetensors, tokenizer.json) of a supported type: "
         f"{', '.join(hf_types)}; or a GGUF file (.gguf) of a llama.cpp architecture subquad.models.gguf reads "
         "(benchmarks/gguf_architectures.md)"))
-    parser.add_argument("--dtype", default="float32", choices=DTYPES, help="weights' dtype for --model")
+    parser.add_argument("--dtype", default=None, choices=DTYPES,
+                        help="weights' dtype for --model (default float32; a GGUF file's BF16 / F16 matrices stay "
+                             "as the file holds them unless --dtype is given)")
     add_quantize_flag(parser)
     add_device_flag(parser)
 
@@ -87,8 +89,8 @@ def load_model(args, *, need_tokenizer: str | None = None):
         from subquad.models import from_pretrained
         from subquad.models.hf import is_gguf
 
-        model, tok = from_pretrained(args.model, dtype=getattr(torch, args.dtype), device=args.device,
-                                     quantize=args.quantize)
+        dtype = getattr(torch, args.dtype) if args.dtype else None if is_gguf(args.model) else torch.float32
+        model, tok = from_pretrained(args.model, dtype=dtype, device=args.device, quantize=args.quantize)
         if tok is None and need_tokenizer:
             where = "no tokenizer in its metadata (write it with save_gguf(..., tokenizer=tok))" \
                 if is_gguf(args.model) else "no tokenizer.json"

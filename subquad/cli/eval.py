@@ -115,8 +115,11 @@ def _eval_tasks(args) -> int:
     from lm_eval.tasks import TaskManager
     from lm_eval.utils import make_table
 
-    lm = SubquadLM(path=args.run or args.model, dtype=args.dtype, device=args.device, quantize=args.quantize,
-                   batch_size=args.batch_size or 16)
+    from subquad.models.hf import is_gguf
+
+    path = args.run or args.model
+    dtype = args.dtype or (None if args.model and is_gguf(args.model) else "float32")   # as cli.common.load_model
+    lm = SubquadLM(path=path, dtype=dtype, device=args.device, quantize=args.quantize, batch_size=args.batch_size or 16)
     tasks = [t for t in args.tasks.split(",") if t]
     manager = None
     if args.include_path:              # tasks all in --include-path: no index of lm_eval's own ~50,000 YAML files
@@ -154,5 +157,5 @@ def _eval_model(args) -> int:
             total += F.cross_entropy(logits[0].float(), x[0, s + 1:e + 1], reduction="sum").item()
     nll = total / (len(ids) - 1)
     print(f"{args.data}: {len(ids) - 1:,} tokens, {nll:.4f} nats/token, perplexity {math.exp(nll):.3f} "
-          f"({args.model}, {args.quantize or args.dtype})")
+          f"({args.model}, {args.quantize or getattr(model, 'quantized', None) or args.dtype or 'float32'})")
     return 0

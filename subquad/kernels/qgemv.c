@@ -844,6 +844,93 @@ void bf16_gemv(int64_t M, int64_t N, int64_t K, int threads, int amx, const floa
 #endif
 }
 
+/* f16_gemv: y[m, n] = sum_k x[m, k] w[n, k] + bias[n] with w (N, K) float16 row-major as stored (a GGUF file's F16
+ * matrices: models.quant.F16Linear) and x float32 exact: each half widened to float32 in registers (vcvtph2ps) and
+ * multiplied in float32 - the product of the dequantised matrix, reading two bytes a weight. Four channels against
+ * up to four rows of x per register block, as bf16_gemv's vectors; K a multiple of 16 (AVX-512) or 8 (AVX2 + F16C).
+ * f16_init: 1 where built with either. */
+#if SUBQUAD_AVX512
+#define F16_LANES 16
+typedef __m512 f16_vec;
+#define F16_LOAD(p) _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(p)))
+#define F16_X(p) _mm512_loadu_ps(p)
+#define F16_FMA(a, b, c) _mm512_fmadd_ps(a, b, c)
+#define F16_ZERO() _mm512_setzero_ps()
+#define F16_SUM(v) _mm512_reduce_add_ps(v)
+#elif SUBQUAD_AVX2 && defined(__F16C__)
+#define F16_LANES 8
+typedef __m256 f16_vec;
+#define F16_LOAD(p) _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p)))
+#define F16_X(p) _mm256_loadu_ps(p)
+#define F16_FMA(a, b, c) _mm256_fmadd_ps(a, b, c)
+#define F16_ZERO() _mm256_setzero_ps()
+#define F16_SUM(v) hsum8(v)
+#else
+#define F16_LANES 0
+#endif
+
+void f16_init(int32_t *out) { *out = F16_LANES; }
+
+#if F16_LANES
+static inline __attribute__((always_inline)) void f16_block(const int R, const int C, int64_t K, const float *x,
+                                                            int64_t ldx, const uint16_t *w, float out[4][4]) {
+    f16_vec a[4][4];
+    for (int r = 0; r < R; r++)
+        for (int c = 0; c < C; c++)
+            a[r][c] = F16_ZERO();
+    for (int64_t k = 0; k < K; k += F16_LANES) {
+        f16_vec wv[4];
+        for (int c = 0; c < C; c++) {
+            wv[c] = F16_LOAD(w + c * K + k);
+            if (!(k & 31))
+                _mm_prefetch((const char *)(w + (c + 4) * K + k), _MM_HINT_T0);   /* never faults */
+        }
+        for (int r = 0; r < R; r++) {
+            const f16_vec xv = F16_X(x + r * ldx + k);
+            for (int c = 0; c < C; c++)
+                a[r][c] = F16_FMA(wv[c], xv, a[r][c]);
+        }
+    }
+    for (int r = 0; r < R; r++)
+        for (int c = 0; c < C; c++)
+            out[r][c] = F16_SUM(a[r][c]);
+}
+#endif
+
+void f16_gemv(int64_t M, int64_t N, int64_t K, int threads, const float *x, int64_t ldx, const uint16_t *w,
+              const float *bias, float *y) {
+#if F16_LANES
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t b = 0; b < (N + 3) / 4; b++) {
+        const int64_t n0 = 4 * b;
+        const int C = N - n0 < 4 ? (int)(N - n0) : 4;
+        const uint16_t *wb = w + n0 * K;
+        float out[4][4];
+        for (int64_t m0 = 0; m0 < M; m0 += 4) {
+            const int R = M - m0 < 4 ? (int)(M - m0) : 4;
+            const float *xr = x + m0 * ldx;
+            if (C == 4 && R == 4)
+                f16_block(4, 4, K, xr, ldx, wb, out);
+            else if (C == 4 && R == 1)
+                f16_block(1, 4, K, xr, ldx, wb, out);
+            else if (C == 4 && R == 2)
+                f16_block(2, 4, K, xr, ldx, wb, out);
+            else if (C == 4)
+                f16_block(3, 4, K, xr, ldx, wb, out);
+            else
+                f16_block(R, C, K, xr, ldx, wb, out);                 /* the last channels */
+            for (int r = 0; r < R; r++)
+                for (int c = 0; c < C; c++)
+                    y[(m0 + r) * N + n0 + c] = out[r][c] + (bias ? bias[n0 + c] : 0.0f);
+        }
+    }
+#else
+    (void)x; (void)ldx; (void)w; (void)bias; (void)threads; (void)K;
+    for (int64_t i = 0; i < M * N; i++)                       /* never called: f16_init said 0 */
+        y[i] = 0.0f;
+#endif
+}
+
 /* q4_0_gemv: a GGUF file's Q4_0 matrix as it is stored, times x rounded per block of 32 (quantize_q8) - llama.cpp's
  * Q4_0 x Q8_0 product: y[m, n] = sum_b scale[n, b] d[m, b] ((u - 8) . c)_b + bias[n], with u the block's 32
  * nibbles (q (N, K / 2) bytes, 16 per block: byte j's low nibble is value j, its high nibble value 16 + j) and
@@ -1384,10 +1471,10 @@ void f32_gemv_cm(int64_t M, int64_t N, int64_t K, int threads, const float *x, i
  * int8 codes times ``groups`` float32 scales per row (kind 6, int8_gemv, x exact: a GGUF file's Q6_K matrices,
  * or Q8_0's where asked; kind 7, Q8_0's blocks of 32 with x rounded per block by int8q_gemv, as llama.cpp does;
  * kind 8, Q4_0's nibbles as the file packs them, by q4_0_gemv; kind 9, int8_amx_pack's tiles; kind 10, bfloat16
- * row-major, bf16_gemv, groups 1 through its tiles).
+ * row-major, bf16_gemv, groups 1 through its tiles; kind 11, float16 row-major, f16_gemv).
  * The scratch each needs is allocated here. */
 enum { PROJ_F32 = 0, PROJ_F32_CM = 1, PROJ_INT8 = 2, PROJ_INT4 = 3, PROJ_INT8_BLOCKS = 6, PROJ_Q8_0 = 7,
-       PROJ_Q4_0 = 8, PROJ_INT8_AMX = 9, PROJ_BF16 = 10 };
+       PROJ_Q4_0 = 8, PROJ_INT8_AMX = 9, PROJ_BF16 = 10, PROJ_F16 = 11 };
 
 static void proj_gemv(int kind, int64_t groups, int64_t M, int64_t N, int64_t K, int threads, const float *x,
                       int64_t ldx, const void *w, const void *scale, const float *bias, float *y) {
@@ -1411,6 +1498,8 @@ static void proj_gemv(int kind, int64_t groups, int64_t M, int64_t N, int64_t K,
         uint16_t *xb = malloc(M * K * sizeof(uint16_t));
         bf16_gemv(M, N, K, threads, (int)groups, x, ldx, w, bias, y, xb);
         free(xb);
+    } else if (kind == PROJ_F16) {                            /* float16 weights, x exact */
+        f16_gemv(M, N, K, threads, x, ldx, w, bias, y);
     } else if (kind == PROJ_INT8) {
         int8_t *xq = malloc(M * K + M * (K / 32) * sizeof(float));
         int8q_gemv(M, N, K, 1, threads, x, ldx, w, scale, bias, y, xq, (float *)(xq + M * K));

@@ -56,6 +56,8 @@ ROUNDED_ROWS = 16
 # BF16_TILE_ROWS rows where the CPU has them (benchmarks/RESULTS.md, "bfloat16 products in C").
 BF16_ROWS = 16
 BF16_TILE_ROWS = 3
+# float16 weights (a GGUF file's F16 matrices: models.quant.F16Linear) up to F16_ROWS rows through f16_gemv.
+F16_ROWS = 16
 # From this many rows f32_gemv computes outer-product tiles (qgemv.c's TILE_ROWS; the tests hold the two equal):
 # compute-bound where dot products of 8-16 rows reached about half the matmul rate (RESULTS.md).
 F32_TILE_ROWS = 3
@@ -82,6 +84,8 @@ AMX_PACK = Kernel("int8_amx_pack", [I64, I64, PTR, PTR], "qgemv")
 _AMX_INIT = Kernel("int8_amx_init", [PTR], "qgemv")
 BF16 = Kernel("bf16_gemv", [I64, I64, I64, INT, INT, PTR, I64, PTR, PTR, PTR, PTR], "qgemv")
 _BF16_INIT = Kernel("bf16_init", [PTR], "qgemv")
+F16 = Kernel("f16_gemv", [I64, I64, I64, INT, PTR, I64, PTR, PTR, PTR], "qgemv")
+_F16_INIT = Kernel("f16_init", [PTR], "qgemv")
 INT4 = Kernel("int4_gemv", [I64, I64, I64, I64, I64, I64, INT, INT, PTR, I64, PTR, PTR, PTR, PTR], "qgemv")
 
 
@@ -183,6 +187,26 @@ def bf16_gemv(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, tiles
     return y.view(*x.shape[:-1], N)
 
 
+@lru_cache(maxsize=None)
+def f16() -> int:
+    """The width f16_gemv needs K to be a multiple of (16 with AVX-512, 8 with AVX2 and F16C), or 0: not built."""
+    if not F16.available():
+        return 0
+    out = torch.zeros(1, dtype=torch.int32)
+    _F16_INIT(out)
+    return int(out.item())
+
+
+def f16_gemv(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x (..., K) float32 (``usable``), K a multiple of ``f16()``, at most 16 rows; w (N, K) float16, bias (N,)
+    float32 or None -> (..., N) float32: x exact, the halves widened to float32 (``qgemv.c``'s f16_gemv)."""
+    x2 = _rows(x)
+    (M, K), N = x2.shape, w.shape[0]
+    y = x2.new_empty(M, N)
+    F16(M, N, K, torch.get_num_threads(), x2, x2.stride(0), w, bias, y)
+    return y.view(*x.shape[:-1], N)
+
+
 def q4_0_gemv(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """x (..., K) float32 (``usable``), K a multiple of 32, q (N, K / 2) uint8 as a GGUF file's Q4_0 blocks hold
     their nibbles (16 bytes a block: byte j = value j low, value 16 + j high; w = (u - 8) scale), scale (N, K / 32)
@@ -243,7 +267,7 @@ def proj_args(w) -> tuple:
     float32 matrix, row-major (kind 0) or column-major (1), or already such a tuple
     (``layers.mamba.kernel_weight``: int8 per output channel, kind 2; int4 in torch's packed layout, 3-5; int8
     per block of inputs, x exact, 6, or x rounded per block (Q8_0), 7; Q4_0's packed nibbles, 8; int8 in AMX
-    tiles, 9; bfloat16, 10, groups 1 through its tiles)."""
+    tiles, 9; bfloat16, 10, groups 1 through its tiles; float16, 11)."""
     if isinstance(w, tuple):
         return w
     return w, None, int(not w.is_contiguous()), 0

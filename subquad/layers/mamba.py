@@ -47,7 +47,8 @@ def kernel_weight(lin, rows: int):
     ``ROUNDED_ROWS``; (w, scale_zero, 2 + layout, groups)
     of an ``Int4Linear`` packed for torch's kernel, for at most ``INT4_ROWS`` rows (more: the libraries' int8 and
     int4 products are faster, qgemv.py); (w, None, 10, tiles) of a ``Bf16Linear`` without a bias, for
-    ``BF16_ROWS``, where ``kernels.qgemv.bf16()`` offers its kernel."""
+    ``BF16_ROWS``, where ``kernels.qgemv.bf16()`` offers its kernel; (w, None, 11, 0) of an ``F16Linear``, for
+    ``F16_ROWS``, where ``kernels.qgemv.f16()`` does."""
     if type(lin) in (nn.Linear, Linear):
         return lin.weight if fused_block.layout(lin.weight) else None
     q, scale = getattr(lin, "q", None), getattr(lin, "scale", None)
@@ -70,6 +71,10 @@ def kernel_weight(lin, rows: int):
         ok = lin.bias is None and w.is_cpu and w.is_contiguous() and w.shape[1] % 32 == 0 \
             and rows <= qgemv.BF16_ROWS and qgemv.bf16()
         return (w, None, 10, int(rows >= qgemv.BF16_TILE_ROWS and qgemv.bf16() == 2)) if ok else None
+    if isinstance(w, torch.Tensor) and w.dtype == torch.float16 and sz is None:        # models.quant.F16Linear
+        ok = w.is_cpu and w.is_contiguous() and qgemv.f16() and w.shape[1] % qgemv.f16() == 0 \
+            and rows <= qgemv.F16_ROWS
+        return (w, None, 11, 0) if ok else None
     if isinstance(sz, torch.Tensor) and getattr(lin, "layout", 0) and w.is_cpu and rows <= qgemv.INT4_ROWS:
         return w, sz, 2 + lin.layout, sz.shape[0]
     return None

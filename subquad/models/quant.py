@@ -344,6 +344,25 @@ class Bf16Linear(nn.Module):
 
 
 
+class F16Linear(Bf16Linear):
+    """A Linear whose weight is stored in float16 - a GGUF file's F16 matrices, kept as the file holds them
+    (``models.gguf``: ``quantized`` "f16"): x stays float32 and multiplies the weights widened to float32, so the
+    product is the dequantised matrix's; the bias float32. Up to ``qgemv.F16_ROWS`` rows in C
+    (``kernels.qgemv.f16_gemv``: two bytes a weight read), more rows (a prompt) through the widened matrix."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
+        nn.Module.__init__(self)
+        self.register_buffer("w", weight.detach().to(torch.float16).contiguous())
+        self.register_buffer("bias", None if bias is None else bias.detach().float().clone())
+        self.in_features, self.out_features = weight.shape[1], weight.shape[0]
+
+    def forward(self, x):
+        lanes = qgemv.f16()
+        if lanes and x.shape[-1] % lanes == 0 and _direct(x) and qgemv.usable(qgemv.F16, x, qgemv.F16_ROWS):
+            return qgemv.f16_gemv(x, self.w, self.bias)
+        return F.linear(x, self.w.to(x.dtype), None if self.bias is None else self.bias.to(x.dtype))
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # int4: 4 bits per weight, a bfloat16 scale and zero per group of ``group_size`` input channels
 
@@ -707,8 +726,9 @@ def load_quantized(path, c: dict):
 
     q = c.get("quantization")
     kind = q.get("kind") if isinstance(q, dict) else None
-    if kind not in QUANTIZE:
-        raise ValueError(f"{path}: config.json's quantization.kind must be one of {', '.join(QUANTIZE)}, got {kind!r}")
+    if kind not in QUANTIZE + ("f16",):               # f16: a GGUF file's F16 matrices as loaded (F16Linear)
+        raise ValueError(f"{path}: config.json's quantization.kind must be one of {', '.join(QUANTIZE)} or f16, "
+                         f"got {kind!r}")
     group_size = q.get("group_size") if kind == "int4" else None
     if kind == "int4":
         int4_shape((1, group_size), group_size)
@@ -723,7 +743,7 @@ def load_quantized(path, c: dict):
     def empty(N, K, bias):                            # a quantised module to fill, made from its saved shapes
         if kind == "int4":
             return Int4Linear.empty(N, K, bias, group_size)
-        return (Int8Linear if kind == "int8" else Bf16Linear).empty(N, K, bias)
+        return {"int8": Int8Linear, "bf16": Bf16Linear, "f16": F16Linear}[kind].empty(N, K, bias)
 
     def empty_for(name, N, K):                        # int8 per block (a GGUF file's types): from the scale's shape
         s = tensors.get(name + ".scale")
@@ -733,7 +753,7 @@ def load_quantized(path, c: dict):
                                     s.shape[1], name + ".offset" in tensors, packed)
         return empty(N, K, name + ".bias" in tensors)
 
-    mark = ".w" if kind == "bf16" else ".q"           # a quantised module saves this in place of ``weight``
+    mark = ".w" if kind in ("bf16", "f16") else ".q"  # a quantised module saves this in place of ``weight``
     for name in sorted(k[:-len(mark)] for k in tensors if k.endswith(mark)):
         if ".quantized_experts." in name:             # a mixture's experts: made below, all at once
             continue

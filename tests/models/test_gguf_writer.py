@@ -74,14 +74,20 @@ def test_written_file_reads_in_gguf_and_loads_back(tmp_path, monkeypatch, kind, 
         else:                                 # the logits of the file's weights dequantised by ggml
             ref, _ = from_pretrained(dequantized_folder(hf, tmp_path / "m.gguf", tmp_path / "ref"))
             want = ref(ids)
-            assert getattr(back, "quantized", None) == {"q8_0": "int8", "q4_0": "int8", "bf16": "bf16"}.get(outtype)
-            if outtype == "bf16":             # its matrices kept in bfloat16, exactly; x rounded to bfloat16
+            assert getattr(back, "quantized", None) == {"q8_0": "int8", "q4_0": "int8", "bf16": "bf16",
+                                                        "f16": "f16"}.get(outtype)
+            if outtype in ("bf16", "f16"):    # its matrices kept as the file holds them, exactly
                 kept = back.blocks[0].mixer.in_proj
-                assert type(kept).__name__ == "Bf16Linear"
+                assert type(kept).__name__ == {"bf16": "Bf16Linear", "f16": "F16Linear"}[outtype]
                 assert torch.equal(kept.w.float(), ref.blocks[0].mixer.in_proj.weight)
-                assert torch.allclose(back(ids), want, rtol=0, atol=2e-2 * want.abs().max())
-            else:
-                assert torch.allclose(back(ids), want, rtol=0, atol=1e-5 * want.abs().max())
+                back.save_pretrained(tmp_path / "kept")          # and saved and read back as they are
+                again, _ = from_pretrained(tmp_path / "kept")
+                assert again.quantized == outtype and torch.equal(again(ids), back(ids))
+                as_float, _ = from_pretrained(tmp_path / "m.gguf", dtype=torch.float32)   # asked for: float32
+                assert getattr(as_float, "quantized", None) is None
+            # bf16: x rounded to bfloat16 too, as llama.cpp's BF16 products; f16: x exact
+            tol = 2e-2 if outtype == "bf16" else 1e-5
+            assert torch.allclose(back(ids), want, rtol=0, atol=tol * want.abs().max())
 
 
 def test_refusals_name_the_problem(tmp_path):

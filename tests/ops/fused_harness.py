@@ -52,7 +52,8 @@ def assert_quantized_block_agrees(monkeypatch, module, mixer_cls, pattern: str, 
     "int4": groups of 32; "int8 blocks": in_proj, out_proj and Mamba's x_proj per block of 32 as a GGUF file's Q8_0,
     x rounded per block as for "int8"; "int8 blocks of 16": per block of 16 as Q6_K's, x exact: within 1e-5 of the
     modules; "q4_0": 4-bit codes per block of 32 as a Q4_0 file packs them, x rounded; "bf16": bfloat16 weights,
-    x rounded to bfloat16, where the CPU has the kernel), else the small x_proj /
+    x rounded to bfloat16, where the CPU has the kernel; "f16": float16 weights, x exact, as a GGUF file's F16
+    matrices load: within 1e-5 of the modules), else the small x_proj /
     dt_proj float32 as at mamba-130m's shape, decoding 1 and the most rows the block kernel takes for them
     (``kernels.qgemv.BLOCK_INT8Q_ROWS`` or ``AMX_ROWS``, ``INT4_ROWS``, ``INT8_ROWS``), and 3: the block kernel's
     logits within 1% of the logits' scale of the same model's steps through its modules (the same products one call
@@ -66,7 +67,7 @@ def assert_quantized_block_agrees(monkeypatch, module, mixer_cls, pattern: str, 
     torch.manual_seed(0)
     m = LanguageModel(ModelConfig(vocab_size=300, d_model=64, n_layers=2, pattern=pattern, mlp=False,
                                   mixer_options=options)).eval()
-    exact = kind == "int8 blocks of 16"
+    exact = kind in ("int8 blocks of 16", "f16")
     if kind.startswith("int8 blocks") or kind == "q4_0":   # a GGUF file's: scales per block of 32 (Q8_0, Q4_0), 16
         from subquad.models.quant import pack_q4_0
 
@@ -78,14 +79,20 @@ def assert_quantized_block_agrees(monkeypatch, module, mixer_cls, pattern: str, 
                 q = torch.round(w.view(w.shape[0], -1, size) / s[..., None]).to(torch.int8).view_as(w)
                 q = pack_q4_0(q) if kind == "q4_0" else q
                 setattr(blk.mixer, name, Int8Linear.from_blocks(q.contiguous(), s.contiguous()))
+    elif kind == "f16":                                 # what gguf.load._keep_half makes of an F16 file's matrices
+        from subquad.models.quant import F16Linear
+
+        for blk in m.blocks:
+            for name in ("in_proj", "out_proj"):
+                setattr(blk.mixer, name, F16Linear(getattr(blk.mixer, name).weight))
     else:
         quantize(m, kind, min_weights=8192, group_size=32)
-    assert type(m.blocks[0].mixer.in_proj).__name__ == {"int4": "Int4Linear", "bf16": "Bf16Linear"}.get(kind,
-                                                                                                   "Int8Linear")
+    assert type(m.blocks[0].mixer.in_proj).__name__ == {"int4": "Int4Linear", "bf16": "Bf16Linear",
+                                                        "f16": "F16Linear"}.get(kind, "Int8Linear")
     m64 = LanguageModel(m.config).eval().double()
     m64.load_state_dict({k: v for k, v in m.state_dict().items() if k in m64.state_dict()}, strict=False)
     for name, mod in m.named_modules():                 # the dequantised weights into the float64 copy
-        if type(mod).__name__ in ("Int8Linear", "Int4Linear", "Bf16Linear") and name != "head":
+        if type(mod).__name__ in ("Int8Linear", "Int4Linear", "Bf16Linear", "F16Linear") and name != "head":
             m64.get_submodule(name).weight.data.copy_(mod.weight)
     monkeypatch.setattr(qgemv, "INT8Q_ROWS", qgemv.BLOCK_INT8Q_ROWS)     # the modules' products the block's too
     calls = []
@@ -93,7 +100,8 @@ def assert_quantized_block_agrees(monkeypatch, module, mixer_cls, pattern: str, 
     monkeypatch.setattr(module.BlockStep, "__call__", lambda *a: calls.append(1) or real(*a))
     own = mixer_cls.fused_block
     most = {"int8": qgemv.AMX_ROWS if qgemv.amx() else qgemv.BLOCK_INT8Q_ROWS, "int4": qgemv.INT4_ROWS,
-            "int8 blocks of 16": qgemv.INT8_ROWS, "bf16": qgemv.BF16_ROWS}.get(kind, qgemv.ROUNDED_ROWS)
+            "int8 blocks of 16": qgemv.INT8_ROWS, "bf16": qgemv.BF16_ROWS, "f16": qgemv.F16_ROWS}.get(kind,
+                                                                                          qgemv.ROUNDED_ROWS)
     for rows in (1, 3, most):                           # int8 with AMX tiles: 3 rows int8q, 16 the tiles; bf16: 1
         # row its vectors, 3 and 16 its tiles where the CPU has them; Q8_0's, Q4_0's: x rounded
         ids = torch.randint(0, 300, (rows, 7), generator=torch.Generator().manual_seed(rows))

@@ -4,9 +4,11 @@ The file's tensors are renamed and reshaped to the Hugging Face checkpoint of it
 and its metadata to that checkpoint's config.json; ``models.hf``'s format for that type then builds the model
 as for a folder (every tensor used once, every config field honoured or refused). Tensor types:
 
-    F32, F16, BF16        read as float32 (or ``dtype``); a projection's BF16 matrix, with the default float32,
-                          kept in bfloat16 (``quant.Bf16Linear``, ``_keep_bf16``: exact, half the memory,
-                          multiplied as llama.cpp's BF16 products are - x rounded to bfloat16)
+    F32, F16, BF16        read as float32 (or ``dtype``); without a ``dtype`` asked for, a projection's BF16 or
+                          F16 matrix is kept as it is (``_keep_half``: exact, half the memory;
+                          ``quant.Bf16Linear`` multiplied as llama.cpp's BF16 products are - x rounded to
+                          bfloat16 - and ``quant.F16Linear``, x exact); ``dtype=torch.float32``: a float model
+                          (to convert or train)
     Q8_0, Q4_0, Q4_K, Q6_K  a projection's matrix (an ``nn.Linear``) is kept quantised, exactly:
                           ``Int8Linear.from_blocks`` (int8 codes, a float32 scale - and for Q4_K an offset -
                           per block of 32, or 16 for Q6_K; Q4_0's nibbles as the file packs them, 4 bits a
@@ -62,6 +64,7 @@ def load_gguf(path, dtype=None, device=None, quantize=None):
     c["vocab_size"] = f.tensors["token_embd.weight"].shape[0] if "token_embd.weight" in f.tensors else None
     cfg = fmt.config(c)
     cfg.eos_token_ids = end_of_generation_ids(f.metadata, cfg.vocab_size)
+    keep_half = dtype is None                          # BF16 / F16 matrices kept as they are (module doc)
     dtype = resolve_dtype(dtype) or torch.float32
 
     placeholders, blocks, weights, experts = {}, {}, {}, {}
@@ -119,15 +122,15 @@ def load_gguf(path, dtype=None, device=None, quantize=None):
     def finish(model, names):
         kept = {h: _rows(arch, h, c, f.blocks(g)) + (g, kind) for h, (g, kind) in blocks.items()}
         _install_blocks(model, names, kept, dtype, quantize, expanded)
-        if quantize is None and dtype == torch.float32 and _keep_bf16(model, names, weights):
-            kept_bf16.append(True)
+        if quantize is None and keep_half and not blocks and not experts:   # a file of float types only (a
+            kept_half.append(_keep_half(model, names, weights))              # quantised one's folder holds one kind)
         _install_experts(model, names, {g: _rows(arch, h, c, f.blocks(g)) + (kind,)
                                         for h, (g, kind) in experts.items()}, quantize)
 
-    kept_bf16 = []
+    kept_half = []
     model = build(path, c, fmt, cfg, tensors, dtype, device, None if blocks or experts else quantize, finish=finish)
-    if blocks or experts or kept_bf16:
-        model.quantized = quantize or ("int8" if blocks or experts else "bf16")
+    if blocks or experts or any(kept_half):
+        model.quantized = quantize or ("int8" if blocks or experts else kept_half[0])
         model.quant_group_size = GROUP if quantize == "int4" else None
         for p in model.parameters():
             p.requires_grad_(False)
@@ -232,23 +235,31 @@ def _linear(q, scale, offset, kind: str, bias, quantize):
     return m
 
 
-def _keep_bf16(model, names: dict, weights: dict) -> int:
-    """Each projection whose file tensor is BF16 (``weights``: Hugging Face name -> (GGUF name, type)) as a
-    ``quant.Bf16Linear`` - half the memory, and its products through ``kernels.qgemv.bf16_gemv`` (x rounded to
-    bfloat16, as llama.cpp's BF16 products round it) - where the float32 weight the format built is that tensor
-    exactly (not scaled, nor fused with another type) and its bias, if any, is bfloat16 too, and which
-    ``quant.quantize(model, "bf16")`` would convert (``MIN_WEIGHTS`` and more, not in a layer's ``keep_float``:
-    Mamba's small x_proj and dt_proj stay float32, so its blocks keep their one C call); the rest stays float32
-    (exactly the file's values); a tied head its own bfloat16 copy of a BF16 embedding. Returns how many."""
+def _keep_half(model, names: dict, weights: dict) -> str | None:
+    """A file of BF16 (else F16) matrices (``weights``: Hugging Face name -> (GGUF name, type)): each projection of
+    that type as a ``quant.Bf16Linear`` (its products through ``kernels.qgemv.bf16_gemv``: x rounded to bfloat16,
+    as llama.cpp's BF16 products round it) or ``quant.F16Linear`` (``f16_gemv``: x exact, the dequantised
+    product) - half the memory of float32 - where the float32 weight the format built is that tensor exactly (not
+    scaled, nor fused with another type) and its bias, if any, survives the module (a BF16 module's bias is
+    bfloat16), and which ``quant.quantize(model, "bf16")`` would convert (``MIN_WEIGHTS`` and more, not in a
+    layer's ``keep_float``: Mamba's small x_proj and dt_proj stay float32, so its blocks keep their one C call);
+    the rest stays float32 (exactly the file's values); a tied head its own half copy of such an embedding.
+    Returns "bf16" or "f16" where it kept any, else None."""
     from subquad.layers.linear import Linear
-    from subquad.models.quant import MIN_WEIGHTS, Bf16Linear
+    from subquad.models.quant import MIN_WEIGHTS, Bf16Linear, F16Linear
 
-    def exact(t):
-        return t is None or torch.equal(t.detach().bfloat16().float(), t.detach())
+    types = {kind for _, kind in weights.values()}
+    kind = "BF16" if "BF16" in types else "F16" if "F16" in types else None
+    if kind is None:
+        return None
+    half, module = (torch.bfloat16, Bf16Linear) if kind == "BF16" else (torch.float16, F16Linear)
+
+    def exact(t, to=half):
+        return t is None or torch.equal(t.detach().to(to).float(), t.detach())
 
     n = 0
     for ours, theirs in names.items():
-        if not isinstance(theirs, str) or weights.get(theirs, (None, None))[1] != "BF16":
+        if not isinstance(theirs, str) or weights.get(theirs, (None, None))[1] != kind:
             continue
         parent_name, _, leaf = ours.rpartition(".")
         parent = model.get_submodule(parent_name)
@@ -256,14 +267,15 @@ def _keep_bf16(model, names: dict, weights: dict) -> int:
         owner = model.get_submodule(owner_name) if owner_name else model
         if leaf != "weight" or type(parent) not in (nn.Linear, Linear) or parent.weight.dtype != torch.float32 \
                 or parent.weight.is_meta or parent.weight.numel() < MIN_WEIGHTS \
-                or child in getattr(owner, "keep_float", ()) or not exact(parent.weight) or not exact(parent.bias):
+                or child in getattr(owner, "keep_float", ()) or not exact(parent.weight) \
+                or not exact(parent.bias, torch.bfloat16 if kind == "BF16" else torch.float32):
             continue
-        setattr(owner, child, Bf16Linear(parent.weight, parent.bias))
+        setattr(owner, child, module(parent.weight, parent.bias))
         n += 1
     embed = names.get("embed.weight")
-    if n and model.head is None and weights.get(embed, (None, None))[1] == "BF16" and exact(model.embed.weight):
-        model.head = Bf16Linear(model.embed.weight)        # tied: the head multiplies a bfloat16 copy, as quantize's
-    return n
+    if n and model.head is None and weights.get(embed, (None, None))[1] == kind and exact(model.embed.weight):
+        model.head = module(model.embed.weight)          # tied: the head multiplies a half copy, as quantize's
+    return kind.lower() if n else None
 
 
 def _install_blocks(model, names: dict, blocks: dict, dtype, quantize=None, dequantised=()) -> None:

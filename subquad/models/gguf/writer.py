@@ -130,7 +130,8 @@ def save_gguf(model, path, outtype: str = "f32", tokenizer=None, name: str | Non
         raise ValueError(f"outtype must be one of {', '.join(OUTTYPES)}, got {outtype!r}")
     if getattr(model, "quantized", None):
         raise ValueError(f"save_gguf writes a float model; this one is quantised ({model.quantized}): load it "
-                         f"without quantize, and choose the GGUF type with outtype")
+                         f"without quantize (a GGUF file's BF16 / F16 matrices: with dtype=torch.float32), and "
+                         f"choose the GGUF type with outtype")
     source = ((getattr(model, "hf_source", None) or {}).get("config") or {}).get("model_type")
     try:
         try:                                       # the type it was read as, where another type comes first
