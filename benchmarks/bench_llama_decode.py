@@ -18,9 +18,9 @@ folder and as GGUF files (``save_gguf``: f32, q8_0 and q4_0), then
 and every step but the op-by-op one at ``--batch`` rows (default 16), ms per step and the ratio to one row.
 
 ``--interleave R``: only llama.cpp and subquad's eager step at each precision (f32 / BF16 / Q8_0 / Q4_0 against
-float32 / bfloat16 / int8 / int4, and subquad reading the F16, BF16, Q8_0 and Q4_0 files themselves), R rounds each running
-every row once in turn, so a host whose speed drifts moves both engines alike; the median of each row and every
-round's ratio.
+float32 / bfloat16 / int8 / int4, and subquad reading the F16, BF16, Q8_0 and Q4_0 files themselves), R rounds
+each running every row once in turn, so a host whose speed drifts moves both engines alike; the median of each
+row and every round's ratio.
 Writes results/llama_decode_interleaved.md (``--model hybrid``: llama_decode_hybrid_interleaved.md).
 
 ``--model hybrid``: ``bench_llama_server.HYBRID`` (Bamba's structure at mamba2-130m's mixer shape: Mamba-2 blocks

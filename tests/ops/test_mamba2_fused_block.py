@@ -134,9 +134,9 @@ def test_blocks_with_an_mlp_take_it_for_the_mixers_half(monkeypatch, mlp_kind):
                                       ("f16", 1e-5)])
 def test_quantized_projections_take_it_for_a_few_rows(monkeypatch, kind, tol):
     """int8 (per channel) and int4 in_proj and out_proj, x rounded per block of 32 inside the kernel as their
-    modules' products round it, bfloat16 (x rounded to bfloat16; where the CPU has the kernel), float16 (x exact), and int8 per block
-    (a GGUF Q8_0 file's, x exact): the block in one call agrees with its modules and with a float64 copy of the
-    dequantised weights (fused_harness)."""
+    modules' products round it, bfloat16 (x rounded to bfloat16; where the CPU has the kernel), float16 (x exact),
+    and int8 per block (a GGUF Q8_0 file's, x exact): the block in one call agrees with its modules and with a
+    float64 copy of the dequantised weights (fused_harness)."""
     from subquad.layers.mamba2 import Mamba2
 
     if kind == "bf16" and not qgemv.bf16() or kind == "f16" and not qgemv.f16():

@@ -229,9 +229,9 @@ def test_a_compiled_block_leaves_it_to_the_graph_without_a_guard_on_the_batch():
                                       ("f16", 1e-5)])
 def test_quantized_projections_take_it_for_a_few_rows(monkeypatch, kind, tol):
     """int8 (per channel) and int4 in_proj and out_proj, x rounded per block of 32 inside the kernel as their
-    modules' products round it, bfloat16 (x rounded to bfloat16; where the CPU has the kernel), float16 (x exact), and int8 per block
-    (a GGUF Q8_0 file's, x rounded per block; Q6_K's blocks of 16, x exact): the block in one call agrees with its
-    modules and with a float64 copy of the dequantised weights (fused_harness)."""
+    modules' products round it, bfloat16 (x rounded to bfloat16; where the CPU has the kernel), float16 (x exact),
+    and int8 per block (a GGUF Q8_0 file's, x rounded per block; Q6_K's blocks of 16, x exact): the block in one
+    call agrees with its modules and with a float64 copy of the dequantised weights (fused_harness)."""
     from subquad.layers.mamba import Mamba
 
     if kind == "bf16" and not qgemv.bf16() or kind == "f16" and not qgemv.f16():
