@@ -41,9 +41,10 @@ INT4_ROWS = 16
 # 2-2.7x slower). Inside a Mamba block's one call it is taken up to BLOCK_INT8Q_ROWS rows: there the call saves
 # more than the products lose (the whole step at 4 rows 0.74x of the modules' with fbgemm; RESULTS.md).
 INT8Q_ROWS = 2
-# Beyond those, with Sapphire Rapids' AMX tiles (int8_amx: rows rounded to 8 bits each, a tile's 16 rows at most)
-# against fbgemm's kernel, weights read from memory, this Intel Xeon: 1.2-1.6x faster at 3-16 rows at mamba-130m's
-# matrices (benchmarks/RESULTS.md, "int8 through AMX tiles").
+# Beyond those, with Sapphire Rapids' AMX tiles (int8_amx: rows rounded to 8 bits each, 16 rows a tile) against
+# fbgemm's kernel, weights read from memory, this Intel Xeon: 1.2-1.6x faster at 3-16 rows at mamba-130m's matrices
+# (benchmarks/RESULTS.md, "int8 through AMX tiles"); models.quant.int8_linear takes them at any rows (a prompt's
+# too: 4-5x the dequantised product at 2,048), the blocks' one calls (layers.mamba.kernel_weight) up to AMX_ROWS.
 AMX_ROWS = 16
 BLOCK_INT8Q_ROWS = 4
 # A GGUF file's Q8_0 and Q4_0 matrices (x rounded per block of 32: int8q_gemv, q4_0_gemv) against the dequantised

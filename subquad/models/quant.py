@@ -320,7 +320,9 @@ class Int8Linear(nn.Module):
 
 
 class Bf16Linear(nn.Module):
-    """A Linear whose weight is stored in bfloat16; x is cast to bfloat16 for the product, y back to x's dtype."""
+    """A Linear whose weight is stored in bfloat16; x is cast to bfloat16 for the product, y back to x's dtype
+    (up to ``qgemv.BF16_ROWS`` float32 rows in C where the CPU has AVX512-BF16: ``kernels.qgemv.bf16_gemv``, the
+    same products summed in float32, y not rounded to bfloat16 on the way)."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
         super().__init__()
