@@ -1,7 +1,7 @@
 """`subquad serve` against llama.cpp's own `llama-server` on the same weights (issue 49, item 5): completion
 tokens/s at 1 and 16 concurrent streams, a random model at mamba-130m's shape (Mamba-1, d_model 768, 24 layers,
-vocab 50,280) saved as a Hugging Face folder and as GGUF files of the same weights (``save_gguf``: f32, q8_0,
-q4_0).
+vocab 50,280) saved as a Hugging Face folder and as GGUF files of the same weights (``save_gguf``: f32, bf16,
+q8_0, q4_0).
 
     llama-server   built natively from llama-cpp-python's vendored source (its C++ server, continuous batching
                    over ``--parallel`` slots; not llama-cpp-python's Python server):
@@ -9,7 +9,8 @@ q4_0).
                            && cmake --build build --target llama-server -j 2
                    run as ``llama-server -m F.gguf -t 2 -tb 2 --parallel 16 -c 16*512 --no-webui``
     subquad serve  ``--max-batch 16``, default (eager) and ``--compile-decode``, float32 and ``--quantize int8``
-                   (each), and the Q8_0 / Q4_0 GGUF files themselves (``--model m-q8_0.gguf``, eager)
+                   (each), ``--quantize bf16`` (eager), and the BF16 / Q8_0 / Q4_0 GGUF files themselves
+                   (``--model m-q8_0.gguf``, eager)
 
     python benchmarks/bench_llama_server.py --llama-server /path/to/build/bin/llama-server
     python benchmarks/bench_llama_server.py --llama-server ... --quick    # 2 streams, 8 tokens: the script runs
@@ -122,15 +123,18 @@ def main(argv=None):
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp) / "mamba"
         model.save_pretrained(folder)
-        for outtype in ("f32", "q8_0", "q4_0"):
+        for outtype in ("f32", "bf16", "q8_0", "q4_0"):
             save_gguf(model, Path(tmp) / f"m-{outtype}.gguf", outtype, tokenizer=byte_tokenizer())
         llama = [a.llama_server, "-t", 2, "-tb", 2, "--parallel", top, "-c", top * 512, "--no-webui"]
         servers = {
             "llama-server f32": dict(command=llama + ["-m", Path(tmp) / "m-f32.gguf"]),
+            "llama-server bf16": dict(command=llama + ["-m", Path(tmp) / "m-bf16.gguf"]),
             "llama-server q8_0": dict(command=llama + ["-m", Path(tmp) / "m-q8_0.gguf"]),
             "llama-server q4_0": dict(command=llama + ["-m", Path(tmp) / "m-q4_0.gguf"]),
             "subquad serve f32 (eager)": dict(args=()),
             "subquad serve f32 --compile-decode": dict(args=("--compile-decode",)),
+            "subquad serve bf16 (eager)": dict(args=("--quantize", "bf16")),
+            "subquad serve bf16 GGUF (eager)": dict(args=(), model=Path(tmp) / "m-bf16.gguf"),
             "subquad serve int8 (eager)": dict(args=("--quantize", "int8")),
             "subquad serve int8 --compile-decode": dict(args=("--compile-decode", "--quantize", "int8")),
             "subquad serve q8_0 GGUF (eager)": dict(args=(), model=Path(tmp) / "m-q8_0.gguf"),
@@ -161,7 +165,7 @@ def main(argv=None):
              + f" | {top} / 1 | x llama-server ({top}, same precision) |",
              "|---|" + "---:|" * (len(streams) + 2)]
     for name, r in rows.items():
-        ref = rows.get("llama-server q4_0" if "q4_0" in name else
+        ref = rows.get("llama-server q4_0" if "q4_0" in name else "llama-server bf16" if "bf16" in name else
                        "llama-server q8_0" if "int8" in name or "q8_0" in name else "llama-server f32")
         vs = f"{r[top] / ref[top]:.2f}" if ref else "-"
         lines.append(f"| {name} | " + " | ".join(f"{r[c]:.1f}" for c in streams)
