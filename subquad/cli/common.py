@@ -79,18 +79,27 @@ def check_run_or_model(args) -> None:
         raise ValueError(f"--run {args.run} does not exist")
 
 
+def model_dtype(args):
+    """The torch dtype --dtype names for --model; without one float32 for a folder, None for a GGUF file (its BF16
+    / F16 matrices kept as the file holds them: models.gguf.load)."""
+    import torch
+
+    from subquad.models.hf import is_gguf
+
+    if args.dtype:
+        return getattr(torch, args.dtype)
+    return None if args.model and is_gguf(args.model) else torch.float32
+
+
 def load_model(args, *, need_tokenizer: str | None = None):
     """(model, tokenizer) of --run or --model with --dtype, --quantize and --device. ``need_tokenizer`` names
     what the tokenizer is for: a --model folder without tokenizer.json is then refused with that reason."""
-    import torch
-
     check_run_or_model(args)
     if args.model is not None:
         from subquad.models import from_pretrained
         from subquad.models.hf import is_gguf
 
-        dtype = getattr(torch, args.dtype) if args.dtype else None if is_gguf(args.model) else torch.float32
-        model, tok = from_pretrained(args.model, dtype=dtype, device=args.device, quantize=args.quantize)
+        model, tok = from_pretrained(args.model, dtype=model_dtype(args), device=args.device, quantize=args.quantize)
         if tok is None and need_tokenizer:
             where = "no tokenizer in its metadata (write it with save_gguf(..., tokenizer=tok))" \
                 if is_gguf(args.model) else "no tokenizer.json"

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import math
 
-from subquad.cli.common import add_model_flags, check_run_or_model, load_model, positive, say
+from subquad.cli.common import add_model_flags, check_run_or_model, load_model, model_dtype, positive, say
 
 
 def add_parser(command) -> None:
@@ -115,11 +115,8 @@ def _eval_tasks(args) -> int:
     from lm_eval.tasks import TaskManager
     from lm_eval.utils import make_table
 
-    from subquad.models.hf import is_gguf
-
-    path = args.run or args.model
-    dtype = args.dtype or (None if args.model and is_gguf(args.model) else "float32")   # as cli.common.load_model
-    lm = SubquadLM(path=path, dtype=dtype, device=args.device, quantize=args.quantize, batch_size=args.batch_size or 16)
+    lm = SubquadLM(path=args.run or args.model, dtype=model_dtype(args), device=args.device, quantize=args.quantize,
+                   batch_size=args.batch_size or 16)
     tasks = [t for t in args.tasks.split(",") if t]
     manager = None
     if args.include_path:              # tasks all in --include-path: no index of lm_eval's own ~50,000 YAML files

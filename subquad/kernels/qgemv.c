@@ -706,6 +706,34 @@ void int8_amx_gemv(int64_t M, int64_t N, int64_t K, int threads, const float *x,
 #endif
 }
 
+/* Four channels against up to four rows of x at a time, blocks of four channels spread over ``threads`` (bf16_gemv's
+ * vectors, f16_gemv): BLOCK(R, C) fills float out[4][4] for the R rows from m0 and the C channels from n0 - with
+ * constants for four channels and 1-4 rows, so the compiler keeps its sums in registers - and the sums are written
+ * out with the bias. */
+#define FOUR_BY_FOUR(M, N, n_from, bias, y, BLOCK)                                                                 \
+    _Pragma("omp parallel for num_threads(threads) schedule(static)")                                             \
+    for (int64_t b_ = 0; b_ < ((N) - (n_from) + 3) / 4; b_++) {                                                  \
+        const int64_t n0 = (n_from) + 4 * b_;                                                                     \
+        const int C = (N) - n0 < 4 ? (int)((N) - n0) : 4;                                                         \
+        float out[4][4];                                                                                           \
+        for (int64_t m0 = 0; m0 < (M); m0 += 4) {                                                                  \
+            const int R = (M) - m0 < 4 ? (int)((M) - m0) : 4;                                                     \
+            if (C == 4 && R == 4)                                                                                  \
+                BLOCK(4, 4);                                                                                       \
+            else if (C == 4 && R == 1)                                                                             \
+                BLOCK(1, 4);                                                                                       \
+            else if (C == 4 && R == 2)                                                                             \
+                BLOCK(2, 4);                                                                                       \
+            else if (C == 4)                                                                                       \
+                BLOCK(3, 4);                                                                                       \
+            else                                                                                                   \
+                BLOCK(R, C);                                           /* the last channels */                     \
+            for (int r = 0; r < R; r++)                                                                            \
+                for (int c = 0; c < C; c++)                                                                        \
+                    (y)[(m0 + r) * (N) + n0 + c] = out[r][c] + ((bias) ? (bias)[n0 + c] : 0.0f);                   \
+        }                                                                                                          \
+    }
+
 /* bf16_gemv: y[m, n] = sum_k bf16(x[m, k]) w[n, k] + bias[n] - a bfloat16 model's product (models.quant's
  * Bf16Linear): w (N, K) bfloat16 row-major as stored, each x rounded to bfloat16 to nearest even (as torch's
  * .to(torch.bfloat16); xb, M K halves), float32 sums, y float32 (not rounded to bfloat16 as F.linear's bfloat16
@@ -753,30 +781,9 @@ static inline __attribute__((always_inline)) void bf16_block(const int R, const 
 /* Channels [n_from, N) through the vectors, blocks of four spread over the threads. */
 static void bf16_vectors(int64_t M, int64_t N, int64_t n_from, int64_t K, int threads, const uint16_t *xb,
                          const uint16_t *w, const float *bias, float *y) {
-#pragma omp parallel for num_threads(threads) schedule(static)
-    for (int64_t b = 0; b < (N - n_from + 3) / 4; b++) {
-        const int64_t n0 = n_from + 4 * b;
-        const int C = N - n0 < 4 ? (int)(N - n0) : 4;
-        const uint16_t *wb = w + n0 * K;
-        float out[4][4];
-        for (int64_t m0 = 0; m0 < M; m0 += 4) {
-            const int R = M - m0 < 4 ? (int)(M - m0) : 4;
-            const uint16_t *xr = xb + m0 * K;
-            if (C == 4 && R == 4)
-                bf16_block(4, 4, K, xr, wb, out);
-            else if (C == 4 && R == 1)
-                bf16_block(1, 4, K, xr, wb, out);
-            else if (C == 4 && R == 2)
-                bf16_block(2, 4, K, xr, wb, out);
-            else if (C == 4)
-                bf16_block(3, 4, K, xr, wb, out);
-            else
-                bf16_block(R, C, K, xr, wb, out);                  /* the last channels */
-            for (int r = 0; r < R; r++)
-                for (int c = 0; c < C; c++)
-                    y[(m0 + r) * N + n0 + c] = out[r][c] + (bias ? bias[n0 + c] : 0.0f);
-        }
-    }
+#define BF16_BLOCK(R_, C_) bf16_block(R_, C_, K, xb + m0 * K, w + n0 * K, out)
+    FOUR_BY_FOUR(M, N, n_from, bias, y, BF16_BLOCK);
+#undef BF16_BLOCK
 }
 #endif
 
@@ -900,30 +907,9 @@ static inline __attribute__((always_inline)) void f16_block(const int R, const i
 void f16_gemv(int64_t M, int64_t N, int64_t K, int threads, const float *x, int64_t ldx, const uint16_t *w,
               const float *bias, float *y) {
 #if F16_LANES
-#pragma omp parallel for num_threads(threads) schedule(static)
-    for (int64_t b = 0; b < (N + 3) / 4; b++) {
-        const int64_t n0 = 4 * b;
-        const int C = N - n0 < 4 ? (int)(N - n0) : 4;
-        const uint16_t *wb = w + n0 * K;
-        float out[4][4];
-        for (int64_t m0 = 0; m0 < M; m0 += 4) {
-            const int R = M - m0 < 4 ? (int)(M - m0) : 4;
-            const float *xr = x + m0 * ldx;
-            if (C == 4 && R == 4)
-                f16_block(4, 4, K, xr, ldx, wb, out);
-            else if (C == 4 && R == 1)
-                f16_block(1, 4, K, xr, ldx, wb, out);
-            else if (C == 4 && R == 2)
-                f16_block(2, 4, K, xr, ldx, wb, out);
-            else if (C == 4)
-                f16_block(3, 4, K, xr, ldx, wb, out);
-            else
-                f16_block(R, C, K, xr, ldx, wb, out);                 /* the last channels */
-            for (int r = 0; r < R; r++)
-                for (int c = 0; c < C; c++)
-                    y[(m0 + r) * N + n0 + c] = out[r][c] + (bias ? bias[n0 + c] : 0.0f);
-        }
-    }
+#define F16_BLOCK(R_, C_) f16_block(R_, C_, K, x + m0 * ldx, ldx, w + n0 * K, out)
+    FOUR_BY_FOUR(M, N, 0, bias, y, F16_BLOCK);
+#undef F16_BLOCK
 #else
     (void)x; (void)ldx; (void)w; (void)bias; (void)threads; (void)K;
     for (int64_t i = 0; i < M * N; i++)                       /* never called: f16_init said 0 */
