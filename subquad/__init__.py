@@ -22,6 +22,10 @@ import os
 # is imported before the process's first large CPU tensor.
 os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
 
+from subquad import heap  # noqa: E402
+
+heap.keep_freed()          # freed CPU memory kept for the next tensor (subquad/heap.py; SUBQUAD_KEEP_FREED=0: not)
+
 from subquad import layers, models, ops  # noqa: E402
 from subquad.layers import build_mixer  # noqa: E402
 from subquad.models import LanguageModel, ModelConfig, from_pretrained, preset  # noqa: E402

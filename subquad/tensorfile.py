@@ -3,8 +3,6 @@ or, for the tensors asked for, views of a private memory map of the file."""
 
 from __future__ import annotations
 
-import ctypes
-import functools
 import json
 import math
 import mmap
@@ -84,23 +82,3 @@ def _drop_pages(mm, start, nbytes):
     hi = (start + nbytes) // mmap.PAGESIZE * mmap.PAGESIZE
     if hi > lo:
         mm.madvise(mmap.MADV_DONTNEED, lo, hi - lo)
-
-
-@functools.cache
-def _malloc_trim():
-    """glibc's ``malloc_trim``, or None (another C library)."""
-    try:
-        return ctypes.CDLL(None).malloc_trim
-    except (OSError, AttributeError):
-        return None
-
-
-def release_freed() -> None:
-    """Hand the C heap's free pages back to the system (glibc's ``malloc_trim(0)``; nothing elsewhere).
-    Loading a model module by module frees each module's file tensors and packing temporaries as it goes, but
-    glibc keeps freed blocks of a few MB in its heap once its mmap threshold has grown, so the process's
-    resident memory kept rising by what was freed (an int4 folder at mamba-130m's shape: peak 1.34x its size
-    on disk, 1.17x with this after each module; benchmarks/RESULTS.md)."""
-    trim = _malloc_trim()
-    if trim is not None:
-        trim(0)

@@ -89,7 +89,7 @@ from torch import nn
 
 from subquad.kernels import qgemv
 from subquad.models.mode import MODE
-from subquad.tensorfile import release_freed
+from subquad.heap import release_freed
 
 QUANTIZE = ("int8", "int4", "bf16")
 DECODE_ROWS = 16            # rows per call of fbgemm's kernel (they share one activation scale); a product of

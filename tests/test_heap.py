@@ -1,0 +1,71 @@
+"""The C heap's settings (``subquad.heap``): freed memory kept for the next tensor once subquad is imported, and
+handed back by ``release_freed``. Each in a fresh process, so the heap's state is known."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = str(Path(__file__).resolve().parent.parent)
+
+
+def _run(code, **env):
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT,
+                         env={**os.environ, "PYTHONPATH": ROOT, **env})
+    return out.stdout.split()
+
+
+def test_a_step_s_tensors_reuse_the_pages_the_last_step_freed():
+    """Forty 1.5 MB tensors (under the 2 MB where PyTorch asks for huge pages) written and freed, five times:
+    after two rounds glibc's defaults fault most of their pages in again every round (the freed top of the
+    heap trimmed), the kept heap none of them. ``SUBQUAD_KEEP_FREED=0`` is the control the test could fail by."""
+    code = r"""
+import resource, torch, subquad
+from subquad.heap import _glibc
+faults = lambda: resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+rounds = []
+for r in range(5):
+    before = faults()
+    blocks = [torch.ones(3 << 17) for _ in range(40)]        # 1.5 MB each, every page written
+    del blocks
+    rounds.append(faults() - before)
+print(_glibc() is not None, max(rounds[2:]))
+"""
+    glibc, kept = _run(code)
+    _, default = _run(code, SUBQUAD_KEEP_FREED="0")
+    if glibc == "True":
+        assert int(kept) < 200, kept                      # 40 x 384 = 15,360 pages a round
+        assert int(default) > 5000, default
+    else:
+        assert kept == default
+
+
+def test_keep_freed_reports_what_it_did():
+    code = "import subquad; from subquad.heap import _glibc, keep_freed; print(_glibc() is not None, keep_freed())"
+    glibc, made = _run(code)
+    assert made == glibc
+    assert _run(code, SUBQUAD_KEEP_FREED="0")[1] == "False"
+
+
+def test_release_freed_returns_the_heaps_free_pages():
+    """After many frees of a few MB each (kept in the heap: above), resident memory falls by most of what was
+    freed once ``release_freed`` runs. On a C library without ``malloc_trim`` it must do nothing."""
+    code = r"""
+import re, torch, subquad
+from subquad.heap import _glibc, release_freed
+rss = lambda: int(re.search(r'VmRSS:\s+(\d+)', open('/proc/self/status').read())[1]) // 1024
+keep, blocks = [], [torch.ones(3 << 20, dtype=torch.uint8) for _ in range(40)]
+for i, b in enumerate(blocks):
+    if i % 8 == 7:
+        keep.append(b.clone()[:1])                              # small live blocks between the freed ones
+del blocks, b
+before = rss(); release_freed(); after = rss()
+print(_glibc() is not None, before, after)
+"""
+    glibc, before, after = _run(code)
+    if glibc == "True":
+        assert int(before) - int(after) >= 60, (before, after)      # 120 MB freed, most of it held before
+    else:
+        assert int(after) <= int(before)
