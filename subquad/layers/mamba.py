@@ -101,6 +101,27 @@ _PLANS = kernels.KeptCalls()                                        # mixer -> {
 STACKS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()    # blocks -> {rows: models.stack's plan}
 
 
+_DT_COLUMNS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # Mamba layer -> (dt_proj weight's pointer
+                                                                     # and version, its column-major copy)
+
+
+def dt_columns(layer, w: torch.Tensor) -> torch.Tensor:
+    """dt_proj's weight w (D, R) with the same values stored column-major (a (D, R) view of an (R, D) tensor), for
+    the block kernel: its dt_proj then sums 32 channels a vector over the ranks instead of a dot per channel and
+    row (``kernels/mamba_step.c``; 24 Mamba-1 steps at 16 rows ~1.5 ms less: benchmarks/RESULTS.md). Made once per
+    storage and version of w, kept beside the layer (a weak mapping) and ``kernels.derive``d from w, so a kept
+    call holding it is valid while w is; w itself where it is already column-major."""
+    if w.stride(0) == 1:
+        return w
+    now = (w.data_ptr(), w._version)
+    hit = _DT_COLUMNS.get(layer)
+    if hit is not None and hit[0] == now:
+        return hit[1]
+    copy = kernels.derive(w.detach().t().contiguous().t(), w)
+    _DT_COLUMNS[layer] = (now, copy)
+    return copy
+
+
 def planned_block(mixer, h, norm, state, kernel, build):
     """A pre-norm block's decoding step through a ``BlockStep`` kept for the mixer and the batch size: ``build(h,
     norm, state)`` makes one where every check passes (``block_projections``, the layer's ``_fusable``; None where
@@ -262,6 +283,8 @@ class Mamba(Mixer):
                              backend=block_backend(T)):
             return None
         nw, w_in, b_in, w_out, b_out = proj
+        if self.heads == 1:
+            wdt = dt_columns(self, wdt)
         weights = (nw, norm.eps, w_in, b_in, w_out, b_out, conv_w, conv_b, wx, wdt, bdt, A_log, Dp)
         step = fused_block.BlockStep(B, *weights) if T == 1 else fused_block.TokensStep(T, B, *weights)
         if self.heads == 1 and not isinstance(self.x_proj, nn.Linear):

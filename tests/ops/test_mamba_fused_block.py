@@ -40,6 +40,8 @@ def test_the_block_equals_its_math_in_float64(B, d, D, N, R, K, bias, strong, he
     norm_w = torch.rand(d, generator=g) + 0.5
     w_in, w_out = torch.randn(2 * D, d, generator=g) * d ** -0.5, torch.randn(d, D, generator=g) * D ** -0.5
     w_in, w_out = (w.T.contiguous().T if c else w for w, c in zip((w_in, w_out), cm))
+    if heads == 1 and B > 1:
+        wdt = wdt.t().contiguous().t()            # dt_proj column-major, as the layer's kept call passes it
     b_in, b_out = (torch.randn(2 * D, generator=g), torch.randn(d, generator=g)) if bias else (None, None)
     args = [h, norm_w, 1e-5, w_in, b_in, w_out, b_out, conv_state, conv_w, conv_b, wx, wdt, bdt, A_log, Dp, ssm]
     before = [a.clone() if isinstance(a, torch.Tensor) else a for a in args]
@@ -246,7 +248,8 @@ def test_the_step_is_kept_between_tokens_and_rebuilt_when_the_modules_change(mon
     the model decodes as the original (nothing kept inside the modules)."""
     import copy
 
-    from subquad.layers.mamba import Mamba
+    from subquad.kernels import source
+    from subquad.layers.mamba import Mamba, kept_plan
 
     built = []
     init = fused_block.BlockStep.__init__
@@ -278,9 +281,19 @@ def test_the_step_is_kept_between_tokens_and_rebuilt_when_the_modules_change(mon
         mixer.out_proj.load_state_dict({"weight": torch.randn_like(mixer.out_proj.weight)})
         st = both(tok, st)
         assert len(built) == 3                                           # in place: the same step, new values
+        mixer.dt_proj.weight.data = mixer.dt_proj.weight.data.contiguous()   # row-major, as a model not laid out
+        st = both(tok, st)                                                   # for decoding holds it
+        assert len(built) == 4
+        kept = kept_plan(mixer, m.blocks[0].norm1, 2)[1].tensors
+        wdt = [t for t in kept if t is not None and source(t) is mixer.dt_proj.weight]
+        assert wdt[0].stride(0) == 1                                     # read column-major (dt_columns)
+        with torch.no_grad():
+            mixer.dt_proj.weight.mul_(1.5)                               # the column-major copy's source edited
+        st = both(tok, st)
+        assert len(built) == 5                                           # a copy of it: rebuilt
         mixer.out_proj = nn.Linear(mixer.d_inner, 48, bias=False)
         st = both(tok, st)
-        assert len(built) == 4                                           # a new module: rebuilt
+        assert len(built) == 6                                           # a new module: rebuilt
         twin = copy.deepcopy(m)
         a, _ = twin.step(tok, st)
         assert torch.equal(a, m.step(tok, st)[0])
