@@ -18,6 +18,8 @@ import functools
 import torch.nn.functional as F
 from torch import nn
 
+from subquad.ops.common.autograd import wants_grad
+
 
 ACTS = {"silu": F.silu, "gelu_tanh": functools.partial(F.gelu, approximate="tanh"), "gelu": F.gelu}
 
@@ -36,7 +38,13 @@ class SwiGLU(nn.Module):
         self.act = ACTS[act]
 
     def forward(self, x):
-        return self.w_down(self.act(self.w_gate(x)) * self.w_up(x))
+        g, u = self.w_gate(x), self.w_up(x)
+        if wants_grad(g, u):
+            return self.w_down(self.act(g) * u)
+        # no gradient: the product written into act's output (silu: into g itself), no new (T, hidden) tensor -
+        # at a 2,048-token prompt each is tens of MB, faulted in afresh when over the heap's 32 MB (subquad.heap)
+        h = F.silu(g, inplace=True) if self.act is F.silu else self.act(g)
+        return self.w_down(h.mul_(u))
 
 
 class ReLU2MLP(nn.Module):
