@@ -11,8 +11,9 @@ blocks up to it come from the heap) and its trim threshold to 1 GiB (up to that 
 top is kept), so a step's tensors reuse the pages the last step freed, as PyTorch's CUDA caching allocator does.
 Resident memory then stays near its high-water mark instead of falling between steps; blocks over 32 MB (long
 prompts' activations) are still mapped and unmapped each time. ``release_freed()`` hands the heap's free pages
-back (the loaders call it after each module). ``SUBQUAD_KEEP_FREED=0`` keeps glibc's defaults. Another C library:
-both do nothing.
+back (the loaders call it after each module). ``SUBQUAD_KEEP_FREED=0`` keeps glibc's defaults, and a threshold the
+user set for glibc (``MALLOC_MMAP_THRESHOLD_``, ``MALLOC_TRIM_THRESHOLD_``, ``GLIBC_TUNABLES``) is kept. Another C
+library: both do nothing.
 """
 
 from __future__ import annotations
@@ -38,10 +39,17 @@ def _glibc():
         return None
 
 
+def _user_set() -> bool:
+    """Whether the user set either threshold for glibc (its environment variables or tunables): theirs is kept."""
+    tunables = os.environ.get("GLIBC_TUNABLES", "")
+    return any(k in os.environ for k in ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_")) \
+        or "malloc.mmap_threshold" in tunables or "malloc.trim_threshold" in tunables
+
+
 def keep_freed() -> bool:
     """The module doc's setting; True where it was made (glibc, not turned off)."""
     libc = _glibc()
-    if libc is None or os.environ.get("SUBQUAD_KEEP_FREED", "1") == "0":
+    if libc is None or os.environ.get("SUBQUAD_KEEP_FREED", "1") == "0" or _user_set():
         return False
     mapped = libc.mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD)              # mallopt: 1 where it took the value
     trimmed = libc.mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD)
