@@ -18,6 +18,12 @@ read bound up to ~8 rows and at 64-75% of the matmul rate at 16, where oneDNN's 
 (mamba-130m's vocabulary head from memory, AVX2 EPYC: 5.0 against 4.4 ms at one row, 6.6 against 12.2 at 8,
 9.2 against 16.6 at 16; ``bench_qgemv.py --from-memory``).
 
+Past ``MKL_ROWS`` rows (a prompt's products) an Intel CPU keeps MKL's GEMM: on the Sapphire Rapids host MKL is
+1-16% faster from ~512 rows up (4-10% at 1,024 and 2,048 rows of LFM3's and xLSTM's matrices) and oneDNN up to 9%
+faster below, while on the AMD EPYC hosts oneDNN was 1.3-1.4x faster at 2,048 rows (benchmarks/RESULTS.md, "MKL
+for an Intel CPU's prompts"); elsewhere oneDNN keeps every row count. ``SUBQUAD_MKL_ROWS=N`` sets the rows
+(0: oneDNN at any count).
+
 Inside a compiled graph the call is the custom op ``subquad::dense_linear`` (inductor's own lowering of the
 oneDNN op wants a frozen weight); eagerly it is the oneDNN op itself (no custom op's dispatch per call).
 """
@@ -38,14 +44,36 @@ MIN_WEIGHTS = 1 << 18       # smaller matrices keep F.linear: oneDNN's ~14 us pe
 C_ROWS = 16                 # up to this many rows the C kernel (module doc)
 
 
+def _intel() -> bool:
+    """Whether this CPU is Intel's (``/proc/cpuinfo``'s vendor_id; False where it cannot be read)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return "GenuineIntel" in f.read(4096)
+    except OSError:
+        return False
+
+
+def _mkl_rows() -> int | None:
+    """The rows past which a product keeps MKL (module doc), or None: oneDNN at any count."""
+    rows = os.environ.get("SUBQUAD_MKL_ROWS")
+    if rows is not None:
+        return int(rows) or None
+    return 512 if _intel() else None
+
+
+MKL_ROWS = _mkl_rows()
+
+
 def _onednn(x, w, bias):
     return torch.ops.mkldnn._linear_pointwise(x if x.is_contiguous() else x.contiguous(), w, bias, "none", [], "")
 
 
 def _dense(x, w, bias):
-    """oneDNN's product, or the C kernel's for a few rows of a row-major matrix."""
+    """oneDNN's product, the C kernel's for a few rows of a row-major matrix, or MKL's past ``MKL_ROWS``."""
     if w.is_contiguous() and qgemv.usable(qgemv.F32, x, C_ROWS) and (bias is None or bias.is_contiguous()):
         return qgemv.f32_gemv(x, w, bias)
+    if MKL_ROWS is not None and x.numel() > MKL_ROWS * x.shape[-1]:
+        return F.linear(x, w, bias)
     return _onednn(x, w, bias)
 
 

@@ -56,6 +56,31 @@ def test_a_few_rows_of_a_row_major_matrix_take_the_c_kernel(monkeypatch):
         assert not calls
 
 
+def test_past_mkl_rows_a_product_keeps_mkl_and_below_it_onednn(monkeypatch):
+    """``MKL_ROWS`` (an Intel CPU's default 512, ``SUBQUAD_MKL_ROWS`` otherwise): F.linear past it, oneDNN up to
+    it, each equal to the float64 product; None: oneDNN at any count."""
+    if not L.ONEDNN:
+        pytest.skip("oneDNN is not available in this torch build (or SUBQUAD_ONEDNN=0)")
+    seen = []
+    real = L.F.linear
+    monkeypatch.setattr(L.F, "linear", lambda *a: seen.append(a[0].shape) or real(*a))
+    g = torch.Generator().manual_seed(0)
+    w, b = torch.randn(520, 512, generator=g), torch.randn(520, generator=g)
+    with torch.no_grad():
+        for limit, x, mkl in ((40, torch.randn(2, 21, 512, generator=g), True), (40, torch.randn(2, 20, 512), False),
+                              (None, torch.randn(3, 100, 512), False)):
+            monkeypatch.setattr(L, "MKL_ROWS", limit)
+            seen.clear()
+            torch.testing.assert_close(L.linear(x, w, b).double(), reference(x, w, b), rtol=0, atol=2e-4)
+            assert bool(seen) == mkl, (limit, x.shape)
+    monkeypatch.setenv("SUBQUAD_MKL_ROWS", "0")
+    assert L._mkl_rows() is None
+    monkeypatch.setenv("SUBQUAD_MKL_ROWS", "300")
+    assert L._mkl_rows() == 300
+    monkeypatch.delenv("SUBQUAD_MKL_ROWS")
+    assert L._mkl_rows() == (512 if L._intel() else None)
+
+
 def test_training_and_other_dtypes_keep_f_linear():
     w = nn.Parameter(torch.randn(8, 4))
     x = torch.randn(3, 4, requires_grad=True)
