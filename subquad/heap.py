@@ -6,14 +6,17 @@ size is faulted in again, a page at a time, each page zeroed by the kernel. A de
 its states, products and logits every step: at 16 rows that was 600-3,300 page faults a step and a fifth of a
 hybrid's step time (benchmarks/RESULTS.md, "Freed memory kept for the next step").
 
-``keep_freed()`` - called when subquad is imported - sets glibc's mmap threshold to its largest value (32 MB:
-blocks up to it come from the heap) and its trim threshold to 1 GiB (up to that much free memory at the heap's
-top is kept), so a step's tensors reuse the pages the last step freed, as PyTorch's CUDA caching allocator does.
-Resident memory then stays near its high-water mark instead of falling between steps; blocks over 32 MB (long
-prompts' activations) are still mapped and unmapped each time. ``release_freed()`` hands the heap's free pages
-back (the loaders call it after each module). ``SUBQUAD_KEEP_FREED=0`` keeps glibc's defaults, and a threshold the
-user set for glibc (``MALLOC_MMAP_THRESHOLD_``, ``MALLOC_TRIM_THRESHOLD_``, ``GLIBC_TUNABLES``) is kept. Another C
-library: both do nothing.
+``keep_freed()`` - called when subquad is imported - stops glibc mapping blocks of their own (``M_MMAP_MAX`` 0:
+every block comes from the heap, whatever its size) and sets its trim threshold to 1 GiB (up to that much free
+memory at the heap's top is kept), so a step's tensors reuse the pages the last step freed, as PyTorch's CUDA
+caching allocator does - and so do a long prompt's activations: a mapped block (glibc's largest mmap threshold is
+32 MB) was faulted in afresh at every use, 60-67 MB ones at LFM3's and Qwen4-Exp's shapes. Resident memory then
+stays near its high-water mark instead of falling between steps; more than 1 GiB freed at the heap's top goes back.
+``release_freed()`` hands the heap's free pages back (the loaders call it after each module).
+``SUBQUAD_KEEP_FREED=0`` keeps glibc's defaults, and so does a setting the user made for glibc
+(``MALLOC_MMAP_THRESHOLD_``, ``MALLOC_MMAP_MAX_``, ``MALLOC_TRIM_THRESHOLD_``, ``GLIBC_TUNABLES``). Another C
+library: both do nothing. (Threads other than the main one allocate from arenas of at most 64 MB, which map a
+larger block whatever ``M_MMAP_MAX`` says.)
 """
 
 from __future__ import annotations
@@ -22,8 +25,7 @@ import ctypes
 import functools
 import os
 
-M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3              # glibc's malloc.h
-MMAP_THRESHOLD = 32 << 20                                 # glibc's largest (HEAP_MAX_SIZE / 2 on 64-bit)
+M_TRIM_THRESHOLD, M_MMAP_MAX = -1, -4                    # glibc's malloc.h
 TRIM_THRESHOLD = 1 << 30
 
 
@@ -40,10 +42,10 @@ def _glibc():
 
 
 def _user_set() -> bool:
-    """Whether the user set either threshold for glibc (its environment variables or tunables): theirs is kept."""
+    """Whether the user set glibc's mmap or trim settings (its environment variables or tunables): theirs are kept."""
     tunables = os.environ.get("GLIBC_TUNABLES", "")
-    return any(k in os.environ for k in ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_")) \
-        or "malloc.mmap_threshold" in tunables or "malloc.trim_threshold" in tunables
+    return any(k in os.environ for k in ("MALLOC_MMAP_THRESHOLD_", "MALLOC_MMAP_MAX_", "MALLOC_TRIM_THRESHOLD_")) \
+        or any(f"malloc.{k}" in tunables for k in ("mmap_threshold", "mmap_max", "trim_threshold"))
 
 
 def keep_freed() -> bool:
@@ -51,7 +53,7 @@ def keep_freed() -> bool:
     libc = _glibc()
     if libc is None or os.environ.get("SUBQUAD_KEEP_FREED", "1") == "0" or _user_set():
         return False
-    mapped = libc.mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD)              # mallopt: 1 where it took the value
+    mapped = libc.mallopt(M_MMAP_MAX, 0)                                 # mallopt: 1 where it took the value
     trimmed = libc.mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD)
     return mapped == 1 and trimmed == 1
 
