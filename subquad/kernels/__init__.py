@@ -45,14 +45,21 @@ def cache_dir() -> Path:
     return Path(root) / "kernels"
 
 
+@functools.cache
+def cpuinfo() -> str:
+    """The first processor's lines of ``/proc/cpuinfo`` (vendor, model name, flags), or "" where it cannot be read:
+    what the kernels' builds, the quantised paths and the products' choice of library depend on."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return f.read().split("\n\n")[0]
+    except OSError:
+        return ""
+
+
 def _cpu() -> str:
     """What ``-march=native`` depends on: the CPU's model and its flags."""
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-        keep = [line for line in text.splitlines() if line.startswith(("model name", "flags"))][:2]
-        return "\n".join(keep)
-    except OSError:
-        return platform.processor()
+    keep = [line for line in cpuinfo().splitlines() if line.startswith(("model name", "flags"))][:2]
+    return "\n".join(keep) if keep else platform.processor()
 
 
 def _texts(src: Path, seen=None) -> list[str]:

@@ -36,6 +36,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from subquad import kernels
 from subquad.kernels import qgemv
 
 ONEDNN = (os.environ.get("SUBQUAD_ONEDNN", "1") != "0" and torch.backends.mkldnn.is_available()
@@ -46,11 +47,7 @@ C_ROWS = 16                 # up to this many rows the C kernel (module doc)
 
 def _intel() -> bool:
     """Whether this CPU is Intel's (``/proc/cpuinfo``'s vendor_id; False where it cannot be read)."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            return "GenuineIntel" in f.read(4096)
-    except OSError:
-        return False
+    return "GenuineIntel" in kernels.cpuinfo()
 
 
 def _mkl_rows() -> int | None:

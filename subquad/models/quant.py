@@ -81,12 +81,12 @@ import functools
 import itertools
 import warnings
 import weakref
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from subquad import kernels
 from subquad.kernels import qgemv
 from subquad.models.mode import MODE
 from subquad.heap import release_freed
@@ -107,10 +107,7 @@ def _has_vnni() -> bool:
     it fbgemm sums pairs of products in 16 bits, which can saturate, so activations keep 7 bits there
     (``reduce_range``); with it they keep all 8 (mamba2's int8 logits: 5% of their scale off with 7 bits,
     under 3% with 8, tests/models/test_quant.py)."""
-    try:
-        flags = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
+    flags = kernels.cpuinfo()
     return " avx512_vnni" in flags or " avx_vnni" in flags
 
 
