@@ -214,6 +214,19 @@ def derive(copy: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
     return copy
 
 
+def derived(cache, key, src: torch.Tensor, make) -> torch.Tensor:
+    """``make(src)``, ``derive``d from the module tensor ``src``, made once per storage and version of src and kept
+    in ``cache[key]`` (as (src's data pointer and version, the copy)): a weight in the layout a kernel reads
+    (``qgemv.amx_packed``'s tiles, ``layers.mamba.dt_columns``' column-major copy)."""
+    now = (src.data_ptr(), src._version)
+    hit = cache.get(key)
+    if hit is not None and hit[0] == now:
+        return hit[1]
+    copy = derive(make(src), src)
+    cache[key] = (now, copy)
+    return copy
+
+
 def source(t: torch.Tensor):
     """The module tensor ``t`` was derived from (``derive``), or None."""
     return getattr(t, "_subquad_source", None)

@@ -27,7 +27,7 @@ from functools import lru_cache
 
 import torch
 
-from subquad.kernels import I64, INT, PTR, Kernel, derive, enabled
+from subquad.kernels import I64, INT, PTR, Kernel, derived, enabled
 
 # Up to how many rows the C kernels are faster than what else runs (benchmarks/bench_qgemv.py; AMD EPYC, AVX2):
 # int8 per block (a GGUF Q8_0 / Q6_K / Q4_K file's matrices; Q8_0 with x rounded, int8q) against the
@@ -129,7 +129,7 @@ def int8_amx(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bias: torch.
     return y.view(*x.shape[:-1], N)
 
 
-AMX_PACKED: dict = {}      # key -> (q's storage, its version, the packed bytes); models.quant drops a module's
+AMX_PACKED: dict = {}      # key -> ((q's storage, its version), the packed bytes); models.quant drops a module's
 
 
 def _padded(N: int) -> int:
@@ -140,13 +140,13 @@ def amx_packed(q: torch.Tensor, key: int) -> torch.Tensor:
     """q (N, K) int8, K a multiple of 64, in AMX tiles (``qgemv.c``'s int8_amx_pack) with the rows' int32 sums
     after them: one int8 tensor of Np K + 4 Np bytes (Np = N rounded up to 16), made once per (key, storage,
     version) of q - the block kernels' projection kind 9 reads the same bytes."""
-    hit = AMX_PACKED.get(key)
-    if hit is not None and hit[0] == q.data_ptr() and hit[1] == q._version:
-        return hit[2]
+    return derived(AMX_PACKED, key, q, _amx_pack)     # kept calls holding it: valid while q stays
+
+
+def _amx_pack(q: torch.Tensor) -> torch.Tensor:
     (N, K), Np = q.shape, _padded(q.shape[0])
     p = torch.empty(Np * K + 4 * Np, dtype=torch.int8)
     AMX_PACK(N, K, q.contiguous(), p)
-    AMX_PACKED[key] = (q.data_ptr(), q._version, derive(p, q))    # kept calls holding p: valid while q stays
     return p
 
 

@@ -101,25 +101,18 @@ _PLANS = kernels.KeptCalls()                                        # mixer -> {
 STACKS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()    # blocks -> {rows: models.stack's plan}
 
 
-_DT_COLUMNS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # Mamba layer -> (dt_proj weight's pointer
-                                                                     # and version, its column-major copy)
+_DT_COLUMNS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # Mamba layer -> dt_proj's column-major copy
 
 
 def dt_columns(layer, w: torch.Tensor) -> torch.Tensor:
     """dt_proj's weight w (D, R) with the same values stored column-major (a (D, R) view of an (R, D) tensor), for
     the block kernel: its dt_proj then sums 32 channels a vector over the ranks instead of a dot per channel and
     row (``kernels/mamba_step.c``; 24 Mamba-1 steps at 16 rows ~1.5 ms less: benchmarks/RESULTS.md). Made once per
-    storage and version of w, kept beside the layer (a weak mapping) and ``kernels.derive``d from w, so a kept
-    call holding it is valid while w is; w itself where it is already column-major."""
+    storage and version of w and kept beside the layer (a weak mapping; ``kernels.derived``), so a kept call
+    holding it is valid while w is; w itself where it is already column-major."""
     if w.stride(0) == 1:
         return w
-    now = (w.data_ptr(), w._version)
-    hit = _DT_COLUMNS.get(layer)
-    if hit is not None and hit[0] == now:
-        return hit[1]
-    copy = kernels.derive(w.detach().t().contiguous().t(), w)
-    _DT_COLUMNS[layer] = (now, copy)
-    return copy
+    return kernels.derived(_DT_COLUMNS, layer, w, lambda t: t.detach().t().contiguous().t())
 
 
 def planned_block(mixer, h, norm, state, kernel, build):
