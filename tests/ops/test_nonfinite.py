@@ -82,3 +82,21 @@ def test_a_decay_of_exactly_zero_agrees_in_all_three_forms(op):
     for n in ("g3", "g4"):
         tail[n][:, 0] = 0.0
     torch.testing.assert_close(ref[:, 7:], fn(tail, "recurrent"), rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.parametrize("values, recomputed", [
+    ([1.0, -2.0, 3.0], False),
+    ([3e38, 3e38, -1.0], False),              # finite values whose sum overflows: looked at one by one, kept
+    ([1.0, float("nan"), 2.0], True),
+    ([1.0, float("inf"), 2.0], True),
+    ([float("inf"), float("-inf"), 1.0], True),
+])
+def test_causal_guard_recomputes_exactly_when_the_state_is_not_finite(values, recomputed):
+    from subquad.ops.common.precision import causal_guard, set_checks
+    set_checks(True)
+    try:
+        state = torch.tensor(values, dtype=torch.float32)
+        out = causal_guard("chunked", state, lambda: "recurrent", tokens=5)
+    finally:
+        set_checks(None)
+    assert out == ("recurrent" if recomputed else "chunked")

@@ -140,9 +140,11 @@ def causal_guard(result, state, recompute, tokens: int):
     resets it), so when value checks are on a non-finite ``state`` (a small tensor, or the output
     where there is no state) sends the call to ``recompute()``: the token loop, causal by
     construction. A call of one token (a decoding step) has nothing before it and is never checked.
-    Returns ``result`` otherwise."""
+    Returns ``result`` otherwise. The check is one pass: a finite sum has no NaN or inf among its terms (a NaN
+    makes the sum NaN, an inf makes it inf or NaN); only a sum that overflows is looked at element by element -
+    ``isfinite(state).all()`` is four passes and a bool copy, ~1 ms for a packed prompt's Mamba-2 states."""
     if tokens < 2 or state is None or not checks_on(state):
         return result
-    if bool(torch.isfinite(state).all()):
+    if bool(torch.isfinite(state.sum())) or bool(torch.isfinite(state).all()):
         return result
     return recompute()
