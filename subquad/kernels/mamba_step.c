@@ -62,6 +62,61 @@ static inline float dot_row1(const float *w, const float *u, int64_t n) {
  * (mamba_block.c's mamba_block_tokens). A channel's rows run in order on one thread, so row b - Bs is done
  * before row b reads it; the convolution, x_proj and dt of every row are computed first, as they depend on the
  * inputs only. Bs = B: every row on its own (mamba_step). */
+#if SUBQUAD_AVX512
+/* The sums of 16 vectors' lanes, one lane each: out[j] = sum_i v[j][i], in an order fixed per lane (pairs of
+ * lanes two apart, then one apart, then the 128-bit quarters) - lane j's sum reads only v[j], so a vector of
+ * zeros in a slot changes no other lane's bits. */
+static inline __m512 lane_sums16(__m512 v[16]) {
+    __m512 a[8], b[4], c[2];
+    for (int i = 0; i < 8; i++)
+        a[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+    for (int i = 0; i < 4; i++) {
+        const __m512d x = _mm512_castps_pd(a[2 * i]), z = _mm512_castps_pd(a[2 * i + 1]);
+        b[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, z)), _mm512_castpd_ps(_mm512_unpackhi_pd(x, z)));
+    }
+    for (int i = 0; i < 2; i++)
+        c[i] = _mm512_add_ps(_mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], 0x88),
+                             _mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], 0xDD));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(c[0], c[1], 0x88), _mm512_shuffle_f32x4(c[0], c[1], 0xDD));
+}
+
+/* mamba_rows' scan for N = 16, channels [c0, c1) in blocks of 16 (the last one shorter): per row, each
+ * channel's h' = exp(-dt a) h + dt u B in one vector, its C . h' summed with its block's other 15 by
+ * lane_sums16 instead of one horizontal sum per channel (the scan's latency at 16 rows), y = sum + Dp u. A
+ * channel's bits do not depend on the block it is in, nor on c0 and c1 (the threads). */
+static void scan16(int64_t B, int64_t Bs, int64_t D, int64_t N, int64_t hd, int64_t J, int64_t R, int64_t c0,
+                   int64_t c1, const float *A_log, const float *Dp, const float *p, int64_t heads, const float *dts,
+                   const float *u, const float *h, float *h_out, float *y) {
+    for (int64_t cb = c0; cb < c1; cb += 16) {
+        const int64_t nc = c1 - cb < 16 ? c1 - cb : 16;
+        const __mmask16 mask = (__mmask16)((1u << nc) - 1);
+        __m512 a[16];                                       /* exp(A_log[c]), as the per-channel loop takes it */
+        for (int64_t j = 0; j < nc; j++)
+            a[j] = exp16(_mm512_loadu_ps(A_log + (cb + j) * N));
+        for (int64_t b = 0; b < B; b++) {
+            const float *pr = p + b * heads * J;
+            __m512 acc[16];
+            for (int j = 0; j < 16; j++)
+                acc[j] = _mm512_setzero_ps();
+            for (int64_t j = 0; j < nc; j++) {
+                const int64_t c = cb + j;
+                const float d = dts[b * D + c], du = d * u[b * D + c];
+                const float *Bv = pr + (c / hd) * J + R, *Cv = Bv + N;
+                const float *hc = b < Bs ? h + (b * D + c) * N : h_out + ((b - Bs) * D + c) * N;
+                const __m512 e = exp16(_mm512_mul_ps(_mm512_set1_ps(-d), a[j]));
+                const __m512 hn = _mm512_fmadd_ps(e, _mm512_loadu_ps(hc),
+                                                  _mm512_mul_ps(_mm512_set1_ps(du), _mm512_loadu_ps(Bv)));
+                _mm512_storeu_ps(h_out + (b * D + c) * N, hn);
+                acc[j] = _mm512_mul_ps(_mm512_loadu_ps(Cv), hn);
+            }
+            const __m512 uv = _mm512_maskz_loadu_ps(mask, u + b * D + cb);
+            _mm512_mask_storeu_ps(y + b * D + cb, mask,
+                                  _mm512_fmadd_ps(_mm512_maskz_loadu_ps(mask, Dp + cb), uv, lane_sums16(acc)));
+        }
+    }
+}
+#endif
+
 static void mamba_rows(int64_t B, int64_t Bs, int64_t D, int64_t N, int64_t R, int64_t K, int64_t heads, int threads,
                        const float *xz, int64_t xz_row, const float *conv_state, const float *conv_w,
                        const float *conv_b, const float *wx, const float *wdt, int64_t wdt_s0, int64_t wdt_s1,
@@ -146,6 +201,11 @@ static void mamba_rows(int64_t B, int64_t Bs, int64_t D, int64_t N, int64_t R, i
             }
             softplus_n(dt + c0, c1 - c0);
         }
+#if SUBQUAD_AVX512
+        if (N == 16)                                        /* Mamba-1's N: 16 channels at a time */
+            scan16(B, Bs, D, N, hd, J, R, c0, c1, A_log, Dp, p, heads, dts, u, h, h_out, y);
+        else
+#endif
         for (int64_t c = c0; c < c1; c++) {                 /* the scan: a channel's decays once for every row */
             const float *al = A_log + c * N;
             float a[SCAN_N];                                /* exp(A_log[c]) where N fits, else per row below */
@@ -180,6 +240,7 @@ static void mamba_rows(int64_t B, int64_t Bs, int64_t D, int64_t N, int64_t R, i
 #if SUBQUAD_AVX2
                 __m256 av = _mm256_setzero_ps();
                 const __m256 md = _mm256_set1_ps(-d), duv = _mm256_set1_ps(du);
+                const int64_t n_avx2 = n;
                 for (; n + 8 <= N; n += 8) {
                     const __m256 an = keep ? _mm256_loadu_ps(a + n) : exp8(_mm256_loadu_ps(al + n));
                     const __m256 e = exp8(_mm256_mul_ps(md, an));
@@ -188,7 +249,8 @@ static void mamba_rows(int64_t B, int64_t Bs, int64_t D, int64_t N, int64_t R, i
                     _mm256_storeu_ps(ho + n, hn);
                     av = _mm256_fmadd_ps(_mm256_loadu_ps(Cv + n), hn, av);
                 }
-                acc += hsum8(av);
+                if (n > n_avx2)                             /* (N = 16 with AVX-512: none left for these) */
+                    acc += hsum8(av);
 #endif
                 for (; n < N; n++) {
                     float hn = exp_f(-d * (keep ? a[n] : exp_f(al[n]))) * hc[n] + du * Bv[n];
