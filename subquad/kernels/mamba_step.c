@@ -63,6 +63,11 @@ static inline float dot_row1(const float *w, const float *u, int64_t n) {
  * before row b reads it; the convolution, x_proj and dt of every row are computed first, as they depend on the
  * inputs only. Bs = B: every row on its own (mamba_step). */
 #if SUBQUAD_AVX512
+/* A layer's new state from this size on is written with streaming stores (scan16): at 16 rows of mamba-130m's
+ * shape (1.5 MB a layer) the stores' reads for ownership were a quarter of the scan's samples, and the next step
+ * reads the state from memory anyway; a few rows' states stay in the cache for it (benchmarks/RESULTS.md). */
+#define STREAM_BYTES (1 << 20)
+
 /* The sums of 16 vectors' lanes, one lane each: out[j] = sum_i v[j][i], in an order fixed per lane (pairs of
  * lanes two apart, then one apart, then the 128-bit quarters) - lane j's sum reads only v[j], so a vector of
  * zeros in a slot changes no other lane's bits. */
@@ -87,6 +92,7 @@ static inline __m512 lane_sums16(__m512 v[16]) {
 static void scan16(int64_t B, int64_t Bs, int64_t D, int64_t N, int64_t hd, int64_t J, int64_t R, int64_t c0,
                    int64_t c1, const float *A_log, const float *Dp, const float *p, int64_t heads, const float *dts,
                    const float *u, const float *h, float *h_out, float *y) {
+    const int big = B * D * N * (int64_t)sizeof(float) >= STREAM_BYTES;
     for (int64_t cb = c0; cb < c1; cb += 16) {
         const int64_t nc = c1 - cb < 16 ? c1 - cb : 16;
         const __mmask16 mask = (__mmask16)((1u << nc) - 1);
@@ -95,6 +101,7 @@ static void scan16(int64_t B, int64_t Bs, int64_t D, int64_t N, int64_t hd, int6
             a[j] = exp16(_mm512_loadu_ps(A_log + (cb + j) * N));
         for (int64_t b = 0; b < B; b++) {
             const float *pr = p + b * heads * J;
+            const int stream = big && b + Bs >= B && (uintptr_t)h_out % 64 == 0;
             __m512 acc[16];
             for (int j = 0; j < 16; j++)
                 acc[j] = _mm512_setzero_ps();
@@ -106,7 +113,11 @@ static void scan16(int64_t B, int64_t Bs, int64_t D, int64_t N, int64_t hd, int6
                 const __m512 e = exp16(_mm512_mul_ps(_mm512_set1_ps(-d), a[j]));
                 const __m512 hn = _mm512_fmadd_ps(e, _mm512_loadu_ps(hc),
                                                   _mm512_mul_ps(_mm512_set1_ps(du), _mm512_loadu_ps(Bv)));
-                _mm512_storeu_ps(h_out + (b * D + c) * N, hn);
+                float *ho = h_out + (b * D + c) * N;
+                if (stream)
+                    _mm512_stream_ps(ho, hn);
+                else
+                    _mm512_storeu_ps(ho, hn);
                 acc[j] = _mm512_mul_ps(_mm512_loadu_ps(Cv), hn);
             }
             const __m512 uv = _mm512_maskz_loadu_ps(mask, u + b * D + cb);
@@ -114,6 +125,7 @@ static void scan16(int64_t B, int64_t Bs, int64_t D, int64_t N, int64_t hd, int6
                                   _mm512_fmadd_ps(_mm512_maskz_loadu_ps(mask, Dp + cb), uv, lane_sums16(acc)));
         }
     }
+    _mm_sfence();
 }
 #endif
 

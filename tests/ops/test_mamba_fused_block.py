@@ -67,6 +67,7 @@ def test_the_block_equals_its_math_in_float64(B, d, D, N, R, K, bias, strong, he
     (3, 5, 29, 37, 16, 3, 4, True, 1, (True, False)),        # odd widths, strong decays; 5 rows of 3 tokens
     (5, 2, 33, 42, 5, 5, 2, True, 3, (False, True)),         # Zamba's heads, odd N, the shortest convolution
     (16, 1, 70, 72, 8, 4, 4, False, 1, (True, True)),        # the most rows
+    (8, 2, 64, 1040, 16, 8, 4, True, 1, (False, False)),     # a state over STREAM_BYTES: the last rows streamed
 ])
 def test_tokens_equal_the_math_token_by_token_in_float64(T, B, d, D, N, R, K, strong, heads, cm):
     """``TokensStep``: T tokens of B rows in one call equal the block's math in float64 run token by token from the

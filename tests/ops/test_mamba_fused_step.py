@@ -57,6 +57,7 @@ def inputs(B, D, N, R, K, g, bias=True, strong=False, heads=1):
     (2, 130, 5, 9, 2, False, False, True, 1),     # odd N, no bias, the shortest convolution with a state
     (5, 48, 16, 48, 3, True, True, False, 1),
     (3, 42, 16, 5, 4, True, True, False, 3),      # Zamba's heads: each its own x_proj, dt_proj and dt bias
+    (16, 1040, 16, 8, 4, True, True, False, 1),   # a new state over STREAM_BYTES (1 MiB): streaming stores
 ])
 def test_the_step_equals_its_math_in_float64(B, D, N, R, K, bias, strong, column_major, heads):
     g = torch.Generator().manual_seed(B * 1000 + D)
