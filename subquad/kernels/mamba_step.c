@@ -17,6 +17,46 @@
 
 #define SCAN_N 256                                          /* state sizes whose decays a channel keeps */
 
+#if SUBQUAD_AVX512
+/* w (n,) against R rows of u (R <= 4; a constant where inlined): out[i] = w . u[i]. Per row four 16-lane chains
+ * over k in steps of 64, then 16 at a time on the first, the chains added pairwise, the lanes summed, a scalar
+ * tail: the same order for every R, so a row's sum does not depend on the rows beside it. */
+static inline __attribute__((always_inline)) void dot_rows(const int R, const float *w, const float *const u[4],
+                                                           int64_t n, float out[4]) {
+    __m512 a[4][4];
+    for (int i = 0; i < R; i++)
+        for (int c = 0; c < 4; c++)
+            a[i][c] = _mm512_setzero_ps();
+    int64_t k = 0;
+    for (; k + 64 <= n; k += 64)
+        for (int c = 0; c < 4; c++) {
+            const __m512 wv = _mm512_loadu_ps(w + k + 16 * c);
+            for (int i = 0; i < R; i++)
+                a[i][c] = _mm512_fmadd_ps(wv, _mm512_loadu_ps(u[i] + k + 16 * c), a[i][c]);
+        }
+    for (; k + 16 <= n; k += 16) {
+        const __m512 wv = _mm512_loadu_ps(w + k);
+        for (int i = 0; i < R; i++)
+            a[i][0] = _mm512_fmadd_ps(wv, _mm512_loadu_ps(u[i] + k), a[i][0]);
+    }
+    for (int i = 0; i < R; i++) {
+        out[i] = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(a[i][0], a[i][1]), _mm512_add_ps(a[i][2], a[i][3])));
+        for (int64_t kk = k; kk < n; kk++)
+            out[i] += w[kk] * u[i][kk];
+    }
+}
+
+static inline void dot_rows4(const float *w, const float *const u[4], int64_t n, float out[4]) {
+    dot_rows(4, w, u, n, out);
+}
+
+static inline float dot_row1(const float *w, const float *u, int64_t n) {
+    const float *const one[4] = {u, u, u, u};
+    float out[4];
+    dot_rows(1, w, one, n, out);
+    return out[0];
+}
+#else
 /* w (n,) against four rows of u: out[i] = w . u[i], k in steps of 8 (then a scalar tail). */
 static inline void dot_rows4(const float *w, const float *const u[4], int64_t n, float out[4]) {
     int64_t k = 0;
@@ -56,6 +96,7 @@ static inline float dot_row1(const float *w, const float *u, int64_t n) {
         out += w[k] * u[k];
     return out;
 }
+#endif
 
 /* mamba_step over B rows, of which rows b >= Bs continue row b - Bs: their conv and ssm states are the ones row
  * b - Bs leaves (in conv_out, h_out), not conv_state and h - T tokens of Bs sequences, rows t-major, in one pass
@@ -261,7 +302,7 @@ static void mamba_rows(int64_t B, int64_t Bs, int64_t D, int64_t N, int64_t R, i
                     _mm256_storeu_ps(ho + n, hn);
                     av = _mm256_fmadd_ps(_mm256_loadu_ps(Cv + n), hn, av);
                 }
-                if (n > n_avx2)                             /* (N = 16 with AVX-512: none left for these) */
+                if (n > n_avx2)                             /* (N a multiple of 16 with AVX-512: none left) */
                     acc += hsum8(av);
 #endif
                 for (; n < N; n++) {

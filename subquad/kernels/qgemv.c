@@ -1260,11 +1260,12 @@ static inline void f32_dot4(const float *w, int64_t K, const float *x0, const fl
  * k order, summed per block of KB inputs (float32's error grows with KB + K / KB terms, not K). A tile of 6
  * weight rows x 16 rows of x holds 12 accumulators (the FMA units' latency times their count): compute-bound
  * at 16 rows where the dot products above were at ~half the matmul rate (benchmarks/RESULTS.md). The
- * entries do not depend on the other rows of x either, but differ in the last bits from the dot products'. The
- * inputs go 16 at a time (one line of each weight row), the rows' pointers held apart from the loop, and each
- * line of the next tile's rows is asked for while this tile's are summed (the tile's rows are as many streams as
- * it has rows, more than the hardware prefetcher follows): a 16-row product 1.3-1.55x faster from the
- * prefetches, 1.25x more from the 16-input steps, on the Sapphire Rapids host (benchmarks/RESULTS.md). */
+ * entries do not depend on the other rows of x either, but differ in the last bits from the dot products'. Each
+ * line of the next tile's rows (``next``) is asked for while this tile's are summed - a tile's rows are as many
+ * streams as it has rows, more than the hardware prefetcher follows - and tile12x16 / tile12x8 take 16 inputs a
+ * step, the rows' pointers held apart from the loop (tile6x16, AVX2 only, one a step): a 16-row product
+ * 1.3-1.55x faster from the prefetches, 1.25x more from the 16-input steps, on the Sapphire Rapids host
+ * (benchmarks/RESULTS.md). */
 #define TILE_ROWS 3
 #define KB 128
 
@@ -1277,7 +1278,7 @@ static void pack_xt(int64_t M, int64_t K, int64_t W, const float *x, int64_t ldx
 }
 
 /* rows w[0..5] against 16 columns of xp: out[i][m] = sum_k w[i K + k] xp[k 16 + m], one fma chain per entry. */
-static inline void tile6x16(int64_t K, const float *w, const float *xp, float out[6][16]) {
+static inline void tile6x16(int64_t K, const float *w, const float *next, const float *xp, float out[6][16]) {
     for (int i = 0; i < 6; i++)
         for (int m = 0; m < 16; m++)
             out[i][m] = 0.0f;
@@ -1290,7 +1291,7 @@ static inline void tile6x16(int64_t K, const float *w, const float *xp, float ou
             const __m256 b0 = _mm256_load_ps(xp + k * 16), b1 = _mm256_load_ps(xp + k * 16 + 8);
             if (!(k & 15))
                 for (int i = 0; i < 6; i++)
-                    _mm_prefetch((const char *)(w + (i + 6) * K + k), _MM_HINT_T0);
+                    _mm_prefetch((const char *)(next + i * K + k), _MM_HINT_T0);
             for (int i = 0; i < 6; i++) {
                 const __m256 v = _mm256_broadcast_ss(w + i * K + k);
                 a[i][0] = _mm256_fmadd_ps(v, b0, a[i][0]);
@@ -1307,7 +1308,7 @@ static inline void tile6x16(int64_t K, const float *w, const float *xp, float ou
 #if SUBQUAD_AVX512
 /* tile6x16 with 512-bit vectors (AVX-512): 12 rows of w against the 16 columns in one vector each, 12 chains, one
  * load of xp per k for 192 products; the same chain per entry, so the same bits as tile6x16 and rows_chain. */
-static inline void tile12x16(int64_t K, const float *w, const float *xp, float out[12][16]) {
+static inline void tile12x16(int64_t K, const float *w, const float *next, const float *xp, float out[12][16]) {
     for (int i = 0; i < 12; i++)
         for (int m = 0; m < 16; m++)
             out[i][m] = 0.0f;
@@ -1322,7 +1323,7 @@ static inline void tile12x16(int64_t K, const float *w, const float *xp, float o
         int64_t k = k0;
         for (; k + 16 <= k1; k += 16) {
             for (int i = 0; i < 12; i++)
-                _mm_prefetch((const char *)(r[i] + 12 * K + k), _MM_HINT_T0);
+                _mm_prefetch((const char *)(next + i * K + k), _MM_HINT_T0);
 #pragma GCC unroll 16
             for (int kk = 0; kk < 16; kk++) {
                 const __m512 b = _mm512_loadu_ps(xp + (k + kk) * 16);
@@ -1341,7 +1342,7 @@ static inline void tile12x16(int64_t K, const float *w, const float *xp, float o
 }
 #endif
 
-static inline void tile12x8(int64_t K, const float *w, const float *xp, float out[12][8]) {
+static inline void tile12x8(int64_t K, const float *w, const float *next, const float *xp, float out[12][8]) {
     for (int i = 0; i < 12; i++)
         for (int m = 0; m < 8; m++)
             out[i][m] = 0.0f;
@@ -1356,7 +1357,7 @@ static inline void tile12x8(int64_t K, const float *w, const float *xp, float ou
         int64_t k = k0;
         for (; k + 16 <= k1; k += 16) {
             for (int i = 0; i < 12; i++)
-                _mm_prefetch((const char *)(r[i] + 12 * K + k), _MM_HINT_T0);
+                _mm_prefetch((const char *)(next + i * K + k), _MM_HINT_T0);
 #pragma GCC unroll 16
             for (int kk = 0; kk < 16; kk++) {
                 const __m256 b = _mm256_load_ps(xp + (k + kk) * 8);
@@ -1405,14 +1406,15 @@ static void f32_tiles(int64_t M, int64_t N, int64_t K, int threads, const float 
             continue;
         }
         float out[12 * 16];
+        const float *next = w + (t + 1 < tiles ? n0 + R : n0) * K;   /* the next tile's rows (the last: its own) */
         if (W == 16)
 #if SUBQUAD_AVX512
-            tile12x16(K, w + n0 * K, xp, (float (*)[16])out);
+            tile12x16(K, w + n0 * K, next, xp, (float (*)[16])out);
 #else
-            tile6x16(K, w + n0 * K, xp, (float (*)[16])out);
+            tile6x16(K, w + n0 * K, next, xp, (float (*)[16])out);
 #endif
         else
-            tile12x8(K, w + n0 * K, xp, (float (*)[8])out);
+            tile12x8(K, w + n0 * K, next, xp, (float (*)[8])out);
         for (int64_t i = 0; i < R; i++)
             for (int64_t m = 0; m < M; m++)
                 y[m * N + n0 + i] = out[i * W + m] + (bias ? bias[n0 + i] : 0.0f);

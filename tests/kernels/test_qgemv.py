@@ -116,6 +116,7 @@ def test_int8q_is_exact_for_x_on_its_grid():
     (9, 50, 96, True),                    # 6 weight rows x 16 rows of x, 7 of them zero, 2 weight rows past
     (16, 3072, 768, False),               # the most rows, mamba-130m's in_proj
     (16, 26, 45, True),                   # 16-k steps then a tail of 13 inputs; 2 weight rows past the tiles
+    (16, 50, 300, False),                 # 16 rows, a tail inside the third block of KB inputs
     (16, 7, 5, True),                     # fewer weight rows than a tile
 ])
 def test_f32_against_float64(M, N, K, bias):
