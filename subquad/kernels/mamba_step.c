@@ -98,11 +98,6 @@ static inline float dot_row1(const float *w, const float *u, int64_t n) {
 }
 #endif
 
-/* mamba_step over B rows, of which rows b >= Bs continue row b - Bs: their conv and ssm states are the ones row
- * b - Bs leaves (in conv_out, h_out), not conv_state and h - T tokens of Bs sequences, rows t-major, in one pass
- * (mamba_block.c's mamba_block_tokens). A channel's rows run in order on one thread, so row b - Bs is done
- * before row b reads it; the convolution, x_proj and dt of every row are computed first, as they depend on the
- * inputs only. Bs = B: every row on its own (mamba_step). */
 #if SUBQUAD_AVX512
 /* A layer's new state from this size on is written with streaming stores (scan16): at 16 rows of mamba-130m's
  * shape (1.5 MB a layer) the stores' reads for ownership were a quarter of the scan's samples, and the next step
@@ -170,6 +165,11 @@ static void scan16(int64_t B, int64_t Bs, int64_t D, int64_t N, int64_t hd, int6
 }
 #endif
 
+/* mamba_step over B rows, of which rows b >= Bs continue row b - Bs: their conv and ssm states are the ones row
+ * b - Bs leaves (in conv_out, h_out), not conv_state and h - T tokens of Bs sequences, rows t-major, in one pass
+ * (mamba_block.c's mamba_block_tokens). A channel's rows run in order on one thread, so row b - Bs is done
+ * before row b reads it; the convolution, x_proj and dt of every row are computed first, as they depend on the
+ * inputs only. Bs = B: every row on its own (mamba_step). */
 static void mamba_rows(int64_t B, int64_t Bs, int64_t D, int64_t N, int64_t R, int64_t K, int64_t heads, int threads,
                        const float *xz, int64_t xz_row, const float *conv_state, const float *conv_w,
                        const float *conv_b, const float *wx, const float *wdt, int64_t wdt_s0, int64_t wdt_s1,
