@@ -56,8 +56,8 @@ def cpuinfo() -> str:
         return ""
 
 
-def _cpu() -> str:
-    """What ``-march=native`` depends on: the CPU's model and its flags."""
+def cpu_identity() -> str:
+    """What ``-march=native`` (and a compiled graph, ``models.decode``) depends on: the CPU's model and flags."""
     keep = [line for line in cpuinfo().splitlines() if line.startswith(("model name", "flags"))][:2]
     return "\n".join(keep) if keep else platform.processor()
 
@@ -79,7 +79,7 @@ def build(name: str) -> Path:
     """The shared library of ``name.c``, compiled now unless the cache holds it; RuntimeError if it fails."""
     src = HERE / f"{name}.c"
     cc = os.environ.get("CC", "cc")
-    key = hashlib.sha256("\0".join([*_texts(src), cc, *FLAGS, _cpu()]).encode()).hexdigest()[:16]
+    key = hashlib.sha256("\0".join([*_texts(src), cc, *FLAGS, cpu_identity()]).encode()).hexdigest()[:16]
     out = cache_dir() / f"{name}-{key}.so"
     if out.exists():
         return out

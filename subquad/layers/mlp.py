@@ -42,7 +42,7 @@ class SwiGLU(nn.Module):
         if wants_grad(g, u):
             return self.w_down(self.act(g) * u)
         # no gradient: the product written into act's output (silu: into g itself), no new (T, hidden) tensor -
-        # at a 2,048-token prompt each is tens of MB, faulted in afresh when over the heap's 32 MB (subquad.heap)
+        # at a 2,048-token prompt each is tens of MB
         h = F.silu(g, inplace=True) if self.act is F.silu else self.act(g)
         return self.w_down(h.mul_(u))
 

@@ -136,17 +136,10 @@ def _machine_key() -> str:
     root = Path(__file__).resolve().parents[1]           # the package (importing subquad here would be a cycle)
     for f in sorted(glob.glob(str(root / "**" / "*.py"), recursive=True)):
         h.update(os.path.relpath(f, root).encode() + b"\0" + Path(f).read_bytes() + b"\0")
-    cpu = platform.processor()
-    try:
-        with open("/proc/cpuinfo") as f:
-            info = f.read()
-        lines = info.splitlines()           # the first processor's model name and flags
-        cpu = "|".join(next((ln for ln in lines if ln.startswith(k)), "") for k in ("model name", "flags"))
-    except OSError:
-        pass
+    from subquad.kernels import cpu_identity
     from subquad.layers.linear import ONEDNN
 
-    for part in (torch.__version__, sys.version, platform.machine(), cpu, str(cpu_vec_isa.pick_vec_isa()),
+    for part in (torch.__version__, sys.version, platform.machine(), cpu_identity(), str(cpu_vec_isa.pick_vec_isa()),
                  repr(sorted(OPTIONS.items())), str(DYNAMIC), str(ONEDNN)):
         h.update(part.encode() + b"\0")
     return h.hexdigest()
