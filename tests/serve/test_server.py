@@ -411,22 +411,21 @@ def test_1000_malformed_requests_get_4xx_naming_the_field_and_the_server_goes_on
     assert server.metrics()["errors_total"] == 0
 
 
-def test_a_full_queue_answers_429_and_sigterm_drains_and_exits_0(tmp_path):
-    """Two streams running, one waiting, the next refused with 429. SIGTERM with --drain-timeout 10: the short
-    stream (in flight at the signal) runs on and finishes ("length", every token), the long one ends at the
-    deadline with a final "abort" event, the waiting one gets a final event too, and the server exits 0."""
+def test_a_full_queue_answers_429_and_sigterm_aborts_at_the_drain_deadline_and_exits_0(tmp_path):
+    """Two streams running, one waiting, the next refused with 429. Both running streams ask for a million tokens,
+    so neither can end before the signal however fast or slow the host (a short stream here once ended under the
+    suite's load before the fourth request came, and the queue had room). SIGTERM with --drain-timeout 2: both end
+    at the deadline with a final "abort" event, the waiting one gets a final event too, and the server exits 0."""
     path = folder(tmp_path / "one", "mamba2")
-    short_n = 150
-    # 10 s: the short stream's 150 tokens must fit in the drain on a loaded machine (500 did not at load 4-5 in 10 s,
-    # nor in 3 s at load 2-3); the long one's 32,000 never do
-    server = Server(path, "--max-batch", 2, "--max-queue", 1, "--max-context", 32768, "--drain-timeout", 10)
+    endless = 1_000_000
+    server = Server(path, "--max-batch", 2, "--max-queue", 1, "--max-context", endless + 16, "--drain-timeout", 2)
     try:
         client = server.client()
-        long = iter(client.completions.create(model="one", prompt="w5", max_tokens=32000, temperature=0, stream=True))
-        next(long)
-        short = iter(client.completions.create(model="one", prompt="w6", max_tokens=short_n, temperature=0,
-                                               stream=True, stream_options={"include_usage": True}))
-        first = [next(short)]
+        running = []
+        for prompt in ("w5", "w6"):
+            running.append(iter(client.completions.create(model="one", prompt=prompt, max_tokens=endless,
+                                                          temperature=0, stream=True)))
+            next(running[-1])
         waiting = client.completions.create(model="one", prompt="w7", max_tokens=4, temperature=0, stream=True)
         with pytest.raises(openai.RateLimitError) as e:
             client.completions.create(model="one", prompt="w8", max_tokens=4)
@@ -434,15 +433,34 @@ def test_a_full_queue_answers_429_and_sigterm_drains_and_exits_0(tmp_path):
         assert e.value.body["type"] == "rate_limit_error"
         assert server.metrics()["active_sequences"] == 2          # both in flight when the signal comes
         server.proc.send_signal(signal.SIGTERM)
-        rest = first + list(short)                                  # read while the server drains
-        assert [ch.choices[0].finish_reason for ch in rest if ch.choices][-1] == "length"
-        assert rest[-1].usage.completion_tokens == short_n
-        tail = list(long)
-        assert tail and tail[-1].choices[0].finish_reason == "abort"
+        for stream in running:
+            tail = list(stream)
+            assert tail and tail[-1].choices[0].finish_reason == "abort"
         assert [ch.choices[0].finish_reason for ch in waiting][-1] in ("length", "abort")
         assert server.proc.wait(30) == 0
         with pytest.raises(openai.APIConnectionError):
             client.completions.create(model="one", prompt="w7", max_tokens=4)
+    finally:
+        server.stop()
+
+
+def test_sigterm_lets_a_stream_in_flight_finish_within_the_drain(tmp_path):
+    """The signal comes right after the stream's first token (microseconds, against the milliseconds its 1,000
+    tokens take even on a fast host): the stream runs on to "length" with every token, and then the server exits 0
+    without waiting for the rest of its 120 s drain."""
+    path = folder(tmp_path / "one", "mamba2")
+    n = 1000
+    server = Server(path, "--max-batch", 2, "--max-context", 4096, "--drain-timeout", 120)
+    try:
+        client = server.client()
+        stream = iter(client.completions.create(model="one", prompt="w6", max_tokens=n, temperature=0, stream=True,
+                                                stream_options={"include_usage": True}))
+        first = [next(stream)]
+        server.proc.send_signal(signal.SIGTERM)
+        rest = first + list(stream)                                 # read while the server drains
+        assert [ch.choices[0].finish_reason for ch in rest if ch.choices][-1] == "length"
+        assert rest[-1].usage.completion_tokens == n
+        assert server.proc.wait(60) == 0
     finally:
         server.stop()
 
