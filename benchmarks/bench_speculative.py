@@ -33,6 +33,7 @@ import argparse
 import ast
 import json
 import random
+import re
 import statistics
 import sys
 import time
@@ -85,8 +86,12 @@ def edit_prompts(tok, n: int, rng: random.Random) -> list[list[int]]:
             src = "\n".join(doc.splitlines()[node.lineno - 1:node.end_lineno])
             old = args[0]
             new = old + "_value"
-            head = src.splitlines()[0].replace(old, new)
-            text = f"{src}\n\n\n# The same function, with the parameter `{old}` renamed to `{new}`:\n{head}\n"
+            head = re.sub(rf"\b{old}\b", new, src.splitlines()[0])     # the parameter, not a name holding it
+            # the prompt ends at the signature's colon: the tokenizer joins a newline and the body's indent into one
+            # token, so a prompt ending in a bare newline token told the model the next line was not indented, and
+            # it started another top-level definition instead of the body (none of the edit rows before
+            # 2026-12-06 copied the function)
+            text = f"{src}\n\n\n# The same function, with the parameter `{old}` renamed to `{new}`:\n{head}"
             ids = tok.encode(text).ids
             if len(ids) <= 400:
                 out.append(ids)

@@ -117,7 +117,7 @@ def unpaced(request, monkeypatch):
     from subquad.models.speculative import Pacer
 
     if request.node.get_closest_marker("paced") is None:
-        monkeypatch.setattr(Pacer, "want", lambda self: True)
+        monkeypatch.setattr(Pacer, "want", lambda self, key=None: True)
 
 
 @pytest.hookimpl(tryfirst=True)            # before -m deselects anything

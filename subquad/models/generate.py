@@ -163,8 +163,9 @@ def _speculate(model, last, state, max_new_tokens, sampler, emit, draft_tokens, 
     row i's token, ``drafts_by`` the drafter. Each verified position is processed as the plain loop would
     process it (``Sampler.process_drafts``: penalties and logit bias with the drafts before it in the history),
     and the acceptance rule reads that position's ``Sampler.probabilities``; only emitted tokens join the
-    history. Drafting pauses after a verification that kept nothing, and while verifying costs more wall time
-    per emitted token than a plain step (``Pacer``). Returns the state (every emitted token consumed but each
+    history. Drafting pauses after a verification that kept nothing (but one row of prompt lookup, judged by
+    its matches' lengths), and while verifying costs more wall time per emitted token than a plain step
+    (``Pacer``). Returns the state (every emitted token consumed but each
     row's last) and the ``SpeculationStats``."""
     hooked = drafts_by.needs_hidden
     B, dev = last.shape[0], last.device
@@ -178,7 +179,12 @@ def _speculate(model, last, state, max_new_tokens, sampler, emit, draft_tokens, 
         drafts_by.append(i, t0[i])
         count[i] += 1
         done[i] = emit(i, t0[i])
+    # drafting waits 1, 2, 4, ... steps after verifications that kept nothing - except one row of a drafter whose
+    # drafts cost nothing (prompt lookup: ``keyed``): it drafts first and the pacer judges its drafts by their
+    # key (the n of the match), each key by its own gain against the verification's measured cost (failed
+    # 1-token matches do not hold back the 3-token ones, and a failure that costs little waits little)
     pause, wait = 0, 0
+    keyed = getattr(drafts_by, "keyed", False) and B == 1
     pacer = Pacer()                              # verify only while it pays against a plain step's time
     budget = draft_tokens if fixed else draft_budget(model, B, draft_tokens)
     moved = [None] * B                           # each row's tokens per verification, a moving average
@@ -197,8 +203,17 @@ def _speculate(model, last, state, max_new_tokens, sampler, emit, draft_tokens, 
         rooms = [max_new_tokens - count[i] if not done[i] else 0 for i in range(B)]   # tokens row i may emit
         room = max(rooms)
         feed = [t0[i] if not done[i] else 0 for i in range(B)]              # finished rows: padding
-        drafts = [[] for _ in range(B)]
-        if wait == 0 and room > (draft_tokens if fixed and limit is not None else 1) and pacer.want():
+        drafts, key = [[] for _ in range(B)], None
+        may = room > (draft_tokens if fixed and limit is not None else 1)
+        if may and keyed:
+            drafted = [d[:max(rooms[i] - 1, 0)] for i, d in enumerate(drafts_by.propose(feed, active,
+                                                                                        min(budget, room - 1)))]
+            key = drafts_by.key(0)
+            if not drafted[0]:
+                pacer.passed()
+            elif pacer.want(key):
+                drafts = drafted
+        elif may and wait == 0 and pacer.want():
             drafts = drafts_by.propose(feed, active, min(budget, room - 1))
             drafts = [d[:max(rooms[i] - 1, 0)] for i, d in enumerate(drafts)]
         else:
@@ -260,12 +275,12 @@ def _speculate(model, last, state, max_new_tokens, sampler, emit, draft_tokens, 
                 keeps = [live.pop()] * B
             drafts_by.settle(feed, drafts, keeps if B > 1 else keeps[0], seen[-1] if seen else None)
             state = ver.accept(keeps if B > 1 else keeps[0])
-            if max(keeps[i] for i in active) == 1:                         # nothing accepted: draft less often
+            if not keyed and max(keeps[i] for i in active) == 1:          # nothing accepted: draft less often
                 pause = min(2 * pause or 1, MAX_PAUSE)
                 wait = pause
             else:
                 pause = 0
-        pacer.measured(time.perf_counter() - started, gain, B)
+        pacer.measured(time.perf_counter() - started, gain, B, key)
         t0 = [tokens[i][keeps[i] - 1] if not done[i] else 0 for i in range(B)]
     return state, stats
 

@@ -25,9 +25,10 @@ are deterministic given the tokens so far (q one-hot), so the rule above is exac
 row keeps its own accepted prefix: when the rows' counts differ, each row's states are picked at its own count
 and its KV caches drop their own number (``KVCache.rollback_rows``), or every part replays its rows' kept inputs
 packed in one row (``cu_seqlens``), leaving a ragged state as a packed prefill does (``accept`` with a list).
-When drafts keep failing, drafting pauses for 1, 2, 4, ... up to ``MAX_PAUSE`` steps (plain one-token steps),
-so a text without repetitions decodes at about plain speed; and so it does while a verification costs more wall
-time per emitted token than a plain step (``Pacer``: an eager verification against a compiled step, say).
+When a batch's drafts keep failing, drafting pauses for 1, 2, 4, ... up to ``MAX_PAUSE`` steps (plain one-token
+steps), so a text without repetitions decodes at about plain speed; and so it does while a verification costs more
+wall time per emitted token than a plain step (``Pacer``: an eager verification against a compiled step, say). One
+row drafting by prompt lookup drafts first, and the pacer alone judges its drafts, by the length of their match.
 """
 
 from __future__ import annotations
@@ -71,7 +72,13 @@ class Pacer:
     as many as keep what that failed verification cost beyond a plain step's time per token (r - g plain steps)
     within ``BUDGET`` of the plain steps' time: a verification that costs 4 plain steps for 1 token waits 60
     steps, so probing a text without repetitions costs about 5%, not the 16-22% of doubling from one step (a
-    batch of 8 that replays its verifications, benchmarks/RESULTS.md)."""
+    batch of 8 that replays its verifications, benchmarks/RESULTS.md).
+
+    A drafter whose drafts cost nothing to make (prompt lookup) drafts first and asks with a ``key`` - its match's
+    n - and each key keeps its own gain and waits (the ratio is the verification's cost, shared): a text's
+    3-token matches may pay while its 1-token matches do not, and failed 1-token drafts then no longer hold back
+    the 3-token ones (at one row of the edit task, drafts by a 3-token match kept 3.6 tokens, by a 1-token match
+    1.1: benchmarks/RESULTS.md, "Prompt lookup judged by its match")."""
 
     ALPHA = 0.3
     GROWTH = 1.5
@@ -82,38 +89,56 @@ class Pacer:
 
     def __init__(self):
         self.plain: dict[int, float] = {}   # batch -> a plain step's seconds there
-        self.ratio = self.gain = None
-        self.last = None                   # the last verification's (g, r)
+        self.ratio = None
+        self.keys: dict = {}               # key -> _Judged: its gain, its last verification, its waits
+        self.key = None                    # the last verification's key
         self.measured_plain = 0            # plain steps measured (aftermaths not counted)
         self.since = 0                     # verifications since the last plain step
         self.after = False                 # the last step was a verification
-        self.pause = self.wait = 0
+
+    # the judgement of key None (every caller without keys)
+    gain = property(lambda self: self._get(None).gain)
+    last = property(lambda self: self._get(None).last)
+    pause = property(lambda self: self._get(None).pause)
+    wait = property(lambda self: self._get(None).wait)
+
+    def _get(self, key) -> "_Judged":
+        return self.keys.get(key) or _Judged()
 
     def t_plain(self, batch: int) -> float:
         """A plain step's seconds at ``batch`` rows (the nearest batch measured; the larger on a tie)."""
         return self.plain[min(self.plain, key=lambda b: (abs(b - batch), -b))]
 
-    def want(self) -> bool:
-        """Whether to draft and verify at this step (a plain step otherwise)."""
+    def want(self, key=None) -> bool:
+        """Whether to draft and verify at this step (a plain step otherwise); a step passes for every key."""
         if self.measured_plain < self.WARMUP:
             return False
-        if self.wait:
-            self.wait -= 1
+        j = self.keys.get(key)
+        self.passed(j)
+        if j is not None and j.wait:
+            j.wait -= 1
             return False
         return self.since < self.PROBE                 # else a plain step that measures t_p
 
-    def measured(self, seconds: float, tokens_per_row: float | None = None, batch: int = 1) -> None:
+    def passed(self, but=None) -> None:
+        """A step went by without asking (nothing was drafted): every key's wait counts it."""
+        for j in self.keys.values():
+            if j is not but and j.wait:
+                j.wait -= 1
+
+    def measured(self, seconds: float, tokens_per_row: float | None = None, batch: int = 1, key=None) -> None:
         """A plain step's seconds (``tokens_per_row`` None) or a verification's and the tokens it emitted per
-        row, at ``batch`` rows."""
+        row, at ``batch`` rows, of drafts asked for with ``key``."""
         if tokens_per_row is None:
             if self.after and self.ratio is not None:             # the verification's aftermath (a probe goes on)
                 self.after = False
                 t = self.t_plain(batch)
                 extra = max(0.0, seconds - t) / t
                 self.ratio += self.ALPHA * extra
-                self.last = (self.last[0], self.last[1] + extra)
-                if not self.wait:                                 # judged to pay: judged again with it
-                    self._judge()
+                j = self.keys[self.key]
+                j.last = (j.last[0], j.last[1] + extra)
+                if not j.wait:                                    # judged to pay: judged again with it
+                    self._judge(j)
                 return
             self.after, self.since = False, 0
             self.measured_plain += 1
@@ -129,16 +154,31 @@ class Pacer:
             return
         a, r = self.ALPHA, seconds / self.t_plain(batch)
         self.ratio = r if self.ratio is None else (1 - a) * self.ratio + a * r
-        self.gain = tokens_per_row if self.gain is None else (1 - a) * self.gain + a * tokens_per_row
-        self.last = (tokens_per_row, r)
-        self._judge()
+        j = self.keys.get(key)
+        if j is None:
+            j = self.keys[key] = _Judged()
+        self.key = key
+        j.gain = tokens_per_row if j.gain is None else (1 - a) * j.gain + a * tokens_per_row
+        j.last = (tokens_per_row, r)
+        self._judge(j)
 
-    def _judge(self) -> None:
-        if self.gain < self.ratio and self.last[0] < self.last[1]:
-            self.pause = min(2 * self.pause or 1, self.MAX_WAIT)
-            self.wait = max(self.pause, math.ceil((self.last[1] - self.last[0]) / self.BUDGET))
+    def _judge(self, j: "_Judged") -> None:
+        if j.gain < self.ratio and j.last[0] < j.last[1]:
+            j.pause = min(2 * j.pause or 1, self.MAX_WAIT)
+            j.wait = max(j.pause, math.ceil((j.last[1] - j.last[0]) / self.BUDGET))
         else:
-            self.pause = self.wait = 0
+            j.pause = j.wait = 0
+
+
+class _Judged:
+    """One key's judgement (``Pacer``): its gain's moving average, its last verification's (g, r), and how many
+    steps drafting with it waits."""
+
+    __slots__ = ("gain", "last", "pause", "wait")
+
+    def __init__(self):
+        self.gain = self.last = None
+        self.pause = self.wait = 0
 
 
 class Verification:
@@ -392,6 +432,12 @@ def ngram_draft(tokens: list[int], k: int, max_ngram: int = MAX_NGRAM) -> list[i
     ``tokens`` that has k tokens after it (else the occurrence with the most), for the largest n <= ``max_ngram``
     that occurs earlier; [] when none does. (The latest occurrence alone would draft one token in a run
     "a a a a": its continuation is the suffix.)"""
+    return lookup(tokens, k, max_ngram)[0]
+
+
+def lookup(tokens: list[int], k: int, max_ngram: int = MAX_NGRAM) -> tuple[list[int], int]:
+    """``ngram_draft``'s draft and the n it matched (0: none) - how far to trust it: a longer match's drafts are
+    accepted more (``Pacer``'s keys; benchmarks/RESULTS.md)."""
     L = len(tokens)
     for n in range(min(max_ngram, L - 1), 0, -1):
         tail, best = tokens[L - n:], None
@@ -399,11 +445,11 @@ def ngram_draft(tokens: list[int], k: int, max_ngram: int = MAX_NGRAM) -> list[i
             if tokens[start:start + n] == tail:
                 follow = tokens[start + n:start + n + k]
                 if len(follow) == k:
-                    return follow
+                    return follow, n
                 best = follow if best is None or len(follow) > len(best) else best
         if best is not None:
-            return best
-    return []
+            return best, n
+    return [], 0
 
 
 class PromptLookup:
@@ -414,6 +460,7 @@ class PromptLookup:
     def __init__(self, tokens=(), max_ngram: int = MAX_NGRAM, index_from: int = 256):
         self.tokens, self.max_ngram, self.index_from = list(tokens), max_ngram, index_from
         self.starts = None                                   # starts[n][n-gram]: its start positions, in order
+        self.n = 0                                           # the n the last draft matched (0: none)
         self.indexed = 0                                     # tokens whose n-grams ending there are indexed
 
     def append(self, token: int) -> None:
@@ -429,27 +476,34 @@ class PromptLookup:
         self.indexed = len(toks)
 
     def draft(self, k: int) -> list[int]:
+        """``ngram_draft`` of the tokens so far; ``self.n`` is then the n it matched (``lookup``)."""
+        out, self.n = self._draft(k)
+        return out
+
+    def _draft(self, k: int) -> tuple[list[int], int]:
         toks, L = self.tokens, len(self.tokens)
         if L < self.index_from:
-            return ngram_draft(toks, k, self.max_ngram)
+            return lookup(toks, k, self.max_ngram)
         self._index()
         for n in range(min(self.max_ngram, L - 1), 0, -1):
             best = None
             for start in reversed(self.starts[n].get(tuple(toks[L - n:]), [])[:-1]):   # the suffix itself last
                 follow = toks[start + n:start + n + k]
                 if len(follow) == k:          # reached after at most k shorter ones: those start near the end
-                    return follow
+                    return follow, n
                 best = follow if best is None or len(follow) > len(best) else best
             if best is not None:
-                return best
-        return []
+                return best, n
+        return [], 0
 
 
 class NgramDrafter:
-    """Prompt lookup over each row's prompt and emitted tokens (``PromptLookup``)."""
+    """Prompt lookup over each row's prompt and emitted tokens (``PromptLookup``). Its drafts cost next to nothing,
+    so a row drafts before the pacer is asked, which judges them by their match's n (``keyed``, ``key``)."""
 
     name = "ngram"
     needs_hidden = False
+    keyed = True
 
     def __init__(self, prompts, max_ngram: int = MAX_NGRAM):
         self.hist = [PromptLookup(p, max_ngram) for p in prompts]
@@ -461,6 +515,10 @@ class NgramDrafter:
     def propose(self, feed: list[int], active: list[int], k: int) -> list[list[int]]:
         """Up to k drafts for each active row (the others: []); ``feed`` the tokens the verification starts with."""
         return [self.hist[i].draft(k) if i in active else [] for i in range(len(self.hist))]
+
+    def key(self, i: int) -> int:
+        """How row i's last draft was found: the n of its match (``lookup``), the ``Pacer``'s key for it."""
+        return self.hist[i].n
 
     def settle(self, feed, drafts, keeps, hidden=None) -> None:
         """The target kept ``keeps[i]`` of row i's [feed[i], drafts...] (nothing to do: the history is appended)."""

@@ -259,18 +259,50 @@ def test_greedy_speculation_with_the_sampling_options_is_plain_greedy_decoding(m
     assert model.generate(batch, 12, temperature=0, stop_ids=[7], speculative="ngram", **PENALTIES)[0] == want
 
 
-def test_speculation_counts_its_steps_and_pauses_when_drafts_fail():
+def test_speculation_counts_its_steps_and_pauses_when_drafts_fail(monkeypatch):
+    """A batch's drafting pauses 1, 2, 4, ... steps after verifications that keep nothing; one row drafting by
+    prompt lookup leaves that to the pacer, which judges each match length on its own (``unpaced`` here)."""
+    from subquad.models import generate as generate_mod
+
     model = tiny("mamba2,softmax", scale=1.0)                    # soon repeats one token: drafts accepted
     model.generate(PROMPT, 30, temperature=0, speculative="ngram", draft_tokens=4)
     st = model.speculation_stats
     assert st.emitted == 29 and st.acceptance > 0.8 and st.tokens_per_step > 2.5
-    model = tiny("mamba2,softmax", scale=20.0)                   # varied output: drafts fail, drafting pauses
+    model = tiny("mamba2,softmax", scale=20.0)                   # varied output: drafts fail
     model.generate(PROMPT, 30, temperature=0, speculative="ngram", draft_tokens=4)
     st = model.speculation_stats
-    assert st.acceptance < 0.2 and st.verifications < st.steps / 2
-    for bad in ({"speculative": "medusa"}, {"speculative": "ngram", "draft_tokens": 0}):
-        with pytest.raises(ValueError, match="speculative|draft_tokens"):
-            model.generate(PROMPT, 3, **bad)
+    assert st.acceptance < 0.2 and st.verifications > 0.8 * st.steps     # no pause: every step with a draft
+    batch = [PROMPT, PROMPT[:-1]]
+    model.generate(batch, 30, temperature=0, speculative="ngram", draft_tokens=4)
+    st = model.speculation_stats
+    assert st.acceptance < 0.2 and st.verifications < st.steps / 2       # drafting pauses
+    monkeypatch.setattr(generate_mod, "MAX_PAUSE", 0)
+    model.generate(batch, 30, temperature=0, speculative="ngram", draft_tokens=4)
+    st = model.speculation_stats
+    assert st.verifications > 0.8 * st.steps
+
+
+def test_one_row_of_prompt_lookup_asks_the_pacer_by_its_match_length(monkeypatch):
+    """At one row prompt lookup drafts first and the pacer is asked under the n its draft matched: the longest
+    n <= 3 whose tail of the row's tokens occurred before, found again here from the tokens."""
+    from subquad.models.speculative import NgramDrafter
+
+    asked, found = [], []
+    monkeypatch.setattr(Pacer, "want", lambda self, key=None: asked.append(key) or True)
+    real = NgramDrafter.key
+
+    def key(self, i):
+        hist = self.hist[i].tokens
+        found.append(max([0] + [n for n in (1, 2, 3) if any(hist[s:s + n] == hist[-n:]
+                                                             for s in range(len(hist) - n))]))
+        return real(self, i)
+    monkeypatch.setattr(NgramDrafter, "key", key)
+    model = tiny("mamba2,softmax", scale=8.0)
+    prompt = [1, 2, 3, 4, 1, 2, 5, 4, 2, 3]
+    out = model.generate(prompt, 20, temperature=0, speculative="ngram", draft_tokens=3)[0]
+    assert out == model.generate(prompt, 20, temperature=0)[0]
+    assert len(asked) >= 3 and asked == [n for n in found if n]      # asked whenever it drafted, by that n
+    assert len(set(asked)) >= 2
 
 
 @pytest.mark.parametrize("pos_emb", ["learned", "none"])
@@ -297,10 +329,10 @@ def test_the_pacer_hears_what_the_slowest_row_emitted(monkeypatch):
     heard, kept = [], []
     measured, accept = Pacer.measured, speculative.Verification.accept
 
-    def hearing(self, seconds, tokens_per_row=None, batch=1):
+    def hearing(self, seconds, tokens_per_row=None, batch=1, key=None):
         if tokens_per_row is not None:
             heard.append(tokens_per_row)
-        measured(self, seconds, tokens_per_row, batch)
+        measured(self, seconds, tokens_per_row, batch, key)
 
     def keeping(self, keep):
         kept.append(keep)
@@ -624,6 +656,25 @@ def test_a_verification_that_pays_by_itself_goes_on_before_the_averages_catch_up
     p.measured(0.030, 5.0)                                      # averages: g 2.2 < r 3; this one: 5 >= 3
     assert p.gain == pytest.approx(2.2) and p.ratio == pytest.approx(3.0)
     assert p.pause == 0 and p.want()
+
+
+@pytest.mark.paced
+def test_the_pacer_judges_each_key_on_its_own():
+    """Keys (prompt lookup's match lengths) keep their own gains and waits against the one measured cost: a key
+    whose drafts fail waits while another's that pay go on, and its wait counts every step - asked under any key
+    or passed without asking."""
+    p = Pacer()
+    p.measured(0.010)
+    p.measured(0.010)                                           # t_p 10 ms
+    p.measured(0.015, 1.0, key=1)                               # r 1.5 for 1 token: 0.5 steps lost, waits 10
+    assert p.keys[1].pause == 1 and p.keys[1].wait == 10 and p.wait == 0
+    assert p.want(3)                                            # key 3 not judged yet (key 1: 9 left)
+    p.measured(0.015, 4.0, key=3)                               # 4 tokens for 1.5 steps: pays
+    assert p.keys[3].gain == 4.0 and p.keys[3].wait == 0 and p.ratio == pytest.approx(1.5)
+    assert p.want(3)                                            # key 1: 8 left
+    p.passed()                                                  # 7
+    assert [p.want(1) for _ in range(8)] == [False] * 7 + [True]
+    assert p.want(None) and p.gain is None                      # no verification of key None yet
 
 
 def slow_verification(monkeypatch, module, seconds=0.025):
