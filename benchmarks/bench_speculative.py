@@ -11,7 +11,8 @@ would make acceptance meaningless).
 The target: the ``small`` preset as a hybrid (Mamba-2 and softmax attention, 6 layers of 256), the draft: the
 ``micro`` preset (4 layers of 128, GLA) on the same tokens and tokenizer; both trained ``--steps`` steps and kept
 in ``--out`` (reused when there). The target decodes with its compiled step (``compile_decode``) in every mode,
-and verifies through its compiled verification (``CompiledStep.verifier``; both built before timing). Then
+and verifies through its compiled verification (``CompiledStep.verifier``, for ``draft_tokens`` and for the one
+draft a row of a larger batch pads to, ``models.speculative.compiled_budget``; all built before timing). Then
 ``--served`` edit prompts go through the serving engine at once (``serve.Engine``, one batch, greedy; one untimed
 round first, as a server that has run a while), without
 and with per-row speculation (``speculative="ngram"``).
@@ -48,7 +49,7 @@ from subquad.data.corpus import stdlib_corpus  # noqa: E402
 from subquad.data.dataset import prepare  # noqa: E402
 from subquad.models import presets  # noqa: E402
 from subquad.models.decode import compile_decode  # noqa: E402
-from subquad.models.speculative import verify  # noqa: E402
+from subquad.models.speculative import compiled_budget, verify  # noqa: E402
 from subquad.train import load_run  # noqa: E402
 from subquad.train.run import train_run  # noqa: E402
 from subquad.train.trainer import TrainConfig  # noqa: E402
@@ -193,11 +194,12 @@ def main(argv=None):
         target.generate(tasks["free"][0] if batch == 1 else tasks["free"][:2], 4, temperature=0)
     compile_s += time.perf_counter() - t
     t = time.perf_counter()                     # and the compiled verification's, for draft_tokens + 1 tokens
-    with torch.no_grad():
-        for batch in (1, 2):
+    with torch.no_grad():                       # (and at larger batches the fewer of compiled_budget)
+        for batch, k in sorted({(1, args.draft_tokens), (2, args.draft_tokens),
+                                (2, compiled_budget(target, max(8, args.served), args.draft_tokens))}):
             ids = torch.tensor([tasks["free"][0][:8]] * batch)
             _, state = target.prefill(ids)
-            verify(target, ids[:, :args.draft_tokens + 1], state)[1].accept(1)
+            verify(target, ids[:, :k + 1], state)[1].accept(1)
     verify_s = time.perf_counter() - t
     gflops = matmul_gflops()
     print(machine_line(gflops))

@@ -32,6 +32,7 @@ from subquad.models.speculative import (
     accept_drafts,
     capture_hidden,
     check_speculative,
+    compiled_budget,
     draft_budget,
     drafter,
     keeps_states,
@@ -169,8 +170,9 @@ def _speculate(model, last, state, max_new_tokens, sampler, emit, draft_tokens, 
     row's last) and the ``SpeculationStats``."""
     hooked = drafts_by.needs_hidden
     B, dev = last.shape[0], last.device
-    fixed = (not hooked and getattr(model, "_decode_step", None) is not None       # the compiled verification:
-             and keeps_states(model, torch.zeros(B, draft_tokens + 1, dtype=torch.long)))  # drafts padded to k
+    kf = compiled_budget(model, B, draft_tokens)                                   # the compiled verification:
+    fixed = (not hooked and getattr(model, "_decode_step", None) is not None       # drafts padded to kf
+             and keeps_states(model, torch.zeros(B, kf + 1, dtype=torch.long)))
     stats = SpeculationStats()
     t0 = sampler(last).tolist()
     done = [False] * B
@@ -186,7 +188,7 @@ def _speculate(model, last, state, max_new_tokens, sampler, emit, draft_tokens, 
     pause, wait = 0, 0
     keyed = getattr(drafts_by, "keyed", False) and B == 1
     pacer = Pacer()                              # verify only while it pays against a plain step's time
-    budget = draft_tokens if fixed else draft_budget(model, B, draft_tokens)
+    budget = kf if fixed else draft_budget(model, B, draft_tokens)
     moved = [None] * B                           # each row's tokens per verification, a moving average
     # Each row drafts up to its own room (rows that accept more finish sooner: the others go on verifying), the
     # verification padded past a row's end. Learned positions end at context_length: there a compiled
@@ -204,7 +206,7 @@ def _speculate(model, last, state, max_new_tokens, sampler, emit, draft_tokens, 
         room = max(rooms)
         feed = [t0[i] if not done[i] else 0 for i in range(B)]              # finished rows: padding
         drafts, key = [[] for _ in range(B)], None
-        may = room > (draft_tokens if fixed and limit is not None else 1)
+        may = room > (kf if fixed and limit is not None else 1)
         if may and keyed:
             drafted = [d[:max(rooms[i] - 1, 0)] for i, d in enumerate(drafts_by.propose(feed, active,
                                                                                         min(budget, room - 1)))]
@@ -219,8 +221,8 @@ def _speculate(model, last, state, max_new_tokens, sampler, emit, draft_tokens, 
         else:
             wait = max(0, wait - 1)
         k = max(len(d) for d in drafts)
-        if k and fixed:                         # a compiled verification: one graph, for k = draft_tokens
-            k = draft_tokens
+        if k and fixed:                         # a compiled verification: one graph, for k = kf
+            k = kf
         stats.steps += 1
         stats.row_steps += len(active)
         if k == 0:                                                         # nothing drafted: a plain step

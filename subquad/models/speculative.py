@@ -365,6 +365,14 @@ def draft_budget(model, batch: int, k: int) -> int:
     return max(1, min(k, C_ROWS // max(batch, 1) - 1))
 
 
+def compiled_budget(model, batch: int, k: int) -> int:
+    """The drafts per row a compiled verification pads to at ``batch`` rows when asked for ``k``: ``k`` while
+    ``draft_budget`` allows it, else 1 - two graphs per batch class (one row, more), not one per batch size. At 8
+    rows of ``bench_speculative.py``'s target a 2-token verification costs ~1.5x a plain step against ~2.7x for
+    7 tokens (benchmarks/RESULTS.md, "Prompt lookup judged by its match"): a probe that does not pay loses little."""
+    return k if draft_budget(model, batch, k) >= k else 1
+
+
 HOW = ("compiled", "states", "replay")
 
 

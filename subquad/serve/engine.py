@@ -52,7 +52,7 @@ import torch
 
 from subquad.models.constrain import FormatError, Grammar, check_format
 from subquad.models.rows import cat_states, select_rows, state_nbytes, with_capacity
-from subquad.models.speculative import Pacer, capture_hidden, draft_budget, keeps_states, verify
+from subquad.models.speculative import Pacer, capture_hidden, compiled_budget, draft_budget, keeps_states, verify
 from subquad.serve.drafting import BatchDraft
 from subquad.serve.memory import Memory
 from subquad.serve.prefill import Prefill
@@ -333,13 +333,13 @@ class Engine(Prefill, Speculating, Memory):
         mtp = self.speculative == "mtp"                     # eager forwards: the head reads their hidden states
         drafts, fixed = [], False
         if self.speculative is not None and self.pacer.want():
+            kf = compiled_budget(self.model, len(feed), self.draft_tokens)
             fixed = not mtp and getattr(self.model, "_decode_step", None) is not None and keeps_states(
-                self.model, torch.zeros(len(feed), self.draft_tokens + 1, dtype=torch.long))
-            drafts = self._drafts(self.draft_tokens if fixed else draft_budget(self.model, len(feed),
-                                                                                 self.draft_tokens))
+                self.model, torch.zeros(len(feed), kf + 1, dtype=torch.long))
+            drafts = self._drafts(kf if fixed else draft_budget(self.model, len(feed), self.draft_tokens))
         k = max(map(len, drafts), default=0)
         if k and fixed:
-            k = self.draft_tokens if self._draft_cap >= self.draft_tokens else 0  # compiled: one graph, k fixed
+            k = kf if self._draft_cap >= kf else 0          # compiled: a graph per kf (compiled_budget), k fixed
         try:
             with capture_hidden(self.model, mtp) as seen:
                 if k:

@@ -731,12 +731,20 @@ def test_the_compiled_verification_keeps_the_states_per_token_and_decodes_as_pla
 
     model = tiny("mamba,softmax", scale=6.0)
     plain = model.generate(PROMPT, 14, temperature=0)[0]
+    prompts = [PROMPT[i:] + PROMPT[:i] for i in range(4)]
+    plain4 = model.generate(prompts, 14, temperature=0)[0]
     compile_decode(model, cache=tmp_path)
     assert model.generate(PROMPT, 14, temperature=0, speculative="ngram", draft_tokens=4)[0] == plain
     assert model.speculation_stats.verifications > 0
     with torch.no_grad():
         assert_rollback_is_a_prefill(model, "compiled", keeps=(0, 2, 5), how="compiled")
     assert model._decode_step.verifier().shapes == {(1, 5), (2, 5)}    # every step the same k: a graph per batch
+    # 4 rows x 5 tokens pass C_ROWS' 16: they pad to one draft each (compiled_budget), a graph of 2 tokens
+    from subquad.models.speculative import compiled_budget
+
+    assert [compiled_budget(model, b, 4) for b in (1, 2, 3, 4, 8)] == [4, 4, 4, 1, 1]
+    assert model.generate(prompts, 14, temperature=0, speculative="ngram", draft_tokens=4)[0] == plain4
+    assert model._decode_step.verifier().shapes == {(1, 5), (2, 5), (4, 2)}
 
 
 def test_after_compile_decode_a_mamba_model_verifies_through_its_block_calls(tmp_path):
