@@ -358,8 +358,8 @@ def draft_budget(model, batch: int, k: int) -> int:
     each weight once for all rows at a decoding step's cost (the C kernels, a Mamba block's one call keeping the
     states); past it every row costs compute, and a Mamba-2 block's verification replays: at 8 rows of a Bamba-like
     hybrid at mamba-130m's width 4 drafts (40 rows) cost 8.3x a plain step, 1 draft (16 rows) 1.7x
-    (benchmarks/RESULTS.md, "Drafts by batch"). A compiled verification is one graph for ``k`` drafts: its
-    callers keep ``k``."""
+    (benchmarks/RESULTS.md, "Drafts by batch"). A compiled verification is a graph per ``k``: its callers
+    pad to ``compiled_budget``'s."""
     if k < 1 or next(model.parameters()).device.type != "cpu":
         return k
     return max(1, min(k, C_ROWS // max(batch, 1) - 1))
