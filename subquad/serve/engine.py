@@ -331,12 +331,21 @@ class Engine(Prefill, Speculating, Memory):
         started = time.perf_counter()
         feed = [s.tokens[-1] for s in self.running]
         mtp = self.speculative == "mtp"                     # eager forwards: the head reads their hidden states
-        drafts, fixed = [], False
-        if self.speculative is not None and self.pacer.want():
+        drafts, fixed, key = [], False, None
+        # one row of prompt lookup drafts first and the pacer judges it by its match's n, as generate's one row
+        # (models.speculative.Pacer: keys), without the row's own pause after failed drafts
+        keyed = self.speculative == "ngram" and len(self.running) == 1
+        if self.speculative is not None and (keyed or self.pacer.want()):
             kf = compiled_budget(self.model, len(feed), self.draft_tokens)
             fixed = not mtp and getattr(self.model, "_decode_step", None) is not None and keeps_states(
                 self.model, torch.zeros(len(feed), kf + 1, dtype=torch.long))
-            drafts = self._drafts(kf if fixed else draft_budget(self.model, len(feed), self.draft_tokens))
+            drafts = self._drafts(kf if fixed else draft_budget(self.model, len(feed), self.draft_tokens), keyed)
+            if keyed:
+                key = self.running[0].lookup.n if self.running[0].lookup is not None else 0
+                if not drafts[0]:
+                    self.pacer.passed()
+                elif not self.pacer.want(key):
+                    drafts = [[]]
         k = max(map(len, drafts), default=0)
         if k and fixed:
             k = kf if self._draft_cap >= kf else 0          # compiled: a graph per kf (compiled_budget), k fixed
@@ -381,7 +390,8 @@ class Engine(Prefill, Speculating, Memory):
             self._clear_batch()
             return
         self._recent.append((time.monotonic(), sum(emitted)))
-        self.pacer.measured(time.perf_counter() - started, sum(emitted) / len(emitted) if k else None, len(emitted))
+        self.pacer.measured(time.perf_counter() - started, sum(emitted) / len(emitted) if k else None, len(emitted),
+                            key)
         if self.cache.max_bytes:                            # a row's state at a block's end: a checkpoint too
             for i, seq in enumerate(self.running):
                 at = len(seq.prompt) + len(seq.tokens) - 1      # tokens its state has consumed

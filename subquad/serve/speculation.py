@@ -14,7 +14,9 @@ logprobs - are the ones it would draw without speculation, from the same draws o
 draft this is the standard rule: it keeps draft d with probability p(d), and otherwise draws from p without d.) The
 state keeps each row's consumed tokens (``Verification.accept``, a different count per row). A row whose drafts keep
 failing drafts again after 1, 2, 4, ... up to ``MAX_PAUSE`` plain steps, and the whole batch takes plain steps while
-a verification costs more wall time per emitted token than a plain step (``models.speculative.Pacer``). A row may
+a verification costs more wall time per emitted token than a plain step (``models.speculative.Pacer``); a row of
+prompt lookup running alone drafts first and the pacer judges it by its match's length, with no pause of its own
+(as ``generate``'s one row). A row may
 pass a multiple of ``prefix_block`` inside one verification; no checkpoint is kept there.
 """
 
@@ -32,13 +34,16 @@ class Speculating:
     """Each running row's drafts and the tokens it keeps of a verification (module doc); a part of
     ``serve.engine.Engine``, whose ``_decode`` verifies the drafts."""
 
-    def _drafts(self, budget: int) -> list[list[int]]:
+    def _drafts(self, budget: int, keyed: bool = False) -> list[list[int]]:
         """Each running row's drafts by prompt lookup or from the draft model: up to ``budget`` (``draft_tokens``,
         or fewer at a large batch: ``models.speculative.draft_budget``), fewer where its max_tokens or the
-        context would end first, none while it pauses after failed drafts (module doc)."""
+        context would end first, none while it pauses after failed drafts (module doc) - unless ``keyed`` (the
+        pacer judges the drafts by their match: no row pauses)."""
         rooms = []
         for s in self.running:
             room = min(s.params.max_tokens - len(s.tokens), self.max_context - len(s.prompt) - len(s.tokens)) - 1
+            if keyed:
+                s.wait = s.pause = 0
             if s.wait or room < 1 or s.finish_reason is not None:
                 s.wait = max(0, s.wait - 1)
                 room = 0

@@ -75,6 +75,34 @@ def test_a_large_batch_drafts_fewer_tokens_per_row(monkeypatch):
     assert (8, 2) in widths and any(t == 5 for b, t in widths if b <= 3), widths    # few rows: all 4 drafts
 
 
+def test_a_row_running_alone_asks_the_pacer_by_its_match_length(monkeypatch):
+    """A row of prompt lookup running alone drafts first and the pacer is asked under the n its draft matched (the
+    longest n <= 3 whose tail of the row's tokens occurred before, found again here from them), as generate's one
+    row; streams equal generate alone. Two rows at once: the pacer is asked first, without a key."""
+    from subquad.models.speculative import Pacer, PromptLookup
+
+    asked, found = [], []
+    monkeypatch.setattr(Pacer, "want", lambda self, key=None: asked.append(key) or True)
+    real = PromptLookup.draft
+
+    def draft(self, k):
+        h = self.tokens
+        found.append(max([0] + [n for n in (1, 2, 3) if any(h[s:s + n] == h[-n:] for s in range(len(h) - n))]))
+        return real(self, k)
+    monkeypatch.setattr(PromptLookup, "draft", draft)
+    model = model_of("bamba")
+    reqs = [(prompt, SamplingParams(max_tokens=20, temperature=0)) for prompt, _ in repetitive(2, seed=11)]
+    engine = Engine(model, max_batch=1, state_cache_mb=0, speculative="ngram", draft_tokens=4)
+    seqs = run_all(engine, reqs)
+    for (prompt, p), seq in zip(reqs, seqs):
+        assert seq.tokens == alone(model, prompt, p)
+    assert len(asked) >= 3 and asked == [n for n in found if n] and engine.counters["verifications"] > 0
+    asked.clear()
+    engine = Engine(model, max_batch=2, state_cache_mb=0, speculative="ngram", draft_tokens=4)
+    seqs = run_all(engine, reqs, per_step=2)
+    assert asked and None in asked
+
+
 def test_choices_and_logprobs_equal_the_plain_engine():
     model = model_of("bamba")
     start = [5, 9, 14, 2, 7]
