@@ -13,9 +13,9 @@ The target: the ``small`` preset as a hybrid (Mamba-2 and softmax attention, 6 l
 in ``--out`` (reused when there). The target decodes with its compiled step (``compile_decode``) in every mode,
 and verifies through its compiled verification (``CompiledStep.verifier``, for ``draft_tokens`` and for the one
 draft a row of a larger batch pads to, ``models.speculative.compiled_budget``; all built before timing). Then
-``--served`` edit prompts go through the serving engine at once (``serve.Engine``, one batch, greedy; one untimed
-round first, as a server that has run a while), without
-and with per-row speculation (``speculative="ngram"``).
+the edit prompts go through the serving engine one at a time (a server with one user; ``serve_each``), and
+``--served`` edit prompts at once (``serve.Engine``, one batch, greedy; one untimed round first, as a server that has
+run a while), without and with per-row speculation (``speculative="ngram"``).
 
 Tasks (prompts from the corpus' held-out split, never trained on):
 - **edit** (input-grounded): a held-out standard-library function, then a comment asking for the same function
@@ -150,6 +150,22 @@ def serve_run(model, prompts, new_tokens, speculative=None, draft_tokens=4) -> d
             "acceptance": c["accepted"] / c["drafted"] if c["drafted"] else float("nan")}
 
 
+def serve_each(model, prompts, new_tokens, speculative=None, draft_tokens=4) -> dict:
+    """``serve_run`` of each prompt alone, one after another (a server with one user) -> completion tokens/s over
+    the requests' wall time, the mean tokens per row and forward and acceptance, outputs."""
+    wall, gen, outs, per_step, acc = 0.0, 0, [], [], []
+    for p in prompts:
+        t = time.perf_counter()
+        r = serve_run(model, [p], new_tokens, speculative, draft_tokens)
+        wall += time.perf_counter() - t
+        gen += len(r["outs"][0])
+        outs += r["outs"]
+        per_step.append(r["tokens_per_step"])
+        acc += [] if r["acceptance"] != r["acceptance"] else [r["acceptance"]]
+    return {"tok_s": gen / wall, "outs": outs, "tokens_per_step": statistics.mean(per_step),
+            "acceptance": statistics.mean(acc) if acc else float("nan")}
+
+
 def interleaved(measure, modes, rounds: int) -> dict:
     """{mode: measure(spec)'s result with the median tokens/s of ``rounds`` rounds}, the modes run in turn in each
     round (this host's timings drift 10-25% within minutes: interleaving spreads the drift over every mode)."""
@@ -229,19 +245,22 @@ def main(argv=None):
     served = edit_prompts(tok, args.served, random.Random(1))
     for spec in (None, "ngram"):                # untimed: a server that has run a while (the verification at
         serve_run(target, served, args.new_tokens, spec, args.draft_tokens)   # 16 rows is slow its first calls)
-    res = interleaved(lambda spec: serve_run(target, served, args.new_tokens, spec, args.draft_tokens),
-                      (("served plain", None), ("served ngram", "ngram")), args.rounds)
-    plain = res["served plain"]
-    for mode, spec in (("served plain", None), ("served ngram", "ngram")):
-        r = res[mode]
-        same = sum(a == b for a, b in zip(r["outs"], plain["outs"], strict=True)) / len(served)
-        row = {"task": "edit", "batch": len(served), "mode": mode, "tok_s": r["tok_s"],
-               "speedup": r["tok_s"] / plain["tok_s"], "tokens_per_step": r["tokens_per_step"],
-               "acceptance": r["acceptance"], "same": same, "rounds": r["rounds"]}
-        rows.append(row)
-        print(f"| edit | {len(served)} | {mode} | {r['tok_s']:.1f} | {row['speedup']:.2f} | "
-              f"{r['tokens_per_step']:.2f} | {r['acceptance']:.2f} | {100 * same:.0f}% | "
-              f"{' / '.join(f'{x:.0f}' for x in r['rounds'])} |", flush=True)
+    for batch, measure in ((1, lambda spec: serve_each(target, tasks["edit"], args.new_tokens, spec,
+                                                       args.draft_tokens)),
+                           (len(served), lambda spec: serve_run(target, served, args.new_tokens, spec,
+                                                                args.draft_tokens))):
+        res = interleaved(measure, (("served plain", None), ("served ngram", "ngram")), args.rounds)
+        plain = res["served plain"]
+        for mode, spec in (("served plain", None), ("served ngram", "ngram")):
+            r = res[mode]
+            same = sum(a == b for a, b in zip(r["outs"], plain["outs"], strict=True)) / len(r["outs"])
+            row = {"task": "edit", "batch": batch, "mode": mode, "tok_s": r["tok_s"],
+                   "speedup": r["tok_s"] / plain["tok_s"], "tokens_per_step": r["tokens_per_step"],
+                   "acceptance": r["acceptance"], "same": same, "rounds": r["rounds"]}
+            rows.append(row)
+            print(f"| edit | {batch} | {mode} | {r['tok_s']:.1f} | {row['speedup']:.2f} | "
+                  f"{r['tokens_per_step']:.2f} | {r['acceptance']:.2f} | {100 * same:.0f}% | "
+                  f"{' / '.join(f'{x:.0f}' for x in r['rounds'])} |", flush=True)
     name = "_eager" if args.eager else ""
     (out / f"results{name}.json").write_text(json.dumps(rows, indent=1))
     plot(rows, out / f"speculative{name}.png")
