@@ -166,6 +166,17 @@ def serve_each(model, prompts, new_tokens, speculative=None, draft_tokens=4) -> 
             "acceptance": statistics.mean(acc) if acc else float("nan")}
 
 
+def table_row(task, batch, mode, r, plain) -> dict:
+    """One mode's result ``r`` against its plain mode's as a row of the results (printed as the table's line)."""
+    same = sum(a == b for a, b in zip(r["outs"], plain["outs"], strict=True)) / len(r["outs"])
+    row = {"task": task, "batch": batch, "mode": mode, "tok_s": r["tok_s"], "speedup": r["tok_s"] / plain["tok_s"],
+           "tokens_per_step": r["tokens_per_step"], "acceptance": r["acceptance"], "same": same,
+           "rounds": r["rounds"]}
+    print(f"| {task} | {batch} | {mode} | {r['tok_s']:.1f} | {row['speedup']:.2f} | {r['tokens_per_step']:.2f} | "
+          f"{r['acceptance']:.2f} | {100 * same:.0f}% | {' / '.join(f'{x:.0f}' for x in r['rounds'])} |", flush=True)
+    return row
+
+
 def interleaved(measure, modes, rounds: int) -> dict:
     """{mode: measure(spec)'s result with the median tokens/s of ``rounds`` rounds}, the modes run in turn in each
     round (this host's timings drift 10-25% within minutes: interleaving spreads the drift over every mode)."""
@@ -231,17 +242,7 @@ def main(argv=None):
         for batch in (1, min(8, len(prompts))):
             res = interleaved(lambda spec: run(target, prompts, args.new_tokens, batch, spec, args.draft_tokens),
                               modes, args.rounds)
-            plain = res["plain"]
-            for mode, _ in modes:
-                r = res[mode]
-                same = sum(a == b for a, b in zip(r["outs"], plain["outs"], strict=True)) / len(prompts)
-                row = {"task": task, "batch": batch, "mode": mode, "tok_s": r["tok_s"],
-                       "speedup": r["tok_s"] / plain["tok_s"], "tokens_per_step": r["tokens_per_step"],
-                       "acceptance": r["acceptance"], "same": same, "rounds": r["rounds"]}
-                rows.append(row)
-                print(f"| {task} | {batch} | {mode} | {r['tok_s']:.1f} | {row['speedup']:.2f} | "
-                      f"{r['tokens_per_step']:.2f} | {r['acceptance']:.2f} | {100 * same:.0f}% | "
-                      f"{' / '.join(f'{x:.0f}' for x in r['rounds'])} |", flush=True)
+            rows += [table_row(task, batch, mode, res[mode], res["plain"]) for mode, _ in modes]
     served = edit_prompts(tok, args.served, random.Random(1))
     for spec in (None, "ngram"):                # untimed: a server that has run a while (the verification at
         serve_run(target, served, args.new_tokens, spec, args.draft_tokens)   # 16 rows is slow its first calls)
@@ -250,17 +251,7 @@ def main(argv=None):
                            (len(served), lambda spec: serve_run(target, served, args.new_tokens, spec,
                                                                 args.draft_tokens))):
         res = interleaved(measure, (("served plain", None), ("served ngram", "ngram")), args.rounds)
-        plain = res["served plain"]
-        for mode, spec in (("served plain", None), ("served ngram", "ngram")):
-            r = res[mode]
-            same = sum(a == b for a, b in zip(r["outs"], plain["outs"], strict=True)) / len(r["outs"])
-            row = {"task": "edit", "batch": batch, "mode": mode, "tok_s": r["tok_s"],
-                   "speedup": r["tok_s"] / plain["tok_s"], "tokens_per_step": r["tokens_per_step"],
-                   "acceptance": r["acceptance"], "same": same, "rounds": r["rounds"]}
-            rows.append(row)
-            print(f"| edit | {batch} | {mode} | {r['tok_s']:.1f} | {row['speedup']:.2f} | "
-                  f"{r['tokens_per_step']:.2f} | {r['acceptance']:.2f} | {100 * same:.0f}% | "
-                  f"{' / '.join(f'{x:.0f}' for x in r['rounds'])} |", flush=True)
+        rows += [table_row("edit", batch, mode, res[mode], res["served plain"]) for mode in res]
     name = "_eager" if args.eager else ""
     (out / f"results{name}.json").write_text(json.dumps(rows, indent=1))
     plot(rows, out / f"speculative{name}.png")
