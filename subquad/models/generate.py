@@ -211,9 +211,7 @@ def _speculate(model, last, state, max_new_tokens, sampler, emit, draft_tokens, 
             drafted = [d[:max(rooms[i] - 1, 0)] for i, d in enumerate(drafts_by.propose(feed, active,
                                                                                         min(budget, room - 1)))]
             key = drafts_by.key(0)
-            if not drafted[0]:
-                pacer.passed()
-            elif pacer.want(key):
+            if pacer.verifies(bool(drafted[0]), key):
                 drafts = drafted
         elif may and wait == 0 and pacer.want():
             drafts = drafts_by.propose(feed, active, min(budget, room - 1))

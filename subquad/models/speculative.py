@@ -98,7 +98,6 @@ class Pacer:
 
     # the judgement of key None (every caller without keys)
     gain = property(lambda self: self._get(None).gain)
-    last = property(lambda self: self._get(None).last)
     pause = property(lambda self: self._get(None).pause)
     wait = property(lambda self: self._get(None).wait)
 
@@ -119,6 +118,14 @@ class Pacer:
             j.wait -= 1
             return False
         return self.since < self.PROBE                 # else a plain step that measures t_p
+
+    def verifies(self, drafted: bool, key) -> bool:
+        """For a drafter that drafts before asking (prompt lookup, by its match's n as ``key``): whether to verify
+        what it drafted; a step with nothing drafted only counts down the keys' waits."""
+        if not drafted:
+            self.passed()
+            return False
+        return self.want(key)
 
     def passed(self, but=None) -> None:
         """A step went by without asking (nothing was drafted): every key's wait counts it."""
