@@ -180,7 +180,10 @@ def _specialisation(h, states) -> str:
 class CompiledStep:
     """``model.step``'s compiled form (module doc): tokens (B, 1) long, state -> (logits (B, vocab), state).
     ``loaded`` and ``compiled`` count the graphs read from the cache and compiled here (``aot_compile``);
-    ``fallback`` is why the step runs ``torch.compile``'s graphs instead (None while it does not)."""
+    ``fallback`` is why the step runs ``torch.compile``'s graphs instead (None while it does not). ``made`` counts
+    both over every instance (a step that made one is no measure of a step's time: ``speculative.Pacer``)."""
+
+    made = 0
 
     def __init__(self, model, cache=True, graph=_blocks_and_head, backend=None):
         self.model, self.backend, self._cache_arg, self._verifier = model, backend, cache, None
@@ -241,6 +244,7 @@ class CompiledStep:
         spec = hashlib.sha256(_specialisation(h, states).encode()).hexdigest()[:16]
         path = self.cache / f"{self._key}-{spec}.bin"
         g = self._load(path)
+        CompiledStep.made += 1
         if g is not None and g.guard_check(model, h, states, tokens):
             self.loaded += 1
         else:

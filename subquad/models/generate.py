@@ -36,6 +36,7 @@ from subquad.models.speculative import (
     draft_budget,
     drafter,
     keeps_states,
+    pacer_for,
     verify,
 )
 
@@ -121,7 +122,7 @@ def generate(model, prompt, max_new_tokens: int, temperature: float = 1.0, top_k
         drafts_by = drafter(speculative, model, prompts, hidden=seen[-1] if seen else None, cu_seqlens=cu)
         try:
             state, model.speculation_stats = _speculate(model, last, state, max_new_tokens, sampler, emit,
-                                                        draft_tokens, drafts_by)
+                                                        draft_tokens, drafts_by, speculative)
         finally:
             getattr(drafts_by, "close", lambda: None)()
         model.train(was_training)
@@ -158,16 +159,16 @@ class _Never:
         return getattr(self.inner, name)
 
 
-def _speculate(model, last, state, max_new_tokens, sampler, emit, draft_tokens, drafts_by):
+def _speculate(model, last, state, max_new_tokens, sampler, emit, draft_tokens, drafts_by, speculative):
     """``generate``'s decoding loop with speculation (``models.speculative``), after the prefill: ``last`` (B,
     vocab) the prompts' last logits, ``sampler`` the plain loop's ``Sampler``, ``emit(i, token) -> done`` records
-    row i's token, ``drafts_by`` the drafter. Each verified position is processed as the plain loop would
-    process it (``Sampler.process_drafts``: penalties and logit bias with the drafts before it in the history),
-    and the acceptance rule reads that position's ``Sampler.probabilities``; only emitted tokens join the
-    history. Drafting pauses after a verification that kept nothing (but one row of prompt lookup, judged by
-    its matches' lengths), and while verifying costs more wall time per emitted token than a plain step
-    (``Pacer``). Returns the state (every emitted token consumed but each
-    row's last) and the ``SpeculationStats``."""
+    row i's token, ``drafts_by`` the drafter made for ``speculative``. Each verified position is processed as the
+    plain loop would process it (``Sampler.process_drafts``: penalties and logit bias with the drafts before it in
+    the history), and the acceptance rule reads that position's ``Sampler.probabilities``; only emitted tokens
+    join the history. Drafting pauses after a verification that kept nothing (but one row of prompt lookup,
+    judged by its matches' lengths), and while verifying costs more wall time per emitted token than a plain step
+    (``Pacer``: the model's, ``pacer_for``). Returns the state (every emitted token consumed but each row's last)
+    and the ``SpeculationStats``."""
     hooked = drafts_by.needs_hidden
     B, dev = last.shape[0], last.device
     kf = compiled_budget(model, B, draft_tokens)                                   # the compiled verification:
@@ -187,7 +188,8 @@ def _speculate(model, last, state, max_new_tokens, sampler, emit, draft_tokens, 
     # 1-token matches do not hold back the 3-token ones, and a failure that costs little waits little)
     pause, wait = 0, 0
     keyed = getattr(drafts_by, "keyed", False) and B == 1
-    pacer = Pacer()                              # verify only while it pays against a plain step's time
+    # verify only while it pays against a plain step's time (the model's pacer: its judgements kept between calls)
+    pacer = pacer_for(model, speculative, draft_tokens)
     budget = kf if fixed else draft_budget(model, B, draft_tokens)
     moved = [None] * B                           # each row's tokens per verification, a moving average
     # Each row drafts up to its own room (rows that accept more finish sooner: the others go on verifying), the
@@ -200,7 +202,7 @@ def _speculate(model, last, state, max_new_tokens, sampler, emit, draft_tokens, 
             + draft_tokens > limit:
         drafts_by = _Never(drafts_by)
     while not all(done):
-        started = time.perf_counter()
+        started = pacer.start()
         active = [i for i in range(B) if not done[i]]
         rooms = [max_new_tokens - count[i] if not done[i] else 0 for i in range(B)]   # tokens row i may emit
         room = max(rooms)

@@ -34,6 +34,9 @@ row drafting by prompt lookup drafts first, and the pacer alone judges its draft
 from __future__ import annotations
 
 import math
+import sys
+import time
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -69,10 +72,18 @@ class Pacer:
     and after ``PROBE`` verifications in a row a plain step measures t_p again (two: the first is the last
     verification's aftermath). While verifying does not pay, drafting waits 1, 2, 4, ... up to ``MAX_WAIT``
     plain steps, then verifies once more: acceptance and costs change with the text and the batch - and at least
-    as many as keep what that failed verification cost beyond a plain step's time per token (r - g plain steps)
-    within ``BUDGET`` of the plain steps' time: a verification that costs 4 plain steps for 1 token waits 60
-    steps, so probing a text without repetitions costs about 5%, not the 16-22% of doubling from one step (a
-    batch of 8 that replays its verifications, benchmarks/RESULTS.md).
+    as many as keep what that failed verification cost beyond a plain step's time per token (r - g plain steps,
+    or the averages' r - g where less: one slow verification does not set it alone) within ``BUDGET`` of the
+    plain steps' time: a verification that costs 4 plain steps for 1 token waits 60 steps, so probing a text
+    without repetitions costs about 5%, not the 16-22% of doubling from one step (a batch of 8 that replays its
+    verifications, benchmarks/RESULTS.md). Each further verification in a row that does not pay halves that
+    budget, down to ``BUDGET`` / 2 ** ``BACKOFF``: where verifying never pays (a batch whose verification costs
+    twice a step) probing costs ever less of the time, and a verification that pays sets the budget back. No
+    wait is longer than ``LONGEST`` steps.
+
+    A step during which a graph was compiled or loaded (the first verification at a shape, a step recompiled)
+    measures that, not the step: it is not heard (``start``, ``graphs_built``) - a verification that loaded its
+    graph once looked 53 plain steps long. ``generate`` keeps a model's pacer between calls (``pacer_for``).
 
     A drafter whose drafts cost nothing to make (prompt lookup) drafts first and asks with a ``key`` - its match's
     n - and each key keeps its own gain and waits (the ratio is the verification's cost, shared): a text's
@@ -86,6 +97,8 @@ class Pacer:
     PROBE = 16
     MAX_WAIT = 64
     BUDGET = 0.05
+    BACKOFF = 4
+    LONGEST = 4096
 
     def __init__(self):
         self.plain: dict[int, float] = {}   # batch -> a plain step's seconds there
@@ -95,6 +108,7 @@ class Pacer:
         self.measured_plain = 0            # plain steps measured (aftermaths not counted)
         self.since = 0                     # verifications since the last plain step
         self.after = False                 # the last step was a verification
+        self.built = None                  # graphs built when the step being timed began (``start``)
 
     # the judgement of key None (every caller without keys)
     gain = property(lambda self: self._get(None).gain)
@@ -133,9 +147,18 @@ class Pacer:
             if j is not but and j.wait:
                 j.wait -= 1
 
+    def start(self) -> float:
+        """The clock at a step's start (``time.perf_counter``); the step is heard only if no graph is built in it."""
+        self.built = graphs_built()
+        return time.perf_counter()
+
     def measured(self, seconds: float, tokens_per_row: float | None = None, batch: int = 1, key=None) -> None:
         """A plain step's seconds (``tokens_per_row`` None) or a verification's and the tokens it emitted per
-        row, at ``batch`` rows, of drafts asked for with ``key``."""
+        row, at ``batch`` rows, of drafts asked for with ``key`` (not heard if a graph was built since
+        ``start``)."""
+        if self.built is not None and graphs_built() != self.built:
+            self.built = None
+            return
         if tokens_per_row is None:
             if self.after and self.ratio is not None:             # the verification's aftermath (a probe goes on)
                 self.after = False
@@ -172,20 +195,51 @@ class Pacer:
     def _judge(self, j: "_Judged") -> None:
         if j.gain < self.ratio and j.last[0] < j.last[1]:
             j.pause = min(2 * j.pause or 1, self.MAX_WAIT)
-            j.wait = max(j.pause, math.ceil((j.last[1] - j.last[0]) / self.BUDGET))
+            j.fails += 1
+            budget = self.BUDGET / 2 ** min(j.fails - 1, self.BACKOFF)
+            lost = min(j.last[1] - j.last[0], self.ratio - j.gain)     # one slow outlier does not set it alone
+            j.wait = min(max(j.pause, math.ceil(lost / budget)), self.LONGEST)
         else:
-            j.pause = j.wait = 0
+            j.pause = j.wait = j.fails = 0
+
+
+def graphs_built() -> int:
+    """How many graphs this process has compiled or loaded: dynamo's, and ``compile_decode``'s saved ones
+    (``CompiledStep.made``); 0 while neither module is imported (eager decoding)."""
+    utils, decode = sys.modules.get("torch._dynamo.utils"), sys.modules.get("subquad.models.decode")
+    return ((0 if utils is None else utils.counters["stats"]["unique_graphs"])
+            + (0 if decode is None else decode.CompiledStep.made))
+
+
+_PACERS = weakref.WeakKeyDictionary()     # model -> {(drafter, draft_tokens): Pacer} (``pacer_for``)
+
+
+def pacer_for(model, drafter, draft_tokens: int) -> Pacer:
+    """The pacer ``generate`` asks when ``model`` drafts with ``drafter`` ("ngram", "mtp" or a draft model) up to
+    ``draft_tokens``: kept between calls (outside the model, weakly), as a server's engine keeps its own between
+    requests - what a verification costs against a plain step at each batch, and each key's judgement and
+    waits, measured once, so a batch whose verifications never pay does not probe again at every call. A call
+    starts without a verification's aftermath."""
+    by = _PACERS.get(model)
+    if by is None:
+        by = _PACERS[model] = {}
+    key = (drafter if isinstance(drafter, str) else id(drafter), draft_tokens)
+    pacer = by.get(key)
+    if pacer is None:
+        pacer = by[key] = Pacer()
+    pacer.after, pacer.since = False, 0
+    return pacer
 
 
 class _Judged:
-    """One key's judgement (``Pacer``): its gain's moving average, its last verification's (g, r), and how many
-    steps drafting with it waits."""
+    """One key's judgement (``Pacer``): its gain's moving average, its last verification's (g, r), how many
+    steps drafting with it waits, and how many of its verifications in a row did not pay."""
 
-    __slots__ = ("gain", "last", "pause", "wait")
+    __slots__ = ("gain", "last", "pause", "wait", "fails")
 
     def __init__(self):
         self.gain = self.last = None
-        self.pause = self.wait = 0
+        self.pause = self.wait = self.fails = 0
 
 
 class Verification:

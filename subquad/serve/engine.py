@@ -52,7 +52,15 @@ import torch
 
 from subquad.models.constrain import FormatError, Grammar, check_format
 from subquad.models.rows import cat_states, select_rows, state_nbytes, with_capacity
-from subquad.models.speculative import Pacer, capture_hidden, compiled_budget, draft_budget, keeps_states, verify
+from subquad.models.speculative import (
+    Pacer,
+    capture_hidden,
+    compiled_budget,
+    draft_budget,
+    keeps_states,
+    pacer_for,
+    verify,
+)
 from subquad.serve.drafting import BatchDraft
 from subquad.serve.memory import Memory
 from subquad.serve.prefill import Prefill
@@ -112,7 +120,8 @@ class Engine(Prefill, Speculating, Memory):
         self.speculative, self.draft_tokens = speculative, draft_tokens
         # a draft model: its state follows the batch's rows (serve.drafting)
         self.draft = None if speculative is None or isinstance(speculative, str) else BatchDraft(speculative, model)
-        self.pacer = Pacer()               # speculation: verify only while it pays against a plain step
+        # speculation: verify only while it pays against a plain step (the model's pacer, as generate's)
+        self.pacer = pacer_for(model, speculative, draft_tokens) if speculative is not None else Pacer()
         self._kept: dict = {}              # (rows > 1, drafts) -> keeps_states (``_keeps``)
         self.eos = set(model.config.eos_token_ids if eos_ids is None else eos_ids)
         self._fixed_bytes, self._fixed_held, self._kv_layers = self._measure_row()
@@ -338,7 +347,7 @@ class Engine(Prefill, Speculating, Memory):
         sampling fails ends with "error", finished rows leave."""
         if not self.running:
             return
-        started = time.perf_counter()
+        started = self.pacer.start()
         feed = [s.tokens[-1] for s in self.running]
         mtp = self.speculative == "mtp"                     # eager forwards: the head reads their hidden states
         drafts, fixed, key = [], False, None

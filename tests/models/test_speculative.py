@@ -3,6 +3,8 @@ block structure; greedy output equals plain decoding's for every mixer, one row 
 sampling options (penalties, logit bias, stop ids, ignore_eos); sampled output is distributed as plain sampling's
 (chi-square), with and without them; prompt lookup drafts what it should."""
 
+import math
+
 import pytest
 import torch
 
@@ -603,11 +605,21 @@ def test_the_pacer_verifies_only_while_it_pays_against_a_plain_step():
     assert p.ratio == pytest.approx(2.5) and p.pause == 0 and p.want()
     p.measured(0.024)
     assert p.ratio == pytest.approx(3.1) and p.pause == 1 and p.plain == {1: 0.008}
-    # it lost 4.5 - 3 = 1.5 plain steps' time: drafting waits the 30 plain steps that keep that within BUDGET (5%)
-    assert [p.want() for _ in range(31)] == [False] * 30 + [True]
-    # verifying costs 0.012 s for 1 token per row, a plain step 0.008 s per token: it does not pay; drafting waits
-    # 2, 4, 8, ... up to MAX_WAIT plain steps, and at least the 10 that keep the half a step each verification
-    # lost within BUDGET (5%) of their time
+    # this verification lost 4.5 - 3 = 1.5 plain steps' time, the averages (r 3.1, g 3) 0.1: drafting waits the
+    # steps that keep the lesser within BUDGET (5%) of their time: ceil(0.1 / 0.05) (2, and 3 for the rounding)
+    assert [p.want() for _ in range(4)] == [False] * 3 + [True]
+    # verifying costs 0.012 s for 1 token per row, a plain step 0.008 s per token (r 1.5): it does not pay;
+    # drafting waits 2, 4, 8, ... up to MAX_WAIT plain steps, and at least the steps that keep what it lost -
+    # the last verification's r - g or the averages', the lesser - within a budget of BUDGET halved by each
+    # failure in a row (the one above was the first), down to BUDGET / 2 ** BACKOFF
+    ratio, gain, fails = 3.1, 3.0, 1
+
+    def expected(r):
+        nonlocal ratio, gain, fails
+        ratio, gain, fails = 0.7 * ratio + 0.3 * r, 0.7 * gain + 0.3 * 1.0, fails + 1
+        budget = Pacer.BUDGET / 2 ** min(fails - 1, Pacer.BACKOFF)
+        return min(max(2 ** min(fails - 1, 6), math.ceil(min(r - 1.0, ratio - gain) / budget)), Pacer.LONGEST)
+
     def waits(seconds, times=8):
         out = []
         for _ in range(times):
@@ -617,8 +629,63 @@ def test_the_pacer_verifies_only_while_it_pays_against_a_plain_step():
                 n += 1
             out.append(n)
         return out
-    assert waits(0.012) == [10, 10, 10, 16, 32, 64, 64, 64]
-    assert waits(0.100, 2) == [230, 230]                        # 11.5 steps lost: 230 plain steps
+    want = [expected(1.5) for _ in range(8)]
+    assert waits(0.012) == want and want[:3] == [9, 25, 59] and want[-1] == 153   # towards 0.5 / (0.05 / 16)
+    want = [expected(12.5) for _ in range(2)]
+    assert waits(0.100, 2) == want and want[0] == 1211       # 11.5 steps lost, the averages' 3.8 set it
+    p.measured(0.012, 4.0)                                      # pays (the last alone): the budget is BUDGET again
+    assert p.pause == 0 and p.keys[None].fails == 0 and p.want()
+    p.measured(0.012, 1.0)
+    assert p.keys[None].fails == 1 and p.wait == math.ceil(min(0.5, p.ratio - p.gain) / Pacer.BUDGET)
+    for _ in range(7):                                          # a wait is never longer than LONGEST
+        p.measured(10.0, 1.0)
+    assert p.wait == Pacer.LONGEST
+
+
+@pytest.mark.paced
+def test_a_step_that_compiled_or_loaded_a_graph_is_not_heard(monkeypatch):
+    """A graph built or loaded between ``start`` and ``measured`` (``CompiledStep.made``, dynamo's count) makes
+    the step a measure of that, not of a step: the pacer ignores it; the next step is heard."""
+    from subquad.models.decode import CompiledStep
+    from subquad.models.speculative import graphs_built
+
+    p = Pacer()
+    for _ in range(2):
+        p.start()
+        p.measured(0.004)
+    assert p.want()
+    before = graphs_built()
+    p.start()
+    monkeypatch.setattr(CompiledStep, "made", CompiledStep.made + 1)     # a verification that loaded its graph
+    assert graphs_built() == before + 1
+    p.measured(0.500, 2.0)
+    assert p.ratio is None and p.keys == {} and p.since == 0 and p.want()
+    p.start()
+    p.measured(0.006, 2.0)                                      # heard: r 1.5 for 2 tokens
+    assert p.ratio == pytest.approx(1.5) and p.gain == 2.0 and p.measured_plain == 2
+
+
+@pytest.mark.paced
+def test_generate_and_the_server_keep_a_models_pacer_between_calls():
+    """``pacer_for``: one pacer per model, drafter and draft_tokens, kept between generate calls and shared with a
+    serving engine over the model - what it measured stays (a batch whose verifications never pay need not probe
+    again at every call) - each call starting without a verification's aftermath."""
+    from subquad.models.speculative import pacer_for
+    from subquad.serve import Engine
+
+    model = tiny("mamba2,softmax", scale=1.0)
+    plain = model.generate(PROMPT, 3, temperature=0)[0]
+    # the first token comes from the prefill, then WARMUP plain steps: nothing verified yet
+    assert model.generate(PROMPT, 3, temperature=0, speculative="ngram", draft_tokens=3)[0] == plain
+    p = pacer_for(model, "ngram", 3)
+    assert model.speculation_stats.verifications == 0 and p.measured_plain == Pacer.WARMUP and 1 in p.plain
+    p.after = True
+    # the second call's pacer has measured its plain steps: it verifies at once
+    assert model.generate(PROMPT, 3, temperature=0, speculative="ngram", draft_tokens=3)[0] == plain
+    assert pacer_for(model, "ngram", 3) is p and model.speculation_stats.verifications > 0
+    p.after = True
+    assert Engine(model, speculative="ngram", draft_tokens=3, state_cache_mb=0).pacer is p and not p.after
+    assert pacer_for(model, "ngram", 4) is not p and pacer_for(tiny("mamba2", scale=1.0), "ngram", 3) is not p
 
 
 @pytest.mark.paced
