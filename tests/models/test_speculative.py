@@ -69,6 +69,12 @@ def test_kv_cache_rollback_per_row_right_aligns_the_rows_it_drops_more_from():
     assert cut.seen == 8 and len(cut) == 8 and cut.pad.tolist() == [0, 2, 0] and cut.row_seen.tolist() == [8, 6, 8]
     for b, (row, n) in enumerate(zip(cut.unstack(), (8, 6, 8))):
         assert row.seen == n and torch.equal(row.k, k[b:b + 1, :n]) and torch.equal(row.v, k[b:b + 1, :n] + 1)
+    assert not cut.k[1, :2].any() and not cut.v[1, :2].any()               # the new padding: zeros
+    # fresh buffers as large as the cache's (a server's reserved room stays), the cache itself as it was
+    assert cut._k.shape[1] == after._k.shape[1] and cut._k.data_ptr() != after._k.data_ptr()
+    assert torch.equal(after.k, k) and torch.equal(after.v, k + 1) and len(after) == 9
+    cut.append(k[:, :2], k[:, :2])                                         # appends in place, in that room
+    assert cut._k.shape[1] == after._k.shape[1] and torch.equal(cut.k[1, 2:], torch.cat([k[1, :6], k[1, :2]]))
     assert after.rollback_rows([2, 2, 2]).pad is None                      # the same count: rollback's O(1) fork
     with pytest.raises(ValueError, match="drops must be 3 ints"):
         after.rollback_rows([1, 2])

@@ -251,8 +251,9 @@ class KVCache:
     def rollback_rows(self, drops) -> "KVCache":
         """``rollback`` by a different number of tokens per row, ``drops`` (B ints): the common part in O(1), then
         each row that drops more moves its entries right by the rest, its leading columns becoming padding
-        (``pad``, ``row_seen``), so every row still ends at the last column: a copy of the live entries (a window
-        cannot take it: ValueError)."""
+        (``pad``, ``row_seen``, zeros), so every row still ends at the last column: one copy of the live entries
+        (a gather) into fresh buffers as large as this cache's, so the room a server reserved stays (a window
+        cannot take it: ValueError). This cache and its buffers are left as they are."""
         B = self._k.shape[0]
         if (not isinstance(drops, (list, tuple)) or len(drops) != B
                 or any(isinstance(d, bool) or not isinstance(d, int) or not 0 <= d <= self._len for d in drops)):
@@ -264,19 +265,22 @@ class KVCache:
             return c
         if self.window is not None:
             raise ValueError("a windowed cache cannot drop a different number of tokens per row")
-        k, v, L = c.k, c.v, len(c)
-        nk, nv = k.clone(), v.clone()
-        for b, e in enumerate(extra):
-            if e:
-                nk[b, e:], nv[b, e:] = k[b, :L - e], v[b, :L - e]
-                nk[b, :e], nv[b, :e] = 0, 0
-        dev = k.device
+        L, dev = len(c), self._k.device
         e = torch.tensor(extra, dtype=torch.long, device=dev)
+        cap = max(self._k.shape[1], L)
+        out = []
+        for old in (c.k, c.v):
+            buf = old.new_empty(B, cap, *old.shape[2:])
+            for b, x in enumerate(extra):                      # a row at a time: each row's entries copied once
+                buf[b, x:L] = old[b, :L - x]
+                if x:
+                    buf[b, :x] = 0
+            out.append(buf)
         pad = (torch.zeros(B, dtype=torch.long, device=dev) if c.pad is None else c.pad.to(dev)).clamp(min=c.offset) + e
         row_seen = (torch.full((B,), c.seen, dtype=torch.long, device=dev) if c.row_seen is None else c.row_seen) - e
-        out = KVCache(nk, nv, window=None, seen=c.seen, pad=pad, row_seen=row_seen)
-        out._start, out._len = 0, L
-        return out
+        res = KVCache(out[0][:, :L], out[1][:, :L], window=None, seen=c.seen, pad=pad, row_seen=row_seen)
+        res._k, res._v, res._start, res._len, res._tail = out[0], out[1], 0, L, [L]
+        return res
 
     def clone(self) -> "KVCache":
         return KVCache(self.k.clone(), self.v.clone(), window=self.window, seen=self.seen, pad=self.pad,
