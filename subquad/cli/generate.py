@@ -41,8 +41,9 @@ def add_parser(command, hf_types: list[str]) -> None:
     g.add_argument("--save-state", help="write the decoding state here (safetensors) to continue later")
     g.add_argument("--load-state", help="continue from a state saved with --save-state")
     g.add_argument("--compile-decode", action="store_true",
-                   help="decode with the compiled one-token step (subquad.models.decode: faster per token once "
-                        "compiled; compiling takes seconds per kind of layer)")
+                   help="decode with the compiled one-token step (subquad.models.decode; compiling takes seconds "
+                        "per kind of layer): faster where layers step op by op, slower than the eager step's C "
+                        "kernels of Mamba, Mamba-2, attention and MLP blocks (the hybrids) on the hosts measured")
     g.add_argument("--speculative", metavar="ngram|mtp|DIR",
                    help="speculative decoding: draft tokens by prompt lookup ('ngram': the continuation of an earlier "
                         "match of the last few tokens), with the checkpoint's own multi-token-prediction head "
