@@ -41,9 +41,9 @@ def add_parser(command, hf_types: list[str]) -> None:
     g.add_argument("--save-state", help="write the decoding state here (safetensors) to continue later")
     g.add_argument("--load-state", help="continue from a state saved with --save-state")
     g.add_argument("--compile-decode", action="store_true",
-                   help="decode with the compiled one-token step (subquad.models.decode; compiling takes seconds "
-                        "per kind of layer): faster where layers step op by op, slower than the eager step's C "
-                        "kernels of Mamba, Mamba-2, attention and MLP blocks (the hybrids) on the hosts measured")
+                   help="compile the one-token step (subquad.models.decode; seconds per kind of layer) and keep, "
+                        "for one row and for several, the faster of it and the eager step, timed over the first "
+                        "steps (the eager step's C kernels of Mamba, Mamba-2 and hybrid blocks often win)")
     g.add_argument("--speculative", metavar="ngram|mtp|DIR",
                    help="speculative decoding: draft tokens by prompt lookup ('ngram': the continuation of an earlier "
                         "match of the last few tokens), with the checkpoint's own multi-token-prediction head "
@@ -189,7 +189,7 @@ def run(args) -> int:
     if args.compile_decode:
         from subquad.models.decode import compile_decode
 
-        compile_decode(model)
+        compile_decode(model, faster=True)              # each batch class keeps the faster of the two steps
     stop = stop_ids(tok, args.stop)
     speculation = {} if args.speculative is None else {"speculative": load_draft(args, model),
                                                         "draft_tokens": args.draft_tokens}

@@ -58,9 +58,9 @@ def add_parser(command) -> None:
     v.add_argument("--draft-tokens", type=positive, default=4,
                    help="tokens drafted per row and step with --speculative")
     v.add_argument("--compile-decode", action="store_true",
-                   help="decode with the compiled step (subquad.models.decode), compiled before serving: faster "
-                        "where layers step op by op, slower than the eager step's C kernels of Mamba, Mamba-2, "
-                        "attention and MLP blocks (the hybrids) on the hosts measured")
+                   help="compile the decoding step (subquad.models.decode) before serving and keep, for one row "
+                        "and for several, the faster of it and the eager step, timed then (the eager step's C "
+                        "kernels of Mamba, Mamba-2 and hybrid blocks often win; printed)")
     v.set_defaults(fn=run)
 
 
@@ -138,15 +138,21 @@ def run(args) -> int:
 def _compile_and_warm(model) -> None:
     """The compiled decoding step (``models.decode``), its graphs built before the first request: one batch row,
     then two rows of different lengths (the batch and any KV cache become dynamic sizes), so requests do not
-    wait for a compile."""
-    from subquad.models.decode import compile_decode
+    wait for a compile; each batch class steps long enough to time the compiled step against the eager one and
+    keep the faster (``compile_decode(faster=True)``), which it prints."""
+    from subquad.models.decode import CompiledStep, compile_decode
 
     print("compiling the decoding step (one batch row, then a ragged batch) ...", file=sys.stderr, flush=True)
-    compile_decode(model)
+    compile_decode(model, faster=True)
     eos = model.config.eos_token_ids
     model.config.eos_token_ids = []
+    steps = 2 * CompiledStep.TRIAL + 4                  # the trial's 2 * (TRIAL + 1) steps and the prefill's token
     try:
-        model.generate([[0, 0, 0]], 4, temperature=0)
-        model.generate([[0, 0], [0, 0, 0]], 4, temperature=0)
+        model.generate([[0, 0, 0]], steps, temperature=0)
+        model.generate([[0, 0], [0, 0, 0]], steps, temperature=0)
     finally:
         model.config.eos_token_ids = eos
+    chosen = model._decode_step.chosen
+    print("decoding step: " + ", ".join(f"{'one row' if k == '1' else 'several rows'} {v}" for k, v in
+                                        sorted(chosen.items())) + " (the faster of the two, timed)",
+          file=sys.stderr, flush=True)

@@ -54,6 +54,7 @@ import logging
 import os
 import platform
 import sys
+import time
 import types
 import warnings
 from functools import lru_cache
@@ -184,9 +185,12 @@ class CompiledStep:
     both over every instance (a step that made one is no measure of a step's time: ``speculative.Pacer``)."""
 
     made = 0
+    TRIAL = 4           # timed steps of each kind before ``trial`` chooses (after one untimed step of each)
 
     def __init__(self, model, cache=True, graph=_blocks_and_head, backend=None):
         self.model, self.backend, self._cache_arg, self._verifier = model, backend, cache, None
+        self.trial = None            # ``compile_decode(faster=True)``: batch class -> the times of each kind
+        self.chosen = {}             # batch class ("1", "B") -> "eager" or "compiled", once timed
         self.shapes = set()          # a verifier's (B, T) seen
         # dynamo keeps compiled graphs per code object, so each model gets a copy of the function's code: its own
         # cache and recompile limit, and no guard scan over other models' graphs
@@ -201,6 +205,38 @@ class CompiledStep:
         self._key = None
 
     def __call__(self, tokens, state):
+        if self.trial is None:
+            return self._compiled(tokens, state)
+        key = "1" if tokens.shape[0] == 1 else "B"
+        if key in self.chosen:
+            return self._compiled(tokens, state) if self.chosen[key] == "compiled" else self._eager(tokens, state)
+        return self._timed(key, tokens, state)
+
+    def _eager(self, tokens, state):
+        logits, state = self.model.prefill(tokens, state)
+        return logits[:, -1], state
+
+    def _timed(self, key, tokens, state):
+        """One step of ``compile_decode(faster=True)``'s trial at batch class ``key``: compiled and eager in turn,
+        the first of each untimed (the graph built or loaded; the eager kernels' calls planned), then TRIAL of
+        each timed; the faster by its best time is kept (the eager one on a tie: the reference)."""
+        times = self.trial.setdefault(key, {"compiled": [], "eager": [], "calls": 0})
+        n = times["calls"]
+        times["calls"] += 1
+        kind = "compiled" if n % 2 == 0 else "eager"
+        start = time.perf_counter()
+        out = self._compiled(tokens, state) if kind == "compiled" else self._eager(tokens, state)
+        if n >= 2:
+            times[kind].append(time.perf_counter() - start)
+        if min(len(times["compiled"]), len(times["eager"])) >= self.TRIAL:
+            best = {k: min(times[k]) for k in ("compiled", "eager")}
+            self.chosen[key] = "compiled" if best["compiled"] < best["eager"] else "eager"
+            log.info("compile_decode: %s row%s: eager %.2f ms, compiled %.2f ms: %s", "one" if key == "1" else
+                     "several", "" if key == "1" else "s", 1e3 * best["eager"], 1e3 * best["compiled"],
+                     self.chosen[key])
+        return out
+
+    def _compiled(self, tokens, state):
         model = self.model
         h, pos = model._embed_tokens(tokens, state)
         t = tokens.shape[1]
@@ -293,16 +329,23 @@ class CompiledStep:
                           stacklevel=3)
 
 
-def compile_decode(model, on: bool = True, cache=True):
+def compile_decode(model, on: bool = True, cache=True, faster: bool = False):
     """Make ``model.step`` (and so ``generate``) run the compiled step (module doc), or eager with ``on=False``;
     returns the model. The first steps compile (seconds for a small model, longer for a large one) unless a
     process on this machine saved the same graphs before: ``cache`` True (``cache_dir``), a folder, or False
-    (compile in this process only)."""
+    (compile in this process only). ``faster``: each batch class (one row; more) then times the eager and the
+    compiled step against each other over its first steps and keeps the faster (``CompiledStep.chosen``) - the
+    eager step's C kernels beat the graph for Mamba, Mamba-2 and hybrid blocks on the hosts measured
+    (benchmarks/RESULTS.md, "Eager against compiled"); the CLI's ``--compile-decode`` asks for it."""
     if not isinstance(on, bool):
         raise ValueError(f"compile_decode's on must be a bool, got {on!r}")
     if not isinstance(cache, (bool, str, os.PathLike)):
         raise ValueError(f"compile_decode's cache must be a bool or a folder, got {cache!r}")
+    if not isinstance(faster, bool):
+        raise ValueError(f"compile_decode's faster must be a bool, got {faster!r}")
     model._decode_step = CompiledStep(model, cache) if on else None
+    if on and faster:
+        model._decode_step.trial = {}
     return model
 
 

@@ -140,6 +140,52 @@ def test_generate_takes_the_compiled_step_and_gives_eager_tokens():
         compile_decode(other, "yes")
 
 
+def test_faster_keeps_the_step_that_timed_faster_for_each_batch_class(monkeypatch):
+    """``compile_decode(faster=True)``: for one row and for several, the compiled and the eager step take turns
+    (one untimed step of each, then TRIAL timed) and the faster is kept - here the compiled one made 20 ms
+    slower for one row, the eager one for several; tokens equal the eager model's throughout."""
+    import time
+
+    from subquad.models.decode import CompiledStep
+
+    torch.manual_seed(0)
+    cfg = ModelConfig(vocab_size=128, d_model=32, n_layers=2, n_heads=2, pattern="gla,softmax", context_length=512)
+    eager = LanguageModel(cfg).eval()
+    fast = compile_decode(_copy(eager), faster=True, cache=False)
+    ran = []
+    compiled, plain = CompiledStep._compiled, CompiledStep._eager
+
+    def slow_compiled(self, tokens, state):
+        ran.append(("compiled", tokens.shape[0]))
+        if tokens.shape[0] == 1:
+            time.sleep(0.02)
+        return compiled(self, tokens, state)
+
+    def slow_eager(self, tokens, state):
+        ran.append(("eager", tokens.shape[0]))
+        if tokens.shape[0] > 1:
+            time.sleep(0.02)
+        return plain(self, tokens, state)
+    monkeypatch.setattr(CompiledStep, "_compiled", slow_compiled)
+    monkeypatch.setattr(CompiledStep, "_eager", slow_eager)
+    trial = 2 * (CompiledStep.TRIAL + 1)
+    for prompts in ([[1, 2, 3]], [[1, 2, 3], [4, 5, 6, 7, 8]]):
+        ran.clear()
+        want, _ = eager.generate(prompts, trial + 6, temperature=0)
+        assert fast.generate(prompts, trial + 6, temperature=0)[0] == want
+        kinds = [k for k, _ in ran]
+        assert kinds[:trial] == ["compiled", "eager"] * (CompiledStep.TRIAL + 1)
+        assert set(kinds[trial:]) == {"eager" if len(prompts) == 1 else "compiled"} and len(kinds) == trial + 5
+    assert fast._decode_step.chosen == {"1": "eager", "B": "compiled"}
+    assert fast._decode_step.verifier().trial is None                 # a verification always takes its graph
+    plain_fast = compile_decode(_copy(eager), cache=False)             # without faster: the graph at every step
+    ran.clear()
+    plain_fast.generate([[1, 2, 3]], 6, temperature=0)
+    assert [k for k, _ in ran] == ["compiled"] * 5 and plain_fast._decode_step.chosen == {}
+    with pytest.raises(ValueError, match="faster must be a bool"):
+        compile_decode(_copy(eager), faster="yes")
+
+
 # Each parity test's model, cut to one layer of each kind it holds (mixer, dense MLP or MoE; the first and a
 # later RWKV-7 layer): the layers beyond repeat one already compiled, and each compiles a graph of its own.
 FEWER = {"mamba": {"num_hidden_layers": 1}, "falcon_mamba": {"num_hidden_layers": 1},

@@ -92,6 +92,32 @@ def test_the_compiled_step_serves_the_same_streams():
         assert seq.tokens == alone(eager, prompt, p), (prompt, p)
 
 
+def test_serve_compile_decode_times_both_steps_before_it_listens(capsys):
+    """``subquad serve --compile-decode`` (``cli.serve._compile_and_warm``): its warm-up steps one row and a ragged
+    batch long enough for ``compile_decode(faster=True)``'s trial, so each batch class has kept the faster step
+    (printed) before the first request; the engine then serves the eager model's streams."""
+    from dataclasses import replace
+
+    from subquad.cli.serve import _compile_and_warm
+
+    cfg = replace(config("bamba"), n_layers=2, pattern="mamba2,softmax")
+    torch.manual_seed(0)
+    eager = LanguageModel(cfg).eval()
+    model = LanguageModel(cfg).eval()
+    model.load_state_dict(eager.state_dict())
+    eos = list(model.config.eos_token_ids)
+    _compile_and_warm(model)
+    chosen = model._decode_step.chosen
+    assert set(chosen) == {"1", "B"} and set(chosen.values()) <= {"eager", "compiled"}
+    assert model.config.eos_token_ids == eos
+    err = capsys.readouterr().err
+    assert f"decoding step: one row {chosen['1']}, several rows {chosen['B']}" in err
+    reqs = requests(6, seed=2)
+    seqs = run_all(Engine(model, max_batch=3, prefill_chunk=16, state_cache_mb=0), reqs)
+    for (prompt, p), seq in zip(reqs, seqs):
+        assert seq.tokens == alone(eager, prompt, p), (prompt, p)
+
+
 @pytest.mark.parametrize("kind", ["mamba2", "bamba"])
 def test_a_cached_prefix_resumes_exactly_and_prefills_only_the_rest(kind):
     model = model_of(kind)
