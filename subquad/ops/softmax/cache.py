@@ -251,9 +251,9 @@ class KVCache:
     def rollback_rows(self, drops) -> "KVCache":
         """``rollback`` by a different number of tokens per row, ``drops`` (B ints): the common part in O(1), then
         each row that drops more moves its entries right by the rest, its leading columns becoming padding
-        (``pad``, ``row_seen``, zeros), so every row still ends at the last column: one copy of the live entries
-        (a gather) into fresh buffers as large as this cache's, so the room a server reserved stays (a window
-        cannot take it: ValueError). This cache and its buffers are left as they are."""
+        (``pad``, ``row_seen``, zeros), so every row still ends at the last column: each row's live entries copied
+        once, into fresh buffers as large as this cache's, so the room a server reserved stays (a window cannot
+        take it: ValueError). This cache and its buffers are left as they are."""
         B = self._k.shape[0]
         if (not isinstance(drops, (list, tuple)) or len(drops) != B
                 or any(isinstance(d, bool) or not isinstance(d, int) or not 0 <= d <= self._len for d in drops)):
