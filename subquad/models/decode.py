@@ -213,8 +213,7 @@ class CompiledStep:
         return self._timed(key, tokens, state)
 
     def _eager(self, tokens, state):
-        logits, state = self.model.prefill(tokens, state)
-        return logits[:, -1], state
+        return self.model.eager_step(tokens, state)
 
     def _timed(self, key, tokens, state):
         """One step of ``compile_decode(faster=True)``'s trial at batch class ``key``: compiled and eager in turn,

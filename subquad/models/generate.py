@@ -32,10 +32,8 @@ from subquad.models.speculative import (
     accept_drafts,
     capture_hidden,
     check_speculative,
-    compiled_budget,
-    draft_budget,
     drafter,
-    keeps_states,
+    drafting_plan,
     pacer_for,
     verify,
 )
@@ -171,9 +169,7 @@ def _speculate(model, last, state, max_new_tokens, sampler, emit, draft_tokens, 
     and the ``SpeculationStats``."""
     hooked = drafts_by.needs_hidden
     B, dev = last.shape[0], last.device
-    kf = compiled_budget(model, B, draft_tokens)                                   # the compiled verification:
-    fixed = (not hooked and getattr(model, "_decode_step", None) is not None       # drafts padded to kf
-             and keeps_states(model, torch.zeros(B, kf + 1, dtype=torch.long)))
+    fixed, budget = drafting_plan(model, B, draft_tokens, hooked)   # compiled: every verification padded to budget
     stats = SpeculationStats()
     t0 = sampler(last).tolist()
     done = [False] * B
@@ -190,7 +186,6 @@ def _speculate(model, last, state, max_new_tokens, sampler, emit, draft_tokens, 
     keyed = getattr(drafts_by, "keyed", False) and B == 1
     # verify only while it pays against a plain step's time (the model's pacer: its judgements kept between calls)
     pacer = pacer_for(model, speculative, draft_tokens)
-    budget = kf if fixed else draft_budget(model, B, draft_tokens)
     moved = [None] * B                           # each row's tokens per verification, a moving average
     # Each row drafts up to its own room (rows that accept more finish sooner: the others go on verifying), the
     # verification padded past a row's end. Learned positions end at context_length: there a compiled
@@ -208,7 +203,7 @@ def _speculate(model, last, state, max_new_tokens, sampler, emit, draft_tokens, 
         room = max(rooms)
         feed = [t0[i] if not done[i] else 0 for i in range(B)]              # finished rows: padding
         drafts, key = [[] for _ in range(B)], None
-        may = room > (kf if fixed and limit is not None else 1)
+        may = room > (budget if fixed and limit is not None else 1)
         if may and keyed:
             drafted = [d[:max(rooms[i] - 1, 0)] for i, d in enumerate(drafts_by.propose(feed, active,
                                                                                         min(budget, room - 1)))]
@@ -221,8 +216,8 @@ def _speculate(model, last, state, max_new_tokens, sampler, emit, draft_tokens, 
         else:
             wait = max(0, wait - 1)
         k = max(len(d) for d in drafts)
-        if k and fixed:                         # a compiled verification: one graph, for k = kf
-            k = kf
+        if k and fixed:                         # a compiled verification: one graph, for k = budget
+            k = budget
         stats.steps += 1
         stats.row_steps += len(active)
         if k == 0:                                                         # nothing drafted: a plain step

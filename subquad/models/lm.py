@@ -578,9 +578,12 @@ class LanguageModel(nn.Module):
         tokens = tokens.reshape(-1, 1)
         fast = getattr(self, "_decode_step", None)
         with decoding():                         # int8: fbgemm's kernel at any batch (models.quant)
-            if fast is not None:
-                return fast(tokens, state)
-            logits, state = self.prefill(tokens, state)
+            return self.eager_step(tokens, state) if fast is None else fast(tokens, state)
+
+    def eager_step(self, tokens, state):
+        """``step`` without the compiled step: tokens (B, 1), the prefill of one token a row (the reference the
+        compiled step is tested against, and what ``compile_decode(faster=True)`` times it against)."""
+        logits, state = self.prefill(tokens, state)
         return logits[:, -1], state
 
     def forward(self, idx, cu_seqlens=None, targets=None):

@@ -194,13 +194,12 @@ class Pacer:
 
     def _judge(self, j: "_Judged") -> None:
         if j.gain < self.ratio and j.last[0] < j.last[1]:
-            j.pause = min(2 * j.pause or 1, self.MAX_WAIT)
             j.fails += 1
             budget = self.BUDGET / 2 ** min(j.fails - 1, self.BACKOFF)
             lost = min(j.last[1] - j.last[0], self.ratio - j.gain)     # one slow outlier does not set it alone
             j.wait = min(max(j.pause, math.ceil(lost / budget)), self.LONGEST)
         else:
-            j.pause = j.wait = j.fails = 0
+            j.wait = j.fails = 0
 
 
 def graphs_built() -> int:
@@ -233,13 +232,18 @@ def pacer_for(model, drafter, draft_tokens: int) -> Pacer:
 
 class _Judged:
     """One key's judgement (``Pacer``): its gain's moving average, its last verification's (g, r), how many
-    steps drafting with it waits, and how many of its verifications in a row did not pay."""
+    steps drafting with it waits, and how many of its verifications in a row did not pay (``pause``, the least
+    wait, doubles with them: 1, 2, 4, ... ``Pacer.MAX_WAIT``)."""
 
-    __slots__ = ("gain", "last", "pause", "wait", "fails")
+    __slots__ = ("gain", "last", "wait", "fails")
 
     def __init__(self):
         self.gain = self.last = None
-        self.pause = self.wait = self.fails = 0
+        self.wait = self.fails = 0
+
+    @property
+    def pause(self) -> int:
+        return min(2 ** (self.fails - 1), Pacer.MAX_WAIT) if self.fails else 0
 
 
 class Verification:
@@ -424,6 +428,18 @@ def draft_budget(model, batch: int, k: int) -> int:
     if k < 1 or next(model.parameters()).device.type != "cpu":
         return k
     return max(1, min(k, C_ROWS // max(batch, 1) - 1))
+
+
+def drafting_plan(model, batch: int, k: int, hooked: bool = False, keeps=None) -> tuple[bool, int]:
+    """(whether the verification is the compiled one, drafts per row) for ``batch`` rows asked for ``k``: after
+    ``compile_decode``, with no hooks to feed (the MTP head reads eager forwards) and every part keeping its
+    states (``keeps_states``, or ``keeps(rows, k)`` - a caller's cache of it), the compiled graph padded to
+    ``compiled_budget``; else ``draft_budget`` (``generate`` and the server alike)."""
+    kf = compiled_budget(model, batch, k)
+    fixed = (not hooked and getattr(model, "_decode_step", None) is not None
+             and (keeps(batch, kf) if keeps is not None
+                  else keeps_states(model, torch.zeros(batch, kf + 1, dtype=torch.long))))
+    return fixed, kf if fixed else draft_budget(model, batch, k)
 
 
 def compiled_budget(model, batch: int, k: int) -> int:

@@ -55,8 +55,7 @@ from subquad.models.rows import cat_states, select_rows, state_nbytes, with_capa
 from subquad.models.speculative import (
     Pacer,
     capture_hidden,
-    compiled_budget,
-    draft_budget,
+    drafting_plan,
     keeps_states,
     pacer_for,
     verify,
@@ -355,16 +354,15 @@ class Engine(Prefill, Speculating, Memory):
         # (models.speculative.Pacer: keys), without the row's own pause after failed drafts
         keyed = self.speculative == "ngram" and len(self.running) == 1
         if self.speculative is not None and (keyed or self.pacer.want()):
-            kf = compiled_budget(self.model, len(feed), self.draft_tokens)
-            fixed = not mtp and getattr(self.model, "_decode_step", None) is not None and self._keeps(len(feed), kf)
-            drafts = self._drafts(kf if fixed else draft_budget(self.model, len(feed), self.draft_tokens), keyed)
+            fixed, per_row = drafting_plan(self.model, len(feed), self.draft_tokens, mtp, self._keeps)
+            drafts = self._drafts(per_row, keyed)
             if keyed:
                 key = self.running[0].lookup.n if self.running[0].lookup is not None else 0
                 if not self.pacer.verifies(bool(drafts[0]), key):
                     drafts = [[]]
         k = max(map(len, drafts), default=0)
         if k and fixed:
-            k = kf if self._draft_cap >= kf else 0          # compiled: a graph per kf (compiled_budget), k fixed
+            k = per_row if self._draft_cap >= per_row else 0    # compiled: a graph per count (compiled_budget)
         try:
             with capture_hidden(self.model, mtp) as seen:
                 if k:

@@ -528,9 +528,9 @@ def test_sampled_speculation_is_distributed_as_plain_sampling(options, monkeypat
     every continuation - each token's distribution processed with the tokens before it (``Sampler.process``,
     tested against the rules by hand in test_sampling.py). Every row drafts the default 4 tokens (a batch this
     large would draft one: ``draft_budget``, a speed policy), so every position's rule is exercised."""
-    from subquad.models import generate as generate_mod
+    from subquad.models import speculative
 
-    monkeypatch.setattr(generate_mod, "draft_budget", lambda model, batch, k: k)
+    monkeypatch.setattr(speculative, "draft_budget", lambda model, batch, k: k)     # read by drafting_plan
     model = tiny("linear", n_layers=1, vocab=4, scale=4.0)
     prompt, V, n, m = [1, 2, 1, 2, 1], 4, 20_000, 4
     seqs = torch.cartesian_prod(*[torch.arange(V)] * m)                              # (V^m, m)
