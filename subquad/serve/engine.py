@@ -209,8 +209,10 @@ class Engine(Prefill, Speculating, Memory):
     @property
     def active(self) -> int:
         """Rows holding (or about to hold) a state: prefilling, their forks, decoding. Read from other threads
-        too (metrics, submit): ``list`` copies the deque in one step, where iterating it could meet a change."""
-        return sum(s.rows for s in list(self.prefilling)) + len(self.running)
+        too (metrics, submit): ``list`` copies the deque in one step, where iterating it could meet a change. A row
+        whose final event is sent is not counted, though the step removes it only after its last row's event: a
+        consumer that has its final event reads its row gone."""
+        return sum(s.rows for s in list(self.prefilling)) + sum(s.finish_reason is None for s in list(self.running))
 
     @property
     def queue_length(self) -> int:

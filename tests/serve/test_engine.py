@@ -397,6 +397,19 @@ def test_the_memory_budget_holds_on_the_bytes_really_allocated(monkeypatch):
     assert engine.state_bytes == 0 and engine.active == 0
 
 
+def test_a_request_with_its_final_event_no_longer_counts_as_active():
+    """The final event is sent inside the step, before its row leaves the batch: a consumer (another thread, say a
+    test or /metrics) that has its final event must not read the row as active (CI once caught 1 here)."""
+    engine = Engine(model_of("mamba2"), state_cache_mb=0)
+    seen = []
+    short = SamplingParams(max_tokens=2, temperature=0)
+    engine.submit([1, 2, 3], short, on_event=lambda e: e.finish_reason and seen.append(engine.active))
+    engine.submit([4, 5], SamplingParams(max_tokens=5, temperature=0))
+    while engine.step():
+        pass
+    assert seen == [1]                                  # the other request was still decoding, this one was not
+
+
 def test_a_tiny_temperature_is_greedy_and_cannot_overflow():
     """logits / 1e-300 in float32 are inf and their softmax NaN: below GREEDY_BELOW a temperature is greedy."""
     model = model_of("mamba2")
