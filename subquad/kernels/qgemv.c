@@ -291,7 +291,9 @@ static inline __attribute__((always_inline)) void q8v_rows(int R, int blocked, c
 }
 
 /* One row of x against two weight rows at once (a decoding step's one row), as q4v_two: out[i] = sum_b ws_i,b d_b
- * (q_i . c)_b (blocked), or the unscaled sum. */
+ * (q_i . c)_b (blocked), or the unscaled sum. q1 must follow q0 (q1 = q0 + K): the lines asked for ahead are the
+ * pair's 2K bytes in order - two streams 768 bytes apart, each asked for ahead, ran at the speed of none on an AMD
+ * EPYC (Zen 4), 1.6x the read bound; in order, at it (benchmarks/RESULTS.md, "Weight rows asked for in order"). */
 static inline __attribute__((always_inline)) void q8v_two(int blocked, const int8_t *q0, const int8_t *q1,
                                                           int64_t nb, const uint8_t *u, const float *d16,
                                                           const int8_t *c, const float *d, const float *ws0,
@@ -303,8 +305,8 @@ static inline __attribute__((always_inline)) void q8v_two(int blocked, const int
     for (int64_t p0 = 0; p0 < np; p0 += 2)
         for (int h = 0; h < 2 && p0 + h < np; h++) {
             const int64_t p = p0 + h;
-            _mm_prefetch((const char *)(q0 + 64 * p + PF_BYTES), _MM_HINT_T0);
-            _mm_prefetch((const char *)(q1 + 64 * p + PF_BYTES), _MM_HINT_T0);
+            _mm_prefetch((const char *)(q0 + 128 * p + PF_BYTES), _MM_HINT_T0);     /* q1 = q0 + K: the pair's */
+            _mm_prefetch((const char *)(q0 + 128 * p + 64 + PF_BYTES), _MM_HINT_T0);   /* lines in order */
             const __m512i w0 = _mm512_loadu_si512(q0 + 64 * p), w1 = _mm512_loadu_si512(q1 + 64 * p);
             const __m512i x = _mm512_loadu_si512(u + 64 * p);
             const __m512 dv = _mm512_loadu_ps(d16 + 16 * p);
@@ -413,7 +415,8 @@ static inline __attribute__((always_inline)) void q4v_rows(int R, const uint8_t 
 }
 
 /* One row of x against two weight rows at once (a decoding step's one row): x's codes, o16 and d16 loaded once for
- * both, two independent chains; out[i] as q4v_rows gives it for row q_i. */
+ * both, two independent chains; out[i] as q4v_rows gives it for row q_i. q1 must follow q0 (q1 = q0 + K / 2), the
+ * lines asked for ahead in order as q8v_two's. */
 static inline void q4v_two(const uint8_t *q0, const uint8_t *q1, int64_t nb, const int8_t *xl, const int32_t *o16,
                            const float *d16, const int8_t *c, const float *d, const float *ws0, const float *ws1,
                            float out[2]) {
@@ -422,8 +425,8 @@ static inline void q4v_two(const uint8_t *q0, const uint8_t *q1, int64_t nb, con
     __m512 a[2][2];                                        /* [even / odd quad][row]: q4v_rows' order, its bits */
     a[0][0] = a[0][1] = a[1][0] = a[1][1] = _mm512_setzero_ps();
     for (int64_t t = 0; t < nq; t++) {
-        _mm_prefetch((const char *)(q0 + 64 * t + PF_BYTES), _MM_HINT_T0);
-        _mm_prefetch((const char *)(q1 + 64 * t + PF_BYTES), _MM_HINT_T0);
+        _mm_prefetch((const char *)(q0 + 128 * t + PF_BYTES), _MM_HINT_T0);         /* q1 = q0 + K / 2 */
+        _mm_prefetch((const char *)(q0 + 128 * t + 64 + PF_BYTES), _MM_HINT_T0);
         const __m512i xlo = _mm512_loadu_si512(xl + 128 * t), xhi = _mm512_loadu_si512(xl + 128 * t + 64);
         const __m512i o = _mm512_loadu_si512(o16 + 16 * t);
         const __m512 dv = _mm512_loadu_ps(d16 + 16 * t);
@@ -734,6 +737,14 @@ void int8_amx_gemv(int64_t M, int64_t N, int64_t K, int threads, const float *x,
         }                                                                                                          \
     }
 
+/* The next block of four channels' lines (16-bit weights: 4 rows of K at w + 4 K) for k .. k + 31, asked for in
+ * the order they lie: 256 bytes per 32 k, the four rows one after another. Asking for each of the four rows' lines
+ * as the loads go (four streams) left bf16_gemv 1.4x the read bound at one row on an AMD EPYC (Zen 4); in order,
+ * 1.07x (benchmarks/RESULTS.md, "Weight rows asked for in order"). Never faults. */
+#define NEXT_BLOCK_LINES(w, K, k)                                                                                  \
+    for (int j_ = 0; j_ < 4; j_++)                                                                                 \
+        _mm_prefetch((const char *)((w) + 4 * (K)) + 8 * (k) + 64 * j_, _MM_HINT_T0)
+
 /* bf16_gemv: y[m, n] = sum_k bf16(x[m, k]) w[n, k] + bias[n] - a bfloat16 model's product (models.quant's
  * Bf16Linear): w (N, K) bfloat16 row-major as stored, each x rounded to bfloat16 to nearest even (as torch's
  * .to(torch.bfloat16); xb, M K halves), float32 sums, y float32 (not rounded to bfloat16 as F.linear's bfloat16
@@ -763,10 +774,9 @@ static inline __attribute__((always_inline)) void bf16_block(const int R, const 
             a[r][c] = _mm512_setzero_ps();
     for (int64_t k = 0; k < K; k += 32) {
         __m512bh wv[4], xv[4];
-        for (int c = 0; c < C; c++) {
+        for (int c = 0; c < C; c++)
             wv[c] = (__m512bh)_mm512_loadu_si512(w + c * K + k);
-            _mm_prefetch((const char *)(w + (c + 4) * K + k), _MM_HINT_T0);      /* never faults */
-        }
+        NEXT_BLOCK_LINES(w, K, k);
         for (int r = 0; r < R; r++)
             xv[r] = (__m512bh)_mm512_loadu_si512(xb + r * K + k);
         for (int r = 0; r < R; r++)
@@ -887,11 +897,10 @@ static inline __attribute__((always_inline)) void f16_block(const int R, const i
             a[r][c] = F16_ZERO();
     for (int64_t k = 0; k < K; k += F16_LANES) {
         f16_vec wv[4];
-        for (int c = 0; c < C; c++) {
+        for (int c = 0; c < C; c++)
             wv[c] = F16_LOAD(w + c * K + k);
-            if (!(k & 31))
-                _mm_prefetch((const char *)(w + (c + 4) * K + k), _MM_HINT_T0);   /* never faults */
-        }
+        if (!(k & 31))
+            NEXT_BLOCK_LINES(w, K, k);
         for (int r = 0; r < R; r++) {
             const f16_vec xv = F16_X(x + r * ldx + k);
             for (int c = 0; c < C; c++)
@@ -1222,9 +1231,9 @@ static inline void f32_dot4(const float *w, int64_t K, const float *x0, const fl
     for (; k + 8 <= K; k += 8) {
         const __m256 v0 = _mm256_loadu_ps(x0 + k);
         const __m256 v1 = x1 ? _mm256_loadu_ps(x1 + k) : v0;
-        if (PF_ROWS && !(k & 15))
-            for (int r = 0; r < 4; r++)
-                _mm_prefetch((const char *)(w + (r + PF_ROWS) * K + k), _MM_HINT_T0);
+        if (PF_ROWS && !(k & 15))                     /* the next rows' 4 x 64 bytes for these 16 k, in order */
+            for (int j = 0; j < 4; j++)
+                _mm_prefetch((const char *)(w + PF_ROWS * K) + 16 * k + 64 * j, _MM_HINT_T0);
         for (int r = 0; r < 4; r++) {
             const __m256 wr = _mm256_loadu_ps(w + r * K + k);
             a[0][r] = _mm256_fmadd_ps(wr, v0, a[0][r]);
