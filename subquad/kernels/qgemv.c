@@ -1112,8 +1112,9 @@ static inline __attribute__((always_inline)) void int4_split_vnni(int64_t K, int
             for (int t = 0; t < 4; t++)
                 ix[ch][4 * j + t] = (uint8_t)(t * h + 16 * ch + j);
     const __m512i idx0 = _mm512_loadu_si512(ix[0]), idx1 = _mm512_loadu_si512(ix[1]);
-    for (int64_t r = 0; r < 2 * h; r++)
-        out[r] = 0.0f;
+    __m512 o[4];                                          /* out's 2h rows, 16 a vector */
+    for (int i = 0; i < 2 * nv; i++)
+        o[i] = _mm512_setzero_ps();
     for (int64_t g = 0; g < G; g++) {
         __m512 f[4];                                      /* lo rows by chunk, then hi rows by chunk */
         for (int i = 0; i < 2 * nv; i++)
@@ -1140,15 +1141,22 @@ static inline __attribute__((always_inline)) void int4_split_vnni(int64_t K, int
             for (int i = 0; i < 2 * nv; i++)
                 f[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a[i]), dv, f[i]);
         }
-        float acc[64];                                    /* rows in order: lo rows 0..h-1, hi rows h..2h-1 */
-        for (int i = 0; i < 2 * nv; i++)
-            _mm512_storeu_ps(acc + 16 * i, f[i]);
+        /* f[i] holds rows 16 i .. 16 i + 15 in order; their (s, z) bfloat16 pairs are 16 dwords, s the low half:
+         * out += s acc + (z - 8 s) xc[g], 16 rows an instruction (a scalar loop over the 2h rows took as many
+         * instructions as the group's products; benchmarks/RESULTS.md, "int4's groups closed 16 rows at once") */
         const uint16_t *sg = sz + (g * Np + n0) * 2;
-        for (int64_t r = 0; r < 2 * h; r++) {
-            const float sc = bf16_f(sg[2 * r]), z = bf16_f(sg[2 * r + 1]);
-            out[r] += sc * acc[r] + (z - 8.0f * sc) * xc[g];
+        const __m512 xg = _mm512_set1_ps(xc[g]), eight = _mm512_set1_ps(8.0f);
+        const __m512i hi16 = _mm512_set1_epi32((int)0xFFFF0000u);
+        for (int i = 0; i < 2 * nv; i++) {
+            const __m512i p = _mm512_loadu_si512(sg + 32 * i);
+            const __m512 sc = _mm512_castsi512_ps(_mm512_slli_epi32(p, 16));
+            const __m512 z = _mm512_castsi512_ps(_mm512_and_si512(p, hi16));
+            o[i] = _mm512_add_ps(o[i], _mm512_add_ps(_mm512_mul_ps(sc, f[i]),
+                                                     _mm512_mul_ps(_mm512_sub_ps(z, _mm512_mul_ps(eight, sc)), xg)));
         }
     }
+    for (int i = 0; i < 2 * nv; i++)
+        _mm512_storeu_ps(out + 16 * i, o[i]);
 }
 #else
 #define INT4_VNNI 0
