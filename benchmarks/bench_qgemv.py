@@ -97,8 +97,8 @@ def main(argv=None):
                 "float32 oneDNN": lambda w, l8, l4, b, q4, x=x: linear._onednn(x, w, None),
                 "float32 MKL": lambda w, l8, l4, b, q4, x=x: F.linear(x, w),
             }
-            if qgemv.amx() and K % 64 == 0:                  # Sapphire Rapids' tiles (x rounded per row)
-                row["int8 AMX"] = lambda w, l8, l4, b, q4, x=x: qgemv.int8_amx(x, l8.q, l8.scale, None, l8.key_id)
+            if qgemv.packed_int8() and K % 64 == 0:          # tiles or VNNI's vectors (x rounded per row)
+                row["int8 AMX" if qgemv.amx() else "int8 VNNI"] = lambda w, l8, l4, b, q4, x=x: qgemv.int8_amx(x, l8.q, l8.scale, None, l8.key_id)
             if layout:
                 row["int4 C"] = lambda w, l8, l4, b, q4, x=x, N=N: qgemv.int4_gemv(x, l4.w, l4.scale_zero, None, N,
                                                                                *layout)

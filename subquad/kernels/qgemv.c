@@ -528,12 +528,22 @@ void int8q_gemv(int64_t M, int64_t N, int64_t K, int64_t G, int threads, const f
 typedef struct { uint8_t palette, start, reserved[14]; uint16_t colsb[16]; uint8_t rows[16]; } amx_config;
 #endif
 
-/* 1 where the tiles may be used (compiled in, the kernel grants their state): *out. */
+#if SUBQUAD_AMX
+static int amx_granted(void) {          /* asked once per library (each block kernel's too); the grant is the process's */
+    static int granted = -1;
+    if (granted < 0)
+        granted = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XFEATURE_XTILEDATA */) == 0;
+    return granted;
+}
+#endif
+
+/* *out: 1 where the tiles may be used (compiled in, the kernel grants their state), else 2 where the same packed
+ * weights go through AVX-512 VNNI's vectors (int8_vnni_rows), else 0. */
 void int8_amx_init(int32_t *out) {
 #if SUBQUAD_AMX
-    *out = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XFEATURE_XTILEDATA */) == 0;
+    *out = amx_granted() ? 1 : 2;
 #else
-    *out = 0;
+    *out = SUBQUAD_VNNI512 ? 2 : 0;
 #endif
 }
 
@@ -563,7 +573,7 @@ void int8_amx_pack(int64_t N, int64_t K, const int8_t *q, int8_t *p) {
         }
 }
 
-#if SUBQUAD_AMX
+#if SUBQUAD_VNNI512
 /* x's rows rounded to 8 bits as a whole, as the tiles take them: d[m] = max_k |x[m, k]| / 127, c = round(x / d)
  * (to nearest even), u = c + 128 - finer than fbgemm's dynamic product, which rounds all the rows of a call to
  * one scale. K a multiple of 64. */
@@ -587,7 +597,7 @@ static void amx_rows(int64_t M, int64_t K, int threads, const float *x, int64_t 
 }
 #endif
 
-#if SUBQUAD_AMX
+#if SUBQUAD_VNNI512
 /* One tile of sums (16 rows from m0 x 16 channels from n0) out: y = d scale (sum - 128 sum(q)) + bias. */
 static inline void amx_out(const int32_t *out, int64_t m0, int64_t M, int64_t n0, int64_t N, const float *xd,
                            const float *scale, const int32_t *qsum, const float *bias, float *y) {
@@ -603,6 +613,55 @@ static inline void amx_out(const int32_t *out, int64_t m0, int64_t M, int64_t n0
     }
 }
 
+/* Without the tiles (AVX-512 VNNI alone: AMD's Zen 4, Intel's Ice Lake): the same packed weights and the same
+ * integer sums through vectors. A 64-byte row of a weights' tile is 16 channels x 4 k, so one vpdpbusd against
+ * x's 4 codes at those k (broadcast) adds 4 products to each of the 16 channels' sums; R <= 8 rows of x per pass
+ * over a block (16 rows: two passes, the block's K x 16 bytes from L1). out[m][16], as a tile is stored. */
+static inline __attribute__((always_inline)) void vnni_block(const int R, int64_t nk, int64_t K, const uint8_t *u,
+                                                             const int8_t *pb, int32_t *out) {
+    __m512i a[8];
+    for (int m = 0; m < R; m++)
+        a[m] = _mm512_setzero_si512();
+    for (int64_t kb = 0; kb < nk; kb++)
+        for (int r = 0; r < 16; r++) {
+            const int8_t *wr = pb + kb * 1024 + 64 * r;
+            _mm_prefetch((const char *)(wr + PF_BYTES), _MM_HINT_T0);         /* the blocks lie in order */
+            const __m512i w = _mm512_loadu_si512(wr);
+            for (int m = 0; m < R; m++) {
+                int32_t x4;
+                memcpy(&x4, u + m * K + 64 * kb + 4 * r, 4);
+                a[m] = _mm512_dpbusd_epi32(a[m], _mm512_set1_epi32(x4), w);
+            }
+        }
+    for (int m = 0; m < R; m++)
+        _mm512_storeu_si512(out + 16 * m, a[m]);
+}
+
+/* M <= 16 rows (amx_rows' u, xd) against the packed weights p, through vnni_block; y as int8_amx_gemv's. */
+static void int8_vnni_rows(int64_t M, int64_t N, int64_t K, int threads, const int8_t *p, const float *scale,
+                           const float *bias, float *y, const uint8_t *u, const float *xd) {
+    const int64_t nk = K / 64, nb = (N + 15) / 16;
+    const int32_t *qsum = amx_sums(p, N, K);
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t b = 0; b < nb; b++) {
+        int32_t out[16 * 16];
+        const int8_t *pb = p + b * nk * 1024;
+        for (int64_t m0 = 0; m0 < M; m0 += 8) {
+            const int R = M - m0 < 8 ? (int)(M - m0) : 8;
+#define VB(r) vnni_block(r, nk, K, u + m0 * K, pb, out + 16 * m0)
+            switch (R) {
+            case 1: VB(1); break; case 2: VB(2); break; case 3: VB(3); break; case 4: VB(4); break;
+            case 5: VB(5); break; case 6: VB(6); break; case 7: VB(7); break; default: VB(8);
+            }
+#undef VB
+        }
+        amx_out(out, 0, M, 16 * b, N, xd, scale, qsum, bias, y);
+    }
+}
+
+#endif
+
+#if SUBQUAD_AMX
 /* More than 16 rows (a prompt's): per pair of channel blocks and pair of row tiles, four sums' tiles (0-3) over two
  * x tiles (4, 5) and two weight tiles (6, 7) - each tile loaded serves two tdpbusd, half the loads per product of
  * the one-pair loop, whose loads from L2 bound it (benchmarks/RESULTS.md). The same integer sums, so the same y. */
@@ -669,10 +728,20 @@ static void int8_amx_many(int64_t M, int64_t N, int64_t K, int threads, const in
 
 void int8_amx_gemv(int64_t M, int64_t N, int64_t K, int threads, const float *x, int64_t ldx, const int8_t *p,
                    const float *scale, const float *bias, float *y, uint8_t *u, float *xd) {
+#if SUBQUAD_VNNI512
+    amx_rows(M, K, threads, x, ldx, u, xd);
+#if SUBQUAD_AMX
+    if (!amx_granted())
+#endif
+    {
+        for (int64_t m0 = 0; m0 < M; m0 += 16)
+            int8_vnni_rows(M - m0 < 16 ? M - m0 : 16, N, K, threads, p, scale, bias, y + m0 * N, u + m0 * K, xd + m0);
+        return;
+    }
+#endif
 #if SUBQUAD_AMX
     const int64_t nk = K / 64, nb = (N + 15) / 16;
     const int32_t *qsum = amx_sums(p, N, K);
-    amx_rows(M, K, threads, x, ldx, u, xd);
     if (M > 16) {                                            /* whole tiles: the last one's rows past M zero */
         memset(u + M * K, 0, ((M + 15) / 16 * 16 - M) * K);
         int8_amx_many(M, N, K, threads, p, scale, bias, y, u, xd);
@@ -702,7 +771,7 @@ void int8_amx_gemv(int64_t M, int64_t N, int64_t K, int threads, const float *x,
         }
         _tile_release();
     }
-#else
+#elif !SUBQUAD_VNNI512
     (void)x; (void)ldx; (void)p; (void)scale; (void)bias; (void)u; (void)xd; (void)threads; (void)K;
     for (int64_t i = 0; i < M * N; i++)                       /* never called: int8_amx_init said 0 */
         y[i] = 0.0f;

@@ -45,6 +45,9 @@ INT8Q_ROWS = 2
 # fbgemm's kernel, weights read from memory, this Intel Xeon: 1.2-1.6x faster at 3-16 rows at mamba-130m's matrices
 # (benchmarks/RESULTS.md, "int8 through AMX tiles"); models.quant.int8_linear takes them at any rows (a prompt's
 # too: 4-5x the dequantised product at 2,048), the blocks' one calls (layers.mamba.kernel_weight) up to AMX_ROWS.
+# Without the tiles, AVX-512 VNNI's vectors on the same packed weights (``packed_int8() == 2``): on an AMD EPYC
+# (Zen 4) 1.2-1.5x fbgemm's speed at 1-8 rows, 0.97-1.15x at 16 (RESULTS.md, "int8's packed weights through
+# vectors"); taken for up to AMX_ROWS rows and a decoding batch's any rows (16 at a time), never for a prompt's.
 AMX_ROWS = 16
 BLOCK_INT8Q_ROWS = 4
 # A GGUF file's Q8_0 and Q4_0 matrices (x rounded per block of 32: int8q_gemv, q4_0_gemv) against the dequantised
@@ -117,7 +120,7 @@ def int8_gemv(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, offset: tor
 
 def int8_amx(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None,
              key: int) -> torch.Tensor:
-    """x (..., K) float32 (``usable``, ``amx()``), K a multiple of 64, any rows (16 a tile); q (N, K) int8, scale (N,)
+    """x (..., K) float32 (``usable``, ``packed_int8()``), K a multiple of 64, any rows (16 a tile); q (N, K) int8, scale (N,)
     float32, bias (N,) or None -> (..., N) float32, each row of x rounded to int8 with one scale of its own
     (``qgemv.c``'s int8_amx_gemv). q's tile layout is made on the first call and kept under ``key`` (one per
     matrix; remade when q's storage or version changes)."""
@@ -151,15 +154,22 @@ def _amx_pack(q: torch.Tensor) -> torch.Tensor:
 
 
 @lru_cache(maxsize=None)
-def amx() -> bool:
-    """Whether int8_amx may run: the kernels built with AMX-INT8 (Sapphire Rapids and later) and Linux granted
-    this process the tiles' state; ``SUBQUAD_AMX=0`` in the environment: never (fbgemm's kernel and the block
-    kernels' int8 rows as before)."""
+def packed_int8() -> int:
+    """How int8_amx runs here: 1 through AMX tiles (the kernels built with AMX-INT8 - Sapphire Rapids and later -
+    and Linux granted this process the tiles' state), 2 through AVX-512 VNNI's vectors on the same packed weights
+    and the same integer sums (Zen 4, Ice Lake, or tiles refused), 0 not at all; ``SUBQUAD_AMX=0`` in the
+    environment: 0 (fbgemm's kernel and the block kernels' int8 rows as before)."""
     if os.environ.get("SUBQUAD_AMX") == "0" or not _AMX_INIT.available():
-        return False
+        return 0
     out = torch.zeros(1, dtype=torch.int32)
     _AMX_INIT(out)
-    return bool(out.item())
+    return int(out.item())
+
+
+@lru_cache(maxsize=None)
+def amx() -> bool:
+    """Whether int8_amx runs through AMX tiles (``packed_int8() == 1``): then at any rows, a prompt's too."""
+    return packed_int8() == 1
 
 
 @lru_cache(maxsize=None)

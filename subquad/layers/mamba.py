@@ -40,13 +40,13 @@ def kernel_weight(lin, rows: int):
     """A projection as the block kernels read it for ``rows`` rows (``kernels.qgemv.proj_args``), or None:
     a float32-able ``Linear``'s weight stored row- or column-major; (q, scale, 2, 0) of an int8 one per output
     channel (``models.quant.Int8Linear``) of an input width that is a multiple of 32, for at most
-    ``kernels.qgemv.BLOCK_INT8Q_ROWS`` rows, and beyond, up to ``AMX_ROWS``, (its AMX tiles, scale, 9, 0) where the
-    CPU has them and the width is a multiple of 64; (q, scale, 6 or 7, groups) of one per block without offsets (a GGUF
-    file's Q8_0 / Q6_K matrices: 7 with x rounded per block where ``kernels.qgemv.rounds_x`` says, for
-    ``ROUNDED_ROWS``, 6 x exact, for ``INT8_ROWS``) and (q, scale, 8, groups) of Q4_0's packed nibbles, for
-    ``ROUNDED_ROWS``; (w, scale_zero, 2 + layout, groups)
-    of an ``Int4Linear`` packed for torch's kernel, for at most ``INT4_ROWS`` rows (more: the libraries' int8 and
-    int4 products are faster, qgemv.py); (w, None, 10, tiles) of a ``Bf16Linear`` without a bias, for
+    ``kernels.qgemv.BLOCK_INT8Q_ROWS`` rows, and beyond, up to ``AMX_ROWS``, (its AMX tiles, scale, 9, 0) where
+    the CPU has them or AVX-512 VNNI (``qgemv.packed_int8``) and the width is a multiple of 64; (q, scale, 6 or 7,
+    groups) of one per block without offsets (a GGUF file's Q8_0 / Q6_K matrices: 7 with x rounded per block
+    where ``kernels.qgemv.rounds_x`` says, for ``ROUNDED_ROWS``, 6 x exact, for ``INT8_ROWS``) and (q, scale, 8,
+    groups) of Q4_0's packed nibbles, for ``ROUNDED_ROWS``; (w, scale_zero, 2 + layout, groups) of an
+    ``Int4Linear`` packed for torch's kernel, for at most ``INT4_ROWS`` rows (more: the libraries' int8 and int4
+    products are faster, qgemv.py); (w, None, 10, tiles) of a ``Bf16Linear`` without a bias, for
     ``BF16_ROWS``, where ``kernels.qgemv.bf16()`` offers its kernel; (w, None, 11, 0) of an ``F16Linear``, for
     ``F16_ROWS``, where ``kernels.qgemv.f16()`` does."""
     if type(lin) in (nn.Linear, Linear):
@@ -58,7 +58,7 @@ def kernel_weight(lin, rows: int):
     if isinstance(q, torch.Tensor) and q.dtype == torch.int8 and q.is_cpu and q.is_contiguous():
         if scale.dim() == 1 and q.shape[1] % 32 == 0 and rows <= qgemv.BLOCK_INT8Q_ROWS:
             return q, scale, 2, 0
-        if scale.dim() == 1 and q.shape[1] % 64 == 0 and rows <= qgemv.AMX_ROWS and qgemv.amx() \
+        if scale.dim() == 1 and q.shape[1] % 64 == 0 and rows <= qgemv.AMX_ROWS and qgemv.packed_int8() \
                 and hasattr(lin, "key_id"):
             return qgemv.amx_packed(q, lin.key_id), scale, 9, 0
         if scale.dim() == 2 and lin.offset is None and scale.is_contiguous():        # a GGUF file's Q8_0 / Q6_K

@@ -142,8 +142,10 @@ def int8_linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bias: tor
     the packed weight -> (..., N) in x's dtype (module doc). Kept lean: it runs ~100 times per token."""
     if x.shape[-1] % 32 == 0 and qgemv.usable(qgemv.INT8Q, x, qgemv.INT8Q_ROWS):   # a few rows: x to int8 per block
         return qgemv.int8q_gemv(x, q, scale, bias)
-    if x.shape[-1] % 64 == 0 and qgemv.amx() and qgemv.usable(qgemv.INT8_AMX, x, x.numel()):   # AMX tiles:
-        return qgemv.int8_amx(x, q, scale, bias, key.item())            # any rows, a prompt's too (module doc)
+    packed = qgemv.packed_int8()         # AMX tiles at any rows, a prompt's too (module doc); VNNI's vectors a few
+    if packed and x.shape[-1] % 64 == 0 and qgemv.usable(     # rows, or a decoding batch's any (qgemv.AMX_ROWS)
+            qgemv.INT8_AMX, x, x.numel() if packed == 1 or getattr(MODE, "decoding", False) else qgemv.AMX_ROWS):
+        return qgemv.int8_amx(x, q, scale, bias, key.item())
     if not FBGEMM and qgemv.usable(qgemv.INT8, x, qgemv.INT8_ROWS):     # fbgemm gone: the C kernel's rows
         return qgemv.int8_gemv(x, q, scale, None, bias)
     if FBGEMM and x.device.type == "cpu" and (x.numel() <= DECODE_ROWS * x.shape[-1]

@@ -2,8 +2,10 @@
 rounded to int8 with its own scale (max |x| / 127, to nearest even), exact integer sums, the channels' scales and
 bias; odd channel counts (a last block of 16 padded), K of 1-3 tiles, 1 to 40 rows (several tiles of 16), a row
 stride that is not K, a zero row; the weights' tiles remade when q changes in place; the int8 modules and the
-Mamba block's one call take them for 3-16 rows (and a decoding batch's more). On a CPU without AMX the kernel is
-never offered (``qgemv.amx()`` False) and the modules keep their other paths."""
+Mamba block's one call take them for 3-16 rows (and a decoding batch's more). On a CPU without AMX but with
+AVX-512 VNNI the same packed weights go through vectors (``qgemv.packed_int8() == 2``): the same integer sums, so
+the same tests, for 3-16 rows and a decoding batch's more, never a prompt's; without either the kernel is never
+offered and the modules keep their other paths."""
 
 from __future__ import annotations
 
@@ -33,12 +35,20 @@ def _math(x, q, scale, bias):
     return y if bias is None else y + bias.double()
 
 
+def _cpu_has_vnni512() -> bool:
+    flags = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+    return all(f" {f}" in flags for f in ("avx2", "avx512f", "avx512bw", "avx512_vnni"))
+
+
 def test_offered_exactly_where_the_cpu_has_the_tiles():
     off = os.environ.get("SUBQUAD_AMX") == "0"
     assert qgemv.amx() == (_cpu_has_amx() and qgemv.INT8_AMX.available() and not off)
+    vectors = _cpu_has_vnni512() and qgemv.INT8_AMX.available() and not off
+    assert qgemv.packed_int8() == (1 if qgemv.amx() else 2 if vectors else 0)
 
 
-needs_amx = pytest.mark.skipif(not qgemv.amx(), reason="no AMX tiles on this CPU (the test above checks that)")
+needs_amx = pytest.mark.skipif(not qgemv.packed_int8(),
+                               reason="neither AMX tiles nor AVX-512 VNNI on this CPU (the test above checks that)")
 
 
 @needs_amx
@@ -80,7 +90,8 @@ def test_the_modules_and_a_mamba_block_take_them_for_a_few_rows(monkeypatch):
     lin = Int8Linear(torch.randn(96, 128) * 0.05, torch.randn(96))
     calls, real = [], type(qgemv.INT8_AMX).__call__
     monkeypatch.setattr(type(qgemv.INT8_AMX), "__call__", lambda s, *a: (calls.append(s.name), real(s, *a))[1])
-    for rows, taken in ((2, False), (3, True), (16, True), (17, True), (200, True)):   # a prompt's rows too
+    tiles = qgemv.amx()                                      # vectors: never a prompt's rows past 16
+    for rows, taken in ((2, False), (3, True), (16, True), (17, tiles), (200, tiles)):   # the tiles: a prompt's too
         calls.clear()
         x = torch.randn(rows, 128)
         with torch.no_grad():
@@ -89,20 +100,22 @@ def test_the_modules_and_a_mamba_block_take_them_for_a_few_rows(monkeypatch):
         if taken:
             assert ((y.double() - _math(x, lin.q, lin.scale, lin.bias)).abs().max() < 1e-5 * y.abs().max())
     calls.clear()
-    with torch.no_grad(), decoding():                    # a decoding batch past 16 rows: the tiles, 16 rows a tile
-        lin(torch.randn(40, 128))
+    with torch.no_grad(), decoding():                    # a decoding batch past 16 rows: 16 rows at a time
+        x = torch.randn(40, 128)
+        y = lin(x)
     assert "int8_amx_gemv" in calls
+    assert (y.double() - _math(x, lin.q, lin.scale, lin.bias)).abs().max() < 1e-5 * y.abs().max()
     assert kernel_weight(lin, 4)[2] == 2 and kernel_weight(lin, 5)[2] == 9 and kernel_weight(lin, 16)[2] == 9
 
 
 def test_off_in_the_environment(monkeypatch):
     monkeypatch.setenv("SUBQUAD_AMX", "0")
-    qgemv.amx.cache_clear()
+    qgemv.amx.cache_clear(), qgemv.packed_int8.cache_clear()
     try:
-        assert not qgemv.amx()
+        assert not qgemv.amx() and not qgemv.packed_int8()
     finally:
         monkeypatch.delenv("SUBQUAD_AMX")
-        qgemv.amx.cache_clear()
+        qgemv.amx.cache_clear(), qgemv.packed_int8.cache_clear()
 
 
 @needs_amx

@@ -99,7 +99,7 @@ def assert_quantized_block_agrees(monkeypatch, module, mixer_cls, pattern: str, 
     real = module.BlockStep.__call__
     monkeypatch.setattr(module.BlockStep, "__call__", lambda *a: calls.append(1) or real(*a))
     own = mixer_cls.fused_block
-    most = {"int8": qgemv.AMX_ROWS if qgemv.amx() else qgemv.BLOCK_INT8Q_ROWS, "int4": qgemv.INT4_ROWS,
+    most = {"int8": qgemv.AMX_ROWS if qgemv.packed_int8() else qgemv.BLOCK_INT8Q_ROWS, "int4": qgemv.INT4_ROWS,
             "int8 blocks of 16": qgemv.INT8_ROWS, "bf16": qgemv.BF16_ROWS, "f16": qgemv.F16_ROWS}.get(kind,
                                                                                           qgemv.ROUNDED_ROWS)
     for rows in (1, 3, most):                           # int8 with AMX tiles: 3 rows int8q, 16 the tiles; bf16: 1
