@@ -120,8 +120,8 @@ def int8_gemv(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, offset: tor
 
 def int8_amx(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None,
              key: int) -> torch.Tensor:
-    """x (..., K) float32 (``usable``, ``packed_int8()``), K a multiple of 64, any rows (16 a tile); q (N, K) int8, scale (N,)
-    float32, bias (N,) or None -> (..., N) float32, each row of x rounded to int8 with one scale of its own
+    """x (..., K) float32 (``usable``, ``packed_int8()``), K a multiple of 64, any rows (16 a tile); q (N, K) int8,
+    scale (N,) float32, bias (N,) or None -> (..., N) float32, each row of x rounded to int8 with one scale of its own
     (``qgemv.c``'s int8_amx_gemv). q's tile layout is made on the first call and kept under ``key`` (one per
     matrix; remade when q's storage or version changes)."""
     x2 = _rows(x)
@@ -164,6 +164,14 @@ def packed_int8() -> int:
     out = torch.zeros(1, dtype=torch.int32)
     _AMX_INIT(out)
     return int(out.item())
+
+
+@lru_cache(maxsize=None)
+def block_int8q_rows() -> int:
+    """Up to how many rows a block kernel's int8 product rounds x per block of 32 (int8q): ``BLOCK_INT8Q_ROWS``,
+    or 2 where the packed weights go through VNNI's vectors - on the Zen 4 host they took 0.5x int8q's time at 4
+    rows (the hybrid's 4-row int8 step 21-23 -> 17-18 ms; benchmarks/RESULTS.md)."""
+    return 2 if packed_int8() == 2 else BLOCK_INT8Q_ROWS
 
 
 @lru_cache(maxsize=None)

@@ -40,7 +40,7 @@ def kernel_weight(lin, rows: int):
     """A projection as the block kernels read it for ``rows`` rows (``kernels.qgemv.proj_args``), or None:
     a float32-able ``Linear``'s weight stored row- or column-major; (q, scale, 2, 0) of an int8 one per output
     channel (``models.quant.Int8Linear``) of an input width that is a multiple of 32, for at most
-    ``kernels.qgemv.BLOCK_INT8Q_ROWS`` rows, and beyond, up to ``AMX_ROWS``, (its AMX tiles, scale, 9, 0) where
+    ``kernels.qgemv.block_int8q_rows()`` rows, and beyond, up to ``AMX_ROWS``, (its AMX tiles, scale, 9, 0) where
     the CPU has them or AVX-512 VNNI (``qgemv.packed_int8``) and the width is a multiple of 64; (q, scale, 6 or 7,
     groups) of one per block without offsets (a GGUF file's Q8_0 / Q6_K matrices: 7 with x rounded per block
     where ``kernels.qgemv.rounds_x`` says, for ``ROUNDED_ROWS``, 6 x exact, for ``INT8_ROWS``) and (q, scale, 8,
@@ -56,7 +56,7 @@ def kernel_weight(lin, rows: int):
         ok = scale.is_contiguous() and rows <= qgemv.ROUNDED_ROWS and qgemv.rounds_x(q, scale, None)
         return (q, scale, 8, scale.shape[1]) if ok else None
     if isinstance(q, torch.Tensor) and q.dtype == torch.int8 and q.is_cpu and q.is_contiguous():
-        if scale.dim() == 1 and q.shape[1] % 32 == 0 and rows <= qgemv.BLOCK_INT8Q_ROWS:
+        if scale.dim() == 1 and q.shape[1] % 32 == 0 and rows <= qgemv.block_int8q_rows():
             return q, scale, 2, 0
         if scale.dim() == 1 and q.shape[1] % 64 == 0 and rows <= qgemv.AMX_ROWS and qgemv.packed_int8() \
                 and hasattr(lin, "key_id"):

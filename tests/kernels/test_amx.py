@@ -105,17 +105,19 @@ def test_the_modules_and_a_mamba_block_take_them_for_a_few_rows(monkeypatch):
         y = lin(x)
     assert "int8_amx_gemv" in calls
     assert (y.double() - _math(x, lin.q, lin.scale, lin.bias)).abs().max() < 1e-5 * y.abs().max()
-    assert kernel_weight(lin, 4)[2] == 2 and kernel_weight(lin, 5)[2] == 9 and kernel_weight(lin, 16)[2] == 9
+    assert qgemv.block_int8q_rows() == (2 if qgemv.packed_int8() == 2 else qgemv.BLOCK_INT8Q_ROWS)
+    most = qgemv.block_int8q_rows()
+    assert kernel_weight(lin, most)[2] == 2 and kernel_weight(lin, most + 1)[2] == 9 and kernel_weight(lin, 16)[2] == 9
 
 
 def test_off_in_the_environment(monkeypatch):
     monkeypatch.setenv("SUBQUAD_AMX", "0")
-    qgemv.amx.cache_clear(), qgemv.packed_int8.cache_clear()
+    qgemv.amx.cache_clear(), qgemv.packed_int8.cache_clear(), qgemv.block_int8q_rows.cache_clear()
     try:
         assert not qgemv.amx() and not qgemv.packed_int8()
     finally:
         monkeypatch.delenv("SUBQUAD_AMX")
-        qgemv.amx.cache_clear(), qgemv.packed_int8.cache_clear()
+        qgemv.amx.cache_clear(), qgemv.packed_int8.cache_clear(), qgemv.block_int8q_rows.cache_clear()
 
 
 @needs_amx

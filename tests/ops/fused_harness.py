@@ -55,7 +55,7 @@ def assert_quantized_block_agrees(monkeypatch, module, mixer_cls, pattern: str, 
     x rounded to bfloat16, where the CPU has the kernel; "f16": float16 weights, x exact, as a GGUF file's F16
     matrices load: within 1e-5 of the modules), else the small x_proj /
     dt_proj float32 as at mamba-130m's shape, decoding 1 and the most rows the block kernel takes for them
-    (``kernels.qgemv.BLOCK_INT8Q_ROWS`` or ``AMX_ROWS``, ``INT4_ROWS``, ``INT8_ROWS``), and 3: the block kernel's
+    (``kernels.qgemv.block_int8q_rows()`` or ``AMX_ROWS``, ``INT4_ROWS``, ``INT8_ROWS``), and 3: the block kernel's
     logits within 1% of the logits' scale of the same model's steps through its modules (the same products one call
     each: ``mixer_cls.fused_block`` refused, INT8Q_ROWS raised to the block's; not 1e-5 as in float32: x rounded to int8
     per block of 32 is a step function, and the two paths' norms differ in the last bit, so now and then one code of
@@ -94,12 +94,12 @@ def assert_quantized_block_agrees(monkeypatch, module, mixer_cls, pattern: str, 
     for name, mod in m.named_modules():                 # the dequantised weights into the float64 copy
         if type(mod).__name__ in ("Int8Linear", "Int4Linear", "Bf16Linear", "F16Linear") and name != "head":
             m64.get_submodule(name).weight.data.copy_(mod.weight)
-    monkeypatch.setattr(qgemv, "INT8Q_ROWS", qgemv.BLOCK_INT8Q_ROWS)     # the modules' products the block's too
+    monkeypatch.setattr(qgemv, "INT8Q_ROWS", qgemv.block_int8q_rows())   # the modules' products the block's too
     calls = []
     real = module.BlockStep.__call__
     monkeypatch.setattr(module.BlockStep, "__call__", lambda *a: calls.append(1) or real(*a))
     own = mixer_cls.fused_block
-    most = {"int8": qgemv.AMX_ROWS if qgemv.packed_int8() else qgemv.BLOCK_INT8Q_ROWS, "int4": qgemv.INT4_ROWS,
+    most = {"int8": qgemv.AMX_ROWS if qgemv.packed_int8() else qgemv.block_int8q_rows(), "int4": qgemv.INT4_ROWS,
             "int8 blocks of 16": qgemv.INT8_ROWS, "bf16": qgemv.BF16_ROWS, "f16": qgemv.F16_ROWS}.get(kind,
                                                                                           qgemv.ROUNDED_ROWS)
     for rows in (1, 3, most):                           # int8 with AMX tiles: 3 rows int8q, 16 the tiles; bf16: 1
