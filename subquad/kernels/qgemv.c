@@ -529,7 +529,8 @@ typedef struct { uint8_t palette, start, reserved[14]; uint16_t colsb[16]; uint8
 #endif
 
 #if SUBQUAD_AMX
-static int amx_granted(void) {          /* asked once per library (each block kernel's too); the grant is the process's */
+/* Whether Linux grants the tiles' state: asked once per library (each block kernel's too), granted per process. */
+static int amx_granted(void) {
     static int granted = -1;
     if (granted < 0)
         granted = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XFEATURE_XTILEDATA */) == 0;

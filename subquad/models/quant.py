@@ -19,7 +19,9 @@
                                  product (4-5x faster at 2,048 rows; the rounding roughly doubles a prefill's
                                  error against the float model, a few % on tiny random models; a row's result
                                  does not depend on the rows beside it, so a packed or chunked prompt equals
-                                 the same prompt alone; ``SUBQUAD_AMX=0``: neither);
+                                 the same prompt alone; ``SUBQUAD_AMX=0``: neither); without the tiles but
+                                 with AVX-512 VNNI (Zen 4, Ice Lake) the same kernel through vectors for 3-16
+                                 rows and a decoding batch's any, never a prompt's (``qgemv.packed_int8``);
                                  int8 decoding (rows <= DECODE_ROWS, or any rows inside ``mode.decoding()``: the
                                  steps and verifications of a batch): fbgemm's int8 matrix product
                                  (torch.ops.quantized.linear_dynamic: x quantised to 8 bits per call,
