@@ -166,7 +166,6 @@ def packed_int8() -> int:
     return int(out.item())
 
 
-@lru_cache(maxsize=None)
 def block_int8q_rows() -> int:
     """Up to how many rows a block kernel's int8 product rounds x per block of 32 (int8q): ``BLOCK_INT8Q_ROWS``,
     or 2 where the packed weights go through VNNI's vectors - on the Zen 4 host they took 0.5x int8q's time at 4
@@ -174,9 +173,9 @@ def block_int8q_rows() -> int:
     return 2 if packed_int8() == 2 else BLOCK_INT8Q_ROWS
 
 
-@lru_cache(maxsize=None)
 def amx() -> bool:
-    """Whether int8_amx runs through AMX tiles (``packed_int8() == 1``): then at any rows, a prompt's too."""
+    """Whether int8_amx runs through AMX tiles (``packed_int8() == 1``, derived: one cache to clear): then at any
+    rows, a prompt's too."""
     return packed_int8() == 1
 
 
