@@ -783,15 +783,39 @@ void int8_amx_gemv(int64_t M, int64_t N, int64_t K, int threads, const float *x,
 /* Four channels against up to four rows of x at a time, blocks of four channels spread over ``threads`` (bf16_gemv's
  * vectors, f16_gemv): BLOCK(R, C) fills float out[4][4] for the R rows from m0 and the C channels from n0 - with
  * constants for four channels and 1-4 rows, so the compiler keeps its sums in registers - and the sums are written
- * out with the bias. */
-#define FOUR_BY_FOUR(M, N, n_from, bias, y, BLOCK)                                                                 \
-    _Pragma("omp parallel for num_threads(threads) schedule(static)")                                             \
-    for (int64_t b_ = 0; b_ < ((N) - (n_from) + 3) / 4; b_++) {                                                  \
-        const int64_t n0 = (n_from) + 4 * b_;                                                                     \
-        const int C = (N) - n0 < 4 ? (int)((N) - n0) : 4;                                                         \
+ * out with the bias. Up to ONE rows of x take one channel at a time instead, BLOCK(R, 1): each thread then reads
+ * one stream of weights in the order they lie, which the hardware prefetcher follows to the read bound, where four
+ * channels' rows at once stayed 1.25-1.4x above it at one row on an AMD EPYC (Zen 4) even with their next lines
+ * asked for (benchmarks/RESULTS.md, "One stream a thread"); past ONE the blocks' fewer loads a product win. A
+ * channel's sum is the same chain of instructions either way (its own accumulator over k in order), so a row's
+ * outputs do not depend on M. */
+#define FOUR_BY_FOUR(M, N, n_from, bias, y, BLOCK, ONE)                                                            \
+    if ((M) <= (ONE)) {                                                                                            \
+        _Pragma("omp parallel for num_threads(threads) schedule(static)")                                          \
+        for (int64_t n0 = (n_from); n0 < (N); n0++) {                                                              \
+            float out[4][4];                                                                                       \
+            for (int64_t m0 = 0; m0 < (M); m0 += 4) {                                                              \
+                const int R = (M) - m0 < 4 ? (int)((M) - m0) : 4;                                                  \
+                if (R == 1)                                                                                        \
+                    BLOCK(1, 1);                                                                                   \
+                else if (R == 2)                                                                                   \
+                    BLOCK(2, 1);                                                                                   \
+                else if (R == 3)                                                                                   \
+                    BLOCK(3, 1);                                                                                   \
+                else                                                                                               \
+                    BLOCK(4, 1);                                                                                   \
+                for (int r = 0; r < R; r++)                                                                        \
+                    (y)[(m0 + r) * (N) + n0] = out[r][0] + ((bias) ? (bias)[n0] : 0.0f);                           \
+            }                                                                                                      \
+        }                                                                                                          \
+    } else                                                                                                         \
+    _Pragma("omp parallel for num_threads(threads) schedule(static)")                                              \
+    for (int64_t b_ = 0; b_ < ((N) - (n_from) + 3) / 4; b_++) {                                                    \
+        const int64_t n0 = (n_from) + 4 * b_;                                                                      \
+        const int C = (N) - n0 < 4 ? (int)((N) - n0) : 4;                                                          \
         float out[4][4];                                                                                           \
         for (int64_t m0 = 0; m0 < (M); m0 += 4) {                                                                  \
-            const int R = (M) - m0 < 4 ? (int)((M) - m0) : 4;                                                     \
+            const int R = (M) - m0 < 4 ? (int)((M) - m0) : 4;                                                      \
             if (C == 4 && R == 4)                                                                                  \
                 BLOCK(4, 4);                                                                                       \
             else if (C == 4 && R == 1)                                                                             \
@@ -847,7 +871,8 @@ static inline __attribute__((always_inline)) void bf16_block(const int R, const 
         __m512bh wv[4], xv[4];
         for (int c = 0; c < C; c++)
             wv[c] = (__m512bh)_mm512_loadu_si512(w + c * K + k);
-        NEXT_BLOCK_LINES(w, K, k);
+        if (C == 4)                                    /* one channel (one row of x) streams without */
+            NEXT_BLOCK_LINES(w, K, k);
         for (int r = 0; r < R; r++)
             xv[r] = (__m512bh)_mm512_loadu_si512(xb + r * K + k);
         for (int r = 0; r < R; r++)
@@ -863,7 +888,7 @@ static inline __attribute__((always_inline)) void bf16_block(const int R, const 
 static void bf16_vectors(int64_t M, int64_t N, int64_t n_from, int64_t K, int threads, const uint16_t *xb,
                          const uint16_t *w, const float *bias, float *y) {
 #define BF16_BLOCK(R_, C_) bf16_block(R_, C_, K, xb + m0 * K, w + n0 * K, out)
-    FOUR_BY_FOUR(M, N, n_from, bias, y, BF16_BLOCK);
+    FOUR_BY_FOUR(M, N, n_from, bias, y, BF16_BLOCK, 8);
 #undef BF16_BLOCK
 }
 #endif
@@ -970,7 +995,7 @@ static inline __attribute__((always_inline)) void f16_block(const int R, const i
         f16_vec wv[4];
         for (int c = 0; c < C; c++)
             wv[c] = F16_LOAD(w + c * K + k);
-        if (!(k & 31))
+        if (C == 4 && !(k & 31))                       /* one channel (one row of x) streams without */
             NEXT_BLOCK_LINES(w, K, k);
         for (int r = 0; r < R; r++) {
             const f16_vec xv = F16_X(x + r * ldx + k);
@@ -988,7 +1013,7 @@ void f16_gemv(int64_t M, int64_t N, int64_t K, int threads, const float *x, int6
               const float *bias, float *y) {
 #if F16_LANES
 #define F16_BLOCK(R_, C_) f16_block(R_, C_, K, x + m0 * ldx, ldx, w + n0 * K, out)
-    FOUR_BY_FOUR(M, N, 0, bias, y, F16_BLOCK);
+    FOUR_BY_FOUR(M, N, 0, bias, y, F16_BLOCK, 2);   /* widening costs a load more */
 #undef F16_BLOCK
 #else
     (void)x; (void)ldx; (void)w; (void)bias; (void)threads; (void)K;

@@ -61,6 +61,19 @@ def test_the_product_against_its_math(tiles, N, K):
 
 
 @needs_bf16
+@pytest.mark.parametrize("N,K", [(37, 96), (67, 64)])
+def test_a_rows_outputs_do_not_depend_on_the_rows_beside_it(N, K):
+    """The vectors take one channel at a time up to 8 rows and blocks of four beyond; each channel's sum is the same
+    chain either way, so a decoding row gives the same bits alone and in a batch of any size."""
+    g = torch.Generator().manual_seed(N + K)
+    w, bias = torch.randn(N, K, generator=g).bfloat16(), torch.randn(N, generator=g)
+    x = torch.randn(16, K, generator=g)
+    alone = torch.cat([qgemv.bf16_gemv(x[i:i + 1], w, bias, False) for i in range(16)])
+    for rows in (2, 3, 4, 5, 8, 9, 12, 16):
+        assert torch.equal(qgemv.bf16_gemv(x[:rows], w, bias, False), alone[:rows]), rows
+
+
+@needs_bf16
 def test_the_module_takes_it_for_a_few_rows_and_torch_beyond(monkeypatch):
     lin = Bf16Linear(torch.randn(40, 64) * 0.1, torch.randn(40))
     calls, real = [], type(qgemv.BF16).__call__

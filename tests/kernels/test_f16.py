@@ -35,6 +35,18 @@ def test_the_product_against_its_math(N, K):
 
 
 @needs_f16
+@pytest.mark.parametrize("N,K", [(37, 96), (67, 64)])
+def test_a_rows_outputs_do_not_depend_on_the_rows_beside_it(N, K):
+    """One channel at a time up to 2 rows, blocks of four beyond: each channel's sum is the same chain either way."""
+    g = torch.Generator().manual_seed(N + K)
+    w, bias = torch.randn(N, K, generator=g).half(), torch.randn(N, generator=g)
+    x = torch.randn(16, K, generator=g)
+    alone = torch.cat([qgemv.f16_gemv(x[i:i + 1], w, bias) for i in range(16)])
+    for rows in (2, 3, 4, 5, 9, 16):
+        assert torch.equal(qgemv.f16_gemv(x[:rows], w, bias), alone[:rows]), rows
+
+
+@needs_f16
 def test_the_module_takes_it_for_a_few_rows_and_the_widened_matrix_beyond(monkeypatch):
     lin = F16Linear(torch.randn(40, 64) * 0.1, torch.randn(40))
     assert lin.w.dtype == torch.float16 and lin.bias.dtype == torch.float32
