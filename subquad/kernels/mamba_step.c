@@ -133,8 +133,11 @@ static void scan16(int64_t B, int64_t Bs, int64_t D, int64_t N, int64_t hd, int6
         const int64_t nc = c1 - cb < 16 ? c1 - cb : 16;
         const __mmask16 mask = (__mmask16)((1u << nc) - 1);
         __m512 a[16];                                       /* exp(A_log[c]), as the per-channel loop takes it */
-        for (int64_t j = 0; j < nc; j++)
+        int64_t head[16];                                   /* where channel c's dt, B, C lie in a row of p */
+        for (int64_t j = 0; j < nc; j++) {
             a[j] = exp16(_mm512_loadu_ps(A_log + (cb + j) * N));
+            head[j] = (cb + j) / hd * J;
+        }
         for (int64_t b = 0; b < B; b++) {
             const float *pr = p + b * heads * J;
             const int stream = big && b + Bs >= B && (uintptr_t)h_out % 64 == 0;
@@ -144,8 +147,9 @@ static void scan16(int64_t B, int64_t Bs, int64_t D, int64_t N, int64_t hd, int6
             for (int64_t j = 0; j < nc; j++) {
                 const int64_t c = cb + j;
                 const float d = dts[b * D + c], du = d * u[b * D + c];
-                const float *Bv = pr + (c / hd) * J + R, *Cv = Bv + N;
+                const float *Bv = pr + head[j] + R, *Cv = Bv + N;
                 const float *hc = b < Bs ? h + (b * D + c) * N : h_out + ((b - Bs) * D + c) * N;
+                _mm_prefetch((const char *)(hc + 16 * N), _MM_HINT_T0);      /* this row's next block */
                 const __m512 e = exp16(_mm512_mul_ps(_mm512_set1_ps(-d), a[j]));
                 const __m512 hn = _mm512_fmadd_ps(e, _mm512_loadu_ps(hc),
                                                   _mm512_mul_ps(_mm512_set1_ps(du), _mm512_loadu_ps(Bv)));
