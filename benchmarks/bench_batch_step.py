@@ -5,7 +5,8 @@ layers, vocabulary 50,280), float32, int8 and int4 (``models.quant.quantize``) a
 of Q8_0 or Q4_0 blocks (``gguf-q8_0``, ``gguf-q4_0``: ``save_gguf``, then ``from_pretrained`` of the file), and int8
 without the AMX tiles (``int8-noamx``: ``SUBQUAD_AMX=0``, fbgemm's kernel and the block calls' int8 rows as before);
 ``--model hybrid``: ``bench_llama_server.HYBRID`` (Bamba's structure at mamba2-130m's mixer shape). ms per
-``model.step`` (median of three runs of ``--tokens`` steps after warm-up). One process per tree and precision,
+``model.step`` (median of three runs of ``--tokens`` steps after warm-up, in a ``kernels.steady`` span as
+``generate`` decodes). One process per tree and precision,
 rounds alternating.
 
     python benchmarks/bench_batch_step.py                                   # ~2 min; this checkout
@@ -36,6 +37,8 @@ tree, quantize, rows, tokens, threads = sys.argv[1], sys.argv[2], sys.argv[3], i
 sys.path.insert(0, tree)
 torch.set_num_threads(threads)
 from subquad.models import LanguageModel, ModelConfig
+import contextlib, subquad.kernels
+steady = getattr(subquad.kernels, "steady", contextlib.nullcontext)
 torch.manual_seed(0)
 model = LanguageModel(ModelConfig(**SHAPE)).eval()
 if quantize.startswith("gguf-"):
@@ -59,10 +62,11 @@ with torch.no_grad():
             model.step(tok, state)
         runs = []
         for _ in range(3):
-            s, t = state, time.perf_counter()
-            for _ in range(tokens):
-                _, s = model.step(tok, s)
-            runs.append((time.perf_counter() - t) * 1e3 / tokens)
+            with steady():                      # as generate decodes (a tree from before it: no span)
+                s, t = state, time.perf_counter()
+                for _ in range(tokens):
+                    _, s = model.step(tok, s)
+                runs.append((time.perf_counter() - t) * 1e3 / tokens)
         out[B] = statistics.median(runs)
 print(json.dumps(out))
 '''

@@ -8,7 +8,8 @@ folder and as GGUF files (``save_gguf``: f32, q8_0 and q4_0), then
                 ``SUBQUAD_KERNELS=0``), ``compile_decode`` float32, eager and ``compile_decode``
                 with ``quantize="int8"`` and with ``quantize="int4"`` (groups of 128, the default; against Q4_0,
                 issue 51's target), eager ``quantize="bf16"`` against a BF16 file; N greedy ``model.step``
-                calls after warm-up (the graph compiled first)
+                calls after warm-up (the graph compiled first), in a ``kernels.steady`` span as ``generate``
+                decodes
 
     python benchmarks/bench_llama_decode.py --llama-bench /path/to/build/bin/llama-bench
     python benchmarks/bench_llama_decode.py --llama-bench ... --interleave 3   # eager rows only, rounds alternating
@@ -64,6 +65,7 @@ def subquad_ms(folder: Path, tokens: int, repeats: int, compiled: bool, quantize
                kernels: str = "1") -> float:
     import os
 
+    from subquad.kernels import steady
     from subquad.models import from_pretrained
 
     os.environ["SUBQUAD_KERNELS"] = kernels
@@ -81,11 +83,12 @@ def subquad_ms(folder: Path, tokens: int, repeats: int, compiled: bool, quantize
         for _ in range(3):                                   # warm-up: the graph compiled (or loaded) here
             logits, s = model.step(tok, state)
         for _ in range(repeats):
-            s, t = state, time.perf_counter()
-            for _ in range(tokens):
-                logits, s = model.step(tok, s)
-                tok = logits.argmax(-1)
-            runs.append((time.perf_counter() - t) * 1e3 / tokens)
+            with steady():                                   # as ``generate`` decodes: kept calls checked once
+                s, t = state, time.perf_counter()
+                for _ in range(tokens):
+                    logits, s = model.step(tok, s)
+                    tok = logits.argmax(-1)
+                runs.append((time.perf_counter() - t) * 1e3 / tokens)
     return statistics.median(runs)
 
 

@@ -16,6 +16,7 @@ every kernel off (the reference path); a failed build warns once and falls back.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import hashlib
@@ -24,6 +25,7 @@ import platform
 import re
 import subprocess
 import tempfile
+import threading
 import warnings
 import weakref
 from pathlib import Path
@@ -179,6 +181,10 @@ class Held:
     also keep its version. ``ok``: each of ``tensors`` was found (else nothing may be cached)."""
 
     def __init__(self, modules, tensors):
+        self.seen = None                                                    # the steady span it was last checked in
+        # the storages read now, kept alive: within a ``steady`` span a weight swapped unseen (``.data =``) is then
+        # read stale, never freed memory
+        self.storages = [t.untyped_storage() for t in tensors if isinstance(t, torch.Tensor)]
         sources = [source(t) for t in tensors]                              # a derived copy is held by its source
         want = {id(t if s is None else s) for t, s in zip(tensors, sources) if t is not None}
         self.versions = [(s, s._version) for s in sources if s is not None]  # the source edited in place
@@ -194,6 +200,10 @@ class Held:
         self.ok = want <= found
 
     def valid(self) -> bool:
+        """Whether nothing it holds changed: checked in full, or once per ``steady`` span."""
+        mark = steady_mark()
+        if mark is not None and self.seen is mark:
+            return True
         for d, n in self.sizes:
             if len(d) != n:
                 return False
@@ -203,7 +213,45 @@ class Held:
         for t, v in self.versions:
             if t._version != v:
                 return False
+        self.seen = mark
         return True
+
+
+_LOCAL = threading.local()
+
+
+class Steady:
+    """A span of decoding steps in one thread between which only subquad's own decoding code runs: within it a
+    ``Held`` (and ``models.stack``'s plan of a run of blocks) checked once is not checked again until ``renew()``
+    (call it after any other code ran - a callback - that might have replaced or edited a module, its weights or
+    hooks). The check reads every weight's tensor for its data pointer and every module's slots: after a token's
+    weights have streamed through the caches each of those reads goes to memory, ~0.5 ms a token of an 8-bit
+    mamba-130m or ~1 ms of a hybrid, 7-10% of the step (benchmarks/RESULTS.md, "Checks once per span").
+    Edits made by another thread during a span are not seen until it renews."""
+
+    def __init__(self):
+        self.mark = object()
+
+    def renew(self) -> None:
+        self.mark = object()
+
+
+@contextlib.contextmanager
+def steady():
+    """``with steady() as span:`` a ``Steady`` span for this thread (``generate`` decodes in one, renewing it
+    after each ``on_token``); the previous span (or none) again after it."""
+    prev = getattr(_LOCAL, "steady", None)
+    span = _LOCAL.steady = Steady()
+    try:
+        yield span
+    finally:
+        _LOCAL.steady = prev
+
+
+def steady_mark():
+    """The current ``Steady`` span's mark in this thread, or None outside one."""
+    span = getattr(_LOCAL, "steady", None)
+    return None if span is None else span.mark
 
 
 def derive(copy: torch.Tensor, src: torch.Tensor) -> torch.Tensor:

@@ -15,6 +15,7 @@ import time
 
 import torch
 
+from subquad import kernels
 from subquad.models.constrain import Grammar, check_format
 from subquad.models.sampling import (  # noqa: F401
     GREEDY_BELOW,
@@ -125,21 +126,25 @@ def generate(model, prompt, max_new_tokens: int, temperature: float = 1.0, top_k
             getattr(drafts_by, "close", lambda: None)()
         model.train(was_training)
         return (out[0] if single else out), state
-    while not all(done):
-        nxt = sampler(last).tolist()
-        feed = []
-        for i in range(B):
-            if done[i]:
-                feed.append(0)                      # padding after the end: its outputs are never read
-                continue
-            out[i].append(nxt[i])
+    with kernels.steady() as span:                  # the kept calls' checks once, not at every token
+        while not all(done):
+            nxt = sampler(last).tolist()
+            feed = []
+            for i in range(B):
+                if done[i]:
+                    feed.append(0)                  # padding after the end: its outputs are never read
+                    continue
+                out[i].append(nxt[i])
+                if on_token is not None:
+                    on_token(nxt[i]) if single else on_token(i, nxt[i])
+                done[i] = len(out[i]) >= max_new_tokens or nxt[i] in stop \
+                    or (matchers is not None and matchers[i].done)
+                feed.append(nxt[i])
+            if all(done):
+                break                               # the last tokens are not fed: continue from them
             if on_token is not None:
-                on_token(nxt[i]) if single else on_token(i, nxt[i])
-            done[i] = len(out[i]) >= max_new_tokens or nxt[i] in stop or (matchers is not None and matchers[i].done)
-            feed.append(nxt[i])
-        if all(done):
-            break                                   # the last tokens are not fed: continue from them
-        last, state = model.step(torch.tensor(feed, device=dev), state)
+                span.renew()                        # the callback may have changed the model: check again
+            last, state = model.step(torch.tensor(feed, device=dev), state)
     model.train(was_training)
     return (out[0] if single else out), state
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from subquad import kernels
 from subquad.layers.mamba import STACKS
 from subquad.models import stack
 from subquad.models.quant import quantize
@@ -194,3 +195,80 @@ def test_autocast_and_compiling_keep_the_blocks_one_by_one(monkeypatch):
             assert stack.stacked_blocks(m.blocks, m.embed(tok.view(1, 1)), st) is None
         m.step(tok, st)
         assert len(calls) == 1
+
+
+def test_a_steady_span_checks_once_until_renewed(monkeypatch):
+    """Inside ``kernels.steady()`` the kept calls are checked at the first token only: a weight swapped with
+    ``.data =`` is read from the first token after ``renew()`` (the old one, kept alive, until then), and at once
+    outside any span - each time as the blocks one by one, checked at every token outside a span, read it."""
+    m, _ = models(d_model=64, n_layers=2, pattern="mamba")
+    ids, tok = torch.randint(0, 300, (1, 5), generator=torch.Generator().manual_seed(3)), torch.tensor([11])
+    w = m.blocks[1].mixer.out_proj.weight
+
+    def run(enabled, span, swap_at, renew_at=None):
+        """Logits of 5 steps, the weight replaced by a doubled copy before step ``swap_at``."""
+        monkeypatch.setattr(stack, "ENABLED", enabled)
+        out, keep = [], w.data
+        with torch.no_grad(), kernels.steady() as s:
+            if not span:
+                monkeypatch.setattr(kernels, "steady_mark", lambda: None)     # as outside a span
+            _, st = m.prefill(ids)
+            for i in range(5):
+                if i == swap_at:
+                    w.data = keep.clone() * 2
+                    if span:
+                        del keep                           # only the kept calls still hold the old weights
+                if i == renew_at:
+                    s.renew()
+                logits, st = m.step(tok, st)
+                out.append(logits)
+        monkeypatch.undo()
+        return out
+
+    keep = w.data
+    calls = counted(monkeypatch)
+    steady = run(True, True, swap_at=2, renew_at=4)
+    w.data = keep
+    assert calls
+    late = run(False, False, swap_at=4)                    # one by one: the swap read from step 4
+    w.data = keep
+    assert all(torch.equal(a, b) for a, b in zip(steady, late))
+    fresh = run(False, False, swap_at=2)
+    w.data = keep
+    assert not torch.equal(fresh[2], late[2])              # the swap matters
+    calls = counted(monkeypatch)
+    assert all(torch.equal(a, b) for a, b in zip(run(True, False, swap_at=2), fresh))  # outside a span: at once
+    w.data = keep
+    assert calls
+
+
+def test_generate_sees_a_change_its_on_token_makes(monkeypatch):
+    """``generate`` decodes in a steady span renewed after each ``on_token``: weights the callback swaps are read
+    at the next token, as a loop of ``step`` outside any span reads them."""
+    m, _ = models(d_model=64, n_layers=2, pattern="mamba2")
+    prompt = torch.randint(0, 300, (7,), generator=torch.Generator().manual_seed(4)).tolist()
+    w = m.blocks[0].mixer.out_proj.weight
+    keep = w.data
+
+    def on_token(t, seen=[]):
+        seen.append(t)
+        if len(seen) == 3:
+            w.data = keep * -3
+
+    got, _ = m.generate(prompt, 6, temperature=0.0, on_token=on_token)
+    w.data = keep
+    ref = []
+    with torch.no_grad():
+        logits, st = m.prefill(torch.tensor([prompt]), logits="last")
+        while True:
+            t = int(logits.argmax(-1))
+            ref.append(t)
+            if len(ref) == 3:
+                w.data = keep * -3
+            if len(ref) == 6:
+                break
+            logits, st = m.step(torch.tensor([t]), st)
+    w.data = keep
+    assert got == ref
+    without, _ = m.generate(prompt, 6, temperature=0.0)
+    assert without[:3] == ref[:3] and without != ref       # the change mattered
