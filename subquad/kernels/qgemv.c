@@ -1224,6 +1224,8 @@ static inline __attribute__((always_inline)) void int4_split_vnni(int64_t K, int
                 memcpy(&x4, c + k, 4);
                 const __m512i xv = _mm512_set1_epi32(x4);
                 _mm_prefetch((const char *)(w + k * h + PF_BYTES), _MM_HINT_T0);
+                if (h == 32)        /* a step reads 128 bytes: both lines ahead (only the first: 1.16-1.22x */
+                    _mm_prefetch((const char *)(w + k * h + PF_BYTES + 64), _MM_HINT_T0);  /* the time, Zen 4) */
                 for (int64_t ch = 0; ch < nv; ch++) {
                     const __m512i p = h == 16
                         ? _mm512_permutexvar_epi8(idx0, _mm512_loadu_si512(w + k * h))
