@@ -1196,11 +1196,15 @@ static inline __attribute__((always_inline)) void int4_split_q(int64_t K, int64_
  * holds rows j and j + h) put in row order by one byte permute (vpermb / vpermt2b: row j's codes at k..k+3 in one
  * dword), then its low and its high nibbles each against x's four codes c[k..k+3] (one broadcast dword) in one
  * vpdpbusd: 16 rows' sums of four products, exact in int32, widened to float times d once per block of 32. */
-static inline __attribute__((always_inline)) void int4_split_vnni(int64_t K, int64_t G, int64_t Np, int64_t h,
-                                                                  const int8_t *c, const float *d, const float *xc,
-                                                                  const uint8_t *w, const uint16_t *sz, int64_t n0,
-                                                                  float *out) {
-    const int64_t gs = K / G, nv = h / 16;               /* 16-row chunks: 1 (h = 16) or 2 (h = 32) */
+static inline __attribute__((always_inline)) void int4_split_vnni(const int R, int64_t K, int64_t G, int64_t Np,
+                                                                  int64_t h, const int8_t *c, const float *d,
+                                                                  const float *xc, const uint8_t *w,
+                                                                  const uint16_t *sz, int64_t n0, float *out) {
+    /* R <= 4 rows of x at once (a constant where inlined; row r's codes at c + r K, its block scales at
+     * d + r K / 32, its group sums at xc + r G, its 2h outputs at out + 64 r): each weight step unpacked once
+     * for all R - at 16 rows, unpacking row by row made the product compute-bound at 4x its read - and each
+     * row's sums the same instructions in the same order as alone (its own accumulators), so the same bits. */
+    const int64_t gs = K / G, nv = h / 16, nb = K / 32;  /* 16-row chunks: 1 (h = 16) or 2 (h = 32) */
     const __m512i m4 = _mm512_set1_epi8(15);
     uint8_t ix[2][64];                                    /* chunk ch's byte 4j + t <- byte t h + 16 ch + j */
     for (int64_t ch = 0; ch < nv; ch++)
@@ -1208,53 +1212,69 @@ static inline __attribute__((always_inline)) void int4_split_vnni(int64_t K, int
             for (int t = 0; t < 4; t++)
                 ix[ch][4 * j + t] = (uint8_t)(t * h + 16 * ch + j);
     const __m512i idx0 = _mm512_loadu_si512(ix[0]), idx1 = _mm512_loadu_si512(ix[1]);
-    __m512 o[4];                                          /* out's 2h rows, 16 a vector */
-    for (int i = 0; i < 2 * nv; i++)
-        o[i] = _mm512_setzero_ps();
-    for (int64_t g = 0; g < G; g++) {
-        __m512 f[4];                                      /* lo rows by chunk, then hi rows by chunk */
+    __m512 o[4][4];                                       /* per row, out's 2h rows, 16 a vector */
+    for (int r = 0; r < R; r++)
         for (int i = 0; i < 2 * nv; i++)
-            f[i] = _mm512_setzero_ps();
-        for (int64_t k0 = g * gs; k0 < (g + 1) * gs; k0 += 32) {
-            __m512i a[4];
+            o[r][i] = _mm512_setzero_ps();
+    for (int64_t g = 0; g < G; g++) {
+        __m512 f[4][4];                                   /* per row: lo rows by chunk, then hi rows by chunk */
+        for (int r = 0; r < R; r++)
             for (int i = 0; i < 2 * nv; i++)
-                a[i] = _mm512_setzero_si512();
+                f[r][i] = _mm512_setzero_ps();
+        for (int64_t k0 = g * gs; k0 < (g + 1) * gs; k0 += 32) {
+            __m512i a[4][4];
+            for (int r = 0; r < R; r++)
+                for (int i = 0; i < 2 * nv; i++)
+                    a[r][i] = _mm512_setzero_si512();
             for (int64_t k = k0; k < k0 + 32; k += 4) {
-                int32_t x4;
-                memcpy(&x4, c + k, 4);
-                const __m512i xv = _mm512_set1_epi32(x4);
                 _mm_prefetch((const char *)(w + k * h + PF_BYTES), _MM_HINT_T0);
                 if (h == 32)        /* a step reads 128 bytes: both lines ahead (only the first: 1.16-1.22x */
                     _mm_prefetch((const char *)(w + k * h + PF_BYTES + 64), _MM_HINT_T0);  /* the time, Zen 4) */
+                __m512i lo[2], hi[2];
                 for (int64_t ch = 0; ch < nv; ch++) {
                     const __m512i p = h == 16
                         ? _mm512_permutexvar_epi8(idx0, _mm512_loadu_si512(w + k * h))
                         : _mm512_permutex2var_epi8(_mm512_loadu_si512(w + k * h), ch ? idx1 : idx0,
                                                    _mm512_loadu_si512(w + k * h + 64));
-                    a[ch] = _mm512_dpbusd_epi32(a[ch], _mm512_and_si512(p, m4), xv);
-                    a[nv + ch] = _mm512_dpbusd_epi32(a[nv + ch], _mm512_and_si512(_mm512_srli_epi16(p, 4), m4), xv);
+                    lo[ch] = _mm512_and_si512(p, m4);
+                    hi[ch] = _mm512_and_si512(_mm512_srli_epi16(p, 4), m4);
+                }
+                for (int r = 0; r < R; r++) {
+                    int32_t x4;
+                    memcpy(&x4, c + r * K + k, 4);
+                    const __m512i xv = _mm512_set1_epi32(x4);
+                    for (int64_t ch = 0; ch < nv; ch++) {
+                        a[r][ch] = _mm512_dpbusd_epi32(a[r][ch], lo[ch], xv);
+                        a[r][nv + ch] = _mm512_dpbusd_epi32(a[r][nv + ch], hi[ch], xv);
+                    }
                 }
             }
-            const __m512 dv = _mm512_set1_ps(d[k0 / 32]);
-            for (int i = 0; i < 2 * nv; i++)
-                f[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a[i]), dv, f[i]);
+            for (int r = 0; r < R; r++) {
+                const __m512 dv = _mm512_set1_ps(d[r * nb + k0 / 32]);
+                for (int i = 0; i < 2 * nv; i++)
+                    f[r][i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a[r][i]), dv, f[r][i]);
+            }
         }
-        /* f[i] holds rows 16 i .. 16 i + 15 in order; their (s, z) bfloat16 pairs are 16 dwords, s the low half:
+        /* f[r][i] holds rows 16 i .. 16 i + 15 in order; their (s, z) bfloat16 pairs are 16 dwords, s the low half:
          * out += s acc + (z - 8 s) xc[g], 16 rows an instruction (a scalar loop over the 2h rows took as many
          * instructions as the group's products; benchmarks/RESULTS.md, "int4's groups closed 16 rows at once") */
         const uint16_t *sg = sz + (g * Np + n0) * 2;
-        const __m512 xg = _mm512_set1_ps(xc[g]), eight = _mm512_set1_ps(8.0f);
+        const __m512 eight = _mm512_set1_ps(8.0f);
         const __m512i hi16 = _mm512_set1_epi32((int)0xFFFF0000u);
         for (int i = 0; i < 2 * nv; i++) {
             const __m512i p = _mm512_loadu_si512(sg + 32 * i);
             const __m512 sc = _mm512_castsi512_ps(_mm512_slli_epi32(p, 16));
             const __m512 z = _mm512_castsi512_ps(_mm512_and_si512(p, hi16));
-            o[i] = _mm512_add_ps(o[i], _mm512_add_ps(_mm512_mul_ps(sc, f[i]),
-                                                     _mm512_mul_ps(_mm512_sub_ps(z, _mm512_mul_ps(eight, sc)), xg)));
+            for (int r = 0; r < R; r++) {
+                const __m512 xg = _mm512_set1_ps(xc[r * G + g]);
+                o[r][i] = _mm512_add_ps(o[r][i], _mm512_add_ps(_mm512_mul_ps(sc, f[r][i]),
+                                        _mm512_mul_ps(_mm512_sub_ps(z, _mm512_mul_ps(eight, sc)), xg)));
+            }
         }
     }
-    for (int i = 0; i < 2 * nv; i++)
-        _mm512_storeu_ps(out + 16 * i, o[i]);
+    for (int r = 0; r < R; r++)
+        for (int i = 0; i < 2 * nv; i++)
+            _mm512_storeu_ps(out + 64 * r + 16 * i, o[r][i]);
 }
 #else
 #define INT4_VNNI 0
@@ -1300,15 +1320,30 @@ void int4_gemv(int64_t M, int64_t N, int64_t Np, int64_t K, int64_t G, int64_t B
     for (int64_t blk = 0; blk < full + (full * BN < Np); blk++) {
         const int64_t n0 = blk * BN, bn = blk < full ? BN : Np - n0;
         const uint8_t *wb = w + n0 * K / 2;
-        float out[64];
-        for (int64_t m = 0; m < M; m++) {
+        float out[4 * 64];
 #if INT4_VNNI
-            if (split && bn == BN && BN == 64)             /* h a constant in each call: registers, not memory */
-                int4_split_vnni(K, G, Np, 32, c + m * K, d + m * nb, xc + m * G, wb, sz, n0, out);
-            else if (split && bn == BN && BN == 32)
-                int4_split_vnni(K, G, Np, 16, c + m * K, d + m * nb, xc + m * G, wb, sz, n0, out);
-            else
-#elif SIMD
+        if (split && bn == BN && (BN == 64 || BN == 32)) {  /* up to four rows of x per pass over the block */
+            for (int64_t m0 = 0; m0 < M; m0 += 4) {
+                const int R = M - m0 < 4 ? (int)(M - m0) : 4;
+                const int8_t *cm = c + m0 * K;
+                const float *dm = d + m0 * nb, *xm = xc + m0 * G;
+#define I4V(R_, H_) int4_split_vnni(R_, K, G, Np, H_, cm, dm, xm, wb, sz, n0, out)  /* constants: registers */
+                if (BN == 64)
+                    switch (R) { case 1: I4V(1, 32); break; case 2: I4V(2, 32); break; case 3: I4V(3, 32); break;
+                                 default: I4V(4, 32); }
+                else
+                    switch (R) { case 1: I4V(1, 16); break; case 2: I4V(2, 16); break; case 3: I4V(3, 16); break;
+                                 default: I4V(4, 16); }
+#undef I4V
+                for (int r = 0; r < R; r++)
+                    for (int64_t j = 0; j < bn && n0 + j < N; j++)
+                        y[(m0 + r) * N + n0 + j] = out[64 * r + j] + (bias ? bias[n0 + j] : 0.0f);
+            }
+            continue;
+        }
+#endif
+        for (int64_t m = 0; m < M; m++) {
+#if SIMD && !INT4_VNNI
             if (split && bn == BN && BN == 64)             /* h a constant in each call: registers, not memory */
                 int4_split_q(K, G, Np, 32, (const int16_t *)(c + m * K), d + m * nb, xc + m * G, wb, sz, n0, out);
             else if (split && bn == BN && BN == 32)

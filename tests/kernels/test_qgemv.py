@@ -145,6 +145,7 @@ def test_f32_against_float64(M, N, K, bias):
     (4, 304, 256, 32, True),              # a last, shorter block (304 = 4 x 64 + 48)
     (16, 48, 128, 64, True),              # shorter than one block of 64
     (3, 112, 512, 256, False),
+    (7, 192, 384, 128, True),             # four rows and then three
 ])
 def test_int4_in_every_packed_layout(layout, M, N, K, gs, bias):
     """The layouts are packed here with quant.kernel_pack (what Int4Linear holds on a CPU with that layout);
@@ -163,7 +164,8 @@ def test_int4_in_every_packed_layout(layout, M, N, K, gs, bias):
     got = qgemv.int4_gemv(x, packed, sz, b, N, block, split)
     assert got.shape == (M, N)
     assert _rel(got, ref) <= 2e-6
-    assert torch.equal(qgemv.int4_gemv(x[-1:], packed, sz, b, N, block, split)[0], got[-1])
+    for m in range(M):                    # each row as alone: rows go four at a time, each its own sums
+        assert torch.equal(qgemv.int4_gemv(x[m:m + 1], packed, sz, b, N, block, split)[0], got[m])
 
 
 def test_int4_of_a_padded_module():
