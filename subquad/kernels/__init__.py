@@ -237,11 +237,12 @@ class Steady:
 
 
 @contextlib.contextmanager
-def steady():
-    """``with steady() as span:`` a ``Steady`` span for this thread (``generate`` decodes in one, renewing it
-    after each ``on_token``); the previous span (or none) again after it."""
+def steady(span: Steady | None = None):
+    """``with steady() as span:`` a ``Steady`` span for this thread - a new one, or ``span`` entered again (the
+    serving engine keeps one across its plain steps) - (``generate`` decodes in one, renewing it after each
+    ``on_token``); the previous span (or none) again after it."""
     prev = getattr(_LOCAL, "steady", None)
-    span = _LOCAL.steady = Steady()
+    span = _LOCAL.steady = Steady() if span is None else span
     try:
         yield span
     finally:

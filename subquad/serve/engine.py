@@ -50,6 +50,7 @@ from collections import deque
 
 import torch
 
+from subquad import kernels
 from subquad.models.constrain import FormatError, Grammar, check_format
 from subquad.models.rows import cat_states, select_rows, state_nbytes, with_capacity
 from subquad.models.speculative import (
@@ -128,6 +129,9 @@ class Engine(Prefill, Speculating, Memory):
         self._unfinished: dict = {}        # id -> every accepted Sequence without its final event yet
         self._lock = threading.Lock()
         self._wake = threading.Event()
+        # the plain steps' kernels.steady span: renewed where code not the loop's own ran (a caller's ``step``, an
+        # ``on_event`` callback not marked ``subquad_internal``); a step with hooks or drafts runs outside it
+        self._span = kernels.Steady()
         self.waiting: deque = deque()
         self.prefilling: deque = deque()
         self.running: list[Sequence] = []
@@ -263,7 +267,7 @@ class Engine(Prefill, Speculating, Memory):
         (benchmarks/RESULTS.md, "The engine on the main thread")."""
         while not self._stop and (until is None or not until()):
             try:
-                busy = self.step()
+                busy = self._iterate()
             except Exception:                       # a bug outside any one request's work: end them all, go on
                 traceback.print_exc()
                 self._fail_all()
@@ -278,6 +282,10 @@ class Engine(Prefill, Speculating, Memory):
     @torch.no_grad()
     def step(self) -> bool:
         """One iteration (module doc); returns whether any request is left to work on."""
+        self._span.renew()                  # called from outside the loop: the caller's code ran since the last
+        return self._iterate()
+
+    def _iterate(self) -> bool:
         with self._lock:
             self.waiting.extend(self._inbox)
             self._inbox.clear()
@@ -376,8 +384,9 @@ class Engine(Prefill, Speculating, Memory):
                                                                   self.batch_state, logits="last")
                     logits = logits.unsqueeze(1)
                 else:
-                    logits, self.batch_state = self.model.step(torch.tensor(feed, device=self.device),
-                                                               self.batch_state)
+                    with kernels.steady(self._span):        # plain steps: the kept calls checked once a span
+                        logits, self.batch_state = self.model.step(torch.tensor(feed, device=self.device),
+                                                                   self.batch_state)
                     logits = logits.unsqueeze(1)
         except Exception:                                   # the batched step: no one row to blame
             traceback.print_exc()
@@ -468,6 +477,8 @@ class Engine(Prefill, Speculating, Memory):
         event.index = seq.index
         if event.finish_reason is not None:
             self._unfinished.pop(seq.id, None)
+        if seq.on_event is not None and not getattr(seq.on_event, "subquad_internal", False):
+            self._span.renew()              # another's code runs here: what it may change is checked again
         try:
             seq._push(event)
         except Exception:

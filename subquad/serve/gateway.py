@@ -117,6 +117,7 @@ class Gateway:
             except RuntimeError:            # the event loop is gone (shutdown): nobody is listening
                 pass
 
+        on_event.subquad_internal = True    # touches no model: the engine's steady span goes on (kernels.steady)
         seq = self.submit(parsed, ids, field, on_event, boundaries)
         rid, now = render.prefix + uuid.uuid4().hex[:24], int(time.time())
         if parsed.stream:

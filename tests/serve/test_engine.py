@@ -579,12 +579,12 @@ def test_run_steps_on_the_calling_thread_until_told_to_stop():
     model = model_of("mamba2")
     engine = Engine(model, state_cache_mb=0)
     p = SamplingParams(max_tokens=7, temperature=0)
-    threads, real = set(), engine.step
+    threads, real = set(), engine._iterate            # the loop's iteration (``step`` from outside it)
 
     def step():
         threads.add(threading.get_ident())
         return real()
-    engine.step = step
+    engine._iterate = step
     seqs = []
     submitter = threading.Thread(target=lambda: seqs.extend(engine.submit([i + 1, i + 3], p) for i in range(3)))
     submitter.start()
@@ -653,3 +653,39 @@ def test_a_packed_prefill_that_fails_is_run_again_piece_by_piece(monkeypatch):
     monkeypatch.setattr(model, "prefill", real)
     for i in (0, 2):
         assert seqs[i].tokens == alone(model, prompts[i], p)
+
+
+def test_plain_steps_share_one_steady_span_and_a_callbacks_change_is_read(monkeypatch):
+    """The loop's plain steps run in one ``kernels.steady`` span (the kept calls checked once, not every step);
+    an ``on_event`` of the caller's renews it, so weights it swaps are read from the next step - the tokens
+    ``generate`` gives with the same swap in its ``on_token``."""
+    from subquad import kernels
+
+    model = model_of("mamba2")
+    marks, valid = [], kernels.Held.valid           # each block's kept call checks its Held
+    monkeypatch.setattr(kernels.Held, "valid", lambda self: marks.append(kernels.steady_mark()) or valid(self))
+    engine = Engine(model, max_batch=2, state_cache_mb=0)
+    seq = engine.submit([3, 5, 7], SamplingParams(max_tokens=9, temperature=0))
+    engine.run(until=lambda: seq.finish_reason is not None)
+    assert len(marks) >= 5 and marks[0] is not None and all(m is marks[0] for m in marks)
+    assert seq.tokens == model.generate([3, 5, 7], 9, temperature=0.0)[0]
+
+    w = model.blocks[1].mixer.out_proj.weight
+    keep = w.data
+
+    def swap_at_third(count):
+        def call(*_):
+            count.append(1)
+            if len(count) == 3:
+                w.data = keep * -3
+        return call
+
+    marks.clear()
+    seq = engine.submit([3, 5, 7], SamplingParams(max_tokens=9, temperature=0), on_event=swap_at_third([]))
+    engine.run(until=lambda: seq.finish_reason is not None)
+    w.data = keep
+    seen = list(marks)
+    want = model.generate([3, 5, 7], 9, temperature=0.0, on_token=swap_at_third([]))[0]
+    w.data = keep
+    assert seq.tokens == want and want != model.generate([3, 5, 7], 9, temperature=0.0)[0]
+    assert len({id(m) for m in seen}) == 8           # renewed at each event the caller got: one per plain step
