@@ -1202,8 +1202,8 @@ static inline __attribute__((always_inline)) void int4_split_vnni(const int R, i
                                                                   const uint16_t *sz, int64_t n0, float *out) {
     /* R <= 4 rows of x at once (a constant where inlined; row r's codes at c + r K, its block scales at
      * d + r K / 32, its group sums at xc + r G, its 2h outputs at out + 64 r): each weight step unpacked once
-     * for all R - at 16 rows, unpacking row by row made the product compute-bound at 4x its read - and each
-     * row's sums the same instructions in the same order as alone (its own accumulators), so the same bits. */
+     * for all R, not row by row (0.67-0.85x the time at 2-8 rows, 0.94x at 16 on Zen 4: benchmarks/RESULTS.md),
+     * and each row's sums the same instructions in the same order as alone (its own accumulators): the same bits. */
     const int64_t gs = K / G, nv = h / 16, nb = K / 32;  /* 16-row chunks: 1 (h = 16) or 2 (h = 32) */
     const __m512i m4 = _mm512_set1_epi8(15);
     uint8_t ix[2][64];                                    /* chunk ch's byte 4j + t <- byte t h + 16 ch + j */
