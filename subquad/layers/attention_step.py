@@ -19,6 +19,7 @@ values go to a fork of the cache, as the layer's own step appends them. The laye
 
 from __future__ import annotations
 
+import array
 import ctypes
 import weakref
 
@@ -84,13 +85,14 @@ class Step:
     def __call__(self, h, cache: KVCache, seq):
         B, d, (H, Hk, K) = self.B, self.d, self.shape
         h2 = h.reshape(B, d).contiguous()
-        pos = cache.next_position
-        pos = torch.full((B,), pos, dtype=torch.int64) if not isinstance(pos, torch.Tensor) \
+        pos = cache.next_position             # every row's position: a C array, not a tensor, where it is one int
+        pos = array.array("q", [pos]) * B if not isinstance(pos, torch.Tensor) \
             else pos.to(torch.int64).expand(B).contiguous()
         q, k, v = h2.new_empty(B, H * K), h2.new_empty(B, 1, Hk, K), h2.new_empty(B, 1, Hk, K)
         gate = h2.new_empty(B, H * K) if self.gated else None
         threads = torch.get_num_threads()
-        self.call_in(threads, h2, pos, q, gate, k, v, h2.new_empty(B * (d + 2 * H * K)))
+        self.call_in(threads, h2, pos if isinstance(pos, torch.Tensor) else pos.buffer_info()[0], q, gate, k, v,
+                     h2.new_empty(B * (d + 2 * H * K)))
         new = self.attn()._extend(cache, k, v, seq)
         kc, vc = new.k, new.v
         L = kc.shape[1]

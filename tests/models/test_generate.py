@@ -137,6 +137,10 @@ def test_bad_generation_arguments():
         model.generate([1], 2.5)
     with pytest.raises(ValueError, match="token ids"):
         model(torch.tensor([[0, 99]]))
+    with pytest.raises(ValueError, match=r"token ids .* got \[-1, 0\]"):      # a step's few ids, as ints
+        model(torch.tensor([[0], [-1]]))
+    with pytest.raises(ValueError, match=r"token ids .* got \[0, 99\]"):      # a prompt's many, by reductions
+        model(torch.tensor([[0] * 70 + [99]]))
 
 
 

@@ -24,6 +24,7 @@ read, never written. Eager only (a compiled step leaves it to inductor, as it do
 
 from __future__ import annotations
 
+import array
 import struct
 
 import torch
@@ -117,9 +118,13 @@ class StackStep:
                 mlp = mlps[i]
                 row += [0] * (1 + mlp_block.ARGS) if mlp is None else [1] + _words(mlp.call.raw, mlp_block.FLOATS)
             rows.append(row)
-        self.args = torch.tensor(rows, dtype=torch.int64)
+        # the (L, n) table as a flat array of C int64s, copied and filled per call with plain Python: as a tensor,
+        # clone, index_put and the pointers' tensor were four ops of cold dispatch a call (benchmarks/RESULTS.md)
+        self.table = array.array("q", [v for row in rows for v in row])
         slots = steps[0].call.slots         # threads, h, conv state, state, h', new conv state, new state, scratch
-        self.cols = [slots[2], slots[3], slots[5], slots[6]]
+        width = len(rows[0])
+        self.fill = [(width * i + slots[2], width * i + slots[3], width * i + slots[5], width * i + slots[6])
+                     for i in range(len(rows))]
         self.scratch = max([step.scratch for step in steps] + [m.scratch for m in mlps or () if m is not None])
 
     def __call__(self, h, states):
@@ -127,20 +132,20 @@ class StackStep:
         if tuple(h.shape) != (B, 1, d) or len(states) != L:
             raise ValueError(f"the stacked step holds {L} layers of {B} rows of width {d}; got h {tuple(h.shape)} "
                              f"and {len(states)} states")
-        args, ptrs, keep, outs = self.args.clone(), [], [], []
-        for step, (conv, state) in zip(self.steps, states):
+        table, keep, outs = self.table[:], [], []
+        for step, (conv, state), (a, b, c, e) in zip(self.steps, states, self.fill):
             if tuple(conv.shape) != step.conv_shape or tuple(state.shape) != step.state_shape:
                 raise ValueError(f"a {step.name} step holds conv state {step.conv_shape}, state "
                                  f"{step.state_shape}; got {tuple(conv.shape)}, {tuple(state.shape)}")
             conv, state = conv.contiguous(), state.contiguous()
             new = torch.empty_like(conv), torch.empty_like(state)
-            ptrs += [conv.data_ptr(), state.data_ptr(), new[0].data_ptr(), new[1].data_ptr()]
+            table[a], table[b], table[c], table[e] = conv.data_ptr(), state.data_ptr(), new[0].data_ptr(), \
+                new[1].data_ptr()
             keep.append((conv, state))
             outs.append(new)
-        args[:, self.cols] = torch.tensor(ptrs, dtype=torch.int64).view(L, 4)
         h2 = h.reshape(B, d).contiguous()
         h_out = h2.new_empty(B, d)
-        self.kernel(L, args, torch.get_num_threads(), h2, h_out, h2.new_empty(self.scratch))
+        self.kernel(L, table.buffer_info()[0], torch.get_num_threads(), h2, h_out, h2.new_empty(self.scratch))
         return h_out.view(B, 1, d), outs
 
 
