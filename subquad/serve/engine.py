@@ -285,6 +285,7 @@ class Engine(Prefill, Speculating, Memory):
         self._span.renew()                  # called from outside the loop: the caller's code ran since the last
         return self._iterate()
 
+    @torch.no_grad()
     def _iterate(self) -> bool:
         with self._lock:
             self.waiting.extend(self._inbox)

@@ -660,13 +660,19 @@ def test_plain_steps_share_one_steady_span_and_a_callbacks_change_is_read(monkey
     an ``on_event`` of the caller's renews it, so weights it swaps are read from the next step - the tokens
     ``generate`` gives with the same swap in its ``on_token``."""
     from subquad import kernels
+    from subquad.models import stack
 
-    model = model_of("mamba2")
-    marks, valid = [], kernels.Held.valid           # each block's kept call checks its Held
+    model = model_of("mamba2")                       # two Mamba-2 blocks: a run the stack takes
+    marks, valid, still = [], kernels.Held.valid, stack.Plan.still       # the checks, and the span each ran in
     monkeypatch.setattr(kernels.Held, "valid", lambda self: marks.append(kernels.steady_mark()) or valid(self))
+    monkeypatch.setattr(stack.Plan, "still", lambda self: marks.append(kernels.steady_mark()) or still(self))
     engine = Engine(model, max_batch=2, state_cache_mb=0)
+    grads, real_step = [], model.step
+    model.step = lambda *a: grads.append(torch.is_grad_enabled()) or real_step(*a)
     seq = engine.submit([3, 5, 7], SamplingParams(max_tokens=9, temperature=0))
     engine.run(until=lambda: seq.finish_reason is not None)
+    del model.step
+    assert grads and not any(grads)                  # the loop decodes without autograd (the kernels' condition)
     assert len(marks) >= 5 and marks[0] is not None and all(m is marks[0] for m in marks)
     assert seq.tokens == model.generate([3, 5, 7], 9, temperature=0.0)[0]
 
