@@ -173,6 +173,22 @@ class Call:
         self.f(*raw)
 
 
+def once_per_span(check):
+    """A method ``check(self) -> bool`` run in full outside a ``steady`` span and once per span inside one: a True
+    found in a span is kept on the object (``_span_seen``) until the span renews (``Held.valid``,
+    ``models.stack.Plan.still``)."""
+    @functools.wraps(check)
+    def checked(self) -> bool:
+        mark = steady_mark()
+        if mark is not None and getattr(self, "_span_seen", None) is mark:
+            return True
+        if not check(self):
+            return False
+        self._span_seen = mark
+        return True
+    return checked
+
+
 class Held:
     """What ``modules``' trees hold now, to tell cheaply later whether a ``Call`` built from ``tensors`` (found in
     them) still reads what they hold: every parameter and buffer slot the same tensor (or still None: a bias
@@ -181,7 +197,6 @@ class Held:
     also keep its version. ``ok``: each of ``tensors`` was found (else nothing may be cached)."""
 
     def __init__(self, modules, tensors):
-        self.seen = None                                                    # the steady span it was last checked in
         # the storages read now, kept alive: within a ``steady`` span a weight swapped unseen (``.data =``) is then
         # read stale, never freed memory
         self.storages = [t.untyped_storage() for t in tensors if isinstance(t, torch.Tensor)]
@@ -199,11 +214,9 @@ class Held:
                         found.add(id(t))
         self.ok = want <= found
 
+    @once_per_span
     def valid(self) -> bool:
         """Whether nothing it holds changed: checked in full, or once per ``steady`` span."""
-        mark = steady_mark()
-        if mark is not None and self.seen is mark:
-            return True
         for d, n in self.sizes:
             if len(d) != n:
                 return False
@@ -213,7 +226,6 @@ class Held:
         for t, v in self.versions:
             if t._version != v:
                 return False
-        self.seen = mark
         return True
 
 

@@ -86,13 +86,15 @@ class Step:
         B, d, (H, Hk, K) = self.B, self.d, self.shape
         h2 = h.reshape(B, d).contiguous()
         pos = cache.next_position             # every row's position: a C array, not a tensor, where it is one int
-        pos = array.array("q", [pos]) * B if not isinstance(pos, torch.Tensor) \
-            else pos.to(torch.int64).expand(B).contiguous()
+        if isinstance(pos, torch.Tensor):
+            pos = pos_ptr = pos.to(torch.int64).expand(B).contiguous()
+        else:
+            pos = array.array("q", [pos]) * B   # (held here through the call)
+            pos_ptr = pos.buffer_info()[0]
         q, k, v = h2.new_empty(B, H * K), h2.new_empty(B, 1, Hk, K), h2.new_empty(B, 1, Hk, K)
         gate = h2.new_empty(B, H * K) if self.gated else None
         threads = torch.get_num_threads()
-        self.call_in(threads, h2, pos if isinstance(pos, torch.Tensor) else pos.buffer_info()[0], q, gate, k, v,
-                     h2.new_empty(B * (d + 2 * H * K)))
+        self.call_in(threads, h2, pos_ptr, q, gate, k, v, h2.new_empty(B * (d + 2 * H * K)))
         new = self.attn()._extend(cache, k, v, seq)
         kc, vc = new.k, new.v
         L = kc.shape[1]

@@ -43,7 +43,6 @@ class Plan:
 
     def __init__(self, blocks, h):
         rows = h.shape[0]
-        self.seen = None                          # the steady span ``still`` last found it in
         self.parts, steps, mlps = [], [], []      # (block, norm, mixer, Held, mlp, norm2, its Held) per block
         for block in blocks:
             kept = getattr(block, "kept_step", None)
@@ -64,12 +63,10 @@ class Plan:
             raise LookupError(type(steps[0]))
         self.stack = mamba_block.StackStep(kind[0], steps, kind[1], mlps if kind[2] else None)
 
+    @kernels.once_per_span
     def still(self) -> bool:
         """Whether every block is still what ``kept_step`` and ``layers.mlp_step.kept`` accepted when this was
         built: checked in full, or once per ``kernels.steady`` span."""
-        mark = kernels.steady_mark()
-        if mark is not None and self.seen is mark:
-            return True
         for block, norm, mixer, held, mlp, norm2, mlp_held in self.parts:
             mods = block._modules
             if mods.get("norm1") is not norm or mods.get("mixer") is not mixer or mods.get("mlp") is not mlp \
@@ -79,7 +76,6 @@ class Plan:
             if mlp is not None and (mods.get("norm2") is not norm2 or mlp._forward_hooks or mlp._forward_pre_hooks
                                     or not mlp_held.valid()):
                 return False
-        self.seen = mark
         return True
 
 

@@ -279,7 +279,6 @@ class Engine(Prefill, Speculating, Memory):
     def _run(self):
         self.run()
 
-    @torch.no_grad()
     def step(self) -> bool:
         """One iteration (module doc); returns whether any request is left to work on."""
         self._span.renew()                  # called from outside the loop: the caller's code ran since the last
