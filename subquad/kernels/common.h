@@ -200,6 +200,13 @@ static inline float f_bits(int64_t v) {
     return f;
 }
 
+/* A double passed as its bits in a 64-bit word (layer_stack.c's attention rows: the rotary base). */
+static inline double d_bits(int64_t v) {
+    double f;
+    memcpy(&f, &v, 8);
+    return f;
+}
+
 /* One token of the depthwise causal convolution, channels [c0, c1): out = silu(bias + sum_k w[:, k] [st; x]_k),
  * and the new tail so = [st[1:]; x]. x (C,), st and so (K-1, C), w (C, K), bias (C,) or NULL. */
 static inline void conv_step(const float *x, const float *st, float *so, const float *w, const float *bias,

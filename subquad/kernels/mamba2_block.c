@@ -45,26 +45,32 @@ void mamba2_block_tokens(int64_t T, int64_t B, int64_t d, int64_t Dn, int64_t G,
  * (scratch: the most any layer's mixer or MLP needs). */
 #define MIXER_ARGS 39
 #define STACK_ROW (MIXER_ARGS + 1 + 25)
+
+/* One layer of such a table: the block's mixer half from `in`, then its MLP where it has one (writing `mid`
+ * between them), into `out`; layer_stack.c runs it beside attention layers. */
+static void mamba2_stack_layer(const int64_t *a, int threads, const float *in, float *mid, float *out,
+                               float *scratch)
+{
+    if (!a[MIXER_ARGS])
+        mid = out;
+#define P(i) ((void *)(intptr_t)a[i])
+    mamba2_block_tokens(a[0], a[1], a[2], a[3], a[4], a[5], a[6], a[7], a[8], threads, in, P(11), f_bits(a[12]),
+                        P(13), P(14), P(15), P(16), P(17), P(18), (int)a[19], (int)a[20], a[21], a[22], P(23),
+                        P(24), P(25), P(26), P(27), P(28), f_bits(a[29]), f_bits(a[30]), P(31), P(32), a[33],
+                        f_bits(a[34]), mid, P(36), P(37), scratch);
+#undef P
+    if (a[MIXER_ARGS])
+        mlp_block_words(a + MIXER_ARGS + 1, threads, mid, out, scratch);
+}
+
 void mamba2_block_stack(int64_t L, const int64_t *args, int threads, const float *h, float *h_out, float *scratch)
 {
     const int64_t B = args[1], d = args[2];
     float *buf = malloc(3 * B * d * sizeof(float));
     const float *in = h;
     for (int64_t l = 0; l < L; l++) {
-        const int64_t *a = args + STACK_ROW * l, *m = a + MIXER_ARGS + 1;
-        float *out = l == L - 1 ? h_out : buf + (l % 2) * B * d, *mid = a[MIXER_ARGS] ? buf + 2 * B * d : out;
-#define P(i) ((void *)(intptr_t)a[i])
-        mamba2_block_tokens(a[0], a[1], a[2], a[3], a[4], a[5], a[6], a[7], a[8], threads, in, P(11), f_bits(a[12]),
-                            P(13), P(14), P(15), P(16), P(17), P(18), (int)a[19], (int)a[20], a[21], a[22], P(23),
-                            P(24), P(25), P(26), P(27), P(28), f_bits(a[29]), f_bits(a[30]), P(31), P(32), a[33],
-                            f_bits(a[34]), mid, P(36), P(37), scratch);
-#undef P
-#define P(i) ((void *)(intptr_t)m[i])
-        if (a[MIXER_ARGS])
-            mlp_block_rows(m[0], m[1], m[2], (int)m[3], threads, mid, P(6), f_bits(m[7]), P(8), P(9), P(10),
-                           (int)m[11], m[12], P(13), P(14), P(15), (int)m[16], m[17], P(18), P(19), P(20), (int)m[21],
-                           m[22], out, scratch);
-#undef P
+        float *out = l == L - 1 ? h_out : buf + (l % 2) * B * d;
+        mamba2_stack_layer(args + STACK_ROW * l, threads, in, buf + 2 * B * d, out, scratch);
         in = out;
     }
     free(buf);

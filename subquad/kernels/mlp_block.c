@@ -37,4 +37,14 @@ void mlp_block_rows(int64_t M, int64_t d, int64_t F, int act, int threads, const
         h_out[i] += h[i];
 }
 
+/* mlp_block_rows with its arguments as a table's 64-bit words (the stacked blocks': mamba2_block.c, layer_stack.c),
+ * m[0..22] in its order (threads, h, h_out and scratch unused: given here), the norm's eps as its float's bits. */
+static void mlp_block_words(const int64_t *m, int threads, const float *h, float *h_out, float *scratch)
+{
+#define P(i) ((void *)(intptr_t)m[i])
+    mlp_block_rows(m[0], m[1], m[2], (int)m[3], threads, h, P(6), f_bits(m[7]), P(8), P(9), P(10), (int)m[11], m[12],
+                   P(13), P(14), P(15), (int)m[16], m[17], P(18), P(19), P(20), (int)m[21], m[22], h_out, scratch);
+#undef P
+}
+
 #endif

@@ -105,7 +105,7 @@ class Step:
         return h_out.view(B, 1, d), new
 
 
-def _cache_ok(cache) -> bool:
+def cache_ok(cache) -> bool:
     """A float32 CPU ``KVCache`` without a window whose entries lie as (B, L, Hk, K) rows the kernel strides."""
     if type(cache) is not KVCache or cache.window is not None:
         return False
@@ -120,13 +120,19 @@ def _build(attn, norm, B: int):
     return None if any(p is None for p in projs) else Step(attn, norm, B, projs)
 
 
+def kept_plan(attn, norm, rows: int):
+    """(``kernels.Held``, ``Step``) kept for ``attn`` after ``norm`` at ``rows`` rows, or None where none is kept
+    (``models.stack`` runs it beside a hybrid's Mamba-2 blocks in one call: ``models.layer_stack``)."""
+    return _PLANS.peek(attn, norm, rows)
+
+
 def fused_attention(attn, h, norm, state):
     """The module doc's call: h (B, 1, d), the layer's state -> (h', new state), or None."""
     if torch.compiler.is_compiling() or state is None or h.dim() != 3 or h.shape[1] != 1:
         return None
     B, seq = h.shape[0], sequence.backend()
     cache = state.get("kv") if type(state) is dict and len(state) == 1 else None
-    if B > C_ROWS or type(seq) is not SingleDevice or seq.cu_seqlens is not None or not _cache_ok(cache) \
+    if B > C_ROWS or type(seq) is not SingleDevice or seq.cu_seqlens is not None or not cache_ok(cache) \
             or cache.k.shape[0] != B or not fits(attn, norm):
         return None
     def make():

@@ -36,7 +36,7 @@ from subquad.layers.mlp import ReLU2MLP, SwiGLU, dense_mlp
 from subquad.layers.linear import linear, use_linear
 from subquad.kernels.fpenv import flush_denormals
 from subquad.layers.attention import SoftmaxAttention
-from subquad.layers.attention_step import fused_attention
+from subquad.layers.attention_step import fits as attention_fits, fused_attention, kept_plan as attention_kept_plan
 from subquad.layers.mamba import kept_plan
 from subquad.layers.mlp_step import fits as mlp_fits, fused_mlp
 from subquad.models.config import ModelConfig
@@ -169,16 +169,18 @@ class PreNormBlock(Block):
 
     def kept_step(self, rows: int):
         """(``kernels.Held``, step) of the mixer's one call kept for ``rows`` rows of one token
-        (``layers.mamba.planned_block``) where this block's decoding step is that call, then the MLP's where it
-        has one (``layers.mlp_step``: the stack asks it for its own) - no other MLP, no hooks on the block or the
-        mixer, ``forward`` this class's -, else None (``models.stack``)."""
+        (``layers.mamba.planned_block``; softmax attention's two, ``layers.attention_step``) where this block's
+        decoding step is that call, then the MLP's where it has one (``layers.mlp_step``: the stack asks it for its
+        own) - no other MLP, no hooks on the block or the mixer, ``forward`` this class's -, else None
+        (``models.stack``)."""
         m = self.mixer
         if type(self).forward is not PreNormBlock.forward or self.stateful_mlp \
                 or (self.mlp is not None and not mlp_fits(self.mlp, self.norm2)) \
-                or self._forward_hooks or self._forward_pre_hooks or m._forward_hooks or m._forward_pre_hooks \
-                or not hasattr(m, "fused_block"):
+                or self._forward_hooks or self._forward_pre_hooks or m._forward_hooks or m._forward_pre_hooks:
             return None
-        return kept_plan(m, self.norm1, rows)
+        if type(m) is SoftmaxAttention:            # its two calls (``layers.attention_step``)
+            return attention_kept_plan(m, self.norm1, rows) if attention_fits(m, self.norm1) else None
+        return kept_plan(m, self.norm1, rows) if hasattr(m, "fused_block") else None
 
     def forward(self, h, state=None, cu_seqlens=None, carry=None):
         m = self.mixer

@@ -4,16 +4,20 @@ A block's kept one-call step (``layers.mamba.planned_block``) still costs ~20 us
 besides its arithmetic - the block's and the mixer's calls, the checks of what may have changed, three new
 tensors, the ctypes call - about 0.5 ms of a 24-layer step, 8-14% of an 8- or 4-bit mamba-130m token
 (benchmarks/RESULTS.md); a hybrid's MLP after it (``layers.mlp_step``) as much again. Where consecutive blocks
-are such blocks of one kind - Mamba without an MLP, Mamba-2 without one or with a SwiGLU (Bamba's, Granite 4's
-blocks) -, each with its steps already kept at this batch (the first token builds them the usual way),
-``stacked_blocks`` runs each run of them as one ``ops.mamba.fused_block.StackStep``: the same C functions per
-layer, called from one C loop, so the result is the one the blocks give one by one (tests/models/test_stack.py
-holds them equal, bit for bit); the blocks between runs (attention, a lone block) run as usual. The plan is kept
-per run and rows (``layers.mamba.STACKS``) and checked at every token as the blocks check themselves: each block,
-its norms, mixer and MLP the same modules without hooks, each kept step still valid (``kernels.Held``: the same
-modules, tensors and data), no global module hooks, the sequence backend ``SingleDevice``, not compiling, the
-states float32 on the CPU, the kernel usable; where a check fails that run's blocks run one by one (and rebuild
-what changed). ``ENABLED = False`` turns it off.
+are such blocks of one kind - Mamba without an MLP; Mamba-2 and softmax attention (``layers.attention_step``'s)
+without one or with a SwiGLU / ReLU^2 (Bamba's, Granite 4's, Nemotron-H's blocks; a transformer's) -, each with
+its steps already kept at this batch (the first token builds them the usual way), ``stacked_blocks`` runs each
+run of them as one ``ops.mamba.fused_block.StackStep`` (Mamba or Mamba-2 blocks alone) or
+``models.layer_stack.MixedStep`` (with attention blocks: their cache appends inside the call): the same C
+functions per layer, called from one C loop, so the result is the one the blocks give one by one
+(tests/models/test_stack.py, test_layer_stack.py hold them equal, bit for bit); the blocks between runs (a
+windowed attention, a MoE, a lone block) run as usual. The plan is kept per run and rows
+(``layers.mamba.STACKS``) and checked at every token as the blocks check themselves: each block, its norms, mixer
+and MLP the same modules without hooks, each kept step still valid (``kernels.Held``: the same modules, tensors
+and data), no global module hooks, the sequence backend ``SingleDevice``, not compiling, the states float32 on
+the CPU (the caches as ``layers.attention_step`` takes them), the kernel usable; where a check fails that run's
+blocks run one by one (and rebuild what changed). ``ENABLED = False`` turns it off; ``MIXED = False`` keeps
+attention blocks out of the runs.
 """
 
 from __future__ import annotations
@@ -21,16 +25,20 @@ from __future__ import annotations
 import torch
 
 from subquad import kernels
-from subquad.layers import mlp_step, sequence
+from subquad.layers import attention_step, mlp_step, sequence
+from subquad.layers.attention import SoftmaxAttention
 from subquad.layers.mamba import STACKS, Mamba
 from subquad.layers.mamba2 import Mamba2
 from subquad.layers.sequence import SingleDevice
+from subquad.models import layer_stack
+from subquad.ops import KVCache
 from subquad.ops.decay import fused_block as mamba2_block
 from subquad.ops.mamba import fused_block as mamba_block
 
 ENABLED = True
+MIXED = True                # Mamba-2 and attention blocks in one run (``models.layer_stack``)
 MIN_RUN = 2                 # a lone block keeps its own kept call: the stack saves nothing there
-MIXERS = (Mamba, Mamba2)
+MIXERS = (Mamba, Mamba2, SoftmaxAttention)
 # a kept step's class -> (the stack kernel of its library, the float arguments' positions, whether its rows
 # carry an MLP: kernels/mamba2_block.c)
 KINDS = {mamba_block.BlockStep: (mamba_block.STACK, (11,), False),
@@ -57,6 +65,12 @@ class Plan:
                                None if mlp_plan is None else mlp_plan[0]))
             steps.append(plan[1])
             mlps.append(None if mlp_plan is None else mlp_plan[1])
+        self.attention = tuple(type(step) is attention_step.Step for step in steps)
+        if any(self.attention):            # a hybrid's run: Mamba-2 and attention blocks
+            if any(type(step) not in (mamba2_block.BlockStep, attention_step.Step) for step in steps):
+                raise LookupError(type(steps[0]))
+            self.stack = layer_stack.MixedStep(steps, mlps)
+            return
         kind = KINDS.get(type(steps[0]))
         if kind is None or any(type(step) is not type(steps[0]) for step in steps) \
                 or (not kind[2] and any(m is not None for m in mlps)):
@@ -80,19 +94,25 @@ class Plan:
 
 
 def _kind(block):
-    """The mixer type of ``block`` where it may ever take part - a block with ``kept_step``, a Mamba mixer
-    without an MLP or a Mamba-2 mixer without one or with a SwiGLU (``layers.mlp_step.fits``) - else None (hooks,
-    the kept steps and the states are checked per token)."""
+    """The kind of run ``block`` may ever take part in - a block with ``kept_step``: a Mamba mixer without an MLP
+    (Mamba), a Mamba-2 mixer or softmax attention the kernels compute (``layers.attention_step.fits``) without one
+    or with a SwiGLU / ReLU^2 (``layers.mlp_step.fits``; Mamba2, or with ``MIXED`` both "mixed") - else None
+    (hooks, the kept steps and the states are checked per token)."""
     mixer, mlp = type(block._modules.get("mixer")), block._modules.get("mlp")
     if not hasattr(block, "kept_step") or mixer not in MIXERS:
         return None
-    if mlp is None or (mixer is Mamba2 and mlp_step.fits(mlp, block._modules.get("norm2"))):
+    if mixer is SoftmaxAttention and not (MIXED and attention_step.fits(block.mixer, block._modules.get("norm1"))):
+        return None
+    if mlp is None and mixer is Mamba:
         return mixer
+    if mixer is not Mamba and (mlp is None or mlp_step.fits(mlp, block._modules.get("norm2"))):
+        return "mixed" if MIXED else mixer
     return None
 
 
 def runs(blocks) -> tuple:
-    """(start, end) of each run of at least ``MIN_RUN`` consecutive blocks of one kind (``_kind``)."""
+    """(start, end) of each run of at least ``MIN_RUN`` consecutive blocks of one kind (``_kind``); a run of
+    attention blocks alone (a transformer's) included."""
     kinds, out, start = [_kind(b) for b in blocks], [], 0
     for i in range(1, len(kinds) + 1):
         if i == len(kinds) or kinds[i] is not kinds[start]:
@@ -102,11 +122,18 @@ def runs(blocks) -> tuple:
     return tuple(out)
 
 
-def _states(state) -> list | None:
-    """[(conv, ssm)] of a run's per-block states, or None where one is not float32 on the CPU as the kernel reads
-    it."""
+def _states(state, attention=(), rows=0) -> list | None:
+    """[(conv, ssm)] of a run's per-block states - an attention block's (``attention`` True there) its KV cache -,
+    or None where one is not as the kernel reads it: float32 on the CPU (a cache ``layers.attention_step``
+    takes)."""
     pairs = []
-    for s in state:
+    for i, s in enumerate(state):
+        if attention and attention[i]:
+            cache = s.get("kv") if type(s) is dict and len(s) == 1 else None
+            if type(cache) is not KVCache or not attention_step.cache_ok(cache) or cache.k.shape[0] != rows:
+                return None
+            pairs.append(cache)
+            continue
         if type(s) is not dict or len(s) != 2:
             return None
         conv, ssm = s.get("conv"), s.get("ssm")
@@ -128,9 +155,11 @@ def _run(plans, blocks, start, end, h, state):
         except LookupError:                  # a block runs otherwise, or its step is not kept yet: one by one
             return None
         plans[key] = plan
-    pairs = _states(state[start:end])
+    pairs = _states(state[start:end], plan.attention, h.shape[0])
     if pairs is None or not kernels.usable(plan.stack.kernel, h):
         return None
+    if any(plan.attention):
+        return plan.stack(h, pairs)
     h, new = plan.stack(h, pairs)
     return h, [{"ssm": ssm, "conv": conv} for conv, ssm in new]
 

@@ -77,10 +77,12 @@ HYBRID = dict(d_model=64, n_layers=7, pattern="mamba2,mamba2,mamba2,softmax,mamb
 @pytest.mark.parametrize("B,kind", [(1, "swiglu"), (3, "swiglu"), (3, "relu2")])
 def test_a_hybrids_runs_of_blocks_with_mlps_equal_them_one_by_one_and_float64(monkeypatch, B, kind):
     """Bamba's structure: runs of Mamba-2 blocks with a SwiGLU each (layers 0-2, 4-5; Nemotron-H's ReLU^2 too) in
-    one call each, the attention blocks between them as usual - bit-equal to the blocks one by one, within 1e-5 of
-    a float64 forward of the whole sequence."""
+    one call each, the attention blocks between them as usual (``MIXED`` off: with it the whole run is one call,
+    tests/models/test_layer_stack.py) - bit-equal to the blocks one by one, within 1e-5 of a float64 forward of
+    the whole sequence."""
     from subquad.ops import mlp_block
 
+    monkeypatch.setattr(stack, "MIXED", False)
     assert stack.runs(models(**HYBRID)[0].blocks) == ((0, 3), (4, 6))
     m, m64 = models(**HYBRID, mlp_kind=kind)
     ids = torch.randint(0, 300, (B, 7), generator=torch.Generator().manual_seed(B))
@@ -103,7 +105,9 @@ def test_a_hybrids_runs_of_blocks_with_mlps_equal_them_one_by_one_and_float64(mo
 @pytest.mark.parametrize("kind", ["int8", "int4"])
 def test_a_quantised_hybrid_and_a_hooked_mlp(monkeypatch, kind):
     """int8 / int4 MLPs and mixers in the runs equal the blocks one by one; a hook on an MLP runs its run's
-    blocks one by one (the hook runs), the other run still in one call; a replaced MLP weight is read."""
+    blocks one by one (the hook runs), the other run still in one call; a replaced MLP weight is read (``MIXED``
+    off)."""
+    monkeypatch.setattr(stack, "MIXED", False)
     m, _ = models(**dict(HYBRID, mlp_size=128))
     quantize(m, kind, group_size=32) if kind == "int4" else quantize(m, kind)
     ids, tok = torch.randint(0, 300, (2, 5), generator=torch.Generator().manual_seed(0)), torch.tensor([3, 9])

@@ -144,16 +144,31 @@ class KVCache:
         if self.window is not None:
             return self._append_window(k_new, v_new)
         t = k_new.shape[1]
+        end = self._open(t)
+        self._k[:, end:end + t] = k_new
+        self._v[:, end:end + t] = v_new
+        return self
+
+    def _open(self, t: int) -> int:
+        """Count ``t`` more tokens at the end, in place (no window) -> the buffer column the first goes to."""
         end = self._start + self._len
         if end + t > self._k.shape[1] or end != self._tail[0]:       # full, or a fork wrote past our end
             self._realloc(max(2 * (self._len + t), 16))
             end = self._len
-        self._k[:, end:end + t] = k_new
-        self._v[:, end:end + t] = v_new
         self._len += t
         self._tail[0] = end + t
         self._advance(t)
-        return self
+        return end
+
+    def opened(self, t: int = 1) -> "KVCache":
+        """A fork with ``t`` more columns at its end, counted as appended but not yet written: ``append``'s fork
+        without its copy, for a caller that writes the keys and values there itself (``models.layer_stack``'s
+        C call). Until they are written the fork's last ``t`` entries are undefined; this cache is unchanged."""
+        if self.window is not None:
+            raise ValueError("a windowed cache slides its entries as it appends: append to it instead")
+        c = self.fork()
+        c._open(t)
+        return c
 
     def reserve(self, capacity: int) -> "KVCache":
         """Room for the cache to reach ``capacity`` tokens by appends that never reallocate (in place; returns
