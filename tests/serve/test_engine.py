@@ -695,3 +695,24 @@ def test_plain_steps_share_one_steady_span_and_a_callbacks_change_is_read(monkey
     w.data = keep
     assert seq.tokens == want and want != model.generate([3, 5, 7], 9, temperature=0.0)[0]
     assert len({id(m) for m in seen}) == 8           # renewed at each event the caller got: one per plain step
+
+
+def test_the_served_loop_decodes_a_hybrid_in_one_call_a_step(monkeypatch):
+    """What ``subquad serve`` runs (the engine's ``run`` loop, rows joining and leaving, ragged caches) takes a
+    hybrid's one C call per step (``models.layer_stack``) at every step but at most the first at each new number
+    of rows (which may build the blocks' kept steps), so a served path falling back to the modules is seen here, not only in
+    a benchmark; each stream's tokens are ``generate``'s."""
+    from subquad.models import layer_stack
+
+    model = model_of("bamba")
+    calls, rows, run, real_step = [], [], layer_stack.MixedStep.__call__, model.step
+    monkeypatch.setattr(layer_stack.MixedStep, "__call__", lambda self, *a: calls.append(1) or run(self, *a))
+    model.step = lambda tokens, state: rows.append(tokens.reshape(-1).shape[0]) or real_step(tokens, state)
+    engine = Engine(model, max_batch=4, state_cache_mb=0)
+    prompts, lengths = [[3, 5, 7], [9] * 11, [2, 4]], [9, 4, 12]
+    seqs = [engine.submit(q, SamplingParams(max_tokens=n, temperature=0)) for q, n in zip(prompts, lengths)]
+    engine.run(until=lambda: all(s.finish_reason is not None for s in seqs))
+    del model.step
+    assert len(set(rows)) >= 2 and len(rows) - len(set(rows)) <= len(calls) <= len(rows)
+    for s, q, n in zip(seqs, prompts, lengths):
+        assert s.tokens == model.generate(q, n, temperature=0.0)[0]
