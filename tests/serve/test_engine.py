@@ -700,8 +700,8 @@ def test_plain_steps_share_one_steady_span_and_a_callbacks_change_is_read(monkey
 def test_the_served_loop_decodes_a_hybrid_in_one_call_a_step(monkeypatch):
     """What ``subquad serve`` runs (the engine's ``run`` loop, rows joining and leaving, ragged caches) takes a
     hybrid's one C call per step (``models.layer_stack``) at every step but at most the first at each new number
-    of rows (which may build the blocks' kept steps), so a served path falling back to the modules is seen here, not only in
-    a benchmark; each stream's tokens are ``generate``'s."""
+    of rows (which may build the blocks' kept steps), so a served path falling back to the modules is seen here,
+    not only in a benchmark; each stream's tokens are ``generate``'s."""
     from subquad.models import layer_stack
 
     model = model_of("bamba")
