@@ -76,3 +76,14 @@ void layer_stack(int64_t L, int64_t B, int64_t d, const int64_t *args, int threa
     }
     free(buf);
 }
+
+/* head_rows: a decoding token's end, logits = rmsnorm(h) W^T + b for B rows (the model's final norm and its head's
+ * product in one call: models/token_step.py). W float32 row- or column-major or quantised as its kind says (qgemv.c's
+ * proj_gemv); scratch B d floats. */
+void head_rows(int64_t B, int64_t d, int64_t V, int threads, const float *h, const float *norm_w, float eps,
+               const void *w, const void *s, const float *b, int kind, int64_t groups, float *logits,
+               float *scratch)
+{
+    rms_rows(B, d, h, norm_w, eps, scratch);
+    proj_gemv(kind, groups, B, V, d, threads, scratch, d, w, s, b, logits);
+}

@@ -47,6 +47,7 @@ from subquad.models.moe import MoE, load_balancing_loss
 from subquad.models.mode import decoding
 from subquad.models.shared import EMBEDDINGS, SharedTransformer, SharedUse
 from subquad.models.stack import stacked_blocks
+from subquad.models.token_step import decode_token
 from subquad.models.state import ModelState
 from subquad.ops.common.checks import state_dtype
 from subquad.ops.common.precision import checks_on
@@ -588,7 +589,12 @@ class LanguageModel(nn.Module):
 
     def eager_step(self, tokens, state):
         """``step`` without the compiled step: tokens (B, 1), the prefill of one token a row (the reference the
-        compiled step is tested against, and what ``compile_decode(faster=True)`` times it against)."""
+        compiled step is tested against, and what ``compile_decode(faster=True)`` times it against) - in its
+        fewest Python steps where ``models.token_step`` applies (the same math; the final norm and head in one C
+        call)."""
+        out = decode_token(self, tokens, state)
+        if out is not None:
+            return out
         logits, state = self.prefill(tokens, state)
         return logits[:, -1], state
 
