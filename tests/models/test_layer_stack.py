@@ -11,7 +11,7 @@ import torch
 from subquad.models import layer_stack, stack
 from subquad.models.quant import quantize
 from subquad.models.state import save_state
-from tests.models.test_stack import assert_same, steps
+from tests.models.test_stack import assert_near_float64, assert_same, head_through_the_modules, steps  # noqa: F401
 from tests.ops.fused_harness import models
 
 pytestmark = pytest.mark.skipif(not layer_stack.KERNEL.available(), reason="no C compiler: the kernel cannot be built")
@@ -34,13 +34,6 @@ def counted(monkeypatch):
     return calls
 
 
-def full_logits(m64, ids, tok, out):
-    """The float64 model's logits at each decoded position, the whole sequence at once."""
-    with torch.no_grad():
-        seq = torch.cat([ids] + [torch.stack([tok] + [lg.argmax(-1) for lg, _ in out[:-1]], 1)], 1)
-        return m64(seq)[:, ids.shape[1]:]
-
-
 @pytest.mark.parametrize("B,mlp_kind,heads,attention", [
     (1, "swiglu", (4, 2), {"rotary_fraction": 0.5}),                 # Bamba's: grouped heads, half rotary
     (3, "swiglu", (4, 2), {"rotary_fraction": 0.5}),
@@ -59,9 +52,7 @@ def test_a_hybrids_layers_in_one_call_equal_them_one_by_one_and_float64(monkeypa
     one = steps(m, ids, tok, 12, True, monkeypatch)
     assert len(calls) == 11                       # the first token builds the blocks' steps, then one call each
     assert_same(one, steps(m, ids, tok, 12, False, monkeypatch))
-    full = full_logits(m64, ids, tok, one)
-    for i, (logits, _) in enumerate(one):
-        assert (logits.double() - full[:, i]).abs().max() <= 1e-5 * full.abs().max()
+    assert_near_float64(m64, ids, tok, one)
 
 
 def test_a_transformers_layers_in_one_call(monkeypatch):
@@ -73,9 +64,7 @@ def test_a_transformers_layers_in_one_call(monkeypatch):
     one = steps(m, ids, tok, 5, True, monkeypatch)
     assert len(calls) == 4
     assert_same(one, steps(m, ids, tok, 5, False, monkeypatch))
-    full = full_logits(m64, ids, tok, one)
-    for i, (logits, _) in enumerate(one):
-        assert (logits.double() - full[:, i]).abs().max() <= 1e-5 * full.abs().max()
+    assert_near_float64(m64, ids, tok, one)
 
 
 def test_a_ragged_batch_as_a_server_holds_it(monkeypatch):

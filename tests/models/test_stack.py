@@ -9,7 +9,7 @@ import torch
 
 from subquad import kernels
 from subquad.layers.mamba import STACKS
-from subquad.models import stack
+from subquad.models import stack, token_step
 from subquad.models.quant import quantize
 from subquad.models.state import save_state
 from subquad.ops.mamba import fused_block
@@ -22,6 +22,15 @@ PATTERNS = {"mamba": dict(d_model=48, n_layers=3, pattern="mamba"),
             "mamba2": dict(d_model=64, n_layers=3, pattern="mamba2")}
 
 
+@pytest.fixture(autouse=True)
+def head_through_the_modules():
+    """The head's call (``models.token_step``) sums in another order than the norm and head modules: off in this
+    file's tests (not through monkeypatch: some undo theirs), so the stack on and off compare bit for bit."""
+    was, token_step.ENABLED = token_step.ENABLED, False
+    yield
+    token_step.ENABLED = was
+
+
 def counted(monkeypatch):
     """How often the stack kernel runs."""
     calls = []
@@ -30,9 +39,13 @@ def counted(monkeypatch):
     return calls
 
 
-def steps(m, ids, tok, n, enabled, monkeypatch):
-    """n greedy steps after prefilling ids -> [(logits, state) per step]."""
-    monkeypatch.setattr(stack, "ENABLED", enabled)
+def steps(m, ids, tok, n, enabled, monkeypatch, module=stack):
+    """n greedy steps after prefilling ids with ``module.ENABLED`` set to ``enabled`` -> [(logits, state) per
+    step]. Switching the stack, the head's call (``models.token_step``, whose norm and product sum in another
+    order than the modules) stays off, so the logits compare bit for bit."""
+    if module is stack:
+        monkeypatch.setattr(token_step, "ENABLED", False)
+    monkeypatch.setattr(module, "ENABLED", enabled)
     out = []
     with torch.no_grad():
         _, st = m.prefill(ids)
@@ -41,6 +54,16 @@ def steps(m, ids, tok, n, enabled, monkeypatch):
             out.append((logits, st))
             tok = logits.argmax(-1)
     return out
+
+
+def assert_near_float64(m64, ids, tok, out):
+    """Each step's logits within 1e-5 of the logits' scale of an independent computation: the float64 model's
+    forward over the whole sequence at once."""
+    with torch.no_grad():
+        seq = torch.cat([ids] + [torch.stack([tok] + [lg.argmax(-1) for lg, _ in out[:-1]], 1)], 1)
+        full = m64(seq)[:, ids.shape[1]:]
+    for i, (logits, _) in enumerate(out):
+        assert (logits.double() - full[:, i]).abs().max() <= 1e-5 * full.abs().max()
 
 
 def assert_same(a, b):
@@ -63,11 +86,7 @@ def test_the_blocks_in_one_call_equal_them_one_by_one_and_float64(monkeypatch, n
     one = steps(m, ids, tok, 4, True, monkeypatch)
     assert len(calls) == 3                        # the first token builds the blocks' steps, then one call each
     assert_same(one, steps(m, ids, tok, 4, False, monkeypatch))
-    with torch.no_grad():                         # an independent float64 computation: the whole sequence at once
-        seq = torch.cat([ids] + [torch.stack([tok] + [lg.argmax(-1) for lg, _ in one[:-1]], 1)], 1)
-        full = m64(seq)[:, ids.shape[1]:]
-    for i, (logits, _) in enumerate(one):
-        assert (logits.double() - full[:, i]).abs().max() <= 1e-5 * full.abs().max()
+    assert_near_float64(m64, ids, tok, one)
 
 
 HYBRID = dict(d_model=64, n_layers=7, pattern="mamba2,mamba2,mamba2,softmax,mamba2,mamba2,softmax", mlp=True,
@@ -95,11 +114,7 @@ def test_a_hybrids_runs_of_blocks_with_mlps_equal_them_one_by_one_and_float64(mo
     assert len(calls) == 2 * 3                    # the first token builds the steps, then one call a run
     assert len(mlps) == 7 + 3 * 2                 # the first token's MLPs, then the attention blocks'
     assert_same(one, steps(m, ids, tok, 4, False, monkeypatch))
-    with torch.no_grad():
-        seq = torch.cat([ids] + [torch.stack([tok] + [lg.argmax(-1) for lg, _ in one[:-1]], 1)], 1)
-        full = m64(seq)[:, ids.shape[1]:]
-    for i, (logits, _) in enumerate(one):
-        assert (logits.double() - full[:, i]).abs().max() <= 1e-5 * full.abs().max()
+    assert_near_float64(m64, ids, tok, one)
 
 
 @pytest.mark.parametrize("kind", ["int8", "int4"])

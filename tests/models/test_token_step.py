@@ -9,6 +9,7 @@ import torch
 
 from subquad.models import token_step
 from subquad.models.quant import quantize
+from tests.models.test_stack import assert_near_float64, steps
 from tests.ops.fused_harness import models
 
 pytestmark = pytest.mark.skipif(not token_step.KERNEL.available(), reason="no C compiler: the kernel cannot be built")
@@ -27,16 +28,7 @@ def counted(monkeypatch):
 
 
 def decode(m, ids, tok, n, enabled, monkeypatch):
-    """n greedy steps after prefilling ids -> [(logits, state)]."""
-    monkeypatch.setattr(token_step, "ENABLED", enabled)
-    out = []
-    with torch.no_grad():
-        _, st = m.prefill(ids)
-        for _ in range(n):
-            logits, st = m.step(tok, st)
-            out.append((logits, st))
-            tok = logits.argmax(-1)
-    return out
+    return steps(m, ids, tok, n, enabled, monkeypatch, module=token_step)
 
 
 @pytest.mark.parametrize("name", sorted(SHAPES))
@@ -57,11 +49,7 @@ def test_the_token_in_three_steps_agrees_with_the_prefills_path_and_float64(monk
         assert (a - b).abs().max() <= tol * b.abs().max()
         assert sa.pos == sb.pos
     if precision == "float32":
-        with torch.no_grad():
-            seq = torch.cat([ids, torch.stack([tok] + [lg.argmax(-1) for lg, _ in fast[:-1]], 1)], 1)
-            full = m64(seq)[:, ids.shape[1]:]
-        for i, (logits, _) in enumerate(fast):
-            assert (logits.double() - full[:, i]).abs().max() <= 1e-5 * full.abs().max()
+        assert_near_float64(m64, ids, tok, fast)
 
 
 def test_what_keeps_the_prefills_path(monkeypatch):
