@@ -80,12 +80,14 @@ class Plan:
     @kernels.once_per_span
     def still(self) -> bool:
         """Whether every block is still what ``kept_step`` and ``layers.mlp_step.kept`` accepted when this was
-        built: checked in full, or once per ``kernels.steady`` span."""
-        for block, norm, mixer, held, mlp, norm2, mlp_held in self.parts:
+        built: checked in full, or once per ``kernels.steady`` span (an attention layer's settings too: a window
+        or a head gate set since, as ``layers.attention_step`` checks them per token)."""
+        for (block, norm, mixer, held, mlp, norm2, mlp_held), attention in zip(self.parts, self.attention):
             mods = block._modules
             if mods.get("norm1") is not norm or mods.get("mixer") is not mixer or mods.get("mlp") is not mlp \
                     or block._forward_hooks or block._forward_pre_hooks or mixer._forward_hooks \
-                    or mixer._forward_pre_hooks or not held.valid():
+                    or mixer._forward_pre_hooks or not held.valid() \
+                    or (attention and not attention_step.fits(mixer, norm)):
                 return False
             if mlp is not None and (mods.get("norm2") is not norm2 or mlp._forward_hooks or mlp._forward_pre_hooks
                                     or not mlp_held.valid()):

@@ -136,8 +136,9 @@ def test_quantised_weights(monkeypatch, kind):
 
 
 def test_what_keeps_the_blocks_one_by_one(monkeypatch):
-    """A hook on an attention block runs (its run goes one by one while it is there); a windowed attention layer
-    splits the runs (the kernel reads no window); ``MIXED = False`` keeps the Mamba-2 runs apart from attention."""
+    """A hook on an attention block runs (its run goes one by one while it is there); a window set between tokens
+    is seen; a windowed attention layer splits the runs (the kernel reads no window); ``MIXED = False`` keeps the
+    Mamba-2 runs apart from attention."""
     m, _ = hybrid()
     calls = counted(monkeypatch)
     ids, tok = torch.randint(0, 300, (1, 5), generator=torch.Generator().manual_seed(1)), torch.tensor([7])
@@ -148,6 +149,15 @@ def test_what_keeps_the_blocks_one_by_one(monkeypatch):
     handle.remove()
     steps(m, ids, tok, 3, True, monkeypatch)
     assert len(calls) == 3                        # the blocks' steps were kept meanwhile: every token in one call
+    calls.clear()
+    with torch.no_grad():                         # a window set between tokens: the layer's own step from then on
+        _, st = m.prefill(ids)
+        _, st = m.step(tok, st)
+        _, st = m.step(tok, st)
+        m.blocks[2].mixer.window = 64
+        m.step(tok, st)
+        m.blocks[2].mixer.window = None
+    assert len(calls) == 2                        # the two tokens before it (the blocks' steps kept already)
     windowed, _ = hybrid(attention={"window": 4})
     assert stack.runs(windowed.blocks) == ((0, 2),)
     monkeypatch.setattr(stack, "MIXED", False)
