@@ -83,8 +83,9 @@ def _head(model, h):
             w, bias, V = model.embed.weight, None, model.embed.num_embeddings
             w = w if w.dtype == torch.float32 and layout(w) else None       # (column-major: decode_layout's)
         else:
-            w, bias, V = kernel_weight(model.head, B), model.head.bias, model.head.out_features
-        if w is None:
+            head = model.head
+            w, bias, V = kernel_weight(head, B), getattr(head, "bias", None), getattr(head, "out_features", None)
+        if w is None or not isinstance(V, int):
             return None
         step = HeadStep(B, norm, w, bias, V)
         return step if kernels.usable(KERNEL, h, *step.floats) else None
