@@ -13,16 +13,13 @@ from subquad.layers.attention import SoftmaxAttention
 from subquad.layers.norm import RMSNorm
 from subquad.models import stack
 from subquad.ops import KVCache
-from tests.ops.fused_harness import assert_steps_agree, models, step_logits
+from tests.ops.fused_harness import assert_steps_agree, count_calls, models, step_logits
 
 pytestmark = pytest.mark.skipif(not attention_step.OUT.available(), reason="no C compiler: the kernel cannot be built")
 
 
 def counted(monkeypatch):
-    calls = []
-    run = attention_step.Step.__call__
-    monkeypatch.setattr(attention_step.Step, "__call__", lambda self, *a: calls.append(1) or run(self, *a))
-    return calls
+    return count_calls(monkeypatch, attention_step.Step)
 
 
 @pytest.mark.parametrize("heads,options", [

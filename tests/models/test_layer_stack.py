@@ -12,7 +12,7 @@ from subquad.models import layer_stack, stack
 from subquad.models.quant import quantize
 from subquad.models.state import save_state
 from tests.models.test_stack import assert_near_float64, assert_same, head_through_the_modules, steps  # noqa: F401
-from tests.ops.fused_harness import models
+from tests.ops.fused_harness import count_calls, models
 
 pytestmark = pytest.mark.skipif(not layer_stack.KERNEL.available(), reason="no C compiler: the kernel cannot be built")
 
@@ -27,11 +27,7 @@ def hybrid(pattern="mamba2,mamba2,softmax,mamba2,softmax", mlp_kind="swiglu", he
 
 
 def counted(monkeypatch):
-    """How often the mixed kernel runs."""
-    calls = []
-    run = layer_stack.MixedStep.__call__
-    monkeypatch.setattr(layer_stack.MixedStep, "__call__", lambda self, *a: calls.append(1) or run(self, *a))
-    return calls
+    return count_calls(monkeypatch, layer_stack.MixedStep)
 
 
 @pytest.mark.parametrize("B,mlp_kind,heads,attention", [

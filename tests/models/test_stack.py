@@ -13,7 +13,7 @@ from subquad.models import stack, token_step
 from subquad.models.quant import quantize
 from subquad.models.state import save_state
 from subquad.ops.mamba import fused_block
-from tests.ops.fused_harness import models
+from tests.ops.fused_harness import count_calls, models
 
 pytestmark = pytest.mark.skipif(not fused_block.STACK.available(), reason="no C compiler: the kernel cannot be built")
 
@@ -33,10 +33,7 @@ def head_through_the_modules():
 
 def counted(monkeypatch):
     """How often the stack kernel runs."""
-    calls = []
-    run = stack.mamba_block.StackStep.__call__
-    monkeypatch.setattr(stack.mamba_block.StackStep, "__call__", lambda self, *a: calls.append(1) or run(self, *a))
-    return calls
+    return count_calls(monkeypatch, stack.mamba_block.StackStep)
 
 
 def steps(m, ids, tok, n, enabled, monkeypatch, module=stack):

@@ -11,7 +11,7 @@ from subquad.kernels import qgemv
 from subquad.models import token_step
 from subquad.models.quant import quantize
 from tests.models.test_stack import assert_near_float64, steps
-from tests.ops.fused_harness import models
+from tests.ops.fused_harness import count_calls, models
 
 pytestmark = pytest.mark.skipif(not token_step.KERNEL.available(), reason="no C compiler: the kernel cannot be built")
 
@@ -22,10 +22,7 @@ SHAPES = {"mamba, tied head": dict(d_model=64, n_layers=3, pattern="mamba"),
 
 
 def counted(monkeypatch):
-    calls = []
-    run = token_step.HeadStep.__call__
-    monkeypatch.setattr(token_step.HeadStep, "__call__", lambda self, h: calls.append(1) or run(self, h))
-    return calls
+    return count_calls(monkeypatch, token_step.HeadStep)
 
 
 def decode(m, ids, tok, n, enabled, monkeypatch):

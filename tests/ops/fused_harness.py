@@ -9,6 +9,14 @@ from subquad.models import LanguageModel, ModelConfig
 from subquad.models.decode import decode_layout
 
 
+def count_calls(monkeypatch, cls) -> list:
+    """A list that grows by one at each call of ``cls`` (a kept step's class) while the test runs."""
+    calls = []
+    run = cls.__call__
+    monkeypatch.setattr(cls, "__call__", lambda self, *a: calls.append(1) or run(self, *a))
+    return calls
+
+
 def models(**config):
     """(float32 model laid out for decoding, its float64 copy) of ``ModelConfig(vocab_size=300, mlp=False,
     **config)`` (``config`` may set mlp), seeded."""

@@ -11,7 +11,7 @@ import torch
 from subquad.layers import mlp_step
 from subquad.models import stack
 from subquad.ops import mlp_block
-from tests.ops.fused_harness import assert_steps_agree, models, step_logits
+from tests.ops.fused_harness import assert_steps_agree, count_calls, models, step_logits
 
 pytestmark = pytest.mark.skipif(not mlp_block.KERNEL.available(), reason="no C compiler: the kernel cannot be built")
 
@@ -54,10 +54,7 @@ def test_the_mlp_equals_its_math_in_float64(B, d, F, bias, cm, act):
 
 
 def counted(monkeypatch):
-    calls = []
-    run = mlp_block.MlpStep.__call__
-    monkeypatch.setattr(mlp_block.MlpStep, "__call__", lambda self, h: calls.append(1) or run(self, h))
-    return calls
+    return count_calls(monkeypatch, mlp_block.MlpStep)
 
 
 @pytest.mark.parametrize("kind", ["swiglu", "relu2"])
