@@ -166,6 +166,23 @@ def _run(plans, blocks, start, end, h, state):
     return h, [{"ssm": ssm, "conv": conv} for conv, ssm in new]
 
 
+def _structure(blocks) -> tuple:
+    """(``blocks``' plans, their runs): the runs found once per set of blocks, not per token."""
+    plans = STACKS.get(blocks)
+    if plans is None:
+        plans = STACKS[blocks] = {}
+    members, spans = plans.get("structure", ((), ()))
+    if len(members) != len(blocks) or any(a is not b for a, b in zip(members, blocks)):
+        members, spans = tuple(blocks), runs(blocks)
+        plans["structure"] = members, spans
+    return plans, spans
+
+
+def has_runs(blocks) -> bool:
+    """Whether ``stacked_blocks`` may take ``blocks`` at all (a run of them exists and the stack is on)."""
+    return ENABLED and bool(_structure(blocks)[1])
+
+
 def stacked_blocks(blocks, h, state):
     """h (B, 1, d) the embedded token, ``state`` one dict per block -> (h after the last block, the new per-block
     states) with each run of blocks (``runs``) in one ``StackStep`` where the module doc's checks pass and the
@@ -176,13 +193,7 @@ def stacked_blocks(blocks, h, state):
     hooks = torch.nn.modules.module
     if hooks._global_forward_hooks or hooks._global_forward_pre_hooks:
         return None
-    plans = STACKS.get(blocks)
-    if plans is None:
-        plans = STACKS[blocks] = {}
-    members, spans = plans.get("structure", ((), ()))
-    if len(members) != len(blocks) or any(a is not b for a, b in zip(members, blocks)):
-        members, spans = tuple(blocks), runs(blocks)       # once per set of blocks, not per token
-        plans["structure"] = members, spans
+    plans, spans = _structure(blocks)
     if not spans:
         return None
     states, i = [], 0

@@ -14,10 +14,10 @@ logits agree with ``prefill``'s within float32's rounding, not bit for bit.
 It applies where the model's ends are that plain - an ``nn.Embedding`` without scale, learned positions, norm or
 hyper-connections; no shared blocks; a plain RMSNorm; no logit cap; no hooks on the embedding, the norm or the
 head - to up to ``layers.linear.C_ROWS`` rows of float32 tokens on the CPU without gradients, autocast or a
-trace, and where ``stacked_blocks`` takes the blocks (else None: ``eager_step`` takes the prefill's path,
-``models.lm``). The head's call is kept per rows with a ``kernels.Held`` of what it read (rebuilt when the norm,
-head or embedding changes). ``ENABLED = False`` turns it off; tests/models/test_token_step.py holds it to the
-prefill's path and to a float64 model.
+trace, and where ``stacked_blocks`` takes the blocks (``models.stack.has_runs``: a run of them exists; else
+None: ``eager_step`` takes the prefill's path, ``models.lm``). The head's call is kept per rows with a
+``kernels.Held`` of what it read (rebuilt when the norm, head or embedding changes). ``ENABLED = False`` turns
+it off; tests/models/test_token_step.py holds it to the prefill's path and to a float64 model.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ from subquad.kernels.qgemv import proj_args
 from subquad.layers.linear import C_ROWS
 from subquad.layers.mamba import kernel_weight
 from subquad.layers.norm import RMSNorm
-from subquad.models.stack import stacked_blocks
+from subquad.models.stack import has_runs, stacked_blocks
 from subquad.models.state import ModelState
 from subquad.ops.mamba.fused_block import layout
 
@@ -100,7 +100,8 @@ def decode_token(model, tokens, state):
     the module doc's conditions fail (nothing is changed then)."""
     if not ENABLED or state is None or tokens.dim() != 2 or tokens.shape[1] != 1 or tokens.shape[0] > C_ROWS \
             or len(state) != len(model.blocks) or torch.is_grad_enabled() or torch.compiler.is_compiling() \
-            or not _ends_plain(model) or model.embed.weight.dtype != torch.float32 or not model.embed.weight.is_cpu:
+            or not _ends_plain(model) or model.embed.weight.dtype != torch.float32 or not model.embed.weight.is_cpu \
+            or not has_runs(model.blocks):
         return None
     model._check_idx(tokens)
     h = F.embedding(tokens.long(), model.embed.weight)

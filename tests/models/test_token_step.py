@@ -53,7 +53,8 @@ def test_the_token_in_three_steps_agrees_with_the_prefills_path_and_float64(monk
 
 def test_what_keeps_the_prefills_path(monkeypatch):
     """Hooks on the head, the norm or the embedding run (the prefill's path); a logit cap, gradients, more rows
-    than the kernels take keep it too; a head weight replaced between tokens is read at the next."""
+    than the kernels take, a model without a run of blocks keep it too; a head weight replaced between tokens is
+    read at the next."""
     m, _ = models(**SHAPES["hybrid, own head"])
     calls = counted(monkeypatch)
     ids, tok = torch.randint(0, 300, (1, 4), generator=torch.Generator().manual_seed(1)), torch.tensor([9])
@@ -86,3 +87,7 @@ def test_what_keeps_the_prefills_path(monkeypatch):
         monkeypatch.setattr(token_step, "ENABLED", False)
         c, _ = m.step(tok, st)
     assert len(calls) == 3 and not torch.allclose(a, b) and (b - c).abs().max() <= 1e-5 * c.abs().max()
+    calls.clear()
+    apart, _ = models(d_model=64, n_layers=2, pattern="mamba,softmax")     # no run of blocks: the prefill's path
+    decode(apart, ids, tok, 2, True, monkeypatch)
+    assert not calls
