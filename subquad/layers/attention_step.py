@@ -41,6 +41,7 @@ IN = Kernel("attn_in_rows", [I64] * 6 + [ctypes.c_double, INT, INT, PTR, PTR, FL
             + [PTR, FLOAT, PTR, FLOAT] + [PTR] * 6, "attention_step")
 OUT = Kernel("attn_out_rows", [I64] * 6 + [INT, PTR, PTR, I64, PTR, I64, PTR, FLOAT, PTR, PTR] + _PROJ + [PTR, PTR],
              "attention_step")
+IN_FLOATS, IN_DOUBLE, OUT_FLOATS = (11, 28, 30), 6, (13,)           # the float (eps, scale) and double (base) args
 _PLANS = kernels.KeptCalls()                                        # attention -> {rows: Step}
 
 

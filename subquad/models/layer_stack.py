@@ -22,20 +22,18 @@ import struct
 import torch
 
 from subquad.kernels import I64, INT, PTR, Kernel
+from subquad.layers import attention_step
 from subquad.ops import mlp_block
 from subquad.ops.decay import fused_block as mamba2_block
 from subquad.ops.mamba.fused_block import _words
 
 KERNEL = Kernel("layer_stack", [I64, I64, I64, PTR, INT, PTR, PTR, PTR], "layer_stack")
 MLP_WORDS = 1 + mlp_block.ARGS                     # 1 and the MLP's arguments, or 0 and zeros
-ATTN_IN, ATTN_OUT = 37, 23                         # attn_in_rows', attn_out_rows' arguments (attention_step.c)
-ATTN_WORDS = ATTN_IN + ATTN_OUT + 1                # and the rows' position
+# attn_in_rows', attn_out_rows' arguments (attention_step.c: 37, 23), then the rows' position
+ATTN_IN, ATTN_OUT = len(attention_step.IN.argtypes), len(attention_step.OUT.argtypes)
+ATTN_WORDS = ATTN_IN + ATTN_OUT + 1
 ROW = 1 + ATTN_WORDS + MLP_WORDS                   # the kind, the layer's words (a Mamba-2 row is shorter)
 MAMBA2, ATTENTION = 0, 1
-# an attention row's words filled per call (after the kind word): attn_in's pos; attn_out's L, kc, kb, vc, vb,
-# start; the position where pos is NULL
-POS, LEN, KC, KB, VC, VB, START, POS_VALUE = 31, ATTN_IN + 5, ATTN_IN + 8, ATTN_IN + 9, ATTN_IN + 10, \
-    ATTN_IN + 11, ATTN_IN + 12, ATTN_IN + ATTN_OUT
 
 
 def _bits64(x: float) -> int:
@@ -45,9 +43,17 @@ def _bits64(x: float) -> int:
 def _attention_words(step) -> list:
     """An attention ``Step``'s two calls' arguments as words: the eps floats and the scale as float bits, the
     rotary base as double bits, the per-call slots 0 (filled per call or unused)."""
-    words = _words(step.call_in.raw, (11, 28, 30)) + _words(step.call_out.raw, (13,))
-    words[6] = _bits64(float(step.call_in.raw[6]))
+    words = _words(step.call_in.raw, attention_step.IN_FLOATS) + _words(step.call_out.raw, attention_step.OUT_FLOATS)
+    words[attention_step.IN_DOUBLE] = _bits64(float(step.call_in.raw[attention_step.IN_DOUBLE]))
     return words + [0]
+
+
+def _attention_fill(step, at: int) -> tuple:
+    """The row's words (from ``at``) a call fills, found from the step's own calls' slots (attn_in's: threads, h,
+    pos, ...; attn_out's: L, threads, q, kc, kb, vc, vb, start, ...): pos; L, kc, kb, vc, vb, start; then the
+    position used where pos is NULL."""
+    pos, out = step.call_in.slots[2], [ATTN_IN + j for j in step.call_out.slots]
+    return (at + pos, at + out[0], *(at + j for j in out[3:8]), at + ATTN_IN + ATTN_OUT)
 
 
 def _mlp_words(mlp) -> list:
@@ -71,7 +77,7 @@ class MixedStep:
                 self.kinds.append(MAMBA2)
             else:
                 words = _attention_words(step)
-                self.fill.append(tuple(at + j for j in (POS, LEN, KC, KB, VC, VB, START, POS_VALUE)))
+                self.fill.append(_attention_fill(step, at))
                 self.kinds.append(ATTENTION)
             row = [self.kinds[-1]] + words + _mlp_words(mlp)
             rows.append(row + [0] * (ROW - len(row)))

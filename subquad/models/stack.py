@@ -66,7 +66,8 @@ class Plan:
             steps.append(plan[1])
             mlps.append(None if mlp_plan is None else mlp_plan[1])
         self.attention = tuple(type(step) is attention_step.Step for step in steps)
-        if any(self.attention):            # a hybrid's run: Mamba-2 and attention blocks
+        self.mixed = any(self.attention)
+        if self.mixed:                     # a hybrid's run: Mamba-2 and attention blocks
             if any(type(step) not in (mamba2_block.BlockStep, attention_step.Step) for step in steps):
                 raise LookupError(type(steps[0]))
             self.stack = layer_stack.MixedStep(steps, mlps)
@@ -160,7 +161,7 @@ def _run(plans, blocks, start, end, h, state):
     pairs = _states(state[start:end], plan.attention, h.shape[0])
     if pairs is None or not kernels.usable(plan.stack.kernel, h):
         return None
-    if any(plan.attention):
+    if plan.mixed:
         return plan.stack(h, pairs)
     h, new = plan.stack(h, pairs)
     return h, [{"ssm": ssm, "conv": conv} for conv, ssm in new]
