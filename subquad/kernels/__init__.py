@@ -202,7 +202,7 @@ class Held:
         self.storages = [t.untyped_storage() for t in tensors if isinstance(t, torch.Tensor)]
         sources = [source(t) for t in tensors]                              # a derived copy is held by its source
         want = {id(t if s is None else s) for t, s in zip(tensors, sources) if t is not None}
-        self.versions = [(s, s._version) for s in sources if s is not None]  # the source edited in place
+        self.versions = [(s, version(s)) for s in sources if s is not None]  # the source edited in place
         self.refs, self.sizes, found = [], [], set()
         for root in modules:
             for mod in root.modules():
@@ -224,7 +224,7 @@ class Held:
             if d.get(name) is not obj or (ptr is not None and obj.data_ptr() != ptr):
                 return False
         for t, v in self.versions:
-            if t._version != v:
+            if version(t) != v:
                 return False
         return True
 
@@ -267,6 +267,15 @@ def steady_mark():
     return None if span is None else span.mark
 
 
+def version(t: torch.Tensor) -> int:
+    """t's in-place version counter. An inference tensor (made under ``torch.inference_mode``: a model loaded or
+    quantised there) keeps none and raises on ``_version``: -1 for it, its data pointer alone telling a swap."""
+    try:
+        return t._version
+    except RuntimeError:
+        return -1
+
+
 def derive(copy: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
     """Mark ``copy`` as a tensor a kernel reads in place of the module tensor ``src`` (AMX tiles of an int8 weight:
     ``qgemv.amx_packed``): ``Held`` looks for ``src`` in the modules and holds the copy valid while ``src`` is the
@@ -279,7 +288,7 @@ def derived(cache, key, src: torch.Tensor, make) -> torch.Tensor:
     """``make(src)``, ``derive``d from the module tensor ``src``, made once per storage and version of src and kept
     in ``cache[key]`` (as (src's data pointer and version, the copy)): a weight in the layout a kernel reads
     (``qgemv.amx_packed``'s tiles, ``layers.mamba.dt_columns``' column-major copy)."""
-    now = (src.data_ptr(), src._version)
+    now = (src.data_ptr(), version(src))
     hit = cache.get(key)
     if hit is not None and hit[0] == now:
         return hit[1]

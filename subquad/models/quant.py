@@ -120,13 +120,13 @@ FBGEMM = hasattr(torch.ops.quantized, "linear_dynamic")   # deprecated in torch;
 def _packed(q: torch.Tensor, scale: torch.Tensor, key: int):
     """fbgemm's packed form of q with per-channel scales, made once per (tensor, version) of q."""
     hit = _PACKED.get(key)
-    if hit is not None and hit[0] == q.data_ptr() and hit[1] == q._version:
+    if hit is not None and hit[0] == q.data_ptr() and hit[1] == kernels.version(q):
         return hit[2]
     with warnings.catch_warnings():          # torch deprecates quantised tensors; the kernel is still the fastest
         warnings.simplefilter("ignore")
         qt = torch._make_per_channel_quantized_tensor(q, scale.double(), torch.zeros_like(scale, dtype=torch.long), 0)
         packed = torch.ops.quantized.linear_prepack(qt, None)
-    _PACKED[key] = (q.data_ptr(), q._version, packed)
+    _PACKED[key] = (q.data_ptr(), kernels.version(q), packed)
     return packed
 
 

@@ -161,6 +161,30 @@ def test_quantised_models_stay_close_to_float(kind, tol, pattern):
     assert _rel(torch.cat(steps, 1), ref) <= tol
 
 
+@pytest.mark.parametrize("kind", ["int8", "int4", "bf16"])
+def test_a_model_made_and_quantised_under_inference_mode_decodes_as_one_made_outside(kind):
+    """Tensors made under ``torch.inference_mode`` keep no version counter (``_version`` raises): the kept calls'
+    and the packed weights' checks (``kernels.version``) must not ask it. Two rows of a hybrid, its decoding
+    steps' logits equal to the same model's made and quantised outside the mode."""
+    ids = torch.randint(0, 200, (2, 9), generator=torch.Generator().manual_seed(2))
+
+    def run():
+        q = quantize(_model("mamba2,softmax,mamba"), kind, min_weights=0, group_size=32)
+        logits, state = q.prefill(ids[:, :5])
+        out = [logits[:, -1]]
+        for t in range(5, 9):
+            lt, state = q.step(ids[:, t], state)
+            out.append(lt)
+        return torch.stack(out)
+
+    with torch.no_grad():
+        ref = run()
+    with torch.inference_mode():
+        got = run()
+        assert next(quantize(_model(), kind, min_weights=0, group_size=32).buffers()).is_inference()
+    torch.testing.assert_close(got, ref, rtol=0, atol=0)
+
+
 def test_compiled_quantised_decoding_equals_eager():
     """The int8 and int4 products are custom ops, so the compiled step keeps fbgemm's and torch's int4 kernels
     and gives the same logits. One model holds both (int8 in the mixers, int4 in the MLPs and the head): one
