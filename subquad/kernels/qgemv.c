@@ -1276,6 +1276,167 @@ static inline __attribute__((always_inline)) void int4_split_vnni(const int R, i
         for (int i = 0; i < 2 * nv; i++)
             _mm512_storeu_ps(out + 64 * r + 16 * i, o[r][i]);
 }
+
+/* R rows' products over one unpacked block of 32 k (U), added to their group sums F times each row's block scale;
+ * one small function per R (inlined into int4_split_many, GCC kept the accumulators on the stack). */
+#define MANY_PASS(R)                                                                                             \
+    static __attribute__((noinline)) void many_pass_##R(int64_t K, int64_t nb, int64_t k0, const int8_t *c,    \
+                                                        const float *d, const __m512i *U, __m512 (*F)[4]) {    \
+        __m512i a[R][4];                                                                                         \
+        for (int r = 0; r < R; r++)                                                                              \
+            for (int i = 0; i < 4; i++)                                                                          \
+                a[r][i] = _mm512_setzero_si512();                                                                \
+        for (int s = 0; s < 8; s++) {                                                                            \
+            const __m512i u0 = U[4 * s], u1 = U[4 * s + 1], u2 = U[4 * s + 2], u3 = U[4 * s + 3];                \
+            for (int r = 0; r < R; r++) {                                                                        \
+                int32_t x4;                                                                                      \
+                memcpy(&x4, c + r * K + k0 + 4 * s, 4);                                                          \
+                const __m512i xv = _mm512_set1_epi32(x4);                                                        \
+                a[r][0] = _mm512_dpbusd_epi32(a[r][0], u0, xv);                                                  \
+                a[r][1] = _mm512_dpbusd_epi32(a[r][1], u1, xv);                                                  \
+                a[r][2] = _mm512_dpbusd_epi32(a[r][2], u2, xv);                                                  \
+                a[r][3] = _mm512_dpbusd_epi32(a[r][3], u3, xv);                                                  \
+            }                                                                                                    \
+        }                                                                                                        \
+        for (int r = 0; r < R; r++) {                                                                            \
+            const __m512 dv = _mm512_set1_ps(d[r * nb + k0 / 32]);                                               \
+            for (int i = 0; i < 4; i++)                                                                          \
+                F[r][i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a[r][i]), dv, F[r][i]);                             \
+        }                                                                                                        \
+    }
+MANY_PASS(1)
+MANY_PASS(2)
+MANY_PASS(3)
+MANY_PASS(4)
+#undef MANY_PASS
+
+/* A block of bn = 16, 32 or 48 rows in pairs (byte j of each k holds rows 2j and 2j + 1: a matrix's last, shorter
+ * block, or every block of quant.py's third layout) against R <= 4 rows of x, with VNNI (int4_any's sums in
+ * floats took a matrix's short last block ~20x a full block's time a row, and a third of a 16-row product of
+ * 3,352 x 768: benchmarks/RESULTS.md). Eight pairs (16 rows) at a time: the 4 x 8 bytes of four k put in row
+ * order by one byte permute (row pair j's codes at k..k+3 in dword j), the low nibbles rows 2j, the high 2j + 1,
+ * each against x's four codes in one vpdpbusd; per block of 32 k widened to float times d, per group closed as
+ * int4_any closes it. Each row's sums are the same instructions whatever R: the same bits as alone. */
+static inline __attribute__((always_inline)) void int4_pairs_vnni(const int R, int64_t K, int64_t G, int64_t Np,
+                                                                  int64_t bn, const int8_t *c, const float *d,
+                                                                  const float *xc, const uint8_t *w,
+                                                                  const uint16_t *sz, int64_t n0, float *out) {
+    const int64_t gs = K / G, nb = K / 32, h = bn / 2;
+    const __m256i m4 = _mm256_set1_epi8(15);
+    uint8_t ix[32];                                       /* byte 4j + t <- byte 8t + j */
+    for (int j = 0; j < 8; j++)
+        for (int t = 0; t < 4; t++)
+            ix[4 * j + t] = (uint8_t)(8 * t + j);
+    const __m256i idx = _mm256_loadu_si256((const __m256i *)ix);
+    for (int r = 0; r < R; r++)
+        for (int64_t j = 0; j < bn; j++)
+            out[64 * r + j] = 0.0f;
+    for (int64_t ch = 0; ch < h / 8; ch++) {              /* rows 16 ch .. 16 ch + 15 */
+        for (int64_t g = 0; g < G; g++) {
+            __m256 f[4][2];                               /* per row: even rows, odd rows of the chunk */
+            for (int r = 0; r < R; r++)
+                f[r][0] = f[r][1] = _mm256_setzero_ps();
+            for (int64_t k0 = g * gs; k0 < (g + 1) * gs; k0 += 32) {
+                __m256i a[4][2];
+                for (int r = 0; r < R; r++)
+                    a[r][0] = a[r][1] = _mm256_setzero_si256();
+                for (int64_t k = k0; k < k0 + 32; k += 4) {
+                    int64_t q[4];
+                    for (int t = 0; t < 4; t++)
+                        memcpy(&q[t], w + (k + t) * h + 8 * ch, 8);
+                    const __m256i p = _mm256_permutexvar_epi8(idx, _mm256_setr_epi64x(q[0], q[1], q[2], q[3]));
+                    const __m256i lo = _mm256_and_si256(p, m4), hi = _mm256_and_si256(_mm256_srli_epi16(p, 4), m4);
+                    for (int r = 0; r < R; r++) {
+                        int32_t x4;
+                        memcpy(&x4, c + r * K + k, 4);
+                        const __m256i xv = _mm256_set1_epi32(x4);
+                        a[r][0] = _mm256_dpbusd_epi32(a[r][0], lo, xv);
+                        a[r][1] = _mm256_dpbusd_epi32(a[r][1], hi, xv);
+                    }
+                }
+                for (int r = 0; r < R; r++) {
+                    const __m256 dv = _mm256_set1_ps(d[r * nb + k0 / 32]);
+                    f[r][0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(a[r][0]), dv, f[r][0]);
+                    f[r][1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(a[r][1]), dv, f[r][1]);
+                }
+            }
+            const uint16_t *sg = sz + (g * Np + n0 + 16 * ch) * 2;
+            for (int r = 0; r < R; r++) {
+                float acc[16];                            /* rows 2j from f[r][0], 2j + 1 from f[r][1] */
+                _mm256_storeu_ps(acc, f[r][0]);
+                _mm256_storeu_ps(acc + 8, f[r][1]);
+                for (int j = 0; j < 16; j++) {
+                    const float v = acc[(j & 1) * 8 + j / 2];
+                    const float sc = bf16_f(sg[2 * j]), z = bf16_f(sg[2 * j + 1]);
+                    out[64 * r + 16 * ch + j] += sc * v + (z - 8.0f * sc) * xc[r * G + g];
+                }
+            }
+        }
+    }
+}
+
+/* int4_split_vnni for M of 5..16 rows of x (h = 32): each block of 32 k is unpacked once into U (2 KB, L1) and
+ * every row's products read it from there, four rows a pass (int4_split_vnni unpacks the weights again for each
+ * four rows: 1.5-2.3x int8's time at 16 rows on Zen 4, where the unpacking took the vector units' slots; see
+ * benchmarks/RESULTS.md). Each row's float sums are int4_split_vnni's for that row, in the same order: the same
+ * bits as alone. F and O: the rows' group sums and outputs, in memory (16 rows x 4 vectors each). */
+static void int4_split_many(int64_t M, int64_t K, int64_t G, int64_t Np, const int8_t *c, const float *d,
+                            const float *xc, const uint8_t *w, const uint16_t *sz, int64_t n0, float *out) {
+    const int64_t gs = K / G, nb = K / 32;
+    const __m512i m4 = _mm512_set1_epi8(15);
+    uint8_t ix[2][64];
+    for (int ch = 0; ch < 2; ch++)
+        for (int j = 0; j < 16; j++)
+            for (int t = 0; t < 4; t++)
+                ix[ch][4 * j + t] = (uint8_t)(t * 32 + 16 * ch + j);
+    const __m512i idx0 = _mm512_loadu_si512(ix[0]), idx1 = _mm512_loadu_si512(ix[1]);
+    __m512i U[8][4];                                      /* step s of 4 k: lo chunk 0, 1, hi chunk 0, 1 */
+    __m512 F[16][4], O[16][4];
+    const __m512 eight = _mm512_set1_ps(8.0f);
+    const __m512i hi16 = _mm512_set1_epi32((int)0xFFFF0000u);
+    for (int64_t r = 0; r < M; r++)
+        for (int i = 0; i < 4; i++)
+            O[r][i] = _mm512_setzero_ps();
+    for (int64_t g = 0; g < G; g++) {
+        for (int64_t r = 0; r < M; r++)
+            for (int i = 0; i < 4; i++)
+                F[r][i] = _mm512_setzero_ps();
+        for (int64_t k0 = g * gs; k0 < (g + 1) * gs; k0 += 32) {
+            for (int s = 0; s < 8; s++) {
+                const uint8_t *wk = w + (k0 + 4 * s) * 32;
+                _mm_prefetch((const char *)(wk + PF_BYTES), _MM_HINT_T0);
+                _mm_prefetch((const char *)(wk + PF_BYTES + 64), _MM_HINT_T0);
+                const __m512i v0 = _mm512_loadu_si512(wk), v1 = _mm512_loadu_si512(wk + 64);
+                const __m512i p0 = _mm512_permutex2var_epi8(v0, idx0, v1), p1 = _mm512_permutex2var_epi8(v0, idx1, v1);
+                U[s][0] = _mm512_and_si512(p0, m4);
+                U[s][1] = _mm512_and_si512(p1, m4);
+                U[s][2] = _mm512_and_si512(_mm512_srli_epi16(p0, 4), m4);
+                U[s][3] = _mm512_and_si512(_mm512_srli_epi16(p1, 4), m4);
+            }
+            for (int64_t m0 = 0; m0 < M; m0 += 4)
+                switch (M - m0) {
+                    case 1: many_pass_1(K, nb, k0, c + m0 * K, d + m0 * nb, U[0], F + m0); break;
+                    case 2: many_pass_2(K, nb, k0, c + m0 * K, d + m0 * nb, U[0], F + m0); break;
+                    case 3: many_pass_3(K, nb, k0, c + m0 * K, d + m0 * nb, U[0], F + m0); break;
+                    default: many_pass_4(K, nb, k0, c + m0 * K, d + m0 * nb, U[0], F + m0);
+                }
+        }
+        const uint16_t *sg = sz + (g * Np + n0) * 2;
+        for (int i = 0; i < 4; i++) {
+            const __m512i p = _mm512_loadu_si512(sg + 32 * i);
+            const __m512 sc = _mm512_castsi512_ps(_mm512_slli_epi32(p, 16));
+            const __m512 z = _mm512_castsi512_ps(_mm512_and_si512(p, hi16));
+            for (int64_t r = 0; r < M; r++) {
+                const __m512 xg = _mm512_set1_ps(xc[r * G + g]);
+                O[r][i] = _mm512_add_ps(O[r][i], _mm512_add_ps(_mm512_mul_ps(sc, F[r][i]),
+                                        _mm512_mul_ps(_mm512_sub_ps(z, _mm512_mul_ps(eight, sc)), xg)));
+            }
+        }
+    }
+    for (int64_t r = 0; r < M; r++)
+        for (int i = 0; i < 4; i++)
+            _mm512_storeu_ps(out + 64 * r + 16 * i, O[r][i]);
+}
 #else
 #define INT4_VNNI 0
 #endif
@@ -1320,8 +1481,29 @@ void int4_gemv(int64_t M, int64_t N, int64_t Np, int64_t K, int64_t G, int64_t B
     for (int64_t blk = 0; blk < full + (full * BN < Np); blk++) {
         const int64_t n0 = blk * BN, bn = blk < full ? BN : Np - n0;
         const uint8_t *wb = w + n0 * K / 2;
-        float out[4 * 64];
+        float out[16 * 64];
 #if INT4_VNNI
+        if (split && bn == BN && BN == 64 && M > 4 && M <= 16) {   /* the block unpacked once for all rows */
+            int4_split_many(M, K, G, Np, c, d, xc, wb, sz, n0, out);
+            for (int64_t m = 0; m < M; m++)
+                for (int64_t j = 0; j < bn && n0 + j < N; j++)
+                    y[m * N + n0 + j] = out[64 * m + j] + (bias ? bias[n0 + j] : 0.0f);
+            continue;
+        }
+        if (!(split && bn == BN) && bn % 16 == 0 && bn <= 48) {     /* pairs: up to four rows of x a pass */
+            for (int64_t m0 = 0; m0 < M; m0 += 4) {
+                const int R = M - m0 < 4 ? (int)(M - m0) : 4;
+                const int8_t *cm = c + m0 * K;
+                const float *dm = d + m0 * nb, *xm = xc + m0 * G;
+#define I4P(R_) int4_pairs_vnni(R_, K, G, Np, bn, cm, dm, xm, wb, sz, n0, out)
+                switch (R) { case 1: I4P(1); break; case 2: I4P(2); break; case 3: I4P(3); break; default: I4P(4); }
+#undef I4P
+                for (int r = 0; r < R; r++)
+                    for (int64_t j = 0; j < bn && n0 + j < N; j++)
+                        y[(m0 + r) * N + n0 + j] = out[64 * r + j] + (bias ? bias[n0 + j] : 0.0f);
+            }
+            continue;
+        }
         if (split && bn == BN && (BN == 64 || BN == 32)) {  /* up to four rows of x per pass over the block */
             for (int64_t m0 = 0; m0 < M; m0 += 4) {
                 const int R = M - m0 < 4 ? (int)(M - m0) : 4;

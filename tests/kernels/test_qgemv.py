@@ -146,6 +146,8 @@ def test_f32_against_float64(M, N, K, bias):
     (16, 48, 128, 64, True),              # shorter than one block of 64
     (3, 112, 512, 256, False),
     (7, 192, 384, 128, True),             # four rows and then three
+    (16, 3352, 768, 128, True),           # a hybrid's in_proj at 16 rows: a block unpacked once for all, 24 pairs last
+    (13, 336, 256, 32, False),            # passes of 4, 4, 4 and 1 rows; a last block of 16 rows
 ])
 def test_int4_in_every_packed_layout(layout, M, N, K, gs, bias):
     """The layouts are packed here with quant.kernel_pack (what Int4Linear holds on a CPU with that layout);
