@@ -2,9 +2,11 @@
 the embedded stdlib corpus, saved as a Hugging Face folder and loaded back in float32 and quantised; and a
 subquad run loaded with ``load_run(..., quantize=...)``.
 
-Per row: held-out loss (nats/token) of float32, int8, int4 (groups of ``--int4-group``) and bf16 over the trainer's fixed held-out windows (a
-prefill: the int8 products multiply by the dequantised weights there), the loss token by token through the
-decoding step (fbgemm's int8 kernel, activations quantised per step) over 256 held-out tokens, and greedy
+Per row: held-out loss (nats/token) of float32, int8, int4 (groups of ``--int4-group``) and bf16 over the trainer's
+fixed held-out windows (a prefill: int8 with AMX tiles or AVX-512 VNNI rounds each row of x to 8 bits there, int4
+with VNNI per block of 32 - ``models.quant``'s module doc; elsewhere the products multiply by the dequantised
+weights), the loss token by token through the decoding step (activations rounded per step) over 256 held-out
+tokens, and greedy
 agreement over 256 tokens from a held-out prompt (tokens equal to float32's before the first difference,
 and in all). Every projection is quantised here (``min_weights=0``), the head included - stricter than the
 default, which keeps matrices under ``MIN_WEIGHTS`` in float32.

@@ -1466,8 +1466,12 @@ static void int4_any(int64_t K, int64_t G, int64_t Np, int64_t bn, int split, co
     }
 }
 
-/* x rounded per block of 32 first (quantize_q8); two k per maddubs in a split block (int4_split_q), other
- * blocks through int4_any with x~ = c d as floats. */
+/* int4_gemv's rows with VNNI: any number (a prompt's too), 16 or 4 at a time; without it at most 16 (qgemv.py). */
+void int4_init(int32_t *out) { *out = INT4_VNNI; }
+
+/* x rounded per block of 32 first (quantize_q8); with VNNI a block's rows in chunks (int4_split_many, _vnni,
+ * int4_pairs_vnni), else two k per maddubs in a split block (int4_split_q), other blocks through int4_any with
+ * x~ = c d as floats. */
 void int4_gemv(int64_t M, int64_t N, int64_t Np, int64_t K, int64_t G, int64_t BN, int split, int threads,
                const float *x, int64_t ldx, const uint8_t *w, const uint16_t *sz, const float *bias, float *y) {
     const int64_t full = Np / BN, nb = K / 32;
@@ -1483,41 +1487,32 @@ void int4_gemv(int64_t M, int64_t N, int64_t Np, int64_t K, int64_t G, int64_t B
         const uint8_t *wb = w + n0 * K / 2;
         float out[16 * 64];
 #if INT4_VNNI
-        if (split && bn == BN && BN == 64 && M > 4 && M <= 16) {   /* the block unpacked once for all rows */
-            int4_split_many(M, K, G, Np, c, d, xc, wb, sz, n0, out);
-            for (int64_t m = 0; m < M; m++)
-                for (int64_t j = 0; j < bn && n0 + j < N; j++)
-                    y[m * N + n0 + j] = out[64 * m + j] + (bias ? bias[n0 + j] : 0.0f);
-            continue;
-        }
-        if (!(split && bn == BN) && bn % 16 == 0 && bn <= 48) {     /* pairs: up to four rows of x a pass */
-            for (int64_t m0 = 0; m0 < M; m0 += 4) {
-                const int R = M - m0 < 4 ? (int)(M - m0) : 4;
+        const int many = split && bn == BN && BN == 64, four = split && bn == BN && BN == 32,
+                  pairs = !(split && bn == BN) && bn % 16 == 0 && bn <= 48;
+        if (many || four || pairs) {                /* rows in chunks: up to 16 (a 64-row block), else 4 a pass */
+            for (int64_t m0 = 0, R; m0 < M; m0 += R) {
                 const int8_t *cm = c + m0 * K;
                 const float *dm = d + m0 * nb, *xm = xc + m0 * G;
-#define I4P(R_) int4_pairs_vnni(R_, K, G, Np, bn, cm, dm, xm, wb, sz, n0, out)
-                switch (R) { case 1: I4P(1); break; case 2: I4P(2); break; case 3: I4P(3); break; default: I4P(4); }
-#undef I4P
-                for (int r = 0; r < R; r++)
-                    for (int64_t j = 0; j < bn && n0 + j < N; j++)
-                        y[(m0 + r) * N + n0 + j] = out[64 * r + j] + (bias ? bias[n0 + j] : 0.0f);
-            }
-            continue;
-        }
-        if (split && bn == BN && (BN == 64 || BN == 32)) {  /* up to four rows of x per pass over the block */
-            for (int64_t m0 = 0; m0 < M; m0 += 4) {
-                const int R = M - m0 < 4 ? (int)(M - m0) : 4;
-                const int8_t *cm = c + m0 * K;
-                const float *dm = d + m0 * nb, *xm = xc + m0 * G;
+                if (many && M - m0 > 4) {           /* the block unpacked once for all the chunk's rows */
+                    R = M - m0 < 16 ? M - m0 : 16;
+                    int4_split_many(R, K, G, Np, cm, dm, xm, wb, sz, n0, out);
+                } else {
+                    R = M - m0 < 4 ? M - m0 : 4;
 #define I4V(R_, H_) int4_split_vnni(R_, K, G, Np, H_, cm, dm, xm, wb, sz, n0, out)  /* constants: registers */
-                if (BN == 64)
-                    switch (R) { case 1: I4V(1, 32); break; case 2: I4V(2, 32); break; case 3: I4V(3, 32); break;
-                                 default: I4V(4, 32); }
-                else
-                    switch (R) { case 1: I4V(1, 16); break; case 2: I4V(2, 16); break; case 3: I4V(3, 16); break;
-                                 default: I4V(4, 16); }
+#define I4P(R_) int4_pairs_vnni(R_, K, G, Np, bn, cm, dm, xm, wb, sz, n0, out)
+                    if (pairs)
+                        switch (R) { case 1: I4P(1); break; case 2: I4P(2); break; case 3: I4P(3); break;
+                                     default: I4P(4); }
+                    else if (many)
+                        switch (R) { case 1: I4V(1, 32); break; case 2: I4V(2, 32); break; case 3: I4V(3, 32); break;
+                                     default: I4V(4, 32); }
+                    else
+                        switch (R) { case 1: I4V(1, 16); break; case 2: I4V(2, 16); break; case 3: I4V(3, 16); break;
+                                     default: I4V(4, 16); }
 #undef I4V
-                for (int r = 0; r < R; r++)
+#undef I4P
+                }
+                for (int64_t r = 0; r < R; r++)
                     for (int64_t j = 0; j < bn && n0 + j < N; j++)
                         y[(m0 + r) * N + n0 + j] = out[64 * r + j] + (bias ? bias[n0 + j] : 0.0f);
             }

@@ -47,7 +47,7 @@ INT8Q_ROWS = 2
 # too: 4-5x the dequantised product at 2,048), the blocks' one calls (layers.mamba.kernel_weight) up to AMX_ROWS.
 # Without the tiles, AVX-512 VNNI's vectors on the same packed weights (``packed_int8() == 2``): on an AMD EPYC
 # (Zen 4) 1.2-1.5x fbgemm's speed at 1-8 rows, 0.97-1.15x at 16 (RESULTS.md, "int8's packed weights through
-# vectors"); taken for up to AMX_ROWS rows and a decoding batch's any rows (16 at a time), never for a prompt's.
+# vectors"), ~2x the dequantised product over a 2,048-token prompt: taken at any rows, 16 at a time, as the tiles.
 AMX_ROWS = 16
 BLOCK_INT8Q_ROWS = 4
 # A GGUF file's Q8_0 and Q4_0 matrices (x rounded per block of 32: int8q_gemv, q4_0_gemv) against the dequantised
@@ -91,6 +91,7 @@ _BF16_INIT = Kernel("bf16_init", [PTR], "qgemv")
 F16 = Kernel("f16_gemv", [I64, I64, I64, INT, PTR, I64, PTR, PTR, PTR], "qgemv")
 _F16_INIT = Kernel("f16_init", [PTR], "qgemv")
 INT4 = Kernel("int4_gemv", [I64, I64, I64, I64, I64, I64, INT, INT, PTR, I64, PTR, PTR, PTR, PTR], "qgemv")
+_INT4_INIT = Kernel("int4_init", [PTR], "qgemv")
 
 
 def usable(kernel: Kernel, x: torch.Tensor, rows: int) -> bool:
@@ -203,6 +204,18 @@ def bf16_gemv(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, tiles
     BF16(M, N, K, torch.get_num_threads(), int(tiles), x2, x2.stride(0), w, bias, y,
          torch.empty(M * K, dtype=torch.int16))
     return y.view(*x.shape[:-1], N)
+
+
+@lru_cache(maxsize=None)
+def int4_rows() -> int:
+    """Up to how many float32 rows ``int4_gemv`` is taken: any (a prompt's too) where it was built with AVX-512
+    VNNI and VBMI - a block's rows 16 at a time, each block of weights unpacked once for them - else
+    ``INT4_ROWS``; 0 where it is not built."""
+    if not INT4.available():
+        return 0
+    out = torch.zeros(1, dtype=torch.int32)
+    _INT4_INIT(out)
+    return 1 << 62 if out.item() else INT4_ROWS
 
 
 @lru_cache(maxsize=None)

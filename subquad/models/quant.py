@@ -12,16 +12,16 @@
                                  sums) - it reads the weights near the memory's rate (fbgemm's kernel, one x
                                  scale per call, is faster from 4 rows; benchmarks/RESULTS.md);
                                  int8, 3 or more float32 rows - a step's, a decoding batch's, a prompt's - of
-                                 a width that is a multiple of 64 on a CPU with AMX tiles (Sapphire Rapids on):
+                                 a width that is a multiple of 64 on a CPU with AMX tiles (Sapphire Rapids on)
+                                 or AVX-512 VNNI (Zen 4, Ice Lake; ``qgemv.packed_int8``):
                                  ``kernels.qgemv.int8_amx``, each row of x rounded to int8 with a scale of its
-                                 own, exact integer sums, 16 rows against 16 channels per instruction - in
-                                 place of fbgemm's kernel below (1.2-1.6x faster) and of the prompt's exact
-                                 product (4-5x faster at 2,048 rows; the rounding roughly doubles a prefill's
-                                 error against the float model, a few % on tiny random models; a row's result
-                                 does not depend on the rows beside it, so a packed or chunked prompt equals
-                                 the same prompt alone; ``SUBQUAD_AMX=0``: neither); without the tiles but
-                                 with AVX-512 VNNI (Zen 4, Ice Lake) the same kernel through vectors for 3-16
-                                 rows and a decoding batch's any, never a prompt's (``qgemv.packed_int8``);
+                                 own, exact integer sums, 16 rows against 16 channels per instruction (tiles)
+                                 or 16 rows a pass over 16 channels (vectors) - in place of fbgemm's kernel
+                                 below (1.2-1.6x faster) and of the prompt's exact product (AMX 4-5x, Zen 4's
+                                 vectors ~2x a 2,048-token int8 prefill; the rounding roughly doubles a
+                                 prefill's error against the float model, a few % on tiny random models; a
+                                 row's result does not depend on the rows beside it, so a packed or chunked
+                                 prompt equals the same prompt alone; ``SUBQUAD_AMX=0``: neither);
                                  int8 decoding (rows <= DECODE_ROWS, or any rows inside ``mode.decoding()``: the
                                  steps and verifications of a batch): fbgemm's int8 matrix product
                                  (torch.ops.quantized.linear_dynamic: x quantised to 8 bits per call,
@@ -144,9 +144,8 @@ def int8_linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bias: tor
     the packed weight -> (..., N) in x's dtype (module doc). Kept lean: it runs ~100 times per token."""
     if x.shape[-1] % 32 == 0 and qgemv.usable(qgemv.INT8Q, x, qgemv.INT8Q_ROWS):   # a few rows: x to int8 per block
         return qgemv.int8q_gemv(x, q, scale, bias)
-    packed = qgemv.packed_int8()         # AMX tiles at any rows, a prompt's too (module doc); VNNI's vectors a few
-    if packed and x.shape[-1] % 64 == 0 and qgemv.usable(     # rows, or a decoding batch's any (qgemv.AMX_ROWS)
-            qgemv.INT8_AMX, x, x.numel() if packed == 1 or getattr(MODE, "decoding", False) else qgemv.AMX_ROWS):
+    # AMX tiles or VNNI's vectors at any rows, a prompt's too (module doc)
+    if qgemv.packed_int8() and x.shape[-1] % 64 == 0 and qgemv.usable(qgemv.INT8_AMX, x, x.numel()):
         return qgemv.int8_amx(x, q, scale, bias, key.item())
     if not FBGEMM and qgemv.usable(qgemv.INT8, x, qgemv.INT8_ROWS):     # fbgemm gone: the C kernel's rows
         return qgemv.int8_gemv(x, q, scale, None, bias)
@@ -496,12 +495,13 @@ def int4_linear(x: torch.Tensor, w: torch.Tensor, scale_zero: torch.Tensor, bias
                 out_features: int, layout: int) -> torch.Tensor:
     """x (..., K) float, w (N', K/2) uint8 codes in ``layout`` (0: ``pair_k``'s; else a ``LAYOUTS`` key, N'
     = N rounded up to 16), scale_zero (K/g, N', 2) bfloat16, bias (N,) float32 or None -> (..., N) in x's dtype.
-    Up to ``qgemv.INT4_ROWS`` float32 rows: the C kernel (x rounded to int8 per block of 32). More rows up to
-    INT4_ROWS (a CPU and torch's kernel): ``aten._weight_int4pack_mm_for_cpu``, whose vectorised
+    Up to ``qgemv.int4_rows()`` float32 rows (any with AVX-512 VNNI, a prompt's too; else 16): the C kernel (x
+    rounded to int8 per block of 32). More rows up to INT4_ROWS (a CPU and torch's kernel):
+    ``aten._weight_int4pack_mm_for_cpu``, whose vectorised
     form takes x rounded to bfloat16, accumulates in float32 and rounds y to bfloat16. Otherwise: x W^T with
     W = ``int4_dequantize`` in x's dtype (the reference)."""
     N, K = out_features, x.shape[-1]
-    if layout and qgemv.usable(qgemv.INT4, x, qgemv.INT4_ROWS):     # a few float32 rows: the C kernel
+    if layout and qgemv.usable(qgemv.INT4, x, qgemv.int4_rows()):   # float32 rows: the C kernel
         return qgemv.int4_gemv(x, w, scale_zero, bias, N, *LAYOUTS[layout])
     if layout and x.numel() <= INT4_ROWS * K and x.device.type == "cpu":
         y = torch.ops.aten._weight_int4pack_mm_for_cpu(x.reshape(-1, K).bfloat16(), w, K // scale_zero.shape[0],

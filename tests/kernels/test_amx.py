@@ -90,8 +90,7 @@ def test_the_modules_and_a_mamba_block_take_them_for_a_few_rows(monkeypatch):
     lin = Int8Linear(torch.randn(96, 128) * 0.05, torch.randn(96))
     calls, real = [], type(qgemv.INT8_AMX).__call__
     monkeypatch.setattr(type(qgemv.INT8_AMX), "__call__", lambda s, *a: (calls.append(s.name), real(s, *a))[1])
-    tiles = qgemv.amx()                                      # vectors: never a prompt's rows past 16
-    for rows, taken in ((2, False), (3, True), (16, True), (17, tiles), (200, tiles)):   # the tiles: a prompt's too
+    for rows, taken in ((2, False), (3, True), (16, True), (17, True), (200, True)):   # a prompt's rows too
         calls.clear()
         x = torch.randn(rows, 128)
         with torch.no_grad():

@@ -148,6 +148,8 @@ def test_f32_against_float64(M, N, K, bias):
     (7, 192, 384, 128, True),             # four rows and then three
     (16, 3352, 768, 128, True),           # a hybrid's in_proj at 16 rows: a block unpacked once for all, 24 pairs last
     (13, 336, 256, 32, False),            # passes of 4, 4, 4 and 1 rows; a last block of 16 rows
+    (37, 304, 256, 32, True),             # a prompt's rows: chunks of 16, 16 and 5
+    (18, 112, 128, 64, False),            # 16 rows, then 2
 ])
 def test_int4_in_every_packed_layout(layout, M, N, K, gs, bias):
     """The layouts are packed here with quant.kernel_pack (what Int4Linear holds on a CPU with that layout);

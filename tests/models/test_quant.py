@@ -65,7 +65,8 @@ def test_int8_decoding_takes_the_kernel_at_any_batch(monkeypatch):
     """A decoding step or a verification of more than DECODE_ROWS rows multiplies with fbgemm's kernel,
     DECODE_ROWS rows per call, or with AMX tiles where the CPU has them (``quant.decoding``), not with a float
     copy of each matrix: its logits are those of the same rows stepped in blocks of DECODE_ROWS, and near the
-    float model's; a prompt of as many rows keeps the exact product, or takes the tiles where the CPU has them."""
+    float model's; a prompt of as many rows keeps the exact product, or takes the packed weights (AMX tiles or
+    VNNI's vectors) where the CPU has them."""
     from subquad.kernels import qgemv
     from subquad.models.speculative import verify
 
@@ -78,7 +79,7 @@ def test_int8_decoding_takes_the_kernel_at_any_batch(monkeypatch):
     ids = torch.randint(0, 200, (B, 6), generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
         _, state = q.prefill(ids[:, :4])
-        assert bool(kernel) == qgemv.amx()                          # the prompts: exact, or the tiles
+        assert bool(kernel) == bool(qgemv.packed_int8())            # the prompts: exact, or the packed weights
         kernel.clear()
         got, _ = q.step(ids[:, 4], state)
         assert kernel
@@ -142,10 +143,11 @@ def test_quantised_models_stay_close_to_float(kind, tol, pattern):
     with AVX2 only: mamba2,gated_deltanet decodes 4.9% off; 8 bits elsewhere keep it under 3%). With AMX tiles a
     prompt's rows are rounded to 8 bits too, each with a scale of its own (``quant.int8_linear``), where the
     product is exact elsewhere: the prefill's error roughly doubles (Sapphire Rapids: 1.1, 3.4 and 0.7% for the
-    three patterns against 0.3, 1.8 and 0.4% with exact prompts), so its tolerance is 4% there."""
+    three patterns against 0.3, 1.8 and 0.4% with exact prompts), so its tolerance is 4% there - and with VNNI's
+    vectors, which take a prompt's rows the same way (Zen 4: 1.1, 3.4 and 0.7% too)."""
     if kind == "int8" and quant.REDUCE_RANGE:
         tol *= 2
-    if kind == "int8" and qgemv.amx():
+    if kind == "int8" and qgemv.packed_int8():
         tol = max(tol, 4e-2)
     model = _model(pattern, moe={"experts": 4, "top_k": 2, "every": 2, "offset": 1})
     q = quantize(copy.deepcopy(model), kind, min_weights=0)
@@ -188,7 +190,10 @@ def test_a_model_made_and_quantised_under_inference_mode_decodes_as_one_made_out
 def test_compiled_quantised_decoding_equals_eager():
     """The int8 and int4 products are custom ops, so the compiled step keeps fbgemm's and torch's int4 kernels
     and gives the same logits. One model holds both (int8 in the mixers, int4 in the MLPs and the head): one
-    compile, which costs most of this test."""
+    compile, which costs most of this test. Eagerly the blocks' norms run in C, compiled in inductor's graph:
+    float32's rounding apart, which can move one input of a product across a rounding boundary of the int8 codes
+    x is rounded to - one code step of one input, ~1e-3 of the logits (seen at one of the 16 steps on Zen 4) -
+    so at most two steps may differ that much; the rest agree to float32's rounding."""
     q = quantize(_model("mamba,softmax", mlp_size=128), "int8", min_weights=0)
     for block in q.blocks:
         for name in ("w_gate", "w_up", "w_down"):
@@ -200,11 +205,13 @@ def test_compiled_quantised_decoding_equals_eager():
         _, state = q.prefill(ids)
         s1 = s2 = state
         tok = ids[:, -1]
+        rels = []
         for _ in range(16):
             a, s1 = q.step(tok, s1)
             b, s2 = fast.step(tok, s2)
-            assert _rel(b, a) <= 1e-5
+            rels.append(float(_rel(b, a)))
             tok = a.argmax(-1)
+    assert max(rels) <= 5e-3 and sum(r > 1e-5 for r in rels) <= 2, rels
 
 
 # ---- int4 ----
@@ -242,11 +249,12 @@ def test_int4_packing_equals_torchs_own(N):
 @pytest.mark.parametrize("rows", [1, 3, qgemv.INT4_ROWS + 1, INT4_ROWS, INT4_ROWS + 1])
 def test_int4_product_against_the_dequantised_weight(g, rows):
     """An odd output width (300: not a multiple of 16, the kernel pads it), a bias, batch > 1. Up to
-    qgemv.INT4_ROWS float32 rows take the C kernel (kernels/qgemv.c: x rounded to int8 per block of 32, then
-    float32's rounding of the sums only: against x~ times the dequantised weights); more decoding rows
-    (<= INT4_ROWS) torch's int4 kernel, which rounds x to bfloat16 and y to bfloat16: within 2^-8 of |y| plus
-    float32's rounding of the sum against float64 over the dequantised weights; prefill rows (and a CPU without
-    the kernel) multiply by the dequantised weights in float32: float32's rounding only."""
+    qgemv.int4_rows() float32 rows (any with AVX-512 VNNI, else 16) take the C kernel (kernels/qgemv.c: x rounded
+    to int8 per block of 32, then float32's rounding of the sums only: against x~ times the dequantised
+    weights); more decoding rows (<= INT4_ROWS) torch's int4 kernel, which rounds x to bfloat16 and y to
+    bfloat16: within 2^-8 of |y| plus float32's rounding of the sum against float64 over the dequantised weights;
+    prefill rows (and a CPU without the kernel) multiply by the dequantised weights in float32: float32's
+    rounding only."""
     torch.manual_seed(0)
     K = 3 * g
     w, b = torch.randn(300, K), torch.randn(300)
@@ -256,7 +264,7 @@ def test_int4_product_against_the_dequantised_weight(g, rows):
     got = lin(x)
     assert got.dtype == torch.float32 and got.shape == (rows, 300)
     sums = 1e-6 * (x.double().abs() @ W.abs().T)                              # float32's rounding of the sums
-    if quant._layout() and qgemv.usable(qgemv.INT4, x, qgemv.INT4_ROWS):
+    if quant._layout() and qgemv.usable(qgemv.INT4, x, qgemv.int4_rows()):
         c, d = q8_rows(x)
         xr = (c.view(rows, -1, 32) * d[..., None]).view(rows, K)
         ref = xr @ W.T + b.double()
