@@ -137,6 +137,7 @@ def main(argv=None):
             "subquad serve bf16 GGUF (eager)": dict(args=(), model=Path(tmp) / "m-bf16.gguf"),
             "subquad serve int8 (eager)": dict(args=("--quantize", "int8")),
             "subquad serve int8 --compile-decode": dict(args=("--compile-decode", "--quantize", "int8")),
+            "subquad serve int4 (eager)": dict(args=("--quantize", "int4")),
             "subquad serve q8_0 GGUF (eager)": dict(args=(), model=Path(tmp) / "m-q8_0.gguf"),
             "subquad serve q4_0 GGUF (eager)": dict(args=(), model=Path(tmp) / "m-q4_0.gguf"),
         }
@@ -165,7 +166,8 @@ def main(argv=None):
              + f" | {top} / 1 | x llama-server ({top}, same precision) |",
              "|---|" + "---:|" * (len(streams) + 2)]
     for name, r in rows.items():
-        ref = rows.get("llama-server q4_0" if "q4_0" in name else "llama-server bf16" if "bf16" in name else
+        ref = rows.get("llama-server q4_0" if "q4_0" in name or "int4" in name else
+                       "llama-server bf16" if "bf16" in name else
                        "llama-server q8_0" if "int8" in name or "q8_0" in name else "llama-server f32")
         vs = f"{r[top] / ref[top]:.2f}" if ref else "-"
         lines.append(f"| {name} | " + " | ".join(f"{r[c]:.1f}" for c in streams)
