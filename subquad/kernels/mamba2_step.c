@@ -69,9 +69,11 @@ static void mamba2_rows(int64_t B, int64_t Bs, int64_t Dn, int64_t G, int64_t N,
         const int t = omp_get_thread_num(), nt = omp_get_num_threads();
         int64_t c0, c1;
         span(C, nt, t, &c0, &c1);
+        float *wt = conv_columns(B, conv_w, K, c0, c1);
         for (int64_t b = 0; b < B; b++)                     /* the convolution, its new tail */
             conv_step(in + b * in_row + Dn, b < Bs ? conv_state + b * (K - 1) * C : conv_out + (b - Bs) * (K - 1) * C,
-                      conv_out + b * (K - 1) * C, conv_w, conv_b, C, K, c0, c1, xbc + b * C);
+                      conv_out + b * (K - 1) * C, conv_w, wt, conv_b, C, K, c0, c1, xbc + b * C);
+        free(wt);
 #pragma omp barrier
         const int64_t h0 = H * t / nt, h1 = H * (t + 1) / nt;
         for (int64_t b = 0; b < B; b++) {                   /* the scan and the gate, head by head */

@@ -187,9 +187,11 @@ static void mamba_rows(int64_t B, int64_t Bs, int64_t D, int64_t N, int64_t R, i
         const int t = omp_get_thread_num(), nt = omp_get_num_threads();
         int64_t c0, c1, j0, j1;
         span(D, nt, t, &c0, &c1);
+        float *wt = conv_columns(B, conv_w, K, c0, c1);
         for (int64_t b = 0; b < B; b++)                     /* the convolution, its new tail */
             conv_step(xz + b * xz_row, b < Bs ? conv_state + b * (K - 1) * D : conv_out + (b - Bs) * (K - 1) * D,
-                      conv_out + b * (K - 1) * D, conv_w, conv_b, D, K, c0, c1, u + b * D);
+                      conv_out + b * (K - 1) * D, conv_w, wt, conv_b, D, K, c0, c1, u + b * D);
+        free(wt);
 #pragma omp barrier
         j0 = heads * J * t / nt;                            /* x_proj: rows of wx (all heads') by thread */
         j1 = heads * J * (t + 1) / nt;
