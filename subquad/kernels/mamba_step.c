@@ -169,6 +169,33 @@ static void scan16(int64_t B, int64_t Bs, int64_t D, int64_t N, int64_t hd, int6
 }
 #endif
 
+#if SUBQUAD_AVX2
+/* dt_proj column-major for 32 channels and NR <= 4 rows (a constant where inlined): dt[j][0..31] (row stride ld,
+ * holding dt_bias) += sum_r w[r][0..31] pr[j][r], rows' p at pr + j lp; each column read once for the NR rows,
+ * each row's sums the same fma chain over r as alone (0.95x the 16-row layer step's time: RESULTS.md). */
+static inline __attribute__((always_inline)) void dt_columns(const int NR, int64_t R, const float *w,
+                                                             int64_t w_s1, const float *pr, int64_t lp, float *dt,
+                                                             int64_t ld) {
+    __m256 a[4][4];
+    for (int j = 0; j < NR; j++)
+        for (int i = 0; i < 4; i++)
+            a[j][i] = _mm256_loadu_ps(dt + j * ld + 8 * i);
+    for (int64_t r = 0; r < R; r++) {
+        __m256 wv[4];
+        for (int i = 0; i < 4; i++)
+            wv[i] = _mm256_loadu_ps(w + r * w_s1 + 8 * i);
+        for (int j = 0; j < NR; j++) {
+            const __m256 prr = _mm256_set1_ps(pr[j * lp + r]);
+            for (int i = 0; i < 4; i++)
+                a[j][i] = _mm256_fmadd_ps(wv[i], prr, a[j][i]);
+        }
+    }
+    for (int j = 0; j < NR; j++)
+        for (int i = 0; i < 4; i++)
+            _mm256_storeu_ps(dt + j * ld + 8 * i, a[j][i]);
+}
+#endif
+
 /* mamba_step over B rows, of which rows b >= Bs continue row b - Bs: their conv and ssm states are the ones row
  * b - Bs leaves (in conv_out, h_out), not conv_state and h - T tokens of Bs sequences, rows t-major, in one pass
  * (mamba_block.c's mamba_block_tokens). A channel's rows run in order on one thread, so row b - Bs is done
@@ -212,32 +239,34 @@ static void mamba_rows(int64_t B, int64_t Bs, int64_t D, int64_t N, int64_t R, i
                 p[b0 * heads * J + j] = dot_row1(w, u + b0 * D + hh * hd, hd);
         }
 #pragma omp barrier
+        const int col_major = wdt_s0 == 1 && heads == 1;    /* decode_layout's dt_proj: a column per dt rank */
+        int64_t cv = c0;                                    /* channels [c0, cv): done in 32-channel blocks */
+        for (int64_t b = 0; b < B; b++)
+            for (int64_t c = c0; c < c1; c++)
+                dts[b * D + c] = bdt[c];
+#if SUBQUAD_AVX2
+        if (col_major)                                      /* 32 channels' sums in registers over every rank, */
+            for (; cv + 32 <= c1; cv += 32)                 /* up to four rows a pass: the columns read once */
+                for (int64_t b0 = 0; b0 < B; b0 += 4)
+                    switch (B - b0) {
+                        case 1: dt_columns(1, R, wdt + cv, wdt_s1, p + b0 * heads * J, heads * J, dts + b0 * D + cv, D);
+                            break;
+                        case 2: dt_columns(2, R, wdt + cv, wdt_s1, p + b0 * heads * J, heads * J, dts + b0 * D + cv, D);
+                            break;
+                        case 3: dt_columns(3, R, wdt + cv, wdt_s1, p + b0 * heads * J, heads * J, dts + b0 * D + cv, D);
+                            break;
+                        default: dt_columns(4, R, wdt + cv, wdt_s1, p + b0 * heads * J, heads * J, dts + b0 * D + cv,
+                                            D);
+                    }
+#endif
         for (int64_t b = 0; b < B; b++) {                   /* dt_proj, softplus: dt (B, D) */
             const float *pr = p + b * heads * J;            /* head hh's dt, B, C at pr + hh J */
             float *dt = dts + b * D;
-            for (int64_t c = c0; c < c1; c++)
-                dt[c] = bdt[c];
-            if (wdt_s0 == 1 && heads == 1) {                /* column-major: a column per dt rank */
-                int64_t c = c0;
-#if SUBQUAD_AVX2
-                for (; c + 32 <= c1; c += 32) {             /* 32 channels' sums in registers over every rank */
-                    __m256 a[4];
-                    for (int i = 0; i < 4; i++)
-                        a[i] = _mm256_loadu_ps(dt + c + 8 * i);
-                    for (int64_t r = 0; r < R; r++) {
-                        const float *w = wdt + r * wdt_s1 + c;
-                        const __m256 prr = _mm256_set1_ps(pr[r]);
-                        for (int i = 0; i < 4; i++)
-                            a[i] = _mm256_fmadd_ps(_mm256_loadu_ps(w + 8 * i), prr, a[i]);
-                    }
-                    for (int i = 0; i < 4; i++)
-                        _mm256_storeu_ps(dt + c + 8 * i, a[i]);
-                }
-#endif
+            if (col_major) {
                 for (int64_t r = 0; r < R; r++) {           /* the channels past the last 32 */
                     const float *w = wdt + r * wdt_s1;
                     const float prr = pr[r];
-                    for (int64_t cc = c; cc < c1; cc++)
+                    for (int64_t cc = cv; cc < c1; cc++)
                         dt[cc] += w[cc] * prr;
                 }
             } else if (wdt_s1 == 1) {                       /* row-major (nn.Linear's): a dot per channel */
