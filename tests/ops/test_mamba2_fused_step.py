@@ -45,6 +45,7 @@ def reference(zxbcdt, conv_state, conv_w, conv_b, dt_bias, A_log, Dp, S, norm_w,
     (2, 4, 8, 16, 2, 2, 0, False, False, (0.01, 0.3)),            # no norm, no bias, a dt limit, K = 2
     (3, 2, 64, 19, 1, 4, 1, True, True, (0.0, float("inf"))),     # mamba2-130m's head (64 columns in registers,
     (2, 2, 80, 16, 2, 4, 2, True, False, (0.0, float("inf"))),    # the state streamed), and 16 columns past them
+    (5, 3, 16, 16, 1, 4, 1, True, True, (0.0, float("inf"))),     # 5 rows: the convolution's taps by column
 ])
 def test_the_step_equals_its_math_in_float64(B, H, P, N, G, K, norm_groups, bias, strong, limit):
     g = torch.Generator().manual_seed(B * 100 + H * 10 + P)
