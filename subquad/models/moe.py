@@ -48,6 +48,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from subquad.layers.linear import linear
 from subquad.layers.mlp import ReLU2MLP, SwiGLU
 from subquad.ops.common.precision import outside_graphs
 
@@ -133,9 +134,11 @@ class MoE(nn.Module):
 
     def _expert(self, name: str, e: int, h):
         """h @ W_e^T for expert e's projection ``name`` (one of ``projections``): its quantised module when
-        ``quantize_experts`` made them."""
+        ``quantize_experts`` made them, else ``layers.linear.linear`` - a few float32 rows of an inference step
+        through the C product (W_e is a row-major (out, in) slice; the matmul of its transposed view took a
+        Granite-4-like model's decoding step 1.3x the time: benchmarks/RESULTS.md)."""
         q = getattr(self, "quantized_experts", None)
-        return h @ getattr(self, name)[e].T if q is None else q[name][e](h)
+        return linear(h, getattr(self, name)[e]) if q is None else q[name][e](h)
 
     def quantize_experts(self, make):
         """Replace the stacked expert weights by one module per expert and projection, ``make(W_e)`` (an

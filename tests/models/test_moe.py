@@ -45,6 +45,36 @@ def test_moe_equals_every_expert_on_every_token(experts, top_k, renormalize):
         torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
 
 
+def test_a_few_float32_rows_take_the_c_product_for_experts_of_real_size(monkeypatch):
+    """An inference step's few float32 rows multiply each chosen expert through ``layers.linear.linear`` (the C
+    product where the kernels are built, for matrices of at least ``MIN_WEIGHTS``): within float32's rounding of
+    every expert on every token in float64, at 1 and 3 rows; with gradients the matmul as before."""
+    from subquad.kernels import qgemv
+    from subquad.layers import linear as lin
+
+    torch.manual_seed(0)
+    moe = MoE(512, 512, 4, 2).eval()                          # 512 x 512 experts: MIN_WEIGHTS (2^18) each
+    assert moe.w_up[0].numel() >= lin.MIN_WEIGHTS
+    with torch.no_grad():
+        moe.router.weight.mul_(20)
+    calls, real = [], qgemv.f32_gemv
+    monkeypatch.setattr(qgemv, "f32_gemv", lambda *a: calls.append(a[1].shape) or real(*a))
+    ref = copy.deepcopy(moe).double()
+    for rows in (1, 3):
+        x = torch.randn(rows, 512)
+        calls.clear()
+        with torch.no_grad():
+            got = moe(x)
+            want = _dense_reference(ref, x.double())
+        assert (got.double() - want).abs().max() <= 1e-5 * want.abs().max()
+        if lin.ONEDNN and qgemv.F32.available():              # three products per expert chosen by any row
+            assert len(calls) == 3 * len(set(moe.route(x)[2].flatten().tolist()))
+    x = torch.randn(2, 512, requires_grad=True)
+    calls.clear()
+    moe(x).sum().backward()
+    assert not calls and x.grad is not None
+
+
 def test_relu2_latent_experts_equal_every_expert_on_every_token():
     """kind "relu2" (ungated squared-ReLU experts and shared expert) with ``latent`` experts and sigmoid grouped
     routing (Nemotron-H's MoE) equals the dense sum written out, values and gradients."""
