@@ -282,6 +282,10 @@ class ParallelBlock(Block):
                 **self.beside.empty_state(batch_size, device=device, dtype=dtype)}
 
     def forward(self, h, state=None, cu_seqlens=None, carry=None):
+        if state is not None and cu_seqlens is None and not self.stateful_mlp and h.dim() == 3 and h.shape[1] == 1:
+            out = self._fused_mixers(h, state)
+            if out is not None:
+                return out if self.mlp is None else self._mlp_half(*out, state, cu_seqlens)
         x = self.norm1(h)
         ys, states = [], {}
         for m, keys in zip((self.mixer, self.beside), self.state_keys):
@@ -291,6 +295,26 @@ class ParallelBlock(Block):
         h = h + ys[0] + ys[1]
         new = states or None
         return (h, new) if self.mlp is None else self._mlp_half(h, new, state, cu_seqlens)
+
+    def _fused_mixers(self, h, state):
+        """A decoding step's two mixers each in its one call where both have one (a pre-norm block's: Mamba-2's
+        ``fused_block``, attention's ``fused_attention``), each giving h + its output from the same norm of h:
+        (h', new state) with h' = out0 + (out1 - h) - within float32's rounding of the modules' h + y0 + y1, not bit
+        for bit - or None (a hook on a mixer, or a call that does not apply)."""
+        pairs = list(zip((self.mixer, self.beside), self.state_keys))
+        if any(m._forward_hooks or m._forward_pre_hooks for m, _ in pairs):
+            return None
+        parts = {}
+        for i in sorted(range(2), key=lambda i: type(pairs[i][0]) is not SoftmaxAttention):   # attention's (which
+            m, keys = pairs[i]                                            # refuses more) first: no wasted call
+            mine = {k: state[k] for k in keys}
+            out = m.fused_block(h, self.norm1, mine) if hasattr(m, "fused_block") else \
+                fused_attention(m, h, self.norm1, mine) if type(m) is SoftmaxAttention else None
+            if out is None:
+                return None
+            parts[i] = out
+        (h0, s0), (h1, s1) = parts[0], parts[1]
+        return h0 + (h1 - h), {**s0, **s1}
 
 
 class SharedUseBlock(Block):

@@ -84,6 +84,33 @@ def test_a_parallel_block_decodes_packs_and_refuses_what_it_cannot_hold():
         _model(parallel={"softmax": "mamba2"}, post_norm=["softmax"])
 
 
+def test_a_parallel_blocks_decoding_step_takes_both_mixers_one_calls(monkeypatch):
+    """Falcon-H1's block at a decoding step: Mamba-2's and attention's one calls (a pre-norm block's), each from
+    the same norm of h, their outputs summed - within 1e-5 of the logits' scale of the PyTorch step's and of a
+    float64 model's (not bit for bit: h + y0 + y1 summed as (h + y0) + ((h + y1) - h)), taken at every layer and
+    step; a hook on a mixer turns it off."""
+    from subquad.models import lm, stack
+    from tests.ops.fused_harness import assert_steps_agree, models
+
+    monkeypatch.setattr(stack, "ENABLED", False)
+    m, m64 = models(d_model=64, n_layers=2, pattern="mamba2", parallel={"mamba2": "softmax"}, mlp=True,
+                    mlp_size=96, n_heads=4, mixer_options={"mamba2": {"d_state": 16, "head_dim": 16}})
+    assert_steps_agree(monkeypatch, lm.ParallelBlock, m, m64, 3, fn="_fused_mixers")
+    taken, real = [], lm.ParallelBlock._fused_mixers
+
+    def step():
+        taken.clear()
+        with torch.no_grad():
+            _, st = m.prefill(torch.tensor([[1, 2, 3]]))
+            m.step(torch.tensor([4]), st)
+        return taken
+
+    monkeypatch.setattr(lm.ParallelBlock, "_fused_mixers", lambda *a: taken.append(real(*a)) or taken[-1])
+    assert [t is not None for t in step()] == [True, True]
+    m.blocks[0].beside.register_forward_hook(lambda *a: None)
+    assert [t is not None for t in step()] == [False, True]           # the hooked layer's modules, the other's calls
+
+
 def test_a_shared_block_use_computes_its_scheme_and_bad_options_are_refused():
     """Zamba2's hybrid layer (models.shared): t = W proj(mlp(rmsnorm(attn(rmsnorm([h, e]))))) with the use's adapters
     added to q, k, v and to the MLP's gate and up; h + mixer(rmsnorm(h + t)). Written out here from the pieces."""
