@@ -1192,6 +1192,26 @@ static inline __attribute__((always_inline)) void int4_split_q(int64_t K, int64_
 
 #if SUBQUAD_VNNI512 && defined(__AVX512VBMI__)
 #define INT4_VNNI 1
+/* A group's close for R rows of x: f[r][i] holds outputs 16 i .. 16 i + 15 in order (nv of them), their (s, z)
+ * bfloat16 pairs 16 dwords a vector at sg, s the low half: o[r][i] += s f + (z - 8 s) xc[r G + g], 16 outputs an
+ * instruction (a scalar loop over them took as many instructions as the group's products; benchmarks/RESULTS.md,
+ * "int4's groups closed 16 rows at once"). */
+static inline __attribute__((always_inline)) void int4_close(int64_t R, int nv, const uint16_t *sg, const float *xc,
+                                                             int64_t G, int64_t g, __m512 (*f)[4], __m512 (*o)[4]) {
+    const __m512 eight = _mm512_set1_ps(8.0f);
+    const __m512i hi16 = _mm512_set1_epi32((int)0xFFFF0000u);
+    for (int i = 0; i < nv; i++) {
+        const __m512i p = _mm512_loadu_si512(sg + 32 * i);
+        const __m512 sc = _mm512_castsi512_ps(_mm512_slli_epi32(p, 16));
+        const __m512 z = _mm512_castsi512_ps(_mm512_and_si512(p, hi16));
+        for (int64_t r = 0; r < R; r++) {
+            const __m512 xg = _mm512_set1_ps(xc[r * G + g]);
+            o[r][i] = _mm512_add_ps(o[r][i], _mm512_add_ps(_mm512_mul_ps(sc, f[r][i]),
+                                    _mm512_mul_ps(_mm512_sub_ps(z, _mm512_mul_ps(eight, sc)), xg)));
+        }
+    }
+}
+
 /* int4_split_q with AVX-512 VNNI and VBMI: four k at a time, the 4 x 16 bytes of a 16-row chunk (byte j of k's row
  * holds rows j and j + h) put in row order by one byte permute (vpermb / vpermt2b: row j's codes at k..k+3 in one
  * dword), then its low and its high nibbles each against x's four codes c[k..k+3] (one broadcast dword) in one
@@ -1255,22 +1275,7 @@ static inline __attribute__((always_inline)) void int4_split_vnni(const int R, i
                     f[r][i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a[r][i]), dv, f[r][i]);
             }
         }
-        /* f[r][i] holds rows 16 i .. 16 i + 15 in order; their (s, z) bfloat16 pairs are 16 dwords, s the low half:
-         * out += s acc + (z - 8 s) xc[g], 16 rows an instruction (a scalar loop over the 2h rows took as many
-         * instructions as the group's products; benchmarks/RESULTS.md, "int4's groups closed 16 rows at once") */
-        const uint16_t *sg = sz + (g * Np + n0) * 2;
-        const __m512 eight = _mm512_set1_ps(8.0f);
-        const __m512i hi16 = _mm512_set1_epi32((int)0xFFFF0000u);
-        for (int i = 0; i < 2 * nv; i++) {
-            const __m512i p = _mm512_loadu_si512(sg + 32 * i);
-            const __m512 sc = _mm512_castsi512_ps(_mm512_slli_epi32(p, 16));
-            const __m512 z = _mm512_castsi512_ps(_mm512_and_si512(p, hi16));
-            for (int r = 0; r < R; r++) {
-                const __m512 xg = _mm512_set1_ps(xc[r * G + g]);
-                o[r][i] = _mm512_add_ps(o[r][i], _mm512_add_ps(_mm512_mul_ps(sc, f[r][i]),
-                                        _mm512_mul_ps(_mm512_sub_ps(z, _mm512_mul_ps(eight, sc)), xg)));
-            }
-        }
+        int4_close(R, 2 * nv, sz + (g * Np + n0) * 2, xc, G, g, f, o);
     }
     for (int r = 0; r < R; r++)
         for (int i = 0; i < 2 * nv; i++)
@@ -1392,8 +1397,6 @@ static void int4_split_many(int64_t M, int64_t K, int64_t G, int64_t Np, const i
     const __m512i idx0 = _mm512_loadu_si512(ix[0]), idx1 = _mm512_loadu_si512(ix[1]);
     __m512i U[8][4];                                      /* step s of 4 k: lo chunk 0, 1, hi chunk 0, 1 */
     __m512 F[16][4], O[16][4];
-    const __m512 eight = _mm512_set1_ps(8.0f);
-    const __m512i hi16 = _mm512_set1_epi32((int)0xFFFF0000u);
     for (int64_t r = 0; r < M; r++)
         for (int i = 0; i < 4; i++)
             O[r][i] = _mm512_setzero_ps();
@@ -1421,17 +1424,7 @@ static void int4_split_many(int64_t M, int64_t K, int64_t G, int64_t Np, const i
                     default: many_pass_4(K, nb, k0, c + m0 * K, d + m0 * nb, U[0], F + m0);
                 }
         }
-        const uint16_t *sg = sz + (g * Np + n0) * 2;
-        for (int i = 0; i < 4; i++) {
-            const __m512i p = _mm512_loadu_si512(sg + 32 * i);
-            const __m512 sc = _mm512_castsi512_ps(_mm512_slli_epi32(p, 16));
-            const __m512 z = _mm512_castsi512_ps(_mm512_and_si512(p, hi16));
-            for (int64_t r = 0; r < M; r++) {
-                const __m512 xg = _mm512_set1_ps(xc[r * G + g]);
-                O[r][i] = _mm512_add_ps(O[r][i], _mm512_add_ps(_mm512_mul_ps(sc, F[r][i]),
-                                        _mm512_mul_ps(_mm512_sub_ps(z, _mm512_mul_ps(eight, sc)), xg)));
-            }
-        }
+        int4_close(M, 4, sz + (g * Np + n0) * 2, xc, G, g, F, O);
     }
     for (int64_t r = 0; r < M; r++)
         for (int i = 0; i < 4; i++)
