@@ -247,17 +247,12 @@ static void mamba_rows(int64_t B, int64_t Bs, int64_t D, int64_t N, int64_t R, i
 #if SUBQUAD_AVX2
         if (col_major)                                      /* 32 channels' sums in registers over every rank, */
             for (; cv + 32 <= c1; cv += 32)                 /* up to four rows a pass: the columns read once */
-                for (int64_t b0 = 0; b0 < B; b0 += 4)
-                    switch (B - b0) {
-                        case 1: dt_columns(1, R, wdt + cv, wdt_s1, p + b0 * heads * J, heads * J, dts + b0 * D + cv, D);
-                            break;
-                        case 2: dt_columns(2, R, wdt + cv, wdt_s1, p + b0 * heads * J, heads * J, dts + b0 * D + cv, D);
-                            break;
-                        case 3: dt_columns(3, R, wdt + cv, wdt_s1, p + b0 * heads * J, heads * J, dts + b0 * D + cv, D);
-                            break;
-                        default: dt_columns(4, R, wdt + cv, wdt_s1, p + b0 * heads * J, heads * J, dts + b0 * D + cv,
-                                            D);
-                    }
+                for (int64_t b0 = 0; b0 < B; b0 += 4) {
+#define DTC(nr) dt_columns(nr, R, wdt + cv, wdt_s1, p + b0 * heads * J, heads * J, dts + b0 * D + cv, D)
+                    switch (B - b0) { case 1: DTC(1); break; case 2: DTC(2); break; case 3: DTC(3); break;
+                                      default: DTC(4); }                     /* nr a constant: registers */
+#undef DTC
+                }
 #endif
         for (int64_t b = 0; b < B; b++) {                   /* dt_proj, softplus: dt (B, D) */
             const float *pr = p + b * heads * J;            /* head hh's dt, B, C at pr + hh J */

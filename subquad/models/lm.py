@@ -159,6 +159,15 @@ class Block(nn.Module):
         return parts + ([(self.mlp, kind, MLP_STATE)] if self.stateful_mlp else [])
 
 
+def _mixer_call(m, h, norm, state):
+    """A pre-norm mixer's half of a decoding step, h + m(norm(h)), as the mixer's one call (``fused_block``:
+    Mamba's, Mamba-2's; softmax attention's two, ``layers.attention_step``) -> (h', new state), or None where it
+    has none or it does not apply."""
+    if hasattr(m, "fused_block"):
+        return m.fused_block(h, norm, state)
+    return fused_attention(m, h, norm, state) if type(m) is SoftmaxAttention else None
+
+
 class PreNormBlock(Block):
     """h = h + mixer(rmsnorm(h));  h = h + mlp(rmsnorm(h))  (GPT-2, Llama, Mamba). A decoding step may run the
     mixer's half (norm, mixer, residual) in one call where the mixer offers it (``fused_block``: Mamba's,
@@ -187,8 +196,7 @@ class PreNormBlock(Block):
         m = self.mixer
         if state is not None and cu_seqlens is None and not self.stateful_mlp \
                 and not (m._forward_hooks or m._forward_pre_hooks):     # (a hook expects the mixer's own call)
-            out = m.fused_block(h, self.norm1, state) if hasattr(m, "fused_block") else \
-                fused_attention(m, h, self.norm1, state) if type(m) is SoftmaxAttention else None
+            out = _mixer_call(m, h, self.norm1, state)
             if out is not None:
                 return out if self.mlp is None else self._mlp_half(*out, state, cu_seqlens)
         y, new = self._mix(self.norm1(h), state, cu_seqlens, carry)
@@ -307,9 +315,7 @@ class ParallelBlock(Block):
         parts = {}
         for i in sorted(range(2), key=lambda i: type(pairs[i][0]) is not SoftmaxAttention):   # attention's (which
             m, keys = pairs[i]                                            # refuses more) first: no wasted call
-            mine = {k: state[k] for k in keys}
-            out = m.fused_block(h, self.norm1, mine) if hasattr(m, "fused_block") else \
-                fused_attention(m, h, self.norm1, mine) if type(m) is SoftmaxAttention else None
+            out = _mixer_call(m, h, self.norm1, {k: state[k] for k in keys})
             if out is None:
                 return None
             parts[i] = out
