@@ -1,11 +1,12 @@
 """Reading a safetensors file (model folders and training checkpoints alike): plain reads into fresh tensors,
-or, for the tensors asked for, views of a private memory map of the file."""
+or, for the tensors asked for, views of a private memory map of the file; and writing one (``save_file``)."""
 
 from __future__ import annotations
 
 import json
 import math
 import mmap
+import os
 from pathlib import Path
 
 import torch
@@ -82,3 +83,15 @@ def _drop_pages(mm, start, nbytes):
     hi = (start + nbytes) // mmap.PAGESIZE * mmap.PAGESIZE
     if hi > lo:
         mm.madvise(mmap.MADV_DONTNEED, lo, hi - lo)
+
+
+def save_file(tensors: dict, path, metadata: dict | None = None) -> None:
+    """safetensors' ``save_file``, the file then given the mode any other file written here gets (0644 under
+    the usual umask): safetensors creates it 0600, which a server running as another user cannot read."""
+    from safetensors.torch import save_file as write
+
+    write(tensors, str(path), metadata=metadata)
+    mask = os.umask(0)
+    os.umask(mask)
+    os.chmod(path, 0o666 & ~mask)
+

@@ -91,3 +91,27 @@ def test_the_quantised_loader_releases_freed_memory_per_module(tmp_path, monkeyp
     monkeypatch.setattr(quant, "release_freed", lambda: calls.append(1))
     from_pretrained(tmp_path / "q")
     assert len(calls) >= 2 * 3          # at least each layer's three quantised matrices' modules
+
+
+def test_files_written_get_the_mode_of_any_other_file(tmp_path):
+    """safetensors creates its files 0600; a model folder, a checkpoint and a saved state get what open() gives
+    under the process's umask (another user's server reads the weights)."""
+    import os
+
+    from subquad.models import LanguageModel, ModelConfig, save_pretrained, save_state
+    from subquad.tensorfile import save_file
+
+    (tmp_path / "plain.txt").write_text("x")
+    want = os.stat(tmp_path / "plain.txt").st_mode & 0o777
+    save_file({"a": torch.zeros(3)}, tmp_path / "a.safetensors")
+    model = LanguageModel(ModelConfig(vocab_size=16, d_model=8, n_layers=1, n_heads=2, pattern="mamba2"))
+    save_pretrained(model, tmp_path / "m")
+    save_state(tmp_path / "s.safetensors", model.empty_state(1))
+    for f in ("a.safetensors", "m/model.safetensors", "s.safetensors"):
+        assert os.stat(tmp_path / f).st_mode & 0o777 == want, f
+    old = os.umask(0o077)
+    try:
+        save_file({"a": torch.zeros(3)}, tmp_path / "b.safetensors")
+    finally:
+        os.umask(old)
+    assert os.stat(tmp_path / "b.safetensors").st_mode & 0o777 == 0o600

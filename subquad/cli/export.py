@@ -13,7 +13,7 @@ def add_parser(command, hf_types: list[str]) -> None:
                    help="the Hugging Face type to write (default: the first whose structure the model has; "
                         "'subquad' when none has it: a folder of subquad's own config and names)")
     x.add_argument("--format", choices=["hf", "gguf"], default="hf",
-                   help="hf: a model folder (default); gguf: one GGUF file for llama.cpp / Ollama (--out is the file; "
+                   help="hf: a model folder (default; an --out ending in .gguf means gguf); gguf: one GGUF file for llama.cpp / Ollama (--out is the file; "
                         "the structures of the Hugging Face types subquad.models.gguf writes: "
                         "benchmarks/gguf_architectures.md)")
     x.add_argument("--outtype", choices=["f32", "f16", "bf16", "q8_0", "q4_0"], default="f32",
@@ -32,6 +32,9 @@ def run(args) -> int:
 
     if not Path(args.run).exists():
         raise ValueError(f"--run {args.run} does not exist")
+    if args.format == "hf" and args.out.endswith(".gguf"):          # a file name: what the user meant
+        say(f"--out {args.out} ends in .gguf: writing a GGUF file (--format gguf)")
+        args.format = "gguf"
     if args.format == "gguf":
         return _gguf(args)
     if args.outtype != "f32":
@@ -53,11 +56,13 @@ def _gguf(args) -> int:
     from subquad.models.gguf import save_gguf
     from subquad.train import load_run
 
-    if args.quantize or args.model_type not in (None, "mamba", "falcon_mamba", "mamba2"):
-        raise ValueError("--format gguf takes --outtype for its types, not --quantize, and writes the model's own "
-                         "type (mamba, falcon_mamba or mamba2), not --model-type " + str(args.model_type))
+    if args.quantize:
+        raise ValueError(f"--format gguf takes --outtype for the matrices' type (q8_0, q4_0, ...), not --quantize "
+                         f"{args.quantize}")
+    if args.model_type == "subquad":
+        raise ValueError("--format gguf writes a Hugging Face type's GGUF architecture, not --model-type subquad")
     model, tok, meta = load_run(args.run, log=say)
-    types = save_gguf(model, args.out, args.outtype, tokenizer=tok)
+    types = save_gguf(model, args.out, args.outtype, tokenizer=tok, model_type=args.model_type)
     print(f"{args.run}: step {meta['step']} written to {args.out} as a GGUF file ({len(types)} tensors, "
           f"{sum(t == args.outtype.upper() for t in types.values())} of them {args.outtype.upper()})")
     return 0

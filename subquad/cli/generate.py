@@ -23,7 +23,9 @@ def add_parser(command, hf_types: list[str]) -> None:
     g.add_argument("--top-k", type=positive, help="sample among the k most likely tokens (default: all)")
     g.add_argument("--top-p", type=float, help="sample within the nucleus of this mass (default: all)")
     g.add_argument("--stop", action="append", default=None, metavar="TEXT",
-                   help="stop a sequence when it emits this text's token (repeatable; default: none)")
+                   help="end a sequence where its text holds TEXT, matched on the decoded text across tokens and "
+                        "left out of the output, as the server's 'stop' (backslash escapes read: '\\n'; "
+                        "repeatable; default: none)")
     g.add_argument("--min-p", type=float, help="drop tokens less likely than this times the most likely (vLLM)")
     g.add_argument("--presence-penalty", type=float, default=0.0,
                    help="subtract this from the logit of every token generated so far (OpenAI; -2..2)")
@@ -47,8 +49,9 @@ def add_parser(command, hf_types: list[str]) -> None:
     g.add_argument("--speculative", metavar="ngram|mtp|DIR",
                    help="speculative decoding: draft tokens by prompt lookup ('ngram': the continuation of an earlier "
                         "match of the last few tokens), with the checkpoint's own multi-token-prediction head "
-                        "('mtp': Qwen3-Next, Qwen3.5) or with a smaller model of the same tokenizer (DIR: a run or "
-                        "a model folder, loaded with --dtype/--device), and verify them in one forward; the same "
+                        "('mtp': Qwen3-Next, Qwen3.5, Nemotron-H, Ling 3) or with a smaller model of the same "
+                        "tokenizer (DIR: a run or model folder or a .gguf file, loaded with --dtype/--device), "
+                        "and verify them in one forward; the same "
                         "output as without")
     g.add_argument("--draft-tokens", type=positive, default=4, help="tokens drafted per step with --speculative")
     g.add_argument("--json", action="store_true",
@@ -65,15 +68,30 @@ def unescape(text: str) -> str:
     return text.encode("latin-1", "backslashreplace").decode("unicode_escape")
 
 
-def stop_ids(tok, texts) -> list[int]:
-    """The token id of each --stop text; a text that is not exactly one token is refused."""
-    ids = []
-    for text in texts or []:
-        enc = tok.encode(unescape(text)).ids
-        if len(enc) != 1:
-            raise ValueError(f"--stop {text!r} is {len(enc)} tokens for this tokenizer; it must be one")
-        ids += enc
-    return ids
+def stop_texts(texts) -> list[str]:
+    """The --stop texts with their backslash escapes read; an empty one is refused."""
+    out = [unescape(t) for t in texts or []]
+    if any(not t for t in out):
+        raise ValueError("--stop: an empty text would end every sequence at once; give at least one character")
+    return out
+
+
+class StopText:
+    """A sequence's text as its tokens come (``serve.text.TextStream``, the server's): ``push(id)`` -> (the
+    newly released text, whether a --stop text was reached); ``rest()`` the text held back at the end."""
+
+    def __init__(self, tok, stops):
+        from subquad.serve.text import TextStream
+
+        self.ids, self.stream, self.stopped = [], TextStream(tok.decode, stops), False
+
+    def push(self, t: int) -> tuple[str, bool]:
+        self.ids.append(t)
+        text, self.stopped = self.stream.push(self.ids)
+        return text, self.stopped
+
+    def rest(self) -> str:
+        return "" if self.stopped else self.stream.flush()
 
 
 def logit_bias(items) -> dict[int, float] | None:
@@ -90,10 +108,10 @@ def logit_bias(items) -> dict[int, float] | None:
     return out or None
 
 
-def sampling(args, stop: list[int]) -> dict:
+def sampling(args) -> dict:
     """The ``generate`` keyword arguments of the sampling flags (checked there, by ``SamplingOptions``)."""
     return dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
-                stop_ids=stop + (args.stop_token_id or []), min_p=args.min_p, presence_penalty=args.presence_penalty,
+                stop_ids=args.stop_token_id or [], min_p=args.min_p, presence_penalty=args.presence_penalty,
                 frequency_penalty=args.frequency_penalty, repetition_penalty=args.repetition_penalty,
                 logit_bias=logit_bias(args.logit_bias), ignore_eos=args.ignore_eos)
 
@@ -102,7 +120,7 @@ def check_sampling_flags(args) -> None:
     """Refuse a bad sampling flag by name before the model loads (``SamplingOptions``' check)."""
     from subquad.models.sampling import OptionError, SamplingOptions
 
-    kw = sampling(args, [])
+    kw = sampling(args)
     kw.pop("seed")
     try:
         SamplingOptions(**kw)
@@ -115,9 +133,11 @@ def check_speculative_flag(args) -> None:
     """--speculative is 'ngram' or a folder that exists (checked before the model loads)."""
     from pathlib import Path
 
-    if args.speculative not in (None, "ngram", "mtp") and not Path(args.speculative).is_dir():
+    spec = args.speculative
+    if spec not in (None, "ngram", "mtp") and not Path(spec).is_dir() \
+            and not (Path(spec).is_file() and spec.endswith(".gguf")):
         raise ValueError(f"--speculative must be 'ngram', 'mtp' or a draft model's folder (a run or a model "
-                         f"folder); {args.speculative} is not a folder")
+                         f"folder) or .gguf file; {spec} is neither")
 
 
 def load_draft(args, model):
@@ -127,7 +147,8 @@ def load_draft(args, model):
 
     if args.speculative in ("ngram", "mtp"):
         return args.speculative
-    hf = (Path(args.speculative) / "config.json").exists()
+    path = Path(args.speculative)      # a run folder (config.json beside ckpt/) or a step folder: --run; else --model
+    hf = path.is_file() or ((path / "config.json").exists() and not (path / "ckpt").is_dir())
     draft_args = argparse.Namespace(**{**vars(args), "run": None if hf else args.speculative,
                                        "model": args.speculative if hf else None})
     draft, _ = load_model(draft_args)
@@ -170,6 +191,7 @@ def run(args) -> int:
     from pathlib import Path
 
     from subquad.models import load_state, save_state
+    from subquad.models.state import check_fits
 
     check_run_or_model(args)
     if args.prompts_file:
@@ -183,6 +205,7 @@ def run(args) -> int:
         if not prompts:
             raise ValueError(f"--prompts-file {path} holds no prompt (one per line)")
     check_sampling_flags(args)
+    stops = stop_texts(args.stop)
     check_speculative_flag(args)
     fmt = response_format(args)                       # a bad --json-schema file is refused before the model loads
     model, tok = load_model(args, need_tokenizer="to encode the prompt with")
@@ -190,21 +213,22 @@ def run(args) -> int:
         from subquad.models.decode import compile_decode
 
         compile_decode(model, faster=True)              # each batch class keeps the faster of the two steps
-    stop = stop_ids(tok, args.stop)
     speculation = {} if args.speculative is None else {"speculative": load_draft(args, model),
                                                         "draft_tokens": args.draft_tokens}
     if fmt is not None:
         speculation.update(response_format=fmt, tokenizer=tok)
     if args.prompts_file:
-        outs, _ = model.generate([tok.encode(p).ids or [0] for p in prompts], args.max_new_tokens,
-                                 **sampling(args, stop), **speculation)
-        for i, (p, o) in enumerate(zip(prompts, outs, strict=True)):
-            print(f"--- [{i}] {p}{tok.decode(o)}")
+        texts = [StopText(tok, stops) for _ in prompts]
+        model.generate([tok.encode(p).ids or [0] for p in prompts], args.max_new_tokens,
+                       on_token=lambda i, t: texts[i].push(t)[1], **sampling(args), **speculation)
+        for i, (p, text) in enumerate(zip(prompts, texts, strict=True)):
+            print(f"--- [{i}] {p}{text.stream.text}{text.rest()}")
         report_speculation(model, args)
         return 0
     state = None
     if args.load_state:
         state, extra = load_state(args.load_state)
+        check_fits(state, model, f"--load-state {args.load_state}")
         ids = [extra["last_token"]] + (tok.encode(args.prompt).ids if args.prompt else [])
     else:
         if not args.prompt:
@@ -212,20 +236,17 @@ def run(args) -> int:
                   file=sys.stderr)
             return 2
         ids = tok.encode(args.prompt).ids
-        print(args.prompt, end="", flush=True)
-    new: list[int] = []
-    shown = [""]
+    echo = [args.prompt or ""]           # shown with the first token: an option generate refuses prints alone
+    text = StopText(tok, stops)          # whole characters only; a possible stop text's start held back
 
     def stream(t):
-        new.append(t)
-        text = tok.decode(new)
-        if not text.endswith("\ufffd"):          # wait for the rest of a multi-byte character
-            print(text[len(shown[0]):], end="", flush=True)
-            shown[0] = text
+        shown, stopped = text.push(t)
+        print(echo.pop() if echo else "", shown, sep="", end="", flush=True)
+        return stopped
 
-    out, state = model.generate(ids, args.max_new_tokens, state=state, on_token=stream, **sampling(args, stop),
+    out, state = model.generate(ids, args.max_new_tokens, state=state, on_token=stream, **sampling(args),
                                 **speculation)
-    print(tok.decode(new)[len(shown[0]):])
+    print(echo.pop() if echo else "", text.rest(), sep="")
     report_speculation(model, args)
     print(f"\n[state: {model.state_bytes(state):,} bytes over {model.config.n_layers} layers "
           f"({', '.join(sorted(set(model.config.layers)))})]", file=sys.stderr)

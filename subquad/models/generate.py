@@ -59,7 +59,8 @@ def generate(model, prompt, max_new_tokens: int, temperature: float = 1.0, top_k
     ``top_k``, ``top_p``, ``min_p``, the penalties, ``logit_bias``: ``{token id: value}``) are
     ``models.sampling.SamplingOptions``, checked and applied there for every row; one generator seeded with
     ``seed`` draws for the whole batch. ``on_token(id)`` (one sequence) or
-    ``on_token(i, id)`` (a batch) streams tokens as they come. Everything runs on the model's device.
+    ``on_token(i, id)`` (a batch) streams tokens as they come; returning True ends that sequence there (the
+    token emitted: ``subquad generate``'s stop strings, matched on the decoded text). Everything runs on the model's device.
 
     The returned state has consumed each prompt and every new token but the last:
     ``generate(model, [new[-1]], n, state=state)`` continues exactly where a one-sequence call stopped.
@@ -114,9 +115,8 @@ def generate(model, prompt, max_new_tokens: int, temperature: float = 1.0, top_k
     if speculative is not None and not all(done):
         def emit(i, t) -> bool:
             out[i].append(t)
-            if on_token is not None:
-                on_token(t) if single else on_token(i, t)
-            return len(out[i]) >= max_new_tokens or t in stop
+            ended = on_token is not None and (on_token(t) if single else on_token(i, t)) is True
+            return ended or len(out[i]) >= max_new_tokens or t in stop
 
         drafts_by = drafter(speculative, model, prompts, hidden=seen[-1] if seen else None, cu_seqlens=cu)
         try:
@@ -135,9 +135,8 @@ def generate(model, prompt, max_new_tokens: int, temperature: float = 1.0, top_k
                     feed.append(0)                  # padding after the end: its outputs are never read
                     continue
                 out[i].append(nxt[i])
-                if on_token is not None:
-                    on_token(nxt[i]) if single else on_token(i, nxt[i])
-                done[i] = len(out[i]) >= max_new_tokens or nxt[i] in stop \
+                ended = on_token is not None and (on_token(nxt[i]) if single else on_token(i, nxt[i])) is True
+                done[i] = ended or len(out[i]) >= max_new_tokens or nxt[i] in stop \
                     or (matchers is not None and matchers[i].done)
                 feed.append(nxt[i])
             if all(done):

@@ -40,7 +40,7 @@ def state_to_tensors(state) -> tuple[dict, dict]:
 
 def save_state(path, state, extra: dict | None = None) -> None:
     """Write the per-layer state atomically (temporary file, then rename)."""
-    from safetensors.torch import save_file
+    from subquad.tensorfile import save_file
 
     tensors, meta = state_to_tensors(state)
     pos = getattr(state, "pos", 0)
@@ -88,3 +88,26 @@ def load_state(path):
                 layer[key] = tensors[f"{i}.{key}"]
         state.append(layer)
     return state, extra
+
+
+def check_fits(state, model, what: str = "state") -> None:
+    """ValueError naming ``what`` and the first difference where ``state`` (from ``load_state``, say) is not a
+    decoding state of ``model``'s structure: its layers, each layer's entries, and their shapes past the batch
+    (a KV cache's heads and head size; its length is the tokens it holds)."""
+    want = model.empty_state(1)
+    if len(state) != len(want):
+        raise ValueError(f"{what}: it holds {len(state)} layers; this model has {len(want)}: it was saved from "
+                         f"another model")
+    for i, (got, ref) in enumerate(zip(state, want)):
+        if set(got) != set(ref):
+            raise ValueError(f"{what}: layer {i} holds {sorted(got)}; this model's holds {sorted(ref)}: it was "
+                             f"saved from another model")
+        for key, r in ref.items():
+            g = got[key]
+            if isinstance(r, KVCache) != isinstance(g, KVCache):
+                raise ValueError(f"{what}: layer {i}'s {key!r} is not this model's kind of state")
+            a, b = ((g.k.shape[2:], r.k.shape[2:]) if isinstance(r, KVCache) else (g.shape[1:], r.shape[1:]))
+            if a != b:
+                raise ValueError(f"{what}: layer {i}'s {key!r} is (batch, {', '.join(map(str, a))}); this model's "
+                                 f"is (batch, {', '.join(map(str, b))}): it was saved from another model")
+

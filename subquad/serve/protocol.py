@@ -147,7 +147,9 @@ def _check_fields(body, allowed):
             continue
         if name in NO_OP:
             if not _asks_nothing(v, NO_OP[name]):
-                raise bad(name, f"{name}={json.dumps(v)[:40]} is not supported by this server "
+                shown = json.dumps(v)
+                shown = shown if len(shown) <= 40 else shown[:37] + "..."
+                raise bad(name, f"{name}={shown} is not supported by this server "
                                 f"(only {json.dumps(NO_OP[name])})")
             continue
         raise bad(name, f"unknown or unsupported parameter {name!r}")

@@ -113,7 +113,8 @@ def _save_tensors(tensors: dict, path: Path) -> None:
     """safetensors' writer, its I/O failures as the OSError they are (it reports them as a SafetensorError
     whose text ends '(os error N)')."""
     from safetensors import SafetensorError
-    from safetensors.torch import save_file
+
+    from subquad.tensorfile import save_file
 
     try:
         save_file(tensors, str(path))

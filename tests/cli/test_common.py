@@ -6,18 +6,7 @@ import pytest
 import torch
 
 from subquad.cli import build_parser, common
-from subquad.cli.generate import stop_ids, unescape
-
-
-class _RecordingTokenizer:
-    """Encodes any text as one token and records the text it was given."""
-
-    def __init__(self):
-        self.seen = []
-
-    def encode(self, text):
-        self.seen.append(text)
-        return type("Enc", (), {"ids": [len(self.seen)]})()
+from subquad.cli.generate import StopText, stop_texts, unescape
 
 
 @pytest.mark.parametrize("text, want", [("é", "é"), ("日本", "日本"), ("\\n", "\n"), ("a\\tb", "a\tb"),
@@ -25,18 +14,27 @@ class _RecordingTokenizer:
 def test_stop_text_keeps_non_ascii_and_reads_backslash_escapes(text, want):
     # the old `text.encode().decode("unicode_escape")` read UTF-8 bytes as Latin-1: "é" -> "Ã©"
     assert unescape(text) == want
-    tok = _RecordingTokenizer()
-    assert stop_ids(tok, [text]) == [1]
-    assert tok.seen == [want]
+    assert stop_texts([text, "x"]) == [want, "x"]
 
 
-def test_stop_text_of_several_tokens_is_refused_by_name():
-    class Two:
-        def encode(self, text):
-            return type("Enc", (), {"ids": [1, 2]})()
+def test_an_empty_stop_text_is_refused_by_name():
+    with pytest.raises(ValueError, match="--stop: an empty text"):
+        stop_texts(["a", ""])
 
-    with pytest.raises(ValueError, match="--stop 'ab' is 2 tokens"):
-        stop_ids(Two(), ["ab"])
+
+def test_a_stop_text_across_tokens_ends_the_text_before_it():
+    """Tokens "ab", "c\n", "de", "f" with stop "\nd" (across two tokens): "ab" released at once, "c" next (its
+    "\n" held back), nothing after "abc" (the server's TextStream); a stop never reached releases everything
+    at the end."""
+    pieces = ["ab", "c\n", "de", "f"]
+    tok = type("Tok", (), {"decode": staticmethod(lambda ids: "".join(pieces[i] for i in ids))})()
+    text = StopText(tok, ["\nd"])
+    assert text.push(0) == ("ab", False)
+    assert text.push(1) == ("c", False)                  # "\n" may begin the stop text: held back
+    assert text.push(2) == ("", True) and text.stream.text == "abc" and text.rest() == ""
+    text = StopText(tok, ["zz"])
+    assert [text.push(i)[1] for i in range(4)] == [False] * 4
+    assert text.stream.text + text.rest() == "abc\ndef"
 
 
 def test_run_and_model_are_checked_once_for_every_command_that_loads_a_model(tmp_path):

@@ -48,3 +48,38 @@ def test_export_gguf_of_a_run(tmp_path, capsys, corpus):
             name, said = "bare.gguf", "no tokenizer in its metadata"
         assert main(["generate", "--model", str(tmp_path / name), "--prompt", "def"]) == 2
         assert said in capsys.readouterr().err
+
+
+def test_export_gguf_of_a_hybrid_infers_the_format_and_says_how_rotary_can_be_written(tmp_path, capsys, corpus):
+    """A hybrid (Mamba-2 and attention with MLPs) with Bamba's rotary (half of each head's dims) leaves as Bamba's
+    ``granitehybrid`` to an --out ending in .gguf in a folder not made yet, without --format, and loads back to
+    the run's logits; with full rotary (the default: no GGUF hybrid llama.cpp's converter writes has it) it is
+    refused with the ways that are written named."""
+    logits = {}
+    for frac in ("0.5", "1.0"):
+        run = tmp_path / f"run{frac}"
+        assert main(["train", "--data", str(corpus), "--vocab-size", "300", "--d-model", "32", "--n-heads", "2",
+                     "--context", "32", "--batch-size", "2", "--no-progress", "--pattern", "mamba2,softmax",
+                     "--n-layers", "2", "--steps", "1", "--mixer-option", f"softmax.rotary_fraction={frac}",
+                     "--out", str(run)]) == 0
+        capsys.readouterr()
+        out = tmp_path / "new" / frac / "h.gguf"
+        code = main(["export", "--run", str(run), "--out", str(out)])
+        captured = capsys.readouterr()
+        assert "writing a GGUF file" in captured.err
+        if frac == "1.0":
+            assert code == 2 and "softmax.rotary_fraction=0.5" in captured.err and "rotary=false" in captured.err
+            assert not out.exists()
+            continue
+        assert code == 0 and "as a GGUF file" in captured.out and out.is_file()
+        assert gguf.GGUFReader(str(out)).fields["general.architecture"].contents() == "granitehybrid"
+        ours, _, _ = load_run(run)
+        back, _ = from_pretrained(out)
+        ids = torch.randint(0, 300, (2, 13))
+        with torch.no_grad():
+            logits[frac] = back(ids), ours(ids)
+        with pytest.raises(ValueError, match="as 'mamba2'"):      # a type that cannot hold it, asked for
+            save_gguf(ours, tmp_path / "x.gguf", model_type="mamba2")
+        assert main(["export", "--run", str(run), "--out", str(out), "--model-type", "subquad"]) == 2
+        assert "not --model-type subquad" in capsys.readouterr().err
+    assert torch.allclose(*logits["0.5"], atol=1e-5)

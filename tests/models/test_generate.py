@@ -179,6 +179,25 @@ def test_corrupted_state_file_is_refused(tmp_path):
         load_state(tmp_path / "s.safetensors")
 
 
+def test_a_state_of_another_model_is_refused_by_name(tmp_path):
+    """``models.state.check_fits`` (``subquad generate --load-state``): a saved state fits the model it came from
+    (a batch of 2, its KV caches holding tokens) and is refused, naming the difference, by a model of another
+    depth, mixer or width."""
+    from subquad.models.state import check_fits
+
+    model = tiny("mamba2,swa")
+    _, state = model.generate([[1, 2, 3], [4, 5, 6]], 3, temperature=0)
+    save_state(tmp_path / "s.safetensors", state)
+    state, _ = load_state(tmp_path / "s.safetensors")
+    check_fits(state, model)
+    for other, said in ((tiny("mamba2,swa,swa", n_layers=3), "it holds 2 layers; this model has 3"),
+                        (tiny("mamba2,linear"), "layer 1 holds"),
+                        (LanguageModel(ModelConfig(vocab_size=61, d_model=16, n_layers=2, n_heads=2,
+                                                   pattern="mamba2,swa")).double(), "layer 0's")):
+        with pytest.raises(ValueError, match=f"--load-state s: {said}"):
+            check_fits(state, other, "--load-state s")
+
+
 def test_prefill_of_the_last_logits_equals_the_full_prefill():
     """logits="last" (what generation samples from) is the full prefill's last position of each row, and of
     each sequence of a packed row; anything else is refused by name."""

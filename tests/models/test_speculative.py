@@ -567,28 +567,70 @@ def test_the_cli_flag_decodes_speculatively_with_the_same_output(tmp_path, capsy
     tok = SimpleNamespace(encode=lambda s: SimpleNamespace(ids=[abc.index(c) for c in s]),
                           decode=lambda ids: "".join(abc[i] for i in ids))
     draft = _draft_for(model, noise=0.1)
-    (tmp_path / "draft").mkdir()
+    (tmp_path / "draft" / "ckpt").mkdir(parents=True)     # a run folder: its config.json beside ckpt/
+    (tmp_path / "draft" / "config.json").write_text("{}")
+    (tmp_path / "hf").mkdir()                                # a model folder: config.json alone
+    (tmp_path / "hf" / "config.json").write_text("{}")
     loaded = []
 
     def load_model(args, need_tokenizer=None):
-        loaded.append(args.run)
-        return (draft if args.run.endswith("draft") else model), tok
+        loaded.append(args.run or "model " + args.model)
+        return (draft if (args.run or args.model).endswith(("draft", "hf")) else model), tok
 
     monkeypatch.setattr(cli, "load_model", load_model)
     argv = ["generate", "--run", str(tmp_path), "--prompt", "bcdebcdfbcd", "--max-new-tokens", "12",
             "--temperature", "0"]
     outs = []
     for extra in ([], ["--speculative", "ngram", "--draft-tokens", "3"], ["--speculative", str(tmp_path / "draft")],
+                  ["--speculative", str(tmp_path / "hf")],
                   ["--logit-bias", "3=-100", "--presence-penalty", "1", "--ignore-eos", "--speculative", "ngram"]):
         assert main(argv + extra) == 0
         captured = capsys.readouterr()
         outs.append(captured.out)
         if "--logit-bias" in extra:                              # the options through the CLI: plain's output
             assert main(argv + extra[:-2]) == 0 and capsys.readouterr().out == outs[-1]
-    assert outs[0] == outs[1] == outs[2] != outs[3] and "tokens per step" in captured.err
-    assert loaded.count(str(tmp_path / "draft")) == 1
-    assert main(argv + ["--speculative", str(tmp_path / "nowhere")]) != 0
-    assert "--speculative must be 'ngram', 'mtp' or a draft model's folder" in capsys.readouterr().err
+    assert outs[0] == outs[1] == outs[2] == outs[3] != outs[4] and "tokens per step" in captured.err
+    assert loaded.count(str(tmp_path / "draft")) == 1 and loaded.count("model " + str(tmp_path / "hf")) == 1
+    for nowhere in ("nowhere", "nowhere.gguf"):
+        assert main(argv + ["--speculative", str(tmp_path / nowhere)]) != 0
+        assert "--speculative must be 'ngram', 'mtp' or a draft model's folder" in capsys.readouterr().err
+
+
+def test_the_cli_stop_text_ends_the_output_where_the_text_first_holds_it(tmp_path, capsys, monkeypatch):
+    """``subquad generate --stop TEXT`` as the server's ``stop``: TEXT matched on the decoded text across tokens,
+    the output ending just before its first occurrence - against the plain output cut there by str.find, with
+    and without speculation, one prompt and a prompts file; an option generate refuses prints no prompt."""
+    from types import SimpleNamespace
+
+    import subquad.cli.generate as cli
+    from subquad.cli import main
+
+    model = tiny("mamba2,softmax", scale=6.0)
+    pieces = ["a", "b", "c", "d", "e", "f", "g", "h", "ij", "k\n", "l"]   # "ij", "k\n": texts of two characters
+    tok = SimpleNamespace(encode=lambda s: SimpleNamespace(ids=[pieces.index(c) for c in s]),
+                          decode=lambda ids: "".join(pieces[i] for i in ids))
+    monkeypatch.setattr(cli, "load_model", lambda args, need_tokenizer=None: (model, tok))
+    prompt = "bcdebcdfbcd"
+    argv = ["generate", "--run", str(tmp_path), "--prompt", prompt, "--max-new-tokens", "24", "--temperature", "0",
+            "--ignore-eos"]
+    assert main(argv) == 0
+    plain = capsys.readouterr().out[len(prompt):-1]
+    new = model.generate([pieces.index(c) for c in prompt], 24, temperature=0, ignore_eos=True)[0]
+    assert plain == tok.decode(new)
+    cases = [plain[len(plain) // 2:len(plain) // 2 + 2], plain[-3:], "zz"]     # the last never occurs
+    for stop in cases:
+        want = plain[:plain.find(stop)] if stop in plain else plain
+        for extra in ([], ["--speculative", "ngram", "--draft-tokens", "3"]):
+            assert main(argv + ["--stop", stop] + extra) == 0
+            assert capsys.readouterr().out == prompt + want + "\n"
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text(prompt + "\n" + prompt[:5] + "\n")
+    assert main(["generate", "--run", str(tmp_path), "--prompts-file", str(prompts), "--max-new-tokens", "24",
+                 "--temperature", "0", "--ignore-eos", "--stop", cases[0]]) == 0
+    assert f"--- [0] {prompt}{plain[:plain.find(cases[0])]}\n" in capsys.readouterr().out
+    assert main(argv + ["--logit-bias", "99=1"]) != 0                      # refused by generate: no prompt shown
+    captured = capsys.readouterr()
+    assert captured.out == "" and "logit_bias" in captured.err
 
 
 @pytest.mark.paced

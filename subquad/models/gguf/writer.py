@@ -118,10 +118,12 @@ def _value(v) -> bytes:
 
 
 # ------------------------------------------------------------------------------------------------- the file
-def save_gguf(model, path, outtype: str = "f32", tokenizer=None, name: str | None = None) -> dict:
+def save_gguf(model, path, outtype: str = "f32", tokenizer=None, name: str | None = None,
+              model_type: str | None = None) -> dict:
     """Write ``model`` (float, of a Hugging Face type ``registry.HF_TYPES`` holds) as the GGUF file
-    ``path`` (module doc) and return {GGUF tensor name: type written}. ValueError for an unknown ``outtype``,
-    a quantised model, or a structure no GGUF architecture here holds."""
+    ``path`` (module doc; its folder made if missing) and return {GGUF tensor name: type written}. ``model_type``
+    the Hugging Face type to write it as (default: ``save_pretrained``'s choice). ValueError for an
+    unknown ``outtype``, a quantised model, or a structure no GGUF architecture here holds."""
     from subquad.models.hf.registry import MAPPINGS
     from subquad.models.hf.saver import checkpoint_tensors
 
@@ -133,13 +135,18 @@ def save_gguf(model, path, outtype: str = "f32", tokenizer=None, name: str | Non
                          f"without quantize (a GGUF file's BF16 / F16 matrices: with dtype=torch.float32), and "
                          f"choose the GGUF type with outtype")
     source = ((getattr(model, "hf_source", None) or {}).get("config") or {}).get("model_type")
+    asked = model_type
     try:
-        try:                                       # the type it was read as, where another type comes first
-            model_type, opts, tensors = checkpoint_tensors(model, QWEN_SOURCE_TYPES.get(source))
-        except ValueError:
-            model_type, opts, tensors = checkpoint_tensors(model)
+        if asked is not None:
+            model_type, opts, tensors = checkpoint_tensors(model, asked)
+        else:
+            try:                                   # the type it was read as, where another type comes first
+                model_type, opts, tensors = checkpoint_tensors(model, QWEN_SOURCE_TYPES.get(source))
+            except ValueError:
+                model_type, opts, tensors = checkpoint_tensors(model)
     except ValueError as e:
-        raise ValueError(f"no GGUF architecture subquad writes holds this model: {e}") from None
+        raise ValueError(f"no GGUF architecture subquad writes holds this model"
+                         f"{f' as {asked!r}' if asked else ''}: {e}") from None
     if model_type not in HF_TYPES:
         raise ValueError(f"this model is a Hugging Face {model_type!r} model; subquad writes GGUF files of "
                          f"{', '.join(sorted(HF_TYPES))} only")
@@ -191,6 +198,7 @@ def save_gguf(model, path, outtype: str = "f32", tokenizer=None, name: str | Non
     head += b"".join(_string(k) + _value(v) for k, v in meta.items()) + b"".join(infos)
     head += bytes(-len(head) % ALIGN)
     path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
     with open(tmp, "wb") as f:
         f.write(head)

@@ -24,7 +24,7 @@ def save_pretrained(model, path, tokenizer=None, model_type: str | None = None) 
     (a ``tokenizers.Tokenizer``) is written as tokenizer.json in place of any such file. A quantised model
     (``models.quant``) is written in subquad's own format with its quantised weights (``save_quantized``).
     """
-    from safetensors.torch import save_file
+    from subquad.tensorfile import save_file
 
     if getattr(model, "quantized", None):
         if model_type not in (None, PLAIN):
@@ -127,7 +127,7 @@ def save_plain(model, path, tokenizer=None) -> None:
     """Write any subquad model as a folder ``from_pretrained`` reads: config.json ``{"model_type": "subquad",
     "config": ModelConfig}``, model.safetensors under subquad's parameter names, generation_config.json and
     the tokenizer. transformers has no such type: ``save_pretrained`` writes one for models of its types."""
-    from safetensors.torch import save_file
+    from subquad.tensorfile import save_file
 
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
@@ -159,7 +159,7 @@ def save_quantized(model, path, tokenizer=None) -> None:
     import json
     import os
 
-    from safetensors.torch import save_file
+    from subquad.tensorfile import save_file
 
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
