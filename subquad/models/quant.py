@@ -52,7 +52,9 @@ the embedding lookup stays full precision). What stays in full precision: the SS
 dt_bias), the short convolutions, the norms and every 1-D tensor; the recurrent state stays float32. int4
 keeps more in float32 (``INT4_FLOAT``), as GGUF's 4-bit types do: the routers and a shared expert's gate,
 Mamba's x_proj and dt_proj, the delta rule's beta and decay projections - small matrices whose error a
-recurrence compounds - and any matrix whose input width the group size does not divide (named in a warning).
+recurrence compounds; a matrix whose input width the group size does not divide (an MLP of 680 or 1,368, the
+widths ``ModelConfig.mlp_hidden`` gives models trained here) takes 8 bits per output channel instead (named in a
+warning), as llama.cpp gives such tensors another type; a mixture's experts that it does not divide stay float32.
 
 Why fbgemm: on one row it reads int8 weights near the memory bandwidth and keeps most of that rate at 8 rows,
 where ``aten._weight_int8pack_mm`` (the weight-only kernel torchao's int8 path calls on CPU) is an order of
@@ -661,8 +663,8 @@ def quantize(model, kind: str, min_weights: int = MIN_WEIGHTS, group_size: int =
     as a matrix, listed in its ``keep_float``: MLA's absorbed ``kv_b_proj``) becomes an ``Int8Linear`` /
     ``Int4Linear`` / ``Bf16Linear`` (the output of a 1-output gate too), every mixture-of-experts layer gets
     one per expert and projection, and the vocabulary head (tied or not) one of its own. int4 also leaves the
-    projections named in ``INT4_FLOAT`` in float32, and every matrix whose input width is not a multiple of
-    ``group_size`` (a warning names them). Refused: an unknown kind or group size, a model that is not float32
+    projections named in ``INT4_FLOAT`` in float32, and makes every matrix whose input width is not a multiple
+    of ``group_size`` an ``Int8Linear`` (experts: float32; a warning names them). Refused: an unknown kind or group size, a model that is not float32
     (quantise from float32 weights), a model already quantised."""
     from subquad.models.moe import MoE
 
@@ -677,30 +679,29 @@ def quantize(model, kind: str, min_weights: int = MIN_WEIGHTS, group_size: int =
         raise ValueError(f"quantize needs a float32 model (it keeps the rest in float32), got {dtype}; load it "
                          f"with dtype=float32")
     model.eval()
-    skipped = []
+    eights, skipped = [], []
 
-    def fits(name, w):                          # int4: a width the groups divide; otherwise kept float, named
+    def kind_of(name, w, to):                   # int4: a width the groups divide; else int8 (or float), named
         if kind != "int4" or w.shape[-1] % group_size == 0:
-            return True
-        skipped.append(name)
-        return False
+            return kind
+        to.append(name)
+        return "int8" if to is eights else None
 
     for mname, module in list(model.named_modules()):
         for name, child in list(module.named_children()):
             if isinstance(child, nn.Linear) and name not in getattr(module, "keep_float", ()) and \
-                    child.weight.numel() >= min_weights and not (kind == "int4" and name in INT4_FLOAT) and \
-                    fits(f"{mname}.{name}", child.weight):
-                setattr(module, name, quantized_linear(kind, child.weight, child.bias, group_size))
+                    child.weight.numel() >= min_weights and not (kind == "int4" and name in INT4_FLOAT):
+                to = kind_of(f"{mname}.{name}", child.weight, eights)
+                setattr(module, name, quantized_linear(to, child.weight, child.bias, group_size))
         if isinstance(module, MoE) and module.w_up[0].numel() >= min_weights and \
-                all(fits(f"{mname}.{n}", getattr(module, n)) for n in module.projections):
+                all([kind_of(f"{mname}.{n}", getattr(module, n), skipped) for n in module.projections]):
             module.quantize_experts(lambda w: quantized_linear(kind, w, None, group_size))
     head = model.embed.weight if model.head is None else model.head.weight
-    if fits("head", head):
-        model.head = quantized_linear(kind, head, None, group_size)   # a tied head keeps the embedding for the lookup
-    if skipped:
-        warnings.warn(f"int4 with group_size={group_size}: {len(skipped)} matrices whose input width it does not "
-                      f"divide stay float32: {', '.join(skipped[:6])}{' ...' if len(skipped) > 6 else ''}",
-                      stacklevel=2)
+    model.head = quantized_linear(kind_of("head", head, eights), head, None, group_size)   # a tied head: a copy
+    for what, names in (("take 8 bits per output channel", eights), ("stay float32 (experts)", skipped)):
+        if names:
+            warnings.warn(f"int4 with group_size={group_size}: {len(names)} matrices whose input width it does not "
+                          f"divide {what}: {', '.join(names[:6])}{' ...' if len(names) > 6 else ''}", stacklevel=2)
     model.quantized = kind
     model.quant_group_size = group_size if kind == "int4" else None
     for p in model.parameters():
@@ -750,6 +751,8 @@ def load_quantized(path, c: dict):
 
     def empty_for(name, N, K):                        # int8 per block (a GGUF file's types): from the scale's shape
         s = tensors.get(name + ".scale")
+        if kind == "int4" and tensors[name + ".q"].dtype == torch.int8:   # a width the groups do not divide
+            return Int8Linear.empty(N, tensors[name + ".q"].shape[1], name + ".bias" in tensors)
         if kind == "int8" and s is not None and s.dim() == 2:
             packed = tensors[name + ".q"].dtype == torch.uint8          # Q4_0's nibbles: K = 2 x its bytes
             return Int8Linear.empty(N, 2 * tensors[name + ".q"].shape[1] if packed else K, name + ".bias" in tensors,

@@ -306,22 +306,38 @@ def test_int4_custom_op_checks_out():
                           test_utils=("test_schema", "test_faketensor"))
 
 
-def test_int4_what_stays_float():
+def test_int4_what_stays_float(tmp_path):
     """Beyond what int8 keeps: routers, the shared expert's gate, Mamba's x_proj and dt_proj, the delta rule's
-    beta and decay projections; a matrix whose input width the group size does not divide stays float32, named
-    in a warning."""
+    beta and decay projections; a matrix whose input width the group size does not divide takes 8 bits per
+    output channel (experts: stay float32), named in a warning - and its folder loads back as it was saved."""
     model = _model("mamba,gated_deltanet,kda", moe={"experts": 4, "top_k": 2, "every": 2, "offset": 1, "shared": 32},
                    mlp_size=80)
-    with pytest.warns(UserWarning, match=r"group_size=32: \d+ matrices .* stay float32: .*w_down"):
+    with pytest.warns(UserWarning) as said:
         q = quantize(copy.deepcopy(model), "int4", min_weights=0, group_size=32)
+    said = [str(w.message) for w in said]
+    assert any(m.startswith("int4 with group_size=32: 3 matrices") and "8 bits per output channel" in m
+               and "blocks.0.mlp.w_down" in m for m in said)
+    assert any("stay float32 (experts): blocks.1.mlp.w_down" in m for m in said)
     assert q.quantized == "int4" and isinstance(q.head, Int4Linear) and q.head.group_size == 32
     for name in ("blocks.0.mixer.x_proj", "blocks.0.mixer.dt_proj", "blocks.1.mixer.a_proj", "blocks.1.mixer.b_proj",
-                 "blocks.2.mixer.b_proj", "blocks.2.mixer.f_a_proj", "blocks.1.mlp.router", "blocks.1.mlp.shared_gate",
-                 "blocks.0.mlp.w_down", "blocks.2.mixer.g_b_proj"):           # 80 and 16 inputs: not multiples of 32
+                 "blocks.2.mixer.b_proj", "blocks.2.mixer.f_a_proj", "blocks.1.mlp.router", "blocks.1.mlp.shared_gate"):
         assert type(q.get_submodule(name)) in (nn.Linear, Linear), name      # float: not quantised
+    for name in ("blocks.0.mlp.w_down", "blocks.2.mlp.w_down", "blocks.2.mixer.g_b_proj"):   # 80 and 16 inputs
+        assert type(q.get_submodule(name)) is Int8Linear, name
     for name in ("blocks.0.mixer.in_proj", "blocks.1.mixer.q_proj", "blocks.2.mixer.o_proj", "blocks.0.mlp.w_up"):
         assert isinstance(q.get_submodule(name), Int4Linear), name
     assert "blocks.1.mlp.quantized_experts" not in dict(q.named_modules())   # experts' w_down: 80 inputs too
+    x = torch.randn(3, 80)                                                    # the int8 one: 8 bits of the float's
+    w_down = model.get_submodule("blocks.0.mlp.w_down")
+    assert _rel(q.get_submodule("blocks.0.mlp.w_down")(x), w_down(x)) < 0.02
+    q.save_pretrained(tmp_path / "q")
+    back, _ = from_pretrained(tmp_path / "q")
+    assert type(back.get_submodule("blocks.0.mlp.w_down")) is Int8Linear
+    a, b = q.state_dict(), back.state_dict()
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    ids = torch.randint(0, 200, (2, 10), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        assert torch.equal(back(ids), q(ids))
 
 
 @pytest.mark.parametrize("pattern", ["mamba,softmax", "mamba2,gated_deltanet", "mla,retention"])
