@@ -664,8 +664,8 @@ def quantize(model, kind: str, min_weights: int = MIN_WEIGHTS, group_size: int =
     ``Int4Linear`` / ``Bf16Linear`` (the output of a 1-output gate too), every mixture-of-experts layer gets
     one per expert and projection, and the vocabulary head (tied or not) one of its own. int4 also leaves the
     projections named in ``INT4_FLOAT`` in float32, and makes every matrix whose input width is not a multiple
-    of ``group_size`` an ``Int8Linear`` (experts: float32; a warning names them). Refused: an unknown kind or group size, a model that is not float32
-    (quantise from float32 weights), a model already quantised."""
+    of ``group_size`` an ``Int8Linear`` (experts: float32; a warning names them). Refused: an unknown kind or
+    group size, a model that is not float32 (quantise from float32 weights), a model already quantised."""
     from subquad.models.moe import MoE
 
     if kind not in QUANTIZE:
