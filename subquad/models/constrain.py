@@ -134,6 +134,23 @@ class RowMatcher:
         if not self.m.is_stopped():
             self.m.consume_token(int(token))
 
+    def along(self, drafts: list[int]) -> list[torch.Tensor]:
+        """The masks at a verification's positions (speculative decoding): ``allowed()`` now, then after each
+        draft in turn - up to the first draft the grammar refuses or after which it is complete (the row cannot
+        go past it) - the matcher rolled back to where it was."""
+        masks, taken = [self.allowed()], 0
+        for d in drafts:
+            if self.done or not bool(masks[-1][d]):
+                break
+            self.m.consume_token(int(d))
+            taken += 1
+            if self.done:
+                break
+            masks.append(self.allowed())
+        if taken:
+            self.m.rollback(taken)
+        return masks
+
     @property
     def done(self) -> bool:
         return self.m.is_stopped() or self.m.is_error()

@@ -77,7 +77,8 @@ def generate(model, prompt, max_new_tokens: int, temperature: float = 1.0, top_k
     ``response_format`` (OpenAI's: ``{"type": "json_object"}``, ``{"type": "json_schema", "json_schema":
     {"schema": ...}}``; needs ``tokenizer``, the model's ``tokenizers.Tokenizer``): each row's output is held to
     the grammar (``models.constrain``: tokens it does not allow get -inf before sampling) and the row ends when
-    the grammar is complete. Not with ``speculative``.
+    the grammar is complete; with ``speculative`` each verified position is held to the grammar as it stands
+    after the drafts before it.
     """
     if not isinstance(max_new_tokens, int) or max_new_tokens < 0:
         raise ValueError(f"max_new_tokens must be an int >= 0, got {max_new_tokens!r}")
@@ -87,8 +88,6 @@ def generate(model, prompt, max_new_tokens: int, temperature: float = 1.0, top_k
     check_speculative(speculative, model)
     grammar = None
     if check_format(response_format) is not None:
-        if speculative is not None:
-            raise ValueError("response_format and speculative do not combine (yet): drop one")
         grammar = Grammar(response_format, tokenizer, model.config.vocab_size, model.config.eos_token_ids)
     if isinstance(draft_tokens, bool) or not isinstance(draft_tokens, int) or draft_tokens < 1:
         raise ValueError(f"draft_tokens must be an int >= 1, got {draft_tokens!r}")
@@ -113,10 +112,11 @@ def generate(model, prompt, max_new_tokens: int, temperature: float = 1.0, top_k
     out = [[] for _ in range(B)]
     done = [max_new_tokens == 0] * B
     if speculative is not None and not all(done):
-        def emit(i, t) -> bool:
+        def emit(i, t) -> bool:                      # t already recorded: its grammar's end is known
             out[i].append(t)
             ended = on_token is not None and (on_token(t) if single else on_token(i, t)) is True
-            return ended or len(out[i]) >= max_new_tokens or t in stop
+            return ended or len(out[i]) >= max_new_tokens or t in stop \
+                or (matchers is not None and matchers[i].done)
 
         drafts_by = drafter(speculative, model, prompts, hidden=seen[-1] if seen else None, cu_seqlens=cu)
         try:
@@ -250,6 +250,8 @@ def _speculate(model, last, state, max_new_tokens, sampler, emit, draft_tokens, 
             for n, t in enumerate(tokens[i][:keeps[i]]):                   # a row that finishes sooner stops there
                 drafts_by.append(i, t)
                 count[i] += 1
+                if k and sampler.matchers is not None:                      # recorded now: the grammar ends it
+                    sampler.record(torch.tensor([t], device=dev), torch.tensor([i], device=dev))
                 done[i] = emit(i, t)
                 kept.append((i, t))
                 if done[i]:
@@ -267,7 +269,7 @@ def _speculate(model, last, state, max_new_tokens, sampler, emit, draft_tokens, 
             for i in active:
                 moved[i] = keeps[i] if moved[i] is None else (1 - Pacer.ALPHA) * moved[i] + Pacer.ALPHA * keeps[i]
         gain = None if not k else keeps[active[0]] if len(active) == 1 else min(moved[i] for i in active)
-        if k and kept:                              # the emitted tokens join the history (a plain step's did)
+        if k and kept and sampler.matchers is None:  # the emitted tokens join the history (a plain step's did)
             row, tok = torch.tensor(kept, device=dev).T
             sampler.record(tok, row)
         if k:

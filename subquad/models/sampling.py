@@ -151,17 +151,29 @@ class Sampler:
         """Steps 1-3 at each verified position of speculative decoding (``models.speculative``): logits
         (B, k + 1, vocab) after the drafts (B, k) -> position i processed with the history plus drafts[:, :i],
         the history it has if those drafts are accepted, so each position is the distribution plain decoding
-        would sample there (bit for bit: the same operations on the same counts). Nothing is recorded."""
-        if not self._asks():
+        would sample there (bit for bit: the same operations on the same counts); then each row's grammar
+        (``matchers``) at each position as it stands after the drafts before it (``RowMatcher.along``: up to the
+        first draft it refuses or that completes it - the row stops there, so what follows is never read).
+        Nothing is recorded."""
+        if not self._asks() and self.matchers is None:
             return logits
         self._history(logits[:, 0])
-        B, T, V = logits.shape
-        ahead = torch.zeros(B, T, V, device=logits.device)                 # drafts[:, :i] counted at position i
-        ahead[:, 1:].scatter_(-1, drafts.unsqueeze(-1), 1.0)
-        ahead = ahead.cumsum(1)
-        seen = None if self._seen is None else self._seen.unsqueeze(1) | (ahead > 0)
-        counts = None if self._counts is None else self._counts.unsqueeze(1) + ahead
-        return self._apply(logits, seen, counts)
+        x = logits
+        if self._asks():
+            B, T, V = logits.shape
+            ahead = torch.zeros(B, T, V, device=logits.device)             # drafts[:, :i] counted at position i
+            ahead[:, 1:].scatter_(-1, drafts.unsqueeze(-1), 1.0)
+            ahead = ahead.cumsum(1)
+            seen = None if self._seen is None else self._seen.unsqueeze(1) | (ahead > 0)
+            counts = None if self._counts is None else self._counts.unsqueeze(1) + ahead
+            x = self._apply(logits, seen, counts)
+        if self.matchers is not None:
+            x = x.clone() if x is logits else x                            # as ``process``
+            for i, m in enumerate(self.matchers):
+                if m is not None and not m.done:
+                    masks = m.along(drafts[i].tolist())
+                    x[i, :len(masks)].masked_fill_(~torch.stack(masks).to(x.device), float("-inf"))
+        return x
 
     def _asks(self) -> bool:
         o = self.options

@@ -94,14 +94,37 @@ def test_bad_formats_are_refused_by_name(tok_and_model, bad, match):
         model.generate([1, 2], 3, response_format=bad, tokenizer=tok)
 
 
-def test_a_format_needs_the_tokenizer_and_no_speculation(tok_and_model):
+def test_a_format_needs_the_tokenizer(tok_and_model):
     tok, model = tok_and_model
     with pytest.raises(ValueError, match="needs the model's tokenizer"):
         model.generate([1, 2], 3, response_format={"type": "json_object"})
-    with pytest.raises(ValueError, match="do not combine"):
-        model.generate([1, 2], 3, response_format={"type": "json_object"}, tokenizer=tok, speculative="ngram")
     assert model.generate([1, 2], 3, temperature=0, response_format={"type": "text"})[0] == \
         model.generate([1, 2], 3, temperature=0)[0]
+
+
+@pytest.mark.usefixtures("unpaced")
+@pytest.mark.parametrize("drafter", ["ngram", "itself"])
+def test_speculation_under_a_format_gives_the_plain_tokens(tok_and_model, drafter):
+    """Each verified position held to the grammar after the drafts before it (``RowMatcher.along``): greedy
+    rows (prompts of different lengths, one alone) equal plain greedy decoding under the same format - by
+    prompt lookup over prompts holding JSON (drafts kept: runs that reach the grammar's end inside a
+    verification), and by a draft model (its drafts are its own greedy text, not held to the grammar: the
+    grammar refuses most); seeded sampled rows still parse under the schema."""
+    tok, model = tok_and_model
+    spec = "ngram" if drafter == "ngram" else model
+    prompts = [tok.encode('{"ok":true,"n":33,"color":"blue"} {"ok":true,"n":3').ids, tok.encode("x").ids,
+               tok.encode('{"ok":false,"n":33,"color":"blue"}').ids]       # the compact JSON the grammar asks
+    for rows in (prompts, prompts[0]):
+        want, _ = model.generate(rows, 50, temperature=0, response_format=FORMAT, tokenizer=tok)
+        got, _ = model.generate(rows, 50, temperature=0, response_format=FORMAT, tokenizer=tok,
+                                speculative=spec, draft_tokens=4)
+        assert got == want
+        stats = model.speculation_stats
+        assert stats.verifications > 0 and (stats.accepted >= stats.drafted // 4 or drafter == "itself")
+    out, _ = model.generate(prompts, 60, temperature=1.0, seed=5, response_format=FORMAT, tokenizer=tok,
+                            speculative=spec, draft_tokens=3)
+    for ids in out:
+        assert len(ids) < 60 and set(json.loads(tok.decode(ids))) == {"ok", "n", "color"}
 
 
 def test_the_cli_flags(tok_and_model, tmp_path, capsys, monkeypatch):
@@ -114,7 +137,10 @@ def test_the_cli_flags(tok_and_model, tmp_path, capsys, monkeypatch):
     (tmp_path / "s.json").write_text(json.dumps(SCHEMA))
     argv = ["generate", "--run", str(tmp_path), "--prompt", "x", "--max-new-tokens", "60", "--temperature", "0"]
     assert main(argv + ["--json-schema", str(tmp_path / "s.json")]) == 0
-    assert json.loads(capsys.readouterr().out.strip()[1:])["color"] in ("red", "green", "blue")
+    out = capsys.readouterr().out
+    assert json.loads(out.strip()[1:])["color"] in ("red", "green", "blue")
+    assert main(argv + ["--json-schema", str(tmp_path / "s.json"), "--speculative", "ngram"]) == 0
+    assert capsys.readouterr().out == out                               # the same text, speculating
     (tmp_path / "bad.json").write_text("{")
     assert main(argv + ["--json-schema", str(tmp_path / "bad.json")]) != 0
     assert "--json-schema" in capsys.readouterr().err

@@ -202,7 +202,7 @@ def test_serve_takes_speculative_and_draft_tokens(tmp_path, capsys):
     assert main(["serve", "--model", str(folder), "--speculative", "mtp"]) != 0
     assert "--speculative mtp" in (err := capsys.readouterr().err) and "no multi-token-prediction head" in err
     assert main(["serve", "--model", str(folder), "--speculative", str(tmp_path / "nowhere")]) != 0
-    assert "is not a folder" in capsys.readouterr().err
+    assert "nowhere is neither" in capsys.readouterr().err
 
 
 def test_drafts_stop_at_the_learned_positions_end(monkeypatch):
