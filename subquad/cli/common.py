@@ -63,8 +63,9 @@ def add_model_flags(parser, hf_types: list[str], *, run_help: str = "run folder 
         f"{', '.join(hf_types)}; or a GGUF file (.gguf) of a llama.cpp architecture subquad.models.gguf reads "
         "(benchmarks/gguf_architectures.md)"))
     parser.add_argument("--dtype", default=None, choices=DTYPES,
-                        help="weights' dtype for --model (default float32; a GGUF file's BF16 / F16 matrices stay "
-                             "as the file holds them unless --dtype is given)")
+                        help="weights' dtype for --model (default float32; a GGUF file's BF16 / F16 matrices of "
+                             "2^18 weights or more stay as the file holds them, smaller ones are read as float32, "
+                             "unless --dtype is given)")
     add_quantize_flag(parser)
     add_device_flag(parser)
 
