@@ -41,9 +41,10 @@ def load(path, dtype=None, device="cpu", quantize=None):
     prefix (what an empty context and a rolling text start from) is the begin-of-text token where the
     tokenizer names one, else end-of-text, as lm_eval's hf backend takes it."""
     p = Path(path)
-    if (p / "ckpt").exists() or (p.parent.name == "ckpt"):
+    from subquad.train.run import load_run, run_folder
+
+    if run_folder(p) is not None:
         from subquad.data.tokenizer import EOT
-        from subquad.train.run import load_run
 
         model, tok, _ = load_run(p, device=device, quantize=quantize)
         if dtype is not None:

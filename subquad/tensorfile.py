@@ -91,7 +91,20 @@ def save_file(tensors: dict, path, metadata: dict | None = None) -> None:
     from safetensors.torch import save_file as write
 
     write(tensors, str(path), metadata=metadata)
-    mask = os.umask(0)
+    os.chmod(path, 0o666 & ~_umask())
+
+
+def _umask() -> int:
+    """The process's umask, read where Linux states it (``/proc/self/status``) rather than set and restored:
+    ``os.umask`` alone changes it for every thread for that moment."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except OSError:
+        pass
+    mask = os.umask(0o022)
     os.umask(mask)
-    os.chmod(path, 0o666 & ~mask)
+    return mask
 

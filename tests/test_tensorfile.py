@@ -109,9 +109,10 @@ def test_files_written_get_the_mode_of_any_other_file(tmp_path):
     save_state(tmp_path / "s.safetensors", model.empty_state(1))
     for f in ("a.safetensors", "m/model.safetensors", "s.safetensors"):
         assert os.stat(tmp_path / f).st_mode & 0o777 == want, f
-    old = os.umask(0o077)
+    old = os.umask(0o027)
     try:
         save_file({"a": torch.zeros(3)}, tmp_path / "b.safetensors")
+        assert os.umask(0o027) == 0o027                         # read, not left changed
     finally:
         os.umask(old)
-    assert os.stat(tmp_path / "b.safetensors").st_mode & 0o777 == 0o600
+    assert os.stat(tmp_path / "b.safetensors").st_mode & 0o777 == 0o640

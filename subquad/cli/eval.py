@@ -36,7 +36,7 @@ def run(args) -> int:
     from pathlib import Path
 
     from subquad.data.dataset import prepare
-    from subquad.train import evaluate, load_run
+    from subquad.train import evaluate, load_run, run_folder
     from subquad.train.trainer import packing_eot
 
     check_run_or_model(args)
@@ -48,7 +48,7 @@ def run(args) -> int:
         return _eval_model(args)
     model, tok, meta = load_run(args.run, device=args.device, quantize=args.quantize, log=say)
     train = meta.get("train_config", {})
-    run_dir = Path(args.run) if (Path(args.run) / "ckpt").exists() else Path(args.run).parent.parent
+    run_dir = run_folder(args.run) or Path(args.run).parent.parent
     cfg = json.loads((run_dir / "config.json").read_text()) if (run_dir / "config.json").exists() else {}
     data = args.data or cfg.get("data")
     tok_path = run_dir / "tokenizer.json"                  # the run's own ids, on its corpus or another

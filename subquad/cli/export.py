@@ -8,12 +8,14 @@ from subquad.cli.common import say
 def add_parser(command, hf_types: list[str]) -> None:
     x = command("export", "write a run's checkpoint (full or sharded) as a model folder for inference")
     x.add_argument("--run", required=True, help="a run folder (its newest intact checkpoint) or a checkpoint folder")
-    x.add_argument("--out", required=True, help="the folder to write: config.json, model.safetensors, tokenizer.json")
+    x.add_argument("--out", required=True, help="the folder to write (config.json, model.safetensors, "
+                   "tokenizer.json), or with --format gguf the .gguf file")
     x.add_argument("--model-type", choices=hf_types + ["subquad"],
                    help="the Hugging Face type to write (default: the first whose structure the model has; "
                         "'subquad' when none has it: a folder of subquad's own config and names)")
-    x.add_argument("--format", choices=["hf", "gguf"], default="hf",
-                   help="hf: a model folder (default; an --out ending in .gguf means gguf); gguf: one GGUF file for llama.cpp / Ollama (--out is the file; "
+    x.add_argument("--format", choices=["hf", "gguf"], default=None,
+                   help="hf: a model folder (the default, but for an --out ending in .gguf); gguf: one GGUF file "
+                        "for llama.cpp / Ollama (--out is the file; "
                         "the structures of the Hugging Face types subquad.models.gguf writes: "
                         "benchmarks/gguf_architectures.md)")
     x.add_argument("--outtype", choices=["f32", "f16", "bf16", "q8_0", "q4_0"], default="f32",
@@ -32,9 +34,10 @@ def run(args) -> int:
 
     if not Path(args.run).exists():
         raise ValueError(f"--run {args.run} does not exist")
-    if args.format == "hf" and args.out.endswith(".gguf"):          # a file name: what the user meant
-        say(f"--out {args.out} ends in .gguf: writing a GGUF file (--format gguf)")
-        args.format = "gguf"
+    if args.format is None:
+        args.format = "gguf" if args.out.lower().endswith(".gguf") else "hf"    # a file's name: what was meant
+        if args.format == "gguf":
+            say(f"--out {args.out} ends in .gguf: writing a GGUF file (--format gguf)")
     if args.format == "gguf":
         return _gguf(args)
     if args.outtype != "f32":

@@ -24,8 +24,9 @@ def add_parser(command, hf_types: list[str]) -> None:
     g.add_argument("--top-p", type=float, help="sample within the nucleus of this mass (default: all)")
     g.add_argument("--stop", action="append", default=None, metavar="TEXT",
                    help="end a sequence where its text holds TEXT, matched on the decoded text across tokens and "
-                        "left out of the output, as the server's 'stop' (backslash escapes read: '\\n'; "
-                        "repeatable; default: none)")
+                        "left out of the output, as the server's 'stop' (backslash escapes read: '\\n'; a special "
+                        "token such as '</s>' ends it at that token; repeatable; default: none). --save-state "
+                        "keeps every token generated, the stop text's included")
     g.add_argument("--min-p", type=float, help="drop tokens less likely than this times the most likely (vLLM)")
     g.add_argument("--presence-penalty", type=float, default=0.0,
                    help="subtract this from the logit of every token generated so far (OpenAI; -2..2)")
@@ -37,7 +38,7 @@ def add_parser(command, hf_types: list[str]) -> None:
     g.add_argument("--logit-bias", action="append", default=None, metavar="ID=VALUE",
                    help="add VALUE (-100..100) to token ID's logit (repeatable)")
     g.add_argument("--stop-token-id", action="append", type=int, default=None, metavar="ID",
-                   help="stop a sequence after it emits this token id (repeatable)")
+                   help="end a sequence at this token id, its text left out (repeatable)")
     g.add_argument("--ignore-eos", action="store_true", help="do not stop at the model's end-of-text tokens")
     g.add_argument("--seed", type=int, default=0, help="sampling seed")
     g.add_argument("--save-state", help="write the decoding state here (safetensors) to continue later")
@@ -50,7 +51,8 @@ def add_parser(command, hf_types: list[str]) -> None:
                    help="speculative decoding: draft tokens by prompt lookup ('ngram': the continuation of an earlier "
                         "match of the last few tokens), with the checkpoint's own multi-token-prediction head "
                         "('mtp': Qwen3-Next, Qwen3.5, Nemotron-H, Ling 3) or with a smaller model of the same "
-                        "tokenizer (DIR: a run or model folder or a .gguf file, loaded with --dtype/--device), "
+                        "tokenizer (DIR: a run or model folder or a .gguf file, loaded with --device; a model "
+                        "folder or file with --dtype too), "
                         "and verify them in one forward; the same "
                         "output as without")
     g.add_argument("--draft-tokens", type=positive, default=4, help="tokens drafted per step with --speculative")
@@ -76,16 +78,39 @@ def stop_texts(texts) -> list[str]:
     return out
 
 
+def special_stops(tok, texts) -> tuple[list[str], list[int]]:
+    """(the --stop texts matched on the decoded text, the ids of those that are one special token): the
+    decoded text leaves special tokens out ("</s>", "<|im_end|>"), so such a text stops at its token, as
+    --stop-token-id; a text holding one beside other text is refused by name."""
+    plain, ids = [], []
+    for text in texts:
+        enc = tok.encode(text).ids
+        silent = [t for t in enc if tok.decode([t]) == ""]
+        if silent and len(enc) == 1:
+            ids += enc
+        elif silent:
+            raise ValueError(f"--stop {text!r} holds a special token (id {silent[0]}), which the decoded text "
+                             f"leaves out: give it alone, or as --stop-token-id {silent[0]}")
+        else:
+            plain.append(text)
+    return plain, ids
+
+
 class StopText:
     """A sequence's text as its tokens come (``serve.text.TextStream``, the server's): ``push(id)`` -> (the
-    newly released text, whether a --stop text was reached); ``rest()`` the text held back at the end."""
+    newly released text, whether a --stop text was reached); ``rest()`` the text held back at the end. A token
+    of ``stop_ids`` (--stop-token-id, a special --stop) adds no text - generate ends the sequence at it - as
+    the server leaves a stop token's text out."""
 
-    def __init__(self, tok, stops):
+    def __init__(self, tok, stops, stop_ids=()):
         from subquad.serve.text import TextStream
 
         self.ids, self.stream, self.stopped = [], TextStream(tok.decode, stops), False
+        self.stop_ids = set(stop_ids)
 
     def push(self, t: int) -> tuple[str, bool]:
+        if t in self.stop_ids:
+            return "", False
         self.ids.append(t)
         text, self.stopped = self.stream.push(self.ids)
         return text, self.stopped
@@ -108,10 +133,12 @@ def logit_bias(items) -> dict[int, float] | None:
     return out or None
 
 
-def sampling(args) -> dict:
-    """The ``generate`` keyword arguments of the sampling flags (checked there, by ``SamplingOptions``)."""
+def sampling(args, stop_ids=()) -> dict:
+    """The ``generate`` keyword arguments of the sampling flags (checked there, by ``SamplingOptions``), with
+    ``stop_ids`` (special --stop texts' ids) beside --stop-token-id's."""
     return dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
-                stop_ids=args.stop_token_id or [], min_p=args.min_p, presence_penalty=args.presence_penalty,
+                stop_ids=(args.stop_token_id or []) + list(stop_ids), min_p=args.min_p,
+                presence_penalty=args.presence_penalty,
                 frequency_penalty=args.frequency_penalty, repetition_penalty=args.repetition_penalty,
                 logit_bias=logit_bias(args.logit_bias), ignore_eos=args.ignore_eos)
 
@@ -130,25 +157,28 @@ def check_sampling_flags(args) -> None:
 
 
 def check_speculative_flag(args) -> None:
-    """--speculative is 'ngram' or a folder that exists (checked before the model loads)."""
+    """--speculative is 'ngram', 'mtp', a folder or a GGUF file that exists (checked before the model loads)."""
     from pathlib import Path
+
+    from subquad.models.hf import is_gguf
 
     spec = args.speculative
     if spec not in (None, "ngram", "mtp") and not Path(spec).is_dir() \
-            and not (Path(spec).is_file() and spec.endswith(".gguf")):
+            and not (Path(spec).is_file() and is_gguf(spec)):
         raise ValueError(f"--speculative must be 'ngram', 'mtp' or a draft model's folder (a run or a model "
                          f"folder) or .gguf file; {spec} is neither")
 
 
 def load_draft(args, model):
-    """--speculative's drafter for ``generate``: 'ngram', 'mtp', or the draft model of a run or model folder."""
+    """--speculative's drafter for ``generate``: 'ngram', 'mtp', or the draft model of a run folder (or one of
+    its checkpoints), a model folder or a GGUF file."""
     import argparse
-    from pathlib import Path
+
+    from subquad.train import run_folder
 
     if args.speculative in ("ngram", "mtp"):
         return args.speculative
-    path = Path(args.speculative)      # a run folder (config.json beside ckpt/) or a step folder: --run; else --model
-    hf = path.is_file() or ((path / "config.json").exists() and not (path / "ckpt").is_dir())
+    hf = run_folder(args.speculative) is None          # a run's config.json is not a model folder's
     draft_args = argparse.Namespace(**{**vars(args), "run": None if hf else args.speculative,
                                        "model": args.speculative if hf else None})
     draft, _ = load_model(draft_args)
@@ -213,14 +243,16 @@ def run(args) -> int:
         from subquad.models.decode import compile_decode
 
         compile_decode(model, faster=True)              # each batch class keeps the faster of the two steps
+    stops, special = special_stops(tok, stops)
+    ends = (args.stop_token_id or []) + special         # tokens that end a sequence, their text left out
     speculation = {} if args.speculative is None else {"speculative": load_draft(args, model),
                                                         "draft_tokens": args.draft_tokens}
     if fmt is not None:
         speculation.update(response_format=fmt, tokenizer=tok)
     if args.prompts_file:
-        texts = [StopText(tok, stops) for _ in prompts]
+        texts = [StopText(tok, stops, ends) for _ in prompts]
         model.generate([tok.encode(p).ids or [0] for p in prompts], args.max_new_tokens,
-                       on_token=lambda i, t: texts[i].push(t)[1], **sampling(args), **speculation)
+                       on_token=lambda i, t: texts[i].push(t)[1], **sampling(args, special), **speculation)
         for i, (p, text) in enumerate(zip(prompts, texts, strict=True)):
             print(f"--- [{i}] {p}{text.stream.text}{text.rest()}")
         report_speculation(model, args)
@@ -236,15 +268,15 @@ def run(args) -> int:
                   file=sys.stderr)
             return 2
         ids = tok.encode(args.prompt).ids
-    echo = [args.prompt or ""]           # shown with the first token: an option generate refuses prints alone
-    text = StopText(tok, stops)          # whole characters only; a possible stop text's start held back
+    echo = [args.prompt if not args.load_state else ""]   # with the first token: a refused option prints alone
+    text = StopText(tok, stops, ends)    # whole characters only; a possible stop text's start held back
 
     def stream(t):
         shown, stopped = text.push(t)
         print(echo.pop() if echo else "", shown, sep="", end="", flush=True)
         return stopped
 
-    out, state = model.generate(ids, args.max_new_tokens, state=state, on_token=stream, **sampling(args),
+    out, state = model.generate(ids, args.max_new_tokens, state=state, on_token=stream, **sampling(args, special),
                                 **speculation)
     print(echo.pop() if echo else "", text.rest(), sep="")
     report_speculation(model, args)

@@ -59,8 +59,9 @@ def generate(model, prompt, max_new_tokens: int, temperature: float = 1.0, top_k
     ``top_k``, ``top_p``, ``min_p``, the penalties, ``logit_bias``: ``{token id: value}``) are
     ``models.sampling.SamplingOptions``, checked and applied there for every row; one generator seeded with
     ``seed`` draws for the whole batch. ``on_token(id)`` (one sequence) or ``on_token(i, id)`` (a batch)
-    streams tokens as they come; returning True ends that sequence there (the token emitted: ``subquad
-    generate``'s stop strings, matched on the decoded text). Everything runs on the model's device.
+    streams tokens as they come; returning exactly True (other values are ignored) ends that sequence there
+    (the token emitted: ``subquad generate``'s stop strings, matched on the decoded text). Everything runs on
+    the model's device.
 
     The returned state has consumed each prompt and every new token but the last:
     ``generate(model, [new[-1]], n, state=state)`` continues exactly where a one-sequence call stopped.

@@ -92,8 +92,8 @@ def load_state(path):
 
 def check_fits(state, model, what: str = "state") -> None:
     """ValueError naming ``what`` and the first difference where ``state`` (from ``load_state``, say) is not a
-    decoding state of ``model``'s structure: its layers, each layer's entries, and their shapes past the batch
-    (a KV cache's heads and head size; its length is the tokens it holds)."""
+    decoding state of ``model``'s structure: its layers, each layer's entries, their shapes past the batch (a
+    KV cache's heads and key and value sizes; its length is the tokens it holds) and dtypes."""
     want = model.empty_state(1)
     if len(state) != len(want):
         raise ValueError(f"{what}: it holds {len(state)} layers; this model has {len(want)}: it was saved from "
@@ -106,8 +106,13 @@ def check_fits(state, model, what: str = "state") -> None:
             g = got[key]
             if isinstance(r, KVCache) != isinstance(g, KVCache):
                 raise ValueError(f"{what}: layer {i}'s {key!r} is not this model's kind of state")
-            a, b = ((g.k.shape[2:], r.k.shape[2:]) if isinstance(r, KVCache) else (g.shape[1:], r.shape[1:]))
-            if a != b:
-                raise ValueError(f"{what}: layer {i}'s {key!r} is (batch, {', '.join(map(str, a))}); this model's "
-                                 f"is (batch, {', '.join(map(str, b))}): it was saved from another model")
+            pairs = ([(g.k.shape[2:], r.k.shape[2:]), (g.v.shape[2:], r.v.shape[2:])] if isinstance(r, KVCache)
+                     else [(g.shape[1:], r.shape[1:])])
+            for a, b in pairs:
+                if a != b:
+                    raise ValueError(f"{what}: layer {i}'s {key!r} is (batch, {', '.join(map(str, a))}); this "
+                                     f"model's is (batch, {', '.join(map(str, b))}): it was saved from another model")
+            dtypes = (g.k.dtype, r.k.dtype) if isinstance(r, KVCache) else (g.dtype, r.dtype)
+            if dtypes[0] != dtypes[1]:
+                raise ValueError(f"{what}: layer {i}'s {key!r} is {dtypes[0]}; this model's states are {dtypes[1]}")
 

@@ -242,6 +242,15 @@ def _say_schedule(cfg: TrainConfig, old: int, step: int, reschedule: bool, log) 
             f"train at its final rate {cfg.lr_at(cfg.steps):.3g} (--reschedule stretches it to {cfg.steps})")
 
 
+def run_folder(path) -> Path | None:
+    """The run ``path`` names - a run folder (it holds ``ckpt/``) or one of its checkpoints (``ckpt/step_N``) -
+    or None for anything else (a model folder, a GGUF file): what ``--run`` takes and ``--model`` does not."""
+    p = Path(path)
+    if (p / "ckpt").is_dir():
+        return p
+    return p.parent.parent if p.parent.name == "ckpt" else None
+
+
 def load_run(path, device="cpu", quantize=None, log=None):
     """(model in eval mode on ``device``, tokenizer, meta) from a run folder or a checkpoint folder;
     ``quantize`` "int8", "int4" or "bf16" quantises its projections for inference (``models.quant``). ``log`` is
@@ -250,7 +259,7 @@ def load_run(path, device="cpu", quantize=None, log=None):
     from subquad.data.tokenizer import load_tokenizer
 
     path = Path(path)
-    run = path if (path / "ckpt").exists() else path.parent.parent
+    run = run_folder(path) or path.parent.parent
     model_sd, _, meta = load_checkpoint(path, log)
     if (run / "config.json").exists():
         _check_tokenizer(run, _config_or_empty(run))

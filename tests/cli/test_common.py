@@ -86,8 +86,8 @@ def test_generate_takes_the_servers_sampling_options(tmp_path, capsys):
     argv = ["generate", "--model", str(path), "--prompt", "w5 w6", "--max-new-tokens", "8", "--temperature", "0",
             "--repetition-penalty", "1.5", "--presence-penalty", "0.5", "--frequency-penalty", "0.3",
             "--logit-bias", "7=3", "--min-p", "0.1", "--ignore-eos", "--stop-token-id", str(free[5])]
-    assert main(argv) == 0
-    assert capsys.readouterr().out == "w5 w6" + tok.decode(want) + "\n"
+    assert main(argv) == 0                                # the stop token's own text left out, as the server's
+    assert want[-1] == free[5] and capsys.readouterr().out == "w5 w6" + tok.decode(want[:-1]) + "\n"
     for flag, value in (("--min-p", "2"), ("--repetition-penalty", "0"), ("--logit-bias", "7"),
                         ("--logit-bias", "7=500"), ("--stop-token-id", "-3")):
         assert main(argv[:5] + [flag, value]) == 2

@@ -82,4 +82,9 @@ def test_export_gguf_of_a_hybrid_infers_the_format_and_says_how_rotary_can_be_wr
             save_gguf(ours, tmp_path / "x.gguf", model_type="mamba2")
         assert main(["export", "--run", str(run), "--out", str(out), "--model-type", "subquad"]) == 2
         assert "not --model-type subquad" in capsys.readouterr().err
+        upper = tmp_path / "new" / "H.GGUF"                    # the suffix in any case; --format hf wins
+        assert main(["export", "--run", str(run), "--out", str(upper)]) == 0 and upper.is_file()
+        assert main(["export", "--run", str(run), "--out", str(tmp_path / "f.gguf"), "--format", "hf"]) == 0
+        assert (tmp_path / "f.gguf" / "config.json").is_file()
+        capsys.readouterr()
     assert torch.allclose(*logits["0.5"], atol=1e-5)

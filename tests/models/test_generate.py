@@ -196,6 +196,9 @@ def test_a_state_of_another_model_is_refused_by_name(tmp_path):
                                                    pattern="mamba2,swa")).double(), "layer 0's")):
         with pytest.raises(ValueError, match=f"--load-state s: {said}"):
             check_fits(state, other, "--load-state s")
+    _, state32 = tiny("mamba2,swa").float().generate([1, 2, 3], 2, temperature=0)
+    with pytest.raises(ValueError, match="layer 0's '[a-z]+' is torch.float32; this model's states are torch.float64"):
+        check_fits(state32, model)
 
 
 def test_prefill_of_the_last_logits_equals_the_full_prefill():

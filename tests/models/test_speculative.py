@@ -597,40 +597,92 @@ def test_the_cli_flag_decodes_speculatively_with_the_same_output(tmp_path, capsy
 
 
 def test_the_cli_stop_text_ends_the_output_where_the_text_first_holds_it(tmp_path, capsys, monkeypatch):
-    """``subquad generate --stop TEXT`` as the server's ``stop``: TEXT matched on the decoded text across tokens,
-    the output ending just before its first occurrence - against the plain output cut there by str.find, with
-    and without speculation, one prompt and a prompts file; an option generate refuses prints no prompt."""
+    """``subquad generate --stop TEXT`` as the server's ``stop``: TEXT matched on the decoded text across tokens
+    (two-character tokens among them), the output ending just before its first occurrence - against the same
+    seeded call without it, cut there by str.find, plain and speculating, one prompt and a prompts file whose
+    rows stop at different places; a special token's text ("</s>", which decoding leaves out) ends it at that
+    token, its text left out as --stop-token-id's; an option generate refuses prints no prompt."""
     from types import SimpleNamespace
 
     import subquad.cli.generate as cli
     from subquad.cli import main
 
-    model = tiny("mamba2,softmax", scale=6.0)
-    pieces = ["a", "b", "c", "d", "e", "f", "g", "h", "ij", "k\n", "l"]   # "ij", "k\n": texts of two characters
-    tok = SimpleNamespace(encode=lambda s: SimpleNamespace(ids=[pieces.index(c) for c in s]),
-                          decode=lambda ids: "".join(pieces[i] for i in ids))
+    model = tiny("mamba2,softmax", scale=3.0)
+    pieces = ["a", "b", "c", "d", "e", "f", "g", "h", "ij", "k\n", ""]   # "ij", "k\n": two characters; 10: "</s>"
+
+    def encode(s):                                              # longest pieces first; other text dropped
+        ids = []
+        while s:
+            if s.startswith("</s>"):
+                ids, s = ids + [10], s[4:]
+                continue
+            two = s[:2] in pieces[8:10]
+            if two or s[0] in pieces[:8]:
+                ids.append(pieces.index(s[:2] if two else s[0]))
+            s = s[2 if two else 1:]
+        return SimpleNamespace(ids=ids)
+
+    tok = SimpleNamespace(encode=encode, decode=lambda ids: "".join(pieces[i] for i in ids))
     monkeypatch.setattr(cli, "load_model", lambda args, need_tokenizer=None: (model, tok))
     prompt = "bcdebcdfbcd"
-    argv = ["generate", "--run", str(tmp_path), "--prompt", prompt, "--max-new-tokens", "24", "--temperature", "0",
-            "--ignore-eos"]
-    assert main(argv) == 0
-    plain = capsys.readouterr().out[len(prompt):-1]
-    new = model.generate([pieces.index(c) for c in prompt], 24, temperature=0, ignore_eos=True)[0]
-    assert plain == tok.decode(new)
-    cases = [plain[len(plain) // 2:len(plain) // 2 + 2], plain[-3:], "zz"]     # the last never occurs
-    for stop in cases:
-        want = plain[:plain.find(stop)] if stop in plain else plain
-        for extra in ([], ["--speculative", "ngram", "--draft-tokens", "3"]):
-            assert main(argv + ["--stop", stop] + extra) == 0
-            assert capsys.readouterr().out == prompt + want + "\n"
+    argv = ["generate", "--run", str(tmp_path), "--prompt", prompt, "--max-new-tokens", "24", "--temperature", "1",
+            "--seed", "4", "--ignore-eos"]
+    for extra in ([], ["--speculative", "ngram", "--draft-tokens", "3"]):
+        assert main(argv + extra) == 0
+        full = capsys.readouterr().out[len(prompt):-1]
+        middle = full[len(full) // 2:len(full) // 2 + 2]
+        assert len(set(full)) >= 4 and full.find(middle) > 0
+        for stop in (middle, full[-3:], "\n", "zz"):            # "zz" never occurs
+            want = full[:full.find(stop)] if stop in full else full
+            assert main(argv + extra + ["--stop", stop.replace("\n", "\\n")]) == 0
+            assert capsys.readouterr().out == prompt + want + "\n", (extra, stop)
     prompts = tmp_path / "prompts.txt"
     prompts.write_text(prompt + "\n" + prompt[:5] + "\n")
-    assert main(["generate", "--run", str(tmp_path), "--prompts-file", str(prompts), "--max-new-tokens", "24",
-                 "--temperature", "0", "--ignore-eos", "--stop", cases[0]]) == 0
-    assert f"--- [0] {prompt}{plain[:plain.find(cases[0])]}\n" in capsys.readouterr().out
+    flags = ["--max-new-tokens", "24", "--temperature", "1", "--seed", "4", "--ignore-eos"]
+    assert main(["generate", "--run", str(tmp_path), "--prompts-file", str(prompts)] + flags) == 0
+    rows = [line.split("] ", 1)[1] for line in capsys.readouterr().out.split("--- [")[1:]]
+    stop = "d"                                                  # each row's first "d" after its prompt
+    assert main(["generate", "--run", str(tmp_path), "--prompts-file", str(prompts), "--stop", stop] + flags) == 0
+    out = capsys.readouterr().out
+    for p, row in zip((prompt, prompt[:5]), rows, strict=True):
+        text = row[len(p):].rstrip("\n")
+        assert f"{p}{text[:text.find(stop)] if stop in text else text}\n" in out
+    new = model.generate([pieces.index(c) for c in prompt], 24, temperature=1.0, seed=4, ignore_eos=True)[0]
+    assert 0 < new.index(10) < 23                               # "</s>", its text "": the stop at its token
+    assert main(argv + ["--stop", "</s>"]) == 0
+    assert capsys.readouterr().out == prompt + tok.decode(new[:new.index(10)]) + "\n"
+    assert main(argv + ["--stop", "a</s>"]) != 0
+    assert "holds a special token (id 10)" in capsys.readouterr().err
     assert main(argv + ["--logit-bias", "99=1"]) != 0                      # refused by generate: no prompt shown
     captured = capsys.readouterr()
     assert captured.out == "" and "logit_bias" in captured.err
+
+
+@pytest.mark.parametrize("spec", [None, "ngram", "draft"])
+def test_on_token_returning_true_ends_that_row_there(spec):
+    """``generate(on_token=...)`` returning exactly True ends that sequence at that token: batch rows ending at
+    their own steps equal each row alone with max_new_tokens at that count - plain, by prompt lookup (the end
+    inside a run of kept drafts) and with a draft model; a lone sequence's state continues as plain decoding
+    does; other truthy returns are ignored."""
+    model = tiny("mamba2,softmax", scale=6.0)
+    drafter = {None: None, "ngram": "ngram", "draft": _draft_for(model, noise=0.1)}[spec]
+    kw = dict(temperature=0, ignore_eos=True) | ({} if spec is None else dict(speculative=drafter, draft_tokens=3))
+    prompts, ends = [PROMPT, PROMPT[:7], PROMPT[2:]], [5, 11, 17]
+    seen = [[] for _ in prompts]
+
+    def on(i, t):
+        seen[i].append(t)
+        return len(seen[i]) == ends[i] or 1                     # 1: truthy, not True - ignored
+
+    got, _ = model.generate(prompts, 24, on_token=on, **kw)
+    assert got == [model.generate(p, n, temperature=0, ignore_eos=True)[0] for p, n in zip(prompts, ends)]
+    if spec == "ngram":
+        assert model.speculation_stats.accepted >= 2
+    n, more = 9, 6
+    first, state = model.generate(PROMPT, 24, on_token=lambda t, c=[]: c.append(t) or len(c) == n, **kw)
+    full = model.generate(PROMPT, n + more, temperature=0, ignore_eos=True)[0]
+    assert first == full[:n]
+    assert model.generate([first[-1]], more, state=state, temperature=0, ignore_eos=True)[0] == full[n:]
 
 
 @pytest.mark.paced

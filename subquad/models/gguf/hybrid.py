@@ -284,10 +284,10 @@ class GraniteHybridArch:
         if not bamba and c.get("position_embedding_type") == "rope" and len(attn) < n:
             raise ValueError("position_embedding_type='rope' in a granitemoehybrid with Mamba-2 layers: llama.cpp's "
                              "converter writes rotary only for Bamba (rope.scaling.finetuned false here), so the "
-                             "file would lose it; subquad does not write it. A hybrid whose rotary is Bamba's "
-                             "(on half of each head's dims: --mixer-option softmax.rotary_fraction=0.5; dense "
-                             "MLPs, no experts) is written as Bamba's; one without rotary (softmax.rotary=false) "
-                             "as Granite 4's")
+                             "file would lose it; subquad does not write it. A hybrid trained with Bamba's "
+                             "rotary (on half of each head's dims - subquad train --mixer-option "
+                             "softmax.rotary_fraction=0.5 - with dense MLPs) is written as Bamba's, one trained "
+                             "without rotary (--mixer-option softmax.rotary=false) as Granite 4's")
         ctx = c.get("max_position_embeddings", 262144 if bamba else 2048)   # transformers' config defaults
         out = {"block_count": n, "context_length": ctx, "embedding_length": d,
                "feed_forward_length": c["intermediate_size"], "attention.head_count": heads,
