@@ -147,9 +147,13 @@ class RowMatcher:
             if self.done:
                 break
             masks.append(self.allowed())
-        if taken:
-            self.m.rollback(taken)
+        self.rollback(taken)
         return masks
+
+    def rollback(self, n: int) -> None:
+        """Undo the last ``n`` tokens consumed."""
+        if n:
+            self.m.rollback(n)
 
     @property
     def done(self) -> bool:

@@ -174,6 +174,8 @@ def _speculate(model, last, state, max_new_tokens, sampler, emit, draft_tokens, 
     and the ``SpeculationStats``."""
     hooked = drafts_by.needs_hidden
     B, dev = last.shape[0], last.device
+    if sampler.matchers is not None and hasattr(drafts_by, "matchers"):
+        drafts_by.matchers = sampler.matchers           # a draft model drafts within each row's grammar
     fixed, budget = drafting_plan(model, B, draft_tokens, hooked)   # compiled: every verification padded to budget
     stats = SpeculationStats()
     t0 = sampler(last).tolist()

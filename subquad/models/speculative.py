@@ -618,10 +618,14 @@ class ModelDrafter:
     prefills them, one forward for all. ``propose`` then runs k one-token steps, keeping the state after each,
     and ``settle`` takes the one after the tokens the target kept - the (n)th kept state when every row kept
     n <= k tokens, one more step when all k drafts and the fed token were kept, and a verification of the draft
-    itself rolled back per row (``verify(...).accept(keeps)``) when rows kept different numbers."""
+    itself rolled back per row (``verify(...).accept(keeps)``) when rows kept different numbers. With
+    ``matchers`` set (``generate``'s ``response_format``: a ``models.constrain.RowMatcher`` per row, or None)
+    each row's drafts are held to its grammar: the greedy token among those it allows, the matcher advanced
+    through the drafts and rolled back after."""
 
     name = "model"
     needs_hidden = False
+    matchers = None
 
     def __init__(self, draft, target, prompts):
         check_speculative(draft, target)
@@ -651,11 +655,26 @@ class ModelDrafter:
         self.catch_up()
         s, tok, out = self.state, torch.tensor(feed, device=self.dev), []
         self.states = []
+        held = [m if m is not None and i in active else None for i, m in enumerate(self.matchers or [])]
+        taken = [0] * len(held)
         for _ in range(k):
             logits, s = self.model.step(tok, s)
+            masks = [m.allowed() if m is not None and not m.done else None for m in held]
+            if any(a is not None and a.any() for a in masks):      # the grammar's tokens only, while it goes on
+                logits = logits.clone()
+                for i, a in enumerate(masks):
+                    if a is not None and a.any():
+                        logits[i].masked_fill_(~a.to(logits.device), float("-inf"))
             tok = logits.argmax(-1)
+            for i, a in enumerate(masks):
+                if a is not None and bool(a[int(tok[i])]):
+                    held[i].consume(int(tok[i]))
+                    taken[i] += 1
             self.states.append(s)
             out.append(tok)
+        for m, n in zip(held, taken):
+            if n:
+                m.rollback(n)
         drafts = torch.stack(out, 1).tolist() if out else [[] for _ in feed]
         self.drafted = drafts                              # every row's, finished ones included (settle feeds them)
         return [drafts[i] if i in active else [] for i in range(len(feed))]

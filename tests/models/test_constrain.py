@@ -108,8 +108,9 @@ def test_speculation_under_a_format_gives_the_plain_tokens(tok_and_model, drafte
     """Each verified position held to the grammar after the drafts before it (``RowMatcher.along``): greedy
     rows (prompts of different lengths, one alone) equal plain greedy decoding under the same format - by
     prompt lookup over prompts holding JSON (drafts kept: runs that reach the grammar's end inside a
-    verification), and by a draft model (its drafts are its own greedy text, not held to the grammar: the
-    grammar refuses most); seeded sampled rows still parse under the schema."""
+    verification), and by the model drafting for itself within each row's grammar (every draft kept up to the
+    grammar's end: 48 of 56 where a grammar-blind draft model kept 1 of 84); seeded
+    sampled rows still parse under the schema."""
     tok, model = tok_and_model
     spec = "ngram" if drafter == "ngram" else model
     prompts = [tok.encode('{"ok":true,"n":33,"color":"blue"} {"ok":true,"n":3').ids, tok.encode("x").ids,
@@ -120,7 +121,9 @@ def test_speculation_under_a_format_gives_the_plain_tokens(tok_and_model, drafte
                                 speculative=spec, draft_tokens=4)
         assert got == want
         stats = model.speculation_stats
-        assert stats.verifications > 0 and (stats.accepted >= stats.drafted // 4 or drafter == "itself")
+        assert stats.verifications > 0 and stats.accepted >= stats.drafted // 4
+        if drafter == "itself":          # its greedy text within the grammar is the target's (but past its end)
+            assert stats.accepted >= 0.8 * stats.drafted > 0
     out, _ = model.generate(prompts, 60, temperature=1.0, seed=5, response_format=FORMAT, tokenizer=tok,
                             speculative=spec, draft_tokens=3)
     for ids in out:
