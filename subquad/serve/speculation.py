@@ -53,6 +53,7 @@ class Speculating:
                    for s, room in zip(self.running, rooms)]
         elif self.draft is not None:                # the draft model runs for every row, or for none
             k = max(rooms)
+            self.draft.matchers = [getattr(s.sampler, "matcher", None) for s in self.running]   # a row's grammar
             proposed = self.draft.propose([s.tokens[-1] for s in self.running], k) if k else []
             out = [p[:r] for p, r in zip(proposed, rooms)] if k else [[] for _ in rooms]
         else:

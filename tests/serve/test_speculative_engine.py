@@ -176,6 +176,28 @@ def test_a_draft_model_drafts_for_rows_that_join_and_leave_and_every_stream_equa
     assert engine.draft.state is None and engine.draft.rows == 0
 
 
+@pytest.mark.usefixtures("unpaced")
+def test_a_draft_model_drafts_within_each_rows_grammar():
+    """Rows with a response_format beside a plain one, a draft model (the model itself) drafting: every stream
+    equals ``generate`` alone, and the constrained rows' drafts are held to their grammars (most kept; drafted
+    blind, the grammar refused nearly all)."""
+    pytest.importorskip("llguidance")
+    from tests.models.test_constrain import FORMAT, tiny_json_model
+
+    tok, model = tiny_json_model()
+    prompt = tok.encode("a b").ids
+    reqs = [SamplingParams(max_tokens=40, temperature=0, response_format=FORMAT),
+            SamplingParams(max_tokens=40, temperature=0, response_format=FORMAT),
+            SamplingParams(max_tokens=8, temperature=0.9, seed=6)]
+    engine = Engine(model, tok, state_cache_mb=0, speculative=model, draft_tokens=3)
+    seqs = run_all(engine, [(prompt, p) for p in reqs])
+    for seq, p in zip(seqs, reqs, strict=True):
+        assert seq.tokens == model.generate(prompt, p.max_tokens, temperature=p.temperature, seed=p.seed,
+                                            response_format=p.response_format, tokenizer=tok)[0]
+    c = engine.counters
+    assert c["verifications"] > 0 and c["accepted"] >= 0.6 * c["drafted"]
+
+
 def test_speculation_options_are_checked_by_name():
     model = model_of("mamba2")
     with pytest.raises(ValueError, match="speculative='mtp': this model has no MTP head"):
