@@ -52,9 +52,8 @@ def add_parser(command, hf_types: list[str]) -> None:
                         "match of the last few tokens), with the checkpoint's own multi-token-prediction head "
                         "('mtp': Qwen3-Next, Qwen3.5, Nemotron-H, Ling 3) or with a smaller model of the same "
                         "tokenizer (DIR: a run or model folder or a .gguf file, loaded with --device; a model "
-                        "folder or file with --dtype too), "
-                        "and verify them in one forward; the same "
-                        "output as without")
+                        "folder or file with --dtype too), and verify them in one forward; the same output as "
+                        "without")
     g.add_argument("--draft-tokens", type=positive, default=4, help="tokens drafted per step with --speculative")
     g.add_argument("--json", action="store_true",
                    help="answer with a JSON object (OpenAI's response_format json_object; needs llguidance: "

@@ -52,9 +52,10 @@ def add_parser(command) -> None:
                    help="speculative decoding per row: each row drafts tokens by prompt lookup ('ngram': the "
                         "continuation of an earlier occurrence of its last tokens in its prompt and output), from "
                         "the checkpoint's multi-token-prediction head ('mtp'; the model then decodes eagerly) or "
-                        "from a smaller model with the same tokenizer (DIR: its run or model folder or .gguf file; its state "
-                        "follows the batch's rows), and the batch verifies them in one forward; every row's tokens "
-                        "are the ones it would get without it (subquad.serve.engine, 'Speculation')")
+                        "from a smaller model with the same tokenizer (DIR: its run or model folder or .gguf "
+                        "file; its state follows the batch's rows), and the batch verifies them in one forward; "
+                        "every row's tokens are the ones it would get without it (subquad.serve.engine, "
+                        "'Speculation')")
     v.add_argument("--draft-tokens", type=positive, default=4,
                    help="tokens drafted per row and step with --speculative")
     v.add_argument("--compile-decode", action="store_true",
