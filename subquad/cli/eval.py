@@ -154,5 +154,15 @@ def _eval_model(args) -> int:
             total += F.cross_entropy(logits[0].float(), x[0, s + 1:e + 1], reduction="sum").item()
     nll = total / (len(ids) - 1)
     print(f"{args.data}: {len(ids) - 1:,} tokens, {nll:.4f} nats/token, perplexity {math.exp(nll):.3f} "
-          f"({args.model}, {args.quantize or getattr(model, 'quantized', None) or args.dtype or 'float32'})")
+          f"({args.model}, {precision(model, args)})")
     return 0
+
+
+def precision(model, args) -> str:
+    """What the weights are, as a user would name them: --quantize, a GGUF file's own quantised types (kept as
+    int8 blocks: "Q4_0 (the file's)"), a quantised model's kind, or the dtype."""
+    types = getattr(model, "gguf_types", None)
+    if not args.quantize and types:
+        return f"{', '.join(types)} (the file's)"
+    return args.quantize or getattr(model, "quantized", None) or args.dtype or "float32"
+

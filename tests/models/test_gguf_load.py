@@ -69,6 +69,12 @@ def test_quantised_file_equals_its_weights_dequantised_by_gguf(tmp_path, kind, o
     assert len(quantised) == sum(t == outtype.upper() for g, t in types.items() if g != "token_embd.weight") + \
         (kind == "mamba")
     assert ours.quantized == "int8" and all(m.scale.shape[1] == m.in_features // 32 for m in quantised)
+    from types import SimpleNamespace
+
+    from subquad.cli.eval import precision
+
+    assert ours.gguf_types == [outtype.upper()]                 # what subquad eval names it
+    assert precision(ours, SimpleNamespace(quantize=None, dtype=None)) == f"{outtype.upper()} (the file's)"
     # Q4_0's nibbles kept as the file packs them (half a byte a weight), Q8_0's int8 codes
     assert all(m.q.dtype == (torch.uint8 if outtype == "q4_0" else torch.int8) for m in quantised)
     save_pretrained(ours, tmp_path / "saved")            # a quantised folder keeps the blocks, bit for bit

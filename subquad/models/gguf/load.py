@@ -132,6 +132,8 @@ def load_gguf(path, dtype=None, device=None, quantize=None):
     if blocks or experts or any(kept_half):
         model.quantized = quantize or ("int8" if blocks or experts else kept_half[0])
         model.quant_group_size = GROUP if quantize == "int4" else None
+        # the file's quantised types as kept (Q4_0, Q8_0, Q6_K: subquad's int8 blocks), for what a user is told
+        model.gguf_types = None if quantize else sorted({t for _, t in (*blocks.values(), *experts.values())})
         for p in model.parameters():
             p.requires_grad_(False)
     # the config save_pretrained keeps what its format does not write from; an architecture's private keys
