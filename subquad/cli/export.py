@@ -43,6 +43,7 @@ def run(args) -> int:
     if args.outtype != "f32":
         raise ValueError("--outtype is for --format gguf; a folder's quantisation is --quantize")
     model, tok, meta = load_run(args.run, log=say, quantize=args.quantize)    # full or sharded, read whole
+    _end_of_text(model, tok)
     if args.quantize and args.model_type not in (None, PLAIN):
         raise ValueError(f"--quantize writes subquad's own format (--model-type {PLAIN}), not {args.model_type!r}")
     kind = PLAIN if args.quantize else args.model_type or hf_type(model) or PLAIN
@@ -65,7 +66,20 @@ def _gguf(args) -> int:
     if args.model_type == "subquad":
         raise ValueError("--format gguf writes a Hugging Face type's GGUF architecture, not --model-type subquad")
     model, tok, meta = load_run(args.run, log=say)
+    _end_of_text(model, tok)
     types = save_gguf(model, args.out, args.outtype, tokenizer=tok, model_type=args.model_type)
     print(f"{args.run}: step {meta['step']} written to {args.out} as a GGUF file ({len(types)} tensors, "
           f"{sum(t == args.outtype.upper() for t in types.values())} of them {args.outtype.upper()})")
     return 0
+
+
+def _end_of_text(model, tok) -> None:
+    """A run names no end-of-text id (generate --run runs to --max-new-tokens); the folder or file it is written
+    as names its tokenizer's <|endoftext|>, so that generate --model, the server, transformers, llama.cpp and
+    lm-eval all stop there."""
+    from subquad.data.tokenizer import EOT
+
+    eot = tok.token_to_id(EOT) if tok is not None else None
+    if not model.config.eos_token_ids and eot is not None:
+        model.config.eos_token_ids = [eot]
+

@@ -44,6 +44,7 @@ def test_fsdp_run_resumes_on_one_process_and_exports_for_transformers(tmp_path, 
     assert "as a Hugging Face mamba2 folder" in capsys.readouterr().out
     ours, _, _ = load_run(run)
     back, tok = from_pretrained(tmp_path / "hf")
+    assert back.config.eos_token_ids == [tok.token_to_id("<|endoftext|>")]   # the folder names its end of text
     ids = torch.tensor([tok.encode("def k1(a):\n").ids])
     with torch.no_grad():
         want = ours(ids)

@@ -92,3 +92,16 @@ def test_generate_takes_the_servers_sampling_options(tmp_path, capsys):
                         ("--logit-bias", "7=500"), ("--stop-token-id", "-3")):
         assert main(argv[:5] + [flag, value]) == 2
         assert flag in capsys.readouterr().err
+
+
+def test_ctrl_c_ends_a_command_in_one_line_with_the_way_to_resume(monkeypatch, capsys, tmp_path):
+    import subquad.cli.train as train
+    from subquad.cli import main
+
+    def interrupted(args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(train, "run", interrupted)
+    assert main(["train", "--out", str(tmp_path / "r")]) == 130
+    err = capsys.readouterr().err
+    assert err.strip() == f"interrupted; continue with: subquad train --resume --out {tmp_path / 'r'}"

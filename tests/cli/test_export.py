@@ -26,6 +26,7 @@ def test_export_gguf_of_a_run(tmp_path, capsys, corpus):
     assert "as a GGUF file" in capsys.readouterr().out
     r = gguf.GGUFReader(str(tmp_path / "m.gguf"))
     assert r.fields["tokenizer.ggml.model"].contents() == "gpt2"
+    assert r.fields["tokenizer.ggml.eos_token_id"].contents() == 0      # the run's <|endoftext|>
     assert len(r.fields["tokenizer.ggml.tokens"].contents()) == 300 == r.fields["mamba2.vocab_size"].contents()
     ours, tok0, _ = load_run(run)
     back, tok = from_pretrained(tmp_path / "m.gguf")
