@@ -86,7 +86,7 @@ def _resume_configs(args):
 
     from subquad.models import ModelConfig, preset
     from subquad.train import TrainConfig
-    from subquad.train.run import RESUME_SAFE, read_run_config
+    from subquad.train.run import RESUME_SAFE, read_run_config, same_data
 
     if not args.out:
         raise ValueError("--resume needs --out, the run folder to continue")
@@ -116,12 +116,12 @@ def _resume_configs(args):
                 refused.append(f"{field} {getattr(args, dest)!r} (the run has {train.get(field)!r})")
     if "hsdp" in given:
         train["fsdp"] = True
-    if "data" in given and (args.data or "stdlib") != saved.get("data", "stdlib"):
+    if "data" in given and not same_data(args.data or "stdlib", saved.get("data", "stdlib")):
         refused.append(f"data {args.data!r} (the run has {saved.get('data')!r})")
     if refused:
         raise ValueError(f"--resume continues the run in {args.out} with its own settings; these flags would "
                          f"change it: {'; '.join(refused)}")
-    data = saved.get("data")
+    data = args.data if "data" in given else saved.get("data")       # the same data, named from here
     return ModelConfig.from_dict(model), TrainConfig(**train), None if data == "stdlib" else data
 
 

@@ -58,9 +58,34 @@ def resume_differences(saved: dict, model_cfg: ModelConfig, train_cfg: TrainConf
             continue
         if have != value:
             out.append(f"{name}: {value!r} (the run has {have!r})")
-    if (data or "stdlib") != saved.get("data", "stdlib"):
+    if not same_data(data or "stdlib", saved.get("data", "stdlib")):
         out.append(f"data: {data or 'stdlib'!r} (the run has {saved.get('data')!r})")
     return out
+
+
+NAMED_DATA = ("stdlib", "shakespeare")
+
+
+def data_path(data: str | None) -> str:
+    """What a run records as its --data: a corpus's name, or a local path made absolute (the run resumes and
+    evaluates from any directory)."""
+    if data in (None, *NAMED_DATA):
+        return data or "stdlib"
+    return str(Path(data).resolve())
+
+
+def same_data(given: str, saved: str) -> bool:
+    """Whether --data ``given`` names the run's ``saved`` data: the same name, or the same file or folder
+    wherever it is named from. A relative path an older run recorded that does not resolve from here is taken
+    as given (the corpus's sha256 the run recorded still decides)."""
+    if given == saved or (given in NAMED_DATA) != (saved in NAMED_DATA):
+        return given == saved
+    if saved in NAMED_DATA:
+        return False
+    g, s = Path(given), Path(saved)
+    if s.exists():
+        return g.exists() and g.resolve() == s.resolve()
+    return not s.is_absolute() and g.exists()
 
 
 def schedule_of(saved: dict) -> int:
@@ -200,7 +225,7 @@ def train_run(model_cfg: ModelConfig, train_cfg: TrainConfig, out, data: str | N
                 shutil.copyfile(td.tokenizer_path, out / "tokenizer.json")
                 write_atomic(out / "manifest.json", json.dumps(td.manifest, indent=1))
             write_atomic(out / "config.json", json.dumps({
-                "model": model_cfg.to_dict(), "train": asdict(train_cfg), "data": data or "stdlib", "world": world,
+                "model": model_cfg.to_dict(), "train": asdict(train_cfg), "data": data_path(data), "world": world,
                 "corpus_sha256": td.manifest.get("sha256"), "tokenizer_sha256": file_sha256(out / "tokenizer.json"),
                 "checkpointed": trainer.saved_step is not None}, indent=1))
     except BaseException:

@@ -284,3 +284,23 @@ def test_recall_mixer_labels_with_commas_are_selectable():
     assert _mixer_list("softmax, hybrid (mamba2, softmax),linear (elu+1)") == [
         "softmax", "hybrid (mamba2, softmax)", "linear (elu+1)"]
     assert all(_mixer_list(label) == [label] for label in sweep_rows())
+
+
+def test_a_run_with_a_relative_data_path_resumes_from_anywhere(tmp_path, corpus, capsys, monkeypatch):
+    """--data as typed (relative) is recorded absolute: the run resumes from another directory without it, and
+    with it named another way (a relative path from there); another file is still refused."""
+    monkeypatch.chdir(corpus.parent)
+    run = tmp_path / "run"
+    assert main(train_argv(corpus.name, run, "--steps", "2")) == 0
+    assert json.loads((run / "config.json").read_text())["data"] == str(corpus.resolve())
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    assert main(["train", "--out", str(run), "--resume", "--steps", "3", "--no-progress"]) == 0
+    assert main(["train", "--out", str(run), "--resume", "--steps", "4", "--no-progress", "--data",
+                 f"../{corpus.name}"]) == 0
+    (tmp_path / "other.txt").write_text("x = 1\n" * 50)
+    capsys.readouterr()
+    assert main(["train", "--out", str(run), "--resume", "--steps", "5", "--no-progress", "--data",
+                 "../other.txt"]) == 2
+    assert "data" in capsys.readouterr().err
