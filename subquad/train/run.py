@@ -290,6 +290,11 @@ def load_run(path, device="cpu", quantize=None, log=None):
         _check_tokenizer(run, _config_or_empty(run))
     model = LanguageModel(ModelConfig.from_dict(meta["model_config"]))
     model.load_state_dict(model_sd)
+    saved = _config_or_empty(run).get("model") if (run / "config.json").exists() else None
+    if saved and log is not None and {k: v for k, v in saved.items() if k != "vocab_size"} != \
+            {k: v for k, v in meta["model_config"].items() if k in saved and k != "vocab_size"}:
+        log(f"{path}: step {meta.get('step')} holds a model of another config than {run / 'config.json'} "
+            f"(its checkpoint's own config is used)")
     if quantize is not None:
         from subquad.models.quant import quantize as quantize_model
 

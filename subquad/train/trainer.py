@@ -309,7 +309,11 @@ class Trainer:
             self._resume_sharded(log, trim_metrics)
             return True
         model_sd, optim_sd, meta = load_checkpoint(self.run_dir, log)      # the newest intact one, verified once
-        self.model.load_state_dict(model_sd)
+        try:
+            self.model.load_state_dict(model_sd)
+        except RuntimeError as e:                  # another model's checkpoint in this run's folder: named
+            raise ValueError(f"{self.run_dir}: its newest checkpoint (step {meta.get('step')}) holds another "
+                             f"model than this run's config: {config_difference(meta, self.model)}") from e
         self.opt.load_state_dict(optim_sd)
         self._resume_meta(meta, trim_metrics)
         return True
@@ -448,3 +452,13 @@ class Trainer:
             if bar is not None:
                 bar.close()
         return {"steps": self.step, "heldout_loss": self.curve[-1][1] if self.curve else None, "curve": self.curve}
+
+
+def config_difference(meta: dict, model) -> str:
+    """The fields where a checkpoint's ``model_config`` and ``model``'s config differ, for a message (or the
+    shapes' mismatch, where its meta names no config)."""
+    saved, mine = meta.get("model_config") or {}, model.config.to_dict()
+    diff = [f"{k} {saved.get(k)!r} (the run's {mine.get(k)!r})" for k in sorted(set(saved) | set(mine))
+            if saved and saved.get(k) != mine.get(k)]
+    return "; ".join(diff[:6]) or "its tensors' shapes differ"
+

@@ -304,3 +304,20 @@ def test_a_run_with_a_relative_data_path_resumes_from_anywhere(tmp_path, corpus,
     assert main(["train", "--out", str(run), "--resume", "--steps", "5", "--no-progress", "--data",
                  "../other.txt"]) == 2
     assert "data" in capsys.readouterr().err
+
+
+def test_a_checkpoint_of_another_model_in_the_run_is_named(tmp_path, corpus, capsys):
+    """Another run's newer checkpoint copied into a run: --resume refuses it in one line naming the config fields
+    that differ; eval uses the checkpoint's own config and says so."""
+    import shutil
+
+    run, other = tmp_path / "run", tmp_path / "other"
+    assert main(train_argv(corpus, run, "--steps", "2")) == 0
+    assert main(train_argv(corpus, other, "--steps", "4", "--d-model", "48")) == 0
+    shutil.copytree(other / "ckpt" / "step_0000004", run / "ckpt" / "step_0000004")
+    capsys.readouterr()
+    assert main(["train", "--out", str(run), "--resume", "--steps", "6", "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and "holds another model" in err and "d_model 48 (the run's 32)" in err
+    assert main(["eval", "--run", str(run)]) == 0
+    assert "another config than" in capsys.readouterr().err
