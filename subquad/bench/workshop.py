@@ -142,10 +142,21 @@ def run(out: str | Path = "runs/workshop", head_dim: int = 32, contexts=None, se
 
 
 def _train_or_reuse(mcfg, cfg, run, data, progress, log, td):
-    """Train the run, continue it if a rerun finds it part-way, or reuse it if it is complete."""
+    """Train the run, continue it if a rerun finds it part-way, or reuse it if it is complete - only a run of
+    these very settings (its schedule's length, model, data): one of others is refused by name, never reported
+    as this workshop's."""
     from subquad.train import train_run
     from subquad.train.checkpoint import latest_checkpoint, verify_checkpoint
+    from subquad.train.run import read_run_config, resume_differences, schedule_of
 
+    if (run / "config.json").exists():
+        saved = read_run_config(run)
+        diffs = resume_differences(saved, mcfg, cfg, data)
+        if schedule_of(saved) != cfg.steps:
+            diffs.insert(0, f"steps: {cfg.steps} (the run has {schedule_of(saved)})")
+        if diffs:
+            raise ValueError(f"{run} is a workshop run of other settings ({'; '.join(diffs)}): give another --out, "
+                             f"or delete {run.parent} to train afresh")
     ck = latest_checkpoint(run) if (run / "config.json").exists() else None
     if ck is not None:
         meta = verify_checkpoint(ck)

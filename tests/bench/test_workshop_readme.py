@@ -132,3 +132,19 @@ def test_a_second_workshop_reuses_its_runs(tmp_path, corpus, capsys):
     again = workshop.run(tmp_path / "ws", steps=3, data=str(corpus), progress=False)["training"]
     assert "held-out loss" in capsys.readouterr().out
     assert again["final"] == first["final"] and again["parameters"] == first["parameters"] > 0
+
+
+def test_a_workshop_of_other_settings_refuses_the_runs_it_finds(tmp_path, corpus, capsys):
+    """A rerun into the same --out with other steps or data: refused by name (the runs are never reported as
+    this workshop's, nor continued on the schedule of another length); its own settings still reuse them."""
+    from subquad.bench import workshop
+
+    first = workshop.run(tmp_path / "ws", steps=3, data=str(corpus), progress=False)["training"]
+    for kw, named in (({"steps": 2, "data": str(corpus)}, "steps: 2 (the run has 3)"),
+                      ({"steps": 5, "data": str(corpus)}, "steps: 5 (the run has 3)"),
+                      ({"steps": 3, "data": None}, "data")):
+        with pytest.raises(ValueError, match="workshop run of other settings") as e:
+            workshop.run(tmp_path / "ws", progress=False, **kw)
+        assert named in str(e.value)
+    assert workshop.run(tmp_path / "ws", steps=3, data=str(corpus), progress=False)["training"]["final"] == \
+        first["final"]
