@@ -101,8 +101,11 @@ def _resume_configs(args):
     asked.update({field: getattr(args, dest) for dest, field in _MODEL_FLAGS.items() if dest in given})
     if "no_mlp" in given:
         asked["mlp"] = False
-    if "mixer_option" in given:
-        asked["mixer_options"] = _model_config(args).mixer_options
+    if "mixer_option" in given:                  # against the run's pattern, not the default preset's
+        opts: dict = {}
+        for mixer, name, value in args.mixer_option:
+            opts.setdefault(mixer, {})[name] = value
+        asked["mixer_options"] = opts
     if "moe" in given:
         asked["moe"] = _model_config(args).moe
     for field, value in asked.items():

@@ -321,3 +321,20 @@ def test_a_checkpoint_of_another_model_in_the_run_is_named(tmp_path, corpus, cap
     assert len(err.strip().splitlines()) == 1 and "holds another model" in err and "d_model 48 (the run's 32)" in err
     assert main(["eval", "--run", str(run)]) == 0
     assert "another config than" in capsys.readouterr().err
+
+
+def test_resume_reads_mixer_options_against_the_runs_pattern(tmp_path, corpus, capsys):
+    """--resume --mixer-option: the run's own options continue it; another value is refused as a change (not
+    as a mixer missing from the default preset's pattern)."""
+    run = tmp_path / "run"
+    argv = train_argv(corpus, run, "--steps", "2")
+    argv[argv.index("linear,softmax")] = "linear,swa"
+    assert main(argv + ["--mixer-option", "swa.window=16"]) == 0
+    capsys.readouterr()
+    assert main(["train", "--out", str(run), "--resume", "--steps", "3", "--no-progress", "--mixer-option",
+                 "swa.window=16"]) == 0
+    assert main(["train", "--out", str(run), "--resume", "--steps", "4", "--no-progress", "--mixer-option",
+                 "swa.window=8"]) == 2
+    err = capsys.readouterr().err
+    assert "would change it" in err and "mixer_options" in err and "not in the pattern" not in err
+
