@@ -145,6 +145,8 @@ def test_a_subquad_run_and_the_cli(tmp_path, capsys, corpus):
     assert main(["eval", "--run", str(run), "--tasks", "sq_mc", "--include-path", str(tasks), "--limit", "4"]) == 0
     out = capsys.readouterr().out
     assert "sq_mc" in out and "acc" in out and "contexts read: 4" in out
+    assert main(["eval", "--run", str(run), "--tasks", "sq_mc,nosuch_task", "--include-path", str(tasks)]) == 2
+    assert "--tasks nosuch_task: no such lm-evaluation-harness task" in capsys.readouterr().err
 
     from subquad.harness import main as harness_main              # lm_eval's own command line, --model subquad
 

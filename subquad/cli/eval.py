@@ -123,8 +123,16 @@ def _eval_tasks(args) -> int:
         manager = TaskManager(include_path=args.include_path, include_defaults=False)     # (~9 s here)
         if not all(t in manager.all_tasks for t in tasks):
             manager = None
-    res = simple_evaluate(model=lm, tasks=tasks, limit=args.limit,
-                          task_manager=manager or TaskManager(include_path=args.include_path))
+    manager = manager or TaskManager(include_path=args.include_path)
+    unknown = [t for t in tasks if t not in manager.all_tasks]
+    if unknown:
+        raise ValueError(f"--tasks {', '.join(unknown)}: no such lm-evaluation-harness task, group or tag"
+                         + (f" (nor in --include-path {args.include_path})" if args.include_path else ""))
+    try:
+        res = simple_evaluate(model=lm, tasks=tasks, limit=args.limit, task_manager=manager)
+    except (ConnectionError, OSError) as e:      # a task's dataset is fetched from the Hub: offline, no traceback
+        raise ValueError(f"--tasks {args.tasks}: its dataset could not be read ({type(e).__name__}: "
+                         f"{str(e).splitlines()[0][:200] if str(e) else ''}); local tasks: --include-path") from None
     print(make_table(res))
     print(f"contexts read: {lm.context_prefills} (each shared context once)")
     return 0
