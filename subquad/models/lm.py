@@ -474,11 +474,12 @@ class LanguageModel(nn.Module):
                     if block.mlp.shared is not None:
                         block.mlp.shared.w_down.weight.normal_(0, std)
 
-    def save_pretrained(self, path, tokenizer=None) -> None:
-        """Write this model as a Hugging Face folder: ``models.hf.save_pretrained(self, path, tokenizer)``."""
+    def save_pretrained(self, path, tokenizer=None, model_type: str | None = None) -> None:
+        """Write this model as a Hugging Face folder (``model_type="subquad"``: subquad's own, for a structure no
+        Hugging Face type has): ``models.hf.save_pretrained(self, path, tokenizer, model_type)``."""
         from subquad.models.hf.saver import save_pretrained
 
-        save_pretrained(self, path, tokenizer)
+        save_pretrained(self, path, tokenizer, model_type=model_type)
 
     def aux_loss(self) -> torch.Tensor:
         """The mixture-of-experts router's load-balancing loss of the last forward (``subquad.models.moe``),

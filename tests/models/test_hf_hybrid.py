@@ -101,5 +101,7 @@ def test_refusals_name_the_problem(tmp_path):
     odd = ModelConfig(vocab_size=V, d_model=32, n_layers=4, n_heads=2, pattern="mamba,softmax,softmax,mamba",
                       norm_eps=1e-6, mixer_options={"mamba": {"bcdt_rms_eps": 1e-6, "bcdt_rms_weight": True},
                                                     "softmax": {"rotary": False}})
-    with pytest.raises(ValueError, match="no Hugging Face model type has this structure"):
+    with pytest.raises(ValueError, match="no Hugging Face model type has this structure.*model_type='subquad'"):
         save_pretrained(LanguageModel(odd), tmp_path / "odd")
+    LanguageModel(odd).save_pretrained(tmp_path / "odd", model_type="subquad")    # the method takes the way out
+    assert from_pretrained(tmp_path / "odd")[0].config.pattern == odd.pattern

@@ -107,7 +107,8 @@ def _format_for(model, model_type: str | None) -> tuple[str, dict]:
         model_type = next((name for name, f in MAPPINGS.items() if holds(f)), None)
     if model_type is None:
         raise ValueError(f"no Hugging Face model type has this structure (pattern {cfg.pattern!r}, mlp={cfg.mlp}, "
-                         f"moe={cfg.moe}, options {cfg.mixer_options}); supported: {', '.join(sorted(MAPPINGS))}")
+                         f"moe={cfg.moe}, options {cfg.mixer_options}); supported: {', '.join(sorted(MAPPINGS))}; "
+                         f"model_type='subquad' writes any model in subquad's own format")
     return model_type, opts
 
 
