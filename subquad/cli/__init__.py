@@ -58,6 +58,9 @@ def main(argv=None) -> int:
     except ValueError as e:            # bad input found past argparse: a clear message, no traceback
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except (FileExistsError, NotADirectoryError, IsADirectoryError, PermissionError) as e:   # a path given wrong
+        print(f"error: {e.filename}: {e.strerror}", file=sys.stderr)
+        return 2
     except KeyboardInterrupt:          # Ctrl-C: one line (a run keeps its newest checkpoint), not a traceback
         out = getattr(args, "out", None)
         hint = f"; continue with: subquad train --resume --out {out}" if args.command == "train" and out else ""

@@ -105,3 +105,13 @@ def test_ctrl_c_ends_a_command_in_one_line_with_the_way_to_resume(monkeypatch, c
     assert main(["train", "--out", str(tmp_path / "r")]) == 130
     err = capsys.readouterr().err
     assert err.strip() == f"interrupted; continue with: subquad train --resume --out {tmp_path / 'r'}"
+
+
+def test_an_output_path_that_is_a_file_is_one_line(tmp_path, capsys):
+    from subquad.cli import main
+
+    (tmp_path / "one.txt").write_text("x")
+    assert main(["workshop", "--no-train", "--out", str(tmp_path / "one.txt")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: {tmp_path / 'one.txt'}") and len(err.strip().splitlines()) == 1
+
