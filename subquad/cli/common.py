@@ -78,6 +78,20 @@ def check_run_or_model(args) -> None:
         raise ValueError("give one of --run (a subquad run) or --model (a Hugging Face model folder)")
     if args.run is not None and not Path(args.run).exists():
         raise ValueError(f"--run {args.run} does not exist")
+    from subquad.train.run import run_folder
+
+    if args.model is not None and run_folder(args.model) is not None:
+        raise ValueError(f"--model {args.model} is a training run (subquad train's folder): give it as --run")
+    if args.run is not None and run_folder(args.run) is None \
+            and '"model_type"' in _text(Path(args.run) / "config.json"):
+        raise ValueError(f"--run {args.run} is a model folder, not a training run: give it as --model")
+
+
+def _text(path) -> str:
+    try:
+        return path.read_text()
+    except (OSError, UnicodeDecodeError):
+        return ""
 
 
 def model_dtype(args):

@@ -49,7 +49,10 @@ def run(args) -> int:
     model, tok, meta = load_run(args.run, device=args.device, quantize=args.quantize, log=say)
     train = meta.get("train_config", {})
     run_dir = run_folder(args.run) or Path(args.run).parent.parent
-    cfg = json.loads((run_dir / "config.json").read_text()) if (run_dir / "config.json").exists() else {}
+    try:
+        cfg = json.loads((run_dir / "config.json").read_text()) if (run_dir / "config.json").exists() else {}
+    except ValueError as e:
+        raise ValueError(f"{run_dir / 'config.json'} is not JSON ({e})") from None
     data = args.data or cfg.get("data")
     tok_path = run_dir / "tokenizer.json"                  # the run's own ids, on its corpus or another
     td = prepare(None if data == "stdlib" else data, model.config.vocab_size,
@@ -146,8 +149,10 @@ def _eval_model(args) -> int:
     import torch
     import torch.nn.functional as F
 
-    if not args.data or not Path(args.data).is_file():
-        raise ValueError(f"--model needs --data, a local text file; got {args.data!r}")
+    if not args.data:
+        raise ValueError("--model needs --data, a local text file")
+    if not Path(args.data).is_file():
+        raise ValueError(f"--data {args.data}: no such file")
     model, tok = load_model(args, need_tokenizer="to encode --data with")
     ids = tok.encode(Path(args.data).read_text(encoding="utf-8", errors="replace")).ids
     if len(ids) < 2:

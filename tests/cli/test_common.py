@@ -46,6 +46,15 @@ def test_run_and_model_are_checked_once_for_every_command_that_loads_a_model(tmp
             common.check_run_or_model(p.parse_args([cmd, "--run", str(tmp_path), "--model", str(tmp_path)]))
         with pytest.raises(ValueError, match="does-not-exist does not exist"):
             common.check_run_or_model(p.parse_args([cmd, "--run", str(tmp_path / "does-not-exist")]))
+    (tmp_path / "run" / "ckpt").mkdir(parents=True)                     # a run and a model folder, swapped
+    (tmp_path / "hf").mkdir()
+    (tmp_path / "hf" / "config.json").write_text('{"model_type": "mamba2"}')
+    for cmd in ("generate", "eval", "serve"):
+        with pytest.raises(ValueError, match="is a training run .*: give it as --run"):
+            common.check_run_or_model(p.parse_args([cmd, "--model", str(tmp_path / "run")]))
+        if cmd != "serve":
+            with pytest.raises(ValueError, match="is a model folder, not a training run: give it as --model"):
+                common.check_run_or_model(p.parse_args([cmd, "--run", str(tmp_path / "hf")]))
 
 
 def test_device_is_resolved_by_argparse_and_dtype_names_a_torch_dtype():
