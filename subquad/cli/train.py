@@ -248,6 +248,9 @@ def run(args) -> int:
         return 1
     if rank == 0:
         held = "n/a" if r["heldout_loss"] is None else f"{r['heldout_loss']:.4f}"
+        skipped = r.get("skipped_steps") or 0
         print(f"done: {r['steps']} steps{f' on {world} processes' if world > 1 else ''}, held-out loss "
-              f"{held} nats/token; run in {out}")
+              f"{held} nats/token; run in {out}"
+              + (f"\nwarning: {skipped} of those steps were skipped (a non-finite loss or gradient: "
+                 f"--on-nonfinite skip); try a lower --lr" if skipped else ""))
     return 0

@@ -379,6 +379,7 @@ class Trainer:
         if lead and tok is not None and not (self.run_dir / "tokenizer.json").exists():
             shutil.copyfile(tok, self.run_dir / "tokenizer.json")
         metrics = open(self.run_dir / "metrics.jsonl", "a") if lead else None
+        n_skipped = 0                            # steps on_nonfinite="skip" dropped in this call
         tokens_per_step = cfg.batch_size * self.context
         t_last, tok_rate = time.perf_counter(), 0.0
         try:
@@ -419,6 +420,7 @@ class Trainer:
                                            f"updating. {self._kept()} (try a lower --lr, or on_nonfinite='skip')")
                 if skipped:
                     self.opt.zero_grad(set_to_none=True)     # on_nonfinite="skip": the batch is consumed, no update
+                    n_skipped += 1
                 else:
                     self.opt.step()
                 self.step = step
@@ -451,7 +453,8 @@ class Trainer:
                 metrics.close()
             if bar is not None:
                 bar.close()
-        return {"steps": self.step, "heldout_loss": self.curve[-1][1] if self.curve else None, "curve": self.curve}
+        return {"steps": self.step, "heldout_loss": self.curve[-1][1] if self.curve else None, "curve": self.curve,
+                "skipped_steps": n_skipped}
 
 
 def config_difference(meta: dict, model) -> str:

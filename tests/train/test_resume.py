@@ -240,7 +240,7 @@ def test_skipping_non_finite_steps_keeps_training_and_logs_strict_json(tmp_path)
     poison_gradients(t.model, 4, [t])
     orig = t.model.forward
     t.model.forward = lambda idx, **kw: orig(idx, **kw) * (float("nan") if t.step == 6 else 1.0)   # step 7: NaN loss
-    t.fit()
+    assert t.fit()["skipped_steps"] == 4                          # counted for the command's last line
     lines = strict_lines(tmp_path / "r" / "metrics.jsonl")
     assert [r.get("skipped", False) for r in lines] == [False] * 4 + [True] * 4
     assert lines[6]["loss"] is None                                # NaN written as null: strict JSON
@@ -337,4 +337,10 @@ def test_resume_reads_mixer_options_against_the_runs_pattern(tmp_path, corpus, c
                  "swa.window=8"]) == 2
     err = capsys.readouterr().err
     assert "would change it" in err and "mixer_options" in err and "not in the pattern" not in err
+
+
+def test_the_command_warns_of_skipped_steps(tmp_path, corpus, capsys):
+    assert main(train_argv(corpus, tmp_path / "run", "--steps", "3", "--lr", "1e30", "--on-nonfinite", "skip")) == 0
+    out = capsys.readouterr().out
+    assert "warning: " in out and "steps were skipped (a non-finite loss or gradient" in out
 
