@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import sys
 
 from subquad.cli.common import add_device_flag, positive
 
@@ -32,6 +33,19 @@ def mixer_list(text: str) -> list[str]:
     return [m for m in out if m]
 
 
+def positive_list(kind):
+    """An argparse type: comma-separated numbers of ``kind``, each > 0."""
+    def parse(text: str) -> list:
+        try:
+            values = [kind(v) for v in text.split(",")]
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"takes comma-separated {kind.__name__}s, got {text!r}") from None
+        if not values or any(not v > 0 for v in values):
+            raise argparse.ArgumentTypeError(f"takes numbers > 0, got {text!r}")
+        return values
+    return parse
+
+
 def add_parser(command) -> None:
     from subquad.bench.recall import DECAY as RECALL_DECAY, sweep_rows
 
@@ -41,9 +55,9 @@ def add_parser(command) -> None:
                    help=f"comma-separated labels (default: all): {'; '.join(sweep_rows())}")
     r.add_argument("--sizes", type=sizes, default=[(64, 4), (128, 8), (256, 16)],
                    help="TxN pairs (default: 64x4,128x8,256x16)")
-    r.add_argument("--d-models", type=lambda t: [int(v) for v in t.split(",")], default=[64, 128],
+    r.add_argument("--d-models", type=positive_list(int), default=[64, 128],
                    help="model widths (default: 64,128)")
-    r.add_argument("--lrs", type=lambda t: [float(v) for v in t.split(",")], default=[3e-3, 1e-2],
+    r.add_argument("--lrs", type=positive_list(float), default=[3e-3, 1e-2],
                    help="learning rates (default: 3e-3,1e-2; the best mean over seeds kept per cell)")
     r.add_argument("--seeds", type=positive, default=2, help="seeds per cell (default: 2; mean and range reported)")
     r.add_argument("--vocab", type=positive, default=512, help="vocabulary (Zoology: 8192)")
@@ -69,6 +83,10 @@ def run(args) -> int:
     from subquad.bench import recall
 
     if args.quick:
+        given = [f for f in ("--sizes", "--d-models", "--lrs", "--vocab", "--steps", "--batch-size")
+                 if any(a == f or a.startswith(f + "=") for a in (args.argv or sys.argv[1:]))]
+        if given:
+            raise ValueError(f"--quick sets its own tiny sweep; drop {', '.join(given)} (or drop --quick)")
         kw = dict(mixers=args.mixers or ["softmax", "linear (elu+1)"], sizes=[(16, 2)], d_models=[32], lrs=[3e-3],
                   vocab=32, steps=30, batch=16, seeds=range(args.seeds))
     else:

@@ -92,6 +92,12 @@ def test_quick_recall_sweep_runs_end_to_end_and_resumes(tmp_path, capsys):
     capsys.readouterr()
     assert main(["recall", "--quick", "--out", str(out), "--no-progress"]) == 0     # resumes: nothing left to run
     assert "[1/4]" not in capsys.readouterr().out
+    assert main(["recall", "--quick", "--sizes", "8x8", "--out", str(out)]) == 2   # not silently ignored
+    assert "--quick sets its own tiny sweep; drop --sizes" in capsys.readouterr().err
+    for flag, value in (("--lrs", "0"), ("--d-models", "0,32"), ("--lrs", "x")):
+        with pytest.raises(SystemExit):
+            main(["recall", flag, value])
+        assert flag in capsys.readouterr().err
 
 
 def test_recall_sweep_is_budgeted_in_steps_not_seconds(tmp_path, monkeypatch):
