@@ -11,13 +11,16 @@ from subquad.cli.common import add_device_flag, positive
 
 
 def _option(text: str):
-    """--mixer-option swa.window=128  ->  ("swa", "window", 128)."""
+    """--mixer-option swa.window=128  ->  ("swa", "window", 128): the value read as JSON (Python's None, True and
+    False too), else kept as text."""
     import json
 
     key, eq, value = text.partition("=")
     mixer, dot, name = key.partition(".")
     if not eq or not dot or not mixer or not name:
         raise argparse.ArgumentTypeError(f"--mixer-option takes MIXER.KEY=VALUE (e.g. swa.window=128), got {text!r}")
+    if value in ("None", "True", "False"):
+        return mixer, name, {"None": None, "True": True, "False": False}[value]
     try:
         value = json.loads(value)
     except json.JSONDecodeError:

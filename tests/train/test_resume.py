@@ -61,6 +61,10 @@ def test_bad_mixer_options_are_one_line_errors_and_leave_no_folder(tmp_path, cor
     assert main(train_argv(corpus, out, "--steps", "2", "--mixer-option", "softmax.window=\"x\"")) == 2
     assert "window must be a non-negative int" in capsys.readouterr().err
     assert not out.exists()
+    from subquad.cli.train import _option
+
+    assert [_option(f"swa.window={v}")[2] for v in ("None", "null", "16", "True", "false", "x")] == \
+        [None, None, 16, True, False, "x"]                            # Python's spellings as JSON's
 
 
 def test_a_run_that_fails_before_training_leaves_no_folder(tmp_path, corpus, monkeypatch):
