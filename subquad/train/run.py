@@ -21,7 +21,7 @@ from subquad.device import resolve_device
 from subquad.models import LanguageModel, ModelConfig
 from subquad.train.checkpoint import has_checkpoints, load_checkpoint, write_atomic
 from subquad.train.parallelize import make_mesh, parallelize
-from subquad.train.trainer import TrainConfig, Trainer
+from subquad.train.trainer import TrainConfig, Trainer, config_difference
 
 
 # what a resume may change: the schedule's bookkeeping, and how the same math is laid out on processes
@@ -291,8 +291,7 @@ def load_run(path, device="cpu", quantize=None, log=None):
     model = LanguageModel(ModelConfig.from_dict(meta["model_config"]))
     model.load_state_dict(model_sd)
     saved = _config_or_empty(run).get("model") if (run / "config.json").exists() else None
-    if saved and log is not None and {k: v for k, v in saved.items() if k != "vocab_size"} != \
-            {k: v for k, v in meta["model_config"].items() if k in saved and k != "vocab_size"}:
+    if saved and log is not None and config_difference(meta["model_config"], saved, skip=("vocab_size",)):
         log(f"{path}: step {meta.get('step')} holds a model of another config than {run / 'config.json'} "
             f"(its checkpoint's own config is used)")
     if quantize is not None:

@@ -312,8 +312,10 @@ class Trainer:
         try:
             self.model.load_state_dict(model_sd)
         except RuntimeError as e:                  # another model's checkpoint in this run's folder: named
+            diff = config_difference(meta.get("model_config") or {}, self.model.config.to_dict())
             raise ValueError(f"{self.run_dir}: its newest checkpoint (step {meta.get('step')}) holds another "
-                             f"model than this run's config: {config_difference(meta, self.model)}") from e
+                             f"model than this run's config: {'; '.join(diff[:6]) or 'its tensors shapes differ'}"
+                             ) from e
         self.opt.load_state_dict(optim_sd)
         self._resume_meta(meta, trim_metrics)
         return True
@@ -457,11 +459,8 @@ class Trainer:
                 "skipped_steps": n_skipped}
 
 
-def config_difference(meta: dict, model) -> str:
-    """The fields where a checkpoint's ``model_config`` and ``model``'s config differ, for a message (or the
-    shapes' mismatch, where its meta names no config)."""
-    saved, mine = meta.get("model_config") or {}, model.config.to_dict()
-    diff = [f"{k} {saved.get(k)!r} (the run's {mine.get(k)!r})" for k in sorted(set(saved) | set(mine))
-            if saved and saved.get(k) != mine.get(k)]
-    return "; ".join(diff[:6]) or "its tensors' shapes differ"
-
+def config_difference(saved: dict, mine: dict, skip=()) -> list[str]:
+    """'field saved (the run's mine)' for each model-config field both dicts name and hold differently (but
+    ``skip``): a checkpoint's ``model_config`` against the run's."""
+    return [f"{k} {saved[k]!r} (the run's {mine[k]!r})" for k in sorted(saved.keys() & mine.keys())
+            if k not in skip and saved[k] != mine[k]]
