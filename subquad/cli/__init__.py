@@ -4,7 +4,9 @@
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
+import threading
 
 from subquad.cli import eval as eval_command
 from subquad.cli import export, generate, memory, recall, serve, train, workshop
@@ -50,9 +52,30 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM (a scheduler's or ``kill``'s stop) raised where the program is, as Ctrl-C's KeyboardInterrupt is."""
+
+
+def _terminated(signum, frame):
+    raise Terminated
+
+
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     args.argv = argv
+    # training stops on SIGTERM as on Ctrl-C: one line naming how to resume (the run keeps its newest
+    # checkpoint, written atomically). `serve` has its own SIGTERM (drain); the others end as the signal ends them.
+    before = None
+    if args.command == "train" and threading.current_thread() is threading.main_thread():
+        before = signal.signal(signal.SIGTERM, _terminated)
+    try:
+        return _run(args)
+    finally:
+        if before is not None:             # a caller's own handler back (main() is also called in-process)
+            signal.signal(signal.SIGTERM, before)
+
+
+def _run(args) -> int:
     try:
         return args.fn(args)
     except ValueError as e:            # bad input found past argparse: a clear message, no traceback
@@ -61,8 +84,9 @@ def main(argv=None) -> int:
     except (FileExistsError, NotADirectoryError, IsADirectoryError, PermissionError) as e:   # a path given wrong
         print(f"error: {e.filename}: {e.strerror}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:          # Ctrl-C: one line (a run keeps its newest checkpoint), not a traceback
+    except KeyboardInterrupt as e:     # Ctrl-C or SIGTERM: one line (the run keeps its newest checkpoint)
         out = getattr(args, "out", None)
         hint = f"; continue with: subquad train --resume --out {out}" if args.command == "train" and out else ""
-        print(f"\ninterrupted{hint}", file=sys.stderr)
-        return 130
+        term = isinstance(e, Terminated)
+        print(f"\n{'terminated' if term else 'interrupted'}{hint}", file=sys.stderr)
+        return 143 if term else 130

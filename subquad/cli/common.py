@@ -21,6 +21,19 @@ def positive(text: str) -> int:
     return v
 
 
+def token_count(text: str) -> int:
+    """A length in tokens as people write it: "4K" -> 4,096, "1M" -> 1,048,576, "512", "16_384", "1e4"."""
+    t = text.strip().upper().replace("_", "")
+    scale = {"K": 1024, "M": 1024 ** 2}.get(t[-1:], 1)
+    try:
+        v = float(t[:-1] if scale > 1 else t) * scale
+    except ValueError:
+        raise ValueError(f"a length in tokens such as 512, 4K or 1M, got {text!r}") from None
+    if not v >= 1 or v != int(v):
+        raise ValueError(f"a length in tokens must be a positive whole number, got {text!r}")
+    return int(v)
+
+
 def nonneg_float(text: str) -> float:
     try:
         v = float(text)

@@ -5,7 +5,15 @@ from __future__ import annotations
 
 import math
 
-from subquad.cli.common import add_model_flags, check_run_or_model, load_model, model_dtype, positive, say
+from subquad.cli.common import (
+    add_model_flags,
+    check_run_or_model,
+    load_model,
+    model_dtype,
+    positive,
+    say,
+    token_count,
+)
 
 
 def add_parser(command) -> None:
@@ -28,7 +36,26 @@ def add_parser(command) -> None:
     e.add_argument("--batches", type=positive, help="held-out batches (default: the run's eval_batches, as in "
                                                       "training)")
     e.add_argument("--batch-size", type=positive, help="sequences per batch (default: the run's)")
-    e.set_defaults(fn=run)
+    e.set_defaults(fn=run, parser=e)
+
+
+# the flags only some of eval's modes read, and those modes: one given to another mode would change nothing
+_MODE_FLAGS = {"piece": ("perplexity", "passkey"), "limit": ("tasks",), "include_path": ("tasks",),
+               "lengths": ("passkey",), "depths": ("passkey",), "trials": ("passkey",), "out": ("passkey",),
+               "batches": ("held-out loss",), "batch_size": ("held-out loss", "tasks"),
+               "data": ("held-out loss", "perplexity")}
+
+
+def _check_flags_of_mode(args) -> None:
+    mode = ("passkey" if args.passkey else "tasks" if args.tasks is not None
+            else "perplexity" if args.model is not None else "held-out loss")
+    for dest, modes in _MODE_FLAGS.items():
+        if mode not in modes and getattr(args, dest) != args.parser.get_default(dest):
+            flag = "--" + dest.replace("_", "-")
+            where = {"perplexity": "--model's perplexity", "passkey": "--passkey", "tasks": "--tasks",
+                     "held-out loss": "--run's held-out loss"}
+            raise ValueError(f"{flag} applies to {' and '.join(where[m] for m in modes)}, not to {where[mode]}, "
+                             f"where it would change nothing")
 
 
 def run(args) -> int:
@@ -40,6 +67,7 @@ def run(args) -> int:
     from subquad.train.trainer import packing_eot
 
     check_run_or_model(args)
+    _check_flags_of_mode(args)
     if args.passkey:
         return _eval_passkey(args)
     if args.tasks is not None:
@@ -67,15 +95,6 @@ def run(args) -> int:
     return 0
 
 
-def _tokens(text: str) -> int:
-    """"4K" -> 4096, "512" -> 512."""
-    t = text.strip().upper()
-    n = int(t[:-1]) * 1024 if t.endswith("K") else int(t)
-    if n <= 0:
-        raise ValueError(f"a length must be positive, got {text!r}")
-    return n
-
-
 def _eval_passkey(args) -> int:
     """Passkey retrieval by length and depth (``subquad.tasks.passkey``): a table, and a heat map with --out."""
     import json
@@ -84,7 +103,7 @@ def _eval_passkey(args) -> int:
     from subquad.tasks.passkey import heatmap, passkey_sweep
 
     try:
-        lengths = [_tokens(x) for x in args.lengths.split(",") if x]
+        lengths = [token_count(x) for x in args.lengths.split(",") if x]
         depths = [float(x) for x in args.depths.split(",") if x]
     except ValueError as e:
         raise ValueError(f"--lengths takes e.g. 1K,4K and --depths e.g. 0,0.5,1 ({e})") from None

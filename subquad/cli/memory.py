@@ -4,15 +4,16 @@ from __future__ import annotations
 
 import argparse
 
-from subquad.cli.common import positive
+from subquad.cli.common import positive, token_count
 
 
 def contexts(text: str) -> list[int]:
+    """--context 1K,4K,1M (eval --lengths' spelling) or 1024,4096 -> token counts."""
     try:
-        vals = [int(float(x.replace("_", ""))) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"--context takes comma-separated token counts, got {text!r}") from None
-    if not vals or any(v <= 0 for v in vals):
+        vals = [token_count(x) for x in text.split(",") if x.strip()]
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"--context takes comma-separated token counts (e.g. 1K,4K,1M): {e}") from None
+    if not vals:
         raise argparse.ArgumentTypeError(f"--context needs positive token counts, got {text!r}")
     return vals
 
@@ -20,7 +21,7 @@ def contexts(text: str) -> list[int]:
 def add_parser(command) -> None:
     m = command("memory", "KV cache against linear state, per layer and head")
     m.add_argument("--context", type=contexts, default=[1024, 4096, 16384, 65536, 131072, 262144, 1048576],
-                   help="comma-separated context lengths (default: 1K..1M)")
+                   help="comma-separated context lengths, e.g. 1K,4K,1M (default: 1K..1M)")
     m.add_argument("--head-dim", type=positive, default=32, help="head dimension d")
     m.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16", "float64"],
                    help="element type of cache and state")

@@ -44,6 +44,16 @@ def _moe(text: str) -> dict:
     return out
 
 
+def _mixer_options(args) -> dict:
+    """--mixer-option flags as {mixer: {key: value}}; one key given twice is refused (which should win?)."""
+    opts: dict = {}
+    for mixer, name, value in args.mixer_option or []:
+        if name in opts.get(mixer, {}) and opts[mixer][name] != value:
+            raise ValueError(f"--mixer-option {mixer}.{name} is given twice ({opts[mixer][name]!r} and {value!r})")
+        opts.setdefault(mixer, {})[name] = value
+    return opts
+
+
 def _model_config(args):
     from subquad.models import preset
 
@@ -52,12 +62,18 @@ def _model_config(args):
         overrides["mlp"] = False
     if getattr(args, "moe", None):
         overrides["moe"] = args.moe
-    opts: dict = {}
-    for mixer, name, value in args.mixer_option or []:
-        opts.setdefault(mixer, {})[name] = value
+    opts = _mixer_options(args)
     if opts:
         overrides["mixer_options"] = opts
     cfg = preset(args.preset, **overrides)
+    if args.n_kv_heads is not None:            # a flag that would change nothing is a mistake on the command line
+        from subquad.layers.registry import MIXERS
+
+        used = [*cfg.layers, *cfg.parallel.values()]
+        if not any(MIXERS[m].heads == "n_kv_heads" for m in used):
+            takes = ", ".join(sorted(m for m, e in MIXERS.items() if e.heads == "n_kv_heads"))
+            raise ValueError(f"--n-kv-heads sets the key/value heads of attention layers ({takes}); the pattern "
+                             f"{cfg.pattern!r} has none")
     if opts:                                   # on the command line an option for an absent mixer is a mistake
         from subquad.layers.registry import check_mixer_options
 
@@ -105,10 +121,7 @@ def _resume_configs(args):
     if "no_mlp" in given:
         asked["mlp"] = False
     if "mixer_option" in given:                  # against the run's pattern, not the default preset's
-        opts: dict = {}
-        for mixer, name, value in args.mixer_option:
-            opts.setdefault(mixer, {})[name] = value
-        asked["mixer_options"] = opts
+        asked["mixer_options"] = _mixer_options(args)
     if "moe" in given:
         asked["moe"] = _model_config(args).moe
     for field, value in asked.items():

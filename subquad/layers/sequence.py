@@ -94,7 +94,7 @@ class Packed(SingleDevice):
         from subquad.ops.common.varlen import seq_lengths
 
         self.cu_seqlens = cu_seqlens
-        self.lengths = seq_lengths(cu_seqlens, int(cu_seqlens[-1]), 1)
+        self.lengths = seq_lengths(cu_seqlens, None, 1)       # checked first: a 2-D tensor is named, not indexed
 
     def _check(self, T):
         if T != sum(self.lengths):

@@ -27,6 +27,7 @@ compiles each block (``nn.Module.compile``).
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
 
 import torch
@@ -106,8 +107,10 @@ def parallelize(model: nn.Module, mesh, fsdp: bool = True, bf16: bool = False,
     if not fsdp:
         from torch.nn.parallel import DistributedDataParallel
 
-        # buffers are made from the config on every rank alike (rotary tables): nothing to broadcast
-        return DistributedDataParallel(model, broadcast_buffers=False)
+        # buffers are made from the config on every rank alike (rotary tables): nothing to broadcast at each
+        # forward (torch 2.13 renamed the flag and warns at the old name; the once-at-start sync it keeps is cheap)
+        renamed = "forward_sync_buffers" in inspect.signature(DistributedDataParallel.__init__).parameters
+        return DistributedDataParallel(model, **{"forward_sync_buffers" if renamed else "broadcast_buffers": False})
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     # fully_shard replaces each parameter by a DTensor one: the marks layers set on theirs (Mamba's

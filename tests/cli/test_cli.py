@@ -78,6 +78,11 @@ def test_train_refuses_bad_options(capsys):
         main(["train", "--mixer-option", "window128"])
     assert main(["train", "--pattern", "softmax*3", "--no-progress"]) == 2
     assert "describes 3 layers" in capsys.readouterr().err
+    assert main(["train", "--pattern", "swa", "--mixer-option", "swa.window=128", "--mixer-option",
+                 "swa.window=64", "--no-progress"]) == 2
+    assert "--mixer-option swa.window is given twice (128 and 64)" in capsys.readouterr().err
+    assert main(["train", "--pattern", "mamba2", "--n-kv-heads", "2", "--no-progress"]) == 2   # would change nothing
+    assert "--n-kv-heads sets the key/value heads of attention layers" in capsys.readouterr().err
 
 
 def test_quick_recall_sweep_runs_end_to_end_and_resumes(tmp_path, capsys):

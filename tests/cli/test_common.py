@@ -116,6 +116,27 @@ def test_ctrl_c_ends_a_command_in_one_line_with_the_way_to_resume(monkeypatch, c
     assert err.strip() == f"interrupted; continue with: subquad train --resume --out {tmp_path / 'r'}"
 
 
+def test_sigterm_ends_training_in_one_line_and_the_callers_handler_comes_back(monkeypatch, capsys, tmp_path):
+    import os
+    import signal
+    import time
+
+    import subquad.cli.train as train
+    from subquad.cli import main
+
+    def killed(args):                      # a scheduler's stop arriving mid-run
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(5)
+        raise AssertionError("SIGTERM did not stop the run")
+
+    monkeypatch.setattr(train, "run", killed)
+    before = signal.getsignal(signal.SIGTERM)
+    assert main(["train", "--out", str(tmp_path / "r")]) == 143
+    err = capsys.readouterr().err.strip()
+    assert err == f"terminated; continue with: subquad train --resume --out {tmp_path / 'r'}"
+    assert signal.getsignal(signal.SIGTERM) is before
+
+
 def test_an_output_path_that_is_a_file_is_one_line(tmp_path, capsys):
     from subquad.cli import main
 
@@ -124,3 +145,36 @@ def test_an_output_path_that_is_a_file_is_one_line(tmp_path, capsys):
     err = capsys.readouterr().err
     assert err.startswith(f"error: {tmp_path / 'one.txt'}") and len(err.strip().splitlines()) == 1
 
+
+
+def test_lengths_in_tokens_read_as_people_write_them():
+    from subquad.cli.common import token_count
+    from subquad.cli.memory import contexts
+
+    assert [token_count(t) for t in ("512", "4K", "4k", "1M", "16_384", "1e4", " 2K ")] == \
+        [512, 4096, 4096, 1048576, 16384, 10000, 2048]
+    for bad in ("0", "-4K", "1.5", "x", "K", ""):
+        with pytest.raises(ValueError, match="length in tokens"):
+            token_count(bad)
+    assert contexts("1K,4K,1M") == [1024, 4096, 1048576]
+    with pytest.raises(argparse.ArgumentTypeError, match="--context takes .*got '0.3K'"):
+        contexts("1K,0.3K")
+
+
+def test_an_eval_flag_its_mode_would_not_read_is_refused_by_name():
+    from subquad.cli.eval import _check_flags_of_mode
+
+    def check(argv):
+        _check_flags_of_mode(build_parser().parse_args(["eval", *argv]))
+
+    check(["--run", "r", "--batches", "2"])                   # each mode's own flags pass
+    check(["--model", "m", "--data", "t.txt", "--piece", "256"])
+    check(["--model", "m", "--passkey", "--piece", "256", "--lengths", "1K", "--out", "o"])
+    check(["--run", "r", "--tasks", "x", "--limit", "3", "--batch-size", "4"])
+    check(["--run", "r", "--piece", "1024"])                  # a default written out changes nothing either
+    for argv, flag, where in ((["--run", "r", "--piece", "256"], "--piece", "not to --run's held-out loss"),
+                              (["--model", "m", "--tasks", "x", "--data", "t"], "--data", "not to --tasks"),
+                              (["--model", "m", "--lengths", "4K"], "--lengths", "not to --model's perplexity"),
+                              (["--run", "r", "--passkey", "--batches", "3"], "--batches", "not to --passkey")):
+        with pytest.raises(ValueError, match=f"^{flag} applies to .*{where}"):
+            check(argv)

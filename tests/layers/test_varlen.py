@@ -76,6 +76,15 @@ def test_layer_rejects_cu_seqlens_that_do_not_cover_x():
         layer(torch.randn(2, 8, D, dtype=F64), cu_seqlens=torch.tensor([0, 3, 8]))
 
 
+
+def test_a_model_names_a_cu_seqlens_that_is_not_one_dimensional():
+    model = _model()
+    idx = torch.randint(0, 40, (1, 8))
+    for bad in (torch.tensor([[0, 3, 8]]), torch.tensor([[0, 3], [3, 8]])):     # not torch's "one element" message
+        with pytest.raises(ValueError, match=r"cu_seqlens must be a 1-D integer tensor .*\[1, 3\]|\[2, 2\]"):
+            model(idx, cu_seqlens=bad)
+
+
 def _model(pos_emb="none", n_kv_heads=None):
     torch.manual_seed(0)
     pattern = "softmax,swa,linear,retention,gla,deltanet,gated_deltanet,mamba,mamba2,kda,mla,lightning"

@@ -24,8 +24,9 @@ import inspect
 import torch
 
 
-def seq_lengths(cu_seqlens, T: int, B: int) -> list[int]:
-    """The N lengths of ``cu_seqlens`` after checking it against packed inputs of B rows and T tokens."""
+def seq_lengths(cu_seqlens, T: int | None, B: int) -> list[int]:
+    """The N lengths of ``cu_seqlens`` after checking it against packed inputs of B rows and T tokens (``T`` None:
+    as many tokens as its last entry says)."""
     if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dim() != 1:
         raise ValueError(f"cu_seqlens must be a 1-D integer tensor (N + 1,) of cumulative lengths, got "
                          f"{getattr(cu_seqlens, 'shape', type(cu_seqlens).__name__)}")
@@ -39,6 +40,7 @@ def seq_lengths(cu_seqlens, T: int, B: int) -> list[int]:
     if B != 1:
         raise ValueError(f"with cu_seqlens the sequences are packed into one row: the batch must be 1, got {B}")
     cu = cu_seqlens.tolist()
+    T = cu[-1] if T is None else T
     if cu[0] != 0 or cu[-1] != T:
         raise ValueError(f"cu_seqlens must start at 0 and end at T={T}, got {cu[0]} ... {cu[-1]}")
     lengths = [b - a for a, b in zip(cu, cu[1:])]
