@@ -466,10 +466,6 @@ def main(argv=None):
             else:
                 hf, reference = hf_model(kind, args.quick), "transformers"
                 hf.save_pretrained(folder)
-                if kind == "bailing_hybrid":     # transformers writes head_dim as qk_rope_head_dim and reads it
-                    c = json.loads((folder / "config.json").read_text())     # back as KDA's head size: the
-                    c["head_dim"] = hf.config.linear_head_dim                # released configs' value again
-                    (folder / "config.json").write_text(json.dumps(c))
                 named = list(hf.named_parameters())
             params = sum(p.numel() for n, p in named)
             active = params

@@ -122,6 +122,61 @@ def test_tokenizer_from_llama_cpps_vocabulary(tmp_path):
     assert tok.decode(tok.encode(sample).ids) == sample
 
 
+# pre-tokenizers as released tokenizer.json files hold them (Qwen2's, Llama 3's, StarCoder's), and the name
+# llama.cpp's converter gives each
+RELEASED = {"qwen2": ([r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|"
+                      r"\s*[\r\n]+|\s+(?!\S)|\s+"], False, False),
+            "llama-bpe": ([r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+"
+                           r"[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"], False, True),
+            "starcoder": (["digits"], True, False), "gpt-2": ([], True, False)}
+
+
+@pytest.mark.parametrize("name", list(RELEASED))
+def test_a_byte_level_bpe_is_written_under_llama_cpps_name_and_split_as_it_names(name):
+    """The pre-tokenizer's name written (what llama.cpp's converter writes for such a tokenizer.json, so llama.cpp
+    splits text as the model was trained), and a file holding only llama.cpp's vocabulary (no tokenizer.json: the
+    converter's files) read back as a tokenizer that encodes as the original - digits one by one (Qwen2), in threes
+    (Llama 3, whose merges are skipped for a piece that is a token), words with their leading space (GPT-2)."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    from subquad.models.gguf.vocab import tokenizer, tokenizer_metadata
+
+    regexes, gpt2_regex, ignore = RELEASED[name]
+    tok0 = Tokenizer(models.BPE(ignore_merges=ignore))
+    splits = [pre_tokenizers.Digits(individual_digits=True) if r == "digits" else
+              pre_tokenizers.Split(Regex(r), behavior="isolated") for r in regexes]
+    tok0.pre_tokenizer = pre_tokenizers.Sequence([*splits, pre_tokenizers.ByteLevel(add_prefix_space=False,
+                                                                                     use_regex=gpt2_regex)])
+    tok0.decoder = decoders.ByteLevel()
+    text = [f"In 20{i:02d}, hello!!! world's {i * 12345} (x+y)  \u4e2d\u6587 caf\u00e9\n\n  ok it'S" for i in range(40)]
+    tok0.train_from_iterator(text, trainers.BpeTrainer(vocab_size=400, special_tokens=["<|endoftext|>"],
+                                                       initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    meta = tokenizer_metadata(tok0, 420)
+    assert meta["tokenizer.ggml.pre"] == name and meta["tokenizer.ggml.tokens"][-1] == "[PAD419]"
+    del meta["tokenizer.huggingface.json"]
+    tok = tokenizer(meta)
+    for sample in ("In 2031, hello!!! world's 987654321 (a+b)  \u4e2d caf\u00e9\n\n\n ok It'S<|endoftext|>", *text[:3]):
+        assert tok.encode(sample).ids == tok0.encode(sample).ids, sample
+        assert tok.decode(tok.encode(sample).ids) == tok0.decode(tok0.encode(sample).ids)
+
+
+def test_a_split_no_name_says_is_kept_as_tokenizer_json_and_an_unknown_name_warns():
+    from tokenizers import Regex, Tokenizer, models, pre_tokenizers
+
+    from subquad.models.gguf.vocab import tokenizer, tokenizer_metadata
+
+    tok0 = Tokenizer(models.BPE({"a": 0, "b": 1}, []))
+    tok0.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(r"\p{L}"), behavior="isolated"),
+                                                  pre_tokenizers.ByteLevel(use_regex=False)])
+    with pytest.warns(UserWarning, match="no GGUF name says"):
+        meta = tokenizer_metadata(tok0, 2)
+    assert "tokenizer.ggml.model" not in meta and tokenizer(meta).encode("ab").ids == [0, 1]
+    meta = {"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": "kimi-k2", "tokenizer.ggml.tokens": ["a", "b"],
+            "tokenizer.ggml.token_type": [1, 1], "tokenizer.ggml.merges": []}
+    with pytest.warns(UserWarning, match="'kimi-k2' is a pre-tokenizer subquad does not know"):
+        assert tokenizer(meta).encode("ab").ids == [0, 1]
+
+
 @pytest.mark.parametrize("quantize", ["int4", "int8"])
 def test_quantize_puts_a_quantised_file_in_subquads_kernels(tmp_path, quantize):
     """quantize="int4": Q4_0's codes as they are in torch's int4 layout (group 32), the scales rounded to

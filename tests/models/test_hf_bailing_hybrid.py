@@ -104,15 +104,18 @@ def test_refusals_name_the_problem(tmp_path):
 
 def test_kda_heads_other_than_the_rotary_dims_as_the_released_configs_have_them(tmp_path):
     """Released configs hold head_dim (KDA's, 128) beside qk_rope_head_dim (64); transformers writes head_dim as the
-    rotary size, so such a folder is its save with head_dim put back - it loads in transformers and here alike."""
+    rotary size and the KDA head size as linear_head_dim: its own save loads as it is, and with head_dim put back
+    (the released form, no linear_* fields) - in transformers and here alike."""
     hf, folder = _hf(tmp_path, head_dim=16)
     c = json.loads((folder / "config.json").read_text())
-    assert c["head_dim"] == 8 and hf.config.linear_head_dim == 16
-    (folder / "config.json").write_text(json.dumps({**c, "head_dim": 16}))
-    theirs = transformers.BailingHybridForCausalLM.from_pretrained(folder, experts_implementation="eager").eval()
-    ours, _ = from_pretrained(folder)
-    assert ours.blocks[0].mixer.head_dim == 16 and ours.blocks[2].mixer.rope_dim == 8
+    assert c["head_dim"] == 8 and c["linear_head_dim"] == 16 and hf.config.linear_head_dim == 16
     ids = torch.randint(0, V, (2, 30), generator=torch.Generator().manual_seed(1))
-    with torch.no_grad():
-        ref = theirs(ids).logits
-        torch.testing.assert_close(ours(ids), ref, rtol=0, atol=1e-4 * ref.abs().max().item())
+    released = {k: v for k, v in c.items() if not k.startswith("linear_")}
+    for config in (c, {**released, "head_dim": 16}):
+        (folder / "config.json").write_text(json.dumps(config))
+        theirs = transformers.BailingHybridForCausalLM.from_pretrained(folder, experts_implementation="eager").eval()
+        ours, _ = from_pretrained(folder)
+        assert ours.blocks[0].mixer.head_dim == 16 and ours.blocks[2].mixer.rope_dim == 8
+        with torch.no_grad():
+            ref = theirs(ids).logits
+            torch.testing.assert_close(ours(ids), ref, rtol=0, atol=1e-4 * ref.abs().max().item())

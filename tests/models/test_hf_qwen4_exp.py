@@ -245,6 +245,16 @@ def test_without_the_indexer_its_attention_is_full_and_read_not_written(tmp_path
         save_pretrained(ours, tmp_path / "back")
 
 
+def test_rope_parameters_without_a_rotary_factor_rotate_every_dim(tmp_path):
+    """transformers' Qwen4-Exp reads an absent ``partial_rotary_factor`` as 1.0 (Qwen3.5's and Qwen3-Next's configs
+    fill in 0.25; this one does not): such a folder - the one transformers writes by default - rotates whole heads."""
+    hf, folder = _hf(tmp_path, rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+    assert "partial_rotary_factor" not in json.loads((folder / "config.json").read_text())["rope_parameters"]
+    ours, _ = from_pretrained(folder)
+    assert ours.blocks[1].mixer.rotary_dim == 8
+    assert_logits_equal(ours, hf, token_ids(V, 40), torch.float32, 1e-4)
+
+
 def test_a_model_built_here_saves_as_qwen4_exp_text(tmp_path):
     """A subquad model of this structure (Qwen3.5's gated attention and Gated DeltaNet options, QSA, streams, PLE,
     MoE with a gated shared expert) is written as qwen4_exp_text, and transformers computes its logits."""

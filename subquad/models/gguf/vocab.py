@@ -3,7 +3,8 @@
 them. ``tokenizer.ggml.model``:
 
     "gpt2"   a byte-level BPE: ``tokenizer.ggml.tokens`` (byte-level spelled), ``token_type``, ``merges`` ->
-             a ``tokenizers.Tokenizer``; padding tokens ``[PAD{i}]`` (type 5, unused) left out
+             a ``tokenizers.Tokenizer``; padding tokens ``[PAD{id}]`` (type 5, unused) left out; the text split
+             before the merges as ``tokenizer.ggml.pre`` names (``gguf.pretok``: "qwen2", "llama-bpe", ...)
     "rwkv"   RWKV's world vocabulary: token 0 ``<s>`` (control), then token i the i-th line of
              ``rwkv_vocab_v20230424.txt`` as the text of ``repr(token bytes)[2:-1]`` (``\\xNN``, ``\\t``,
              ``\\n``, ``\\r``, ``\\\\``, ``\\'`` escapes), padding to the model's rows -> a
@@ -28,6 +29,7 @@ import re
 import warnings
 
 from subquad.data.rwkv_world import WorldTokenizer
+from subquad.models.gguf.pretok import pre_name, pre_tokenizer
 from subquad.models.hf.common import chat_template_source
 
 TOKEN_NORMAL, TOKEN_CONTROL, TOKEN_UNUSED = 1, 3, 5           # gguf-py's TokenType
@@ -153,8 +155,14 @@ def tokenizer(meta: dict):
     types = meta.get("tokenizer.ggml.token_type", [])
     vocab = {t: i for i, t in enumerate(meta["tokenizer.ggml.tokens"]) if i >= len(types) or types[i] != 5}
     merges = [tuple(m.split(" ", 1)) for m in meta.get("tokenizer.ggml.merges", [])]
-    tok = Tokenizer(models.BPE(vocab, merges))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    name = meta.get("tokenizer.ggml.pre")
+    split = pre_tokenizer(name)                          # the splitting llama.cpp gives the file's name
+    if split is None:
+        warnings.warn(f"tokenizer.ggml.pre {name!r} is a pre-tokenizer subquad does not know: text is split as "
+                      "GPT-2's byte-level BPE splits it (llama.cpp splits it its own way)", stacklevel=3)
+        split = (pre_tokenizers.ByteLevel(add_prefix_space=False), False)
+    tok = Tokenizer(models.BPE(vocab, merges, ignore_merges=split[1]))
+    tok.pre_tokenizer = split[0]
     tok.decoder = decoders.ByteLevel()
     special = [t for t, kind in zip(meta["tokenizer.ggml.tokens"], types) if kind == 3]   # 3: control tokens
     if special:
@@ -217,9 +225,12 @@ def tokenizer_metadata(tokenizer, vocab_size: int, files: dict | None = None) ->
 def _bpe_metadata(tokenizer, vocab_size: int) -> dict:
     spec = json.loads(tokenizer.to_str())
     model = spec.get("model", {})
-    pre = spec.get("pre_tokenizer") or {}
     meta = {"tokenizer.huggingface.json": tokenizer.to_str()}
-    if model.get("type") != "BPE" or pre.get("type") != "ByteLevel":
+    pre = pre_name(spec) if model.get("type") == "BPE" else None
+    if pre is None:
+        warnings.warn("the tokenizer is not a byte-level BPE that llama.cpp reads (its pre-tokenizer splits text in a "
+                      "way no GGUF name says, or its model is not BPE): the file holds it as tokenizer.huggingface."
+                      "json, which subquad reads and llama.cpp does not", stacklevel=4)
         return meta
     vocab = model["vocab"]
     if len(vocab) > vocab_size:
@@ -231,7 +242,7 @@ def _bpe_metadata(tokenizer, vocab_size: int) -> dict:
     types = [TOKEN_CONTROL if t in special else TOKEN_NORMAL for t in tokens]
     pad = vocab_size - len(tokens)
     merges = [m if isinstance(m, str) else " ".join(m) for m in model.get("merges", [])]
-    meta.update({"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": "default",
-                 "tokenizer.ggml.tokens": tokens + [f"[PAD{i}]" for i in range(pad)],
+    meta.update({"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": pre,      # llama.cpp splits as it does
+                 "tokenizer.ggml.tokens": tokens + [f"[PAD{len(tokens) + i}]" for i in range(pad)],
                  "tokenizer.ggml.token_type": types + [TOKEN_UNUSED] * pad, "tokenizer.ggml.merges": merges})
     return meta

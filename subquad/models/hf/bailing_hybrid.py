@@ -7,8 +7,9 @@ its R = ``qk_rope_head_dim`` dims and one sigmoid gate per head (``head_gate``);
 score-correction bias, grouped top-k over ``n_group`` groups, ``routed_scaling_factor``, an ungated shared
 expert of ``n_shared_experts x moe_intermediate_size``). Ling's KDA has full-rank gates (``f_proj``, ``g_proj``:
 ``full_gates``) and with ``kda_safe_gate`` the bounded forget gate g = kda_lower_bound * sigmoid(exp(A_log) *
-(x W_f + dt_bias)) (``gate_bound``); its heads are ``num_attention_heads`` of ``head_dim`` (the KDA head size,
-as transformers reads the field).
+(x W_f + dt_bias)) (``gate_bound``); its heads are ``linear_num_heads`` of ``linear_head_dim`` where the config
+holds them (transformers' own saves: it copies the KDA head size there and writes ``head_dim`` as the rotary size),
+else ``num_attention_heads`` of ``head_dim`` (the released configs).
 
 The checkpoint's names are the released ones, as transformers writes them: ``word_embeddings``, ``attention``,
 ``dense`` for the output projections, the KDA convolutions per part (``q_conv1d``, ...), the router's
@@ -103,12 +104,13 @@ class BailingHybridFormat(Format):
             raise ValueError(f"config field mlp_layer_types={mlp_types!r} must name 'dense' or 'sparse' per layer")
         rope = c.get("rope_parameters") or {"rope_type": "default", "rope_theta": c.get("rope_theta", 6e6)}
         check_rope_type(rope)
-        heads = c.get("num_attention_heads", 32)
+        heads = first_set(c, "linear_num_heads", "num_attention_heads", default=32)      # KDA's (module doc)
         safe = c.get("kda_safe_gate", True)
         bound = float(c.get("kda_lower_bound", -5.0))
         if safe and not bound < 0:
             raise ValueError(f"config field kda_lower_bound={bound} must be negative (a log-decay bound)")
-        kda = {"n_heads": heads, "head_dim": c.get("head_dim", 128), "conv_size": c.get("short_conv_kernel_size", 4),
+        kda = {"n_heads": heads, "head_dim": first_set(c, "linear_head_dim", "head_dim", default=128),
+               "conv_size": c.get("short_conv_kernel_size", 4),
                "full_gates": True, "gate_bound": bound if safe else None, "qk_eps": 1e-6, "norm_eps": eps}
         mla = {"kv_rank": c.get("kv_lora_rank", 512), "rope_dim": c.get("qk_rope_head_dim", 64),
                "nope_dim": c.get("qk_nope_head_dim", 128), "v_head_dim": c.get("v_head_dim", 128),

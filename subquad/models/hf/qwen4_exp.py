@@ -132,7 +132,7 @@ class Qwen4ExpTextFormat(Qwen3_5MoeTextFormat):
                 raise ValueError(f"config field indexer_budget={qsa['indexer_budget']} must be a positive multiple "
                                  f"of indexer_compress_ratio={qsa['indexer_compress_ratio']}")
         attention = "qsa" if qsa["indexer_n_heads"] is not None else "softmax"
-        soft = {**gdn_rope(t, 0.25), "head_dim": t.get("head_dim") or d // t["num_attention_heads"],
+        soft = {**gdn_rope(t, 1.0), "head_dim": t.get("head_dim") or d // t["num_attention_heads"],
                 "qk_norm": "head", "qk_norm_eps": eps, "output_gate": True}
         if attention == "qsa":
             soft.update({ours: qsa[theirs] for theirs, ours in QSA_FIELDS.items()})
