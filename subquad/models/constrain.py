@@ -15,9 +15,12 @@ CPU from the tokenizer's bytes, so it holds for any tokenisation of the output. 
     {"type": "json_schema", "json_schema": {"schema": S}}  JSON valid under schema S (``name``, ``strict`` read
                                                            and ignored, as OpenAI-compatible servers do)
 
-JSON is written compact (no whitespace between tokens of JSON) unless the schema says otherwise with
-llguidance's ``"x-guidance": {"whitespace_flexible": true}``: a weak or small model can otherwise spend its
-tokens on spaces and newlines the grammar allows (llama.cpp bounds them too).
+Between JSON's tokens the grammar allows what llama.cpp's JSON grammars allow (``json_schema_to_grammar``'s
+``space``): nothing, one space, or one or two newlines and up to 20 spaces or tabs - so a model writes the JSON it
+learnt (``{"a": 1}``, indented objects; with no whitespace at all, a model that puts a space after a colon is
+pushed through tokens it never writes there: ``{"name":",carol"``), and cannot spend its tokens on runs of
+spaces. A schema's own llguidance options replace these (``"x-guidance": {"whitespace_flexible": true}``: any
+whitespace; ``{"whitespace_flexible": false}``: none).
 """
 
 from __future__ import annotations
@@ -55,6 +58,7 @@ def check_format(response_format) -> dict | None:
     return spec.get("schema", {}) or {"type": "object"}
 
 
+SPACE = r"(?: |\n{1,2}[ \t]{0,20})"       # the whitespace allowed between JSON's tokens (module doc)
 END_OF_TEXT = ("<|endoftext|>", "</s>", "<eos>", "<|end_of_text|>", "<|im_end|>")
 
 
@@ -101,7 +105,7 @@ class Grammar:
             except ValueError as e:          # e.g. a word-level tokenizer: no bytes to match the grammar against
                 raise FormatError(f"response_format: the grammar library cannot use this tokenizer ({e})") from None
         self.lltok, self.vocab_size, self.eos = cache[key], vocab_size, eos[0]
-        schema = {"x-guidance": {"whitespace_flexible": False}, **schema}
+        schema = {"x-guidance": {"whitespace_flexible": False, "whitespace_pattern": SPACE}, **schema}
         try:
             self.grammar = llg.LLMatcher.grammar_from_json_schema(json.dumps(schema))
         except (ValueError, TypeError) as e:

@@ -94,6 +94,29 @@ def test_bad_formats_are_refused_by_name(tok_and_model, bad, match):
         model.generate([1, 2], 3, response_format=bad, tokenizer=tok)
 
 
+def test_whitespace_between_json_tokens_is_llama_cpps(tok_and_model):
+    """Between JSON's tokens: nothing, one space, or one or two newlines and an indent of up to 20 (llama.cpp's
+    json_schema_to_grammar ``space``) - the JSON models write (``{"ok": true}``, indented) - but no run of spaces
+    and no third newline; a schema's own x-guidance options replace the rule."""
+    tok, model = tok_and_model
+
+    def takes(text, fmt=FORMAT):
+        m = Grammar(fmt, tok, model.config.vocab_size).matcher()
+        for t in tok.encode(text).ids:
+            if m.done or not bool(m.allowed()[t]):
+                return False
+            m.consume(t)
+        return True
+
+    for text in ('{"ok":true,"n":1,"color":"red"}', '{"ok": true, "n": 1, "color": "red"}',
+                 '{\n  "ok": true,\n  "n": 1,\n\n\t"color" : "red"\n}', '{ "ok":true,"n":1,"color":"red"' + " " * 1):
+        assert takes(text), text
+    for text in ('{"ok":  true', '{\n\n\n"ok"', '{' + "\n" + " " * 21 + '"ok"', '{"ok":\ttrue'):
+        assert not takes(text), text
+    flexible = {"type": "json_schema", "json_schema": {"schema": {**SCHEMA, "x-guidance": {"whitespace_flexible": True}}}}
+    assert takes('{"ok":     true', flexible)
+
+
 def test_a_format_needs_the_tokenizer(tok_and_model):
     tok, model = tok_and_model
     with pytest.raises(ValueError, match="needs the model's tokenizer"):
@@ -114,10 +137,13 @@ def test_speculation_under_a_format_gives_the_plain_tokens(tok_and_model, drafte
     tok, model = tok_and_model
     spec = "ngram" if drafter == "ngram" else model
     prompts = [tok.encode('{"ok":true,"n":33,"color":"blue"} {"ok":true,"n":3').ids, tok.encode("x").ids,
-               tok.encode('{"ok":false,"n":33,"color":"blue"}').ids]       # the compact JSON the grammar asks
+               tok.encode('{"ok":false,"n":33,"color":"blue"}').ids]
+    # compact JSON, as the prompts hold it (the random model's greedy text is then what prompt lookup finds)
+    compact = {"type": "json_schema", "json_schema": {"schema": {**SCHEMA,
+                                                                 "x-guidance": {"whitespace_flexible": False}}}}
     for rows in (prompts, prompts[0]):
-        want, _ = model.generate(rows, 50, temperature=0, response_format=FORMAT, tokenizer=tok)
-        got, _ = model.generate(rows, 50, temperature=0, response_format=FORMAT, tokenizer=tok,
+        want, _ = model.generate(rows, 50, temperature=0, response_format=compact, tokenizer=tok)
+        got, _ = model.generate(rows, 50, temperature=0, response_format=compact, tokenizer=tok,
                                 speculative=spec, draft_tokens=4)
         assert got == want
         stats = model.speculation_stats
