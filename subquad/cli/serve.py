@@ -58,6 +58,10 @@ def add_parser(command) -> None:
                         "'Speculation')")
     v.add_argument("--draft-tokens", type=positive, default=4,
                    help="tokens drafted per row and step with --speculative")
+    v.add_argument("--chat-template", metavar="FILE",
+                   help="a Jinja chat template (as chat_template.jinja) for /v1/chat/completions, in place of the "
+                        "model's own: what a run trained here needs to chat (a run folder's own chat_template.jinja "
+                        "is read too)")
     v.add_argument("--compile-decode", action="store_true",
                    help="compile the decoding step (subquad.models.decode) before serving and keep, for one row "
                         "and for several, the faster of it and the eager step, timed then (the eager step's C "
@@ -110,16 +114,23 @@ def run(args) -> int:
         raise ValueError(f"subquad serve needs the serve extra (pip install 'subquad[serve]'): {e}") from None
     from subquad.models.hf import is_gguf
     from subquad.serve.chat import chat_template_of, load_chat_template
+    from subquad.train.run import run_folder
 
     chat_template, gguf = None, args.model is not None and is_gguf(args.model)
-    if args.model is not None and not gguf:
-        if not Path(args.model).is_dir():
+    source = _template_file(args.chat_template)
+    folder = run_folder(args.run) if args.run is not None else None if gguf else Path(args.model)
+    if folder is not None:
+        if args.model is not None and not folder.is_dir():
             raise ValueError(f"--model {args.model} is neither a folder nor a GGUF file")
-        chat_template = load_chat_template(args.model)              # before the load: a bad template fails fast
+        chat_template = load_chat_template(folder, source)          # before the load: a bad template fails fast
     check_speculative_flag(args)
     model, tok = load_model(args)
     if gguf:                       # the metadata's template, kept as a folder's tokenizer_config.json (gguf.vocab)
-        chat_template = chat_template_of(model.hf_source["files"])
+        chat_template = chat_template_of(model.hf_source["files"], source)
+    if chat_template is not None and args.run is not None and not chat_template.special_tokens:
+        eot = "<|endoftext|>"      # a run's tokenizer ends its documents with it: the template's eos_token
+        if tok is not None and tok.token_to_id(eot) is not None:
+            chat_template.special_tokens["eos_token"] = eot
     speculative = None if args.speculative is None else load_draft(args, model)
     if speculative == "mtp" and getattr(model, "mtp", None) is None:
         raise ValueError(f"--speculative mtp: {args.model or args.run} has no multi-token-prediction head (mtp.* "
@@ -134,6 +145,19 @@ def run(args) -> int:
                     speculative=speculative, draft_tokens=args.draft_tokens)
     return serve_api(engine, name, host=args.host, port=args.port, chat_template=chat_template,
                      api_key=key, drain_timeout=args.drain_timeout, max_body_mb=args.max_body_mb or MAX_BODY_MB)
+
+
+def _template_file(path) -> str | None:
+    """``--chat-template FILE``'s Jinja source (None without the flag)."""
+    if path is None:
+        return None
+    p = Path(path)
+    if not p.is_file():
+        raise ValueError(f"--chat-template {path}: no such file (a Jinja chat template, as chat_template.jinja)")
+    try:
+        return p.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise ValueError(f"--chat-template {path}: not UTF-8 text ({e.reason})") from None
 
 
 def _compile_and_warm(model) -> None:

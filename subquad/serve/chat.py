@@ -59,19 +59,21 @@ class ChatTemplate:
             raise TemplateError(f"the chat template failed on these messages: {e}") from None
 
 
-def load_chat_template(folder) -> ChatTemplate | None:
-    """The folder's chat template, or None when it has none."""
+def load_chat_template(folder, source: str | None = None) -> ChatTemplate | None:
+    """The folder's chat template (``source`` in place of it: ``chat_template_of``), or None when it has none."""
     folder = Path(folder)
     return chat_template_of({f: (folder / f).read_bytes() for f in ("tokenizer_config.json", "chat_template.jinja")
-                             if (folder / f).exists()})
+                             if (folder / f).exists()}, source)
 
 
-def chat_template_of(files: dict) -> ChatTemplate | None:
+def chat_template_of(files: dict, source: str | None = None) -> ChatTemplate | None:
     """The chat template of a folder's files ({name: bytes}: ``tokenizer_config.json``, ``chat_template.jinja``;
-    a model's ``hf_source["files"]``, which a GGUF file's loader fills from its metadata), or None."""
+    a model's ``hf_source["files"]``, which a GGUF file's loader fills from its metadata), or None; ``source``
+    (``serve --chat-template``) in place of theirs, with the special tokens their config names."""
     from subquad.models.hf.common import chat_template_source
 
-    config, source = chat_template_source(files)
+    config, theirs = chat_template_source(files)
+    source = source or theirs
     if not source:
         return None
     special = {}

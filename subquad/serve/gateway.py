@@ -77,8 +77,9 @@ class Gateway:
     async def render_chat(self, messages, add_generation_prompt: bool = True) -> str:
         """The folder's chat template on ``messages``, in a worker thread; 400 naming messages if it refuses."""
         if self.chat_template is None:
-            raise bad("messages", "this model has no chat template (tokenizer_config.json's chat_template); "
-                                  "use /v1/completions")
+            raise bad("messages", "this model has no chat template (tokenizer_config.json's chat_template or "
+                                  "chat_template.jinja in its folder; subquad serve --chat-template FILE); use "
+                                  "/v1/completions")
         from subquad.serve.chat import TemplateError
 
         try:

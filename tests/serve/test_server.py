@@ -488,6 +488,33 @@ def test_a_port_already_taken_exits_1(tmp_path):
     assert r.returncode == 1 and "address already in use" in r.stderr
 
 
+def test_a_run_chats_with_a_chat_template_file_or_its_own(tmp_path, corpus, monkeypatch, capsys):
+    """A run trained here has no chat template: ``--chat-template FILE`` gives it one (its eos_token the run's
+    <|endoftext|>), as does a chat_template.jinja put in the run folder; the flag replaces a folder's own; a
+    missing file is named."""
+    import subquad.serve.server as server
+    from subquad.cli import main
+
+    run = tmp_path / "run"
+    assert main(["train", "--data", str(corpus), "--vocab-size", "300", "--d-model", "32", "--n-layers", "1",
+                 "--pattern", "mamba2", "--steps", "1", "--out", str(run), "--no-progress"]) == 0
+    seen = []
+    monkeypatch.setattr(server, "run", lambda engine, name, chat_template=None, **kw: seen.append(chat_template) or 0)
+    template = tmp_path / "t.jinja"
+    template.write_text("{% for m in messages %}<{{ m.role }}>{{ m.content }}{{ eos_token }}{% endfor %}"
+                        "{% if add_generation_prompt %}<assistant>{% endif %}")
+    base = ["serve", "--run", str(run), "--memory-mb", "64"]
+    assert main(base) == 0 and seen[-1] is None                       # no template: chat refused with a 400
+    assert main([*base, "--chat-template", str(template)]) == 0
+    msgs = [{"role": "user", "content": "hi"}]
+    assert seen[-1].render(msgs) == "<user>hi<|endoftext|><assistant>"
+    (run / "chat_template.jinja").write_text("{% for m in messages %}[{{ m.content }}]{% endfor %}")
+    assert main(base) == 0 and seen[-1].render(msgs) == "[hi]"        # the run folder's own
+    assert main([*base, "--chat-template", str(template)]) == 0 and seen[-1].render(msgs).startswith("<user>")
+    assert main([*base, "--chat-template", str(tmp_path / "none.jinja")]) == 2
+    assert "--chat-template" in capsys.readouterr().err
+
+
 def test_cli_refuses_bad_serve_arguments(tmp_path, capsys):
     from subquad.cli import main
 
