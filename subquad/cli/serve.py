@@ -88,6 +88,8 @@ def api_key(args, environ=os.environ) -> str | None:
     if not given:
         return None
     name, value = given[0]
+    if name == KEY_ENV:
+        value = value.strip()                   # as --api-key-file's: a shell's stray space is not the key
     if name == "--api-key-file":
         try:
             value = Path(value).read_text().strip()

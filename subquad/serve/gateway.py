@@ -30,8 +30,9 @@ class Gateway:
         """401 unless the request carries the API key (compared in constant time); open without a key."""
         if self.api_key is None:
             return
-        got = request.headers.get("authorization", "")
-        if not hmac.compare_digest(got.encode(), f"Bearer {self.api_key}".encode()):
+        scheme, _, got = request.headers.get("authorization", "").strip().partition(" ")
+        # the scheme's case is free (RFC 9110: "bearer" is Bearer); the key compared in constant time
+        if scheme.lower() != "bearer" or not hmac.compare_digest(got.strip().encode(), self.api_key.encode()):
             raise APIError(401, "missing or incorrect API key (send Authorization: Bearer KEY)",
                            code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
 

@@ -80,9 +80,12 @@ OPTIONS = ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "freque
            "seed", "n", "ignore_eos", "stop", "response_format")
 # fields honoured by each route; and fields accepted only with the value that asks for nothing
 SAMPLING = ("max_tokens", "stop_token_ids", "logit_bias", "stream", "stream_options", *OPTIONS)
-COMPLETION_FIELDS = {"model", "prompt", "logprobs", "best_of", "user", *SAMPLING}
-CHAT_FIELDS = {"model", "messages", "max_completion_tokens", "logprobs", "top_logprobs", "user", *SAMPLING}
-NO_OP = {"echo": False, "suffix": "", "tools": [], "tool_choice": "none", "parallel_tool_calls": False}
+COMPLETION_FIELDS = {"model", "prompt", "logprobs", "best_of", "user", "metadata", *SAMPLING}
+CHAT_FIELDS = {"model", "messages", "max_completion_tokens", "logprobs", "top_logprobs", "user", "metadata",
+               *SAMPLING}
+NO_OP = {"echo": False, "suffix": "", "tools": [], "tool_choice": "none", "parallel_tool_calls": False,
+         "store": False, "modalities": ["text"]}
+TOOLS = {"tools", "tool_choice", "parallel_tool_calls"}
 ROLES = {"system", "developer", "user", "assistant"}
 MAX_COMPLETION_LOGPROBS = 5     # OpenAI's bound on completions' logprobs (chat's top_logprobs: MAX_LOGPROBS)
 FIELD_OF = {"stop_ids": "stop_token_ids"}    # SamplingOptions' argument -> the request's field, where they differ
@@ -147,6 +150,9 @@ def _check_fields(body, allowed):
             continue
         if name in NO_OP:
             if not _asks_nothing(v, NO_OP[name]):
+                if name in TOOLS:
+                    raise bad(name, f"{name}: tools and function calling are not supported by this server (send "
+                                    f"no {name}, or {json.dumps(NO_OP[name])})")
                 shown = json.dumps(v)
                 shown = shown if len(shown) <= 40 else shown[:37] + "..."
                 raise bad(name, f"{name}={shown} is not supported by this server "
@@ -187,7 +193,12 @@ def _common(body, allowed) -> tuple:
     user = body.get("user")
     if user is not None and not isinstance(user, str):
         raise bad("user", "user must be a string")
+    meta = body.get("metadata")                 # tags for a stored completion (OpenAI's): nothing is stored here
+    if meta is not None and (not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values())):
+        raise bad("metadata", "metadata must be an object of string values")
     sampling = {name: body[name] for name in OPTIONS if body.get(name) is not None}
+    if sampling.get("top_k") in (-1, 0) and not isinstance(sampling["top_k"], bool):
+        del sampling["top_k"]                   # vLLM's "no top-k"
     if body.get("stop_token_ids") is not None:
         sampling["stop_ids"] = body["stop_token_ids"]
     bias = body.get("logit_bias")

@@ -45,8 +45,8 @@ class SamplingParams(SamplingOptions):
             if isinstance(v, bool) or not isinstance(v, int) or v < low:
                 raise OptionError(name, f"{name} must be an int >= {low}, got {v!r}")
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)
-                                      or not 0 <= self.seed < MAX_SEED):
-            raise OptionError("seed", f"seed must be an int in [0, 2**63), got {self.seed!r}")
+                                      or not -MAX_SEED <= self.seed < MAX_SEED):
+            raise OptionError("seed", f"seed must be an int in [-2**63, 2**63) (OpenAI's int64), got {self.seed!r}")
         if self.seed is not None and self.seed + self.n > MAX_SEED:
             raise OptionError("seed", f"seed + n must stay below 2**63 (choice i draws from seed + i), got {self.seed}")
         if isinstance(self.stop, str):

@@ -716,3 +716,28 @@ def test_the_served_loop_decodes_a_hybrid_in_one_call_a_step(monkeypatch):
     assert len(set(rows)) >= 2 and len(rows) - len(set(rows)) <= len(calls) <= len(rows)
     for s, q, n in zip(seqs, prompts, lengths):
         assert s.tokens == model.generate(q, n, temperature=0.0)[0]
+
+
+def test_the_fields_openais_clients_send_by_default_ask_for_nothing_here():
+    """``store: false``, ``metadata`` (tags of a stored completion: nothing is stored), ``modalities: ["text"]``,
+    vLLM's ``top_k: -1`` / ``0`` (no top-k) and OpenAI's int64 seeds, negative ones included, are taken; what
+    would ask for something is refused by name - tools in plain words."""
+    from subquad.serve.protocol import APIError, parse_chat, parse_completion
+
+    body = {"model": "m", "prompt": "x"}
+    for extra in ({"store": False}, {"metadata": {"run": "a"}}, {"modalities": ["text"]}, {"seed": -5},
+                  {"seed": -2 ** 63}):
+        parse_completion({**body, **extra}, 256)
+    for k in (-1, 0):
+        assert parse_completion({**body, "top_k": k}, 256).params.top_k is None
+    assert parse_completion({**body, "top_k": 3}, 256).params.top_k == 3
+    chat = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+    for extra, field, words in (({"store": True}, "store", "not supported"),
+                                ({"metadata": {"a": 1}}, "metadata", "string values"),
+                                ({"modalities": ["text", "audio"]}, "modalities", "not supported"),
+                                ({"top_k": -2}, "top_k", "top_k"), ({"seed": 2 ** 63}, "seed", "int64"),
+                                ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools",
+                                 "tools and function calling are not supported")):
+        with pytest.raises(APIError, match=words) as e:
+            parse_chat({**chat, **extra}, 256)
+        assert e.value.param == field

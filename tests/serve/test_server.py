@@ -264,6 +264,14 @@ def test_api_key(hybrid):
     assert [m.id for m in server.client(KEY).models.list().data] == ["hybrid"]
     status, _, _ = request(server, "GET", "/health")                    # probes need no key
     assert status == 200
+    for header, want in ((f"bearer {KEY}", 200), (f"BEARER  {KEY} ", 200), (f"Basic {KEY}", 401), (KEY, 401),
+                         (f"Bearer {KEY}x", 401)):              # the scheme's case is free (RFC 9110), not the key's
+        conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=10)
+        try:
+            conn.request("GET", "/v1/models", headers={"Authorization": header})
+            assert conn.getresponse().status == want, header
+        finally:
+            conn.close()
 
 
 def freed(before):
@@ -332,9 +340,9 @@ def malformed(n: int, seed: int = 0):
                    ["w5 \udc00"]],
         "max_tokens": [-5, 0, 10 ** 9, CONTEXT + 1, 1.5, "8"],
         "temperature": [-0.1, -5, "hot", [0], "\u0436\u0430\u0440"],
-        "top_p": [0, 1.01, -1, 2, "x", "\ud800"], "top_k": [0, -3, 2.5],
+        "top_p": [0, 1.01, -1, 2, "x", "\ud800"], "top_k": [-3, 2.5],
         "stop": [5, [1], [""], ["a"] * 5, "", "\ud800", ["ok", "x\udc00"]],
-        "seed": [-1, 2 ** 64, 1.5, "1"], "stream": ["yes", 1, []], "logprobs": [6, -1, True, "2"],
+        "seed": [2 ** 63, -2 ** 63 - 1, 2 ** 64, 1.5, "1"], "stream": ["yes", 1, []], "logprobs": [6, -1, True, "2"],
         "n": [0, -1, 40], "echo": [True], "best_of": [3], "presence_penalty": [2.5, -2.01], "frequency_penalty": [3],
         "repetition_penalty": [0, -1.5], "min_p": [-0.1, 1.5], "ignore_eos": ["yes", 1],
         "logit_bias": [{"5": 101}, {"\ud800": 1}, {"-1": 1}, {"x": 1}, {str(V): 1}, {"5": "x"}, {"5": None}],
@@ -387,7 +395,7 @@ UNKNOWN = {"foo", "na\u00efve", "\u043a\u043b\u044e\u0447", "\ud800", "a\udfffb"
 VALID = {"prompt": ["x", "\u00e9t\u00e9"], "temperature": [1.5], "stop": ["x", [], "\u00e9t\u00e9"], "stream": [True],
          "logit_bias": [{}], "tools": [[]], "user": ["x", "", "\u00e9t\u00e9"], "presence_penalty": [-1, 1.5],
          "frequency_penalty": [-1, 1.5], "repetition_penalty": [1.5], "stop_token_ids": [[]],
-         "ignore_eos": [True]}                                   # generic wrong values valid there
+         "ignore_eos": [True], "top_k": [-1], "seed": [-1]}      # generic wrong values valid there
 VALID_CHAT = {"logprobs": [True]}
 
 
@@ -776,11 +784,13 @@ def test_the_api_key_comes_from_one_of_the_flag_the_file_and_the_environment(tmp
     assert api_key(args("--api-key", "sk-flag"), {}) == "sk-flag"
     assert api_key(args("--api-key-file", str(tmp_path / "key")), {}) == "sk-file"
     assert api_key(args(), {"SUBQUAD_API_KEY": "sk-env"}) == "sk-env"
+    assert api_key(args(), {"SUBQUAD_API_KEY": " sk-env \n"}) == "sk-env"     # as the file's: whitespace dropped
     for argv, env, match in ((("--api-key", "a", "--api-key-file", str(tmp_path / "key")), {}, "--api-key and"),
                              (("--api-key", "a"), {"SUBQUAD_API_KEY": "b"}, "--api-key and SUBQUAD_API_KEY"),
                              (("--api-key-file", str(tmp_path / "empty")), {}, "empty"),
                              (("--api-key-file", str(tmp_path / "none")), {}, "cannot be read"),
                              ((), {"SUBQUAD_API_KEY": ""}, "SUBQUAD_API_KEY: the API key is empty"),
+                             ((), {"SUBQUAD_API_KEY": "  "}, "SUBQUAD_API_KEY: the API key is empty"),
                              (("--api-key", "a\nb"), {}, "control character")):
         with pytest.raises(ValueError, match=match):
             api_key(args(*argv), env)
