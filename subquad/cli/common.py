@@ -76,7 +76,7 @@ def add_model_flags(parser, hf_types: list[str], *, run_help: str = "run folder 
         f"{', '.join(hf_types)}; or a GGUF file (.gguf) of a llama.cpp architecture subquad.models.gguf reads "
         "(benchmarks/gguf_architectures.md)"))
     parser.add_argument("--dtype", default=None, choices=DTYPES,
-                        help="weights' dtype for --model (default float32; a GGUF file's BF16 / F16 matrices of "
+                        help="weights' dtype (default float32; a GGUF file's BF16 / F16 matrices of "
                              "2^18 weights or more stay as the file holds them, smaller ones are read as float32, "
                              "unless --dtype is given)")
     add_quantize_flag(parser)
@@ -135,7 +135,12 @@ def load_model(args, *, need_tokenizer: str | None = None):
         return model, tok
     from subquad.train import load_run
 
+    if args.quantize and args.dtype not in (None, "float32"):
+        raise ValueError("--dtype and --quantize: a run is loaded in one of them (--quantize keeps what it does not "
+                         "quantise in float32)")
     model, tok, _ = load_run(args.run, device=args.device, quantize=args.quantize, log=say)
+    if args.dtype not in (None, "float32"):    # a run's weights are float32: cast as from_pretrained casts a folder's
+        model = model.to(model_dtype(args))
     return model, tok
 
 

@@ -7,6 +7,7 @@ import sys
 
 from subquad.cli.common import add_model_flags, check_run_or_model, load_model, positive
 
+DRAFT_TOKENS = 4        # tokens drafted per step when --draft-tokens is not given
 
 def add_parser(command, hf_types: list[str]) -> None:
     g = command("generate", "stream text from a trained run with its recurrent state")
@@ -54,7 +55,8 @@ def add_parser(command, hf_types: list[str]) -> None:
                         "tokenizer (DIR: a run or model folder or a .gguf file, loaded with --device; a model "
                         "folder or file with --dtype too), and verify them in one forward; the same output as "
                         "without")
-    g.add_argument("--draft-tokens", type=positive, default=4, help="tokens drafted per step with --speculative")
+    g.add_argument("--draft-tokens", type=positive, help=f"tokens drafted per step with --speculative (default: "
+                                                          f"{DRAFT_TOKENS})")
     g.add_argument("--json", action="store_true",
                    help="answer with a JSON object (OpenAI's response_format json_object; needs llguidance: "
                         "pip install 'subquad[grammar]')")
@@ -166,11 +168,16 @@ def check_speculative_flag(args) -> None:
             and not (Path(spec).is_file() and is_gguf(spec)):
         raise ValueError(f"--speculative must be 'ngram', 'mtp' or a draft model's folder (a run or a model "
                          f"folder) or .gguf file; {spec} is neither")
+    if spec is None and args.draft_tokens is not None:
+        raise ValueError("--draft-tokens goes with --speculative (it sets how many tokens are drafted)")
+    if args.draft_tokens is None:
+        args.draft_tokens = DRAFT_TOKENS
 
 
-def load_draft(args, model):
+def load_draft(args, model, tok=None):
     """--speculative's drafter for ``generate``: 'ngram', 'mtp', or the draft model of a run folder (or one of
-    its checkpoints), a model folder or a GGUF file."""
+    its checkpoints), a model folder or a GGUF file - refused unless its vocabulary is the model's (``tok``'s, where
+    both have a tokenizer; else its size)."""
     import argparse
 
     from subquad.train import run_folder
@@ -180,10 +187,15 @@ def load_draft(args, model):
     hf = run_folder(args.speculative) is None          # a run's config.json is not a model folder's
     draft_args = argparse.Namespace(**{**vars(args), "run": None if hf else args.speculative,
                                        "model": args.speculative if hf else None})
-    draft, _ = load_model(draft_args)
+    draft, draft_tok = load_model(draft_args)
     if draft.config.vocab_size != model.config.vocab_size:
         raise ValueError(f"--speculative {args.speculative}: its vocab_size ({draft.config.vocab_size}) is not the "
                          f"model's ({model.config.vocab_size}); a draft model needs the same tokenizer")
+    vocab = [getattr(t, "get_vocab", None) for t in (tok, draft_tok)]
+    if all(vocab) and vocab[0]() != vocab[1]():           # same size, other tokens: its drafts would be noise
+        raise ValueError(f"--speculative {args.speculative}: its tokenizer is not the model's (the same "
+                         f"{draft.config.vocab_size} ids stand for other tokens); a draft model needs the same "
+                         "tokenizer")
     return draft
 
 
@@ -244,7 +256,7 @@ def run(args) -> int:
         compile_decode(model, faster=True)              # each batch class keeps the faster of the two steps
     stops, special = special_stops(tok, stops)
     ends = (args.stop_token_id or []) + special         # tokens that end a sequence, their text left out
-    speculation = {} if args.speculative is None else {"speculative": load_draft(args, model),
+    speculation = {} if args.speculative is None else {"speculative": load_draft(args, model, tok),
                                                         "draft_tokens": args.draft_tokens}
     if fmt is not None:
         speculation.update(response_format=fmt, tokenizer=tok)

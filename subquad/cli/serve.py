@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 from subquad.cli.common import add_model_flags, check_run_or_model, load_model, nonneg_float, positive
-from subquad.cli.generate import check_speculative_flag, load_draft
+from subquad.cli.generate import DRAFT_TOKENS, check_speculative_flag, load_draft
 
 KEY_ENV = "SUBQUAD_API_KEY"
 
@@ -56,8 +56,8 @@ def add_parser(command) -> None:
                         "file; its state follows the batch's rows), and the batch verifies them in one forward; "
                         "every row's tokens are the ones it would get without it (subquad.serve.engine, "
                         "'Speculation')")
-    v.add_argument("--draft-tokens", type=positive, default=4,
-                   help="tokens drafted per row and step with --speculative")
+    v.add_argument("--draft-tokens", type=positive,
+                   help=f"tokens drafted per row and step with --speculative (default: {DRAFT_TOKENS})")
     v.add_argument("--chat-template", metavar="FILE",
                    help="a Jinja chat template (as chat_template.jinja) for /v1/chat/completions, in place of the "
                         "model's own: what a run trained here needs to chat (a run folder's own chat_template.jinja "
@@ -133,7 +133,7 @@ def run(args) -> int:
         eot = "<|endoftext|>"      # a run's tokenizer ends its documents with it: the template's eos_token
         if tok is not None and tok.token_to_id(eot) is not None:
             chat_template.special_tokens["eos_token"] = eot
-    speculative = None if args.speculative is None else load_draft(args, model)
+    speculative = None if args.speculative is None else load_draft(args, model, tok)
     if speculative == "mtp" and getattr(model, "mtp", None) is None:
         raise ValueError(f"--speculative mtp: {args.model or args.run} has no multi-token-prediction head (mtp.* "
                          f"tensors); use 'ngram' or a draft model's folder")

@@ -2,7 +2,7 @@
 
     POST /v1/completions, /v1/chat/completions     (stream: server-sent events, "data: [DONE]" last)
     POST /tokenize, /detokenize                    (vLLM's: text or messages -> ids, ids -> text)
-    GET  /v1/models, /health, /metrics             (/metrics: Prometheus text)
+    GET  /v1/models, /v1/models/{id}, /health, /metrics   (/metrics: Prometheus text)
 
 Requests are checked in ``protocol``; every refusal is OpenAI's error body with the offending field in ``param``. A
 body is read chunk by chunk and refused with 413 (closing the connection) as soon as it passes ``max_body`` bytes,
@@ -128,12 +128,21 @@ def create_app(engine: Engine, model_name: str, chat_template=None, api_key: str
             raise bad("tokens", "this model has no tokenizer to decode with")
         return {"prompt": await run_in_threadpool(gate.tok.decode, body["tokens"], skip_special_tokens=False)}
 
+    card = {"id": model_name, "object": "model", "created": created, "owned_by": "subquad",
+            "max_model_len": engine.max_context}
+
     @app.get("/v1/models")
     async def models(request: Request):
         """GET /v1/models: the one model served, with its max context."""
         gate.authorize(request)
-        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": created,
-                                            "owned_by": "subquad", "max_model_len": engine.max_context}]}
+        return {"object": "list", "data": [card]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str, request: Request):
+        """GET /v1/models/{id}: the model's card (OpenAI's retrieve), 404 for another name."""
+        gate.authorize(request)
+        gate.check_model(model_id)
+        return card
 
     @app.get("/health")
     async def health():

@@ -97,9 +97,13 @@ def run(engine: Engine, model_name: str, *, host: str = "127.0.0.1", port: int =
     for sig in (signal.SIGTERM, signal.SIGINT):      # uvicorn listens for signals on the main thread only
         signal.signal(sig, server.handle_exit)
     budget = "no memory budget" if engine.budget is None else f"memory budget {engine.budget / 2 ** 20:,.0f} MB"
-    print(f"subquad serve: {model_name} on http://{host}:{port}/v1 (max batch {engine.max_batch}, max context "
-          f"{engine.max_context}, state {engine.row_bytes(engine.max_context):,} bytes per stream at the max context, "
-          f"{budget})", file=sys.stderr, flush=True)
+    weights = getattr(engine.model, "quantized", None) or str(next(engine.model.parameters()).dtype).split(".")[-1]
+    spec = engine.speculative
+    spec = "" if spec is None else (f", speculative {spec if isinstance(spec, str) else 'draft model'} "
+                                    f"({engine.draft_tokens} tokens)")
+    print(f"subquad serve: {model_name} on http://{host}:{port}/v1 ({weights} weights{spec}, max batch "
+          f"{engine.max_batch}, max context {engine.max_context}, state {engine.row_bytes(engine.max_context):,} bytes "
+          f"per stream at the max context, {budget})", file=sys.stderr, flush=True)
     http.start()
     engine.run(until=lambda: not http.is_alive())     # until uvicorn has shut down (module doc)
     engine.drain(0)

@@ -3,7 +3,7 @@ import json
 import pytest
 import torch
 
-from subquad.cli import main
+from subquad.cli import build_parser, main
 
 
 def test_memory_command_prints_plate_numbers(capsys):
@@ -71,6 +71,11 @@ def test_train_eval_generate_end_to_end(tmp_path, capsys, corpus):
     assert "does not exist" in capsys.readouterr().err
     assert main(["generate", "--run", str(tmp_path / "missing")]) == 2
     assert "does not exist" in capsys.readouterr().err
+    from subquad.cli.common import load_model                # --dtype casts a run's weights, as a folder's
+    args = build_parser().parse_args(["generate", "--run", str(run), "--dtype", "bfloat16"])
+    assert {p.dtype for p in load_model(args)[0].parameters()} == {torch.bfloat16}
+    assert main(["generate", "--run", str(run), "--dtype", "bfloat16", "--quantize", "int8"]) == 2
+    assert "--dtype and --quantize" in capsys.readouterr().err
 
 
 def test_train_refuses_bad_options(capsys):

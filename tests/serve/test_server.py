@@ -262,6 +262,9 @@ def test_api_key(hybrid):
         with pytest.raises(openai.AuthenticationError):
             server.client(key or "x", default_headers={"Authorization": key}).models.list()
     assert [m.id for m in server.client(KEY).models.list().data] == ["hybrid"]
+    assert server.client(KEY).models.retrieve("hybrid").id == "hybrid"              # OpenAI's retrieve
+    with pytest.raises(openai.NotFoundError, match="does not exist"):
+        server.client(KEY).models.retrieve("other")
     status, _, _ = request(server, "GET", "/health")                    # probes need no key
     assert status == 200
     for header, want in ((f"bearer {KEY}", 200), (f"BEARER  {KEY} ", 200), (f"Basic {KEY}", 401), (KEY, 401),

@@ -225,6 +225,25 @@ def test_serve_takes_speculative_and_draft_tokens(tmp_path, capsys):
     assert "--speculative mtp" in (err := capsys.readouterr().err) and "no multi-token-prediction head" in err
     assert main(["serve", "--model", str(folder), "--speculative", str(tmp_path / "nowhere")]) != 0
     assert "nowhere is neither" in capsys.readouterr().err
+    assert main(["serve", "--model", str(folder), "--draft-tokens", "6"]) != 0          # it would change nothing
+    assert "--draft-tokens goes with --speculative" in capsys.readouterr().err
+
+
+def test_a_draft_model_with_another_tokenizer_of_the_same_size_is_refused(monkeypatch):
+    import argparse
+
+    from tokenizers import Tokenizer, models
+
+    import subquad.cli.generate as cli
+
+    target = model_of("mamba2")
+    ours, theirs = (Tokenizer(models.WordLevel({f"w{i + j}": i for i in range(V)}, unk_token="w0")) for j in (0, 1))
+    monkeypatch.setattr(cli, "load_model", lambda args: (model_of("mamba2"), theirs))
+    args = argparse.Namespace(speculative="draft", run=None, model="m")
+    with pytest.raises(ValueError, match="its tokenizer is not the model's"):
+        cli.load_draft(args, target, ours)
+    monkeypatch.setattr(cli, "load_model", lambda args: (model_of("mamba2"), ours))
+    assert isinstance(cli.load_draft(args, target, ours), LanguageModel)
 
 
 def test_drafts_stop_at_the_learned_positions_end(monkeypatch):
