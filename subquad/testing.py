@@ -83,6 +83,22 @@ def check_contract(name, d_model=16, n_heads=2, options=None):
     assert list(es) == ["self", "batch_size", "device", "dtype"], f"{name}: empty_state(batch_size, device, dtype)"
     layer = _layer(name, d_model, n_heads, options or {})
     assert layer.flops_per_token(64) > 0, f"{name}: flops_per_token must be positive"
+    x = torch.randn(2, 5, d_model, generator=torch.Generator().manual_seed(0), dtype=F64)
+    causal = not MIXERS[name].encoder_only
+    with torch.no_grad():
+        for start in ((None, layer.empty_state(2, dtype=F64)) if causal else (None,)):
+            what = "no state" if start is None else "empty_state(2)"
+            try:
+                y, state = layer(x, start)
+            except Exception as e:                    # a KeyError deep in mix: say whose and from what
+                raise AssertionError(f"{name}: its forward from {what} failed: {type(e).__name__}: {e}") from e
+            assert tuple(y.shape) == tuple(x.shape), \
+                f"{name}: mix returned {tuple(y.shape)} for x {tuple(x.shape)}: the output is x's shape (B, T, d_model)"
+            if causal:
+                want = sorted(layer.empty_state(2, dtype=F64))
+                assert isinstance(state, dict) and sorted(state) == want, \
+                    f"{name}: mix returned a state holding {sorted(state) if isinstance(state, dict) else state!r}; " \
+                    f"empty_state holds {want}"
 
 
 def check_decode(name, d_model=16, n_heads=2, options=None, T=11, split=6):
@@ -254,8 +270,9 @@ def _cp_worker(rank, world, name, cls, entry, d_model, n_heads, options, x, w):
 
 
 def check_context_parallel(name, d_model=16, n_heads=2, options=None, world=2, T=24):
-    """Spawns ``world`` processes (the layer's class must be importable by its module, not defined in
-    ``__main__``)."""
+    """Spawns ``world`` processes, which find the layer's class by its module: one that imports, or the script
+    itself (spawned processes run it again as ``__mp_main__``: its ``check_mixer`` call then goes under
+    ``if __name__ == "__main__":``)."""
     import dataclasses
 
     from subquad.distributed import zigzag_unshard

@@ -136,6 +136,19 @@ def test_top_level_exports():
         assert hasattr(subquad, name)
 
 
+def test_every_layer_the_readme_lists_imports_from_subquad_layers():
+    """The README's table of what is where: each layer class it names under ``subquad.layers`` is there."""
+    import re
+
+    import subquad.layers
+
+    row = next(ln for ln in (Path(__file__).parent.parent / "README.md").read_text().splitlines()
+               if ln.startswith("| layers:"))
+    names = re.findall(r"`([A-Z][A-Za-z0-9]+)`", row.split("|")[1])
+    assert len(names) >= 18
+    assert [n for n in names if not hasattr(subquad.layers, n)] == []
+
+
 # Imports that close a circle and are known, one edge (importer, imported) each: reported, not failed. None
 # is left (the forms' shared checks live in softmax/prepare.py and linear/prepare.py, not their dispatchers).
 KNOWN_CYCLE_EDGES: set = set()

@@ -122,14 +122,19 @@ def causal_mixers() -> list[str]:
     return [name for name, e in MIXERS.items() if not e.encoder_only]
 
 
-def register_mixer(name: str, cls: type, **entry) -> MixerEntry:
+BUILTIN = frozenset(MIXERS)          # the table's own entries: register_mixer never replaces them
+
+
+def register_mixer(name: str, cls: type, *, replace: bool = False, **entry) -> MixerEntry:
     """Add a mechanism to the table: ``register_mixer("tiny_decay", TinyDecay)``. The name is then
     usable in patterns, ``build_mixer``, ``--mixer-option`` and the generic battery
-    (``subquad.testing.check_mixer``). ``entry``: ``MixerEntry``'s other fields."""
+    (``subquad.testing.check_mixer``). ``entry``: ``MixerEntry``'s other fields. ``replace``: a mixer registered
+    before under ``name`` is replaced (a notebook's class edited and run again); subquad's own are never."""
     if not isinstance(name, str) or not name.isidentifier():
         raise ValueError(f"a mixer name must be an identifier (it appears in patterns), got {name!r}")
-    if name in MIXERS:
-        raise ValueError(f"mixer {name!r} is already registered ({MIXERS[name].cls.__name__})")
+    if name in BUILTIN or (name in MIXERS and not replace):
+        own = "one of subquad's own" if name in BUILTIN else "replace=True replaces it"
+        raise ValueError(f"mixer {name!r} is already registered ({MIXERS[name].cls.__name__}; {own})")
     if not (isinstance(cls, type) and issubclass(cls, Mixer)):
         raise ValueError(f"cls must be a subclass of subquad.layers.base.Mixer, got {cls!r}")
     MIXERS[name] = MixerEntry(cls, **entry)

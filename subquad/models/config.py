@@ -62,7 +62,8 @@ def parse_pattern(pattern: str, n_layers: int) -> list[str]:
         name = name.strip()
         if name not in MIXERS:
             raise ValueError(f"pattern {pattern!r}: unknown mixer {name!r}; "
-                             f"known: {', '.join(sorted(causal_mixers()))}")
+                             f"known: {', '.join(sorted(causal_mixers()))} (a mixer of your own: register_mixer "
+                             f"it first, subquad.layers.registry)")
         if MIXERS[name].encoder_only:
             raise ValueError(f"pattern {pattern!r}: {name} is encoder-only (no causal form, no decoding state), so a "
                              f"causal language model cannot use it; causal mixers: {', '.join(sorted(causal_mixers()))}")

@@ -48,7 +48,7 @@ from subquad.models.mode import decoding
 from subquad.models.shared import EMBEDDINGS, SharedTransformer, SharedUse
 from subquad.models.stack import stacked_blocks
 from subquad.models.token_step import decode_token
-from subquad.models.state import ModelState
+from subquad.models.state import ModelState, check_rows
 from subquad.ops.common.checks import state_dtype
 from subquad.ops.common.precision import checks_on
 
@@ -543,6 +543,8 @@ class LanguageModel(nn.Module):
         ``logits_to_keep=1``): at a 256K vocabulary and T = 2,048 the full logits are 2 GB and half the FLOPs."""
         if logits not in ("all", "last"):
             raise ValueError(f"logits must be 'all' or 'last', got {logits!r}")
+        if state is not None and cu_seqlens is None and not torch.compiler.is_compiling() and torch.is_tensor(idx):
+            check_rows(state, self, idx.shape[0])         # a wrong state named here, not deep in a layer
         h, states = self._hidden(idx, state, cu_seqlens)
         if logits == "last":
             h = h[:, -1] if cu_seqlens is None else h[0, torch.as_tensor(cu_seqlens, device=h.device)[1:] - 1]

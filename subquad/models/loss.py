@@ -85,6 +85,12 @@ def linear_cross_entropy(h, weight, targets, ignore_index: int = -100, chunk: in
         raise ValueError(f"weight must be (vocab, D={h.shape[-1]}), got {tuple(weight.shape)}")
     if chunk is not None and chunk < 1:
         raise ValueError(f"chunk must be >= 1, got {chunk}")
+    if targets.device.type == "cpu" and not torch.compiler.is_compiling():   # (a device sync elsewhere: not there)
+        y = targets[targets != ignore_index]
+        if y.numel() and (int(y.min()) < 0 or int(y.max()) >= weight.shape[0]):
+            bad = int(y.min()) if int(y.min()) < 0 else int(y.max())
+            raise ValueError(f"targets must be token ids in [0, {weight.shape[0]}) (the vocabulary) or ignore_index="
+                             f"{ignore_index}, got {bad}")
     dtype = None
     if torch.is_autocast_enabled(h.device.type) and h.dtype in (torch.float32, torch.bfloat16, torch.float16):
         dtype = torch.get_autocast_dtype(h.device.type)

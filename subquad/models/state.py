@@ -90,6 +90,28 @@ def load_state(path):
     return state, extra
 
 
+def check_rows(state, model, rows: int, what: str = "state") -> None:
+    """ValueError naming ``what`` where a state passed in cannot be this model's for ``rows`` rows: not a list of
+    one dict per layer, a layer's entries not the model's (another model's state), or a batch of other rows.
+    Cheap (no tensor is read): the layers' entry names are found once per model; ``check_fits`` checks the rest."""
+    keys = getattr(model, "_state_keys", None)
+    if keys is None:
+        with torch.no_grad():
+            keys = model._state_keys = [set(layer) for layer in model.empty_state(1)]
+    if not isinstance(state, (list, tuple)) or len(state) != len(keys):
+        got = f"{len(state)} layers" if isinstance(state, (list, tuple)) else type(state).__name__
+        raise ValueError(f"{what}: a decoding state is a list of one dict per layer ({len(keys)} here), got {got}")
+    for i, (layer, want) in enumerate(zip(state, keys)):
+        if not isinstance(layer, dict) or set(layer) != want:
+            got = sorted(layer) if isinstance(layer, dict) else type(layer).__name__
+            raise ValueError(f"{what}: layer {i} holds {got}; this model's holds {sorted(want)} (another model's "
+                             "state?)")
+        for key, t in layer.items():
+            n = t.k.shape[0] if isinstance(t, KVCache) else t.shape[0] if isinstance(t, torch.Tensor) else None
+            if n is not None and n != rows:
+                raise ValueError(f"{what}: layer {i}'s {key!r} holds {n} rows; the input has {rows}")
+
+
 def check_fits(state, model, what: str = "state") -> None:
     """ValueError naming ``what`` and the first difference where ``state`` (from ``load_state``, say) is not a
     decoding state of ``model``'s structure: its layers, each layer's entries, their shapes past the batch (a

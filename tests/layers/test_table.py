@@ -76,9 +76,41 @@ def test_a_registered_mixer_builds_takes_options_and_passes_what_it_can(register
         check_mixer("forgetful", checks=["decode"])
 
 
+class Narrow(Forgetful):
+    """Returns one channel too few."""
+
+    def mix(self, x, state, seq):
+        y, s = super().mix(x, state, seq)
+        return y[..., :-1], s
+
+
+class Unkeyed(Forgetful):
+    """Reads a state entry its empty_state does not hold."""
+
+    def mix(self, x, state, seq):
+        if state is not None:
+            state["conv"]
+        return super().mix(x, state, seq)
+
+
+def test_the_contract_names_a_wrong_output_or_state_and_a_mixer_is_replaced_under_its_name(registered):
+    registered("narrow", Narrow)
+    with pytest.raises(AssertionError, match=r"narrow: mix returned \(2, 5, 15\) for x \(2, 5, 16\)"):
+        check_mixer("narrow", checks=["contract"])
+    registered("unkeyed", Unkeyed)
+    with pytest.raises(AssertionError, match="unkeyed: its forward from empty_state\\(2\\) failed: KeyError: 'conv'"):
+        check_mixer("unkeyed", checks=["contract"])
+    with pytest.raises(ValueError, match="replace=True replaces it"):
+        register_mixer("narrow", Forgetful)
+    register_mixer("narrow", Forgetful, replace=True)             # the class edited, registered again
+    assert check_mixer("narrow", checks=["contract"]) == ["contract"]
+
+
 def test_register_refuses_what_the_table_cannot_hold(registered):
     with pytest.raises(ValueError, match="already registered"):
         registered("softmax", Forgetful)
+    with pytest.raises(ValueError, match="one of subquad's own"):
+        registered("softmax", Forgetful, replace=True)
     with pytest.raises(ValueError, match="identifier"):
         registered("two words", Forgetful)
     with pytest.raises(ValueError, match="subclass of subquad.layers.base.Mixer"):

@@ -201,6 +201,22 @@ def test_a_state_of_another_model_is_refused_by_name(tmp_path):
         check_fits(state32, model)
 
 
+def test_a_state_passed_to_prefill_that_cannot_be_the_models_is_named():
+    """Another model's state, a state of other rows, or not a state at all: a ValueError naming the state (not
+    torch's "size of tensor a (2) must match" from inside a layer, nor a KeyError), before any layer runs."""
+    model = tiny("mamba2,swa")
+    ids = torch.tensor([[1, 2, 3], [4, 5, 6]])
+    _, state = model.prefill(ids)
+    model.prefill(ids[:, :1], state)                                # its own state continues
+    _, other = tiny("mamba2,linear").prefill(ids)
+    for bad, ids2, said in ((state, ids[:1], "layer 0's '[a-z]+' holds 2 rows; the input has 1"),
+                            (other, ids, "layer 1 holds .*another model's state"),
+                            (state[:1], ids, "a decoding state is a list of one dict per layer .*got 1 layers"),
+                            ("s", ids, ".*got str")):
+        with pytest.raises(ValueError, match=f"^state: {said}"):
+            model.prefill(ids2, bad)
+
+
 def test_prefill_of_the_last_logits_equals_the_full_prefill():
     """logits="last" (what generation samples from) is the full prefill's last position of each row, and of
     each sequence of a packed row; anything else is refused by name."""

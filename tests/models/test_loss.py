@@ -74,6 +74,9 @@ def test_bad_arguments_are_refused_by_name():
         linear_cross_entropy(h, W.T, y)
     with pytest.raises(ValueError, match="chunk"):
         linear_cross_entropy(h, W, y, chunk=0)
+    for bad in (W.shape[0], -3):                       # outside the vocabulary (-100, ignore_index, is skipped)
+        with pytest.raises(ValueError, match=f"targets must be token ids in \\[0, {W.shape[0]}\\).*got {bad}"):
+            linear_cross_entropy(h, W, torch.where(y == y[0, 0], bad, y))
 
 
 def test_model_loss_under_torch_compile_equals_eager():

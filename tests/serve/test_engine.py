@@ -314,8 +314,8 @@ def test_queue_bound_drain_and_bad_requests():
         engine.submit([1], p)
     engine.step()
     assert a.finish_reason == "abort" and b.finish_reason == "abort" and engine.drained.is_set()
-    for kw in ({"temperature": -1}, {"top_p": 0}, {"top_k": 0}, {"max_tokens": 0}, {"seed": -1}, {"logprobs": 21},
-               {"n": 0}, {"seed": 2 ** 63 - 2, "n": 3}, {"min_p": 2}, {"repetition_penalty": 0}):
+    for kw in ({"temperature": -1}, {"top_p": 0}, {"top_k": 0}, {"max_tokens": 0}, {"seed": -2 ** 63 - 1},
+               {"logprobs": 21}, {"n": 0}, {"seed": 2 ** 63 - 2, "n": 3}, {"min_p": 2}, {"repetition_penalty": 0}):
         with pytest.raises(ValueError, match=next(iter(kw))):
             SamplingParams(**kw)
     for p, name in ((SamplingParams(n=2), "n"), (SamplingParams(logit_bias={V: 1}), "logit_bias"),
