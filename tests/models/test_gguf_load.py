@@ -122,6 +122,27 @@ def test_tokenizer_from_llama_cpps_vocabulary(tmp_path):
     assert tok.decode(tok.encode(sample).ids) == sample
 
 
+def test_a_tensor_its_own_metadata_does_not_describe_is_named(tmp_path, monkeypatch):
+    """A converter that misread its model's config writes tensors the metadata does not describe (llama.cpp's,
+    on a transformers-5 Granite folder: head counts of 0 beside attention tensors): the tensor and the file are
+    named, not an IndexError from inside the reshaping."""
+    from subquad.models.gguf.registry import ARCHS
+
+    convert(_hf_mamba(tmp_path)[0], tmp_path / "m.gguf", "f32")
+    arch = ARCHS["mamba"]
+    real = arch.to_hf
+
+    def misread(name, t, c):
+        if name.endswith("layers.1.mixer.out_proj.weight") and t.device.type != "meta":
+            return t[torch.tensor([t.shape[0]])]                 # a row past the metadata's count
+        return real(name, t, c)
+
+    monkeypatch.setattr(arch, "to_hf", misread)
+    with pytest.raises(ValueError, match=r"m\.gguf: GGUF tensor 'blk\.1\.ssm_out\.weight' \(\d+, \d+\) does not "
+                                         r"fit the file's own mamba metadata \(IndexError"):
+        from_pretrained(tmp_path / "m.gguf")
+
+
 # pre-tokenizers as released tokenizer.json files hold them (Qwen2's, Llama 3's, StarCoder's), and the name
 # llama.cpp's converter gives each
 RELEASED = {"qwen2": ([r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|"

@@ -72,11 +72,21 @@ def load_gguf(path, dtype=None, device=None, quantize=None):
               or cfg.n_layers)                                                                # (MTP layers after)
     on_blocks = getattr(arch, "on_blocks", lambda h, c: None)
     name_of = getattr(arch, "hf_name_for", lambda g, c: hf_name(arch, g))    # names that depend on the config
+
+    def to_hf(g, h, t):
+        """``arch.to_hf``, a tensor its metadata does not describe (a row past a head count) named as such."""
+        try:
+            return arch.to_hf(h, t, c)
+        except (IndexError, RuntimeError) as e:
+            raise ValueError(f"{path}: GGUF tensor {g!r} {tuple(f.tensors[g].shape)} does not fit the file's own "
+                             f"{name} metadata ({type(e).__name__}: {e}); the converter that wrote it misread its "
+                             "model's config") from None
+
     for g, info in f.tensors.items():
         h = name_of(g, c)
         m = _meta(info)
         # kept quantised: not reshaped, or reshaped by whole rows (a row order, a factor: ``on_blocks``)
-        if info.type in BLOCKED and len(info.shape) == 2 and (arch.to_hf(h, m, c) is m or on_blocks(h, c)):
+        if info.type in BLOCKED and len(info.shape) == 2 and (to_hf(g, h, m) is m or on_blocks(h, c)):
             placeholders[h] = m
             blocks[h] = (g, info.type)
         else:
@@ -84,7 +94,7 @@ def load_gguf(path, dtype=None, device=None, quantize=None):
             # a mixture's stacked experts (E, N, K), as the model stacks them, at most scaled: kept in blocks too
             # (_install_experts), met on the meta device on their way through the format
             if info.type in BLOCKED and len(info.shape) == 3 and _expert_layer(g, layers) is not None and \
-                    (arch.to_hf(h, m, c) is m or (on_blocks(h, c) or (0,))[0] is None):
+                    (to_hf(g, h, m) is m or (on_blocks(h, c) or (0,))[0] is None):
                 experts[h] = (g, info.type)
     for i in {_expert_layer(g, layers) for g, _ in experts.values()}:    # a layer's experts all, or none
         if any(_expert_layer(g, layers) == i and g.endswith(EXPERTS) and f.tensors[g].type not in BLOCKED
@@ -104,7 +114,7 @@ def load_gguf(path, dtype=None, device=None, quantize=None):
     tensors = {h: placeholders[h] for h in blocks}
     for h, (g, kind) in weights.items():
         t = _meta(f.tensors[g]) if h in experts else f.dequantize(g) if kind in BLOCKED else f.plain(g)
-        t = arch.to_hf(h, t, c).to(dtype if t.is_floating_point() else t.dtype)
+        t = to_hf(g, h, t).to(dtype if t.is_floating_point() else t.dtype)
         if "{e}" in h:                          # stacked experts, one checkpoint tensor each (jamba)
             tensors.update({h.replace("{e}", str(e)): part for e, part in enumerate(t.unbind(0))})
         else:
