@@ -1,4 +1,5 @@
-"""``subquad export``: a run's checkpoint (full or sharded) written as a model folder for inference."""
+"""``subquad export``: a run's checkpoint (full or sharded) - or a model folder or GGUF file - written as a model
+folder (a Hugging Face type's, or quantised) or a GGUF file for inference."""
 
 from __future__ import annotations
 
@@ -6,8 +7,12 @@ from subquad.cli.common import say
 
 
 def add_parser(command, hf_types: list[str]) -> None:
-    x = command("export", "write a run's checkpoint (full or sharded) as a model folder for inference")
-    x.add_argument("--run", required=True, help="a run folder (its newest intact checkpoint) or a checkpoint folder")
+    x = command("export", "write a run's checkpoint (full or sharded), or a model folder or GGUF file, as a model "
+                          "folder or a GGUF file for inference")
+    src = x.add_mutually_exclusive_group(required=True)
+    src.add_argument("--run", help="a run folder (its newest intact checkpoint) or a checkpoint folder")
+    src.add_argument("--model", help="a Hugging Face model folder, a GGUF file or an RWKV-7 .pth (what "
+                                     "from_pretrained reads): converted to a quantised folder or a GGUF file")
     x.add_argument("--out", required=True, help="the folder to write (config.json, model.safetensors, "
                    "tokenizer.json), or with --format gguf the .gguf file")
     x.add_argument("--model-type", choices=hf_types + ["subquad"],
@@ -30,10 +35,10 @@ def run(args) -> int:
     from pathlib import Path
 
     from subquad.models.hf.saver import PLAIN, hf_type, save_pretrained
-    from subquad.train import load_run
 
-    if not Path(args.run).exists():
-        raise ValueError(f"--run {args.run} does not exist")
+    source = args.run or args.model
+    if not Path(source).exists():
+        raise ValueError(f"--{'run' if args.run else 'model'} {source} does not exist")
     if args.format is None:
         args.format = "gguf" if args.out.lower().endswith(".gguf") else "hf"    # a file's name: what was meant
         if args.format == "gguf":
@@ -42,8 +47,7 @@ def run(args) -> int:
         return _gguf(args)
     if args.outtype != "f32":
         raise ValueError("--outtype is for --format gguf; a folder's quantisation is --quantize")
-    model, tok, meta = load_run(args.run, log=say, quantize=args.quantize)    # full or sharded, read whole
-    _end_of_text(model, tok)
+    model, tok, what_from = _load(args, quantize=args.quantize)
     if args.quantize and args.model_type not in (None, PLAIN):
         raise ValueError(f"--quantize writes subquad's own format (--model-type {PLAIN}), not {args.model_type!r}")
     kind = PLAIN if args.quantize else args.model_type or hf_type(model) or PLAIN
@@ -52,23 +56,38 @@ def run(args) -> int:
             if args.quantize else
             "a subquad folder (no Hugging Face type has this structure; from_pretrained and subquad generate "
             "--model read it)" if kind == PLAIN else f"a Hugging Face {kind} folder")
-    print(f"{args.run}: step {meta['step']} written to {args.out} as {what}")
+    print(f"{what_from} written to {args.out} as {what}")
     return 0
+
+
+def _load(args, quantize=None):
+    """(model, tokenizer, what it is) of --run (its end-of-text named: ``_end_of_text``) or --model."""
+    if args.run is not None:
+        from subquad.train import load_run
+
+        model, tok, meta = load_run(args.run, log=say, quantize=quantize)      # full or sharded, read whole
+        _end_of_text(model, tok)
+        return model, tok, f"{args.run}: step {meta['step']}"
+    from subquad.models import from_pretrained
+    from subquad.train import run_folder
+
+    if run_folder(args.model) is not None:
+        raise ValueError(f"--model {args.model} is a run folder: give it as --run")
+    model, tok = from_pretrained(args.model, quantize=quantize)
+    return model, tok, args.model
 
 
 def _gguf(args) -> int:
     from subquad.models.gguf import save_gguf
-    from subquad.train import load_run
 
     if args.quantize:
         raise ValueError(f"--format gguf takes --outtype for the matrices' type (q8_0, q4_0, ...), not --quantize "
                          f"{args.quantize}")
     if args.model_type == "subquad":
         raise ValueError("--format gguf writes a Hugging Face type's GGUF architecture, not --model-type subquad")
-    model, tok, meta = load_run(args.run, log=say)
-    _end_of_text(model, tok)
+    model, tok, what_from = _load(args)
     types = save_gguf(model, args.out, args.outtype, tokenizer=tok, model_type=args.model_type)
-    print(f"{args.run}: step {meta['step']} written to {args.out} as a GGUF file ({len(types)} tensors, "
+    print(f"{what_from} written to {args.out} as a GGUF file ({len(types)} tensors, "
           f"{sum(t == args.outtype.upper() for t in types.values())} of them {args.outtype.upper()})")
     return 0
 

@@ -43,6 +43,20 @@ def test_export_gguf_of_a_run(tmp_path, capsys, corpus):
     assert main(["export", "--run", str(run), "--out", str(tmp_path / "q.gguf"), "--format", "gguf",
                  "--quantize", "int8"]) == 2
     assert "not --quantize" in capsys.readouterr().err
+    # a model folder or a GGUF file converted from the command line: the file as an int8 folder, that folder's
+    # float twin (--format hf) back to GGUF; each loads to the run's logits (int8: to its rounding)
+    assert main(["export", "--model", str(tmp_path / "m.gguf"), "--out", str(tmp_path / "q8"), "--quantize",
+                 "int8"]) == 0
+    assert main(["export", "--model", str(tmp_path / "m.gguf"), "--out", str(tmp_path / "hf")]) == 0
+    assert main(["export", "--model", str(tmp_path / "hf"), "--out", str(tmp_path / "again.gguf")]) == 0
+    with torch.no_grad():
+        want = ours(ids)
+        for path, tol in (("q8", 5e-2), ("hf", 1e-5), ("again.gguf", 1e-5)):
+            m, t = from_pretrained(tmp_path / path)
+            assert t.encode(text).ids == ids[0].tolist()
+            assert (m(ids) - want).abs().max() <= tol * want.abs().max(), path
+    assert main(["export", "--model", str(run), "--out", str(tmp_path / "x")]) == 2
+    assert "is a run folder: give it as --run" in capsys.readouterr().err
     for name, said in (("missing.gguf", "no such GGUF file"), ("m.gguf", None)):   # refused by name, no traceback
         if said is None:                                 # a file without a tokenizer: said where one would be
             save_gguf(ours, tmp_path / "bare.gguf")
