@@ -295,8 +295,10 @@ def load_run(path, device="cpu", quantize=None, log=None):
         log(f"{path}: step {meta.get('step')} holds a model of another config than {run / 'config.json'} "
             f"(its checkpoint's own config is used)")
     if quantize is not None:
+        from subquad.heap import release_freed
         from subquad.models.quant import quantize as quantize_model
 
         quantize_model(model, quantize)
+        release_freed()                   # the float matrices it replaced: their pages back (from_pretrained's)
     model.to(resolve_device(device)).eval()
     return model, load_tokenizer(run / "tokenizer.json"), meta

@@ -16,6 +16,7 @@ import torch
 
 from subquad.data.rwkv_world import VOCAB_FILE as WORLD_VOCAB
 from subquad.data.rwkv_world import WorldTokenizer
+from subquad.heap import release_freed
 from subquad.models.config import ModelConfig
 from subquad.models.decode import decode_layout
 from subquad.models.hf.common import eos_token_ids, read_json, read_weights
@@ -139,6 +140,9 @@ def from_pretrained(path, dtype=None, device=None, quantize=None):
             cfg = fmt.config(c)
             cfg.eos_token_ids = [t for t in eos_token_ids(path, c) if t < cfg.vocab_size]   # generate stops there
     model = build(path, c, fmt, cfg, weights, dtype, device, quantize)
+    if quantize is not None:           # the float weights it was quantised from are freed: their pages go back
+        weights = None                 # (the heap keeps freed blocks: subquad.heap), not kept at the float size
+        release_freed()
     model.hf_source = {"config": dict(c), "files": {f: (Path(path) / f).read_bytes() for f in SIDE_FILES
                                                     if (Path(path) / f).is_file()}}
     tok = None
