@@ -7,6 +7,8 @@ import argparse
 import signal
 import sys
 import threading
+import warnings
+from pathlib import Path
 
 from subquad.cli import eval as eval_command
 from subquad.cli import export, generate, memory, recall, serve, train, workshop
@@ -56,6 +58,9 @@ class Terminated(KeyboardInterrupt):
     """SIGTERM (a scheduler's or ``kill``'s stop) raised where the program is, as Ctrl-C's KeyboardInterrupt is."""
 
 
+_FORMAT = warnings.formatwarning
+
+
 def _terminated(signum, frame):
     raise Terminated
 
@@ -65,14 +70,23 @@ def main(argv=None) -> int:
     args.argv = argv
     # training stops on SIGTERM as on Ctrl-C: one line naming how to resume (the run keeps its newest
     # checkpoint, written atomically). `serve` has its own SIGTERM (drain); the others end as the signal ends them.
-    before = None
+    before, shown = None, warnings.formatwarning
     if args.command == "train" and threading.current_thread() is threading.main_thread():
         before = signal.signal(signal.SIGTERM, _terminated)
+    warnings.formatwarning = _one_line
     try:
         return _run(args)
     finally:
-        if before is not None:             # a caller's own handler back (main() is also called in-process)
+        warnings.formatwarning = shown     # a caller's own back (main() is also called in-process)
+        if before is not None:
             signal.signal(signal.SIGTERM, before)
+
+
+def _one_line(message, category, filename, lineno, line=None):
+    """subquad's own warnings on the command line as "warning: ..." (not a file path and a source line)."""
+    if issubclass(category, UserWarning) and "subquad" in Path(filename).parts:
+        return f"warning: {message}\n"
+    return _FORMAT(message, category, filename, lineno, line)
 
 
 def _run(args) -> int:

@@ -178,3 +178,15 @@ def test_an_eval_flag_its_mode_would_not_read_is_refused_by_name():
                               (["--run", "r", "--passkey", "--batches", "3"], "--batches", "not to --passkey")):
         with pytest.raises(ValueError, match=f"^{flag} applies to .*{where}"):
             check(argv)
+
+
+def test_subquads_own_warnings_print_as_one_line_on_the_command_line():
+    import warnings
+
+    from subquad.cli import _one_line
+
+    ours = _one_line(UserWarning("int4 with group_size=32: ..."), UserWarning, "/x/subquad/models/quant.py", 703)
+    assert ours == "warning: int4 with group_size=32: ...\n"
+    torch_file = "/x/torch/nn/parallel/distributed.py"
+    assert _one_line(FutureWarning("old"), FutureWarning, torch_file, 9) == \
+        warnings.formatwarning(FutureWarning("old"), FutureWarning, torch_file, 9)
