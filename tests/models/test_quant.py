@@ -378,8 +378,11 @@ def test_a_quantised_folder_loads_as_it_was_saved(tmp_path, kind):
     with torch.no_grad():
         assert torch.equal(back(ids), q(ids))
     assert back.generate(ids[0].tolist(), 12, temperature=0)[0] == q.generate(ids[0].tolist(), 12, temperature=0)[0]
-    with pytest.raises(ValueError, match=f"quantised to {kind}: it loads as it is"):
-        from_pretrained(tmp_path / "q", quantize="int4" if kind == "int8" else "int8")
+    other = "int4" if kind == "int8" else "int8"
+    with pytest.raises(ValueError, match=f"quantised to {kind}: it loads as it is .*got quantize='{other}'$"):
+        from_pretrained(tmp_path / "q", quantize=other)           # what was asked, and nothing that was not
+    with pytest.raises(ValueError, match="got dtype=torch.bfloat16$"):
+        from_pretrained(tmp_path / "q", dtype=torch.bfloat16)
 
 
 def test_loading_a_quantised_folder_makes_no_float_weight(tmp_path):

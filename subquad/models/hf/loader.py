@@ -102,8 +102,10 @@ def _from_quantized(path, c, dtype, device, quantize):
 
     kind = (c.get("quantization") or {}).get("kind")
     if quantize not in (None, kind) or resolve_dtype(dtype, c) not in (None, torch.float32):
-        raise ValueError(f"{path} holds a model quantised to {kind}: it loads as it is (quantize=None or {kind!r}, "
-                         f"float32), got quantize={quantize!r}, dtype={dtype}")
+        asked = [f"quantize={quantize!r}"] if quantize not in (None, kind) else []
+        asked += [] if resolve_dtype(dtype, c) in (None, torch.float32) else [f"dtype={dtype}"]
+        raise ValueError(f"{path} holds a model quantised to {kind}: it loads as it is (quantize None or {kind!r}, "
+                         f"its other weights float32), got {' and '.join(asked)}")
     model = load_quantized(path, c)
     if device is not None:
         model.to(device=device)

@@ -37,8 +37,8 @@ class MambaFormat(BackboneFormat):
         require(c, "use_bias", False)
         H, E = c["hidden_size"], c.get("expand", 2)
         if c.get("intermediate_size", E * H) != E * H:
-            raise ValueError(f"config field intermediate_size={c['intermediate_size']} must be expand * hidden_size "
-                             f"= {E * H}")
+            raise ValueError(f"config fields intermediate_size={c['intermediate_size']}, expand={E} and "
+                             f"hidden_size={H} disagree: intermediate_size must be expand * hidden_size = {E * H}")
         rank = c.get("time_step_rank", "auto")
         rank = math.ceil(H / 16) if rank == "auto" else int(rank)
         return ModelConfig(vocab_size=c["vocab_size"], d_model=H, n_layers=c["num_hidden_layers"], n_heads=1,
