@@ -34,9 +34,9 @@ METRICS = [  # name, type, help
     ("prefix_cache_max_bytes", "gauge", "The prefix-state cache's bound (--state-cache-mb)."),
     ("memory_budget_bytes", "gauge", "Admission budget for states plus the cache (0: none)."),
     ("requests_total", "counter", "Requests accepted."),
-    ("finished_total", "counter", "Requests that ended by themselves (stop or length)."),
-    ("cancelled_total", "counter", "Requests cancelled (client gone) or aborted at shutdown."),
-    ("errors_total", "counter", "Requests ended by an engine error."),
+    ("finished_total", "counter", "Sequences (a request's n choices each) that ended by themselves (stop, length)."),
+    ("cancelled_total", "counter", "Sequences cancelled (client gone) or aborted at shutdown."),
+    ("errors_total", "counter", "Sequences ended by an engine error."),
     ("decode_steps_total", "counter", "Batched decoding steps."),
     ("decode_rows_total", "counter", "Rows stepped, summed over decoding steps (/ steps: the mean batch)."),
     ("prefill_tokens_total", "counter", "Prompt tokens prefilled (not taken from the prefix cache)."),
@@ -45,6 +45,9 @@ METRICS = [  # name, type, help
     ("prefix_cache_hits_total", "counter", "Requests that resumed from a cached prefix state."),
     ("prefix_cache_misses_total", "counter", "Requests that found no cached prefix."),
     ("prefix_cache_hit_tokens_total", "counter", "Prompt tokens taken from the prefix cache."),
+    ("verifications_total", "counter", "Decoding steps that verified drafts (--speculative)."),
+    ("drafted_total", "counter", "Tokens drafted (--speculative)."),
+    ("accepted_total", "counter", "Drafted tokens accepted (/ drafted: the acceptance rate)."),
 ]
 
 

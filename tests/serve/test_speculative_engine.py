@@ -56,6 +56,13 @@ def test_every_stream_equals_generate_alone_and_rows_accept_different_counts(kin
     assert any(n > 1 for d, n in accepted) and any(d and n == 1 for d, n in accepted)
     assert c["generated_tokens"] == sum(len(s.tokens) for s in seqs)
     assert c["decode_steps"] < c["generated_tokens"] - len(reqs)       # fewer forwards than tokens decoded
+    if kind == "mamba2":                                   # what /metrics shows a scraper
+        pytest.importorskip("fastapi")
+        from subquad.serve.api import metrics_text
+
+        text = metrics_text(engine.metrics())
+        for name in ("verifications", "drafted", "accepted"):
+            assert f"\nsubquad_{name}_total {c[name]}\n" in text
 
 
 def test_a_large_batch_drafts_fewer_tokens_per_row(monkeypatch):
