@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import signal
 import sys
 import threading
@@ -58,7 +59,7 @@ class Terminated(KeyboardInterrupt):
     """SIGTERM (a scheduler's or ``kill``'s stop) raised where the program is, as Ctrl-C's KeyboardInterrupt is."""
 
 
-_FORMAT = warnings.formatwarning
+PACKAGE = Path(__file__).resolve().parent.parent          # subquad's own source
 
 
 def _terminated(signum, frame):
@@ -73,7 +74,7 @@ def main(argv=None) -> int:
     before, shown = None, warnings.formatwarning
     if args.command == "train" and threading.current_thread() is threading.main_thread():
         before = signal.signal(signal.SIGTERM, _terminated)
-    warnings.formatwarning = _one_line
+    warnings.formatwarning = functools.partial(_one_line, shown)
     try:
         return _run(args)
     finally:
@@ -82,11 +83,12 @@ def main(argv=None) -> int:
             signal.signal(signal.SIGTERM, before)
 
 
-def _one_line(message, category, filename, lineno, line=None):
-    """subquad's own warnings on the command line as "warning: ..." (not a file path and a source line)."""
-    if issubclass(category, UserWarning) and "subquad" in Path(filename).parts:
+def _one_line(other, message, category, filename, lineno, line=None):
+    """subquad's own warnings (raised in its package) on the command line as "warning: ..." - not a file path and
+    a source line; any other warning as ``other``, the format it had."""
+    if issubclass(category, UserWarning) and Path(filename).resolve().is_relative_to(PACKAGE):
         return f"warning: {message}\n"
-    return _FORMAT(message, category, filename, lineno, line)
+    return other(message, category, filename, lineno, line)
 
 
 def _run(args) -> int:

@@ -29,7 +29,7 @@ def token_count(text: str) -> int:
         v = float(t[:-1] if scale > 1 else t) * scale
     except ValueError:
         raise ValueError(f"a length in tokens such as 512, 4K or 1M, got {text!r}") from None
-    if not v >= 1 or v != int(v):
+    if not 1 <= v < float("inf") or v != int(v):
         raise ValueError(f"a length in tokens must be a positive whole number, got {text!r}")
     return int(v)
 
@@ -133,15 +133,21 @@ def load_model(args, *, need_tokenizer: str | None = None):
                 if is_gguf(args.model) else "no tokenizer.json"
             raise ValueError(f"--model {args.model} has {where} {need_tokenizer}")
         return model, tok
+    model, tok, _ = load_run_as_asked(args)
+    return model, tok
+
+
+def load_run_as_asked(args):
+    """``load_run`` of --run with --device, --quantize and --dtype: (model, tokenizer, checkpoint meta)."""
     from subquad.train import load_run
 
     if args.quantize and args.dtype not in (None, "float32"):
         raise ValueError("--dtype and --quantize: a run is loaded in one of them (--quantize keeps what it does not "
                          "quantise in float32)")
-    model, tok, _ = load_run(args.run, device=args.device, quantize=args.quantize, log=say)
+    model, tok, meta = load_run(args.run, device=args.device, quantize=args.quantize, log=say)
     if args.dtype not in (None, "float32"):    # a run's weights are float32: cast as from_pretrained casts a folder's
         model = model.to(model_dtype(args))
-    return model, tok
+    return model, tok, meta
 
 
 class Help(argparse.RawDescriptionHelpFormatter):

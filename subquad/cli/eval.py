@@ -9,6 +9,7 @@ from subquad.cli.common import (
     add_model_flags,
     check_run_or_model,
     load_model,
+    load_run_as_asked,
     model_dtype,
     positive,
     say,
@@ -63,7 +64,7 @@ def run(args) -> int:
     from pathlib import Path
 
     from subquad.data.dataset import prepare
-    from subquad.train import evaluate, load_run, run_folder
+    from subquad.train import evaluate, run_folder
     from subquad.train.trainer import packing_eot
 
     check_run_or_model(args)
@@ -74,7 +75,7 @@ def run(args) -> int:
         return _eval_tasks(args)
     if args.model is not None:
         return _eval_model(args)
-    model, tok, meta = load_run(args.run, device=args.device, quantize=args.quantize, log=say)
+    model, tok, meta = load_run_as_asked(args)
     train = meta.get("train_config", {})
     run_dir = run_folder(args.run) or Path(args.run).parent.parent
     try:
@@ -193,8 +194,7 @@ def _eval_model(args) -> int:
 def precision(model, args) -> str:
     """What the weights are, as a user would name them: --quantize, a GGUF file's own quantised types (kept as
     int8 blocks: "Q4_0 (the file's)"), a quantised model's kind, or the dtype."""
-    types = getattr(model, "gguf_types", None)
-    if not args.quantize and types:
-        return f"{', '.join(types)} (the file's)"
-    return args.quantize or getattr(model, "quantized", None) or args.dtype or "float32"
+    from subquad.models.quant import weights_name
+
+    return args.quantize or weights_name(model)
 

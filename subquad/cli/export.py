@@ -68,12 +68,23 @@ def _load(args, quantize=None):
         model, tok, meta = load_run(args.run, log=say, quantize=quantize)      # full or sharded, read whole
         _end_of_text(model, tok)
         return model, tok, f"{args.run}: step {meta['step']}"
+    import torch
+
     from subquad.models import from_pretrained
+    from subquad.models.hf import is_gguf
     from subquad.train import run_folder
 
     if run_folder(args.model) is not None:
         raise ValueError(f"--model {args.model} is a run folder: give it as --run")
-    model, tok = from_pretrained(args.model, quantize=quantize)
+    gguf = is_gguf(args.model)
+    # a GGUF file's BF16 / F16 matrices read as float32 (from_pretrained keeps them half by default); its
+    # Q8_0 / Q4_0 / Q4_K / Q6_K blocks load quantised, which only --quantize's folder can hold
+    model, tok = from_pretrained(args.model, quantize=quantize, dtype=torch.float32 if gguf and quantize is None
+                                 else None)
+    if quantize is None and getattr(model, "quantized", None):
+        raise ValueError(f"--model {args.model} holds block-quantised matrices ({model.quantized} in subquad's "
+                         "kernels): write it with --quantize int8 or int4 (a subquad folder); a float folder or "
+                         "another GGUF file is not made from them (llama.cpp's llama-quantize converts GGUF types)")
     return model, tok, args.model
 
 

@@ -191,12 +191,18 @@ def load_draft(args, model, tok=None):
     if draft.config.vocab_size != model.config.vocab_size:
         raise ValueError(f"--speculative {args.speculative}: its vocab_size ({draft.config.vocab_size}) is not the "
                          f"model's ({model.config.vocab_size}); a draft model needs the same tokenizer")
-    vocab = [getattr(t, "get_vocab", None) for t in (tok, draft_tok)]
-    if all(vocab) and vocab[0]() != vocab[1]():           # same size, other tokens: its drafts would be noise
+    ours, theirs = _tokens(tok), _tokens(draft_tok)
+    if ours is not None and theirs is not None and ours != theirs:     # the same size, other tokens
         raise ValueError(f"--speculative {args.speculative}: its tokenizer is not the model's (the same "
                          f"{draft.config.vocab_size} ids stand for other tokens); a draft model needs the same "
                          "tokenizer")
     return draft
+
+
+def _tokens(tok) -> dict | None:
+    """A ``tokenizers.Tokenizer``'s vocabulary without its added tokens (reserved special slots may be named
+    apart), or None (no tokenizer, or RWKV's world tokenizer: compared by size alone)."""
+    return tok.get_vocab(with_added_tokens=False) if hasattr(tok, "get_vocab") else None
 
 
 def response_format(args) -> dict | None:

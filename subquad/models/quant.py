@@ -383,6 +383,15 @@ INT4_FLOAT = frozenset({"router", "shared_gate", "dt_proj", "x_proj", "a_proj", 
 # them in high precision too)
 
 
+def weights_name(model) -> str:
+    """What a model's weights are, as a user names them: a GGUF file's own quantised types (kept as int8 blocks:
+    "Q4_0 (the file's)"), the kind ``quantize`` gave it, or its parameters' dtype."""
+    types = getattr(model, "gguf_types", None)
+    if types:
+        return f"{', '.join(types)} (the file's)"
+    return getattr(model, "quantized", None) or str(next(model.parameters()).dtype).removeprefix("torch.")
+
+
 def int4_quantize(w: torch.Tensor, group_size: int):
     """w (N, K) float -> (codes (N, K) uint8 in [0, 15], scale (N, K/g) bfloat16, zero (N, K/g) bfloat16) with
     W ~ (codes - 8) * scale + zero per group of g input channels (asymmetric: the grid spans the group's

@@ -197,7 +197,7 @@ def _common(body, allowed) -> tuple:
     if meta is not None and (not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values())):
         raise bad("metadata", "metadata must be an object of string values")
     sampling = {name: body[name] for name in OPTIONS if body.get(name) is not None}
-    if sampling.get("top_k") in (-1, 0) and not isinstance(sampling["top_k"], bool):
+    if type(sampling.get("top_k")) is int and sampling["top_k"] in (-1, 0):
         del sampling["top_k"]                   # vLLM's "no top-k"
     if body.get("stop_token_ids") is not None:
         sampling["stop_ids"] = body["stop_token_ids"]

@@ -97,7 +97,9 @@ def run(engine: Engine, model_name: str, *, host: str = "127.0.0.1", port: int =
     for sig in (signal.SIGTERM, signal.SIGINT):      # uvicorn listens for signals on the main thread only
         signal.signal(sig, server.handle_exit)
     budget = "no memory budget" if engine.budget is None else f"memory budget {engine.budget / 2 ** 20:,.0f} MB"
-    weights = getattr(engine.model, "quantized", None) or str(next(engine.model.parameters()).dtype).split(".")[-1]
+    from subquad.models.quant import weights_name
+
+    weights = weights_name(engine.model)
     spec = engine.speculative
     spec = "" if spec is None else (f", speculative {spec if isinstance(spec, str) else 'draft model'} "
                                     f"({engine.draft_tokens} tokens)")

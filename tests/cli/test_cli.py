@@ -42,7 +42,7 @@ def test_bad_arguments_exit_with_usage(argv, capsys):
     assert "error" in capsys.readouterr().err
 
 
-def test_train_eval_generate_end_to_end(tmp_path, capsys, corpus):
+def test_train_eval_generate_end_to_end(tmp_path, capsys, corpus, monkeypatch):
     run = tmp_path / "run"
     argv = ["train", "--data", str(corpus), "--vocab-size", "300", "--d-model", "32", "--n-layers", "2",
             "--n-heads", "2", "--context", "32", "--pattern", "linear,softmax", "--steps", "4", "--batch-size", "2",
@@ -76,6 +76,13 @@ def test_train_eval_generate_end_to_end(tmp_path, capsys, corpus):
     assert {p.dtype for p in load_model(args)[0].parameters()} == {torch.bfloat16}
     assert main(["generate", "--run", str(run), "--dtype", "bfloat16", "--quantize", "int8"]) == 2
     assert "--dtype and --quantize" in capsys.readouterr().err
+    import subquad.train as train                              # eval's held-out loss of the run in bfloat16 too
+    seen = []
+    real = train.evaluate
+    monkeypatch.setattr(train, "evaluate", lambda model, *a, **k: seen.append(model.embed.weight.dtype) or
+                        real(model, *a, **k))
+    assert main(["eval", "--run", str(run), "--batches", "1", "--batch-size", "2", "--dtype", "bfloat16"]) == 0
+    assert seen == [torch.bfloat16]
 
 
 def test_train_refuses_bad_options(capsys):

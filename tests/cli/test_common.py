@@ -153,7 +153,7 @@ def test_lengths_in_tokens_read_as_people_write_them():
 
     assert [token_count(t) for t in ("512", "4K", "4k", "1M", "16_384", "1e4", " 2K ")] == \
         [512, 4096, 4096, 1048576, 16384, 10000, 2048]
-    for bad in ("0", "-4K", "1.5", "x", "K", ""):
+    for bad in ("0", "-4K", "1.5", "x", "K", "", "inf", "nan"):
         with pytest.raises(ValueError, match="length in tokens"):
             token_count(bad)
     assert contexts("1K,4K,1M") == [1024, 4096, 1048576]
@@ -183,10 +183,11 @@ def test_an_eval_flag_its_mode_would_not_read_is_refused_by_name():
 def test_subquads_own_warnings_print_as_one_line_on_the_command_line():
     import warnings
 
+    import subquad.models.quant as quant
     from subquad.cli import _one_line
 
-    ours = _one_line(UserWarning("int4 with group_size=32: ..."), UserWarning, "/x/subquad/models/quant.py", 703)
-    assert ours == "warning: int4 with group_size=32: ...\n"
-    torch_file = "/x/torch/nn/parallel/distributed.py"
-    assert _one_line(FutureWarning("old"), FutureWarning, torch_file, 9) == \
-        warnings.formatwarning(FutureWarning("old"), FutureWarning, torch_file, 9)
+    ours = _one_line(warnings.formatwarning, UserWarning("int4 ..."), UserWarning, quant.__file__, 703)
+    assert ours == "warning: int4 ...\n"
+    for category, path in ((FutureWarning, quant.__file__), (UserWarning, "/x/subquad/.venv/torch/nn/x.py")):
+        assert _one_line(warnings.formatwarning, category("old"), category, path, 9) == \
+            warnings.formatwarning(category("old"), category, path, 9)           # not ours: as it was

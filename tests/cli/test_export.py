@@ -57,6 +57,19 @@ def test_export_gguf_of_a_run(tmp_path, capsys, corpus):
             assert (m(ids) - want).abs().max() <= tol * want.abs().max(), path
     assert main(["export", "--model", str(run), "--out", str(tmp_path / "x")]) == 2
     assert "is a run folder: give it as --run" in capsys.readouterr().err
+    for outtype in ("bf16", "q8_0"):                       # a half file becomes a float folder; blocks need --quantize
+        assert main(["export", "--run", str(run), "--out", str(tmp_path / f"{outtype}.gguf"), "--outtype",
+                     outtype]) == 0
+        capsys.readouterr()
+        code = main(["export", "--model", str(tmp_path / f"{outtype}.gguf"), "--out", str(tmp_path / outtype)])
+        if outtype == "bf16":
+            assert code == 0
+            with torch.no_grad():
+                assert (from_pretrained(tmp_path / "bf16")[0](ids) - want).abs().max() <= 3e-2 * want.abs().max()
+        else:
+            assert code == 2 and "block-quantised matrices" in capsys.readouterr().err
+            assert main(["export", "--model", str(tmp_path / "q8_0.gguf"), "--out", str(tmp_path / "q"),
+                         "--quantize", "int8"]) == 0
     for name, said in (("missing.gguf", "no such GGUF file"), ("m.gguf", None)):   # refused by name, no traceback
         if said is None:                                 # a file without a tokenizer: said where one would be
             save_gguf(ours, tmp_path / "bare.gguf")

@@ -102,7 +102,7 @@ def _tensors(w, hf, outtype, tokenizer):
         import json
         m = json.loads(tokenizer.to_str())["model"]
         w.add_tokenizer_model("gpt2")
-        w.add_tokenizer_pre("gpt-2")           # the converter names every pre-tokenizer (a byte-level BPE's: gpt-2)
+        w.add_tokenizer_pre("gpt-2")           # the converter's name for a GPT-2-style ByteLevel pre-tokenizer
         w.add_token_list(sorted(m["vocab"], key=m["vocab"].get))
         w.add_token_merges([" ".join(p) if isinstance(p, list) else p for p in m["merges"]])
         w.add_eos_token_id(1)

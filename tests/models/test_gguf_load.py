@@ -172,11 +172,16 @@ def test_a_byte_level_bpe_is_written_under_llama_cpps_name_and_split_as_it_names
     text = [f"In 20{i:02d}, hello!!! world's {i * 12345} (x+y)  \u4e2d\u6587 caf\u00e9\n\n  ok it'S" for i in range(40)]
     tok0.train_from_iterator(text, trainers.BpeTrainer(vocab_size=400, special_tokens=["<|endoftext|>"],
                                                        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tok0.add_special_tokens(["<|im_end|>"])          # added past the model's vocabulary, as Qwen's and Llama 3's
+    tok0.add_tokens(["<think>"])
     meta = tokenizer_metadata(tok0, 420)
+    types = dict(zip(meta["tokenizer.ggml.tokens"], meta["tokenizer.ggml.token_type"]))
     assert meta["tokenizer.ggml.pre"] == name and meta["tokenizer.ggml.tokens"][-1] == "[PAD419]"
+    assert (types["<|endoftext|>"], types["<|im_end|>"], types["<think>"], types["[PAD419]"]) == (3, 3, 4, 5)
     del meta["tokenizer.huggingface.json"]
     tok = tokenizer(meta)
-    for sample in ("In 2031, hello!!! world's 987654321 (a+b)  \u4e2d caf\u00e9\n\n\n ok It'S<|endoftext|>", *text[:3]):
+    for sample in ("In 2031, hello!!! world's 987654321 (a+b)  \u4e2d caf\u00e9\n\n\n ok It'S<|endoftext|>",
+                   "<think>x</think> 12<|im_end|>", *text[:3]):
         assert tok.encode(sample).ids == tok0.encode(sample).ids, sample
         assert tok.decode(tok.encode(sample).ids) == tok0.decode(tok0.encode(sample).ids)
 

@@ -735,7 +735,8 @@ def test_the_fields_openais_clients_send_by_default_ask_for_nothing_here():
     for extra, field, words in (({"store": True}, "store", "not supported"),
                                 ({"metadata": {"a": 1}}, "metadata", "string values"),
                                 ({"modalities": ["text", "audio"]}, "modalities", "not supported"),
-                                ({"top_k": -2}, "top_k", "top_k"), ({"seed": 2 ** 63}, "seed", "int64"),
+                                ({"top_k": -2}, "top_k", "top_k"), ({"top_k": -1.0}, "top_k", "top_k"),
+                                ({"seed": 2 ** 63}, "seed", "int64"),
                                 ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools",
                                  "tools and function calling are not supported")):
         with pytest.raises(APIError, match=words) as e:

@@ -39,6 +39,7 @@ import warnings
 import torch
 from torch import nn
 
+from subquad.heap import release_freed
 from subquad.models.gguf.arch import hf_name
 from subquad.models.gguf.registry import ARCHS
 from subquad.models.gguf.reader import BLOCKED, GGUFFile
@@ -77,7 +78,7 @@ def load_gguf(path, dtype=None, device=None, quantize=None):
         """``arch.to_hf``, a tensor its metadata does not describe (a row past a head count) named as such."""
         try:
             return arch.to_hf(h, t, c)
-        except (IndexError, RuntimeError) as e:
+        except IndexError as e:                # a row past a count the metadata gives (not subquad's own errors)
             raise ValueError(f"{path}: GGUF tensor {g!r} {tuple(f.tensors[g].shape)} does not fit the file's own "
                              f"{name} metadata ({type(e).__name__}: {e}); the converter that wrote it misread its "
                              "model's config") from None
@@ -139,6 +140,9 @@ def load_gguf(path, dtype=None, device=None, quantize=None):
 
     kept_half = []
     model = build(path, c, fmt, cfg, tensors, dtype, device, None if blocks or experts else quantize, finish=finish)
+    if quantize is not None:                   # the float tensors it quantised are freed: their pages go back
+        tensors = None
+        release_freed()
     if blocks or experts or any(kept_half):
         model.quantized = quantize or ("int8" if blocks or experts else kept_half[0])
         model.quant_group_size = GROUP if quantize == "int4" else None

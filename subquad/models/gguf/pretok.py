@@ -93,7 +93,8 @@ def _regexes(pre: dict) -> tuple | None:
             out.append(r"\p{N}")
         elif s.get("type") == "Split" and s.get("behavior") == "Isolated" and not s.get("invert") \
                 and isinstance(s.get("pattern"), dict) and "Regex" in s["pattern"]:
-            out.append(s["pattern"]["Regex"])
+            # a tokenizer.json may hold a regex's CR and LF as the characters themselves (DeepSeek-V3's)
+            out.append(s["pattern"]["Regex"].replace("\r", "\\r").replace("\n", "\\n"))
         else:
             return False
     if last.get("use_regex", True):

@@ -32,7 +32,7 @@ from subquad.data.rwkv_world import WorldTokenizer
 from subquad.models.gguf.pretok import pre_name, pre_tokenizer
 from subquad.models.hf.common import chat_template_source
 
-TOKEN_NORMAL, TOKEN_CONTROL, TOKEN_UNUSED = 1, 3, 5           # gguf-py's TokenType
+TOKEN_NORMAL, TOKEN_CONTROL, TOKEN_USER_DEFINED, TOKEN_UNUSED = 1, 3, 4, 5      # gguf-py's TokenType
 WORLD_BOS = "<s>"                                             # the converter's token 0
 WORLD_EOT = b"\n\n"                                           # its eot (id 261 in the world vocabulary)
 # tokenizer_config.json's special tokens <-> GGUF's ``tokenizer.ggml.{key}_token_id`` (llama.cpp's spelling)
@@ -153,9 +153,12 @@ def tokenizer(meta: dict):
     if meta.get("tokenizer.ggml.model") != "gpt2":
         return None
     types = meta.get("tokenizer.ggml.token_type", [])
-    vocab = {t: i for i, t in enumerate(meta["tokenizer.ggml.tokens"]) if i >= len(types) or types[i] != 5}
+    vocab = {t: i for i, t in enumerate(meta["tokenizer.ggml.tokens"]) if i >= len(types) or types[i] != TOKEN_UNUSED}
     merges = [tuple(m.split(" ", 1)) for m in meta.get("tokenizer.ggml.merges", [])]
     name = meta.get("tokenizer.ggml.pre")
+    if name is None:
+        warnings.warn("the file names no pre-tokenizer (tokenizer.ggml.pre): text is split as llama.cpp splits it "
+                      "then, by its 'default' regexes - which may not be how the model was trained", stacklevel=3)
     split = pre_tokenizer(name)                          # the splitting llama.cpp gives the file's name
     if split is None:
         warnings.warn(f"tokenizer.ggml.pre {name!r} is a pre-tokenizer subquad does not know: text is split as "
@@ -164,9 +167,12 @@ def tokenizer(meta: dict):
     tok = Tokenizer(models.BPE(vocab, merges, ignore_merges=split[1]))
     tok.pre_tokenizer = split[0]
     tok.decoder = decoders.ByteLevel()
-    special = [t for t, kind in zip(meta["tokenizer.ggml.tokens"], types) if kind == 3]   # 3: control tokens
+    special = [t for t, kind in zip(meta["tokenizer.ggml.tokens"], types) if kind == TOKEN_CONTROL]
     if special:
         tok.add_special_tokens(special)
+    user = [t for t, kind in zip(meta["tokenizer.ggml.tokens"], types) if kind == TOKEN_USER_DEFINED]
+    if user:                                             # matched whole in text, as llama.cpp's user-defined ones
+        tok.add_tokens(user)
     return tok
 
 
@@ -232,17 +238,17 @@ def _bpe_metadata(tokenizer, vocab_size: int) -> dict:
                       "way no GGUF name says, or its model is not BPE): the file holds it as tokenizer.huggingface."
                       "json, which subquad reads and llama.cpp does not", stacklevel=4)
         return meta
-    vocab = model["vocab"]
-    if len(vocab) > vocab_size:
-        raise ValueError(f"the tokenizer has {len(vocab)} tokens, more than the model's {vocab_size} embeddings")
-    tokens = sorted(vocab, key=vocab.get)
-    if [vocab[t] for t in tokens] != list(range(len(tokens))):
-        raise ValueError("the tokenizer's ids are not 0..n-1 without gaps: llama.cpp's vocabulary is a list")
-    special = {a["content"] for a in spec.get("added_tokens", []) if a.get("special")}
-    types = [TOKEN_CONTROL if t in special else TOKEN_NORMAL for t in tokens]
-    pad = vocab_size - len(tokens)
+    # every id the tokenizer has - the model's vocabulary and its added tokens (where Qwen's and Llama 3's special
+    # tokens live) - as the converter lists them: added ones control (special) or user-defined, gaps padding
+    by_id = {i: t for t, i in tokenizer.get_vocab(with_added_tokens=True).items()}
+    if max(by_id) >= vocab_size:
+        raise ValueError(f"the tokenizer has ids up to {max(by_id)}, more than the model's {vocab_size} embeddings")
+    added = {a["content"]: bool(a.get("special")) for a in spec.get("added_tokens", [])}
+    tokens = [by_id.get(i, f"[PAD{i}]") for i in range(vocab_size)]
+    types = [TOKEN_UNUSED if i not in by_id else (TOKEN_CONTROL if added[t] else TOKEN_USER_DEFINED) if t in added
+             else TOKEN_NORMAL for i, t in enumerate(tokens)]
     merges = [m if isinstance(m, str) else " ".join(m) for m in model.get("merges", [])]
     meta.update({"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": pre,      # llama.cpp splits as it does
-                 "tokenizer.ggml.tokens": tokens + [f"[PAD{len(tokens) + i}]" for i in range(pad)],
-                 "tokenizer.ggml.token_type": types + [TOKEN_UNUSED] * pad, "tokenizer.ggml.merges": merges})
+                 "tokenizer.ggml.tokens": tokens, "tokenizer.ggml.token_type": types,
+                 "tokenizer.ggml.merges": merges})
     return meta
