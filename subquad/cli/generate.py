@@ -170,8 +170,6 @@ def check_speculative_flag(args) -> None:
                          f"folder) or .gguf file; {spec} is neither")
     if spec is None and args.draft_tokens is not None:
         raise ValueError("--draft-tokens goes with --speculative (it sets how many tokens are drafted)")
-    if args.draft_tokens is None:
-        args.draft_tokens = DRAFT_TOKENS
 
 
 def load_draft(args, model, tok=None):
@@ -263,7 +261,7 @@ def run(args) -> int:
     stops, special = special_stops(tok, stops)
     ends = (args.stop_token_id or []) + special         # tokens that end a sequence, their text left out
     speculation = {} if args.speculative is None else {"speculative": load_draft(args, model, tok),
-                                                        "draft_tokens": args.draft_tokens}
+                                                        "draft_tokens": args.draft_tokens or DRAFT_TOKENS}
     if fmt is not None:
         speculation.update(response_format=fmt, tokenizer=tok)
     if args.prompts_file:

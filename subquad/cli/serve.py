@@ -144,7 +144,7 @@ def run(args) -> int:
     engine = Engine(model, tok, max_batch=args.max_batch, max_queue=args.max_queue, max_context=args.max_context,
                     prefill_chunk=args.prefill_chunk, state_cache_mb=args.state_cache_mb, memory_mb=memory_mb,
                     eos_ids=end_of_text_ids(model, tok), prefix_block=args.prefix_block,
-                    speculative=speculative, draft_tokens=args.draft_tokens)
+                    speculative=speculative, draft_tokens=args.draft_tokens or DRAFT_TOKENS)
     return serve_api(engine, name, host=args.host, port=args.port, chat_template=chat_template,
                      api_key=key, drain_timeout=args.drain_timeout, max_body_mb=args.max_body_mb or MAX_BODY_MB)
 
