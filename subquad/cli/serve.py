@@ -130,9 +130,10 @@ def run(args) -> int:
     if gguf:                       # the metadata's template, kept as a folder's tokenizer_config.json (gguf.vocab)
         chat_template = chat_template_of(model.hf_source["files"], source)
     if chat_template is not None and args.run is not None and not chat_template.special_tokens:
-        eot = "<|endoftext|>"      # a run's tokenizer ends its documents with it: the template's eos_token
-        if tok is not None and tok.token_to_id(eot) is not None:
-            chat_template.special_tokens["eos_token"] = eot
+        from subquad.data.tokenizer import EOT
+        # a run's tokenizer ends its documents with EOT: the template's eos_token
+        if tok is not None and tok.token_to_id(EOT) is not None:
+            chat_template.special_tokens["eos_token"] = EOT
     speculative = None if args.speculative is None else load_draft(args, model, tok)
     if speculative == "mtp" and getattr(model, "mtp", None) is None:
         raise ValueError(f"--speculative mtp: {args.model or args.run} has no multi-token-prediction head (mtp.* "
