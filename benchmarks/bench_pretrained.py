@@ -29,7 +29,11 @@ of 16 key / 32 value heads of 128, one QSA attention of 16 heads of 256 with 2 K
 10, a shared expert; PLE at layers 1 and 3 with tables shrunk 1,000x - ``_issue_52`` says how) and xLSTM-7B-like
 (``--models xlstm``: 4 of its 32 mLSTM blocks, d_model 4,096, 8 heads, q/k at half width, FFN 2.667x). For each
 dtype (float32, bfloat16) and batch (1: prefill 2,048 tokens, decode 256; 8: prefill 512 each, decode 64 -
-transformers' reference path needs minutes for 8 x 2,048): prefill tokens/s, decode ms per step (greedy; the
+transformers' reference path needs minutes for 8 x 2,048): prefill tokens/s (a forward computing every position's
+logits, as ``model(ids)`` does in both), generate's prefill tokens/s (the prefill each library's ``generate``
+runs before the first token: subquad's ``prefill(ids, logits="last")``, transformers' ``model(ids,
+logits_to_keep=1)`` where the model's forward takes it - every position's logits where it does not, as its
+generate computes them; llama.cpp's prefill is this one), decode ms per step (greedy; the
 time of generating n tokens less that of generating 1, per step), and each process's peak resident memory. Every
 measurement runs in its own process (peak memory is per
 process), subquad and transformers interleaved, best of --repeats. Decode is shown beside the weight-read
@@ -66,6 +70,7 @@ Writes results/NAME.{json,md} (default pretrained).
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import os
 import resource
@@ -316,6 +321,8 @@ def worker(who, folder, dtype, batch, T, n_new):
         def prefill():
             return model.forward(prompt, None)
 
+        first = prefill                                     # the package returns the last position's logits only
+
         def gen(n):
             out, state = model.forward(prompt[:P], None)
             new = [int(out.argmax())]
@@ -339,6 +346,9 @@ def worker(who, folder, dtype, batch, T, n_new):
         def prefill():
             return model.prefill(ids)
 
+        def first():                                           # what generate's prefill computes
+            return model.prefill(ids, logits="last")
+
         def gen(n):
             return model.generate(ids[:, :P], n, temperature=0)
     else:
@@ -350,12 +360,20 @@ def worker(who, folder, dtype, batch, T, n_new):
         def prefill():
             return model(ids)
 
+        keep = {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(model.forward).parameters else {}
+
+        def first():                                           # what its generate's prefill computes: the last
+            return model(ids, **keep)                          # position's logits where the model takes
+                                                               # logits_to_keep, else every position's
         def gen(n):
             return model.generate(ids[:, :P], max_new_tokens=n, min_new_tokens=n, do_sample=False)
     with torch.no_grad():
         t = time.perf_counter()
         prefill()
         pre = time.perf_counter() - t
+        t = time.perf_counter()
+        first()
+        pre_first = time.perf_counter() - t
         if who.startswith("subquad-"):                         # compile outside the timing, every shape the
             t = time.perf_counter()                            # timed runs meet (a KV cache's: static, dynamic)
             gen(n_new)
@@ -367,7 +385,7 @@ def worker(who, folder, dtype, batch, T, n_new):
         gen(n_new)
         many = time.perf_counter() - t
     peak = _peak_mb()
-    out = {"prefill_tok_s": batch * T / pre, "decode_ms": 1e3 * (many - one) / (n_new - 1), "peak_mb": peak}
+    out = {"prefill_tok_s": batch * T / pre, "first_tok_s": batch * T / pre_first, "decode_ms": 1e3 * (many - one) / (n_new - 1), "peak_mb": peak}
     if who.startswith("subquad-"):
         out["compile_s"] = compile_s
     print(json.dumps(out))
@@ -413,7 +431,7 @@ for _ in range({n_new}):
     llm.eval([llm.sample(temp=0.0)])
 dec = time.perf_counter() - t
 hwm = [l for l in open("/proc/self/status") if l.startswith("VmHWM:")][0].split()[1]
-print(json.dumps({{"prefill_tok_s": {T} / pre, "decode_ms": 1e3 * dec / {n_new}, "peak_mb": int(hwm) / 1024}}))
+print(json.dumps({{"prefill_tok_s": {T} / pre, "first_tok_s": {T} / pre, "decode_ms": 1e3 * dec / {n_new}, "peak_mb": int(hwm) / 1024}}))
 """
     out = subprocess.run([args.llama_python, "-c", code], capture_output=True, text=True,
                          env={**os.environ, "OMP_NUM_THREADS": str(args.threads)})
@@ -502,6 +520,7 @@ def main(argv=None):
                             r = run_worker(who, folder, dtype, batch, T, n_new)
                             best = row.setdefault(who, r)
                             best["prefill_tok_s"] = max(best["prefill_tok_s"], r["prefill_tok_s"])
+                            best["first_tok_s"] = max(best["first_tok_s"], r["first_tok_s"])
                             best["decode_ms"] = min(best["decode_ms"], r["decode_ms"])
                             best["peak_mb"] = min(best["peak_mb"], r["peak_mb"])
                     if args.llama_python and args.llama_src and dtype in ("float32", "int8") and batch == 1:
@@ -513,9 +532,10 @@ def main(argv=None):
           f"{args.repeats} runs, each in its own process (peak = its resident memory). subquad: eager, compiled "
           "(compile_decode), int8 (quantize='int8', compiled); llama.cpp: the float32 GGUF in float32 rows, Q8_0 "
           "in int8 rows; bound = bytes a token reads / the read bandwidth.", "",
-          "| model | dtype | batch | prefill tok/s: subquad | transformers | llama.cpp | decode ms/step: subquad "
-          "eager | compiled | transformers | llama.cpp | bound | fastest / bound | peak MB: subquad | "
-          "transformers | llama.cpp |", "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+          "| model | dtype | batch | prefill tok/s: subquad | transformers | llama.cpp | generate's prefill: subquad "
+          "| transformers | decode ms/step: subquad eager | compiled | transformers | llama.cpp | bound | fastest / "
+          "bound | peak MB: subquad | transformers | llama.cpp |",
+          "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
 
     def cell(r, key, fmt):
         return "" if r is None or key not in r else fmt.format(r[key])
@@ -529,7 +549,8 @@ def main(argv=None):
         name = r["model"] + (" (reference: rwkv package)" if "rwkv" in r else "")
         ratio = "" if fast is None else f"{fast['decode_ms'] / r['bound_ms']:.2f}x"   # None: --who llama.cpp
         md.append(f"| {name} | {r['dtype']} | {r['batch']} | {cell(sq, 'prefill_tok_s', '{:,.0f}')} | "
-                  f"{cell(h, 'prefill_tok_s', '{:,.0f}')} | {lp} | {cell(r.get('subquad'), 'decode_ms', '{:.1f}')} | "
+                  f"{cell(h, 'prefill_tok_s', '{:,.0f}')} | {lp} | {cell(sq, 'first_tok_s', '{:,.0f}')} | "
+                  f"{cell(h, 'first_tok_s', '{:,.0f}')} | {cell(r.get('subquad'), 'decode_ms', '{:.1f}')} | "
                   f"{cell(r.get('subquad-compiled') or r.get('subquad-int8'), 'decode_ms', '{:.1f}')} | "
                   f"{cell(h, 'decode_ms', '{:.1f}')} | "
                   f"{cell(ll, 'decode_ms', '{:.1f}')} | {r['bound_ms']:.1f} | {ratio} | {cell(sq, 'peak_mb', '{:,.0f}')} | "

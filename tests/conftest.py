@@ -94,6 +94,24 @@ def corpus(tmp_path, monkeypatch):
     return path
 
 
+@pytest.fixture
+def brief_evals(monkeypatch):
+    """The workshop's runs measure their held-out loss on one batch, not eight: the tests of its mechanics (reuse,
+    refusal, the CLI, a few steps each) need a loss, not a precise one, and at 2-3 steps the eight batches at
+    every step were most of their time. The README's check run keeps the workshop's own configuration."""
+    from dataclasses import replace
+
+    from subquad.bench import workshop
+
+    real = workshop.run_config
+
+    def run_config(*args, **kwargs):
+        mcfg, cfg = real(*args, **kwargs)
+        return mcfg, replace(cfg, eval_batches=1)
+
+    monkeypatch.setattr(workshop, "run_config", run_config)
+
+
 # `make test-quick`: the cases named in tests/quick.txt (a few fast ones from every test file, chosen from a
 # timed run by tests/quick_select.py) carry the `quick` mark. Ids in the list that a collected file no longer
 # has are kept in QUICK_MISSING, which tests/test_quick.py asserts is empty.

@@ -123,7 +123,7 @@ def test_readme_check_run_reproduces(tmp_path):
         "full workshop (`--seeds 3`, `--positions learned`) and update the README and benchmarks/results/workshop*.json")
 
 
-def test_a_second_workshop_reuses_its_runs(tmp_path, corpus, capsys):
+def test_a_second_workshop_reuses_its_runs(tmp_path, corpus, capsys, brief_evals):
     # `make demo` twice: the second finds both runs complete, reuses them and reports the same numbers
     from subquad.bench import workshop
 
@@ -134,7 +134,7 @@ def test_a_second_workshop_reuses_its_runs(tmp_path, corpus, capsys):
     assert again["final"] == first["final"] and again["parameters"] == first["parameters"] > 0
 
 
-def test_a_workshop_of_other_settings_refuses_the_runs_it_finds(tmp_path, corpus, capsys):
+def test_a_workshop_of_other_settings_refuses_the_runs_it_finds(tmp_path, corpus, capsys, brief_evals):
     """A rerun into the same --out with other steps or data: refused by name (the runs are never reported as
     this workshop's, nor continued on the schedule of another length); its own settings still reuse them."""
     from subquad.bench import workshop

@@ -20,9 +20,9 @@ def test_workshop_writes_png_and_json(tmp_path, capsys):
     assert "max |parallel - recurrent|" in capsys.readouterr().out
 
 
-def test_workshop_second_half_trains_both_runs_and_reports_the_gap(tmp_path, capsys, corpus):
-    # 2 steps: a curve of two points per run; each step of micro's shape also measures the held-out loss (8
-    # batches) and saves a checkpoint, for 2 mixers x 2 seeds
+def test_workshop_second_half_trains_both_runs_and_reports_the_gap(tmp_path, capsys, corpus, brief_evals):
+    # 2 steps: a curve of two points per run; each step of micro's shape also measures the held-out loss (one
+    # batch here: brief_evals) and saves a checkpoint, for 2 mixers x 2 seeds
     out = tmp_path / "ws"
     assert main(["workshop", "--out", str(out), "--steps", "2", "--seeds", "2", "--data", str(corpus),
                  "--no-progress"]) == 0
