@@ -281,7 +281,10 @@ class Verification:
                                     lambda j, tap=tap, before=before: tap.run(
                                         tap.x[:, :j], before, {k: v[:, :j] for k, v in tap.carry.items()}))
                 layer.update({tap.prefix + k: v for k, v in new.items()})
-            state.append(layer)
+            # entries in the order the state before held them (a prefill's), not the parts' order: a shared
+            # block's part comes first in ``state_parts``
+            order = [k for k in self.before[i] if k in layer]
+            state.append({**{k: layer[k] for k in order}, **layer})
         return state
 
 

@@ -962,3 +962,30 @@ def test_an_eager_mamba_verification_keeps_its_states_from_the_scan_kernel():
         wide = tiny("mamba,softmax")                                     # float64: no kernel, so it replays
         _, w_start = wide.prefill(drafts, logits="last")
         assert type(wide.verify(drafts, w_start)[1]).__name__ == "Verification"
+
+
+def test_a_replayed_shared_block_keeps_the_state_order_and_a_row_joins_after_it():
+    """A Zamba2-style model (a shared attention block beside Mamba-2 in layers 1 and 2): the replayed rollback of
+    two rows keeping 2 and 3 tokens holds each layer's entries in a prefill's order and equals that prefill;
+    a third row's fresh state joins it (``rows.cat_states``, by entry name) - before, a request joining a served
+    batch after a verification failed on the order."""
+    from subquad.models.rows import cat_states
+    from subquad.models.speculative import verify
+
+    torch.manual_seed(0)
+    model = LanguageModel(ModelConfig(vocab_size=11, d_model=16, n_layers=3, n_heads=2, pattern="mamba2",
+                                      shared={"layers": [1, 2], "blocks": 1, "adapter_rank": 4})).double().eval()
+    g = torch.Generator().manual_seed(1)
+    prompt, drafts = torch.randint(0, 11, (2, 5), generator=g), torch.randint(0, 11, (2, 4), generator=g)
+    with torch.no_grad():
+        _, start = model.prefill(prompt)
+        _, ver = verify(model, drafts, start, how="replay")
+        kept = ver.accept([2, 3])
+        for b, n in enumerate((2, 3)):
+            _, want = model.prefill(torch.cat([prompt[b:b + 1], drafts[b:b + 1, :n]], 1))
+            assert [list(layer) for layer in kept] == [list(layer) for layer in want]
+        _, other = model.prefill(torch.randint(0, 11, (1, 4), generator=g))
+        joined = cat_states([kept, other])
+        logits, _ = model.step(torch.tensor([1, 2, 3]), joined)
+        alone, _ = model.step(torch.tensor([3]), other)
+    torch.testing.assert_close(logits[2:], alone, rtol=1e-10, atol=1e-10)
