@@ -39,6 +39,10 @@ def run(args) -> int:
     source = args.run or args.model
     if not Path(source).exists():
         raise ValueError(f"--{'run' if args.run else 'model'} {source} does not exist")
+    src, out = Path(source).resolve(), Path(args.out).resolve()
+    if out == src or src in out.parents:       # a folder written over (or into) its own source: the source lost
+        raise ValueError(f"--out {args.out} is the --{'run' if args.run else 'model'} it is exported from (or inside "
+                         "it): give another --out")
     if args.format is None:
         args.format = "gguf" if args.out.lower().endswith(".gguf") else "hf"    # a file's name: what was meant
         if args.format == "gguf":
@@ -81,10 +85,13 @@ def _load(args, quantize=None):
     # Q8_0 / Q4_0 / Q4_K / Q6_K blocks load quantised, which only --quantize's folder can hold
     model, tok = from_pretrained(args.model, quantize=quantize, dtype=torch.float32 if gguf and quantize is None
                                  else None)
-    if quantize is None and getattr(model, "quantized", None):
+    if quantize is None and getattr(model, "quantized", None) and gguf:
         raise ValueError(f"--model {args.model} holds block-quantised matrices ({model.quantized} in subquad's "
                          "kernels): write it with --quantize int8 or int4 (a subquad folder); a float folder or "
                          "another GGUF file is not made from them (llama.cpp's llama-quantize converts GGUF types)")
+    if quantize is None and getattr(model, "quantized", None):
+        raise ValueError(f"--model {args.model} is a folder of {model.quantized} weights: a float folder or a GGUF "
+                         "file is not made from them - export the float checkpoint it was quantised from")
     return model, tok, args.model
 
 

@@ -57,6 +57,14 @@ def test_export_gguf_of_a_run(tmp_path, capsys, corpus):
             assert (m(ids) - want).abs().max() <= tol * want.abs().max(), path
     assert main(["export", "--model", str(run), "--out", str(tmp_path / "x")]) == 2
     assert "is a run folder: give it as --run" in capsys.readouterr().err
+    # never written over (or into) its own source; an int8 folder is not a float checkpoint's source
+    for src, out in (("hf", "hf"), ("hf", "hf/sub"), ("run", "run")):
+        flag = "--run" if src == "run" else "--model"
+        assert main(["export", flag, str(tmp_path / src), "--out", str(tmp_path / out), "--quantize", "int8"]) == 2
+        assert "is the " + flag + " it is exported from" in capsys.readouterr().err
+    assert getattr(from_pretrained(tmp_path / "hf")[0], "quantized", None) is None      # the float folder stays
+    assert main(["export", "--model", str(tmp_path / "q8"), "--out", str(tmp_path / "q8.gguf")]) == 2
+    assert "export the float checkpoint it was quantised from" in capsys.readouterr().err
     for outtype in ("bf16", "q8_0"):                       # a half file becomes a float folder; blocks need --quantize
         assert main(["export", "--run", str(run), "--out", str(tmp_path / f"{outtype}.gguf"), "--outtype",
                      outtype]) == 0
