@@ -158,9 +158,55 @@ def test_a_byte_level_bpe_is_written_under_llama_cpps_name_and_split_as_it_names
     splits text as the model was trained), and a file holding only llama.cpp's vocabulary (no tokenizer.json: the
     converter's files) read back as a tokenizer that encodes as the original - digits one by one (Qwen2), in threes
     (Llama 3, whose merges are skipped for a piece that is a token), words with their leading space (GPT-2)."""
-    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
+    from subquad.models.gguf.vocab import tokenizer, tokenizer_metadata
+
+    tok0, text = _released(name)
+    meta = tokenizer_metadata(tok0, 420)
+    types = dict(zip(meta["tokenizer.ggml.tokens"], meta["tokenizer.ggml.token_type"]))
+    assert meta["tokenizer.ggml.pre"] == name and meta["tokenizer.ggml.tokens"][-1] == "[PAD419]"
+    assert (types["<|endoftext|>"], types["<|im_end|>"], types["<think>"], types["[PAD419]"]) == (3, 3, 4, 5)
+    del meta["tokenizer.huggingface.json"]
+    tok = tokenizer(meta)
+    for sample in ("In 2031, hello!!! world's 987654321 (a+b)  \u4e2d caf\u00e9\n\n\n ok It'S<|endoftext|>",
+                   "<think>x</think> 12<|im_end|>", *text[:3]):
+        assert tok.encode(sample).ids == tok0.encode(sample).ids, sample
+        assert tok.decode(tok.encode(sample).ids) == tok0.decode(tok0.encode(sample).ids)
+
+
+@pytest.mark.parametrize("name", ["llama-bpe", "qwen2"])
+def test_the_bos_a_tokenizer_adds_is_written_and_read_as_llama_cpp_reads_it(name):
+    """A tokenizer whose post-processor puts a BOS before every text (LFM2's, Jamba's, Llama 3's): the file says
+    ``tokenizer.ggml.add_bos_token`` true and reads back adding it; one that adds none says false (llama.cpp's
+    default for "llama-bpe" would add one) and reads back adding none. A file that does not say (as the converter
+    writes one without the tokenizer_config flag) gets llama.cpp's default for its pre-tokenizer name:
+    llama-vocab.cpp adds a BOS for "llama-bpe", none for "qwen2"."""
+    from tokenizers import processors
 
     from subquad.models.gguf.vocab import tokenizer, tokenizer_metadata
+
+    sample = "def f(x):\n    return x"
+    for adds in (True, False):
+        tok0, _ = _released(name)
+        if adds:
+            tok0.post_processor = processors.TemplateProcessing(single="<|endoftext|> $A", pair="<|endoftext|> $A $B:1",
+                                                                special_tokens=[("<|endoftext|>", 0)])
+        meta = tokenizer_metadata(tok0, 420)
+        assert meta["tokenizer.ggml.add_bos_token"] is adds and meta["tokenizer.ggml.add_eos_token"] is False
+        assert meta.get("tokenizer.ggml.bos_token_id") == (0 if adds else None)
+        del meta["tokenizer.huggingface.json"]
+        tok = tokenizer(meta)
+        assert tok.encode(sample).ids == tok0.encode(sample).ids
+        assert (tok.encode(sample).ids[0] == 0) is adds
+        assert tok.encode(sample, add_special_tokens=False).ids == tok0.encode(sample, add_special_tokens=False).ids
+        if adds:
+            del meta["tokenizer.ggml.add_bos_token"]
+            assert (tokenizer(meta).encode(sample).ids[0] == 0) is (name == "llama-bpe")
+
+
+def _released(name):
+    """A byte-level BPE trained here with ``RELEASED[name]``'s pre-tokenizer, its added tokens as Qwen's and
+    Llama 3's; and the texts it was trained on."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
 
     regexes, gpt2_regex, ignore = RELEASED[name]
     tok0 = Tokenizer(models.BPE(ignore_merges=ignore))
@@ -174,16 +220,7 @@ def test_a_byte_level_bpe_is_written_under_llama_cpps_name_and_split_as_it_names
                                                        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
     tok0.add_special_tokens(["<|im_end|>"])          # added past the model's vocabulary, as Qwen's and Llama 3's
     tok0.add_tokens(["<think>"])
-    meta = tokenizer_metadata(tok0, 420)
-    types = dict(zip(meta["tokenizer.ggml.tokens"], meta["tokenizer.ggml.token_type"]))
-    assert meta["tokenizer.ggml.pre"] == name and meta["tokenizer.ggml.tokens"][-1] == "[PAD419]"
-    assert (types["<|endoftext|>"], types["<|im_end|>"], types["<think>"], types["[PAD419]"]) == (3, 3, 4, 5)
-    del meta["tokenizer.huggingface.json"]
-    tok = tokenizer(meta)
-    for sample in ("In 2031, hello!!! world's 987654321 (a+b)  \u4e2d caf\u00e9\n\n\n ok It'S<|endoftext|>",
-                   "<think>x</think> 12<|im_end|>", *text[:3]):
-        assert tok.encode(sample).ids == tok0.encode(sample).ids, sample
-        assert tok.decode(tok.encode(sample).ids) == tok0.decode(tok0.encode(sample).ids)
+    return tok0, text
 
 
 def test_a_split_no_name_says_is_kept_as_tokenizer_json_and_an_unknown_name_warns():

@@ -75,6 +75,10 @@ WORLD_TEMPLATE = """{%- if not add_generation_prompt is defined -%}
     {%- endif %}
 {%- endif -%}"""
 BUILTIN_TEMPLATES = {"rwkv-world": WORLD_TEMPLATE}     # llama.cpp's named templates subquad renders
+# A "gpt2" vocabulary's pre-tokenizer names for which llama.cpp adds a BOS token where the file does not say
+# (``tokenizer.ggml.add_bos_token`` absent; llama-vocab.cpp's defaults for BPE vocabularies: else none)
+BOS_BY_DEFAULT = frozenset({"llama3", "llama-v3", "llama-bpe", "falcon3", "falcon-h1", "pixtral", "midm-2.0", "lfm2",
+                            "jina-v5-nano", "tekken", "chameleon"})
 
 
 # ------------------------------------------------------------------------------------------------- RWKV world
@@ -173,7 +177,29 @@ def tokenizer(meta: dict):
     user = [t for t, kind in zip(meta["tokenizer.ggml.tokens"], types) if kind == TOKEN_USER_DEFINED]
     if user:                                             # matched whole in text, as llama.cpp's user-defined ones
         tok.add_tokens(user)
+    _add_bos_eos(tok, meta, name)
     return tok
+
+
+def _add_bos_eos(tok, meta: dict, pre: str | None):
+    """The BOS / EOS tokens llama.cpp adds around a text it tokenises (``tokenizer.ggml.add_bos_token`` /
+    ``add_eos_token``, else its default for the pre-tokenizer: ``BOS_BY_DEFAULT``), as the tokenizer's
+    post-processor - what a folder's tokenizer.json holds for such a model (``encode(text)`` adds them,
+    ``add_special_tokens=False`` does not)."""
+    from tokenizers import processors
+
+    tokens = meta["tokenizer.ggml.tokens"]
+    ends = {}                                            # "bos" / "eos" -> (its text, its id), where added
+    for key, default in (("bos", pre in BOS_BY_DEFAULT), ("eos", False)):
+        add, i = meta.get(f"tokenizer.ggml.add_{key}_token", default), meta.get(f"tokenizer.ggml.{key}_token_id")
+        if add and isinstance(i, int) and 0 <= i < len(tokens):
+            ends[key] = (tokens[i], i)
+    if not ends:
+        return
+    head = f"{ends['bos'][0]} " if "bos" in ends else ""
+    tail = f" {ends['eos'][0]}" if "eos" in ends else ""
+    tok.post_processor = processors.TemplateProcessing(single=f"{head}$A{tail}", pair=f"{head}$A{tail} $B:1{tail}",
+                                                       special_tokens=list(dict.fromkeys(ends.values())))
 
 
 def end_of_generation_ids(meta: dict, vocab_size: int) -> list[int]:
@@ -251,4 +277,25 @@ def _bpe_metadata(tokenizer, vocab_size: int) -> dict:
     meta.update({"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": pre,      # llama.cpp splits as it does
                  "tokenizer.ggml.tokens": tokens, "tokenizer.ggml.token_type": types,
                  "tokenizer.ggml.merges": merges})
+    meta.update(_special_affixes(tokenizer))
+    return meta
+
+
+def _special_affixes(tokenizer) -> dict:
+    """``tokenizer.ggml.add_bos_token`` / ``add_eos_token`` (and their ids) for the tokens the tokenizer adds
+    around a text (its post-processor), written always: llama.cpp's defaults differ by pre-tokenizer, so a file
+    that does not say could have a BOS added that the model never saw, or lose one it always did."""
+    text = "a"
+    full, bare = tokenizer.encode(text).ids, tokenizer.encode(text, add_special_tokens=False).ids
+    at = next((i for i in range(len(full) - len(bare) + 1) if full[i:i + len(bare)] == bare), None)
+    head, tail = ([], []) if at is None else (full[:at], full[at + len(bare):])
+    if len(head) > 1 or len(tail) > 1:
+        warnings.warn(f"the tokenizer adds {len(head)} tokens before a text and {len(tail)} after it; llama.cpp "
+                      "adds at most one BOS and one EOS: the GGUF vocabulary adds neither", stacklevel=5)
+        head, tail = [], []
+    meta = {"tokenizer.ggml.add_bos_token": bool(head), "tokenizer.ggml.add_eos_token": bool(tail)}
+    if head:
+        meta["tokenizer.ggml.bos_token_id"] = head[0]
+    if tail:
+        meta["tokenizer.ggml.eos_token_id"] = tail[0]
     return meta
