@@ -154,7 +154,10 @@ class Engine(Prefill, Speculating, Memory):
         with the request (``OptionError`` its option); QueueFull when ``max_queue`` requests already wait;
         NotAccepting while draining."""
         params = params or SamplingParams()
-        if not isinstance(prompt, (list, tuple)) or not prompt:
+        if not isinstance(prompt, (list, tuple)):
+            raise ValueError(f"prompt must be a list of token ids, got {type(prompt).__name__} (text: encode it with "
+                             "the tokenizer first, e.g. tok.encode(text).ids)")
+        if not prompt:
             raise ValueError("prompt must hold at least one token")
         V = self.model.config.vocab_size
         if any(isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < V for t in prompt):

@@ -80,7 +80,8 @@ def test_export_gguf_of_a_run(tmp_path, capsys, corpus):
                          "--quantize", "int8"]) == 0
     for name, said in (("missing.gguf", "no such GGUF file"), ("m.gguf", None)):   # refused by name, no traceback
         if said is None:                                 # a file without a tokenizer: said where one would be
-            save_gguf(ours, tmp_path / "bare.gguf")
+            with pytest.warns(UserWarning, match="without tokenizer=: the file holds no vocabulary"):
+                save_gguf(ours, tmp_path / "bare.gguf")
             name, said = "bare.gguf", "no tokenizer in its metadata"
         assert main(["generate", "--model", str(tmp_path / name), "--prompt", "def"]) == 2
         assert said in capsys.readouterr().err

@@ -303,7 +303,8 @@ def test_queue_bound_drain_and_bad_requests():
     a, b = engine.submit([1], p), engine.submit([2], p)  # one for the free slot, one waiting
     with pytest.raises(QueueFull):
         engine.submit([3], p)
-    for bad, match in (([], "prompt"), ([V], "prompt"), ([1] * 65, "prompt"), ([1] * 20, "max_tokens")):
+    for bad, match in (([], "prompt"), ([V], "prompt"), ([1] * 65, "prompt"), ([1] * 20, "max_tokens"),
+                       ("def f", r"prompt must be a list of token ids, got str \(text: encode it")):
         with pytest.raises(ValueError, match=match):
             engine.submit(bad, p)
     with pytest.raises(ValueError, match="stop"):

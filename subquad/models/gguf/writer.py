@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import os
 import struct
+import warnings
 from pathlib import Path
 
 import torch
@@ -132,8 +133,9 @@ def save_gguf(model, path, outtype: str = "f32", tokenizer=None, name: str | Non
         raise ValueError(f"outtype must be one of {', '.join(OUTTYPES)}, got {outtype!r}")
     if getattr(model, "quantized", None):
         raise ValueError(f"save_gguf writes a float model; this one is quantised ({model.quantized}): load it "
-                         f"without quantize (a GGUF file's BF16 / F16 matrices: with dtype=torch.float32), and "
-                         f"choose the GGUF type with outtype")
+                         f"without quantize (a GGUF file's BF16 / F16 matrices: with dtype=torch.float32; a file of "
+                         f"Q8_0 / Q4_0 / Q4_K / Q6_K blocks holds no float weights), and choose the GGUF type with "
+                         f"outtype")
     source = ((getattr(model, "hf_source", None) or {}).get("config") or {}).get("model_type")
     asked = model_type
     try:
@@ -167,6 +169,10 @@ def save_gguf(model, path, outtype: str = "f32", tokenizer=None, name: str | Non
     if tokenizer is not None:
         files = (getattr(model, "hf_source", None) or {}).get("files") or {}
         meta.update(tokenizer_metadata(tokenizer, vocab, files))
+    else:
+        warnings.warn(f"save_gguf({Path(path).name!r}) without tokenizer=: the file holds no vocabulary - llama.cpp "
+                      "and Ollama cannot tokenise a prompt for it, and from_pretrained reads no tokenizer from it",
+                      stacklevel=2)
     # the converter writes none for Jamba (its file always has a vocabulary) nor RWKV-7 (llama.cpp counts the RWKV
     # vocabulary it always writes); without a token list here, the count is what llama.cpp reads instead
     if getattr(arch, "writes_vocab_size", True) or "tokenizer.ggml.tokens" not in meta:
