@@ -3,6 +3,8 @@ folder (a Hugging Face type's, or quantised) or a GGUF file for inference."""
 
 from __future__ import annotations
 
+import os
+
 from subquad.cli.common import say
 
 
@@ -39,10 +41,9 @@ def run(args) -> int:
     source = args.run or args.model
     if not Path(source).exists():
         raise ValueError(f"--{'run' if args.run else 'model'} {source} does not exist")
-    src, out = Path(source).resolve(), Path(args.out).resolve()
-    if out == src or src in out.parents:       # a folder written over (or into) its own source: the source lost
-        raise ValueError(f"--out {args.out} is the --{'run' if args.run else 'model'} it is exported from (or inside "
-                         "it): give another --out")
+    if Path(args.out).exists() and os.path.samefile(args.out, source):     # written over its own source: lost
+        raise ValueError(f"--out {args.out} is the --{'run' if args.run else 'model'} it is exported from: give "
+                         "another --out")
     if args.format is None:
         args.format = "gguf" if args.out.lower().endswith(".gguf") else "hf"    # a file's name: what was meant
         if args.format == "gguf":

@@ -85,7 +85,7 @@ def special_stops(tok, texts) -> tuple[list[str], list[int]]:
     --stop-token-id; a text holding one beside other text is refused by name."""
     plain, ids = [], []
     for text in texts:
-        enc = tok.encode(text).ids
+        enc = tok.encode(text, add_special_tokens=False).ids     # the text's own tokens, no BOS / EOS added
         silent = [t for t in enc if tok.decode([t]) == ""]
         if silent and len(enc) == 1:
             ids += enc
@@ -276,7 +276,8 @@ def run(args) -> int:
     if args.load_state:
         state, extra = load_state(args.load_state)
         check_fits(state, model, f"--load-state {args.load_state}")
-        ids = [extra["last_token"]] + (tok.encode(args.prompt).ids if args.prompt else [])
+        ids = [extra["last_token"]] + (tok.encode(args.prompt, add_special_tokens=False).ids   # mid-sequence: no BOS
+                                       if args.prompt else [])
     else:
         if not args.prompt:
             print("error: --prompt is required (or --prompts-file, or --load-state to continue a saved generation)",

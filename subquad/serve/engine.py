@@ -155,8 +155,9 @@ class Engine(Prefill, Speculating, Memory):
         NotAccepting while draining."""
         params = params or SamplingParams()
         if not isinstance(prompt, (list, tuple)):
-            raise ValueError(f"prompt must be a list of token ids, got {type(prompt).__name__} (text: encode it with "
-                             "the tokenizer first, e.g. tok.encode(text).ids)")
+            hint = " (text: encode it with the tokenizer first, e.g. tok.encode(text).ids)" if isinstance(prompt, str) \
+                else ""
+            raise ValueError(f"prompt must be a list of token ids, got {type(prompt).__name__}{hint}")
         if not prompt:
             raise ValueError("prompt must hold at least one token")
         V = self.model.config.vocab_size

@@ -25,8 +25,11 @@ class TextStream:
         self.text = ""              # released
         self._all = ""              # decoded, released or held back
         self._prefix, self._read = 0, 0
+        self._ids: list[int] = []
+        self._n = 0                 # how many of _ids the last push was given (the caller's list grows after it)
 
     def push(self, ids: list[int]) -> tuple[str, bool]:
+        self._ids, self._n = ids, len(ids)
         prefix_text = self.decode(ids[self._prefix:self._read])
         new_text = self.decode(ids[self._prefix:])
         if len(new_text) > len(prefix_text) and not new_text.endswith("\ufffd"):
@@ -39,7 +42,17 @@ class TextStream:
         return self._release(self._all[:len(self._all) - self._held()]), False
 
     def flush(self) -> str:
-        """The text held back, released at the end of the sequence (it ended before completing a stop)."""
+        """The text held back, released at the end of the sequence (it ended before completing a stop) - its last
+        tokens' too where they end inside a character (as U+FFFD, as the tokenizer decodes the whole sequence)."""
+        if self._read < self._n:             # (a stop token appended after the last push is not text)
+            ids = self._ids[:self._n]
+            prefix_text, new_text = self.decode(ids[self._prefix:self._read]), self.decode(ids[self._prefix:])
+            if len(new_text) > len(prefix_text):
+                searched = len(self._all)
+                self._all += new_text[len(prefix_text):]
+                cut = self._find_stop(searched)
+                if cut is not None:
+                    return self._release(self._all[:cut])
         return self._release(self._all)
 
     def _release(self, upto: str) -> str:

@@ -58,7 +58,7 @@ def test_export_gguf_of_a_run(tmp_path, capsys, corpus):
     assert main(["export", "--model", str(run), "--out", str(tmp_path / "x")]) == 2
     assert "is a run folder: give it as --run" in capsys.readouterr().err
     # never written over (or into) its own source; an int8 folder is not a float checkpoint's source
-    for src, out in (("hf", "hf"), ("hf", "hf/sub"), ("run", "run")):
+    for src, out in (("hf", "hf"), ("hf", "hf/../hf"), ("run", "run")):
         flag = "--run" if src == "run" else "--model"
         assert main(["export", flag, str(tmp_path / src), "--out", str(tmp_path / out), "--quantize", "int8"]) == 2
         assert "is the " + flag + " it is exported from" in capsys.readouterr().err

@@ -193,6 +193,7 @@ def test_the_bos_a_tokenizer_adds_is_written_and_read_as_llama_cpp_reads_it(name
         meta = tokenizer_metadata(tok0, 420)
         assert meta["tokenizer.ggml.add_bos_token"] is adds and meta["tokenizer.ggml.add_eos_token"] is False
         assert meta.get("tokenizer.ggml.bos_token_id") == (0 if adds else None)
+        meta["tokenizer.ggml.bos_token_id"] = 0          # a BOS named but not to be added (add_bos_token false)
         del meta["tokenizer.huggingface.json"]
         tok = tokenizer(meta)
         assert tok.encode(sample).ids == tok0.encode(sample).ids
@@ -201,6 +202,15 @@ def test_the_bos_a_tokenizer_adds_is_written_and_read_as_llama_cpp_reads_it(name
         if adds:
             del meta["tokenizer.ggml.add_bos_token"]
             assert (tokenizer(meta).encode(sample).ids[0] == 0) is (name == "llama-bpe")
+    tok0, _ = _released(name)                            # an EOS after every text (an encoder's tokenizer)
+    eos = tok0.token_to_id("<|im_end|>")
+    tok0.post_processor = processors.TemplateProcessing(single="$A <|im_end|>", pair="$A $B:1 <|im_end|>",
+                                                        special_tokens=[("<|im_end|>", eos)])
+    meta = tokenizer_metadata(tok0, 420)
+    assert (meta["tokenizer.ggml.add_bos_token"], meta["tokenizer.ggml.add_eos_token"]) == (False, True)
+    assert meta["tokenizer.ggml.eos_token_id"] == eos
+    del meta["tokenizer.huggingface.json"]
+    assert tokenizer(meta).encode(sample).ids == tok0.encode(sample).ids and tok0.encode(sample).ids[-1] == eos
 
 
 def _released(name):

@@ -969,7 +969,7 @@ def test_a_replayed_shared_block_keeps_the_state_order_and_a_row_joins_after_it(
     two rows keeping 2 and 3 tokens holds each layer's entries in a prefill's order and equals that prefill;
     a third row's fresh state joins it (``rows.cat_states``, by entry name) - before, a request joining a served
     batch after a verification failed on the order."""
-    from subquad.models.rows import cat_states
+    from subquad.models.rows import cat_states, select_rows
     from subquad.models.speculative import verify
 
     torch.manual_seed(0)
@@ -984,6 +984,8 @@ def test_a_replayed_shared_block_keeps_the_state_order_and_a_row_joins_after_it(
         for b, n in enumerate((2, 3)):
             _, want = model.prefill(torch.cat([prompt[b:b + 1], drafts[b:b + 1, :n]], 1))
             assert [list(layer) for layer in kept] == [list(layer) for layer in want]
+            got, _ = model.step(torch.tensor([4]), select_rows(kept, [b]))
+            torch.testing.assert_close(got, model.step(torch.tensor([4]), want)[0], rtol=1e-10, atol=1e-10)
         _, other = model.prefill(torch.randint(0, 11, (1, 4), generator=g))
         joined = cat_states([kept, other])
         logits, _ = model.step(torch.tensor([1, 2, 3]), joined)

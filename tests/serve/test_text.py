@@ -39,3 +39,20 @@ def test_split_characters_wait_for_their_last_byte():
         assert "\ufffd" not in delta
         out.append(delta)
     assert "".join(out) == "aé€b"
+
+
+def test_flush_releases_a_last_split_character_as_the_tokenizer_decodes_it_but_not_a_later_stop_token():
+    """A sequence that ends inside a character (its last token a lone byte) releases it at the end as U+FFFD, as
+    decoding the whole sequence gives it - not dropped; a token appended after the last push (a stop token, whose
+    text is never output) is not decoded."""
+    decode = lambda ids: bytes(ids).decode("utf-8", errors="replace")   # noqa: E731
+    data = list("aé".encode())
+    ts = TextStream(decode)
+    assert ts.push(data[:1]) == ("a", False)
+    assert ts.push(data[:2]) == ("", False)       # the first byte of "é": held
+    assert ts.flush() == "\ufffd" and ts.text == decode(data[:2])
+    ts = TextStream(decode)
+    ids = [ord("a")]
+    assert ts.push(ids) == ("a", False)
+    ids.append(ord("\n"))                         # the engine appends a stop token and flushes without a push
+    assert ts.flush() == "" and ts.text == "a"

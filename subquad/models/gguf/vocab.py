@@ -191,15 +191,20 @@ def _add_bos_eos(tok, meta: dict, pre: str | None):
     tokens = meta["tokenizer.ggml.tokens"]
     ends = {}                                            # "bos" / "eos" -> (its text, its id), where added
     for key, default in (("bos", pre in BOS_BY_DEFAULT), ("eos", False)):
-        add, i = meta.get(f"tokenizer.ggml.add_{key}_token", default), meta.get(f"tokenizer.ggml.{key}_token_id")
+        add, i = meta.get(f"tokenizer.ggml.add_{key}_token"), meta.get(f"tokenizer.ggml.{key}_token_id")
+        add = add if isinstance(add, bool) else default  # (llama.cpp reads the flag as a bool only)
         if add and isinstance(i, int) and 0 <= i < len(tokens):
             ends[key] = (tokens[i], i)
     if not ends:
         return
     head = f"{ends['bos'][0]} " if "bos" in ends else ""
     tail = f" {ends['eos'][0]}" if "eos" in ends else ""
-    tok.post_processor = processors.TemplateProcessing(single=f"{head}$A{tail}", pair=f"{head}$A{tail} $B:1{tail}",
-                                                       special_tokens=list(dict.fromkeys(ends.values())))
+    try:
+        tok.post_processor = processors.TemplateProcessing(single=f"{head}$A{tail}", pair=f"{head}$A{tail} $B:1{tail}",
+                                                           special_tokens=list(dict.fromkeys(ends.values())))
+    except Exception as e:                               # a token's text the template syntax cannot hold
+        warnings.warn(f"the file's BOS / EOS ({', '.join(t for t, _ in ends.values())}) cannot be added as the "
+                      f"tokenizer's template ({e}): prompts are encoded without them", stacklevel=4)
 
 
 def end_of_generation_ids(meta: dict, vocab_size: int) -> list[int]:
@@ -285,10 +290,18 @@ def _special_affixes(tokenizer) -> dict:
     """``tokenizer.ggml.add_bos_token`` / ``add_eos_token`` (and their ids) for the tokens the tokenizer adds
     around a text (its post-processor), written always: llama.cpp's defaults differ by pre-tokenizer, so a file
     that does not say could have a BOS added that the model never saw, or lose one it always did."""
-    text = "a"
-    full, bare = tokenizer.encode(text).ids, tokenizer.encode(text, add_special_tokens=False).ids
-    at = next((i for i in range(len(full) - len(bare) + 1) if full[i:i + len(bare)] == bare), None)
-    head, tail = ([], []) if at is None else (full[:at], full[at + len(bare):])
+    from tokenizers import Tokenizer
+
+    probe = Tokenizer.from_str(tokenizer.to_str())      # without padding or truncation, which would add or cut
+    probe.no_padding()
+    probe.no_truncation()
+    enc = probe.encode("a b")                           # the text's tokens are the ones not marked special
+    text = [i for i, special in enumerate(enc.special_tokens_mask) if not special]
+    if not text:
+        warnings.warn("the tokenizer encodes no text token for 'a b': whether it adds a BOS or EOS is not known; the "
+                      "GGUF vocabulary adds neither", stacklevel=5)
+        return {"tokenizer.ggml.add_bos_token": False, "tokenizer.ggml.add_eos_token": False}
+    head, tail = enc.ids[:text[0]], enc.ids[text[-1] + 1:]
     if len(head) > 1 or len(tail) > 1:
         warnings.warn(f"the tokenizer adds {len(head)} tokens before a text and {len(tail)} after it; llama.cpp "
                       "adds at most one BOS and one EOS: the GGUF vocabulary adds neither", stacklevel=5)
