@@ -121,12 +121,15 @@ def int8_gemv(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, offset: tor
 
 def int8_amx(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None,
              key: int) -> torch.Tensor:
-    """x (..., K) float32 (``usable``, ``packed_int8()``), K a multiple of 64, any rows (16 a tile); q (N, K) int8,
-    scale (N,) float32, bias (N,) or None -> (..., N) float32, each row of x rounded to int8 with one scale of its own
-    (``qgemv.c``'s int8_amx_gemv). q's tile layout is made on the first call and kept under ``key`` (one per
-    matrix; remade when q's storage or version changes)."""
+    """x (..., K) float32 (``usable``, ``packed_int8()``), any rows (16 a tile); q (N, K) int8, scale (N,) float32,
+    bias (N,) or None -> (..., N) float32, each row of x rounded to int8 with one scale of its own (``qgemv.c``'s
+    int8_amx_gemv). q's tile layout is made on the first call and kept under ``key`` (one per matrix; remade when
+    q's storage or version changes). A K that is not a multiple of 64 is padded with zeros, in the packed weights
+    and in x's rows: they add nothing to a sum, nor to a row's largest |x| - the same result."""
     x2 = _rows(x)
     (M, K), N = x2.shape, q.shape[0]
+    if K % 64:
+        x2, K = torch.nn.functional.pad(x2, (0, -K % 64)), K + (-K % 64)
     p = amx_packed(q, key)
     y, codes, d = x2.new_empty(M, N), torch.empty(_padded(M) * K, dtype=torch.uint8), x2.new_empty(M)
     INT8_AMX(M, N, K, torch.get_num_threads(), x2, x2.stride(0), p, scale, bias, y, codes, d)
@@ -141,13 +144,16 @@ def _padded(N: int) -> int:
 
 
 def amx_packed(q: torch.Tensor, key: int) -> torch.Tensor:
-    """q (N, K) int8, K a multiple of 64, in AMX tiles (``qgemv.c``'s int8_amx_pack) with the rows' int32 sums
-    after them: one int8 tensor of Np K + 4 Np bytes (Np = N rounded up to 16), made once per (key, storage,
-    version) of q - the block kernels' projection kind 9 reads the same bytes."""
+    """q (N, K) int8 in AMX tiles (``qgemv.c``'s int8_amx_pack; K padded with zeros to a multiple of 64) with the
+    rows' int32 sums after them: one int8 tensor of Np Kp + 4 Np bytes (Np = N rounded up to 16), made once per
+    (key, storage, version) of q - the block kernels' projection kind 9 reads the same bytes (a K that is a
+    multiple of 64 only: ``layers.mamba.kernel_weight``)."""
     return derived(AMX_PACKED, key, q, _amx_pack)     # kept calls holding it: valid while q stays
 
 
 def _amx_pack(q: torch.Tensor) -> torch.Tensor:
+    if q.shape[1] % 64:
+        q = torch.nn.functional.pad(q, (0, -q.shape[1] % 64))
     (N, K), Np = q.shape, _padded(q.shape[0])
     p = torch.empty(Np * K + 4 * Np, dtype=torch.int8)
     AMX_PACK(N, K, q.contiguous(), p)
@@ -168,10 +174,12 @@ def packed_int8() -> int:
 
 
 def block_int8q_rows() -> int:
-    """Up to how many rows a block kernel's int8 product rounds x per block of 32 (int8q): ``BLOCK_INT8Q_ROWS``,
-    or 2 where the packed weights go through VNNI's vectors - on the Zen 4 host they took 0.5x int8q's time at 4
-    rows (the hybrid's 4-row int8 step 21-23 -> 17-18 ms; benchmarks/RESULTS.md)."""
-    return 2 if packed_int8() == 2 else BLOCK_INT8Q_ROWS
+    """Up to how many rows a block kernel's int8 product rounds x per block of 32 (int8q): ``BLOCK_INT8Q_ROWS``
+    where the CPU has neither AMX tiles nor AVX-512 VNNI, else none - the packed weights take every row count, as
+    ``models.quant.int8_linear`` gives them, so a row's result does not depend on how many rows a call holds
+    (a served stream equals ``generate`` alone); on the Zen 4 host they are faster at one row too (98 against
+    119 us for mamba-130m's in_proj, 923 against 1,119 for its head; benchmarks/RESULTS.md)."""
+    return 0 if packed_int8() else BLOCK_INT8Q_ROWS
 
 
 def amx() -> bool:

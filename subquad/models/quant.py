@@ -6,14 +6,9 @@
                                  channels (``group_size``, default 128), a bfloat16 scale s and zero z:
                                  W ~ (c - 8) s + z,  s = (max - min) / 15,  z = min + 8 s  (asymmetric)
     quantize(model, "bf16")      every projection stored in bfloat16
-    y = Linear(x) computed as:   int8, at most ``qgemv.INT8Q_ROWS`` float32 rows of a width that is a multiple of
-                                 32: a C kernel (``kernels.qgemv.int8q_gemv``: x rounded to int8 per block of
-                                 32 inputs with a float scale, as llama.cpp's Q8_0 products do; exact integer
-                                 sums) - it reads the weights near the memory's rate (fbgemm's kernel, one x
-                                 scale per call, is faster from 4 rows; benchmarks/RESULTS.md);
-                                 int8, 3 or more float32 rows - a step's, a decoding batch's, a prompt's - of
-                                 a width that is a multiple of 64 on a CPU with AMX tiles (Sapphire Rapids on)
-                                 or AVX-512 VNNI (Zen 4, Ice Lake; ``qgemv.packed_int8``):
+    y = Linear(x) computed as:   int8, float32 rows at any count - a step's, a decoding batch's, a prompt's - on
+                                 a CPU with AMX tiles (Sapphire Rapids on) or AVX-512 VNNI (Zen 4, Ice Lake;
+                                 ``qgemv.packed_int8``; a width that is not a multiple of 64 padded with zeros):
                                  ``kernels.qgemv.int8_amx``, each row of x rounded to int8 with a scale of its
                                  own, exact integer sums, 16 rows against 16 channels per instruction (tiles)
                                  or 16 rows a pass over 16 channels (vectors) - in place of fbgemm's kernel
@@ -21,7 +16,15 @@
                                  vectors ~2x a 2,048-token int8 prefill; the rounding roughly doubles a
                                  prefill's error against the float model, a few % on tiny random models; a
                                  row's result does not depend on the rows beside it, so a packed or chunked
-                                 prompt equals the same prompt alone; ``SUBQUAD_AMX=0``: neither);
+                                 prompt equals the same prompt alone, and one row is as many rows are: a
+                                 served stream equals ``generate`` alone; ``SUBQUAD_AMX=0``: neither);
+                                 int8 without them, at most
+                                 ``qgemv.INT8Q_ROWS`` float32 rows of a width that is a multiple of 32: a C
+                                 kernel (``kernels.qgemv.int8q_gemv``: x rounded to int8 per block of 32
+                                 inputs with a float scale, as llama.cpp's Q8_0 products do; exact integer
+                                 sums) - it reads the weights near the memory's rate (fbgemm's kernel, one x
+                                 scale per call, is faster from 4 rows; benchmarks/RESULTS.md) - then a row's
+                                 result depends on the rows beside it (1-2 rows round per block, more per call);
                                  int8 decoding (rows <= DECODE_ROWS, or any rows inside ``mode.decoding()``: the
                                  steps and verifications of a batch): fbgemm's int8 matrix product
                                  (torch.ops.quantized.linear_dynamic: x quantised to 8 bits per call,
@@ -144,11 +147,12 @@ def int8_linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bias: tor
                 key: torch.Tensor) -> torch.Tensor:
     """x (..., K) float, q (N, K) int8, scale (N,) float32, bias (N,) or None, key a 0-d int64 tensor naming
     the packed weight -> (..., N) in x's dtype (module doc). Kept lean: it runs ~100 times per token."""
+    # AMX tiles or VNNI's vectors at any rows, one row or a prompt's (module doc): one rounding and exact integer
+    # sums whatever the rows, so a row's result does not depend on the rows beside it
+    if qgemv.packed_int8() and qgemv.usable(qgemv.INT8_AMX, x, x.numel()):
+        return qgemv.int8_amx(x, q, scale, bias, key.item())
     if x.shape[-1] % 32 == 0 and qgemv.usable(qgemv.INT8Q, x, qgemv.INT8Q_ROWS):   # a few rows: x to int8 per block
         return qgemv.int8q_gemv(x, q, scale, bias)
-    # AMX tiles or VNNI's vectors at any rows, a prompt's too (module doc)
-    if qgemv.packed_int8() and x.shape[-1] % 64 == 0 and qgemv.usable(qgemv.INT8_AMX, x, x.numel()):
-        return qgemv.int8_amx(x, q, scale, bias, key.item())
     if not FBGEMM and qgemv.usable(qgemv.INT8, x, qgemv.INT8_ROWS):     # fbgemm gone: the C kernel's rows
         return qgemv.int8_gemv(x, q, scale, None, bias)
     if FBGEMM and x.device.type == "cpu" and (x.numel() <= DECODE_ROWS * x.shape[-1]

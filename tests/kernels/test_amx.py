@@ -90,7 +90,8 @@ def test_the_modules_and_a_mamba_block_take_them_for_a_few_rows(monkeypatch):
     lin = Int8Linear(torch.randn(96, 128) * 0.05, torch.randn(96))
     calls, real = [], type(qgemv.INT8_AMX).__call__
     monkeypatch.setattr(type(qgemv.INT8_AMX), "__call__", lambda s, *a: (calls.append(s.name), real(s, *a))[1])
-    for rows, taken in ((2, False), (3, True), (16, True), (17, True), (200, True)):   # a prompt's rows too
+    packed = bool(qgemv.packed_int8())                  # then at every row count: one rounding whatever the rows
+    for rows, taken in ((1, packed), (2, packed), (3, packed), (16, packed), (17, packed), (200, packed)):
         calls.clear()
         x = torch.randn(rows, 128)
         with torch.no_grad():
@@ -102,11 +103,18 @@ def test_the_modules_and_a_mamba_block_take_them_for_a_few_rows(monkeypatch):
     with torch.no_grad(), decoding():                    # a decoding batch past 16 rows: 16 rows at a time
         x = torch.randn(40, 128)
         y = lin(x)
-    assert "int8_amx_gemv" in calls
-    assert (y.double() - _math(x, lin.q, lin.scale, lin.bias)).abs().max() < 1e-5 * y.abs().max()
-    assert qgemv.block_int8q_rows() == (2 if qgemv.packed_int8() == 2 else qgemv.BLOCK_INT8Q_ROWS)
-    most = qgemv.block_int8q_rows()
-    assert kernel_weight(lin, most)[2] == 2 and kernel_weight(lin, most + 1)[2] == 9 and kernel_weight(lin, 16)[2] == 9
+    assert ("int8_amx_gemv" in calls) == packed
+    if packed:
+        assert (y.double() - _math(x, lin.q, lin.scale, lin.bias)).abs().max() < 1e-5 * y.abs().max()
+        assert qgemv.block_int8q_rows() == 0                     # a Mamba block's one call takes them at 1 row too
+        assert kernel_weight(lin, 1)[2] == 9 and kernel_weight(lin, 16)[2] == 9
+        odd = Int8Linear(torch.randn(96, 72) * 0.05)             # a width padded to 64's multiple: the same sums
+        x = torch.randn(3, 72)
+        with torch.no_grad():
+            assert (odd(x).double() - _math(x, odd.q, odd.scale, None)).abs().max() < 1e-5 * odd(x).abs().max()
+    else:
+        assert qgemv.block_int8q_rows() == qgemv.BLOCK_INT8Q_ROWS
+        assert kernel_weight(lin, qgemv.BLOCK_INT8Q_ROWS)[2] == 2
 
 
 def test_off_in_the_environment(monkeypatch):

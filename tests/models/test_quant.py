@@ -48,7 +48,8 @@ def test_int8_weights_per_output_channel():
 def test_int8_product_against_the_dequantised_weight(rows):
     """Prefill rows (> DECODE_ROWS) multiply by the dequantised weight exactly; decoding rows take fbgemm's
     int8 kernel, whose 7-bit activations add at most ~1% of the output's scale (where fbgemm is gone, the C
-    kernel's few rows are exact: x kept float32)."""
+    kernel's few rows are exact: x kept float32) - where the CPU has no packed int8 kernel; with one (AMX, VNNI)
+    every row is rounded to 8 bits with a scale of its own, within ~1% too."""
     torch.manual_seed(0)
     w, b = torch.randn(300, 96), torch.randn(300)
     lin = Int8Linear(w, b)
@@ -56,7 +57,8 @@ def test_int8_product_against_the_dequantised_weight(rows):
     ref = x.double() @ lin.weight.double().T + b.double()
     got = lin(x)
     assert got.dtype == torch.float32 and got.shape == (rows, 300)
-    exact = rows > DECODE_ROWS or (not quant.FBGEMM and qgemv.usable(qgemv.INT8, x, qgemv.INT8_ROWS))
+    exact = not qgemv.packed_int8() and (rows > DECODE_ROWS or (not quant.FBGEMM and qgemv.usable(qgemv.INT8, x,
+                                                                                                     qgemv.INT8_ROWS)))
     assert _rel(got.double(), ref) <= (1e-6 if exact else 2e-2)
     assert _rel(lin(x.view(rows, 1, 96)).view(rows, 300), got) == 0       # any leading shape
 
@@ -90,6 +92,35 @@ def test_int8_decoding_takes_the_kernel_at_any_batch(monkeypatch):
         kernel.clear()
         logits, _ = verify(q, ids[:, 4:6], state)
         assert kernel and _rel(logits[:, 0], got) <= 2e-2          # its blocks of 16 rows: other scales
+
+
+@pytest.mark.parametrize("pattern,mlp", [("mamba,softmax", True), ("mamba", False)])
+def test_an_int8_rows_logits_do_not_depend_on_the_rows_beside_it(pattern, mlp):
+    """Where the CPU has the packed int8 kernel (AMX tiles or AVX-512 VNNI: ``qgemv.packed_int8``) every row count
+    takes it - one rounding per row and exact integer sums - so a row stepped alone, beside one other row or beside
+    two has the same logits bit for bit (the modules' products, and a Mamba block's one C call: ``mlp=False``), and
+    a verification of 3 tokens gives the logits of 3 steps to float rounding (the served batch, ``n`` and speculation
+    once took 1-2 rows per block of 32 and more per row: 0.2 of the logits' scale apart). Without it the rows round
+    as they are grouped: within int8's error."""
+    from subquad.kernels import qgemv
+    from subquad.models.speculative import verify
+
+    q = quantize(copy.deepcopy(_model(pattern, mlp=mlp)), "int8", min_weights=0)
+    ids = torch.randint(0, 200, (3, 8), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        _, state = q.prefill(ids[:, :5])
+        rows = [q.step(ids[:n, 5], q.prefill(ids[:n, :5])[1])[0] for n in (1, 2, 3)]
+        steps, s = [], q.prefill(ids[:1, :5])[1]
+        for t in range(5, 8):
+            logits, s = q.step(ids[:1, t], s)
+            steps.append(logits)
+        verified, _ = verify(q, ids[:1, 5:8], q.prefill(ids[:1, :5])[1])
+    if qgemv.packed_int8():
+        assert torch.equal(rows[0][0], rows[1][0]) and torch.equal(rows[0][0], rows[2][0])
+        assert torch.equal(rows[1][1], rows[2][1])
+        torch.testing.assert_close(verified[0], torch.cat(steps), rtol=1e-4, atol=1e-4)
+    else:
+        assert _rel(rows[2][0], rows[0][0]) <= 0.06 and _rel(verified[0], torch.cat(steps)) <= 0.06
 
 
 def test_the_custom_op_checks_out():

@@ -610,7 +610,7 @@ def test_the_cli_stop_text_ends_the_output_where_the_text_first_holds_it(tmp_pat
     model = tiny("mamba2,softmax", scale=3.0)
     pieces = ["a", "b", "c", "d", "e", "f", "g", "h", "ij", "k\n", ""]   # "ij", "k\n": two characters; 10: "</s>"
 
-    def encode(s):                                              # longest pieces first; other text dropped
+    def encode(s, add_special_tokens=True):                     # longest pieces first; other text dropped
         ids = []
         while s:
             if s.startswith("</s>"):
