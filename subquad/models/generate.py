@@ -35,6 +35,7 @@ from subquad.models.speculative import (
     check_speculative,
     drafter,
     drafting_plan,
+    draw_in_order,
     pacer_for,
     verify,
 )
@@ -68,7 +69,8 @@ def generate(model, prompt, max_new_tokens: int, temperature: float = 1.0, top_k
 
     ``speculative="ngram"``: speculative decoding (``models.speculative``) - up to ``draft_tokens`` tokens
     drafted per step by prompt lookup, verified in one forward; greedy output is plain greedy decoding's and
-    sampled output is distributed as plain sampling's, with every sampling option: each verified position's
+    sampled output is distributed as plain sampling's (one row: the tokens plain sampling draws with the same
+    seed, ``draw_in_order``), with every sampling option: each verified position's
     distribution is processed with the history up to it (the drafts before it included), a stop id or the
     end of text inside an accepted run ends the row there. ``speculative=draft`` (a ``LanguageModel`` with
     the same vocabulary, on the same device): the draft model's greedy continuation is the draft, its own state
@@ -242,7 +244,11 @@ def _speculate(model, last, state, max_new_tokens, sampler, emit, draft_tokens, 
             with capture_hidden(model, hooked) as seen:
                 logits, ver = verify(model, ids, state, how="replay" if hooked else None)
             x = sampler.process_drafts(logits, ids[:, 1:])                 # (B, k + 1, vocab)
-            tokens, accepted = accept_drafts(x, ids[:, 1:], sampler.probabilities(x), sampler.generator)
+            probs = sampler.probabilities(x)
+            if probs is not None and B == 1:            # one row: the draws plain sampling makes, in order
+                tokens, accepted = draw_in_order(ids[:, 1:], probs, sampler.generator)
+            else:
+                tokens, accepted = accept_drafts(x, ids[:, 1:], probs, sampler.generator)
             stats.verifications += 1
             keeps = [n + 1 for n in accepted.tolist()]                     # row i emits keeps[i] tokens
         tokens, was_active, kept = tokens.tolist(), set(active), []

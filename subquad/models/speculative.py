@@ -856,6 +856,23 @@ def accept_drafts(logits, drafts, probs=None, generator=None):
     return tokens, accepted
 
 
+def draw_in_order(drafts, probs, generator=None):
+    """One row's tokens over a verification as plain sampling draws them: drafts (1, k), probs (1, k + 1, vocab)
+    (``accept_drafts``' distributions) -> (tokens (1, k + 1), accepted (1,)). Position j draws from its own
+    distribution with ``generator``, one ``torch.multinomial`` of one row as a plain step draws, and the row goes
+    on past j only while the token drawn is the draft there - so a seed gives the tokens it gives without
+    speculation (the server's rule, ``serve.speculation``; with a one-hot draft the standard rule's distribution:
+    keep d with probability p(d), else a draw from p without d)."""
+    k = drafts.shape[1]
+    tokens = torch.cat([drafts, drafts.new_zeros(1, 1)], 1)
+    for j in range(k + 1):
+        t = torch.multinomial(probs[:, j], 1, generator=generator).squeeze(-1)
+        tokens[0, j] = t[0]
+        if j == k or int(t[0]) != int(drafts[0, j]):
+            return tokens, torch.tensor([j], device=drafts.device)
+    raise AssertionError("unreachable")
+
+
 @dataclass
 class SpeculationStats:
     """One ``generate`` call's speculation: ``steps`` model forwards while decoding (``verifications`` of them

@@ -991,3 +991,20 @@ def test_a_replayed_shared_block_keeps_the_state_order_and_a_row_joins_after_it(
         logits, _ = model.step(torch.tensor([1, 2, 3]), joined)
         alone, _ = model.step(torch.tensor([3]), other)
     torch.testing.assert_close(logits[2:], alone, rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.parametrize("speculative", ["ngram", "draft"])
+def test_one_seeded_row_samples_the_tokens_it_samples_without_speculation(speculative):
+    """One row with a seed: each verified position drawn in order with plain sampling's own draws
+    (``draw_in_order``), so the tokens are plain sampling's with that seed - a drafter that repeats the prompt and
+    a draft model (a batch keeps the rejection rule: distributed as plain sampling, the test above)."""
+    model = tiny("mamba2,softmax", scale=2.0, vocab=5)
+    draft = tiny("gla", n_layers=1, vocab=5, scale=2.0) if speculative == "draft" else "ngram"
+    prompt = [1, 2, 3, 1, 2, 3, 1, 2]
+    for seed in range(6):
+        for options in ({}, dict(top_k=3, repetition_penalty=1.3)):
+            plain, _ = model.generate(prompt, 24, temperature=0.9, seed=seed, **options)
+            got, _ = model.generate(prompt, 24, temperature=0.9, seed=seed, speculative=draft, **options)
+            assert got == plain, (seed, options)
+    st = model.speculation_stats
+    assert st.verifications > 0 and 0 < st.accepted < st.drafted      # drafts were kept and refused
