@@ -16,6 +16,7 @@ arriving). With an API key, /v1 routes and /tokenize, /detokenize need ``Authori
 """
 
 
+import functools
 import time
 
 from subquad.serve.chat import message_ends
@@ -167,6 +168,51 @@ def token_text(tok, t: int) -> str:
     return tok.decode([t], skip_special_tokens=False) if tok is not None else f"token_id:{t}"
 
 
+def token_bytes(tok, t: int) -> list[int]:
+    """A token's own bytes, as chat logprobs' ``bytes`` give them (OpenAI's: so that a client can join the bytes
+    of a character split over tokens): a byte-level BPE's piece mapped back through GPT-2's byte alphabet, a
+    world vocabulary's bytes; else the UTF-8 of its text (a lone byte's text is U+FFFD, its bytes are not)."""
+    if tok is not None and hasattr(tok, "id_to_bytes"):              # data.rwkv_world.WorldTokenizer
+        return list(tok.id_to_bytes.get(t, token_text(tok, t).encode("utf-8")))
+    if tok is not None and _byte_level(tok):
+        piece, table = tok.id_to_token(t), _unicode_to_byte()
+        if piece is not None and all(c in table for c in piece):
+            return [table[c] for c in piece]
+    return list(token_text(tok, t).encode("utf-8"))
+
+
+_BYTE_LEVEL: dict = {}
+
+
+def _byte_level(tok) -> bool:
+    """Whether ``tok`` (a ``tokenizers.Tokenizer``) decodes as a byte-level BPE (its pieces in GPT-2's alphabet)."""
+    key = id(tok)
+    if key not in _BYTE_LEVEL:
+        import json
+
+        try:
+            dec = json.loads(tok.to_str()).get("decoder") or {}
+        except Exception:
+            dec = {}
+        kinds = [dec.get("type")] + [d.get("type") for d in dec.get("decoders", [])]
+        _BYTE_LEVEL[key] = "ByteLevel" in kinds
+    return _BYTE_LEVEL[key]
+
+
+@functools.cache
+def _unicode_to_byte() -> dict[str, int]:
+    """GPT-2's byte alphabet inverted: each of the 256 characters a byte-level BPE spells a byte with -> the byte."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("\xa1"), ord("\xac") + 1), *range(ord("\xae"), 256)]
+    out, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            out[chr(b)] = b
+        else:
+            out[chr(256 + extra)] = b
+            extra += 1
+    return out
+
+
 class _Completion:
     """/v1/completions' response shapes."""
 
@@ -238,8 +284,7 @@ class _Chat:
 
     def _entry(self, t: int, lp: float) -> dict:
         """A token in chat logprobs: its text, log-probability and UTF-8 bytes."""
-        text = token_text(self.tok, t)
-        return {"token": text, "logprob": lp, "bytes": list(text.encode("utf-8"))}
+        return {"token": token_text(self.tok, t), "logprob": lp, "bytes": token_bytes(self.tok, t)}
 
     def _logprobs(self, events):
         """OpenAI's chat logprobs, {"content": [{token, logprob, bytes, top_logprobs}]}, or None when not asked."""

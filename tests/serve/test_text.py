@@ -56,3 +56,26 @@ def test_flush_releases_a_last_split_character_as_the_tokenizer_decodes_it_but_n
     assert ts.push(ids) == ("a", False)
     ids.append(ord("\n"))                         # the engine appends a stop token and flushes without a push
     assert ts.flush() == "" and ts.text == "a"
+
+
+def test_token_bytes_join_to_the_texts_utf8_where_a_character_is_split_over_tokens():
+    """Chat logprobs' ``bytes``: each token's own bytes (a byte-level BPE's piece mapped back through GPT-2's
+    alphabet), so the tokens of a text join to its UTF-8 - a character split over two tokens included, whose
+    pieces' texts are each U+FFFD; a world vocabulary's bytes as it holds them."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    from subquad.data.rwkv_world import WorldTokenizer
+    from subquad.serve.api import token_bytes, token_text
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator(["plain ascii text " * 20], trainers.BpeTrainer(
+        vocab_size=300, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    text = "caf\u00e9 \u4e2d\u6587 \U0001f600 ok\u00ff\n\t~"
+    ids = tok.encode(text).ids
+    assert b"".join(bytes(token_bytes(tok, t)) for t in ids) == text.encode("utf-8")
+    assert any(token_text(tok, t) == "\ufffd" for t in ids)          # a lone byte's text, not its bytes
+    world = WorldTokenizer({b"a": 1, "\u00e9".encode()[:1]: 2, "\u00e9".encode()[1:]: 3})
+    ids = world.encode("a\u00e9a").ids
+    assert ids == [1, 2, 3, 1] and b"".join(bytes(token_bytes(world, t)) for t in ids) == "a\u00e9a".encode()
