@@ -36,7 +36,7 @@ from lm_eval.api.registry import register_model
 from subquad.models.rows import select_rows
 
 
-def load(path, dtype=None, device="cpu", quantize=None):
+def load(path, dtype=None, device="cpu", quantize=None, group_size=None):
     """(model, tokenizer, end-of-text id, prefix id) from a Hugging Face folder or a subquad run folder. The
     prefix (what an empty context and a rolling text start from) is the begin-of-text token where the
     tokenizer names one, else end-of-text, as lm_eval's hf backend takes it."""
@@ -46,13 +46,13 @@ def load(path, dtype=None, device="cpu", quantize=None):
     if run_folder(p) is not None:
         from subquad.data.tokenizer import EOT
 
-        model, tok, _ = load_run(p, device=device, quantize=quantize)
+        model, tok, _ = load_run(p, device=device, quantize=quantize, group_size=group_size)
         if dtype is not None:
             model.to(dtype)
         return model, tok, tok.token_to_id(EOT), tok.token_to_id(EOT)
     from subquad.models import from_pretrained
 
-    model, tok = from_pretrained(p, dtype=dtype, device=device, quantize=quantize)
+    model, tok = from_pretrained(p, dtype=dtype, device=device, quantize=quantize, group_size=group_size)
     if tok is None:
         raise ValueError(f"{p} has no tokenizer.json: lm_eval's requests are text")
     conf = json.loads((p / "tokenizer_config.json").read_text()) if (p / "tokenizer_config.json").exists() else {}
@@ -75,11 +75,12 @@ class SubquadLM(LM):
     """lm_eval's ``LM`` over a subquad model (module docstring). ``batch_size``: contexts per packed prefill."""
 
     def __init__(self, path, dtype=None, device="cpu", quantize=None, batch_size=16, piece=2048,
-                 max_gen_toks=256):
+                 max_gen_toks=256, group_size=None):
         super().__init__()
         from subquad.models.hf.loader import resolve_dtype
 
-        self.model, self.tok, self.eot, self.prefix = load(path, resolve_dtype(dtype), device, quantize)
+        self.model, self.tok, self.eot, self.prefix = load(path, resolve_dtype(dtype), device, quantize,
+                                                                 None if group_size is None else int(group_size))
         self.batch_size = int(batch_size)
         self.piece = int(piece)
         self.max_gen_toks = int(max_gen_toks)

@@ -63,8 +63,10 @@ def add_device_flag(parser) -> None:
 def add_quantize_flag(parser) -> None:
     parser.add_argument("--quantize", choices=["int8", "int4", "bf16"],
                         help="quantise the projections for inference: int8 per output channel, int4 per group of "
-                             "128 inputs, or bfloat16 (subquad.models.quant; the weights load as float32 first; a "
-                             "folder saved quantised loads as it was saved)")
+                             "128 inputs (--group-size), or bfloat16 (subquad.models.quant; the weights load as "
+                             "float32 first; a folder saved quantised loads as it was saved)")
+    parser.add_argument("--group-size", type=positive, metavar="N",
+                        help="with --quantize int4: inputs per scale (default 128; 32 is more accurate, 256 smaller)")
 
 
 def add_model_flags(parser, hf_types: list[str], *, run_help: str = "run folder (or one of its checkpoints)",
@@ -127,7 +129,8 @@ def load_model(args, *, need_tokenizer: str | None = None):
         from subquad.models import from_pretrained
         from subquad.models.hf import is_gguf
 
-        model, tok = from_pretrained(args.model, dtype=model_dtype(args), device=args.device, quantize=args.quantize)
+        model, tok = from_pretrained(args.model, dtype=model_dtype(args), device=args.device, quantize=args.quantize,
+                                     group_size=getattr(args, "group_size", None))
         if tok is None and need_tokenizer:
             where = "no tokenizer in its metadata (write it with save_gguf(..., tokenizer=tok))" \
                 if is_gguf(args.model) else "no tokenizer.json"
@@ -144,7 +147,8 @@ def load_run_as_asked(args):
     if args.quantize and args.dtype not in (None, "float32"):
         raise ValueError("--dtype and --quantize: a run is loaded in one of them (--quantize keeps what it does not "
                          "quantise in float32)")
-    model, tok, meta = load_run(args.run, device=args.device, quantize=args.quantize, log=say)
+    model, tok, meta = load_run(args.run, device=args.device, quantize=args.quantize, log=say,
+                                group_size=getattr(args, "group_size", None))
     if args.dtype not in (None, "float32"):    # a run's weights are float32: cast as from_pretrained casts a folder's
         model = model.to(model_dtype(args))
     return model, tok, meta

@@ -139,6 +139,7 @@ def _eval_tasks(args) -> int:
     from lm_eval.utils import make_table
 
     lm = SubquadLM(path=args.run or args.model, dtype=model_dtype(args), device=args.device, quantize=args.quantize,
+                   group_size=args.group_size,
                    batch_size=args.batch_size or 16)
     tasks = [t for t in args.tasks.split(",") if t]
     manager = None

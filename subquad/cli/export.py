@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import os
 
-from subquad.cli.common import say
+from subquad.cli.common import positive, say
 
 
 def add_parser(command, hf_types: list[str]) -> None:
@@ -30,6 +30,8 @@ def add_parser(command, hf_types: list[str]) -> None:
     x.add_argument("--quantize", choices=["int8", "int4", "bf16"],
                    help="write the model quantised (subquad.models.quant): a folder of subquad's own format that "
                         "from_pretrained and subquad generate --model load quantised as written")
+    x.add_argument("--group-size", type=positive, metavar="N",
+                   help="with --quantize int4: inputs per scale (default 128; 32 is more accurate, 256 smaller)")
     x.set_defaults(fn=run)
 
 
@@ -70,7 +72,8 @@ def _load(args, quantize=None):
     if args.run is not None:
         from subquad.train import load_run
 
-        model, tok, meta = load_run(args.run, log=say, quantize=quantize)      # full or sharded, read whole
+        model, tok, meta = load_run(args.run, log=say, quantize=quantize,       # full or sharded, read whole
+                                    group_size=args.group_size)
         _end_of_text(model, tok)
         return model, tok, f"{args.run}: step {meta['step']}"
     import torch
@@ -85,7 +88,7 @@ def _load(args, quantize=None):
     # a GGUF file's BF16 / F16 matrices read as float32 (from_pretrained keeps them half by default); its
     # Q8_0 / Q4_0 / Q4_K / Q6_K blocks load quantised, which only --quantize's folder can hold
     model, tok = from_pretrained(args.model, quantize=quantize, dtype=torch.float32 if gguf and quantize is None
-                                 else None)
+                                 else None, group_size=args.group_size)
     if quantize is None and getattr(model, "quantized", None) and gguf:
         raise ValueError(f"--model {args.model} holds block-quantised matrices ({model.quantized} in subquad's "
                          "kernels): write it with --quantize int8 or int4 (a subquad folder); a float folder or "

@@ -276,9 +276,10 @@ def run_folder(path) -> Path | None:
     return p.parent.parent if p.parent.name == "ckpt" else None
 
 
-def load_run(path, device="cpu", quantize=None, log=None):
+def load_run(path, device="cpu", quantize=None, log=None, group_size=None):
     """(model in eval mode on ``device``, tokenizer, meta) from a run folder or a checkpoint folder;
-    ``quantize`` "int8", "int4" or "bf16" quantises its projections for inference (``models.quant``). ``log`` is
+    ``quantize`` "int8", "int4" or "bf16" quantises its projections for inference (``models.quant``;
+    ``group_size``: int4's inputs per scale). ``log`` is
     told which step is used and why when it is not the one ``ckpt/latest`` names; the run's tokenizer.json
     is checked against the sha256 its config recorded."""
     from subquad.data.tokenizer import load_tokenizer
@@ -294,11 +295,14 @@ def load_run(path, device="cpu", quantize=None, log=None):
     if saved and log is not None and config_difference(meta["model_config"], saved, skip=("vocab_size",)):
         log(f"{path}: step {meta.get('step')} holds a model of another config than {run / 'config.json'} "
             f"(its checkpoint's own config is used)")
+    if group_size is not None and quantize != "int4":
+        raise ValueError(f"group_size is int4's (inputs per scale), got group_size={group_size!r} with "
+                         f"quantize={quantize!r}")
     if quantize is not None:
         from subquad.heap import release_freed
         from subquad.models.quant import quantize as quantize_model
 
-        quantize_model(model, quantize)
+        quantize_model(model, quantize, **({} if group_size is None else {"group_size": group_size}))
         release_freed()                   # the float matrices it replaced: their pages back (from_pretrained's)
     model.to(resolve_device(device)).eval()
     return model, load_tokenizer(run / "tokenizer.json"), meta

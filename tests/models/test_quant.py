@@ -504,6 +504,19 @@ def test_from_pretrained_and_the_cli_quantise(tmp_path, capsys):
     with pytest.raises(SystemExit):
         main(["generate", "--model", str(folder), "--quantize", "int3", "--prompt", "x"])
     assert "invalid choice: 'int3'" in capsys.readouterr().err
+    # int4's group size from from_pretrained and the command line; refused where there are no groups to size
+    g32, _ = from_pretrained(folder, quantize="int4", group_size=32)
+    fours = [m for m in g32.modules() if isinstance(m, Int4Linear)]
+    assert g32.quant_group_size == 32 and fours and all(m.group_size == 32 for m in fours)
+    with pytest.raises(ValueError, match="group_size is int4's"):
+        from_pretrained(folder, quantize="int8", group_size=32)
+    with pytest.raises(ValueError, match="group_size=32"):
+        from_pretrained(tmp_path / "q4", group_size=32)                    # loads as it was saved
+    assert main(["export", "--model", str(folder), "--out", str(tmp_path / "q4cli"), "--quantize", "int4",
+                 "--group-size", "32"]) == 0
+    assert from_pretrained(tmp_path / "q4cli")[0].quant_group_size == 32
+    assert main(["generate", "--model", str(folder), "--quantize", "int8", "--group-size", "32", "--prompt", "x"]) == 2
+    assert "group_size is int4's" in capsys.readouterr().err
 
 
 def test_cli_generate_and_eval_take_the_compiled_step_and_int8(tmp_path, capsys):

@@ -46,7 +46,7 @@ from subquad.models.gguf.reader import BLOCKED, GGUFFile
 from subquad.models.gguf.vocab import end_of_generation_ids, tokenizer, tokenizer_config
 
 
-def load_gguf(path, dtype=None, device=None, quantize=None):
+def load_gguf(path, dtype=None, device=None, quantize=None, group_size=None):
     """(LanguageModel in eval mode, tokenizer or None) from a GGUF file (module doc). ``quantize``: for a file of
     float tensors, ``models.quant``'s (as for a folder); for a file of quantised ones, None keeps them exactly
     (``Int8Linear.from_blocks``), "int8" / "int4" puts them in subquad's fast kernels' forms (``_linear``:
@@ -139,7 +139,11 @@ def load_gguf(path, dtype=None, device=None, quantize=None):
                                         for h, (g, kind) in experts.items()}, quantize)
 
     kept_half = []
-    model = build(path, c, fmt, cfg, tensors, dtype, device, None if blocks or experts else quantize, finish=finish)
+    if (blocks or experts) and group_size not in (None, GROUP):
+        raise ValueError(f"{path} holds block-quantised matrices: quantize='int4' keeps their groups of {GROUP}, got "
+                         f"group_size={group_size}")
+    model = build(path, c, fmt, cfg, tensors, dtype, device, None if blocks or experts else quantize, finish=finish,
+                  group_size=None if blocks or experts else group_size)
     if quantize is not None:                   # the float tensors it quantised are freed: their pages go back
         tensors = None
         release_freed()

@@ -67,14 +67,23 @@ from subquad.models.hf.saver import save_pretrained
 __all__ = ["from_pretrained", "save_pretrained", "MAPPINGS", "read_config", "read_weights", "eos_token_ids"]
 
 
-def from_pretrained(path, dtype=None, device=None, quantize=None):
+def from_pretrained(path, dtype=None, device=None, quantize=None, group_size=None):
     """``loader.from_pretrained`` (a Hugging Face folder, a quantised folder, an RWKV-7 .pth), or a ``.gguf`` file
-    (llama.cpp's format) through ``models.gguf``: (LanguageModel in eval mode, tokenizer or None)."""
+    (llama.cpp's format) through ``models.gguf``: (LanguageModel in eval mode, tokenizer or None).
+    ``group_size``: int4's inputs per scale (``quant.quantize``; default 128), with ``quantize="int4"`` only."""
+    check_group_size(quantize, group_size)
     if is_gguf(path):
         from subquad.models.gguf import load_gguf
 
-        return load_gguf(path, dtype=dtype, device=device, quantize=quantize)
-    return _from_folder(path, dtype=dtype, device=device, quantize=quantize)
+        return load_gguf(path, dtype=dtype, device=device, quantize=quantize, group_size=group_size)
+    return _from_folder(path, dtype=dtype, device=device, quantize=quantize, group_size=group_size)
+
+
+def check_group_size(quantize, group_size) -> None:
+    """ValueError for a ``group_size`` given without ``quantize="int4"`` (the others have no groups)."""
+    if group_size is not None and quantize != "int4":
+        raise ValueError(f"group_size is int4's (inputs per scale), got group_size={group_size!r} with "
+                         f"quantize={quantize!r}")
 
 
 from_pretrained.__doc__ = (from_pretrained.__doc__ or "") + "\n\n" + (_from_folder.__doc__ or "")

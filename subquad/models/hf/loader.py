@@ -96,13 +96,14 @@ def _tokenizer(path):
         raise ValueError(f"{Path(path) / 'tokenizer.json'}: the tokenizers library cannot read it ({e})") from None
 
 
-def _from_quantized(path, c, dtype, device, quantize):
+def _from_quantized(path, c, dtype, device, quantize, group_size=None):
     """``from_pretrained`` of a folder ``saver.save_quantized`` wrote."""
     from subquad.models.quant import load_quantized
 
     kind = (c.get("quantization") or {}).get("kind")
-    if quantize not in (None, kind) or resolve_dtype(dtype, c) not in (None, torch.float32):
+    if quantize not in (None, kind) or resolve_dtype(dtype, c) not in (None, torch.float32) or group_size is not None:
         asked = [f"quantize={quantize!r}"] if quantize not in (None, kind) else []
+        asked += [] if group_size is None else [f"group_size={group_size}"]
         asked += [] if resolve_dtype(dtype, c) in (None, torch.float32) else [f"dtype={dtype}"]
         raise ValueError(f"{path} holds a model quantised to {kind}: it loads as it is (quantize None or {kind!r}, "
                          f"its other weights float32), got {' and '.join(asked)}")
@@ -114,7 +115,7 @@ def _from_quantized(path, c, dtype, device, quantize):
     return model, _tokenizer(path)
 
 
-def from_pretrained(path, dtype=None, device=None, quantize=None):
+def from_pretrained(path, dtype=None, device=None, quantize=None, group_size=None):
     """(LanguageModel in eval mode, tokenizer or None) from a Hugging Face model folder (``models.hf``), or a
     BlinkDL RWKV-7 ``.pth`` (the file, or a folder holding it; the world tokenizer when its vocabulary file
     ``rwkv_vocab_v20230424.txt`` is beside it).
@@ -133,7 +134,7 @@ def from_pretrained(path, dtype=None, device=None, quantize=None):
     else:
         c = read_config(path)
         if c["model_type"] == PLAIN and "quantization" in c:
-            return _from_quantized(path, c, dtype, device, quantize)
+            return _from_quantized(path, c, dtype, device, quantize, group_size)
         if c["model_type"] == PLAIN:
             fmt, weights = PlainFormat, read_weights(path)
             cfg = fmt.config(c)
@@ -141,7 +142,7 @@ def from_pretrained(path, dtype=None, device=None, quantize=None):
             fmt, weights = MAPPINGS[c["model_type"]], None
             cfg = fmt.config(c)
             cfg.eos_token_ids = [t for t in eos_token_ids(path, c) if t < cfg.vocab_size]   # generate stops there
-    model = build(path, c, fmt, cfg, weights, dtype, device, quantize)
+    model = build(path, c, fmt, cfg, weights, dtype, device, quantize, group_size=group_size)
     if quantize is not None:           # the float weights it was quantised from are freed: their pages go back
         weights = None                 # (the heap keeps freed blocks: subquad.heap), not kept at the float size
         release_freed()
@@ -156,7 +157,7 @@ def from_pretrained(path, dtype=None, device=None, quantize=None):
 
 
 def build(path, c: dict, fmt, cfg: ModelConfig, weights: dict | None, dtype=None, device=None, quantize=None,
-          finish=None) -> LanguageModel:
+          finish=None, group_size=None) -> LanguageModel:
     """The model of config ``cfg`` with the checkpoint's tensors ``weights`` ({checkpoint name: tensor}; None:
     read from the folder ``path``) put in place by ``fmt``'s name tables, each used exactly once (module doc).
     ``finish(model, names)`` (a GGUF file's quantised matrices, ``models.gguf``) runs after the tensors are in
@@ -219,7 +220,7 @@ def build(path, c: dict, fmt, cfg: ModelConfig, weights: dict | None, dtype=None
     if quantize is not None:
         from subquad.models.quant import quantize as quantize_model
 
-        quantize_model(model, quantize)
+        quantize_model(model, quantize, **({} if group_size is None else {"group_size": group_size}))
     if device is not None:
         model.to(device=device)
     return model.eval()
