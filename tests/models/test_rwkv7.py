@@ -207,3 +207,23 @@ def test_the_block_options_are_checked_and_a_built_model_holds_rwkv_blocks():
     assert isinstance(model.embed_norm, torch.nn.LayerNorm) and isinstance(model.blocks[1].norm2, torch.nn.LayerNorm)
     state = model.empty_state(3)
     assert set(state[0]) == {"S", "shift", "mlp.shift"} and state[0]["mlp.shift"].shape == (3, 1, 32)
+
+
+def test_a_model_of_rwkv7_layers_with_the_defaults_names_what_the_rwkv7_type_needs(tmp_path):
+    """``subquad train --pattern rwkv7`` builds RWKV-7 mixers in the default blocks (RMS norms, a SwiGLU MLP, no
+    embedding norm), which no Hugging Face type holds: the refusal names the nearest type and each field it needs
+    (the README's RWKV-7 configuration), and that configuration is saved as rwkv7."""
+    from subquad.models.hf.saver import save_pretrained
+
+    plain = ModelConfig(vocab_size=64, d_model=64, n_layers=2, n_heads=2, pattern="rwkv7")
+    with pytest.raises(ValueError, match=r"nearest: rwkv7, which needs mlp_kind='rwkv7' \(this model: 'swiglu'\), "
+                                         r"norm='layer' \(this model: 'rms'\), embed_norm=True"):
+        save_pretrained(LanguageModel(plain), tmp_path / "plain")
+    with pytest.raises(ValueError, match=r"nearest: rwkv7, which needs rwkv7\.norm_eps=0\.00032 \(this model"):
+        save_pretrained(LanguageModel(ModelConfig(vocab_size=64, d_model=64, n_layers=2, n_heads=2, pattern="rwkv7",
+                                                  mlp_kind="rwkv7", norm="layer", embed_norm=True, norm_eps=1e-5)),
+                        tmp_path / "eps")                    # the group norm's eps: head size x the norms' eps
+    fixed = ModelConfig(vocab_size=64, d_model=64, n_layers=2, n_heads=2, pattern="rwkv7", mlp_kind="rwkv7",
+                        norm="layer", embed_norm=True, norm_eps=1e-5, mixer_options={"rwkv7": {"norm_eps": 32e-5}})
+    save_pretrained(LanguageModel(fixed), tmp_path / "fixed")
+    assert json.loads((tmp_path / "fixed" / "config.json").read_text())["model_type"] == "rwkv7"

@@ -107,9 +107,41 @@ def _format_for(model, model_type: str | None) -> tuple[str, dict]:
         model_type = next((name for name, f in MAPPINGS.items() if holds(f)), None)
     if model_type is None:
         raise ValueError(f"no Hugging Face model type has this structure (pattern {cfg.pattern!r}, mlp={cfg.mlp}, "
-                         f"moe={cfg.moe}, options {cfg.mixer_options}); supported: {', '.join(sorted(MAPPINGS))}; "
-                         f"model_type='subquad' writes any model in subquad's own format")
+                         f"moe={cfg.moe}, options {cfg.mixer_options}){_nearest(cfg, opts)}; supported: "
+                         f"{', '.join(sorted(MAPPINGS))}; model_type='subquad' writes any model in subquad's own "
+                         "format")
     return model_type, opts
+
+
+IGNORED = ("context_length", "eos_token_ids", "mixer_options")     # not what decides a type (or too long to say)
+
+
+def _nearest(cfg, opts) -> str:
+    """"; nearest: TYPE, which needs FIELD=VALUE (this model: VALUE), ..." for the types of the same mixers whose
+    config, written and read back, differs from ``cfg`` in the fewest fields (at most 5), or ""."""
+    import dataclasses
+
+    mixers = set(cfg.pattern.replace("*", ",").split(","))
+    found = []
+    for name, f in MAPPINGS.items():
+        try:
+            back = f.config(f.to_config(cfg, opts))
+        except Exception:                      # a type that cannot even describe it
+            continue
+        if set(back.pattern.replace("*", ",").split(",")) != mixers:
+            continue
+        diffs = [(k.name, getattr(back, k.name), getattr(cfg, k.name)) for k in dataclasses.fields(cfg)
+                 if k.name not in IGNORED and getattr(back, k.name) != getattr(cfg, k.name)
+                 and not (k.name == "mlp_size" and getattr(cfg, k.name) is None)]
+        diffs += [(f"{m}.{key}", want, opts.get(m, {}).get(key)) for m, o in back.mixer_options.items()
+                  for key, want in o.items() if m in opts and key in opts[m] and opts[m][key] != want]
+        if 0 < len(diffs) <= 5:
+            found.append((len(diffs), name, diffs))
+    if not found:
+        return ""
+    n, name, diffs = min(found)
+    return f"; nearest: {name}, which needs " + ", ".join(f"{k}={want!r} (this model: {have!r})"
+                                                         for k, want, have in diffs)
 
 
 PLAIN = "subquad"     # a folder of any subquad model: its own config, its own parameter names
