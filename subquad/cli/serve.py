@@ -54,9 +54,9 @@ def add_parser(command) -> None:
                         "the checkpoint's multi-token-prediction head ('mtp'; the model then decodes eagerly) or "
                         "from a smaller model with the same tokenizer (DIR: its run or model folder or .gguf "
                         "file; its state follows the batch's rows), and the batch verifies them in one forward; "
-                        "every row's tokens are the ones it would get without it (float weights; quantised "
-                        "ones within their rounding, which depends on the rows a product takes: the README's "
-                        "'Exactness'; subquad.serve.engine, 'Speculation')")
+                        "every row's tokens are the ones it would get without it (float weights, int8 with "
+                        "AMX / VNNI; other quantised ones within their rounding, which depends on the rows a "
+                        "product takes: the README's 'Exactness'; subquad.serve.engine, 'Speculation')")
     v.add_argument("--draft-tokens", type=positive,
                    help=f"tokens drafted per row and step with --speculative (default: {DRAFT_TOKENS})")
     v.add_argument("--chat-template", metavar="FILE",

@@ -728,12 +728,18 @@ static void int8_amx_many(int64_t M, int64_t N, int64_t K, int threads, const in
 }
 #endif
 
+/* Up to this many rows int8_amx_gemv takes the vectors where the tiles are granted too (as BLOCK_INT8Q_ROWS in
+ * qgemv.py, the rows int8q_gemv took there before). */
+#define VECTOR_ROWS 4
+
 void int8_amx_gemv(int64_t M, int64_t N, int64_t K, int threads, const float *x, int64_t ldx, const int8_t *p,
                    const float *scale, const float *bias, float *y, uint8_t *u, float *xd) {
 #if SUBQUAD_VNNI512
     amx_rows(M, K, threads, x, ldx, u, xd);
 #if SUBQUAD_AMX
-    if (!amx_granted())
+    /* a few rows through the vectors even where the tiles are granted: the same integer sums, so the same y (a
+     * row's result does not depend on M); those rows took int8q_gemv here before, never measured through tiles */
+    if (!amx_granted() || M <= VECTOR_ROWS)
 #endif
     {
         for (int64_t m0 = 0; m0 < M; m0 += 16)

@@ -17,6 +17,7 @@ arriving). With an API key, /v1 routes and /tokenize, /detokenize need ``Authori
 
 
 import functools
+import re
 import time
 
 from subquad.serve.chat import message_ends
@@ -170,33 +171,52 @@ def token_text(tok, t: int) -> str:
 
 def token_bytes(tok, t: int) -> list[int]:
     """A token's own bytes, as chat logprobs' ``bytes`` give them (OpenAI's: so that a client can join the bytes
-    of a character split over tokens): a byte-level BPE's piece mapped back through GPT-2's byte alphabet, a
-    world vocabulary's bytes; else the UTF-8 of its text (a lone byte's text is U+FFFD, its bytes are not)."""
+    of a character split over tokens): a byte-level BPE's piece mapped back through GPT-2's byte alphabet,
+    SentencePiece's byte-fallback piece ``<0xNN>`` as that byte, a world vocabulary's bytes, an added token's text;
+    else the UTF-8 of its text (a lone byte's text is U+FFFD, its bytes are not)."""
     if tok is not None and hasattr(tok, "id_to_bytes"):              # data.rwkv_world.WorldTokenizer
         return list(tok.id_to_bytes.get(t, token_text(tok, t).encode("utf-8")))
-    if tok is not None and _byte_level(tok):
-        piece, table = tok.id_to_token(t), _unicode_to_byte()
-        if piece is not None and all(c in table for c in piece):
+    if tok is not None and hasattr(tok, "id_to_token"):
+        piece = tok.id_to_token(t)
+        if piece is not None and t in _added(tok):                     # an added token: its text as written
+            return list(piece.encode("utf-8"))
+        byte = re.fullmatch(r"<0x([0-9A-Fa-f]{2})>", piece or "")
+        if byte:                                                        # SentencePiece's byte fallback
+            return [int(byte.group(1), 16)]
+        table = _unicode_to_byte()
+        if piece is not None and _byte_level(tok) and all(c in table for c in piece):
             return [table[c] for c in piece]
     return list(token_text(tok, t).encode("utf-8"))
 
 
-_BYTE_LEVEL: dict = {}
+_SEEN: dict = {}      # id(tokenizer) -> (the tokenizer, kept so that its id is not reused; byte-level; added ids;
+                      # its size then: a token added since is seen)
 
 
-def _byte_level(tok) -> bool:
-    """Whether ``tok`` (a ``tokenizers.Tokenizer``) decodes as a byte-level BPE (its pieces in GPT-2's alphabet)."""
-    key = id(tok)
-    if key not in _BYTE_LEVEL:
+def _facts(tok) -> tuple:
+    hit = _SEEN.get(id(tok))
+    size = tok.get_vocab_size(with_added_tokens=True) if hasattr(tok, "get_vocab_size") else None
+    if hit is None or hit[0] is not tok or hit[3] != size:
         import json
 
         try:
             dec = json.loads(tok.to_str()).get("decoder") or {}
         except Exception:
             dec = {}
-        kinds = [dec.get("type")] + [d.get("type") for d in dec.get("decoders", [])]
-        _BYTE_LEVEL[key] = "ByteLevel" in kinds
-    return _BYTE_LEVEL[key]
+        kinds = [dec.get("type")] + [d.get("type") for d in dec.get("decoders", []) or []]
+        added = set(tok.get_added_tokens_decoder()) if hasattr(tok, "get_added_tokens_decoder") else set()
+        hit = _SEEN[id(tok)] = (tok, "ByteLevel" in kinds, added, size)
+    return hit
+
+
+def _byte_level(tok) -> bool:
+    """Whether ``tok`` (a ``tokenizers.Tokenizer``) decodes as a byte-level BPE (its pieces in GPT-2's alphabet)."""
+    return _facts(tok)[1]
+
+
+def _added(tok) -> set:
+    """The ids of ``tok``'s added tokens (special or not): spelled as text, not in the byte alphabet."""
+    return _facts(tok)[2]
 
 
 @functools.cache

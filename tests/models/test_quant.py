@@ -510,6 +510,8 @@ def test_from_pretrained_and_the_cli_quantise(tmp_path, capsys):
     assert g32.quant_group_size == 32 and fours and all(m.group_size == 32 for m in fours)
     with pytest.raises(ValueError, match="group_size is int4's"):
         from_pretrained(folder, quantize="int8", group_size=32)
+    with pytest.raises(ValueError, match="int4's group_size must be one of"):
+        from_pretrained(folder, quantize="int4", group_size=100)
     with pytest.raises(ValueError, match="group_size=32"):
         from_pretrained(tmp_path / "q4", group_size=32)                    # loads as it was saved
     assert main(["export", "--model", str(folder), "--out", str(tmp_path / "q4cli"), "--quantize", "int4",

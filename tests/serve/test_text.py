@@ -76,6 +76,12 @@ def test_token_bytes_join_to_the_texts_utf8_where_a_character_is_split_over_toke
     ids = tok.encode(text).ids
     assert b"".join(bytes(token_bytes(tok, t)) for t in ids) == text.encode("utf-8")
     assert any(token_text(tok, t) == "\ufffd" for t in ids)          # a lone byte's text, not its bytes
+    fallback = Tokenizer(models.WordLevel({"<0xC3>": 0, "<0xA9>": 1, "[UNK]": 2}, unk_token="[UNK]"))
+    fallback.add_tokens(["\u00e9t\u00e9"])                    # an added token: its text's UTF-8, not the alphabet's
+    assert token_bytes(fallback, 0) + token_bytes(fallback, 1) == list("\u00e9".encode())   # SentencePiece's bytes
+    assert token_bytes(fallback, 3) == list("\u00e9t\u00e9".encode())
+    tok.add_tokens(["\u00e9t\u00e9"])
+    assert token_bytes(tok, tok.token_to_id("\u00e9t\u00e9")) == list("\u00e9t\u00e9".encode())
     world = WorldTokenizer({b"a": 1, "\u00e9".encode()[:1]: 2, "\u00e9".encode()[1:]: 3})
     ids = world.encode("a\u00e9a").ids
     assert ids == [1, 2, 3, 1] and b"".join(bytes(token_bytes(world, t)) for t in ids) == "a\u00e9a".encode()
