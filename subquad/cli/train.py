@@ -65,7 +65,17 @@ def _model_config(args):
     opts = _mixer_options(args)
     if opts:
         overrides["mixer_options"] = opts
+    if getattr(args, "blocks", None) == "rwkv7":   # RWKV-7's own blocks (README: "Models, patterns and training")
+        overrides.update(RWKV7_BLOCKS)
     cfg = preset(args.preset, **overrides)
+    if getattr(args, "blocks", None) == "rwkv7":
+        if set(cfg.layers) != {"rwkv7"}:
+            raise ValueError(f"--blocks rwkv7 is RWKV-7's block layout around rwkv7 mixers; the pattern "
+                             f"{cfg.pattern!r} has others")
+        # its group norm's eps 64e-5 (BlinkDL's, which llama.cpp fixes), and the LayerNorms' such that head size x
+        # theirs is it (as the rwkv7 type reads it back): 1e-5 at heads of 64
+        cfg.norm_eps = 64e-5 / (cfg.d_model // cfg.n_heads)
+        cfg.mixer_options = {**cfg.mixer_options, "rwkv7": {"norm_eps": 64e-5, **cfg.mixer_options.get("rwkv7", {})}}
     if args.n_kv_heads is not None:            # a flag that would change nothing is a mistake on the command line
         from subquad.layers.registry import MIXERS
 
@@ -80,6 +90,10 @@ def _model_config(args):
         check_mixer_options(cfg.layers, opts, in_pattern=True)
     return cfg
 
+
+# --blocks rwkv7: RWKV-7's blocks - LayerNorms with bias, ln0 on the embeddings, the channel-mix MLP, its own head -
+# so that a run exports as the rwkv7 type (Hugging Face, GGUF) and decodes as BlinkDL's (the norms' eps: _model_config)
+RWKV7_BLOCKS = {"norm": "layer", "embed_norm": True, "mlp_kind": "rwkv7", "tie_embeddings": False}
 
 # flags of `train` and the config field each sets: on --resume the run's own value is used, and a flag
 # given with another value is refused (except RESUME_SAFE ones, which update the run)
@@ -124,6 +138,8 @@ def _resume_configs(args):
         asked["mixer_options"] = _mixer_options(args)
     if "moe" in given:
         asked["moe"] = _model_config(args).moe
+    if "blocks" in given:
+        asked.update(RWKV7_BLOCKS)
     for field, value in asked.items():
         if model.get(field) != value:
             refused.append(f"{field} {value!r} (the run has {model.get(field)!r})")
@@ -161,6 +177,9 @@ def add_parser(command) -> None:
     t.add_argument("--context", type=positive, help="training context length (default: the preset's)")
     t.add_argument("--vocab-size", type=positive, help="BPE vocabulary (default: the preset's, 4096)")
     t.add_argument("--no-mlp", action="store_true", help="no SwiGLU MLP after the mixers")
+    t.add_argument("--blocks", choices=["rwkv7"],
+                   help="rwkv7: RWKV-7's own blocks around --pattern rwkv7 (LayerNorms, ln0 on the embeddings, the "
+                        "channel-mix MLP), so the run exports as the rwkv7 type (Hugging Face folder, GGUF)")
     t.add_argument("--moe", type=_moe, metavar="KEY=VALUE,...",
                    help="mixture-of-experts MLPs, e.g. experts=8,top_k=2,every=2,offset=1 (keys: experts, top_k, "
                         "every, offset, aux_loss_coef, renormalize)")

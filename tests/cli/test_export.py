@@ -125,3 +125,31 @@ def test_export_gguf_of_a_hybrid_infers_the_format_and_says_how_rotary_can_be_wr
         assert (tmp_path / "f.gguf" / "config.json").is_file()
         capsys.readouterr()
     assert torch.allclose(*logits["0.5"], atol=1e-5)
+
+
+def test_a_run_of_rwkv7_blocks_exports_as_the_rwkv7_type(tmp_path, capsys, corpus):
+    """``subquad train --pattern rwkv7 --blocks rwkv7``: RWKV-7's own blocks (LayerNorms, ln0, the channel mix, its
+    own head; the group norm's eps 64e-5 as llama.cpp fixes it), so the run exports as a Hugging Face rwkv7 folder
+    and a GGUF file, each loading to the run's logits; the default blocks are refused by the type (the message names
+    what it needs; as a folder they go to subquad's own format), and --blocks rwkv7 beside another mixer is
+    refused."""
+    run = tmp_path / "run"
+    base = ["train", "--data", str(corpus), "--vocab-size", "300", "--d-model", "64", "--n-heads", "2", "--n-layers",
+            "2", "--context", "32", "--batch-size", "2", "--steps", "1", "--no-progress"]
+    assert main(base + ["--pattern", "rwkv7", "--blocks", "rwkv7", "--out", str(run)]) == 0
+    assert main(["export", "--run", str(run), "--out", str(tmp_path / "hf")]) == 0
+    assert main(["export", "--run", str(run), "--out", str(tmp_path / "m.gguf")]) == 0
+    assert "Hugging Face rwkv7 folder" in capsys.readouterr().out
+    ours, tok, _ = load_run(run)
+    ids = torch.tensor([tok.encode("def k1(a):\n    return a").ids])
+    with torch.no_grad():
+        want = ours(ids)
+        for path in ("hf", "m.gguf"):
+            back, _ = from_pretrained(tmp_path / path)
+            assert (back(ids) - want).abs().max() <= 1e-5 * want.abs().max(), path
+    assert main(base + ["--pattern", "rwkv7", "--out", str(tmp_path / "plain")]) == 0
+    capsys.readouterr()
+    assert main(["export", "--run", str(tmp_path / "plain"), "--out", str(tmp_path / "plain.gguf")]) == 2
+    assert "nearest: rwkv7, which needs" in capsys.readouterr().err
+    assert main(base + ["--pattern", "rwkv7,mamba2", "--blocks", "rwkv7", "--out", str(tmp_path / "mixed")]) == 2
+    assert "--blocks rwkv7 is RWKV-7's block layout around rwkv7 mixers" in capsys.readouterr().err
