@@ -65,6 +65,10 @@ def add_quantize_flag(parser) -> None:
                         help="quantise the projections for inference: int8 per output channel, int4 per group of "
                              "128 inputs (--group-size), or bfloat16 (subquad.models.quant; the weights load as "
                              "float32 first; a folder saved quantised loads as it was saved)")
+    add_group_size_flag(parser)
+
+
+def add_group_size_flag(parser) -> None:
     parser.add_argument("--group-size", type=positive, metavar="N",
                         help="with --quantize int4: inputs per scale (default 128; 32 is more accurate, 256 smaller)")
 

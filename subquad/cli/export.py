@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import os
 
-from subquad.cli.common import positive, say
+from subquad.cli.common import add_group_size_flag, say
 
 
 def add_parser(command, hf_types: list[str]) -> None:
@@ -30,8 +30,7 @@ def add_parser(command, hf_types: list[str]) -> None:
     x.add_argument("--quantize", choices=["int8", "int4", "bf16"],
                    help="write the model quantised (subquad.models.quant): a folder of subquad's own format that "
                         "from_pretrained and subquad generate --model load quantised as written")
-    x.add_argument("--group-size", type=positive, metavar="N",
-                   help="with --quantize int4: inputs per scale (default 128; 32 is more accurate, 256 smaller)")
+    add_group_size_flag(x)
     x.set_defaults(fn=run)
 
 

@@ -669,7 +669,7 @@ def quantized_linear(kind: str, weight: torch.Tensor, bias: torch.Tensor | None 
     return (Int8Linear if kind == "int8" else Bf16Linear)(weight, bias)
 
 
-def quantize(model, kind: str, min_weights: int = MIN_WEIGHTS, group_size: int = GROUP_SIZE):
+def quantize(model, kind: str, min_weights: int = MIN_WEIGHTS, group_size: int | None = None):
     """Quantise ``model`` (a ``LanguageModel``) in place for inference (module doc) and return it.
 
     Every ``nn.Linear`` of at least ``min_weights`` weights (``MIN_WEIGHTS``; 0: all) (but those a layer reads
@@ -683,6 +683,7 @@ def quantize(model, kind: str, min_weights: int = MIN_WEIGHTS, group_size: int =
 
     if kind not in QUANTIZE:
         raise ValueError(f"quantize must be one of {', '.join(QUANTIZE)}, got {kind!r}")
+    group_size = GROUP_SIZE if group_size is None else group_size
     if kind == "int4":
         int4_shape((1, group_size), group_size)                      # the group size, checked first
     if getattr(model, "quantized", None):

@@ -865,12 +865,12 @@ def draw_in_order(drafts, probs, generator=None):
     keep d with probability p(d), else a draw from p without d)."""
     k = drafts.shape[1]
     tokens = torch.cat([drafts, drafts.new_zeros(1, 1)], 1)
-    for j in range(k + 1):
-        t = torch.multinomial(probs[:, j], 1, generator=generator).squeeze(-1)
-        tokens[0, j] = t[0]
-        if j == k or int(t[0]) != int(drafts[0, j]):
+    j = 0
+    while True:
+        tokens[0, j] = torch.multinomial(probs[:, j], 1, generator=generator)[0, 0]
+        if j == k or tokens[0, j] != drafts[0, j]:
             return tokens, torch.tensor([j], device=drafts.device)
-    raise AssertionError("unreachable")
+        j += 1
 
 
 @dataclass

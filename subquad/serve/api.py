@@ -177,14 +177,14 @@ def token_bytes(tok, t: int) -> list[int]:
     if tok is not None and hasattr(tok, "id_to_bytes"):              # data.rwkv_world.WorldTokenizer
         return list(tok.id_to_bytes.get(t, token_text(tok, t).encode("utf-8")))
     if tok is not None and hasattr(tok, "id_to_token"):
-        piece = tok.id_to_token(t)
-        if piece is not None and t in _added(tok):                     # an added token: its text as written
+        piece, (_, byte_level, added, _) = tok.id_to_token(t), _facts(tok)
+        if piece is not None and t in added:                           # an added token: its text as written
             return list(piece.encode("utf-8"))
         byte = re.fullmatch(r"<0x([0-9A-Fa-f]{2})>", piece or "")
         if byte:                                                        # SentencePiece's byte fallback
             return [int(byte.group(1), 16)]
         table = _unicode_to_byte()
-        if piece is not None and _byte_level(tok) and all(c in table for c in piece):
+        if piece is not None and byte_level and all(c in table for c in piece):
             return [table[c] for c in piece]
     return list(token_text(tok, t).encode("utf-8"))
 
@@ -194,6 +194,8 @@ _SEEN: dict = {}      # id(tokenizer) -> (the tokenizer, kept so that its id is 
 
 
 def _facts(tok) -> tuple:
+    """(tok, whether it decodes as a byte-level BPE - its pieces in GPT-2's alphabet -, the ids of its added tokens
+    - spelled as text, not in that alphabet -, its size), worked out once per tokenizer and size."""
     hit = _SEEN.get(id(tok))
     size = tok.get_vocab_size(with_added_tokens=True) if hasattr(tok, "get_vocab_size") else None
     if hit is None or hit[0] is not tok or hit[3] != size:
@@ -207,16 +209,6 @@ def _facts(tok) -> tuple:
         added = set(tok.get_added_tokens_decoder()) if hasattr(tok, "get_added_tokens_decoder") else set()
         hit = _SEEN[id(tok)] = (tok, "ByteLevel" in kinds, added, size)
     return hit
-
-
-def _byte_level(tok) -> bool:
-    """Whether ``tok`` (a ``tokenizers.Tokenizer``) decodes as a byte-level BPE (its pieces in GPT-2's alphabet)."""
-    return _facts(tok)[1]
-
-
-def _added(tok) -> set:
-    """The ids of ``tok``'s added tokens (special or not): spelled as text, not in the byte alphabet."""
-    return _facts(tok)[2]
 
 
 @functools.cache

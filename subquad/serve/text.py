@@ -30,30 +30,29 @@ class TextStream:
 
     def push(self, ids: list[int]) -> tuple[str, bool]:
         self._ids, self._n = ids, len(ids)
-        prefix_text = self.decode(ids[self._prefix:self._read])
-        new_text = self.decode(ids[self._prefix:])
-        if len(new_text) > len(prefix_text) and not new_text.endswith("\ufffd"):
-            searched = len(self._all)
-            self._all += new_text[len(prefix_text):]
-            self._prefix, self._read = self._read, len(ids)
-            cut = self._find_stop(searched)
-            if cut is not None:
-                return self._release(self._all[:cut]), True
+        cut = self._decode_new(ids, partial=False)
+        if cut is not None:
+            return self._release(self._all[:cut]), True
         return self._release(self._all[:len(self._all) - self._held()]), False
 
     def flush(self) -> str:
         """The text held back, released at the end of the sequence (it ended before completing a stop) - its last
         tokens' too where they end inside a character (as U+FFFD, as the tokenizer decodes the whole sequence)."""
-        if self._read < self._n:             # (a stop token appended after the last push is not text)
-            ids = self._ids[:self._n]
-            prefix_text, new_text = self.decode(ids[self._prefix:self._read]), self.decode(ids[self._prefix:])
-            if len(new_text) > len(prefix_text):
-                searched = len(self._all)
-                self._all += new_text[len(prefix_text):]
-                cut = self._find_stop(searched)
-                if cut is not None:
-                    return self._release(self._all[:cut])
-        return self._release(self._all)
+        # (a stop token appended after the last push is not text: only what that push was given)
+        cut = self._decode_new(self._ids[:self._n], partial=True) if self._read < self._n else None
+        return self._release(self._all if cut is None else self._all[:cut])
+
+    def _decode_new(self, ids: list[int], partial: bool):
+        """Decode the tokens after the last read ones into ``_all`` - unless the text has not grown, or (not
+        ``partial``) ends inside a character - and return where a stop string begins in it, or None."""
+        prefix_text = self.decode(ids[self._prefix:self._read])
+        new_text = self.decode(ids[self._prefix:])
+        if len(new_text) <= len(prefix_text) or (not partial and new_text.endswith("\ufffd")):
+            return None
+        searched = len(self._all)
+        self._all += new_text[len(prefix_text):]
+        self._prefix, self._read = self._read, len(ids)
+        return self._find_stop(searched)
 
     def _release(self, upto: str) -> str:
         delta = upto[len(self.text):] if upto.startswith(self.text) else ""

@@ -283,7 +283,9 @@ def load_run(path, device="cpu", quantize=None, log=None, group_size=None):
     told which step is used and why when it is not the one ``ckpt/latest`` names; the run's tokenizer.json
     is checked against the sha256 its config recorded."""
     from subquad.data.tokenizer import load_tokenizer
+    from subquad.models.hf import check_group_size
 
+    check_group_size(quantize, group_size)              # before any weight is read
     path = Path(path)
     run = run_folder(path) or path.parent.parent
     model_sd, _, meta = load_checkpoint(path, log)
@@ -295,14 +297,11 @@ def load_run(path, device="cpu", quantize=None, log=None, group_size=None):
     if saved and log is not None and config_difference(meta["model_config"], saved, skip=("vocab_size",)):
         log(f"{path}: step {meta.get('step')} holds a model of another config than {run / 'config.json'} "
             f"(its checkpoint's own config is used)")
-    if group_size is not None and quantize != "int4":
-        raise ValueError(f"group_size is int4's (inputs per scale), got group_size={group_size!r} with "
-                         f"quantize={quantize!r}")
     if quantize is not None:
         from subquad.heap import release_freed
         from subquad.models.quant import quantize as quantize_model
 
-        quantize_model(model, quantize, **({} if group_size is None else {"group_size": group_size}))
+        quantize_model(model, quantize, group_size=group_size)
         release_freed()                   # the float matrices it replaced: their pages back (from_pretrained's)
     model.to(resolve_device(device)).eval()
     return model, load_tokenizer(run / "tokenizer.json"), meta

@@ -84,12 +84,10 @@ def check_group_size(quantize, group_size) -> None:
     if group_size is not None and quantize != "int4":
         raise ValueError(f"group_size is int4's (inputs per scale), got group_size={group_size!r} with "
                          f"quantize={quantize!r}")
-    if group_size is not None:                       # before any weight is read
-        from subquad.models.quant import GROUP_SIZES
+    if group_size is not None:                       # quant's own check, before any weight is read
+        from subquad.models.quant import int4_shape
 
-        if group_size not in GROUP_SIZES:
-            raise ValueError(f"int4's group_size must be one of {', '.join(map(str, GROUP_SIZES))}, got "
-                             f"{group_size!r}")
+        int4_shape((1, group_size), group_size)
 
 
 from_pretrained.__doc__ = (from_pretrained.__doc__ or "") + "\n\n" + (_from_folder.__doc__ or "")

@@ -220,7 +220,7 @@ def build(path, c: dict, fmt, cfg: ModelConfig, weights: dict | None, dtype=None
     if quantize is not None:
         from subquad.models.quant import quantize as quantize_model
 
-        quantize_model(model, quantize, **({} if group_size is None else {"group_size": group_size}))
+        quantize_model(model, quantize, group_size=group_size)
     if device is not None:
         model.to(device=device)
     return model.eval()
