@@ -102,6 +102,33 @@ def test_window_cache_is_bounded():
         assert torch.equal(cache.k, x["k"][:, -16:])
 
 
+
+@pytest.mark.parametrize("mode", ["parallel", "recurrent", "chunk"])
+def test_a_window_cache_that_dropped_keys_refuses_a_wider_window_and_continues_a_narrower_one(mode):
+    """A window=4 cache of 10 tokens holds the last 4 keys: continuing it with no window or window=8 would attend
+    over what is left as if it were everything - refused by name; window 4 or 2 sees only keys it holds and equals
+    one call over the whole sequence (float64) - in the recurrent form too, which once attended over the cache's
+    own window. A cache that dropped nothing continues with any window, one without a window with window 3."""
+    x = {n: t.detach() for n, t in make(1, 13, seed=3).items()}
+    a, b = ({n: t[:, s] for n, t in x.items()} for s in (slice(0, 10), slice(10, 13)))
+    _, cache = softmax_attention(a["q"], a["k"], a["v"], window=4, mode=mode, output_final_state=True)
+    for window in (None, 8):
+        with pytest.raises(ValueError, match=r"window=4 cache that kept the last 4 of 10 keys.*window=" + str(window)):
+            softmax_attention(b["q"], b["k"], b["v"], window=window, mode=mode, initial_state=cache)
+    for window in (4, 2):
+        got, _ = softmax_attention(b["q"], b["k"], b["v"], window=window, mode=mode, initial_state=cache)
+        want = naive_softmax_attention(x["q"], x["k"], x["v"], window=window)[0][:, 10:]
+        assert_close(got, want, 1e-10, f"window {window} after a window-4 cache")
+    _, short = softmax_attention(a["q"][:, :3], a["k"][:, :3], a["v"][:, :3], window=4, mode=mode,
+                                 output_final_state=True)
+    got, _ = softmax_attention(b["q"], b["k"], b["v"], mode=mode, initial_state=short)
+    want = naive_softmax_attention(*(torch.cat([a[n][:, :3], b[n]], 1) for n in "qkv"))[0][:, 3:]
+    assert_close(got, want, 1e-10, "no window after a cache that dropped nothing")
+    _, whole = softmax_attention(a["q"], a["k"], a["v"], mode=mode, output_final_state=True)
+    got, _ = softmax_attention(b["q"], b["k"], b["v"], window=3, mode=mode, initial_state=whole)
+    assert_close(got, naive_softmax_attention(x["q"], x["k"], x["v"], window=3)[0][:, 10:], 1e-10,
+                 "window 3 after a cache without one")
+
 def test_float32_long_sequence_chunk_matches_sdpa():
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(1, 4096, 2, 32, generator=g) for _ in range(3))

@@ -50,6 +50,10 @@ def recurrent_softmax_attention(q, k, v, *, causal=True, window=None, chunk_size
     scale = check_common(q, k, v, causal, window, scale, chunk_size)
     B, T, H, K = q.shape
     cache = as_cache(initial_state, q, v, window)
+    if cache is not None and cache.window != window and cache.pad is None:
+        # the call's window decides what a query sees, as in the other forms: the cache's keys kept under it (a
+        # cache trimmed or reallocated before the first append, so the caller's buffers are never written)
+        cache = KVCache(cache.k, cache.v, window=window, seen=cache.seen)
     cache = KVCache.empty(B, H, K, v.shape[-1], dtype=q.dtype, device=q.device, window=window,
                           capacity=max(T + (len(cache) if cache else 0), 1)) if cache is None else cache.clone()
     # With autograd, keep every step's keys as separate tensors (no in-place buffer writes).
