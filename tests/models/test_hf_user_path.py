@@ -159,6 +159,34 @@ def test_a_shard_name_leaving_the_folder_is_refused(tmp_path, shard):
     with pytest.raises(ValueError, match=r"model\.safetensors\.index\.json: .*shard " + re.escape(repr(shard))):
         from_pretrained(folder)
 
+def test_saving_over_a_sharded_folder_leaves_one_set_of_weights(tmp_path):
+    """transformers saved model A in shards; subquad's save_pretrained of model B into the same folder removes
+    A's index and shards (two sets of weights once loaded A here, B in transformers); a folder holding both a
+    single file and an index is read as transformers reads it: the single file."""
+    from subquad.models.hf import save_pretrained
+
+    hf_a, folder = _hf_mamba(tmp_path, falcon="mamba2")
+    (folder / "model.safetensors").unlink()
+    hf_a.save_pretrained(folder, max_shard_size="20KB")
+    assert (folder / "model.safetensors.index.json").exists() and not (folder / "model.safetensors").exists()
+    model_b, _ = from_pretrained(folder)
+    with torch.no_grad():
+        for p in model_b.parameters():
+            p.add_(0.01 * torch.randn_like(p))
+    save_pretrained(model_b, folder)
+    assert not (folder / "model.safetensors.index.json").exists() and not list(folder.glob("model-*-of-*"))
+    idx = torch.randint(0, 64, (1, 7), generator=torch.Generator().manual_seed(0))
+    want = model_b(idx)
+    torch.testing.assert_close(from_pretrained(folder)[0](idx), want, rtol=0, atol=0)
+    with torch.no_grad():
+        torch.testing.assert_close(transformers.AutoModelForCausalLM.from_pretrained(folder)(idx).logits, want,
+                                   rtol=1e-5, atol=1e-5)
+    hf_a.save_pretrained(tmp_path / "a", max_shard_size="20KB")        # an index beside the single file: not read
+    for f in (tmp_path / "a").glob("model*"):
+        (folder / f.name).write_bytes(f.read_bytes())
+    torch.testing.assert_close(from_pretrained(folder)[0](idx), want, rtol=0, atol=0)
+
+
 def load_file_from_bytes(data: bytes, tmp_path):
     f = tmp_path / "whole.safetensors"
     f.write_bytes(data)

@@ -523,12 +523,13 @@ def read_weights(path, mapped=()) -> dict:
     read (truncated, not safetensors) or a tensor holding NaN or inf is a ValueError naming the file or tensor."""
     path = Path(path)
     index = path / "model.safetensors.index.json"
-    if index.exists():
+    single = (path / "model.safetensors").exists()
+    if index.exists() and not single:           # both: the single file, as transformers reads such a folder
         weight_map = read_file_json(index, " (the shard index)").get("weight_map")
         if not isinstance(weight_map, dict) or not weight_map:
             raise ValueError(f"{index}: must map tensor names to shard files under 'weight_map'")
         files = _shard_names(index, weight_map)
-    elif (path / "model.safetensors").exists():
+    elif single:
         files = ["model.safetensors"]
     else:
         raise ValueError(f"{path} holds no model.safetensors (nor a sharded model.safetensors.index.json)")
@@ -547,7 +548,7 @@ def read_weights(path, mapped=()) -> dict:
         except (OSError, RuntimeError, ValueError, KeyError, TypeError) as e:
             raise ValueError(f"{path / f}: not a readable safetensors file - truncated or damaged? ({e})") from None
         out.update(part)
-    if index.exists():
+    if index.exists() and not single:
         absent = sorted(set(weight_map) - set(out))
         if absent:
             raise ValueError(f"{index}: lists weights no shard holds: {', '.join(absent[:5])}")

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from pathlib import Path
 
 from subquad.models.hf.common import layer_options, plain_mamba2
@@ -24,8 +25,6 @@ def save_pretrained(model, path, tokenizer=None, model_type: str | None = None) 
     (a ``tokenizers.Tokenizer``) is written as tokenizer.json in place of any such file. A quantised model
     (``models.quant``) is written in subquad's own format with its quantised weights (``save_quantized``).
     """
-    from subquad.tensorfile import save_file
-
     if getattr(model, "quantized", None):
         if model_type not in (None, PLAIN):
             raise ValueError(f"a quantised model ({model.quantized}) is written in subquad's own format "
@@ -39,9 +38,7 @@ def save_pretrained(model, path, tokenizer=None, model_type: str | None = None) 
     source = getattr(model, "hf_source", None) or {"config": {}, "files": {}}
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    tmp = path / "model.safetensors.tmp"
-    save_file(tensors, str(tmp), metadata={"format": "pt"})
-    os.replace(tmp, path / "model.safetensors")
+    _write_weights(path, tensors, {"format": "pt"})
     conf = fmt.to_config(cfg, opts)
     if getattr(model, "mtp", None) is not None:       # the multi-token-prediction head written: declared
         conf.update(fmt.mtp_fields(model.mtp))
@@ -160,20 +157,38 @@ def save_plain(model, path, tokenizer=None) -> None:
     """Write any subquad model as a folder ``from_pretrained`` reads: config.json ``{"model_type": "subquad",
     "config": ModelConfig}``, model.safetensors under subquad's parameter names, generation_config.json and
     the tokenizer. transformers has no such type: ``save_pretrained`` writes one for models of its types."""
-    from subquad.tensorfile import save_file
-
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    tmp = path / "model.safetensors.tmp"
-    save_file({k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()}, str(tmp),
-              metadata={"format": "pt"})
-    os.replace(tmp, path / "model.safetensors")
+    _write_weights(path, {k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()}, {"format": "pt"})
     cfg = model.config
     _write(path / "config.json", json.dumps({"model_type": PLAIN, "config": cfg.to_dict()}, indent=1).encode())
     eos = cfg.eos_token_ids[0] if len(cfg.eos_token_ids or []) == 1 else cfg.eos_token_ids
     _write(path / "generation_config.json", json.dumps({"eos_token_id": eos} if eos else {}, indent=1).encode())
     if tokenizer is not None:
         _write(path / "tokenizer.json", tokenizer.to_str().encode())
+
+
+def _write_weights(path: Path, tensors: dict, metadata: dict) -> None:
+    """model.safetensors written whole (a temporary file, then a rename); then a sharded set an earlier save left
+    in the folder - model.safetensors.index.json and the shards it names (``model-NNNNN-of-NNNNN.safetensors``)
+    - removed: the folder holds one set of weights, not two that transformers and other readers could choose
+    between differently (an export over a sharded folder once loaded the old weights here)."""
+    from subquad.tensorfile import save_file
+
+    tmp = path / "model.safetensors.tmp"
+    save_file(tensors, str(tmp), metadata=metadata)
+    os.replace(tmp, path / "model.safetensors")
+    index = path / "model.safetensors.index.json"
+    if not index.exists():
+        return
+    try:
+        shards = set(json.loads(index.read_text()).get("weight_map", {}).values())
+    except (OSError, ValueError, AttributeError):
+        shards = set()
+    for name in shards:
+        if isinstance(name, str) and re.fullmatch(r"model-\d{5}-of-\d{5}\.safetensors", name):
+            (path / name).unlink(missing_ok=True)
+    index.unlink()
 
 
 def _write(file: Path, data: bytes) -> None:
@@ -189,17 +204,10 @@ def save_quantized(model, path, tokenizer=None) -> None:
     model.safetensors of its state dict under subquad's names (int8: ``q`` int8 and ``scale``; int4: ``q``
     (``pair_k``'s CPU-independent nibbles), ``scale`` and ``zero`` bfloat16; bf16: ``w``; the rest float32),
     generation_config.json and the tokenizer files of the folder it was read from (or ``tokenizer``)."""
-    import json
-    import os
-
-    from subquad.tensorfile import save_file
-
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    tmp = path / "model.safetensors.tmp"
-    save_file({k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()}, str(tmp),
-              metadata={"format": "pt", "quantization": model.quantized})
-    os.replace(tmp, path / "model.safetensors")
+    _write_weights(path, {k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()},
+                   {"format": "pt", "quantization": model.quantized})
     cfg = model.config
     quantization = {"kind": model.quantized, "group_size": getattr(model, "quant_group_size", None)}
     _write(path / "config.json", json.dumps({"model_type": PLAIN, "config": cfg.to_dict(),
