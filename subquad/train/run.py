@@ -51,15 +51,24 @@ def resume_differences(saved: dict, model_cfg: ModelConfig, train_cfg: TrainConf
     for name, value in model_cfg.to_dict().items():
         if name != "vocab_size" and saved["model"].get(name) != value:        # vocab: the tokenizer's
             out.append(f"{name}: {value!r} (the run has {saved['model'].get(name)!r})")
-    default = asdict(TrainConfig())
-    for name, value in asdict(train_cfg).items():
-        have = schedule_of(saved) if name == "schedule_steps" else saved["train"].get(name, default[name])
-        if name in RESUME_SAFE or (name == "schedule_steps" and value is None):
-            continue
-        if have != value:
-            out.append(f"{name}: {value!r} (the run has {have!r})")
+    out += train_differences(saved["train"], train_cfg)
     if not same_data(data or "stdlib", saved.get("data", "stdlib")):
         out.append(f"data: {data or 'stdlib'!r} (the run has {saved.get('data')!r})")
+    return out
+
+
+def train_differences(saved_train: dict, train_cfg: TrainConfig, schedule: bool = True, has: str = "the run has"
+                      ) -> list[str]:
+    """The training settings of ``train_cfg`` that differ from ``saved_train`` (a run's or a checkpoint's
+    ``asdict(TrainConfig)``), ``RESUME_SAFE`` ones aside; the schedule's length compared unless ``schedule`` is
+    False or ``train_cfg`` leaves it None (the run's own)."""
+    out, default = [], asdict(TrainConfig())
+    for name, value in asdict(train_cfg).items():
+        if name in RESUME_SAFE or (name == "schedule_steps" and (value is None or not schedule)):
+            continue
+        have = schedule_of({"train": saved_train}) if name == "schedule_steps" else saved_train.get(name, default[name])
+        if have != value:
+            out.append(f"{name}: {value!r} ({has} {have!r})")
     return out
 
 
@@ -216,6 +225,13 @@ def train_run(model_cfg: ModelConfig, train_cfg: TrainConfig, out, data: str | N
                 raise ValueError(f"the run in {out} is at step {trainer.step} already; pass --steps above it "
                                  "to train further")
             else:
+                ckpt = trainer.resumed_train_config
+                diff = [] if ckpt is None else train_differences(ckpt, train_cfg, schedule=not reschedule,
+                                                                  has="the checkpoint trained with")
+                if diff:                       # config.json edited by hand: the curve would not be the run's
+                    raise ValueError(f"{out / 'config.json'} differs from the training its newest checkpoint (step "
+                                     f"{trainer.step}) holds: {'; '.join(diff)}. Put the checkpoint's settings "
+                                     "back in config.json, or train them as a new --out")
                 log(f"resuming {out} from step {trainer.step}")
                 if rank == 0:
                     trainer._trim_metrics()

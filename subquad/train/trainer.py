@@ -124,7 +124,9 @@ class TrainConfig:
 
     def lr_at(self, step: int) -> float:
         """Linear warmup to lr, then cosine down to min_lr_ratio * lr at the schedule's last step
-        (``schedule_steps``, else ``steps``), and that floor after it (steps count from 1)."""
+        (``schedule_steps``, else ``steps``), and after it the rate that step had (steps count from 1): the
+        floor, or for a schedule that ends inside the warmup, the warmup's rate at its end."""
+        step = min(step, self.schedule_steps or self.steps)
         if step <= self.warmup:
             return self.lr * step / max(1, self.warmup)
         frac = (step - self.warmup) / max(1, (self.schedule_steps or self.steps) - self.warmup)
@@ -245,6 +247,7 @@ class Trainer:
         self.step = 0
         self.curve: list[tuple[int, float]] = []
         self.saved_step: int | None = None    # the newest checkpoint this trainer wrote or resumed from
+        self.resumed_train_config: dict | None = None   # the training a resumed checkpoint holds (_resume_meta)
         self.last_record: dict | None = None  # metrics.jsonl's record of self.step, kept in the checkpoint
         self.eot = packing_eot(cfg.pack, data, cfg.context_parallel)
 
@@ -344,6 +347,7 @@ class Trainer:
         elif self.rank == 0:
             self.gen.set_state(torch.tensor(meta["data_rng"], dtype=torch.uint8))
         self.step = self.saved_step = meta["step"]
+        self.resumed_train_config = meta.get("train_config")
         self.curve = [(s, float("nan") if v is None else v) for s, v in meta.get("curve", [])]
         self.last_record = meta.get("metrics")
         if self.rank == 0 and trim_metrics:

@@ -209,6 +209,26 @@ def test_changed_data_files_are_refused_on_resume_naming_what_changed(run, env, 
     assert len(cfg["tokenizer_sha256"]) == 64
 
 
+
+def test_a_config_json_edited_by_hand_is_refused_against_the_checkpoints_training(run, capsys):
+    """config.json says lr 0.01 and batch 3, the newest checkpoint trained with 0.003 and 2: a resume would
+    follow config.json silently (the flags are compared with config.json, which agreed) - refused, naming both,
+    nothing written; with config.json put back it resumes."""
+    path = run / "config.json"
+    good = path.read_text()
+    cfg = json.loads(good)
+    cfg["train"].update(lr=0.01, batch_size=3)
+    path.write_text(json.dumps(cfg))
+    before = (run / "metrics.jsonl").read_bytes()
+    capsys.readouterr()
+    assert resume(run, "--steps", "6") == 2
+    err = capsys.readouterr().err
+    assert "differs from the training its newest checkpoint (step 4) holds" in err, err
+    assert "lr: 0.01 (the checkpoint trained with 0.003)" in err and "batch_size: 3 (the checkpoint trained with 2)" in err
+    assert (run / "metrics.jsonl").read_bytes() == before and json.loads(path.read_text()) == cfg
+    path.write_text(good)
+    assert resume(run, "--steps", "6") == 0 and steps_of(run) == [1, 2, 3, 4, 5, 6]
+
 def test_a_truncated_tokenizer_is_refused_by_its_hash(run, capsys):
     tok = run / "tokenizer.json"
     tok.write_bytes(tok.read_bytes()[:-200])

@@ -122,6 +122,17 @@ def test_schedule_warms_up_then_decays():
         TrainConfig(steps=0)
 
 
+def test_past_the_schedule_the_rate_stays_where_the_schedule_ended():
+    """A resume past the schedule (``schedule_steps`` < ``steps``) trains at the rate of the schedule's last step:
+    the floor; a schedule of 20 steps with a 50-step warmup ended at 20/50 of lr, and stays there (it once went
+    on warming up to lr at step 50, then fell to the floor)."""
+    cut = TrainConfig(steps=60, schedule_steps=20, warmup=50, lr=1.0, min_lr_ratio=0.1)
+    assert [cut.lr_at(s) for s in (10, 20)] == [pytest.approx(0.2), pytest.approx(0.4)]
+    assert [cut.lr_at(s) for s in (21, 35, 50, 51, 60)] == [pytest.approx(0.4)] * 5
+    full = TrainConfig(steps=100, schedule_steps=40, warmup=10, lr=1.0, min_lr_ratio=0.1)
+    assert [full.lr_at(s) for s in (40, 41, 100)] == [pytest.approx(0.1)] * 3
+
+
 def test_decay_groups_spare_mamba1s_a_log_matrix_and_d():
     """Mamba-1's A_log is a (d_inner, N) matrix: the dim rule alone would decay it; its mark spares it. Every
     other matrix is decayed, every vector spared (the groups are computed here from names, independently)."""
