@@ -71,6 +71,7 @@ class RWKV7(Mixer):
     """
     normed_output = True
     uses_carry = True       # the value residual (module docstring); whole forwards, no pieces (Mixer.forward)
+    unused_parameters = True  # the first layer's v_lora has no gradient (train.parallelize tells DDP)
 
     def __init__(self, d_model: int, n_heads: int = 4, decay_rank: int | None = None, a_rank: int | None = None,
                  v_rank: int | None = None, gate_rank: int | None = None, norm_eps: float = 64e-5,

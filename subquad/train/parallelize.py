@@ -110,7 +110,11 @@ def parallelize(model: nn.Module, mesh, fsdp: bool = True, bf16: bool = False,
         # buffers are made from the config on every rank alike (rotary tables): nothing to broadcast at each
         # forward (torch 2.13 renamed the flag and warns at the old name; the once-at-start sync it keeps is cheap)
         renamed = "forward_sync_buffers" in inspect.signature(DistributedDataParallel.__init__).parameters
-        return DistributedDataParallel(model, **{"forward_sync_buffers" if renamed else "broadcast_buffers": False})
+        # a layer whose forward leaves some parameters without a gradient (``unused_parameters``: the first
+        # RWKV-7 layer's v_lora) makes DDP look for them each step; without, it stops at the second step
+        unused = any(getattr(m, "unused_parameters", False) for m in model.modules())
+        return DistributedDataParallel(model, find_unused_parameters=unused,
+                                       **{"forward_sync_buffers" if renamed else "broadcast_buffers": False})
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     # fully_shard replaces each parameter by a DTensor one: the marks layers set on theirs (Mamba's
