@@ -93,6 +93,8 @@ def run(out: str | Path = "runs/workshop", head_dim: int = 32, contexts=None, se
         seeds: int = 1, data=None, train: bool = True, progress: bool = True, positions: str = "rope") -> dict:
     t0 = time.time()
     out = Path(out)
+    if train:
+        _refuse_other_positions(out, positions)
     out.mkdir(parents=True, exist_ok=True)
     contexts = contexts or [1024, 4096, 16384, 65536, 131072, 262144, 1048576]
     total = 4 if train else 3
@@ -139,6 +141,18 @@ def run(out: str | Path = "runs/workshop", head_dim: int = 32, contexts=None, se
     (out / "workshop.json").write_text(json.dumps(result, indent=2))
     print(f"\n[{total}/{total}] wrote {png} and {out / 'workshop.json'} ({result['seconds']} s)")
     return result
+
+
+def _refuse_other_positions(out: Path, positions: str) -> None:
+    """A workshop's runs are named by their positions, so another --positions would train beside them and
+    overwrite the workshop.json and workshop.png of the first: refused by name, as other --steps or --data are."""
+    try:
+        had = json.loads((out / "workshop.json").read_text()).get("training", {}).get("positions")
+    except (OSError, ValueError, AttributeError):
+        return
+    if had is not None and had != positions:
+        raise ValueError(f"{out} holds a workshop of --positions {had} (its workshop.json); --positions {positions} "
+                         f"would overwrite its results: give another --out")
 
 
 def _train_or_reuse(mcfg, cfg, run, data, progress, log, td):

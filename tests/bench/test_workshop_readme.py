@@ -135,8 +135,9 @@ def test_a_second_workshop_reuses_its_runs(tmp_path, corpus, capsys, brief_evals
 
 
 def test_a_workshop_of_other_settings_refuses_the_runs_it_finds(tmp_path, corpus, capsys, brief_evals):
-    """A rerun into the same --out with other steps or data: refused by name (the runs are never reported as
-    this workshop's, nor continued on the schedule of another length); its own settings still reuse them."""
+    """A rerun into the same --out with other steps, data or positions: refused by name (the runs are never
+    reported as this workshop's, nor continued on the schedule of another length; another --positions would
+    train beside them and overwrite the results); its own settings still reuse them."""
     from subquad.bench import workshop
 
     first = workshop.run(tmp_path / "ws", steps=3, data=str(corpus), progress=False)["training"]
@@ -146,5 +147,10 @@ def test_a_workshop_of_other_settings_refuses_the_runs_it_finds(tmp_path, corpus
         with pytest.raises(ValueError, match="workshop run of other settings") as e:
             workshop.run(tmp_path / "ws", progress=False, **kw)
         assert named in str(e.value)
+    before = (tmp_path / "ws" / "workshop.json").read_bytes()
+    with pytest.raises(ValueError, match=r"workshop of --positions rope .*--positions learned would overwrite"):
+        workshop.run(tmp_path / "ws", steps=3, data=str(corpus), progress=False, positions="learned")
+    assert (tmp_path / "ws" / "workshop.json").read_bytes() == before
+    assert not list((tmp_path / "ws").glob("*_learned_*"))             # refused before any run
     assert workshop.run(tmp_path / "ws", steps=3, data=str(corpus), progress=False)["training"]["final"] == \
         first["final"]
