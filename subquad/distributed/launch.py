@@ -4,8 +4,10 @@ processes (gloo, file rendezvous) and returns what each returned (tests, checks)
 
 from __future__ import annotations
 
+import ctypes
 import faulthandler
 import os
+import signal
 import sys
 import tempfile
 from datetime import timedelta
@@ -67,9 +69,27 @@ def init_from_env(timeout_s: float = 60.0, device="cpu"):
     if world <= 1:
         return 0, 1
     _, backend = use_rank_device(device)
+    if "TORCHELASTIC_RUN_ID" in os.environ:
+        die_with_parent()
     if not dist.is_initialized():
         dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
     return dist.get_rank(), dist.get_world_size()
+
+
+def die_with_parent() -> None:
+    """On Linux: this process gets SIGTERM when the one that started it (torchrun's agent, ``subquad train
+    --nproc``) dies - even when killed outright, so that its own forwarding of signals never runs - instead of
+    training on unseen in a session of its own (a second run of the folder meanwhile is refused by the folder's
+    lock: ``train.run.lock_run``). Elsewhere nothing."""
+    if not sys.platform.startswith("linux"):
+        return
+    parent = os.getppid()
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGTERM))      # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        return
+    if os.getppid() != parent:                       # the parent died before the request: as if after it
+        os.kill(os.getpid(), signal.SIGTERM)
 
 
 def launch(nproc: int, argv: list[str], nnodes: int = 1, rdzv_endpoint: str | None = None) -> int:

@@ -10,7 +10,9 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
+from contextlib import ExitStack
 from dataclasses import asdict, replace
 from pathlib import Path
 
@@ -140,7 +142,35 @@ def train_run(model_cfg: ModelConfig, train_cfg: TrainConfig, out, data: str | N
     the run folder is written until the checkpoint has loaded. The learning-rate schedule keeps its
     length (``schedule_steps``) unless ``reschedule``; a run that wrote checkpoints and lost them all is
     refused unless ``restart`` (which trains it again from step 0, refused while an intact checkpoint
-    exists). A fresh run that fails before its first checkpoint leaves no folder behind."""
+    exists). A fresh run that fails before its first checkpoint leaves no folder behind. The folder is locked
+    while it trains (``lock_run``): a second process training it is refused."""
+    with ExitStack() as held:                  # the run folder's lock (lock_run), released however this ends
+        return _train_run(model_cfg, train_cfg, out, data, resume, vocab_size, progress, log, token_data, device,
+                          restart, reschedule, held)
+
+
+def lock_run(out: Path, held: ExitStack) -> None:
+    """Hold an exclusive lock on the run folder ``out`` (flock on the folder itself; the kernel releases it
+    when the process ends, even when killed) until ``held`` closes: a second ``subquad train`` of the same run
+    - a resume while it still trains, ranks a killed launcher left running - is refused by name instead of
+    writing the same checkpoints. Not on systems without flock (Windows)."""
+    try:
+        import fcntl
+    except ImportError:
+        return
+    fd = os.open(out, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise ValueError(f"another process is training the run in {out} (it holds the folder's lock): wait for "
+                         "it to end, or stop it, before resuming") from None
+    held.callback(os.close, fd)
+
+
+def _train_run(model_cfg, train_cfg, out, data, resume, vocab_size, progress, log, token_data, device, restart,
+               reschedule, held) -> dict:
+    """``train_run``'s body; ``held`` keeps the run folder's lock."""
     from subquad.data.dataset import file_sha256
     from subquad.distributed.launch import use_rank_device
     from subquad.train.checkpoint import CheckpointError, find_checkpoint
@@ -153,6 +183,8 @@ def train_run(model_cfg: ModelConfig, train_cfg: TrainConfig, out, data: str | N
     out = Path(out)
     resume = resume or restart
     saved, tok_path, manifest = None, None, None
+    if rank == 0 and out.is_dir():
+        lock_run(out, held)
     if resume:
         saved = read_run_config(out)
         diff = resume_differences(saved, model_cfg, train_cfg, data)
@@ -209,6 +241,8 @@ def train_run(model_cfg: ModelConfig, train_cfg: TrainConfig, out, data: str | N
     trainer = None
     try:
         out.mkdir(parents=True, exist_ok=True)
+        if rank == 0 and created:
+            lock_run(out, held)
         trainer = Trainer(trained, td, train_cfg, out, progress=progress and rank == 0, mesh=mesh)
         if restart:
             log(f"--restart: training {out} again from step 0 (its checkpoints are lost)")

@@ -229,6 +229,29 @@ def test_a_config_json_edited_by_hand_is_refused_against_the_checkpoints_trainin
     path.write_text(good)
     assert resume(run, "--steps", "6") == 0 and steps_of(run) == [1, 2, 3, 4, 5, 6]
 
+
+def test_a_run_another_process_trains_is_refused_by_its_lock(run, capsys):
+    """While a process trains a run (here: holds its folder's lock, as train_run does - ranks a killed launcher
+    left running did), a resume is refused by name and writes nothing; once the lock is gone it resumes. The
+    lock is the folder's flock, held by another process here."""
+    import subprocess
+    import sys
+
+    holder = subprocess.Popen([sys.executable, "-c", "import fcntl, os, sys, time; fd = os.open(sys.argv[1], "
+                               "os.O_RDONLY); fcntl.flock(fd, fcntl.LOCK_EX); print('held', flush=True); "
+                               "time.sleep(60)", str(run)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        before = (run / "metrics.jsonl").read_bytes()
+        capsys.readouterr()
+        assert resume(run, "--steps", "6") == 2
+        assert "another process is training the run in" in capsys.readouterr().err
+        assert (run / "metrics.jsonl").read_bytes() == before
+    finally:
+        holder.kill()
+        holder.wait(30)
+    assert resume(run, "--steps", "6") == 0 and steps_of(run) == [1, 2, 3, 4, 5, 6]
+
 def test_a_truncated_tokenizer_is_refused_by_its_hash(run, capsys):
     tok = run / "tokenizer.json"
     tok.write_bytes(tok.read_bytes()[:-200])

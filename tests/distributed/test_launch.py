@@ -1,0 +1,62 @@
+"""A rank started by torchrun's agent (``subquad train --nproc``) ends when the agent is killed outright:
+``launch.die_with_parent`` (PR_SET_PDEATHSIG). Linux only, as the call."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
+
+# the parent starts a child and prints its pid; the child (with "die": after die_with_parent) says it is ready
+PARENT = """
+import subprocess, sys, time
+child = subprocess.Popen([sys.executable, "-c", sys.argv[1], sys.argv[2]])
+print(child.pid, flush=True)
+time.sleep(120)
+"""
+CHILD = """
+import sys, time
+if sys.argv[1] == "die":
+    from subquad.distributed.launch import die_with_parent
+    die_with_parent()
+print("ready", flush=True)
+time.sleep(120)
+"""
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    with open(f"/proc/{pid}/stat") as f:           # a zombie (reaped by init shortly) counts as gone
+        return f.read().split(") ")[-1][0] != "Z"
+
+
+def _child_after_parent_killed(how: str, wait: float) -> tuple[int, bool]:
+    """(the child's pid, whether it is still alive ``wait`` s after its parent got SIGKILL)."""
+    parent = subprocess.Popen([sys.executable, "-c", PARENT, CHILD, how], stdout=subprocess.PIPE, text=True)
+    try:
+        pid = int(parent.stdout.readline())
+        assert parent.stdout.readline().strip() == "ready"
+    finally:
+        parent.kill()
+        parent.wait(30)
+    end = time.monotonic() + wait
+    while time.monotonic() < end and _alive(pid):
+        time.sleep(0.1)
+    return pid, _alive(pid)
+
+
+def test_a_rank_ends_when_the_process_that_started_it_is_killed():
+    pid, alive = _child_after_parent_killed("plain", 1.0)      # the control: without it, the child lives on
+    try:
+        assert alive
+    finally:
+        if _alive(pid):
+            os.kill(pid, signal.SIGKILL)
+    assert not _child_after_parent_killed("die", 10.0)[1]
