@@ -224,7 +224,8 @@ def test_a_config_json_edited_by_hand_is_refused_against_the_checkpoints_trainin
     assert resume(run, "--steps", "6") == 2
     err = capsys.readouterr().err
     assert "differs from the training its newest checkpoint (step 4) holds" in err, err
-    assert "lr: 0.01 (the checkpoint trained with 0.003)" in err and "batch_size: 3 (the checkpoint trained with 2)" in err
+    assert "lr: 0.01 (the checkpoint trained with 0.003)" in err
+    assert "batch_size: 3 (the checkpoint trained with 2)" in err
     assert (run / "metrics.jsonl").read_bytes() == before and json.loads(path.read_text()) == cfg
     path.write_text(good)
     assert resume(run, "--steps", "6") == 0 and steps_of(run) == [1, 2, 3, 4, 5, 6]
