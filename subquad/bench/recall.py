@@ -143,7 +143,8 @@ def sweep(out="runs/recall", mixers=None, sizes=((64, 4), (128, 8), (256, 16)), 
     if others and not mix_budgets:
         raise ValueError(f"{path} holds cells trained with a budget of {_steps(others)}; this sweep asks for "
                          f"{steps:,} steps, and one table would mix the two. Keep the budget (--steps), write to "
-                         f"another folder (--out), or pass mix_budgets=True to keep both, each on rows of its own")
+                         f"another folder (--out), or pass --mix-budgets (mix_budgets=True) to keep both, each on rows "
+                         f"of its own")
     out.mkdir(parents=True, exist_ok=True)
     rows = sweep_rows()
     names = list(mixers or rows)
@@ -226,8 +227,8 @@ def _single_budget(results, mix_budgets):
     bs = budgets(results)
     if len(bs) > 1 and not mix_budgets:
         raise ValueError(f"the recall results mix step budgets ({_steps(bs)}): accuracies at different budgets "
-                         f"are not comparable in one table. Pass mix_budgets=True to show each budget on rows "
-                         f"of its own, or keep one budget per results file")
+                         f"are not comparable in one table. Pass --mix-budgets (mix_budgets=True) to show each budget "
+                         f"on rows of its own, or keep one budget per results file")
 
 
 def _lr(lr) -> str:

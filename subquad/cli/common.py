@@ -44,6 +44,17 @@ def nonneg_float(text: str) -> float:
     return v
 
 
+def positive_seconds(text: str) -> float:
+    """A time limit: a finite number of seconds > 0 (0, negative, nan and inf refused by argparse)."""
+    try:
+        v = float(text)
+    except ValueError:
+        v = 0.0
+    if not 0 < v < float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a number of seconds > 0, got {text!r}")
+    return v
+
+
 def device(text: str):
     from subquad.device import resolve_device
 

@@ -15,6 +15,10 @@ def sizes(text: str):
         out = []
     if not out or any(len(t) != 2 for t in out):
         raise argparse.ArgumentTypeError(f"--sizes takes TxN pairs like 64x4,128x8, got {text!r}")
+    for T, N in out:                        # MQAR's own conditions (tasks.mqar), before any cell trains
+        if N < 1 or T % 2 or 4 * N > T:
+            raise argparse.ArgumentTypeError(f"--sizes {T}x{N}: each needs N >= 1 key-value pairs, an even length "
+                                             f"T and 4 N <= T (pairs and their queries fit), got {text!r}")
     return out
 
 

@@ -7,7 +7,7 @@ import argparse
 import os
 import sys
 
-from subquad.cli.common import add_device_flag, positive
+from subquad.cli.common import add_device_flag, positive, positive_seconds
 
 
 def _option(text: str):
@@ -232,7 +232,7 @@ def add_parser(command) -> None:
                         "--rdzv-endpoint HOST:PORT of one of them)")
     t.add_argument("--rdzv-endpoint", metavar="HOST:PORT",
                    help="where the machines of a multi-node run meet (torchrun's c10d rendezvous)")
-    t.add_argument("--dist-timeout", type=float, default=60.0,
+    t.add_argument("--dist-timeout", type=positive_seconds, default=60.0,
                    help="seconds a rank waits for a peer before stopping with an error (distributed runs)")
     add_device_flag(t)
     t.set_defaults(fn=run, parser=t)

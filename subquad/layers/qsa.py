@@ -45,12 +45,13 @@ from subquad.ops import KVCache
 class IndexedAttention(SoftmaxAttention):
     """``SoftmaxAttention`` (no window) whose queries see only the tokens the indexer selects (module doc):
     o_t = softmax over S_t of q_t k_j, times v_j.
-    Args beyond the parent's: index_heads (Hi), index_head_dim (D, at least the rotating dims), index_budget
+    Args beyond the parent's: index_heads (Hi), index_head_dim (D, at least the rotating dims; None: 16, or the
+    rotating dims where there are more - a model's pattern "qsa" at head_dim 32 once failed to build), index_budget
     (tokens selected from complete blocks, a multiple of index_block), index_block (c).
     State: {"kv": the KV cache, "ik": the indexer's raw keys (a ``KVCache`` without values)}."""
 
     def __init__(self, d_model: int, n_heads: int = 4, n_kv_heads: int | None = None, index_heads: int = 2,
-                 index_head_dim: int = 16, index_budget: int = 16, index_block: int = 4, rotary: bool = True,
+                 index_head_dim: int | None = None, index_budget: int = 16, index_block: int = 4, rotary: bool = True,
                  rotary_base: float = 10000.0, rotary_fraction: float = 1.0, head_dim: int | None = None,
                  qk_norm: str | None = None, qk_norm_eps: float = 1e-6, output_gate: bool = False,
                  scale: float | None = None, mode: str = "parallel", chunk_size: int = 64):
@@ -59,6 +60,8 @@ class IndexedAttention(SoftmaxAttention):
         super().__init__(d_model, n_heads, n_kv_heads, rotary=rotary, rotary_base=rotary_base,
                          rotary_fraction=rotary_fraction, head_dim=head_dim, qk_norm=qk_norm, qk_norm_eps=qk_norm_eps,
                          output_gate=output_gate, scale=scale, mode=mode, chunk_size=chunk_size)
+        if index_head_dim is None:
+            index_head_dim = max(16, self.rotary_dim if self.rotary else 0)
         for name, v in (("index_heads", index_heads), ("index_head_dim", index_head_dim),
                         ("index_budget", index_budget), ("index_block", index_block)):
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:

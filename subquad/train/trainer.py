@@ -423,7 +423,8 @@ class Trainer:
                 skipped = not (torch.isfinite(loss) and torch.isfinite(gnorm))
                 if skipped and cfg.on_nonfinite == "stop":   # no update and no checkpoint from this step
                     raise TrainingDiverged(f"the gradient norm became {float(gnorm)} at step {step}; stopped before "
-                                           f"updating. {self._kept()} (try a lower --lr, or on_nonfinite='skip')")
+                                           f"updating. {self._kept()} (try a lower --lr, or --on-nonfinite skip: "
+                                           "on_nonfinite='skip')")
                 if skipped:
                     self.opt.zero_grad(set_to_none=True)     # on_nonfinite="skip": the batch is consumed, no update
                     n_skipped += 1

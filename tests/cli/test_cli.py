@@ -95,6 +95,10 @@ def test_train_refuses_bad_options(capsys):
     assert "--mixer-option swa.window is given twice (128 and 64)" in capsys.readouterr().err
     assert main(["train", "--pattern", "mamba2", "--n-kv-heads", "2", "--no-progress"]) == 2   # would change nothing
     assert "--n-kv-heads sets the key/value heads of attention layers" in capsys.readouterr().err
+    for value in ("0", "-5", "nan", "inf"):                # torch.distributed's timeout: refused before any rank
+        with pytest.raises(SystemExit):
+            main(["train", "--dist-timeout", value])
+        assert f"--dist-timeout: expected a number of seconds > 0, got '{value}'" in capsys.readouterr().err
 
 
 def test_quick_recall_sweep_runs_end_to_end_and_resumes(tmp_path, capsys):
@@ -109,9 +113,10 @@ def test_quick_recall_sweep_runs_end_to_end_and_resumes(tmp_path, capsys):
     capsys.readouterr()
     assert main(["recall", "--quick", "--out", str(out), "--no-progress"]) == 0     # resumes: nothing left to run
     assert "[1/4]" not in capsys.readouterr().out
-    assert main(["recall", "--quick", "--sizes", "8x8", "--out", str(out)]) == 2   # not silently ignored
+    assert main(["recall", "--quick", "--sizes", "16x2", "--out", str(out)]) == 2   # not silently ignored
     assert "--quick sets its own tiny sweep; drop --sizes" in capsys.readouterr().err
-    for flag, value in (("--lrs", "0"), ("--d-models", "0,32"), ("--lrs", "x")):
+    for flag, value in (("--lrs", "0"), ("--d-models", "0,32"), ("--lrs", "x"), ("--sizes", "64x40"), ("--sizes", "63x4"),
+                        ("--sizes", "64x0")):            # MQAR's conditions: refused before any cell trains
         with pytest.raises(SystemExit):
             main(["recall", flag, value])
         assert flag in capsys.readouterr().err

@@ -165,3 +165,27 @@ def test_the_batched_step_traces_as_one_graph():
             got, _ = compiled(x, state)
             torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
             state = {k: c.for_step() for k, c in s_want.items()}
+
+
+def test_the_index_head_dim_holds_the_rotating_dims_by_default():
+    """Without index_head_dim: 16, or the rotating dims where there are more - the pattern "qsa" at micro's shape
+    (heads of 32) builds and passes the layer's decoding battery; an index_head_dim given too small is refused."""
+    from subquad.layers.qsa import IndexedAttention
+    from subquad.models import LanguageModel, ModelConfig
+
+    assert IndexedAttention(16, n_heads=2).index_head_dim == 16
+    assert IndexedAttention(128, n_heads=4).index_head_dim == 32
+    assert IndexedAttention(128, n_heads=4, rotary_fraction=0.25).index_head_dim == 16
+    with pytest.raises(ValueError, match="index_head_dim=16 must hold the 32 rotating dims"):
+        IndexedAttention(128, n_heads=4, index_head_dim=16)
+    torch.manual_seed(0)
+    model = LanguageModel(ModelConfig(vocab_size=64, d_model=128, n_heads=4, n_layers=1, pattern="qsa")).double()
+    x = torch.randint(0, 64, (2, 23))
+    with torch.no_grad():
+        full = model(x)
+        logits, state = model.prefill(x[:, :20])
+        steps = [logits[:, -1]]
+        for t in range(20, 23):                   # past the budget (4 blocks of 4): the selection matters
+            logits, state = model.step(x[:, t], state)
+            steps.append(logits)
+    torch.testing.assert_close(torch.stack(steps, 1), full[:, 19:], rtol=1e-10, atol=1e-10)
