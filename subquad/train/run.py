@@ -51,12 +51,25 @@ def resume_differences(saved: dict, model_cfg: ModelConfig, train_cfg: TrainConf
     ``schedule_steps`` None means the run's own."""
     out = []
     for name, value in model_cfg.to_dict().items():
-        if name != "vocab_size" and saved["model"].get(name) != value:        # vocab: the tokenizer's
-            out.append(f"{name}: {value!r} (the run has {saved['model'].get(name)!r})")
+        have = saved["model"].get(name)
+        if name == "pattern" and _same_layers(value, have, model_cfg.n_layers):
+            continue                                                          # 'a,a,b' is 'a*2,b'
+        if name != "vocab_size" and have != value:                            # vocab: the tokenizer's
+            out.append(f"{name}: {value!r} (the run has {have!r})")
     out += train_differences(saved["train"], train_cfg)
     if not same_data(data or "stdlib", saved.get("data", "stdlib")):
         out.append(f"data: {data or 'stdlib'!r} (the run has {saved.get('data')!r})")
     return out
+
+
+def _same_layers(pattern, other, n_layers: int) -> bool:
+    """Whether two patterns spell the same stack of mixers (``mamba2*3,softmax`` and its four names)."""
+    from subquad.models.config import parse_pattern
+
+    try:
+        return parse_pattern(pattern, n_layers) == parse_pattern(other, n_layers)
+    except (ValueError, TypeError, AttributeError):
+        return False
 
 
 def train_differences(saved_train: dict, train_cfg: TrainConfig, schedule: bool = True, has: str = "the run has"

@@ -84,3 +84,18 @@ def test_tokenizer_round_trip_and_batches():
         get_batch(ids[:10], 1, 16, torch.Generator())
     with pytest.raises(ValueError, match="vocab_size"):
         train_tokenizer(texts, vocab_size=100)
+
+
+def test_a_corpus_too_small_for_the_vocabulary_asked_says_so(tmp_path):
+    """BPE stops merging when the corpus has no pairs left: the vocabulary comes out smaller than asked, and
+    prepare says so in one line (it was silent: --vocab-size 4096 gave a model of a few hundred tokens)."""
+    from subquad.data import prepare
+
+    (tmp_path / "c.py").write_text("def f(x):\n    return x + 1\n" * 40)
+    said = []
+    td = prepare(str(tmp_path / "c.py"), 4096, cache_dir=tmp_path / "cache", log=said.append)
+    size = td.tokenizer().get_vocab_size()
+    assert size < 4096
+    assert [m for m in said if "fewer than the 4,096 asked" in m] == [
+        f"the corpus gave {size:,} tokens, fewer than the 4,096 asked: the model's vocabulary is {size:,} (a larger "
+        "corpus gives more)"]

@@ -253,6 +253,22 @@ def test_a_run_another_process_trains_is_refused_by_its_lock(run, capsys):
         holder.wait(30)
     assert resume(run, "--steps", "6") == 0 and steps_of(run) == [1, 2, 3, 4, 5, 6]
 
+
+def test_a_pattern_spelled_otherwise_is_the_same_run():
+    """--pattern 'mamba2,mamba2,mamba2,softmax' on a run of 'mamba2*3,softmax' names the same stack: no
+    difference (it was refused); another stack is still named."""
+    from subquad.models import ModelConfig
+    from subquad.train.run import resume_differences
+    from subquad.train.trainer import TrainConfig
+
+    saved_cfg = ModelConfig(vocab_size=300, d_model=32, n_layers=4, n_heads=2, pattern="mamba2*3,softmax")
+    saved = {"model": saved_cfg.to_dict(), "train": {**TrainConfig().__dict__}, "data": "stdlib"}
+    same = ModelConfig(**{**saved_cfg.to_dict(), "pattern": "mamba2,mamba2,mamba2,softmax"})
+    assert resume_differences(saved, same, TrainConfig(), None) == []
+    other = ModelConfig(**{**saved_cfg.to_dict(), "pattern": "mamba2*2,softmax*2"})
+    assert resume_differences(saved, other, TrainConfig(), None) == [
+        "pattern: 'mamba2*2,softmax*2' (the run has 'mamba2*3,softmax')"]
+
 def test_a_truncated_tokenizer_is_refused_by_its_hash(run, capsys):
     tok = run / "tokenizer.json"
     tok.write_bytes(tok.read_bytes()[:-200])
