@@ -128,12 +128,14 @@ def pass_states(op, args: dict, *, pieces: int = 1, group=None):
     return o
 
 
-def state_passing(kind: str, q, k, v, *, g=None, beta=None, normalize: bool = False, scale=None,
-                  chunk_size: int = 64, group=None, pieces: int = 1, allow_neg_eigval: bool = False):
+def state_passing(kind: str, q, k, v, *, g=None, beta=None, w=None, a=None, b=None, normalize: bool | None = None,
+                  scale=None, chunk_size: int = 64, group=None, pieces: int = 1, allow_neg_eigval: bool = False):
     """``kind`` (an op name of ``KINDS``) over this rank's ``pieces`` pieces, stacked along the batch.
 
-    q, k (n B, t, H, K), v (n B, t, H, V), g / beta likewise (retention's g (H,) as is). ``allow_neg_eigval``:
-    the delta rules' beta in [0, 2]. Returns o (n B, t, H, V).
+    q, k (n B, t, H, K), v (n B, t, H, V), g / beta (and the generalized delta rule's w, a, b) likewise
+    (retention's g (H,) as is); each op's own (``subquad.ops``), the ones it requires refused by name when
+    missing. ``normalize``: linear attention's normaliser, None its default (True, as ``ops.linear_attention``).
+    ``allow_neg_eigval``: the delta rules' beta in [0, 2]. Returns o (n B, t, H, V).
     """
     if not dist.is_initialized():
         raise ValueError("sequence parallelism needs torch.distributed initialised (torchrun, or init_process_group)")
@@ -146,23 +148,33 @@ def state_passing(kind: str, q, k, v, *, g=None, beta=None, normalize: bool = Fa
     op = getattr(ops, kind)
     sig = inspect.signature(op)
     args = sig.bind_partial(q, k, v).arguments
-    for name, value in (("g", g), ("beta", beta), ("normalize", normalize), ("scale", scale),
+    if normalize is None and "normalize" in sig.parameters:        # the op's own default, said to pass_states
+        normalize = sig.parameters["normalize"].default
+    given = {"g": g, "beta": beta, "w": w, "a": a, "b": b}
+    for name, value in given.items():
+        if value is not None and name not in sig.parameters:
+            raise ValueError(f"kind={kind!r} takes no {name} (its op: {', '.join(sig.parameters)})")
+        if value is None and name in sig.parameters and sig.parameters[name].default is inspect.Parameter.empty:
+            raise ValueError(f"kind={kind!r} needs {name} (a per-token tensor of its op, subquad.ops.{kind})")
+    for name, value in (*given.items(), ("normalize", normalize), ("scale", scale),
                         ("allow_neg_eigval", allow_neg_eigval)):
         if name in sig.parameters and value is not None:
             args[name] = value
     return pass_states(op, {**args, "chunk_size": chunk_size}, pieces=pieces, group=group)
-def sequence_parallel(kind: str, q, k, v, *, g=None, beta=None, normalize: bool = False, scale=None,
-                      chunk_size: int = 64, group=None, cu_seqlens=None, allow_neg_eigval: bool = False):
+def sequence_parallel(kind: str, q, k, v, *, g=None, beta=None, w=None, a=None, b=None,
+                      normalize: bool | None = None, scale=None, chunk_size: int = 64, group=None, cu_seqlens=None,
+                      allow_neg_eigval: bool = False):
     """This rank's outputs (B, t, H, V) of ``kind`` over the sequence split contiguously across ``group``.
 
-    q, k (B, t, H, K), v (B, t, H, V), and per-token gates (g, beta: (B, t, H[, K])) are this rank's piece;
-    retention's g (H,) is the same on every rank. ``normalize`` (linear attention only) carries the
-    normaliser as an extra value column. ``cu_seqlens`` is refused (a rank's piece is part of one sequence).
+    q, k (B, t, H, K), v (B, t, H, V), and per-token gates (g, beta, the generalized delta rule's w, a, b:
+    (B, t, H[, K])) are this rank's piece; retention's g (H,) is the same on every rank. ``normalize`` (linear
+    attention only; None: the op's default, True) carries the normaliser as an extra value column.
+    ``cu_seqlens`` is refused (a rank's piece is part of one sequence).
     """
     if cu_seqlens is not None:
         raise ValueError("cu_seqlens is not supported across processes: each rank's shard is one piece of one sequence. "
                          "Shard whole documents instead (data parallelism), or run packed batches on one process")
     if kind not in KINDS:
         raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
-    return state_passing(kind, q, k, v, g=g, beta=beta, normalize=normalize, scale=scale, chunk_size=chunk_size,
-                         group=group, pieces=1, allow_neg_eigval=allow_neg_eigval)
+    return state_passing(kind, q, k, v, g=g, beta=beta, w=w, a=a, b=b, normalize=normalize, scale=scale,
+                         chunk_size=chunk_size, group=group, pieces=1, allow_neg_eigval=allow_neg_eigval)

@@ -28,7 +28,12 @@ def inputs(kind, seed=0):
         x["g"] = -torch.rand(2, T, H, K, generator=g, dtype=torch.float64)
     if kind in ("delta_rule", "gated_delta_rule"):
         x["beta"] = torch.rand(2, T, H, generator=g, dtype=torch.float64)
-    return x, torch.randn(2, T, H, V, generator=g, dtype=torch.float64)
+    if kind == "generalized_delta_rule":                       # RWKV-7's: a = -kk, b = lr kk, w <= 0
+        kk = F.normalize(torch.randn(2, T, H, K, generator=g, dtype=torch.float64), dim=-1)
+        lr = torch.rand(2, T, H, 1, generator=g, dtype=torch.float64)
+        x.update(w=-0.6 * torch.rand(2, T, H, K, generator=g, dtype=torch.float64), a=-kk, b=lr * kk)
+        x["v"] = torch.randn(2, T, H, K, generator=g, dtype=torch.float64)
+    return x, torch.randn(2, T, H, x["v"].shape[-1], generator=g, dtype=torch.float64)
 
 
 def single(kind, x, normalize):
@@ -39,6 +44,8 @@ def single(kind, x, normalize):
         return getattr(ops, kind)(x["q"], x["k"], x["v"], x["g"], **kw)[0]
     if kind == "delta_rule":
         return ops.delta_rule(x["q"], x["k"], x["v"], x["beta"], **kw)[0]
+    if kind == "generalized_delta_rule":
+        return ops.generalized_delta_rule(x["q"], x["k"], x["v"], x["w"], x["a"], x["b"], **kw)[0]
     return ops.gated_delta_rule(x["q"], x["k"], x["v"], x["g"], x["beta"], **kw)[0]
 
 
@@ -48,13 +55,43 @@ def _piece(rank, world, kind, normalize):
     local = {n: (a if (n == "g" and kind == "retention") else a[:, rank * t:(rank + 1) * t]).clone().requires_grad_()
              for n, a in x.items()}
     o = sequence_parallel(kind, local["q"], local["k"], local["v"], g=local.get("g"), beta=local.get("beta"),
-                          normalize=normalize, chunk_size=4)
+                          w=local.get("w"), a=local.get("a"), b=local.get("b"), normalize=normalize, chunk_size=4)
     (o * do[:, rank * t:(rank + 1) * t]).sum().backward()
     return {"o": o.detach(), **{n: a.grad for n, a in local.items()}}
 
 
 CASES = [("linear_attention", False), ("linear_attention", True), ("retention", False), ("simple_gla", False),
-         ("gla", False), ("delta_rule", False), ("gated_delta_rule", False)]
+         ("gla", False), ("delta_rule", False), ("gated_delta_rule", False), ("generalized_delta_rule", False)]
+
+
+def test_every_kind_is_tested():
+    from subquad.distributed.seqpar import KINDS
+
+    assert sorted({kind for kind, _ in CASES}) == sorted(KINDS)
+
+
+def _defaults_and_missing(rank, world):
+    """sequence_parallel's normalize follows ops.linear_attention's default (True); a gate the kind needs and
+    was not given, or one it does not take, is refused naming the argument."""
+    x, _ = inputs("linear_attention")
+    t = T // world
+    q, k, v = (x[n][:, rank * t:(rank + 1) * t] for n in "qkv")
+    out = {"same": torch.equal(sequence_parallel("linear_attention", q, k, v, chunk_size=4),
+                               sequence_parallel("linear_attention", q, k, v, normalize=True, chunk_size=4))}
+    for kind, kw, want in (("gated_delta_rule", {"beta": q[..., 0]}, "needs g"), ("delta_rule", {}, "needs beta"),
+                           ("generalized_delta_rule", {"w": q, "a": q}, "needs b"),
+                           ("retention", {"beta": q[..., 0], "g": q[0, 0, :, 0]}, "takes no beta")):
+        try:
+            sequence_parallel(kind, q, k, v, **kw)
+            out[kind] = None
+        except ValueError as e:
+            out[kind] = want in str(e)
+    return out
+
+
+def test_defaults_follow_the_ops_and_missing_gates_are_named():
+    for r in run(2, _defaults_and_missing):
+        assert all(r.values()), r
 
 
 @pytest.mark.parametrize("world", [2, 4])
