@@ -280,6 +280,7 @@ def _train_run(model_cfg, train_cfg, out, data, resume, vocab_size, progress, lo
                                      f"{trainer.step}) holds: {'; '.join(diff)}. Put the checkpoint's settings "
                                      "back in config.json, or train them as a new --out")
                 log(f"resuming {out} from step {trainer.step}")
+                _say_world(saved.get("world"), world, train_cfg, log)
                 if rank == 0:
                     trainer._trim_metrics()
                 _say_schedule(train_cfg, old, trainer.step, reschedule, log)
@@ -316,6 +317,16 @@ def _config_or_empty(out: Path) -> dict:
         return json.loads((out / "config.json").read_text())
     except (OSError, ValueError):
         return {"checkpointed": False}
+
+
+def _say_world(before: int | None, world: int, cfg: TrainConfig, log) -> None:
+    """One line when a resume runs on another number of processes: each draws ``batch_size`` sequences (a
+    context-parallel group of ranks shares them), so the sequences per step change with the processes."""
+    if before is None or before == world:
+        return
+    per = lambda w: w // cfg.context_parallel * cfg.batch_size          # noqa: E731
+    log(f"the run trained on {before} process{'es' if before > 1 else ''} ({per(before)} sequences a step); it "
+        f"continues on {world}: {per(world)} sequences a step, each process drawing --batch-size {cfg.batch_size}")
 
 
 def _say_schedule(cfg: TrainConfig, old: int, step: int, reschedule: bool, log) -> None:
