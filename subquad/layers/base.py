@@ -57,6 +57,43 @@ def tensor_bytes(obj) -> int:
     return 0
 
 
+def _structure(state):
+    """A state's layout: dicts by key, tensors by their shape past the batch, anything else by its type."""
+    if isinstance(state, dict):
+        return {k: _structure(v) for k, v in state.items()}
+    if isinstance(state, torch.Tensor):
+        return tuple(state.shape[1:])
+    return type(state).__name__
+
+
+def check_state(layer, state, rows: int) -> None:
+    """A state passed to ``layer`` has the layout its ``empty_state`` gives - the same keys, each tensor
+    ``rows`` rows and the same shape past them - or a ValueError says what differs (a state of another layer,
+    batch or width reached the op as a KeyError or a size error). The layout is taken once per layer, on the
+    meta device; a layer whose ``empty_state`` needs more is not checked."""
+    spec = layer.__dict__.get("_state_layout")
+    if spec is None:
+        try:
+            spec = _structure(layer.empty_state(1, device="meta"))
+        except Exception:                       # noqa: BLE001  (a layer's own empty_state: not checked then)
+            spec = False
+        layer.__dict__["_state_layout"] = spec
+    if not isinstance(spec, dict):
+        return
+    name = type(layer).__name__
+    if not isinstance(state, dict) or set(state) != set(spec):
+        got = sorted(state) if isinstance(state, dict) else type(state).__name__
+        raise ValueError(f"state: {name} takes a state with keys {sorted(spec)} (its empty_state), got {got}")
+    for key, want in spec.items():
+        t = state[key]
+        if isinstance(want, tuple):
+            if not isinstance(t, torch.Tensor) or t.dim() != len(want) + 1 or t.shape[0] != rows \
+                    or tuple(t.shape[1:]) != want:
+                got = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+                raise ValueError(f"state[{key!r}]: {name} takes ({rows}, {', '.join(map(str, want))}) for "
+                                 f"{rows} row(s), got {got}")
+
+
 class Mixer(nn.Module):
     """Base class: a sequence mixer (B, T, D) -> (B, T, D) that carries its own decoding state."""
 
@@ -101,6 +138,11 @@ class Mixer(nn.Module):
         values that cross layers in this forward (module doc), or None."""
         if not isinstance(x, torch.Tensor) or x.dim() != 3 or x.shape[-1] != self.d_model:
             raise ValueError(f"x must be (B, T, d_model={self.d_model}), got shape {tuple(getattr(x, 'shape', ()))}")
+        if x.shape[1] == 0:
+            raise ValueError(f"x must hold at least one token, got shape {tuple(x.shape)}")
+        if state is not None and not torch.compiler.is_compiling():
+            rows = x.shape[0] if cu_seqlens is None else len(cu_seqlens) - 1
+            check_state(self, state, rows)
         seq = sequence.backend()
         if cu_seqlens is not None:
             if not seq.whole_sequence:

@@ -178,6 +178,30 @@ def test_bad_input_raises(name):
         layer(torch.randn(5, D, dtype=torch.float64))
 
 
+
+def test_a_state_of_another_layer_batch_or_width_is_refused_by_name():
+    """A state whose keys, rows or widths are not the layer's own (its empty_state's layout): a ValueError naming
+    the key and the shapes, where a KeyError or a size error deep in the op came before; no tokens, likewise;
+    a packed batch's state has a row per sequence. A good state still runs."""
+    from subquad.layers import GatedDeltaNet
+
+    torch.manual_seed(0)
+    m, x = Mamba2(32), torch.randn(2, 5, 32)
+    cases = [(GatedDeltaNet(32, n_heads=2).empty_state(2),
+              r"takes a state with keys \['conv', 'ssm'\].*got \['S', 'conv'\]"),
+             (m.empty_state(3), r"state\['(ssm|conv)'\]: Mamba2 takes \(2, .*for 2 row\(s\), got \(3, "),
+             (Mamba2(64).empty_state(2), r"state\['(ssm|conv)'\]: Mamba2 takes \(2, "),
+             (torch.zeros(1), r"keys \['conv', 'ssm'\].*got Tensor")]
+    for state, match in cases:
+        with pytest.raises(ValueError, match=match):
+            m(x, state)
+    with pytest.raises(ValueError, match=r"at least one token, got shape \(2, 0, 32\)"):
+        m(x[:, :0])
+    with pytest.raises(ValueError, match=r"for 2 row\(s\), got \(1, "):
+        m(x.reshape(1, 10, 32), m.empty_state(1), cu_seqlens=torch.tensor([0, 4, 10]))
+    y, _ = m(x, m.empty_state(2))
+    assert y.shape == x.shape
+
 def test_grouped_query_attention_shrinks_the_cache():
     full = build_mixer("softmax", D, 4)
     gqa = build_mixer("softmax", D, 4, n_kv_heads=1)
