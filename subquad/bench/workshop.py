@@ -145,11 +145,16 @@ def run(out: str | Path = "runs/workshop", head_dim: int = 32, contexts=None, se
 
 def _refuse_other_positions(out: Path, positions: str) -> None:
     """A workshop's runs are named by their positions, so another --positions would train beside them and
-    overwrite the workshop.json and workshop.png of the first: refused by name, as other --steps or --data are."""
+    overwrite the workshop.json and workshop.png of the first: refused by name, as other --steps or --data are
+    - found in workshop.json, or, for a workshop stopped before writing it, in its runs' folder names."""
+    had = None
     try:
         had = json.loads((out / "workshop.json").read_text()).get("training", {}).get("positions")
     except (OSError, ValueError, AttributeError):
-        return
+        pass
+    if had is None:
+        had = next((other for other in ("rope", "learned") if other != positions
+                    and any((out / f"{name}_{other}_seed0").is_dir() for name in ("softmax", "linear"))), None)
     if had is not None and had != positions:
         raise ValueError(f"{out} holds a workshop of --positions {had} (its workshop.json); --positions {positions} "
                          f"would overwrite its results: give another --out")

@@ -94,6 +94,9 @@ def run(args) -> int:
         kw = dict(mixers=args.mixers or ["softmax", "linear (elu+1)"], sizes=[(16, 2)], d_models=[32], lrs=[3e-3],
                   vocab=32, steps=30, batch=16, seeds=range(args.seeds))
     else:
+        long = [f"{T}x{N}" for T, N in args.sizes if T >= args.vocab]          # MQAR's fourth condition
+        if long:
+            raise ValueError(f"--sizes {','.join(long)}: MQAR needs --vocab ({args.vocab}) above each length T")
         kw = dict(mixers=args.mixers, sizes=args.sizes, d_models=args.d_models, lrs=args.lrs, vocab=args.vocab,
                   steps=args.steps, batch=args.batch_size, seeds=range(args.seeds))
     res = recall.sweep(out=args.out, mlp=args.mlp, progress=not args.no_progress, device=args.device,

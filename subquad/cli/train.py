@@ -119,7 +119,7 @@ def _resume_configs(args):
 
     from subquad.models import ModelConfig, preset
     from subquad.train import TrainConfig
-    from subquad.train.run import RESUME_SAFE, read_run_config, same_data
+    from subquad.train.run import RESUME_SAFE, read_run_config, same_data, same_layers
 
     if not args.out:
         raise ValueError("--resume needs --out, the run folder to continue")
@@ -141,6 +141,8 @@ def _resume_configs(args):
     if "blocks" in given:
         asked.update(RWKV7_BLOCKS)
     for field, value in asked.items():
+        if field == "pattern" and same_layers(value, model.get(field), asked.get("n_layers", model["n_layers"])):
+            continue                                                          # 'a,a,b' is the run's 'a*2,b'
         if model.get(field) != value:
             refused.append(f"{field} {value!r} (the run has {model.get(field)!r})")
     for dest, field in _TRAIN_FLAGS.items():

@@ -95,8 +95,8 @@ def prepare(data: str | None = None, vocab_size: int = 4096, cache_dir=None, log
                 f"{corpus.manifest['train_chars']:,} characters of {corpus.name} ...")
             tok = train_tokenizer(corpus.train, vocab_size)
             if tok.get_vocab_size() < vocab_size:          # BPE ran out of pairs to merge: said, not silent
-                log(f"the corpus gave {tok.get_vocab_size():,} tokens, fewer than the {vocab_size:,} asked: the "
-                    f"model's vocabulary is {tok.get_vocab_size():,} (a larger corpus gives more)")
+                log(f"BPE ran out of merges on this corpus: a vocabulary of {tok.get_vocab_size():,} tokens, fewer "
+                    f"than the {vocab_size:,} asked (a larger corpus gives more)")
             tok.save(str(tmp))
         os.replace(tmp, tok_path)
         for path, texts in ((tr_path, corpus.train), (ho_path, corpus.heldout)):

@@ -154,8 +154,9 @@ def state_passing(kind: str, q, k, v, *, g=None, beta=None, w=None, a=None, b=No
     for name, value in given.items():
         if value is not None and name not in sig.parameters:
             raise ValueError(f"kind={kind!r} takes no {name} (its op: {', '.join(sig.parameters)})")
-        if value is None and name in sig.parameters and sig.parameters[name].default is inspect.Parameter.empty:
-            raise ValueError(f"kind={kind!r} needs {name} (a per-token tensor of its op, subquad.ops.{kind})")
+    for name, param in sig.parameters.items():         # every argument the op requires past q, k, v
+        if name not in args and param.default is inspect.Parameter.empty and given.get(name) is None:
+            raise ValueError(f"kind={kind!r} needs {name} (an argument of its op, subquad.ops.{kind})")
     for name, value in (*given.items(), ("normalize", normalize), ("scale", scale),
                         ("allow_neg_eigval", allow_neg_eigval)):
         if name in sig.parameters and value is not None:

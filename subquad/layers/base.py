@@ -12,8 +12,9 @@ A state is always a dict: fixed-state mixers hold tensors ({"S": ...}, {"ssm": .
 softmax attention holds its ``KVCache`` under "kv", and a token counter, where a layer needs
 one for positions, is a 0-d long tensor "pos" on the state's device.
 
-``Mixer.forward`` does what every layer shares - the input check, refusing a state where the
-sequence backend sees only part of each sequence (context parallelism), and running a long
+``Mixer.forward`` does what every layer shares - the input checks (a state passed in must have
+``empty_state``'s layout: ``check_state``; a block's fused decoding calls skip it), refusing a state
+where the sequence backend sees only part of each sequence (context parallelism), and running a long
 forward of a fixed-state mixer in pieces - and calls the layer's ``mix(x, state, seq)``, which
 holds the layer's equations. ``seq`` is the sequence backend (``subquad.layers.sequence``): the
 one entry point for positions, short convolutions, attention and recurrences.
@@ -62,15 +63,16 @@ def _structure(state):
     if isinstance(state, dict):
         return {k: _structure(v) for k, v in state.items()}
     if isinstance(state, torch.Tensor):
-        return tuple(state.shape[1:])
+        return (state.dim(), tuple(state.shape[1:]))
     return type(state).__name__
 
 
 def check_state(layer, state, rows: int) -> None:
     """A state passed to ``layer`` has the layout its ``empty_state`` gives - the same keys, each tensor
-    ``rows`` rows and the same shape past them - or a ValueError says what differs (a state of another layer,
-    batch or width reached the op as a KeyError or a size error). The layout is taken once per layer, on the
-    meta device; a layer whose ``empty_state`` needs more is not checked."""
+    ``rows`` rows and (``Mixer.fixed_state_shapes``) the same shape past them - or a ValueError says what
+    differs (a state of another layer, batch or width reached the op as a KeyError or a size error). The
+    layout is taken once per layer, on the meta device; a layer whose ``empty_state`` needs more, and 0-d
+    entries, are not checked."""
     spec = layer.__dict__.get("_state_layout")
     if spec is None:
         try:
@@ -84,20 +86,26 @@ def check_state(layer, state, rows: int) -> None:
     if not isinstance(state, dict) or set(state) != set(spec):
         got = sorted(state) if isinstance(state, dict) else type(state).__name__
         raise ValueError(f"state: {name} takes a state with keys {sorted(spec)} (its empty_state), got {got}")
+    fixed = getattr(layer, "fixed_state_shapes", True)
     for key, want in spec.items():
         t = state[key]
-        if isinstance(want, tuple):
-            if not isinstance(t, torch.Tensor) or t.dim() != len(want) + 1 or t.shape[0] != rows \
-                    or tuple(t.shape[1:]) != want:
-                got = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
-                raise ValueError(f"state[{key!r}]: {name} takes ({rows}, {', '.join(map(str, want))}) for "
-                                 f"{rows} row(s), got {got}")
+        if not isinstance(want, tuple) or want[0] == 0:
+            continue
+        dim, past = want
+        if not isinstance(t, torch.Tensor) or t.dim() != dim or t.shape[0] != rows \
+                or (fixed and tuple(t.shape[1:]) != past):
+            got = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+            shape = f"({rows}, {', '.join(map(str, past))})" if fixed else f"{dim}-d tensors of {rows} row(s)"
+            raise ValueError(f"state[{key!r}]: {name} takes {shape} for {rows} row(s), got {got}")
 
 
 class Mixer(nn.Module):
     """Base class: a sequence mixer (B, T, D) -> (B, T, D) that carries its own decoding state."""
 
     piece_size: int | None = None   # fixed-state mixers: tokens per piece of a long forward
+    # a state passed in is checked against empty_state's layout (``check_state``): its keys, each tensor's rows
+    # and, where this holds, each tensor's shape past them; a mixer whose state tensors grow sets False
+    fixed_state_shapes = True
     normed_output = False           # the output is normalised before the output projection (LanguageModel's init)
     uses_carry = False              # mix(x, state, seq, carry): reads or writes values that cross layers (module doc)
 

@@ -52,7 +52,7 @@ def resume_differences(saved: dict, model_cfg: ModelConfig, train_cfg: TrainConf
     out = []
     for name, value in model_cfg.to_dict().items():
         have = saved["model"].get(name)
-        if name == "pattern" and _same_layers(value, have, model_cfg.n_layers):
+        if name == "pattern" and same_layers(value, have, model_cfg.n_layers):
             continue                                                          # 'a,a,b' is 'a*2,b'
         if name != "vocab_size" and have != value:                            # vocab: the tokenizer's
             out.append(f"{name}: {value!r} (the run has {have!r})")
@@ -62,7 +62,7 @@ def resume_differences(saved: dict, model_cfg: ModelConfig, train_cfg: TrainConf
     return out
 
 
-def _same_layers(pattern, other, n_layers: int) -> bool:
+def same_layers(pattern, other, n_layers: int) -> bool:
     """Whether two patterns spell the same stack of mixers (``mamba2*3,softmax`` and its four names)."""
     from subquad.models.config import parse_pattern
 
@@ -166,7 +166,8 @@ def lock_run(out: Path, held: ExitStack) -> None:
     """Hold an exclusive lock on the run folder ``out`` (flock on the folder itself; the kernel releases it
     when the process ends, even when killed) until ``held`` closes: a second ``subquad train`` of the same run
     - a resume while it still trains, ranks a killed launcher left running - is refused by name instead of
-    writing the same checkpoints. Not on systems without flock (Windows)."""
+    writing the same checkpoints. Rank 0 takes it (torchrun's agent stops the other ranks when it refuses). Not
+    where there is no flock (Windows, filesystems without it)."""
     try:
         import fcntl
     except ImportError:
@@ -177,7 +178,10 @@ def lock_run(out: Path, held: ExitStack) -> None:
     except BlockingIOError:
         os.close(fd)
         raise ValueError(f"another process is training the run in {out} (it holds the folder's lock): wait for "
-                         "it to end, or stop it, before resuming") from None
+                         "it to end, or stop it, before training it again") from None
+    except OSError:                            # a filesystem without flock (some Lustre, NFS, FUSE mounts)
+        os.close(fd)
+        return
     held.callback(os.close, fd)
 
 
@@ -196,7 +200,8 @@ def _train_run(model_cfg, train_cfg, out, data, resume, vocab_size, progress, lo
     out = Path(out)
     resume = resume or restart
     saved, tok_path, manifest = None, None, None
-    if rank == 0 and out.is_dir():
+    locked = rank == 0 and out.is_dir()
+    if locked:
         lock_run(out, held)
     if resume:
         saved = read_run_config(out)
@@ -254,8 +259,12 @@ def _train_run(model_cfg, train_cfg, out, data, resume, vocab_size, progress, lo
     trainer = None
     try:
         out.mkdir(parents=True, exist_ok=True)
-        if rank == 0 and created:
-            lock_run(out, held)
+        if rank == 0 and not locked:
+            try:
+                lock_run(out, held)
+            except ValueError:
+                created = False                # another process made the folder and trains in it: not ours
+                raise
         trainer = Trainer(trained, td, train_cfg, out, progress=progress and rank == 0, mesh=mesh)
         if restart:
             log(f"--restart: training {out} again from step 0 (its checkpoints are lost)")
@@ -272,15 +281,16 @@ def _train_run(model_cfg, train_cfg, out, data, resume, vocab_size, progress, lo
                 raise ValueError(f"the run in {out} is at step {trainer.step} already; pass --steps above it "
                                  "to train further")
             else:
+                # the schedule's length aside: a --reschedule stopped before its first checkpoint wrote it
                 ckpt = trainer.resumed_train_config
-                diff = [] if ckpt is None else train_differences(ckpt, train_cfg, schedule=not reschedule,
+                diff = [] if ckpt is None else train_differences(ckpt, train_cfg, schedule=False,
                                                                   has="the checkpoint trained with")
                 if diff:                       # config.json edited by hand: the curve would not be the run's
                     raise ValueError(f"{out / 'config.json'} differs from the training its newest checkpoint (step "
                                      f"{trainer.step}) holds: {'; '.join(diff)}. Put the checkpoint's settings "
                                      "back in config.json, or train them as a new --out")
                 log(f"resuming {out} from step {trainer.step}")
-                _say_world(saved.get("world"), world, train_cfg, log)
+                _say_world(trainer.resumed_world, world, train_cfg, log)
                 if rank == 0:
                     trainer._trim_metrics()
                 _say_schedule(train_cfg, old, trainer.step, reschedule, log)
@@ -296,9 +306,11 @@ def _train_run(model_cfg, train_cfg, out, data, resume, vocab_size, progress, lo
         if created and rank == 0:                             # nothing trained: no half-made run folder
             shutil.rmtree(out, ignore_errors=True)
         raise
-    if train_cfg.steps < train_cfg.warmup:
-        log(f"warning: the run's {train_cfg.steps} steps end inside the {train_cfg.warmup}-step warmup: the learning "
-            f"rate reaches {train_cfg.lr_at(train_cfg.steps):.3g}, never the peak --lr {train_cfg.lr:g}")
+    end = min(train_cfg.steps, train_cfg.schedule_steps or train_cfg.steps)   # where the rate stops changing
+    if end < train_cfg.warmup:
+        log(f"warning: the run's {'schedule of ' if end < train_cfg.steps else ''}{end} steps end inside the "
+            f"{train_cfg.warmup}-step warmup: the learning rate reaches {train_cfg.lr_at(end):.3g}, never the peak "
+            f"--lr {train_cfg.lr:g}")
     log(f"{out.name}: {model_cfg.pattern} x{model_cfg.n_layers}, {model.num_parameters():,} parameters, "
         f"{train_cfg.steps} steps of {train_cfg.batch_size} x {model_cfg.context_length} tokens"
         f"{', packed at document starts' if trainer.eot is not None else ''}")

@@ -248,6 +248,7 @@ class Trainer:
         self.curve: list[tuple[int, float]] = []
         self.saved_step: int | None = None    # the newest checkpoint this trainer wrote or resumed from
         self.resumed_train_config: dict | None = None   # the training a resumed checkpoint holds (_resume_meta)
+        self.resumed_world: int | None = None            # and the processes that wrote it
         self.last_record: dict | None = None  # metrics.jsonl's record of self.step, kept in the checkpoint
         self.eot = packing_eot(cfg.pack, data, cfg.context_parallel)
 
@@ -347,7 +348,7 @@ class Trainer:
         elif self.rank == 0:
             self.gen.set_state(torch.tensor(meta["data_rng"], dtype=torch.uint8))
         self.step = self.saved_step = meta["step"]
-        self.resumed_train_config = meta.get("train_config")
+        self.resumed_train_config, self.resumed_world = meta.get("train_config"), meta.get("world")
         self.curve = [(s, float("nan") if v is None else v) for s, v in meta.get("curve", [])]
         self.last_record = meta.get("metrics")
         if self.rank == 0 and trim_metrics:

@@ -152,5 +152,8 @@ def test_a_workshop_of_other_settings_refuses_the_runs_it_finds(tmp_path, corpus
         workshop.run(tmp_path / "ws", steps=3, data=str(corpus), progress=False, positions="learned")
     assert (tmp_path / "ws" / "workshop.json").read_bytes() == before
     assert not list((tmp_path / "ws").glob("*_learned_*"))             # refused before any run
+    (tmp_path / "stopped" / "softmax_rope_seed0").mkdir(parents=True)   # a workshop stopped before its json
+    with pytest.raises(ValueError, match=r"workshop of --positions rope"):
+        workshop.run(tmp_path / "stopped", steps=3, data=str(corpus), progress=False, positions="learned")
     assert workshop.run(tmp_path / "ws", steps=3, data=str(corpus), progress=False)["training"]["final"] == \
         first["final"]

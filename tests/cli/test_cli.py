@@ -120,6 +120,8 @@ def test_quick_recall_sweep_runs_end_to_end_and_resumes(tmp_path, capsys):
         with pytest.raises(SystemExit):
             main(["recall", flag, value])
         assert flag in capsys.readouterr().err
+    assert main(["recall", "--sizes", "64x4", "--vocab", "32", "--out", str(tmp_path / "v")]) == 2
+    assert "--sizes 64x4: MQAR needs --vocab (32) above each length T" in capsys.readouterr().err
 
 
 def test_recall_sweep_is_budgeted_in_steps_not_seconds(tmp_path, monkeypatch):

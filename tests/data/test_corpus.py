@@ -97,5 +97,5 @@ def test_a_corpus_too_small_for_the_vocabulary_asked_says_so(tmp_path):
     size = td.tokenizer().get_vocab_size()
     assert size < 4096
     assert [m for m in said if "fewer than the 4,096 asked" in m] == [
-        f"the corpus gave {size:,} tokens, fewer than the 4,096 asked: the model's vocabulary is {size:,} (a larger "
-        "corpus gives more)"]
+        f"BPE ran out of merges on this corpus: a vocabulary of {size:,} tokens, fewer than the 4,096 asked (a "
+        "larger corpus gives more)"]

@@ -178,7 +178,6 @@ def test_bad_input_raises(name):
         layer(torch.randn(5, D, dtype=torch.float64))
 
 
-
 def test_a_state_of_another_layer_batch_or_width_is_refused_by_name():
     """A state whose keys, rows or widths are not the layer's own (its empty_state's layout): a ValueError naming
     the key and the shapes, where a KeyError or a size error deep in the op came before; no tokens, likewise;
@@ -201,6 +200,7 @@ def test_a_state_of_another_layer_batch_or_width_is_refused_by_name():
         m(x.reshape(1, 10, 32), m.empty_state(1), cu_seqlens=torch.tensor([0, 4, 10]))
     y, _ = m(x, m.empty_state(2))
     assert y.shape == x.shape
+
 
 def test_grouped_query_attention_shrinks_the_cache():
     full = build_mixer("softmax", D, 4)

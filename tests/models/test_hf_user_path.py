@@ -143,7 +143,6 @@ def test_broken_files_are_named(tmp_path):
         from_pretrained(folder)
 
 
-
 @pytest.mark.parametrize("shard", ["../outside.safetensors", "ABSOLUTE", "sub/../../outside.safetensors", 7])
 def test_a_shard_name_leaving_the_folder_is_refused(tmp_path, shard):
     """The index is data from whoever published the folder: a shard named ../x or /x would open a file outside
@@ -158,6 +157,7 @@ def test_a_shard_name_leaving_the_folder_is_refused(tmp_path, shard):
     (folder / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {n: shard for n in names}}))
     with pytest.raises(ValueError, match=r"model\.safetensors\.index\.json: .*shard " + re.escape(repr(shard))):
         from_pretrained(folder)
+
 
 def test_saving_over_a_sharded_folder_leaves_one_set_of_weights(tmp_path):
     """transformers saved model A in shards; subquad's save_pretrained of model B into the same folder removes

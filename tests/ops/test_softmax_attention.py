@@ -102,7 +102,6 @@ def test_window_cache_is_bounded():
         assert torch.equal(cache.k, x["k"][:, -16:])
 
 
-
 @pytest.mark.parametrize("mode", ["parallel", "recurrent", "chunk"])
 def test_a_window_cache_that_dropped_keys_refuses_a_wider_window_and_continues_a_narrower_one(mode):
     """A window=4 cache of 10 tokens holds the last 4 keys: continuing it with no window or window=8 would attend
@@ -128,6 +127,7 @@ def test_a_window_cache_that_dropped_keys_refuses_a_wider_window_and_continues_a
     got, _ = softmax_attention(b["q"], b["k"], b["v"], window=3, mode=mode, initial_state=whole)
     assert_close(got, naive_softmax_attention(x["q"], x["k"], x["v"], window=3)[0][:, 10:], 1e-10,
                  "window 3 after a cache without one")
+
 
 def test_float32_long_sequence_chunk_matches_sdpa():
     g = torch.Generator().manual_seed(0)

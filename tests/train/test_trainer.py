@@ -31,6 +31,7 @@ def losses(run_dir):
 
 CFG = dict(steps=12, batch_size=4, lr=3e-3, warmup=2, eval_every=6, eval_batches=2, ckpt_every=6, seed=0)
 
+
 def reference_losses(data, steps):
     """The same run written out by hand: the same initial weights and batches, AdamW with betas (0.9, 0.95)
     and weight decay on matrices only, linear warmup then cosine to 10%, clipping at norm 1."""

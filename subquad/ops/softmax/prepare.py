@@ -41,6 +41,15 @@ def check_common(q, k, v, causal, window, scale, chunk_size):
     return default_scale(scale, q.shape[-1])
 
 
+def check_window(cache, window) -> None:
+    """A window cache that dropped keys continues only under a window it holds: a wider one, or none, would
+    attend over what is left as if it were everything - refused by name."""
+    if cache.window is not None and cache.seen > len(cache) and (window is None or window > cache.window):
+        raise ValueError(f"initial_state is a window={cache.window} cache that kept the last {len(cache)} of "
+                         f"{cache.seen} keys, but window={window!r} attends to older ones it dropped: continue "
+                         f"with window={cache.window} (or a smaller one)")
+
+
 def as_cache(initial_state, q, v, window):
     """initial_state may be a KVCache or a pair (k (B, L, H, K), v (B, L, H, V))."""
     if initial_state is None:
@@ -57,10 +66,7 @@ def as_cache(initial_state, q, v, window):
             raise ValueError(f"initial_state: {e}") from None
     else:
         raise ValueError(f"initial_state must be a KVCache or a pair (k, v), got {describe(initial_state)}")
-    if cache.window is not None and cache.seen > len(cache) and (window is None or window > cache.window):
-        raise ValueError(f"initial_state is a window={cache.window} cache that kept the last {len(cache)} of "
-                         f"{cache.seen} keys, but window={window!r} attends to older ones it dropped: continue "
-                         f"with window={cache.window} (or a smaller one)")
+    check_window(cache, window)
     ck, cv = cache.k, cache.v
     if ck.shape[0] != q.shape[0] or ck.shape[2:] != q.shape[2:] or cv.shape[2:] != v.shape[2:]:
         raise ValueError(f"initial_state's keys/values must be (B, L, H, K)/(B, L, H, V) matching q {tuple(q.shape)} "

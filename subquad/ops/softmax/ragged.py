@@ -16,7 +16,7 @@ import functools
 import torch
 
 from subquad.ops.common.checks import state_dtype
-from subquad.ops.softmax.prepare import check_common, check_flags, visible_mask
+from subquad.ops.softmax.prepare import check_common, check_flags, check_window, visible_mask
 
 
 def ragged_attention(q, k, v, cache, *, causal=True, window=None, chunk_size=64, scale=None, output_final_state=False,
@@ -27,6 +27,7 @@ def ragged_attention(q, k, v, cache, *, causal=True, window=None, chunk_size=64,
     scale = check_common(q, k, v, causal, window, scale, chunk_size)
     if not causal:
         raise ValueError("a KV cache (initial_state) needs causal=True")
+    check_window(cache, window)
     B, T = q.shape[:2]
     if cache.k.shape[0] != B or cache.k.shape[2:] != k.shape[2:]:
         raise ValueError(f"initial_state keys must be (B={B}, L, H, K) like k {tuple(k.shape)}, got "
@@ -46,7 +47,7 @@ def ragged_attention(q, k, v, cache, *, causal=True, window=None, chunk_size=64,
     o = torch.einsum("bhtl,blhv->bthv", torch.exp(s - lse.unsqueeze(-1)), vv.to(sd)).to(q.dtype)
     final = None
     if output_final_state:
-        final = KVCache(kk, vv, window=cache.window, seen=cache.seen + T, pad=cache.pad, row_seen=cache.row_seen + T)
+        final = KVCache(kk, vv, window=window, seen=cache.seen + T, pad=cache.pad, row_seen=cache.row_seen + T)
     return (o, final, lse.transpose(1, 2)) if return_lse else (o, final)
 
 
