@@ -279,9 +279,12 @@ def run(args) -> int:
         ids = [extra["last_token"]] + (tok.encode(args.prompt, add_special_tokens=False).ids   # mid-sequence: no BOS
                                        if args.prompt else [])
     else:
-        if not args.prompt:
+        if args.prompt is None:
             print("error: --prompt is required (or --prompts-file, or --load-state to continue a saved generation)",
                   file=sys.stderr)
+            return 2
+        if not args.prompt:
+            print("error: --prompt is empty: give the text to continue", file=sys.stderr)
             return 2
         ids = tok.encode(args.prompt).ids
     echo = [args.prompt if not args.load_state else ""]   # with the first token: a refused option prints alone

@@ -146,6 +146,8 @@ def _resume_configs(args):
         if model.get(field) != value:
             refused.append(f"{field} {value!r} (the run has {model.get(field)!r})")
     for dest, field in _TRAIN_FLAGS.items():
+        if field == "pack" and train.get("pack") is None and getattr(args, dest) == saved.get("packed"):
+            continue                                  # --pack on a run whose automatic choice was to pack
         if dest in given and getattr(args, dest) != train.get(field):
             if field in RESUME_SAFE:
                 train[field] = getattr(args, dest)

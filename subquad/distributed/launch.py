@@ -107,7 +107,13 @@ def launch(nproc: int, argv: list[str], nnodes: int = 1, rdzv_endpoint: str | No
     except SystemExit as e:
         return int(e.code or 0)
     except Exception as e:  # torchrun raises ChildFailedError when a rank fails
-        print(f"error: a rank of the distributed run failed: {e}")
+        failures = getattr(e, "failures", None)
+        if isinstance(failures, dict) and failures:     # each rank printed its own error: one line, not the table
+            ranks = ", ".join(f"rank {r} (exit code {getattr(f, 'exitcode', '?')})"
+                              for r, f in sorted(failures.items()))
+            print(f"error: the distributed run stopped: {ranks} failed (the rank's error is above)")
+        else:
+            print(f"error: a rank of the distributed run failed: {e}")
         return 1
     return 0
 

@@ -42,6 +42,23 @@ from subquad.models.speculative import (
 
 
 @torch.no_grad()
+def _fits_learned_positions(model, prompts, max_new_tokens: int, state) -> None:
+    """Learned positions end at ``context_length``: a generation that would pass it is refused before its
+    first token (it failed part-way, its tokens lost). Each prompt and every new token but the last take a
+    position, after the ones a state passed in holds."""
+    if getattr(model, "pos_embed", None) is None:
+        return
+    pos = 0 if state is None else getattr(state, "pos", 0)
+    start = int(pos.max()) if isinstance(pos, torch.Tensor) else int(pos or 0)
+    end = start + max(len(p) for p in prompts) + max(max_new_tokens - 1, 0)
+    ctx = model.config.context_length
+    if end > ctx:
+        room = ctx - start - max(len(p) for p in prompts) + 1
+        raise ValueError(f"learned positions end at context_length={ctx}; this generation would reach position "
+                         f"{end} ({start} before, the longest prompt, max_new_tokens={max_new_tokens}): "
+                         + (f"ask for at most {room} new tokens" if room > 0 else "the prompt alone does not fit"))
+
+
 def generate(model, prompt, max_new_tokens: int, temperature: float = 1.0, top_k: int | None = None,
              top_p: float | None = None, seed: int | None = None, state=None, on_token=None, stop_ids=None, *,
              min_p: float | None = None, presence_penalty: float = 0.0, frequency_penalty: float = 0.0,
@@ -95,6 +112,7 @@ def generate(model, prompt, max_new_tokens: int, temperature: float = 1.0, top_k
     if isinstance(draft_tokens, bool) or not isinstance(draft_tokens, int) or draft_tokens < 1:
         raise ValueError(f"draft_tokens must be an int >= 1, got {draft_tokens!r}")
     prompts, single = _as_prompts(prompt)
+    _fits_learned_positions(model, prompts, max_new_tokens, state)
     stop = options.ends(model.config.eos_token_ids)
     was_training = model.training
     model.eval()

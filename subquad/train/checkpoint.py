@@ -288,6 +288,14 @@ def has_checkpoints(run_dir) -> bool:
     return root.exists() and ((root / "latest").exists() or any(p.is_dir() for p in root.glob("step_*")))
 
 
+def _wrote_checkpoints(run_dir: Path) -> bool:
+    """Whether the run's config.json says it wrote a checkpoint once (train.run's mark)."""
+    try:
+        return json.loads((run_dir / "config.json").read_text()).get("checkpointed") is True
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
 def load_checkpoint(path, log=None) -> tuple[dict, dict, dict]:
     """(model state dict, optimizer state dict, meta) from a checkpoint folder, or from a run folder's
     newest intact checkpoint (``find_checkpoint``); a sharded one (``train.sharded``) is read whole. The
@@ -299,7 +307,8 @@ def load_checkpoint(path, log=None) -> tuple[dict, dict, dict]:
     if (path / "ckpt").exists():
         found = find_checkpoint(path, log)              # verified on the way
         if found is None:
-            raise CheckpointError(f"{path} has no checkpoint yet")
+            raise CheckpointError(f"{path} has no checkpoint" + (
+                ": it wrote some, but ckpt/ is empty now" if _wrote_checkpoints(path) else " yet"))
         path, meta = found, json.loads((found / "meta.json").read_text())
     elif path.is_symlink():                            # as find_checkpoint: a step folder is never followed
         raise CheckpointError(_symlink_refused(path))

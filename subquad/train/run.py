@@ -301,7 +301,7 @@ def _train_run(model_cfg, train_cfg, out, data, resume, vocab_size, progress, lo
             write_atomic(out / "config.json", json.dumps({
                 "model": model_cfg.to_dict(), "train": asdict(train_cfg), "data": data_path(data), "world": world,
                 "corpus_sha256": td.manifest.get("sha256"), "tokenizer_sha256": file_sha256(out / "tokenizer.json"),
-                "checkpointed": trainer.saved_step is not None}, indent=1))
+                "checkpointed": trainer.saved_step is not None, "packed": trainer.eot is not None}, indent=1))
     except BaseException:
         if created and rank == 0:                             # nothing trained: no half-made run folder
             shutil.rmtree(out, ignore_errors=True)

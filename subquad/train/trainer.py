@@ -236,7 +236,7 @@ class Trainer:
         P = 1 if self.cp_group is None else self.cp_group.size()
         if P != cfg.context_parallel:
             raise ValueError(f"context_parallel={cfg.context_parallel}, but the mesh's cp dimension has {P} ranks")
-        if self.context % (2 * P):
+        if P > 1 and self.context % (2 * P):               # one process: any length
             raise ValueError(f"context_length={self.context} must divide into 2 x context_parallel = {2 * P} "
                              "equal pieces (the zigzag layout)")
         self.sharded = is_sharded(self.model)

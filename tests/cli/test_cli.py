@@ -69,6 +69,8 @@ def test_train_eval_generate_end_to_end(tmp_path, capsys, corpus, monkeypatch):
     assert "--- [0] def h1" in out and "--- [1] def h22(z):" in out
     assert main(["generate", "--run", str(run), "--prompts-file", str(tmp_path / "none.txt")]) == 2
     assert "does not exist" in capsys.readouterr().err
+    assert main(["generate", "--run", str(run), "--prompt", ""]) == 2          # given, but empty: said so
+    assert "--prompt is empty" in capsys.readouterr().err
     assert main(["generate", "--run", str(tmp_path / "missing")]) == 2
     assert "does not exist" in capsys.readouterr().err
     from subquad.cli.common import load_model                # --dtype casts a run's weights, as a folder's
@@ -115,8 +117,8 @@ def test_quick_recall_sweep_runs_end_to_end_and_resumes(tmp_path, capsys):
     assert "[1/4]" not in capsys.readouterr().out
     assert main(["recall", "--quick", "--sizes", "16x2", "--out", str(out)]) == 2   # not silently ignored
     assert "--quick sets its own tiny sweep; drop --sizes" in capsys.readouterr().err
-    for flag, value in (("--lrs", "0"), ("--d-models", "0,32"), ("--lrs", "x"), ("--sizes", "64x40"), ("--sizes", "63x4"),
-                        ("--sizes", "64x0")):            # MQAR's conditions: refused before any cell trains
+    for flag, value in (("--lrs", "0"), ("--d-models", "0,32"), ("--lrs", "x"), ("--sizes", "64x40"),
+                        ("--sizes", "63x4"), ("--sizes", "64x0")):    # MQAR's conditions: before any cell trains
         with pytest.raises(SystemExit):
             main(["recall", flag, value])
         assert flag in capsys.readouterr().err

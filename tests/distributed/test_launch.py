@@ -63,3 +63,23 @@ def test_a_rank_ends_when_the_process_that_started_it_is_killed():
     if alive:
         os.kill(pid, signal.SIGKILL)
     assert not alive
+
+
+def test_a_failed_rank_is_one_line_from_the_launcher(monkeypatch, capsys):
+    """torchrun raises ChildFailedError, whose text is a ~20-line table; each rank has printed its own error, so
+    the launcher says which ranks failed in one line."""
+    from types import SimpleNamespace
+
+    import torch.distributed.run as torchrun
+
+    from subquad.distributed.launch import launch
+
+    class Failed(Exception):
+        failures = {1: SimpleNamespace(exitcode=2), 0: SimpleNamespace(exitcode=1)}
+
+    def fail(argv):
+        raise Failed("Root Cause (first observed failure):\n" * 20)
+    monkeypatch.setattr(torchrun, "main", fail)
+    assert launch(2, ["train"]) == 1
+    assert capsys.readouterr().out == ("error: the distributed run stopped: rank 0 (exit code 1), rank 1 (exit code "
+                                       "2) failed (the rank's error is above)\n")

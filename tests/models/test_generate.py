@@ -238,3 +238,23 @@ def test_prefill_of_the_last_logits_equals_the_full_prefill():
                                    rtol=0, atol=1e-12)
     with pytest.raises(ValueError, match="logits must be 'all' or 'last'"):
         model.prefill(idx, logits=1)
+
+
+def test_learned_positions_refuse_a_generation_past_the_context_before_its_first_token():
+    """context_length 16: 3 prompt tokens and 14 new ones take positions 0..15 (the last new token is not fed
+    back) and run; 15 new ones would reach position 17 - refused up front, naming the room left (it failed after
+    decoding up to there, its tokens lost); a state passed in counts its positions; a prompt alone too long is
+    said so."""
+    torch.manual_seed(0)
+    model = LanguageModel(ModelConfig(vocab_size=32, d_model=16, n_layers=1, n_heads=2, context_length=16,
+                                      pos_emb="learned", pattern="gla"))
+    new, state = model.generate([1, 2, 3], 14, temperature=0)
+    assert len(new) == 14
+    with pytest.raises(ValueError, match=r"context_length=16; this generation would reach position 17 .*at most 14 "
+                                         r"new tokens"):
+        model.generate([1, 2, 3], 15, temperature=0)
+    _, state = model.generate([1, 2, 3], 4, temperature=0)                  # 6 positions taken
+    with pytest.raises(ValueError, match=r"reach position 17 \(6 before.*at most 10 new tokens"):
+        model.generate([[5]], 11, temperature=0, state=state)
+    with pytest.raises(ValueError, match="the prompt alone does not fit"):
+        model.generate(list(range(1, 21)), 1, temperature=0)

@@ -293,6 +293,9 @@ def test_lost_checkpoints_are_refused_unless_restart(run, capsys):
     (run / "ckpt").mkdir()
     assert resume(run, "--steps", "6") == 2
     assert (run / "metrics.jsonl").read_bytes() == before
+    capsys.readouterr()
+    assert main(["eval", "--run", str(run)]) == 2                   # not "no checkpoint yet": it had some
+    assert "has no checkpoint: it wrote some, but ckpt/ is empty now" in capsys.readouterr().err
     assert resume(run, "--restart", "--steps", "2") == 0
     assert steps_of(run) == [1, 2] and find_checkpoint(run).name == "step_0000002"
 
@@ -361,3 +364,12 @@ def test_generate_help_lists_every_checkpoint_type_and_true_defaults(capsys):
     prompt = out[out.index("--prompt PROMPT"):out.index("--prompts-file PROMPTS_FILE")]
     assert "default" not in prompt and "required" in prompt
     assert "sampling seed (default: 0)" in out
+
+
+def test_an_odd_context_trains_on_one_process(env, tmp_path, monkeypatch):
+    """The zigzag layout's even split is context parallelism's; one process takes any --context (15 and 1 were
+    refused with a message about the zigzag layout)."""
+    monkeypatch.setenv("SUBQUAD_CACHE", str(env[0] / "cache"))
+    for ctx in ("15", "1"):
+        assert main(argv(env[1], tmp_path / ctx, "--steps", "1", "--context", ctx)) == 0
+        assert json.loads((tmp_path / ctx / "config.json").read_text())["model"]["context_length"] == int(ctx)

@@ -85,6 +85,7 @@ def test_resume_refuses_a_change_of_packing(tmp_path, monkeypatch, capsys):
     capsys.readouterr()
     assert main(["train", "--out", str(run), "--resume", "--steps", "4", "--no-progress", "--no-pack"]) == 2
     assert "pack" in capsys.readouterr().err
-    assert main(["train", "--out", str(run), "--resume", "--steps", "4", "--no-progress"]) == 0
+    assert json.loads((run / "config.json").read_text())["packed"] is True           # what auto chose
+    assert main(["train", "--out", str(run), "--resume", "--steps", "4", "--no-progress", "--pack"]) == 0  # the same
     assert main(["eval", "--run", str(run)]) == 0
     assert "packed" in capsys.readouterr().out

@@ -43,8 +43,9 @@ def check_common(q, k, v, causal, window, scale, chunk_size):
 
 def check_window(cache, window) -> None:
     """A window cache that dropped keys continues only under a window it holds: a wider one, or none, would
-    attend over what is left as if it were everything - refused by name."""
-    if cache.window is not None and cache.seen > len(cache) and (window is None or window > cache.window):
+    attend over what is left as if it were everything - refused by name. The windows are compared first: a
+    compiled decoding step (the same window) then guards on no count of tokens, which changes every step."""
+    if cache.window is not None and (window is None or window > cache.window) and cache.seen > len(cache):
         raise ValueError(f"initial_state is a window={cache.window} cache that kept the last {len(cache)} of "
                          f"{cache.seen} keys, but window={window!r} attends to older ones it dropped: continue "
                          f"with window={cache.window} (or a smaller one)")
