@@ -50,10 +50,11 @@ def _fits_learned_positions(model, prompts, max_new_tokens: int, state) -> None:
         return
     pos = 0 if state is None else getattr(state, "pos", 0)
     start = int(pos.max()) if isinstance(pos, torch.Tensor) else int(pos or 0)
-    end = start + max(len(p) for p in prompts) + max(max_new_tokens - 1, 0)
+    longest = max(len(p) for p in prompts)
+    end = start + longest + max(max_new_tokens - 1, 0)
     ctx = model.config.context_length
     if end > ctx:
-        room = ctx - start - max(len(p) for p in prompts) + 1
+        room = ctx - start - longest + 1
         raise ValueError(f"learned positions end at context_length={ctx}; this generation would reach position "
                          f"{end} ({start} before, the longest prompt, max_new_tokens={max_new_tokens}): "
                          + (f"ask for at most {room} new tokens" if room > 0 else "the prompt alone does not fit"))

@@ -288,12 +288,20 @@ def has_checkpoints(run_dir) -> bool:
     return root.exists() and ((root / "latest").exists() or any(p.is_dir() for p in root.glob("step_*")))
 
 
-def _wrote_checkpoints(run_dir: Path) -> bool:
-    """Whether the run's config.json says it wrote a checkpoint once (train.run's mark)."""
-    try:
-        return json.loads((run_dir / "config.json").read_text()).get("checkpointed") is True
-    except (OSError, ValueError, AttributeError):
+def wrote_checkpoints(run_dir: Path, saved: dict | None = None) -> bool:
+    """Whether a run wrote a checkpoint once: its config.json's mark (``saved``, else read from the folder), or
+    for a run from before the mark, any metrics."""
+    if saved is None:
+        try:
+            saved = json.loads((Path(run_dir) / "config.json").read_text())
+        except (OSError, ValueError):
+            return False
+    if not isinstance(saved, dict):
         return False
+    if "checkpointed" in saved:
+        return saved["checkpointed"] is True
+    metrics = Path(run_dir) / "metrics.jsonl"
+    return metrics.exists() and metrics.stat().st_size > 0
 
 
 def load_checkpoint(path, log=None) -> tuple[dict, dict, dict]:
@@ -308,7 +316,7 @@ def load_checkpoint(path, log=None) -> tuple[dict, dict, dict]:
         found = find_checkpoint(path, log)              # verified on the way
         if found is None:
             raise CheckpointError(f"{path} has no checkpoint" + (
-                ": it wrote some, but ckpt/ is empty now" if _wrote_checkpoints(path) else " yet"))
+                ": it wrote some, but ckpt/ is empty now" if wrote_checkpoints(path) else " yet"))
         path, meta = found, json.loads((found / "meta.json").read_text())
     elif path.is_symlink():                            # as find_checkpoint: a step folder is never followed
         raise CheckpointError(_symlink_refused(path))

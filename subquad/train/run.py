@@ -21,7 +21,7 @@ import torch
 from subquad.data.dataset import prepare
 from subquad.device import resolve_device
 from subquad.models import LanguageModel, ModelConfig
-from subquad.train.checkpoint import has_checkpoints, load_checkpoint, write_atomic
+from subquad.train.checkpoint import has_checkpoints, load_checkpoint, write_atomic, wrote_checkpoints
 from subquad.train.parallelize import make_mesh, parallelize
 from subquad.train.trainer import TrainConfig, Trainer, config_difference
 
@@ -118,14 +118,6 @@ def schedule_of(saved: dict) -> int:
     return saved["train"].get("schedule_steps") or saved["train"]["steps"]
 
 
-def _had_checkpoints(out: Path, saved: dict) -> bool:
-    """Whether a run wrote a checkpoint once (config.json's mark; a run from before the mark: any metrics)."""
-    if "checkpointed" in saved:
-        return saved["checkpointed"] is True
-    metrics = out / "metrics.jsonl"
-    return metrics.exists() and metrics.stat().st_size > 0
-
-
 def _check_tokenizer(out: Path, saved: dict) -> Path:
     """The run's tokenizer.json, checked against the sha256 its config recorded (runs from before the
     record: that it parses). ValueError naming the file otherwise."""
@@ -219,13 +211,13 @@ def _train_run(model_cfg, train_cfg, out, data, resume, vocab_size, progress, lo
             if found is not None:
                 raise ValueError(f"--restart trains a run again from step 0 only when it has no intact "
                                  f"checkpoint; {out} has {found.name} (--resume continues it)")
-        elif not has_checkpoints(out) and _had_checkpoints(out, saved):
+        elif not has_checkpoints(out) and wrote_checkpoints(out, saved):
             raise ValueError(f"the run in {out} wrote checkpoints, but ckpt/ is missing or empty; resuming would "
                              "start it from step 0 and overwrite its metrics. Pass --restart to do that")
         tok_path = _check_tokenizer(out, saved)
         manifest_path = out / "manifest.json"
         manifest = json.loads(manifest_path.read_text()) if manifest_path.exists() else None
-    elif out.exists() and (has_checkpoints(out) or _had_checkpoints(out, _config_or_empty(out))):
+    elif out.exists() and (has_checkpoints(out) or wrote_checkpoints(out)):
         raise ValueError(f"{out} already holds a run; pass --resume to continue it or choose another --out")
     else:
         train_cfg = replace(train_cfg, schedule_steps=train_cfg.schedule_steps or train_cfg.steps)
