@@ -91,10 +91,12 @@ def _dense(t: torch.Tensor) -> torch.Tensor:
 
 
 def _for_graph(v, t: int = 1):
-    """A state entry as the graph takes it: a tensor with row-major strides, a KV cache ready to append ``t``
-    tokens in place (``KVCache.for_step``: no reallocation in the graph, ragged at >= 2 rows)."""
+    """A state entry as the graph takes it: a tensor with row-major strides and no autograd history (a state
+    from a prefill run with gradients on would make the graph guard on ``requires_grad``, and the next step's
+    state, made without them, compile it again), a KV cache ready to append ``t`` tokens in place
+    (``KVCache.for_step``: no reallocation in the graph, ragged at >= 2 rows)."""
     if isinstance(v, torch.Tensor):
-        return _dense(v)
+        return _dense(v.detach() if v.requires_grad else v)
     return v.for_step(t) if isinstance(v, KVCache) else v
 
 
@@ -235,9 +237,10 @@ class CompiledStep:
                      self.chosen[key])
         return out
 
+    @torch.no_grad()
     def _compiled(self, tokens, state):
         model = self.model
-        h, pos = model._embed_tokens(tokens, state)
+        h, pos = model._embed_tokens(tokens, state)       # without autograd, as the graph runs (``_for_graph``)
         t = tokens.shape[1]
         if self.backend is not None:
             self.shapes.add(tuple(tokens.shape))

@@ -41,7 +41,6 @@ from subquad.models.speculative import (
 )
 
 
-@torch.no_grad()
 def _fits_learned_positions(model, prompts, max_new_tokens: int, state) -> None:
     """Learned positions end at ``context_length``: a generation that would pass it is refused before its
     first token (it failed part-way, its tokens lost). Each prompt and every new token but the last take a
@@ -60,6 +59,7 @@ def _fits_learned_positions(model, prompts, max_new_tokens: int, state) -> None:
                          + (f"ask for at most {room} new tokens" if room > 0 else "the prompt alone does not fit"))
 
 
+@torch.no_grad()
 def generate(model, prompt, max_new_tokens: int, temperature: float = 1.0, top_k: int | None = None,
              top_p: float | None = None, seed: int | None = None, state=None, on_token=None, stop_ids=None, *,
              min_p: float | None = None, presence_penalty: float = 0.0, frequency_penalty: float = 0.0,

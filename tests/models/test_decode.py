@@ -134,6 +134,12 @@ def test_generate_takes_the_compiled_step_and_gives_eager_tokens():
     finally:
         fast._decode_step = inner
     assert got == want and len(calls) == 19
+    graphs = whole_model_graphs(fast)
+    logits, state = fast.prefill(torch.tensor([[1, 2, 3], [4, 5, 6]]), logits="last")    # gradients on
+    assert any(v.requires_grad for s in state for v in s.values() if isinstance(v, torch.Tensor))
+    for _ in range(2):
+        logits, state = fast.step(logits.argmax(-1), state)
+    assert whole_model_graphs(fast) == graphs        # the same graph: states taken without autograd history
     other = _copy(eager)
     assert compile_decode(compile_decode(other), False)._decode_step is None
     with pytest.raises(ValueError, match="on must be a bool"):
@@ -143,7 +149,8 @@ def test_generate_takes_the_compiled_step_and_gives_eager_tokens():
 def test_faster_keeps_the_step_that_timed_faster_for_each_batch_class(monkeypatch):
     """``compile_decode(faster=True)``: for one row and for several, the compiled and the eager step take turns
     (one untimed step of each, then TRIAL timed) and the faster is kept - here the compiled one made 20 ms
-    slower for one row, the eager one for several; tokens equal the eager model's throughout."""
+    slower for one row, the eager one for several; tokens equal the eager model's throughout. The choice is what
+    is tested: the "compiled" step runs the eager one (the graphs are test_every_mixer_..., ~10 s a compile)."""
     import time
 
     from subquad.models.decode import CompiledStep
@@ -153,13 +160,13 @@ def test_faster_keeps_the_step_that_timed_faster_for_each_batch_class(monkeypatc
     eager = LanguageModel(cfg).eval()
     fast = compile_decode(_copy(eager), faster=True, cache=False)
     ran = []
-    compiled, plain = CompiledStep._compiled, CompiledStep._eager
+    plain = CompiledStep._eager
 
     def slow_compiled(self, tokens, state):
         ran.append(("compiled", tokens.shape[0]))
         if tokens.shape[0] == 1:
             time.sleep(0.02)
-        return compiled(self, tokens, state)
+        return plain(self, tokens, state)
 
     def slow_eager(self, tokens, state):
         ran.append(("eager", tokens.shape[0]))

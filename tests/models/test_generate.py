@@ -258,3 +258,17 @@ def test_learned_positions_refuse_a_generation_past_the_context_before_its_first
         model.generate([[5]], 11, temperature=0, state=state)
     with pytest.raises(ValueError, match="the prompt alone does not fit"):
         model.generate(list(range(1, 21)), 1, temperature=0)
+
+
+@pytest.mark.parametrize("speculative", [None, "ngram"])
+def test_generate_records_no_autograd_graph(speculative):
+    """``generate`` runs without autograd, whatever the caller's grad mode: the state it returns requires no
+    gradient (a decorator once moved to a helper above it: every generation recorded a graph, and a compiled
+    step or verification was built for inputs that require one - a second graph, at a training graph's cost,
+    when the next call's state did not)."""
+    model = tiny("mamba,softmax")
+    assert torch.is_grad_enabled()
+    _, state = model.generate([[1, 2, 3, 1, 2, 3, 1, 2]], 6, temperature=0, speculative=speculative)
+    parts = [v for s in state for v in s.values()]
+    tensors = [t for v in parts for t in ([v] if isinstance(v, torch.Tensor) else [v.k, v.v])]
+    assert tensors and not any(t.requires_grad for t in tensors)

@@ -73,29 +73,13 @@ def test_every_stream_equals_generate_alone(kind):
     assert engine.active == 0 and engine.batch_state is None
 
 
-def test_the_compiled_step_serves_the_same_streams():
-    """The engine through ``compile_decode``'s graph (batches that grow and shrink, a ragged KV cache): every
-    stream's tokens still equal the eager model's ``generate`` alone. The hybrid cut to its two kinds of layer
-    (Mamba-2, attention): the third, a Mamba-2 again, would compile the same graphs once more."""
-    from dataclasses import replace
-
-    from subquad.models.decode import compile_decode
-
-    cfg = replace(config("bamba"), n_layers=2, pattern="mamba2,softmax")
-    torch.manual_seed(0)
-    eager = LanguageModel(cfg).eval()
-    fast = compile_decode(LanguageModel(cfg).eval())
-    fast.load_state_dict(eager.state_dict())
-    reqs = requests(10, seed=1)
-    seqs = run_all(Engine(fast, max_batch=4, prefill_chunk=16, state_cache_mb=0), reqs)
-    for (prompt, p), seq in zip(reqs, seqs):
-        assert seq.tokens == alone(eager, prompt, p), (prompt, p)
-
-
 def test_serve_compile_decode_times_both_steps_before_it_listens(capsys):
     """``subquad serve --compile-decode`` (``cli.serve._compile_and_warm``): its warm-up steps one row and a ragged
     batch long enough for ``compile_decode(faster=True)``'s trial, so each batch class has kept the faster step
-    (printed) before the first request; the engine then serves the eager model's streams."""
+    (printed) before the first request; the engine then serves the eager model's streams - and, held to the
+    compiled step in both classes, through its graphs (batches that grow and shrink, a ragged KV cache), every
+    stream's tokens still equal the eager model's ``generate`` alone. The hybrid cut to its two kinds of layer
+    (Mamba-2, attention): the third, a Mamba-2 again, would compile the same graphs once more."""
     from dataclasses import replace
 
     from subquad.cli.serve import _compile_and_warm
@@ -116,6 +100,13 @@ def test_serve_compile_decode_times_both_steps_before_it_listens(capsys):
     seqs = run_all(Engine(model, max_batch=3, prefill_chunk=16, state_cache_mb=0), reqs)
     for (prompt, p), seq in zip(reqs, seqs):
         assert seq.tokens == alone(eager, prompt, p), (prompt, p)
+    chosen.update({"1": "compiled", "B": "compiled"})
+    made = model._decode_step.made
+    reqs = requests(10, seed=1)
+    seqs = run_all(Engine(model, max_batch=4, prefill_chunk=16, state_cache_mb=0), reqs)
+    for (prompt, p), seq in zip(reqs, seqs):
+        assert seq.tokens == alone(eager, prompt, p), (prompt, p)
+    assert model._decode_step.made == made           # the warm-up's two graphs served every batch
 
 
 @pytest.mark.parametrize("kind", ["mamba2", "bamba"])
