@@ -96,8 +96,14 @@ def _for_graph(v, t: int = 1):
     state, made without them, compile it again), a KV cache ready to append ``t`` tokens in place
     (``KVCache.for_step``: no reallocation in the graph, ragged at >= 2 rows)."""
     if isinstance(v, torch.Tensor):
-        return _dense(v.detach() if v.requires_grad else v)
-    return v.for_step(t) if isinstance(v, KVCache) else v
+        v = _dense(v)
+        return v.detach() if v.requires_grad else v
+    if isinstance(v, KVCache):
+        c = v.for_step(t)
+        if c._k.requires_grad or c._v.requires_grad:      # the same buffers, appended in place by the graph
+            c._k, c._v = c._k.detach(), c._v.detach()
+        return c
+    return v
 
 
 def _blocks_and_heads(model, h, states, tokens=None):
@@ -214,8 +220,9 @@ class CompiledStep:
             return self._compiled(tokens, state) if self.chosen[key] == "compiled" else self._eager(tokens, state)
         return self._timed(key, tokens, state)
 
+    @torch.no_grad()
     def _eager(self, tokens, state):
-        return self.model.eager_step(tokens, state)
+        return self.model.eager_step(tokens, state)     # as the graph runs: a trial times the two alike
 
     def _timed(self, key, tokens, state):
         """One step of ``compile_decode(faster=True)``'s trial at batch class ``key``: compiled and eager in turn,
@@ -247,7 +254,7 @@ class CompiledStep:
         states = [None] * len(model.blocks) if state is None else [{k: _for_graph(v, t) for k, v in s.items()}
                                                                     for s in state]
         # no duck sizing: a batch of 3 beside a convolution's 3-token tail would tie the two sizes (a recompile)
-        with torch.no_grad(), torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT), \
+        with torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT), \
                 torch.fx.experimental._config.patch(use_duck_shape=False), \
                 (sequence.use(self.backend) if self.backend is not None else contextlib.nullcontext()):
             graph = self._precompiled(h, states, tokens) if self.fallback is None else None

@@ -134,9 +134,12 @@ def test_generate_takes_the_compiled_step_and_gives_eager_tokens():
     finally:
         fast._decode_step = inner
     assert got == want and len(calls) == 19
+    from subquad.models.rows import select_rows
+
     graphs = whole_model_graphs(fast)
     logits, state = fast.prefill(torch.tensor([[1, 2, 3], [4, 5, 6]]), logits="last")    # gradients on
-    assert any(v.requires_grad for s in state for v in s.values() if isinstance(v, torch.Tensor))
+    state = select_rows(state, [1, 0], capacity=64)                  # a KV cache with room, made with gradients
+    assert all(v.requires_grad for v in (state[0]["S"], state[1]["kv"].k)), state
     for _ in range(2):
         logits, state = fast.step(logits.argmax(-1), state)
     assert whole_model_graphs(fast) == graphs        # the same graph: states taken without autograd history
