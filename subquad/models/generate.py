@@ -17,6 +17,7 @@ import torch
 
 from subquad import kernels
 from subquad.models.constrain import Grammar, check_format
+from subquad.models.rows import cat_states, select_rows
 from subquad.models.sampling import (  # noqa: F401
     GREEDY_BELOW,
     Sampler,
@@ -74,8 +75,9 @@ def generate(model, prompt, max_new_tokens: int, temperature: float = 1.0, top_k
     own state (a ragged KV cache for softmax layers). A sequence finishes when it has emitted
     ``max_new_tokens`` or a token in ``stop_ids`` or the checkpoint's end-of-text ids
     (``config.eos_token_ids``; not with ``ignore_eos``) - emitted, then it stops; finished sequences are fed
-    a pad token until all are done. ``temperature=0`` is greedy. The sampling options (``temperature``,
-    ``top_k``, ``top_p``, ``min_p``, the penalties, ``logit_bias``: ``{token id: value}``) are
+    a pad token until all are done (their rows of the returned state are taken as they finished).
+    ``temperature=0`` is greedy. The sampling options (``temperature``, ``top_k``, ``top_p``, ``min_p``, the
+    penalties, ``logit_bias``: ``{token id: value}``) are
     ``models.sampling.SamplingOptions``, checked and applied there for every row; one generator seeded with
     ``seed`` draws for the whole batch. ``on_token(id)`` (one sequence) or ``on_token(i, id)`` (a batch)
     streams tokens as they come; returning exactly True (other values are ignored) ends that sequence there
@@ -122,7 +124,7 @@ def generate(model, prompt, max_new_tokens: int, temperature: float = 1.0, top_k
     B = len(prompts)
     matchers = None if grammar is None else [grammar.matcher() for _ in range(B)]
     sampler = Sampler(options, prompts, gen, matchers)
-    cu = None
+    cu, given = None, state
     with capture_hidden(model, speculative == "mtp") as seen:      # the MTP head reads the prompts' hidden states
         if len({len(p) for p in prompts}) == 1:         # one length: an ordinary batch
             last, state = model.prefill(torch.tensor(prompts, dtype=torch.long, device=dev), state, logits="last")
@@ -141,13 +143,18 @@ def generate(model, prompt, max_new_tokens: int, temperature: float = 1.0, top_k
                 or (matchers is not None and matchers[i].done)
 
         drafts_by = drafter(speculative, model, prompts, hidden=seen[-1] if seen else None, cu_seqlens=cu)
+        early = set()
         try:
             state, model.speculation_stats = _speculate(model, last, state, max_new_tokens, sampler, emit,
-                                                        draft_tokens, drafts_by, speculative)
+                                                        draft_tokens, drafts_by, speculative, early)
         finally:
             getattr(drafts_by, "close", lambda: None)()
+        if early:           # rows fed padding after they finished: their state again from what they consumed
+            state = cat_states([_consumed(model, given, i, prompts[i] + out[i][:-1]) if i in early
+                                else select_rows(state, [i]) for i in range(B)])
         model.train(was_training)
         return (out[0] if single else out), state
+    finished = {}                                   # row -> the state when it finished (before the others)
     with kernels.steady() as span:                  # the kept calls' checks once, not at every token
         while not all(done):
             nxt = sampler(last).tolist()
@@ -161,13 +168,23 @@ def generate(model, prompt, max_new_tokens: int, temperature: float = 1.0, top_k
                 done[i] = ended or len(out[i]) >= max_new_tokens or nxt[i] in stop \
                     or (matchers is not None and matchers[i].done)
                 feed.append(nxt[i])
+                if done[i] and B > 1:
+                    finished[i] = state             # all it consumed: its prompt and every new token but this
             if all(done):
                 break                               # the last tokens are not fed: continue from them
             if on_token is not None:
                 span.renew()                        # the callback may have changed the model: check again
             last, state = model.step(torch.tensor(feed, device=dev), state)
+    if any(finished[i] is not state for i in finished):     # rows that finished before the last step, then padded
+        state = cat_states([select_rows(finished.get(i, state), [i]) for i in range(B)])
     model.train(was_training)
     return (out[0] if single else out), state
+
+
+def _consumed(model, start, row: int, ids: list[int]):
+    """Row ``row``'s state after ``ids`` from ``start`` (the state ``generate`` was given, None: empty)."""
+    first = None if start is None else select_rows(start, [row])
+    return model.prefill(torch.tensor([ids], device=model.embed.weight.device), first, logits="last")[1]
 
 
 class _Never:
@@ -183,7 +200,7 @@ class _Never:
         return getattr(self.inner, name)
 
 
-def _speculate(model, last, state, max_new_tokens, sampler, emit, draft_tokens, drafts_by, speculative):
+def _speculate(model, last, state, max_new_tokens, sampler, emit, draft_tokens, drafts_by, speculative, early):
     """``generate``'s decoding loop with speculation (``models.speculative``), after the prefill: ``last`` (B,
     vocab) the prompts' last logits, ``sampler`` the plain loop's ``Sampler``, ``emit(i, token) -> done`` records
     row i's token, ``drafts_by`` the drafter made for ``speculative``. Each verified position is processed as the
@@ -192,7 +209,8 @@ def _speculate(model, last, state, max_new_tokens, sampler, emit, draft_tokens, 
     join the history. Drafting pauses after a verification that kept nothing (but one row of prompt lookup,
     judged by its matches' lengths), and while verifying costs more wall time per emitted token than a plain step
     (``Pacer``: the model's, ``pacer_for``). Returns the state (every emitted token consumed but each row's last)
-    and the ``SpeculationStats``."""
+    and the ``SpeculationStats``; ``early`` (a set) gets the rows that finished while others went on (fed
+    padding after: their rows of the state are not theirs)."""
     hooked = drafts_by.needs_hidden
     B, dev = last.shape[0], last.device
     if sampler.matchers is not None and hasattr(drafts_by, "matchers"):
@@ -206,6 +224,8 @@ def _speculate(model, last, state, max_new_tokens, sampler, emit, draft_tokens, 
         drafts_by.append(i, t0[i])
         count[i] += 1
         done[i] = emit(i, t0[i])
+    if not all(done):
+        early.update(i for i in range(B) if done[i])
     # drafting waits 1, 2, 4, ... steps after verifications that kept nothing - except one row of a drafter whose
     # drafts cost nothing (prompt lookup: ``keyed``): it drafts first and the pacer judges its drafts by their
     # key (the n of the match), each key by its own gain against the verification's measured cost (failed
@@ -289,6 +309,8 @@ def _speculate(model, last, state, max_new_tokens, sampler, emit, draft_tokens, 
             if k:
                 stats.drafted += len(drafts[i])
                 stats.accepted += min(keeps[i] - 1, len(drafts[i]))
+        if not all(done):
+            early.update(i for i in active if done[i])
         # the pacer's gain: the batch ends with its slowest row, and a row that finished first only pads the
         # steps after it - so the least of the rows' average tokens per verification; the least of one
         # verification's would be too low (rows that take turns at accepting all move faster). One row: its own

@@ -272,3 +272,31 @@ def test_generate_records_no_autograd_graph(speculative):
     parts = [v for s in state for v in s.values()]
     tensors = [t for v in parts for t in ([v] if isinstance(v, torch.Tensor) else [v.k, v.v])]
     assert tensors and not any(t.requires_grad for t in tensors)
+
+
+@pytest.mark.parametrize("speculative", [None, "ngram"])
+@pytest.mark.parametrize("pattern", ["mamba2,softmax", "gla", "swa,retention"])
+def test_a_row_that_finishes_first_keeps_its_own_state(pattern, speculative):
+    """A batch whose rows end at different steps (``on_token`` ends them; the others go on, and finished rows are
+    fed padding): each row of the returned state is the state of that row generated alone - its prompt and every
+    new token but the last consumed, no padding - so a continuation from it is the row's own (float64)."""
+    from subquad.layers.rollback import same_state
+    from subquad.models.rows import select_rows
+
+    model = tiny(pattern)
+    prompts, ends = [[1, 2, 3, 1, 2, 3], [4, 5, 6, 7], [8, 9]], [2, 7, 4]
+    counts = [0, 0, 0]
+
+    def on_token(i, t):
+        counts[i] += 1
+        return counts[i] >= ends[i]
+
+    out, state = model.generate(prompts, 7, temperature=0, on_token=on_token, speculative=speculative)
+    assert [len(o) for o in out] == ends
+    for i, p in enumerate(prompts):
+        alone, want = model.generate(p, ends[i], temperature=0)
+        got = select_rows(state, [i])
+        assert alone == out[i]
+        for layer, (a, b) in enumerate(zip(got, want, strict=True)):
+            assert same_state(a, b, atol=1e-9) is None, (i, layer, same_state(a, b))
+        assert torch.equal(torch.as_tensor(got.pos), torch.as_tensor(want.pos))
