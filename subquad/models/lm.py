@@ -614,7 +614,8 @@ class LanguageModel(nn.Module):
         """One decoding step: tokens (B,) or (B, 1), the state after each row's previous tokens -> (logits (B,
         vocab), new state). The same as ``prefill(tokens.view(B, 1), state)``; it takes the compiled decode step
         when one is set (``models.decode.compile_decode``), so ``generate``, ``subquad generate`` and the server
-        all decode through it."""
+        all decode through it. Like a forward it keeps the caller's grad mode (the compiled step records no
+        gradients): a decoding loop of one's own runs under ``torch.no_grad()``."""
         tokens = tokens.reshape(-1, 1)
         fast = getattr(self, "_decode_step", None)
         with decoding():                         # int8: fbgemm's kernel at any batch (models.quant)

@@ -61,6 +61,22 @@ def test_train_eval_generate_end_to_end(tmp_path, capsys, corpus, monkeypatch):
     assert "state:" in err and st.exists()
     assert main(["generate", "--run", str(run), "--load-state", str(st), "--max-new-tokens", "3"]) == 0
     capsys.readouterr()
+    # a prompt read and saved with nothing generated, continued later: the run it interrupts (the saved state stops
+    # before the prompt's last token, which the continuation feeds; it was fed twice)
+    from subquad.models import load_state
+
+    greedy = ["--max-new-tokens", "6", "--temperature", "0"]
+    one = tmp_path / "one.safetensors"
+    for n, path in (("1", one), ("0", st)):
+        assert main(["generate", "--run", str(run), "--prompt", "def h1", "--max-new-tokens", n, "--save-state",
+                     str(path), "--temperature", "0"]) == 0
+    capsys.readouterr()
+    (a, _), (b, _) = load_state(one), load_state(st)     # after the whole prompt; before its last token
+    assert int(torch.as_tensor(b.pos).max()) == int(torch.as_tensor(a.pos).max()) - 1
+    assert main(["generate", "--run", str(run), "--load-state", str(st), *greedy]) == 0
+    later = capsys.readouterr().out
+    assert main(["generate", "--run", str(run), "--prompt", "def h1", *greedy]) == 0
+    assert capsys.readouterr().out == "def h1" + later
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("def h1\n\ndef h22(z):\n")
     assert main(["generate", "--run", str(run), "--prompts-file", str(prompts), "--max-new-tokens", "4",
