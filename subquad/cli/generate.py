@@ -302,7 +302,8 @@ def run(args) -> int:
                                 **speculation)
     if not out and args.save_state:      # nothing generated: the saved state stops before the last token it keeps
         with torch.no_grad():
-            state = (model.prefill(torch.tensor([ids[:-1]]), given, logits="last")[1] if len(ids) > 1
+            state = (model.prefill(torch.tensor([ids[:-1]], device=model.embed.weight.device), given,
+                                   logits="last")[1] if len(ids) > 1
                      else given if given is not None else model.empty_state(1))
     print(echo.pop() if echo else "", text.rest(), sep="")
     report_speculation(model, args)

@@ -150,8 +150,9 @@ def generate(model, prompt, max_new_tokens: int, temperature: float = 1.0, top_k
         finally:
             getattr(drafts_by, "close", lambda: None)()
         if early:           # rows fed padding after they finished: their state again from what they consumed
-            state = cat_states([_consumed(model, given, i, prompts[i] + out[i][:-1]) if i in early
-                                else select_rows(state, [i]) for i in range(B)])
+            rows, rest = sorted(early), [i for i in range(B) if i not in early]
+            again = _consumed(model, given, rows, [prompts[i] + out[i][:-1] for i in rows])
+            state = _assemble([(again, rows)] + ([(select_rows(state, rest), rest)] if rest else []))
         model.train(was_training)
         return (out[0] if single else out), state
     finished = {}                                   # row -> the state when it finished (before the others)
@@ -176,15 +177,32 @@ def generate(model, prompt, max_new_tokens: int, temperature: float = 1.0, top_k
                 span.renew()                        # the callback may have changed the model: check again
             last, state = model.step(torch.tensor(feed, device=dev), state)
     if any(finished[i] is not state for i in finished):     # rows that finished before the last step, then padded
-        state = cat_states([select_rows(finished.get(i, state), [i]) for i in range(B)])
+        groups = {}                                 # the states rows finished at, each with its rows
+        for i in range(B):
+            groups.setdefault(id(finished.get(i, state)), (finished.get(i, state), []))[1].append(i)
+        state = _assemble([(select_rows(st, rows), rows) for st, rows in groups.values()])
     model.train(was_training)
     return (out[0] if single else out), state
 
 
-def _consumed(model, start, row: int, ids: list[int]):
-    """Row ``row``'s state after ``ids`` from ``start`` (the state ``generate`` was given, None: empty)."""
-    first = None if start is None else select_rows(start, [row])
-    return model.prefill(torch.tensor([ids], device=model.embed.weight.device), first, logits="last")[1]
+def _consumed(model, start, rows: list[int], seqs: list[list[int]]):
+    """The state of ``rows`` after each one's ``seqs`` from ``start`` (the state ``generate`` was given, None:
+    empty), in one packed prefill."""
+    first = None if start is None else select_rows(start, rows)
+    lens = torch.tensor([len(q) for q in seqs])
+    cu = torch.cat([torch.zeros(1, dtype=torch.long), lens.cumsum(0)])
+    dev = model.embed.weight.device
+    packed = torch.tensor([[t for q in seqs for t in q]], device=dev)
+    return model.prefill(packed, first, cu_seqlens=cu.to(dev), logits="last")[1]
+
+
+def _assemble(parts: list):
+    """(state, rows) pairs, each state holding its rows in that order and every row of the batch in one pair ->
+    one state with the batch's rows in order."""
+    order = [i for _, rows in parts for i in rows]
+    whole = cat_states([st for st, _ in parts]) if len(parts) > 1 else parts[0][0]
+    at = {i: n for n, i in enumerate(order)}
+    return whole if order == sorted(order) else select_rows(whole, [at[i] for i in range(len(order))])
 
 
 class _Never:
