@@ -297,14 +297,14 @@ def run(args) -> int:
         print(echo.pop() if echo else "", shown, sep="", end="", flush=True)
         return stopped
 
-    given = state
-    out, state = model.generate(ids, args.max_new_tokens, state=state, on_token=stream, **sampling(args, special),
-                                **speculation)
-    if not out and args.save_state:      # nothing generated: the saved state stops before the last token it keeps
+    if args.max_new_tokens == 0 and args.save_state:   # the saved state stops before the last token it keeps
         with torch.no_grad():
-            state = (model.prefill(torch.tensor([ids[:-1]], device=model.embed.weight.device), given,
-                                   logits="last")[1] if len(ids) > 1
-                     else given if given is not None else model.empty_state(1))
+            out, state = [], (model.prefill(torch.tensor([ids[:-1]], device=model.embed.weight.device), state,
+                                            logits="last")[1] if len(ids) > 1
+                              else state if state is not None else model.empty_state(1))
+    else:
+        out, state = model.generate(ids, args.max_new_tokens, state=state, on_token=stream,
+                                    **sampling(args, special), **speculation)
     print(echo.pop() if echo else "", text.rest(), sep="")
     report_speculation(model, args)
     print(f"\n[state: {model.state_bytes(state):,} bytes over {model.config.n_layers} layers "

@@ -124,15 +124,9 @@ def generate(model, prompt, max_new_tokens: int, temperature: float = 1.0, top_k
     B = len(prompts)
     matchers = None if grammar is None else [grammar.matcher() for _ in range(B)]
     sampler = Sampler(options, prompts, gen, matchers)
-    cu, given = None, state
+    given = state
     with capture_hidden(model, speculative == "mtp") as seen:      # the MTP head reads the prompts' hidden states
-        if len({len(p) for p in prompts}) == 1:         # one length: an ordinary batch
-            last, state = model.prefill(torch.tensor(prompts, dtype=torch.long, device=dev), state, logits="last")
-        else:
-            lens = torch.tensor([len(p) for p in prompts])
-            cu = torch.cat([torch.zeros(1, dtype=torch.long), lens.cumsum(0)]).to(dev)
-            packed = torch.tensor([t for p in prompts for t in p], dtype=torch.long, device=dev).view(1, -1)
-            last, state = model.prefill(packed, state, cu_seqlens=cu, logits="last")   # each prompt's last: (B, vocab)
+        last, state, cu = _prefill(model, prompts, state)
     out = [[] for _ in range(B)]
     done = [max_new_tokens == 0] * B
     if speculative is not None and not all(done):
@@ -151,7 +145,8 @@ def generate(model, prompt, max_new_tokens: int, temperature: float = 1.0, top_k
             getattr(drafts_by, "close", lambda: None)()
         if early:           # rows fed padding after they finished: their state again from what they consumed
             rows, rest = sorted(early), [i for i in range(B) if i not in early]
-            again = _consumed(model, given, rows, [prompts[i] + out[i][:-1] for i in rows])
+            again = _prefill(model, [prompts[i] + out[i][:-1] for i in rows],
+                             None if given is None else select_rows(given, rows))[1]
             state = _assemble([(again, rows)] + ([(select_rows(state, rest), rest)] if rest else []))
         model.train(was_training)
         return (out[0] if single else out), state
@@ -185,15 +180,19 @@ def generate(model, prompt, max_new_tokens: int, temperature: float = 1.0, top_k
     return (out[0] if single else out), state
 
 
-def _consumed(model, start, rows: list[int], seqs: list[list[int]]):
-    """The state of ``rows`` after each one's ``seqs`` from ``start`` (the state ``generate`` was given, None:
-    empty), in one packed prefill."""
-    first = None if start is None else select_rows(start, rows)
-    lens = torch.tensor([len(q) for q in seqs])
-    cu = torch.cat([torch.zeros(1, dtype=torch.long), lens.cumsum(0)])
+def _prefill(model, seqs: list[list[int]], state):
+    """Each of ``seqs`` after its row of ``state`` (None: from nothing) -> (each one's last logits (B, vocab),
+    the state after them, the cu_seqlens of the packed call, None for one length: an ordinary batch). Sequences
+    of different lengths go in one packed call (no padding, nothing crossing between them)."""
     dev = model.embed.weight.device
-    packed = torch.tensor([[t for q in seqs for t in q]], device=dev)
-    return model.prefill(packed, first, cu_seqlens=cu.to(dev), logits="last")[1]
+    if len({len(q) for q in seqs}) == 1:
+        last, state = model.prefill(torch.tensor(seqs, dtype=torch.long, device=dev), state, logits="last")
+        return last, state, None
+    lens = torch.tensor([len(q) for q in seqs])
+    cu = torch.cat([torch.zeros(1, dtype=torch.long), lens.cumsum(0)]).to(dev)
+    packed = torch.tensor([t for q in seqs for t in q], dtype=torch.long, device=dev).view(1, -1)
+    last, state = model.prefill(packed, state, cu_seqlens=cu, logits="last")
+    return last, state, cu
 
 
 def _assemble(parts: list):
