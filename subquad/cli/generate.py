@@ -232,13 +232,29 @@ def report_speculation(model, args) -> None:
               file=sys.stderr)
 
 
+def report_compiled(model) -> None:
+    """With --compile-decode: the step each batch class kept and the two steps' best trial times, on stderr."""
+    step = getattr(model, "_decode_step", None)
+    if step is None or step.trial is None:
+        return
+    for key, times in step.trial.items():
+        rows = "one row" if key == "1" else "several rows"
+        if key in step.chosen:
+            eager, compiled = (1e3 * min(times[k]) for k in ("eager", "compiled"))
+            print(f"[compile-decode, {rows}: kept the {step.chosen[key]} step (eager {eager:.2f} ms, compiled "
+                  f"{compiled:.2f} ms a step)]", file=sys.stderr)
+        else:
+            print(f"[compile-decode, {rows}: no step chosen: the trial needs {2 * step.TRIAL + 2} steps, "
+                  f"{times['calls']} were taken]", file=sys.stderr)
+
+
 def run(args) -> int:
     from pathlib import Path
 
     import torch
 
     from subquad.models import load_state, save_state
-    from subquad.models.state import check_fits
+    from subquad.models.state import check_fits, state_to_tensors
 
     check_run_or_model(args)
     if args.prompts_file:
@@ -251,6 +267,8 @@ def run(args) -> int:
         prompts = [ln for ln in path.read_text().splitlines() if ln.strip()]
         if not prompts:
             raise ValueError(f"--prompts-file {path} holds no prompt (one per line)")
+    if args.save_state and not Path(args.save_state).parent.is_dir():     # refused before the model loads
+        raise ValueError(f"--save-state {args.save_state}: the folder {Path(args.save_state).parent} does not exist")
     check_sampling_flags(args)
     stops = stop_texts(args.stop)
     check_speculative_flag(args)
@@ -289,7 +307,8 @@ def run(args) -> int:
             print("error: --prompt is empty: give the text to continue", file=sys.stderr)
             return 2
         ids = tok.encode(args.prompt).ids
-    echo = [args.prompt if not args.load_state else ""]   # with the first token: a refused option prints alone
+    echo = [args.prompt or ""]      # printed with the first token (a refused option prints alone); after a loaded
+    # state, the text --prompt appends
     text = StopText(tok, stops, ends)    # whole characters only; a possible stop text's start held back
 
     def stream(t):
@@ -307,7 +326,9 @@ def run(args) -> int:
                                     **sampling(args, special), **speculation)
     print(echo.pop() if echo else "", text.rest(), sep="")
     report_speculation(model, args)
-    print(f"\n[state: {model.state_bytes(state):,} bytes over {model.config.n_layers} layers "
+    report_compiled(model)
+    live = sum(t.nbytes for t in state_to_tensors(state)[0].values())      # a KV cache's spare room not counted
+    print(f"\n[state: {live:,} bytes over {model.config.n_layers} layers "
           f"({', '.join(sorted(set(model.config.layers)))})]", file=sys.stderr)
     if args.save_state:
         save_state(args.save_state, state, {"last_token": out[-1] if out else ids[-1]})

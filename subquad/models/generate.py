@@ -112,6 +112,8 @@ def generate(model, prompt, max_new_tokens: int, temperature: float = 1.0, top_k
     grammar = None
     if check_format(response_format) is not None:
         grammar = Grammar(response_format, tokenizer, model.config.vocab_size, model.config.eos_token_ids)
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
+        raise ValueError(f"seed must be an int or None, got {seed!r}")
     if isinstance(draft_tokens, bool) or not isinstance(draft_tokens, int) or draft_tokens < 1:
         raise ValueError(f"draft_tokens must be an int >= 1, got {draft_tokens!r}")
     prompts, single = _as_prompts(prompt)

@@ -616,6 +616,11 @@ class LanguageModel(nn.Module):
         when one is set (``models.decode.compile_decode``), so ``generate``, ``subquad generate`` and the server
         all decode through it. Like a forward it keeps the caller's grad mode (the compiled step records no
         gradients): a decoding loop of one's own runs under ``torch.no_grad()``."""
+        if not isinstance(tokens, torch.Tensor) or tokens.is_floating_point() or tokens.is_complex() \
+                or tokens.dtype == torch.bool or tokens.dim() not in (1, 2) or tokens.shape[1:] not in ((), (1,)):
+            got = f"{tuple(tokens.shape)} {tokens.dtype}" if isinstance(tokens, torch.Tensor) else type(tokens).__name__
+            raise ValueError(f"step's tokens must be one integer id a row, (B,) or (B, 1), got {got} (prefill(idx, "
+                             "state) takes several tokens a row)")
         tokens = tokens.reshape(-1, 1)
         fast = getattr(self, "_decode_step", None)
         with decoding():                         # int8: fbgemm's kernel at any batch (models.quant)

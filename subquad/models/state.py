@@ -39,9 +39,16 @@ def state_to_tensors(state) -> tuple[dict, dict]:
 
 
 def save_state(path, state, extra: dict | None = None) -> None:
-    """Write the per-layer state atomically (temporary file, then rename)."""
+    """Write the per-layer state atomically (temporary file, then rename) into an existing folder."""
     from subquad.tensorfile import save_file
 
+    if not isinstance(state, (list, tuple)) or not all(isinstance(layer, dict) for layer in state):
+        got = type(state).__name__ if not isinstance(state, (list, tuple)) else \
+            f"a {type(state).__name__} holding {sorted({type(x).__name__ for x in state})}"
+        raise ValueError(f"save_state's state must be a decoding state (a list of one dict per layer, as prefill and "
+                         f"generate return), got {got}")
+    if not Path(path).parent.is_dir():
+        raise ValueError(f"save_state's path {path}: the folder {Path(path).parent} does not exist")
     tensors, meta = state_to_tensors(state)
     pos = getattr(state, "pos", 0)
     if isinstance(pos, torch.Tensor):                # per row: sequences of different lengths
@@ -53,6 +60,10 @@ def save_state(path, state, extra: dict | None = None) -> None:
     os.replace(tmp, path)
 
 
+class _NotAState(Exception):
+    """A safetensors file without a state's metadata (``load_state``)."""
+
+
 def load_state(path):
     """Returns (state, extra)."""
     from safetensors import safe_open
@@ -62,11 +73,16 @@ def load_state(path):
         raise ValueError(f"state file {path} does not exist")
     try:
         with safe_open(str(path), framework="pt") as f:
+            if "layers" not in (f.metadata() or {}):
+                raise _NotAState
             meta = json.loads(f.metadata()["layers"])
             extra = json.loads(f.metadata().get("extra", "{}"))
             pos = f.metadata().get("pos", "0")
             tensors = {k: f.get_tensor(k) for k in f.keys()}
             pos = tensors.pop("pos") if pos == "tensor" else int(pos)
+    except _NotAState:
+        raise ValueError(f"{path} is a safetensors file but not a saved decoding state (its metadata has no 'layers': "
+                         "a model's weights? save_state writes states)") from None
     except Exception as e:
         raise ValueError(f"state file {path} is truncated or corrupted: {e}") from None
     state = ModelState(pos=pos)

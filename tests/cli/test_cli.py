@@ -58,9 +58,18 @@ def test_train_eval_generate_end_to_end(tmp_path, capsys, corpus, monkeypatch):
     assert main(["generate", "--run", str(run), "--prompt", "def h1", "--max-new-tokens", "5",
                  "--save-state", str(st)]) == 0
     err = capsys.readouterr().err
-    assert "state:" in err and st.exists()
+    from safetensors import safe_open
+
+    with safe_open(str(st), framework="pt") as f:           # the printed size is what was saved: a KV cache's
+        saved = sum(f.get_tensor(k).nbytes for k in f.keys())   # spare room is not state
+    assert f"[state: {saved:,} bytes" in err
     assert main(["generate", "--run", str(run), "--load-state", str(st), "--max-new-tokens", "3"]) == 0
     capsys.readouterr()
+    assert main(["generate", "--run", str(run), "--load-state", str(st), "--prompt", " zq", "--max-new-tokens",
+                 "2"]) == 0
+    assert capsys.readouterr().out.startswith(" zq")     # the appended text is printed before what follows it
+    assert main(["generate", "--run", str(run), "--prompt", "def", "--save-state", str(tmp_path / "no" / "s")]) == 2
+    assert "--save-state" in capsys.readouterr().err
     # a prompt read and saved with nothing generated, continued later: the run it interrupts (the saved state stops
     # before the prompt's last token, which the continuation feeds; it was fed twice)
     from subquad.models import load_state

@@ -149,7 +149,7 @@ def test_generate_takes_the_compiled_step_and_gives_eager_tokens():
         compile_decode(other, "yes")
 
 
-def test_faster_keeps_the_step_that_timed_faster_for_each_batch_class(monkeypatch):
+def test_faster_keeps_the_step_that_timed_faster_for_each_batch_class(monkeypatch, capsys):
     """``compile_decode(faster=True)``: for one row and for several, the compiled and the eager step take turns
     (one untimed step of each, then TRIAL timed) and the faster is kept - here the compiled one made 20 ms
     slower for one row, the eager one for several; tokens equal the eager model's throughout. The choice is what
@@ -187,6 +187,13 @@ def test_faster_keeps_the_step_that_timed_faster_for_each_batch_class(monkeypatc
         assert kinds[:trial] == ["compiled", "eager"] * (CompiledStep.TRIAL + 1)
         assert set(kinds[trial:]) == {"eager" if len(prompts) == 1 else "compiled"} and len(kinds) == trial + 5
     assert fast._decode_step.chosen == {"1": "eager", "B": "compiled"}
+    from subquad.cli.generate import report_compiled  # subquad generate --compile-decode says so
+
+    report_compiled(fast)
+    said = capsys.readouterr().err
+    assert "one row: kept the eager step" in said and "several rows: kept the compiled step" in said
+    one = fast._decode_step.trial["1"]
+    assert f"eager {1e3 * min(one['eager']):.2f} ms, compiled {1e3 * min(one['compiled']):.2f} ms" in said
     assert fast._decode_step.verifier().trial is None                 # a verification always takes its graph
     plain_fast = compile_decode(_copy(eager), cache=False)             # without faster: the graph at every step
     ran.clear()

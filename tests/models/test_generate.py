@@ -179,6 +179,32 @@ def test_corrupted_state_file_is_refused(tmp_path):
         load_state(tmp_path / "s.safetensors")
 
 
+def test_wrong_states_steps_and_seeds_are_refused_by_name(tmp_path):
+    """What a user passes by mistake is refused naming the argument, not failing deep inside (a new user's
+    trial): a seed that is not an int, a step given several tokens a row or float ids, save_state of something
+    that is not a state or into a folder that does not exist, load_state of a model's weights."""
+    from subquad.tensorfile import save_file
+
+    model = tiny("mamba2,swa")
+    for seed in ("a", 1.5, True):
+        with pytest.raises(ValueError, match="seed must be an int"):
+            model.generate([1, 2], 2, seed=seed)
+    _, state = model.generate([1, 2], 2, temperature=0)
+    with torch.no_grad():
+        for tokens in (torch.tensor([[1, 2]]), torch.tensor([1.0]), torch.tensor(1), [1], torch.tensor([[[1]]])):
+            with pytest.raises(ValueError, match="step's tokens must be one integer id a row"):
+                model.step(tokens, state)
+        assert model.step(torch.tensor([[1]], dtype=torch.int32), state)[0].shape == (1, 61)
+    for bad in ("hello", [torch.zeros(2)]):
+        with pytest.raises(ValueError, match="save_state's state must be a decoding state"):
+            save_state(tmp_path / "s.safetensors", bad)
+    with pytest.raises(ValueError, match="the folder .*missing does not exist"):
+        save_state(tmp_path / "missing" / "s.safetensors", state)
+    save_file({"embed.weight": torch.zeros(2, 2)}, str(tmp_path / "model.safetensors"))
+    with pytest.raises(ValueError, match="not a saved decoding state"):
+        load_state(tmp_path / "model.safetensors")
+
+
 def test_a_state_of_another_model_is_refused_by_name(tmp_path):
     """``models.state.check_fits`` (``subquad generate --load-state``): a saved state fits the model it came from
     (a batch of 2, its KV caches holding tokens) and is refused, naming the difference, by a model of another
