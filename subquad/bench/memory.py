@@ -69,3 +69,48 @@ def measure(contexts, head_dim: int, dtype: str = "float32") -> list[dict]:
         rows.append({"context": T, "kv_cache_bytes": cache.nbytes, "state_bytes": S.nbytes + z.nbytes,
                      "state_dtype": str(S.dtype).replace("torch.", "")})
     return rows
+
+
+PROBE = (8, 16)         # tokens each mixer reads before its state is measured: below swa's window, above a conv's
+
+
+def live_bytes(state: dict) -> int:
+    """Bytes of a layer's decoding state that hold what it has read: a KV cache's kept entries, not its spare
+    room (``models.state.state_to_tensors``, what ``save_state`` writes)."""
+    from subquad.models.state import state_to_tensors
+
+    return sum(t.nbytes for t in state_to_tensors([state])[0].values())
+
+
+@torch.no_grad()
+def mixer_states(names, contexts, d_model: int, n_heads: int, dtype: str = "float32") -> list[dict]:
+    """Each mixer's decoding state per layer (B = 1) at each context, measured: the layer (``build_mixer`` at
+    this width and head count) reads ``PROBE`` tokens and the bytes of the state it returns are read
+    (``live_bytes``). A state that grows - a KV cache - grows by the same bytes every token, up to its window:
+    bytes(T) = base + per_token * min(T, window), from the two probes; a fixed state is the same at both."""
+    from subquad.layers import MIXERS, build_mixer
+    from subquad.ops import KVCache
+
+    torch_dtype = dtype_of(dtype)
+    unknown = [n for n in names if n not in MIXERS or MIXERS[n].encoder_only]
+    if unknown:
+        known = sorted(n for n in MIXERS if not MIXERS[n].encoder_only)
+        raise ValueError(f"--mixers: no decoding state for {', '.join(unknown)}; known: {', '.join(known)}")
+    g = torch.Generator().manual_seed(0)
+    rows = []
+    for name in names:
+        torch.manual_seed(0)
+        layer = build_mixer(name, d_model, n_heads).to(torch_dtype).eval()
+        sizes, window = [], None
+        for T in PROBE:
+            x = torch.randn(1, T, d_model, generator=g).to(torch_dtype)
+            _, state = layer(x, layer.empty_state(1, dtype=torch_dtype))
+            sizes.append(live_bytes(state))
+            windows = [t.window for t in state.values() if isinstance(t, KVCache) and t.window is not None]
+            window = min(windows) if windows else None
+        per_token = (sizes[1] - sizes[0]) // (PROBE[1] - PROBE[0])
+        base = sizes[0] - per_token * PROBE[0]
+        grows = "no" if per_token == 0 else f"up to {window:,} tokens" if window else "yes"
+        rows.append({"mixer": name, "grows": grows, "per_token": per_token,
+                     "bytes": {T: base + per_token * (T if window is None else min(T, window)) for T in contexts}})
+    return rows

@@ -19,7 +19,7 @@ def contexts(text: str) -> list[int]:
 
 
 def add_parser(command) -> None:
-    m = command("memory", "KV cache against linear state, per layer and head")
+    m = command("memory", "KV cache against linear state, per layer and head; each mixer's state (--mixers)")
     m.add_argument("--context", type=contexts, default=[1024, 4096, 16384, 65536, 131072, 262144, 1048576],
                    help="comma-separated context lengths, e.g. 1K,4K,1M (default: 1K..1M)")
     m.add_argument("--head-dim", type=positive, default=32, help="head dimension d")
@@ -28,7 +28,24 @@ def add_parser(command) -> None:
     m.add_argument("--flops", action="store_true", help="also print N^2 d against N d^2")
     m.add_argument("--measure-max", type=positive, default=16384,
                    help="measure allocated bytes at contexts up to this length")
+    m.add_argument("--mixers", type=mixer_names, default=None,
+                   help="also measure each mixer's decoding state per layer at these contexts: comma-separated "
+                        "names, or 'all' (at --d-model and --n-heads)")
+    m.add_argument("--d-model", type=positive, default=768, help="with --mixers: the layers' width (mamba-130m's)")
+    m.add_argument("--n-heads", type=positive, default=12, help="with --mixers: the layers' head count")
     m.set_defaults(fn=run)
+
+
+def mixer_names(text: str) -> list[str]:
+    """--mixers all, or comma-separated names (checked against the table when measured)."""
+    from subquad.layers import MIXERS
+
+    if text.strip() == "all":
+        return [n for n, e in MIXERS.items() if not e.encoder_only]
+    names = [x.strip() for x in text.split(",") if x.strip()]
+    if not names:
+        raise argparse.ArgumentTypeError(f"--mixers takes comma-separated mixer names or 'all', got {text!r}")
+    return names
 
 
 def run(args) -> int:
@@ -47,6 +64,17 @@ def run(args) -> int:
     print(render([{"context": f"{m['context']:,}", "KV cache (KVCache.nbytes)": f"{m['kv_cache_bytes']:,} B",
                    "state (S + z)": f"{m['state_bytes']:,} B", "state dtype": m["state_dtype"]}
                   for m in measured]))
+    if args.mixers:
+        states = memory.mixer_states(args.mixers, args.context, args.d_model, args.n_heads, args.dtype)
+        soft = memory.mixer_states(["softmax"], args.context, args.d_model, args.n_heads, args.dtype)[0]["bytes"]
+        longest = max(args.context)
+        print(f"\nDecoding state per layer of each mixer (B=1, d_model {args.d_model}, {args.n_heads} heads, "
+              f"{args.dtype} layers), measured from the state each returns after {memory.PROBE[0]} and "
+              f"{memory.PROBE[1]} tokens (a KV cache grows the same bytes every token):")
+        print(render([{"mixer": r["mixer"], "grows with context": r["grows"],
+                       **{f"{T:,}": fmt_bytes(r["bytes"][T]) for T in args.context},
+                       f"softmax's / this at {longest:,}": f"{soft[longest] / r['bytes'][longest]:,.1f}x"}
+                      for r in states]))
     if args.flops:
         print("\nOperations of the attention product (per head): softmax N²d against linear Nd²")
         print(render([{"N": f"{r['context']:,}", "softmax N²d": f"{r['softmax_flops']:.2e}",

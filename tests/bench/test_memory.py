@@ -46,3 +46,44 @@ def test_the_measured_header_names_the_contexts_measured():
     rows = memory.measure(memory.measured_contexts([256, 1024, 4096], measure_max=1024), 8)
     assert [r["context"] for r in rows] == [256, 1024]
     assert memory.measured_title(rows).endswith("T = 256 to 1,024:")
+
+
+def test_each_mixers_state_per_layer_measured_and_extrapolated():
+    """``subquad memory --mixers``: a KV cache's bytes are 2 T d floats (capped at swa's window), extrapolated from
+    two short reads and equal to a real read of 300 tokens; Mamba's state is d_inner d_state + d_inner
+    (conv - 1) floats (expand 2, d_state 16, conv 4: the paper's) at every context; every fixed state is the size
+    of its layer's empty_state."""
+    import torch
+
+    from subquad.layers import MIXERS, build_mixer, tensor_bytes
+
+    d, contexts = 64, [32, 300, 1 << 20]
+    rows = {r["mixer"]: r for r in memory.mixer_states(["softmax", "swa", "mamba", "gla", "rwkv7"], contexts, d, 4)}
+    assert rows["softmax"]["bytes"] == {T: 2 * T * d * 4 for T in contexts} and rows["softmax"]["grows"] == "yes"
+    window = MIXERS["swa"].defaults["window"]
+    assert rows["swa"]["bytes"] == {T: 2 * min(T, window) * d * 4 for T in contexts}
+    assert rows["swa"]["grows"] == f"up to {window} tokens"
+    assert rows["mamba"]["bytes"][1 << 20] == (2 * d * 16 + 2 * d * 3) * 4 and rows["mamba"]["grows"] == "no"
+    softmax = build_mixer("softmax", d, 4).eval()
+    with torch.no_grad():
+        _, state = softmax(torch.randn(1, 300, d), softmax.empty_state(1))
+    assert memory.live_bytes(state) == rows["softmax"]["bytes"][300]
+    for name in ("mamba", "gla", "rwkv7"):
+        assert set(rows[name]["bytes"].values()) == {tensor_bytes(build_mixer(name, d, 4).empty_state(1))}
+    with pytest.raises(ValueError, match="--mixers: no decoding state for linformer, nope"):
+        memory.mixer_states(["gla", "linformer", "nope"], [8], d, 4)
+
+
+def test_the_memory_command_prints_each_mixers_state(capsys):
+    from subquad.cli import main
+
+    assert main(["memory", "--context", "1K,1M", "--measure-max", "1024", "--mixers", "mamba,softmax",
+                 "--d-model", "768", "--n-heads", "12"]) == 0
+    out = capsys.readouterr().out
+    assert "Decoding state per layer of each mixer (B=1, d_model 768, 12 heads" in out
+    mamba = next(line for line in out.splitlines() if line.strip().startswith("mamba "))
+    assert "114.0 KiB" in mamba and "55,188.2x" in mamba        # (1536 x 16 + 1536 x 3) x 4 B; 6 GiB / that
+    with pytest.raises(SystemExit):
+        main(["memory", "--mixers", ","])
+    assert main(["memory", "--context", "1K", "--mixers", "gla,nope"]) == 2
+    assert "--mixers: no decoding state for nope" in capsys.readouterr().err
