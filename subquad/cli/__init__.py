@@ -11,8 +11,8 @@ import threading
 import warnings
 from pathlib import Path
 
+from subquad.cli import compare, export, generate, memory, recall, serve, train, workshop
 from subquad.cli import eval as eval_command
-from subquad.cli import export, generate, memory, recall, serve, train, workshop
 from subquad.cli.common import Help
 
 DESCRIPTION = """\
@@ -21,6 +21,7 @@ linear attention, RetNet, GLA, DeltaNet, Gated DeltaNet, Mamba, Mamba-2 and hybr
 
   subquad workshop                  the plate reproduced: forms agree, memory, softmax vs linear (start here)
   subquad train --pattern mamba2    train a small language model; --resume continues a run
+  subquad compare RUN RUN ...       training runs side by side: held-out loss, size, speed; curves in a PNG
   subquad generate --run runs/NAME  stream text with a constant-size state
   subquad serve --model DIR         an OpenAI-compatible server (continuous batching, prefix-state reuse)
   subquad recall                    associative recall of every mixer against its state size
@@ -47,6 +48,7 @@ def build_parser() -> argparse.ArgumentParser:
     memory.add_parser(command)
     workshop.add_parser(command)
     train.add_parser(command)
+    compare.add_parser(command)
     recall.add_parser(command)
     eval_command.add_parser(command)
     export.add_parser(command, hf_types)

@@ -72,7 +72,7 @@ def test_every_command_is_a_module_with_add_parser_and_run():
 
     p = build_parser()
     commands = p._subparsers._group_actions[0].choices
-    assert set(commands) == {"memory", "workshop", "train", "recall", "eval", "export", "generate", "serve"}
+    assert set(commands) == {"memory", "workshop", "train", "compare", "recall", "eval", "export", "generate", "serve"}
     for name, sub in commands.items():
         mod = importlib.import_module(f"subquad.cli.{name}")
         assert sub.get_default("fn") is mod.run, name
