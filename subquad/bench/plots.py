@@ -41,3 +41,20 @@ def workshop_figure(path, memory_rows, head_dim, dtype, curves=None):
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+def mixer_states_figure(path, rows: list[dict], d_model: int, n_heads: int, dtype: str):
+    """Each mixer's decoding state per layer (``bench.memory.mixer_states``) against context, log-log."""
+    fig, ax = plt.subplots(figsize=(7.5, 5.2))
+    for i, r in enumerate(rows):
+        T = sorted(r["bytes"])
+        style = "o-" if r["per_token"] else "s--"
+        ax.loglog(T, [r["bytes"][t] for t in T], style, ms=3, color=f"C{i % 10}", label=r["mixer"])
+    ax.set_xlabel("context length T (tokens)")
+    ax.set_ylabel(f"bytes per layer, one sequence ({dtype} layers)")
+    ax.set_title(f"Decoding state per layer, d_model {d_model}, {n_heads} heads")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

@@ -33,6 +33,7 @@ def add_parser(command) -> None:
                         "names, or 'all' (at --d-model and --n-heads)")
     m.add_argument("--d-model", type=positive, default=768, help="with --mixers: the layers' width (mamba-130m's)")
     m.add_argument("--n-heads", type=positive, default=12, help="with --mixers: the layers' head count")
+    m.add_argument("--out", help="with --mixers: also plot the states against context in this PNG")
     m.set_defaults(fn=run)
 
 
@@ -52,6 +53,8 @@ def run(args) -> int:
     from subquad.bench import memory
     from subquad.bench.table import fmt_bytes, render
 
+    if args.out and not args.mixers:
+        raise ValueError("memory: --out plots the mixers' states: give --mixers too")
     rows = memory.analytic(args.context, args.head_dim, args.dtype)
     print(f"Memory per layer and head, head dim d = {args.head_dim}, {args.dtype}")
     print(render([{"context": f"{r['context']:,}", "KV cache 2Td (numbers)": f"{r['kv_numbers']:,}",
@@ -75,6 +78,11 @@ def run(args) -> int:
                        **{f"{T:,}": fmt_bytes(r["bytes"][T]) for T in args.context},
                        f"softmax's / this at {longest:,}": f"{soft[longest] / r['bytes'][longest]:,.1f}x"}
                       for r in states]))
+        if args.out:
+            from subquad.bench.plots import mixer_states_figure
+
+            mixer_states_figure(args.out, states, args.d_model, args.n_heads, args.dtype)
+            print(f"wrote {args.out}")
     if args.flops:
         print("\nOperations of the attention product (per head): softmax N²d against linear Nd²")
         print(render([{"N": f"{r['context']:,}", "softmax N²d": f"{r['softmax_flops']:.2e}",

@@ -74,12 +74,13 @@ def test_each_mixers_state_per_layer_measured_and_extrapolated():
         memory.mixer_states(["gla", "linformer", "nope"], [8], d, 4)
 
 
-def test_the_memory_command_prints_each_mixers_state(capsys):
+def test_the_memory_command_prints_each_mixers_state(capsys, tmp_path):
     from subquad.cli import main
 
     assert main(["memory", "--context", "1K,1M", "--measure-max", "1024", "--mixers", "mamba,softmax",
-                 "--d-model", "768", "--n-heads", "12"]) == 0
+                 "--d-model", "768", "--n-heads", "12", "--out", str(tmp_path / "m.png")]) == 0
     out = capsys.readouterr().out
+    assert (tmp_path / "m.png").stat().st_size > 10_000
     assert "Decoding state per layer of each mixer (B=1, d_model 768, 12 heads" in out
     mamba = next(line for line in out.splitlines() if line.strip().startswith("mamba "))
     assert "114.0 KiB" in mamba and "55,188.2x" in mamba        # (1536 x 16 + 1536 x 3) x 4 B; 6 GiB / that
@@ -87,3 +88,5 @@ def test_the_memory_command_prints_each_mixers_state(capsys):
         main(["memory", "--mixers", ","])
     assert main(["memory", "--context", "1K", "--mixers", "gla,nope"]) == 2
     assert "--mixers: no decoding state for nope" in capsys.readouterr().err
+    assert main(["memory", "--out", str(tmp_path / "n.png")]) == 2
+    assert "give --mixers too" in capsys.readouterr().err
