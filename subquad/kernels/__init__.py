@@ -20,6 +20,7 @@ import contextlib
 import ctypes
 import functools
 import hashlib
+import itertools
 import os
 import platform
 import re
@@ -267,13 +268,27 @@ def steady_mark():
     return None if span is None else span.mark
 
 
+_LOADS: dict[int, int] = {}     # an inference tensor's data pointer -> load_state_dict calls that wrote into it
+
+
 def version(t: torch.Tensor) -> int:
     """t's in-place version counter. An inference tensor (made under ``torch.inference_mode``: a model loaded or
-    quantised there) keeps none and raises on ``_version``: -1 for it, its data pointer alone telling a swap."""
+    quantised there) keeps none and raises on ``_version``: for it -1 less the ``load_state_dict`` calls that
+    wrote into it in place (``loaded_in_place``, the hook of the modules whose weights kernels read copies of),
+    its data pointer telling a swap. (Other in-place edits of an inference tensor stay unseen.)"""
     try:
         return t._version
     except RuntimeError:
-        return -1
+        return -1 - _LOADS.get(t.data_ptr(), 0)
+
+
+def loaded_in_place(module, incompatible_keys=None) -> None:
+    """A ``load_state_dict`` post-hook (``register_load_state_dict_post_hook``): the inference tensors of
+    ``module`` may now hold other values in the same storage - their ``version`` moves on, so the copies made
+    from them (``derived``: AMX tiles, a column-major dt_proj) and the kept calls holding those are made again."""
+    for t in itertools.chain(module.parameters(), module.buffers()):
+        if t.is_inference():
+            _LOADS[t.data_ptr()] = _LOADS.get(t.data_ptr(), 0) + 1
 
 
 def derive(copy: torch.Tensor, src: torch.Tensor) -> torch.Tensor:

@@ -233,6 +233,7 @@ class Mamba(Mixer):
         self.D = nn.Parameter(torch.ones(self.d_inner))
         self.A_log._no_weight_decay = self.D._no_weight_decay = True     # the reference's marks (decay_groups)
         self.out_proj = nn.Linear(self.d_inner, d_model, bias=False)
+        self.register_load_state_dict_post_hook(kernels.loaded_in_place)    # dt_columns' copy made again
 
     def mix_flops(self, T):
         """The write dt B x and the read C . h per channel, N states each."""

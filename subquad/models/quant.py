@@ -262,6 +262,7 @@ class Int8Linear(nn.Module):
         self.register_buffer("key", torch.tensor(key, device="cpu"), persistent=False)
         weakref.finalize(self, _PACKED.pop, key, None)
         weakref.finalize(self, qgemv.AMX_PACKED.pop, key, None)
+        self.register_load_state_dict_post_hook(kernels.loaded_in_place)     # packed copies of q made again
         self.in_features, self.out_features = q.shape[1] * (2 if q.dtype == torch.uint8 else 1), q.shape[0]
 
     @classmethod
@@ -346,7 +347,9 @@ class Bf16Linear(nn.Module):
         return self.w.float()
 
     def forward(self, x):
-        if qgemv.bf16() and x.shape[-1] % 32 == 0 and _direct(x) and qgemv.usable(qgemv.BF16, x, qgemv.BF16_ROWS):
+        # _direct first: inside a graph nothing of the C path is looked at (a call to the cached bf16() broke the
+        # graph there, and inductor then miscompiled a Mamba-2 block's next piece: NaN logits, this Intel host)
+        if _direct(x) and x.shape[-1] % 32 == 0 and qgemv.bf16() and qgemv.usable(qgemv.BF16, x, qgemv.BF16_ROWS):
             return qgemv.bf16_gemv(x, self.w, None if self.bias is None else self.bias.float())
         return F.linear(x.to(torch.bfloat16), self.w, self.bias).to(x.dtype)
 
@@ -365,8 +368,8 @@ class F16Linear(Bf16Linear):
         self.in_features, self.out_features = weight.shape[1], weight.shape[0]
 
     def forward(self, x):
-        lanes = qgemv.f16()
-        if lanes and x.shape[-1] % lanes == 0 and _direct(x) and qgemv.usable(qgemv.F16, x, qgemv.F16_ROWS):
+        if _direct(x) and (lanes := qgemv.f16()) and x.shape[-1] % lanes == 0 \
+                and qgemv.usable(qgemv.F16, x, qgemv.F16_ROWS):          # _direct first, as Bf16Linear's
             return qgemv.f16_gemv(x, self.w, self.bias)
         return F.linear(x, self.w.to(x.dtype), None if self.bias is None else self.bias.to(x.dtype))
 

@@ -245,6 +245,52 @@ def test_compiled_quantised_decoding_equals_eager():
     assert max(rels) <= 5e-3 and sum(r > 1e-5 for r in rels) <= 2, rels
 
 
+@pytest.mark.parametrize("kind", [None, "int8"])
+def test_weights_loaded_in_place_under_inference_mode_are_read_afresh(kind):
+    """An inference tensor has no version counter: a ``load_state_dict`` into a model made under
+    ``torch.inference_mode`` kept the copies kernels had made of its old weights (int8's AMX tiles and fbgemm's
+    packing, Mamba's column-major dt_proj) and the kept calls holding them - logits of the old weights (off by
+    their own size, a new user's trial on the Intel host). Now the model decodes as one built with the new weights,
+    at one row and at 8 (fbgemm's rows), after caches were made at both."""
+    def build(seed):
+        torch.manual_seed(seed)
+        m = LanguageModel(ModelConfig(vocab_size=200, d_model=64, n_layers=2, n_heads=4, pattern="mamba,softmax"))
+        return m.eval() if kind is None else quantize(m.eval(), kind, min_weights=0)
+
+    ids = torch.randint(0, 200, (8, 7), generator=torch.Generator().manual_seed(3))
+    with torch.inference_mode():
+        a, b = build(1), build(2)
+        for rows in (1, 8):                                    # a's copies and kept calls made at both
+            a.step(ids[:rows, -1], a.prefill(ids[:rows])[1])
+        a.load_state_dict(b.state_dict())
+        for rows in (1, 8):
+            state = b.prefill(ids[:rows])[1]
+            want = b.step(ids[:rows, -1], state)[0]
+            for _ in range(2):                                 # and again: kept calls made from the new weights
+                got = a.step(ids[:rows, -1], a.prefill(ids[:rows])[1])[0]
+                torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
+        if kind is None:                                        # the copy the Mamba block kernel reads
+            from subquad.layers.mamba import dt_columns
+
+            layer = a.blocks[0].mixer
+            assert torch.equal(dt_columns(layer, layer.dt_proj.weight), b.blocks[0].mixer.dt_proj.weight)
+
+
+@pytest.mark.parametrize("cls", ["Bf16Linear", "F16Linear"])
+def test_bf16_and_f16_linears_compile_without_a_graph_break(cls):
+    """Inside a graph the 16-bit linears look at nothing of their C path (``_direct`` first): asking whether the CPU
+    has the kernel broke the graph there, and on an AVX512-BF16 host inductor then miscompiled the piece after it
+    in a Mamba-2 model (every logit NaN under ``--quantize bf16 --compile-decode``). fullgraph refuses a break;
+    the graph's product is the 16-bit weights' (bfloat16: y rounded to bfloat16)."""
+    lin = getattr(quant, cls)(torch.randn(48, 64, generator=torch.Generator().manual_seed(0)))
+    x = torch.randn(1, 1, 64, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        y = torch.compile(lin, fullgraph=True)(x)
+    want = x.double() @ lin.w.double().T
+    tol = 2 ** -8 if cls == "Bf16Linear" else 1e-6
+    torch.testing.assert_close(y.double(), want, rtol=tol, atol=tol * want.abs().max().item())
+
+
 # ---- int4 ----
 
 def test_int4_weights_per_group():
