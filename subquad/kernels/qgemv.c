@@ -162,13 +162,15 @@ static void quantize_q8(int64_t M, int64_t K, const float *x, int64_t ldx, int8_
             int8_t *c = xq + m * K + 32 * b;
 #if SIMD
             const __m256 sign = _mm256_set1_ps(-0.0f);
-            __m256 f[4], amax = _mm256_setzero_ps();
+            __m256 f[4], amax = _mm256_setzero_ps(), nan = _mm256_setzero_ps();
             for (int i = 0; i < 4; i++) {
                 f[i] = _mm256_loadu_ps(v + 8 * i);
                 amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, f[i]));
+                nan = _mm256_or_ps(nan, _mm256_cmp_ps(f[i], f[i], _CMP_UNORD_Q));
             }
             float mx = hmax8(amax);
-            const float d = mx / 127.0f;
+            /* max skips a NaN: the block's scale is NaN then, so every sum it enters is (not a finite guess) */
+            const float d = _mm256_movemask_ps(nan) ? NAN : mx / 127.0f;
             const __m256 id = _mm256_set1_ps(mx > 0.0f ? 127.0f / mx : 0.0f);
             __m256i i32[4];
             for (int i = 0; i < 4; i++)
@@ -181,9 +183,12 @@ static void quantize_q8(int64_t M, int64_t K, const float *x, int64_t ldx, int8_
                                                                                                 7)));
 #else
             float mx = 0.0f;
-            for (int j = 0; j < 32; j++)
+            int nan = 0;
+            for (int j = 0; j < 32; j++) {
                 mx = fabsf(v[j]) > mx ? fabsf(v[j]) : mx;
-            const float d = mx / 127.0f, id = mx > 0.0f ? 127.0f / mx : 0.0f;
+                nan |= v[j] != v[j];
+            }
+            const float d = nan ? NAN : mx / 127.0f, id = mx > 0.0f ? 127.0f / mx : 0.0f;
             for (int j = 0; j < 32; j++)
                 c[j] = (int8_t)nearbyintf(v[j] * id);
 #endif
@@ -585,11 +590,15 @@ static void amx_rows(int64_t M, int64_t K, int threads, const float *x, int64_t 
     for (int64_t m = 0; m < M; m++) {
         const float *xm = x + m * ldx;
         __m512 mx = _mm512_setzero_ps();
-        for (int64_t k = 0; k < K; k += 16)
-            mx = _mm512_max_ps(mx, _mm512_andnot_ps(sign, _mm512_loadu_ps(xm + k)));
+        __mmask16 nan = 0;
+        for (int64_t k = 0; k < K; k += 16) {
+            const __m512 v = _mm512_loadu_ps(xm + k);
+            mx = _mm512_max_ps(mx, _mm512_andnot_ps(sign, v));
+            nan |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+        }
         const float dm = _mm512_reduce_max_ps(mx) / 127.0f;
         const __m512 inv = _mm512_set1_ps(dm > 0.0f ? 1.0f / dm : 0.0f);
-        d[m] = dm;
+        d[m] = nan ? NAN : dm;              /* max skips a NaN: the row's outputs are NaN then, as x W^T's */
         for (int64_t k = 0; k < K; k += 16) {
             const __m512i c = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(xm + k), inv));
             _mm_storeu_si128((__m128i *)(u + m * K + k), _mm512_cvtusepi32_epi8(_mm512_add_epi32(c, off)));

@@ -310,3 +310,22 @@ def test_a_q4_0_module_keeps_four_bits_and_multiplies_as_llama_cpp_at_a_few_rows
         assert _rel(lin(few), few.double() @ W.T) <= 1e-6
     with pytest.raises(ValueError, match="from_blocks"):
         Int8Linear.from_blocks(pack_q4_0(q), torch.rand(40, 6))             # Q4_0's bytes need blocks of 32
+
+
+@pytest.mark.parametrize("kind", ["int8", "int4"])
+@pytest.mark.parametrize("M", [1, 8, 20])
+def test_a_nan_in_a_row_is_a_nan_in_its_outputs(kind, M):
+    """A NaN in x (a model diverging) gives NaN in its row's outputs, as x W^T does: the C kernels round x to int8
+    by its largest magnitude, which a max skips NaN in - a finite, plausible row came out (|y| ~20-35, a new user's
+    trial), and generate's refusal of NaN logits never fired. The other rows keep their finite values. (fbgemm's
+    dynamic product, the int8 path at 3-16 rows where the CPU has no AVX-512 VNNI, rounds NaN as it likes.)"""
+    torch.manual_seed(0)
+    lin = quant.quantized_linear(kind, torch.randn(64, 128), None, group_size=32)
+    x = torch.randn(M, 128)
+    want = lin(x)
+    x[0, 5] = float("nan")
+    with torch.no_grad():
+        y = lin(x)
+    fbgemm = kind == "int8" and 3 <= M <= 16 and quant.FBGEMM and not qgemv.packed_int8()
+    assert fbgemm or bool(torch.isnan(y[0]).all()), y[0]
+    assert fbgemm or torch.equal(y[1:], want[1:])          # fbgemm rounds all rows by one scale: not per row
