@@ -27,7 +27,8 @@ from subquad.train.trainer import TrainConfig, Trainer, config_difference
 
 
 # what a resume may change: the schedule's bookkeeping, and how the same math is laid out on processes
-RESUME_SAFE = ("steps", "eval_every", "ckpt_every", "eval_batches", "fsdp", "replicate", "activation_checkpointing")
+RESUME_SAFE = ("steps", "eval_every", "ckpt_every", "eval_batches", "fsdp", "replicate", "activation_checkpointing",
+               "context_parallel")
 
 
 def read_run_config(out) -> dict:
@@ -282,7 +283,7 @@ def _train_run(model_cfg, train_cfg, out, data, resume, vocab_size, progress, lo
                                      f"{trainer.step}) holds: {'; '.join(diff)}. Put the checkpoint's settings "
                                      "back in config.json, or train them as a new --out")
                 log(f"resuming {out} from step {trainer.step}")
-                _say_world(trainer.resumed_world, world, train_cfg, log)
+                _say_world(trainer.resumed_world, (ckpt or {}).get("context_parallel", 1), world, train_cfg, log)
                 if rank == 0:
                     trainer._trim_metrics()
                 _say_schedule(train_cfg, old, trainer.step, reschedule, log)
@@ -323,14 +324,19 @@ def _config_or_empty(out: Path) -> dict:
         return {"checkpointed": False}
 
 
-def _say_world(before: int | None, world: int, cfg: TrainConfig, log) -> None:
-    """One line when a resume runs on another number of processes: each draws ``batch_size`` sequences (a
-    context-parallel group of ranks shares them), so the sequences per step change with the processes."""
-    if before is None or before == world:
+def _say_world(before: int | None, before_cp: int, world: int, cfg: TrainConfig, log) -> None:
+    """One line when a resume runs on another number of processes (or context-parallel groups): each group draws
+    ``batch_size`` sequences (its ranks share them), so the sequences per step change with the groups."""
+    if before is None or (before, before_cp) == (world, cfg.context_parallel):
         return
-    per = lambda w: w // cfg.context_parallel * cfg.batch_size          # noqa: E731
-    log(f"the run trained on {before} process{'es' if before > 1 else ''} ({per(before)} sequences a step); it "
-        f"continues on {world}: {per(world)} sequences a step, each process drawing --batch-size {cfg.batch_size}")
+    was, now = before // before_cp * cfg.batch_size, world // cfg.context_parallel * cfg.batch_size
+    say = lambda w, cp: f"{w} process{'es' if w > 1 else ''}" + (f", context-parallel {cp}" if cp > 1 else "")  # noqa: E731
+    if was == now:
+        log(f"the run trained on {say(before, before_cp)}; it continues on {say(world, cfg.context_parallel)}: the "
+            f"same {now} sequences a step")
+        return
+    log(f"the run trained on {say(before, before_cp)} ({was} sequences a step); it continues on "
+        f"{say(world, cfg.context_parallel)}: {now} sequences a step, each group drawing --batch-size {cfg.batch_size}")
 
 
 def _say_schedule(cfg: TrainConfig, old: int, step: int, reschedule: bool, log) -> None:

@@ -175,6 +175,23 @@ def test_train_context_parallel_launches_two_processes(tmp_path, capsys, corpus)
     assert cfg["world"] == 2 and cfg["train"]["context_parallel"] == 2
     lines = [json.loads(ln) for ln in (run / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in lines] == [1, 2] and "heldout_loss" in lines[-1]
+    # it continues on one process (context parallelism is the layout, not the math: the same 2 sequences a step),
+    # as a run trained on one process from the start does
+    one = tmp_path / "one"
+    argv = ["train", "--data", str(corpus), "--vocab-size", "300", "--d-model", "32", "--n-layers", "2", "--n-heads",
+            "2", "--context", "32", "--pattern", "mamba2,softmax", "--batch-size", "2", "--eval-every", "2",
+            "--ckpt-every", "2", "--no-progress"]
+    assert main(argv + ["--steps", "2", "--out", str(one)]) == 0
+    capsys.readouterr()
+    assert main(["train", "--resume", "--out", str(run), "--steps", "4", "--context-parallel", "1",
+                 "--no-progress"]) == 0
+    assert ("the run trained on 2 processes, context-parallel 2; it continues on 1 process: the same 2 sequences a "
+            "step") in capsys.readouterr().out
+    assert main(["train", "--resume", "--out", str(one), "--steps", "4", "--no-progress"]) == 0
+    cp, alone = ([json.loads(ln) for ln in (r / "metrics.jsonl").read_text().splitlines()] for r in (run, one))
+    assert [r["step"] for r in cp] == [1, 2, 3, 4]
+    for a, b in zip(cp, alone, strict=True):
+        assert a["loss"] == pytest.approx(b["loss"], abs=2e-5) and a["lr"] == b["lr"]
 
 
 def test_train_refuses_nproc_not_a_multiple_of_context_parallel(capsys):
