@@ -74,33 +74,35 @@ def measure(contexts, head_dim: int, dtype: str = "float32") -> list[dict]:
 PROBE = (8, 16)         # tokens each mixer reads before its state is measured: below swa's window, above a conv's
 
 
-def live_bytes(state: dict) -> int:
-    """Bytes of a layer's decoding state that hold what it has read: a KV cache's kept entries, not its spare
-    room (``models.state.state_to_tensors``, what ``save_state`` writes)."""
-    from subquad.models.state import state_to_tensors
+def check_mixers(names) -> None:
+    """ValueError naming the names that are no mixer with a decoding state (``--mixers``)."""
+    from subquad.layers import MIXERS
 
-    return sum(t.nbytes for t in state_to_tensors([state])[0].values())
+    unknown = [n for n in names if n not in MIXERS or MIXERS[n].encoder_only]
+    if unknown:
+        known = sorted(n for n in MIXERS if not MIXERS[n].encoder_only)
+        raise ValueError(f"--mixers: no decoding state for {', '.join(unknown)}; known: {', '.join(known)}")
 
 
 @torch.no_grad()
 def mixer_states(names, contexts, d_model: int, n_heads: int, dtype: str = "float32") -> list[dict]:
     """Each mixer's decoding state per layer (B = 1) at each context, measured: the layer (``build_mixer`` at
     this width and head count) reads ``PROBE`` tokens and the bytes of the state it returns are read
-    (``live_bytes``). A state that grows - a KV cache - grows by the same bytes every token, up to its window:
-    bytes(T) = base + per_token * min(T, window), from the two probes; a fixed state is the same at both."""
-    from subquad.layers import MIXERS, build_mixer
+    (``models.state.live_bytes``). A state that grows - a KV cache - grows by the same bytes every token, up to
+    its window: bytes(T) = base + per_token * min(T, window), from the two probes; a fixed state is the same at
+    both."""
+    from subquad.layers import build_mixer
+    from subquad.models.state import live_bytes
     from subquad.ops import KVCache
 
     torch_dtype = dtype_of(dtype)
-    unknown = [n for n in names if n not in MIXERS or MIXERS[n].encoder_only]
-    if unknown:
-        known = sorted(n for n in MIXERS if not MIXERS[n].encoder_only)
-        raise ValueError(f"--mixers: no decoding state for {', '.join(unknown)}; known: {', '.join(known)}")
+    check_mixers(names)
     g = torch.Generator().manual_seed(0)
     rows = []
     for name in names:
-        torch.manual_seed(0)
-        layer = build_mixer(name, d_model, n_heads).to(torch_dtype).eval()
+        with torch.random.fork_rng(devices=[]):          # the caller's random state untouched
+            torch.manual_seed(0)
+            layer = build_mixer(name, d_model, n_heads).to(torch_dtype).eval()
         sizes, window = [], None
         for T in PROBE:
             x = torch.randn(1, T, d_model, generator=g).to(torch_dtype)

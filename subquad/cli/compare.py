@@ -4,6 +4,7 @@ curves overlaid in one PNG."""
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
 
 def add_parser(command) -> None:
@@ -19,8 +20,11 @@ def run(args) -> int:
     from subquad.bench import compare
     from subquad.bench.table import render
 
-    if len(set(args.runs)) != len(args.runs):
+    folders = [Path(p).resolve() for p in args.runs]
+    if len(set(folders)) != len(folders):
         raise ValueError("compare: a run folder is named twice")
+    if not Path(args.out).resolve().parent.is_dir():                  # before the runs are read
+        raise ValueError(f"compare: --out {args.out}: the folder {Path(args.out).parent} does not exist")
     runs = [compare.read_run(p) for p in args.runs]
     names = [r["name"] for r in runs]
     if len(set(names)) != len(names):                 # folders of the same name in different places: their paths
@@ -33,10 +37,11 @@ def run(args) -> int:
         return "-" if v is None else f"{v:.4f}"
 
     print(render([{"run": r["name"], "pattern": r["pattern"], "parameters": f"{r['params']:,}",
-                   "steps": f"{r['steps']:,}", "tokens read": f"{r['steps'] * r['tokens_per_step']:,}",
+                   "steps": f"{r['steps']:,}", "tokens read": f"{r['tokens']:,}",
                    "held-out loss (last)": loss(r["last"]),
                    "best (step)": "-" if r["best"] is None else f"{r['best']:.4f} ({r['best_step']:,})",
-                   "tokens/s (median)": "-" if r["tokens_per_s"] is None else f"{r['tokens_per_s']:,.0f}"}
+                   "tokens/s (median, all processes)": "-" if r["tokens_per_s"] is None
+                   else f"{r['tokens_per_s']:,.0f}"}
                   for r in runs]))
     compare.figure(runs, args.out, args.x)
     print(f"wrote {args.out}")

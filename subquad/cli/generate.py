@@ -254,7 +254,7 @@ def run(args) -> int:
     import torch
 
     from subquad.models import load_state, save_state
-    from subquad.models.state import check_fits, state_to_tensors
+    from subquad.models.state import check_fits, live_bytes
 
     check_run_or_model(args)
     if args.prompts_file:
@@ -327,8 +327,7 @@ def run(args) -> int:
     print(echo.pop() if echo else "", text.rest(), sep="")
     report_speculation(model, args)
     report_compiled(model)
-    live = sum(t.nbytes for t in state_to_tensors(state)[0].values())      # a KV cache's spare room not counted
-    print(f"\n[state: {live:,} bytes over {model.config.n_layers} layers "
+    print(f"\n[state: {live_bytes(state):,} bytes over {model.config.n_layers} layers "
           f"({', '.join(sorted(set(model.config.layers)))})]", file=sys.stderr)
     if args.save_state:
         save_state(args.save_state, state, {"last_token": out[-1] if out else ids[-1]})

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 from subquad.cli.common import positive, token_count
 
@@ -55,6 +56,10 @@ def run(args) -> int:
 
     if args.out and not args.mixers:
         raise ValueError("memory: --out plots the mixers' states: give --mixers too")
+    if args.mixers:
+        memory.check_mixers(args.mixers)                 # before any table prints
+    if args.out and not Path(args.out).resolve().parent.is_dir():
+        raise ValueError(f"memory: --out {args.out}: the folder {Path(args.out).parent} does not exist")
     rows = memory.analytic(args.context, args.head_dim, args.dtype)
     print(f"Memory per layer and head, head dim d = {args.head_dim}, {args.dtype}")
     print(render([{"context": f"{r['context']:,}", "KV cache 2Td (numbers)": f"{r['kv_numbers']:,}",

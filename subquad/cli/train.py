@@ -157,6 +157,9 @@ def _resume_configs(args):
         train["fsdp"] = True
     if "data" in given and not same_data(args.data or "stdlib", saved.get("data", "stdlib")):
         refused.append(f"data {args.data!r} (the run has {saved.get('data')!r})")
+    if saved.get("packed") and train["context_parallel"] > 1:      # said before any process starts (train_run too)
+        refused.append(f"context_parallel {train['context_parallel']} (the run packed its batches at document starts, "
+                       "which context parallelism cannot)")
     if refused:
         raise ValueError(f"--resume continues the run in {args.out} with its own settings; these flags would "
                          f"change it: {'; '.join(refused)}")

@@ -619,8 +619,9 @@ class LanguageModel(nn.Module):
         if not isinstance(tokens, torch.Tensor) or tokens.is_floating_point() or tokens.is_complex() \
                 or tokens.dtype == torch.bool or tokens.dim() not in (1, 2) or tokens.shape[1:] not in ((), (1,)):
             got = f"{tuple(tokens.shape)} {tokens.dtype}" if isinstance(tokens, torch.Tensor) else type(tokens).__name__
-            raise ValueError(f"step's tokens must be one integer id a row, (B,) or (B, 1), got {got} (prefill(idx, "
-                             "state) takes several tokens a row)")
+            several = isinstance(tokens, torch.Tensor) and tokens.dim() == 2 and tokens.shape[1] > 1
+            raise ValueError(f"step's tokens must be one integer id a row, (B,) or (B, 1), got {got}"
+                             + (" (prefill(idx, state) takes several tokens a row)" if several else ""))
         tokens = tokens.reshape(-1, 1)
         fast = getattr(self, "_decode_step", None)
         with decoding():                         # int8: fbgemm's kernel at any batch (models.quant)

@@ -38,6 +38,20 @@ def state_to_tensors(state) -> tuple[dict, dict]:
     return tensors, meta
 
 
+def live_bytes(state) -> int:
+    """Bytes of what a decoding state (a list of layer dicts, or one layer's dict) has read: ``state_to_tensors``'
+    tensors, what ``save_state`` writes - a KV cache's kept entries, not its spare room - counted without copying."""
+    tensors = 0
+    for layer in (state if isinstance(state, (list, tuple)) else [state]):
+        for t in layer.values():
+            if isinstance(t, KVCache):
+                tensors += sum(x.nelement() * x.element_size() for x in (t.k, t.v) +
+                               ((t.pad, t.row_seen) if t.ragged else ()))
+            else:
+                tensors += t.nelement() * t.element_size()
+    return tensors
+
+
 def save_state(path, state, extra: dict | None = None) -> None:
     """Write the per-layer state atomically (temporary file, then rename) into an existing folder."""
     from subquad.tensorfile import save_file

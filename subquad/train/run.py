@@ -283,7 +283,14 @@ def _train_run(model_cfg, train_cfg, out, data, resume, vocab_size, progress, lo
                                      f"{trainer.step}) holds: {'; '.join(diff)}. Put the checkpoint's settings "
                                      "back in config.json, or train them as a new --out")
                 log(f"resuming {out} from step {trainer.step}")
-                _say_world(trainer.resumed_world, (ckpt or {}).get("context_parallel", 1), world, train_cfg, log)
+                _say_world(trainer.resumed_world, (ckpt or saved["train"]).get("context_parallel", 1), world,
+                           train_cfg, log)
+                if saved.get("packed") is not None and saved["packed"] != (trainer.eot is not None):
+                    if saved["packed"]:        # another --context-parallel: the run's batches would change
+                        raise ValueError(f"the run in {out} packed its batches at document starts; context "
+                                         f"parallelism cannot (--context-parallel {train_cfg.context_parallel}): "
+                                         "resume it with --context-parallel 1")
+                    trainer.eot = None         # it read the concatenated stream (as context-parallel runs do): still
                 if rank == 0:
                     trainer._trim_metrics()
                 _say_schedule(train_cfg, old, trainer.step, reschedule, log)
@@ -335,8 +342,10 @@ def _say_world(before: int | None, before_cp: int, world: int, cfg: TrainConfig,
         log(f"the run trained on {say(before, before_cp)}; it continues on {say(world, cfg.context_parallel)}: the "
             f"same {now} sequences a step")
         return
+    each = "context-parallel group" if cfg.context_parallel > 1 else "process"
     log(f"the run trained on {say(before, before_cp)} ({was} sequences a step); it continues on "
-        f"{say(world, cfg.context_parallel)}: {now} sequences a step, each group drawing --batch-size {cfg.batch_size}")
+        f"{say(world, cfg.context_parallel)}: {now} sequences a step, each {each} drawing --batch-size "
+        f"{cfg.batch_size}")
 
 
 def _say_schedule(cfg: TrainConfig, old: int, step: int, reschedule: bool, log) -> None:

@@ -243,6 +243,7 @@ class Trainer:
         # each data-parallel replica draws its own batches (the ranks sharing a sequence draw the same);
         # replica 0's stream is the single-process one
         self.gen = torch.Generator().manual_seed(cfg.seed + 1_000_003 * layout.replica)
+        self.replica, self.replicas = layout.replica, layout.replicas
         self.opt = torch.optim.AdamW(decay_groups(self.model, cfg.weight_decay), lr=cfg.lr, betas=(0.9, 0.95))
         self.step = 0
         self.curve: list[tuple[int, float]] = []
@@ -268,15 +269,19 @@ class Trainer:
 
     # -- state ---------------------------------------------------------------------------------------------
     def _meta(self):
-        states = [self.gen.get_state().tolist()]
+        states = [(self.replica, self.gen.get_state().tolist())]
         if self.world > 1:
             import torch.distributed as dist
             states = [None] * self.world
-            dist.all_gather_object(states, self.gen.get_state().tolist())
+            dist.all_gather_object(states, (self.replica, self.gen.get_state().tolist()))
+        replicas = dict(states)                        # a data stream's state: every rank of its group holds it
+        replicas = [replicas[r] for r in range(len(replicas))]
+        states = [s for _, s in states]
         # strict JSON: a non-finite held-out loss (on_nonfinite="skip") is kept as null
         curve = [(s, v if math.isfinite(v) else None) for s, v in self.curve]
         return {"model_config": self.model.config.to_dict(), "train_config": asdict(self.cfg),
-                "data_rng": states[0], "data_rng_ranks": states, "world": self.world, "curve": curve,
+                "data_rng": states[0], "data_rng_ranks": states, "data_rng_replicas": replicas, "world": self.world,
+                "curve": curve,
                 "metrics": self.last_record if self.last_record and self.last_record["step"] == self.step else None,
                 **self.extra_meta}
 
@@ -342,11 +347,16 @@ class Trainer:
         self._resume_meta(meta, trim_metrics)
 
     def _resume_meta(self, meta: dict, trim_metrics: bool):
-        ranks = meta.get("data_rng_ranks") or [meta["data_rng"]]
-        if len(ranks) == self.world:
-            self.gen.set_state(torch.tensor(ranks[self.rank], dtype=torch.uint8))
-        elif self.rank == 0:
-            self.gen.set_state(torch.tensor(meta["data_rng"], dtype=torch.uint8))
+        # each data stream continues from its own state, whichever ranks draw it now (the ranks of a context-parallel
+        # group share one); a stream the run did not have starts fresh. Checkpoints from before kept one state a
+        # rank: rank i drew stream i // P (the mesh's cp dimension innermost)
+        replicas = meta.get("data_rng_replicas")
+        if replicas is None:
+            ranks = meta.get("data_rng_ranks") or [meta["data_rng"]]
+            P = (meta.get("train_config") or {}).get("context_parallel", 1)
+            replicas = ranks[::P]
+        if self.replica < len(replicas):
+            self.gen.set_state(torch.tensor(replicas[self.replica], dtype=torch.uint8))
         self.step = self.saved_step = meta["step"]
         self.resumed_train_config, self.resumed_world = meta.get("train_config"), meta.get("world")
         self.curve = [(s, float("nan") if v is None else v) for s, v in meta.get("curve", [])]
@@ -436,7 +446,8 @@ class Trainer:
                 tok_rate = tokens_per_step / max(now - t_last, 1e-9)
                 t_last = now
                 rec = {"step": step, "loss": round(loss.item(), 5), "lr": lr, "grad_norm": round(float(gnorm), 4),
-                       "tokens_per_s": round(tok_rate, 1), **({"skipped": True} if skipped else {})}
+                       "tokens_per_s": round(tok_rate, 1), "tokens": tokens_per_step * self.replicas,
+                       **({"skipped": True} if skipped else {})}
                 if moe:
                     rec["aux_loss"] = round(aux.item(), 5)
                 if step % cfg.eval_every == 0 or step == cfg.steps:    # every rank: FSDP's forward is a collective

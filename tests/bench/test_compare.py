@@ -53,3 +53,30 @@ def test_compare_reads_each_run_and_overlays_the_curves(tmp_path, corpus, capsys
 def test_the_training_curve_is_a_bias_corrected_moving_average():
     # weights (1 - f) f^(n - i), normalised over the points so far: the first point is itself
     assert compare.smoothed([(1, 1.0), (2, 0.0)], 0.5) == [(1, 1.0), (2, pytest.approx((0.5 * 1.0 + 1 * 0.0) / 1.5))]
+
+
+def test_compare_counts_every_process_and_refuses_what_it_cannot_write(tmp_path, corpus, capsys):
+    """Tokens read are the records' own (a step's over every data stream: a run resumed on another layout counts
+    each step as it ran); the rate is all processes'; a folder named twice (another spelling), an --out in a
+    missing folder and a run without its tokenizer's hash (an old run: unknown, not another) are handled."""
+    a = tmp_path / "a"
+    _train(corpus, a, "gla")
+    lines = [json.loads(ln) for ln in (a / "metrics.jsonl").read_text().splitlines()]
+    for r in lines[2:]:                                  # as if steps 3-4 ran on 2 data-parallel processes
+        r["tokens"], r["tokens_per_s"] = 2 * 2 * 32, 100.0
+    (a / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
+    run = compare.read_run(a)
+    assert run["tokens"] == 2 * (2 * 32) + 2 * (2 * 2 * 32)
+    assert run["tokens_at"] == {1: 64, 2: 128, 3: 256, 4: 384}
+    assert sorted([200.0, 200.0] + [r["tokens_per_s"] for r in lines[:2]])[2] == run["tokens_per_s"]
+    capsys.readouterr()
+    assert main(["compare", str(a), str(tmp_path / "." / "a"), "--out", str(tmp_path / "c.png")]) == 2
+    assert "named twice" in capsys.readouterr().err
+    assert main(["compare", str(a), "--out", str(tmp_path / "no" / "c.png")]) == 2
+    assert "does not exist" in capsys.readouterr().err
+    old = tmp_path / "old"
+    shutil.copytree(a, old)
+    cfg = json.loads((old / "config.json").read_text())
+    del cfg["tokenizer_sha256"]
+    (old / "config.json").write_text(json.dumps(cfg))
+    assert compare.mismatches([compare.read_run(a), compare.read_run(old)]) == []

@@ -56,6 +56,7 @@ def test_each_mixers_state_per_layer_measured_and_extrapolated():
     import torch
 
     from subquad.layers import MIXERS, build_mixer, tensor_bytes
+    from subquad.models.state import live_bytes
 
     d, contexts = 64, [32, 300, 1 << 20]
     rows = {r["mixer"]: r for r in memory.mixer_states(["softmax", "swa", "mamba", "gla", "rwkv7"], contexts, d, 4)}
@@ -67,7 +68,7 @@ def test_each_mixers_state_per_layer_measured_and_extrapolated():
     softmax = build_mixer("softmax", d, 4).eval()
     with torch.no_grad():
         _, state = softmax(torch.randn(1, 300, d), softmax.empty_state(1))
-    assert memory.live_bytes(state) == rows["softmax"]["bytes"][300]
+    assert live_bytes(state) == rows["softmax"]["bytes"][300]
     for name in ("mamba", "gla", "rwkv7"):
         assert set(rows[name]["bytes"].values()) == {tensor_bytes(build_mixer(name, d, 4).empty_state(1))}
     with pytest.raises(ValueError, match="--mixers: no decoding state for linformer, nope"):

@@ -1,4 +1,5 @@
 import json
+import shutil
 
 import pytest
 import torch
@@ -182,16 +183,21 @@ def test_train_context_parallel_launches_two_processes(tmp_path, capsys, corpus)
             "2", "--context", "32", "--pattern", "mamba2,softmax", "--batch-size", "2", "--eval-every", "2",
             "--ckpt-every", "2", "--no-progress"]
     assert main(argv + ["--steps", "2", "--out", str(one)]) == 0
+    shutil.copytree(one, tmp_path / "later")          # ... and a one-process run continues on a group of two
     capsys.readouterr()
     assert main(["train", "--resume", "--out", str(run), "--steps", "4", "--context-parallel", "1",
                  "--no-progress"]) == 0
     assert ("the run trained on 2 processes, context-parallel 2; it continues on 1 process: the same 2 sequences a "
             "step") in capsys.readouterr().out
+    assert main(["train", "--resume", "--out", str(tmp_path / "later"), "--steps", "4", "--context-parallel", "2",
+                 "--no-progress"]) == 0                 # both ranks continue the run's one stream of batches
     assert main(["train", "--resume", "--out", str(one), "--steps", "4", "--no-progress"]) == 0
-    cp, alone = ([json.loads(ln) for ln in (r / "metrics.jsonl").read_text().splitlines()] for r in (run, one))
-    assert [r["step"] for r in cp] == [1, 2, 3, 4]
-    for a, b in zip(cp, alone, strict=True):
-        assert a["loss"] == pytest.approx(b["loss"], abs=2e-5) and a["lr"] == b["lr"]
+    cp, later, alone = ([json.loads(ln) for ln in (r / "metrics.jsonl").read_text().splitlines()]
+                        for r in (run, tmp_path / "later", one))
+    assert [r["step"] for r in cp] == [r["step"] for r in later] == [1, 2, 3, 4]
+    for a, b, c in zip(cp, later, alone, strict=True):
+        assert a["loss"] == pytest.approx(c["loss"], abs=2e-5) and a["lr"] == c["lr"]
+        assert b["loss"] == pytest.approx(c["loss"], abs=2e-5) and b["lr"] == c["lr"]
 
 
 def test_train_refuses_nproc_not_a_multiple_of_context_parallel(capsys):

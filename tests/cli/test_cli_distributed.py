@@ -38,7 +38,7 @@ def test_fsdp_run_resumes_on_one_process_and_exports_for_transformers(tmp_path, 
     assert [r["step"] for r in _lines(run)] == [1, 2, 3]
     batch = cfg["train"]["batch_size"]                      # the sequences a step halve with the processes: said
     assert (f"the run trained on 2 processes ({2 * batch} sequences a step); it continues on 1 process: {batch} "
-            f"sequences a step, each group drawing --batch-size {batch}") in capsys.readouterr().out
+            f"sequences a step, each process drawing --batch-size {batch}") in capsys.readouterr().out
     _, _, meta = load_checkpoint(run)
     assert meta["step"] == 3 and meta.get("format") is None          # one process writes a full checkpoint
     capsys.readouterr()

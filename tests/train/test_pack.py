@@ -86,6 +86,25 @@ def test_resume_refuses_a_change_of_packing(tmp_path, monkeypatch, capsys):
     assert main(["train", "--out", str(run), "--resume", "--steps", "4", "--no-progress", "--no-pack"]) == 2
     assert "pack" in capsys.readouterr().err
     assert json.loads((run / "config.json").read_text())["packed"] is True           # what auto chose
+    assert main(["train", "--out", str(run), "--resume", "--steps", "4", "--no-progress", "--context-parallel",
+                 "2"]) == 2                       # another layout may not change the batches: a split one cannot pack
+    assert "context_parallel 2 (the run packed its batches at document starts" in capsys.readouterr().err
     assert main(["train", "--out", str(run), "--resume", "--steps", "4", "--no-progress", "--pack"]) == 0  # the same
     assert main(["eval", "--run", str(run)]) == 0
     assert "packed" in capsys.readouterr().out
+
+
+def test_a_context_parallel_run_continues_on_one_process_unpacked(tmp_path, monkeypatch, capsys):
+    """A context-parallel run reads the concatenated stream (a split sequence cannot take document starts); on one
+    process the same corpus of documents would pack automatically - a resume keeps the run's stream."""
+    monkeypatch.setenv("SUBQUAD_CACHE", str(tmp_path / "cache"))
+    data, run = _docs(tmp_path, 12), tmp_path / "run"
+    argv = ["train", "--data", str(data), "--vocab-size", "300", "--d-model", "32", "--n-layers", "2", "--n-heads",
+            "2", "--context", "32", "--pattern", "gla,softmax", "--batch-size", "2", "--eval-every", "2",
+            "--ckpt-every", "2", "--out", str(run), "--no-progress"]
+    assert main(argv + ["--steps", "2", "--context-parallel", "2"]) == 0
+    assert json.loads((run / "config.json").read_text())["packed"] is False
+    assert main(["train", "--out", str(run), "--resume", "--steps", "4", "--context-parallel", "1",
+                 "--no-progress"]) == 0
+    assert "packed at document starts" not in capsys.readouterr().out
+    assert json.loads((run / "config.json").read_text())["packed"] is False
