@@ -264,7 +264,8 @@ def run(args) -> int:
         path = Path(args.prompts_file)
         if not path.exists():
             raise ValueError(f"--prompts-file {path} does not exist")
-        prompts = [ln for ln in path.read_text().splitlines() if ln.strip()]
+        lines = [(n, ln) for n, ln in enumerate(path.read_text().splitlines(), 1) if ln.strip()]
+        prompts = [ln for _, ln in lines]
         if not prompts:
             raise ValueError(f"--prompts-file {path} holds no prompt (one per line)")
     if args.save_state and not Path(args.save_state).parent.is_dir():     # refused before the model loads
@@ -288,8 +289,8 @@ def run(args) -> int:
         texts = [StopText(tok, stops, ends) for _ in prompts]
         model.generate([tok.encode(p).ids or [0] for p in prompts], args.max_new_tokens,
                        on_token=lambda i, t: texts[i].push(t)[1], **sampling(args, special), **speculation)
-        for i, (p, text) in enumerate(zip(prompts, texts, strict=True)):
-            print(f"--- [{i}] {p}{text.stream.text}{text.rest()}")
+        for (n, p), text in zip(lines, texts, strict=True):          # named by line: blank lines are skipped
+            print(f"--- [line {n}] {p}{text.stream.text}{text.rest()}")
         report_speculation(model, args)
         return 0
     state = None

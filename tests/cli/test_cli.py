@@ -92,7 +92,7 @@ def test_train_eval_generate_end_to_end(tmp_path, capsys, corpus, monkeypatch):
     assert main(["generate", "--run", str(run), "--prompts-file", str(prompts), "--max-new-tokens", "4",
                  "--temperature", "0", "--stop", "\\n"]) == 0
     out = capsys.readouterr().out
-    assert "--- [0] def h1" in out and "--- [1] def h22(z):" in out
+    assert "--- [line 1] def h1" in out and "--- [line 3] def h22(z):" in out      # by line, the blank one skipped
     assert main(["generate", "--run", str(run), "--prompts-file", str(tmp_path / "none.txt")]) == 2
     assert "does not exist" in capsys.readouterr().err
     assert main(["generate", "--run", str(run), "--prompt", ""]) == 2          # given, but empty: said so
