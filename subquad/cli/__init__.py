@@ -97,7 +97,9 @@ def _run(args) -> int:
     try:
         return args.fn(args)
     except ValueError as e:            # bad input found past argparse: a clear message, no traceback
-        print(f"error: {e}", file=sys.stderr)
+        from subquad.distributed.launch import rank_error
+
+        rank_error(f"error: {e}")      # under `--nproc`: once for the ranks that all said it (the launcher prints)
         return 2
     except (FileExistsError, NotADirectoryError, IsADirectoryError, PermissionError) as e:   # a path given wrong
         print(f"error: {e.filename}: {e.strerror}", file=sys.stderr)

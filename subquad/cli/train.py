@@ -246,7 +246,7 @@ def add_parser(command) -> None:
 
 
 def run(args) -> int:
-    from subquad.distributed.launch import init_from_env, launch
+    from subquad.distributed.launch import init_from_env, launch, rank_error
     from subquad.train import PeerLost, TrainConfig, TrainingDiverged, train_run
     from subquad.train.checkpoint import CheckpointWriteError
 
@@ -282,7 +282,7 @@ def run(args) -> int:
         r = train_run(mcfg, tcfg, out, data=data, resume=args.resume, progress=not args.no_progress,
                       device=args.device, restart=args.restart, reschedule=args.reschedule)
     except (TrainingDiverged, PeerLost, CheckpointWriteError) as e:
-        print(f"error: {e}", file=sys.stderr)
+        rank_error(f"error: {e}")                 # under --nproc: said once by the launcher, with its ranks
         return 1
     except OSError as e:                          # a read-only or full disk: one line, not a traceback
         print(f"error: cannot write the run in {out}: {e.strerror or e} "

@@ -92,30 +92,71 @@ def die_with_parent() -> None:
         os.kill(os.getpid(), signal.SIGTERM)
 
 
+ERRORS_ENV = "SUBQUAD_RANK_ERRORS"   # a folder where the ranks a launch started leave their one-line errors
+
+
+def rank_error(message: str) -> None:
+    """A rank's one-line error: into the launcher's folder (``launch`` prints each distinct one once, naming the
+    ranks that had it: every rank of a run refused alike said it once each), else on stderr."""
+    folder, rank = os.environ.get(ERRORS_ENV), os.environ.get("RANK")
+    if folder and rank is not None and os.path.isdir(folder):
+        with open(os.path.join(folder, f"rank{rank}.txt"), "a") as f:
+            f.write(message + "\n")
+    else:
+        print(message, file=sys.stderr)
+
+
+def _said(folder: str) -> dict[str, list[int]]:
+    """The ranks' errors left in ``folder``: message -> the ranks that said it."""
+    said: dict[str, list[int]] = {}
+    for name in sorted(os.listdir(folder)):
+        if name.startswith("rank") and name.endswith(".txt") and name[4:-4].isdigit():
+            with open(os.path.join(folder, name)) as f:
+                for line in f.read().splitlines():
+                    said.setdefault(line, []).append(int(name[4:-4]))
+    return said
+
+
 def launch(nproc: int, argv: list[str], nnodes: int = 1, rdzv_endpoint: str | None = None) -> int:
     """``torchrun --standalone --nproc-per-node N -m subquad <argv>``; on several machines (``nnodes`` > 1),
     torchrun's c10d rendezvous at ``rdzv_endpoint`` (HOST:PORT) in place of --standalone. Returns its exit
-    code."""
+    code. The ranks' errors (``rank_error``) are printed once each, with the ranks that had them."""
     from torch.distributed.run import main as torchrun
 
     if nnodes > 1 and not rdzv_endpoint:
         raise ValueError("--nnodes > 1 needs --rdzv-endpoint HOST:PORT, where the machines meet")
     where = (["--nnodes", str(nnodes), "--rdzv-backend", "c10d", "--rdzv-endpoint", rdzv_endpoint]
              if nnodes > 1 or rdzv_endpoint else ["--standalone"])
-    try:
-        torchrun([*where, "--nproc-per-node", str(nproc), "-m", "subquad", *argv])
-    except SystemExit as e:
-        return int(e.code or 0)
-    except Exception as e:  # torchrun raises ChildFailedError when a rank fails
-        failures = getattr(e, "failures", None)
-        if isinstance(failures, dict) and failures:     # each rank printed its own error: one line, not the table
+    with tempfile.TemporaryDirectory() as folder:
+        before = os.environ.get(ERRORS_ENV)
+        os.environ[ERRORS_ENV] = folder                 # the ranks inherit it (this machine's; other nodes print)
+        failed = None
+        try:
+            torchrun([*where, "--nproc-per-node", str(nproc), "-m", "subquad", *argv])
+            code = 0
+        except SystemExit as e:
+            code = int(e.code or 0)
+        except Exception as e:  # torchrun raises ChildFailedError when a rank fails
+            code, failed = 1, e
+        finally:
+            if before is None:
+                os.environ.pop(ERRORS_ENV, None)
+            else:
+                os.environ[ERRORS_ENV] = before
+        said = _said(folder)
+    for message, ranks in said.items():                  # each distinct error once, with the ranks that said it
+        who = "every rank" if len(ranks) == nproc * nnodes else ", ".join(f"rank {r}" for r in ranks)
+        print(f"{message} ({who})", file=sys.stderr)
+    if failed is not None:
+        failures = getattr(failed, "failures", None)
+        if isinstance(failures, dict) and failures:     # one line, not torchrun's table
             ranks = ", ".join(f"rank {r} (exit code {getattr(f, 'exitcode', '?')})"
                               for r, f in sorted(failures.items()))
-            print(f"error: the distributed run stopped: {ranks} failed (the rank's error is above)")
+            print(f"error: the distributed run stopped: {ranks} failed"
+                  + ("" if said else " (the rank's error is above)"))
         else:
-            print(f"error: a rank of the distributed run failed: {e}")
-        return 1
-    return 0
+            print(f"error: a rank of the distributed run failed: {failed}")
+    return code
 
 
 def _local_worker(rank, world, init_file, out_dir, fn, args, timeout_s):

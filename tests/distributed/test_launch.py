@@ -83,3 +83,34 @@ def test_a_failed_rank_is_one_line_from_the_launcher(monkeypatch, capsys):
     assert launch(2, ["train"]) == 1
     assert capsys.readouterr().out == ("error: the distributed run stopped: rank 0 (exit code 1), rank 1 (exit code "
                                        "2) failed (the rank's error is above)\n")
+
+
+def test_an_error_every_rank_had_is_said_once_with_the_ranks(monkeypatch, capsys):
+    """A refusal every rank reaches alike (a bad flag found past argparse, a resume that does not fit) was printed
+    once per rank; the ranks leave their one-line errors with the launcher (``rank_error``), which prints each
+    distinct one once, naming the ranks that had it, then which ranks failed."""
+    from types import SimpleNamespace
+
+    import torch.distributed.run as torchrun
+
+    from subquad.distributed.launch import ERRORS_ENV, launch, rank_error
+
+    class Failed(Exception):
+        failures = {0: SimpleNamespace(exitcode=2), 1: SimpleNamespace(exitcode=2), 2: SimpleNamespace(exitcode=1)}
+
+    def fail(argv):                                     # what the three ranks' processes do
+        for rank, message in ((0, "error: the run refuses X"), (1, "error: the run refuses X"),
+                              (2, "error: the run refuses X"), (2, "error: rank 2's own")):
+            monkeypatch.setenv("RANK", str(rank))
+            rank_error(message)
+        monkeypatch.delenv("RANK")
+        raise Failed("table")
+    monkeypatch.setattr(torchrun, "main", fail)
+    assert launch(3, ["train"]) == 1
+    out = capsys.readouterr()
+    assert out.err == "error: the run refuses X (every rank)\nerror: rank 2's own (rank 2)\n"
+    assert out.out == ("error: the distributed run stopped: rank 0 (exit code 2), rank 1 (exit code 2), rank 2 (exit "
+                       "code 1) failed\n")
+    assert ERRORS_ENV not in __import__("os").environ      # the launcher's folder is its own, and gone
+    rank_error("error: in one process")                     # not under a launch: on stderr
+    assert capsys.readouterr().err == "error: in one process\n"
