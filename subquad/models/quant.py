@@ -696,7 +696,7 @@ def quantize(model, kind: str, min_weights: int = MIN_WEIGHTS, group_size: int |
         raise ValueError(f"quantize needs a float32 model (it keeps the rest in float32), got {dtype}; load it "
                          f"with dtype=float32")
     model.eval()
-    eights, skipped = [], []
+    eights, skipped, small, made = [], [], [], 0
 
     def kind_of(name, w, to):                   # int4: a width the groups divide; else int8 (or float), named
         if kind != "int4" or w.shape[-1] % group_size == 0:
@@ -710,11 +710,18 @@ def quantize(model, kind: str, min_weights: int = MIN_WEIGHTS, group_size: int |
                     child.weight.numel() >= min_weights and not (kind == "int4" and name in INT4_FLOAT):
                 to = kind_of(f"{mname}.{name}", child.weight, eights)
                 setattr(module, name, quantized_linear(to, child.weight, child.bias, group_size))
+                made += 1
+            elif isinstance(child, nn.Linear) and child.weight.numel() < min_weights:
+                small.append(f"{mname}.{name}")
         if isinstance(module, MoE) and module.w_up[0].numel() >= min_weights and \
                 all([kind_of(f"{mname}.{n}", getattr(module, n), skipped) for n in module.projections]):
             module.quantize_experts(lambda w: quantized_linear(kind, w, None, group_size))
     head = model.embed.weight if model.head is None else model.head.weight
     model.head = quantized_linear(kind_of("head", head, eights), head, None, group_size)   # a tied head: a copy
+    if len(small) > made:                        # a small model: asking for 8 or 4 bits changed little - say so
+        warnings.warn(f"{kind}: {len(small)} of {len(small) + made} projections have fewer than {min_weights:,} "
+                      f"weights and stay float32 (their products are as fast in float32; quantize(..., "
+                      f"min_weights=0) takes them too); the vocabulary head is quantised", stacklevel=2)
     for what, names in (("take 8 bits per output channel", eights), ("stay float32 (experts)", skipped)):
         if names:
             warnings.warn(f"int4 with group_size={group_size}: {len(names)} matrices whose input width it does not "

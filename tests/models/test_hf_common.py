@@ -50,3 +50,16 @@ def test_names_refuse_what_no_pattern_holds_or_two_names_share():
 
     with pytest.raises(ValueError, match="several subquad tensors map to one checkpoint name"):
         Twice.names(CFG, {"embed.weight": (8, 4), "head.weight": (8, 4)})
+
+
+def test_the_nearest_type_lists_only_fields_that_differ():
+    """A model no Hugging Face type holds is refused naming the nearest type and what it would need: not a pattern
+    that spells the same layers ('gated_deltanet,gated_deltanet' for two gated_deltanet layers), nor a KV head
+    count of None, which is the head count (a new user's trial)."""
+    from subquad.models import LanguageModel, ModelConfig
+    from subquad.models.hf.saver import _format_for
+
+    model = LanguageModel(ModelConfig(vocab_size=64, d_model=64, n_layers=2, n_heads=2, pattern="gated_deltanet"))
+    with pytest.raises(ValueError, match="nearest: qwen3_5_text, which needs gated_deltanet.open_gate") as e:
+        _format_for(model, None)
+    assert "pattern=" not in str(e.value) and "n_kv_heads=" not in str(e.value)

@@ -648,3 +648,19 @@ def test_eager_modules_call_their_products_directly_and_the_op_otherwise(monkeyp
     assert calls == []
     for a, b, c in zip(direct, through_op, autocast):
         assert torch.equal(a, b) and torch.equal(a, c)
+
+
+def test_a_small_model_is_told_its_projections_stay_float32():
+    """Below MIN_WEIGHTS weights a projection stays float32 (fbgemm's cost per call exceeds its time saved): on a
+    small model `--quantize int8` quantised the head alone and said nothing (a new user's trial). quantize now
+    warns with the count; with min_weights=0 every projection is quantised and nothing is said."""
+    import warnings
+
+    model = _model("mamba,softmax")
+    small = sum(isinstance(m, nn.Linear) and m.weight.numel() < quant.MIN_WEIGHTS for m in model.modules())
+    total = sum(isinstance(m, nn.Linear) for m in model.modules()) - (model.head is not None)
+    with pytest.warns(UserWarning, match=f"int8: {small} of {total} projections have fewer than 262,144 weights"):
+        quantize(copy.deepcopy(model), "int8")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        quantize(copy.deepcopy(model), "int8", min_weights=0)

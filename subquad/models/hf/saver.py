@@ -129,7 +129,10 @@ def _nearest(cfg, opts) -> str:
             continue
         diffs = [(k.name, getattr(back, k.name), getattr(cfg, k.name)) for k in dataclasses.fields(cfg)
                  if k.name not in IGNORED and getattr(back, k.name) != getattr(cfg, k.name)
-                 and not (k.name == "mlp_size" and getattr(cfg, k.name) is None)]
+                 and not (k.name == "mlp_size" and getattr(cfg, k.name) is None)
+                 and not (k.name == "pattern" and back.layers == cfg.layers)      # 'a,a' is 'a' over 2 layers
+                 and not (k.name == "n_kv_heads" and (back.n_kv_heads or back.n_heads) == (cfg.n_kv_heads
+                                                                                           or cfg.n_heads))]
         diffs += [(f"{m}.{key}", want, opts.get(m, {}).get(key)) for m, o in back.mixer_options.items()
                   for key, want in o.items() if m in opts and key in opts[m] and opts[m][key] != want]
         if 0 < len(diffs) <= 5:
