@@ -232,6 +232,20 @@ def report_speculation(model, args) -> None:
               file=sys.stderr)
 
 
+def cut_json(fmt, out: list[int], args, tok, which: str = "") -> None:
+    """With --json / --json-schema: a warning on stderr when --max-new-tokens ended the output before the grammar
+    did (the JSON printed is incomplete; the server says finish_reason "length")."""
+    import json
+
+    if fmt is None or len(out) < args.max_new_tokens:
+        return
+    try:
+        json.loads(tok.decode(out))
+    except ValueError:
+        print(f"warning: {which}JSON was cut off by --max-new-tokens {args.max_new_tokens} before it was complete "
+              "(ask for more tokens)", file=sys.stderr)
+
+
 def report_compiled(model) -> None:
     """With --compile-decode: the step each batch class kept and the two steps' best trial times, on stderr."""
     step = getattr(model, "_decode_step", None)
@@ -287,10 +301,11 @@ def run(args) -> int:
         speculation.update(response_format=fmt, tokenizer=tok)
     if args.prompts_file:
         texts = [StopText(tok, stops, ends) for _ in prompts]
-        model.generate([tok.encode(p).ids or [0] for p in prompts], args.max_new_tokens,
-                       on_token=lambda i, t: texts[i].push(t)[1], **sampling(args, special), **speculation)
-        for (n, p), text in zip(lines, texts, strict=True):          # named by line: blank lines are skipped
+        outs, _ = model.generate([tok.encode(p).ids or [0] for p in prompts], args.max_new_tokens,
+                                 on_token=lambda i, t: texts[i].push(t)[1], **sampling(args, special), **speculation)
+        for (n, p), text, out in zip(lines, texts, outs, strict=True):   # named by line: blank lines are skipped
             print(f"--- [line {n}] {p}{text.stream.text}{text.rest()}")
+            cut_json(fmt, out, args, tok, f"line {n}'s ")
         report_speculation(model, args)
         return 0
     state = None
@@ -326,6 +341,7 @@ def run(args) -> int:
         out, state = model.generate(ids, args.max_new_tokens, state=state, on_token=stream,
                                     **sampling(args, special), **speculation)
     print(echo.pop() if echo else "", text.rest(), sep="")
+    cut_json(fmt, out, args, tok)
     report_speculation(model, args)
     report_compiled(model)
     print(f"\n[state: {live_bytes(state):,} bytes over {model.config.n_layers} layers "

@@ -42,22 +42,25 @@ from subquad.models.speculative import (
 )
 
 
-def _fits_learned_positions(model, prompts, max_new_tokens: int, state) -> None:
+def _fits_learned_positions(model, prompts, max_new_tokens: int, state, ahead: int = 0, who: str = "") -> None:
     """Learned positions end at ``context_length``: a generation that would pass it is refused before its
     first token (it failed part-way, its tokens lost). Each prompt and every new token but the last take a
-    position, after the ones a state passed in holds."""
+    position, after the ones a state passed in holds; a draft model (``who`` names it) reads its drafts
+    ``ahead`` of them too."""
     if getattr(model, "pos_embed", None) is None:
         return
     pos = 0 if state is None else getattr(state, "pos", 0)
     start = int(pos.max()) if isinstance(pos, torch.Tensor) else int(pos or 0)
     longest = max(len(p) for p in prompts)
-    end = start + longest + max(max_new_tokens - 1, 0)
+    end = start + longest + max(max_new_tokens - 1, 0) + ahead
     ctx = model.config.context_length
     if end > ctx:
-        room = ctx - start - longest + 1
-        raise ValueError(f"learned positions end at context_length={ctx}; this generation would reach position "
-                         f"{end} ({start} before, the longest prompt, max_new_tokens={max_new_tokens}): "
-                         + (f"ask for at most {room} new tokens" if room > 0 else "the prompt alone does not fit"))
+        room = ctx - start - longest + 1 - ahead
+        raise ValueError(f"{who}learned positions end at context_length={ctx}; this generation would reach position "
+                         f"{end} ({start} before, the longest prompt, max_new_tokens={max_new_tokens}"
+                         + (f", {ahead} drafts ahead" if ahead else "") + "): "
+                         + (f"ask for at most {room} new tokens" if room > 0 else "the prompt alone does not fit")
+                         + (" or use a draft model without learned positions" if who else ""))
 
 
 @torch.no_grad()
@@ -118,6 +121,9 @@ def generate(model, prompt, max_new_tokens: int, temperature: float = 1.0, top_k
         raise ValueError(f"draft_tokens must be an int >= 1, got {draft_tokens!r}")
     prompts, single = _as_prompts(prompt)
     _fits_learned_positions(model, prompts, max_new_tokens, state)
+    if speculative is not None and not isinstance(speculative, str):     # a draft model reads every token too
+        _fits_learned_positions(speculative, prompts, max_new_tokens, None, draft_tokens, "speculative: the draft "
+                                "model's ")
     stop = options.ends(model.config.eos_token_ids)
     was_training = model.training
     model.eval()

@@ -108,7 +108,13 @@ class Engine(Prefill, Speculating, Memory):
             raise ValueError(f"memory_mb must be a positive number or None, got {memory_mb!r}")
         if model.config.pos_emb == "learned" and max_context > model.config.context_length:
             raise ValueError(f"max_context={max_context} passes the model's learned positions "
-                             f"(context_length={model.config.context_length})")
+                             f"(context_length={model.config.context_length}): at most that")
+        draft = speculative if speculative is not None and not isinstance(speculative, str) else None
+        if draft is not None and getattr(draft, "config", None) is not None and draft.config.pos_emb == "learned" \
+                and max_context + draft_tokens > draft.config.context_length:      # it reads its drafts ahead too
+            raise ValueError(f"max_context={max_context} and draft_tokens={draft_tokens} pass the draft model's "
+                             f"learned positions (context_length={draft.config.context_length}): max_context at most "
+                             f"{draft.config.context_length - draft_tokens}, or a draft without learned positions")
         self.model = model.eval()
         self.tokenizer = tokenizer
         self.device = model.embed.weight.device

@@ -96,7 +96,8 @@ def run(engine: Engine, model_name: str, *, host: str = "127.0.0.1", port: int =
     http = threading.Thread(target=serve_http, name="subquad-http", daemon=True)
     for sig in (signal.SIGTERM, signal.SIGINT):      # uvicorn listens for signals on the main thread only
         signal.signal(sig, server.handle_exit)
-    budget = "no memory budget" if engine.budget is None else f"memory budget {engine.budget / 2 ** 20:,.0f} MB"
+    mb = None if engine.budget is None else engine.budget / 2 ** 20
+    budget = "no memory budget" if mb is None else f"memory budget {mb:,.{0 if mb >= 10 else 2}f} MB"   # 0.5: not "0"
     from subquad.models.quant import weights_name
 
     weights = weights_name(engine.model)

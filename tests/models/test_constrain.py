@@ -169,7 +169,12 @@ def test_the_cli_flags(tok_and_model, tmp_path, capsys, monkeypatch):
     out = capsys.readouterr().out
     assert json.loads(out.strip()[1:])["color"] in ("red", "green", "blue")
     assert main(argv + ["--json-schema", str(tmp_path / "s.json"), "--speculative", "ngram"]) == 0
-    assert capsys.readouterr().out == out                               # the same text, speculating
+    said = capsys.readouterr()
+    assert said.out == out and "cut off" not in said.err               # the same text, speculating
+    short = [a if a != "60" else "5" for a in argv]                     # too few tokens: an incomplete object, said
+    assert main(short + ["--json-schema", str(tmp_path / "s.json")]) == 0
+    said = capsys.readouterr()
+    assert said.out.strip() and "JSON was cut off by --max-new-tokens 5 before it was complete" in said.err
     (tmp_path / "bad.json").write_text("{")
     assert main(argv + ["--json-schema", str(tmp_path / "bad.json")]) != 0
     assert "--json-schema" in capsys.readouterr().err

@@ -1015,3 +1015,24 @@ def test_one_seeded_row_samples_the_tokens_it_samples_without_speculation(specul
             assert got == plain, (seed, options)
     st = model.speculation_stats
     assert st.verifications > 0 and 0 < st.accepted < st.drafted      # drafts were kept and refused
+
+
+def test_a_draft_model_with_learned_positions_is_held_to_them():
+    """A draft model reads the prompt, every token and its drafts ahead: with learned positions (context 24 here)
+    a generation that would take it past them failed part-way (a new user's trial: `--speculative DIR` of such a
+    run, 70 tokens in) - now refused before the first token, naming the draft and the room; within them it is
+    plain greedy decoding. The server refuses such a draft for a max_context it cannot reach."""
+    from subquad.serve import Engine
+
+    model = tiny("mamba2", scale=10.0)
+    draft = LanguageModel(ModelConfig(vocab_size=11, d_model=16, n_layers=1, n_heads=2, pattern="gla",
+                                      pos_emb="learned", context_length=24)).double().eval()
+    prompt = PROMPT[:8]
+    with pytest.raises(ValueError, match=r"speculative: the draft model's learned positions end at "
+                                         r"context_length=24; .* ask for at most 14 new tokens or use a draft"):
+        model.generate(prompt, 15, temperature=0, speculative=draft, draft_tokens=3)
+    plain = model.generate(prompt, 14, temperature=0)[0]
+    assert model.generate(prompt, 14, temperature=0, speculative=draft, draft_tokens=3)[0] == plain
+    with pytest.raises(ValueError, match="pass the draft model's learned positions .* max_context at most 20"):
+        Engine(model, max_context=21, speculative=draft, draft_tokens=4)
+    Engine(model, max_context=20, speculative=draft, draft_tokens=4)
