@@ -52,10 +52,13 @@ def check_format(response_format) -> dict | None:
     if kind == "json_object":
         return {"type": "object"}
     spec = response_format.get("json_schema")
-    if not isinstance(spec, dict) or not isinstance(spec.get("schema", {}), dict):
+    schema = spec.get("schema", {}) if isinstance(spec, dict) else None
+    if schema is True:                  # JSON Schema's "anything": as no schema, any object
+        schema = {}
+    if not isinstance(schema, dict):
         raise FormatError("response_format.json_schema must be an object holding the JSON schema under 'schema', "
                           f"got {spec!r}")
-    return spec.get("schema", {}) or {"type": "object"}
+    return schema or {"type": "object"}
 
 
 SPACE = r"(?: |\n{1,2}[ \t]{0,20})"       # the whitespace allowed between JSON's tokens (module doc)

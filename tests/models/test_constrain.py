@@ -87,11 +87,21 @@ def test_greedy_equals_masking_each_full_forward(tok_and_model):
 @pytest.mark.parametrize("bad,match", [({"type": "xml"}, "response_format must be"),
                                        ({"type": "json_schema", "json_schema": 3}, "json_schema must be"),
                                        ({"type": "json_schema", "json_schema": {"schema": {"type": "nope"}}},
-                                        "schema is not usable")])
+                                        "schema is not usable"),
+                                       ({"type": "json_schema", "json_schema": {"schema": False}},
+                                        "json_schema must be")])
 def test_bad_formats_are_refused_by_name(tok_and_model, bad, match):
     tok, model = tok_and_model
     with pytest.raises(FormatError, match=match):
         model.generate([1, 2], 3, response_format=bad, tokenizer=tok)
+
+
+def test_a_schema_of_true_is_no_schema():
+    """JSON Schema's ``true`` allows anything: as no schema, any object (it was refused, no schema accepted)."""
+    from subquad.models.constrain import check_format
+
+    for spec in ({"schema": True}, {"name": "x"}, {"schema": {}}):
+        assert check_format({"type": "json_schema", "json_schema": spec}) == {"type": "object"}
 
 
 def test_whitespace_between_json_tokens_is_llama_cpps(tok_and_model):
