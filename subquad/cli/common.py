@@ -14,6 +14,16 @@ def say(message: str) -> None:
     print(message, file=sys.stderr)
 
 
+def check_folder_of(flag: str, path) -> None:
+    """ValueError naming ``flag`` where the file ``path`` would go into a folder that does not exist - said before
+    the work that would write it (a model loaded, runs read, a generation)."""
+    from pathlib import Path
+
+    folder = Path(path).resolve().parent
+    if not folder.is_dir():
+        raise ValueError(f"{flag} {path}: the folder {Path(path).parent} does not exist")
+
+
 def positive(text: str) -> int:
     v = int(text)
     if v <= 0:

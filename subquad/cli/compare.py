@@ -19,12 +19,12 @@ def add_parser(command) -> None:
 def run(args) -> int:
     from subquad.bench import compare
     from subquad.bench.table import render
+    from subquad.cli.common import check_folder_of
 
     folders = [Path(p).resolve() for p in args.runs]
     if len(set(folders)) != len(folders):
         raise ValueError("compare: a run folder is named twice")
-    if not Path(args.out).resolve().parent.is_dir():                  # before the runs are read
-        raise ValueError(f"compare: --out {args.out}: the folder {Path(args.out).parent} does not exist")
+    check_folder_of("--out", args.out)                                # before the runs are read
     runs = [compare.read_run(p) for p in args.runs]
     names = [r["name"] for r in runs]
     if len(set(names)) != len(names):                 # folders of the same name in different places: their paths

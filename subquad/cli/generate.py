@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import sys
 
-from subquad.cli.common import add_model_flags, check_run_or_model, load_model, positive
+from subquad.cli.common import add_model_flags, check_folder_of, check_run_or_model, load_model, positive
 
 DRAFT_TOKENS = 4        # tokens drafted per step when --draft-tokens is not given
 
@@ -282,8 +282,8 @@ def run(args) -> int:
         prompts = [ln for _, ln in lines]
         if not prompts:
             raise ValueError(f"--prompts-file {path} holds no prompt (one per line)")
-    if args.save_state and not Path(args.save_state).parent.is_dir():     # refused before the model loads
-        raise ValueError(f"--save-state {args.save_state}: the folder {Path(args.save_state).parent} does not exist")
+    if args.save_state:
+        check_folder_of("--save-state", args.save_state)                 # refused before the model loads
     check_sampling_flags(args)
     stops = stop_texts(args.stop)
     check_speculative_flag(args)

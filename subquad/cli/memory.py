@@ -3,9 +3,8 @@
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
 
-from subquad.cli.common import positive, token_count
+from subquad.cli.common import check_folder_of, positive, token_count
 
 
 def contexts(text: str) -> list[int]:
@@ -58,8 +57,8 @@ def run(args) -> int:
         raise ValueError("memory: --out plots the mixers' states: give --mixers too")
     if args.mixers:
         memory.check_mixers(args.mixers)                 # before any table prints
-    if args.out and not Path(args.out).resolve().parent.is_dir():
-        raise ValueError(f"memory: --out {args.out}: the folder {Path(args.out).parent} does not exist")
+    if args.out:
+        check_folder_of("--out", args.out)
     rows = memory.analytic(args.context, args.head_dim, args.dtype)
     print(f"Memory per layer and head, head dim d = {args.head_dim}, {args.dtype}")
     print(render([{"context": f"{r['context']:,}", "KV cache 2Td (numbers)": f"{r['kv_numbers']:,}",
@@ -74,14 +73,15 @@ def run(args) -> int:
                   for m in measured]))
     if args.mixers:
         states = memory.mixer_states(args.mixers, args.context, args.d_model, args.n_heads, args.dtype)
-        soft = memory.mixer_states(["softmax"], args.context, args.d_model, args.n_heads, args.dtype)[0]["bytes"]
+        soft = next((r for r in states if r["mixer"] == "softmax"), None) or \
+            memory.mixer_states(["softmax"], args.context, args.d_model, args.n_heads, args.dtype)[0]
         longest = max(args.context)
         print(f"\nDecoding state per layer of each mixer (B=1, d_model {args.d_model}, {args.n_heads} heads, "
               f"{args.dtype} layers), measured from the state each returns after {memory.PROBE[0]} and "
               f"{memory.PROBE[1]} tokens (a KV cache grows the same bytes every token):")
         print(render([{"mixer": r["mixer"], "grows with context": r["grows"],
                        **{f"{T:,}": fmt_bytes(r["bytes"][T]) for T in args.context},
-                       f"softmax's / this at {longest:,}": f"{soft[longest] / r['bytes'][longest]:,.1f}x"}
+                       f"softmax's / this at {longest:,}": f"{soft['bytes'][longest] / r['bytes'][longest]:,.1f}x"}
                       for r in states]))
         if args.out:
             from subquad.bench.plots import mixer_states_figure

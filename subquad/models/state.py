@@ -20,19 +20,21 @@ class ModelState(list):
         self.pos = pos
 
 
-def state_to_tensors(state) -> tuple[dict, dict]:
-    """Per-layer state dicts -> (flat tensors "layer.key[.k|.v]", metadata for ``load_state``)."""
+def state_to_tensors(state, contiguous: bool = True) -> tuple[dict, dict]:
+    """Per-layer state dicts -> (flat tensors "layer.key[.k|.v]", metadata for ``load_state``); a KV cache gives its
+    kept entries, not its spare room. ``contiguous=False``: the tensors as views, nothing copied (``live_bytes``)."""
+    own = (lambda t: t.contiguous()) if contiguous else (lambda t: t)
     tensors, meta = {}, {}
     for i, s in enumerate(state):
         parts = {}
         for key, t in s.items():
             if isinstance(t, KVCache):
-                tensors[f"{i}.{key}.k"], tensors[f"{i}.{key}.v"] = t.k.contiguous(), t.v.contiguous()
+                tensors[f"{i}.{key}.k"], tensors[f"{i}.{key}.v"] = own(t.k), own(t.v)
                 parts[key] = {"kind": "kv", "seen": t.seen, "window": t.window, "ragged": t.ragged}
                 if t.ragged:                      # a batch of sequences of different lengths, left-padded
                     tensors[f"{i}.{key}.pad"], tensors[f"{i}.{key}.row_seen"] = t.pad, t.row_seen
             else:
-                tensors[f"{i}.{key}"] = t.contiguous()
+                tensors[f"{i}.{key}"] = own(t)
                 parts[key] = {"kind": "tensor"}
         meta[str(i)] = {"kind": "dict", "parts": parts}
     return tensors, meta
@@ -41,15 +43,8 @@ def state_to_tensors(state) -> tuple[dict, dict]:
 def live_bytes(state) -> int:
     """Bytes of what a decoding state (a list of layer dicts, or one layer's dict) has read: ``state_to_tensors``'
     tensors, what ``save_state`` writes - a KV cache's kept entries, not its spare room - counted without copying."""
-    tensors = 0
-    for layer in (state if isinstance(state, (list, tuple)) else [state]):
-        for t in layer.values():
-            if isinstance(t, KVCache):
-                tensors += sum(x.nelement() * x.element_size() for x in (t.k, t.v) +
-                               ((t.pad, t.row_seen) if t.ragged else ()))
-            else:
-                tensors += t.nelement() * t.element_size()
-    return tensors
+    layers = [state] if isinstance(state, dict) else state
+    return sum(t.nelement() * t.element_size() for t in state_to_tensors(layers, contiguous=False)[0].values())
 
 
 def save_state(path, state, extra: dict | None = None) -> None:
