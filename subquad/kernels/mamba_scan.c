@@ -3,10 +3,14 @@
  *
  *   h_t = exp(dt_t A) * h_{t-1} + dt_t x_t B_t      per channel d: h (N,), A[d] (N,) <= 0, dt_t[d], x_t[d]
  *   y_t = (C_t . h_t + Dp x_t) * silu(z_t)          Dp and z optional
+ *   dt_t = softplus(dt_t + bias) where asked        (mamba_ssm's delta_bias and delta_softplus: one softplus a
+ *                                                    channel and token here instead of a pass over dt before)
  *
  * x, dt, z (Bz, T, D) and B, C (Bz, T, N) are read through their batch and token strides (unit stride within a
  * token: in_proj's and x_proj's outputs are split without copies); y (Bz, T, D) and the states (Bz, D, N) are
  * contiguous, and so are the states after every token where hs is given (a speculative verification's).
+ * Packed prompts (seg, Bz + 1 cumulative lengths, or NULL): row b is tokens seg[b] .. seg[b + 1] of the one row
+ * of x, dt, z, B, C, y and hs, from state row b of h0 into row b of hT, so a packed batch needs no copies.
  * Work items are (row, CB channels): their N x CB states and decays transposed into the item's own
  * arrays (L1), each token's update 8 channels at a time, so no sum runs across a vector. Rows and channel
  * blocks split across one OpenMP team (the runtime torch loaded). */
@@ -17,9 +21,9 @@
 #define PF_T 4        /* tokens ahead to prefetch */
 
 static void scan_item(int64_t T, int64_t N, int64_t nc, const float *x, int64_t xs, const float *dt, int64_t ds,
-                      const float *z, int64_t zs, const float *Bm, int64_t bs, const float *Cm, int64_t cs,
-                      const float *A, const float *Dp, const float *h0, float *y, int64_t ys, float *hT,
-                      float *hs, int64_t hss, float *At, float *h)
+                      const float *bias, int softplus, const float *z, int64_t zs, const float *Bm, int64_t bs,
+                      const float *Cm, int64_t cs, const float *A, const float *Dp, const float *h0, float *y,
+                      int64_t ys, float *hT, float *hs, int64_t hss, float *At, float *h)
 {
     for (int64_t n = 0; n < N; n++)                              /* transposed: (N, CB), pad lanes 0 */
         for (int64_t c = 0; c < CB; c++) {
@@ -37,9 +41,15 @@ static void scan_item(int64_t T, int64_t N, int64_t nc, const float *x, int64_t 
             if (z)
                 __builtin_prefetch(z + (t + PF_T) * zs);
         }
-        for (int64_t c = 0; c < CB; c++) {
+        for (int64_t c = 0; c < CB; c++)
             dv[c] = c < nc ? dtt[c] : 0.0f;
-            dx[c] = c < nc ? dtt[c] * xt[c] : 0.0f;
+        if (bias)
+            for (int64_t c = 0; c < nc; c++)
+                dv[c] += bias[c];
+        if (softplus)
+            softplus_n(dv, nc);
+        for (int64_t c = 0; c < CB; c++) {
+            dx[c] = c < nc ? dv[c] * xt[c] : 0.0f;
             yv[c] = 0.0f;
         }
 #if SUBQUAD_AVX2
@@ -95,12 +105,14 @@ static void scan_item(int64_t T, int64_t N, int64_t nc, const float *x, int64_t 
 
 void mamba_scan(int64_t Bz, int64_t T, int64_t D, int64_t N, int threads,
                 const float *x, int64_t x_b, int64_t x_t, const float *dt, int64_t dt_b, int64_t dt_t,
+                const float *bias, int softplus,                      /* dt's bias (D,) or NULL; softplus 0/1 */
                 const float *z, int64_t z_b, int64_t z_t,             /* z: NULL for no gate */
                 const float *Bm, int64_t b_b, int64_t b_t, const float *Cm, int64_t c_b, int64_t c_t,
                 const float *A, const float *Dp,                      /* (D, N) contiguous; (D,) or NULL */
                 const float *h0,                                      /* (Bz, D, N) or NULL (zeros) */
                 float *y, float *hT,                                  /* (Bz, T, D), (Bz, D, N) */
-                float *hs)                                            /* (Bz, T, D, N) or NULL */
+                float *hs,                                            /* (Bz, T, D, N) or NULL */
+                const int64_t *seg)                                   /* (Bz + 1,) packed rows, or NULL */
 {
     const int64_t blocks = (D + CB - 1) / CB, items = Bz * blocks;
 #pragma omp parallel num_threads(threads)
@@ -109,10 +121,13 @@ void mamba_scan(int64_t Bz, int64_t T, int64_t D, int64_t N, int threads,
 #pragma omp for schedule(static)
         for (int64_t it = 0; it < items; it++) {
             const int64_t b = it / blocks, c0 = it % blocks * CB, nc = D - c0 < CB ? D - c0 : CB;
-            scan_item(T, N, nc, x + b * x_b + c0, x_t, dt + b * dt_b + c0, dt_t, z ? z + b * z_b + c0 : NULL, z_t,
-                      Bm + b * b_b, b_t, Cm + b * c_b, c_t, A + c0 * N, Dp ? Dp + c0 : NULL,
-                      h0 ? h0 + (b * D + c0) * N : NULL, y + b * T * D + c0, D, hT + (b * D + c0) * N,
-                      hs ? hs + (b * T * D + c0) * N : NULL, D * N, At, h);
+            /* where row b's tokens start: in its own row, or at seg[b] of the one packed row */
+            const int64_t t0 = seg ? seg[b] : 0, Tb = seg ? seg[b + 1] - seg[b] : T, r = seg ? 0 : b;
+            scan_item(Tb, N, nc, x + r * x_b + t0 * x_t + c0, x_t, dt + r * dt_b + t0 * dt_t + c0, dt_t,
+                      bias ? bias + c0 : NULL, softplus, z ? z + r * z_b + t0 * z_t + c0 : NULL, z_t,
+                      Bm + r * b_b + t0 * b_t, b_t, Cm + r * c_b + t0 * c_t, c_t, A + c0 * N, Dp ? Dp + c0 : NULL,
+                      h0 ? h0 + (b * D + c0) * N : NULL, y + (r * T + t0) * D + c0, D, hT + (b * D + c0) * N,
+                      hs ? hs + ((r * T + t0) * D + c0) * N : NULL, D * N, At, h);
         }
         free(At);
     }

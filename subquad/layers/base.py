@@ -38,7 +38,7 @@ import torch
 from torch import nn
 
 from subquad.layers import sequence
-from subquad.layers.conv import ShortConv
+from subquad.layers.conv import Activated, ShortConv
 from subquad.ops.common.checks import state_dtype
 from subquad.ops.common.chunking import in_pieces
 
@@ -204,9 +204,11 @@ class Mixer(nn.Module):
         """The layer's equations: x (B, T, d_model), its state or None, the sequence backend -> (y, state)."""
         raise NotImplementedError
 
-    def short_conv(self, x, state, seq, key: str = "conv"):
-        """The layer's ``self.conv`` (a ``ShortConv``) over x with the state's tail ``state[key]``."""
-        return seq.causal_conv(self.conv, x, self.conv.kernel_size - 1, None if state is None else state[key])
+    def short_conv(self, x, state, seq, key: str = "conv", activation: str | None = None):
+        """The layer's ``self.conv`` (a ``ShortConv``) over x with the state's tail ``state[key]``; ``activation``
+        ("silu") after it, in the same pass where the convolution runs in C."""
+        conv = self.conv if activation is None else Activated(self.conv, activation)
+        return seq.causal_conv(conv, x, self.conv.kernel_size - 1, None if state is None else state[key])
 
     def conv_projections(self, parts, state, seq):
         """The optional short convolution of linear attention, retention and GLA (``conv_size``; fla's

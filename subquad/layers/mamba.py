@@ -32,7 +32,6 @@ from subquad.layers.rollback import PerToken
 from subquad.layers.sequence import SingleDevice
 from subquad.ops import selective_scan
 from subquad.ops.mamba import fused_block, fused_scan, fused_step
-from subquad.ops.common.autograd import wants_grad
 from subquad.ops.common.checks import state_dtype
 
 
@@ -289,8 +288,7 @@ class Mamba(Mixer):
         if self._fusable(fused_step.KERNEL, x, state, seq, *self._step_weights()):
             return self._fused_step(x, state)       # one decoding token: the kernel (float32 CPU, no gradient)
         xs, z = self.in_proj(x).chunk(2, dim=-1)
-        xs, conv = self.short_conv(xs, state, seq)
-        xs = F.silu(xs, inplace=seq.whole_sequence and not wants_grad(xs))   # in place on the conv's output
+        xs, conv = self.short_conv(xs, state, seq, activation="silu")
         if self.heads > 1:
             return self._mix_heads(xs, z, state, seq, conv)
         dt, Bm, Cm = torch.split(self.x_proj(xs), [self.dt_rank, self.d_state, self.d_state], dim=-1)
@@ -299,10 +297,10 @@ class Mamba(Mixer):
             dt, Bm, Cm = n["dt_norm"](dt), n["b_norm"](Bm), n["c_norm"](Cm)
         elif self.bcdt_rms_eps is not None:                                # Falcon-Mamba
             dt, Bm, Cm = (_weightless_rms(t, self.bcdt_rms_eps) for t in (dt, Bm, Cm))
-        dt = F.softplus(self.dt_proj(dt))
         A = -torch.exp(self.A_log.to(state_dtype(xs.dtype)))                 # (d_inner, N) < 0
-        y, h = seq.recurrence(selective_scan, xs, dt, A, Bm, Cm, D=self.D.to(xs.dtype), z=z, mode=self.mode,
-                              chunk_size=self.chunk_size, initial_state=None if state is None else state["ssm"])
+        y, h = seq.recurrence(selective_scan, xs, self.dt_proj(dt), A, Bm, Cm, D=self.D.to(xs.dtype), z=z,
+                              delta_softplus=True, mode=self.mode, chunk_size=self.chunk_size,
+                              initial_state=None if state is None else state["ssm"])    # dt = softplus(dt_proj)
         return self.out_proj(y), {"ssm": h, "conv": conv}
 
     def _dt_weights(self):

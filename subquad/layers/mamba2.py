@@ -28,7 +28,6 @@ from subquad.layers.norm import GatedRMSNorm
 from subquad.layers.sequence import SingleDevice
 from subquad.ops import ssd
 from subquad.ops.decay import fused_block, fused_step
-from subquad.ops.common.autograd import wants_grad
 
 
 class Mamba2(Mixer):
@@ -108,8 +107,7 @@ class Mamba2(Mixer):
         B, T, _ = x.shape
         H, P, N = self.n_heads, self.head_dim, self.d_state
         z, xBC, dt = torch.split(self.in_proj(x), [self.d_inner, self.conv_dim, H], dim=-1)
-        xBC, conv = self.short_conv(xBC, state, seq)
-        xBC = F.silu(xBC, inplace=seq.whole_sequence and not wants_grad(xBC))   # in place on the conv's output
+        xBC, conv = self.short_conv(xBC, state, seq, activation="silu")
         G = self.n_groups
         xs, Bm, Cm = torch.split(xBC, [self.d_inner, G * N, G * N], dim=-1)
         if G > 1:                                                             # (B, T, G, N): per group of heads

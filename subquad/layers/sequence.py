@@ -123,8 +123,11 @@ class Packed(SingleDevice):
         return torch.tensor(self.lengths, dtype=torch.long, device=device)
 
     def causal_conv(self, conv, x, reach: int, tail=None):
-        """The convolution over each sequence alone, from its own tail (row i of ``tail``)."""
+        """The convolution over each sequence alone, from its own tail (row i of ``tail``): in one call where the
+        convolution takes ``cu_seqlens`` itself (``layers.conv.ShortConv``)."""
         self._check(x.shape[1])
+        if getattr(conv, "takes_cu_seqlens", False):
+            return conv(x, tail, cu_seqlens=self.cu_seqlens)
         tails = [None] * len(self.lengths) if tail is None else tail.split(1, 0)
         outs = [conv(xi, ti) for xi, ti in zip(x.split(self.lengths, 1), tails)]
         return torch.cat([o[0] for o in outs], 1), torch.cat([o[1] for o in outs], 0)

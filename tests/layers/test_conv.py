@@ -1,5 +1,7 @@
 """ShortConv: the causal depthwise convolution equals torch's conv1d, carries its state, and differentiates."""
 
+import copy
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -41,3 +43,69 @@ def test_short_conv_in_two_calls_equals_one():
     y1, s = conv(x[:, :7])
     y2, _ = conv(x[:, 7:], s)
     assert_close(torch.cat([y1, y2], 1), y, 1e-12, "split")
+
+
+def _kernel_calls(monkeypatch):
+    """The convolution kernel's calls (every other kernel runs uncounted)."""
+    from subquad.layers import conv as conv_module
+
+    calls = []
+    run = type(conv_module.KERNEL).__call__
+    monkeypatch.setattr(type(conv_module.KERNEL), "__call__",
+                        lambda self, *a: (calls.append(1) if self is conv_module.KERNEL else None) or run(self, *a))
+    return calls
+
+
+@pytest.mark.parametrize("W,bias", [(1, True), (3, False), (4, True)])
+@pytest.mark.parametrize("activation", [None, "silu"])
+def test_the_c_call_equals_conv1d_packed_strided_and_short(monkeypatch, W, bias, activation):
+    """A float32 prompt without gradients runs in one C call (``kernels/short_conv.c``), against conv1d in float64:
+    rows read through in_proj's strides, 300 channels (a block and a tail), prompts shorter than the reach, a
+    packed row of prompts of 1, 2 and 40 tokens from their own tails (one call), silu after; inputs untouched."""
+    from subquad.layers import conv as conv_module
+
+    if not conv_module.KERNEL.available():
+        pytest.skip("no C compiler: the kernel cannot be built")
+    calls = _kernel_calls(monkeypatch)
+    torch.manual_seed(W)
+    conv = ShortConv(300, W, bias=bias)
+    if bias:
+        torch.nn.init.normal_(conv.bias)
+    act = (lambda t: t) if activation is None else F.silu
+    ref = copy.deepcopy(conv).double()
+    for B, T in ((2, 33), (3, 1), (1, 2)):
+        x = torch.randn(B, T, 700)[..., 100:400]                             # token stride 700
+        state = torch.randn(B, W - 1, 300)
+        before = (x.clone(), state.clone())
+        with torch.no_grad():
+            y, new = conv(x, state, activation=activation)
+        want = act(reference(ref, x.double(), state.double()))
+        assert_close(y.double(), want, 1e-5, "y")
+        assert torch.equal(new, torch.cat([state, x], 1)[:, T:] if W > 1 else new) and new.shape == (B, W - 1, 300)
+        assert torch.equal(x, before[0]) and torch.equal(state, before[1])
+    assert len(calls) == 3
+    lengths = [1, 2, 40]
+    x = torch.randn(1, sum(lengths), 300)
+    state = torch.randn(3, W - 1, 300)
+    with torch.no_grad():
+        y, new = conv(x, state, cu_seqlens=torch.tensor([0, 1, 3, 43]), activation=activation)
+    assert len(calls) == 4 and new.shape == (3, W - 1, 300)
+    for i, (a, b) in enumerate(((0, 1), (1, 3), (3, 43))):
+        want = act(reference(ref, x[:, a:b].double(), state[i:i + 1].double()))
+        assert_close(y[:, a:b].double(), want, 1e-5, f"prompt {i}")
+        assert torch.equal(new[i:i + 1], torch.cat([state[i:i + 1], x[:, a:b]], 1)[:, b - a:])
+    with pytest.raises(ValueError, match="one row per sequence"):
+        conv(x, state[:2], cu_seqlens=torch.tensor([0, 1, 3, 43]))
+    with pytest.raises(ValueError, match="activation"):
+        conv(x, activation="gelu")
+
+
+def test_gradients_and_float64_keep_the_torch_form(monkeypatch):
+    calls = _kernel_calls(monkeypatch)
+    conv = ShortConv(8, 4)
+    x = torch.randn(2, 9, 8, requires_grad=True)
+    y, _ = conv(x, activation="silu")
+    y.sum().backward()
+    assert x.grad is not None
+    conv.double()(x.detach().double())
+    assert calls == []

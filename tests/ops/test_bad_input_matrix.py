@@ -26,7 +26,9 @@ CLASSES = ("rank", "dtype", "none", "list", "size", "nonfinite", "str_for_bool",
 KINDS = {"mode": "mode", "route": "route", "chunk_size": "chunk_size", "scale": "scale", "eps": "eps",
          "window": "window",
          "initial_state": "state", "cu_seqlens": "cu_seqlens", "D": "optional_tensor", "z": "optional_tensor",
-         **{flag: "bool" for flag in ("output_final_state", "normalize", "causal", "return_lse", "allow_neg_eigval")}}
+         "delta_bias": "optional_tensor",
+         **{flag: "bool" for flag in ("output_final_state", "normalize", "causal", "return_lse", "allow_neg_eigval",
+                                        "delta_softplus")}}
 
 # not ops: what ``subquad.ops`` exports beside them, and why the matrix leaves each out
 NOT_OPS = {
@@ -39,9 +41,9 @@ NOT_OPS = {
 }
 
 # (family or "*", argument, value label) -> why that "bad" value is in fact valid: the call must succeed
-GATES = ("g", "beta", "dt", "A", "D", "w", "i")
+GATES = ("g", "beta", "dt", "A", "D", "w", "i", "delta_bias")
 VALID = {
-    **{("*", name, "none"): "optional: None means absent" for name in ("D", "z", "cu_seqlens")},
+    **{("*", name, "none"): "optional: None means absent" for name in ("D", "z", "cu_seqlens", "delta_bias")},
     ("*", "scale", "none"): "None means K ** -0.5",
     ("*", "route", "none"): "None picks the route by the thresholds of routes.py",
     ("*", "window", "none"): "None means no window",
@@ -143,7 +145,7 @@ def _good_state(name, fn, args):
 def _optional_good(name, param):
     """Valid values of the optional tensor arguments, to spoil."""
     x = inputs(name)["x"]
-    if param == "D":
+    if param in ("D", "delta_bias"):
         return torch.randn(x.shape[2])
     return torch.randn(x.shape)                                                   # z: x's shape
 

@@ -134,3 +134,43 @@ def test_a_verification_keeps_every_tokens_state_in_one_call(monkeypatch):
     for t in (0, 4, 8):
         _, want_h = reference(x[:, :t + 1], dt[:, :t + 1], A, B[:, :t + 1], C[:, :t + 1], h=h0)
         assert ((states[:, t].double() - want_h).abs().max() / want_h.abs().max()).item() <= 2e-6
+
+
+@pytest.mark.parametrize("bias", [True, False])
+def test_the_kernel_takes_dts_softplus_and_bias_as_it_reads_them(bias):
+    """dt_t = softplus(dt_t + bias) computed in the loop (mamba_ssm's delta_softplus): raw dt of both signs and
+    past softplus's threshold of 20, against the float64 scan of the step sizes made first."""
+    x, _, A, B, C, D, z, h0 = inputs(2, 41, 70, 16, strong=True, seed=3)
+    g = torch.Generator().manual_seed(4)
+    raw = torch.randn(2, 41, 70, generator=g) * 3
+    raw[0, 5, :7] = 25.0                                               # above the threshold: dt = raw + bias
+    b = torch.randn(70, generator=g) if bias else None
+    y, h = fused_scan.scan(x, raw, A, B, C, D, z, h0, dt_bias=b, softplus=True)
+    dt = F.softplus((raw + (0 if b is None else b)).double())
+    want_y, want_h = reference(x, dt, A, B, C, D, z, h0)
+    assert ((y.double() - want_y).abs().max() / want_y.abs().max()).item() <= 2e-6
+    assert ((h.double() - want_h).abs().max() / want_h.abs().max()).item() <= 2e-6
+
+
+def test_packed_prompts_go_to_the_kernel_in_one_call_read_in_place(monkeypatch):
+    """``selective_scan(..., cu_seqlens=)`` where the kernel runs: one call for every prompt (no copies into a
+    batch), each prompt from its own state row, with delta_bias and delta_softplus; lengths 1, 17 and 30."""
+    calls = _counting(monkeypatch)
+    x, _, A, B, C, D, z, _ = inputs(1, 48, 40, 8, seed=5)
+    g = torch.Generator().manual_seed(6)
+    raw, bias = torch.randn(1, 48, 40, generator=g), torch.randn(40, generator=g)
+    h0 = torch.randn(3, 40, 8, generator=g)
+    cu = torch.tensor([0, 1, 18, 48], dtype=torch.int32)
+    before = [t.clone() for t in (x, raw, A, B, C, D, z, h0, bias)]
+    y, h = selective_scan(x, raw, A, B, C, D=D, z=z, delta_bias=bias, delta_softplus=True, initial_state=h0,
+                          cu_seqlens=cu, output_final_state=True)
+    assert len(calls) == 1 and y.shape == (1, 48, 40) and h.shape == (3, 40, 8)
+    dt = F.softplus((raw + bias).double())
+    for i, (a, b) in enumerate(((0, 1), (1, 18), (18, 48))):
+        wy, wh = reference(x[:, a:b], dt[:, a:b], A, B[:, a:b], C[:, a:b], D, z[:, a:b], h0[i:i + 1])
+        assert ((y[:, a:b].double() - wy).abs().max() / wy.abs().max()).item() <= 2e-6
+        assert ((h[i:i + 1].double() - wh).abs().max() / wh.abs().max()).item() <= 2e-6
+    for a, b in zip(before, (x, raw, A, B, C, D, z, h0, bias)):
+        assert torch.equal(a, b)
+    with pytest.raises(ValueError, match="initial_state"):                # one state row per prompt, checked
+        selective_scan(x, raw, A, B, C, delta_softplus=True, initial_state=h0[:2], cu_seqlens=cu)

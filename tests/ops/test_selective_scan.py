@@ -98,3 +98,31 @@ def test_bad_input_raises():
         selective_scan(x["x"], x["dt"], x["A"], x["B"], x["C"], mode="pscan")
     with pytest.raises(ValueError, match="initial_state"):
         selective_scan(x["x"], x["dt"], x["A"], x["B"], x["C"], initial_state=torch.zeros(1, 6, 3, dtype=F64))
+
+
+@pytest.mark.parametrize("mode", ["parallel", "recurrent", "chunk"])
+def test_delta_bias_and_softplus_equal_the_step_sizes_made_first(mode):
+    """mamba_ssm's delta_bias / delta_softplus: dt_t = softplus(dt_t + bias), gradients included, against the
+    same step sizes computed here first (raw dt of both signs: the softplus is what makes them >= 0)."""
+    x = make(2, 23, seed=5)
+    raw = (torch.randn(2, 23, 6, generator=torch.Generator().manual_seed(6), dtype=F64) * 2).requires_grad_()
+    bias = torch.randn(6, generator=torch.Generator().manual_seed(7), dtype=F64).requires_grad_()
+    h0 = state0(x)
+    got, gh = selective_scan(x["x"], raw, x["A"], x["B"], x["C"], D=x["D"], z=x["z"], delta_bias=bias,
+                             delta_softplus=True, mode=mode, chunk_size=8, initial_state=h0, output_final_state=True)
+    dt = torch.log1p(torch.exp(raw + bias))                    # softplus written out (no threshold: |.| < 20)
+    want, wh = selective_scan(x["x"], dt, x["A"], x["B"], x["C"], D=x["D"], z=x["z"], mode="recurrent",
+                              initial_state=h0, output_final_state=True)
+    assert_close(got, want, 1e-12, "y")
+    assert_close(gh, wh, 1e-12, "state")
+    g1 = torch.autograd.grad(got.sum() + gh.sum(), (raw, bias))
+    g2 = torch.autograd.grad(want.sum() + wh.sum(), (raw, bias))
+    for a, b in zip(g1, g2):
+        assert_close(a, b, 1e-10, "gradient")
+    assert bool((raw + bias < 0).any())                        # so without delta_softplus they are refused
+    with pytest.raises(ValueError, match="delta_softplus=True"):
+        selective_scan(x["x"], raw.detach() + bias.detach(), x["A"], x["B"], x["C"], mode=mode)
+    with pytest.raises(ValueError, match="delta_bias must have shape"):
+        selective_scan(x["x"], raw, x["A"], x["B"], x["C"], delta_bias=bias[:4], delta_softplus=True)
+    with pytest.raises(ValueError, match="delta_softplus"):
+        selective_scan(x["x"], raw, x["A"], x["B"], x["C"], delta_softplus="yes")

@@ -86,12 +86,36 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def listens(pid: int, port: int) -> bool:
+    """Whether process ``pid`` holds the socket listening on 127.0.0.1:``port`` (Linux's /proc; True where it
+    cannot be read): a free port found by two test workers at once is bound by one of them only, and the other's
+    server must not take the first one's /health for its own."""
+    try:
+        mine = {os.readlink(f"/proc/{pid}/fd/{fd}") for fd in os.listdir(f"/proc/{pid}/fd")}
+        lines = Path("/proc/net/tcp").read_text().splitlines()[1:]
+    except OSError:
+        return True
+    for line in lines:
+        f = line.split()
+        if f[1] == f"0100007F:{port:04X}" and f[3] == "0A":                      # 127.0.0.1:port, LISTEN
+            return f"socket:[{f[9]}]" in mine
+    return False
+
+
 class Server:
-    """``subquad serve --model FOLDER ARGS`` on 127.0.0.1 (a free port), up when the constructor returns."""
+    """``subquad serve --model FOLDER ARGS`` on 127.0.0.1 (a free port), up when the constructor returns; a port
+    another worker's server took first is given up for another (at most 5 tries)."""
 
     def __init__(self, model_folder, *args, timeout: float = 60.0):
-        self.port = free_port()
         self.model_name = Path(model_folder).name
+        for _ in range(5):
+            if self._start(model_folder, args, timeout):
+                return
+        raise RuntimeError("the server found no free port in 5 tries")
+
+    def _start(self, model_folder, args, timeout: float) -> bool:
+        """Start on a free port; True when up, False when the port was taken before it bound it."""
+        self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         env = {**os.environ, "PYTHONPATH": str(REPO)}
         self.proc = subprocess.Popen([sys.executable, "-m", "subquad", "serve", "--model", str(model_folder),
@@ -100,13 +124,18 @@ class Server:
         end = time.monotonic() + timeout
         while time.monotonic() < end:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"the server exited with {self.proc.returncode}:\n{self.proc.stdout.read()}")
+                out = self.proc.stdout.read()
+                self.proc.stdout.close()
+                if "address already in use" in out.lower():
+                    return False
+                raise RuntimeError(f"the server exited with {self.proc.returncode}:\n{out}")
             try:
                 with urllib.request.urlopen(self.url + "/health", timeout=1) as r:
-                    if r.status == 200:
-                        return
+                    if r.status == 200 and listens(self.proc.pid, self.port):
+                        return True
             except OSError:
-                time.sleep(0.1)
+                pass
+            time.sleep(0.1)
         self.stop()
         raise RuntimeError("the server did not come up")
 

@@ -13,7 +13,9 @@ concatenation) and the op runs in the form asked for - chunked, so a boundary in
 nothing - once per distinct length, the sequences of one length stacked as a batch (a packed training
 batch is mostly whole rows of one length), and the outputs are put back in order. The work is the sum
 of the sequences' work, with no padding; the price is one op call per distinct length, which
-``benchmarks/bench_varlen.py`` measures against padding (benchmarks/RESULTS.md).
+``benchmarks/bench_varlen.py`` measures against padding (benchmarks/RESULTS.md). An op that can read the
+packed row itself says when (``native``) and is then called once with ``cu_seqlens`` (Mamba's selective scan in
+C: no copies of the inputs into a batch and back).
 """
 
 from __future__ import annotations
@@ -112,10 +114,11 @@ def _join_states(states: list, kind: str):
     return torch.cat(states, 0)
 
 
-def varlen(*token_args: str, states: str = "tensors"):
+def varlen(*token_args: str, states: str = "tensors", native=None):
     """Give an op the ``cu_seqlens`` keyword (see the module docstring). ``token_args``: the arguments
     with a time axis (dim 1) to split; ``states``: "tensors" ((N, ...) tensors or tuples of them) or
-    "caches" (softmax attention: a list of N KV caches)."""
+    "caches" (softmax attention: a list of N KV caches). ``native(arguments) -> bool``: whether the op takes
+    these packed inputs itself in one call (its own ``cu_seqlens`` keyword, checked here first)."""
     def deco(fn):
         sig = inspect.signature(fn)
 
@@ -142,6 +145,8 @@ def varlen(*token_args: str, states: str = "tensors"):
                     raise ValueError(f"{name} must be packed as {token_args[0]}: (1, T={T}, ...), got "
                                      f"{getattr(t, 'shape', type(t).__name__)}")
                 pieces[name] = t.split(lengths, 1)
+            if native is not None and native(a):
+                return fn(**{**a, "cu_seqlens": cu_seqlens})
             inits = _split_state(a.get("initial_state"), N, states)
             o_parts, finals, lse_parts = [None] * N, [None] * N, [None] * N
             for idxs in _groups(lengths, inits, states):
@@ -160,9 +165,9 @@ def varlen(*token_args: str, states: str = "tensors"):
                 return o, final, torch.cat(lse_parts, 1)
             return o, final
 
-        params = list(sig.parameters.values())
+        params = [p for p in sig.parameters.values() if p.name != "cu_seqlens"]
         run.token_args = token_args                     # read by the per-token backend of verification
-        run.arg_names = tuple(sig.parameters)           # (``layers.rollback.PerToken``)
+        run.arg_names = tuple(p.name for p in params)   # (``layers.rollback.PerToken``)
         run.__signature__ = sig.replace(parameters=params + [
             inspect.Parameter("cu_seqlens", inspect.Parameter.KEYWORD_ONLY, default=None)])
         return run
