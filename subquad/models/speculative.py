@@ -45,6 +45,7 @@ from subquad.layers import sequence
 from subquad.layers.linear import C_ROWS
 from subquad.layers.rollback import PER_TOKEN, pick, roll_back, truncate
 from subquad.models.mode import decoding
+from subquad.models.sampling import argmax
 from subquad.models.state import ModelState
 from subquad.ops import KVCache
 
@@ -668,7 +669,7 @@ class ModelDrafter:
                 for i, a in enumerate(masks):
                     if a is not None and a.any():
                         logits[i].masked_fill_(~a.to(logits.device), float("-inf"))
-            tok = logits.argmax(-1)
+            tok = argmax(logits)
             for i, a in enumerate(masks):
                 if a is not None and bool(a[int(tok[i])]):
                     held[i].consume(int(tok[i]))
@@ -759,12 +760,12 @@ class MTPDrafter:
         if any(h for h, _ in self.pending):
             self._flush()
         logits, u = self.last
-        tok = logits.argmax(-1)
+        tok = argmax(logits)
         out, s = [tok], self.cache
         for _ in range(k - 1):
             logits, u, s = self.head(self.model, u[:, None], tok[:, None], s)
             logits, u = logits[:, -1], u[:, -1]
-            tok = logits.argmax(-1)
+            tok = argmax(logits)
             out.append(tok)
         drafts = torch.stack(out, 1).tolist()
         return [drafts[i] if i in active else [] for i in range(len(feed))]
@@ -840,7 +841,7 @@ def accept_drafts(logits, drafts, probs=None, generator=None):
     k = T - 1
     rows = torch.arange(B, device=logits.device)
     if probs is None:
-        best = logits.argmax(-1)                                                  # (B, k + 1)
+        best = argmax(logits)                                                     # (B, k + 1)
         return best, (best[:, :k] == drafts).long().cumprod(-1).sum(-1)
     probs = probs / probs.sum(-1, keepdim=True)
     p_draft = probs[:, :k].gather(-1, drafts.unsqueeze(-1)).squeeze(-1)          # (B, k)

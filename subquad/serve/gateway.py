@@ -111,21 +111,29 @@ class Gateway:
         ``boundaries``: the prompt's chat-message ends (prefix checkpoints are kept there)."""
         loop = asyncio.get_running_loop()
         events: asyncio.Queue = asyncio.Queue()
+        out: list = []                          # a whole response's events, by choice (filled once n is known)
 
         def on_event(ev: Event):
-            """From the engine's thread: queue the event on this request's event loop."""
+            """From the engine's thread: queue the event on this request's event loop - for a whole response
+            only each choice's last, the others kept in ``out`` as they come (read once every choice has ended),
+            so a token does not wake the loop and take the interpreter from the engine's thread."""
+            if not parsed.stream:
+                out[ev.index].append(ev)
+                if ev.finish_reason is None:
+                    return
             try:
                 loop.call_soon_threadsafe(events.put_nowait, ev)
             except RuntimeError:            # the event loop is gone (shutdown): nobody is listening
                 pass
 
         on_event.subquad_internal = True    # touches no model: the engine's steady span goes on (kernels.steady)
+        out.extend([] for _ in range(parsed.params.n))
         seq = self.submit(parsed, ids, field, on_event, boundaries)
         rid, now = render.prefix + uuid.uuid4().hex[:24], int(time.time())
         if parsed.stream:
             return StreamingResponse(self._stream(seq, events, render, rid, now, parsed.include_usage),
                                      media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-        out, ended, check_at = [[] for _ in seq.choices], 0, time.monotonic() + DISCONNECT_POLL
+        ended, check_at = 0, time.monotonic() + DISCONNECT_POLL
         try:
             while ended < len(seq.choices):
                 try:
@@ -136,10 +144,8 @@ class Gateway:
                     check_at = time.monotonic() + DISCONNECT_POLL
                     if await request.is_disconnected():
                         return JSONResponse({}, status_code=499)
-                if ev is None:
-                    continue
-                out[ev.index].append(ev)
-                ended += ev.finish_reason is not None
+                if ev is not None:
+                    ended += 1                                # a choice's last event (``on_event``)
         finally:
             self.cancel(seq)
         return JSONResponse(render.whole(rid, now, out, self.usage(seq)))

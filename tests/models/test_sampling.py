@@ -128,3 +128,27 @@ def test_token_ids_outside_the_vocabulary_are_refused_by_name():
         with pytest.raises(OptionError, match=f"{name}: token id 37 is not in the vocabulary") as e:
             model.generate([1], 2, **{name: value})
         assert e.value.name == name
+
+
+def test_argmax_is_torchs_first_maximum_with_nan_taken_as_largest():
+    """``sampling.argmax`` (numpy's for float CPU tensors) against torch's argmax: ties (the first), NaN (picked, so
+    refused after), -inf rows, strided views, float64, bfloat16 (torch's own), inference tensors, keepdim."""
+    from subquad.models.sampling import argmax
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(4, 3, 1000, generator=g)
+    x[0, 0, [10, 500]] = 50.0                                          # a tie: the first
+    x[1, 2, 7] = float("nan")
+    x[1, 2, 900] = float("nan")
+    x[2, 1] = float("-inf")
+    for t in (x, x.transpose(0, 1), x[..., ::3], x.double()):
+        assert torch.equal(argmax(t), t.argmax(-1))
+        assert torch.equal(argmax(t, keepdim=True), t.argmax(-1, keepdim=True))
+    assert argmax(x)[0, 0] == 10 and argmax(x)[1, 2] == 7
+    b = x.bfloat16()
+    assert torch.equal(argmax(b), b.argmax(-1))
+    with torch.inference_mode():
+        y = torch.randn(2, 50280, generator=g)
+        assert torch.equal(argmax(y), y.argmax(-1))
+    with pytest.raises(ValueError, match="NaN"):
+        sample_batch(x[1], temperature=0)
