@@ -217,8 +217,8 @@ class Mixer(nn.Module):
         without ``self.conv`` the parts pass through and the conv state is None."""
         if getattr(self, "conv", None) is None:
             return parts, None
-        y, conv = self.short_conv(torch.cat(parts, -1), state, seq)
-        return list(torch.nn.functional.silu(y).split([p.shape[-1] for p in parts], -1)), conv
+        y, conv = self.short_conv(torch.cat(parts, -1), state, seq, activation="silu")
+        return list(y.split([p.shape[-1] for p in parts], -1)), conv
 
     def with_conv(self, state, conv=None, batch_size=None, device=None, dtype=torch.float32):
         """``state`` plus the optional convolution's tail under "conv": ``conv`` (from ``conv_projections``),
