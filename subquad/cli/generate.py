@@ -294,6 +294,10 @@ def run(args) -> int:
 
         compile_decode(model, faster=True)              # each batch class keeps the faster of the two steps
     stops, special = special_stops(tok, stops)
+    if not args.ignore_eos and not model.config.eos_token_ids:      # a run names none: its <|endoftext|>, as the
+        from subquad.data.tokenizer import end_of_text_ids           # server stops there
+
+        special += end_of_text_ids(model, tok)
     ends = (args.stop_token_id or []) + special         # tokens that end a sequence, their text left out
     speculation = {} if args.speculative is None else {"speculative": load_draft(args, model, tok),
                                                         "draft_tokens": args.draft_tokens or DRAFT_TOKENS}

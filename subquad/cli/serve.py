@@ -109,9 +109,10 @@ def run(args) -> int:
     check_run_or_model(args)
     key = api_key(args)
     try:
+        from subquad.data.tokenizer import end_of_text_ids
         from subquad.serve import Engine
         from subquad.serve.api import MAX_BODY_MB
-        from subquad.serve.server import default_memory_mb, end_of_text_ids
+        from subquad.serve.server import default_memory_mb
         from subquad.serve.server import run as serve_api
     except ImportError as e:
         raise ValueError(f"subquad serve needs the serve extra (pip install 'subquad[serve]'): {e}") from None

@@ -45,3 +45,13 @@ def encode_docs(tok, texts: list[str]) -> np.ndarray:
         ids.append(eot)
     dtype = np.uint16 if tok.get_vocab_size() <= 65535 else np.int32
     return np.asarray(ids, dtype=dtype)
+
+
+def end_of_text_ids(model, tok) -> list[int]:
+    """The ids that end a sequence: the model's own (``config.eos_token_ids``), else - a subquad run, whose
+    tokenizer ends every training document with ``<|endoftext|>`` (``encode_docs``), or a folder naming none -
+    that token of its tokenizer. ``subquad serve`` and ``subquad generate`` stop at them alike."""
+    if model.config.eos_token_ids:
+        return list(model.config.eos_token_ids)
+    eot = tok.token_to_id(EOT) if tok is not None else None
+    return [] if eot is None else [eot]

@@ -82,7 +82,8 @@ static inline __m256 softplus8(__m256 x) {
     t = _mm256_fmadd_ps(t, s2, _mm256_set1_ps(1.0f / 3));
     t = _mm256_fmadd_ps(t, s2, _mm256_set1_ps(1.0f));
     __m256 v = _mm256_add_ps(_mm256_max_ps(x, zero), _mm256_mul_ps(_mm256_add_ps(s, s), t));
-    return _mm256_blendv_ps(v, x, _mm256_cmp_ps(x, _mm256_set1_ps(20.0f), _CMP_GT_OQ));
+    /* x past 20, and NaN as it came (unordered: min and max above would have turned it into a number) */
+    return _mm256_blendv_ps(v, x, _mm256_cmp_ps(x, _mm256_set1_ps(20.0f), _CMP_NLE_UQ));
 }
 
 static inline float hsum8(__m256 v) {

@@ -13,7 +13,8 @@
  * of x, dt, z, B, C, y and hs, from state row b of h0 into row b of hT, so a packed batch needs no copies.
  * Work items are (row, CB channels): their N x CB states and decays transposed into the item's own
  * arrays (L1), each token's update 8 channels at a time, so no sum runs across a vector. Rows and channel
- * blocks split across one OpenMP team (the runtime torch loaded). */
+ * blocks split across one OpenMP team (the runtime torch loaded), handed out one at a time: packed prompts of
+ * unequal lengths are unequal items. */
 
 #include "common.h"
 
@@ -118,7 +119,7 @@ void mamba_scan(int64_t Bz, int64_t T, int64_t D, int64_t N, int threads,
 #pragma omp parallel num_threads(threads)
     {
         float *At = malloc(sizeof(float) * 2 * N * CB), *h = At + N * CB;
-#pragma omp for schedule(static)
+#pragma omp for schedule(dynamic, 1)
         for (int64_t it = 0; it < items; it++) {
             const int64_t b = it / blocks, c0 = it % blocks * CB, nc = D - c0 < CB ? D - c0 : CB;
             /* where row b's tokens start: in its own row, or at seg[b] of the one packed row */

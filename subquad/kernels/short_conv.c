@@ -8,7 +8,8 @@
  * x (Bz, T, D) is read through its row and token strides (unit stride within a token: in_proj's output split
  * without a copy); w (W, D) taps-major; y (Bz, T, D), tail and tail' (Bz, W-1, D) contiguous. Packed prompts
  * (seg, Bz + 1 cumulative lengths, or NULL): row b is tokens seg[b] .. seg[b + 1] of x's and y's one row, from
- * tail row b, so a packed batch is one call. Work items are (row, CB channels), split across one OpenMP team;
+ * tail row b, so a packed batch is one call. Work items are (row, CB channels), handed out one at a time across
+ * one OpenMP team (packed prompts of unequal lengths are unequal items);
  * each token's taps are summed in the torch form's order (bias and the last tap first). */
 
 #include "common.h"
@@ -20,7 +21,7 @@ void short_conv(int64_t Bz, int64_t T, int64_t D, int64_t W, int threads, const 
                 const int64_t *seg)
 {
     const int64_t blocks = (D + CB - 1) / CB, items = Bz * blocks;
-#pragma omp parallel for num_threads(threads) schedule(static)
+#pragma omp parallel for num_threads(threads) schedule(dynamic, 1)
     for (int64_t it = 0; it < items; it++) {
         const int64_t b = it / blocks, c0 = it % blocks * CB, nc = D - c0 < CB ? D - c0 : CB;
         const int64_t t0 = seg ? seg[b] : 0, Tb = seg ? seg[b + 1] - seg[b] : T, r = seg ? 0 : b;

@@ -48,11 +48,14 @@ class ShortConv(nn.Module):
         D) into its own new one."""
         if activation not in ACTIVATIONS:
             raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
+        if not isinstance(x, torch.Tensor) or x.dim() != 3 or x.shape[-1] != self.channels:
+            raise ValueError(f"x must be (B, T, channels={self.channels}), got {getattr(x, 'shape', type(x))}")
         lengths = None if cu_seqlens is None else seq_lengths(cu_seqlens, x.shape[1], x.shape[0])
         rows = x.shape[0] if lengths is None else len(lengths)
-        if state is not None and (state.dim() != 3 or state.shape[0] != rows):
-            raise ValueError(f"state must be ({rows}, {self.kernel_size - 1}, {self.channels}): one row per "
-                             f"sequence, got {tuple(state.shape)}")
+        if state is not None and (not isinstance(state, torch.Tensor)
+                                  or tuple(state.shape) != (rows, self.kernel_size - 1, self.channels)):
+            raise ValueError(f"state must be ({rows}, {self.kernel_size - 1}, {self.channels}): the last inputs of "
+                             f"each sequence, got {getattr(state, 'shape', type(state))}")
         if self._fusable(x, state):
             return self._fused(x, state, cu_seqlens, rows, activation)
         if lengths is not None:                     # each sequence alone, from its own state row

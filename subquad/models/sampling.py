@@ -26,6 +26,7 @@ import math
 from dataclasses import dataclass, field
 from numbers import Integral, Real
 
+import numpy as np
 import torch
 
 GREEDY_BELOW = 1e-5    # a temperature under this is greedy (vLLM's _SAMPLING_EPS): logits / T would overflow
@@ -245,7 +246,7 @@ def argmax(x: torch.Tensor, keepdim: bool = False) -> torch.Tensor:
     50,280-entry row in ~14 us against torch's ~90 (benchmarks/RESULTS.md): every greedy token of every row."""
     if x.device.type == "cpu" and x.dtype in (torch.float32, torch.float64) and x.dim() >= 1 and x.shape[-1] \
             and not x.requires_grad and not torch.compiler.is_compiling():
-        ids = torch.from_numpy(x.detach().numpy().argmax(-1))
+        ids = torch.from_numpy(np.asarray(x.detach().resolve_neg().numpy().argmax(-1)))   # 1-D: a 0-d array
         return ids.unsqueeze(-1) if keepdim else ids
     return x.argmax(-1, keepdim=keepdim)
 

@@ -47,17 +47,6 @@ def default_memory_mb(device) -> float | None:
     return None if not free else MEMORY_FRACTION * free / 2 ** 20
 
 
-def end_of_text_ids(model, tok) -> list[int]:
-    """The ids that end a sequence: the model's own (``config.eos_token_ids``), else - a subquad run, whose
-    tokenizer ends every training document with ``<|endoftext|>`` (``data.tokenizer.encode_docs``) - that."""
-    if model.config.eos_token_ids:
-        return list(model.config.eos_token_ids)
-    from subquad.data.tokenizer import EOT
-
-    eot = tok.token_to_id(EOT) if tok is not None else None
-    return [] if eot is None else [eot]
-
-
 def make_server(engine: Engine, model_name: str, *, host: str = "127.0.0.1", port: int = 8000, chat_template=None,
                 api_key: str | None = None, drain_timeout: float = 10.0, log_level: str = "warning",
                 max_body_mb: float = MAX_BODY_MB):

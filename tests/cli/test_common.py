@@ -191,3 +191,27 @@ def test_subquads_own_warnings_print_as_one_line_on_the_command_line():
     for category, path in ((FutureWarning, quant.__file__), (UserWarning, "/x/subquad/.venv/torch/nn/x.py")):
         assert _one_line(warnings.formatwarning, category("old"), category, path, 9) == \
             warnings.formatwarning(category("old"), category, path, 9)           # not ours: as it was
+
+
+def test_generate_stops_where_the_server_does_when_a_folder_names_no_end_of_text(tmp_path, capsys, monkeypatch):
+    """A folder naming no end-of-text id (as a subquad run's): ``subquad generate`` stops at its tokenizer's
+    ``<|endoftext|>`` as ``subquad serve`` does (``data.tokenizer.end_of_text_ids``); --ignore-eos goes on."""
+    from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers
+
+    from subquad.cli import main
+    from subquad.models import LanguageModel
+    from tests.serve.helpers import V, folder
+
+    path = folder(tmp_path / "m", "mamba2")
+    vocab = {("<|endoftext|>" if i == 9 else f"w{i}"): i for i in range(V)}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="w10"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.add_special_tokens([AddedToken("<|endoftext|>", special=True, normalized=False)])
+    tok.save(str(path / "tokenizer.json"))
+    seen, generate = [], LanguageModel.generate
+    monkeypatch.setattr(LanguageModel, "generate", lambda self, *a, **k: seen.append(k) or generate(self, *a, **k))
+    argv = ["generate", "--model", str(path), "--prompt", "w5 w6", "--max-new-tokens", "6", "--temperature", "0",
+            "--logit-bias", "9=50"]                                        # <|endoftext|> the first pick
+    assert main(argv) == 0 and capsys.readouterr().out == "w5 w6\n"
+    assert 9 in seen[-1]["stop_ids"]
+    assert main(argv + ["--ignore-eos"]) == 0 and 9 not in seen[-1]["stop_ids"]

@@ -81,7 +81,7 @@ def test_the_c_call_equals_conv1d_packed_strided_and_short(monkeypatch, W, bias,
             y, new = conv(x, state, activation=activation)
         want = act(reference(ref, x.double(), state.double()))
         assert_close(y.double(), want, 1e-5, "y")
-        assert torch.equal(new, torch.cat([state, x], 1)[:, T:] if W > 1 else new) and new.shape == (B, W - 1, 300)
+        assert torch.equal(new, torch.cat([state, x], 1)[:, T:]) and new.shape == (B, W - 1, 300)
         assert torch.equal(x, before[0]) and torch.equal(state, before[1])
     assert len(calls) == 3
     lengths = [1, 2, 40]
@@ -94,10 +94,16 @@ def test_the_c_call_equals_conv1d_packed_strided_and_short(monkeypatch, W, bias,
         want = act(reference(ref, x[:, a:b].double(), state[i:i + 1].double()))
         assert_close(y[:, a:b].double(), want, 1e-5, f"prompt {i}")
         assert torch.equal(new[i:i + 1], torch.cat([state[i:i + 1], x[:, a:b]], 1)[:, b - a:])
-    with pytest.raises(ValueError, match="one row per sequence"):
+    with pytest.raises(ValueError, match="state must be"):
         conv(x, state[:2], cu_seqlens=torch.tensor([0, 1, 3, 43]))
     with pytest.raises(ValueError, match="activation"):
         conv(x, activation="gelu")
+    with torch.no_grad():                          # shapes the C call would read past: refused, not read
+        with pytest.raises(ValueError, match="channels=300"):
+            conv(torch.randn(1, 5, 4096))
+        if W > 1:
+            with pytest.raises(ValueError, match="state must be"):
+                conv(torch.randn(1, 5, 300), torch.randn(1, 1, 8))
 
 
 def test_gradients_and_float64_keep_the_torch_form(monkeypatch):

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from subquad.models import LanguageModel, ModelConfig
-from subquad.models.sampling import OptionError, Sampler, SamplingOptions, sample_batch
+from subquad.models.sampling import OptionError, Sampler, SamplingOptions, sample, sample_batch
 
 
 def by_hand(logits: list[float], prompt: list[int], generated: list[int], o: dict) -> list[float]:
@@ -145,6 +145,10 @@ def test_argmax_is_torchs_first_maximum_with_nan_taken_as_largest():
         assert torch.equal(argmax(t), t.argmax(-1))
         assert torch.equal(argmax(t, keepdim=True), t.argmax(-1, keepdim=True))
     assert argmax(x)[0, 0] == 10 and argmax(x)[1, 2] == 7
+    v = torch.randn(50, generator=g)                                   # one row: a 0-d pick
+    assert argmax(v).shape == () and int(argmax(v)) == int(v.argmax()) == sample(v, temperature=0)
+    n = torch.randn(3, 40, generator=g)._neg_view()                   # a tensor with the neg bit
+    assert torch.equal(argmax(n), n.argmax(-1))
     b = x.bfloat16()
     assert torch.equal(argmax(b), b.argmax(-1))
     with torch.inference_mode():
@@ -152,3 +156,12 @@ def test_argmax_is_torchs_first_maximum_with_nan_taken_as_largest():
         assert torch.equal(argmax(y), y.argmax(-1))
     with pytest.raises(ValueError, match="NaN"):
         sample_batch(x[1], temperature=0)
+
+
+def test_argmax_of_float_cpu_tensors_goes_through_numpy(monkeypatch):
+    from subquad.models.sampling import argmax
+
+    x = torch.randn(4, 1000)
+    want = x.argmax(-1)
+    monkeypatch.setattr(torch.Tensor, "argmax", lambda *a, **k: pytest.fail("torch's argmax was called"))
+    assert torch.equal(argmax(x), want)

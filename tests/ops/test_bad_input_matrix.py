@@ -145,8 +145,10 @@ def _good_state(name, fn, args):
 def _optional_good(name, param):
     """Valid values of the optional tensor arguments, to spoil."""
     x = inputs(name)["x"]
-    if param in ("D", "delta_bias"):
+    if param == "D":
         return torch.randn(x.shape[2])
+    if param == "delta_bias":                                                     # keeps dt + bias >= 0
+        return torch.rand(x.shape[2])
     return torch.randn(x.shape)                                                   # z: x's shape
 
 

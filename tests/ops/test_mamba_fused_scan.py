@@ -150,6 +150,9 @@ def test_the_kernel_takes_dts_softplus_and_bias_as_it_reads_them(bias):
     want_y, want_h = reference(x, dt, A, B, C, D, z, h0)
     assert ((y.double() - want_y).abs().max() / want_y.abs().max()).item() <= 2e-6
     assert ((h.double() - want_h).abs().max() / want_h.abs().max()).item() <= 2e-6
+    raw[1, 7, 8:24] = float("nan")                                     # whole vectors of NaN dt: NaN, as the
+    y, h = fused_scan.scan(x, raw, A, B, C, D, z, h0, dt_bias=b, softplus=True)      # reference gives
+    assert y[1, 7, 8:24].isnan().all() and h[1, 8:24].isnan().all() and not y[0].isnan().any()
 
 
 def test_packed_prompts_go_to_the_kernel_in_one_call_read_in_place(monkeypatch):

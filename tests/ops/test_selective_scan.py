@@ -126,3 +126,5 @@ def test_delta_bias_and_softplus_equal_the_step_sizes_made_first(mode):
         selective_scan(x["x"], raw, x["A"], x["B"], x["C"], delta_bias=bias[:4], delta_softplus=True)
     with pytest.raises(ValueError, match="delta_softplus"):
         selective_scan(x["x"], raw, x["A"], x["B"], x["C"], delta_softplus="yes")
+    with pytest.raises(ValueError, match="dt \\+ delta_bias"):          # a bias without softplus: dt + bias checked
+        selective_scan(x["x"], x["dt"].detach(), x["A"], x["B"], x["C"], delta_bias=torch.full((6,), -2.0, dtype=F64))

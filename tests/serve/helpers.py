@@ -91,13 +91,20 @@ def listens(pid: int, port: int) -> bool:
     cannot be read): a free port found by two test workers at once is bound by one of them only, and the other's
     server must not take the first one's /health for its own."""
     try:
-        mine = {os.readlink(f"/proc/{pid}/fd/{fd}") for fd in os.listdir(f"/proc/{pid}/fd")}
+        fds = os.listdir(f"/proc/{pid}/fd")
         lines = Path("/proc/net/tcp").read_text().splitlines()[1:]
     except OSError:
         return True
+    mine = set()
+    for fd in fds:
+        try:
+            mine.add(os.readlink(f"/proc/{pid}/fd/{fd}"))
+        except OSError:                                   # closed meanwhile: not the listening socket
+            pass
+    here = {f"{a}:{port:04X}" for a in ("0100007F", "7F000001")}                # 127.0.0.1, either byte order
     for line in lines:
         f = line.split()
-        if f[1] == f"0100007F:{port:04X}" and f[3] == "0A":                      # 127.0.0.1:port, LISTEN
+        if f[1] in here and f[3] == "0A":                                       # LISTEN
             return f"socket:[{f[9]}]" in mine
     return False
 

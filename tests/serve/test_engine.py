@@ -509,7 +509,7 @@ def test_a_subquad_run_ends_text_at_its_tokenizers_end_of_text():
     from tokenizers import AddedToken, Tokenizer, models
 
     from subquad.data.tokenizer import EOT
-    from subquad.serve.server import end_of_text_ids
+    from subquad.data.tokenizer import end_of_text_ids
 
     model = model_of("mamba2")
     free = alone(model, [4, 5, 6], SamplingParams(max_tokens=10, temperature=0))

@@ -61,7 +61,7 @@ def _in_one_call(a: dict) -> bool:
 def selective_scan(x, dt, A, B, C, *, D=None, z=None, delta_bias=None, delta_softplus=False, mode="chunk",
                    chunk_size=64, initial_state=None, output_final_state=False, cu_seqlens=None):
     """Selective scan; returns (y (B, T, Dm), final state (B, Dm, N) or None). ``cu_seqlens``: packed prompts
-    (``varlen``), taken here only where the C loop runs (``_in_one_call``); states then (N, Dm, N)."""
+    (``varlen``), taken here only where the C loop runs (``_in_one_call``); states then (S, Dm, N) for S prompts."""
     check_mode(mode)
     check_chunk_size(chunk_size)
     check_bool("output_final_state", output_final_state)
@@ -85,9 +85,6 @@ def selective_scan(x, dt, A, B, C, *, D=None, z=None, delta_bias=None, delta_sof
         check_like("delta_bias", delta_bias, (Dm,), x, "x")
     if z is not None:
         check_like("z", z, x.shape, x, "x")
-    if not delta_softplus and checks_on(dt) and (dt < 0).any():
-        raise ValueError("dt must be >= 0 (it is a step size, softplus of a projection in Mamba; or pass "
-                         "delta_softplus=True)")
     if checks_on(A) and (A > 0).any():
         raise ValueError(f"A must be <= 0 (the state decays); got max {A.max().item():.3g}")
     for name, t in (("B", B), ("C", C), ("z", z)):   # activations: x's dtype
@@ -96,6 +93,9 @@ def selective_scan(x, dt, A, B, C, *, D=None, z=None, delta_bias=None, delta_sof
     for name, t in (("dt", dt), ("A", A), ("D", D), ("delta_bias", delta_bias)):  # gates: float32 may stay
         if t is not None:
             check_gate_dtype(name, t, x, "x")
+    if not delta_softplus and checks_on(dt) and ((dt if delta_bias is None else dt + delta_bias) < 0).any():
+        raise ValueError("dt must be >= 0 (it is a step size, softplus of a projection in Mamba; or pass "
+                         "delta_softplus=True)" + ("" if delta_bias is None else ": here dt + delta_bias"))
     sd = state_dtype(x.dtype)
     if initial_state is not None:
         check_state("initial_state", initial_state, (rows, Dm, N), x, "x")
@@ -124,9 +124,10 @@ def selective_scan(x, dt, A, B, C, *, D=None, z=None, delta_bias=None, delta_sof
 
 
 def _step_sizes(dt, delta_bias, delta_softplus):
-    """dt_t as the recurrence reads it: softplus(dt + delta_bias) with ``delta_softplus``, in dt's dtype."""
+    """dt_t as the recurrence reads it: softplus(dt + delta_bias) with ``delta_softplus``, in dt's dtype (a
+    float32 bias beside 16-bit dt: float32, as mamba_ssm adds it)."""
     if delta_bias is not None:
-        dt = dt + delta_bias.to(dt.dtype)
+        dt = dt + delta_bias
     return F.softplus(dt) if delta_softplus else dt
 
 

@@ -6,12 +6,13 @@ with the D skip and the z gate, float32 on CPU without gradients (a prefill).
     dt_t = softplus(dt_t + dt_bias)                  with ``softplus``; dt_bias (D,) optional (mamba_ssm's
                                                      delta_bias and delta_softplus: no pass over dt before)
 
--> (y (Bz, T, D), h_T (Bz, D, N)). Packed prompts (``cu_seqlens`` (N + 1,), x ... z (1, T, .)): each from its
-own row of initial_state, h_T (N, D, N), read in place - no copies into a batch. The recurrent form
+-> (y (Bz, T, D), h_T (Bz, D, N)). S packed prompts (``cu_seqlens`` (S + 1,), x ... z (1, T, .)): each from its
+own row of initial_state, h_T (S, D, N), read in place - no copies into a batch. The recurrent form
 (``ops.mamba.recurrent``) is the reference and runs wherever this does not (``usable``). Why a kernel: the
 chunked form materialises exp(dt A) for every token, channel and state entry (Bz T D N floats, ~50 M for 16
-prompts of 128 tokens at mamba-130m's width) and reads it back through einsums; the loop keeps each channel block's states in L1 and exponentiates as it goes
-(benchmarks/RESULTS.md, "The selective scan of a prompt in C"). The inputs are read, never written.
+prompts of 128 tokens at mamba-130m's width) and reads it back through einsums; the loop keeps each channel
+block's states in L1 and exponentiates as it goes (benchmarks/RESULTS.md, "The selective scan of a prompt in C").
+The inputs are read, never written.
 """
 
 from __future__ import annotations
