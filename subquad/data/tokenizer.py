@@ -53,5 +53,6 @@ def end_of_text_ids(model, tok) -> list[int]:
     that token of its tokenizer. ``subquad serve`` and ``subquad generate`` stop at them alike."""
     if model.config.eos_token_ids:
         return list(model.config.eos_token_ids)
-    eot = tok.token_to_id(EOT) if tok is not None else None
+    find = getattr(tok, "token_to_id", None)                  # None: no tokenizer, or one without a vocabulary map
+    eot = find(EOT) if find is not None else None
     return [] if eot is None else [eot]
