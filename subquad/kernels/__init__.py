@@ -157,6 +157,23 @@ def usable(kernel: Kernel, x: torch.Tensor, *tensors) -> bool:
     return kernel.available()
 
 
+def prompt_usable(kernel: Kernel, tensors, unit_stride=()) -> bool:
+    """Whether a prompt's ``kernel`` (a whole prefill in one call: the selective scan, the short convolution) may
+    run: every one of ``tensors`` (None skipped) float32 on CPU, those of ``unit_stride`` with unit stride along
+    their last axis, no gradient wanted, no autocast, kernels on and built, and not while tracing (a compiled
+    graph keeps the torch form, which inductor fuses)."""
+    if torch.compiler.is_compiling() or not enabled():
+        return False
+    tensors = [t for t in tensors if t is not None]
+    if any(t.dtype != torch.float32 or not t.is_cpu for t in tensors):
+        return False
+    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+        return False
+    if torch.is_autocast_enabled("cpu") or any(t.stride(-1) != 1 for t in unit_stride if t is not None):
+        return False
+    return kernel.available()
+
+
 class Call:
     """``kernel`` with every argument but a few converted once: a decoding step passes a layer the same weights
     and sizes at every token, and converting ~35 arguments (data pointers, numbers) costs ~10 us a call.

@@ -14,8 +14,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from subquad import kernels
-from subquad.kernels import I64, INT, PTR, Kernel
+from subquad.kernels import I64, INT, PTR, Kernel, prompt_usable
+from subquad.layers.sequence import each_sequence
 from subquad.ops.common.autograd import wants_grad
 from subquad.ops.common.varlen import seq_lengths
 
@@ -59,25 +59,16 @@ class ShortConv(nn.Module):
         if self._fusable(x, state):
             return self._fused(x, state, cu_seqlens, rows, activation)
         if lengths is not None:                     # each sequence alone, from its own state row
-            tails = [None] * rows if state is None else state.split(1, 0)
-            outs = [self(xi, ti, activation=activation) for xi, ti in zip(x.split(lengths, 1), tails)]
-            return torch.cat([o[0] for o in outs], 1), torch.cat([o[1] for o in outs], 0)
+            return each_sequence(lambda xi, ti: self(xi, ti, activation=activation), x, state, lengths)
         y, tail = self._taps(x, state)
         if activation == "silu":
             y = F.silu(y, inplace=not wants_grad(y))  # y is this call's own tensor
         return y, tail
 
     def _fusable(self, x, state) -> bool:
-        """Whether the C call may run: float32 on the CPU everywhere, x with unit stride within a token, no
-        gradient, no autocast, not while compiling (inductor fuses the torch form), kernels on and built."""
-        if torch.compiler.is_compiling() or not kernels.enabled() or x.dim() != 3 or x.stride(-1) != 1:
-            return False
-        tensors = [t for t in (x, state, self.weight, self.bias) if t is not None]
-        if any(t.dtype != torch.float32 or not t.is_cpu for t in tensors) or torch.is_autocast_enabled("cpu"):
-            return False
-        if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
-            return False
-        return KERNEL.available()
+        """Whether the C call may run (``kernels.prompt_usable``): float32 on the CPU everywhere, x with unit
+        stride within a token, no gradient, no autocast, not while compiling, kernels on and built."""
+        return prompt_usable(KERNEL, (x, state, self.weight, self.bias), (x,))
 
     def _fused(self, x, state, cu_seqlens, rows: int, activation):
         """``forward`` in one C call (``_fusable`` holds)."""

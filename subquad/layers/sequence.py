@@ -86,6 +86,14 @@ class SingleDevice:
 SINGLE_DEVICE = SingleDevice()
 
 
+def each_sequence(conv, x, tail, lengths: list):
+    """``conv(x_i, tail_i) -> (y_i, new tail_i)`` over each sequence of a packed row x (1, T, ...) alone, from row
+    i of ``tail`` (or None), put back together: (y (1, T, ...), new tails (N, ...))."""
+    tails = [None] * len(lengths) if tail is None else tail.split(1, 0)
+    outs = [conv(xi, ti) for xi, ti in zip(x.split(lengths, 1), tails)]
+    return torch.cat([o[0] for o in outs], 1), torch.cat([o[1] for o in outs], 0)
+
+
 class Packed(SingleDevice):
     """N sequences packed in one row (B = 1) with boundaries ``cu_seqlens`` (N + 1,): see the module docstring.
     States have one row per sequence; a ``start`` given per sequence is an (N,) tensor."""
@@ -128,9 +136,7 @@ class Packed(SingleDevice):
         self._check(x.shape[1])
         if getattr(conv, "takes_cu_seqlens", False):
             return conv(x, tail, cu_seqlens=self.cu_seqlens)
-        tails = [None] * len(self.lengths) if tail is None else tail.split(1, 0)
-        outs = [conv(xi, ti) for xi, ti in zip(x.split(self.lengths, 1), tails)]
-        return torch.cat([o[0] for o in outs], 1), torch.cat([o[1] for o in outs], 0)
+        return each_sequence(conv, x, tail, self.lengths)
 
     def attention(self, q, k, v, **options):
         from subquad.ops import softmax_attention

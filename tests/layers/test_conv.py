@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from subquad.layers.conv import ShortConv
-from tests.ops.harness import assert_close
+from tests.ops.harness import assert_close, count_calls
 
 
 def reference(conv, x, state):
@@ -46,14 +46,10 @@ def test_short_conv_in_two_calls_equals_one():
 
 
 def _kernel_calls(monkeypatch):
-    """The convolution kernel's calls (every other kernel runs uncounted)."""
+    """The convolution kernel's calls."""
     from subquad.layers import conv as conv_module
 
-    calls = []
-    run = type(conv_module.KERNEL).__call__
-    monkeypatch.setattr(type(conv_module.KERNEL), "__call__",
-                        lambda self, *a: (calls.append(1) if self is conv_module.KERNEL else None) or run(self, *a))
-    return calls
+    return count_calls(monkeypatch, conv_module.KERNEL)
 
 
 @pytest.mark.parametrize("W,bias", [(1, True), (3, False), (4, True)])

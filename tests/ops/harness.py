@@ -87,3 +87,13 @@ def check_grads_agree(call, inputs, chunk_size, initial_state, tol=1e-10, modes=
             continue
         for name, a, b in zip(names, grads(call, m, inputs, chunk_size, initial_state, do, dstate), g_ref, strict=True):
             assert_close(a, b, tol, f"{m} vs {ref}: d{name}")
+
+
+def count_calls(monkeypatch, kernel) -> list:
+    """A list that grows by one at each call of the C ``kernel`` (a ``subquad.kernels.Kernel``; every other
+    kernel runs uncounted)."""
+    calls = []
+    run = type(kernel).__call__
+    monkeypatch.setattr(type(kernel), "__call__",
+                        lambda self, *a: (calls.append(1) if self is kernel else None) or run(self, *a))
+    return calls

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from subquad.models import LanguageModel, ModelConfig
 from subquad.ops import selective_scan
 from subquad.ops.mamba import fused_scan
+from tests.ops.harness import count_calls
 
 pytestmark = pytest.mark.skipif(not fused_scan.KERNEL.available(), reason="no C compiler: the kernel cannot be built")
 
@@ -61,12 +62,8 @@ def test_the_kernel_equals_the_scan_written_out(Bz, T, Dm, N, strong, parts):
 
 
 def _counting(monkeypatch):
-    """The scan kernel's calls (every other kernel runs uncounted)."""
-    calls = []
-    run = type(fused_scan.KERNEL).__call__
-    monkeypatch.setattr(type(fused_scan.KERNEL), "__call__",
-                        lambda self, *a: (calls.append(1) if self is fused_scan.KERNEL else None) or run(self, *a))
-    return calls
+    """The scan kernel's calls."""
+    return count_calls(monkeypatch, fused_scan.KERNEL)
 
 
 def test_selective_scan_takes_it_for_a_float32_prefill_and_packed_prompts(monkeypatch):

@@ -144,9 +144,10 @@ def varlen(*token_args: str, states: str = "tensors", native=None):
                 if not isinstance(t, torch.Tensor) or t.dim() < 2 or t.shape[:2] != first.shape[:2]:
                     raise ValueError(f"{name} must be packed as {token_args[0]}: (1, T={T}, ...), got "
                                      f"{getattr(t, 'shape', type(t).__name__)}")
-                pieces[name] = t.split(lengths, 1)
+                pieces[name] = t
             if native is not None and native(a):
                 return fn(**{**a, "cu_seqlens": cu_seqlens})
+            pieces = {name: t.split(lengths, 1) for name, t in pieces.items()}
             inits = _split_state(a.get("initial_state"), N, states)
             o_parts, finals, lse_parts = [None] * N, [None] * N, [None] * N
             for idxs in _groups(lengths, inits, states):

@@ -19,26 +19,16 @@ from __future__ import annotations
 
 import torch
 
-from subquad.kernels import I64, INT, PTR, Kernel, enabled
+from subquad.kernels import I64, INT, PTR, Kernel, prompt_usable
 
 KERNEL = Kernel("mamba_scan", [I64, I64, I64, I64, INT, PTR, I64, I64, PTR, I64, I64, PTR, INT, PTR, I64, I64, PTR,
                                I64, I64, PTR, I64, I64, PTR, PTR, PTR, PTR, PTR, PTR, PTR])
 
 
 def usable(x, dt, A, B, C, D=None, z=None, initial_state=None, dt_bias=None) -> bool:
-    """Whether ``scan`` may run: every tensor float32 on CPU with unit stride along its last axis (x, dt, z, B,
-    C), no gradient wanted, no autocast, kernels on and built, and not while tracing (a compiled graph keeps
-    the chunked form, which inductor fuses)."""
-    if torch.compiler.is_compiling() or not enabled():
-        return False
-    tensors = [t for t in (x, dt, A, B, C, D, z, initial_state, dt_bias) if t is not None]
-    if any(t.dtype != torch.float32 or not t.is_cpu for t in tensors):
-        return False
-    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
-        return False
-    if torch.is_autocast_enabled("cpu") or any(t.stride(-1) != 1 for t in (x, dt, B, C, z) if t is not None):
-        return False
-    return KERNEL.available()
+    """Whether ``scan`` may run (``kernels.prompt_usable``): every tensor float32 on CPU, x, dt, z, B and C with
+    unit stride along their last axis, no gradient wanted, no autocast, kernels on and built, not while tracing."""
+    return prompt_usable(KERNEL, (x, dt, A, B, C, D, z, initial_state, dt_bias), (x, dt, B, C, z))
 
 
 def scan(x, dt, A, B, C, D=None, z=None, initial_state=None, every=False, dt_bias=None, softplus=False,
